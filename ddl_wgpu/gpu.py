@@ -1,0 +1,501 @@
+"""The GPU device layer: one `Gpu` per process, WGSL kernels, buffers, recording and read-back.
+
+What lives here and why:
+- adapter choice (`--device` / env `DDL_WGPU_ADAPTER`: an index or a name substring; by default a discrete
+  GPU, then integrated, then a CPU adapter such as Mesa's lavapipe; Vulkan/Metal/DX12 before OpenGL);
+- the device, with the adapter's own limits (wgpu-py requests them all by default) and the optional features
+  we use when present (shader-f16, subgroup, timestamp-query);
+- kernels: WGSL loaded from `shaders/`, compiled once and cached by (file, entry point, constants,
+  template values), each with an explicit bind-group layout built from a signature string, so one layout
+  rule holds everywhere: read-only storage inputs first, then read-write outputs, then one uniform;
+- buffers, uploads, and downloads through one persistent staging buffer (wgpu.md §1: `queue.read_buffer`
+  makes a temporary buffer per call);
+- a `Recorder` that encodes many dispatches into one compute pass and submits once (the only pattern that
+  scales: wgpu.md §1 dispatch-overhead table);
+- a blocking wait that works on wgpu-py 0.32 (`on_submitted_work_done` is broken there, wgpu-py #834);
+- GPU timestamps for benchmarks.
+
+What it deliberately does not do: know anything about models. Kernels' launchers live in `ddl_wgpu/ops/`.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+# The Vulkan loader's WSI layer complains on stderr when this is unset (headless CI); we never present.
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+
+import wgpu  # noqa: E402
+
+ENV_ADAPTER = "DDL_WGPU_ADAPTER"
+
+DRIVER_HINT = (
+    "no GPU adapter found (Vulkan, Metal or DX12). Install a driver: on Debian/Ubuntu "
+    "`sudo apt-get install mesa-vulkan-drivers` gives Mesa's lavapipe (a CPU Vulkan driver); "
+    "on a GPU machine install the vendor's Vulkan driver"
+)
+
+# Features we use when the adapter has them. `immediates` (push constants) is requested but not relied on.
+OPTIONAL_FEATURES = (
+    "shader-f16",
+    "subgroup",
+    "timestamp-query",
+    "timestamp-query-inside-passes",
+    "timestamp-query-inside-encoders",
+)
+
+# Limits worth printing (`ddl-wgpu devices`).
+KEY_LIMITS = (
+    "max-storage-buffer-binding-size",
+    "max-buffer-size",
+    "max-compute-workgroup-storage-size",
+    "max-compute-invocations-per-workgroup",
+    "max-compute-workgroups-per-dimension",
+    "max-storage-buffers-per-shader-stage",
+    "min-storage-buffer-offset-alignment",
+)
+
+# Order in which adapter types are preferred when the user names none.
+_TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3, "Unknown": 4}
+_BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 2, "OpenGLES": 2}
+
+MAX_GROUPS = 65535  # WebGPU's default max-compute-workgroups-per-dimension
+
+STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+
+
+class GpuError(RuntimeError):
+    """Base class of the device layer's errors."""
+
+
+class NoAdapterError(GpuError):
+    """No adapter at all, or none matching the user's choice."""
+
+
+class KernelError(GpuError):
+    """A WGSL module or pipeline failed to build; the message names the file and entry point."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# adapters
+
+
+def _info(adapter) -> dict:
+    i = adapter.info
+    return {
+        "name": i.get("device", ""),
+        "vendor": i.get("vendor", ""),
+        "backend": i.get("backend_type", ""),
+        "type": i.get("adapter_type", ""),
+        "driver": i.get("description", ""),
+    }
+
+
+def enumerate_adapters() -> list:
+    """All adapters wgpu can see, in a stable order (the order `--device N` indexes)."""
+    try:
+        return list(wgpu.gpu.enumerate_adapters_sync())
+    except Exception:  # a broken loader is the same as no adapter for the user
+        return []
+
+
+def describe_adapter(adapter, index: int | None = None) -> dict:
+    """A JSON-able summary: name, backend, type, driver, features and the limits that matter."""
+    d = {"index": index, **_info(adapter)}
+    d["features"] = sorted(str(f) for f in adapter.features)
+    d["limits"] = {k: int(adapter.limits[k]) for k in KEY_LIMITS if k in adapter.limits}
+    return d
+
+
+def _rank(adapter) -> tuple:
+    i = _info(adapter)
+    return (_BACKEND_RANK.get(i["backend"], 1), _TYPE_RANK.get(i["type"], 4))
+
+
+def select_adapter(choice: str | int | None = None):
+    """Pick an adapter: `choice` (or env DDL_WGPU_ADAPTER) is an index or a case-insensitive substring of
+    the adapter's name, vendor, driver or backend. With no choice, the best by type and backend."""
+    adapters = enumerate_adapters()
+    if not adapters:
+        raise NoAdapterError(DRIVER_HINT)
+    if choice is None or choice == "":
+        choice = os.environ.get(ENV_ADAPTER) or None
+    if choice is None:
+        return min(enumerate(adapters), key=lambda ia: (_rank(ia[1]), ia[0]))[1]
+    text = str(choice).strip()
+    if text.isdigit():
+        idx = int(text)
+        if idx >= len(adapters):
+            raise NoAdapterError(f"adapter index {idx} out of range: {len(adapters)} adapter(s) found")
+        return adapters[idx]
+    needle = text.lower()
+    matches = [a for a in adapters if any(needle in str(v).lower() for v in _info(a).values())]
+    if not matches:
+        names = ", ".join(f"{i}: {_info(a)['name']} ({_info(a)['backend']})" for i, a in enumerate(adapters))
+        raise NoAdapterError(f"no adapter matches {text!r}; found {names}")
+    return min(matches, key=_rank)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# shaders
+
+
+def shader_dirs() -> list[Path]:
+    """Where the WGSL lives: inside the wheel (`ddl_wgpu/shaders`) or at the repository root (`shaders/`)."""
+    here = Path(__file__).resolve().parent
+    return [p for p in (here / "shaders", here.parent / "shaders") if p.is_dir()]
+
+
+def shader_source(file: str, templates: dict | None = None) -> str:
+    """Read a WGSL file; `{{name}}` placeholders are replaced from `templates`, and any left is an error
+    (a generated kernel with a hole must not compile silently)."""
+    candidates = [Path(file)] if Path(file).is_absolute() else [d / file for d in shader_dirs()]
+    for p in candidates:
+        if p.is_file():
+            src = p.read_text()
+            break
+    else:
+        raise KernelError(f"{file}: shader file not found in {[str(d) for d in shader_dirs()]}")
+    for k, v in (templates or {}).items():
+        src = src.replace("{{" + k + "}}", str(v))
+    if "{{" in src:
+        start = src.index("{{")
+        raise KernelError(f"{file}: unfilled template placeholder {src[start : src.index('}}', start) + 2]}")
+    return src
+
+
+def pack(fmt: str, *values) -> bytes:
+    """Pack a `Params` uniform: one char per field ('u' u32, 'i' i32, 'f' f32), padded to 16 bytes as
+    WGSL's uniform layout requires for a struct of scalars."""
+    assert len(fmt) == len(values), (fmt, values)
+    data = struct.pack("<" + fmt.replace("u", "I"), *values)
+    return data + b"\0" * (-len(data) % 16)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the device
+
+
+@dataclass
+class Kernel:
+    """A compiled entry point with its explicit bind-group layout.
+
+    `sig` has one char per binding, in binding order: 'r' read-only storage, 'w' read-write storage,
+    'u' uniform. The style rule (inputs, outputs, then Params) makes most signatures look like 'rrwu'.
+    """
+
+    name: str
+    sig: str
+    workgroup: tuple
+    pipeline: object
+    layout: object
+
+
+@dataclass
+class Gpu:
+    """The process's device. Build once (`Gpu()`), share everywhere; tests use one per session."""
+
+    choice: str | int | None = None
+    adapter: object = field(init=False)
+    device: object = field(init=False)
+
+    def __post_init__(self):
+        self.adapter = select_adapter(self.choice)
+        feats = [f for f in OPTIONAL_FEATURES if f in self.adapter.features]
+        self.device = self.adapter.request_device_sync(required_features=feats)
+        self.queue = self.device.queue
+        self.features = set(str(f) for f in self.device.features)
+        self.limits = {k: int(v) for k, v in self.device.limits.items() if isinstance(v, int | float)}
+        self.info = describe_adapter(self.adapter)
+        self._kernels: dict = {}
+        self._modules: dict = {}
+        self._layouts: dict = {}
+        self._staging = None
+        self.max_binding = self.limits.get("max-storage-buffer-binding-size", 128 << 20)
+        self.max_buffer = self.limits.get("max-buffer-size", 256 << 20)
+        self.align = self.limits.get("min-storage-buffer-offset-alignment", 256)
+
+    @property
+    def name(self) -> str:
+        return f"{self.info['name']} ({self.info['backend']}, {self.info['type']})"
+
+    # -- kernels ------------------------------------------------------------------------------------------
+
+    def _layout(self, sig: str):
+        if sig not in self._layouts:
+            kinds = {"r": "read-only-storage", "w": "storage", "u": "uniform"}
+            entries = [
+                {"binding": i, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": kinds[c]}}
+                for i, c in enumerate(sig)
+            ]
+            bgl = self.device.create_bind_group_layout(entries=entries)
+            pl = self.device.create_pipeline_layout(bind_group_layouts=[bgl])
+            self._layouts[sig] = (bgl, pl)
+        return self._layouts[sig]
+
+    def kernel(
+        self,
+        file: str,
+        entry: str,
+        sig: str,
+        constants: dict | None = None,
+        templates: dict | None = None,
+        workgroup: tuple = (64, 1, 1),
+    ) -> Kernel:
+        """Compile (once) and return an entry point. `constants` fill WGSL `override`s (workgroup sizes,
+        tile sizes); `templates` fill `{{name}}` placeholders for generated straight-line code. `workgroup`
+        is recorded for the launcher's arithmetic; it must agree with the shader."""
+        assert set(sig) <= set("rwu"), sig
+        ckey = tuple(sorted((constants or {}).items()))
+        tkey = tuple(sorted((templates or {}).items()))
+        key = (file, entry, sig, ckey, tkey)
+        if key in self._kernels:
+            return self._kernels[key]
+        mkey = (file, tkey)
+        try:
+            if mkey not in self._modules:
+                src = shader_source(file, templates)
+                self._modules[mkey] = self.device.create_shader_module(code=src, label=file)
+            bgl, pl = self._layout(sig)
+            compute = {"module": self._modules[mkey], "entry_point": entry}
+            if constants:
+                compute["constants"] = {k: float(v) for k, v in constants.items()}
+            pipe = self.device.create_compute_pipeline(layout=pl, compute=compute, label=f"{file}:{entry}")
+        except KernelError:
+            raise
+        except Exception as e:  # wgpu raises GPUValidationError (and friends) with the naga report
+            first = str(e).strip().splitlines()
+            detail = " | ".join(line.strip() for line in first[:6] if line.strip())
+            raise KernelError(f"{file}:{entry}: {detail}") from e
+        k = Kernel(name=f"{file}:{entry}", sig=sig, workgroup=workgroup, pipeline=pipe, layout=bgl)
+        self._kernels[key] = k
+        return k
+
+    def bind(self, kernel: Kernel, *resources):
+        """A bind group for `kernel`: one resource per char of its signature, each a buffer or a
+        (buffer, offset, size) range. Build these once per shape, never per step."""
+        if len(resources) != len(kernel.sig):
+            raise GpuError(f"{kernel.name}: {len(resources)} buffers given, signature {kernel.sig!r}")
+        entries = []
+        for i, r in enumerate(resources):
+            if isinstance(r, tuple):
+                buf, off, size = r
+                entries.append({"binding": i, "resource": {"buffer": buf, "offset": off, "size": size}})
+            else:
+                entries.append({"binding": i, "resource": {"buffer": r, "offset": 0, "size": r.size}})
+        return self.device.create_bind_group(layout=kernel.layout, entries=entries)
+
+    # -- buffers ------------------------------------------------------------------------------------------
+
+    def buffer(self, nbytes: int, label: str = "", usage=STORAGE):
+        """A zero-initialised storage buffer (WebGPU zero-fills new buffers). Sizes are rounded up to 16
+        bytes; a zero-size binding is invalid, so an empty tensor still gets 16 bytes."""
+        size = max(16, (int(nbytes) + 15) // 16 * 16)
+        if size > self.max_buffer:
+            raise GpuError(
+                f"buffer {label!r} of {size} bytes exceeds this adapter's max-buffer-size {self.max_buffer}"
+            )
+        return self.device.create_buffer(size=size, usage=usage, label=label)
+
+    def uniform(self, fmt: str, *values, label: str = "params"):
+        """A uniform buffer holding `pack(fmt, *values)`; rewrite it with `write_uniform`."""
+        data = pack(fmt, *values)
+        buf = self.device.create_buffer(
+            size=len(data), usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST, label=label
+        )
+        self.queue.write_buffer(buf, 0, data)
+        return buf
+
+    def write_uniform(self, buf, fmt: str, *values):
+        self.queue.write_buffer(buf, 0, pack(fmt, *values))
+
+    def upload(self, array: np.ndarray, label: str = ""):
+        """A new storage buffer holding `array` (C-contiguous bytes)."""
+        buf = self.buffer(np.asarray(array).nbytes, label=label)
+        self.write(buf, array)
+        return buf
+
+    def write(self, buf, array: np.ndarray, offset: int = 0):
+        """Copy host data into `buf` at byte `offset` (queued before the next submit)."""
+        data = np.ascontiguousarray(array).tobytes()
+        if len(data) % 4:
+            data += b"\0" * (-len(data) % 4)
+        if data:
+            self.queue.write_buffer(buf, offset, data)
+
+    def download(self, buf, dtype=np.float32, count: int | None = None, offset: int = 0) -> np.ndarray:
+        """Read `count` items of `dtype` from `buf` at byte `offset` through the persistent staging buffer.
+        This waits for all submitted work: never call it inside a training step."""
+        dtype = np.dtype(dtype)
+        if count is None:
+            count = (buf.size - offset) // dtype.itemsize
+        nbytes = count * dtype.itemsize
+        if nbytes == 0:
+            return np.zeros(0, dtype)
+        out = np.empty(nbytes, np.uint8)
+        chunk = min(self.max_buffer, 256 << 20)
+        done = 0
+        while done < nbytes:
+            n = min(chunk, nbytes - done)
+            padded = (n + 3) // 4 * 4
+            stg = self._stage(padded)
+            enc = self.device.create_command_encoder()
+            enc.copy_buffer_to_buffer(buf, offset + done, stg, 0, padded)
+            self.queue.submit([enc.finish()])
+            stg.map_sync(wgpu.MapMode.READ, 0, padded)
+            out[done : done + n] = np.frombuffer(stg.read_mapped(0, padded, copy=False), np.uint8)[:n]
+            stg.unmap()
+            done += n
+        return out.view(dtype)
+
+    def _stage(self, nbytes: int):
+        if self._staging is None or self._staging.size < nbytes:
+            size = max(nbytes, 1 << 16)
+            usage = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
+            self._staging = self.device.create_buffer(size=size, usage=usage, label="staging")
+        return self._staging
+
+    def wait(self):
+        """Block until the queue is empty (`on_submitted_work_done` is broken in wgpu-py 0.32, #834)."""
+        from wgpu.backends.wgpu_native import ffi, lib
+
+        lib.wgpuDevicePoll(self.device._internal, True, ffi.NULL)
+
+    def timestamp_period_ns(self) -> float:
+        from wgpu.backends.wgpu_native import lib
+
+        return float(lib.wgpuQueueGetTimestampPeriod(self.queue._internal))
+
+    # -- recording ----------------------------------------------------------------------------------------
+
+    def recorder(self, timestamps: bool = False) -> Recorder:
+        return Recorder(self, timestamps=timestamps)
+
+    def run(self, kernel: Kernel, resources: list, groups):
+        """Test helper: bind, dispatch once, submit. Never use this in a training step."""
+        rec = self.recorder()
+        rec.dispatch(kernel, self.bind(kernel, *resources), groups)
+        rec.submit()
+
+
+@dataclass
+class Call:
+    """A launch prepared once: its dispatches (kernel, bind group, workgroup counts), plus the uniforms it
+    owns (kept alive here, rewritten with `gpu.write_uniform` when a per-step value changes)."""
+
+    dispatches: list = field(default_factory=list)
+    uniforms: list = field(default_factory=list)
+
+    def record(self, rec: Recorder):
+        for kernel, bind_group, groups in self.dispatches:
+            rec.dispatch(kernel, bind_group, groups)
+
+    def __add__(self, other: Call) -> Call:
+        return Call(self.dispatches + other.dispatches, self.uniforms + other.uniforms)
+
+    def run(self, gpu: Gpu):
+        """Test helper: record this call alone and submit it."""
+        rec = gpu.recorder()
+        self.record(rec)
+        rec.submit()
+
+
+def grid(n_groups: int) -> tuple[int, int, int]:
+    """Spread `n_groups` workgroups over x and y (each axis is capped at 65535). Shaders recover the linear
+    index as `wid.x + wid.y * nwg.x` and guard against the overshoot."""
+    n_groups = max(1, int(n_groups))
+    if n_groups <= MAX_GROUPS:
+        return (n_groups, 1, 1)
+    y = -(-n_groups // MAX_GROUPS)
+    x = -(-n_groups // y)
+    return (x, y, 1)
+
+
+class Recorder:
+    """Encodes dispatches into one compute pass of one command encoder and submits once.
+
+    A copy (`copy`) has to sit outside a compute pass, so it closes the current pass; the next dispatch
+    opens a new one. With `timestamps=True` (adapter permitting) the whole recording is timed with a pair
+    of timestamp writes and `elapsed_ms()` returns the GPU time after `submit()`.
+    """
+
+    def __init__(self, gpu: Gpu, timestamps: bool = False):
+        self.gpu = gpu
+        self.enc = gpu.device.create_command_encoder()
+        self.pass_ = None
+        self.n_dispatches = 0
+        self.timed = bool(timestamps) and "timestamp-query" in gpu.features
+        if self.timed:
+            self.qs = gpu.device.create_query_set(type=wgpu.QueryType.timestamp, count=2)
+            self.qbuf = gpu.device.create_buffer(
+                size=16, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC
+            )
+            self._started = False
+
+    def _open(self):
+        if self.pass_ is None:
+            kw = {}
+            if self.timed and not self._started:
+                kw["timestamp_writes"] = {"query_set": self.qs, "beginning_of_pass_write_index": 0}
+                self._started = True
+            self.pass_ = self.enc.begin_compute_pass(**kw)
+        return self.pass_
+
+    def _close(self):
+        if self.pass_ is not None:
+            self.pass_.end()
+            self.pass_ = None
+
+    def dispatch(self, kernel: Kernel, bind_group, groups):
+        if isinstance(groups, int):
+            groups = grid(groups)
+        p = self._open()
+        p.set_pipeline(kernel.pipeline)
+        p.set_bind_group(0, bind_group)
+        p.dispatch_workgroups(*groups)
+        self.n_dispatches += 1
+
+    def copy(self, src, src_offset: int, dst, dst_offset: int, nbytes: int):
+        self._close()
+        self.enc.copy_buffer_to_buffer(src, src_offset, dst, dst_offset, nbytes)
+
+    def submit(self):
+        if self.timed:
+            # the end timestamp goes on a last empty pass so it covers every dispatch recorded
+            self._close()
+            self.enc.begin_compute_pass(
+                timestamp_writes={"query_set": self.qs, "end_of_pass_write_index": 1}
+            ).end()
+            self.enc.resolve_query_set(self.qs, 0, 2, self.qbuf, 0)
+        self._close()
+        self.gpu.queue.submit([self.enc.finish()])
+
+    def elapsed_ms(self) -> float:
+        """GPU time between the first dispatch and the end of the recording (waits for the GPU)."""
+        if not self.timed:
+            raise GpuError("this adapter has no timestamp-query feature")
+        t = self.gpu.download(self.qbuf, np.uint64, 2)
+        return float(t[1] - t[0]) * self.gpu.timestamp_period_ns() / 1e6
+
+
+def _main(argv: list[str]) -> int:
+    """`python -m ddl_wgpu.gpu --check`: exit 0 when a Vulkan, Metal or DX12 adapter exists (bootstrap uses
+    it to decide whether to install a driver; the OpenGL fallback adapter does not count)."""
+    adapters = [_info(a) for a in enumerate_adapters()]
+    real = [a for a in adapters if a["backend"] not in ("OpenGL", "OpenGLES")]
+    if "--check" in argv:
+        return 0 if real else 1
+    for i, a in enumerate(adapters):
+        print(i, a)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main(sys.argv[1:]))

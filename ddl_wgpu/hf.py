@@ -1,0 +1,599 @@
+"""Hugging Face interop: import a `config.json` + `*.safetensors` folder, export a baseline model as Qwen3.
+
+Supported on import: `Qwen3ForCausalLM` (q/k RMSNorm over head_dim before RoPE -> qk_norm "pre_rope") and
+`LlamaForCausalLM` (qk_norm "none"), with bf16/f16/f32 weights in one `model.safetensors` or in shards listed by
+`model.safetensors.index.json`. Our parameter names are the Hugging Face names (design.md §3), so the trunk's
+rename is the identity; the only translations are the MTP draft names (mtp-heal.md §2), kept in `MTP_RENAMES`.
+
+On export, a model with qk_norm "pre_rope" becomes `Qwen3ForCausalLM`, one with "none" `LlamaForCausalLM`. A
+model with "post_rope" (the DDL code's q/k norm after RoPE) or "offset" norms ((1+w)·x̂) has no exact
+`transformers` class and is refused; `export_raw` writes any model (DDL included) under our own names with a
+config.json that says transformers cannot load it.
+
+Safetensors files are read by parsing the header here (8-byte little-endian length + JSON) and memory-mapping
+each tensor's byte range, which treats bf16, f16 and f32 alike (bf16 is not a numpy dtype) and never reads a
+whole shard to get one tensor. Every file is treated as untrusted; every bad input raises one `HfError`.
+
+What this module deliberately does not do: the CLI (`cli.py` calls `import_hf_to_file` / `export_hf_from_file`),
+tokenizer parsing (tokenizer.json bytes are carried as they are), or MTP weights yet (they are listed in the
+model's metadata as `hf.mtp_tensors_skipped`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ddl_ref.config import ConfigError, ModelConfig
+from ddl_ref.params import param_table
+from ddl_wgpu.container import bf16_to_f32
+from ddl_wgpu.modelfile import Model, load_model, save_model
+
+
+class HfError(ValueError):
+    """A Hugging Face folder or export request that cannot be handled; the message says which file and why."""
+
+
+# ------------------------------------------------------------------------------------------------ names
+
+SUPPORTED = {  # architectures entry -> (model_type, qk_norm)
+    "Qwen3ForCausalLM": ("qwen3", "pre_rope"),
+    "LlamaForCausalLM": ("llama", "none"),
+}
+RAW_ARCHITECTURE = "DdlForCausalLM"  # export_raw's marker; import_hf reads it back
+
+# MTP draft tensors. Qwen3.5 / Qwen3-Next store the draft as `mtp.*` (mtp-heal.md §2, (1+w) norms); our table
+# (design.md §3) uses `model.mtp.*`. The full HF -> ours map, for when the draft is imported:
+MTP_RENAMES = {
+    "mtp.fc.weight": "model.mtp.eh_proj.weight",
+    "mtp.pre_fc_norm_embedding.weight": "model.mtp.enorm.weight",
+    "mtp.pre_fc_norm_hidden.weight": "model.mtp.hnorm.weight",
+    "mtp.norm.weight": "model.mtp.norm.weight",
+}
+MTP_PREFIX_RENAMES = {"mtp.layers.": "model.mtp.layers."}  # then the block's own names, unchanged
+MTP_PREFIXES = ("mtp.", "model.mtp.", "model.mtp_layers.")  # any tensor under these belongs to a draft head
+
+# Tensors some checkpoints carry that are not parameters (old Llama saves kept the RoPE buffer).
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def is_mtp_name(name: str) -> bool:
+    return name.startswith(MTP_PREFIXES)
+
+
+def mtp_our_name(hf_name: str) -> str:
+    """HF MTP tensor name -> our name (identity for names already in our `model.mtp.*` form)."""
+    if hf_name in MTP_RENAMES:
+        return MTP_RENAMES[hf_name]
+    for src, dst in MTP_PREFIX_RENAMES.items():
+        if hf_name.startswith(src):
+            return dst + hf_name[len(src) :]
+    return hf_name
+
+
+def our_to_hf_name(name: str) -> str:
+    """Our parameter name -> the Hugging Face name written on export (the trunk's are identical)."""
+    return name
+
+
+# ------------------------------------------------------------------------------------------ safetensors
+
+_ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2)}  # readable dtypes -> (numpy, size)
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def _no_dup_pairs(where: str):
+    def hook(pairs):
+        d = {}
+        for k, v in pairs:
+            if k in d:
+                raise HfError(f"{where}: duplicate key {k!r} in JSON")
+            d[k] = v
+        return d
+
+    return hook
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise HfError(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise HfError(f"{path}: not UTF-8 text") from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_dup_pairs(str(path)))
+    except json.JSONDecodeError as e:
+        raise HfError(f"{path}: invalid JSON: {e}") from None
+
+
+class _StInfo:
+    __slots__ = ("dtype", "shape", "start", "end")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], start: int, end: int):
+        self.dtype, self.shape, self.start, self.end = dtype, shape, start, end
+
+
+class SafetensorsFile:
+    """One .safetensors file: header parsed and checked on open, tensors memory-mapped on request."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise HfError(f"{self.path}: too short for a safetensors file ({size} bytes)")
+                n = int.from_bytes(head, "little")
+                if n < 2 or n > _MAX_HEADER or 8 + n > size:
+                    raise HfError(f"{self.path}: bad safetensors header length {n} (file is {size} bytes)")
+                raw = f.read(n)
+        except OSError as e:
+            raise HfError(f"{self.path}: cannot read: {e.strerror or e}") from None
+        try:
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dup_pairs(str(self.path)))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise HfError(f"{self.path}: safetensors header is not valid JSON: {e}") from None
+        if not isinstance(header, dict):
+            raise HfError(f"{self.path}: safetensors header must be a JSON object")
+        self.data_start = 8 + n
+        data_len = size - self.data_start
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.tensors: dict[str, _StInfo] = {}
+        for name, t in header.items():
+            self.tensors[name] = self._check_entry(name, t, data_len)
+
+    def _check_entry(self, name: str, t: Any, data_len: int) -> _StInfo:
+        bad = f"{self.path}: tensor {name!r}"
+        if not isinstance(t, dict) or not {"dtype", "shape", "data_offsets"} <= set(t):
+            raise HfError(f"{bad}: header entry needs dtype, shape and data_offsets")
+        dtype, shape, offs = t["dtype"], t["shape"], t["data_offsets"]
+        ok_ints = lambda xs: isinstance(xs, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in xs)  # noqa: E731
+        if not isinstance(dtype, str) or not ok_ints(shape) or not ok_ints(offs) or len(offs) != 2:
+            raise HfError(f"{bad}: malformed header entry {t!r:.120}")
+        start, end = offs
+        if not start <= end <= data_len:
+            raise HfError(f"{bad}: data_offsets {offs} outside the data section ({data_len} bytes)")
+        if dtype in _ST_ITEMSIZE and math.prod(shape) * _ST_ITEMSIZE[dtype] != end - start:
+            raise HfError(f"{bad}: {dtype}{shape} needs {math.prod(shape) * _ST_ITEMSIZE[dtype]} bytes, "
+                          f"data_offsets span {end - start}")  # fmt: skip
+        return _StInfo(dtype, tuple(shape), start, end)
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def read_f32(self, name: str) -> np.ndarray:
+        """The tensor as a new float32 array (bf16/f16/f32 storage)."""
+        t = self.tensors[name]
+        if t.dtype not in _ST_DTYPES:
+            raise HfError(f"{self.path}: tensor {name!r} has unsupported dtype {t.dtype}; "
+                          f"supported: {sorted(_ST_DTYPES)}")  # fmt: skip
+        np_dtype, _ = _ST_DTYPES[t.dtype]
+        if math.prod(t.shape) == 0:
+            return np.zeros(t.shape, np.float32)
+        raw = np.memmap(self.path, dtype=np_dtype, mode="r", offset=self.data_start + t.start, shape=t.shape)
+        try:
+            if t.dtype == "BF16":
+                return bf16_to_f32(np.array(raw))
+            return np.array(raw, dtype=np.float32)
+        finally:
+            del raw
+
+
+def _write_safetensors(path: Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str]) -> None:
+    """Write f32 tensors as one safetensors file, atomically, streaming tensor by tensor."""
+    items = [(n, np.ascontiguousarray(a, dtype="<f4")) for n, a in tensors]
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    off = 0
+    for name, a in items:
+        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        off += a.nbytes
+    hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
+
+    def write(f):
+        f.write(len(hb).to_bytes(8, "little"))
+        f.write(hb)
+        for _, a in items:
+            f.write(memoryview(a.reshape(-1)).cast("B"))
+
+    _atomic_write(path, write)
+
+
+def _atomic_write(path: Path, write) -> None:
+    """`write(f)` into `PATH.partial`, fsync, then rename over `path`: a crash never leaves a torn file."""
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    _atomic_write(path, lambda f: f.write(data))
+
+
+# ------------------------------------------------------------------------------------------------ folder
+
+
+class _Weights:
+    """Tensor name -> the safetensors file holding it, for a single-file or sharded folder."""
+
+    def __init__(self, folder: Path):
+        single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+        self.where: dict[str, SafetensorsFile] = {}
+        self.files: list[SafetensorsFile] = []
+        if single.is_file():
+            f = SafetensorsFile(single)
+            self.files = [f]
+            self.where = dict.fromkeys(f.names(), f)
+            return
+        if not index.is_file():
+            found = sorted(p.name for p in folder.glob("*.safetensors"))
+            raise HfError(f"{folder}: no model.safetensors or model.safetensors.index.json"
+                          + (f" (found {found[:4]})" if found else ""))  # fmt: skip
+        idx = _read_json(index)
+        wm = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise HfError(f"{index}: needs a 'weight_map' object of tensor name -> shard file name")
+        opened: dict[str, SafetensorsFile] = {}
+        for shard in sorted(set(wm.values())):
+            if Path(shard).name != shard or shard in ("", ".", ".."):
+                raise HfError(f"{index}: shard name {shard!r} is not a plain file name in the folder")
+            p = folder / shard
+            if not p.is_file():
+                users = [n for n, s in wm.items() if s == shard]
+                raise HfError(f"{index}: shard {shard} is missing from {folder} (it holds {users[0]!r}"
+                              + (f" and {len(users) - 1} more)" if len(users) > 1 else ")"))  # fmt: skip
+            opened[shard] = SafetensorsFile(p)
+        for name, shard in wm.items():
+            if name not in opened[shard].tensors:
+                raise HfError(f"{index}: maps {name!r} to {shard}, which has no such tensor")
+            self.where[name] = opened[shard]
+        self.files = list(opened.values())
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def dtype(self, name: str) -> str:
+        return self.where[name].tensors[name].dtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.where[name].tensors[name].shape
+
+    def read_f32(self, name: str) -> np.ndarray:
+        return self.where[name].read_f32(name)
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def _need(cfg: dict, key: str, where: str, kind: type = int) -> Any:
+    if key not in cfg:
+        raise HfError(f"{where}: missing {key!r}")
+    v = cfg[key]
+    ok = (isinstance(v, int | float) if kind is float else isinstance(v, kind)) and not isinstance(v, bool)
+    if not ok:
+        raise HfError(f"{where}: {key!r} must be {kind.__name__}, got {v!r}")
+    return v
+
+
+def _architecture(hf: dict, where: str) -> str:
+    supported = ", ".join(f"{a} (model_type {t!r})" for a, (t, _) in SUPPORTED.items())
+    archs = hf.get("architectures")
+    model_type = hf.get("model_type")
+    if archs is not None:
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise HfError(f"{where}: 'architectures' must be a list of names, got {archs!r}")
+        if RAW_ARCHITECTURE in archs:
+            return RAW_ARCHITECTURE
+        known = [a for a in archs if a in SUPPORTED]
+        if not known:
+            raise HfError(f"{where}: unsupported architectures {archs}; supported: {supported}")
+        arch = known[0]
+    else:
+        by_type = {t: a for a, (t, _) in SUPPORTED.items()}
+        if model_type not in by_type:
+            raise HfError(f"{where}: no 'architectures' and unsupported model_type {model_type!r}; "
+                          f"supported: {supported}")  # fmt: skip
+        arch = by_type[model_type]
+    if model_type is not None and model_type != SUPPORTED[arch][0]:
+        raise HfError(f"{where}: architectures says {arch} but model_type is {model_type!r} "
+                      f"(expected {SUPPORTED[arch][0]!r})")  # fmt: skip
+    return arch
+
+
+def _rope_theta(hf: dict, where: str) -> float:
+    """RoPE base from v5 `rope_parameters` or v4 top-level `rope_theta`; any scaling is refused."""
+    rp = hf.get("rope_parameters")
+    if rp is None:
+        rp = hf.get("rope_scaling")  # v4's scaling dict (null for plain RoPE); v5 treats it as rope_parameters
+    theta = hf.get("rope_theta")
+    if rp is not None:
+        if not isinstance(rp, dict):
+            raise HfError(f"{where}: rope_parameters/rope_scaling must be an object or null, got {rp!r:.80}")
+        rtype = rp.get("rope_type", rp.get("type", "default"))
+        if rtype != "default":
+            raise HfError(f"{where}: RoPE scaling {rtype!r} is not supported (only plain RoPE: "
+                          "rope_scaling null or rope_type 'default')")  # fmt: skip
+        extra = sorted(set(rp) - {"rope_type", "type", "rope_theta"})
+        if extra and not (extra == ["partial_rotary_factor"] and rp["partial_rotary_factor"] == 1.0):
+            raise HfError(f"{where}: unsupported RoPE parameters {extra}")
+        theta = rp.get("rope_theta", theta)  # v5 gives rope_parameters priority over a top-level value
+    prf = hf.get("partial_rotary_factor", 1.0)
+    if prf != 1.0:
+        raise HfError(f"{where}: partial_rotary_factor {prf} is not supported (only full-width RoPE)")
+    if theta is None:
+        theta = 10000.0  # transformers' default_theta
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
+        raise HfError(f"{where}: rope_theta must be a positive number, got {theta!r}")
+    return float(theta)
+
+
+def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, str]:
+    """A transformers config dict -> (ModelConfig, architecture). Raises HfError for what we cannot run."""
+    if not isinstance(hf, dict):
+        raise HfError(f"{where}: must be a JSON object")
+    arch = _architecture(hf, where)
+    if arch == RAW_ARCHITECTURE:
+        fields = {k: v for k, v in hf.items() if k not in ("architectures", "model_type", "note", "variant")}
+        try:
+            return ModelConfig.from_dict(fields), arch
+        except (ConfigError, TypeError) as e:
+            raise HfError(f"{where}: bad {RAW_ARCHITECTURE} config: {e}") from None
+    model_type, qk_norm = SUPPORTED[arch]
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key, False):
+            raise HfError(f"{where}: {key}=true is not supported (our blocks have no biases)")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise HfError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
+    if hf.get("use_sliding_window", False):
+        raise HfError(f"{where}: use_sliding_window=true is not supported (full causal attention only)")
+    lt = hf.get("layer_types")
+    if isinstance(lt, list) and any(t != "full_attention" for t in lt):
+        raise HfError(f"{where}: layer_types {sorted(set(lt))} not supported (full_attention only)")
+    C = _need(hf, "hidden_size", where)
+    H = _need(hf, "num_attention_heads", where)
+    K = hf.get("num_key_value_heads") or H
+    head_dim = hf.get("head_dim")
+    if head_dim is None:
+        # transformers' own default: Qwen3Config has head_dim=128, LlamaConfig hidden_size // heads.
+        if model_type == "qwen3":
+            head_dim = 128
+        else:
+            if not isinstance(H, int) or H <= 0 or C % H:
+                raise HfError(f"{where}: no head_dim and hidden_size {C} is not a multiple of heads {H}")
+            head_dim = C // H
+    default_max_pos = {"qwen3": 32768, "llama": 2048}[model_type]
+    try:
+        cfg = ModelConfig(
+            vocab_size=_need(hf, "vocab_size", where),
+            d_model=C,
+            n_layers=_need(hf, "num_hidden_layers", where),
+            n_heads=H,
+            n_kv_heads=K,
+            head_dim=head_dim,
+            ffn_hidden=_need(hf, "intermediate_size", where),
+            max_seq_len=hf.get("max_position_embeddings", default_max_pos),
+            rope_theta=_rope_theta(hf, where),
+            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # both classes default to untied
+            norm_style="standard",
+            qk_norm=qk_norm,
+            residual="add",
+        )
+    except (ConfigError, TypeError) as e:
+        raise HfError(f"{where}: {e}") from None
+    return cfg, arch
+
+
+def config_to_hf(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:
+    """A baseline ModelConfig -> a transformers config dict (Qwen3 for pre_rope q/k norm, Llama for none)."""
+    if cfg.residual != "add":
+        raise HfError(f"residual {cfg.residual!r} has no transformers class; use export_raw for DDL models")
+    if cfg.mtp is not None:
+        raise HfError("models with an MTP draft head cannot be exported as Qwen3/Llama yet; use export_raw")
+    if cfg.norm_style != "standard":
+        raise HfError(f"norm_style {cfg.norm_style!r} ((1+w)·x̂) cannot be exported: Qwen3 and Llama norms are "
+                      "w·x̂; use export_raw")  # fmt: skip
+    if cfg.qk_norm == "post_rope":
+        raise HfError("qk_norm 'post_rope' cannot be exported: Qwen3 normalises q/k BEFORE RoPE and RMSNorm "
+                      "does not commute with the rotation, so the logits would differ; use export_raw")  # fmt: skip
+    arch = "Qwen3ForCausalLM" if cfg.qk_norm == "pre_rope" else "LlamaForCausalLM"
+    d: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": SUPPORTED[arch][0],
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rope_theta": float(cfg.rope_theta),
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},  # transformers v5
+        "rms_norm_eps": float(cfg.rms_eps),
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "float32",
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+    }
+    if arch == "Qwen3ForCausalLM":
+        d.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    else:
+        d.update(mlp_bias=False, pretraining_tp=1)
+    return d
+
+
+# ------------------------------------------------------------------------------------------------ import
+
+
+def import_hf(folder) -> Model:
+    """A Hugging Face model folder -> Model (float32 parameters in table order, tokenizer bytes if present)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise HfError(f"{folder}: not a directory")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise HfError(f"{folder}: no config.json (not a Hugging Face model folder?)")
+    hf = _read_json(cfg_path)
+    cfg, arch = config_from_hf(hf, str(cfg_path))
+    weights = _Weights(folder)
+    have = set(weights.names())
+    table = param_table(cfg)
+    want = {s.name: s for s in table}
+    # A tied checkpoint may hold the shared matrix under either name (transformers keeps one of the two).
+    alias = {}
+    if cfg.tie_embeddings and "model.embed_tokens.weight" not in have and "lm_head.weight" in have:
+        alias["model.embed_tokens.weight"] = "lm_head.weight"
+    missing = [n for n in want if our_to_hf_name(n) not in have and n not in alias]
+    if missing:
+        raise HfError(f"{folder}: missing tensor(s) {missing[:4]}" + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+                      + f" for a {arch} with this config.json")  # fmt: skip
+    used = {alias.get(n, our_to_hf_name(n)) for n in want}
+    mtp = sorted(n for n in have - used if is_mtp_name(n))
+    ignored = sorted(n for n in have - used if _IGNORED.search(n) or (n == "lm_head.weight" and cfg.tie_embeddings))
+    unexpected = sorted(have - used - set(mtp) - set(ignored))
+    if unexpected:
+        raise HfError(f"{folder}: unexpected tensor(s) {unexpected[:4]}"
+                      + (f" and {len(unexpected) - 4} more" if len(unexpected) > 4 else "")
+                      + f" (not part of a {arch} with this config.json)")  # fmt: skip
+    params: dict[str, np.ndarray] = {}
+    dtypes: set[str] = set()
+    for name, spec in want.items():
+        src = alias.get(name, our_to_hf_name(name))
+        shape = weights.shape(src)
+        if tuple(shape) != tuple(spec.shape):
+            raise HfError(f"{folder}: tensor {src} has shape {tuple(shape)}, config.json implies {spec.shape}")
+        dtypes.add(weights.dtype(src))
+        params[name] = weights.read_f32(src)
+    tok = folder / "tokenizer.json"
+    tokenizer = tok.read_bytes() if tok.is_file() else None
+    metadata: dict[str, Any] = {"hf.architecture": arch}
+    for key in ("bos_token_id", "eos_token_id"):
+        if isinstance(hf.get(key), int) and not isinstance(hf.get(key), bool):
+            metadata[f"hf.{key}"] = hf[key]
+    if mtp:
+        metadata["hf.mtp_tensors_skipped"] = mtp
+    provenance = {"import_hf": {"source": str(folder.resolve()), "architecture": arch, "dtypes": sorted(dtypes),
+                                "shards": len(weights.files)}}  # fmt: skip
+    return Model(cfg=cfg, params=params, variant="baseline", tokenizer=tokenizer, provenance=provenance,
+                 metadata=metadata)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+
+def _check_params(model: Model) -> list[str]:
+    names = []
+    for spec in param_table(model.cfg):
+        a = model.params.get(spec.name)
+        if a is None:
+            raise HfError(f"model is missing parameter {spec.name}")
+        if tuple(np.shape(a)) != tuple(spec.shape):
+            raise HfError(f"parameter {spec.name} has shape {tuple(np.shape(a))}, config needs {spec.shape}")
+        names.append(spec.name)
+    return names
+
+
+def _tokenizer_bytes(model: Model) -> bytes | None:
+    tok = model.tokenizer
+    return tok.encode("utf-8") if isinstance(tok, str) else tok
+
+
+def _token_id(model: Model, key: str) -> int | None:
+    v = model.metadata.get(f"hf.{key}")
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _write_folder(model: Model, folder: Path, config: dict, names: list[str]) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = folder / "model.safetensors"
+    _write_safetensors(weights, ((our_to_hf_name(n), model.params[n]) for n in names), {"format": "pt"})
+    cfg_path = folder / "config.json"
+    _atomic_write_bytes(cfg_path, (json.dumps(config, indent=2) + "\n").encode("utf-8"))
+    out = [cfg_path, weights]
+    tok = _tokenizer_bytes(model)
+    if tok is not None:
+        _atomic_write_bytes(folder / "tokenizer.json", tok)
+        out.append(folder / "tokenizer.json")
+    return out
+
+
+def export_hf(model: Model, folder) -> list[Path]:
+    """Write a baseline model as a folder transformers loads (Qwen3ForCausalLM, or LlamaForCausalLM for
+    qk_norm 'none'): config.json, model.safetensors (f32; no lm_head when tied), tokenizer.json if any."""
+    config = config_to_hf(model.cfg, _token_id(model, "bos_token_id"), _token_id(model, "eos_token_id"))
+    return _write_folder(model, Path(folder), config, _check_params(model))
+
+
+def export_raw(model: Model, folder) -> list[Path]:
+    """Write any model (DDL included) under our own names: model.safetensors + a config.json with our
+    ModelConfig fields, marked `DdlForCausalLM`. transformers cannot load it; `import_hf` can."""
+    config = {
+        "architectures": [RAW_ARCHITECTURE],
+        "model_type": "ddl",
+        "note": "ddl-wgpu model (ModelConfig fields below); transformers has no class for this architecture, "
+        "so AutoModel cannot load it. Read it with ddl_wgpu.hf.import_hf.",
+        "variant": model.variant,
+        **model.cfg.to_dict(),
+    }
+    return _write_folder(model, Path(folder), config, _check_params(model))
+
+
+# ------------------------------------------------------------------------------------- file conveniences
+
+
+def import_hf_to_file(folder, out_path) -> dict:
+    """import_hf + save_model; -> a short summary for the CLI."""
+    model = import_hf(folder)
+    path = save_model(out_path, model)
+    return {
+        "path": str(path),
+        "architecture": model.metadata["hf.architecture"],
+        "num_params": int(sum(s.numel for s in param_table(model.cfg))),
+        "tensors": len(model.params),
+        "dtypes": model.provenance["import_hf"]["dtypes"],
+        "tied": model.cfg.tie_embeddings,
+        "tokenizer": model.tokenizer is not None,
+        "mtp_tensors_skipped": len(model.metadata.get("hf.mtp_tensors_skipped", [])),
+    }
+
+
+def export_hf_from_file(model_path, folder, raw: bool | None = None) -> dict:
+    """load_model + export_hf (or export_raw: `raw=True`, or by default for residual 'delta' models)."""
+    model = load_model(model_path)
+    if raw is None:
+        raw = model.cfg.residual != "add"
+    files = export_raw(model, folder) if raw else export_hf(model, folder)
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return {
+        "folder": str(folder),
+        "architecture": config["architectures"][0],
+        "raw": raw,
+        "num_params": int(sum(s.numel for s in param_table(model.cfg))),
+        "files": [p.name for p in files],
+    }

@@ -1,0 +1,231 @@
+"""Launchers for `shaders/matmul.wgsl`: one generic, batched f32 GEMM and the linear-layer products built on it.
+
+`matmul` computes C = alpha * op(A) * op(B) (+ C), row-major everywhere: op(A) is M x K, stored (M, K) or
+(K, M) when `trans_a`; op(B) is K x N, stored (K, N) or (N, K) when `trans_b`; C is (M, N). A linear layer
+with the Hugging Face weight layout W (OUT, IN) needs three of the four layouts:
+
+    forward   y  = x  W^T     matmul(y, x, w, rows, OUT, IN, trans_b=True)
+    backward  dx = dy W       matmul(dx, dy, w, rows, IN, OUT)
+              dW = dy^T x     matmul(dw, dy, x, OUT, IN, rows, trans_a=True)
+
+The kernel body is generated here as straight-line WGSL from a `Tile` (threads per workgroup, outputs per
+thread, k depth): accumulators are separate `vec4<f32>` variables, never a private array indexed in a loop
+(0.7 vs 25-28 TFLOP/s on the H200, wgpu.md §4). Two tiles are predefined, 4x4 and 8x8 outputs per thread;
+`pick_tile` chooses between them by the number of workgroups a product yields.
+
+What this file deliberately does not do: split K across workgroups (every C element is summed by one thread,
+so results are deterministic without a second reduction pass) or pick tiles by timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddl_wgpu.gpu import MAX_GROUPS, Call, GpuError
+
+SHADER = "matmul.wgsl"
+PARAMS = "uuuuuuuuuuuf"  # M N K lda ldb ldc stride_a stride_b stride_c batch accumulate alpha
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Work split of one workgroup: wx x wy threads, each owning a tm x tn block of C, K walked in steps of
+    bk. The workgroup's block of C is (wy*tm) x (wx*tn); tm and tn are multiples of 4 (vec4 accumulators)."""
+
+    wx: int = 16  # threads along N
+    wy: int = 16  # threads along M
+    tm: int = 4  # rows of C per thread (multiple of 4)
+    tn: int = 4  # columns of C per thread (multiple of 4)
+    bk: int = 16  # k depth of one shared-memory tile
+
+    @property
+    def bm(self) -> int:
+        return self.wy * self.tm
+
+    @property
+    def bn(self) -> int:
+        return self.wx * self.tn
+
+    @property
+    def shared_bytes(self) -> int:
+        return 4 * self.bk * (self.bm + self.bn)
+
+    def validate(self, gpu) -> None:
+        if self.tm % 4 or self.tn % 4 or min(self.tm, self.tn, self.wx, self.wy, self.bk) <= 0:
+            raise GpuError(f"matmul tile {self}: tm and tn must be positive multiples of 4")
+        if self.wx * self.wy > gpu.limits.get("max-compute-invocations-per-workgroup", 256):
+            raise GpuError(f"matmul tile {self}: {self.wx * self.wy} threads exceed the adapter's limit")
+        if self.shared_bytes > gpu.limits.get("max-compute-workgroup-storage-size", 16384):
+            raise GpuError(
+                f"matmul tile {self}: {self.shared_bytes} bytes of workgroup memory exceed the limit"
+            )
+
+    def templates(self) -> dict:
+        """The `{{name}}` values of matmul.wgsl for this tile: sizes plus the generated straight-line code."""
+        mq, nq = self.tm // 4, self.tn // 4  # vec4 groups of rows (of As) and of columns (of Bs) per thread
+        acc = [(i, r, j) for i in range(mq) for r in range(4) for j in range(nq)]
+        name = "acc_{}{}_{}".format
+        comp = "xyzw"
+        ind = " " * 12
+        decl = [f"    var {name(i, r, j)} = vec4<f32>(0.0);" for i, r, j in acc]
+        fma = [f"{ind}let a{i} = As[kk * BMV + ty + {i}u * WY];" for i in range(mq)]
+        fma += [f"{ind}let b{j} = Bs[kk * BNV + tx + {j}u * WX];" for j in range(nq)]
+        fma += [
+            f"{ind}{name(i, r, j)} = fma(vec4<f32>(a{i}.{comp[r]}), b{j}, {name(i, r, j)});"
+            for i, r, j in acc
+        ]
+        store = [
+            f"    store4(base_c, m0 + 4u * (ty + {i}u * WY) + {r}u, n0 + 4u * (tx + {j}u * WX), {name(i, r, j)});"
+            for i, r, j in acc
+        ]
+        return {
+            "wx": self.wx,
+            "wy": self.wy,
+            "bk": self.bk,
+            "bmv": self.bm // 4,
+            "bnv": self.bn // 4,
+            "as_len": self.bk * self.bm // 4,
+            "bs_len": self.bk * self.bn // 4,
+            "acc_decl": "\n".join(decl),
+            "fma": "\n".join(fma),
+            "store": "\n".join(store),
+        }
+
+
+SMALL_TILE = Tile()  # 64 x 64 per workgroup, 4 x 4 per thread (wgpu.md §5's lavapipe shape)
+LARGE_TILE = Tile(tm=8, tn=8, bk=16)  # 128 x 128 per workgroup, 8 x 8 per thread (wgpu.md §4's H200 shape)
+
+# Fewest LARGE_TILE workgroups for which the large tile is used: below this a product has too few
+# workgroups to fill the device and the small tile's 4x as many win. Measured (GPU timestamps):
+# - H200 (Vulkan): 8x8 tile 24-26 TFLOP/s vs 19-21 for 4x4 on 4096^3, 8192^3, 16384x768x768 and
+#   16384x2048x768 (768 or more large workgroups); but the dW products 768x768x16384 (36 large workgroups)
+#   and 2048x768x16384 (96) ran at 4.6 / 12.4 TFLOP/s with 8x8 vs 8.1 / 17.0 with 4x4. So 256 for GPUs.
+# - lavapipe (2 cores): the large tile is already faster at 4 workgroups: 512^3 in 17 vs 31 ms,
+#   1024x256x256 in 9 vs 16 ms, 256x192x64 in 1.4 vs 1.7 ms.
+LARGE_TILE_MIN_GROUPS = {"CPU": 4}
+LARGE_TILE_MIN_GROUPS_GPU = 256
+
+
+def pick_tile(gpu, M: int, N: int, batch: int = 1) -> Tile:
+    """The tile `matmul` uses when none is given: LARGE_TILE where it yields enough workgroups and fits the
+    adapter's workgroup memory, else SMALL_TILE. Both sum every C element in the same k order."""
+    need = LARGE_TILE_MIN_GROUPS.get(gpu.info.get("type", ""), LARGE_TILE_MIN_GROUPS_GPU)
+    groups = -(-M // LARGE_TILE.bm) * -(-N // LARGE_TILE.bn) * batch
+    fits = LARGE_TILE.shared_bytes <= gpu.limits.get("max-compute-workgroup-storage-size", 16384)
+    return LARGE_TILE if groups >= need and fits else SMALL_TILE
+
+
+def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile):
+    """The compiled `matmul` entry point for one layout and tile (cached by the device layer)."""
+    tile.validate(gpu)
+    return gpu.kernel(
+        SHADER,
+        "matmul",
+        "rrwu",
+        constants={"TRANS_A": int(trans_a), "TRANS_B": int(trans_b)},
+        templates=tile.templates(),
+        workgroup=(tile.wx, tile.wy, 1),
+    )
+
+
+def _nbytes(res) -> int:
+    return res[2] if isinstance(res, tuple) else res.size
+
+
+def _check_fits(what: str, res, batch: int, stride: int, rows: int, cols: int, ld: int) -> None:
+    """Raise if the last element this GEMM touches lies outside the bound buffer (or view): the shader's
+    bounds checks would otherwise clamp silently."""
+    if rows == 0 or cols == 0:
+        return
+    if ld < cols:
+        raise GpuError(f"matmul: {what} row stride {ld} is smaller than its {cols} columns")
+    need = 4 * ((batch - 1) * stride + (rows - 1) * ld + cols)
+    if need > _nbytes(res):
+        raise GpuError(f"matmul: {what} needs {need} bytes, its buffer/view has {_nbytes(res)}")
+
+
+def matmul(
+    gpu,
+    c,
+    a,
+    b,
+    M: int,
+    N: int,
+    K: int,
+    trans_a: bool = False,
+    trans_b: bool = False,
+    accumulate: bool = False,
+    alpha: float = 1.0,
+    batch: int = 1,
+    stride_a: int = 0,
+    stride_b: int = 0,
+    stride_c: int = 0,
+    lda: int | None = None,
+    ldb: int | None = None,
+    ldc: int | None = None,
+    tile: Tile | None = None,
+) -> Call:
+    """C = alpha * op(A) * op(B) (+ C when `accumulate`), for `batch` products whose operands start
+    stride_a / stride_b / stride_c elements apart. `lda`, `ldb`, `ldc` are the row strides (in elements) of
+    the stored matrices; they default to packed rows (A: K, or M when trans_a; B: N, or K when trans_b;
+    C: N). `c` must be a different buffer from `a` and `b`. `tile` defaults to `pick_tile`."""
+    M, N, K, batch = int(M), int(N), int(K), int(batch)
+    if min(M, N, K, batch) < 0:
+        raise GpuError(f"matmul: negative size M={M} N={N} K={K} batch={batch}")
+    lda = int(lda if lda is not None else (M if trans_a else K))
+    ldb = int(ldb if ldb is not None else (K if trans_b else N))
+    ldc = int(ldc if ldc is not None else N)
+    if M == 0 or N == 0 or batch == 0:
+        return Call()
+    _check_fits("A", a, batch, stride_a, *((K, M) if trans_a else (M, K)), lda)
+    _check_fits("B", b, batch, stride_b, *((N, K) if trans_b else (K, N)), ldb)
+    _check_fits("C", c, batch, stride_c, M, N, ldc)
+    tile = tile or pick_tile(gpu, M, N, batch)
+    groups = (-(-N // tile.bn), -(-M // tile.bm), batch)
+    if max(groups) > MAX_GROUPS:
+        raise GpuError(f"matmul: {groups} workgroups exceed {MAX_GROUPS} per dimension; split the product")
+    k = kernel(gpu, trans_a, trans_b, tile)
+    u = gpu.uniform(
+        PARAMS,
+        M,
+        N,
+        K,
+        lda,
+        ldb,
+        ldc,
+        int(stride_a),
+        int(stride_b),
+        int(stride_c),
+        batch,
+        int(accumulate),
+        float(alpha),
+        label="matmul",
+    )
+    return Call(dispatches=[(k, gpu.bind(k, a, b, c, u), groups)], uniforms=[u])
+
+
+def linear_forward(gpu, out, x, w, rows: int, out_features: int, in_features: int) -> Call:
+    """out (rows, OUT) = x (rows, IN) @ w (OUT, IN)^T."""
+    return matmul(gpu, out, x, w, rows, out_features, in_features, trans_b=True)
+
+
+def linear_backward(
+    gpu,
+    dx,
+    dw,
+    dout,
+    x,
+    w,
+    rows: int,
+    out_features: int,
+    in_features: int,
+    accumulate_dx: bool = False,
+    accumulate_dw: bool = False,
+) -> Call:
+    """dx (rows, IN) (+)= dout (rows, OUT) @ w (OUT, IN); dw (OUT, IN) (+)= dout^T @ x (rows, IN).
+    `dx=None` skips the input gradient (e.g. when x is the embedding output of a frozen input)."""
+    call = Call()
+    if dx is not None:
+        call += matmul(gpu, dx, dout, w, rows, in_features, out_features, accumulate=accumulate_dx)
+    call += matmul(gpu, dw, dout, x, out_features, in_features, rows, trans_a=True, accumulate=accumulate_dw)
+    return call

@@ -1,0 +1,114 @@
+"""Deterministic reductions (`shaders/reduce.wgsl`): gradient norm and clip multiplier, and plain sums.
+
+Global gradient norm over several flat ranges (one per arena or per tensor), with nothing read back:
+
+    partials = gpu.buffer(4 * total_partials([n1, n2, n3]))
+    scalars = gpu.buffer(16)                               # SCALARS_* below
+    call = grad_norm_clip(gpu, scalars, partials, [(g1, n1), (g2, n2), (g3, n3)], clip=1.0)
+
+`grad_norm_clip` is `sum_squares` per range (each writing its own slice of `partials`, at consecutive
+offsets) followed by one `finalize_clip`. AdamW (`ops/adamw.py`) reads the clip multiplier and the
+finite flag straight from `scalars`. The engine reads `scalars` (and the loss) after a step, if at all.
+
+`sum_rows` reduces a row_loss buffer to one f32 (the batch loss sum) in a single workgroup, so it is meant
+for row counts (up to ~1e6), not parameter counts.
+
+Launch sizes depend only on n, so results are bit-reproducible run to run.
+"""
+
+from __future__ import annotations
+
+from ddl_wgpu.gpu import Call
+
+FILE = "reduce.wgsl"
+WG = 256
+ELEMS_PER_GROUP = 2048  # a workgroup sums at least this many elements before the cap applies
+MAX_GROUPS = 1024  # cap on partials per range (grid-stride beyond it)
+
+SUM_SQUARES_FMT = "uuuu"  # n, offset, pad, pad
+FINALIZE_FMT = "ufuu"  # count, clip, pad, pad
+SUM_ROWS_FMT = "uuuu"  # n, index, pad, pad
+
+# layout of the `scalars` buffer written by finalize_clip (4 f32, 16 bytes)
+SCALARS_NORM = 0
+SCALARS_CLIP_MULT = 1
+SCALARS_FINITE = 2
+SCALARS_SUMSQ = 3
+SCALARS_BYTES = 16
+
+
+def _nbytes(r) -> int:
+    return r[2] if isinstance(r, tuple) else r.size
+
+
+def _need(name: str, r, nbytes: int):
+    if _nbytes(r) < nbytes:
+        raise ValueError(f"{name}: {_nbytes(r)} bytes bound, the call needs {nbytes}")
+
+
+def sum_squares_groups(n: int, max_groups: int = MAX_GROUPS) -> int:
+    """How many partials `sum_squares` writes for a range of n elements (at least 1)."""
+    return max(1, min(max_groups, -(-int(n) // ELEMS_PER_GROUP)))
+
+
+def total_partials(sizes, max_groups: int = MAX_GROUPS) -> int:
+    """Length of a partials buffer serving ranges of these sizes through `grad_norm_clip`."""
+    return sum(sum_squares_groups(n, max_groups) for n in sizes)
+
+
+def sum_squares(gpu, partials, x, n: int, offset: int = 0, max_groups: int = MAX_GROUPS) -> Call:
+    """partials[offset + w] = sum of x[i]^2 over workgroup w's elements, w < sum_squares_groups(n).
+
+    x: a buffer or view of at least n f32. `offset` is an element index into `partials`, so several
+    ranges share one partials buffer (and one finalize_clip).
+    """
+    if n < 1:
+        raise ValueError(f"sum_squares: n={n} must be positive")
+    groups = sum_squares_groups(n, max_groups)
+    _need("x", x, n * 4)
+    _need("partials", partials, (offset + groups) * 4)
+    k = gpu.kernel(FILE, "sum_squares", "rwu", workgroup=(WG, 1, 1))
+    u = gpu.uniform(SUM_SQUARES_FMT, n, offset, 0, 0, label="sum_squares")
+    bg = gpu.bind(k, x, partials, u)
+    return Call([(k, bg, (groups, 1, 1))], [u])
+
+
+def finalize_clip(gpu, scalars, partials, count: int, clip: float) -> Call:
+    """scalars[0..4) = (global norm, clip multiplier, finite flag, sum of squares) from partials[0..count).
+
+    The clip threshold lives in the Call's uniform (`call.uniforms[0]`, fmt FINALIZE_FMT = (count, clip,
+    0, 0)); rewrite it with `gpu.write_uniform(call.uniforms[0], FINALIZE_FMT, count, new_clip, 0, 0)`.
+    clip <= 0 disables clipping (multiplier 1).
+    """
+    if count < 1:
+        raise ValueError(f"finalize_clip: count={count} must be positive")
+    _need("partials", partials, count * 4)
+    _need("scalars", scalars, SCALARS_BYTES)
+    k = gpu.kernel(FILE, "finalize_clip", "rwu", workgroup=(WG, 1, 1))
+    u = gpu.uniform(FINALIZE_FMT, count, float(clip), 0, 0, label="finalize_clip")
+    bg = gpu.bind(k, partials, scalars, u)
+    return Call([(k, bg, (1, 1, 1))], [u])
+
+
+def grad_norm_clip(gpu, scalars, partials, ranges, clip: float, max_groups: int = MAX_GROUPS) -> Call:
+    """Global norm of several flat ranges [(buffer_or_view, n), ...] and its clip multiplier, into
+    `scalars` (see finalize_clip). `partials` needs total_partials([n for _, n in ranges]) f32.
+    The finalize uniform (clip) is the returned Call's last uniform."""
+    call = Call()
+    offset = 0
+    for x, n in ranges:
+        call = call + sum_squares(gpu, partials, x, n, offset=offset, max_groups=max_groups)
+        offset += sum_squares_groups(n, max_groups)
+    return call + finalize_clip(gpu, scalars, partials, offset, clip)
+
+
+def sum_rows(gpu, out, x, n: int, index: int = 0) -> Call:
+    """out[index] = sum of x[0..n) (one workgroup, fixed order). E.g. row_loss -> batch loss sum."""
+    if n < 1:
+        raise ValueError(f"sum_rows: n={n} must be positive")
+    _need("x", x, n * 4)
+    _need("out", out, (index + 1) * 4)
+    k = gpu.kernel(FILE, "sum_rows", "rwu", workgroup=(WG, 1, 1))
+    u = gpu.uniform(SUM_ROWS_FMT, n, index, 0, 0, label="sum_rows")
+    bg = gpu.bind(k, x, out, u)
+    return Call([(k, bg, (1, 1, 1))], [u])

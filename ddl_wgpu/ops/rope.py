@@ -1,0 +1,66 @@
+"""Launchers for `shaders/rope.wgsl`: rotary position embedding (rotate-half) on x (B, T, N, D).
+
+The tables cos/sin are (T_max, D) f32 with T_max >= T, from `ddl_ref.ops.rope_tables`, uploaded once; row t
+is position t, and positions run 0..T-1 within each sequence of the batch.
+
+In place: when `out is x` (or `dx is dout`; or both are the same view of the same buffer) the launcher
+picks the `*_inplace` entry point, which binds that buffer once as read_write (binding one buffer twice
+with one binding writable is a wgpu usage conflict). Two different views of one buffer are refused for the
+same reason.
+
+What it does not do: partial rotary (rotating only the first d < D channels), interleaved pairs, or
+position offsets (KV-cache decoding).
+"""
+
+from __future__ import annotations
+
+from ddl_wgpu.gpu import Call, Gpu
+
+FILE = "rope.wgsl"
+WG = 256  # threads per workgroup, as in the shader
+PARAMS = "uuuu"  # Params {pairs, T, N, D}
+
+
+def _view(res) -> tuple:
+    return res if isinstance(res, tuple) else (res, 0, res.size)
+
+
+def _same(a, b) -> bool:
+    """True when a and b are the same buffer range; raises when they are different ranges of one buffer."""
+    if a is b:
+        return True
+    va, vb = _view(a), _view(b)
+    if va[0] is not vb[0]:
+        return False
+    if va[1:] == vb[1:]:
+        return True
+    raise ValueError("rope: input and output are different views of one buffer; wgpu cannot bind that")
+
+
+def _launch(gpu: Gpu, entry: str, out, x, cos, sin, B: int, T: int, N: int, D: int) -> Call:
+    B, T, N, D = int(B), int(T), int(N), int(D)
+    if D % 2:
+        raise ValueError(f"rope needs an even head_dim, got {D}")
+    n = B * T * N * D
+    for name, r, need in (("x", x, n), ("out", out, n), ("cos", cos, T * D), ("sin", sin, T * D)):
+        if _view(r)[2] < 4 * need:
+            raise ValueError(f"{entry}: {name} has {_view(r)[2]} bytes, needs {4 * need}")
+    pairs = n // 2
+    u = gpu.uniform(PARAMS, pairs, T, N, D, label=entry)
+    if _same(out, x):
+        k = gpu.kernel(FILE, entry + "_inplace", "rrwu", workgroup=(WG, 1, 1))
+        bg = gpu.bind(k, cos, sin, x, u)
+    else:
+        k = gpu.kernel(FILE, entry, "rrrwu", workgroup=(WG, 1, 1))
+        bg = gpu.bind(k, x, cos, sin, out, u)
+    return Call([(k, bg, max(1, -(-pairs // WG)))], [u])
+
+
+def rope_forward(gpu: Gpu, out, x, cos, sin, B: int, T: int, N: int, D: int) -> Call:
+    """out (B, T, N, D) = x * cos + rotate_half(x) * sin; `out` may be `x` (in place)."""
+    return _launch(gpu, "rope_forward", out, x, cos, sin, B, T, N, D)
+
+
+def rope_backward(gpu: Gpu, dx, dout, cos, sin, B: int, T: int, N: int, D: int) -> Call:
+    """dx (B, T, N, D) = R^T dout (overwritten, not accumulated); `dx` may be `dout` (in place)."""
+    return _launch(gpu, "rope_backward", dx, dout, cos, sin, B, T, N, D)

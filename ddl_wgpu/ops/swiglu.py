@@ -1,0 +1,38 @@
+"""Launchers for `shaders/swiglu.wgsl`: out = silu(gate) * up over n items, and its backward.
+
+The sigmoid in the shader is the stable form (exp of -|g| only), so |gate| of any size gives no NaN.
+What it does not do: the gate/up projections (matmul) or a fused split of one (.., 2F) tensor; gate and up
+are two buffers (or two views of one arena).
+"""
+
+from __future__ import annotations
+
+from ddl_wgpu.gpu import Call, Gpu
+
+FILE = "swiglu.wgsl"
+WG = 256  # threads per workgroup, as in the shader
+PARAMS = "u"  # Params {n: u32}
+
+
+def _nbytes(res) -> int:
+    return res[2] if isinstance(res, tuple) else res.size
+
+
+def _launch(gpu: Gpu, entry: str, sig: str, resources: list, n: int) -> Call:
+    n = int(n)
+    for r in resources:
+        if _nbytes(r) < 4 * n:
+            raise ValueError(f"{entry}: a buffer of {_nbytes(r)} bytes is too small for {n} f32 values")
+    k = gpu.kernel(FILE, entry, sig, workgroup=(WG, 1, 1))
+    u = gpu.uniform(PARAMS, n, label=entry)
+    return Call([(k, gpu.bind(k, *resources, u), max(1, -(-n // WG)))], [u])
+
+
+def swiglu_forward(gpu: Gpu, out, gate, up, n: int) -> Call:
+    """out (n,) = silu(gate) * up."""
+    return _launch(gpu, "swiglu_forward", "rrwu", [gate, up, out], n)
+
+
+def swiglu_backward(gpu: Gpu, dgate, dup, dout, gate, up, n: int) -> Call:
+    """dgate (n,) = dout * up * silu'(gate); dup (n,) = dout * silu(gate). Both overwritten."""
+    return _launch(gpu, "swiglu_backward", "rrrwwu", [dout, gate, up, dgate, dup], n)

@@ -1,0 +1,78 @@
+"""Top-k KL distillation loss and top-k selection (`shaders/topk_kl.wgsl`), for healing an MTP draft head.
+
+`topk_kl` is used like `crossentropy.cross_entropy`: in place on a (rows, V) chunk of student logits, which
+become the gradient (zero except at the teacher's k ids, where it is (q~ - p~) * weight * scale_buf[0]),
+with per-row losses weight * KL(p~ || q~) (unscaled). The per-step buffers `teacher_ids` (N, k) u32,
+`teacher_probs` (N, k) f32, `weights` (N,) f32 and `row_loss` (N,) f32 are indexed at row `row_offset + r`.
+
+`topk` produces the teacher data from teacher logits: the k largest logits per row (ties: lower id first)
+and their full-softmax probabilities (not renormalised; topk_kl renormalises), written at row
+`row_offset + r` of ids_out / probs_out.
+"""
+
+from __future__ import annotations
+
+from ddl_wgpu.gpu import Call
+
+FILE = "topk_kl.wgsl"
+WG = 256
+KMAX = 64
+PARAMS_FMT = "uuuu"  # rows, V, k, row_offset
+
+
+def _nbytes(r) -> int:
+    return r[2] if isinstance(r, tuple) else r.size
+
+
+def _need(name: str, r, nbytes: int):
+    if _nbytes(r) < nbytes:
+        raise ValueError(f"{name}: {_nbytes(r)} bytes bound, the call needs {nbytes}")
+
+
+def _check_sizes(rows: int, V: int, k: int):
+    if rows < 1 or V < 1:
+        raise ValueError(f"rows={rows}, V={V} must be positive")
+    if not 1 <= k <= min(KMAX, V):
+        raise ValueError(f"k={k} must be in [1, min({KMAX}, V={V})]")
+
+
+def topk_kl(
+    gpu,
+    row_loss,
+    logits,
+    teacher_ids,
+    teacher_probs,
+    weights,
+    rows: int,
+    V: int,
+    k: int,
+    scale_buf,
+    row_offset: int = 0,
+) -> Call:
+    """KL(p~ || q~) over the teacher's k ids and its gradient, in place on `logits` (rows, V)."""
+    _check_sizes(rows, V, k)
+    _need("logits", logits, rows * V * 4)
+    n = row_offset + rows
+    _need("teacher_ids", teacher_ids, n * k * 4)
+    _need("teacher_probs", teacher_probs, n * k * 4)
+    _need("weights", weights, n * 4)
+    _need("row_loss (whole-batch buffer, indexed at row_offset + r)", row_loss, n * 4)
+    _need("scale_buf", scale_buf, 4)
+    kern = gpu.kernel(FILE, "topk_kl", "rrrrwwu", workgroup=(WG, 1, 1))
+    u = gpu.uniform(PARAMS_FMT, rows, V, k, row_offset, label="topk_kl")
+    bg = gpu.bind(kern, teacher_ids, teacher_probs, weights, scale_buf, logits, row_loss, u)
+    return Call([(kern, bg, rows)], [u])
+
+
+def topk(gpu, ids_out, probs_out, logits, rows: int, V: int, k: int, row_offset: int = 0) -> Call:
+    """The k largest of each row of `logits` (rows, V): ids (u32) and full-softmax probabilities, in
+    descending order, ties broken by the lower id; written at rows row_offset + r of ids_out / probs_out
+    (each (N, k)). k <= 64."""
+    _check_sizes(rows, V, k)
+    _need("logits", logits, rows * V * 4)
+    _need("ids_out", ids_out, (row_offset + rows) * k * 4)
+    _need("probs_out", probs_out, (row_offset + rows) * k * 4)
+    kern = gpu.kernel(FILE, "topk", "rwwu", workgroup=(WG, 1, 1))
+    u = gpu.uniform(PARAMS_FMT, rows, V, k, row_offset, label="topk")
+    bg = gpu.bind(kern, logits, ids_out, probs_out, u)
+    return Call([(kern, bg, rows)], [u])

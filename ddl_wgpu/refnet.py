@@ -1,0 +1,103 @@
+"""`--backend ref`: the numpy reference behind the engine's interface.
+
+`RefNet` / `RefWork` mirror `engine.Net` / `engine.Work` (load, export, snapshot/restore, step, loss_sum),
+so training, evaluation and healing run unchanged on either backend, and tests compare the two step by
+step. Arithmetic is float32 numpy through `ddl_ref`; nothing here is fast, all of it is readable.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from ddl_ref import model as ref_model
+from ddl_ref.config import ModelConfig
+from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
+from ddl_ref.params import init_params, param_table
+from ddl_wgpu.engine import AdamW, StepResult
+
+
+class RefNet:
+    def __init__(self, cfg: ModelConfig, params: dict | None = None, seed: int = 0, trainable=None):
+        self.cfg = cfg
+        self.table = param_table(cfg)
+        names = [s.name for s in self.table]
+        if trainable is None:
+            self.trainable = names
+        elif callable(trainable):
+            self.trainable = [n for n in names if trainable(n)]
+        else:
+            self.trainable = [n for n in names if n in set(trainable)]
+        self.load(params if params is not None else init_params(cfg, seed))
+        self._works: dict = {}
+
+    def load(self, params: dict):
+        self.params = {s.name: np.array(params[s.name], np.float32) for s in self.table}
+        self.state = {
+            "m": {n: np.zeros_like(p) for n, p in self.params.items()},
+            "v": {n: np.zeros_like(p) for n, p in self.params.items()},
+        }
+        self._grads = {n: np.zeros_like(p) for n, p in self.params.items()}
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(p.size) for p in self.params.values())
+
+    def export(self) -> dict:
+        return {n: p.copy() for n, p in self.params.items()}
+
+    def grads(self) -> dict:
+        return {n: g.copy() for n, g in self._grads.items()}
+
+    def moments(self):
+        return copy.deepcopy(self.state["m"]), copy.deepcopy(self.state["v"])
+
+    def load_moments(self, m: dict, v: dict):
+        self.state = {"m": {n: np.array(m[n], np.float32) for n in self.params},
+                      "v": {n: np.array(v[n], np.float32) for n in self.params}}
+
+    def snapshot(self):
+        return self.export()
+
+    def export_snapshot(self, snap) -> dict:
+        return {n: p.copy() for n, p in snap.items()}
+
+    def restore(self, snap):
+        for n, p in snap.items():
+            self.params[n][...] = p
+
+    def work(self, batch: int, seq: int) -> RefWork:
+        if (batch, seq) not in self._works:
+            self._works[(batch, seq)] = RefWork(self, batch, seq)
+        return self._works[(batch, seq)]
+
+
+class RefWork:
+    def __init__(self, net: RefNet, batch: int, seq: int):
+        self.net, self.B, self.T = net, batch, seq
+
+    def step(self, ids, lengths=None, update: AdamW | None = None) -> StepResult:
+        net = self.net
+        _logits, loss, cache = ref_model.forward(net.params, net.cfg, ids, lengths)
+        count = int(cache["loss"][1])
+        grads = ref_model.backward(net.params, net.cfg, cache)
+        net._grads = {n: np.asarray(g, np.float32) for n, g in grads.items()}
+        norm = float("nan")
+        finite = bool(np.isfinite(loss)) and all(np.isfinite(g).all() for g in net._grads.values())
+        if update is not None:
+            tg = {n: net._grads[n] for n in net.trainable}
+            norm = global_grad_norm(tg)
+            if finite:
+                mult = clip_multiplier(norm, update.grad_clip)
+                adamw_step(net.params, net._grads, net.state, update.lr, update.step, update.beta1,
+                           update.beta2, update.eps, update.weight_decay, mult, trainable=net.trainable)
+        return StepResult(loss=float(loss), count=count, grad_norm=norm, finite=finite)
+
+    def loss_sum(self, ids, lengths=None) -> tuple[float, int]:
+        _logits, loss, cache = ref_model.forward(self.net.params, self.net.cfg, ids, lengths)
+        count = int(cache["loss"][1])
+        return float(loss) * count, count
+
+    def logits(self, ids) -> np.ndarray:
+        return ref_model.forward(self.net.params, self.net.cfg, ids)[0]

@@ -1,0 +1,599 @@
+"""Variant sweeps with the seed trainer's semantics (`training.rs`): configuration and its validation,
+the cosine warm-up schedule, AdamW with global gradient-norm clipping, evaluation and spectral telemetry
+every `eval_interval` steps, best-validation tracking, the `TrainingReport` / `TrainingComparisonReport`,
+checkpoints, and the two kinds of resume.
+
+Where we differ from the seed, on purpose:
+- evaluation of the *training* set (initial/final) reads at most `eval_batches` batches: a real corpus has
+  far more batches than a report needs, and the seed's toy datasets never had that problem;
+- a new phase (`resume --steps N`) continues the data order where the last phase stopped (the seed
+  restarts at the first batch): the batch of global step s is `batches[s % num_batches]`;
+- checkpoints also carry the run's position, so an interrupted run (`--stop-after`, Ctrl-C, a crash
+  between saves) continues bit for bit on the same device.
+
+What it deliberately does not do: know about GPUs. It drives any backend with the `Net`/`Work` interface
+(`engine.Net` on wgpu, `refnet.RefNet` on numpy).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from ddl_ref.config import ModelConfig, ModelVariant
+from ddl_ref.optim import CosineWarmupSchedule
+from ddl_ref.params import init_params
+from ddl_wgpu.container import open_checkpoint, save
+from ddl_wgpu.data import TokenDataset
+from ddl_wgpu.engine import AdamW
+
+CHECKPOINT = "checkpoint.ddlw"
+REPORT = "report.json"
+
+
+class TrainingError(ValueError):
+    """The seed's `TrainingError`: each kind keeps the seed's message."""
+
+    @classmethod
+    def invalid_config(cls, message: str) -> TrainingError:
+        return cls(f"invalid training configuration: {message}")
+
+    @classmethod
+    def empty_training_dataset(cls) -> TrainingError:
+        return cls("training dataset does not contain any batches")
+
+    @classmethod
+    def empty_validation_dataset(cls) -> TrainingError:
+        return cls("validation dataset does not contain any batches")
+
+    @classmethod
+    def empty_variant_set(cls) -> TrainingError:
+        return cls("at least one model variant is required")
+
+    @classmethod
+    def resume_mismatch(cls, message: str) -> TrainingError:
+        return cls(f"invalid resume state: {message}")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The seed's `TrainingConfig` (same fields, defaults and validation), plus the batch shape, the seed
+    and the evaluation budget, which the seed kept elsewhere."""
+
+    max_steps: int = 32  # optimizer steps in this phase
+    eval_interval: int = 4  # evaluate (and record spectral telemetry) every N steps and on the last
+    learning_rate: float = 1e-3  # peak learning rate (the DDL paper's 1e-3)
+    min_learning_rate: float = 0.0  # cosine floor
+    warmup_steps: int = 0  # linear warm-up steps at the start of the first phase
+    weight_decay: float = 0.1  # decoupled (AdamW), applied to every parameter as the seed's burn AdamW
+    beta1: float = 0.9
+    beta2: float = 0.95
+    epsilon: float = 1e-5
+    grad_clip: float = 1.0  # global gradient-norm clip
+    batch_size: int = 8  # rows per step
+    seq_len: int = 128  # tokens per row
+    seed: int = 0  # parameter init (and data shuffle) seed
+    eval_batches: int = 16  # at most this many batches per evaluation of a dataset (0: all)
+
+    def validate(self) -> None:
+        bad = TrainingError.invalid_config
+        for name in ("max_steps", "eval_interval", "warmup_steps", "batch_size", "seq_len", "seed", "eval_batches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(f"{name} must be a non-negative integer")
+        if self.max_steps == 0:
+            raise bad("max_steps must be greater than zero")
+        if self.eval_interval == 0:
+            raise bad("eval_interval must be greater than zero")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0.0):
+            raise bad("learning_rate must be finite and positive")
+        if not (math.isfinite(self.min_learning_rate) and self.min_learning_rate >= 0.0):
+            raise bad("min_learning_rate must be finite and non-negative")
+        if self.min_learning_rate > self.learning_rate:
+            raise bad("min_learning_rate cannot exceed learning_rate")
+        if self.warmup_steps > self.max_steps:
+            raise bad("warmup_steps cannot exceed max_steps")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0.0):
+            raise bad("weight_decay must be finite and non-negative")
+        if not (math.isfinite(self.beta1) and 0.0 <= self.beta1 < 1.0):
+            raise bad("beta1 must be in [0, 1)")
+        if not (math.isfinite(self.beta2) and 0.0 <= self.beta2 < 1.0):
+            raise bad("beta2 must be in [0, 1)")
+        if not (math.isfinite(self.epsilon) and self.epsilon > 0.0):
+            raise bad("epsilon must be finite and positive")
+        if not (math.isfinite(self.grad_clip) and self.grad_clip > 0.0):
+            raise bad("grad_clip must be finite and positive")
+        if self.batch_size == 0:
+            raise bad("batch_size must be greater than zero")
+        if self.seq_len < 2:
+            raise bad("seq_len must be at least 2")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainingConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise TrainingError.invalid_config(f"unknown field(s) {unknown}")
+        return cls(**d)
+
+
+def schedule_for_phase(tcfg: TrainingConfig, previous_lr: float | None) -> CosineWarmupSchedule:
+    """The seed's phase schedule: the first phase warms up to `learning_rate`; a later phase starts its
+    cosine at the previous phase's last rate, clamped to [min_learning_rate, learning_rate], no warm-up."""
+    if previous_lr is None:
+        base, warmup = tcfg.learning_rate, tcfg.warmup_steps
+    else:
+        base, warmup = min(max(previous_lr, tcfg.min_learning_rate), tcfg.learning_rate), 0
+    try:
+        return CosineWarmupSchedule(base, tcfg.min_learning_rate, warmup, tcfg.max_steps)
+    except ValueError as e:
+        raise TrainingError.invalid_config(str(e).removeprefix("invalid training configuration: ")) from e
+
+
+def metrics(loss_sum: float, count: int) -> dict:
+    """The seed's `CausalLmMetrics`: mean loss over predictions and its perplexity."""
+    loss = loss_sum / count if count else 0.0
+    return {"loss": float(loss), "perplexity": float(math.exp(min(loss, 700.0)))}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# backends
+
+
+def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | None, seed: int = 0):
+    """A `Net` on the chosen backend ('wgpu' or 'ref'); the GPU is opened once per process."""
+    if params is None:
+        params = init_params(cfg, seed)
+    if backend == "ref":
+        from ddl_wgpu.refnet import RefNet
+
+        return RefNet(cfg, params)
+    if backend != "wgpu":
+        raise TrainingError.invalid_config(f"unknown backend {backend!r}; use 'wgpu' or 'ref'")
+    from ddl_wgpu.engine import Net
+
+    return Net(open_gpu(device), cfg, params)
+
+
+_GPU = {}
+
+
+def open_gpu(device: str | None):
+    from ddl_wgpu.gpu import Gpu
+
+    if device not in _GPU:
+        _GPU[device] = Gpu(device)
+    return _GPU[device]
+
+
+def evaluate(net, dataset: TokenDataset, max_batches: int = 0, spectral: bool = False) -> dict:
+    """Mean loss over every prediction of the dataset's first `max_batches` batches (0: all), with the
+    spectral snapshot averaged by prediction count when the model is a DDL model and `spectral` is set."""
+    n = dataset.num_batches if max_batches <= 0 else min(max_batches, dataset.num_batches)
+    work = net.work(dataset.batch_size, dataset.seq_len)
+    total, count = 0.0, 0
+    acc = None
+    for i in range(n):
+        b = dataset.batch(i)
+        s, c = work.loss_sum(b.ids, b.lengths)
+        total += s
+        count += c
+        if spectral and hasattr(work, "spectral"):
+            snap = work.spectral(b.ids, b.lengths)
+            if snap is not None:
+                from ddl_ref.spectral import SpectralAccumulator
+
+                acc = acc or SpectralAccumulator()
+                acc.observe(snap, max(c, 1))
+    return {"metrics": metrics(total, count), "spectral": acc.finish() if acc else None}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _report_path(d: Path) -> Path:
+    return d / REPORT
+
+
+def write_json(path: Path, obj) -> None:
+    """Atomic JSON write (temp name, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(obj, indent=2, allow_nan=True))
+    tmp.replace(path)
+
+
+def save_checkpoint(path: Path, net, report: dict, best: dict | None, position: dict) -> None:
+    """Model (its usual names, so `eval`/`heal` read a checkpoint like a model file), best-validation model
+    (`best.` prefix), AdamW moments (`optim.m.` / `optim.v.`), report and position, in one atomic file."""
+    params = net.export()
+    m, v = net.moments()
+
+    def tensors():
+        for n, a in params.items():
+            yield n, a
+        if best is not None:
+            for n, a in best.items():
+                yield "best." + n, a
+        for n, a in m.items():
+            yield "optim.m." + n, a
+        for n, a in v.items():
+            yield "optim.v." + n, a
+
+    meta = {
+        "model.variant": report["variant"],
+        "train.report": json.dumps(report),
+        "train.position": position,
+        "train.has_best": best is not None,
+    }
+    save(path, tensors(), config=net.cfg.to_dict(), metadata=meta, provenance={"train": {"tool": "ddl-wgpu train"}})
+
+
+def load_checkpoint(path: Path) -> dict:
+    """-> {cfg, params, best, m, v, report, position}; raises CheckpointError or TrainingError."""
+    with open_checkpoint(path) as ck:
+        meta = dict(ck.metadata or {})
+        if "train.report" not in meta:
+            raise TrainingError.resume_mismatch(f"{path} is not a training checkpoint (no train.report)")
+        cfg = ModelConfig.from_dict(dict(ck.config))
+        names = ck.names()
+        model = [n for n in names if not n.startswith(("best.", "optim."))]
+        out = {
+            "cfg": cfg,
+            "params": {n: ck.tensor_f32(n) for n in model},
+            "best": {n[5:]: ck.tensor_f32(n) for n in names if n.startswith("best.")} or None,
+            "m": {n[8:]: ck.tensor_f32(n) for n in names if n.startswith("optim.m.")},
+            "v": {n[8:]: ck.tensor_f32(n) for n in names if n.startswith("optim.v.")},
+            "report": json.loads(meta["train.report"]),
+            "position": dict(meta.get("train.position") or {}),
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one variant
+
+
+@dataclass
+class RunOptions:
+    """How a run is driven, as opposed to what it trains."""
+
+    backend: str = "wgpu"
+    device: str | None = None
+    save_interval: int = 0  # save a checkpoint every N steps (0: only at the end / on stop)
+    stop_after: int = 0  # end this process after N steps with a resumable checkpoint (0: run to the end)
+    progress: object = None  # callable(event: dict) for progress display
+
+
+class _Progress:
+    def __init__(self, cb):
+        self.cb = cb
+
+    def __call__(self, **event):
+        if self.cb is not None:
+            self.cb(event)
+
+
+def train_variant(
+    base: ModelConfig,
+    variant: ModelVariant,
+    train: TokenDataset,
+    val: TokenDataset | None,
+    tcfg: TrainingConfig,
+    out_dir: Path | None,
+    opts: RunOptions,
+    resume: dict | None = None,
+) -> dict:
+    """Train one variant (or continue one from `resume`, a loaded checkpoint); returns the report."""
+    tcfg.validate()
+    if train.num_batches == 0:
+        raise TrainingError.empty_training_dataset()
+    if val is not None and val.num_batches == 0:
+        raise TrainingError.empty_validation_dataset()
+    progress = _Progress(opts.progress)
+    if resume is None:
+        cfg = variant.resolve_config(base)
+        net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed)
+        phase = {"start_step": 0, "training": tcfg.to_dict(), "previous_lr": None}
+        history: list[dict] = []
+        progress(kind="start", variant=variant.slug, num_params=net.num_params, cfg=cfg.to_dict())
+        t_eval = time.perf_counter()
+        init_train = evaluate(net, train, tcfg.eval_batches, spectral=True)
+        init_val = evaluate(net, val, tcfg.eval_batches, spectral=True) if val is not None else None
+        progress(kind="eval", variant=variant.slug, step=0, train=init_train["metrics"],
+                 validation=init_val and init_val["metrics"], seconds=time.perf_counter() - t_eval)
+        report = {
+            "variant": variant.slug,
+            "config": cfg.to_dict(),
+            "training": tcfg.to_dict(),
+            "num_params": net.num_params,
+            "train_dataset": train.summary(),
+            "validation_dataset": val.summary() if val is not None else None,
+            "steps_completed": 0,
+            "initial_train": init_train["metrics"],
+            "initial_validation": init_val and init_val["metrics"],
+            "final_train": None,
+            "final_validation": None,
+            "best_validation": init_val and init_val["metrics"],
+            "initial_train_spectral": init_train["spectral"],
+            "initial_validation_spectral": init_val and init_val["spectral"],
+            "final_train_spectral": None,
+            "final_validation_spectral": None,
+            "best_validation_spectral": init_val and init_val["spectral"],
+            "best_validation_step": 0 if init_val else None,
+            "history": history,
+        }
+        best = net.snapshot() if init_val else None
+        done_in_phase = 0
+    else:
+        cfg, report, phase = resume["cfg"], resume["report"], resume["position"]["phase"]
+        net = make_net(cfg, resume["params"], opts.backend, opts.device)
+        if resume["m"]:
+            net.load_moments(resume["m"], resume["v"])
+        history = report["history"]
+        best = None
+        if resume["best"] is not None:
+            snap_src = make_net(cfg, resume["best"], "ref", None) if opts.backend == "ref" else None
+            best = snap_src.snapshot() if snap_src else _gpu_snapshot_of(net, resume["best"])
+        done_in_phase = report["steps_completed"] - phase["start_step"]
+        tcfg = TrainingConfig.from_dict(phase["training"])
+
+    schedule = schedule_for_phase(tcfg, phase["previous_lr"])
+    work = net.work(tcfg.batch_size, tcfg.seq_len)
+    tokens_per_step = tcfg.batch_size * tcfg.seq_len
+    ckpt = out_dir / CHECKPOINT if out_dir is not None else None
+
+    def position():
+        return {"phase": phase, "steps_completed": report["steps_completed"]}
+
+    def checkpoint():
+        if ckpt is not None:
+            best_params = net.export_snapshot(best) if best is not None else None
+            save_checkpoint(ckpt, net, report, best_params, position())
+            write_json(_report_path(out_dir), report)
+
+    t0 = time.perf_counter()
+    steps_this_process = 0
+    try:
+        for step in range(done_in_phase, tcfg.max_steps):
+            global_step = phase["start_step"] + step  # 0-based over the whole run
+            record = (step + 1) % tcfg.eval_interval == 0 or step + 1 == tcfg.max_steps
+            batch = train.batch(global_step % train.num_batches)
+            train_spectral = None
+            if record and hasattr(work, "spectral"):
+                train_spectral = work.spectral(batch.ids, batch.lengths)
+            lr = schedule.learning_rate(step)
+            hyper = AdamW(lr=lr, step=global_step + 1, beta1=tcfg.beta1, beta2=tcfg.beta2, eps=tcfg.epsilon,
+                          weight_decay=tcfg.weight_decay, grad_clip=tcfg.grad_clip)
+            res = work.step(batch.ids, batch.lengths, update=hyper)
+            if not res.finite:
+                checkpoint()
+                raise TrainingError(
+                    f"non-finite loss or gradient at step {global_step + 1} (loss {res.loss}); the last good "
+                    f"checkpoint is {ckpt}; lower --learning-rate"
+                )
+            entry = {
+                "step": global_step + 1,
+                "learning_rate": lr,
+                "train": metrics(res.loss, 1),
+                "validation": None,
+                "train_spectral": train_spectral,
+                "validation_spectral": None,
+                "grad_norm": res.grad_norm,
+            }
+            if record and val is not None:
+                ev = evaluate(net, val, tcfg.eval_batches, spectral=True)
+                entry["validation"], entry["validation_spectral"] = ev["metrics"], ev["spectral"]
+                if report["best_validation"] is None or ev["metrics"]["loss"] < report["best_validation"]["loss"]:
+                    report["best_validation"] = ev["metrics"]
+                    report["best_validation_spectral"] = ev["spectral"]
+                    report["best_validation_step"] = global_step + 1
+                    best = net.snapshot()
+            history.append(entry)
+            report["steps_completed"] = len(history)
+            steps_this_process += 1
+            elapsed = time.perf_counter() - t0
+            progress(kind="step", variant=report["variant"], step=global_step + 1,
+                     total=phase["start_step"] + tcfg.max_steps, loss=res.loss, lr=lr,
+                     tokens_per_s=steps_this_process * tokens_per_step / max(elapsed, 1e-9),
+                     s_per_step=elapsed / steps_this_process, validation=entry["validation"])
+            last = step + 1 == tcfg.max_steps
+            if opts.save_interval and (step + 1) % opts.save_interval == 0 and not last:
+                checkpoint()
+            if opts.stop_after and steps_this_process >= opts.stop_after and not last:
+                checkpoint()
+                report["status"] = "stopped"
+                return report
+    except KeyboardInterrupt:
+        checkpoint()
+        report["status"] = "interrupted"
+        raise
+
+    # final evaluation (the seed's: whole datasets, here capped by eval_batches)
+    fin_train = evaluate(net, train, tcfg.eval_batches, spectral=True)
+    fin_val = evaluate(net, val, tcfg.eval_batches, spectral=True) if val is not None else None
+    report["final_train"], report["final_train_spectral"] = fin_train["metrics"], fin_train["spectral"]
+    if fin_val is not None:
+        report["final_validation"], report["final_validation_spectral"] = fin_val["metrics"], fin_val["spectral"]
+        if report["best_validation"] is None or fin_val["metrics"]["loss"] < report["best_validation"]["loss"]:
+            report["best_validation"] = fin_val["metrics"]
+            report["best_validation_spectral"] = fin_val["spectral"]
+            report["best_validation_step"] = phase["start_step"] + tcfg.max_steps
+            best = net.snapshot()
+    report["status"] = "completed"
+    elapsed = time.perf_counter() - t0
+    report["throughput"] = {
+        "steps": steps_this_process,
+        "seconds": elapsed,
+        "tokens_per_s": steps_this_process * tokens_per_step / max(elapsed, 1e-9),
+    }
+    progress(kind="done", variant=report["variant"], report=report)
+    checkpoint()
+    return report
+
+
+def _gpu_snapshot_of(net, params: dict):
+    """Upload `params` into a fresh GPU snapshot of `net`'s layout without touching the live weights."""
+    live = net.snapshot()
+    net.load(params)
+    snap = net.snapshot()
+    net.restore(live)
+    return snap
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sweeps
+
+
+def rank(reports: list[dict], key: str) -> list[str] | None:
+    entries = [(r["variant"], r[key]["loss"]) for r in reports if r.get(key)]
+    if len(entries) != len(reports):
+        return None
+    return [v for v, _ in sorted(entries, key=lambda e: (e[1], e[0]))]
+
+
+def comparison_report(reports: list[dict], train: TokenDataset, val: TokenDataset | None,
+                      tcfg: TrainingConfig) -> dict:
+    """The seed's `TrainingComparisonReport`."""
+    tr = rank(reports, "final_train") or []
+    vr = rank(reports, "final_validation")
+    return {
+        "train_dataset": train.summary(),
+        "validation_dataset": val.summary() if val is not None else None,
+        "training": tcfg.to_dict(),
+        "reports": reports,
+        "final_train_loss_ranking": tr,
+        "best_final_train_variant": tr[0] if tr else None,
+        "final_validation_loss_ranking": vr,
+        "best_final_validation_variant": vr[0] if vr else None,
+    }
+
+
+def train_variants(
+    base: ModelConfig,
+    variants: list[ModelVariant],
+    train: TokenDataset,
+    val: TokenDataset | None,
+    tcfg: TrainingConfig,
+    out_dir: Path | None,
+    opts: RunOptions,
+) -> dict:
+    """Train every variant on the same data and config; write DIR/VARIANT/ and DIR/report.json."""
+    if not variants:
+        raise TrainingError.empty_variant_set()
+    tcfg.validate()
+    if train.num_batches == 0:
+        raise TrainingError.empty_training_dataset()
+    if val is not None and val.num_batches == 0:
+        raise TrainingError.empty_validation_dataset()
+    reports = []
+    for v in variants:
+        d = out_dir / v.slug if out_dir is not None else None
+        r = train_variant(base, v, train, val, tcfg, d, opts)
+        reports.append(r)
+        if r.get("status") == "stopped":
+            break
+    comp = comparison_report(reports, train, val, tcfg) if all(r.get("status") == "completed" for r in reports) else None
+    if out_dir is not None and comp is not None:
+        write_json(out_dir / REPORT, comp)
+    return comp or {"reports": reports, "status": "stopped"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# resume
+
+
+def check_resume(ck: dict, train: TokenDataset, val: TokenDataset | None) -> None:
+    """The seed's resume checks, each with its message."""
+    rep = ck["report"]
+    ts = train.summary()
+    if rep["train_dataset"] != ts:
+        raise TrainingError.resume_mismatch(
+            f"training dataset summary {ts} does not match saved artifact {rep['train_dataset']}"
+        )
+    vs = val.summary() if val is not None else None
+    if rep["validation_dataset"] != vs:
+        raise TrainingError.resume_mismatch(
+            f"validation dataset summary {vs} does not match saved artifact {rep['validation_dataset']}"
+        )
+    if rep["steps_completed"] != len(rep["history"]):
+        raise TrainingError.resume_mismatch(
+            f"saved report recorded {rep['steps_completed']} completed steps but {len(rep['history'])} "
+            "history entries"
+        )
+    if rep["steps_completed"] > 0 and not ck["m"]:
+        raise TrainingError.resume_mismatch("saved training artifact is missing optimizer state")
+    variant = ModelVariant.parse(rep["variant"])
+    is_ddl = ck["cfg"].residual == "delta"
+    if is_ddl and not variant.uses_ddl:
+        raise TrainingError.resume_mismatch(
+            f"saved report expects variant {variant.slug} but checkpoint contains a DDL model"
+        )
+    if not is_ddl and variant.uses_ddl:
+        raise TrainingError.resume_mismatch(
+            f"saved report expects variant {variant.slug} but checkpoint contains a baseline model"
+        )
+
+
+def resume(
+    checkpoint: Path,
+    train: TokenDataset,
+    val: TokenDataset | None,
+    opts: RunOptions,
+    out_dir: Path | None = None,
+    steps: int | None = None,
+    overrides: dict | None = None,
+) -> dict:
+    """Continue an interrupted run (no `steps`), or train a new phase of `steps` more steps with the
+    seed's phase schedule (`overrides` change training options of the new phase)."""
+    ck = load_checkpoint(Path(checkpoint))
+    check_resume(ck, train, val)
+    rep = ck["report"]
+    phase = ck["position"]["phase"]
+    done = rep["steps_completed"]
+    if steps is None:
+        if overrides:
+            raise TrainingError.invalid_config("training options can only change with --steps (a new phase)")
+        if done >= phase["start_step"] + phase["training"]["max_steps"]:
+            raise TrainingError.resume_mismatch(
+                f"the run already completed its {done} steps; pass --steps N to train a new phase"
+            )
+    else:
+        tcfg = TrainingConfig.from_dict({**phase["training"], **(overrides or {}), "max_steps": steps})
+        tcfg.validate()
+        if done < phase["start_step"] + phase["training"]["max_steps"]:
+            raise TrainingError.resume_mismatch(
+                f"the run stopped at step {done} of its phase; resume without --steps to finish it first"
+            )
+        prev = rep["history"][-1]["learning_rate"] if rep["history"] else None
+        ck["position"]["phase"] = {"start_step": done, "training": tcfg.to_dict(), "previous_lr": prev}
+        rep["training"] = tcfg.to_dict()
+    out = Path(out_dir) if out_dir is not None else Path(checkpoint).parent
+    variant = ModelVariant.parse(rep["variant"])
+    tcfg = TrainingConfig.from_dict(ck["position"]["phase"]["training"])
+    return train_variant(ck["cfg"], variant, train, val, tcfg, out, opts, resume=ck)
+
+
+def with_overrides(tcfg: TrainingConfig, **kw) -> TrainingConfig:
+    return replace(tcfg, **{k: v for k, v in kw.items() if v is not None})
+
+
+__all__ = [
+    "TrainingConfig",
+    "TrainingError",
+    "RunOptions",
+    "train_variant",
+    "train_variants",
+    "resume",
+    "evaluate",
+    "np",
+]

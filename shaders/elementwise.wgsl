@@ -1,0 +1,98 @@
+// Elementwise utilities over flat f32 arrays of n items: the residual add, copies, fills (zeroing
+// gradients), scaling and axpy. One thread per item, 256 threads per workgroup; the launcher spreads the
+// workgroups over x and y (`gpu.grid`) and every entry point recovers the linear index and guards it.
+//
+// Entry points (bindings: read-only inputs, then read_write outputs, then Params):
+//   add_forward      (a, b, out, p)   out = a + b
+//   add_inplace      (x, y, p)        y += x
+//   axpy             (x, y, p)        y += alpha * x
+//   copy             (src, dst, p)    dst = src
+//   fill             (buf, p)         buf = alpha
+//   scale_inplace    (y, p)           y *= alpha
+
+const WG: u32 = 256u;
+
+struct Params {
+    n: u32,      // number of items
+    alpha: f32,  // the scalar of axpy, fill and scale_inplace (unused elsewhere)
+}
+
+fn item(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
+    return (wid.x + wid.y * nwg.x) * WG + lid.x;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// out = a + b
+
+@group(0) @binding(0) var<storage, read> add_a: array<f32>;
+@group(0) @binding(1) var<storage, read> add_b: array<f32>;
+@group(0) @binding(2) var<storage, read_write> add_out: array<f32>;
+@group(0) @binding(3) var<uniform> add_p: Params;
+
+@compute @workgroup_size(WG)
+fn add_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = item(wid, nwg, lid);
+    if (i >= add_p.n) { return; }
+    add_out[i] = add_a[i] + add_b[i];
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// y += x   and   y += alpha * x
+
+@group(0) @binding(0) var<storage, read> acc_x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> acc_y: array<f32>;
+@group(0) @binding(2) var<uniform> acc_p: Params;
+
+@compute @workgroup_size(WG)
+fn add_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = item(wid, nwg, lid);
+    if (i >= acc_p.n) { return; }
+    acc_y[i] = acc_y[i] + acc_x[i];
+}
+
+@compute @workgroup_size(WG)
+fn axpy(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = item(wid, nwg, lid);
+    if (i >= acc_p.n) { return; }
+    acc_y[i] = acc_y[i] + acc_p.alpha * acc_x[i];
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// dst = src
+
+@group(0) @binding(0) var<storage, read> copy_src: array<f32>;
+@group(0) @binding(1) var<storage, read_write> copy_dst: array<f32>;
+@group(0) @binding(2) var<uniform> copy_p: Params;
+
+@compute @workgroup_size(WG)
+fn copy(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = item(wid, nwg, lid);
+    if (i >= copy_p.n) { return; }
+    copy_dst[i] = copy_src[i];
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// buf = alpha   and   y *= alpha
+
+@group(0) @binding(0) var<storage, read_write> one_y: array<f32>;
+@group(0) @binding(1) var<uniform> one_p: Params;
+
+@compute @workgroup_size(WG)
+fn fill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = item(wid, nwg, lid);
+    if (i >= one_p.n) { return; }
+    one_y[i] = one_p.alpha;
+}
+
+@compute @workgroup_size(WG)
+fn scale_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = item(wid, nwg, lid);
+    if (i >= one_p.n) { return; }
+    one_y[i] = one_y[i] * one_p.alpha;
+}

@@ -1,0 +1,185 @@
+// matmul.wgsl: one generic f32 GEMM, C = alpha * op(A) * op(B) (+ C), row-major everywhere, batched on z.
+//
+// The three products of a linear layer with the Hugging Face weight layout W (OUT, IN) are all this kernel:
+//   forward  y[M,N]  = x[M,K] * W[N,K]^T   (TRANS_B = 1)
+//   backward dx[M,K] = dy[M,N] * W[N,K]    (no transposes)
+//   backward dW[N,K] (+)= dy[M,N]^T * x[M,K]  (TRANS_A = 1; `accumulate` for tied / accumulated weights)
+// op(A) is M x K, stored (M, K) or, with TRANS_A, (K, M) with row stride lda; op(B) is K x N, stored (K, N)
+// or, with TRANS_B, (N, K) with row stride ldb; C is (M, N) with row stride ldc. Batch z adds z*stride_*.
+//
+// Tiling. A workgroup of WX x WY threads owns a BM x BN block of C, BM = WY*TM and BN = WX*TN; each thread
+// owns a TM x TN sub-block held as TM*TN/4 separate vec4<f32> accumulators (generated straight-line by
+// ddl_wgpu/ops/matmul.py: a private array indexed in a loop is spilled to slow memory on NVIDIA, wgpu.md §4).
+// The K axis is walked in steps of BK: each step the workgroup copies op(A)[m0:m0+BM, k0:k0+BK] into As and
+// op(B)[k0:k0+BK, n0:n0+BN] into Bs, both k-major and packed as vec4 along m / n:
+//   As[k * BMV + mv] = op(A)[m0 + 4mv .. m0 + 4mv + 3, k0 + k]       (BMV = BM / 4)
+//   Bs[k * BNV + nv] = op(B)[k0 + k, n0 + 4nv .. n0 + 4nv + 3]       (BNV = BN / 4)
+// Transposition lives only in those copies (TRANS_A / TRANS_B are pipeline constants; each layout's copy
+// reads global memory along its contiguous axis), so the inner product loop is the same for every layout:
+// per k, a thread reads TM/4 vec4 of As and TN/4 vec4 of Bs and does TM*TN/4 vec4 FMAs. A thread's rows are
+// the vec4 groups ty, ty + WY, ty + 2WY, ...; its columns the vec4 groups tx, tx + WX, ...: neighbouring
+// threads read neighbouring vec4s of Bs (no bank conflicts) and threads of a row broadcast the same As.
+// Out-of-range elements of A and B are copied as 0, so the edge tiles of M, N and K need no special case;
+// stores are guarded element by element. Each C element is summed by one thread in a fixed k order: the
+// result is deterministic (same inputs, same bits).
+
+struct Params {
+    M: u32,
+    N: u32,
+    K: u32,
+    lda: u32,
+    ldb: u32,
+    ldc: u32,
+    stride_a: u32,
+    stride_b: u32,
+    stride_c: u32,
+    batch: u32,
+    accumulate: u32,  // 1: C = alpha*op(A)op(B) + C
+    alpha: f32,
+}
+
+@group(0) @binding(0) var<storage, read> a: array<f32>;
+@group(0) @binding(1) var<storage, read> b: array<f32>;
+@group(0) @binding(2) var<storage, read_write> c: array<f32>;
+@group(0) @binding(3) var<uniform> P: Params;
+
+override TRANS_A: u32 = 0u;
+override TRANS_B: u32 = 0u;
+
+// Tile shape, filled in by the launcher (ddl_wgpu/ops/matmul.py `Tile`).
+const WX: u32 = {{wx}}u;    // threads along n
+const WY: u32 = {{wy}}u;    // threads along m
+const BK: u32 = {{bk}}u;    // k depth of one shared-memory tile
+const BMV: u32 = {{bmv}}u;  // BM / 4 = WY * TM / 4
+const BNV: u32 = {{bnv}}u;  // BN / 4 = WX * TN / 4
+const NT: u32 = WX * WY;
+const LOADS_A: u32 = (BK * BMV + NT - 1u) / NT;  // vec4 copies per thread per k step
+const LOADS_B: u32 = (BK * BNV + NT - 1u) / NT;
+
+var<workgroup> As: array<vec4<f32>, {{as_len}}>;  // BK * BMV
+var<workgroup> Bs: array<vec4<f32>, {{bs_len}}>;  // BK * BNV
+
+// Element (row, col) of the stored A / B of this batch, or 0 outside the stored rows x cols.
+fn a_at(base: u32, row: u32, col: u32, rows: u32, cols: u32) -> f32 {
+    if (row < rows && col < cols) {
+        return a[base + row * P.lda + col];
+    }
+    return 0.0;
+}
+
+fn b_at(base: u32, row: u32, col: u32, rows: u32, cols: u32) -> f32 {
+    if (row < rows && col < cols) {
+        return b[base + row * P.ldb + col];
+    }
+    return 0.0;
+}
+
+// Copy op(A)[m0:m0+BM, k0:k0+BK] into As. Consecutive threads take consecutive elements along the stored
+// contiguous axis: k when A is (M, K), m when A is stored transposed (K, M).
+fn load_a_tile(base: u32, m0: u32, k0: u32, t: u32) {
+    for (var s = 0u; s < LOADS_A; s++) {
+        let i = t + s * NT;
+        if (i < BK * BMV) {
+            var k: u32;
+            var mv: u32;
+            var v: vec4<f32>;
+            if (TRANS_A == 0u) {
+                k = i % BK;
+                mv = i / BK;
+                let m = m0 + 4u * mv;
+                let kg = k0 + k;
+                v = vec4<f32>(a_at(base, m, kg, P.M, P.K), a_at(base, m + 1u, kg, P.M, P.K),
+                              a_at(base, m + 2u, kg, P.M, P.K), a_at(base, m + 3u, kg, P.M, P.K));
+            } else {
+                k = i / BMV;
+                mv = i % BMV;
+                let m = m0 + 4u * mv;
+                let kg = k0 + k;
+                v = vec4<f32>(a_at(base, kg, m, P.K, P.M), a_at(base, kg, m + 1u, P.K, P.M),
+                              a_at(base, kg, m + 2u, P.K, P.M), a_at(base, kg, m + 3u, P.K, P.M));
+            }
+            As[k * BMV + mv] = v;
+        }
+    }
+}
+
+// Copy op(B)[k0:k0+BK, n0:n0+BN] into Bs: along n when B is (K, N), along k when stored transposed (N, K).
+fn load_b_tile(base: u32, n0: u32, k0: u32, t: u32) {
+    for (var s = 0u; s < LOADS_B; s++) {
+        let i = t + s * NT;
+        if (i < BK * BNV) {
+            var k: u32;
+            var nv: u32;
+            var v: vec4<f32>;
+            if (TRANS_B == 0u) {
+                k = i / BNV;
+                nv = i % BNV;
+                let n = n0 + 4u * nv;
+                let kg = k0 + k;
+                v = vec4<f32>(b_at(base, kg, n, P.K, P.N), b_at(base, kg, n + 1u, P.K, P.N),
+                              b_at(base, kg, n + 2u, P.K, P.N), b_at(base, kg, n + 3u, P.K, P.N));
+            } else {
+                k = i % BK;
+                nv = i / BK;
+                let n = n0 + 4u * nv;
+                let kg = k0 + k;
+                v = vec4<f32>(b_at(base, n, kg, P.N, P.K), b_at(base, n + 1u, kg, P.N, P.K),
+                              b_at(base, n + 2u, kg, P.N, P.K), b_at(base, n + 3u, kg, P.N, P.K));
+            }
+            Bs[k * BNV + nv] = v;
+        }
+    }
+}
+
+// C[m, n] = alpha * v (+ C[m, n]) for the element in range; `row` is the offset of row m in c.
+fn put(row: u32, n: u32, v: f32) {
+    if (n < P.N) {
+        let i = row + n;
+        var r = P.alpha * v;
+        if (P.accumulate != 0u) {
+            r += c[i];
+        }
+        c[i] = r;
+    }
+}
+
+// Four consecutive columns n .. n+3 of row m.
+fn store4(base: u32, m: u32, n: u32, v: vec4<f32>) {
+    if (m < P.M) {
+        let row = base + m * P.ldc;
+        put(row, n, v.x);
+        put(row, n + 1u, v.y);
+        put(row, n + 2u, v.z);
+        put(row, n + 3u, v.w);
+    }
+}
+
+@compute @workgroup_size(WX, WY, 1)
+fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let n0 = wid.x * BNV * 4u;
+    let m0 = wid.y * BMV * 4u;
+    let z = wid.z;
+    // Bounds guard, uniform over the workgroup (the barriers below need every thread of a live tile).
+    if (m0 >= P.M || n0 >= P.N || z >= P.batch) {
+        return;
+    }
+    let tx = lid.x;
+    let ty = lid.y;
+    let t = ty * WX + tx;
+    let base_a = z * P.stride_a;
+    let base_b = z * P.stride_b;
+    let base_c = z * P.stride_c;
+
+{{acc_decl}}
+    for (var k0 = 0u; k0 < P.K; k0 += BK) {
+        load_a_tile(base_a, m0, k0, t);
+        load_b_tile(base_b, n0, k0, t);
+        workgroupBarrier();
+        for (var kk = 0u; kk < BK; kk++) {
+{{fma}}
+        }
+        workgroupBarrier();
+    }
+
+{{store}}
+}

@@ -1,0 +1,143 @@
+// Deterministic reductions: sums of squares (gradient norm), the global norm + clip multiplier, and a
+// plain sum (row losses -> batch loss).
+//
+// No float atomics anywhere: each workgroup sums a fixed set of elements in a fixed order and a fixed-shape
+// tree, so the same inputs (and the same launch sizes, which depend only on n) give the same bits.
+//
+// Gradient norm over several flat ranges, all on the GPU:
+//   sum_squares   (one dispatch per range) partials[offset + w] = sum of x^2 over workgroup w's elements
+//                 (grid-stride: element i belongs to workgroup (i / 256) % groups);
+//   finalize_clip (one workgroup)          scalars[0] = sqrt(sum of partials[0..count))  (global norm)
+//                                          scalars[1] = clip multiplier min(1, clip / norm)
+//                                                       (1 if norm == 0, norm <= clip or clip <= 0;
+//                                                        0 when the gradient is not finite)
+//                                          scalars[2] = 1.0 if every partial is finite, else 0.0
+//                                          scalars[3] = the sum of squares itself
+// AdamW reads scalars[1] and scalars[2], so clipping and the non-finite skip need no host round trip.
+//
+// sum_rows (one workgroup): out[index] = sum of x[0..n).
+
+const WG: u32 = 256u;
+
+var<workgroup> red: array<f32, 256>;
+
+// Fixed-shape tree sum of one value per invocation; every invocation gets the total.
+fn tree_sum(lid: u32, v: f32) -> f32 {
+    red[lid] = v;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride = stride >> 1u) {
+        if (lid < stride) {
+            red[lid] = red[lid] + red[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    let total = red[0];
+    workgroupBarrier();
+    return total;
+}
+
+// inf and NaN have an all-ones exponent; a bit test survives fast-math, `x != x` might not.
+fn not_finite(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7f800000u) == 0x7f800000u;
+}
+
+// ---------------------------------------------------------------------------------------------------
+
+struct SumSquaresParams {
+    n: u32,
+    offset: u32,
+    _a: u32,
+    _b: u32,
+}
+
+@group(0) @binding(0) var<storage, read> ss_x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> ss_partials: array<f32>;
+@group(0) @binding(2) var<uniform> ss_p: SumSquaresParams;
+
+@compute @workgroup_size(256)
+fn sum_squares(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_id) lid3: vec3<u32>,
+) {
+    let lid = lid3.x;
+    let stride = nwg.x * WG;
+    var acc = 0.0;
+    for (var i = wid.x * WG + lid; i < ss_p.n; i += stride) {
+        let v = ss_x[i];
+        acc += v * v;
+    }
+    let total = tree_sum(lid, acc);
+    if (lid == 0u) {
+        ss_partials[ss_p.offset + wid.x] = total;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+
+struct FinalizeParams {
+    count: u32,
+    clip: f32,
+    _a: u32,
+    _b: u32,
+}
+
+@group(0) @binding(0) var<storage, read> fc_partials: array<f32>;
+@group(0) @binding(1) var<storage, read_write> fc_scalars: array<f32>;
+@group(0) @binding(2) var<uniform> fc_p: FinalizeParams;
+
+@compute @workgroup_size(256)
+fn finalize_clip(@builtin(local_invocation_id) lid3: vec3<u32>) {
+    let lid = lid3.x;
+    var acc = 0.0;
+    var bad = 0.0;
+    for (var i = lid; i < fc_p.count; i += WG) {
+        let v = fc_partials[i];
+        acc += v;
+        if (not_finite(v)) {
+            bad = 1.0;
+        }
+    }
+    let total = tree_sum(lid, acc);
+    let nbad = tree_sum(lid, bad);
+    if (lid == 0u) {
+        let finite = nbad == 0.0 && !not_finite(total);
+        let norm = sqrt(total);
+        var mult = 1.0;
+        if (!finite) {
+            mult = 0.0;
+        } else if (fc_p.clip > 0.0 && norm > fc_p.clip) {
+            mult = fc_p.clip / norm;
+        }
+        fc_scalars[0] = norm;
+        fc_scalars[1] = mult;
+        fc_scalars[2] = select(0.0, 1.0, finite);
+        fc_scalars[3] = total;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+
+struct SumRowsParams {
+    n: u32,
+    index: u32,
+    _a: u32,
+    _b: u32,
+}
+
+@group(0) @binding(0) var<storage, read> sr_x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> sr_out: array<f32>;
+@group(0) @binding(2) var<uniform> sr_p: SumRowsParams;
+
+@compute @workgroup_size(256)
+fn sum_rows(@builtin(local_invocation_id) lid3: vec3<u32>) {
+    let lid = lid3.x;
+    var acc = 0.0;
+    for (var i = lid; i < sr_p.n; i += WG) {
+        acc += sr_x[i];
+    }
+    let total = tree_sum(lid, acc);
+    if (lid == 0u) {
+        sr_out[sr_p.index] = total;
+    }
+}

@@ -1,0 +1,112 @@
+// Rotary position embedding, rotate-half convention (HF Llama/Qwen3), on x (B, T, N, D) row-major,
+// with tables cos/sin (>= T, D) whose row t is position t (ddl_ref.ops.rope_tables). h = D / 2.
+//
+// forward:  out = x * cos + rotate_half(x) * sin,   rotate_half(x) = concat(-x[h:], x[:h])
+//   out[i]   = x[i]   * cos[i]   - x[i+h] * sin[i]
+//   out[i+h] = x[i+h] * cos[i+h] + x[i]   * sin[i+h]
+// backward (the transpose):  dx = dout * cos + concat((dout*sin)[h:], -(dout*sin)[:h])
+//   dx[i]    = g[i]   * cos[i]   + g[i+h] * sin[i+h]
+//   dx[i+h]  = g[i+h] * cos[i+h] - g[i]   * sin[i]
+//
+// One thread per pair (i, i+h) of one (b, t, n) row: it reads both items before writing both, so the
+// in-place entry points (one read_write buffer) are race-free.
+//
+//   rope_forward / rope_backward                  (x_or_dout, cos, sin, out_or_dx, p)
+//   rope_forward_inplace / rope_backward_inplace  (cos, sin, x, p)
+
+const WG: u32 = 256u;
+
+struct Params {
+    pairs: u32,  // B * T * N * h
+    T: u32,
+    N: u32,
+    D: u32,
+}
+
+fn item(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
+    return (wid.x + wid.y * nwg.x) * WG + lid.x;
+}
+
+// Where pair `gid` lives: (index of item i in x, index of item i in the tables); item i+h is h further on.
+fn locate(gid: u32, p: Params) -> vec2<u32> {
+    let h = p.D / 2u;
+    let row = gid / h;  // (b * T + t) * N + n
+    let i = gid - row * h;
+    let t = (row / p.N) % p.T;
+    return vec2<u32>(row * p.D + i, t * p.D + i);
+}
+
+// The forward rotation of the pair (a, b) = (x[i], x[i+h]), or its transpose for the backward.
+fn rotate(a: f32, b: f32, c1: f32, s1: f32, c2: f32, s2: f32, backward: bool) -> vec2<f32> {
+    if (backward) {
+        return vec2<f32>(a * c1 + b * s2, b * c2 - a * s1);
+    }
+    return vec2<f32>(a * c1 - b * s1, b * c2 + a * s2);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// out of place
+
+@group(0) @binding(0) var<storage, read> op_x: array<f32>;
+@group(0) @binding(1) var<storage, read> op_cos: array<f32>;
+@group(0) @binding(2) var<storage, read> op_sin: array<f32>;
+@group(0) @binding(3) var<storage, read_write> op_out: array<f32>;
+@group(0) @binding(4) var<uniform> op_p: Params;
+
+fn rope_out_of_place(gid: u32, backward: bool) {
+    let h = op_p.D / 2u;
+    let at = locate(gid, op_p);
+    let r = rotate(op_x[at.x], op_x[at.x + h], op_cos[at.y], op_sin[at.y], op_cos[at.y + h], op_sin[at.y + h],
+                   backward);
+    op_out[at.x] = r.x;
+    op_out[at.x + h] = r.y;
+}
+
+@compute @workgroup_size(WG)
+fn rope_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_id) lid: vec3<u32>) {
+    let gid = item(wid, nwg, lid);
+    if (gid >= op_p.pairs) { return; }
+    rope_out_of_place(gid, false);
+}
+
+@compute @workgroup_size(WG)
+fn rope_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_id) lid: vec3<u32>) {
+    let gid = item(wid, nwg, lid);
+    if (gid >= op_p.pairs) { return; }
+    rope_out_of_place(gid, true);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// in place: x is read and overwritten
+
+@group(0) @binding(0) var<storage, read> ip_cos: array<f32>;
+@group(0) @binding(1) var<storage, read> ip_sin: array<f32>;
+@group(0) @binding(2) var<storage, read_write> ip_x: array<f32>;
+@group(0) @binding(3) var<uniform> ip_p: Params;
+
+fn rope_in_place(gid: u32, backward: bool) {
+    let h = ip_p.D / 2u;
+    let at = locate(gid, ip_p);
+    let r = rotate(ip_x[at.x], ip_x[at.x + h], ip_cos[at.y], ip_sin[at.y], ip_cos[at.y + h], ip_sin[at.y + h],
+                   backward);
+    ip_x[at.x] = r.x;
+    ip_x[at.x + h] = r.y;
+}
+
+@compute @workgroup_size(WG)
+fn rope_forward_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let gid = item(wid, nwg, lid);
+    if (gid >= ip_p.pairs) { return; }
+    rope_in_place(gid, false);
+}
+
+@compute @workgroup_size(WG)
+fn rope_backward_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                         @builtin(local_invocation_id) lid: vec3<u32>) {
+    let gid = item(wid, nwg, lid);
+    if (gid >= ip_p.pairs) { return; }
+    rope_in_place(gid, true);
+}

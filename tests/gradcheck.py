@@ -1,0 +1,87 @@
+"""Shared finite-difference gradient checker for the `ddl_ref` tests (llm.c `layernorm.py` style).
+
+A backward is checked on the scalar `fakeloss = sum(out * dout)` for a fixed random `dout`: the analytic
+gradient of that scalar w.r.t. each input is exactly what the backward returns, and central differences in
+float64 approximate it to about eps^2 (truncation) + 1e-16/eps (round-off), i.e. ~1e-10 relative for eps=1e-6.
+
+What this file deliberately does not do: compare GPU kernels (that is the engine's `check` helper) or choose
+tolerances for float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+
+def numeric_grad(f: Callable[[], float], x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Central differences of the scalar f() w.r.t. x, perturbing x in place (restored afterwards)."""
+    assert x.dtype == np.float64, "finite differences need float64"
+    g = np.zeros_like(x)
+    flat = x.reshape(-1)  # a view: writing to it perturbs x
+    gflat = g.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        fp = f()
+        flat[i] = old - eps
+        fm = f()
+        flat[i] = old
+        gflat[i] = (fp - fm) / (2.0 * eps)
+    return g
+
+
+def rel_error(analytic: np.ndarray, numeric: np.ndarray) -> tuple[float, float]:
+    """-> (max |a - n| / max(max |n|, 1e-8), max |a - n|). Robust where single entries are near zero."""
+    diff = float(np.max(np.abs(analytic - numeric))) if analytic.size else 0.0
+    scale = max(float(np.max(np.abs(numeric))) if numeric.size else 0.0, 1e-8)
+    return diff / scale, diff
+
+
+def assert_grad_close(name: str, analytic: np.ndarray, numeric: np.ndarray, rtol: float = 1e-6) -> None:
+    assert analytic.shape == numeric.shape, f"{name}: shape {analytic.shape} != {numeric.shape}"
+    rel, diff = rel_error(analytic, numeric)
+    assert rel < rtol, f"{name}: relative error {rel:.3e} >= {rtol:.0e} (max abs diff {diff:.3e})"
+
+
+def fakeloss(out, dout) -> float:
+    """sum(out * dout) over every output array (out and dout may be tuples of arrays)."""
+    if isinstance(out, tuple | list):
+        return float(sum(np.sum(o * d) for o, d in zip(out, dout, strict=True)))
+    return float(np.sum(out * dout))
+
+
+def check_grad(
+    fwd: Callable[..., object],
+    bwd: Callable[..., object],
+    inputs: list[np.ndarray],
+    wrt: list[int] | None = None,
+    seed: int = 0,
+    eps: float = 1e-6,
+    rtol: float = 1e-6,
+) -> dict[int, float]:
+    """Check bwd against finite differences of fwd.
+
+    fwd(*inputs) -> out (array or tuple of arrays); bwd(out, dout, *inputs) -> gradients, a tuple aligned
+    with `wrt` (or a single array when one input is checked). `wrt` lists which inputs are differentiated
+    (default: every float64 input). Returns {input index: relative error}.
+    """
+    if wrt is None:
+        wrt = [i for i, x in enumerate(inputs) if isinstance(x, np.ndarray) and x.dtype == np.float64]
+    rng = np.random.default_rng(seed)
+    out = fwd(*inputs)
+    if isinstance(out, tuple | list):
+        dout = tuple(rng.standard_normal(np.shape(o)) for o in out)
+    else:
+        dout = rng.standard_normal(np.shape(out))
+    grads = bwd(out, dout, *inputs)
+    if len(wrt) == 1 and not isinstance(grads, tuple | list):
+        grads = (grads,)
+    assert len(grads) == len(wrt), f"backward returned {len(grads)} gradients for {len(wrt)} inputs"
+    errors = {}
+    for idx, g in zip(wrt, grads, strict=True):
+        num = numeric_grad(lambda: fakeloss(fwd(*inputs), dout), inputs[idx], eps=eps)
+        assert_grad_close(f"input {idx}", np.asarray(g), num, rtol=rtol)
+        errors[idx] = rel_error(np.asarray(g), num)[0]
+    return errors

@@ -1,0 +1,123 @@
+"""attention.wgsl against ddl_ref.ops.attention_forward/backward (float64 reference of float32 inputs):
+out, lse, dq, dk, dv for GQA shapes with T not a multiple of the tiles; determinism; causality; a custom scale;
+the small-tile configurations an adapter with little workgroup storage gets; large head dims."""
+
+import numpy as np
+import pytest
+from kernel_check import check
+
+from ddl_ref import ops as ref
+from ddl_wgpu.ops.attention import MAX_D, attention_backward, attention_forward, tile_config
+
+SHAPES = [  # (B, T, H, K, D)
+    (1, 1, 1, 1, 4),
+    (2, 7, 4, 2, 6),
+    (1, 33, 2, 1, 16),
+    (2, 20, 6, 3, 32),
+    (1, 70, 2, 2, 8),
+]
+
+
+def _inputs(shape, seed=0):
+    B, T, H, K, D = shape
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    k = rng.standard_normal((B, T, K, D)).astype(np.float32)
+    v = rng.standard_normal((B, T, K, D)).astype(np.float32)
+    dout = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    return q, k, v, dout
+
+
+def _gpu_attention(gpu, shape, q, k, v, dout, scale=None):
+    """Forward then backward on the GPU (the backward consumes the GPU's out and lse, as in training)."""
+    B, T, H, K, D = shape
+    bq, bk, bv, bdo = (gpu.upload(a) for a in (q, k, v, dout))
+    out, lse = gpu.buffer(q.nbytes), gpu.buffer(B * H * T * 4)
+    dq, dk, dv = gpu.buffer(q.nbytes), gpu.buffer(k.nbytes), gpu.buffer(v.nbytes)
+    attention_forward(gpu, out, lse, bq, bk, bv, B, T, H, K, D, scale=scale).run(gpu)
+    attention_backward(gpu, dq, dk, dv, bdo, out, lse, bq, bk, bv, B, T, H, K, D, scale=scale).run(gpu)
+    return {
+        "out": gpu.download(out, count=q.size).reshape(q.shape),
+        "lse": gpu.download(lse, count=B * H * T).reshape(B, H, T),
+        "dq": gpu.download(dq, count=q.size).reshape(q.shape),
+        "dk": gpu.download(dk, count=k.size).reshape(k.shape),
+        "dv": gpu.download(dv, count=v.size).reshape(v.shape),
+    }
+
+
+def _reference(q, k, v, dout):
+    out, cache = ref.attention_forward(*(a.astype(np.float64) for a in (q, k, v)))
+    dq, dk, dv = ref.attention_backward(dout.astype(np.float64), cache)
+    return {"out": out, "lse": cache[4], "dq": dq, "dk": dk, "dv": dv}
+
+
+def _check_all(got, want, label):
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        check(f"{label} {name}", got[name], want[name], "attention")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}D{}".format(*s))
+def test_attention_matches_reference(gpu, shape):
+    q, k, v, dout = _inputs(shape)
+    _check_all(_gpu_attention(gpu, shape, q, k, v, dout), _reference(q, k, v, dout), str(shape))
+
+
+@pytest.mark.parametrize("shape", [(1, 19, 2, 1, 128), (1, 9, 4, 2, 256)], ids=["D128", "D256"])
+def test_attention_large_head_dim(gpu, shape):
+    q, k, v, dout = _inputs(shape, seed=1)
+    _check_all(_gpu_attention(gpu, shape, q, k, v, dout), _reference(q, k, v, dout), str(shape))
+
+
+@pytest.mark.parametrize("storage", [4096, 1024])
+def test_attention_small_tiles(gpu, monkeypatch, storage):
+    # An adapter with little workgroup storage gets narrow tiles (TR = 8, 4, 2): same results.
+    monkeypatch.setitem(gpu.limits, "max-compute-workgroup-storage-size", storage)
+    for shape in [(1, 11, 2, 1, 7), (2, 9, 4, 2, 12)]:
+        q, k, v, dout = _inputs(shape, seed=2)
+        _check_all(_gpu_attention(gpu, shape, q, k, v, dout), _reference(q, k, v, dout), f"{storage} {shape}")
+
+
+def test_attention_deterministic(gpu):
+    shape = (2, 20, 6, 3, 32)
+    q, k, v, dout = _inputs(shape, seed=3)
+    a = _gpu_attention(gpu, shape, q, k, v, dout)
+    b = _gpu_attention(gpu, shape, q, k, v, dout)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), f"{name} differs between two identical runs"
+
+
+def test_attention_causal(gpu):
+    # Changing k and v at positions > t leaves out[:, :t+1] and lse[..., :t+1] bit-identical.
+    shape = (1, 37, 4, 2, 16)
+    t = 17
+    q, k, v, dout = _inputs(shape, seed=4)
+    a = _gpu_attention(gpu, shape, q, k, v, dout)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, t + 1 :] = 10.0 * np.random.default_rng(5).standard_normal(k2[:, t + 1 :].shape)
+    v2[:, t + 1 :] = -3.0
+    b = _gpu_attention(gpu, shape, q, k2, v2, dout)
+    assert np.array_equal(a["out"][:, : t + 1], b["out"][:, : t + 1])
+    assert np.array_equal(a["lse"][..., : t + 1], b["lse"][..., : t + 1])
+    assert not np.array_equal(a["out"][:, t + 1 :], b["out"][:, t + 1 :])
+
+
+def test_attention_custom_scale(gpu):
+    # scale c on q equals the default scale D**-0.5 on q' = q * c * sqrt(D); dq picks up that factor.
+    shape = (2, 13, 4, 1, 8)
+    B, T, H, K, D = shape
+    c = 0.2
+    q, k, v, dout = _inputs(shape, seed=6)
+    got = _gpu_attention(gpu, shape, q, k, v, dout, scale=c)
+    f = c * np.sqrt(D)
+    want = _reference(q.astype(np.float64) * f, k, v, dout)
+    want["dq"] = want["dq"] * f
+    _check_all(got, want, "scale")
+
+
+def test_tile_config_fits():
+    # Every head dim up to 256 fits WebGPU's default 16 KiB of workgroup storage; more storage, wider tiles.
+    for D in range(1, MAX_D + 1):
+        small = tile_config(D, 16384)
+        big = tile_config(D, 49152)
+        assert all(r * tr <= 256 for r, tr in small.values())
+        assert all(big[n][0] * big[n][1] >= small[n][0] * small[n][1] for n in small)

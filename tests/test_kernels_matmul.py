@@ -1,0 +1,203 @@
+"""The matmul family (`shaders/matmul.wgsl`, `ddl_wgpu/ops/matmul.py`) against numpy and `ddl_ref.ops`.
+
+Shapes are small and deliberately not multiples of the 64 x 64 workgroup tile (nor of 4 or of BK), so the
+zero-filled edge copies and the guarded stores are exercised on every side.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddl_ref import ops as ref
+from ddl_wgpu.gpu import GpuError
+from ddl_wgpu.ops.matmul import (
+    LARGE_TILE,
+    SMALL_TILE,
+    Tile,
+    linear_backward,
+    linear_forward,
+    matmul,
+    pick_tile,
+)
+
+try:
+    from kernel_check import check
+except ImportError:  # tests/ imported as a package
+    from tests.kernel_check import check
+
+SHAPES = [(1, 1, 1), (7, 13, 5), (33, 17, 65), (64, 48, 40), (130, 9, 70)]  # (M, N, K)
+
+
+def _rand(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _op(x, trans):
+    return (x.T if trans else x).astype(np.float64)
+
+
+def _run_matmul(gpu, A, B, M, N, K, c_init=None, **kw):
+    a, b = gpu.upload(A), gpu.upload(B)
+    c = gpu.upload(c_init) if c_init is not None else gpu.buffer(4 * kw.get("batch", 1) * M * N)
+    matmul(gpu, c, a, b, M, N, K, **kw).run(gpu)
+    return gpu.download(c, np.float32, kw.get("batch", 1) * M * N if c_init is None else c_init.size)
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_matmul_layouts(gpu, rng, M, N, K, trans_a, trans_b):
+    A = _rand(rng, *((K, M) if trans_a else (M, K)))
+    B = _rand(rng, *((N, K) if trans_b else (K, N)))
+    got = _run_matmul(gpu, A, B, M, N, K, trans_a=trans_a, trans_b=trans_b).reshape(M, N)
+    check(f"matmul {M}x{N}x{K} ta={trans_a} tb={trans_b}", got, _op(A, trans_a) @ _op(B, trans_b), "matmul")
+
+
+@pytest.mark.parametrize("M,N,K", [(7, 13, 5), (33, 17, 65)])
+def test_matmul_accumulate_alpha(gpu, rng, M, N, K):
+    A, B, C0 = _rand(rng, M, K), _rand(rng, N, K), _rand(rng, M, N)
+    want = -0.37 * (_op(A, False) @ _op(B, True)) + C0
+    got = _run_matmul(gpu, A, B, M, N, K, c_init=C0, trans_b=True, accumulate=True, alpha=-0.37)
+    check("matmul accumulate alpha", got.reshape(M, N), want, "matmul")
+    # without accumulate the old C is ignored
+    got = _run_matmul(gpu, A, B, M, N, K, c_init=C0, trans_b=True, alpha=2.5)
+    check("matmul alpha", got.reshape(M, N), 2.5 * (_op(A, False) @ _op(B, True)), "matmul")
+
+
+def test_linear_matches_ref(gpu, rng):
+    rows, OUT, IN = 37, 19, 45
+    x, w, dout = _rand(rng, rows, IN), _rand(rng, OUT, IN), _rand(rng, rows, OUT)
+    bx, bw, bdout = gpu.upload(x), gpu.upload(w), gpu.upload(dout)
+    out, dx, dw = gpu.buffer(4 * rows * OUT), gpu.buffer(4 * rows * IN), gpu.buffer(4 * OUT * IN)
+    (
+        linear_forward(gpu, out, bx, bw, rows, OUT, IN)
+        + linear_backward(gpu, dx, dw, bdout, bx, bw, rows, OUT, IN)
+    ).run(gpu)
+    x64, w64, d64 = x.astype(np.float64), w.astype(np.float64), dout.astype(np.float64)
+    rdx, rdw = ref.linear_backward(d64, x64, w64)
+    check(
+        "linear out",
+        gpu.download(out, np.float32, rows * OUT).reshape(rows, OUT),
+        ref.linear_forward(x64, w64),
+        "matmul",
+    )
+    check("linear dx", gpu.download(dx, np.float32, rows * IN).reshape(rows, IN), rdx, "matmul")
+    check("linear dw", gpu.download(dw, np.float32, OUT * IN).reshape(OUT, IN), rdw, "matmul")
+
+
+def test_linear_backward_accumulate_and_skip_dx(gpu, rng):
+    rows, OUT, IN = 21, 11, 26
+    x, w, dout = _rand(rng, rows, IN), _rand(rng, OUT, IN), _rand(rng, rows, OUT)
+    dx0, dw0 = _rand(rng, rows, IN), _rand(rng, OUT, IN)
+    bx, bw, bdout = gpu.upload(x), gpu.upload(w), gpu.upload(dout)
+    dx, dw = gpu.upload(dx0), gpu.upload(dw0)
+    call = linear_backward(gpu, dx, dw, bdout, bx, bw, rows, OUT, IN, accumulate_dx=True, accumulate_dw=True)
+    assert len(call.dispatches) == 2
+    call.run(gpu)
+    rdx, rdw = ref.linear_backward(dout.astype(np.float64), x.astype(np.float64), w.astype(np.float64))
+    check(
+        "linear dx accumulated",
+        gpu.download(dx, np.float32, rows * IN).reshape(rows, IN),
+        dx0 + rdx,
+        "matmul",
+    )
+    check(
+        "linear dw accumulated", gpu.download(dw, np.float32, OUT * IN).reshape(OUT, IN), dw0 + rdw, "matmul"
+    )
+    # dx=None: only dW, overwritten (accumulate_dw=False)
+    call = linear_backward(gpu, None, dw, bdout, bx, bw, rows, OUT, IN)
+    assert len(call.dispatches) == 1
+    call.run(gpu)
+    check("linear dw only", gpu.download(dw, np.float32, OUT * IN).reshape(OUT, IN), rdw, "matmul")
+
+
+def test_matmul_batched_strides(gpu, rng):
+    # Per-head style products with gaps between the batch entries (strides larger than one matrix).
+    nb, M, N, K = 3, 19, 10, 23
+    sa, sb, sc = M * K + 5, 0, M * N + 7  # B shared by every batch entry (stride 0)
+    A = _rand(rng, (nb - 1) * sa + M * K)
+    B = _rand(rng, K, N)
+    C0 = _rand(rng, (nb - 1) * sc + M * N)
+    got = _run_matmul(gpu, A, B, M, N, K, c_init=C0, batch=nb, stride_a=sa, stride_b=sb, stride_c=sc)
+    want = C0.astype(np.float64).copy()
+    for z in range(nb):
+        want[z * sc : z * sc + M * N] = (_op(A[z * sa : z * sa + M * K].reshape(M, K), False) @ B).ravel()
+    check("matmul batched", got[: want.size], want, "matmul")  # gaps keep C0's values
+
+
+def test_matmul_batched_transposed_row_strides(gpu, rng):
+    # Q K^T per head on (T, H, D) storage: A = q rows of one head (row stride H*D), B = k the same, trans_b.
+    T, H, D = 13, 3, 8
+    q, k = _rand(rng, T, H, D), _rand(rng, T, H, D)
+    s = gpu.buffer(4 * H * T * T)
+    call = matmul(
+        gpu, s, gpu.upload(q), gpu.upload(k), T, T, D, trans_b=True, alpha=D**-0.5, batch=H,
+        stride_a=D, stride_b=D, stride_c=T * T, lda=H * D, ldb=H * D,
+    )  # fmt: skip
+    call.run(gpu)
+    want = np.einsum("thd,shd->hts", q.astype(np.float64), k.astype(np.float64)) * D**-0.5
+    check("matmul per-head scores", gpu.download(s, np.float32, H * T * T).reshape(H, T, T), want, "matmul")
+
+
+def test_matmul_views_into_arena(gpu, rng):
+    M, N, K = 9, 14, 11
+    A, B = _rand(rng, M, K), _rand(rng, N, K)
+    oa, ob, oc = 256, 768, 1280  # byte offsets, 256-aligned
+    arena_in = np.full(1024, np.nan, np.float32)  # NaN around the views: any stray read would show
+    arena_in[oa // 4 : oa // 4 + A.size] = A.ravel()
+    arena_in[ob // 4 : ob // 4 + B.size] = B.ravel()
+    src = gpu.upload(arena_in)
+    sentinel = np.full(1024, 7.0, np.float32)
+    dst = gpu.upload(sentinel)
+    call = matmul(
+        gpu, (dst, oc, 4 * M * N), (src, oa, 4 * A.size), (src, ob, 4 * B.size), M, N, K, trans_b=True
+    )
+    call.run(gpu)
+    got = gpu.download(dst)
+    check("matmul view", got[oc // 4 : oc // 4 + M * N].reshape(M, N), _op(A, False) @ _op(B, True), "matmul")
+    outside = np.r_[got[: oc // 4], got[oc // 4 + M * N :]]
+    assert np.all(outside == 7.0), "matmul wrote outside its view"
+
+
+@pytest.mark.parametrize(
+    "tile",
+    [Tile(tm=8, tn=8, bk=16), Tile(wx=8, wy=4, tm=4, tn=8, bk=8), Tile(wx=4, wy=8, tm=8, tn=4, bk=5)],
+    ids=["8x8-bk16", "wide", "odd-bk"],
+)
+def test_matmul_other_tiles(gpu, rng, tile):
+    # The generator must be right for any tile shape: the H200 uses 8x8 per thread; the others have copy
+    # counts that do not divide the thread count.
+    M, N, K = 70, 45, 37
+    for trans_a, trans_b in [(False, True), (True, False)]:
+        A = _rand(rng, *((K, M) if trans_a else (M, K)))
+        B = _rand(rng, *((N, K) if trans_b else (K, N)))
+        got = _run_matmul(gpu, A, B, M, N, K, trans_a=trans_a, trans_b=trans_b, tile=tile)
+        check(f"matmul {tile}", got.reshape(M, N), _op(A, trans_a) @ _op(B, trans_b), "matmul")
+
+
+def test_matmul_deterministic(gpu, rng):
+    rows, OUT, IN = 300, 24, 33  # the dW reduction runs over the 300 rows
+    x, w, dout = _rand(rng, rows, IN), _rand(rng, OUT, IN), _rand(rng, rows, OUT)
+    bx, bw, bdout = gpu.upload(x), gpu.upload(w), gpu.upload(dout)
+    results = []
+    for _ in range(2):
+        dx, dw = gpu.buffer(4 * rows * IN), gpu.buffer(4 * OUT * IN)
+        linear_backward(gpu, dx, dw, bdout, bx, bw, rows, OUT, IN).run(gpu)
+        results.append((gpu.download(dx, np.float32, rows * IN), gpu.download(dw, np.float32, OUT * IN)))
+    assert np.array_equal(results[0][0], results[1][0])
+    assert np.array_equal(results[0][1], results[1][1])
+
+
+def test_matmul_rejects_small_buffer_and_skips_empty(gpu):
+    a, b, c = gpu.buffer(4 * 6), gpu.buffer(4 * 6), gpu.buffer(4 * 4)
+    with pytest.raises(GpuError, match="needs"):
+        matmul(gpu, c, a, b, 3, 3, 2)  # C needs 9 floats, has 4
+    assert matmul(gpu, c, a, b, 0, 2, 3).dispatches == []
+    with pytest.raises(GpuError, match="multiples of 4"):
+        matmul(gpu, c, a, b, 2, 2, 3, tile=Tile(tm=3))
+
+
+def test_pick_tile(gpu):
+    # Small products keep the 64x64 tile (more workgroups); large ones take 128x128. Both must be right.
+    assert pick_tile(gpu, 33, 17) == SMALL_TILE
+    assert pick_tile(gpu, 8192, 8192) == LARGE_TILE

@@ -1,0 +1,220 @@
+"""Finite-difference checks of every `ddl_ref.ops` backward, plus forward sanity checks against direct formulas.
+
+Everything runs in float64 on small odd shapes; the dtype tests check that float32 stays float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddl_ref import ops
+
+try:
+    from gradcheck import assert_grad_close, check_grad, numeric_grad
+except ImportError:  # tests/ imported as a package
+    from tests.gradcheck import assert_grad_close, check_grad, numeric_grad
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def test_gradcheck_can_fail():
+    # A deliberately wrong backward (factor 2) must be caught, or the checker proves nothing.
+    x = rng().standard_normal((3, 4))
+    with pytest.raises(AssertionError, match="relative error"):
+        check_grad(lambda x: x * x, lambda out, dout, x: 4.0 * x * dout, [x])
+
+
+def test_embedding_backward_repeated_ids():
+    r = rng(1)
+    V, C = 7, 5
+    ids = np.array([[1, 3, 1, 0], [6, 1, 3, 3]])
+    wte = r.standard_normal((V, C))
+    out = ops.embedding_forward(ids, wte)
+    assert out.shape == (2, 4, C)
+    np.testing.assert_array_equal(out[0, 2], wte[1])
+    dout = r.standard_normal(out.shape)
+    dwte = ops.embedding_backward(dout, ids, V)
+    num = numeric_grad(lambda: float(np.sum(ops.embedding_forward(ids, wte) * dout)), wte)
+    assert_grad_close("dwte", dwte, num)
+    np.testing.assert_array_equal(dwte[2], 0.0)
+
+
+@pytest.mark.parametrize("style", ["standard", "offset"])
+def test_rmsnorm(style):
+    r = rng(2)
+    x = r.standard_normal((2, 3, 7))
+    w = r.standard_normal(7) * 0.5 + (1.0 if style == "standard" else 0.0)
+    eps = 1e-5
+    out, _ = ops.rmsnorm_forward(x, w, eps, style)
+    weff = w if style == "standard" else 1.0 + w
+    expect = x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * weff
+    np.testing.assert_allclose(out, expect, rtol=1e-12)
+    check_grad(
+        lambda x, w: ops.rmsnorm_forward(x, w, eps, style)[0],
+        lambda out, dout, x, w: ops.rmsnorm_backward(dout, ops.rmsnorm_forward(x, w, eps, style)[1]),
+        [x, w],
+    )
+
+
+def test_linear():
+    r = rng(3)
+    x = r.standard_normal((2, 3, 5))
+    w = r.standard_normal((4, 5))
+    np.testing.assert_allclose(ops.linear_forward(x, w), np.einsum("btc,oc->bto", x, w), rtol=1e-12)
+    check_grad(ops.linear_forward, lambda out, dout, x, w: ops.linear_backward(dout, x, w), [x, w])
+
+
+def test_rope_tables_and_forward():
+    T, D, theta = 5, 6, 10000.0
+    cos, sin = ops.rope_tables(T, D, theta, np.float64)
+    assert cos.shape == sin.shape == (T, D)
+    np.testing.assert_array_equal(cos[0], 1.0)
+    # Position 2, frequency index 1: angle 2 / theta^(2/6), duplicated in both halves.
+    ang = 2.0 / theta ** (2.0 / 6.0)
+    np.testing.assert_allclose([cos[2, 1], cos[2, 4], sin[2, 1]], [np.cos(ang), np.cos(ang), np.sin(ang)])
+    x = rng(4).standard_normal((2, T, 3, D))
+    out = ops.rope_forward(x, cos, sin)
+    # Rotation by pairs (i, i + D/2) preserves the norm of every pair.
+    np.testing.assert_allclose(
+        x[..., :3] ** 2 + x[..., 3:] ** 2, out[..., :3] ** 2 + out[..., 3:] ** 2, rtol=1e-12
+    )
+    check_grad(
+        lambda x: ops.rope_forward(x, cos, sin), lambda out, dout, x: ops.rope_backward(dout, cos, sin), [x]
+    )
+
+
+def _attention_naive(q, k, v):
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    out = np.zeros_like(q)
+    for b in range(B):
+        for h in range(H):
+            j = h // (H // K)
+            for t in range(T):
+                s = np.array([q[b, t, h] @ k[b, u, j] for u in range(t + 1)]) / np.sqrt(D)
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                out[b, t, h] = p @ v[b, : t + 1, j]
+    return out
+
+
+@pytest.mark.parametrize("H,K,T", [(4, 2, 5), (3, 3, 4), (4, 1, 3)])
+def test_attention_gqa(H, K, T):
+    r = rng(5)
+    B, D = 2, 6
+    q = r.standard_normal((B, T, H, D))
+    k = r.standard_normal((B, T, K, D))
+    v = r.standard_normal((B, T, K, D))
+    out, cache = ops.attention_forward(q, k, v)
+    np.testing.assert_allclose(out, _attention_naive(q, k, v), rtol=1e-10, atol=1e-12)
+    probs, lse = cache[3], cache[4]
+    assert probs.shape == (B, H, T, T) and lse.shape == (B, H, T)
+    np.testing.assert_array_equal(np.triu(probs, 1), 0.0)
+    check_grad(
+        lambda q, k, v: ops.attention_forward(q, k, v)[0],
+        lambda out, dout, q, k, v: ops.attention_backward(dout, ops.attention_forward(q, k, v)[1]),
+        [q, k, v],
+    )
+
+
+def test_attention_rejects_bad_gqa():
+    q = np.zeros((1, 2, 3, 4))
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        ops.attention_forward(q, np.zeros((1, 2, 2, 4)), np.zeros((1, 2, 2, 4)))
+
+
+def test_swiglu():
+    r = rng(6)
+    gate = r.standard_normal((2, 3, 7)) * 3.0
+    up = r.standard_normal((2, 3, 7))
+    np.testing.assert_allclose(ops.swiglu_forward(gate, up), gate / (1 + np.exp(-gate)) * up, rtol=1e-12)
+    check_grad(ops.swiglu_forward, lambda out, dout, g, u: ops.swiglu_backward(dout, g, u), [gate, up])
+
+
+def test_cross_entropy_rows():
+    r = rng(7)
+    logits = r.standard_normal((5, 9))
+    targets = np.array([0, 8, 3, 3, 99])  # the last target is out of range but weight 0
+    weights = np.array([1.0, 1.0, 0.0, 1.0, 0.0])
+    loss, dlogits = ops.cross_entropy_rows(logits, targets, weights)
+    expect = sum(-np.log(np.exp(logits[n, targets[n]]) / np.exp(logits[n]).sum()) for n in (0, 1, 3))
+    np.testing.assert_allclose(loss, expect, rtol=1e-12)
+    num = numeric_grad(lambda: ops.cross_entropy_rows(logits, targets, weights)[0], logits)
+    assert_grad_close("dlogits", dlogits, num)
+    np.testing.assert_array_equal(dlogits[[2, 4]], 0.0)
+
+
+def test_lm_loss_padding():
+    r = rng(8)
+    B, T, V = 4, 5, 7
+    logits = r.standard_normal((B, T, V))
+    ids = r.integers(0, V, size=(B, T))
+    lengths = np.array([5, 3, 1, 0])  # full row, padded row, one token (no prediction), empty row
+    loss, cache = ops.lm_loss_forward(logits, ids, lengths)
+    assert cache[1] == 4 + 2
+    nll = [-np.log(ops.softmax(logits[b, p])[ids[b, p + 1]]) for b, n in ((0, 4), (1, 2)) for p in range(n)]
+    np.testing.assert_allclose(loss, np.mean(nll), rtol=1e-12)
+    dlogits = ops.lm_loss_backward(cache)
+    num = numeric_grad(lambda: ops.lm_loss_forward(logits, ids, lengths)[0], logits)
+    assert_grad_close("dlogits", dlogits, num)
+    # Padding and the last position of each row never receive gradient.
+    np.testing.assert_array_equal(dlogits[1, 2:], 0.0)
+    np.testing.assert_array_equal(dlogits[2:], 0.0)
+    np.testing.assert_array_equal(dlogits[0, 4], 0.0)
+    # Changing tokens past a row's length changes nothing.
+    ids2 = ids.copy()
+    ids2[1, 3:] = (ids2[1, 3:] + 1) % V
+    assert ops.lm_loss_forward(logits, ids2, lengths)[0] == loss
+
+
+def test_lm_loss_no_predictions():
+    logits = np.zeros((2, 3, 4))
+    loss, cache = ops.lm_loss_forward(logits, np.zeros((2, 3), dtype=int), np.array([1, 0]))
+    assert loss == 0.0
+    np.testing.assert_array_equal(ops.lm_loss_backward(cache), 0.0)
+
+
+def test_topk_kl():
+    r = rng(9)
+    N, V, k = 4, 10, 3
+    logits = r.standard_normal((N, V))
+    ids = np.stack([r.choice(V, size=k, replace=False) for _ in range(N)])
+    probs = r.random((N, k))
+    probs[1, 2] = 0.0  # 0 log 0 must be 0, not nan
+    weights = np.array([1.0, 1.0, 0.0, 1.0])
+    kl, cache = ops.topk_kl_forward(logits, ids, probs, weights)
+    expect = 0.0
+    for n in (0, 1, 3):
+        p = probs[n] / probs[n].sum()
+        q = np.exp(logits[n, ids[n]]) / np.exp(logits[n, ids[n]]).sum()
+        expect += sum(p[i] * (np.log(p[i]) - np.log(q[i])) for i in range(k) if p[i] > 0)
+    np.testing.assert_allclose(kl, expect, rtol=1e-12)
+    assert kl >= 0.0
+    dlogits = ops.topk_kl_backward(cache)
+    num = numeric_grad(lambda: ops.topk_kl_forward(logits, ids, probs, weights)[0], logits)
+    assert_grad_close("dlogits", dlogits, num)
+    # Identical distributions: zero divergence, zero gradient.
+    same = np.exp(logits[np.arange(N)[:, None], ids])
+    kl0, cache0 = ops.topk_kl_forward(logits, ids, same, np.ones(N))
+    assert abs(kl0) < 1e-12
+    np.testing.assert_allclose(ops.topk_kl_backward(cache0), 0.0, atol=1e-15)
+
+
+def test_float32_stays_float32():
+    r = rng(10)
+    f = np.float32
+    x = r.standard_normal((2, 3, 4, 6)).astype(f)
+    w = r.standard_normal(6).astype(f)
+    assert ops.rmsnorm_forward(x, w, 1e-5)[0].dtype == f
+    cos, sin = ops.rope_tables(3, 6, 1e4, f)
+    assert ops.rope_forward(x, cos, sin).dtype == f
+    out, cache = ops.attention_forward(x, x[:, :, :2], x[:, :, :2])
+    assert out.dtype == f and all(g.dtype == f for g in ops.attention_backward(out, cache))
+    assert ops.swiglu_forward(x, x).dtype == f
+    assert ops.linear_forward(x, r.standard_normal((5, 6)).astype(f)).dtype == f
+    logits = r.standard_normal((2, 3, 7)).astype(f)
+    _, c = ops.lm_loss_forward(logits, np.zeros((2, 3), dtype=int), np.array([3, 2]))
+    assert ops.lm_loss_backward(c).dtype == f
