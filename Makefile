@@ -5,9 +5,16 @@
 export LP_NUM_THREADS ?= 2
 export PYTHONUNBUFFERED = 1
 
+# The main job on the embedded corpus: a baseline vs DDL sweep on Python's stdlib sources (~2-4 min on
+# lavapipe), then the ranked table, report and plots under runs/demo/.
+DEMO_ARGS ?= --data stdlib --variants baseline,ddl,ddl-cc --preset tiny --max-steps 60 --eval-interval 20 \
+	--eval-batches 4 --batch-size 8 --seq-len 128 --learning-rate 3e-3 --warmup-steps 5 --max-tokens 2000000
+
 demo:
 	@EXTRAS=test,plot scripts/bootstrap.sh
-	.venv/bin/ddl-wgpu demo
+	.venv/bin/ddl-wgpu devices
+	.venv/bin/ddl-wgpu check
+	.venv/bin/ddl-wgpu train $(DEMO_ARGS) --out runs/demo
 
 test:
 	@EXTRAS=test,plot scripts/bootstrap.sh

@@ -105,9 +105,13 @@ def _mlp_forward(params, p: str, h2):
 
 def _mlp_backward(params, p: str, dout, c, grads):
     """dout (B, T, C) w.r.t. the down_proj output -> dh2 (B, T, C) w.r.t. the normalized input."""
-    ds, grads[p + "mlp.down_proj.weight"] = ops.linear_backward(dout, c["s"], params[p + "mlp.down_proj.weight"])
+    ds, grads[p + "mlp.down_proj.weight"] = ops.linear_backward(
+        dout, c["s"], params[p + "mlp.down_proj.weight"]
+    )
     dgate, dup = ops.swiglu_backward(ds, c["gate"], c["up"])
-    dh2_u, grads[p + "mlp.up_proj.weight"] = ops.linear_backward(dup, c["h2"], params[p + "mlp.up_proj.weight"])
+    dh2_u, grads[p + "mlp.up_proj.weight"] = ops.linear_backward(
+        dup, c["h2"], params[p + "mlp.up_proj.weight"]
+    )
     dh2_g, grads[p + "mlp.gate_proj.weight"] = ops.linear_backward(
         dgate, c["h2"], params[p + "mlp.gate_proj.weight"]
     )
@@ -205,7 +209,10 @@ def _ddl_block_forward(params, cfg: ModelConfig, i: int, X, cos, sin):
     eps, style = cfg.rms_eps, cfg.norm_style
     expanded = cfg.ddl_dv > 1
     cache = {}
-    for s, norm_name, sub in (("attn", "input_layernorm", "attn_sub"), ("mlp", "post_attention_layernorm", "mlp_sub")):
+    for s, norm_name, sub in (
+        ("attn", "input_layernorm", "attn_sub"),
+        ("mlp", "post_attention_layernorm", "mlp_sub"),
+    ):
         if expanded:
             x_in, cache[s + "_compress"] = _compress_forward(params, cfg, p + "compress.", X)  # (B, T, C)
             Xs = X
@@ -224,7 +231,10 @@ def _ddl_block_forward(params, cfg: ModelConfig, i: int, X, cos, sin):
 def _ddl_block_backward(params, cfg: ModelConfig, i: int, dX, cache, cos, sin, grads):
     p = _layer_prefix(i)
     expanded = cfg.ddl_dv > 1
-    for s, norm_name, sub in (("mlp", "post_attention_layernorm", "mlp_sub"), ("attn", "input_layernorm", "attn_sub")):
+    for s, norm_name, sub in (
+        ("mlp", "post_attention_layernorm", "mlp_sub"),
+        ("attn", "input_layernorm", "attn_sub"),
+    ):
         dXs = dX if expanded else dX[..., None]
         dXs, du, dc, dx_in = _delta_backward(f"{p}ddl_{s}.", dXs, cache["ddl_" + s], grads)
         if s == "attn":

@@ -31,8 +31,19 @@ makes x_in = mean over d_v of the state, which at init (state = repeated embeddi
 the embedding, so every DDL variant starts from the same trunk input as the baseline and the d_v = 1 model,
 and x_in (the v input) keeps the stream's scale instead of being shrunk by ~0.5/√C·√k.
 
+MTP draft (cfg.mtp set, mtp-heal.md §2), appended after everything else so the trunk's layout never moves:
+
+    model.mtp.enorm.weight        (C,)      norm init (as the trunk's norms)
+    model.mtp.hnorm.weight        (C,)      norm init
+    model.mtp.eh_proj.weight      (C, 2C)   N(0, (0.5/√(2C))²): the DDL 2-D rule with the projection's fan-in 2C
+    model.mtp.layers.0.*                    a baseline block with the trunk's block names and init
+    model.mtp.norm.weight         (C,)      norm init
+
+The draft block is always a baseline (residual "add") block, also under a DDL trunk; it shares the trunk's
+embedding and head.
+
 What this file deliberately does not do: compute offsets or alignment (the engine's arena does that from
-this table), or hold MTP parameters yet.
+this table).
 """
 
 from __future__ import annotations
@@ -132,10 +143,36 @@ def layer_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
     return specs
 
 
+MTP_PREFIX = "model.mtp."
+MTP_LAYER_PREFIX = "model.mtp.layers.0."
+
+
+def mtp_specs(cfg: ModelConfig) -> list[ParamSpec]:
+    """The MTP draft's parameters (empty when cfg.mtp is None), in forward order."""
+    if cfg.mtp is None:
+        return []
+    C = cfg.d_model
+    norm = _norm_init(cfg)
+    specs = [
+        ParamSpec(MTP_PREFIX + "enorm.weight", (C,), norm),
+        ParamSpec(MTP_PREFIX + "hnorm.weight", (C,), norm),
+        ParamSpec(MTP_PREFIX + "eh_proj.weight", (C, 2 * C), _normal(0.5 / math.sqrt(2 * C))),
+    ]
+    # The block is a trunk block 0 renamed (same shapes, q/k norms when the trunk has them, same init).
+    trunk = layer_specs(cfg, 0)
+    specs += [
+        ParamSpec(MTP_LAYER_PREFIX + s.name[len("model.layers.0.") :], s.shape, s.init, s.decay)
+        for s in trunk
+    ]
+    specs.append(ParamSpec(MTP_PREFIX + "norm.weight", (C,), norm))
+    return specs
+
+
 def param_table(cfg: ModelConfig) -> list[ParamSpec]:
     """Every parameter of the model, in a fixed order.
 
-    Embedding, [EC], blocks 0..L-1 (baseline parameters, then DDL ones), [readout], final norm, [head].
+    Embedding, [EC], blocks 0..L-1 (baseline parameters, then DDL ones), [readout], final norm, [head],
+    [MTP draft].
     """
     C, V = cfg.d_model, cfg.vocab_size
     specs = [ParamSpec("model.embed_tokens.weight", (V, C), _normal(0.02))]
@@ -152,6 +189,7 @@ def param_table(cfg: ModelConfig) -> list[ParamSpec]:
         # An untied head follows the DDL rule for any 2-D weight (0.5/√C, ≈0.018 at C=768, close to the
         # embedding's 0.02 anyway) rather than inventing a third scale.
         specs.append(ParamSpec("lm_head.weight", (V, C), _normal(0.5 / math.sqrt(C))))
+    specs += mtp_specs(cfg)
     names = [s.name for s in specs]
     assert len(set(names)) == len(names), "duplicate parameter names"
     return specs

@@ -91,7 +91,8 @@ def _layer_values(dc, mask, dv: int) -> dict[str, float]:
     }
 
 
-def _finish(per_layer: dict[str, list[float]]) -> dict:
+def finish_snapshot(per_layer: dict[str, list[float]]) -> dict:
+    """A snapshot from per-layer values (LAYER_KEYS lists): adds the regimes and the histogram."""
     snap = {key: list(per_layer[key]) for key in LAYER_KEYS}
     snap["regime_per_layer"] = [DeltaRegime.from_beta(b).value for b in snap["beta_per_layer"]]
     snap["beta_histogram"] = beta_histogram(snap["beta_per_layer"])
@@ -115,7 +116,7 @@ def spectral_snapshot(cache, cfg, lengths=None) -> dict | None:
         for s in ("attn", "mlp"):
             for key, value in _layer_values(block["ddl_" + s], mask, cfg.ddl_dv).items():
                 per_layer[key].append(value)
-    return _finish(per_layer)
+    return finish_snapshot(per_layer)
 
 
 class SpectralAccumulator:
@@ -145,4 +146,6 @@ class SpectralAccumulator:
     def finish(self) -> dict | None:
         if self.total_weight == 0.0:
             return None
-        return _finish({key: [float(v) for v in self.sums[key] / self.total_weight] for key in LAYER_KEYS})
+        return finish_snapshot(
+            {key: [float(v) for v in self.sums[key] / self.total_weight] for key in LAYER_KEYS}
+        )

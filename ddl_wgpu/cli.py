@@ -69,7 +69,9 @@ def devices(as_json: bool = typer.Option(False, "--json", help="Machine-readable
         typer.echo(json.dumps(adapters, indent=2))
         return
     for a in adapters:
-        typer.echo(f"[{a['index']}] {a['name']}  backend={a['backend']}  type={a['type']}  driver={a['driver']}")
+        typer.echo(
+            f"[{a['index']}] {a['name']}  backend={a['backend']}  type={a['type']}  driver={a['driver']}"
+        )
         typer.echo("    features: " + ", ".join(a["features"]))
         for k, v in a["limits"].items():
             typer.echo(f"    {k:40s} {v}")
@@ -132,9 +134,9 @@ def _model_config(
     norm_style: str | None = None,
     tie_embeddings: bool | None = None,
 ):
+    over = {k: v for k, v in locals().items() if k != "preset" and v is not None}
     from ddl_ref.config import preset as make_preset
 
-    over = {k: v for k, v in locals().items() if k != "preset" and v is not None}
     return make_preset(preset, **over)
 
 
@@ -144,7 +146,9 @@ def _opt(default, help_: str, panel: str = MODEL_HELP, **kw):
 
 @app.command()
 def init(
-    variant: str = typer.Option("baseline", "--variant", help="baseline, ddl, ddl-tc-noec, ddl-cc-noec, ddl-tc, ddl-cc."),
+    variant: str = typer.Option(
+        "baseline", "--variant", help="baseline, ddl, ddl-tc-noec, ddl-cc-noec, ddl-tc, ddl-cc."
+    ),
     out: Path = typer.Option(..., "--out", help="Model file to write (.ddlw)."),
     preset: str = _opt("tiny", "Size preset: tiny, small (124M), medium (353M)."),
     seed: int = typer.Option(0, "--seed", help="Initialisation seed."),
@@ -166,8 +170,21 @@ def init(
     from ddl_ref.params import init_params, param_table
     from ddl_wgpu.modelfile import Model, save_model
 
-    base = _model_config(preset, vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, ffn_hidden,
-                         max_seq_len, rope_theta, qk_norm, norm_style, tie_embeddings)
+    base = _model_config(
+        preset,
+        vocab_size,
+        d_model,
+        n_layers,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        ffn_hidden,
+        max_seq_len,
+        rope_theta,
+        qk_norm,
+        norm_style,
+        tie_embeddings,
+    )
     v = ModelVariant.parse(variant)
     cfg = v.resolve_config(base)
     params = init_params(cfg, seed)
@@ -198,8 +215,14 @@ def eval_(
     from ddl_wgpu.train import evaluate, make_net
 
     m = load_model(model)
-    ds = eval_windows(data, tokenizer=tokenizer_for(m.tokenizer), seq_len=min(seq_len, m.cfg.max_seq_len),
-                      batch_size=batch, max_tokens=max_tokens or None, vocab_size=m.cfg.vocab_size)
+    ds = eval_windows(
+        data,
+        tokenizer=tokenizer_for(m.tokenizer),
+        seq_len=min(seq_len, m.cfg.max_seq_len),
+        batch_size=batch,
+        max_tokens=max_tokens or None,
+        vocab_size=m.cfg.vocab_size,
+    )
     t0 = time.perf_counter()
     net = make_net(m.cfg, m.params, backend, device)
     ev = evaluate(net, ds, 0, spectral=True)
@@ -216,14 +239,18 @@ def eval_(
     }
     if ev["spectral"] is not None:
         out["spectral"] = ev["spectral"]
-    text = (f"{model}: loss {out['loss']:.6f}  perplexity {out['perplexity']:.4f}  over {out['windows']} windows, "
-            f"{out['tokens']} tokens ({backend}, {dt:.2f} s)")
+    text = (
+        f"{model}: loss {out['loss']:.6f}  perplexity {out['perplexity']:.4f}  over {out['windows']} windows, "
+        f"{out['tokens']} tokens ({backend}, {dt:.2f} s)"
+    )
     _emit(out, as_json, text)
 
 
 @app.command("import-hf")
 def import_hf(
-    folder: Path = typer.Argument(..., help="Hugging Face folder: config.json + *.safetensors (+ tokenizer.json)."),
+    folder: Path = typer.Argument(
+        ..., help="Hugging Face folder: config.json + *.safetensors (+ tokenizer.json)."
+    ),
     out: Path = typer.Argument(..., help="Model file to write (.ddlw)."),
 ):
     """Import a Qwen3 or Llama checkpoint folder into our container."""
@@ -262,9 +289,17 @@ def _training_config(**kw):
 def _load_data(data, val_data, val_fraction, seq_len, batch_size, max_tokens, vocab_size, seed):
     from ddl_wgpu.data import ByteTokenizer, load_datasets
 
-    return load_datasets(data, tokenizer=ByteTokenizer(), seq_len=seq_len, batch_size=batch_size,
-                         val_spec=val_data, val_fraction=val_fraction, max_tokens=max_tokens or None,
-                         vocab_size=vocab_size, seed=seed)
+    return load_datasets(
+        data,
+        tokenizer=ByteTokenizer(),
+        seq_len=seq_len,
+        batch_size=batch_size,
+        val_spec=val_data,
+        val_fraction=val_fraction,
+        max_tokens=max_tokens or None,
+        vocab_size=vocab_size,
+        seed=seed,
+    )
 
 
 class _Console:
@@ -285,12 +320,18 @@ class _Console:
         elif kind == "eval":
             v = ev.get("validation")
             vtxt = f", validation {v['loss']:.4f}" if v else ""
-            self.console.print(f"  initial evaluation: train {ev['train']['loss']:.4f}{vtxt} ({ev['seconds']:.1f} s)")
+            self.console.print(
+                f"  initial evaluation: train {ev['train']['loss']:.4f}{vtxt} ({ev['seconds']:.1f} s)"
+            )
         elif kind == "step":
             if self.bar is None:
                 self.bar = Progress(
-                    TextColumn("  {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console,
+                    TextColumn("  {task.description}"),
+                    BarColumn(),
+                    TextColumn("{task.completed}/{task.total}"),
+                    TextColumn("{task.fields[info]}"),
+                    TimeRemainingColumn(),
+                    console=self.console,
                 )
                 self.bar.start()
                 self.task = self.bar.add_task(ev["variant"], total=ev["total"], info="")
@@ -311,7 +352,9 @@ def _ranked_table(comp: dict) -> str:
     rows = []
     order = comp.get("final_validation_loss_ranking") or comp.get("final_train_loss_ranking") or []
     by = {r["variant"]: r for r in comp["reports"]}
-    rows.append(f"{'rank':<5}{'variant':<14}{'final train':>12}{'final val':>11}{'best val':>10}{'ppl':>9}{'params':>13}{'tok/s':>10}")
+    rows.append(
+        f"{'rank':<5}{'variant':<14}{'final train':>12}{'final val':>11}{'best val':>10}{'ppl':>9}{'params':>13}{'tok/s':>10}"
+    )
     for i, v in enumerate(order, 1):
         r = by[v]
         fv = r.get("final_validation") or {}
@@ -327,12 +370,20 @@ def _ranked_table(comp: dict) -> str:
 
 @app.command()
 def train(
-    data: str = typer.Option(..., "--data", help="Training data spec ('stdlib', .txt, folder, .jsonl, .bin, .npy)."),
-    out: Path = typer.Option(..., "--out", help="Output folder: report.json, VARIANT/report.json, checkpoints, plots."),
+    data: str = typer.Option(
+        ..., "--data", help="Training data spec ('stdlib', .txt, folder, .jsonl, .bin, .npy)."
+    ),
+    out: Path = typer.Option(
+        ..., "--out", help="Output folder: report.json, VARIANT/report.json, checkpoints, plots."
+    ),
     variants: str = typer.Option("baseline,ddl", "--variants", help="Comma list or 'all'."),
     val_data: str = typer.Option(None, "--val-data", help="Validation data spec (else --val-fraction)."),
-    val_fraction: float = typer.Option(0.05, "--val-fraction", help="Fraction of windows held out when no --val-data."),
-    max_tokens: int = typer.Option(2_000_000, "--max-tokens", help="Read at most this many tokens per spec (0: all)."),
+    val_fraction: float = typer.Option(
+        0.05, "--val-fraction", help="Fraction of windows held out when no --val-data."
+    ),
+    max_tokens: int = typer.Option(
+        2_000_000, "--max-tokens", help="Read at most this many tokens per spec (0: all)."
+    ),
     preset: str = _opt("tiny", "Size preset: tiny, small, medium."),
     vocab_size: int = _opt(None, "Vocabulary size."),
     d_model: int = _opt(None, "Residual width."),
@@ -360,7 +411,9 @@ def train(
     seq_len: int = _opt(128, "Tokens per row.", TRAIN_HELP),
     seed: int = _opt(0, "Init and data-order seed.", TRAIN_HELP),
     eval_batches: int = _opt(16, "Batches per evaluation (0: the whole dataset).", TRAIN_HELP),
-    save_interval: int = typer.Option(0, "--save-interval", help="Save a checkpoint every N steps (0: at the end)."),
+    save_interval: int = typer.Option(
+        0, "--save-interval", help="Save a checkpoint every N steps (0: at the end)."
+    ),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop after N steps with a resumable checkpoint."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots (needs matplotlib)."),
     backend: str = typer.Option("wgpu", "--backend", help="wgpu or ref (numpy reference)."),
@@ -370,18 +423,43 @@ def train(
     from ddl_ref.config import parse_variants
     from ddl_wgpu.train import RunOptions, train_variants
 
-    base = _model_config(preset, vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, ffn_hidden,
-                         max_seq_len, rope_theta, qk_norm, norm_style, tie_embeddings)
+    base = _model_config(
+        preset,
+        vocab_size,
+        d_model,
+        n_layers,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        ffn_hidden,
+        max_seq_len,
+        rope_theta,
+        qk_norm,
+        norm_style,
+        tie_embeddings,
+    )
     tcfg = _training_config(
-        max_steps=max_steps, eval_interval=eval_interval, learning_rate=learning_rate,
-        min_learning_rate=min_learning_rate, warmup_steps=warmup_steps, weight_decay=weight_decay, beta1=beta1,
-        beta2=beta2, epsilon=epsilon, grad_clip=grad_clip, batch_size=batch_size, seq_len=seq_len, seed=seed,
+        max_steps=max_steps,
+        eval_interval=eval_interval,
+        learning_rate=learning_rate,
+        min_learning_rate=min_learning_rate,
+        warmup_steps=warmup_steps,
+        weight_decay=weight_decay,
+        beta1=beta1,
+        beta2=beta2,
+        epsilon=epsilon,
+        grad_clip=grad_clip,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        seed=seed,
         eval_batches=eval_batches,
     )
     if seq_len > base.max_seq_len:
         fail(f"--seq-len {seq_len} exceeds the model's max_seq_len {base.max_seq_len}")
     vs = parse_variants(variants)
-    trn, val = _load_data(data, val_data, val_fraction, seq_len, batch_size, max_tokens, base.vocab_size, seed)
+    trn, val = _load_data(
+        data, val_data, val_fraction, seq_len, batch_size, max_tokens, base.vocab_size, seed
+    )
     typer.echo("resolved configuration:")
     typer.echo("  model:    " + json.dumps(base.to_dict()))
     typer.echo("  training: " + json.dumps(tcfg.to_dict()))
@@ -391,7 +469,9 @@ def train(
         typer.echo(f"  val:      {json.dumps(val.summary())}")
     typer.echo(f"  tokens per step: {batch_size * seq_len:,}")
     con = _Console()
-    opts = RunOptions(backend=backend, device=device, save_interval=save_interval, stop_after=stop_after, progress=con)
+    opts = RunOptions(
+        backend=backend, device=device, save_interval=save_interval, stop_after=stop_after, progress=con
+    )
     try:
         comp = train_variants(base, vs, trn, val, tcfg, out, opts)
     except KeyboardInterrupt:
@@ -406,8 +486,10 @@ def train(
 def _after_training(comp: dict, out: Path, plots: bool):
     if comp.get("status") == "stopped":
         last = comp["reports"][-1]
-        typer.echo(f"stopped after step {last['steps_completed']}: resume with "
-                   f"`ddl-wgpu resume {out / last['variant'] / 'checkpoint.ddlw'} --data ...`")
+        typer.echo(
+            f"stopped after step {last['steps_completed']}: resume with "
+            f"`ddl-wgpu resume {out / last['variant'] / 'checkpoint.ddlw'} --data ...`"
+        )
         return
     typer.echo("")
     typer.echo(_ranked_table(comp))
@@ -426,10 +508,14 @@ def _after_training(comp: dict, out: Path, plots: bool):
 def resume(
     checkpoint: Path = typer.Argument(..., help="A training checkpoint (DIR/VARIANT/checkpoint.ddlw)."),
     data: str = typer.Option(..., "--data", help="The training data spec of the run."),
-    val_data: str = typer.Option(None, "--val-data", help="The run's validation spec (else its --val-fraction)."),
+    val_data: str = typer.Option(
+        None, "--val-data", help="The run's validation spec (else its --val-fraction)."
+    ),
     val_fraction: float = typer.Option(None, "--val-fraction", help="Defaults to the run's."),
     max_tokens: int = typer.Option(2_000_000, "--max-tokens", help="As given to train."),
-    steps: int = typer.Option(None, "--steps", help="Train a new phase of N steps (default: finish the run)."),
+    steps: int = typer.Option(
+        None, "--steps", help="Train a new phase of N steps (default: finish the run)."
+    ),
     learning_rate: float = _opt(None, "New phase: peak learning rate.", TRAIN_HELP),
     min_learning_rate: float = _opt(None, "New phase: cosine floor.", TRAIN_HELP),
     eval_interval: int = _opt(None, "New phase: evaluation interval.", TRAIN_HELP),
@@ -451,13 +537,31 @@ def resume(
     if val_fraction is None:
         split = (vs or {}).get("split", "")
         val_fraction = float(split.split(":")[1]) if split.startswith("val:") else 0.0
-    trn, val = _load_data(data, val_data, val_fraction, tr["seq_len"], tr["batch_size"], max_tokens,
-                          ck["cfg"].vocab_size, tr["seed"])
-    over = {k: v for k, v in dict(learning_rate=learning_rate, min_learning_rate=min_learning_rate,
-                                   eval_interval=eval_interval, weight_decay=weight_decay,
-                                   grad_clip=grad_clip).items() if v is not None}
+    trn, val = _load_data(
+        data,
+        val_data,
+        val_fraction,
+        tr["seq_len"],
+        tr["batch_size"],
+        max_tokens,
+        ck["cfg"].vocab_size,
+        tr["seed"],
+    )
+    over = {
+        k: v
+        for k, v in dict(
+            learning_rate=learning_rate,
+            min_learning_rate=min_learning_rate,
+            eval_interval=eval_interval,
+            weight_decay=weight_decay,
+            grad_clip=grad_clip,
+        ).items()
+        if v is not None
+    }
     con = _Console()
-    opts = RunOptions(backend=backend, device=device, save_interval=save_interval, stop_after=stop_after, progress=con)
+    opts = RunOptions(
+        backend=backend, device=device, save_interval=save_interval, stop_after=stop_after, progress=con
+    )
     try:
         rep = do_resume(checkpoint, trn, val, opts, out_dir=out, steps=steps, overrides=over)
     except KeyboardInterrupt:
@@ -468,9 +572,11 @@ def resume(
         con.close()
     where = out or checkpoint.parent
     fv = rep.get("final_validation") or {}
-    typer.echo(f"{rep['variant']}: {rep['steps_completed']} steps, status {rep.get('status')}, "
-               f"final train {((rep.get('final_train') or {}).get('loss', float('nan'))):.4f}, "
-               f"final val {fv.get('loss', float('nan')):.4f}; report {where / 'report.json'}")
+    typer.echo(
+        f"{rep['variant']}: {rep['steps_completed']} steps, status {rep.get('status')}, "
+        f"final train {((rep.get('final_train') or {}).get('loss', float('nan'))):.4f}, "
+        f"final val {fv.get('loss', float('nan')):.4f}; report {where / 'report.json'}"
+    )
 
 
 def main():

@@ -30,12 +30,14 @@ from ddl_wgpu.gpu import Call, Gpu, GpuError
 from ddl_wgpu.ops import adamw as k_adamw
 from ddl_wgpu.ops import attention as k_attn
 from ddl_wgpu.ops import crossentropy as k_ce
+from ddl_wgpu.ops import delta as k_delta
 from ddl_wgpu.ops import elementwise as k_ew
 from ddl_wgpu.ops import embedding as k_emb
 from ddl_wgpu.ops import matmul as k_mm
 from ddl_wgpu.ops import reduce as k_red
 from ddl_wgpu.ops import rmsnorm as k_norm
 from ddl_wgpu.ops import rope as k_rope
+from ddl_wgpu.ops import shortconv as k_sc
 from ddl_wgpu.ops import swiglu as k_swiglu
 
 ALIGN = 256  # WebGPU's default min-storage-buffer-offset-alignment; lavapipe needs 32, NVIDIA 32-256
@@ -260,7 +262,9 @@ class Net:
                 views = [(buf[a], off, n) for buf in (self.p, self.g, self.m, self.v)]
                 call = call + k_adamw.adamw(self.gpu, *views, self.scalars, n // F32, self._hyper_buf)
             self._opt = call
-        self.gpu.write_uniform(self._clip_uniform, k_red.FINALIZE_FMT, self._norm_count, hyper.grad_clip, 0, 0)
+        self.gpu.write_uniform(
+            self._clip_uniform, k_red.FINALIZE_FMT, self._norm_count, hyper.grad_clip, 0, 0
+        )
         self.gpu.write_uniform(self._hyper_buf, k_adamw.ADAMW_FMT, *values)
         return self._opt
 
@@ -273,18 +277,31 @@ class Work:
     """Activations and scratch for one (batch, seq) shape; every Call built once here, recorded per step.
 
     Shapes are fixed: a different (B, T) is an error, not a silent reallocation (style.md rule 4).
+
+    The residual stream is (N, C) for the baseline and DDL d_v = 1, and the DDL state (N, C, dv) for the
+    expanded variants (N = B·T rows). Names of saved activations follow `ddl_ref.model`'s caches.
     """
 
     def __init__(self, net: Net, batch: int, seq: int, chunk_rows: int | None = None):
         cfg = net.cfg
         if seq > cfg.max_seq_len:
             raise GpuError(f"sequence length {seq} exceeds the model's max_seq_len {cfg.max_seq_len}")
-        if cfg.residual != "add" or cfg.mtp is not None:
-            raise GpuError("this engine build runs residual='add' models without an MTP draft only")
+        if cfg.mtp is not None:
+            raise GpuError("models with an MTP draft block run their trunk through `heal`, not Work")
         self.net, self.gpu, self.cfg = net, net.gpu, cfg
         self.B, self.T = batch, seq
         self.N = N = batch * seq  # rows (tokens)
-        C, H, K, D, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
+        C, H, K, D, F, V = (
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            cfg.ffn_hidden,
+            cfg.vocab_size,
+        )
+        self.ddl = cfg.residual == "delta"
+        self.dv = dv = cfg.ddl_dv if self.ddl else 1
+        S = N * C * dv  # floats in one stream/state
         gpu = self.gpu
         buf = gpu.buffer
 
@@ -295,17 +312,19 @@ class Work:
         self.ids = buf(N * 4, label="ids")
         self.targets = buf(N * 4, label="targets")
         self.weights = act(N, "weights")
+        self.real = act(N, "real_tokens")  # 1 where t < length (spectral diagnostics)
         self.scale = act(4, "loss_scale")
         self.order = buf(N * 4, label="emb_order")
         self.starts = buf((V + 1) * 4, label="emb_starts")
         cos, sin = ref_ops.rope_tables(seq, D, cfg.rope_theta, np.float64)
         self.cos = gpu.upload(cos.astype(np.float32), "rope_cos")
         self.sin = gpu.upload(sin.astype(np.float32), "rope_sin")
-        # saved activations, per layer (names follow ddl_ref.model's cache)
+        self.emb = act(N * C, "embedding_out") if dv > 1 else None  # e, kept for the EC backward
+        # saved activations, per layer; the block output is the next block's "x" (or self.xS)
         self.L = []
         for i in range(cfg.n_layers):
             a = {
-                "x": act(N * C, f"x{i}"),  # block input (residual stream)
+                "x": act(S, f"x{i}"),  # block input: stream or DDL state
                 "h": act(N * C, f"h{i}"),
                 "r1": act(N, f"rstd1_{i}"),
                 "q": act(N * H * D, f"q{i}"),
@@ -313,25 +332,34 @@ class Work:
                 "v": act(N * K * D, f"v{i}"),
                 "a": act(N * H * D, f"att{i}"),
                 "lse": act(batch * H * seq, f"lse{i}"),
-                "xm": act(N * C, f"xm{i}"),  # stream after the attention residual
+                "xm": act(S, f"xm{i}"),  # stream/state after the attention sublayer
                 "h2": act(N * C, f"h2{i}"),
                 "r2": act(N, f"rstd2_{i}"),
                 "gate": act(N * F, f"gate{i}"),
                 "up": act(N * F, f"up{i}"),
                 "s": act(N * F, f"swiglu{i}"),
             }
-            # q/k after each op of their chain (rope; norm before or after it)
-            for t, n_heads in (("q", H), ("k", K)):
+            for t, n_heads in (("q", H), ("k", K)):  # q/k after each op of their chain
                 a[t + "1"] = act(N * n_heads * D, f"{t}1_{i}")
                 if cfg.qk_norm != "none":
                     a[t + "2"] = act(N * n_heads * D, f"{t}2_{i}")
                     a[t + "r"] = act(N * n_heads, f"{t}rstd{i}")
+            if self.ddl:
+                stats = k_delta.stats_size(dv)
+                for sub in ("attn", "mlp"):
+                    a["u_" + sub] = act(N * C, f"u_{sub}{i}")  # sublayer output: only its direction is used
+                    a["st_" + sub] = act(N * stats, f"stats_{sub}{i}")
+                    # x_in: the compressed readout (d_v > 1); d_v = 1 reads the stream itself
+                    a["xin_" + sub] = (
+                        act(N * C, f"xin_{sub}{i}") if dv > 1 else a["x" if sub == "attn" else "xm"]
+                    )
             self.L.append(a)
-        self.xL = act(N * C, "x_final")
+        self.xS = act(S, "x_last")  # the last block's output (stream or state)
+        self.xL = act(N * C, "x_final") if dv > 1 else self.xS  # readout of the state, before the final norm
         self.xf = act(N * C, "x_normed")
         self.rf = act(N, "rstd_final")
         self.row_loss = act(N, "row_loss")
-        self.loss_sum = act(4, "loss_sum")
+        self.loss_acc = act(4, "loss_sum")
         # backward scratch, shared by every layer
         self.dx = act(N * C, "dx")
         self.dxf = act(N * C, "dxf")
@@ -339,10 +367,18 @@ class Work:
         self.da = act(N * H * D, "da")
         self.dq = [act(N * H * D, "dq0"), act(N * H * D, "dq1")]
         self.dk = [act(N * K * D, "dk0"), act(N * K * D, "dk1")]
-        self.dv = act(N * K * D, "dv")
+        self.dv_ = act(N * K * D, "dv")
         self.ds = act(N * F, "ds")
         self.dgate = act(N * F, "dgate")
         self.dup = act(N * F, "dup")
+        if self.ddl:
+            self.dS = [act(S, "dS0"), act(S, "dS1")]  # gradient of the stream/state, ping-pong
+            self.du = act(N * C, "du")
+            self.dxin = act(N * C, "dxin")
+            self.dbeta = act(N, "dbeta_logit")
+            self.dz = act(N * dv, "dv_logit")
+            self.ones = gpu.upload(np.ones(N, np.float32), "ones")
+            self.ksum = act(C, "ksum")
         # the LM head runs in row chunks so full logits never exist: chunks are multiples of 64 rows
         # (64·C·4 bytes keeps every chunk's view offset 256-aligned) and bounded to ~64 MiB of logits
         budget = min(64 << 20, gpu.max_binding)
@@ -354,7 +390,8 @@ class Work:
         self._head_train = self._head_calls(train=True)
         self._head_eval = self._head_calls(train=False)
         self._bwd = self._backward_calls()
-        self._sum = k_red.sum_rows(gpu, self.loss_sum, self.row_loss, N)
+        self._sum = k_red.sum_rows(gpu, self.loss_acc, self.row_loss, N)
+        self._spectral = None
 
     # -- per-step host data -----------------------------------------------------------------------------
 
@@ -387,41 +424,167 @@ class Work:
     # -- the model: forward and backward, mirrored ------------------------------------------------------
 
     def _forward_calls(self) -> Call:
-        cfg, g, net, N = self.cfg, self.gpu, self.net, self.N
-        C, H, K, D, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
-        eps, style, B, T = cfg.rms_eps, cfg.norm_style, self.B, self.T
-        P = net.view
-        call = k_emb.embedding_forward(g, self.L[0]["x"] if self.L else self.xL, self.ids,
-                                       P("model.embed_tokens.weight"), N, C)
+        cfg, g, N, C, dv = self.cfg, self.gpu, self.N, self.cfg.d_model, self.dv
+        P = self.net.view
+        x0 = self.L[0]["x"] if self.L else self.xS
+        if dv == 1:
+            call = k_emb.embedding_forward(g, x0, self.ids, P("model.embed_tokens.weight"), N, C)
+        else:  # expand the embedding into the d_v state: EC (short conv) or repetition
+            call = k_emb.embedding_forward(g, self.emb, self.ids, P("model.embed_tokens.weight"), N, C)
+            if cfg.ddl_expand_embed:
+                call += k_sc.ec_forward(
+                    g,
+                    x0,
+                    self.emb,
+                    P("model.embed_expand.conv.weight"),
+                    self.B,
+                    self.T,
+                    C,
+                    dv,
+                    cfg.ddl_conv_kernel,
+                )
+            else:
+                call += k_sc.repeat_forward(g, x0, self.emb, N, C, dv)
         for i, a in enumerate(self.L):
-            p = f"model.layers.{i}."
-            out = self.L[i + 1]["x"] if i + 1 < len(self.L) else self.xL
-            # attention sublayer
-            call += k_norm.rmsnorm_forward(g, a["h"], a["r1"], a["x"], P(p + "input_layernorm.weight"), N, C, eps, style)
-            call += k_mm.linear_forward(g, a["q"], a["h"], P(p + "self_attn.q_proj.weight"), N, H * D, C)
+            out = self.L[i + 1]["x"] if i + 1 < len(self.L) else self.xS
+            call += self._block_forward(i, a, out)
+        if dv > 1:
+            call += self._compress_forward("model.readout.", self.xL, self.xS)
+        call += k_norm.rmsnorm_forward(
+            g, self.xf, self.rf, self.xL, P("model.norm.weight"), N, C, cfg.rms_eps, cfg.norm_style
+        )
+        return call
+
+    def _block_forward(self, i: int, a: dict, out) -> Call:
+        """One block, both sublayers; `out` receives the block output. Mirrors `ddl_ref.model`."""
+        cfg, g, N, C = self.cfg, self.gpu, self.N, self.cfg.d_model
+        P = self.net.view
+        p = f"model.layers.{i}."
+        call = Call()
+        subs = (
+            ("attn", "input_layernorm", a["x"], a["xm"], "h", "r1"),
+            ("mlp", "post_attention_layernorm", a["xm"], out, "h2", "r2"),
+        )
+        for sub, norm, x_in_state, x_out, h, r in subs:
+            if not self.ddl:  # baseline: x_out = x + sublayer(norm(x))
+                call += k_norm.rmsnorm_forward(
+                    g, a[h], a[r], x_in_state, P(p + norm + ".weight"), N, C, cfg.rms_eps, cfg.norm_style
+                )
+                call += k_ew.copy(g, x_out, x_in_state, N * C)
+                call += self._sublayer_forward(sub, a, p, x_out, accumulate=True)
+                continue
+            # DDL: x_in = compress(X) (d_v > 1) or X; c = norm(x_in); u = sublayer(c); X = delta(X; u, c, x_in)
+            xin = a["xin_" + sub]
+            if self.dv > 1:
+                call += self._compress_forward(p + "compress.", xin, x_in_state)
+            call += k_norm.rmsnorm_forward(
+                g, a[h], a[r], xin, P(p + norm + ".weight"), N, C, cfg.rms_eps, cfg.norm_style
+            )
+            call += self._sublayer_forward(sub, a, p, a["u_" + sub], accumulate=False)
+            q = p + f"ddl_{sub}."
+            call += k_delta.delta_forward(
+                g,
+                x_out,
+                a["st_" + sub],
+                x_in_state,
+                a["u_" + sub],
+                a[h],
+                xin,
+                P(q + "beta_proj.weight"),
+                P(q + "beta_proj.bias"),
+                P(q + "v_proj.weight"),
+                P(q + "v_proj.bias"),
+                N,
+                C,
+                self.dv,
+                cfg.ddl_k_eps,
+                cfg.ddl_v_scale,
+            )
+        return call
+
+    def _sublayer_forward(self, sub: str, a: dict, p: str, out, accumulate: bool) -> Call:
+        """Attention (from a["h"]) or SwiGLU MLP (from a["h2"]), its output projection into `out`."""
+        cfg, g, N, C = self.cfg, self.gpu, self.N, self.cfg.d_model
+        H, K, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
+        P = self.net.view
+        if sub == "attn":
+            call = k_mm.linear_forward(g, a["q"], a["h"], P(p + "self_attn.q_proj.weight"), N, H * D, C)
             call += k_mm.linear_forward(g, a["k"], a["h"], P(p + "self_attn.k_proj.weight"), N, K * D, C)
             call += k_mm.linear_forward(g, a["v"], a["h"], P(p + "self_attn.v_proj.weight"), N, K * D, C)
             for t, nh in (("q", H), ("k", K)):
                 call += self._qk_chain_forward(a, t, nh, p)
-            qf, kf = self._qk_final(a, "q"), self._qk_final(a, "k")
-            call += k_attn.attention_forward(g, a["a"], a["lse"], qf, kf, a["v"], B, T, H, K, D)
-            call += k_ew.copy(g, a["xm"], a["x"], N * C)
-            call += k_mm.matmul(g, a["xm"], a["a"], P(p + "self_attn.o_proj.weight"), N, C, H * D,
-                                trans_b=True, accumulate=True)
-            # MLP sublayer
-            call += k_norm.rmsnorm_forward(g, a["h2"], a["r2"], a["xm"], P(p + "post_attention_layernorm.weight"),
-                                           N, C, eps, style)
-            call += k_mm.linear_forward(g, a["gate"], a["h2"], P(p + "mlp.gate_proj.weight"), N, F, C)
-            call += k_mm.linear_forward(g, a["up"], a["h2"], P(p + "mlp.up_proj.weight"), N, F, C)
-            call += k_swiglu.swiglu_forward(g, a["s"], a["gate"], a["up"], N * F)
-            call += k_ew.copy(g, out, a["xm"], N * C)
-            call += k_mm.matmul(g, out, a["s"], P(p + "mlp.down_proj.weight"), N, C, F,
-                                trans_b=True, accumulate=True)
-        call += k_norm.rmsnorm_forward(g, self.xf, self.rf, self.xL, P("model.norm.weight"), N, C, eps, style)
-        return call
+            call += k_attn.attention_forward(
+                g,
+                a["a"],
+                a["lse"],
+                self._qk_final(a, "q"),
+                self._qk_final(a, "k"),
+                a["v"],
+                self.B,
+                self.T,
+                H,
+                K,
+                D,
+            )
+            return call + k_mm.matmul(
+                g,
+                out,
+                a["a"],
+                P(p + "self_attn.o_proj.weight"),
+                N,
+                C,
+                H * D,
+                trans_b=True,
+                accumulate=accumulate,
+            )
+        call = k_mm.linear_forward(g, a["gate"], a["h2"], P(p + "mlp.gate_proj.weight"), N, F, C)
+        call += k_mm.linear_forward(g, a["up"], a["h2"], P(p + "mlp.up_proj.weight"), N, F, C)
+        call += k_swiglu.swiglu_forward(g, a["s"], a["gate"], a["up"], N * F)
+        return call + k_mm.matmul(
+            g, out, a["s"], P(p + "mlp.down_proj.weight"), N, C, F, trans_b=True, accumulate=accumulate
+        )
+
+    def _compress_forward(self, prefix: str, x_in, X) -> Call:
+        cfg, P = self.cfg, self.net.view
+        conv, read = P(prefix + "conv.weight"), P(prefix + "read.weight")
+        if cfg.ddl_compressor == "tc":
+            return k_sc.tc_forward(
+                self.gpu, x_in, X, conv, read, self.B, self.T, cfg.d_model, self.dv, cfg.ddl_conv_kernel
+            )
+        return k_sc.cc_forward(self.gpu, x_in, X, conv, read, self.N, cfg.d_model, self.dv)
+
+    def _compress_backward(self, prefix: str, dX, dx_in, X) -> Call:
+        """dX += d(compress)/dX · dx_in; the compressor's parameter gradients accumulate."""
+        cfg, P, G = self.cfg, self.net.view, self._grad
+        args = (P(prefix + "conv.weight"), P(prefix + "read.weight"))
+        dconv, dread = G(prefix + "conv.weight"), G(prefix + "read.weight")
+        if cfg.ddl_compressor == "tc":
+            return k_sc.tc_backward(
+                self.gpu,
+                dX,
+                dconv,
+                dread,
+                dx_in,
+                X,
+                *args,
+                self.B,
+                self.T,
+                cfg.d_model,
+                self.dv,
+                cfg.ddl_conv_kernel,
+                accumulate_dX=True,
+            )
+        return k_sc.cc_backward(
+            self.gpu, dX, dconv, dread, dx_in, X, *args, self.N, cfg.d_model, self.dv, accumulate_dX=True
+        )
+
+    def _grad(self, name: str):
+        return self.net.view(name, "g")
 
     def _qk_order(self) -> list[str]:
-        return {"none": ["rope"], "pre_rope": ["norm", "rope"], "post_rope": ["rope", "norm"]}[self.cfg.qk_norm]
+        return {"none": ["rope"], "pre_rope": ["norm", "rope"], "post_rope": ["rope", "norm"]}[
+            self.cfg.qk_norm
+        ]
 
     def _qk_final(self, a: dict, t: str):
         return a[t + str(len(self._qk_order()))]
@@ -435,7 +598,9 @@ class Work:
                 call += k_rope.rope_forward(g, dst, src, self.cos, self.sin, self.B, self.T, nh, D)
             else:
                 w = self.net.view(p + f"self_attn.{t}_norm.weight")
-                call += k_norm.rmsnorm_forward(g, dst, a[t + "r"], src, w, N * nh, D, cfg.rms_eps, cfg.norm_style)
+                call += k_norm.rmsnorm_forward(
+                    g, dst, a[t + "r"], src, w, N * nh, D, cfg.rms_eps, cfg.norm_style
+                )
             src = dst
         return call
 
@@ -453,7 +618,9 @@ class Work:
             else:
                 w = self.net.view(p + f"self_attn.{t}_norm.weight")
                 dw = self.net.view(p + f"self_attn.{t}_norm.weight", "g")
-                call += k_norm.rmsnorm_backward(g, dnext, dw, dcur, src, w, a[t + "r"], N * nh, D, cfg.norm_style)
+                call += k_norm.rmsnorm_backward(
+                    g, dnext, dw, dcur, src, w, a[t + "r"], N * nh, D, cfg.norm_style
+                )
             dcur = dnext
         return call, dcur
 
@@ -470,69 +637,285 @@ class Work:
             logits = (self.logit_chunk, 0, n * V * F32)
             call += k_mm.matmul(g, logits, xf, W, n, V, C, trans_b=True)
             if train:
-                call += k_ce.cross_entropy(g, self.row_loss, logits, self.targets, self.weights, n, V,
-                                           self.scale, row_offset=r0)
+                call += k_ce.cross_entropy(
+                    g, self.row_loss, logits, self.targets, self.weights, n, V, self.scale, row_offset=r0
+                )
                 dxf = (self.dxf, r0 * C * F32, n * C * F32)
                 call += k_mm.matmul(g, dxf, logits, W, n, C, V)  # dxf = dlogits · W
                 call += k_mm.matmul(g, dW, logits, xf, V, C, n, trans_a=True, accumulate=True)
             else:
-                call += k_ce.cross_entropy_eval(g, self.row_loss, logits, self.targets, self.weights, n, V,
-                                                row_offset=r0)
+                call += k_ce.cross_entropy_eval(
+                    g, self.row_loss, logits, self.targets, self.weights, n, V, row_offset=r0
+                )
         return call
 
     def _backward_calls(self) -> Call:
-        cfg, g, net, N = self.cfg, self.gpu, self.net, self.N
-        C, H, K, D, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
-        style, B, T = cfg.norm_style, self.B, self.T
-        P = net.view
-
-        def G(name):
-            return net.view(name, "g")
-
-        call = k_norm.rmsnorm_backward(g, self.dx, G("model.norm.weight"), self.dxf, self.xL,
-                                       P("model.norm.weight"), self.rf, N, C, style)
+        """The reverse of `_forward_calls`, op for op."""
+        cfg, g, N, C, dv = self.cfg, self.gpu, self.N, self.cfg.d_model, self.dv
+        P, G = self.net.view, self._grad
+        # final norm (and the readout of the d_v state)
+        d_last = self.dx if not self.ddl else (self.dS[0] if dv == 1 else self.dxin)
+        call = k_norm.rmsnorm_backward(
+            g,
+            d_last,
+            G("model.norm.weight"),
+            self.dxf,
+            self.xL,
+            P("model.norm.weight"),
+            self.rf,
+            N,
+            C,
+            cfg.norm_style,
+        )
+        dcur = d_last
+        if dv > 1:
+            call += k_ew.fill(g, self.dS[0], N * C * dv, 0.0)
+            call += self._compress_backward("model.readout.", self.dS[0], self.dxin, self.xS)
+            dcur = self.dS[0]
         for i in reversed(range(len(self.L))):
-            a, p = self.L[i], f"model.layers.{i}."
-            # MLP sublayer (reverse): the residual passes dx through; the branch adds to it
-            call += k_mm.linear_backward(g, self.ds, G(p + "mlp.down_proj.weight"), self.dx, a["s"],
-                                         P(p + "mlp.down_proj.weight"), N, C, F, accumulate_dw=True)
-            call += k_swiglu.swiglu_backward(g, self.dgate, self.dup, self.ds, a["gate"], a["up"], N * F)
-            call += k_mm.linear_backward(g, self.dh, G(p + "mlp.up_proj.weight"), self.dup, a["h2"],
-                                         P(p + "mlp.up_proj.weight"), N, F, C, accumulate_dw=True)
-            call += k_mm.linear_backward(g, self.dh, G(p + "mlp.gate_proj.weight"), self.dgate, a["h2"],
-                                         P(p + "mlp.gate_proj.weight"), N, F, C, accumulate_dx=True,
-                                         accumulate_dw=True)
-            call += k_norm.rmsnorm_backward(g, self.dx, G(p + "post_attention_layernorm.weight"), self.dh,
-                                            a["xm"], P(p + "post_attention_layernorm.weight"), a["r2"], N, C,
-                                            style, accumulate_dx=True)
-            # attention sublayer (reverse)
-            call += k_mm.linear_backward(g, self.da, G(p + "self_attn.o_proj.weight"), self.dx, a["a"],
-                                         P(p + "self_attn.o_proj.weight"), N, C, H * D, accumulate_dw=True)
-            qf, kf = self._qk_final(a, "q"), self._qk_final(a, "k")
-            call += k_attn.attention_backward(g, self.dq[0], self.dk[0], self.dv, self.da, a["a"], a["lse"],
-                                              qf, kf, a["v"], B, T, H, K, D)
-            c_q, dq = self._qk_chain_backward(a, "q", H, p, self.dq[0], self.dq[1])
-            c_k, dk = self._qk_chain_backward(a, "k", K, p, self.dk[0], self.dk[1])
-            call += c_q + c_k
-            call += k_mm.linear_backward(g, self.dh, G(p + "self_attn.v_proj.weight"), self.dv, a["h"],
-                                         P(p + "self_attn.v_proj.weight"), N, K * D, C, accumulate_dw=True)
-            call += k_mm.linear_backward(g, self.dh, G(p + "self_attn.k_proj.weight"), dk, a["h"],
-                                         P(p + "self_attn.k_proj.weight"), N, K * D, C, accumulate_dx=True,
-                                         accumulate_dw=True)
-            call += k_mm.linear_backward(g, self.dh, G(p + "self_attn.q_proj.weight"), dq, a["h"],
-                                         P(p + "self_attn.q_proj.weight"), N, H * D, C, accumulate_dx=True,
-                                         accumulate_dw=True)
-            call += k_norm.rmsnorm_backward(g, self.dx, G(p + "input_layernorm.weight"), self.dh, a["x"],
-                                            P(p + "input_layernorm.weight"), a["r1"], N, C, style,
-                                            accumulate_dx=True)
-        call += k_emb.embedding_backward(g, G("model.embed_tokens.weight"), self.dx, self.order, self.starts,
-                                         cfg.vocab_size, C, accumulate=True)
+            c, dcur = self._block_backward(i, self.L[i], dcur)
+            call += c
+        # embedding (through EC or the repetition when d_v > 1)
+        demb = dcur
+        if dv > 1:
+            demb = self.dxin
+            if cfg.ddl_expand_embed:
+                call += k_sc.ec_backward(
+                    g,
+                    demb,
+                    G("model.embed_expand.conv.weight"),
+                    dcur,
+                    self.emb,
+                    P("model.embed_expand.conv.weight"),
+                    self.B,
+                    self.T,
+                    C,
+                    dv,
+                    cfg.ddl_conv_kernel,
+                )
+            else:
+                call += k_sc.repeat_backward(g, demb, dcur, N, C, dv)
+        call += k_emb.embedding_backward(
+            g,
+            G("model.embed_tokens.weight"),
+            demb,
+            self.order,
+            self.starts,
+            cfg.vocab_size,
+            C,
+            accumulate=True,
+        )
         return call
+
+    def _block_backward(self, i: int, a: dict, dout) -> tuple[Call, object]:
+        """From d(block output) to d(block input); returns (call, buffer holding d(block input))."""
+        cfg, g, N, C = self.cfg, self.gpu, self.N, self.cfg.d_model
+        P, G = self.net.view, self._grad
+        p = f"model.layers.{i}."
+        call = Call()
+        subs = (
+            ("mlp", "post_attention_layernorm", a["xm"], "h2", "r2"),
+            ("attn", "input_layernorm", a["x"], "h", "r1"),
+        )
+        for sub, norm, x_state, h, r in subs:
+            if not self.ddl:  # dx flows through the residual; the branch adds its gradient to it
+                call += self._sublayer_backward(sub, a, p, dout, self.dh, accumulate_dh=False)
+                call += k_norm.rmsnorm_backward(
+                    g,
+                    dout,
+                    G(p + norm + ".weight"),
+                    self.dh,
+                    x_state,
+                    P(p + norm + ".weight"),
+                    a[r],
+                    N,
+                    C,
+                    cfg.norm_style,
+                    accumulate_dx=True,
+                )
+                continue
+            dnext = self.dS[1] if dout is self.dS[0] else self.dS[0]
+            xin, q = a["xin_" + sub], p + f"ddl_{sub}."
+            # the Delta update: dX, du (the sublayer's output), dc (-> dh), dx_v (-> dxin)
+            call += k_delta.delta_backward(
+                g,
+                dnext,
+                self.du,
+                self.dbeta,
+                self.dz,
+                self.dh,
+                self.dxin,
+                dout,
+                x_state,
+                a["u_" + sub],
+                a["st_" + sub],
+                P(q + "beta_proj.weight"),
+                P(q + "v_proj.weight"),
+                N,
+                C,
+                self.dv,
+                cfg.ddl_v_scale,
+                accumulate_dc=False,
+                accumulate_dx_v=False,
+            )
+            call += k_delta.delta_param_grads(
+                g,
+                G(q + "beta_proj.weight"),
+                G(q + "beta_proj.bias"),
+                G(q + "v_proj.weight"),
+                G(q + "v_proj.bias"),
+                self.dbeta,
+                self.dz,
+                a[h],
+                xin,
+                self.ones,
+                N,
+                C,
+                self.dv,
+            )
+            call += self._sublayer_backward(sub, a, p, self.du, self.dh, accumulate_dh=True)
+            call += k_norm.rmsnorm_backward(
+                g,
+                self.dxin,
+                G(p + norm + ".weight"),
+                self.dh,
+                xin,
+                P(p + norm + ".weight"),
+                a[r],
+                N,
+                C,
+                cfg.norm_style,
+                accumulate_dx=True,
+            )
+            if self.dv > 1:  # x_in = compress(X): back through the (shared) block compressor
+                call += self._compress_backward(p + "compress.", dnext, self.dxin, x_state)
+            else:  # d_v = 1: x_in is the stream itself
+                call += k_ew.add_inplace(g, dnext, self.dxin, N * C)
+            dout = dnext
+        return call, dout
+
+    def _sublayer_backward(self, sub: str, a: dict, p: str, dout, dh, accumulate_dh: bool) -> Call:
+        """Reverse of `_sublayer_forward`: from d(sublayer output) to d(its normalized input) in `dh`."""
+        cfg, g, N, C = self.cfg, self.gpu, self.N, self.cfg.d_model
+        H, K, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
+        P, G = self.net.view, self._grad
+        acc = accumulate_dh
+        if sub == "mlp":
+            call = k_mm.linear_backward(
+                g,
+                self.ds,
+                G(p + "mlp.down_proj.weight"),
+                dout,
+                a["s"],
+                P(p + "mlp.down_proj.weight"),
+                N,
+                C,
+                F,
+                accumulate_dw=True,
+            )
+            call += k_swiglu.swiglu_backward(g, self.dgate, self.dup, self.ds, a["gate"], a["up"], N * F)
+            call += k_mm.linear_backward(
+                g,
+                dh,
+                G(p + "mlp.up_proj.weight"),
+                self.dup,
+                a["h2"],
+                P(p + "mlp.up_proj.weight"),
+                N,
+                F,
+                C,
+                accumulate_dx=acc,
+                accumulate_dw=True,
+            )
+            return call + k_mm.linear_backward(
+                g,
+                dh,
+                G(p + "mlp.gate_proj.weight"),
+                self.dgate,
+                a["h2"],
+                P(p + "mlp.gate_proj.weight"),
+                N,
+                F,
+                C,
+                accumulate_dx=True,
+                accumulate_dw=True,
+            )
+        call = k_mm.linear_backward(
+            g,
+            self.da,
+            G(p + "self_attn.o_proj.weight"),
+            dout,
+            a["a"],
+            P(p + "self_attn.o_proj.weight"),
+            N,
+            C,
+            H * D,
+            accumulate_dw=True,
+        )
+        call += k_attn.attention_backward(
+            g,
+            self.dq[0],
+            self.dk[0],
+            self.dv_,
+            self.da,
+            a["a"],
+            a["lse"],
+            self._qk_final(a, "q"),
+            self._qk_final(a, "k"),
+            a["v"],
+            self.B,
+            self.T,
+            H,
+            K,
+            D,
+        )
+        c_q, dq = self._qk_chain_backward(a, "q", H, p, self.dq[0], self.dq[1])
+        c_k, dk = self._qk_chain_backward(a, "k", K, p, self.dk[0], self.dk[1])
+        call += c_q + c_k
+        call += k_mm.linear_backward(
+            g,
+            dh,
+            G(p + "self_attn.v_proj.weight"),
+            self.dv_,
+            a["h"],
+            P(p + "self_attn.v_proj.weight"),
+            N,
+            K * D,
+            C,
+            accumulate_dx=acc,
+            accumulate_dw=True,
+        )
+        call += k_mm.linear_backward(
+            g,
+            dh,
+            G(p + "self_attn.k_proj.weight"),
+            dk,
+            a["h"],
+            P(p + "self_attn.k_proj.weight"),
+            N,
+            K * D,
+            C,
+            accumulate_dx=True,
+            accumulate_dw=True,
+        )
+        return call + k_mm.linear_backward(
+            g,
+            dh,
+            G(p + "self_attn.q_proj.weight"),
+            dq,
+            a["h"],
+            P(p + "self_attn.q_proj.weight"),
+            N,
+            H * D,
+            C,
+            accumulate_dx=True,
+            accumulate_dw=True,
+        )
 
     # -- steps ------------------------------------------------------------------------------------------
 
     def _finish(self, rec, with_scalars: bool):
-        rec.copy(self.loss_sum, 0, self.readback, 0, 4)
+        rec.copy(self.loss_acc, 0, self.readback, 0, 4)
         if with_scalars:
             rec.copy(self.net.scalars, 0, self.readback, 4, 12)
         rec.submit()
@@ -566,6 +949,62 @@ class Work:
         out = self._finish(rec, False)
         return float(out[0]), count
 
+    def spectral(self, ids, lengths=None) -> dict | None:
+        """The spectral diagnostics of one forward (`ddl_ref.spectral`'s definitions), over real tokens
+        (t < length); None for a baseline model. Runs its own forward and reads the per-token stats of every
+        Delta update back (on request, never inside a training step)."""
+        if not self.ddl:
+            return None
+        from ddl_ref.spectral import LAYER_KEYS, finish_snapshot
+
+        self._upload(ids, lengths, train=False)
+        lengths = np.full(self.B, self.T) if lengths is None else np.asarray(lengths)
+        real = (np.arange(self.T)[None, :] < lengths[:, None]).reshape(-1)
+        if not real.any():
+            return None
+        self.gpu.write(self.real, real.astype(np.float32))
+        C, dv, N = self.cfg.d_model, self.dv, self.N
+        subs = [(a, sub) for a in self.L for sub in ("attn", "mlp")]
+        if self._spectral is None:
+            self._kslot = _align(C * F32)  # one 256-aligned slot per sublayer, so each binds as a view
+            self._ksums = self.gpu.buffer(len(subs) * self._kslot, label="ksums")
+            call = Call()
+            for j, (a, sub) in enumerate(subs):
+                call += k_delta.ksum(
+                    self.gpu,
+                    (self._ksums, j * self._kslot, C * F32),
+                    a["u_" + sub],
+                    a["st_" + sub],
+                    self.real,
+                    N,
+                    C,
+                    dv,
+                )
+            self._spectral = call
+        rec = self.gpu.recorder()
+        self._fwd.record(rec)
+        self._spectral.record(rec)
+        rec.submit()
+        slots = self.gpu.download(self._ksums, np.float32).reshape(len(subs), self._kslot // F32)
+        ksums = slots[:, :C].astype(np.float64)
+        per_layer: dict[str, list[float]] = {k: [] for k in LAYER_KEYS}
+        n_real = float(real.sum())
+        S = k_delta.stats_size(dv)
+        for j, (a, sub) in enumerate(subs):
+            st = self.gpu.download(a["st_" + sub], np.float32, N * S).reshape(N, S)[real].astype(np.float64)
+            beta = st[:, k_delta.STAT_BETA]
+            v = st[:, k_delta.STAT_V : k_delta.STAT_V + dv]
+            pr = st[:, k_delta.STAT_V + dv : k_delta.STAT_V + 2 * dv]
+            gamma = beta[:, None] * (v - pr)
+            one_minus = 1.0 - beta
+            per_layer["beta_per_layer"].append(float(beta.mean()))
+            per_layer["k_eigenvalue_per_layer"].append(float(one_minus.mean()))
+            per_layer["spatial_determinant_per_layer"].append(float(one_minus.mean()))
+            per_layer["lifted_determinant_per_layer"].append(float((one_minus**dv).mean()))
+            per_layer["k_coherence_per_layer"].append(float(np.linalg.norm(ksums[j] / n_real)))
+            per_layer["correction_norm_per_layer"].append(float(np.linalg.norm(gamma, axis=-1).mean()))
+        return finish_snapshot(per_layer)
+
     def logits(self, ids) -> np.ndarray:
         """Full logits (B, T, V) — for tests and small models only (downloads chunk by chunk)."""
         self._upload(ids, None, train=False)
@@ -587,5 +1026,7 @@ class Work:
         """The last forward's (pre-norm, post-norm) final hidden rows, each (B, T, C)."""
         C = self.cfg.d_model
         shape = (self.B, self.T, C)
-        return (self.gpu.download(self.xL, np.float32, self.N * C).reshape(shape),
-                self.gpu.download(self.xf, np.float32, self.N * C).reshape(shape))
+        return (
+            self.gpu.download(self.xL, np.float32, self.N * C).reshape(shape),
+            self.gpu.download(self.xf, np.float32, self.N * C).reshape(shape),
+        )

@@ -116,6 +116,10 @@ def _read_json(path: Path) -> Any:
         raise HfError(f"{path}: invalid JSON: {e}") from None
 
 
+def _nonneg_ints(xs: Any) -> bool:
+    return isinstance(xs, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in xs)
+
+
 class _StInfo:
     __slots__ = ("dtype", "shape", "start", "end")
 
@@ -158,8 +162,7 @@ class SafetensorsFile:
         if not isinstance(t, dict) or not {"dtype", "shape", "data_offsets"} <= set(t):
             raise HfError(f"{bad}: header entry needs dtype, shape and data_offsets")
         dtype, shape, offs = t["dtype"], t["shape"], t["data_offsets"]
-        ok_ints = lambda xs: isinstance(xs, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in xs)  # noqa: E731
-        if not isinstance(dtype, str) or not ok_ints(shape) or not ok_ints(offs) or len(offs) != 2:
+        if not isinstance(dtype, str) or not _nonneg_ints(shape) or not _nonneg_ints(offs) or len(offs) != 2:
             raise HfError(f"{bad}: malformed header entry {t!r:.120}")
         start, end = offs
         if not start <= end <= data_len:
@@ -190,7 +193,9 @@ class SafetensorsFile:
             del raw
 
 
-def _write_safetensors(path: Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str]) -> None:
+def _write_safetensors(
+    path: Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str]
+) -> None:
     """Write f32 tensors as one safetensors file, atomically, streaming tensor by tensor."""
     items = [(n, np.ascontiguousarray(a, dtype="<f4")) for n, a in tensors]
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
@@ -322,7 +327,8 @@ def _rope_theta(hf: dict, where: str) -> float:
     """RoPE base from v5 `rope_parameters` or v4 top-level `rope_theta`; any scaling is refused."""
     rp = hf.get("rope_parameters")
     if rp is None:
-        rp = hf.get("rope_scaling")  # v4's scaling dict (null for plain RoPE); v5 treats it as rope_parameters
+        # v4's scaling dict (null for plain RoPE); v5 treats it as rope_parameters
+        rp = hf.get("rope_scaling")
     theta = hf.get("rope_theta")
     if rp is not None:
         if not isinstance(rp, dict):
@@ -475,7 +481,9 @@ def import_hf(folder) -> Model:
                       + f" for a {arch} with this config.json")  # fmt: skip
     used = {alias.get(n, our_to_hf_name(n)) for n in want}
     mtp = sorted(n for n in have - used if is_mtp_name(n))
-    ignored = sorted(n for n in have - used if _IGNORED.search(n) or (n == "lm_head.weight" and cfg.tie_embeddings))
+    ignored = sorted(
+        n for n in have - used if _IGNORED.search(n) or (n == "lm_head.weight" and cfg.tie_embeddings)
+    )
     unexpected = sorted(have - used - set(mtp) - set(ignored))
     if unexpected:
         raise HfError(f"{folder}: unexpected tensor(s) {unexpected[:4]}"
@@ -487,7 +495,9 @@ def import_hf(folder) -> Model:
         src = alias.get(name, our_to_hf_name(name))
         shape = weights.shape(src)
         if tuple(shape) != tuple(spec.shape):
-            raise HfError(f"{folder}: tensor {src} has shape {tuple(shape)}, config.json implies {spec.shape}")
+            raise HfError(
+                f"{folder}: tensor {src} has shape {tuple(shape)}, config.json implies {spec.shape}"
+            )
         dtypes.add(weights.dtype(src))
         params[name] = weights.read_f32(src)
     tok = folder / "tokenizer.json"

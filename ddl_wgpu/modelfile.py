@@ -52,8 +52,14 @@ def save_model(path, model: Model, dtype: str = "f32") -> Path:
             else:
                 yield s.name, a
 
-    save(path, tensors(), config=model.cfg.to_dict(), metadata=meta, provenance=model.provenance,
-         tokenizer=model.tokenizer)
+    save(
+        path,
+        tensors(),
+        config=model.cfg.to_dict(),
+        metadata=meta,
+        provenance=model.provenance,
+        tokenizer=model.tokenizer,
+    )
     return Path(path)
 
 
@@ -72,14 +78,19 @@ def load_model(path, names: set[str] | None = None) -> Model:
         have = set(ck.names())
         missing = [n for n in want if n not in have]
         if missing:
-            raise CheckpointError(f"{path}: missing tensor {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+            raise CheckpointError(
+                f"{path}: missing tensor {missing[0]}"
+                + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
         params = {}
         for name, spec in want.items():
             if names is not None and name not in names:
                 continue
             info = ck.info(name)
             if tuple(info.shape) != tuple(spec.shape):
-                raise CheckpointError(f"{path}: tensor {name} has shape {tuple(info.shape)}, config needs {spec.shape}")
+                raise CheckpointError(
+                    f"{path}: tensor {name} has shape {tuple(info.shape)}, config needs {spec.shape}"
+                )
             params[name] = np.asarray(ck.tensor_f32(name), np.float32)
         meta = dict(ck.metadata or {})
         return Model(

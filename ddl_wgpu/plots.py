@@ -19,12 +19,20 @@ def write_plots(comp: dict, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in comp["reports"]:
         h = r["history"]
-        line = ax.plot([e["step"] for e in h], [e["train"]["loss"] for e in h], label=f"{r['variant']} train", lw=1)
+        line = ax.plot(
+            [e["step"] for e in h], [e["train"]["loss"] for e in h], label=f"{r['variant']} train", lw=1
+        )
         vs = [(e["step"], e["validation"]["loss"]) for e in h if e.get("validation")]
         if r.get("initial_validation"):
             vs.insert(0, (0, r["initial_validation"]["loss"]))
         if vs:
-            ax.plot(*zip(*vs, strict=True), "o--", color=line[0].get_color(), label=f"{r['variant']} validation", ms=3)
+            ax.plot(
+                *zip(*vs, strict=True),
+                "o--",
+                color=line[0].get_color(),
+                label=f"{r['variant']} validation",
+                ms=3,
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("training and validation loss")
@@ -36,12 +44,19 @@ def write_plots(comp: dict, out_dir: Path) -> list[Path]:
     written.append(p)
 
     # 2. beta per DDL sublayer over the evaluation steps, one panel per DDL variant
-    ddl = [r for r in comp["reports"] if any(e.get("validation_spectral") or e.get("train_spectral") for e in r["history"])]
+    ddl = [
+        r
+        for r in comp["reports"]
+        if any(e.get("validation_spectral") or e.get("train_spectral") for e in r["history"])
+    ]
     if ddl:
         fig, axes = plt.subplots(1, len(ddl), figsize=(6 * len(ddl), 4.5), squeeze=False)
         for ax, r in zip(axes[0], ddl, strict=True):
-            pts = [(e["step"], (e.get("validation_spectral") or e.get("train_spectral"))["beta_per_layer"])
-                   for e in r["history"] if e.get("validation_spectral") or e.get("train_spectral")]
+            pts = [
+                (e["step"], (e.get("validation_spectral") or e.get("train_spectral"))["beta_per_layer"])
+                for e in r["history"]
+                if e.get("validation_spectral") or e.get("train_spectral")
+            ]
             steps = [s for s, _ in pts]
             n_layers = len(pts[0][1])
             for i in range(n_layers):

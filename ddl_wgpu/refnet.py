@@ -54,8 +54,10 @@ class RefNet:
         return copy.deepcopy(self.state["m"]), copy.deepcopy(self.state["v"])
 
     def load_moments(self, m: dict, v: dict):
-        self.state = {"m": {n: np.array(m[n], np.float32) for n in self.params},
-                      "v": {n: np.array(v[n], np.float32) for n in self.params}}
+        self.state = {
+            "m": {n: np.array(m[n], np.float32) for n in self.params},
+            "v": {n: np.array(v[n], np.float32) for n in self.params},
+        }
 
     def snapshot(self):
         return self.export()
@@ -90,14 +92,32 @@ class RefWork:
             norm = global_grad_norm(tg)
             if finite:
                 mult = clip_multiplier(norm, update.grad_clip)
-                adamw_step(net.params, net._grads, net.state, update.lr, update.step, update.beta1,
-                           update.beta2, update.eps, update.weight_decay, mult, trainable=net.trainable)
+                adamw_step(
+                    net.params,
+                    net._grads,
+                    net.state,
+                    update.lr,
+                    update.step,
+                    update.beta1,
+                    update.beta2,
+                    update.eps,
+                    update.weight_decay,
+                    mult,
+                    trainable=net.trainable,
+                )
         return StepResult(loss=float(loss), count=count, grad_norm=norm, finite=finite)
 
     def loss_sum(self, ids, lengths=None) -> tuple[float, int]:
         _logits, loss, cache = ref_model.forward(self.net.params, self.net.cfg, ids, lengths)
         count = int(cache["loss"][1])
         return float(loss) * count, count
+
+    def spectral(self, ids, lengths=None) -> dict | None:
+        """The spectral snapshot of one forward (None for a baseline model)."""
+        if self.net.cfg.residual != "delta":
+            return None
+        cache = ref_model.forward(self.net.params, self.net.cfg, ids, lengths, spectral=True)[2]
+        return cache["spectral"]
 
     def logits(self, ids) -> np.ndarray:
         return ref_model.forward(self.net.params, self.net.cfg, ids)[0]

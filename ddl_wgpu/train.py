@@ -82,7 +82,15 @@ class TrainingConfig:
 
     def validate(self) -> None:
         bad = TrainingError.invalid_config
-        for name in ("max_steps", "eval_interval", "warmup_steps", "batch_size", "seq_len", "seed", "eval_batches"):
+        for name in (
+            "max_steps",
+            "eval_interval",
+            "warmup_steps",
+            "batch_size",
+            "seq_len",
+            "seed",
+            "eval_batches",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(f"{name} must be a non-negative integer")
@@ -215,6 +223,7 @@ def write_json(path: Path, obj) -> None:
 def save_checkpoint(path: Path, net, report: dict, best: dict | None, position: dict) -> None:
     """Model (its usual names, so `eval`/`heal` read a checkpoint like a model file), best-validation model
     (`best.` prefix), AdamW moments (`optim.m.` / `optim.v.`), report and position, in one atomic file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     params = net.export()
     m, v = net.moments()
 
@@ -235,7 +244,13 @@ def save_checkpoint(path: Path, net, report: dict, best: dict | None, position: 
         "train.position": position,
         "train.has_best": best is not None,
     }
-    save(path, tensors(), config=net.cfg.to_dict(), metadata=meta, provenance={"train": {"tool": "ddl-wgpu train"}})
+    save(
+        path,
+        tensors(),
+        config=net.cfg.to_dict(),
+        metadata=meta,
+        provenance={"train": {"tool": "ddl-wgpu train"}},
+    )
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -309,8 +324,14 @@ def train_variant(
         t_eval = time.perf_counter()
         init_train = evaluate(net, train, tcfg.eval_batches, spectral=True)
         init_val = evaluate(net, val, tcfg.eval_batches, spectral=True) if val is not None else None
-        progress(kind="eval", variant=variant.slug, step=0, train=init_train["metrics"],
-                 validation=init_val and init_val["metrics"], seconds=time.perf_counter() - t_eval)
+        progress(
+            kind="eval",
+            variant=variant.slug,
+            step=0,
+            train=init_train["metrics"],
+            validation=init_val and init_val["metrics"],
+            seconds=time.perf_counter() - t_eval,
+        )
         report = {
             "variant": variant.slug,
             "config": cfg.to_dict(),
@@ -337,13 +358,15 @@ def train_variant(
     else:
         cfg, report, phase = resume["cfg"], resume["report"], resume["position"]["phase"]
         net = make_net(cfg, resume["params"], opts.backend, opts.device)
-        if resume["m"]:
-            net.load_moments(resume["m"], resume["v"])
         history = report["history"]
         best = None
         if resume["best"] is not None:
             snap_src = make_net(cfg, resume["best"], "ref", None) if opts.backend == "ref" else None
             best = snap_src.snapshot() if snap_src else _gpu_snapshot_of(net, resume["best"])
+        if resume[
+            "m"
+        ]:  # after the best snapshot: `_gpu_snapshot_of` goes through `net.load`, which zeroes moments
+            net.load_moments(resume["m"], resume["v"])
         done_in_phase = report["steps_completed"] - phase["start_step"]
         tcfg = TrainingConfig.from_dict(phase["training"])
 
@@ -372,8 +395,15 @@ def train_variant(
             if record and hasattr(work, "spectral"):
                 train_spectral = work.spectral(batch.ids, batch.lengths)
             lr = schedule.learning_rate(step)
-            hyper = AdamW(lr=lr, step=global_step + 1, beta1=tcfg.beta1, beta2=tcfg.beta2, eps=tcfg.epsilon,
-                          weight_decay=tcfg.weight_decay, grad_clip=tcfg.grad_clip)
+            hyper = AdamW(
+                lr=lr,
+                step=global_step + 1,
+                beta1=tcfg.beta1,
+                beta2=tcfg.beta2,
+                eps=tcfg.epsilon,
+                weight_decay=tcfg.weight_decay,
+                grad_clip=tcfg.grad_clip,
+            )
             res = work.step(batch.ids, batch.lengths, update=hyper)
             if not res.finite:
                 checkpoint()
@@ -393,7 +423,10 @@ def train_variant(
             if record and val is not None:
                 ev = evaluate(net, val, tcfg.eval_batches, spectral=True)
                 entry["validation"], entry["validation_spectral"] = ev["metrics"], ev["spectral"]
-                if report["best_validation"] is None or ev["metrics"]["loss"] < report["best_validation"]["loss"]:
+                if (
+                    report["best_validation"] is None
+                    or ev["metrics"]["loss"] < report["best_validation"]["loss"]
+                ):
                     report["best_validation"] = ev["metrics"]
                     report["best_validation_spectral"] = ev["spectral"]
                     report["best_validation_step"] = global_step + 1
@@ -402,10 +435,17 @@ def train_variant(
             report["steps_completed"] = len(history)
             steps_this_process += 1
             elapsed = time.perf_counter() - t0
-            progress(kind="step", variant=report["variant"], step=global_step + 1,
-                     total=phase["start_step"] + tcfg.max_steps, loss=res.loss, lr=lr,
-                     tokens_per_s=steps_this_process * tokens_per_step / max(elapsed, 1e-9),
-                     s_per_step=elapsed / steps_this_process, validation=entry["validation"])
+            progress(
+                kind="step",
+                variant=report["variant"],
+                step=global_step + 1,
+                total=phase["start_step"] + tcfg.max_steps,
+                loss=res.loss,
+                lr=lr,
+                tokens_per_s=steps_this_process * tokens_per_step / max(elapsed, 1e-9),
+                s_per_step=elapsed / steps_this_process,
+                validation=entry["validation"],
+            )
             last = step + 1 == tcfg.max_steps
             if opts.save_interval and (step + 1) % opts.save_interval == 0 and not last:
                 checkpoint()
@@ -423,8 +463,14 @@ def train_variant(
     fin_val = evaluate(net, val, tcfg.eval_batches, spectral=True) if val is not None else None
     report["final_train"], report["final_train_spectral"] = fin_train["metrics"], fin_train["spectral"]
     if fin_val is not None:
-        report["final_validation"], report["final_validation_spectral"] = fin_val["metrics"], fin_val["spectral"]
-        if report["best_validation"] is None or fin_val["metrics"]["loss"] < report["best_validation"]["loss"]:
+        report["final_validation"], report["final_validation_spectral"] = (
+            fin_val["metrics"],
+            fin_val["spectral"],
+        )
+        if (
+            report["best_validation"] is None
+            or fin_val["metrics"]["loss"] < report["best_validation"]["loss"]
+        ):
             report["best_validation"] = fin_val["metrics"]
             report["best_validation_spectral"] = fin_val["spectral"]
             report["best_validation_step"] = phase["start_step"] + tcfg.max_steps
@@ -458,11 +504,13 @@ def rank(reports: list[dict], key: str) -> list[str] | None:
     entries = [(r["variant"], r[key]["loss"]) for r in reports if r.get(key)]
     if len(entries) != len(reports):
         return None
-    return [v for v, _ in sorted(entries, key=lambda e: (e[1], e[0]))]
+    # the seed's stable sort by `f32::total_cmp`: ties keep the sweep's order, NaN ranks last
+    return [v for v, _ in sorted(entries, key=lambda e: (math.isnan(e[1]), e[1]))]
 
 
-def comparison_report(reports: list[dict], train: TokenDataset, val: TokenDataset | None,
-                      tcfg: TrainingConfig) -> dict:
+def comparison_report(
+    reports: list[dict], train: TokenDataset, val: TokenDataset | None, tcfg: TrainingConfig
+) -> dict:
     """The seed's `TrainingComparisonReport`."""
     tr = rank(reports, "final_train") or []
     vr = rank(reports, "final_validation")
@@ -502,7 +550,11 @@ def train_variants(
         reports.append(r)
         if r.get("status") == "stopped":
             break
-    comp = comparison_report(reports, train, val, tcfg) if all(r.get("status") == "completed" for r in reports) else None
+    comp = (
+        comparison_report(reports, train, val, tcfg)
+        if all(r.get("status") == "completed" for r in reports)
+        else None
+    )
     if out_dir is not None and comp is not None:
         write_json(out_dir / REPORT, comp)
     return comp or {"reports": reports, "status": "stopped"}

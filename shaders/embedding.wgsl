@@ -5,14 +5,19 @@
 //
 // The backward follows llm.c's bucketed wte_backward idea: the host, which knows the ids of each step, sorts
 // the token positions by id (stable) into `order` and gives the bucket bounds `starts` (V + 1), so bucket v
-// is order[starts[v] .. starts[v+1]). One thread per (v, c) sums its bucket in that fixed order and writes
-// its element once: same inputs, same bits, no float atomics.
+// is order[starts[v] .. starts[v+1]). One thread per (v, c) sums its bucket in a fixed order (four
+// interleaved partial sums, for memory-level parallelism on the long buckets of frequent tokens, added as
+// (s0 + s1) + (s2 + s3)) and writes its element once: same inputs, same bits, no float atomics.
+//
+// Template: an item is F = f32, or vec4<f32> (4 adjacent channels) when C % 4 == 0; Params.C counts items
+// of F.
 
 const WG: u32 = 256u;
+alias F = {{F}};
 
 struct Params {
     rows: u32,        // forward: n_tokens; backward: V
-    C: u32,
+    C: u32,           // channels per row, in items of F
     accumulate: u32,  // backward: 1 adds into dwte, 0 overwrites it
 }
 
@@ -23,8 +28,8 @@ fn item(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
 // ---------------------------------------------------------------------------------------------------------
 
 @group(0) @binding(0) var<storage, read> fw_ids: array<u32>;
-@group(0) @binding(1) var<storage, read> fw_wte: array<f32>;
-@group(0) @binding(2) var<storage, read_write> fw_out: array<f32>;
+@group(0) @binding(1) var<storage, read> fw_wte: array<F>;
+@group(0) @binding(2) var<storage, read_write> fw_out: array<F>;
 @group(0) @binding(3) var<uniform> fw_p: Params;
 
 @compute @workgroup_size(WG)
@@ -36,15 +41,15 @@ fn embedding_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     let c = gid - tok * fw_p.C;
     // An id past the table (a corrupt batch) reads as a zero row rather than another row's data.
     let src = fw_ids[tok] * fw_p.C + c;
-    fw_out[gid] = select(0.0, fw_wte[src], src < arrayLength(&fw_wte));
+    fw_out[gid] = select(F(0.0), fw_wte[src], src < arrayLength(&fw_wte));
 }
 
 // ---------------------------------------------------------------------------------------------------------
 
-@group(0) @binding(0) var<storage, read> bw_dout: array<f32>;
+@group(0) @binding(0) var<storage, read> bw_dout: array<F>;
 @group(0) @binding(1) var<storage, read> bw_order: array<u32>;
 @group(0) @binding(2) var<storage, read> bw_starts: array<u32>;
-@group(0) @binding(3) var<storage, read_write> bw_dwte: array<f32>;
+@group(0) @binding(3) var<storage, read_write> bw_dwte: array<F>;
 @group(0) @binding(4) var<uniform> bw_p: Params;
 
 @compute @workgroup_size(WG)
@@ -57,10 +62,22 @@ fn embedding_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     let lo = bw_starts[v];
     let hi = bw_starts[v + 1u];
     if (bw_p.accumulate != 0u && lo == hi) { return; }  // an unseen token: nothing to add
-    var s = 0.0;
-    for (var j = lo; j < hi; j++) {
-        s += bw_dout[bw_order[j] * bw_p.C + c];
+    let C = bw_p.C;
+    var s0 = F(0.0);
+    var s1 = F(0.0);
+    var s2 = F(0.0);
+    var s3 = F(0.0);
+    var j = lo;
+    for (; j + 4u <= hi; j += 4u) {
+        s0 += bw_dout[bw_order[j] * C + c];
+        s1 += bw_dout[bw_order[j + 1u] * C + c];
+        s2 += bw_dout[bw_order[j + 2u] * C + c];
+        s3 += bw_dout[bw_order[j + 3u] * C + c];
     }
+    for (; j < hi; j++) {
+        s0 += bw_dout[bw_order[j] * C + c];
+    }
+    var s = (s0 + s1) + (s2 + s3);
     if (bw_p.accumulate != 0u) {
         s += bw_dwte[gid];
     }

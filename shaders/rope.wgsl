@@ -9,18 +9,20 @@
 //   dx[i+h]  = g[i+h] * cos[i+h] - g[i]   * sin[i]
 //
 // One thread per pair (i, i+h) of one (b, t, n) row: it reads both items before writing both, so the
-// in-place entry points (one read_write buffer) are race-free.
+// in-place entry points (one read_write buffer) are race-free. Template: an item is F = f32, or vec4<f32>
+// when h % 4 == 0 (4 adjacent i at once; head_dim 64 or 128), and Params count items of F.
 //
 //   rope_forward / rope_backward                  (x_or_dout, cos, sin, out_or_dx, p)
 //   rope_forward_inplace / rope_backward_inplace  (cos, sin, x, p)
 
 const WG: u32 = 256u;
+alias F = {{F}};
 
 struct Params {
-    pairs: u32,  // B * T * N * h
+    pairs: u32,  // B * T * N * h / LANES
     T: u32,
     N: u32,
-    D: u32,
+    D: u32,      // head_dim / LANES: a row of x, or of a table, in items of F
 }
 
 fn item(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
@@ -37,20 +39,20 @@ fn locate(gid: u32, p: Params) -> vec2<u32> {
 }
 
 // The forward rotation of the pair (a, b) = (x[i], x[i+h]), or its transpose for the backward.
-fn rotate(a: f32, b: f32, c1: f32, s1: f32, c2: f32, s2: f32, backward: bool) -> vec2<f32> {
+fn rotate(a: F, b: F, c1: F, s1: F, c2: F, s2: F, backward: bool) -> array<F, 2> {
     if (backward) {
-        return vec2<f32>(a * c1 + b * s2, b * c2 - a * s1);
+        return array<F, 2>(a * c1 + b * s2, b * c2 - a * s1);
     }
-    return vec2<f32>(a * c1 - b * s1, b * c2 + a * s2);
+    return array<F, 2>(a * c1 - b * s1, b * c2 + a * s2);
 }
 
 // ---------------------------------------------------------------------------------------------------------
 // out of place
 
-@group(0) @binding(0) var<storage, read> op_x: array<f32>;
-@group(0) @binding(1) var<storage, read> op_cos: array<f32>;
-@group(0) @binding(2) var<storage, read> op_sin: array<f32>;
-@group(0) @binding(3) var<storage, read_write> op_out: array<f32>;
+@group(0) @binding(0) var<storage, read> op_x: array<F>;
+@group(0) @binding(1) var<storage, read> op_cos: array<F>;
+@group(0) @binding(2) var<storage, read> op_sin: array<F>;
+@group(0) @binding(3) var<storage, read_write> op_out: array<F>;
 @group(0) @binding(4) var<uniform> op_p: Params;
 
 fn rope_out_of_place(gid: u32, backward: bool) {
@@ -58,8 +60,8 @@ fn rope_out_of_place(gid: u32, backward: bool) {
     let at = locate(gid, op_p);
     let r = rotate(op_x[at.x], op_x[at.x + h], op_cos[at.y], op_sin[at.y], op_cos[at.y + h], op_sin[at.y + h],
                    backward);
-    op_out[at.x] = r.x;
-    op_out[at.x + h] = r.y;
+    op_out[at.x] = r[0];
+    op_out[at.x + h] = r[1];
 }
 
 @compute @workgroup_size(WG)
@@ -81,9 +83,9 @@ fn rope_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
 // ---------------------------------------------------------------------------------------------------------
 // in place: x is read and overwritten
 
-@group(0) @binding(0) var<storage, read> ip_cos: array<f32>;
-@group(0) @binding(1) var<storage, read> ip_sin: array<f32>;
-@group(0) @binding(2) var<storage, read_write> ip_x: array<f32>;
+@group(0) @binding(0) var<storage, read> ip_cos: array<F>;
+@group(0) @binding(1) var<storage, read> ip_sin: array<F>;
+@group(0) @binding(2) var<storage, read_write> ip_x: array<F>;
 @group(0) @binding(3) var<uniform> ip_p: Params;
 
 fn rope_in_place(gid: u32, backward: bool) {
@@ -91,8 +93,8 @@ fn rope_in_place(gid: u32, backward: bool) {
     let at = locate(gid, ip_p);
     let r = rotate(ip_x[at.x], ip_x[at.x + h], ip_cos[at.y], ip_sin[at.y], ip_cos[at.y + h], ip_sin[at.y + h],
                    backward);
-    ip_x[at.x] = r.x;
-    ip_x[at.x + h] = r.y;
+    ip_x[at.x] = r[0];
+    ip_x[at.x + h] = r[1];
 }
 
 @compute @workgroup_size(WG)

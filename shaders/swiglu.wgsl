@@ -1,5 +1,6 @@
 // SwiGLU over flat arrays of n items: out = silu(gate) * up, silu(g) = g * sigmoid(g).
-// One thread per item; workgroups spread over x and y by the launcher (`gpu.grid`).
+// One thread per item of type F (template: f32, or vec4<f32> when n % 4 == 0, as in elementwise.wgsl);
+// workgroups spread over x and y by the launcher (`gpu.grid`). Params.n counts items of F.
 //
 //   swiglu_forward  (gate, up, out, p)
 //   swiglu_backward (dout, gate, up, dgate, dup, p)
@@ -7,6 +8,7 @@
 //     dgate = dout * up * silu'(g),  silu'(g) = s + g * s * (1 - s),  s = sigmoid(g)
 
 const WG: u32 = 256u;
+alias F = {{F}};
 
 struct Params {
     n: u32,
@@ -15,10 +17,10 @@ struct Params {
 // Numerically stable sigmoid: exp only ever sees -|g| <= 0, so it never overflows (1/(1+exp(-g)) would
 // reach inf for g < -88 and lean on IEEE inf arithmetic, which fast-math drivers do not promise); for
 // g << 0 the result underflows gracefully towards 0.
-fn sigmoid(g: f32) -> f32 {
+fn sigmoid(g: F) -> F {
     let e = exp(-abs(g));
     let r = 1.0 / (1.0 + e);
-    return select(e * r, r, g >= 0.0);
+    return select(e * r, r, g >= F(0.0));
 }
 
 fn item(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
@@ -27,9 +29,9 @@ fn item(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
 
 // ---------------------------------------------------------------------------------------------------------
 
-@group(0) @binding(0) var<storage, read> fw_gate: array<f32>;
-@group(0) @binding(1) var<storage, read> fw_up: array<f32>;
-@group(0) @binding(2) var<storage, read_write> fw_out: array<f32>;
+@group(0) @binding(0) var<storage, read> fw_gate: array<F>;
+@group(0) @binding(1) var<storage, read> fw_up: array<F>;
+@group(0) @binding(2) var<storage, read_write> fw_out: array<F>;
 @group(0) @binding(3) var<uniform> fw_p: Params;
 
 @compute @workgroup_size(WG)
@@ -43,11 +45,11 @@ fn swiglu_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 
 // ---------------------------------------------------------------------------------------------------------
 
-@group(0) @binding(0) var<storage, read> bw_dout: array<f32>;
-@group(0) @binding(1) var<storage, read> bw_gate: array<f32>;
-@group(0) @binding(2) var<storage, read> bw_up: array<f32>;
-@group(0) @binding(3) var<storage, read_write> bw_dgate: array<f32>;
-@group(0) @binding(4) var<storage, read_write> bw_dup: array<f32>;
+@group(0) @binding(0) var<storage, read> bw_dout: array<F>;
+@group(0) @binding(1) var<storage, read> bw_gate: array<F>;
+@group(0) @binding(2) var<storage, read> bw_up: array<F>;
+@group(0) @binding(3) var<storage, read_write> bw_dgate: array<F>;
+@group(0) @binding(4) var<storage, read_write> bw_dup: array<F>;
 @group(0) @binding(5) var<uniform> bw_p: Params;
 
 @compute @workgroup_size(WG)

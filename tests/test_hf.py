@@ -73,7 +73,11 @@ def write_folder(folder, hfcfg, tensors, dtype="f32", shards=None, tokenizer=b'{
     (folder / "config.json").write_text(json.dumps(hfcfg))
     if tokenizer is not None:
         (folder / "tokenizer.json").write_bytes(tokenizer)
-    writer = (lambda p, t: save_file(t, str(p), metadata={"format": "pt"})) if dtype == "f32" else write_bf16_safetensors
+    writer = (
+        (lambda p, t: save_file(t, str(p), metadata={"format": "pt"}))
+        if dtype == "f32"
+        else write_bf16_safetensors
+    )
     if not shards:
         writer(folder / "model.safetensors", tensors)
         return folder
@@ -245,7 +249,9 @@ def test_export_overwrites_atomically(tmp_path):
     p2 = random_params(cfg, seed=2)
     export_hf(Model(cfg=cfg, params=p2), tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.partial"))
-    np.testing.assert_array_equal(import_hf(tmp_path / "out").params["model.norm.weight"], p2["model.norm.weight"])
+    np.testing.assert_array_equal(
+        import_hf(tmp_path / "out").params["model.norm.weight"], p2["model.norm.weight"]
+    )
 
 
 def test_export_raw_round_trip(tmp_path):
@@ -276,8 +282,14 @@ def test_file_conveniences(tmp_path):
     for name, a in params.items():
         np.testing.assert_array_equal(back.params[name], a)
     # a post_rope model cannot be Qwen3: raw on request
-    save_model(tmp_path / "p.ddlw", Model(cfg=our_config(True, "post_rope"), params=random_params(our_config(True, "post_rope"))))
-    assert export_hf_from_file(tmp_path / "p.ddlw", tmp_path / "raw", raw=True)["architecture"] == "DdlForCausalLM"
+    save_model(
+        tmp_path / "p.ddlw",
+        Model(cfg=our_config(True, "post_rope"), params=random_params(our_config(True, "post_rope"))),
+    )
+    assert (
+        export_hf_from_file(tmp_path / "p.ddlw", tmp_path / "raw", raw=True)["architecture"]
+        == "DdlForCausalLM"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -416,7 +428,10 @@ def _hf_model(arch: str, tied: bool, seed: int):
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
-                p.copy_(torch.randn_like(p) * (0.02 if "embed" in name or "lm_head" in name else 0.5 / math.sqrt(64)))
+                p.copy_(
+                    torch.randn_like(p)
+                    * (0.02 if "embed" in name or "lm_head" in name else 0.5 / math.sqrt(64))
+                )
     return torch, transformers, model
 
 
@@ -444,7 +459,9 @@ def test_parity_export_to_transformers(tmp_path, arch, tied):
     cfg = our_config(tied, "pre_rope" if arch.startswith("Qwen3") else "none")
     model = Model(cfg=cfg, params=random_params(cfg, seed=21))
     export_hf(model, tmp_path / "out")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager"
+    ).eval()
     assert type(hf).__name__ == arch
     assert hf.config.head_dim == 32 and hf.config.tie_word_embeddings is tied
     ours = forward(model.params, cfg, IDS)[0]

@@ -1,12 +1,13 @@
 """attention.wgsl against ddl_ref.ops.attention_forward/backward (float64 reference of float32 inputs):
 out, lse, dq, dk, dv for GQA shapes with T not a multiple of the tiles; determinism; causality; a custom scale;
-the small-tile configurations an adapter with little workgroup storage gets; large head dims."""
+every tile shape the launcher can pick; large head dims; the tile choice for any D <= 256."""
 
 import numpy as np
 import pytest
 from kernel_check import check
 
 from ddl_ref import ops as ref
+from ddl_wgpu.ops import attention
 from ddl_wgpu.ops.attention import MAX_D, attention_backward, attention_forward, tile_config
 
 SHAPES = [  # (B, T, H, K, D)
@@ -68,13 +69,16 @@ def test_attention_large_head_dim(gpu, shape):
     _check_all(_gpu_attention(gpu, shape, q, k, v, dout), _reference(q, k, v, dout), str(shape))
 
 
-@pytest.mark.parametrize("storage", [4096, 1024])
-def test_attention_small_tiles(gpu, monkeypatch, storage):
-    # An adapter with little workgroup storage gets narrow tiles (TR = 8, 4, 2): same results.
-    monkeypatch.setitem(gpu.limits, "max-compute-workgroup-storage-size", storage)
+@pytest.mark.parametrize(
+    "tile", [(16, 16), (8, 16), (4, 8), (2, 4), (1, 4)], ids=lambda t: f"R{t[0]}TR{t[1]}"
+)
+def test_attention_tile_shapes(gpu, monkeypatch, tile):
+    # Each kernel's tile (R rows x TR columns) depends on D and the adapter's workgroup storage; force each
+    # shape on a D that is a multiple of 4 (vec4 loads) and one that is not (scalar loads, zero padding).
+    monkeypatch.setattr(attention, "_TILES", (tile,))
     for shape in [(1, 11, 2, 1, 7), (2, 9, 4, 2, 12)]:
         q, k, v, dout = _inputs(shape, seed=2)
-        _check_all(_gpu_attention(gpu, shape, q, k, v, dout), _reference(q, k, v, dout), f"{storage} {shape}")
+        _check_all(_gpu_attention(gpu, shape, q, k, v, dout), _reference(q, k, v, dout), f"{tile} {shape}")
 
 
 def test_attention_deterministic(gpu):

@@ -31,8 +31,8 @@ def f64(a):
 # RMSNorm
 
 # (rows, C): rows/C off the workgroup grid; C=6/16 the per-head shapes (many rows per workgroup);
-# C=300 more than one item per thread; rows=150 several dw row blocks.
-RMS_SHAPES = [(37, 50), (2 * 7 * 5, 6), (2 * 5 * 3, 16), (5, 300), (150, 20)]
+# C=300/1100 several items per thread (1100: a whole workgroup per row); rows 150/300 several dw row blocks.
+RMS_SHAPES = [(37, 50), (2 * 7 * 5, 6), (2 * 5 * 3, 16), (5, 300), (3, 1100), (150, 20), (300, 6)]
 
 
 def _rms_inputs(rng, rows, C, style):
@@ -129,11 +129,24 @@ def test_rmsnorm_dw_deterministic(gpu, rng):
 
 
 def test_rmsnorm_dw_blocks():
-    assert rmsnorm.rmsnorm_dw_blocks(37) == (64, 1)
-    assert rmsnorm.rmsnorm_dw_blocks(300) == (64, 5)
-    rpb, nb = rmsnorm.rmsnorm_dw_blocks(262144)
-    assert rpb == 512 and nb == 512
-    assert [rmsnorm.threads_per_row(c) for c in (1, 6, 16, 50, 128, 300)] == [1, 8, 16, 64, 128, 256]
+    assert rmsnorm.rmsnorm_dw_blocks(37, 50) == (32, 2)
+    assert rmsnorm.rmsnorm_dw_blocks(300, 37) == (32, 10)
+    assert rmsnorm.rmsnorm_dw_blocks(300, 6) == (128, 3)
+    assert rmsnorm.rmsnorm_dw_blocks(262144, 128) == (256, 1024)  # 16 x 1024 tokens x 16 heads
+    assert rmsnorm.rmsnorm_dw_blocks(262144, 128, 4) == (256, 1024)
+    assert rmsnorm.rmsnorm_dw_blocks(300, 16, 4) == (256, 2)
+    assert rmsnorm.rmsnorm_partials_size(300, 16) == 4 * 16 * 5  # the f32 path needs more blocks
+    assert rmsnorm.rmsnorm_dw_blocks(32768, 6) == (192, 171)
+    assert [rmsnorm.threads_per_row(c) for c in (1, 6, 16, 50, 128, 300, 768, 1100)] == [
+        1,
+        2,
+        4,
+        16,
+        32,
+        128,
+        256,
+        256,
+    ]
     with pytest.raises(ValueError):
         rmsnorm._style("layer")
 
@@ -142,7 +155,7 @@ def test_rmsnorm_dw_blocks():
 # RoPE
 
 
-@pytest.mark.parametrize("D", [16, 6])
+@pytest.mark.parametrize("D", [16, 6, 12])  # vec4 pairs (h = 8), f32 pairs (h = 3, 6)
 def test_rope(gpu, rng, D):
     B, T, N = 2, 7, 3
     cos, sin = ref.rope_tables(T + 4, D, 10000.0, f32)  # tables longer than T: row stride D still holds
@@ -186,8 +199,8 @@ def test_rope_rejects():
 # SwiGLU
 
 
-def test_swiglu(gpu, rng):
-    n = 1000
+@pytest.mark.parametrize("n", [1000, 999])  # the vec4 and the f32 path
+def test_swiglu(gpu, rng, n):
     gate = (rng.standard_normal(n) * 4).astype(f32)
     gate[:8] = [60, -60, 100, -100, 88.8, -88.8, 0, -0.0]
     upv = rng.standard_normal(n).astype(f32)
@@ -217,10 +230,12 @@ def test_embedding_buckets():
         embedding.embedding_buckets(ids, 3)
 
 
-def test_embedding(gpu, rng):
-    B, T, V, C = 3, 11, 29, 33
-    ids = rng.integers(0, 12, size=(B, T))  # repeats, and ids 12..28 unseen
+@pytest.mark.parametrize("C", [33, 32])  # the f32 and the vec4 path
+def test_embedding(gpu, rng, C):
+    B, T, V = 3, 11, 29
+    ids = rng.integers(0, 12, size=(B, T))  # repeats, and ids 12..27 unseen
     ids[0, :4] = 28
+    ids[1, :7] = 5  # a long bucket: the shader's 4-way interleaved sum plus a remainder
     wte = rng.standard_normal((V, C)).astype(f32)
     dout = rng.standard_normal((B, T, C)).astype(f32)
     n = B * T
@@ -250,8 +265,8 @@ def test_embedding(gpu, rng):
 # elementwise
 
 
-def test_elementwise(gpu, rng):
-    n = 1000
+@pytest.mark.parametrize("n", [1000, 1001])  # the vec4 and the f32 path
+def test_elementwise(gpu, rng, n):
     a = rng.standard_normal(n).astype(f32)
     b = rng.standard_normal(n).astype(f32)
     ba, bb = up(gpu, a), up(gpu, b)
@@ -284,7 +299,7 @@ def test_elementwise(gpu, rng):
     call.run(gpu)
     got = gpu.download(arena, f32, m)
     assert np.all(got[64 : 64 + n - 3] == 0.0) and np.array_equal(got[64 + n - 3 : 64 + n], a[-3:])
-    gpu.write_uniform(call.uniforms[0], elementwise.PARAMS, n - 3, 2.5)  # a per-step value, same Call
+    elementwise.set_alpha(gpu, call, 2.5)  # a per-step value, same Call
     call.run(gpu)
     assert np.all(gpu.download(arena, f32, m)[64 : 64 + n - 3] == 2.5)
 

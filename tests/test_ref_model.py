@@ -109,10 +109,11 @@ def test_init_loss_near_log_vocab_and_float32_matches_float64():
         np.testing.assert_array_equal(g1[name], g2[name])
 
 
-def test_delta_residual_not_implemented_yet():
+def test_delta_residual_runs():
+    # The Deep Delta residual is implemented now; its own tests are in tests/test_ref_ddl.py.
     cfg = tiny_cfg(residual="delta")
-    with pytest.raises(NotImplementedError, match="residual='add'"):
-        model.forward(random_params(tiny_cfg()), cfg, np.zeros((1, 3), dtype=int))
+    _, loss, cache = model.forward(random_params(cfg), cfg, np.zeros((1, 3), dtype=int))
+    assert np.isfinite(loss) and len(cache["blocks"]) == cfg.n_layers
 
 
 def test_sequence_longer_than_max_seq_len():
@@ -229,12 +230,12 @@ def test_presets():
 
 
 def test_variants():
-    assert parse_variants("all") == [ModelVariant.BASELINE]
+    assert parse_variants("all")[0] == ModelVariant.BASELINE and len(parse_variants("all")) == 6
     assert parse_variants(" baseline, baseline ") == [ModelVariant.BASELINE]
     v = ModelVariant.BASELINE
     assert v.slug == "baseline" and v == "baseline" and not v.uses_ddl
-    assert v.resolve_config(preset("tiny", residual="delta", ddl_dv=4)).residual == "add"
-    with pytest.raises(ConfigError, match=r"unknown variant 'ddl-xx'; valid variants: \['baseline'\]"):
+    assert v.resolve_config(preset("tiny", residual="delta", ddl_dv=4, ddl_compressor="cc")).residual == "add"
+    with pytest.raises(ConfigError, match=r"unknown variant 'ddl-xx'; valid variants: \['baseline', 'ddl',"):
         parse_variants("baseline,ddl-xx")
     with pytest.raises(ConfigError, match="no variants given"):
         parse_variants(" , ")

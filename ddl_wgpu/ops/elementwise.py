@@ -5,13 +5,21 @@
 - `axpy(y, x, alpha)`: y += alpha * x;
 - `copy(dst, src)`; `fill(buf, value)` (zeroing gradients); `scale_inplace(y, alpha)`.
 
-Each returns a `Call` whose only uniform is `Params {n: u32, alpha: f32}` (format `PARAMS`), so a per-step
-scalar (a fill value, a scale) is changed with `gpu.write_uniform(call.uniforms[0], PARAMS, n, alpha)`.
+Each returns a `Call` whose only uniform is `Params {n: u32, alpha: f32}` (n counts items of the shader's
+type: n / 4 on the vec4 path); a per-step scalar (a fill value, a scale) is changed with
+`set_alpha(gpu, call, alpha)`, which rewrites alpha alone.
+
+The shaders are written over a type F, filled in as f32 or vec4<f32> (`templates`): the vec4 variant is used
+when n % 4 == 0 and every binding offset is a multiple of 16 (always true for the 256-aligned arenas), and moves
+about twice the bytes per second on the H200. The helpers `view`, `need`, `vec_width` and `templates` are
+shared with the other small families (rmsnorm, rope, swiglu, embedding).
 
 What it does not do: broadcasting or strides; every operand is a flat run of n f32 values.
 """
 
 from __future__ import annotations
+
+import struct
 
 from ddl_wgpu.gpu import Call, Gpu
 
@@ -20,59 +28,80 @@ WG = 256  # threads per workgroup, as in the shader
 PARAMS = "uf"  # Params {n: u32, alpha: f32}
 
 
-def _nbytes(res) -> int:
-    return res[2] if isinstance(res, tuple) else res.size
+def view(res) -> tuple:
+    """(buffer, byte_offset, nbytes) of a buffer or of a view."""
+    return res if isinstance(res, tuple) else (res, 0, res.size)
 
 
-def _need(name: str, res, n: int):
-    if _nbytes(res) < 4 * n:
-        raise ValueError(f"{name}: buffer of {_nbytes(res)} bytes is too small for {n} f32 values")
+def need(entry: str, name: str, res, n: int):
+    """Raise if `res` holds fewer than n f32 (or u32) values: a short binding would be read as zeros."""
+    if view(res)[2] < 4 * n:
+        raise ValueError(f"{entry}: {name} has {view(res)[2]} bytes, needs {4 * n}")
+
+
+def vec_width(n: int, *resources) -> int:
+    """4 when items can be moved as vec4<f32> (n divisible by 4 and every binding offset by 16), else 1."""
+    return 4 if int(n) % 4 == 0 and all(view(r)[1] % 16 == 0 for r in resources) else 1
+
+
+def templates(width: int) -> dict:
+    """Template values of the shaders that are written over `F` (f32 or vec4<f32>)."""
+    if width == 4:
+        return {"F": "vec4<f32>", "LANES": 4, "HSUM": "(v.x + v.y) + (v.z + v.w)"}
+    return {"F": "f32", "LANES": 1, "HSUM": "v"}
 
 
 def _launch(gpu: Gpu, entry: str, sig: str, resources: list, n: int, alpha: float = 0.0) -> Call:
     n = int(n)
-    k = gpu.kernel(FILE, entry, sig, workgroup=(WG, 1, 1))
-    u = gpu.uniform(PARAMS, n, float(alpha), label=entry)
-    groups = max(1, -(-n // WG))
+    width = vec_width(n, *resources)
+    k = gpu.kernel(FILE, entry, sig, templates=templates(width), workgroup=(WG, 1, 1))
+    u = gpu.uniform(PARAMS, n // width, float(alpha), label=entry)
+    groups = max(1, -(-(n // width) // WG))
     return Call([(k, gpu.bind(k, *resources, u), groups)], [u])
+
+
+def set_alpha(gpu: Gpu, call: Call, alpha: float):
+    """Rewrite the scalar of an `axpy`, `fill` or `scale_inplace` Call (Params.alpha, byte 4) for the next
+    submit, leaving n as it was."""
+    gpu.queue.write_buffer(call.uniforms[0], 4, struct.pack("<f", float(alpha)))
 
 
 def add_forward(gpu: Gpu, out, a, b, n: int) -> Call:
     """out = a + b over n items."""
     for name, r in (("out", out), ("a", a), ("b", b)):
-        _need(name, r, n)
+        need("add_forward", name, r, n)
     return _launch(gpu, "add_forward", "rrwu", [a, b, out], n)
 
 
 def add_inplace(gpu: Gpu, y, x, n: int) -> Call:
     """y += x over n items (y and x must be different buffers)."""
-    _need("y", y, n)
-    _need("x", x, n)
+    need("add_inplace", "y", y, n)
+    need("add_inplace", "x", x, n)
     return _launch(gpu, "add_inplace", "rwu", [x, y], n)
 
 
 def axpy(gpu: Gpu, y, x, n: int, alpha: float) -> Call:
     """y += alpha * x over n items."""
-    _need("y", y, n)
-    _need("x", x, n)
+    need("axpy", "y", y, n)
+    need("axpy", "x", x, n)
     return _launch(gpu, "axpy", "rwu", [x, y], n, alpha)
 
 
 def copy(gpu: Gpu, dst, src, n: int) -> Call:
     """dst = src over n items. (Between whole buffers `Recorder.copy` also works, but it ends the compute
     pass; this one stays inside it.)"""
-    _need("dst", dst, n)
-    _need("src", src, n)
+    need("copy", "dst", dst, n)
+    need("copy", "src", src, n)
     return _launch(gpu, "copy", "rwu", [src, dst], n)
 
 
 def fill(gpu: Gpu, buf, n: int, value: float = 0.0) -> Call:
     """buf = value over n items (zeroing gradients before a step)."""
-    _need("buf", buf, n)
+    need("fill", "buf", buf, n)
     return _launch(gpu, "fill", "wu", [buf], n, value)
 
 
 def scale_inplace(gpu: Gpu, y, n: int, alpha: float) -> Call:
     """y *= alpha over n items."""
-    _need("y", y, n)
+    need("scale_inplace", "y", y, n)
     return _launch(gpu, "scale_inplace", "wu", [y], n, alpha)

@@ -8,6 +8,8 @@ picks the `*_inplace` entry point, which binds that buffer once as read_write (b
 with one binding writable is a wgpu usage conflict). Two different views of one buffer are refused for the
 same reason.
 
+Items move as vec4<f32> when head_dim / 2 is a multiple of 4 (`elementwise.vec_width`).
+
 What it does not do: partial rotary (rotating only the first d < D channels), interleaved pairs, or
 position offsets (KV-cache decoding).
 """
@@ -15,21 +17,18 @@ position offsets (KV-cache decoding).
 from __future__ import annotations
 
 from ddl_wgpu.gpu import Call, Gpu
+from ddl_wgpu.ops.elementwise import need, templates, vec_width, view
 
 FILE = "rope.wgsl"
 WG = 256  # threads per workgroup, as in the shader
-PARAMS = "uuuu"  # Params {pairs, T, N, D}
-
-
-def _view(res) -> tuple:
-    return res if isinstance(res, tuple) else (res, 0, res.size)
+PARAMS = "uuuu"  # Params {pairs, T, N, D}, counted in items of the shader's type (f32 or vec4)
 
 
 def _same(a, b) -> bool:
     """True when a and b are the same buffer range; raises when they are different ranges of one buffer."""
     if a is b:
         return True
-    va, vb = _view(a), _view(b)
+    va, vb = view(a), view(b)
     if va[0] is not vb[0]:
         return False
     if va[1:] == vb[1:]:
@@ -42,16 +41,17 @@ def _launch(gpu: Gpu, entry: str, out, x, cos, sin, B: int, T: int, N: int, D: i
     if D % 2:
         raise ValueError(f"rope needs an even head_dim, got {D}")
     n = B * T * N * D
-    for name, r, need in (("x", x, n), ("out", out, n), ("cos", cos, T * D), ("sin", sin, T * D)):
-        if _view(r)[2] < 4 * need:
-            raise ValueError(f"{entry}: {name} has {_view(r)[2]} bytes, needs {4 * need}")
-    pairs = n // 2
-    u = gpu.uniform(PARAMS, pairs, T, N, D, label=entry)
+    for name, r, count in (("x", x, n), ("out", out, n), ("cos", cos, T * D), ("sin", sin, T * D)):
+        need(entry, name, r, count)
+    width = vec_width(D // 2, x, out, cos, sin)  # pairs of items move as vec4 when h % 4 == 0
+    pairs = n // 2 // width
+    u = gpu.uniform(PARAMS, pairs, T, N, D // width, label=entry)
+    tm = templates(width)
     if _same(out, x):
-        k = gpu.kernel(FILE, entry + "_inplace", "rrwu", workgroup=(WG, 1, 1))
+        k = gpu.kernel(FILE, entry + "_inplace", "rrwu", templates=tm, workgroup=(WG, 1, 1))
         bg = gpu.bind(k, cos, sin, x, u)
     else:
-        k = gpu.kernel(FILE, entry, "rrrwu", workgroup=(WG, 1, 1))
+        k = gpu.kernel(FILE, entry, "rrrwu", templates=tm, workgroup=(WG, 1, 1))
         bg = gpu.bind(k, x, cos, sin, out, u)
     return Call([(k, bg, max(1, -(-pairs // WG)))], [u])
 

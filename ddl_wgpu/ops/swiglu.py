@@ -1,6 +1,8 @@
 """Launchers for `shaders/swiglu.wgsl`: out = silu(gate) * up over n items, and its backward.
 
-The sigmoid in the shader is the stable form (exp of -|g| only), so |gate| of any size gives no NaN.
+The sigmoid in the shader is the stable form (exp of -|g| only), so |gate| of any size gives no NaN. Items
+move as vec4<f32> when n % 4 == 0 (`elementwise.vec_width`).
+
 What it does not do: the gate/up projections (matmul) or a fused split of one (.., 2F) tensor; gate and up
 are two buffers (or two views of one arena).
 """
@@ -8,24 +10,21 @@ are two buffers (or two views of one arena).
 from __future__ import annotations
 
 from ddl_wgpu.gpu import Call, Gpu
+from ddl_wgpu.ops.elementwise import need, templates, vec_width
 
 FILE = "swiglu.wgsl"
 WG = 256  # threads per workgroup, as in the shader
-PARAMS = "u"  # Params {n: u32}
-
-
-def _nbytes(res) -> int:
-    return res[2] if isinstance(res, tuple) else res.size
+PARAMS = "u"  # Params {n: u32}, in items of the shader's type (n / 4 on the vec4 path)
 
 
 def _launch(gpu: Gpu, entry: str, sig: str, resources: list, n: int) -> Call:
     n = int(n)
     for r in resources:
-        if _nbytes(r) < 4 * n:
-            raise ValueError(f"{entry}: a buffer of {_nbytes(r)} bytes is too small for {n} f32 values")
-    k = gpu.kernel(FILE, entry, sig, workgroup=(WG, 1, 1))
-    u = gpu.uniform(PARAMS, n, label=entry)
-    return Call([(k, gpu.bind(k, *resources, u), max(1, -(-n // WG)))], [u])
+        need(entry, "a buffer", r, n)
+    width = vec_width(n, *resources)
+    k = gpu.kernel(FILE, entry, sig, templates=templates(width), workgroup=(WG, 1, 1))
+    u = gpu.uniform(PARAMS, n // width, label=entry)
+    return Call([(k, gpu.bind(k, *resources, u), max(1, -(-(n // width) // WG)))], [u])
 
 
 def swiglu_forward(gpu: Gpu, out, gate, up, n: int) -> Call:

@@ -1,0 +1,346 @@
+"""The `ddl-wgpu` command line, run as a user runs it (a subprocess of `python -m ddl_wgpu.cli`, which goes
+through `main()`): devices, check, init + inspect, eval on both backends, train end to end, the one-line
+`error: ...` + exit 2 of every user error, and stop/resume through the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ddl_ref.config import ModelVariant
+
+MODEL_ARGS = [
+    "--vocab-size",
+    "256",
+    "--d-model",
+    "32",
+    "--n-layers",
+    "1",
+    "--n-heads",
+    "2",
+    "--n-kv-heads",
+    "1",
+    "--head-dim",
+    "8",
+    "--ffn-hidden",
+    "48",
+    "--max-seq-len",
+    "32",
+]
+TRAIN_ARGS = [
+    "--variants",
+    "baseline",
+    "--max-steps",
+    "6",
+    "--eval-interval",
+    "2",
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "16",
+    "--eval-batches",
+    "2",
+    "--learning-rate",
+    "1e-2",
+    "--warmup-steps",
+    "2",
+    "--min-learning-rate",
+    "1e-3",
+    *MODEL_ARGS,
+]
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def cli(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "ddl_wgpu.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    return r
+
+
+def user_error(r: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit code 2, exactly one line on stderr starting with 'error:', no traceback; returns the line."""
+    assert r.returncode == 2, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(0)
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "lazy",
+        "dog",
+        "pack",
+        "my",
+        "box",
+        "with",
+        "five",
+        "dozen",
+        "liquor",
+        "jugs",
+        "and",
+        "then",
+        "a",
+        "cat",
+        "sat",
+        "on",
+        "mat",
+    ]
+    text = " ".join(
+        words[int(i)] + (".\n" if k % 11 == 10 else "") for k, i in enumerate(rng.integers(0, 23, 600))
+    )
+    p = tmp_path_factory.mktemp("cli_data") / "corpus.txt"
+    p.write_text(text)
+    return p
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cli_model") / "tiny.ddlw"
+    r = ok(cli("init", "--preset", "tiny", "--out", out, "--seed", "3", *MODEL_ARGS))
+    assert "variant baseline: 14,448 parameters" in r.stdout and f"wrote {out}" in r.stdout
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# devices, check, init, inspect
+
+
+def test_devices_text_and_json():
+    text = ok(cli("devices")).stdout
+    assert text.startswith("[0] ") and "backend=" in text and "default adapter: " in text
+    adapters = json.loads(ok(cli("devices", "--json")).stdout)
+    assert isinstance(adapters, list) and adapters
+    a = adapters[0]
+    assert a["index"] == 0 and a["name"] and a["backend"] and isinstance(a["features"], list)
+    assert isinstance(a["limits"], dict) and a["limits"]
+    assert a["name"] in text
+
+
+def test_check():
+    out = ok(cli("check")).stdout
+    assert out.startswith("adapter: ") and out.strip().splitlines()[-1].startswith("ok (")
+
+
+def test_init_then_inspect(model_file):
+    text = ok(cli("inspect", model_file)).stdout
+    assert "ddlw v1" in text and re.search(r"^tensors\s+13\b", text, re.M) and "14448" in text
+    desc = json.loads(ok(cli("inspect", model_file, "--json")).stdout)
+    assert desc["num_tensors"] == 13 and desc["total_params"] == 14448
+    assert desc["config"]["d_model"] == 32 and desc["config"]["residual"] == "add"
+    assert {t["name"] for t in desc["tensors"]} >= {"model.embed_tokens.weight", "model.norm.weight"}
+    verified = json.loads(ok(cli("inspect", model_file, "--json", "--verify")).stdout)
+    assert verified["verified"] is True
+    ok(cli("inspect", model_file, "--verify"))
+
+
+def test_init_ddl_variant(tmp_path):
+    r = ok(cli("init", "--variant", "ddl", "--out", tmp_path / "d.ddlw", *MODEL_ARGS))
+    assert r.stdout.startswith("variant ddl: ") and "over baseline" in r.stdout
+    assert (
+        json.loads(ok(cli("inspect", tmp_path / "d.ddlw", "--json")).stdout)["config"]["residual"] == "delta"
+    )
+
+
+def damage_magic(p: Path):
+    b = bytearray(p.read_bytes())
+    b[0] ^= 0xFF
+    p.write_bytes(bytes(b))
+
+
+def truncate_header(p: Path):
+    p.write_bytes(p.read_bytes()[:100])
+
+
+def truncate_tensors(p: Path):
+    b = p.read_bytes()
+    p.write_bytes(b[: len(b) // 2])
+
+
+def flip_tensor_byte(p: Path):
+    b = bytearray(p.read_bytes())
+    b[-9] ^= 0x40  # inside the last tensor's data
+    p.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize(
+    "damage,verify",
+    [(damage_magic, False), (truncate_header, False), (truncate_tensors, False), (flip_tensor_byte, True)],
+    ids=["magic", "header", "tensors", "hash"],
+)
+def test_inspect_damaged_file_is_one_line(model_file, tmp_path, damage, verify):
+    bad = tmp_path / "bad.ddlw"
+    bad.write_bytes(model_file.read_bytes())
+    damage(bad)
+    r = cli("inspect", bad, *(["--verify"] if verify else []))
+    line = user_error(r)
+    print(f"\n{damage.__name__}: {line}")
+
+
+def test_inspect_missing_file(tmp_path):
+    user_error(cli("inspect", tmp_path / "nope.ddlw"), "nope.ddlw")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# eval
+
+
+def test_eval_wgpu_and_ref_agree(model_file, corpus):
+    args = ["eval", model_file, "--data", corpus, "--seq-len", "16", "--batch", "4", "--json"]
+    w = json.loads(ok(cli(*args, "--backend", "wgpu")).stdout)
+    r = json.loads(ok(cli(*args, "--backend", "ref")).stdout)
+    print(
+        f"\neval loss: wgpu {w['loss']:.9f}  ref {r['loss']:.9f}  (|diff| {abs(w['loss'] - r['loss']):.2e})"
+    )
+    assert (w["backend"], r["backend"]) == ("wgpu", "ref")
+    for k in ("tokens", "predictions", "windows", "variant"):
+        assert w[k] == r[k], k
+    assert w["predictions"] == w["tokens"] - w["windows"]
+    assert 4.5 < w["loss"] < 6.5  # about ln 256 for a fresh model
+    assert w["loss"] == pytest.approx(r["loss"], rel=1e-5)
+    assert w["perplexity"] == pytest.approx(math.exp(w["loss"]), rel=1e-9)
+    text = ok(
+        cli("eval", model_file, "--data", corpus, "--seq-len", "16", "--batch", "4", "--backend", "ref")
+    ).stdout
+    assert "loss " in text and "perplexity " in text and "(ref," in text
+
+
+def test_eval_user_errors(model_file, tmp_path):
+    user_error(cli("eval", model_file, "--data", tmp_path / "missing.txt", "--backend", "ref"), "missing.txt")
+    user_error(cli("eval", tmp_path / "nope.ddlw", "--data", "x.txt"))
+    (tmp_path / "c.txt").write_text("hello world, some text")
+    user_error(cli("eval", model_file, "--data", tmp_path / "c.txt", "--backend", "cuda"), "unknown backend")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# train
+
+
+def test_train_user_errors(corpus, tmp_path):
+    out = tmp_path / "o"
+    line = user_error(
+        cli("train", "--data", corpus, "--out", out, "--variants", "nope"), "unknown variant 'nope'"
+    )
+    for v in ModelVariant:
+        assert repr(v.value) in line
+    user_error(
+        cli("train", "--data", corpus, "--out", out, "--max-steps", "0"),
+        "invalid training configuration: max_steps must be greater than zero",
+    )
+    assert (
+        user_error(cli("train", "--data", corpus, "--out", out, "--beta1", "1.0"))
+        == "error: invalid training configuration: beta1 must be in [0, 1)"
+    )
+    user_error(
+        cli("train", "--data", corpus, "--out", out, "--min-learning-rate", "1", "--learning-rate", "0.1"),
+        "invalid training configuration: min_learning_rate cannot exceed learning_rate",
+    )
+    user_error(
+        cli("train", "--data", tmp_path / "missing.txt", "--out", out, "--variants", "baseline"),
+        "missing.txt",
+    )
+    user_error(
+        cli("train", "--data", corpus, "--out", out, "--seq-len", "64", "--max-seq-len", "32"),
+        "exceeds the model's max_seq_len",
+    )
+    user_error(cli("train", "--data", corpus, "--out", out, "--preset", "huge"), "unknown preset")
+    user_error(
+        cli("train", "--data", corpus, "--out", out, "--backend", "cuda", *TRAIN_ARGS), "unknown backend"
+    )
+    assert not (out / "report.json").exists()
+
+
+def test_train_end_to_end(corpus, tmp_path):
+    out = tmp_path / "run"
+    r = ok(cli("train", "--data", corpus, "--out", out, *TRAIN_ARGS))
+    assert "resolved configuration:" in r.stdout and "report: " in r.stdout
+    comp = json.loads((out / "report.json").read_text())
+    assert comp["final_train_loss_ranking"] == ["baseline"] and comp["best_final_train_variant"] == "baseline"
+    assert comp["best_final_validation_variant"] == "baseline"  # --val-fraction 0.05 by default
+    rep = json.loads((out / "baseline" / "report.json").read_text())
+    assert rep == comp["reports"][0]
+    assert rep["steps_completed"] == 6 and [h["step"] for h in rep["history"]] == list(range(1, 7))
+    assert rep["training"]["max_steps"] == 6 and rep["training"]["warmup_steps"] == 2
+    assert rep["final_train"]["loss"] < rep["initial_train"]["loss"]
+    ck = out / "baseline" / "checkpoint.ddlw"
+    assert ck.is_file()
+    if HAS_MPL:
+        assert (out / "loss.png").is_file() and (out / "loss.png").stat().st_size > 1000
+    # the checkpoint reads like a model file
+    desc = json.loads(ok(cli("inspect", ck, "--json", "--verify")).stdout)
+    assert desc["metadata"]["model.variant"] == "baseline"
+    ev = json.loads(
+        ok(
+            cli("eval", ck, "--data", corpus, "--seq-len", "16", "--batch", "2", "--backend", "ref", "--json")
+        ).stdout
+    )
+    assert math.isfinite(ev["loss"])
+    # a finished run is not continued; a new phase needs --steps
+    user_error(
+        cli("resume", ck, "--data", corpus), "invalid resume state: the run already completed its 6 steps"
+    )
+    r = ok(cli("resume", ck, "--data", corpus, "--steps", "2", "--min-learning-rate", "1e-4"))
+    assert "baseline: 8 steps, status completed" in r.stdout
+    rep2 = json.loads((out / "baseline" / "report.json").read_text())
+    assert rep2["history"][:6] == rep["history"]
+    assert [h["learning_rate"] for h in rep2["history"][6:]] == [1e-3, 1e-4]  # cosine from the last rate
+    assert [h["step"] for h in rep2["history"]] == list(range(1, 9))
+    # resume with other data: the seed's check, one line
+    other = tmp_path / "other.txt"
+    other.write_text(corpus.read_text()[::-1])
+    user_error(
+        cli("resume", ck, "--data", other, "--steps", "2"), "invalid resume state: training dataset summary"
+    )
+
+
+def test_stop_after_and_resume_match_a_straight_run(corpus, tmp_path):
+    """--max-steps 6 straight and --max-steps 6 --stop-after 3 + resume: identical histories, bit for bit."""
+    ok(cli("train", "--data", corpus, "--out", tmp_path / "a", "--no-plots", *TRAIN_ARGS))
+    r = ok(
+        cli(
+            "train", "--data", corpus, "--out", tmp_path / "b", "--no-plots", "--stop-after", "3", *TRAIN_ARGS
+        )
+    )
+    assert "stopped after step 3" in r.stdout
+    assert not (tmp_path / "b" / "report.json").exists()
+    ck = tmp_path / "b" / "baseline" / "checkpoint.ddlw"
+    ok(cli("resume", ck, "--data", corpus))
+    a = json.loads((tmp_path / "a" / "baseline" / "report.json").read_text())
+    b = json.loads((tmp_path / "b" / "baseline" / "report.json").read_text())
+    la, lb = [h["train"]["loss"] for h in a["history"]], [h["train"]["loss"] for h in b["history"]]
+    print(f"\nstraight {la}\nresumed  {lb}")
+    assert la == lb
+    for r_ in (a, b):
+        r_.pop("throughput")
+    assert a == b

@@ -1,0 +1,128 @@
+"""The device layer: round trips, a kernel against numpy, errors that name the file and entry point,
+adapter selection, uniforms, recording and timestamps."""
+
+import numpy as np
+import pytest
+
+from ddl_wgpu import gpu as G
+from ddl_wgpu.selftest import selftest
+
+
+@pytest.mark.parametrize(
+    "dtype,n",
+    [(np.float32, 1), (np.float32, 1001), (np.uint32, 77), (np.int32, 4096), (np.float16, 10), (np.uint8, 3)],
+)
+def test_upload_download_round_trip(gpu, dtype, n):
+    rng = np.random.default_rng(n)
+    a = (rng.standard_normal(n) * 100).astype(dtype)
+    buf = gpu.upload(a)
+    assert np.array_equal(gpu.download(buf, dtype, n), a)
+
+
+def test_download_at_offset_and_large(gpu):
+    a = np.arange(300_000, dtype=np.float32)
+    buf = gpu.upload(a)
+    assert np.array_equal(gpu.download(buf, np.float32, 5, offset=400), a[100:105])
+    assert np.array_equal(gpu.download(buf, np.float32, 300_000), a)
+
+
+def test_small_kernel_against_numpy(gpu):
+    lines = selftest(gpu, n=70_001)  # raises on a wrong result
+    assert lines[0].startswith("saxpy n=70001")
+
+
+def test_recorder_timestamps(gpu):
+    if "timestamp-query" not in gpu.features:
+        pytest.skip("adapter has no timestamp-query")
+    k = gpu.kernel("selftest.wgsl", "saxpy", "rwu")
+    x, y = gpu.upload(np.ones(1000, np.float32)), gpu.upload(np.zeros(1000, np.float32))
+    rec = gpu.recorder(timestamps=True)
+    rec.dispatch(k, gpu.bind(k, x, y, gpu.uniform("uf", 1000, 3.0)), 16)
+    rec.submit()
+    assert rec.elapsed_ms() >= 0.0
+    assert np.all(gpu.download(y, np.float32, 1000) == 3.0)
+
+
+def test_pipeline_cache(gpu):
+    a = gpu.kernel("selftest.wgsl", "saxpy", "rwu")
+    b = gpu.kernel("selftest.wgsl", "saxpy", "rwu")
+    assert a is b
+
+
+def test_broken_shader_names_file_and_entry(gpu, tmp_path):
+    bad = tmp_path / "broken.wgsl"
+    bad.write_text("@compute @workgroup_size(1) fn oops() { let x: f32 = 1u; }\n")
+    with pytest.raises(G.KernelError) as e:
+        gpu.kernel(str(bad), "oops", "")
+    assert "broken.wgsl:oops" in str(e.value)
+
+
+def test_missing_entry_point_names_file_and_entry(gpu):
+    with pytest.raises(G.KernelError, match=r"selftest\.wgsl:nope"):
+        gpu.kernel("selftest.wgsl", "nope", "rwu")
+
+
+def test_missing_shader_file(gpu):
+    with pytest.raises(G.KernelError, match="not found"):
+        gpu.kernel("no_such.wgsl", "main", "r")
+
+
+def test_unfilled_template_is_an_error(tmp_path):
+    f = tmp_path / "t.wgsl"
+    f.write_text("const N = {{n}};\nconst M = {{m}};\n")
+    assert "const N = 3;" in G.shader_source(str(f), {"n": 3, "m": 4})
+    with pytest.raises(G.KernelError, match=r"\{\{m\}\}"):
+        G.shader_source(str(f), {"n": 3})
+
+
+def test_bind_checks_signature(gpu):
+    k = gpu.kernel("selftest.wgsl", "saxpy", "rwu")
+    with pytest.raises(G.GpuError, match="signature"):
+        gpu.bind(k, gpu.buffer(16))
+
+
+def test_pack_pads_to_16_bytes():
+    assert len(G.pack("uf", 1, 2.0)) == 16
+    assert len(G.pack("uuuuf", 1, 2, 3, 4, 5.0)) == 32
+
+
+def test_grid_splits_large_dispatches():
+    assert G.grid(10) == (10, 1, 1)
+    x, y, z = G.grid(200_000)
+    assert x <= 65535 and x * y >= 200_000 and z == 1
+
+
+def test_adapter_selection_by_index_and_name():
+    adapters = G.enumerate_adapters()
+    assert adapters, "the test machine has an adapter (lavapipe in CI)"
+    first = G.select_adapter("0")
+    assert G._info(first) == G._info(adapters[0])
+    name = G._info(adapters[0])["name"]
+    assert G._info(G.select_adapter(name[:6].upper())) is not None  # case-insensitive substring
+    with pytest.raises(G.NoAdapterError, match="out of range"):
+        G.select_adapter(str(len(adapters)))
+    with pytest.raises(G.NoAdapterError, match="no adapter matches 'zzz-no-such-gpu'"):
+        G.select_adapter("zzz-no-such-gpu")
+
+
+def test_env_variable_chooses_adapter(monkeypatch):
+    monkeypatch.setenv(G.ENV_ADAPTER, "zzz-no-such-gpu")
+    with pytest.raises(G.NoAdapterError):
+        G.select_adapter(None)
+
+
+def test_default_prefers_a_real_backend():
+    a = G.select_adapter(None)
+    assert G._info(a)["backend"] not in ("OpenGL", "OpenGLES")
+
+
+def test_no_adapter_message(monkeypatch):
+    monkeypatch.setattr(G, "enumerate_adapters", lambda: [])
+    with pytest.raises(G.NoAdapterError) as e:
+        G.select_adapter(None)
+    assert "mesa-vulkan-drivers" in str(e.value)
+
+
+def test_buffer_too_large_is_a_clear_error(gpu):
+    with pytest.raises(G.GpuError, match="max-buffer-size"):
+        gpu.buffer(gpu.max_buffer + 16, label="huge")

@@ -1,0 +1,248 @@
+"""The Deep Delta kernels against `ddl_ref.delta` (float64 reference of the float32 inputs): the Delta update
+forward (X_new and the saved stats) and backward (dX, du, dc, dx_v and the head parameters' gradients), the
+spectral k-sum, and the d_v > 1 short convolutions (TC, CC, EC, repetition), forward and backward.
+
+C = 37 / 64 and rows = 13 are off the workgroup grid; B = 2, T = 7 with k = 4 makes the causal window cross
+sequence starts; a longer TC/EC case spreads the parameter-gradient reduction over several row blocks.
+"""
+
+import numpy as np
+import pytest
+from kernel_check import check
+
+from ddl_ref import delta as ref
+from ddl_wgpu.ops import delta as kd
+from ddl_wgpu.ops import shortconv as ksc
+
+f32 = np.float32
+K_EPS, V_SCALE = 1e-5, 4.0
+
+
+def up(gpu, a):
+    return gpu.upload(np.ascontiguousarray(a, dtype=f32))
+
+
+def down(gpu, buf, shape):
+    return gpu.download(buf, f32, int(np.prod(shape))).reshape(shape)
+
+
+def f64(a):
+    return np.asarray(a, np.float64)
+
+
+def randn(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(f32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the Delta update
+
+
+def _delta_case(gpu, rng, rows, C, dv):
+    """Inputs, GPU buffers, and a forward run; returns everything the tests need."""
+    h = dict(
+        X=randn(rng, rows, C, dv), u=randn(rng, rows, C, scale=2.0), c=randn(rng, rows, C), x_v=randn(rng, rows, C),
+        w_beta=randn(rng, C, scale=0.3), b_beta=randn(rng, 1, scale=0.5), W_v=randn(rng, dv, C, scale=0.3),
+        b_v=randn(rng, dv, scale=0.5),
+    )  # fmt: skip
+    d = {k: up(gpu, v) for k, v in h.items()}
+    d["X_new"] = gpu.buffer(4 * rows * C * dv)
+    d["stats"] = gpu.buffer(4 * rows * kd.stats_size(dv))
+    kd.delta_forward(gpu, d["X_new"], d["stats"], d["X"], d["u"], d["c"], d["x_v"], d["w_beta"], d["b_beta"],
+                     d["W_v"], d["b_v"], rows, C, dv, K_EPS, V_SCALE).run(gpu)  # fmt: skip
+    names = ("X", "u", "c", "x_v", "w_beta", "b_beta", "W_v", "b_v")
+    X_new, cache = ref.delta_forward(*(f64(h[n]) for n in names), K_EPS, V_SCALE)
+    return h, d, X_new, cache
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+@pytest.mark.parametrize("C", [37, 64])
+def test_delta_forward(gpu, rng, C, dv):
+    rows = 13
+    h, d, X_new, cache = _delta_case(gpu, rng, rows, C, dv)
+    check("delta X_new", down(gpu, d["X_new"], (rows, C, dv)), X_new, "norm")
+    st = down(gpu, d["stats"], (rows, kd.stats_size(dv)))
+    check("stats n", st[:, kd.STAT_N], cache["n"][:, 0], "norm")
+    check("stats beta", st[:, kd.STAT_BETA], cache["beta"], "norm")
+    check("stats v", st[:, kd.STAT_V : kd.STAT_V + dv], cache["v"], "norm")
+    p0 = kd.stat_p(dv)
+    check("stats p", st[:, p0 : p0 + dv], cache["p"], "norm")
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("dv", [1, 4])
+@pytest.mark.parametrize("C", [37, 64])
+def test_delta_backward(gpu, rng, C, dv, accumulate):
+    rows = 13
+    h, d, _, cache = _delta_case(gpu, rng, rows, C, dv)
+    G = randn(rng, rows, C, dv)
+    dX_ref, du_ref, dc_ref, dxv_ref, dwb_ref, dbb_ref, dWv_ref, dbv_ref = ref.delta_backward(f64(G), cache)
+    # prior contents of the accumulated outputs
+    dc0, dxv0 = randn(rng, rows, C), randn(rng, rows, C)
+    pg0 = dict(dw_beta=randn(rng, C), db_beta=randn(rng, 1), dW_v=randn(rng, dv, C), db_v=randn(rng, dv))
+    dX, du, da, dz = (gpu.buffer(4 * n) for n in (rows * C * dv, rows * C, rows, rows * dv))
+    dc, dxv = up(gpu, dc0), up(gpu, dxv0)
+    pg = {k: up(gpu, v) for k, v in pg0.items()}
+    ones = up(gpu, np.ones(rows, f32))
+    call = kd.delta_backward(gpu, dX, du, da, dz, dc, dxv, up(gpu, G), d["X"], d["u"], d["stats"], d["w_beta"],
+                             d["W_v"], rows, C, dv, V_SCALE, accumulate_dc=accumulate, accumulate_dx_v=accumulate)  # fmt: skip
+    call += kd.delta_param_grads(gpu, pg["dw_beta"], pg["db_beta"], pg["dW_v"], pg["db_v"], da, dz, d["c"], d["x_v"],
+                                 ones, rows, C, dv)  # fmt: skip
+    call.run(gpu)
+    a = 1.0 if accumulate else 0.0
+    check("delta dX", down(gpu, dX, (rows, C, dv)), dX_ref, "norm")
+    check("delta du", down(gpu, du, (rows, C)), du_ref, "norm")
+    check("delta dc", down(gpu, dc, (rows, C)), dc_ref + a * f64(dc0), "norm")
+    check("delta dx_v", down(gpu, dxv, (rows, C)), dxv_ref + a * f64(dxv0), "norm")
+    check("delta dw_beta", down(gpu, pg["dw_beta"], (C,)), dwb_ref + pg0["dw_beta"], "matmul")
+    check("delta db_beta", down(gpu, pg["db_beta"], (1,)), dbb_ref + pg0["db_beta"], "matmul")
+    check("delta dW_v", down(gpu, pg["dW_v"], (dv, C)), dWv_ref + pg0["dW_v"], "matmul")
+    check("delta db_v", down(gpu, pg["db_v"], (dv,)), dbv_ref + pg0["db_v"], "matmul")
+
+
+@pytest.mark.parametrize("dv", [1, 4])
+def test_delta_backward_deterministic(gpu, rng, dv):
+    rows, C = 45, 37
+    h, d, _, _ = _delta_case(gpu, rng, rows, C, dv)
+    G = up(gpu, randn(rng, rows, C, dv))
+    sizes = dict(dX=rows * C * dv, du=rows * C, da=rows, dz=rows * dv, dc=rows * C, dxv=rows * C, dwb=C, dbb=1,
+                 dWv=dv * C, dbv=dv)  # fmt: skip
+    o = {n: gpu.buffer(4 * s) for n, s in sizes.items()}
+    call = kd.delta_backward(gpu, o["dX"], o["du"], o["da"], o["dz"], o["dc"], o["dxv"], G, d["X"], d["u"],
+                             d["stats"], d["w_beta"], d["W_v"], rows, C, dv, V_SCALE)  # fmt: skip
+    call += kd.delta_param_grads(gpu, o["dwb"], o["dbb"], o["dWv"], o["dbv"], o["da"], o["dz"], d["c"], d["x_v"],
+                                 up(gpu, np.ones(rows, f32)), rows, C, dv)  # fmt: skip
+    runs = []
+    for _ in range(2):
+        for n, s in sizes.items():
+            gpu.write(o[n], np.zeros(s, f32))
+        call.run(gpu)
+        runs.append({n: gpu.download(o[n], f32, s) for n, s in sizes.items()})
+    for n in sizes:
+        assert np.array_equal(runs[0][n], runs[1][n]), f"delta backward {n} is not deterministic"
+
+
+def test_ksum(gpu, rng):
+    rows, C, dv = 45, 37, 4
+    u = randn(rng, rows, C)
+    stats = randn(rng, rows, kd.stats_size(dv))
+    stats[:, kd.STAT_N] = rng.uniform(0.5, 3.0, rows)
+    w = (rng.uniform(size=rows) < 0.7).astype(f32)
+    out = gpu.buffer(4 * C)
+    call = kd.ksum(gpu, out, up(gpu, u), up(gpu, stats), up(gpu, w), rows, C, dv)
+    call.run(gpu)
+    got = down(gpu, out, (C,))
+    check("ksum", got, np.sum(f64(w)[:, None] * f64(u) / f64(stats[:, :1]), axis=0), "norm")
+    call.run(gpu)
+    assert np.array_equal(got, down(gpu, out, (C,))), "ksum is not deterministic"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# short convolutions (d_v > 1)
+
+B, T, C_SC, DV, KT = 2, 7, 10, 4, 4
+
+
+def _grads(gpu, shapes, rng):
+    """Parameter-gradient buffers holding prior (random) contents, to check the += accumulation."""
+    prior = {n: randn(rng, *s) for n, s in shapes.items()}
+    return prior, {n: up(gpu, v) for n, v in prior.items()}
+
+
+@pytest.mark.parametrize("b,t", [(B, T), (3, 50)])
+def test_tc(gpu, rng, b, t):
+    rows, C, dv, k = b * t, C_SC, DV, KT
+    X, conv, read = randn(rng, b, t, C, dv), randn(rng, C * dv, k), randn(rng, dv)
+    dx_in, dX0 = randn(rng, b, t, C), randn(rng, b, t, C, dv)
+    x_in = gpu.buffer(4 * rows * C)
+    bX, bconv, bread = up(gpu, X), up(gpu, conv), up(gpu, read)
+    ksc.tc_forward(gpu, x_in, bX, bconv, bread, b, t, C, dv, k).run(gpu)
+    ref_x, cache = ref.tc_forward(f64(X), f64(conv), f64(read))
+    check("tc x_in", down(gpu, x_in, (b, t, C)), ref_x, "norm")
+
+    dX_ref, dconv_ref, dread_ref = ref.tc_backward(f64(dx_in), cache)
+    prior, g = _grads(gpu, {"dconv": (C * dv, k), "dread": (dv,)}, rng)
+    dX = up(gpu, dX0)
+    call = ksc.tc_backward(gpu, dX, g["dconv"], g["dread"], up(gpu, dx_in), bX, bconv, bread, b, t, C, dv, k)
+    call.run(gpu)
+    check("tc dX (+=)", down(gpu, dX, (b, t, C, dv)), dX_ref + dX0, "norm")
+    check("tc dconv", down(gpu, g["dconv"], (C * dv, k)), dconv_ref + prior["dconv"], "matmul")
+    check("tc dread", down(gpu, g["dread"], (dv,)), dread_ref + prior["dread"], "matmul")
+    # overwrite mode, and determinism of the reductions
+    dX2 = gpu.buffer(4 * rows * C * dv)
+    ksc.tc_backward(gpu, dX2, g["dconv"], g["dread"], up(gpu, dx_in), bX, bconv, bread, b, t, C, dv, k,
+                    accumulate_dX=False).run(gpu)  # fmt: skip
+    check("tc dX (=)", down(gpu, dX2, (b, t, C, dv)), dX_ref, "norm")
+    _check_deterministic(gpu, call, g["dconv"], C * dv * k, g["dread"], dv)
+
+
+def _check_deterministic(gpu, call, *bufs_and_sizes):
+    """Zero the accumulated outputs, run `call` twice from zero: bit-identical results."""
+    pairs = list(zip(bufs_and_sizes[::2], bufs_and_sizes[1::2], strict=True))
+    runs = []
+    for _ in range(2):
+        for buf, n in pairs:
+            gpu.write(buf, np.zeros(n, f32))
+        call.run(gpu)
+        runs.append([gpu.download(buf, f32, n) for buf, n in pairs])
+    for a, b in zip(*runs, strict=True):
+        assert np.array_equal(a, b), "parameter-gradient reduction is not deterministic"
+
+
+def test_cc(gpu, rng):
+    rows, C, dv = B * T, C_SC, DV
+    X, conv, read = randn(rng, rows, C, dv), randn(rng, C, dv), randn(rng, dv)
+    dx_in, dX0 = randn(rng, rows, C), randn(rng, rows, C, dv)
+    x_in = gpu.buffer(4 * rows * C)
+    bX, bconv, bread = up(gpu, X), up(gpu, conv), up(gpu, read)
+    ksc.cc_forward(gpu, x_in, bX, bconv, bread, rows, C, dv).run(gpu)
+    ref_x, cache = ref.cc_forward(f64(X), f64(conv), f64(read))
+    check("cc x_in", down(gpu, x_in, (rows, C)), ref_x, "norm")
+
+    dX_ref, dconv_ref, dread_ref = ref.cc_backward(f64(dx_in), cache)
+    prior, g = _grads(gpu, {"dconv": (C, dv), "dread": (dv,)}, rng)
+    dX = up(gpu, dX0)
+    call = ksc.cc_backward(gpu, dX, g["dconv"], g["dread"], up(gpu, dx_in), bX, bconv, bread, rows, C, dv)
+    call.run(gpu)
+    check("cc dX (+=)", down(gpu, dX, (rows, C, dv)), dX_ref + dX0, "norm")
+    check("cc dconv", down(gpu, g["dconv"], (C, dv)), dconv_ref + prior["dconv"], "matmul")
+    check("cc dread", down(gpu, g["dread"], (dv,)), dread_ref + prior["dread"], "matmul")
+    dX2 = gpu.buffer(4 * rows * C * dv)
+    ksc.cc_backward(gpu, dX2, g["dconv"], g["dread"], up(gpu, dx_in), bX, bconv, bread, rows, C, dv,
+                    accumulate_dX=False).run(gpu)  # fmt: skip
+    check("cc dX (=)", down(gpu, dX2, (rows, C, dv)), dX_ref, "norm")
+    _check_deterministic(gpu, call, g["dconv"], C * dv, g["dread"], dv)
+
+
+@pytest.mark.parametrize("b,t", [(B, T), (3, 50)])
+def test_ec(gpu, rng, b, t):
+    rows, C, dv, k = b * t, C_SC, DV, KT
+    e, conv, dX0 = randn(rng, b, t, C), randn(rng, C * dv, k), randn(rng, b, t, C, dv)
+    X0 = gpu.buffer(4 * rows * C * dv)
+    be, bconv = up(gpu, e), up(gpu, conv)
+    ksc.ec_forward(gpu, X0, be, bconv, b, t, C, dv, k).run(gpu)
+    ref_X0, cache = ref.ec_forward(f64(e), f64(conv))
+    check("ec X0", down(gpu, X0, (b, t, C, dv)), ref_X0, "norm")
+
+    de_ref, dconv_ref = ref.ec_backward(f64(dX0), cache)
+    prior, g = _grads(gpu, {"dconv": (C * dv, k)}, rng)
+    de0 = randn(rng, b, t, C)
+    de = up(gpu, de0)
+    call = ksc.ec_backward(gpu, de, g["dconv"], up(gpu, dX0), be, bconv, b, t, C, dv, k)
+    call.run(gpu)
+    check("ec de (=)", down(gpu, de, (b, t, C)), de_ref, "norm")
+    check("ec dconv", down(gpu, g["dconv"], (C * dv, k)), dconv_ref + prior["dconv"], "matmul")
+    gpu.write(de, de0)
+    ksc.ec_backward(gpu, de, g["dconv"], up(gpu, dX0), be, bconv, b, t, C, dv, k, accumulate_de=True).run(gpu)
+    check("ec de (+=)", down(gpu, de, (b, t, C)), de_ref + de0, "norm")
+    _check_deterministic(gpu, call, g["dconv"], C * dv * k)
+
+
+def test_repeat(gpu, rng):
+    rows, C, dv = B * T, C_SC, DV
+    e, dX0 = randn(rng, rows, C), randn(rng, rows, C, dv)
+    X0, de = gpu.buffer(4 * rows * C * dv), gpu.buffer(4 * rows * C)
+    ksc.repeat_forward(gpu, X0, up(gpu, e), rows, C, dv).run(gpu)
+    check("repeat X0", down(gpu, X0, (rows, C, dv)), ref.repeat_forward(f64(e), dv), "elementwise")
+    ksc.repeat_backward(gpu, de, up(gpu, dX0), rows, C, dv).run(gpu)
+    check("repeat de", down(gpu, de, (rows, C)), ref.repeat_backward(f64(dX0)), "elementwise")
