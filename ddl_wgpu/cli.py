@@ -164,6 +164,7 @@ def init(
     qk_norm: str = _opt(None, "none, pre_rope or post_rope."),
     norm_style: str = _opt(None, "standard (w*x) or offset ((1+w)*x)."),
     tie_embeddings: bool = _opt(None, "Tie the LM head to the embedding."),
+    mtp: bool = typer.Option(False, "--mtp", help="Add an MTP draft block (model.mtp.*)."),
 ):
     """Write a freshly initialised model file."""
     from ddl_ref.config import ModelVariant
@@ -187,6 +188,12 @@ def init(
     )
     v = ModelVariant.parse(variant)
     cfg = v.resolve_config(base)
+    if mtp:
+        from dataclasses import replace
+
+        from ddl_ref.config import MtpConfig
+
+        cfg = replace(cfg, mtp=MtpConfig())
     params = init_params(cfg, seed)
     save_model(out, Model(cfg, params, variant=v.slug, provenance={"init": {"seed": seed, "preset": preset}}))
     table = param_table(cfg)
@@ -577,6 +584,143 @@ def resume(
         f"final train {((rep.get('final_train') or {}).get('loss', float('nan'))):.4f}, "
         f"final val {fv.get('loss', float('nan')):.4f}; report {where / 'report.json'}"
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MTP draft: compress, accept, heal
+
+HEAL_HELP = "Heal options"
+
+
+@app.command()
+def compress(
+    model: Path = typer.Argument(..., help="Model file (.ddlw)."),
+    out: Path = typer.Option(..., "--out", help="Compressed model file to write."),
+    drop_layers: str = typer.Option(None, "--drop-layers", help="Blocks to drop, e.g. '1,3-5'."),
+    ffn_keep: float = typer.Option(
+        None, "--ffn-keep", help="Fraction of each SwiGLU's channels to keep (0, 1]."
+    ),
+):
+    """Structural compress: drop whole blocks, or keep the most important SwiGLU channels."""
+    from ddl_wgpu.compress import compress_file
+
+    prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep)
+    typer.echo(json.dumps(prov, indent=2))
+    typer.echo(f"wrote {out}")
+
+
+def _accept_text(r: dict) -> str:
+    lines = [
+        f"depth {r['depth']}: acceptance length τ = {r['acceptance_length']:.4f} over {r['anchors']} anchors"
+    ]
+    for j, (a, c) in enumerate(zip(r["prefix_acceptance"], r["conditional_acceptance"], strict=True), 1):
+        lines.append(f"  depth {j}: prefix A_{j} = {a:.4f}   conditional α_{j} = {c:.4f}")
+    op = r.get("on_policy")
+    if op:
+        lines.append(
+            f"  on-policy anchors: τ = {op.get('acceptance_length', float('nan')):.4f}, "
+            f"A = {[round(x, 4) for x in op.get('prefix_acceptance', [])]}"
+        )
+    return "\n".join(lines)
+
+
+@app.command()
+def accept(
+    model: Path = typer.Argument(..., help="Model file with an MTP draft (model.mtp.*)."),
+    data: str = typer.Option(..., "--data", help="Data spec."),
+    depth: int = typer.Option(3, "--depth", help="Draft chain depth K."),
+    window: int = typer.Option(128, "--window", help="Window length."),
+    tokens: int = typer.Option(20_000, "--tokens", help="Tokens to measure on (0: all)."),
+    probe_conventions: bool = typer.Option(
+        False, "--probe-conventions", help="Also measure the other concat order and hidden conventions."
+    ),
+    backend: str = typer.Option("ref", "--backend", help="ref (the GPU draft path is not built yet)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+):
+    """Greedy speculative acceptance of the draft chained K deep: A_j, α_j, τ (all and on-policy anchors)."""
+    from ddl_wgpu.accept import accept_file
+
+    r = accept_file(
+        model,
+        data,
+        depth=depth,
+        window=window,
+        tokens=tokens or None,
+        backend=backend,
+        probe_conventions=probe_conventions,
+    )
+    _emit(r, as_json, _accept_text(r))
+
+
+@app.command()
+def heal(
+    model: Path = typer.Argument(..., help="Model file whose MTP draft no longer agrees with its trunk."),
+    data: str = typer.Option(..., "--data", help="Data spec."),
+    out: Path = typer.Option(..., "--out", help="Healed model file to write."),
+    init: Path = typer.Option(
+        None, "--init", help="Start the draft from this model's draft (e.g. the source)."
+    ),
+    chain: int = _opt(3, "Chain steps trained (the runtime drafts 3-5 deep).", HEAL_HELP),
+    refresh: int = _opt(50, "Steps between rebuilds of chain steps 2.. from the current draft.", HEAL_HELP),
+    tokens: int = _opt(200_000, "Token budget of all windows.", HEAL_HELP),
+    window: int = _opt(128, "Window length.", HEAL_HELP),
+    epochs: float = _opt(1.0, "Passes over the (batch, chain step) jobs; fractional allowed.", HEAL_HELP),
+    lr: float = _opt(5e-5, "Peak learning rate.", HEAL_HELP),
+    topk: int = _opt(32, "Width of the trunk's stored next-token distribution.", HEAL_HELP),
+    batch: int = _opt(4, "Windows per step.", HEAL_HELP),
+    eval_every: int = _opt(50, "Steps between held-out evaluations.", HEAL_HELP),
+    patience: int = _opt(3, "Evaluations without a new best before stopping (0: never).", HEAL_HELP),
+    seed: int = _opt(0, "Job-order seed.", HEAL_HELP),
+    backend: str = typer.Option("ref", "--backend", help="ref (the GPU draft path is not built yet)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+):
+    """Retrain the MTP draft head on its own trunk by top-k KL self-distillation; write it back into OUT."""
+    from ddl_wgpu.heal import HealConfig
+    from ddl_wgpu.heal import heal as do_heal
+
+    cfg = HealConfig(
+        chain=chain,
+        refresh=refresh,
+        tokens=tokens,
+        window=window,
+        epochs=epochs,
+        lr=lr,
+        topk=topk,
+        batch=batch,
+        eval_every=eval_every,
+        patience=patience,
+        seed=seed,
+    )
+    typer.echo("resolved configuration: " + json.dumps(cfg.__dict__), err=True)
+
+    import time
+
+    t0 = time.perf_counter()
+
+    def progress(ev: dict):
+        kind, dt = ev.get("event"), time.perf_counter() - t0
+        if kind == "step":
+            if ev["step"] % 10 == 0 or ev["step"] == ev["total"]:
+                eta = dt / ev["step"] * (ev["total"] - ev["step"])
+                typer.echo(
+                    f"  step {ev['step']}/{ev['total']}  loss {ev['loss']:.4f}  lr {ev['lr']:.2e}  "
+                    f"{dt / ev['step']:.2f} s/step  ETA {eta:.0f} s",
+                    err=True,
+                )
+        elif kind == "trunk":
+            typer.echo(f"  trunk: {ev['done']}/{ev['windows']} windows ({dt:.1f} s)", err=True)
+        else:
+            typer.echo("  " + json.dumps(ev, default=str), err=True)
+
+    rep = do_heal(model, data, out, cfg, init_path=init, backend=backend, progress=progress)
+    if as_json:
+        typer.echo(json.dumps(rep, indent=2, default=str))
+    else:
+        typer.echo(
+            f"healed {rep.get('steps')} steps (best step {rep.get('best_step')}): held-out KL "
+            f"{rep.get('heldout_kl_start', float('nan')):.4f} -> {rep.get('heldout_kl_best', float('nan')):.4f}; "
+            f"wrote {out}"
+        )
 
 
 def main():

@@ -380,8 +380,10 @@ class Work:
             self.ones = gpu.upload(np.ones(N, np.float32), "ones")
             self.ksum = act(C, "ksum")
         # the LM head runs in row chunks so full logits never exist: chunks are multiples of 64 rows
-        # (64·C·4 bytes keeps every chunk's view offset 256-aligned) and bounded to ~64 MiB of logits
-        budget = min(64 << 20, gpu.max_binding)
+        # (64·C·4 bytes keeps every chunk's view offset 256-aligned) and bounded to 512 MiB of logits (half
+        # the binding limit on small adapters). Tall chunks matter: the head's dx product has K = V, and a
+        # 320-row chunk gave the H200 only 15 workgroups (3.9 TFLOP/s, BENCHMARKS.md).
+        budget = min(512 << 20, gpu.max_binding // 2)
         rows = max(64, budget // (V * F32) // 64 * 64)
         self.chunk = min(N, chunk_rows or rows)
         self.logit_chunk = act(self.chunk * V, "logits_chunk")

@@ -216,6 +216,7 @@ class Gpu:
         self._modules: dict = {}
         self._layouts: dict = {}
         self._staging = None
+        self.allocated = 0  # bytes of storage buffers created through `buffer` (memory reports)
         self.max_binding = self.limits.get("max-storage-buffer-binding-size", 128 << 20)
         self.max_buffer = self.limits.get("max-buffer-size", 256 << 20)
         self.align = self.limits.get("min-storage-buffer-offset-alignment", 256)
@@ -300,6 +301,7 @@ class Gpu:
             raise GpuError(
                 f"buffer {label!r} of {size} bytes exceeds this adapter's max-buffer-size {self.max_buffer}"
             )
+        self.allocated += size
         return self.device.create_buffer(size=size, usage=usage, label=label)
 
     def uniform(self, fmt: str, *values, label: str = "params"):

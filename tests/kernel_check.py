@@ -33,7 +33,9 @@ def check(name: str, got: np.ndarray, ref: np.ndarray, kind: str = "elementwise"
     bad = err > atol + rtol * np.abs(e)
     if bad.any():
         idx = np.argwhere(bad)[:5]
-        pairs = ", ".join(f"{tuple(int(v) for v in i)}: gpu {g[tuple(i)]:.7g} ref {e[tuple(i)]:.7g}" for i in idx)
+        pairs = ", ".join(
+            f"{tuple(int(v) for v in i)}: gpu {g[tuple(i)]:.7g} ref {e[tuple(i)]:.7g}" for i in idx
+        )
         raise AssertionError(
             f"{name}: {int(bad.sum())}/{bad.size} mismatches, max abs diff {err.max():.3g} "
             f"(rtol {rtol}, atol {atol}); first: {pairs}"

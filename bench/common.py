@@ -1,0 +1,204 @@
+"""Shared helpers of the benchmarks in `bench/`: timing (GPU timestamps, CUDA events), the optional PyTorch
+peer, the H200 reference peaks, the result table and the JSON file.
+
+Scripts run from the repository root as `python3 bench/<name>.py`; importing this module puts the root on
+`sys.path`, so the checkout is used even when the package is not installed.
+
+What this does not do: know any kernel or model (the scripts do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# NVIDIA H200 SXM reference numbers (docs: wgpu.md §3-4)
+H200_FP32_TFLOPS = 66.9  # non-tensor FMA peak
+H200_HBM_GBS = 4300.0  # measured device-to-device copy (read + write bytes); datasheet 4800
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def json_path(arg: str | None, name: str) -> Path:
+    """--json, else $OUT/<name>, else bench/results/<name>."""
+    if arg:
+        p = Path(arg)
+    elif os.environ.get("OUT"):
+        p = Path(os.environ["OUT"]) / name
+    else:
+        p = ROOT / "bench" / "results" / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    print(f"wrote {path}")
+
+
+def _jsonable(x):
+    try:
+        return float(x)
+    except Exception:
+        return str(x)
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the device under test
+
+
+def open_gpu(device: str | None = None):
+    from ddl_wgpu.gpu import Gpu
+
+    gpu = Gpu(device)
+    return gpu
+
+
+def adapter_line(gpu) -> str:
+    i = gpu.info
+    return f"{i['name']} | {i['backend']} | {i['type']} | driver {i['driver']} | vendor {i['vendor']}"
+
+
+def host_info() -> dict:
+    import numpy as np
+
+    d = {"python": platform.python_version(), "numpy": np.__version__, "platform": platform.platform()}
+    try:
+        import wgpu
+
+        d["wgpu"] = wgpu.__version__
+    except Exception:
+        pass
+    return d
+
+
+def gpu_time_ms(gpu, calls, target_ms: float = 40.0, repeats: int = 5, max_n: int = 200) -> dict:
+    """Median GPU time of one `Call` (ms): each repeat records the calls N times, round-robin (so inputs
+    rotate among `calls`), into one timestamped recorder; elapsed / N. A warm-up recording picks N so a
+    repeat lasts about `target_ms`. Falls back to host wall-clock around `gpu.wait()` without
+    timestamp-query."""
+    calls = list(calls)
+
+    def once(n: int) -> float:
+        rec = gpu.recorder(timestamps=True)
+        for i in range(n):
+            calls[i % len(calls)].record(rec)
+        t0 = time.perf_counter()
+        rec.submit()
+        if rec.timed:
+            return rec.elapsed_ms() / n
+        gpu.wait()
+        return (time.perf_counter() - t0) * 1e3 / n
+
+    once(len(calls))  # compile / first-touch warm-up
+    est = once(len(calls))
+    n = int(min(max_n, max(len(calls), round(target_ms / max(est, 1e-4)))))
+    times = [once(n) for _ in range(repeats)]
+    return {"ms": statistics.median(times), "min_ms": min(times), "n_per_repeat": n, "repeats": repeats,
+            "timestamps": "timestamp-query" in gpu.features}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the PyTorch peer
+
+
+def torch_setup(mode: str):
+    """mode 'auto' (CUDA when present, else none), 'cuda', 'cpu' (for testing the peer code) or 'none'.
+    Returns (torch, device) or (None, reason). TF32 is switched off for the fp32 peer."""
+    if mode == "none":
+        return None, "disabled (--torch none)"
+    try:
+        import torch
+    except Exception as e:  # torch missing
+        return None, f"torch not importable: {e.__class__.__name__}"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    with contextlib.suppress(Exception):
+        torch.set_float32_matmul_precision("highest")
+    if mode in ("auto", "cuda"):
+        if torch.cuda.is_available():
+            return torch, "cuda"
+        return None, "no CUDA device"
+    return torch, "cpu"
+
+
+def torch_info(torch, dev) -> dict:
+    d = {"torch": torch.__version__, "device": dev}
+    if dev == "cuda":
+        d["cuda_device"] = torch.cuda.get_device_name(0)
+        d["cuda"] = torch.version.cuda
+    return d
+
+
+def torch_time_ms(torch, dev, fns, target_ms: float = 40.0, repeats: int = 5, max_n: int = 200) -> dict:
+    """Median time of one call of `fns[i]` (rotating), CUDA events on the GPU, perf_counter on the CPU."""
+    fns = list(fns)
+
+    def once(n: int) -> float:
+        if dev == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(n):
+                fns[i % len(fns)]()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / n
+        t0 = time.perf_counter()
+        for i in range(n):
+            fns[i % len(fns)]()
+        return (time.perf_counter() - t0) * 1e3 / n
+
+    once(len(fns))
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    est = once(len(fns))
+    n = int(min(max_n, max(len(fns), round(target_ms / max(est, 1e-4)))))
+    times = [once(n) for _ in range(repeats)]
+    return {"ms": statistics.median(times), "min_ms": min(times), "n_per_repeat": n, "repeats": repeats}
+
+
+def torch_free(torch, dev):
+    import gc
+
+    gc.collect()
+    if torch is not None and dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tables
+
+
+def fmt(x, spec: str = ".3g", none: str = "-") -> str:
+    if x is None:
+        return none
+    if isinstance(x, str):
+        return x
+    return format(x, spec)
+
+
+def table(headers: list[str], rows: list[list], title: str = "") -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells]
+    return "\n".join(([title] if title else []) + [line, sep, *body])

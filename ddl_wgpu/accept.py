@@ -1,0 +1,232 @@
+"""Greedy speculative acceptance of a model's MTP draft, measured offline (mtp-heal.md §5).
+
+Per window the trunk runs once (its greedy token g_p and its hidden rows), then the draft runs `depth` steps
+chained on itself (`ddl_ref.mtp.draft_chain`, tokens="greedy": step 1 reads the data token x_{p+1}, step j > 1
+the draft's own step j−1 argmax). At anchor p, with d_{p,j} the draft's argmax at step j:
+
+    m_{p,j} = [d_{p,j} == g_{p+j}]                 the drafted token equals the trunk's greedy token
+    A_j     = mean_p prod_{i<=j} m_{p,i}           prefix acceptance
+    alpha_j = A_j / A_{j-1}  (A_0 = 1; 0 when A_{j-1} = 0)   conditional acceptance
+    tau     = 1 + sum_j A_j                        acceptance length (tokens per verify)
+
+Anchors are every p with p + depth < length (all depths use the same anchors). "On-policy" anchors of depth j
+are those where the data follows the trunk's greedy path for the first j tokens (x_{p+i} == g_{p+i-1},
+i = 1..j): only there does the teacher-forced measure equal what a greedy decode would see. Their set shrinks
+with j, so on_policy reports one anchor count per depth.
+
+JSON keys: depth, prefix_acceptance [A_1..A_K], conditional_acceptance [alpha_1..alpha_K], acceptance_length,
+anchors, on_policy {anchors [per depth], prefix_acceptance, conditional_acceptance, acceptance_length}; and
+`probe` (one entry per concat / trunk-hidden / chain-hidden convention) when asked for.
+
+Caveat: the draft attends causally over the same step's rows of the window, not the runtime's KV cache of
+verified step-1 rows (the TTT "diagonal" mask of mtp-heal.md §6.2 is not reproduced).
+
+What this file deliberately does not do: sampling acceptance (min(1, P/Q)), or any GPU path (backend "ref" only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from ddl_ref import mtp as ref_mtp
+from ddl_ref.config import MtpConfig
+from ddl_wgpu.data import check_vocab, load_records, tokenizer_for
+from ddl_wgpu.modelfile import Model, load_model
+
+KEYS = ("depth", "prefix_acceptance", "conditional_acceptance", "acceptance_length", "anchors", "on_policy")
+BACKENDS = ("ref",)
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise NotImplementedError(
+            f"the MTP draft runs on backend(s) {list(BACKENDS)} only; the {backend!r} draft path is not written yet"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# counting
+
+
+class Tally:
+    """Running counts of prefix-accepted anchors, over all anchors and over on-policy anchors per depth."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.anchors = 0
+        self.hits = np.zeros(depth, np.int64)  # anchors whose first j drafts were all accepted
+        self.on_anchors = np.zeros(depth, np.int64)
+        self.on_hits = np.zeros(depth, np.int64)
+
+    def add(self, preds, greedy, ids, length: int) -> None:
+        """One window: preds (depth, T) draft argmax per step, greedy (T,) trunk argmax, ids (T,) data."""
+        K = self.depth
+        n = int(length) - K  # anchors p = 0..length-1-K
+        if n <= 0:
+            return
+        p = np.arange(n)
+        ok = np.ones(n, bool)  # still accepted
+        on = np.ones(n, bool)  # data on the trunk's greedy path so far
+        for j in range(1, K + 1):
+            ok &= np.asarray(preds[j - 1])[p] == np.asarray(greedy)[p + j]
+            on &= np.asarray(ids)[p + j] == np.asarray(greedy)[p + j - 1]
+            self.hits[j - 1] += int(ok.sum())
+            self.on_anchors[j - 1] += int(on.sum())
+            self.on_hits[j - 1] += int((ok & on).sum())
+        self.anchors += n
+
+    @staticmethod
+    def _rates(hits, anchors):
+        A = [float(h) / a if a > 0 else 0.0 for h, a in zip(hits, anchors, strict=True)]
+        alpha, prev = [], 1.0
+        for a in A:
+            alpha.append(a / prev if prev > 0 else 0.0)
+            prev = a
+        return A, alpha, 1.0 + float(sum(A))
+
+    def result(self) -> dict:
+        A, alpha, tau = self._rates(self.hits, [self.anchors] * self.depth)
+        oA, oalpha, otau = self._rates(self.on_hits, self.on_anchors)
+        return {
+            "depth": self.depth,
+            "prefix_acceptance": A,
+            "conditional_acceptance": alpha,
+            "acceptance_length": tau,
+            "anchors": int(self.anchors),
+            "on_policy": {
+                "anchors": [int(a) for a in self.on_anchors],
+                "prefix_acceptance": oA,
+                "conditional_acceptance": oalpha,
+                "acceptance_length": otau,
+            },
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# windows and the trunk pass
+
+
+def cut_windows(records: Sequence[np.ndarray], window: int, min_len: int, max_tokens: int | None = None):
+    """Records cut into consecutive windows of `window` tokens; shorter than `min_len` skipped; at most
+    `max_tokens` tokens in all (the last window cut to fit, skipped when that leaves it too short)."""
+    out: list[np.ndarray] = []
+    left = max_tokens
+    for r in records:
+        r = np.asarray(r)
+        for s in range(0, r.size, window):
+            if left is not None and left <= 0:
+                return out
+            ch = r[s : s + window]
+            if ch.size < min_len:
+                continue
+            if left is not None:
+                ch = ch[:left]
+                if ch.size < min_len:
+                    return out
+                left -= int(ch.size)
+            out.append(np.asarray(ch, np.int64))
+    return out
+
+
+def pad_batch(windows: Sequence[np.ndarray], T: int):
+    """-> (ids (B, T) int64 padded with 0, lengths (B,) int64)."""
+    ids = np.zeros((len(windows), T), np.int64)
+    lengths = np.array([w.size for w in windows], np.int64)
+    for b, w in enumerate(windows):
+        ids[b, : w.size] = w
+    return ids, lengths
+
+
+@dataclasses.dataclass
+class TrunkBatch:
+    """The trunk's pass over one batch of windows: what acceptance needs, computed once."""
+
+    ids: np.ndarray  # (B, T) int64
+    lengths: np.ndarray  # (B,)
+    greedy: np.ndarray  # (B, T) trunk argmax at each position
+    pre: np.ndarray  # (B, T, C) pre-final-norm hidden
+    post: np.ndarray  # (B, T, C) post-final-norm hidden
+
+
+def trunk_batches(model: Model, windows: Sequence[np.ndarray], batch: int = 8) -> list[TrunkBatch]:
+    T = max(w.size for w in windows)
+    out = []
+    for s in range(0, len(windows), batch):
+        ids, lengths = pad_batch(windows[s : s + batch], T)
+        top, _probs, pre, post = ref_mtp.trunk_topk_hidden(model.params, model.cfg, ids, 1)
+        out.append(TrunkBatch(ids, lengths, top[..., 0], pre, post))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# acceptance
+
+
+def _with_conventions(cfg, conventions):
+    if conventions is None:
+        return cfg
+    if isinstance(conventions, dict):
+        base = cfg.mtp.to_dict() if cfg.mtp is not None else {}
+        conventions = MtpConfig.from_dict({**base, **conventions})
+    return dataclasses.replace(cfg, mtp=conventions)
+
+
+def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth: int) -> dict:
+    """Acceptance of the draft in `params` (numpy, `model.mtp.*` plus the shared embedding and head) over
+    trunk passes already made."""
+    tally = Tally(depth)
+    for tb in trunk:
+        steps = ref_mtp.draft_chain(params, cfg, tb.ids, tb.lengths, tb.pre, tb.post, depth, tokens="greedy")
+        preds = np.stack([np.argmax(s, axis=-1) for s in steps], axis=1)  # (B, depth, T)
+        for b in range(tb.ids.shape[0]):
+            tally.add(preds[b], tb.greedy[b], tb.ids[b], int(tb.lengths[b]))
+    return tally.result()
+
+
+def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, backend: str = "ref",
+               conventions: MtpConfig | dict | None = None, probe_conventions: bool = False,
+               batch: int = 8) -> dict:  # fmt: skip
+    """Greedy speculative acceptance of `model`'s draft over `windows` (1-D token arrays, each at most
+    max_seq_len long), chained `depth` deep. `conventions` overrides the model's MtpConfig (concat, hiddens);
+    `probe_conventions` adds `probe`: the same measure under every concat x trunk_hidden x chain_hidden."""
+    check_backend(backend)
+    if depth < 1:
+        raise ValueError(f"depth must be at least 1, got {depth}")
+    if model.cfg.mtp is None:
+        raise ValueError("the model has no MTP draft (missing tensor model.mtp.eh_proj.weight)")
+    windows = [np.asarray(w, np.int64) for w in windows if np.asarray(w).size > depth]
+    if not windows:
+        raise ValueError(f"no window longer than depth {depth}: nothing to measure")
+    if max(w.size for w in windows) > model.cfg.max_seq_len:
+        raise ValueError(f"a window is longer than the model's max_seq_len {model.cfg.max_seq_len}")
+    trunk = trunk_batches(model, windows, batch)
+    cfg = _with_conventions(model.cfg, conventions)
+    result = acceptance_from_trunk(model.params, cfg, trunk, depth)
+    if probe_conventions:
+        probe = []
+        for concat, th, ch in itertools.product(("emb_first", "hidden_first"), ("pre_norm", "post_norm"),
+                                                ("pre_norm", "post_norm")):  # fmt: skip
+            conv = MtpConfig(concat=concat, trunk_hidden=th, chain_hidden=ch)
+            r = acceptance_from_trunk(model.params, dataclasses.replace(cfg, mtp=conv), trunk, depth)
+            probe.append({**conv.to_dict(), "current": conv == cfg.mtp,
+                          "prefix_acceptance": r["prefix_acceptance"],
+                          "acceptance_length": r["acceptance_length"]})  # fmt: skip
+        result["probe"] = probe
+    return result
+
+
+def accept_file(model_path, data_spec: str, depth: int = 3, window: int = 128, tokens: int | None = None,
+                backend: str = "ref", probe_conventions: bool = False) -> dict:  # fmt: skip
+    """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure."""
+    check_backend(backend)
+    model = load_model(model_path)
+    records = load_records(data_spec, tokenizer_for(model.tokenizer), tokens)
+    check_vocab(records, model.cfg.vocab_size)
+    windows = cut_windows(records, min(window, model.cfg.max_seq_len), depth + 1)
+    result = acceptance(model, windows, depth, backend, probe_conventions=probe_conventions)
+    result["data"] = str(data_spec)
+    return result

@@ -1,0 +1,139 @@
+"""`compress`: structural shrinking of a model file, the trunk change that `heal` repairs the draft after.
+
+- `drop_layers(model, layers)`: remove whole blocks; the remaining blocks are renumbered 0..L'−1 in their
+  order (every tensor of a block moves with it, DDL ones included).
+- `ffn_keep(model, fraction)`: keep round(fraction·F) (at least 1) SwiGLU channels of every block, chosen per
+  block by importance ‖gate row c‖·‖up row c‖·‖down column c‖ (a channel's output is down[:, c]·silu(g_c)·u_c,
+  so the product of the three norms bounds its contribution for a unit input). Kept channels stay in their
+  original order. `ffn_hidden` is one config field shared by every block, the MTP draft's block included, so
+  the draft's FFN is cut by the same rule.
+
+Both return a new `Model` with `provenance.compress` recorded (a previous record is kept under `previous`); the
+draft head itself is carried over unchanged: heal it against the new trunk (`ddl_wgpu.heal`).
+
+What this file deliberately does not do: attention-head pruning, quantisation, or any evaluation of the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from ddl_ref.params import param_table
+from ddl_wgpu.container import open_checkpoint
+from ddl_wgpu.modelfile import Model, load_model, save_model
+
+
+class CompressError(ValueError):
+    """A compress request that cannot be applied, with one clear line."""
+
+
+_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+
+
+def parse_layers(spec: str) -> list[int]:
+    """'1,3-5' -> [1, 3, 4, 5] (sorted, unique)."""
+    out: set[int] = set()
+    for part in (p.strip() for p in str(spec).split(",")):
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise CompressError(f"compress: bad layer list {spec!r} (expected e.g. '1,3-5')")
+        a, b = int(m.group(1)), int(m.group(2) or m.group(1))
+        if b < a:
+            raise CompressError(f"compress: bad layer range {part!r} in {spec!r}")
+        out.update(range(a, b + 1))
+    if not out:
+        raise CompressError(f"compress: empty layer list {spec!r}")
+    return sorted(out)
+
+
+def _record(model: Model, rec: dict) -> dict:
+    prov = dict(model.provenance)
+    if "compress" in prov:
+        rec = {**rec, "previous": prov["compress"]}
+    prov["compress"] = rec
+    return prov
+
+
+def drop_layers(model: Model, layers: Iterable[int]) -> Model:
+    """`model` without the blocks in `layers`; the rest renumbered in order."""
+    cfg = model.cfg
+    drop = sorted({int(i) for i in layers})
+    bad = [i for i in drop if not 0 <= i < cfg.n_layers]
+    if bad:
+        raise CompressError(f"compress: layer(s) {bad} out of range 0..{cfg.n_layers - 1}")
+    keep = [i for i in range(cfg.n_layers) if i not in drop]
+    if not keep:
+        raise CompressError(f"compress: dropping {drop} would leave no block")
+    new_cfg = dataclasses.replace(cfg, n_layers=len(keep))
+    params = {}
+    for spec in param_table(new_cfg):
+        m = _BLOCK.match(spec.name)
+        old = f"model.layers.{keep[int(m.group(1))]}.{m.group(2)}" if m else spec.name
+        params[spec.name] = np.array(model.params[old], copy=True)
+        assert params[spec.name].shape == spec.shape, spec.name
+    rec = {"method": "drop_layers", "dropped": drop, "n_layers_before": cfg.n_layers,
+           "n_layers_after": len(keep), "kept_layers": keep}  # fmt: skip
+    return dataclasses.replace(model, cfg=new_cfg, params=params, provenance=_record(model, rec))
+
+
+def ffn_importance(params: dict, prefix: str) -> np.ndarray:
+    """(F,) ‖gate row c‖·‖up row c‖·‖down column c‖ of the SwiGLU under `prefix` ("model.layers.3.")."""
+    g = np.linalg.norm(np.asarray(params[prefix + "mlp.gate_proj.weight"], np.float64), axis=1)
+    u = np.linalg.norm(np.asarray(params[prefix + "mlp.up_proj.weight"], np.float64), axis=1)
+    d = np.linalg.norm(np.asarray(params[prefix + "mlp.down_proj.weight"], np.float64), axis=0)
+    return g * u * d
+
+
+def ffn_keep(model: Model, fraction: float) -> Model:
+    """Keep the fraction `fraction` (0 < f <= 1) of every SwiGLU's channels, the most important per block."""
+    cfg = model.cfg
+    if not (isinstance(fraction, int | float) and 0.0 < float(fraction) <= 1.0):
+        raise CompressError(f"compress: --ffn-keep must be in (0, 1], got {fraction!r}")
+    F = cfg.ffn_hidden
+    F2 = max(1, int(round(float(fraction) * F)))
+    prefixes = [f"model.layers.{i}." for i in range(cfg.n_layers)]
+    if cfg.mtp is not None:
+        prefixes.append("model.mtp.layers.0.")
+    params = {n: np.array(a, copy=True) for n, a in model.params.items()}
+    kept_mass = []
+    for p in prefixes:
+        imp = ffn_importance(model.params, p)
+        keep = np.sort(np.argsort(-imp, kind="stable")[:F2])
+        params[p + "mlp.gate_proj.weight"] = params[p + "mlp.gate_proj.weight"][keep]
+        params[p + "mlp.up_proj.weight"] = params[p + "mlp.up_proj.weight"][keep]
+        params[p + "mlp.down_proj.weight"] = params[p + "mlp.down_proj.weight"][:, keep]
+        kept_mass.append(float(imp[keep].sum() / max(imp.sum(), 1e-30)))
+    new_cfg = dataclasses.replace(cfg, ffn_hidden=F2)
+    for spec in param_table(new_cfg):
+        assert params[spec.name].shape == spec.shape, spec.name
+    rec = {"method": "ffn_keep", "fraction": float(fraction), "ffn_hidden_before": F, "ffn_hidden_after": F2,
+           "importance": "norm(gate row) * norm(up row) * norm(down column)",
+           "kept_importance_fraction": kept_mass}  # fmt: skip
+    return dataclasses.replace(model, cfg=new_cfg, params=params, provenance=_record(model, rec))
+
+
+def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,
+                  keep: float | None = None) -> dict:  # fmt: skip
+    """The `compress MODEL --out OUT (--drop-layers LIST | --ffn-keep F)` entry point -> provenance.compress.
+
+    Exactly one of `drop` (a list or '1,3-5') and `keep` must be given. The output keeps the source's storage
+    dtype (that of the embedding) and is written atomically."""
+    if (drop is None) == (keep is None):
+        raise CompressError("compress: give exactly one of --drop-layers and --ffn-keep")
+    with open_checkpoint(model_path) as ck:
+        dtype = ck.info("model.embed_tokens.weight").dtype if "model.embed_tokens.weight" in ck else "f32"
+    model = load_model(model_path)
+    if drop is not None:
+        layers = parse_layers(drop) if isinstance(drop, str) else list(drop)
+        out = drop_layers(model, layers)
+    else:
+        out = ffn_keep(model, float(keep))
+    save_model(Path(out_path), out, dtype=dtype if dtype in ("f32", "f16", "bf16") else "f32")
+    return out.provenance["compress"]

@@ -1,0 +1,475 @@
+"""`heal`: retrain a model's MTP draft on its own trunk (self-distillation, the seed's `mtp heal`).
+
+A draft stops agreeing with a trunk that was compressed or fine-tuned; the fix that works is training it on the
+trunk's own predictions. The flow (mtp-heal.md §0, §6):
+
+1. Windows: every record cut into windows of `window` tokens; windows shorter than 16 + chain skipped; at most
+   `tokens` tokens. Every tenth window (index % 10 == 9) is held out. Fewer than 10 x batch windows is an error.
+2. The trunk runs once (`TrunkTeacher.topk_hidden`): per window its hidden rows (pre- or post-final-norm, per
+   `MtpConfig.trunk_hidden`, kept on the host in float16) and its next-token top-k (ids, probabilities).
+3. The draft is trained alone as a one-layer model (`DraftTrainer`): its block `model.mtp.layers.0.*` and final
+   norm `model.mtp.norm`, from `--init` weights when given, else the model's own. Trunk, embedding, head and the
+   draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the seed.
+4. Chained training: the block input of step 1 is `eh_proj·[enorm(E[x_{p+1}]); hnorm(h_p)]` from the trunk's
+   hidden; step j > 1 reads the token x_{p+j} and the draft's own step j−1 output at row p (`chain_hidden`),
+   rebuilt from the current weights every `refresh` steps. The target of step j at row p is the trunk's top-k at
+   p + j. Loss: top-k KL (teacher renormalised over its k ids, `ddl_ref.ops.topk_kl_forward`), mean over rows.
+5. One job = (train batch, chain step); the job list is shuffled every epoch by a generator seeded with `seed`.
+   Learning rate: linear warm-up over the first 10 % of steps, then a cosine down to 0.1 x lr. Adam (0.9, 0.999,
+   1e-8, no weight decay), gradient scaled to global norm <= 1. A non-finite loss or gradient zeroes the
+   gradients, halves the loss scale and skips the step; the 20th such step aborts with `HealError`.
+6. Every `eval_every` steps (and at the last) the held-out KL per chain step is measured; checkpoints rank by
+   its mean; `patience` evaluations without a new best stop the run. The best weights are restored.
+7. OUT = MODEL with the trained tensors written back (in their stored dtype) and every other tensor copied byte
+   for byte; `provenance.heal_mtp` records the run (acceptance before and after on the held-out windows).
+   Written atomically by the container (`OUT.partial`, then rename; removed on any failure).
+
+Backends: `TrunkTeacher` and `DraftTrainer` are the whole interface a GPU implementation has to provide;
+`RefTeacher` and `RefDraft` are the numpy ones (backend "ref", the only one today).
+
+Not reproduced: the runtime's TTT "diagonal" attention mask (mtp-heal.md §6.2): step-j rows attend causally to
+the other step-j rows of the window, as in the seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from ddl_ref import mtp as ref_mtp
+from ddl_ref.config import ModelConfig
+from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
+from ddl_wgpu import accept as accept_mod
+from ddl_wgpu.container import CheckpointError, f32_to_bf16, open_checkpoint, save
+from ddl_wgpu.data import DataError, check_vocab, load_records, tokenizer_for
+from ddl_wgpu.modelfile import Model, load_model
+
+LOSS_SCALE_START = 4096.0  # the seed's initial loss scale; halved (down to 1) on every non-finite step
+MAX_NONFINITE = 20  # the 20th non-finite step aborts
+ADAM = (0.9, 0.999, 1e-8)  # betas and eps; no weight decay
+GRAD_CLIP = 1.0  # global gradient norm cap
+WARMUP_FRACTION = 0.1  # linear warm-up over the first 10 % of steps
+MIN_LR_FRACTION = 0.1  # the cosine ends at 0.1 x lr
+MIN_WINDOW = 16  # windows shorter than MIN_WINDOW + chain are skipped
+HELD_OUT_EVERY = 10  # window i is held out when i % 10 == 9
+BACKENDS = ("ref",)
+# A draft is present iff these are in the file (the seed checks the first three).
+REQUIRED = ("model.mtp.eh_proj.weight", "model.mtp.enorm.weight", "model.mtp.hnorm.weight",
+            "model.mtp.layers.0.self_attn.q_proj.weight", "model.mtp.norm.weight")  # fmt: skip
+
+
+class HealError(ValueError):
+    """A heal that cannot run or had to stop, with one clear line."""
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    """Settings of one `heal` run; defaults are the seed's."""
+
+    chain: int = 3  # chain steps trained (the runtime drafts 3-5 deep)
+    refresh: int = 50  # steps between rebuilds of chain steps 2..chain from the current weights (0: never)
+    tokens: int = 200_000  # token budget of all windows together
+    window: int = 128  # window length in tokens (at most the model's max_seq_len)
+    epochs: float = 1.0  # passes over the job list (train batch x chain step); fractional allowed
+    lr: float = 5e-5  # peak learning rate, reached after the warm-up
+    topk: int = 32  # width of the trunk's stored next-token distribution
+    batch: int = 4  # windows per step
+    eval_every: int = 50  # steps between held-out evaluations (also at the last step)
+    patience: int = 3  # evaluations without a new best before stopping (0: never stop early)
+    seed: int = 0  # seed of the per-epoch job shuffle
+
+    def __post_init__(self) -> None:
+        for name in ("chain", "tokens", "window", "topk", "batch", "eval_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise HealError(f"heal: {name} must be a positive integer, got {v!r}")
+        for name in ("refresh", "patience", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise HealError(f"heal: {name} must be a non-negative integer, got {v!r}")
+        for name in ("epochs", "lr"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > 0):
+                raise HealError(f"heal: {name} must be a positive number, got {v!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the backend interface
+
+
+class TrunkTeacher(Protocol):
+    def topk_hidden(self, ids_batch: np.ndarray, k: int):
+        """ids (B, T) -> (top_ids (B, T, k) int32, top_probs (B, T, k) f32, hidden_pre, hidden_post (B, T, C))."""
+        ...
+
+
+class DraftTrainer(Protocol):
+    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr: float, step: int, grad_scale: float):
+        """Forward, backward and (when finite) one Adam update -> (loss, grad_norm, finite)."""
+        ...
+
+    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights) -> float: ...
+
+    def hidden_out(self, x_rows): ...  # -> (pre (B, T, C), post (B, T, C))
+
+    def snapshot(self): ...
+
+    def restore(self, snap) -> None: ...
+
+    def export(self) -> dict: ...  # {model.mtp.* name: float32 array} of the trained tensors
+
+
+class RefTeacher:
+    """The trunk in numpy (`ddl_ref.mtp.trunk_topk_hidden`)."""
+
+    def __init__(self, model: Model):
+        self.params, self.cfg = model.params, model.cfg
+
+    def topk_hidden(self, ids_batch, k: int):
+        return ref_mtp.trunk_topk_hidden(self.params, self.cfg, ids_batch, k)
+
+
+class RefDraft:
+    """The draft block + final norm in numpy float32, trained with Adam; everything else frozen."""
+
+    def __init__(self, params: dict, cfg: ModelConfig, init: dict | None = None):
+        self.cfg = cfg
+        names = ref_mtp.trained_names(params)
+        src = init if init is not None else params
+        self.params = {n: np.array(src[n], np.float32) for n in names}
+        head = ref_mtp.head_weight(params, cfg)
+        self.shared = {"model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight": head}
+        self.state: dict = {"m": {}, "v": {}}
+
+    def _all(self) -> dict:
+        return {**self.shared, **self.params}
+
+    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale):
+        weights = np.asarray(weights, np.float32)
+        count = max(float(weights.sum()), 1.0)
+        p = self._all()
+        with np.errstate(all="ignore"):
+            kl, cache = ref_mtp.draft_kl_forward(p, self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
+                                                 teacher_probs, weights)  # fmt: skip
+            loss = kl / count
+            # gradient of grad_scale * loss, unscaled again (the engine's f16 loss scaling; exact in f32)
+            _dx, grads = ref_mtp.draft_kl_backward(p, self.cfg, cache, dloss=float(grad_scale) / count)
+            grads = {n: g / np.float32(grad_scale) for n, g in grads.items()}
+            norm = global_grad_norm(grads)
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if finite:
+            adamw_step(self.params, grads, self.state, lr, step, *ADAM, weight_decay=0.0,
+                       grad_multiplier=clip_multiplier(norm, GRAD_CLIP))  # fmt: skip
+        # gradients are not kept between steps: a skipped step leaves nothing behind ("zeroed")
+        return float(loss), float(norm), bool(finite)
+
+    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights) -> float:
+        kl, _ = ref_mtp.draft_kl_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
+                                         teacher_probs, np.asarray(weights, np.float32))  # fmt: skip
+        return float(kl)
+
+    def hidden_out(self, x_rows):
+        pre, post, _ = ref_mtp.draft_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32))
+        return pre, post
+
+    def snapshot(self):
+        return {n: p.copy() for n, p in self.params.items()}
+
+    def restore(self, snap) -> None:
+        for n, p in snap.items():
+            self.params[n][...] = p
+
+    def export(self) -> dict:
+        return {n: p.copy() for n, p in self.params.items()}
+
+
+def make_backend(backend: str, model: Model, init: dict | None) -> tuple[TrunkTeacher, DraftTrainer]:
+    if backend not in BACKENDS:
+        raise HealError(f"heal: backend {backend!r} has no MTP draft path yet (available: {list(BACKENDS)})")
+    return RefTeacher(model), RefDraft(model.params, model.cfg, init)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pieces
+
+
+def lr_multiplier(done: int, total: int) -> float:
+    """Step `done` (1-based) of `total`: linear warm-up over the first 10 %, then cosine from 1 to 0.1."""
+    warm = max(int(total * WARMUP_FRACTION), 1)
+    if done <= warm:
+        return done / warm
+    progress = min((done - warm) / max(total - warm, 1), 1.0)
+    return MIN_LR_FRACTION + (1.0 - MIN_LR_FRACTION) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def split_heldout(n: int) -> tuple[list[int], list[int]]:
+    """Window indices -> (train, held out): every tenth window (i % 10 == 9) is held out."""
+    val = [i for i in range(n) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+    return [i for i in range(n) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1], val
+
+
+def _require_draft(path) -> None:
+    try:
+        with open_checkpoint(path) as ck:
+            names = set(ck.names())
+    except CheckpointError as e:
+        raise HealError(f"heal: {e}") from e
+    for n in REQUIRED:
+        if n not in names:
+            raise HealError(f"heal: {path} carries no MTP draft (missing tensor {n})")
+
+
+def _load(path, what: str) -> Model:
+    try:
+        return load_model(path)
+    except CheckpointError as e:
+        raise HealError(f"heal: {what}: {e}") from e
+
+
+def _init_weights(init_path, model: Model) -> dict:
+    _require_draft(init_path)
+    src = _load(init_path, "--init")
+    out = {}
+    for n in ref_mtp.trained_names(model.params):
+        if n not in src.params or src.params[n].shape != model.params[n].shape:
+            have = None if n not in src.params else tuple(src.params[n].shape)
+            raise HealError(f"heal: --init {init_path}: {n} has shape {have}, the model needs "
+                            f"{tuple(model.params[n].shape)}")  # fmt: skip
+        out[n] = src.params[n]
+    return out
+
+
+def _encode(array: np.ndarray, dtype: str):
+    """A trained float32 tensor in the stored dtype of the tensor it replaces."""
+    if dtype == "bf16":
+        return f32_to_bf16(np.asarray(array, np.float32)), "bf16"
+    np_dtype = {"f32": np.float32, "f16": np.float16, "f64": np.float64}.get(dtype)
+    if np_dtype is None:
+        raise HealError(f"heal: cannot write a trained tensor back as {dtype}")
+    return np.asarray(array).astype(np_dtype), dtype
+
+
+def write_back(model_path, out_path, trained: dict, provenance_key: str, record: dict) -> Path:
+    """OUT = MODEL with `trained` tensors replaced (stored dtype kept) and every other tensor copied byte for
+    byte; `provenance[provenance_key] = record`. Atomic (the container writes OUT.partial, then renames)."""
+    with open_checkpoint(model_path) as ck:
+        prov = dict(ck.provenance or {})
+        prov[provenance_key] = record
+
+        def tensors():
+            for name in ck.names():
+                dtype = ck.info(name).dtype
+                if name in trained:
+                    arr, dt = _encode(trained[name], dtype)
+                    yield name, arr, dt
+                else:
+                    yield name, ck.tensor(name, copy=False), dtype
+
+        paths = save(out_path, tensors(), config=ck.config, metadata=ck.metadata, provenance=prov,
+                     tokenizer=ck.tokenizer)  # fmt: skip
+    return paths[0]
+
+
+@dataclass
+class _Cache:
+    """The trunk's pass over all windows, on the host."""
+
+    ids: np.ndarray  # (N, T) int64, padded with 0
+    lengths: np.ndarray  # (N,)
+    top_ids: np.ndarray  # (N, T, k) int32
+    top_probs: np.ndarray  # (N, T, k) float32
+    hidden: np.ndarray  # (N, T, C) float16: the trunk hidden the draft reads (MtpConfig.trunk_hidden)
+    x: dict  # chain step j -> (N, T, C) float16 block input rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# heal
+
+
+def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, init_path=None,
+         backend: str = "ref", progress: Callable[[dict], None] | None = None) -> dict:  # fmt: skip
+    """Retrain MODEL's draft on MODEL's trunk over `data_spec`; write OUT. -> the report (provenance.heal_mtp
+    plus `out`, `history` of evaluations and `stopped`). Raises HealError with one line on bad input or abort."""
+    cfg = cfg if cfg is not None else HealConfig()
+    say = progress if progress is not None else (lambda _e: None)
+    if backend not in BACKENDS:
+        raise HealError(f"heal: backend {backend!r} has no MTP draft path yet (available: {list(BACKENDS)})")
+    _require_draft(model_path)
+    model = _load(model_path, "model")
+    mcfg = model.cfg
+    if mcfg.mtp is None:  # tensors present but the config says no draft
+        raise HealError(f"heal: {model_path} carries no MTP draft (config has no mtp; missing tensor "
+                        "model.mtp.eh_proj.weight in its table)")  # fmt: skip
+    init = _init_weights(init_path, model) if init_path is not None else None
+    if cfg.window > mcfg.max_seq_len:
+        raise HealError(f"heal: window {cfg.window} exceeds the model's max_seq_len {mcfg.max_seq_len}")
+    chain, k, nb = cfg.chain, cfg.topk, cfg.batch
+
+    # --- windows
+    try:
+        records = load_records(data_spec, tokenizer_for(model.tokenizer), 2 * cfg.tokens)
+        check_vocab(records, mcfg.vocab_size)
+    except DataError as e:
+        raise HealError(f"heal: {e}") from e
+    wins = accept_mod.cut_windows(records, cfg.window, MIN_WINDOW + chain, cfg.tokens)
+    if len(wins) < HELD_OUT_EVERY * nb:
+        raise HealError(f"heal: {len(wins)} windows in {data_spec}, need {HELD_OUT_EVERY * nb} "
+                        "(every tenth is held out)")  # fmt: skip
+    total_tokens = int(sum(w.size for w in wins))
+    say({"event": "windows", "windows": len(wins), "tokens": total_tokens, "chain": chain})
+
+    teacher, draft = make_backend(backend, model, init)
+
+    # --- the trunk, once
+    N, T = len(wins), max(w.size for w in wins)
+    ids, lengths = accept_mod.pad_batch(wins, T)
+    C = mcfg.d_model
+    kk = min(k, mcfg.vocab_size)
+    cache = _Cache(ids, lengths, np.zeros((N, T, kk), np.int32), np.zeros((N, T, kk), np.float32),
+                   np.zeros((N, T, C), np.float16), {})  # fmt: skip
+    for s in range(0, N, nb):
+        ti, tp, pre, post = teacher.topk_hidden(ids[s : s + nb], kk)
+        cache.top_ids[s : s + nb], cache.top_probs[s : s + nb] = ti, tp
+        cache.hidden[s : s + nb] = ref_mtp.pick_hidden(pre, post, mcfg.mtp.trunk_hidden)
+        say({"event": "trunk", "done": min(s + nb, N), "windows": N})
+
+    def block_in(sel, j: int, hid) -> np.ndarray:
+        tok = ref_mtp.shifted(ids[sel], j)
+        valid = ref_mtp.step_valid(lengths[sel], T, j)
+        return ref_mtp.step_input(model.params, mcfg, tok, np.asarray(hid, np.float32), valid).astype(
+            np.float16
+        )
+
+    cache.x[1] = np.zeros((N, T, C), np.float16)
+    for s in range(0, N, nb):
+        cache.x[1][s : s + nb] = block_in(slice(s, s + nb), 1, cache.hidden[s : s + nb])
+
+    def refresh() -> None:
+        for j in range(2, chain + 1):
+            xj = np.zeros((N, T, C), np.float16)
+            for s in range(0, N, nb):
+                pre, post = draft.hidden_out(cache.x[j - 1][s : s + nb].astype(np.float32))
+                xj[s : s + nb] = block_in(
+                    slice(s, s + nb), j, ref_mtp.pick_hidden(pre, post, mcfg.mtp.chain_hidden)
+                )
+            cache.x[j] = xj
+        if chain > 1:
+            say({"event": "refresh", "chain": chain})
+
+    refresh()
+    train, val = split_heldout(N)
+
+    def batches(idx: list[int]) -> list[np.ndarray]:
+        return [np.array(idx[s : s + nb]) for s in range(0, len(idx) - nb + 1, nb)]
+
+    tb, vb = batches(train), batches(val)
+
+    def join(b: np.ndarray, j: int):
+        x = cache.x[j][b].astype(np.float32)
+        tid = ref_mtp.shifted(cache.top_ids[b], j)
+        tp = ref_mtp.shifted(cache.top_probs[b], j, fill=1.0)  # masked rows: any finite distribution
+        w = ref_mtp.step_valid(lengths[b], T, j).astype(np.float32)
+        return x, tid, tp, w
+
+    def val_loss() -> list[float]:
+        out = []
+        for j in range(1, chain + 1):
+            s = n = 0.0
+            for b in vb:
+                x, tid, tp, w = join(b, j)
+                s += draft.loss_sum(x, tid, tp, w)
+                n += float(w.sum())
+            out.append(s / max(n, 1e-9))
+        return out
+
+    def held_out_acceptance() -> dict:
+        vi = np.array(val)
+        hid = cache.hidden[vi].astype(np.float32)
+        tbs = [accept_mod.TrunkBatch(ids[vi], lengths[vi], cache.top_ids[vi][..., 0], hid, hid)]
+        params = {**model.params, **draft.export()}
+        return accept_mod.acceptance_from_trunk(params, mcfg, tbs, chain)
+
+    acc_before = held_out_acceptance()
+    v0 = val_loss()
+    e0 = float(np.mean(v0))
+    history = [{"step": 0, "heldout_kl": v0, "mean": e0}]
+    say({"event": "eval", "step": 0, "heldout_kl": v0, "mean": e0})
+
+    jobs = [(bi, j) for bi in range(len(tb)) for j in range(1, chain + 1)]
+    total = max(math.ceil(cfg.epochs * len(jobs)), 1)
+    best_kl, best_snap, best_step, best_v = e0, draft.snapshot(), 0, v0
+    done = skipped = 0
+    gscale = LOSS_SCALE_START
+    rng = np.random.default_rng(cfg.seed)
+    stopped = "steps"
+    while done < total and stopped == "steps":
+        for oi in rng.permutation(len(jobs)):
+            if done >= total:
+                break
+            bi, j = jobs[int(oi)]
+            x, tid, tp, w = join(tb[bi], j)
+            lr = cfg.lr * lr_multiplier(done + 1, total)
+            loss, gnorm, finite = draft.step(x, tid, tp, w, lr, done + 1, gscale)
+            if not (finite and math.isfinite(loss) and math.isfinite(gnorm)):
+                skipped += 1
+                gscale = max(gscale / 2.0, 1.0)
+                say({"event": "skip", "step": done + 1, "skipped": skipped, "loss_scale": gscale})
+                if skipped >= MAX_NONFINITE:
+                    raise HealError(f"heal: {skipped} non-finite steps (last loss {loss}, gradient norm "
+                                    f"{gnorm}) after {done} good ones: aborting, nothing written")  # fmt: skip
+                continue
+            done += 1
+            say({"event": "step", "step": done, "total": total, "loss": loss, "lr": lr, "grad_norm": gnorm})
+            if chain > 1 and cfg.refresh > 0 and done % cfg.refresh == 0 and done < total:
+                refresh()
+            if done % cfg.eval_every == 0 or done == total:
+                v = val_loss()
+                e = float(np.mean(v))
+                history.append({"step": done, "heldout_kl": v, "mean": e})
+                say({"event": "eval", "step": done, "heldout_kl": v, "mean": e, "best": min(best_kl, e)})
+                if e < best_kl:
+                    best_kl, best_snap, best_step, best_v = e, draft.snapshot(), done, v
+                elif cfg.patience > 0 and done - best_step >= cfg.patience * cfg.eval_every and done < total:
+                    stopped = "patience"
+                    break
+
+    draft.restore(best_snap)
+    trained = draft.export()
+    acc_after = held_out_acceptance()
+    record = {
+        "data": str(data_spec),
+        "tokens": total_tokens,
+        "windows": N,
+        "heldout_windows": len(val),
+        "steps": done,
+        "total_steps": total,
+        "best_step": best_step,
+        "skipped_steps": skipped,
+        "stopped": stopped,
+        "lr": float(cfg.lr),
+        "topk": kk,
+        "chain": chain,
+        "heldout_kl_start": e0,
+        "heldout_kl_best": best_kl,
+        "heldout_kl_per_step_start": v0,
+        "heldout_kl_per_step_best": best_v,
+        "init": None if init_path is None else os.fspath(init_path),
+        "acceptance_before": acc_before,
+        "acceptance_after": acc_after,
+        "backend": backend,
+        "config": cfg.to_dict(),
+        "conventions": mcfg.mtp.to_dict(),
+    }
+    path = write_back(model_path, out_path, trained, "heal_mtp", record)
+    say({"event": "written", "out": os.fspath(path)})
+    return {**record, "out": os.fspath(path), "history": history}

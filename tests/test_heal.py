@@ -1,0 +1,398 @@
+"""Tests of `heal` (MTP draft self-distillation), `accept` and `compress` on the numpy reference backend.
+
+A tiny byte-level model with an MTP head and a few hundred words of text made in tmp_path. Training dynamics
+are scripted where the test needs known answers (a `RefDraft` subclass whose held-out loss follows a table, or
+whose step returns NaN), so the checks are exact: held-out split, the window-count error, the non-finite skip
+and abort, patience, best restore, byte-for-byte carry-over, provenance, atomic output, acceptance maths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ddl_ref import mtp as ref_mtp
+from ddl_ref.config import ModelConfig, MtpConfig
+from ddl_ref.params import init_params
+from ddl_wgpu import accept, compress, container, heal
+from ddl_wgpu.container import open_checkpoint
+from ddl_wgpu.modelfile import Model, load_model, save_model
+
+WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+
+
+def tiny_cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=256, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
+                max_seq_len=32, qk_norm="pre_rope", mtp=MtpConfig())  # fmt: skip
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def make_model(path, cfg=None, seed=0, dtype="f32"):
+    cfg = cfg or tiny_cfg()
+    save_model(path, Model(cfg, init_params(cfg, seed), provenance={"train": {"seed": seed}}), dtype=dtype)
+    return path
+
+
+def make_text(path, words=300, seed=0):
+    rng = np.random.default_rng(seed)
+    path.write_text(" ".join(rng.choice(WORDS, words)))
+    return path
+
+
+# chain 2, windows of 24 bytes: a 300-word text (~1.8 kB) gives ~75 windows
+SMALL = heal.HealConfig(
+    chain=2, window=24, tokens=5000, batch=2, eval_every=4, patience=0, lr=3e-3, epochs=1.0
+)
+
+
+@pytest.fixture
+def files(tmp_path):
+    return make_model(tmp_path / "m.ddlw"), make_text(tmp_path / "t.txt")
+
+
+def leftovers(folder):
+    return sorted(p.name for p in folder.iterdir() if "partial" in p.name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# heal: output, carry-over, provenance
+
+
+def test_heal_changes_only_trained_draft_tensors(files, tmp_path):
+    model, data = files
+    out = tmp_path / "o.ddlw"
+    r = heal.heal(model, str(data), out, SMALL)
+    assert r["heldout_kl_best"] < r["heldout_kl_start"]  # it learns
+    trained = set(ref_mtp.trained_names(load_model(model).params))
+    assert all(n.startswith("model.mtp.") for n in trained)
+    with open_checkpoint(model) as a, open_checkpoint(out) as b:
+        assert a.names() == b.names()
+        assert b.config == a.config and b.metadata == a.metadata
+        changed = set()
+        for n in a.names():
+            ia, ib = a.info(n), b.info(n)
+            assert ia.dtype == ib.dtype and ia.shape == ib.shape
+            if a.tensor(n).tobytes() != b.tensor(n).tobytes():
+                changed.add(n)
+        assert changed and changed <= trained  # the input projection and the trunk are byte for byte
+        assert "model.mtp.eh_proj.weight" not in changed
+        prov = b.provenance
+    assert prov["train"] == {"seed": 0}  # earlier provenance kept
+    h = prov["heal_mtp"]
+    for key in ("data", "tokens", "windows", "steps", "best_step", "lr", "topk", "heldout_kl_start",
+                "heldout_kl_best", "init", "acceptance_before", "acceptance_after"):  # fmt: skip
+        assert key in h, key
+    assert h["init"] is None and h["topk"] == 32 and h["lr"] == SMALL.lr
+    assert h["steps"] == r["steps"] and set(h["acceptance_after"]) >= set(accept.KEYS)
+    assert h["heldout_windows"] == h["windows"] // 10
+    assert leftovers(tmp_path) == []
+
+
+def test_heal_keeps_f16_storage(tmp_path):
+    model = make_model(tmp_path / "m.ddlw", dtype="f16")
+    out = tmp_path / "o.ddlw"
+    heal.heal(model, str(make_text(tmp_path / "t.txt")), out, SMALL)
+    with open_checkpoint(out) as ck:
+        assert {ck.info(n).dtype for n in ck.names()} == {"f16"}
+
+
+def test_heal_ddl_trunk_other_conventions_deterministic(tmp_path):
+    conv = MtpConfig(concat="hidden_first", trunk_hidden="post_norm", chain_hidden="post_norm")
+    cfg = tiny_cfg(residual="delta", ddl_dv=4, ddl_compressor="cc", ddl_expand_embed=True, mtp=conv)
+    model = make_model(tmp_path / "m.ddlw", cfg=cfg)
+    data = str(make_text(tmp_path / "t.txt"))
+    run = dataclasses.replace(SMALL, chain=3, refresh=5)
+    r1 = heal.heal(model, data, tmp_path / "a.ddlw", run)
+    r2 = heal.heal(model, data, tmp_path / "b.ddlw", run)
+    assert r2["history"] == r1["history"]
+    assert r1["heldout_kl_best"] < r1["heldout_kl_start"] and r1["conventions"] == conv.to_dict()
+    assert len(r1["heldout_kl_per_step_best"]) == 3 and r1["acceptance_after"]["depth"] == 3
+    a, b = trained_of(tmp_path / "a.ddlw"), trained_of(tmp_path / "b.ddlw")
+    assert all(np.array_equal(a[n], b[n]) for n in a)  # seeded: same run, same bits
+
+
+def test_split_heldout_every_tenth():
+    train, val = heal.split_heldout(25)
+    assert val == [9, 19]
+    assert sorted(train + val) == list(range(25))
+
+
+def test_window_count_error_names_counts(tmp_path):
+    model = make_model(tmp_path / "m.ddlw")
+    data = tmp_path / "short.txt"
+    data.write_text("x" * (24 * 7))  # 7 windows of 24 bytes
+    with pytest.raises(
+        heal.HealError, match=r"^heal: 7 windows in .*short\.txt, need 20 \(every tenth is held out\)$"
+    ):
+        heal.heal(model, str(data), tmp_path / "o.ddlw", SMALL)
+    # windows shorter than 16 + chain are skipped: 17-byte records give none
+    data.write_text("y" * 17)
+    with pytest.raises(heal.HealError, match="0 windows"):
+        heal.heal(model, str(data), tmp_path / "o.ddlw", SMALL)
+    assert not (tmp_path / "o.ddlw").exists() and leftovers(tmp_path) == []
+
+
+def test_model_without_draft_names_missing_tensor(tmp_path):
+    model = make_model(tmp_path / "m.ddlw", cfg=tiny_cfg(mtp=None))
+    with pytest.raises(
+        heal.HealError, match=r"carries no MTP draft \(missing tensor model\.mtp\.eh_proj\.weight\)"
+    ):
+        heal.heal(model, str(make_text(tmp_path / "t.txt")), tmp_path / "o.ddlw", SMALL)
+
+
+def test_heal_config_validation():
+    with pytest.raises(heal.HealError, match="batch must be a positive integer"):
+        heal.HealConfig(batch=0)
+    with pytest.raises(heal.HealError, match="epochs must be a positive number"):
+        heal.HealConfig(epochs=float("nan"))
+    d = heal.HealConfig()
+    assert (d.chain, d.refresh, d.tokens, d.window, d.epochs, d.lr, d.topk, d.batch, d.eval_every, d.patience,
+            d.seed) == (3, 50, 200_000, 128, 1.0, 5e-5, 32, 4, 50, 3, 0)  # fmt: skip
+
+
+def test_lr_schedule():
+    assert heal.lr_multiplier(1, 100) == pytest.approx(0.1)
+    assert heal.lr_multiplier(10, 100) == pytest.approx(1.0)
+    assert heal.lr_multiplier(100, 100) == pytest.approx(0.1)
+    assert 0.1 < heal.lr_multiplier(55, 100) < 1.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# scripted drafts: non-finite steps, patience, best restore, --init
+
+
+class NanDraft(heal.RefDraft):
+    """Steps whose index is in `bad` (counting every call) return a non-finite loss."""
+
+    bad: set = set()
+    scales: list = []
+
+    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale):
+        NanDraft.scales.append(grad_scale)
+        if len(NanDraft.scales) in NanDraft.bad:
+            return float("nan"), float("nan"), False
+        return super().step(x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale)
+
+
+def test_nonfinite_steps_skipped_then_abort(files, tmp_path, monkeypatch):
+    model, data = files
+    monkeypatch.setattr(heal, "RefDraft", NanDraft)
+    NanDraft.bad, NanDraft.scales = {1, 2, 3}, []
+    r = heal.heal(model, str(data), tmp_path / "a.ddlw", SMALL)
+    assert r["skipped_steps"] == 3 and r["steps"] == r["total_steps"]
+    assert NanDraft.scales[:5] == [4096.0, 2048.0, 1024.0, 512.0, 512.0]  # halved per skip, then kept
+    # every step non-finite: the 20th aborts, nothing written
+    NanDraft.bad, NanDraft.scales = set(range(1, 1000)), []
+    out = tmp_path / "b.ddlw"
+    with pytest.raises(heal.HealError, match="heal: 20 non-finite steps"):
+        heal.heal(model, str(data), out, SMALL)
+    assert len(NanDraft.scales) == 20 and NanDraft.scales[-1] == 1.0  # 4096 halved 19 times, floored at 1
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+class ScriptedDraft(heal.RefDraft):
+    """Held-out KL follows `curve[finite steps done]`; weights after every step are recorded."""
+
+    curve: dict = {}
+    seen: dict = {}
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.done = 0
+        ScriptedDraft.seen = {0: self.export()}
+
+    def step(self, *a, **kw):
+        out = super().step(*a, **kw)
+        self.done += 1
+        ScriptedDraft.seen[self.done] = self.export()
+        return out
+
+    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights):
+        return ScriptedDraft.curve[self.done] * float(np.sum(weights))
+
+
+def trained_of(path):
+    m = load_model(path)
+    return {n: m.params[n] for n in ref_mtp.trained_names(m.params)}
+
+
+def test_patience_stop_and_best_restore(files, tmp_path, monkeypatch):
+    model, data = files
+    monkeypatch.setattr(heal, "RefDraft", ScriptedDraft)
+    ScriptedDraft.curve = {0: 1.0, 2: 0.5, 4: 0.3, 6: 0.4, 8: 0.35, 10: 0.2}
+    cfg = dataclasses.replace(SMALL, eval_every=2, patience=2, epochs=3.0)
+    out = tmp_path / "o.ddlw"
+    r = heal.heal(model, str(data), out, cfg)
+    assert r["stopped"] == "patience" and r["steps"] == 8 and r["best_step"] == 4
+    assert r["heldout_kl_start"] == pytest.approx(1.0) and r["heldout_kl_best"] == pytest.approx(0.3)
+    assert [h["step"] for h in r["history"]] == [0, 2, 4, 6, 8]
+    got = trained_of(out)
+    for n, a in got.items():
+        np.testing.assert_array_equal(a, ScriptedDraft.seen[4][n])  # the best, not the last
+    assert any(not np.array_equal(ScriptedDraft.seen[8][n], got[n]) for n in got)
+
+
+def test_init_weights_used(files, tmp_path, monkeypatch):
+    model, data = files
+    src = make_model(tmp_path / "src.ddlw", seed=5)  # a different draft (and trunk)
+    monkeypatch.setattr(heal, "RefDraft", ScriptedDraft)
+    ScriptedDraft.curve = dict.fromkeys(range(0, 200, 2), 1.0)  # never better than the start
+    out = tmp_path / "o.ddlw"
+    cfg = dataclasses.replace(SMALL, eval_every=2, patience=1)
+    r = heal.heal(model, str(data), out, cfg, init_path=src)
+    assert r["best_step"] == 0 and r["init"] == str(src)
+    want = trained_of(src)
+    for n, a in trained_of(out).items():
+        np.testing.assert_array_equal(a, want[n])
+    # the input projection stays the model's own
+    with open_checkpoint(model) as a, open_checkpoint(out) as b:
+        assert (
+            a.tensor("model.mtp.eh_proj.weight").tobytes() == b.tensor("model.mtp.eh_proj.weight").tobytes()
+        )
+
+
+def test_atomic_output_on_failure(files, tmp_path, monkeypatch):
+    model, data = files
+    out = tmp_path / "o.ddlw"
+    out.write_bytes(b"previous")
+    real = container.Writer.write
+    calls = []
+
+    def failing(self, name, array, dtype=None):
+        calls.append(name)
+        if len(calls) == 3:
+            raise OSError("disk full (injected)")
+        return real(self, name, array, dtype)
+
+    monkeypatch.setattr(container.Writer, "write", failing)
+    with pytest.raises(OSError, match="injected"):
+        heal.heal(model, str(data), out, SMALL)
+    assert out.read_bytes() == b"previous" and leftovers(tmp_path) == []
+    monkeypatch.setattr(container.Writer, "write", real)
+    heal.heal(model, str(data), out, SMALL)
+    assert load_model(out).provenance["heal_mtp"]["steps"] > 0 and leftovers(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# accept
+
+
+def test_tally_known_answers():
+    # one window of 8 tokens, depth 2 -> anchors p = 0..5
+    ids = np.array([5, 1, 2, 3, 4, 9, 6, 7])
+    greedy = np.array([1, 2, 3, 0, 5, 6, 7, 8])  # data follows greedy at p+1 for p = 0, 1, 4, 5, 6
+    preds = np.zeros((2, 8), int)
+    # step 1 at p must equal greedy[p+1]; step 2 greedy[p+2]
+    preds[0] = [2, 3, 0, 9, 6, 7, 0, 0]  # right at p = 0, 1, 2, 4, 5
+    preds[1] = [3, 0, 9, 9, 7, 8, 0, 0]  # right at p = 0, 1, 4 (and 5: greedy[7] = 8)
+    t = accept.Tally(2)
+    t.add(preds, greedy, ids, 8)
+    r = t.result()
+    assert r["anchors"] == 6
+    assert r["prefix_acceptance"] == pytest.approx([5 / 6, 4 / 6])  # p = 0, 1, 4, 5 keep both
+    assert r["conditional_acceptance"] == pytest.approx([5 / 6, 4 / 5])
+    assert r["acceptance_length"] == pytest.approx(1 + 5 / 6 + 4 / 6)
+    # on-policy depth 1: ids[p+1] == greedy[p] for p = 0, 1, 2 (ids 1,2,3 vs greedy 1,2,3), 4 (9? no) ...
+    on1 = [p for p in range(6) if ids[p + 1] == greedy[p]]
+    on2 = [p for p in on1 if ids[p + 2] == greedy[p + 1]]
+    assert r["on_policy"]["anchors"] == [len(on1), len(on2)]
+    ok1 = [p for p in on1 if preds[0][p] == greedy[p + 1]]
+    assert r["on_policy"]["prefix_acceptance"][0] == pytest.approx(len(ok1) / len(on1))
+    assert tuple(r) == accept.KEYS
+
+
+def perfect_chain(steps_right):
+    """A fake draft_chain whose step j predicts the trunk's greedy token at p + j for j in steps_right."""
+
+    def fake(params, cfg, ids, lengths, pre, post, depth, tokens="greedy"):
+        greedy = ref_mtp.trunk_topk_hidden(params, cfg, ids, 1)[0][..., 0]
+        V = cfg.vocab_size
+        out = []
+        for j in range(1, depth + 1):
+            target = ref_mtp.shifted(greedy, j) if j in steps_right else (ref_mtp.shifted(greedy, j) + 1) % V
+            out.append(np.eye(V)[target])
+        return out
+
+    return fake
+
+
+def test_acceptance_end_to_end_known(tmp_path, monkeypatch):
+    m = load_model(make_model(tmp_path / "m.ddlw"))
+    rng = np.random.default_rng(1)
+    windows = [rng.integers(0, 256, n) for n in (20, 13, 7)]
+    monkeypatch.setattr(ref_mtp, "draft_chain", perfect_chain({1, 2, 3}))
+    r = accept.acceptance(m, windows, depth=3)
+    assert r["anchors"] == (20 - 3) + (13 - 3) + (7 - 3)
+    assert r["prefix_acceptance"] == [1.0, 1.0, 1.0] and r["acceptance_length"] == 4.0
+    monkeypatch.setattr(ref_mtp, "draft_chain", perfect_chain({1, 3}))  # step 2 always wrong
+    r = accept.acceptance(m, windows, depth=3)
+    assert r["prefix_acceptance"] == [1.0, 0.0, 0.0] and r["conditional_acceptance"] == [1.0, 0.0, 0.0]
+    assert r["acceptance_length"] == 2.0
+
+
+def test_acceptance_real_draft_and_probe(tmp_path):
+    m = load_model(make_model(tmp_path / "m.ddlw"))
+    rng = np.random.default_rng(2)
+    windows = [rng.integers(0, 256, 16) for _ in range(3)]
+    r = accept.acceptance(m, windows, depth=2, probe_conventions=True)
+    assert tuple(k for k in r if k != "probe") == accept.KEYS
+    A = r["prefix_acceptance"]
+    assert 0.0 <= A[1] <= A[0] <= 1.0
+    assert len(r["probe"]) == 8 and sum(p["current"] for p in r["probe"]) == 1
+    cur = next(p for p in r["probe"] if p["current"])
+    assert cur["acceptance_length"] == pytest.approx(r["acceptance_length"])
+    with pytest.raises(NotImplementedError, match="not written yet"):
+        accept.acceptance(m, windows, depth=2, backend="wgpu")
+
+
+def test_accept_file(files):
+    model, data = files
+    r = accept.accept_file(model, str(data), depth=2, window=24)
+    assert r["depth"] == 2 and r["anchors"] > 0 and r["data"] == str(data)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# compress
+
+
+def test_drop_layers(tmp_path):
+    m = Model(tiny_cfg(n_layers=3), init_params(tiny_cfg(n_layers=3), 0))
+    c = compress.drop_layers(m, [1])
+    assert c.cfg.n_layers == 2
+    np.testing.assert_array_equal(c.params["model.layers.1.mlp.up_proj.weight"],
+                                  m.params["model.layers.2.mlp.up_proj.weight"])  # fmt: skip
+    np.testing.assert_array_equal(c.params["model.mtp.eh_proj.weight"], m.params["model.mtp.eh_proj.weight"])
+    assert c.provenance["compress"]["dropped"] == [1]
+    assert compress.parse_layers("0,2-3") == [0, 2, 3]
+    with pytest.raises(compress.CompressError, match="out of range"):
+        compress.drop_layers(m, [3])
+    with pytest.raises(compress.CompressError, match="leave no block"):
+        compress.drop_layers(m, [0, 1, 2])
+
+
+def test_ffn_keep_by_importance(tmp_path):
+    cfg = tiny_cfg()
+    params = init_params(cfg, 0)
+    p = "model.layers.0."
+    params[p + "mlp.down_proj.weight"][:, [3, 7, 11]] *= 100.0  # the three most important channels
+    m = Model(cfg, params)
+    c = compress.ffn_keep(m, 0.125)  # 24 * 0.125 = 3 channels
+    assert c.cfg.ffn_hidden == 3
+    np.testing.assert_array_equal(
+        c.params[p + "mlp.gate_proj.weight"], params[p + "mlp.gate_proj.weight"][[3, 7, 11]]
+    )
+    np.testing.assert_array_equal(
+        c.params[p + "mlp.down_proj.weight"], params[p + "mlp.down_proj.weight"][:, [3, 7, 11]]
+    )
+    assert c.params["model.mtp.layers.0.mlp.up_proj.weight"].shape == (3, cfg.d_model)
+    assert c.provenance["compress"]["ffn_hidden_after"] == 3
+    # written and read back; then healable
+    out = tmp_path / "c.ddlw"
+    rec = compress.compress_file(make_model(tmp_path / "m.ddlw"), out, keep=0.5)
+    assert rec["method"] == "ffn_keep" and load_model(out).cfg.ffn_hidden == 12
+    assert load_model(out).provenance["compress"]["ffn_hidden_before"] == 24
+    with pytest.raises(compress.CompressError, match="exactly one"):
+        compress.compress_file(out, tmp_path / "x.ddlw")
