@@ -183,3 +183,40 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) l
 
 {{store}}
 }
+
+// Split-K reduction (deterministic, no atomics). A product with few output tiles and a long K (the weight
+// gradients dW = dy^T x with K = tokens, the LM head's dx with K = vocabulary) leaves most of a large GPU idle;
+// the launcher then runs it as `parts` products over consecutive K slices, written to a partials buffer
+// (parts, M, N), and this pass sums them in slice order: C = alpha * sum_p partials[p] (+ C).
+struct RParams {
+    n: u32,  // elements of C (packed M x N)
+    parts: u32,
+    stride: u32,  // elements between two slices' partials
+    accumulate: u32,
+    alpha: f32,
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
+}
+
+@group(0) @binding(0) var<storage, read> r_parts: array<f32>;
+@group(0) @binding(1) var<storage, read_write> r_c: array<f32>;
+@group(0) @binding(2) var<uniform> R: RParams;
+
+@compute @workgroup_size(256)
+fn splitk_reduce(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                 @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (i >= R.n) {
+        return;
+    }
+    var s = 0.0;
+    for (var p = 0u; p < R.parts; p++) {
+        s += r_parts[p * R.stride + i];
+    }
+    var r = R.alpha * s;
+    if (R.accumulate != 0u) {
+        r += r_c[i];
+    }
+    r_c[i] = r;
+}

@@ -201,3 +201,41 @@ def test_pick_tile(gpu):
     # Small products keep the 64x64 tile (more workgroups); large ones take 128x128. Both must be right.
     assert pick_tile(gpu, 33, 17) == SMALL_TILE
     assert pick_tile(gpu, 8192, 8192) == LARGE_TILE
+
+
+@pytest.mark.parametrize(
+    "M,N,K,ta,tb,parts",
+    [(33, 17, 300, True, False, 4), (40, 24, 1000, False, False, 3), (20, 36, 257, False, True, 5),
+     (16, 16, 640, True, False, 8), (9, 70, 129, False, False, 2)],
+)  # fmt: skip
+def test_split_k_matches_reference_and_is_deterministic(gpu, M, N, K, ta, tb, parts):
+    """Split-K (K slices + a fixed-order reduction) gives the product, accumulates, and repeats bit for bit."""
+    rng = np.random.default_rng(M * N + K)
+    A = rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32)
+    B = rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32)
+    C0 = rng.standard_normal((M, N)).astype(np.float32)
+    want = 0.5 * ((A.T if ta else A).astype(np.float64) @ (B.T if tb else B).astype(np.float64)) + C0
+    outs = []
+    for _ in range(2):
+        a, b, c = gpu.upload(A), gpu.upload(B), gpu.upload(C0)
+        matmul(gpu, c, a, b, M, N, K, trans_a=ta, trans_b=tb, accumulate=True, alpha=0.5, split_k=parts).run(
+            gpu
+        )
+        outs.append(gpu.download(c, np.float32, M * N).reshape(M, N))
+    check("split-k", outs[0], want, "matmul")
+    assert np.array_equal(outs[0], outs[1])
+
+
+def test_auto_split_k_only_on_gpus():
+    from ddl_wgpu.ops.matmul import auto_split_k
+
+    class FakeGpu:
+        def __init__(self, kind):
+            self.info = {"type": kind}
+
+    assert auto_split_k(FakeGpu("CPU"), 768, 768, 16384, 1) == 1  # lavapipe: never
+    gpu = FakeGpu("DiscreteGPU")
+    assert auto_split_k(gpu, 768, 768, 16384, 1) > 1  # 36 large tiles: split
+    assert auto_split_k(gpu, 16384, 2048, 768, 1) == 1  # plenty of tiles
+    assert auto_split_k(gpu, 768, 768, 16384, 4) == 1  # batched: never
+    assert auto_split_k(gpu, 768, 768, 1500, 1) == 1  # K too short to slice

@@ -13,8 +13,12 @@ thread, k depth): accumulators are separate `vec4<f32>` variables, never a priva
 (0.7 vs 25-28 TFLOP/s on the H200, wgpu.md §4). Two tiles are predefined, 4x4 and 8x8 outputs per thread;
 `pick_tile` chooses between them by the number of workgroups a product yields.
 
-What this file deliberately does not do: split K across workgroups (every C element is summed by one thread,
-so results are deterministic without a second reduction pass) or pick tiles by timing.
+Split-K: a product with few output tiles and a long K (dW = dy^T x with K = tokens; the LM head's dx with
+K = vocabulary) runs as `split_k` products over consecutive K slices (the batch axis of the same kernel, with
+slice offsets as batch strides) into a partials buffer, then `splitk_reduce` sums the slices in a fixed order:
+deterministic, no atomics. GPUs use it automatically (`auto_split_k`); CPU adapters never do.
+
+What this file deliberately does not do: pick tiles by timing.
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ from ddl_wgpu.gpu import MAX_GROUPS, Call, GpuError
 
 SHADER = "matmul.wgsl"
 PARAMS = "uuuuuuuuuuuf"  # M N K lda ldb ldc stride_a stride_b stride_c batch accumulate alpha
+REDUCE_PARAMS = "uuuufuuu"  # n parts stride accumulate alpha pad pad pad
+
+# Split-K is used when a product yields fewer LARGE_TILE workgroups than this on a GPU and K is long: the
+# H200 has 132 SMs, and the dW products of the small preset (36-96 workgroups) ran at 8-17 TFLOP/s.
+SPLIT_K_BELOW_GROUPS = 264
+SPLIT_K_MIN_SLICE = 1024  # never slice K thinner than this
+SPLIT_K_MAX = 16
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,101 @@ def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile):
     )
 
 
+def auto_split_k(gpu, M: int, N: int, K: int, batch: int) -> int:
+    """How many K slices `matmul` uses when the caller doesn't say: 1 on CPU adapters, for batched products
+    and for products that already fill the GPU."""
+    if gpu.info.get("type", "") == "CPU" or batch != 1:
+        return 1
+    groups = -(-M // LARGE_TILE.bm) * -(-N // LARGE_TILE.bn)
+    if groups >= SPLIT_K_BELOW_GROUPS:
+        return 1
+    return max(1, min(SPLIT_K_MAX, -(-2 * SPLIT_K_BELOW_GROUPS // groups), K // SPLIT_K_MIN_SLICE))
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _scratch(gpu, nbytes: int):
+    """A partials buffer shared by every split-K product of this device: products run one after another
+    within a step (wgpu orders dependent dispatches), so one buffer of the largest size needed serves all."""
+    cache = gpu.__dict__.setdefault("_splitk_scratch", {})
+    size = 1 << max(16, (int(nbytes) - 1).bit_length())
+    if size not in cache:
+        cache[size] = gpu.buffer(size, label="splitk_partials")
+    return cache[size]
+
+
+def _split_k(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, parts, tile) -> Call:
+    """C (+)= alpha * op(A) op(B) as `parts` products over K slices plus a fixed-order reduction."""
+    # slices of a multiple of 64 elements keep the short last slice's view offset 256-byte aligned
+    ks = _ceil(_ceil(K, parts), 64) * 64
+    parts = -(-K // ks)
+    full = K // ks  # slices of exactly ks; the remainder (if any) is one more product
+    pstride = -(-(M * N) // 64) * 64  # elements between slices' partials: 256-byte aligned slots
+    part_bytes = M * N * 4
+    scratch = _scratch(gpu, parts * pstride * 4)
+    # slice s starts ks columns of op(A) (a column offset when A is (M, K), ks rows when stored (K, M)) and
+    # ks rows of op(B) further on
+    sa = ks * lda if trans_a else ks
+    sb = ks if trans_b else ks * ldb
+    call = matmul(
+        gpu,
+        scratch,
+        a,
+        b,
+        M,
+        N,
+        ks,
+        trans_a,
+        trans_b,
+        batch=full,
+        stride_a=sa,
+        stride_b=sb,
+        stride_c=pstride,
+        lda=lda,
+        ldb=ldb,
+        tile=tile or pick_tile(gpu, M, N, full),
+        split_k=1,
+    )
+    if full < parts:  # the short last slice
+        rest = K - full * ks
+        a_view = _offset_view(a, full * sa)
+        b_view = _offset_view(b, full * sb)
+        if a_view is None or b_view is None:
+            return None
+        call += matmul(
+            gpu,
+            (scratch, full * pstride * 4, part_bytes),
+            a_view,
+            b_view,
+            M,
+            N,
+            rest,
+            trans_a,
+            trans_b,
+            lda=lda,
+            ldb=ldb,
+            tile=tile,
+            split_k=1,
+        )
+    k = gpu.kernel(SHADER, "splitk_reduce", "rwu", templates=SMALL_TILE.templates(), workgroup=(256, 1, 1))
+    u = gpu.uniform(
+        REDUCE_PARAMS, M * N, parts, pstride, int(accumulate), float(alpha), 0, 0, 0, label="splitk"
+    )
+    call += Call([(k, gpu.bind(k, (scratch, 0, parts * pstride * 4), c, u), -(-(M * N) // 256))], [u])
+    return call
+
+
+def _offset_view(res, elements: int):
+    """`res` advanced by `elements` floats, or None when the offset breaks the binding alignment."""
+    buf, off, size = res if isinstance(res, tuple) else (res, 0, res.size)
+    shift = 4 * elements
+    if shift % 256 or shift >= size:
+        return None
+    return (buf, off + shift, size - shift)
+
+
 def _nbytes(res) -> int:
     return res[2] if isinstance(res, tuple) else res.size
 
@@ -164,11 +270,13 @@ def matmul(
     ldb: int | None = None,
     ldc: int | None = None,
     tile: Tile | None = None,
+    split_k: int | None = None,
 ) -> Call:
     """C = alpha * op(A) * op(B) (+ C when `accumulate`), for `batch` products whose operands start
     stride_a / stride_b / stride_c elements apart. `lda`, `ldb`, `ldc` are the row strides (in elements) of
     the stored matrices; they default to packed rows (A: K, or M when trans_a; B: N, or K when trans_b;
-    C: N). `c` must be a different buffer from `a` and `b`. `tile` defaults to `pick_tile`."""
+    C: N). `c` must be a different buffer from `a` and `b`. `tile` defaults to `pick_tile`. `split_k` slices
+    K into that many products plus a reduction (None: `auto_split_k`; only for packed, unbatched C)."""
     M, N, K, batch = int(M), int(N), int(K), int(batch)
     if min(M, N, K, batch) < 0:
         raise GpuError(f"matmul: negative size M={M} N={N} K={K} batch={batch}")
@@ -180,6 +288,11 @@ def matmul(
     _check_fits("A", a, batch, stride_a, *((K, M) if trans_a else (M, K)), lda)
     _check_fits("B", b, batch, stride_b, *((N, K) if trans_b else (K, N)), ldb)
     _check_fits("C", c, batch, stride_c, M, N, ldc)
+    parts = auto_split_k(gpu, M, N, K, batch) if split_k is None else int(split_k)
+    if parts > 1 and batch == 1 and ldc == N and 2 * parts <= K:
+        call = _split_k(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, parts, tile)
+        if call is not None:
+            return call
     tile = tile or pick_tile(gpu, M, N, batch)
     groups = (-(-N // tile.bn), -(-M // tile.bm), batch)
     if max(groups) > MAX_GROUPS:
