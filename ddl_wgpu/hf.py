@@ -5,22 +5,49 @@ Supported on import: `Qwen3ForCausalLM` (q/k RMSNorm over head_dim before RoPE -
 `model.safetensors.index.json`. Our parameter names are the Hugging Face names (design.md §3), so the trunk's
 rename is the identity; the only translations are the MTP draft names (mtp-heal.md §2), kept in `MTP_RENAMES`.
 
+MTP draft (one block, `cfg.mtp`, `ddl_ref.params.mtp_specs`). Import reads it from three layouts on a Qwen3/Llama
+trunk (the trunk decides the norm style: "standard" w·x̂ for the whole model, the draft's norms included):
+
+    layout        names                                                                 default hiddens
+    "model.mtp."  model.mtp.{enorm,hnorm,eh_proj,norm}.weight + model.mtp.layers.0.*     pre_norm / pre_norm
+                  (ours; the CMF/cortiq layout, whose runtime feeds pre-norm hiddens)
+    "mtp."        mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}.weight         post_norm / post_norm
+                  + mtp.layers.0.* (Qwen3.5/Qwen3-Next names; vLLM/SGLang feed the trunk's post-final-norm
+                  hidden and chain the post-mtp.norm one, mtp-heal.md §2.3)
+    "model.layers.{L}."  DeepSeek/GLM: {enorm,hnorm,eh_proj}.weight, shared_head.norm.weight  post_norm / post_norm
+                  and the block at index L = num_hidden_layers; only when config.json declares the draft (else
+                  those tensors are an error, as a wrong num_hidden_layers would be). Its embed_tokens and
+                  shared_head.head copies are ignored: the draft shares the trunk's embedding and head.
+
+The default hiddens are those of the runtime that consumes each layout; `concat` is always "emb_first" (all
+three store eh_proj/fc as [H, 2H] with the embedding's columns first). A config.json key `ddl_mtp` (the
+MtpConfig as a dict, written by our export) overrides the defaults exactly; its `concat: hidden_first` means our
+model's eh_proj halves are swapped relative to the emb-first file. The draft count comes from
+`mtp_num_hidden_layers` / `num_nextn_predict_layers` and from the layer indices of the tensors; more than one
+draft layer, a declared draft with missing pieces, or draft shapes that disagree with the trunk's geometry
+raise HfError. Qwen3-Next/Qwen3.5 folders themselves are refused: their trunks (hybrid linear attention, MoE,
+(1+w) norms) are not ours. A draft trained with (1+w) norms and grafted onto a w·x̂ trunk cannot be told apart
+by its names: its norm weights must be converted (w + 1) before import.
+
 On export, a model with qk_norm "pre_rope" becomes `Qwen3ForCausalLM`, one with "none" `LlamaForCausalLM`. A
 model with "post_rope" (the DDL code's q/k norm after RoPE) or "offset" norms ((1+w)·x̂) has no exact
 `transformers` class and is refused; `export_raw` writes any model (DDL included) under our own names with a
-config.json that says transformers cannot load it.
+config.json that says transformers cannot load it. A draft is written under the Qwen3.5 names (`mtp.fc`
+emb-first, `mtp.pre_fc_norm_*`, `mtp.layers.0.*`, `mtp.norm`) with `mtp_num_hidden_layers: 1` and `ddl_mtp`;
+transformers' Qwen3/Llama classes ignore these tensors (they load the trunk), MTP-aware runtimes read them.
 
 Safetensors files are read by parsing the header here (8-byte little-endian length + JSON) and memory-mapping
 each tensor's byte range, which treats bf16, f16 and f32 alike (bf16 is not a numpy dtype) and never reads a
 whole shard to get one tensor. Every file is treated as untrusted; every bad input raises one `HfError`.
 
 What this module deliberately does not do: the CLI (`cli.py` calls `import_hf_to_file` / `export_hf_from_file`),
-tokenizer parsing (tokenizer.json bytes are carried as they are), or MTP weights yet (they are listed in the
-model's metadata as `hf.mtp_tensors_skipped`).
+tokenizer parsing (tokenizer.json bytes are carried as they are), MiMo's `model.mtp_layers.*` drafts (hidden
+first, Qwen2 blocks with biases) or more than one draft layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -31,8 +58,8 @@ from typing import Any
 
 import numpy as np
 
-from ddl_ref.config import ConfigError, ModelConfig
-from ddl_ref.params import param_table
+from ddl_ref.config import ConfigError, ModelConfig, MtpConfig
+from ddl_ref.params import MTP_PREFIX, mtp_specs, param_table
 from ddl_wgpu.container import bf16_to_f32
 from ddl_wgpu.modelfile import Model, load_model, save_model
 
@@ -49,8 +76,8 @@ SUPPORTED = {  # architectures entry -> (model_type, qk_norm)
 }
 RAW_ARCHITECTURE = "DdlForCausalLM"  # export_raw's marker; import_hf reads it back
 
-# MTP draft tensors. Qwen3.5 / Qwen3-Next store the draft as `mtp.*` (mtp-heal.md §2, (1+w) norms); our table
-# (design.md §3) uses `model.mtp.*`. The full HF -> ours map, for when the draft is imported:
+# MTP draft tensors. Qwen3.5 / Qwen3-Next store the draft as `mtp.*` (mtp-heal.md §2); our table (design.md §3)
+# uses `model.mtp.*`. HF (Qwen3.5 names) -> ours; export writes the inverse.
 MTP_RENAMES = {
     "mtp.fc.weight": "model.mtp.eh_proj.weight",
     "mtp.pre_fc_norm_embedding.weight": "model.mtp.enorm.weight",
@@ -59,6 +86,25 @@ MTP_RENAMES = {
 }
 MTP_PREFIX_RENAMES = {"mtp.layers.": "model.mtp.layers."}  # then the block's own names, unchanged
 MTP_PREFIXES = ("mtp.", "model.mtp.", "model.mtp_layers.")  # any tensor under these belongs to a draft head
+MTP_COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")  # Qwen3.5 / DeepSeek, GLM, Qwen3-Next
+MTP_CONVENTION_KEY = "ddl_mtp"  # config.json: our MtpConfig as a dict (written by export_hf)
+
+# Layouts a draft is read from (see the module docstring) and the hiddens their consuming runtimes feed.
+LAYOUT_OURS, LAYOUT_QWEN35, LAYOUT_DEEPSEEK, LAYOUT_MIMO = (
+    "model.mtp.",
+    "mtp.",
+    "model.layers.{L}.",
+    "model.mtp_layers.",
+)
+_LAYOUT_DEFAULTS = {
+    LAYOUT_OURS: MtpConfig(),  # cortiq/CMF: pre-final-norm trunk hidden, pre-norm chain (mtp-heal.md §1.2)
+    LAYOUT_QWEN35: MtpConfig(trunk_hidden="post_norm", chain_hidden="post_norm"),  # vLLM/SGLang (§2.3)
+    LAYOUT_DEEPSEEK: MtpConfig(trunk_hidden="post_norm", chain_hidden="post_norm"),  # vLLM/SGLang (§2.3)
+}
+_DEEPSEEK_RENAMES = {
+    "shared_head.norm.weight": "norm.weight"
+}  # then enorm/hnorm/eh_proj as ours, block -> layers.0
+_DEEPSEEK_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # copies of the shared embedding / head
 
 # Tensors some checkpoints carry that are not parameters (old Llama saves kept the RoPE buffer).
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -78,9 +124,41 @@ def mtp_our_name(hf_name: str) -> str:
     return hf_name
 
 
+_MTP_EXPORT = {v: k for k, v in MTP_RENAMES.items()}
+_MTP_PREFIX_EXPORT = {v: k for k, v in MTP_PREFIX_RENAMES.items()}
+
+
 def our_to_hf_name(name: str) -> str:
-    """Our parameter name -> the Hugging Face name written on export (the trunk's are identical)."""
+    """Our parameter name -> the Hugging Face name written on export: the trunk's are identical, the draft's are
+    the Qwen3.5 names (the inverse of `mtp_our_name`)."""
+    if name in _MTP_EXPORT:
+        return _MTP_EXPORT[name]
+    for ours, theirs in _MTP_PREFIX_EXPORT.items():
+        if name.startswith(ours):
+            return theirs + name[len(ours) :]
     return name
+
+
+def draft_hf_name(name: str, layout: str, n_layers: int) -> str:
+    """Our draft parameter name (`model.mtp.*`) -> its name in a folder of `layout`."""
+    if layout == LAYOUT_OURS:
+        return name
+    if layout == LAYOUT_QWEN35:
+        return our_to_hf_name(name)
+    if layout == LAYOUT_DEEPSEEK:
+        rest = name[len("model.mtp.") :]
+        rest = {v: k for k, v in _DEEPSEEK_RENAMES.items()}.get(rest, rest)
+        if rest.startswith("layers.0."):
+            rest = rest[len("layers.0.") :]
+        return f"model.layers.{n_layers}.{rest}"
+    raise ValueError(f"unknown MTP layout {layout!r}")
+
+
+def swap_eh_halves(w: np.ndarray) -> np.ndarray:
+    """eh_proj [C, 2C] with its two column halves swapped: converts between "emb_first" and "hidden_first"
+    (eh·[a; b] = swapped(eh)·[b; a]); its own inverse."""
+    c = w.shape[1] // 2
+    return np.ascontiguousarray(np.concatenate([w[:, c:], w[:, :c]], axis=1))
 
 
 # ------------------------------------------------------------------------------------------ safetensors
@@ -302,6 +380,16 @@ def _architecture(hf: dict, where: str) -> str:
     supported = ", ".join(f"{a} (model_type {t!r})" for a, (t, _) in SUPPORTED.items())
     archs = hf.get("architectures")
     model_type = hf.get("model_type")
+    names = ([model_type] if isinstance(model_type, str) else []) + (archs if isinstance(archs, list) else [])
+    qnext = [
+        n
+        for n in names
+        if isinstance(n, str) and n.lower().startswith(("qwen3_next", "qwen3next", "qwen3_5"))
+    ]
+    if qnext:
+        raise HfError(f"{where}: {qnext[0]} is a Qwen3-Next/Qwen3.5 model, whose trunk (hybrid linear attention, "
+                      f"MoE, (1+w) norms) is not supported; supported: {supported} (their `mtp.*` draft names "
+                      "are read on those trunks)")  # fmt: skip
     if archs is not None:
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             raise HfError(f"{where}: 'architectures' must be a list of names, got {archs!r}")
@@ -413,8 +501,6 @@ def config_to_hf(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id
     """A baseline ModelConfig -> a transformers config dict (Qwen3 for pre_rope q/k norm, Llama for none)."""
     if cfg.residual != "add":
         raise HfError(f"residual {cfg.residual!r} has no transformers class; use export_raw for DDL models")
-    if cfg.mtp is not None:
-        raise HfError("models with an MTP draft head cannot be exported as Qwen3/Llama yet; use export_raw")
     if cfg.norm_style != "standard":
         raise HfError(f"norm_style {cfg.norm_style!r} ((1+w)·x̂) cannot be exported: Qwen3 and Llama norms are "
                       "w·x̂; use export_raw")  # fmt: skip
@@ -451,14 +537,119 @@ def config_to_hf(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id
         d.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     else:
         d.update(mlp_bias=False, pretraining_tp=1)
+    if cfg.mtp is not None:
+        # Qwen3.5's key; transformers keeps unknown keys as attributes. ddl_mtp makes the import exact.
+        d[MTP_COUNT_KEYS[0]] = 1
+        d[MTP_CONVENTION_KEY] = cfg.mtp.to_dict()
     return d
+
+
+# ------------------------------------------------------------------------------------------------ draft
+
+
+@dataclasses.dataclass(frozen=True)
+class _Draft:
+    layout: str
+    mtp: MtpConfig
+    conventions: str  # "ddl_mtp" (read from config.json) or "layout default"
+    ignored: tuple[str, ...]  # shared embedding/head copies (DeepSeek layout)
+
+
+_LAYER_INDEX = {
+    LAYOUT_OURS: re.compile(r"^model\.mtp\.layers\.(\d+)\."),
+    LAYOUT_QWEN35: re.compile(r"^mtp\.layers\.(\d+)\."),
+}
+_TRUNK_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _declared_mtp_layers(hf: dict, where: str) -> int | None:
+    declared = None
+    for key in MTP_COUNT_KEYS:
+        v = hf.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise HfError(f"{where}: {key!r} must be a non-negative integer, got {v!r}")
+        if declared is not None and v != declared:
+            raise HfError(
+                f"{where}: {MTP_COUNT_KEYS[0]!r} and {MTP_COUNT_KEYS[1]!r} disagree ({declared} vs {v})"
+            )
+        declared = v
+    return declared
+
+
+def _find_draft(hf: dict, have: set[str], n_layers: int, where: str) -> _Draft | None:
+    """The draft a Qwen3/Llama folder carries (None when it has none); HfError for one we cannot take."""
+    declared = _declared_mtp_layers(hf, where)
+    conv = hf.get(MTP_CONVENTION_KEY)
+    if conv is not None:
+        try:
+            conv = MtpConfig.from_dict(conv)
+        except (ConfigError, TypeError) as e:
+            raise HfError(f"{where}: bad {MTP_CONVENTION_KEY!r}: {e}") from None
+    groups: dict[str, list[str]] = {}
+    deepseek_idx: set[int] = set()
+    for n in have:
+        if n.startswith(LAYOUT_MIMO):
+            groups.setdefault(LAYOUT_MIMO, []).append(n)
+        elif n.startswith(LAYOUT_OURS):
+            groups.setdefault(LAYOUT_OURS, []).append(n)
+        elif n.startswith(LAYOUT_QWEN35):
+            groups.setdefault(LAYOUT_QWEN35, []).append(n)
+        elif (m := _TRUNK_LAYER.match(n)) and int(m.group(1)) >= n_layers and declared:
+            # model.layers.{L}.* is a draft only when config.json declares one (DeepSeek/GLM)
+            groups.setdefault(LAYOUT_DEEPSEEK, []).append(n)
+            deepseek_idx.add(int(m.group(1)))
+    if LAYOUT_MIMO in groups:
+        raise HfError(f"{where}: MiMo-style draft tensors ({sorted(groups[LAYOUT_MIMO])[0]!r}, ...) are not "
+                      "supported (hidden-first concat, Qwen2 blocks with biases)")  # fmt: skip
+    if len(groups) > 1:
+        found = {k: sorted(v)[0] for k, v in sorted(groups.items())}
+        raise HfError(f"{where}: the folder mixes MTP draft layouts {found}; expected one of them")
+    if not groups:
+        if declared or conv is not None:
+            declared = declared or 1
+            layout = LAYOUT_QWEN35 if MTP_COUNT_KEYS[0] in hf or conv is not None else LAYOUT_DEEPSEEK
+            if declared > 1:
+                raise HfError(f"{where}: config.json declares {declared} MTP draft layers; ddl-wgpu supports "
+                              "exactly one draft block")  # fmt: skip
+            return _Draft(
+                layout, conv or _LAYOUT_DEFAULTS[layout], "ddl_mtp" if conv else "layout default", ()
+            )
+        return None
+    ((layout, names),) = groups.items()
+    if declared == 0:
+        raise HfError(f"{where}: config.json declares 0 MTP draft layers but the folder holds draft tensors "
+                      f"({sorted(names)[:3]})")  # fmt: skip
+    if layout == LAYOUT_DEEPSEEK:
+        found = max(deepseek_idx) - n_layers + 1
+    else:
+        idx = {int(m.group(1)) for n in names if (m := _LAYER_INDEX[layout].match(n))}
+        found = max(idx) + 1 if idx else 1
+    count = max(found, declared or 0)
+    if count != 1:
+        evidence = [f"config.json declares {declared}"] if declared is not None else []
+        evidence += [f"tensors under {layout} span {found} layer(s)"]
+        raise HfError(f"{where}: the folder carries {count} MTP draft layers ({'; '.join(evidence)}); ddl-wgpu "
+                      "supports exactly one draft block")  # fmt: skip
+    ignored: tuple[str, ...] = ()
+    if layout == LAYOUT_DEEPSEEK:
+        ignored = tuple(
+            f"model.layers.{n_layers}.{s}" for s in _DEEPSEEK_SHARED if f"model.layers.{n_layers}.{s}" in have
+        )
+    return _Draft(layout, conv or _LAYOUT_DEFAULTS[layout], "ddl_mtp" if conv else "layout default", ignored)
 
 
 # ------------------------------------------------------------------------------------------------ import
 
 
+def _more(xs: list, k: int = 4) -> str:
+    return f"{xs[:k]}" + (f" and {len(xs) - k} more" if len(xs) > k else "")
+
+
 def import_hf(folder) -> Model:
-    """A Hugging Face model folder -> Model (float32 parameters in table order, tokenizer bytes if present)."""
+    """A Hugging Face model folder -> Model (float32 parameters in table order, tokenizer bytes if present,
+    the MTP draft when the folder carries one)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise HfError(f"{folder}: not a directory")
@@ -469,47 +660,62 @@ def import_hf(folder) -> Model:
     cfg, arch = config_from_hf(hf, str(cfg_path))
     weights = _Weights(folder)
     have = set(weights.names())
+    draft = None if arch == RAW_ARCHITECTURE else _find_draft(hf, have, cfg.n_layers, str(cfg_path))
+    if draft is not None:
+        cfg = dataclasses.replace(cfg, mtp=draft.mtp)
     table = param_table(cfg)
     want = {s.name: s for s in table}
+    src = {n: n for n in want}  # our name -> the folder's name
+    if draft is not None:
+        src.update({s.name: draft_hf_name(s.name, draft.layout, cfg.n_layers) for s in mtp_specs(cfg)})
     # A tied checkpoint may hold the shared matrix under either name (transformers keeps one of the two).
-    alias = {}
     if cfg.tie_embeddings and "model.embed_tokens.weight" not in have and "lm_head.weight" in have:
-        alias["model.embed_tokens.weight"] = "lm_head.weight"
-    missing = [n for n in want if our_to_hf_name(n) not in have and n not in alias]
+        src["model.embed_tokens.weight"] = "lm_head.weight"
+    is_draft = {n: n.startswith(MTP_PREFIX) for n in want}
+    missing = [n for n in want if src[n] not in have and not is_draft[n]]
     if missing:
-        raise HfError(f"{folder}: missing tensor(s) {missing[:4]}" + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-                      + f" for a {arch} with this config.json")  # fmt: skip
-    used = {alias.get(n, our_to_hf_name(n)) for n in want}
-    mtp = sorted(n for n in have - used if is_mtp_name(n))
+        raise HfError(f"{folder}: missing tensor(s) {_more(missing)} for a {arch} with this config.json")
+    missing = [src[n] for n in want if src[n] not in have and is_draft[n]]
+    if missing:
+        raise HfError(f"{folder}: the MTP draft ({draft.layout} layout) is missing {len(missing)} tensor(s): "
+                      f"{missing}")  # fmt: skip
+    used = set(src.values())
     ignored = sorted(
         n for n in have - used if _IGNORED.search(n) or (n == "lm_head.weight" and cfg.tie_embeddings)
     )
-    unexpected = sorted(have - used - set(mtp) - set(ignored))
+    if draft is not None:
+        ignored += draft.ignored
+    unexpected = sorted(have - used - set(ignored))
     if unexpected:
-        raise HfError(f"{folder}: unexpected tensor(s) {unexpected[:4]}"
-                      + (f" and {len(unexpected) - 4} more" if len(unexpected) > 4 else "")
-                      + f" (not part of a {arch} with this config.json)")  # fmt: skip
+        raise HfError(f"{folder}: unexpected tensor(s) {_more(unexpected)}"
+                      + f" (not part of a {arch}{' + MTP draft' if draft else ''} with this config.json)")  # fmt: skip
     params: dict[str, np.ndarray] = {}
     dtypes: set[str] = set()
     for name, spec in want.items():
-        src = alias.get(name, our_to_hf_name(name))
-        shape = weights.shape(src)
+        shape = weights.shape(src[name])
         if tuple(shape) != tuple(spec.shape):
+            if is_draft[name]:
+                raise HfError(f"{folder}: MTP draft tensor {src[name]} has shape {tuple(shape)}; the trunk's "
+                              f"geometry (config.json) implies {spec.shape}")  # fmt: skip
             raise HfError(
-                f"{folder}: tensor {src} has shape {tuple(shape)}, config.json implies {spec.shape}"
+                f"{folder}: tensor {src[name]} has shape {tuple(shape)}, config.json implies {spec.shape}"
             )
-        dtypes.add(weights.dtype(src))
-        params[name] = weights.read_f32(src)
+        dtypes.add(weights.dtype(src[name]))
+        params[name] = weights.read_f32(src[name])
+    if draft is not None and cfg.mtp.concat == "hidden_first":  # an HF fc/eh_proj is embedding first
+        params["model.mtp.eh_proj.weight"] = swap_eh_halves(params["model.mtp.eh_proj.weight"])
     tok = folder / "tokenizer.json"
     tokenizer = tok.read_bytes() if tok.is_file() else None
     metadata: dict[str, Any] = {"hf.architecture": arch}
     for key in ("bos_token_id", "eos_token_id"):
         if isinstance(hf.get(key), int) and not isinstance(hf.get(key), bool):
             metadata[f"hf.{key}"] = hf[key]
-    if mtp:
-        metadata["hf.mtp_tensors_skipped"] = mtp
     provenance = {"import_hf": {"source": str(folder.resolve()), "architecture": arch, "dtypes": sorted(dtypes),
                                 "shards": len(weights.files)}}  # fmt: skip
+    if draft is not None:
+        metadata["hf.mtp_layout"] = draft.layout
+        provenance["import_hf"]["mtp"] = {"layout": draft.layout, "conventions": draft.conventions,
+                                          **draft.mtp.to_dict(), "ignored": list(draft.ignored)}  # fmt: skip
     return Model(cfg=cfg, params=params, variant="baseline", tokenizer=tokenizer, provenance=provenance,
                  metadata=metadata)  # fmt: skip
 
@@ -539,10 +745,12 @@ def _token_id(model: Model, key: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def _write_folder(model: Model, folder: Path, config: dict, names: list[str]) -> list[Path]:
+def _write_folder(
+    model: Model, folder: Path, config: dict, tensors: list[tuple[str, np.ndarray]]
+) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     weights = folder / "model.safetensors"
-    _write_safetensors(weights, ((our_to_hf_name(n), model.params[n]) for n in names), {"format": "pt"})
+    _write_safetensors(weights, tensors, {"format": "pt"})
     cfg_path = folder / "config.json"
     _atomic_write_bytes(cfg_path, (json.dumps(config, indent=2) + "\n").encode("utf-8"))
     out = [cfg_path, weights]
@@ -553,11 +761,24 @@ def _write_folder(model: Model, folder: Path, config: dict, names: list[str]) ->
     return out
 
 
+def _hf_tensors(model: Model, names: list[str]) -> list[tuple[str, np.ndarray]]:
+    """(HF name, array) in table order; a "hidden_first" draft's eh_proj is written embedding first (mtp.fc)."""
+    out = []
+    for n in names:
+        a = model.params[n]
+        if n == "model.mtp.eh_proj.weight" and model.cfg.mtp.concat == "hidden_first":
+            a = swap_eh_halves(np.asarray(a))
+        out.append((our_to_hf_name(n), a))
+    return out
+
+
 def export_hf(model: Model, folder) -> list[Path]:
     """Write a baseline model as a folder transformers loads (Qwen3ForCausalLM, or LlamaForCausalLM for
-    qk_norm 'none'): config.json, model.safetensors (f32; no lm_head when tied), tokenizer.json if any."""
+    qk_norm 'none'): config.json, model.safetensors (f32; no lm_head when tied), tokenizer.json if any.
+    An MTP draft goes under the Qwen3.5 `mtp.*` names (transformers ignores them) with
+    `mtp_num_hidden_layers: 1` and `ddl_mtp` in config.json; `import_hf` reads it back exactly."""
     config = config_to_hf(model.cfg, _token_id(model, "bos_token_id"), _token_id(model, "eos_token_id"))
-    return _write_folder(model, Path(folder), config, _check_params(model))
+    return _write_folder(model, Path(folder), config, _hf_tensors(model, _check_params(model)))
 
 
 def export_raw(model: Model, folder) -> list[Path]:
@@ -571,7 +792,7 @@ def export_raw(model: Model, folder) -> list[Path]:
         "variant": model.variant,
         **model.cfg.to_dict(),
     }
-    return _write_folder(model, Path(folder), config, _check_params(model))
+    return _write_folder(model, Path(folder), config, [(n, model.params[n]) for n in _check_params(model)])
 
 
 # ------------------------------------------------------------------------------------- file conveniences
@@ -589,7 +810,7 @@ def import_hf_to_file(folder, out_path) -> dict:
         "dtypes": model.provenance["import_hf"]["dtypes"],
         "tied": model.cfg.tie_embeddings,
         "tokenizer": model.tokenizer is not None,
-        "mtp_tensors_skipped": len(model.metadata.get("hf.mtp_tensors_skipped", [])),
+        "mtp": model.provenance["import_hf"].get("mtp"),  # None: the folder has no draft
     }
 
 
@@ -600,10 +821,30 @@ def export_hf_from_file(model_path, folder, raw: bool | None = None) -> dict:
         raw = model.cfg.residual != "add"
     files = export_raw(model, folder) if raw else export_hf(model, folder)
     config = json.loads((Path(folder) / "config.json").read_text())
-    return {
+    summary = {
         "folder": str(folder),
         "architecture": config["architectures"][0],
         "raw": raw,
         "num_params": int(sum(s.numel for s in param_table(model.cfg))),
         "files": [p.name for p in files],
+        "mtp": None,
     }
+    if model.cfg.mtp is not None:
+        summary["mtp"] = _mtp_export_summary(model.cfg.mtp, raw)
+    return summary
+
+
+def _mtp_export_summary(mtp: MtpConfig, raw: bool) -> dict:
+    if raw:
+        return {"names": "model.mtp.*", **mtp.to_dict(), "note": "draft written under our own names"}
+    note = (
+        "transformers' Qwen3/Llama classes ignore the mtp.* tensors (the trunk loads, with an 'unused "
+        "weights' warning); MTP-aware runtimes read them as a Qwen3.5 draft (mtp.fc embedding first)"
+    )
+    out = {"names": "mtp.*", **mtp.to_dict(), "note": note}
+    if mtp.trunk_hidden != "post_norm" or mtp.chain_hidden != "post_norm":
+        out["warning"] = (
+            "vLLM/SGLang feed the draft post-norm hiddens (mtp-heal.md §2.3); this draft "
+            f"expects trunk {mtp.trunk_hidden}, chain {mtp.chain_hidden}"
+        )
+    return out

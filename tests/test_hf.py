@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from ddl_ref.config import ModelConfig
-from ddl_ref.model import forward
+from ddl_ref import mtp as ref_mtp
+from ddl_ref.config import ModelConfig, MtpConfig
+from ddl_ref.model import forward, hidden_states
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu.container import bf16_to_f32, f32_to_bf16
 from ddl_wgpu.hf import (
@@ -112,7 +113,7 @@ def test_import_qwen3_f32(tmp_path, tied):
         np.testing.assert_array_equal(m.params[name], a, err_msg=name)
     assert m.tokenizer == b'{"model": "tiny"}'
     assert m.metadata["hf.architecture"] == "Qwen3ForCausalLM"
-    assert "hf.mtp_tensors_skipped" not in m.metadata
+    assert m.cfg.mtp is None and "hf.mtp_layout" not in m.metadata
     logits, loss, _ = forward(m.params, m.cfg, IDS)
     assert logits.shape == (2, 8, 256) and np.isfinite(loss)
     np.testing.assert_array_equal(logits, forward(params, cfg, IDS)[0])
@@ -190,16 +191,281 @@ def test_sharded_bf16_folder(tmp_path):
         np.testing.assert_array_equal(m.params[name], bf16_to_f32(f32_to_bf16(a)), err_msg=name)
 
 
-def test_mtp_tensors_recorded_as_skipped(tmp_path):
-    cfg = our_config(True)
-    params = random_params(cfg)
-    mtp = {"mtp.fc.weight": np.zeros((64, 128), np.float32), "mtp.norm.weight": np.zeros(64, np.float32),
-           "mtp.layers.0.input_layernorm.weight": np.zeros(64, np.float32),
-           "model.mtp.enorm.weight": np.zeros(64, np.float32)}  # fmt: skip
-    write_folder(tmp_path / "m", hf_config(True), {**params, **mtp})
+# ------------------------------------------------------------------------------------------- MTP draft
+
+QWEN35_NAMES = {"model.mtp.eh_proj.weight": "mtp.fc.weight", "model.mtp.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+                "model.mtp.hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "model.mtp.norm.weight": "mtp.norm.weight"}  # fmt: skip
+
+
+def mtp_config(tied=True, qk_norm="pre_rope", **mtp) -> ModelConfig:
+    return dataclasses.replace(our_config(tied, qk_norm), mtp=MtpConfig(**mtp))
+
+
+def as_qwen35(params: dict) -> dict:
+    """Our names -> the Qwen3.5 `mtp.*` names, written by hand (not through the module under test)."""
+    out = {}
+    for n, a in params.items():
+        if n in QWEN35_NAMES:
+            n = QWEN35_NAMES[n]
+        elif n.startswith("model.mtp.layers."):
+            n = "mtp.layers." + n[len("model.mtp.layers.") :]
+        out[n] = a
+    return out
+
+
+def as_deepseek(params: dict, L: int) -> dict:
+    out = {}
+    for n, a in params.items():
+        if n.startswith("model.mtp."):
+            rest = n[len("model.mtp.") :]
+            rest = "shared_head.norm.weight" if rest == "norm.weight" else rest.removeprefix("layers.0.")
+            n = f"model.layers.{L}.{rest}"
+        out[n] = a
+    return out
+
+
+def assert_same_params(got: dict, want: dict):
+    assert list(got) == list(want)
+    for name, a in want.items():
+        np.testing.assert_array_equal(got[name], a, err_msg=name)
+
+
+@pytest.mark.parametrize("tied, arch", [(True, "Qwen3ForCausalLM"), (False, "LlamaForCausalLM")])
+def test_import_mtp_our_layout(tmp_path, tied, arch):
+    cfg = mtp_config(tied, "pre_rope" if arch.startswith("Qwen3") else "none")
+    params = random_params(cfg, seed=31)
+    write_folder(tmp_path / "m", hf_config(tied, arch), params)
     m = import_hf(tmp_path / "m")
-    assert m.metadata["hf.mtp_tensors_skipped"] == sorted(mtp)
-    assert set(m.params) == set(params)
+    # model.mtp.* is the CMF/cortiq layout: that runtime feeds pre-norm hiddens (mtp-heal.md §1.2)
+    assert m.cfg == cfg and m.cfg.mtp == MtpConfig(trunk_hidden="pre_norm", chain_hidden="pre_norm")
+    assert_same_params(m.params, params)
+    assert m.metadata["hf.mtp_layout"] == "model.mtp."
+    assert m.provenance["import_hf"]["mtp"]["conventions"] == "layout default"
+    assert m.cfg.norm_style == "standard"
+    if arch == "LlamaForCausalLM":
+        assert not any("q_norm" in n for n in m.params)
+
+
+@pytest.mark.parametrize("count_key", [None, "mtp_num_hidden_layers", "num_nextn_predict_layers"])
+def test_import_mtp_qwen35_names(tmp_path, count_key):
+    cfg = mtp_config(True, trunk_hidden="post_norm", chain_hidden="post_norm")
+    params = random_params(cfg, seed=32)
+    stored = as_qwen35(params)
+    assert "mtp.fc.weight" in stored and "mtp.layers.0.self_attn.q_norm.weight" in stored
+    extra = {count_key: 1} if count_key else {}
+    write_folder(tmp_path / "m", hf_config(True, **extra), stored, dtype="bf16", shards=2)
+    m = import_hf(tmp_path / "m")
+    # Qwen3.5/Qwen3-Next names: vLLM/SGLang feed post-norm hiddens (mtp-heal.md §2.3)
+    assert m.cfg == cfg
+    assert m.metadata["hf.mtp_layout"] == "mtp."
+    assert_same_params(m.params, {n: bf16_to_f32(f32_to_bf16(a)) for n, a in params.items()})
+    # the imported draft runs
+    pre, post = hidden_states(m.params, m.cfg, IDS)
+    logits = ref_mtp.draft_chain(m.params, m.cfg, IDS, [8, 8], pre, post, 2)
+    assert len(logits) == 2 and logits[0].shape == (2, 8, 256) and np.all(np.isfinite(logits[1]))
+
+
+def test_import_mtp_deepseek_layout(tmp_path):
+    cfg = mtp_config(False, trunk_hidden="post_norm", chain_hidden="post_norm")
+    params = random_params(cfg, seed=33)
+    shared = {"model.layers.2.embed_tokens.weight": params["model.embed_tokens.weight"],
+              "model.layers.2.shared_head.head.weight": params["lm_head.weight"]}  # fmt: skip
+    stored = {**as_deepseek(params, 2), **shared}
+    write_folder(tmp_path / "m", hf_config(False, num_nextn_predict_layers=1), stored)
+    m = import_hf(tmp_path / "m")
+    assert m.cfg == cfg and m.metadata["hf.mtp_layout"] == "model.layers.{L}."
+    assert_same_params(m.params, params)
+    assert m.provenance["import_hf"]["mtp"]["ignored"] == sorted(shared)
+    # undeclared, model.layers.2.* is not a draft but a surplus block (num_hidden_layers may be wrong)
+    write_folder(tmp_path / "u", hf_config(False), stored)
+    with pytest.raises(HfError, match=r"unexpected tensor.*model\.layers\.2\."):
+        import_hf(tmp_path / "u")
+
+
+def test_import_mtp_conventions_from_config(tmp_path):
+    cfg = mtp_config(True, concat="emb_first", trunk_hidden="pre_norm", chain_hidden="post_norm")
+    params = random_params(cfg, seed=34)
+    write_folder(tmp_path / "m", hf_config(True, ddl_mtp=cfg.mtp.to_dict()), as_qwen35(params))
+    m = import_hf(tmp_path / "m")
+    assert m.cfg.mtp == cfg.mtp and m.provenance["import_hf"]["mtp"]["conventions"] == "ddl_mtp"
+    write_folder(tmp_path / "b", hf_config(True, ddl_mtp={"trunk_hidden": "middle"}), as_qwen35(params))
+    with pytest.raises(HfError, match="bad 'ddl_mtp'.*trunk_hidden"):
+        import_hf(tmp_path / "b")
+
+
+@pytest.mark.parametrize("layout", ["ours", "qwen35"])
+def test_error_mtp_more_than_one_layer(tmp_path, layout):
+    cfg = mtp_config(True)
+    params = random_params(cfg, seed=35)
+    second = {
+        n.replace("layers.0.", "layers.1."): a
+        for n, a in params.items()
+        if n.startswith("model.mtp.layers.0.")
+    }
+    stored = {**params, **second}
+    write_folder(tmp_path / "m", hf_config(True), as_qwen35(stored) if layout == "qwen35" else stored)
+    with pytest.raises(HfError, match="carries 2 MTP draft layers.*exactly one draft block"):
+        import_hf(tmp_path / "m")
+
+
+def test_error_mtp_declared_count(tmp_path):
+    cfg = mtp_config(True)
+    stored = as_qwen35(random_params(cfg, seed=36))
+    write_folder(tmp_path / "a", hf_config(True, mtp_num_hidden_layers=3), stored)
+    with pytest.raises(HfError, match=r"carries 3 MTP draft layers \(config.json declares 3"):
+        import_hf(tmp_path / "a")
+    write_folder(tmp_path / "b", hf_config(True, mtp_num_hidden_layers=0), stored)
+    with pytest.raises(HfError, match="declares 0 MTP draft layers but the folder holds draft tensors"):
+        import_hf(tmp_path / "b")
+    write_folder(tmp_path / "c", hf_config(True, mtp_num_hidden_layers=1, num_nextn_predict_layers=2), stored)
+    with pytest.raises(HfError, match="disagree"):
+        import_hf(tmp_path / "c")
+
+
+def test_error_mtp_missing_pieces(tmp_path):
+    cfg = mtp_config(True)
+    stored = as_qwen35(random_params(cfg, seed=37))
+    del stored["mtp.pre_fc_norm_hidden.weight"], stored["mtp.layers.0.mlp.down_proj.weight"]
+    write_folder(tmp_path / "m", hf_config(True), stored)
+    with pytest.raises(HfError, match=r"MTP draft \(mtp\. layout\) is missing 2 tensor\(s\): "
+                                      r"\['mtp\.pre_fc_norm_hidden\.weight', 'mtp\.layers\.0\.mlp\.down_proj\.weight'\]"):  # fmt: skip
+        import_hf(tmp_path / "m")
+    # a lone draft tensor: everything else is listed (15 = 3 input + 11 block + 1 norm, minus mtp.norm)
+    trunk = random_params(our_config(True))
+    write_folder(tmp_path / "n", hf_config(True), {**trunk, "mtp.norm.weight": np.ones(64, np.float32)})
+    with pytest.raises(
+        HfError, match=r"missing 14 tensor\(s\): \['mtp\.pre_fc_norm_embedding\.weight'.*mtp\.fc"
+    ):
+        import_hf(tmp_path / "n")
+    # declared, with no draft tensors at all
+    write_folder(tmp_path / "d", hf_config(True, mtp_num_hidden_layers=1), trunk)
+    with pytest.raises(HfError, match=r"missing 15 tensor\(s\)"):
+        import_hf(tmp_path / "d")
+
+
+def test_error_mtp_shape_disagrees_with_trunk(tmp_path):
+    cfg = mtp_config(True)
+    stored = as_qwen35(random_params(cfg, seed=38))
+    bad = dict(stored, **{"mtp.fc.weight": np.zeros((64, 64), np.float32)})
+    write_folder(tmp_path / "a", hf_config(True), bad)
+    with pytest.raises(
+        HfError, match=r"MTP draft tensor mtp\.fc\.weight has shape \(64, 64\); the trunk's geometry"
+    ):
+        import_hf(tmp_path / "a")
+    # Qwen3-Next's gated q_proj is [2·heads·head_dim, H]
+    bad = dict(stored, **{"mtp.layers.0.self_attn.q_proj.weight": np.zeros((256, 64), np.float32)})
+    write_folder(tmp_path / "b", hf_config(True), bad)
+    with pytest.raises(
+        HfError, match=r"q_proj\.weight has shape \(256, 64\); the trunk's geometry.*\(128, 64\)"
+    ):
+        import_hf(tmp_path / "b")
+
+
+def test_error_mtp_layouts(tmp_path):
+    params = random_params(mtp_config(True), seed=39)
+    mixed = dict(as_qwen35(params), **{"model.mtp.enorm.weight": np.ones(64, np.float32)})
+    write_folder(tmp_path / "a", hf_config(True), mixed)
+    with pytest.raises(HfError, match="mixes MTP draft layouts"):
+        import_hf(tmp_path / "a")
+    trunk = random_params(our_config(True))
+    write_folder(
+        tmp_path / "b",
+        hf_config(True),
+        {**trunk, "model.mtp_layers.0.input_proj.weight": np.zeros((64, 128), np.float32)},
+    )
+    with pytest.raises(HfError, match="MiMo"):
+        import_hf(tmp_path / "b")
+    # a draft layer with q/k norms on a Llama trunk (no q/k norms) is not a block of that trunk
+    llama = mtp_config(False, "none")
+    stored = as_qwen35(random_params(llama, seed=40))
+    stored["mtp.layers.0.self_attn.q_norm.weight"] = np.ones(32, np.float32)
+    write_folder(tmp_path / "c", hf_config(False, "LlamaForCausalLM"), stored)
+    with pytest.raises(HfError, match=r"unexpected tensor.*mtp\.layers\.0\.self_attn\.q_norm.*MTP draft"):
+        import_hf(tmp_path / "c")
+
+
+@pytest.mark.parametrize(
+    "model_type, arch", [("qwen3_next", "Qwen3NextForCausalLM"), ("qwen3_5_text", "Qwen3_5ForCausalLM")]
+)
+def test_error_qwen3_next_trunk(tmp_path, model_type, arch):
+    hfc = hf_config(True, model_type=model_type, architectures=[arch], mtp_num_hidden_layers=1)
+    write_folder(tmp_path / "m", hfc, as_qwen35(random_params(mtp_config(True))))
+    with pytest.raises(HfError, match="Qwen3-Next/Qwen3.5 model.*not supported"):
+        import_hf(tmp_path / "m")
+
+
+@pytest.mark.parametrize(
+    "tied, qk_norm, mtp",
+    [
+        (True, "pre_rope", {}),
+        (False, "pre_rope", {"trunk_hidden": "post_norm", "chain_hidden": "post_norm"}),
+        (False, "none", {"concat": "hidden_first", "chain_hidden": "post_norm"}),
+    ],
+)
+def test_export_import_round_trip_mtp(tmp_path, tied, qk_norm, mtp):
+    cfg = mtp_config(tied, qk_norm, **mtp)
+    model = Model(cfg=cfg, params=random_params(cfg, seed=41))
+    export_hf(model, tmp_path / "out")
+    hfc = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert hfc["mtp_num_hidden_layers"] == 1 and hfc["ddl_mtp"] == cfg.mtp.to_dict()
+    raw = load_file(str(tmp_path / "out" / "model.safetensors"))
+    draft = sorted(n for n in raw if "mtp" in n)
+    assert draft == sorted(as_qwen35({n: 0 for n in model.params if n.startswith("model.mtp.")}))
+    eh = model.params["model.mtp.eh_proj.weight"]
+    # mtp.fc is always embedding first (the Qwen3.5 convention): a hidden_first draft's halves are swapped
+    want_fc = np.concatenate([eh[:, 64:], eh[:, :64]], axis=1) if cfg.mtp.concat == "hidden_first" else eh
+    np.testing.assert_array_equal(raw["mtp.fc.weight"], want_fc)
+    back = import_hf(tmp_path / "out")
+    assert back.cfg == cfg and back.cfg.mtp == cfg.mtp
+    assert_same_params(back.params, model.params)
+
+
+def test_export_hidden_first_draft_is_exact_as_emb_first(tmp_path):
+    # Without ddl_mtp an MTP runtime reads mtp.fc embedding first: the draft must compute the same logits.
+    cfg = mtp_config(True, concat="hidden_first")
+    model = Model(cfg=cfg, params=random_params(cfg, seed=42))
+    export_hf(model, tmp_path / "out")
+    hfc = json.loads((tmp_path / "out" / "config.json").read_text())
+    hfc["ddl_mtp"] = {"concat": "emb_first"}
+    (tmp_path / "out" / "config.json").write_text(json.dumps(hfc))
+    back = import_hf(tmp_path / "out")
+    assert back.cfg.mtp == MtpConfig(concat="emb_first")
+    pre, post = hidden_states(model.params, cfg, IDS)
+    want = ref_mtp.draft_chain(model.params, cfg, IDS, [8, 8], pre, post, 2)
+    got = ref_mtp.draft_chain(back.params, back.cfg, IDS, [8, 8], pre, post, 2)
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+
+
+def test_export_raw_round_trip_mtp(tmp_path):
+    cfg = mtp_config(True, "post_rope", concat="hidden_first")
+    model = Model(cfg=cfg, params=random_params(cfg, seed=43))
+    export_raw(model, tmp_path / "raw")
+    raw = load_file(str(tmp_path / "raw" / "model.safetensors"))
+    assert "model.mtp.eh_proj.weight" in raw and not any(n.startswith("mtp.") for n in raw)
+    back = import_hf(tmp_path / "raw")
+    assert back.cfg == cfg
+    assert_same_params(back.params, model.params)
+
+
+def test_mtp_file_conveniences(tmp_path):
+    cfg = mtp_config(False)
+    params = random_params(cfg, seed=44)
+    write_folder(tmp_path / "hf", hf_config(False, mtp_num_hidden_layers=1), as_qwen35(params))
+    s = import_hf_to_file(tmp_path / "hf", tmp_path / "m.ddlw")
+    assert s["mtp"]["layout"] == "mtp." and s["mtp"]["trunk_hidden"] == "post_norm"
+    assert s["num_params"] == sum(a.size for a in params.values())
+    m = load_model(tmp_path / "m.ddlw")
+    assert m.cfg.mtp == MtpConfig(trunk_hidden="post_norm", chain_hidden="post_norm")
+    s2 = export_hf_from_file(tmp_path / "m.ddlw", tmp_path / "out")
+    assert (
+        s2["mtp"]["names"] == "mtp.*" and "transformers" in s2["mtp"]["note"] and "warning" not in s2["mtp"]
+    )
+    assert_same_params(import_hf(tmp_path / "out").params, m.params)
+    # a pre-norm draft: the summary warns that vLLM/SGLang feed post-norm hiddens
+    pre = dataclasses.replace(m, cfg=dataclasses.replace(m.cfg, mtp=MtpConfig()))
+    save_model(tmp_path / "p.ddlw", pre)
+    assert "post-norm" in export_hf_from_file(tmp_path / "p.ddlw", tmp_path / "out2")["mtp"]["warning"]
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -270,14 +536,14 @@ def test_export_raw_round_trip(tmp_path):
 def test_file_conveniences(tmp_path):
     cfg = our_config(False)
     params = random_params(cfg, seed=13)
-    write_folder(tmp_path / "hf", hf_config(False), {**params, "mtp.norm.weight": np.zeros(64, np.float32)})
+    write_folder(tmp_path / "hf", hf_config(False), params)
     s = import_hf_to_file(tmp_path / "hf", tmp_path / "m.ddlw")
-    assert s["architecture"] == "Qwen3ForCausalLM" and s["tied"] is False and s["mtp_tensors_skipped"] == 1
+    assert s["architecture"] == "Qwen3ForCausalLM" and s["tied"] is False and s["mtp"] is None
     assert s["num_params"] == sum(a.size for a in params.values())
     m = load_model(tmp_path / "m.ddlw")
-    assert m.tokenizer == b'{"model": "tiny"}' and m.metadata["hf.mtp_tensors_skipped"] == ["mtp.norm.weight"]
+    assert m.tokenizer == b'{"model": "tiny"}' and m.cfg.mtp is None
     s2 = export_hf_from_file(tmp_path / "m.ddlw", tmp_path / "out")
-    assert s2["architecture"] == "Qwen3ForCausalLM" and s2["raw"] is False
+    assert s2["architecture"] == "Qwen3ForCausalLM" and s2["raw"] is False and s2["mtp"] is None
     back = import_hf(tmp_path / "out")
     for name, a in params.items():
         np.testing.assert_array_equal(back.params[name], a)
