@@ -14,8 +14,13 @@ direction k of a rank-1 Delta update of the stream (`ddl_ref.delta`); for d_v > 
 (B, T, C, dv), expanded from the embedding (EC or repetition), read by a per-block compressor (TC or CC,
 shared by both sublayers) and by a final readout compressor before model.norm.
 
-What this file deliberately does not do: the MTP draft block (the trunk is computed as if `cfg.mtp` were
-None), KV caching, dropout, or anything for speed.
+Joint MTP training (DeepSeek-V3 style, `forward(..., mtp_weight=w)` with `cfg.mtp` set): the loss is
+CE(trunk, x_{p+1}) + w · CE(draft, x_{p+2}), the draft reading eh_proj·[enorm(E[x_{p+1}]); hnorm(h_p)]
+(`ddl_ref.mtp.joint_forward`). Its gradient flows into the draft AND back into the trunk, through h_p
+(pre- or post-final-norm, `MtpConfig.trunk_hidden`) and through the shared embedding and head, as DeepSeek
+trains it. Without `mtp_weight` the draft is ignored (the trunk is computed as if `cfg.mtp` were None).
+
+What this file deliberately does not do: KV caching, dropout, or anything for speed.
 
 Shape legend: B batch, T time, C d_model, H q heads, K kv heads, D head_dim, F ffn hidden, V vocab.
 """
@@ -295,11 +300,14 @@ def hidden_states(params, cfg: ModelConfig, ids):
     return x, xf
 
 
-def forward(params, cfg: ModelConfig, ids, lengths=None, spectral: bool = False):
+def forward(params, cfg: ModelConfig, ids, lengths=None, spectral: bool = False, mtp_weight=None):
     """ids (B, T) int, lengths (B,) (default: all T) -> (logits (B, T, V), loss, cache).
 
     spectral=True adds `cache["spectral"]`: the DDL spectral snapshot over the real tokens
     (`ddl_ref.spectral.spectral_snapshot`), None for a baseline model.
+
+    mtp_weight (a number, with `cfg.mtp` set): joint training; loss = loss_main + mtp_weight · loss_mtp, both
+    kept in the cache (`loss_main`, `loss_mtp`); the logits stay the trunk's.
     """
     ids = np.asarray(ids)
     B, T = ids.shape
@@ -310,6 +318,12 @@ def forward(params, cfg: ModelConfig, ids, lengths=None, spectral: bool = False)
     cache["xf"] = xf
     if spectral:
         cache["spectral"] = spectral_snapshot(cache, cfg, lengths)
+    if mtp_weight is not None and cfg.mtp is not None:
+        from ddl_ref import mtp as ref_mtp  # ddl_ref.mtp imports this module
+
+        loss_mtp, cache["mtp"] = ref_mtp.joint_forward(params, cfg, ids, lengths, _x, xf)
+        cache.update(mtp_weight=float(mtp_weight), loss_main=loss, loss_mtp=loss_mtp)
+        loss = loss + float(mtp_weight) * loss_mtp
     return logits, loss, cache
 
 
@@ -318,13 +332,28 @@ def backward(params, cfg: ModelConfig, cache, dloss=1.0, dlogits=None):
 
     The gradient is of `dloss * loss`, or, when `dlogits` (B, T, V) is given, of `sum(logits * dlogits)` (for
     losses computed outside the model, such as top-k KL). A tied embedding gets the head's contribution too.
+    After a joint forward (`mtp_weight`), the draft's term is included: its tensors get gradients and its
+    input gradient joins the trunk's hidden, embedding and head.
     """
     grads: dict[str, np.ndarray] = {}
     if dlogits is None:
         dlogits = ops.lm_loss_backward(cache["loss"], dloss)
     head = _head_name(cfg)
     dxf, dhead = ops.linear_backward(dlogits, cache["xf"], params[head])
+    demb_mtp = dhid = None
+    if "mtp" in cache:  # the draft first: its input gradient joins the trunk's below
+        from ddl_ref import mtp as ref_mtp
+
+        dhid, demb_mtp, dhead_mtp, mgrads = ref_mtp.joint_backward(
+            params, cfg, cache["mtp"], float(dloss) * cache["mtp_weight"]
+        )
+        dhead = dhead + dhead_mtp
+        grads.update(mgrads)
+        if cfg.mtp.trunk_hidden == "post_norm":
+            dxf = dxf + dhid
     dx, grads["model.norm.weight"] = ops.rmsnorm_backward(dxf, cache["norm"])
+    if dhid is not None and cfg.mtp.trunk_hidden == "pre_norm":
+        dx = dx + dhid
     expanded = cfg.residual == "delta" and cfg.ddl_dv > 1
     if expanded:
         dx = _compress_backward(cfg, "model.readout.", dx, cache["readout"], grads)  # (B, T, C, dv)
@@ -337,6 +366,8 @@ def backward(params, cfg: ModelConfig, cache, dloss=1.0, dlogits=None):
             dx = delta.repeat_backward(dx)
     vocab = params["model.embed_tokens.weight"].shape[0]
     grads["model.embed_tokens.weight"] = ops.embedding_backward(dx, cache["ids"], vocab)
+    if demb_mtp is not None:
+        grads["model.embed_tokens.weight"] = grads["model.embed_tokens.weight"] + demb_mtp
     if cfg.tie_embeddings:
         grads["model.embed_tokens.weight"] = grads["model.embed_tokens.weight"] + dhead
     else:

@@ -21,8 +21,12 @@ The block reuses `ddl_ref.model.block_forward/block_backward` through a name-map
 (`model.mtp.layers.0.X` seen as `model.layers.0.X`) and a one-layer baseline config (`draft_config`), so the
 draft block is the trunk's block, line for line, even under a DDL trunk.
 
-What this file deliberately does not do: train (that is `ddl_wgpu.heal`), measure acceptance (that is
-`ddl_wgpu.accept`), or compute gradients of the frozen embedding and head.
+Joint training (`joint_forward`/`joint_backward`, used by `ddl_ref.model.forward(..., mtp_weight=w)`): the
+draft's cross-entropy on x_{p+2} at every anchor p < length − 2, with its input gradient returned for the
+trunk's hidden, the shared embedding and the shared head (DeepSeek-V3 trains them all through the draft).
+
+What this file deliberately does not do: heal (that is `ddl_wgpu.heal`; there the embedding and head are
+frozen and get no gradient), or measure acceptance (that is `ddl_wgpu.accept`).
 
 Shape legend: B batch, T time, C d_model, V vocab, k top-k width.
 """
@@ -266,3 +270,61 @@ def trunk_topk_hidden(params: dict, cfg: ModelConfig, ids, k: int):
     pre, post, _ = ref_model.trunk_forward(params, cfg, np.asarray(ids))
     top_ids, top_probs = topk_probs(ops.linear_forward(post, head_weight(params, cfg)), k)
     return top_ids, top_probs, pre, post
+
+
+# ----------------------------------------------------------------------------------------------------------
+# joint training (DeepSeek-V3 style): the draft's cross-entropy added to the trunk's
+
+
+def joint_targets(ids, lengths):
+    """ids (B, T), lengths (B,) -> (draft tokens (B, T), targets (B, T), weights (B, T) 0/1).
+
+    Row p reads the token x_{p+1} and predicts x_{p+2}; it counts for p < length − 2 (and p < T − 2).
+    Tokens and targets past the window are 0 (their rows carry weight 0; attention is causal, so they never
+    reach a counted row).
+    """
+    ids = np.asarray(ids)
+    B, T = ids.shape
+    lengths = np.asarray(lengths).reshape(B)
+    limit = np.minimum(lengths - 2, T - 2)
+    weights = np.arange(T)[None, :] < limit[:, None]
+    return shifted(ids, 1), shifted(ids, 2), weights
+
+
+def joint_forward(params: dict, cfg: ModelConfig, ids, lengths, trunk_pre, trunk_post):
+    """The draft's loss in joint training -> (loss_mtp (mean over counted rows, 0.0 when none), cache).
+
+    The block input is built from the shared embedding of x_{p+1} and the trunk's hidden h_p
+    (`MtpConfig.trunk_hidden`); gradients flow back into both (`joint_backward`), as in DeepSeek-V3.
+    """
+    mtp = mtp_of(cfg)
+    ids = np.asarray(ids)
+    B, T = ids.shape
+    tok, targets, weights = joint_targets(ids, lengths)
+    e = ops.embedding_forward(tok, params["model.embed_tokens.weight"])  # (B, T, C)
+    hid = pick_hidden(trunk_pre, trunk_post, mtp.trunk_hidden)
+    x, c_in = draft_input_forward(e, hid, params[ENORM], params[HNORM], params[EH_PROJ], cfg)
+    pre, post, c_draft = draft_forward(params, cfg, x)
+    logits = draft_logits(params, cfg, post)  # (B, T, V)
+    V = logits.shape[-1]
+    w = weights.astype(logits.dtype)
+    count = int(weights.sum())
+    loss_sum, drows = ops.cross_entropy_rows(logits.reshape(B * T, V), targets.reshape(-1), w.reshape(-1))
+    loss = loss_sum / count if count > 0 else 0.0
+    cache = {"tok": tok, "in": c_in, "draft": c_draft, "post": post, "drows": drows.reshape(B, T, V),
+             "count": count}  # fmt: skip
+    return loss, cache
+
+
+def joint_backward(params: dict, cfg: ModelConfig, cache, dloss: float):
+    """Gradient of dloss * loss_mtp -> (dhidden (B, T, C) w.r.t. the trunk hidden the draft read,
+    dembedding (V, C) from the draft's input, dhead (the shared head's part), grads {model.mtp.*: array})."""
+    count = cache["count"]
+    dlogits = cache["drows"] * (float(dloss) / count) if count > 0 else np.zeros_like(cache["drows"])
+    dpost, dhead = ops.linear_backward(dlogits, cache["post"], head_weight(params, cfg))
+    dx, grads = draft_backward(params, cfg, cache["draft"], dpost)
+    de, dh, denorm, dhnorm, deh = draft_input_backward(dx, cache["in"])
+    grads.update({ENORM: denorm, HNORM: dhnorm, EH_PROJ: deh})
+    vocab = params["model.embed_tokens.weight"].shape[0]
+    demb = ops.embedding_backward(de, cache["tok"], vocab)
+    return dh, demb, dhead, grads

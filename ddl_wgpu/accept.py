@@ -21,7 +21,13 @@ anchors, on_policy {anchors [per depth], prefix_acceptance, conditional_acceptan
 Caveat: the draft attends causally over the same step's rows of the window, not the runtime's KV cache of
 verified step-1 rows (the TTT "diagonal" mask of mtp-heal.md §6.2 is not reproduced).
 
-What this file deliberately does not do: sampling acceptance (min(1, P/Q)), or any GPU path (backend "ref" only).
+Backends: "ref" runs trunk and draft in numpy; "wgpu" runs the trunk (`heal.WgpuTeacher`, its greedy token
+from the `topk` kernel with k = 1) and every draft step's block, norm and head (`heal.WgpuDraft.greedy`) on
+the GPU, forward only; the draft's input rows eh_proj·[enorm(e); hnorm(h)] are built on the host by the same
+`ddl_ref.mtp.step_input` on both. Argmax ties go to the lower id on both, so the numbers agree up to float
+near-ties.
+
+What this file deliberately does not do: sampling acceptance (min(1, P/Q)).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from ddl_wgpu.data import check_vocab, load_records, tokenizer_for
 from ddl_wgpu.modelfile import Model, load_model
 
 KEYS = ("depth", "prefix_acceptance", "conditional_acceptance", "acceptance_length", "anchors", "on_policy")
-BACKENDS = ("ref",)
+BACKENDS = ("ref", "wgpu")
 
 
 def check_backend(backend: str) -> None:
@@ -152,12 +158,18 @@ class TrunkBatch:
     post: np.ndarray  # (B, T, C) post-final-norm hidden
 
 
-def trunk_batches(model: Model, windows: Sequence[np.ndarray], batch: int = 8) -> list[TrunkBatch]:
+def trunk_batches(
+    model: Model, windows: Sequence[np.ndarray], batch: int = 8, teacher=None
+) -> list[TrunkBatch]:
+    """The trunk over the windows in batches; `teacher` (a `heal.TrunkTeacher`) runs it, numpy when None."""
     T = max(w.size for w in windows)
     out = []
     for s in range(0, len(windows), batch):
         ids, lengths = pad_batch(windows[s : s + batch], T)
-        top, _probs, pre, post = ref_mtp.trunk_topk_hidden(model.params, model.cfg, ids, 1)
+        if teacher is None:
+            top, _probs, pre, post = ref_mtp.trunk_topk_hidden(model.params, model.cfg, ids, 1)
+        else:
+            top, _probs, pre, post = teacher.topk_hidden(ids, 1)
         out.append(TrunkBatch(ids, lengths, top[..., 0], pre, post))
     return out
 
@@ -175,13 +187,36 @@ def _with_conventions(cfg, conventions):
     return dataclasses.replace(cfg, mtp=conventions)
 
 
-def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth: int) -> dict:
+def greedy_chain(params: dict, cfg, tb: TrunkBatch, depth: int, runner) -> np.ndarray:
+    """`ddl_ref.mtp.draft_chain(tokens="greedy")` with each step's block, norm, head and argmax done by
+    `runner(x_rows) -> (argmax (B, T), pre, post)` -> preds (B, depth, T)."""
+    mtp = cfg.mtp
+    T = tb.ids.shape[1]
+    hid = ref_mtp.pick_hidden(tb.pre, tb.post, mtp.trunk_hidden)
+    tok = ref_mtp.shifted(tb.ids, 1)
+    valid = ref_mtp.step_valid(tb.lengths, T, 1)
+    preds = []
+    for _j in range(depth):
+        x = ref_mtp.step_input(params, cfg, tok, hid, valid)
+        tok, pre, post = runner(x)
+        preds.append(tok)
+        hid = ref_mtp.pick_hidden(pre, post, mtp.chain_hidden)
+    return np.stack(preds, axis=1)
+
+
+def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth: int, runner=None) -> dict:
     """Acceptance of the draft in `params` (numpy, `model.mtp.*` plus the shared embedding and head) over
-    trunk passes already made."""
+    trunk passes already made; `runner` (e.g. `heal.WgpuDraft.greedy`) runs the draft's steps, numpy when
+    None."""
     tally = Tally(depth)
     for tb in trunk:
-        steps = ref_mtp.draft_chain(params, cfg, tb.ids, tb.lengths, tb.pre, tb.post, depth, tokens="greedy")
-        preds = np.stack([np.argmax(s, axis=-1) for s in steps], axis=1)  # (B, depth, T)
+        if runner is None:
+            steps = ref_mtp.draft_chain(
+                params, cfg, tb.ids, tb.lengths, tb.pre, tb.post, depth, tokens="greedy"
+            )
+            preds = np.stack([np.argmax(s, axis=-1) for s in steps], axis=1)  # (B, depth, T)
+        else:
+            preds = greedy_chain(params, cfg, tb, depth, runner)
         for b in range(tb.ids.shape[0]):
             tally.add(preds[b], tb.greedy[b], tb.ids[b], int(tb.lengths[b]))
     return tally.result()
@@ -189,7 +224,7 @@ def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth:
 
 def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, backend: str = "ref",
                conventions: MtpConfig | dict | None = None, probe_conventions: bool = False,
-               batch: int = 8) -> dict:  # fmt: skip
+               batch: int = 8, device: str | None = None) -> dict:  # fmt: skip
     """Greedy speculative acceptance of `model`'s draft over `windows` (1-D token arrays, each at most
     max_seq_len long), chained `depth` deep. `conventions` overrides the model's MtpConfig (concat, hiddens);
     `probe_conventions` adds `probe`: the same measure under every concat x trunk_hidden x chain_hidden."""
@@ -203,15 +238,21 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, back
         raise ValueError(f"no window longer than depth {depth}: nothing to measure")
     if max(w.size for w in windows) > model.cfg.max_seq_len:
         raise ValueError(f"a window is longer than the model's max_seq_len {model.cfg.max_seq_len}")
-    trunk = trunk_batches(model, windows, batch)
+    teacher = runner = None
+    if backend == "wgpu":
+        from ddl_wgpu.heal import WgpuDraft, WgpuTeacher
+
+        teacher = WgpuTeacher(model, batch, device)
+        runner = WgpuDraft(model.params, model.cfg, None, batch, device).greedy
+    trunk = trunk_batches(model, windows, batch, teacher)
     cfg = _with_conventions(model.cfg, conventions)
-    result = acceptance_from_trunk(model.params, cfg, trunk, depth)
+    result = acceptance_from_trunk(model.params, cfg, trunk, depth, runner)
     if probe_conventions:
         probe = []
         for concat, th, ch in itertools.product(("emb_first", "hidden_first"), ("pre_norm", "post_norm"),
                                                 ("pre_norm", "post_norm")):  # fmt: skip
             conv = MtpConfig(concat=concat, trunk_hidden=th, chain_hidden=ch)
-            r = acceptance_from_trunk(model.params, dataclasses.replace(cfg, mtp=conv), trunk, depth)
+            r = acceptance_from_trunk(model.params, dataclasses.replace(cfg, mtp=conv), trunk, depth, runner)
             probe.append({**conv.to_dict(), "current": conv == cfg.mtp,
                           "prefix_acceptance": r["prefix_acceptance"],
                           "acceptance_length": r["acceptance_length"]})  # fmt: skip
@@ -220,13 +261,50 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, back
 
 
 def accept_file(model_path, data_spec: str, depth: int = 3, window: int = 128, tokens: int | None = None,
-                backend: str = "ref", probe_conventions: bool = False) -> dict:  # fmt: skip
+                backend: str = "ref", probe_conventions: bool = False, device: str | None = None) -> dict:  # fmt: skip
     """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure."""
     check_backend(backend)
     model = load_model(model_path)
     records = load_records(data_spec, tokenizer_for(model.tokenizer), tokens)
     check_vocab(records, model.cfg.vocab_size)
     windows = cut_windows(records, min(window, model.cfg.max_seq_len), depth + 1)
-    result = acceptance(model, windows, depth, backend, probe_conventions=probe_conventions)
+    result = acceptance(model, windows, depth, backend, probe_conventions=probe_conventions, device=device)
     result["data"] = str(data_spec)
+    result["backend"] = backend
     return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a side-by-side table of saved results (`make demo`'s heal story)
+
+
+def table(results: Sequence[tuple[str, dict]]) -> str:
+    """[(label, accept JSON)] -> prefix acceptance per depth and τ, one row per result."""
+    depth = max(r["depth"] for _, r in results)
+    head = (
+        f"{'':<12}" + "".join(f"{'A_' + str(j + 1):>9}" for j in range(depth)) + f"{'tau':>9}{'anchors':>9}"
+    )
+    rows = [head]
+    for label, r in results:
+        cells = "".join(f"{a:>9.4f}" for a in r["prefix_acceptance"])
+        rows.append(f"{label:<12}{cells}{r['acceptance_length']:>9.4f}{r['anchors']:>9}")
+    return "\n".join(rows)
+
+
+def _main(argv: Sequence[str]) -> int:
+    """`python -m ddl_wgpu.accept LABEL=FILE.json ...`: print `table` of saved `accept --json` results."""
+    import json
+
+    results = []
+    for arg in argv:
+        label, _, path = arg.partition("=")
+        with open(path) as f:
+            results.append((label, json.load(f)))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main(sys.argv[1:]))

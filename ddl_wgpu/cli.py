@@ -343,6 +343,8 @@ class _Console:
                 self.bar.start()
                 self.task = self.bar.add_task(ev["variant"], total=ev["total"], info="")
             info = f"loss {ev['loss']:.4f}  lr {ev['lr']:.2e}  {ev['tokens_per_s']:,.0f} tok/s  {ev['s_per_step']:.3f} s/step"
+            if ev.get("loss_mtp") == ev.get("loss_mtp"):  # not NaN: joint MTP training
+                info += f"  (trunk {ev['loss_main']:.4f}, draft {ev['loss_mtp']:.4f})"
             if ev.get("validation"):
                 info += f"  val {ev['validation']['loss']:.4f}"
             self.bar.update(self.task, completed=ev["step"], info=info)
@@ -418,6 +420,8 @@ def train(
     seq_len: int = _opt(128, "Tokens per row.", TRAIN_HELP),
     seed: int = _opt(0, "Init and data-order seed.", TRAIN_HELP),
     eval_batches: int = _opt(16, "Batches per evaluation (0: the whole dataset).", TRAIN_HELP),
+    mtp: bool = _opt(False, "Add an MTP draft block (model.mtp.*) trained jointly with the trunk."),
+    mtp_weight: float = _opt(0.3, "Weight of the draft's loss in joint MTP training.", TRAIN_HELP),
     save_interval: int = typer.Option(
         0, "--save-interval", help="Save a checkpoint every N steps (0: at the end)."
     ),
@@ -445,6 +449,12 @@ def train(
         norm_style,
         tie_embeddings,
     )
+    if mtp:
+        from dataclasses import replace
+
+        from ddl_ref.config import MtpConfig
+
+        base = replace(base, mtp=MtpConfig())
     tcfg = _training_config(
         max_steps=max_steps,
         eval_interval=eval_interval,
@@ -460,6 +470,7 @@ def train(
         seq_len=seq_len,
         seed=seed,
         eval_batches=eval_batches,
+        mtp_weight=mtp_weight,
     )
     if seq_len > base.max_seq_len:
         fail(f"--seq-len {seq_len} exceeds the model's max_seq_len {base.max_seq_len}")
@@ -609,6 +620,18 @@ def compress(
     typer.echo(f"wrote {out}")
 
 
+def _draft_backend(backend: str | None) -> str:
+    """`--backend` of accept/heal: as given, else "wgpu" when an adapter is present, else "ref"."""
+    if backend is not None:
+        return backend
+    try:
+        from ddl_wgpu import gpu as g
+
+        return "wgpu" if g.enumerate_adapters() else "ref"
+    except Exception:  # no wgpu / no driver: the numpy reference still works
+        return "ref"
+
+
 def _accept_text(r: dict) -> str:
     lines = [
         f"depth {r['depth']}: acceptance length τ = {r['acceptance_length']:.4f} over {r['anchors']} anchors"
@@ -619,7 +642,7 @@ def _accept_text(r: dict) -> str:
     if op:
         lines.append(
             f"  on-policy anchors: τ = {op.get('acceptance_length', float('nan')):.4f}, "
-            f"A = {[round(x, 4) for x in op.get('prefix_acceptance', [])]}"
+            f"A = {[round(float(x), 4) for x in op.get('prefix_acceptance', [])]}"
         )
     return "\n".join(lines)
 
@@ -634,7 +657,10 @@ def accept(
     probe_conventions: bool = typer.Option(
         False, "--probe-conventions", help="Also measure the other concat order and hidden conventions."
     ),
-    backend: str = typer.Option("ref", "--backend", help="ref (the GPU draft path is not built yet)."),
+    backend: str = typer.Option(
+        None, "--backend", help="wgpu or ref (numpy). Default: wgpu when a GPU adapter is present."
+    ),
+    device: str = typer.Option(None, "--device", help="Adapter index or name substring."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Greedy speculative acceptance of the draft chained K deep: A_j, α_j, τ (all and on-policy anchors)."""
@@ -646,8 +672,9 @@ def accept(
         depth=depth,
         window=window,
         tokens=tokens or None,
-        backend=backend,
+        backend=_draft_backend(backend),
         probe_conventions=probe_conventions,
+        device=device,
     )
     _emit(r, as_json, _accept_text(r))
 
@@ -671,7 +698,10 @@ def heal(
     eval_every: int = _opt(50, "Steps between held-out evaluations.", HEAL_HELP),
     patience: int = _opt(3, "Evaluations without a new best before stopping (0: never).", HEAL_HELP),
     seed: int = _opt(0, "Job-order seed.", HEAL_HELP),
-    backend: str = typer.Option("ref", "--backend", help="ref (the GPU draft path is not built yet)."),
+    backend: str = typer.Option(
+        None, "--backend", help="wgpu or ref (numpy). Default: wgpu when a GPU adapter is present."
+    ),
+    device: str = typer.Option(None, "--device", help="Adapter index or name substring."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ):
     """Retrain the MTP draft head on its own trunk by top-k KL self-distillation; write it back into OUT."""
@@ -696,6 +726,7 @@ def heal(
     import time
 
     t0 = time.perf_counter()
+    seen: dict = {}
 
     def progress(ev: dict):
         kind, dt = ev.get("event"), time.perf_counter() - t0
@@ -707,12 +738,19 @@ def heal(
                     f"{dt / ev['step']:.2f} s/step  ETA {eta:.0f} s",
                     err=True,
                 )
-        elif kind == "trunk":
-            typer.echo(f"  trunk: {ev['done']}/{ev['windows']} windows ({dt:.1f} s)", err=True)
+        elif kind == "trunk":  # about every quarter of the windows, and the last
+            quarter = 4 * ev["done"] // ev["windows"]
+            if quarter != seen.get("trunk") or ev["done"] == ev["windows"]:
+                seen["trunk"] = quarter
+                typer.echo(f"  trunk: {ev['done']}/{ev['windows']} windows ({dt:.1f} s)", err=True)
+        elif kind == "refresh":
+            pass
         else:
             typer.echo("  " + json.dumps(ev, default=str), err=True)
 
-    rep = do_heal(model, data, out, cfg, init_path=init, backend=backend, progress=progress)
+    backend = _draft_backend(backend)
+    typer.echo(f"backend: {backend}", err=True)
+    rep = do_heal(model, data, out, cfg, init_path=init, backend=backend, progress=progress, device=device)
     if as_json:
         typer.echo(json.dumps(rep, indent=2, default=str))
     else:

@@ -14,6 +14,18 @@ read-back (loss sum, gradient norm, clip multiplier, finite flag). Nothing reads
 The model's forward (`_forward_calls`) and backward (`_backward_calls`) sit next to each other and mirror
 each other op for op, like `ddl_ref.model`; the reference is the specification and the tests compare
 every loss, logit and gradient with it.
+
+MTP draft (`cfg.mtp` set): joint training, DeepSeek-V3 style. After the trunk, `Work` records the draft:
+the embedding of the shifted ids x_{p+1}, `enorm` and `hnorm` (of the trunk's pre- or post-final-norm
+hidden, `MtpConfig.trunk_hidden`), their concatenation (a row gather), `eh_proj`, one baseline block through
+the same `_block_forward` with the draft's names, `model.mtp.norm`, and the chunked head + cross-entropy on
+the targets x_{p+2} (loss scale mtp_weight / count2). Its backward runs first and its input gradient joins
+the trunk's hidden, embedding and head, so the trunk learns from the draft's loss too (`ddl_ref.model`).
+`Net.mtp_weight` is read at every step; `Work.step` returns the combined loss and both parts.
+
+Input-rows mode (`Work(..., rows_in=True, kl_k=k)`, for healing a draft alone as a one-layer model): the
+first block reads uploaded rows instead of the embedding, the loss is the top-k KL to a teacher's top-k
+(`ops.topk_kl`, chunked like the cross-entropy), and nothing flows into the embedding.
 """
 
 from __future__ import annotations
@@ -39,7 +51,13 @@ from ddl_wgpu.ops import rmsnorm as k_norm
 from ddl_wgpu.ops import rope as k_rope
 from ddl_wgpu.ops import shortconv as k_sc
 from ddl_wgpu.ops import swiglu as k_swiglu
+from ddl_wgpu.ops import topk_kl as k_topk
 
+MTP_ENORM = "model.mtp.enorm.weight"
+MTP_HNORM = "model.mtp.hnorm.weight"
+MTP_EH = "model.mtp.eh_proj.weight"
+MTP_NORM = "model.mtp.norm.weight"
+MTP_BLOCK = "model.mtp.layers.0."
 ALIGN = 256  # WebGPU's default min-storage-buffer-offset-alignment; lavapipe needs 32, NVIDIA 32-256
 F32 = 4
 
@@ -82,6 +100,8 @@ class StepResult:
     count: int  # valid predictions
     grad_norm: float  # global gradient norm before clipping (nan when not computed)
     finite: bool  # loss and gradients finite
+    loss_main: float = math.nan  # joint MTP training: the trunk's next-token loss
+    loss_mtp: float = math.nan  # joint MTP training: the draft's loss (before its weight)
 
 
 class Net:
@@ -99,8 +119,10 @@ class Net:
         seed: int = 0,
         trainable=None,
         arena_bytes: int | None = None,
+        mtp_weight: float = 0.0,
     ):
         self.gpu, self.cfg = gpu, cfg
+        self.mtp_weight = float(mtp_weight)  # weight of the draft's loss in joint training (cfg.mtp set)
         self.table = param_table(cfg)
         limit = min(gpu.max_buffer, arena_bytes or gpu.max_buffer)
         limit = limit // ALIGN * ALIGN
@@ -282,23 +304,29 @@ class Work:
     expanded variants (N = B·T rows). Names of saved activations follow `ddl_ref.model`'s caches.
     """
 
-    def __init__(self, net: Net, batch: int, seq: int, chunk_rows: int | None = None):
+    def __init__(
+        self,
+        net: Net,
+        batch: int,
+        seq: int,
+        chunk_rows: int | None = None,
+        rows_in: bool = False,
+        kl_k: int = 0,
+    ):
         cfg = net.cfg
         if seq > cfg.max_seq_len:
             raise GpuError(f"sequence length {seq} exceeds the model's max_seq_len {cfg.max_seq_len}")
-        if cfg.mtp is not None:
-            raise GpuError("models with an MTP draft block run their trunk through `heal`, not Work")
+        if rows_in and (cfg.residual != "add" or kl_k < 1 or cfg.mtp is not None):
+            raise GpuError(
+                "input-rows mode needs a baseline model without a draft and a top-k width kl_k >= 1"
+            )
         self.net, self.gpu, self.cfg = net, net.gpu, cfg
+        self.rows_in, self.kl_k = rows_in, int(kl_k)
+        self._chunk_rows = chunk_rows
+        self.mtp = cfg.mtp if not rows_in else None
         self.B, self.T = batch, seq
         self.N = N = batch * seq  # rows (tokens)
-        C, H, K, D, F, V = (
-            cfg.d_model,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            cfg.ffn_hidden,
-            cfg.vocab_size,
-        )
+        C, D, V = cfg.d_model, cfg.head_dim, cfg.vocab_size
         self.ddl = cfg.residual == "delta"
         self.dv = dv = cfg.ddl_dv if self.ddl else 1
         S = N * C * dv  # floats in one stream/state
@@ -323,27 +351,7 @@ class Work:
         # saved activations, per layer; the block output is the next block's "x" (or self.xS)
         self.L = []
         for i in range(cfg.n_layers):
-            a = {
-                "x": act(S, f"x{i}"),  # block input: stream or DDL state
-                "h": act(N * C, f"h{i}"),
-                "r1": act(N, f"rstd1_{i}"),
-                "q": act(N * H * D, f"q{i}"),
-                "k": act(N * K * D, f"k{i}"),
-                "v": act(N * K * D, f"v{i}"),
-                "a": act(N * H * D, f"att{i}"),
-                "lse": act(batch * H * seq, f"lse{i}"),
-                "xm": act(S, f"xm{i}"),  # stream/state after the attention sublayer
-                "h2": act(N * C, f"h2{i}"),
-                "r2": act(N, f"rstd2_{i}"),
-                "gate": act(N * F, f"gate{i}"),
-                "up": act(N * F, f"up{i}"),
-                "s": act(N * F, f"swiglu{i}"),
-            }
-            for t, n_heads in (("q", H), ("k", K)):  # q/k after each op of their chain
-                a[t + "1"] = act(N * n_heads * D, f"{t}1_{i}")
-                if cfg.qk_norm != "none":
-                    a[t + "2"] = act(N * n_heads * D, f"{t}2_{i}")
-                    a[t + "r"] = act(N * n_heads, f"{t}rstd{i}")
+            a = self._block_acts(act, str(i), S)
             if self.ddl:
                 stats = k_delta.stats_size(dv)
                 for sub in ("attn", "mlp"):
@@ -354,6 +362,46 @@ class Work:
                         act(N * C, f"xin_{sub}{i}") if dv > 1 else a["x" if sub == "attn" else "xm"]
                     )
             self.L.append(a)
+        self._init_rest(act, S)
+
+    def _block_acts(self, act, tag: str, S: int) -> dict:
+        """Saved activations of one block (`x` is the block input: stream or DDL state of S floats)."""
+        cfg, N, C, B, T = self.cfg, self.N, self.cfg.d_model, self.B, self.T
+        H, K, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
+        i = tag
+        a = {
+            "x": act(S, f"x{i}"),  # block input: stream or DDL state
+            "h": act(N * C, f"h{i}"),
+            "r1": act(N, f"rstd1_{i}"),
+            "q": act(N * H * D, f"q{i}"),
+            "k": act(N * K * D, f"k{i}"),
+            "v": act(N * K * D, f"v{i}"),
+            "a": act(N * H * D, f"att{i}"),
+            "lse": act(B * H * T, f"lse{i}"),
+            "xm": act(S, f"xm{i}"),  # stream/state after the attention sublayer
+            "h2": act(N * C, f"h2{i}"),
+            "r2": act(N, f"rstd2_{i}"),
+            "gate": act(N * F, f"gate{i}"),
+            "up": act(N * F, f"up{i}"),
+            "s": act(N * F, f"swiglu{i}"),
+        }
+        for t, n_heads in (("q", H), ("k", K)):  # q/k after each op of their chain
+            a[t + "1"] = act(N * n_heads * D, f"{t}1_{i}")
+            if cfg.qk_norm != "none":
+                a[t + "2"] = act(N * n_heads * D, f"{t}2_{i}")
+                a[t + "r"] = act(N * n_heads, f"{t}rstd{i}")
+        return a
+
+    def _init_rest(self, act, S: int):
+        cfg, gpu, N, dv = self.cfg, self.gpu, self.N, self.dv
+        C, H, K, D, F, V = (
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            cfg.ffn_hidden,
+            cfg.vocab_size,
+        )
         self.xS = act(S, "x_last")  # the last block's output (stream or state)
         self.xL = act(N * C, "x_final") if dv > 1 else self.xS  # readout of the state, before the final norm
         self.xf = act(N * C, "x_normed")
@@ -385,15 +433,133 @@ class Work:
         # 320-row chunk gave the H200 only 15 workgroups (3.9 TFLOP/s, BENCHMARKS.md).
         budget = min(512 << 20, gpu.max_binding // 2)
         rows = max(64, budget // (V * F32) // 64 * 64)
-        self.chunk = min(N, chunk_rows or rows)
+        self.chunk = min(N, self._chunk_rows or rows)
         self.logit_chunk = act(self.chunk * V, "logits_chunk")
-        self.readback = gpu.buffer(16, label="readback")  # loss sum, grad norm, clip multiplier, finite
+        # loss sum, grad norm, clip multiplier, finite; the draft's loss sum
+        self.readback = gpu.buffer(32, label="readback")
+        self.trunk_head = {
+            "xf": self.xf,
+            "dxf": self.dxf,
+            "targets": self.targets,
+            "weights": self.weights,
+            "scale": self.scale,
+            "row_loss": self.row_loss,
+        }
+        if self.rows_in:  # the teacher's top-k per row (the top-k KL's targets)
+            self.t_ids = buf_u32 = gpu.buffer(N * self.kl_k * 4, label="teacher_ids")
+            self.t_probs = act(N * self.kl_k, "teacher_probs")
+            self.trunk_head.update(t_ids=buf_u32, t_probs=self.t_probs)
+        if self.mtp is not None:
+            self._init_mtp(act)
         self._fwd = self._forward_calls()
-        self._head_train = self._head_calls(train=True)
-        self._head_eval = self._head_calls(train=False)
-        self._bwd = self._backward_calls()
+        self._head_train = self._head_calls(True, self.trunk_head)
+        self._head_eval = self._head_calls(False, self.trunk_head)
         self._sum = k_red.sum_rows(gpu, self.loss_acc, self.row_loss, N)
+        if self.mtp is not None:
+            self._fwd_mtp = self._mtp_forward_calls()
+            self._head_mtp = self._head_calls(True, self.mtp_head)
+            self._sum_mtp = k_red.sum_rows(gpu, self.loss_acc, self.m["row_loss"], N, index=1)
+            self._bwd = self._mtp_backward_calls() + self._backward_calls()
+        else:
+            self._bwd = self._backward_calls()
         self._spectral = None
+        self._topk: dict = {}
+
+    # -- the MTP draft (joint training) -----------------------------------------------------------------
+
+    def _init_mtp(self, act):
+        """Buffers of the draft: its per-step inputs, the block input's pieces, its block, its head."""
+        gpu, N, C, V = self.gpu, self.N, self.cfg.d_model, self.cfg.vocab_size
+        u32 = lambda n, label: gpu.buffer(n * 4, label=label)  # noqa: E731
+        # [enorm(e); hnorm(h)] is built as a row gather from one table holding enorm(e) in rows [0, N) and
+        # hnorm(h) in rows [N2, N2 + N), N2 >= N chosen so both halves bind at 256-byte-aligned offsets.
+        step = ALIGN // math.gcd(ALIGN, C * F32)
+        self.N2 = N2 = -(-N // step) * step
+        m = {
+            "ids": u32(N, "mtp_ids"),
+            "targets": u32(N, "mtp_targets"),
+            "weights": act(N, "mtp_weights"),
+            "scale": act(4, "mtp_loss_scale"),
+            "order": u32(N, "mtp_emb_order"),
+            "starts": u32(V + 1, "mtp_emb_starts"),
+            "e": act(N * C, "mtp_embedding"),
+            "eh": act((N2 + N) * C, "mtp_eh_normed"),
+            "re": act(N, "mtp_rstd_e"),
+            "rh": act(N, "mtp_rstd_h"),
+            "cat": act(N * 2 * C, "mtp_cat"),
+            "pre": act(N * C, "mtp_pre"),
+            "post": act(N * C, "mtp_post"),
+            "rf": act(N, "mtp_rstd_final"),
+            "row_loss": act(N, "mtp_row_loss"),
+            "dx": act(N * C, "mtp_dx"),
+            "dxf": act(N * C, "mtp_dxf"),
+            "dcat": act(N * 2 * C, "mtp_dcat"),
+            "deh": act((N2 + N) * C, "mtp_deh"),
+            "de": act(N * C, "mtp_de"),
+            "dhid": act(N * C, "mtp_dhidden"),
+        }
+        first, second = (0, N2) if self.mtp.concat == "emb_first" else (N2, 0)
+        p = np.arange(N, dtype=np.uint32)
+        cat_idx = np.stack([p + first, p + second], axis=1).reshape(-1)  # cat row 2p <- table row ...
+        inv = np.full(N2 + N, 0xFFFFFFFF, np.uint32)  # padding rows gather zeros
+        inv[cat_idx] = np.arange(2 * N, dtype=np.uint32)
+        m["cat_idx"] = gpu.upload(cat_idx.astype(np.uint32), "mtp_cat_idx")
+        m["inv_idx"] = gpu.upload(inv, "mtp_cat_inv")
+        m["en"] = (m["eh"], 0, N * C * F32)
+        m["hn"] = (m["eh"], N2 * C * F32, N * C * F32)
+        m["den"] = (m["deh"], 0, N * C * F32)
+        m["dhn"] = (m["deh"], N2 * C * F32, N * C * F32)
+        self.m = m
+        self.M = self._block_acts(act, "mtp", N * C)  # the draft block's saved activations
+        self.mtp_head = {
+            "xf": m["post"],
+            "dxf": m["dxf"],
+            "targets": m["targets"],
+            "weights": m["weights"],
+            "scale": m["scale"],
+            "row_loss": m["row_loss"],
+        }
+
+    def _mtp_hidden(self):
+        return self.xL if self.mtp.trunk_hidden == "pre_norm" else self.xf
+
+    def _mtp_forward_calls(self) -> Call:
+        """The draft after the trunk: x = eh_proj·[enorm(E[x_{p+1}]); hnorm(h_p)] -> block -> mtp.norm."""
+        cfg, g, N, C, m = self.cfg, self.gpu, self.N, self.cfg.d_model, self.m
+        P, eps, style = self.net.view, cfg.rms_eps, cfg.norm_style
+        call = k_emb.embedding_forward(g, m["e"], m["ids"], P("model.embed_tokens.weight"), N, C)
+        call += k_norm.rmsnorm_forward(g, m["en"], m["re"], m["e"], P(MTP_ENORM), N, C, eps, style)
+        call += k_norm.rmsnorm_forward(
+            g, m["hn"], m["rh"], self._mtp_hidden(), P(MTP_HNORM), N, C, eps, style
+        )
+        call += k_emb.embedding_forward(g, m["cat"], m["cat_idx"], m["eh"], 2 * N, C)  # the concat, (2N, C)
+        call += k_mm.linear_forward(g, self.M["x"], m["cat"], P(MTP_EH), N, C, 2 * C)
+        call += self._block_forward(0, self.M, m["pre"], prefix=MTP_BLOCK, ddl=False)
+        return call + k_norm.rmsnorm_forward(g, m["post"], m["rf"], m["pre"], P(MTP_NORM), N, C, eps, style)
+
+    def _mtp_backward_calls(self) -> Call:
+        """The reverse of `_mtp_forward_calls`; ends with d(trunk hidden) in m["dhid"] and the embedding's
+        gradient accumulated (the trunk's backward adds m["dhid"] where the draft read the hidden)."""
+        cfg, g, N, C, m = self.cfg, self.gpu, self.N, self.cfg.d_model, self.m
+        P, G, style = self.net.view, self._grad, cfg.norm_style
+        call = k_norm.rmsnorm_backward(
+            g, m["dx"], G(MTP_NORM), m["dxf"], m["pre"], P(MTP_NORM), m["rf"], N, C, style
+        )
+        c, dx = self._block_backward(0, self.M, m["dx"], prefix=MTP_BLOCK, ddl=False)
+        call += c
+        call += k_mm.linear_backward(
+            g, m["dcat"], G(MTP_EH), dx, m["cat"], P(MTP_EH), N, C, 2 * C, accumulate_dw=True
+        )
+        call += k_emb.embedding_forward(g, m["deh"], m["inv_idx"], m["dcat"], self.N2 + N, C)  # un-concat
+        call += k_norm.rmsnorm_backward(
+            g, m["de"], G(MTP_ENORM), m["den"], m["e"], P(MTP_ENORM), m["re"], N, C, style
+        )
+        call += k_norm.rmsnorm_backward(
+            g, m["dhid"], G(MTP_HNORM), m["dhn"], self._mtp_hidden(), P(MTP_HNORM), m["rh"], N, C, style
+        )
+        return call + k_emb.embedding_backward(
+            g, G("model.embed_tokens.weight"), m["de"], m["order"], m["starts"], cfg.vocab_size, C
+        )
 
     # -- per-step host data -----------------------------------------------------------------------------
 
@@ -421,6 +587,45 @@ class Work:
             order, starts = k_emb.embedding_buckets(ids32.reshape(-1), V)
             g.write(self.order, order.astype(np.uint32))
             g.write(self.starts, starts.astype(np.uint32))
+        if train and self.mtp is not None:  # the draft: row p reads x_{p+1}, predicts x_{p+2}
+            tok = np.zeros_like(ids32)
+            tok[:, :-1] = ids32[:, 1:]
+            tgt = np.zeros_like(ids32)
+            tgt[:, :-2] = ids32[:, 2:]
+            valid2 = pos < np.minimum(lengths[:, None] - 2, self.T - 2)
+            self.count_mtp = count2 = int(valid2.sum())
+            m = self.m
+            g.write(m["ids"], tok.reshape(-1))
+            g.write(m["targets"], tgt.reshape(-1))
+            g.write(m["weights"], valid2.astype(np.float32).reshape(-1))
+            scale = self.net.mtp_weight / count2 if count2 else 0.0
+            g.write(m["scale"], np.array([scale], np.float32))
+            order, starts = k_emb.embedding_buckets(tok.reshape(-1), V)
+            g.write(m["order"], order.astype(np.uint32))
+            g.write(m["starts"], starts.astype(np.uint32))
+        return count
+
+    def _upload_rows(self, x, teacher_ids=None, teacher_probs=None, weights=None) -> float:
+        """Input-rows mode: x (B, T, C) into the first block's input; with a teacher, its top-k and the
+        row weights (the loss scale is 1 / their sum). -> the sum of the weights."""
+        x = np.asarray(x, np.float32)
+        C, N = self.cfg.d_model, self.N
+        if x.shape != (self.B, self.T, C):
+            raise GpuError(f"input rows of shape {x.shape}, this Work was built for {(self.B, self.T, C)}")
+        g = self.gpu
+        g.write(self.L[0]["x"], x.reshape(-1))
+        if teacher_ids is None:
+            return 0.0
+        k = self.kl_k
+        tid = np.asarray(teacher_ids).reshape(N, -1)
+        if tid.shape[1] != k:
+            raise GpuError(f"teacher top-k of width {tid.shape[1]}, this Work was built for {k}")
+        w = np.asarray(weights, np.float32).reshape(N)
+        count = float(w.sum())
+        g.write(self.t_ids, np.clip(tid, 0, self.cfg.vocab_size - 1).astype(np.uint32).reshape(-1))
+        g.write(self.t_probs, np.asarray(teacher_probs, np.float32).reshape(-1))
+        g.write(self.weights, w)
+        g.write(self.scale, np.array([1.0 / max(count, 1.0)], np.float32))
         return count
 
     # -- the model: forward and backward, mirrored ------------------------------------------------------
@@ -429,7 +634,9 @@ class Work:
         cfg, g, N, C, dv = self.cfg, self.gpu, self.N, self.cfg.d_model, self.dv
         P = self.net.view
         x0 = self.L[0]["x"] if self.L else self.xS
-        if dv == 1:
+        if self.rows_in:  # the first block reads the uploaded rows
+            call = Call()
+        elif dv == 1:
             call = k_emb.embedding_forward(g, x0, self.ids, P("model.embed_tokens.weight"), N, C)
         else:  # expand the embedding into the d_v state: EC (short conv) or repetition
             call = k_emb.embedding_forward(g, self.emb, self.ids, P("model.embed_tokens.weight"), N, C)
@@ -457,18 +664,22 @@ class Work:
         )
         return call
 
-    def _block_forward(self, i: int, a: dict, out) -> Call:
-        """One block, both sublayers; `out` receives the block output. Mirrors `ddl_ref.model`."""
+    def _block_forward(
+        self, i: int, a: dict, out, prefix: str | None = None, ddl: bool | None = None
+    ) -> Call:
+        """One block, both sublayers; `out` receives the block output. Mirrors `ddl_ref.model`.
+        `prefix`/`ddl` override the block's parameter names and residual kind (the MTP draft's block)."""
         cfg, g, N, C = self.cfg, self.gpu, self.N, self.cfg.d_model
         P = self.net.view
-        p = f"model.layers.{i}."
+        p = prefix or f"model.layers.{i}."
+        ddl = self.ddl if ddl is None else ddl
         call = Call()
         subs = (
             ("attn", "input_layernorm", a["x"], a["xm"], "h", "r1"),
             ("mlp", "post_attention_layernorm", a["xm"], out, "h2", "r2"),
         )
         for sub, norm, x_in_state, x_out, h, r in subs:
-            if not self.ddl:  # baseline: x_out = x + sublayer(norm(x))
+            if not ddl:  # baseline: x_out = x + sublayer(norm(x))
                 call += k_norm.rmsnorm_forward(
                     g, a[h], a[r], x_in_state, P(p + norm + ".weight"), N, C, cfg.rms_eps, cfg.norm_style
                 )
@@ -626,29 +837,58 @@ class Work:
             dcur = dnext
         return call, dcur
 
-    def _head_calls(self, train: bool) -> Call:
-        """LM head + cross-entropy in row chunks; with `train`, also the head's backward per chunk."""
+    def _head_calls(self, train: bool, src: dict) -> Call:
+        """LM head + loss in row chunks; with `train`, also the head's backward per chunk. `src` names the
+        rows (xf), their gradient (dxf), the per-step targets, weights, loss scale and per-row losses (the
+        trunk's or the draft's). The loss is the cross-entropy, or in input-rows mode the top-k KL to the
+        teacher's top-k (its kernel writes the gradient in place even when evaluating: harmless scratch).
+        A frozen head gets no gradient product."""
         cfg, g, net = self.cfg, self.gpu, self.net
         C, V, N = cfg.d_model, cfg.vocab_size, self.N
         W = net.view(net.head_name)
         dW = net.view(net.head_name, "g")
+        head_trained = net.head_name in net.trainable or not self.rows_in
         call = Call()
         for r0 in range(0, N, self.chunk):
             n = min(self.chunk, N - r0)
-            xf = (self.xf, r0 * C * F32, n * C * F32)
+            xf = (src["xf"], r0 * C * F32, n * C * F32)
             logits = (self.logit_chunk, 0, n * V * F32)
             call += k_mm.matmul(g, logits, xf, W, n, V, C, trans_b=True)
-            if train:
-                call += k_ce.cross_entropy(
-                    g, self.row_loss, logits, self.targets, self.weights, n, V, self.scale, row_offset=r0
+            if self.rows_in:
+                call += k_topk.topk_kl(
+                    g,
+                    src["row_loss"],
+                    logits,
+                    src["t_ids"],
+                    src["t_probs"],
+                    src["weights"],
+                    n,
+                    V,
+                    self.kl_k,
+                    src["scale"],
+                    row_offset=r0,
                 )
-                dxf = (self.dxf, r0 * C * F32, n * C * F32)
-                call += k_mm.matmul(g, dxf, logits, W, n, C, V)  # dxf = dlogits · W
-                call += k_mm.matmul(g, dW, logits, xf, V, C, n, trans_a=True, accumulate=True)
+            elif train:
+                call += k_ce.cross_entropy(
+                    g,
+                    src["row_loss"],
+                    logits,
+                    src["targets"],
+                    src["weights"],
+                    n,
+                    V,
+                    src["scale"],
+                    row_offset=r0,
+                )
             else:
                 call += k_ce.cross_entropy_eval(
-                    g, self.row_loss, logits, self.targets, self.weights, n, V, row_offset=r0
+                    g, src["row_loss"], logits, src["targets"], src["weights"], n, V, row_offset=r0
                 )
+            if train:
+                dxf = (src["dxf"], r0 * C * F32, n * C * F32)
+                call += k_mm.matmul(g, dxf, logits, W, n, C, V)  # dxf = dlogits · W
+                if head_trained:
+                    call += k_mm.matmul(g, dW, logits, xf, V, C, n, trans_a=True, accumulate=True)
         return call
 
     def _backward_calls(self) -> Call:
@@ -669,6 +909,12 @@ class Work:
             C,
             cfg.norm_style,
         )
+        if self.mtp is not None:  # the draft read the trunk's hidden: its gradient joins here
+            dhid = self.m["dhid"]
+            if self.mtp.trunk_hidden == "post_norm":
+                call = k_ew.add_inplace(g, self.dxf, dhid, N * C) + call
+            else:
+                call += k_ew.add_inplace(g, d_last, dhid, N * C)
         dcur = d_last
         if dv > 1:
             call += k_ew.fill(g, self.dS[0], N * C * dv, 0.0)
@@ -677,6 +923,8 @@ class Work:
         for i in reversed(range(len(self.L))):
             c, dcur = self._block_backward(i, self.L[i], dcur)
             call += c
+        if self.rows_in:  # the rows came from outside: nothing flows into the embedding
+            return call
         # embedding (through EC or the repetition when d_v > 1)
         demb = dcur
         if dv > 1:
@@ -709,18 +957,21 @@ class Work:
         )
         return call
 
-    def _block_backward(self, i: int, a: dict, dout) -> tuple[Call, object]:
+    def _block_backward(
+        self, i: int, a: dict, dout, prefix: str | None = None, ddl: bool | None = None
+    ) -> tuple[Call, object]:
         """From d(block output) to d(block input); returns (call, buffer holding d(block input))."""
         cfg, g, N, C = self.cfg, self.gpu, self.N, self.cfg.d_model
         P, G = self.net.view, self._grad
-        p = f"model.layers.{i}."
+        p = prefix or f"model.layers.{i}."
+        ddl = self.ddl if ddl is None else ddl
         call = Call()
         subs = (
             ("mlp", "post_attention_layernorm", a["xm"], "h2", "r2"),
             ("attn", "input_layernorm", a["x"], "h", "r1"),
         )
         for sub, norm, x_state, h, r in subs:
-            if not self.ddl:  # dx flows through the residual; the branch adds its gradient to it
+            if not ddl:  # dx flows through the residual; the branch adds its gradient to it
                 call += self._sublayer_backward(sub, a, p, dout, self.dh, accumulate_dh=False)
                 call += k_norm.rmsnorm_backward(
                     g,
@@ -916,30 +1167,111 @@ class Work:
 
     # -- steps ------------------------------------------------------------------------------------------
 
-    def _finish(self, rec, with_scalars: bool):
+    def _finish(self, rec, with_scalars: bool, with_mtp: bool = False):
         rec.copy(self.loss_acc, 0, self.readback, 0, 4)
         if with_scalars:
             rec.copy(self.net.scalars, 0, self.readback, 4, 12)
+        if with_mtp:
+            rec.copy(self.loss_acc, 4, self.readback, 16, 4)
         rec.submit()
-        return self.gpu.download(self.readback, np.float32, 4)
+        return self.gpu.download(self.readback, np.float32, 5)
 
-    def step(self, ids, lengths=None, update: AdamW | None = None) -> StepResult:
-        """Forward + backward (gradients overwritten, not accumulated), and with `update` the global
-        gradient norm, clipping and AdamW, all in one encoder and one submit."""
-        count = self._upload(ids, lengths, train=True)
+    def _record_step(self, update: AdamW | None):
         rec = self.gpu.recorder()
         self.net.zero_grads_call().record(rec)
         self._fwd.record(rec)
         self._head_train.record(rec)
         self._sum.record(rec)
+        if self.mtp is not None:
+            self._fwd_mtp.record(rec)
+            self._head_mtp.record(rec)
+            self._sum_mtp.record(rec)
         self._bwd.record(rec)
         if update is not None:
             self.net.optimizer_call(update).record(rec)
-        out = self._finish(rec, update is not None)
+        return self._finish(rec, update is not None, self.mtp is not None)
+
+    def step(self, ids, lengths=None, update: AdamW | None = None) -> StepResult:
+        """Forward + backward (gradients overwritten, not accumulated), and with `update` the global
+        gradient norm, clipping and AdamW, all in one encoder and one submit. With a draft (`cfg.mtp`) the
+        loss is loss_main + net.mtp_weight · loss_mtp, and both parts are in the result."""
+        if self.rows_in:
+            raise GpuError("this Work reads input rows: use step_rows")
+        count = self._upload(ids, lengths, train=True)
+        out = self._record_step(update)
         loss = float(out[0]) / max(count, 1)
+        extra = {}
+        if self.mtp is not None:
+            loss_mtp = float(out[4]) / self.count_mtp if self.count_mtp else 0.0
+            extra = {"loss_main": loss, "loss_mtp": loss_mtp}
+            loss = loss + self.net.mtp_weight * loss_mtp
         finite = bool(np.isfinite(loss)) and (update is None or out[3] != 0)
         norm = float(out[1]) if update is not None else math.nan
-        return StepResult(loss=loss, count=count, grad_norm=norm, finite=finite)
+        return StepResult(loss=loss, count=count, grad_norm=norm, finite=finite, **extra)
+
+    # -- input-rows mode (a draft block healed alone) ---------------------------------------------------
+
+    def step_rows(self, x, teacher_ids, teacher_probs, weights, update: AdamW | None = None) -> StepResult:
+        """x (B, T, C) block input rows; teacher top-k ids/probs (B, T, k); weights (B, T) 0/1. Forward,
+        top-k KL (mean over weighted rows), backward, and with `update` the clip and AdamW; one submit."""
+        count = self._upload_rows(x, teacher_ids, teacher_probs, weights)
+        out = self._record_step(update)
+        loss = float(out[0]) / max(count, 1.0)
+        finite = bool(np.isfinite(loss)) and (update is None or out[3] != 0)
+        norm = float(out[1]) if update is not None else math.nan
+        return StepResult(loss=loss, count=int(count), grad_norm=norm, finite=finite)
+
+    def loss_sum_rows(self, x, teacher_ids, teacher_probs, weights) -> float:
+        """Sum over rows of weight · top-k KL (evaluation; no gradients)."""
+        self._upload_rows(x, teacher_ids, teacher_probs, weights)
+        rec = self.gpu.recorder()
+        self._fwd.record(rec)
+        self._head_eval.record(rec)
+        self._sum.record(rec)
+        return float(self._finish(rec, False)[0])
+
+    def forward_rows(self, x) -> tuple[np.ndarray, np.ndarray]:
+        """Forward of input rows x (B, T, C) -> the block's (output, final-normed output), each (B, T, C)."""
+        self._upload_rows(x)
+        rec = self.gpu.recorder()
+        self._fwd.record(rec)
+        rec.submit()
+        return self.hidden()
+
+    # -- top-k of the next-token distribution ---------------------------------------------------------
+
+    def topk(self, inputs, k: int, lengths=None) -> tuple[np.ndarray, np.ndarray]:
+        """One forward (ids (B, T), or input rows (B, T, C) in input-rows mode), then per row the k most
+        likely next tokens and their full-softmax probabilities, from chunked logits (`ops.topk_kl.topk`;
+        ties to the lower id, so ids[..., 0] is the argmax) -> (ids (B, T, k) int32, probs (B, T, k) f32).
+        The forward's hidden rows stay readable through `hidden()`."""
+        cfg, g, net, N = self.cfg, self.gpu, self.net, self.N
+        C, V = cfg.d_model, cfg.vocab_size
+        k = min(int(k), V)
+        if k not in self._topk:
+            ids_out = g.buffer(N * k * 4, label="topk_ids")
+            probs_out = g.buffer(N * k * F32, label="topk_probs")
+            W = net.view(net.head_name)
+            call = Call()
+            for r0 in range(0, N, self.chunk):
+                n = min(self.chunk, N - r0)
+                xf = (self.xf, r0 * C * F32, n * C * F32)
+                logits = (self.logit_chunk, 0, n * V * F32)
+                call += k_mm.matmul(g, logits, xf, W, n, V, C, trans_b=True)
+                call += k_topk.topk(g, ids_out, probs_out, logits, n, V, k, row_offset=r0)
+            self._topk[k] = (call, ids_out, probs_out)
+        call, ids_out, probs_out = self._topk[k]
+        if self.rows_in:
+            self._upload_rows(inputs)
+        else:
+            self._upload(inputs, lengths, train=False)
+        rec = g.recorder()
+        self._fwd.record(rec)
+        call.record(rec)
+        rec.submit()
+        shape = (self.B, self.T, k)
+        ids = g.download(ids_out, np.uint32, N * k).reshape(shape).astype(np.int32)
+        return ids, g.download(probs_out, np.float32, N * k).reshape(shape)
 
     def loss_sum(self, ids, lengths=None) -> tuple[float, int]:
         """Sum of the per-prediction losses and the number of predictions (evaluation; no gradients)."""

@@ -24,8 +24,12 @@ trunk's own predictions. The flow (mtp-heal.md §0, §6):
    for byte; `provenance.heal_mtp` records the run (acceptance before and after on the held-out windows).
    Written atomically by the container (`OUT.partial`, then rename; removed on any failure).
 
-Backends: `TrunkTeacher` and `DraftTrainer` are the whole interface a GPU implementation has to provide;
-`RefTeacher` and `RefDraft` are the numpy ones (backend "ref", the only one today).
+Backends: `TrunkTeacher` and `DraftTrainer` are the whole interface a backend provides. `RefTeacher` and
+`RefDraft` are the numpy ones (backend "ref"); `WgpuTeacher` and `WgpuDraft` run on the GPU (backend "wgpu"):
+the trunk's forward, its next-token top-k (the `topk` kernel on chunked logits; full logits never exist) and
+its hidden rows (downloaded, kept on the host in float16 by `heal`); the draft as a one-layer model in the
+engine's input-rows mode (top-k KL through the `topk_kl` kernel on chunked logits, only the block and its
+final norm trainable). Gradients are float32 on both, so the loss scale is carried but never needed.
 
 Not reproduced: the runtime's TTT "diagonal" attention mask (mtp-heal.md §6.2): step-j rows attend causally to
 the other step-j rows of the window, as in the seed.
@@ -59,7 +63,7 @@ WARMUP_FRACTION = 0.1  # linear warm-up over the first 10 % of steps
 MIN_LR_FRACTION = 0.1  # the cosine ends at 0.1 x lr
 MIN_WINDOW = 16  # windows shorter than MIN_WINDOW + chain are skipped
 HELD_OUT_EVERY = 10  # window i is held out when i % 10 == 9
-BACKENDS = ("ref",)
+BACKENDS = ("ref", "wgpu")
 # A draft is present iff these are in the file (the seed checks the first three).
 REQUIRED = ("model.mtp.eh_proj.weight", "model.mtp.enorm.weight", "model.mtp.hnorm.weight",
             "model.mtp.layers.0.self_attn.q_proj.weight", "model.mtp.norm.weight")  # fmt: skip
@@ -193,9 +197,131 @@ class RefDraft:
         return {n: p.copy() for n, p in self.params.items()}
 
 
-def make_backend(backend: str, model: Model, init: dict | None) -> tuple[TrunkTeacher, DraftTrainer]:
+def _pad_rows(a, B: int):
+    """a (b, ...) -> (B, ...) with zero rows appended (the GPU Works have a fixed batch)."""
+    a = np.asarray(a)
+    if a.shape[0] == B:
+        return a
+    if a.shape[0] > B:
+        raise HealError(f"heal: a batch of {a.shape[0]} windows, the GPU backend was built for {B}")
+    return np.concatenate([a, np.zeros((B - a.shape[0], *a.shape[1:]), a.dtype)])
+
+
+class WgpuTeacher:
+    """The trunk on the GPU: one forward per batch of windows, the next-token top-k from chunked logits
+    (`Work.topk`), the hidden rows before and after the final norm downloaded as float32 (heal keeps the
+    one the draft reads in float16). Frozen: the trunk's Net is built without trainable tensors."""
+
+    def __init__(self, model: Model, batch: int, device: str | None = None):
+        from ddl_wgpu.engine import Net
+        from ddl_wgpu.train import open_gpu
+
+        cfg = dataclasses.replace(model.cfg, mtp=None)  # the trunk alone
+        self.net = Net(open_gpu(device), cfg, model.params, trainable=[])
+        self.B = batch
+
+    def topk_hidden(self, ids_batch, k: int):
+        ids = np.asarray(ids_batch)
+        b, T = ids.shape
+        work = self.net.work(self.B, T)
+        top_ids, top_probs = work.topk(_pad_rows(ids, self.B), k)
+        pre, post = work.hidden()
+        return top_ids[:b], top_probs[:b], pre[:b], post[:b]
+
+
+class WgpuDraft:
+    """The draft block + its final norm on the GPU, as a one-layer model (`ddl_ref.mtp.draft_config`) whose
+    first block reads the given input rows (`Work(rows_in=True)`); the shared embedding/head is loaded but
+    frozen. Adam (0.9, 0.999, 1e-8, no weight decay) with the gradient scaled to global norm <= 1, as
+    `RefDraft`; a non-finite step leaves weights and moments untouched (the AdamW kernel's skip)."""
+
+    def __init__(self, params: dict, cfg: ModelConfig, init: dict | None = None, batch: int = 4,
+                 device: str | None = None):  # fmt: skip
+        from ddl_wgpu.engine import Net
+        from ddl_wgpu.train import open_gpu
+
+        self.cfg, self.B = cfg, batch
+        src = init if init is not None else params
+        n = len(ref_mtp.MTP_LAYER_PREFIX)
+        self.names = {}  # one-layer name -> model.mtp.* name
+        for name in ref_mtp.trained_names(params):
+            local = "model.norm.weight" if name == ref_mtp.NORM else "model.layers.0." + name[n:]
+            self.names[local] = name
+        dp = {local: np.asarray(src[name], np.float32) for local, name in self.names.items()}
+        dp["model.embed_tokens.weight"] = params["model.embed_tokens.weight"]
+        if not cfg.tie_embeddings:
+            dp["lm_head.weight"] = params["lm_head.weight"]
+        self.net = Net(open_gpu(device), ref_mtp.draft_config(cfg), dp, trainable=list(self.names))
+        self._works: dict = {}
+
+    def _work(self, T: int, k: int = 1):
+        from ddl_wgpu.engine import Work
+
+        if (T, k) not in self._works:
+            self._works[(T, k)] = Work(self.net, self.B, T, rows_in=True, kl_k=k)
+        return self._works[(T, k)]
+
+    def _args(self, x_rows, teacher_ids, teacher_probs, weights):
+        b = np.shape(x_rows)[0]
+        x, tid, tp, w = (_pad_rows(a, self.B) for a in (np.asarray(x_rows, np.float32), teacher_ids,
+                                                          np.asarray(teacher_probs, np.float32),
+                                                          np.asarray(weights, np.float32)))  # fmt: skip
+        return b, self._work(x.shape[1], tid.shape[-1]), (x, tid, tp, w)
+
+    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale):
+        from ddl_wgpu.engine import AdamW
+
+        _b, work, args = self._args(x_rows, teacher_ids, teacher_probs, weights)
+        hyper = AdamW(lr=float(lr), step=int(step), beta1=ADAM[0], beta2=ADAM[1], eps=ADAM[2], weight_decay=0.0,
+                      grad_clip=GRAD_CLIP)  # fmt: skip
+        r = work.step_rows(*args, update=hyper)
+        return float(r.loss), float(r.grad_norm), bool(r.finite and math.isfinite(r.grad_norm))
+
+    def grads(self) -> dict:
+        """The last step's gradients of the trained tensors, by their model.mtp.* names (tests)."""
+        g = self.net.grads()
+        return {name: g[local] for local, name in self.names.items()}
+
+    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights) -> float:
+        _b, work, args = self._args(x_rows, teacher_ids, teacher_probs, weights)
+        return work.loss_sum_rows(*args)
+
+    def hidden_out(self, x_rows):
+        x = np.asarray(x_rows, np.float32)
+        b = x.shape[0]
+        pre, post = self._work(x.shape[1]).forward_rows(_pad_rows(x, self.B))
+        return pre[:b], post[:b]
+
+    def greedy(self, x_rows):
+        """Forward only -> (argmax (b, T) int32, pre, post): one chained draft step (`accept`), any b."""
+        x = np.asarray(x_rows, np.float32)
+        work = self._work(x.shape[1])
+        out = []
+        for s in range(0, x.shape[0], self.B):
+            part = x[s : s + self.B]
+            ids, _p = work.topk(_pad_rows(part, self.B), 1)
+            pre, post = work.hidden()
+            n = part.shape[0]
+            out.append((ids[:n, :, 0], pre[:n], post[:n]))
+        return tuple(np.concatenate(parts) for parts in zip(*out, strict=True))
+
+    def snapshot(self):
+        return self.net.snapshot()
+
+    def restore(self, snap) -> None:
+        self.net.restore(snap)
+
+    def export(self) -> dict:
+        p = self.net.export()
+        return {name: p[local].copy() for local, name in self.names.items()}
+
+
+def make_backend(backend: str, model: Model, init: dict | None, batch: int = 4,
+                 device: str | None = None) -> tuple[TrunkTeacher, DraftTrainer]:  # fmt: skip
     if backend not in BACKENDS:
         raise HealError(f"heal: backend {backend!r} has no MTP draft path yet (available: {list(BACKENDS)})")
+    if backend == "wgpu":
+        return WgpuTeacher(model, batch, device), WgpuDraft(model.params, model.cfg, init, batch, device)
     return RefTeacher(model), RefDraft(model.params, model.cfg, init)
 
 
@@ -297,7 +423,8 @@ class _Cache:
 
 
 def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, init_path=None,
-         backend: str = "ref", progress: Callable[[dict], None] | None = None) -> dict:  # fmt: skip
+         backend: str = "ref", progress: Callable[[dict], None] | None = None,
+         device: str | None = None) -> dict:  # fmt: skip
     """Retrain MODEL's draft on MODEL's trunk over `data_spec`; write OUT. -> the report (provenance.heal_mtp
     plus `out`, `history` of evaluations and `stopped`). Raises HealError with one line on bad input or abort."""
     cfg = cfg if cfg is not None else HealConfig()
@@ -328,7 +455,7 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     total_tokens = int(sum(w.size for w in wins))
     say({"event": "windows", "windows": len(wins), "tokens": total_tokens, "chain": chain})
 
-    teacher, draft = make_backend(backend, model, init)
+    teacher, draft = make_backend(backend, model, init, nb, device)
 
     # --- the trunk, once
     N, T = len(wins), max(w.size for w in wins)
@@ -397,7 +524,8 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
         hid = cache.hidden[vi].astype(np.float32)
         tbs = [accept_mod.TrunkBatch(ids[vi], lengths[vi], cache.top_ids[vi][..., 0], hid, hid)]
         params = {**model.params, **draft.export()}
-        return accept_mod.acceptance_from_trunk(params, mcfg, tbs, chain)
+        runner = draft.greedy if backend == "wgpu" else None
+        return accept_mod.acceptance_from_trunk(params, mcfg, tbs, chain, runner=runner)
 
     acc_before = held_out_acceptance()
     v0 = val_loss()

@@ -19,8 +19,16 @@ from ddl_wgpu.engine import AdamW, StepResult
 
 
 class RefNet:
-    def __init__(self, cfg: ModelConfig, params: dict | None = None, seed: int = 0, trainable=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict | None = None,
+        seed: int = 0,
+        trainable=None,
+        mtp_weight: float = 0.0,
+    ):
         self.cfg = cfg
+        self.mtp_weight = float(mtp_weight)  # joint MTP training (cfg.mtp set): the draft loss's weight
         self.table = param_table(cfg)
         names = [s.name for s in self.table]
         if trainable is None:
@@ -81,8 +89,14 @@ class RefWork:
 
     def step(self, ids, lengths=None, update: AdamW | None = None) -> StepResult:
         net = self.net
-        _logits, loss, cache = ref_model.forward(net.params, net.cfg, ids, lengths)
+        w = net.mtp_weight if net.cfg.mtp is not None else None
+        _logits, loss, cache = ref_model.forward(net.params, net.cfg, ids, lengths, mtp_weight=w)
         count = int(cache["loss"][1])
+        parts = (
+            {"loss_main": float(cache["loss_main"]), "loss_mtp": float(cache["loss_mtp"])}
+            if w is not None
+            else {}
+        )
         grads = ref_model.backward(net.params, net.cfg, cache)
         net._grads = {n: np.asarray(g, np.float32) for n, g in grads.items()}
         norm = float("nan")
@@ -105,7 +119,7 @@ class RefWork:
                     mult,
                     trainable=net.trainable,
                 )
-        return StepResult(loss=float(loss), count=count, grad_norm=norm, finite=finite)
+        return StepResult(loss=float(loss), count=count, grad_norm=norm, finite=finite, **parts)
 
     def loss_sum(self, ids, lengths=None) -> tuple[float, int]:
         _logits, loss, cache = ref_model.forward(self.net.params, self.net.cfg, ids, lengths)

@@ -79,6 +79,7 @@ class TrainingConfig:
     seq_len: int = 128  # tokens per row
     seed: int = 0  # parameter init (and data shuffle) seed
     eval_batches: int = 16  # at most this many batches per evaluation of a dataset (0: all)
+    mtp_weight: float = 0.3  # joint MTP training (a model with a draft): weight of the draft's loss
 
     def validate(self) -> None:
         bad = TrainingError.invalid_config
@@ -120,6 +121,9 @@ class TrainingConfig:
             raise bad("batch_size must be greater than zero")
         if self.seq_len < 2:
             raise bad("seq_len must be at least 2")
+        w = self.mtp_weight
+        if isinstance(w, bool) or not isinstance(w, int | float) or not (math.isfinite(w) and w >= 0.0):
+            raise bad("mtp_weight must be finite and non-negative")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -156,19 +160,27 @@ def metrics(loss_sum: float, count: int) -> dict:
 # backends
 
 
-def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | None, seed: int = 0):
-    """A `Net` on the chosen backend ('wgpu' or 'ref'); the GPU is opened once per process."""
+def make_net(
+    cfg: ModelConfig,
+    params: dict | None,
+    backend: str,
+    device: str | None,
+    seed: int = 0,
+    mtp_weight: float = 0.0,
+):
+    """A `Net` on the chosen backend ('wgpu' or 'ref'); the GPU is opened once per process. A model with
+    an MTP draft (`cfg.mtp`) trains it jointly, its loss weighted by `mtp_weight`."""
     if params is None:
         params = init_params(cfg, seed)
     if backend == "ref":
         from ddl_wgpu.refnet import RefNet
 
-        return RefNet(cfg, params)
+        return RefNet(cfg, params, mtp_weight=mtp_weight)
     if backend != "wgpu":
         raise TrainingError.invalid_config(f"unknown backend {backend!r}; use 'wgpu' or 'ref'")
     from ddl_wgpu.engine import Net
 
-    return Net(open_gpu(device), cfg, params)
+    return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight)
 
 
 _GPU = {}
@@ -317,7 +329,7 @@ def train_variant(
     progress = _Progress(opts.progress)
     if resume is None:
         cfg = variant.resolve_config(base)
-        net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed)
+        net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed, tcfg.mtp_weight)
         phase = {"start_step": 0, "training": tcfg.to_dict(), "previous_lr": None}
         history: list[dict] = []
         progress(kind="start", variant=variant.slug, num_params=net.num_params, cfg=cfg.to_dict())
@@ -357,7 +369,8 @@ def train_variant(
         done_in_phase = 0
     else:
         cfg, report, phase = resume["cfg"], resume["report"], resume["position"]["phase"]
-        net = make_net(cfg, resume["params"], opts.backend, opts.device)
+        w = TrainingConfig.from_dict(phase["training"]).mtp_weight
+        net = make_net(cfg, resume["params"], opts.backend, opts.device, mtp_weight=w)
         history = report["history"]
         best = None
         if resume["best"] is not None:
@@ -420,6 +433,8 @@ def train_variant(
                 "validation_spectral": None,
                 "grad_norm": res.grad_norm,
             }
+            if cfg.mtp is not None:  # joint MTP training: "train" is the combined loss
+                entry["train_loss_main"], entry["train_loss_mtp"] = res.loss_main, res.loss_mtp
             if record and val is not None:
                 ev = evaluate(net, val, tcfg.eval_batches, spectral=True)
                 entry["validation"], entry["validation_spectral"] = ev["metrics"], ev["spectral"]
@@ -441,6 +456,8 @@ def train_variant(
                 step=global_step + 1,
                 total=phase["start_step"] + tcfg.max_steps,
                 loss=res.loss,
+                loss_main=res.loss_main,
+                loss_mtp=res.loss_mtp,
                 lr=lr,
                 tokens_per_s=steps_this_process * tokens_per_step / max(elapsed, 1e-9),
                 s_per_step=elapsed / steps_this_process,

@@ -345,7 +345,7 @@ def test_acceptance_real_draft_and_probe(tmp_path):
     cur = next(p for p in r["probe"] if p["current"])
     assert cur["acceptance_length"] == pytest.approx(r["acceptance_length"])
     with pytest.raises(NotImplementedError, match="not written yet"):
-        accept.acceptance(m, windows, depth=2, backend="wgpu")
+        accept.acceptance(m, windows, depth=2, backend="cuda")
 
 
 def test_accept_file(files):

@@ -1,0 +1,139 @@
+"""The GPU heal and accept backends (`heal.WgpuTeacher`, `heal.WgpuDraft`, `accept(backend="wgpu")`) against
+the numpy ones on a tiny model: the trunk's top-k and hidden rows, one draft step's loss and every gradient,
+a short heal (held-out KL per chain step at every evaluation, acceptance before and after), and acceptance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddl_ref import mtp as ref_mtp
+from ddl_ref.config import ModelConfig, MtpConfig
+from ddl_ref.params import init_params
+from ddl_wgpu import accept, heal
+from ddl_wgpu.modelfile import Model, load_model, save_model
+
+WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+
+
+def tiny_cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=256, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
+                max_seq_len=32, qk_norm="pre_rope", mtp=MtpConfig())  # fmt: skip
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def perturbed(cfg, seed=0):
+    """Init params with the draft's norms and projection moved off their init (so every path matters)."""
+    p = init_params(cfg, seed)
+    rng = np.random.default_rng(seed + 1)
+    return {n: (a + 0.2 * rng.standard_normal(a.shape).astype(np.float32)) if "mtp" in n else a
+            for n, a in p.items()}  # fmt: skip
+
+
+def make_model(path, cfg=None, seed=0):
+    cfg = cfg or tiny_cfg()
+    save_model(path, Model(cfg, perturbed(cfg, seed)))
+    return path
+
+
+def make_text(path, words=200, seed=0):
+    rng = np.random.default_rng(seed)
+    path.write_text(" ".join(rng.choice(WORDS, words)))
+    return path
+
+
+def test_teacher_topk_and_hidden_match_reference(gpu):
+    cfg = tiny_cfg(residual="delta", ddl_dv=4, ddl_compressor="cc", ddl_expand_embed=True)
+    m = Model(cfg, perturbed(cfg))
+    ids = np.random.default_rng(0).integers(0, 256, (3, 20))
+    t = heal.WgpuTeacher(m, batch=4)  # a partial batch: padded rows
+    ti, tp, pre, post = t.topk_hidden(ids, 8)
+    ri, rp, rpre, rpost = heal.RefTeacher(m).topk_hidden(ids, 8)
+    np.testing.assert_allclose(pre, rpre, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(post, rpost, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(tp, rp, rtol=1e-4, atol=1e-6)
+    assert (ti[..., 0] == ri[..., 0]).mean() > 0.99  # argmax (near-ties aside)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_draft_step_loss_and_gradients_match_refdraft(gpu, tie):
+    cfg = tiny_cfg(tie_embeddings=tie)
+    p = perturbed(cfg)
+    rng = np.random.default_rng(3)
+    B, T, k = 2, 12, 8
+    x = rng.standard_normal((B, T, cfg.d_model)).astype(np.float32)
+    tid = rng.integers(0, 256, (B, T, k))
+    tp = rng.random((B, T, k)).astype(np.float32)
+    w = (rng.random((B, T)) < 0.8).astype(np.float32)
+    ref, gpu_d = heal.RefDraft(p, cfg), heal.WgpuDraft(p, cfg, batch=B)
+    assert gpu_d.loss_sum(x, tid, tp, w) == pytest.approx(ref.loss_sum(x, tid, tp, w), rel=1e-5)
+    # the gradients of one step, against the reference's (float64) on the same weights
+    p64 = {n: a.astype(np.float64) for n, a in p.items()}
+    kl, cache = ref_mtp.draft_kl_forward(p64, cfg, x.astype(np.float64), tid, tp, w)
+    _dx, rgrads = ref_mtp.draft_kl_backward(p64, cfg, cache, 1.0 / w.sum())
+    for lr_step in range(1, 4):  # three Adam steps follow the reference
+        lr = 1e-2
+        rl, rn, rf = ref.step(x, tid, tp, w, lr, lr_step, 4096.0)
+        gl, gn, gf = gpu_d.step(x, tid, tp, w, lr, lr_step, 4096.0)
+        assert rf and gf
+        assert gl == pytest.approx(rl, rel=1e-4) and gn == pytest.approx(rn, rel=1e-4)
+        if lr_step == 1:
+            assert gl == pytest.approx(kl / w.sum(), rel=1e-5)
+            got = gpu_d.grads()
+            assert set(got) == set(rgrads)
+            for n, g in rgrads.items():
+                scale = max(np.abs(g).max(), 1e-4)
+                np.testing.assert_allclose(got[n] / scale, g / scale, atol=2e-5, err_msg=n)
+    a, b = ref.export(), gpu_d.export()
+    for n in a:
+        np.testing.assert_allclose(b[n], a[n], rtol=1e-3, atol=1e-5, err_msg=n)
+    pre, post = gpu_d.hidden_out(x[:1])  # a partial batch
+    rpre, rpost = ref.hidden_out(x[:1])
+    np.testing.assert_allclose(post, rpost, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(pre, rpre, rtol=1e-4, atol=1e-5)
+
+
+SMALL = heal.HealConfig(chain=2, window=24, tokens=1200, batch=2, eval_every=4, patience=0, lr=3e-3,
+                        epochs=0.3, refresh=5)  # fmt: skip
+
+
+def test_gpu_heal_matches_reference_heal(gpu, tmp_path):
+    conv = MtpConfig(trunk_hidden="post_norm", chain_hidden="pre_norm")
+    model = make_model(tmp_path / "m.ddlw", cfg=tiny_cfg(mtp=conv))
+    data = str(make_text(tmp_path / "t.txt"))
+    r = heal.heal(model, data, tmp_path / "r.ddlw", SMALL, backend="ref")
+    g = heal.heal(model, data, tmp_path / "g.ddlw", SMALL, backend="wgpu")
+    assert r["steps"] == g["steps"] >= 8 and len(r["history"]) == len(g["history"]) >= 3
+    for hr, hg in zip(r["history"], g["history"], strict=True):
+        assert hr["step"] == hg["step"]
+        np.testing.assert_allclose(hg["heldout_kl"], hr["heldout_kl"], atol=1e-4, rtol=0)
+    assert g["backend"] == "wgpu" and g["best_step"] == r["best_step"]
+    for key in ("acceptance_before", "acceptance_after"):
+        assert set(g[key]) == set(r[key])
+        np.testing.assert_allclose(g[key]["prefix_acceptance"], r[key]["prefix_acceptance"], atol=0.02)
+    a, b = load_model(tmp_path / "r.ddlw").params, load_model(tmp_path / "g.ddlw").params
+    for n in ref_mtp.trained_names(a):
+        np.testing.assert_allclose(b[n], a[n], rtol=1e-2, atol=2e-4, err_msg=n)
+
+
+def test_gpu_acceptance_matches_reference(gpu, tmp_path):
+    conv = MtpConfig(concat="emb_first", trunk_hidden="pre_norm", chain_hidden="post_norm")
+    m = load_model(make_model(tmp_path / "m.ddlw", cfg=tiny_cfg(mtp=conv), seed=4))
+    rng = np.random.default_rng(2)
+    windows = [rng.integers(0, 256, n) for n in (20, 16, 24, 9, 30)]
+    r = accept.acceptance(m, windows, depth=3, batch=2, probe_conventions=True)
+    g = accept.acceptance(m, windows, depth=3, batch=2, backend="wgpu", probe_conventions=True)
+    assert list(g) == list(r)
+    for key in ("prefix_acceptance", "conditional_acceptance", "acceptance_length", "anchors", "on_policy"):
+        assert g[key] == r[key], key
+    assert [p["prefix_acceptance"] for p in g["probe"]] == [p["prefix_acceptance"] for p in r["probe"]]
+
+
+def test_accept_file_wgpu_same_json(tmp_path):
+    model = make_model(tmp_path / "m.ddlw")
+    data = str(make_text(tmp_path / "t.txt", words=60))
+    r = accept.accept_file(model, data, depth=2, window=24)
+    g = accept.accept_file(model, data, depth=2, window=24, backend="wgpu")
+    assert list(g) == list(r) and g["backend"] == "wgpu"
+    assert g["prefix_acceptance"] == r["prefix_acceptance"]
