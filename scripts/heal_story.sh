@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The heal story (mtp-heal.md) on the embedded corpus: train a tiny model with a jointly trained MTP draft
+# (--mtp), compress it (drop its last block), measure the draft's greedy acceptance (it drops: the trunk
+# changed under it), heal the draft on the compressed trunk's own predictions, measure again (it recovers).
+#
+#   scripts/heal_story.sh [CLI] [DIR]     CLI defaults to .venv/bin/ddl-wgpu, DIR to runs/demo/heal
+set -euo pipefail
+CLI=${1:-.venv/bin/ddl-wgpu}
+DIR=${2:-runs/demo/heal}
+PY=${PYTHON:-$(dirname "$CLI")/python}
+[ -x "$PY" ] || PY=python3
+TRAINED=$DIR/train/baseline/checkpoint.ddlw
+ACCEPT="--data stdlib --depth 3 --tokens 20000"
+
+$CLI train --data stdlib --variants baseline --preset tiny --mtp --mtp-weight 0.3 --max-steps 150 \
+  --eval-interval 50 --eval-batches 4 --batch-size 8 --seq-len 128 --learning-rate 3e-3 --warmup-steps 10 \
+  --max-tokens 400000 --no-plots --out "$DIR/train"
+$CLI compress "$TRAINED" --drop-layers 1 --out "$DIR/compressed.ddlw"
+$CLI accept "$TRAINED" $ACCEPT --json > "$DIR/accept_trained.json"
+$CLI accept "$DIR/compressed.ddlw" $ACCEPT --json > "$DIR/accept_compressed.json"
+$CLI heal "$DIR/compressed.ddlw" --init "$TRAINED" --data stdlib --tokens 40000 --lr 1e-3 --eval-every 50 \
+  --refresh 50 --out "$DIR/healed.ddlw"
+$CLI accept "$DIR/healed.ddlw" $ACCEPT --json > "$DIR/accept_healed.json"
+echo
+echo "greedy acceptance of the draft chained 3 deep, prefix A_j per depth (mtp-heal.md §5):"
+"$PY" -m ddl_wgpu.accept trained="$DIR/accept_trained.json" compressed="$DIR/accept_compressed.json" \
+  healed="$DIR/accept_healed.json"
