@@ -47,6 +47,10 @@ KEYS = ("depth", "prefix_acceptance", "conditional_acceptance", "acceptance_leng
 BACKENDS = ("ref", "wgpu")
 
 
+class AcceptError(ValueError):
+    """An acceptance measurement that cannot run, with one clear line."""
+
+
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise NotImplementedError(
@@ -230,14 +234,14 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, back
     `probe_conventions` adds `probe`: the same measure under every concat x trunk_hidden x chain_hidden."""
     check_backend(backend)
     if depth < 1:
-        raise ValueError(f"depth must be at least 1, got {depth}")
+        raise AcceptError(f"depth must be at least 1, got {depth}")
     if model.cfg.mtp is None:
-        raise ValueError("the model has no MTP draft (missing tensor model.mtp.eh_proj.weight)")
+        raise AcceptError("the model has no MTP draft (missing tensor model.mtp.eh_proj.weight)")
     windows = [np.asarray(w, np.int64) for w in windows if np.asarray(w).size > depth]
     if not windows:
-        raise ValueError(f"no window longer than depth {depth}: nothing to measure")
+        raise AcceptError(f"no window longer than depth {depth}: nothing to measure")
     if max(w.size for w in windows) > model.cfg.max_seq_len:
-        raise ValueError(f"a window is longer than the model's max_seq_len {model.cfg.max_seq_len}")
+        raise AcceptError(f"a window is longer than the model's max_seq_len {model.cfg.max_seq_len}")
     teacher = runner = None
     if backend == "wgpu":
         from ddl_wgpu.heal import WgpuDraft, WgpuTeacher

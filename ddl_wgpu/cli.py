@@ -35,6 +35,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ("ddl_wgpu.train", "TrainingError"),
         ("ddl_wgpu.hf", "HfError"),
         ("ddl_wgpu.heal", "HealError"),
+        ("ddl_wgpu.accept", "AcceptError"),
+        ("ddl_wgpu.compress", "CompressError"),
     ]:
         try:
             module = __import__(mod, fromlist=[name])
@@ -721,7 +723,7 @@ def heal(
         patience=patience,
         seed=seed,
     )
-    typer.echo("resolved configuration: " + json.dumps(cfg.__dict__), err=True)
+    typer.echo("resolved configuration: " + json.dumps(cfg.__dict__), err=as_json)
 
     import time
 
@@ -749,7 +751,7 @@ def heal(
             typer.echo("  " + json.dumps(ev, default=str), err=True)
 
     backend = _draft_backend(backend)
-    typer.echo(f"backend: {backend}", err=True)
+    typer.echo(f"backend: {backend}", err=as_json)
     rep = do_heal(model, data, out, cfg, init_path=init, backend=backend, progress=progress, device=device)
     if as_json:
         typer.echo(json.dumps(rep, indent=2, default=str))

@@ -344,3 +344,16 @@ def test_stop_after_and_resume_match_a_straight_run(corpus, tmp_path):
     for r_ in (a, b):
         r_.pop("throughput")
     assert a == b
+
+
+def test_draft_commands_on_a_model_without_a_draft(model_file, corpus, tmp_path):
+    """accept / heal / compress on bad input: one line, exit 2 (a model with no MTP draft, bad layer lists)."""
+    user_error(cli("accept", str(model_file), "--data", str(corpus)), "no MTP draft")
+    user_error(
+        cli("heal", str(model_file), "--data", str(corpus), "--out", str(tmp_path / "h.ddlw")), "no MTP draft"
+    )
+    assert not (tmp_path / "h.ddlw").exists()
+    out = str(tmp_path / "c.ddlw")
+    user_error(cli("compress", str(model_file), "--out", out, "--drop-layers", "7"), "out of range")
+    user_error(cli("compress", str(model_file), "--out", out), "exactly one of")
+    assert not (tmp_path / "c.ddlw").exists()

@@ -1,0 +1,44 @@
+"""The wheel carries the shaders and the package runs from outside the repository (design.md §2)."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_wheel_contains_shaders_and_runs_outside_the_repo(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = dist.glob("ddl_wgpu-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = {Path(n).name for n in names if n.startswith("ddl_wgpu/shaders/")}
+    assert shipped == {p.name for p in (ROOT / "shaders").glob("*.wgsl")}
+    assert any(n.startswith("ddl_ref/") for n in names)
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    code = (
+        "import ddl_wgpu.gpu as g, pathlib, sys;"
+        "d = g.shader_dirs();"
+        "assert d and pathlib.Path(sys.argv[1]) in d[0].parents, d;"
+        "from ddl_wgpu.selftest import selftest;"
+        "print(selftest(g.Gpu())[0])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(target)],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert "saxpy" in out.stdout
