@@ -20,10 +20,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-
-import numpy as np
 
 from ddl_ref.config import ModelConfig, ModelVariant
 from ddl_ref.optim import CosineWarmupSchedule
@@ -650,19 +648,3 @@ def resume(
     variant = ModelVariant.parse(rep["variant"])
     tcfg = TrainingConfig.from_dict(ck["position"]["phase"]["training"])
     return train_variant(ck["cfg"], variant, train, val, tcfg, out, opts, resume=ck)
-
-
-def with_overrides(tcfg: TrainingConfig, **kw) -> TrainingConfig:
-    return replace(tcfg, **{k: v for k, v in kw.items() if v is not None})
-
-
-__all__ = [
-    "TrainingConfig",
-    "TrainingError",
-    "RunOptions",
-    "train_variant",
-    "train_variants",
-    "resume",
-    "evaluate",
-    "np",
-]
