@@ -58,6 +58,7 @@ MTP_HNORM = "model.mtp.hnorm.weight"
 MTP_EH = "model.mtp.eh_proj.weight"
 MTP_NORM = "model.mtp.norm.weight"
 MTP_BLOCK = "model.mtp.layers.0."
+EMBED = "model.embed_tokens.weight"
 ALIGN = 256  # WebGPU's default min-storage-buffer-offset-alignment; lavapipe needs 32, NVIDIA 32-256
 F32 = 4
 
@@ -130,10 +131,11 @@ class Net:
         sizes: list[int] = [0]
         for spec in self.table:
             nbytes = spec.numel * F32
-            if nbytes > gpu.max_binding:
+            # larger than a binding is fine (bound in row chunks, `row_views`); larger than a buffer is not
+            if _align(nbytes) > gpu.max_buffer:
                 raise GpuError(
-                    f"parameter {spec.name} needs {nbytes} bytes, more than this adapter's storage binding "
-                    f"limit {gpu.max_binding}; row-chunked binding of such tensors is not supported yet"
+                    f"parameter {spec.name} needs {nbytes} bytes, more than this adapter's max-buffer-size "
+                    f"{gpu.max_buffer}: it cannot be held in one buffer"
                 )
             if sizes[-1] + _align(nbytes) > limit and sizes[-1] > 0:
                 sizes.append(0)
@@ -178,9 +180,48 @@ class Net:
     # -- views ------------------------------------------------------------------------------------------
 
     def view(self, name: str, kind: str = "p"):
-        """(buffer, byte offset, nbytes) of a parameter in arena kind 'p', 'g', 'm' or 'v'."""
+        """(buffer, byte offset, nbytes) of a parameter in arena kind 'p', 'g', 'm' or 'v'. A parameter
+        larger than the storage-binding limit has no whole view: bind it through `row_views`."""
         s = self.slots[name]
+        if s.nbytes > self.gpu.max_binding:
+            raise GpuError(
+                f"parameter {name} ({s.nbytes} bytes) exceeds this adapter's storage binding limit "
+                f"{self.gpu.max_binding}: a kernel cannot bind it whole; bind it in row chunks (Net.row_views)"
+            )
         return (getattr(self, kind)[s.arena], s.offset, s.nbytes)
+
+    def chunk_rows(self, name: str) -> int:
+        """Rows per chunk of `row_views(name)`: the parameter's row count when it fits one binding, else
+        the most rows whose view fits the binding limit, a multiple of 64 where 64 rows fit (then every
+        chunk's first row is a multiple of 64: 256-byte aligned as a vocabulary offset into logits rows as
+        well as a view), else a multiple of the rows that keep views 256-byte aligned."""
+        s = self.slots[name]
+        rows = s.shape[0] if s.shape else 1
+        if s.nbytes <= self.gpu.max_binding:
+            return rows
+        row_bytes = s.nbytes // rows
+        fit = self.gpu.max_binding // row_bytes
+        step = 64 if fit >= 64 else ALIGN // math.gcd(ALIGN, row_bytes)
+        if fit < step:
+            raise GpuError(
+                f"parameter {name}: one aligned row chunk ({step} rows of {row_bytes} bytes) exceeds this "
+                f"adapter's storage binding limit {self.gpu.max_binding}"
+            )
+        return fit // step * step
+
+    def row_views(self, name: str, kind: str = "p") -> list[tuple[int, int, tuple]]:
+        """A parameter (in arena kind 'p', 'g', 'm' or 'v') as row chunks [(row0, rows, view)], each view
+        256-byte aligned and within the storage-binding limit; one chunk when the parameter fits a binding."""
+        s = self.slots[name]
+        buf = getattr(self, kind)[s.arena]
+        total = s.shape[0] if s.shape else 1
+        row_bytes = s.nbytes // max(total, 1)
+        step = self.chunk_rows(name)
+        out = []
+        for r0 in range(0, total, step):
+            n = min(step, total - r0)
+            out.append((r0, n, (buf, s.offset + r0 * row_bytes, n * row_bytes)))
+        return out
 
     @property
     def head_name(self) -> str:
@@ -255,13 +296,19 @@ class Net:
                 runs[-1][2] = s.offset + _align(s.nbytes) - runs[-1][1]
             else:
                 runs.append([s.arena, s.offset, _align(s.nbytes)])
-        return [tuple(r) for r in runs]
+        return [piece for a, off, n in runs for piece in self._pieces(a, off, n)]
+
+    def _pieces(self, arena: int, offset: int, nbytes: int) -> list[tuple[int, int, int]]:
+        """A byte range of an arena as 256-aligned pieces each within the storage-binding limit."""
+        cap = self.gpu.max_binding // ALIGN * ALIGN
+        return [(arena, offset + o, min(cap, nbytes - o)) for o in range(0, nbytes, cap)]
 
     def zero_grads_call(self) -> Call:
         if self._zero is None:
             call = Call()
-            for b in self.g:
-                call = call + k_ew.fill(self.gpu, b, b.size // F32, 0.0)
+            for a, b in enumerate(self.g):
+                for _, off, n in self._pieces(a, 0, b.size):
+                    call = call + k_ew.fill(self.gpu, (b, off, n), n // F32, 0.0)
             self._zero = call
         return self._zero
 
@@ -430,9 +477,12 @@ class Work:
         # the LM head runs in row chunks so full logits never exist: chunks are multiples of 64 rows
         # (64·C·4 bytes keeps every chunk's view offset 256-aligned) and bounded to 512 MiB of logits (half
         # the binding limit on small adapters). Tall chunks matter: the head's dx product has K = V, and a
-        # 320-row chunk gave the H200 only 15 workgroups (3.9 TFLOP/s, BENCHMARKS.md).
+        # 320-row chunk gave the H200 only 15 workgroups (3.9 TFLOP/s, BENCHMARKS.md). Where 64 rows of
+        # logits do not fit the budget (lowered test limits), the smallest row count that keeps views aligned.
         budget = min(512 << 20, gpu.max_binding // 2)
-        rows = max(64, budget // (V * F32) // 64 * 64)
+        fit = budget // (V * F32)
+        step = 64 if fit >= 64 else ALIGN // math.gcd(ALIGN, C * F32)
+        rows = max(step, fit // step * step)
         self.chunk = min(N, self._chunk_rows or rows)
         self.logit_chunk = act(self.chunk * V, "logits_chunk")
         # loss sum, grad norm, clip multiplier, finite; the draft's loss sum
@@ -527,7 +577,7 @@ class Work:
         """The draft after the trunk: x = eh_proj·[enorm(E[x_{p+1}]); hnorm(h_p)] -> block -> mtp.norm."""
         cfg, g, N, C, m = self.cfg, self.gpu, self.N, self.cfg.d_model, self.m
         P, eps, style = self.net.view, cfg.rms_eps, cfg.norm_style
-        call = k_emb.embedding_forward(g, m["e"], m["ids"], P("model.embed_tokens.weight"), N, C)
+        call = self._embed_forward(m["e"], m["ids"], N)
         call += k_norm.rmsnorm_forward(g, m["en"], m["re"], m["e"], P(MTP_ENORM), N, C, eps, style)
         call += k_norm.rmsnorm_forward(
             g, m["hn"], m["rh"], self._mtp_hidden(), P(MTP_HNORM), N, C, eps, style
@@ -557,9 +607,7 @@ class Work:
         call += k_norm.rmsnorm_backward(
             g, m["dhid"], G(MTP_HNORM), m["dhn"], self._mtp_hidden(), P(MTP_HNORM), m["rh"], N, C, style
         )
-        return call + k_emb.embedding_backward(
-            g, G("model.embed_tokens.weight"), m["de"], m["order"], m["starts"], cfg.vocab_size, C
-        )
+        return call + self._embed_backward(m["de"], m["order"], m["starts"])
 
     # -- per-step host data -----------------------------------------------------------------------------
 
@@ -637,9 +685,9 @@ class Work:
         if self.rows_in:  # the first block reads the uploaded rows
             call = Call()
         elif dv == 1:
-            call = k_emb.embedding_forward(g, x0, self.ids, P("model.embed_tokens.weight"), N, C)
+            call = self._embed_forward(x0, self.ids, N)
         else:  # expand the embedding into the d_v state: EC (short conv) or repetition
-            call = k_emb.embedding_forward(g, self.emb, self.ids, P("model.embed_tokens.weight"), N, C)
+            call = self._embed_forward(self.emb, self.ids, N)
             if cfg.ddl_expand_embed:
                 call += k_sc.ec_forward(
                     g,
@@ -845,15 +893,13 @@ class Work:
         A frozen head gets no gradient product."""
         cfg, g, net = self.cfg, self.gpu, self.net
         C, V, N = cfg.d_model, cfg.vocab_size, self.N
-        W = net.view(net.head_name)
-        dW = net.view(net.head_name, "g")
         head_trained = net.head_name in net.trainable or not self.rows_in
         call = Call()
         for r0 in range(0, N, self.chunk):
             n = min(self.chunk, N - r0)
             xf = (src["xf"], r0 * C * F32, n * C * F32)
             logits = (self.logit_chunk, 0, n * V * F32)
-            call += k_mm.matmul(g, logits, xf, W, n, V, C, trans_b=True)
+            call += self._head_forward(logits, xf, n)
             if self.rows_in:
                 call += k_topk.topk_kl(
                     g,
@@ -886,9 +932,69 @@ class Work:
                 )
             if train:
                 dxf = (src["dxf"], r0 * C * F32, n * C * F32)
-                call += k_mm.matmul(g, dxf, logits, W, n, C, V)  # dxf = dlogits · W
-                if head_trained:
-                    call += k_mm.matmul(g, dW, logits, xf, V, C, n, trans_a=True, accumulate=True)
+                call += self._head_backward(dxf, logits, xf, n, head_trained)
+        return call
+
+    # -- the embedding and the LM head, in row chunks of a table larger than one binding --------------
+
+    def _embed_forward(self, out, ids, n: int) -> Call:
+        """out (n, C) = E[ids]; a table larger than a binding runs one range-gather per row chunk."""
+        g, C = self.gpu, self.cfg.d_model
+        chunks = self.net.row_views(EMBED)
+        if len(chunks) == 1:
+            return k_emb.embedding_forward(g, out, ids, chunks[0][2], n, C)
+        call = Call()
+        for j, (v0, rows, w) in enumerate(chunks):
+            last = j == len(chunks) - 1
+            call += k_emb.embedding_forward_range(g, out, ids, w, n, C, v0, rows, last=last)
+        return call
+
+    def _embed_backward(self, dout, order, starts) -> Call:
+        """dE (+)= the bucketed sums of dout, one deterministic pass per row chunk of the gradient."""
+        g, C = self.gpu, self.cfg.d_model
+        call = Call()
+        for v0, rows, dw in self.net.row_views(EMBED, "g"):
+            call += k_emb.embedding_backward(g, dw, dout, order, starts, rows, C, accumulate=True, v0=v0)
+        return call
+
+    def _head_chunks(self) -> list[tuple[int, int, tuple, tuple]]:
+        """The head's vocabulary chunks [(v0, rows, W view, dW view)]: one when it fits a binding. Tied
+        embeddings share the embedding's chunks."""
+        net = self.net
+        pv, gv = net.row_views(net.head_name, "p"), net.row_views(net.head_name, "g")
+        if len(pv) > 1 and any(v0 % 64 for v0, _, _ in pv):
+            raise GpuError(
+                f"{net.head_name}: vocabulary chunks of {pv[0][1]} rows do not keep logits column offsets "
+                f"256-byte aligned (64 rows of {net.slots[net.head_name].nbytes // net.cfg.vocab_size} bytes "
+                f"exceed the binding limit {self.gpu.max_binding})"
+            )
+        return [(v0, rows, w, dw) for (v0, rows, w), (_, _, dw) in zip(pv, gv, strict=True)]
+
+    def _logit_cols(self, logits, n: int, v0: int, rows: int) -> tuple:
+        """Columns [v0, v0 + rows) of an (n, V) logits view, as a view whose rows are V floats apart."""
+        buf, off, _ = logits
+        V = self.cfg.vocab_size
+        return (buf, off + v0 * F32, ((n - 1) * V + rows) * F32)
+
+    def _head_forward(self, logits, xf, n: int) -> Call:
+        """logits (n, V) = xf (n, C) · Wᵀ, vocabulary chunk by vocabulary chunk (ldc = V)."""
+        g, C, V = self.gpu, self.cfg.d_model, self.cfg.vocab_size
+        call = Call()
+        for v0, rows, w, _dw in self._head_chunks():
+            cols = self._logit_cols(logits, n, v0, rows)
+            call += k_mm.matmul(g, cols, xf, w, n, rows, C, trans_b=True, ldc=V)
+        return call
+
+    def _head_backward(self, dxf, dlogits, xf, n: int, with_dw: bool) -> Call:
+        """dxf (n, C) = dlogits · W, summed over the vocabulary chunks; with `with_dw`, each chunk's
+        dW (+)= dlogits[:, chunk]ᵀ · xf into its own rows of the gradient."""
+        g, C, V = self.gpu, self.cfg.d_model, self.cfg.vocab_size
+        call = Call()
+        for j, (v0, rows, w, dw) in enumerate(self._head_chunks()):
+            d = self._logit_cols(dlogits, n, v0, rows)
+            call += k_mm.matmul(g, dxf, d, w, n, C, rows, lda=V, accumulate=j > 0)
+            if with_dw:
+                call += k_mm.matmul(g, dw, d, xf, rows, C, n, trans_a=True, lda=V, accumulate=True)
         return call
 
     def _backward_calls(self) -> Call:
@@ -945,17 +1051,7 @@ class Work:
                 )
             else:
                 call += k_sc.repeat_backward(g, demb, dcur, N, C, dv)
-        call += k_emb.embedding_backward(
-            g,
-            G("model.embed_tokens.weight"),
-            demb,
-            self.order,
-            self.starts,
-            cfg.vocab_size,
-            C,
-            accumulate=True,
-        )
-        return call
+        return call + self._embed_backward(demb, self.order, self.starts)
 
     def _block_backward(
         self, i: int, a: dict, dout, prefix: str | None = None, ddl: bool | None = None
@@ -1245,19 +1341,18 @@ class Work:
         likely next tokens and their full-softmax probabilities, from chunked logits (`ops.topk_kl.topk`;
         ties to the lower id, so ids[..., 0] is the argmax) -> (ids (B, T, k) int32, probs (B, T, k) f32).
         The forward's hidden rows stay readable through `hidden()`."""
-        cfg, g, net, N = self.cfg, self.gpu, self.net, self.N
+        cfg, g, N = self.cfg, self.gpu, self.N
         C, V = cfg.d_model, cfg.vocab_size
         k = min(int(k), V)
         if k not in self._topk:
             ids_out = g.buffer(N * k * 4, label="topk_ids")
             probs_out = g.buffer(N * k * F32, label="topk_probs")
-            W = net.view(net.head_name)
             call = Call()
             for r0 in range(0, N, self.chunk):
                 n = min(self.chunk, N - r0)
                 xf = (self.xf, r0 * C * F32, n * C * F32)
                 logits = (self.logit_chunk, 0, n * V * F32)
-                call += k_mm.matmul(g, logits, xf, W, n, V, C, trans_b=True)
+                call += self._head_forward(logits, xf, n)
                 call += k_topk.topk(g, ids_out, probs_out, logits, n, V, k, row_offset=r0)
             self._topk[k] = (call, ids_out, probs_out)
         call, ids_out, probs_out = self._topk[k]
@@ -1342,17 +1437,16 @@ class Work:
     def logits(self, ids) -> np.ndarray:
         """Full logits (B, T, V) — for tests and small models only (downloads chunk by chunk)."""
         self._upload(ids, None, train=False)
-        cfg, g, net = self.cfg, self.gpu, self.net
+        cfg, g = self.cfg, self.gpu
         C, V, N = cfg.d_model, cfg.vocab_size, self.N
         rec = g.recorder()
         self._fwd.record(rec)
         rec.submit()
         out = np.empty((N, V), np.float32)
-        W = net.view(net.head_name)
         for r0 in range(0, N, self.chunk):
             n = min(self.chunk, N - r0)
             xf = (self.xf, r0 * C * F32, n * C * F32)
-            k_mm.matmul(g, (self.logit_chunk, 0, n * V * F32), xf, W, n, V, C, trans_b=True).run(g)
+            self._head_forward((self.logit_chunk, 0, n * V * F32), xf, n).run(g)
             out[r0 : r0 + n] = g.download(self.logit_chunk, np.float32, n * V).reshape(n, V)
         return out.reshape(self.B, self.T, V)
 

@@ -33,6 +33,10 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 import wgpu  # noqa: E402
 
 ENV_ADAPTER = "DDL_WGPU_ADAPTER"
+# Lower the adapter's storage-binding / buffer limits (bytes), for tests of the row-chunked paths on small
+# shapes; the constructor's `max_binding` / `max_buffer` do the same. Never raises a limit.
+ENV_MAX_BINDING = "DDL_WGPU_MAX_BINDING"
+ENV_MAX_BUFFER = "DDL_WGPU_MAX_BUFFER"
 
 DRIVER_HINT = (
     "no GPU adapter found (Vulkan, Metal or DX12). Install a driver: on Debian/Ubuntu "
@@ -181,6 +185,12 @@ def pack(fmt: str, *values) -> bytes:
 # the device
 
 
+def _lowered(limit: int, override: int | None, env: str) -> int:
+    """The adapter's `limit`, lowered (never raised) by an explicit override or else the environment."""
+    value = override if override is not None else (os.environ.get(env) or None)
+    return int(limit) if value is None else min(int(limit), int(value))
+
+
 @dataclass
 class Kernel:
     """A compiled entry point with its explicit bind-group layout.
@@ -198,9 +208,16 @@ class Kernel:
 
 @dataclass
 class Gpu:
-    """The process's device. Build once (`Gpu()`), share everywhere; tests use one per session."""
+    """The process's device. Build once (`Gpu()`), share everywhere; tests use one per session.
+
+    `max_binding` / `max_buffer` (or env DDL_WGPU_MAX_BINDING / DDL_WGPU_MAX_BUFFER) lower the adapter's
+    storage-binding and buffer size limits: a test hook, so a CPU adapter exercises the row-chunked paths
+    of tensors larger than a binding with a tiny model. After construction they hold the limits in force;
+    `bind` and `buffer` enforce them."""
 
     choice: str | int | None = None
+    max_binding: int | None = None
+    max_buffer: int | None = None
     adapter: object = field(init=False)
     device: object = field(init=False)
 
@@ -217,8 +234,12 @@ class Gpu:
         self._layouts: dict = {}
         self._staging = None
         self.allocated = 0  # bytes of storage buffers created through `buffer` (memory reports)
-        self.max_binding = self.limits.get("max-storage-buffer-binding-size", 128 << 20)
-        self.max_buffer = self.limits.get("max-buffer-size", 256 << 20)
+        self.max_binding = _lowered(
+            self.limits.get("max-storage-buffer-binding-size", 128 << 20), self.max_binding, ENV_MAX_BINDING
+        )
+        self.max_buffer = _lowered(
+            self.limits.get("max-buffer-size", 256 << 20), self.max_buffer, ENV_MAX_BUFFER
+        )
         self.align = self.limits.get("min-storage-buffer-offset-alignment", 256)
 
     @property
@@ -284,11 +305,13 @@ class Gpu:
             raise GpuError(f"{kernel.name}: {len(resources)} buffers given, signature {kernel.sig!r}")
         entries = []
         for i, r in enumerate(resources):
-            if isinstance(r, tuple):
-                buf, off, size = r
-                entries.append({"binding": i, "resource": {"buffer": buf, "offset": off, "size": size}})
-            else:
-                entries.append({"binding": i, "resource": {"buffer": r, "offset": 0, "size": r.size}})
+            buf, off, size = r if isinstance(r, tuple) else (r, 0, r.size)
+            if size > self.max_binding and kernel.sig[i] != "u":
+                raise GpuError(
+                    f"{kernel.name}: binding {i} ({getattr(buf, 'label', '')!r}, {size} bytes) exceeds the "
+                    f"storage binding limit {self.max_binding}; bind such a tensor in row chunks"
+                )
+            entries.append({"binding": i, "resource": {"buffer": buf, "offset": off, "size": size}})
         return self.device.create_bind_group(layout=kernel.layout, entries=entries)
 
     # -- buffers ------------------------------------------------------------------------------------------

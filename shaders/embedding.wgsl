@@ -1,7 +1,11 @@
 // Token embedding: a gather forward and a deterministic, atomic-free backward.
 //
 //   embedding_forward  (ids, wte, out, p)              out[tok, c] = wte[ids[tok], c]
-//   embedding_backward (dout, order, starts, dwte, p)  dwte[v, c] (+)= sum_{j in bucket v} dout[order[j], c]
+//   embedding_forward_range (ids, wte, out, p)         the same for ids in [v0, hi) only, wte holding the
+//                                                      table's rows from v0 (one row chunk of a table larger
+//                                                      than a binding); other tokens' rows are not written
+//   embedding_backward (dout, order, starts, dwte, p)  dwte[v, c] (+)= sum_{j in bucket v0 + v} dout[order[j], c]
+//                                                      (dwte: the table's rows from v0; v0 = 0 when whole)
 //
 // The backward follows llm.c's bucketed wte_backward idea: the host, which knows the ids of each step, sorts
 // the token positions by id (stable) into `order` and gives the bucket bounds `starts` (V + 1), so bucket v
@@ -16,9 +20,11 @@ const WG: u32 = 256u;
 alias F = {{F}};
 
 struct Params {
-    rows: u32,        // forward: n_tokens; backward: V
+    rows: u32,        // forward: n_tokens; backward: V (the rows of this chunk of the table)
     C: u32,           // channels per row, in items of F
     accumulate: u32,  // backward: 1 adds into dwte, 0 overwrites it
+    v0: u32,          // first table row bound (row chunks); 0 for a whole table
+    hi: u32,          // forward_range: ids >= hi belong to later chunks (0xFFFFFFFF for the last chunk)
 }
 
 fn item(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
@@ -44,6 +50,22 @@ fn embedding_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     fw_out[gid] = select(F(0.0), fw_wte[src], src < arrayLength(&fw_wte));
 }
 
+// One row chunk [v0, hi) of a table too large for one binding: each chunk's dispatch writes only the rows of
+// its ids, so the chunks together write every row once. The last chunk (hi = 0xFFFFFFFF) reads an id past
+// the table as a zero row, as the whole-table entry does.
+@compute @workgroup_size(WG)
+fn embedding_forward_range(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                           @builtin(local_invocation_id) lid: vec3<u32>) {
+    let gid = item(wid, nwg, lid);
+    if (gid >= fw_p.rows * fw_p.C) { return; }
+    let tok = gid / fw_p.C;
+    let c = gid - tok * fw_p.C;
+    let id = fw_ids[tok];
+    if (id < fw_p.v0 || id >= fw_p.hi) { return; }
+    let src = (id - fw_p.v0) * fw_p.C + c;
+    fw_out[gid] = select(F(0.0), fw_wte[src], src < arrayLength(&fw_wte));
+}
+
 // ---------------------------------------------------------------------------------------------------------
 
 @group(0) @binding(0) var<storage, read> bw_dout: array<F>;
@@ -59,8 +81,8 @@ fn embedding_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     if (gid >= bw_p.rows * bw_p.C) { return; }
     let v = gid / bw_p.C;
     let c = gid - v * bw_p.C;
-    let lo = bw_starts[v];
-    let hi = bw_starts[v + 1u];
+    let lo = bw_starts[bw_p.v0 + v];
+    let hi = bw_starts[bw_p.v0 + v + 1u];
     if (bw_p.accumulate != 0u && lo == hi) { return; }  // an unseen token: nothing to add
     let C = bw_p.C;
     var s0 = F(0.0);

@@ -11,8 +11,13 @@ frequent token sets the backward's time. Measured on the H200 (V 50304, C 768, 1
 one id 2000 times, 1.6 ms for Zipf(1.2) ids (largest bucket 2972); real text's top token is a few percent
 of the tokens. Splitting long buckets over a workgroup (a fixed-order tree) is the next step if it matters.
 
-What it does not do: position embeddings, or a table wider than one binding (a GPT-2-sized table does not
-fit lavapipe's 128 MiB binding; wgpu.md §1).
+A table larger than one storage binding (a 150 K vocabulary at d 4096 is 2.5 GB in f32) is bound in row
+chunks (`engine.Net.row_views`): the forward runs `embedding_forward_range` once per chunk (each writes only
+the rows of its ids), the backward runs `embedding_backward(..., v0=row0)` once per chunk with that chunk's
+rows of the gradient, reading the buckets v0 .. v0 + rows of the one `starts` array. Every dwte element is
+still written by one thread, so the result stays deterministic.
+
+What it does not do: position embeddings.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from ddl_wgpu.ops.elementwise import need, templates, vec_width
 
 FILE = "embedding.wgsl"
 WG = 256  # threads per workgroup, as in the shader
-PARAMS = "uuu"  # Params {rows, C, accumulate}; C in items of the shader's type (C / 4 on the vec4 path)
+PARAMS = "uuuuu"  # Params {rows, C, accumulate, v0, hi}; C in items of the shader's type (C / 4 on vec4)
+ALL = 0xFFFFFFFF  # `hi` of the last row chunk: every id from v0 on
 
 
 def embedding_buckets(ids, V: int) -> tuple[np.ndarray, np.ndarray]:
@@ -49,20 +55,42 @@ def embedding_forward(gpu: Gpu, out, ids, wte, n_tokens: int, C: int) -> Call:
     need("embedding_forward", "ids", ids, n_tokens)
     width = vec_width(C, wte, out)
     k = gpu.kernel(FILE, "embedding_forward", "rrwu", templates=templates(width), workgroup=(WG, 1, 1))
-    u = gpu.uniform(PARAMS, n_tokens, C // width, 0, label="embedding_forward")
+    u = gpu.uniform(PARAMS, n_tokens, C // width, 0, 0, ALL, label="embedding_forward")
     return Call([(k, gpu.bind(k, ids, wte, out, u), max(1, -(-n_tokens * C // width // WG)))], [u])
 
 
-def embedding_backward(gpu: Gpu, dwte, dout, order, starts, V: int, C: int, accumulate: bool = True) -> Call:
+def embedding_forward_range(
+    gpu: Gpu, out, ids, wte_rows, n_tokens: int, C: int, v0: int, rows: int, last: bool = False
+) -> Call:
+    """The rows of out (n_tokens, C) whose id lies in [v0, v0 + rows) = wte_rows[id - v0]; wte_rows
+    (rows, C) is one row chunk of the table. Other rows of `out` are left untouched, so one call per chunk
+    writes every row once. `last`: ids past the chunk (past the table) give zero rows, as in
+    `embedding_forward`."""
+    n_tokens, C, v0, rows = int(n_tokens), int(C), int(v0), int(rows)
+    need("embedding_forward_range", "out", out, n_tokens * C)
+    need("embedding_forward_range", "ids", ids, n_tokens)
+    need("embedding_forward_range", "wte_rows", wte_rows, rows * C)
+    width = vec_width(C, wte_rows, out)
+    k = gpu.kernel(FILE, "embedding_forward_range", "rrwu", templates=templates(width), workgroup=(WG, 1, 1))
+    hi = ALL if last else v0 + rows
+    u = gpu.uniform(PARAMS, n_tokens, C // width, 0, v0, hi, label="embedding_forward_range")
+    return Call([(k, gpu.bind(k, ids, wte_rows, out, u), max(1, -(-n_tokens * C // width // WG)))], [u])
+
+
+def embedding_backward(
+    gpu: Gpu, dwte, dout, order, starts, V: int, C: int, accumulate: bool = True, v0: int = 0
+) -> Call:
     """dwte (V, C) (+)= per-id sums of dout (n_tokens, C), from `embedding_buckets`' order and starts.
 
     With `accumulate` (the default: with tied embeddings the LM head's gradient may already be in dwte) rows
     of unseen ids are left untouched; without it every row is overwritten (unseen ones with 0).
+    Row chunks: `dwte` holds the V rows from table row `v0` (ids v0 .. v0 + V - 1); `starts` is the whole
+    table's, so the chunk's buckets are starts[v0 .. v0 + V].
     """
-    V, C = int(V), int(C)
+    V, C, v0 = int(V), int(C), int(v0)
     need("embedding_backward", "dwte", dwte, V * C)
-    need("embedding_backward", "starts", starts, V + 1)
+    need("embedding_backward", "starts", starts, v0 + V + 1)
     width = vec_width(C, dwte, dout)
     k = gpu.kernel(FILE, "embedding_backward", "rrrwu", templates=templates(width), workgroup=(WG, 1, 1))
-    u = gpu.uniform(PARAMS, V, C // width, int(bool(accumulate)), label="embedding_backward")
+    u = gpu.uniform(PARAMS, V, C // width, int(bool(accumulate)), v0, 0, label="embedding_backward")
     return Call([(k, gpu.bind(k, dout, order, starts, dwte, u), max(1, -(-V * C // width // WG)))], [u])
