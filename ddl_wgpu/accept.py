@@ -228,11 +228,14 @@ def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth:
 
 def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, backend: str = "ref",
                conventions: MtpConfig | dict | None = None, probe_conventions: bool = False,
-               batch: int = 8, device: str | None = None) -> dict:  # fmt: skip
+               batch: int = 8, device: str | None = None, trunk_dtype: str = "f32") -> dict:  # fmt: skip
     """Greedy speculative acceptance of `model`'s draft over `windows` (1-D token arrays, each at most
     max_seq_len long), chained `depth` deep. `conventions` overrides the model's MtpConfig (concat, hiddens);
-    `probe_conventions` adds `probe`: the same measure under every concat x trunk_hidden x chain_hidden."""
+    `probe_conventions` adds `probe`: the same measure under every concat x trunk_hidden x chain_hidden.
+    `trunk_dtype` "f16" (wgpu only) keeps the GPU trunk's big matrices in f16 (`heal.WgpuTeacher`)."""
     check_backend(backend)
+    if trunk_dtype != "f32" and backend != "wgpu":
+        raise AcceptError(f"--trunk-dtype {trunk_dtype} needs the wgpu backend")
     if depth < 1:
         raise AcceptError(f"depth must be at least 1, got {depth}")
     if model.cfg.mtp is None:
@@ -246,7 +249,7 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, back
     if backend == "wgpu":
         from ddl_wgpu.heal import WgpuDraft, WgpuTeacher
 
-        teacher = WgpuTeacher(model, batch, device)
+        teacher = WgpuTeacher(model, batch, device, trunk_dtype)
         runner = WgpuDraft(model.params, model.cfg, None, batch, device).greedy
     trunk = trunk_batches(model, windows, batch, teacher)
     cfg = _with_conventions(model.cfg, conventions)
@@ -265,16 +268,19 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, back
 
 
 def accept_file(model_path, data_spec: str, depth: int = 3, window: int = 128, tokens: int | None = None,
-                backend: str = "ref", probe_conventions: bool = False, device: str | None = None) -> dict:  # fmt: skip
+                backend: str = "ref", probe_conventions: bool = False, device: str | None = None,
+                trunk_dtype: str = "f32") -> dict:  # fmt: skip
     """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure."""
     check_backend(backend)
     model = load_model(model_path)
     records = load_records(data_spec, tokenizer_for(model.tokenizer), tokens)
     check_vocab(records, model.cfg.vocab_size)
     windows = cut_windows(records, min(window, model.cfg.max_seq_len), depth + 1)
-    result = acceptance(model, windows, depth, backend, probe_conventions=probe_conventions, device=device)
+    result = acceptance(model, windows, depth, backend, probe_conventions=probe_conventions, device=device,
+                        trunk_dtype=trunk_dtype)  # fmt: skip
     result["data"] = str(data_spec)
     result["backend"] = backend
+    result["trunk_dtype"] = trunk_dtype
     return result
 
 

@@ -663,6 +663,9 @@ def accept(
         None, "--backend", help="wgpu or ref (numpy). Default: wgpu when a GPU adapter is present."
     ),
     device: str = typer.Option(None, "--device", help="Adapter index or name substring."),
+    trunk_dtype: str = typer.Option(
+        "f32", "--trunk-dtype", help="wgpu: the trunk's big matrices in f32, or f16 (needs shader-f16)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Greedy speculative acceptance of the draft chained K deep: A_j, α_j, τ (all and on-policy anchors)."""
@@ -677,6 +680,7 @@ def accept(
         backend=_draft_backend(backend),
         probe_conventions=probe_conventions,
         device=device,
+        trunk_dtype=trunk_dtype,
     )
     _emit(r, as_json, _accept_text(r))
 
@@ -700,6 +704,12 @@ def heal(
     eval_every: int = _opt(50, "Steps between held-out evaluations.", HEAL_HELP),
     patience: int = _opt(3, "Evaluations without a new best before stopping (0: never).", HEAL_HELP),
     seed: int = _opt(0, "Job-order seed.", HEAL_HELP),
+    trunk_dtype: str = typer.Option(
+        "f32",
+        "--trunk-dtype",
+        help="The GPU trunk's big matrices: f32, or f16 (half the memory; needs the adapter's shader-f16).",
+        rich_help_panel=HEAL_HELP,
+    ),
     backend: str = typer.Option(
         None, "--backend", help="wgpu or ref (numpy). Default: wgpu when a GPU adapter is present."
     ),
@@ -722,6 +732,7 @@ def heal(
         eval_every=eval_every,
         patience=patience,
         seed=seed,
+        trunk_dtype=trunk_dtype,
     )
     typer.echo("resolved configuration: " + json.dumps(cfg.__dict__), err=as_json)
 

@@ -26,6 +26,14 @@ the trunk's hidden, embedding and head, so the trunk learns from the draft's los
 Input-rows mode (`Work(..., rows_in=True, kl_k=k)`, for healing a draft alone as a one-layer model): the
 first block reads uploaded rows instead of the embedding, the loss is the top-k KL to a teacher's top-k
 (`ops.topk_kl`, chunked like the cross-entropy), and nothing flows into the embedding.
+
+Inference nets (`Net(..., inference=True, dtype="f32"|"f16")`, the heal teacher's frozen trunk): only the
+parameter arenas exist (no gradients, no moments: 4 or ~2 bytes per parameter instead of 16); `step`, the
+optimizer and gradient views raise GpuError, and their `Work` builds no backward (forward, loss_sum, logits,
+hidden, topk, spectral only). With dtype="f16" the large 2-D matrices (`F16_SUFFIXES`: attention q/k/v/o,
+MLP gate/up/down, the embedding, an untied LM head and the MTP draft's eh_proj) are stored as f16 and read by
+the f16-B matmul / f16 embedding gather (converted to f32 on load, f32 accumulation); every 1-D tensor
+(norms, biases) and the small DDL/compressor/conv weights stay f32. f16 needs the adapter's shader-f16.
 """
 
 from __future__ import annotations
@@ -61,6 +69,27 @@ MTP_BLOCK = "model.mtp.layers.0."
 EMBED = "model.embed_tokens.weight"
 ALIGN = 256  # WebGPU's default min-storage-buffer-offset-alignment; lavapipe needs 32, NVIDIA 32-256
 F32 = 4
+F16 = 2
+DTYPES = ("f32", "f16")
+# Names (by suffix) of the matrices an f16 inference Net stores as f16: the large 2-D ones. Everything else
+# (1-D norm weights and biases, the DDL beta/v projections, compressor and conv weights) stays f32.
+F16_SUFFIXES = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.mtp.eh_proj.weight",
+)
+
+
+def is_f16_matrix(name: str, shape) -> bool:
+    """Whether an f16 inference Net stores this parameter as f16 (`F16_SUFFIXES`, 2-D only)."""
+    return len(shape) == 2 and name.endswith(F16_SUFFIXES)
 
 
 def _align(n: int) -> int:
@@ -76,10 +105,20 @@ class Slot:
     arena: int
     offset: int
     numel: int
+    dtype: str = "f32"
+
+    @property
+    def itemsize(self) -> int:
+        return F16 if self.dtype == "f16" else F32
 
     @property
     def nbytes(self) -> int:
-        return self.numel * F32
+        return self.numel * self.itemsize
+
+    @property
+    def bind_bytes(self) -> int:
+        """Bytes of a binding of the whole tensor: nbytes rounded up to 4 (WebGPU binding sizes)."""
+        return -(-self.nbytes // 4) * 4
 
 
 @dataclass(frozen=True)
@@ -110,6 +149,9 @@ class Net:
 
     `trainable` (names, or a predicate on names) limits the optimizer and the gradient norm to a subset;
     the others stay frozen (their gradients are still computed where the backward passes through them).
+
+    `inference=True`: parameters only (no gradient or moment arenas), frozen, forward-only Works; `dtype`
+    "f16" (inference only) stores the `F16_SUFFIXES` matrices as f16 (see the module docstring).
     """
 
     def __init__(
@@ -121,7 +163,21 @@ class Net:
         trainable=None,
         arena_bytes: int | None = None,
         mtp_weight: float = 0.0,
+        inference: bool = False,
+        dtype: str = "f32",
     ):
+        if dtype not in DTYPES:
+            raise GpuError(f"parameter dtype {dtype!r} is not one of {list(DTYPES)}")
+        if dtype != "f32" and not inference:
+            raise GpuError(f"a {dtype} Net is inference-only: pass inference=True (training keeps f32)")
+        if dtype == "f16" and "shader-f16" not in gpu.features:
+            raise GpuError(
+                f"f16 weights (--trunk-dtype f16) need the adapter feature shader-f16, which {gpu.name} "
+                "does not offer; use f32"
+            )
+        if inference and trainable:
+            raise GpuError("an inference Net has no trainable parameters")
+        self.inference, self.dtype = bool(inference), dtype
         self.gpu, self.cfg = gpu, cfg
         self.mtp_weight = float(mtp_weight)  # weight of the draft's loss in joint training (cfg.mtp set)
         self.table = param_table(cfg)
@@ -130,7 +186,8 @@ class Net:
         self.slots: dict[str, Slot] = {}
         sizes: list[int] = [0]
         for spec in self.table:
-            nbytes = spec.numel * F32
+            dt = "f16" if dtype == "f16" and is_f16_matrix(spec.name, spec.shape) else "f32"
+            nbytes = spec.numel * (F16 if dt == "f16" else F32)
             # larger than a binding is fine (bound in row chunks, `row_views`); larger than a buffer is not
             if _align(nbytes) > gpu.max_buffer:
                 raise GpuError(
@@ -139,15 +196,22 @@ class Net:
                 )
             if sizes[-1] + _align(nbytes) > limit and sizes[-1] > 0:
                 sizes.append(0)
-            self.slots[spec.name] = Slot(spec.name, tuple(spec.shape), len(sizes) - 1, sizes[-1], spec.numel)
+            self.slots[spec.name] = Slot(
+                spec.name, tuple(spec.shape), len(sizes) - 1, sizes[-1], spec.numel, dt
+            )
             sizes[-1] += _align(nbytes)
         self.arena_sizes = sizes
         mk = gpu.buffer
         self.p = [mk(s, label=f"params{i}") for i, s in enumerate(sizes)]
-        self.g = [mk(s, label=f"grads{i}") for i, s in enumerate(sizes)]
-        self.m = [mk(s, label=f"adam_m{i}") for i, s in enumerate(sizes)]
-        self.v = [mk(s, label=f"adam_v{i}") for i, s in enumerate(sizes)]
-        if trainable is None:
+        if inference:
+            self.g, self.m, self.v = [], [], []
+        else:
+            self.g = [mk(s, label=f"grads{i}") for i, s in enumerate(sizes)]
+            self.m = [mk(s, label=f"adam_m{i}") for i, s in enumerate(sizes)]
+            self.v = [mk(s, label=f"adam_v{i}") for i, s in enumerate(sizes)]
+        if inference:
+            self.trainable = []
+        elif trainable is None:
             self.trainable = [s.name for s in self.table]
         elif callable(trainable):
             self.trainable = [s.name for s in self.table if trainable(s.name)]
@@ -171,24 +235,41 @@ class Net:
         return self._works[(batch, seq)]
 
     def export_snapshot(self, snapshot: list) -> dict[str, np.ndarray]:
-        arenas = [self.gpu.download(b, np.float32) for b in snapshot]
-        return {
-            name: arenas[s.arena][s.offset // F32 : s.offset // F32 + s.numel].reshape(s.shape).copy()
-            for name, s in self.slots.items()
-        }
+        return self._decode(snapshot)
+
+    def _decode(self, bufs: list) -> dict[str, np.ndarray]:
+        """Every tensor of arenas `bufs` (laid out like the parameters) as float32 arrays of its shape."""
+        arenas = [self.gpu.download(b, np.uint8) for b in bufs]
+        out = {}
+        for name, s in self.slots.items():
+            raw = arenas[s.arena][s.offset : s.offset + s.nbytes]
+            a = raw.view(np.float16 if s.dtype == "f16" else np.float32)
+            out[name] = a.astype(np.float32).reshape(s.shape)
+        return out
+
+    def wdtype(self, name: str) -> str:
+        """The stored dtype of a parameter: "f16" for the big matrices of an f16 inference Net, else "f32"."""
+        return self.slots[name].dtype
+
+    def _require_training(self, what: str) -> None:
+        if self.inference:
+            raise GpuError(f"{what}: this Net is inference-only (no gradients or optimizer state)")
 
     # -- views ------------------------------------------------------------------------------------------
 
     def view(self, name: str, kind: str = "p"):
         """(buffer, byte offset, nbytes) of a parameter in arena kind 'p', 'g', 'm' or 'v'. A parameter
-        larger than the storage-binding limit has no whole view: bind it through `row_views`."""
+        larger than the storage-binding limit has no whole view: bind it through `row_views`. An f16
+        tensor's view is numel·2 bytes rounded up to 4."""
+        if kind != "p":
+            self._require_training(f"gradient/moment view of {name}")
         s = self.slots[name]
         if s.nbytes > self.gpu.max_binding:
             raise GpuError(
                 f"parameter {name} ({s.nbytes} bytes) exceeds this adapter's storage binding limit "
                 f"{self.gpu.max_binding}: a kernel cannot bind it whole; bind it in row chunks (Net.row_views)"
             )
-        return (getattr(self, kind)[s.arena], s.offset, s.nbytes)
+        return (getattr(self, kind)[s.arena], s.offset, s.bind_bytes)
 
     def chunk_rows(self, name: str) -> int:
         """Rows per chunk of `row_views(name)`: the parameter's row count when it fits one binding, else
@@ -201,7 +282,7 @@ class Net:
             return rows
         row_bytes = s.nbytes // rows
         fit = self.gpu.max_binding // row_bytes
-        step = 64 if fit >= 64 else ALIGN // math.gcd(ALIGN, row_bytes)
+        step = 64 if fit >= 64 and 64 * row_bytes % ALIGN == 0 else ALIGN // math.gcd(ALIGN, row_bytes)
         if fit < step:
             raise GpuError(
                 f"parameter {name}: one aligned row chunk ({step} rows of {row_bytes} bytes) exceeds this "
@@ -212,6 +293,8 @@ class Net:
     def row_views(self, name: str, kind: str = "p") -> list[tuple[int, int, tuple]]:
         """A parameter (in arena kind 'p', 'g', 'm' or 'v') as row chunks [(row0, rows, view)], each view
         256-byte aligned and within the storage-binding limit; one chunk when the parameter fits a binding."""
+        if kind != "p":
+            self._require_training(f"gradient/moment view of {name}")
         s = self.slots[name]
         buf = getattr(self, kind)[s.arena]
         total = s.shape[0] if s.shape else 1
@@ -220,7 +303,7 @@ class Net:
         out = []
         for r0 in range(0, total, step):
             n = min(step, total - r0)
-            out.append((r0, n, (buf, s.offset + r0 * row_bytes, n * row_bytes)))
+            out.append((r0, n, (buf, s.offset + r0 * row_bytes, -(-n * row_bytes // 4) * 4)))
         return out
 
     @property
@@ -242,18 +325,23 @@ class Net:
             a = np.asarray(params[name])
             if tuple(a.shape) != s.shape:
                 raise GpuError(f"parameter {name} has shape {tuple(a.shape)}, the config needs {s.shape}")
-            self.gpu.write(self.p[s.arena], a.astype(np.float32), s.offset)
+            if s.dtype == "f16":
+                h = a.astype(np.float16)
+                if not np.isfinite(h).all() and np.isfinite(a).all():
+                    raise GpuError(
+                        f"parameter {name} overflows float16 (max |x| {float(np.abs(a).max()):.4g})"
+                    )
+                self.gpu.write(self.p[s.arena], h, s.offset)
+            else:
+                self.gpu.write(self.p[s.arena], a.astype(np.float32), s.offset)
         for bufs in (self.g, self.m, self.v):
             for b in bufs:
                 self.gpu.write(b, np.zeros(b.size // F32, np.float32))
 
     def _export(self, kind: str) -> dict[str, np.ndarray]:
-        arenas = [self.gpu.download(b, np.float32) for b in getattr(self, kind)]
-        out = {}
-        for name, s in self.slots.items():
-            start = s.offset // F32
-            out[name] = arenas[s.arena][start : start + s.numel].reshape(s.shape).copy()
-        return out
+        if kind != "p":
+            self._require_training("gradients/moments")
+        return self._decode(getattr(self, kind))
 
     def export(self) -> dict[str, np.ndarray]:
         """Every parameter as float32 numpy arrays, in table order."""
@@ -266,6 +354,7 @@ class Net:
         return self._export("m"), self._export("v")
 
     def load_moments(self, m: dict, v: dict):
+        self._require_training("load_moments")
         for kind, src in (("m", m), ("v", v)):
             for name, s in self.slots.items():
                 self.gpu.write(getattr(self, kind)[s.arena], np.asarray(src[name], np.float32), s.offset)
@@ -304,6 +393,7 @@ class Net:
         return [(arena, offset + o, min(cap, nbytes - o)) for o in range(0, nbytes, cap)]
 
     def zero_grads_call(self) -> Call:
+        self._require_training("zero_grads_call")
         if self._zero is None:
             call = Call()
             for a, b in enumerate(self.g):
@@ -315,6 +405,7 @@ class Net:
     def optimizer_call(self, hyper: AdamW) -> Call:
         """Global gradient norm over the trainable tensors, clip multiplier, AdamW; built once, its
         uniforms rewritten per step (the clip threshold and the AdamW hyper-parameters)."""
+        self._require_training("optimizer_call")
         values = k_adamw.adamw_uniform_values(
             hyper.lr, hyper.step, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay
         )
@@ -370,7 +461,8 @@ class Work:
         self.net, self.gpu, self.cfg = net, net.gpu, cfg
         self.rows_in, self.kl_k = rows_in, int(kl_k)
         self._chunk_rows = chunk_rows
-        self.mtp = cfg.mtp if not rows_in else None
+        self.inference = net.inference  # forward only: no backward scratch, no backward Calls, no draft
+        self.mtp = cfg.mtp if not (rows_in or self.inference) else None
         self.B, self.T = batch, seq
         self.N = N = batch * seq  # rows (tokens)
         C, D, V = cfg.d_model, cfg.head_dim, cfg.vocab_size
@@ -440,21 +532,22 @@ class Work:
         return a
 
     def _init_rest(self, act, S: int):
-        cfg, gpu, N, dv = self.cfg, self.gpu, self.N, self.dv
-        C, H, K, D, F, V = (
-            cfg.d_model,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            cfg.ffn_hidden,
-            cfg.vocab_size,
-        )
+        N, C, dv = self.N, self.cfg.d_model, self.dv
         self.xS = act(S, "x_last")  # the last block's output (stream or state)
         self.xL = act(N * C, "x_final") if dv > 1 else self.xS  # readout of the state, before the final norm
         self.xf = act(N * C, "x_normed")
         self.rf = act(N, "rstd_final")
         self.row_loss = act(N, "row_loss")
         self.loss_acc = act(4, "loss_sum")
+        if self.inference:
+            self.dxf = None
+        else:
+            self._init_backward_scratch(act, S)
+        self._init_head(act)
+
+    def _init_backward_scratch(self, act, S: int):
+        cfg, gpu, N, dv = self.cfg, self.gpu, self.N, self.dv
+        C, H, K, D, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
         # backward scratch, shared by every layer
         self.dx = act(N * C, "dx")
         self.dxf = act(N * C, "dxf")
@@ -474,6 +567,9 @@ class Work:
             self.dz = act(N * dv, "dv_logit")
             self.ones = gpu.upload(np.ones(N, np.float32), "ones")
             self.ksum = act(C, "ksum")
+
+    def _init_head(self, act):
+        gpu, N, C, V = self.gpu, self.N, self.cfg.d_model, self.cfg.vocab_size
         # the LM head runs in row chunks so full logits never exist: chunks are multiples of 64 rows
         # (64·C·4 bytes keeps every chunk's view offset 256-aligned) and bounded to 512 MiB of logits (half
         # the binding limit on small adapters). Tall chunks matter: the head's dx product has K = V, and a
@@ -502,7 +598,7 @@ class Work:
         if self.mtp is not None:
             self._init_mtp(act)
         self._fwd = self._forward_calls()
-        self._head_train = self._head_calls(True, self.trunk_head)
+        self._head_train = None if self.inference else self._head_calls(True, self.trunk_head)
         self._head_eval = self._head_calls(False, self.trunk_head)
         self._sum = k_red.sum_rows(gpu, self.loss_acc, self.row_loss, N)
         if self.mtp is not None:
@@ -510,6 +606,8 @@ class Work:
             self._head_mtp = self._head_calls(True, self.mtp_head)
             self._sum_mtp = k_red.sum_rows(gpu, self.loss_acc, self.m["row_loss"], N, index=1)
             self._bwd = self._mtp_backward_calls() + self._backward_calls()
+        elif self.inference:
+            self._bwd = None
         else:
             self._bwd = self._backward_calls()
         self._spectral = None
@@ -583,7 +681,7 @@ class Work:
             g, m["hn"], m["rh"], self._mtp_hidden(), P(MTP_HNORM), N, C, eps, style
         )
         call += k_emb.embedding_forward(g, m["cat"], m["cat_idx"], m["eh"], 2 * N, C)  # the concat, (2N, C)
-        call += k_mm.linear_forward(g, self.M["x"], m["cat"], P(MTP_EH), N, C, 2 * C)
+        call += k_mm.linear_forward(g, self.M["x"], m["cat"], P(MTP_EH), N, C, 2 * C, self.net.wdtype(MTP_EH))
         call += self._block_forward(0, self.M, m["pre"], prefix=MTP_BLOCK, ddl=False)
         return call + k_norm.rmsnorm_forward(g, m["post"], m["rf"], m["pre"], P(MTP_NORM), N, C, eps, style)
 
@@ -767,11 +865,12 @@ class Work:
         """Attention (from a["h"]) or SwiGLU MLP (from a["h2"]), its output projection into `out`."""
         cfg, g, N, C = self.cfg, self.gpu, self.N, self.cfg.d_model
         H, K, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
-        P = self.net.view
+        P, W = self.net.view, self.net.wdtype
         if sub == "attn":
-            call = k_mm.linear_forward(g, a["q"], a["h"], P(p + "self_attn.q_proj.weight"), N, H * D, C)
-            call += k_mm.linear_forward(g, a["k"], a["h"], P(p + "self_attn.k_proj.weight"), N, K * D, C)
-            call += k_mm.linear_forward(g, a["v"], a["h"], P(p + "self_attn.v_proj.weight"), N, K * D, C)
+            q, k, v = (p + f"self_attn.{t}_proj.weight" for t in "qkv")
+            call = k_mm.linear_forward(g, a["q"], a["h"], P(q), N, H * D, C, W(q))
+            call += k_mm.linear_forward(g, a["k"], a["h"], P(k), N, K * D, C, W(k))
+            call += k_mm.linear_forward(g, a["v"], a["h"], P(v), N, K * D, C, W(v))
             for t, nh in (("q", H), ("k", K)):
                 call += self._qk_chain_forward(a, t, nh, p)
             call += k_attn.attention_forward(
@@ -797,12 +896,14 @@ class Work:
                 H * D,
                 trans_b=True,
                 accumulate=accumulate,
+                b_dtype=W(p + "self_attn.o_proj.weight"),
             )
-        call = k_mm.linear_forward(g, a["gate"], a["h2"], P(p + "mlp.gate_proj.weight"), N, F, C)
-        call += k_mm.linear_forward(g, a["up"], a["h2"], P(p + "mlp.up_proj.weight"), N, F, C)
+        gate, up, down = (p + f"mlp.{t}_proj.weight" for t in ("gate", "up", "down"))
+        call = k_mm.linear_forward(g, a["gate"], a["h2"], P(gate), N, F, C, W(gate))
+        call += k_mm.linear_forward(g, a["up"], a["h2"], P(up), N, F, C, W(up))
         call += k_swiglu.swiglu_forward(g, a["s"], a["gate"], a["up"], N * F)
         return call + k_mm.matmul(
-            g, out, a["s"], P(p + "mlp.down_proj.weight"), N, C, F, trans_b=True, accumulate=accumulate
+            g, out, a["s"], P(down), N, C, F, trans_b=True, accumulate=accumulate, b_dtype=W(down)
         )
 
     def _compress_forward(self, prefix: str, x_in, X) -> Call:
@@ -940,13 +1041,13 @@ class Work:
     def _embed_forward(self, out, ids, n: int) -> Call:
         """out (n, C) = E[ids]; a table larger than a binding runs one range-gather per row chunk."""
         g, C = self.gpu, self.cfg.d_model
-        chunks = self.net.row_views(EMBED)
+        chunks, dt = self.net.row_views(EMBED), self.net.wdtype(EMBED)
         if len(chunks) == 1:
-            return k_emb.embedding_forward(g, out, ids, chunks[0][2], n, C)
+            return k_emb.embedding_forward(g, out, ids, chunks[0][2], n, C, w_dtype=dt)
         call = Call()
         for j, (v0, rows, w) in enumerate(chunks):
             last = j == len(chunks) - 1
-            call += k_emb.embedding_forward_range(g, out, ids, w, n, C, v0, rows, last=last)
+            call += k_emb.embedding_forward_range(g, out, ids, w, n, C, v0, rows, last=last, w_dtype=dt)
         return call
 
     def _embed_backward(self, dout, order, starts) -> Call:
@@ -959,9 +1060,10 @@ class Work:
 
     def _head_chunks(self) -> list[tuple[int, int, tuple, tuple]]:
         """The head's vocabulary chunks [(v0, rows, W view, dW view)]: one when it fits a binding. Tied
-        embeddings share the embedding's chunks."""
+        embeddings share the embedding's chunks; an inference Net has no dW views (None)."""
         net = self.net
-        pv, gv = net.row_views(net.head_name, "p"), net.row_views(net.head_name, "g")
+        pv = net.row_views(net.head_name, "p")
+        gv = [(None, None, None)] * len(pv) if net.inference else net.row_views(net.head_name, "g")
         if len(pv) > 1 and any(v0 % 64 for v0, _, _ in pv):
             raise GpuError(
                 f"{net.head_name}: vocabulary chunks of {pv[0][1]} rows do not keep logits column offsets "
@@ -980,9 +1082,10 @@ class Work:
         """logits (n, V) = xf (n, C) · Wᵀ, vocabulary chunk by vocabulary chunk (ldc = V)."""
         g, C, V = self.gpu, self.cfg.d_model, self.cfg.vocab_size
         call = Call()
+        dt = self.net.wdtype(self.net.head_name)
         for v0, rows, w, _dw in self._head_chunks():
             cols = self._logit_cols(logits, n, v0, rows)
-            call += k_mm.matmul(g, cols, xf, w, n, rows, C, trans_b=True, ldc=V)
+            call += k_mm.matmul(g, cols, xf, w, n, rows, C, trans_b=True, ldc=V, b_dtype=dt)
         return call
 
     def _head_backward(self, dxf, dlogits, xf, n: int, with_dw: bool) -> Call:
@@ -1273,6 +1376,8 @@ class Work:
         return self.gpu.download(self.readback, np.float32, 5)
 
     def _record_step(self, update: AdamW | None):
+        if self.inference:
+            raise GpuError("this Work belongs to an inference-only Net: no training steps (forward only)")
         rec = self.gpu.recorder()
         self.net.zero_grads_call().record(rec)
         self._fwd.record(rec)
@@ -1293,6 +1398,8 @@ class Work:
         loss is loss_main + net.mtp_weight · loss_mtp, and both parts are in the result."""
         if self.rows_in:
             raise GpuError("this Work reads input rows: use step_rows")
+        if self.inference:
+            raise GpuError("this Work belongs to an inference-only Net: no training steps (forward only)")
         count = self._upload(ids, lengths, train=True)
         out = self._record_step(update)
         loss = float(out[0]) / max(count, 1)

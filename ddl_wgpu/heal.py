@@ -73,6 +73,9 @@ class HealError(ValueError):
     """A heal that cannot run or had to stop, with one clear line."""
 
 
+TRUNK_DTYPES = ("f32", "f16")
+
+
 @dataclass(frozen=True)
 class HealConfig:
     """Settings of one `heal` run; defaults are the seed's."""
@@ -88,8 +91,13 @@ class HealConfig:
     eval_every: int = 50  # steps between held-out evaluations (also at the last step)
     patience: int = 3  # evaluations without a new best before stopping (0: never stop early)
     seed: int = 0  # seed of the per-epoch job shuffle
+    trunk_dtype: str = "f32"  # the GPU trunk's big matrices: f32, or f16 (half the memory; needs shader-f16)
 
     def __post_init__(self) -> None:
+        if self.trunk_dtype not in TRUNK_DTYPES:
+            raise HealError(
+                f"heal: trunk_dtype must be one of {list(TRUNK_DTYPES)}, got {self.trunk_dtype!r}"
+            )
         for name in ("chain", "tokens", "window", "topk", "batch", "eval_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -210,14 +218,25 @@ def _pad_rows(a, B: int):
 class WgpuTeacher:
     """The trunk on the GPU: one forward per batch of windows, the next-token top-k from chunked logits
     (`Work.topk`), the hidden rows before and after the final norm downloaded as float32 (heal keeps the
-    one the draft reads in float16). Frozen: the trunk's Net is built without trainable tensors."""
+    one the draft reads in float16). Frozen: the trunk is an inference-only Net (parameters alone, no
+    gradients or optimizer state); `dtype` "f16" stores its big matrices in f16 (`engine.F16_SUFFIXES`:
+    about 2 bytes per parameter, so a 4 B-parameter trunk fits a 16 GB card), which needs the adapter
+    feature shader-f16."""
 
-    def __init__(self, model: Model, batch: int, device: str | None = None):
+    def __init__(self, model: Model, batch: int, device: str | None = None, dtype: str = "f32"):
         from ddl_wgpu.engine import Net
+        from ddl_wgpu.gpu import GpuError
         from ddl_wgpu.train import open_gpu
 
+        if dtype not in TRUNK_DTYPES:
+            raise HealError(f"heal: trunk dtype must be one of {list(TRUNK_DTYPES)}, got {dtype!r}")
         cfg = dataclasses.replace(model.cfg, mtp=None)  # the trunk alone
-        self.net = Net(open_gpu(device), cfg, model.params, trainable=[])
+        trunk = {n: a for n, a in model.params.items() if not n.startswith("model.mtp.")}
+        try:
+            self.net = Net(open_gpu(device), cfg, trunk, inference=True, dtype=dtype)
+        except GpuError as e:
+            raise HealError(f"heal: trunk on the GPU: {e}") from e
+        self.dtype = dtype
         self.B = batch
 
     def topk_hidden(self, ids_batch, k: int):
@@ -317,11 +336,16 @@ class WgpuDraft:
 
 
 def make_backend(backend: str, model: Model, init: dict | None, batch: int = 4,
-                 device: str | None = None) -> tuple[TrunkTeacher, DraftTrainer]:  # fmt: skip
+                 device: str | None = None, trunk_dtype: str = "f32") -> tuple[TrunkTeacher, DraftTrainer]:  # fmt: skip
     if backend not in BACKENDS:
         raise HealError(f"heal: backend {backend!r} has no MTP draft path yet (available: {list(BACKENDS)})")
+    if trunk_dtype != "f32" and backend != "wgpu":
+        raise HealError(
+            f"heal: --trunk-dtype {trunk_dtype} needs the wgpu backend (the ref trunk is f32/f64)"
+        )
     if backend == "wgpu":
-        return WgpuTeacher(model, batch, device), WgpuDraft(model.params, model.cfg, init, batch, device)
+        teacher = WgpuTeacher(model, batch, device, trunk_dtype)
+        return teacher, WgpuDraft(model.params, model.cfg, init, batch, device)
     return RefTeacher(model), RefDraft(model.params, model.cfg, init)
 
 
@@ -455,7 +479,7 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     total_tokens = int(sum(w.size for w in wins))
     say({"event": "windows", "windows": len(wins), "tokens": total_tokens, "chain": chain})
 
-    teacher, draft = make_backend(backend, model, init, nb, device)
+    teacher, draft = make_backend(backend, model, init, nb, device, cfg.trunk_dtype)
 
     # --- the trunk, once
     N, T = len(wins), max(w.size for w in wins)
@@ -595,6 +619,7 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
         "acceptance_before": acc_before,
         "acceptance_after": acc_after,
         "backend": backend,
+        "trunk_dtype": cfg.trunk_dtype,
         "config": cfg.to_dict(),
         "conventions": mcfg.mtp.to_dict(),
     }

@@ -14,10 +14,13 @@
 // (s0 + s1) + (s2 + s3)) and writes its element once: same inputs, same bits, no float atomics.
 //
 // Template: an item is F = f32, or vec4<f32> (4 adjacent channels) when C % 4 == 0; Params.C counts items
-// of F.
+// of F. The forward's table is read as W items: W = F, or for an f16 table (the inference Net's
+// `dtype="f16"`) f16 / vec4<f16>, converted to F on load; `{{enable}}` is `enable f16;` only then.
+{{enable}}
 
 const WG: u32 = 256u;
 alias F = {{F}};
+alias W = {{W}};
 
 struct Params {
     rows: u32,        // forward: n_tokens; backward: V (the rows of this chunk of the table)
@@ -34,7 +37,7 @@ fn item(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
 // ---------------------------------------------------------------------------------------------------------
 
 @group(0) @binding(0) var<storage, read> fw_ids: array<u32>;
-@group(0) @binding(1) var<storage, read> fw_wte: array<F>;
+@group(0) @binding(1) var<storage, read> fw_wte: array<W>;
 @group(0) @binding(2) var<storage, read_write> fw_out: array<F>;
 @group(0) @binding(3) var<uniform> fw_p: Params;
 
@@ -47,7 +50,7 @@ fn embedding_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgro
     let c = gid - tok * fw_p.C;
     // An id past the table (a corrupt batch) reads as a zero row rather than another row's data.
     let src = fw_ids[tok] * fw_p.C + c;
-    fw_out[gid] = select(F(0.0), fw_wte[src], src < arrayLength(&fw_wte));
+    fw_out[gid] = select(F(0.0), F(fw_wte[src]), src < arrayLength(&fw_wte));
 }
 
 // One row chunk [v0, hi) of a table too large for one binding: each chunk's dispatch writes only the rows of
@@ -63,7 +66,7 @@ fn embedding_forward_range(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_w
     let id = fw_ids[tok];
     if (id < fw_p.v0 || id >= fw_p.hi) { return; }
     let src = (id - fw_p.v0) * fw_p.C + c;
-    fw_out[gid] = select(F(0.0), fw_wte[src], src < arrayLength(&fw_wte));
+    fw_out[gid] = select(F(0.0), F(fw_wte[src]), src < arrayLength(&fw_wte));
 }
 
 // ---------------------------------------------------------------------------------------------------------

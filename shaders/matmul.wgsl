@@ -22,6 +22,12 @@
 // Out-of-range elements of A and B are copied as 0, so the edge tiles of M, N and K need no special case;
 // stores are guarded element by element. Each C element is summed by one thread in a fixed k order: the
 // result is deterministic (same inputs, same bits).
+//
+// f16 weights (`{{b_type}}` = f16, with `{{enable}}` = `enable f16;`, the module built only when the launcher
+// is asked for b_dtype="f16" and the adapter has shader-f16): B is read as array<f16> and converted to f32 as
+// it is copied into Bs; A, C, the shared tiles and every accumulation stay f32. The f32 module has both
+// placeholders filled as `f32` / nothing, so its source is unchanged.
+{{enable}}
 
 struct Params {
     M: u32,
@@ -39,7 +45,7 @@ struct Params {
 }
 
 @group(0) @binding(0) var<storage, read> a: array<f32>;
-@group(0) @binding(1) var<storage, read> b: array<f32>;
+@group(0) @binding(1) var<storage, read> b: array<{{b_type}}>;
 @group(0) @binding(2) var<storage, read_write> c: array<f32>;
 @group(0) @binding(3) var<uniform> P: Params;
 
@@ -69,7 +75,7 @@ fn a_at(base: u32, row: u32, col: u32, rows: u32, cols: u32) -> f32 {
 
 fn b_at(base: u32, row: u32, col: u32, rows: u32, cols: u32) -> f32 {
     if (row < rows && col < cols) {
-        return b[base + row * P.ldb + col];
+        return f32(b[base + row * P.ldb + col]);
     }
     return 0.0;
 }

@@ -353,6 +353,19 @@ def test_draft_commands_on_a_model_without_a_draft(model_file, corpus, tmp_path)
         cli("heal", str(model_file), "--data", str(corpus), "--out", str(tmp_path / "h.ddlw")), "no MTP draft"
     )
     assert not (tmp_path / "h.ddlw").exists()
+    user_error(
+        cli(
+            "heal",
+            str(model_file),
+            "--data",
+            str(corpus),
+            "--out",
+            str(tmp_path / "h.ddlw"),
+            "--trunk-dtype",
+            "bf16",
+        ),
+        "trunk_dtype must be one of",
+    )
     out = str(tmp_path / "c.ddlw")
     user_error(cli("compress", str(model_file), "--out", out, "--drop-layers", "7"), "out of range")
     user_error(cli("compress", str(model_file), "--out", out), "exactly one of")

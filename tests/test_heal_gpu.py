@@ -4,6 +4,8 @@ a short heal (held-out KL per chain step at every evaluation, acceptance before 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -137,3 +139,51 @@ def test_accept_file_wgpu_same_json(tmp_path):
     g = accept.accept_file(model, data, depth=2, window=24, backend="wgpu")
     assert list(g) == list(r) and g["backend"] == "wgpu"
     assert g["prefix_acceptance"] == r["prefix_acceptance"]
+
+
+def test_gpu_heal_with_f16_trunk_close_to_f32(gpu, tmp_path):
+    """`--trunk-dtype f16`: the teacher's big matrices in f16 (inference Net, ~2 bytes per parameter). The
+    trunk's top-k distributions and hidden rows move by the f16 rounding of its weights only, so the held-out
+    KLs of a short heal stay close to the f32 trunk's; the provenance records the trunk dtype."""
+    model = make_model(tmp_path / "m.ddlw")
+    data = str(make_text(tmp_path / "t.txt"))
+    a = heal.heal(model, data, tmp_path / "a.ddlw", SMALL, backend="wgpu")
+    h = heal.heal(model, data, tmp_path / "h.ddlw", replace(SMALL, trunk_dtype="f16"), backend="wgpu")
+    assert a["trunk_dtype"] == "f32" and h["trunk_dtype"] == "f16" and h["config"]["trunk_dtype"] == "f16"
+    assert load_model(tmp_path / "h.ddlw").provenance["heal_mtp"]["trunk_dtype"] == "f16"
+    assert a["steps"] == h["steps"] and len(a["history"]) == len(h["history"]) >= 3
+    for ha, hh in zip(a["history"], h["history"], strict=True):
+        # observed: ~2e-3 relative (KLs ~4e-3); f16 rounding of the teacher's weights is the only difference
+        np.testing.assert_allclose(hh["heldout_kl"], ha["heldout_kl"], rtol=1e-2, atol=1e-6)
+
+
+def test_f16_teacher_matches_f32_teacher_and_needs_shader_f16(gpu, monkeypatch):
+    from ddl_wgpu.train import open_gpu
+
+    m = Model(tiny_cfg(), perturbed(tiny_cfg()))
+    x = np.random.default_rng(5).integers(0, 256, (2, 20))
+    t32, t16 = heal.WgpuTeacher(m, batch=2), heal.WgpuTeacher(m, batch=2, dtype="f16")
+    assert (
+        t32.net.inference and not t32.net.g and t16.net.wdtype("model.layers.0.mlp.up_proj.weight") == "f16"
+    )
+    (i32, p32, _, post32), (i16, p16, _, post16) = t32.topk_hidden(x, 8), t16.topk_hidden(x, 8)
+    np.testing.assert_allclose(post16, post32, rtol=2e-2, atol=2e-3)
+    np.testing.assert_allclose(p16, p32, rtol=1e-2, atol=1e-6)
+    assert (i16[..., 0] == i32[..., 0]).mean() > 0.95
+    monkeypatch.setattr(open_gpu(None), "features", set())
+    with pytest.raises(heal.HealError, match="shader-f16") as e:
+        heal.WgpuTeacher(m, batch=2, dtype="f16")
+    assert "\n" not in str(e.value)
+    with pytest.raises(heal.HealError, match="trunk_dtype"):
+        heal.HealConfig(trunk_dtype="bf16")
+
+
+def test_accept_file_wgpu_f16_trunk(tmp_path):
+    model = make_model(tmp_path / "m.ddlw")
+    data = str(make_text(tmp_path / "t.txt", words=60))
+    a = accept.accept_file(model, data, depth=2, window=24, backend="wgpu")
+    h = accept.accept_file(model, data, depth=2, window=24, backend="wgpu", trunk_dtype="f16")
+    assert list(h) == list(a) and a["trunk_dtype"] == "f32" and h["trunk_dtype"] == "f16"
+    np.testing.assert_allclose(h["prefix_acceptance"], a["prefix_acceptance"], atol=0.05)
+    with pytest.raises(accept.AcceptError, match="wgpu"):
+        accept.accept_file(model, data, depth=2, window=24, trunk_dtype="f16")

@@ -17,6 +17,9 @@ the rows of its ids), the backward runs `embedding_backward(..., v0=row0)` once 
 rows of the gradient, reading the buckets v0 .. v0 + rows of the one `starts` array. Every dwte element is
 still written by one thread, so the result stays deterministic.
 
+f16 tables (`w_dtype="f16"`, forward only: the inference Net's f16 embedding): the gather reads f16 (or
+vec4<f16>) items and writes f32 rows; it needs the adapter feature shader-f16. The backward is f32 only.
+
 What it does not do: position embeddings.
 """
 
@@ -24,13 +27,31 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddl_wgpu.gpu import Call, Gpu
+from ddl_wgpu.gpu import Call, Gpu, GpuError
 from ddl_wgpu.ops.elementwise import need, templates, vec_width
 
 FILE = "embedding.wgsl"
 WG = 256  # threads per workgroup, as in the shader
 PARAMS = "uuuuu"  # Params {rows, C, accumulate, v0, hi}; C in items of the shader's type (C / 4 on vec4)
 ALL = 0xFFFFFFFF  # `hi` of the last row chunk: every id from v0 on
+
+
+def _templates(width: int, w_dtype: str = "f32") -> dict:
+    """Templates of embedding.wgsl: F (rows, gradients) is f32 / vec4<f32>; W (the forward's table) the
+    same in f32, or f16 / vec4<f16> for an f16 table."""
+    t = templates(width)
+    if w_dtype == "f32":
+        return {**t, "W": t["F"], "enable": ""}
+    if w_dtype != "f16":
+        raise GpuError(f"embedding: table dtype {w_dtype!r} is not f32 or f16")
+    return {**t, "W": "vec4<f16>" if width == 4 else "f16", "enable": "enable f16;"}
+
+
+def _check_f16(gpu: Gpu, w_dtype: str) -> None:
+    if w_dtype == "f16" and "shader-f16" not in gpu.features:
+        raise GpuError(
+            f"embedding: an f16 table needs the adapter feature shader-f16, which {gpu.name} lacks"
+        )
 
 
 def embedding_buckets(ids, V: int) -> tuple[np.ndarray, np.ndarray]:
@@ -48,19 +69,32 @@ def embedding_buckets(ids, V: int) -> tuple[np.ndarray, np.ndarray]:
     return order, starts
 
 
-def embedding_forward(gpu: Gpu, out, ids, wte, n_tokens: int, C: int) -> Call:
-    """out (n_tokens, C) = wte[ids]; ids (n_tokens,) u32, wte (V, C). An id >= V gives a zero row."""
+def embedding_forward(gpu: Gpu, out, ids, wte, n_tokens: int, C: int, w_dtype: str = "f32") -> Call:
+    """out (n_tokens, C) = wte[ids]; ids (n_tokens,) u32, wte (V, C) of `w_dtype` (f32 or f16). An id >= V
+    gives a zero row."""
     n_tokens, C = int(n_tokens), int(C)
     need("embedding_forward", "out", out, n_tokens * C)
     need("embedding_forward", "ids", ids, n_tokens)
+    _check_f16(gpu, w_dtype)
     width = vec_width(C, wte, out)
-    k = gpu.kernel(FILE, "embedding_forward", "rrwu", templates=templates(width), workgroup=(WG, 1, 1))
+    k = gpu.kernel(
+        FILE, "embedding_forward", "rrwu", templates=_templates(width, w_dtype), workgroup=(WG, 1, 1)
+    )
     u = gpu.uniform(PARAMS, n_tokens, C // width, 0, 0, ALL, label="embedding_forward")
     return Call([(k, gpu.bind(k, ids, wte, out, u), max(1, -(-n_tokens * C // width // WG)))], [u])
 
 
 def embedding_forward_range(
-    gpu: Gpu, out, ids, wte_rows, n_tokens: int, C: int, v0: int, rows: int, last: bool = False
+    gpu: Gpu,
+    out,
+    ids,
+    wte_rows,
+    n_tokens: int,
+    C: int,
+    v0: int,
+    rows: int,
+    last: bool = False,
+    w_dtype: str = "f32",
 ) -> Call:
     """The rows of out (n_tokens, C) whose id lies in [v0, v0 + rows) = wte_rows[id - v0]; wte_rows
     (rows, C) is one row chunk of the table. Other rows of `out` are left untouched, so one call per chunk
@@ -69,9 +103,11 @@ def embedding_forward_range(
     n_tokens, C, v0, rows = int(n_tokens), int(C), int(v0), int(rows)
     need("embedding_forward_range", "out", out, n_tokens * C)
     need("embedding_forward_range", "ids", ids, n_tokens)
-    need("embedding_forward_range", "wte_rows", wte_rows, rows * C)
+    _check_f16(gpu, w_dtype)
+    need("embedding_forward_range", "wte_rows", wte_rows, rows * C * (2 if w_dtype == "f16" else 4) // 4)
     width = vec_width(C, wte_rows, out)
-    k = gpu.kernel(FILE, "embedding_forward_range", "rrwu", templates=templates(width), workgroup=(WG, 1, 1))
+    t = _templates(width, w_dtype)
+    k = gpu.kernel(FILE, "embedding_forward_range", "rrwu", templates=t, workgroup=(WG, 1, 1))
     hi = ALL if last else v0 + rows
     u = gpu.uniform(PARAMS, n_tokens, C // width, 0, v0, hi, label="embedding_forward_range")
     return Call([(k, gpu.bind(k, ids, wte_rows, out, u), max(1, -(-n_tokens * C // width // WG)))], [u])
@@ -91,6 +127,6 @@ def embedding_backward(
     need("embedding_backward", "dwte", dwte, V * C)
     need("embedding_backward", "starts", starts, v0 + V + 1)
     width = vec_width(C, dwte, dout)
-    k = gpu.kernel(FILE, "embedding_backward", "rrrwu", templates=templates(width), workgroup=(WG, 1, 1))
+    k = gpu.kernel(FILE, "embedding_backward", "rrrwu", templates=_templates(width), workgroup=(WG, 1, 1))
     u = gpu.uniform(PARAMS, V, C // width, int(bool(accumulate)), v0, 0, label="embedding_backward")
     return Call([(k, gpu.bind(k, dout, order, starts, dwte, u), max(1, -(-V * C // width // WG)))], [u])

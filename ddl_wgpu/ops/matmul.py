@@ -18,6 +18,12 @@ K = vocabulary) runs as `split_k` products over consecutive K slices (the batch 
 slice offsets as batch strides) into a partials buffer, then `splitk_reduce` sums the slices in a fixed order:
 deterministic, no atomics. GPUs use it automatically (`auto_split_k`); CPU adapters never do.
 
+f16 weights (`b_dtype="f16"`, the inference Net's big matrices): the B operand is bound as array<f16> and
+converted to f32 when copied into shared memory; A, C and the accumulation stay f32, so the result equals the
+f32 kernel run on the same weights rounded to f16 (same k order). It needs the adapter feature shader-f16;
+the module gets `enable f16;` only in that variant. Offsets/strides of B are in elements either way; a view
+of f16 data is (buffer, byte offset, bytes) with the bytes rounded up to 4.
+
 What this file deliberately does not do: pick tiles by timing.
 """
 
@@ -71,8 +77,9 @@ class Tile:
                 f"matmul tile {self}: {self.shared_bytes} bytes of workgroup memory exceed the limit"
             )
 
-    def templates(self) -> dict:
-        """The `{{name}}` values of matmul.wgsl for this tile: sizes plus the generated straight-line code."""
+    def templates(self, b_dtype: str = "f32") -> dict:
+        """The `{{name}}` values of matmul.wgsl for this tile: sizes plus the generated straight-line code;
+        `b_dtype` "f16" reads B as array<f16> (and enables the f16 extension)."""
         mq, nq = self.tm // 4, self.tn // 4  # vec4 groups of rows (of As) and of columns (of Bs) per thread
         acc = [(i, r, j) for i in range(mq) for r in range(4) for j in range(nq)]
         name = "acc_{}{}_{}".format
@@ -100,6 +107,8 @@ class Tile:
             "acc_decl": "\n".join(decl),
             "fma": "\n".join(fma),
             "store": "\n".join(store),
+            "b_type": b_dtype,
+            "enable": "enable f16;" if b_dtype == "f16" else "",
         }
 
 
@@ -126,15 +135,28 @@ def pick_tile(gpu, M: int, N: int, batch: int = 1) -> Tile:
     return LARGE_TILE if groups >= need and fits else SMALL_TILE
 
 
-def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile):
-    """The compiled `matmul` entry point for one layout and tile (cached by the device layer)."""
+B_DTYPES = {"f32": 4, "f16": 2}  # element bytes of B
+
+
+def _b_itemsize(gpu, b_dtype: str) -> int:
+    if b_dtype not in B_DTYPES:
+        raise GpuError(f"matmul: b_dtype {b_dtype!r} is not one of {list(B_DTYPES)}")
+    if b_dtype == "f16" and "shader-f16" not in gpu.features:
+        raise GpuError(f"matmul: f16 weights need the adapter feature shader-f16, which {gpu.name} lacks")
+    return B_DTYPES[b_dtype]
+
+
+def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile, b_dtype: str = "f32"):
+    """The compiled `matmul` entry point for one layout, tile and B element type (cached by the device
+    layer)."""
+    _b_itemsize(gpu, b_dtype)
     tile.validate(gpu)
     return gpu.kernel(
         SHADER,
         "matmul",
         "rrwu",
         constants={"TRANS_A": int(trans_a), "TRANS_B": int(trans_b)},
-        templates=tile.templates(),
+        templates=tile.templates(b_dtype),
         workgroup=(tile.wx, tile.wy, 1),
     )
 
@@ -164,7 +186,9 @@ def _scratch(gpu, nbytes: int):
     return cache[size]
 
 
-def _split_k(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, parts, tile) -> Call:
+def _split_k(
+    gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, parts, tile, b_dtype="f32"
+) -> Call:
     """C (+)= alpha * op(A) op(B) as `parts` products over K slices plus a fixed-order reduction."""
     # slices of a multiple of 64 elements keep the short last slice's view offset 256-byte aligned
     ks = _ceil(_ceil(K, parts), 64) * 64
@@ -195,11 +219,12 @@ def _split_k(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ld
         ldb=ldb,
         tile=tile or pick_tile(gpu, M, N, full),
         split_k=1,
+        b_dtype=b_dtype,
     )
     if full < parts:  # the short last slice
         rest = K - full * ks
         a_view = _offset_view(a, full * sa)
-        b_view = _offset_view(b, full * sb)
+        b_view = _offset_view(b, full * sb, B_DTYPES[b_dtype])
         if a_view is None or b_view is None:
             return None
         call += matmul(
@@ -216,6 +241,7 @@ def _split_k(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ld
             ldb=ldb,
             tile=tile,
             split_k=1,
+            b_dtype=b_dtype,
         )
     k = gpu.kernel(SHADER, "splitk_reduce", "rwu", templates=SMALL_TILE.templates(), workgroup=(256, 1, 1))
     u = gpu.uniform(
@@ -225,10 +251,10 @@ def _split_k(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ld
     return call
 
 
-def _offset_view(res, elements: int):
-    """`res` advanced by `elements` floats, or None when the offset breaks the binding alignment."""
+def _offset_view(res, elements: int, itemsize: int = 4):
+    """`res` advanced by `elements` items, or None when the offset breaks the binding alignment."""
     buf, off, size = res if isinstance(res, tuple) else (res, 0, res.size)
-    shift = 4 * elements
+    shift = itemsize * elements
     if shift % 256 or shift >= size:
         return None
     return (buf, off + shift, size - shift)
@@ -238,14 +264,16 @@ def _nbytes(res) -> int:
     return res[2] if isinstance(res, tuple) else res.size
 
 
-def _check_fits(what: str, res, batch: int, stride: int, rows: int, cols: int, ld: int) -> None:
+def _check_fits(
+    what: str, res, batch: int, stride: int, rows: int, cols: int, ld: int, itemsize: int = 4
+) -> None:
     """Raise if the last element this GEMM touches lies outside the bound buffer (or view): the shader's
     bounds checks would otherwise clamp silently."""
     if rows == 0 or cols == 0:
         return
     if ld < cols:
         raise GpuError(f"matmul: {what} row stride {ld} is smaller than its {cols} columns")
-    need = 4 * ((batch - 1) * stride + (rows - 1) * ld + cols)
+    need = itemsize * ((batch - 1) * stride + (rows - 1) * ld + cols)
     if need > _nbytes(res):
         raise GpuError(f"matmul: {what} needs {need} bytes, its buffer/view has {_nbytes(res)}")
 
@@ -271,12 +299,14 @@ def matmul(
     ldc: int | None = None,
     tile: Tile | None = None,
     split_k: int | None = None,
+    b_dtype: str = "f32",
 ) -> Call:
     """C = alpha * op(A) * op(B) (+ C when `accumulate`), for `batch` products whose operands start
     stride_a / stride_b / stride_c elements apart. `lda`, `ldb`, `ldc` are the row strides (in elements) of
     the stored matrices; they default to packed rows (A: K, or M when trans_a; B: N, or K when trans_b;
     C: N). `c` must be a different buffer from `a` and `b`. `tile` defaults to `pick_tile`. `split_k` slices
-    K into that many products plus a reduction (None: `auto_split_k`; only for packed, unbatched C)."""
+    K into that many products plus a reduction (None: `auto_split_k`; only for packed, unbatched C).
+    `b_dtype` "f16": B holds f16 values (converted to f32 on load; needs shader-f16)."""
     M, N, K, batch = int(M), int(N), int(K), int(batch)
     if min(M, N, K, batch) < 0:
         raise GpuError(f"matmul: negative size M={M} N={N} K={K} batch={batch}")
@@ -286,18 +316,20 @@ def matmul(
     if M == 0 or N == 0 or batch == 0:
         return Call()
     _check_fits("A", a, batch, stride_a, *((K, M) if trans_a else (M, K)), lda)
-    _check_fits("B", b, batch, stride_b, *((N, K) if trans_b else (K, N)), ldb)
+    _check_fits("B", b, batch, stride_b, *((N, K) if trans_b else (K, N)), ldb, _b_itemsize(gpu, b_dtype))
     _check_fits("C", c, batch, stride_c, M, N, ldc)
     parts = auto_split_k(gpu, M, N, K, batch) if split_k is None else int(split_k)
     if parts > 1 and batch == 1 and ldc == N and 2 * parts <= K:
-        call = _split_k(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, parts, tile)
+        call = _split_k(
+            gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, parts, tile, b_dtype
+        )
         if call is not None:
             return call
     tile = tile or pick_tile(gpu, M, N, batch)
     groups = (-(-N // tile.bn), -(-M // tile.bm), batch)
     if max(groups) > MAX_GROUPS:
         raise GpuError(f"matmul: {groups} workgroups exceed {MAX_GROUPS} per dimension; split the product")
-    k = kernel(gpu, trans_a, trans_b, tile)
+    k = kernel(gpu, trans_a, trans_b, tile, b_dtype)
     u = gpu.uniform(
         PARAMS,
         M,
@@ -317,9 +349,11 @@ def matmul(
     return Call(dispatches=[(k, gpu.bind(k, a, b, c, u), groups)], uniforms=[u])
 
 
-def linear_forward(gpu, out, x, w, rows: int, out_features: int, in_features: int) -> Call:
-    """out (rows, OUT) = x (rows, IN) @ w (OUT, IN)^T."""
-    return matmul(gpu, out, x, w, rows, out_features, in_features, trans_b=True)
+def linear_forward(
+    gpu, out, x, w, rows: int, out_features: int, in_features: int, w_dtype: str = "f32"
+) -> Call:
+    """out (rows, OUT) = x (rows, IN) @ w (OUT, IN)^T; `w_dtype` "f16" reads f16 weights."""
+    return matmul(gpu, out, x, w, rows, out_features, in_features, trans_b=True, b_dtype=w_dtype)
 
 
 def linear_backward(
