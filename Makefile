@@ -20,7 +20,7 @@ demo:
 	scripts/heal_story.sh .venv/bin/ddl-wgpu runs/demo/heal
 
 test:
-	@EXTRAS=test,plot scripts/bootstrap.sh
+	@EXTRAS=test,plot,hf scripts/bootstrap.sh
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/python -m pytest
