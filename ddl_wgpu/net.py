@@ -1,0 +1,408 @@
+"""Parameters, gradients and AdamW moments of one model resident on the GPU (`Net`), laid out from the
+parameter table, plus the small types a step uses (`AdamW`, `StepResult`, `Slot`).
+
+Layout (style.md rule 5): the parameter table of `ddl_ref.params` is laid out into flat *arenas*, one
+buffer each for parameters, gradients, first and second moments; offsets are aligned to 256 bytes so any
+tensor can be bound as a sub-range on any adapter. A model too large for one buffer spans several arenas
+(the H200 caps a buffer just under 4 GiB and a binding at 2 GiB, wgpu.md §4), and a tensor larger than one
+binding is bound in row chunks (`Net.row_views`).
+
+Inference nets (`Net(..., inference=True, dtype="f32"|"f16")`, the heal teacher's frozen trunk): only the
+parameter arenas exist (no gradients, no moments: 4 or ~2 bytes per parameter instead of 16); the optimizer
+and gradient views raise GpuError. With dtype="f16" the large 2-D matrices (`F16_SUFFIXES`) are stored as f16
+and read by the f16-B matmul / f16 embedding gather (f32 accumulation); every 1-D tensor and the small
+DDL/compressor/conv weights stay f32. f16 needs the adapter's shader-f16.
+
+The activations and the model's forward/backward live in `engine.py` (`Work`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ddl_ref.config import ModelConfig
+from ddl_ref.params import init_params, param_table
+from ddl_wgpu.gpu import Call, Gpu, GpuError
+from ddl_wgpu.ops import adamw as k_adamw
+from ddl_wgpu.ops import elementwise as k_ew
+from ddl_wgpu.ops import reduce as k_red
+
+if TYPE_CHECKING:
+    from ddl_wgpu.engine import Work
+
+MTP_ENORM = "model.mtp.enorm.weight"
+MTP_HNORM = "model.mtp.hnorm.weight"
+MTP_EH = "model.mtp.eh_proj.weight"
+MTP_NORM = "model.mtp.norm.weight"
+MTP_BLOCK = "model.mtp.layers.0."
+EMBED = "model.embed_tokens.weight"
+ALIGN = 256  # WebGPU's default min-storage-buffer-offset-alignment; lavapipe needs 32, NVIDIA 32-256
+F32 = 4
+F16 = 2
+DTYPES = ("f32", "f16")
+# Names (by suffix) of the matrices an f16 inference Net stores as f16: the large 2-D ones. Everything else
+# (1-D norm weights and biases, the DDL beta/v projections, compressor and conv weights) stays f32.
+F16_SUFFIXES = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.mtp.eh_proj.weight",
+)
+
+
+def is_f16_matrix(name: str, shape) -> bool:
+    """Whether an f16 inference Net stores this parameter as f16 (`F16_SUFFIXES`, 2-D only)."""
+    return len(shape) == 2 and name.endswith(F16_SUFFIXES)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives: arena index and byte range (the same in every arena kind)."""
+
+    name: str
+    shape: tuple
+    arena: int
+    offset: int
+    numel: int
+    dtype: str = "f32"
+
+    @property
+    def itemsize(self) -> int:
+        return F16 if self.dtype == "f16" else F32
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def bind_bytes(self) -> int:
+        """Bytes of a binding of the whole tensor: nbytes rounded up to 4 (WebGPU binding sizes)."""
+        return -(-self.nbytes // 4) * 4
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """The optimizer's hyper-parameters for one step (`step` counts from 1)."""
+
+    lr: float
+    step: int
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-5
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over valid predictions
+    count: int  # valid predictions
+    grad_norm: float  # global gradient norm before clipping (nan when not computed)
+    finite: bool  # loss and gradients finite
+    loss_main: float = math.nan  # joint MTP training: the trunk's next-token loss
+    loss_mtp: float = math.nan  # joint MTP training: the draft's loss (before its weight)
+
+
+class Net:
+    """Parameters, gradients and AdamW moments of one model on the GPU.
+
+    `trainable` (names, or a predicate on names) limits the optimizer and the gradient norm to a subset;
+    the others stay frozen (their gradients are still computed where the backward passes through them).
+
+    `inference=True`: parameters only (no gradient or moment arenas), frozen, forward-only Works; `dtype`
+    "f16" (inference only) stores the `F16_SUFFIXES` matrices as f16 (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        gpu: Gpu,
+        cfg: ModelConfig,
+        params: dict | None = None,
+        seed: int = 0,
+        trainable=None,
+        arena_bytes: int | None = None,
+        mtp_weight: float = 0.0,
+        inference: bool = False,
+        dtype: str = "f32",
+    ):
+        if dtype not in DTYPES:
+            raise GpuError(f"parameter dtype {dtype!r} is not one of {list(DTYPES)}")
+        if dtype != "f32" and not inference:
+            raise GpuError(f"a {dtype} Net is inference-only: pass inference=True (training keeps f32)")
+        if dtype == "f16" and "shader-f16" not in gpu.features:
+            raise GpuError(
+                f"f16 weights (--trunk-dtype f16) need the adapter feature shader-f16, which {gpu.name} "
+                "does not offer; use f32"
+            )
+        if inference and trainable:
+            raise GpuError("an inference Net has no trainable parameters")
+        self.inference, self.dtype = bool(inference), dtype
+        self.gpu, self.cfg = gpu, cfg
+        self.mtp_weight = float(mtp_weight)  # weight of the draft's loss in joint training (cfg.mtp set)
+        self.table = param_table(cfg)
+        limit = min(gpu.max_buffer, arena_bytes or gpu.max_buffer)
+        limit = limit // ALIGN * ALIGN
+        self.slots: dict[str, Slot] = {}
+        sizes: list[int] = [0]
+        for spec in self.table:
+            dt = "f16" if dtype == "f16" and is_f16_matrix(spec.name, spec.shape) else "f32"
+            nbytes = spec.numel * (F16 if dt == "f16" else F32)
+            # larger than a binding is fine (bound in row chunks, `row_views`); larger than a buffer is not
+            if _align(nbytes) > gpu.max_buffer:
+                raise GpuError(
+                    f"parameter {spec.name} needs {nbytes} bytes, more than this adapter's max-buffer-size "
+                    f"{gpu.max_buffer}: it cannot be held in one buffer"
+                )
+            if sizes[-1] + _align(nbytes) > limit and sizes[-1] > 0:
+                sizes.append(0)
+            self.slots[spec.name] = Slot(
+                spec.name, tuple(spec.shape), len(sizes) - 1, sizes[-1], spec.numel, dt
+            )
+            sizes[-1] += _align(nbytes)
+        self.arena_sizes = sizes
+        mk = gpu.buffer
+        self.p = [mk(s, label=f"params{i}") for i, s in enumerate(sizes)]
+        if inference:
+            self.g, self.m, self.v = [], [], []
+        else:
+            self.g = [mk(s, label=f"grads{i}") for i, s in enumerate(sizes)]
+            self.m = [mk(s, label=f"adam_m{i}") for i, s in enumerate(sizes)]
+            self.v = [mk(s, label=f"adam_v{i}") for i, s in enumerate(sizes)]
+        if inference:
+            self.trainable = []
+        elif trainable is None:
+            self.trainable = [s.name for s in self.table]
+        elif callable(trainable):
+            self.trainable = [s.name for s in self.table if trainable(s.name)]
+        else:
+            wanted = set(trainable)
+            unknown = wanted - set(self.slots)
+            if unknown:
+                raise GpuError(f"unknown trainable parameter(s): {sorted(unknown)}")
+            self.trainable = [s.name for s in self.table if s.name in wanted]
+        self.scalars = gpu.buffer(k_red.SCALARS_BYTES, label="scalars")  # norm, clip mult, finite, sumsq
+        self.load(params if params is not None else init_params(cfg, seed))
+        self._opt = None
+        self._zero = None
+
+    def work(self, batch: int, seq: int) -> Work:
+        """The Work for this (batch, seq), built on first use and cached."""
+        if not hasattr(self, "_works"):
+            self._works = {}
+        if (batch, seq) not in self._works:
+            from ddl_wgpu.engine import Work  # engine.py imports this module: import at use
+
+            self._works[(batch, seq)] = Work(self, batch, seq)
+        return self._works[(batch, seq)]
+
+    def export_snapshot(self, snapshot: list) -> dict[str, np.ndarray]:
+        return self._decode(snapshot)
+
+    def _decode(self, bufs: list) -> dict[str, np.ndarray]:
+        """Every tensor of arenas `bufs` (laid out like the parameters) as float32 arrays of its shape."""
+        arenas = [self.gpu.download(b, np.uint8) for b in bufs]
+        out = {}
+        for name, s in self.slots.items():
+            raw = arenas[s.arena][s.offset : s.offset + s.nbytes]
+            a = raw.view(np.float16 if s.dtype == "f16" else np.float32)
+            out[name] = a.astype(np.float32).reshape(s.shape)
+        return out
+
+    def wdtype(self, name: str) -> str:
+        """The stored dtype of a parameter: "f16" for the big matrices of an f16 inference Net, else "f32"."""
+        return self.slots[name].dtype
+
+    def _require_training(self, what: str) -> None:
+        if self.inference:
+            raise GpuError(f"{what}: this Net is inference-only (no gradients or optimizer state)")
+
+    # -- views ------------------------------------------------------------------------------------------
+
+    def view(self, name: str, kind: str = "p"):
+        """(buffer, byte offset, nbytes) of a parameter in arena kind 'p', 'g', 'm' or 'v'. A parameter
+        larger than the storage-binding limit has no whole view: bind it through `row_views`. An f16
+        tensor's view is numel·2 bytes rounded up to 4."""
+        if kind != "p":
+            self._require_training(f"gradient/moment view of {name}")
+        s = self.slots[name]
+        if s.nbytes > self.gpu.max_binding:
+            raise GpuError(
+                f"parameter {name} ({s.nbytes} bytes) exceeds this adapter's storage binding limit "
+                f"{self.gpu.max_binding}: a kernel cannot bind it whole; bind it in row chunks (Net.row_views)"
+            )
+        return (getattr(self, kind)[s.arena], s.offset, s.bind_bytes)
+
+    def chunk_rows(self, name: str) -> int:
+        """Rows per chunk of `row_views(name)`: the parameter's row count when it fits one binding, else
+        the most rows whose view fits the binding limit, a multiple of 64 where 64 rows fit (then every
+        chunk's first row is a multiple of 64: 256-byte aligned as a vocabulary offset into logits rows as
+        well as a view), else a multiple of the rows that keep views 256-byte aligned."""
+        s = self.slots[name]
+        rows = s.shape[0] if s.shape else 1
+        if s.nbytes <= self.gpu.max_binding:
+            return rows
+        row_bytes = s.nbytes // rows
+        fit = self.gpu.max_binding // row_bytes
+        step = 64 if fit >= 64 and 64 * row_bytes % ALIGN == 0 else ALIGN // math.gcd(ALIGN, row_bytes)
+        if fit < step:
+            raise GpuError(
+                f"parameter {name}: one aligned row chunk ({step} rows of {row_bytes} bytes) exceeds this "
+                f"adapter's storage binding limit {self.gpu.max_binding}"
+            )
+        return fit // step * step
+
+    def row_views(self, name: str, kind: str = "p") -> list[tuple[int, int, tuple]]:
+        """A parameter (in arena kind 'p', 'g', 'm' or 'v') as row chunks [(row0, rows, view)], each view
+        256-byte aligned and within the storage-binding limit; one chunk when the parameter fits a binding."""
+        if kind != "p":
+            self._require_training(f"gradient/moment view of {name}")
+        s = self.slots[name]
+        buf = getattr(self, kind)[s.arena]
+        total = s.shape[0] if s.shape else 1
+        row_bytes = s.nbytes // max(total, 1)
+        step = self.chunk_rows(name)
+        out = []
+        for r0 in range(0, total, step):
+            n = min(step, total - r0)
+            out.append((r0, n, (buf, s.offset + r0 * row_bytes, -(-n * row_bytes // 4) * 4)))
+        return out
+
+    @property
+    def head_name(self) -> str:
+        return "model.embed_tokens.weight" if self.cfg.tie_embeddings else "lm_head.weight"
+
+    @property
+    def num_params(self) -> int:
+        return sum(s.numel for s in self.slots.values())
+
+    # -- host transfers ---------------------------------------------------------------------------------
+
+    def load(self, params: dict):
+        """Write every parameter (float arrays of the table's shapes); moments and gradients are zeroed."""
+        missing = [n for n in self.slots if n not in params]
+        if missing:
+            raise GpuError(f"missing parameter(s): {missing[:5]}{' …' if len(missing) > 5 else ''}")
+        for name, s in self.slots.items():
+            a = np.asarray(params[name])
+            if tuple(a.shape) != s.shape:
+                raise GpuError(f"parameter {name} has shape {tuple(a.shape)}, the config needs {s.shape}")
+            if s.dtype == "f16":
+                h = a.astype(np.float16)
+                if not np.isfinite(h).all() and np.isfinite(a).all():
+                    raise GpuError(
+                        f"parameter {name} overflows float16 (max |x| {float(np.abs(a).max()):.4g})"
+                    )
+                self.gpu.write(self.p[s.arena], h, s.offset)
+            else:
+                self.gpu.write(self.p[s.arena], a.astype(np.float32), s.offset)
+        for bufs in (self.g, self.m, self.v):
+            for b in bufs:
+                self.gpu.write(b, np.zeros(b.size // F32, np.float32))
+
+    def _export(self, kind: str) -> dict[str, np.ndarray]:
+        if kind != "p":
+            self._require_training("gradients/moments")
+        return self._decode(getattr(self, kind))
+
+    def export(self) -> dict[str, np.ndarray]:
+        """Every parameter as float32 numpy arrays, in table order."""
+        return self._export("p")
+
+    def grads(self) -> dict[str, np.ndarray]:
+        return self._export("g")
+
+    def moments(self) -> tuple[dict, dict]:
+        return self._export("m"), self._export("v")
+
+    def load_moments(self, m: dict, v: dict):
+        self._require_training("load_moments")
+        for kind, src in (("m", m), ("v", v)):
+            for name, s in self.slots.items():
+                self.gpu.write(getattr(self, kind)[s.arena], np.asarray(src[name], np.float32), s.offset)
+
+    def snapshot(self) -> list:
+        """A GPU-side copy of the parameters (no host round trip)."""
+        copies = [self.gpu.buffer(b.size, label="snapshot") for b in self.p]
+        rec = self.gpu.recorder()
+        for src, dst in zip(self.p, copies, strict=True):
+            rec.copy(src, 0, dst, 0, src.size)
+        rec.submit()
+        return copies
+
+    def restore(self, snapshot: list):
+        rec = self.gpu.recorder()
+        for src, dst in zip(snapshot, self.p, strict=True):
+            rec.copy(src, 0, dst, 0, src.size)
+        rec.submit()
+
+    # -- optimizer --------------------------------------------------------------------------------------
+
+    def _trainable_runs(self):
+        """Contiguous byte ranges of trainable tensors, per arena: [(arena, offset, nbytes)]."""
+        runs: list[list[int]] = []
+        for name in self.trainable:
+            s = self.slots[name]
+            if runs and runs[-1][0] == s.arena and runs[-1][1] + runs[-1][2] == s.offset:
+                runs[-1][2] = s.offset + _align(s.nbytes) - runs[-1][1]
+            else:
+                runs.append([s.arena, s.offset, _align(s.nbytes)])
+        return [piece for a, off, n in runs for piece in self._pieces(a, off, n)]
+
+    def _pieces(self, arena: int, offset: int, nbytes: int) -> list[tuple[int, int, int]]:
+        """A byte range of an arena as 256-aligned pieces each within the storage-binding limit."""
+        cap = self.gpu.max_binding // ALIGN * ALIGN
+        return [(arena, offset + o, min(cap, nbytes - o)) for o in range(0, nbytes, cap)]
+
+    def zero_grads_call(self) -> Call:
+        self._require_training("zero_grads_call")
+        if self._zero is None:
+            call = Call()
+            for a, b in enumerate(self.g):
+                for _, off, n in self._pieces(a, 0, b.size):
+                    call = call + k_ew.fill(self.gpu, (b, off, n), n // F32, 0.0)
+            self._zero = call
+        return self._zero
+
+    def optimizer_call(self, hyper: AdamW) -> Call:
+        """Global gradient norm over the trainable tensors, clip multiplier, AdamW; built once, its
+        uniforms rewritten per step (the clip threshold and the AdamW hyper-parameters)."""
+        self._require_training("optimizer_call")
+        values = k_adamw.adamw_uniform_values(
+            hyper.lr, hyper.step, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay
+        )
+        if self._opt is None:
+            runs = self._trainable_runs()
+            ranges = [((self.g[a], off, n), n // F32) for a, off, n in runs]
+            parts = self.gpu.buffer(k_red.total_partials([n for _, n in ranges]) * F32, label="norm_partials")
+            norm_call = k_red.grad_norm_clip(self.gpu, self.scalars, parts, ranges, hyper.grad_clip)
+            self._clip_uniform = norm_call.uniforms[-1]
+            self._norm_count = k_red.total_partials([n for _, n in ranges])
+            self._hyper_buf = self.gpu.uniform(k_adamw.ADAMW_FMT, *values)
+            call = norm_call
+            for a, off, n in runs:
+                views = [(buf[a], off, n) for buf in (self.p, self.g, self.m, self.v)]
+                call = call + k_adamw.adamw(self.gpu, *views, self.scalars, n // F32, self._hyper_buf)
+            self._opt = call
+        self.gpu.write_uniform(
+            self._clip_uniform, k_red.FINALIZE_FMT, self._norm_count, hyper.grad_clip, 0, 0
+        )
+        self.gpu.write_uniform(self._hyper_buf, k_adamw.ADAMW_FMT, *values)
+        return self._opt
+
+    def read_scalars(self) -> tuple[float, float, bool]:
+        s = self.gpu.download(self.scalars, np.float32, 3)
+        return float(s[0]), float(s[1]), bool(s[2] != 0)
