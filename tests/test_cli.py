@@ -370,3 +370,15 @@ def test_draft_commands_on_a_model_without_a_draft(model_file, corpus, tmp_path)
     user_error(cli("compress", str(model_file), "--out", out, "--drop-layers", "7"), "out of range")
     user_error(cli("compress", str(model_file), "--out", out), "exactly one of")
     assert not (tmp_path / "c.ddlw").exists()
+
+
+def test_new_phase_after_decay_to_zero_is_refused(corpus, tmp_path):
+    """A first phase with the seed's default floor (min_learning_rate 0) ends at lr 0; the seed's phase schedule
+    would run the next phase at lr 0, silently training nothing: the CLI says so and exits 2."""
+    out = tmp_path / "run"
+    ok(cli("train", "--data", str(corpus), "--variants", "baseline", "--out", str(out), "--max-steps", "2",
+           "--eval-interval", "2", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1", "--no-plots",
+           "--d-model", "32", "--n-layers", "1"))  # fmt: skip
+    ck = str(out / "baseline" / "checkpoint.ddlw")
+    user_error(cli("resume", ck, "--data", str(corpus), "--steps", "2"), "learning rate 0")
+    ok(cli("resume", ck, "--data", str(corpus), "--steps", "2", "--min-learning-rate", "1e-4"))
