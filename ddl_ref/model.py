@@ -46,8 +46,9 @@ def _head_name(cfg: ModelConfig) -> str:
 # the two sublayers (normalized input -> output before the residual), shared by both residuals
 
 
-def _attn_forward(params, cfg: ModelConfig, p: str, h, cos, sin):
-    """h (B, T, C) normalized -> (o_proj output (B, T, C), cache)."""
+def _attn_forward(params, cfg: ModelConfig, p: str, h, cos, sin, mask=None):
+    """h (B, T, C) normalized -> (o_proj output (B, T, C), cache). `mask` (T, T) bool replaces the causal
+    mask (`ops.attention_masked_forward`); cos/sin rows are then the rows' positions."""
     B, T, C = h.shape
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     eps, style = cfg.rms_eps, cfg.norm_style
@@ -65,7 +66,10 @@ def _attn_forward(params, cfg: ModelConfig, p: str, h, cos, sin):
         # Official DDL code: RoPE, then RMSNorm over head_dim.
         q, c["qn"] = ops.rmsnorm_forward(q, params[p + "self_attn.q_norm.weight"], eps, style)
         k, c["kn"] = ops.rmsnorm_forward(k, params[p + "self_attn.k_norm.weight"], eps, style)
-    a, c["attn"] = ops.attention_forward(q, k, v)  # (B, T, H, D)
+    if mask is None:
+        a, c["attn"] = ops.attention_forward(q, k, v)  # (B, T, H, D)
+    else:
+        a, c["attn"] = ops.attention_masked_forward(q, k, v, mask)
     a = a.reshape(B, T, H * D)
     c["a"] = a
     return ops.linear_forward(a, params[p + "self_attn.o_proj.weight"]), c
@@ -164,12 +168,15 @@ def _compress_backward(cfg: ModelConfig, prefix: str, dx_in, cache, grads):
 # one block
 
 
-def block_forward(params, cfg: ModelConfig, i: int, x, cos, sin):
+def block_forward(params, cfg: ModelConfig, i: int, x, cos, sin, mask=None):
     """x -> (x, cache) for block i.
 
     x is the residual stream: (B, T, C) for residual "add" and DDL d_v = 1, the state X (B, T, C, dv) for
-    DDL d_v > 1.
+    DDL d_v > 1. `mask` (T, T) bool replaces the causal attention mask (residual "add" only; the chained
+    draft's training layout, `ddl_ref.mtp.draft_forward`).
     """
+    if mask is not None and cfg.residual == "delta":
+        raise ValueError("an explicit attention mask needs residual 'add'")
     if cfg.residual == "delta":
         return _ddl_block_forward(params, cfg, i, x, cos, sin)
     p = _layer_prefix(i)
@@ -177,7 +184,7 @@ def block_forward(params, cfg: ModelConfig, i: int, x, cos, sin):
     c = {}
     # --- attention sublayer
     h, c["n1"] = ops.rmsnorm_forward(x, params[p + "input_layernorm.weight"], eps, style)  # (B, T, C)
-    out, c["attn_sub"] = _attn_forward(params, cfg, p, h, cos, sin)
+    out, c["attn_sub"] = _attn_forward(params, cfg, p, h, cos, sin, mask)
     x = x + out
     # --- MLP sublayer
     h2, c["n2"] = ops.rmsnorm_forward(x, params[p + "post_attention_layernorm.weight"], eps, style)

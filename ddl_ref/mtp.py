@@ -12,10 +12,10 @@ token t = x_{p+1}; step j > 1 reads the draft's own step j−1 output at row p (
 `pre` or `post`) and the token at p + j (the data token when teacher-forced, the draft's own argmax when
 drafting greedily). The target of step j at row p is the trunk's distribution at p + j.
 
-Attention of a step-j pass is causal over the step-j rows of the same window at RoPE positions 0..T−1, as
-the seed's trainer runs it (one window through a one-layer model). The runtime's training-time-test
-"diagonal" mask (mtp-heal.md §6.2: step-j rows attend to step-1 rows ≤ p plus the same anchor's step-2..j
-rows, at positions p + j − 1) is NOT reproduced here.
+Attention of a step-j pass is by default causal over the step-j rows of the same window at RoPE positions
+0..T−1, as the seed's trainer runs it (one window through a one-layer model). With `chain=j` the rows of
+steps 1..j are stacked and attend with the runtime's training-time-test "diagonal" mask (mtp-heal.md §6.2:
+step-j rows attend to step-1 rows ≤ p plus the same anchor's step-2..j rows, at positions p + j − 1).
 
 The block reuses `ddl_ref.model.block_forward/block_backward` through a name-mapped view of the parameters
 (`model.mtp.layers.0.X` seen as `model.layers.0.X`) and a one-layer baseline config (`draft_config`), so the
@@ -116,17 +116,34 @@ def draft_input_backward(dx, cache):
 # the draft block and its final norm
 
 
-def draft_forward(params: dict, cfg: ModelConfig, x_rows):
+def chain_rows(chain: int, T: int) -> int:
+    """Window length of `chain` stacked steps over T' rows (T' = chain·T), checked."""
+    if chain < 1 or T % chain:
+        raise ValueError(f"{T} stacked rows are not {chain} chain steps of one window")
+    return T // chain
+
+
+def draft_forward(params: dict, cfg: ModelConfig, x_rows, chain: int = 0):
     """x_rows (B, T, C) block input -> (hidden_pre (B, T, C), hidden_post (B, T, C), cache).
 
     hidden_pre is the block's residual output (what cortiq chains), hidden_post = model.mtp.norm(pre).
+    chain = 0: one step's rows, causal attention at positions 0..T−1 (the seed). chain = j >= 1: the rows
+    of steps 1..j of one window stacked (row (σ−1)·W + p, T = j·W), attending with the runtime's diagonal
+    mask (`ops.chain_mask`) at positions p + σ − 1 (`ops.chain_positions`), mtp-heal.md §6.2.
     """
     B, T, C = x_rows.shape
-    if cfg.max_seq_len < T:
-        raise ValueError(f"sequence length {T} exceeds max_seq_len {cfg.max_seq_len}")
+    W = chain_rows(chain, T) if chain else T
+    if cfg.max_seq_len < W:
+        raise ValueError(f"sequence length {W} exceeds max_seq_len {cfg.max_seq_len}")
     dcfg = draft_config(cfg)
-    cos, sin = ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, x_rows.dtype)  # positions 0..T-1
-    pre, c_block = ref_model.block_forward(block_view(params), dcfg, 0, x_rows, cos, sin)
+    mask = None
+    if chain:
+        pos = ops.chain_positions(chain, W)
+        cos, sin = ops.rope_tables_at(pos, cfg.head_dim, cfg.rope_theta, x_rows.dtype)
+        mask = ops.chain_mask(chain, W)
+    else:
+        cos, sin = ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, x_rows.dtype)  # positions 0..T-1
+    pre, c_block = ref_model.block_forward(block_view(params), dcfg, 0, x_rows, cos, sin, mask)
     post, c_norm = ops.rmsnorm_forward(pre, params[NORM], cfg.rms_eps, cfg.norm_style)
     return pre, post, {"block": c_block, "norm": c_norm, "cos": cos, "sin": sin}
 
@@ -151,13 +168,15 @@ def draft_logits(params: dict, cfg: ModelConfig, hidden_post):
     return ops.linear_forward(hidden_post, head_weight(params, cfg))
 
 
-def draft_kl_forward(params: dict, cfg: ModelConfig, x_rows, teacher_ids, teacher_probs, weights):
+def draft_kl_forward(params: dict, cfg: ModelConfig, x_rows, teacher_ids, teacher_probs, weights,
+                     chain: int = 0):  # fmt: skip
     """Top-k KL of the draft against a teacher, summed over rows.
 
-    x_rows (B, T, C), teacher_ids/probs (B, T, k), weights (B, T) 0/1 -> (kl_sum, cache).
+    x_rows (B, T, C), teacher_ids/probs (B, T, k), weights (B, T) 0/1 -> (kl_sum, cache). `chain` as in
+    `draft_forward` (stacked steps: the caller gives the rows of steps < chain weight 0).
     """
     B, T, C = x_rows.shape
-    pre, post, c_draft = draft_forward(params, cfg, x_rows)
+    pre, post, c_draft = draft_forward(params, cfg, x_rows, chain)
     logits = draft_logits(params, cfg, post)  # (B, T, V)
     k = np.shape(teacher_ids)[-1]
     kl_sum, c_kl = ops.topk_kl_forward(

@@ -215,6 +215,64 @@ def attention_backward(dout, cache):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# masked attention at explicit positions: the chained draft's training-time-test layout (mtp-heal.md §6.2)
+
+
+def chain_positions(chain: int, T: int):
+    """Stacked rows r = (σ−1)·T + p of chain steps σ = 1..chain over a window of T -> (chain·T,) int64
+    RoPE positions p + σ − 1."""
+    s, p = np.divmod(np.arange(chain * T), T)
+    return (p + s).astype(np.int64)
+
+
+def chain_mask(chain: int, T: int):
+    """(chain·T, chain·T) bool, [query, key]: key (σ', p') is visible to query (σ, p) iff (σ' == 1 and
+    p' <= p) or (2 <= σ' <= σ and p' == p): the step-1 rows (warm KV) up to the anchor, plus the same
+    anchor's step-2..σ rows (the EAGLE-3/HASS "diagonal" mask)."""
+    s, p = np.divmod(np.arange(chain * T), T)  # σ − 1, p
+    sq, pq = s[:, None], p[:, None]
+    sk, pk = s[None, :], p[None, :]
+    return ((sk == 0) & (pk <= pq)) | ((sk >= 1) & (sk <= sq) & (pk == pq))
+
+
+def rope_tables_at(positions, D, theta, dtype):
+    """-> (cos, sin), each (len(positions), D): row r is position positions[r] (`rope_tables`' rows)."""
+    positions = np.asarray(positions, np.int64)
+    cos, sin = rope_tables(int(positions.max()) + 1 if positions.size else 1, D, theta, np.float64)
+    return cos[positions].astype(dtype), sin[positions].astype(dtype)
+
+
+def attention_masked_forward(q, k, v, mask):
+    """`attention_forward` with an explicit mask (T, T) or (B, T, T) bool [query, key] instead of the causal
+    one; every query must see at least one key. -> (out (B, T, H, D), cache)."""
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    if H % K:
+        raise ValueError(f"n_heads {H} must be a multiple of n_kv_heads {K}")
+    mask = np.broadcast_to(np.asarray(mask, bool), (B, T, T))
+    if not mask.any(axis=-1).all():
+        raise ValueError("attention mask: a query row sees no key")
+    scale = float(D) ** -0.5
+    qh = q.transpose(0, 2, 1, 3)
+    kh = _expand_kv(k.transpose(0, 2, 1, 3), H)
+    vh = _expand_kv(v.transpose(0, 2, 1, 3), H)
+    scores = (qh @ kh.transpose(0, 1, 3, 2)) * scale  # (B, H, T, T)
+    scores = np.where(mask[:, None], scores, -np.inf).astype(q.dtype, copy=False)
+    m = np.max(scores, axis=-1, keepdims=True)
+    e = np.exp(scores - m)
+    s = np.sum(e, axis=-1, keepdims=True)
+    probs = e / s
+    lse = (m + np.log(s))[..., 0]
+    out = (probs @ vh).transpose(0, 2, 1, 3)
+    return out, (q, k, v, probs, lse)
+
+
+def attention_masked_backward(dout, cache):
+    """-> (dq, dk, dv). Masked entries have probability 0, so the causal backward applies unchanged."""
+    return attention_backward(dout, cache)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # SwiGLU
 
 

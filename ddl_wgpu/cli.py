@@ -722,6 +722,13 @@ def heal(
         help="The GPU trunk's big matrices: f32, or f16 (half the memory; needs the adapter's shader-f16).",
         rich_help_panel=HEAL_HELP,
     ),
+    chain_attention: str = typer.Option(
+        "seed",
+        "--chain-attention",
+        help="Attention of chain steps: seed (step j causal over step-j rows) or runtime (steps 1..j stacked, "
+        "the inference's diagonal mask at positions p+j-1; mtp-heal.md §6.2).",
+        rich_help_panel=HEAL_HELP,
+    ),
     backend: str = typer.Option(
         None, "--backend", help="wgpu or ref (numpy). Default: wgpu when a GPU adapter is present."
     ),
@@ -745,6 +752,7 @@ def heal(
         patience=patience,
         seed=seed,
         trunk_dtype=trunk_dtype,
+        chain_attention=chain_attention,
     )
     typer.echo("resolved configuration: " + json.dumps(cfg.__dict__), err=as_json)
 

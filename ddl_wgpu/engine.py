@@ -21,7 +21,10 @@ the trunk's hidden, embedding and head, so the trunk learns from the draft's los
 
 Input-rows mode (`Work(..., rows_in=True, kl_k=k)`, for healing a draft alone as a one-layer model): the
 first block reads uploaded rows instead of the embedding, the loss is the top-k KL to a teacher's top-k
-(`ops.topk_kl`, chunked like the cross-entropy), and nothing flows into the embedding.
+(`ops.topk_kl`, chunked like the cross-entropy), and nothing flows into the embedding. With `chain=j` the
+seq rows are the stacked rows of chain steps 1..j of one window (row (σ−1)·W + p, seq = j·W): attention uses
+the runtime's diagonal mask (`ops.attention.attention_masked_*`, `ddl_ref.ops.chain_mask`) and RoPE the
+positions p + σ − 1 (per-row tables); the caller weights the rows of steps < j with 0 (mtp-heal.md §6.2).
 
 Inference nets (`Net(..., inference=True, dtype="f32"|"f16")`, the heal teacher's frozen trunk): only the
 parameter arenas exist (no gradients, no moments: 4 or ~2 bytes per parameter instead of 16); `step`, the
@@ -85,9 +88,13 @@ class Work:
         chunk_rows: int | None = None,
         rows_in: bool = False,
         kl_k: int = 0,
+        chain: int = 0,
     ):
         cfg = net.cfg
-        if seq > cfg.max_seq_len:
+        if chain and (not rows_in or chain < 1 or seq % chain):
+            raise GpuError(f"chain={chain} needs input-rows mode and {seq} rows of whole chain windows")
+        self.chain = int(chain)
+        if (seq // chain if chain else seq) > cfg.max_seq_len:
             raise GpuError(f"sequence length {seq} exceeds the model's max_seq_len {cfg.max_seq_len}")
         if rows_in and (cfg.residual != "add" or kl_k < 1 or cfg.mtp is not None):
             raise GpuError(
@@ -118,7 +125,11 @@ class Work:
         self.scale = act(4, "loss_scale")
         self.order = buf(N * 4, label="emb_order")
         self.starts = buf((V + 1) * 4, label="emb_starts")
-        cos, sin = ref_ops.rope_tables(seq, D, cfg.rope_theta, np.float64)
+        if chain:  # stacked chain steps: row (σ−1)·W + p sits at position p + σ − 1
+            cos, sin = ref_ops.rope_tables_at(ref_ops.chain_positions(chain, seq // chain), D, cfg.rope_theta,
+                                              np.float64)  # fmt: skip
+        else:
+            cos, sin = ref_ops.rope_tables(seq, D, cfg.rope_theta, np.float64)
         self.cos = gpu.upload(cos.astype(np.float32), "rope_cos")
         self.sin = gpu.upload(sin.astype(np.float32), "rope_sin")
         self.emb = act(N * C, "embedding_out") if dv > 1 else None  # e, kept for the EC backward
@@ -508,19 +519,13 @@ class Work:
             call += k_mm.linear_forward(g, a["v"], a["h"], P(v), N, K * D, C, W(v))
             for t, nh in (("q", H), ("k", K)):
                 call += self._qk_chain_forward(a, t, nh, p)
-            call += k_attn.attention_forward(
-                g,
-                a["a"],
-                a["lse"],
-                self._qk_final(a, "q"),
-                self._qk_final(a, "k"),
-                a["v"],
-                self.B,
-                self.T,
-                H,
-                K,
-                D,
-            )
+            qf, kf = self._qk_final(a, "q"), self._qk_final(a, "k")
+            if self.chain:
+                call += k_attn.attention_masked_forward(
+                    g, a["a"], a["lse"], qf, kf, a["v"], self.B, self.T, H, K, D, self.T // self.chain
+                )
+            else:
+                call += k_attn.attention_forward(g, a["a"], a["lse"], qf, kf, a["v"], self.B, self.T, H, K, D)
             return call + k_mm.matmul(
                 g,
                 out,
@@ -939,23 +944,12 @@ class Work:
             H * D,
             accumulate_dw=True,
         )
-        call += k_attn.attention_backward(
-            g,
-            self.dq[0],
-            self.dk[0],
-            self.dv_,
-            self.da,
-            a["a"],
-            a["lse"],
-            self._qk_final(a, "q"),
-            self._qk_final(a, "k"),
-            a["v"],
-            self.B,
-            self.T,
-            H,
-            K,
-            D,
-        )
+        attn_args = (g, self.dq[0], self.dk[0], self.dv_, self.da, a["a"], a["lse"], self._qk_final(a, "q"),
+                     self._qk_final(a, "k"), a["v"], self.B, self.T, H, K, D)  # fmt: skip
+        if self.chain:
+            call += k_attn.attention_masked_backward(*attn_args, self.T // self.chain)
+        else:
+            call += k_attn.attention_backward(*attn_args)
         c_q, dq = self._qk_chain_backward(a, "q", H, p, self.dq[0], self.dq[1])
         c_k, dk = self._qk_chain_backward(a, "k", K, p, self.dk[0], self.dk[1])
         call += c_q + c_k

@@ -31,8 +31,15 @@ its hidden rows (downloaded, kept on the host in float16 by `heal`); the draft a
 engine's input-rows mode (top-k KL through the `topk_kl` kernel on chunked logits, only the block and its
 final norm trainable). Gradients are float32 on both, so the loss scale is carried but never needed.
 
-Not reproduced: the runtime's TTT "diagonal" attention mask (mtp-heal.md §6.2): step-j rows attend causally to
-the other step-j rows of the window, as in the seed.
+Chain attention (`HealConfig.chain_attention`): "seed" (default) trains step j as its own pass whose rows
+attend causally to the other step-j rows of the window at positions 0..T−1, as the seed. "runtime" reproduces
+the inference's TTT "diagonal" mask (mtp-heal.md §6.2): a step-j job stacks the block inputs of steps 1..j of
+each window (j·T rows, row (σ−1)·T + p, step σ's rows the stored/refreshed step-σ inputs), row (j, p) attends
+to the step-1 rows at positions <= p and to the same anchor's step-2..j rows, RoPE position p + σ − 1; the
+top-k KL counts the step-j rows only (the others carry K/V and get gradients through attention). The refresh
+builds step j's input from the step j−1 rows of the stacked forward of steps 1..j−1, and the held-out KL is
+measured the same way. Step 1 is the same in both modes. The acceptance before/after (`accept`) still chains
+each step as its own causal pass.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ class HealError(ValueError):
 
 
 TRUNK_DTYPES = ("f32", "f16")
+CHAIN_ATTENTION = ("seed", "runtime")
 
 
 @dataclass(frozen=True)
@@ -92,8 +100,12 @@ class HealConfig:
     patience: int = 3  # evaluations without a new best before stopping (0: never stop early)
     seed: int = 0  # seed of the per-epoch job shuffle
     trunk_dtype: str = "f32"  # the GPU trunk's big matrices: f32, or f16 (half the memory; needs shader-f16)
+    chain_attention: str = "seed"  # "seed": step j causal over step-j rows; "runtime": the §6.2 diagonal mask
 
     def __post_init__(self) -> None:
+        if self.chain_attention not in CHAIN_ATTENTION:
+            raise HealError(f"heal: chain_attention must be one of {list(CHAIN_ATTENTION)}, "
+                            f"got {self.chain_attention!r}")  # fmt: skip
         if self.trunk_dtype not in TRUNK_DTYPES:
             raise HealError(
                 f"heal: trunk_dtype must be one of {list(TRUNK_DTYPES)}, got {self.trunk_dtype!r}"
@@ -126,13 +138,18 @@ class TrunkTeacher(Protocol):
 
 
 class DraftTrainer(Protocol):
-    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr: float, step: int, grad_scale: float):
+    """`chain` = 0: x_rows (B, T, C) are one step's rows, causal attention (the seed). chain = j >= 1: the
+    stacked rows of steps 1..j of each window (B, j·W, C), the runtime's diagonal mask at positions
+    p + σ − 1 (`ddl_ref.mtp.draft_forward`); teacher and weights are per stacked row."""
+
+    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr: float, step: int, grad_scale: float,
+             chain: int = 0):  # fmt: skip
         """Forward, backward and (when finite) one Adam update -> (loss, grad_norm, finite)."""
         ...
 
-    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights) -> float: ...
+    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float: ...
 
-    def hidden_out(self, x_rows): ...  # -> (pre (B, T, C), post (B, T, C))
+    def hidden_out(self, x_rows, chain: int = 0): ...  # -> (pre (B, T, C), post (B, T, C))
 
     def snapshot(self): ...
 
@@ -166,13 +183,13 @@ class RefDraft:
     def _all(self) -> dict:
         return {**self.shared, **self.params}
 
-    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale):
+    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale, chain: int = 0):
         weights = np.asarray(weights, np.float32)
         count = max(float(weights.sum()), 1.0)
         p = self._all()
         with np.errstate(all="ignore"):
             kl, cache = ref_mtp.draft_kl_forward(p, self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
-                                                 teacher_probs, weights)  # fmt: skip
+                                                 teacher_probs, weights, chain)  # fmt: skip
             loss = kl / count
             # gradient of grad_scale * loss, unscaled again (the engine's f16 loss scaling; exact in f32)
             _dx, grads = ref_mtp.draft_kl_backward(p, self.cfg, cache, dloss=float(grad_scale) / count)
@@ -185,13 +202,13 @@ class RefDraft:
         # gradients are not kept between steps: a skipped step leaves nothing behind ("zeroed")
         return float(loss), float(norm), bool(finite)
 
-    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights) -> float:
+    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float:
         kl, _ = ref_mtp.draft_kl_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
-                                         teacher_probs, np.asarray(weights, np.float32))  # fmt: skip
+                                         teacher_probs, np.asarray(weights, np.float32), chain)  # fmt: skip
         return float(kl)
 
-    def hidden_out(self, x_rows):
-        pre, post, _ = ref_mtp.draft_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32))
+    def hidden_out(self, x_rows, chain: int = 0):
+        pre, post, _ = ref_mtp.draft_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), chain)
         return pre, post
 
     def snapshot(self):
@@ -273,24 +290,24 @@ class WgpuDraft:
         self.net = Net(open_gpu(device), ref_mtp.draft_config(cfg), dp, trainable=list(self.names))
         self._works: dict = {}
 
-    def _work(self, T: int, k: int = 1):
+    def _work(self, T: int, k: int = 1, chain: int = 0):
         from ddl_wgpu.engine import Work
 
-        if (T, k) not in self._works:
-            self._works[(T, k)] = Work(self.net, self.B, T, rows_in=True, kl_k=k)
-        return self._works[(T, k)]
+        if (T, k, chain) not in self._works:
+            self._works[(T, k, chain)] = Work(self.net, self.B, T, rows_in=True, kl_k=k, chain=chain)
+        return self._works[(T, k, chain)]
 
-    def _args(self, x_rows, teacher_ids, teacher_probs, weights):
+    def _args(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0):
         b = np.shape(x_rows)[0]
         x, tid, tp, w = (_pad_rows(a, self.B) for a in (np.asarray(x_rows, np.float32), teacher_ids,
                                                           np.asarray(teacher_probs, np.float32),
                                                           np.asarray(weights, np.float32)))  # fmt: skip
-        return b, self._work(x.shape[1], tid.shape[-1]), (x, tid, tp, w)
+        return b, self._work(x.shape[1], tid.shape[-1], chain), (x, tid, tp, w)
 
-    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale):
+    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale, chain: int = 0):
         from ddl_wgpu.engine import AdamW
 
-        _b, work, args = self._args(x_rows, teacher_ids, teacher_probs, weights)
+        _b, work, args = self._args(x_rows, teacher_ids, teacher_probs, weights, chain)
         hyper = AdamW(lr=float(lr), step=int(step), beta1=ADAM[0], beta2=ADAM[1], eps=ADAM[2], weight_decay=0.0,
                       grad_clip=GRAD_CLIP)  # fmt: skip
         r = work.step_rows(*args, update=hyper)
@@ -301,14 +318,14 @@ class WgpuDraft:
         g = self.net.grads()
         return {name: g[local] for local, name in self.names.items()}
 
-    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights) -> float:
-        _b, work, args = self._args(x_rows, teacher_ids, teacher_probs, weights)
+    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float:
+        _b, work, args = self._args(x_rows, teacher_ids, teacher_probs, weights, chain)
         return work.loss_sum_rows(*args)
 
-    def hidden_out(self, x_rows):
+    def hidden_out(self, x_rows, chain: int = 0):
         x = np.asarray(x_rows, np.float32)
         b = x.shape[0]
-        pre, post = self._work(x.shape[1]).forward_rows(_pad_rows(x, self.B))
+        pre, post = self._work(x.shape[1], 1, chain).forward_rows(_pad_rows(x, self.B))
         return pre[:b], post[:b]
 
     def greedy(self, x_rows):
@@ -505,11 +522,21 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     for s in range(0, N, nb):
         cache.x[1][s : s + nb] = block_in(slice(s, s + nb), 1, cache.hidden[s : s + nb])
 
+    runtime = cfg.chain_attention == "runtime"
+
+    def stacked(sel, j: int) -> np.ndarray:
+        """Block inputs of steps 1..j of the windows `sel`, stacked along time -> (b, j·T, C) float32."""
+        return np.concatenate([cache.x[s][sel] for s in range(1, j + 1)], axis=1).astype(np.float32)
+
     def refresh() -> None:
         for j in range(2, chain + 1):
             xj = np.zeros((N, T, C), np.float16)
             for s in range(0, N, nb):
-                pre, post = draft.hidden_out(cache.x[j - 1][s : s + nb].astype(np.float32))
+                if runtime and j > 2:  # step j−1's rows of the stacked forward of steps 1..j−1
+                    pre, post = draft.hidden_out(stacked(slice(s, s + nb), j - 1), chain=j - 1)
+                    pre, post = pre[:, -T:], post[:, -T:]
+                else:
+                    pre, post = draft.hidden_out(cache.x[j - 1][s : s + nb].astype(np.float32))
                 xj[s : s + nb] = block_in(
                     slice(s, s + nb), j, ref_mtp.pick_hidden(pre, post, mcfg.mtp.chain_hidden)
                 )
@@ -526,19 +553,27 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     tb, vb = batches(train), batches(val)
 
     def join(b: np.ndarray, j: int):
+        """-> (x, teacher ids, teacher probs, weights, the trainer's chain keyword) of step j on windows b."""
         x = cache.x[j][b].astype(np.float32)
         tid = ref_mtp.shifted(cache.top_ids[b], j)
         tp = ref_mtp.shifted(cache.top_probs[b], j, fill=1.0)  # masked rows: any finite distribution
         w = ref_mtp.step_valid(lengths[b], T, j).astype(np.float32)
-        return x, tid, tp, w
+        if not runtime or j == 1:  # step 1 is the same in both modes; no `chain` keyword (the seed's call)
+            return x, tid, tp, w, {}
+        # runtime: steps 1..j stacked; only the step-j rows (the last T) carry the loss
+        pad = (j - 1) * T
+        tid = np.concatenate([np.zeros((len(b), pad, tid.shape[-1]), tid.dtype), tid], axis=1)
+        tp = np.concatenate([np.ones((len(b), pad, tp.shape[-1]), tp.dtype), tp], axis=1)
+        w = np.concatenate([np.zeros((len(b), pad), w.dtype), w], axis=1)
+        return stacked(b, j), tid, tp, w, {"chain": j}
 
     def val_loss() -> list[float]:
         out = []
         for j in range(1, chain + 1):
             s = n = 0.0
             for b in vb:
-                x, tid, tp, w = join(b, j)
-                s += draft.loss_sum(x, tid, tp, w)
+                x, tid, tp, w, c = join(b, j)
+                s += draft.loss_sum(x, tid, tp, w, **c)
                 n += float(w.sum())
             out.append(s / max(n, 1e-9))
         return out
@@ -569,9 +604,9 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
             if done >= total:
                 break
             bi, j = jobs[int(oi)]
-            x, tid, tp, w = join(tb[bi], j)
+            x, tid, tp, w, c = join(tb[bi], j)
             lr = cfg.lr * lr_multiplier(done + 1, total)
-            loss, gnorm, finite = draft.step(x, tid, tp, w, lr, done + 1, gscale)
+            loss, gnorm, finite = draft.step(x, tid, tp, w, lr, done + 1, gscale, **c)
             if not (finite and math.isfinite(loss) and math.isfinite(gnorm)):
                 skipped += 1
                 gscale = max(gscale / 2.0, 1.0)
@@ -620,6 +655,7 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
         "acceptance_after": acc_after,
         "backend": backend,
         "trunk_dtype": cfg.trunk_dtype,
+        "chain_attention": cfg.chain_attention,
         "config": cfg.to_dict(),
         "conventions": mcfg.mtp.to_dict(),
     }

@@ -408,3 +408,192 @@ fn attention_backward_dkdv(
         {{KV_STORE}}
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Masked attention of the chained draft's stacked rows (mtp-heal.md §6.2; `ddl_ref.ops.chain_mask`).
+// T here is the stacked row count C·W (C chain steps of a window of W); row r = (σ−1)·W + p. Key (σ', p') is
+// visible to query (σ, p) iff (σ' == 1 and p' <= p) or (2 <= σ' <= σ and p' == p). Plain loops, one thread per
+// (b, row, head) (forward, dq) or per (b, key row, kv head) (dk, dv): correctness over speed (T <= a few
+// hundred). Two passes over the keys (max and sum, then P V) instead of an online softmax. The delta pass is
+// `attention_backward_delta` above. Layouts as above; every query sees at least its own row.
+
+struct MParams {
+    B: u32,
+    T: u32,
+    H: u32,
+    KH: u32,
+    scale: f32,
+    W: u32,
+    pad0: u32,
+    pad1: u32,
+}
+
+fn m_visible(rq: u32, rk: u32, W: u32) -> bool {
+    let sq = rq / W;
+    let pq = rq % W;
+    let sk = rk / W;
+    let pk = rk % W;
+    return (sk == 0u && pk <= pq) || (sk >= 1u && sk <= sq && pk == pq);
+}
+
+@group(0) @binding(0) var<storage, read> mf_q: array<f32>;
+@group(0) @binding(1) var<storage, read> mf_k: array<f32>;
+@group(0) @binding(2) var<storage, read> mf_v: array<f32>;
+@group(0) @binding(3) var<storage, read_write> mf_out: array<f32>;
+@group(0) @binding(4) var<storage, read_write> mf_lse: array<f32>;
+@group(0) @binding(5) var<uniform> mf_p: MParams;
+
+fn mf_score(qb: u32, kb: u32) -> f32 {
+    var acc = 0.0;
+    for (var d = 0u; d < D; d++) {
+        acc += mf_q[qb + d] * mf_k[kb + d];
+    }
+    return acc * mf_p.scale;
+}
+
+@compute @workgroup_size(64)
+fn attention_masked_forward(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let row = (wid.x + wid.y * nwg.x) * 64u + lid;  // (b, t, h)
+    let T = mf_p.T;
+    let H = mf_p.H;
+    let KH = mf_p.KH;
+    if (row >= mf_p.B * T * H) {
+        return;
+    }
+    let h = row % H;
+    let t = (row / H) % T;
+    let b = row / (H * T);
+    let kh = h / (H / KH);
+    let qb = row * D;
+    var m = NEG;
+    var l = 0.0;
+    for (var s = 0u; s < T; s++) {
+        if (m_visible(t, s, mf_p.W)) {
+            let sc = mf_score(qb, ((b * T + s) * KH + kh) * D);
+            let m_new = max(m, sc);
+            l = l * exp(m - m_new) + exp(sc - m_new);
+            m = m_new;
+        }
+    }
+    let lse = m + log(l);
+    for (var d = 0u; d < D; d++) {
+        mf_out[qb + d] = 0.0;
+    }
+    for (var s = 0u; s < T; s++) {
+        if (m_visible(t, s, mf_p.W)) {
+            let kb = ((b * T + s) * KH + kh) * D;
+            let p = exp(mf_score(qb, kb) - lse);
+            for (var d = 0u; d < D; d++) {
+                mf_out[qb + d] += p * mf_v[kb + d];
+            }
+        }
+    }
+    mf_lse[(b * H + h) * T + t] = lse;
+}
+
+@group(0) @binding(0) var<storage, read> mq_q: array<f32>;
+@group(0) @binding(1) var<storage, read> mq_k: array<f32>;
+@group(0) @binding(2) var<storage, read> mq_v: array<f32>;
+@group(0) @binding(3) var<storage, read> mq_dout: array<f32>;
+@group(0) @binding(4) var<storage, read> mq_lse: array<f32>;
+@group(0) @binding(5) var<storage, read> mq_delta: array<f32>;
+@group(0) @binding(6) var<storage, read_write> mq_dq: array<f32>;
+@group(0) @binding(7) var<uniform> mq_p: MParams;
+
+@compute @workgroup_size(64)
+fn attention_masked_backward_dq(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let row = (wid.x + wid.y * nwg.x) * 64u + lid;  // (b, t, h)
+    let T = mq_p.T;
+    let H = mq_p.H;
+    let KH = mq_p.KH;
+    if (row >= mq_p.B * T * H) {
+        return;
+    }
+    let h = row % H;
+    let t = (row / H) % T;
+    let b = row / (H * T);
+    let kh = h / (H / KH);
+    let qb = row * D;
+    let lse = mq_lse[(b * H + h) * T + t];
+    let delta = mq_delta[(b * H + h) * T + t];
+    for (var d = 0u; d < D; d++) {
+        mq_dq[qb + d] = 0.0;
+    }
+    for (var s = 0u; s < T; s++) {
+        if (m_visible(t, s, mq_p.W)) {
+            let kb = ((b * T + s) * KH + kh) * D;
+            var sc = 0.0;
+            var dp = 0.0;
+            for (var d = 0u; d < D; d++) {
+                sc += mq_q[qb + d] * mq_k[kb + d];
+                dp += mq_dout[qb + d] * mq_v[kb + d];
+            }
+            let p = exp(sc * mq_p.scale - lse);
+            let ds = p * (dp - delta) * mq_p.scale;
+            for (var d = 0u; d < D; d++) {
+                mq_dq[qb + d] += ds * mq_k[kb + d];
+            }
+        }
+    }
+}
+
+@group(0) @binding(0) var<storage, read> mk_q: array<f32>;
+@group(0) @binding(1) var<storage, read> mk_k: array<f32>;
+@group(0) @binding(2) var<storage, read> mk_v: array<f32>;
+@group(0) @binding(3) var<storage, read> mk_dout: array<f32>;
+@group(0) @binding(4) var<storage, read> mk_lse: array<f32>;
+@group(0) @binding(5) var<storage, read> mk_delta: array<f32>;
+@group(0) @binding(6) var<storage, read_write> mk_dk: array<f32>;
+@group(0) @binding(7) var<storage, read_write> mk_dv: array<f32>;
+@group(0) @binding(8) var<uniform> mk_p: MParams;
+
+@compute @workgroup_size(64)
+fn attention_masked_backward_dkdv(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let row = (wid.x + wid.y * nwg.x) * 64u + lid;  // (b, s, kv head)
+    let T = mk_p.T;
+    let H = mk_p.H;
+    let KH = mk_p.KH;
+    if (row >= mk_p.B * T * KH) {
+        return;
+    }
+    let kh = row % KH;
+    let s = (row / KH) % T;
+    let b = row / (KH * T);
+    let G = H / KH;
+    let kb = row * D;
+    for (var d = 0u; d < D; d++) {
+        mk_dk[kb + d] = 0.0;
+        mk_dv[kb + d] = 0.0;
+    }
+    for (var h = kh * G; h < (kh + 1u) * G; h++) {
+        for (var t = 0u; t < T; t++) {
+            if (m_visible(t, s, mk_p.W)) {
+                let qb = ((b * T + t) * H + h) * D;
+                var sc = 0.0;
+                var dp = 0.0;
+                for (var d = 0u; d < D; d++) {
+                    sc += mk_q[qb + d] * mk_k[kb + d];
+                    dp += mk_dout[qb + d] * mk_v[kb + d];
+                }
+                let p = exp(sc * mk_p.scale - mk_lse[(b * H + h) * T + t]);
+                let ds = p * (dp - mk_delta[(b * H + h) * T + t]) * mk_p.scale;
+                for (var d = 0u; d < D; d++) {
+                    mk_dk[kb + d] += ds * mk_q[qb + d];
+                    mk_dv[kb + d] += p * mk_dout[qb + d];
+                }
+            }
+        }
+    }
+}

@@ -244,3 +244,49 @@ def attention_backward(
     ]
     # the Call keeps a delta it allocated alive along with its uniform
     return Call(dispatches, [u] if scratch is not None else [u, delta])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# masked attention of the chained draft's stacked rows (`ddl_ref.ops.chain_mask`, mtp-heal.md §6.2)
+
+MPARAMS = "uuuufuuu"  # B, T (stacked rows), H, KH, scale, W (window), padding
+
+
+def _check_chain(T: int, W: int):
+    if W < 1 or T % W:
+        raise GpuError(f"attention: {T} stacked rows are not whole windows of {W}")
+
+
+def attention_masked_forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, W: int,
+                             scale=None) -> Call:  # fmt: skip
+    """`attention_forward` over T = chain·W stacked rows (row (σ−1)·W + p) with the chain mask instead of
+    the causal one. Plain loops, one thread per (b, row, head)."""
+    _check(B, T, H, K, D)
+    _check_chain(T, W)
+    templates, _cfg = _templates(gpu, D)
+    kern = gpu.kernel(FILE, "attention_masked_forward", "rrrwwu", templates=templates)
+    scale = float(D) ** -0.5 if scale is None else float(scale)
+    u = gpu.uniform(MPARAMS, B, T, H, K, scale, W, 0, 0)
+    return Call([(kern, gpu.bind(kern, q, k, v, out, lse, u), -(-(B * T * H) // 64))], [u])
+
+
+def attention_masked_backward(gpu, dq, dk, dv, dout, out, lse, q, k, v, B: int, T: int, H: int, K: int,
+                              D: int, W: int, scratch=None, scale=None) -> Call:  # fmt: skip
+    """Backward of `attention_masked_forward`: delta (`attention_backward_delta`), then dq per query row,
+    then dk and dv per key row. Deterministic; outputs are overwritten."""
+    _check(B, T, H, K, D)
+    _check_chain(T, W)
+    templates, _cfg = _templates(gpu, D)
+    scale = float(D) ** -0.5 if scale is None else float(scale)
+    u = gpu.uniform(PARAMS, B, T, H, K, scale)
+    um = gpu.uniform(MPARAMS, B, T, H, K, scale, W, 0, 0)
+    delta = gpu.buffer(B * H * T * 4, label="attention delta") if scratch is None else scratch
+    kd = gpu.kernel(FILE, "attention_backward_delta", "rrwu", templates=templates)
+    kq = gpu.kernel(FILE, "attention_masked_backward_dq", "rrrrrrwu", templates=templates)
+    kk = gpu.kernel(FILE, "attention_masked_backward_dkdv", "rrrrrrwwu", templates=templates)
+    dispatches = [
+        (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64)),
+        (kq, gpu.bind(kq, q, k, v, dout, lse, delta, dq, um), -(-(B * T * H) // 64)),
+        (kk, gpu.bind(kk, q, k, v, dout, lse, delta, dk, dv, um), -(-(B * T * K) // 64)),
+    ]
+    return Call(dispatches, [u, um] if scratch is not None else [u, um, delta])

@@ -1,0 +1,168 @@
+"""The chained draft's runtime attention (mtp-heal.md §6.2): `ddl_ref.ops.chain_mask/chain_positions`,
+`attention_masked_forward/backward` (finite differences), the stacked draft forward against an incremental
+causal run of the same anchor, and the `attention_masked_*` WGSL kernels against the reference."""
+
+import numpy as np
+import pytest
+from gradcheck import numeric_grad, rel_error
+from kernel_check import check
+
+from ddl_ref import mtp as ref_mtp
+from ddl_ref import ops
+from ddl_ref.config import ModelConfig, MtpConfig
+from ddl_ref.params import init_params
+from ddl_wgpu.ops.attention import attention_masked_backward, attention_masked_forward
+
+
+def test_chain_mask_and_positions():
+    m = ops.chain_mask(3, 4)
+    for rq in range(12):
+        for rk in range(12):
+            sq, pq, sk, pk = rq // 4 + 1, rq % 4, rk // 4 + 1, rk % 4
+            assert m[rq, rk] == ((sk == 1 and pk <= pq) or (2 <= sk <= sq and pk == pq))
+    np.testing.assert_array_equal(ops.chain_positions(3, 4), [0, 1, 2, 3, 1, 2, 3, 4, 2, 3, 4, 5])
+    np.testing.assert_array_equal(ops.chain_mask(1, 5), np.tril(np.ones((5, 5), bool)))
+
+
+def test_attention_masked_finite_differences(rng):
+    B, W, C, H, K, D = 2, 3, 3, 4, 2, 4
+    T = C * W
+    q, k, v, dout = (rng.standard_normal(s) for s in ((B, T, H, D), (B, T, K, D), (B, T, K, D), (B, T, H, D)))
+    mask = ops.chain_mask(C, W)
+    out, cache = ops.attention_masked_forward(q, k, v, mask)
+    dq, dk, dv = ops.attention_masked_backward(dout, cache)
+    for x, g in ((q, dq), (k, dk), (v, dv)):
+        num = numeric_grad(lambda: float(np.sum(ops.attention_masked_forward(q, k, v, mask)[0] * dout)), x)
+        assert rel_error(g, num)[0] < 1e-7
+    # a causal mask reproduces the causal attention
+    out_c, _ = ops.attention_forward(q, k, v)
+    np.testing.assert_allclose(
+        ops.attention_masked_forward(q, k, v, np.tril(np.ones((T, T), bool)))[0], out_c
+    )
+
+
+def _tiny_cfg():
+    return ModelConfig(vocab_size=48, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
+                       max_seq_len=16, mtp=MtpConfig())  # fmt: skip
+
+
+def test_stacked_draft_matches_incremental_causal(rng):
+    """Row (j, p) of the stacked forward = the last row of a causal run over [x1[0..p], x2[p], .., xj[p]]."""
+    cfg = _tiny_cfg()
+    params = {n: a.astype(np.float64) for n, a in init_params(cfg, seed=3).items()}
+    W, j = 5, 3
+    xs = rng.standard_normal((1, j * W, cfg.d_model))
+    pre, _post, _ = ref_mtp.draft_forward(params, cfg, xs, chain=j)
+    for s in range(1, j + 1):
+        for p in range(W):
+            seq = np.concatenate(
+                [xs[:, : p + 1]] + [xs[:, (i - 1) * W + p][:, None] for i in range(2, s + 1)], 1
+            )
+            want, _, _ = ref_mtp.draft_forward(params, cfg, seq)
+            np.testing.assert_allclose(pre[0, (s - 1) * W + p], want[0, -1], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1, 4), (2, 5, 3, 4, 2, 6), (1, 7, 2, 2, 2, 16)],
+                         ids=lambda s: "B{}W{}C{}H{}K{}D{}".format(*s))  # fmt: skip
+def test_masked_kernels_match_reference(gpu, shape):
+    B, W, C, H, K, D = shape
+    T = C * W
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float32)
+                     for s in ((B, T, H, D), (B, T, K, D), (B, T, K, D), (B, T, H, D)))  # fmt: skip
+    out, cache = ops.attention_masked_forward(
+        *(a.astype(np.float64) for a in (q, k, v)), ops.chain_mask(C, W)
+    )
+    dq, dk, dv = ops.attention_masked_backward(dout.astype(np.float64), cache)
+    bq, bk, bv, bdo = (gpu.upload(a) for a in (q, k, v, dout))
+    bo, bl = gpu.buffer(q.nbytes), gpu.buffer(B * H * T * 4)
+    gq, gk, gv = gpu.buffer(q.nbytes), gpu.buffer(k.nbytes), gpu.buffer(v.nbytes)
+    attention_masked_forward(gpu, bo, bl, bq, bk, bv, B, T, H, K, D, W).run(gpu)
+    attention_masked_backward(gpu, gq, gk, gv, bdo, bo, bl, bq, bk, bv, B, T, H, K, D, W).run(gpu)
+    got = {n: gpu.download(b, count=a.size).reshape(a.shape)
+           for n, b, a in (("out", bo, q), ("dq", gq, q), ("dk", gk, k), ("dv", gv, v))}  # fmt: skip
+    check("masked out", got["out"], out, "attention")
+    check("masked lse", gpu.download(bl, count=B * H * T).reshape(B, H, T), cache[4], "attention")
+    check("masked dq", got["dq"], dq, "attention")
+    check("masked dk", got["dk"], dk, "attention")
+    check("masked dv", got["dv"], dv, "attention")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the draft trainers and heal in "runtime" chain attention
+
+
+def _heal_helpers():
+    import test_heal_gpu as h
+
+    return h
+
+
+@pytest.mark.parametrize("qk", ["pre_rope", "none"])
+def test_runtime_draft_step_matches_refdraft(gpu, qk):
+    from ddl_wgpu import heal
+
+    h = _heal_helpers()
+    cfg = h.tiny_cfg(qk_norm=qk)
+    p = h.perturbed(cfg)
+    rng = np.random.default_rng(5)
+    B, W, j, k = 2, 7, 3, 8
+    T = j * W
+    x = rng.standard_normal((B, T, cfg.d_model)).astype(np.float32)
+    tid = rng.integers(0, 256, (B, T, k))
+    tp = rng.random((B, T, k)).astype(np.float32)
+    w = np.zeros((B, T), np.float32)
+    w[:, -W:] = (rng.random((B, W)) < 0.8).astype(np.float32)  # the step-j rows only
+    ref, gd = heal.RefDraft(p, cfg), heal.WgpuDraft(p, cfg, batch=B)
+    want = ref.loss_sum(x, tid, tp, w, chain=j)
+    assert want != pytest.approx(ref.loss_sum(x, tid, tp, w), rel=1e-3)  # the mask matters
+    assert gd.loss_sum(x, tid, tp, w, chain=j) == pytest.approx(want, rel=1e-5)
+    p64 = {n: a.astype(np.float64) for n, a in p.items()}
+    kl, cache = ref_mtp.draft_kl_forward(p64, cfg, x.astype(np.float64), tid, tp, w, chain=j)
+    _dx, rgrads = ref_mtp.draft_kl_backward(p64, cfg, cache, 1.0 / w.sum())
+    rl, rn, rf = ref.step(x, tid, tp, w, 1e-2, 1, 4096.0, chain=j)
+    gl, gn, gf = gd.step(x, tid, tp, w, 1e-2, 1, 4096.0, chain=j)
+    assert rf and gf and gl == pytest.approx(rl, rel=1e-4) and gn == pytest.approx(rn, rel=1e-4)
+    assert gl == pytest.approx(kl / w.sum(), rel=1e-5)
+    got = gd.grads()
+    for n, g in rgrads.items():
+        scale = max(np.abs(g).max(), 1e-4)
+        np.testing.assert_allclose(got[n] / scale, g / scale, atol=2e-5, err_msg=n)
+    pre, post = gd.hidden_out(x[:1], chain=j)
+    rpre, rpost = ref.hidden_out(x[:1], chain=j)
+    np.testing.assert_allclose(pre, rpre, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(post, rpost, rtol=1e-4, atol=1e-5)
+
+
+def test_runtime_heal_both_backends(gpu, tmp_path):
+    from dataclasses import replace
+
+    from ddl_wgpu import heal
+    from ddl_wgpu.modelfile import load_model
+
+    h = _heal_helpers()
+    model = h.make_model(tmp_path / "m.ddlw", cfg=h.tiny_cfg(mtp=MtpConfig(chain_hidden="post_norm")))
+    data = str(h.make_text(tmp_path / "t.txt"))
+    cfg = replace(h.SMALL, chain=3, chain_attention="runtime")
+    r = heal.heal(model, data, tmp_path / "r.ddlw", cfg, backend="ref")
+    g = heal.heal(model, data, tmp_path / "g.ddlw", cfg, backend="wgpu")
+    s = heal.heal(model, data, tmp_path / "s.ddlw", replace(cfg, chain_attention="seed"), backend="ref")
+    assert r["chain_attention"] == g["chain_attention"] == "runtime"
+    assert r["steps"] == g["steps"] >= 8 and len(r["history"]) == len(g["history"]) >= 3
+    for hr, hg in zip(r["history"], g["history"], strict=True):
+        assert hr["step"] == hg["step"]
+        np.testing.assert_allclose(hg["heldout_kl"], hr["heldout_kl"], atol=1e-4, rtol=0)
+    # step 1 is the same in both modes; the chained steps are measured differently
+    assert s["history"][0]["heldout_kl"][0] == pytest.approx(r["history"][0]["heldout_kl"][0], rel=1e-6)
+    assert abs(s["history"][0]["heldout_kl"][2] - r["history"][0]["heldout_kl"][2]) > 1e-6
+    a, b = load_model(tmp_path / "r.ddlw").params, load_model(tmp_path / "g.ddlw").params
+    for n in ref_mtp.trained_names(a):
+        np.testing.assert_allclose(b[n], a[n], rtol=1e-2, atol=2e-4, err_msg=n)
+
+
+def test_chain_attention_config():
+    from ddl_wgpu import heal
+
+    assert heal.HealConfig().chain_attention == "seed"
+    with pytest.raises(heal.HealError, match="chain_attention"):
+        heal.HealConfig(chain_attention="diagonal")
