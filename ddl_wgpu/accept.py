@@ -15,15 +15,19 @@ i = 1..j): only there does the teacher-forced measure equal what a greedy decode
 with j, so on_policy reports one anchor count per depth.
 
 JSON keys: depth, prefix_acceptance [A_1..A_K], conditional_acceptance [alpha_1..alpha_K], acceptance_length,
-anchors, on_policy {anchors [per depth], prefix_acceptance, conditional_acceptance, acceptance_length}; and
-`probe` (one entry per concat / trunk-hidden / chain-hidden convention) when asked for.
+anchors, on_policy {anchors [per depth], prefix_acceptance, conditional_acceptance, acceptance_length},
+chain_attention; and `probe` (one entry per concat / trunk-hidden / chain-hidden convention) when asked for.
 
-Caveat: the draft attends causally over the same step's rows of the window, not the runtime's KV cache of
-verified step-1 rows (the TTT "diagonal" mask of mtp-heal.md §6.2 is not reproduced).
+Chain attention (`chain_attention`): "seed" runs each step as its own causal pass over that step's rows of the
+window (positions 0..T−1), as the seed's trainer. "runtime" does what a speculative runtime does (mtp-heal.md
+§6.2): step 1 as in "seed"; step σ >= 2 is read off the stacked forward of steps 1..σ (`ddl_ref.mtp.
+draft_forward(chain=σ)`: row (s, p) at position p + s − 1 sees the step-1 rows at positions <= p and the steps
+2..s rows of its own anchor), step s's input rows built from the draft's own step s−1 output and greedy token.
+Step 1 and the counting are the same in both; at depth 1 the two agree. The JSON adds `chain_attention`.
 
 Backends: "ref" runs trunk and draft in numpy; "wgpu" runs the trunk (`heal.WgpuTeacher`, its greedy token
-from the `topk` kernel with k = 1) and every draft step's block, norm and head (`heal.WgpuDraft.greedy`) on
-the GPU, forward only; the draft's input rows eh_proj·[enorm(e); hnorm(h)] are built on the host by the same
+from the `topk` kernel with k = 1) and every draft step's block, norm and head (`heal.WgpuDraft.greedy`, with the
+masked attention kernels for a stacked runtime step) on the GPU, forward only; the draft's input rows eh_proj·[enorm(e); hnorm(h)] are built on the host by the same
 `ddl_ref.mtp.step_input` on both. Argmax ties go to the lower id on both, so the numbers agree up to float
 near-ties.
 
@@ -43,12 +47,26 @@ from ddl_ref.config import MtpConfig
 from ddl_wgpu.data import check_vocab, load_records, tokenizer_for
 from ddl_wgpu.modelfile import Model, load_model
 
-KEYS = ("depth", "prefix_acceptance", "conditional_acceptance", "acceptance_length", "anchors", "on_policy")
+KEYS = (
+    "depth",
+    "prefix_acceptance",
+    "conditional_acceptance",
+    "acceptance_length",
+    "anchors",
+    "on_policy",
+    "chain_attention",
+)
 BACKENDS = ("ref", "wgpu")
+CHAIN_ATTENTION = ("seed", "runtime")
 
 
 class AcceptError(ValueError):
     """An acceptance measurement that cannot run, with one clear line."""
+
+
+def check_chain_attention(chain_attention: str) -> None:
+    if chain_attention not in CHAIN_ATTENTION:
+        raise AcceptError(f"chain_attention must be one of {list(CHAIN_ATTENTION)}, got {chain_attention!r}")
 
 
 def check_backend(backend: str) -> None:
@@ -65,8 +83,9 @@ def check_backend(backend: str) -> None:
 class Tally:
     """Running counts of prefix-accepted anchors, over all anchors and over on-policy anchors per depth."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, chain_attention: str = "seed"):
         self.depth = depth
+        self.chain_attention = chain_attention
         self.anchors = 0
         self.hits = np.zeros(depth, np.int64)  # anchors whose first j drafts were all accepted
         self.on_anchors = np.zeros(depth, np.int64)
@@ -113,6 +132,7 @@ class Tally:
                 "conditional_acceptance": oalpha,
                 "acceptance_length": otau,
             },
+            "chain_attention": self.chain_attention,
         }
 
 
@@ -191,36 +211,57 @@ def _with_conventions(cfg, conventions):
     return dataclasses.replace(cfg, mtp=conventions)
 
 
-def greedy_chain(params: dict, cfg, tb: TrunkBatch, depth: int, runner) -> np.ndarray:
+def ref_runner(params: dict, cfg):
+    """The numpy draft step for `greedy_chain`: runner(x_rows, chain=0) -> (argmax, pre, post), all rows."""
+
+    def run(x_rows, chain: int = 0):
+        pre, post, _ = ref_mtp.draft_forward(params, cfg, x_rows, chain)
+        return np.argmax(ref_mtp.draft_logits(params, cfg, post), axis=-1), pre, post
+
+    return run
+
+
+def greedy_chain(
+    params: dict, cfg, tb: TrunkBatch, depth: int, runner, chain_attention: str = "seed"
+) -> np.ndarray:
     """`ddl_ref.mtp.draft_chain(tokens="greedy")` with each step's block, norm, head and argmax done by
-    `runner(x_rows) -> (argmax (B, T), pre, post)` -> preds (B, depth, T)."""
+    `runner(x_rows, chain=0) -> (argmax (B, T'), pre, post)` -> preds (B, depth, T).
+
+    chain_attention "runtime": step σ >= 2 runs the stacked input rows of steps 1..σ (T' = σ·T) with
+    `chain=σ` and keeps its last T rows (the step-σ rows); "seed": every step its own pass (chain 0)."""
     mtp = cfg.mtp
     T = tb.ids.shape[1]
     hid = ref_mtp.pick_hidden(tb.pre, tb.post, mtp.trunk_hidden)
     tok = ref_mtp.shifted(tb.ids, 1)
     valid = ref_mtp.step_valid(tb.lengths, T, 1)
-    preds = []
-    for _j in range(depth):
-        x = ref_mtp.step_input(params, cfg, tok, hid, valid)
-        tok, pre, post = runner(x)
+    preds, xs = [], []
+    for j in range(1, depth + 1):
+        xs.append(ref_mtp.step_input(params, cfg, tok, hid, valid))
+        if chain_attention == "runtime" and j > 1:  # the step-j rows of the stacked forward of steps 1..j
+            tok, pre, post = (a[:, -T:] for a in runner(np.concatenate(xs, axis=1), chain=j))
+        else:
+            tok, pre, post = runner(xs[-1])
         preds.append(tok)
         hid = ref_mtp.pick_hidden(pre, post, mtp.chain_hidden)
     return np.stack(preds, axis=1)
 
 
-def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth: int, runner=None) -> dict:
+def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth: int, runner=None,
+                          chain_attention: str = "seed") -> dict:  # fmt: skip
     """Acceptance of the draft in `params` (numpy, `model.mtp.*` plus the shared embedding and head) over
     trunk passes already made; `runner` (e.g. `heal.WgpuDraft.greedy`) runs the draft's steps, numpy when
-    None."""
-    tally = Tally(depth)
+    None; `chain_attention` "seed" or "runtime" (module docstring)."""
+    check_chain_attention(chain_attention)
+    tally = Tally(depth, chain_attention)
     for tb in trunk:
-        if runner is None:
+        if runner is None and chain_attention == "seed":
             steps = ref_mtp.draft_chain(
                 params, cfg, tb.ids, tb.lengths, tb.pre, tb.post, depth, tokens="greedy"
             )
             preds = np.stack([np.argmax(s, axis=-1) for s in steps], axis=1)  # (B, depth, T)
         else:
-            preds = greedy_chain(params, cfg, tb, depth, runner)
+            run = runner if runner is not None else ref_runner(params, cfg)
+            preds = greedy_chain(params, cfg, tb, depth, run, chain_attention)
         for b in range(tb.ids.shape[0]):
             tally.add(preds[b], tb.greedy[b], tb.ids[b], int(tb.lengths[b]))
     return tally.result()
@@ -228,12 +269,14 @@ def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth:
 
 def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, backend: str = "ref",
                conventions: MtpConfig | dict | None = None, probe_conventions: bool = False,
-               batch: int = 8, device: str | None = None, trunk_dtype: str = "f32") -> dict:  # fmt: skip
+               batch: int = 8, device: str | None = None, trunk_dtype: str = "f32",
+               chain_attention: str = "seed") -> dict:  # fmt: skip
     """Greedy speculative acceptance of `model`'s draft over `windows` (1-D token arrays, each at most
-    max_seq_len long), chained `depth` deep. `conventions` overrides the model's MtpConfig (concat, hiddens);
+    max_seq_len long), chained `depth` deep, with `chain_attention` "seed" or "runtime" (module docstring). `conventions` overrides the model's MtpConfig (concat, hiddens);
     `probe_conventions` adds `probe`: the same measure under every concat x trunk_hidden x chain_hidden.
     `trunk_dtype` "f16" (wgpu only) keeps the GPU trunk's big matrices in f16 (`heal.WgpuTeacher`)."""
     check_backend(backend)
+    check_chain_attention(chain_attention)
     if trunk_dtype != "f32" and backend != "wgpu":
         raise AcceptError(f"--trunk-dtype {trunk_dtype} needs the wgpu backend")
     if depth < 1:
@@ -253,13 +296,14 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, back
         runner = WgpuDraft(model.params, model.cfg, None, batch, device).greedy
     trunk = trunk_batches(model, windows, batch, teacher)
     cfg = _with_conventions(model.cfg, conventions)
-    result = acceptance_from_trunk(model.params, cfg, trunk, depth, runner)
+    result = acceptance_from_trunk(model.params, cfg, trunk, depth, runner, chain_attention)
     if probe_conventions:
         probe = []
         for concat, th, ch in itertools.product(("emb_first", "hidden_first"), ("pre_norm", "post_norm"),
                                                 ("pre_norm", "post_norm")):  # fmt: skip
             conv = MtpConfig(concat=concat, trunk_hidden=th, chain_hidden=ch)
-            r = acceptance_from_trunk(model.params, dataclasses.replace(cfg, mtp=conv), trunk, depth, runner)
+            r = acceptance_from_trunk(model.params, dataclasses.replace(cfg, mtp=conv), trunk, depth, runner,
+                                      chain_attention)  # fmt: skip
             probe.append({**conv.to_dict(), "current": conv == cfg.mtp,
                           "prefix_acceptance": r["prefix_acceptance"],
                           "acceptance_length": r["acceptance_length"]})  # fmt: skip
@@ -269,15 +313,16 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, back
 
 def accept_file(model_path, data_spec: str, depth: int = 3, window: int = 128, tokens: int | None = None,
                 backend: str = "ref", probe_conventions: bool = False, device: str | None = None,
-                trunk_dtype: str = "f32") -> dict:  # fmt: skip
+                trunk_dtype: str = "f32", chain_attention: str = "seed") -> dict:  # fmt: skip
     """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure."""
     check_backend(backend)
+    check_chain_attention(chain_attention)
     model = load_model(model_path)
     records = load_records(data_spec, tokenizer_for(model.tokenizer), tokens)
     check_vocab(records, model.cfg.vocab_size)
     windows = cut_windows(records, min(window, model.cfg.max_seq_len), depth + 1)
     result = acceptance(model, windows, depth, backend, probe_conventions=probe_conventions, device=device,
-                        trunk_dtype=trunk_dtype)  # fmt: skip
+                        trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
     result["data"] = str(data_spec)
     result["backend"] = backend
     result["trunk_dtype"] = trunk_dtype

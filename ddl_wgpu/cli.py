@@ -678,6 +678,12 @@ def accept(
     trunk_dtype: str = typer.Option(
         "f32", "--trunk-dtype", help="wgpu: the trunk's big matrices in f32, or f16 (needs shader-f16)."
     ),
+    chain_attention: str = typer.Option(
+        "runtime",
+        "--chain-attention",
+        help="Attention of chain steps: runtime (default; step j read off the stacked steps 1..j with the "
+        "inference's diagonal mask; mtp-heal.md §6.2) or seed (step j its own causal pass over step-j rows).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Greedy speculative acceptance of the draft chained K deep: A_j, α_j, τ (all and on-policy anchors)."""
@@ -693,6 +699,7 @@ def accept(
         probe_conventions=probe_conventions,
         device=device,
         trunk_dtype=trunk_dtype,
+        chain_attention=chain_attention,
     )
     _emit(r, as_json, _accept_text(r))
 
@@ -723,10 +730,10 @@ def heal(
         rich_help_panel=HEAL_HELP,
     ),
     chain_attention: str = typer.Option(
-        "seed",
+        "runtime",
         "--chain-attention",
-        help="Attention of chain steps: seed (step j causal over step-j rows) or runtime (steps 1..j stacked, "
-        "the inference's diagonal mask at positions p+j-1; mtp-heal.md §6.2).",
+        help="Attention of chain steps: runtime (default; steps 1..j stacked, the inference's diagonal mask "
+        "at positions p+j-1; mtp-heal.md §6.2) or seed (step j causal over step-j rows).",
         rich_help_panel=HEAL_HELP,
     ),
     backend: str = typer.Option(

@@ -31,15 +31,15 @@ its hidden rows (downloaded, kept on the host in float16 by `heal`); the draft a
 engine's input-rows mode (top-k KL through the `topk_kl` kernel on chunked logits, only the block and its
 final norm trainable). Gradients are float32 on both, so the loss scale is carried but never needed.
 
-Chain attention (`HealConfig.chain_attention`): "seed" (default) trains step j as its own pass whose rows
-attend causally to the other step-j rows of the window at positions 0..T−1, as the seed. "runtime" reproduces
+Chain attention (`HealConfig.chain_attention`): "seed" trains step j as its own pass whose rows attend
+causally to the other step-j rows of the window at positions 0..T−1, as the seed. "runtime" (default) reproduces
 the inference's TTT "diagonal" mask (mtp-heal.md §6.2): a step-j job stacks the block inputs of steps 1..j of
 each window (j·T rows, row (σ−1)·T + p, step σ's rows the stored/refreshed step-σ inputs), row (j, p) attends
 to the step-1 rows at positions <= p and to the same anchor's step-2..j rows, RoPE position p + σ − 1; the
 top-k KL counts the step-j rows only (the others carry K/V and get gradients through attention). The refresh
 builds step j's input from the step j−1 rows of the stacked forward of steps 1..j−1, and the held-out KL is
-measured the same way. Step 1 is the same in both modes. The acceptance before/after (`accept`) still chains
-each step as its own causal pass.
+measured the same way. Step 1 is the same in both modes. The acceptance before/after (`accept`) is measured
+with the same `chain_attention`.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class HealConfig:
     patience: int = 3  # evaluations without a new best before stopping (0: never stop early)
     seed: int = 0  # seed of the per-epoch job shuffle
     trunk_dtype: str = "f32"  # the GPU trunk's big matrices: f32, or f16 (half the memory; needs shader-f16)
-    chain_attention: str = "seed"  # "seed": step j causal over step-j rows; "runtime": the §6.2 diagonal mask
+    chain_attention: str = "runtime"  # "runtime": the §6.2 diagonal mask; "seed": step j causal, own rows
 
     def __post_init__(self) -> None:
         if self.chain_attention not in CHAIN_ATTENTION:
@@ -328,10 +328,11 @@ class WgpuDraft:
         pre, post = self._work(x.shape[1], 1, chain).forward_rows(_pad_rows(x, self.B))
         return pre[:b], post[:b]
 
-    def greedy(self, x_rows):
-        """Forward only -> (argmax (b, T) int32, pre, post): one chained draft step (`accept`), any b."""
+    def greedy(self, x_rows, chain: int = 0):
+        """Forward only -> (argmax (b, T) int32, pre, post): one chained draft step (`accept`), any b; `chain`
+        as in `hidden_out` (the stacked rows of steps 1..chain, every row's argmax and hiddens returned)."""
         x = np.asarray(x_rows, np.float32)
-        work = self._work(x.shape[1])
+        work = self._work(x.shape[1], 1, chain)
         out = []
         for s in range(0, x.shape[0], self.B):
             part = x[s : s + self.B]
@@ -584,7 +585,7 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
         tbs = [accept_mod.TrunkBatch(ids[vi], lengths[vi], cache.top_ids[vi][..., 0], hid, hid)]
         params = {**model.params, **draft.export()}
         runner = draft.greedy if backend == "wgpu" else None
-        return accept_mod.acceptance_from_trunk(params, mcfg, tbs, chain, runner=runner)
+        return accept_mod.acceptance_from_trunk(params, mcfg, tbs, chain, runner, cfg.chain_attention)
 
     acc_before = held_out_acceptance()
     v0 = val_loss()

@@ -148,6 +148,11 @@ def test_runtime_heal_both_backends(gpu, tmp_path):
     g = heal.heal(model, data, tmp_path / "g.ddlw", cfg, backend="wgpu")
     s = heal.heal(model, data, tmp_path / "s.ddlw", replace(cfg, chain_attention="seed"), backend="ref")
     assert r["chain_attention"] == g["chain_attention"] == "runtime"
+    for key in ("acceptance_before", "acceptance_after"):  # measured with the heal's own chain attention
+        assert r[key]["chain_attention"] == g[key]["chain_attention"] == "runtime"
+        assert s[key]["chain_attention"] == "seed"
+        np.testing.assert_allclose(g[key]["prefix_acceptance"], r[key]["prefix_acceptance"], atol=0.02)
+    assert r["acceptance_before"]["prefix_acceptance"][0] == s["acceptance_before"]["prefix_acceptance"][0]
     assert r["steps"] == g["steps"] >= 8 and len(r["history"]) == len(g["history"]) >= 3
     for hr, hg in zip(r["history"], g["history"], strict=True):
         assert hr["step"] == hg["step"]
@@ -163,6 +168,90 @@ def test_runtime_heal_both_backends(gpu, tmp_path):
 def test_chain_attention_config():
     from ddl_wgpu import heal
 
-    assert heal.HealConfig().chain_attention == "seed"
+    assert heal.HealConfig().chain_attention == "runtime"
     with pytest.raises(heal.HealError, match="chain_attention"):
         heal.HealConfig(chain_attention="diagonal")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# acceptance in "runtime" chain attention
+
+
+def _incremental_runtime_preds(params, cfg, tb, depth: int, b: int, p: int) -> list[int]:
+    """The runtime's greedy drafts at anchor p of window b, one KV-cache step at a time: the verified step-1
+    rows 0..p, then each drafted step's row appended (a causal run at positions 0..p+σ−1)."""
+    mtp = cfg.mtp
+    T = tb.ids.shape[1]
+    hid = ref_mtp.pick_hidden(tb.pre, tb.post, mtp.trunk_hidden)
+    valid = ref_mtp.step_valid(tb.lengths, T, 1)
+    rows = ref_mtp.step_input(params, cfg, ref_mtp.shifted(tb.ids, 1), hid, valid)[b : b + 1, : p + 1]
+    out = []
+    for _j in range(depth):
+        pre, post, _ = ref_mtp.draft_forward(params, cfg, rows)
+        d = int(np.argmax(ref_mtp.draft_logits(params, cfg, post[:, -1:]), axis=-1)[0, 0])
+        out.append(d)
+        h = ref_mtp.pick_hidden(pre, post, mtp.chain_hidden)[:, -1:]
+        x = ref_mtp.step_input(params, cfg, np.array([[d]]), h, np.ones((1, 1), bool))
+        rows = np.concatenate([rows, x], axis=1)
+    return out
+
+
+def test_runtime_acceptance_is_the_incremental_runtime(tmp_path):
+    from ddl_wgpu import accept
+    from ddl_wgpu.modelfile import load_model
+
+    h = _heal_helpers()
+    conv = MtpConfig(trunk_hidden="post_norm", chain_hidden="pre_norm")
+    m = load_model(h.make_model(tmp_path / "m.ddlw", cfg=h.tiny_cfg(mtp=conv), seed=2))
+    rng = np.random.default_rng(3)
+    windows = [rng.integers(0, 256, n) for n in (12, 9)]
+    tb = accept.trunk_batches(m, windows, batch=2)[0]
+    depth = 3
+    preds = accept.greedy_chain(m.params, m.cfg, tb, depth, accept.ref_runner(m.params, m.cfg), "runtime")
+    seed = accept.greedy_chain(m.params, m.cfg, tb, depth, accept.ref_runner(m.params, m.cfg), "seed")
+    differs = False
+    for b, n in enumerate((12, 9)):
+        for p in range(n - depth):
+            want = _incremental_runtime_preds(m.params, m.cfg, tb, depth, b, p)
+            assert list(preds[b, :, p]) == want, (b, p)
+            assert preds[b, 0, p] == seed[b, 0, p]  # step 1 is the same
+            differs |= list(seed[b, :, p]) != want
+    assert differs  # the attention of the chained steps matters on this draft
+
+
+def test_runtime_acceptance_gpu_matches_reference(gpu, tmp_path):
+    from ddl_wgpu import accept
+    from ddl_wgpu.modelfile import load_model
+
+    h = _heal_helpers()
+    conv = MtpConfig(concat="emb_first", trunk_hidden="pre_norm", chain_hidden="post_norm")
+    m = load_model(h.make_model(tmp_path / "m.ddlw", cfg=h.tiny_cfg(mtp=conv), seed=4))
+    rng = np.random.default_rng(2)
+    windows = [rng.integers(0, 256, n) for n in (20, 16, 24, 9, 30)]
+    kw = dict(depth=3, batch=2, probe_conventions=True, chain_attention="runtime")
+    r = accept.acceptance(m, windows, **kw)
+    g = accept.acceptance(m, windows, backend="wgpu", **kw)
+    assert list(g) == list(r) and tuple(k for k in r if k != "probe") == accept.KEYS
+    assert r["chain_attention"] == g["chain_attention"] == "runtime"
+    for key in accept.KEYS:
+        assert g[key] == r[key], key
+    assert [p["prefix_acceptance"] for p in g["probe"]] == [p["prefix_acceptance"] for p in r["probe"]]
+    s = accept.acceptance(m, windows, depth=3, batch=2, chain_attention="seed")
+    assert s["chain_attention"] == "seed" and s["prefix_acceptance"][0] == r["prefix_acceptance"][0]
+
+
+@pytest.mark.parametrize("backend", ["ref", "wgpu"])
+def test_runtime_acceptance_depth_one_is_seed(backend, tmp_path):
+    from ddl_wgpu import accept
+
+    h = _heal_helpers()
+    model = h.make_model(tmp_path / "m.ddlw", seed=1)
+    data = str(h.make_text(tmp_path / "t.txt", words=60))
+    s = accept.accept_file(model, data, depth=1, window=24, backend=backend, chain_attention="seed")
+    r = accept.accept_file(model, data, depth=1, window=24, backend=backend, chain_attention="runtime")
+    assert list(r) == list(s) and r["chain_attention"] == "runtime" and s["chain_attention"] == "seed"
+    assert {k: v for k, v in r.items() if k != "chain_attention"} == {
+        k: v for k, v in s.items() if k != "chain_attention"
+    }
+    with pytest.raises(accept.AcceptError, match="chain_attention"):
+        accept.accept_file(model, data, depth=1, window=24, backend=backend, chain_attention="diagonal")

@@ -170,11 +170,11 @@ class NanDraft(heal.RefDraft):
     bad: set = set()
     scales: list = []
 
-    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale):
+    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale, chain: int = 0):
         NanDraft.scales.append(grad_scale)
         if len(NanDraft.scales) in NanDraft.bad:
             return float("nan"), float("nan"), False
-        return super().step(x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale)
+        return super().step(x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale, chain)
 
 
 def test_nonfinite_steps_skipped_then_abort(files, tmp_path, monkeypatch):
@@ -210,7 +210,7 @@ class ScriptedDraft(heal.RefDraft):
         ScriptedDraft.seen[self.done] = self.export()
         return out
 
-    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights):
+    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0):
         return ScriptedDraft.curve[self.done] * float(np.sum(weights))
 
 
