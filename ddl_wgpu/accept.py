@@ -69,9 +69,14 @@ def check_chain_attention(chain_attention: str) -> None:
         raise AcceptError(f"chain_attention must be one of {list(CHAIN_ATTENTION)}, got {chain_attention!r}")
 
 
+class UnknownBackendError(AcceptError, NotImplementedError):
+    """A backend with no MTP draft path: a user error (one line on the CLI), and NotImplementedError for callers
+    that probe for a backend."""
+
+
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
-        raise NotImplementedError(
+        raise UnknownBackendError(
             f"the MTP draft runs on backend(s) {list(BACKENDS)} only; the {backend!r} draft path is not written yet"
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -121,25 +122,32 @@ def inspect(
 MODEL_HELP = "Model options (override the preset)"
 
 
-def _model_config(
-    preset: str,
-    vocab_size: int | None = None,
-    d_model: int | None = None,
-    n_layers: int | None = None,
-    n_heads: int | None = None,
-    n_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    ffn_hidden: int | None = None,
-    max_seq_len: int | None = None,
-    rope_theta: float | None = None,
-    qk_norm: str | None = None,
-    norm_style: str | None = None,
-    tie_embeddings: bool | None = None,
-):
-    over = {k: v for k, v in locals().items() if k != "preset" and v is not None}
+def _model_opt(kind, help_: str):
+    """A model option shared by `init` and `train`: None means "the preset's value"."""
+    return Annotated[kind | None, typer.Option(help=help_, rich_help_panel=MODEL_HELP)]
+
+
+VocabSize = _model_opt(int, "Vocabulary size.")
+DModel = _model_opt(int, "Residual width.")
+NLayers = _model_opt(int, "Blocks.")
+NHeads = _model_opt(int, "Query heads.")
+NKvHeads = _model_opt(int, "Key/value heads (GQA).")
+HeadDim = _model_opt(int, "Head dimension.")
+FfnHidden = _model_opt(int, "SwiGLU hidden size.")
+MaxSeqLen = _model_opt(int, "Longest sequence.")
+RopeTheta = _model_opt(float, "RoPE base.")
+QkNorm = _model_opt(str, "none, pre_rope or post_rope.")
+NormStyle = _model_opt(str, "standard (w*x) or offset ((1+w)*x).")
+TieEmbeddings = _model_opt(bool, "Tie the LM head to the embedding.")
+MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
+                "max_seq_len", "rope_theta", "qk_norm", "norm_style", "tie_embeddings")  # fmt: skip
+
+
+def _model_config(preset: str, options: dict):
+    """The preset with every model option the user gave (`options`: a command's locals()) applied."""
     from ddl_ref.config import preset as make_preset
 
-    return make_preset(preset, **over)
+    return make_preset(preset, **{k: options[k] for k in MODEL_FIELDS if options.get(k) is not None})
 
 
 def _opt(default, help_: str, panel: str = MODEL_HELP, **kw):
@@ -154,18 +162,18 @@ def init(
     out: Path = typer.Option(..., "--out", help="Model file to write (.ddlw)."),
     preset: str = _opt("tiny", "Size preset: tiny, small (124M), medium (353M)."),
     seed: int = typer.Option(0, "--seed", help="Initialisation seed."),
-    vocab_size: int = _opt(None, "Vocabulary size."),
-    d_model: int = _opt(None, "Residual width."),
-    n_layers: int = _opt(None, "Blocks."),
-    n_heads: int = _opt(None, "Query heads."),
-    n_kv_heads: int = _opt(None, "Key/value heads (GQA)."),
-    head_dim: int = _opt(None, "Head dimension."),
-    ffn_hidden: int = _opt(None, "SwiGLU hidden size."),
-    max_seq_len: int = _opt(None, "Longest sequence."),
-    rope_theta: float = _opt(None, "RoPE base."),
-    qk_norm: str = _opt(None, "none, pre_rope or post_rope."),
-    norm_style: str = _opt(None, "standard (w*x) or offset ((1+w)*x)."),
-    tie_embeddings: bool = _opt(None, "Tie the LM head to the embedding."),
+    vocab_size: VocabSize = None,
+    d_model: DModel = None,
+    n_layers: NLayers = None,
+    n_heads: NHeads = None,
+    n_kv_heads: NKvHeads = None,
+    head_dim: HeadDim = None,
+    ffn_hidden: FfnHidden = None,
+    max_seq_len: MaxSeqLen = None,
+    rope_theta: RopeTheta = None,
+    qk_norm: QkNorm = None,
+    norm_style: NormStyle = None,
+    tie_embeddings: TieEmbeddings = None,
     mtp: bool = typer.Option(False, "--mtp", help="Add an MTP draft block (model.mtp.*)."),
 ):
     """Write a freshly initialised model file."""
@@ -173,21 +181,7 @@ def init(
     from ddl_ref.params import init_params, param_table
     from ddl_wgpu.modelfile import Model, save_model
 
-    base = _model_config(
-        preset,
-        vocab_size,
-        d_model,
-        n_layers,
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        ffn_hidden,
-        max_seq_len,
-        rope_theta,
-        qk_norm,
-        norm_style,
-        tie_embeddings,
-    )
+    base = _model_config(preset, locals())
     v = ModelVariant.parse(variant)
     cfg = v.resolve_config(base)
     if mtp:
@@ -396,18 +390,18 @@ def train(
         2_000_000, "--max-tokens", help="Read at most this many tokens per spec (0: all)."
     ),
     preset: str = _opt("tiny", "Size preset: tiny, small, medium."),
-    vocab_size: int = _opt(None, "Vocabulary size."),
-    d_model: int = _opt(None, "Residual width."),
-    n_layers: int = _opt(None, "Blocks."),
-    n_heads: int = _opt(None, "Query heads."),
-    n_kv_heads: int = _opt(None, "Key/value heads (GQA)."),
-    head_dim: int = _opt(None, "Head dimension."),
-    ffn_hidden: int = _opt(None, "SwiGLU hidden size."),
-    max_seq_len: int = _opt(None, "Longest sequence."),
-    rope_theta: float = _opt(None, "RoPE base."),
-    qk_norm: str = _opt(None, "none, pre_rope or post_rope."),
-    norm_style: str = _opt(None, "standard or offset."),
-    tie_embeddings: bool = _opt(None, "Tie the LM head to the embedding."),
+    vocab_size: VocabSize = None,
+    d_model: DModel = None,
+    n_layers: NLayers = None,
+    n_heads: NHeads = None,
+    n_kv_heads: NKvHeads = None,
+    head_dim: HeadDim = None,
+    ffn_hidden: FfnHidden = None,
+    max_seq_len: MaxSeqLen = None,
+    rope_theta: RopeTheta = None,
+    qk_norm: QkNorm = None,
+    norm_style: NormStyle = None,
+    tie_embeddings: TieEmbeddings = None,
     max_steps: int = _opt(32, "Optimizer steps.", TRAIN_HELP),
     eval_interval: int = _opt(4, "Evaluate every N steps (and the last).", TRAIN_HELP),
     learning_rate: float = _opt(1e-3, "Peak learning rate.", TRAIN_HELP),
@@ -436,21 +430,7 @@ def train(
     from ddl_ref.config import parse_variants
     from ddl_wgpu.train import RunOptions, train_variants
 
-    base = _model_config(
-        preset,
-        vocab_size,
-        d_model,
-        n_layers,
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        ffn_hidden,
-        max_seq_len,
-        rope_theta,
-        qk_norm,
-        norm_style,
-        tie_embeddings,
-    )
+    base = _model_config(preset, locals())
     if mtp:
         from dataclasses import replace
 

@@ -257,6 +257,7 @@ class Work:
         else:
             self._bwd = self._backward_calls()
         self._spectral = None
+        self._logit_calls = None
         self._topk: dict = {}
 
     # -- the MTP draft (joint training) -----------------------------------------------------------------
@@ -1178,11 +1179,21 @@ class Work:
         rec = g.recorder()
         self._fwd.record(rec)
         rec.submit()
+        if self._logit_calls is None:  # one head Call per row chunk, built once like every other launch
+            self._logit_calls = [
+                (
+                    r0,
+                    n,
+                    self._head_forward(
+                        (self.logit_chunk, 0, n * V * F32), (self.xf, r0 * C * F32, n * C * F32), n
+                    ),
+                )
+                for r0 in range(0, N, self.chunk)
+                for n in [min(self.chunk, N - r0)]
+            ]
         out = np.empty((N, V), np.float32)
-        for r0 in range(0, N, self.chunk):
-            n = min(self.chunk, N - r0)
-            xf = (self.xf, r0 * C * F32, n * C * F32)
-            self._head_forward((self.logit_chunk, 0, n * V * F32), xf, n).run(g)
+        for r0, n, call in self._logit_calls:
+            call.run(g)
             out[r0 : r0 + n] = g.download(self.logit_chunk, np.float32, n * V).reshape(n, V)
         return out.reshape(self.B, self.T, V)
 

@@ -1,0 +1,90 @@
+"""Every WGSL entry point is reached by a launcher whose output a family test checks against `ddl_ref`.
+
+Most launchers are one entry point of the same name. The ones below are stages of multi-dispatch launchers
+(a backward's passes, a two-pass reduction, an in-place variant); this test pins which launcher dispatches
+each, so the family test named beside it is the check of that entry point's numbers. A new entry point in
+`shaders/` must appear here or be dispatched by a launcher of its own name.
+"""
+
+import re
+from pathlib import Path
+
+from ddl_wgpu.ops import attention, delta, matmul, reduce, rmsnorm, rope, shortconv
+
+SHADERS = Path(__file__).resolve().parent.parent / "shaders"
+MB = 1 << 20
+
+# entry point -> the test file that compares its launcher's output with ddl_ref
+STAGES = {
+    "attention.wgsl:attention_backward_delta": "test_kernels_attention.py",
+    "attention.wgsl:attention_backward_dq": "test_kernels_attention.py",
+    "attention.wgsl:attention_backward_dkdv": "test_kernels_attention.py",
+    "attention.wgsl:attention_masked_backward_dq": "test_chain_attention.py",
+    "attention.wgsl:attention_masked_backward_dkdv": "test_chain_attention.py",
+    "delta.wgsl:delta_heads": "test_kernels_delta.py",
+    "delta.wgsl:delta_update": "test_kernels_delta.py",
+    "delta.wgsl:delta_backward_rows": "test_kernels_delta.py",
+    "delta.wgsl:delta_backward_inputs": "test_kernels_delta.py",
+    "delta.wgsl:delta_ksum": "test_kernels_delta.py",
+    "matmul.wgsl:splitk_reduce": "test_kernels_matmul.py",
+    "reduce.wgsl:sum_squares": "test_kernels_loss_optim.py",
+    "reduce.wgsl:finalize_clip": "test_kernels_loss_optim.py",
+    "rmsnorm.wgsl:rmsnorm_backward_dw_partial": "test_kernels_small.py",
+    "rmsnorm.wgsl:rmsnorm_backward_dw_reduce": "test_kernels_small.py",
+    "rope.wgsl:rope_forward_inplace": "test_kernels_small.py",
+    "rope.wgsl:rope_backward_inplace": "test_kernels_small.py",
+    "shortconv.wgsl:tc_backward_dX": "test_kernels_delta.py",
+    "shortconv.wgsl:tc_grad_partial": "test_kernels_delta.py",
+    "shortconv.wgsl:cc_backward_dX": "test_kernels_delta.py",
+    "shortconv.wgsl:cc_grad_partial": "test_kernels_delta.py",
+    "shortconv.wgsl:ec_backward_de": "test_kernels_delta.py",
+    "shortconv.wgsl:ec_grad_partial": "test_kernels_delta.py",
+    "shortconv.wgsl:colsum": "test_kernels_delta.py",
+}
+
+
+def entry_points() -> set[str]:
+    found = set()
+    for f in SHADERS.glob("*.wgsl"):
+        for name in re.findall(r"@compute[^{]*?\bfn\s+(\w+)", f.read_text(), re.S):
+            found.add(f"{f.name}:{name}")
+    return found
+
+
+def dispatched(call) -> set[str]:
+    return {kernel.name for kernel, _bg, _groups in call.dispatches}
+
+
+def test_every_entry_point_has_a_launcher():
+    launched_by_name = {e for e in entry_points() if e not in STAGES}
+    # a launcher function (or, for selftest, the selftest module) of the entry point's own name exists
+    ops_src = " ".join(p.read_text() for p in (SHADERS.parent / "ddl_wgpu").rglob("*.py"))
+    for e in sorted(launched_by_name):
+        entry = e.split(":")[1]
+        assert re.search(rf'"{entry}"', ops_src), f"{e} is dispatched by no launcher"
+    assert set(STAGES) <= entry_points(), set(STAGES) - entry_points()
+    for test_file in set(STAGES.values()):
+        assert (Path(__file__).parent / test_file).is_file()
+
+
+def test_multi_stage_launchers_dispatch_their_stages(gpu):
+    buf = [gpu.buffer(MB, label=f"b{i}") for i in range(12)]
+    B, T, H, K, D, C, dv, k = 1, 8, 2, 1, 8, 8, 4, 4
+    rows = B * T
+    seen = set()
+    seen |= dispatched(attention.attention_backward(gpu, *buf[:9], B, T, H, K, D))
+    seen |= dispatched(attention.attention_masked_backward(gpu, *buf[:9], B, T, H, K, D, 4))
+    seen |= dispatched(delta.delta_forward(gpu, *buf[:10], rows, C, dv, 1e-5, 4.0))
+    seen |= dispatched(delta.delta_backward(gpu, *buf[:12], rows, C, dv, 4.0))
+    seen |= dispatched(delta.ksum(gpu, *buf[:4], rows, C, dv))
+    seen |= dispatched(matmul.matmul(gpu, buf[0], buf[1], buf[2], 16, 16, 256, split_k=2))
+    parts = gpu.buffer(reduce.total_partials([64]) * 4)
+    seen |= dispatched(reduce.grad_norm_clip(gpu, buf[0], parts, [(buf[1], 64)], 1.0))
+    seen |= dispatched(rmsnorm.rmsnorm_backward(gpu, *buf[:6], rows, C))
+    seen |= dispatched(rope.rope_forward(gpu, buf[0], buf[0], buf[1], buf[2], B, T, H, D))
+    seen |= dispatched(rope.rope_backward(gpu, buf[0], buf[0], buf[1], buf[2], B, T, H, D))
+    seen |= dispatched(shortconv.tc_backward(gpu, *buf[:7], B, T, C, dv, k))
+    seen |= dispatched(shortconv.cc_backward(gpu, *buf[:7], rows, C, dv))
+    seen |= dispatched(shortconv.ec_backward(gpu, *buf[:5], B, T, C, dv, k))
+    missing = set(STAGES) - seen
+    assert not missing, f"stages no launcher dispatched: {sorted(missing)}"
