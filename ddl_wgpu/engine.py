@@ -1107,28 +1107,39 @@ class Work:
 
     def loss_sum(self, ids, lengths=None) -> tuple[float, int]:
         """Sum of the per-prediction losses and the number of predictions (evaluation; no gradients)."""
+        total, count, _ = self.eval_batch(ids, lengths)
+        return total, count
+
+    def spectral(self, ids, lengths=None) -> dict | None:
+        """The spectral diagnostics of one forward (`ddl_ref.spectral`'s definitions), over real tokens
+        (t < length); None for a baseline model (on request, never inside a training step)."""
+        return self.eval_batch(ids, lengths, spectral=True)[2]
+
+    def eval_batch(self, ids, lengths=None, spectral: bool = False) -> tuple[float, int, dict | None]:
+        """One forward of a batch in one submit: the loss sum and prediction count, and with `spectral` (DDL
+        models) the spectral snapshot of that same forward, read from the per-token stats of every Delta
+        update and the k sums over real tokens."""
         count = self._upload(ids, lengths, train=False)
+        real = None
+        if spectral and self.ddl:
+            lengths = np.full(self.B, self.T) if lengths is None else np.asarray(lengths)
+            real = (np.arange(self.T)[None, :] < lengths[:, None]).reshape(-1)
+            if real.any():
+                self.gpu.write(self.real, real.astype(np.float32))
+                self._spectral_calls()
+            else:
+                real = None
         rec = self.gpu.recorder()
         self._fwd.record(rec)
         self._head_eval.record(rec)
         self._sum.record(rec)
+        if real is not None:
+            self._spectral.record(rec)
         out = self._finish(rec, False)
-        return float(out[0]), count
+        return float(out[0]), count, (self._read_spectral(real) if real is not None else None)
 
-    def spectral(self, ids, lengths=None) -> dict | None:
-        """The spectral diagnostics of one forward (`ddl_ref.spectral`'s definitions), over real tokens
-        (t < length); None for a baseline model. Runs its own forward and reads the per-token stats of every
-        Delta update back (on request, never inside a training step)."""
-        if not self.ddl:
-            return None
-        from ddl_ref.spectral import LAYER_KEYS, finish_snapshot
-
-        self._upload(ids, lengths, train=False)
-        lengths = np.full(self.B, self.T) if lengths is None else np.asarray(lengths)
-        real = (np.arange(self.T)[None, :] < lengths[:, None]).reshape(-1)
-        if not real.any():
-            return None
-        self.gpu.write(self.real, real.astype(np.float32))
+    def _spectral_calls(self):
+        """The k-sum launches of every DDL sublayer, built once."""
         C, dv, N = self.cfg.d_model, self.dv, self.N
         subs = [(a, sub) for a in self.L for sub in ("attn", "mlp")]
         if self._spectral is None:
@@ -1147,10 +1158,13 @@ class Work:
                     dv,
                 )
             self._spectral = call
-        rec = self.gpu.recorder()
-        self._fwd.record(rec)
-        self._spectral.record(rec)
-        rec.submit()
+
+    def _read_spectral(self, real: np.ndarray) -> dict:
+        """The snapshot of the last forward from its delta stats (one read-back per sublayer) and k sums."""
+        from ddl_ref.spectral import LAYER_KEYS, finish_snapshot
+
+        C, dv, N = self.cfg.d_model, self.dv, self.N
+        subs = [(a, sub) for a in self.L for sub in ("attn", "mlp")]
         slots = self.gpu.download(self._ksums, np.float32).reshape(len(subs), self._kslot // F32)
         ksums = slots[:, :C].astype(np.float64)
         per_layer: dict[str, list[float]] = {k: [] for k in LAYER_KEYS}

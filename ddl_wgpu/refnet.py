@@ -133,5 +133,11 @@ class RefWork:
         cache = ref_model.forward(self.net.params, self.net.cfg, ids, lengths, spectral=True)[2]
         return cache["spectral"]
 
+    def eval_batch(self, ids, lengths=None, spectral: bool = False) -> tuple[float, int, dict | None]:
+        """The loss sum, the prediction count and, with `spectral`, the snapshot (the engine's interface; the
+        reference keeps them as two readable forwards)."""
+        total, count = self.loss_sum(ids, lengths)
+        return total, count, (self.spectral(ids, lengths) if spectral else None)
+
     def logits(self, ids) -> np.ndarray:
         return ref_model.forward(self.net.params, self.net.cfg, ids)[0]

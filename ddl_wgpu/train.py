@@ -201,16 +201,14 @@ def evaluate(net, dataset: TokenDataset, max_batches: int = 0, spectral: bool = 
     acc = None
     for i in range(n):
         b = dataset.batch(i)
-        s, c = work.loss_sum(b.ids, b.lengths)
+        s, c, snap = work.eval_batch(b.ids, b.lengths, spectral=spectral)  # one forward for both
         total += s
         count += c
-        if spectral and hasattr(work, "spectral"):
-            snap = work.spectral(b.ids, b.lengths)
-            if snap is not None:
-                from ddl_ref.spectral import SpectralAccumulator
+        if snap is not None:
+            from ddl_ref.spectral import SpectralAccumulator
 
-                acc = acc or SpectralAccumulator()
-                acc.observe(snap, max(c, 1))
+            acc = acc or SpectralAccumulator()
+            acc.observe(snap, max(c, 1))
     return {"metrics": metrics(total, count), "spectral": acc.finish() if acc else None}
 
 
