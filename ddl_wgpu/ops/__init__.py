@@ -4,3 +4,30 @@ Every launcher takes the GPU, then outputs, then inputs (llm.c's order), then si
 `gpu.Call`: bind groups and uniforms built once, recorded into a step as many times as needed. A buffer
 argument is either a `wgpu` buffer or a `(buffer, byte_offset, nbytes)` view into a flat arena.
 """
+
+
+def view(res) -> tuple:
+    """(buffer, byte_offset, nbytes) of a buffer or of a view."""
+    return res if isinstance(res, tuple) else (res, 0, res.size)
+
+
+def nbytes(res) -> int:
+    """Bytes bound by a buffer or a view."""
+    return view(res)[2]
+
+
+def need_bytes(what: str, res, n: int) -> None:
+    """Raise if `res` binds fewer than n bytes: the shader's bounds guards would read zeros or drop writes."""
+    if nbytes(res) < n:
+        raise ValueError(f"{what}: {nbytes(res)} bytes bound, the call needs {n}")
+
+
+def need(entry: str, name: str, res, n: int) -> None:
+    """Raise if `res` holds fewer than n f32 (or u32) values."""
+    need_bytes(f"{entry}: {name}", res, 4 * n)
+
+
+def need_all(entry: str, **named) -> None:
+    """`need` for several bindings given as name=(buffer_or_view, n_values)."""
+    for name, (res, n) in named.items():
+        need(entry, name, res, n)

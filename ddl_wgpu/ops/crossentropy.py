@@ -17,19 +17,11 @@ What this does not do: build the logits (matmul), reduce row_loss (reduce.sum_ro
 from __future__ import annotations
 
 from ddl_wgpu.gpu import Call
+from ddl_wgpu.ops import need_bytes as _need
 
 FILE = "crossentropy.wgsl"
 WG = 256
 PARAMS_FMT = "uuuu"  # rows, V, row_offset, pad
-
-
-def _nbytes(r) -> int:
-    return r[2] if isinstance(r, tuple) else r.size
-
-
-def _need(name: str, r, nbytes: int):
-    if _nbytes(r) < nbytes:
-        raise ValueError(f"{name}: {_nbytes(r)} bytes bound, the call needs {nbytes}")
 
 
 def _check(rows: int, V: int, row_offset: int, logits, targets, weights, row_loss):

@@ -23,6 +23,7 @@ What it does not do: mixed precision, the MLP β head (`ddl_beta_single_linear=F
 from __future__ import annotations
 
 from ddl_wgpu.gpu import Call, Gpu
+from ddl_wgpu.ops import need_all as _need
 from ddl_wgpu.ops.matmul import matmul
 
 FILE = "delta.wgsl"
@@ -45,16 +46,6 @@ def stats_size(dv: int) -> int:
 def stat_p(dv: int) -> int:
     """Offset of p = X^T k within a row of `stats`."""
     return STAT_V + int(dv)
-
-
-def _nbytes(res) -> int:
-    return res[2] if isinstance(res, tuple) else res.size
-
-
-def _need(entry: str, **named):
-    for name, (res, n) in named.items():
-        if _nbytes(res) < 4 * n:
-            raise ValueError(f"{entry}: {name} has {_nbytes(res)} bytes, needs {4 * n}")
 
 
 def _check_dv(entry: str, dv: int):

@@ -22,21 +22,11 @@ from __future__ import annotations
 import struct
 
 from ddl_wgpu.gpu import Call, Gpu
+from ddl_wgpu.ops import need, view  # re-exported: the other launchers import them from here
 
 FILE = "elementwise.wgsl"
 WG = 256  # threads per workgroup, as in the shader
 PARAMS = "uf"  # Params {n: u32, alpha: f32}
-
-
-def view(res) -> tuple:
-    """(buffer, byte_offset, nbytes) of a buffer or of a view."""
-    return res if isinstance(res, tuple) else (res, 0, res.size)
-
-
-def need(entry: str, name: str, res, n: int):
-    """Raise if `res` holds fewer than n f32 (or u32) values: a short binding would be read as zeros."""
-    if view(res)[2] < 4 * n:
-        raise ValueError(f"{entry}: {name} has {view(res)[2]} bytes, needs {4 * n}")
 
 
 def vec_width(n: int, *resources) -> int:

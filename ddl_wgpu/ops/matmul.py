@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ddl_wgpu.gpu import MAX_GROUPS, Call, GpuError
+from ddl_wgpu.ops import nbytes as _nbytes
 
 SHADER = "matmul.wgsl"
 PARAMS = "uuuuuuuuuuuf"  # M N K lda ldb ldc stride_a stride_b stride_c batch accumulate alpha
@@ -258,10 +259,6 @@ def _offset_view(res, elements: int, itemsize: int = 4):
     if shift % 256 or shift >= size:
         return None
     return (buf, off + shift, size - shift)
-
-
-def _nbytes(res) -> int:
-    return res[2] if isinstance(res, tuple) else res.size
 
 
 def _check_fits(

@@ -19,6 +19,7 @@ Launch sizes depend only on n, so results are bit-reproducible run to run.
 from __future__ import annotations
 
 from ddl_wgpu.gpu import Call
+from ddl_wgpu.ops import need_bytes as _need
 
 FILE = "reduce.wgsl"
 WG = 256
@@ -35,15 +36,6 @@ SCALARS_CLIP_MULT = 1
 SCALARS_FINITE = 2
 SCALARS_SUMSQ = 3
 SCALARS_BYTES = 16
-
-
-def _nbytes(r) -> int:
-    return r[2] if isinstance(r, tuple) else r.size
-
-
-def _need(name: str, r, nbytes: int):
-    if _nbytes(r) < nbytes:
-        raise ValueError(f"{name}: {_nbytes(r)} bytes bound, the call needs {nbytes}")
 
 
 def sum_squares_groups(n: int, max_groups: int = MAX_GROUPS) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 from ddl_wgpu.gpu import Call, Gpu
+from ddl_wgpu.ops import need_all as _need
 
 FILE = "shortconv.wgsl"
 WG = 256  # threads per workgroup, as in the shader
@@ -32,16 +33,6 @@ PARAMS = "u" * 16
 CW_PARTIAL = 32  # columns per workgroup in pass 1 (8 row lanes)
 CW_CONV = 32  # outputs per workgroup in pass 2 of dconv (8 block lanes)
 CW_READ = 1  # outputs per workgroup in pass 2 of dread (256 lanes over blocks x features)
-
-
-def _nbytes(res) -> int:
-    return res[2] if isinstance(res, tuple) else res.size
-
-
-def _need(entry: str, **named):
-    for name, (res, n) in named.items():
-        if _nbytes(res) < 4 * n:
-            raise ValueError(f"{entry}: {name} has {_nbytes(res)} bytes, needs {4 * n}")
 
 
 def grad_blocks(rows: int) -> tuple[int, int]:

@@ -13,20 +13,12 @@ and their full-softmax probabilities (not renormalised; topk_kl renormalises), w
 from __future__ import annotations
 
 from ddl_wgpu.gpu import Call
+from ddl_wgpu.ops import need_bytes as _need
 
 FILE = "topk_kl.wgsl"
 WG = 256
 KMAX = 64
 PARAMS_FMT = "uuuu"  # rows, V, k, row_offset
-
-
-def _nbytes(r) -> int:
-    return r[2] if isinstance(r, tuple) else r.size
-
-
-def _need(name: str, r, nbytes: int):
-    if _nbytes(r) < nbytes:
-        raise ValueError(f"{name}: {_nbytes(r)} bytes bound, the call needs {nbytes}")
 
 
 def _check_sizes(rows: int, V: int, k: int):
