@@ -534,18 +534,6 @@ def resume(
     ck = load_checkpoint(checkpoint)
     tr = ck["report"]["training"]
     vs = ck["report"]["validation_dataset"]
-    history = ck["report"]["history"]
-    if steps is not None and history:
-        # The seed's phase schedule starts the new cosine at the last rate, clamped to [min, max]: a run that
-        # decayed to a floor of 0 would train its new phase at learning rate 0. Say so instead of idling.
-        floor = min_learning_rate if min_learning_rate is not None else tr["min_learning_rate"]
-        peak = learning_rate if learning_rate is not None else tr["learning_rate"]
-        start = min(max(history[-1]["learning_rate"], floor), peak)
-        if start <= 0.0:
-            fail(
-                "the last phase ended at learning rate 0, so a new phase would not train (the seed's phase "
-                "schedule starts where the last one stopped); pass --min-learning-rate > 0"
-            )
     if val_fraction is None:
         split = (vs or {}).get("split", "")
         val_fraction = float(split.split(":")[1]) if split.startswith("val:") else 0.0

@@ -640,6 +640,13 @@ def resume(
                 f"the run stopped at step {done} of its phase; resume without --steps to finish it first"
             )
         prev = rep["history"][-1]["learning_rate"] if rep["history"] else None
+        if prev is not None and schedule_for_phase(tcfg, prev).learning_rate(0) <= 0.0:
+            # The seed's phase schedule starts where the last phase stopped; after a decay to a floor of 0 the
+            # new phase would train nothing. Say so instead of idling.
+            raise TrainingError.invalid_config(
+                "the last phase ended at learning rate 0, so a new phase would not train (the seed's phase "
+                "schedule starts where the last one stopped); pass --min-learning-rate > 0"
+            )
         ck["position"]["phase"] = {"start_step": done, "training": tcfg.to_dict(), "previous_lr": prev}
         rep["training"] = tcfg.to_dict()
     out = Path(out_dir) if out_dir is not None else Path(checkpoint).parent
