@@ -37,6 +37,24 @@ ENV_ADAPTER = "DDL_WGPU_ADAPTER"
 # shapes; the constructor's `max_binding` / `max_buffer` do the same. Never raises a limit.
 ENV_MAX_BINDING = "DDL_WGPU_MAX_BINDING"
 ENV_MAX_BUFFER = "DDL_WGPU_MAX_BUFFER"
+# Shader files compiled without naga's runtime checks (index clamping, loop bounding): "default" (the
+# files in TRUSTED_FILES), "none", or a comma-separated list of files.
+ENV_TRUSTED = "DDL_WGPU_TRUSTED"
+# Kernels whose every index is guarded by construction (explicit bounds tests on global reads and writes,
+# shared-memory indices in range by their loop bounds) and whose launchers check every binding's size.
+# naga otherwise clamps each array index and counts every loop's iterations: in a GEMM's inner loop that is
+# integer work beside every shared-memory load.
+TRUSTED_FILES = frozenset({"matmul.wgsl", "attention.wgsl"})
+
+def trusted_files() -> frozenset:
+    """The shader files compiled without runtime checks (`DDL_WGPU_TRUSTED`, default TRUSTED_FILES)."""
+    value = os.environ.get(ENV_TRUSTED, "default").strip()
+    if value == "default":
+        return TRUSTED_FILES
+    if value in ("", "none"):
+        return frozenset()
+    return frozenset(f.strip() for f in value.split(",") if f.strip())
+
 
 DRIVER_HINT = (
     "no GPU adapter found (Vulkan, Metal or DX12). Install a driver: on Debian/Ubuntu "
@@ -260,6 +278,28 @@ class Gpu:
             self._layouts[sig] = (bgl, pl)
         return self._layouts[sig]
 
+    def _create_module(self, src: str, file: str):
+        """A shader module; files in the trusted set skip naga's bounds checks and loop bounding
+        (`wgpuDeviceCreateShaderModuleTrusted`, wgpu-native only: wgpu-py has no wrapper for it)."""
+        if file not in trusted_files():
+            return self.device.create_shader_module(code=src, label=file)
+        from wgpu.backends.wgpu_native import _api
+
+        source = _api.new_struct_p("WGPUShaderSourceWGSL *", code=_api.to_c_string_view(src))
+        source[0].chain.next = _api.ffi.NULL
+        source[0].chain.sType = _api.lib.WGPUSType_ShaderSourceWGSL
+        desc = _api.new_struct_p(
+            "WGPUShaderModuleDescriptor *",
+            nextInChain=_api.ffi.cast("WGPUChainedStruct *", source),
+            label=_api.to_c_string_view(file),
+        )
+        handle = _api.lib.wgpuDeviceCreateShaderModuleTrusted(
+            self.device._internal, desc, _api.lib.WGPUShaderRuntimeChecks_None
+        )
+        if handle == _api.ffi.NULL:
+            raise KernelError(f"{file}: shader module creation failed")
+        return _api.GPUShaderModule(file, handle, self.device)
+
     def kernel(
         self,
         file: str,
@@ -282,7 +322,7 @@ class Gpu:
         try:
             if mkey not in self._modules:
                 src = shader_source(file, templates)
-                self._modules[mkey] = self.device.create_shader_module(code=src, label=file)
+                self._modules[mkey] = self._create_module(src, file)
             bgl, pl = self._layout(sig)
             compute = {"module": self._modules[mkey], "entry_point": entry}
             if constants:

@@ -5,7 +5,14 @@
 //   backward dx[M,K] = dy[M,N] * W[N,K]    (no transposes)
 //   backward dW[N,K] (+)= dy[M,N]^T * x[M,K]  (TRANS_A = 1; `accumulate` for tied / accumulated weights)
 // op(A) is M x K, stored (M, K) or, with TRANS_A, (K, M) with row stride lda; op(B) is K x N, stored (K, N)
-// or, with TRANS_B, (N, K) with row stride ldb; C is (M, N) with row stride ldc. Batch z adds z*stride_*.
+// or, with TRANS_B, (N, K) with row stride ldb; C is (M, N) with row stride ldc.
+// Batch z is two-level, (zo, zi) = (z / inner, z % inner), so that per-(batch, head) products of (B, T, H, D)
+// tensors need no transposed copies: operand X starts at off_x + zo * stride_x + (zi / div_x) * istride_x
+// (div > 1 lets H query heads share K/V heads: GQA). inner = 1, div = 1 is the plain batched GEMM.
+// Causal modes, for the products of attention with T x T scores (rows m and columns n are positions):
+//   1: skip every tile wholly above the diagonal (n0 > m0 + BM - 1): those C elements are left unwritten;
+//   2: op(A) is zero right of the diagonal (k > m): the k loop stops after the tile's last row;
+//   3: op(A) is zero left of the diagonal (k < m): the k loop starts at the tile's first row.
 //
 // Tiling. A workgroup of WX x WY threads owns a BM x BN block of C, BM = WY*TM and BN = WX*TN; each thread
 // owns a TM x TN sub-block held as TM*TN/4 separate vec4<f32> accumulators (generated straight-line by
@@ -42,6 +49,16 @@ struct Params {
     batch: u32,
     accumulate: u32,  // 1: C = alpha*op(A)op(B) + C
     alpha: f32,
+    inner: u32,  // batch z = zo * inner + zi
+    div_a: u32,
+    div_b: u32,
+    istride_a: u32,
+    istride_b: u32,
+    istride_c: u32,
+    off_a: u32,
+    off_b: u32,
+    off_c: u32,
+    causal: u32,  // 0 none; 1, 2, 3: see the header
 }
 
 @group(0) @binding(0) var<storage, read> a: array<f32>;
@@ -169,15 +186,27 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) l
     if (m0 >= P.M || n0 >= P.N || z >= P.batch) {
         return;
     }
+    if (P.causal == 1u && n0 > m0 + BMV * 4u - 1u) {
+        return;
+    }
+    var k_begin = 0u;
+    var k_end = P.K;
+    if (P.causal == 2u) {
+        k_end = min(P.K, m0 + BMV * 4u);
+    } else if (P.causal == 3u) {
+        k_begin = (m0 / BK) * BK;
+    }
     let tx = lid.x;
     let ty = lid.y;
     let t = ty * WX + tx;
-    let base_a = z * P.stride_a;
-    let base_b = z * P.stride_b;
-    let base_c = z * P.stride_c;
+    let zo = z / P.inner;
+    let zi = z % P.inner;
+    let base_a = P.off_a + zo * P.stride_a + (zi / P.div_a) * P.istride_a;
+    let base_b = P.off_b + zo * P.stride_b + (zi / P.div_b) * P.istride_b;
+    let base_c = P.off_c + zo * P.stride_c + zi * P.istride_c;
 
 {{acc_decl}}
-    for (var k0 = 0u; k0 < P.K; k0 += BK) {
+    for (var k0 = k_begin; k0 < k_end; k0 += BK) {
         load_a_tile(base_a, m0, k0, t);
         load_b_tile(base_b, n0, k0, t);
         workgroupBarrier();

@@ -57,6 +57,22 @@ def test_broken_shader_names_file_and_entry(gpu, tmp_path):
     assert "broken.wgsl:oops" in str(e.value)
 
 
+def test_trusted_module_compiles_and_reports_errors(gpu, tmp_path, monkeypatch):
+    """A file in the trusted set goes through wgpuDeviceCreateShaderModuleTrusted: a good kernel still
+    runs, a broken one still raises KernelError naming file and entry."""
+    bad = tmp_path / "broken_trusted.wgsl"
+    bad.write_text("@compute @workgroup_size(1) fn oops() { let x: f32 = 1u; }\n")
+    monkeypatch.setenv(G.ENV_TRUSTED, f"{bad},selftest.wgsl")
+    assert str(bad) in G.trusted_files()
+    with pytest.raises(G.KernelError) as e:
+        gpu.kernel(str(bad), "oops", "")
+    assert "broken_trusted.wgsl:oops" in str(e.value)
+    monkeypatch.setenv(G.ENV_TRUSTED, "none")
+    assert G.trusted_files() == frozenset()
+    monkeypatch.setenv(G.ENV_TRUSTED, "default")
+    assert G.trusted_files() == G.TRUSTED_FILES
+
+
 def test_missing_entry_point_names_file_and_entry(gpu):
     with pytest.raises(G.KernelError, match=r"selftest\.wgsl:nope"):
         gpu.kernel("selftest.wgsl", "nope", "rwu")

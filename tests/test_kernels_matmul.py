@@ -139,6 +139,72 @@ def test_matmul_batched_transposed_row_strides(gpu, rng):
     check("matmul per-head scores", gpu.download(s, np.float32, H * T * T).reshape(H, T, T), want, "matmul")
 
 
+@pytest.mark.parametrize("tile", [SMALL_TILE, Tile(wx=4, wy=4, tm=4, tn=4, bk=4)], ids=["64x64", "16x16"])
+def test_matmul_two_level_batch_gqa_offsets(gpu, rng, tile):
+    # Q K^T for every (b, h) of (B, T, H, D) storage with K/V heads shared by G = H / KH query heads, the
+    # batch starting b0 batches in (element offsets), into packed (B-b0, H, T, T) scores.
+    B, T, H, KH, D, b0 = 3, 21, 4, 2, 12, 1
+    q, k = _rand(rng, B, T, H, D), _rand(rng, B, T, KH, D)
+    nb = B - b0
+    s = gpu.buffer(4 * nb * H * T * T)
+    matmul(
+        gpu, s, gpu.upload(q), gpu.upload(k), T, T, D, trans_b=True, batch=nb * H, inner=H,
+        stride_a=T * H * D, istride_a=D, off_a=b0 * T * H * D, lda=H * D,
+        stride_b=T * KH * D, istride_b=D, div_b=H // KH, off_b=b0 * T * KH * D, ldb=KH * D,
+        stride_c=H * T * T, istride_c=T * T, tile=tile,
+    ).run(gpu)  # fmt: skip
+    kk = np.repeat(k[b0:].astype(np.float64), H // KH, axis=2)
+    want = np.einsum("bthd,bshd->bhts", q[b0:].astype(np.float64), kk)
+    check(
+        "matmul two-level batch",
+        gpu.download(s, np.float32, nb * H * T * T).reshape(want.shape),
+        want,
+        "matmul",
+    )
+
+
+@pytest.mark.parametrize("tile", [SMALL_TILE, Tile(wx=4, wy=4, tm=4, tn=4, bk=4)], ids=["64x64", "16x16"])
+def test_matmul_causal_modes(gpu, rng, tile):
+    # The three causal modes of attention's products on T x T positions (T not a multiple of the tile).
+    T, D, nb = 37, 8, 2
+    lower = np.tril(_rand(rng, nb, T, T))  # P: zero right of the diagonal
+    x, y = _rand(rng, nb, T, D), _rand(rng, nb, T, D)
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731
+    bat = dict(batch=nb, tile=tile)
+    # 1: scores x y^T on and below the diagonal; the tiles wholly above it keep the sentinel
+    sentinel = np.full((nb, T, T), 7.0, np.float32)
+    got = _run_matmul(
+        gpu, x, y, T, T, D, c_init=sentinel, trans_b=True, stride_a=T * D, stride_b=T * D, stride_c=T * T,
+        causal="skip_upper", **bat,
+    ).reshape(nb, T, T)  # fmt: skip
+    want = f64(x) @ f64(y).transpose(0, 2, 1)
+    t, s_ = np.tril_indices(T)
+    check("causal skip_upper", got[:, t, s_], want[:, t, s_], "matmul")
+    bm = tile.bm
+    above = np.array([[(c // bm) > (r // bm) for c in range(T)] for r in range(T)])  # whole tiles above
+    assert above.any() == (bm < T)
+    assert np.all(got[:, above] == 7.0), "a tile above the diagonal was written"
+    # 2: P y with the k loop stopped at each row tile's end: equal to the full product
+    got = _run_matmul(
+        gpu, lower, y, T, D, T, stride_a=T * T, stride_b=T * D, stride_c=T * D, causal="k_to_row", **bat
+    )
+    check("causal k_to_row", got.reshape(nb, T, D), f64(lower) @ f64(y), "matmul")
+    # 3: P^T y (op(A) = P^T is zero left of the diagonal) with the k loop started at each row tile
+    got = _run_matmul(
+        gpu, lower, y, T, D, T, trans_a=True, stride_a=T * T, stride_b=T * D, stride_c=T * D,
+        causal="k_from_row", **bat,
+    )  # fmt: skip
+    check("causal k_from_row", got.reshape(nb, T, D), f64(lower).transpose(0, 2, 1) @ f64(y), "matmul")
+
+
+def test_matmul_rejects_bad_batch_split(gpu):
+    a = gpu.buffer(4 * 64)
+    with pytest.raises(GpuError, match="batch split"):
+        matmul(gpu, a, a, a, 2, 2, 2, batch=3, inner=2)
+    with pytest.raises(GpuError, match="batch split"):
+        matmul(gpu, a, a, a, 2, 2, 2, causal="upper")
+
+
 def test_matmul_views_into_arena(gpu, rng):
     M, N, K = 9, 14, 11
     A, B = _rand(rng, M, K), _rand(rng, N, K)

@@ -35,7 +35,10 @@ from ddl_wgpu.gpu import MAX_GROUPS, Call, GpuError
 from ddl_wgpu.ops import nbytes as _nbytes
 
 SHADER = "matmul.wgsl"
-PARAMS = "uuuuuuuuuuuf"  # M N K lda ldb ldc stride_a stride_b stride_c batch accumulate alpha
+# M N K lda ldb ldc stride_a stride_b stride_c batch accumulate alpha, then the two-level batch (inner div_a div_b
+# istride_a istride_b istride_c), element offsets (off_a off_b off_c) and the causal mode
+PARAMS = "uuuuuuuuuuuf" + "uuuuuu" + "uuu" + "u"
+CAUSAL_MODES = {None: 0, "skip_upper": 1, "k_to_row": 2, "k_from_row": 3}
 REDUCE_PARAMS = "uuuufuuu"  # n parts stride accumulate alpha pad pad pad
 
 # Split-K is used when a product yields fewer LARGE_TILE workgroups than this on a GPU and K is long: the
@@ -262,15 +265,27 @@ def _offset_view(res, elements: int, itemsize: int = 4):
 
 
 def _check_fits(
-    what: str, res, batch: int, stride: int, rows: int, cols: int, ld: int, itemsize: int = 4
+    what: str,
+    res,
+    batch: int,
+    stride: int,
+    rows: int,
+    cols: int,
+    ld: int,
+    itemsize: int = 4,
+    inner: int = 1,
+    div: int = 1,
+    istride: int = 0,
+    off: int = 0,
 ) -> None:
     """Raise if the last element this GEMM touches lies outside the bound buffer (or view): the shader's
-    bounds checks would otherwise clamp silently."""
+    bounds checks would otherwise clamp silently (or, in a trusted module, read out of bounds)."""
     if rows == 0 or cols == 0:
         return
     if ld < cols:
         raise GpuError(f"matmul: {what} row stride {ld} is smaller than its {cols} columns")
-    need = itemsize * ((batch - 1) * stride + (rows - 1) * ld + cols)
+    last = off + (batch // inner - 1) * stride + ((inner - 1) // div) * istride
+    need = itemsize * (last + (rows - 1) * ld + cols)
     if need > _nbytes(res):
         raise GpuError(f"matmul: {what} needs {need} bytes, its buffer/view has {_nbytes(res)}")
 
@@ -297,26 +312,60 @@ def matmul(
     tile: Tile | None = None,
     split_k: int | None = None,
     b_dtype: str = "f32",
+    inner: int = 1,
+    div_a: int = 1,
+    div_b: int = 1,
+    istride_a: int = 0,
+    istride_b: int = 0,
+    istride_c: int = 0,
+    off_a: int = 0,
+    off_b: int = 0,
+    off_c: int = 0,
+    causal: str | None = None,
 ) -> Call:
     """C = alpha * op(A) * op(B) (+ C when `accumulate`), for `batch` products whose operands start
     stride_a / stride_b / stride_c elements apart. `lda`, `ldb`, `ldc` are the row strides (in elements) of
     the stored matrices; they default to packed rows (A: K, or M when trans_a; B: N, or K when trans_b;
     C: N). `c` must be a different buffer from `a` and `b`. `tile` defaults to `pick_tile`. `split_k` slices
     K into that many products plus a reduction (None: `auto_split_k`; only for packed, unbatched C).
-    `b_dtype` "f16": B holds f16 values (converted to f32 on load; needs shader-f16)."""
-    M, N, K, batch = int(M), int(N), int(K), int(batch)
+    `b_dtype` "f16": B holds f16 values (converted to f32 on load; needs shader-f16).
+
+    Two-level batch (per-(batch, head) products of (B, T, H, D) tensors): with `inner` > 1, product z reads
+    X from off_x + (z // inner) * stride_x + ((z % inner) // div_x) * istride_x (C: div 1); `batch` counts
+    all products and must be a multiple of `inner`. `causal` (square positions x positions products of
+    attention): "skip_upper" leaves the C tiles wholly above the diagonal unwritten, "k_to_row" stops the
+    k loop after each tile's last row (op(A) zero for k > m), "k_from_row" starts it at the tile's first
+    row (op(A) zero for k < m)."""
+    M, N, K, batch, inner = int(M), int(N), int(K), int(batch), int(inner)
     if min(M, N, K, batch) < 0:
         raise GpuError(f"matmul: negative size M={M} N={N} K={K} batch={batch}")
+    if inner < 1 or batch % inner or min(div_a, div_b) < 1 or causal not in CAUSAL_MODES:
+        raise GpuError(f"matmul: bad batch split batch={batch} inner={inner} div={div_a},{div_b} {causal=}")
     lda = int(lda if lda is not None else (M if trans_a else K))
     ldb = int(ldb if ldb is not None else (K if trans_b else N))
     ldc = int(ldc if ldc is not None else N)
     if M == 0 or N == 0 or batch == 0:
         return Call()
-    _check_fits("A", a, batch, stride_a, *((K, M) if trans_a else (M, K)), lda)
-    _check_fits("B", b, batch, stride_b, *((N, K) if trans_b else (K, N)), ldb, _b_itemsize(gpu, b_dtype))
-    _check_fits("C", c, batch, stride_c, M, N, ldc)
+    _check_fits(
+        "A", a, batch, stride_a, *((K, M) if trans_a else (M, K)), lda, 4, inner, div_a, istride_a, off_a
+    )
+    _check_fits(
+        "B",
+        b,
+        batch,
+        stride_b,
+        *((N, K) if trans_b else (K, N)),
+        ldb,
+        _b_itemsize(gpu, b_dtype),
+        inner,
+        div_b,
+        istride_b,
+        off_b,
+    )
+    _check_fits("C", c, batch, stride_c, M, N, ldc, 4, inner, 1, istride_c, off_c)
+    plain = inner == 1 and causal is None and off_a == off_b == off_c == 0
     parts = auto_split_k(gpu, M, N, K, batch) if split_k is None else int(split_k)
-    if parts > 1 and batch == 1 and ldc == N and 2 * parts <= K:
+    if parts > 1 and batch == 1 and ldc == N and 2 * parts <= K and plain:
         call = _split_k(
             gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, parts, tile, b_dtype
         )
@@ -341,6 +390,16 @@ def matmul(
         batch,
         int(accumulate),
         float(alpha),
+        inner,
+        int(div_a),
+        int(div_b),
+        int(istride_a),
+        int(istride_b),
+        int(istride_c),
+        int(off_a),
+        int(off_b),
+        int(off_c),
+        CAUSAL_MODES[causal],
         label="matmul",
     )
     return Call(dispatches=[(k, gpu.bind(k, a, b, c, u), groups)], uniforms=[u])
