@@ -211,14 +211,14 @@ def _attn_inputs(b: Bench, B, T, H, K, D):
     return qs, ks, vs
 
 
-def bench_attention(b: Bench, S, backward: bool) -> dict:
+def bench_attention(b: Bench, S, backward: bool, impl: str) -> dict:
     gpu, cfg = b.gpu, S["cfg"]
     B, T, H, K, D = S["B"], S["T"], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     qs, ks, vs = _attn_inputs(b, B, T, H, K, D)
     bufs = [(b.up(q), b.up(k), b.up(v)) for q, k, v in zip(qs, ks, vs, strict=True)]
     outs = [(gpu.buffer(B * T * H * D * F32), gpu.buffer(B * H * T * F32)) for _ in range(b.rot)]
     fw = [
-        k_attn.attention_forward(gpu, o, l, q, k, v, B, T, H, K, D)
+        k_attn.attention_forward(gpu, o, l, q, k, v, B, T, H, K, D, impl=impl)
         for (q, k, v), (o, l) in zip(bufs, outs, strict=True)
     ]
     # reference on two batch rows (all heads, full T)
@@ -248,8 +248,9 @@ def bench_attention(b: Bench, S, backward: bool) -> dict:
                 fns.append(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
             return fns
 
-        return {"flop": flop_fw, "gpu": t, "torch": b.time_torch(make), "err": err, "tol": 1e-4,
-                "note": f"tiles {k_attn.tile_config(D, int(gpu.limits.get('max-compute-workgroup-storage-size', 16384)))}"}  # fmt: skip
+        tiles = k_attn.tile_config(D, int(gpu.limits.get("max-compute-workgroup-storage-size", 16384)))
+        note = f"tiles {tiles}" if impl == "flash" else "GEMMs over materialised scores"
+        return {"flop": flop_fw, "gpu": t, "torch": b.time_torch(make), "err": err, "tol": 1e-4, "note": note}
     douts = [b.randn(B, T, H, D) for _ in range(b.rot)]
     dbufs = [b.up(d) for d in douts]
     for c in fw:
@@ -259,7 +260,7 @@ def bench_attention(b: Bench, S, backward: bool) -> dict:
     scratch = [gpu.buffer(B * H * T * F32) for _ in range(b.rot)]
     bw = [
         k_attn.attention_backward(gpu, *grads[i], dbufs[i], outs[i][0], outs[i][1], *bufs[i], B, T, H, K, D,
-                                  scratch=scratch[i])
+                                  scratch=scratch[i], impl=impl)
         for i in range(b.rot)
     ]  # fmt: skip
     bw[0].run(gpu)
@@ -292,7 +293,7 @@ def bench_attention(b: Bench, S, backward: bool) -> dict:
         return fns
 
     return {"flop": 2.5 * flop_fw, "gpu": t, "torch": b.time_torch(make), "err": err, "tol": 1e-4,
-            "note": "3 passes: delta, dq, dk/dv"}  # fmt: skip
+            "note": "3 passes: delta, dq, dk/dv" if impl == "flash" else "delta + 5 GEMMs + 1 row pass"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -711,8 +712,13 @@ def plan(S, args) -> list[tuple[str, str, str, object]]:
         P.append(("matmul", f"matmul {label}", f"{M}x{Nn}x{Kk} {lay}",
                   lambda b, a=(label, M, Nn, Kk, ta, tb): bench_matmul(b, *a)))  # fmt: skip
     att = f"B{B} T{T} H{H}/{K}x{D}"
-    P.append(("attention", "attention fwd", att, lambda b: bench_attention(b, S, False)))
-    P.append(("attention", "attention bwd", att, lambda b: bench_attention(b, S, True)))
+    for impl in args.attention.split(","):
+        P.append(
+            ("attention", f"attention fwd {impl}", att, lambda b, i=impl: bench_attention(b, S, False, i))
+        )
+        P.append(
+            ("attention", f"attention bwd {impl}", att, lambda b, i=impl: bench_attention(b, S, True, i))
+        )
     P.append(("rmsnorm", "rmsnorm fwd", f"{N}x{C}", lambda b: bench_rmsnorm(b, N, C, False)))
     P.append(("rmsnorm", "rmsnorm bwd", f"{N}x{C}", lambda b: bench_rmsnorm(b, N, C, True)))
     P.append(
@@ -762,6 +768,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (lavapipe smoke test)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--attention", default="scores,flash", help="attention implementations to time")
     ap.add_argument("--only", default="", help="comma list of groups: matmul,attention,rmsnorm,swiglu,delta,"
                     "adamw,head,crossentropy,topk_kl")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=5)

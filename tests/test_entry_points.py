@@ -19,6 +19,8 @@ STAGES = {
     "attention.wgsl:attention_backward_delta": "test_kernels_attention.py",
     "attention.wgsl:attention_backward_dq": "test_kernels_attention.py",
     "attention.wgsl:attention_backward_dkdv": "test_kernels_attention.py",
+    "attention_scores.wgsl:scores_softmax": "test_kernels_attention.py",
+    "attention_scores.wgsl:scores_backward": "test_kernels_attention.py",
     "attention.wgsl:attention_masked_backward_dq": "test_chain_attention.py",
     "attention.wgsl:attention_masked_backward_dkdv": "test_chain_attention.py",
     "delta.wgsl:delta_heads": "test_kernels_delta.py",
@@ -73,6 +75,8 @@ def test_multi_stage_launchers_dispatch_their_stages(gpu):
     rows = B * T
     seen = set()
     seen |= dispatched(attention.attention_backward(gpu, *buf[:9], B, T, H, K, D))
+    seen |= dispatched(attention.attention_forward(gpu, *buf[:5], B, T, H, K, D, impl="scores"))
+    seen |= dispatched(attention.attention_backward(gpu, *buf[:9], B, T, H, K, D, impl="scores"))
     seen |= dispatched(attention.attention_masked_backward(gpu, *buf[:9], B, T, H, K, D, 4))
     seen |= dispatched(delta.delta_forward(gpu, *buf[:10], rows, C, dv, 1e-5, 4.0))
     seen |= dispatched(delta.delta_backward(gpu, *buf[:12], rows, C, dv, 4.0))

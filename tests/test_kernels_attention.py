@@ -1,14 +1,19 @@
-"""attention.wgsl against ddl_ref.ops.attention_forward/backward (float64 reference of float32 inputs):
-out, lse, dq, dk, dv for GQA shapes with T not a multiple of the tiles; determinism; causality; a custom scale;
-every tile shape the launcher can pick; large head dims; the tile choice for any D <= 256."""
+"""Both causal-attention implementations against ddl_ref.ops.attention_forward/backward (float64 reference of
+float32 inputs): the flash kernels of attention.wgsl and the GEMMs over materialised scores
+(attention_scores.wgsl + matmul). out, lse, dq, dk, dv for GQA shapes with T not a multiple of the tiles;
+determinism; causality; a custom scale; every flash tile shape the launcher can pick; large head dims; the
+flash tile choice for any D <= 256; the scores path in chunks of batches; the implementation choice."""
 
 import numpy as np
 import pytest
 from kernel_check import check
 
 from ddl_ref import ops as ref
-from ddl_wgpu.ops import attention
-from ddl_wgpu.ops.attention import MAX_D, attention_backward, attention_forward, tile_config
+from ddl_wgpu.gpu import GpuError
+from ddl_wgpu.ops import attention, attention_scores
+from ddl_wgpu.ops.attention import MAX_D, attention_backward, attention_forward, choose_impl, tile_config
+
+IMPLS = ["flash", "scores"]
 
 SHAPES = [  # (B, T, H, K, D)
     (1, 1, 1, 1, 4),
@@ -29,14 +34,16 @@ def _inputs(shape, seed=0):
     return q, k, v, dout
 
 
-def _gpu_attention(gpu, shape, q, k, v, dout, scale=None):
+def _gpu_attention(gpu, shape, q, k, v, dout, scale=None, impl="flash"):
     """Forward then backward on the GPU (the backward consumes the GPU's out and lse, as in training)."""
     B, T, H, K, D = shape
     bq, bk, bv, bdo = (gpu.upload(a) for a in (q, k, v, dout))
     out, lse = gpu.buffer(q.nbytes), gpu.buffer(B * H * T * 4)
     dq, dk, dv = gpu.buffer(q.nbytes), gpu.buffer(k.nbytes), gpu.buffer(v.nbytes)
-    attention_forward(gpu, out, lse, bq, bk, bv, B, T, H, K, D, scale=scale).run(gpu)
-    attention_backward(gpu, dq, dk, dv, bdo, out, lse, bq, bk, bv, B, T, H, K, D, scale=scale).run(gpu)
+    attention_forward(gpu, out, lse, bq, bk, bv, B, T, H, K, D, scale=scale, impl=impl).run(gpu)
+    attention_backward(gpu, dq, dk, dv, bdo, out, lse, bq, bk, bv, B, T, H, K, D, scale=scale, impl=impl).run(
+        gpu
+    )
     return {
         "out": gpu.download(out, count=q.size).reshape(q.shape),
         "lse": gpu.download(lse, count=B * H * T).reshape(B, H, T),
@@ -57,16 +64,45 @@ def _check_all(got, want, label):
         check(f"{label} {name}", got[name], want[name], "attention")
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}D{}".format(*s))
-def test_attention_matches_reference(gpu, shape):
+def test_attention_matches_reference(gpu, shape, impl):
     q, k, v, dout = _inputs(shape)
-    _check_all(_gpu_attention(gpu, shape, q, k, v, dout), _reference(q, k, v, dout), str(shape))
+    _check_all(_gpu_attention(gpu, shape, q, k, v, dout, impl=impl), _reference(q, k, v, dout), str(shape))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", [(1, 19, 2, 1, 128), (1, 9, 4, 2, 256)], ids=["D128", "D256"])
-def test_attention_large_head_dim(gpu, shape):
+def test_attention_large_head_dim(gpu, shape, impl):
     q, k, v, dout = _inputs(shape, seed=1)
-    _check_all(_gpu_attention(gpu, shape, q, k, v, dout), _reference(q, k, v, dout), str(shape))
+    _check_all(_gpu_attention(gpu, shape, q, k, v, dout, impl=impl), _reference(q, k, v, dout), str(shape))
+
+
+def test_attention_scores_in_chunks(gpu, monkeypatch):
+    # A scratch limit of 1.5 batches' scores: three chunks of one batch each (offsets into q, k, v, out, lse,
+    # delta and the gradients), GQA with G = 3 (dk, dv summed over g), T past the GEMM's 64-row tile.
+    shape = (3, 70, 6, 2, 8)
+    B, T, H, K, D = shape
+    monkeypatch.setattr(attention_scores, "SCORE_BYTES", 3 * H * T * T * 4 // 2)
+    assert attention_scores.batches_per_chunk(gpu, B, H, T) == 1
+    q, k, v, dout = _inputs(shape, seed=7)
+    _check_all(_gpu_attention(gpu, shape, q, k, v, dout, impl="scores"), _reference(q, k, v, dout), "chunks")
+
+
+def test_attention_impl_choice(gpu, monkeypatch):
+    monkeypatch.delenv(attention.ENV_IMPL, raising=False)
+    cpu = gpu.info.get("type", "") == "CPU"
+    assert choose_impl(gpu, 2, 4, 64) == ("flash" if cpu else "scores")
+    monkeypatch.setenv(attention.ENV_IMPL, "scores")
+    assert choose_impl(gpu, 2, 4, 64) == "scores"
+    assert choose_impl(gpu, 2, 4, 64, "flash") == "flash"  # the argument beats the environment
+    monkeypatch.setattr(attention_scores, "SCORE_BYTES", 4 * 64 * 64 * 4 - 4)  # one batch no longer fits
+    with pytest.raises(GpuError, match="scratch limit"):
+        choose_impl(gpu, 2, 4, 64)
+    monkeypatch.setenv(attention.ENV_IMPL, "auto")
+    assert choose_impl(gpu, 2, 4, 64) == "flash"
+    with pytest.raises(GpuError, match="not one of"):
+        choose_impl(gpu, 2, 4, 64, "fast")
 
 
 @pytest.mark.parametrize(
@@ -81,37 +117,40 @@ def test_attention_tile_shapes(gpu, monkeypatch, tile):
         _check_all(_gpu_attention(gpu, shape, q, k, v, dout), _reference(q, k, v, dout), f"{tile} {shape}")
 
 
-def test_attention_deterministic(gpu):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_deterministic(gpu, impl):
     shape = (2, 20, 6, 3, 32)
     q, k, v, dout = _inputs(shape, seed=3)
-    a = _gpu_attention(gpu, shape, q, k, v, dout)
-    b = _gpu_attention(gpu, shape, q, k, v, dout)
+    a = _gpu_attention(gpu, shape, q, k, v, dout, impl=impl)
+    b = _gpu_attention(gpu, shape, q, k, v, dout, impl=impl)
     for name in a:
         assert np.array_equal(a[name], b[name]), f"{name} differs between two identical runs"
 
 
-def test_attention_causal(gpu):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_causal(gpu, impl):
     # Changing k and v at positions > t leaves out[:, :t+1] and lse[..., :t+1] bit-identical.
     shape = (1, 37, 4, 2, 16)
     t = 17
     q, k, v, dout = _inputs(shape, seed=4)
-    a = _gpu_attention(gpu, shape, q, k, v, dout)
+    a = _gpu_attention(gpu, shape, q, k, v, dout, impl=impl)
     k2, v2 = k.copy(), v.copy()
     k2[:, t + 1 :] = 10.0 * np.random.default_rng(5).standard_normal(k2[:, t + 1 :].shape)
     v2[:, t + 1 :] = -3.0
-    b = _gpu_attention(gpu, shape, q, k2, v2, dout)
+    b = _gpu_attention(gpu, shape, q, k2, v2, dout, impl=impl)
     assert np.array_equal(a["out"][:, : t + 1], b["out"][:, : t + 1])
     assert np.array_equal(a["lse"][..., : t + 1], b["lse"][..., : t + 1])
     assert not np.array_equal(a["out"][:, t + 1 :], b["out"][:, t + 1 :])
 
 
-def test_attention_custom_scale(gpu):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_custom_scale(gpu, impl):
     # scale c on q equals the default scale D**-0.5 on q' = q * c * sqrt(D); dq picks up that factor.
     shape = (2, 13, 4, 1, 8)
     B, T, H, K, D = shape
     c = 0.2
     q, k, v, dout = _inputs(shape, seed=6)
-    got = _gpu_attention(gpu, shape, q, k, v, dout, scale=c)
+    got = _gpu_attention(gpu, shape, q, k, v, dout, scale=c, impl=impl)
     f = c * np.sqrt(D)
     want = _reference(q.astype(np.float64) * f, k, v, dout)
     want["dq"] = want["dq"] * f

@@ -10,9 +10,18 @@ The WGSL is a template: D, the tile shape of each kernel (R rows x TR columns of
 
 from __future__ import annotations
 
+import os
+
 from ddl_wgpu.gpu import Call, GpuError
+from ddl_wgpu.ops import attention_scores
 
 FILE = "attention.wgsl"
+# Which causal-attention implementation `attention_forward` / `attention_backward` run: "flash" (this file's
+# kernels: no T x T storage), "scores" (GEMMs over materialised scores, `attention_scores.py`), or "auto":
+# scores on GPUs whenever one batch's scores fit the scratch limit (H200, T = 1024: fwd + bwd several
+# times faster), flash on CPU adapters (lavapipe) and for sequences too long for the scratch.
+ENV_IMPL = "DDL_WGPU_ATTENTION"
+IMPLS = ("auto", "flash", "scores")
 PARAMS = "uuuuf"  # B, T, H, KH, scale
 MAX_D = 256
 
@@ -206,31 +215,59 @@ def _check(B: int, T: int, H: int, K: int, D: int):
         raise GpuError(f"attention: bad sizes B={B} T={T} H={H} K={K} (need H % K == 0)")
 
 
-def attention_forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale=None) -> Call:
-    """out (B,T,H,D) and lse (B,H,T) from q (B,T,H,D), k, v (B,T,K,D); causal; scale defaults to D**-0.5."""
+def choose_impl(gpu, B: int, H: int, T: int, impl: str | None = None) -> str:
+    """'flash' or 'scores' for one attention shape: `impl`, else env DDL_WGPU_ATTENTION, else 'auto'."""
+    impl = impl or os.environ.get(ENV_IMPL) or "auto"
+    if impl not in IMPLS:
+        raise GpuError(f"attention: implementation {impl!r} is not one of {', '.join(IMPLS)}")
+    fits = attention_scores.batches_per_chunk(gpu, B, H, T) >= 1
+    if impl == "auto":
+        return "scores" if fits and gpu.info.get("type", "") != "CPU" else "flash"
+    if impl == "scores" and not fits:
+        raise GpuError(
+            f"attention: the scores of one batch ({H} heads x {T}^2 floats) exceed the scratch limit"
+        )
+    return impl
+
+
+def attention_forward(
+    gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale=None, impl: str | None = None
+) -> Call:
+    """out (B,T,H,D) and lse (B,H,T) from q (B,T,H,D), k, v (B,T,K,D); causal; scale defaults to D**-0.5.
+    `impl`: see `choose_impl`."""
     _check(B, T, H, K, D)
+    scale = float(D) ** -0.5 if scale is None else float(scale)
+    if choose_impl(gpu, B, H, T, impl) == "scores":
+        return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale)
     templates, cfg = _templates(gpu, D)
     R, TR = cfg["fw"]
     kern = gpu.kernel(FILE, "attention_forward", "rrrwwu", templates=templates, workgroup=(R * TR, 1, 1))
-    scale = float(D) ** -0.5 if scale is None else float(scale)
     u = gpu.uniform(PARAMS, B, T, H, K, scale)
     groups = B * H * (-(-T // R))
     return Call([(kern, gpu.bind(kern, q, k, v, out, lse, u), groups)], [u])
 
 
 def attention_backward(
-    gpu, dq, dk, dv, dout, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scratch=None, scale=None
-) -> Call:
-    """dq (B,T,H,D), dk, dv (B,T,K,D) from dout, the forward's out and lse, and q, k, v. Three passes:
-    delta = rowsum(dout * out) into `scratch` (B*H*T floats, allocated here when None), then dq per query
-    block, then dk and dv per key block. Deterministic; outputs are overwritten."""
+    gpu, dq, dk, dv, dout, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scratch=None, scale=None,
+    impl: str | None = None,
+) -> Call:  # fmt: skip
+    """dq (B,T,H,D), dk, dv (B,T,K,D) from dout, the forward's out and lse, and q, k, v. First delta =
+    rowsum(dout * out) into `scratch` (B*H*T floats, allocated here when None); then, flash: dq per query
+    block and dk, dv per key block; scores: `attention_scores.backward`. Deterministic; outputs are
+    overwritten. `impl`: see `choose_impl`."""
     _check(B, T, H, K, D)
     templates, cfg = _templates(gpu, D)
     scale = float(D) ** -0.5 if scale is None else float(scale)
     u = gpu.uniform(PARAMS, B, T, H, K, scale)
     delta = gpu.buffer(B * H * T * 4, label="attention delta") if scratch is None else scratch
+    # the Call keeps a delta it allocated alive along with its uniform
+    keep = [u] if scratch is not None else [u, delta]
 
     kd = gpu.kernel(FILE, "attention_backward_delta", "rrwu", templates=templates)
+    delta_pass = (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64))
+    if choose_impl(gpu, B, H, T, impl) == "scores":
+        grads = attention_scores.backward(gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D, scale)
+        return Call([delta_pass], keep) + grads
     R, TR = cfg["dq"]
     kq = gpu.kernel(FILE, "attention_backward_dq", "rrrrrrwu", templates=templates, workgroup=(R * TR, 1, 1))
     Rk, TRk = cfg["kv"]
@@ -238,12 +275,11 @@ def attention_backward(
         FILE, "attention_backward_dkdv", "rrrrrrwwu", templates=templates, workgroup=(Rk * TRk, 1, 1)
     )
     dispatches = [
-        (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64)),
+        delta_pass,
         (kq, gpu.bind(kq, q, k, v, dout, lse, delta, dq, u), B * H * (-(-T // R))),
         (kk, gpu.bind(kk, q, k, v, dout, lse, delta, dk, dv, u), B * K * (-(-T // Rk))),
     ]
-    # the Call keeps a delta it allocated alive along with its uniform
-    return Call(dispatches, [u] if scratch is not None else [u, delta])
+    return Call(dispatches, keep)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,122 @@
+// Row kernels of causal attention with materialised scores (`ddl_wgpu/ops/attention_scores.py`).
+//
+// That path runs attention as GEMMs (`matmul.wgsl` with its two-level batch and causal tile bounds) on a
+// (Z, T, T) buffer of scores, Z = (batch, head) pairs of one chunk, row (z, t) at float (z*T + t)*T: the GEMM
+// kernel is the best-tuned code we have, and on a GPU it beats the flash kernels of attention.wgsl by several
+// times at T = 1024. What the GEMMs cannot do lives here:
+//   - scores_softmax (forward): S (already scaled) -> P = softmax over keys s <= t, written in place, zeros for
+//     s > t (the causal GEMMs that read P rely on them); lse = max + log(sum) of each row, as the flash kernel.
+//   - scores_backward: S -> P = exp(S - lse) and dP -> dS = P (dP - delta), both in place, zeros for s > t.
+// Scores above the diagonal are never read (the GEMM that wrote S skipped those tiles, leaving old values).
+// Reductions run over a fixed tree in workgroup memory: same inputs, same bits.
+
+struct Params {
+    T: u32,
+    rows: u32,  // Z * T rows in this chunk
+    z0: u32,  // (batch, head) index of the chunk's first row, for lse / delta of shape (B*H, T)
+    pad: u32,
+}
+
+const WG: u32 = 128u;
+const NEG: f32 = -3.0e38;
+
+var<workgroup> red: array<f32, WG>;
+
+// Tree reductions over the workgroup; every thread gets the result. Fixed pairing order: deterministic.
+fn reduce_max(v: f32, lid: u32) -> f32 {
+    red[lid] = v;
+    workgroupBarrier();
+    for (var w = WG / 2u; w > 0u; w /= 2u) {
+        if (lid < w) {
+            red[lid] = max(red[lid], red[lid + w]);
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+fn reduce_sum(v: f32, lid: u32) -> f32 {
+    red[lid] = v;
+    workgroupBarrier();
+    for (var w = WG / 2u; w > 0u; w /= 2u) {
+        if (lid < w) {
+            red[lid] = red[lid] + red[lid + w];
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+@group(0) @binding(0) var<storage, read_write> sm_s: array<f32>;
+@group(0) @binding(1) var<storage, read_write> sm_lse: array<f32>;
+@group(0) @binding(2) var<uniform> sm_p: Params;
+
+@compute @workgroup_size(WG)
+fn scores_softmax(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let row = wid.x + wid.y * nwg.x;  // uniform over the workgroup: the barriers below are safe
+    if (row >= sm_p.rows) {
+        return;
+    }
+    let T = sm_p.T;
+    let t = row % T;
+    let base = row * T;
+    var m = NEG;
+    for (var s = lid; s <= t; s += WG) {
+        m = max(m, sm_s[base + s]);
+    }
+    m = reduce_max(m, lid);
+    var l = 0.0;
+    for (var s = lid; s <= t; s += WG) {
+        l += exp(sm_s[base + s] - m);
+    }
+    l = reduce_sum(l, lid);
+    let inv = 1.0 / l;
+    for (var s = lid; s < T; s += WG) {
+        var p = 0.0;
+        if (s <= t) {
+            p = exp(sm_s[base + s] - m) * inv;
+        }
+        sm_s[base + s] = p;
+    }
+    if (lid == 0u) {
+        sm_lse[sm_p.z0 * T + row] = m + log(l);
+    }
+}
+
+@group(0) @binding(0) var<storage, read> bw_lse: array<f32>;
+@group(0) @binding(1) var<storage, read> bw_delta: array<f32>;
+@group(0) @binding(2) var<storage, read_write> bw_s: array<f32>;
+@group(0) @binding(3) var<storage, read_write> bw_dp: array<f32>;
+@group(0) @binding(4) var<uniform> bw_p: Params;
+
+@compute @workgroup_size(256)
+fn scores_backward(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let T = bw_p.T;
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid;  // element (row, s) of the chunk
+    if (i >= bw_p.rows * T) {
+        return;
+    }
+    let row = i / T;
+    let s = i % T;
+    var p = 0.0;
+    var ds = 0.0;
+    if (s <= row % T) {
+        let r = bw_p.z0 * T + row;
+        p = exp(bw_s[i] - bw_lse[r]);
+        ds = p * (bw_dp[i] - bw_delta[r]);
+    }
+    bw_s[i] = p;
+    bw_dp[i] = ds;
+}
