@@ -17,8 +17,9 @@
 // Tiling. A workgroup of WX x WY threads owns a BM x BN block of C, BM = WY*TM and BN = WX*TN; each thread
 // owns a TM x TN sub-block held as TM*TN/4 separate vec4<f32> accumulators (generated straight-line by
 // ddl_wgpu/ops/matmul.py: a private array indexed in a loop is spilled to slow memory on NVIDIA, wgpu.md §4).
-// The K axis is walked in steps of BK: each step the workgroup copies op(A)[m0:m0+BM, k0:k0+BK] into As and
-// op(B)[k0:k0+BK, n0:n0+BN] into Bs, both k-major and packed as vec4 along m / n:
+// The K axis is walked in steps of BK (the step's BK products generated unrolled, so shared-memory offsets are
+// constants): each step the workgroup copies op(A)[m0:m0+BM, k0:k0+BK] into As and op(B)[k0:k0+BK, n0:n0+BN]
+// into Bs, both k-major and packed as vec4 along m / n:
 //   As[k * BMV + mv] = op(A)[m0 + 4mv .. m0 + 4mv + 3, k0 + k]       (BMV = BM / 4)
 //   Bs[k * BNV + nv] = op(B)[k0 + k, n0 + 4nv .. n0 + 4nv + 3]       (BNV = BN / 4)
 // Transposition lives only in those copies (TRANS_A / TRANS_B are pipeline constants; each layout's copy
@@ -76,8 +77,6 @@ const BK: u32 = {{bk}}u;    // k depth of one shared-memory tile
 const BMV: u32 = {{bmv}}u;  // BM / 4 = WY * TM / 4
 const BNV: u32 = {{bnv}}u;  // BN / 4 = WX * TN / 4
 const NT: u32 = WX * WY;
-const LOADS_A: u32 = (BK * BMV + NT - 1u) / NT;  // vec4 copies per thread per k step
-const LOADS_B: u32 = (BK * BNV + NT - 1u) / NT;
 
 var<workgroup> As: array<vec4<f32>, {{as_len}}>;  // BK * BMV
 var<workgroup> Bs: array<vec4<f32>, {{bs_len}}>;  // BK * BNV
@@ -97,60 +96,66 @@ fn b_at(base: u32, row: u32, col: u32, rows: u32, cols: u32) -> f32 {
     return 0.0;
 }
 
-// Copy op(A)[m0:m0+BM, k0:k0+BK] into As. Consecutive threads take consecutive elements along the stored
-// contiguous axis: k when A is (M, K), m when A is stored transposed (K, M).
-fn load_a_tile(base: u32, m0: u32, k0: u32, t: u32) {
-    for (var s = 0u; s < LOADS_A; s++) {
-        let i = t + s * NT;
-        if (i < BK * BMV) {
-            var k: u32;
-            var mv: u32;
-            var v: vec4<f32>;
-            if (TRANS_A == 0u) {
-                k = i % BK;
-                mv = i / BK;
-                let m = m0 + 4u * mv;
-                let kg = k0 + k;
-                v = vec4<f32>(a_at(base, m, kg, P.M, P.K), a_at(base, m + 1u, kg, P.M, P.K),
-                              a_at(base, m + 2u, kg, P.M, P.K), a_at(base, m + 3u, kg, P.M, P.K));
-            } else {
-                k = i / BMV;
-                mv = i % BMV;
-                let m = m0 + 4u * mv;
-                let kg = k0 + k;
-                v = vec4<f32>(a_at(base, kg, m, P.K, P.M), a_at(base, kg, m + 1u, P.K, P.M),
-                              a_at(base, kg, m + 2u, P.K, P.M), a_at(base, kg, m + 3u, P.K, P.M));
-            }
-            As[k * BMV + mv] = v;
-        }
+// The tile copies. Slot i (< BK*BMV for A) of a k step is one vec4 of As: row k, vec4 column mv. Consecutive
+// threads take consecutive elements along the stored contiguous axis: k when A is (M, K), m when A is stored
+// transposed (K, M); likewise n or k for B. `fetch_*` reads a slot's 4 values from global memory (zero
+// outside the stored matrix or past the tile), `stash_*` writes them to shared memory: the launcher's
+// generated loop issues the next k step's fetches before this step's FMAs, so their latency is hidden.
+fn a_slot(i: u32) -> vec2<u32> {  // (k, mv)
+    if (TRANS_A == 0u) {
+        return vec2<u32>(i % BK, i / BK);
+    }
+    return vec2<u32>(i / BMV, i % BMV);
+}
+
+fn fetch_a(base: u32, m0: u32, k0: u32, i: u32) -> vec4<f32> {
+    if (i >= BK * BMV) {
+        return vec4<f32>(0.0);
+    }
+    let s = a_slot(i);
+    let m = m0 + 4u * s.y;
+    let kg = k0 + s.x;
+    if (TRANS_A == 0u) {
+        return vec4<f32>(a_at(base, m, kg, P.M, P.K), a_at(base, m + 1u, kg, P.M, P.K),
+                         a_at(base, m + 2u, kg, P.M, P.K), a_at(base, m + 3u, kg, P.M, P.K));
+    }
+    return vec4<f32>(a_at(base, kg, m, P.K, P.M), a_at(base, kg, m + 1u, P.K, P.M),
+                     a_at(base, kg, m + 2u, P.K, P.M), a_at(base, kg, m + 3u, P.K, P.M));
+}
+
+fn stash_a(i: u32, v: vec4<f32>) {
+    if (i < BK * BMV) {
+        let s = a_slot(i);
+        As[s.x * BMV + s.y] = v;
     }
 }
 
-// Copy op(B)[k0:k0+BK, n0:n0+BN] into Bs: along n when B is (K, N), along k when stored transposed (N, K).
-fn load_b_tile(base: u32, n0: u32, k0: u32, t: u32) {
-    for (var s = 0u; s < LOADS_B; s++) {
-        let i = t + s * NT;
-        if (i < BK * BNV) {
-            var k: u32;
-            var nv: u32;
-            var v: vec4<f32>;
-            if (TRANS_B == 0u) {
-                k = i / BNV;
-                nv = i % BNV;
-                let n = n0 + 4u * nv;
-                let kg = k0 + k;
-                v = vec4<f32>(b_at(base, kg, n, P.K, P.N), b_at(base, kg, n + 1u, P.K, P.N),
-                              b_at(base, kg, n + 2u, P.K, P.N), b_at(base, kg, n + 3u, P.K, P.N));
-            } else {
-                k = i % BK;
-                nv = i / BK;
-                let n = n0 + 4u * nv;
-                let kg = k0 + k;
-                v = vec4<f32>(b_at(base, n, kg, P.N, P.K), b_at(base, n + 1u, kg, P.N, P.K),
-                              b_at(base, n + 2u, kg, P.N, P.K), b_at(base, n + 3u, kg, P.N, P.K));
-            }
-            Bs[k * BNV + nv] = v;
-        }
+fn b_slot(i: u32) -> vec2<u32> {  // (k, nv)
+    if (TRANS_B == 0u) {
+        return vec2<u32>(i / BNV, i % BNV);
+    }
+    return vec2<u32>(i % BK, i / BK);
+}
+
+fn fetch_b(base: u32, n0: u32, k0: u32, i: u32) -> vec4<f32> {
+    if (i >= BK * BNV) {
+        return vec4<f32>(0.0);
+    }
+    let s = b_slot(i);
+    let n = n0 + 4u * s.y;
+    let kg = k0 + s.x;
+    if (TRANS_B == 0u) {
+        return vec4<f32>(b_at(base, kg, n, P.K, P.N), b_at(base, kg, n + 1u, P.K, P.N),
+                         b_at(base, kg, n + 2u, P.K, P.N), b_at(base, kg, n + 3u, P.K, P.N));
+    }
+    return vec4<f32>(b_at(base, n, kg, P.N, P.K), b_at(base, n + 1u, kg, P.N, P.K),
+                     b_at(base, n + 2u, kg, P.N, P.K), b_at(base, n + 3u, kg, P.N, P.K));
+}
+
+fn stash_b(i: u32, v: vec4<f32>) {
+    if (i < BK * BNV) {
+        let s = b_slot(i);
+        Bs[s.x * BNV + s.y] = v;
     }
 }
 
@@ -206,15 +211,7 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) l
     let base_c = P.off_c + zo * P.stride_c + zi * P.istride_c;
 
 {{acc_decl}}
-    for (var k0 = k_begin; k0 < k_end; k0 += BK) {
-        load_a_tile(base_a, m0, k0, t);
-        load_b_tile(base_b, n0, k0, t);
-        workgroupBarrier();
-        for (var kk = 0u; kk < BK; kk++) {
-{{fma}}
-        }
-        workgroupBarrier();
-    }
+{{kloop}}
 
 {{store}}
 }

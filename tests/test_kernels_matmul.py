@@ -227,8 +227,15 @@ def test_matmul_views_into_arena(gpu, rng):
 
 @pytest.mark.parametrize(
     "tile",
-    [Tile(tm=8, tn=8, bk=16), Tile(wx=8, wy=4, tm=4, tn=8, bk=8), Tile(wx=4, wy=8, tm=8, tn=4, bk=5)],
-    ids=["8x8-bk16", "wide", "odd-bk"],
+    [
+        Tile(tm=8, tn=8, bk=16),
+        Tile(wx=8, wy=4, tm=4, tn=8, bk=8),
+        Tile(wx=4, wy=8, tm=8, tn=4, bk=5),
+        Tile(unroll=False, prefetch=False),
+        Tile(wx=4, wy=8, tm=8, tn=4, bk=5, unroll=False),
+        Tile(tm=8, tn=8, bk=16, prefetch=False),
+    ],
+    ids=["8x8-bk16", "wide", "odd-bk", "loop-noprefetch", "odd-bk-loop", "8x8-noprefetch"],
 )
 def test_matmul_other_tiles(gpu, rng, tile):
     # The generator must be right for any tile shape: the H200 uses 8x8 per thread; the others have copy

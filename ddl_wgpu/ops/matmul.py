@@ -58,6 +58,8 @@ class Tile:
     tm: int = 4  # rows of C per thread (multiple of 4)
     tn: int = 4  # columns of C per thread (multiple of 4)
     bk: int = 16  # k depth of one shared-memory tile
+    unroll: bool = True  # the bk products of a k step as straight-line code (constant shared offsets)
+    prefetch: bool = True  # fetch the next k step's tiles into registers before this step's products
 
     @property
     def bm(self) -> int:
@@ -88,13 +90,59 @@ class Tile:
         acc = [(i, r, j) for i in range(mq) for r in range(4) for j in range(nq)]
         name = "acc_{}{}_{}".format
         comp = "xyzw"
-        ind = " " * 12
         decl = [f"    var {name(i, r, j)} = vec4<f32>(0.0);" for i, r, j in acc]
-        fma = [f"{ind}let a{i} = As[kk * BMV + ty + {i}u * WY];" for i in range(mq)]
-        fma += [f"{ind}let b{j} = Bs[kk * BNV + tx + {j}u * WX];" for j in range(nq)]
-        fma += [
-            f"{ind}{name(i, r, j)} = fma(vec4<f32>(a{i}.{comp[r]}), b{j}, {name(i, r, j)});"
-            for i, r, j in acc
+
+        def products(kk: str, ind: str) -> list[str]:
+            # one k of the step: TM/4 + TN/4 vec4 loads from shared memory, TM*TN/4 vec4 FMAs
+            out = [f"{ind}let a{i} = As[{kk}BMV + ty + {i}u * WY];" for i in range(mq)]
+            out += [f"{ind}let b{j} = Bs[{kk}BNV + tx + {j}u * WX];" for j in range(nq)]
+            out += [
+                f"{ind}{name(i, r, j)} = fma(vec4<f32>(a{i}.{comp[r]}), b{j}, {name(i, r, j)});"
+                for i, r, j in acc
+            ]
+            return out
+
+        if self.unroll:  # braces scope each k's loads, so the names repeat
+            inner = [
+                line
+                for kk in range(self.bk)
+                for line in ["        {", *products(f"{kk}u * ", "            "), "        }"]
+            ]
+        else:
+            inner = [
+                "        for (var kk = 0u; kk < BK; kk++) {",
+                *products("kk * ", "            "),
+                "        }",
+            ]
+        # the vec4 copies of one k step: (operand, copy s of this thread) for slots t + s*NT of As and Bs
+        nt = self.wx * self.wy
+        slots = [
+            (x, s)
+            for x, n in (("a", self.bk * self.bm), ("b", self.bk * self.bn))
+            for s in range(-(-n // (4 * nt)))
+        ]
+
+        def fetch(x: str, s: int, k0: str) -> str:
+            return f"fetch_{x}(base_{x}, {'m0' if x == 'a' else 'n0'}, {k0}, t + {s}u * NT)"
+
+        if self.prefetch:  # registers p<x><s> carry the next step's copies across its products
+            head = [f"    var p{x}{s} = {fetch(x, s, 'k_begin')};" for x, s in slots]
+            stash = [f"        stash_{x}(t + {s}u * NT, p{x}{s});" for x, s in slots]
+            refill = ["        if (k0 + BK < k_end) {"]
+            refill += [f"            p{x}{s} = {fetch(x, s, 'k0 + BK')};" for x, s in slots]
+            refill += ["        }"]
+        else:
+            head, refill = [], []
+            stash = [f"        stash_{x}(t + {s}u * NT, {fetch(x, s, 'k0')});" for x, s in slots]
+        kloop = [
+            *head,
+            "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {",
+            *stash,
+            "        workgroupBarrier();",
+            *refill,
+            *inner,
+            "        workgroupBarrier();",
+            "    }",
         ]
         store = [
             f"    store4(base_c, m0 + 4u * (ty + {i}u * WY) + {r}u, n0 + 4u * (tx + {j}u * WX), {name(i, r, j)});"
@@ -109,7 +157,7 @@ class Tile:
             "as_len": self.bk * self.bm // 4,
             "bs_len": self.bk * self.bn // 4,
             "acc_decl": "\n".join(decl),
-            "fma": "\n".join(fma),
+            "kloop": "\n".join(kloop),
             "store": "\n".join(store),
             "b_type": b_dtype,
             "enable": "enable f16;" if b_dtype == "f16" else "",
