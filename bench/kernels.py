@@ -6,7 +6,7 @@ float64 reference in the same run, and paired with PyTorch on the same GPU in th
     python3 bench/kernels.py --only matmul,attention --json out.json
 
 Per case: warm-up, then N launches recorded into one timestamped recorder (inputs rotating among 2-3 copies
-so caches do not flatter), elapsed / N, median of 5 repeats. The same op in PyTorch (fp32 with TF32 off: the
+so caches do not flatter), elapsed / N; the best of 7 repeats (the median is in the JSON). The same op in PyTorch (fp32 with TF32 off: the
 same-precision peer; bf16 for context) is timed with CUDA events; the torch columns read '-' when torch or
 CUDA is missing (`--torch cpu` runs the peer code on the CPU, for testing only).
 
@@ -771,7 +771,7 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="scores,flash", help="attention implementations to time")
     ap.add_argument("--only", default="", help="comma list of groups: matmul,attention,rmsnorm,swiglu,delta,"
                     "adamw,head,crossentropy,topk_kl")  # fmt: skip
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=common.REPEATS)
     ap.add_argument("--rotate", type=int, default=3, help="input copies rotated among (full size)")
     ap.add_argument("--torch", default="auto", choices=["auto", "cuda", "cpu", "none"])
     ap.add_argument("--no-bf16", action="store_true")

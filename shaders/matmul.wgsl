@@ -20,8 +20,11 @@
 // The K axis is walked in steps of BK (the step's BK products generated unrolled, so shared-memory offsets are
 // constants): each step the workgroup copies op(A)[m0:m0+BM, k0:k0+BK] into As and op(B)[k0:k0+BK, n0:n0+BN]
 // into Bs, both k-major and packed as vec4 along m / n:
-//   As[k * BMV + mv] = op(A)[m0 + 4mv .. m0 + 4mv + 3, k0 + k]       (BMV = BM / 4)
-//   Bs[k * BNV + nv] = op(B)[k0 + k, n0 + 4nv .. n0 + 4nv + 3]       (BNV = BN / 4)
+//   As[k * SA + mv] = op(A)[m0 + 4mv .. m0 + 4mv + 3, k0 + k]       (BMV = BM / 4, row stride SA = BMV + 1)
+//   Bs[k * SB + nv] = op(B)[k0 + k, n0 + 4nv .. n0 + 4nv + 3]       (BNV = BN / 4, SB = BNV + 1)
+// The odd row strides matter for operands stored k-contiguous (A as (M, K), B as (N, K)): their copies walk k
+// across neighbouring threads, and with a stride of BMV = 32 vec4s every thread of a quarter-warp would store
+// to the same banks (8-way conflicts; the H200's NT products ran ~10% slower than NN and TN).
 // Transposition lives only in those copies (TRANS_A / TRANS_B are pipeline constants; each layout's copy
 // reads global memory along its contiguous axis), so the inner product loop is the same for every layout:
 // per k, a thread reads TM/4 vec4 of As and TN/4 vec4 of Bs and does TM*TN/4 vec4 FMAs. A thread's rows are
@@ -78,8 +81,10 @@ const BMV: u32 = {{bmv}}u;  // BM / 4 = WY * TM / 4
 const BNV: u32 = {{bnv}}u;  // BN / 4 = WX * TN / 4
 const NT: u32 = WX * WY;
 
-var<workgroup> As: array<vec4<f32>, {{as_len}}>;  // BK * BMV
-var<workgroup> Bs: array<vec4<f32>, {{bs_len}}>;  // BK * BNV
+const SA: u32 = BMV + 1u;
+const SB: u32 = BNV + 1u;
+var<workgroup> As: array<vec4<f32>, {{as_len}}>;  // BK * SA
+var<workgroup> Bs: array<vec4<f32>, {{bs_len}}>;  // BK * SB
 
 // Element (row, col) of the stored A / B of this batch, or 0 outside the stored rows x cols.
 fn a_at(base: u32, row: u32, col: u32, rows: u32, cols: u32) -> f32 {
@@ -126,7 +131,7 @@ fn fetch_a(base: u32, m0: u32, k0: u32, i: u32) -> vec4<f32> {
 fn stash_a(i: u32, v: vec4<f32>) {
     if (i < BK * BMV) {
         let s = a_slot(i);
-        As[s.x * BMV + s.y] = v;
+        As[s.x * SA + s.y] = v;
     }
 }
 
@@ -155,7 +160,7 @@ fn fetch_b(base: u32, n0: u32, k0: u32, i: u32) -> vec4<f32> {
 fn stash_b(i: u32, v: vec4<f32>) {
     if (i < BK * BNV) {
         let s = b_slot(i);
-        Bs[s.x * BNV + s.y] = v;
+        Bs[s.x * SB + s.y] = v;
     }
 }
 

@@ -71,7 +71,7 @@ class Tile:
 
     @property
     def shared_bytes(self) -> int:
-        return 4 * self.bk * (self.bm + self.bn)
+        return 16 * self.bk * (self.bm // 4 + 1 + self.bn // 4 + 1)  # As and Bs, rows padded by one vec4
 
     def validate(self, gpu) -> None:
         if self.tm % 4 or self.tn % 4 or min(self.tm, self.tn, self.wx, self.wy, self.bk) <= 0:
@@ -94,8 +94,8 @@ class Tile:
 
         def products(kk: str, ind: str) -> list[str]:
             # one k of the step: TM/4 + TN/4 vec4 loads from shared memory, TM*TN/4 vec4 FMAs
-            out = [f"{ind}let a{i} = As[{kk}BMV + ty + {i}u * WY];" for i in range(mq)]
-            out += [f"{ind}let b{j} = Bs[{kk}BNV + tx + {j}u * WX];" for j in range(nq)]
+            out = [f"{ind}let a{i} = As[{kk}SA + ty + {i}u * WY];" for i in range(mq)]
+            out += [f"{ind}let b{j} = Bs[{kk}SB + tx + {j}u * WX];" for j in range(nq)]
             out += [
                 f"{ind}{name(i, r, j)} = fma(vec4<f32>(a{i}.{comp[r]}), b{j}, {name(i, r, j)});"
                 for i, r, j in acc
@@ -154,8 +154,8 @@ class Tile:
             "bk": self.bk,
             "bmv": self.bm // 4,
             "bnv": self.bn // 4,
-            "as_len": self.bk * self.bm // 4,
-            "bs_len": self.bk * self.bn // 4,
+            "as_len": self.bk * (self.bm // 4 + 1),
+            "bs_len": self.bk * (self.bn // 4 + 1),
             "acc_decl": "\n".join(decl),
             "kloop": "\n".join(kloop),
             "store": "\n".join(store),
