@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import statistics
@@ -56,6 +57,16 @@ def _jsonable(x):
         return str(x)
 
 
+def rel_err(got, ref) -> float:
+    """max|got - ref| / max|ref| in float64; inf when `got` holds a non-finite value."""
+    import numpy as np
+
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(got)):
+        return math.inf
+    return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -90,11 +101,29 @@ def host_info() -> dict:
     return d
 
 
-def gpu_time_ms(gpu, calls, target_ms: float = 40.0, repeats: int = 5, max_n: int = 200) -> dict:
-    """Median GPU time of one `Call` (ms): each repeat records the calls N times, round-robin (so inputs
-    rotate among `calls`), into one timestamped recorder; elapsed / N. A warm-up recording picks N so a
-    repeat lasts about `target_ms`. Falls back to host wall-clock around `gpu.wait()` without
-    timestamp-query."""
+# Both peers report the best of their repeats as "ms" (the median is kept as "median_ms"): on the lent H200
+# the wgpu side sometimes ran 2-4x slow for seconds at a time (the SM clock idles at 345 MHz between cases,
+# while the host computes the float64 checks, and boosts to 1980 MHz under load), while the same kernels
+# before and after ran at full speed (BENCHMARKS.md, "Method"). So each case also runs until its time stops
+# falling (`settle`) before the timed repeats; the best repeat is then the kernel's own speed.
+REPEATS = 7
+
+
+def settle(once, n: int, tries: int = 10) -> None:
+    """Run `once(n)` until it is no longer 3 % faster than the run before (clocks up, caches warm)."""
+    last = once(n)
+    for _ in range(tries):
+        t = once(n)
+        if t > 0.97 * last:
+            return
+        last = t
+
+
+def gpu_time_ms(gpu, calls, target_ms: float = 40.0, repeats: int = REPEATS, max_n: int = 200) -> dict:
+    """GPU time of one `Call` (ms), best and median of `repeats`: each repeat records the calls N times,
+    round-robin (so inputs rotate among `calls`), into one timestamped recorder; elapsed / N. A warm-up
+    recording picks N so a repeat lasts about `target_ms`. Falls back to host wall-clock around
+    `gpu.wait()` without timestamp-query."""
     calls = list(calls)
 
     def once(n: int) -> float:
@@ -111,8 +140,9 @@ def gpu_time_ms(gpu, calls, target_ms: float = 40.0, repeats: int = 5, max_n: in
     once(len(calls))  # compile / first-touch warm-up
     est = once(len(calls))
     n = int(min(max_n, max(len(calls), round(target_ms / max(est, 1e-4)))))
+    settle(once, n)
     times = [once(n) for _ in range(repeats)]
-    return {"ms": statistics.median(times), "min_ms": min(times), "n_per_repeat": n, "repeats": repeats,
+    return {"ms": min(times), "median_ms": statistics.median(times), "n_per_repeat": n, "repeats": repeats,
             "timestamps": "timestamp-query" in gpu.features}  # fmt: skip
 
 
@@ -148,8 +178,9 @@ def torch_info(torch, dev) -> dict:
     return d
 
 
-def torch_time_ms(torch, dev, fns, target_ms: float = 40.0, repeats: int = 5, max_n: int = 200) -> dict:
-    """Median time of one call of `fns[i]` (rotating), CUDA events on the GPU, perf_counter on the CPU."""
+def torch_time_ms(torch, dev, fns, target_ms: float = 40.0, repeats: int = REPEATS, max_n: int = 200) -> dict:
+    """Time of one call of `fns[i]` (rotating), best and median of `repeats`; CUDA events on the GPU,
+    perf_counter on the CPU."""
     fns = list(fns)
 
     def once(n: int) -> float:
@@ -171,8 +202,9 @@ def torch_time_ms(torch, dev, fns, target_ms: float = 40.0, repeats: int = 5, ma
         torch.cuda.synchronize()
     est = once(len(fns))
     n = int(min(max_n, max(len(fns), round(target_ms / max(est, 1e-4)))))
+    settle(once, n)
     times = [once(n) for _ in range(repeats)]
-    return {"ms": statistics.median(times), "min_ms": min(times), "n_per_repeat": n, "repeats": repeats}
+    return {"ms": min(times), "median_ms": statistics.median(times), "n_per_repeat": n, "repeats": repeats}
 
 
 def torch_free(torch, dev):

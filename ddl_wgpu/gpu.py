@@ -46,6 +46,7 @@ ENV_TRUSTED = "DDL_WGPU_TRUSTED"
 # integer work beside every shared-memory load.
 TRUSTED_FILES = frozenset({"matmul.wgsl", "attention.wgsl"})
 
+
 def trusted_files() -> frozenset:
     """The shader files compiled without runtime checks (`DDL_WGPU_TRUSTED`, default TRUSTED_FILES)."""
     value = os.environ.get(ENV_TRUSTED, "default").strip()
