@@ -225,6 +225,9 @@ class Work:
         fit = budget // (V * F32)
         step = 64 if fit >= 64 else ALIGN // math.gcd(ALIGN, C * F32)
         rows = max(step, fit // step * step)
+        if rows < N:  # as many chunks as needed, of equal height: no short last chunk of thin products
+            per = -(-N // -(-N // rows))
+            rows = -(-per // step) * step
         self.chunk = min(N, self._chunk_rows or rows)
         self.logit_chunk = act(self.chunk * V, "logits_chunk")
         # loss sum, grad norm, clip multiplier, finite; the draft's loss sum
