@@ -329,3 +329,16 @@ def test_auto_split_k_only_on_gpus():
     assert auto_split_k(gpu, 16384, 2048, 768, 1) == 1  # plenty of tiles
     assert auto_split_k(gpu, 768, 768, 16384, 4) == 1  # batched: never
     assert auto_split_k(gpu, 768, 768, 1500, 1) == 1  # K too short to slice
+    # the slice counts the wave model picks for the small preset's dW products, as measured best on the H200:
+    # 36 tiles -> 15 slices (14 x 1152 + 256) over 16 x 1024 (3 waves); 96 tiles -> 8 x 2048 over 5 + 1
+    assert auto_split_k(gpu, 768, 768, 16384, 1) == 15
+    assert auto_split_k(gpu, 2048, 768, 16384, 1) == 8
+
+
+def test_split_k_cost_counts_waves_and_the_short_slice():
+    from ddl_wgpu.ops.matmul import SPLIT_K_SLOTS, split_k_cost
+
+    assert split_k_cost(10, 4096, 1) == 4096  # one wave over all of K
+    assert split_k_cost(10, 4096, 4) == 1024  # 40 workgroups, one wave, slices of 1024
+    assert split_k_cost(SPLIT_K_SLOTS, 4096, 2) == 2 * 2048  # two waves of 2048
+    assert split_k_cost(10, 4000, 4) == 1024 + 928  # 3 full slices of 1024, then 928 as its own launch

@@ -44,6 +44,9 @@ REDUCE_PARAMS = "uuuufuuu"  # n parts stride accumulate alpha pad pad pad
 # Split-K is used when a product yields fewer LARGE_TILE workgroups than this on a GPU and K is long: the
 # H200 has 132 SMs, and the dW products of the small preset (36-96 workgroups) ran at 8-17 TFLOP/s.
 SPLIT_K_BELOW_GROUPS = 264
+# LARGE_TILE workgroups resident at once on the H200 (132 SMs, two 256-thread 8x8 tiles each): a launch runs
+# in waves of this many, so the slice count is chosen by the waves it costs (`split_k_cost`).
+SPLIT_K_SLOTS = 264
 SPLIT_K_MIN_SLICE = 1024  # never slice K thinner than this
 SPLIT_K_MAX = 16
 
@@ -238,7 +241,25 @@ def auto_split_k(gpu, M: int, N: int, K: int, batch: int) -> int:
     groups = -(-M // LARGE_TILE.bm) * -(-N // LARGE_TILE.bn)
     if groups >= SPLIT_K_BELOW_GROUPS:
         return 1
-    return max(1, min(SPLIT_K_MAX, -(-2 * SPLIT_K_BELOW_GROUPS // groups), K // SPLIT_K_MIN_SLICE))
+    counts = range(1, max(1, min(SPLIT_K_MAX, K // SPLIT_K_MIN_SLICE)) + 1)
+    return min(counts, key=lambda p: (split_k_cost(groups, K, p), p))
+
+
+def _slices(K: int, parts: int) -> tuple[int, int, int]:
+    """(slice length, full slices, remainder) of K cut into `parts`: slices are multiples of 64 elements,
+    which keeps the short last slice's view offset 256-byte aligned."""
+    ks = _ceil(_ceil(K, parts), 64) * 64
+    return ks, K // ks, K - (K // ks) * ks
+
+
+def split_k_cost(groups: int, K: int, parts: int) -> int:
+    """Estimated time of a product with `groups` output tiles as `parts` K slices, in k elements walked by
+    the slowest wave: the full slices run as one launch and a short last slice as another, each in waves of
+    SPLIT_K_SLOTS workgroups. Measured on the H200 (768x768x16384, 36 tiles): 15 slices (14 of 1152 + 256,
+    cost 2560) took 0.53 ms where 16 equal slices of 1024 (576 workgroups, 3 waves, cost 3072) took 0.81."""
+    ks, full, rest = _slices(K, parts)
+    waves = lambda n: -(-n // SPLIT_K_SLOTS)  # noqa: E731
+    return waves(groups * full) * ks + (waves(groups) * rest if rest else 0)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -259,14 +280,8 @@ def _split_k(
     gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, parts, tile, b_dtype="f32"
 ) -> Call:
     """C (+)= alpha * op(A) op(B) as `parts` products over K slices plus a fixed-order reduction."""
-    # slices of a multiple of 64 elements keep the short last slice's view offset 256-byte aligned. Prefer a
-    # slice count (up to twice the one asked for) that cuts K into equal slices: a short last slice is a
-    # launch of its own, with only M*N/tile workgroups on the GPU (H200: 2048x768x16384 at 35 TFLOP/s in 5 + 1
-    # slices)
-    even = [p for p in range(parts, min(SPLIT_K_MAX, 2 * parts) + 1) if K % (64 * p) == 0]
-    ks = K // even[0] if even else _ceil(_ceil(K, parts), 64) * 64
-    parts = -(-K // ks)
-    full = K // ks  # slices of exactly ks; the remainder (if any) is one more product
+    ks, full, rest = _slices(K, parts)
+    parts = full + (rest > 0)  # slices of exactly ks; the remainder (if any) is one more product
     pstride = -(-(M * N) // 64) * 64  # elements between slices' partials: 256-byte aligned slots
     part_bytes = M * N * 4
     scratch = _scratch(gpu, parts * pstride * 4)
@@ -294,8 +309,7 @@ def _split_k(
         split_k=1,
         b_dtype=b_dtype,
     )
-    if full < parts:  # the short last slice
-        rest = K - full * ks
+    if rest:  # the short last slice
         a_view = _offset_view(a, full * sa)
         b_view = _offset_view(b, full * sb, B_DTYPES[b_dtype])
         if a_view is None or b_view is None:
