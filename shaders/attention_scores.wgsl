@@ -9,12 +9,27 @@
 //   - scores_backward: S -> P = exp(S - lse) and dP -> dS = P (dP - delta), both in place, zeros for s > t.
 // Scores above the diagonal are never read (the GEMM that wrote S skipped those tiles, leaving old values).
 // Reductions run over a fixed tree in workgroup memory: same inputs, same bits.
+//
+// The mask: causal (W = 0), or the chained draft's (W = window, mtp-heal.md §6.2, `ddl_ref.ops.chain_mask`):
+// T = C*W stacked rows, row (σ-1)*W + p; key (σ', p') visible to query (σ, p) iff (σ' == 1 and p' <= p) or
+// (2 <= σ' <= σ and p' == p). Every visible key of row r sits at a row <= r, so the causal GEMM bounds hold
+// for both masks; masked entries get P = dS = 0 like the ones above the diagonal.
 
 struct Params {
     T: u32,
     rows: u32,  // Z * T rows in this chunk
     z0: u32,  // (batch, head) index of the chunk's first row, for lse / delta of shape (B*H, T)
-    pad: u32,
+    W: u32,  // 0: causal; else the chain mask's window
+}
+
+fn visible(t: u32, s: u32, W: u32) -> bool {
+    if (W == 0u) {
+        return s <= t;
+    }
+    let pq = t % W;
+    let sk = s / W;
+    let pk = s % W;
+    return (sk == 0u && pk <= pq) || (sk >= 1u && sk <= t / W && pk == pq);
 }
 
 const WG: u32 = 128u;
@@ -68,20 +83,25 @@ fn scores_softmax(
     let T = sm_p.T;
     let t = row % T;
     let base = row * T;
+    let W = sm_p.W;
     var m = NEG;
     for (var s = lid; s <= t; s += WG) {
-        m = max(m, sm_s[base + s]);
+        if (visible(t, s, W)) {
+            m = max(m, sm_s[base + s]);
+        }
     }
     m = reduce_max(m, lid);
     var l = 0.0;
     for (var s = lid; s <= t; s += WG) {
-        l += exp(sm_s[base + s] - m);
+        if (visible(t, s, W)) {
+            l += exp(sm_s[base + s] - m);
+        }
     }
     l = reduce_sum(l, lid);
-    let inv = 1.0 / l;
+    let inv = 1.0 / l;  // every row sees at least itself: l >= 1
     for (var s = lid; s < T; s += WG) {
         var p = 0.0;
-        if (s <= t) {
+        if (s <= t && visible(t, s, W)) {
             p = exp(sm_s[base + s] - m) * inv;
         }
         sm_s[base + s] = p;
@@ -112,7 +132,7 @@ fn scores_backward(
     let s = i % T;
     var p = 0.0;
     var ds = 0.0;
-    if (s <= row % T) {
+    if (visible(row % T, s, bw_p.W)) {
         let r = bw_p.z0 * T + row;
         p = exp(bw_s[i] - bw_lse[r]);
         ds = p * (bw_dp[i] - bw_delta[r]);

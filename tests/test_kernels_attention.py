@@ -93,6 +93,7 @@ def test_attention_impl_choice(gpu, monkeypatch):
     monkeypatch.delenv(attention.ENV_IMPL, raising=False)
     cpu = gpu.info.get("type", "") == "CPU"
     assert choose_impl(gpu, 2, 4, 64) == ("flash" if cpu else "scores")
+    assert choose_impl(gpu, 2, 4, 64, masked=True) == "scores"  # the masked loops are slow everywhere
     monkeypatch.setenv(attention.ENV_IMPL, "scores")
     assert choose_impl(gpu, 2, 4, 64) == "scores"
     assert choose_impl(gpu, 2, 4, 64, "flash") == "flash"  # the argument beats the environment

@@ -215,14 +215,17 @@ def _check(B: int, T: int, H: int, K: int, D: int):
         raise GpuError(f"attention: bad sizes B={B} T={T} H={H} K={K} (need H % K == 0)")
 
 
-def choose_impl(gpu, B: int, H: int, T: int, impl: str | None = None) -> str:
-    """'flash' or 'scores' for one attention shape: `impl`, else env DDL_WGPU_ATTENTION, else 'auto'."""
+def choose_impl(gpu, B: int, H: int, T: int, impl: str | None = None, masked: bool = False) -> str:
+    """'flash' or 'scores' for one attention shape: `impl`, else env DDL_WGPU_ATTENTION, else 'auto'. For the
+    chain-masked attention 'flash' means its plain-loop kernels, and 'auto' picks the scores path on every
+    adapter whenever it fits (the loops are slow everywhere; on lavapipe their dk/dv also came out wrong at
+    W = 80, D = 128 with grouped heads, a result no other adapter was checked for)."""
     impl = impl or os.environ.get(ENV_IMPL) or "auto"
     if impl not in IMPLS:
         raise GpuError(f"attention: implementation {impl!r} is not one of {', '.join(IMPLS)}")
     fits = attention_scores.batches_per_chunk(gpu, B, H, T) >= 1
     if impl == "auto":
-        return "scores" if fits and gpu.info.get("type", "") != "CPU" else "flash"
+        return "scores" if fits and (masked or gpu.info.get("type", "") != "CPU") else "flash"
     if impl == "scores" and not fits:
         raise GpuError(
             f"attention: the scores of one batch ({H} heads x {T}^2 floats) exceed the scratch limit"
@@ -294,22 +297,26 @@ def _check_chain(T: int, W: int):
 
 
 def attention_masked_forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, W: int,
-                             scale=None) -> Call:  # fmt: skip
+                             scale=None, impl: str | None = None) -> Call:  # fmt: skip
     """`attention_forward` over T = chain·W stacked rows (row (σ−1)·W + p) with the chain mask instead of
-    the causal one. Plain loops, one thread per (b, row, head)."""
+    the causal one: the scores path with the mask (`attention_scores`), or plain loops, one thread per
+    (b, row, head) ('flash', and where the scores do not fit). `impl`: see `choose_impl`."""
     _check(B, T, H, K, D)
     _check_chain(T, W)
+    scale = float(D) ** -0.5 if scale is None else float(scale)
+    if choose_impl(gpu, B, H, T, impl, masked=True) == "scores":
+        return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale, W=W)
     templates, _cfg = _templates(gpu, D)
     kern = gpu.kernel(FILE, "attention_masked_forward", "rrrwwu", templates=templates)
-    scale = float(D) ** -0.5 if scale is None else float(scale)
     u = gpu.uniform(MPARAMS, B, T, H, K, scale, W, 0, 0)
     return Call([(kern, gpu.bind(kern, q, k, v, out, lse, u), -(-(B * T * H) // 64))], [u])
 
 
 def attention_masked_backward(gpu, dq, dk, dv, dout, out, lse, q, k, v, B: int, T: int, H: int, K: int,
-                              D: int, W: int, scratch=None, scale=None) -> Call:  # fmt: skip
-    """Backward of `attention_masked_forward`: delta (`attention_backward_delta`), then dq per query row,
-    then dk and dv per key row. Deterministic; outputs are overwritten."""
+                              D: int, W: int, scratch=None, scale=None, impl: str | None = None) -> Call:  # fmt: skip
+    """Backward of `attention_masked_forward`: delta (`attention_backward_delta`), then the scores path's
+    backward with the mask, or the loops: dq per query row, then dk and dv per key row. Deterministic;
+    outputs are overwritten."""
     _check(B, T, H, K, D)
     _check_chain(T, W)
     templates, _cfg = _templates(gpu, D)
@@ -317,12 +324,19 @@ def attention_masked_backward(gpu, dq, dk, dv, dout, out, lse, q, k, v, B: int, 
     u = gpu.uniform(PARAMS, B, T, H, K, scale)
     um = gpu.uniform(MPARAMS, B, T, H, K, scale, W, 0, 0)
     delta = gpu.buffer(B * H * T * 4, label="attention delta") if scratch is None else scratch
+    keep = [u, um] if scratch is not None else [u, um, delta]
     kd = gpu.kernel(FILE, "attention_backward_delta", "rrwu", templates=templates)
+    delta_pass = (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64))
+    if choose_impl(gpu, B, H, T, impl, masked=True) == "scores":
+        grads = attention_scores.backward(
+            gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D, scale, W=W
+        )
+        return Call([delta_pass], keep) + grads
     kq = gpu.kernel(FILE, "attention_masked_backward_dq", "rrrrrrwu", templates=templates)
     kk = gpu.kernel(FILE, "attention_masked_backward_dkdv", "rrrrrrwwu", templates=templates)
     dispatches = [
-        (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64)),
+        delta_pass,
         (kq, gpu.bind(kq, q, k, v, dout, lse, delta, dq, um), -(-(B * T * H) // 64)),
         (kk, gpu.bind(kk, q, k, v, dout, lse, delta, dk, dv, um), -(-(B * T * K) // 64)),
     ]
-    return Call(dispatches, [u, um] if scratch is not None else [u, um, delta])
+    return Call(dispatches, keep)

@@ -28,7 +28,7 @@ from ddl_wgpu.gpu import Call, GpuError
 from ddl_wgpu.ops.matmul import matmul
 
 FILE = "attention_scores.wgsl"
-PARAMS = "uuuu"  # T, rows, z0, pad
+PARAMS = "uuuu"  # T, rows, z0, W (0: causal; else the chained draft's window)
 SOFTMAX_WG = 128  # threads per row of scores_softmax (the shader's WG)
 # Scores of at most this many bytes per scratch buffer (two of them in the backward): B*H*T*T*4 = 384 MiB for
 # the small preset's 16 x 1024 tokens x 6 heads, so one chunk; longer sequences run in chunks of batches.
@@ -66,21 +66,24 @@ def _scores(gpu, dst, x, y, b0, n, T, H, K, D, alpha) -> Call:
     )  # fmt: skip
 
 
-def _row_call(gpu, entry: str, sig: str, buffers: list, T: int, rows: int, z0: int, groups: int) -> Call:
+def _row_call(
+    gpu, entry: str, sig: str, buffers: list, T: int, rows: int, z0: int, W: int, groups: int
+) -> Call:
     k = gpu.kernel(FILE, entry, sig, workgroup=(SOFTMAX_WG if entry == "scores_softmax" else 256, 1, 1))
-    u = gpu.uniform(PARAMS, T, rows, z0, 0, label=entry)
+    u = gpu.uniform(PARAMS, T, rows, z0, W, label=entry)
     return Call([(k, gpu.bind(k, *buffers, u), groups)], [u])
 
 
-def forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float) -> Call:
-    """out (B,T,H,D) and lse (B,H,T) from q (B,T,H,D), k, v (B,T,K,D); causal."""
+def forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float, W: int = 0) -> Call:
+    """out (B,T,H,D) and lse (B,H,T) from q (B,T,H,D), k, v (B,T,K,D); causal, or with W > 0 the chained
+    draft's mask over T = chain*W stacked rows."""
     nb, nbytes = _plan(gpu, B, H, T)
     s = _scratch(gpu, "scores", nbytes)
     call = Call()
     for b0 in range(0, B, nb):
         n = min(nb, B - b0)
         call += _scores(gpu, s, q, k, b0, n, T, H, K, D, scale)
-        call += _row_call(gpu, "scores_softmax", "wwu", [s, lse], T, n * H * T, b0 * H, n * H * T)
+        call += _row_call(gpu, "scores_softmax", "wwu", [s, lse], T, n * H * T, b0 * H, W, n * H * T)
         call += matmul(
             gpu, out, s, v, T, D, T, batch=n * H, inner=H, causal="k_to_row",
             lda=T, stride_a=H * T * T, istride_a=T * T,
@@ -91,10 +94,26 @@ def forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scal
 
 
 def backward(
-    gpu, dq, dk, dv, dout, lse, delta, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float
+    gpu,
+    dq,
+    dk,
+    dv,
+    dout,
+    lse,
+    delta,
+    q,
+    k,
+    v,
+    B: int,
+    T: int,
+    H: int,
+    K: int,
+    D: int,
+    scale: float,
+    W: int = 0,
 ) -> Call:
     """dq (B,T,H,D), dk, dv (B,T,K,D) from dout, the forward's lse, delta = rowsum(dout * out) (B,H,T) and
-    q, k, v. Outputs are overwritten."""
+    q, k, v; the mask as in `forward`. Outputs are overwritten."""
     nb, nbytes = _plan(gpu, B, H, T)
     s, dp = _scratch(gpu, "scores", nbytes), _scratch(gpu, "dscores", nbytes)
     G = H // K
@@ -104,7 +123,9 @@ def backward(
         call += _scores(gpu, s, q, k, b0, n, T, H, K, D, scale)
         call += _scores(gpu, dp, dout, v, b0, n, T, H, K, D, 1.0)
         groups = -(-(n * H * T * T) // 256)
-        call += _row_call(gpu, "scores_backward", "rrwwu", [lse, delta, s, dp], T, n * H * T, b0 * H, groups)
+        call += _row_call(
+            gpu, "scores_backward", "rrwwu", [lse, delta, s, dp], T, n * H * T, b0 * H, W, groups
+        )
         call += matmul(
             gpu, dq, dp, k, T, D, T, alpha=scale, batch=n * H, inner=H, causal="k_to_row",
             lda=T, stride_a=H * T * T, istride_a=T * T,
