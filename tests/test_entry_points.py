@@ -77,7 +77,7 @@ def test_multi_stage_launchers_dispatch_their_stages(gpu):
     seen |= dispatched(attention.attention_backward(gpu, *buf[:9], B, T, H, K, D))
     seen |= dispatched(attention.attention_forward(gpu, *buf[:5], B, T, H, K, D, impl="scores"))
     seen |= dispatched(attention.attention_backward(gpu, *buf[:9], B, T, H, K, D, impl="scores"))
-    seen |= dispatched(attention.attention_masked_backward(gpu, *buf[:9], B, T, H, K, D, 4))
+    seen |= dispatched(attention.attention_masked_backward(gpu, *buf[:9], B, T, H, K, D, 4, impl="flash"))
     seen |= dispatched(delta.delta_forward(gpu, *buf[:10], rows, C, dv, 1e-5, 4.0))
     seen |= dispatched(delta.delta_backward(gpu, *buf[:12], rows, C, dv, 4.0))
     seen |= dispatched(delta.ksum(gpu, *buf[:4], rows, C, dv))
