@@ -1,0 +1,476 @@
+"""Heal throughput at a realistic shape: the trunk teacher's tokens/s and the MTP draft's seconds per step.
+
+    python3 bench/heal.py                       # d 2048, vocab 151936, 4 layers, 4 x 128 (heal's defaults)
+    python3 bench/heal.py --layers 28           # the whole Qwen3-1.7B-like trunk
+    python3 bench/heal.py --d-model 4096        # Qwen3-8B-like blocks (32 heads, ffn 12288)
+    python3 bench/heal.py --quick               # d 64, vocab 512, 2 layers, 2 x 32 (lavapipe smoke test)
+
+The model is built in memory with `ddl_ref.params.init_params(cfg, --seed)`: a Qwen3-like baseline trunk (tied
+embedding, pre-RoPE q/k norm, GQA, SwiGLU) plus a one-layer MTP draft head. Nothing is read or written but the
+JSON. The numbers come from the classes `ddl-wgpu heal --backend wgpu` runs (`ddl_wgpu.heal`), called as
+`heal` calls them:
+
+- trunk: `WgpuTeacher.topk_hidden(ids, k)` on one batch of --batch windows of --seq tokens: upload, forward,
+  next-token top-k from chunked logits, download of the top-k and of both hidden rows (pre/post final norm).
+  Tokens/s = B·T / (median wall-clock s per call).
+- host rows: `ddl_ref.mtp.step_input` (numpy: embedding, enorm/hnorm, eh_proj), which `heal` runs on the host
+  to build the draft's step-1 block input of every batch, and step j's at every refresh.
+- draft: `WgpuDraft.step` for each chain step j = 1..--chain (one job of heal's list: forward, top-k KL,
+  backward, gradient clip, Adam). With --chain-attention runtime (heal's default) step j stacks the rows of
+  steps 1..j, so it runs j·B·T rows; "seed" runs B·T. heal's jobs cycle uniformly over j, so the job-mix row
+  is the mean of the per-step times. Tokens/s = B·T anchor tokens / (s per step).
+
+Timing: every call ends synchronised (each one reads results back; a `gpu.wait()` follows) and is timed on
+its own with `time.perf_counter`. After --warmup calls and `common.settle` (calls until the time stops
+falling), the figure is the median of --steps calls (best and worst are in the JSON). "GPU ms" is the device
+time alone, from timestamp queries (`common.gpu_time_ms`, its best repeat), over the Calls the library
+records (`Work.topk`: forward + top-k; `Work.step_rows`: zero-grads, forward, head + KL, backward,
+optimizer), reached through private `Work` attributes as `bench/train_step.py` does; it reads '-' (the
+error is in the JSON) if those change.
+
+Work counted (model TFLOP/s): trunk 2·(block matrix params) + 2·C·V + 2·L·T·H·D (causal attention) per token;
+draft 6·(block matrix params) + 4·C·V per row (the head is frozen: no dW), attention left out (< 1 % at
+T <= 1024). "GPU mem" is what the library allocates through `Gpu.buffer` (`Gpu.allocated`):
+parameters plus the activations and scratch of the Works built here (heal builds a few more for evaluation);
+the draft's Net also holds gradients and Adam moments, for every tensor it loads (the frozen embedding too).
+
+Checks (same run; any failure exits 1 after the table and the JSON): on the first --check-rows tokens of
+window 0 (causal, so they do not depend on later tokens) against float64 numpy (`ddl_ref`):
+- trunk: hidden rows pre/post (max|Δ| / max|ref|); the top-k probabilities, and the reference probability of
+  every id the GPU returned (ties may reorder ids, never change these); with --trunk-dtype f16 the reference
+  uses the same f16-rounded matrices.
+- draft, each chain step j before timing it: the loss and gradient norm of one `WgpuDraft.step` on window 0
+  (rows past --check-rows weighted 0) against `ddl_ref.mtp.draft_kl_forward/backward` on the weights
+  `WgpuDraft.export` returns just before.
+
+No PyTorch peer: heal has no PyTorch implementation in this repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (puts the repository root on sys.path)
+import numpy as np  # noqa: E402
+
+from ddl_ref import model as ref_model  # noqa: E402
+from ddl_ref import mtp as ref_mtp  # noqa: E402
+from ddl_ref import ops as ref_ops  # noqa: E402
+from ddl_ref.config import ModelConfig, MtpConfig  # noqa: E402
+from ddl_ref.optim import global_grad_norm  # noqa: E402
+from ddl_ref.params import init_params, param_table  # noqa: E402
+from ddl_wgpu import heal  # noqa: E402
+from ddl_wgpu.engine import AdamW  # noqa: E402
+from ddl_wgpu.modelfile import Model  # noqa: E402
+from ddl_wgpu.net import is_f16_matrix  # noqa: E402
+
+TOL = 1e-4  # f32 GPU against float64 numpy
+HEAL = heal.HealConfig()  # heal's defaults: batch, window, top-k, chain, lr, chain attention
+HEADS = ("model.embed_tokens.weight", "lm_head.weight")  # the shared head: whichever the model has
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the model
+
+
+def model_config(args) -> ModelConfig:
+    """Qwen3-like: rope 1e6, eps 1e-6, pre-RoPE q/k norm, tied embedding; a one-layer draft (DeepSeek-V3/Qwen
+    concatenation, pre-norm hiddens, the MtpConfig defaults)."""
+    return ModelConfig(
+        vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+        n_kv_heads=args.kv_heads, head_dim=args.head_dim, ffn_hidden=args.ffn, max_seq_len=args.seq,
+        rope_theta=1e6, rms_eps=1e-6, tie_embeddings=True, qk_norm="pre_rope", mtp=MtpConfig(),
+    )  # fmt: skip
+
+
+def matrix_params(cfg: ModelConfig, prefix: str) -> int:
+    return sum(s.numel for s in param_table(cfg) if s.name.startswith(prefix) and len(s.shape) == 2)
+
+
+def trunk_flops_per_token(cfg: ModelConfig, T: int) -> float:
+    C, V = cfg.d_model, cfg.vocab_size
+    attn = 2.0 * cfg.n_layers * T * cfg.n_heads * cfg.head_dim
+    return 2.0 * matrix_params(cfg, "model.layers.") + 2.0 * C * V + attn
+
+
+def draft_flops_per_row(cfg: ModelConfig) -> float:
+    return 6.0 * matrix_params(cfg, ref_mtp.MTP_LAYER_PREFIX) + 4.0 * cfg.d_model * cfg.vocab_size
+
+
+# ---------------------------------------------------------------------------------------------------------
+# timing
+
+
+def wall_ms(gpu, fn, warmup: int, steps: int) -> dict:
+    """Median wall-clock ms of one synchronised `fn()` over `steps` calls, each timed alone. Before them,
+    `warmup` calls, then calls until one is no longer 3 % faster than the one before (`common.settle`): the
+    H200's clocks drop while the host computes the float64 checks."""
+
+    def once(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        gpu.wait()
+        return (time.perf_counter() - t0) * 1e3 / n
+
+    for _ in range(warmup):
+        fn()
+    common.settle(once, 1)
+    times = [once(1) for _ in range(steps)]
+    return {"ms": common.median(times), "min_ms": min(times), "max_ms": max(times), "calls": steps}
+
+
+def gpu_ms(gpu, make_call, quick: bool) -> dict:
+    """GPU time of the Call `make_call()` returns; {'error': ...} when the library's internals moved."""
+    try:
+        call = make_call()
+    except Exception as e:
+        return {"error": f"{e.__class__.__name__}: {e}"}
+    return common.gpu_time_ms(gpu, [call], target_ms=5.0 if quick else 40.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the trunk
+
+
+def bench_trunk(gpu, model: Model, ids, args) -> tuple[dict, tuple]:
+    """-> (timings and memory, the last `topk_hidden` outputs)."""
+    a0 = gpu.allocated
+    teacher = heal.WgpuTeacher(model, args.batch, args.device, args.trunk_dtype)
+    r = {"param_bytes": gpu.allocated - a0}
+    a1, t0 = gpu.allocated, time.perf_counter()
+    out = teacher.topk_hidden(ids, args.k)  # builds the Work and compiles its pipelines
+    r["first_call_s"] = time.perf_counter() - t0
+    r["work_bytes"] = gpu.allocated - a1
+    r.update(wall_ms(gpu, lambda: teacher.topk_hidden(ids, args.k), args.warmup, args.steps))
+    work = teacher.net.work(args.batch, args.seq)
+    r["gpu"] = gpu_ms(gpu, lambda: work._fwd + work._topk[args.k][0], args.quick)  # as Work.topk records
+    return r, out
+
+
+def check_trunk(model: Model, ids, out, args) -> dict:
+    """The GPU teacher's window 0, first n tokens, against float64 `ddl_ref` on the same (rounded) weights."""
+    cfg, n, k = model.cfg, args.check_rows, args.k
+
+    def f64(name, a):
+        if args.trunk_dtype == "f16" and is_f16_matrix(name, a.shape):
+            a = a.astype(np.float16)
+        return a.astype(np.float64)
+
+    p64 = {name: f64(name, a) for name, a in model.params.items() if not name.startswith(ref_mtp.MTP_PREFIX)}
+    rpre, rpost, _ = ref_model.trunk_forward(p64, cfg, ids[:1, :n])
+    logits = ref_ops.linear_forward(rpost[0], ref_mtp.head_weight(p64, cfg))  # (n, V)
+    del p64
+    rids, rprobs = ref_mtp.topk_probs(logits, k)
+    gids, gprobs, gpre, gpost = (a[0, :n] for a in out)
+    lse = ref_ops.logsumexp(logits, axis=-1, keepdims=True)
+    p_at = np.exp(np.take_along_axis(logits, gids.astype(np.int64), axis=-1) - lse)  # ref prob of GPU ids
+    r = {
+        "rows": n,
+        "hidden_err": max(common.rel_err(gpre, rpre[0]), common.rel_err(gpost, rpost[0])),
+        "topk_probs_err": common.rel_err(gprobs, rprobs),
+        "topk_ids_err": common.rel_err(gprobs, p_at),
+        "argmax_agree": float((gids[:, 0] == rids[:, 0]).mean()),
+    }
+    r["err"] = max(r["hidden_err"], r["topk_probs_err"], r["topk_ids_err"])
+    r["ok"] = bool(r["err"] <= TOL)
+    return r
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the draft
+
+
+class Jobs:
+    """The draft's inputs for chain steps 1..chain, built as `heal` builds them (`step_input` on the host;
+    step j > 1 from the draft's own step j−1 output, `hidden_out`), and one job per step as heal's `join`."""
+
+    def __init__(self, model: Model, draft, ids, out, args):
+        self.args, self.T = args, args.seq
+        self.lengths = np.full(args.batch, args.seq)
+        self.top_ids, self.top_probs = out[0], out[1]
+        mtp, p, cfg = model.cfg.mtp, model.params, model.cfg
+
+        def rows(j, hid):
+            tok = ref_mtp.shifted(ids, j)
+            return ref_mtp.step_input(p, cfg, tok, hid, ref_mtp.step_valid(self.lengths, self.T, j))
+
+        hid = ref_mtp.pick_hidden(out[2], out[3], mtp.trunk_hidden)
+        self.host = wall_ms(draft.net.gpu, lambda: rows(1, hid), args.warmup, args.steps)
+        self.x = {1: rows(1, hid)}
+        # every later step's input from the previous one's draft output: the "seed" refresh, which is
+        # also heal's for j = 2; the values do not change the timing of a step
+        for j in range(2, args.chain + 1):
+            pre, post = draft.hidden_out(self.x[j - 1])
+            self.x[j] = rows(j, ref_mtp.pick_hidden(pre, post, mtp.chain_hidden))
+
+    def stacked(self, j: int) -> int:
+        """How many chain steps' rows the step-j job stacks (1 in seed mode and for step 1)."""
+        return j if self.args.chain_attention == "runtime" else 1
+
+    def job(self, j: int):
+        """-> (x, teacher ids, teacher probs, weights, keywords) of step j on the whole batch."""
+        tid = ref_mtp.shifted(self.top_ids, j)
+        tp = ref_mtp.shifted(self.top_probs, j, fill=1.0)  # masked rows: any finite distribution
+        w = ref_mtp.step_valid(self.lengths, self.T, j).astype(np.float32)
+        s = self.stacked(j)
+        if s == 1:
+            return self.x[j], tid, tp, w, {}
+        pad = (s - 1) * self.T  # steps < j carry K/V only: weight 0
+        B, k = self.args.batch, tid.shape[-1]
+        tid = np.concatenate([np.zeros((B, pad, k), tid.dtype), tid], axis=1)
+        tp = np.concatenate([np.ones((B, pad, k), tp.dtype), tp], axis=1)
+        w = np.concatenate([np.zeros((B, pad), w.dtype), w], axis=1)
+        return np.concatenate([self.x[i] for i in range(1, j + 1)], axis=1), tid, tp, w, {"chain": j}
+
+    def check_job(self, j: int):
+        """Window 0 of step j's job with the rows at positions >= check_rows weighted 0 (for the GPU), and
+        the same window cut to those positions in every stacked step (for the reference)."""
+        x, tid, tp, w, kw = (a[:1] if isinstance(a, np.ndarray) else a for a in self.job(j))
+        s, n = self.stacked(j), self.args.check_rows
+        w = w.copy()
+        w.reshape(s, self.T)[:, n:] = 0.0
+
+        def cut(a):
+            return a.reshape(1, s, self.T, *a.shape[2:])[:, :, :n].reshape(1, s * n, *a.shape[2:])
+
+        return (x, tid, tp, w, kw), (cut(x), cut(tid), cut(tp), cut(w), kw)
+
+
+def check_draft_step(draft, model: Model, jobs: Jobs, j: int, step: int, head64: dict) -> dict:
+    """One `WgpuDraft.step` on window 0 against float64 `ddl_ref` on the weights the draft holds before it."""
+    cfg = model.cfg
+    p64 = {**{n: a.astype(np.float64) for n, a in draft.export().items()}, **head64}
+    gpu_job, (x, tid, tp, w, kw) = jobs.check_job(j)
+    count = float(w.sum())
+    kl, cache = ref_mtp.draft_kl_forward(p64, cfg, x.astype(np.float64), tid, tp, w, kw.get("chain", 0))
+    _dx, grads = ref_mtp.draft_kl_backward(p64, cfg, cache, 1.0 / count)
+    ref_loss, ref_norm = kl / count, global_grad_norm(grads)
+    x, tid, tp, w, kw = gpu_job
+    loss, norm, finite = draft.step(x, tid, tp, w, HEAL.lr, step, heal.LOSS_SCALE_START, **kw)
+    r = {"weighted_rows": count, "loss": loss, "ref_loss": ref_loss, "grad_norm": norm,
+         "ref_grad_norm": ref_norm, "loss_err": common.rel_err(loss, ref_loss),
+         "grad_norm_err": common.rel_err(norm, ref_norm)}  # fmt: skip
+    r["err"] = max(r["loss_err"], r["grad_norm_err"])
+    r["ok"] = bool(finite and r["err"] <= TOL)
+    return r
+
+
+def bench_draft(gpu, model: Model, ids, out, args, progress) -> dict:
+    a0 = gpu.allocated
+    draft = heal.WgpuDraft(model.params, model.cfg, None, args.batch, args.device)
+    r = {"param_bytes": gpu.allocated - a0, "steps": {}}
+    a1 = gpu.allocated
+    jobs = Jobs(model, draft, ids, out, args)
+    r["host_rows"] = jobs.host
+    head64 = {n: model.params[n].astype(np.float64) for n in HEADS if n in model.params}
+    steps = itertools.count(1)  # Adam's step counter, across every chain step as in heal's job loop
+    for j in range(1, args.chain + 1):
+        x, tid, tp, w, kw = jobs.job(j)
+        e = {"rows": x.shape[0] * x.shape[1]}
+        e["check"] = check_draft_step(draft, model, jobs, j, next(steps), head64)
+        losses = []
+
+        def one(x=x, tid=tid, tp=tp, w=w, kw=kw, losses=losses):
+            loss, _norm, finite = draft.step(x, tid, tp, w, HEAL.lr, next(steps), heal.LOSS_SCALE_START, **kw)
+            losses.append(loss if finite else math.nan)
+
+        e.update(wall_ms(gpu, one, args.warmup, args.steps))
+        e["finite"] = bool(np.all(np.isfinite(losses)))
+        e["last_loss"] = losses[-1]
+        work = draft._work(x.shape[1], args.k, kw.get("chain", 0))
+
+        def step_call(work=work):  # as Work.step_rows records one training step
+            b1, b2, eps = heal.ADAM
+            upd = AdamW(lr=HEAL.lr, step=next(steps), beta1=b1, beta2=b2, eps=eps, weight_decay=0.0,
+                        grad_clip=heal.GRAD_CLIP)  # fmt: skip
+            net = draft.net
+            return (net.zero_grads_call() + work._fwd + work._head_train + work._sum + work._bwd
+                    + net.optimizer_call(upd))  # fmt: skip
+
+        e["gpu"] = gpu_ms(gpu, step_call, args.quick)
+        r["steps"][j] = e
+        progress(f"  draft chain step {j}: {e['rows']} rows, {e['ms']:.2f} ms/step (median of {e['calls']}), "
+                 f"check {_status(e['check'])}")  # fmt: skip
+    r["work_bytes"] = gpu.allocated - a1
+    return r
+
+
+# ---------------------------------------------------------------------------------------------------------
+# driver
+
+
+def _status(c: dict | None) -> str:
+    if c is None:
+        return "-"
+    return f"{'ok' if c['ok'] else 'FAIL'} {c['err']:.1e}"
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="d 64, vocab 512, 2 layers, 2 x 32 (lavapipe smoke)")
+    ap.add_argument("--d-model", type=int, default=None, help="default 2048 (64 with --quick)")
+    ap.add_argument("--vocab", type=int, default=None, help="default 151936, Qwen's (512 with --quick)")
+    ap.add_argument("--layers", type=int, default=None, help="trunk blocks (default 4; 2 with --quick)")
+    ap.add_argument("--head-dim", type=int, default=None, help="default 128 (16 with --quick)")
+    ap.add_argument("--heads", type=int, default=None, help="default d_model / head_dim")
+    ap.add_argument("--kv-heads", type=int, default=None, help="default min(8, heads / 2)")
+    ap.add_argument("--ffn", type=int, default=None, help="SwiGLU hidden (default 3 x d_model, as Qwen3)")
+    ap.add_argument(
+        "--batch", type=int, default=None, help=f"windows per step (default {HEAL.batch}; 2 with --quick)"
+    )
+    ap.add_argument(
+        "--seq", type=int, default=None, help=f"window tokens (default {HEAL.window}; 32 with --quick)"
+    )
+    ap.add_argument("--topk", type=int, default=HEAL.topk, help="teacher top-k width (default heal's)")
+    ap.add_argument("--chain", type=int, default=HEAL.chain, help="chain steps timed (default heal's)")
+    ap.add_argument("--chain-attention", default=HEAL.chain_attention, choices=heal.CHAIN_ATTENTION)
+    ap.add_argument("--trunk-dtype", default=HEAL.trunk_dtype, choices=heal.TRUNK_DTYPES)
+    ap.add_argument(
+        "--steps", type=int, default=None, help="timed calls per measurement (default 10; 3 with --quick)"
+    )
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 2; 1 with --quick)")
+    ap.add_argument(
+        "--check-rows", type=int, default=None, help="window-0 tokens checked (default 64; 16 quick)"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None, help="wgpu adapter (index or name substring)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.d_model = args.d_model or (64 if q else 2048)
+    args.vocab = args.vocab or (512 if q else 151936)
+    args.layers = args.layers or (2 if q else 4)
+    args.head_dim = args.head_dim or (16 if q else 128)
+    args.heads = args.heads or args.d_model // args.head_dim
+    args.kv_heads = args.kv_heads or min(8, max(args.heads // 2, 1))
+    args.ffn = args.ffn or 3 * args.d_model
+    args.batch = args.batch or (2 if q else HEAL.batch)
+    args.seq = args.seq or (32 if q else HEAL.window)
+    args.steps = args.steps or (3 if q else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if q else 2)
+    args.k = min(args.topk, args.vocab)  # as heal clamps it
+    args.check_rows = min(args.check_rows or (16 if q else 64), args.seq)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    B, T = args.batch, args.seq
+    print(f"heal bench: d_model {args.d_model}, vocab {args.vocab}, {args.layers} trunk layers + 1 draft "
+          f"layer, heads {args.heads}/{args.kv_heads} x {args.head_dim}, ffn {args.ffn}; batch {B} x seq "
+          f"{T}, top-k {args.k}, chain {args.chain} ({args.chain_attention}), trunk {args.trunk_dtype}; "
+          f"{args.warmup} warm-up + {args.steps} timed calls; check {args.check_rows} rows, seed {args.seed}",
+          flush=True)  # fmt: skip
+    t_start = time.perf_counter()
+
+    def progress(line: str) -> None:
+        print(line, flush=True)
+
+    # heal's backends open their device through `train.open_gpu` (one per adapter choice): the same one
+    # here, so the bench reports that device and `gpu.allocated` counts what both backends allocate
+    from ddl_wgpu.train import open_gpu
+
+    gpu = open_gpu(args.device)
+    progress(f"adapter: {common.adapter_line(gpu)}")
+    cfg = model_config(args)
+    t0 = time.perf_counter()
+    model = Model(cfg, init_params(cfg, args.seed))
+    n_trunk = sum(a.size for n, a in model.params.items() if not n.startswith(ref_mtp.MTP_PREFIX))
+    n_draft = sum(a.size for n, a in model.params.items() if n.startswith(ref_mtp.MTP_PREFIX))
+    progress(f"model: {n_trunk / 1e6:.1f}M trunk + {n_draft / 1e6:.1f}M draft parameters, "
+             f"initialised in {time.perf_counter() - t0:.1f}s")  # fmt: skip
+    ids = np.random.default_rng(args.seed + 1).integers(0, args.vocab, (B, T)).astype(np.int64)
+
+    failed: list[str] = []
+    trunk = draft = error_tb = None
+    try:
+        trunk, out = bench_trunk(gpu, model, ids, args)
+        progress(f"  trunk: {trunk['ms']:.2f} ms per batch (median of {trunk['calls']}; first call "
+                 f"{trunk['first_call_s']:.1f}s)")  # fmt: skip
+        trunk["check"] = check_trunk(model, ids, out, args)
+        c = trunk["check"]
+        progress(f"  trunk check: {_status(c)} (hidden {c['hidden_err']:.1e}, top-k probs "
+                 f"{c['topk_probs_err']:.1e}, ids {c['topk_ids_err']:.1e})")  # fmt: skip
+        draft = bench_draft(gpu, model, ids, out, args, progress)
+    except Exception as e:
+        failed.append(f"{e.__class__.__name__}: {e}")
+        error_tb = traceback.format_exc()
+        print(error_tb, file=sys.stderr)
+
+    tok = B * T
+    rows, mix = [], []
+    trunk_fpt = trunk_flops_per_token(cfg, T)
+    draft_fpr = draft_flops_per_row(cfg)
+    if trunk is not None:
+        trunk["tokens_per_s"] = tok / (trunk["ms"] / 1e3)
+        trunk["model_tflops"] = trunk_fpt * trunk["tokens_per_s"] / 1e12
+        mem = (trunk["param_bytes"] + trunk["work_bytes"]) / 1e9
+        check = trunk.get("check")
+        rows.append(["trunk forward + top-k + hidden", f"{B}x{T} tok, k {args.k}", f"{trunk['ms']:.2f}",
+                     f"{trunk['tokens_per_s']:,.0f}", "-", common.fmt(trunk["gpu"].get("ms"), ".3g"),
+                     f"{trunk['model_tflops']:.3g}", f"{mem:.3g}", _status(check)])  # fmt: skip
+        if check is not None and not check["ok"]:
+            failed.append(f"trunk check: error {check['err']:.2e} > {TOL:.0e}")
+    if draft is not None:
+        h = draft["host_rows"]
+        rows.append(["draft step-1 rows on the host (numpy)", f"{B}x{T} tok", f"{h['ms']:.2f}",
+                     f"{tok / (h['ms'] / 1e3):,.0f}", "-", "-", "-", "-", "-"])  # fmt: skip
+        mem = (draft["param_bytes"] + draft["work_bytes"]) / 1e9
+        for j, e in draft["steps"].items():
+            s = e["ms"] / 1e3
+            mix.append(s)
+            e["s_per_step"], e["tokens_per_s"] = s, tok / s
+            e["model_tflops"] = draft_fpr * e["rows"] / s / 1e12
+            rows.append([f"draft step, chain step {j}", f"{e['rows']} rows", f"{e['ms']:.2f}",
+                         f"{e['tokens_per_s']:,.0f}", f"{s:.4g}", common.fmt(e["gpu"].get("ms"), ".3g"),
+                         f"{e['model_tflops']:.3g}", f"{mem:.3g}", _status(e["check"])])  # fmt: skip
+            if not e["check"]["ok"]:
+                failed.append(f"draft chain step {j} check: error {e['check']['err']:.2e} > {TOL:.0e}")
+            if not e["finite"]:
+                failed.append(f"draft chain step {j}: non-finite loss")
+        s = sum(mix) / len(mix)
+        draft["job_mix_s_per_step"] = s
+        rows.append([f"draft step, job mix (mean of {len(mix)})", f"{B}x{T} tok", f"{s * 1e3:.2f}",
+                     f"{tok / s:,.0f}", f"{s:.4g}", "-", "-", f"{mem:.3g}", "-"])  # fmt: skip
+    estimate = None
+    if trunk is not None and draft is not None:
+        # one epoch of heal over 1 M window tokens: the trunk pass once, then `chain` jobs per batch
+        estimate = {"trunk_s": 1e6 / trunk["tokens_per_s"], "draft_s": 1e6 / tok * sum(mix)}
+
+    headers = ["measurement", "shape", "ms", "tokens/s", "s/step", "GPU ms", "model TFLOP/s", "GPU mem GB",
+               "check (err)"]  # fmt: skip
+    data = {
+        "bench": "heal", "date": common.now_iso(),
+        "command": " ".join(["python3", "bench/heal.py", *sys.argv[1:]]),
+        "adapter": common.adapter_line(gpu), "adapter_info": gpu.info, "host": common.host_info(),
+        "model": cfg.to_dict(), "trunk_params": n_trunk, "draft_params": n_draft,
+        "args": vars(args), "heal_defaults": HEAL.to_dict(), "tol": TOL,
+        "trunk_flops_per_token": trunk_fpt, "draft_flops_per_row": draft_fpr,
+        "trunk": trunk, "draft": draft, "estimate_per_1M_tokens": estimate,
+        "failed": failed, "traceback": error_tb, "wall_s": time.perf_counter() - t_start,
+    }  # fmt: skip
+    common.write_json(common.json_path(args.json, "heal.json"), data)
+    print()
+    print(f"adapter: {data['adapter']}")
+    title = (f"heal (d {args.d_model}, vocab {args.vocab}, {args.layers} trunk layers, "
+             f"trunk {args.trunk_dtype}, chain {args.chain_attention})")  # fmt: skip
+    print(common.table(headers, rows, title=title))
+    if estimate is not None:
+        print(f"one heal epoch over 1M window tokens: trunk pass {estimate['trunk_s']:.1f}s, draft "
+              f"{estimate['draft_s']:.1f}s ({args.chain} jobs per batch); evaluation and refresh not "
+              "counted")  # fmt: skip
+    verdict = "all checks passed" if not failed else "FAILED: " + "; ".join(failed)
+    print(f"total {data['wall_s']:.0f}s; {verdict}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
