@@ -6,6 +6,7 @@
 // times at T = 1024. What the GEMMs cannot do lives here:
 //   - scores_softmax (forward): S (already scaled) -> P = softmax over keys s <= t, written in place, zeros for
 //     s > t (the causal GEMMs that read P rely on them); lse = max + log(sum) of each row, as the flash kernel.
+//     One read for the max and the sum (online, per thread, merged over one tree), one read + write for P.
 //   - scores_backward: S -> P = exp(S - lse) and dP -> dS = P (dP - delta), both in place, zeros for s > t.
 // Scores above the diagonal are never read (the GEMM that wrote S skipped those tiles, leaving old values).
 // Reductions run over a fixed tree in workgroup memory: same inputs, same bits.
@@ -35,33 +36,27 @@ fn visible(t: u32, s: u32, W: u32) -> bool {
 const WG: u32 = 128u;
 const NEG: f32 = -3.0e38;
 
-var<workgroup> red: array<f32, WG>;
+var<workgroup> red_m: array<f32, WG>;
+var<workgroup> red_l: array<f32, WG>;
 
-// Tree reductions over the workgroup; every thread gets the result. Fixed pairing order: deterministic.
-fn reduce_max(v: f32, lid: u32) -> f32 {
-    red[lid] = v;
+// The row's (max, sum of exp(x - max)) from every thread's partial pair, over a tree in workgroup memory
+// (fixed pairing order: deterministic); every thread gets the result. Merging (m1, l1) and (m2, l2):
+// m = max(m1, m2), l = l1 exp(m1 - m) + l2 exp(m2 - m) (a thread that saw no key has (NEG, 0)).
+fn reduce_max_sum(m: f32, l: f32, lid: u32) -> vec2<f32> {
+    red_m[lid] = m;
+    red_l[lid] = l;
     workgroupBarrier();
     for (var w = WG / 2u; w > 0u; w /= 2u) {
         if (lid < w) {
-            red[lid] = max(red[lid], red[lid + w]);
+            let m1 = red_m[lid];
+            let m2 = red_m[lid + w];
+            let mm = max(m1, m2);
+            red_l[lid] = red_l[lid] * exp(m1 - mm) + red_l[lid + w] * exp(m2 - mm);
+            red_m[lid] = mm;
         }
         workgroupBarrier();
     }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn reduce_sum(v: f32, lid: u32) -> f32 {
-    red[lid] = v;
-    workgroupBarrier();
-    for (var w = WG / 2u; w > 0u; w /= 2u) {
-        if (lid < w) {
-            red[lid] = red[lid] + red[lid + w];
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
+    let r = vec2<f32>(red_m[0], red_l[0]);
     workgroupBarrier();
     return r;
 }
@@ -84,20 +79,20 @@ fn scores_softmax(
     let t = row % T;
     let base = row * T;
     let W = sm_p.W;
+    // one pass over the row: a running max and sum per thread (online softmax), then one tree
     var m = NEG;
-    for (var s = lid; s <= t; s += WG) {
-        if (visible(t, s, W)) {
-            m = max(m, sm_s[base + s]);
-        }
-    }
-    m = reduce_max(m, lid);
     var l = 0.0;
     for (var s = lid; s <= t; s += WG) {
         if (visible(t, s, W)) {
-            l += exp(sm_s[base + s] - m);
+            let x = sm_s[base + s];
+            let mn = max(m, x);
+            l = l * exp(m - mn) + exp(x - mn);
+            m = mn;
         }
     }
-    l = reduce_sum(l, lid);
+    let ml = reduce_max_sum(m, l, lid);
+    m = ml.x;
+    l = ml.y;
     let inv = 1.0 / l;  // every row sees at least itself: l >= 1
     for (var s = lid; s < T; s += WG) {
         var p = 0.0;
