@@ -172,8 +172,12 @@ def test_chunked_adamw_steps_match_unchunked(gpu, small):
         out.append((res, net.export()))
     (res1, p1), (res2, p2) = out
     np.testing.assert_allclose(np.array(res2), np.array(res1), rtol=1e-5)
+    # chunked and whole arenas sum the gradient norm in different orders, so gradients differ in the last
+    # bits; three Adam steps at lr 1e-2 amplify that for near-zero gradients (g / sqrt(v)) to a few 1e-6
+    # (init seeds 1-8 crossed atol 1e-6 in 6 of 8 before the chunking code changed): 1e-5 is 0.03 % of the
+    # ~3e-2 the steps move a parameter
     for n in p1:
-        np.testing.assert_allclose(p2[n], p1[n], rtol=1e-4, atol=1e-6, err_msg=n)
+        np.testing.assert_allclose(p2[n], p1[n], rtol=1e-4, atol=1e-5, err_msg=n)
     # two chunked runs are bit-identical
     again = Net(small, cfg, p)
     for s in range(3):

@@ -23,15 +23,14 @@ STAGES = {
     "attention_scores.wgsl:scores_backward": "test_kernels_attention.py",
     "attention.wgsl:attention_masked_backward_dq": "test_chain_attention.py",
     "attention.wgsl:attention_masked_backward_dkdv": "test_chain_attention.py",
-    "delta.wgsl:delta_heads": "test_kernels_delta.py",
-    "delta.wgsl:delta_update": "test_kernels_delta.py",
+    "delta.wgsl:delta_heads": "test_kernels_delta.py",  # delta_forward(fused=False)
+    "delta.wgsl:delta_update": "test_kernels_delta.py",  # delta_forward(fused=False)
     "delta.wgsl:delta_backward_rows": "test_kernels_delta.py",
     "delta.wgsl:delta_backward_inputs": "test_kernels_delta.py",
     "delta.wgsl:delta_ksum": "test_kernels_delta.py",
     "matmul.wgsl:splitk_reduce": "test_kernels_matmul.py",
     "reduce.wgsl:sum_squares": "test_kernels_loss_optim.py",
     "reduce.wgsl:finalize_clip": "test_kernels_loss_optim.py",
-    "rmsnorm.wgsl:rmsnorm_backward_dw_partial": "test_kernels_small.py",
     "rmsnorm.wgsl:rmsnorm_backward_dw_reduce": "test_kernels_small.py",
     "rope.wgsl:rope_forward_inplace": "test_kernels_small.py",
     "rope.wgsl:rope_backward_inplace": "test_kernels_small.py",
@@ -78,7 +77,7 @@ def test_multi_stage_launchers_dispatch_their_stages(gpu):
     seen |= dispatched(attention.attention_forward(gpu, *buf[:5], B, T, H, K, D, impl="scores"))
     seen |= dispatched(attention.attention_backward(gpu, *buf[:9], B, T, H, K, D, impl="scores"))
     seen |= dispatched(attention.attention_masked_backward(gpu, *buf[:9], B, T, H, K, D, 4, impl="flash"))
-    seen |= dispatched(delta.delta_forward(gpu, *buf[:10], rows, C, dv, 1e-5, 4.0))
+    seen |= dispatched(delta.delta_forward(gpu, *buf[:10], rows, C, dv, 1e-5, 4.0, fused=False))
     seen |= dispatched(delta.delta_backward(gpu, *buf[:12], rows, C, dv, 4.0))
     seen |= dispatched(delta.ksum(gpu, *buf[:4], rows, C, dv))
     seen |= dispatched(matmul.matmul(gpu, buf[0], buf[1], buf[2], 16, 16, 256, split_k=2))

@@ -2,7 +2,8 @@
 forward (X_new and the saved stats) and backward (dX, du, dc, dx_v and the head parameters' gradients), the
 spectral k-sum, and the d_v > 1 short convolutions (TC, CC, EC, repetition), forward and backward.
 
-C = 37 / 64 and rows = 13 are off the workgroup grid; B = 2, T = 7 with k = 4 makes the causal window cross
+C = 10 / 37 / 64 / 300 and rows = 13 are off the workgroup grid (f32 and vec4 items, one- and two-stage row
+sums; the forward both in one pass and in two); B = 2, T = 7 with k = 4 makes the causal window cross
 sequence starts; a longer TC/EC case spreads the parameter-gradient reduction over several row blocks.
 """
 
@@ -38,28 +39,29 @@ def randn(rng, *shape, scale=1.0):
 # the Delta update
 
 
-def _delta_case(gpu, rng, rows, C, dv):
-    """Inputs, GPU buffers, and a forward run; returns everything the tests need."""
+def _delta_case(gpu, rng, rows, C, dv, fused=None, alias=False):
+    """Inputs, GPU buffers, and a forward run; returns everything the tests need. `alias`: x_v is X (the
+    engine's d_v = 1 call), bound as the same buffer."""
     h = dict(
         X=randn(rng, rows, C, dv), u=randn(rng, rows, C, scale=2.0), c=randn(rng, rows, C), x_v=randn(rng, rows, C),
         w_beta=randn(rng, C, scale=0.3), b_beta=randn(rng, 1, scale=0.5), W_v=randn(rng, dv, C, scale=0.3),
         b_v=randn(rng, dv, scale=0.5),
     )  # fmt: skip
+    if alias:
+        h["x_v"] = h["X"][..., 0].copy()
     d = {k: up(gpu, v) for k, v in h.items()}
+    if alias:
+        d["x_v"] = d["X"]
     d["X_new"] = gpu.buffer(4 * rows * C * dv)
     d["stats"] = gpu.buffer(4 * rows * kd.stats_size(dv))
     kd.delta_forward(gpu, d["X_new"], d["stats"], d["X"], d["u"], d["c"], d["x_v"], d["w_beta"], d["b_beta"],
-                     d["W_v"], d["b_v"], rows, C, dv, K_EPS, V_SCALE).run(gpu)  # fmt: skip
+                     d["W_v"], d["b_v"], rows, C, dv, K_EPS, V_SCALE, fused=fused).run(gpu)  # fmt: skip
     names = ("X", "u", "c", "x_v", "w_beta", "b_beta", "W_v", "b_v")
     X_new, cache = ref.delta_forward(*(f64(h[n]) for n in names), K_EPS, V_SCALE)
     return h, d, X_new, cache
 
 
-@pytest.mark.parametrize("dv", [1, 4])
-@pytest.mark.parametrize("C", [37, 64])
-def test_delta_forward(gpu, rng, C, dv):
-    rows = 13
-    h, d, X_new, cache = _delta_case(gpu, rng, rows, C, dv)
+def _check_forward(gpu, d, X_new, cache, rows, C, dv):
     check("delta X_new", down(gpu, d["X_new"], (rows, C, dv)), X_new, "norm")
     st = down(gpu, d["stats"], (rows, kd.stats_size(dv)))
     check("stats n", st[:, kd.STAT_N], cache["n"][:, 0], "norm")
@@ -69,9 +71,35 @@ def test_delta_forward(gpu, rng, C, dv):
     check("stats p", st[:, p0 : p0 + dv], cache["p"], "norm")
 
 
+# C: 10 and 37 move f32 items, 64 and 300 vec4 ones (d_v = 1); 37 and 300 have more threads per row than the
+# first stage of a row sum adds (two stages), 10 and 64 fewer; 300 spreads 13 rows over two workgroups.
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dv", [1, 4])
+@pytest.mark.parametrize("C", [10, 37, 64, 300])
+def test_delta_forward(gpu, rng, C, dv, fused):
+    rows = 13
+    _h, d, X_new, cache = _delta_case(gpu, rng, rows, C, dv, fused=fused)
+    _check_forward(gpu, d, X_new, cache, rows, C, dv)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("C", [12, 37])
+def test_delta_forward_x_v_is_X(gpu, rng, C, fused):
+    """d_v = 1 with x_v bound to X's buffer: the one-pass forward takes x_v from X's registers."""
+    rows = 13
+    _h, d, X_new, cache = _delta_case(gpu, rng, rows, C, 1, fused=fused, alias=True)
+    _check_forward(gpu, d, X_new, cache, rows, C, 1)
+
+
+def test_delta_forward_storage_limit(gpu):
+    """The one-pass forward binds 10 storage buffers: used only where the adapter allows that many."""
+    assert kd.FUSED_FORWARD_BUFFERS == 10
+    assert kd.fused_forward(gpu) == (gpu.limits.get("max-storage-buffers-per-shader-stage", 8) >= 10)
+
+
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("dv", [1, 4])
-@pytest.mark.parametrize("C", [37, 64])
+@pytest.mark.parametrize("C", [10, 37, 64, 300])
 def test_delta_backward(gpu, rng, C, dv, accumulate):
     rows = 13
     h, d, _, cache = _delta_case(gpu, rng, rows, C, dv)

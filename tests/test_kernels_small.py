@@ -30,9 +30,22 @@ def f64(a):
 # ---------------------------------------------------------------------------------------------------------
 # RMSNorm
 
-# (rows, C): rows/C off the workgroup grid; C=6/16 the per-head shapes (many rows per workgroup);
-# C=300/1100 several items per thread (1100: a whole workgroup per row); rows 150/300 several dw row blocks.
-RMS_SHAPES = [(37, 50), (2 * 7 * 5, 6), (2 * 5 * 3, 16), (5, 300), (3, 1100), (150, 20), (300, 6)]
+# (rows, C): rows/C off the workgroup grid; C=6/16 the per-head shapes (many rows per workgroup); C=300/1100
+# several items per thread (1100: a whole workgroup per row, a two-stage row sum); C=12/10 the vec4 and f32
+# items of a short row; rows 150/300 (many row slots: a two-stage slot sum) and 100 x 768 several dw row
+# blocks of several passes each, the last one partial.
+RMS_SHAPES = [
+    (37, 50),
+    (2 * 7 * 5, 6),
+    (2 * 5 * 3, 16),
+    (5, 300),
+    (3, 1100),
+    (150, 20),
+    (300, 6),
+    (41, 12),
+    (41, 10),
+    (100, 768),
+]
 
 
 def _rms_inputs(rng, rows, C, style):
@@ -115,7 +128,7 @@ def test_rmsnorm_per_head_roundtrip(gpu, rng):
 
 
 def test_rmsnorm_dw_deterministic(gpu, rng):
-    rows, C = 300, 37  # 5 row blocks of 64
+    rows, C = 300, 37  # 5 row blocks of 64 (4 passes of 16 row slots)
     x, w, dout = _rms_inputs(rng, rows, C, "standard")
     rstd = (1.0 / np.sqrt(np.mean(f64(x) ** 2, axis=-1) + 1e-6)).astype(f32)
     bx, bw, brstd, bdout = up(gpu, x), up(gpu, w), up(gpu, rstd), up(gpu, dout)
@@ -129,24 +142,23 @@ def test_rmsnorm_dw_deterministic(gpu, rng):
 
 
 def test_rmsnorm_dw_blocks():
-    assert rmsnorm.rmsnorm_dw_blocks(37, 50) == (32, 2)
-    assert rmsnorm.rmsnorm_dw_blocks(300, 37) == (32, 10)
-    assert rmsnorm.rmsnorm_dw_blocks(300, 6) == (128, 3)
-    assert rmsnorm.rmsnorm_dw_blocks(262144, 128) == (256, 1024)  # 16 x 1024 tokens x 16 heads
-    assert rmsnorm.rmsnorm_dw_blocks(262144, 128, 4) == (256, 1024)
-    assert rmsnorm.rmsnorm_dw_blocks(300, 16, 4) == (256, 2)
-    assert rmsnorm.rmsnorm_partials_size(300, 16) == 4 * 16 * 5  # the f32 path needs more blocks
-    assert rmsnorm.rmsnorm_dw_blocks(32768, 6) == (192, 171)
-    assert [rmsnorm.threads_per_row(c) for c in (1, 6, 16, 50, 128, 300, 768, 1100)] == [
-        1,
-        2,
-        4,
-        16,
-        32,
-        128,
-        256,
-        256,
-    ]
+    # (TPR, IPT): at most IPT_MAX = 4 items per thread while a row has at most WG threads
+    assert [rmsnorm.row_layout(c) for c in (1, 6, 16, 50, 128, 192, 300, 768, 1100)] == [
+        (1, 1), (2, 3), (4, 4), (16, 4), (32, 4), (64, 3), (128, 3), (256, 3), (256, 5),
+    ]  # fmt: skip
+    # blocks of MIN_PASSES passes of the row slots (WG / TPR), at least MIN_BLOCK_ROWS rows
+    assert rmsnorm.rmsnorm_dw_blocks(37, 50) == (64, 1)  # 16 slots
+    assert rmsnorm.rmsnorm_dw_blocks(300, 37) == (64, 5)
+    assert rmsnorm.rmsnorm_dw_blocks(300, 6) == (512, 1)  # 128 slots
+    assert rmsnorm.rmsnorm_dw_blocks(16384, 768, 4) == (16, 1024)  # the small preset's norms: 4 slots
+    assert rmsnorm.rmsnorm_dw_blocks(98304, 128, 4) == (128, 768)  # its q-norm: 32 slots
+    assert rmsnorm.rmsnorm_dw_blocks(16384, 768) == (16, 1024)  # f32 items: one slot, MIN_BLOCK_ROWS rows
+    assert rmsnorm.rmsnorm_dw_blocks(262144, 128) == (64, 4096)  # past MAX_BLOCKS blocks grow
+    assert rmsnorm.rmsnorm_dw_blocks(300, 16, 4) == (1024, 1)
+    assert rmsnorm.rmsnorm_partials_size(300, 16) == 4 * 16 * 2  # the f32 path needs more blocks
+    assert rmsnorm.rmsnorm_partials_size(300, 37) == 4 * 37 * 5
+    # the reduce pass: about 4 blocks per lane
+    assert [rmsnorm.reduce_channels(192, n) for n in (1, 16, 1024, 4096)] == [256, 64, 1, 1]
     with pytest.raises(ValueError):
         rmsnorm._style("layer")
 

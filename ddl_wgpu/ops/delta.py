@@ -13,9 +13,16 @@ The forward saves per row `stats` (rows, STATS) with STATS = stats_size(dv) = 2 
 
 read by the backward and by the spectral diagnostics (k = u / n, δ = v - p, γ = β δ).
 
-Each launcher is two dispatches (the fused form would bind 10-12 storage buffers, over the portable 8; the
-split reads every tensor once all the same, see the shader's header). Parameter gradients are plain GEMMs
-through `ops.matmul` (deterministic: each output summed by one thread in a fixed order).
+The forward is one dispatch where the adapter binds 10 storage buffers per stage (`fused_forward`), else two
+(`delta_heads` then `delta_update`, at most 8 each); the backward is two (`delta_backward_rows`, then
+`delta_backward_inputs` for dc and dx_v), a split that costs no extra traffic (the second pass reads only
+da, dz and the small weights). Each row kernel keeps
+its row in registers (`rmsnorm.row_layout`: TPR threads per row, IPT items each, straight-line per-item
+code) and moves vec4<f32> items when d_v = 1 and C % 4 == 0. Memory traffic with x_v = X (the engine's
+d_v = 1 call): forward reads X, u, c and writes X_new (4 rows·C floats; the two-pass form also re-reads X as
+x_v); backward reads G, X, u and writes dX, du, dc, dx_v (7; 9 when dc and dx_v accumulate). Parameter
+gradients are plain GEMMs through `ops.matmul` (deterministic: each output summed by one thread in a fixed
+order).
 
 What it does not do: mixed precision, the MLP β head (`ddl_beta_single_linear=False`), or d_v > 4.
 """
@@ -24,12 +31,17 @@ from __future__ import annotations
 
 from ddl_wgpu.gpu import Call, Gpu
 from ddl_wgpu.ops import need_all as _need
+from ddl_wgpu.ops import view
+from ddl_wgpu.ops.elementwise import templates as _item_templates
+from ddl_wgpu.ops.elementwise import vec_width
 from ddl_wgpu.ops.matmul import matmul
+from ddl_wgpu.ops.rmsnorm import row_layout, unroll
 
 FILE = "delta.wgsl"
 PARAMS = "uuffuuuu"  # Params {rows, C, eps2, v_scale, accumulate_dc, accumulate_dx_v, pad, pad}
 MAX_DV = 4
-KSUM_WG = 256
+WG = 256  # threads per workgroup, as in the shader
+FUSED_FORWARD_BUFFERS = 10  # storage buffers the one-pass forward binds
 KSUM_KW = 8  # channels per ksum workgroup, as in the shader
 
 # the per-row stats layout
@@ -53,23 +65,132 @@ def _check_dv(entry: str, dv: int):
         raise ValueError(f"{entry}: dv={dv} must be in 1..{MAX_DV}")
 
 
-def row_threads(C: int) -> int:
-    """Threads per row (the `WG` override): about 4 channels each, a power of two in [32, 256]."""
-    per = -(-int(C) // 4)
-    return min(256, max(32, 1 << max(0, per - 1).bit_length()))
+def _dv_run(name: str, store: bool) -> str:
+    """A loader (ld4_) or storer (st4_) of the DV consecutive floats of an f32 binding from index i, as a
+    vec4 (unused components 0)."""
+    comps = range(1, MAX_DV)
+    if store:
+        body = f"{name}[i] = v.x;" + "".join(
+            f" if (DV > {j}u) {{ {name}[i + {j}u] = v.{'xyzw'[j]}; }}" for j in comps
+        )
+        return f"fn st4_{name}(i: u32, v: vec4<f32>) {{ {body} }}"
+    body = "".join(f" if (DV > {j}u) {{ x.{'xyzw'[j]} = {name}[i + {j}u]; }}" for j in comps)
+    return f"fn ld4_{name}(i: u32) -> vec4<f32> {{ var x = vec4<f32>({name}[i], 0.0, 0.0, 0.0);{body} return x; }}"
 
 
-def _kernel(gpu: Gpu, entry: str, sig: str, C: int, dv: int, wg: int | None = None):
-    wg = row_threads(C) if wg is None else wg
-    return gpu.kernel(FILE, entry, sig, constants={"WG": wg, "DV": int(dv)}, workgroup=(wg, 1, 1))
+def _loaders(width: int) -> str:
+    """The LOADERS template: per-binding access to XT items (ld_/st_ at item index e), to W_v^T items
+    (ldw_ at channel item c of a (DV, C) matrix) and to runs of DV floats (ld4_/st4_)."""
+    out = [_dv_run(n, False) for n in ("fw_b_v", "hd_b_v", "up_stats", "br_stats", "bi_dz")]
+    out += [_dv_run(n, True) for n in ("fw_stats", "hd_stats", "up_stats", "br_dz")]
+    x_in, x_out, w = (
+        ("fw_X", "up_X", "br_G", "br_X"),
+        ("fw_X_new", "up_X_new", "br_dX"),
+        ("fw_W_v", "hd_W_v", "bi_W_v"),
+    )
+    if width == 4:  # d_v = 1: an XT item is an F item
+        out += [f"fn ld_{n}(e: u32) -> XT {{ return {n}[e]; }}" for n in x_in]
+        out += [f"fn st_{n}(e: u32, v: XT) {{ {n}[e] = v; }}" for n in x_out]
+        out += [f"fn ldw_{n}(c: u32, C: u32) -> XT {{ return {n}[c]; }}" for n in w]
+    else:  # f32 arrays: channel e's DV values start at e * DV; W_v's rows are C apart
+        out += [_dv_run(n, False) + f"\nfn ld_{n}(e: u32) -> XT {{ return ld4_{n}(e * DV); }}" for n in x_in]
+        out += [_dv_run(n, True) + f"\nfn st_{n}(e: u32, v: XT) {{ st4_{n}(e * DV, v); }}" for n in x_out]
+        for n in w:
+            body = "".join(
+                f" if (DV > {j}u) {{ x.{'xyzw'[j]} = {n}[{j}u * C + c]; }}" for j in range(1, MAX_DV)
+            )
+            out.append(
+                f"fn ldw_{n}(c: u32, C: u32) -> XT {{ var x = vec4<f32>({n}[c], 0.0, 0.0, 0.0);{body} return x; }}"
+            )
+    return "\n".join(out)
+
+
+def _templates(width: int, ipt: int, xv_is_x: bool = False) -> dict:
+    """Template values of delta.wgsl for items of `width` (4: vec4, d_v = 1) and `ipt` items per thread;
+    `xv_is_x`: the one-pass forward takes x_v from X's registers (x_v is X, d_v = 1)."""
+    t = dict(_item_templates(width))
+    if width == 4:
+        t |= {"XT": "F", "XDOT": "return vec4<f32>(hsum(k * x), 0.0, 0.0, 0.0);", "XDOTV": "return x * v.x;",
+              "XAXPY": "return x + k * g.x;"}  # fmt: skip
+    else:
+        t |= {
+            "XT": "vec4<f32>",
+            "XDOT": "return k * x;",
+            "XDOTV": "return dot(x, v);",
+            "XAXPY": "return x + k * g;",
+        }
+    t["LOADERS"] = _loaders(width)
+    item = "let c# = lane + #u * TPR; let ok# = ok && c# < CI;"
+    xv = ("x#" if width == 4 else "x#.x") if xv_is_x else "fw_x_v[base + c#]"
+    t["FF_LOAD"] = unroll(
+        ipt,
+        f"{item} var u# = F(0.0); var x# = XT(0.0); var cc# = F(0.0); var xv# = F(0.0); var wb# = F(0.0); "
+        "var wv# = XT(0.0); if (ok#) { u# = fw_u[base + c#]; x# = ld_fw_X(base + c#); cc# = fw_c[base + c#]; "
+        f"xv# = {xv}; wb# = fw_w_beta[c#]; wv# = ldw_fw_W_v(c#, C); }}",
+    )
+    t["FF_A"] = unroll(ipt, "wb# * cc#", " + ")
+    t["FF_UU"] = unroll(ipt, "u# * u#", " + ")
+    t["FF_Z"] = unroll(ipt, "xdot(xv#, wv#)", " + ")
+    t["FF_UX"] = unroll(ipt, "xdot(u#, x#)", " + ")
+    t["FF_STORE"] = unroll(ipt, "if (c# < CI) { st_fw_X_new(base + c#, xaxpy(x#, u# / n, gamma)); }")
+    t["HD_LOAD"] = unroll(
+        ipt,
+        f"{item} var cc# = F(0.0); var xv# = F(0.0); var wb# = F(0.0); var wv# = XT(0.0); if (ok#) {{ "
+        "cc# = hd_c[base + c#]; xv# = hd_x_v[base + c#]; wb# = hd_w_beta[c#]; wv# = ldw_hd_W_v(c#, C); }",
+    )
+    t["HD_A"] = unroll(ipt, "wb# * cc#", " + ")
+    t["HD_Z"] = unroll(ipt, "xdot(xv#, wv#)", " + ")
+    t["UP_LOAD"] = unroll(
+        ipt,
+        f"{item} var u# = F(0.0); var x# = XT(0.0); if (ok#) {{ u# = up_u[base + c#]; x# = ld_up_X(base + c#); }}",
+    )
+    t["UP_UU"] = unroll(ipt, "u# * u#", " + ")
+    t["UP_UX"] = unroll(ipt, "xdot(u#, x#)", " + ")
+    t["UP_STORE"] = unroll(ipt, "if (c# < CI) { st_up_X_new(base + c#, xaxpy(x#, u# / n, gamma)); }")
+    t["BR_LOAD"] = unroll(
+        ipt,
+        f"{item} var u# = F(0.0); var g# = XT(0.0); var x# = XT(0.0); if (ok#) {{ u# = br_u[base + c#]; "
+        "g# = ld_br_G(base + c#); x# = ld_br_X(base + c#); }",
+    )
+    t["BR_Q"] = unroll(ipt, "xdot(u#, g#)", " + ")
+    t["BR_STORE"] = unroll(
+        ipt,
+        "if (c# < CI) { let k# = u# / n; let dk# = beta * (xdotv(g#, delta) - xdotv(x#, q)); "
+        "br_du[base + c#] = (dk# - k# * kdk) / n; st_br_dX(base + c#, xaxpy(g#, k#, -bq)); }",
+    )
+    t["BI_STORE"] = unroll(
+        ipt,
+        "let c# = lane + #u * TPR; if (c# < CI) { var dc# = da * bi_w_beta[c#]; "
+        "var dxv# = xdotv(ldw_bi_W_v(c#, C), dz); if (acc_dc) { dc# += bi_dc[base + c#]; } "
+        "if (acc_dxv) { dxv# += bi_dx_v[base + c#]; } bi_dc[base + c#] = dc#; bi_dx_v[base + c#] = dxv#; }",
+    )
+    return t
+
+
+def _width(C: int, dv: int, *row_bindings) -> int:
+    """4 (vec4 items) when d_v = 1 and every (rows, C)-shaped binding can move as vec4, else 1."""
+    return vec_width(C, *row_bindings) if int(dv) == 1 else 1
+
+
+def _kernel(gpu: Gpu, entry: str, sig: str, C: int, dv: int, width: int, xv_is_x: bool = False):
+    """The kernel and its rows per workgroup."""
+    tpr, ipt = row_layout(int(C) // width)
+    k = gpu.kernel(FILE, entry, sig, {"TPR": tpr, "DV": int(dv)}, _templates(width, ipt, xv_is_x), (WG, 1, 1))
+    return k, WG // tpr
+
+
+def fused_forward(gpu: Gpu) -> bool:
+    """Whether the adapter binds the one-pass forward's 10 storage buffers in one shader stage."""
+    return int(gpu.limits.get("max-storage-buffers-per-shader-stage", 8)) >= FUSED_FORWARD_BUFFERS
 
 
 def delta_forward(
     gpu: Gpu, X_new, stats, X, u, c, x_v, w_beta, b_beta, W_v, b_v, rows: int, C: int, dv: int,
-    k_eps: float, v_scale: float,
+    k_eps: float, v_scale: float, fused: bool | None = None,
 ) -> Call:  # fmt: skip
     """X_new (rows, C, dv) = X + k (β (v - Xᵀk))ᵀ; stats (rows, STATS) as in the module docstring.
-    X_new must be a different buffer from X."""
+    X_new must be a different buffer from X; x_v may be X (d_v = 1), which the one-pass form reads once.
+    `fused`: one pass (True), two (False), or one where the adapter allows (None, `fused_forward`)."""
     rows, C, dv = int(rows), int(C), int(dv)
     _check_dv("delta_forward", dv)
     S = stats_size(dv)
@@ -77,12 +198,18 @@ def delta_forward(
           u=(u, rows * C), c=(c, rows * C), x_v=(x_v, rows * C), w_beta=(w_beta, C), b_beta=(b_beta, 1),
           W_v=(W_v, dv * C), b_v=(b_v, dv))  # fmt: skip
     p = gpu.uniform(PARAMS, rows, C, float(k_eps) ** 2, float(v_scale), 0, 0, 0, 0, label="delta_forward")
-    kh = _kernel(gpu, "delta_heads", "rrrrrrwu", C, dv)
-    ku = _kernel(gpu, "delta_update", "rrwwu", C, dv)
+    width = _width(C, dv, X_new, X, u, c, x_v, w_beta, W_v)
+    if fused_forward(gpu) if fused is None else fused:
+        xv_is_x = dv == 1 and view(x_v) == view(X)
+        k, rpw = _kernel(gpu, "delta_forward", "rrrrrrrrwwu", C, dv, width, xv_is_x)
+        bg = gpu.bind(k, X, u, c, x_v, w_beta, b_beta, W_v, b_v, X_new, stats, p)
+        return Call([(k, bg, -(-rows // rpw))], [p])
+    kh, rpw = _kernel(gpu, "delta_heads", "rrrrrrwu", C, dv, width)
+    ku, _ = _kernel(gpu, "delta_update", "rrwwu", C, dv, width)
     return Call(
         [
-            (kh, gpu.bind(kh, c, x_v, w_beta, b_beta, W_v, b_v, stats, p), rows),
-            (ku, gpu.bind(ku, X, u, X_new, stats, p), rows),
+            (kh, gpu.bind(kh, c, x_v, w_beta, b_beta, W_v, b_v, stats, p), -(-rows // rpw)),
+            (ku, gpu.bind(ku, X, u, X_new, stats, p), -(-rows // rpw)),
         ],
         [p],
     )
@@ -108,12 +235,13 @@ def delta_backward(
           stats=(stats, rows * stats_size(dv)), w_beta=(w_beta, C), W_v=(W_v, dv * C))  # fmt: skip
     p = gpu.uniform(PARAMS, rows, C, 0.0, float(v_scale), int(bool(accumulate_dc)), int(bool(accumulate_dx_v)),
                     0, 0, label="delta_backward")  # fmt: skip
-    kr = _kernel(gpu, "delta_backward_rows", "rrrrwwwwu", C, dv)
-    ki = _kernel(gpu, "delta_backward_inputs", "rrrrwwu", C, dv, wg=256)
+    width = _width(C, dv, dX, du, dc, dx_v, G, X, u, w_beta, W_v)
+    kr, rpw = _kernel(gpu, "delta_backward_rows", "rrrrwwwwu", C, dv, width)
+    ki, _ = _kernel(gpu, "delta_backward_inputs", "rrrrwwu", C, dv, width)
     return Call(
         [
-            (kr, gpu.bind(kr, G, X, u, stats, dX, du, da, dz, p), rows),
-            (ki, gpu.bind(ki, da, dz, w_beta, W_v, dc, dx_v, p), -(-rows * C // 256)),
+            (kr, gpu.bind(kr, G, X, u, stats, dX, du, da, dz, p), -(-rows // rpw)),
+            (ki, gpu.bind(ki, da, dz, w_beta, W_v, dc, dx_v, p), -(-rows // rpw)),
         ],
         [p],
     )
@@ -143,5 +271,5 @@ def ksum(gpu: Gpu, out, u, stats, weights, rows: int, C: int, dv: int) -> Call:
     _check_dv("ksum", dv)
     _need("ksum", out=(out, C), u=(u, rows * C), stats=(stats, rows * stats_size(dv)), weights=(weights, rows))  # fmt: skip
     p = gpu.uniform(PARAMS, rows, C, 0.0, 0.0, 0, 0, 0, 0, label="delta_ksum")
-    k = _kernel(gpu, "delta_ksum", "rrrwu", C, dv, wg=KSUM_WG)
+    k, _ = _kernel(gpu, "delta_ksum", "rrrwu", C, dv, 1)
     return Call([(k, gpu.bind(k, u, stats, weights, out, p), -(-C // KSUM_KW))], [p])

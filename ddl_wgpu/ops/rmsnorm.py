@@ -4,21 +4,22 @@ style "standard": out = w * xhat (Llama/Qwen3); "offset": out = (1 + w) * xhat (
 rstd = 1 / sqrt(mean(x^2) + eps). The forward saves rstd (rows,) for the backward. The same launchers serve
 the per-head q/k norm (rows = B * T * heads, C = head_dim).
 
-The backward is three dispatches: dx per row (optionally accumulated: the engine sums the residual-stream
-gradient this way), then dw by a deterministic two-pass reduction — per-row-block partial sums into a scratch
-buffer (n_blocks, C), then a fixed-order sum of the blocks added into dw (accumulated by default: a weight's
-gradient sums over the micro-batches of a step). The blocking depends only on the shape
-(`rmsnorm_dw_blocks`), so results are bit-identical run to run.
+Row kernels (`row_layout`): TPR threads share a row and each holds IPT items of it in registers (generated
+straight-line code, `unroll`), so the forward reads x once and the backward reads x and dout once. Rows move
+as vec4<f32> when C % 4 == 0 (`elementwise.vec_width`).
 
-Rows move as vec4<f32> when C % 4 == 0 (`elementwise.vec_width`); the row kernels give each row a power of
-two of threads with about 4 items each (`threads_per_row`), several rows per workgroup when C is small.
+The backward is two dispatches: one pass over the rows that writes dx (optionally accumulated: the engine sums
+the residual-stream gradient this way) and, per block of rows, the partial sums of dw into a scratch buffer
+(n_blocks, C); then a fixed-order sum of the blocks added into dw (accumulated by default: a weight's
+gradient sums over the micro-batches of a step). The blocking depends only on the shape
+(`rmsnorm_dw_blocks`), so results are bit-identical run to run. Memory traffic: x, dout read once, dx written
+once (plus dx read when accumulating), and the partials (n_blocks / rows of the row traffic) written and
+read once.
 
 What it does not do: a bias, a mean-subtracting LayerNorm, or fusing the residual add.
 """
 
 from __future__ import annotations
-
-import math
 
 from ddl_wgpu.gpu import Call, Gpu
 from ddl_wgpu.ops.elementwise import need, templates, vec_width
@@ -27,6 +28,19 @@ FILE = "rmsnorm.wgsl"
 WG = 256  # threads per workgroup, as in the shader
 PARAMS = "uufuuuuu"  # Params {rows, C, eps, style, accumulate_dx, accumulate_dw, rows_per_block, n_blocks}
 STYLES = {"standard": 0, "offset": 1}
+# Items (f32 or vec4) of a row one thread holds at most, while the row has WG threads or fewer: more items
+# per thread means fewer threads per row (a shorter row sum) but more registers. Measured on the H200
+# (16384 x 768 and 98304 x 128, vec4): 4 beats 8 for the forward, both backwards and the Delta kernels
+# (which hold up to six items' worth of operands per item and use this too).
+IPT_MAX = 4
+# dw blocks: a workgroup walks its block in passes of its WG / TPR row slots, at least MIN_PASSES of them
+# (and at least MIN_BLOCK_ROWS rows, for rows of one slot per workgroup), so the partial row it writes (and
+# the reduce pass reads) stays small beside the rows it reads: 1/16 of a stream at 768 channels. Past
+# MAX_BLOCKS blocks they grow instead (the reduce pass's serial sums stay short). Measured on the H200
+# (16384 x 768): 4 passes (1024 blocks) beat 8 (512) and 2 (2048).
+MIN_PASSES = 4
+MIN_BLOCK_ROWS = 16
+MAX_BLOCKS = 4096
 
 
 def _style(style: str) -> int:
@@ -39,32 +53,70 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def threads_per_row(items: int) -> int:
-    """Threads that share one row of `items` (C, or C / 4 on the vec4 path) in the row kernels: about 4
-    items each (a power of two), at most WG."""
-    return min(WG, _pow2_at_least(-(-int(items) // 4)))
+def row_layout(items: int, ipt_max: int | None = None) -> tuple[int, int]:
+    """(TPR, IPT) for a row of `items` (C, or C / 4 on the vec4 path): TPR threads per row, a power of two
+    (at most WG) with at most `ipt_max` (default IPT_MAX) items each where that fits, and IPT =
+    ceil(items / TPR) items per thread (more than `ipt_max` only for rows longer than WG * ipt_max). Shared
+    with ops/delta.py."""
+    items = max(1, int(items))
+    tpr = min(WG, _pow2_at_least(-(-items // int(IPT_MAX if ipt_max is None else ipt_max))))
+    return tpr, -(-items // tpr)
 
 
-def dw_channels(items: int) -> tuple[int, int]:
-    """Items per workgroup across a row (the `CW` override) of dw pass 1 and pass 2: 32 adjacent items give
-    coalesced rows (128 bytes, or 512 with vec4) in pass 1; pass 2 trades width for more row lanes
-    (WG / 8 = 32), since it sums the partials of every block. Narrow rows (per-head norms) get fewer items
-    and more lanes."""
-    return min(32, _pow2_at_least(items)), min(8, _pow2_at_least(items))
+def unroll(ipt: int, text: str, sep: str = "\n    ") -> str:
+    """`text` once per item k < ipt with every '#' replaced by k: the straight-line per-item code of the row
+    kernels (named variables x0, x1, ... rather than a private array; shared with ops/delta.py)."""
+    return sep.join(text.replace("#", str(k)) for k in range(int(ipt)))
+
+
+def _templates(width: int, ipt: int) -> dict:
+    """Template values of rmsnorm.wgsl: the item type, and the per-item code for IPT items per thread."""
+    t = templates(width)
+    t["FW_LOAD"] = unroll(
+        ipt, "let c# = lane + #u * TPR; var x# = F(0.0); if (ok && c# < CI) { x# = fw_x[base + c#]; }"
+    )
+    t["FW_SS"] = unroll(ipt, "x# * x#", " + ")
+    t["FW_STORE"] = unroll(ipt, "if (c# < CI) { fw_out[base + c#] = weff(fw_w[c#], fw_p.style) * (x# * r); }")
+    t["BW_INIT"] = unroll(
+        ipt,
+        "let c# = lane + #u * TPR; let in# = c# < CI; var we# = F(0.0); "
+        "if (in#) { we# = weff(bw_w[c#], bw_p.style); } var dw# = F(0.0);",
+    )
+    t["BW_LOAD"] = unroll(
+        ipt,
+        "var x# = F(0.0); var g# = F(0.0); if (ok && in#) { x# = bw_x[base + c#]; g# = bw_dout[base + c#]; }",
+        "\n        ",
+    )
+    t["BW_DOT"] = unroll(ipt, "g# * we# * x#", " + ")
+    t["BW_STORE"] = unroll(
+        ipt,
+        "if (ok && in#) { var d = rs * (g# * we# - x# * m); if (acc) { d += bw_dx[base + c#]; } "
+        "bw_dx[base + c#] = d; } dw# += g# * (x# * rs);",
+        "\n        ",
+    )
+    t["BW_PARTIAL"] = unroll(
+        ipt, "let s# = slot_sum(lid.x, dw#); if (slot == 0u && in#) { bw_partials[b * CI + c#] = s#; }"
+    )
+    return t
 
 
 def rmsnorm_dw_blocks(rows: int, C: int, width: int = 1) -> tuple[int, int]:
-    """(rows_per_block, n_blocks) of the dw reduction (`width` 4 on the vec4 path); a function of the shape
-    only, so the order of the additions (and the bits of dw) never changes between runs.
+    """(rows_per_block, n_blocks) of the backward's dw partials (`width` 4 on the vec4 path); a function of
+    the shape only, so the order of the additions (and the bits of dw) never changes between runs.
 
-    Pass 1 lane sums take rows_per_block / lanes1 steps and pass 2 lane sums n_blocks / lanes2; the block size
-    balances the two (rows_per_block = sqrt(rows * lanes1 / lanes2)), with at least 4 steps in pass 1."""
+    A block is MIN_PASSES passes of the workgroup's WG / TPR row slots (and at least MIN_BLOCK_ROWS rows),
+    more when that would give more than MAX_BLOCKS blocks."""
     rows = max(1, int(rows))
-    cw1, cw2 = dw_channels(int(C) // width)
-    lanes1, lanes2 = WG // cw1, WG // cw2
-    rpb = max(4 * lanes1, math.isqrt(max(0, rows * lanes1 // lanes2 - 1)) + 1)  # ceil(sqrt)
-    rpb = -(-rpb // lanes1) * lanes1
+    slots = WG // row_layout(int(C) // width)[0]
+    rpb = slots * max(MIN_PASSES, -(-MIN_BLOCK_ROWS // slots), -(-rows // (slots * MAX_BLOCKS)))
     return rpb, -(-rows // rpb)
+
+
+def reduce_channels(items: int, n_blocks: int) -> int:
+    """Items per workgroup (the `CW` override) of the dw reduce pass: WG / CW block lanes with about 4
+    blocks each, so the pass has many workgroups and short serial sums."""
+    lanes = min(WG, _pow2_at_least(-(-int(n_blocks) // 4)))
+    return min(WG // lanes, _pow2_at_least(items))
 
 
 def rmsnorm_partials_size(rows: int, C: int) -> int:
@@ -75,9 +127,9 @@ def rmsnorm_partials_size(rows: int, C: int) -> int:
 
 
 def _row_kernel(gpu: Gpu, entry: str, sig: str, C: int, width: int):
-    tpr = threads_per_row(C // width)
-    k = gpu.kernel(FILE, entry, sig, constants={"TPR": tpr}, templates=templates(width), workgroup=(WG, 1, 1))
-    return k, WG // tpr  # kernel, rows per workgroup
+    tpr, ipt = row_layout(C // width)
+    k = gpu.kernel(FILE, entry, sig, {"TPR": tpr}, _templates(width, ipt), workgroup=(WG, 1, 1))
+    return k, WG // tpr  # kernel, rows per workgroup (row slots)
 
 
 def rmsnorm_forward(
@@ -119,7 +171,6 @@ def rmsnorm_backward(
     need("rmsnorm_backward", "rstd", rstd, rows)
     width = vec_width(C, dx, dw, dout, x, w, *([] if partials is None else [partials]))
     rpb, n_blocks = rmsnorm_dw_blocks(rows, C, width)
-    cw1, cw2 = dw_channels(C // width)
     if partials is None:
         partials = gpu.buffer(rmsnorm_partials_size(rows, C), label="rmsnorm dw partials")
     need("rmsnorm_backward", "partials", partials, n_blocks * C)
@@ -135,15 +186,15 @@ def rmsnorm_backward(
         n_blocks,
         label="rmsnorm_backward",
     )
-    tm = templates(width)
-    kdx, rpw = _row_kernel(gpu, "rmsnorm_backward", "rrrrwu", C, width)
-    k1 = gpu.kernel(FILE, "rmsnorm_backward_dw_partial", "rrrwu", {"CW": cw1}, tm, workgroup=(WG, 1, 1))
-    k2 = gpu.kernel(FILE, "rmsnorm_backward_dw_reduce", "rwu", {"CW": cw2}, tm, workgroup=(WG, 1, 1))
+    tpr, ipt = row_layout(C // width)
+    tm = _templates(width, ipt)  # both entry points from one module
+    kb = gpu.kernel(FILE, "rmsnorm_backward", "rrrrwwu", {"TPR": tpr}, tm, workgroup=(WG, 1, 1))
+    cw = reduce_channels(C // width, n_blocks)
+    k2 = gpu.kernel(FILE, "rmsnorm_backward_dw_reduce", "rwu", {"CW": cw}, tm, workgroup=(WG, 1, 1))
     call = Call(
         [
-            (kdx, gpu.bind(kdx, dout, x, w, rstd, dx, u), -(-rows // rpw)),
-            (k1, gpu.bind(k1, dout, x, rstd, partials, u), n_blocks * -(-(C // width) // cw1)),
-            (k2, gpu.bind(k2, partials, dw, u), -(-(C // width) // cw2)),
+            (kb, gpu.bind(kb, dout, x, w, rstd, dx, partials, u), n_blocks),
+            (k2, gpu.bind(k2, partials, dw, u), -(-(C // width) // cw)),
         ],
         [u],
     )
