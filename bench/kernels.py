@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 from ddl_ref import ops as ref  # noqa: E402
 from ddl_ref.config import preset  # noqa: E402
 from ddl_ref.params import num_params  # noqa: E402
+from ddl_wgpu.engine import head_chunk_rows  # noqa: E402
 from ddl_wgpu.gpu import Call  # noqa: E402
 from ddl_wgpu.ops import adamw as k_adamw  # noqa: E402
 from ddl_wgpu.ops import attention as k_attn  # noqa: E402
@@ -137,7 +138,7 @@ def matmul_cases(S) -> list[tuple]:
         cfg.n_kv_heads * cfg.head_dim,
         cfg.vocab_size,
     )
-    chunk = max(64, min(N, (64 << 20) // (V * F32) // 64 * 64))  # the engine's LM-head row chunk
+    chunk = S["head_chunk"]
     big = S["big"]
     cases = [
         (f"square {big}^3", big, big, big, False, False),
@@ -196,7 +197,15 @@ def bench_matmul(b: Bench, label, M, N, K, ta, tb) -> dict:
         return [f(x, w) for x, w in xs]
 
     res = {"flop": 2.0 * M * N * K, "gpu": t, "torch": b.time_torch(make), "err": err, "tol": 1e-4}
-    res["note"] = f"tile {tile.bm}x{tile.bn}, {-(-M // tile.bm) * -(-N // tile.bn)} workgroups"
+    parts = k_mm.auto_split_k(b.gpu, M, N, K, 1)
+    if parts > 1:  # the launch plan `matmul` follows: K slices of LARGE/SMALL tiles, then the reduction
+        ks, full, rest = k_mm.split_k_slices(K, parts)
+        tile = k_mm.pick_tile(b.gpu, M, N, full)
+        res["note"] = (
+            f"split-K {full} x {ks}" + (f" + {rest}" if rest else "") + f", tile {tile.bm}x{tile.bn}"
+        )
+    else:
+        res["note"] = f"tile {tile.bm}x{tile.bn}, {-(-M // tile.bm) * -(-N // tile.bn)} workgroups"
     return res
 
 
@@ -358,7 +367,7 @@ def bench_rmsnorm(b: Bench, rows, C, backward: bool) -> dict:
 
     # minimum traffic: read dout, x, write dx (rstd and w are tiny)
     return {"bytes": 3.0 * rows * C * F32, "gpu": t, "torch": b.time_torch(make), "err": err, "tol": 1e-4,
-            "note": "dx + two-pass dw"}  # fmt: skip
+            "note": "one pass: dx + per-block dw partials; fixed-order dw reduce"}  # fmt: skip
 
 
 def bench_swiglu(b: Bench, n, backward: bool) -> dict:
@@ -570,7 +579,7 @@ def bench_head(b: Bench, N, C, V) -> dict:
     """The engine's LM head for one step: per row chunk, logits = x E^T, cross-entropy in place (logits
     become dlogits), dx = dlogits E, dE += dlogits^T x. Full logits never exist."""
     gpu = b.gpu
-    chunk = max(64, min(N, (64 << 20) // (V * F32) // 64 * 64))
+    chunk = head_chunk_rows(gpu, N, C, V)
     x = b.randn(N, C)
     E = b.randn(V, C, scale=0.02 * math.sqrt(C))  # logits ~ N(0, 0.4)
     targets = b.rng.integers(0, V, N).astype(np.uint32)
@@ -785,6 +794,8 @@ def main(argv=None) -> int:
     print(f"adapter: {common.adapter_line(gpu)}")
     print(f"torch peer: {common.torch_info(torch, tdev) if torch else tdev}")
     S = sizes(args)
+    cfg = S["cfg"]
+    S["head_chunk"] = head_chunk_rows(gpu, S["N"], cfg.d_model, cfg.vocab_size)  # the engine's row chunk
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     b = Bench(gpu, args, torch, tdev)
     results = []

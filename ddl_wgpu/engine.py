@@ -71,6 +71,24 @@ from ddl_wgpu.ops import swiglu as k_swiglu
 from ddl_wgpu.ops import topk_kl as k_topk
 
 
+def head_chunk_rows(gpu, N: int, C: int, V: int) -> int:
+    """Rows per chunk of the LM head over N rows (full logits never exist). Chunks are multiples of 64 rows
+    (64·C·4 bytes keeps every chunk's view offset 256-aligned), bounded to 512 MiB of logits (half the binding
+    limit on small adapters) and of equal height (no short last chunk of thin products). Tall chunks matter:
+    the head's dx product has K = V, and a 320-row chunk gave the H200 only 15 workgroups (3.9 TFLOP/s,
+    BENCHMARKS.md). Where 64 rows of logits do not fit the budget (lowered test limits), the smallest row
+    count that keeps views aligned."""
+    budget = min(512 << 20, gpu.max_binding // 2)
+    fit = budget // (V * F32)
+    step = 64 if fit >= 64 else ALIGN // math.gcd(ALIGN, C * F32)
+    rows = max(step, fit // step * step)
+    if rows < N:
+        chunks = -(-N // rows)
+        per = -(-N // chunks)
+        rows = -(-per // step) * step
+    return min(N, rows)
+
+
 class Work:
     """Activations and scratch for one (batch, seq) shape; every Call built once here, recorded per step.
 
@@ -216,19 +234,7 @@ class Work:
 
     def _init_head(self, act):
         gpu, N, C, V = self.gpu, self.N, self.cfg.d_model, self.cfg.vocab_size
-        # the LM head runs in row chunks so full logits never exist: chunks are multiples of 64 rows
-        # (64·C·4 bytes keeps every chunk's view offset 256-aligned) and bounded to 512 MiB of logits (half
-        # the binding limit on small adapters). Tall chunks matter: the head's dx product has K = V, and a
-        # 320-row chunk gave the H200 only 15 workgroups (3.9 TFLOP/s, BENCHMARKS.md). Where 64 rows of
-        # logits do not fit the budget (lowered test limits), the smallest row count that keeps views aligned.
-        budget = min(512 << 20, gpu.max_binding // 2)
-        fit = budget // (V * F32)
-        step = 64 if fit >= 64 else ALIGN // math.gcd(ALIGN, C * F32)
-        rows = max(step, fit // step * step)
-        if rows < N:  # as many chunks as needed, of equal height: no short last chunk of thin products
-            per = -(-N // -(-N // rows))
-            rows = -(-per // step) * step
-        self.chunk = min(N, self._chunk_rows or rows)
+        self.chunk = min(N, self._chunk_rows or head_chunk_rows(gpu, N, C, V))
         self.logit_chunk = act(self.chunk * V, "logits_chunk")
         # loss sum, grad norm, clip multiplier, finite; the draft's loss sum
         self.readback = gpu.buffer(32, label="readback")

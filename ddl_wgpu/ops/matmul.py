@@ -245,7 +245,7 @@ def auto_split_k(gpu, M: int, N: int, K: int, batch: int) -> int:
     return min(counts, key=lambda p: (split_k_cost(groups, K, p), p))
 
 
-def _slices(K: int, parts: int) -> tuple[int, int, int]:
+def split_k_slices(K: int, parts: int) -> tuple[int, int, int]:
     """(slice length, full slices, remainder) of K cut into `parts`: slices are multiples of 64 elements,
     which keeps the short last slice's view offset 256-byte aligned."""
     ks = _ceil(_ceil(K, parts), 64) * 64
@@ -257,7 +257,7 @@ def split_k_cost(groups: int, K: int, parts: int) -> int:
     the slowest wave: the full slices run as one launch and a short last slice as another, each in waves of
     SPLIT_K_SLOTS workgroups. Measured on the H200 (768x768x16384, 36 tiles): 15 slices (14 of 1152 + 256,
     cost 2560) took 0.53 ms where 16 equal slices of 1024 (576 workgroups, 3 waves, cost 3072) took 0.81."""
-    ks, full, rest = _slices(K, parts)
+    ks, full, rest = split_k_slices(K, parts)
     waves = lambda n: -(-n // SPLIT_K_SLOTS)  # noqa: E731
     return waves(groups * full) * ks + (waves(groups) * rest if rest else 0)
 
@@ -280,7 +280,7 @@ def _split_k(
     gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, parts, tile, b_dtype="f32"
 ) -> Call:
     """C (+)= alpha * op(A) op(B) as `parts` products over K slices plus a fixed-order reduction."""
-    ks, full, rest = _slices(K, parts)
+    ks, full, rest = split_k_slices(K, parts)
     parts = full + (rest > 0)  # slices of exactly ks; the remainder (if any) is one more product
     pstride = -(-(M * N) // 64) * 64  # elements between slices' partials: 256-byte aligned slots
     part_bytes = M * N * 4
