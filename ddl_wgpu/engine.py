@@ -713,7 +713,8 @@ class Work:
         embeddings share the embedding's chunks; an inference Net has no dW views (None)."""
         net = self.net
         pv = net.row_views(net.head_name, "p")
-        gv = [(None, None, None)] * len(pv) if net.inference else net.row_views(net.head_name, "g")
+        frozen = net.inference or net.head_name not in net.has_state
+        gv = [(None, None, None)] * len(pv) if frozen else net.row_views(net.head_name, "g")
         if len(pv) > 1 and any(v0 % 64 for v0, _, _ in pv):
             raise GpuError(
                 f"{net.head_name}: vocabulary chunks of {pv[0][1]} rows do not keep logits column offsets "

@@ -287,7 +287,10 @@ class WgpuDraft:
         dp["model.embed_tokens.weight"] = params["model.embed_tokens.weight"]
         if not cfg.tie_embeddings:
             dp["lm_head.weight"] = params["lm_head.weight"]
-        self.net = Net(open_gpu(device), ref_mtp.draft_config(cfg), dp, trainable=list(self.names))
+        # the frozen embedding/head gets no gradient or moment storage (the input-rows Work never writes it)
+        self.net = Net(
+            open_gpu(device), ref_mtp.draft_config(cfg), dp, trainable=list(self.names), frozen_state=False
+        )
         self._works: dict = {}
 
     def _work(self, T: int, k: int = 1, chain: int = 0):

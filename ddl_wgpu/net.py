@@ -122,6 +122,10 @@ class Net:
 
     `trainable` (names, or a predicate on names) limits the optimizer and the gradient norm to a subset;
     the others stay frozen (their gradients are still computed where the backward passes through them).
+    `frozen_state=False` gives the frozen tensors no gradient or moment storage at all: the trainable
+    tensors are laid out first in the arenas and the gradient and moment arenas stop where they end. Only
+    for Works that never write a frozen tensor's gradient: the input-rows draft (heal), whose frozen
+    embedding/head is most of its bytes (a 152 K x 2048 embedding: 3.7 GB of gradients and moments).
 
     `inference=True`: parameters only (no gradient or moment arenas), frozen, forward-only Works; `dtype`
     "f16" (inference only) stores the `F16_SUFFIXES` matrices as f16 (see the module docstring).
@@ -138,6 +142,7 @@ class Net:
         mtp_weight: float = 0.0,
         inference: bool = False,
         dtype: str = "f32",
+        frozen_state: bool = True,
     ):
         if dtype not in DTYPES:
             raise GpuError(f"parameter dtype {dtype!r} is not one of {list(DTYPES)}")
@@ -154,11 +159,21 @@ class Net:
         self.gpu, self.cfg = gpu, cfg
         self.mtp_weight = float(mtp_weight)  # weight of the draft's loss in joint training (cfg.mtp set)
         self.table = param_table(cfg)
+        self.trainable = self._trainable_names(trainable, inference)
         limit = min(gpu.max_buffer, arena_bytes or gpu.max_buffer)
         limit = limit // ALIGN * ALIGN
         self.slots: dict[str, Slot] = {}
         sizes: list[int] = [0]
-        for spec in self.table:
+        # with frozen_state=False the trainable tensors come first, so the gradient/moment arenas can end
+        # where they do; otherwise table order
+        order = self.table
+        if not frozen_state:
+            first = set(self.trainable)
+            order = [t for t in self.table if t.name in first] + [
+                t for t in self.table if t.name not in first
+            ]
+        state_sizes: list[int] = []
+        for spec in order:
             dt = "f16" if dtype == "f16" and is_f16_matrix(spec.name, spec.shape) else "f32"
             nbytes = spec.numel * (F16 if dt == "f16" else F32)
             # larger than a binding is fine (bound in row chunks, `row_views`); larger than a buffer is not
@@ -173,31 +188,39 @@ class Net:
                 spec.name, tuple(spec.shape), len(sizes) - 1, sizes[-1], spec.numel, dt
             )
             sizes[-1] += _align(nbytes)
+            if frozen_state or spec.name in self.trainable:
+                state_sizes += [0] * (len(sizes) - len(state_sizes))
+                state_sizes[-1] = sizes[-1]
         self.arena_sizes = sizes
+        # gradient/moment arenas: as large as the parameter arenas, or up to the last trainable tensor (an
+        # arena without one keeps a minimal buffer, so arena indices stay the same)
+        state_sizes = [max(ALIGN, n) for n in state_sizes + [0] * (len(sizes) - len(state_sizes))]
+        self.has_state = {name for name in self.slots if frozen_state or name in self.trainable}
         mk = gpu.buffer
         self.p = [mk(s, label=f"params{i}") for i, s in enumerate(sizes)]
         if inference:
             self.g, self.m, self.v = [], [], []
         else:
-            self.g = [mk(s, label=f"grads{i}") for i, s in enumerate(sizes)]
-            self.m = [mk(s, label=f"adam_m{i}") for i, s in enumerate(sizes)]
-            self.v = [mk(s, label=f"adam_v{i}") for i, s in enumerate(sizes)]
-        if inference:
-            self.trainable = []
-        elif trainable is None:
-            self.trainable = [s.name for s in self.table]
-        elif callable(trainable):
-            self.trainable = [s.name for s in self.table if trainable(s.name)]
-        else:
-            wanted = set(trainable)
-            unknown = wanted - set(self.slots)
-            if unknown:
-                raise GpuError(f"unknown trainable parameter(s): {sorted(unknown)}")
-            self.trainable = [s.name for s in self.table if s.name in wanted]
+            self.g = [mk(s, label=f"grads{i}") for i, s in enumerate(state_sizes)]
+            self.m = [mk(s, label=f"adam_m{i}") for i, s in enumerate(state_sizes)]
+            self.v = [mk(s, label=f"adam_v{i}") for i, s in enumerate(state_sizes)]
         self.scalars = gpu.buffer(k_red.SCALARS_BYTES, label="scalars")  # norm, clip mult, finite, sumsq
         self.load(params if params is not None else init_params(cfg, seed))
         self._opt = None
         self._zero = None
+
+    def _trainable_names(self, trainable, inference: bool) -> list[str]:
+        names = [s.name for s in self.table]
+        if inference:
+            return []
+        if trainable is None:
+            return names
+        if callable(trainable):
+            return [n for n in names if trainable(n)]
+        unknown = set(trainable) - set(names)
+        if unknown:
+            raise GpuError(f"unknown trainable parameter(s): {sorted(unknown)}")
+        return [n for n in names if n in set(trainable)]
 
     def work(self, batch: int, seq: int) -> Work:
         """The Work for this (batch, seq), built on first use and cached."""
@@ -212,11 +235,15 @@ class Net:
     def export_snapshot(self, snapshot: list) -> dict[str, np.ndarray]:
         return self._decode(snapshot)
 
-    def _decode(self, bufs: list) -> dict[str, np.ndarray]:
-        """Every tensor of arenas `bufs` (laid out like the parameters) as float32 arrays of its shape."""
+    def _decode(self, bufs: list, names=None) -> dict[str, np.ndarray]:
+        """The tensors `names` (default all) of arenas `bufs` (laid out like the parameters) as float32
+        arrays of their shapes."""
         arenas = [self.gpu.download(b, np.uint8) for b in bufs]
         out = {}
-        for name, s in self.slots.items():
+        for spec in self.table:  # table order, whatever the arena layout
+            name, s = spec.name, self.slots[spec.name]
+            if names is not None and name not in names:
+                continue
             raw = arenas[s.arena][s.offset : s.offset + s.nbytes]
             a = raw.view(np.float16 if s.dtype == "f16" else np.float32)
             out[name] = a.astype(np.float32).reshape(s.shape)
@@ -226,9 +253,11 @@ class Net:
         """The stored dtype of a parameter: "f16" for the big matrices of an f16 inference Net, else "f32"."""
         return self.slots[name].dtype
 
-    def _require_training(self, what: str) -> None:
+    def _require_training(self, what: str, name: str | None = None) -> None:
         if self.inference:
             raise GpuError(f"{what}: this Net is inference-only (no gradients or optimizer state)")
+        if name is not None and name not in self.has_state:
+            raise GpuError(f"{what}: {name} is frozen and this Net keeps no gradient or moments for it")
 
     # -- views ------------------------------------------------------------------------------------------
 
@@ -237,7 +266,7 @@ class Net:
         larger than the storage-binding limit has no whole view: bind it through `row_views`. An f16
         tensor's view is numel·2 bytes rounded up to 4."""
         if kind != "p":
-            self._require_training(f"gradient/moment view of {name}")
+            self._require_training(f"gradient/moment view of {name}", name)
         s = self.slots[name]
         if s.nbytes > self.gpu.max_binding:
             raise GpuError(
@@ -269,7 +298,7 @@ class Net:
         """A parameter (in arena kind 'p', 'g', 'm' or 'v') as row chunks [(row0, rows, view)], each view
         256-byte aligned and within the storage-binding limit; one chunk when the parameter fits a binding."""
         if kind != "p":
-            self._require_training(f"gradient/moment view of {name}")
+            self._require_training(f"gradient/moment view of {name}", name)
         s = self.slots[name]
         buf = getattr(self, kind)[s.arena]
         total = s.shape[0] if s.shape else 1
@@ -314,9 +343,11 @@ class Net:
                 self.gpu.write(b, np.zeros(b.size // F32, np.float32))
 
     def _export(self, kind: str) -> dict[str, np.ndarray]:
+        """Parameters, or the gradients/moments of every tensor that has them (`frozen_state`)."""
         if kind != "p":
             self._require_training("gradients/moments")
-        return self._decode(getattr(self, kind))
+            return self._decode(getattr(self, kind), self.has_state)
+        return self._decode(self.p)
 
     def export(self) -> dict[str, np.ndarray]:
         """Every parameter as float32 numpy arrays, in table order."""
@@ -332,6 +363,8 @@ class Net:
         self._require_training("load_moments")
         for kind, src in (("m", m), ("v", v)):
             for name, s in self.slots.items():
+                if name not in self.has_state:
+                    continue
                 self.gpu.write(getattr(self, kind)[s.arena], np.asarray(src[name], np.float32), s.offset)
 
     def snapshot(self) -> list:

@@ -96,6 +96,36 @@ def test_draft_step_loss_and_gradients_match_refdraft(gpu, tie):
     np.testing.assert_allclose(pre, rpre, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_draft_keeps_no_state_for_frozen_tensors(gpu, tie):
+    """The draft's Net holds gradients and moments for its trained tensors only (they lead the arenas) and
+    trains bit for bit like a Net that keeps state for every tensor."""
+    from ddl_wgpu.engine import Net
+    from ddl_wgpu.gpu import GpuError
+
+    cfg = tiny_cfg(tie_embeddings=tie)
+    p = perturbed(cfg)
+    lean = heal.WgpuDraft(p, cfg, batch=2)
+    full = heal.WgpuDraft(p, cfg, batch=2)
+    net = lean.net
+    full.net = Net(net.gpu, net.cfg, net.export(), trainable=list(lean.names))  # state for every tensor
+    trained = sum(-(-net.slots[n].nbytes // 256) * 256 for n in net.trainable)
+    assert sum(b.size for b in net.g) == trained < sum(b.size for b in full.net.g)
+    assert net.head_name not in net.has_state
+    with pytest.raises(GpuError, match="frozen"):
+        net.view(net.head_name, "g")
+    rng = np.random.default_rng(4)
+    B, T, k = 2, 12, 8
+    x = rng.standard_normal((B, T, cfg.d_model)).astype(np.float32)
+    tid, tp = rng.integers(0, 256, (B, T, k)), rng.random((B, T, k)).astype(np.float32)
+    w = np.ones((B, T), np.float32)
+    for step in (1, 2):
+        assert lean.step(x, tid, tp, w, 1e-2, step, 4096.0) == full.step(x, tid, tp, w, 1e-2, step, 4096.0)
+    a, b = lean.export(), full.export()
+    assert all(np.array_equal(a[n], b[n]) for n in a)
+    assert set(lean.net.grads()) == set(lean.names)  # gradients exist for the trained tensors only
+
+
 SMALL = heal.HealConfig(chain=2, window=24, tokens=1200, batch=2, eval_every=4, patience=0, lr=3e-3,
                         epochs=0.3, refresh=5)  # fmt: skip
 
