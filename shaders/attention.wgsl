@@ -1,4 +1,7 @@
 // Causal grouped-query attention, forward and backward (flash formulation: T x T is never stored).
+// Where these run: on GPUs the launchers (`ddl_wgpu/ops/attention.py`, `choose_impl`) prefer attention as
+// GEMMs over materialised scores (`attention_scores.wgsl`; H200: 2-3x faster than these kernels at T 1024);
+// these serve CPU adapters (lavapipe), sequences whose scores do not fit the scratch, and DDL_WGPU_ATTENTION=flash.
 //
 // Layout: q (B,T,H,D), k and v (B,T,KH,D) row-major f32; kv head j serves q heads [j*G, (j+1)*G), G = H/KH.
 // out (B,T,H,D); lse (B,H,T) = log-sum-exp of the scaled scores of each query row, saved for the backward;
