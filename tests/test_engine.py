@@ -42,8 +42,11 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("attention", ["auto", "scores"])
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
-def test_loss_logits_and_every_gradient_match_reference(gpu, kw):
+def test_loss_logits_and_every_gradient_match_reference(gpu, kw, attention, monkeypatch):
+    # "auto" is the flash kernels on a CPU adapter; "scores" the attention GEMMs GPUs run by default
+    monkeypatch.setenv("DDL_WGPU_ATTENTION", attention)
     cfg = tiny(**kw)
     p = init_params(cfg, 3)
     if cfg.norm_style == "offset":  # non-trivial norm weights so the (1+w) path is really exercised
