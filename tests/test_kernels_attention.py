@@ -165,3 +165,17 @@ def test_tile_config_fits():
         big = tile_config(D, 49152)
         assert all(r * tr <= 256 for r, tr in small.values())
         assert all(big[n][0] * big[n][1] >= small[n][0] * small[n][1] for n in small)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_rejects_short_bindings(gpu, impl):
+    # attention.wgsl runs without naga's index clamps: a buffer shorter than the shapes need is an error
+    B, T, H, K, D = 2, 9, 4, 2, 8
+    q = gpu.buffer(B * T * H * D * 4)
+    kv = gpu.buffer(B * T * K * D * 4)
+    lse = gpu.buffer(B * H * T * 4)
+    short = (gpu.buffer(B * T * H * D * 4), 0, B * T * H * D * 4 - 4)  # a view one value short
+    with pytest.raises(ValueError, match="attention_forward: out"):
+        attention_forward(gpu, short, lse, q, kv, kv, B, T, H, K, D, impl=impl)
+    with pytest.raises(ValueError, match="attention_backward: k"):
+        attention_backward(gpu, q, kv, kv, q, q, lse, q, (kv, 0, 256), kv, B, T, H, K, D, impl=impl)

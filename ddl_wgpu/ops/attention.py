@@ -14,6 +14,7 @@ import os
 
 from ddl_wgpu.gpu import Call, GpuError
 from ddl_wgpu.ops import attention_scores
+from ddl_wgpu.ops import need_all as _need
 
 FILE = "attention.wgsl"
 # Which causal-attention implementation `attention_forward` / `attention_backward` run: "flash" (this file's
@@ -215,6 +216,15 @@ def _check(B: int, T: int, H: int, K: int, D: int):
         raise GpuError(f"attention: bad sizes B={B} T={T} H={H} K={K} (need H % K == 0)")
 
 
+def _check_bindings(entry: str, B: int, T: int, H: int, K: int, D: int, **named) -> None:
+    """Every binding holds what the shapes need: attention.wgsl is built without naga's index clamps
+    (`gpu.TRUSTED_FILES`), so a short buffer would be read out of bounds. Names: q/out/dq/dout (B,T,H,D),
+    k/v/dk/dv (B,T,K,D), lse/delta (B,H,T)."""
+    per = {"q": H * D, "out": H * D, "dq": H * D, "dout": H * D, "k": K * D, "v": K * D, "dk": K * D,
+           "dv": K * D, "lse": H, "delta": H}  # fmt: skip
+    _need(entry, **{name: (res, B * T * per[name]) for name, res in named.items()})
+
+
 def choose_impl(gpu, B: int, H: int, T: int, impl: str | None = None, masked: bool = False) -> str:
     """'flash' or 'scores' for one attention shape: `impl`, else env DDL_WGPU_ATTENTION, else 'auto'. For the
     chain-masked attention 'flash' means its plain-loop kernels, and 'auto' picks the scores path on every
@@ -239,6 +249,7 @@ def attention_forward(
     """out (B,T,H,D) and lse (B,H,T) from q (B,T,H,D), k, v (B,T,K,D); causal; scale defaults to D**-0.5.
     `impl`: see `choose_impl`."""
     _check(B, T, H, K, D)
+    _check_bindings("attention_forward", B, T, H, K, D, out=out, lse=lse, q=q, k=k, v=v)
     scale = float(D) ** -0.5 if scale is None else float(scale)
     if choose_impl(gpu, B, H, T, impl) == "scores":
         return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale)
@@ -259,10 +270,12 @@ def attention_backward(
     block and dk, dv per key block; scores: `attention_scores.backward`. Deterministic; outputs are
     overwritten. `impl`: see `choose_impl`."""
     _check(B, T, H, K, D)
+    delta = gpu.buffer(B * H * T * 4, label="attention delta") if scratch is None else scratch
+    _check_bindings("attention_backward", B, T, H, K, D, dq=dq, dk=dk, dv=dv, dout=dout, out=out, lse=lse, q=q,
+                    k=k, v=v, delta=delta)  # fmt: skip
     templates, cfg = _templates(gpu, D)
     scale = float(D) ** -0.5 if scale is None else float(scale)
     u = gpu.uniform(PARAMS, B, T, H, K, scale)
-    delta = gpu.buffer(B * H * T * 4, label="attention delta") if scratch is None else scratch
     # the Call keeps a delta it allocated alive along with its uniform
     keep = [u] if scratch is not None else [u, delta]
 
@@ -303,6 +316,7 @@ def attention_masked_forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: 
     (b, row, head) ('flash', and where the scores do not fit). `impl`: see `choose_impl`."""
     _check(B, T, H, K, D)
     _check_chain(T, W)
+    _check_bindings("attention_masked_forward", B, T, H, K, D, out=out, lse=lse, q=q, k=k, v=v)
     scale = float(D) ** -0.5 if scale is None else float(scale)
     if choose_impl(gpu, B, H, T, impl, masked=True) == "scores":
         return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale, W=W)
@@ -319,11 +333,13 @@ def attention_masked_backward(gpu, dq, dk, dv, dout, out, lse, q, k, v, B: int, 
     outputs are overwritten."""
     _check(B, T, H, K, D)
     _check_chain(T, W)
+    delta = gpu.buffer(B * H * T * 4, label="attention delta") if scratch is None else scratch
+    _check_bindings("attention_masked_backward", B, T, H, K, D, dq=dq, dk=dk, dv=dv, dout=dout, out=out, lse=lse,
+                    q=q, k=k, v=v, delta=delta)  # fmt: skip
     templates, _cfg = _templates(gpu, D)
     scale = float(D) ** -0.5 if scale is None else float(scale)
     u = gpu.uniform(PARAMS, B, T, H, K, scale)
     um = gpu.uniform(MPARAMS, B, T, H, K, scale, W, 0, 0)
-    delta = gpu.buffer(B * H * T * 4, label="attention delta") if scratch is None else scratch
     keep = [u, um] if scratch is not None else [u, um, delta]
     kd = gpu.kernel(FILE, "attention_backward_delta", "rrwu", templates=templates)
     delta_pass = (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64))
