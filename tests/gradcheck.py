@@ -85,3 +85,12 @@ def check_grad(
         assert_grad_close(f"input {idx}", np.asarray(g), num, rtol=rtol)
         errors[idx] = rel_error(np.asarray(g), num)[0]
     return errors
+
+
+def random_params(cfg, seed=0) -> dict:
+    """float64 random values for every tensor of `cfg`'s parameter table (not the init), so that norm
+    weights, offsets and every path carry signal in a gradient check."""
+    from ddl_ref.params import param_table
+
+    rng = np.random.default_rng(seed)
+    return {s.name: rng.standard_normal(s.shape) * 0.5 for s in param_table(cfg)}

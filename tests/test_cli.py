@@ -18,6 +18,11 @@ import pytest
 
 from ddl_ref.config import ModelVariant
 
+try:
+    from test_train import WORDS
+except ImportError:  # tests/ imported as a package
+    from tests.test_train import WORDS
+
 MODEL_ARGS = [
     "--vocab-size",
     "256",
@@ -92,33 +97,9 @@ def user_error(r: subprocess.CompletedProcess, *fragments: str) -> str:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     rng = np.random.default_rng(0)
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "lazy",
-        "dog",
-        "pack",
-        "my",
-        "box",
-        "with",
-        "five",
-        "dozen",
-        "liquor",
-        "jugs",
-        "and",
-        "then",
-        "a",
-        "cat",
-        "sat",
-        "on",
-        "mat",
-    ]
     text = " ".join(
-        words[int(i)] + (".\n" if k % 11 == 10 else "") for k, i in enumerate(rng.integers(0, 23, 600))
+        WORDS[int(i)] + (".\n" if k % 11 == 10 else "")
+        for k, i in enumerate(rng.integers(0, len(WORDS), 600))
     )
     p = tmp_path_factory.mktemp("cli_data") / "corpus.txt"
     p.write_text(text)

@@ -10,24 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import heal_helpers
 import numpy as np
 import pytest
+from heal_helpers import tiny_cfg
 
 from ddl_ref import mtp as ref_mtp
-from ddl_ref.config import ModelConfig, MtpConfig
+from ddl_ref.config import MtpConfig
 from ddl_ref.params import init_params
 from ddl_wgpu import accept, compress, container, heal
 from ddl_wgpu.container import open_checkpoint
 from ddl_wgpu.modelfile import Model, load_model, save_model
-
-WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
-
-
-def tiny_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=256, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
-                max_seq_len=32, qk_norm="pre_rope", mtp=MtpConfig())  # fmt: skip
-    base.update(kw)
-    return ModelConfig(**base)
 
 
 def make_model(path, cfg=None, seed=0, dtype="f32"):
@@ -37,9 +30,7 @@ def make_model(path, cfg=None, seed=0, dtype="f32"):
 
 
 def make_text(path, words=300, seed=0):
-    rng = np.random.default_rng(seed)
-    path.write_text(" ".join(rng.choice(WORDS, words)))
-    return path
+    return heal_helpers.make_text(path, words, seed)
 
 
 # chain 2, windows of 24 bytes: a 300-word text (~1.8 kB) gives ~75 windows

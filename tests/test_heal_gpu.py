@@ -6,31 +6,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import heal_helpers
 import numpy as np
 import pytest
+from heal_helpers import perturbed, tiny_cfg
 
 from ddl_ref import mtp as ref_mtp
-from ddl_ref.config import ModelConfig, MtpConfig
-from ddl_ref.params import init_params
+from ddl_ref.config import MtpConfig
 from ddl_wgpu import accept, heal
 from ddl_wgpu.modelfile import Model, load_model, save_model
-
-WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
-
-
-def tiny_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=256, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
-                max_seq_len=32, qk_norm="pre_rope", mtp=MtpConfig())  # fmt: skip
-    base.update(kw)
-    return ModelConfig(**base)
-
-
-def perturbed(cfg, seed=0):
-    """Init params with the draft's norms and projection moved off their init (so every path matters)."""
-    p = init_params(cfg, seed)
-    rng = np.random.default_rng(seed + 1)
-    return {n: (a + 0.2 * rng.standard_normal(a.shape).astype(np.float32)) if "mtp" in n else a
-            for n, a in p.items()}  # fmt: skip
 
 
 def make_model(path, cfg=None, seed=0):
@@ -40,9 +24,7 @@ def make_model(path, cfg=None, seed=0):
 
 
 def make_text(path, words=200, seed=0):
-    rng = np.random.default_rng(seed)
-    path.write_text(" ".join(rng.choice(WORDS, words)))
-    return path
+    return heal_helpers.make_text(path, words, seed)
 
 
 def test_teacher_topk_and_hidden_match_reference(gpu):

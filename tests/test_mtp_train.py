@@ -10,12 +10,12 @@ from kernel_check import check
 
 from ddl_ref import model as rm
 from ddl_ref.config import ModelConfig, MtpConfig, preset
-from ddl_ref.params import init_params, param_table
+from ddl_ref.params import init_params
 
 try:
-    from gradcheck import numeric_grad, rel_error
+    from gradcheck import numeric_grad, random_params, rel_error
 except ImportError:  # tests/ imported as a package
-    from tests.gradcheck import numeric_grad, rel_error
+    from tests.gradcheck import numeric_grad, random_params, rel_error
 
 
 def small_cfg(**kw) -> ModelConfig:
@@ -23,11 +23,6 @@ def small_cfg(**kw) -> ModelConfig:
                 max_seq_len=8, mtp=MtpConfig())  # fmt: skip
     base.update(kw)
     return ModelConfig(**base)
-
-
-def random_params(cfg, seed=0):
-    rng = np.random.default_rng(seed)
-    return {s.name: rng.standard_normal(s.shape) * 0.5 for s in param_table(cfg)}
 
 
 @pytest.mark.parametrize(

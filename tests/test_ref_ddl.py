@@ -15,9 +15,9 @@ from ddl_ref.params import init_params, num_params, param_table
 from ddl_ref.spectral import DeltaRegime, SpectralAccumulator, beta_histogram, spectral_snapshot
 
 try:
-    from gradcheck import assert_grad_close, check_grad, numeric_grad
+    from gradcheck import assert_grad_close, check_grad, numeric_grad, random_params
 except ImportError:  # tests/ imported as a package
-    from tests.gradcheck import assert_grad_close, check_grad, numeric_grad
+    from tests.gradcheck import assert_grad_close, check_grad, numeric_grad, random_params
 
 DDL_VARIANTS = [v for v in ModelVariant if v.uses_ddl]
 
@@ -27,11 +27,6 @@ def tiny_cfg(variant: ModelVariant = ModelVariant.DDL, **kw) -> ModelConfig:
                 max_seq_len=8)  # fmt: skip
     base.update(kw)
     return variant.resolve_config(ModelConfig(**base))
-
-
-def random_params(cfg, seed=0):
-    rng = np.random.default_rng(seed)
-    return {s.name: rng.standard_normal(s.shape) * 0.5 for s in param_table(cfg)}
 
 
 def delta_inputs(rng, lead, C, dv):

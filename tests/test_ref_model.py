@@ -17,9 +17,9 @@ from ddl_ref.optim import CosineWarmupSchedule, adamw_step, clip_multiplier, glo
 from ddl_ref.params import init_params, num_params, param_table
 
 try:
-    from gradcheck import assert_grad_close, numeric_grad
+    from gradcheck import assert_grad_close, numeric_grad, random_params
 except ImportError:  # tests/ imported as a package
-    from tests.gradcheck import assert_grad_close, numeric_grad
+    from tests.gradcheck import assert_grad_close, numeric_grad, random_params
 
 
 def tiny_cfg(**kw) -> ModelConfig:
@@ -35,12 +35,6 @@ def tiny_cfg(**kw) -> ModelConfig:
     )
     base.update(kw)
     return ModelConfig(**base)
-
-
-def random_params(cfg, seed=0):
-    # Random values everywhere (not the init), so that norm weights, offsets and every path carry signal.
-    rng = np.random.default_rng(seed)
-    return {s.name: rng.standard_normal(s.shape) * 0.5 for s in param_table(cfg)}
 
 
 # ----------------------------------------------------------------------------------------------------------

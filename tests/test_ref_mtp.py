@@ -18,9 +18,9 @@ from ddl_ref.config import ModelConfig, MtpConfig
 from ddl_ref.params import init_params, param_table
 
 try:
-    from gradcheck import assert_grad_close, check_grad, fakeloss, numeric_grad
+    from gradcheck import assert_grad_close, check_grad, fakeloss, numeric_grad, random_params
 except ImportError:  # tests/ imported as a package
-    from tests.gradcheck import assert_grad_close, check_grad, fakeloss, numeric_grad
+    from tests.gradcheck import assert_grad_close, check_grad, fakeloss, numeric_grad, random_params
 
 
 def tiny_cfg(**kw) -> ModelConfig:
@@ -28,11 +28,6 @@ def tiny_cfg(**kw) -> ModelConfig:
                 max_seq_len=8, mtp=MtpConfig())  # fmt: skip
     base.update(kw)
     return ModelConfig(**base)
-
-
-def random_params(cfg, seed=0):
-    rng = np.random.default_rng(seed)
-    return {s.name: rng.standard_normal(s.shape) * 0.5 for s in param_table(cfg)}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -113,33 +113,36 @@ COMPARISON_FIELDS = [
 ]
 
 
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "pack",
+    "my",
+    "box",
+    "with",
+    "five",
+    "dozen",
+    "liquor",
+    "jugs",
+    "and",
+    "then",
+    "a",
+    "cat",
+    "sat",
+    "on",
+    "mat",
+]
+
+
 def make_text(seed: int, n_words: int = 600, words=None) -> str:
     rng = np.random.default_rng(seed)
-    words = words or [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "lazy",
-        "dog",
-        "pack",
-        "my",
-        "box",
-        "with",
-        "five",
-        "dozen",
-        "liquor",
-        "jugs",
-        "and",
-        "then",
-        "a",
-        "cat",
-        "sat",
-        "on",
-        "mat",
-    ]
+    words = words or WORDS
     out = []
     for i in range(n_words):
         out.append(words[int(rng.integers(len(words)))])
