@@ -126,17 +126,17 @@ def _templates(gpu, D: int) -> tuple[dict, dict]:
             f"{acc}{u} += {coef}.{'xyzw'[k]} * {tile}[{base}{rows[k]} + {u * TR}u];" for k in range(4)
         )
 
-    R, TR = cfg["fw"]
-    nc = -(-d4 // TR)
-    fetch, stash, pdecl = _prefetch(
-        "FW",
-        R,
-        TR,
-        d4,
-        [("pk", "fw_k", "fw_ks"), ("pv", "fw_v", "fw_vs")],
-        "((b * T + sn + e / D4) * KH + kh) * D",
-        "sn",
-    )
+    def kv_tiles(kn: str) -> tuple[int, int, int, str, str, str]:
+        # the forward and dq kernels stream the same key/value tiles: (R, TR, accumulators, fetch, stash, decl)
+        R, TR = cfg[kn.lower()]
+        p = kn.lower()
+        fetch, stash, decl = _prefetch(
+            kn, R, TR, d4, [("pk", f"{p}_k", f"{p}_ks"), ("pv", f"{p}_v", f"{p}_vs")],
+            "((b * T + sn + e / D4) * KH + kh) * D", "sn",
+        )  # fmt: skip
+        return R, TR, -(-d4 // TR), fetch, stash, decl
+
+    R, TR, nc, fetch, stash, pdecl = kv_tiles("FW")
     t |= {
         "FW_R": R,
         "FW_TR": TR,
@@ -149,17 +149,7 @@ def _templates(gpu, D: int) -> tuple[dict, dict]:
             _store(u, TR, f"fw_out[obase + c + {{k}}u] = a{u}.{{w}} * inv;") for u in range(nc)
         ),
     }
-    R, TR = cfg["dq"]
-    nc = -(-d4 // TR)
-    fetch, stash, pdecl = _prefetch(
-        "DQ",
-        R,
-        TR,
-        d4,
-        [("pk", "dq_k", "dq_ks"), ("pv", "dq_v", "dq_vs")],
-        "((b * T + sn + e / D4) * KH + kh) * D",
-        "sn",
-    )
+    R, TR, nc, fetch, stash, pdecl = kv_tiles("DQ")
     t |= {
         "DQ_R": R,
         "DQ_TR": TR,
