@@ -125,6 +125,27 @@ fn row_total(lid: u32, j: u32) -> vec4<f32> {
     return s;
 }
 
+// The row totals of a scalar a and a d_v vector z per thread, (total a, total z): both in one vec4 slot when
+// DV == 1, else z in a second one.
+struct RowPair {
+    a: f32,
+    z: vec4<f32>,
+}
+
+fn row_sum_pair(lid: u32, a: f32, z: vec4<f32>) -> RowPair {
+    red[lid] = vec4<f32>(a, z.x, 0.0, 0.0);
+    if (DV > 1u) {
+        red[WG + lid] = z;
+    }
+    row_reduce(lid, select(2u, 1u, DV == 1u));
+    let s = row_total(lid, 0u);
+    var zt = vec4<f32>(s.y, 0.0, 0.0, 0.0);
+    if (DV > 1u) {
+        zt = row_total(lid, 1u);
+    }
+    return RowPair(s.x, zt);
+}
+
 fn row_of(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
     return (wid.x + wid.y * nwg.x) * (WG / TPR) + lid / TPR;
 }
@@ -230,22 +251,11 @@ fn delta_heads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let base = row * CI;
     // item c#: cc# (c), xv# (x_v), wb# (w_beta), wv# (W_v^T)
     {{HD_LOAD}}
-    let a = hsum({{HD_A}});
-    let z = {{HD_Z}};
-    red[lid] = vec4<f32>(a, z.x, 0.0, 0.0);
-    if (DV > 1u) {
-        red[WG + lid] = z;
-    }
-    row_reduce(lid, select(2u, 1u, DV == 1u));
-    let s = row_total(lid, 0u);
-    var zt = vec4<f32>(s.y, 0.0, 0.0, 0.0);
-    if (DV > 1u) {
-        zt = row_total(lid, 1u);
-    }
+    let t = row_sum_pair(lid, hsum({{HD_A}}), {{HD_Z}});
     if (!ok || lane != 0u) { return; }
     let sb = row * stats_size();
-    hd_stats[sb + 1u] = 2.0 * sigmoid(s.x + hd_b_beta[0]);
-    st4_hd_stats(sb + 2u, v_of(zt + ld4_hd_b_v(0u), hd_p.v_scale));
+    hd_stats[sb + 1u] = 2.0 * sigmoid(t.a + hd_b_beta[0]);
+    st4_hd_stats(sb + 2u, v_of(t.z + ld4_hd_b_v(0u), hd_p.v_scale));
 }
 
 // part 2: normalisation, p = X^T k and the rank-1 update.
@@ -267,21 +277,10 @@ fn delta_update(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let base = row * CI;
     // item c#: u#, x# (X)
     {{UP_LOAD}}
-    let uu = hsum({{UP_UU}});
-    let ux = {{UP_UX}};
-    red[lid] = vec4<f32>(uu, ux.x, 0.0, 0.0);
-    if (DV > 1u) {
-        red[WG + lid] = ux;
-    }
-    row_reduce(lid, select(2u, 1u, DV == 1u));
-    let s = row_total(lid, 0u);
-    var uxt = vec4<f32>(s.y, 0.0, 0.0, 0.0);
-    if (DV > 1u) {
-        uxt = row_total(lid, 1u);
-    }
+    let t = row_sum_pair(lid, hsum({{UP_UU}}), {{UP_UX}});
     if (!ok) { return; }
-    let n = sqrt(s.x + up_p.eps2);
-    let pr = uxt / n;  // p = X^T k
+    let n = sqrt(t.a + up_p.eps2);
+    let pr = t.z / n;  // p = X^T k
     let sb = row * stats_size();
     let gamma = up_stats[sb + 1u] * (ld4_up_stats(sb + 2u) - pr);  // beta (v - p); unused components 0
     {{UP_STORE}}
