@@ -84,26 +84,46 @@ def test_attention_scores_in_chunks(gpu, monkeypatch):
     shape = (3, 70, 6, 2, 8)
     B, T, H, K, D = shape
     monkeypatch.setattr(attention_scores, "SCORE_BYTES", 3 * H * T * T * 4 // 2)
-    assert attention_scores.batches_per_chunk(gpu, B, H, T) == 1
+    chunks, _ = attention_scores.plan(gpu, B, H, K, T)
+    assert [(c.b0, c.nb, c.j0, c.nk) for c in chunks] == [(0, 1, 0, K), (1, 1, 0, K), (2, 1, 0, K)]
     q, k, v, dout = _inputs(shape, seed=7)
     _check_all(_gpu_attention(gpu, shape, q, k, v, dout, impl="scores"), _reference(q, k, v, dout), "chunks")
+
+
+def test_attention_scores_in_chunks_of_heads(gpu, monkeypatch):
+    # One batch's scores do not fit, two kv heads' (of 2 query heads each) do: chunks of kv heads 0-1 and 2
+    # of each batch (head offsets into every tensor, lse/delta rows of a head subset, dk/dv per kv head).
+    shape = (2, 70, 6, 3, 8)
+    B, T, H, K, D = shape
+    monkeypatch.setattr(attention_scores, "SCORE_BYTES", 5 * T * T * 4)
+    chunks, _ = attention_scores.plan(gpu, B, H, K, T)
+    assert [(c.b0, c.nb, c.j0, c.nk) for c in chunks] == [
+        (0, 1, 0, 2),
+        (0, 1, 2, 1),
+        (1, 1, 0, 2),
+        (1, 1, 2, 1),
+    ]
+    q, k, v, dout = _inputs(shape, seed=8)
+    _check_all(_gpu_attention(gpu, shape, q, k, v, dout, impl="scores"), _reference(q, k, v, dout), "heads")
 
 
 def test_attention_impl_choice(gpu, monkeypatch):
     monkeypatch.delenv(attention.ENV_IMPL, raising=False)
     cpu = gpu.info.get("type", "") == "CPU"
-    assert choose_impl(gpu, 2, 4, 64) == ("flash" if cpu else "scores")
-    assert choose_impl(gpu, 2, 4, 64, masked=True) == "scores"  # the masked loops are slow everywhere
+    assert choose_impl(gpu, 4, 1, 64) == ("flash" if cpu else "scores")
+    assert choose_impl(gpu, 4, 1, 64, masked=True) == "scores"  # the masked loops are slow everywhere
     monkeypatch.setenv(attention.ENV_IMPL, "scores")
-    assert choose_impl(gpu, 2, 4, 64) == "scores"
-    assert choose_impl(gpu, 2, 4, 64, "flash") == "flash"  # the argument beats the environment
-    monkeypatch.setattr(attention_scores, "SCORE_BYTES", 4 * 64 * 64 * 4 - 4)  # one batch no longer fits
+    assert choose_impl(gpu, 4, 1, 64) == "scores"
+    assert choose_impl(gpu, 4, 1, 64, "flash") == "flash"  # the argument beats the environment
+    monkeypatch.setattr(
+        attention_scores, "SCORE_BYTES", 4 * 64 * 64 * 4 - 4
+    )  # one kv head's 4 query heads no longer fit
     with pytest.raises(GpuError, match="scratch limit"):
-        choose_impl(gpu, 2, 4, 64)
+        choose_impl(gpu, 4, 1, 64)
     monkeypatch.setenv(attention.ENV_IMPL, "auto")
-    assert choose_impl(gpu, 2, 4, 64) == "flash"
+    assert choose_impl(gpu, 4, 1, 64) == "flash"
     with pytest.raises(GpuError, match="not one of"):
-        choose_impl(gpu, 2, 4, 64, "fast")
+        choose_impl(gpu, 4, 1, 64, "fast")
 
 
 @pytest.mark.parametrize(

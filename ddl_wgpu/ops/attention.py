@@ -19,7 +19,7 @@ from ddl_wgpu.ops import need_all as _need
 FILE = "attention.wgsl"
 # Which causal-attention implementation `attention_forward` / `attention_backward` run: "flash" (this file's
 # kernels: no T x T storage), "scores" (GEMMs over materialised scores, `attention_scores.py`), or "auto":
-# scores on GPUs whenever one batch's scores fit the scratch limit (H200, T = 1024: fwd + bwd several
+# scores on GPUs whenever one kv head's scores fit the scratch limit (H200, T = 1024: fwd + bwd several
 # times faster), flash on CPU adapters (lavapipe) and for sequences too long for the scratch.
 ENV_IMPL = "DDL_WGPU_ATTENTION"
 IMPLS = ("auto", "flash", "scores")
@@ -215,7 +215,7 @@ def _check_bindings(entry: str, B: int, T: int, H: int, K: int, D: int, **named)
     _need(entry, **{name: (res, B * T * per[name]) for name, res in named.items()})
 
 
-def choose_impl(gpu, B: int, H: int, T: int, impl: str | None = None, masked: bool = False) -> str:
+def choose_impl(gpu, H: int, K: int, T: int, impl: str | None = None, masked: bool = False) -> str:
     """'flash' or 'scores' for one attention shape: `impl`, else env DDL_WGPU_ATTENTION, else 'auto'. For the
     chain-masked attention 'flash' means its plain-loop kernels, and 'auto' picks the scores path on every
     adapter whenever it fits (the loops are slow everywhere; on lavapipe their dk/dv also came out wrong at
@@ -223,12 +223,12 @@ def choose_impl(gpu, B: int, H: int, T: int, impl: str | None = None, masked: bo
     impl = impl or os.environ.get(ENV_IMPL) or "auto"
     if impl not in IMPLS:
         raise GpuError(f"attention: implementation {impl!r} is not one of {', '.join(IMPLS)}")
-    fits = attention_scores.batches_per_chunk(gpu, B, H, T) >= 1
+    fits = attention_scores.fits(gpu, H, K, T)
     if impl == "auto":
         return "scores" if fits and (masked or gpu.info.get("type", "") != "CPU") else "flash"
     if impl == "scores" and not fits:
         raise GpuError(
-            f"attention: the scores of one batch ({H} heads x {T}^2 floats) exceed the scratch limit"
+            f"attention: the scores of {H // K} query head(s) ({T}^2 floats each) exceed the scratch limit"
         )
     return impl
 
@@ -241,7 +241,7 @@ def attention_forward(
     _check(B, T, H, K, D)
     _check_bindings("attention_forward", B, T, H, K, D, out=out, lse=lse, q=q, k=k, v=v)
     scale = float(D) ** -0.5 if scale is None else float(scale)
-    if choose_impl(gpu, B, H, T, impl) == "scores":
+    if choose_impl(gpu, H, K, T, impl) == "scores":
         return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale)
     templates, cfg = _templates(gpu, D)
     R, TR = cfg["fw"]
@@ -271,7 +271,7 @@ def attention_backward(
 
     kd = gpu.kernel(FILE, "attention_backward_delta", "rrwu", templates=templates)
     delta_pass = (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64))
-    if choose_impl(gpu, B, H, T, impl) == "scores":
+    if choose_impl(gpu, H, K, T, impl) == "scores":
         grads = attention_scores.backward(gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D, scale)
         return Call([delta_pass], keep) + grads
     R, TR = cfg["dq"]
@@ -308,7 +308,7 @@ def attention_masked_forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: 
     _check_chain(T, W)
     _check_bindings("attention_masked_forward", B, T, H, K, D, out=out, lse=lse, q=q, k=k, v=v)
     scale = float(D) ** -0.5 if scale is None else float(scale)
-    if choose_impl(gpu, B, H, T, impl, masked=True) == "scores":
+    if choose_impl(gpu, H, K, T, impl, masked=True) == "scores":
         return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale, W=W)
     templates, _cfg = _templates(gpu, D)
     kern = gpu.kernel(FILE, "attention_masked_forward", "rrrwwu", templates=templates)
@@ -333,7 +333,7 @@ def attention_masked_backward(gpu, dq, dk, dv, dout, out, lse, q, k, v, B: int, 
     keep = [u, um] if scratch is not None else [u, um, delta]
     kd = gpu.kernel(FILE, "attention_backward_delta", "rrwu", templates=templates)
     delta_pass = (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64))
-    if choose_impl(gpu, B, H, T, impl, masked=True) == "scores":
+    if choose_impl(gpu, H, K, T, impl, masked=True) == "scores":
         grads = attention_scores.backward(
             gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D, scale, W=W
         )

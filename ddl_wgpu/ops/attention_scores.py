@@ -16,13 +16,17 @@ time to a scratch buffer and runs every product through the tuned GEMM, with the
 
 `delta` = rowsum(dout * out) comes from the flash module's delta pass (`attention.attention_backward`).
 Memory: two scratch buffers of up to SCORE_BYTES each, shared by every attention call of the device (calls
-run one after another within a step). Deterministic: the GEMMs sum in fixed order, the row kernels reduce over
+run one after another within a step). A chunk is a run of whole batches, or, when one batch's scores do not
+fit, a run of kv heads (with their G query heads) of one batch: either way its (batch, head) pairs are
+consecutive in (B, H) order, so lse and delta rows stay at z0*T + row. Deterministic: the GEMMs sum in fixed order, the row kernels reduce over
 a fixed tree, and the GQA sums over g run in order.
 
 What this file deliberately does not do: choose between itself and the flash kernels (`attention.py` does).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ddl_wgpu.gpu import Call, GpuError
 from ddl_wgpu.ops.matmul import matmul
@@ -31,14 +35,42 @@ FILE = "attention_scores.wgsl"
 PARAMS = "uuuu"  # T, rows, z0, W (0: causal; else the chained draft's window)
 SOFTMAX_WG = 128  # threads per row of scores_softmax (the shader's WG)
 # Scores of at most this many bytes per scratch buffer (two of them in the backward): B*H*T*T*4 = 384 MiB for
-# the small preset's 16 x 1024 tokens x 6 heads, so one chunk; longer sequences run in chunks of batches.
+# the small preset's 16 x 1024 tokens x 6 heads, so one chunk; longer sequences run in chunks.
 SCORE_BYTES = 512 << 20
 
 
-def batches_per_chunk(gpu, B: int, H: int, T: int) -> int:
-    """How many batches' scores one scratch buffer holds (0: not even one fits; use the flash kernels)."""
-    limit = min(SCORE_BYTES, int(gpu.limits.get("max-storage-buffer-binding-size", SCORE_BYTES)))
-    return min(B, limit // (H * T * T * 4))
+def _limit(gpu) -> int:
+    return min(SCORE_BYTES, int(gpu.limits.get("max-storage-buffer-binding-size", SCORE_BYTES)))
+
+
+def fits(gpu, H: int, K: int, T: int) -> bool:
+    """Whether the scores of one kv head's query heads (the smallest chunk) fit the scratch limit."""
+    return _limit(gpu) >= (H // K) * T * T * 4
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Batches [b0, b0 + nb), kv heads [j0, j0 + nk) of each (all K, or one batch's subset)."""
+
+    b0: int
+    nb: int
+    j0: int
+    nk: int
+
+
+def plan(gpu, B: int, H: int, K: int, T: int) -> tuple[list[Chunk], int]:
+    """The chunks of one attention call and the scratch bytes each needs: whole batches while one batch's
+    scores fit, else runs of kv heads of one batch."""
+    G, per_head, limit = H // K, T * T * 4, _limit(gpu)
+    if not fits(gpu, H, K, T):
+        raise GpuError(
+            f"attention: the scores of {G} query head(s) ({T}^2 floats each) exceed the scratch limit"
+        )
+    if H * per_head <= limit:
+        nb = min(B, limit // (H * per_head))
+        return [Chunk(b0, min(nb, B - b0), 0, K) for b0 in range(0, B, nb)], nb * H * per_head
+    nk = limit // (G * per_head)
+    return [Chunk(b, 1, j0, min(nk, K - j0)) for b in range(B) for j0 in range(0, K, nk)], nk * G * per_head
 
 
 def _scratch(gpu, name: str, nbytes: int):
@@ -49,20 +81,28 @@ def _scratch(gpu, name: str, nbytes: int):
     return cache[name]
 
 
-def _plan(gpu, B: int, H: int, T: int) -> tuple[int, int]:
-    nb = batches_per_chunk(gpu, B, H, T)
-    if nb < 1:
-        raise GpuError(f"attention: the scores of one batch ({H} heads x {T}^2) exceed the scratch limit")
-    return nb, nb * H * T * T * 4
+def _heads(c: Chunk, T: int, H: int, K: int, D: int) -> dict:
+    """The two-level batch of a chunk's per-(b, h) products: z = (batch, query head of the chunk), operands
+    of shape (B,T,H,D) ("q") or (B,T,K,D) ("k"), scores (nb, hc, T, T)."""
+    G = H // K
+    hc = c.nk * G
+    return {
+        "batch": c.nb * hc,
+        "inner": hc,
+        "q": dict(ld=H * D, stride=T * H * D, istride=D, off=(c.b0 * T * H + c.j0 * G) * D),
+        "k": dict(ld=K * D, stride=T * K * D, istride=D, off=(c.b0 * T * K + c.j0) * D, div=G),
+        "s": dict(ld=T, stride=hc * T * T, istride=T * T, off=0),
+    }
 
 
-def _scores(gpu, dst, x, y, b0, n, T, H, K, D, alpha) -> Call:
-    """dst (n*H, T, T) = alpha * x_bh y_bj^T on and below the diagonal; x (B,T,H,D), y (B,T,K,D)."""
+def _mm(gpu, c_res, a_res, b_res, M, N, K, lay: dict, a: str, b: str, cc: str, **kw) -> Call:
+    """matmul with the operands' strides taken from the chunk layout `lay` (keys "q", "k", "s")."""
+    A, B_, C = lay[a], lay[b], lay[cc]
     return matmul(
-        gpu, dst, x, y, T, T, D, trans_b=True, alpha=alpha, batch=n * H, inner=H,
-        lda=H * D, stride_a=T * H * D, istride_a=D, off_a=b0 * T * H * D,
-        ldb=K * D, stride_b=T * K * D, istride_b=D, div_b=H // K, off_b=b0 * T * K * D,
-        ldc=T, stride_c=H * T * T, istride_c=T * T, causal="skip_upper",
+        gpu, c_res, a_res, b_res, M, N, K, batch=lay["batch"], inner=lay["inner"],
+        lda=A["ld"], stride_a=A["stride"], istride_a=A["istride"], off_a=A["off"], div_a=A.get("div", 1),
+        ldb=B_["ld"], stride_b=B_["stride"], istride_b=B_["istride"], off_b=B_["off"], div_b=B_.get("div", 1),
+        ldc=C["ld"], stride_c=C["stride"], istride_c=C["istride"], off_c=C["off"], **kw,
     )  # fmt: skip
 
 
@@ -77,69 +117,47 @@ def _row_call(
 def forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float, W: int = 0) -> Call:
     """out (B,T,H,D) and lse (B,H,T) from q (B,T,H,D), k, v (B,T,K,D); causal, or with W > 0 the chained
     draft's mask over T = chain*W stacked rows."""
-    nb, nbytes = _plan(gpu, B, H, T)
+    chunks, nbytes = plan(gpu, B, H, K, T)
     s = _scratch(gpu, "scores", nbytes)
     call = Call()
-    for b0 in range(0, B, nb):
-        n = min(nb, B - b0)
-        call += _scores(gpu, s, q, k, b0, n, T, H, K, D, scale)
-        call += _row_call(gpu, "scores_softmax", "wwu", [s, lse], T, n * H * T, b0 * H, W, n * H * T)
-        call += matmul(
-            gpu, out, s, v, T, D, T, batch=n * H, inner=H, causal="k_to_row",
-            lda=T, stride_a=H * T * T, istride_a=T * T,
-            ldb=K * D, stride_b=T * K * D, istride_b=D, div_b=H // K, off_b=b0 * T * K * D,
-            ldc=H * D, stride_c=T * H * D, istride_c=D, off_c=b0 * T * H * D,
-        )  # fmt: skip
+    for c in chunks:
+        lay = _heads(c, T, H, K, D)
+        rows, z0 = lay["batch"] * T, c.b0 * H + c.j0 * (H // K)
+        call += _mm(gpu, s, q, k, T, T, D, lay, "q", "k", "s", trans_b=True, alpha=scale, causal="skip_upper")
+        call += _row_call(gpu, "scores_softmax", "wwu", [s, lse], T, rows, z0, W, rows)
+        call += _mm(gpu, out, s, v, T, D, T, lay, "s", "k", "q", causal="k_to_row")
     return call
 
 
 def backward(
-    gpu,
-    dq,
-    dk,
-    dv,
-    dout,
-    lse,
-    delta,
-    q,
-    k,
-    v,
-    B: int,
-    T: int,
-    H: int,
-    K: int,
-    D: int,
-    scale: float,
-    W: int = 0,
-) -> Call:
+    gpu, dq, dk, dv, dout, lse, delta, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float, W: int = 0
+) -> Call:  # fmt: skip
     """dq (B,T,H,D), dk, dv (B,T,K,D) from dout, the forward's lse, delta = rowsum(dout * out) (B,H,T) and
     q, k, v; the mask as in `forward`. Outputs are overwritten."""
-    nb, nbytes = _plan(gpu, B, H, T)
+    chunks, nbytes = plan(gpu, B, H, K, T)
     s, dp = _scratch(gpu, "scores", nbytes), _scratch(gpu, "dscores", nbytes)
     G = H // K
     call = Call()
-    for b0 in range(0, B, nb):
-        n = min(nb, B - b0)
-        call += _scores(gpu, s, q, k, b0, n, T, H, K, D, scale)
-        call += _scores(gpu, dp, dout, v, b0, n, T, H, K, D, 1.0)
-        groups = -(-(n * H * T * T) // 256)
-        call += _row_call(
-            gpu, "scores_backward", "rrwwu", [lse, delta, s, dp], T, n * H * T, b0 * H, W, groups
-        )
-        call += matmul(
-            gpu, dq, dp, k, T, D, T, alpha=scale, batch=n * H, inner=H, causal="k_to_row",
-            lda=T, stride_a=H * T * T, istride_a=T * T,
-            ldb=K * D, stride_b=T * K * D, istride_b=D, div_b=G, off_b=b0 * T * K * D,
-            ldc=H * D, stride_c=T * H * D, istride_c=D, off_c=b0 * T * H * D,
-        )  # fmt: skip
-        # kv head j collects its G query heads h = jG + g in order g = 0, 1, ...: one product per g
+    for c in chunks:
+        lay = _heads(c, T, H, K, D)
+        rows, z0 = lay["batch"] * T, c.b0 * H + c.j0 * G
+        call += _mm(gpu, s, q, k, T, T, D, lay, "q", "k", "s", trans_b=True, alpha=scale, causal="skip_upper")
+        call += _mm(gpu, dp, dout, v, T, T, D, lay, "q", "k", "s", trans_b=True, causal="skip_upper")
+        groups = -(-(rows * T) // 256)
+        call += _row_call(gpu, "scores_backward", "rrwwu", [lse, delta, s, dp], T, rows, z0, W, groups)
+        call += _mm(gpu, dq, dp, k, T, D, T, lay, "s", "k", "q", alpha=scale, causal="k_to_row")
+        # kv head j collects its G query heads h = jG + g in order g = 0, 1, ...: one product per g, over
+        # z = (batch, kv head of the chunk); the scores of head jG + g sit g*T*T past those of head jG
+        hc = c.nk * G
+        per_kv = {
+            "batch": c.nb * c.nk,
+            "inner": c.nk,
+            "k": dict(lay["k"], istride=D, div=1),
+        }
         for g in range(G):
+            per_kv["s"] = dict(ld=T, stride=hc * T * T, istride=G * T * T, off=g * T * T)
+            per_kv["q"] = dict(lay["q"], istride=G * D, off=lay["q"]["off"] + g * D)
             for dst, coef, rhs, alpha in ((dv, s, dout, 1.0), (dk, dp, q, scale)):
-                call += matmul(
-                    gpu, dst, coef, rhs, T, D, T, trans_a=True, alpha=alpha, accumulate=g > 0,
-                    batch=n * K, inner=K, causal="k_from_row",
-                    lda=T, stride_a=H * T * T, istride_a=G * T * T, off_a=g * T * T,
-                    ldb=H * D, stride_b=T * H * D, istride_b=G * D, off_b=b0 * T * H * D + g * D,
-                    ldc=K * D, stride_c=T * K * D, istride_c=D, off_c=b0 * T * K * D,
-                )  # fmt: skip
+                call += _mm(gpu, dst, coef, rhs, T, D, T, per_kv, "s", "q", "k", trans_a=True, alpha=alpha,
+                            accumulate=g > 0, causal="k_from_row")  # fmt: skip
     return call
