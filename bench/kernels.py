@@ -103,12 +103,7 @@ class Bench:
         return t.to(dt).requires_grad_(grad)
 
 
-def rel_err(got, ref_):
-    got = np.asarray(got, np.float64)
-    ref_ = np.asarray(ref_, np.float64)
-    if not np.all(np.isfinite(got)):
-        return math.inf
-    return float(np.max(np.abs(got - ref_)) / max(np.max(np.abs(ref_)), 1e-30))
+rel_err = common.rel_err
 
 
 def sizes(args) -> dict:
