@@ -83,8 +83,8 @@ const NT: u32 = WX * WY;
 
 const SA: u32 = BMV + 1u;
 const SB: u32 = BNV + 1u;
-var<workgroup> As: array<vec4<f32>, {{as_len}}>;  // BK * SA per stage (one or two, `Tile.double`)
-var<workgroup> Bs: array<vec4<f32>, {{bs_len}}>;  // BK * SB per stage
+var<workgroup> As: array<vec4<f32>, {{as_len}}>;  // BK * SA
+var<workgroup> Bs: array<vec4<f32>, {{bs_len}}>;  // BK * SB
 
 // Element (row, col) of the stored A / B of this batch, or 0 outside the stored rows x cols.
 fn a_at(base: u32, row: u32, col: u32, rows: u32, cols: u32) -> f32 {
@@ -128,10 +128,10 @@ fn fetch_a(base: u32, m0: u32, k0: u32, i: u32) -> vec4<f32> {
                      a_at(base, kg, m + 2u, P.K, P.M), a_at(base, kg, m + 3u, P.K, P.M));
 }
 
-fn stash_a(i: u32, v: vec4<f32>, stage: u32) {  // stage: the offset of the shared stage written
+fn stash_a(i: u32, v: vec4<f32>) {
     if (i < BK * BMV) {
         let s = a_slot(i);
-        As[stage + s.x * SA + s.y] = v;
+        As[s.x * SA + s.y] = v;
     }
 }
 
@@ -157,10 +157,10 @@ fn fetch_b(base: u32, n0: u32, k0: u32, i: u32) -> vec4<f32> {
                      b_at(base, n + 2u, kg, P.N, P.K), b_at(base, n + 3u, kg, P.N, P.K));
 }
 
-fn stash_b(i: u32, v: vec4<f32>, stage: u32) {
+fn stash_b(i: u32, v: vec4<f32>) {
     if (i < BK * BNV) {
         let s = b_slot(i);
-        Bs[stage + s.x * SB + s.y] = v;
+        Bs[s.x * SB + s.y] = v;
     }
 }
 

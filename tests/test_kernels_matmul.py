@@ -165,8 +165,8 @@ def test_matmul_two_level_batch_gqa_offsets(gpu, rng, tile):
 
 @pytest.mark.parametrize(
     "tile",
-    [SMALL_TILE, Tile(wx=4, wy=4, tm=4, tn=4, bk=4), Tile(wx=4, wy=4, tm=4, tn=4, bk=4, double=True)],
-    ids=["64x64", "16x16", "16x16-double"],
+    [SMALL_TILE, Tile(wx=4, wy=4, tm=4, tn=4, bk=4)],
+    ids=["64x64", "16x16"],
 )
 def test_matmul_causal_modes(gpu, rng, tile):
     # The three causal modes of attention's products on T x T positions (T not a multiple of the tile).
@@ -238,8 +238,6 @@ def test_matmul_views_into_arena(gpu, rng):
         Tile(unroll=False, prefetch=False),
         Tile(wx=4, wy=8, tm=8, tn=4, bk=5, unroll=False),
         Tile(tm=8, tn=8, bk=16, prefetch=False),
-        Tile(tm=8, tn=8, bk=8, double=True),
-        Tile(wx=4, wy=8, tm=8, tn=4, bk=5, double=True),
     ],
     ids=[
         "8x8-bk16",
@@ -248,8 +246,6 @@ def test_matmul_views_into_arena(gpu, rng):
         "loop-noprefetch",
         "odd-bk-loop",
         "8x8-noprefetch",
-        "8x8-double",
-        "odd-double",
     ],
 )
 def test_matmul_other_tiles(gpu, rng, tile):
@@ -283,8 +279,6 @@ def test_matmul_rejects_small_buffer_and_skips_empty(gpu):
     assert matmul(gpu, c, a, b, 0, 2, 3).dispatches == []
     with pytest.raises(GpuError, match="multiples of 4"):
         matmul(gpu, c, a, b, 2, 2, 3, tile=Tile(tm=3))
-    with pytest.raises(GpuError, match="prefetch"):
-        matmul(gpu, c, a, b, 2, 2, 3, tile=Tile(double=True, prefetch=False))
 
 
 def test_pick_tile(gpu):

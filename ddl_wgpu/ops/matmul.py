@@ -63,7 +63,6 @@ class Tile:
     bk: int = 16  # k depth of one shared-memory tile
     unroll: bool = True  # the bk products of a k step as straight-line code (constant shared offsets)
     prefetch: bool = True  # fetch the next k step's tiles into registers before this step's products
-    double: bool = False  # two shared-memory stages: one barrier per k step instead of two (needs prefetch)
 
     @property
     def bm(self) -> int:
@@ -75,18 +74,11 @@ class Tile:
 
     @property
     def shared_bytes(self) -> int:
-        # As and Bs, rows padded by one vec4, one or two stages
-        return 16 * self.stages * self.bk * (self.bm // 4 + 1 + self.bn // 4 + 1)
-
-    @property
-    def stages(self) -> int:
-        return 2 if self.double else 1
+        return 16 * self.bk * (self.bm // 4 + 1 + self.bn // 4 + 1)  # As and Bs, rows padded by one vec4
 
     def validate(self, gpu) -> None:
         if self.tm % 4 or self.tn % 4 or min(self.tm, self.tn, self.wx, self.wy, self.bk) <= 0:
             raise GpuError(f"matmul tile {self}: tm and tn must be positive multiples of 4")
-        if self.double and not self.prefetch:
-            raise GpuError(f"matmul tile {self}: two shared stages need the register prefetch")
         if self.wx * self.wy > gpu.limits.get("max-compute-invocations-per-workgroup", 256):
             raise GpuError(f"matmul tile {self}: {self.wx * self.wy} threads exceed the adapter's limit")
         if self.shared_bytes > gpu.limits.get("max-compute-workgroup-storage-size", 16384):
@@ -105,9 +97,8 @@ class Tile:
 
         def products(kk: str, ind: str) -> list[str]:
             # one k of the step: TM/4 + TN/4 vec4 loads from shared memory, TM*TN/4 vec4 FMAs
-            sa, sb = ("sa + ", "sb + ") if self.double else ("", "")  # the stage being read
-            out = [f"{ind}let a{i} = As[{sa}{kk}SA + ty + {i}u * WY];" for i in range(mq)]
-            out += [f"{ind}let b{j} = Bs[{sb}{kk}SB + tx + {j}u * WX];" for j in range(nq)]
+            out = [f"{ind}let a{i} = As[{kk}SA + ty + {i}u * WY];" for i in range(mq)]
+            out += [f"{ind}let b{j} = Bs[{kk}SB + tx + {j}u * WX];" for j in range(nq)]
             out += [
                 f"{ind}{name(i, r, j)} = fma(vec4<f32>(a{i}.{comp[r]}), b{j}, {name(i, r, j)});"
                 for i, r, j in acc
@@ -137,10 +128,8 @@ class Tile:
         def fetch(x: str, s: int, k0: str) -> str:
             return f"fetch_{x}(base_{x}, {'m0' if x == 'a' else 'n0'}, {k0}, t + {s}u * NT)"
 
-        def stash(ind: str, value, other_stage: bool = False) -> list[str]:
-            # write this thread's copies to shared memory: to stage 0, or to the stage not being read
-            at = {x: f"(1u - stage) * BK * S{x.upper()}" if other_stage else "0u" for x in "ab"}
-            return [f"{ind}stash_{x}(t + {s}u * NT, {value(x, s)}, {at[x]});" for x, s in slots]
+        def stash(ind: str, value) -> list[str]:  # this thread's copies into shared memory
+            return [f"{ind}stash_{x}(t + {s}u * NT, {value(x, s)});" for x, s in slots]
 
         def reg(x: str, s: int) -> str:
             return f"p{x}{s}"
@@ -149,15 +138,7 @@ class Tile:
         head = [f"    var p{x}{s} = {fetch(x, s, 'k_begin')};" for x, s in slots] if self.prefetch else []
         loop = "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {"
         i8, i12 = " " * 8, " " * 12
-        if self.double:
-            # step i reads stage i % 2 while the next step's copies go to the other stage; the one barrier per
-            # step keeps a stage from being overwritten while a thread still reads it
-            kloop = [*head, *stash("    ", reg), "    workgroupBarrier();", "    var stage = 0u;", loop,
-                     f"{i8}let more = k0 + BK < k_end;", f"{i8}if (more) {{", *(i12 + r for r in refill), f"{i8}}}",
-                     f"{i8}let sa = stage * (BK * SA);", f"{i8}let sb = stage * (BK * SB);", *inner,
-                     f"{i8}if (more) {{", *stash(i12, reg, other_stage=True), f"{i8}}}",
-                     f"{i8}stage = 1u - stage;", f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
-        elif self.prefetch:  # registers p<x><s> carry the next step's copies across its products
+        if self.prefetch:  # registers p<x><s> carry the next step's copies across its products
             kloop = [*head, loop, *stash(i8, reg), f"{i8}workgroupBarrier();",
                      f"{i8}if (k0 + BK < k_end) {{", *(i12 + r for r in refill), f"{i8}}}",
                      *inner, f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
@@ -174,8 +155,8 @@ class Tile:
             "bk": self.bk,
             "bmv": self.bm // 4,
             "bnv": self.bn // 4,
-            "as_len": self.stages * self.bk * (self.bm // 4 + 1),
-            "bs_len": self.stages * self.bk * (self.bn // 4 + 1),
+            "as_len": self.bk * (self.bm // 4 + 1),
+            "bs_len": self.bk * (self.bn // 4 + 1),
             "acc_decl": "\n".join(decl),
             "kloop": "\n".join(kloop),
             "store": "\n".join(store),
