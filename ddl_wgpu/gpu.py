@@ -3,8 +3,10 @@
 What lives here and why:
 - adapter choice (`--device` / env `DDL_WGPU_ADAPTER`: an index or a name substring; by default a discrete
   GPU, then integrated, then a CPU adapter such as Mesa's lavapipe; Vulkan/Metal/DX12 before OpenGL);
-- the device, with the adapter's own limits (wgpu-py requests them all by default) and the optional features
-  we use when present (shader-f16, subgroup, timestamp-query);
+- the device, with the adapter's own limits (wgpu-py requests them all by default), or WebGPU's default
+  limits in the portability mode (`limits_mode="webgpu"` / env `DDL_WGPU_LIMITS=webgpu`: what every conformant
+  Vulkan, Metal and DX12 device offers), and the optional features we use when present (shader-f16,
+  subgroup, timestamp-query);
 - kernels: WGSL loaded from `shaders/`, compiled once and cached by (file, entry point, constants,
   template values), each with an explicit bind-group layout built from a signature string, so one layout
   rule holds everywhere: read-only storage inputs first, then read-write outputs, then one uniform;
@@ -37,6 +39,31 @@ ENV_ADAPTER = "DDL_WGPU_ADAPTER"
 # shapes; the constructor's `max_binding` / `max_buffer` do the same. Never raises a limit.
 ENV_MAX_BINDING = "DDL_WGPU_MAX_BINDING"
 ENV_MAX_BUFFER = "DDL_WGPU_MAX_BUFFER"
+# "adapter" (default): request the adapter's own limits; "webgpu": request WebGPU's default limits instead,
+# so a run on a large GPU exercises the kernel shapes every conformant device can run (portability mode).
+ENV_LIMITS = "DDL_WGPU_LIMITS"
+LIMIT_MODES = ("adapter", "webgpu")
+# The WebGPU specification's default limits for what a compute program uses (buffers, bindings, workgroups);
+# texture, vertex and render limits are left at the adapter's (no kernel uses them).
+WEBGPU_LIMITS = {
+    "max-bind-groups": 4,
+    "max-bindings-per-bind-group": 1000,
+    "max-dynamic-uniform-buffers-per-pipeline-layout": 8,
+    "max-dynamic-storage-buffers-per-pipeline-layout": 4,
+    "max-storage-buffers-per-shader-stage": 8,
+    "max-uniform-buffers-per-shader-stage": 12,
+    "max-uniform-buffer-binding-size": 64 << 10,
+    "max-storage-buffer-binding-size": 128 << 20,
+    "min-uniform-buffer-offset-alignment": 256,
+    "min-storage-buffer-offset-alignment": 256,
+    "max-buffer-size": 256 << 20,
+    "max-compute-workgroup-storage-size": 16 << 10,
+    "max-compute-invocations-per-workgroup": 256,
+    "max-compute-workgroup-size-x": 256,
+    "max-compute-workgroup-size-y": 256,
+    "max-compute-workgroup-size-z": 64,
+    "max-compute-workgroups-per-dimension": 65535,
+}
 # Shader files compiled without naga's runtime checks (index clamping, loop bounding): "default" (the
 # files in TRUSTED_FILES), "none", or a comma-separated list of files.
 ENV_TRUSTED = "DDL_WGPU_TRUSTED"
@@ -204,6 +231,16 @@ def pack(fmt: str, *values) -> bytes:
 # the device
 
 
+def limit_mode(mode: str | None = None) -> str:
+    """The limits to request: `mode`, else env DDL_WGPU_LIMITS, else "adapter"."""
+    value = (mode or os.environ.get(ENV_LIMITS) or "adapter").strip().lower()
+    if value not in LIMIT_MODES:
+        raise GpuError(
+            f"unknown limits mode {value!r} (from {ENV_LIMITS} or Gpu(limits_mode=...)); use one of {LIMIT_MODES}"
+        )
+    return value
+
+
 def _lowered(limit: int, override: int | None, env: str) -> int:
     """The adapter's `limit`, lowered (never raised) by an explicit override or else the environment."""
     value = override if override is not None else (os.environ.get(env) or None)
@@ -232,18 +269,33 @@ class Gpu:
     `max_binding` / `max_buffer` (or env DDL_WGPU_MAX_BINDING / DDL_WGPU_MAX_BUFFER) lower the adapter's
     storage-binding and buffer size limits: a test hook, so a CPU adapter exercises the row-chunked paths
     of tensors larger than a binding with a tiny model. After construction they hold the limits in force;
-    `bind` and `buffer` enforce them."""
+    `bind` and `buffer` enforce them.
+
+    `limits_mode` (or env DDL_WGPU_LIMITS) is "adapter" (the adapter's own limits) or "webgpu" (WebGPU's
+    default limits, WEBGPU_LIMITS: the portability mode, in which every kernel picks shapes any conformant
+    device can run). Either way the kernels read the limits in force from `self.limits`."""
 
     choice: str | int | None = None
     max_binding: int | None = None
     max_buffer: int | None = None
+    limits_mode: str | None = None
     adapter: object = field(init=False)
     device: object = field(init=False)
 
     def __post_init__(self):
         self.adapter = select_adapter(self.choice)
         feats = [f for f in OPTIONAL_FEATURES if f in self.adapter.features]
-        self.device = self.adapter.request_device_sync(required_features=feats)
+        self.limits_mode = limit_mode(self.limits_mode)
+        required = {}
+        if self.limits_mode == "webgpu":
+            # never ask for more than the adapter has (a device below WebGPU's defaults is not conformant,
+            # but requesting beyond the adapter would fail outright)
+            available = self.adapter.limits
+            for k, v in WEBGPU_LIMITS.items():
+                if k in available:
+                    better_is_lower = k.startswith("min-")
+                    required[k] = max(v, int(available[k])) if better_is_lower else min(v, int(available[k]))
+        self.device = self.adapter.request_device_sync(required_features=feats, required_limits=required)
         self.queue = self.device.queue
         self.features = set(str(f) for f in self.device.features)
         self.limits = {k: int(v) for k, v in self.device.limits.items() if isinstance(v, int | float)}

@@ -1,5 +1,5 @@
 // The d_v > 1 state's short convolutions (ddl.md §1.5): the TC and CC compressors (state -> x_in), the EC
-// expander and plain repetition (embedding -> state). Reference: `ddl_ref.delta`.
+// expander and plain repetition (embedding -> state). Reference: `ddl_ref.shortconv`.
 //
 // Layout: rows r = b*T + t; the state X is (rows, C, dv) row-major, x_in / e are (rows, C). Conv weights:
 //   TC, EC  conv (C*dv, k): channel i*dv + j, tap m multiplies time t - (k-1-m) (tap k-1 = the current
