@@ -9,9 +9,9 @@
 `forward`, so the two can be read line against line (style.md rule 4). The whole model is checked against
 finite differences in tests/test_ref_model.py, and the engine is checked against this file.
 
-With `residual="delta"` (Deep Delta Learning, ddl.md §1.3/§1.5) each sublayer's output only sets the
-direction k of a rank-1 Delta update of the stream (`ddl_ref.delta`); for d_v > 1 the stream is a state X
-(B, T, C, dv), expanded from the embedding (EC or repetition, `ddl_ref.shortconv`), read by a per-block compressor (TC or CC,
+With `residual="delta"` (Deep Delta Learning, ddl.md §1.3/§1.5) each sublayer's output only sets the direction
+k of a rank-1 Delta update of the stream (`ddl_ref.delta`); for d_v > 1 the stream is a state X (B, T, C, dv),
+expanded from the embedding (EC or repetition, `ddl_ref.shortconv`), read by a per-block compressor (TC or CC,
 shared by both sublayers) and by a final readout compressor before model.norm.
 
 Joint MTP training (DeepSeek-V3 style, `forward(..., mtp_weight=w)` with `cfg.mtp` set): the loss is

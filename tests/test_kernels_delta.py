@@ -9,9 +9,9 @@ sequence starts; a longer TC/EC case spreads the parameter-gradient reduction ov
 
 import numpy as np
 import pytest
-from kernel_check import check
 
 from ddl_ref import delta as ref
+from ddl_ref.check import check
 from ddl_wgpu.ops import delta as kd
 from ddl_wgpu.ops import shortconv as ksc
 

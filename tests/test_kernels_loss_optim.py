@@ -9,11 +9,11 @@ import pytest
 
 from ddl_ref import ops as ref
 from ddl_ref import optim as ref_optim
+from ddl_ref.check import check
 from ddl_wgpu.ops import adamw as adamw_ops
 from ddl_wgpu.ops import crossentropy as ce_ops
 from ddl_wgpu.ops import reduce as red_ops
 from ddl_wgpu.ops import topk_kl as tk_ops
-from tests.kernel_check import check
 
 
 def f32(a):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ddl_ref import ops as ref
+from ddl_ref.check import check
 from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.ops.matmul import (
     LARGE_TILE,
@@ -20,11 +21,6 @@ from ddl_wgpu.ops.matmul import (
     matmul,
     pick_tile,
 )
-
-try:
-    from kernel_check import check
-except ImportError:  # tests/ imported as a package
-    from tests.kernel_check import check
 
 SHAPES = [(1, 1, 1), (7, 13, 5), (33, 17, 65), (64, 48, 40), (130, 9, 70)]  # (M, N, K)
 

@@ -7,9 +7,9 @@ Shapes are small and deliberately not multiples of the workgroup size, so every 
 
 import numpy as np
 import pytest
-from kernel_check import check
 
 from ddl_ref import ops as ref
+from ddl_ref.check import check
 from ddl_wgpu.ops import elementwise, embedding, rmsnorm, rope, swiglu
 
 f32 = np.float32

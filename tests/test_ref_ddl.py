@@ -10,14 +10,10 @@ import numpy as np
 import pytest
 
 from ddl_ref import delta, model, shortconv
+from ddl_ref.check import assert_grad_close, check_grad, numeric_grad, random_params
 from ddl_ref.config import PRESETS, ConfigError, ModelConfig, ModelVariant, parse_variants, preset
 from ddl_ref.params import init_params, num_params, param_table
 from ddl_ref.spectral import DeltaRegime, SpectralAccumulator, beta_histogram, spectral_snapshot
-
-try:
-    from gradcheck import assert_grad_close, check_grad, numeric_grad, random_params
-except ImportError:  # tests/ imported as a package
-    from tests.gradcheck import assert_grad_close, check_grad, numeric_grad, random_params
 
 DDL_VARIANTS = [v for v in ModelVariant if v.uses_ddl]
 
