@@ -1,5 +1,8 @@
 """AdamW over flat f32 ranges (`shaders/adamw.wgsl`), clip and non-finite skip read on the GPU.
 
+Kernel path: `shaders/adamw.wgsl` -> `ddl_wgpu/ops/adamw.py` -> reference `ddl_ref.optim.adamw_step` -> test
+`tests/test_kernel_adamw.py`.
+
     hyper = adamw_hyper(gpu, lr, step, beta1, beta2, eps, weight_decay)   # one uniform per step ...
     calls = [adamw(gpu, p_i, g_i, m_i, v_i, scalars, n_i, hyper) for each range]  # ... shared by all
     # every step:

@@ -1,5 +1,10 @@
 """Causal grouped-query attention launchers (`shaders/attention.wgsl`), forward above backward.
 
+Kernel path: `shaders/attention.wgsl` -> `ddl_wgpu/ops/attention.py` -> reference
+`ddl_ref.ops.attention_forward`, `ddl_ref.ops.attention_backward`, `ddl_ref.ops.attention_masked_forward`,
+`ddl_ref.ops.attention_masked_backward` -> test `tests/test_kernel_attention.py` (the masked kernels:
+`tests/test_chain_attention.py`).
+
 Shapes: q (B,T,H,D), k and v (B,T,K,D), out (B,T,H,D), lse and delta (B,H,T); H % K == 0 and kv head j serves
 q heads [j*H/K, (j+1)*H/K). The scale defaults to D**-0.5 and travels in the uniform.
 

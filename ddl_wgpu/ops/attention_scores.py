@@ -1,5 +1,8 @@
 """Causal attention as GEMMs over materialised scores (`shaders/attention_scores.wgsl` + `matmul`).
 
+Kernel path: `shaders/attention_scores.wgsl` -> `ddl_wgpu/ops/attention_scores.py` -> reference
+`ddl_ref.ops.attention_forward`, `ddl_ref.ops.attention_backward` -> test `tests/test_kernel_attention.py`.
+
 The flash kernels of `attention.wgsl` never store the T x T scores, but each thread there computes a score as
 a D-long dot product from shared memory, which runs at about a quarter of the GEMM's rate on the H200
 (BENCHMARKS.md). This path instead writes the scores of up to `SCORE_BYTES` worth of (batch, head) pairs at a

@@ -1,5 +1,8 @@
 """Cross-entropy over rows of logits (`shaders/crossentropy.wgsl`), fused with its gradient, in place.
 
+Kernel path: `shaders/crossentropy.wgsl` -> `ddl_wgpu/ops/crossentropy.py` -> reference
+`ddl_ref.ops.cross_entropy_rows` -> test `tests/test_kernel_crossentropy.py`.
+
 The engine computes the LM head in row chunks into one (rows, V) logits buffer; for each chunk it records
 `cross_entropy`, which overwrites the logits with dlogits = (softmax(z) - onehot(t)) * weight * scale and
 writes the chunk's per-row losses; the head's backward then reads the dlogits. Full logits for the whole

@@ -1,8 +1,11 @@
 """Launchers for `shaders/delta.wgsl`: the Deep Delta residual update (ddl.md §1.2, §1.5, §5) of one sublayer.
 
+Kernel path: `shaders/delta.wgsl` -> `ddl_wgpu/ops/delta.py` -> reference `ddl_ref.delta.delta_forward`,
+`ddl_ref.delta.delta_backward` -> test `tests/test_kernel_delta.py`.
+
 Rows r = b*T + t (N = B*T rows). The state X is (rows, C, dv) row-major (d_v = 1 is X of shape (rows, C, 1)),
 u (the sublayer output k̃), c (the normalized context, β input) and x_v (the v input) are (rows, C).
-Parameters: w_beta (C,), b_beta (1,), W_v (dv, C), b_v (dv,). Reference: `ddl_ref.delta`.
+Parameters: w_beta (C,), b_beta (1,), W_v (dv, C), b_v (dv,).
 
 The forward saves per row `stats` (rows, STATS) with STATS = stats_size(dv) = 2 + 2*dv:
 

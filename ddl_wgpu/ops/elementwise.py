@@ -1,5 +1,8 @@
 """Launchers for `shaders/elementwise.wgsl`: the small utilities a step needs between the real kernels.
 
+Kernel path: `shaders/elementwise.wgsl` -> `ddl_wgpu/ops/elementwise.py` -> reference numpy itself (no
+`ddl_ref` function) -> test `tests/test_kernel_elementwise.py`.
+
 - `add_forward(out, a, b)`: out = a + b;
 - `add_inplace(y, x)`: y += x (the residual stream, summing gradients);
 - `axpy(y, x, alpha)`: y += alpha * x;

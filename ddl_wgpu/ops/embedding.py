@@ -1,5 +1,8 @@
 """Launchers for `shaders/embedding.wgsl`: the token-embedding gather and its deterministic backward.
 
+Kernel path: `shaders/embedding.wgsl` -> `ddl_wgpu/ops/embedding.py` -> reference
+`ddl_ref.ops.embedding_forward`, `ddl_ref.ops.embedding_backward` -> test `tests/test_kernel_embedding.py`.
+
 The backward needs, each step, the token positions sorted by id and the bucket bounds; the host has the ids
 anyway, so `embedding_buckets(ids, V)` computes them with numpy and the step writes them into two u32
 buffers (`gpu.write(order_buf, order)`, `gpu.write(starts_buf, starts)`) bound once by

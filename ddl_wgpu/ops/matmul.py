@@ -1,5 +1,8 @@
 """Launchers for `shaders/matmul.wgsl`: one generic, batched f32 GEMM and the linear-layer products built on it.
 
+Kernel path: `shaders/matmul.wgsl` -> `ddl_wgpu/ops/matmul.py` -> reference `ddl_ref.ops.linear_forward`,
+`ddl_ref.ops.linear_backward` -> test `tests/test_kernel_matmul.py`.
+
 `matmul` computes C = alpha * op(A) * op(B) (+ C), row-major everywhere: op(A) is M x K, stored (M, K) or
 (K, M) when `trans_a`; op(B) is K x N, stored (K, N) or (N, K) when `trans_b`; C is (M, N). A linear layer
 with the Hugging Face weight layout W (OUT, IN) needs three of the four layouts:

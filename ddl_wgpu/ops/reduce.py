@@ -1,5 +1,8 @@
 """Deterministic reductions (`shaders/reduce.wgsl`): gradient norm and clip multiplier, and plain sums.
 
+Kernel path: `shaders/reduce.wgsl` -> `ddl_wgpu/ops/reduce.py` -> reference `ddl_ref.optim.global_grad_norm`,
+`ddl_ref.optim.clip_multiplier` -> test `tests/test_kernel_reduce.py`.
+
 Global gradient norm over several flat ranges (one per arena or per tensor), with nothing read back:
 
     partials = gpu.buffer(4 * total_partials([n1, n2, n3]))

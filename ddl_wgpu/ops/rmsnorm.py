@@ -1,5 +1,8 @@
 """Launchers for `shaders/rmsnorm.wgsl`: RMSNorm over the last axis of a (rows, C) tensor.
 
+Kernel path: `shaders/rmsnorm.wgsl` -> `ddl_wgpu/ops/rmsnorm.py` -> reference `ddl_ref.ops.rmsnorm_forward`,
+`ddl_ref.ops.rmsnorm_backward` -> test `tests/test_kernel_rmsnorm.py`.
+
 style "standard": out = w * xhat (Llama/Qwen3); "offset": out = (1 + w) * xhat (Gemma/Qwen3.5); xhat = x * rstd,
 rstd = 1 / sqrt(mean(x^2) + eps). The forward saves rstd (rows,) for the backward. The same launchers serve
 the per-head q/k norm (rows = B * T * heads, C = head_dim).

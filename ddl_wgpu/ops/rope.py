@@ -1,5 +1,8 @@
 """Launchers for `shaders/rope.wgsl`: rotary position embedding (rotate-half) on x (B, T, N, D).
 
+Kernel path: `shaders/rope.wgsl` -> `ddl_wgpu/ops/rope.py` -> reference `ddl_ref.ops.rope_forward`,
+`ddl_ref.ops.rope_backward` -> test `tests/test_kernel_rope.py`.
+
 The tables cos/sin are (T_max, D) f32 with T_max >= T, from `ddl_ref.ops.rope_tables`, uploaded once; row t
 is position t, and positions run 0..T-1 within each sequence of the batch.
 

@@ -1,7 +1,13 @@
 """Launchers for `shaders/shortconv.wgsl`: the d_v > 1 state's compressors and expanders (ddl.md §1.5).
 
-Rows r = b*T + t; the state X is (rows, C, dv) row-major; x_in, e are (rows, C). Reference: `ddl_ref.delta`
-(`tc_*`, `cc_*`, `ec_*`, `repeat_*`), whose tap conventions these match:
+Kernel path: `shaders/shortconv.wgsl` -> `ddl_wgpu/ops/shortconv.py` -> reference
+`ddl_ref.shortconv.tc_forward`, `ddl_ref.shortconv.tc_backward`, `ddl_ref.shortconv.cc_forward`,
+`ddl_ref.shortconv.cc_backward`, `ddl_ref.shortconv.ec_forward`, `ddl_ref.shortconv.ec_backward`,
+`ddl_ref.shortconv.repeat_forward`, `ddl_ref.shortconv.repeat_backward` -> test
+`tests/test_kernel_shortconv.py`.
+
+Rows r = b*T + t; the state X is (rows, C, dv) row-major; x_in, e are (rows, C). The tap conventions are
+the reference's:
 
 - TC (token compression): causal depthwise conv over time on the C*dv channels, conv (C*dv, k), tap k-1 the
   current token, then x_in = y @ read, read (dv,). A row's history stops at t = 0 of its own sequence.

@@ -1,5 +1,8 @@
 """Launchers for `shaders/swiglu.wgsl`: out = silu(gate) * up over n items, and its backward.
 
+Kernel path: `shaders/swiglu.wgsl` -> `ddl_wgpu/ops/swiglu.py` -> reference `ddl_ref.ops.swiglu_forward`,
+`ddl_ref.ops.swiglu_backward` -> test `tests/test_kernel_swiglu.py`.
+
 The sigmoid in the shader is the stable form (exp of -|g| only), so |gate| of any size gives no NaN. Items
 move as vec4<f32> when n % 4 == 0 (`elementwise.vec_width`).
 

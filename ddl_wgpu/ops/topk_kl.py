@@ -1,5 +1,8 @@
 """Top-k KL distillation loss and top-k selection (`shaders/topk_kl.wgsl`), for healing an MTP draft head.
 
+Kernel path: `shaders/topk_kl.wgsl` -> `ddl_wgpu/ops/topk_kl.py` -> reference `ddl_ref.ops.topk_kl_forward`,
+`ddl_ref.ops.topk_kl_backward` -> test `tests/test_kernel_topk_kl.py`.
+
 `topk_kl` is used like `crossentropy.cross_entropy`: in place on a (rows, V) chunk of student logits, which
 become the gradient (zero except at the teacher's k ids, where it is (q~ - p~) * weight * scale_buf[0]),
 with per-row losses weight * KL(p~ || q~) (unscaled). The per-step buffers `teacher_ids` (N, k) u32,
