@@ -31,11 +31,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddl_wgpu.gpu import Call, GpuError
+from ddl_wgpu.gpu import Call, GpuError, Uniform
 from ddl_wgpu.ops.matmul import matmul
 
 FILE = "attention_scores.wgsl"
-PARAMS = "uuuu"  # T, rows, z0, W (0: causal; else the chained draft's window)
+PARAMS = Uniform(
+    "Params",
+    ("T", "u32"),
+    ("rows", "u32", "Z * T rows in this chunk"),
+    ("z0", "u32", "(batch, head) index of the chunk's first row, for lse / delta of shape (B*H, T)"),
+    ("W", "u32", "0: causal; else the chain mask's window"),
+)
 SOFTMAX_WG = 128  # threads per row of scores_softmax (the shader's WG)
 # Scores of at most this many bytes per scratch buffer (two of them in the backward): B*H*T*T*4 = 384 MiB for
 # the small preset's 16 x 1024 tokens x 6 heads, so one chunk; longer sequences run in chunks.
@@ -112,8 +118,14 @@ def _mm(gpu, c_res, a_res, b_res, M, N, K, lay: dict, a: str, b: str, cc: str, *
 def _row_call(
     gpu, entry: str, sig: str, buffers: list, T: int, rows: int, z0: int, W: int, groups: int
 ) -> Call:
-    k = gpu.kernel(FILE, entry, sig, workgroup=(SOFTMAX_WG if entry == "scores_softmax" else 256, 1, 1))
-    u = gpu.uniform(PARAMS, T, rows, z0, W, label=entry)
+    k = gpu.kernel(
+        FILE,
+        entry,
+        sig,
+        workgroup=(SOFTMAX_WG if entry == "scores_softmax" else 256, 1, 1),
+        uniforms=(PARAMS,),
+    )
+    u = gpu.uniform(PARAMS, T=T, rows=rows, z0=z0, W=W, label=entry)
     return Call([(k, gpu.bind(k, *buffers, u), groups)], [u])
 
 

@@ -34,15 +34,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddl_wgpu.gpu import MAX_GROUPS, Call, GpuError
+from ddl_wgpu.gpu import MAX_GROUPS, Call, GpuError, Uniform
 from ddl_wgpu.ops import nbytes as _nbytes
 
 SHADER = "matmul.wgsl"
-# M N K lda ldb ldc stride_a stride_b stride_c batch accumulate alpha, then the two-level batch (inner div_a div_b
-# istride_a istride_b istride_c), element offsets (off_a off_b off_c) and the causal mode
-PARAMS = "uuuuuuuuuuuf" + "uuuuuu" + "uuu" + "u"
+PARAMS = Uniform(
+    "Params",
+    ("M", "u32"),
+    ("N", "u32"),
+    ("K", "u32"),
+    ("lda", "u32"),
+    ("ldb", "u32"),
+    ("ldc", "u32"),
+    ("stride_a", "u32"),
+    ("stride_b", "u32"),
+    ("stride_c", "u32"),
+    ("batch", "u32"),
+    ("accumulate", "u32", "1: C = alpha*op(A)op(B) + C"),
+    ("alpha", "f32"),
+    ("inner", "u32", "two-level batch: z = zo * inner + zi"),
+    ("div_a", "u32"),
+    ("div_b", "u32"),
+    ("istride_a", "u32"),
+    ("istride_b", "u32"),
+    ("istride_c", "u32"),
+    ("off_a", "u32", "element offsets"),
+    ("off_b", "u32"),
+    ("off_c", "u32"),
+    ("causal", "u32", "0 none; 1, 2, 3: see the header"),
+)
 CAUSAL_MODES = {None: 0, "skip_upper": 1, "k_to_row": 2, "k_from_row": 3}
-REDUCE_PARAMS = "uuuufuuu"  # n parts stride accumulate alpha pad pad pad
+REDUCE_PARAMS = Uniform(
+    "RParams",
+    ("n", "u32", "elements of C (packed M x N)"),
+    ("parts", "u32"),
+    ("stride", "u32", "elements between two slices' partials"),
+    ("accumulate", "u32"),
+    ("alpha", "f32"),
+    ("pad0", "pad"),
+    ("pad1", "pad"),
+    ("pad2", "pad"),
+)
+UNIFORMS = (PARAMS, REDUCE_PARAMS)  # both structs of matmul.wgsl
 
 # Split-K is used when a product yields fewer LARGE_TILE workgroups than this on a GPU and K is long: the
 # H200 has 132 SMs, and the dW products of the small preset (36-96 workgroups) ran at 8-17 TFLOP/s.
@@ -214,6 +247,7 @@ def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile, b_dtype: str = "f32"):
         constants={"TRANS_A": int(trans_a), "TRANS_B": int(trans_b)},
         templates=tile.templates(b_dtype),
         workgroup=(tile.wx, tile.wy, 1),
+        uniforms=UNIFORMS,
     )
 
 
@@ -314,9 +348,22 @@ def _split_k(
             split_k=1,
             b_dtype=b_dtype,
         )
-    k = gpu.kernel(SHADER, "splitk_reduce", "rwu", templates=SMALL_TILE.templates(), workgroup=(256, 1, 1))
+    k = gpu.kernel(
+        SHADER,
+        "splitk_reduce",
+        "rwu",
+        templates=SMALL_TILE.templates(),
+        workgroup=(256, 1, 1),
+        uniforms=UNIFORMS,
+    )
     u = gpu.uniform(
-        REDUCE_PARAMS, M * N, parts, pstride, int(accumulate), float(alpha), 0, 0, 0, label="splitk"
+        REDUCE_PARAMS,
+        n=M * N,
+        parts=parts,
+        stride=pstride,
+        accumulate=int(accumulate),
+        alpha=alpha,
+        label="splitk",
     )
     call += Call([(k, gpu.bind(k, (scratch, 0, parts * pstride * 4), c, u), -(-(M * N) // 256))], [u])
     return call
@@ -445,28 +492,28 @@ def matmul(
     k = kernel(gpu, trans_a, trans_b, tile, b_dtype)
     u = gpu.uniform(
         PARAMS,
-        M,
-        N,
-        K,
-        lda,
-        ldb,
-        ldc,
-        int(stride_a),
-        int(stride_b),
-        int(stride_c),
-        batch,
-        int(accumulate),
-        float(alpha),
-        inner,
-        int(div_a),
-        int(div_b),
-        int(istride_a),
-        int(istride_b),
-        int(istride_c),
-        int(off_a),
-        int(off_b),
-        int(off_c),
-        CAUSAL_MODES[causal],
+        M=M,
+        N=N,
+        K=K,
+        lda=lda,
+        ldb=ldb,
+        ldc=ldc,
+        stride_a=stride_a,
+        stride_b=stride_b,
+        stride_c=stride_c,
+        batch=batch,
+        accumulate=int(accumulate),
+        alpha=alpha,
+        inner=inner,
+        div_a=div_a,
+        div_b=div_b,
+        istride_a=istride_a,
+        istride_b=istride_b,
+        istride_c=istride_c,
+        off_a=off_a,
+        off_b=off_b,
+        off_c=off_c,
+        causal=CAUSAL_MODES[causal],
         label="matmul",
     )
     return Call(dispatches=[(k, gpu.bind(k, a, b, c, u), groups)], uniforms=[u])
