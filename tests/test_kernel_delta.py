@@ -11,6 +11,7 @@ import pytest
 
 from ddl_ref import delta as ref
 from ddl_ref.check import check
+from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.ops import delta as kd
 
 f32 = np.float32
@@ -72,6 +73,10 @@ def _check_forward(gpu, d, X_new, cache, rows, C, dv):
 @pytest.mark.parametrize("C", [10, 37, 64, 300])
 def test_delta_forward(gpu, rng, C, dv, fused):
     rows = 13
+    if fused and not kd.fused_forward(gpu):  # WebGPU's default limits (DDL_WGPU_LIMITS=webgpu): 8 buffers
+        with pytest.raises(GpuError, match="storage buffers"):
+            _delta_case(gpu, rng, rows, C, dv, fused=fused)
+        return
     _h, d, X_new, cache = _delta_case(gpu, rng, rows, C, dv, fused=fused)
     _check_forward(gpu, d, X_new, cache, rows, C, dv)
 
@@ -81,6 +86,10 @@ def test_delta_forward(gpu, rng, C, dv, fused):
 def test_delta_forward_x_v_is_X(gpu, rng, C, fused):
     """d_v = 1 with x_v bound to X's buffer: the one-pass forward takes x_v from X's registers."""
     rows = 13
+    if fused and not kd.fused_forward(gpu):
+        with pytest.raises(GpuError, match="storage buffers"):
+            _delta_case(gpu, rng, rows, C, 1, fused=fused, alias=True)
+        return
     _h, d, X_new, cache = _delta_case(gpu, rng, rows, C, 1, fused=fused, alias=True)
     _check_forward(gpu, d, X_new, cache, rows, C, 1)
 

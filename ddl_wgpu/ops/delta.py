@@ -32,7 +32,7 @@ What it does not do: mixed precision, the MLP β head (`ddl_beta_single_linear=F
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Gpu, Uniform
+from ddl_wgpu.gpu import Call, Gpu, GpuError, Uniform
 from ddl_wgpu.ops import need_all as _need
 from ddl_wgpu.ops import view
 from ddl_wgpu.ops.elementwise import templates as _item_templates
@@ -221,6 +221,11 @@ def delta_forward(
     p = gpu.uniform(PARAMS, rows=rows, C=C, eps2=float(k_eps) ** 2, v_scale=v_scale, accumulate_dc=0, accumulate_dx_v=0,
                     label="delta_forward")  # fmt: skip
     width = _width(C, dv, X_new, X, u, c, x_v, w_beta, W_v)
+    if fused and not fused_forward(gpu):
+        raise GpuError(
+            f"delta_forward: the one-pass form binds {FUSED_FORWARD_BUFFERS} storage buffers, this device allows "
+            f"{gpu.limits.get('max-storage-buffers-per-shader-stage', 8)}; use fused=False or None"
+        )
     if fused_forward(gpu) if fused is None else fused:
         xv_is_x = dv == 1 and view(x_v) == view(X)
         k, rpw = _kernel(gpu, "delta_forward", "rrrrrrrrwwu", C, dv, width, xv_is_x)
