@@ -29,10 +29,10 @@ What this file deliberately does not do: choose between itself and the flash ker
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ddl_wgpu.gpu import Call, GpuError, Uniform
-from ddl_wgpu.ops.matmul import matmul
+from ddl_wgpu.ops.matmul import Batch, Strides, matmul
 
 FILE = "attention_scores.wgsl"
 PARAMS = Uniform(
@@ -98,21 +98,18 @@ def _heads(c: Chunk, T: int, H: int, K: int, D: int) -> dict:
     return {
         "batch": c.nb * hc,
         "inner": hc,
-        "q": dict(ld=H * D, stride=T * H * D, istride=D, off=(c.b0 * T * H + c.j0 * G) * D),
-        "k": dict(ld=K * D, stride=T * K * D, istride=D, off=(c.b0 * T * K + c.j0) * D, div=G),
-        "s": dict(ld=T, stride=hc * T * T, istride=T * T, off=0),
+        # (row stride, placement of the products)
+        "q": (H * D, Strides(stride=T * H * D, istride=D, off=(c.b0 * T * H + c.j0 * G) * D)),
+        "k": (K * D, Strides(stride=T * K * D, istride=D, off=(c.b0 * T * K + c.j0) * D, div=G)),
+        "s": (T, Strides(stride=hc * T * T, istride=T * T)),
     }
 
 
 def _mm(gpu, c_res, a_res, b_res, M, N, K, lay: dict, a: str, b: str, cc: str, **kw) -> Call:
     """matmul with the operands' strides taken from the chunk layout `lay` (keys "q", "k", "s")."""
-    A, B_, C = lay[a], lay[b], lay[cc]
-    return matmul(
-        gpu, c_res, a_res, b_res, M, N, K, batch=lay["batch"], inner=lay["inner"],
-        lda=A["ld"], stride_a=A["stride"], istride_a=A["istride"], off_a=A["off"], div_a=A.get("div", 1),
-        ldb=B_["ld"], stride_b=B_["stride"], istride_b=B_["istride"], off_b=B_["off"], div_b=B_.get("div", 1),
-        ldc=C["ld"], stride_c=C["stride"], istride_c=C["istride"], off_c=C["off"], **kw,
-    )  # fmt: skip
+    (lda, sa), (ldb, sb), (ldc, sc) = lay[a], lay[b], lay[cc]
+    batch = Batch(lay["batch"], lay["inner"], sa, sb, sc)
+    return matmul(gpu, c_res, a_res, b_res, M, N, K, lda=lda, ldb=ldb, ldc=ldc, batch=batch, **kw)
 
 
 def _row_call(
@@ -167,11 +164,12 @@ def backward(
         per_kv = {
             "batch": c.nb * c.nk,
             "inner": c.nk,
-            "k": dict(lay["k"], istride=D, div=1),
+            "k": (lay["k"][0], replace(lay["k"][1], istride=D, div=1)),
         }
         for g in range(G):
-            per_kv["s"] = dict(ld=T, stride=hc * T * T, istride=G * T * T, off=g * T * T)
-            per_kv["q"] = dict(lay["q"], istride=G * D, off=lay["q"]["off"] + g * D)
+            per_kv["s"] = (T, Strides(stride=hc * T * T, istride=G * T * T, off=g * T * T))
+            ldq, sq = lay["q"]
+            per_kv["q"] = (ldq, replace(sq, istride=G * D, off=sq.off + g * D))
             for dst, coef, rhs, alpha in ((dv, s, dout, 1.0), (dk, dp, q, scale)):
                 call += _mm(gpu, dst, coef, rhs, T, D, T, per_kv, "s", "q", "k", trans_a=True, alpha=alpha,
                             accumulate=g > 0, causal="k_from_row")  # fmt: skip
