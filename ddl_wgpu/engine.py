@@ -43,20 +43,9 @@ import numpy as np
 
 from ddl_ref import ops as ref_ops
 from ddl_wgpu.gpu import Call, GpuError
-from ddl_wgpu.net import (
-    ALIGN,
-    EMBED,
-    F32,
-    MTP_BLOCK,
-    MTP_EH,
-    MTP_ENORM,
-    MTP_HNORM,
-    MTP_NORM,
-    AdamW,
-    Net,
-    StepResult,
-    _align,
-)
+from ddl_wgpu.layout import ALIGN, EMBED, F32, MTP_BLOCK, MTP_EH, MTP_ENORM, MTP_HNORM, MTP_NORM
+from ddl_wgpu.layout import align as _align
+from ddl_wgpu.net import Net
 from ddl_wgpu.ops import attention as k_attn
 from ddl_wgpu.ops import crossentropy as k_ce
 from ddl_wgpu.ops import delta as k_delta
@@ -69,6 +58,7 @@ from ddl_wgpu.ops import rope as k_rope
 from ddl_wgpu.ops import shortconv as k_sc
 from ddl_wgpu.ops import swiglu as k_swiglu
 from ddl_wgpu.ops import topk_kl as k_topk
+from ddl_wgpu.step import AdamW, StepResult
 
 
 def head_chunk_rows(gpu, N: int, C: int, V: int) -> int:

@@ -17,9 +17,11 @@ import pytest
 from ddl_ref.config import preset
 from ddl_ref.params import init_params
 from ddl_wgpu.gpu import Gpu, GpuError
-from ddl_wgpu.net import ALIGN, F16_SUFFIXES, AdamW, Net, is_f16_matrix
+from ddl_wgpu.layout import ALIGN
+from ddl_wgpu.net import F16_SUFFIXES, Net, is_f16_matrix
 from ddl_wgpu.ops import embedding as k_emb
 from ddl_wgpu.ops import matmul as k_mm
+from ddl_wgpu.step import AdamW
 
 B, T = 2, 8
 V, C = 300, 32
