@@ -256,7 +256,7 @@ def make_teacher(backend: str, model: Model, batch: int = 4, device: str | None 
 
         return RefTeacher(model.params, model.cfg)
     from ddl_wgpu.gpu import GpuError
-    from ddl_wgpu.inference import WgpuTeacher
+    from ddl_wgpu.heal_gpu import WgpuTeacher
 
     try:
         return WgpuTeacher(open_gpu(device), model.params, model.cfg, batch, trunk_dtype)
@@ -272,7 +272,7 @@ def make_draft(backend: str, model: Model, init: dict | None = None, batch: int 
         from ddl_wgpu.refnet import RefDraft
 
         return RefDraft(model.params, model.cfg, init)
-    from ddl_wgpu.draft import WgpuDraft
+    from ddl_wgpu.heal_gpu import WgpuDraft
 
     return WgpuDraft(open_gpu(device), model.params, model.cfg, init, batch)
 

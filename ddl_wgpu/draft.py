@@ -1,5 +1,14 @@
-"""The heal draft on the GPU (`WgpuDraft`): the MTP draft's block and final norm trained alone as a one-layer
-model whose first block reads given input rows, against a teacher's top-k (top-k KL).
+"""heal's draft on the GPU, trained alone: `DraftWork`.
+
+The MTP draft's block and final norm are healed as a one-layer model (`ddl_ref.mtp.draft_config`) whose
+first block reads uploaded input rows (the draft's block input eh_proj·[enorm(e); hnorm(h)], built on the
+host) instead of an embedding, and whose loss is the top-k KL to a teacher's top-k (`ops.topk_kl`, in row
+chunks of logits like the cross-entropy). Nothing flows into the embedding; the shared head is frozen unless
+trainable.
+
+Chain attention (`chain=j`): the seq rows are the stacked rows of chain steps 1..j of each window (row
+(σ−1)·W + p, seq = j·W); attention uses the runtime's diagonal mask (`ops.attention.attention_masked_*`,
+`ddl_ref.ops.chain_mask`) and RoPE the positions p + σ − 1; the caller weights the rows of steps < j with 0.
 """
 
 from __future__ import annotations
@@ -8,91 +17,142 @@ import math
 
 import numpy as np
 
-from ddl_ref import mtp as ref_mtp
-from ddl_ref.config import ModelConfig
-from ddl_wgpu.engine import Work
-from ddl_wgpu.gpu import Gpu
-from ddl_wgpu.inference import pad_rows
-from ddl_wgpu.net import Net
-from ddl_wgpu.step import draft_adamw
+from ddl_ref import ops as ref_ops
+from ddl_wgpu.blocks import Blocks
+from ddl_wgpu.gpu import Call, GpuError
+from ddl_wgpu.ops import attention as k_attn
+from ddl_wgpu.ops import reduce as k_red
+from ddl_wgpu.ops import topk_kl as k_topk
+from ddl_wgpu.step import AdamW, StepResult
 
 
-class WgpuDraft:
-    """The draft block + its final norm on the GPU, as a one-layer model (`ddl_ref.mtp.draft_config`) whose
-    first block reads the given input rows; the shared embedding/head is loaded but frozen. Adam
-    (`step.draft_adamw`) as `refnet.RefDraft`; a non-finite step leaves weights and moments untouched (the
-    AdamW kernel's skip)."""
+class DraftWork(Blocks):
+    """A one-layer baseline model on input rows (B, T, C), its loss the top-k KL (width `kl_k`) to a
+    teacher's top-k; `chain` = j >= 1 stacks chain steps 1..j (module docstring)."""
 
-    def __init__(self, gpu: Gpu, params: dict, cfg: ModelConfig, init: dict | None = None, batch: int = 4):
-        self.cfg, self.B = cfg, batch
-        src = init if init is not None else params
-        n = len(ref_mtp.MTP_LAYER_PREFIX)
-        self.names = {}  # one-layer name -> model.mtp.* name
-        for name in ref_mtp.trained_names(params):
-            local = "model.norm.weight" if name == ref_mtp.NORM else "model.layers.0." + name[n:]
-            self.names[local] = name
-        dp = {local: np.asarray(src[name], np.float32) for local, name in self.names.items()}
-        dp["model.embed_tokens.weight"] = params["model.embed_tokens.weight"]
-        if not cfg.tie_embeddings:
-            dp["lm_head.weight"] = params["lm_head.weight"]
-        # the frozen embedding/head gets no gradient or moment storage (the input-rows Work never writes it)
-        self.net = Net(gpu, ref_mtp.draft_config(cfg), dp, trainable=list(self.names), frozen_state=False)
-        self._works: dict = {}
+    def __init__(self, net, batch: int, seq: int, kl_k: int, chain: int = 0, chunk_rows: int | None = None):
+        cfg = net.cfg
+        if chain and (chain < 1 or seq % chain):
+            raise GpuError(f"chain={chain} needs {seq} rows of whole chain windows")
+        if net.inference:
+            raise GpuError("a draft work trains: it needs a Net with gradients (not inference-only)")
+        if cfg.residual != "add" or kl_k < 1 or cfg.mtp is not None:
+            raise GpuError("a draft work needs a baseline model without a draft and a top-k width kl_k >= 1")
+        self.chain, self.kl_k = int(chain), int(kl_k)
+        super().__init__(net, batch, seq, chunk_rows, span=seq // chain if chain else seq)
+        N = self.N
+        self.init_backward_scratch()
+        self.weights = self.act(N, "weights")
+        self.scale = self.act(4, "loss_scale")
+        self.t_ids = self.gpu.buffer(N * self.kl_k * 4, label="teacher_ids")
+        self.t_probs = self.act(N * self.kl_k, "teacher_probs")
+        self._fwd = self.blocks_forward() + self.final_norm_forward()
+        head_trained = net.head_name in net.trainable
+        self._head_eval = self.head_calls(self.xf, self._topk_kl)
+        self._head_train = self.head_calls(self.xf, self._topk_kl, self.dxf, head_trained)
+        self._sum = k_red.sum_rows(self.gpu, self.loss_acc, self.row_loss, N)
+        self._bwd = self.backward_calls()
 
-    def _work(self, T: int, k: int = 1, chain: int = 0):
-        if (T, k, chain) not in self._works:
-            self._works[(T, k, chain)] = Work(self.net, self.B, T, rows_in=True, kl_k=k, chain=chain)
-        return self._works[(T, k, chain)]
+    def _rope_tables(self):
+        """Stacked chain steps: row (σ−1)·W + p sits at position p + σ − 1."""
+        if not self.chain:
+            return super()._rope_tables()
+        positions = ref_ops.chain_positions(self.chain, self.T // self.chain)
+        return ref_ops.rope_tables_at(positions, self.cfg.head_dim, self.cfg.rope_theta, np.float64)
 
-    def _args(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0):
-        b = np.shape(x_rows)[0]
-        x, tid, tp, w = (pad_rows(a, self.B) for a in (np.asarray(x_rows, np.float32), teacher_ids,
-                                                         np.asarray(teacher_probs, np.float32),
-                                                         np.asarray(weights, np.float32)))  # fmt: skip
-        return b, self._work(x.shape[1], tid.shape[-1], chain), (x, tid, tp, w)
+    def attend(self, a: dict) -> Call:
+        """Causal attention, or with `chain` the runtime's diagonal mask over windows of T / chain rows."""
+        if not self.chain:
+            return super().attend(a)
+        cfg = self.cfg
+        return k_attn.attention_masked_forward(self.gpu, a["a"], a["lse"], self._qk_final(a, "q"),
+                                               self._qk_final(a, "k"), a["v"], self.B, self.T, cfg.n_heads,
+                                               cfg.n_kv_heads, cfg.head_dim, self.T // self.chain)  # fmt: skip
 
-    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale, chain: int = 0):
-        """Forward, backward and (when finite) one Adam update -> (loss, grad_norm, finite). Gradients are
-        float32, so `grad_scale` (the reference's loss scale) is never needed here."""
-        _b, work, args = self._args(x_rows, teacher_ids, teacher_probs, weights, chain)
-        r = work.step_rows(*args, update=draft_adamw(lr, step))
-        return float(r.loss), float(r.grad_norm), bool(r.finite and math.isfinite(r.grad_norm))
+    def attend_backward(self, a: dict) -> Call:
+        if not self.chain:
+            return super().attend_backward(a)
+        cfg = self.cfg
+        return k_attn.attention_masked_backward(self.gpu, self.dq[0], self.dk[0], self.dv_, self.da, a["a"],
+                                                a["lse"], self._qk_final(a, "q"), self._qk_final(a, "k"), a["v"],
+                                                self.B, self.T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                                self.T // self.chain)  # fmt: skip
 
-    def grads(self) -> dict:
-        """The last step's gradients of the trained tensors, by their model.mtp.* names (tests)."""
-        g = self.net.grads()
-        return {name: g[local] for local, name in self.names.items()}
+    def _topk_kl(self, logits, n: int, r0: int) -> Call:
+        """The top-k KL of one chunk of logits to the teacher's top-k (its kernel writes the gradient in
+        place even when evaluating: harmless scratch)."""
+        return k_topk.topk_kl(self.gpu, self.row_loss, logits, self.t_ids, self.t_probs, self.weights, n,
+                              self.cfg.vocab_size, self.kl_k, self.scale, row_offset=r0)  # fmt: skip
 
-    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float:
-        _b, work, args = self._args(x_rows, teacher_ids, teacher_probs, weights, chain)
-        return work.loss_sum_rows(*args)
+    def backward_calls(self) -> Call:
+        """final norm -> blocks; the rows came from outside: nothing flows into the embedding."""
+        call = self.final_norm_backward(self.dx)
+        c, _ = self.blocks_backward(self.dx)
+        return call + c
 
-    def hidden_out(self, x_rows, chain: int = 0):
-        x = np.asarray(x_rows, np.float32)
-        b = x.shape[0]
-        pre, post = self._work(x.shape[1], 1, chain).forward_rows(pad_rows(x, self.B))
-        return pre[:b], post[:b]
+    # -- per-step host data -----------------------------------------------------------------------------
 
-    def greedy(self, x_rows, chain: int = 0):
-        """Forward only -> (argmax (b, T) int32, pre, post): one chained draft step (`accept`), any b; `chain`
-        as in `hidden_out` (the stacked rows of steps 1..chain, every row's argmax and hiddens returned)."""
-        x = np.asarray(x_rows, np.float32)
-        work = self._work(x.shape[1], 1, chain)
-        out = []
-        for s in range(0, x.shape[0], self.B):
-            part = x[s : s + self.B]
-            ids, _p = work.topk(pad_rows(part, self.B), 1)
-            pre, post = work.hidden()
-            n = part.shape[0]
-            out.append((ids[:n, :, 0], pre[:n], post[:n]))
-        return tuple(np.concatenate(parts) for parts in zip(*out, strict=True))
+    def upload_rows(self, x, teacher_ids=None, teacher_probs=None, weights=None) -> float:
+        """x (B, T, C) into the first block's input; with a teacher, its top-k and the row weights (the loss
+        scale is 1 / their sum). -> the sum of the weights."""
+        x = np.asarray(x, np.float32)
+        C, N = self.C, self.N
+        if x.shape != (self.B, self.T, C):
+            raise GpuError(f"input rows of shape {x.shape}, this Work was built for {(self.B, self.T, C)}")
+        g = self.gpu
+        g.write(self.L[0]["x"], x.reshape(-1))
+        if teacher_ids is None:
+            return 0.0
+        k = self.kl_k
+        tid = np.asarray(teacher_ids).reshape(N, -1)
+        if tid.shape[1] != k:
+            raise GpuError(f"teacher top-k of width {tid.shape[1]}, this Work was built for {k}")
+        w = np.asarray(weights, np.float32).reshape(N)
+        count = float(w.sum())
+        g.write(self.t_ids, np.clip(tid, 0, self.cfg.vocab_size - 1).astype(np.uint32).reshape(-1))
+        g.write(self.t_probs, np.asarray(teacher_probs, np.float32).reshape(-1))
+        g.write(self.weights, w)
+        g.write(self.scale, np.array([1.0 / max(count, 1.0)], np.float32))
+        return count
 
-    def snapshot(self):
-        return self.net.snapshot()
+    # -- steps and evaluation ---------------------------------------------------------------------------
 
-    def restore(self, snap) -> None:
-        self.net.restore(snap)
+    def step_rows(self, x, teacher_ids, teacher_probs, weights, update: AdamW | None = None) -> StepResult:
+        """x (B, T, C) block input rows; teacher top-k ids/probs (B, T, k); weights (B, T) 0/1. Forward,
+        top-k KL (mean over weighted rows), backward, and with `update` the clip and AdamW; one submit."""
+        count = self.upload_rows(x, teacher_ids, teacher_probs, weights)
+        rec = self.gpu.recorder()
+        self.net.zero_grads_call().record(rec)
+        self._fwd.record(rec)
+        self._head_train.record(rec)
+        self._sum.record(rec)
+        self._bwd.record(rec)
+        if update is not None:
+            self.net.optimizer_call(update).record(rec)
+        out = self.finish(rec, update is not None)
+        loss = float(out[0]) / max(count, 1.0)
+        finite = bool(np.isfinite(loss)) and (update is None or out[3] != 0)
+        norm = float(out[1]) if update is not None else math.nan
+        return StepResult(loss=loss, count=int(count), grad_norm=norm, finite=finite)
 
-    def export(self) -> dict:
-        p = self.net.export()
-        return {name: p[local].copy() for local, name in self.names.items()}
+    def loss_sum_rows(self, x, teacher_ids, teacher_probs, weights) -> float:
+        """Sum over rows of weight · top-k KL (evaluation; no gradients)."""
+        self.upload_rows(x, teacher_ids, teacher_probs, weights)
+        rec = self.gpu.recorder()
+        self._fwd.record(rec)
+        self._head_eval.record(rec)
+        self._sum.record(rec)
+        return float(self.finish(rec, False)[0])
+
+    def forward_rows(self, x) -> tuple[np.ndarray, np.ndarray]:
+        """Forward of input rows x (B, T, C) -> the block's (output, final-normed output), each (B, T, C)."""
+        self.upload_rows(x)
+        rec = self.gpu.recorder()
+        self._fwd.record(rec)
+        rec.submit()
+        return self.hidden()
+
+    def topk(self, x, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """One forward of input rows x (B, T, C), then per row the top-k next tokens (`Blocks.run_topk`)."""
+        self.upload_rows(x)
+        return self.run_topk(self._fwd, min(int(k), self.cfg.vocab_size))

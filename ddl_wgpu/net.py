@@ -13,29 +13,28 @@ and gradient views raise GpuError. With dtype="f16" the large 2-D matrices (`F16
 and read by the f16-B matmul / f16 embedding gather (f32 accumulation); every 1-D tensor and the small
 DDL/compressor/conv weights stay f32. f16 needs the adapter's shader-f16.
 
-The activations and the model's forward/backward live in `engine.py` (`Work`).
+The activations and the model's forward/backward live in the per-job works: `trunk.TrunkWork` (training),
+`inference.InferenceWork` (forward only), `draft.DraftWork` (heal's draft), over `blocks.Blocks`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ddl_ref.config import ModelConfig
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu.gpu import Call, Gpu, GpuError
+from ddl_wgpu.inference import InferenceWork
 from ddl_wgpu.layout import ALIGN, F16, F32
 from ddl_wgpu.layout import align as _align
 from ddl_wgpu.ops import adamw as k_adamw
 from ddl_wgpu.ops import elementwise as k_ew
 from ddl_wgpu.ops import reduce as k_red
 from ddl_wgpu.step import AdamW
-
-if TYPE_CHECKING:
-    from ddl_wgpu.engine import Work
+from ddl_wgpu.trunk import TrunkWork
 
 DTYPES = ("f32", "f16")
 # Names (by suffix) of the matrices an f16 inference Net stores as f16: the large 2-D ones. Everything else
@@ -175,6 +174,7 @@ class Net:
         self.load(params if params is not None else init_params(cfg, seed))
         self._opt = None
         self._zero = None
+        self._works: dict = {}
 
     def _trainable_names(self, trainable, inference: bool) -> list[str]:
         names = [s.name for s in self.table]
@@ -189,14 +189,12 @@ class Net:
             raise GpuError(f"unknown trainable parameter(s): {sorted(unknown)}")
         return [n for n in names if n in set(trainable)]
 
-    def work(self, batch: int, seq: int) -> Work:
-        """The Work for this (batch, seq), built on first use and cached."""
-        if not hasattr(self, "_works"):
-            self._works = {}
+    def work(self, batch: int, seq: int) -> TrunkWork | InferenceWork:
+        """The work of this net's job for (batch, seq), built on first use and cached: a `TrunkWork` (training
+        step, evaluation) for a training net, an `InferenceWork` (forward only) for an inference net."""
         if (batch, seq) not in self._works:
-            from ddl_wgpu.engine import Work  # engine.py imports this module: import at use
-
-            self._works[(batch, seq)] = Work(self, batch, seq)
+            job = InferenceWork if self.inference else TrunkWork
+            self._works[(batch, seq)] = job(self, batch, seq)
         return self._works[(batch, seq)]
 
     def export_snapshot(self, snapshot: list) -> dict[str, np.ndarray]:
