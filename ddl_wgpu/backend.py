@@ -110,7 +110,8 @@ class TrainNet(Protocol):
 
 class Teacher(Protocol):
     def topk_hidden(self, ids_batch: np.ndarray, k: int):
-        """ids (B, T) -> (top_ids (B, T, k) int32, top_probs (B, T, k) f32, hidden_pre, hidden_post (B, T, C))."""
+        """ids (B, T) -> (top_ids (B, T, k) int32, top_probs (B, T, k) f32, hidden_pre, hidden_post, each
+        (B, T, C))."""
         ...
 
 

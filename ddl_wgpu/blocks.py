@@ -53,6 +53,7 @@ class Blocks:
         self.B, self.T = batch, seq
         self.N = N = batch * seq  # rows (tokens)
         self.C = C = cfg.d_model
+        self.heads = (batch, seq, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)  # attention's (B, T, H, K, D)
         self.ddl = cfg.residual == "delta"
         self.dv = cfg.ddl_dv if self.ddl else 1
         self.S = S = N * C * self.dv  # floats in one stream/state
@@ -148,8 +149,9 @@ class Blocks:
 
     def _linear_backward(self, dx, dout, x, name: str, n_out: int, n_in: int, accumulate_dx=False) -> Call:
         """dx (+)= dout · W[name]; dW[name] += doutᵀ · x."""
-        return k_mm.linear_backward(self.gpu, dx, self.net.view(name, "g"), dout, x, self.net.view(name),
-                                    self.N, n_out, n_in, accumulate_dx=accumulate_dx, accumulate_dw=True)  # fmt: skip
+        w, dw = self.net.view(name), self.net.view(name, "g")
+        return k_mm.linear_backward(self.gpu, dx, dw, dout, x, w, self.N, n_out, n_in,
+                                    accumulate_dx=accumulate_dx, accumulate_dw=True)  # fmt: skip
 
     def _project_out(self, out, x, name: str, n_in: int, accumulate: bool) -> Call:
         """out (N, C) (+)= x (N, n_in) · W[name]ᵀ: a sublayer's output projection (into the residual)."""
@@ -220,10 +222,10 @@ class Blocks:
     def _delta_forward(self, a: dict, sub: str, q: str, X, X_new, c) -> Call:
         """X_new = X + β·k(v − kᵀX) with k = u/|u|, β and v from (c, x_in) (`ops.delta`)."""
         P, cfg = self.net.view, self.cfg
+        beta = (P(q + "beta_proj.weight"), P(q + "beta_proj.bias"))
+        v = (P(q + "v_proj.weight"), P(q + "v_proj.bias"))
         return k_delta.delta_forward(self.gpu, X_new, a["st_" + sub], X, a["u_" + sub], c, a["xin_" + sub],
-                                     P(q + "beta_proj.weight"), P(q + "beta_proj.bias"), P(q + "v_proj.weight"),
-                                     P(q + "v_proj.bias"), self.N, self.C, self.dv, cfg.ddl_k_eps,
-                                     cfg.ddl_v_scale)  # fmt: skip
+                                     *beta, *v, self.N, self.C, self.dv, cfg.ddl_k_eps, cfg.ddl_v_scale)  # fmt: skip
 
     def _sublayer_forward(self, sub: str, a: dict, p: str, out, accumulate: bool) -> Call:
         """Attention (from a["h"]) or SwiGLU MLP (from a["h2"]), its output projection into `out`."""
@@ -244,9 +246,8 @@ class Blocks:
 
     def attend(self, a: dict) -> Call:
         """a["a"], a["lse"] = causal attention of the final q, k over v."""
-        cfg = self.cfg
-        return k_attn.attention_forward(self.gpu, a["a"], a["lse"], self._qk_final(a, "q"), self._qk_final(a, "k"),
-                                        a["v"], self.B, self.T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)  # fmt: skip
+        q, k = self._qk_final(a, "q"), self._qk_final(a, "k")
+        return k_attn.attention_forward(self.gpu, a["a"], a["lse"], q, k, a["v"], *self.heads)
 
     def _qk_final(self, a: dict, t: str):
         return a[t + str(len(QK_ORDER[self.cfg.qk_norm]))]
@@ -267,7 +268,7 @@ class Blocks:
     # -- a block: backward, the same ops in reverse ---------------------------------------------------------
 
     def blocks_backward(self, d_last) -> tuple[Call, object]:
-        """From d(xL) to d(L[0]["x"]): the readout (d_v > 1), then every block in reverse -> (call, buffer)."""
+        """From d(xL) to d(L[0]["x"]): the readout (d_v > 1), then every block in reverse -> (call, d(x0))."""
         call, dcur = Call(), d_last
         if self.dv > 1:
             call += k_ew.fill(self.gpu, self.dS[0], self.S, 0.0)
@@ -341,10 +342,11 @@ class Blocks:
 
     def attend_backward(self, a: dict) -> Call:
         """dq[0], dk[0], dv_ from da: the reverse of `attend`."""
-        cfg = self.cfg
-        return k_attn.attention_backward(self.gpu, self.dq[0], self.dk[0], self.dv_, self.da, a["a"], a["lse"],
-                                         self._qk_final(a, "q"), self._qk_final(a, "k"), a["v"], self.B, self.T,
-                                         cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)  # fmt: skip
+        q, k = self._qk_final(a, "q"), self._qk_final(a, "k")
+        grads = (self.dq[0], self.dk[0], self.dv_)
+        return k_attn.attention_backward(
+            self.gpu, *grads, self.da, a["a"], a["lse"], q, k, a["v"], *self.heads
+        )
 
     def _qk_backward(self, a: dict, t: str, nh: int, p: str, dfinal, scratch) -> tuple[Call, object]:
         """Reverse of `_qk_forward`: from d(final q/k) to d(projection output), ping-ponging two buffers."""
@@ -390,7 +392,10 @@ class Blocks:
             g, N, V = self.gpu, self.N, self.cfg.vocab_size
             ids_out = g.buffer(N * k * 4, label="topk_ids")
             probs_out = g.buffer(N * k * F32, label="topk_probs")
-            topk = lambda logits, n, r0: k_topk.topk(g, ids_out, probs_out, logits, n, V, k, row_offset=r0)  # noqa: E731
+
+            def topk(logits, n: int, r0: int) -> Call:
+                return k_topk.topk(g, ids_out, probs_out, logits, n, V, k, row_offset=r0)
+
             self._topk[k] = (self.head_calls(self.xf, topk), ids_out, probs_out)
         return self._topk[k]
 

@@ -64,19 +64,18 @@ class DraftWork(Blocks):
         """Causal attention, or with `chain` the runtime's diagonal mask over windows of T / chain rows."""
         if not self.chain:
             return super().attend(a)
-        cfg = self.cfg
-        return k_attn.attention_masked_forward(self.gpu, a["a"], a["lse"], self._qk_final(a, "q"),
-                                               self._qk_final(a, "k"), a["v"], self.B, self.T, cfg.n_heads,
-                                               cfg.n_kv_heads, cfg.head_dim, self.T // self.chain)  # fmt: skip
+        q, k = self._qk_final(a, "q"), self._qk_final(a, "k")
+        W = self.T // self.chain
+        return k_attn.attention_masked_forward(self.gpu, a["a"], a["lse"], q, k, a["v"], *self.heads, W)
 
     def attend_backward(self, a: dict) -> Call:
         if not self.chain:
             return super().attend_backward(a)
-        cfg = self.cfg
-        return k_attn.attention_masked_backward(self.gpu, self.dq[0], self.dk[0], self.dv_, self.da, a["a"],
-                                                a["lse"], self._qk_final(a, "q"), self._qk_final(a, "k"), a["v"],
-                                                self.B, self.T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                                self.T // self.chain)  # fmt: skip
+        q, k = self._qk_final(a, "q"), self._qk_final(a, "k")
+        W = self.T // self.chain
+        grads = (self.dq[0], self.dk[0], self.dv_)
+        return k_attn.attention_masked_backward(self.gpu, *grads, self.da, a["a"], a["lse"], q, k, a["v"],
+                                                *self.heads, W)  # fmt: skip
 
     def _topk_kl(self, logits, n: int, r0: int) -> Call:
         """The top-k KL of one chunk of logits to the teacher's top-k (its kernel writes the gradient in

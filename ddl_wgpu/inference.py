@@ -21,6 +21,8 @@ from ddl_wgpu.ops import delta as k_delta
 from ddl_wgpu.ops import reduce as k_red
 from ddl_wgpu.ops import shortconv as k_sc
 
+EMBED_EXPAND = "model.embed_expand.conv.weight"
+
 
 class InferenceWork(Blocks):
     """The token model's forward for one (batch, seq) shape, every launch built once."""
@@ -58,8 +60,9 @@ class InferenceWork(Blocks):
             return self.vocab.embed_forward(x0, self.ids, self.N)
         call = self.vocab.embed_forward(self.emb, self.ids, self.N)
         if cfg.ddl_expand_embed:
-            return call + k_sc.ec_forward(self.gpu, x0, self.emb, self.net.view("model.embed_expand.conv.weight"),
-                                          self.B, self.T, self.C, self.dv, cfg.ddl_conv_kernel)  # fmt: skip
+            conv = self.net.view(EMBED_EXPAND)
+            return call + k_sc.ec_forward(self.gpu, x0, self.emb, conv, self.B, self.T, self.C, self.dv,
+                                          cfg.ddl_conv_kernel)  # fmt: skip
         return call + k_sc.repeat_forward(self.gpu, x0, self.emb, self.N, self.C, self.dv)
 
     def _cross_entropy_eval(self, logits, n: int, r0: int) -> Call:
@@ -181,11 +184,13 @@ class InferenceWork(Blocks):
         self._fwd.record(rec)
         rec.submit()
         if self._logit_calls is None:  # one head Call per row chunk, built once like every other launch
-            self._logit_calls = [
-                (r0, n, self.vocab.head_forward((self.logit_chunk, 0, n * V * F32), (self.xf, r0 * C * F32, n * C * F32), n))
-                for r0 in range(0, N, self.chunk)
-                for n in [min(self.chunk, N - r0)]
-            ]  # fmt: skip
+            self._logit_calls = []
+            for r0 in range(0, N, self.chunk):
+                n = min(self.chunk, N - r0)
+                xf = (self.xf, r0 * C * F32, n * C * F32)
+                self._logit_calls.append(
+                    (r0, n, self.vocab.head_forward((self.logit_chunk, 0, n * V * F32), xf, n))
+                )
         out = np.empty((N, V), np.float32)
         for r0, n, call in self._logit_calls:
             call.run(g)

@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from ddl_wgpu.gpu import Call, GpuError
-from ddl_wgpu.inference import InferenceWork
+from ddl_wgpu.inference import EMBED_EXPAND, InferenceWork
 from ddl_wgpu.layout import ALIGN, F32, MTP_BLOCK, MTP_EH, MTP_ENORM, MTP_HNORM, MTP_NORM
 from ddl_wgpu.ops import crossentropy as k_ce
 from ddl_wgpu.ops import elementwise as k_ew
@@ -32,8 +32,6 @@ from ddl_wgpu.ops import embedding as k_emb
 from ddl_wgpu.ops import reduce as k_red
 from ddl_wgpu.ops import shortconv as k_sc
 from ddl_wgpu.step import AdamW, StepResult
-
-EMBED_EXPAND = "model.embed_expand.conv.weight"
 
 
 class TrunkWork(InferenceWork):
@@ -50,8 +48,8 @@ class TrunkWork(InferenceWork):
         if self.mtp is not None:
             self._init_mtp()
             self._fwd_mtp = self._mtp_forward_calls()
-            self._head_mtp = self.head_calls(self.m["post"], self._cross_entropy(self._mtp_loss()), self.m["dxf"],
-                                             True)  # fmt: skip
+            mtp_loss = self._cross_entropy(self._mtp_loss())
+            self._head_mtp = self.head_calls(self.m["post"], mtp_loss, self.m["dxf"], True)
             self._sum_mtp = k_red.sum_rows(self.gpu, self.loss_acc, self.m["row_loss"], self.N, index=1)
             self._bwd = self._mtp_backward_calls() + self.backward_calls()
         else:
@@ -97,8 +95,9 @@ class TrunkWork(InferenceWork):
             return self.vocab.embed_backward(dx0, self.order, self.starts)
         demb = self.dxin
         if cfg.ddl_expand_embed:
-            call = k_sc.ec_backward(self.gpu, demb, self.net.view(EMBED_EXPAND, "g"), dx0, self.emb,
-                                    self.net.view(EMBED_EXPAND), self.B, self.T, C, dv, cfg.ddl_conv_kernel)  # fmt: skip
+            conv, dconv = self.net.view(EMBED_EXPAND), self.net.view(EMBED_EXPAND, "g")
+            call = k_sc.ec_backward(self.gpu, demb, dconv, dx0, self.emb, conv, self.B, self.T, C, dv,
+                                    cfg.ddl_conv_kernel)  # fmt: skip
         else:
             call = k_sc.repeat_backward(self.gpu, demb, dx0, self.N, C, dv)
         return call + self.vocab.embed_backward(demb, self.order, self.starts)
