@@ -1,9 +1,11 @@
 """The one place that chooses the backend of every command and builds its objects.
 
-Two backends run the same model: "wgpu", the GPU engine (`net.Net`, `trunk.TrunkWork`, `draft.WgpuDraft`,
-`inference.WgpuTeacher`), and "ref", the numpy reference (`refnet`). "auto" picks wgpu on any real GPU
-adapter and numpy where the only adapters are CPU implementations of Vulkan/D3D (llvmpipe/lavapipe, WARP,
-SwiftShader), which run the engine about a hundred times slower than numpy, or where there is none.
+Two backends run the same model: "wgpu", the GPU engine (`net.Net` and its works `trunk.TrunkWork`,
+`inference.InferenceWork`; heal's `heal_gpu.WgpuTeacher` and `heal_gpu.WgpuDraft` over `draft.DraftWork`),
+and "ref", the numpy reference (`refnet.RefNet`, `refnet.RefTeacher`, `refnet.RefDraft`). "auto" picks wgpu
+on any real GPU adapter and numpy where the only adapters are CPU implementations of Vulkan/D3D
+(llvmpipe/lavapipe, WARP, SwiftShader), which run the engine about a hundred times slower than numpy, or
+where there is none.
 
 Importing this module imports no wgpu (the GPU modules are imported inside the functions that need them).
 

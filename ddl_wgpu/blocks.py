@@ -224,8 +224,9 @@ class Blocks:
         P, cfg = self.net.view, self.cfg
         beta = (P(q + "beta_proj.weight"), P(q + "beta_proj.bias"))
         v = (P(q + "v_proj.weight"), P(q + "v_proj.bias"))
+        shape = (self.N, self.C, self.dv, cfg.ddl_k_eps, cfg.ddl_v_scale)
         return k_delta.delta_forward(self.gpu, X_new, a["st_" + sub], X, a["u_" + sub], c, a["xin_" + sub],
-                                     *beta, *v, self.N, self.C, self.dv, cfg.ddl_k_eps, cfg.ddl_v_scale)  # fmt: skip
+                                     *beta, *v, *shape)  # fmt: skip
 
     def _sublayer_forward(self, sub: str, a: dict, p: str, out, accumulate: bool) -> Call:
         """Attention (from a["h"]) or SwiGLU MLP (from a["h2"]), its output projection into `out`."""

@@ -78,7 +78,7 @@ def test_this_machine_lavapipe_chooses_numpy_and_forcing_works():
 
 @pytest.mark.parametrize("module", ["ddl_wgpu", "ddl_wgpu.refnet", "ddl_wgpu.backend", "ddl_wgpu.step"])
 def test_numpy_backend_imports_no_wgpu(module):
-    code = f"import sys, {module}; assert 'wgpu' not in sys.modules, sorted(m for m in sys.modules if 'wgpu' in m)"
+    code = f"import sys, {module}; assert 'wgpu' not in sys.modules, [m for m in sys.modules if 'wgpu' in m]"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 

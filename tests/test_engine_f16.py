@@ -23,6 +23,7 @@ from ddl_wgpu.net import F16_SUFFIXES, Net, is_f16_matrix
 from ddl_wgpu.ops import embedding as k_emb
 from ddl_wgpu.ops import matmul as k_mm
 from ddl_wgpu.step import AdamW
+from ddl_wgpu.trunk import TrunkWork
 
 B, T = 2, 8
 V, C = 300, 32
@@ -198,6 +199,8 @@ def test_inference_net_refuses_training(gpu):
     # the forward-only work: no backward Calls, no training head, no backward scratch
     assert isinstance(work, InferenceWork) and not hasattr(work, "_bwd") and not hasattr(work, "_head_train")
     assert not hasattr(work, "dxf")
+    with pytest.raises(GpuError, match="inference-only"):
+        TrunkWork(net, B, T)
     with pytest.raises(GpuError, match="inference-only"):
         work.step(ids())
     with pytest.raises(GpuError, match="inference-only"):
