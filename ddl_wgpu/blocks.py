@@ -110,12 +110,12 @@ class Blocks:
     def _layer_acts(self, i: int) -> dict:
         a = self.block_acts(str(i), self.S)
         if self.ddl:
-            for sub in ("attn", "mlp"):
+            for sub, _norm, x_state, _h, _r in SUBLAYERS:
                 a["u_" + sub] = self.act(self.N * self.C, f"u_{sub}{i}")  # only its direction is used
                 a["st_" + sub] = self.act(self.N * k_delta.stats_size(self.dv), f"stats_{sub}{i}")
                 # x_in: the compressed readout (d_v > 1); d_v = 1 reads the stream itself
-                a["xin_" + sub] = self.act(self.N * self.C, f"xin_{sub}{i}") if self.dv > 1 else a[
-                    "x" if sub == "attn" else "xm"]  # fmt: skip
+                xin = self.act(self.N * self.C, f"xin_{sub}{i}") if self.dv > 1 else a[x_state]
+                a["xin_" + sub] = xin
         return a
 
     def init_backward_scratch(self):
