@@ -17,7 +17,7 @@ import numpy as np
 from ddl_ref import model as ref_model
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import ModelConfig
-from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
+from ddl_ref.optim import adamw_step, clip_multiplier, clip_multipliers, global_grad_norm
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu.step import DRAFT_ADAM, DRAFT_GRAD_CLIP, AdamW, StepResult
 
@@ -109,7 +109,7 @@ class RefWork:
             tg = {n: net._grads[n] for n in net.trainable}
             norm = global_grad_norm(tg)
             if finite:
-                mult = clip_multiplier(norm, update.grad_clip)
+                mult = clip_multipliers(tg, update.grad_clip, update.grad_clip_mode)
                 adamw_step(
                     net.params,
                     net._grads,
