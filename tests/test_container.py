@@ -48,6 +48,19 @@ def craft(path, header, data: bytes = b"", *, magic=C.MAGIC, version=1, n=None, 
     return str(path)
 
 
+def data_start(path) -> int:
+    """Where the tensor data of a written (version 2) file starts: after the header and its checksum."""
+    n = struct.unpack("<Q", Path(path).read_bytes()[8:16])[0]
+    return C.align_up(16 + n + 8)
+
+
+def flip(path, pos: int, out, mask: int = 0x10):
+    blob = bytearray(Path(path).read_bytes())
+    blob[pos] ^= mask
+    Path(out).write_bytes(bytes(blob))
+    return out
+
+
 def entry(dtype="f32", shape=(4,), offset=0, nbytes=None, data=None, hash=None):
     if nbytes is None:
         nbytes = int(np.prod(shape)) * C.DTYPES[dtype].itemsize if dtype in C.DTYPES else 16
@@ -133,7 +146,7 @@ def test_round_trip_header_fields_and_api(tmp_path, rng):
         assert ck.info("emb").hash == h8(t["emb"].tobytes())
         np.testing.assert_array_equal(ck.tensor_f32("scalar"), np.float32(3.5))
         assert ck.tensor_f32("empty").dtype == np.float32
-        with pytest.raises(TypeError):
+        with pytest.raises(CheckpointError, match="expected a float dtype"):
             ck.tensor_f32("odd")
         with pytest.raises(KeyError):
             ck.tensor("nope")
@@ -146,10 +159,12 @@ def test_layout_on_disk(tmp_path, rng):
     blob = p.read_bytes()
     assert blob[:4] == b"DDLW"
     version, n = struct.unpack("<IQ", blob[4:16])
-    assert version == 1
+    assert version == 2
     hdr = msgpack.unpackb(blob[16 : 16 + n])
-    start = C.align_up(16 + n, 64)
-    assert blob[16 + n : start] == b"\0" * (start - 16 - n)
+    assert hdr["version"] == 2
+    assert blob[16 + n : 24 + n] == hashlib.blake2b(blob[: 16 + n], digest_size=8).digest()
+    start = C.align_up(16 + n + 8, 64)
+    assert blob[24 + n : start] == b"\0" * (start - 24 - n)
     end = 0
     for name, e in hdr["tensors"].items():
         assert e["offset"] % 64 == 0 and e["offset"] == C.align_up(end)
@@ -485,7 +500,7 @@ HOSTILE = [
     # (id, header or raw bytes, data, craft kwargs, expected fragments)
     ("magic", header(), b"", {"magic": b"GGUF"}, ["bad magic b'GGUF'"]),
     ("version0", header(), b"", {"version": 0}, ["unsupported format version 0"]),
-    ("version_new", header(), b"", {"version": 2}, ["format version 2 is newer", "HINT"]),
+    ("version_new", header(), b"", {"version": 3}, ["format version 3 is newer", "HINT"]),
     ("version_swapped", header(), b"", {"version": 0x01000000}, ["byte-swapped"]),
     ("len0", header(), b"", {"n": 0}, ["header length is 0"]),
     (
@@ -748,7 +763,7 @@ def test_failure_inside_data_write_leaves_previous_file(good_file, monkeypatch):
         return real(arr)
 
     monkeypatch.setattr(C, "_byte_chunks", flaky)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(CheckpointError, match=r"cannot write: No space left on device .*unchanged\)$"):
         save(p, {"a": np.ones(5), "b": np.ones(5), "c": np.ones(5)})
     _assert_untouched(p, before)
 
@@ -768,7 +783,7 @@ def test_failure_at_commit_of_a_shard_set(good_file, monkeypatch, fail):
 
     monkeypatch.setattr(os, fail, flaky)
     t = {f"t{i}": np.full(300, i, np.float32) for i in range(3)}
-    with pytest.raises(OSError, match=f"{fail} failed"):
+    with pytest.raises(CheckpointError, match=f"cannot write: {fail} failed"):
         save(p, t, shard_bytes=1300)
     monkeypatch.undo()
     assert p.read_bytes() == before
@@ -825,13 +840,12 @@ def test_verify_detects_flipped_data_byte(good_file, tmp_path):
     with open_checkpoint(p) as ck:
         ck.verify()
         w4 = ck.info("w4")
-        n = struct.unpack("<Q", p.read_bytes()[8:16])[0]
-        pos = C.align_up(16 + n) + w4.offset + 7
+        pos = data_start(p) + w4.offset + 7
     blob = bytearray(p.read_bytes())
     blob[pos] ^= 0x10
     q = tmp_path / "flipped.ddlw"
     q.write_bytes(bytes(blob))
-    # opening does not hash; verify does
+    # opening does not hash; verify does (reading the tensor does too: see below)
     with (
         open_checkpoint(q) as ck,
         pytest.raises(CheckpointError, match=r"'w4': hash mismatch: header says [0-9a-f]{16}"),
@@ -841,7 +855,7 @@ def test_verify_detects_flipped_data_byte(good_file, tmp_path):
     with open_checkpoint(p) as ck:
         emb = ck.info("emb")
     blob = bytearray(p.read_bytes())
-    blob[C.align_up(16 + n) + emb.offset + emb.nbytes] = 1
+    blob[data_start(p) + emb.offset + emb.nbytes] = 1
     q.write_bytes(bytes(blob))
     with (
         open_checkpoint(q) as ck,
@@ -855,3 +869,131 @@ def test_no_pickle_anywhere():
     assert "pickle" not in src.replace("No pickle", "").replace("no pickle", "")
     assert "allow_pickle" not in src
     assert sys.modules.get("ddl_wgpu.container") is C
+
+
+# ------------------------------------------------------------------- verification while reading (issue 14.4)
+
+
+def test_reading_a_tensor_checks_its_hash(good_file, tmp_path):
+    p, t = good_file
+    with open_checkpoint(p) as ck:
+        emb = ck.info("emb")
+    q = flip(p, data_start(p) + emb.offset + 3, tmp_path / "flipped.ddlw")
+    for read in (
+        lambda ck: ck.tensor("emb"),
+        lambda ck: ck.tensor("emb", copy=False),
+        lambda ck: ck.tensor_f32("emb"),
+        lambda ck: ck.tensors(),
+    ):
+        with (
+            open_checkpoint(q) as ck,
+            pytest.raises(CheckpointError, match=r"^.*flipped\.ddlw: tensor 'emb': hash mismatch.*corrupt"),
+        ):
+            read(ck)
+    with open_checkpoint(q) as ck:  # the other tensors are intact and read fine
+        np.testing.assert_array_equal(ck.tensor("w4"), t["w4"])
+    with open_checkpoint(q, verify=False) as ck:  # trusted input: no hashing, the flipped value comes back
+        assert not np.array_equal(ck.tensor("emb"), t["emb"])
+
+
+def test_a_corrupt_tensor_is_never_copied_into_a_derived_file(good_file, tmp_path):
+    """The heal write-back pattern (memmap views streamed into save) fails before the output exists."""
+    p, _ = good_file
+    with open_checkpoint(p) as ck:
+        odd = ck.info("odd")
+    q = flip(p, data_start(p) + odd.offset, tmp_path / "flipped.ddlw")
+    out = tmp_path / "derived.ddlw"
+    with open_checkpoint(q) as ck, pytest.raises(CheckpointError, match="'odd': hash mismatch"):
+        save(out, [(n, ck.tensor(n, copy=False)) for n in ck.names()])
+    assert not out.exists() and not list(tmp_path.glob("*.partial"))
+
+
+def test_each_tensor_is_hashed_once_and_unread_tensors_are_not_read(tmp_path, monkeypatch):
+    p = tmp_path / "m.ddlw"
+    save(p, {"small": np.ones(4, np.float32), "big_extra": np.zeros(1 << 20, np.float32)})
+    hashed = []
+    real = C._hasher
+
+    def counting():
+        hashed.append(1)
+        return real()
+
+    monkeypatch.setattr(C, "_hasher", counting)
+    before = _rchar()
+    with open_checkpoint(p) as ck:
+        ck.tensor("small")
+        ck.tensor("small", copy=False)
+        ck.tensor_f32("small")
+    assert len(hashed) == 1
+    assert _rchar() - before < 1 << 20  # the 4 MiB extra tensor was neither read nor hashed
+
+
+# ------------------------------------------------------------------------------ header checksum (issue 14.19)
+
+
+def test_header_checksum_catches_a_renamed_tensor(good_file, tmp_path):
+    p, _ = good_file
+    blob = p.read_bytes()
+    pos = blob.index(b"emb")
+    q = flip(p, pos, tmp_path / "renamed.ddlw", mask=ord("e") ^ ord("f"))  # "emb" -> "fmb": still well formed
+    assert b"fmb" in q.read_bytes()
+    expect_error(q, "header checksum mismatch", "header is corrupt")
+    # any flipped byte of the preamble's length or the header is caught too (not just well-formed renames)
+    n = struct.unpack("<Q", blob[8:16])[0]
+    for pos in (16, 16 + n // 2, 16 + n - 1, 16 + n, 16 + n + 7):
+        with pytest.raises(CheckpointError):
+            open_checkpoint(flip(p, pos, tmp_path / "f.ddlw")).close()
+
+
+def v1_copy(path, out) -> Path:
+    """The same checkpoint as a version 1 file (no header checksum), as ddl-wgpu wrote it before."""
+    blob = Path(path).read_bytes()
+    n = struct.unpack("<Q", blob[8:16])[0]
+    hdr = msgpack.unpackb(blob[16 : 16 + n], raw=False)
+    hdr["version"] = 1
+    data = blob[data_start(path) :]
+    return Path(craft(out, hdr, data, version=1))
+
+
+def test_version_1_files_are_still_read(good_file, tmp_path):
+    p, t = good_file
+    old = v1_copy(p, tmp_path / "v1.ddlw")
+    with open_checkpoint(old) as ck:
+        assert ck.version == 1
+        for name, a in t.items():
+            np.testing.assert_array_equal(ck.tensor(name), a)
+        ck.verify()
+    # version 1 has no header checksum: a rename there is not detected, but data hashes still are
+    renamed = flip(old, old.read_bytes().index(b"emb"), tmp_path / "r1.ddlw", mask=ord("e") ^ ord("f"))
+    with open_checkpoint(renamed) as ck:
+        assert "fmb" in ck
+    with open_checkpoint(old) as ck:
+        emb = ck.info("emb")
+        n = struct.unpack("<Q", old.read_bytes()[8:16])[0]
+    bad = flip(old, C.align_up(16 + n) + emb.offset, tmp_path / "b1.ddlw")
+    expect_error(bad, "'emb': hash mismatch")
+    # a version 2 preamble on a version 1 layout fails (checksum), not misreads
+    blob = bytearray(old.read_bytes())
+    blob[4] = 2
+    (tmp_path / "mixed.ddlw").write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError):
+        open_checkpoint(tmp_path / "mixed.ddlw").close()
+
+
+# ------------------------------------------------------------------------ non-regular files (issue 14.17)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    import signal
+
+    fifo = tmp_path / "model.ddlw"
+    os.mkfifo(fifo)
+    signal.alarm(20)  # a regression would block forever on open(); fail loudly instead
+    try:
+        with pytest.raises(CheckpointError, match=r"model\.ddlw: is a FIFO, not a regular file"):
+            open_checkpoint(fifo)
+    finally:
+        signal.alarm(0)
+    with pytest.raises(CheckpointError, match="is a device"):
+        open_checkpoint("/dev/zero")

@@ -35,7 +35,7 @@ def test_describe_good_file(ckpt):
     d = describe(ckpt)
     json.dumps(d, allow_nan=False)  # strictly JSON-serialisable
     assert d["path"] == str(ckpt)
-    assert d["format_version"] == 1
+    assert d["format_version"] == 2
     assert d["file_size"] == ckpt.stat().st_size
     assert d["num_tensors"] == 3
     assert d["total_params"] == 40 + 4 + 1
@@ -94,7 +94,7 @@ def test_render_text(ckpt):
     text = render_text(describe(ckpt, verify=True))
     lines = text.splitlines()
     assert lines[0] == f"checkpoint  {ckpt}"
-    assert "ddlw v1" in text and "3, 45 parameters" in text
+    assert "ddlw v2" in text and "3, 45 parameters" in text
     assert "bf16: 1 tensors / 40" in text
     assert "verified    all tensor hashes match" in text
     assert "  model.variant = 'ddl'" in text  # hierarchical metadata shown with dotted keys
