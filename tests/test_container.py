@@ -997,3 +997,151 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
         signal.alarm(0)
     with pytest.raises(CheckpointError, match="is a device"):
         open_checkpoint("/dev/zero")
+
+
+# ----------------------------------------------------- model files: config against tensors (issue 14.6/14/16/17)
+
+
+def _tiny_model_cfg(**kw):
+    from ddl_ref.config import ModelConfig
+
+    base = dict(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
+                max_seq_len=32)  # fmt: skip
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _model_file(path, cfg=None, config=None, extra=(), cast=None, metadata=None):
+    """A model file whose header config may differ from the config its tensors were made for."""
+    from ddl_ref.params import init_params
+
+    cfg = cfg or _tiny_model_cfg()
+    params = init_params(cfg, 0)
+    items = [(n, a.astype(cast[1]) if cast and n == cast[0] else a) for n, a in params.items()]
+    save(path, items + list(extra), config=config or cfg.to_dict(), metadata=metadata or {})
+    return path
+
+
+def test_param_count_and_estimate_bytes_are_closed_forms():
+    from ddl_ref.config import MtpConfig
+    from ddl_ref.params import param_table
+    from ddl_wgpu.modelfile import estimate_bytes, param_count
+
+    for cfg in (
+        _tiny_model_cfg(),
+        _tiny_model_cfg(n_layers=1, tie_embeddings=False),
+        _tiny_model_cfg(n_layers=3, mtp=MtpConfig(), qk_norm="none"),
+        _tiny_model_cfg(residual="delta", ddl_dv=4, ddl_compressor="tc", ddl_expand_embed=True),
+    ):
+        n = sum(s.numel for s in param_table(cfg))
+        assert param_count(cfg) == n
+        rope = 2 * cfg.max_seq_len * cfg.head_dim * 4
+        assert estimate_bytes(cfg, training=False) == 4 * n + rope
+        assert estimate_bytes(cfg, training=True) == 20 * n + rope
+    huge = _tiny_model_cfg(n_layers=10**9)  # instant, where param_table would take minutes
+    assert param_count(huge) > 10**11
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"n_layers": 10**9},
+        {"vocab_size": 10**12},
+        {"d_model": 10**9},
+        {"ffn_hidden": 10**9},
+        {"max_seq_len": 10**15},
+    ],  # fmt: skip
+)
+def test_an_absurd_config_is_refused_before_any_allocation(tmp_path, override):
+    import time
+
+    from ddl_wgpu.modelfile import load_model
+
+    cfg = _tiny_model_cfg().to_dict() | override
+    p = _model_file(tmp_path / "m.ddlw", config=cfg)
+    t0 = time.perf_counter()
+    with pytest.raises(
+        CheckpointError, match=r"m\.ddlw: the model needs about [\d.e+]+ GiB of memory to load"
+    ):
+        load_model(p)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_check_fits_names_the_memory_it_needs_and_has(monkeypatch):
+    from ddl_ref.config import ConfigError
+    from ddl_wgpu import modelfile
+
+    cfg = _tiny_model_cfg()
+    need = modelfile.estimate_bytes(cfg, training=True)
+    monkeypatch.setattr(modelfile, "available_bytes", lambda: need - 1)
+    assert modelfile.check_fits(cfg, training=False) < need
+    with pytest.raises(ConfigError, match="needs about .* to train .* this machine has .* available"):
+        modelfile.check_fits(cfg, training=True)
+    with pytest.raises(ConfigError, match="rope_theta is inf"):
+        modelfile.check_fits(_tiny_model_cfg(rope_theta=float("inf")), training=False)
+
+
+def test_config_is_checked_against_the_tensors(tmp_path):
+    from ddl_wgpu.modelfile import load_config, load_model, read_params
+
+    cfg = _tiny_model_cfg()
+    big_vocab = cfg.to_dict() | {"vocab_size": 1000}
+    p = _model_file(tmp_path / "v.ddlw", config=big_vocab)
+    with pytest.raises(
+        CheckpointError, match=r"model.embed_tokens.weight has shape \(64, 16\), the config needs"
+    ):
+        load_model(p)
+    # the same check for a training checkpoint's tensor groups (resume reads params, best., optim.m., ...)
+    from ddl_ref.params import init_params
+
+    params = init_params(cfg, 0)
+    q = tmp_path / "ck.ddlw"
+    save(q, [*params.items(), *((f"optim.m.{n}", a) for n, a in params.items() if "norm" not in n)],
+         config=cfg.to_dict())  # fmt: skip
+    with open_checkpoint(q) as ck:
+        c = load_config(ck, q, training=True)
+        assert read_params(ck, c, q).keys() == params.keys()
+        with pytest.raises(
+            CheckpointError, match=r"missing tensor optim\.m\.model\.layers\.0\.input_layernorm"
+        ):
+            read_params(ck, c, q, prefix="optim.m.")
+
+
+def test_integer_tensors_where_parameters_are_expected_are_refused(tmp_path):
+    from ddl_wgpu.modelfile import load_model
+
+    for dtype in (np.int32, np.uint32):
+        p = _model_file(tmp_path / "i.ddlw", cast=("model.norm.weight", dtype))
+        want = {np.int32: "i32", np.uint32: "u32"}[dtype]
+        with pytest.raises(
+            CheckpointError, match=rf"model\.norm\.weight has dtype {want}; parameters must be float"
+        ):
+            load_model(p)
+
+
+def test_token_ids_must_lie_in_the_vocabulary(tmp_path):
+    from ddl_wgpu.modelfile import load_model
+
+    p = _model_file(tmp_path / "t.ddlw", metadata={"hf.eos_token_id": 64})
+    with pytest.raises(CheckpointError, match=r"hf\.eos_token_id = 64 is not a token id .*vocab_size 64"):
+        load_model(p)
+
+
+def test_extra_tensors_are_not_read_and_corrupt_ones_do_not_matter(tmp_path):
+    from ddl_wgpu.modelfile import load_model
+
+    extra = [("unused.big", np.zeros(1 << 21, np.float32))]  # 8 MiB
+    p = _model_file(tmp_path / "x.ddlw", extra=extra)
+    before = _rchar()
+    m = load_model(p)
+    assert _rchar() - before < 1 << 20 and "unused.big" not in m.params
+    with open_checkpoint(p) as ck:
+        big = ck.info("unused.big")
+    q = flip(p, data_start(p) + big.offset + 5, tmp_path / "y.ddlw")
+    load_model(q)  # never read, so never hashed
+    with open_checkpoint(p) as ck:
+        norm = ck.info("model.norm.weight")
+    r = flip(p, data_start(p) + norm.offset + 1, tmp_path / "z.ddlw")
+    with pytest.raises(CheckpointError, match="'model.norm.weight': hash mismatch"):
+        load_model(r)
+    assert load_model(r, verify=False).params["model.norm.weight"].shape == (16,)
