@@ -47,11 +47,14 @@ first, Qwen2 blocks with biases) or more than one draft layer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import re
+import secrets
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -61,7 +64,8 @@ import numpy as np
 from ddl_ref.config import ConfigError, ModelConfig, MtpConfig
 from ddl_ref.params import MTP_PREFIX, mtp_specs, param_table
 from ddl_wgpu.container import bf16_to_f32
-from ddl_wgpu.modelfile import Model, load_model, save_model
+from ddl_wgpu.modelfile import Model, check_fits, load_model, save_model
+from ddl_wgpu.safeio import load_json, open_regular, read_regular, refuse_overwrite_input
 
 
 class HfError(ValueError):
@@ -75,6 +79,10 @@ SUPPORTED = {  # architectures entry -> (model_type, qk_norm)
     "LlamaForCausalLM": ("llama", "none"),
 }
 RAW_ARCHITECTURE = "DdlForCausalLM"  # export_raw's marker; import_hf reads it back
+RAW_HINT = (
+    "a raw export (`ddl-wgpu export-hf --raw`, export_hf_from_file(..., raw=True)) writes any model under "
+    "ddl-wgpu's own tensor names, which import-hf reads back but transformers cannot load"
+)
 
 # MTP draft tensors. Qwen3.5 / Qwen3-Next store the draft as `mtp.*` (mtp-heal.md §2); our table (design.md §3)
 # uses `model.mtp.*`. HF (Qwen3.5 names) -> ours; export writes the inverse.
@@ -85,7 +93,6 @@ MTP_RENAMES = {
     "mtp.norm.weight": "model.mtp.norm.weight",
 }
 MTP_PREFIX_RENAMES = {"mtp.layers.": "model.mtp.layers."}  # then the block's own names, unchanged
-MTP_PREFIXES = ("mtp.", "model.mtp.", "model.mtp_layers.")  # any tensor under these belongs to a draft head
 MTP_COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")  # Qwen3.5 / DeepSeek, GLM, Qwen3-Next
 MTP_CONVENTION_KEY = "ddl_mtp"  # config.json: our MtpConfig as a dict (written by export_hf)
 
@@ -108,10 +115,6 @@ _DEEPSEEK_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # copies 
 
 # Tensors some checkpoints carry that are not parameters (old Llama saves kept the RoPE buffer).
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-
-
-def is_mtp_name(name: str) -> bool:
-    return name.startswith(MTP_PREFIXES)
 
 
 def mtp_our_name(hf_name: str) -> str:
@@ -167,31 +170,12 @@ _ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2)}  # reada
 _ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 _MAX_HEADER = 100 * 1024 * 1024
-
-
-def _no_dup_pairs(where: str):
-    def hook(pairs):
-        d = {}
-        for k, v in pairs:
-            if k in d:
-                raise HfError(f"{where}: duplicate key {k!r} in JSON")
-            d[k] = v
-        return d
-
-    return hook
+_MAX_JSON_FILE = 64 * 1024 * 1024  # config.json and the index are KBs; refuse absurd ones before reading
+_MAX_TOKENIZER = 32 * 1024 * 1024  # it travels in the container header, which is capped at 64 MiB
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise HfError(f"{path}: cannot read: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise HfError(f"{path}: not UTF-8 text") from None
-    try:
-        return json.loads(text, object_pairs_hook=_no_dup_pairs(str(path)))
-    except json.JSONDecodeError as e:
-        raise HfError(f"{path}: invalid JSON: {e}") from None
+    return load_json(read_regular(path, "a JSON file", HfError, _MAX_JSON_FILE), str(path), HfError)
 
 
 def _nonneg_ints(xs: Any) -> bool:
@@ -211,8 +195,8 @@ class SafetensorsFile:
     def __init__(self, path: Path):
         self.path = Path(path)
         try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
+            with open_regular(self.path, "a safetensors file", HfError) as f:
+                size = os.fstat(f.fileno()).st_size
                 head = f.read(8)
                 if len(head) < 8:
                     raise HfError(f"{self.path}: too short for a safetensors file ({size} bytes)")
@@ -222,10 +206,7 @@ class SafetensorsFile:
                 raw = f.read(n)
         except OSError as e:
             raise HfError(f"{self.path}: cannot read: {e.strerror or e}") from None
-        try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dup_pairs(str(self.path)))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise HfError(f"{self.path}: safetensors header is not valid JSON: {e}") from None
+        header = load_json(raw, f"{self.path}: safetensors header", HfError)
         if not isinstance(header, dict):
             raise HfError(f"{self.path}: safetensors header must be a JSON object")
         self.data_start = 8 + n
@@ -234,6 +215,24 @@ class SafetensorsFile:
         self.tensors: dict[str, _StInfo] = {}
         for name, t in header.items():
             self.tensors[name] = self._check_entry(name, t, data_len)
+        self._check_layout(data_len)
+
+    def _check_layout(self, data_len: int) -> None:
+        """Every byte of the data section belongs to exactly one tensor, as the safetensors format requires:
+        an overlap would let one tensor read another's bytes, a hole or trailing bytes hide data."""
+        end, prev = 0, None
+        for name, t in sorted(self.tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)):
+            if t.start < end:
+                raise HfError(f"{self.path}: tensor {name!r} data_offsets [{t.start}, {t.end}) overlap tensor "
+                              f"{prev!r}, which ends at {end}")  # fmt: skip
+            if t.start > end:
+                after = f"after tensor {prev!r}" if prev else "at the start of the data section"
+                raise HfError(f"{self.path}: tensor {name!r} starts at {t.start}, leaving a hole of "
+                              f"{t.start - end} bytes {after}")  # fmt: skip
+            end, prev = t.end, name
+        if end != data_len:
+            raise HfError(f"{self.path}: {data_len - end} bytes after the last tensor's data (the data "
+                          f"section is {data_len} bytes, the tensors cover {end})")  # fmt: skip
 
     def _check_entry(self, name: str, t: Any, data_len: int) -> _StInfo:
         bad = f"{self.path}: tensor {name!r}"
@@ -274,7 +273,8 @@ class SafetensorsFile:
 def _write_safetensors(
     path: Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str]
 ) -> None:
-    """Write f32 tensors as one safetensors file, atomically, streaming tensor by tensor."""
+    """Write f32 tensors as one safetensors file, streaming tensor by tensor (into the export's fresh
+    folder, which is renamed into place as a whole)."""
     items = [(n, np.ascontiguousarray(a, dtype="<f4")) for n, a in tensors]
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     off = 0
@@ -290,25 +290,19 @@ def _write_safetensors(
         for _, a in items:
             f.write(memoryview(a.reshape(-1)).cast("B"))
 
-    _atomic_write(path, write)
+    _write_file(path, write)
 
 
-def _atomic_write(path: Path, write) -> None:
-    """`write(f)` into `PATH.partial`, fsync, then rename over `path`: a crash never leaves a torn file."""
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+def _write_file(path: Path, write) -> None:
+    """`write(f)` into a new file `path`, then fsync it."""
+    with open(path, "xb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    _atomic_write(path, lambda f: f.write(data))
+def _write_bytes(path: Path, data: bytes) -> None:
+    _write_file(path, lambda f: f.write(data))
 
 
 # ------------------------------------------------------------------------------------------------ folder
@@ -321,12 +315,12 @@ class _Weights:
         single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
         self.where: dict[str, SafetensorsFile] = {}
         self.files: list[SafetensorsFile] = []
-        if single.is_file():
+        if single.exists():
             f = SafetensorsFile(single)
             self.files = [f]
             self.where = dict.fromkeys(f.names(), f)
             return
-        if not index.is_file():
+        if not index.exists():
             found = sorted(p.name for p in folder.glob("*.safetensors"))
             raise HfError(f"{folder}: no model.safetensors or model.safetensors.index.json"
                           + (f" (found {found[:4]})" if found else ""))  # fmt: skip
@@ -339,7 +333,7 @@ class _Weights:
             if Path(shard).name != shard or shard in ("", ".", ".."):
                 raise HfError(f"{index}: shard name {shard!r} is not a plain file name in the folder")
             p = folder / shard
-            if not p.is_file():
+            if not p.exists():
                 users = [n for n, s in wm.items() if s == shard]
                 raise HfError(f"{index}: shard {shard} is missing from {folder} (it holds {users[0]!r}"
                               + (f" and {len(users) - 1} more)" if len(users) > 1 else ")"))  # fmt: skip
@@ -500,13 +494,15 @@ def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, s
 def config_to_hf(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:
     """A baseline ModelConfig -> a transformers config dict (Qwen3 for pre_rope q/k norm, Llama for none)."""
     if cfg.residual != "add":
-        raise HfError(f"residual {cfg.residual!r} has no transformers class; use export_raw for DDL models")
+        raise HfError(
+            f"residual {cfg.residual!r} (Deep Delta Learning) has no transformers class; {RAW_HINT}"
+        )
     if cfg.norm_style != "standard":
-        raise HfError(f"norm_style {cfg.norm_style!r} ((1+w)·x̂) cannot be exported: Qwen3 and Llama norms are "
-                      "w·x̂; use export_raw")  # fmt: skip
+        raise HfError(f"norm_style {cfg.norm_style!r} ((1+w)·x̂) cannot be exported as Qwen3 or Llama, whose norms "
+                      f"are w·x̂; {RAW_HINT}")  # fmt: skip
     if cfg.qk_norm == "post_rope":
-        raise HfError("qk_norm 'post_rope' cannot be exported: Qwen3 normalises q/k BEFORE RoPE and RMSNorm "
-                      "does not commute with the rotation, so the logits would differ; use export_raw")  # fmt: skip
+        raise HfError("qk_norm 'post_rope' cannot be exported as Qwen3: Qwen3 normalises q/k BEFORE RoPE and "
+                      f"RMSNorm does not commute with the rotation, so the logits would differ; {RAW_HINT}")  # fmt: skip
     arch = "Qwen3ForCausalLM" if cfg.qk_norm == "pre_rope" else "LlamaForCausalLM"
     d: dict[str, Any] = {
         "architectures": [arch],
@@ -654,10 +650,14 @@ def import_hf(folder) -> Model:
     if not folder.is_dir():
         raise HfError(f"{folder}: not a directory")
     cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
+    if not cfg_path.exists():
         raise HfError(f"{folder}: no config.json (not a Hugging Face model folder?)")
     hf = _read_json(cfg_path)
     cfg, arch = config_from_hf(hf, str(cfg_path))
+    try:  # before anything is sized from the config (a table of 1e9 layers alone takes minutes)
+        check_fits(cfg, training=False, what=f"{cfg_path}: the model")
+    except ConfigError as e:
+        raise HfError(str(e)) from None
     weights = _Weights(folder)
     have = set(weights.names())
     draft = None if arch == RAW_ARCHITECTURE else _find_draft(hf, have, cfg.n_layers, str(cfg_path))
@@ -705,7 +705,7 @@ def import_hf(folder) -> Model:
     if draft is not None and cfg.mtp.concat == "hidden_first":  # an HF fc/eh_proj is embedding first
         params["model.mtp.eh_proj.weight"] = swap_eh_halves(params["model.mtp.eh_proj.weight"])
     tok = folder / "tokenizer.json"
-    tokenizer = tok.read_bytes() if tok.is_file() else None
+    tokenizer = read_regular(tok, "a tokenizer.json", HfError, _MAX_TOKENIZER) if tok.exists() else None
     metadata: dict[str, Any] = {"hf.architecture": arch}
     for key in ("bos_token_id", "eos_token_id"):
         if isinstance(hf.get(key), int) and not isinstance(hf.get(key), bool):
@@ -745,20 +745,79 @@ def _token_id(model: Model, key: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+# What a Hugging Face export folder holds (ours, or a previous one of transformers); with overwrite=True only
+# a folder holding nothing else is replaced, so a mistyped path never deletes unrelated files.
+_EXPORT_FILES = re.compile(
+    r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|vocab|added_tokens)\.json"
+    r"|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|merges\.txt|README\.md"
+)
+
+
+def _check_target(folder: Path, overwrite: bool) -> bool:
+    """Whether `folder` exists (an empty folder, or with overwrite=True a previous export); HfError else."""
+    if not (folder.exists() or folder.is_symlink()):
+        return False
+    if folder.is_symlink() or not folder.is_dir():
+        raise HfError(f"{folder}: exists and is not a folder; export into a new or empty folder")
+    entries = sorted(os.listdir(folder))
+    if entries and not overwrite:
+        raise HfError(f"{folder}: folder is not empty ({_more(entries, 3)}); export into a new or empty folder "
+                      "(another model's tokenizer.json, index or shards would be mixed with this one), or "
+                      "replace a previous export (overwrite=True)")  # fmt: skip
+    foreign = [e for e in entries if not (_EXPORT_FILES.fullmatch(e) and (folder / e).is_file())]
+    if foreign:
+        raise HfError(f"{folder}: holds {_more(foreign, 3)}, which is not part of a Hugging Face export; "
+                      "refusing to replace the folder (export into a new or empty one)")  # fmt: skip
+    return True
+
+
+def _fsync_dir(d: Path) -> None:
+    with contextlib.suppress(OSError):  # makes the renames durable on POSIX; not possible on Windows
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _write_folder(
-    model: Model, folder: Path, config: dict, tensors: list[tuple[str, np.ndarray]]
+    model: Model, folder: Path, config: dict, tensors: list[tuple[str, np.ndarray]], overwrite: bool = False
 ) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    weights = folder / "model.safetensors"
-    _write_safetensors(weights, tensors, {"format": "pt"})
-    cfg_path = folder / "config.json"
-    _atomic_write_bytes(cfg_path, (json.dumps(config, indent=2) + "\n").encode("utf-8"))
-    out = [cfg_path, weights]
-    tok = _tokenizer_bytes(model)
-    if tok is not None:
-        _atomic_write_bytes(folder / "tokenizer.json", tok)
-        out.append(folder / "tokenizer.json")
-    return out
+    """Write the export into a fresh sibling folder, then rename it onto `folder`: the result holds exactly
+    this model's files, and a failure (disk full, Ctrl-C) leaves `folder` as it was."""
+    exists = _check_target(folder, overwrite)
+    parent = folder.absolute().parent
+    tmp = parent / f".{folder.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    old = parent / f".{folder.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    names = ["config.json", "model.safetensors"]
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(tmp)
+        _write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
+        _write_bytes(tmp / "config.json", (json.dumps(config, indent=2) + "\n").encode("utf-8"))
+        tok = _tokenizer_bytes(model)
+        if tok is not None:
+            _write_bytes(tmp / "tokenizer.json", tok)
+            names.append("tokenizer.json")
+        _fsync_dir(tmp)
+        if exists:
+            os.rename(folder, old)
+        os.rename(tmp, folder)
+    except OSError as e:
+        if old.exists() and not folder.exists():
+            os.rename(old, folder)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise HfError(
+            f"{folder}: cannot write the export: {e.strerror or e} ({folder} is unchanged)"
+        ) from None
+    except BaseException:
+        if old.exists() and not folder.exists():
+            os.rename(old, folder)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(parent)
+    return [folder / n for n in names]
 
 
 def _hf_tensors(model: Model, names: list[str]) -> list[tuple[str, np.ndarray]]:
@@ -772,16 +831,19 @@ def _hf_tensors(model: Model, names: list[str]) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def export_hf(model: Model, folder) -> list[Path]:
+def export_hf(model: Model, folder, overwrite: bool = False) -> list[Path]:
     """Write a baseline model as a folder transformers loads (Qwen3ForCausalLM, or LlamaForCausalLM for
     qk_norm 'none'): config.json, model.safetensors (f32; no lm_head when tied), tokenizer.json if any.
     An MTP draft goes under the Qwen3.5 `mtp.*` names (transformers ignores them) with
-    `mtp_num_hidden_layers: 1` and `ddl_mtp` in config.json; `import_hf` reads it back exactly."""
+    `mtp_num_hidden_layers: 1` and `ddl_mtp` in config.json; `import_hf` reads it back exactly.
+
+    `folder` must be new or empty; `overwrite=True` replaces a previous export (a folder holding only the
+    files of one). The folder is written whole and renamed into place, so it never mixes two models."""
     config = config_to_hf(model.cfg, _token_id(model, "bos_token_id"), _token_id(model, "eos_token_id"))
-    return _write_folder(model, Path(folder), config, _hf_tensors(model, _check_params(model)))
+    return _write_folder(model, Path(folder), config, _hf_tensors(model, _check_params(model)), overwrite)
 
 
-def export_raw(model: Model, folder) -> list[Path]:
+def export_raw(model: Model, folder, overwrite: bool = False) -> list[Path]:
     """Write any model (DDL included) under our own names: model.safetensors + a config.json with our
     ModelConfig fields, marked `DdlForCausalLM`. transformers cannot load it; `import_hf` can."""
     config = {
@@ -792,14 +854,24 @@ def export_raw(model: Model, folder) -> list[Path]:
         "variant": model.variant,
         **model.cfg.to_dict(),
     }
-    return _write_folder(model, Path(folder), config, [(n, model.params[n]) for n in _check_params(model)])
+    tensors = [(n, model.params[n]) for n in _check_params(model)]
+    return _write_folder(model, Path(folder), config, tensors, overwrite)
 
 
 # ------------------------------------------------------------------------------------- file conveniences
 
 
+def _folder_inputs(folder: Path) -> list[Path]:
+    """Every file of `folder` that import_hf may read."""
+    names = ["config.json", "tokenizer.json", "model.safetensors.index.json"]
+    return [folder / n for n in names] + sorted(folder.glob("*.safetensors"))
+
+
 def import_hf_to_file(folder, out_path) -> dict:
-    """import_hf + save_model; -> a short summary for the CLI."""
+    """import_hf + save_model; -> a short summary for the CLI. Refuses, before reading anything, an output that
+    is one of the folder's files (`F/model.safetensors`, `F/config.json`, ...) or the folder itself."""
+    folder = Path(folder)
+    refuse_overwrite_input(out_path, _folder_inputs(folder), HfError)
     model = import_hf(folder)
     path = save_model(out_path, model)
     return {
@@ -814,12 +886,16 @@ def import_hf_to_file(folder, out_path) -> dict:
     }
 
 
-def export_hf_from_file(model_path, folder, raw: bool | None = None) -> dict:
-    """load_model + export_hf (or export_raw: `raw=True`, or by default for residual 'delta' models)."""
-    model = load_model(model_path)
+def export_hf_from_file(
+    model_path, folder, raw: bool | None = None, overwrite: bool = False, verify: bool = True
+) -> dict:
+    """load_model + export_hf (or export_raw: `raw=True`, or by default for residual 'delta' models).
+    `overwrite` and the folder rules: see `export_hf`; `verify=False` skips the tensor hash check."""
+    refuse_overwrite_input(folder, [model_path], HfError)
+    model = load_model(model_path, verify=verify)
     if raw is None:
         raw = model.cfg.residual != "add"
-    files = export_raw(model, folder) if raw else export_hf(model, folder)
+    files = export_raw(model, folder, overwrite) if raw else export_hf(model, folder, overwrite)
     config = json.loads((Path(folder) / "config.json").read_text())
     summary = {
         "folder": str(folder),
