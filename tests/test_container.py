@@ -1145,3 +1145,36 @@ def test_extra_tensors_are_not_read_and_corrupt_ones_do_not_matter(tmp_path):
     with pytest.raises(CheckpointError, match="'model.norm.weight': hash mismatch"):
         load_model(r)
     assert load_model(r, verify=False).params["model.norm.weight"].shape == (16,)
+
+
+# -------------------------------------------------------------- hostile JSON, every reader (issue 14.15)
+
+HOSTILE_JSON = [
+    (b"[" * 100_000 + b"]" * 100_000, "nests deeper than 64 levels"),
+    (b'{"text": "\\ud800"}', "lone UTF-16 surrogate"),
+    (b'{"text": ' + b"9" * 5000 + b"}", "too many digits"),
+    (b'{"text": NaN}', "NaN is not valid JSON"),
+    (b'{"text": "a", "text": "b"}', "duplicate key 'text'"),
+    (b'{"text": "\xff"}', "not UTF-8"),
+]
+
+
+@pytest.mark.parametrize("raw, pattern", HOSTILE_JSON)
+def test_load_json_turns_hostile_json_into_one_error(raw, pattern):
+    from ddl_wgpu.safeio import load_json
+
+    with pytest.raises(KeyError, match=rf"^.src: .*{pattern}") as ei:
+        load_json(raw, "src", KeyError)
+    assert "\n" not in str(ei.value)
+    assert load_json(b'{"a": [1, {"b": "\\u00e9"}]}', "src", KeyError) == {"a": [1, {"b": "é"}]}
+    assert load_json('"[{" ', "src", KeyError) == "[{"  # brackets inside strings do not count as nesting
+
+
+@pytest.mark.parametrize("raw, pattern", HOSTILE_JSON)
+def test_hostile_jsonl_data_lines(tmp_path, raw, pattern):
+    from ddl_wgpu.data import ByteTokenizer, DataError, load_datasets
+
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"text": "fine"}\n' + raw + b"\n")
+    with pytest.raises(DataError, match=rf"d\.jsonl:2: .*{pattern}"):
+        load_datasets(str(f), tokenizer=ByteTokenizer(), seq_len=4, batch_size=1, val_fraction=0.0)
