@@ -73,10 +73,11 @@ raises :class:`CheckpointError` with a one-line message naming the file for the 
 Tensor hashes are checked as tensors are read: ``open_checkpoint(path)`` hashes the bytes of every tensor
 the first time it is handed out (``verify=False`` skips this for trusted inputs), so a command never
 computes with, nor writes into a derived file, a tensor whose bytes differ from what was saved.
-:meth:`Checkpoint.verify` checks every tensor (and the zero padding) at once. Hashing runs at about
-0.6-0.8 GB/s on one core of the 2-core Xeon this was measured on (blake2b, 1 GiB in 1.3-1.7 s), so reading
-a 1 B-parameter f32 model (4 GB) costs about 5-7 s more with verification than without; tensors that are
-never read (extra tensors, ``load_model(names=...)``) are not hashed. Nothing is allocated beyond the file
+:meth:`Checkpoint.verify` checks every tensor (and the zero padding) at once. What it costs: blake2b hashes
+0.45-0.6 GiB/s on one core of a 2-core Xeon VM (measured with other jobs running); reading a 1 GiB tensor
+from the page cache took 0.3-0.4 s without verification and 2.3-2.8 s with it. A 1 B-parameter f32 model
+(4 GB) therefore takes about 8-10 s longer to read verified, a few seconds on a faster core. Tensors that
+are never read (extra tensors, ``load_model(names=...)``) are not hashed. Nothing is allocated beyond the file
 size, nothing else than ``CheckpointError`` escapes for a bad file, and no pickle is involved anywhere.
 """
 
@@ -1185,8 +1186,8 @@ def open_checkpoint(path: str | os.PathLike, *, single_file: bool = False, verif
     `path` may be a single file, any shard of a set (the whole set is opened and cross-checked), or
     `stem.ddlw` when only `stem-00001-of-N.ddlw`... exist. `single_file=True` opens just the given file,
     even if it is one shard of a set. `verify=True` checks each tensor's hash the first time it is read
-    (about 1.5 s per GB on one core; `verify=False` for trusted inputs). Every problem raises
-    CheckpointError.
+    (about 2 s per GB on one slow core, 8-10 s for a 1 B-parameter f32 model; `verify=False` for trusted
+    inputs). Every problem raises CheckpointError.
     """
     p = Path(path)
     if not p.exists():
