@@ -36,9 +36,9 @@ config.json that says transformers cannot load it. A draft is written under the 
 emb-first, `mtp.pre_fc_norm_*`, `mtp.layers.0.*`, `mtp.norm`) with `mtp_num_hidden_layers: 1` and `ddl_mtp`;
 transformers' Qwen3/Llama classes ignore these tensors (they load the trunk), MTP-aware runtimes read them.
 
-Safetensors files are read by parsing the header here (8-byte little-endian length + JSON) and memory-mapping
-each tensor's byte range, which treats bf16, f16 and f32 alike (bf16 is not a numpy dtype) and never reads a
-whole shard to get one tensor. Every file is treated as untrusted; every bad input raises one `HfError`.
+The folder's files (safetensors, the sharded index, config.json, tokenizer.json) are read and written by
+`ddl_wgpu.hf_files`, which treats every one as untrusted; every bad input raises one `HfError`. An export is
+written into a fresh folder that is renamed into place.
 
 What this module deliberately does not do: the CLI (`cli.py` calls `import_hf_to_file` / `export_hf_from_file`),
 tokenizer parsing (tokenizer.json bytes are carried as they are), MiMo's `model.mtp_layers.*` drafts (hidden
@@ -50,12 +50,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +61,19 @@ import numpy as np
 
 from ddl_ref.config import ConfigError, ModelConfig, MtpConfig
 from ddl_ref.params import MTP_PREFIX, mtp_specs, param_table
-from ddl_wgpu.container import bf16_to_f32
+from ddl_wgpu.hf_files import (
+    MAX_TOKENIZER,
+    HfError,
+    Weights,
+    read_json,
+    write_bytes,
+    write_safetensors,
+)
 from ddl_wgpu.modelfile import Model, check_fits, load_model, save_model
-from ddl_wgpu.safeio import load_json, open_regular, read_regular, refuse_overwrite_input
+from ddl_wgpu.safeio import read_regular, refuse_overwrite_input
 
-
-class HfError(ValueError):
-    """A Hugging Face folder or export request that cannot be handled; the message says which file and why."""
+__all__ = ["HfError", "config_from_hf", "config_to_hf", "export_hf", "export_hf_from_file", "export_raw",
+           "import_hf", "import_hf_to_file"]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ names
@@ -162,199 +166,6 @@ def swap_eh_halves(w: np.ndarray) -> np.ndarray:
     (eh·[a; b] = swapped(eh)·[b; a]); its own inverse."""
     c = w.shape[1] // 2
     return np.ascontiguousarray(np.concatenate([w[:, c:], w[:, :c]], axis=1))
-
-
-# ------------------------------------------------------------------------------------------ safetensors
-
-_ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2)}  # readable dtypes -> (numpy, size)
-_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
-_MAX_HEADER = 100 * 1024 * 1024
-_MAX_JSON_FILE = 64 * 1024 * 1024  # config.json and the index are KBs; refuse absurd ones before reading
-_MAX_TOKENIZER = 32 * 1024 * 1024  # it travels in the container header, which is capped at 64 MiB
-
-
-def _read_json(path: Path) -> Any:
-    return load_json(read_regular(path, "a JSON file", HfError, _MAX_JSON_FILE), str(path), HfError)
-
-
-def _nonneg_ints(xs: Any) -> bool:
-    return isinstance(xs, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in xs)
-
-
-class _StInfo:
-    __slots__ = ("dtype", "shape", "start", "end")
-
-    def __init__(self, dtype: str, shape: tuple[int, ...], start: int, end: int):
-        self.dtype, self.shape, self.start, self.end = dtype, shape, start, end
-
-
-class SafetensorsFile:
-    """One .safetensors file: header parsed and checked on open, tensors memory-mapped on request."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        try:
-            with open_regular(self.path, "a safetensors file", HfError) as f:
-                size = os.fstat(f.fileno()).st_size
-                head = f.read(8)
-                if len(head) < 8:
-                    raise HfError(f"{self.path}: too short for a safetensors file ({size} bytes)")
-                n = int.from_bytes(head, "little")
-                if n < 2 or n > _MAX_HEADER or 8 + n > size:
-                    raise HfError(f"{self.path}: bad safetensors header length {n} (file is {size} bytes)")
-                raw = f.read(n)
-        except OSError as e:
-            raise HfError(f"{self.path}: cannot read: {e.strerror or e}") from None
-        header = load_json(raw, f"{self.path}: safetensors header", HfError)
-        if not isinstance(header, dict):
-            raise HfError(f"{self.path}: safetensors header must be a JSON object")
-        self.data_start = 8 + n
-        data_len = size - self.data_start
-        self.metadata = header.pop("__metadata__", None) or {}
-        self.tensors: dict[str, _StInfo] = {}
-        for name, t in header.items():
-            self.tensors[name] = self._check_entry(name, t, data_len)
-        self._check_layout(data_len)
-
-    def _check_layout(self, data_len: int) -> None:
-        """Every byte of the data section belongs to exactly one tensor, as the safetensors format requires:
-        an overlap would let one tensor read another's bytes, a hole or trailing bytes hide data."""
-        end, prev = 0, None
-        for name, t in sorted(self.tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)):
-            if t.start < end:
-                raise HfError(f"{self.path}: tensor {name!r} data_offsets [{t.start}, {t.end}) overlap tensor "
-                              f"{prev!r}, which ends at {end}")  # fmt: skip
-            if t.start > end:
-                after = f"after tensor {prev!r}" if prev else "at the start of the data section"
-                raise HfError(f"{self.path}: tensor {name!r} starts at {t.start}, leaving a hole of "
-                              f"{t.start - end} bytes {after}")  # fmt: skip
-            end, prev = t.end, name
-        if end != data_len:
-            raise HfError(f"{self.path}: {data_len - end} bytes after the last tensor's data (the data "
-                          f"section is {data_len} bytes, the tensors cover {end})")  # fmt: skip
-
-    def _check_entry(self, name: str, t: Any, data_len: int) -> _StInfo:
-        bad = f"{self.path}: tensor {name!r}"
-        if not isinstance(t, dict) or not {"dtype", "shape", "data_offsets"} <= set(t):
-            raise HfError(f"{bad}: header entry needs dtype, shape and data_offsets")
-        dtype, shape, offs = t["dtype"], t["shape"], t["data_offsets"]
-        if not isinstance(dtype, str) or not _nonneg_ints(shape) or not _nonneg_ints(offs) or len(offs) != 2:
-            raise HfError(f"{bad}: malformed header entry {t!r:.120}")
-        start, end = offs
-        if not start <= end <= data_len:
-            raise HfError(f"{bad}: data_offsets {offs} outside the data section ({data_len} bytes)")
-        if dtype in _ST_ITEMSIZE and math.prod(shape) * _ST_ITEMSIZE[dtype] != end - start:
-            raise HfError(f"{bad}: {dtype}{shape} needs {math.prod(shape) * _ST_ITEMSIZE[dtype]} bytes, "
-                          f"data_offsets span {end - start}")  # fmt: skip
-        return _StInfo(dtype, tuple(shape), start, end)
-
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
-    def read_f32(self, name: str) -> np.ndarray:
-        """The tensor as a new float32 array (bf16/f16/f32 storage)."""
-        t = self.tensors[name]
-        if t.dtype not in _ST_DTYPES:
-            raise HfError(f"{self.path}: tensor {name!r} has unsupported dtype {t.dtype}; "
-                          f"supported: {sorted(_ST_DTYPES)}")  # fmt: skip
-        np_dtype, _ = _ST_DTYPES[t.dtype]
-        if math.prod(t.shape) == 0:
-            return np.zeros(t.shape, np.float32)
-        raw = np.memmap(self.path, dtype=np_dtype, mode="r", offset=self.data_start + t.start, shape=t.shape)
-        try:
-            if t.dtype == "BF16":
-                return bf16_to_f32(np.array(raw))
-            return np.array(raw, dtype=np.float32)
-        finally:
-            del raw
-
-
-def _write_safetensors(
-    path: Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str]
-) -> None:
-    """Write f32 tensors as one safetensors file, streaming tensor by tensor (into the export's fresh
-    folder, which is renamed into place as a whole)."""
-    items = [(n, np.ascontiguousarray(a, dtype="<f4")) for n, a in tensors]
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    off = 0
-    for name, a in items:
-        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
-        off += a.nbytes
-    hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
-
-    def write(f):
-        f.write(len(hb).to_bytes(8, "little"))
-        f.write(hb)
-        for _, a in items:
-            f.write(memoryview(a.reshape(-1)).cast("B"))
-
-    _write_file(path, write)
-
-
-def _write_file(path: Path, write) -> None:
-    """`write(f)` into a new file `path`, then fsync it."""
-    with open(path, "xb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    _write_file(path, lambda f: f.write(data))
-
-
-# ------------------------------------------------------------------------------------------------ folder
-
-
-class _Weights:
-    """Tensor name -> the safetensors file holding it, for a single-file or sharded folder."""
-
-    def __init__(self, folder: Path):
-        single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-        self.where: dict[str, SafetensorsFile] = {}
-        self.files: list[SafetensorsFile] = []
-        if single.exists():
-            f = SafetensorsFile(single)
-            self.files = [f]
-            self.where = dict.fromkeys(f.names(), f)
-            return
-        if not index.exists():
-            found = sorted(p.name for p in folder.glob("*.safetensors"))
-            raise HfError(f"{folder}: no model.safetensors or model.safetensors.index.json"
-                          + (f" (found {found[:4]})" if found else ""))  # fmt: skip
-        idx = _read_json(index)
-        wm = idx.get("weight_map") if isinstance(idx, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise HfError(f"{index}: needs a 'weight_map' object of tensor name -> shard file name")
-        opened: dict[str, SafetensorsFile] = {}
-        for shard in sorted(set(wm.values())):
-            if Path(shard).name != shard or shard in ("", ".", ".."):
-                raise HfError(f"{index}: shard name {shard!r} is not a plain file name in the folder")
-            p = folder / shard
-            if not p.exists():
-                users = [n for n, s in wm.items() if s == shard]
-                raise HfError(f"{index}: shard {shard} is missing from {folder} (it holds {users[0]!r}"
-                              + (f" and {len(users) - 1} more)" if len(users) > 1 else ")"))  # fmt: skip
-            opened[shard] = SafetensorsFile(p)
-        for name, shard in wm.items():
-            if name not in opened[shard].tensors:
-                raise HfError(f"{index}: maps {name!r} to {shard}, which has no such tensor")
-            self.where[name] = opened[shard]
-        self.files = list(opened.values())
-
-    def names(self) -> list[str]:
-        return list(self.where)
-
-    def dtype(self, name: str) -> str:
-        return self.where[name].tensors[name].dtype
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.where[name].tensors[name].shape
-
-    def read_f32(self, name: str) -> np.ndarray:
-        return self.where[name].read_f32(name)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -652,13 +463,13 @@ def import_hf(folder) -> Model:
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise HfError(f"{folder}: no config.json (not a Hugging Face model folder?)")
-    hf = _read_json(cfg_path)
+    hf = read_json(cfg_path)
     cfg, arch = config_from_hf(hf, str(cfg_path))
     try:  # before anything is sized from the config (a table of 1e9 layers alone takes minutes)
         check_fits(cfg, training=False, what=f"{cfg_path}: the model")
     except ConfigError as e:
         raise HfError(str(e)) from None
-    weights = _Weights(folder)
+    weights = Weights(folder)
     have = set(weights.names())
     draft = None if arch == RAW_ARCHITECTURE else _find_draft(hf, have, cfg.n_layers, str(cfg_path))
     if draft is not None:
@@ -705,7 +516,7 @@ def import_hf(folder) -> Model:
     if draft is not None and cfg.mtp.concat == "hidden_first":  # an HF fc/eh_proj is embedding first
         params["model.mtp.eh_proj.weight"] = swap_eh_halves(params["model.mtp.eh_proj.weight"])
     tok = folder / "tokenizer.json"
-    tokenizer = read_regular(tok, "a tokenizer.json", HfError, _MAX_TOKENIZER) if tok.exists() else None
+    tokenizer = read_regular(tok, "a tokenizer.json", HfError, MAX_TOKENIZER) if tok.exists() else None
     metadata: dict[str, Any] = {"hf.architecture": arch}
     for key in ("bos_token_id", "eos_token_id"):
         if isinstance(hf.get(key), int) and not isinstance(hf.get(key), bool):
@@ -793,11 +604,11 @@ def _write_folder(
     try:
         parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(tmp)
-        _write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
-        _write_bytes(tmp / "config.json", (json.dumps(config, indent=2) + "\n").encode("utf-8"))
+        write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
+        write_bytes(tmp / "config.json", (json.dumps(config, indent=2) + "\n").encode("utf-8"))
         tok = _tokenizer_bytes(model)
         if tok is not None:
-            _write_bytes(tmp / "tokenizer.json", tok)
+            write_bytes(tmp / "tokenizer.json", tok)
             names.append("tokenizer.json")
         _fsync_dir(tmp)
         if exists:

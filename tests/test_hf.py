@@ -757,7 +757,7 @@ def test_export_disk_full_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
     def full(path, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(H, "_write_bytes", full)
+    monkeypatch.setattr(H, "write_bytes", full)
     for folder, overwrite in ((tmp_path / "out", True), (tmp_path / "new", False)):
         with pytest.raises(
             HfError, match=r"cannot write the export: No space left on device .* is unchanged"
