@@ -168,14 +168,30 @@ def _config(ck: Checkpoint, path, training: bool) -> ModelConfig:
     return cfg
 
 
-def check_model_tensors(ck: Checkpoint, cfg: ModelConfig, path, prefix: str = "") -> None:
-    """CheckpointError unless `ck` holds every parameter of `cfg` (under `prefix`, e.g. "optim.m.") with the
-    expected shape and a float dtype. Reads no tensor data."""
-    missing = [s.name for s in param_table(cfg) if prefix + s.name not in ck]
-    if missing:
-        more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{path}: missing tensor {prefix}{missing[0]}{more} that the config expects")
-    for s in param_table(cfg):
+def check_model_tensors(
+    ck: Checkpoint, cfg: ModelConfig, path, prefix: str = "", require_all: bool = True
+) -> list[str]:
+    """CheckpointError unless `ck` holds every parameter of `cfg` under `prefix` (e.g. "optim.m."; with
+    `require_all=False` the present ones) with the expected shape and a float dtype; under a non-empty
+    prefix, a tensor that is no parameter of `cfg` (renamed, or of another config) is an error too. Reads no
+    tensor data; -> the parameter names found, in table order."""
+    table = param_table(cfg)
+    if require_all:
+        missing = [s.name for s in table if prefix + s.name not in ck]
+        if missing:
+            more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(
+                f"{path}: missing tensor {prefix}{missing[0]}{more} that the config expects"
+            )
+    if prefix:
+        known = {prefix + s.name for s in table}
+        stray = [n for n in ck.names() if n.startswith(prefix) and n not in known]
+        if stray:
+            raise CheckpointError(f"{path}: tensor {stray[0]} is not a parameter of the model's config")
+    found = []
+    for s in table:
+        if prefix + s.name not in ck:
+            continue
         info = ck.info(prefix + s.name)
         if tuple(info.shape) != tuple(s.shape):
             raise CheckpointError(
@@ -186,18 +202,23 @@ def check_model_tensors(ck: Checkpoint, cfg: ModelConfig, path, prefix: str = ""
                 f"{path}: tensor {info.name} has dtype {info.dtype}; parameters must be float "
                 f"({', '.join(FLOAT_DTYPES)})"
             )
+        found.append(s.name)
+    return found
 
 
 def read_params(
-    ck: Checkpoint, cfg: ModelConfig, path, prefix: str = "", names: set[str] | None = None
+    ck: Checkpoint,
+    cfg: ModelConfig,
+    path,
+    prefix: str = "",
+    names: set[str] | None = None,
+    require_all: bool = True,
 ) -> dict[str, np.ndarray]:
-    """The parameters of `cfg` under `prefix` as float32 arrays, checked first (:func:`check_model_tensors`);
-    `names` limits which are read. No other tensor of the file is read."""
-    check_model_tensors(ck, cfg, path, prefix)
+    """The parameters of `cfg` under `prefix` as float32 arrays (name without the prefix -> array), checked
+    first (:func:`check_model_tensors`); `names` limits which are read. No other tensor of the file is read."""
+    found = check_model_tensors(ck, cfg, path, prefix, require_all)
     return {
-        s.name: np.asarray(ck.tensor_f32(prefix + s.name), np.float32)
-        for s in param_table(cfg)
-        if names is None or s.name in names
+        n: np.asarray(ck.tensor_f32(prefix + n), np.float32) for n in found if names is None or n in names
     }
 
 
