@@ -574,7 +574,7 @@ def _check_target(folder: Path, overwrite: bool) -> bool:
     if entries and not overwrite:
         raise HfError(f"{folder}: folder is not empty ({_more(entries, 3)}); export into a new or empty folder "
                       "(another model's tokenizer.json, index or shards would be mixed with this one), or "
-                      "replace a previous export (overwrite=True)")  # fmt: skip
+                      "replace a previous export (`ddl-wgpu export-hf --force`, overwrite=True)")  # fmt: skip
     foreign = [e for e in entries if not (_EXPORT_FILES.fullmatch(e) and (folder / e).is_file())]
     if foreign:
         raise HfError(f"{folder}: holds {_more(foreign, 3)}, which is not part of a Hugging Face export; "
