@@ -728,7 +728,9 @@ def test_export_into_a_non_empty_folder(tmp_path):
                            tokenizer=b'{"foreign": 1}')  # fmt: skip
     before = sorted(p.name for p in foreign.iterdir())
     model = Model(cfg=cfg, params=random_params(cfg, seed=5))  # no tokenizer of its own
-    with pytest.raises(HfError, match="folder is not empty .*new or empty folder.*`ddl-wgpu export-hf --force`"):
+    with pytest.raises(
+        HfError, match="folder is not empty .*new or empty folder.*`ddl-wgpu export-hf --force`"
+    ):
         export_hf(model, foreign)
     assert sorted(p.name for p in foreign.iterdir()) == before
     # a previous export is replaced whole: no foreign tokenizer, index or shards survive
