@@ -18,18 +18,19 @@ JSON keys: depth, prefix_acceptance [A_1..A_K], conditional_acceptance [alpha_1.
 anchors, on_policy {anchors [per depth], prefix_acceptance, conditional_acceptance, acceptance_length},
 chain_attention; and `probe` (one entry per concat / trunk-hidden / chain-hidden convention) when asked for.
 
-Chain attention (`chain_attention`): "seed" runs each step as its own causal pass over that step's rows of the
-window (positions 0..T−1), as the seed's trainer. "runtime" does what a speculative runtime does (mtp-heal.md
-§6.2): step 1 as in "seed"; step σ >= 2 is read off the stacked forward of steps 1..σ (`ddl_ref.mtp.
-draft_forward(chain=σ)`: row (s, p) at position p + s − 1 sees the step-1 rows at positions <= p and the steps
-2..s rows of its own anchor), step s's input rows built from the draft's own step s−1 output and greedy token.
-Step 1 and the counting are the same in both; at depth 1 the two agree. The JSON adds `chain_attention`.
+Chain attention (`chain_attention`): "per-step" (default) runs each step as its own causal pass over that
+step's rows of the window (positions 0..T−1), as the reference heal tool trains. "stacked" does what a
+speculative runtime does: step 1 as in "per-step"; step σ >= 2 is read off the stacked forward of steps 1..σ
+(`ddl_ref.mtp.draft_forward(chain=σ)`: row (s, p) at position p + s − 1 sees the step-1 rows at positions <= p
+and the steps 2..s rows of its own anchor, the runtime's diagonal mask), step s's input rows built from the
+draft's own step s−1 output and greedy token. Step 1 and the counting are the same in both; at depth 1 the two
+agree. The JSON adds `chain_attention`.
 
 Backends: "ref" runs trunk and draft in numpy; "wgpu" runs the trunk (`heal.WgpuTeacher`, its greedy token
-from the `topk` kernel with k = 1) and every draft step's block, norm and head (`heal.WgpuDraft.greedy`, with the
-masked attention kernels for a stacked runtime step) on the GPU, forward only; the draft's input rows eh_proj·[enorm(e); hnorm(h)] are built on the host by the same
-`ddl_ref.mtp.step_input` on both. Argmax ties go to the lower id on both, so the numbers agree up to float
-near-ties.
+from the `topk` kernel with k = 1) and every draft step's block, norm and head (`heal.WgpuDraft.greedy`, with
+the masked attention kernels for a stacked step) on the GPU, forward only; the draft's input rows
+eh_proj·[enorm(e); hnorm(h)] are built on the host by the same `ddl_ref.mtp.step_input` on both. Argmax ties
+go to the lower id on both, so the numbers agree up to float near-ties.
 
 What this file deliberately does not do: sampling acceptance (min(1, P/Q)).
 """
@@ -57,7 +58,10 @@ KEYS = (
     "chain_attention",
 )
 BACKENDS = ("ref", "wgpu")
-CHAIN_ATTENTION = ("seed", "runtime")
+# Chain attention: "per-step" (each chain step its own causal pass, the reference heal tool's way) or
+# "stacked" (steps 1..j stacked with the runtime's diagonal mask); the default of both `heal` and `accept`.
+CHAIN_ATTENTION = ("per-step", "stacked")
+DEFAULT_CHAIN_ATTENTION = "per-step"
 
 
 class AcceptError(ValueError):
@@ -66,7 +70,9 @@ class AcceptError(ValueError):
 
 def check_chain_attention(chain_attention: str) -> None:
     if chain_attention not in CHAIN_ATTENTION:
-        raise AcceptError(f"chain_attention must be one of {list(CHAIN_ATTENTION)}, got {chain_attention!r}")
+        raise AcceptError(
+            f"chain attention must be one of {', '.join(CHAIN_ATTENTION)}, got {chain_attention!r}"
+        )
 
 
 class UnknownBackendError(AcceptError, NotImplementedError):
@@ -88,7 +94,7 @@ def check_backend(backend: str) -> None:
 class Tally:
     """Running counts of prefix-accepted anchors, over all anchors and over on-policy anchors per depth."""
 
-    def __init__(self, depth: int, chain_attention: str = "seed"):
+    def __init__(self, depth: int, chain_attention: str = DEFAULT_CHAIN_ATTENTION):
         self.depth = depth
         self.chain_attention = chain_attention
         self.anchors = 0
@@ -227,13 +233,13 @@ def ref_runner(params: dict, cfg):
 
 
 def greedy_chain(
-    params: dict, cfg, tb: TrunkBatch, depth: int, runner, chain_attention: str = "seed"
+    params: dict, cfg, tb: TrunkBatch, depth: int, runner, chain_attention: str = DEFAULT_CHAIN_ATTENTION
 ) -> np.ndarray:
     """`ddl_ref.mtp.draft_chain(tokens="greedy")` with each step's block, norm, head and argmax done by
     `runner(x_rows, chain=0) -> (argmax (B, T'), pre, post)` -> preds (B, depth, T).
 
-    chain_attention "runtime": step σ >= 2 runs the stacked input rows of steps 1..σ (T' = σ·T) with
-    `chain=σ` and keeps its last T rows (the step-σ rows); "seed": every step its own pass (chain 0)."""
+    chain_attention "stacked": step σ >= 2 runs the stacked input rows of steps 1..σ (T' = σ·T) with
+    `chain=σ` and keeps its last T rows (the step-σ rows); "per-step": every step its own pass (chain 0)."""
     mtp = cfg.mtp
     T = tb.ids.shape[1]
     hid = ref_mtp.pick_hidden(tb.pre, tb.post, mtp.trunk_hidden)
@@ -242,7 +248,7 @@ def greedy_chain(
     preds, xs = [], []
     for j in range(1, depth + 1):
         xs.append(ref_mtp.step_input(params, cfg, tok, hid, valid))
-        if chain_attention == "runtime" and j > 1:  # the step-j rows of the stacked forward of steps 1..j
+        if chain_attention == "stacked" and j > 1:  # the step-j rows of the stacked forward of steps 1..j
             tok, pre, post = (a[:, -T:] for a in runner(np.concatenate(xs, axis=1), chain=j))
         else:
             tok, pre, post = runner(xs[-1])
@@ -252,14 +258,14 @@ def greedy_chain(
 
 
 def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth: int, runner=None,
-                          chain_attention: str = "seed") -> dict:  # fmt: skip
+                          chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
     """Acceptance of the draft in `params` (numpy, `model.mtp.*` plus the shared embedding and head) over
     trunk passes already made; `runner` (e.g. `heal.WgpuDraft.greedy`) runs the draft's steps, numpy when
-    None; `chain_attention` "seed" or "runtime" (module docstring)."""
+    None; `chain_attention` "per-step" or "stacked" (module docstring)."""
     check_chain_attention(chain_attention)
     tally = Tally(depth, chain_attention)
     for tb in trunk:
-        if runner is None and chain_attention == "seed":
+        if runner is None and chain_attention == "per-step":
             steps = ref_mtp.draft_chain(
                 params, cfg, tb.ids, tb.lengths, tb.pre, tb.post, depth, tokens="greedy"
             )
@@ -275,9 +281,9 @@ def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth:
 def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, backend: str = "ref",
                conventions: MtpConfig | dict | None = None, probe_conventions: bool = False,
                batch: int = 8, device: str | None = None, trunk_dtype: str = "f32",
-               chain_attention: str = "seed") -> dict:  # fmt: skip
+               chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
     """Greedy speculative acceptance of `model`'s draft over `windows` (1-D token arrays, each at most
-    max_seq_len long), chained `depth` deep, with `chain_attention` "seed" or "runtime" (module docstring). `conventions` overrides the model's MtpConfig (concat, hiddens);
+    max_seq_len long), chained `depth` deep, with `chain_attention` "per-step" or "stacked" (module docstring). `conventions` overrides the model's MtpConfig (concat, hiddens);
     `probe_conventions` adds `probe`: the same measure under every concat x trunk_hidden x chain_hidden.
     `trunk_dtype` "f16" (wgpu only) keeps the GPU trunk's big matrices in f16 (`heal.WgpuTeacher`)."""
     check_backend(backend)
@@ -318,7 +324,7 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, back
 
 def accept_file(model_path, data_spec: str, depth: int = 3, window: int = 128, tokens: int | None = None,
                 backend: str = "ref", probe_conventions: bool = False, device: str | None = None,
-                trunk_dtype: str = "f32", chain_attention: str = "seed") -> dict:  # fmt: skip
+                trunk_dtype: str = "f32", chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
     """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure."""
     check_backend(backend)
     check_chain_attention(chain_attention)

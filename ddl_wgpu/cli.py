@@ -317,10 +317,10 @@ class _Console:
     def __call__(self, ev: dict):
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-        kind = ev["kind"]
+        kind = ev["event"]
         if kind == "start":
             self.console.print(f"[bold]{ev['variant']}[/bold]: {ev['num_params']:,} parameters")
-        elif kind == "eval":
+        elif kind == "eval" and ev["step"] == 0:
             v = ev.get("validation")
             vtxt = f", validation {v['loss']:.4f}" if v else ""
             self.console.print(
@@ -647,10 +647,10 @@ def accept(
         "f32", "--trunk-dtype", help="wgpu: the trunk's big matrices in f32, or f16 (needs shader-f16)."
     ),
     chain_attention: str = typer.Option(
-        "runtime",
+        "per-step",
         "--chain-attention",
-        help="Attention of chain steps: runtime (default; step j read off the stacked steps 1..j with the "
-        "inference's diagonal mask; mtp-heal.md §6.2) or seed (step j its own causal pass over step-j rows).",
+        help="Attention of chain steps: per-step (default; each step its own causal pass, as the reference "
+        "heal tool) or stacked (steps 1..j stacked with the runtime's diagonal mask).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
@@ -698,10 +698,10 @@ def heal(
         rich_help_panel=HEAL_HELP,
     ),
     chain_attention: str = typer.Option(
-        "runtime",
+        "per-step",
         "--chain-attention",
-        help="Attention of chain steps: runtime (default; steps 1..j stacked, the inference's diagonal mask "
-        "at positions p+j-1; mtp-heal.md §6.2) or seed (step j causal over step-j rows).",
+        help="Attention of chain steps: per-step (default; each step its own causal pass, as the reference "
+        "heal tool) or stacked (steps 1..j stacked with the runtime's diagonal mask).",
         rich_help_panel=HEAL_HELP,
     ),
     backend: str = typer.Option(

@@ -31,9 +31,9 @@ its hidden rows (downloaded, kept on the host in float16 by `heal`); the draft a
 engine's input-rows mode (top-k KL through the `topk_kl` kernel on chunked logits, only the block and its
 final norm trainable). Gradients are float32 on both, so the loss scale is carried but never needed.
 
-Chain attention (`HealConfig.chain_attention`): "seed" trains step j as its own pass whose rows attend
-causally to the other step-j rows of the window at positions 0..T−1, as the seed. "runtime" (default) reproduces
-the inference's TTT "diagonal" mask (mtp-heal.md §6.2): a step-j job stacks the block inputs of steps 1..j of
+Chain attention (`HealConfig.chain_attention`): "per-step" (default) trains step j as its own pass whose rows
+attend causally to the other step-j rows of the window at positions 0..T−1, as the reference heal tool.
+"stacked" reproduces the inference's "diagonal" mask: a step-j job stacks the block inputs of steps 1..j of
 each window (j·T rows, row (σ−1)·T + p, step σ's rows the stored/refreshed step-σ inputs), row (j, p) attends
 to the step-1 rows at positions <= p and to the same anchor's step-2..j rows, RoPE position p + σ − 1; the
 top-k KL counts the step-j rows only (the others carry K/V and get gradients through attention). The refresh
@@ -58,9 +58,11 @@ from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import ModelConfig
 from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
 from ddl_wgpu import accept as accept_mod
+from ddl_wgpu.accept import CHAIN_ATTENTION, DEFAULT_CHAIN_ATTENTION
 from ddl_wgpu.container import CheckpointError, f32_to_bf16, open_checkpoint, save
 from ddl_wgpu.data import DataError, check_vocab, load_records, tokenizer_for
 from ddl_wgpu.modelfile import Model, load_model
+from ddl_wgpu.run import Best, Cadence, Events, LossScale, drive
 
 LOSS_SCALE_START = 4096.0  # the seed's initial loss scale; halved (down to 1) on every non-finite step
 MAX_NONFINITE = 20  # the 20th non-finite step aborts
@@ -81,7 +83,6 @@ class HealError(ValueError):
 
 
 TRUNK_DTYPES = ("f32", "f16")
-CHAIN_ATTENTION = ("seed", "runtime")
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,11 @@ class HealConfig:
     patience: int = 3  # evaluations without a new best before stopping (0: never stop early)
     seed: int = 0  # seed of the per-epoch job shuffle
     trunk_dtype: str = "f32"  # the GPU trunk's big matrices: f32, or f16 (half the memory; needs shader-f16)
-    chain_attention: str = "runtime"  # "runtime": the §6.2 diagonal mask; "seed": step j causal, own rows
+    chain_attention: str = DEFAULT_CHAIN_ATTENTION  # "per-step": step j causal over its own rows; "stacked"
 
     def __post_init__(self) -> None:
         if self.chain_attention not in CHAIN_ATTENTION:
-            raise HealError(f"heal: chain_attention must be one of {list(CHAIN_ATTENTION)}, "
+            raise HealError(f"heal: chain attention must be one of {', '.join(CHAIN_ATTENTION)}, "
                             f"got {self.chain_attention!r}")  # fmt: skip
         if self.trunk_dtype not in TRUNK_DTYPES:
             raise HealError(
@@ -467,13 +468,169 @@ class _Cache:
 # heal
 
 
+class _Chain:
+    """The draft's block inputs per chain step over all windows (float16 on the host), built from the trunk's
+    pass and rebuilt from the current draft by `refresh`; `join` gives a training or evaluation job's arrays."""
+
+    def __init__(self, model: Model, cfg: HealConfig, cache: _Cache, draft):
+        self.model, self.mcfg, self.cache, self.draft = model, model.cfg, cache, draft
+        self.chain, self.nb = cfg.chain, cfg.batch
+        self.stacked_mode = cfg.chain_attention == "stacked"
+        self.N, self.T = cache.ids.shape
+        C = self.mcfg.d_model
+        cache.x[1] = np.zeros((self.N, self.T, C), np.float16)
+        for s in range(0, self.N, self.nb):
+            cache.x[1][s : s + self.nb] = self.block_in(
+                slice(s, s + self.nb), 1, cache.hidden[s : s + self.nb]
+            )
+
+    def block_in(self, sel, j: int, hid) -> np.ndarray:
+        c = self.cache
+        tok = ref_mtp.shifted(c.ids[sel], j)
+        valid = ref_mtp.step_valid(c.lengths[sel], self.T, j)
+        return ref_mtp.step_input(
+            self.model.params, self.mcfg, tok, np.asarray(hid, np.float32), valid
+        ).astype(np.float16)
+
+    def stacked(self, sel, j: int) -> np.ndarray:
+        """Block inputs of steps 1..j of the windows `sel`, stacked along time -> (b, j·T, C) float32."""
+        return np.concatenate([self.cache.x[s][sel] for s in range(1, j + 1)], axis=1).astype(np.float32)
+
+    def refresh(self) -> None:
+        """Chain steps 2..chain rebuilt from the current draft's outputs."""
+        N, T, nb, x = self.N, self.T, self.nb, self.cache.x
+        for j in range(2, self.chain + 1):
+            xj = np.zeros((N, T, self.mcfg.d_model), np.float16)
+            for s in range(0, N, nb):
+                if self.stacked_mode and j > 2:  # step j−1's rows of the stacked forward of steps 1..j−1
+                    pre, post = self.draft.hidden_out(self.stacked(slice(s, s + nb), j - 1), chain=j - 1)
+                    pre, post = pre[:, -T:], post[:, -T:]
+                else:
+                    pre, post = self.draft.hidden_out(x[j - 1][s : s + nb].astype(np.float32))
+                xj[s : s + nb] = self.block_in(
+                    slice(s, s + nb), j, ref_mtp.pick_hidden(pre, post, self.mcfg.mtp.chain_hidden)
+                )
+            x[j] = xj
+
+    def join(self, b: np.ndarray, j: int):
+        """-> (x, teacher ids, teacher probs, weights, the trainer's chain keyword) of step j on windows b."""
+        c, T = self.cache, self.T
+        x = c.x[j][b].astype(np.float32)
+        tid = ref_mtp.shifted(c.top_ids[b], j)
+        tp = ref_mtp.shifted(c.top_probs[b], j, fill=1.0)  # masked rows: any finite distribution
+        w = ref_mtp.step_valid(c.lengths[b], T, j).astype(np.float32)
+        if not self.stacked_mode or j == 1:  # step 1 is the same in both modes; no `chain` keyword
+            return x, tid, tp, w, {}
+        # stacked: steps 1..j stacked; only the step-j rows (the last T) carry the loss
+        pad = (j - 1) * T
+        tid = np.concatenate([np.zeros((len(b), pad, tid.shape[-1]), tid.dtype), tid], axis=1)
+        tp = np.concatenate([np.ones((len(b), pad, tp.shape[-1]), tp.dtype), tp], axis=1)
+        w = np.concatenate([np.zeros((len(b), pad), w.dtype), w], axis=1)
+        return self.stacked(b, j), tid, tp, w, {"chain": j}
+
+    def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
+        """The draft's mean top-k KL to the trunk per chain step over the held-out batches."""
+        out = []
+        for j in range(1, self.chain + 1):
+            s = n = 0.0
+            for b in batches:
+                x, tid, tp, w, c = self.join(b, j)
+                s += self.draft.loss_sum(x, tid, tp, w, **c)
+                n += float(w.sum())
+            out.append(s / max(n, 1e-9))
+        return out
+
+
+def _windows(model: Model, data_spec: str, cfg: HealConfig) -> list[np.ndarray]:
+    try:
+        records = load_records(data_spec, tokenizer_for(model.tokenizer), 2 * cfg.tokens)
+        check_vocab(records, model.cfg.vocab_size)
+    except DataError as e:
+        raise HealError(f"heal: {e}") from e
+    wins = accept_mod.cut_windows(records, cfg.window, MIN_WINDOW + cfg.chain, cfg.tokens)
+    if len(wins) < HELD_OUT_EVERY * cfg.batch:
+        raise HealError(f"heal: {len(wins)} windows in {data_spec}, need {HELD_OUT_EVERY * cfg.batch} "
+                        "(every tenth is held out)")  # fmt: skip
+    return wins
+
+
+def _trunk_pass(
+    teacher, wins: list[np.ndarray], mcfg: ModelConfig, k: int, nb: int, events: Events
+) -> _Cache:
+    """The trunk once over every window: its top-k and the hidden rows the draft reads."""
+    N, T, C = len(wins), max(w.size for w in wins), mcfg.d_model
+    ids, lengths = accept_mod.pad_batch(wins, T)
+    cache = _Cache(ids, lengths, np.zeros((N, T, k), np.int32), np.zeros((N, T, k), np.float32),
+                   np.zeros((N, T, C), np.float16), {})  # fmt: skip
+    for s in range(0, N, nb):
+        ti, tp, pre, post = teacher.topk_hidden(ids[s : s + nb], k)
+        cache.top_ids[s : s + nb], cache.top_probs[s : s + nb] = ti, tp
+        cache.hidden[s : s + nb] = ref_mtp.pick_hidden(pre, post, mcfg.mtp.trunk_hidden)
+        events("trunk", done=min(s + nb, N), windows=N)
+    return cache
+
+
+class _HealJob:
+    """The draft's training steps over shuffled (train batch, chain step) jobs; the `run.Job` of the loop."""
+
+    def __init__(self, chain: _Chain, cfg: HealConfig, train_batches, val_batches, best: Best, start_kl,
+                 events: Events):  # fmt: skip
+        self.chain, self.cfg, self.best, self.events = chain, cfg, best, events
+        self.val_batches = val_batches
+        self.jobs = [(b, j) for b in train_batches for j in range(1, cfg.chain + 1)]
+        self.total = max(math.ceil(cfg.epochs * len(self.jobs)), 1)
+        self.order = self._job_order(np.random.default_rng(cfg.seed))
+        self.scale = LossScale(LOSS_SCALE_START, MAX_NONFINITE)
+        self.history = [{"step": 0, "heldout_kl": start_kl, "mean": best.value}]
+        self.best_per_step = start_kl  # the held-out KL per chain step at the best evaluation
+
+    def _job_order(self, rng):
+        """The jobs, each pass over them in a fresh permutation."""
+        while True:
+            for oi in rng.permutation(len(self.jobs)):
+                yield self.jobs[int(oi)]
+
+    def step(self, done: int) -> dict | None:
+        b, j = next(self.order)
+        x, tid, tp, w, c = self.chain.join(b, j)
+        lr = self.cfg.lr * lr_multiplier(done + 1, self.total)
+        loss, gnorm, finite = self.chain.draft.step(x, tid, tp, w, lr, done + 1, self.scale.value, **c)
+        if not (finite and math.isfinite(loss) and math.isfinite(gnorm)):
+            last = self.scale.skip()
+            self.events("skip", step=done + 1, skipped=self.scale.skipped, loss_scale=self.scale.value)
+            if last:
+                raise HealError(f"heal: {self.scale.skipped} non-finite steps (last loss {loss}, gradient norm "
+                                f"{gnorm}) after {done} good ones: aborting, nothing written")  # fmt: skip
+            return None
+        n = done + 1
+        if self.cfg.chain > 1 and self.cfg.refresh > 0 and n % self.cfg.refresh == 0 and n < self.total:
+            self.chain.refresh()
+            self.events("refresh", step=n, chain=self.cfg.chain)
+        return {"loss": loss, "lr": lr, "grad_norm": gnorm}
+
+    def evaluate(self, done: int) -> float:
+        v = self.chain.heldout_kl(self.val_batches)
+        e = float(np.mean(v))
+        self.history.append({"step": done, "heldout_kl": v, "mean": e})
+        self.events("eval", step=done, heldout_kl=v, mean=e, best=min(self.best.value, e))
+        if e < self.best.value:
+            self.best_per_step = v
+        return e
+
+    def snapshot(self):
+        return self.chain.draft.snapshot()
+
+    def after_step(self, done: int) -> bool:
+        return False
+
+
 def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, init_path=None,
          backend: str = "ref", progress: Callable[[dict], None] | None = None,
          device: str | None = None) -> dict:  # fmt: skip
     """Retrain MODEL's draft on MODEL's trunk over `data_spec`; write OUT. -> the report (provenance.heal_mtp
     plus `out`, `history` of evaluations and `stopped`). Raises HealError with one line on bad input or abort."""
     cfg = cfg if cfg is not None else HealConfig()
-    say = progress if progress is not None else (lambda _e: None)
+    events = Events(progress, "heal")
     if backend not in BACKENDS:
         raise HealError(f"heal: backend {backend!r} has no MTP draft path yet (available: {list(BACKENDS)})")
     _require_draft(model_path)
@@ -485,175 +642,59 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     init = _init_weights(init_path, model) if init_path is not None else None
     if cfg.window > mcfg.max_seq_len:
         raise HealError(f"heal: window {cfg.window} exceeds the model's max_seq_len {mcfg.max_seq_len}")
-    chain, k, nb = cfg.chain, cfg.topk, cfg.batch
-
-    # --- windows
-    try:
-        records = load_records(data_spec, tokenizer_for(model.tokenizer), 2 * cfg.tokens)
-        check_vocab(records, mcfg.vocab_size)
-    except DataError as e:
-        raise HealError(f"heal: {e}") from e
-    wins = accept_mod.cut_windows(records, cfg.window, MIN_WINDOW + chain, cfg.tokens)
-    if len(wins) < HELD_OUT_EVERY * nb:
-        raise HealError(f"heal: {len(wins)} windows in {data_spec}, need {HELD_OUT_EVERY * nb} "
-                        "(every tenth is held out)")  # fmt: skip
+    wins = _windows(model, data_spec, cfg)
     total_tokens = int(sum(w.size for w in wins))
-    say({"event": "windows", "windows": len(wins), "tokens": total_tokens, "chain": chain})
+    events("windows", windows=len(wins), tokens=total_tokens, chain=cfg.chain, data=str(data_spec))
 
-    teacher, draft = make_backend(backend, model, init, nb, device, cfg.trunk_dtype)
-
-    # --- the trunk, once
-    N, T = len(wins), max(w.size for w in wins)
-    ids, lengths = accept_mod.pad_batch(wins, T)
-    C = mcfg.d_model
-    kk = min(k, mcfg.vocab_size)
-    cache = _Cache(ids, lengths, np.zeros((N, T, kk), np.int32), np.zeros((N, T, kk), np.float32),
-                   np.zeros((N, T, C), np.float16), {})  # fmt: skip
-    for s in range(0, N, nb):
-        ti, tp, pre, post = teacher.topk_hidden(ids[s : s + nb], kk)
-        cache.top_ids[s : s + nb], cache.top_probs[s : s + nb] = ti, tp
-        cache.hidden[s : s + nb] = ref_mtp.pick_hidden(pre, post, mcfg.mtp.trunk_hidden)
-        say({"event": "trunk", "done": min(s + nb, N), "windows": N})
-
-    def block_in(sel, j: int, hid) -> np.ndarray:
-        tok = ref_mtp.shifted(ids[sel], j)
-        valid = ref_mtp.step_valid(lengths[sel], T, j)
-        return ref_mtp.step_input(model.params, mcfg, tok, np.asarray(hid, np.float32), valid).astype(
-            np.float16
-        )
-
-    cache.x[1] = np.zeros((N, T, C), np.float16)
-    for s in range(0, N, nb):
-        cache.x[1][s : s + nb] = block_in(slice(s, s + nb), 1, cache.hidden[s : s + nb])
-
-    runtime = cfg.chain_attention == "runtime"
-
-    def stacked(sel, j: int) -> np.ndarray:
-        """Block inputs of steps 1..j of the windows `sel`, stacked along time -> (b, j·T, C) float32."""
-        return np.concatenate([cache.x[s][sel] for s in range(1, j + 1)], axis=1).astype(np.float32)
-
-    def refresh() -> None:
-        for j in range(2, chain + 1):
-            xj = np.zeros((N, T, C), np.float16)
-            for s in range(0, N, nb):
-                if runtime and j > 2:  # step j−1's rows of the stacked forward of steps 1..j−1
-                    pre, post = draft.hidden_out(stacked(slice(s, s + nb), j - 1), chain=j - 1)
-                    pre, post = pre[:, -T:], post[:, -T:]
-                else:
-                    pre, post = draft.hidden_out(cache.x[j - 1][s : s + nb].astype(np.float32))
-                xj[s : s + nb] = block_in(
-                    slice(s, s + nb), j, ref_mtp.pick_hidden(pre, post, mcfg.mtp.chain_hidden)
-                )
-            cache.x[j] = xj
-        if chain > 1:
-            say({"event": "refresh", "chain": chain})
-
-    refresh()
-    train, val = split_heldout(N)
-
-    def batches(idx: list[int]) -> list[np.ndarray]:
-        return [np.array(idx[s : s + nb]) for s in range(0, len(idx) - nb + 1, nb)]
-
-    tb, vb = batches(train), batches(val)
-
-    def join(b: np.ndarray, j: int):
-        """-> (x, teacher ids, teacher probs, weights, the trainer's chain keyword) of step j on windows b."""
-        x = cache.x[j][b].astype(np.float32)
-        tid = ref_mtp.shifted(cache.top_ids[b], j)
-        tp = ref_mtp.shifted(cache.top_probs[b], j, fill=1.0)  # masked rows: any finite distribution
-        w = ref_mtp.step_valid(lengths[b], T, j).astype(np.float32)
-        if not runtime or j == 1:  # step 1 is the same in both modes; no `chain` keyword (the seed's call)
-            return x, tid, tp, w, {}
-        # runtime: steps 1..j stacked; only the step-j rows (the last T) carry the loss
-        pad = (j - 1) * T
-        tid = np.concatenate([np.zeros((len(b), pad, tid.shape[-1]), tid.dtype), tid], axis=1)
-        tp = np.concatenate([np.ones((len(b), pad, tp.shape[-1]), tp.dtype), tp], axis=1)
-        w = np.concatenate([np.zeros((len(b), pad), w.dtype), w], axis=1)
-        return stacked(b, j), tid, tp, w, {"chain": j}
-
-    def val_loss() -> list[float]:
-        out = []
-        for j in range(1, chain + 1):
-            s = n = 0.0
-            for b in vb:
-                x, tid, tp, w, c = join(b, j)
-                s += draft.loss_sum(x, tid, tp, w, **c)
-                n += float(w.sum())
-            out.append(s / max(n, 1e-9))
-        return out
+    teacher, draft = make_backend(backend, model, init, cfg.batch, device, cfg.trunk_dtype)
+    kk = min(cfg.topk, mcfg.vocab_size)
+    cache = _trunk_pass(teacher, wins, mcfg, kk, cfg.batch, events)
+    chain = _Chain(model, cfg, cache, draft)
+    chain.refresh()
+    if cfg.chain > 1:
+        events("refresh", step=0, chain=cfg.chain)
+    train, val = split_heldout(len(wins))
+    nb = cfg.batch
+    tb = [np.array(train[s : s + nb]) for s in range(0, len(train) - nb + 1, nb)]
+    vb = [np.array(val[s : s + nb]) for s in range(0, len(val) - nb + 1, nb)]
 
     def held_out_acceptance() -> dict:
         vi = np.array(val)
         hid = cache.hidden[vi].astype(np.float32)
-        tbs = [accept_mod.TrunkBatch(ids[vi], lengths[vi], cache.top_ids[vi][..., 0], hid, hid)]
+        tbs = [accept_mod.TrunkBatch(cache.ids[vi], cache.lengths[vi], cache.top_ids[vi][..., 0], hid, hid)]
         params = {**model.params, **draft.export()}
         runner = draft.greedy if backend == "wgpu" else None
-        return accept_mod.acceptance_from_trunk(params, mcfg, tbs, chain, runner, cfg.chain_attention)
+        return accept_mod.acceptance_from_trunk(params, mcfg, tbs, cfg.chain, runner, cfg.chain_attention)
 
     acc_before = held_out_acceptance()
-    v0 = val_loss()
+    v0 = chain.heldout_kl(vb)
     e0 = float(np.mean(v0))
-    history = [{"step": 0, "heldout_kl": v0, "mean": e0}]
-    say({"event": "eval", "step": 0, "heldout_kl": v0, "mean": e0})
+    events("eval", step=0, heldout_kl=v0, mean=e0, best=e0)
+    best = Best(e0, 0, draft.snapshot())
+    job = _HealJob(chain, cfg, tb, vb, best, v0, events)
+    total = job.total
+    stopped, done = drive(job, 0, Cadence(cfg.eval_every, total), best, events, cfg.patience)
 
-    jobs = [(bi, j) for bi in range(len(tb)) for j in range(1, chain + 1)]
-    total = max(math.ceil(cfg.epochs * len(jobs)), 1)
-    best_kl, best_snap, best_step, best_v = e0, draft.snapshot(), 0, v0
-    done = skipped = 0
-    gscale = LOSS_SCALE_START
-    rng = np.random.default_rng(cfg.seed)
-    stopped = "steps"
-    while done < total and stopped == "steps":
-        for oi in rng.permutation(len(jobs)):
-            if done >= total:
-                break
-            bi, j = jobs[int(oi)]
-            x, tid, tp, w, c = join(tb[bi], j)
-            lr = cfg.lr * lr_multiplier(done + 1, total)
-            loss, gnorm, finite = draft.step(x, tid, tp, w, lr, done + 1, gscale, **c)
-            if not (finite and math.isfinite(loss) and math.isfinite(gnorm)):
-                skipped += 1
-                gscale = max(gscale / 2.0, 1.0)
-                say({"event": "skip", "step": done + 1, "skipped": skipped, "loss_scale": gscale})
-                if skipped >= MAX_NONFINITE:
-                    raise HealError(f"heal: {skipped} non-finite steps (last loss {loss}, gradient norm "
-                                    f"{gnorm}) after {done} good ones: aborting, nothing written")  # fmt: skip
-                continue
-            done += 1
-            say({"event": "step", "step": done, "total": total, "loss": loss, "lr": lr, "grad_norm": gnorm})
-            if chain > 1 and cfg.refresh > 0 and done % cfg.refresh == 0 and done < total:
-                refresh()
-            if done % cfg.eval_every == 0 or done == total:
-                v = val_loss()
-                e = float(np.mean(v))
-                history.append({"step": done, "heldout_kl": v, "mean": e})
-                say({"event": "eval", "step": done, "heldout_kl": v, "mean": e, "best": min(best_kl, e)})
-                if e < best_kl:
-                    best_kl, best_snap, best_step, best_v = e, draft.snapshot(), done, v
-                elif cfg.patience > 0 and done - best_step >= cfg.patience * cfg.eval_every and done < total:
-                    stopped = "patience"
-                    break
-
-    draft.restore(best_snap)
+    draft.restore(best.snapshot)
     trained = draft.export()
     acc_after = held_out_acceptance()
     record = {
         "data": str(data_spec),
         "tokens": total_tokens,
-        "windows": N,
+        "windows": len(wins),
         "heldout_windows": len(val),
         "steps": done,
         "total_steps": total,
-        "best_step": best_step,
-        "skipped_steps": skipped,
+        "best_step": best.step,
+        "skipped_steps": job.scale.skipped,
         "stopped": stopped,
         "lr": float(cfg.lr),
         "topk": kk,
-        "chain": chain,
+        "chain": cfg.chain,
         "heldout_kl_start": e0,
-        "heldout_kl_best": best_kl,
+        "heldout_kl_best": best.value,
         "heldout_kl_per_step_start": v0,
-        "heldout_kl_per_step_best": best_v,
+        "heldout_kl_per_step_best": job.best_per_step,
         "init": None if init_path is None else os.fspath(init_path),
         "acceptance_before": acc_before,
         "acceptance_after": acc_after,
@@ -664,5 +705,5 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
         "conventions": mcfg.mtp.to_dict(),
     }
     path = write_back(model_path, out_path, trained, "heal_mtp", record)
-    say({"event": "written", "out": os.fspath(path)})
-    return {**record, "out": os.fspath(path), "history": history}
+    events("written", out=os.fspath(path))
+    return {**record, "out": os.fspath(path), "history": job.history}

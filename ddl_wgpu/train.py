@@ -29,6 +29,7 @@ from ddl_ref.params import init_params
 from ddl_wgpu.container import open_checkpoint, save
 from ddl_wgpu.data import TokenDataset
 from ddl_wgpu.engine import AdamW
+from ddl_wgpu.run import Best, Cadence, Events, drive
 
 CHECKPOINT = "checkpoint.ddlw"
 REPORT = "report.json"
@@ -294,16 +295,189 @@ class RunOptions:
     device: str | None = None
     save_interval: int = 0  # save a checkpoint every N steps (0: only at the end / on stop)
     stop_after: int = 0  # end this process after N steps with a resumable checkpoint (0: run to the end)
-    progress: object = None  # callable(event: dict) for progress display
+    progress: object = None  # callable(event: dict) for progress display (`run.Events` schema)
 
 
-class _Progress:
-    def __init__(self, cb):
-        self.cb = cb
+def _check_datasets(train: TokenDataset, val: TokenDataset | None) -> None:
+    if train.num_batches == 0:
+        raise TrainingError.empty_training_dataset()
+    if val is not None and val.num_batches == 0:
+        raise TrainingError.empty_validation_dataset()
 
-    def __call__(self, **event):
-        if self.cb is not None:
-            self.cb(event)
+
+class _Variant:
+    """One variant's run in progress: its net, report, phase and best-validation weights; the `run.Job` of
+    the step loop."""
+
+    def __init__(self, net, report: dict, phase: dict, best: Best, train, val, tcfg, out_dir, opts, events):
+        self.net, self.report, self.phase, self.best = net, report, phase, best
+        self.train, self.val, self.tcfg, self.opts, self.events = train, val, tcfg, opts, events
+        self.history = report["history"]
+        self.ckpt = out_dir / CHECKPOINT if out_dir is not None else None
+        self.out_dir = out_dir
+        self.schedule = schedule_for_phase(tcfg, phase["previous_lr"])
+        self.work = net.work(tcfg.batch_size, tcfg.seq_len)
+        self.cadence = Cadence(tcfg.eval_interval, phase["start_step"] + tcfg.max_steps, phase["start_step"])
+        self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
+        self.steps_this_process = 0
+        self.t0 = time.perf_counter()
+
+    # the run.Job interface
+
+    def step(self, done: int) -> dict:
+        """Global step `done` (0-based over the whole run) -> step `done` + 1."""
+        tcfg = self.tcfg
+        in_phase = done - self.phase["start_step"]
+        batch = self.train.batch(done % self.train.num_batches)
+        train_spectral = None
+        if self.cadence.due(done + 1) and hasattr(self.work, "spectral"):
+            train_spectral = self.work.spectral(batch.ids, batch.lengths)
+        lr = self.schedule.learning_rate(in_phase)
+        hyper = AdamW(lr=lr, step=done + 1, beta1=tcfg.beta1, beta2=tcfg.beta2, eps=tcfg.epsilon,
+                      weight_decay=tcfg.weight_decay, grad_clip=tcfg.grad_clip)  # fmt: skip
+        res = self.work.step(batch.ids, batch.lengths, update=hyper)
+        if not res.finite:
+            self.checkpoint()
+            raise TrainingError(
+                f"non-finite loss or gradient at step {done + 1} (loss {res.loss}); the last good "
+                f"checkpoint is {self.ckpt}; a lower learning rate may help"
+            )
+        entry = {
+            "step": done + 1,
+            "learning_rate": lr,
+            "train": metrics(res.loss, 1),
+            "validation": None,
+            "train_spectral": train_spectral,
+            "validation_spectral": None,
+            "grad_norm": res.grad_norm,
+        }
+        if self.net.cfg.mtp is not None:  # joint MTP training: "train" is the combined loss
+            entry["train_loss_main"], entry["train_loss_mtp"] = res.loss_main, res.loss_mtp
+        self.history.append(entry)
+        self.report["steps_completed"] = len(self.history)
+        self.steps_this_process += 1
+        elapsed = time.perf_counter() - self.t0
+        return {
+            "variant": self.report["variant"],
+            "loss": res.loss,
+            "loss_main": res.loss_main,
+            "loss_mtp": res.loss_mtp,
+            "lr": lr,
+            "tokens_per_s": self.steps_this_process * self.tokens_per_step / max(elapsed, 1e-9),
+            "s_per_step": elapsed / self.steps_this_process,
+        }
+
+    def evaluate(self, done: int) -> float | None:
+        if self.val is None:
+            return None
+        ev = evaluate(self.net, self.val, self.tcfg.eval_batches, spectral=True)
+        entry = self.history[-1]
+        entry["validation"], entry["validation_spectral"] = ev["metrics"], ev["spectral"]
+        self.events("eval", variant=self.report["variant"], step=done, validation=ev["metrics"])
+        if self.best.value is None or ev["metrics"]["loss"] < self.best.value:
+            self._record_best(ev, done)
+        return ev["metrics"]["loss"]
+
+    def snapshot(self):
+        return self.net.snapshot()
+
+    def after_step(self, done: int) -> bool:
+        n, last = done - self.phase["start_step"], done == self.cadence.end
+        if self.opts.save_interval and n % self.opts.save_interval == 0 and not last:
+            self.checkpoint()
+        if self.opts.stop_after and self.steps_this_process >= self.opts.stop_after and not last:
+            self.checkpoint()
+            return True
+        return False
+
+    # the rest of the run
+
+    def _record_best(self, ev: dict, step: int) -> None:
+        self.report["best_validation"] = ev["metrics"]
+        self.report["best_validation_spectral"] = ev["spectral"]
+        self.report["best_validation_step"] = step
+
+    def checkpoint(self) -> None:
+        if self.ckpt is None:
+            return
+        best = self.net.export_snapshot(self.best.snapshot) if self.best.snapshot is not None else None
+        position = {"phase": self.phase, "steps_completed": self.report["steps_completed"]}
+        save_checkpoint(self.ckpt, self.net, self.report, best, position)
+        write_json(_report_path(self.out_dir), self.report)
+
+    def finish(self) -> None:
+        """The final evaluation (the reference trainer's: whole datasets, here capped by eval_batches), the
+        status and throughput."""
+        report, tcfg = self.report, self.tcfg
+        fin_train = evaluate(self.net, self.train, tcfg.eval_batches, spectral=True)
+        report["final_train"], report["final_train_spectral"] = fin_train["metrics"], fin_train["spectral"]
+        if self.val is not None:
+            fin_val = evaluate(self.net, self.val, tcfg.eval_batches, spectral=True)
+            report["final_validation"] = fin_val["metrics"]
+            report["final_validation_spectral"] = fin_val["spectral"]
+            if self.best.offer(fin_val["metrics"]["loss"], self.cadence.end, self.snapshot):
+                self._record_best(fin_val, self.cadence.end)
+        report["status"] = "completed"
+        elapsed = time.perf_counter() - self.t0
+        report["throughput"] = {
+            "steps": self.steps_this_process,
+            "seconds": elapsed,
+            "tokens_per_s": self.steps_this_process * self.tokens_per_step / max(elapsed, 1e-9),
+        }
+
+
+def _fresh(base, variant, train, val, tcfg, opts, events):
+    """A new run: the variant's net from the seed, the initial evaluation and an empty report."""
+    cfg = variant.resolve_config(base)
+    net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed, tcfg.mtp_weight)
+    phase = {"start_step": 0, "training": tcfg.to_dict(), "previous_lr": None}
+    events("start", variant=variant.slug, num_params=net.num_params, cfg=cfg.to_dict())
+    t_eval = time.perf_counter()
+    init_train = evaluate(net, train, tcfg.eval_batches, spectral=True)
+    init_val = evaluate(net, val, tcfg.eval_batches, spectral=True) if val is not None else None
+    events("eval", variant=variant.slug, step=0, train=init_train["metrics"],
+           validation=init_val and init_val["metrics"], seconds=time.perf_counter() - t_eval)  # fmt: skip
+    report = {
+        "variant": variant.slug,
+        "config": cfg.to_dict(),
+        "training": tcfg.to_dict(),
+        "num_params": net.num_params,
+        "train_dataset": train.summary(),
+        "validation_dataset": val.summary() if val is not None else None,
+        "steps_completed": 0,
+        "initial_train": init_train["metrics"],
+        "initial_validation": init_val and init_val["metrics"],
+        "final_train": None,
+        "final_validation": None,
+        "best_validation": init_val and init_val["metrics"],
+        "initial_train_spectral": init_train["spectral"],
+        "initial_validation_spectral": init_val and init_val["spectral"],
+        "final_train_spectral": None,
+        "final_validation_spectral": None,
+        "best_validation_spectral": init_val and init_val["spectral"],
+        "best_validation_step": 0 if init_val else None,
+        "history": [],
+    }
+    best = Best(init_val["metrics"]["loss"], 0, net.snapshot()) if init_val else Best(None, None)
+    return net, report, phase, best
+
+
+def _resumed(resume: dict, opts: RunOptions):
+    """A run continued from a loaded checkpoint: its net (weights and moments), report, phase and best."""
+    cfg, report, phase = resume["cfg"], resume["report"], resume["position"]["phase"]
+    w = TrainingConfig.from_dict(phase["training"]).mtp_weight
+    net = make_net(cfg, resume["params"], opts.backend, opts.device, mtp_weight=w)
+    snap = None
+    if resume["best"] is not None:
+        snap_src = make_net(cfg, resume["best"], "ref", None) if opts.backend == "ref" else None
+        snap = snap_src.snapshot() if snap_src else _gpu_snapshot_of(net, resume["best"])
+    if resume[
+        "m"
+    ]:  # after the best snapshot: `_gpu_snapshot_of` goes through `net.load`, which zeroes moments
+        net.load_moments(resume["m"], resume["v"])
+    bv = report["best_validation"]
+    best = Best(bv["loss"] if bv else None, report["best_validation_step"], snap)
+    return net, report, phase, best
 
 
 def train_variant(
@@ -318,185 +492,26 @@ def train_variant(
 ) -> dict:
     """Train one variant (or continue one from `resume`, a loaded checkpoint); returns the report."""
     tcfg.validate()
-    if train.num_batches == 0:
-        raise TrainingError.empty_training_dataset()
-    if val is not None and val.num_batches == 0:
-        raise TrainingError.empty_validation_dataset()
-    progress = _Progress(opts.progress)
+    _check_datasets(train, val)
+    events = Events(opts.progress, "train")
     if resume is None:
-        cfg = variant.resolve_config(base)
-        net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed, tcfg.mtp_weight)
-        phase = {"start_step": 0, "training": tcfg.to_dict(), "previous_lr": None}
-        history: list[dict] = []
-        progress(kind="start", variant=variant.slug, num_params=net.num_params, cfg=cfg.to_dict())
-        t_eval = time.perf_counter()
-        init_train = evaluate(net, train, tcfg.eval_batches, spectral=True)
-        init_val = evaluate(net, val, tcfg.eval_batches, spectral=True) if val is not None else None
-        progress(
-            kind="eval",
-            variant=variant.slug,
-            step=0,
-            train=init_train["metrics"],
-            validation=init_val and init_val["metrics"],
-            seconds=time.perf_counter() - t_eval,
-        )
-        report = {
-            "variant": variant.slug,
-            "config": cfg.to_dict(),
-            "training": tcfg.to_dict(),
-            "num_params": net.num_params,
-            "train_dataset": train.summary(),
-            "validation_dataset": val.summary() if val is not None else None,
-            "steps_completed": 0,
-            "initial_train": init_train["metrics"],
-            "initial_validation": init_val and init_val["metrics"],
-            "final_train": None,
-            "final_validation": None,
-            "best_validation": init_val and init_val["metrics"],
-            "initial_train_spectral": init_train["spectral"],
-            "initial_validation_spectral": init_val and init_val["spectral"],
-            "final_train_spectral": None,
-            "final_validation_spectral": None,
-            "best_validation_spectral": init_val and init_val["spectral"],
-            "best_validation_step": 0 if init_val else None,
-            "history": history,
-        }
-        best = net.snapshot() if init_val else None
-        done_in_phase = 0
+        net, report, phase, best = _fresh(base, variant, train, val, tcfg, opts, events)
     else:
-        cfg, report, phase = resume["cfg"], resume["report"], resume["position"]["phase"]
-        w = TrainingConfig.from_dict(phase["training"]).mtp_weight
-        net = make_net(cfg, resume["params"], opts.backend, opts.device, mtp_weight=w)
-        history = report["history"]
-        best = None
-        if resume["best"] is not None:
-            snap_src = make_net(cfg, resume["best"], "ref", None) if opts.backend == "ref" else None
-            best = snap_src.snapshot() if snap_src else _gpu_snapshot_of(net, resume["best"])
-        if resume[
-            "m"
-        ]:  # after the best snapshot: `_gpu_snapshot_of` goes through `net.load`, which zeroes moments
-            net.load_moments(resume["m"], resume["v"])
-        done_in_phase = report["steps_completed"] - phase["start_step"]
+        net, report, phase, best = _resumed(resume, opts)
         tcfg = TrainingConfig.from_dict(phase["training"])
-
-    schedule = schedule_for_phase(tcfg, phase["previous_lr"])
-    work = net.work(tcfg.batch_size, tcfg.seq_len)
-    tokens_per_step = tcfg.batch_size * tcfg.seq_len
-    ckpt = out_dir / CHECKPOINT if out_dir is not None else None
-
-    def position():
-        return {"phase": phase, "steps_completed": report["steps_completed"]}
-
-    def checkpoint():
-        if ckpt is not None:
-            best_params = net.export_snapshot(best) if best is not None else None
-            save_checkpoint(ckpt, net, report, best_params, position())
-            write_json(_report_path(out_dir), report)
-
-    t0 = time.perf_counter()
-    steps_this_process = 0
+    run = _Variant(net, report, phase, best, train, val, tcfg, out_dir, opts, events)
+    start = report["steps_completed"]
     try:
-        for step in range(done_in_phase, tcfg.max_steps):
-            global_step = phase["start_step"] + step  # 0-based over the whole run
-            record = (step + 1) % tcfg.eval_interval == 0 or step + 1 == tcfg.max_steps
-            batch = train.batch(global_step % train.num_batches)
-            train_spectral = None
-            if record and hasattr(work, "spectral"):
-                train_spectral = work.spectral(batch.ids, batch.lengths)
-            lr = schedule.learning_rate(step)
-            hyper = AdamW(
-                lr=lr,
-                step=global_step + 1,
-                beta1=tcfg.beta1,
-                beta2=tcfg.beta2,
-                eps=tcfg.epsilon,
-                weight_decay=tcfg.weight_decay,
-                grad_clip=tcfg.grad_clip,
-            )
-            res = work.step(batch.ids, batch.lengths, update=hyper)
-            if not res.finite:
-                checkpoint()
-                raise TrainingError(
-                    f"non-finite loss or gradient at step {global_step + 1} (loss {res.loss}); the last good "
-                    f"checkpoint is {ckpt}; lower --learning-rate"
-                )
-            entry = {
-                "step": global_step + 1,
-                "learning_rate": lr,
-                "train": metrics(res.loss, 1),
-                "validation": None,
-                "train_spectral": train_spectral,
-                "validation_spectral": None,
-                "grad_norm": res.grad_norm,
-            }
-            if cfg.mtp is not None:  # joint MTP training: "train" is the combined loss
-                entry["train_loss_main"], entry["train_loss_mtp"] = res.loss_main, res.loss_mtp
-            if record and val is not None:
-                ev = evaluate(net, val, tcfg.eval_batches, spectral=True)
-                entry["validation"], entry["validation_spectral"] = ev["metrics"], ev["spectral"]
-                if (
-                    report["best_validation"] is None
-                    or ev["metrics"]["loss"] < report["best_validation"]["loss"]
-                ):
-                    report["best_validation"] = ev["metrics"]
-                    report["best_validation_spectral"] = ev["spectral"]
-                    report["best_validation_step"] = global_step + 1
-                    best = net.snapshot()
-            history.append(entry)
-            report["steps_completed"] = len(history)
-            steps_this_process += 1
-            elapsed = time.perf_counter() - t0
-            progress(
-                kind="step",
-                variant=report["variant"],
-                step=global_step + 1,
-                total=phase["start_step"] + tcfg.max_steps,
-                loss=res.loss,
-                loss_main=res.loss_main,
-                loss_mtp=res.loss_mtp,
-                lr=lr,
-                tokens_per_s=steps_this_process * tokens_per_step / max(elapsed, 1e-9),
-                s_per_step=elapsed / steps_this_process,
-                validation=entry["validation"],
-            )
-            last = step + 1 == tcfg.max_steps
-            if opts.save_interval and (step + 1) % opts.save_interval == 0 and not last:
-                checkpoint()
-            if opts.stop_after and steps_this_process >= opts.stop_after and not last:
-                checkpoint()
-                report["status"] = "stopped"
-                return report
+        if drive(run, start, run.cadence, best, events)[0] == "stopped":
+            report["status"] = "stopped"
+            return report
     except KeyboardInterrupt:
-        checkpoint()
+        run.checkpoint()
         report["status"] = "interrupted"
         raise
-
-    # final evaluation (the seed's: whole datasets, here capped by eval_batches)
-    fin_train = evaluate(net, train, tcfg.eval_batches, spectral=True)
-    fin_val = evaluate(net, val, tcfg.eval_batches, spectral=True) if val is not None else None
-    report["final_train"], report["final_train_spectral"] = fin_train["metrics"], fin_train["spectral"]
-    if fin_val is not None:
-        report["final_validation"], report["final_validation_spectral"] = (
-            fin_val["metrics"],
-            fin_val["spectral"],
-        )
-        if (
-            report["best_validation"] is None
-            or fin_val["metrics"]["loss"] < report["best_validation"]["loss"]
-        ):
-            report["best_validation"] = fin_val["metrics"]
-            report["best_validation_spectral"] = fin_val["spectral"]
-            report["best_validation_step"] = phase["start_step"] + tcfg.max_steps
-            best = net.snapshot()
-    report["status"] = "completed"
-    elapsed = time.perf_counter() - t0
-    report["throughput"] = {
-        "steps": steps_this_process,
-        "seconds": elapsed,
-        "tokens_per_s": steps_this_process * tokens_per_step / max(elapsed, 1e-9),
-    }
-    progress(kind="done", variant=report["variant"], report=report)
-    checkpoint()
+    run.finish()
+    events("done", variant=report["variant"], report=report)
+    run.checkpoint()
     return report
 
 

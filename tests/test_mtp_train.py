@@ -193,10 +193,10 @@ def test_cli_train_mtp_compress_accept_heal(tmp_path):
         for b in ("ref", "wgpu")
     ]
     assert acc[0]["prefix_acceptance"] == acc[1]["prefix_acceptance"] and acc[1]["backend"] == "wgpu"
-    assert acc[0]["chain_attention"] == acc[1]["chain_attention"] == "runtime"  # the CLI's default
+    assert acc[0]["chain_attention"] == acc[1]["chain_attention"] == "per-step"  # the CLI's default
     healed = tmp_path / "healed.ddlw"
     r = ok(cli("heal", small, "--data", corpus, "--out", healed, "--init", ck, "--window", "32", "--tokens", "1600",
                "--chain", "2", "--batch", "2", "--epochs", "0.2", "--lr", "1e-3", "--eval-every", "5", "--json"))  # fmt: skip
     h = json.loads(r.stdout)
     assert h["backend"] == "wgpu" and h["heldout_kl_best"] <= h["heldout_kl_start"]
-    assert h["chain_attention"] == h["acceptance_after"]["chain_attention"] == "runtime"
+    assert h["chain_attention"] == h["acceptance_after"]["chain_attention"] == "per-step"
