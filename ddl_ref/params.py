@@ -225,3 +225,8 @@ def init_params(cfg: ModelConfig, seed: int, dtype=np.float32) -> dict[str, np.n
 def num_params(cfg: ModelConfig) -> int:
     """Total number of scalars (a tied head is counted once)."""
     return sum(spec.numel for spec in param_table(cfg))
+
+
+def head_name(cfg: ModelConfig) -> str:
+    """The tensor the LM head reads: the embedding when the head is tied to it, else its own `lm_head`."""
+    return "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"

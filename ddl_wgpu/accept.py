@@ -1,4 +1,4 @@
-"""Greedy speculative acceptance of a model's MTP draft, measured offline (mtp-heal.md §5).
+"""Greedy speculative acceptance of a model's MTP draft, measured offline.
 
 Per window the trunk runs once (its greedy token g_p and its hidden rows), then the draft runs `depth` steps
 chained on itself (`ddl_ref.mtp.draft_chain`, tokens="greedy": step 1 reads the data token x_{p+1}, step j > 1
@@ -45,7 +45,8 @@ import numpy as np
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
-from ddl_wgpu.data import check_vocab, load_records, tokenizer_for
+from ddl_wgpu.data import check_vocab, load_records, make_windows, tokenizer_for
+from ddl_wgpu.errors import UserError
 from ddl_wgpu.modelfile import Model, load_model
 
 KEYS = (
@@ -58,20 +59,22 @@ KEYS = (
     "chain_attention",
 )
 BACKENDS = ("ref", "wgpu")
+DEPTH, WINDOW, TOKENS = 3, 128, 20_000  # `accept`'s defaults: chain depth, window length, token budget (CLI)
 # Chain attention: "per-step" (each chain step its own causal pass, the reference heal tool's way) or
 # "stacked" (steps 1..j stacked with the runtime's diagonal mask); the default of both `heal` and `accept`.
 CHAIN_ATTENTION = ("per-step", "stacked")
 DEFAULT_CHAIN_ATTENTION = "per-step"
 
 
-class AcceptError(ValueError):
+class AcceptError(UserError):
     """An acceptance measurement that cannot run, with one clear line."""
 
 
 def check_chain_attention(chain_attention: str) -> None:
     if chain_attention not in CHAIN_ATTENTION:
         raise AcceptError(
-            f"chain attention must be one of {', '.join(CHAIN_ATTENTION)}, got {chain_attention!r}"
+            f"chain attention must be one of {', '.join(CHAIN_ATTENTION)}, got {chain_attention!r}",
+            field="chain_attention",
         )
 
 
@@ -149,28 +152,6 @@ class Tally:
 
 # ----------------------------------------------------------------------------------------------------------
 # windows and the trunk pass
-
-
-def cut_windows(records: Sequence[np.ndarray], window: int, min_len: int, max_tokens: int | None = None):
-    """Records cut into consecutive windows of `window` tokens; shorter than `min_len` skipped; at most
-    `max_tokens` tokens in all (the last window cut to fit, skipped when that leaves it too short)."""
-    out: list[np.ndarray] = []
-    left = max_tokens
-    for r in records:
-        r = np.asarray(r)
-        for s in range(0, r.size, window):
-            if left is not None and left <= 0:
-                return out
-            ch = r[s : s + window]
-            if ch.size < min_len:
-                continue
-            if left is not None:
-                ch = ch[:left]
-                if ch.size < min_len:
-                    return out
-                left -= int(ch.size)
-            out.append(np.asarray(ch, np.int64))
-    return out
 
 
 def pad_batch(windows: Sequence[np.ndarray], T: int):
@@ -278,7 +259,7 @@ def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth:
     return tally.result()
 
 
-def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, backend: str = "ref",
+def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, backend: str = "ref",
                conventions: MtpConfig | dict | None = None, probe_conventions: bool = False,
                batch: int = 8, device: str | None = None, trunk_dtype: str = "f32",
                chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
@@ -289,9 +270,9 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, back
     check_backend(backend)
     check_chain_attention(chain_attention)
     if trunk_dtype != "f32" and backend != "wgpu":
-        raise AcceptError(f"--trunk-dtype {trunk_dtype} needs the wgpu backend")
+        raise AcceptError(f"a {trunk_dtype} trunk needs the wgpu backend", kind="trunk_needs_wgpu")
     if depth < 1:
-        raise AcceptError(f"depth must be at least 1, got {depth}")
+        raise AcceptError(f"depth must be at least 1, got {depth}", field="depth")
     if model.cfg.mtp is None:
         raise AcceptError("the model has no MTP draft (missing tensor model.mtp.eh_proj.weight)")
     windows = [np.asarray(w, np.int64) for w in windows if np.asarray(w).size > depth]
@@ -322,7 +303,7 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, back
     return result
 
 
-def accept_file(model_path, data_spec: str, depth: int = 3, window: int = 128, tokens: int | None = None,
+def accept_file(model_path, data_spec: str, depth: int = DEPTH, window: int = WINDOW, tokens: int | None = None,
                 backend: str = "ref", probe_conventions: bool = False, device: str | None = None,
                 trunk_dtype: str = "f32", chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
     """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure."""
@@ -331,7 +312,7 @@ def accept_file(model_path, data_spec: str, depth: int = 3, window: int = 128, t
     model = load_model(model_path)
     records = load_records(data_spec, tokenizer_for(model.tokenizer), tokens)
     check_vocab(records, model.cfg.vocab_size)
-    windows = cut_windows(records, min(window, model.cfg.max_seq_len), depth + 1)
+    windows = make_windows(records, min(window, model.cfg.max_seq_len), depth + 1)
     result = acceptance(model, windows, depth, backend, probe_conventions=probe_conventions, device=device,
                         trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
     result["data"] = str(data_spec)
@@ -355,22 +336,3 @@ def table(results: Sequence[tuple[str, dict]]) -> str:
         cells = "".join(f"{a:>9.4f}" for a in r["prefix_acceptance"])
         rows.append(f"{label:<12}{cells}{r['acceptance_length']:>9.4f}{r['anchors']:>9}")
     return "\n".join(rows)
-
-
-def _main(argv: Sequence[str]) -> int:
-    """`python -m ddl_wgpu.accept LABEL=FILE.json ...`: print `table` of saved `accept --json` results."""
-    import json
-
-    results = []
-    for arg in argv:
-        label, _, path = arg.partition("=")
-        with open(path) as f:
-            results.append((label, json.load(f)))
-    print(table(results))
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(_main(sys.argv[1:]))

@@ -1,7 +1,8 @@
-"""`heal`: retrain a model's MTP draft on its own trunk (self-distillation, the seed's `mtp heal`).
+"""`heal`: retrain a model's MTP draft on its own trunk (self-distillation, as the reference heal
+tool `mtp heal` does; docs/ describes it).
 
 A draft stops agreeing with a trunk that was compressed or fine-tuned; the fix that works is training it on the
-trunk's own predictions. The flow (mtp-heal.md §0, §6):
+trunk's own predictions. The flow:
 
 1. Windows: every record cut into windows of `window` tokens; windows shorter than 16 + chain skipped; at most
    `tokens` tokens. Every tenth window (index % 10 == 9) is held out. Fewer than 10 x batch windows is an error.
@@ -9,7 +10,7 @@ trunk's own predictions. The flow (mtp-heal.md §0, §6):
    `MtpConfig.trunk_hidden`, kept on the host in float16) and its next-token top-k (ids, probabilities).
 3. The draft is trained alone as a one-layer model (`DraftTrainer`): its block `model.mtp.layers.0.*` and final
    norm `model.mtp.norm`, from `--init` weights when given, else the model's own. Trunk, embedding, head and the
-   draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the seed.
+   draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the reference heal tool.
 4. Chained training: the block input of step 1 is `eh_proj·[enorm(E[x_{p+1}]); hnorm(h_p)]` from the trunk's
    hidden; step j > 1 reads the token x_{p+j} and the draft's own step j−1 output at row p (`chain_hidden`),
    rebuilt from the current weights every `refresh` steps. The target of step j at row p is the trunk's top-k at
@@ -60,11 +61,12 @@ from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
 from ddl_wgpu import accept as accept_mod
 from ddl_wgpu.accept import CHAIN_ATTENTION, DEFAULT_CHAIN_ATTENTION
 from ddl_wgpu.container import CheckpointError, f32_to_bf16, open_checkpoint, save
-from ddl_wgpu.data import DataError, check_vocab, load_records, tokenizer_for
+from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
+from ddl_wgpu.errors import UserError
 from ddl_wgpu.modelfile import Model, load_model
 from ddl_wgpu.run import Best, Cadence, Events, LossScale, drive
 
-LOSS_SCALE_START = 4096.0  # the seed's initial loss scale; halved (down to 1) on every non-finite step
+LOSS_SCALE_START = 4096.0  # the reference heal tool's first loss scale; halved (to >= 1) per non-finite step
 MAX_NONFINITE = 20  # the 20th non-finite step aborts
 ADAM = (0.9, 0.999, 1e-8)  # betas and eps; no weight decay
 GRAD_CLIP = 1.0  # global gradient norm cap
@@ -73,12 +75,12 @@ MIN_LR_FRACTION = 0.1  # the cosine ends at 0.1 x lr
 MIN_WINDOW = 16  # windows shorter than MIN_WINDOW + chain are skipped
 HELD_OUT_EVERY = 10  # window i is held out when i % 10 == 9
 BACKENDS = ("ref", "wgpu")
-# A draft is present iff these are in the file (the seed checks the first three).
+# A draft is present iff these are in the file (the reference heal tool checks the first three).
 REQUIRED = ("model.mtp.eh_proj.weight", "model.mtp.enorm.weight", "model.mtp.hnorm.weight",
             "model.mtp.layers.0.self_attn.q_proj.weight", "model.mtp.norm.weight")  # fmt: skip
 
 
-class HealError(ValueError):
+class HealError(UserError):
     """A heal that cannot run or had to stop, with one clear line."""
 
 
@@ -87,7 +89,7 @@ TRUNK_DTYPES = ("f32", "f16")
 
 @dataclass(frozen=True)
 class HealConfig:
-    """Settings of one `heal` run; defaults are the seed's."""
+    """Settings of one `heal` run; defaults are the reference heal tool's."""
 
     chain: int = 3  # chain steps trained (the runtime drafts 3-5 deep)
     refresh: int = 50  # steps between rebuilds of chain steps 2..chain from the current weights (0: never)
@@ -106,23 +108,24 @@ class HealConfig:
     def __post_init__(self) -> None:
         if self.chain_attention not in CHAIN_ATTENTION:
             raise HealError(f"heal: chain attention must be one of {', '.join(CHAIN_ATTENTION)}, "
-                            f"got {self.chain_attention!r}")  # fmt: skip
+                            f"got {self.chain_attention!r}", field="chain_attention")  # fmt: skip
         if self.trunk_dtype not in TRUNK_DTYPES:
             raise HealError(
-                f"heal: trunk_dtype must be one of {list(TRUNK_DTYPES)}, got {self.trunk_dtype!r}"
+                f"heal: trunk_dtype must be one of {list(TRUNK_DTYPES)}, got {self.trunk_dtype!r}",
+                field="trunk_dtype",
             )
         for name in ("chain", "tokens", "window", "topk", "batch", "eval_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise HealError(f"heal: {name} must be a positive integer, got {v!r}")
+                raise HealError(f"heal: {name} must be a positive integer, got {v!r}", field=name)
         for name in ("refresh", "patience", "seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise HealError(f"heal: {name} must be a non-negative integer, got {v!r}")
+                raise HealError(f"heal: {name} must be a non-negative integer, got {v!r}", field=name)
         for name in ("epochs", "lr"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > 0):
-                raise HealError(f"heal: {name} must be a positive number, got {v!r}")
+                raise HealError(f"heal: {name} must be a positive number, got {v!r}", field=name)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -410,13 +413,13 @@ def _load(path, what: str) -> Model:
 
 def _init_weights(init_path, model: Model) -> dict:
     _require_draft(init_path)
-    src = _load(init_path, "--init")
+    src = _load(init_path, "the init model")
     out = {}
     for n in ref_mtp.trained_names(model.params):
         if n not in src.params or src.params[n].shape != model.params[n].shape:
             have = None if n not in src.params else tuple(src.params[n].shape)
-            raise HealError(f"heal: --init {init_path}: {n} has shape {have}, the model needs "
-                            f"{tuple(model.params[n].shape)}")  # fmt: skip
+            raise HealError(f"heal: the init model {init_path}: {n} has shape {have}, the model needs "
+                            f"{tuple(model.params[n].shape)}", field="init")  # fmt: skip
         out[n] = src.params[n]
     return out
 
@@ -545,12 +548,12 @@ def _windows(model: Model, data_spec: str, cfg: HealConfig) -> list[np.ndarray]:
     try:
         records = load_records(data_spec, tokenizer_for(model.tokenizer), 2 * cfg.tokens)
         check_vocab(records, model.cfg.vocab_size)
+        wins = make_windows(records, cfg.window, MIN_WINDOW + cfg.chain, cfg.tokens)
     except DataError as e:
         raise HealError(f"heal: {e}") from e
-    wins = accept_mod.cut_windows(records, cfg.window, MIN_WINDOW + cfg.chain, cfg.tokens)
     if len(wins) < HELD_OUT_EVERY * cfg.batch:
         raise HealError(f"heal: {len(wins)} windows in {data_spec}, need {HELD_OUT_EVERY * cfg.batch} "
-                        "(every tenth is held out)")  # fmt: skip
+                        "(every tenth is held out)", kind="too_few_windows")  # fmt: skip
     return wins
 
 
@@ -641,7 +644,8 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
                         "model.mtp.eh_proj.weight in its table)")  # fmt: skip
     init = _init_weights(init_path, model) if init_path is not None else None
     if cfg.window > mcfg.max_seq_len:
-        raise HealError(f"heal: window {cfg.window} exceeds the model's max_seq_len {mcfg.max_seq_len}")
+        raise HealError(f"heal: window {cfg.window} exceeds the model's max_seq_len {mcfg.max_seq_len}",
+                        field="window")  # fmt: skip
     wins = _windows(model, data_spec, cfg)
     total_tokens = int(sum(w.size for w in wins))
     events("windows", windows=len(wins), tokens=total_tokens, chain=cfg.chain, data=str(data_spec))

@@ -1,12 +1,13 @@
-"""Variant sweeps with the seed trainer's semantics (`training.rs`): configuration and its validation,
+"""Variant sweeps with the reference trainer's semantics (the Rust trainer whose behaviour `train` reproduces,
+described in docs/): configuration and its validation,
 the cosine warm-up schedule, AdamW with global gradient-norm clipping, evaluation and spectral telemetry
 every `eval_interval` steps, best-validation tracking, the `TrainingReport` / `TrainingComparisonReport`,
 checkpoints, and the two kinds of resume.
 
-Where we differ from the seed, on purpose:
+Where we differ from the reference trainer, on purpose:
 - evaluation of the *training* set (initial/final) reads at most `eval_batches` batches: a real corpus has
-  far more batches than a report needs, and the seed's toy datasets never had that problem;
-- a new phase (`resume --steps N`) continues the data order where the last phase stopped (the seed
+  far more batches than a report needs, and the reference trainer's toy datasets never had that problem;
+- a new phase (`resume --steps N`) continues the data order where the last phase stopped (the reference trainer
   restarts at the first batch): the batch of global step s is `batches[s % num_batches]`;
 - checkpoints also carry the run's position, so an interrupted run (`--stop-after`, Ctrl-C, a crash
   between saves) continues bit for bit on the same device.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ddl_ref.config import ModelConfig, ModelVariant
@@ -29,18 +30,22 @@ from ddl_ref.params import init_params
 from ddl_wgpu.container import open_checkpoint, save
 from ddl_wgpu.data import TokenDataset
 from ddl_wgpu.engine import AdamW
+from ddl_wgpu.errors import UserError
 from ddl_wgpu.run import Best, Cadence, Events, drive
 
 CHECKPOINT = "checkpoint.ddlw"
 REPORT = "report.json"
 
 
-class TrainingError(ValueError):
-    """The seed's `TrainingError`: each kind keeps the seed's message."""
+class TrainingError(UserError):
+    """The reference trainer's `TrainingError`: each kind keeps its message."""
 
     @classmethod
-    def invalid_config(cls, message: str) -> TrainingError:
-        return cls(f"invalid training configuration: {message}")
+    def invalid_config(cls, message: str, **kw) -> TrainingError:
+        """`message` starts with the field it is about (e.g. "max_steps must be ..."), when about one."""
+        first = message.split()[0] if message else ""
+        field = first if first in {f.name for f in fields(TrainingConfig)} else None
+        return cls(f"invalid training configuration: {message}", field=kw.pop("field", field), **kw)
 
     @classmethod
     def empty_training_dataset(cls) -> TrainingError:
@@ -55,21 +60,23 @@ class TrainingError(ValueError):
         return cls("at least one model variant is required")
 
     @classmethod
-    def resume_mismatch(cls, message: str) -> TrainingError:
-        return cls(f"invalid resume state: {message}")
+    def resume_mismatch(cls, message: str, **kw) -> TrainingError:
+        return cls(f"invalid resume state: {message}", **kw)
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    """The seed's `TrainingConfig` (same fields, defaults and validation), plus the batch shape, the seed
-    and the evaluation budget, which the seed kept elsewhere."""
+    """The reference trainer's `TrainingConfig` (same fields, defaults and validation), plus the batch shape, the
+    random seed and the evaluation budget, which the reference trainer kept elsewhere."""
 
     max_steps: int = 32  # optimizer steps in this phase
     eval_interval: int = 4  # evaluate (and record spectral telemetry) every N steps and on the last
     learning_rate: float = 1e-3  # peak learning rate (the DDL paper's 1e-3)
     min_learning_rate: float = 0.0  # cosine floor
     warmup_steps: int = 0  # linear warm-up steps at the start of the first phase
-    weight_decay: float = 0.1  # decoupled (AdamW), applied to every parameter as the seed's burn AdamW
+    weight_decay: float = (
+        0.1  # decoupled (AdamW), applied to every parameter as the reference trainer's burn AdamW
+    )
     beta1: float = 0.9
     beta2: float = 0.95
     epsilon: float = 1e-5
@@ -137,7 +144,7 @@ class TrainingConfig:
 
 
 def schedule_for_phase(tcfg: TrainingConfig, previous_lr: float | None) -> CosineWarmupSchedule:
-    """The seed's phase schedule: the first phase warms up to `learning_rate`; a later phase starts its
+    """The reference trainer's phase schedule: the first phase warms up to `learning_rate`; a later phase starts its
     cosine at the previous phase's last rate, clamped to [min_learning_rate, learning_rate], no warm-up."""
     if previous_lr is None:
         base, warmup = tcfg.learning_rate, tcfg.warmup_steps
@@ -150,7 +157,7 @@ def schedule_for_phase(tcfg: TrainingConfig, previous_lr: float | None) -> Cosin
 
 
 def metrics(loss_sum: float, count: int) -> dict:
-    """The seed's `CausalLmMetrics`: mean loss over predictions and its perplexity."""
+    """The reference trainer's `CausalLmMetrics`: mean loss over predictions and its perplexity."""
     loss = loss_sum / count if count else 0.0
     return {"loss": float(loss), "perplexity": float(math.exp(min(loss, 700.0)))}
 
@@ -229,9 +236,12 @@ def write_json(path: Path, obj) -> None:
     tmp.replace(path)
 
 
-def save_checkpoint(path: Path, net, report: dict, best: dict | None, position: dict) -> None:
+def save_checkpoint(
+    path: Path, net, report: dict, best: dict | None, position: dict, data: dict | None = None
+) -> None:
     """Model (its usual names, so `eval`/`heal` read a checkpoint like a model file), best-validation model
-    (`best.` prefix), AdamW moments (`optim.m.` / `optim.v.`), report and position, in one atomic file."""
+    (`best.` prefix), AdamW moments (`optim.m.` / `optim.v.`), report, position and how the run's data was
+    loaded (`data`, `RunOptions.data`), in one atomic file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     params = net.export()
     m, v = net.moments()
@@ -253,6 +263,8 @@ def save_checkpoint(path: Path, net, report: dict, best: dict | None, position: 
         "train.position": position,
         "train.has_best": best is not None,
     }
+    if data is not None:
+        meta["train.data"] = data
     save(
         path,
         tensors(),
@@ -263,7 +275,8 @@ def save_checkpoint(path: Path, net, report: dict, best: dict | None, position: 
 
 
 def load_checkpoint(path: Path) -> dict:
-    """-> {cfg, params, best, m, v, report, position}; raises CheckpointError or TrainingError."""
+    """-> {cfg, params, best, m, v, report, position, data}; raises CheckpointError or TrainingError. `data` is
+    how the run loaded its data (`RunOptions.data`), None in a checkpoint written before it was recorded."""
     with open_checkpoint(path) as ck:
         meta = dict(ck.metadata or {})
         if "train.report" not in meta:
@@ -279,6 +292,7 @@ def load_checkpoint(path: Path) -> dict:
             "v": {n[8:]: ck.tensor_f32(n) for n in names if n.startswith("optim.v.")},
             "report": json.loads(meta["train.report"]),
             "position": dict(meta.get("train.position") or {}),
+            "data": dict(meta["train.data"]) if meta.get("train.data") else None,
         }
     return out
 
@@ -296,6 +310,9 @@ class RunOptions:
     save_interval: int = 0  # save a checkpoint every N steps (0: only at the end / on stop)
     stop_after: int = 0  # end this process after N steps with a resumable checkpoint (0: run to the end)
     progress: object = None  # callable(event: dict) for progress display (`run.Events` schema)
+    # how the run's datasets were loaded (spec, validation spec or fraction, token cap), kept in the checkpoint
+    # so that a resume can load them again without being told
+    data: dict | None = None
 
 
 def _check_datasets(train: TokenDataset, val: TokenDataset | None) -> None:
@@ -340,7 +357,8 @@ class _Variant:
             self.checkpoint()
             raise TrainingError(
                 f"non-finite loss or gradient at step {done + 1} (loss {res.loss}); the last good "
-                f"checkpoint is {self.ckpt}; a lower learning rate may help"
+                f"checkpoint is {self.ckpt}; a lower learning rate may help",
+                kind="non_finite",
             )
         entry = {
             "step": done + 1,
@@ -402,7 +420,7 @@ class _Variant:
             return
         best = self.net.export_snapshot(self.best.snapshot) if self.best.snapshot is not None else None
         position = {"phase": self.phase, "steps_completed": self.report["steps_completed"]}
-        save_checkpoint(self.ckpt, self.net, self.report, best, position)
+        save_checkpoint(self.ckpt, self.net, self.report, best, position, self.opts.data)
         write_json(_report_path(self.out_dir), self.report)
 
     def finish(self) -> None:
@@ -427,7 +445,7 @@ class _Variant:
 
 
 def _fresh(base, variant, train, val, tcfg, opts, events):
-    """A new run: the variant's net from the seed, the initial evaluation and an empty report."""
+    """A new run: the variant's net from the random seed, the initial evaluation and an empty report."""
     cfg = variant.resolve_config(base)
     net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed, tcfg.mtp_weight)
     phase = {"start_step": 0, "training": tcfg.to_dict(), "previous_lr": None}
@@ -532,14 +550,14 @@ def rank(reports: list[dict], key: str) -> list[str] | None:
     entries = [(r["variant"], r[key]["loss"]) for r in reports if r.get(key)]
     if len(entries) != len(reports):
         return None
-    # the seed's stable sort by `f32::total_cmp`: ties keep the sweep's order, NaN ranks last
+    # the reference trainer's stable sort by `f32::total_cmp`: ties keep the sweep's order, NaN ranks last
     return [v for v, _ in sorted(entries, key=lambda e: (math.isnan(e[1]), e[1]))]
 
 
 def comparison_report(
     reports: list[dict], train: TokenDataset, val: TokenDataset | None, tcfg: TrainingConfig
 ) -> dict:
-    """The seed's `TrainingComparisonReport`."""
+    """The reference trainer's `TrainingComparisonReport`."""
     tr = rank(reports, "final_train") or []
     vr = rank(reports, "final_validation")
     return {
@@ -593,7 +611,7 @@ def train_variants(
 
 
 def check_resume(ck: dict, train: TokenDataset, val: TokenDataset | None) -> None:
-    """The seed's resume checks, each with its message."""
+    """The reference trainer's resume checks, each with its message."""
     rep = ck["report"]
     ts = train.summary()
     if rep["train_dataset"] != ts:
@@ -634,33 +652,39 @@ def resume(
     overrides: dict | None = None,
 ) -> dict:
     """Continue an interrupted run (no `steps`), or train a new phase of `steps` more steps with the
-    seed's phase schedule (`overrides` change training options of the new phase)."""
+    reference trainer's phase schedule (`overrides` change training options of the new phase)."""
     ck = load_checkpoint(Path(checkpoint))
     check_resume(ck, train, val)
+    if opts.data is None:  # the continued run keeps recording how its data is loaded
+        opts = replace(opts, data=ck["data"])
     rep = ck["report"]
     phase = ck["position"]["phase"]
     done = rep["steps_completed"]
     if steps is None:
         if overrides:
-            raise TrainingError.invalid_config("training options can only change with --steps (a new phase)")
+            raise TrainingError.invalid_config(
+                "training options can only change in a new phase", kind="needs_phase"
+            )
         if done >= phase["start_step"] + phase["training"]["max_steps"]:
             raise TrainingError.resume_mismatch(
-                f"the run already completed its {done} steps; pass --steps N to train a new phase"
+                f"the run already completed its {done} steps", kind="run_completed"
             )
     else:
         tcfg = TrainingConfig.from_dict({**phase["training"], **(overrides or {}), "max_steps": steps})
         tcfg.validate()
         if done < phase["start_step"] + phase["training"]["max_steps"]:
             raise TrainingError.resume_mismatch(
-                f"the run stopped at step {done} of its phase; resume without --steps to finish it first"
+                f"the run stopped at step {done} of its phase, which must finish first",
+                kind="phase_unfinished",
             )
         prev = rep["history"][-1]["learning_rate"] if rep["history"] else None
         if prev is not None and schedule_for_phase(tcfg, prev).learning_rate(0) <= 0.0:
-            # The seed's phase schedule starts where the last phase stopped; after a decay to a floor of 0 the
+            # The reference trainer's phase schedule starts where the last phase stopped; after a decay to a floor of 0 the
             # new phase would train nothing. Say so instead of idling.
             raise TrainingError.invalid_config(
-                "the last phase ended at learning rate 0, so a new phase would not train (the seed's phase "
-                "schedule starts where the last one stopped); pass --min-learning-rate > 0"
+                "the last phase ended at learning rate 0, so a new phase would not train (the reference trainer's phase "
+                "schedule starts where the last one stopped); the new phase needs min_learning_rate > 0",
+                field="min_learning_rate",
             )
         ck["position"]["phase"] = {"start_step": done, "training": tcfg.to_dict(), "previous_lr": prev}
         rep["training"] = tcfg.to_dict()

@@ -102,17 +102,11 @@ def test_masked_kernels_match_reference(gpu, shape, impl):
 # the draft trainers and heal in "stacked" chain attention
 
 
-def _heal_helpers():
-    import test_heal_gpu as h
-
-    return h
-
-
 @pytest.mark.parametrize("qk", ["pre_rope", "none"])
-def test_runtime_draft_step_matches_refdraft(gpu, qk):
+def test_runtime_draft_step_matches_refdraft(gpu, qk, heal_kit):
     from ddl_wgpu import heal
 
-    h = _heal_helpers()
+    h = heal_kit
     cfg = h.tiny_cfg(qk_norm=qk)
     p = h.perturbed(cfg)
     rng = np.random.default_rng(5)
@@ -144,13 +138,13 @@ def test_runtime_draft_step_matches_refdraft(gpu, qk):
     np.testing.assert_allclose(post, rpost, rtol=1e-4, atol=1e-5)
 
 
-def test_runtime_heal_both_backends(gpu, tmp_path):
+def test_runtime_heal_both_backends(gpu, tmp_path, heal_kit):
     from dataclasses import replace
 
     from ddl_wgpu import heal
     from ddl_wgpu.modelfile import load_model
 
-    h = _heal_helpers()
+    h = heal_kit
     model = h.make_model(tmp_path / "m.ddlw", cfg=h.tiny_cfg(mtp=MtpConfig(chain_hidden="post_norm")))
     data = str(h.make_text(tmp_path / "t.txt"))
     cfg = replace(h.SMALL, chain=3, chain_attention="stacked")
@@ -206,11 +200,11 @@ def _incremental_runtime_preds(params, cfg, tb, depth: int, b: int, p: int) -> l
     return out
 
 
-def test_runtime_acceptance_is_the_incremental_runtime(tmp_path):
+def test_runtime_acceptance_is_the_incremental_runtime(tmp_path, heal_kit):
     from ddl_wgpu import accept
     from ddl_wgpu.modelfile import load_model
 
-    h = _heal_helpers()
+    h = heal_kit
     conv = MtpConfig(trunk_hidden="post_norm", chain_hidden="pre_norm")
     m = load_model(h.make_model(tmp_path / "m.ddlw", cfg=h.tiny_cfg(mtp=conv), seed=2))
     rng = np.random.default_rng(3)
@@ -229,11 +223,11 @@ def test_runtime_acceptance_is_the_incremental_runtime(tmp_path):
     assert differs  # the attention of the chained steps matters on this draft
 
 
-def test_runtime_acceptance_gpu_matches_reference(gpu, tmp_path):
+def test_runtime_acceptance_gpu_matches_reference(gpu, tmp_path, heal_kit):
     from ddl_wgpu import accept
     from ddl_wgpu.modelfile import load_model
 
-    h = _heal_helpers()
+    h = heal_kit
     conv = MtpConfig(concat="emb_first", trunk_hidden="pre_norm", chain_hidden="post_norm")
     m = load_model(h.make_model(tmp_path / "m.ddlw", cfg=h.tiny_cfg(mtp=conv), seed=4))
     rng = np.random.default_rng(2)
@@ -251,10 +245,10 @@ def test_runtime_acceptance_gpu_matches_reference(gpu, tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["ref", "wgpu"])
-def test_runtime_acceptance_depth_one_is_seed(backend, tmp_path):
+def test_runtime_acceptance_depth_one_is_seed(backend, tmp_path, heal_kit):
     from ddl_wgpu import accept
 
-    h = _heal_helpers()
+    h = heal_kit
     model = h.make_model(tmp_path / "m.ddlw", seed=1)
     data = str(h.make_text(tmp_path / "t.txt", words=60))
     s = accept.accept_file(model, data, depth=1, window=24, backend=backend, chain_attention="per-step")
