@@ -26,8 +26,9 @@ and the steps 2..s rows of its own anchor, the runtime's diagonal mask), step s'
 draft's own step s−1 output and greedy token. Step 1 and the counting are the same in both; at depth 1 the two
 agree. The JSON adds `chain_attention`.
 
-Backends: "ref" runs trunk and draft in numpy; "wgpu" runs the trunk (`heal.WgpuTeacher`, its greedy token
-from the `topk` kernel with k = 1) and every draft step's block, norm and head (`heal.WgpuDraft.greedy`, with
+Backends (`backend.make_accept_backend`): "ref" runs trunk and draft in numpy; "wgpu" runs the trunk
+(`heal_gpu.WgpuTeacher`, its greedy token from the `topk` kernel with k = 1) and every draft step's block, norm
+and head (`heal_gpu.WgpuDraft.greedy`, with
 the masked attention kernels for a stacked step) on the GPU, forward only; the draft's input rows
 eh_proj·[enorm(e); hnorm(h)] are built on the host by the same `ddl_ref.mtp.step_input` on both. Argmax ties
 go to the lower id on both, so the numbers agree up to float near-ties.
@@ -45,9 +46,11 @@ import numpy as np
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
+from ddl_wgpu.backend import choose_backend, make_accept_backend
 from ddl_wgpu.data import check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.modelfile import Model, load_model
+from ddl_wgpu.refnet import ref_runner
 
 KEYS = (
     "depth",
@@ -58,7 +61,6 @@ KEYS = (
     "on_policy",
     "chain_attention",
 )
-BACKENDS = ("ref", "wgpu")
 DEPTH, WINDOW, TOKENS = 3, 128, 20_000  # `accept`'s defaults: chain depth, window length, token budget (CLI)
 # Chain attention: "per-step" (each chain step its own causal pass, the reference heal tool's way) or
 # "stacked" (steps 1..j stacked with the runtime's diagonal mask); the default of both `heal` and `accept`.
@@ -75,18 +77,6 @@ def check_chain_attention(chain_attention: str) -> None:
         raise AcceptError(
             f"chain attention must be one of {', '.join(CHAIN_ATTENTION)}, got {chain_attention!r}",
             field="chain_attention",
-        )
-
-
-class UnknownBackendError(AcceptError, NotImplementedError):
-    """A backend with no MTP draft path: a user error (one line on the CLI), and NotImplementedError for callers
-    that probe for a backend."""
-
-
-def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise UnknownBackendError(
-            f"the MTP draft runs on backend(s) {list(BACKENDS)} only; the {backend!r} draft path is not written yet"
         )
 
 
@@ -177,7 +167,7 @@ class TrunkBatch:
 def trunk_batches(
     model: Model, windows: Sequence[np.ndarray], batch: int = 8, teacher=None
 ) -> list[TrunkBatch]:
-    """The trunk over the windows in batches; `teacher` (a `heal.TrunkTeacher`) runs it, numpy when None."""
+    """The trunk over the windows in batches; `teacher` (a `backend.Teacher`) runs it, numpy when None."""
     T = max(w.size for w in windows)
     out = []
     for s in range(0, len(windows), batch):
@@ -201,16 +191,6 @@ def _with_conventions(cfg, conventions):
         base = cfg.mtp.to_dict() if cfg.mtp is not None else {}
         conventions = MtpConfig.from_dict({**base, **conventions})
     return dataclasses.replace(cfg, mtp=conventions)
-
-
-def ref_runner(params: dict, cfg):
-    """The numpy draft step for `greedy_chain`: runner(x_rows, chain=0) -> (argmax, pre, post), all rows."""
-
-    def run(x_rows, chain: int = 0):
-        pre, post, _ = ref_mtp.draft_forward(params, cfg, x_rows, chain)
-        return np.argmax(ref_mtp.draft_logits(params, cfg, post), axis=-1), pre, post
-
-    return run
 
 
 def greedy_chain(
@@ -241,7 +221,7 @@ def greedy_chain(
 def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth: int, runner=None,
                           chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
     """Acceptance of the draft in `params` (numpy, `model.mtp.*` plus the shared embedding and head) over
-    trunk passes already made; `runner` (e.g. `heal.WgpuDraft.greedy`) runs the draft's steps, numpy when
+    trunk passes already made; `runner` (e.g. `heal_gpu.WgpuDraft.greedy`) runs the draft's steps, numpy when
     None; `chain_attention` "per-step" or "stacked" (module docstring)."""
     check_chain_attention(chain_attention)
     tally = Tally(depth, chain_attention)
@@ -266,11 +246,8 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, 
     """Greedy speculative acceptance of `model`'s draft over `windows` (1-D token arrays, each at most
     max_seq_len long), chained `depth` deep, with `chain_attention` "per-step" or "stacked" (module docstring). `conventions` overrides the model's MtpConfig (concat, hiddens);
     `probe_conventions` adds `probe`: the same measure under every concat x trunk_hidden x chain_hidden.
-    `trunk_dtype` "f16" (wgpu only) keeps the GPU trunk's big matrices in f16 (`heal.WgpuTeacher`)."""
-    check_backend(backend)
+    `trunk_dtype` "f16" (wgpu only) keeps the GPU trunk's big matrices in f16 (`heal_gpu.WgpuTeacher`)."""
     check_chain_attention(chain_attention)
-    if trunk_dtype != "f32" and backend != "wgpu":
-        raise AcceptError(f"a {trunk_dtype} trunk needs the wgpu backend", kind="trunk_needs_wgpu")
     if depth < 1:
         raise AcceptError(f"depth must be at least 1, got {depth}", field="depth")
     if model.cfg.mtp is None:
@@ -280,12 +257,7 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, 
         raise AcceptError(f"no window longer than depth {depth}: nothing to measure")
     if max(w.size for w in windows) > model.cfg.max_seq_len:
         raise AcceptError(f"a window is longer than the model's max_seq_len {model.cfg.max_seq_len}")
-    teacher = runner = None
-    if backend == "wgpu":
-        from ddl_wgpu.heal import WgpuDraft, WgpuTeacher
-
-        teacher = WgpuTeacher(model, batch, device, trunk_dtype)
-        runner = WgpuDraft(model.params, model.cfg, None, batch, device).greedy
+    teacher, runner = make_accept_backend(backend, model, batch, device, trunk_dtype)
     trunk = trunk_batches(model, windows, batch, teacher)
     cfg = _with_conventions(model.cfg, conventions)
     result = acceptance_from_trunk(model.params, cfg, trunk, depth, runner, chain_attention)
@@ -307,7 +279,7 @@ def accept_file(model_path, data_spec: str, depth: int = DEPTH, window: int = WI
                 backend: str = "ref", probe_conventions: bool = False, device: str | None = None,
                 trunk_dtype: str = "f32", chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
     """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure."""
-    check_backend(backend)
+    backend = choose_backend(backend, device).name
     check_chain_attention(chain_attention)
     model = load_model(model_path)
     records = load_records(data_spec, tokenizer_for(model.tokenizer), tokens)

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -28,6 +28,7 @@ from ddl_ref.params import init_params, param_table
 from ddl_wgpu import accept as accept_lib
 from ddl_wgpu import heal as heal_lib
 from ddl_wgpu import train as train_lib
+from ddl_wgpu.backend import BackendChoice, BackendError, UnknownBackendError, choose_backend, make_net
 from ddl_wgpu.compress import compress_file
 from ddl_wgpu.container import CheckpointError
 from ddl_wgpu.data import (
@@ -69,46 +70,6 @@ def _emit(obj, as_json: bool, text: str):
 
 # ---------------------------------------------------------------------------------------------------------
 # the backend
-
-
-@dataclass(frozen=True)
-class BackendChoice:
-    name: str  # "wgpu" or "ref"
-    reason: str  # why, for the resolved configuration
-
-
-BACKENDS = ("auto", "wgpu", "ref")
-# Adapter names of CPU implementations of a GPU API: the engine on them is slower than numpy.
-_CPU_ADAPTERS = ("llvmpipe", "lavapipe", "swiftshader", "warp", "microsoft basic render driver")
-
-
-def choose_backend(requested: str, device: str | None) -> BackendChoice:
-    """`--backend`: wgpu or ref as asked; auto: wgpu on a real GPU adapter, numpy where the only adapters are
-    CPU implementations or there is none."""
-    if requested not in BACKENDS:
-        raise UserError(f"unknown backend {requested!r}: one of {', '.join(BACKENDS)}", field="backend")
-    if requested != "auto":
-        return BackendChoice(requested, "asked for")
-    try:
-        # imported here: the GPU layer loads wgpu, which a numpy run never needs
-        from ddl_wgpu import gpu as gpu_mod
-
-        adapters = [gpu_mod.select_adapter(device)] if device else gpu_mod.enumerate_adapters()
-    except Exception as e:  # no wgpu, no driver or no such adapter: numpy runs anyway
-        return BackendChoice("ref", f"no usable GPU adapter ({str(e).splitlines()[0] if str(e) else e!r})")
-    infos = [dict(a.info) for a in adapters]
-    real = [i for i in infos if i.get("adapter_type") != "CPU" and not _cpu_name(i)]
-    if real:
-        return BackendChoice("wgpu", f"GPU adapter {real[0].get('device') or real[0].get('description')}")
-    if infos:
-        names = ", ".join(dict.fromkeys(str(i.get("device") or i.get("description")) for i in infos))
-        return BackendChoice("ref", f"only CPU adapters ({names}): numpy is faster")
-    return BackendChoice("ref", "no GPU adapter")
-
-
-def _cpu_name(info: dict) -> bool:
-    text = " ".join(str(info.get(k, "")) for k in ("device", "vendor", "description")).lower()
-    return any(n in text for n in _CPU_ADAPTERS)
 
 
 BackendOpt = Annotated[
@@ -280,7 +241,7 @@ def eval_(
         vocab_size=m.cfg.vocab_size,
     )
     t0 = time.perf_counter()
-    net = train_lib.make_net(m.cfg, m.params, choice.name, device)
+    net = make_net(m.cfg, m.params, choice.name, device)
     ev = train_lib.evaluate(net, ds, 0, spectral=True)
     dt = time.perf_counter() - t0
     out = {
@@ -593,6 +554,17 @@ def _recorded_source(ck: dict) -> dict:
     }
 
 
+def _spec(given: str | None, recorded: str | None) -> str | None:
+    """A data spec for resume: the run's own when not given or when it names the same file (the spec is part
+    of the dataset summary the resume checks compare), else as given."""
+    if given is None:
+        return recorded
+    same = (
+        recorded is not None and given != STDLIB_SPEC and os.path.abspath(given) == os.path.abspath(recorded)
+    )
+    return recorded if same else given
+
+
 @app.command()
 def resume(
     checkpoint: Path = typer.Argument(..., help="A training checkpoint (DIR/VARIANT/checkpoint.ddlw)."),
@@ -619,15 +591,13 @@ def resume(
     tr = ck["report"]["training"]
     recorded = _recorded_source(ck)
     source = {
-        "data": data if data is not None else recorded["data"],
-        "val_data": val_data if val_data is not None else recorded["val_data"],
+        "data": _spec(data, recorded["data"]),
+        "val_data": _spec(val_data, recorded["val_data"]),
         "val_fraction": val_fraction if val_fraction is not None else recorded["val_fraction"],
         "max_tokens": max_tokens if max_tokens is not None else recorded["max_tokens"],
     }
     if source["data"] is None:
         fail(f"{checkpoint} does not record its training data: pass --data SPEC")
-    if data is not None or val_data is not None:
-        source = _data_source(**source)
     choice = choose_backend(backend, device)
     trn, val = _load_data(source, tr["seq_len"], tr["batch_size"], ck["cfg"].vocab_size, tr["seed"])
     typer.echo("resolved configuration:")
@@ -871,6 +841,10 @@ HINTS = {
 
 
 def _hint(e: BaseException) -> str:
+    if isinstance(e, UnknownBackendError):
+        return " (--backend)"
+    if isinstance(e, BackendError) and "needs the wgpu backend" in str(e):
+        return f"; {HINTS['trunk_needs_wgpu']}"
     kind, field = getattr(e, "kind", None), getattr(e, "field", None)
     if kind in HINTS:
         return f"; {HINTS[kind]}"
@@ -880,7 +854,8 @@ def _hint(e: BaseException) -> str:
 
 
 def _is_user_error(e: BaseException) -> bool:
-    if isinstance(e, UserError | ConfigError | CheckpointError | HfError | FileNotFoundError | IsADirectoryError
+    if isinstance(e, UserError | BackendError | ConfigError | CheckpointError | HfError | FileNotFoundError
+                  | IsADirectoryError
                   | PermissionError):  # fmt: skip
         return True
     gpu_mod = sys.modules.get("ddl_wgpu.gpu")  # only a loaded GPU layer can have raised its errors

@@ -25,12 +25,10 @@ trunk's own predictions. The flow:
    for byte; `provenance.heal_mtp` records the run (acceptance before and after on the held-out windows).
    Written atomically by the container (`OUT.partial`, then rename; removed on any failure).
 
-Backends: `TrunkTeacher` and `DraftTrainer` are the whole interface a backend provides. `RefTeacher` and
-`RefDraft` are the numpy ones (backend "ref"); `WgpuTeacher` and `WgpuDraft` run on the GPU (backend "wgpu"):
-the trunk's forward, its next-token top-k (the `topk` kernel on chunked logits; full logits never exist) and
-its hidden rows (downloaded, kept on the host in float16 by `heal`); the draft as a one-layer model in the
-engine's input-rows mode (top-k KL through the `topk_kl` kernel on chunked logits, only the block and its
-final norm trainable). Gradients are float32 on both, so the loss scale is carried but never needed.
+Backends: `backend.make_teacher` and `backend.make_draft` build the trunk (`backend.Teacher`) and the draft
+(`backend.Draft`) on the chosen backend: numpy (`refnet.RefTeacher`, `refnet.RefDraft`) or the GPU
+(`heal_gpu.WgpuTeacher`, `heal_gpu.WgpuDraft`). Gradients are float32 on both, so the loss scale is carried
+but never needed.
 
 Chain attention (`HealConfig.chain_attention`): "per-step" (default) trains step j as its own pass whose rows
 attend causally to the other step-j rows of the window at positions 0..T−1, as the reference heal tool.
@@ -51,15 +49,14 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import ModelConfig
-from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
 from ddl_wgpu import accept as accept_mod
 from ddl_wgpu.accept import CHAIN_ATTENTION, DEFAULT_CHAIN_ATTENTION
+from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teacher
 from ddl_wgpu.container import CheckpointError, f32_to_bf16, open_checkpoint, save
 from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.errors import UserError
@@ -68,13 +65,10 @@ from ddl_wgpu.run import Best, Cadence, Events, LossScale, drive
 
 LOSS_SCALE_START = 4096.0  # the reference heal tool's first loss scale; halved (to >= 1) per non-finite step
 MAX_NONFINITE = 20  # the 20th non-finite step aborts
-ADAM = (0.9, 0.999, 1e-8)  # betas and eps; no weight decay
-GRAD_CLIP = 1.0  # global gradient norm cap
 WARMUP_FRACTION = 0.1  # linear warm-up over the first 10 % of steps
 MIN_LR_FRACTION = 0.1  # the cosine ends at 0.1 x lr
 MIN_WINDOW = 16  # windows shorter than MIN_WINDOW + chain are skipped
 HELD_OUT_EVERY = 10  # window i is held out when i % 10 == 9
-BACKENDS = ("ref", "wgpu")
 # A draft is present iff these are in the file (the reference heal tool checks the first three).
 REQUIRED = ("model.mtp.eh_proj.weight", "model.mtp.enorm.weight", "model.mtp.hnorm.weight",
             "model.mtp.layers.0.self_attn.q_proj.weight", "model.mtp.norm.weight")  # fmt: skip
@@ -82,9 +76,6 @@ REQUIRED = ("model.mtp.eh_proj.weight", "model.mtp.enorm.weight", "model.mtp.hno
 
 class HealError(UserError):
     """A heal that cannot run or had to stop, with one clear line."""
-
-
-TRUNK_DTYPES = ("f32", "f16")
 
 
 @dataclass(frozen=True)
@@ -129,249 +120,6 @@ class HealConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the backend interface
-
-
-class TrunkTeacher(Protocol):
-    def topk_hidden(self, ids_batch: np.ndarray, k: int):
-        """ids (B, T) -> (top_ids (B, T, k) int32, top_probs (B, T, k) f32, hidden_pre, hidden_post (B, T, C))."""
-        ...
-
-
-class DraftTrainer(Protocol):
-    """`chain` = 0: x_rows (B, T, C) are one step's rows, causal attention (the seed). chain = j >= 1: the
-    stacked rows of steps 1..j of each window (B, j·W, C), the runtime's diagonal mask at positions
-    p + σ − 1 (`ddl_ref.mtp.draft_forward`); teacher and weights are per stacked row."""
-
-    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr: float, step: int, grad_scale: float,
-             chain: int = 0):  # fmt: skip
-        """Forward, backward and (when finite) one Adam update -> (loss, grad_norm, finite)."""
-        ...
-
-    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float: ...
-
-    def hidden_out(self, x_rows, chain: int = 0): ...  # -> (pre (B, T, C), post (B, T, C))
-
-    def snapshot(self): ...
-
-    def restore(self, snap) -> None: ...
-
-    def export(self) -> dict: ...  # {model.mtp.* name: float32 array} of the trained tensors
-
-
-class RefTeacher:
-    """The trunk in numpy (`ddl_ref.mtp.trunk_topk_hidden`)."""
-
-    def __init__(self, model: Model):
-        self.params, self.cfg = model.params, model.cfg
-
-    def topk_hidden(self, ids_batch, k: int):
-        return ref_mtp.trunk_topk_hidden(self.params, self.cfg, ids_batch, k)
-
-
-class RefDraft:
-    """The draft block + final norm in numpy float32, trained with Adam; everything else frozen."""
-
-    def __init__(self, params: dict, cfg: ModelConfig, init: dict | None = None):
-        self.cfg = cfg
-        names = ref_mtp.trained_names(params)
-        src = init if init is not None else params
-        self.params = {n: np.array(src[n], np.float32) for n in names}
-        head = ref_mtp.head_weight(params, cfg)
-        self.shared = {"model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight": head}
-        self.state: dict = {"m": {}, "v": {}}
-
-    def _all(self) -> dict:
-        return {**self.shared, **self.params}
-
-    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale, chain: int = 0):
-        weights = np.asarray(weights, np.float32)
-        count = max(float(weights.sum()), 1.0)
-        p = self._all()
-        with np.errstate(all="ignore"):
-            kl, cache = ref_mtp.draft_kl_forward(p, self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
-                                                 teacher_probs, weights, chain)  # fmt: skip
-            loss = kl / count
-            # gradient of grad_scale * loss, unscaled again (the engine's f16 loss scaling; exact in f32)
-            _dx, grads = ref_mtp.draft_kl_backward(p, self.cfg, cache, dloss=float(grad_scale) / count)
-            grads = {n: g / np.float32(grad_scale) for n, g in grads.items()}
-            norm = global_grad_norm(grads)
-        finite = math.isfinite(loss) and math.isfinite(norm)
-        if finite:
-            adamw_step(self.params, grads, self.state, lr, step, *ADAM, weight_decay=0.0,
-                       grad_multiplier=clip_multiplier(norm, GRAD_CLIP))  # fmt: skip
-        # gradients are not kept between steps: a skipped step leaves nothing behind ("zeroed")
-        return float(loss), float(norm), bool(finite)
-
-    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float:
-        kl, _ = ref_mtp.draft_kl_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
-                                         teacher_probs, np.asarray(weights, np.float32), chain)  # fmt: skip
-        return float(kl)
-
-    def hidden_out(self, x_rows, chain: int = 0):
-        pre, post, _ = ref_mtp.draft_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), chain)
-        return pre, post
-
-    def snapshot(self):
-        return {n: p.copy() for n, p in self.params.items()}
-
-    def restore(self, snap) -> None:
-        for n, p in snap.items():
-            self.params[n][...] = p
-
-    def export(self) -> dict:
-        return {n: p.copy() for n, p in self.params.items()}
-
-
-def _pad_rows(a, B: int):
-    """a (b, ...) -> (B, ...) with zero rows appended (the GPU Works have a fixed batch)."""
-    a = np.asarray(a)
-    if a.shape[0] == B:
-        return a
-    if a.shape[0] > B:
-        raise HealError(f"heal: a batch of {a.shape[0]} windows, the GPU backend was built for {B}")
-    return np.concatenate([a, np.zeros((B - a.shape[0], *a.shape[1:]), a.dtype)])
-
-
-class WgpuTeacher:
-    """The trunk on the GPU: one forward per batch of windows, the next-token top-k from chunked logits
-    (`Work.topk`), the hidden rows before and after the final norm downloaded as float32 (heal keeps the
-    one the draft reads in float16). Frozen: the trunk is an inference-only Net (parameters alone, no
-    gradients or optimizer state); `dtype` "f16" stores its big matrices in f16 (`engine.F16_SUFFIXES`:
-    about 2 bytes per parameter, so a 4 B-parameter trunk fits a 16 GB card), which needs the adapter
-    feature shader-f16."""
-
-    def __init__(self, model: Model, batch: int, device: str | None = None, dtype: str = "f32"):
-        from ddl_wgpu.engine import Net
-        from ddl_wgpu.gpu import GpuError
-        from ddl_wgpu.train import open_gpu
-
-        if dtype not in TRUNK_DTYPES:
-            raise HealError(f"heal: trunk dtype must be one of {list(TRUNK_DTYPES)}, got {dtype!r}")
-        cfg = dataclasses.replace(model.cfg, mtp=None)  # the trunk alone
-        trunk = {n: a for n, a in model.params.items() if not n.startswith("model.mtp.")}
-        try:
-            self.net = Net(open_gpu(device), cfg, trunk, inference=True, dtype=dtype)
-        except GpuError as e:
-            raise HealError(f"heal: trunk on the GPU: {e}") from e
-        self.dtype = dtype
-        self.B = batch
-
-    def topk_hidden(self, ids_batch, k: int):
-        ids = np.asarray(ids_batch)
-        b, T = ids.shape
-        work = self.net.work(self.B, T)
-        top_ids, top_probs = work.topk(_pad_rows(ids, self.B), k)
-        pre, post = work.hidden()
-        return top_ids[:b], top_probs[:b], pre[:b], post[:b]
-
-
-class WgpuDraft:
-    """The draft block + its final norm on the GPU, as a one-layer model (`ddl_ref.mtp.draft_config`) whose
-    first block reads the given input rows (`Work(rows_in=True)`); the shared embedding/head is loaded but
-    frozen. Adam (0.9, 0.999, 1e-8, no weight decay) with the gradient scaled to global norm <= 1, as
-    `RefDraft`; a non-finite step leaves weights and moments untouched (the AdamW kernel's skip)."""
-
-    def __init__(self, params: dict, cfg: ModelConfig, init: dict | None = None, batch: int = 4,
-                 device: str | None = None):  # fmt: skip
-        from ddl_wgpu.engine import Net
-        from ddl_wgpu.train import open_gpu
-
-        self.cfg, self.B = cfg, batch
-        src = init if init is not None else params
-        n = len(ref_mtp.MTP_LAYER_PREFIX)
-        self.names = {}  # one-layer name -> model.mtp.* name
-        for name in ref_mtp.trained_names(params):
-            local = "model.norm.weight" if name == ref_mtp.NORM else "model.layers.0." + name[n:]
-            self.names[local] = name
-        dp = {local: np.asarray(src[name], np.float32) for local, name in self.names.items()}
-        dp["model.embed_tokens.weight"] = params["model.embed_tokens.weight"]
-        if not cfg.tie_embeddings:
-            dp["lm_head.weight"] = params["lm_head.weight"]
-        # the frozen embedding/head gets no gradient or moment storage (the input-rows Work never writes it)
-        self.net = Net(
-            open_gpu(device), ref_mtp.draft_config(cfg), dp, trainable=list(self.names), frozen_state=False
-        )
-        self._works: dict = {}
-
-    def _work(self, T: int, k: int = 1, chain: int = 0):
-        from ddl_wgpu.engine import Work
-
-        if (T, k, chain) not in self._works:
-            self._works[(T, k, chain)] = Work(self.net, self.B, T, rows_in=True, kl_k=k, chain=chain)
-        return self._works[(T, k, chain)]
-
-    def _args(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0):
-        b = np.shape(x_rows)[0]
-        x, tid, tp, w = (_pad_rows(a, self.B) for a in (np.asarray(x_rows, np.float32), teacher_ids,
-                                                          np.asarray(teacher_probs, np.float32),
-                                                          np.asarray(weights, np.float32)))  # fmt: skip
-        return b, self._work(x.shape[1], tid.shape[-1], chain), (x, tid, tp, w)
-
-    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale, chain: int = 0):
-        from ddl_wgpu.engine import AdamW
-
-        _b, work, args = self._args(x_rows, teacher_ids, teacher_probs, weights, chain)
-        hyper = AdamW(lr=float(lr), step=int(step), beta1=ADAM[0], beta2=ADAM[1], eps=ADAM[2], weight_decay=0.0,
-                      grad_clip=GRAD_CLIP)  # fmt: skip
-        r = work.step_rows(*args, update=hyper)
-        return float(r.loss), float(r.grad_norm), bool(r.finite and math.isfinite(r.grad_norm))
-
-    def grads(self) -> dict:
-        """The last step's gradients of the trained tensors, by their model.mtp.* names (tests)."""
-        g = self.net.grads()
-        return {name: g[local] for local, name in self.names.items()}
-
-    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float:
-        _b, work, args = self._args(x_rows, teacher_ids, teacher_probs, weights, chain)
-        return work.loss_sum_rows(*args)
-
-    def hidden_out(self, x_rows, chain: int = 0):
-        x = np.asarray(x_rows, np.float32)
-        b = x.shape[0]
-        pre, post = self._work(x.shape[1], 1, chain).forward_rows(_pad_rows(x, self.B))
-        return pre[:b], post[:b]
-
-    def greedy(self, x_rows, chain: int = 0):
-        """Forward only -> (argmax (b, T) int32, pre, post): one chained draft step (`accept`), any b; `chain`
-        as in `hidden_out` (the stacked rows of steps 1..chain, every row's argmax and hiddens returned)."""
-        x = np.asarray(x_rows, np.float32)
-        work = self._work(x.shape[1], 1, chain)
-        out = []
-        for s in range(0, x.shape[0], self.B):
-            part = x[s : s + self.B]
-            ids, _p = work.topk(_pad_rows(part, self.B), 1)
-            pre, post = work.hidden()
-            n = part.shape[0]
-            out.append((ids[:n, :, 0], pre[:n], post[:n]))
-        return tuple(np.concatenate(parts) for parts in zip(*out, strict=True))
-
-    def snapshot(self):
-        return self.net.snapshot()
-
-    def restore(self, snap) -> None:
-        self.net.restore(snap)
-
-    def export(self) -> dict:
-        p = self.net.export()
-        return {name: p[local].copy() for local, name in self.names.items()}
-
-
-def make_backend(backend: str, model: Model, init: dict | None, batch: int = 4,
-                 device: str | None = None, trunk_dtype: str = "f32") -> tuple[TrunkTeacher, DraftTrainer]:  # fmt: skip
-    if backend not in BACKENDS:
-        raise HealError(f"heal: backend {backend!r} has no MTP draft path yet (available: {list(BACKENDS)})")
-    if trunk_dtype != "f32" and backend != "wgpu":
-        raise HealError(
-            f"heal: --trunk-dtype {trunk_dtype} needs the wgpu backend (the ref trunk is f32/f64)"
-        )
-    if backend == "wgpu":
-        teacher = WgpuTeacher(model, batch, device, trunk_dtype)
-        return teacher, WgpuDraft(model.params, model.cfg, init, batch, device)
-    return RefTeacher(model), RefDraft(model.params, model.cfg, init)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -634,8 +382,7 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     plus `out`, `history` of evaluations and `stopped`). Raises HealError with one line on bad input or abort."""
     cfg = cfg if cfg is not None else HealConfig()
     events = Events(progress, "heal")
-    if backend not in BACKENDS:
-        raise HealError(f"heal: backend {backend!r} has no MTP draft path yet (available: {list(BACKENDS)})")
+    backend = choose_backend(backend, device).name
     _require_draft(model_path)
     model = _load(model_path, "model")
     mcfg = model.cfg
@@ -650,7 +397,8 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     total_tokens = int(sum(w.size for w in wins))
     events("windows", windows=len(wins), tokens=total_tokens, chain=cfg.chain, data=str(data_spec))
 
-    teacher, draft = make_backend(backend, model, init, cfg.batch, device, cfg.trunk_dtype)
+    teacher = make_teacher(backend, model, cfg.batch, device, cfg.trunk_dtype)
+    draft = make_draft(backend, model, init, cfg.batch, device)
     kk = min(cfg.topk, mcfg.vocab_size)
     cache = _trunk_pass(teacher, wins, mcfg, kk, cfg.batch, events)
     chain = _Chain(model, cfg, cache, draft)

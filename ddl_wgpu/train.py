@@ -26,12 +26,13 @@ from pathlib import Path
 
 from ddl_ref.config import ModelConfig, ModelVariant
 from ddl_ref.optim import CosineWarmupSchedule
-from ddl_ref.params import init_params
+from ddl_ref.spectral import SpectralAccumulator
+from ddl_wgpu.backend import make_net
 from ddl_wgpu.container import open_checkpoint, save
 from ddl_wgpu.data import TokenDataset
-from ddl_wgpu.engine import AdamW
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.run import Best, Cadence, Events, drive
+from ddl_wgpu.step import AdamW
 
 CHECKPOINT = "checkpoint.ddlw"
 REPORT = "report.json"
@@ -163,41 +164,7 @@ def metrics(loss_sum: float, count: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# backends
-
-
-def make_net(
-    cfg: ModelConfig,
-    params: dict | None,
-    backend: str,
-    device: str | None,
-    seed: int = 0,
-    mtp_weight: float = 0.0,
-):
-    """A `Net` on the chosen backend ('wgpu' or 'ref'); the GPU is opened once per process. A model with
-    an MTP draft (`cfg.mtp`) trains it jointly, its loss weighted by `mtp_weight`."""
-    if params is None:
-        params = init_params(cfg, seed)
-    if backend == "ref":
-        from ddl_wgpu.refnet import RefNet
-
-        return RefNet(cfg, params, mtp_weight=mtp_weight)
-    if backend != "wgpu":
-        raise TrainingError.invalid_config(f"unknown backend {backend!r}; use 'wgpu' or 'ref'")
-    from ddl_wgpu.engine import Net
-
-    return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight)
-
-
-_GPU = {}
-
-
-def open_gpu(device: str | None):
-    from ddl_wgpu.gpu import Gpu
-
-    if device not in _GPU:
-        _GPU[device] = Gpu(device)
-    return _GPU[device]
+# evaluation
 
 
 def evaluate(net, dataset: TokenDataset, max_batches: int = 0, spectral: bool = False) -> dict:
@@ -213,8 +180,6 @@ def evaluate(net, dataset: TokenDataset, max_batches: int = 0, spectral: bool = 
         total += s
         count += c
         if snap is not None:
-            from ddl_ref.spectral import SpectralAccumulator
-
             acc = acc or SpectralAccumulator()
             acc.observe(snap, max(c, 1))
     return {"metrics": metrics(total, count), "spectral": acc.finish() if acc else None}
@@ -485,13 +450,8 @@ def _resumed(resume: dict, opts: RunOptions):
     cfg, report, phase = resume["cfg"], resume["report"], resume["position"]["phase"]
     w = TrainingConfig.from_dict(phase["training"]).mtp_weight
     net = make_net(cfg, resume["params"], opts.backend, opts.device, mtp_weight=w)
-    snap = None
-    if resume["best"] is not None:
-        snap_src = make_net(cfg, resume["best"], "ref", None) if opts.backend == "ref" else None
-        snap = snap_src.snapshot() if snap_src else _gpu_snapshot_of(net, resume["best"])
-    if resume[
-        "m"
-    ]:  # after the best snapshot: `_gpu_snapshot_of` goes through `net.load`, which zeroes moments
+    snap = _snapshot_of(net, resume["best"]) if resume["best"] is not None else None
+    if resume["m"]:  # after the best snapshot: `_snapshot_of` goes through `net.load`, which zeroes moments
         net.load_moments(resume["m"], resume["v"])
     bv = report["best_validation"]
     best = Best(bv["loss"] if bv else None, report["best_validation_step"], snap)
@@ -533,8 +493,8 @@ def train_variant(
     return report
 
 
-def _gpu_snapshot_of(net, params: dict):
-    """Upload `params` into a fresh GPU snapshot of `net`'s layout without touching the live weights."""
+def _snapshot_of(net, params: dict):
+    """A snapshot of `params` in `net`'s layout (on the GPU: device buffers), the live weights untouched."""
     live = net.snapshot()
     net.load(params)
     snap = net.snapshot()

@@ -11,7 +11,10 @@ from ddl_ref import mtp as ref_mtp
 from ddl_ref import ops
 from ddl_ref.config import ModelConfig, MtpConfig
 from ddl_ref.params import init_params
+from ddl_wgpu.backend import open_gpu
+from ddl_wgpu.heal_gpu import WgpuDraft
 from ddl_wgpu.ops.attention import attention_masked_backward, attention_masked_forward
+from ddl_wgpu.refnet import RefDraft, ref_runner
 
 
 def test_chain_mask_and_positions():
@@ -104,8 +107,6 @@ def test_masked_kernels_match_reference(gpu, shape, impl):
 
 @pytest.mark.parametrize("qk", ["pre_rope", "none"])
 def test_runtime_draft_step_matches_refdraft(gpu, qk, heal_kit):
-    from ddl_wgpu import heal
-
     h = heal_kit
     cfg = h.tiny_cfg(qk_norm=qk)
     p = h.perturbed(cfg)
@@ -117,7 +118,7 @@ def test_runtime_draft_step_matches_refdraft(gpu, qk, heal_kit):
     tp = rng.random((B, T, k)).astype(np.float32)
     w = np.zeros((B, T), np.float32)
     w[:, -W:] = (rng.random((B, W)) < 0.8).astype(np.float32)  # the step-j rows only
-    ref, gd = heal.RefDraft(p, cfg), heal.WgpuDraft(p, cfg, batch=B)
+    ref, gd = RefDraft(p, cfg), WgpuDraft(open_gpu(), p, cfg, batch=B)
     want = ref.loss_sum(x, tid, tp, w, chain=j)
     assert want != pytest.approx(ref.loss_sum(x, tid, tp, w), rel=1e-3)  # the mask matters
     assert gd.loss_sum(x, tid, tp, w, chain=j) == pytest.approx(want, rel=1e-5)
@@ -211,8 +212,8 @@ def test_runtime_acceptance_is_the_incremental_runtime(tmp_path, heal_kit):
     windows = [rng.integers(0, 256, n) for n in (12, 9)]
     tb = accept.trunk_batches(m, windows, batch=2)[0]
     depth = 3
-    preds = accept.greedy_chain(m.params, m.cfg, tb, depth, accept.ref_runner(m.params, m.cfg), "stacked")
-    seed = accept.greedy_chain(m.params, m.cfg, tb, depth, accept.ref_runner(m.params, m.cfg), "per-step")
+    preds = accept.greedy_chain(m.params, m.cfg, tb, depth, ref_runner(m.params, m.cfg), "stacked")
+    seed = accept.greedy_chain(m.params, m.cfg, tb, depth, ref_runner(m.params, m.cfg), "per-step")
     differs = False
     for b, n in enumerate((12, 9)):
         for p in range(n - depth):

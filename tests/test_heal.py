@@ -16,7 +16,7 @@ import pytest
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
 from ddl_ref.params import init_params
-from ddl_wgpu import accept, compress, container, heal
+from ddl_wgpu import accept, backend, compress, container, heal, refnet
 from ddl_wgpu.container import open_checkpoint
 from ddl_wgpu.modelfile import Model, load_model, save_model
 
@@ -167,7 +167,7 @@ def test_lr_schedule():
 # scripted drafts: non-finite steps, patience, best restore, --init
 
 
-class NanDraft(heal.RefDraft):
+class NanDraft(refnet.RefDraft):
     """Steps whose index is in `bad` (counting every call) return a non-finite loss."""
 
     bad: set = set()
@@ -182,7 +182,7 @@ class NanDraft(heal.RefDraft):
 
 def test_nonfinite_steps_skipped_then_abort(files, tmp_path, monkeypatch):
     model, data = files
-    monkeypatch.setattr(heal, "RefDraft", NanDraft)
+    monkeypatch.setattr(refnet, "RefDraft", NanDraft)  # what backend.make_draft("ref") builds
     NanDraft.bad, NanDraft.scales = {1, 2, 3}, []
     r = heal.heal(model, str(data), tmp_path / "a.ddlw", SMALL)
     assert r["skipped_steps"] == 3 and r["steps"] == r["total_steps"]
@@ -196,7 +196,7 @@ def test_nonfinite_steps_skipped_then_abort(files, tmp_path, monkeypatch):
     assert not out.exists() and leftovers(tmp_path) == []
 
 
-class ScriptedDraft(heal.RefDraft):
+class ScriptedDraft(refnet.RefDraft):
     """Held-out KL follows `curve[finite steps done]`; weights after every step are recorded."""
 
     curve: dict = {}
@@ -224,7 +224,7 @@ def trained_of(path):
 
 def test_patience_stop_and_best_restore(files, tmp_path, monkeypatch):
     model, data = files
-    monkeypatch.setattr(heal, "RefDraft", ScriptedDraft)
+    monkeypatch.setattr(refnet, "RefDraft", ScriptedDraft)
     ScriptedDraft.curve = {0: 1.0, 2: 0.5, 4: 0.3, 6: 0.4, 8: 0.35, 10: 0.2}
     cfg = dataclasses.replace(SMALL, eval_every=2, patience=2, epochs=3.0)
     out = tmp_path / "o.ddlw"
@@ -241,7 +241,7 @@ def test_patience_stop_and_best_restore(files, tmp_path, monkeypatch):
 def test_init_weights_used(files, tmp_path, monkeypatch, make_model):
     model, data = files
     src = make_model(tmp_path / "src.ddlw", seed=5)  # a different draft (and trunk)
-    monkeypatch.setattr(heal, "RefDraft", ScriptedDraft)
+    monkeypatch.setattr(refnet, "RefDraft", ScriptedDraft)
     ScriptedDraft.curve = dict.fromkeys(range(0, 200, 2), 1.0)  # never better than the start
     out = tmp_path / "o.ddlw"
     cfg = dataclasses.replace(SMALL, eval_every=2, patience=1)
@@ -347,7 +347,7 @@ def test_acceptance_real_draft_and_probe(tmp_path, make_model):
     assert len(r["probe"]) == 8 and sum(p["current"] for p in r["probe"]) == 1
     cur = next(p for p in r["probe"] if p["current"])
     assert cur["acceptance_length"] == pytest.approx(r["acceptance_length"])
-    with pytest.raises(NotImplementedError, match="not written yet"):
+    with pytest.raises(backend.UnknownBackendError, match="unknown backend 'cuda'"):
         accept.acceptance(m, windows, depth=2, backend="cuda")
 
 
