@@ -31,15 +31,12 @@ import numpy as np
 
 from ddl_ref import delta, ops
 from ddl_ref.config import ModelConfig
+from ddl_ref.params import head_name
 from ddl_ref.spectral import spectral_snapshot
 
 
 def _layer_prefix(i: int) -> str:
     return f"model.layers.{i}."
-
-
-def _head_name(cfg: ModelConfig) -> str:
-    return "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -320,7 +317,7 @@ def forward(params, cfg: ModelConfig, ids, lengths=None, spectral: bool = False,
     B, T = ids.shape
     lengths = np.full(B, T, dtype=np.int64) if lengths is None else np.asarray(lengths)
     _x, xf, cache = trunk_forward(params, cfg, ids)
-    logits = ops.linear_forward(xf, params[_head_name(cfg)])  # (B, T, V)
+    logits = ops.linear_forward(xf, params[head_name(cfg)])  # (B, T, V)
     loss, cache["loss"] = ops.lm_loss_forward(logits, ids, lengths)
     cache["xf"] = xf
     if spectral:
@@ -345,7 +342,7 @@ def backward(params, cfg: ModelConfig, cache, dloss=1.0, dlogits=None):
     grads: dict[str, np.ndarray] = {}
     if dlogits is None:
         dlogits = ops.lm_loss_backward(cache["loss"], dloss)
-    head = _head_name(cfg)
+    head = head_name(cfg)
     dxf, dhead = ops.linear_backward(dlogits, cache["xf"], params[head])
     demb_mtp = dhid = None
     if "mtp" in cache:  # the draft first: its input gradient joins the trunk's below

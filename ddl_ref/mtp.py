@@ -40,7 +40,7 @@ import numpy as np
 from ddl_ref import model as ref_model
 from ddl_ref import ops
 from ddl_ref.config import ModelConfig, MtpConfig
-from ddl_ref.params import MTP_LAYER_PREFIX, MTP_PREFIX
+from ddl_ref.params import MTP_LAYER_PREFIX, MTP_PREFIX, head_name
 
 ENORM = MTP_PREFIX + "enorm.weight"
 HNORM = MTP_PREFIX + "hnorm.weight"
@@ -74,7 +74,7 @@ def trained_names(params: dict) -> list[str]:
 
 
 def head_weight(params: dict, cfg: ModelConfig) -> np.ndarray:
-    return params["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
+    return params[head_name(cfg)]
 
 
 def pick_hidden(pre, post, which: str):

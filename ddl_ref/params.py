@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddl_ref.config import ModelConfig
+from ddl_ref.config import ConfigError, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -230,3 +230,16 @@ def num_params(cfg: ModelConfig) -> int:
 def head_name(cfg: ModelConfig) -> str:
     """The tensor the LM head reads: the embedding when the head is tied to it, else its own `lm_head`."""
     return "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+
+
+def trainable_names(names: list[str], trainable=None) -> list[str]:
+    """The trained subset of `names` (in their order): all of them (None), those a predicate accepts, or those
+    listed (every listed name must be one of `names`)."""
+    if trainable is None:
+        return list(names)
+    if callable(trainable):
+        return [n for n in names if trainable(n)]
+    unknown = set(trainable) - set(names)
+    if unknown:
+        raise ConfigError(f"unknown trainable parameter(s): {sorted(unknown)}")
+    return [n for n in names if n in set(trainable)]
