@@ -443,3 +443,11 @@ def test_accept_table(draft_model, corpus, tmp_path, cli, ok, user_error):
     assert lines[0].split() == ["A_1", "A_2", "tau", "anchors"] and len(lines) == 3
     assert lines[1].split()[0] == "before" and lines[1].split()[1:] == lines[2].split()[1:]
     user_error(cli("accept-table", "no-equals-sign"), "LABEL=FILE.json")
+
+
+def test_export_hf_refusal_names_the_raw_flag(model_file, tmp_path, cli, ok, user_error):
+    """A model Qwen3 cannot hold (post-RoPE q/k norm, the presets' default): the error names `export-hf --raw`,
+    which exports it."""
+    user_error(cli("export-hf", model_file, tmp_path / "hf"), "use `export-hf --raw`")
+    r = ok(cli("export-hf", model_file, tmp_path / "raw", "--raw"))
+    assert "raw: True" in r.stdout and "{" not in r.stdout
