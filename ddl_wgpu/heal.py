@@ -375,6 +375,29 @@ class _HealJob:
         return False
 
 
+def _inputs(model_path, init_path, cfg: HealConfig) -> tuple[Model, dict | None]:
+    """The model (with a draft) and the draft's starting weights from `init_path`, checked against `cfg`."""
+    _require_draft(model_path)
+    model = _load(model_path, "model")
+    if model.cfg.mtp is None:  # tensors present but the config says no draft
+        raise HealError(f"heal: {model_path} carries no MTP draft (config has no mtp; missing tensor "
+                        "model.mtp.eh_proj.weight in its table)")  # fmt: skip
+    init = _init_weights(init_path, model) if init_path is not None else None
+    if cfg.window > model.cfg.max_seq_len:
+        raise HealError(f"heal: window {cfg.window} exceeds the model's max_seq_len {model.cfg.max_seq_len}",
+                        field="window")  # fmt: skip
+    return model, init
+
+
+def _heldout_acceptance(model: Model, cache: _Cache, val: list[int], draft, runner, cfg: HealConfig) -> dict:
+    """`accept`'s greedy acceptance of the current draft on the held-out windows, from the trunk's pass."""
+    vi = np.array(val)
+    hid = cache.hidden[vi].astype(np.float32)
+    tbs = [accept_mod.TrunkBatch(cache.ids[vi], cache.lengths[vi], cache.top_ids[vi][..., 0], hid, hid)]
+    params = {**model.params, **draft.export()}
+    return accept_mod.acceptance_from_trunk(params, model.cfg, tbs, cfg.chain, runner, cfg.chain_attention)
+
+
 def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, init_path=None,
          backend: str = "ref", progress: Callable[[dict], None] | None = None,
          device: str | None = None) -> dict:  # fmt: skip
@@ -383,16 +406,8 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     cfg = cfg if cfg is not None else HealConfig()
     events = Events(progress, "heal")
     backend = choose_backend(backend, device).name
-    _require_draft(model_path)
-    model = _load(model_path, "model")
+    model, init = _inputs(model_path, init_path, cfg)
     mcfg = model.cfg
-    if mcfg.mtp is None:  # tensors present but the config says no draft
-        raise HealError(f"heal: {model_path} carries no MTP draft (config has no mtp; missing tensor "
-                        "model.mtp.eh_proj.weight in its table)")  # fmt: skip
-    init = _init_weights(init_path, model) if init_path is not None else None
-    if cfg.window > mcfg.max_seq_len:
-        raise HealError(f"heal: window {cfg.window} exceeds the model's max_seq_len {mcfg.max_seq_len}",
-                        field="window")  # fmt: skip
     wins = _windows(model, data_spec, cfg)
     total_tokens = int(sum(w.size for w in wins))
     events("windows", windows=len(wins), tokens=total_tokens, chain=cfg.chain, data=str(data_spec))
@@ -410,15 +425,8 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     tb = [np.array(train[s : s + nb]) for s in range(0, len(train) - nb + 1, nb)]
     vb = [np.array(val[s : s + nb]) for s in range(0, len(val) - nb + 1, nb)]
 
-    def held_out_acceptance() -> dict:
-        vi = np.array(val)
-        hid = cache.hidden[vi].astype(np.float32)
-        tbs = [accept_mod.TrunkBatch(cache.ids[vi], cache.lengths[vi], cache.top_ids[vi][..., 0], hid, hid)]
-        params = {**model.params, **draft.export()}
-        runner = draft.greedy if backend == "wgpu" else None
-        return accept_mod.acceptance_from_trunk(params, mcfg, tbs, cfg.chain, runner, cfg.chain_attention)
-
-    acc_before = held_out_acceptance()
+    runner = draft.greedy if backend == "wgpu" else None
+    acc_before = _heldout_acceptance(model, cache, val, draft, runner, cfg)
     v0 = chain.heldout_kl(vb)
     e0 = float(np.mean(v0))
     events("eval", step=0, heldout_kl=v0, mean=e0, best=e0)
@@ -429,7 +437,7 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
 
     draft.restore(best.snapshot)
     trained = draft.export()
-    acc_after = held_out_acceptance()
+    acc_after = _heldout_acceptance(model, cache, val, draft, runner, cfg)
     record = {
         "data": str(data_spec),
         "tokens": total_tokens,
