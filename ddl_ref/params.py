@@ -227,11 +227,6 @@ def num_params(cfg: ModelConfig) -> int:
     return sum(spec.numel for spec in param_table(cfg))
 
 
-def head_name(cfg: ModelConfig) -> str:
-    """The tensor the LM head reads: the embedding when the head is tied to it, else its own `lm_head`."""
-    return "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
-
-
 def trainable_names(names: list[str], trainable=None) -> list[str]:
     """The trained subset of `names` (in their order): all of them (None), those a predicate accepts, or those
     listed (every listed name must be one of `names`)."""

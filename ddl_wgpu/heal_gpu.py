@@ -11,8 +11,8 @@ import math
 import numpy as np
 
 from ddl_ref import mtp as ref_mtp
+from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
-from ddl_ref.params import head_name
 from ddl_wgpu.draft import DraftWork
 from ddl_wgpu.gpu import Gpu, GpuError
 from ddl_wgpu.net import Net

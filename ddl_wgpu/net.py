@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
-from ddl_ref.params import head_name, init_params, param_table, trainable_names
+from ddl_ref.params import init_params, param_table, trainable_names
 from ddl_wgpu.gpu import Call, Gpu, GpuError
 from ddl_wgpu.inference import InferenceWork
 from ddl_wgpu.layout import ALIGN, F16, F32

@@ -16,9 +16,10 @@ import numpy as np
 
 from ddl_ref import model as ref_model
 from ddl_ref import mtp as ref_mtp
+from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
 from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
-from ddl_ref.params import head_name, init_params, param_table, trainable_names
+from ddl_ref.params import init_params, param_table, trainable_names
 from ddl_wgpu.step import DRAFT_ADAM, DRAFT_GRAD_CLIP, AdamW, StepResult
 
 
