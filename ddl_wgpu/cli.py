@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from typer._click import exceptions as usage  # typer parses with its own copy of click
 
 from ddl_ref.config import ConfigError, ModelVariant, MtpConfig, parse_variants
@@ -30,6 +28,7 @@ from ddl_wgpu import heal as heal_lib
 from ddl_wgpu import train as train_lib
 from ddl_wgpu.backend import BackendChoice, BackendError, UnknownBackendError, choose_backend, make_net
 from ddl_wgpu.compress import compress_file
+from ddl_wgpu.console import HealConsole, TrainConsole, accept_text, fields, ranked_table, summary_text
 from ddl_wgpu.container import CheckpointError
 from ddl_wgpu.data import (
     DEFAULT_MAX_TOKENS,
@@ -80,11 +79,6 @@ BackendOpt = Annotated[
     ),
 ]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="Adapter index or name substring.")]
-
-
-def _fields(d: dict) -> str:
-    """A dict as `key=value` pairs (a nested dict's pairs in parentheses): the resolved configuration."""
-    return "  ".join(f"{k}=({_fields(v)})" if isinstance(v, dict) else f"{k}={v}" for k, v in d.items())
 
 
 def _backend_line(choice: BackendChoice) -> str:
@@ -274,7 +268,7 @@ def import_hf(
 ):
     """Import a Qwen3 or Llama checkpoint folder into our container."""
     summary = import_hf_to_file(folder, out)
-    _emit(summary, as_json, _summary_text(summary) + f"\nwrote {out}")
+    _emit(summary, as_json, summary_text(summary) + f"\nwrote {out}")
 
 
 @app.command("export-hf")
@@ -290,12 +284,7 @@ def export_hf(
 ):
     """Export a model as a Hugging Face folder (Qwen3/Llama for baseline models, raw tensors for DDL)."""
     summary = export_hf_from_file(model, folder, raw=raw)
-    _emit(summary, as_json, _summary_text(summary) + f"\nwrote {folder}")
-
-
-def _summary_text(summary: dict) -> str:
-    """A summary dict as `key: value` lines."""
-    return "\n".join(f"{k}: {_fields(v) if isinstance(v, dict) else v}" for k, v in summary.items())
+    _emit(summary, as_json, summary_text(summary) + f"\nwrote {folder}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -333,87 +322,7 @@ def _load_data(source: dict, seq_len: int, batch_size: int, vocab_size: int, see
     )
 
 
-class _TrainConsole:
-    """Progress of a sweep: one rich progress bar per variant on a terminal; elsewhere (CI logs, pipes) a
-    plain line, with the variant's name, every tenth of the run and at each evaluation."""
-
-    def __init__(self):
-        self.console = Console(stderr=True)
-        self.live = self.console.is_terminal
-        self.bar = None
-        self.val = ""
-
-    def __call__(self, ev: dict):
-        kind = ev["event"]
-        if kind == "start":
-            self.console.print(f"[bold]{ev['variant']}[/bold]: {ev['num_params']:,} parameters")
-        elif kind == "eval" and ev["step"] == 0:
-            v = ev.get("validation")
-            vtxt = f", validation {v['loss']:.4f}" if v else ""
-            self.console.print(
-                f"  initial evaluation: train {ev['train']['loss']:.4f}{vtxt} ({ev['seconds']:.1f} s)"
-            )
-        elif kind == "eval":
-            self.val = f"  val {ev['validation']['loss']:.4f}"
-            if not self.live:
-                self.console.print(
-                    f"  {ev['variant']} step {ev['step']}: validation {ev['validation']['loss']:.4f}"
-                )
-        elif kind == "step":
-            info = f"loss {ev['loss']:.4f}  lr {ev['lr']:.2e}  {ev['tokens_per_s']:,.0f} tok/s  {ev['s_per_step']:.3f} s/step"
-            if ev.get("loss_mtp") == ev.get("loss_mtp"):  # not NaN: joint MTP training
-                info += f"  (trunk {ev['loss_main']:.4f}, draft {ev['loss_mtp']:.4f})"
-            if self.live:
-                self._bar(ev, info + self.val)
-            elif ev["step"] % max(ev["total"] // 10, 1) == 0 or ev["step"] == ev["total"]:
-                self.console.print(
-                    f"  {ev['variant']} step {ev['step']}/{ev['total']}  {info}", soft_wrap=True
-                )
-        elif kind == "done":
-            self.close()
-
-    def _bar(self, ev: dict, info: str):
-        if self.bar is None:
-            self.bar = Progress(
-                TextColumn("  {task.description}"),
-                BarColumn(),
-                TextColumn("{task.completed}/{task.total}"),
-                TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(),
-                console=self.console,
-            )
-            self.bar.start()
-            self.task = self.bar.add_task(ev["variant"], total=ev["total"], info="")
-        self.bar.update(self.task, completed=ev["step"], info=info)
-
-    def close(self):
-        self.val = ""
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
-
-
-def _ranked_table(comp: dict) -> str:
-    rows = []
-    order = comp.get("final_validation_loss_ranking") or comp.get("final_train_loss_ranking") or []
-    by = {r["variant"]: r for r in comp["reports"]}
-    rows.append(
-        f"{'rank':<5}{'variant':<14}{'final train':>12}{'final val':>11}{'best val':>10}{'ppl':>9}{'params':>13}{'tok/s':>10}"
-    )
-    for i, v in enumerate(order, 1):
-        r = by[v]
-        fv = r.get("final_validation") or {}
-        bv = r.get("best_validation") or {}
-        ppl = (fv or r["final_train"])["perplexity"]
-        tps = r.get("throughput", {}).get("tokens_per_s", float("nan"))
-        rows.append(
-            f"{i:<5}{v:<14}{r['final_train']['loss']:>12.4f}{fv.get('loss', float('nan')):>11.4f}"
-            f"{bv.get('loss', float('nan')):>10.4f}{ppl:>9.2f}{r['num_params']:>13,}{tps:>10,.0f}"
-        )
-    return "\n".join(rows)
-
-
-def _run(fn, con: _TrainConsole, where: str):
+def _run(fn, con: TrainConsole, where: str):
     """Run a training function with the console; Ctrl-C leaves a resumable checkpoint and exits 130."""
     try:
         return fn()
@@ -509,15 +418,15 @@ def train(
     source = _data_source(data, val_data, val_fraction, max_tokens)
     trn, val = _load_data(source, seq_len, batch_size, base.vocab_size, seed)
     typer.echo("resolved configuration:")
-    typer.echo("  model:    " + _fields(base.to_dict()))
-    typer.echo("  training: " + _fields(tcfg.to_dict()))
+    typer.echo("  model:    " + fields(base.to_dict()))
+    typer.echo("  training: " + fields(tcfg.to_dict()))
     typer.echo(f"  variants: {', '.join(v.slug for v in vs)}")
     typer.echo("  " + _backend_line(choice))
-    typer.echo(f"  data:     {_fields(trn.summary())}")
+    typer.echo(f"  data:     {fields(trn.summary())}")
     if val is not None:
-        typer.echo(f"  val:      {_fields(val.summary())}")
+        typer.echo(f"  val:      {fields(val.summary())}")
     typer.echo(f"  tokens per step: {batch_size * seq_len:,}")
-    con = _TrainConsole()
+    con = TrainConsole()
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
                                 stop_after=stop_after, progress=con, data=source)  # fmt: skip
     comp = _run(lambda: train_lib.train_variants(base, vs, trn, val, tcfg, out, opts), con, f"{out}/")
@@ -527,7 +436,7 @@ def train(
                    f"`ddl-wgpu resume {out / last['variant'] / train_lib.CHECKPOINT}`")  # fmt: skip
         return
     typer.echo("")
-    typer.echo(_ranked_table(comp))
+    typer.echo(ranked_table(comp))
     typer.echo(f"\nreport: {out / train_lib.REPORT}")
     if plots:
         try:
@@ -604,7 +513,7 @@ def resume(
     typer.echo(
         f"  checkpoint: {checkpoint} ({ck['report']['variant']}, {ck['report']['steps_completed']} steps)"
     )
-    typer.echo("  data:     " + _fields(source))
+    typer.echo("  data:     " + fields(source))
     typer.echo("  " + _backend_line(choice))
     over = {
         k: v
@@ -617,7 +526,7 @@ def resume(
         ).items()
         if v is not None
     }
-    con = _TrainConsole()
+    con = TrainConsole()
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
                                 stop_after=stop_after, progress=con, data=source)  # fmt: skip
     where = out or checkpoint.parent
@@ -667,22 +576,7 @@ def compress(
 ):
     """Structural compress: drop whole blocks, or keep the most important SwiGLU channels."""
     prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep)
-    _emit(prov, as_json, _summary_text(prov) + f"\nwrote {out}")
-
-
-def _accept_text(r: dict) -> str:
-    lines = [
-        f"depth {r['depth']}: acceptance length τ = {r['acceptance_length']:.4f} over {r['anchors']} anchors"
-    ]
-    for j, (a, c) in enumerate(zip(r["prefix_acceptance"], r["conditional_acceptance"], strict=True), 1):
-        lines.append(f"  depth {j}: prefix A_{j} = {a:.4f}   conditional α_{j} = {c:.4f}")
-    op = r.get("on_policy")
-    if op:
-        lines.append(
-            f"  on-policy anchors: τ = {op.get('acceptance_length', float('nan')):.4f}, "
-            f"A = {[round(float(x), 4) for x in op.get('prefix_acceptance', [])]}"
-        )
-    return "\n".join(lines)
+    _emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
 
 
 @app.command()
@@ -707,7 +601,7 @@ def accept(
     r = accept_lib.accept_file(model, data, depth=depth, window=window, tokens=tokens or None,
                                backend=choice.name, probe_conventions=probe_conventions, device=device,
                                trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
-    _emit(r, as_json, _accept_text(r))
+    _emit(r, as_json, accept_text(r))
 
 
 @app.command("accept-table")
@@ -722,56 +616,6 @@ def accept_table(
             fail(f"accept-table: expected LABEL=FILE.json, got {arg!r}")
         rows.append((label, json.loads(Path(path).read_text())))
     typer.echo(accept_lib.table(rows))
-
-
-class _HealConsole:
-    """heal's progress as readable lines on stderr (the reference heal tool's), or JSON lines with --json."""
-
-    def __init__(self, as_json: bool):
-        self.as_json = as_json
-        self.t0 = time.perf_counter()
-        self.trunk_quarter = -1
-
-    def say(self, text: str):
-        typer.echo(text, err=True)
-
-    def __call__(self, ev: dict):
-        if self.as_json:
-            self.say(json.dumps(ev, default=str))
-            return
-        kind, dt = ev["event"], time.perf_counter() - self.t0
-        if kind == "windows":
-            self.say(
-                f"heal: {ev['windows']} windows, {ev['tokens']:,} tokens of {ev['data']}; chain depth {ev['chain']}"
-            )
-        elif kind == "trunk":  # about every quarter of the windows, and the last
-            quarter = 4 * ev["done"] // ev["windows"]
-            if quarter != self.trunk_quarter or ev["done"] == ev["windows"]:
-                self.trunk_quarter = quarter
-                self.say(f"  trunk: {ev['done']}/{ev['windows']} windows ({dt:.1f} s)")
-        elif kind == "refresh":
-            steps = "step 2" if ev["chain"] == 2 else f"steps 2..{ev['chain']}"
-            self.say(f"  chain {steps} rebuilt from the current draft ({dt:.0f} s)")
-        elif kind == "eval" and ev["step"] == 0:
-            self.say(f"  held-out KL to the trunk before training, per chain step: {_kl(ev['heldout_kl'])}")
-            self.t_steps = time.perf_counter()
-        elif kind == "eval":
-            self.say(f"  step {ev['step']}: held-out KL {ev['mean']:.5f} (per step {_kl(ev['heldout_kl'])}; "
-                     f"best {ev['best']:.5f})")  # fmt: skip
-        elif kind == "step" and (ev["step"] % 10 == 0 or ev["step"] == ev["total"]):
-            sps = (time.perf_counter() - self.t_steps) / ev["step"]
-            self.say(f"  step {ev['step']}/{ev['total']}  loss {ev['loss']:.4f}  lr {ev['lr']:.2e}  "
-                     f"{sps:.2f} s/step  ~{sps * (ev['total'] - ev['step']):.0f} s left")  # fmt: skip
-        elif kind == "skip":
-            self.say(f"  step {ev['step']}: non-finite loss or gradient, skipped ({ev['skipped']} so far; loss "
-                     f"scale {ev['loss_scale']:g})")  # fmt: skip
-        elif kind == "patience":
-            self.say(f"  no new best in {ev['evaluations']} evaluations: stopping at step {ev['step']} of "
-                     f"{ev['total']}")  # fmt: skip
-
-
-def _kl(values) -> str:
-    return ", ".join(f"{v:.5f}" for v in values)
 
 
 @app.command()
@@ -811,10 +655,10 @@ def heal(
                               trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
     choice = choose_backend(backend, device)
     typer.echo("resolved configuration:", err=as_json)
-    typer.echo("  heal:     " + _fields(cfg.to_dict()), err=as_json)
+    typer.echo("  heal:     " + fields(cfg.to_dict()), err=as_json)
     typer.echo("  " + _backend_line(choice), err=as_json)
     rep = heal_lib.heal(model, data, out, cfg, init_path=init, backend=choice.name,
-                        progress=_HealConsole(as_json), device=device)  # fmt: skip
+                        progress=HealConsole(as_json), device=device)  # fmt: skip
     if as_json:
         typer.echo(json.dumps(rep, indent=2, default=str))
     else:
