@@ -708,8 +708,6 @@ def _is_user_error(e: BaseException) -> bool:
 
 def _error_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if isinstance(e, HfError) and "use export_raw" in msg:  # the library's name for the raw export
-        msg = msg.replace("use export_raw", "use `export-hf --raw`")
     return f"error: {msg}{_hint(e)}"
 
 

@@ -448,6 +448,6 @@ def test_accept_table(draft_model, corpus, tmp_path, cli, ok, user_error):
 def test_export_hf_refusal_names_the_raw_flag(model_file, tmp_path, cli, ok, user_error):
     """A model Qwen3 cannot hold (post-RoPE q/k norm, the presets' default): the error names `export-hf --raw`,
     which exports it."""
-    user_error(cli("export-hf", model_file, tmp_path / "hf"), "use `export-hf --raw`")
+    user_error(cli("export-hf", model_file, tmp_path / "hf"), "export-hf --raw")
     r = ok(cli("export-hf", model_file, tmp_path / "raw", "--raw"))
     assert "raw: True" in r.stdout and "{" not in r.stdout
