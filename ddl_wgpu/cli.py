@@ -372,7 +372,12 @@ def train(
     beta1: float = _opt(TRAIN.beta1, "AdamW beta1.", TRAIN_HELP),
     beta2: float = _opt(TRAIN.beta2, "AdamW beta2.", TRAIN_HELP),
     epsilon: float = _opt(TRAIN.epsilon, "AdamW epsilon.", TRAIN_HELP),
-    grad_clip: float = _opt(TRAIN.grad_clip, "Global gradient-norm clip.", TRAIN_HELP),
+    grad_clip: float = _opt(TRAIN.grad_clip, "Gradient-norm clip.", TRAIN_HELP),
+    grad_clip_mode: str = _opt(
+        TRAIN.grad_clip_mode,
+        "per-tensor (each tensor by its own norm, the reference trainer's) or global (one norm for all).",
+        TRAIN_HELP,
+    ),
     batch_size: int = _opt(TRAIN.batch_size, "Rows per step.", TRAIN_HELP),
     seq_len: int = _opt(TRAIN.seq_len, "Tokens per row.", TRAIN_HELP),
     seed: int = _opt(TRAIN.seed, "Init and data-order seed.", TRAIN_HELP),
@@ -404,6 +409,7 @@ def train(
         beta2=beta2,
         epsilon=epsilon,
         grad_clip=grad_clip,
+        grad_clip_mode=grad_clip_mode,
         batch_size=batch_size,
         seq_len=seq_len,
         seed=seed,
@@ -489,6 +495,7 @@ def resume(
     eval_interval: int = _opt(None, "New phase: evaluation interval.", TRAIN_HELP),
     weight_decay: float = _opt(None, "New phase: weight decay.", TRAIN_HELP),
     grad_clip: float = _opt(None, "New phase: gradient clip.", TRAIN_HELP),
+    grad_clip_mode: str = _opt(None, "New phase: per-tensor or global clipping.", TRAIN_HELP),
     out: Path = typer.Option(None, "--out", help="Write here instead of the checkpoint's folder."),
     save_interval: int = typer.Option(0, "--save-interval", help="Save a checkpoint every N steps."),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop again after N steps."),
@@ -523,6 +530,7 @@ def resume(
             eval_interval=eval_interval,
             weight_decay=weight_decay,
             grad_clip=grad_clip,
+            grad_clip_mode=grad_clip_mode,
         ).items()
         if v is not None
     }

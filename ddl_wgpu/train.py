@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ddl_ref.config import ModelConfig, ModelVariant
-from ddl_ref.optim import CosineWarmupSchedule
+from ddl_ref.optim import CLIP_MODES, CosineWarmupSchedule
 from ddl_ref.spectral import SpectralAccumulator
 from ddl_wgpu.backend import make_net
 from ddl_wgpu.container import open_checkpoint, save
@@ -81,7 +81,10 @@ class TrainingConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     epsilon: float = 1e-5
-    grad_clip: float = 1.0  # global gradient-norm clip
+    grad_clip: float = 1.0  # gradient-norm clip
+    # "per-tensor": each tensor by its own norm (the reference trainer's burn clipping); "global": one norm
+    # over all (PyTorch's clip_grad_norm_). A checkpoint written before the field existed resumes "global".
+    grad_clip_mode: str = "per-tensor"
     batch_size: int = 8  # rows per step
     seq_len: int = 128  # tokens per row
     seed: int = 0  # parameter init (and data shuffle) seed
@@ -124,6 +127,8 @@ class TrainingConfig:
             raise bad("epsilon must be finite and positive")
         if not (math.isfinite(self.grad_clip) and self.grad_clip > 0.0):
             raise bad("grad_clip must be finite and positive")
+        if self.grad_clip_mode not in CLIP_MODES:
+            raise bad(f"grad_clip_mode must be one of {', '.join(CLIP_MODES)}")
         if self.batch_size == 0:
             raise bad("batch_size must be greater than zero")
         if self.seq_len < 2:
@@ -259,6 +264,10 @@ def load_checkpoint(path: Path) -> dict:
             "position": dict(meta.get("train.position") or {}),
             "data": dict(meta["train.data"]) if meta.get("train.data") else None,
         }
+    # a checkpoint from before grad_clip_mode clipped globally: it resumes so, bit for bit
+    for training in (out["report"].get("training"), out["position"].get("phase", {}).get("training")):
+        if isinstance(training, dict):
+            training.setdefault("grad_clip_mode", "global")
     return out
 
 
@@ -316,7 +325,8 @@ class _Variant:
             train_spectral = self.work.spectral(batch.ids, batch.lengths)
         lr = self.schedule.learning_rate(in_phase)
         hyper = AdamW(lr=lr, step=done + 1, beta1=tcfg.beta1, beta2=tcfg.beta2, eps=tcfg.epsilon,
-                      weight_decay=tcfg.weight_decay, grad_clip=tcfg.grad_clip)  # fmt: skip
+                      weight_decay=tcfg.weight_decay, grad_clip=tcfg.grad_clip,
+                      grad_clip_mode=tcfg.grad_clip_mode)  # fmt: skip
         res = self.work.step(batch.ids, batch.lengths, update=hyper)
         if not res.finite:
             self.checkpoint()

@@ -4,6 +4,7 @@ per-tensor records (`reduce.tensor_norm_clip`) against float64, and whole steps 
 GPU and the numpy backend against the reference. No finite differences: after AdamW step 1 the first moment
 is exactly (1 − β1)·mult·g, so the multiplier each tensor received is read back from the moments."""
 
+import json
 import math
 
 import numpy as np
@@ -171,3 +172,92 @@ def test_heal_draft_clips_globally_as_the_reference_heal_tool():
     """The reference heal tool scales every gradient by 1 / (global norm) when that norm exceeds 1."""
     hyper = draft_adamw(1e-4, 1)
     assert (hyper.grad_clip_mode, hyper.grad_clip) == ("global", 1.0)
+
+
+# -- training runs ---------------------------------------------------------------------------------------
+
+
+def _train_setup(tmp_path):
+    from ddl_wgpu.data import ByteTokenizer, load_datasets
+    from ddl_wgpu.train import TrainingConfig
+
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "and",
+        "then",
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "the",
+        "mat",
+    ]
+    rng = np.random.default_rng(0)
+    (tmp_path / "c.txt").write_text(" ".join(words[int(i)] for i in rng.integers(len(words), size=500)))
+    data = load_datasets(str(tmp_path / "c.txt"), tokenizer=ByteTokenizer(), seq_len=16, batch_size=2,
+                         val_fraction=0.2, vocab_size=256, seed=0)  # fmt: skip
+    cfg = preset("tiny", vocab_size=256, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                 ffn_hidden=48, max_seq_len=32)  # fmt: skip
+    # a clip below the norms, so the two modes differ from the first step
+    tcfg = TrainingConfig(max_steps=4, eval_interval=2, learning_rate=1e-2, batch_size=2, seq_len=16,
+                          eval_batches=2, grad_clip=0.05)  # fmt: skip
+    return data, cfg, tcfg
+
+
+def test_training_config_defaults_to_per_tensor_and_validates_the_mode():
+    from ddl_wgpu.train import TrainingConfig, TrainingError
+
+    assert TrainingConfig().grad_clip_mode == "per-tensor"
+    TrainingConfig(grad_clip_mode="global").validate()
+    with pytest.raises(TrainingError, match="grad_clip_mode must be one of per-tensor, global"):
+        TrainingConfig(grad_clip_mode="layer").validate()
+
+
+def test_a_checkpoint_without_the_mode_resumes_global_bit_for_bit(tmp_path):
+    """A checkpoint written before grad_clip_mode existed (a global-clip run) resumes with global clipping,
+    so it continues exactly as the global run it came from; read as per-tensor it would not."""
+    from dataclasses import replace
+
+    from ddl_ref.config import ModelVariant as MV
+    from ddl_wgpu.container import open_checkpoint, save
+    from ddl_wgpu.train import RunOptions, load_checkpoint, resume, train_variant
+
+    (trn, val), cfg, tcfg = _train_setup(tmp_path)
+    base = MV("baseline")
+    ref = RunOptions(backend="ref")
+    glob = replace(tcfg, grad_clip_mode="global")
+    straight = train_variant(cfg, base, trn, val, glob, tmp_path / "g", ref)
+    per = train_variant(cfg, base, trn, val, tcfg, tmp_path / "p", ref)
+    assert (
+        straight["training"]["grad_clip_mode"] == "global"
+        and per["training"]["grad_clip_mode"] == "per-tensor"
+    )
+    losses = [[h["train"]["loss"] for h in r["history"]] for r in (straight, per)]
+    assert losses[0][0] == losses[1][0] and losses[0][1:] != losses[1][1:]  # the modes differ after step 1
+
+    train_variant(cfg, base, trn, val, glob, tmp_path / "s", RunOptions(backend="ref", stop_after=2))
+    path = tmp_path / "s" / "checkpoint.ddlw"
+    with open_checkpoint(path) as ck:  # rewrite it as an old checkpoint: no grad_clip_mode anywhere
+        meta = dict(ck.metadata)
+        tensors = [(n, ck.tensor_f32(n)) for n in ck.names()]
+        config = dict(ck.config)
+    report = json.loads(meta["train.report"])
+    del report["training"]["grad_clip_mode"]
+    position = dict(meta["train.position"])
+    position["phase"] = {**position["phase"], "training": dict(position["phase"]["training"])}
+    del position["phase"]["training"]["grad_clip_mode"]
+    meta["train.report"] = json.dumps(report)
+    meta["train.position"] = position
+    save(path, tensors, config=config, metadata=meta)
+    assert load_checkpoint(path)["position"]["phase"]["training"]["grad_clip_mode"] == "global"
+    done = resume(path, trn, val, ref)
+    assert [h["train"]["loss"] for h in done["history"]] == losses[0]
+    assert done["training"]["grad_clip_mode"] == "global"
