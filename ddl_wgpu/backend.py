@@ -20,7 +20,8 @@ Public API
 - `open_gpu(device=None) -> gpu.Gpu`: the process's device for an adapter choice, opened once.
 - `make_net(cfg, params, backend, device, seed=0, mtp_weight=0.0) -> TrainNet`: the training net.
 - `make_teacher(backend, model, batch=4, device=None, trunk_dtype="f32") -> Teacher`: heal's frozen trunk.
-- `make_draft(backend, model, init=None, batch=4, device=None) -> Draft`: heal's draft trained alone.
+- `make_draft(backend, model, init=None, batch=4, device=None, kl_form="full") -> Draft`: heal's draft trained
+  alone.
 - `make_accept_backend(backend, model, batch=8, device=None, trunk_dtype="f32") -> (Teacher | None,
   Runner | None)`: accept's trunk and draft step; (None, None) on "ref" (accept runs numpy inline).
 - Protocols: `TrainNet`, `TrainWork`, `Teacher`, `Draft`, `Runner`.
@@ -268,16 +269,17 @@ def make_teacher(backend: str, model: Model, batch: int = 4, device: str | None 
 
 
 def make_draft(backend: str, model: Model, init: dict | None = None, batch: int = 4,
-               device: str | None = None) -> Draft:  # fmt: skip
-    """heal's draft (block + final norm) trained alone, from `init` weights when given, else the model's."""
+               device: str | None = None, kl_form: str = "full") -> Draft:  # fmt: skip
+    """heal's draft (block + final norm) trained alone, from `init` weights when given, else the model's;
+    `kl_form` the top-k KL's form ("full" or "topk", `ddl_ref.ops.KL_FORMS`)."""
     backend = _resolve(backend, device)
     if backend == "ref":
         from ddl_wgpu.refnet import RefDraft
 
-        return RefDraft(model.params, model.cfg, init)
+        return RefDraft(model.params, model.cfg, init, kl_form)
     from ddl_wgpu.heal_gpu import WgpuDraft
 
-    return WgpuDraft(open_gpu(device), model.params, model.cfg, init, batch)
+    return WgpuDraft(open_gpu(device), model.params, model.cfg, init, batch, kl_form)
 
 
 def make_accept_backend(backend: str, model: Model, batch: int = 8, device: str | None = None,

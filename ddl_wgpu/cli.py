@@ -653,6 +653,12 @@ def heal(
     seed: int = _opt(HEAL.seed, "Job-order seed.", HEAL_HELP),
     trunk_dtype: TrunkDtype = HEAL.trunk_dtype,
     chain_attention: ChainAttention = HEAL.chain_attention,
+    kl_form: str = _opt(
+        HEAL.kl_form,
+        "Top-k KL: full (the draft's full-vocabulary log-softmax, as the reference heal tool) or topk "
+        "(the draft renormalised over the teacher's k ids).",
+        HEAL_HELP,
+    ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     as_json: bool = typer.Option(False, "--json", help="JSON progress lines and the report as JSON."),
@@ -660,7 +666,8 @@ def heal(
     """Retrain the MTP draft head on its own trunk by top-k KL self-distillation; write it back into OUT."""
     cfg = heal_lib.HealConfig(chain=chain, refresh=refresh, tokens=tokens, window=window, epochs=epochs, lr=lr,
                               topk=topk, batch=batch, eval_every=eval_every, patience=patience, seed=seed,
-                              trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
+                              trunk_dtype=trunk_dtype, chain_attention=chain_attention,
+                              kl_form=kl_form)  # fmt: skip
     choice = choose_backend(backend, device)
     typer.echo("resolved configuration:", err=as_json)
     typer.echo("  heal:     " + fields(cfg.to_dict()), err=as_json)

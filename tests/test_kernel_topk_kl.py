@@ -101,17 +101,15 @@ def test_topk_ids_and_probs_with_ties(gpu, rng, N, V, k):
 
 
 @pytest.mark.parametrize("form", ["full", "topk"])
-def test_draft_step_gradients_match_reference_in_both_forms(gpu, form):
+def test_draft_step_gradients_match_reference_in_both_forms(gpu, heal_kit, form):
     """Through the whole draft (`heal_gpu.WgpuDraft` over `draft.DraftWork`): the loss and every trained
     gradient of one step against `ddl_ref.mtp` in float64, for each KL form; the forms differ."""
-    from heal_helpers import perturbed, tiny_cfg
-
     from ddl_ref import mtp as ref_mtp
     from ddl_wgpu import backend
     from ddl_wgpu.heal_gpu import WgpuDraft
 
-    cfg = tiny_cfg()
-    p = perturbed(cfg)
+    cfg = heal_kit.tiny_cfg()
+    p = heal_kit.perturbed(cfg)
     rng = np.random.default_rng(4)
     B, T, k = 2, 10, 6
     x = rng.standard_normal((B, T, cfg.d_model)).astype(np.float32)
@@ -134,3 +132,27 @@ def test_draft_step_gradients_match_reference_in_both_forms(gpu, form):
         np.testing.assert_allclose(got[n] / scale, g / scale, atol=2e-5, err_msg=n)
     other = grads["topk" if form == "full" else "full"][1]
     assert any(not np.allclose(other[n], rgrads[n], rtol=1e-3, atol=1e-6) for n in rgrads)
+
+
+def test_heal_kl_form_option(heal_kit, tmp_path):
+    """`HealConfig.kl_form`: both forms heal (numpy backend), differently, and the form is recorded; an unknown
+    form is refused with a one-line error naming the field."""
+    from dataclasses import replace
+
+    from ddl_wgpu import heal
+    from ddl_wgpu.modelfile import load_model
+
+    model = heal_kit.make_model(tmp_path / "m.ddlw")
+    data = str(heal_kit.make_text(tmp_path / "t.txt"))
+    reps, params = {}, {}
+    for form in ("full", "topk"):
+        cfg = replace(heal_kit.SMALL, kl_form=form)
+        reps[form] = heal.heal(model, data, tmp_path / f"{form}.ddlw", cfg, backend="ref")
+        params[form] = load_model(tmp_path / f"{form}.ddlw").params
+        assert reps[form]["config"]["kl_form"] == form
+    # the full form's KL adds -log of the draft's mass on the teacher's ids: larger at the start
+    assert reps["full"]["heldout_kl_start"] > reps["topk"]["heldout_kl_start"]
+    name = "model.mtp.norm.weight"
+    assert not np.array_equal(params["full"][name], params["topk"][name])
+    with pytest.raises(heal.HealError, match="kl_form must be one of full, topk"):
+        replace(heal_kit.SMALL, kl_form="renorm")
