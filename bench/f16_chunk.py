@@ -82,9 +82,44 @@ def time_table(gpu, rng) -> list[dict]:
     return rows
 
 
+# (wx, wy, tm, tn) candidates for F16_LARGE_TILE: the f32 tile, and tiles with half its outputs per thread
+# (fewer registers for the f16 partials) over the same or half the block
+TILES = ((16, 16, 8, 8), (16, 16, 8, 4), (16, 16, 4, 8), (16, 32, 4, 8), (32, 16, 8, 4), (16, 16, 4, 4))
+
+
+def sweep_table(gpu, rng) -> list[dict]:
+    """GPU ms of the TIMED products for every (tile, chunk 8/16) with f16 products, and f32 for reference."""
+    ops = []
+    for label, M, N, K, ta, tb in TIMED:
+        A = gpu.upload(rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32))
+        B = gpu.upload(rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32))
+        ops.append((label, M, N, K, ta, tb, A, B, gpu.buffer(4 * M * N)))
+    rows = []
+    for tile, chunk in [(None, 0)] + [(t, c) for t in TILES for c in (8, 16)]:
+        row = {
+            "tile": "f32 (LARGE_TILE)" if tile is None else "x".join(map(str, tile)),
+            "chunk": chunk,
+            "ms": [],
+        }
+        for _label, M, N, K, ta, tb, A, B, c in ops:
+            kw = {} if tile is None else {"compute": "f16", "chunk": chunk, "tile": k_mm.Tile(*tile)}
+            kw["split_k"] = None if tile is None else k_mm.auto_split_k(gpu, M, N, K, 1)
+            t = common.gpu_time_ms(gpu, [k_mm.matmul(gpu, c, A, B, M, N, K, trans_a=ta, trans_b=tb, **kw)])
+            row["ms"].append(t["ms"])
+        row["tflops"] = [
+            2.0 * M * N * K / ms / 1e9 for (_l, M, N, K, *_), ms in zip(ops, row["ms"], strict=True)
+        ]
+        rows.append(row)
+        print(f"  {row['tile']} chunk {chunk}: " + ", ".join(f"{m:.3f} ms" for m in row["ms"]), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--time", action="store_true", help="also time each chunk length (GPU)")
+    ap.add_argument(
+        "--sweep", default=None, help="time every f16 tile x chunk; write the fastest to this file"
+    )
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -104,6 +139,13 @@ def main(argv=None) -> int:
         print(common.table(heads, [[r["product"], *[f"{r[h]:.3f} ms ({r[h + ' TF/s']:.1f})" for h in heads[1:]]]
                                    for r in tt], "GPU ms (TFLOP/s) per chunk length"))  # fmt: skip
         out["times"] = tt
+    if args.sweep:
+        sw = sweep_table(gpu, rng)
+        best = min(sw[1:], key=lambda r: sum(r["ms"]))
+        print(f"fastest f16 tile: {best['tile']} chunk {best['chunk']} ({sum(best['ms']):.3f} ms for both products; "
+              f"f32 {sum(sw[0]['ms']):.3f})")  # fmt: skip
+        Path(args.sweep).write_text(f"{best['tile'].replace('x', ',')} {best['chunk']}\n")
+        out["sweep"] = sw
     common.write_json(common.json_path(args.json, "f16_chunk"), out)
     return 0
 

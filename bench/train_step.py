@@ -231,6 +231,10 @@ def main(argv=None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (1 if q else 3)
 
     t_start = time.perf_counter()
+    if args.f16_tile:
+        from ddl_wgpu.ops import matmul as k_mm
+
+        k_mm.F16_LARGE_TILE = k_mm.Tile(*(int(x) for x in args.f16_tile.split(",")))
     gpu = common.open_gpu(args.device)
     torch, tdev = common.torch_setup(args.torch)
     print(f"adapter: {common.adapter_line(gpu)}")

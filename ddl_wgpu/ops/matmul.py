@@ -238,13 +238,20 @@ LARGE_TILE_MIN_GROUPS = {"CPU": 4}
 LARGE_TILE_MIN_GROUPS_GPU = 256
 
 
-def pick_tile(gpu, M: int, N: int, batch: int = 1) -> Tile:
-    """The tile `matmul` uses when none is given: LARGE_TILE where it yields enough workgroups and fits the
-    adapter's workgroup memory, else SMALL_TILE. Both sum every C element in the same k order."""
+# The large tile of f16 products (compute="f16"); None: LARGE_TILE. `bench/f16_chunk.py --sweep` times the
+# candidates: the f16 partials cost registers beside the f32 accumulators, so the best tile may differ.
+F16_LARGE_TILE: Tile | None = None
+
+
+def pick_tile(gpu, M: int, N: int, batch: int = 1, compute: str = "f32") -> Tile:
+    """The tile `matmul` uses when none is given: the large tile (LARGE_TILE, or F16_LARGE_TILE for f16
+    products) where it yields enough workgroups and fits the adapter's workgroup memory, else SMALL_TILE.
+    Every tile sums each C element in the same k order."""
+    large = (F16_LARGE_TILE or LARGE_TILE) if compute == "f16" else LARGE_TILE
     need = LARGE_TILE_MIN_GROUPS.get(gpu.info.get("type", ""), LARGE_TILE_MIN_GROUPS_GPU)
-    groups = -(-M // LARGE_TILE.bm) * -(-N // LARGE_TILE.bn) * batch
-    fits = LARGE_TILE.shared_bytes <= gpu.limits.get("max-compute-workgroup-storage-size", 16384)
-    return LARGE_TILE if groups >= need and fits else SMALL_TILE
+    groups = -(-M // large.bm) * -(-N // large.bn) * batch
+    fits = large.shared_bytes <= gpu.limits.get("max-compute-workgroup-storage-size", 16384)
+    return large if groups >= need and fits else SMALL_TILE
 
 
 B_DTYPES = {"f32": 4, "f16": 2}  # element bytes of B
@@ -372,7 +379,7 @@ def _split_k(
         batch=Batch(full, a=Strides(sa), b=Strides(sb), c=Strides(pstride)),
         lda=lda,
         ldb=ldb,
-        tile=tile or pick_tile(gpu, M, N, full),
+        tile=tile or pick_tile(gpu, M, N, full, precision[0]),
         split_k=1,
         b_dtype=b_dtype,
         compute=precision[0],
@@ -546,7 +553,7 @@ def matmul(
         )
         if call is not None:
             return call
-    tile = tile or pick_tile(gpu, M, N, batch)
+    tile = tile or pick_tile(gpu, M, N, batch, compute)
     groups = (-(-N // tile.bn), -(-M // tile.bm), batch)
     if max(groups) > MAX_GROUPS:
         raise GpuError(f"matmul: {groups} workgroups exceed {MAX_GROUPS} per dimension; split the product")
