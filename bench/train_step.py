@@ -217,6 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--f16-chunk", default=None, help="f16 chunk lengths to run, e.g. 8,16 (default F16_CHUNK)"
     )
+    ap.add_argument(
+        "--f16-tile", default=None, help="wx,wy,tm,tn of the f16 large tile (default F16_LARGE_TILE)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--torch", default="auto", choices=["auto", "cuda", "cpu", "none"])
     ap.add_argument("--no-bf16", action="store_true")

@@ -112,3 +112,13 @@ def test_f16_chunk_must_divide_the_k_step(gpu, rng):
         matmul(gpu, c, a, b, 8, 8, 8, compute="f16", chunk=3)
     with pytest.raises(GpuError, match="compute"):
         matmul(gpu, c, a, b, 8, 8, 8, compute="bf16")
+
+
+def test_pick_tile_uses_the_f16_tile_for_f16_products(gpu):
+    from ddl_wgpu.ops import matmul as k_mm
+
+    big = k_mm.pick_tile(gpu, 8192, 8192, compute="f16")
+    fits = k_mm.F16_LARGE_TILE.shared_bytes <= gpu.limits.get("max-compute-workgroup-storage-size", 16384)
+    assert big == (k_mm.F16_LARGE_TILE if fits else SMALL_TILE)
+    assert k_mm.pick_tile(gpu, 8192, 8192) == (LARGE_TILE if LARGE_TILE.shared_bytes <= gpu.limits.get(
+        "max-compute-workgroup-storage-size", 16384) else SMALL_TILE)  # fmt: skip
