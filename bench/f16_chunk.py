@@ -82,9 +82,11 @@ def time_table(gpu, rng) -> list[dict]:
     return rows
 
 
-# (wx, wy, tm, tn) candidates for F16_LARGE_TILE: the f32 tile, and tiles with half its outputs per thread
-# (fewer registers for the f16 partials) over the same or half the block
-TILES = ((16, 16, 8, 8), (16, 16, 8, 4), (16, 16, 4, 8), (16, 32, 4, 8), (32, 16, 8, 4), (16, 16, 4, 4))
+# (wx, wy, tm, tn[, bk]) candidates for F16_LARGE_TILE: the f32 tile, tiles with half or a quarter of its
+# outputs per thread (fewer registers for the f16 partials) over the same or a smaller block, and a deeper
+# k step (f16 halves the shared tiles' bytes)
+TILES = ((16, 16, 8, 8), (16, 16, 8, 4), (16, 16, 4, 8), (16, 32, 4, 8), (32, 16, 8, 4), (16, 16, 4, 4),
+         (32, 32, 4, 4), (32, 16, 4, 4), (16, 16, 4, 4, 32), (16, 16, 4, 8, 32))  # fmt: skip
 
 
 def sweep_table(gpu, rng) -> list[dict]:
