@@ -89,15 +89,18 @@ TILES = ((16, 16, 8, 8), (16, 16, 8, 4), (16, 16, 4, 8), (16, 32, 4, 8), (32, 16
          (32, 32, 4, 4), (32, 16, 4, 4), (16, 16, 4, 4, 32), (16, 16, 4, 8, 32))  # fmt: skip
 
 
+SWEEP_CHUNKS = (16,)  # the fastest chunk at every tile of the first sweep (chunk 8 and 16: BENCHMARKS.md)
+
+
 def sweep_table(gpu, rng) -> list[dict]:
-    """GPU ms of the TIMED products for every (tile, chunk 8/16) with f16 products, and f32 for reference."""
+    """GPU ms of the TIMED products for every tile x SWEEP_CHUNKS with f16 products, and f32 for reference."""
     ops = []
     for label, M, N, K, ta, tb in TIMED:
         A = gpu.upload(rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32))
         B = gpu.upload(rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32))
         ops.append((label, M, N, K, ta, tb, A, B, gpu.buffer(4 * M * N)))
     rows = []
-    for tile, chunk in [(None, 0)] + [(t, c) for t in TILES for c in (8, 16)]:
+    for tile, chunk in [(None, 0)] + [(t, c) for t in TILES for c in SWEEP_CHUNKS]:
         row = {
             "tile": "f32 (LARGE_TILE)" if tile is None else "x".join(map(str, tile)),
             "chunk": chunk,

@@ -111,3 +111,16 @@ def test_loss_scale_rule():
 def test_precision_is_checked(gpu):
     with pytest.raises(Exception, match="precision"):
         TrunkWork(Net(gpu, tiny(), init_params(tiny(), 0)), B, T, precision="bf16")
+
+
+def test_train_runs_f16_through_make_net(gpu):
+    # `train --precision f16` builds its net through make_net: f16 works carry a loss scale; the numpy
+    # backend refuses
+    from ddl_wgpu.backend import BackendError, make_net
+
+    cfg = tiny()
+    net = make_net(cfg, None, "wgpu", None, precision="f16")
+    assert net.work(B, T).loss_scale is not None and net.work(B, T).precision == "f16"
+    assert make_net(cfg, None, "wgpu", None).work(B, T).loss_scale is None
+    with pytest.raises(BackendError, match="wgpu backend only"):
+        make_net(cfg, None, "ref", None, precision="f16")
