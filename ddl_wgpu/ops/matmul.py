@@ -240,9 +240,10 @@ LARGE_TILE_MIN_GROUPS_GPU = 256
 
 # The large tile of f16 products (compute="f16"); None: LARGE_TILE. The f16 partials cost registers beside
 # the f32 accumulators: on the H200 (`bench/f16_chunk.py --sweep`, chunk 16, GPU ms of 16384x2048x768 NT and
-# 2048x768x16384 TN) 8x8 outputs per thread ran 1.77 / 1.95 ms, 8x4 and 4x8 1.49-1.58, 4x4 (this tile)
-# 1.36 / 1.48; the f32 kernel 1.27 / 1.28. No f16 tile beat f32 there.
-F16_LARGE_TILE: Tile | None = Tile(tm=4, tn=4)
+# 2048x768x16384 TN) 8x8 outputs per thread ran 1.77 / 1.95 ms, 4x4 1.36 / 1.48, and 4x8 outputs with a k
+# step of 32 (this tile; f16 halves the shared tiles' bytes) 1.38 / 1.46, the fastest by a hair; the f32
+# kernel 1.29 / 1.28. No f16 tile beat f32 there (BENCHMARKS.md).
+F16_LARGE_TILE: Tile | None = Tile(tm=4, tn=8, bk=32)
 
 
 def pick_tile(gpu, M: int, N: int, batch: int = 1, compute: str = "f32") -> Tile:
@@ -261,8 +262,8 @@ COMPUTE = ("f32", "f16")  # precision of the products (`matmul`'s `compute`)
 # k terms summed in one f16 partial before it is added into f32 (compute "f16"). Measured against float64
 # (`bench/f16_chunk.py`, lavapipe and H200, BENCHMARKS.md): the worst error per unit of sum |a_k b_k| grows
 # from 5.7e-5 (chunk 1, the f16 rounding of the operands alone) to 2.7e-4 (chunk 16, K 768, all-positive
-# data), every chunk up to 16 below bf16 operand rounding (4.0e-4 there); chunk 16 was the fastest on the H200
-# for every tile tried. So 16, the whole k step.
+# data), every chunk up to 16 below bf16 operand rounding (4.0e-4 there); on the H200 chunk 16 ran faster than
+# chunk 8 at every tile swept (chunks 1 and 4 were timed only at the 8x8 tile, where they beat 16).
 F16_CHUNK = 16
 
 
