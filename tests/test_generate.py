@@ -7,12 +7,18 @@ rows again after a roll-back) gives a full forward's logits at every position; t
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from ddl_ref import decode, mtp
 from ddl_ref import model as ref_model
 from ddl_ref.config import ModelConfig, ModelVariant, MtpConfig
+from ddl_wgpu import accept
+from ddl_wgpu.data import ByteTokenizer
+from ddl_wgpu.generate import GenerateError, RefEngine, Sampling, TextStream, distribution, generate, run
+from ddl_wgpu.modelfile import Model, save_model
 
 try:
     from gradcheck import random_params
@@ -123,3 +129,178 @@ def test_draft_rows_equal_draft_forward(variant, conv):
         tok = int(np.argmax(stacked))
     dc.rollback(T - 1)
     assert dc.length == T - 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# generation on the numpy backend
+
+
+def tiny_model(variant="baseline", vocab=5, seed=7, draft=True, **kw) -> Model:
+    cfg = tiny_cfg(variant, vocab_size=vocab, mtp=MtpConfig() if draft else None, **kw)
+    params = {k: v.astype(np.float32) for k, v in random_params(cfg, seed=seed).items()}
+    return Model(cfg=cfg, params=params, variant=str(variant))
+
+
+def gen(model, prompt, depth=0, sampling=Sampling(), max_new=20, stops=(), on_text=None):
+    engine = RefEngine(model, depth)
+    return run(
+        engine, ByteTokenizer(), prompt, model.cfg.max_seq_len, max_new, sampling, stops, on_text, depth
+    )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_speculative_equals_plain(variant):
+    kept = rejected = 0
+    for seed in range(4):
+        model = tiny_model(variant, vocab=4, seed=seed, max_seq_len=24)
+        plain = gen(model, [1, 2, 3], max_new=18)
+        assert plain["new_tokens"] == 18 and plain["finish_reason"] == "length"
+        for depth in (1, 2, 3):
+            spec = gen(model, [1, 2, 3], depth=depth, max_new=18)
+            assert spec["token_ids"] == plain["token_ids"], (seed, depth)
+            assert spec["trunk_passes"] < plain["trunk_passes"] or spec["mean_accepted"] == 0
+            kept += round(spec["mean_accepted"] * spec["rounds"])
+            rejected += spec["rounds"] - round(spec["acceptance_per_depth"][-1] * spec["rounds"])
+    assert kept > 0 and rejected > 0  # both the accept and the reject paths ran
+
+
+def test_context_limit_stops_generation():
+    model = tiny_model(max_seq_len=10)
+    for depth in (0, 3):
+        out = gen(model, [1, 2, 3, 4], depth=depth, max_new=50)
+        assert out["finish_reason"] == "context" and out["new_tokens"] == 6
+
+
+@pytest.mark.parametrize("variant", ["baseline", "ddl-cc"])
+def test_draft_proposals_equal_accept_stacked_chain(variant):
+    model = tiny_model(variant, vocab=13, seed=11, max_seq_len=16)
+    ids = np.random.default_rng(3).integers(0, 13, 12)
+    (tb,) = accept.trunk_batches(model, [ids])
+    depth = 3
+    preds = accept.greedy_chain(model.params, model.cfg, tb, depth, accept.ref_runner(model.params, model.cfg),
+                                "runtime")  # fmt: skip
+    for p in (0, 4, 7):
+        engine = RefEngine(model, depth)
+        engine.feed(ids[: p + 1], "argmax")
+        tokens, _ = engine.draft(int(ids[p + 1]), depth, "argmax", None)
+        assert tokens == [int(t) for t in preds[0, :, p]], p
+        assert engine.dcache.length == p + 1  # chain rows rolled back, step-1 rows of anchors 0..p kept
+
+
+def test_sampling_reproducible_with_seed():
+    model = tiny_model(vocab=13)
+    for depth in (0, 2):
+        a = gen(model, [1, 2], depth=depth, sampling=Sampling(temperature=1.0, top_k=8, top_p=0.9, seed=5))
+        b = gen(model, [1, 2], depth=depth, sampling=Sampling(temperature=1.0, top_k=8, top_p=0.9, seed=5))
+        c = gen(model, [1, 2], depth=depth, sampling=Sampling(temperature=1.0, top_k=8, top_p=0.9, seed=6))
+        assert a["token_ids"] == b["token_ids"]
+        assert a["token_ids"] != c["token_ids"]
+
+
+def test_distribution_filters():
+    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
+    np.testing.assert_allclose(distribution(logits, Sampling(1.0)), [0.1, 0.4, 0.2, 0.3])
+    np.testing.assert_allclose(distribution(logits, Sampling(1.0, top_k=2)), [0, 4 / 7, 0, 3 / 7])
+    np.testing.assert_allclose(distribution(logits, Sampling(1.0, top_p=0.65)), [0, 4 / 7, 0, 3 / 7])
+    np.testing.assert_allclose(distribution(logits, Sampling(1.0, top_p=0.75)), [0, 4 / 9, 2 / 9, 3 / 9])
+    hot = distribution(logits, Sampling(0.5))
+    np.testing.assert_allclose(hot, np.array([1, 16, 4, 9]) / 30)
+
+
+# Chi-square critical value at p = 0.001 with 15 degrees of freedom (16 cells of a 4 x 4 table).
+CHI2_15_P001 = 37.70
+
+
+def _chi2(counts, probs):
+    n = counts.sum()
+    expected = probs * n
+    return float(np.sum((counts - expected) ** 2 / expected))
+
+
+def test_speculative_sampling_preserves_trunk_distribution():
+    """The first two generated tokens (x1 from the prefill, x2 from the first speculative round: a kept draft, a
+    residual draw or the bonus token) against the trunk's exact joint P(x1) P(x2 | x1), over many seeds; the
+    same statistic rejects tokens drawn from the draft alone, so the test can fail."""
+    model = tiny_model(vocab=4, seed=2, max_seq_len=8)
+    prompt = [1, 3]
+    s = Sampling(temperature=1.0)
+    logits = ref_model.forward(model.params, model.cfg, np.array([prompt]))[0][0, -1].astype(np.float64)
+    p1 = distribution(logits, s)
+    joint = np.zeros((4, 4))
+    qjoint = np.zeros((4, 4))
+    for x1 in range(4):
+        ids = np.array([[*prompt, x1]])
+        logits2 = ref_model.forward(model.params, model.cfg, ids)[0][0, -1]
+        joint[x1] = p1[x1] * distribution(logits2, s)
+        engine = RefEngine(model, 1)
+        engine.feed(prompt, "logits")
+        _, (qrow,) = engine.draft(x1, 1, "logits", lambda row: 0)
+        qjoint[x1] = p1[x1] * distribution(qrow, s)
+    assert _chi2(qjoint.ravel() * 4000, joint.ravel()) > 4 * CHI2_15_P001  # the draft alone is far off
+    counts = np.zeros(16)
+    for seed in range(4000):
+        out = gen(model, prompt, depth=2, sampling=dataclasses.replace(s, seed=seed), max_new=3)
+        counts[out["token_ids"][0] * 4 + out["token_ids"][1]] += 1
+    assert _chi2(counts, joint.ravel()) < CHI2_15_P001
+
+
+def byte_model(tmp_path, draft=True, seed=3):
+    model = tiny_model(vocab=256, seed=seed, draft=draft, max_seq_len=40)
+    path = tmp_path / ("m.ddlw" if draft else "nodraft.ddlw")
+    save_model(path, model)
+    return path
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_stop_string_and_streaming(tmp_path, speculative):
+    path = byte_model(tmp_path)
+    s = Sampling() if speculative else Sampling(temperature=0.8, seed=3)  # speculation: greedy, same tokens
+    full = generate(path, "ab", max_new_tokens=30, sampling=s, backend="ref")
+    assert full["finish_reason"] == "length" and full["new_tokens"] == 30
+    text = full["text"]
+    firsts = [i for i in range(4, len(text) - 2) if text.find(text[i : i + 2]) == i]
+    stop = text[firsts[0] : firsts[0] + 2]  # a stop string that first appears after four characters
+    pieces: list[str] = []
+    out = generate(path, "ab", max_new_tokens=30, sampling=s, stops=["\x00never", stop], backend="ref",
+                   on_text=pieces.append, speculative=speculative, depth=2)  # fmt: skip
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == text[: text.find(stop)]
+    assert "".join(pieces) == out["text"] and len(pieces) > 1  # streamed in pieces, nothing past the stop
+    streamed: list[str] = []
+    whole = generate(path, "ab", max_new_tokens=30, sampling=s, backend="ref", on_text=streamed.append,
+                     speculative=speculative)  # fmt: skip
+    assert "".join(streamed) == whole["text"] == text
+
+
+def test_text_stream_holds_back_partial_stop_and_utf8():
+    got: list[str] = []
+    ts = TextStream(ByteTokenizer(), ["END"], got.append)
+    for b in b"xE":
+        assert not ts.add(b)
+    assert "".join(got) == "x"  # "E" may start "END": held back
+    for b in "é".encode():
+        ts.add(b)
+    assert "".join(got) == "xEé"  # never half of the two-byte "é"
+    assert ts.add(ord("E")) is False and ts.add(ord("N")) is False and ts.add(ord("D")) is True
+    assert ts.text == "xEé" and "".join(got) == "xEé"
+
+
+def test_refusals(tmp_path):
+    path = byte_model(tmp_path)
+    nodraft = byte_model(tmp_path, draft=False)
+    with pytest.raises(GenerateError, match="empty prompt"):
+        generate(path, "", backend="ref")
+    with pytest.raises(GenerateError, match="context"):
+        generate(path, "x" * 40, backend="ref")
+    with pytest.raises(GenerateError, match="no model.mtp"):
+        generate(nodraft, "hello", speculative=True, backend="ref")
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not a model")
+    with pytest.raises(GenerateError, match="notes.txt"):
+        generate(bad, "hello", backend="ref")
+    with pytest.raises(GenerateError, match="temperature"):
+        Sampling(temperature=-1)
+    with pytest.raises(GenerateError, match="top_p"):
+        Sampling(top_p=0)
+    out = generate(nodraft, "x" * 39, max_new_tokens=5, backend="ref")
+    assert out["finish_reason"] == "context" and out["new_tokens"] == 1
