@@ -24,7 +24,7 @@ Timing: every call ends synchronised (each one reads results back; a `gpu.wait()
 its own with `time.perf_counter`. After --warmup calls and `common.settle` (calls until the time stops
 falling), the figure is the median of --steps calls (best and worst are in the JSON). "GPU ms" is the device
 time alone, from timestamp queries (`common.gpu_time_ms`, its best repeat), over the Calls the library
-records (`Work.topk`: forward + top-k; `Work.step_rows`: zero-grads, forward, head + KL, backward,
+records (`InferenceWork.topk`: forward + top-k; `DraftWork.step_rows`: zero-grads, forward, head + KL, backward,
 optimizer), reached through private `Work` attributes as `bench/train_step.py` does; it reads '-' (the
 error is in the JSON) if those change.
 
@@ -66,10 +66,13 @@ from ddl_ref import ops as ref_ops  # noqa: E402
 from ddl_ref.config import ModelConfig, MtpConfig  # noqa: E402
 from ddl_ref.optim import global_grad_norm  # noqa: E402
 from ddl_ref.params import init_params, param_table  # noqa: E402
-from ddl_wgpu import heal  # noqa: E402
-from ddl_wgpu.engine import AdamW  # noqa: E402
+from ddl_wgpu import (
+    backend,  # noqa: E402
+    heal,  # noqa: E402
+)
 from ddl_wgpu.modelfile import Model  # noqa: E402
 from ddl_wgpu.net import is_f16_matrix  # noqa: E402
+from ddl_wgpu.step import draft_adamw  # noqa: E402
 
 TOL = 1e-4  # f32 GPU against float64 numpy
 HEAL = heal.HealConfig()  # heal's defaults: batch, window, top-k, chain, lr, chain attention
@@ -143,7 +146,7 @@ def gpu_ms(gpu, make_call, quick: bool) -> dict:
 def bench_trunk(gpu, model: Model, ids, args) -> tuple[dict, tuple]:
     """-> (timings and memory, the last `topk_hidden` outputs)."""
     a0 = gpu.allocated
-    teacher = heal.WgpuTeacher(model, args.batch, args.device, args.trunk_dtype)
+    teacher = backend.make_teacher("wgpu", model, args.batch, args.device, args.trunk_dtype)
     r = {"param_bytes": gpu.allocated - a0}
     a1, t0 = gpu.allocated, time.perf_counter()
     out = teacher.topk_hidden(ids, args.k)  # builds the Work and compiles its pipelines
@@ -151,7 +154,8 @@ def bench_trunk(gpu, model: Model, ids, args) -> tuple[dict, tuple]:
     r["work_bytes"] = gpu.allocated - a1
     r.update(wall_ms(gpu, lambda: teacher.topk_hidden(ids, args.k), args.warmup, args.steps))
     work = teacher.net.work(args.batch, args.seq)
-    r["gpu"] = gpu_ms(gpu, lambda: work._fwd + work._topk[args.k][0], args.quick)  # as Work.topk records
+    # as InferenceWork.topk records
+    r["gpu"] = gpu_ms(gpu, lambda: work._fwd + work._topk[args.k][0], args.quick)
     return r, out
 
 
@@ -265,7 +269,7 @@ def check_draft_step(draft, model: Model, jobs: Jobs, j: int, step: int, head64:
 
 def bench_draft(gpu, model: Model, ids, out, args, progress) -> dict:
     a0 = gpu.allocated
-    draft = heal.WgpuDraft(model.params, model.cfg, None, args.batch, args.device)
+    draft = backend.make_draft("wgpu", model, None, args.batch, args.device)
     r = {"param_bytes": gpu.allocated - a0, "steps": {}}
     a1 = gpu.allocated
     jobs = Jobs(model, draft, ids, out, args)
@@ -287,10 +291,8 @@ def bench_draft(gpu, model: Model, ids, out, args, progress) -> dict:
         e["last_loss"] = losses[-1]
         work = draft._work(x.shape[1], args.k, kw.get("chain", 0))
 
-        def step_call(work=work):  # as Work.step_rows records one training step
-            b1, b2, eps = heal.ADAM
-            upd = AdamW(lr=HEAL.lr, step=next(steps), beta1=b1, beta2=b2, eps=eps, weight_decay=0.0,
-                        grad_clip=heal.GRAD_CLIP)  # fmt: skip
+        def step_call(work=work):  # as DraftWork.step_rows records one training step
+            upd = draft_adamw(HEAL.lr, next(steps))
             net = draft.net
             return (net.zero_grads_call() + work._fwd + work._head_train + work._sum + work._bwd
                     + net.optimizer_call(upd))  # fmt: skip
@@ -374,11 +376,9 @@ def main(argv=None) -> int:
     def progress(line: str) -> None:
         print(line, flush=True)
 
-    # heal's backends open their device through `train.open_gpu` (one per adapter choice): the same one
+    # heal's backends open their device through `backend.open_gpu` (one per adapter choice): the same one
     # here, so the bench reports that device and `gpu.allocated` counts what both backends allocate
-    from ddl_wgpu.train import open_gpu
-
-    gpu = open_gpu(args.device)
+    gpu = backend.open_gpu(args.device)
     progress(f"adapter: {common.adapter_line(gpu)}")
     cfg = model_config(args)
     t0 = time.perf_counter()

@@ -51,7 +51,7 @@ def n_steps(args, step_s: float) -> int:
 
 
 def encode_step(net, work, upd, rec) -> None:
-    """Record the Calls of one training step exactly as `Work.step` does (into any recorder)."""
+    """Record the Calls of one training step exactly as `TrunkWork.step` does (into any recorder)."""
     net.zero_grads_call().record(rec)
     work._fwd.record(rec)
     work._head_train.record(rec)
@@ -61,7 +61,8 @@ def encode_step(net, work, upd, rec) -> None:
 
 
 def bench_engine(gpu, cfg, params, ids, args) -> dict:
-    from ddl_wgpu.engine import AdamW, Net
+    from ddl_wgpu.net import Net
+    from ddl_wgpu.step import AdamW
 
     B, T = ids.shape
     t0 = time.perf_counter()

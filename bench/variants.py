@@ -18,8 +18,9 @@ from pathlib import Path
 from ddl_ref.config import ModelVariant, preset
 from ddl_ref.params import init_params
 from ddl_wgpu.data import ByteTokenizer, eval_windows
-from ddl_wgpu.engine import AdamW, Net
 from ddl_wgpu.gpu import Gpu
+from ddl_wgpu.net import Net
+from ddl_wgpu.step import AdamW
 from ddl_wgpu.train import evaluate
 
 

@@ -1,5 +1,5 @@
 """Parameters, gradients and AdamW moments of one model resident on the GPU (`Net`), laid out from the
-parameter table, plus the small types a step uses (`AdamW`, `StepResult`, `Slot`).
+parameter table, and where each one lives (`Slot`).
 
 Layout (style.md rule 5): the parameter table of `ddl_ref.params` is laid out into flat *arenas*, one
 buffer each for parameters, gradients, first and second moments; offsets are aligned to 256 bytes so any
@@ -13,36 +13,29 @@ and gradient views raise GpuError. With dtype="f16" the large 2-D matrices (`F16
 and read by the f16-B matmul / f16 embedding gather (f32 accumulation); every 1-D tensor and the small
 DDL/compressor/conv weights stay f32. f16 needs the adapter's shader-f16.
 
-The activations and the model's forward/backward live in `engine.py` (`Work`).
+The activations and the model's forward/backward live in the per-job works: `trunk.TrunkWork` (training),
+`inference.InferenceWork` (forward only), `draft.DraftWork` (heal's draft), over `blocks.Blocks`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ddl_ref.config import ModelConfig
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu.gpu import Call, Gpu, GpuError
+from ddl_wgpu.inference import InferenceWork
+from ddl_wgpu.layout import ALIGN, F16, F32
+from ddl_wgpu.layout import align as _align
 from ddl_wgpu.ops import adamw as k_adamw
 from ddl_wgpu.ops import elementwise as k_ew
 from ddl_wgpu.ops import reduce as k_red
+from ddl_wgpu.step import AdamW
+from ddl_wgpu.trunk import TrunkWork
 
-if TYPE_CHECKING:
-    from ddl_wgpu.engine import Work
-
-MTP_ENORM = "model.mtp.enorm.weight"
-MTP_HNORM = "model.mtp.hnorm.weight"
-MTP_EH = "model.mtp.eh_proj.weight"
-MTP_NORM = "model.mtp.norm.weight"
-MTP_BLOCK = "model.mtp.layers.0."
-EMBED = "model.embed_tokens.weight"
-ALIGN = 256  # WebGPU's default min-storage-buffer-offset-alignment; lavapipe needs 32, NVIDIA 32-256
-F32 = 4
-F16 = 2
 DTYPES = ("f32", "f16")
 # Names (by suffix) of the matrices an f16 inference Net stores as f16: the large 2-D ones. Everything else
 # (1-D norm weights and biases, the DDL beta/v projections, compressor and conv weights) stays f32.
@@ -63,10 +56,6 @@ F16_SUFFIXES = (
 def is_f16_matrix(name: str, shape) -> bool:
     """Whether an f16 inference Net stores this parameter as f16 (`F16_SUFFIXES`, 2-D only)."""
     return len(shape) == 2 and name.endswith(F16_SUFFIXES)
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(frozen=True)
@@ -92,29 +81,6 @@ class Slot:
     def bind_bytes(self) -> int:
         """Bytes of a binding of the whole tensor: nbytes rounded up to 4 (WebGPU binding sizes)."""
         return -(-self.nbytes // 4) * 4
-
-
-@dataclass(frozen=True)
-class AdamW:
-    """The optimizer's hyper-parameters for one step (`step` counts from 1)."""
-
-    lr: float
-    step: int
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-5
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-
-
-@dataclass
-class StepResult:
-    loss: float  # mean over valid predictions
-    count: int  # valid predictions
-    grad_norm: float  # global gradient norm before clipping (nan when not computed)
-    finite: bool  # loss and gradients finite
-    loss_main: float = math.nan  # joint MTP training: the trunk's next-token loss
-    loss_mtp: float = math.nan  # joint MTP training: the draft's loss (before its weight)
 
 
 class Net:
@@ -208,6 +174,7 @@ class Net:
         self.load(params if params is not None else init_params(cfg, seed))
         self._opt = None
         self._zero = None
+        self._works: dict = {}
 
     def _trainable_names(self, trainable, inference: bool) -> list[str]:
         names = [s.name for s in self.table]
@@ -222,14 +189,12 @@ class Net:
             raise GpuError(f"unknown trainable parameter(s): {sorted(unknown)}")
         return [n for n in names if n in set(trainable)]
 
-    def work(self, batch: int, seq: int) -> Work:
-        """The Work for this (batch, seq), built on first use and cached."""
-        if not hasattr(self, "_works"):
-            self._works = {}
+    def work(self, batch: int, seq: int) -> TrunkWork | InferenceWork:
+        """The work of this net's job for (batch, seq), built on first use and cached: a `TrunkWork` (training
+        step, evaluation) for a training net, an `InferenceWork` (forward only) for an inference net."""
         if (batch, seq) not in self._works:
-            from ddl_wgpu.engine import Work  # engine.py imports this module: import at use
-
-            self._works[(batch, seq)] = Work(self, batch, seq)
+            job = InferenceWork if self.inference else TrunkWork
+            self._works[(batch, seq)] = job(self, batch, seq)
         return self._works[(batch, seq)]
 
     def export_snapshot(self, snapshot: list) -> dict[str, np.ndarray]:
@@ -435,7 +400,3 @@ class Net:
         )
         self.gpu.write_uniform(self._hyper_buf, k_adamw.ADAMW_FMT, *values)
         return self._opt
-
-    def read_scalars(self) -> tuple[float, float, bool]:
-        s = self.gpu.download(self.scalars, np.float32, 3)
-        return float(s[0]), float(s[1]), bool(s[2] != 0)

@@ -1,21 +1,25 @@
 """`--backend ref`: the numpy reference behind the engine's interface.
 
-`RefNet` / `RefWork` mirror `engine.Net` / `engine.Work` (load, export, snapshot/restore, step, loss_sum),
+`RefNet` / `RefWork` mirror `net.Net` / `trunk.TrunkWork` (load, export, snapshot/restore, step, loss_sum),
 so training, evaluation and healing run unchanged on either backend, and tests compare the two step by
-step. Arithmetic is float32 numpy through `ddl_ref`; nothing here is fast, all of it is readable.
+step. `RefTeacher` / `RefDraft` are heal's trunk and draft (`backend.Teacher`, `backend.Draft`), and
+`ref_runner` accept's draft step. Arithmetic is float32 numpy through `ddl_ref`; nothing here is fast, all of
+it is readable. Nothing here imports wgpu.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 
 from ddl_ref import model as ref_model
+from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import ModelConfig
 from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
 from ddl_ref.params import init_params, param_table
-from ddl_wgpu.engine import AdamW, StepResult
+from ddl_wgpu.step import DRAFT_ADAM, DRAFT_GRAD_CLIP, AdamW, StepResult
 
 
 class RefNet:
@@ -141,3 +145,83 @@ class RefWork:
 
     def logits(self, ids) -> np.ndarray:
         return ref_model.forward(self.net.params, self.net.cfg, ids)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# heal and accept: the frozen trunk, the draft trained alone, the draft's greedy step
+
+
+class RefTeacher:
+    """The trunk in numpy (`ddl_ref.mtp.trunk_topk_hidden`)."""
+
+    def __init__(self, params: dict, cfg: ModelConfig):
+        self.params, self.cfg = params, cfg
+
+    def topk_hidden(self, ids_batch, k: int):
+        return ref_mtp.trunk_topk_hidden(self.params, self.cfg, ids_batch, k)
+
+
+class RefDraft:
+    """The draft block + final norm in numpy float32, trained with Adam (`step.DRAFT_ADAM`, no weight decay,
+    the gradient scaled to a global norm <= `step.DRAFT_GRAD_CLIP`); everything else frozen."""
+
+    def __init__(self, params: dict, cfg: ModelConfig, init: dict | None = None):
+        self.cfg = cfg
+        names = ref_mtp.trained_names(params)
+        src = init if init is not None else params
+        self.params = {n: np.array(src[n], np.float32) for n in names}
+        head = ref_mtp.head_weight(params, cfg)
+        self.shared = {"model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight": head}
+        self.state: dict = {"m": {}, "v": {}}
+
+    def _all(self) -> dict:
+        return {**self.shared, **self.params}
+
+    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale, chain: int = 0):
+        weights = np.asarray(weights, np.float32)
+        count = max(float(weights.sum()), 1.0)
+        p = self._all()
+        with np.errstate(all="ignore"):
+            kl, cache = ref_mtp.draft_kl_forward(p, self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
+                                                 teacher_probs, weights, chain)  # fmt: skip
+            loss = kl / count
+            # gradient of grad_scale * loss, unscaled again (the engine's f16 loss scaling; exact in f32)
+            _dx, grads = ref_mtp.draft_kl_backward(p, self.cfg, cache, dloss=float(grad_scale) / count)
+            grads = {n: g / np.float32(grad_scale) for n, g in grads.items()}
+            norm = global_grad_norm(grads)
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if finite:
+            adamw_step(self.params, grads, self.state, lr, step, *DRAFT_ADAM, weight_decay=0.0,
+                       grad_multiplier=clip_multiplier(norm, DRAFT_GRAD_CLIP))  # fmt: skip
+        # gradients are not kept between steps: a skipped step leaves nothing behind ("zeroed")
+        return float(loss), float(norm), bool(finite)
+
+    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float:
+        kl, _ = ref_mtp.draft_kl_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
+                                         teacher_probs, np.asarray(weights, np.float32), chain)  # fmt: skip
+        return float(kl)
+
+    def hidden_out(self, x_rows, chain: int = 0):
+        pre, post, _ = ref_mtp.draft_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), chain)
+        return pre, post
+
+    def snapshot(self):
+        return {n: p.copy() for n, p in self.params.items()}
+
+    def restore(self, snap) -> None:
+        for n, p in snap.items():
+            self.params[n][...] = p
+
+    def export(self) -> dict:
+        return {n: p.copy() for n, p in self.params.items()}
+
+
+def ref_runner(params: dict, cfg):
+    """The numpy draft step for `accept.greedy_chain`: runner(x_rows, chain=0) -> (argmax, pre, post), all
+    rows, on the weights in `params` as given (no float32 copy: the measurement reads them as stored)."""
+
+    def run(x_rows, chain: int = 0):
+        pre, post, _ = ref_mtp.draft_forward(params, cfg, x_rows, chain)
+        return np.argmax(ref_mtp.draft_logits(params, cfg, post), axis=-1), pre, post
+
+    return run

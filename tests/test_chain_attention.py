@@ -11,7 +11,10 @@ from ddl_ref import mtp as ref_mtp
 from ddl_ref import ops
 from ddl_ref.config import ModelConfig, MtpConfig
 from ddl_ref.params import init_params
+from ddl_wgpu.backend import open_gpu
+from ddl_wgpu.heal_gpu import WgpuDraft
 from ddl_wgpu.ops.attention import attention_masked_backward, attention_masked_forward
+from ddl_wgpu.refnet import RefDraft
 
 
 def test_chain_mask_and_positions():
@@ -110,7 +113,6 @@ def _heal_helpers():
 
 @pytest.mark.parametrize("qk", ["pre_rope", "none"])
 def test_runtime_draft_step_matches_refdraft(gpu, qk):
-    from ddl_wgpu import heal
 
     h = _heal_helpers()
     cfg = h.tiny_cfg(qk_norm=qk)
@@ -123,7 +125,7 @@ def test_runtime_draft_step_matches_refdraft(gpu, qk):
     tp = rng.random((B, T, k)).astype(np.float32)
     w = np.zeros((B, T), np.float32)
     w[:, -W:] = (rng.random((B, W)) < 0.8).astype(np.float32)  # the step-j rows only
-    ref, gd = heal.RefDraft(p, cfg), heal.WgpuDraft(p, cfg, batch=B)
+    ref, gd = RefDraft(p, cfg), WgpuDraft(open_gpu(), p, cfg, batch=B)
     want = ref.loss_sum(x, tid, tp, w, chain=j)
     assert want != pytest.approx(ref.loss_sum(x, tid, tp, w), rel=1e-3)  # the mask matters
     assert gd.loss_sum(x, tid, tp, w, chain=j) == pytest.approx(want, rel=1e-5)

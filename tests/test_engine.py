@@ -10,7 +10,8 @@ from ddl_ref import model as rm
 from ddl_ref.config import preset
 from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
 from ddl_ref.params import init_params
-from ddl_wgpu.engine import AdamW, Net
+from ddl_wgpu.net import Net
+from ddl_wgpu.step import AdamW
 
 B, T = 3, 11
 LENGTHS = np.array([11, 7, 1])  # a full row, a padded row, a row that predicts nothing
@@ -153,9 +154,9 @@ def test_lm_head_chunks_compose(gpu):
     w1 = whole.work(8, 16)
     r1 = w1.step(ids, lengths)
     chunked = Net(gpu, cfg, p)
-    from ddl_wgpu.engine import Work
+    from ddl_wgpu.trunk import TrunkWork
 
-    w2 = Work(chunked, 8, 16, chunk_rows=64)
+    w2 = TrunkWork(chunked, 8, 16, chunk_rows=64)
     assert w2.chunk == 64 and w1.chunk == 128
     r2 = w2.step(ids, lengths)
     assert abs(r1.loss - r2.loss) < 1e-6

@@ -14,10 +14,13 @@ from ddl_ref import model as rm
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig, preset
 from ddl_ref.params import init_params
-from ddl_wgpu.engine import EMBED, AdamW, Net, Work
+from ddl_wgpu.draft import DraftWork
 from ddl_wgpu.gpu import Gpu, GpuError
+from ddl_wgpu.layout import EMBED
+from ddl_wgpu.net import Net
 from ddl_wgpu.ops import elementwise as k_ew
 from ddl_wgpu.ops import embedding as k_emb
+from ddl_wgpu.step import AdamW
 
 B, T = 2, 8
 LENGTHS = np.array([8, 5])
@@ -216,7 +219,7 @@ def test_chunked_rows_topk_kl_matches_unchunked(gpu, small, tie):
     results = []
     for g in (gpu, small):
         net = Net(g, cfg, p)
-        work = Work(net, B, T, rows_in=True, kl_k=k)
+        work = DraftWork(net, B, T, kl_k=k)
         r = work.step_rows(x, tid, tp, wts)
         results.append((r.loss, net.grads(), work.loss_sum_rows(x, tid, tp, wts), work.topk(x, 4)))
     (l1, g1, s1, t1), (l2, g2, s2, t2) = results

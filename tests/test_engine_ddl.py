@@ -9,8 +9,9 @@ from ddl_ref import model as rm
 from ddl_ref.config import ModelVariant, preset
 from ddl_ref.params import init_params
 from ddl_ref.spectral import LAYER_KEYS
-from ddl_wgpu.engine import AdamW, Net
+from ddl_wgpu.net import Net
 from ddl_wgpu.refnet import RefNet
+from ddl_wgpu.step import AdamW
 
 B, T = 2, 9
 LENGTHS = np.array([9, 5])

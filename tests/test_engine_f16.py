@@ -17,9 +17,13 @@ import pytest
 from ddl_ref.config import preset
 from ddl_ref.params import init_params
 from ddl_wgpu.gpu import Gpu, GpuError
-from ddl_wgpu.net import ALIGN, F16_SUFFIXES, AdamW, Net, is_f16_matrix
+from ddl_wgpu.inference import InferenceWork
+from ddl_wgpu.layout import ALIGN
+from ddl_wgpu.net import F16_SUFFIXES, Net, is_f16_matrix
 from ddl_wgpu.ops import embedding as k_emb
 from ddl_wgpu.ops import matmul as k_mm
+from ddl_wgpu.step import AdamW
+from ddl_wgpu.trunk import TrunkWork
 
 B, T = 2, 8
 V, C = 300, 32
@@ -192,7 +196,11 @@ def test_inference_net_refuses_training(gpu):
     cfg = tiny()
     net = Net(gpu, cfg, init_params(cfg, 0), inference=True, dtype="f16")
     work = net.work(B, T)
-    assert work._bwd is None and work._head_train is None and work.dxf is None
+    # the forward-only work: no backward Calls, no training head, no backward scratch
+    assert isinstance(work, InferenceWork) and not hasattr(work, "_bwd") and not hasattr(work, "_head_train")
+    assert not hasattr(work, "dxf")
+    with pytest.raises(GpuError, match="inference-only"):
+        TrunkWork(net, B, T)
     with pytest.raises(GpuError, match="inference-only"):
         work.step(ids())
     with pytest.raises(GpuError, match="inference-only"):

@@ -1,4 +1,4 @@
-"""The GPU heal and accept backends (`heal.WgpuTeacher`, `heal.WgpuDraft`, `accept(backend="wgpu")`) against
+"""The GPU heal and accept backends (`heal_gpu.WgpuTeacher`, `heal_gpu.WgpuDraft`, `accept(backend="wgpu")`) against
 the numpy ones on a tiny model: the trunk's top-k and hidden rows, one draft step's loss and every gradient,
 a short heal (held-out KL per chain step at every evaluation, acceptance before and after), and acceptance."""
 
@@ -13,8 +13,10 @@ from heal_helpers import perturbed, tiny_cfg
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
-from ddl_wgpu import accept, heal
+from ddl_wgpu import accept, backend, heal
+from ddl_wgpu.heal_gpu import WgpuDraft
 from ddl_wgpu.modelfile import Model, load_model, save_model
+from ddl_wgpu.refnet import RefDraft, RefTeacher
 
 
 def make_model(path, cfg=None, seed=0):
@@ -31,9 +33,9 @@ def test_teacher_topk_and_hidden_match_reference(gpu):
     cfg = tiny_cfg(residual="delta", ddl_dv=4, ddl_compressor="cc", ddl_expand_embed=True)
     m = Model(cfg, perturbed(cfg))
     ids = np.random.default_rng(0).integers(0, 256, (3, 20))
-    t = heal.WgpuTeacher(m, batch=4)  # a partial batch: padded rows
+    t = backend.make_teacher("wgpu", m, batch=4)  # a partial batch: padded rows
     ti, tp, pre, post = t.topk_hidden(ids, 8)
-    ri, rp, rpre, rpost = heal.RefTeacher(m).topk_hidden(ids, 8)
+    ri, rp, rpre, rpost = RefTeacher(m.params, m.cfg).topk_hidden(ids, 8)
     np.testing.assert_allclose(pre, rpre, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(post, rpost, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(tp, rp, rtol=1e-4, atol=1e-6)
@@ -50,7 +52,7 @@ def test_draft_step_loss_and_gradients_match_refdraft(gpu, tie):
     tid = rng.integers(0, 256, (B, T, k))
     tp = rng.random((B, T, k)).astype(np.float32)
     w = (rng.random((B, T)) < 0.8).astype(np.float32)
-    ref, gpu_d = heal.RefDraft(p, cfg), heal.WgpuDraft(p, cfg, batch=B)
+    ref, gpu_d = RefDraft(p, cfg), WgpuDraft(backend.open_gpu(), p, cfg, batch=B)
     assert gpu_d.loss_sum(x, tid, tp, w) == pytest.approx(ref.loss_sum(x, tid, tp, w), rel=1e-5)
     # the gradients of one step, against the reference's (float64) on the same weights
     p64 = {n: a.astype(np.float64) for n, a in p.items()}
@@ -82,13 +84,13 @@ def test_draft_step_loss_and_gradients_match_refdraft(gpu, tie):
 def test_draft_keeps_no_state_for_frozen_tensors(gpu, tie):
     """The draft's Net holds gradients and moments for its trained tensors only (they lead the arenas) and
     trains bit for bit like a Net that keeps state for every tensor."""
-    from ddl_wgpu.engine import Net
     from ddl_wgpu.gpu import GpuError
+    from ddl_wgpu.net import Net
 
     cfg = tiny_cfg(tie_embeddings=tie)
     p = perturbed(cfg)
-    lean = heal.WgpuDraft(p, cfg, batch=2)
-    full = heal.WgpuDraft(p, cfg, batch=2)
+    lean = WgpuDraft(backend.open_gpu(), p, cfg, batch=2)
+    full = WgpuDraft(backend.open_gpu(), p, cfg, batch=2)
     net = lean.net
     full.net = Net(net.gpu, net.cfg, net.export(), trainable=list(lean.names))  # state for every tensor
     trained = sum(-(-net.slots[n].nbytes // 256) * 256 for n in net.trainable)
@@ -170,11 +172,9 @@ def test_gpu_heal_with_f16_trunk_close_to_f32(gpu, tmp_path):
 
 
 def test_f16_teacher_matches_f32_teacher_and_needs_shader_f16(gpu, monkeypatch):
-    from ddl_wgpu.train import open_gpu
-
     m = Model(tiny_cfg(), perturbed(tiny_cfg()))
     x = np.random.default_rng(5).integers(0, 256, (2, 20))
-    t32, t16 = heal.WgpuTeacher(m, batch=2), heal.WgpuTeacher(m, batch=2, dtype="f16")
+    t32, t16 = (backend.make_teacher("wgpu", m, batch=2, trunk_dtype=d) for d in ("f32", "f16"))
     assert (
         t32.net.inference and not t32.net.g and t16.net.wdtype("model.layers.0.mlp.up_proj.weight") == "f16"
     )
@@ -182,9 +182,9 @@ def test_f16_teacher_matches_f32_teacher_and_needs_shader_f16(gpu, monkeypatch):
     np.testing.assert_allclose(post16, post32, rtol=2e-2, atol=2e-3)
     np.testing.assert_allclose(p16, p32, rtol=1e-2, atol=1e-6)
     assert (i16[..., 0] == i32[..., 0]).mean() > 0.95
-    monkeypatch.setattr(open_gpu(None), "features", set())
-    with pytest.raises(heal.HealError, match="shader-f16") as e:
-        heal.WgpuTeacher(m, batch=2, dtype="f16")
+    monkeypatch.setattr(backend.open_gpu(None), "features", set())
+    with pytest.raises(backend.BackendError, match="shader-f16") as e:
+        backend.make_teacher("wgpu", m, batch=2, trunk_dtype="f16")
     assert "\n" not in str(e.value)
     with pytest.raises(heal.HealError, match="trunk_dtype"):
         heal.HealConfig(trunk_dtype="bf16")

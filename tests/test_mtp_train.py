@@ -92,7 +92,7 @@ CASES = [
 
 @pytest.mark.parametrize("kw", CASES, ids=["baseline-tied", "hidden_first-post-untied", "ddl-cc-offset"])
 def test_engine_joint_step_matches_reference(gpu, kw):
-    from ddl_wgpu.engine import Net
+    from ddl_wgpu.net import Net
 
     cfg = tiny(**kw)
     p = init_params(cfg, 3)
@@ -123,8 +123,9 @@ def test_engine_joint_step_matches_reference(gpu, kw):
 
 
 def test_engine_and_refnet_joint_adamw_steps_agree(gpu):
-    from ddl_wgpu.engine import AdamW, Net
+    from ddl_wgpu.net import Net
     from ddl_wgpu.refnet import RefNet
+    from ddl_wgpu.step import AdamW
 
     cfg = tiny()
     p0 = init_params(cfg, 7)

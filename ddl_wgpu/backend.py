@@ -1,0 +1,292 @@
+"""The one place that chooses the backend of every command and builds its objects.
+
+Two backends run the same model: "wgpu", the GPU engine (`net.Net` and its works `trunk.TrunkWork`,
+`inference.InferenceWork`; heal's `heal_gpu.WgpuTeacher` and `heal_gpu.WgpuDraft` over `draft.DraftWork`),
+and "ref", the numpy reference (`refnet.RefNet`, `refnet.RefTeacher`, `refnet.RefDraft`). "auto" picks wgpu
+on any real GPU adapter and numpy where the only adapters are CPU implementations of Vulkan/D3D
+(llvmpipe/lavapipe, WARP, SwiftShader), which run the engine about a hundred times slower than numpy, or
+where there is none.
+
+Importing this module imports no wgpu (the GPU modules are imported inside the functions that need them).
+
+Public API
+- `BACKENDS = ("auto", "wgpu", "ref")`; `BackendError(ValueError)`, `UnknownBackendError(BackendError)`.
+- `BackendChoice(name, reason, adapter)`: frozen; `name` "wgpu" | "ref", `reason` human text (e.g.
+  "NVIDIA H200 (DiscreteGPU, Vulkan)", "only CPU adapters (llvmpipe ...): numpy is faster"), `adapter` the
+  chosen adapter's description or None.
+- `choose_backend(requested="auto", device=None) -> BackendChoice`; `choose_from_adapters(infos) ->
+  BackendChoice` (the "auto" rule on wgpu adapter-info dicts); `cpu_implementation(info) -> str | None`
+  (why an adapter is a CPU implementation, None for a real GPU).
+- `open_gpu(device=None) -> gpu.Gpu`: the process's device for an adapter choice, opened once.
+- `make_net(cfg, params, backend, device, seed=0, mtp_weight=0.0) -> TrainNet`: the training net.
+- `make_teacher(backend, model, batch=4, device=None, trunk_dtype="f32") -> Teacher`: heal's frozen trunk.
+- `make_draft(backend, model, init=None, batch=4, device=None) -> Draft`: heal's draft trained alone.
+- `make_accept_backend(backend, model, batch=8, device=None, trunk_dtype="f32") -> (Teacher | None,
+  Runner | None)`: accept's trunk and draft step; (None, None) on "ref" (accept runs numpy inline).
+- Protocols: `TrainNet`, `TrainWork`, `Teacher`, `Draft`, `Runner`.
+`backend` arguments take "auto" too (resolved by `choose_backend`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from ddl_ref.config import ModelConfig
+from ddl_ref.params import init_params
+from ddl_wgpu.step import AdamW, StepResult
+
+if TYPE_CHECKING:
+    from ddl_wgpu.gpu import Gpu
+    from ddl_wgpu.modelfile import Model
+
+BACKENDS = ("auto", "wgpu", "ref")
+TRUNK_DTYPES = ("f32", "f16")
+# Adapter names of CPU implementations of a GPU API (word-wise, lower case).
+_CPU_NAMES = ("llvmpipe", "lavapipe", "swiftshader", "microsoft basic render driver", "warp")
+# Adapter types, best first, among real GPUs.
+_TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2}
+# wgpu's OpenGL backend is a fallback the engine does not use by choice (as `python -m ddl_wgpu.gpu --check`).
+_GL_BACKENDS = ("OpenGL", "OpenGLES")
+
+
+class BackendError(ValueError):
+    """A backend that cannot be chosen or built, with one clear line."""
+
+
+class UnknownBackendError(BackendError):
+    """A backend name that is not one of `BACKENDS`."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# what a backend provides
+
+
+class TrainWork(Protocol):
+    """One (batch, seq) shape of a training net: a step, evaluation and diagnostics."""
+
+    def step(self, ids, lengths=None, update: AdamW | None = None) -> StepResult: ...
+
+    def loss_sum(self, ids, lengths=None) -> tuple[float, int]: ...
+
+    def eval_batch(self, ids, lengths=None, spectral: bool = False) -> tuple[float, int, dict | None]: ...
+
+    def spectral(self, ids, lengths=None) -> dict | None: ...
+
+    def logits(self, ids) -> np.ndarray: ...
+
+
+class TrainNet(Protocol):
+    """A model's parameters and optimizer state (`net.Net` on wgpu, `refnet.RefNet` on numpy)."""
+
+    cfg: ModelConfig
+    trainable: list[str]
+    mtp_weight: float
+
+    @property
+    def num_params(self) -> int: ...
+
+    def work(self, batch: int, seq: int) -> TrainWork: ...
+
+    def load(self, params: dict) -> None: ...
+
+    def export(self) -> dict[str, np.ndarray]: ...
+
+    def grads(self) -> dict[str, np.ndarray]: ...
+
+    def moments(self) -> tuple[dict, dict]: ...
+
+    def load_moments(self, m: dict, v: dict) -> None: ...
+
+    def snapshot(self): ...
+
+    def restore(self, snapshot) -> None: ...
+
+    def export_snapshot(self, snapshot) -> dict[str, np.ndarray]: ...
+
+
+class Teacher(Protocol):
+    def topk_hidden(self, ids_batch: np.ndarray, k: int):
+        """ids (B, T) -> (top_ids (B, T, k) int32, top_probs (B, T, k) f32, hidden_pre, hidden_post, each
+        (B, T, C))."""
+        ...
+
+
+class Draft(Protocol):
+    """heal's draft trained alone. `chain` = 0: x_rows (B, T, C) are one step's rows, causal attention.
+    chain = j >= 1: the stacked rows of steps 1..j of each window (B, j·W, C), the runtime's diagonal mask at
+    positions p + σ − 1 (`ddl_ref.mtp.draft_forward`); teacher and weights are per stacked row."""
+
+    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr: float, step: int, grad_scale: float,
+             chain: int = 0):  # fmt: skip
+        """Forward, backward and (when finite) one Adam update -> (loss, grad_norm, finite)."""
+        ...
+
+    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float: ...
+
+    def hidden_out(self, x_rows, chain: int = 0): ...  # -> (pre (B, T, C), post (B, T, C))
+
+    def snapshot(self): ...
+
+    def restore(self, snap) -> None: ...
+
+    def export(self) -> dict: ...  # {model.mtp.* name: float32 array} of the trained tensors
+
+
+# accept's draft step: runner(x_rows, chain=0) -> (argmax (B, T'), pre, post)
+Runner = Callable[..., tuple]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# choosing
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    name: str  # "wgpu" or "ref"
+    reason: str  # why, for the resolved configuration
+    adapter: str | None = None  # the adapter the choice looked at, when one
+
+
+def cpu_implementation(info: dict) -> str | None:
+    """Why the adapter described by `info` (a wgpu adapter-info dict: device, vendor, description,
+    adapter_type, backend_type) is a CPU implementation of a GPU API; None for a real GPU."""
+    if info.get("adapter_type") == "CPU":
+        return "a CPU adapter"
+    text = " ".join(str(info.get(k, "")) for k in ("device", "vendor", "description")).lower()
+    for name in _CPU_NAMES:
+        if re.search(rf"\b{re.escape(name)}\b", text):
+            return f"a CPU rasteriser ({name})"
+    return None
+
+
+def _describe(info: dict) -> str:
+    return f"{info.get('device') or info.get('vendor') or 'unnamed adapter'} " \
+           f"({info.get('adapter_type', '?')}, {info.get('backend_type', '?')})"  # fmt: skip
+
+
+def choose_from_adapters(infos: list[dict]) -> BackendChoice:
+    """The "auto" rule over wgpu adapter-info dicts: wgpu on the best real GPU (discrete, integrated,
+    virtual), else numpy."""
+    usable = [i for i in infos if i.get("backend_type") not in _GL_BACKENDS]
+    real = [i for i in usable if cpu_implementation(i) is None]
+    if real:
+        best = min(real, key=lambda i: _TYPE_RANK.get(i.get("adapter_type"), len(_TYPE_RANK)))
+        return BackendChoice("wgpu", _describe(best), _describe(best))
+    if usable:
+        names = ", ".join(dict.fromkeys(str(i.get("device") or i.get("vendor")) for i in usable))
+        return BackendChoice("ref", f"only CPU adapters ({names}): numpy is faster", _describe(usable[0]))
+    return BackendChoice("ref", "no GPU adapter found: numpy", None)
+
+
+def choose_backend(requested: str = "auto", device: str | None = None) -> BackendChoice:
+    """The backend for `requested` ("auto", "wgpu" or "ref"); with "auto", `device` (an adapter index or
+    name substring, else the environment's DDL_WGPU_ADAPTER) limits the adapters looked at."""
+    if requested not in BACKENDS:
+        raise UnknownBackendError(f"unknown backend {requested!r}: one of {', '.join(BACKENDS)}")
+    if requested != "auto":
+        return BackendChoice(requested, f"{requested} requested", None)
+    try:
+        from ddl_wgpu import gpu as gpu_mod
+    except ImportError as e:  # no wgpu package or no loader: the numpy backend runs anyway
+        return BackendChoice("ref", f"wgpu unavailable ({e}): numpy", None)
+    choice = device if device not in (None, "") else os.environ.get(gpu_mod.ENV_ADAPTER) or None
+    if choice is None:
+        infos = [dict(a.info) for a in gpu_mod.enumerate_adapters()]
+    else:
+        try:
+            infos = [dict(gpu_mod.select_adapter(choice).info)]
+        except gpu_mod.NoAdapterError as e:
+            raise BackendError(f"adapter {choice!r}: {e}") from e
+    return choose_from_adapters(infos)
+
+
+def _resolve(backend: str, device: str | None) -> str:
+    return choose_backend(backend, device).name
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building
+
+_GPU: dict = {}
+
+
+def open_gpu(device: str | None = None) -> Gpu:
+    """The process's device for an adapter choice, opened on first use and shared by every net after."""
+    from ddl_wgpu.gpu import Gpu
+
+    if device not in _GPU:
+        _GPU[device] = Gpu(device)
+    return _GPU[device]
+
+
+def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | None, seed: int = 0,
+             mtp_weight: float = 0.0) -> TrainNet:  # fmt: skip
+    """A training net on the backend; fresh parameters from `seed` when `params` is None. A model with an
+    MTP draft (`cfg.mtp`) trains it jointly, its loss weighted by `mtp_weight`."""
+    backend = _resolve(backend, device)
+    if params is None:
+        params = init_params(cfg, seed)
+    if backend == "ref":
+        from ddl_wgpu.refnet import RefNet
+
+        return RefNet(cfg, params, mtp_weight=mtp_weight)
+    from ddl_wgpu.net import Net
+
+    return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight)
+
+
+def _check_trunk_dtype(backend: str, trunk_dtype: str) -> None:
+    if trunk_dtype not in TRUNK_DTYPES:
+        raise BackendError(f"trunk dtype must be one of {list(TRUNK_DTYPES)}, got {trunk_dtype!r}")
+    if trunk_dtype != "f32" and backend != "wgpu":
+        raise BackendError(f"a {trunk_dtype} trunk needs the wgpu backend (the numpy trunk is f32)")
+
+
+def make_teacher(backend: str, model: Model, batch: int = 4, device: str | None = None,
+                 trunk_dtype: str = "f32") -> Teacher:  # fmt: skip
+    """heal's frozen trunk: its next-token top-k and hidden rows per batch of `batch` windows; on wgpu an
+    inference-only net, its big matrices in `trunk_dtype` ("f16" needs the adapter feature shader-f16)."""
+    backend = _resolve(backend, device)
+    _check_trunk_dtype(backend, trunk_dtype)
+    if backend == "ref":
+        from ddl_wgpu.refnet import RefTeacher
+
+        return RefTeacher(model.params, model.cfg)
+    from ddl_wgpu.gpu import GpuError
+    from ddl_wgpu.heal_gpu import WgpuTeacher
+
+    try:
+        return WgpuTeacher(open_gpu(device), model.params, model.cfg, batch, trunk_dtype)
+    except GpuError as e:
+        raise BackendError(f"trunk on the GPU: {e}") from e
+
+
+def make_draft(backend: str, model: Model, init: dict | None = None, batch: int = 4,
+               device: str | None = None) -> Draft:  # fmt: skip
+    """heal's draft (block + final norm) trained alone, from `init` weights when given, else the model's."""
+    backend = _resolve(backend, device)
+    if backend == "ref":
+        from ddl_wgpu.refnet import RefDraft
+
+        return RefDraft(model.params, model.cfg, init)
+    from ddl_wgpu.heal_gpu import WgpuDraft
+
+    return WgpuDraft(open_gpu(device), model.params, model.cfg, init, batch)
+
+
+def make_accept_backend(backend: str, model: Model, batch: int = 8, device: str | None = None,
+                        trunk_dtype: str = "f32") -> tuple[Teacher | None, Runner | None]:  # fmt: skip
+    """accept's trunk and draft step on the backend: (teacher, runner) on wgpu; (None, None) on numpy,
+    where accept runs `ddl_ref.mtp` inline (`refnet.ref_runner` where it needs a runner)."""
+    backend = _resolve(backend, device)
+    _check_trunk_dtype(backend, trunk_dtype)
+    if backend == "ref":
+        return None, None
+    teacher = make_teacher("wgpu", model, batch, device, trunk_dtype)
+    return teacher, make_draft("wgpu", model, None, batch, device).greedy
