@@ -327,16 +327,28 @@ def run(engine: Engine, tokenizer, prompt_ids, max_seq_len: int, max_new_tokens:
 # ----------------------------------------------------------------------------------------------------------
 # the entry point
 
-BACKENDS = ("auto", "wgpu", "ref")
 
+def make_engine(
+    model: Model, backend: str, device: str | None, depth: int, dtype: str = "f32"
+) -> tuple[Engine, str]:
+    """-> (engine, the backend it runs on); "auto" follows `backend.choose_backend` (numpy on CPU adapters)."""
+    from ddl_wgpu.backend import BackendError, choose_backend, open_gpu
 
-def make_engine(model: Model, backend: str, device: str | None, depth: int) -> tuple[Engine, str]:
-    """-> (engine, the backend it runs on)."""
-    if backend not in BACKENDS:
-        raise GenerateError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    if backend == "ref":
+    try:
+        used = choose_backend(backend, device).name
+    except BackendError as e:
+        raise GenerateError(str(e)) from e
+    if used == "ref":
+        if dtype != "f32":
+            raise GenerateError(f"a {dtype} trunk needs the wgpu backend (the numpy trunk is f32)")
         return RefEngine(model, depth), "ref"
-    raise GenerateError(f"backend {backend!r}: the GPU decoding engine is not available in this build")
+    from ddl_wgpu.decode import WgpuEngine
+    from ddl_wgpu.gpu import GpuError
+
+    try:
+        return WgpuEngine(open_gpu(device), model, depth, dtype), "wgpu"
+    except GpuError as e:
+        raise GenerateError(f"decoding on the GPU: {e}") from e
 
 
 def encode_prompt(model: Model, prompt: str | bytes, tokenizer=None) -> np.ndarray:
@@ -355,12 +367,13 @@ def encode_prompt(model: Model, prompt: str | bytes, tokenizer=None) -> np.ndarr
 
 def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
              stops: Sequence[str] = (), speculative: bool = False, depth: int = 3, backend: str = "auto",
-             device: str | None = None, on_text: Callable[[str], None] | None = None) -> dict:  # fmt: skip
+             device: str | None = None, on_text: Callable[[str], None] | None = None,
+             dtype: str = "f32") -> dict:  # fmt: skip
     """Generate a continuation of `prompt` (text, or raw bytes) with the model (a `Model` or a `.ddlw` path).
 
     -> {"text", "token_ids", "prompt_tokens", "new_tokens", "finish_reason" ("length", "stop", "context"),
     timings, "backend", "speculative", and with speculation the draft's statistics}. `on_text` receives the
-    text as it becomes final (module docstring of `TextStream`)."""
+    text as it becomes final (`TextStream`). `dtype` "f16" keeps the GPU's big matrices in f16 (wgpu only)."""
     if not isinstance(model, Model):
         from ddl_wgpu.container import CheckpointError
 
@@ -378,7 +391,7 @@ def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = 64, 
             raise GenerateError(f"depth must be at least 1, got {depth}")
     tokenizer = tokenizer_for(model.tokenizer)
     ids = encode_prompt(model, prompt, tokenizer)
-    engine, used = make_engine(model, backend, device, depth if speculative else 0)
+    engine, used = make_engine(model, backend, device, depth if speculative else 0, dtype)
     out = run(engine, tokenizer, ids, model.cfg.max_seq_len, max_new_tokens, sampling, stops, on_text,
               depth if speculative else 0)  # fmt: skip
     out.update(backend=used, speculative=bool(speculative))
