@@ -18,8 +18,9 @@ inside the command stream by a copy from a table of positions, so every Call is 
 
 Read-back: with head "argmax" only the chosen ids (the `topk` kernel with k = 1, ties to the lower id);
 a whole greedy draft chain (catch-up rows, then chain steps whose token and hidden row are copied on the GPU
-from the step before) is one submit that reads back the K drafted ids. With head "logits" (sampling) the
-logits rows of the pass are read back and sampled on the host.
+from the step before) is one submit that reads back the K drafted ids. Sampling with top-k (k <= 64): the
+k ids and probabilities per row (head "top<k>"), turned into the same distribution on the host; sampling
+over the whole vocabulary (head "logits"): the logits rows.
 
 Verified (tests/test_generate_gpu.py, lavapipe): logits equal `ddl_ref.model.forward`'s at every position for
 all six variants fed in pieces (prefill, single tokens, after a roll-back); greedy generation equal to the
@@ -239,19 +240,34 @@ class WgpuEngine:
         rows = self._get("trunk", n)
         rows.upload_ids(ids[None], None)
         self.ids[start : start + n] = ids
-        g = self.gpu
-        rec = g.recorder()
+        rec = self.gpu.recorder()
         self._at(rec, self.trunk, start)
         rows._fwd.record(rec)
-        if head == "argmax":
-            call, ids_out, _ = rows._topk_call(1)
-            call.record(rec)
-            rec.submit()
-            out = g.download(ids_out, np.uint32, n).astype(np.int64)
-        else:
-            rec.submit()
-            out = self._logits(rows)
+        out = self._head(rows, head, rec)
         self.trunk.length = start + n
+        return out
+
+    def _head(self, rows, head: str, rec) -> np.ndarray:
+        """Record the head of `rows` into `rec`, submit, and read back per `head`: "argmax" (n,) ids;
+        "top<k>" (k <= 64) (n, V) pseudo-logits, log p at the k most likely ids and −inf elsewhere (what
+        `generate.distribution` with top_k = k turns into the same distribution as the full logits);
+        "logits" (n, V)."""
+        g, n = self.gpu, rows.N
+        if head == "logits":
+            rec.submit()
+            return self._logits(rows)
+        k = 1 if head == "argmax" else int(head[3:])
+        call, ids_out, probs_out = rows._topk_call(k)
+        call.record(rec)
+        rec.submit()
+        ids = g.download(ids_out, np.uint32, n * k).reshape(n, k).astype(np.int64)
+        if head == "argmax":
+            return ids[:, 0]
+        out = np.full((n, self.cfg.vocab_size), -np.inf, np.float32)
+        with np.errstate(divide="ignore"):
+            np.put_along_axis(
+                out, ids, np.log(g.download(probs_out, np.float32, n * k).reshape(n, k)), axis=-1
+            )
         return out
 
     def _logits(self, rows) -> np.ndarray:
@@ -308,8 +324,7 @@ class WgpuEngine:
                 call.record(rec)
                 rec.copy(ids_out, (prev.N - 1) * 4, self.drafted, (sigma - 1) * 4, 4)
             else:
-                rec.submit()
-                row = self._logits(prev)[-1]
+                row = self._head(prev, head, rec)[-1]
                 rows.append(row)
                 tokens.append(pick(row))
                 rec = g.recorder()

@@ -3,7 +3,8 @@ model's MTP draft.
 
 The loop drives a decoding engine (`RefEngine` here: numpy, `ddl_ref.decode`; `ddl_wgpu.decode.WgpuEngine`:
 the GPU) through four calls: `feed(ids, head)` runs the trunk over new tokens with its cache and returns each
-row's argmax (head "argmax") or logits (head "logits"); `rollback(length)` forgets positions; `draft(token,
+row's argmax (head "argmax"), logits (head "logits"), or logits that may be −inf outside the k most likely
+ids (head "top<k>", when sampling with top_k = k); `rollback(length)` forgets positions; `draft(token,
 depth, head, pick)` runs the MTP draft `depth` steps from the last fed position; `length` is the fed count.
 
 Plain decoding: the prompt in one `feed`, then one token per `feed`. The token at each step is the argmax of
@@ -105,7 +106,7 @@ def draw(p, rng: np.random.Generator) -> int:
 class Engine(Protocol):
     length: int
 
-    def feed(self, ids, head: str) -> np.ndarray: ...  # head "argmax" -> (n,) int; "logits" -> (n, V)
+    def feed(self, ids, head: str) -> np.ndarray: ...  # "argmax" -> (n,) int; "logits", "top<k>" -> (n, V)
 
     def rollback(self, length: int) -> None: ...
 
@@ -237,7 +238,9 @@ class _Chooser:
     def __init__(self, s: Sampling):
         self.s = s
         self.rng = np.random.default_rng(s.seed)
-        self.head = "argmax" if s.greedy else "logits"
+        # top-k sampling reads back k ids and probabilities per row from a GPU engine (its top-k kernel
+        # holds k <= 64), not the logits
+        self.head = "argmax" if s.greedy else f"top{s.top_k}" if 0 < s.top_k <= 64 else "logits"
 
     def token(self, row) -> int:
         return int(row) if self.s.greedy else draw(distribution(row, self.s), self.rng)

@@ -72,9 +72,10 @@ def test_gpu_draft_proposals_equal_numpy(gpu):
             check("draft logits", np.array(props[1][2]), np.array(props[0][2]), "model")
 
 
-def test_gpu_sampling_reproducible(gpu):
+@pytest.mark.parametrize("top_k", [6, 0])  # k ids and probabilities read back / the logits
+def test_gpu_sampling_reproducible(gpu, top_k):
     model = small_model("baseline", vocab=13, seed=3)
-    s = Sampling(temperature=1.0, top_k=6, seed=11)
+    s = Sampling(temperature=1.0, top_k=top_k, seed=11)
     a = run(WgpuEngine(gpu, model, 2), ByteTokenizer(), [1, 2], 24, 10, s, depth=2)
     b = run(WgpuEngine(gpu, model, 2), ByteTokenizer(), [1, 2], 24, 10, s, depth=2)
     c = run(RefEngine(model, 2), ByteTokenizer(), [1, 2], 24, 10, s, depth=2)
