@@ -225,7 +225,7 @@ class Stats:
     def result(self, tokens: int) -> dict:
         out = {"trunk_passes": self.trunk_passes}
         if self.depth:
-            acc = [float(k) / d if d else 0.0 for k, d in zip(self.kept, self.drafted, strict=True)]
+            acc = [float(k) / float(d) if d else 0.0 for k, d in zip(self.kept, self.drafted, strict=True)]
             out.update(depth=self.depth, rounds=self.rounds, acceptance_per_depth=acc,
                        mean_accepted=float(self.kept.sum()) / self.rounds if self.rounds else 0.0,
                        tokens_per_pass=tokens / self.trunk_passes if self.trunk_passes else 0.0)  # fmt: skip
