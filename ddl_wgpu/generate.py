@@ -384,6 +384,8 @@ def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = 64, 
             model = load_model(model)
         except (CheckpointError, OSError) as e:
             raise GenerateError(str(e)) from e
+    if dtype not in ("f32", "f16"):
+        raise GenerateError(f"trunk dtype must be f32 or f16, got {dtype!r}")
     if max_new_tokens < 1:
         raise GenerateError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if speculative:
