@@ -12,8 +12,9 @@ A pass of n new rows is a `TrunkRows` (an `inference.InferenceWork` of one seque
 that see other positions: RoPE at positions start + r (`ops.decode.rope_at`), attention (keys and values
 stored into the cache, then the rows attend over it: `attend_cache`; a prefill from position 0 uses the
 training flash kernel), the TC compressor and the EC expansion (`tc_cache`/`ec_cache` from their history
-caches). Everything else is the training engine's kernels (GEMMs with n rows, norms, Delta updates,
-SwiGLU, the head in row chunks). The start position reaches the kernels through a 4-byte `meta` buffer, set
+caches), and for passes of at most `ops.decode.GEMV_MAX_ROWS` rows the linear layers and the head as
+matrix-vector products (`ops.decode.gemv`, f32 or f16 weights). Everything else is the training engine's
+kernels (GEMMs for longer passes such as a prefill, norms, Delta updates, SwiGLU). The start position reaches the kernels through a 4-byte `meta` buffer, set
 inside the command stream by a copy from a table of positions, so every Call is built once.
 
 Read-back: with head "argmax" only the chosen ids (the `topk` kernel with k = 1, ties to the lower id);
@@ -77,6 +78,38 @@ class _CachedRows:
 
     def _kv(self, a: dict):
         raise NotImplementedError
+
+    # -- matrix-vector products for the few rows of a decoding pass (the tiled GEMM would idle) ----------
+
+    def _gemv(self, name: str, n_in: int) -> bool:
+        return self.N <= k_dec.GEMV_MAX_ROWS and (self.net.wdtype(name) == "f32" or n_in % 4 == 0)
+
+    def _linear(self, out, x, name: str, n_out: int, n_in: int) -> Call:
+        if not self._gemv(name, n_in):
+            return super()._linear(out, x, name, n_out, n_in)
+        return k_dec.gemv(self.gpu, out, x, self.net.view(name), self.N, n_out, n_in, self.net.wdtype(name))
+
+    def _project_out(self, out, x, name: str, n_in: int, accumulate: bool) -> Call:
+        if not self._gemv(name, n_in):
+            return super()._project_out(out, x, name, n_in, accumulate)
+        return k_dec.gemv(self.gpu, out, x, self.net.view(name), self.N, self.C, n_in, self.net.wdtype(name),
+                          accumulate=accumulate)  # fmt: skip
+
+    def head_forward(self, logits, xf, n: int) -> Call:
+        """logits (n, V) = xf · Headᵀ: gemv per vocabulary chunk for a few rows, else the Vocab's GEMMs."""
+        net = self.net
+        if not self._gemv(net.head_name, self.C):
+            return self.vocab.head_forward(logits, xf, n)
+        call, V, dt = Call(), self.cfg.vocab_size, net.wdtype(net.head_name)
+        for v0, rows, w, _dw in self.vocab.head_chunks():
+            call += k_dec.gemv(self.gpu, logits, xf, w, n, rows, self.C, dt, ldy=V, col0=v0)
+        return call
+
+    def head_calls(self, xf, loss, dxf=None, with_dw: bool = False) -> Call:
+        if dxf is not None or self.chunk < self.N or not self._gemv(self.net.head_name, self.C):
+            return super().head_calls(xf, loss, dxf, with_dw)
+        logits = (self.logit_chunk, 0, self.N * self.cfg.vocab_size * F32)
+        return self.head_forward(logits, xf, self.N) + loss(logits, self.N, 0)
 
     def _qk_forward(self, a: dict, t: str, nh: int, p: str) -> Call:
         D, g, c = self.cfg.head_dim, self.gpu, self.cache
@@ -279,7 +312,7 @@ class WgpuEngine:
                 m = min(rows.chunk, n - r0)
                 xf = (rows.xf, r0 * C * F32, m * C * F32)
                 rows.decode_logits.append(
-                    (r0, m, rows.vocab.head_forward((rows.logit_chunk, 0, m * V * F32), xf, m))
+                    (r0, m, rows.head_forward((rows.logit_chunk, 0, m * V * F32), xf, m))
                 )
         out = np.empty((n, V), np.float32)
         for r0, m, call in rows.decode_logits:
