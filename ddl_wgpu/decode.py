@@ -226,9 +226,10 @@ class DraftRows(_CachedRows, Blocks):
 
 
 class WgpuEngine:
-    """`ddl_wgpu.generate.Engine` on the GPU (module docstring). `depth` > 0 builds the draft's cache."""
+    """`ddl_wgpu.generate.Engine` on the GPU (module docstring). `depth` > 0 builds the draft's cache;
+    `capacity` positions (default the model's max_seq_len)."""
 
-    def __init__(self, gpu: Gpu, model, depth: int = 0, dtype: str = "f32"):
+    def __init__(self, gpu: Gpu, model, depth: int = 0, dtype: str = "f32", capacity: int | None = None):
         cfg = model.cfg
         if depth and cfg.mtp is None:
             raise GpuError("speculative decoding needs the model's MTP draft")
@@ -239,7 +240,9 @@ class WgpuEngine:
 
         self.net = Net(gpu, cfg, params, inference=True, dtype=dtype)
         self.gpu, self.cfg, self.depth = gpu, cfg, depth
-        cap = cfg.max_seq_len
+        cap = cfg.max_seq_len if capacity is None else int(capacity)
+        if not 0 < cap <= cfg.max_seq_len:
+            raise GpuError(f"cache capacity {cap} must be in 1..max_seq_len {cfg.max_seq_len}")
         tc = cfg.residual == "delta" and cfg.ddl_dv > 1 and cfg.ddl_compressor == "tc"
         ec = cfg.residual == "delta" and cfg.ddl_dv > 1 and cfg.ddl_expand_embed
         self.trunk = GpuCache(gpu, cfg, cap, cfg.n_layers, bool(depth), tc, ec)

@@ -121,9 +121,9 @@ class RefEngine:
     """`Engine` over `ddl_ref.decode` (float32 numpy): trunk and draft caches, the trunk's hidden rows and the
     tokens by position for the draft's catch-up rows."""
 
-    def __init__(self, model: Model, depth: int = 0):
+    def __init__(self, model: Model, depth: int = 0, capacity: int | None = None):
         self.params, self.cfg = model.params, model.cfg
-        cap = self.cfg.max_seq_len
+        cap = self.cfg.max_seq_len if capacity is None else int(capacity)
         self.trunk = ref_decode.TrunkCache(self.cfg, cap)
         self.dcache = ref_decode.DraftCache(self.cfg, cap + depth) if depth else None
         self.hidden = np.zeros((cap, self.cfg.d_model), np.float32) if depth else None
@@ -262,9 +262,10 @@ class _Chooser:
         return len(drafts), self.token(prows[len(drafts)])
 
 
-def run(engine: Engine, tokenizer, prompt_ids, max_seq_len: int, max_new_tokens: int = 64,
+def run(engine: Engine, tokenizer, prompt_ids, context: int, max_new_tokens: int = 64,
         sampling: Sampling = Sampling(), stops: Sequence[str] = (), on_text=None, depth: int = 0) -> dict:  # fmt: skip
-    """Generate after `prompt_ids` with `engine`; `depth` > 0 speculates with the draft `depth` deep."""
+    """Generate after `prompt_ids` with `engine`, the sequence at most `context` tokens (the engine's cache
+    capacity, at most the model's max_seq_len); `depth` > 0 speculates with the draft `depth` deep."""
     ch = _Chooser(sampling)
     stream = TextStream(tokenizer, stops, on_text)
     stats = Stats(depth, drafted=np.zeros(depth, np.int64), kept=np.zeros(depth, np.int64))
@@ -280,7 +281,7 @@ def run(engine: Engine, tokenizer, prompt_ids, max_seq_len: int, max_new_tokens:
         for tok in tokens:
             if len(new) >= max_new_tokens:
                 return "length"
-            if len(prompt) + len(new) >= max_seq_len:
+            if len(prompt) + len(new) >= context:
                 return "context"
             new.append(tok)
             if stream.add(tok):
@@ -290,7 +291,7 @@ def run(engine: Engine, tokenizer, prompt_ids, max_seq_len: int, max_new_tokens:
     finish = emit([nxt])
     while finish is None:
         n = engine.length  # == len(prompt) + len(new) − 1: every emitted token but the last is fed
-        remaining, room = max_new_tokens - len(new), max_seq_len - n - 1  # room: positions after x_n
+        remaining, room = max_new_tokens - len(new), context - n - 1  # room: positions after x_n
         if remaining <= 0 or room <= 0:
             finish = "length" if remaining <= 0 else "context"
             break
@@ -331,10 +332,10 @@ def run(engine: Engine, tokenizer, prompt_ids, max_seq_len: int, max_new_tokens:
 # the entry point
 
 
-def make_engine(
-    model: Model, backend: str, device: str | None, depth: int, dtype: str = "f32"
-) -> tuple[Engine, str]:
-    """-> (engine, the backend it runs on); "auto" follows `backend.choose_backend` (numpy on CPU adapters)."""
+def make_engine(model: Model, backend: str, device: str | None, depth: int, dtype: str = "f32",
+                capacity: int | None = None) -> tuple[Engine, str]:  # fmt: skip
+    """-> (engine, the backend it runs on); "auto" follows `backend.choose_backend` (numpy on CPU adapters).
+    `capacity`: positions the caches hold (default the model's max_seq_len)."""
     from ddl_wgpu.backend import BackendError, choose_backend, open_gpu
 
     try:
@@ -344,12 +345,12 @@ def make_engine(
     if used == "ref":
         if dtype != "f32":
             raise GenerateError(f"a {dtype} trunk needs the wgpu backend (the numpy trunk is f32)")
-        return RefEngine(model, depth), "ref"
+        return RefEngine(model, depth, capacity), "ref"
     from ddl_wgpu.decode import WgpuEngine
     from ddl_wgpu.gpu import GpuError
 
     try:
-        return WgpuEngine(open_gpu(device), model, depth, dtype), "wgpu"
+        return WgpuEngine(open_gpu(device), model, depth, dtype, capacity), "wgpu"
     except GpuError as e:
         raise GenerateError(f"decoding on the GPU: {e}") from e
 
@@ -396,8 +397,11 @@ def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = 64, 
             raise GenerateError(f"depth must be at least 1, got {depth}")
     tokenizer = tokenizer_for(model.tokenizer)
     ids = encode_prompt(model, prompt, tokenizer)
-    engine, used = make_engine(model, backend, device, depth if speculative else 0, dtype)
-    out = run(engine, tokenizer, ids, model.cfg.max_seq_len, max_new_tokens, sampling, stops, on_text,
+    # The caches hold what this request can reach, not the model's whole context (a 40k-token Qwen3 context
+    # would take gigabytes of keys and values for a short answer).
+    context = min(model.cfg.max_seq_len, ids.size + max_new_tokens + 1)
+    engine, used = make_engine(model, backend, device, depth if speculative else 0, dtype, context)
+    out = run(engine, tokenizer, ids, context, max_new_tokens, sampling, stops, on_text,
               depth if speculative else 0)  # fmt: skip
     out.update(backend=used, speculative=bool(speculative))
     return out
