@@ -8,6 +8,8 @@ rows again after a roll-back) gives a full forward's logits at every position; t
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -310,3 +312,15 @@ def test_refusals(tmp_path):
         Sampling(top_p=0)
     out = generate(nodraft, "x" * 39, max_new_tokens=5, backend="ref")
     assert out["finish_reason"] == "context" and out["new_tokens"] == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="the hf extra is not installed")
+def test_model_tokenizer_is_used(tmp_path):
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "foo": 3, "bar": 4}
+    spec = {"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+            "pre_tokenizer": {"type": "Whitespace"}}  # fmt: skip
+    model = dataclasses.replace(tiny_model(vocab=5, seed=4), tokenizer=json.dumps(spec).encode())
+    out = generate(model, "hello world", max_new_tokens=6, backend="ref")
+    assert out["prompt_tokens"] == 2 and out["new_tokens"] == 6
+    words = [w for w, i in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert out["text"].split() == [words[i] for i in out["token_ids"]]
