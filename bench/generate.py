@@ -14,8 +14,8 @@ about 1/V of the time, so the speculative row of a synthetic model measures the 
 (almost) zero acceptance; a model trained with `--mtp` (and healed) gives the real acceptance and speed-up.
 
 What is timed (wall clock, `time.perf_counter`, every call ends with a read-back, so it is synchronised):
-- prefill: `WgpuEngine.feed(prompt, "argmax")` of --prompt tokens on an empty cache (one pass: the training
-  kernels; the next token read back). Tokens/s = prompt / s. Median of --repeats after a warm-up.
+- prefill: `WgpuEngine.feed(prompt, "argmax", last_only=True)` of --prompt tokens on an empty cache (one
+  pass: the training kernels; the head on the last row; the next token read back), as `generate` runs it. Tokens/s = prompt / s. Median of --repeats after a warm-up.
 - decode: `generate.run` greedy for --new tokens after the prompt, its decode time (first token excluded);
   plain, then with the draft --depth deep (`speculative`). Tokens/s = (new − 1) / s; the speculative row adds
   the mean accepted drafts per round, tokens per trunk pass and the acceptance per depth from the run.
@@ -198,7 +198,7 @@ def bench_ours(gpu, model: Model, prompt, new: int, depth: int, dtype: str, repe
     for _ in range(repeats + 1):  # the first builds and compiles
         engine.rollback(0)
         t0 = time.perf_counter()
-        engine.feed(prompt, "argmax")
+        engine.feed(prompt, "argmax", last_only=True)
         times.append(time.perf_counter() - t0)
     out["prefill_tokens_per_s"] = len(prompt) / statistics.median(times[1:])
     cap = model.cfg.max_seq_len

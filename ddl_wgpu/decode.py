@@ -256,11 +256,11 @@ class WgpuEngine:
     def length(self) -> int:
         return self.trunk.length
 
-    def _get(self, kind: str, n: int):
-        key = (kind, n, kind == "trunk" and self.trunk.length == 0)
+    def _get(self, kind: str, n: int, prefill: bool = False):
+        key = (kind, n, prefill)
         if key not in self._rows:
             if kind == "trunk":
-                self._rows[key] = TrunkRows(self.net, self.trunk, n, prefill=key[2])
+                self._rows[key] = TrunkRows(self.net, self.trunk, n, prefill)
             else:
                 self._rows[key] = DraftRows(self.net, self.dcache, n)
         return self._rows[key]
@@ -268,17 +268,23 @@ class WgpuEngine:
     def _at(self, rec, cache: GpuCache, start: int) -> None:
         rec.copy(self.positions, 4 * start, cache.meta, 0, 4)
 
-    def feed(self, ids, head: str) -> np.ndarray:
+    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray:
+        """The trunk over new tokens; the head of every row, or with `last_only` of the last row alone (a
+        prompt: its last row is copied into the one-row pass's hidden and the head runs there)."""
         ids = np.asarray(ids, np.int64)
         n, start = ids.size, self.trunk.length
         if start + n > self.trunk.capacity:
             raise GpuError(f"{start + n} positions exceed the cache capacity {self.trunk.capacity}")
-        rows = self._get("trunk", n)
+        rows = self._get("trunk", n, prefill=start == 0)
         rows.upload_ids(ids[None], None)
         self.ids[start : start + n] = ids
         rec = self.gpu.recorder()
         self._at(rec, self.trunk, start)
         rows._fwd.record(rec)
+        if last_only and n > 1:
+            one = self._get("trunk", 1)
+            rec.copy(rows.xf, (n - 1) * rows.C * F32, one.xf, 0, rows.C * F32)
+            rows = one
         out = self._head(rows, head, rec)
         self.trunk.length = start + n
         return out

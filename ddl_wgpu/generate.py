@@ -106,7 +106,9 @@ def draw(p, rng: np.random.Generator) -> int:
 class Engine(Protocol):
     length: int
 
-    def feed(self, ids, head: str) -> np.ndarray: ...  # "argmax" -> (n,) int; "logits", "top<k>" -> (n, V)
+    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray: ...  # "argmax" -> (n,) int;
+
+    # "logits", "top<k>" -> (n, V); `last_only`: the last row's alone (what a prompt needs)
 
     def rollback(self, length: int) -> None: ...
 
@@ -133,13 +135,14 @@ class RefEngine:
     def length(self) -> int:
         return self.trunk.length
 
-    def feed(self, ids, head: str) -> np.ndarray:
+    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray:
         start = self.trunk.length
         ids = np.asarray(ids, np.int64)
         pre, post, logits = ref_decode.trunk_step(self.params, self.cfg, self.trunk, ids)
         self.ids[start : start + ids.size] = ids
         if self.hidden is not None:
             self.hidden[start : start + ids.size] = ref_mtp.pick_hidden(pre, post, self.cfg.mtp.trunk_hidden)
+        logits = logits[-1:] if last_only else logits
         return np.argmax(logits, axis=-1) if head == "argmax" else logits
 
     def rollback(self, length: int) -> None:
@@ -271,7 +274,7 @@ def run(engine: Engine, tokenizer, prompt_ids, context: int, max_new_tokens: int
     stats = Stats(depth, drafted=np.zeros(depth, np.int64), kept=np.zeros(depth, np.int64))
     prompt = [int(t) for t in prompt_ids]
     t0 = time.perf_counter()
-    rows = engine.feed(prompt, ch.head)
+    rows = engine.feed(prompt, ch.head, last_only=True)
     stats.trunk_passes += 1
     nxt = ch.token(rows[-1])
     t1 = time.perf_counter()

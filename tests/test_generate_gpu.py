@@ -39,6 +39,10 @@ def test_gpu_decode_logits_equal_forward(gpu, variant):
     assert engine.length == 12
     engine.rollback(10)
     assert list(engine.feed(ids[10:], "argmax")) == list(np.argmax(want[10:], axis=-1))
+    fresh = WgpuEngine(gpu, model)  # a prompt's head on its last row alone
+    check("last row", fresh.feed(ids[:6], "logits", last_only=True), want[5:6], "model")
+    fresh.rollback(0)
+    assert list(fresh.feed(ids[:7], "argmax", last_only=True)) == [int(np.argmax(want[6]))]
 
 
 @pytest.mark.parametrize("variant", ["baseline", "ddl-tc", "ddl-cc-noec"])
