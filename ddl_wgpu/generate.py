@@ -16,7 +16,7 @@ Speculative decoding (`speculative=True`), one round with n tokens fed and the n
 
 1. the draft's step-1 rows are caught up for every fed anchor a < n it has not seen (trunk hidden h_a, token
    x_{a+1}); the last (anchor n−1, token x_n) proposes d_1 for x_{n+1}; chain step σ = 2..K reads its own step
-   σ−1 hidden and token at position n + σ − 2 (the "stacked" layout of `accept --chain-attention stacked`);
+   σ−1 hidden and token at position n + σ − 2 (the stacked "runtime" layout of `accept`'s chain attention);
    the chain rows are then rolled back, the step-1 rows kept;
 2. the trunk verifies [x_n, d_1, ..., d_K] in one `feed` (K + 1 rows, distributions P_0..P_K);
 3. greedy: d_j is kept while d_j = argmax P_{j−1}; the first mismatch is replaced by the trunk's argmax, and
@@ -27,13 +27,19 @@ Speculative decoding (`speculative=True`), one round with n tokens fed and the n
    plain sampling from the trunk;
 4. the trunk cache is rolled back past the rejected drafts (to n + 1 + m for m kept).
 
-K shrinks near `max_new_tokens` and the model's context. Stats: trunk passes, rounds, mean tokens per verify
-pass, and per depth j the fraction of rounds that drafted at least j tokens whose first j were all kept.
+K shrinks near `max_new_tokens` and the end of the context. The caches hold the request's positions (prompt +
+max_new_tokens + 1, at most max_seq_len). Stats: trunk passes, rounds, mean drafts kept per round, tokens
+per trunk pass, and per depth j the fraction of rounds that drafted at least j tokens whose first j were all
+kept.
 
-Verified (tests/test_generate.py, numpy): greedy output token for token equal with and without speculation for
-several variants and depths; the draft's proposals equal `accept`'s stacked greedy chain; seeded sampling is
-reproducible; speculative sampling's first tokens match the trunk's distribution (chi-square over many seeds
-against P itself, a test that fails for plain draft sampling); stop strings, streaming and every refusal.
+Verified (tests/test_generate.py on numpy; tests/test_generate_gpu.py on the GPU engine): greedy output token
+for token equal with and without speculation for all six variants at depths 1-3 (both the accept and the
+reject paths taken); the draft's proposals equal `accept`'s greedy chain with the runtime attention; seeded
+sampling reproducible; the first three sampled tokens of speculative rounds two drafts deep against the
+trunk's exact joint distribution (chi-square over 4000 seeds; the same statistic rejects the draft's own
+distribution, and fails when drafts are always kept or a rejection draws from P instead of the residual);
+stop strings, streaming (no half character, nothing past a stop), the model's Hugging Face tokenizer, and
+every refusal.
 
 What this file deliberately does not do: batches of prompts, beam search, repetition penalties.
 """
@@ -104,11 +110,12 @@ def draw(p, rng: np.random.Generator) -> int:
 
 
 class Engine(Protocol):
+    """What `run` drives (module docstring). `feed` returns per row: head "argmax" the ids (n,), "logits" or
+    "top<k>" (n, V) logits; `last_only` the last row's alone (what a prompt needs)."""
+
     length: int
 
-    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray: ...  # "argmax" -> (n,) int;
-
-    # "logits", "top<k>" -> (n, V); `last_only`: the last row's alone (what a prompt needs)
+    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray: ...
 
     def rollback(self, length: int) -> None: ...
 
