@@ -275,8 +275,10 @@ class WgpuEngine:
         n, start = ids.size, self.trunk.length
         if start + n > self.trunk.capacity:
             raise GpuError(f"{start + n} positions exceed the cache capacity {self.trunk.capacity}")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            raise GpuError(f"token id out of range for vocab_size {self.cfg.vocab_size}")
         rows = self._get("trunk", n, prefill=start == 0)
-        rows.upload_ids(ids[None], None)
+        self.gpu.write(rows.ids, ids.astype(np.uint32))  # the ids alone: no targets or weights to decode
         self.ids[start : start + n] = ids
         rec = self.gpu.recorder()
         self._at(rec, self.trunk, start)
