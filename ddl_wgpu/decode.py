@@ -249,6 +249,7 @@ class WgpuEngine:
         self.dcache = GpuCache(gpu, cfg, cap + depth, 1, False, False, False) if depth else None
         self.positions = gpu.upload(np.arange(cap + depth + 1, dtype=np.uint32), "positions")
         self.drafted = gpu.buffer(max(depth, 1) * 4, label="drafted")
+        self.readback = gpu.buffer((2 * depth + 1) * 4, label="round_readback")
         self.ids = np.zeros(cap + 1, np.int64)
         self._rows: dict = {}
 
@@ -338,15 +339,16 @@ class WgpuEngine:
         if self.dcache is not None:
             self.dcache.length = min(self.dcache.length, length)
 
-    def draft(self, token: int, depth: int, head: str, pick):
-        """`depth` draft tokens after `token` (the next, not yet fed token): catch-up step-1 rows for the
-        anchors the draft has not seen, then chain rows; the chain rows are rolled back at the end."""
+    def _chain(self, rec, token: int, depth: int, head: str, pick):
+        """Record the draft's rows into `rec` (module docstring): catch-up step-1 rows for the anchors the draft
+        has not seen, then the chain rows. Greedy (head "argmax"): every step's argmax is copied on the GPU
+        into `drafted` and into the next step's token; nothing is submitted. Sampling: each step is submitted,
+        its row read back per `head` and `pick`ed on the host. -> (rec, tokens, rows)."""
         g, C, dc = self.gpu, self.cfg.d_model, self.dcache
         n, a = self.trunk.length, dc.length
         self.ids[n] = token
         first = self._get("draft", n - a)
         g.write(first.ids, self.ids[a + 1 : n + 1].astype(np.uint32))
-        rec = g.recorder()
         rec.copy(self.trunk.hidden, a * C * F32, first.hid, 0, (n - a) * C * F32)
         self._at(rec, dc, a)
         first._fwd.record(rec)
@@ -372,8 +374,39 @@ class WgpuEngine:
                 rows.append(row)
                 tokens.append(pick(row))
                 rec = g.recorder()
+        return rec, tokens, rows
+
+    def draft(self, token: int, depth: int, head: str, pick):
+        """`depth` draft tokens after `token` (the next, not yet fed token) -> (tokens, rows read back); the
+        chain rows are rolled back at the end."""
+        rec, tokens, rows = self._chain(self.gpu.recorder(), token, depth, head, pick)
         if head == "argmax":
             rec.submit()
-            tokens = [int(t) for t in g.download(self.drafted, np.uint32, depth)]
-        dc.length = n  # the chain rows go; the step-1 rows of anchors 0..n−1 stay
+            tokens = [int(t) for t in self.gpu.download(self.drafted, np.uint32, depth)]
+        self.dcache.length = self.trunk.length  # the chain rows go; the step-1 rows of anchors 0..n−1 stay
         return tokens, rows
+
+    def round(self, token: int, depth: int) -> tuple[list[int], np.ndarray]:
+        """A greedy speculative round in one submit: the draft chain, then the trunk over [token, d_1..d_K]
+        with the drafted ids copied on the GPU into its input; reads back the K drafted ids and the K + 1
+        verify argmaxes alone. -> (drafts, argmax per verify row); the trunk cache then holds all K + 1."""
+        g, n = self.gpu, self.trunk.length
+        if n + depth + 1 > self.trunk.capacity:
+            raise GpuError(f"{n + depth + 1} positions exceed the cache capacity {self.trunk.capacity}")
+        rec, _, _ = self._chain(g.recorder(), token, depth, "argmax", None)
+        verify = self._get("trunk", depth + 1)
+        g.write(verify.ids, np.array([token], np.uint32))
+        rec.copy(self.drafted, 0, verify.ids, 4, 4 * depth)
+        self._at(rec, self.trunk, n)
+        verify._fwd.record(rec)
+        call, ids_out, _ = verify._topk_call(1)
+        call.record(rec)
+        rec.copy(ids_out, 0, self.readback, 0, 4 * (depth + 1))
+        rec.copy(self.drafted, 0, self.readback, 4 * (depth + 1), 4 * depth)
+        rec.submit()
+        out = g.download(self.readback, np.uint32, 2 * depth + 1).astype(np.int64)
+        drafts = [int(t) for t in out[depth + 1 :]]
+        self.ids[n : n + depth + 1] = [token, *drafts]
+        self.trunk.length = n + depth + 1
+        self.dcache.length = n
+        return drafts, out[: depth + 1]

@@ -2,10 +2,11 @@
 model's MTP draft.
 
 The loop drives a decoding engine (`RefEngine` here: numpy, `ddl_ref.decode`; `ddl_wgpu.decode.WgpuEngine`:
-the GPU) through four calls: `feed(ids, head)` runs the trunk over new tokens with its cache and returns each
+the GPU) through five calls: `feed(ids, head)` runs the trunk over new tokens with its cache and returns each
 row's argmax (head "argmax"), logits (head "logits"), or logits that may be −inf outside the k most likely
 ids (head "top<k>", when sampling with top_k = k); `rollback(length)` forgets positions; `draft(token,
-depth, head, pick)` runs the MTP draft `depth` steps from the last fed position; `length` is the fed count.
+depth, head, pick)` runs the MTP draft `depth` steps from the last fed position; `round(token, depth)` is a
+greedy draft and its verify in one call (one submit on the GPU); `length` is the fed count.
 
 Plain decoding: the prompt in one `feed`, then one token per `feed`. The token at each step is the argmax of
 the trunk's logits (temperature 0) or drawn from `distribution(logits)`: logits / temperature, then top-k,
@@ -121,6 +122,8 @@ class Engine(Protocol):
 
     def draft(self, token: int, depth: int, head: str, pick: Callable | None) -> tuple[list[int], list]: ...
 
+    def round(self, token: int, depth: int) -> tuple[list[int], np.ndarray]: ...  # greedy draft + verify
+
 
 # ----------------------------------------------------------------------------------------------------------
 # the numpy engine
@@ -174,6 +177,12 @@ class RefEngine:
                                                           [n + sigma - 1])  # fmt: skip
         dc.rollback(n)  # the chain rows go; the step-1 rows of anchors 0..n−1 stay
         return tokens, rows
+
+    def round(self, token: int, depth: int) -> tuple[list[int], np.ndarray]:
+        """A greedy round: `depth` drafts after `token`, then the trunk over [token, drafts] -> (drafts, the
+        argmax of every verify row)."""
+        drafts, _ = self.draft(token, depth, "argmax", None)
+        return drafts, self.feed([token, *drafts], "argmax")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -312,8 +321,12 @@ def run(engine: Engine, tokenizer, prompt_ids, context: int, max_new_tokens: int
             nxt = ch.token(rows[-1])
             finish = emit([nxt])
             continue
-        drafts, qrows = engine.draft(nxt, k, ch.head, ch.draft_pick)
-        prows = engine.feed([nxt, *drafts], ch.head)
+        if sampling.greedy:  # the GPU engine runs draft and verify in one submit
+            drafts, prows = engine.round(nxt, k)
+            qrows = None
+        else:
+            drafts, qrows = engine.draft(nxt, k, ch.head, ch.draft_pick)
+            prows = engine.feed([nxt, *drafts], ch.head)
         stats.trunk_passes += 1
         m, nxt = ch.verify(drafts, qrows, prows)
         engine.rollback(n + 1 + m)
