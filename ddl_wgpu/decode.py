@@ -71,7 +71,8 @@ class GpuCache:
 
 
 class _CachedRows:
-    """What trunk and draft passes share: RoPE at the cache's positions and attention over the cache."""
+    """What trunk and draft passes share: RoPE at the cache's positions, attention over the cache, and for a
+    few rows the linear layers and the head as matrix-vector products."""
 
     cache: GpuCache
     prefill: bool
