@@ -11,6 +11,11 @@ export PYTHONUNBUFFERED = 1
 DEMO_ARGS ?= --data stdlib --variants baseline,ddl,ddl-cc --preset tiny --max-steps 60 --eval-interval 20 \
 	--eval-batches 4 --batch-size 8 --seq-len 128 --learning-rate 3e-3 --warmup-steps 5 --max-tokens 2000000
 
+# Run a second time with DDL_WGPU_LIMITS=webgpu (WebGPU's default limits instead of the adapter's): every kernel
+# has a path within them (docs/wgpu-notes.md).
+PORTABLE_TESTS = tests/test_engine*.py tests/test_kernel_*.py tests/test_chain_attention.py tests/test_mtp_train.py \
+	tests/test_heal_gpu.py tests/test_gpu.py tests/test_entry_points.py
+
 demo:
 	@EXTRAS=test,plot scripts/bootstrap.sh
 	.venv/bin/ddl-wgpu devices
@@ -24,6 +29,8 @@ test:
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/python -m pytest
+	@echo; echo "== the engine and kernel tests again within WebGPU's default limits (what every Metal, DX12 and Vulkan GPU meets)"
+	DDL_WGPU_LIMITS=webgpu .venv/bin/python -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS)
 
 lint:
 	.venv/bin/ruff check --fix .

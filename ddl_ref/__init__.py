@@ -4,7 +4,8 @@ optimizer, spectral diagnostics).
 Pure numpy and imports nothing from `ddl_wgpu`: the engine is tested against this package, never the reverse.
 """
 
-from ddl_ref import delta, ops, spectral
+from ddl_ref import delta, ops, shortconv, spectral
+from ddl_ref.blocks import block_backward, block_forward
 from ddl_ref.config import (
     PRESETS,
     ConfigError,
@@ -14,7 +15,7 @@ from ddl_ref.config import (
     parse_variants,
     preset,
 )
-from ddl_ref.model import backward, block_backward, block_forward, forward, hidden_states
+from ddl_ref.model import backward, forward, hidden_states
 from ddl_ref.optim import CosineWarmupSchedule, adamw_step, clip_multiplier, global_grad_norm
 from ddl_ref.params import ParamSpec, init_params, num_params, param_table
 from ddl_ref.spectral import DeltaRegime, SpectralAccumulator, beta_histogram, spectral_snapshot
@@ -45,6 +46,7 @@ __all__ = [
     "param_table",
     "parse_variants",
     "preset",
+    "shortconv",
     "spectral",
     "spectral_snapshot",
 ]

@@ -3,7 +3,7 @@
 One draft block under `model.mtp.*` predicts the token after next from the trunk's hidden row:
 
     x_p    = eh_proj · [enorm(E[t]); hnorm(h_p)]        (or [hnorm(h_p); enorm(E[t])] for concat "hidden_first")
-    pre_p  = block(x)_p                                 a baseline decoder block (`ddl_ref.model.block_forward`)
+    pre_p  = block(x)_p                                 a baseline decoder block (`ddl_ref.blocks.block_forward`)
     post_p = model.mtp.norm(pre_p)
     logits = post_p @ head.T                            the trunk's (shared) head
 
@@ -17,7 +17,7 @@ Attention of a step-j pass is by default causal over the step-j rows of the same
 steps 1..j are stacked and attend with the runtime's training-time-test "diagonal" mask (mtp-heal.md §6.2:
 step-j rows attend to step-1 rows ≤ p plus the same anchor's step-2..j rows, at positions p + j − 1).
 
-The block reuses `ddl_ref.model.block_forward/block_backward` through a name-mapped view of the parameters
+The block reuses `ddl_ref.blocks.block_forward/block_backward` through a name-mapped view of the parameters
 (`model.mtp.layers.0.X` seen as `model.layers.0.X`) and a one-layer baseline config (`draft_config`), so the
 draft block is the trunk's block, line for line, even under a DDL trunk.
 
@@ -37,7 +37,7 @@ import dataclasses
 
 import numpy as np
 
-from ddl_ref import model as ref_model
+from ddl_ref import blocks as ref_blocks
 from ddl_ref import ops
 from ddl_ref.config import ModelConfig, MtpConfig
 from ddl_ref.params import MTP_LAYER_PREFIX, MTP_PREFIX
@@ -143,7 +143,7 @@ def draft_forward(params: dict, cfg: ModelConfig, x_rows, chain: int = 0):
         mask = ops.chain_mask(chain, W)
     else:
         cos, sin = ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, x_rows.dtype)  # positions 0..T-1
-    pre, c_block = ref_model.block_forward(block_view(params), dcfg, 0, x_rows, cos, sin, mask)
+    pre, c_block = ref_blocks.block_forward(block_view(params), dcfg, 0, x_rows, cos, sin, mask)
     post, c_norm = ops.rmsnorm_forward(pre, params[NORM], cfg.rms_eps, cfg.norm_style)
     return pre, post, {"block": c_block, "norm": c_norm, "cos": cos, "sin": sin}
 
@@ -154,7 +154,7 @@ def draft_backward(params: dict, cfg: ModelConfig, cache, dpost, dpre=None):
     if dpre is not None:
         dx = dx + dpre
     bgrads: dict = {}
-    dx = ref_model.block_backward(
+    dx = ref_blocks.block_backward(
         block_view(params), draft_config(cfg), 0, dx, cache["block"], cache["cos"], cache["sin"], bgrads
     )
     n = len(_BLOCK_PREFIX)
@@ -286,7 +286,7 @@ def topk_probs(logits, k: int):
 
 def trunk_topk_hidden(params: dict, cfg: ModelConfig, ids, k: int):
     """ids (B, T) -> (top_ids (B, T, k), top_probs (B, T, k), hidden_pre (B, T, C), hidden_post (B, T, C))."""
-    pre, post, _ = ref_model.trunk_forward(params, cfg, np.asarray(ids))
+    pre, post, _ = ref_blocks.trunk_forward(params, cfg, np.asarray(ids))
     top_ids, top_probs = topk_probs(ops.linear_forward(post, head_weight(params, cfg)), k)
     return top_ids, top_probs, pre, post
 

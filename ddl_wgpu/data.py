@@ -48,7 +48,6 @@ Every bad input raises ``DataError`` (a ``ValueError``) with one clear line.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sysconfig
 from collections.abc import Iterator, Sequence
@@ -57,6 +56,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ddl_wgpu.safeio import load_json
 
 __all__ = [
     "STDLIB_SPEC",
@@ -316,12 +317,9 @@ def _jsonl_records(path: Path, tokenizer: Tokenizer, budget: _Budget) -> list[np
                 break
             if not raw.strip():
                 continue
-            try:
-                obj = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
-            except UnicodeDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid UTF-8 ({exc.reason})") from exc
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
+                raw = raw[3:]
+            obj = load_json(raw, f"{path}:{lineno}", DataError)  # hostile JSON: one DataError
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise DataError(f"{path}:{lineno}: expected a JSON object with a string 'text' field")
             records.append(budget.cut(tokenizer.encode(obj["text"])))

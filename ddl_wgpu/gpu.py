@@ -3,8 +3,10 @@
 What lives here and why:
 - adapter choice (`--device` / env `DDL_WGPU_ADAPTER`: an index or a name substring; by default a discrete
   GPU, then integrated, then a CPU adapter such as Mesa's lavapipe; Vulkan/Metal/DX12 before OpenGL);
-- the device, with the adapter's own limits (wgpu-py requests them all by default) and the optional features
-  we use when present (shader-f16, subgroup, timestamp-query);
+- the device, with the adapter's own limits (wgpu-py requests them all by default), or WebGPU's default
+  limits in the portability mode (`limits_mode="webgpu"` / env `DDL_WGPU_LIMITS=webgpu`: what every conformant
+  Vulkan, Metal and DX12 device offers), and the optional features we use when present (shader-f16,
+  subgroup, timestamp-query);
 - kernels: WGSL loaded from `shaders/`, compiled once and cached by (file, entry point, constants,
   template values), each with an explicit bind-group layout built from a signature string, so one layout
   rule holds everywhere: read-only storage inputs first, then read-write outputs, then one uniform;
@@ -20,7 +22,9 @@ What it deliberately does not do: know anything about models. Kernels' launchers
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +41,34 @@ ENV_ADAPTER = "DDL_WGPU_ADAPTER"
 # shapes; the constructor's `max_binding` / `max_buffer` do the same. Never raises a limit.
 ENV_MAX_BINDING = "DDL_WGPU_MAX_BINDING"
 ENV_MAX_BUFFER = "DDL_WGPU_MAX_BUFFER"
+# "adapter" (default): request the adapter's own limits; "webgpu": request WebGPU's default limits instead,
+# so a run on a large GPU exercises the kernel shapes every conformant device can run (portability mode).
+ENV_LIMITS = "DDL_WGPU_LIMITS"
+LIMIT_MODES = ("adapter", "webgpu")
+# The WebGPU specification's default limits for what a compute program uses (buffers, bindings, workgroups);
+# texture, vertex and render limits are left at the adapter's (no kernel uses them).
+WEBGPU_LIMITS = {
+    "max-bind-groups": 4,
+    "max-bindings-per-bind-group": 1000,
+    "max-dynamic-uniform-buffers-per-pipeline-layout": 8,
+    "max-dynamic-storage-buffers-per-pipeline-layout": 4,
+    "max-storage-buffers-per-shader-stage": 8,
+    "max-uniform-buffers-per-shader-stage": 12,
+    "max-uniform-buffer-binding-size": 64 << 10,
+    "max-storage-buffer-binding-size": 128 << 20,
+    "min-uniform-buffer-offset-alignment": 256,
+    "min-storage-buffer-offset-alignment": 256,
+    "max-buffer-size": 256 << 20,
+    "max-compute-workgroup-storage-size": 16 << 10,
+    "max-compute-invocations-per-workgroup": 256,
+    "max-compute-workgroup-size-x": 256,
+    "max-compute-workgroup-size-y": 256,
+    "max-compute-workgroup-size-z": 64,
+    "max-compute-workgroups-per-dimension": 65535,
+}
+# A directory: every shader source a kernel compiles is written there, after includes and template
+# substitution, so generated WGSL can be read (`dump_shader`).
+ENV_DUMP = "DDL_WGPU_DUMP_WGSL"
 # Shader files compiled without naga's runtime checks (index clamping, loop bounding): "default" (the
 # files in TRUSTED_FILES), "none", or a comma-separated list of files.
 ENV_TRUSTED = "DDL_WGPU_TRUSTED"
@@ -174,22 +206,48 @@ def shader_dirs() -> list[Path]:
     return [p for p in (here / "shaders", here.parent / "shaders") if p.is_dir()]
 
 
-def shader_source(file: str, templates: dict | None = None) -> str:
-    """Read a WGSL file; `{{name}}` placeholders are replaced from `templates`, and any left is an error
-    (a generated kernel with a hole must not compile silently)."""
+def _read_shader(file: str) -> str:
     candidates = [Path(file)] if Path(file).is_absolute() else [d / file for d in shader_dirs()]
     for p in candidates:
         if p.is_file():
-            src = p.read_text()
-            break
-    else:
-        raise KernelError(f"{file}: shader file not found in {[str(d) for d in shader_dirs()]}")
+            return p.read_text()
+    raise KernelError(f"{file}: shader file not found in {[str(d) for d in shader_dirs()]}")
+
+
+def shader_source(file: str, templates: dict | None = None) -> str:
+    """Read a WGSL file; a line `{{include NAME}}` is replaced by the shader file NAME (shared helpers such as
+    `prelude_reduce.wgsl`), then `{{name}}` placeholders from `templates` (generated code, and the uniform
+    structs `{{struct Params}}` that `Uniform.wgsl` emits). Any placeholder left is an error (a generated
+    kernel with a hole must not compile silently)."""
+    src = _read_shader(file)
+    for name in re.findall(r"^\{\{include ([\w.]+)\}\}$", src, re.M):
+        src = src.replace("{{include " + name + "}}", _read_shader(name).rstrip("\n"))
     for k, v in (templates or {}).items():
         src = src.replace("{{" + k + "}}", str(v))
     if "{{" in src:
         start = src.index("{{")
         raise KernelError(f"{file}: unfilled template placeholder {src[start : src.index('}}', start) + 2]}")
     return src
+
+
+def dump_shader(
+    file: str, entry: str, constants: dict | None, templates: dict | None, src: str
+) -> Path | None:
+    """With env DDL_WGPU_DUMP_WGSL=DIR, write the source a kernel compiles (includes, uniform structs and
+    template values filled in) to DIR/<family>.<entry>.<hash>.wgsl, the hash over the constants and template
+    values (so each generated variant has its own file); the override constants head the file as a comment.
+    Returns the path written, or None when the variable is unset."""
+    out = os.environ.get(ENV_DUMP)
+    if not out:
+        return None
+    key = repr((sorted((constants or {}).items()), sorted((templates or {}).items())))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+    path = Path(out) / f"{Path(file).stem}.{entry}.{digest}.wgsl"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        consts = ", ".join(f"{k}={v}" for k, v in sorted((constants or {}).items())) or "none"
+        path.write_text(f"// {file}:{entry}, override constants: {consts}\n{src}")
+    return path
 
 
 def pack(fmt: str, *values) -> bytes:
@@ -200,8 +258,87 @@ def pack(fmt: str, *values) -> bytes:
     return data + b"\0" * (-len(data) % 16)
 
 
+_WGSL_TYPES = {"u32": "u", "i32": "i", "f32": "f", "pad": "u"}
+
+
+class Uniform:
+    """One kernel uniform, declared once: its WGSL struct name and its scalar fields in order.
+
+    `Uniform("Params", ("rows", "u32"), ("eps", "f32", "added to the mean square"), ("pad0", "pad"))`: each
+    field is (name, type) or (name, type, comment), type u32, i32, f32, or "pad" (a u32 always 0, never
+    given). The WGSL side is generated from it (`wgsl()`, inserted where a shader has the hole
+    `{{struct Params}}`; the launcher passes the description to `Gpu.kernel(..., uniforms=...)`), and the
+    buffer is packed from it by field name (`pack(rows=..., eps=...)`), so the two cannot disagree."""
+
+    def __init__(self, name: str, *fields: tuple):
+        self.name = name
+        self.fields = tuple((f[0], f[1], f[2] if len(f) > 2 else "") for f in fields)
+        for fname, ftype, _ in self.fields:
+            if ftype not in _WGSL_TYPES:
+                raise ValueError(
+                    f"uniform {name}.{fname}: type {ftype!r} is not one of {sorted(_WGSL_TYPES)}"
+                )
+        names = [f[0] for f in self.fields]
+        if len(set(names)) != len(names):
+            raise ValueError(f"uniform {name}: duplicate field names {names}")
+        self.names = tuple(n for n, t, _ in self.fields if t != "pad")  # the fields `pack` takes
+        # the positional format of `pack(fmt, ...)`, for callers that pack every field in order
+        self.fmt = "".join(_WGSL_TYPES[t] for _, t, _ in self.fields)
+
+    def offset(self, field: str) -> int:
+        """Byte offset of `field` in the packed uniform (for rewriting one field in place)."""
+        return 4 * [n for n, _, _ in self.fields].index(field)
+
+    def wgsl(self) -> str:
+        """The WGSL `struct` declaration."""
+        width = max(len(f"{n}: {'u32' if t == 'pad' else t},") for n, t, _ in self.fields)
+        lines = []
+        for n, t, doc in self.fields:
+            decl = f"{n}: {'u32' if t == 'pad' else t},"
+            lines.append(f"    {decl:<{width}}  // {doc}" if doc else f"    {decl}")
+        return f"struct {self.name} {{\n" + "\n".join(lines) + "\n}"
+
+    def pack(self, **values) -> bytes:
+        """The uniform's bytes from every non-pad field by name; a missing or unknown field is an error."""
+        given = set(values)
+        wanted = {n for n, t, _ in self.fields if t != "pad"}
+        if given != wanted:
+            missing, unknown = sorted(wanted - given), sorted(given - wanted)
+            raise ValueError(f"uniform {self.name}: missing fields {missing}, unknown fields {unknown}")
+        ordered = [
+            0 if t == "pad" else (float(values[n]) if t == "f32" else int(values[n]))
+            for n, t, _ in self.fields
+        ]
+        return pack(self.fmt, *ordered)
+
+    def __repr__(self) -> str:
+        return f"Uniform({self.name}: {', '.join(n for n, _, _ in self.fields)})"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the device
+
+
+def limit_mode(mode: str | None = None) -> str:
+    """The limits to request: `mode`, else env DDL_WGPU_LIMITS, else "adapter"."""
+    value = (mode or os.environ.get(ENV_LIMITS) or "adapter").strip().lower()
+    if value not in LIMIT_MODES:
+        raise GpuError(
+            f"unknown limits mode {value!r} (from {ENV_LIMITS} or Gpu(limits_mode=...)); use one of {LIMIT_MODES}"
+        )
+    return value
+
+
+def _uniform_bytes(layout, values: tuple, fields: dict) -> bytes:
+    if isinstance(layout, Uniform):
+        if values:
+            raise GpuError(
+                f"uniform {layout.name}: give the fields by name, not {len(values)} positional values"
+            )
+        return layout.pack(**fields)
+    if fields:
+        raise GpuError(f"a format string {layout!r} packs positional values, not fields {sorted(fields)}")
+    return pack(layout, *values)
 
 
 def _lowered(limit: int, override: int | None, env: str) -> int:
@@ -232,18 +369,33 @@ class Gpu:
     `max_binding` / `max_buffer` (or env DDL_WGPU_MAX_BINDING / DDL_WGPU_MAX_BUFFER) lower the adapter's
     storage-binding and buffer size limits: a test hook, so a CPU adapter exercises the row-chunked paths
     of tensors larger than a binding with a tiny model. After construction they hold the limits in force;
-    `bind` and `buffer` enforce them."""
+    `bind` and `buffer` enforce them.
+
+    `limits_mode` (or env DDL_WGPU_LIMITS) is "adapter" (the adapter's own limits) or "webgpu" (WebGPU's
+    default limits, WEBGPU_LIMITS: the portability mode, in which every kernel picks shapes any conformant
+    device can run). Either way the kernels read the limits in force from `self.limits`."""
 
     choice: str | int | None = None
     max_binding: int | None = None
     max_buffer: int | None = None
+    limits_mode: str | None = None
     adapter: object = field(init=False)
     device: object = field(init=False)
 
     def __post_init__(self):
         self.adapter = select_adapter(self.choice)
         feats = [f for f in OPTIONAL_FEATURES if f in self.adapter.features]
-        self.device = self.adapter.request_device_sync(required_features=feats)
+        self.limits_mode = limit_mode(self.limits_mode)
+        required = {}
+        if self.limits_mode == "webgpu":
+            # never ask for more than the adapter has (a device below WebGPU's defaults is not conformant,
+            # but requesting beyond the adapter would fail outright)
+            available = self.adapter.limits
+            for k, v in WEBGPU_LIMITS.items():
+                if k in available:
+                    better_is_lower = k.startswith("min-")
+                    required[k] = max(v, int(available[k])) if better_is_lower else min(v, int(available[k]))
+        self.device = self.adapter.request_device_sync(required_features=feats, required_limits=required)
         self.queue = self.device.queue
         self.features = set(str(f) for f in self.device.features)
         self.limits = {k: int(v) for k, v in self.device.limits.items() if isinstance(v, int | float)}
@@ -309,11 +461,15 @@ class Gpu:
         constants: dict | None = None,
         templates: dict | None = None,
         workgroup: tuple = (64, 1, 1),
+        uniforms: tuple = (),
     ) -> Kernel:
         """Compile (once) and return an entry point. `constants` fill WGSL `override`s (workgroup sizes,
-        tile sizes); `templates` fill `{{name}}` placeholders for generated straight-line code. `workgroup`
+        tile sizes); `templates` fill `{{name}}` placeholders for generated straight-line code; `uniforms`
+        (`Uniform` descriptions: every one the file declares) fill its `{{struct NAME}}` holes. `workgroup`
         is recorded for the launcher's arithmetic; it must agree with the shader."""
         assert set(sig) <= set("rwu"), sig
+        if uniforms:
+            templates = {**(templates or {}), **{f"struct {u.name}": u.wgsl() for u in uniforms}}
         ckey = tuple(sorted((constants or {}).items()))
         tkey = tuple(sorted((templates or {}).items()))
         key = (file, entry, sig, ckey, tkey)
@@ -323,9 +479,11 @@ class Gpu:
         try:
             if mkey not in self._modules:
                 src = shader_source(file, templates)
-                self._modules[mkey] = self._create_module(src, file)
+                self._modules[mkey] = (self._create_module(src, file), src)
+            module, src = self._modules[mkey]
+            dump_shader(file, entry, constants, templates, src)
             bgl, pl = self._layout(sig)
-            compute = {"module": self._modules[mkey], "entry_point": entry}
+            compute = {"module": module, "entry_point": entry}
             if constants:
                 compute["constants"] = {k: float(v) for k, v in constants.items()}
             pipe = self.device.create_compute_pipeline(layout=pl, compute=compute, label=f"{file}:{entry}")
@@ -368,17 +526,18 @@ class Gpu:
         self.allocated += size
         return self.device.create_buffer(size=size, usage=usage, label=label)
 
-    def uniform(self, fmt: str, *values, label: str = "params"):
-        """A uniform buffer holding `pack(fmt, *values)`; rewrite it with `write_uniform`."""
-        data = pack(fmt, *values)
+    def uniform(self, layout, *values, label: str = "params", **fields):
+        """A uniform buffer holding `layout.pack(**fields)` (a `Uniform`), or `pack(layout, *values)` (a
+        format string); rewrite it with `write_uniform`."""
+        data = _uniform_bytes(layout, values, fields)
         buf = self.device.create_buffer(
             size=len(data), usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST, label=label
         )
         self.queue.write_buffer(buf, 0, data)
         return buf
 
-    def write_uniform(self, buf, fmt: str, *values):
-        self.queue.write_buffer(buf, 0, pack(fmt, *values))
+    def write_uniform(self, buf, layout, *values, **fields):
+        self.queue.write_buffer(buf, 0, _uniform_bytes(layout, values, fields))
 
     def upload(self, array: np.ndarray, label: str = ""):
         """A new storage buffer holding `array` (C-contiguous bytes)."""

@@ -36,9 +36,9 @@ config.json that says transformers cannot load it. A draft is written under the 
 emb-first, `mtp.pre_fc_norm_*`, `mtp.layers.0.*`, `mtp.norm`) with `mtp_num_hidden_layers: 1` and `ddl_mtp`;
 transformers' Qwen3/Llama classes ignore these tensors (they load the trunk), MTP-aware runtimes read them.
 
-Safetensors files are read by parsing the header here (8-byte little-endian length + JSON) and memory-mapping
-each tensor's byte range, which treats bf16, f16 and f32 alike (bf16 is not a numpy dtype) and never reads a
-whole shard to get one tensor. Every file is treated as untrusted; every bad input raises one `HfError`.
+The folder's files (safetensors, the sharded index, config.json, tokenizer.json) are read and written by
+`ddl_wgpu.hf_files`, which treats every one as untrusted; every bad input raises one `HfError`. An export is
+written into a fresh folder that is renamed into place.
 
 What this module deliberately does not do: the CLI (`cli.py` calls `import_hf_to_file` / `export_hf_from_file`),
 tokenizer parsing (tokenizer.json bytes are carried as they are), MiMo's `model.mtp_layers.*` drafts (hidden
@@ -47,12 +47,13 @@ first, Qwen2 blocks with biases) or more than one draft layer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-import math
 import os
 import re
-from collections.abc import Iterable
+import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +61,19 @@ import numpy as np
 
 from ddl_ref.config import ConfigError, ModelConfig, MtpConfig
 from ddl_ref.params import MTP_PREFIX, mtp_specs, param_table
-from ddl_wgpu.container import bf16_to_f32
-from ddl_wgpu.modelfile import Model, load_model, save_model
+from ddl_wgpu.hf_files import (
+    MAX_TOKENIZER,
+    HfError,
+    Weights,
+    read_json,
+    write_bytes,
+    write_safetensors,
+)
+from ddl_wgpu.modelfile import Model, check_fits, load_model, save_model
+from ddl_wgpu.safeio import read_regular, refuse_overwrite_input
 
-
-class HfError(ValueError):
-    """A Hugging Face folder or export request that cannot be handled; the message says which file and why."""
+__all__ = ["HfError", "config_from_hf", "config_to_hf", "export_hf", "export_hf_from_file", "export_raw",
+           "import_hf", "import_hf_to_file"]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ names
@@ -75,6 +83,10 @@ SUPPORTED = {  # architectures entry -> (model_type, qk_norm)
     "LlamaForCausalLM": ("llama", "none"),
 }
 RAW_ARCHITECTURE = "DdlForCausalLM"  # export_raw's marker; import_hf reads it back
+RAW_HINT = (
+    "a raw export (`ddl-wgpu export-hf --raw`, export_hf_from_file(..., raw=True)) writes any model under "
+    "ddl-wgpu's own tensor names, which import-hf reads back but transformers cannot load"
+)
 
 # MTP draft tensors. Qwen3.5 / Qwen3-Next store the draft as `mtp.*` (mtp-heal.md §2); our table (design.md §3)
 # uses `model.mtp.*`. HF (Qwen3.5 names) -> ours; export writes the inverse.
@@ -85,7 +97,6 @@ MTP_RENAMES = {
     "mtp.norm.weight": "model.mtp.norm.weight",
 }
 MTP_PREFIX_RENAMES = {"mtp.layers.": "model.mtp.layers."}  # then the block's own names, unchanged
-MTP_PREFIXES = ("mtp.", "model.mtp.", "model.mtp_layers.")  # any tensor under these belongs to a draft head
 MTP_COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")  # Qwen3.5 / DeepSeek, GLM, Qwen3-Next
 MTP_CONVENTION_KEY = "ddl_mtp"  # config.json: our MtpConfig as a dict (written by export_hf)
 
@@ -108,10 +119,6 @@ _DEEPSEEK_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # copies 
 
 # Tensors some checkpoints carry that are not parameters (old Llama saves kept the RoPE buffer).
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-
-
-def is_mtp_name(name: str) -> bool:
-    return name.startswith(MTP_PREFIXES)
 
 
 def mtp_our_name(hf_name: str) -> str:
@@ -159,208 +166,6 @@ def swap_eh_halves(w: np.ndarray) -> np.ndarray:
     (eh·[a; b] = swapped(eh)·[b; a]); its own inverse."""
     c = w.shape[1] // 2
     return np.ascontiguousarray(np.concatenate([w[:, c:], w[:, :c]], axis=1))
-
-
-# ------------------------------------------------------------------------------------------ safetensors
-
-_ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2)}  # readable dtypes -> (numpy, size)
-_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
-_MAX_HEADER = 100 * 1024 * 1024
-
-
-def _no_dup_pairs(where: str):
-    def hook(pairs):
-        d = {}
-        for k, v in pairs:
-            if k in d:
-                raise HfError(f"{where}: duplicate key {k!r} in JSON")
-            d[k] = v
-        return d
-
-    return hook
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise HfError(f"{path}: cannot read: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise HfError(f"{path}: not UTF-8 text") from None
-    try:
-        return json.loads(text, object_pairs_hook=_no_dup_pairs(str(path)))
-    except json.JSONDecodeError as e:
-        raise HfError(f"{path}: invalid JSON: {e}") from None
-
-
-def _nonneg_ints(xs: Any) -> bool:
-    return isinstance(xs, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in xs)
-
-
-class _StInfo:
-    __slots__ = ("dtype", "shape", "start", "end")
-
-    def __init__(self, dtype: str, shape: tuple[int, ...], start: int, end: int):
-        self.dtype, self.shape, self.start, self.end = dtype, shape, start, end
-
-
-class SafetensorsFile:
-    """One .safetensors file: header parsed and checked on open, tensors memory-mapped on request."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise HfError(f"{self.path}: too short for a safetensors file ({size} bytes)")
-                n = int.from_bytes(head, "little")
-                if n < 2 or n > _MAX_HEADER or 8 + n > size:
-                    raise HfError(f"{self.path}: bad safetensors header length {n} (file is {size} bytes)")
-                raw = f.read(n)
-        except OSError as e:
-            raise HfError(f"{self.path}: cannot read: {e.strerror or e}") from None
-        try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_dup_pairs(str(self.path)))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise HfError(f"{self.path}: safetensors header is not valid JSON: {e}") from None
-        if not isinstance(header, dict):
-            raise HfError(f"{self.path}: safetensors header must be a JSON object")
-        self.data_start = 8 + n
-        data_len = size - self.data_start
-        self.metadata = header.pop("__metadata__", None) or {}
-        self.tensors: dict[str, _StInfo] = {}
-        for name, t in header.items():
-            self.tensors[name] = self._check_entry(name, t, data_len)
-
-    def _check_entry(self, name: str, t: Any, data_len: int) -> _StInfo:
-        bad = f"{self.path}: tensor {name!r}"
-        if not isinstance(t, dict) or not {"dtype", "shape", "data_offsets"} <= set(t):
-            raise HfError(f"{bad}: header entry needs dtype, shape and data_offsets")
-        dtype, shape, offs = t["dtype"], t["shape"], t["data_offsets"]
-        if not isinstance(dtype, str) or not _nonneg_ints(shape) or not _nonneg_ints(offs) or len(offs) != 2:
-            raise HfError(f"{bad}: malformed header entry {t!r:.120}")
-        start, end = offs
-        if not start <= end <= data_len:
-            raise HfError(f"{bad}: data_offsets {offs} outside the data section ({data_len} bytes)")
-        if dtype in _ST_ITEMSIZE and math.prod(shape) * _ST_ITEMSIZE[dtype] != end - start:
-            raise HfError(f"{bad}: {dtype}{shape} needs {math.prod(shape) * _ST_ITEMSIZE[dtype]} bytes, "
-                          f"data_offsets span {end - start}")  # fmt: skip
-        return _StInfo(dtype, tuple(shape), start, end)
-
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
-    def read_f32(self, name: str) -> np.ndarray:
-        """The tensor as a new float32 array (bf16/f16/f32 storage)."""
-        t = self.tensors[name]
-        if t.dtype not in _ST_DTYPES:
-            raise HfError(f"{self.path}: tensor {name!r} has unsupported dtype {t.dtype}; "
-                          f"supported: {sorted(_ST_DTYPES)}")  # fmt: skip
-        np_dtype, _ = _ST_DTYPES[t.dtype]
-        if math.prod(t.shape) == 0:
-            return np.zeros(t.shape, np.float32)
-        raw = np.memmap(self.path, dtype=np_dtype, mode="r", offset=self.data_start + t.start, shape=t.shape)
-        try:
-            if t.dtype == "BF16":
-                return bf16_to_f32(np.array(raw))
-            return np.array(raw, dtype=np.float32)
-        finally:
-            del raw
-
-
-def _write_safetensors(
-    path: Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str]
-) -> None:
-    """Write f32 tensors as one safetensors file, atomically, streaming tensor by tensor."""
-    items = [(n, np.ascontiguousarray(a, dtype="<f4")) for n, a in tensors]
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    off = 0
-    for name, a in items:
-        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
-        off += a.nbytes
-    hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
-
-    def write(f):
-        f.write(len(hb).to_bytes(8, "little"))
-        f.write(hb)
-        for _, a in items:
-            f.write(memoryview(a.reshape(-1)).cast("B"))
-
-    _atomic_write(path, write)
-
-
-def _atomic_write(path: Path, write) -> None:
-    """`write(f)` into `PATH.partial`, fsync, then rename over `path`: a crash never leaves a torn file."""
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    _atomic_write(path, lambda f: f.write(data))
-
-
-# ------------------------------------------------------------------------------------------------ folder
-
-
-class _Weights:
-    """Tensor name -> the safetensors file holding it, for a single-file or sharded folder."""
-
-    def __init__(self, folder: Path):
-        single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-        self.where: dict[str, SafetensorsFile] = {}
-        self.files: list[SafetensorsFile] = []
-        if single.is_file():
-            f = SafetensorsFile(single)
-            self.files = [f]
-            self.where = dict.fromkeys(f.names(), f)
-            return
-        if not index.is_file():
-            found = sorted(p.name for p in folder.glob("*.safetensors"))
-            raise HfError(f"{folder}: no model.safetensors or model.safetensors.index.json"
-                          + (f" (found {found[:4]})" if found else ""))  # fmt: skip
-        idx = _read_json(index)
-        wm = idx.get("weight_map") if isinstance(idx, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise HfError(f"{index}: needs a 'weight_map' object of tensor name -> shard file name")
-        opened: dict[str, SafetensorsFile] = {}
-        for shard in sorted(set(wm.values())):
-            if Path(shard).name != shard or shard in ("", ".", ".."):
-                raise HfError(f"{index}: shard name {shard!r} is not a plain file name in the folder")
-            p = folder / shard
-            if not p.is_file():
-                users = [n for n, s in wm.items() if s == shard]
-                raise HfError(f"{index}: shard {shard} is missing from {folder} (it holds {users[0]!r}"
-                              + (f" and {len(users) - 1} more)" if len(users) > 1 else ")"))  # fmt: skip
-            opened[shard] = SafetensorsFile(p)
-        for name, shard in wm.items():
-            if name not in opened[shard].tensors:
-                raise HfError(f"{index}: maps {name!r} to {shard}, which has no such tensor")
-            self.where[name] = opened[shard]
-        self.files = list(opened.values())
-
-    def names(self) -> list[str]:
-        return list(self.where)
-
-    def dtype(self, name: str) -> str:
-        return self.where[name].tensors[name].dtype
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.where[name].tensors[name].shape
-
-    def read_f32(self, name: str) -> np.ndarray:
-        return self.where[name].read_f32(name)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -500,13 +305,15 @@ def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, s
 def config_to_hf(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:
     """A baseline ModelConfig -> a transformers config dict (Qwen3 for pre_rope q/k norm, Llama for none)."""
     if cfg.residual != "add":
-        raise HfError(f"residual {cfg.residual!r} has no transformers class; use export_raw for DDL models")
+        raise HfError(
+            f"residual {cfg.residual!r} (Deep Delta Learning) has no transformers class; {RAW_HINT}"
+        )
     if cfg.norm_style != "standard":
-        raise HfError(f"norm_style {cfg.norm_style!r} ((1+w)·x̂) cannot be exported: Qwen3 and Llama norms are "
-                      "w·x̂; use export_raw")  # fmt: skip
+        raise HfError(f"norm_style {cfg.norm_style!r} ((1+w)·x̂) cannot be exported as Qwen3 or Llama, whose norms "
+                      f"are w·x̂; {RAW_HINT}")  # fmt: skip
     if cfg.qk_norm == "post_rope":
-        raise HfError("qk_norm 'post_rope' cannot be exported: Qwen3 normalises q/k BEFORE RoPE and RMSNorm "
-                      "does not commute with the rotation, so the logits would differ; use export_raw")  # fmt: skip
+        raise HfError("qk_norm 'post_rope' cannot be exported as Qwen3: Qwen3 normalises q/k BEFORE RoPE and "
+                      f"RMSNorm does not commute with the rotation, so the logits would differ; {RAW_HINT}")  # fmt: skip
     arch = "Qwen3ForCausalLM" if cfg.qk_norm == "pre_rope" else "LlamaForCausalLM"
     d: dict[str, Any] = {
         "architectures": [arch],
@@ -654,11 +461,15 @@ def import_hf(folder) -> Model:
     if not folder.is_dir():
         raise HfError(f"{folder}: not a directory")
     cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
+    if not cfg_path.exists():
         raise HfError(f"{folder}: no config.json (not a Hugging Face model folder?)")
-    hf = _read_json(cfg_path)
+    hf = read_json(cfg_path)
     cfg, arch = config_from_hf(hf, str(cfg_path))
-    weights = _Weights(folder)
+    try:  # before anything is sized from the config (a table of 1e9 layers alone takes minutes)
+        check_fits(cfg, training=False, what=f"{cfg_path}: the model")
+    except ConfigError as e:
+        raise HfError(str(e)) from None
+    weights = Weights(folder)
     have = set(weights.names())
     draft = None if arch == RAW_ARCHITECTURE else _find_draft(hf, have, cfg.n_layers, str(cfg_path))
     if draft is not None:
@@ -705,7 +516,7 @@ def import_hf(folder) -> Model:
     if draft is not None and cfg.mtp.concat == "hidden_first":  # an HF fc/eh_proj is embedding first
         params["model.mtp.eh_proj.weight"] = swap_eh_halves(params["model.mtp.eh_proj.weight"])
     tok = folder / "tokenizer.json"
-    tokenizer = tok.read_bytes() if tok.is_file() else None
+    tokenizer = read_regular(tok, "a tokenizer.json", HfError, MAX_TOKENIZER) if tok.exists() else None
     metadata: dict[str, Any] = {"hf.architecture": arch}
     for key in ("bos_token_id", "eos_token_id"):
         if isinstance(hf.get(key), int) and not isinstance(hf.get(key), bool):
@@ -745,20 +556,79 @@ def _token_id(model: Model, key: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+# What a Hugging Face export folder holds (ours, or a previous one of transformers); with overwrite=True only
+# a folder holding nothing else is replaced, so a mistyped path never deletes unrelated files.
+_EXPORT_FILES = re.compile(
+    r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|vocab|added_tokens)\.json"
+    r"|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|merges\.txt|README\.md"
+)
+
+
+def _check_target(folder: Path, overwrite: bool) -> bool:
+    """Whether `folder` exists (an empty folder, or with overwrite=True a previous export); HfError else."""
+    if not (folder.exists() or folder.is_symlink()):
+        return False
+    if folder.is_symlink() or not folder.is_dir():
+        raise HfError(f"{folder}: exists and is not a folder; export into a new or empty folder")
+    entries = sorted(os.listdir(folder))
+    if entries and not overwrite:
+        raise HfError(f"{folder}: folder is not empty ({_more(entries, 3)}); export into a new or empty folder "
+                      "(another model's tokenizer.json, index or shards would be mixed with this one), or "
+                      "replace a previous export (`ddl-wgpu export-hf --force`, overwrite=True)")  # fmt: skip
+    foreign = [e for e in entries if not (_EXPORT_FILES.fullmatch(e) and (folder / e).is_file())]
+    if foreign:
+        raise HfError(f"{folder}: holds {_more(foreign, 3)}, which is not part of a Hugging Face export; "
+                      "refusing to replace the folder (export into a new or empty one)")  # fmt: skip
+    return True
+
+
+def _fsync_dir(d: Path) -> None:
+    with contextlib.suppress(OSError):  # makes the renames durable on POSIX; not possible on Windows
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _write_folder(
-    model: Model, folder: Path, config: dict, tensors: list[tuple[str, np.ndarray]]
+    model: Model, folder: Path, config: dict, tensors: list[tuple[str, np.ndarray]], overwrite: bool = False
 ) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    weights = folder / "model.safetensors"
-    _write_safetensors(weights, tensors, {"format": "pt"})
-    cfg_path = folder / "config.json"
-    _atomic_write_bytes(cfg_path, (json.dumps(config, indent=2) + "\n").encode("utf-8"))
-    out = [cfg_path, weights]
-    tok = _tokenizer_bytes(model)
-    if tok is not None:
-        _atomic_write_bytes(folder / "tokenizer.json", tok)
-        out.append(folder / "tokenizer.json")
-    return out
+    """Write the export into a fresh sibling folder, then rename it onto `folder`: the result holds exactly
+    this model's files, and a failure (disk full, Ctrl-C) leaves `folder` as it was."""
+    exists = _check_target(folder, overwrite)
+    parent = folder.absolute().parent
+    tmp = parent / f".{folder.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    old = parent / f".{folder.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    names = ["config.json", "model.safetensors"]
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(tmp)
+        write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
+        write_bytes(tmp / "config.json", (json.dumps(config, indent=2) + "\n").encode("utf-8"))
+        tok = _tokenizer_bytes(model)
+        if tok is not None:
+            write_bytes(tmp / "tokenizer.json", tok)
+            names.append("tokenizer.json")
+        _fsync_dir(tmp)
+        if exists:
+            os.rename(folder, old)
+        os.rename(tmp, folder)
+    except OSError as e:
+        if old.exists() and not folder.exists():
+            os.rename(old, folder)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise HfError(
+            f"{folder}: cannot write the export: {e.strerror or e} ({folder} is unchanged)"
+        ) from None
+    except BaseException:
+        if old.exists() and not folder.exists():
+            os.rename(old, folder)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(parent)
+    return [folder / n for n in names]
 
 
 def _hf_tensors(model: Model, names: list[str]) -> list[tuple[str, np.ndarray]]:
@@ -772,16 +642,19 @@ def _hf_tensors(model: Model, names: list[str]) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def export_hf(model: Model, folder) -> list[Path]:
+def export_hf(model: Model, folder, overwrite: bool = False) -> list[Path]:
     """Write a baseline model as a folder transformers loads (Qwen3ForCausalLM, or LlamaForCausalLM for
     qk_norm 'none'): config.json, model.safetensors (f32; no lm_head when tied), tokenizer.json if any.
     An MTP draft goes under the Qwen3.5 `mtp.*` names (transformers ignores them) with
-    `mtp_num_hidden_layers: 1` and `ddl_mtp` in config.json; `import_hf` reads it back exactly."""
+    `mtp_num_hidden_layers: 1` and `ddl_mtp` in config.json; `import_hf` reads it back exactly.
+
+    `folder` must be new or empty; `overwrite=True` replaces a previous export (a folder holding only the
+    files of one). The folder is written whole and renamed into place, so it never mixes two models."""
     config = config_to_hf(model.cfg, _token_id(model, "bos_token_id"), _token_id(model, "eos_token_id"))
-    return _write_folder(model, Path(folder), config, _hf_tensors(model, _check_params(model)))
+    return _write_folder(model, Path(folder), config, _hf_tensors(model, _check_params(model)), overwrite)
 
 
-def export_raw(model: Model, folder) -> list[Path]:
+def export_raw(model: Model, folder, overwrite: bool = False) -> list[Path]:
     """Write any model (DDL included) under our own names: model.safetensors + a config.json with our
     ModelConfig fields, marked `DdlForCausalLM`. transformers cannot load it; `import_hf` can."""
     config = {
@@ -792,14 +665,24 @@ def export_raw(model: Model, folder) -> list[Path]:
         "variant": model.variant,
         **model.cfg.to_dict(),
     }
-    return _write_folder(model, Path(folder), config, [(n, model.params[n]) for n in _check_params(model)])
+    tensors = [(n, model.params[n]) for n in _check_params(model)]
+    return _write_folder(model, Path(folder), config, tensors, overwrite)
 
 
 # ------------------------------------------------------------------------------------- file conveniences
 
 
+def _folder_inputs(folder: Path) -> list[Path]:
+    """Every file of `folder` that import_hf may read."""
+    names = ["config.json", "tokenizer.json", "model.safetensors.index.json"]
+    return [folder / n for n in names] + sorted(folder.glob("*.safetensors"))
+
+
 def import_hf_to_file(folder, out_path) -> dict:
-    """import_hf + save_model; -> a short summary for the CLI."""
+    """import_hf + save_model; -> a short summary for the CLI. Refuses, before reading anything, an output that
+    is one of the folder's files (`F/model.safetensors`, `F/config.json`, ...) or the folder itself."""
+    folder = Path(folder)
+    refuse_overwrite_input(out_path, _folder_inputs(folder), HfError)
     model = import_hf(folder)
     path = save_model(out_path, model)
     return {
@@ -814,12 +697,16 @@ def import_hf_to_file(folder, out_path) -> dict:
     }
 
 
-def export_hf_from_file(model_path, folder, raw: bool | None = None) -> dict:
-    """load_model + export_hf (or export_raw: `raw=True`, or by default for residual 'delta' models)."""
-    model = load_model(model_path)
+def export_hf_from_file(
+    model_path, folder, raw: bool | None = None, overwrite: bool = False, verify: bool = True
+) -> dict:
+    """load_model + export_hf (or export_raw: `raw=True`, or by default for residual 'delta' models).
+    `overwrite` and the folder rules: see `export_hf`; `verify=False` skips the tensor hash check."""
+    refuse_overwrite_input(folder, [model_path], HfError)
+    model = load_model(model_path, verify=verify)
     if raw is None:
         raw = model.cfg.residual != "add"
-    files = export_raw(model, folder) if raw else export_hf(model, folder)
+    files = export_raw(model, folder, overwrite) if raw else export_hf(model, folder, overwrite)
     config = json.loads((Path(folder) / "config.json").read_text())
     summary = {
         "folder": str(folder),

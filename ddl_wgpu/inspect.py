@@ -1,7 +1,8 @@
 """Library side of `ddl-wgpu inspect`: summarise a checkpoint (`.ddlw`, a single file or a shard set).
 
 `describe(path)` returns a JSON-serialisable dict; `render_text(desc)` turns it into plain text. Reading a
-checkpoint touches only its header unless `verify=True`, which hashes every tensor. A bad file raises
+checkpoint touches only its header (whose checksum is always checked, from format version 2 on) unless
+`verify=True`, which hashes every tensor. A bad file raises
 `CheckpointError` (from `ddl_wgpu.container`), which the CLI reports as one line.
 """
 
@@ -36,7 +37,8 @@ def describe(path: str | os.PathLike, verify: bool = False) -> dict:
     Keys: path, format_version, file_size (bytes of all files), files, num_tensors, total_params (sum of
     element counts), tensor_bytes, dtypes ({dtype: {"tensors", "params", "nbytes"}}), config, metadata,
     provenance, has_tokenizer, tokenizer_bytes, shard (None, or {"count", "set_id"}), tensors (list of
-    {name, dtype, shape, nbytes, hash, file}) and verified (True when `verify` ran and passed; a failed
+    {name, dtype, shape, nbytes, hash, file}), header_checksum (True when the format has one: it was checked
+    on opening) and verified (True when `verify` ran and passed; a failed
     verification raises CheckpointError).
     """
     with open_checkpoint(path) as ck:
@@ -68,6 +70,7 @@ def _describe(ck: Checkpoint, path: str | os.PathLike, verify: bool) -> dict:
     return {
         "path": os.fspath(path),
         "format_version": ck.version,
+        "header_checksum": ck.version >= 2,
         "file_size": ck.file_size,
         "files": [os.fspath(f) for f in ck.files],
         "num_tensors": len(tensors),
@@ -138,7 +141,10 @@ def render_text(desc: dict) -> str:
         f"tokenizer   {_human(desc['tokenizer_bytes']) if desc['has_tokenizer'] else '(none)'}",
     ]
     if desc.get("verified"):
-        lines.append("verified    all tensor hashes match")
+        what = "header checksum and all tensor hashes match"
+        if not desc["header_checksum"]:
+            what = "all tensor hashes match (format version 1 has no header checksum)"
+        lines.append(f"verified    {what}")
     lines.append("")
     lines += _section("config", desc["config"])
     lines += _section("metadata", desc["metadata"])

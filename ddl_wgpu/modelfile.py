@@ -4,12 +4,18 @@ The header's `config` is `ModelConfig.to_dict()`; `metadata["model.variant"]` na
 `provenance` records which tools made or changed the file. Tensors are written in parameter-table order,
 so a model file, the engine's arenas and the gradient report all list parameters the same way.
 
-Loading checks the config and that the tensors are exactly the table's (names and shapes); an extra or
-missing tensor is an error that names it.
+Reading a model file checks, before any tensor is read: the config (valid, finite, and small enough for
+this machine: :func:`estimate_bytes`), then every tensor the config expects (present, the expected shape, a
+float dtype); token ids in the metadata must lie inside the vocabulary. Tensors the config does not expect
+(a training checkpoint's `best.`/`optim.` copies, or anything else) are never read. Each tensor read is
+checked against its hash unless the caller passes `verify=False` (see `ddl_wgpu.container`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +23,27 @@ import numpy as np
 
 from ddl_ref.config import ConfigError, ModelConfig
 from ddl_ref.params import param_table
-from ddl_wgpu.container import CheckpointError, open_checkpoint, save
+from ddl_wgpu.container import Checkpoint, CheckpointError, f32_to_bf16, open_checkpoint, save
+
+__all__ = [
+    "Model",
+    "available_bytes",
+    "check_fits",
+    "check_model_tensors",
+    "estimate_bytes",
+    "load_config",
+    "load_model",
+    "param_count",
+    "read_params",
+    "save_model",
+]
+
+FLOAT_DTYPES = ("f32", "f16", "bf16", "f64")
+# Host float32 copies a command keeps per parameter: the weights to run; to train, also the gradients, the two
+# AdamW moments and the best-validation copy.
+COPIES_INFERENCE = 1
+COPIES_TRAINING = 5
+ABSURD_BYTES = 1 << 50  # 1 PiB: refused on any machine, even where the available memory is unknown
 
 
 @dataclass
@@ -28,6 +54,70 @@ class Model:
     tokenizer: bytes | None = None
     provenance: dict = field(default_factory=dict)
     metadata: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------------ sizes
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Number of parameters, in closed form: the table of a one-block and of a two-block model give the
+    per-block count, so an absurd `n_layers` costs nothing (building its table would take minutes)."""
+    one = sum(s.numel for s in param_table(dataclasses.replace(cfg, n_layers=1)))
+    if cfg.n_layers == 1:
+        return one
+    two = sum(s.numel for s in param_table(dataclasses.replace(cfg, n_layers=2)))
+    return one + (cfg.n_layers - 1) * (two - one)
+
+
+def estimate_bytes(cfg: ModelConfig, training: bool) -> int:
+    """Host memory a model of `cfg` needs, in bytes: float32 copies of every parameter (the weights; to train
+    also gradients, AdamW's two moments and the best-validation copy) plus the RoPE tables. Activations,
+    which grow with batch size and sequence length, come on top."""
+    copies = COPIES_TRAINING if training else COPIES_INFERENCE
+    rope = 2 * cfg.max_seq_len * cfg.head_dim * 4  # cos and sin, float32
+    return copies * 4 * param_count(cfg) + rope
+
+
+def available_bytes() -> int | None:
+    """Memory this process could still get: MemAvailable on Linux, else the physical memory; None if
+    unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.3g} GiB"
+
+
+def check_fits(cfg: ModelConfig, training: bool, what: str = "the model") -> int:
+    """ConfigError (one line) unless `cfg`'s model fits in memory (:func:`estimate_bytes`); -> the estimate."""
+    for name in ("rope_theta", "rms_eps", "ddl_k_eps", "ddl_v_scale", "ddl_beta_init"):
+        if not math.isfinite(getattr(cfg, name)):
+            raise ConfigError(f"{what}: {name} is {getattr(cfg, name)}, not a finite number")
+    need = estimate_bytes(cfg, training)
+    have = available_bytes()
+    use = "to train" if training else "to load"
+    if need > ABSURD_BYTES or (have is not None and need > have):
+        n = param_count(cfg)
+        room = f"this machine has {_gib(have)} available" if have is not None else "which no machine has"
+        raise ConfigError(
+            f"{what} needs about {_gib(need)} of memory {use} ({n:,} parameters: vocab_size "
+            f"{cfg.vocab_size}, d_model {cfg.d_model}, n_layers {cfg.n_layers}, ffn_hidden {cfg.ffn_hidden}, "
+            f"max_seq_len {cfg.max_seq_len}); {room}"
+        )
+    return need
+
+
+# ------------------------------------------------------------------------------------------------ writing
 
 
 def save_model(path, model: Model, dtype: str = "f32") -> Path:
@@ -46,8 +136,6 @@ def save_model(path, model: Model, dtype: str = "f32") -> Path:
             if dtype == "f16":
                 yield s.name, a.astype(np.float16)
             elif dtype == "bf16":
-                from ddl_wgpu.container import f32_to_bf16
-
                 yield s.name, f32_to_bf16(a), "bf16"
             else:
                 yield s.name, a
@@ -63,36 +151,94 @@ def save_model(path, model: Model, dtype: str = "f32") -> Path:
     return Path(path)
 
 
-def load_model(path, names: set[str] | None = None) -> Model:
-    """Read a model file (any float storage, returned as float32). `names` limits which tensors are read
-    (the rest stay on disk: the reader maps lazily)."""
-    with open_checkpoint(path) as ck:
-        if not ck.config:
-            raise CheckpointError(f"{path}: no model config in the header (not a model file?)")
-        try:
-            cfg = ModelConfig.from_dict(dict(ck.config))
-        except (ConfigError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: bad model config: {e}") from e
-        table = param_table(cfg)
-        want = {s.name: s for s in table}
-        have = set(ck.names())
-        missing = [n for n in want if n not in have]
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def _config(ck: Checkpoint, path, training: bool) -> ModelConfig:
+    if not ck.config:
+        raise CheckpointError(f"{path}: no model config in the header (not a model file?)")
+    try:
+        cfg = ModelConfig.from_dict(dict(ck.config))
+    except (ConfigError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: bad model config: {e}") from None
+    try:
+        check_fits(cfg, training, f"{path}: the model")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    return cfg
+
+
+def check_model_tensors(
+    ck: Checkpoint, cfg: ModelConfig, path, prefix: str = "", require_all: bool = True
+) -> list[str]:
+    """CheckpointError unless `ck` holds every parameter of `cfg` under `prefix` (e.g. "optim.m."; with
+    `require_all=False` the present ones) with the expected shape and a float dtype; under a non-empty
+    prefix, a tensor that is no parameter of `cfg` (renamed, or of another config) is an error too. Reads no
+    tensor data; -> the parameter names found, in table order."""
+    table = param_table(cfg)
+    if require_all:
+        missing = [s.name for s in table if prefix + s.name not in ck]
         if missing:
+            more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
             raise CheckpointError(
-                f"{path}: missing tensor {missing[0]}"
-                + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
+                f"{path}: missing tensor {prefix}{missing[0]}{more} that the config expects"
             )
-        params = {}
-        for name, spec in want.items():
-            if names is not None and name not in names:
-                continue
-            info = ck.info(name)
-            if tuple(info.shape) != tuple(spec.shape):
-                raise CheckpointError(
-                    f"{path}: tensor {name} has shape {tuple(info.shape)}, config needs {spec.shape}"
-                )
-            params[name] = np.asarray(ck.tensor_f32(name), np.float32)
+    if prefix:
+        known = {prefix + s.name for s in table}
+        stray = [n for n in ck.names() if n.startswith(prefix) and n not in known]
+        if stray:
+            raise CheckpointError(f"{path}: tensor {stray[0]} is not a parameter of the model's config")
+    found = []
+    for s in table:
+        if prefix + s.name not in ck:
+            continue
+        info = ck.info(prefix + s.name)
+        if tuple(info.shape) != tuple(s.shape):
+            raise CheckpointError(
+                f"{path}: tensor {info.name} has shape {tuple(info.shape)}, the config needs {s.shape}"
+            )
+        if info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{path}: tensor {info.name} has dtype {info.dtype}; parameters must be float "
+                f"({', '.join(FLOAT_DTYPES)})"
+            )
+        found.append(s.name)
+    return found
+
+
+def read_params(
+    ck: Checkpoint,
+    cfg: ModelConfig,
+    path,
+    prefix: str = "",
+    names: set[str] | None = None,
+    require_all: bool = True,
+) -> dict[str, np.ndarray]:
+    """The parameters of `cfg` under `prefix` as float32 arrays (name without the prefix -> array), checked
+    first (:func:`check_model_tensors`); `names` limits which are read. No other tensor of the file is read."""
+    found = check_model_tensors(ck, cfg, path, prefix, require_all)
+    return {
+        n: np.asarray(ck.tensor_f32(prefix + n), np.float32) for n in found if names is None or n in names
+    }
+
+
+def _check_token_ids(meta: dict, cfg: ModelConfig, path) -> None:
+    for key in ("hf.bos_token_id", "hf.eos_token_id"):
+        v = meta.get(key)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < cfg.vocab_size):
+            raise CheckpointError(f"{path}: metadata {key} = {v!r} is not a token id of the vocabulary "
+                                  f"(vocab_size {cfg.vocab_size})")  # fmt: skip
+
+
+def load_model(path, names: set[str] | None = None, verify: bool = True, training: bool = False) -> Model:
+    """Read a model file (any float storage, returned as float32), checked as the module docstring says.
+    `names` limits which tensors are read; `verify=False` skips the hash check (trusted input);
+    `training=True` sizes the memory check for training rather than inference."""
+    with open_checkpoint(path, verify=verify) as ck:
+        cfg = _config(ck, path, training)
         meta = dict(ck.metadata or {})
+        _check_token_ids(meta, cfg, path)
+        params = read_params(ck, cfg, path, names=names)
         return Model(
             cfg=cfg,
             params=params,
@@ -101,3 +247,11 @@ def load_model(path, names: set[str] | None = None) -> Model:
             provenance=dict(ck.provenance or {}),
             metadata=meta,
         )
+
+
+def load_config(ck: Checkpoint, path, training: bool = False) -> ModelConfig:
+    """The checked config of an opened checkpoint (valid, and fits in memory); for readers such as resume that
+    go on with :func:`read_params` per tensor group."""
+    cfg = _config(ck, path, training)
+    _check_token_ids(dict(ck.metadata or {}), cfg, path)
+    return cfg

@@ -15,17 +15,8 @@
 // n is the bound length of p (the launcher binds p, g, m, v as views of exactly n floats), so the Params
 // uniform holds only hyper-parameters and one uniform can serve every range of a step.
 
-struct Params {
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    one_minus_beta1: f32,
-    one_minus_beta2: f32,
-    eps: f32,
-    weight_decay: f32,
-    bc1: f32,
-    bc2: f32,
-}
+// generated from its description in ddl_wgpu/ops/adamw.py (`Uniform`)
+{{struct Params}}
 
 @group(0) @binding(0) var<storage, read> ad_g: array<f32>;
 @group(0) @binding(1) var<storage, read> ad_scalars: array<f32>;

@@ -31,13 +31,8 @@
 // All sums run in a fixed order and nothing uses atomics: same inputs, same bits. Masked (future) keys get
 // probability exactly 0 and do not move the running max, so out at t never depends on k, v at positions > t.
 
-struct Params {
-    B: u32,
-    T: u32,
-    H: u32,
-    KH: u32,
-    scale: f32,
-}
+// generated from its description in ddl_wgpu/ops/attention.py (`Uniform`)
+{{struct Params}}
 
 const D: u32 = {{D}}u;
 const D4: u32 = {{D4}}u;  // ceil(D / 4): vec4s per row
@@ -420,16 +415,8 @@ fn attention_backward_dkdv(
 // hundred). Two passes over the keys (max and sum, then P V) instead of an online softmax. The delta pass is
 // `attention_backward_delta` above. Layouts as above; every query sees at least its own row.
 
-struct MParams {
-    B: u32,
-    T: u32,
-    H: u32,
-    KH: u32,
-    scale: f32,
-    W: u32,
-    pad0: u32,
-    pad1: u32,
-}
+// generated from its description in ddl_wgpu/ops/attention.py (`Uniform`)
+{{struct MParams}}
 
 fn m_visible(rq: u32, rk: u32, W: u32) -> bool {
     let sq = rq / W;

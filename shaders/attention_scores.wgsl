@@ -16,12 +16,8 @@
 // (2 <= σ' <= σ and p' == p). Every visible key of row r sits at a row <= r, so the causal GEMM bounds hold
 // for both masks; masked entries get P = dS = 0 like the ones above the diagonal.
 
-struct Params {
-    T: u32,
-    rows: u32,  // Z * T rows in this chunk
-    z0: u32,  // (batch, head) index of the chunk's first row, for lse / delta of shape (B*H, T)
-    W: u32,  // 0: causal; else the chain mask's window
-}
+// generated from its description in ddl_wgpu/ops/attention_scores.py (`Uniform`)
+{{struct Params}}
 
 fn visible(t: u32, s: u32, W: u32) -> bool {
     if (W == 0u) {
@@ -36,30 +32,7 @@ fn visible(t: u32, s: u32, W: u32) -> bool {
 const WG: u32 = 128u;
 const NEG: f32 = -3.0e38;
 
-var<workgroup> red_m: array<f32, WG>;
-var<workgroup> red_l: array<f32, WG>;
-
-// The row's (max, sum of exp(x - max)) from every thread's partial pair, over a tree in workgroup memory
-// (fixed pairing order: deterministic); every thread gets the result. Merging (m1, l1) and (m2, l2):
-// m = max(m1, m2), l = l1 exp(m1 - m) + l2 exp(m2 - m) (a thread that saw no key has (NEG, 0)).
-fn reduce_max_sum(m: f32, l: f32, lid: u32) -> vec2<f32> {
-    red_m[lid] = m;
-    red_l[lid] = l;
-    workgroupBarrier();
-    for (var w = WG / 2u; w > 0u; w /= 2u) {
-        if (lid < w) {
-            let m1 = red_m[lid];
-            let m2 = red_m[lid + w];
-            let mm = max(m1, m2);
-            red_l[lid] = red_l[lid] * exp(m1 - mm) + red_l[lid + w] * exp(m2 - mm);
-            red_m[lid] = mm;
-        }
-        workgroupBarrier();
-    }
-    let r = vec2<f32>(red_m[0], red_l[0]);
-    workgroupBarrier();
-    return r;
-}
+{{include prelude_reduce.wgsl}}
 
 @group(0) @binding(0) var<storage, read_write> sm_s: array<f32>;
 @group(0) @binding(1) var<storage, read_write> sm_lse: array<f32>;
@@ -90,7 +63,7 @@ fn scores_softmax(
             m = mn;
         }
     }
-    let ml = reduce_max_sum(m, l, lid);
+    let ml = ms_reduce(lid, vec2<f32>(m, l));
     m = ml.x;
     l = ml.y;
     let inv = 1.0 / l;  // every row sees at least itself: l >= 1

@@ -18,47 +18,10 @@
 const WG: u32 = 256u;
 const NEG_BIG: f32 = -3.0e38; // "minus infinity" that keeps exp(a - b) free of inf - inf = NaN
 
-struct Params {
-    rows: u32,
-    V: u32,
-    row_offset: u32,
-    _pad: u32,
-}
+// generated from its description in ddl_wgpu/ops/crossentropy.py (`Uniform`)
+{{struct Params}}
 
-var<workgroup> red_m: array<f32, 256>;
-var<workgroup> red_s: array<f32, 256>;
-
-// (m1, s1) + (m2, s2) -> (m, s1 e^(m1-m) + s2 e^(m2-m)): merges two partial softmax denominators.
-fn combine_ms(m1: f32, s1: f32, m2: f32, s2: f32) -> vec2<f32> {
-    let m = max(m1, m2);
-    return vec2<f32>(m, s1 * exp(m1 - m) + s2 * exp(m2 - m));
-}
-
-// One online-softmax step: the running (m, s) absorbs z with a single exp.
-fn online_ms(ms: vec2<f32>, z: f32) -> vec2<f32> {
-    if (z > ms.x) {
-        return vec2<f32>(z, ms.y * exp(ms.x - z) + 1.0);
-    }
-    return vec2<f32>(ms.x, ms.y + exp(z - ms.x));
-}
-
-// Tree-combine every invocation's (m, s) and return logsumexp of the row to all of them.
-fn lse_reduce(lid: u32, ms: vec2<f32>) -> f32 {
-    red_m[lid] = ms.x;
-    red_s[lid] = ms.y;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride = stride >> 1u) {
-        if (lid < stride) {
-            let c = combine_ms(red_m[lid], red_s[lid], red_m[lid + stride], red_s[lid + stride]);
-            red_m[lid] = c.x;
-            red_s[lid] = c.y;
-        }
-        workgroupBarrier();
-    }
-    let lse = red_m[0] + log(red_s[0]);
-    workgroupBarrier(); // all have read the result before anyone reuses the arrays
-    return lse;
-}
+{{include prelude_reduce.wgsl}}
 
 // ---------------------------------------------------------------------------------------------------
 // loss + gradient, in place

@@ -48,16 +48,8 @@ alias F = {{F}};
 alias XT = {{XT}};
 const LANES: u32 = {{LANES}}u;
 
-struct Params {
-    rows: u32,
-    C: u32,                // channels (not items of F)
-    eps2: f32,             // k_eps^2
-    v_scale: f32,          // s
-    accumulate_dc: u32,    // delta_backward_inputs: 1 adds into dc, 0 overwrites it
-    accumulate_dx_v: u32,  // delta_backward_inputs: 1 adds into dx_v
-    _pad0: u32,
-    _pad1: u32,
-}
+// generated from its description in ddl_wgpu/ops/delta.py (`Uniform`)
+{{struct Params}}
 
 const SEG: u32 = 8u;  // row sums: values added by one thread in the first stage
 

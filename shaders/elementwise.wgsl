@@ -18,10 +18,8 @@
 const WG: u32 = 256u;
 alias F = {{F}};
 
-struct Params {
-    n: u32,      // number of items of F
-    alpha: f32,  // the scalar of axpy, fill and scale_inplace (unused elsewhere)
-}
+// generated from its description in ddl_wgpu/ops/elementwise.py (`Uniform`)
+{{struct Params}}
 
 fn item(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
     return (wid.x + wid.y * nwg.x) * WG + lid.x;

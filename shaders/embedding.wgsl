@@ -22,13 +22,8 @@ const WG: u32 = 256u;
 alias F = {{F}};
 alias W = {{W}};
 
-struct Params {
-    rows: u32,        // forward: n_tokens; backward: V (the rows of this chunk of the table)
-    C: u32,           // channels per row, in items of F
-    accumulate: u32,  // backward: 1 adds into dwte, 0 overwrites it
-    v0: u32,          // first table row bound (row chunks); 0 for a whole table
-    hi: u32,          // forward_range: ids >= hi belong to later chunks (0xFFFFFFFF for the last chunk)
-}
+// generated from its description in ddl_wgpu/ops/embedding.py (`Uniform`)
+{{struct Params}}
 
 fn item(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
     return (wid.x + wid.y * nwg.x) * WG + lid.x;

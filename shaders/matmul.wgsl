@@ -40,30 +40,8 @@
 // placeholders filled as `f32` / nothing, so its source is unchanged.
 {{enable}}
 
-struct Params {
-    M: u32,
-    N: u32,
-    K: u32,
-    lda: u32,
-    ldb: u32,
-    ldc: u32,
-    stride_a: u32,
-    stride_b: u32,
-    stride_c: u32,
-    batch: u32,
-    accumulate: u32,  // 1: C = alpha*op(A)op(B) + C
-    alpha: f32,
-    inner: u32,  // batch z = zo * inner + zi
-    div_a: u32,
-    div_b: u32,
-    istride_a: u32,
-    istride_b: u32,
-    istride_c: u32,
-    off_a: u32,
-    off_b: u32,
-    off_c: u32,
-    causal: u32,  // 0 none; 1, 2, 3: see the header
-}
+// generated from its description in ddl_wgpu/ops/matmul.py (`Uniform`)
+{{struct Params}}
 
 @group(0) @binding(0) var<storage, read> a: array<f32>;
 @group(0) @binding(1) var<storage, read> b: array<{{b_type}}>;
@@ -225,16 +203,8 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) l
 // gradients dW = dy^T x with K = tokens, the LM head's dx with K = vocabulary) leaves most of a large GPU idle;
 // the launcher then runs it as `parts` products over consecutive K slices, written to a partials buffer
 // (parts, M, N), and this pass sums them in slice order: C = alpha * sum_p partials[p] (+ C).
-struct RParams {
-    n: u32,  // elements of C (packed M x N)
-    parts: u32,
-    stride: u32,  // elements between two slices' partials
-    accumulate: u32,
-    alpha: f32,
-    pad0: u32,
-    pad1: u32,
-    pad2: u32,
-}
+// generated from its description in ddl_wgpu/ops/matmul.py (`Uniform`)
+{{struct RParams}}
 
 @group(0) @binding(0) var<storage, read> r_parts: array<f32>;
 @group(0) @binding(1) var<storage, read_write> r_c: array<f32>;

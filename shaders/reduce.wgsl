@@ -19,22 +19,7 @@
 
 const WG: u32 = 256u;
 
-var<workgroup> red: array<f32, 256>;
-
-// Fixed-shape tree sum of one value per invocation; every invocation gets the total.
-fn tree_sum(lid: u32, v: f32) -> f32 {
-    red[lid] = v;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride = stride >> 1u) {
-        if (lid < stride) {
-            red[lid] = red[lid] + red[lid + stride];
-        }
-        workgroupBarrier();
-    }
-    let total = red[0];
-    workgroupBarrier();
-    return total;
-}
+{{include prelude_reduce.wgsl}}
 
 // inf and NaN have an all-ones exponent; a bit test survives fast-math, `x != x` might not.
 fn not_finite(x: f32) -> bool {
@@ -43,12 +28,8 @@ fn not_finite(x: f32) -> bool {
 
 // ---------------------------------------------------------------------------------------------------
 
-struct SumSquaresParams {
-    n: u32,
-    offset: u32,
-    _a: u32,
-    _b: u32,
-}
+// generated from its description in ddl_wgpu/ops/reduce.py (`Uniform`)
+{{struct SumSquaresParams}}
 
 @group(0) @binding(0) var<storage, read> ss_x: array<f32>;
 @group(0) @binding(1) var<storage, read_write> ss_partials: array<f32>;
@@ -75,12 +56,8 @@ fn sum_squares(
 
 // ---------------------------------------------------------------------------------------------------
 
-struct FinalizeParams {
-    count: u32,
-    clip: f32,
-    _a: u32,
-    _b: u32,
-}
+// generated from its description in ddl_wgpu/ops/reduce.py (`Uniform`)
+{{struct FinalizeParams}}
 
 @group(0) @binding(0) var<storage, read> fc_partials: array<f32>;
 @group(0) @binding(1) var<storage, read_write> fc_scalars: array<f32>;
@@ -118,12 +95,8 @@ fn finalize_clip(@builtin(local_invocation_id) lid3: vec3<u32>) {
 
 // ---------------------------------------------------------------------------------------------------
 
-struct SumRowsParams {
-    n: u32,
-    index: u32,
-    _a: u32,
-    _b: u32,
-}
+// generated from its description in ddl_wgpu/ops/reduce.py (`Uniform`)
+{{struct SumRowsParams}}
 
 @group(0) @binding(0) var<storage, read> sr_x: array<f32>;
 @group(0) @binding(1) var<storage, read_write> sr_out: array<f32>;

@@ -31,16 +31,8 @@ alias F = {{F}};
 const LANES: u32 = {{LANES}}u;
 override TPR: u32 = 32u;  // threads per row; a power of two <= WG
 
-struct Params {
-    rows: u32,
-    C: u32,               // channels (not items of F)
-    eps: f32,
-    style: u32,           // 0 standard (w), 1 offset (1 + w)
-    accumulate_dx: u32,   // backward: 1 adds into dx, 0 overwrites it
-    accumulate_dw: u32,   // dw reduce: 1 adds into dw, 0 overwrites it
-    rows_per_block: u32,  // backward: rows of one dw partial (a multiple of WG / TPR)
-    n_blocks: u32,        // backward: ceil(rows / rows_per_block)
-}
+// generated from its description in ddl_wgpu/ops/rmsnorm.py (`Uniform`)
+{{struct Params}}
 
 const SEG: u32 = 8u;  // row sums: values added by one thread in the first stage
 

@@ -18,12 +18,8 @@
 const WG: u32 = 256u;
 alias F = {{F}};
 
-struct Params {
-    pairs: u32,  // B * T * N * h / LANES
-    T: u32,
-    N: u32,
-    D: u32,      // head_dim / LANES: a row of x, or of a table, in items of F
-}
+// generated from its description in ddl_wgpu/ops/rope.py (`Uniform`)
+{{struct Params}}
 
 fn item(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
     return (wid.x + wid.y * nwg.x) * WG + lid.x;

@@ -1,5 +1,5 @@
 // The d_v > 1 state's short convolutions (ddl.md §1.5): the TC and CC compressors (state -> x_in), the EC
-// expander and plain repetition (embedding -> state). Reference: `ddl_ref.delta`.
+// expander and plain repetition (embedding -> state). Reference: `ddl_ref.shortconv`.
 //
 // Layout: rows r = b*T + t; the state X is (rows, C, dv) row-major, x_in / e are (rows, C). Conv weights:
 //   TC, EC  conv (C*dv, k): channel i*dv + j, tap m multiplies time t - (k-1-m) (tap k-1 = the current
@@ -28,24 +28,8 @@
 const WG: u32 = 256u;
 override CW: u32 = 32u;  // columns per workgroup in the two gradient passes; a power of two <= WG
 
-struct Params {
-    rows: u32,
-    T: u32,
-    C: u32,
-    dv: u32,
-    k: u32,               // TC/EC taps (CC: the d_v-axis kernel, = dv)
-    pad_left: u32,        // CC
-    accumulate: u32,      // dX / de kernels and colsum: 1 adds into the output, 0 overwrites it
-    rows_per_block: u32,  // gradient pass 1
-    n_blocks: u32,
-    width: u32,           // columns of a partials row
-    n_out: u32,           // colsum: outputs
-    off: u32,             // colsum: first column
-    ostride: u32,         // colsum: column step between outputs
-    n_inner: u32,         // colsum: columns summed into one output (besides the blocks)
-    istride: u32,         // colsum: column step between them
-    _pad: u32,
-}
+// generated from its description in ddl_wgpu/ops/shortconv.py (`Uniform`)
+{{struct Params}}
 
 var<workgroup> red: array<f32, WG>;
 

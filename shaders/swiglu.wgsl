@@ -10,9 +10,8 @@
 const WG: u32 = 256u;
 alias F = {{F}};
 
-struct Params {
-    n: u32,
-}
+// generated from its description in ddl_wgpu/ops/swiglu.py (`Uniform`)
+{{struct Params}}
 
 // Numerically stable sigmoid: exp only ever sees -|g| <= 0, so it never overflows (1/(1+exp(-g)) would
 // reach inf for g < -88 and lean on IEEE inf arithmetic, which fast-math drivers do not promise); for

@@ -18,45 +18,10 @@ const KMAX: u32 = 64u;
 const NEG_BIG: f32 = -3.0e38;
 const NONE: u32 = 0xffffffffu;
 
-struct Params {
-    rows: u32,
-    V: u32,
-    k: u32,
-    row_offset: u32,
-}
+// generated from its description in ddl_wgpu/ops/topk_kl.py (`Uniform`)
+{{struct Params}}
 
-var<workgroup> red_m: array<f32, 256>;
-var<workgroup> red_s: array<f32, 256>;
-
-fn combine_ms(m1: f32, s1: f32, m2: f32, s2: f32) -> vec2<f32> {
-    let m = max(m1, m2);
-    return vec2<f32>(m, s1 * exp(m1 - m) + s2 * exp(m2 - m));
-}
-
-fn online_ms(ms: vec2<f32>, z: f32) -> vec2<f32> {
-    if (z > ms.x) {
-        return vec2<f32>(z, ms.y * exp(ms.x - z) + 1.0);
-    }
-    return vec2<f32>(ms.x, ms.y + exp(z - ms.x));
-}
-
-// Tree-combine every invocation's (max, sum of exp) and return the row's logsumexp to all of them.
-fn lse_reduce(lid: u32, ms: vec2<f32>) -> f32 {
-    red_m[lid] = ms.x;
-    red_s[lid] = ms.y;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride = stride >> 1u) {
-        if (lid < stride) {
-            let c = combine_ms(red_m[lid], red_s[lid], red_m[lid + stride], red_s[lid + stride]);
-            red_m[lid] = c.x;
-            red_s[lid] = c.y;
-        }
-        workgroupBarrier();
-    }
-    let lse = red_m[0] + log(red_s[0]);
-    workgroupBarrier();
-    return lse;
-}
+{{include prelude_reduce.wgsl}}
 
 // ---------------------------------------------------------------------------------------------------
 // top-k KL: loss + gradient, in place

@@ -4,11 +4,10 @@ causal run of the same anchor, and the `attention_masked_*` WGSL kernels against
 
 import numpy as np
 import pytest
-from gradcheck import numeric_grad, rel_error
-from kernel_check import check
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref import ops
+from ddl_ref.check import check, numeric_grad, rel_error
 from ddl_ref.config import ModelConfig, MtpConfig
 from ddl_ref.params import init_params
 from ddl_wgpu.backend import open_gpu

@@ -136,7 +136,7 @@ def test_check():
 
 def test_init_then_inspect(model_file):
     text = ok(cli("inspect", model_file)).stdout
-    assert "ddlw v1" in text and re.search(r"^tensors\s+13\b", text, re.M) and "14448" in text
+    assert "ddlw v2" in text and re.search(r"^tensors\s+13\b", text, re.M) and "14448" in text
     desc = json.loads(ok(cli("inspect", model_file, "--json")).stdout)
     assert desc["num_tensors"] == 13 and desc["total_params"] == 14448
     assert desc["config"]["d_model"] == 32 and desc["config"]["residual"] == "add"

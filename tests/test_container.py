@@ -17,6 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddl_wgpu import container as C
+from ddl_wgpu import container_format as CF
+from ddl_wgpu import container_read as CR
 from ddl_wgpu.container import CheckpointError, Writer, bf16_to_f32, f32_to_bf16, open_checkpoint, save
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -46,6 +48,19 @@ def craft(path, header, data: bytes = b"", *, magic=C.MAGIC, version=1, n=None, 
     with open(path, "wb") as f:
         f.write(blob)
     return str(path)
+
+
+def data_start(path) -> int:
+    """Where the tensor data of a written (version 2) file starts: after the header and its checksum."""
+    n = struct.unpack("<Q", Path(path).read_bytes()[8:16])[0]
+    return C.align_up(16 + n + 8)
+
+
+def flip(path, pos: int, out, mask: int = 0x10):
+    blob = bytearray(Path(path).read_bytes())
+    blob[pos] ^= mask
+    Path(out).write_bytes(bytes(blob))
+    return out
 
 
 def entry(dtype="f32", shape=(4,), offset=0, nbytes=None, data=None, hash=None):
@@ -133,7 +148,7 @@ def test_round_trip_header_fields_and_api(tmp_path, rng):
         assert ck.info("emb").hash == h8(t["emb"].tobytes())
         np.testing.assert_array_equal(ck.tensor_f32("scalar"), np.float32(3.5))
         assert ck.tensor_f32("empty").dtype == np.float32
-        with pytest.raises(TypeError):
+        with pytest.raises(CheckpointError, match="expected a float dtype"):
             ck.tensor_f32("odd")
         with pytest.raises(KeyError):
             ck.tensor("nope")
@@ -146,10 +161,12 @@ def test_layout_on_disk(tmp_path, rng):
     blob = p.read_bytes()
     assert blob[:4] == b"DDLW"
     version, n = struct.unpack("<IQ", blob[4:16])
-    assert version == 1
+    assert version == 2
     hdr = msgpack.unpackb(blob[16 : 16 + n])
-    start = C.align_up(16 + n, 64)
-    assert blob[16 + n : start] == b"\0" * (start - 16 - n)
+    assert hdr["version"] == 2
+    assert blob[16 + n : 24 + n] == hashlib.blake2b(blob[: 16 + n], digest_size=8).digest()
+    start = C.align_up(16 + n + 8, 64)
+    assert blob[24 + n : start] == b"\0" * (start - 24 - n)
     end = 0
     for name, e in hdr["tensors"].items():
         assert e["offset"] % 64 == 0 and e["offset"] == C.align_up(end)
@@ -485,7 +502,7 @@ HOSTILE = [
     # (id, header or raw bytes, data, craft kwargs, expected fragments)
     ("magic", header(), b"", {"magic": b"GGUF"}, ["bad magic b'GGUF'"]),
     ("version0", header(), b"", {"version": 0}, ["unsupported format version 0"]),
-    ("version_new", header(), b"", {"version": 2}, ["format version 2 is newer", "HINT"]),
+    ("version_new", header(), b"", {"version": 3}, ["format version 3 is newer", "HINT"]),
     ("version_swapped", header(), b"", {"version": 0x01000000}, ["byte-swapped"]),
     ("len0", header(), b"", {"n": 0}, ["header length is 0"]),
     (
@@ -748,7 +765,7 @@ def test_failure_inside_data_write_leaves_previous_file(good_file, monkeypatch):
         return real(arr)
 
     monkeypatch.setattr(C, "_byte_chunks", flaky)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(CheckpointError, match=r"cannot write: No space left on device .*unchanged\)$"):
         save(p, {"a": np.ones(5), "b": np.ones(5), "c": np.ones(5)})
     _assert_untouched(p, before)
 
@@ -768,7 +785,7 @@ def test_failure_at_commit_of_a_shard_set(good_file, monkeypatch, fail):
 
     monkeypatch.setattr(os, fail, flaky)
     t = {f"t{i}": np.full(300, i, np.float32) for i in range(3)}
-    with pytest.raises(OSError, match=f"{fail} failed"):
+    with pytest.raises(CheckpointError, match=f"cannot write: {fail} failed"):
         save(p, t, shard_bytes=1300)
     monkeypatch.undo()
     assert p.read_bytes() == before
@@ -825,13 +842,12 @@ def test_verify_detects_flipped_data_byte(good_file, tmp_path):
     with open_checkpoint(p) as ck:
         ck.verify()
         w4 = ck.info("w4")
-        n = struct.unpack("<Q", p.read_bytes()[8:16])[0]
-        pos = C.align_up(16 + n) + w4.offset + 7
+        pos = data_start(p) + w4.offset + 7
     blob = bytearray(p.read_bytes())
     blob[pos] ^= 0x10
     q = tmp_path / "flipped.ddlw"
     q.write_bytes(bytes(blob))
-    # opening does not hash; verify does
+    # opening does not hash; verify does (reading the tensor does too: see below)
     with (
         open_checkpoint(q) as ck,
         pytest.raises(CheckpointError, match=r"'w4': hash mismatch: header says [0-9a-f]{16}"),
@@ -841,7 +857,7 @@ def test_verify_detects_flipped_data_byte(good_file, tmp_path):
     with open_checkpoint(p) as ck:
         emb = ck.info("emb")
     blob = bytearray(p.read_bytes())
-    blob[C.align_up(16 + n) + emb.offset + emb.nbytes] = 1
+    blob[data_start(p) + emb.offset + emb.nbytes] = 1
     q.write_bytes(bytes(blob))
     with (
         open_checkpoint(q) as ck,
@@ -851,7 +867,327 @@ def test_verify_detects_flipped_data_byte(good_file, tmp_path):
 
 
 def test_no_pickle_anywhere():
-    src = Path(C.__file__).read_text()
-    assert "pickle" not in src.replace("No pickle", "").replace("no pickle", "")
-    assert "allow_pickle" not in src
+    for module in (C, CF, CR):
+        src = Path(module.__file__).read_text()
+        assert "pickle" not in src.replace("No pickle", "").replace("no pickle", "")
+        assert "allow_pickle" not in src
     assert sys.modules.get("ddl_wgpu.container") is C
+
+
+# ------------------------------------------------------------------- verification while reading (issue 14.4)
+
+
+def test_reading_a_tensor_checks_its_hash(good_file, tmp_path):
+    p, t = good_file
+    with open_checkpoint(p) as ck:
+        emb = ck.info("emb")
+    q = flip(p, data_start(p) + emb.offset + 3, tmp_path / "flipped.ddlw")
+    for read in (
+        lambda ck: ck.tensor("emb"),
+        lambda ck: ck.tensor("emb", copy=False),
+        lambda ck: ck.tensor_f32("emb"),
+        lambda ck: ck.tensors(),
+    ):
+        with (
+            open_checkpoint(q) as ck,
+            pytest.raises(CheckpointError, match=r"^.*flipped\.ddlw: tensor 'emb': hash mismatch.*corrupt"),
+        ):
+            read(ck)
+    with open_checkpoint(q) as ck:  # the other tensors are intact and read fine
+        np.testing.assert_array_equal(ck.tensor("w4"), t["w4"])
+    with open_checkpoint(q, verify=False) as ck:  # trusted input: no hashing, the flipped value comes back
+        assert not np.array_equal(ck.tensor("emb"), t["emb"])
+
+
+def test_a_corrupt_tensor_is_never_copied_into_a_derived_file(good_file, tmp_path):
+    """The heal write-back pattern (memmap views streamed into save) fails before the output exists."""
+    p, _ = good_file
+    with open_checkpoint(p) as ck:
+        odd = ck.info("odd")
+    q = flip(p, data_start(p) + odd.offset, tmp_path / "flipped.ddlw")
+    out = tmp_path / "derived.ddlw"
+    with open_checkpoint(q) as ck, pytest.raises(CheckpointError, match="'odd': hash mismatch"):
+        save(out, [(n, ck.tensor(n, copy=False)) for n in ck.names()])
+    assert not out.exists() and not list(tmp_path.glob("*.partial"))
+
+
+def test_each_tensor_is_hashed_once_and_unread_tensors_are_not_read(tmp_path, monkeypatch):
+    p = tmp_path / "m.ddlw"
+    save(p, {"small": np.ones(4, np.float32), "big_extra": np.zeros(1 << 20, np.float32)})
+    hashed = []
+    real = CR._hasher
+
+    def counting():
+        hashed.append(1)
+        return real()
+
+    monkeypatch.setattr(CR, "_hasher", counting)
+    before = _rchar()
+    with open_checkpoint(p) as ck:
+        ck.tensor("small")
+        ck.tensor("small", copy=False)
+        ck.tensor_f32("small")
+    assert len(hashed) == 1
+    assert _rchar() - before < 1 << 20  # the 4 MiB extra tensor was neither read nor hashed
+
+
+# ------------------------------------------------------------------------------ header checksum (issue 14.19)
+
+
+def test_header_checksum_catches_a_renamed_tensor(good_file, tmp_path):
+    p, _ = good_file
+    blob = p.read_bytes()
+    pos = blob.index(b"emb")
+    q = flip(p, pos, tmp_path / "renamed.ddlw", mask=ord("e") ^ ord("f"))  # "emb" -> "fmb": still well formed
+    assert b"fmb" in q.read_bytes()
+    expect_error(q, "header checksum mismatch", "header is corrupt")
+    # any flipped byte of the preamble's length or the header is caught too (not just well-formed renames)
+    n = struct.unpack("<Q", blob[8:16])[0]
+    for pos in (16, 16 + n // 2, 16 + n - 1, 16 + n, 16 + n + 7):
+        with pytest.raises(CheckpointError):
+            open_checkpoint(flip(p, pos, tmp_path / "f.ddlw")).close()
+
+
+def v1_copy(path, out) -> Path:
+    """The same checkpoint as a version 1 file (no header checksum), as ddl-wgpu wrote it before."""
+    blob = Path(path).read_bytes()
+    n = struct.unpack("<Q", blob[8:16])[0]
+    hdr = msgpack.unpackb(blob[16 : 16 + n], raw=False)
+    hdr["version"] = 1
+    data = blob[data_start(path) :]
+    return Path(craft(out, hdr, data, version=1))
+
+
+def test_version_1_files_are_still_read(good_file, tmp_path):
+    p, t = good_file
+    old = v1_copy(p, tmp_path / "v1.ddlw")
+    with open_checkpoint(old) as ck:
+        assert ck.version == 1
+        for name, a in t.items():
+            np.testing.assert_array_equal(ck.tensor(name), a)
+        ck.verify()
+    # version 1 has no header checksum: a rename there is not detected, but data hashes still are
+    renamed = flip(old, old.read_bytes().index(b"emb"), tmp_path / "r1.ddlw", mask=ord("e") ^ ord("f"))
+    with open_checkpoint(renamed) as ck:
+        assert "fmb" in ck
+    with open_checkpoint(old) as ck:
+        emb = ck.info("emb")
+        n = struct.unpack("<Q", old.read_bytes()[8:16])[0]
+    bad = flip(old, C.align_up(16 + n) + emb.offset, tmp_path / "b1.ddlw")
+    expect_error(bad, "'emb': hash mismatch")
+    # a version 2 preamble on a version 1 layout fails (checksum), not misreads
+    blob = bytearray(old.read_bytes())
+    blob[4] = 2
+    (tmp_path / "mixed.ddlw").write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError):
+        open_checkpoint(tmp_path / "mixed.ddlw").close()
+
+
+# ------------------------------------------------------------------------ non-regular files (issue 14.17)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    import signal
+
+    fifo = tmp_path / "model.ddlw"
+    os.mkfifo(fifo)
+    signal.alarm(20)  # a regression would block forever on open(); fail loudly instead
+    try:
+        with pytest.raises(CheckpointError, match=r"model\.ddlw: is a FIFO, not a regular file"):
+            open_checkpoint(fifo)
+    finally:
+        signal.alarm(0)
+    with pytest.raises(CheckpointError, match="is a device"):
+        open_checkpoint("/dev/zero")
+
+
+# ----------------------------------------------------- model files: config against tensors (issue 14.6/14/16/17)
+
+
+def _tiny_model_cfg(**kw):
+    from ddl_ref.config import ModelConfig
+
+    base = dict(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
+                max_seq_len=32)  # fmt: skip
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _model_file(path, cfg=None, config=None, extra=(), cast=None, metadata=None):
+    """A model file whose header config may differ from the config its tensors were made for."""
+    from ddl_ref.params import init_params
+
+    cfg = cfg or _tiny_model_cfg()
+    params = init_params(cfg, 0)
+    items = [(n, a.astype(cast[1]) if cast and n == cast[0] else a) for n, a in params.items()]
+    save(path, items + list(extra), config=config or cfg.to_dict(), metadata=metadata or {})
+    return path
+
+
+def test_param_count_and_estimate_bytes_are_closed_forms():
+    from ddl_ref.config import MtpConfig
+    from ddl_ref.params import param_table
+    from ddl_wgpu.modelfile import estimate_bytes, param_count
+
+    for cfg in (
+        _tiny_model_cfg(),
+        _tiny_model_cfg(n_layers=1, tie_embeddings=False),
+        _tiny_model_cfg(n_layers=3, mtp=MtpConfig(), qk_norm="none"),
+        _tiny_model_cfg(residual="delta", ddl_dv=4, ddl_compressor="tc", ddl_expand_embed=True),
+    ):
+        n = sum(s.numel for s in param_table(cfg))
+        assert param_count(cfg) == n
+        rope = 2 * cfg.max_seq_len * cfg.head_dim * 4
+        assert estimate_bytes(cfg, training=False) == 4 * n + rope
+        assert estimate_bytes(cfg, training=True) == 20 * n + rope
+    huge = _tiny_model_cfg(n_layers=10**9)  # instant, where param_table would take minutes
+    assert param_count(huge) > 10**11
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"n_layers": 10**9},
+        {"vocab_size": 10**12},
+        {"d_model": 10**9},
+        {"ffn_hidden": 10**9},
+        {"max_seq_len": 10**15},
+    ],  # fmt: skip
+)
+def test_an_absurd_config_is_refused_before_any_allocation(tmp_path, override):
+    import time
+
+    from ddl_wgpu.modelfile import load_model
+
+    cfg = _tiny_model_cfg().to_dict() | override
+    p = _model_file(tmp_path / "m.ddlw", config=cfg)
+    t0 = time.perf_counter()
+    with pytest.raises(
+        CheckpointError, match=r"m\.ddlw: the model needs about [\d.e+]+ GiB of memory to load"
+    ):
+        load_model(p)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_check_fits_names_the_memory_it_needs_and_has(monkeypatch):
+    from ddl_ref.config import ConfigError
+    from ddl_wgpu import modelfile
+
+    cfg = _tiny_model_cfg()
+    need = modelfile.estimate_bytes(cfg, training=True)
+    monkeypatch.setattr(modelfile, "available_bytes", lambda: need - 1)
+    assert modelfile.check_fits(cfg, training=False) < need
+    with pytest.raises(ConfigError, match="needs about .* to train .* this machine has .* available"):
+        modelfile.check_fits(cfg, training=True)
+    with pytest.raises(ConfigError, match="rope_theta is inf"):
+        modelfile.check_fits(_tiny_model_cfg(rope_theta=float("inf")), training=False)
+
+
+def test_config_is_checked_against_the_tensors(tmp_path):
+    from ddl_wgpu.modelfile import load_config, load_model, read_params
+
+    cfg = _tiny_model_cfg()
+    big_vocab = cfg.to_dict() | {"vocab_size": 1000}
+    p = _model_file(tmp_path / "v.ddlw", config=big_vocab)
+    with pytest.raises(
+        CheckpointError, match=r"model.embed_tokens.weight has shape \(64, 16\), the config needs"
+    ):
+        load_model(p)
+    # the same check for a training checkpoint's tensor groups (resume reads params, best., optim.m., ...)
+    from ddl_ref.params import init_params
+
+    params = init_params(cfg, 0)
+    q = tmp_path / "ck.ddlw"
+    save(q, [*params.items(), *((f"optim.m.{n}", a) for n, a in params.items() if "norm" not in n)],
+         config=cfg.to_dict())  # fmt: skip
+    with open_checkpoint(q) as ck:
+        c = load_config(ck, q, training=True)
+        assert read_params(ck, c, q).keys() == params.keys()
+        with pytest.raises(
+            CheckpointError, match=r"missing tensor optim\.m\.model\.layers\.0\.input_layernorm"
+        ):
+            read_params(ck, c, q, prefix="optim.m.")
+        present = read_params(ck, c, q, prefix="optim.m.", require_all=False)  # moments of some slots only
+        assert present and all("norm" not in n for n in present) and set(present) < set(params)
+    r = tmp_path / "renamed.ddlw"
+    save(r, [*params.items(), ("optim.v.model.layers.0.mlp.gate_prox.weight", np.zeros(3, np.float32))],
+         config=cfg.to_dict())  # fmt: skip
+    with (
+        open_checkpoint(r) as ck,
+        pytest.raises(CheckpointError, match="gate_prox.weight is not a parameter"),
+    ):
+        read_params(ck, cfg, r, prefix="optim.v.", require_all=False)
+
+
+def test_integer_tensors_where_parameters_are_expected_are_refused(tmp_path):
+    from ddl_wgpu.modelfile import load_model
+
+    for dtype in (np.int32, np.uint32):
+        p = _model_file(tmp_path / "i.ddlw", cast=("model.norm.weight", dtype))
+        want = {np.int32: "i32", np.uint32: "u32"}[dtype]
+        with pytest.raises(
+            CheckpointError, match=rf"model\.norm\.weight has dtype {want}; parameters must be float"
+        ):
+            load_model(p)
+
+
+def test_token_ids_must_lie_in_the_vocabulary(tmp_path):
+    from ddl_wgpu.modelfile import load_model
+
+    p = _model_file(tmp_path / "t.ddlw", metadata={"hf.eos_token_id": 64})
+    with pytest.raises(CheckpointError, match=r"hf\.eos_token_id = 64 is not a token id .*vocab_size 64"):
+        load_model(p)
+
+
+def test_extra_tensors_are_not_read_and_corrupt_ones_do_not_matter(tmp_path):
+    from ddl_wgpu.modelfile import load_model
+
+    extra = [("unused.big", np.zeros(1 << 21, np.float32))]  # 8 MiB
+    p = _model_file(tmp_path / "x.ddlw", extra=extra)
+    before = _rchar()
+    m = load_model(p)
+    assert _rchar() - before < 1 << 20 and "unused.big" not in m.params
+    with open_checkpoint(p) as ck:
+        big = ck.info("unused.big")
+    q = flip(p, data_start(p) + big.offset + 5, tmp_path / "y.ddlw")
+    load_model(q)  # never read, so never hashed
+    with open_checkpoint(p) as ck:
+        norm = ck.info("model.norm.weight")
+    r = flip(p, data_start(p) + norm.offset + 1, tmp_path / "z.ddlw")
+    with pytest.raises(CheckpointError, match="'model.norm.weight': hash mismatch"):
+        load_model(r)
+    assert load_model(r, verify=False).params["model.norm.weight"].shape == (16,)
+
+
+# -------------------------------------------------------------- hostile JSON, every reader (issue 14.15)
+
+HOSTILE_JSON = [
+    (b"[" * 100_000 + b"]" * 100_000, "nests deeper than 64 levels"),
+    (b'{"text": "\\ud800"}', "lone UTF-16 surrogate"),
+    (b'{"text": ' + b"9" * 5000 + b"}", "too many digits"),
+    (b'{"text": NaN}', "NaN is not valid JSON"),
+    (b'{"text": "a", "text": "b"}', "duplicate key 'text'"),
+    (b'{"text": "\xff"}', "not UTF-8"),
+]
+
+
+@pytest.mark.parametrize("raw, pattern", HOSTILE_JSON)
+def test_load_json_turns_hostile_json_into_one_error(raw, pattern):
+    from ddl_wgpu.safeio import load_json
+
+    with pytest.raises(KeyError, match=rf"^.src: .*{pattern}") as ei:
+        load_json(raw, "src", KeyError)
+    assert "\n" not in str(ei.value)
+    assert load_json(b'{"a": [1, {"b": "\\u00e9"}]}', "src", KeyError) == {"a": [1, {"b": "é"}]}
+    assert load_json('"[{" ', "src", KeyError) == "[{"  # brackets inside strings do not count as nesting
+
+
+@pytest.mark.parametrize("raw, pattern", HOSTILE_JSON)
+def test_hostile_jsonl_data_lines(tmp_path, raw, pattern):
+    from ddl_wgpu.data import ByteTokenizer, DataError, load_datasets
+
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"text": "fine"}\n' + raw + b"\n")
+    with pytest.raises(DataError, match=rf"d\.jsonl:2: .*{pattern}"):
+        load_datasets(str(f), tokenizer=ByteTokenizer(), seq_len=4, batch_size=1, val_fraction=0.0)

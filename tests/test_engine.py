@@ -4,9 +4,9 @@ subset stays frozen; snapshot/restore and export/load round-trip."""
 
 import numpy as np
 import pytest
-from kernel_check import check
 
 from ddl_ref import model as rm
+from ddl_ref.check import check
 from ddl_ref.config import preset
 from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
 from ddl_ref.params import init_params

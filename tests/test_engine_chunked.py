@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernel_check import check
 
 from ddl_ref import model as rm
 from ddl_ref import mtp as ref_mtp
+from ddl_ref.check import check
 from ddl_ref.config import MtpConfig, preset
 from ddl_ref.params import init_params
 from ddl_wgpu.draft import DraftWork

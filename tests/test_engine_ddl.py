@@ -3,9 +3,9 @@ steps; the spectral diagnostics of a DDL forward, GPU vs reference."""
 
 import numpy as np
 import pytest
-from kernel_check import check
 
 from ddl_ref import model as rm
+from ddl_ref.check import check
 from ddl_ref.config import ModelVariant, preset
 from ddl_ref.params import init_params
 from ddl_ref.spectral import LAYER_KEYS

@@ -16,31 +16,31 @@ MB = 1 << 20
 
 # entry point -> the test file that compares its launcher's output with ddl_ref
 STAGES = {
-    "attention.wgsl:attention_backward_delta": "test_kernels_attention.py",
-    "attention.wgsl:attention_backward_dq": "test_kernels_attention.py",
-    "attention.wgsl:attention_backward_dkdv": "test_kernels_attention.py",
-    "attention_scores.wgsl:scores_softmax": "test_kernels_attention.py",
-    "attention_scores.wgsl:scores_backward": "test_kernels_attention.py",
+    "attention.wgsl:attention_backward_delta": "test_kernel_attention.py",
+    "attention.wgsl:attention_backward_dq": "test_kernel_attention.py",
+    "attention.wgsl:attention_backward_dkdv": "test_kernel_attention.py",
+    "attention_scores.wgsl:scores_softmax": "test_kernel_attention.py",
+    "attention_scores.wgsl:scores_backward": "test_kernel_attention.py",
     "attention.wgsl:attention_masked_backward_dq": "test_chain_attention.py",
     "attention.wgsl:attention_masked_backward_dkdv": "test_chain_attention.py",
-    "delta.wgsl:delta_heads": "test_kernels_delta.py",  # delta_forward(fused=False)
-    "delta.wgsl:delta_update": "test_kernels_delta.py",  # delta_forward(fused=False)
-    "delta.wgsl:delta_backward_rows": "test_kernels_delta.py",
-    "delta.wgsl:delta_backward_inputs": "test_kernels_delta.py",
-    "delta.wgsl:delta_ksum": "test_kernels_delta.py",
-    "matmul.wgsl:splitk_reduce": "test_kernels_matmul.py",
-    "reduce.wgsl:sum_squares": "test_kernels_loss_optim.py",
-    "reduce.wgsl:finalize_clip": "test_kernels_loss_optim.py",
-    "rmsnorm.wgsl:rmsnorm_backward_dw_reduce": "test_kernels_small.py",
-    "rope.wgsl:rope_forward_inplace": "test_kernels_small.py",
-    "rope.wgsl:rope_backward_inplace": "test_kernels_small.py",
-    "shortconv.wgsl:tc_backward_dX": "test_kernels_delta.py",
-    "shortconv.wgsl:tc_grad_partial": "test_kernels_delta.py",
-    "shortconv.wgsl:cc_backward_dX": "test_kernels_delta.py",
-    "shortconv.wgsl:cc_grad_partial": "test_kernels_delta.py",
-    "shortconv.wgsl:ec_backward_de": "test_kernels_delta.py",
-    "shortconv.wgsl:ec_grad_partial": "test_kernels_delta.py",
-    "shortconv.wgsl:colsum": "test_kernels_delta.py",
+    "delta.wgsl:delta_heads": "test_kernel_delta.py",  # delta_forward(fused=False)
+    "delta.wgsl:delta_update": "test_kernel_delta.py",  # delta_forward(fused=False)
+    "delta.wgsl:delta_backward_rows": "test_kernel_delta.py",
+    "delta.wgsl:delta_backward_inputs": "test_kernel_delta.py",
+    "delta.wgsl:delta_ksum": "test_kernel_delta.py",
+    "matmul.wgsl:splitk_reduce": "test_kernel_matmul.py",
+    "reduce.wgsl:sum_squares": "test_kernel_reduce.py",
+    "reduce.wgsl:finalize_clip": "test_kernel_reduce.py",
+    "rmsnorm.wgsl:rmsnorm_backward_dw_reduce": "test_kernel_rmsnorm.py",
+    "rope.wgsl:rope_forward_inplace": "test_kernel_rope.py",
+    "rope.wgsl:rope_backward_inplace": "test_kernel_rope.py",
+    "shortconv.wgsl:tc_backward_dX": "test_kernel_shortconv.py",
+    "shortconv.wgsl:tc_grad_partial": "test_kernel_shortconv.py",
+    "shortconv.wgsl:cc_backward_dX": "test_kernel_shortconv.py",
+    "shortconv.wgsl:cc_grad_partial": "test_kernel_shortconv.py",
+    "shortconv.wgsl:ec_backward_de": "test_kernel_shortconv.py",
+    "shortconv.wgsl:ec_grad_partial": "test_kernel_shortconv.py",
+    "shortconv.wgsl:colsum": "test_kernel_shortconv.py",
 }
 
 
@@ -91,3 +91,28 @@ def test_multi_stage_launchers_dispatch_their_stages(gpu):
     seen |= dispatched(shortconv.ec_backward(gpu, *buf[:5], B, T, C, dv, k))
     missing = set(STAGES) - seen
     assert not missing, f"stages no launcher dispatched: {sorted(missing)}"
+
+
+def test_each_family_has_one_findable_path():
+    """shaders/X.wgsl <-> ddl_wgpu/ops/X.py <-> tests/test_kernel_X.py; each launcher module's docstring names
+    its shader, its test and its `ddl_ref` reference functions, and every name it gives resolves."""
+    import importlib
+
+    from ddl_wgpu import ops
+
+    ops_dir = Path(ops.__file__).parent
+    families = (
+        {f.stem for f in SHADERS.glob("*.wgsl")} - {"selftest"} - {f.stem for f in SHADERS.glob("prelude_*")}
+    )
+    assert families == {p.stem for p in ops_dir.glob("*.py")} - {"__init__"}
+    for fam in sorted(families):
+        doc = importlib.import_module(f"ddl_wgpu.ops.{fam}").__doc__
+        assert f"`shaders/{fam}.wgsl`" in doc, fam
+        tests = re.findall(r"`tests/(test_kernel_\w+\.py)`", doc)
+        assert tests and all((Path(__file__).parent / t).is_file() for t in tests), (fam, tests)
+        for ref in re.findall(r"`(ddl_ref\.[\w.]+)`", " ".join(doc.split())):
+            module, _, name = ref.rpartition(".")
+            assert hasattr(importlib.import_module(module), name), f"{fam}: {ref} does not exist"
+    assert {p.stem.removeprefix("test_kernel_") for p in Path(__file__).parent.glob("test_kernel_*.py")} == (
+        families - {"attention_scores"}
+    )

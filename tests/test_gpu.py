@@ -1,6 +1,8 @@
 """The device layer: round trips, a kernel against numpy, errors that name the file and entry point,
 adapter selection, uniforms, recording and timestamps."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -142,3 +144,105 @@ def test_no_adapter_message(monkeypatch):
 def test_buffer_too_large_is_a_clear_error(gpu):
     with pytest.raises(G.GpuError, match="max-buffer-size"):
         gpu.buffer(gpu.max_buffer + 16, label="huge")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# uniform descriptions, generated WGSL, the portability mode
+
+P = G.Uniform("P", ("n", "u32", "items"), ("alpha", "f32"), ("_pad", "pad"))
+
+
+def test_uniform_description_emits_the_struct_and_packs_by_name():
+    assert P.wgsl() == "struct P {\n    n: u32,      // items\n    alpha: f32,\n    _pad: u32,\n}"
+    assert P.fmt == "ufu" and P.names == ("n", "alpha") and P.offset("alpha") == 4
+    assert P.pack(alpha=2.5, n=7) == G.pack("ufu", 7, 2.5, 0)
+    with pytest.raises(ValueError, match=r"missing fields \['alpha'\]"):
+        P.pack(n=7)
+    with pytest.raises(ValueError, match=r"unknown fields \['beta'\]"):
+        P.pack(n=7, alpha=1.0, beta=2.0)
+    with pytest.raises(ValueError, match="type"):
+        G.Uniform("Q", ("x", "f64"))
+
+
+def test_uniform_buffers_take_fields_by_name(gpu):
+    with pytest.raises(G.GpuError, match="by name"):
+        gpu.uniform(P, 7, 2.5)
+    with pytest.raises(ValueError, match="missing"):
+        gpu.uniform(P, n=7)
+    buf = gpu.uniform(P, n=7, alpha=2.5)
+    assert buf.size == 16
+    gpu.write_uniform(buf, P, n=8, alpha=1.0)
+    with pytest.raises(ValueError, match="unknown"):
+        gpu.write_uniform(buf, P, n=8, alpha=1.0, beta=0.0)
+
+
+def test_every_shader_uniform_comes_from_a_description():
+    """No hand-written uniform struct is left in shaders/ (selftest.wgsl, the standalone smoke test of a fresh
+    machine, aside): each `var<uniform>` type is a `{{struct NAME}}` hole, and the family's launcher module
+    declares exactly those structs as `Uniform`s."""
+    import importlib
+
+    for f in sorted(G.shader_dirs()[0].glob("*.wgsl")):
+        if f.name == "selftest.wgsl" or f.name.startswith("prelude_"):
+            continue
+        src = f.read_text()
+        used = set(re.findall(r"var<uniform>\s+\w+\s*:\s*(\w+)", src))
+        holes = set(re.findall(r"\{\{struct (\w+)\}\}", src))
+        assert used and used == holes, (f.name, used, holes)
+        assert not re.search(r"^\s*struct\s+\w*Params\b", src, re.M), (
+            f"{f.name}: a hand-written Params struct"
+        )
+        module = importlib.import_module(f"ddl_wgpu.ops.{f.stem}")
+        declared = {v.name for v in vars(module).values() if isinstance(v, G.Uniform)}
+        assert declared == holes, (f.name, declared, holes)
+
+
+def test_dump_wgsl_writes_each_generated_shader(gpu, tmp_path, monkeypatch):
+    shader = tmp_path / "dumptest.wgsl"
+    shader.write_text(
+        "{{struct P}}\n@group(0) @binding(0) var<storage, read_write> y: array<f32>;\n"
+        "@group(0) @binding(1) var<uniform> p: P;\n"
+        "@compute @workgroup_size(64) fn scale(@builtin(global_invocation_id) g: vec3<u32>) {\n"
+        "  if (g.x < p.n) { y[g.x] = {{FACTOR}} * p.alpha * y[g.x]; }\n}\n"
+    )
+    out = tmp_path / "dump"
+    monkeypatch.setenv(G.ENV_DUMP, str(out))
+    for factor in ("2.0", "3.0"):
+        k = gpu.kernel(str(shader), "scale", "wu", templates={"FACTOR": factor}, uniforms=(P,))
+        y = gpu.upload(np.ones(10, np.float32))
+        gpu.run(k, [y, gpu.uniform(P, n=10, alpha=0.5)], 1)
+        assert np.all(gpu.download(y, np.float32, 10) == float(factor) * 0.5)
+    files = sorted(out.glob("dumptest.scale.*.wgsl"))
+    assert len(files) == 2
+    texts = [f.read_text() for f in files]
+    for text in texts:
+        assert P.wgsl() in text and "{{" not in text
+    assert {"2.0", "3.0"} == {t for t in ("2.0", "3.0") for text in texts if f"{t} * p.alpha" in text}
+    monkeypatch.delenv(G.ENV_DUMP)
+    assert G.dump_shader("x.wgsl", "e", None, None, "src") is None
+
+
+def test_include_inserts_a_shared_file(tmp_path):
+    f = tmp_path / "inc.wgsl"
+    f.write_text("{{include prelude_reduce.wgsl}}\nconst N = 1;\n")
+    src = G.shader_source(str(f))
+    assert "{{" not in src and src.endswith("const N = 1;\n")
+    assert (G.shader_dirs()[0] / "prelude_reduce.wgsl").read_text().rstrip("\n") in src
+
+
+def test_webgpu_limits_mode(monkeypatch):
+    """The portability mode reports WebGPU's default limits (where the adapter has at least those)."""
+    monkeypatch.setenv(G.ENV_LIMITS, "webgpu")
+    g = G.Gpu()
+    assert g.limits_mode == "webgpu"
+    for key, value in G.WEBGPU_LIMITS.items():
+        adapter = int(g.adapter.limits[key])
+        want = max(value, adapter) if key.startswith("min-") else min(value, adapter)
+        assert g.limits[key] == want, key
+    assert g.limits["max-storage-buffers-per-shader-stage"] <= 8
+    assert g.limits["max-compute-workgroup-storage-size"] <= 16 << 10
+    assert g.limits["max-compute-invocations-per-workgroup"] <= 256
+    assert g.max_binding <= 128 << 20 and g.max_buffer <= 256 << 20
+    monkeypatch.setenv(G.ENV_LIMITS, "nonsense")
+    with pytest.raises(G.GpuError, match="limits mode"):
+        G.Gpu()

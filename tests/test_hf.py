@@ -1,12 +1,14 @@
 """Hugging Face import/export (ddl_wgpu.hf): tiny folders written here, no network.
 
-The torch/transformers parity tests run only where both are importable (not in the project venv)."""
+The torch/transformers parity tests need both (the `test` extra installs them) and fail, not skip, without
+them."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -511,10 +513,11 @@ def test_export_llama_for_qk_norm_none(tmp_path):
 
 def test_export_overwrites_atomically(tmp_path):
     cfg = our_config(True)
-    export_hf(Model(cfg=cfg, params=random_params(cfg, seed=1)), tmp_path / "out")
+    export_hf(Model(cfg=cfg, params=random_params(cfg, seed=1), tokenizer=b"{}"), tmp_path / "out")
     p2 = random_params(cfg, seed=2)
-    export_hf(Model(cfg=cfg, params=p2), tmp_path / "out")
-    assert not list((tmp_path / "out").glob("*.partial"))
+    export_hf(Model(cfg=cfg, params=p2), tmp_path / "out", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no partial or old folder left
     np.testing.assert_array_equal(
         import_hf(tmp_path / "out").params["model.norm.weight"], p2["model.norm.weight"]
     )
@@ -665,14 +668,229 @@ def test_error_corrupt_safetensors(tmp_path):
     [
         ({"qk_norm": "post_rope"}, "post_rope.*BEFORE RoPE"),
         ({"norm_style": "offset"}, "offset"),
-        ({"residual": "delta"}, "export_raw"),
+        ({"residual": "delta"}, "Deep Delta"),
     ],
 )
 def test_error_export_unrepresentable(tmp_path, change, pattern):
     cfg = dataclasses.replace(our_config(True), **change)
-    with pytest.raises(HfError, match=pattern):
+    with pytest.raises(HfError, match=pattern) as ei:
         export_hf(Model(cfg=cfg, params=init_params(cfg, 0)), tmp_path / "out")
+    # the way out, in CLI and library terms (not a bare Python function name)
+    assert "`ddl-wgpu export-hf --raw`" in str(ei.value) and "raw=True" in str(ei.value)
+    assert "use export_raw" not in str(ei.value)
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------ hostile folders (issue 14)
+
+
+def _folder(tmp_path, name="hf", **kw):
+    cfg = our_config(True)
+    return write_folder(tmp_path / name, hf_config(True, **kw), random_params(cfg)), cfg
+
+
+@pytest.mark.parametrize("target", ["model.safetensors", "config.json", "tokenizer.json", "."])
+def test_import_refuses_to_write_over_its_input(tmp_path, target):
+    folder, _ = _folder(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    out = folder / target if target != "." else folder
+    with pytest.raises(HfError, match="output .* (is the input|holds the input)"):
+        import_hf_to_file(folder, out)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    # through a symlink too
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(folder / "model.safetensors")
+    with pytest.raises(HfError, match="is the input"):
+        import_hf_to_file(folder, link)
+    import_hf_to_file(folder, folder / "model.ddlw")  # a new file beside the inputs is fine
+
+
+def test_refuse_overwrite_input_helper(tmp_path):
+    from ddl_wgpu.safeio import refuse_overwrite_input
+
+    a = tmp_path / "a.ddlw"
+    a.write_bytes(b"x")
+    (tmp_path / "l.ddlw").symlink_to(a)
+    (tmp_path / "h.ddlw").hardlink_to(a)
+    for out in (a, tmp_path / "l.ddlw", tmp_path / "h.ddlw", tmp_path / "." / "a.ddlw"):
+        with pytest.raises(ValueError, match="is the input"):
+            refuse_overwrite_input(out, [None, a])
+    with pytest.raises(ValueError, match="holds the input"):
+        refuse_overwrite_input(tmp_path, [a])
+    with pytest.raises(ValueError, match="inside the input folder"):
+        refuse_overwrite_input(tmp_path / "d" / "x", [tmp_path / "d"])
+    refuse_overwrite_input(tmp_path / "b.ddlw", [a, None])
+
+
+def test_export_into_a_non_empty_folder(tmp_path):
+    cfg = our_config(True)
+    foreign = write_folder(tmp_path / "out", hf_config(True), random_params(cfg), shards=2,
+                           tokenizer=b'{"foreign": 1}')  # fmt: skip
+    before = sorted(p.name for p in foreign.iterdir())
+    model = Model(cfg=cfg, params=random_params(cfg, seed=5))  # no tokenizer of its own
+    with pytest.raises(
+        HfError, match="folder is not empty .*new or empty folder.*`ddl-wgpu export-hf --force`"
+    ):
+        export_hf(model, foreign)
+    assert sorted(p.name for p in foreign.iterdir()) == before
+    # a previous export is replaced whole: no foreign tokenizer, index or shards survive
+    export_hf(model, foreign, overwrite=True)
+    assert sorted(p.name for p in foreign.iterdir()) == ["config.json", "model.safetensors"]
+    assert import_hf(foreign).tokenizer is None
+    # a folder holding anything else is never replaced
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(HfError, match=r"holds \['notes.txt'\], which is not part of a Hugging Face export"):
+        export_hf(model, foreign, overwrite=True)
+    (tmp_path / "empty").mkdir()
+    export_hf(model, tmp_path / "empty")  # an empty folder is fine
+    with pytest.raises(HfError, match="holds the input"):
+        save_model(tmp_path / "empty" / "m.ddlw", model)
+        export_hf_from_file(tmp_path / "empty" / "m.ddlw", tmp_path / "empty", overwrite=True)
+
+
+def test_export_disk_full_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    import ddl_wgpu.hf as H
+
+    cfg = our_config(True)
+    model = Model(cfg=cfg, params=random_params(cfg, seed=5), tokenizer=b"{}")
+    export_hf(model, tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+
+    def full(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(H, "write_bytes", full)
+    for folder, overwrite in ((tmp_path / "out", True), (tmp_path / "new", False)):
+        with pytest.raises(
+            HfError, match=r"cannot write the export: No space left on device .* is unchanged"
+        ):
+            export_hf(model, folder, overwrite=overwrite)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def _rewrite_offsets(path, change):
+    """Rewrite a safetensors header's data_offsets (same header length) with `change(name, [start, end])`."""
+    blob = path.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + n])
+    for name, t in header.items():
+        if name != "__metadata__":
+            t["data_offsets"] = change(name, t["data_offsets"])
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    assert len(hb) <= n
+    path.write_bytes(blob[:8] + hb + b" " * (n - len(hb)) + blob[8 + n :])
+
+
+def test_overlapping_offsets_holes_and_trailing_bytes_are_refused(tmp_path):
+    folder, _ = _folder(tmp_path)
+    st = folder / "model.safetensors"
+    good = st.read_bytes()
+    header = json.loads(good[8 : 8 + int.from_bytes(good[:8], "little")])
+    names = sorted((t["data_offsets"][0], k) for k, t in header.items() if k != "__metadata__")
+    first, second = names[0][1], names[1][1]
+    size = header[first]["data_offsets"][1]
+    # same-size tensors: the second points at the first one's bytes
+    norm = [k for k, t in header.items() if k.endswith("layernorm.weight")]
+    a, b = sorted(norm, key=lambda k: header[k]["data_offsets"][0])[:2]
+    _rewrite_offsets(st, lambda n, o: header[a]["data_offsets"] if n == b else o)
+    with pytest.raises(HfError, match=rf"tensor '({a}|{b})' data_offsets .* overlap tensor"):
+        import_hf(folder)
+    st.write_bytes(good)
+    _rewrite_offsets(st, lambda n, o: [o[0] + 4, o[1] + 4] if n != first else o)  # a hole after the first
+    blob = st.read_bytes()
+    st.write_bytes(blob + b"\0" * 4)
+    with pytest.raises(HfError, match=rf"tensor '{second}' starts at {size + 4}, leaving a hole of 4 bytes"):
+        import_hf(folder)
+    st.write_bytes(good + b"\0" * 8)
+    with pytest.raises(HfError, match="8 bytes after the last tensor's data"):
+        import_hf(folder)
+
+
+def test_integer_tensors_are_refused_precisely(tmp_path):
+    cfg = our_config(True)
+    params = random_params(cfg)
+    params["model.norm.weight"] = params["model.norm.weight"].view(np.int32)
+    write_folder(tmp_path / "m", hf_config(True), params)
+    with pytest.raises(HfError, match=r"tensor 'model.norm.weight' has unsupported dtype I32"):
+        import_hf(tmp_path / "m")
+
+
+HOSTILE_JSON = [
+    ("deep", b"[" * 100_000 + b"]" * 100_000, "nests deeper than 64 levels"),
+    ("surrogate", b'{"architectures": ["\\ud800"]}', "lone UTF-16 surrogate"),
+    ("bigint", b'{"vocab_size": ' + b"9" * 5000 + b"}", "too many digits"),
+    ("nan", b'{"rope_theta": NaN}', "NaN is not valid JSON"),
+    ("dup", b'{"a": 1, "a": 2}', "duplicate key 'a'"),
+    ("utf8", b'{"a": "\xff"}', "not UTF-8"),
+]
+
+
+@pytest.mark.parametrize("kind, raw, pattern", HOSTILE_JSON, ids=[h[0] for h in HOSTILE_JSON])
+def test_hostile_config_json(tmp_path, kind, raw, pattern):
+    folder, _ = _folder(tmp_path)
+    (folder / "config.json").write_bytes(raw)
+    with pytest.raises(HfError, match=rf"config.json: .*{pattern}") as ei:
+        import_hf(folder)
+    assert "\n" not in str(ei.value)
+
+
+@pytest.mark.parametrize("kind, raw, pattern", HOSTILE_JSON, ids=[h[0] for h in HOSTILE_JSON])
+def test_hostile_safetensors_header_and_index(tmp_path, kind, raw, pattern):
+    folder, _ = _folder(tmp_path)
+    st = folder / "model.safetensors"
+    st.write_bytes(len(raw).to_bytes(8, "little") + raw)
+    with pytest.raises(HfError, match=rf"model.safetensors: safetensors header: .*{pattern}"):
+        import_hf(folder)
+    st.unlink()
+    (folder / "model.safetensors.index.json").write_bytes(raw)
+    with pytest.raises(HfError, match=rf"index.json: .*{pattern}"):
+        import_hf(folder)
+
+
+def test_absurd_config_sizes_are_refused_at_once(tmp_path):
+    import time
+
+    for key, value in (("num_hidden_layers", 10**9), ("vocab_size", 10**9), ("hidden_size", 10**9),
+                       ("intermediate_size", 10**9)):  # fmt: skip
+        folder, _ = _folder(tmp_path, name=key, **{key: value})
+        t0 = time.perf_counter()
+        with pytest.raises(HfError, match=r"config.json: the model needs about .* GiB of memory to load"):
+            import_hf(folder)
+        assert time.perf_counter() - t0 < 5
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_a_fifo_in_the_folder_is_refused_without_blocking(tmp_path, name):
+    import signal
+
+    folder, _ = _folder(tmp_path)
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    signal.alarm(20)  # a regression would block forever on open(); fail loudly instead
+    try:
+        with pytest.raises(HfError, match=rf"{name}: is a FIFO, not a regular file"):
+            import_hf(folder)
+    finally:
+        signal.alarm(0)
+
+
+def test_export_reads_verified_tensors(tmp_path):
+    from ddl_wgpu.container import CheckpointError, open_checkpoint
+
+    cfg = our_config(True)
+    save_model(tmp_path / "m.ddlw", Model(cfg=cfg, params=random_params(cfg)))
+    with open_checkpoint(tmp_path / "m.ddlw") as ck:
+        info = ck.info("model.norm.weight")
+        n = int.from_bytes((tmp_path / "m.ddlw").read_bytes()[8:16], "little")
+    blob = bytearray((tmp_path / "m.ddlw").read_bytes())
+    blob[(16 + n + 8 + 63) // 64 * 64 + info.offset] ^= 1
+    (tmp_path / "m.ddlw").write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match="hash mismatch"):
+        export_hf_from_file(tmp_path / "m.ddlw", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    export_hf_from_file(tmp_path / "m.ddlw", tmp_path / "out", verify=False)
 
 
 # ----------------------------------------------------------------------------- parity with transformers
@@ -681,9 +899,18 @@ def test_error_export_unrepresentable(tmp_path, change, pattern):
 PARITY_CASES = [("Qwen3ForCausalLM", True), ("Qwen3ForCausalLM", False), ("LlamaForCausalLM", False)]
 
 
+def _torch_transformers():
+    """torch and transformers; a failure (not a skip) without them: `make test` must compare with HF."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        pytest.fail(f"{e}: the parity tests need the `test` extra (pip install -e '.[test]')")
+    return torch, transformers
+
+
 def _hf_model(arch: str, tied: bool, seed: int):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch, transformers = _torch_transformers()
     kw = {k: v for k, v in TINY.items()}
     cls_cfg = transformers.Qwen3Config if arch.startswith("Qwen3") else transformers.LlamaConfig
     config = cls_cfg(**kw, tie_word_embeddings=tied, attn_implementation="eager", attention_bias=False)
@@ -720,8 +947,7 @@ def test_parity_import_from_transformers(tmp_path, arch, tied):
 
 @pytest.mark.parametrize("arch, tied", PARITY_CASES)
 def test_parity_export_to_transformers(tmp_path, arch, tied):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch, transformers = _torch_transformers()
     cfg = our_config(tied, "pre_rope" if arch.startswith("Qwen3") else "none")
     model = Model(cfg=cfg, params=random_params(cfg, seed=21))
     export_hf(model, tmp_path / "out")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -35,7 +36,7 @@ def test_describe_good_file(ckpt):
     d = describe(ckpt)
     json.dumps(d, allow_nan=False)  # strictly JSON-serialisable
     assert d["path"] == str(ckpt)
-    assert d["format_version"] == 1
+    assert d["format_version"] == 2
     assert d["file_size"] == ckpt.stat().st_size
     assert d["num_tensors"] == 3
     assert d["total_params"] == 40 + 4 + 1
@@ -94,9 +95,9 @@ def test_render_text(ckpt):
     text = render_text(describe(ckpt, verify=True))
     lines = text.splitlines()
     assert lines[0] == f"checkpoint  {ckpt}"
-    assert "ddlw v1" in text and "3, 45 parameters" in text
+    assert "ddlw v2" in text and "3, 45 parameters" in text
     assert "bf16: 1 tensors / 40" in text
-    assert "verified    all tensor hashes match" in text
+    assert "verified    header checksum and all tensor hashes match" in text
     assert "  model.variant = 'ddl'" in text  # hierarchical metadata shown with dotted keys
     assert "  train.seed = 3" in text
     header_row = next(i for i, line in enumerate(lines) if line.startswith("name"))
@@ -126,4 +127,26 @@ def test_describe_sharded_and_empty(tmp_path):
     text = render_text(d)
     assert "dtypes      (none)" in text and "config: (none)" in text
     n = struct.unpack("<Q", e.read_bytes()[8:16])[0]
-    assert d["file_size"] == C.align_up(16 + n)
+    assert d["file_size"] == C.align_up(16 + n + 8)  # header, its 8-byte checksum, padding; no tensors
+
+
+def test_inspect_catches_a_renamed_tensor_and_says_what_was_checked(ckpt, tmp_path):
+    assert describe(ckpt)["header_checksum"] is True
+    blob = bytearray(ckpt.read_bytes())
+    blob[blob.index(b"embed.weight")] ^= ord("e") ^ ord("f")  # "fmbed.weight": a well-formed header
+    bad = tmp_path / "renamed.ddlw"
+    bad.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match="header checksum mismatch"):
+        describe(bad)
+    # a version 1 file (no checksum) is still inspected, and the report says what was not checked
+    n = struct.unpack("<Q", blob[8:16])[0]
+    hdr = msgpack.unpackb(ckpt.read_bytes()[16 : 16 + n], raw=False)
+    hdr["version"] = 1
+    raw = msgpack.packb(hdr, use_bin_type=True)
+    start = C.align_up(16 + len(raw))
+    data = ckpt.read_bytes()[C.align_up(16 + n + 8) :]
+    old = tmp_path / "v1.ddlw"
+    old.write_bytes(b"DDLW" + struct.pack("<IQ", 1, len(raw)) + raw + bytes(start - 16 - len(raw)) + data)
+    d = describe(old, verify=True)
+    assert d["format_version"] == 1 and d["header_checksum"] is False
+    assert "verified    all tensor hashes match (format version 1 has no header checksum)" in render_text(d)

@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernel_check import check
 
 from ddl_ref import model as rm
+from ddl_ref.check import check, numeric_grad, random_params, rel_error
 from ddl_ref.config import ModelConfig, MtpConfig, preset
 from ddl_ref.params import init_params
-
-try:
-    from gradcheck import numeric_grad, random_params, rel_error
-except ImportError:  # tests/ imported as a package
-    from tests.gradcheck import numeric_grad, random_params, rel_error
 
 
 def small_cfg(**kw) -> ModelConfig:

@@ -42,3 +42,14 @@ def test_wheel_contains_shaders_and_runs_outside_the_repo(tmp_path):
         text=True,
     )
     assert "saxpy" in out.stdout
+
+
+def test_the_test_extra_installs_what_the_parity_tests_need():
+    """`make test` installs `.[test,...]`: the transformers parity tests must find torch and transformers."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {r.split("=")[0].split(">")[0].split("<")[0].strip(): r for r in extras["test"]}
+    assert "transformers" in names
+    # a pinned CPU build: an unpinned torch pulls the multi-GB CUDA wheel
+    assert names["torch"].startswith("torch==")

@@ -9,15 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from ddl_ref import delta, model
+from ddl_ref import delta, model, shortconv
+from ddl_ref.check import assert_grad_close, check_grad, numeric_grad, random_params
 from ddl_ref.config import PRESETS, ConfigError, ModelConfig, ModelVariant, parse_variants, preset
 from ddl_ref.params import init_params, num_params, param_table
 from ddl_ref.spectral import DeltaRegime, SpectralAccumulator, beta_histogram, spectral_snapshot
-
-try:
-    from gradcheck import assert_grad_close, check_grad, numeric_grad, random_params
-except ImportError:  # tests/ imported as a package
-    from tests.gradcheck import assert_grad_close, check_grad, numeric_grad, random_params
 
 DDL_VARIANTS = [v for v in ModelVariant if v.uses_ddl]
 
@@ -65,16 +61,16 @@ def test_tc_cc_ec_gradients():
     X = rng.standard_normal((B, T, C, dv))
     read = rng.standard_normal(dv)
     tc_w = rng.standard_normal((C * dv, k))
-    check_grad(lambda *a: delta.tc_forward(*a)[0], lambda o, d, *a: delta.tc_backward(d, delta.tc_forward(*a)[1]),
+    check_grad(lambda *a: shortconv.tc_forward(*a)[0], lambda o, d, *a: shortconv.tc_backward(d, shortconv.tc_forward(*a)[1]),
                [X, tc_w, read])  # fmt: skip
     cc_w = rng.standard_normal((C, dv))
-    check_grad(lambda *a: delta.cc_forward(*a)[0], lambda o, d, *a: delta.cc_backward(d, delta.cc_forward(*a)[1]),
+    check_grad(lambda *a: shortconv.cc_forward(*a)[0], lambda o, d, *a: shortconv.cc_backward(d, shortconv.cc_forward(*a)[1]),
                [X, cc_w, read])  # fmt: skip
     e = rng.standard_normal((B, T, C))
     ec_w = rng.standard_normal((C * dv, 4))
-    check_grad(lambda *a: delta.ec_forward(*a)[0], lambda o, d, *a: delta.ec_backward(d, delta.ec_forward(*a)[1]),
+    check_grad(lambda *a: shortconv.ec_forward(*a)[0], lambda o, d, *a: shortconv.ec_backward(d, shortconv.ec_forward(*a)[1]),
                [e, ec_w])  # fmt: skip
-    check_grad(lambda a: delta.repeat_forward(a, dv), lambda o, d, a: delta.repeat_backward(d), [e])
+    check_grad(lambda a: shortconv.repeat_forward(a, dv), lambda o, d, a: shortconv.repeat_backward(d), [e])
 
 
 def test_conv_conventions_against_direct_formulas():
@@ -83,7 +79,7 @@ def test_conv_conventions_against_direct_formulas():
     X = rng.standard_normal((B, T, C, dv))
     read = rng.standard_normal(dv)
     w = rng.standard_normal((C * dv, k))
-    x_in = delta.tc_forward(X, w, read)[0]
+    x_in = shortconv.tc_forward(X, w, read)[0]
     for t in range(T):
         for i in range(C):
             ref = sum(read[j] * w[i * dv + j, m] * X[0, t - (k - 1 - m), i, j]
@@ -91,7 +87,7 @@ def test_conv_conventions_against_direct_formulas():
             assert x_in[0, t, i] == pytest.approx(ref, rel=1e-12, abs=1e-12)
     wc = rng.standard_normal((C, dv))
     pl = (dv - 1) // 2
-    y = delta.cc_forward(X, wc, read)[0]
+    y = shortconv.cc_forward(X, wc, read)[0]
     for i in range(C):
         ref = sum(read[j] * wc[i, m] * X[0, 3, i, j + m - pl]
                   for j in range(dv) for m in range(dv) if 0 <= j + m - pl < dv)  # fmt: skip
@@ -99,7 +95,7 @@ def test_conv_conventions_against_direct_formulas():
     # Causality of TC and EC: changing X at t = 3 leaves t < 3 untouched.
     X2 = X.copy()
     X2[:, 3] += 1.0
-    np.testing.assert_array_equal(delta.tc_forward(X2, w, read)[0][:, :3], x_in[:, :3])
+    np.testing.assert_array_equal(shortconv.tc_forward(X2, w, read)[0][:, :3], x_in[:, :3])
 
 
 def test_identity_inits():
@@ -110,11 +106,11 @@ def test_identity_inits():
         cfg = tiny_cfg(variant, d_model=C)
         p = init_params(cfg, 0, np.float64)
         # EC at init repeats the embedding d_v times.
-        X0 = delta.ec_forward(e, p["model.embed_expand.conv.weight"])[0]
-        np.testing.assert_array_equal(X0, delta.repeat_forward(e, dv))
+        X0 = shortconv.ec_forward(e, p["model.embed_expand.conv.weight"])[0]
+        np.testing.assert_array_equal(X0, shortconv.repeat_forward(e, dv))
         # An identity compressor with read 1/dv is the mean over d_v.
         X = rng.standard_normal((B, T, C, dv))
-        fwd = delta.tc_forward if cfg.ddl_compressor == "tc" else delta.cc_forward
+        fwd = shortconv.tc_forward if cfg.ddl_compressor == "tc" else shortconv.cc_forward
         x_in = fwd(X, p["model.layers.0.compress.conv.weight"], p["model.layers.0.compress.read.weight"])[0]
         np.testing.assert_allclose(x_in, X.mean(axis=-1), rtol=1e-14, atol=1e-15)
 

@@ -12,14 +12,10 @@ import numpy as np
 import pytest
 
 from ddl_ref import model, ops
+from ddl_ref.check import assert_grad_close, numeric_grad, random_params
 from ddl_ref.config import PRESETS, ConfigError, ModelConfig, ModelVariant, MtpConfig, parse_variants, preset
 from ddl_ref.optim import CosineWarmupSchedule, adamw_step, clip_multiplier, global_grad_norm
 from ddl_ref.params import init_params, num_params, param_table
-
-try:
-    from gradcheck import assert_grad_close, numeric_grad, random_params
-except ImportError:  # tests/ imported as a package
-    from tests.gradcheck import assert_grad_close, numeric_grad, random_params
 
 
 def tiny_cfg(**kw) -> ModelConfig:

@@ -14,13 +14,9 @@ import pytest
 
 from ddl_ref import model as ref_model
 from ddl_ref import mtp, ops
+from ddl_ref.check import assert_grad_close, check_grad, fakeloss, numeric_grad, random_params
 from ddl_ref.config import ModelConfig, MtpConfig
 from ddl_ref.params import init_params, param_table
-
-try:
-    from gradcheck import assert_grad_close, check_grad, fakeloss, numeric_grad, random_params
-except ImportError:  # tests/ imported as a package
-    from tests.gradcheck import assert_grad_close, check_grad, fakeloss, numeric_grad, random_params
 
 
 def tiny_cfg(**kw) -> ModelConfig:

@@ -9,11 +9,7 @@ import numpy as np
 import pytest
 
 from ddl_ref import ops
-
-try:
-    from gradcheck import assert_grad_close, check_grad, numeric_grad
-except ImportError:  # tests/ imported as a package
-    from tests.gradcheck import assert_grad_close, check_grad, numeric_grad
+from ddl_ref.check import assert_grad_close, check_grad, numeric_grad
 
 
 def rng(seed=0):

@@ -1,5 +1,8 @@
 """AdamW over flat f32 ranges (`shaders/adamw.wgsl`), clip and non-finite skip read on the GPU.
 
+Kernel path: `shaders/adamw.wgsl` -> `ddl_wgpu/ops/adamw.py` -> reference `ddl_ref.optim.adamw_step` -> test
+`tests/test_kernel_adamw.py`.
+
     hyper = adamw_hyper(gpu, lr, step, beta1, beta2, eps, weight_decay)   # one uniform per step ...
     calls = [adamw(gpu, p_i, g_i, m_i, v_i, scalars, n_i, hyper) for each range]  # ... shared by all
     # every step:
@@ -17,13 +20,24 @@ from __future__ import annotations
 
 import wgpu
 
-from ddl_wgpu.gpu import Call
+from ddl_wgpu.gpu import Call, Uniform
 
 FILE = "adamw.wgsl"
 WG = 256
 
-# lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, bc1 = 1 - beta1^step, bc2 = 1 - beta2^step
-ADAMW_FMT = "fffffffff"
+ADAMW = Uniform(
+    "Params",
+    ("lr", "f32"),
+    ("beta1", "f32"),
+    ("beta2", "f32"),
+    ("one_minus_beta1", "f32"),
+    ("one_minus_beta2", "f32"),
+    ("eps", "f32"),
+    ("weight_decay", "f32"),
+    ("bc1", "f32", "1 - beta1^step"),
+    ("bc2", "f32", "1 - beta2^step"),
+)
+ADAMW_FMT = ADAMW.fmt  # the positional form, for callers that pack `adamw_uniform_values` in order
 
 
 def adamw_uniform_values(
@@ -49,9 +63,8 @@ def adamw_uniform_values(
 
 def adamw_hyper(gpu, lr: float, step: int, beta1: float, beta2: float, eps: float, weight_decay: float):
     """A hyper-parameter uniform that several `adamw` Calls can share (one write per step serves all)."""
-    return gpu.uniform(
-        ADAMW_FMT, *adamw_uniform_values(lr, step, beta1, beta2, eps, weight_decay), label="adamw"
-    )
+    values = adamw_uniform_values(lr, step, beta1, beta2, eps, weight_decay)
+    return gpu.uniform(ADAMW, **dict(zip(ADAMW.names, values, strict=True)), label="adamw")
 
 
 def _exact(name: str, r, n: int):
@@ -72,13 +85,13 @@ def adamw(gpu, p, g, m, v, scalars, n: int, hyper) -> Call:
     if n < 1:
         raise ValueError(f"adamw: n={n} must be positive")
     if isinstance(hyper, tuple | list):
-        hyper = gpu.uniform(ADAMW_FMT, *hyper, label="adamw")
+        hyper = gpu.uniform(ADAMW, **dict(zip(ADAMW.names, hyper, strict=True)), label="adamw")
     elif not isinstance(hyper, wgpu.GPUBuffer):
         raise TypeError("adamw: hyper must be a uniform buffer or a tuple from adamw_uniform_values")
     sbytes = scalars[2] if isinstance(scalars, tuple) else scalars.size
     if sbytes < 12:
         raise ValueError("adamw: scalars must hold finalize_clip's (norm, clip multiplier, finite flag)")
-    k = gpu.kernel(FILE, "adamw", "rrwwwu", workgroup=(WG, 1, 1))
+    k = gpu.kernel(FILE, "adamw", "rrwwwu", workgroup=(WG, 1, 1), uniforms=(ADAMW,))
     bg = gpu.bind(
         k, _exact("g", g, n), scalars, _exact("p", p, n), _exact("m", m, n), _exact("v", v, n), hyper
     )

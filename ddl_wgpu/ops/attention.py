@@ -1,5 +1,10 @@
 """Causal grouped-query attention launchers (`shaders/attention.wgsl`), forward above backward.
 
+Kernel path: `shaders/attention.wgsl` -> `ddl_wgpu/ops/attention.py` -> reference
+`ddl_ref.ops.attention_forward`, `ddl_ref.ops.attention_backward`, `ddl_ref.ops.attention_masked_forward`,
+`ddl_ref.ops.attention_masked_backward` -> test `tests/test_kernel_attention.py` (the masked kernels:
+`tests/test_chain_attention.py`).
+
 Shapes: q (B,T,H,D), k and v (B,T,K,D), out (B,T,H,D), lse and delta (B,H,T); H % K == 0 and kv head j serves
 q heads [j*H/K, (j+1)*H/K). The scale defaults to D**-0.5 and travels in the uniform.
 
@@ -12,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from ddl_wgpu.gpu import Call, GpuError
+from ddl_wgpu.gpu import Call, GpuError, Uniform
 from ddl_wgpu.ops import attention_scores
 from ddl_wgpu.ops import need_all as _need
 
@@ -23,7 +28,7 @@ FILE = "attention.wgsl"
 # times faster), flash on CPU adapters (lavapipe) and for sequences too long for the scratch.
 ENV_IMPL = "DDL_WGPU_ATTENTION"
 IMPLS = ("auto", "flash", "scores")
-PARAMS = "uuuuf"  # B, T, H, KH, scale
+PARAMS = Uniform("Params", ("B", "u32"), ("T", "u32"), ("H", "u32"), ("KH", "u32"), ("scale", "f32"))
 MAX_D = 256
 
 # (R, TR) candidates, best first: R rows x TR columns of threads per workgroup (TR a multiple of 4: the
@@ -245,8 +250,10 @@ def attention_forward(
         return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale)
     templates, cfg = _templates(gpu, D)
     R, TR = cfg["fw"]
-    kern = gpu.kernel(FILE, "attention_forward", "rrrwwu", templates=templates, workgroup=(R * TR, 1, 1))
-    u = gpu.uniform(PARAMS, B, T, H, K, scale)
+    kern = gpu.kernel(
+        FILE, "attention_forward", "rrrwwu", templates=templates, uniforms=UNIFORMS, workgroup=(R * TR, 1, 1)
+    )
+    u = gpu.uniform(PARAMS, B=B, T=T, H=H, KH=K, scale=scale)
     groups = B * H * (-(-T // R))
     return Call([(kern, gpu.bind(kern, q, k, v, out, lse, u), groups)], [u])
 
@@ -265,20 +272,32 @@ def attention_backward(
                     k=k, v=v, delta=delta)  # fmt: skip
     templates, cfg = _templates(gpu, D)
     scale = float(D) ** -0.5 if scale is None else float(scale)
-    u = gpu.uniform(PARAMS, B, T, H, K, scale)
+    u = gpu.uniform(PARAMS, B=B, T=T, H=H, KH=K, scale=scale)
     # the Call keeps a delta it allocated alive along with its uniform
     keep = [u] if scratch is not None else [u, delta]
 
-    kd = gpu.kernel(FILE, "attention_backward_delta", "rrwu", templates=templates)
+    kd = gpu.kernel(FILE, "attention_backward_delta", "rrwu", templates=templates, uniforms=UNIFORMS)
     delta_pass = (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64))
     if choose_impl(gpu, H, K, T, impl) == "scores":
         grads = attention_scores.backward(gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D, scale)
         return Call([delta_pass], keep) + grads
     R, TR = cfg["dq"]
-    kq = gpu.kernel(FILE, "attention_backward_dq", "rrrrrrwu", templates=templates, workgroup=(R * TR, 1, 1))
+    kq = gpu.kernel(
+        FILE,
+        "attention_backward_dq",
+        "rrrrrrwu",
+        templates=templates,
+        uniforms=UNIFORMS,
+        workgroup=(R * TR, 1, 1),
+    )
     Rk, TRk = cfg["kv"]
     kk = gpu.kernel(
-        FILE, "attention_backward_dkdv", "rrrrrrwwu", templates=templates, workgroup=(Rk * TRk, 1, 1)
+        FILE,
+        "attention_backward_dkdv",
+        "rrrrrrwwu",
+        templates=templates,
+        uniforms=UNIFORMS,
+        workgroup=(Rk * TRk, 1, 1),
     )
     dispatches = [
         delta_pass,
@@ -291,7 +310,18 @@ def attention_backward(
 # ----------------------------------------------------------------------------------------------------------
 # masked attention of the chained draft's stacked rows (`ddl_ref.ops.chain_mask`, mtp-heal.md §6.2)
 
-MPARAMS = "uuuufuuu"  # B, T (stacked rows), H, KH, scale, W (window), padding
+MPARAMS = Uniform(
+    "MParams",
+    ("B", "u32"),
+    ("T", "u32", "stacked rows"),
+    ("H", "u32"),
+    ("KH", "u32"),
+    ("scale", "f32"),
+    ("W", "u32", "the window"),
+    ("pad0", "pad"),
+    ("pad1", "pad"),
+)
+UNIFORMS = (PARAMS, MPARAMS)  # both structs of attention.wgsl, for every entry point's module
 
 
 def _check_chain(T: int, W: int):
@@ -311,8 +341,8 @@ def attention_masked_forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: 
     if choose_impl(gpu, H, K, T, impl, masked=True) == "scores":
         return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale, W=W)
     templates, _cfg = _templates(gpu, D)
-    kern = gpu.kernel(FILE, "attention_masked_forward", "rrrwwu", templates=templates)
-    u = gpu.uniform(MPARAMS, B, T, H, K, scale, W, 0, 0)
+    kern = gpu.kernel(FILE, "attention_masked_forward", "rrrwwu", templates=templates, uniforms=UNIFORMS)
+    u = gpu.uniform(MPARAMS, B=B, T=T, H=H, KH=K, scale=scale, W=W)
     return Call([(kern, gpu.bind(kern, q, k, v, out, lse, u), -(-(B * T * H) // 64))], [u])
 
 
@@ -328,18 +358,20 @@ def attention_masked_backward(gpu, dq, dk, dv, dout, out, lse, q, k, v, B: int, 
                     q=q, k=k, v=v, delta=delta)  # fmt: skip
     templates, _cfg = _templates(gpu, D)
     scale = float(D) ** -0.5 if scale is None else float(scale)
-    u = gpu.uniform(PARAMS, B, T, H, K, scale)
-    um = gpu.uniform(MPARAMS, B, T, H, K, scale, W, 0, 0)
+    u = gpu.uniform(PARAMS, B=B, T=T, H=H, KH=K, scale=scale)
+    um = gpu.uniform(MPARAMS, B=B, T=T, H=H, KH=K, scale=scale, W=W)
     keep = [u, um] if scratch is not None else [u, um, delta]
-    kd = gpu.kernel(FILE, "attention_backward_delta", "rrwu", templates=templates)
+    kd = gpu.kernel(FILE, "attention_backward_delta", "rrwu", templates=templates, uniforms=UNIFORMS)
     delta_pass = (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64))
     if choose_impl(gpu, H, K, T, impl, masked=True) == "scores":
         grads = attention_scores.backward(
             gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D, scale, W=W
         )
         return Call([delta_pass], keep) + grads
-    kq = gpu.kernel(FILE, "attention_masked_backward_dq", "rrrrrrwu", templates=templates)
-    kk = gpu.kernel(FILE, "attention_masked_backward_dkdv", "rrrrrrwwu", templates=templates)
+    kq = gpu.kernel(FILE, "attention_masked_backward_dq", "rrrrrrwu", templates=templates, uniforms=UNIFORMS)
+    kk = gpu.kernel(
+        FILE, "attention_masked_backward_dkdv", "rrrrrrwwu", templates=templates, uniforms=UNIFORMS
+    )
     dispatches = [
         delta_pass,
         (kq, gpu.bind(kq, q, k, v, dout, lse, delta, dq, um), -(-(B * T * H) // 64)),

@@ -1,5 +1,8 @@
 """Causal attention as GEMMs over materialised scores (`shaders/attention_scores.wgsl` + `matmul`).
 
+Kernel path: `shaders/attention_scores.wgsl` -> `ddl_wgpu/ops/attention_scores.py` -> reference
+`ddl_ref.ops.attention_forward`, `ddl_ref.ops.attention_backward` -> test `tests/test_kernel_attention.py`.
+
 The flash kernels of `attention.wgsl` never store the T x T scores, but each thread there computes a score as
 a D-long dot product from shared memory, which runs at about a quarter of the GEMM's rate on the H200
 (BENCHMARKS.md). This path instead writes the scores of up to `SCORE_BYTES` worth of (batch, head) pairs at a
@@ -26,13 +29,19 @@ What this file deliberately does not do: choose between itself and the flash ker
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ddl_wgpu.gpu import Call, GpuError
-from ddl_wgpu.ops.matmul import matmul
+from ddl_wgpu.gpu import Call, GpuError, Uniform
+from ddl_wgpu.ops.matmul import Batch, Strides, matmul
 
 FILE = "attention_scores.wgsl"
-PARAMS = "uuuu"  # T, rows, z0, W (0: causal; else the chained draft's window)
+PARAMS = Uniform(
+    "Params",
+    ("T", "u32"),
+    ("rows", "u32", "Z * T rows in this chunk"),
+    ("z0", "u32", "(batch, head) index of the chunk's first row, for lse / delta of shape (B*H, T)"),
+    ("W", "u32", "0: causal; else the chain mask's window"),
+)
 SOFTMAX_WG = 128  # threads per row of scores_softmax (the shader's WG)
 # Scores of at most this many bytes per scratch buffer (two of them in the backward): B*H*T*T*4 = 384 MiB for
 # the small preset's 16 x 1024 tokens x 6 heads, so one chunk; longer sequences run in chunks.
@@ -89,28 +98,31 @@ def _heads(c: Chunk, T: int, H: int, K: int, D: int) -> dict:
     return {
         "batch": c.nb * hc,
         "inner": hc,
-        "q": dict(ld=H * D, stride=T * H * D, istride=D, off=(c.b0 * T * H + c.j0 * G) * D),
-        "k": dict(ld=K * D, stride=T * K * D, istride=D, off=(c.b0 * T * K + c.j0) * D, div=G),
-        "s": dict(ld=T, stride=hc * T * T, istride=T * T, off=0),
+        # (row stride, placement of the products)
+        "q": (H * D, Strides(stride=T * H * D, istride=D, off=(c.b0 * T * H + c.j0 * G) * D)),
+        "k": (K * D, Strides(stride=T * K * D, istride=D, off=(c.b0 * T * K + c.j0) * D, div=G)),
+        "s": (T, Strides(stride=hc * T * T, istride=T * T)),
     }
 
 
 def _mm(gpu, c_res, a_res, b_res, M, N, K, lay: dict, a: str, b: str, cc: str, **kw) -> Call:
     """matmul with the operands' strides taken from the chunk layout `lay` (keys "q", "k", "s")."""
-    A, B_, C = lay[a], lay[b], lay[cc]
-    return matmul(
-        gpu, c_res, a_res, b_res, M, N, K, batch=lay["batch"], inner=lay["inner"],
-        lda=A["ld"], stride_a=A["stride"], istride_a=A["istride"], off_a=A["off"], div_a=A.get("div", 1),
-        ldb=B_["ld"], stride_b=B_["stride"], istride_b=B_["istride"], off_b=B_["off"], div_b=B_.get("div", 1),
-        ldc=C["ld"], stride_c=C["stride"], istride_c=C["istride"], off_c=C["off"], **kw,
-    )  # fmt: skip
+    (lda, sa), (ldb, sb), (ldc, sc) = lay[a], lay[b], lay[cc]
+    batch = Batch(lay["batch"], lay["inner"], sa, sb, sc)
+    return matmul(gpu, c_res, a_res, b_res, M, N, K, lda=lda, ldb=ldb, ldc=ldc, batch=batch, **kw)
 
 
 def _row_call(
     gpu, entry: str, sig: str, buffers: list, T: int, rows: int, z0: int, W: int, groups: int
 ) -> Call:
-    k = gpu.kernel(FILE, entry, sig, workgroup=(SOFTMAX_WG if entry == "scores_softmax" else 256, 1, 1))
-    u = gpu.uniform(PARAMS, T, rows, z0, W, label=entry)
+    k = gpu.kernel(
+        FILE,
+        entry,
+        sig,
+        workgroup=(SOFTMAX_WG if entry == "scores_softmax" else 256, 1, 1),
+        uniforms=(PARAMS,),
+    )
+    u = gpu.uniform(PARAMS, T=T, rows=rows, z0=z0, W=W, label=entry)
     return Call([(k, gpu.bind(k, *buffers, u), groups)], [u])
 
 
@@ -152,11 +164,12 @@ def backward(
         per_kv = {
             "batch": c.nb * c.nk,
             "inner": c.nk,
-            "k": dict(lay["k"], istride=D, div=1),
+            "k": (lay["k"][0], replace(lay["k"][1], istride=D, div=1)),
         }
         for g in range(G):
-            per_kv["s"] = dict(ld=T, stride=hc * T * T, istride=G * T * T, off=g * T * T)
-            per_kv["q"] = dict(lay["q"], istride=G * D, off=lay["q"]["off"] + g * D)
+            per_kv["s"] = (T, Strides(stride=hc * T * T, istride=G * T * T, off=g * T * T))
+            ldq, sq = lay["q"]
+            per_kv["q"] = (ldq, replace(sq, istride=G * D, off=sq.off + g * D))
             for dst, coef, rhs, alpha in ((dv, s, dout, 1.0), (dk, dp, q, scale)):
                 call += _mm(gpu, dst, coef, rhs, T, D, T, per_kv, "s", "q", "k", trans_a=True, alpha=alpha,
                             accumulate=g > 0, causal="k_from_row")  # fmt: skip

@@ -1,5 +1,8 @@
 """Cross-entropy over rows of logits (`shaders/crossentropy.wgsl`), fused with its gradient, in place.
 
+Kernel path: `shaders/crossentropy.wgsl` -> `ddl_wgpu/ops/crossentropy.py` -> reference
+`ddl_ref.ops.cross_entropy_rows` -> test `tests/test_kernel_crossentropy.py`.
+
 The engine computes the LM head in row chunks into one (rows, V) logits buffer; for each chunk it records
 `cross_entropy`, which overwrites the logits with dlogits = (softmax(z) - onehot(t)) * weight * scale and
 writes the chunk's per-row losses; the head's backward then reads the dlogits. Full logits for the whole
@@ -16,12 +19,12 @@ What this does not do: build the logits (matmul), reduce row_loss (reduce.sum_ro
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call
+from ddl_wgpu.gpu import Call, Uniform
 from ddl_wgpu.ops import need_bytes as _need
 
 FILE = "crossentropy.wgsl"
 WG = 256
-PARAMS_FMT = "uuuu"  # rows, V, row_offset, pad
+PARAMS = Uniform("Params", ("rows", "u32"), ("V", "u32"), ("row_offset", "u32"), ("_pad", "pad"))
 
 
 def _check(rows: int, V: int, row_offset: int, logits, targets, weights, row_loss):
@@ -46,8 +49,8 @@ def cross_entropy(
     """
     _check(rows, V, row_offset, logits, targets, weights, row_loss)
     _need("scale_buf", scale_buf, 4)
-    k = gpu.kernel(FILE, "cross_entropy", "rrrwwu", workgroup=(WG, 1, 1))
-    u = gpu.uniform(PARAMS_FMT, rows, V, row_offset, 0, label="cross_entropy")
+    k = gpu.kernel(FILE, "cross_entropy", "rrrwwu", workgroup=(WG, 1, 1), uniforms=(PARAMS,))
+    u = gpu.uniform(PARAMS, rows=rows, V=V, row_offset=row_offset, label="cross_entropy")
     bg = gpu.bind(k, targets, weights, scale_buf, logits, row_loss, u)
     return Call([(k, bg, rows)], [u])
 
@@ -57,7 +60,7 @@ def cross_entropy_eval(
 ) -> Call:
     """Loss only (evaluation): row_loss[row_offset + r] = weight * (logsumexp - z_target); logits untouched."""
     _check(rows, V, row_offset, logits, targets, weights, row_loss)
-    k = gpu.kernel(FILE, "cross_entropy_eval", "rrrwu", workgroup=(WG, 1, 1))
-    u = gpu.uniform(PARAMS_FMT, rows, V, row_offset, 0, label="cross_entropy_eval")
+    k = gpu.kernel(FILE, "cross_entropy_eval", "rrrwu", workgroup=(WG, 1, 1), uniforms=(PARAMS,))
+    u = gpu.uniform(PARAMS, rows=rows, V=V, row_offset=row_offset, label="cross_entropy_eval")
     bg = gpu.bind(k, logits, targets, weights, row_loss, u)
     return Call([(k, bg, rows)], [u])

@@ -1,8 +1,11 @@
 """Launchers for `shaders/delta.wgsl`: the Deep Delta residual update (ddl.md §1.2, §1.5, §5) of one sublayer.
 
+Kernel path: `shaders/delta.wgsl` -> `ddl_wgpu/ops/delta.py` -> reference `ddl_ref.delta.delta_forward`,
+`ddl_ref.delta.delta_backward` -> test `tests/test_kernel_delta.py`.
+
 Rows r = b*T + t (N = B*T rows). The state X is (rows, C, dv) row-major (d_v = 1 is X of shape (rows, C, 1)),
 u (the sublayer output k̃), c (the normalized context, β input) and x_v (the v input) are (rows, C).
-Parameters: w_beta (C,), b_beta (1,), W_v (dv, C), b_v (dv,). Reference: `ddl_ref.delta`.
+Parameters: w_beta (C,), b_beta (1,), W_v (dv, C), b_v (dv,).
 
 The forward saves per row `stats` (rows, STATS) with STATS = stats_size(dv) = 2 + 2*dv:
 
@@ -29,7 +32,7 @@ What it does not do: mixed precision, the MLP β head (`ddl_beta_single_linear=F
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Gpu
+from ddl_wgpu.gpu import Call, Gpu, GpuError, Uniform
 from ddl_wgpu.ops import need_all as _need
 from ddl_wgpu.ops import view
 from ddl_wgpu.ops.elementwise import templates as _item_templates
@@ -38,7 +41,17 @@ from ddl_wgpu.ops.matmul import matmul
 from ddl_wgpu.ops.rmsnorm import row_layout, unroll
 
 FILE = "delta.wgsl"
-PARAMS = "uuffuuuu"  # Params {rows, C, eps2, v_scale, accumulate_dc, accumulate_dx_v, pad, pad}
+PARAMS = Uniform(
+    "Params",
+    ("rows", "u32"),
+    ("C", "u32", "channels (not items of F)"),
+    ("eps2", "f32", "k_eps^2"),
+    ("v_scale", "f32", "s"),
+    ("accumulate_dc", "u32", "delta_backward_inputs: 1 adds into dc, 0 overwrites it"),
+    ("accumulate_dx_v", "u32", "delta_backward_inputs: 1 adds into dx_v"),
+    ("_pad0", "pad"),
+    ("_pad1", "pad"),
+)
 MAX_DV = 4
 WG = 256  # threads per workgroup, as in the shader
 FUSED_FORWARD_BUFFERS = 10  # storage buffers the one-pass forward binds
@@ -175,7 +188,15 @@ def _width(C: int, dv: int, *row_bindings) -> int:
 def _kernel(gpu: Gpu, entry: str, sig: str, C: int, dv: int, width: int, xv_is_x: bool = False):
     """The kernel and its rows per workgroup."""
     tpr, ipt = row_layout(int(C) // width)
-    k = gpu.kernel(FILE, entry, sig, {"TPR": tpr, "DV": int(dv)}, _templates(width, ipt, xv_is_x), (WG, 1, 1))
+    k = gpu.kernel(
+        FILE,
+        entry,
+        sig,
+        {"TPR": tpr, "DV": int(dv)},
+        _templates(width, ipt, xv_is_x),
+        (WG, 1, 1),
+        uniforms=(PARAMS,),
+    )
     return k, WG // tpr
 
 
@@ -197,8 +218,14 @@ def delta_forward(
     _need("delta_forward", X_new=(X_new, rows * C * dv), stats=(stats, rows * S), X=(X, rows * C * dv),
           u=(u, rows * C), c=(c, rows * C), x_v=(x_v, rows * C), w_beta=(w_beta, C), b_beta=(b_beta, 1),
           W_v=(W_v, dv * C), b_v=(b_v, dv))  # fmt: skip
-    p = gpu.uniform(PARAMS, rows, C, float(k_eps) ** 2, float(v_scale), 0, 0, 0, 0, label="delta_forward")
+    p = gpu.uniform(PARAMS, rows=rows, C=C, eps2=float(k_eps) ** 2, v_scale=v_scale, accumulate_dc=0, accumulate_dx_v=0,
+                    label="delta_forward")  # fmt: skip
     width = _width(C, dv, X_new, X, u, c, x_v, w_beta, W_v)
+    if fused and not fused_forward(gpu):
+        raise GpuError(
+            f"delta_forward: the one-pass form binds {FUSED_FORWARD_BUFFERS} storage buffers, this device allows "
+            f"{gpu.limits.get('max-storage-buffers-per-shader-stage', 8)}; use fused=False or None"
+        )
     if fused_forward(gpu) if fused is None else fused:
         xv_is_x = dv == 1 and view(x_v) == view(X)
         k, rpw = _kernel(gpu, "delta_forward", "rrrrrrrrwwu", C, dv, width, xv_is_x)
@@ -233,8 +260,8 @@ def delta_backward(
     _need("delta_backward", dX=(dX, rows * C * dv), du=(du, rows * C), da=(da, rows), dz=(dz, rows * dv),
           dc=(dc, rows * C), dx_v=(dx_v, rows * C), G=(G, rows * C * dv), X=(X, rows * C * dv), u=(u, rows * C),
           stats=(stats, rows * stats_size(dv)), w_beta=(w_beta, C), W_v=(W_v, dv * C))  # fmt: skip
-    p = gpu.uniform(PARAMS, rows, C, 0.0, float(v_scale), int(bool(accumulate_dc)), int(bool(accumulate_dx_v)),
-                    0, 0, label="delta_backward")  # fmt: skip
+    p = gpu.uniform(PARAMS, rows=rows, C=C, eps2=0.0, v_scale=v_scale, accumulate_dc=int(bool(accumulate_dc)),
+                    accumulate_dx_v=int(bool(accumulate_dx_v)), label="delta_backward")  # fmt: skip
     width = _width(C, dv, dX, du, dc, dx_v, G, X, u, w_beta, W_v)
     kr, rpw = _kernel(gpu, "delta_backward_rows", "rrrrwwwwu", C, dv, width)
     ki, _ = _kernel(gpu, "delta_backward_inputs", "rrrrwwu", C, dv, width)
@@ -270,6 +297,8 @@ def ksum(gpu: Gpu, out, u, stats, weights, rows: int, C: int, dv: int) -> Call:
     rows, C, dv = int(rows), int(C), int(dv)
     _check_dv("ksum", dv)
     _need("ksum", out=(out, C), u=(u, rows * C), stats=(stats, rows * stats_size(dv)), weights=(weights, rows))  # fmt: skip
-    p = gpu.uniform(PARAMS, rows, C, 0.0, 0.0, 0, 0, 0, 0, label="delta_ksum")
+    p = gpu.uniform(
+        PARAMS, rows=rows, C=C, eps2=0.0, v_scale=0.0, accumulate_dc=0, accumulate_dx_v=0, label="delta_ksum"
+    )
     k, _ = _kernel(gpu, "delta_ksum", "rrrwu", C, dv, 1)
     return Call([(k, gpu.bind(k, u, stats, weights, out, p), -(-C // KSUM_KW))], [p])

@@ -1,5 +1,8 @@
 """Launchers for `shaders/elementwise.wgsl`: the small utilities a step needs between the real kernels.
 
+Kernel path: `shaders/elementwise.wgsl` -> `ddl_wgpu/ops/elementwise.py` -> reference numpy itself (no
+`ddl_ref` function) -> test `tests/test_kernel_elementwise.py`.
+
 - `add_forward(out, a, b)`: out = a + b;
 - `add_inplace(y, x)`: y += x (the residual stream, summing gradients);
 - `axpy(y, x, alpha)`: y += alpha * x;
@@ -21,12 +24,16 @@ from __future__ import annotations
 
 import struct
 
-from ddl_wgpu.gpu import Call, Gpu
+from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops import need, view  # re-exported: the other launchers import them from here
 
 FILE = "elementwise.wgsl"
 WG = 256  # threads per workgroup, as in the shader
-PARAMS = "uf"  # Params {n: u32, alpha: f32}
+PARAMS = Uniform(
+    "Params",
+    ("n", "u32", "number of items of F"),
+    ("alpha", "f32", "the scalar of axpy, fill and scale_inplace (unused elsewhere)"),
+)
 
 
 def vec_width(n: int, *resources) -> int:
@@ -44,16 +51,16 @@ def templates(width: int) -> dict:
 def _launch(gpu: Gpu, entry: str, sig: str, resources: list, n: int, alpha: float = 0.0) -> Call:
     n = int(n)
     width = vec_width(n, *resources)
-    k = gpu.kernel(FILE, entry, sig, templates=templates(width), workgroup=(WG, 1, 1))
-    u = gpu.uniform(PARAMS, n // width, float(alpha), label=entry)
+    k = gpu.kernel(FILE, entry, sig, templates=templates(width), workgroup=(WG, 1, 1), uniforms=(PARAMS,))
+    u = gpu.uniform(PARAMS, n=n // width, alpha=alpha, label=entry)
     groups = max(1, -(-(n // width) // WG))
     return Call([(k, gpu.bind(k, *resources, u), groups)], [u])
 
 
 def set_alpha(gpu: Gpu, call: Call, alpha: float):
-    """Rewrite the scalar of an `axpy`, `fill` or `scale_inplace` Call (Params.alpha, byte 4) for the next
-    submit, leaving n as it was."""
-    gpu.queue.write_buffer(call.uniforms[0], 4, struct.pack("<f", float(alpha)))
+    """Rewrite the scalar of an `axpy`, `fill` or `scale_inplace` Call (Params.alpha) for the next submit,
+    leaving n as it was."""
+    gpu.queue.write_buffer(call.uniforms[0], PARAMS.offset("alpha"), struct.pack("<f", float(alpha)))
 
 
 def add_forward(gpu: Gpu, out, a, b, n: int) -> Call:

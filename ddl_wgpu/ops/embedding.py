@@ -1,5 +1,8 @@
 """Launchers for `shaders/embedding.wgsl`: the token-embedding gather and its deterministic backward.
 
+Kernel path: `shaders/embedding.wgsl` -> `ddl_wgpu/ops/embedding.py` -> reference
+`ddl_ref.ops.embedding_forward`, `ddl_ref.ops.embedding_backward` -> test `tests/test_kernel_embedding.py`.
+
 The backward needs, each step, the token positions sorted by id and the bucket bounds; the host has the ids
 anyway, so `embedding_buckets(ids, V)` computes them with numpy and the step writes them into two u32
 buffers (`gpu.write(order_buf, order)`, `gpu.write(starts_buf, starts)`) bound once by
@@ -27,12 +30,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddl_wgpu.gpu import Call, Gpu, GpuError
+from ddl_wgpu.gpu import Call, Gpu, GpuError, Uniform
 from ddl_wgpu.ops.elementwise import need, templates, vec_width
 
 FILE = "embedding.wgsl"
 WG = 256  # threads per workgroup, as in the shader
-PARAMS = "uuuuu"  # Params {rows, C, accumulate, v0, hi}; C in items of the shader's type (C / 4 on vec4)
+PARAMS = Uniform(
+    "Params",
+    ("rows", "u32", "forward: n_tokens; backward: V (the rows of this chunk of the table)"),
+    ("C", "u32", "channels per row, in items of F (C / 4 on vec4)"),
+    ("accumulate", "u32", "backward: 1 adds into dwte, 0 overwrites it"),
+    ("v0", "u32", "first table row bound (row chunks); 0 for a whole table"),
+    ("hi", "u32", "forward_range: ids >= hi belong to later chunks (0xFFFFFFFF for the last chunk)"),
+)
 ALL = 0xFFFFFFFF  # `hi` of the last row chunk: every id from v0 on
 
 
@@ -78,9 +88,16 @@ def embedding_forward(gpu: Gpu, out, ids, wte, n_tokens: int, C: int, w_dtype: s
     _check_f16(gpu, w_dtype)
     width = vec_width(C, wte, out)
     k = gpu.kernel(
-        FILE, "embedding_forward", "rrwu", templates=_templates(width, w_dtype), workgroup=(WG, 1, 1)
+        FILE,
+        "embedding_forward",
+        "rrwu",
+        templates=_templates(width, w_dtype),
+        workgroup=(WG, 1, 1),
+        uniforms=(PARAMS,),
     )
-    u = gpu.uniform(PARAMS, n_tokens, C // width, 0, 0, ALL, label="embedding_forward")
+    u = gpu.uniform(
+        PARAMS, rows=n_tokens, C=C // width, accumulate=0, v0=0, hi=ALL, label="embedding_forward"
+    )
     return Call([(k, gpu.bind(k, ids, wte, out, u), max(1, -(-n_tokens * C // width // WG)))], [u])
 
 
@@ -107,9 +124,13 @@ def embedding_forward_range(
     need("embedding_forward_range", "wte_rows", wte_rows, rows * C * (2 if w_dtype == "f16" else 4) // 4)
     width = vec_width(C, wte_rows, out)
     t = _templates(width, w_dtype)
-    k = gpu.kernel(FILE, "embedding_forward_range", "rrwu", templates=t, workgroup=(WG, 1, 1))
+    k = gpu.kernel(
+        FILE, "embedding_forward_range", "rrwu", templates=t, workgroup=(WG, 1, 1), uniforms=(PARAMS,)
+    )
     hi = ALL if last else v0 + rows
-    u = gpu.uniform(PARAMS, n_tokens, C // width, 0, v0, hi, label="embedding_forward_range")
+    u = gpu.uniform(
+        PARAMS, rows=n_tokens, C=C // width, accumulate=0, v0=v0, hi=hi, label="embedding_forward_range"
+    )
     return Call([(k, gpu.bind(k, ids, wte_rows, out, u), max(1, -(-n_tokens * C // width // WG)))], [u])
 
 
@@ -127,6 +148,21 @@ def embedding_backward(
     need("embedding_backward", "dwte", dwte, V * C)
     need("embedding_backward", "starts", starts, v0 + V + 1)
     width = vec_width(C, dwte, dout)
-    k = gpu.kernel(FILE, "embedding_backward", "rrrwu", templates=_templates(width), workgroup=(WG, 1, 1))
-    u = gpu.uniform(PARAMS, V, C // width, int(bool(accumulate)), v0, 0, label="embedding_backward")
+    k = gpu.kernel(
+        FILE,
+        "embedding_backward",
+        "rrrwu",
+        templates=_templates(width),
+        workgroup=(WG, 1, 1),
+        uniforms=(PARAMS,),
+    )
+    u = gpu.uniform(
+        PARAMS,
+        rows=V,
+        C=C // width,
+        accumulate=int(bool(accumulate)),
+        v0=v0,
+        hi=0,
+        label="embedding_backward",
+    )
     return Call([(k, gpu.bind(k, dout, order, starts, dwte, u), max(1, -(-V * C // width // WG)))], [u])

@@ -1,5 +1,8 @@
 """Launchers for `shaders/matmul.wgsl`: one generic, batched f32 GEMM and the linear-layer products built on it.
 
+Kernel path: `shaders/matmul.wgsl` -> `ddl_wgpu/ops/matmul.py` -> reference `ddl_ref.ops.linear_forward`,
+`ddl_ref.ops.linear_backward` -> test `tests/test_kernel_matmul.py`.
+
 `matmul` computes C = alpha * op(A) * op(B) (+ C), row-major everywhere: op(A) is M x K, stored (M, K) or
 (K, M) when `trans_a`; op(B) is K x N, stored (K, N) or (N, K) when `trans_b`; C is (M, N). A linear layer
 with the Hugging Face weight layout W (OUT, IN) needs three of the four layouts:
@@ -31,15 +34,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddl_wgpu.gpu import MAX_GROUPS, Call, GpuError
+from ddl_wgpu.gpu import MAX_GROUPS, Call, GpuError, Uniform
 from ddl_wgpu.ops import nbytes as _nbytes
 
 SHADER = "matmul.wgsl"
-# M N K lda ldb ldc stride_a stride_b stride_c batch accumulate alpha, then the two-level batch (inner div_a div_b
-# istride_a istride_b istride_c), element offsets (off_a off_b off_c) and the causal mode
-PARAMS = "uuuuuuuuuuuf" + "uuuuuu" + "uuu" + "u"
+PARAMS = Uniform(
+    "Params",
+    ("M", "u32"),
+    ("N", "u32"),
+    ("K", "u32"),
+    ("lda", "u32"),
+    ("ldb", "u32"),
+    ("ldc", "u32"),
+    ("stride_a", "u32"),
+    ("stride_b", "u32"),
+    ("stride_c", "u32"),
+    ("batch", "u32"),
+    ("accumulate", "u32", "1: C = alpha*op(A)op(B) + C"),
+    ("alpha", "f32"),
+    ("inner", "u32", "two-level batch: z = zo * inner + zi"),
+    ("div_a", "u32"),
+    ("div_b", "u32"),
+    ("istride_a", "u32"),
+    ("istride_b", "u32"),
+    ("istride_c", "u32"),
+    ("off_a", "u32", "element offsets"),
+    ("off_b", "u32"),
+    ("off_c", "u32"),
+    ("causal", "u32", "0 none; 1, 2, 3: see the header"),
+)
 CAUSAL_MODES = {None: 0, "skip_upper": 1, "k_to_row": 2, "k_from_row": 3}
-REDUCE_PARAMS = "uuuufuuu"  # n parts stride accumulate alpha pad pad pad
+REDUCE_PARAMS = Uniform(
+    "RParams",
+    ("n", "u32", "elements of C (packed M x N)"),
+    ("parts", "u32"),
+    ("stride", "u32", "elements between two slices' partials"),
+    ("accumulate", "u32"),
+    ("alpha", "f32"),
+    ("pad0", "pad"),
+    ("pad1", "pad"),
+    ("pad2", "pad"),
+)
+UNIFORMS = (PARAMS, REDUCE_PARAMS)  # both structs of matmul.wgsl
 
 # Split-K is used when a product yields fewer LARGE_TILE workgroups than this on a GPU and K is long: the
 # H200 has 132 SMs, and the dW products of the small preset (36-96 workgroups) ran at 8-17 TFLOP/s.
@@ -211,6 +247,7 @@ def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile, b_dtype: str = "f32"):
         constants={"TRANS_A": int(trans_a), "TRANS_B": int(trans_b)},
         templates=tile.templates(b_dtype),
         workgroup=(tile.wx, tile.wy, 1),
+        uniforms=UNIFORMS,
     )
 
 
@@ -280,10 +317,7 @@ def _split_k(
         ks,
         trans_a,
         trans_b,
-        batch=full,
-        stride_a=sa,
-        stride_b=sb,
-        stride_c=pstride,
+        batch=Batch(full, a=Strides(sa), b=Strides(sb), c=Strides(pstride)),
         lda=lda,
         ldb=ldb,
         tile=tile or pick_tile(gpu, M, N, full),
@@ -311,9 +345,22 @@ def _split_k(
             split_k=1,
             b_dtype=b_dtype,
         )
-    k = gpu.kernel(SHADER, "splitk_reduce", "rwu", templates=SMALL_TILE.templates(), workgroup=(256, 1, 1))
+    k = gpu.kernel(
+        SHADER,
+        "splitk_reduce",
+        "rwu",
+        templates=SMALL_TILE.templates(),
+        workgroup=(256, 1, 1),
+        uniforms=UNIFORMS,
+    )
     u = gpu.uniform(
-        REDUCE_PARAMS, M * N, parts, pstride, int(accumulate), float(alpha), 0, 0, 0, label="splitk"
+        REDUCE_PARAMS,
+        n=M * N,
+        parts=parts,
+        stride=pstride,
+        accumulate=int(accumulate),
+        alpha=alpha,
+        label="splitk",
     )
     call += Call([(k, gpu.bind(k, (scratch, 0, parts * pstride * 4), c, u), -(-(M * N) // 256))], [u])
     return call
@@ -329,18 +376,7 @@ def _offset_view(res, elements: int, itemsize: int = 4):
 
 
 def _check_fits(
-    what: str,
-    res,
-    batch: int,
-    stride: int,
-    rows: int,
-    cols: int,
-    ld: int,
-    itemsize: int = 4,
-    inner: int = 1,
-    div: int = 1,
-    istride: int = 0,
-    off: int = 0,
+    what: str, res, batch: int, inner: int, s: Strides, rows: int, cols: int, ld: int, itemsize: int = 4
 ) -> None:
     """Raise if the last element this GEMM touches lies outside the bound buffer (or view): the shader's
     bounds checks would otherwise clamp silently (or, in a trusted module, read out of bounds)."""
@@ -348,10 +384,34 @@ def _check_fits(
         return
     if ld < cols:
         raise GpuError(f"matmul: {what} row stride {ld} is smaller than its {cols} columns")
-    last = off + (batch // inner - 1) * stride + ((inner - 1) // div) * istride
+    last = s.off + (batch // inner - 1) * s.stride + ((inner - 1) // s.div) * s.istride
     need = itemsize * (last + (rows - 1) * ld + cols)
     if need > _nbytes(res):
         raise GpuError(f"matmul: {what} needs {need} bytes, its buffer/view has {_nbytes(res)}")
+
+
+@dataclass(frozen=True)
+class Strides:
+    """Where one operand of a batched `matmul` lies in its buffer, in elements: product z = zo * inner + zi
+    (see `Batch`) starts at off + zo * stride + (zi // div) * istride."""
+
+    stride: int = 0
+    istride: int = 0
+    off: int = 0
+    div: int = 1
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The products of one `matmul` launch: `count` of them, in `count // inner` groups of `inner` (the
+    two-level batch of per-(batch, head) products of (B, T, H, D) tensors), each operand placed by its
+    `Strides`. C's `div` must be 1."""
+
+    count: int = 1
+    inner: int = 1
+    a: Strides = Strides()
+    b: Strides = Strides()
+    c: Strides = Strides()
 
 
 def matmul(
@@ -366,68 +426,42 @@ def matmul(
     trans_b: bool = False,
     accumulate: bool = False,
     alpha: float = 1.0,
-    batch: int = 1,
-    stride_a: int = 0,
-    stride_b: int = 0,
-    stride_c: int = 0,
     lda: int | None = None,
     ldb: int | None = None,
     ldc: int | None = None,
+    batch: Batch = Batch(),
+    causal: str | None = None,
     tile: Tile | None = None,
     split_k: int | None = None,
     b_dtype: str = "f32",
-    inner: int = 1,
-    div_a: int = 1,
-    div_b: int = 1,
-    istride_a: int = 0,
-    istride_b: int = 0,
-    istride_c: int = 0,
-    off_a: int = 0,
-    off_b: int = 0,
-    off_c: int = 0,
-    causal: str | None = None,
 ) -> Call:
-    """C = alpha * op(A) * op(B) (+ C when `accumulate`), for `batch` products whose operands start
-    stride_a / stride_b / stride_c elements apart. `lda`, `ldb`, `ldc` are the row strides (in elements) of
-    the stored matrices; they default to packed rows (A: K, or M when trans_a; B: N, or K when trans_b;
-    C: N). `c` must be a different buffer from `a` and `b`. `tile` defaults to `pick_tile`. `split_k` slices
-    K into that many products plus a reduction (None: `auto_split_k`; only for packed, unbatched C).
-    `b_dtype` "f16": B holds f16 values (converted to f32 on load; needs shader-f16).
+    """C = alpha * op(A) * op(B) (+ C when `accumulate`), for the products of `batch` (one by default).
+    `lda`, `ldb`, `ldc` are the row strides (in elements) of the stored matrices; they default to packed rows
+    (A: K, or M when trans_a; B: N, or K when trans_b; C: N). `c` must be a different buffer from `a` and
+    `b`. `tile` defaults to `pick_tile`. `split_k` slices K into that many products plus a reduction (None:
+    `auto_split_k`; only for packed, unbatched C). `b_dtype` "f16": B holds f16 values (converted to f32 on
+    load; needs shader-f16).
 
-    Two-level batch (per-(batch, head) products of (B, T, H, D) tensors): with `inner` > 1, product z reads
-    X from off_x + (z // inner) * stride_x + ((z % inner) // div_x) * istride_x (C: div 1); `batch` counts
-    all products and must be a multiple of `inner`. `causal` (square positions x positions products of
-    attention): "skip_upper" leaves the C tiles wholly above the diagonal unwritten, "k_to_row" stops the
-    k loop after each tile's last row (op(A) zero for k > m), "k_from_row" starts it at the tile's first
-    row (op(A) zero for k < m)."""
-    M, N, K, batch, inner = int(M), int(N), int(K), int(batch), int(inner)
+    `causal` (square positions x positions products of attention): "skip_upper" leaves the C tiles wholly
+    above the diagonal unwritten, "k_to_row" stops the k loop after each tile's last row (op(A) zero for
+    k > m), "k_from_row" starts it at the tile's first row (op(A) zero for k < m)."""
+    sa, sb, sc = batch.a, batch.b, batch.c
+    div_a, div_b = sa.div, sb.div
+    M, N, K, inner = int(M), int(N), int(K), int(batch.inner)
+    batch = int(batch.count)
     if min(M, N, K, batch) < 0:
         raise GpuError(f"matmul: negative size M={M} N={N} K={K} batch={batch}")
-    if inner < 1 or batch % inner or min(div_a, div_b) < 1 or causal not in CAUSAL_MODES:
+    if inner < 1 or batch % inner or min(div_a, div_b) < 1 or sc.div != 1 or causal not in CAUSAL_MODES:
         raise GpuError(f"matmul: bad batch split batch={batch} inner={inner} div={div_a},{div_b} {causal=}")
     lda = int(lda if lda is not None else (M if trans_a else K))
     ldb = int(ldb if ldb is not None else (K if trans_b else N))
     ldc = int(ldc if ldc is not None else N)
     if M == 0 or N == 0 or batch == 0:
         return Call()
-    _check_fits(
-        "A", a, batch, stride_a, *((K, M) if trans_a else (M, K)), lda, 4, inner, div_a, istride_a, off_a
-    )
-    _check_fits(
-        "B",
-        b,
-        batch,
-        stride_b,
-        *((N, K) if trans_b else (K, N)),
-        ldb,
-        _b_itemsize(gpu, b_dtype),
-        inner,
-        div_b,
-        istride_b,
-        off_b,
-    )
-    _check_fits("C", c, batch, stride_c, M, N, ldc, 4, inner, 1, istride_c, off_c)
-    plain = inner == 1 and causal is None and off_a == off_b == off_c == 0
+    _check_fits("A", a, batch, inner, sa, *((K, M) if trans_a else (M, K)), lda)
+    _check_fits("B", b, batch, inner, sb, *((N, K) if trans_b else (K, N)), ldb, _b_itemsize(gpu, b_dtype))
+    _check_fits("C", c, batch, inner, sc, M, N, ldc)
+    plain = inner == 1 and causal is None and sa.off == sb.off == sc.off == 0
     parts = auto_split_k(gpu, M, N, K, batch) if split_k is None else int(split_k)
     if parts > 1 and batch == 1 and ldc == N and 2 * parts <= K and plain:
         call = _split_k(
@@ -442,28 +476,28 @@ def matmul(
     k = kernel(gpu, trans_a, trans_b, tile, b_dtype)
     u = gpu.uniform(
         PARAMS,
-        M,
-        N,
-        K,
-        lda,
-        ldb,
-        ldc,
-        int(stride_a),
-        int(stride_b),
-        int(stride_c),
-        batch,
-        int(accumulate),
-        float(alpha),
-        inner,
-        int(div_a),
-        int(div_b),
-        int(istride_a),
-        int(istride_b),
-        int(istride_c),
-        int(off_a),
-        int(off_b),
-        int(off_c),
-        CAUSAL_MODES[causal],
+        M=M,
+        N=N,
+        K=K,
+        lda=lda,
+        ldb=ldb,
+        ldc=ldc,
+        stride_a=sa.stride,
+        stride_b=sb.stride,
+        stride_c=sc.stride,
+        batch=batch,
+        accumulate=int(accumulate),
+        alpha=alpha,
+        inner=inner,
+        div_a=div_a,
+        div_b=div_b,
+        istride_a=sa.istride,
+        istride_b=sb.istride,
+        istride_c=sc.istride,
+        off_a=sa.off,
+        off_b=sb.off,
+        off_c=sc.off,
+        causal=CAUSAL_MODES[causal],
         label="matmul",
     )
     return Call(dispatches=[(k, gpu.bind(k, a, b, c, u), groups)], uniforms=[u])

@@ -1,9 +1,12 @@
 """Deterministic reductions (`shaders/reduce.wgsl`): gradient norm and clip multiplier, and plain sums.
 
+Kernel path: `shaders/reduce.wgsl` -> `ddl_wgpu/ops/reduce.py` -> reference `ddl_ref.optim.global_grad_norm`,
+`ddl_ref.optim.clip_multiplier` -> test `tests/test_kernel_reduce.py`.
+
 Global gradient norm over several flat ranges (one per arena or per tensor), with nothing read back:
 
     partials = gpu.buffer(4 * total_partials([n1, n2, n3]))
-    scalars = gpu.buffer(16)                               # SCALARS_* below
+    scalars = gpu.buffer(SCALARS_BYTES)                    # see finalize_clip
     call = grad_norm_clip(gpu, scalars, partials, [(g1, n1), (g2, n2), (g3, n3)], clip=1.0)
 
 `grad_norm_clip` is `sum_squares` per range (each writing its own slice of `partials`, at consecutive
@@ -18,7 +21,7 @@ Launch sizes depend only on n, so results are bit-reproducible run to run.
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call
+from ddl_wgpu.gpu import Call, Uniform
 from ddl_wgpu.ops import need_bytes as _need
 
 FILE = "reduce.wgsl"
@@ -26,15 +29,13 @@ WG = 256
 ELEMS_PER_GROUP = 2048  # a workgroup sums at least this many elements before the cap applies
 MAX_GROUPS = 1024  # cap on partials per range (grid-stride beyond it)
 
-SUM_SQUARES_FMT = "uuuu"  # n, offset, pad, pad
-FINALIZE_FMT = "ufuu"  # count, clip, pad, pad
-SUM_ROWS_FMT = "uuuu"  # n, index, pad, pad
+SUM_SQUARES = Uniform("SumSquaresParams", ("n", "u32"), ("offset", "u32"), ("_a", "pad"), ("_b", "pad"))
+FINALIZE = Uniform("FinalizeParams", ("count", "u32"), ("clip", "f32"), ("_a", "pad"), ("_b", "pad"))
+FINALIZE_FMT = FINALIZE.fmt  # the positional form (count, clip, 0, 0), for callers that rewrite the clip
+SUM_ROWS = Uniform("SumRowsParams", ("n", "u32"), ("index", "u32"), ("_a", "pad"), ("_b", "pad"))
+UNIFORMS = (SUM_SQUARES, FINALIZE, SUM_ROWS)
 
-# layout of the `scalars` buffer written by finalize_clip (4 f32, 16 bytes)
-SCALARS_NORM = 0
-SCALARS_CLIP_MULT = 1
-SCALARS_FINITE = 2
-SCALARS_SUMSQ = 3
+# the `scalars` buffer written by finalize_clip: 4 f32 (norm, clip multiplier, finite flag, sum of squares)
 SCALARS_BYTES = 16
 
 
@@ -59,8 +60,8 @@ def sum_squares(gpu, partials, x, n: int, offset: int = 0, max_groups: int = MAX
     groups = sum_squares_groups(n, max_groups)
     _need("x", x, n * 4)
     _need("partials", partials, (offset + groups) * 4)
-    k = gpu.kernel(FILE, "sum_squares", "rwu", workgroup=(WG, 1, 1))
-    u = gpu.uniform(SUM_SQUARES_FMT, n, offset, 0, 0, label="sum_squares")
+    k = gpu.kernel(FILE, "sum_squares", "rwu", workgroup=(WG, 1, 1), uniforms=UNIFORMS)
+    u = gpu.uniform(SUM_SQUARES, n=n, offset=offset, label="sum_squares")
     bg = gpu.bind(k, x, partials, u)
     return Call([(k, bg, (groups, 1, 1))], [u])
 
@@ -68,16 +69,16 @@ def sum_squares(gpu, partials, x, n: int, offset: int = 0, max_groups: int = MAX
 def finalize_clip(gpu, scalars, partials, count: int, clip: float) -> Call:
     """scalars[0..4) = (global norm, clip multiplier, finite flag, sum of squares) from partials[0..count).
 
-    The clip threshold lives in the Call's uniform (`call.uniforms[0]`, fmt FINALIZE_FMT = (count, clip,
-    0, 0)); rewrite it with `gpu.write_uniform(call.uniforms[0], FINALIZE_FMT, count, new_clip, 0, 0)`.
+    The clip threshold lives in the Call's uniform (`call.uniforms[0]`, FINALIZE); rewrite it with
+    `gpu.write_uniform(call.uniforms[0], FINALIZE, count=count, clip=new_clip)`.
     clip <= 0 disables clipping (multiplier 1).
     """
     if count < 1:
         raise ValueError(f"finalize_clip: count={count} must be positive")
     _need("partials", partials, count * 4)
     _need("scalars", scalars, SCALARS_BYTES)
-    k = gpu.kernel(FILE, "finalize_clip", "rwu", workgroup=(WG, 1, 1))
-    u = gpu.uniform(FINALIZE_FMT, count, float(clip), 0, 0, label="finalize_clip")
+    k = gpu.kernel(FILE, "finalize_clip", "rwu", workgroup=(WG, 1, 1), uniforms=UNIFORMS)
+    u = gpu.uniform(FINALIZE, count=count, clip=clip, label="finalize_clip")
     bg = gpu.bind(k, partials, scalars, u)
     return Call([(k, bg, (1, 1, 1))], [u])
 
@@ -100,7 +101,7 @@ def sum_rows(gpu, out, x, n: int, index: int = 0) -> Call:
         raise ValueError(f"sum_rows: n={n} must be positive")
     _need("x", x, n * 4)
     _need("out", out, (index + 1) * 4)
-    k = gpu.kernel(FILE, "sum_rows", "rwu", workgroup=(WG, 1, 1))
-    u = gpu.uniform(SUM_ROWS_FMT, n, index, 0, 0, label="sum_rows")
+    k = gpu.kernel(FILE, "sum_rows", "rwu", workgroup=(WG, 1, 1), uniforms=UNIFORMS)
+    u = gpu.uniform(SUM_ROWS, n=n, index=index, label="sum_rows")
     bg = gpu.bind(k, x, out, u)
     return Call([(k, bg, (1, 1, 1))], [u])

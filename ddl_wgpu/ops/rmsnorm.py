@@ -1,5 +1,8 @@
 """Launchers for `shaders/rmsnorm.wgsl`: RMSNorm over the last axis of a (rows, C) tensor.
 
+Kernel path: `shaders/rmsnorm.wgsl` -> `ddl_wgpu/ops/rmsnorm.py` -> reference `ddl_ref.ops.rmsnorm_forward`,
+`ddl_ref.ops.rmsnorm_backward` -> test `tests/test_kernel_rmsnorm.py`.
+
 style "standard": out = w * xhat (Llama/Qwen3); "offset": out = (1 + w) * xhat (Gemma/Qwen3.5); xhat = x * rstd,
 rstd = 1 / sqrt(mean(x^2) + eps). The forward saves rstd (rows,) for the backward. The same launchers serve
 the per-head q/k norm (rows = B * T * heads, C = head_dim).
@@ -21,12 +24,22 @@ What it does not do: a bias, a mean-subtracting LayerNorm, or fusing the residua
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Gpu
+from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops.elementwise import need, templates, vec_width
 
 FILE = "rmsnorm.wgsl"
 WG = 256  # threads per workgroup, as in the shader
-PARAMS = "uufuuuuu"  # Params {rows, C, eps, style, accumulate_dx, accumulate_dw, rows_per_block, n_blocks}
+PARAMS = Uniform(
+    "Params",
+    ("rows", "u32"),
+    ("C", "u32", "channels (not items of F)"),
+    ("eps", "f32"),
+    ("style", "u32", "0 standard (w), 1 offset (1 + w)"),
+    ("accumulate_dx", "u32", "backward: 1 adds into dx, 0 overwrites it"),
+    ("accumulate_dw", "u32", "dw reduce: 1 adds into dw, 0 overwrites it"),
+    ("rows_per_block", "u32", "backward: rows of one dw partial (a multiple of WG / TPR)"),
+    ("n_blocks", "u32", "backward: ceil(rows / rows_per_block)"),
+)
 STYLES = {"standard": 0, "offset": 1}
 # Items (f32 or vec4) of a row one thread holds at most, while the row has WG threads or fewer: more items
 # per thread means fewer threads per row (a shorter row sum) but more registers. Measured on the H200
@@ -128,7 +141,7 @@ def rmsnorm_partials_size(rows: int, C: int) -> int:
 
 def _row_kernel(gpu: Gpu, entry: str, sig: str, C: int, width: int):
     tpr, ipt = row_layout(C // width)
-    k = gpu.kernel(FILE, entry, sig, {"TPR": tpr}, _templates(width, ipt), workgroup=(WG, 1, 1))
+    k = gpu.kernel(FILE, entry, sig, {"TPR": tpr}, _templates(width, ipt), (WG, 1, 1), uniforms=(PARAMS,))
     return k, WG // tpr  # kernel, rows per workgroup (row slots)
 
 
@@ -140,7 +153,8 @@ def rmsnorm_forward(
     for name, r, n in (("out", out, rows * C), ("rstd", rstd, rows), ("x", x, rows * C), ("w", w, C)):
         need("rmsnorm_forward", name, r, n)
     k, rpw = _row_kernel(gpu, "rmsnorm_forward", "rrwwu", C, vec_width(C, out, x, w))
-    u = gpu.uniform(PARAMS, rows, C, float(eps), _style(style), 0, 0, 0, 0, label="rmsnorm_forward")
+    fields = dict(accumulate_dx=0, accumulate_dw=0, rows_per_block=0, n_blocks=0)
+    u = gpu.uniform(PARAMS, rows=rows, C=C, eps=eps, style=_style(style), **fields, label="rmsnorm_forward")
     return Call([(k, gpu.bind(k, x, w, out, rstd, u), -(-rows // rpw))], [u])
 
 
@@ -176,21 +190,21 @@ def rmsnorm_backward(
     need("rmsnorm_backward", "partials", partials, n_blocks * C)
     u = gpu.uniform(
         PARAMS,
-        rows,
-        C,
-        0.0,
-        _style(style),
-        int(bool(accumulate_dx)),
-        int(bool(accumulate_dw)),
-        rpb,
-        n_blocks,
+        rows=rows,
+        C=C,
+        eps=0.0,
+        style=_style(style),
+        accumulate_dx=int(bool(accumulate_dx)),
+        accumulate_dw=int(bool(accumulate_dw)),
+        rows_per_block=rpb,
+        n_blocks=n_blocks,
         label="rmsnorm_backward",
     )
     tpr, ipt = row_layout(C // width)
     tm = _templates(width, ipt)  # both entry points from one module
-    kb = gpu.kernel(FILE, "rmsnorm_backward", "rrrrwwu", {"TPR": tpr}, tm, workgroup=(WG, 1, 1))
+    kb = gpu.kernel(FILE, "rmsnorm_backward", "rrrrwwu", {"TPR": tpr}, tm, (WG, 1, 1), uniforms=(PARAMS,))
     cw = reduce_channels(C // width, n_blocks)
-    k2 = gpu.kernel(FILE, "rmsnorm_backward_dw_reduce", "rwu", {"CW": cw}, tm, workgroup=(WG, 1, 1))
+    k2 = gpu.kernel(FILE, "rmsnorm_backward_dw_reduce", "rwu", {"CW": cw}, tm, (WG, 1, 1), uniforms=(PARAMS,))
     call = Call(
         [
             (kb, gpu.bind(kb, dout, x, w, rstd, dx, partials, u), n_blocks),

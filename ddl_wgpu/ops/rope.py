@@ -1,5 +1,8 @@
 """Launchers for `shaders/rope.wgsl`: rotary position embedding (rotate-half) on x (B, T, N, D).
 
+Kernel path: `shaders/rope.wgsl` -> `ddl_wgpu/ops/rope.py` -> reference `ddl_ref.ops.rope_forward`,
+`ddl_ref.ops.rope_backward` -> test `tests/test_kernel_rope.py`.
+
 The tables cos/sin are (T_max, D) f32 with T_max >= T, from `ddl_ref.ops.rope_tables`, uploaded once; row t
 is position t, and positions run 0..T-1 within each sequence of the batch.
 
@@ -16,12 +19,19 @@ position offsets (KV-cache decoding).
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Gpu
+from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops.elementwise import need, templates, vec_width, view
 
 FILE = "rope.wgsl"
 WG = 256  # threads per workgroup, as in the shader
-PARAMS = "uuuu"  # Params {pairs, T, N, D}, counted in items of the shader's type (f32 or vec4)
+# counted in items of the shader's type (f32 or vec4)
+PARAMS = Uniform(
+    "Params",
+    ("pairs", "u32", "B * T * N * h / LANES"),
+    ("T", "u32"),
+    ("N", "u32"),
+    ("D", "u32", "head_dim / LANES: a row of x, or of a table, in items of F"),
+)
 
 
 def _same(a, b) -> bool:
@@ -45,13 +55,15 @@ def _launch(gpu: Gpu, entry: str, out, x, cos, sin, B: int, T: int, N: int, D: i
         need(entry, name, r, count)
     width = vec_width(D // 2, x, out, cos, sin)  # pairs of items move as vec4 when h % 4 == 0
     pairs = n // 2 // width
-    u = gpu.uniform(PARAMS, pairs, T, N, D // width, label=entry)
+    u = gpu.uniform(PARAMS, pairs=pairs, T=T, N=N, D=D // width, label=entry)
     tm = templates(width)
     if _same(out, x):
-        k = gpu.kernel(FILE, entry + "_inplace", "rrwu", templates=tm, workgroup=(WG, 1, 1))
+        k = gpu.kernel(
+            FILE, entry + "_inplace", "rrwu", templates=tm, workgroup=(WG, 1, 1), uniforms=(PARAMS,)
+        )
         bg = gpu.bind(k, cos, sin, x, u)
     else:
-        k = gpu.kernel(FILE, entry, "rrrwu", templates=tm, workgroup=(WG, 1, 1))
+        k = gpu.kernel(FILE, entry, "rrrwu", templates=tm, workgroup=(WG, 1, 1), uniforms=(PARAMS,))
         bg = gpu.bind(k, x, cos, sin, out, u)
     return Call([(k, bg, max(1, -(-pairs // WG)))], [u])
 

@@ -1,7 +1,13 @@
 """Launchers for `shaders/shortconv.wgsl`: the d_v > 1 state's compressors and expanders (ddl.md §1.5).
 
-Rows r = b*T + t; the state X is (rows, C, dv) row-major; x_in, e are (rows, C). Reference: `ddl_ref.delta`
-(`tc_*`, `cc_*`, `ec_*`, `repeat_*`), whose tap conventions these match:
+Kernel path: `shaders/shortconv.wgsl` -> `ddl_wgpu/ops/shortconv.py` -> reference
+`ddl_ref.shortconv.tc_forward`, `ddl_ref.shortconv.tc_backward`, `ddl_ref.shortconv.cc_forward`,
+`ddl_ref.shortconv.cc_backward`, `ddl_ref.shortconv.ec_forward`, `ddl_ref.shortconv.ec_backward`,
+`ddl_ref.shortconv.repeat_forward`, `ddl_ref.shortconv.repeat_backward` -> test
+`tests/test_kernel_shortconv.py`.
+
+Rows r = b*T + t; the state X is (rows, C, dv) row-major; x_in, e are (rows, C). The tap conventions are
+the reference's:
 
 - TC (token compression): causal depthwise conv over time on the C*dv channels, conv (C*dv, k), tap k-1 the
   current token, then x_in = y @ read, read (dv,). A row's history stops at t = 0 of its own sequence.
@@ -22,14 +28,30 @@ from __future__ import annotations
 
 import math
 
-from ddl_wgpu.gpu import Call, Gpu
+from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops import need_all as _need
 
 FILE = "shortconv.wgsl"
 WG = 256  # threads per workgroup, as in the shader
-# Params {rows, T, C, dv, k, pad_left, accumulate, rows_per_block, n_blocks, width, n_out, off, ostride,
-#         n_inner, istride, pad}
-PARAMS = "u" * 16
+PARAMS = Uniform(
+    "Params",
+    ("rows", "u32"),
+    ("T", "u32"),
+    ("C", "u32"),
+    ("dv", "u32"),
+    ("k", "u32", "TC/EC taps (CC: the d_v-axis kernel, = dv)"),
+    ("pad_left", "u32", "CC"),
+    ("accumulate", "u32", "dX / de kernels and colsum: 1 adds into the output, 0 overwrites it"),
+    ("rows_per_block", "u32", "gradient pass 1"),
+    ("n_blocks", "u32"),
+    ("width", "u32", "columns of a partials row"),
+    ("n_out", "u32", "colsum: outputs"),
+    ("off", "u32", "colsum: first column"),
+    ("ostride", "u32", "colsum: column step between outputs"),
+    ("n_inner", "u32", "colsum: columns summed into one output (besides the blocks)"),
+    ("istride", "u32", "colsum: column step between them"),
+    ("_pad", "pad"),
+)
 CW_PARTIAL = 32  # columns per workgroup in pass 1 (8 row lanes)
 CW_CONV = 32  # outputs per workgroup in pass 2 of dconv (8 block lanes)
 CW_READ = 1  # outputs per workgroup in pass 2 of dread (256 lanes over blocks x features)
@@ -58,13 +80,20 @@ def partials_size(kind: str, rows: int, C: int, dv: int, k: int = 4) -> int:
 
 def _params(gpu, label, rows, T, C, dv, k, pad_left=0, accumulate=0, rpb=0, n_blocks=0, width=0, n_out=0,
             off=0, ostride=0, n_inner=0, istride=0):  # fmt: skip
-    vals = (rows, T, C, dv, k, pad_left, int(bool(accumulate)), rpb, n_blocks, width, n_out, off, ostride,
-            n_inner, istride, 0)  # fmt: skip
-    return gpu.uniform(PARAMS, *(int(v) for v in vals), label=label)
+    return gpu.uniform(PARAMS, rows=rows, T=T, C=C, dv=dv, k=k, pad_left=pad_left, accumulate=int(bool(accumulate)),
+                       rows_per_block=rpb, n_blocks=n_blocks, width=width, n_out=n_out, off=off, ostride=ostride,
+                       n_inner=n_inner, istride=istride, label=label)  # fmt: skip
 
 
 def _k(gpu: Gpu, entry: str, sig: str, cw: int | None = None):
-    return gpu.kernel(FILE, entry, sig, constants=None if cw is None else {"CW": cw}, workgroup=(WG, 1, 1))
+    return gpu.kernel(
+        FILE,
+        entry,
+        sig,
+        constants=None if cw is None else {"CW": cw},
+        workgroup=(WG, 1, 1),
+        uniforms=(PARAMS,),
+    )
 
 
 def _elementwise(n: int) -> int:

@@ -1,5 +1,8 @@
 """Top-k KL distillation loss and top-k selection (`shaders/topk_kl.wgsl`), for healing an MTP draft head.
 
+Kernel path: `shaders/topk_kl.wgsl` -> `ddl_wgpu/ops/topk_kl.py` -> reference `ddl_ref.ops.topk_kl_forward`,
+`ddl_ref.ops.topk_kl_backward` -> test `tests/test_kernel_topk_kl.py`.
+
 `topk_kl` is used like `crossentropy.cross_entropy`: in place on a (rows, V) chunk of student logits, which
 become the gradient (zero except at the teacher's k ids, where it is (q~ - p~) * weight * scale_buf[0]),
 with per-row losses weight * KL(p~ || q~) (unscaled). The per-step buffers `teacher_ids` (N, k) u32,
@@ -12,13 +15,13 @@ and their full-softmax probabilities (not renormalised; topk_kl renormalises), w
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call
+from ddl_wgpu.gpu import Call, Uniform
 from ddl_wgpu.ops import need_bytes as _need
 
 FILE = "topk_kl.wgsl"
 WG = 256
 KMAX = 64
-PARAMS_FMT = "uuuu"  # rows, V, k, row_offset
+PARAMS = Uniform("Params", ("rows", "u32"), ("V", "u32"), ("k", "u32"), ("row_offset", "u32"))
 
 
 def _check_sizes(rows: int, V: int, k: int):
@@ -50,8 +53,8 @@ def topk_kl(
     _need("weights", weights, n * 4)
     _need("row_loss (whole-batch buffer, indexed at row_offset + r)", row_loss, n * 4)
     _need("scale_buf", scale_buf, 4)
-    kern = gpu.kernel(FILE, "topk_kl", "rrrrwwu", workgroup=(WG, 1, 1))
-    u = gpu.uniform(PARAMS_FMT, rows, V, k, row_offset, label="topk_kl")
+    kern = gpu.kernel(FILE, "topk_kl", "rrrrwwu", workgroup=(WG, 1, 1), uniforms=(PARAMS,))
+    u = gpu.uniform(PARAMS, rows=rows, V=V, k=k, row_offset=row_offset, label="topk_kl")
     bg = gpu.bind(kern, teacher_ids, teacher_probs, weights, scale_buf, logits, row_loss, u)
     return Call([(kern, bg, rows)], [u])
 
@@ -64,7 +67,7 @@ def topk(gpu, ids_out, probs_out, logits, rows: int, V: int, k: int, row_offset:
     _need("logits", logits, rows * V * 4)
     _need("ids_out", ids_out, (row_offset + rows) * k * 4)
     _need("probs_out", probs_out, (row_offset + rows) * k * 4)
-    kern = gpu.kernel(FILE, "topk", "rwwu", workgroup=(WG, 1, 1))
-    u = gpu.uniform(PARAMS_FMT, rows, V, k, row_offset, label="topk")
+    kern = gpu.kernel(FILE, "topk", "rwwu", workgroup=(WG, 1, 1), uniforms=(PARAMS,))
+    u = gpu.uniform(PARAMS, rows=rows, V=V, k=k, row_offset=row_offset, label="topk")
     bg = gpu.bind(kern, logits, ids_out, probs_out, u)
     return Call([(kern, bg, rows)], [u])

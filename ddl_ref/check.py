@@ -1,11 +1,15 @@
-"""Shared finite-difference gradient checker for the `ddl_ref` tests (llm.c `layernorm.py` style).
+"""Checking utilities for tests against the reference: comparing a GPU result with `ddl_ref`, and checking a
+reference backward against finite differences.
 
-A backward is checked on the scalar `fakeloss = sum(out * dout)` for a fixed random `dout`: the analytic
-gradient of that scalar w.r.t. each input is exactly what the backward returns, and central differences in
-float64 approximate it to about eps^2 (truncation) + 1e-16/eps (round-off), i.e. ~1e-10 relative for eps=1e-6.
+Comparing (llm.c's `validate_result`): `check` tests shape and dtype first, then values within
+`atol + rtol*|ref|`, reporting the max abs diff and the first mismatches. Tolerances live in one table (TOL),
+by kind of computation, for float32 on the GPU against float64 or float32 numpy; reductions over long axes
+(matmul K, softmax over V) get the looser rows.
 
-What this file deliberately does not do: compare GPU kernels (that is the engine's `check` helper) or choose
-tolerances for float32.
+Gradient checks (llm.c `layernorm.py` style): a backward is checked on the scalar `fakeloss = sum(out * dout)`
+for a fixed random `dout`: the analytic gradient of that scalar w.r.t. each input is exactly what the backward
+returns, and central differences in float64 approximate it to about eps^2 (truncation) + 1e-16/eps
+(round-off), i.e. ~1e-10 relative for eps=1e-6. `random_params` gives every tensor of a config signal.
 """
 
 from __future__ import annotations
@@ -13,6 +17,44 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+
+from ddl_ref.params import param_table
+
+TOL = {
+    # kind: (rtol, atol)
+    "elementwise": (1e-5, 1e-6),
+    "norm": (1e-4, 1e-5),
+    "matmul": (1e-4, 1e-4),
+    "attention": (2e-4, 2e-5),
+    "loss": (1e-4, 1e-5),
+    "optimizer": (1e-5, 1e-6),
+    "model": (2e-3, 2e-4),
+}
+
+
+def check(name: str, got: np.ndarray, ref: np.ndarray, kind: str = "elementwise", rtol=None, atol=None):
+    """Assert `got` (a GPU result) matches `ref` within TOL[kind] (or the given rtol/atol); -> max abs diff."""
+    r, a = TOL[kind]
+    rtol = r if rtol is None else rtol
+    atol = a if atol is None else atol
+    got = np.asarray(got)
+    ref = np.asarray(ref)
+    assert got.shape == ref.shape, f"{name}: shape {got.shape} != reference {ref.shape}"
+    g = got.astype(np.float64)
+    e = ref.astype(np.float64)
+    assert np.all(np.isfinite(g)), f"{name}: non-finite values in GPU result"
+    err = np.abs(g - e)
+    bad = err > atol + rtol * np.abs(e)
+    if bad.any():
+        idx = np.argwhere(bad)[:5]
+        pairs = ", ".join(
+            f"{tuple(int(v) for v in i)}: gpu {g[tuple(i)]:.7g} ref {e[tuple(i)]:.7g}" for i in idx
+        )
+        raise AssertionError(
+            f"{name}: {int(bad.sum())}/{bad.size} mismatches, max abs diff {err.max():.3g} "
+            f"(rtol {rtol}, atol {atol}); first: {pairs}"
+        )
+    return float(err.max()) if err.size else 0.0
 
 
 def numeric_grad(f: Callable[[], float], x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
@@ -90,7 +132,5 @@ def check_grad(
 def random_params(cfg, seed=0) -> dict:
     """float64 random values for every tensor of `cfg`'s parameter table (not the init), so that norm
     weights, offsets and every path carry signal in a gradient check."""
-    from ddl_ref.params import param_table
-
     rng = np.random.default_rng(seed)
     return {s.name: rng.standard_normal(s.shape) * 0.5 for s in param_table(cfg)}

@@ -6,9 +6,9 @@ flash tile choice for any D <= 256; the scores path in chunks of batches; the im
 
 import numpy as np
 import pytest
-from kernel_check import check
 
 from ddl_ref import ops as ref
+from ddl_ref.check import check
 from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.ops import attention, attention_scores
 from ddl_wgpu.ops.attention import MAX_D, attention_backward, attention_forward, choose_impl, tile_config

@@ -10,21 +10,19 @@ import numpy as np
 import pytest
 
 from ddl_ref import ops as ref
+from ddl_ref.check import check
 from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.ops.matmul import (
     LARGE_TILE,
     SMALL_TILE,
+    Batch,
+    Strides,
     Tile,
     linear_backward,
     linear_forward,
     matmul,
     pick_tile,
 )
-
-try:
-    from kernel_check import check
-except ImportError:  # tests/ imported as a package
-    from tests.kernel_check import check
 
 SHAPES = [(1, 1, 1), (7, 13, 5), (33, 17, 65), (64, 48, 40), (130, 9, 70)]  # (M, N, K)
 
@@ -39,9 +37,10 @@ def _op(x, trans):
 
 def _run_matmul(gpu, A, B, M, N, K, c_init=None, **kw):
     a, b = gpu.upload(A), gpu.upload(B)
-    c = gpu.upload(c_init) if c_init is not None else gpu.buffer(4 * kw.get("batch", 1) * M * N)
+    n = kw["batch"].count if "batch" in kw else 1
+    c = gpu.upload(c_init) if c_init is not None else gpu.buffer(4 * n * M * N)
     matmul(gpu, c, a, b, M, N, K, **kw).run(gpu)
-    return gpu.download(c, np.float32, kw.get("batch", 1) * M * N if c_init is None else c_init.size)
+    return gpu.download(c, np.float32, n * M * N if c_init is None else c_init.size)
 
 
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False), (True, True)])
@@ -118,7 +117,8 @@ def test_matmul_batched_strides(gpu, rng):
     A = _rand(rng, (nb - 1) * sa + M * K)
     B = _rand(rng, K, N)
     C0 = _rand(rng, (nb - 1) * sc + M * N)
-    got = _run_matmul(gpu, A, B, M, N, K, c_init=C0, batch=nb, stride_a=sa, stride_b=sb, stride_c=sc)
+    batch = Batch(nb, a=Strides(sa), b=Strides(sb), c=Strides(sc))
+    got = _run_matmul(gpu, A, B, M, N, K, c_init=C0, batch=batch)
     want = C0.astype(np.float64).copy()
     for z in range(nb):
         want[z * sc : z * sc + M * N] = (_op(A[z * sa : z * sa + M * K].reshape(M, K), False) @ B).ravel()
@@ -131,8 +131,8 @@ def test_matmul_batched_transposed_row_strides(gpu, rng):
     q, k = _rand(rng, T, H, D), _rand(rng, T, H, D)
     s = gpu.buffer(4 * H * T * T)
     call = matmul(
-        gpu, s, gpu.upload(q), gpu.upload(k), T, T, D, trans_b=True, alpha=D**-0.5, batch=H,
-        stride_a=D, stride_b=D, stride_c=T * T, lda=H * D, ldb=H * D,
+        gpu, s, gpu.upload(q), gpu.upload(k), T, T, D, trans_b=True, alpha=D**-0.5, lda=H * D, ldb=H * D,
+        batch=Batch(H, a=Strides(D), b=Strides(D), c=Strides(T * T)),
     )  # fmt: skip
     call.run(gpu)
     want = np.einsum("thd,shd->hts", q.astype(np.float64), k.astype(np.float64)) * D**-0.5
@@ -148,10 +148,11 @@ def test_matmul_two_level_batch_gqa_offsets(gpu, rng, tile):
     nb = B - b0
     s = gpu.buffer(4 * nb * H * T * T)
     matmul(
-        gpu, s, gpu.upload(q), gpu.upload(k), T, T, D, trans_b=True, batch=nb * H, inner=H,
-        stride_a=T * H * D, istride_a=D, off_a=b0 * T * H * D, lda=H * D,
-        stride_b=T * KH * D, istride_b=D, div_b=H // KH, off_b=b0 * T * KH * D, ldb=KH * D,
-        stride_c=H * T * T, istride_c=T * T, tile=tile,
+        gpu, s, gpu.upload(q), gpu.upload(k), T, T, D, trans_b=True, lda=H * D, ldb=KH * D, tile=tile,
+        batch=Batch(nb * H, inner=H,
+                    a=Strides(stride=T * H * D, istride=D, off=b0 * T * H * D),
+                    b=Strides(stride=T * KH * D, istride=D, off=b0 * T * KH * D, div=H // KH),
+                    c=Strides(stride=H * T * T, istride=T * T)),
     ).run(gpu)  # fmt: skip
     kk = np.repeat(k[b0:].astype(np.float64), H // KH, axis=2)
     want = np.einsum("bthd,bshd->bhts", q[b0:].astype(np.float64), kk)
@@ -174,12 +175,12 @@ def test_matmul_causal_modes(gpu, rng, tile):
     lower = np.tril(_rand(rng, nb, T, T))  # P: zero right of the diagonal
     x, y = _rand(rng, nb, T, D), _rand(rng, nb, T, D)
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
-    bat = dict(batch=nb, tile=tile)
+    xy = Batch(nb, a=Strides(T * D), b=Strides(T * D), c=Strides(T * T))  # scores of x, y
+    py = Batch(nb, a=Strides(T * T), b=Strides(T * D), c=Strides(T * D))  # P times y
     # 1: scores x y^T on and below the diagonal; the tiles wholly above it keep the sentinel
     sentinel = np.full((nb, T, T), 7.0, np.float32)
     got = _run_matmul(
-        gpu, x, y, T, T, D, c_init=sentinel, trans_b=True, stride_a=T * D, stride_b=T * D, stride_c=T * T,
-        causal="skip_upper", **bat,
+        gpu, x, y, T, T, D, c_init=sentinel, trans_b=True, batch=xy, causal="skip_upper", tile=tile,
     ).reshape(nb, T, T)  # fmt: skip
     want = f64(x) @ f64(y).transpose(0, 2, 1)
     t, s_ = np.tril_indices(T)
@@ -189,14 +190,11 @@ def test_matmul_causal_modes(gpu, rng, tile):
     assert above.any() == (bm < T)
     assert np.all(got[:, above] == 7.0), "a tile above the diagonal was written"
     # 2: P y with the k loop stopped at each row tile's end: equal to the full product
-    got = _run_matmul(
-        gpu, lower, y, T, D, T, stride_a=T * T, stride_b=T * D, stride_c=T * D, causal="k_to_row", **bat
-    )
+    got = _run_matmul(gpu, lower, y, T, D, T, batch=py, causal="k_to_row", tile=tile)
     check("causal k_to_row", got.reshape(nb, T, D), f64(lower) @ f64(y), "matmul")
     # 3: P^T y (op(A) = P^T is zero left of the diagonal) with the k loop started at each row tile
     got = _run_matmul(
-        gpu, lower, y, T, D, T, trans_a=True, stride_a=T * T, stride_b=T * D, stride_c=T * D,
-        causal="k_from_row", **bat,
+        gpu, lower, y, T, D, T, trans_a=True, batch=py, causal="k_from_row", tile=tile,
     )  # fmt: skip
     check("causal k_from_row", got.reshape(nb, T, D), f64(lower).transpose(0, 2, 1) @ f64(y), "matmul")
 
@@ -204,7 +202,9 @@ def test_matmul_causal_modes(gpu, rng, tile):
 def test_matmul_rejects_bad_batch_split(gpu):
     a = gpu.buffer(4 * 64)
     with pytest.raises(GpuError, match="batch split"):
-        matmul(gpu, a, a, a, 2, 2, 2, batch=3, inner=2)
+        matmul(gpu, a, a, a, 2, 2, 2, batch=Batch(3, inner=2))
+    with pytest.raises(GpuError, match="batch split"):
+        matmul(gpu, a, a, a, 2, 2, 2, batch=Batch(2, inner=2, c=Strides(div=2)))
     with pytest.raises(GpuError, match="batch split"):
         matmul(gpu, a, a, a, 2, 2, 2, causal="upper")
 
@@ -252,6 +252,10 @@ def test_matmul_other_tiles(gpu, rng, tile):
     # The generator must be right for any tile shape: the H200 uses 8x8 per thread; the others have copy
     # counts that do not divide the thread count.
     M, N, K = 70, 45, 37
+    if tile.shared_bytes > gpu.limits["max-compute-workgroup-storage-size"]:  # e.g. DDL_WGPU_LIMITS=webgpu
+        with pytest.raises(GpuError, match="workgroup memory"):
+            _run_matmul(gpu, _rand(rng, M, K), _rand(rng, N, K), M, N, K, trans_b=True, tile=tile)
+        return
     for trans_a, trans_b in [(False, True), (True, False)]:
         A = _rand(rng, *((K, M) if trans_a else (M, K)))
         B = _rand(rng, *((N, K) if trans_b else (K, N)))
@@ -284,7 +288,8 @@ def test_matmul_rejects_small_buffer_and_skips_empty(gpu):
 def test_pick_tile(gpu):
     # Small products keep the 64x64 tile (more workgroups); large ones take 128x128. Both must be right.
     assert pick_tile(gpu, 33, 17) == SMALL_TILE
-    assert pick_tile(gpu, 8192, 8192) == LARGE_TILE
+    fits = LARGE_TILE.shared_bytes <= gpu.limits["max-compute-workgroup-storage-size"]
+    assert pick_tile(gpu, 8192, 8192) == (LARGE_TILE if fits else SMALL_TILE)
 
 
 @pytest.mark.parametrize(

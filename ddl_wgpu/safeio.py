@@ -1,0 +1,174 @@
+"""Reading untrusted inputs and protecting inputs from being overwritten, shared by every file reader.
+
+- :func:`open_regular` opens a file for reading only when it is a regular file: a FIFO, a socket or a device
+  (``/dev/zero``) is refused at once instead of blocking or growing without bound.
+- :func:`load_json` parses JSON from an untrusted source into one precise error (``error(...)``, a class the
+  caller names) for everything hostile JSON can do to ``json.loads``: nesting deep enough for a
+  ``RecursionError`` (refused above ``MAX_JSON_DEPTH`` before parsing), integers of thousands of digits
+  (``ValueError`` from the int conversion limit), lone surrogates (``\\ud800`` parses to a str that cannot be
+  encoded again), duplicate keys, NaN/Infinity, invalid UTF-8.
+- :func:`refuse_overwrite_input` stops a command whose output is one of its inputs, or lies inside an input
+  folder, before any work (symlinks resolved).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["MAX_JSON_DEPTH", "load_json", "open_regular", "refuse_overwrite_input"]
+
+MAX_JSON_DEPTH = 64  # a config.json, an index or a data record nests a few levels; 64 keeps recursion safe
+
+
+def open_regular(path: str | os.PathLike, what: str, error: type[Exception]) -> IO[bytes]:
+    """Open `path` for binary reading (unbuffered); `error` with one line unless it is a regular file.
+
+    O_NONBLOCK makes opening a FIFO return at once (a plain open waits for a writer); it changes nothing for
+    a regular file. The type is checked on the opened descriptor, so a swap after a check cannot slip by."""
+    p = os.fspath(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(p, flags)
+    except FileNotFoundError:
+        raise error(f"no such file: {p}") from None
+    except IsADirectoryError:
+        raise error(f"{p}: is a directory, not {what}") from None
+    except OSError as e:
+        raise error(f"{p}: cannot open: {e.strerror or e}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise error(f"{p}: is a directory, not {what}")
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+            raise error(f"{p}: is {kind}, not a regular file; {what} must be a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike, what: str, error: type[Exception], limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (`error` otherwise)."""
+    with open_regular(path, what, error) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise error(f"{os.fspath(path)}: {size} bytes, more than the {limit} allowed for {what}")
+        try:
+            return f.read(limit + 1)[:limit]
+        except OSError as e:
+            raise error(f"{os.fspath(path)}: cannot read: {e.strerror or e}") from None
+
+
+def _max_depth(text: str) -> int:
+    """Deepest [/{ nesting outside strings (a linear scan: no recursion, whatever the input)."""
+    depth = deepest = 0
+    in_str = escaped = False
+    for ch in text:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _check_strings(v: Any, where: str, error: type[Exception]) -> None:
+    """Refuse lone surrogates (valid JSON escapes, but no valid text): they would crash the first encode."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                raise error(
+                    f"{where}: JSON string {x[:40]!r} holds a lone UTF-16 surrogate (not text)"
+                ) from None
+
+
+def load_json(data: bytes | str, where: str, error: type[Exception], max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse untrusted JSON; every problem raises `error` with one line that starts with `where`."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        try:
+            text = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise error(f"{where}: not UTF-8 text (byte {e.start})") from None
+    else:
+        text = data
+    if _max_depth(text) > max_depth:
+        raise error(f"{where}: JSON nests deeper than {max_depth} levels")
+
+    def pairs(items: list[tuple[str, Any]]) -> dict:
+        d: dict = {}
+        for k, v in items:
+            if k in d:
+                raise error(f"{where}: duplicate key {k!r} in JSON")
+            d[k] = v
+        return d
+
+    try:
+        value = json.loads(text, object_pairs_hook=pairs, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise error(f"{where}: invalid JSON: {e}") from None
+    except RecursionError:
+        raise error(f"{where}: JSON nests too deeply") from None
+    except ValueError as e:  # an integer longer than Python's int conversion limit, NaN/Infinity
+        msg = (str(e).splitlines() or [""])[0]
+        if "digits" in msg:
+            msg = "an integer has too many digits"
+        raise error(f"{where}: invalid JSON: {msg}") from None
+    _check_strings(value, where, error)
+    return value
+
+
+def refuse_overwrite_input(
+    out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None], error: type[Exception] = ValueError
+) -> None:
+    """`error` when writing `out` would destroy an input before or while it is read: `out` is one of `inputs`
+    (the same file through any symlink or hard link), lies inside an input that is a folder, or is a folder
+    (replaced as a whole) that holds an input. Call it before any work; `None` inputs are skipped."""
+    out_p = Path(out).resolve()
+    for item in inputs:
+        if item is None:
+            continue
+        inp = Path(item).resolve()
+        same = out_p == inp
+        if not same and out_p.exists() and inp.exists():
+            try:
+                same = os.path.samefile(out_p, inp)
+            except OSError:
+                same = False
+        if same:
+            raise error(f"output {os.fspath(out)} is the input {os.fspath(item)}; write to another path")
+        if inp in out_p.parents:
+            raise error(f"output {os.fspath(out)} lies inside the input folder {os.fspath(item)}; "
+                        "write it elsewhere")  # fmt: skip
+        if out_p in inp.parents:
+            raise error(f"output {os.fspath(out)} is a folder that holds the input {os.fspath(item)}; "
+                        "write it elsewhere")  # fmt: skip

@@ -1,0 +1,75 @@
+"""The elementwise utilities (`shaders/elementwise.wgsl`, `ddl_wgpu/ops/elementwise.py`: add, axpy, copy,
+fill, scale) against numpy.
+"""
+
+import numpy as np
+import pytest
+
+from ddl_ref.check import check
+from ddl_wgpu.ops import elementwise
+
+f32 = np.float32
+
+
+def up(gpu, a):
+    return gpu.upload(np.ascontiguousarray(a, dtype=np.asarray(a).dtype))
+
+
+def down(gpu, buf, shape, dtype=f32):
+    return gpu.download(buf, dtype, int(np.prod(shape))).reshape(shape)
+
+
+def f64(a):
+    return np.asarray(a, np.float64)
+
+
+@pytest.mark.parametrize("n", [1000, 1001])  # the vec4 and the f32 path
+def test_elementwise(gpu, rng, n):
+    a = rng.standard_normal(n).astype(f32)
+    b = rng.standard_normal(n).astype(f32)
+    ba, bb = up(gpu, a), up(gpu, b)
+
+    out = gpu.buffer(4 * n)
+    elementwise.add_forward(gpu, out, ba, bb, n).run(gpu)
+    check("add", down(gpu, out, (n,)), f64(a) + f64(b))
+
+    y = up(gpu, b)
+    elementwise.add_inplace(gpu, y, ba, n).run(gpu)
+    check("add_inplace", down(gpu, y, (n,)), f64(a) + f64(b))
+
+    y = up(gpu, b)
+    elementwise.axpy(gpu, y, ba, n, -0.75).run(gpu)
+    check("axpy", down(gpu, y, (n,)), f64(b) - 0.75 * f64(a))
+
+    y = up(gpu, b)
+    elementwise.scale_inplace(gpu, y, n, 3.0).run(gpu)
+    check("scale_inplace", down(gpu, y, (n,)), 3.0 * f64(b))
+
+    # copy into, and fill, a view of an arena; items past n stay untouched
+    m = 256 // 4 + n + 7
+    arena = up(gpu, np.full(m, 9.0, f32))
+    view = (arena, 256, 4 * n)
+    elementwise.copy(gpu, view, ba, n).run(gpu)
+    got = gpu.download(arena, f32, m)
+    assert np.array_equal(got[64 : 64 + n], a)
+    assert np.all(got[:64] == 9.0) and np.all(got[64 + n :] == 9.0)
+    call = elementwise.fill(gpu, view, n - 3, 0.0)
+    call.run(gpu)
+    got = gpu.download(arena, f32, m)
+    assert np.all(got[64 : 64 + n - 3] == 0.0) and np.array_equal(got[64 + n - 3 : 64 + n], a[-3:])
+    elementwise.set_alpha(gpu, call, 2.5)  # a per-step value, same Call
+    call.run(gpu)
+    assert np.all(gpu.download(arena, f32, m)[64 : 64 + n - 3] == 2.5)
+
+    with pytest.raises(ValueError):
+        elementwise.copy(gpu, gpu.buffer(16), ba, n)
+
+
+def test_elementwise_grid_spread(gpu):
+    """More than 65535 workgroups: the launch spreads over x and y and the shader's linear index and
+    bounds guard must cover exactly n items."""
+    n = 256 * 65535 + 300
+    buf = gpu.buffer(4 * (n + 4))
+    elementwise.fill(gpu, buf, n, 1.5).run(gpu)
+    got = gpu.download(buf, f32, n + 4)
+    assert np.all(got[:n] == 1.5) and np.all(got[n:] == 0.0)
