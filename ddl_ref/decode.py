@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddl_ref import delta, ops
+from ddl_ref import delta, ops, shortconv
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import ModelConfig
 
@@ -136,21 +136,21 @@ def _compress(params, cfg: ModelConfig, prefix: str, cache: TrunkCache, site: in
     """The compressor of d_v > 1 over n rows X (n, C, dv) -> x_in (n, C); TC reads and extends its history."""
     conv, read = params[prefix + "conv.weight"], params[prefix + "read.weight"]
     if cfg.ddl_compressor == "cc":
-        return delta.cc_forward(X, conv, read)[0]
+        return shortconv.cc_forward(X, conv, read)[0]
     n = X.shape[0]
     cache.conv[site, start : start + n] = X
     rows, skip = _history(cache.conv[site], start, n, cfg.ddl_conv_kernel)
-    return delta.tc_forward(rows[None], conv, read)[0][0, skip:]
+    return shortconv.tc_forward(rows[None], conv, read)[0][0, skip:]
 
 
 def _expand(params, cfg: ModelConfig, cache: TrunkCache, e, start: int):
     """Embeddings e (n, C) -> the d_v > 1 state X0 (n, C, dv): EC's short conv, or repetition."""
     if not cfg.ddl_expand_embed:
-        return delta.repeat_forward(e, cfg.ddl_dv)
+        return shortconv.repeat_forward(e, cfg.ddl_dv)
     n = e.shape[0]
     cache.embed[start : start + n] = e
     rows, skip = _history(cache.embed, start, n, cfg.ddl_conv_kernel)
-    return delta.ec_forward(rows[None], params["model.embed_expand.conv.weight"])[0][0, skip:]
+    return shortconv.ec_forward(rows[None], params["model.embed_expand.conv.weight"])[0][0, skip:]
 
 
 def _ddl_block(params, cfg: ModelConfig, i: int, X, cache: TrunkCache, start: int, cos, sin):

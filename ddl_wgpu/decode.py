@@ -12,8 +12,8 @@ A pass of n new rows is a `TrunkRows` (an `inference.InferenceWork` of one seque
 that see other positions: RoPE at positions start + r (`ops.decode.rope_at`), attention (keys and values
 stored into the cache, then the rows attend over it: `attend_cache`; a prefill from position 0 uses the
 training flash kernel), the TC compressor and the EC expansion (`tc_cache`/`ec_cache` from their history
-caches), and for passes of at most `ops.decode.GEMV_MAX_ROWS` rows the linear layers and the head as
-matrix-vector products (`ops.decode.gemv`, f32 or f16 weights). Everything else is the training engine's
+caches), and for passes of at most `ops.gemv.GEMV_MAX_ROWS` rows the linear layers and the head as
+matrix-vector products (`ops.gemv`, f32 or f16 weights). Everything else is the training engine's
 kernels (GEMMs for longer passes such as a prefill, norms, Delta updates, SwiGLU). The start position reaches the kernels through a 4-byte `meta` buffer, set
 inside the command stream by a copy from a table of positions, so every Call is built once.
 
@@ -41,6 +41,7 @@ from ddl_wgpu.gpu import Call, Gpu, GpuError
 from ddl_wgpu.inference import EMBED_EXPAND, InferenceWork
 from ddl_wgpu.layout import F32
 from ddl_wgpu.ops import decode as k_dec
+from ddl_wgpu.ops import gemv as k_gemv
 
 MTP = "model.mtp."
 
@@ -83,17 +84,17 @@ class _CachedRows:
     # -- matrix-vector products for the few rows of a decoding pass (the tiled GEMM would idle) ----------
 
     def _gemv(self, name: str, n_in: int) -> bool:
-        return self.N <= k_dec.GEMV_MAX_ROWS and (self.net.wdtype(name) == "f32" or n_in % 4 == 0)
+        return self.N <= k_gemv.GEMV_MAX_ROWS and (self.net.wdtype(name) == "f32" or n_in % 4 == 0)
 
     def _linear(self, out, x, name: str, n_out: int, n_in: int) -> Call:
         if not self._gemv(name, n_in):
             return super()._linear(out, x, name, n_out, n_in)
-        return k_dec.gemv(self.gpu, out, x, self.net.view(name), self.N, n_out, n_in, self.net.wdtype(name))
+        return k_gemv.gemv(self.gpu, out, x, self.net.view(name), self.N, n_out, n_in, self.net.wdtype(name))
 
     def _project_out(self, out, x, name: str, n_in: int, accumulate: bool) -> Call:
         if not self._gemv(name, n_in):
             return super()._project_out(out, x, name, n_in, accumulate)
-        return k_dec.gemv(self.gpu, out, x, self.net.view(name), self.N, self.C, n_in, self.net.wdtype(name),
+        return k_gemv.gemv(self.gpu, out, x, self.net.view(name), self.N, self.C, n_in, self.net.wdtype(name),
                           accumulate=accumulate)  # fmt: skip
 
     def head_forward(self, logits, xf, n: int) -> Call:
@@ -103,7 +104,7 @@ class _CachedRows:
             return self.vocab.head_forward(logits, xf, n)
         call, V, dt = Call(), self.cfg.vocab_size, net.wdtype(net.head_name)
         for v0, rows, w, _dw in self.vocab.head_chunks():
-            call += k_dec.gemv(self.gpu, logits, xf, w, n, rows, self.C, dt, ldy=V, col0=v0)
+            call += k_gemv.gemv(self.gpu, logits, xf, w, n, rows, self.C, dt, ldy=V, col0=v0)
         return call
 
     def head_calls(self, xf, loss, dxf=None, with_dw: bool = False) -> Call:

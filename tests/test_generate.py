@@ -16,16 +16,12 @@ import pytest
 
 from ddl_ref import decode, mtp
 from ddl_ref import model as ref_model
+from ddl_ref.check import random_params
 from ddl_ref.config import ModelConfig, ModelVariant, MtpConfig
 from ddl_wgpu import accept
 from ddl_wgpu.data import ByteTokenizer
 from ddl_wgpu.generate import GenerateError, RefEngine, Sampling, TextStream, distribution, generate, run
 from ddl_wgpu.modelfile import Model, save_model
-
-try:
-    from gradcheck import random_params
-except ImportError:  # tests/ imported as a package
-    from tests.gradcheck import random_params
 
 VARIANTS = list(ModelVariant)
 

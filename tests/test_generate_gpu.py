@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernel_check import check
-from test_generate import VARIANTS, tiny_model
 
 from ddl_ref import model as ref_model
+from ddl_ref.check import check, random_params
+from ddl_ref.config import ModelConfig, ModelVariant, MtpConfig
 from ddl_wgpu.data import ByteTokenizer
 from ddl_wgpu.decode import WgpuEngine
 from ddl_wgpu.generate import RefEngine, Sampling, run
+from ddl_wgpu.modelfile import Model
+
+VARIANTS = list(ModelVariant)
 
 
 def small_model(variant, vocab=19, seed=5, draft=True, **kw):
-    kw = dict(dict(d_model=16, n_heads=4, n_kv_heads=2, head_dim=8, ffn_hidden=24, max_seq_len=24), **kw)
-    return tiny_model(variant, vocab=vocab, seed=seed, draft=draft, **kw)
+    """A two-layer model of `variant` with random (not initial) float32 weights."""
+    base = dict(vocab_size=vocab, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_hidden=24,
+                max_seq_len=24, ddl_conv_kernel=3, mtp=MtpConfig() if draft else None)  # fmt: skip
+    cfg = ModelVariant(variant).resolve_config(ModelConfig(**{**base, **kw}))
+    params = {k: v.astype(np.float32) for k, v in random_params(cfg, seed=seed).items()}
+    return Model(cfg=cfg, params=params, variant=str(variant))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -1,5 +1,9 @@
 """Launchers for `shaders/decode.wgsl`: the kernels of decoding with a cache (`ddl_wgpu.decode`).
 
+Kernel path: `shaders/decode.wgsl` -> `ddl_wgpu/ops/decode.py` -> references `ddl_ref.decode.attend_cached`,
+`ddl_ref.ops.rope_forward`, `ddl_ref.shortconv.tc_forward`, `ddl_ref.shortconv.ec_forward` -> test
+`tests/test_kernel_decode.py`.
+
 The n new rows of a decoding pass sit at positions start .. start + n − 1, and `start` is not a launch
 constant: it is the first u32 of a `meta` storage buffer the host rewrites before each submit (`set_start`),
 so the Calls are built once per row count and recorded at every position.
@@ -11,8 +15,9 @@ so the Calls are built once per row count and recorded at every position.
 - `tc_cache(out, hist, conv, read, meta, n, C, dv, k)` / `ec_cache(out, hist, conv, meta, n, C, dv, k)`: the
   causal short convolutions over time reading their inputs from a per-position history cache.
 
-Each is checked against numpy in tests/test_kernel_decode.py at sizes that are not multiples of the
-workgroup sizes.
+The test checks each at sizes that are not multiples of the workgroup sizes and at several starts (the RoPE
+and the convolutions against the whole-sequence reference's rows, the attention against
+`attend_cached`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ddl_wgpu.gpu import Call, Gpu, grid
-from ddl_wgpu.ops import need, view
+from ddl_wgpu.ops import need
 
 FILE = "decode.wgsl"
 WG = 256  # threads per workgroup of the one-thread-per-item entry points
@@ -89,30 +94,3 @@ def ec_cache(gpu: Gpu, out, hist, conv, meta, n: int, C: int, dv: int, k: int) -
     return _one(
         gpu, "conv_cache", "rrrrwu", [hist, conv, conv, meta, out], n * C * dv, "uuuuu", n, C, dv, k, 1
     )
-
-
-GEMV_FILE = "gemv.wgsl"
-GW = 64  # threads per output of gemv
-GEMV_MAX_ROWS = 8  # rows up to which a decoding pass uses gemv instead of the tiled GEMM
-
-
-def gemv(gpu: Gpu, y, x, w, n: int, out_features: int, in_features: int, w_dtype: str = "f32", ldy: int | None = None,
-         col0: int = 0, accumulate: bool = False) -> Call:  # fmt: skip
-    """y[r, col0 + o] (+)= Σ_i x[r, i] · w[o, i] for r < n; w (OUT, IN) f32 or f16 (read as u32 pairs)."""
-    ldy = out_features if ldy is None else int(ldy)
-    if w_dtype == "f16" and in_features % 4:
-        raise ValueError(f"gemv: f16 weights need in_features % 4 == 0, got {in_features}")
-    vec = in_features % 4 == 0 and all(view(r)[1] % 16 == 0 for r in (x, w))
-    need("gemv", "x", x, n * in_features)
-    need("gemv", "y", y, (n - 1) * ldy + col0 + out_features)
-    if w_dtype == "f16":
-        tm = {"X": "vec4<f32>", "WT": "vec2<u32>", "HSUM": "(v.x + v.y) + (v.z + v.w)",
-              "LOADW": "vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y))"}  # fmt: skip
-    elif vec:
-        tm = {"X": "vec4<f32>", "WT": "vec4<f32>", "HSUM": "(v.x + v.y) + (v.z + v.w)", "LOADW": "w"}
-    else:
-        tm = {"X": "f32", "WT": "f32", "HSUM": "v", "LOADW": "w"}
-    items = in_features // 4 if tm["X"] != "f32" else in_features
-    k = gpu.kernel(GEMV_FILE, "gemv", "rrwu", templates=tm, workgroup=(GW, 1, 1))
-    u = gpu.uniform("uuuuuu", n, out_features, items, ldy, col0, int(accumulate), label="gemv")
-    return Call([(k, gpu.bind(k, x, w, y, u), grid(out_features))], [u])
