@@ -37,11 +37,8 @@ import numpy as np
 
 from ddl_ref import delta, ops, shortconv
 from ddl_ref import mtp as ref_mtp
+from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
-
-
-def _head(params, cfg: ModelConfig):
-    return params["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
 
 
 def attend_cached(q, k, v, start: int):
@@ -200,7 +197,7 @@ def trunk_step(params, cfg: ModelConfig, cache: TrunkCache, ids):
         x = _compress(params, cfg, "model.readout.", cache, 2 * cfg.n_layers, x, start)
     post = _norm(params, cfg, "model.norm.weight", x)
     cache.length = start + n
-    return x, post, ops.linear_forward(post, _head(params, cfg))
+    return x, post, ops.linear_forward(post, params[head_name(cfg)])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -244,4 +241,4 @@ def draft_step(params, cfg: ModelConfig, cache: DraftCache, tokens, hidden, posi
                          cache.sin[positions])  # fmt: skip
     post = _norm(params, cfg, ref_mtp.NORM, pre)
     cache.length = start + n
-    return pre, post, ops.linear_forward(post, _head(params, cfg))
+    return pre, post, ops.linear_forward(post, params[head_name(cfg)])

@@ -26,13 +26,7 @@ fn item(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
 // ---------------------------------------------------------------------------------------------------------
 // store_rows
 
-struct StoreParams {
-    n: u32,       // rows
-    W: u32,       // floats per source row
-    stride: u32,  // floats per destination row
-    col0: u32,    // first destination column
-    at_meta: u32, // 1: destination rows start at meta[0]; 0: at 0
-}
+{{struct StoreParams}}
 
 @group(0) @binding(0) var<storage, read> st_src: array<f32>;
 @group(0) @binding(1) var<storage, read> st_meta: array<u32>;
@@ -56,12 +50,7 @@ fn store_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 // ---------------------------------------------------------------------------------------------------------
 // rope_at: x (n, N, D), tables (cap, D) whose row t is position t
 
-struct RopeParams {
-    pairs: u32,  // n * N * D / 2
-    N: u32,
-    D: u32,
-    cap: u32,    // rows of the tables
-}
+{{struct RopeParams}}
 
 @group(0) @binding(0) var<storage, read> ro_x: array<f32>;
 @group(0) @binding(1) var<storage, read> ro_cos: array<f32>;
@@ -93,13 +82,7 @@ fn rope_at(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 
 const AW: u32 = 64u;
 
-struct AttnParams {
-    n: u32,
-    H: u32,
-    K: u32,
-    D: u32,
-    scale: f32,
-}
+{{struct AttnParams}}
 
 @group(0) @binding(0) var<storage, read> at_q: array<f32>;
 @group(0) @binding(1) var<storage, read> at_k: array<f32>;
@@ -178,13 +161,7 @@ fn attend_cache(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 // zeros. TC: out[r, i] = Σ_j read[j] Σ_m conv[i·dv + j, m] hist[t, i, j]. EC: out[r, i, j] =
 // Σ_m conv[i·dv + j, m] hist[t, i] (hist holds embeddings, (cap, C)).
 
-struct ConvParams {
-    n: u32,
-    C: u32,
-    dv: u32,
-    k: u32,
-    ec: u32,  // 0: TC (with the read), 1: EC
-}
+{{struct ConvParams}}
 
 @group(0) @binding(0) var<storage, read> cv_hist: array<f32>;
 @group(0) @binding(1) var<storage, read> cv_conv: array<f32>;

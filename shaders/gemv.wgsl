@@ -14,19 +14,12 @@ const GW: u32 = 64u;
 alias X = {{X}};
 alias WT = {{WT}};
 
-struct Params {
-    n: u32,      // rows of x and y
-    out_: u32,   // OUT
-    items: u32,  // IN in items of X
-    ldy: u32,    // floats per row of y
-    col0: u32,   // first column of y written
-    acc: u32,    // 1: y += ..., 0: y = ...
-}
+{{struct GemvParams}}
 
 @group(0) @binding(0) var<storage, read> gx: array<X>;
 @group(0) @binding(1) var<storage, read> gw: array<WT>;
 @group(0) @binding(2) var<storage, read_write> gy: array<f32>;
-@group(0) @binding(3) var<uniform> gp: Params;
+@group(0) @binding(3) var<uniform> gp: GemvParams;
 
 var<workgroup> part: array<f32, GW>;
 

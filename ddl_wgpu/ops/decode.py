@@ -24,13 +24,38 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddl_wgpu.gpu import Call, Gpu, grid
+from ddl_wgpu.gpu import Call, Gpu, Uniform, grid
 from ddl_wgpu.ops import need
 
 FILE = "decode.wgsl"
 WG = 256  # threads per workgroup of the one-thread-per-item entry points
 AW = 64  # threads per (row, head) workgroup of attend_cache
 MAXD = 256  # largest head_dim attend_cache holds
+STORE = Uniform(
+    "StoreParams",
+    ("n", "u32", "rows"),
+    ("W", "u32", "floats per source row"),
+    ("stride", "u32", "floats per destination row"),
+    ("col0", "u32", "first destination column"),
+    ("at_meta", "u32", "1: destination rows start at meta[0]; 0: at 0"),
+)
+ROPE = Uniform(
+    "RopeParams",
+    ("pairs", "u32", "n * N * D / 2"),
+    ("N", "u32"),
+    ("D", "u32"),
+    ("cap", "u32", "rows of the tables"),
+)
+ATTN = Uniform("AttnParams", ("n", "u32"), ("H", "u32"), ("K", "u32"), ("D", "u32"), ("scale", "f32"))
+CONV = Uniform(
+    "ConvParams",
+    ("n", "u32"),
+    ("C", "u32"),
+    ("dv", "u32"),
+    ("k", "u32"),
+    ("ec", "u32", "0: TC (with the read), 1: EC"),
+)
+UNIFORMS = (STORE, ROPE, ATTN, CONV)  # every kernel of the file compiles the whole file
 
 
 def set_start(gpu: Gpu, meta, start: int) -> None:
@@ -38,9 +63,9 @@ def set_start(gpu: Gpu, meta, start: int) -> None:
     gpu.queue.write_buffer(meta, 0, np.array([start], np.uint32).tobytes())
 
 
-def _one(gpu: Gpu, entry: str, sig: str, resources: list, items: int, fmt: str, *params) -> Call:
-    k = gpu.kernel(FILE, entry, sig, workgroup=(WG, 1, 1))
-    u = gpu.uniform(fmt, *params, label=entry)
+def _one(gpu: Gpu, entry: str, sig: str, resources: list, items: int, layout: Uniform, **params) -> Call:
+    k = gpu.kernel(FILE, entry, sig, workgroup=(WG, 1, 1), uniforms=UNIFORMS)
+    u = gpu.uniform(layout, label=entry, **params)
     return Call([(k, gpu.bind(k, *resources, u), grid(-(-items // WG)))], [u])
 
 
@@ -51,7 +76,8 @@ def store_rows(gpu: Gpu, dst, src, meta, n: int, W: int, stride: int | None = No
     stride = W if stride is None else int(stride)
     need("store_rows", "src", src, n * W)
     need("store_rows", "dst", dst, n * stride if not at_meta else W)
-    return _one(gpu, "store_rows", "rrwu", [src, meta, dst], n * W, "uuuuu", n, W, stride, col0, int(at_meta))
+    return _one(gpu, "store_rows", "rrwu", [src, meta, dst], n * W, STORE, n=n, W=W, stride=stride, col0=col0,
+                at_meta=int(at_meta))  # fmt: skip
 
 
 def rope_at(gpu: Gpu, out, x, cos, sin, meta, n: int, N: int, D: int) -> Call:
@@ -62,7 +88,9 @@ def rope_at(gpu: Gpu, out, x, cos, sin, meta, n: int, N: int, D: int) -> Call:
     need("rope_at", "out", out, n * N * D)
     cap = (cos.size if not isinstance(cos, tuple) else cos[2]) // (4 * D)
     pairs = n * N * D // 2
-    return _one(gpu, "rope_at", "rrrrwu", [x, cos, sin, meta, out], pairs, "uuuu", pairs, N, D, cap)
+    return _one(
+        gpu, "rope_at", "rrrrwu", [x, cos, sin, meta, out], pairs, ROPE, pairs=pairs, N=N, D=D, cap=cap
+    )
 
 
 def attend_cache(gpu: Gpu, out, q, kc, vc, meta, n: int, H: int, K: int, D: int) -> Call:
@@ -74,8 +102,8 @@ def attend_cache(gpu: Gpu, out, q, kc, vc, meta, n: int, H: int, K: int, D: int)
         raise ValueError(f"n_heads {H} must be a multiple of n_kv_heads {K}")
     need("attend_cache", "q", q, n * H * D)
     need("attend_cache", "out", out, n * H * D)
-    k = gpu.kernel(FILE, "attend_cache", "rrrrwu", workgroup=(AW, 1, 1))
-    u = gpu.uniform("uuuuf", n, H, K, D, float(D) ** -0.5, label="attend_cache")
+    k = gpu.kernel(FILE, "attend_cache", "rrrrwu", workgroup=(AW, 1, 1), uniforms=UNIFORMS)
+    u = gpu.uniform(ATTN, label="attend_cache", n=n, H=H, K=K, D=D, scale=float(D) ** -0.5)
     return Call([(k, gpu.bind(k, q, kc, vc, meta, out, u), grid(n * H))], [u])
 
 
@@ -83,7 +111,8 @@ def tc_cache(gpu: Gpu, out, hist, conv, read, meta, n: int, C: int, dv: int, k: 
     """out (n, C) = TC's conv over time + read, from hist (cap, C, dv) of every position's state."""
     need("tc_cache", "out", out, n * C)
     need("tc_cache", "conv", conv, C * dv * k)
-    return _one(gpu, "conv_cache", "rrrrwu", [hist, conv, read, meta, out], n * C, "uuuuu", n, C, dv, k, 0)
+    return _one(gpu, "conv_cache", "rrrrwu", [hist, conv, read, meta, out], n * C, CONV, n=n, C=C, dv=dv, k=k,
+                ec=0)  # fmt: skip
 
 
 def ec_cache(gpu: Gpu, out, hist, conv, meta, n: int, C: int, dv: int, k: int) -> Call:
@@ -91,6 +120,5 @@ def ec_cache(gpu: Gpu, out, hist, conv, meta, n: int, C: int, dv: int, k: int) -
     need("ec_cache", "out", out, n * C * dv)
     need("ec_cache", "conv", conv, C * dv * k)
     # The read binding is unused by EC; the conv weights stand in so the layout stays one signature.
-    return _one(
-        gpu, "conv_cache", "rrrrwu", [hist, conv, conv, meta, out], n * C * dv, "uuuuu", n, C, dv, k, 1
-    )
+    return _one(gpu, "conv_cache", "rrrrwu", [hist, conv, conv, meta, out], n * C * dv, CONV, n=n, C=C, dv=dv,
+                k=k, ec=1)  # fmt: skip

@@ -15,12 +15,21 @@ and an output column offset.
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Gpu, grid
+from ddl_wgpu.gpu import Call, Gpu, Uniform, grid
 from ddl_wgpu.ops import need, view
 
 FILE = "gemv.wgsl"
 GW = 64  # threads per output, as in the shader
 GEMV_MAX_ROWS = 8  # rows up to which a decoding pass uses gemv instead of the tiled GEMM
+PARAMS = Uniform(
+    "GemvParams",
+    ("n", "u32", "rows of x and y"),
+    ("out_", "u32", "OUT"),
+    ("items", "u32", "IN in items of X"),
+    ("ldy", "u32", "floats per row of y"),
+    ("col0", "u32", "first column of y written"),
+    ("acc", "u32", "1: y += ..., 0: y = ..."),
+)
 
 
 def gemv(gpu: Gpu, y, x, w, n: int, out_features: int, in_features: int, w_dtype: str = "f32", ldy: int | None = None,
@@ -42,6 +51,7 @@ def gemv(gpu: Gpu, y, x, w, n: int, out_features: int, in_features: int, w_dtype
     else:
         tm = {"X": "f32", "WT": "f32", "HSUM": "v", "LOADW": "w"}
     items = in_features // 4 if tm["X"] != "f32" else in_features
-    k = gpu.kernel(FILE, "gemv", "rrwu", templates=tm, workgroup=(GW, 1, 1))
-    u = gpu.uniform("uuuuuu", n, out_features, items, ldy, col0, int(accumulate), label="gemv")
+    k = gpu.kernel(FILE, "gemv", "rrwu", templates=tm, workgroup=(GW, 1, 1), uniforms=(PARAMS,))
+    u = gpu.uniform(PARAMS, label="gemv", n=n, out_=out_features, items=items, ldy=ldy, col0=col0,
+                    acc=int(accumulate))  # fmt: skip
     return Call([(k, gpu.bind(k, x, w, y, u), grid(out_features))], [u])
