@@ -16,8 +16,8 @@ JSON. The numbers come from the classes `ddl-wgpu heal --backend wgpu` runs (`dd
 - host rows: `ddl_ref.mtp.step_input` (numpy: embedding, enorm/hnorm, eh_proj), which `heal` runs on the host
   to build the draft's step-1 block input of every batch, and step j's at every refresh.
 - draft: `WgpuDraft.step` for each chain step j = 1..--chain (one job of heal's list: forward, top-k KL,
-  backward, gradient clip, Adam). With --chain-attention runtime (heal's default) step j stacks the rows of
-  steps 1..j, so it runs j·B·T rows; "seed" runs B·T. heal's jobs cycle uniformly over j, so the job-mix row
+  backward, gradient clip, Adam). With --chain-attention stacked step j stacks the rows of
+  steps 1..j, so it runs j·B·T rows; "per-step" runs B·T. heal's jobs cycle uniformly over j, so the job-mix row
   is the mean of the per-step times. Tokens/s = B·T anchor tokens / (s per step).
 
 Timing: every call ends synchronised (each one reads results back; a `gpu.wait()` follows) and is timed on
@@ -209,15 +209,15 @@ class Jobs:
         hid = ref_mtp.pick_hidden(out[2], out[3], mtp.trunk_hidden)
         self.host = wall_ms(draft.net.gpu, lambda: rows(1, hid), args.warmup, args.steps)
         self.x = {1: rows(1, hid)}
-        # every later step's input from the previous one's draft output: the "seed" refresh, which is
+        # every later step's input from the previous one's draft output: the "per-step" refresh, which is
         # also heal's for j = 2; the values do not change the timing of a step
         for j in range(2, args.chain + 1):
             pre, post = draft.hidden_out(self.x[j - 1])
             self.x[j] = rows(j, ref_mtp.pick_hidden(pre, post, mtp.chain_hidden))
 
     def stacked(self, j: int) -> int:
-        """How many chain steps' rows the step-j job stacks (1 in seed mode and for step 1)."""
-        return j if self.args.chain_attention == "runtime" else 1
+        """How many chain steps' rows the step-j job stacks (1 in per-step mode and for step 1)."""
+        return j if self.args.chain_attention == "stacked" else 1
 
     def job(self, j: int):
         """-> (x, teacher ids, teacher probs, weights, keywords) of step j on the whole batch."""

@@ -74,7 +74,7 @@ def trained_names(params: dict) -> list[str]:
 
 
 def head_weight(params: dict, cfg: ModelConfig) -> np.ndarray:
-    return params["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
+    return params[ref_blocks.head_name(cfg)]
 
 
 def pick_hidden(pre, post, which: str):

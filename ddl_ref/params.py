@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddl_ref.config import ModelConfig
+from ddl_ref.config import ConfigError, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -225,3 +225,16 @@ def init_params(cfg: ModelConfig, seed: int, dtype=np.float32) -> dict[str, np.n
 def num_params(cfg: ModelConfig) -> int:
     """Total number of scalars (a tied head is counted once)."""
     return sum(spec.numel for spec in param_table(cfg))
+
+
+def trainable_names(names: list[str], trainable=None) -> list[str]:
+    """The trained subset of `names` (in their order): all of them (None), those a predicate accepts, or those
+    listed (every listed name must be one of `names`)."""
+    if trainable is None:
+        return list(names)
+    if callable(trainable):
+        return [n for n in names if trainable(n)]
+    unknown = set(trainable) - set(names)
+    if unknown:
+        raise ConfigError(f"unknown trainable parameter(s): {sorted(unknown)}")
+    return [n for n in names if n in set(trainable)]

@@ -1,4 +1,4 @@
-"""Greedy speculative acceptance of a model's MTP draft, measured offline (mtp-heal.md §5).
+"""Greedy speculative acceptance of a model's MTP draft, measured offline.
 
 Per window the trunk runs once (its greedy token g_p and its hidden rows), then the draft runs `depth` steps
 chained on itself (`ddl_ref.mtp.draft_chain`, tokens="greedy": step 1 reads the data token x_{p+1}, step j > 1
@@ -18,18 +18,20 @@ JSON keys: depth, prefix_acceptance [A_1..A_K], conditional_acceptance [alpha_1.
 anchors, on_policy {anchors [per depth], prefix_acceptance, conditional_acceptance, acceptance_length},
 chain_attention; and `probe` (one entry per concat / trunk-hidden / chain-hidden convention) when asked for.
 
-Chain attention (`chain_attention`): "seed" runs each step as its own causal pass over that step's rows of the
-window (positions 0..T−1), as the seed's trainer. "runtime" does what a speculative runtime does (mtp-heal.md
-§6.2): step 1 as in "seed"; step σ >= 2 is read off the stacked forward of steps 1..σ (`ddl_ref.mtp.
-draft_forward(chain=σ)`: row (s, p) at position p + s − 1 sees the step-1 rows at positions <= p and the steps
-2..s rows of its own anchor), step s's input rows built from the draft's own step s−1 output and greedy token.
-Step 1 and the counting are the same in both; at depth 1 the two agree. The JSON adds `chain_attention`.
+Chain attention (`chain_attention`): "per-step" (default) runs each step as its own causal pass over that
+step's rows of the window (positions 0..T−1), as the reference heal tool trains. "stacked" does what a
+speculative runtime does: step 1 as in "per-step"; step σ >= 2 is read off the stacked forward of steps 1..σ
+(`ddl_ref.mtp.draft_forward(chain=σ)`: row (s, p) at position p + s − 1 sees the step-1 rows at positions <= p
+and the steps 2..s rows of its own anchor, the runtime's diagonal mask), step s's input rows built from the
+draft's own step s−1 output and greedy token. Step 1 and the counting are the same in both; at depth 1 the two
+agree. The JSON adds `chain_attention`.
 
-Backends: "ref" runs trunk and draft in numpy; "wgpu" runs the trunk (`heal.WgpuTeacher`, its greedy token
-from the `topk` kernel with k = 1) and every draft step's block, norm and head (`heal.WgpuDraft.greedy`, with the
-masked attention kernels for a stacked runtime step) on the GPU, forward only; the draft's input rows eh_proj·[enorm(e); hnorm(h)] are built on the host by the same
-`ddl_ref.mtp.step_input` on both. Argmax ties go to the lower id on both, so the numbers agree up to float
-near-ties.
+Backends (`backend.make_accept_backend`): "ref" runs trunk and draft in numpy; "wgpu" runs the trunk
+(`heal_gpu.WgpuTeacher`, its greedy token from the `topk` kernel with k = 1) and every draft step's block, norm
+and head (`heal_gpu.WgpuDraft.greedy`, with
+the masked attention kernels for a stacked step) on the GPU, forward only; the draft's input rows
+eh_proj·[enorm(e); hnorm(h)] are built on the host by the same `ddl_ref.mtp.step_input` on both. Argmax ties
+go to the lower id on both, so the numbers agree up to float near-ties.
 
 What this file deliberately does not do: sampling acceptance (min(1, P/Q)).
 """
@@ -44,8 +46,11 @@ import numpy as np
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
-from ddl_wgpu.data import check_vocab, load_records, tokenizer_for
+from ddl_wgpu.backend import choose_backend, make_accept_backend
+from ddl_wgpu.data import check_vocab, load_records, make_windows, tokenizer_for
+from ddl_wgpu.errors import UserError
 from ddl_wgpu.modelfile import Model, load_model
+from ddl_wgpu.refnet import ref_runner
 
 KEYS = (
     "depth",
@@ -56,28 +61,22 @@ KEYS = (
     "on_policy",
     "chain_attention",
 )
-BACKENDS = ("ref", "wgpu")
-CHAIN_ATTENTION = ("seed", "runtime")
+DEPTH, WINDOW, TOKENS = 3, 128, 20_000  # `accept`'s defaults: chain depth, window length, token budget (CLI)
+# Chain attention: "per-step" (each chain step its own causal pass, the reference heal tool's way) or
+# "stacked" (steps 1..j stacked with the runtime's diagonal mask); the default of both `heal` and `accept`.
+CHAIN_ATTENTION = ("per-step", "stacked")
+DEFAULT_CHAIN_ATTENTION = "per-step"
 
 
-class AcceptError(ValueError):
+class AcceptError(UserError):
     """An acceptance measurement that cannot run, with one clear line."""
 
 
 def check_chain_attention(chain_attention: str) -> None:
     if chain_attention not in CHAIN_ATTENTION:
-        raise AcceptError(f"chain_attention must be one of {list(CHAIN_ATTENTION)}, got {chain_attention!r}")
-
-
-class UnknownBackendError(AcceptError, NotImplementedError):
-    """A backend with no MTP draft path: a user error (one line on the CLI), and NotImplementedError for callers
-    that probe for a backend."""
-
-
-def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise UnknownBackendError(
-            f"the MTP draft runs on backend(s) {list(BACKENDS)} only; the {backend!r} draft path is not written yet"
+        raise AcceptError(
+            f"chain attention must be one of {', '.join(CHAIN_ATTENTION)}, got {chain_attention!r}",
+            field="chain_attention",
         )
 
 
@@ -88,7 +87,7 @@ def check_backend(backend: str) -> None:
 class Tally:
     """Running counts of prefix-accepted anchors, over all anchors and over on-policy anchors per depth."""
 
-    def __init__(self, depth: int, chain_attention: str = "seed"):
+    def __init__(self, depth: int, chain_attention: str = DEFAULT_CHAIN_ATTENTION):
         self.depth = depth
         self.chain_attention = chain_attention
         self.anchors = 0
@@ -145,28 +144,6 @@ class Tally:
 # windows and the trunk pass
 
 
-def cut_windows(records: Sequence[np.ndarray], window: int, min_len: int, max_tokens: int | None = None):
-    """Records cut into consecutive windows of `window` tokens; shorter than `min_len` skipped; at most
-    `max_tokens` tokens in all (the last window cut to fit, skipped when that leaves it too short)."""
-    out: list[np.ndarray] = []
-    left = max_tokens
-    for r in records:
-        r = np.asarray(r)
-        for s in range(0, r.size, window):
-            if left is not None and left <= 0:
-                return out
-            ch = r[s : s + window]
-            if ch.size < min_len:
-                continue
-            if left is not None:
-                ch = ch[:left]
-                if ch.size < min_len:
-                    return out
-                left -= int(ch.size)
-            out.append(np.asarray(ch, np.int64))
-    return out
-
-
 def pad_batch(windows: Sequence[np.ndarray], T: int):
     """-> (ids (B, T) int64 padded with 0, lengths (B,) int64)."""
     ids = np.zeros((len(windows), T), np.int64)
@@ -190,7 +167,7 @@ class TrunkBatch:
 def trunk_batches(
     model: Model, windows: Sequence[np.ndarray], batch: int = 8, teacher=None
 ) -> list[TrunkBatch]:
-    """The trunk over the windows in batches; `teacher` (a `heal.TrunkTeacher`) runs it, numpy when None."""
+    """The trunk over the windows in batches; `teacher` (a `backend.Teacher`) runs it, numpy when None."""
     T = max(w.size for w in windows)
     out = []
     for s in range(0, len(windows), batch):
@@ -216,24 +193,14 @@ def _with_conventions(cfg, conventions):
     return dataclasses.replace(cfg, mtp=conventions)
 
 
-def ref_runner(params: dict, cfg):
-    """The numpy draft step for `greedy_chain`: runner(x_rows, chain=0) -> (argmax, pre, post), all rows."""
-
-    def run(x_rows, chain: int = 0):
-        pre, post, _ = ref_mtp.draft_forward(params, cfg, x_rows, chain)
-        return np.argmax(ref_mtp.draft_logits(params, cfg, post), axis=-1), pre, post
-
-    return run
-
-
 def greedy_chain(
-    params: dict, cfg, tb: TrunkBatch, depth: int, runner, chain_attention: str = "seed"
+    params: dict, cfg, tb: TrunkBatch, depth: int, runner, chain_attention: str = DEFAULT_CHAIN_ATTENTION
 ) -> np.ndarray:
     """`ddl_ref.mtp.draft_chain(tokens="greedy")` with each step's block, norm, head and argmax done by
     `runner(x_rows, chain=0) -> (argmax (B, T'), pre, post)` -> preds (B, depth, T).
 
-    chain_attention "runtime": step σ >= 2 runs the stacked input rows of steps 1..σ (T' = σ·T) with
-    `chain=σ` and keeps its last T rows (the step-σ rows); "seed": every step its own pass (chain 0)."""
+    chain_attention "stacked": step σ >= 2 runs the stacked input rows of steps 1..σ (T' = σ·T) with
+    `chain=σ` and keeps its last T rows (the step-σ rows); "per-step": every step its own pass (chain 0)."""
     mtp = cfg.mtp
     T = tb.ids.shape[1]
     hid = ref_mtp.pick_hidden(tb.pre, tb.post, mtp.trunk_hidden)
@@ -242,7 +209,7 @@ def greedy_chain(
     preds, xs = [], []
     for j in range(1, depth + 1):
         xs.append(ref_mtp.step_input(params, cfg, tok, hid, valid))
-        if chain_attention == "runtime" and j > 1:  # the step-j rows of the stacked forward of steps 1..j
+        if chain_attention == "stacked" and j > 1:  # the step-j rows of the stacked forward of steps 1..j
             tok, pre, post = (a[:, -T:] for a in runner(np.concatenate(xs, axis=1), chain=j))
         else:
             tok, pre, post = runner(xs[-1])
@@ -252,14 +219,14 @@ def greedy_chain(
 
 
 def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth: int, runner=None,
-                          chain_attention: str = "seed") -> dict:  # fmt: skip
+                          chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
     """Acceptance of the draft in `params` (numpy, `model.mtp.*` plus the shared embedding and head) over
-    trunk passes already made; `runner` (e.g. `heal.WgpuDraft.greedy`) runs the draft's steps, numpy when
-    None; `chain_attention` "seed" or "runtime" (module docstring)."""
+    trunk passes already made; `runner` (e.g. `heal_gpu.WgpuDraft.greedy`) runs the draft's steps, numpy when
+    None; `chain_attention` "per-step" or "stacked" (module docstring)."""
     check_chain_attention(chain_attention)
     tally = Tally(depth, chain_attention)
     for tb in trunk:
-        if runner is None and chain_attention == "seed":
+        if runner is None and chain_attention == "per-step":
             steps = ref_mtp.draft_chain(
                 params, cfg, tb.ids, tb.lengths, tb.pre, tb.post, depth, tokens="greedy"
             )
@@ -272,20 +239,17 @@ def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth:
     return tally.result()
 
 
-def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, backend: str = "ref",
+def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, backend: str = "ref",
                conventions: MtpConfig | dict | None = None, probe_conventions: bool = False,
                batch: int = 8, device: str | None = None, trunk_dtype: str = "f32",
-               chain_attention: str = "seed") -> dict:  # fmt: skip
+               chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
     """Greedy speculative acceptance of `model`'s draft over `windows` (1-D token arrays, each at most
-    max_seq_len long), chained `depth` deep, with `chain_attention` "seed" or "runtime" (module docstring). `conventions` overrides the model's MtpConfig (concat, hiddens);
+    max_seq_len long), chained `depth` deep, with `chain_attention` "per-step" or "stacked" (module docstring). `conventions` overrides the model's MtpConfig (concat, hiddens);
     `probe_conventions` adds `probe`: the same measure under every concat x trunk_hidden x chain_hidden.
-    `trunk_dtype` "f16" (wgpu only) keeps the GPU trunk's big matrices in f16 (`heal.WgpuTeacher`)."""
-    check_backend(backend)
+    `trunk_dtype` "f16" (wgpu only) keeps the GPU trunk's big matrices in f16 (`heal_gpu.WgpuTeacher`)."""
     check_chain_attention(chain_attention)
-    if trunk_dtype != "f32" and backend != "wgpu":
-        raise AcceptError(f"--trunk-dtype {trunk_dtype} needs the wgpu backend")
     if depth < 1:
-        raise AcceptError(f"depth must be at least 1, got {depth}")
+        raise AcceptError(f"depth must be at least 1, got {depth}", field="depth")
     if model.cfg.mtp is None:
         raise AcceptError("the model has no MTP draft (missing tensor model.mtp.eh_proj.weight)")
     windows = [np.asarray(w, np.int64) for w in windows if np.asarray(w).size > depth]
@@ -293,12 +257,7 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, back
         raise AcceptError(f"no window longer than depth {depth}: nothing to measure")
     if max(w.size for w in windows) > model.cfg.max_seq_len:
         raise AcceptError(f"a window is longer than the model's max_seq_len {model.cfg.max_seq_len}")
-    teacher = runner = None
-    if backend == "wgpu":
-        from ddl_wgpu.heal import WgpuDraft, WgpuTeacher
-
-        teacher = WgpuTeacher(model, batch, device, trunk_dtype)
-        runner = WgpuDraft(model.params, model.cfg, None, batch, device).greedy
+    teacher, runner = make_accept_backend(backend, model, batch, device, trunk_dtype)
     trunk = trunk_batches(model, windows, batch, teacher)
     cfg = _with_conventions(model.cfg, conventions)
     result = acceptance_from_trunk(model.params, cfg, trunk, depth, runner, chain_attention)
@@ -316,16 +275,16 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = 3, back
     return result
 
 
-def accept_file(model_path, data_spec: str, depth: int = 3, window: int = 128, tokens: int | None = None,
+def accept_file(model_path, data_spec: str, depth: int = DEPTH, window: int = WINDOW, tokens: int | None = None,
                 backend: str = "ref", probe_conventions: bool = False, device: str | None = None,
-                trunk_dtype: str = "f32", chain_attention: str = "seed") -> dict:  # fmt: skip
+                trunk_dtype: str = "f32", chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
     """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure."""
-    check_backend(backend)
+    backend = choose_backend(backend, device).name
     check_chain_attention(chain_attention)
     model = load_model(model_path)
     records = load_records(data_spec, tokenizer_for(model.tokenizer), tokens)
     check_vocab(records, model.cfg.vocab_size)
-    windows = cut_windows(records, min(window, model.cfg.max_seq_len), depth + 1)
+    windows = make_windows(records, min(window, model.cfg.max_seq_len), depth + 1)
     result = acceptance(model, windows, depth, backend, probe_conventions=probe_conventions, device=device,
                         trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
     result["data"] = str(data_spec)
@@ -349,22 +308,3 @@ def table(results: Sequence[tuple[str, dict]]) -> str:
         cells = "".join(f"{a:>9.4f}" for a in r["prefix_acceptance"])
         rows.append(f"{label:<12}{cells}{r['acceptance_length']:>9.4f}{r['anchors']:>9}")
     return "\n".join(rows)
-
-
-def _main(argv: Sequence[str]) -> int:
-    """`python -m ddl_wgpu.accept LABEL=FILE.json ...`: print `table` of saved `accept --json` results."""
-    import json
-
-    results = []
-    for arg in argv:
-        label, _, path = arg.partition("=")
-        with open(path) as f:
-            results.append((label, json.load(f)))
-    print(table(results))
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(_main(sys.argv[1:]))

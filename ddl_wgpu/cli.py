@@ -1,18 +1,49 @@
 """The `ddl-wgpu` command line: a thin typer layer over library functions.
 
-Each command parses its options into the library's dataclasses and calls one function. Errors a user can
-cause (bad files, bad data, bad options, no GPU) print one line `error: ...` on stderr and exit with 2;
-nothing a user can trigger ends in a traceback.
+Each command parses its options into the library's dataclasses (whose defaults are the options' defaults)
+and calls one function. Every command that runs a model takes `--backend auto|wgpu|ref` and says at the start
+which backend it chose and why. Progress is readable lines (`--json`: JSON lines); errors a user can cause
+(bad files, bad data, bad options, bad usage, no GPU) print one line `error: ...` on stderr, naming the flag
+or command that gets the user further, and exit with 2; nothing a user can trigger ends in a traceback.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer._click import exceptions as usage  # typer parses with its own copy of click
+
+from ddl_ref.config import ConfigError, ModelVariant, MtpConfig, parse_variants
+from ddl_ref.config import preset as make_preset
+from ddl_ref.params import init_params, param_table
+from ddl_wgpu import accept as accept_lib
+from ddl_wgpu import heal as heal_lib
+from ddl_wgpu import train as train_lib
+from ddl_wgpu.backend import BackendChoice, BackendError, UnknownBackendError, choose_backend, make_net
+from ddl_wgpu.compress import compress_file
+from ddl_wgpu.console import HealConsole, TrainConsole, accept_text, fields, ranked_table, summary_text
+from ddl_wgpu.container import CheckpointError
+from ddl_wgpu.data import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_VAL_FRACTION,
+    STDLIB_SPEC,
+    ByteTokenizer,
+    eval_windows,
+    load_datasets,
+    tokenizer_for,
+)
+from ddl_wgpu.errors import UserError
+from ddl_wgpu.hf import HfError, export_hf_from_file, import_hf_to_file
+from ddl_wgpu.inspect import describe, render_text
+from ddl_wgpu.modelfile import Model, load_model, save_model
+from ddl_wgpu.plots import write_plots
 
 app = typer.Typer(
     add_completion=False,
@@ -23,28 +54,8 @@ app = typer.Typer(
 )
 
 EXIT_USER_ERROR = 2
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """The exception types that mean 'bad input', collected lazily so `--help` stays fast."""
-    kinds: list[type[BaseException]] = [FileNotFoundError, IsADirectoryError, PermissionError]
-    for mod, name in [
-        ("ddl_wgpu.gpu", "GpuError"),
-        ("ddl_wgpu.container", "CheckpointError"),
-        ("ddl_wgpu.data", "DataError"),
-        ("ddl_ref.config", "ConfigError"),
-        ("ddl_wgpu.train", "TrainingError"),
-        ("ddl_wgpu.hf", "HfError"),
-        ("ddl_wgpu.heal", "HealError"),
-        ("ddl_wgpu.accept", "AcceptError"),
-        ("ddl_wgpu.compress", "CompressError"),
-    ]:
-        try:
-            module = __import__(mod, fromlist=[name])
-            kinds.append(getattr(module, name))
-        except (ImportError, AttributeError):
-            continue
-    return tuple(kinds)
+TRAIN = train_lib.TrainingConfig()  # the defaults of the training options
+HEAL = heal_lib.HealConfig()  # the defaults of the heal options
 
 
 def fail(message: str, code: int = EXIT_USER_ERROR):
@@ -57,13 +68,31 @@ def _emit(obj, as_json: bool, text: str):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the backend
+
+
+BackendOpt = Annotated[
+    str,
+    typer.Option(
+        "--backend",
+        help="auto (wgpu on a real GPU adapter, the numpy reference on CPU-only adapters), wgpu or ref.",
+    ),
+]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="Adapter index or name substring.")]
+
+
+def _backend_line(choice: BackendChoice) -> str:
+    return f"backend: {choice.name} ({choice.reason})"
+
+
+# ---------------------------------------------------------------------------------------------------------
 # devices, check, inspect
 
 
 @app.command()
 def devices(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """List every adapter: backend, type, driver, features and the limits that matter."""
-    from ddl_wgpu import gpu as g
+    from ddl_wgpu import gpu as g  # the GPU layer loads wgpu: only the GPU commands import it up front
 
     adapters = [g.describe_adapter(a, i) for i, a in enumerate(g.enumerate_adapters())]
     if not adapters:
@@ -83,15 +112,9 @@ def devices(as_json: bool = typer.Option(False, "--json", help="Machine-readable
 
 
 @app.command()
-def check(
-    device: str = typer.Option(None, "--device", help="Adapter index or name substring."),
-):
+def check(device: DeviceOpt = None):
     """Run a small kernel on the GPU and compare it with numpy."""
-    import time
-
-    import numpy as np
-
-    from ddl_wgpu.gpu import Gpu
+    from ddl_wgpu.gpu import Gpu  # the GPU layer loads wgpu: only the GPU commands import it up front
     from ddl_wgpu.selftest import selftest
 
     t0 = time.perf_counter()
@@ -100,7 +123,6 @@ def check(
     for line in selftest(gpu):
         typer.echo(line)
     typer.echo(f"ok ({time.perf_counter() - t0:.2f} s)")
-    del np
 
 
 @app.command()
@@ -110,8 +132,6 @@ def inspect(
     verify: bool = typer.Option(False, "--verify", help="Check every tensor's hash."),
 ):
     """Header summary, tensor table and provenance of a checkpoint file."""
-    from ddl_wgpu.inspect import describe, render_text
-
     desc = describe(str(file), verify=verify)
     _emit(desc, as_json, render_text(desc))
 
@@ -143,11 +163,11 @@ MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "h
                 "max_seq_len", "rope_theta", "qk_norm", "norm_style", "tie_embeddings")  # fmt: skip
 
 
-def _model_config(preset: str, options: dict):
-    """The preset with every model option the user gave (`options`: a command's locals()) applied."""
-    from ddl_ref.config import preset as make_preset
-
-    return make_preset(preset, **{k: options[k] for k in MODEL_FIELDS if options.get(k) is not None})
+def _model_config(preset: str, options: dict, mtp: bool = False):
+    """The preset with every model option the user gave (`options`: a command's locals()) applied, and an MTP
+    draft when `mtp`."""
+    cfg = make_preset(preset, **{k: options[k] for k in MODEL_FIELDS if options.get(k) is not None})
+    return replace(cfg, mtp=MtpConfig()) if mtp else cfg
 
 
 def _opt(default, help_: str, panel: str = MODEL_HELP, **kw):
@@ -177,18 +197,10 @@ def init(
     mtp: bool = typer.Option(False, "--mtp", help="Add an MTP draft block (model.mtp.*)."),
 ):
     """Write a freshly initialised model file."""
-    from ddl_ref.config import ModelVariant
-    from ddl_ref.params import init_params, param_table
-    from ddl_wgpu.modelfile import Model, save_model
-
     base = _model_config(preset, locals())
     v = ModelVariant.parse(variant)
     cfg = v.resolve_config(base)
     if mtp:
-        from dataclasses import replace
-
-        from ddl_ref.config import MtpConfig
-
         cfg = replace(cfg, mtp=MtpConfig())
     params = init_params(cfg, seed)
     save_model(out, Model(cfg, params, variant=v.slug, provenance={"init": {"seed": seed, "preset": preset}}))
@@ -206,17 +218,13 @@ def eval_(
     seq_len: int = typer.Option(128, "--seq-len", help="Window length."),
     batch: int = typer.Option(8, "--batch", help="Windows per batch."),
     max_tokens: int = typer.Option(200_000, "--max-tokens", help="Read at most this many tokens (0: all)."),
-    backend: str = typer.Option("wgpu", "--backend", help="wgpu or ref (numpy reference)."),
-    device: str = typer.Option(None, "--device", help="Adapter index or name substring."),
+    backend: BackendOpt = "auto",
+    device: DeviceOpt = None,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Loss and perplexity over consecutive windows of a corpus (and spectral diagnostics for DDL models)."""
-    import time
-
-    from ddl_wgpu.data import eval_windows, tokenizer_for
-    from ddl_wgpu.modelfile import load_model
-    from ddl_wgpu.train import evaluate, make_net
-
+    choice = choose_backend(backend, device)
+    typer.echo(_backend_line(choice), err=as_json)
     m = load_model(model)
     ds = eval_windows(
         data,
@@ -227,15 +235,16 @@ def eval_(
         vocab_size=m.cfg.vocab_size,
     )
     t0 = time.perf_counter()
-    net = make_net(m.cfg, m.params, backend, device)
-    ev = evaluate(net, ds, 0, spectral=True)
+    net = make_net(m.cfg, m.params, choice.name, device)
+    ev = train_lib.evaluate(net, ds, 0, spectral=True)
     dt = time.perf_counter() - t0
     out = {
         **ev["metrics"],
         "tokens": int(ds.num_tokens),
         "predictions": int(ds.num_predictions),
         "windows": int(ds.num_windows),
-        "backend": backend,
+        "backend": choice.name,
+        "backend_reason": choice.reason,
         "variant": m.variant,
         "seconds": dt,
         "tokens_per_s": ds.num_tokens / max(dt, 1e-9),
@@ -244,7 +253,7 @@ def eval_(
         out["spectral"] = ev["spectral"]
     text = (
         f"{model}: loss {out['loss']:.6f}  perplexity {out['perplexity']:.4f}  over {out['windows']} windows, "
-        f"{out['tokens']} tokens ({backend}, {dt:.2f} s)"
+        f"{out['tokens']} tokens ({choice.name}, {dt:.2f} s)"
     )
     _emit(out, as_json, text)
 
@@ -255,122 +264,74 @@ def import_hf(
         ..., help="Hugging Face folder: config.json + *.safetensors (+ tokenizer.json)."
     ),
     out: Path = typer.Argument(..., help="Model file to write (.ddlw)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Import a Qwen3 or Llama checkpoint folder into our container."""
-    from ddl_wgpu.hf import import_hf_to_file
-
     summary = import_hf_to_file(folder, out)
-    typer.echo(json.dumps(summary, indent=2))
+    _emit(summary, as_json, summary_text(summary) + f"\nwrote {out}")
 
 
 @app.command("export-hf")
 def export_hf(
     model: Path = typer.Argument(..., help="Model file (.ddlw)."),
     folder: Path = typer.Argument(..., help="Folder to write config.json + model.safetensors into."),
+    raw: bool = typer.Option(
+        None,
+        "--raw/--no-raw",
+        help="Raw tensors under our names (default for models Qwen3/Llama cannot hold).",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Export a model as a Hugging Face folder (Qwen3/Llama for baseline models, raw tensors for DDL)."""
-    from ddl_wgpu.hf import export_hf_from_file
-
-    summary = export_hf_from_file(model, folder)
-    typer.echo(json.dumps(summary, indent=2))
+    summary = export_hf_from_file(model, folder, raw=raw)
+    _emit(summary, as_json, summary_text(summary) + f"\nwrote {folder}")
 
 
 # ---------------------------------------------------------------------------------------------------------
 # training
 
-TRAIN_HELP = "Training options (the seed's TrainingConfig)"
+TRAIN_HELP = "Training options"
 
 
-def _training_config(**kw):
-    from ddl_wgpu.train import TrainingConfig
+def _data_source(data: str, val_data: str | None, val_fraction: float, max_tokens: int) -> dict:
+    """How a run loads its data, recorded in its checkpoints: paths made absolute so that `resume` finds
+    them from any folder."""
 
-    tcfg = TrainingConfig(**{k: v for k, v in kw.items() if v is not None})
-    tcfg.validate()
-    return tcfg
+    def spec(s):
+        return s if s is None or s == STDLIB_SPEC else os.path.abspath(s)
+
+    return {
+        "data": spec(data),
+        "val_data": spec(val_data),
+        "val_fraction": val_fraction,
+        "max_tokens": max_tokens,
+    }
 
 
-def _load_data(data, val_data, val_fraction, seq_len, batch_size, max_tokens, vocab_size, seed):
-    from ddl_wgpu.data import ByteTokenizer, load_datasets
-
+def _load_data(source: dict, seq_len: int, batch_size: int, vocab_size: int, seed: int):
     return load_datasets(
-        data,
+        source["data"],
         tokenizer=ByteTokenizer(),
         seq_len=seq_len,
         batch_size=batch_size,
-        val_spec=val_data,
-        val_fraction=val_fraction,
-        max_tokens=max_tokens or None,
+        val_spec=source["val_data"],
+        val_fraction=source["val_fraction"],
+        max_tokens=source["max_tokens"] or None,
         vocab_size=vocab_size,
         seed=seed,
     )
 
 
-class _Console:
-    """Progress for long runs: one rich progress bar per variant (step, loss, lr, tokens/s, ETA)."""
-
-    def __init__(self):
-        from rich.console import Console
-
-        self.console = Console(stderr=True)
-        self.bar = None
-
-    def __call__(self, ev: dict):
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        kind = ev["kind"]
-        if kind == "start":
-            self.console.print(f"[bold]{ev['variant']}[/bold]: {ev['num_params']:,} parameters")
-        elif kind == "eval":
-            v = ev.get("validation")
-            vtxt = f", validation {v['loss']:.4f}" if v else ""
-            self.console.print(
-                f"  initial evaluation: train {ev['train']['loss']:.4f}{vtxt} ({ev['seconds']:.1f} s)"
-            )
-        elif kind == "step":
-            if self.bar is None:
-                self.bar = Progress(
-                    TextColumn("  {task.description}"),
-                    BarColumn(),
-                    TextColumn("{task.completed}/{task.total}"),
-                    TextColumn("{task.fields[info]}"),
-                    TimeRemainingColumn(),
-                    console=self.console,
-                )
-                self.bar.start()
-                self.task = self.bar.add_task(ev["variant"], total=ev["total"], info="")
-            info = f"loss {ev['loss']:.4f}  lr {ev['lr']:.2e}  {ev['tokens_per_s']:,.0f} tok/s  {ev['s_per_step']:.3f} s/step"
-            if ev.get("loss_mtp") == ev.get("loss_mtp"):  # not NaN: joint MTP training
-                info += f"  (trunk {ev['loss_main']:.4f}, draft {ev['loss_mtp']:.4f})"
-            if ev.get("validation"):
-                info += f"  val {ev['validation']['loss']:.4f}"
-            self.bar.update(self.task, completed=ev["step"], info=info)
-        elif kind == "done":
-            self.close()
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
-
-
-def _ranked_table(comp: dict) -> str:
-    rows = []
-    order = comp.get("final_validation_loss_ranking") or comp.get("final_train_loss_ranking") or []
-    by = {r["variant"]: r for r in comp["reports"]}
-    rows.append(
-        f"{'rank':<5}{'variant':<14}{'final train':>12}{'final val':>11}{'best val':>10}{'ppl':>9}{'params':>13}{'tok/s':>10}"
-    )
-    for i, v in enumerate(order, 1):
-        r = by[v]
-        fv = r.get("final_validation") or {}
-        bv = r.get("best_validation") or {}
-        ppl = (fv or r["final_train"])["perplexity"]
-        tps = r.get("throughput", {}).get("tokens_per_s", float("nan"))
-        rows.append(
-            f"{i:<5}{v:<14}{r['final_train']['loss']:>12.4f}{fv.get('loss', float('nan')):>11.4f}"
-            f"{bv.get('loss', float('nan')):>10.4f}{ppl:>9.2f}{r['num_params']:>13,}{tps:>10,.0f}"
-        )
-    return "\n".join(rows)
+def _run(fn, con: TrainConsole, where: str):
+    """Run a training function with the console; Ctrl-C leaves a resumable checkpoint and exits 130."""
+    try:
+        return fn()
+    except KeyboardInterrupt:
+        con.close()
+        typer.echo(f"interrupted: resumable checkpoint saved under {where}", err=True)
+        raise typer.Exit(130) from None
+    finally:
+        con.close()
 
 
 @app.command()
@@ -384,10 +345,10 @@ def train(
     variants: str = typer.Option("baseline,ddl", "--variants", help="Comma list or 'all'."),
     val_data: str = typer.Option(None, "--val-data", help="Validation data spec (else --val-fraction)."),
     val_fraction: float = typer.Option(
-        0.05, "--val-fraction", help="Fraction of windows held out when no --val-data."
+        DEFAULT_VAL_FRACTION, "--val-fraction", help="Fraction of windows held out when no --val-data."
     ),
     max_tokens: int = typer.Option(
-        2_000_000, "--max-tokens", help="Read at most this many tokens per spec (0: all)."
+        DEFAULT_MAX_TOKENS, "--max-tokens", help="Read at most this many tokens per spec (0: all)."
     ),
     preset: str = _opt("tiny", "Size preset: tiny, small, medium."),
     vocab_size: VocabSize = None,
@@ -402,42 +363,37 @@ def train(
     qk_norm: QkNorm = None,
     norm_style: NormStyle = None,
     tie_embeddings: TieEmbeddings = None,
-    max_steps: int = _opt(32, "Optimizer steps.", TRAIN_HELP),
-    eval_interval: int = _opt(4, "Evaluate every N steps (and the last).", TRAIN_HELP),
-    learning_rate: float = _opt(1e-3, "Peak learning rate.", TRAIN_HELP),
-    min_learning_rate: float = _opt(0.0, "Cosine floor.", TRAIN_HELP),
-    warmup_steps: int = _opt(0, "Linear warm-up steps.", TRAIN_HELP),
-    weight_decay: float = _opt(0.1, "AdamW decoupled weight decay.", TRAIN_HELP),
-    beta1: float = _opt(0.9, "AdamW beta1.", TRAIN_HELP),
-    beta2: float = _opt(0.95, "AdamW beta2.", TRAIN_HELP),
-    epsilon: float = _opt(1e-5, "AdamW epsilon.", TRAIN_HELP),
-    grad_clip: float = _opt(1.0, "Global gradient-norm clip.", TRAIN_HELP),
-    batch_size: int = _opt(8, "Rows per step.", TRAIN_HELP),
-    seq_len: int = _opt(128, "Tokens per row.", TRAIN_HELP),
-    seed: int = _opt(0, "Init and data-order seed.", TRAIN_HELP),
-    eval_batches: int = _opt(16, "Batches per evaluation (0: the whole dataset).", TRAIN_HELP),
+    max_steps: int = _opt(TRAIN.max_steps, "Optimizer steps.", TRAIN_HELP),
+    eval_interval: int = _opt(TRAIN.eval_interval, "Evaluate every N steps (and the last).", TRAIN_HELP),
+    learning_rate: float = _opt(TRAIN.learning_rate, "Peak learning rate.", TRAIN_HELP),
+    min_learning_rate: float = _opt(TRAIN.min_learning_rate, "Cosine floor.", TRAIN_HELP),
+    warmup_steps: int = _opt(TRAIN.warmup_steps, "Linear warm-up steps.", TRAIN_HELP),
+    weight_decay: float = _opt(TRAIN.weight_decay, "AdamW decoupled weight decay.", TRAIN_HELP),
+    beta1: float = _opt(TRAIN.beta1, "AdamW beta1.", TRAIN_HELP),
+    beta2: float = _opt(TRAIN.beta2, "AdamW beta2.", TRAIN_HELP),
+    epsilon: float = _opt(TRAIN.epsilon, "AdamW epsilon.", TRAIN_HELP),
+    grad_clip: float = _opt(TRAIN.grad_clip, "Global gradient-norm clip.", TRAIN_HELP),
+    batch_size: int = _opt(TRAIN.batch_size, "Rows per step.", TRAIN_HELP),
+    seq_len: int = _opt(TRAIN.seq_len, "Tokens per row.", TRAIN_HELP),
+    seed: int = _opt(TRAIN.seed, "Init and data-order seed.", TRAIN_HELP),
+    eval_batches: int = _opt(
+        TRAIN.eval_batches, "Batches per evaluation (0: the whole dataset).", TRAIN_HELP
+    ),
     mtp: bool = _opt(False, "Add an MTP draft block (model.mtp.*) trained jointly with the trunk."),
-    mtp_weight: float = _opt(0.3, "Weight of the draft's loss in joint MTP training.", TRAIN_HELP),
+    mtp_weight: float = _opt(
+        TRAIN.mtp_weight, "Weight of the draft's loss in joint MTP training.", TRAIN_HELP
+    ),
     save_interval: int = typer.Option(
         0, "--save-interval", help="Save a checkpoint every N steps (0: at the end)."
     ),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop after N steps with a resumable checkpoint."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots (needs matplotlib)."),
-    backend: str = typer.Option("wgpu", "--backend", help="wgpu or ref (numpy reference)."),
-    device: str = typer.Option(None, "--device", help="Adapter index or name substring."),
+    backend: BackendOpt = "auto",
+    device: DeviceOpt = None,
 ):
     """Train a sweep of variants on the same data and budget; write reports, checkpoints and plots."""
-    from ddl_ref.config import parse_variants
-    from ddl_wgpu.train import RunOptions, train_variants
-
-    base = _model_config(preset, locals())
-    if mtp:
-        from dataclasses import replace
-
-        from ddl_ref.config import MtpConfig
-
-        base = replace(base, mtp=MtpConfig())
-    tcfg = _training_config(
+    base = _model_config(preset, locals(), mtp)
+    tcfg = train_lib.TrainingConfig(
         max_steps=max_steps,
         eval_interval=eval_interval,
         learning_rate=learning_rate,
@@ -454,65 +410,77 @@ def train(
         eval_batches=eval_batches,
         mtp_weight=mtp_weight,
     )
+    tcfg.validate()
     if seq_len > base.max_seq_len:
-        fail(f"--seq-len {seq_len} exceeds the model's max_seq_len {base.max_seq_len}")
+        fail(f"--seq-len {seq_len} exceeds the model's max_seq_len {base.max_seq_len} (see --max-seq-len)")
     vs = parse_variants(variants)
-    trn, val = _load_data(
-        data, val_data, val_fraction, seq_len, batch_size, max_tokens, base.vocab_size, seed
-    )
+    choice = choose_backend(backend, device)
+    source = _data_source(data, val_data, val_fraction, max_tokens)
+    trn, val = _load_data(source, seq_len, batch_size, base.vocab_size, seed)
     typer.echo("resolved configuration:")
-    typer.echo("  model:    " + json.dumps(base.to_dict()))
-    typer.echo("  training: " + json.dumps(tcfg.to_dict()))
-    typer.echo(f"  variants: {', '.join(v.slug for v in vs)}   backend: {backend}")
-    typer.echo(f"  data:     {json.dumps(trn.summary())}")
+    typer.echo("  model:    " + fields(base.to_dict()))
+    typer.echo("  training: " + fields(tcfg.to_dict()))
+    typer.echo(f"  variants: {', '.join(v.slug for v in vs)}")
+    typer.echo("  " + _backend_line(choice))
+    typer.echo(f"  data:     {fields(trn.summary())}")
     if val is not None:
-        typer.echo(f"  val:      {json.dumps(val.summary())}")
+        typer.echo(f"  val:      {fields(val.summary())}")
     typer.echo(f"  tokens per step: {batch_size * seq_len:,}")
-    con = _Console()
-    opts = RunOptions(
-        backend=backend, device=device, save_interval=save_interval, stop_after=stop_after, progress=con
-    )
-    try:
-        comp = train_variants(base, vs, trn, val, tcfg, out, opts)
-    except KeyboardInterrupt:
-        con.close()
-        typer.echo(f"interrupted: resumable checkpoint saved under {out}/", err=True)
-        raise typer.Exit(130) from None
-    finally:
-        con.close()
-    _after_training(comp, out, plots)
-
-
-def _after_training(comp: dict, out: Path, plots: bool):
+    con = TrainConsole()
+    opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
+                                stop_after=stop_after, progress=con, data=source)  # fmt: skip
+    comp = _run(lambda: train_lib.train_variants(base, vs, trn, val, tcfg, out, opts), con, f"{out}/")
     if comp.get("status") == "stopped":
         last = comp["reports"][-1]
-        typer.echo(
-            f"stopped after step {last['steps_completed']}: resume with "
-            f"`ddl-wgpu resume {out / last['variant'] / 'checkpoint.ddlw'} --data ...`"
-        )
+        typer.echo(f"stopped after step {last['steps_completed']}: continue with "
+                   f"`ddl-wgpu resume {out / last['variant'] / train_lib.CHECKPOINT}`")  # fmt: skip
         return
     typer.echo("")
-    typer.echo(_ranked_table(comp))
-    typer.echo(f"\nreport: {out / 'report.json'}")
+    typer.echo(ranked_table(comp))
+    typer.echo(f"\nreport: {out / train_lib.REPORT}")
     if plots:
         try:
-            from ddl_wgpu.plots import write_plots
-
             for p in write_plots(comp, out):
                 typer.echo(f"plot: {p}")
         except ImportError:
             typer.echo("plots skipped: matplotlib not installed (pip install 'ddl-wgpu[plot]')")
 
 
+def _recorded_source(ck: dict) -> dict:
+    """How the checkpoint's run loaded its data: recorded by `train`; for an older checkpoint, what its report
+    says (the training spec and the validation split) with the default token cap."""
+    if ck["data"] is not None:
+        return ck["data"]
+    rep = ck["report"]
+    vs = rep["validation_dataset"] or {}
+    split = vs.get("split", "")
+    fraction = float(split.split(":")[1]) if split.startswith("val:") else 0.0
+    return {
+        "data": rep["train_dataset"].get("source") or None,
+        "val_data": vs.get("source") if split == "val" else None,
+        "val_fraction": fraction,
+        "max_tokens": DEFAULT_MAX_TOKENS,
+    }
+
+
+def _spec(given: str | None, recorded: str | None) -> str | None:
+    """A data spec for resume: the run's own when not given or when it names the same file (the spec is part
+    of the dataset summary the resume checks compare), else as given."""
+    if given is None:
+        return recorded
+    same = (
+        recorded is not None and given != STDLIB_SPEC and os.path.abspath(given) == os.path.abspath(recorded)
+    )
+    return recorded if same else given
+
+
 @app.command()
 def resume(
     checkpoint: Path = typer.Argument(..., help="A training checkpoint (DIR/VARIANT/checkpoint.ddlw)."),
-    data: str = typer.Option(..., "--data", help="The training data spec of the run."),
-    val_data: str = typer.Option(
-        None, "--val-data", help="The run's validation spec (else its --val-fraction)."
-    ),
-    val_fraction: float = typer.Option(None, "--val-fraction", help="Defaults to the run's."),
-    max_tokens: int = typer.Option(2_000_000, "--max-tokens", help="As given to train."),
+    data: str = typer.Option(None, "--data", help="The run's training data spec (default: the run's own)."),
+    val_data: str = typer.Option(None, "--val-data", help="The run's validation spec (default: the run's)."),
+    val_fraction: float = typer.Option(None, "--val-fraction", help="Default: the run's."),
+    max_tokens: int = typer.Option(None, "--max-tokens", help="Default: the run's."),
     steps: int = typer.Option(
         None, "--steps", help="Train a new phase of N steps (default: finish the run)."
     ),
@@ -524,29 +492,29 @@ def resume(
     out: Path = typer.Option(None, "--out", help="Write here instead of the checkpoint's folder."),
     save_interval: int = typer.Option(0, "--save-interval", help="Save a checkpoint every N steps."),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop again after N steps."),
-    backend: str = typer.Option("wgpu", "--backend", help="wgpu or ref."),
-    device: str = typer.Option(None, "--device", help="Adapter index or name substring."),
+    backend: BackendOpt = "auto",
+    device: DeviceOpt = None,
 ):
     """Continue an interrupted run, or train a new phase (--steps N) from a checkpoint."""
-    from ddl_wgpu.train import RunOptions, load_checkpoint
-    from ddl_wgpu.train import resume as do_resume
-
-    ck = load_checkpoint(checkpoint)
+    ck = train_lib.load_checkpoint(checkpoint)
     tr = ck["report"]["training"]
-    vs = ck["report"]["validation_dataset"]
-    if val_fraction is None:
-        split = (vs or {}).get("split", "")
-        val_fraction = float(split.split(":")[1]) if split.startswith("val:") else 0.0
-    trn, val = _load_data(
-        data,
-        val_data,
-        val_fraction,
-        tr["seq_len"],
-        tr["batch_size"],
-        max_tokens,
-        ck["cfg"].vocab_size,
-        tr["seed"],
+    recorded = _recorded_source(ck)
+    source = {
+        "data": _spec(data, recorded["data"]),
+        "val_data": _spec(val_data, recorded["val_data"]),
+        "val_fraction": val_fraction if val_fraction is not None else recorded["val_fraction"],
+        "max_tokens": max_tokens if max_tokens is not None else recorded["max_tokens"],
+    }
+    if source["data"] is None:
+        fail(f"{checkpoint} does not record its training data: pass --data SPEC")
+    choice = choose_backend(backend, device)
+    trn, val = _load_data(source, tr["seq_len"], tr["batch_size"], ck["cfg"].vocab_size, tr["seed"])
+    typer.echo("resolved configuration:")
+    typer.echo(
+        f"  checkpoint: {checkpoint} ({ck['report']['variant']}, {ck['report']['steps_completed']} steps)"
     )
+    typer.echo("  data:     " + fields(source))
+    typer.echo("  " + _backend_line(choice))
     over = {
         k: v
         for k, v in dict(
@@ -558,24 +526,20 @@ def resume(
         ).items()
         if v is not None
     }
-    con = _Console()
-    opts = RunOptions(
-        backend=backend, device=device, save_interval=save_interval, stop_after=stop_after, progress=con
-    )
-    try:
-        rep = do_resume(checkpoint, trn, val, opts, out_dir=out, steps=steps, overrides=over)
-    except KeyboardInterrupt:
-        con.close()
-        typer.echo("interrupted: resumable checkpoint saved", err=True)
-        raise typer.Exit(130) from None
-    finally:
-        con.close()
+    con = TrainConsole()
+    opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
+                                stop_after=stop_after, progress=con, data=source)  # fmt: skip
     where = out or checkpoint.parent
+    rep = _run(
+        lambda: train_lib.resume(checkpoint, trn, val, opts, out_dir=out, steps=steps, overrides=over),
+        con,
+        str(where),
+    )
     fv = rep.get("final_validation") or {}
     typer.echo(
         f"{rep['variant']}: {rep['steps_completed']} steps, status {rep.get('status')}, "
         f"final train {((rep.get('final_train') or {}).get('loss', float('nan'))):.4f}, "
-        f"final val {fv.get('loss', float('nan')):.4f}; report {where / 'report.json'}"
+        f"final val {fv.get('loss', float('nan')):.4f}; report {where / train_lib.REPORT}"
     )
 
 
@@ -583,6 +547,21 @@ def resume(
 # MTP draft: compress, accept, heal
 
 HEAL_HELP = "Heal options"
+ChainAttention = Annotated[
+    str,
+    typer.Option(
+        "--chain-attention",
+        help="Attention of chain steps: per-step (each step its own causal pass, as the reference heal tool) "
+        "or stacked (steps 1..j stacked with the runtime's diagonal mask).",
+    ),
+]
+TrunkDtype = Annotated[
+    str,
+    typer.Option(
+        "--trunk-dtype",
+        help="wgpu: the trunk's big matrices in f32, or f16 (half the memory; needs the adapter's shader-f16).",
+    ),
+]
 
 
 @app.command()
@@ -593,83 +572,50 @@ def compress(
     ffn_keep: float = typer.Option(
         None, "--ffn-keep", help="Fraction of each SwiGLU's channels to keep (0, 1]."
     ),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Structural compress: drop whole blocks, or keep the most important SwiGLU channels."""
-    from ddl_wgpu.compress import compress_file
-
     prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep)
-    typer.echo(json.dumps(prov, indent=2))
-    typer.echo(f"wrote {out}")
-
-
-def _draft_backend(backend: str | None) -> str:
-    """`--backend` of accept/heal: as given, else "wgpu" when an adapter is present, else "ref"."""
-    if backend is not None:
-        return backend
-    try:
-        from ddl_wgpu import gpu as g
-
-        return "wgpu" if g.enumerate_adapters() else "ref"
-    except Exception:  # no wgpu / no driver: the numpy reference still works
-        return "ref"
-
-
-def _accept_text(r: dict) -> str:
-    lines = [
-        f"depth {r['depth']}: acceptance length τ = {r['acceptance_length']:.4f} over {r['anchors']} anchors"
-    ]
-    for j, (a, c) in enumerate(zip(r["prefix_acceptance"], r["conditional_acceptance"], strict=True), 1):
-        lines.append(f"  depth {j}: prefix A_{j} = {a:.4f}   conditional α_{j} = {c:.4f}")
-    op = r.get("on_policy")
-    if op:
-        lines.append(
-            f"  on-policy anchors: τ = {op.get('acceptance_length', float('nan')):.4f}, "
-            f"A = {[round(float(x), 4) for x in op.get('prefix_acceptance', [])]}"
-        )
-    return "\n".join(lines)
+    _emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
 
 
 @app.command()
 def accept(
     model: Path = typer.Argument(..., help="Model file with an MTP draft (model.mtp.*)."),
     data: str = typer.Option(..., "--data", help="Data spec."),
-    depth: int = typer.Option(3, "--depth", help="Draft chain depth K."),
-    window: int = typer.Option(128, "--window", help="Window length."),
-    tokens: int = typer.Option(20_000, "--tokens", help="Tokens to measure on (0: all)."),
+    depth: int = typer.Option(accept_lib.DEPTH, "--depth", help="Draft chain depth K."),
+    window: int = typer.Option(accept_lib.WINDOW, "--window", help="Window length."),
+    tokens: int = typer.Option(accept_lib.TOKENS, "--tokens", help="Tokens to measure on (0: all)."),
     probe_conventions: bool = typer.Option(
         False, "--probe-conventions", help="Also measure the other concat order and hidden conventions."
     ),
-    backend: str = typer.Option(
-        None, "--backend", help="wgpu or ref (numpy). Default: wgpu when a GPU adapter is present."
-    ),
-    device: str = typer.Option(None, "--device", help="Adapter index or name substring."),
-    trunk_dtype: str = typer.Option(
-        "f32", "--trunk-dtype", help="wgpu: the trunk's big matrices in f32, or f16 (needs shader-f16)."
-    ),
-    chain_attention: str = typer.Option(
-        "runtime",
-        "--chain-attention",
-        help="Attention of chain steps: runtime (default; step j read off the stacked steps 1..j with the "
-        "inference's diagonal mask; mtp-heal.md §6.2) or seed (step j its own causal pass over step-j rows).",
-    ),
+    backend: BackendOpt = "auto",
+    device: DeviceOpt = None,
+    trunk_dtype: TrunkDtype = "f32",
+    chain_attention: ChainAttention = accept_lib.DEFAULT_CHAIN_ATTENTION,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Greedy speculative acceptance of the draft chained K deep: A_j, α_j, τ (all and on-policy anchors)."""
-    from ddl_wgpu.accept import accept_file
+    choice = choose_backend(backend, device)
+    typer.echo(_backend_line(choice), err=as_json)
+    r = accept_lib.accept_file(model, data, depth=depth, window=window, tokens=tokens or None,
+                               backend=choice.name, probe_conventions=probe_conventions, device=device,
+                               trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
+    _emit(r, as_json, accept_text(r))
 
-    r = accept_file(
-        model,
-        data,
-        depth=depth,
-        window=window,
-        tokens=tokens or None,
-        backend=_draft_backend(backend),
-        probe_conventions=probe_conventions,
-        device=device,
-        trunk_dtype=trunk_dtype,
-        chain_attention=chain_attention,
-    )
-    _emit(r, as_json, _accept_text(r))
+
+@app.command("accept-table")
+def accept_table(
+    results: list[str] = typer.Argument(..., help="LABEL=FILE.json of saved `accept --json` results."),
+):
+    """One table of saved acceptance results side by side: prefix acceptance per depth and τ."""
+    rows = []
+    for arg in results:
+        label, sep, path = arg.partition("=")
+        if not sep:
+            fail(f"accept-table: expected LABEL=FILE.json, got {arg!r}")
+        rows.append((label, json.loads(Path(path).read_text())))
+    typer.echo(accept_lib.table(rows))
 
 
 @app.command()
@@ -680,107 +626,114 @@ def heal(
     init: Path = typer.Option(
         None, "--init", help="Start the draft from this model's draft (e.g. the source)."
     ),
-    chain: int = _opt(3, "Chain steps trained (the runtime drafts 3-5 deep).", HEAL_HELP),
-    refresh: int = _opt(50, "Steps between rebuilds of chain steps 2.. from the current draft.", HEAL_HELP),
-    tokens: int = _opt(200_000, "Token budget of all windows.", HEAL_HELP),
-    window: int = _opt(128, "Window length.", HEAL_HELP),
-    epochs: float = _opt(1.0, "Passes over the (batch, chain step) jobs; fractional allowed.", HEAL_HELP),
-    lr: float = _opt(5e-5, "Peak learning rate.", HEAL_HELP),
-    topk: int = _opt(32, "Width of the trunk's stored next-token distribution.", HEAL_HELP),
-    batch: int = _opt(4, "Windows per step.", HEAL_HELP),
-    eval_every: int = _opt(50, "Steps between held-out evaluations.", HEAL_HELP),
-    patience: int = _opt(3, "Evaluations without a new best before stopping (0: never).", HEAL_HELP),
-    seed: int = _opt(0, "Job-order seed.", HEAL_HELP),
-    trunk_dtype: str = typer.Option(
-        "f32",
-        "--trunk-dtype",
-        help="The GPU trunk's big matrices: f32, or f16 (half the memory; needs the adapter's shader-f16).",
-        rich_help_panel=HEAL_HELP,
+    chain: int = _opt(HEAL.chain, "Chain steps trained (the runtime drafts 3-5 deep).", HEAL_HELP),
+    refresh: int = _opt(
+        HEAL.refresh, "Steps between rebuilds of chain steps 2.. from the current draft.", HEAL_HELP
     ),
-    chain_attention: str = typer.Option(
-        "runtime",
-        "--chain-attention",
-        help="Attention of chain steps: runtime (default; steps 1..j stacked, the inference's diagonal mask "
-        "at positions p+j-1; mtp-heal.md §6.2) or seed (step j causal over step-j rows).",
-        rich_help_panel=HEAL_HELP,
+    tokens: int = _opt(HEAL.tokens, "Token budget of all windows.", HEAL_HELP),
+    window: int = _opt(HEAL.window, "Window length.", HEAL_HELP),
+    epochs: float = _opt(
+        HEAL.epochs, "Passes over the (batch, chain step) jobs; fractional allowed.", HEAL_HELP
     ),
-    backend: str = typer.Option(
-        None, "--backend", help="wgpu or ref (numpy). Default: wgpu when a GPU adapter is present."
+    lr: float = _opt(HEAL.lr, "Peak learning rate.", HEAL_HELP),
+    topk: int = _opt(HEAL.topk, "Width of the trunk's stored next-token distribution.", HEAL_HELP),
+    batch: int = _opt(HEAL.batch, "Windows per step.", HEAL_HELP),
+    eval_every: int = _opt(HEAL.eval_every, "Steps between held-out evaluations.", HEAL_HELP),
+    patience: int = _opt(
+        HEAL.patience, "Evaluations without a new best before stopping (0: never).", HEAL_HELP
     ),
-    device: str = typer.Option(None, "--device", help="Adapter index or name substring."),
-    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    seed: int = _opt(HEAL.seed, "Job-order seed.", HEAL_HELP),
+    trunk_dtype: TrunkDtype = HEAL.trunk_dtype,
+    chain_attention: ChainAttention = HEAL.chain_attention,
+    backend: BackendOpt = "auto",
+    device: DeviceOpt = None,
+    as_json: bool = typer.Option(False, "--json", help="JSON progress lines and the report as JSON."),
 ):
     """Retrain the MTP draft head on its own trunk by top-k KL self-distillation; write it back into OUT."""
-    from ddl_wgpu.heal import HealConfig
-    from ddl_wgpu.heal import heal as do_heal
-
-    cfg = HealConfig(
-        chain=chain,
-        refresh=refresh,
-        tokens=tokens,
-        window=window,
-        epochs=epochs,
-        lr=lr,
-        topk=topk,
-        batch=batch,
-        eval_every=eval_every,
-        patience=patience,
-        seed=seed,
-        trunk_dtype=trunk_dtype,
-        chain_attention=chain_attention,
-    )
-    typer.echo("resolved configuration: " + json.dumps(cfg.__dict__), err=as_json)
-
-    import time
-
-    t0 = time.perf_counter()
-    seen: dict = {}
-
-    def progress(ev: dict):
-        kind, dt = ev.get("event"), time.perf_counter() - t0
-        if kind == "step":
-            if ev["step"] % 10 == 0 or ev["step"] == ev["total"]:
-                eta = dt / ev["step"] * (ev["total"] - ev["step"])
-                typer.echo(
-                    f"  step {ev['step']}/{ev['total']}  loss {ev['loss']:.4f}  lr {ev['lr']:.2e}  "
-                    f"{dt / ev['step']:.2f} s/step  ETA {eta:.0f} s",
-                    err=True,
-                )
-        elif kind == "trunk":  # about every quarter of the windows, and the last
-            quarter = 4 * ev["done"] // ev["windows"]
-            if quarter != seen.get("trunk") or ev["done"] == ev["windows"]:
-                seen["trunk"] = quarter
-                typer.echo(f"  trunk: {ev['done']}/{ev['windows']} windows ({dt:.1f} s)", err=True)
-        elif kind == "refresh":
-            pass
-        else:
-            typer.echo("  " + json.dumps(ev, default=str), err=True)
-
-    backend = _draft_backend(backend)
-    typer.echo(f"backend: {backend}", err=as_json)
-    rep = do_heal(model, data, out, cfg, init_path=init, backend=backend, progress=progress, device=device)
+    cfg = heal_lib.HealConfig(chain=chain, refresh=refresh, tokens=tokens, window=window, epochs=epochs, lr=lr,
+                              topk=topk, batch=batch, eval_every=eval_every, patience=patience, seed=seed,
+                              trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
+    choice = choose_backend(backend, device)
+    typer.echo("resolved configuration:", err=as_json)
+    typer.echo("  heal:     " + fields(cfg.to_dict()), err=as_json)
+    typer.echo("  " + _backend_line(choice), err=as_json)
+    rep = heal_lib.heal(model, data, out, cfg, init_path=init, backend=choice.name,
+                        progress=HealConsole(as_json), device=device)  # fmt: skip
     if as_json:
         typer.echo(json.dumps(rep, indent=2, default=str))
     else:
         typer.echo(
-            f"healed {rep.get('steps')} steps (best step {rep.get('best_step')}): held-out KL "
-            f"{rep.get('heldout_kl_start', float('nan')):.4f} -> {rep.get('heldout_kl_best', float('nan')):.4f}; "
-            f"wrote {out}"
+            f"healed {rep['steps']} steps (best step {rep['best_step']}): held-out KL "
+            f"{rep['heldout_kl_start']:.4f} -> {rep['heldout_kl_best']:.4f}; wrote {out}"
         )
 
 
+# ---------------------------------------------------------------------------------------------------------
+# errors
+
+# What gets the user further, by the library's `UserError.kind`.
+HINTS = {
+    "run_completed": "train a new phase with `resume CHECKPOINT --steps N`",
+    "phase_unfinished": "finish it first with `resume CHECKPOINT` (no --steps)",
+    "needs_phase": "pass --steps N to train a new phase with other options",
+    "non_finite": "try a lower --learning-rate",
+    "split_too_small": "give more data (--data, --max-tokens), validation data (--val-data) or --val-fraction 0",
+    "trunk_needs_wgpu": "use --backend wgpu or --trunk-dtype f32",
+    "one_method": "pass exactly one of --drop-layers LIST and --ffn-keep F",
+    "too_few_windows": "give more data (--data) or a larger --tokens, or a smaller --batch",
+}
+
+
+def _hint(e: BaseException) -> str:
+    if isinstance(e, UnknownBackendError):
+        return " (--backend)"
+    if isinstance(e, BackendError) and "needs the wgpu backend" in str(e):
+        return f"; {HINTS['trunk_needs_wgpu']}"
+    kind, field = getattr(e, "kind", None), getattr(e, "field", None)
+    if kind in HINTS:
+        return f"; {HINTS[kind]}"
+    if field:
+        return f" (--{field.replace('_', '-')})"
+    return ""
+
+
+def _is_user_error(e: BaseException) -> bool:
+    if isinstance(e, UserError | BackendError | ConfigError | CheckpointError | HfError | FileNotFoundError
+                  | IsADirectoryError
+                  | PermissionError):  # fmt: skip
+        return True
+    gpu_mod = sys.modules.get("ddl_wgpu.gpu")  # only a loaded GPU layer can have raised its errors
+    return gpu_mod is not None and isinstance(e, gpu_mod.GpuError)
+
+
+def _error_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"error: {msg}{_hint(e)}"
+
+
 def main():
-    """Console-script entry point: run the app, turning user errors into one line and exit code 2."""
-    kinds = _user_errors()
+    """Console-script entry point: run the app; user errors and usage errors become one line and exit 2."""
     try:
-        app()
-    except kinds as e:  # noqa: B030 - a tuple of exception classes built at run time
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        typer.echo(f"error: {msg}", err=True)
+        code = app(standalone_mode=False)
+    except usage.NoArgsIsHelpError as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except usage.UsageError as e:
+        command = f" (see `ddl-wgpu {e.ctx.info_name} --help`)" if e.ctx is not None and e.ctx.parent else ""
+        typer.echo(f"error: {' '.join(e.format_message().split())}{command}", err=True)
         sys.exit(EXIT_USER_ERROR)
-    except KeyboardInterrupt:
+    except usage.ClickException as e:
+        typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+        sys.exit(EXIT_USER_ERROR)
+    except typer.Abort:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except Exception as e:
+        if not _is_user_error(e):
+            raise
+        typer.echo(_error_line(e), err=True)
+        sys.exit(EXIT_USER_ERROR)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

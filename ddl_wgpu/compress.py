@@ -25,10 +25,11 @@ import numpy as np
 
 from ddl_ref.params import param_table
 from ddl_wgpu.container import open_checkpoint
+from ddl_wgpu.errors import UserError
 from ddl_wgpu.modelfile import Model, load_model, save_model
 
 
-class CompressError(ValueError):
+class CompressError(UserError):
     """A compress request that cannot be applied, with one clear line."""
 
 
@@ -95,7 +96,9 @@ def ffn_keep(model: Model, fraction: float) -> Model:
     """Keep the fraction `fraction` (0 < f <= 1) of every SwiGLU's channels, the most important per block."""
     cfg = model.cfg
     if not (isinstance(fraction, int | float) and 0.0 < float(fraction) <= 1.0):
-        raise CompressError(f"compress: --ffn-keep must be in (0, 1], got {fraction!r}")
+        raise CompressError(
+            f"compress: the FFN keep fraction must be in (0, 1], got {fraction!r}", field="ffn_keep"
+        )
     F = cfg.ffn_hidden
     F2 = max(1, int(round(float(fraction) * F)))
     prefixes = [f"model.layers.{i}." for i in range(cfg.n_layers)]
@@ -126,7 +129,10 @@ def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,
     Exactly one of `drop` (a list or '1,3-5') and `keep` must be given. The output keeps the source's storage
     dtype (that of the embedding) and is written atomically."""
     if (drop is None) == (keep is None):
-        raise CompressError("compress: give exactly one of --drop-layers and --ffn-keep")
+        raise CompressError(
+            "compress: give exactly one of a list of blocks to drop and an FFN keep fraction",
+            kind="one_method",
+        )
     with open_checkpoint(model_path) as ck:
         dtype = ck.info("model.embed_tokens.weight").dtype if "model.embed_tokens.weight" in ck else "f32"
     model = load_model(model_path)

@@ -30,7 +30,7 @@ Windows, batches and the split rule:
 
 - ``make_windows`` cuts every record into consecutive non-overlapping windows of ``seq_len`` tokens; the last
   window of a record keeps its shorter length; windows shorter than 2 tokens are dropped (they predict
-  nothing).
+  nothing; `heal` and `accept` ask for a longer minimum and a token budget).
 - ``split_windows`` picks the validation windows by a seeded, platform- and numpy-version-independent hash
   of each window's index (splitmix64): the ``round(val_fraction * n)`` windows (at least 1) with the smallest
   keys go to validation, the rest to training; both keep their original order.
@@ -57,9 +57,12 @@ from typing import Any
 
 import numpy as np
 
+from ddl_wgpu.errors import UserError
 from ddl_wgpu.safeio import load_json
 
 __all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_VAL_FRACTION",
     "STDLIB_SPEC",
     "Batch",
     "ByteTokenizer",
@@ -77,6 +80,8 @@ __all__ = [
 ]
 
 STDLIB_SPEC = "stdlib"
+DEFAULT_MAX_TOKENS = 2_000_000  # a training run reads at most this many tokens per spec
+DEFAULT_VAL_FRACTION = 0.05  # windows held out for validation when no validation spec is given
 TEXT_SUFFIX = ".txt"
 LLMC_HEADER_INTS = 256
 LLMC_HEADER_BYTES = LLMC_HEADER_INTS * 4
@@ -91,7 +96,7 @@ _UINT32_MAX = np.iinfo(np.uint32).max
 _FINGERPRINT_TAG = b"ddl-wgpu/data/windows/v1\0"
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A data spec, file or setting that cannot be used; the message is one line meant for the user."""
 
 
@@ -385,19 +390,32 @@ def _npy_tokens(path: Path) -> np.ndarray:
 # --------------------------------------------------------------------------------------------- windows
 
 
-def make_windows(records: Sequence[np.ndarray], seq_len: int) -> list[np.ndarray]:
+def make_windows(
+    records: Sequence[np.ndarray], seq_len: int, min_len: int = 2, max_tokens: int | None = None
+) -> list[np.ndarray]:
     """Each record cut into consecutive non-overlapping windows of ``seq_len`` tokens (views, no copies).
 
-    The last window of a record keeps its shorter length; windows of fewer than 2 tokens are dropped.
+    The last window of a record keeps its shorter length; windows of fewer than ``min_len`` tokens are
+    dropped (2 by default: a shorter window predicts nothing; `heal` and `accept` ask for room for their
+    chain). With ``max_tokens`` the windows hold at most that many tokens in all: the window that reaches
+    the budget is cut to fit and is the last (dropped when the cut leaves it shorter than ``min_len``).
     """
     _check_seq_len(seq_len)
-    windows = []
+    windows: list[np.ndarray] = []
+    left = max_tokens
     for record in records:
-        n = int(record.shape[0])
-        for start in range(0, n, seq_len):
+        for start in range(0, int(record.shape[0]), seq_len):
+            if left is not None and left <= 0:
+                return windows
             window = record[start : start + seq_len]
-            if window.shape[0] >= 2:
-                windows.append(window)
+            if window.shape[0] < min_len:
+                continue
+            if left is not None:
+                window = window[:left]
+                if window.shape[0] < min_len:
+                    return windows
+                left -= int(window.shape[0])
+            windows.append(window)
     return windows
 
 
@@ -432,7 +450,9 @@ def split_windows(
     n = len(windows)
     if n < 2:
         raise DataError(
-            f"cannot split {n} window(s) into training and validation; give more data or --val-data"
+            f"cannot split {n} window(s) into training and validation; give more data or separate validation "
+            "data",
+            kind="split_too_small",
         )
     n_val = min(max(round(val_fraction * n), 1), n - 1)
     with np.errstate(over="ignore"):

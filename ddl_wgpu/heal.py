@@ -1,7 +1,8 @@
-"""`heal`: retrain a model's MTP draft on its own trunk (self-distillation, the seed's `mtp heal`).
+"""`heal`: retrain a model's MTP draft on its own trunk (self-distillation, as the reference heal
+tool `mtp heal` does; docs/ describes it).
 
 A draft stops agreeing with a trunk that was compressed or fine-tuned; the fix that works is training it on the
-trunk's own predictions. The flow (mtp-heal.md §0, §6):
+trunk's own predictions. The flow:
 
 1. Windows: every record cut into windows of `window` tokens; windows shorter than 16 + chain skipped; at most
    `tokens` tokens. Every tenth window (index % 10 == 9) is held out. Fewer than 10 x batch windows is an error.
@@ -9,7 +10,7 @@ trunk's own predictions. The flow (mtp-heal.md §0, §6):
    `MtpConfig.trunk_hidden`, kept on the host in float16) and its next-token top-k (ids, probabilities).
 3. The draft is trained alone as a one-layer model (`DraftTrainer`): its block `model.mtp.layers.0.*` and final
    norm `model.mtp.norm`, from `--init` weights when given, else the model's own. Trunk, embedding, head and the
-   draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the seed.
+   draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the reference heal tool.
 4. Chained training: the block input of step 1 is `eh_proj·[enorm(E[x_{p+1}]); hnorm(h_p)]` from the trunk's
    hidden; step j > 1 reads the token x_{p+j} and the draft's own step j−1 output at row p (`chain_hidden`),
    rebuilt from the current weights every `refresh` steps. The target of step j at row p is the trunk's top-k at
@@ -24,16 +25,14 @@ trunk's own predictions. The flow (mtp-heal.md §0, §6):
    for byte; `provenance.heal_mtp` records the run (acceptance before and after on the held-out windows).
    Written atomically by the container (`OUT.partial`, then rename; removed on any failure).
 
-Backends: `TrunkTeacher` and `DraftTrainer` are the whole interface a backend provides. `RefTeacher` and
-`RefDraft` are the numpy ones (backend "ref"); `WgpuTeacher` and `WgpuDraft` run on the GPU (backend "wgpu"):
-the trunk's forward, its next-token top-k (the `topk` kernel on chunked logits; full logits never exist) and
-its hidden rows (downloaded, kept on the host in float16 by `heal`); the draft as a one-layer model in the
-engine's input-rows mode (top-k KL through the `topk_kl` kernel on chunked logits, only the block and its
-final norm trainable). Gradients are float32 on both, so the loss scale is carried but never needed.
+Backends: `backend.make_teacher` and `backend.make_draft` build the trunk (`backend.Teacher`) and the draft
+(`backend.Draft`) on the chosen backend: numpy (`refnet.RefTeacher`, `refnet.RefDraft`) or the GPU
+(`heal_gpu.WgpuTeacher`, `heal_gpu.WgpuDraft`). Gradients are float32 on both, so the loss scale is carried
+but never needed.
 
-Chain attention (`HealConfig.chain_attention`): "seed" trains step j as its own pass whose rows attend
-causally to the other step-j rows of the window at positions 0..T−1, as the seed. "runtime" (default) reproduces
-the inference's TTT "diagonal" mask (mtp-heal.md §6.2): a step-j job stacks the block inputs of steps 1..j of
+Chain attention (`HealConfig.chain_attention`): "per-step" (default) trains step j as its own pass whose rows
+attend causally to the other step-j rows of the window at positions 0..T−1, as the reference heal tool.
+"stacked" reproduces the inference's "diagonal" mask: a step-j job stacks the block inputs of steps 1..j of
 each window (j·T rows, row (σ−1)·T + p, step σ's rows the stored/refreshed step-σ inputs), row (j, p) attends
 to the step-1 rows at positions <= p and to the same anchor's step-2..j rows, RoPE position p + σ − 1; the
 top-k KL counts the step-j rows only (the others carry K/V and get gradients through attention). The refresh
@@ -50,43 +49,38 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import ModelConfig
-from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
 from ddl_wgpu import accept as accept_mod
+from ddl_wgpu.accept import CHAIN_ATTENTION, DEFAULT_CHAIN_ATTENTION
+from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teacher
 from ddl_wgpu.container import CheckpointError, f32_to_bf16, open_checkpoint, save
-from ddl_wgpu.data import DataError, check_vocab, load_records, tokenizer_for
+from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
+from ddl_wgpu.errors import UserError
 from ddl_wgpu.modelfile import Model, load_model
+from ddl_wgpu.run import Best, Cadence, Events, LossScale, drive
 
-LOSS_SCALE_START = 4096.0  # the seed's initial loss scale; halved (down to 1) on every non-finite step
+LOSS_SCALE_START = 4096.0  # the reference heal tool's first loss scale; halved (to >= 1) per non-finite step
 MAX_NONFINITE = 20  # the 20th non-finite step aborts
-ADAM = (0.9, 0.999, 1e-8)  # betas and eps; no weight decay
-GRAD_CLIP = 1.0  # global gradient norm cap
 WARMUP_FRACTION = 0.1  # linear warm-up over the first 10 % of steps
 MIN_LR_FRACTION = 0.1  # the cosine ends at 0.1 x lr
 MIN_WINDOW = 16  # windows shorter than MIN_WINDOW + chain are skipped
 HELD_OUT_EVERY = 10  # window i is held out when i % 10 == 9
-BACKENDS = ("ref", "wgpu")
-# A draft is present iff these are in the file (the seed checks the first three).
+# A draft is present iff these are in the file (the reference heal tool checks the first three).
 REQUIRED = ("model.mtp.eh_proj.weight", "model.mtp.enorm.weight", "model.mtp.hnorm.weight",
             "model.mtp.layers.0.self_attn.q_proj.weight", "model.mtp.norm.weight")  # fmt: skip
 
 
-class HealError(ValueError):
+class HealError(UserError):
     """A heal that cannot run or had to stop, with one clear line."""
-
-
-TRUNK_DTYPES = ("f32", "f16")
-CHAIN_ATTENTION = ("seed", "runtime")
 
 
 @dataclass(frozen=True)
 class HealConfig:
-    """Settings of one `heal` run; defaults are the seed's."""
+    """Settings of one `heal` run; defaults are the reference heal tool's."""
 
     chain: int = 3  # chain steps trained (the runtime drafts 3-5 deep)
     refresh: int = 50  # steps between rebuilds of chain steps 2..chain from the current weights (0: never)
@@ -100,274 +94,32 @@ class HealConfig:
     patience: int = 3  # evaluations without a new best before stopping (0: never stop early)
     seed: int = 0  # seed of the per-epoch job shuffle
     trunk_dtype: str = "f32"  # the GPU trunk's big matrices: f32, or f16 (half the memory; needs shader-f16)
-    chain_attention: str = "runtime"  # "runtime": the §6.2 diagonal mask; "seed": step j causal, own rows
+    chain_attention: str = DEFAULT_CHAIN_ATTENTION  # "per-step": step j causal over its own rows; "stacked"
 
     def __post_init__(self) -> None:
         if self.chain_attention not in CHAIN_ATTENTION:
-            raise HealError(f"heal: chain_attention must be one of {list(CHAIN_ATTENTION)}, "
-                            f"got {self.chain_attention!r}")  # fmt: skip
+            raise HealError(f"heal: chain attention must be one of {', '.join(CHAIN_ATTENTION)}, "
+                            f"got {self.chain_attention!r}", field="chain_attention")  # fmt: skip
         if self.trunk_dtype not in TRUNK_DTYPES:
             raise HealError(
-                f"heal: trunk_dtype must be one of {list(TRUNK_DTYPES)}, got {self.trunk_dtype!r}"
+                f"heal: trunk_dtype must be one of {list(TRUNK_DTYPES)}, got {self.trunk_dtype!r}",
+                field="trunk_dtype",
             )
         for name in ("chain", "tokens", "window", "topk", "batch", "eval_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise HealError(f"heal: {name} must be a positive integer, got {v!r}")
+                raise HealError(f"heal: {name} must be a positive integer, got {v!r}", field=name)
         for name in ("refresh", "patience", "seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise HealError(f"heal: {name} must be a non-negative integer, got {v!r}")
+                raise HealError(f"heal: {name} must be a non-negative integer, got {v!r}", field=name)
         for name in ("epochs", "lr"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > 0):
-                raise HealError(f"heal: {name} must be a positive number, got {v!r}")
+                raise HealError(f"heal: {name} must be a positive number, got {v!r}", field=name)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the backend interface
-
-
-class TrunkTeacher(Protocol):
-    def topk_hidden(self, ids_batch: np.ndarray, k: int):
-        """ids (B, T) -> (top_ids (B, T, k) int32, top_probs (B, T, k) f32, hidden_pre, hidden_post (B, T, C))."""
-        ...
-
-
-class DraftTrainer(Protocol):
-    """`chain` = 0: x_rows (B, T, C) are one step's rows, causal attention (the seed). chain = j >= 1: the
-    stacked rows of steps 1..j of each window (B, j·W, C), the runtime's diagonal mask at positions
-    p + σ − 1 (`ddl_ref.mtp.draft_forward`); teacher and weights are per stacked row."""
-
-    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr: float, step: int, grad_scale: float,
-             chain: int = 0):  # fmt: skip
-        """Forward, backward and (when finite) one Adam update -> (loss, grad_norm, finite)."""
-        ...
-
-    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float: ...
-
-    def hidden_out(self, x_rows, chain: int = 0): ...  # -> (pre (B, T, C), post (B, T, C))
-
-    def snapshot(self): ...
-
-    def restore(self, snap) -> None: ...
-
-    def export(self) -> dict: ...  # {model.mtp.* name: float32 array} of the trained tensors
-
-
-class RefTeacher:
-    """The trunk in numpy (`ddl_ref.mtp.trunk_topk_hidden`)."""
-
-    def __init__(self, model: Model):
-        self.params, self.cfg = model.params, model.cfg
-
-    def topk_hidden(self, ids_batch, k: int):
-        return ref_mtp.trunk_topk_hidden(self.params, self.cfg, ids_batch, k)
-
-
-class RefDraft:
-    """The draft block + final norm in numpy float32, trained with Adam; everything else frozen."""
-
-    def __init__(self, params: dict, cfg: ModelConfig, init: dict | None = None):
-        self.cfg = cfg
-        names = ref_mtp.trained_names(params)
-        src = init if init is not None else params
-        self.params = {n: np.array(src[n], np.float32) for n in names}
-        head = ref_mtp.head_weight(params, cfg)
-        self.shared = {"model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight": head}
-        self.state: dict = {"m": {}, "v": {}}
-
-    def _all(self) -> dict:
-        return {**self.shared, **self.params}
-
-    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale, chain: int = 0):
-        weights = np.asarray(weights, np.float32)
-        count = max(float(weights.sum()), 1.0)
-        p = self._all()
-        with np.errstate(all="ignore"):
-            kl, cache = ref_mtp.draft_kl_forward(p, self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
-                                                 teacher_probs, weights, chain)  # fmt: skip
-            loss = kl / count
-            # gradient of grad_scale * loss, unscaled again (the engine's f16 loss scaling; exact in f32)
-            _dx, grads = ref_mtp.draft_kl_backward(p, self.cfg, cache, dloss=float(grad_scale) / count)
-            grads = {n: g / np.float32(grad_scale) for n, g in grads.items()}
-            norm = global_grad_norm(grads)
-        finite = math.isfinite(loss) and math.isfinite(norm)
-        if finite:
-            adamw_step(self.params, grads, self.state, lr, step, *ADAM, weight_decay=0.0,
-                       grad_multiplier=clip_multiplier(norm, GRAD_CLIP))  # fmt: skip
-        # gradients are not kept between steps: a skipped step leaves nothing behind ("zeroed")
-        return float(loss), float(norm), bool(finite)
-
-    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float:
-        kl, _ = ref_mtp.draft_kl_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
-                                         teacher_probs, np.asarray(weights, np.float32), chain)  # fmt: skip
-        return float(kl)
-
-    def hidden_out(self, x_rows, chain: int = 0):
-        pre, post, _ = ref_mtp.draft_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), chain)
-        return pre, post
-
-    def snapshot(self):
-        return {n: p.copy() for n, p in self.params.items()}
-
-    def restore(self, snap) -> None:
-        for n, p in snap.items():
-            self.params[n][...] = p
-
-    def export(self) -> dict:
-        return {n: p.copy() for n, p in self.params.items()}
-
-
-def _pad_rows(a, B: int):
-    """a (b, ...) -> (B, ...) with zero rows appended (the GPU Works have a fixed batch)."""
-    a = np.asarray(a)
-    if a.shape[0] == B:
-        return a
-    if a.shape[0] > B:
-        raise HealError(f"heal: a batch of {a.shape[0]} windows, the GPU backend was built for {B}")
-    return np.concatenate([a, np.zeros((B - a.shape[0], *a.shape[1:]), a.dtype)])
-
-
-class WgpuTeacher:
-    """The trunk on the GPU: one forward per batch of windows, the next-token top-k from chunked logits
-    (`Work.topk`), the hidden rows before and after the final norm downloaded as float32 (heal keeps the
-    one the draft reads in float16). Frozen: the trunk is an inference-only Net (parameters alone, no
-    gradients or optimizer state); `dtype` "f16" stores its big matrices in f16 (`engine.F16_SUFFIXES`:
-    about 2 bytes per parameter, so a 4 B-parameter trunk fits a 16 GB card), which needs the adapter
-    feature shader-f16."""
-
-    def __init__(self, model: Model, batch: int, device: str | None = None, dtype: str = "f32"):
-        from ddl_wgpu.engine import Net
-        from ddl_wgpu.gpu import GpuError
-        from ddl_wgpu.train import open_gpu
-
-        if dtype not in TRUNK_DTYPES:
-            raise HealError(f"heal: trunk dtype must be one of {list(TRUNK_DTYPES)}, got {dtype!r}")
-        cfg = dataclasses.replace(model.cfg, mtp=None)  # the trunk alone
-        trunk = {n: a for n, a in model.params.items() if not n.startswith("model.mtp.")}
-        try:
-            self.net = Net(open_gpu(device), cfg, trunk, inference=True, dtype=dtype)
-        except GpuError as e:
-            raise HealError(f"heal: trunk on the GPU: {e}") from e
-        self.dtype = dtype
-        self.B = batch
-
-    def topk_hidden(self, ids_batch, k: int):
-        ids = np.asarray(ids_batch)
-        b, T = ids.shape
-        work = self.net.work(self.B, T)
-        top_ids, top_probs = work.topk(_pad_rows(ids, self.B), k)
-        pre, post = work.hidden()
-        return top_ids[:b], top_probs[:b], pre[:b], post[:b]
-
-
-class WgpuDraft:
-    """The draft block + its final norm on the GPU, as a one-layer model (`ddl_ref.mtp.draft_config`) whose
-    first block reads the given input rows (`Work(rows_in=True)`); the shared embedding/head is loaded but
-    frozen. Adam (0.9, 0.999, 1e-8, no weight decay) with the gradient scaled to global norm <= 1, as
-    `RefDraft`; a non-finite step leaves weights and moments untouched (the AdamW kernel's skip)."""
-
-    def __init__(self, params: dict, cfg: ModelConfig, init: dict | None = None, batch: int = 4,
-                 device: str | None = None):  # fmt: skip
-        from ddl_wgpu.engine import Net
-        from ddl_wgpu.train import open_gpu
-
-        self.cfg, self.B = cfg, batch
-        src = init if init is not None else params
-        n = len(ref_mtp.MTP_LAYER_PREFIX)
-        self.names = {}  # one-layer name -> model.mtp.* name
-        for name in ref_mtp.trained_names(params):
-            local = "model.norm.weight" if name == ref_mtp.NORM else "model.layers.0." + name[n:]
-            self.names[local] = name
-        dp = {local: np.asarray(src[name], np.float32) for local, name in self.names.items()}
-        dp["model.embed_tokens.weight"] = params["model.embed_tokens.weight"]
-        if not cfg.tie_embeddings:
-            dp["lm_head.weight"] = params["lm_head.weight"]
-        # the frozen embedding/head gets no gradient or moment storage (the input-rows Work never writes it)
-        self.net = Net(
-            open_gpu(device), ref_mtp.draft_config(cfg), dp, trainable=list(self.names), frozen_state=False
-        )
-        self._works: dict = {}
-
-    def _work(self, T: int, k: int = 1, chain: int = 0):
-        from ddl_wgpu.engine import Work
-
-        if (T, k, chain) not in self._works:
-            self._works[(T, k, chain)] = Work(self.net, self.B, T, rows_in=True, kl_k=k, chain=chain)
-        return self._works[(T, k, chain)]
-
-    def _args(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0):
-        b = np.shape(x_rows)[0]
-        x, tid, tp, w = (_pad_rows(a, self.B) for a in (np.asarray(x_rows, np.float32), teacher_ids,
-                                                          np.asarray(teacher_probs, np.float32),
-                                                          np.asarray(weights, np.float32)))  # fmt: skip
-        return b, self._work(x.shape[1], tid.shape[-1], chain), (x, tid, tp, w)
-
-    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale, chain: int = 0):
-        from ddl_wgpu.engine import AdamW
-
-        _b, work, args = self._args(x_rows, teacher_ids, teacher_probs, weights, chain)
-        hyper = AdamW(lr=float(lr), step=int(step), beta1=ADAM[0], beta2=ADAM[1], eps=ADAM[2], weight_decay=0.0,
-                      grad_clip=GRAD_CLIP)  # fmt: skip
-        r = work.step_rows(*args, update=hyper)
-        return float(r.loss), float(r.grad_norm), bool(r.finite and math.isfinite(r.grad_norm))
-
-    def grads(self) -> dict:
-        """The last step's gradients of the trained tensors, by their model.mtp.* names (tests)."""
-        g = self.net.grads()
-        return {name: g[local] for local, name in self.names.items()}
-
-    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float:
-        _b, work, args = self._args(x_rows, teacher_ids, teacher_probs, weights, chain)
-        return work.loss_sum_rows(*args)
-
-    def hidden_out(self, x_rows, chain: int = 0):
-        x = np.asarray(x_rows, np.float32)
-        b = x.shape[0]
-        pre, post = self._work(x.shape[1], 1, chain).forward_rows(_pad_rows(x, self.B))
-        return pre[:b], post[:b]
-
-    def greedy(self, x_rows, chain: int = 0):
-        """Forward only -> (argmax (b, T) int32, pre, post): one chained draft step (`accept`), any b; `chain`
-        as in `hidden_out` (the stacked rows of steps 1..chain, every row's argmax and hiddens returned)."""
-        x = np.asarray(x_rows, np.float32)
-        work = self._work(x.shape[1], 1, chain)
-        out = []
-        for s in range(0, x.shape[0], self.B):
-            part = x[s : s + self.B]
-            ids, _p = work.topk(_pad_rows(part, self.B), 1)
-            pre, post = work.hidden()
-            n = part.shape[0]
-            out.append((ids[:n, :, 0], pre[:n], post[:n]))
-        return tuple(np.concatenate(parts) for parts in zip(*out, strict=True))
-
-    def snapshot(self):
-        return self.net.snapshot()
-
-    def restore(self, snap) -> None:
-        self.net.restore(snap)
-
-    def export(self) -> dict:
-        p = self.net.export()
-        return {name: p[local].copy() for local, name in self.names.items()}
-
-
-def make_backend(backend: str, model: Model, init: dict | None, batch: int = 4,
-                 device: str | None = None, trunk_dtype: str = "f32") -> tuple[TrunkTeacher, DraftTrainer]:  # fmt: skip
-    if backend not in BACKENDS:
-        raise HealError(f"heal: backend {backend!r} has no MTP draft path yet (available: {list(BACKENDS)})")
-    if trunk_dtype != "f32" and backend != "wgpu":
-        raise HealError(
-            f"heal: --trunk-dtype {trunk_dtype} needs the wgpu backend (the ref trunk is f32/f64)"
-        )
-    if backend == "wgpu":
-        teacher = WgpuTeacher(model, batch, device, trunk_dtype)
-        return teacher, WgpuDraft(model.params, model.cfg, init, batch, device)
-    return RefTeacher(model), RefDraft(model.params, model.cfg, init)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -409,13 +161,13 @@ def _load(path, what: str) -> Model:
 
 def _init_weights(init_path, model: Model) -> dict:
     _require_draft(init_path)
-    src = _load(init_path, "--init")
+    src = _load(init_path, "the init model")
     out = {}
     for n in ref_mtp.trained_names(model.params):
         if n not in src.params or src.params[n].shape != model.params[n].shape:
             have = None if n not in src.params else tuple(src.params[n].shape)
-            raise HealError(f"heal: --init {init_path}: {n} has shape {have}, the model needs "
-                            f"{tuple(model.params[n].shape)}")  # fmt: skip
+            raise HealError(f"heal: the init model {init_path}: {n} has shape {have}, the model needs "
+                            f"{tuple(model.params[n].shape)}", field="init")  # fmt: skip
         out[n] = src.params[n]
     return out
 
@@ -467,193 +219,242 @@ class _Cache:
 # heal
 
 
+class _Chain:
+    """The draft's block inputs per chain step over all windows (float16 on the host), built from the trunk's
+    pass and rebuilt from the current draft by `refresh`; `join` gives a training or evaluation job's arrays."""
+
+    def __init__(self, model: Model, cfg: HealConfig, cache: _Cache, draft):
+        self.model, self.mcfg, self.cache, self.draft = model, model.cfg, cache, draft
+        self.chain, self.nb = cfg.chain, cfg.batch
+        self.stacked_mode = cfg.chain_attention == "stacked"
+        self.N, self.T = cache.ids.shape
+        C = self.mcfg.d_model
+        cache.x[1] = np.zeros((self.N, self.T, C), np.float16)
+        for s in range(0, self.N, self.nb):
+            cache.x[1][s : s + self.nb] = self.block_in(
+                slice(s, s + self.nb), 1, cache.hidden[s : s + self.nb]
+            )
+
+    def block_in(self, sel, j: int, hid) -> np.ndarray:
+        c = self.cache
+        tok = ref_mtp.shifted(c.ids[sel], j)
+        valid = ref_mtp.step_valid(c.lengths[sel], self.T, j)
+        return ref_mtp.step_input(
+            self.model.params, self.mcfg, tok, np.asarray(hid, np.float32), valid
+        ).astype(np.float16)
+
+    def stacked(self, sel, j: int) -> np.ndarray:
+        """Block inputs of steps 1..j of the windows `sel`, stacked along time -> (b, j·T, C) float32."""
+        return np.concatenate([self.cache.x[s][sel] for s in range(1, j + 1)], axis=1).astype(np.float32)
+
+    def refresh(self) -> None:
+        """Chain steps 2..chain rebuilt from the current draft's outputs."""
+        N, T, nb, x = self.N, self.T, self.nb, self.cache.x
+        for j in range(2, self.chain + 1):
+            xj = np.zeros((N, T, self.mcfg.d_model), np.float16)
+            for s in range(0, N, nb):
+                if self.stacked_mode and j > 2:  # step j−1's rows of the stacked forward of steps 1..j−1
+                    pre, post = self.draft.hidden_out(self.stacked(slice(s, s + nb), j - 1), chain=j - 1)
+                    pre, post = pre[:, -T:], post[:, -T:]
+                else:
+                    pre, post = self.draft.hidden_out(x[j - 1][s : s + nb].astype(np.float32))
+                xj[s : s + nb] = self.block_in(
+                    slice(s, s + nb), j, ref_mtp.pick_hidden(pre, post, self.mcfg.mtp.chain_hidden)
+                )
+            x[j] = xj
+
+    def join(self, b: np.ndarray, j: int):
+        """-> (x, teacher ids, teacher probs, weights, the trainer's chain keyword) of step j on windows b."""
+        c, T = self.cache, self.T
+        x = c.x[j][b].astype(np.float32)
+        tid = ref_mtp.shifted(c.top_ids[b], j)
+        tp = ref_mtp.shifted(c.top_probs[b], j, fill=1.0)  # masked rows: any finite distribution
+        w = ref_mtp.step_valid(c.lengths[b], T, j).astype(np.float32)
+        if not self.stacked_mode or j == 1:  # step 1 is the same in both modes; no `chain` keyword
+            return x, tid, tp, w, {}
+        # stacked: steps 1..j stacked; only the step-j rows (the last T) carry the loss
+        pad = (j - 1) * T
+        tid = np.concatenate([np.zeros((len(b), pad, tid.shape[-1]), tid.dtype), tid], axis=1)
+        tp = np.concatenate([np.ones((len(b), pad, tp.shape[-1]), tp.dtype), tp], axis=1)
+        w = np.concatenate([np.zeros((len(b), pad), w.dtype), w], axis=1)
+        return self.stacked(b, j), tid, tp, w, {"chain": j}
+
+    def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
+        """The draft's mean top-k KL to the trunk per chain step over the held-out batches."""
+        out = []
+        for j in range(1, self.chain + 1):
+            s = n = 0.0
+            for b in batches:
+                x, tid, tp, w, c = self.join(b, j)
+                s += self.draft.loss_sum(x, tid, tp, w, **c)
+                n += float(w.sum())
+            out.append(s / max(n, 1e-9))
+        return out
+
+
+def _windows(model: Model, data_spec: str, cfg: HealConfig) -> list[np.ndarray]:
+    try:
+        records = load_records(data_spec, tokenizer_for(model.tokenizer), 2 * cfg.tokens)
+        check_vocab(records, model.cfg.vocab_size)
+        wins = make_windows(records, cfg.window, MIN_WINDOW + cfg.chain, cfg.tokens)
+    except DataError as e:
+        raise HealError(f"heal: {e}") from e
+    if len(wins) < HELD_OUT_EVERY * cfg.batch:
+        raise HealError(f"heal: {len(wins)} windows in {data_spec}, need {HELD_OUT_EVERY * cfg.batch} "
+                        "(every tenth is held out)", kind="too_few_windows")  # fmt: skip
+    return wins
+
+
+def _trunk_pass(
+    teacher, wins: list[np.ndarray], mcfg: ModelConfig, k: int, nb: int, events: Events
+) -> _Cache:
+    """The trunk once over every window: its top-k and the hidden rows the draft reads."""
+    N, T, C = len(wins), max(w.size for w in wins), mcfg.d_model
+    ids, lengths = accept_mod.pad_batch(wins, T)
+    cache = _Cache(ids, lengths, np.zeros((N, T, k), np.int32), np.zeros((N, T, k), np.float32),
+                   np.zeros((N, T, C), np.float16), {})  # fmt: skip
+    for s in range(0, N, nb):
+        ti, tp, pre, post = teacher.topk_hidden(ids[s : s + nb], k)
+        cache.top_ids[s : s + nb], cache.top_probs[s : s + nb] = ti, tp
+        cache.hidden[s : s + nb] = ref_mtp.pick_hidden(pre, post, mcfg.mtp.trunk_hidden)
+        events("trunk", done=min(s + nb, N), windows=N)
+    return cache
+
+
+class _HealJob:
+    """The draft's training steps over shuffled (train batch, chain step) jobs; the `run.Job` of the loop."""
+
+    def __init__(self, chain: _Chain, cfg: HealConfig, train_batches, val_batches, best: Best, start_kl,
+                 events: Events):  # fmt: skip
+        self.chain, self.cfg, self.best, self.events = chain, cfg, best, events
+        self.val_batches = val_batches
+        self.jobs = [(b, j) for b in train_batches for j in range(1, cfg.chain + 1)]
+        self.total = max(math.ceil(cfg.epochs * len(self.jobs)), 1)
+        self.order = self._job_order(np.random.default_rng(cfg.seed))
+        self.scale = LossScale(LOSS_SCALE_START, MAX_NONFINITE)
+        self.history = [{"step": 0, "heldout_kl": start_kl, "mean": best.value}]
+        self.best_per_step = start_kl  # the held-out KL per chain step at the best evaluation
+
+    def _job_order(self, rng):
+        """The jobs, each pass over them in a fresh permutation."""
+        while True:
+            for oi in rng.permutation(len(self.jobs)):
+                yield self.jobs[int(oi)]
+
+    def step(self, done: int) -> dict | None:
+        b, j = next(self.order)
+        x, tid, tp, w, c = self.chain.join(b, j)
+        lr = self.cfg.lr * lr_multiplier(done + 1, self.total)
+        loss, gnorm, finite = self.chain.draft.step(x, tid, tp, w, lr, done + 1, self.scale.value, **c)
+        if not (finite and math.isfinite(loss) and math.isfinite(gnorm)):
+            last = self.scale.skip()
+            self.events("skip", step=done + 1, skipped=self.scale.skipped, loss_scale=self.scale.value)
+            if last:
+                raise HealError(f"heal: {self.scale.skipped} non-finite steps (last loss {loss}, gradient norm "
+                                f"{gnorm}) after {done} good ones: aborting, nothing written")  # fmt: skip
+            return None
+        n = done + 1
+        if self.cfg.chain > 1 and self.cfg.refresh > 0 and n % self.cfg.refresh == 0 and n < self.total:
+            self.chain.refresh()
+            self.events("refresh", step=n, chain=self.cfg.chain)
+        return {"loss": loss, "lr": lr, "grad_norm": gnorm}
+
+    def evaluate(self, done: int) -> float:
+        v = self.chain.heldout_kl(self.val_batches)
+        e = float(np.mean(v))
+        self.history.append({"step": done, "heldout_kl": v, "mean": e})
+        self.events("eval", step=done, heldout_kl=v, mean=e, best=min(self.best.value, e))
+        if e < self.best.value:
+            self.best_per_step = v
+        return e
+
+    def snapshot(self):
+        return self.chain.draft.snapshot()
+
+    def after_step(self, done: int) -> bool:
+        return False
+
+
+def _inputs(model_path, init_path, cfg: HealConfig) -> tuple[Model, dict | None]:
+    """The model (with a draft) and the draft's starting weights from `init_path`, checked against `cfg`."""
+    _require_draft(model_path)
+    model = _load(model_path, "model")
+    if model.cfg.mtp is None:  # tensors present but the config says no draft
+        raise HealError(f"heal: {model_path} carries no MTP draft (config has no mtp; missing tensor "
+                        "model.mtp.eh_proj.weight in its table)")  # fmt: skip
+    init = _init_weights(init_path, model) if init_path is not None else None
+    if cfg.window > model.cfg.max_seq_len:
+        raise HealError(f"heal: window {cfg.window} exceeds the model's max_seq_len {model.cfg.max_seq_len}",
+                        field="window")  # fmt: skip
+    return model, init
+
+
+def _heldout_acceptance(model: Model, cache: _Cache, val: list[int], draft, runner, cfg: HealConfig) -> dict:
+    """`accept`'s greedy acceptance of the current draft on the held-out windows, from the trunk's pass."""
+    vi = np.array(val)
+    hid = cache.hidden[vi].astype(np.float32)
+    tbs = [accept_mod.TrunkBatch(cache.ids[vi], cache.lengths[vi], cache.top_ids[vi][..., 0], hid, hid)]
+    params = {**model.params, **draft.export()}
+    return accept_mod.acceptance_from_trunk(params, model.cfg, tbs, cfg.chain, runner, cfg.chain_attention)
+
+
 def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, init_path=None,
          backend: str = "ref", progress: Callable[[dict], None] | None = None,
          device: str | None = None) -> dict:  # fmt: skip
     """Retrain MODEL's draft on MODEL's trunk over `data_spec`; write OUT. -> the report (provenance.heal_mtp
     plus `out`, `history` of evaluations and `stopped`). Raises HealError with one line on bad input or abort."""
     cfg = cfg if cfg is not None else HealConfig()
-    say = progress if progress is not None else (lambda _e: None)
-    if backend not in BACKENDS:
-        raise HealError(f"heal: backend {backend!r} has no MTP draft path yet (available: {list(BACKENDS)})")
-    _require_draft(model_path)
-    model = _load(model_path, "model")
+    events = Events(progress, "heal")
+    backend = choose_backend(backend, device).name
+    model, init = _inputs(model_path, init_path, cfg)
     mcfg = model.cfg
-    if mcfg.mtp is None:  # tensors present but the config says no draft
-        raise HealError(f"heal: {model_path} carries no MTP draft (config has no mtp; missing tensor "
-                        "model.mtp.eh_proj.weight in its table)")  # fmt: skip
-    init = _init_weights(init_path, model) if init_path is not None else None
-    if cfg.window > mcfg.max_seq_len:
-        raise HealError(f"heal: window {cfg.window} exceeds the model's max_seq_len {mcfg.max_seq_len}")
-    chain, k, nb = cfg.chain, cfg.topk, cfg.batch
-
-    # --- windows
-    try:
-        records = load_records(data_spec, tokenizer_for(model.tokenizer), 2 * cfg.tokens)
-        check_vocab(records, mcfg.vocab_size)
-    except DataError as e:
-        raise HealError(f"heal: {e}") from e
-    wins = accept_mod.cut_windows(records, cfg.window, MIN_WINDOW + chain, cfg.tokens)
-    if len(wins) < HELD_OUT_EVERY * nb:
-        raise HealError(f"heal: {len(wins)} windows in {data_spec}, need {HELD_OUT_EVERY * nb} "
-                        "(every tenth is held out)")  # fmt: skip
+    wins = _windows(model, data_spec, cfg)
     total_tokens = int(sum(w.size for w in wins))
-    say({"event": "windows", "windows": len(wins), "tokens": total_tokens, "chain": chain})
+    events("windows", windows=len(wins), tokens=total_tokens, chain=cfg.chain, data=str(data_spec))
 
-    teacher, draft = make_backend(backend, model, init, nb, device, cfg.trunk_dtype)
+    teacher = make_teacher(backend, model, cfg.batch, device, cfg.trunk_dtype)
+    draft = make_draft(backend, model, init, cfg.batch, device)
+    kk = min(cfg.topk, mcfg.vocab_size)
+    cache = _trunk_pass(teacher, wins, mcfg, kk, cfg.batch, events)
+    chain = _Chain(model, cfg, cache, draft)
+    chain.refresh()
+    if cfg.chain > 1:
+        events("refresh", step=0, chain=cfg.chain)
+    train, val = split_heldout(len(wins))
+    nb = cfg.batch
+    tb = [np.array(train[s : s + nb]) for s in range(0, len(train) - nb + 1, nb)]
+    vb = [np.array(val[s : s + nb]) for s in range(0, len(val) - nb + 1, nb)]
 
-    # --- the trunk, once
-    N, T = len(wins), max(w.size for w in wins)
-    ids, lengths = accept_mod.pad_batch(wins, T)
-    C = mcfg.d_model
-    kk = min(k, mcfg.vocab_size)
-    cache = _Cache(ids, lengths, np.zeros((N, T, kk), np.int32), np.zeros((N, T, kk), np.float32),
-                   np.zeros((N, T, C), np.float16), {})  # fmt: skip
-    for s in range(0, N, nb):
-        ti, tp, pre, post = teacher.topk_hidden(ids[s : s + nb], kk)
-        cache.top_ids[s : s + nb], cache.top_probs[s : s + nb] = ti, tp
-        cache.hidden[s : s + nb] = ref_mtp.pick_hidden(pre, post, mcfg.mtp.trunk_hidden)
-        say({"event": "trunk", "done": min(s + nb, N), "windows": N})
-
-    def block_in(sel, j: int, hid) -> np.ndarray:
-        tok = ref_mtp.shifted(ids[sel], j)
-        valid = ref_mtp.step_valid(lengths[sel], T, j)
-        return ref_mtp.step_input(model.params, mcfg, tok, np.asarray(hid, np.float32), valid).astype(
-            np.float16
-        )
-
-    cache.x[1] = np.zeros((N, T, C), np.float16)
-    for s in range(0, N, nb):
-        cache.x[1][s : s + nb] = block_in(slice(s, s + nb), 1, cache.hidden[s : s + nb])
-
-    runtime = cfg.chain_attention == "runtime"
-
-    def stacked(sel, j: int) -> np.ndarray:
-        """Block inputs of steps 1..j of the windows `sel`, stacked along time -> (b, j·T, C) float32."""
-        return np.concatenate([cache.x[s][sel] for s in range(1, j + 1)], axis=1).astype(np.float32)
-
-    def refresh() -> None:
-        for j in range(2, chain + 1):
-            xj = np.zeros((N, T, C), np.float16)
-            for s in range(0, N, nb):
-                if runtime and j > 2:  # step j−1's rows of the stacked forward of steps 1..j−1
-                    pre, post = draft.hidden_out(stacked(slice(s, s + nb), j - 1), chain=j - 1)
-                    pre, post = pre[:, -T:], post[:, -T:]
-                else:
-                    pre, post = draft.hidden_out(cache.x[j - 1][s : s + nb].astype(np.float32))
-                xj[s : s + nb] = block_in(
-                    slice(s, s + nb), j, ref_mtp.pick_hidden(pre, post, mcfg.mtp.chain_hidden)
-                )
-            cache.x[j] = xj
-        if chain > 1:
-            say({"event": "refresh", "chain": chain})
-
-    refresh()
-    train, val = split_heldout(N)
-
-    def batches(idx: list[int]) -> list[np.ndarray]:
-        return [np.array(idx[s : s + nb]) for s in range(0, len(idx) - nb + 1, nb)]
-
-    tb, vb = batches(train), batches(val)
-
-    def join(b: np.ndarray, j: int):
-        """-> (x, teacher ids, teacher probs, weights, the trainer's chain keyword) of step j on windows b."""
-        x = cache.x[j][b].astype(np.float32)
-        tid = ref_mtp.shifted(cache.top_ids[b], j)
-        tp = ref_mtp.shifted(cache.top_probs[b], j, fill=1.0)  # masked rows: any finite distribution
-        w = ref_mtp.step_valid(lengths[b], T, j).astype(np.float32)
-        if not runtime or j == 1:  # step 1 is the same in both modes; no `chain` keyword (the seed's call)
-            return x, tid, tp, w, {}
-        # runtime: steps 1..j stacked; only the step-j rows (the last T) carry the loss
-        pad = (j - 1) * T
-        tid = np.concatenate([np.zeros((len(b), pad, tid.shape[-1]), tid.dtype), tid], axis=1)
-        tp = np.concatenate([np.ones((len(b), pad, tp.shape[-1]), tp.dtype), tp], axis=1)
-        w = np.concatenate([np.zeros((len(b), pad), w.dtype), w], axis=1)
-        return stacked(b, j), tid, tp, w, {"chain": j}
-
-    def val_loss() -> list[float]:
-        out = []
-        for j in range(1, chain + 1):
-            s = n = 0.0
-            for b in vb:
-                x, tid, tp, w, c = join(b, j)
-                s += draft.loss_sum(x, tid, tp, w, **c)
-                n += float(w.sum())
-            out.append(s / max(n, 1e-9))
-        return out
-
-    def held_out_acceptance() -> dict:
-        vi = np.array(val)
-        hid = cache.hidden[vi].astype(np.float32)
-        tbs = [accept_mod.TrunkBatch(ids[vi], lengths[vi], cache.top_ids[vi][..., 0], hid, hid)]
-        params = {**model.params, **draft.export()}
-        runner = draft.greedy if backend == "wgpu" else None
-        return accept_mod.acceptance_from_trunk(params, mcfg, tbs, chain, runner, cfg.chain_attention)
-
-    acc_before = held_out_acceptance()
-    v0 = val_loss()
+    runner = draft.greedy if backend == "wgpu" else None
+    acc_before = _heldout_acceptance(model, cache, val, draft, runner, cfg)
+    v0 = chain.heldout_kl(vb)
     e0 = float(np.mean(v0))
-    history = [{"step": 0, "heldout_kl": v0, "mean": e0}]
-    say({"event": "eval", "step": 0, "heldout_kl": v0, "mean": e0})
+    events("eval", step=0, heldout_kl=v0, mean=e0, best=e0)
+    best = Best(e0, 0, draft.snapshot())
+    job = _HealJob(chain, cfg, tb, vb, best, v0, events)
+    total = job.total
+    stopped, done = drive(job, 0, Cadence(cfg.eval_every, total), best, events, cfg.patience)
 
-    jobs = [(bi, j) for bi in range(len(tb)) for j in range(1, chain + 1)]
-    total = max(math.ceil(cfg.epochs * len(jobs)), 1)
-    best_kl, best_snap, best_step, best_v = e0, draft.snapshot(), 0, v0
-    done = skipped = 0
-    gscale = LOSS_SCALE_START
-    rng = np.random.default_rng(cfg.seed)
-    stopped = "steps"
-    while done < total and stopped == "steps":
-        for oi in rng.permutation(len(jobs)):
-            if done >= total:
-                break
-            bi, j = jobs[int(oi)]
-            x, tid, tp, w, c = join(tb[bi], j)
-            lr = cfg.lr * lr_multiplier(done + 1, total)
-            loss, gnorm, finite = draft.step(x, tid, tp, w, lr, done + 1, gscale, **c)
-            if not (finite and math.isfinite(loss) and math.isfinite(gnorm)):
-                skipped += 1
-                gscale = max(gscale / 2.0, 1.0)
-                say({"event": "skip", "step": done + 1, "skipped": skipped, "loss_scale": gscale})
-                if skipped >= MAX_NONFINITE:
-                    raise HealError(f"heal: {skipped} non-finite steps (last loss {loss}, gradient norm "
-                                    f"{gnorm}) after {done} good ones: aborting, nothing written")  # fmt: skip
-                continue
-            done += 1
-            say({"event": "step", "step": done, "total": total, "loss": loss, "lr": lr, "grad_norm": gnorm})
-            if chain > 1 and cfg.refresh > 0 and done % cfg.refresh == 0 and done < total:
-                refresh()
-            if done % cfg.eval_every == 0 or done == total:
-                v = val_loss()
-                e = float(np.mean(v))
-                history.append({"step": done, "heldout_kl": v, "mean": e})
-                say({"event": "eval", "step": done, "heldout_kl": v, "mean": e, "best": min(best_kl, e)})
-                if e < best_kl:
-                    best_kl, best_snap, best_step, best_v = e, draft.snapshot(), done, v
-                elif cfg.patience > 0 and done - best_step >= cfg.patience * cfg.eval_every and done < total:
-                    stopped = "patience"
-                    break
-
-    draft.restore(best_snap)
+    draft.restore(best.snapshot)
     trained = draft.export()
-    acc_after = held_out_acceptance()
+    acc_after = _heldout_acceptance(model, cache, val, draft, runner, cfg)
     record = {
         "data": str(data_spec),
         "tokens": total_tokens,
-        "windows": N,
+        "windows": len(wins),
         "heldout_windows": len(val),
         "steps": done,
         "total_steps": total,
-        "best_step": best_step,
-        "skipped_steps": skipped,
+        "best_step": best.step,
+        "skipped_steps": job.scale.skipped,
         "stopped": stopped,
         "lr": float(cfg.lr),
         "topk": kk,
-        "chain": chain,
+        "chain": cfg.chain,
         "heldout_kl_start": e0,
-        "heldout_kl_best": best_kl,
+        "heldout_kl_best": best.value,
         "heldout_kl_per_step_start": v0,
-        "heldout_kl_per_step_best": best_v,
+        "heldout_kl_per_step_best": job.best_per_step,
         "init": None if init_path is None else os.fspath(init_path),
         "acceptance_before": acc_before,
         "acceptance_after": acc_after,
@@ -664,5 +465,5 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
         "conventions": mcfg.mtp.to_dict(),
     }
     path = write_back(model_path, out_path, trained, "heal_mtp", record)
-    say({"event": "written", "out": os.fspath(path)})
-    return {**record, "out": os.fspath(path), "history": history}
+    events("written", out=os.fspath(path))
+    return {**record, "out": os.fspath(path), "history": job.history}

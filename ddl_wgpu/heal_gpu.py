@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from ddl_ref import mtp as ref_mtp
+from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
 from ddl_wgpu.draft import DraftWork
 from ddl_wgpu.gpu import Gpu, GpuError
@@ -66,9 +67,8 @@ class WgpuDraft:
             local = "model.norm.weight" if name == ref_mtp.NORM else "model.layers.0." + name[n:]
             self.names[local] = name
         dp = {local: np.asarray(src[name], np.float32) for local, name in self.names.items()}
-        dp["model.embed_tokens.weight"] = params["model.embed_tokens.weight"]
-        if not cfg.tie_embeddings:
-            dp["lm_head.weight"] = params["lm_head.weight"]
+        for name in ("model.embed_tokens.weight", head_name(cfg)):  # the head is the embedding when tied
+            dp[name] = params[name]
         # the frozen embedding/head gets no gradient or moment storage (the draft work never writes it)
         self.net = Net(gpu, ref_mtp.draft_config(cfg), dp, trainable=list(self.names), frozen_state=False)
         self._works: dict = {}

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
-from ddl_ref.params import init_params, param_table
+from ddl_ref.params import init_params, param_table, trainable_names
 from ddl_wgpu.gpu import Call, Gpu, GpuError
 from ddl_wgpu.inference import InferenceWork
 from ddl_wgpu.layout import ALIGN, F16, F32
@@ -177,17 +178,7 @@ class Net:
         self._works: dict = {}
 
     def _trainable_names(self, trainable, inference: bool) -> list[str]:
-        names = [s.name for s in self.table]
-        if inference:
-            return []
-        if trainable is None:
-            return names
-        if callable(trainable):
-            return [n for n in names if trainable(n)]
-        unknown = set(trainable) - set(names)
-        if unknown:
-            raise GpuError(f"unknown trainable parameter(s): {sorted(unknown)}")
-        return [n for n in names if n in set(trainable)]
+        return [] if inference else trainable_names([s.name for s in self.table], trainable)
 
     def work(self, batch: int, seq: int) -> TrunkWork | InferenceWork:
         """The work of this net's job for (batch, seq), built on first use and cached: a `TrunkWork` (training
@@ -277,7 +268,7 @@ class Net:
 
     @property
     def head_name(self) -> str:
-        return "model.embed_tokens.weight" if self.cfg.tie_embeddings else "lm_head.weight"
+        return head_name(self.cfg)
 
     @property
     def num_params(self) -> int:

@@ -16,9 +16,10 @@ import numpy as np
 
 from ddl_ref import model as ref_model
 from ddl_ref import mtp as ref_mtp
+from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
 from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
-from ddl_ref.params import init_params, param_table
+from ddl_ref.params import init_params, param_table, trainable_names
 from ddl_wgpu.step import DRAFT_ADAM, DRAFT_GRAD_CLIP, AdamW, StepResult
 
 
@@ -34,13 +35,7 @@ class RefNet:
         self.cfg = cfg
         self.mtp_weight = float(mtp_weight)  # joint MTP training (cfg.mtp set): the draft loss's weight
         self.table = param_table(cfg)
-        names = [s.name for s in self.table]
-        if trainable is None:
-            self.trainable = names
-        elif callable(trainable):
-            self.trainable = [n for n in names if trainable(n)]
-        else:
-            self.trainable = [n for n in names if n in set(trainable)]
+        self.trainable = trainable_names([s.name for s in self.table], trainable)
         self.load(params if params is not None else init_params(cfg, seed))
         self._works: dict = {}
 
@@ -171,7 +166,7 @@ class RefDraft:
         src = init if init is not None else params
         self.params = {n: np.array(src[n], np.float32) for n in names}
         head = ref_mtp.head_weight(params, cfg)
-        self.shared = {"model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight": head}
+        self.shared = {head_name(cfg): head}
         self.state: dict = {"m": {}, "v": {}}
 
     def _all(self) -> dict:

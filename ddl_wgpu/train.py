@@ -1,12 +1,13 @@
-"""Variant sweeps with the seed trainer's semantics (`training.rs`): configuration and its validation,
+"""Variant sweeps with the reference trainer's semantics (the Rust trainer whose behaviour `train` reproduces,
+described in docs/): configuration and its validation,
 the cosine warm-up schedule, AdamW with global gradient-norm clipping, evaluation and spectral telemetry
 every `eval_interval` steps, best-validation tracking, the `TrainingReport` / `TrainingComparisonReport`,
 checkpoints, and the two kinds of resume.
 
-Where we differ from the seed, on purpose:
+Where we differ from the reference trainer, on purpose:
 - evaluation of the *training* set (initial/final) reads at most `eval_batches` batches: a real corpus has
-  far more batches than a report needs, and the seed's toy datasets never had that problem;
-- a new phase (`resume --steps N`) continues the data order where the last phase stopped (the seed
+  far more batches than a report needs, and the reference trainer's toy datasets never had that problem;
+- a new phase (`resume --steps N`) continues the data order where the last phase stopped (the reference trainer
   restarts at the first batch): the batch of global step s is `batches[s % num_batches]`;
 - checkpoints also carry the run's position, so an interrupted run (`--stop-after`, Ctrl-C, a crash
   between saves) continues bit for bit on the same device.
@@ -20,26 +21,32 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ddl_ref.config import ModelConfig, ModelVariant
 from ddl_ref.optim import CosineWarmupSchedule
-from ddl_ref.params import init_params
+from ddl_ref.spectral import SpectralAccumulator
+from ddl_wgpu.backend import make_net
 from ddl_wgpu.container import open_checkpoint, save
 from ddl_wgpu.data import TokenDataset
-from ddl_wgpu.engine import AdamW
+from ddl_wgpu.errors import UserError
+from ddl_wgpu.run import Best, Cadence, Events, drive
+from ddl_wgpu.step import AdamW
 
 CHECKPOINT = "checkpoint.ddlw"
 REPORT = "report.json"
 
 
-class TrainingError(ValueError):
-    """The seed's `TrainingError`: each kind keeps the seed's message."""
+class TrainingError(UserError):
+    """The reference trainer's `TrainingError`: each kind keeps its message."""
 
     @classmethod
-    def invalid_config(cls, message: str) -> TrainingError:
-        return cls(f"invalid training configuration: {message}")
+    def invalid_config(cls, message: str, **kw) -> TrainingError:
+        """`message` starts with the field it is about (e.g. "max_steps must be ..."), when about one."""
+        first = message.split()[0] if message else ""
+        field = first if first in {f.name for f in fields(TrainingConfig)} else None
+        return cls(f"invalid training configuration: {message}", field=kw.pop("field", field), **kw)
 
     @classmethod
     def empty_training_dataset(cls) -> TrainingError:
@@ -54,21 +61,23 @@ class TrainingError(ValueError):
         return cls("at least one model variant is required")
 
     @classmethod
-    def resume_mismatch(cls, message: str) -> TrainingError:
-        return cls(f"invalid resume state: {message}")
+    def resume_mismatch(cls, message: str, **kw) -> TrainingError:
+        return cls(f"invalid resume state: {message}", **kw)
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    """The seed's `TrainingConfig` (same fields, defaults and validation), plus the batch shape, the seed
-    and the evaluation budget, which the seed kept elsewhere."""
+    """The reference trainer's `TrainingConfig` (same fields, defaults and validation), plus the batch shape, the
+    random seed and the evaluation budget, which the reference trainer kept elsewhere."""
 
     max_steps: int = 32  # optimizer steps in this phase
     eval_interval: int = 4  # evaluate (and record spectral telemetry) every N steps and on the last
     learning_rate: float = 1e-3  # peak learning rate (the DDL paper's 1e-3)
     min_learning_rate: float = 0.0  # cosine floor
     warmup_steps: int = 0  # linear warm-up steps at the start of the first phase
-    weight_decay: float = 0.1  # decoupled (AdamW), applied to every parameter as the seed's burn AdamW
+    weight_decay: float = (
+        0.1  # decoupled (AdamW), applied to every parameter as the reference trainer's burn AdamW
+    )
     beta1: float = 0.9
     beta2: float = 0.95
     epsilon: float = 1e-5
@@ -136,7 +145,7 @@ class TrainingConfig:
 
 
 def schedule_for_phase(tcfg: TrainingConfig, previous_lr: float | None) -> CosineWarmupSchedule:
-    """The seed's phase schedule: the first phase warms up to `learning_rate`; a later phase starts its
+    """The reference trainer's phase schedule: the first phase warms up to `learning_rate`; a later phase starts its
     cosine at the previous phase's last rate, clamped to [min_learning_rate, learning_rate], no warm-up."""
     if previous_lr is None:
         base, warmup = tcfg.learning_rate, tcfg.warmup_steps
@@ -149,47 +158,13 @@ def schedule_for_phase(tcfg: TrainingConfig, previous_lr: float | None) -> Cosin
 
 
 def metrics(loss_sum: float, count: int) -> dict:
-    """The seed's `CausalLmMetrics`: mean loss over predictions and its perplexity."""
+    """The reference trainer's `CausalLmMetrics`: mean loss over predictions and its perplexity."""
     loss = loss_sum / count if count else 0.0
     return {"loss": float(loss), "perplexity": float(math.exp(min(loss, 700.0)))}
 
 
 # ---------------------------------------------------------------------------------------------------------
-# backends
-
-
-def make_net(
-    cfg: ModelConfig,
-    params: dict | None,
-    backend: str,
-    device: str | None,
-    seed: int = 0,
-    mtp_weight: float = 0.0,
-):
-    """A `Net` on the chosen backend ('wgpu' or 'ref'); the GPU is opened once per process. A model with
-    an MTP draft (`cfg.mtp`) trains it jointly, its loss weighted by `mtp_weight`."""
-    if params is None:
-        params = init_params(cfg, seed)
-    if backend == "ref":
-        from ddl_wgpu.refnet import RefNet
-
-        return RefNet(cfg, params, mtp_weight=mtp_weight)
-    if backend != "wgpu":
-        raise TrainingError.invalid_config(f"unknown backend {backend!r}; use 'wgpu' or 'ref'")
-    from ddl_wgpu.engine import Net
-
-    return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight)
-
-
-_GPU = {}
-
-
-def open_gpu(device: str | None):
-    from ddl_wgpu.gpu import Gpu
-
-    if device not in _GPU:
-        _GPU[device] = Gpu(device)
-    return _GPU[device]
+# evaluation
 
 
 def evaluate(net, dataset: TokenDataset, max_batches: int = 0, spectral: bool = False) -> dict:
@@ -205,8 +180,6 @@ def evaluate(net, dataset: TokenDataset, max_batches: int = 0, spectral: bool = 
         total += s
         count += c
         if snap is not None:
-            from ddl_ref.spectral import SpectralAccumulator
-
             acc = acc or SpectralAccumulator()
             acc.observe(snap, max(c, 1))
     return {"metrics": metrics(total, count), "spectral": acc.finish() if acc else None}
@@ -228,9 +201,12 @@ def write_json(path: Path, obj) -> None:
     tmp.replace(path)
 
 
-def save_checkpoint(path: Path, net, report: dict, best: dict | None, position: dict) -> None:
+def save_checkpoint(
+    path: Path, net, report: dict, best: dict | None, position: dict, data: dict | None = None
+) -> None:
     """Model (its usual names, so `eval`/`heal` read a checkpoint like a model file), best-validation model
-    (`best.` prefix), AdamW moments (`optim.m.` / `optim.v.`), report and position, in one atomic file."""
+    (`best.` prefix), AdamW moments (`optim.m.` / `optim.v.`), report, position and how the run's data was
+    loaded (`data`, `RunOptions.data`), in one atomic file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     params = net.export()
     m, v = net.moments()
@@ -252,6 +228,8 @@ def save_checkpoint(path: Path, net, report: dict, best: dict | None, position: 
         "train.position": position,
         "train.has_best": best is not None,
     }
+    if data is not None:
+        meta["train.data"] = data
     save(
         path,
         tensors(),
@@ -262,7 +240,8 @@ def save_checkpoint(path: Path, net, report: dict, best: dict | None, position: 
 
 
 def load_checkpoint(path: Path) -> dict:
-    """-> {cfg, params, best, m, v, report, position}; raises CheckpointError or TrainingError."""
+    """-> {cfg, params, best, m, v, report, position, data}; raises CheckpointError or TrainingError. `data` is
+    how the run loaded its data (`RunOptions.data`), None in a checkpoint written before it was recorded."""
     with open_checkpoint(path) as ck:
         meta = dict(ck.metadata or {})
         if "train.report" not in meta:
@@ -278,6 +257,7 @@ def load_checkpoint(path: Path) -> dict:
             "v": {n[8:]: ck.tensor_f32(n) for n in names if n.startswith("optim.v.")},
             "report": json.loads(meta["train.report"]),
             "position": dict(meta.get("train.position") or {}),
+            "data": dict(meta["train.data"]) if meta.get("train.data") else None,
         }
     return out
 
@@ -294,16 +274,188 @@ class RunOptions:
     device: str | None = None
     save_interval: int = 0  # save a checkpoint every N steps (0: only at the end / on stop)
     stop_after: int = 0  # end this process after N steps with a resumable checkpoint (0: run to the end)
-    progress: object = None  # callable(event: dict) for progress display
+    progress: object = None  # callable(event: dict) for progress display (`run.Events` schema)
+    # how the run's datasets were loaded (spec, validation spec or fraction, token cap), kept in the checkpoint
+    # so that a resume can load them again without being told
+    data: dict | None = None
 
 
-class _Progress:
-    def __init__(self, cb):
-        self.cb = cb
+def _check_datasets(train: TokenDataset, val: TokenDataset | None) -> None:
+    if train.num_batches == 0:
+        raise TrainingError.empty_training_dataset()
+    if val is not None and val.num_batches == 0:
+        raise TrainingError.empty_validation_dataset()
 
-    def __call__(self, **event):
-        if self.cb is not None:
-            self.cb(event)
+
+class _Variant:
+    """One variant's run in progress: its net, report, phase and best-validation weights; the `run.Job` of
+    the step loop."""
+
+    def __init__(self, net, report: dict, phase: dict, best: Best, train, val, tcfg, out_dir, opts, events):
+        self.net, self.report, self.phase, self.best = net, report, phase, best
+        self.train, self.val, self.tcfg, self.opts, self.events = train, val, tcfg, opts, events
+        self.history = report["history"]
+        self.ckpt = out_dir / CHECKPOINT if out_dir is not None else None
+        self.out_dir = out_dir
+        self.schedule = schedule_for_phase(tcfg, phase["previous_lr"])
+        self.work = net.work(tcfg.batch_size, tcfg.seq_len)
+        self.cadence = Cadence(tcfg.eval_interval, phase["start_step"] + tcfg.max_steps, phase["start_step"])
+        self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
+        self.steps_this_process = 0
+        self.t0 = time.perf_counter()
+
+    # the run.Job interface
+
+    def step(self, done: int) -> dict:
+        """Global step `done` (0-based over the whole run) -> step `done` + 1."""
+        tcfg = self.tcfg
+        in_phase = done - self.phase["start_step"]
+        batch = self.train.batch(done % self.train.num_batches)
+        train_spectral = None
+        if self.cadence.due(done + 1) and hasattr(self.work, "spectral"):
+            train_spectral = self.work.spectral(batch.ids, batch.lengths)
+        lr = self.schedule.learning_rate(in_phase)
+        hyper = AdamW(lr=lr, step=done + 1, beta1=tcfg.beta1, beta2=tcfg.beta2, eps=tcfg.epsilon,
+                      weight_decay=tcfg.weight_decay, grad_clip=tcfg.grad_clip)  # fmt: skip
+        res = self.work.step(batch.ids, batch.lengths, update=hyper)
+        if not res.finite:
+            self.checkpoint()
+            raise TrainingError(
+                f"non-finite loss or gradient at step {done + 1} (loss {res.loss}); the last good "
+                f"checkpoint is {self.ckpt}; a lower learning rate may help",
+                kind="non_finite",
+            )
+        entry = {
+            "step": done + 1,
+            "learning_rate": lr,
+            "train": metrics(res.loss, 1),
+            "validation": None,
+            "train_spectral": train_spectral,
+            "validation_spectral": None,
+            "grad_norm": res.grad_norm,
+        }
+        if self.net.cfg.mtp is not None:  # joint MTP training: "train" is the combined loss
+            entry["train_loss_main"], entry["train_loss_mtp"] = res.loss_main, res.loss_mtp
+        self.history.append(entry)
+        self.report["steps_completed"] = len(self.history)
+        self.steps_this_process += 1
+        elapsed = time.perf_counter() - self.t0
+        return {
+            "variant": self.report["variant"],
+            "loss": res.loss,
+            "loss_main": res.loss_main,
+            "loss_mtp": res.loss_mtp,
+            "lr": lr,
+            "tokens_per_s": self.steps_this_process * self.tokens_per_step / max(elapsed, 1e-9),
+            "s_per_step": elapsed / self.steps_this_process,
+        }
+
+    def evaluate(self, done: int) -> float | None:
+        if self.val is None:
+            return None
+        ev = evaluate(self.net, self.val, self.tcfg.eval_batches, spectral=True)
+        entry = self.history[-1]
+        entry["validation"], entry["validation_spectral"] = ev["metrics"], ev["spectral"]
+        self.events("eval", variant=self.report["variant"], step=done, validation=ev["metrics"])
+        if self.best.value is None or ev["metrics"]["loss"] < self.best.value:
+            self._record_best(ev, done)
+        return ev["metrics"]["loss"]
+
+    def snapshot(self):
+        return self.net.snapshot()
+
+    def after_step(self, done: int) -> bool:
+        n, last = done - self.phase["start_step"], done == self.cadence.end
+        if self.opts.save_interval and n % self.opts.save_interval == 0 and not last:
+            self.checkpoint()
+        if self.opts.stop_after and self.steps_this_process >= self.opts.stop_after and not last:
+            self.checkpoint()
+            return True
+        return False
+
+    # the rest of the run
+
+    def _record_best(self, ev: dict, step: int) -> None:
+        self.report["best_validation"] = ev["metrics"]
+        self.report["best_validation_spectral"] = ev["spectral"]
+        self.report["best_validation_step"] = step
+
+    def checkpoint(self) -> None:
+        if self.ckpt is None:
+            return
+        best = self.net.export_snapshot(self.best.snapshot) if self.best.snapshot is not None else None
+        position = {"phase": self.phase, "steps_completed": self.report["steps_completed"]}
+        save_checkpoint(self.ckpt, self.net, self.report, best, position, self.opts.data)
+        write_json(_report_path(self.out_dir), self.report)
+
+    def finish(self) -> None:
+        """The final evaluation (the reference trainer's: whole datasets, here capped by eval_batches), the
+        status and throughput."""
+        report, tcfg = self.report, self.tcfg
+        fin_train = evaluate(self.net, self.train, tcfg.eval_batches, spectral=True)
+        report["final_train"], report["final_train_spectral"] = fin_train["metrics"], fin_train["spectral"]
+        if self.val is not None:
+            fin_val = evaluate(self.net, self.val, tcfg.eval_batches, spectral=True)
+            report["final_validation"] = fin_val["metrics"]
+            report["final_validation_spectral"] = fin_val["spectral"]
+            if self.best.offer(fin_val["metrics"]["loss"], self.cadence.end, self.snapshot):
+                self._record_best(fin_val, self.cadence.end)
+        report["status"] = "completed"
+        elapsed = time.perf_counter() - self.t0
+        report["throughput"] = {
+            "steps": self.steps_this_process,
+            "seconds": elapsed,
+            "tokens_per_s": self.steps_this_process * self.tokens_per_step / max(elapsed, 1e-9),
+        }
+
+
+def _fresh(base, variant, train, val, tcfg, opts, events):
+    """A new run: the variant's net from the random seed, the initial evaluation and an empty report."""
+    cfg = variant.resolve_config(base)
+    net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed, tcfg.mtp_weight)
+    phase = {"start_step": 0, "training": tcfg.to_dict(), "previous_lr": None}
+    events("start", variant=variant.slug, num_params=net.num_params, cfg=cfg.to_dict())
+    t_eval = time.perf_counter()
+    init_train = evaluate(net, train, tcfg.eval_batches, spectral=True)
+    init_val = evaluate(net, val, tcfg.eval_batches, spectral=True) if val is not None else None
+    events("eval", variant=variant.slug, step=0, train=init_train["metrics"],
+           validation=init_val and init_val["metrics"], seconds=time.perf_counter() - t_eval)  # fmt: skip
+    report = {
+        "variant": variant.slug,
+        "config": cfg.to_dict(),
+        "training": tcfg.to_dict(),
+        "num_params": net.num_params,
+        "train_dataset": train.summary(),
+        "validation_dataset": val.summary() if val is not None else None,
+        "steps_completed": 0,
+        "initial_train": init_train["metrics"],
+        "initial_validation": init_val and init_val["metrics"],
+        "final_train": None,
+        "final_validation": None,
+        "best_validation": init_val and init_val["metrics"],
+        "initial_train_spectral": init_train["spectral"],
+        "initial_validation_spectral": init_val and init_val["spectral"],
+        "final_train_spectral": None,
+        "final_validation_spectral": None,
+        "best_validation_spectral": init_val and init_val["spectral"],
+        "best_validation_step": 0 if init_val else None,
+        "history": [],
+    }
+    best = Best(init_val["metrics"]["loss"], 0, net.snapshot()) if init_val else Best(None, None)
+    return net, report, phase, best
+
+
+def _resumed(resume: dict, opts: RunOptions):
+    """A run continued from a loaded checkpoint: its net (weights and moments), report, phase and best."""
+    cfg, report, phase = resume["cfg"], resume["report"], resume["position"]["phase"]
+    w = TrainingConfig.from_dict(phase["training"]).mtp_weight
+    net = make_net(cfg, resume["params"], opts.backend, opts.device, mtp_weight=w)
+    snap = _snapshot_of(net, resume["best"]) if resume["best"] is not None else None
+    if resume["m"]:  # after the best snapshot: `_snapshot_of` goes through `net.load`, which zeroes moments
+        net.load_moments(resume["m"], resume["v"])
+    bv = report["best_validation"]
+    best = Best(bv["loss"] if bv else None, report["best_validation_step"], snap)
+    return net, report, phase, best
 
 
 def train_variant(
@@ -318,190 +470,31 @@ def train_variant(
 ) -> dict:
     """Train one variant (or continue one from `resume`, a loaded checkpoint); returns the report."""
     tcfg.validate()
-    if train.num_batches == 0:
-        raise TrainingError.empty_training_dataset()
-    if val is not None and val.num_batches == 0:
-        raise TrainingError.empty_validation_dataset()
-    progress = _Progress(opts.progress)
+    _check_datasets(train, val)
+    events = Events(opts.progress, "train")
     if resume is None:
-        cfg = variant.resolve_config(base)
-        net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed, tcfg.mtp_weight)
-        phase = {"start_step": 0, "training": tcfg.to_dict(), "previous_lr": None}
-        history: list[dict] = []
-        progress(kind="start", variant=variant.slug, num_params=net.num_params, cfg=cfg.to_dict())
-        t_eval = time.perf_counter()
-        init_train = evaluate(net, train, tcfg.eval_batches, spectral=True)
-        init_val = evaluate(net, val, tcfg.eval_batches, spectral=True) if val is not None else None
-        progress(
-            kind="eval",
-            variant=variant.slug,
-            step=0,
-            train=init_train["metrics"],
-            validation=init_val and init_val["metrics"],
-            seconds=time.perf_counter() - t_eval,
-        )
-        report = {
-            "variant": variant.slug,
-            "config": cfg.to_dict(),
-            "training": tcfg.to_dict(),
-            "num_params": net.num_params,
-            "train_dataset": train.summary(),
-            "validation_dataset": val.summary() if val is not None else None,
-            "steps_completed": 0,
-            "initial_train": init_train["metrics"],
-            "initial_validation": init_val and init_val["metrics"],
-            "final_train": None,
-            "final_validation": None,
-            "best_validation": init_val and init_val["metrics"],
-            "initial_train_spectral": init_train["spectral"],
-            "initial_validation_spectral": init_val and init_val["spectral"],
-            "final_train_spectral": None,
-            "final_validation_spectral": None,
-            "best_validation_spectral": init_val and init_val["spectral"],
-            "best_validation_step": 0 if init_val else None,
-            "history": history,
-        }
-        best = net.snapshot() if init_val else None
-        done_in_phase = 0
+        net, report, phase, best = _fresh(base, variant, train, val, tcfg, opts, events)
     else:
-        cfg, report, phase = resume["cfg"], resume["report"], resume["position"]["phase"]
-        w = TrainingConfig.from_dict(phase["training"]).mtp_weight
-        net = make_net(cfg, resume["params"], opts.backend, opts.device, mtp_weight=w)
-        history = report["history"]
-        best = None
-        if resume["best"] is not None:
-            snap_src = make_net(cfg, resume["best"], "ref", None) if opts.backend == "ref" else None
-            best = snap_src.snapshot() if snap_src else _gpu_snapshot_of(net, resume["best"])
-        if resume[
-            "m"
-        ]:  # after the best snapshot: `_gpu_snapshot_of` goes through `net.load`, which zeroes moments
-            net.load_moments(resume["m"], resume["v"])
-        done_in_phase = report["steps_completed"] - phase["start_step"]
+        net, report, phase, best = _resumed(resume, opts)
         tcfg = TrainingConfig.from_dict(phase["training"])
-
-    schedule = schedule_for_phase(tcfg, phase["previous_lr"])
-    work = net.work(tcfg.batch_size, tcfg.seq_len)
-    tokens_per_step = tcfg.batch_size * tcfg.seq_len
-    ckpt = out_dir / CHECKPOINT if out_dir is not None else None
-
-    def position():
-        return {"phase": phase, "steps_completed": report["steps_completed"]}
-
-    def checkpoint():
-        if ckpt is not None:
-            best_params = net.export_snapshot(best) if best is not None else None
-            save_checkpoint(ckpt, net, report, best_params, position())
-            write_json(_report_path(out_dir), report)
-
-    t0 = time.perf_counter()
-    steps_this_process = 0
+    run = _Variant(net, report, phase, best, train, val, tcfg, out_dir, opts, events)
+    start = report["steps_completed"]
     try:
-        for step in range(done_in_phase, tcfg.max_steps):
-            global_step = phase["start_step"] + step  # 0-based over the whole run
-            record = (step + 1) % tcfg.eval_interval == 0 or step + 1 == tcfg.max_steps
-            batch = train.batch(global_step % train.num_batches)
-            train_spectral = None
-            if record and hasattr(work, "spectral"):
-                train_spectral = work.spectral(batch.ids, batch.lengths)
-            lr = schedule.learning_rate(step)
-            hyper = AdamW(
-                lr=lr,
-                step=global_step + 1,
-                beta1=tcfg.beta1,
-                beta2=tcfg.beta2,
-                eps=tcfg.epsilon,
-                weight_decay=tcfg.weight_decay,
-                grad_clip=tcfg.grad_clip,
-            )
-            res = work.step(batch.ids, batch.lengths, update=hyper)
-            if not res.finite:
-                checkpoint()
-                raise TrainingError(
-                    f"non-finite loss or gradient at step {global_step + 1} (loss {res.loss}); the last good "
-                    f"checkpoint is {ckpt}; lower --learning-rate"
-                )
-            entry = {
-                "step": global_step + 1,
-                "learning_rate": lr,
-                "train": metrics(res.loss, 1),
-                "validation": None,
-                "train_spectral": train_spectral,
-                "validation_spectral": None,
-                "grad_norm": res.grad_norm,
-            }
-            if cfg.mtp is not None:  # joint MTP training: "train" is the combined loss
-                entry["train_loss_main"], entry["train_loss_mtp"] = res.loss_main, res.loss_mtp
-            if record and val is not None:
-                ev = evaluate(net, val, tcfg.eval_batches, spectral=True)
-                entry["validation"], entry["validation_spectral"] = ev["metrics"], ev["spectral"]
-                if (
-                    report["best_validation"] is None
-                    or ev["metrics"]["loss"] < report["best_validation"]["loss"]
-                ):
-                    report["best_validation"] = ev["metrics"]
-                    report["best_validation_spectral"] = ev["spectral"]
-                    report["best_validation_step"] = global_step + 1
-                    best = net.snapshot()
-            history.append(entry)
-            report["steps_completed"] = len(history)
-            steps_this_process += 1
-            elapsed = time.perf_counter() - t0
-            progress(
-                kind="step",
-                variant=report["variant"],
-                step=global_step + 1,
-                total=phase["start_step"] + tcfg.max_steps,
-                loss=res.loss,
-                loss_main=res.loss_main,
-                loss_mtp=res.loss_mtp,
-                lr=lr,
-                tokens_per_s=steps_this_process * tokens_per_step / max(elapsed, 1e-9),
-                s_per_step=elapsed / steps_this_process,
-                validation=entry["validation"],
-            )
-            last = step + 1 == tcfg.max_steps
-            if opts.save_interval and (step + 1) % opts.save_interval == 0 and not last:
-                checkpoint()
-            if opts.stop_after and steps_this_process >= opts.stop_after and not last:
-                checkpoint()
-                report["status"] = "stopped"
-                return report
+        if drive(run, start, run.cadence, best, events)[0] == "stopped":
+            report["status"] = "stopped"
+            return report
     except KeyboardInterrupt:
-        checkpoint()
+        run.checkpoint()
         report["status"] = "interrupted"
         raise
-
-    # final evaluation (the seed's: whole datasets, here capped by eval_batches)
-    fin_train = evaluate(net, train, tcfg.eval_batches, spectral=True)
-    fin_val = evaluate(net, val, tcfg.eval_batches, spectral=True) if val is not None else None
-    report["final_train"], report["final_train_spectral"] = fin_train["metrics"], fin_train["spectral"]
-    if fin_val is not None:
-        report["final_validation"], report["final_validation_spectral"] = (
-            fin_val["metrics"],
-            fin_val["spectral"],
-        )
-        if (
-            report["best_validation"] is None
-            or fin_val["metrics"]["loss"] < report["best_validation"]["loss"]
-        ):
-            report["best_validation"] = fin_val["metrics"]
-            report["best_validation_spectral"] = fin_val["spectral"]
-            report["best_validation_step"] = phase["start_step"] + tcfg.max_steps
-            best = net.snapshot()
-    report["status"] = "completed"
-    elapsed = time.perf_counter() - t0
-    report["throughput"] = {
-        "steps": steps_this_process,
-        "seconds": elapsed,
-        "tokens_per_s": steps_this_process * tokens_per_step / max(elapsed, 1e-9),
-    }
-    progress(kind="done", variant=report["variant"], report=report)
-    checkpoint()
+    run.finish()
+    events("done", variant=report["variant"], report=report)
+    run.checkpoint()
     return report
 
 
-def _gpu_snapshot_of(net, params: dict):
-    """Upload `params` into a fresh GPU snapshot of `net`'s layout without touching the live weights."""
+def _snapshot_of(net, params: dict):
+    """A snapshot of `params` in `net`'s layout (on the GPU: device buffers), the live weights untouched."""
     live = net.snapshot()
     net.load(params)
     snap = net.snapshot()
@@ -517,14 +510,14 @@ def rank(reports: list[dict], key: str) -> list[str] | None:
     entries = [(r["variant"], r[key]["loss"]) for r in reports if r.get(key)]
     if len(entries) != len(reports):
         return None
-    # the seed's stable sort by `f32::total_cmp`: ties keep the sweep's order, NaN ranks last
+    # the reference trainer's stable sort by `f32::total_cmp`: ties keep the sweep's order, NaN ranks last
     return [v for v, _ in sorted(entries, key=lambda e: (math.isnan(e[1]), e[1]))]
 
 
 def comparison_report(
     reports: list[dict], train: TokenDataset, val: TokenDataset | None, tcfg: TrainingConfig
 ) -> dict:
-    """The seed's `TrainingComparisonReport`."""
+    """The reference trainer's `TrainingComparisonReport`."""
     tr = rank(reports, "final_train") or []
     vr = rank(reports, "final_validation")
     return {
@@ -578,7 +571,7 @@ def train_variants(
 
 
 def check_resume(ck: dict, train: TokenDataset, val: TokenDataset | None) -> None:
-    """The seed's resume checks, each with its message."""
+    """The reference trainer's resume checks, each with its message."""
     rep = ck["report"]
     ts = train.summary()
     if rep["train_dataset"] != ts:
@@ -619,33 +612,39 @@ def resume(
     overrides: dict | None = None,
 ) -> dict:
     """Continue an interrupted run (no `steps`), or train a new phase of `steps` more steps with the
-    seed's phase schedule (`overrides` change training options of the new phase)."""
+    reference trainer's phase schedule (`overrides` change training options of the new phase)."""
     ck = load_checkpoint(Path(checkpoint))
     check_resume(ck, train, val)
+    if opts.data is None:  # the continued run keeps recording how its data is loaded
+        opts = replace(opts, data=ck["data"])
     rep = ck["report"]
     phase = ck["position"]["phase"]
     done = rep["steps_completed"]
     if steps is None:
         if overrides:
-            raise TrainingError.invalid_config("training options can only change with --steps (a new phase)")
+            raise TrainingError.invalid_config(
+                "training options can only change in a new phase", kind="needs_phase"
+            )
         if done >= phase["start_step"] + phase["training"]["max_steps"]:
             raise TrainingError.resume_mismatch(
-                f"the run already completed its {done} steps; pass --steps N to train a new phase"
+                f"the run already completed its {done} steps", kind="run_completed"
             )
     else:
         tcfg = TrainingConfig.from_dict({**phase["training"], **(overrides or {}), "max_steps": steps})
         tcfg.validate()
         if done < phase["start_step"] + phase["training"]["max_steps"]:
             raise TrainingError.resume_mismatch(
-                f"the run stopped at step {done} of its phase; resume without --steps to finish it first"
+                f"the run stopped at step {done} of its phase, which must finish first",
+                kind="phase_unfinished",
             )
         prev = rep["history"][-1]["learning_rate"] if rep["history"] else None
         if prev is not None and schedule_for_phase(tcfg, prev).learning_rate(0) <= 0.0:
-            # The seed's phase schedule starts where the last phase stopped; after a decay to a floor of 0 the
+            # The reference trainer's phase schedule starts where the last phase stopped; after a decay to a floor of 0 the
             # new phase would train nothing. Say so instead of idling.
             raise TrainingError.invalid_config(
-                "the last phase ended at learning rate 0, so a new phase would not train (the seed's phase "
-                "schedule starts where the last one stopped); pass --min-learning-rate > 0"
+                "the last phase ended at learning rate 0, so a new phase would not train (the reference trainer's phase "
+                "schedule starts where the last one stopped); the new phase needs min_learning_rate > 0",
+                field="min_learning_rate",
             )
         ck["position"]["phase"] = {"start_step": done, "training": tcfg.to_dict(), "previous_lr": prev}
         rep["training"] = tcfg.to_dict()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The heal story (mtp-heal.md) on the embedded corpus: train a tiny model with a jointly trained MTP draft
+# The heal story on the embedded corpus: train a tiny model with a jointly trained MTP draft
 # (--mtp), compress it (drop its last block), measure the draft's greedy acceptance (it drops: the trunk
 # changed under it), heal the draft on the compressed trunk's own predictions, measure again (it recovers).
 #
@@ -7,8 +7,6 @@
 set -euo pipefail
 CLI=${1:-.venv/bin/ddl-wgpu}
 DIR=${2:-runs/demo/heal}
-PY=${PYTHON:-$(dirname "$CLI")/python}
-[ -x "$PY" ] || PY=python3
 TRAINED=$DIR/train/baseline/checkpoint.ddlw
 ACCEPT="--data stdlib --depth 3 --tokens 20000"
 
@@ -22,6 +20,6 @@ $CLI heal "$DIR/compressed.ddlw" --init "$TRAINED" --data stdlib --tokens 40000 
   --refresh 50 --out "$DIR/healed.ddlw"
 $CLI accept "$DIR/healed.ddlw" $ACCEPT --json > "$DIR/accept_healed.json"
 echo
-echo "greedy acceptance of the draft chained 3 deep, prefix A_j per depth (mtp-heal.md §5):"
-"$PY" -m ddl_wgpu.accept trained="$DIR/accept_trained.json" compressed="$DIR/accept_compressed.json" \
+echo "greedy acceptance of the draft chained 3 deep, prefix A_j per depth:"
+$CLI accept-table trained="$DIR/accept_trained.json" compressed="$DIR/accept_compressed.json" \
   healed="$DIR/accept_healed.json"

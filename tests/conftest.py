@@ -1,13 +1,30 @@
-"""Shared fixtures: one GPU device for the whole test session (device creation and the first pipeline
-cost ~0.5 s on lavapipe; wgpu.md §5)."""
+"""Shared fixtures: one GPU device for the whole test session (device creation and the first pipeline cost
+~0.5 s on lavapipe); the words of the CLI tests' corpus; and `heal_kit`, the tiny models, texts and heal
+settings the heal, accept and chain-attention tests share."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from ddl_ref.config import ModelConfig, MtpConfig
+from ddl_ref.params import init_params
+from ddl_wgpu.heal import HealConfig
+from ddl_wgpu.modelfile import Model, save_model
+
+REPO = Path(__file__).resolve().parents[1]
+HEAL_WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+CORPUS_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "pack", "my", "box", "with",
+                "five", "dozen", "liquor", "jugs", "and", "then", "a", "cat", "sat", "on", "mat"]  # fmt: skip
+
 
 @pytest.fixture(scope="session")
 def gpu():
-    from ddl_wgpu.gpu import Gpu
+    from ddl_wgpu.gpu import Gpu  # the GPU layer loads wgpu: only GPU tests pay for it
 
     return Gpu()
 
@@ -15,3 +32,100 @@ def gpu():
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="session")
+def corpus_words() -> list[str]:
+    return CORPUS_WORDS
+
+
+def tiny_cfg(**kw) -> ModelConfig:
+    """A tiny byte-level model with an MTP draft."""
+    base = dict(vocab_size=256, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
+                max_seq_len=32, qk_norm="pre_rope", mtp=MtpConfig())  # fmt: skip
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def perturbed(cfg, seed=0):
+    """Init params with the draft's norms and projection moved off their init (so every path matters)."""
+    p = init_params(cfg, seed)
+    rng = np.random.default_rng(seed + 1)
+    return {n: (a + 0.2 * rng.standard_normal(a.shape).astype(np.float32)) if "mtp" in n else a
+            for n, a in p.items()}  # fmt: skip
+
+
+def make_text(path, words=200, seed=0):
+    """A text of `words` random words."""
+    rng = np.random.default_rng(seed)
+    path.write_text(" ".join(rng.choice(HEAL_WORDS, words)))
+    return path
+
+
+def make_model(path, cfg=None, seed=0):
+    """A tiny model with a perturbed draft, saved to `path`."""
+    cfg = cfg or tiny_cfg()
+    save_model(path, Model(cfg, perturbed(cfg, seed)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def heal_kit():
+    """tiny_cfg, perturbed, make_text, make_model and SMALL (a short heal that both backends run)."""
+    small = HealConfig(chain=2, window=24, tokens=1200, batch=2, eval_every=4, patience=0, lr=3e-3, epochs=0.3,
+                       refresh=5)  # fmt: skip
+    return SimpleNamespace(tiny_cfg=tiny_cfg, perturbed=perturbed, make_text=make_text, make_model=make_model,
+                           SMALL=small)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the command line, run as a user runs it (a subprocess of `python -m ddl_wgpu.cli`, which goes through main())
+
+
+def cli(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    # this checkout's package also when the command runs in another folder
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "PYTHONPATH": path}
+    return subprocess.run(
+        [sys.executable, "-m", "ddl_wgpu.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    return r
+
+
+def user_error(r: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit code 2, exactly one line on stderr starting with 'error:', no traceback; returns the line."""
+    assert r.returncode == 2, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="session", name="cli")
+def cli_fixture():
+    """cli(*args, cwd=None, timeout=300) -> the finished process."""
+    return cli
+
+
+@pytest.fixture(scope="session", name="ok")
+def ok_fixture():
+    """ok(process): asserts exit 0, returns the process."""
+    return ok
+
+
+@pytest.fixture(scope="session", name="user_error")
+def user_error_fixture():
+    """user_error(process, *fragments): asserts one `error: ...` line and exit 2, returns the line."""
+    return user_error

@@ -13,7 +13,7 @@ from ddl_ref.params import init_params
 from ddl_wgpu.backend import open_gpu
 from ddl_wgpu.heal_gpu import WgpuDraft
 from ddl_wgpu.ops.attention import attention_masked_backward, attention_masked_forward
-from ddl_wgpu.refnet import RefDraft
+from ddl_wgpu.refnet import RefDraft, ref_runner
 
 
 def test_chain_mask_and_positions():
@@ -101,19 +101,12 @@ def test_masked_kernels_match_reference(gpu, shape, impl):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the draft trainers and heal in "runtime" chain attention
-
-
-def _heal_helpers():
-    import test_heal_gpu as h
-
-    return h
+# the draft trainers and heal in "stacked" chain attention
 
 
 @pytest.mark.parametrize("qk", ["pre_rope", "none"])
-def test_runtime_draft_step_matches_refdraft(gpu, qk):
-
-    h = _heal_helpers()
+def test_runtime_draft_step_matches_refdraft(gpu, qk, heal_kit):
+    h = heal_kit
     cfg = h.tiny_cfg(qk_norm=qk)
     p = h.perturbed(cfg)
     rng = np.random.default_rng(5)
@@ -145,23 +138,23 @@ def test_runtime_draft_step_matches_refdraft(gpu, qk):
     np.testing.assert_allclose(post, rpost, rtol=1e-4, atol=1e-5)
 
 
-def test_runtime_heal_both_backends(gpu, tmp_path):
+def test_runtime_heal_both_backends(gpu, tmp_path, heal_kit):
     from dataclasses import replace
 
     from ddl_wgpu import heal
     from ddl_wgpu.modelfile import load_model
 
-    h = _heal_helpers()
+    h = heal_kit
     model = h.make_model(tmp_path / "m.ddlw", cfg=h.tiny_cfg(mtp=MtpConfig(chain_hidden="post_norm")))
     data = str(h.make_text(tmp_path / "t.txt"))
-    cfg = replace(h.SMALL, chain=3, chain_attention="runtime")
+    cfg = replace(h.SMALL, chain=3, chain_attention="stacked")
     r = heal.heal(model, data, tmp_path / "r.ddlw", cfg, backend="ref")
     g = heal.heal(model, data, tmp_path / "g.ddlw", cfg, backend="wgpu")
-    s = heal.heal(model, data, tmp_path / "s.ddlw", replace(cfg, chain_attention="seed"), backend="ref")
-    assert r["chain_attention"] == g["chain_attention"] == "runtime"
+    s = heal.heal(model, data, tmp_path / "s.ddlw", replace(cfg, chain_attention="per-step"), backend="ref")
+    assert r["chain_attention"] == g["chain_attention"] == "stacked"
     for key in ("acceptance_before", "acceptance_after"):  # measured with the heal's own chain attention
-        assert r[key]["chain_attention"] == g[key]["chain_attention"] == "runtime"
-        assert s[key]["chain_attention"] == "seed"
+        assert r[key]["chain_attention"] == g[key]["chain_attention"] == "stacked"
+        assert s[key]["chain_attention"] == "per-step"
         np.testing.assert_allclose(g[key]["prefix_acceptance"], r[key]["prefix_acceptance"], atol=0.02)
     assert r["acceptance_before"]["prefix_acceptance"][0] == s["acceptance_before"]["prefix_acceptance"][0]
     assert r["steps"] == g["steps"] >= 8 and len(r["history"]) == len(g["history"]) >= 3
@@ -179,13 +172,13 @@ def test_runtime_heal_both_backends(gpu, tmp_path):
 def test_chain_attention_config():
     from ddl_wgpu import heal
 
-    assert heal.HealConfig().chain_attention == "runtime"
-    with pytest.raises(heal.HealError, match="chain_attention"):
+    assert heal.HealConfig().chain_attention == "per-step"
+    with pytest.raises(heal.HealError, match="chain attention"):
         heal.HealConfig(chain_attention="diagonal")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# acceptance in "runtime" chain attention
+# acceptance in "stacked" chain attention
 
 
 def _incremental_runtime_preds(params, cfg, tb, depth: int, b: int, p: int) -> list[int]:
@@ -207,19 +200,19 @@ def _incremental_runtime_preds(params, cfg, tb, depth: int, b: int, p: int) -> l
     return out
 
 
-def test_runtime_acceptance_is_the_incremental_runtime(tmp_path):
+def test_runtime_acceptance_is_the_incremental_runtime(tmp_path, heal_kit):
     from ddl_wgpu import accept
     from ddl_wgpu.modelfile import load_model
 
-    h = _heal_helpers()
+    h = heal_kit
     conv = MtpConfig(trunk_hidden="post_norm", chain_hidden="pre_norm")
     m = load_model(h.make_model(tmp_path / "m.ddlw", cfg=h.tiny_cfg(mtp=conv), seed=2))
     rng = np.random.default_rng(3)
     windows = [rng.integers(0, 256, n) for n in (12, 9)]
     tb = accept.trunk_batches(m, windows, batch=2)[0]
     depth = 3
-    preds = accept.greedy_chain(m.params, m.cfg, tb, depth, accept.ref_runner(m.params, m.cfg), "runtime")
-    seed = accept.greedy_chain(m.params, m.cfg, tb, depth, accept.ref_runner(m.params, m.cfg), "seed")
+    preds = accept.greedy_chain(m.params, m.cfg, tb, depth, ref_runner(m.params, m.cfg), "stacked")
+    seed = accept.greedy_chain(m.params, m.cfg, tb, depth, ref_runner(m.params, m.cfg), "per-step")
     differs = False
     for b, n in enumerate((12, 9)):
         for p in range(n - depth):
@@ -230,39 +223,39 @@ def test_runtime_acceptance_is_the_incremental_runtime(tmp_path):
     assert differs  # the attention of the chained steps matters on this draft
 
 
-def test_runtime_acceptance_gpu_matches_reference(gpu, tmp_path):
+def test_runtime_acceptance_gpu_matches_reference(gpu, tmp_path, heal_kit):
     from ddl_wgpu import accept
     from ddl_wgpu.modelfile import load_model
 
-    h = _heal_helpers()
+    h = heal_kit
     conv = MtpConfig(concat="emb_first", trunk_hidden="pre_norm", chain_hidden="post_norm")
     m = load_model(h.make_model(tmp_path / "m.ddlw", cfg=h.tiny_cfg(mtp=conv), seed=4))
     rng = np.random.default_rng(2)
     windows = [rng.integers(0, 256, n) for n in (20, 16, 24, 9, 30)]
-    kw = dict(depth=3, batch=2, probe_conventions=True, chain_attention="runtime")
+    kw = dict(depth=3, batch=2, probe_conventions=True, chain_attention="stacked")
     r = accept.acceptance(m, windows, **kw)
     g = accept.acceptance(m, windows, backend="wgpu", **kw)
     assert list(g) == list(r) and tuple(k for k in r if k != "probe") == accept.KEYS
-    assert r["chain_attention"] == g["chain_attention"] == "runtime"
+    assert r["chain_attention"] == g["chain_attention"] == "stacked"
     for key in accept.KEYS:
         assert g[key] == r[key], key
     assert [p["prefix_acceptance"] for p in g["probe"]] == [p["prefix_acceptance"] for p in r["probe"]]
-    s = accept.acceptance(m, windows, depth=3, batch=2, chain_attention="seed")
-    assert s["chain_attention"] == "seed" and s["prefix_acceptance"][0] == r["prefix_acceptance"][0]
+    s = accept.acceptance(m, windows, depth=3, batch=2, chain_attention="per-step")
+    assert s["chain_attention"] == "per-step" and s["prefix_acceptance"][0] == r["prefix_acceptance"][0]
 
 
 @pytest.mark.parametrize("backend", ["ref", "wgpu"])
-def test_runtime_acceptance_depth_one_is_seed(backend, tmp_path):
+def test_runtime_acceptance_depth_one_is_seed(backend, tmp_path, heal_kit):
     from ddl_wgpu import accept
 
-    h = _heal_helpers()
+    h = heal_kit
     model = h.make_model(tmp_path / "m.ddlw", seed=1)
     data = str(h.make_text(tmp_path / "t.txt", words=60))
-    s = accept.accept_file(model, data, depth=1, window=24, backend=backend, chain_attention="seed")
-    r = accept.accept_file(model, data, depth=1, window=24, backend=backend, chain_attention="runtime")
-    assert list(r) == list(s) and r["chain_attention"] == "runtime" and s["chain_attention"] == "seed"
+    s = accept.accept_file(model, data, depth=1, window=24, backend=backend, chain_attention="per-step")
+    r = accept.accept_file(model, data, depth=1, window=24, backend=backend, chain_attention="stacked")
+    assert list(r) == list(s) and r["chain_attention"] == "stacked" and s["chain_attention"] == "per-step"
     assert {k: v for k, v in r.items() if k != "chain_attention"} == {
         k: v for k, v in s.items() if k != "chain_attention"
     }
-    with pytest.raises(accept.AcceptError, match="chain_attention"):
+    with pytest.raises(accept.AcceptError, match="chain attention"):
         accept.accept_file(model, data, depth=1, window=24, backend=backend, chain_attention="diagonal")

@@ -184,6 +184,19 @@ def test_make_windows_lengths_and_drop_short():
     assert windows[4].tolist() == [4, 5, 6, 7]
 
 
+def test_make_windows_minimum_length_and_token_budget():
+    """heal's and accept's windows: a longer minimum, and a token budget that cuts the window reaching it."""
+    records = [np.arange(10, dtype=np.uint32), np.arange(9, dtype=np.uint32)]
+    assert [w.size for w in make_windows(records, 4, min_len=3)] == [4, 4, 4, 4]  # 2 and 1 dropped
+    assert [w.size for w in make_windows(records, 4, min_len=3, max_tokens=11)] == [4, 4, 3]
+    assert [w.size for w in make_windows(records, 4, min_len=3, max_tokens=10)] == [
+        4,
+        4,
+    ]  # a cut to 2: the end
+    assert [w.size for w in make_windows(records, 4, max_tokens=14)] == [4, 4, 2, 4]
+    assert make_windows(records, 4, max_tokens=14)[3].tolist() == [0, 1, 2, 3]
+
+
 def test_batches_padding_and_lengths():
     windows = make_windows([np.arange(1, 11, dtype=np.uint32)], 4)  # 4,4,2
     ds = TokenDataset(windows, batch_size=2, seq_len=4, source="x")

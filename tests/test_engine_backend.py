@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-from heal_helpers import perturbed, tiny_cfg
 
 from ddl_wgpu import backend
 from ddl_wgpu.modelfile import Model
@@ -83,9 +82,9 @@ def test_numpy_backend_imports_no_wgpu(module):
     assert r.returncode == 0, r.stderr
 
 
-def test_makers_on_both_backends_agree(gpu):
-    cfg = tiny_cfg()
-    m = Model(cfg, perturbed(cfg))
+def test_makers_on_both_backends_agree(gpu, heal_kit):
+    cfg = heal_kit.tiny_cfg()
+    m = Model(cfg, heal_kit.perturbed(cfg))
     ref_net = backend.make_net(cfg, None, "ref", None, seed=3)
     gpu_net = backend.make_net(cfg, None, "wgpu", None, seed=3)
     assert type(ref_net).__name__ == "RefNet" and type(gpu_net).__name__ == "Net"

@@ -10,27 +10,39 @@ from __future__ import annotations
 
 import dataclasses
 
-import heal_helpers
 import numpy as np
 import pytest
-from heal_helpers import tiny_cfg
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
 from ddl_ref.params import init_params
-from ddl_wgpu import accept, compress, container, heal
+from ddl_wgpu import accept, backend, compress, container, heal, refnet
 from ddl_wgpu.container import open_checkpoint
 from ddl_wgpu.modelfile import Model, load_model, save_model
 
 
-def make_model(path, cfg=None, seed=0, dtype="f32"):
-    cfg = cfg or tiny_cfg()
-    save_model(path, Model(cfg, init_params(cfg, seed), provenance={"train": {"seed": seed}}), dtype=dtype)
-    return path
+@pytest.fixture
+def tiny_cfg(heal_kit):
+    return heal_kit.tiny_cfg
 
 
-def make_text(path, words=300, seed=0):
-    return heal_helpers.make_text(path, words, seed)
+@pytest.fixture
+def make_model(tiny_cfg):
+    """make_model(path, cfg=None, seed=0, dtype="f32"): a model at its init weights, saved to `path`."""
+
+    def make(path, cfg=None, seed=0, dtype="f32"):
+        cfg = cfg or tiny_cfg()
+        model = Model(cfg, init_params(cfg, seed), provenance={"train": {"seed": seed}})
+        save_model(path, model, dtype=dtype)
+        return path
+
+    return make
+
+
+@pytest.fixture
+def make_text(heal_kit):
+    """make_text(path, words=300, seed=0)."""
+    return lambda path, words=300, seed=0: heal_kit.make_text(path, words, seed)
 
 
 # chain 2, windows of 24 bytes: a 300-word text (~1.8 kB) gives ~75 windows
@@ -40,7 +52,7 @@ SMALL = heal.HealConfig(
 
 
 @pytest.fixture
-def files(tmp_path):
+def files(tmp_path, make_model, make_text):
     return make_model(tmp_path / "m.ddlw"), make_text(tmp_path / "t.txt")
 
 
@@ -82,7 +94,7 @@ def test_heal_changes_only_trained_draft_tensors(files, tmp_path):
     assert leftovers(tmp_path) == []
 
 
-def test_heal_keeps_f16_storage(tmp_path):
+def test_heal_keeps_f16_storage(tmp_path, make_model, make_text):
     model = make_model(tmp_path / "m.ddlw", dtype="f16")
     out = tmp_path / "o.ddlw"
     heal.heal(model, str(make_text(tmp_path / "t.txt")), out, SMALL)
@@ -90,7 +102,7 @@ def test_heal_keeps_f16_storage(tmp_path):
         assert {ck.info(n).dtype for n in ck.names()} == {"f16"}
 
 
-def test_heal_ddl_trunk_other_conventions_deterministic(tmp_path):
+def test_heal_ddl_trunk_other_conventions_deterministic(tmp_path, tiny_cfg, make_model, make_text):
     conv = MtpConfig(concat="hidden_first", trunk_hidden="post_norm", chain_hidden="post_norm")
     cfg = tiny_cfg(residual="delta", ddl_dv=4, ddl_compressor="cc", ddl_expand_embed=True, mtp=conv)
     model = make_model(tmp_path / "m.ddlw", cfg=cfg)
@@ -111,7 +123,7 @@ def test_split_heldout_every_tenth():
     assert sorted(train + val) == list(range(25))
 
 
-def test_window_count_error_names_counts(tmp_path):
+def test_window_count_error_names_counts(tmp_path, make_model):
     model = make_model(tmp_path / "m.ddlw")
     data = tmp_path / "short.txt"
     data.write_text("x" * (24 * 7))  # 7 windows of 24 bytes
@@ -126,7 +138,7 @@ def test_window_count_error_names_counts(tmp_path):
     assert not (tmp_path / "o.ddlw").exists() and leftovers(tmp_path) == []
 
 
-def test_model_without_draft_names_missing_tensor(tmp_path):
+def test_model_without_draft_names_missing_tensor(tmp_path, tiny_cfg, make_model, make_text):
     model = make_model(tmp_path / "m.ddlw", cfg=tiny_cfg(mtp=None))
     with pytest.raises(
         heal.HealError, match=r"carries no MTP draft \(missing tensor model\.mtp\.eh_proj\.weight\)"
@@ -155,7 +167,7 @@ def test_lr_schedule():
 # scripted drafts: non-finite steps, patience, best restore, --init
 
 
-class NanDraft(heal.RefDraft):
+class NanDraft(refnet.RefDraft):
     """Steps whose index is in `bad` (counting every call) return a non-finite loss."""
 
     bad: set = set()
@@ -170,7 +182,7 @@ class NanDraft(heal.RefDraft):
 
 def test_nonfinite_steps_skipped_then_abort(files, tmp_path, monkeypatch):
     model, data = files
-    monkeypatch.setattr(heal, "RefDraft", NanDraft)
+    monkeypatch.setattr(refnet, "RefDraft", NanDraft)  # what backend.make_draft("ref") builds
     NanDraft.bad, NanDraft.scales = {1, 2, 3}, []
     r = heal.heal(model, str(data), tmp_path / "a.ddlw", SMALL)
     assert r["skipped_steps"] == 3 and r["steps"] == r["total_steps"]
@@ -184,7 +196,7 @@ def test_nonfinite_steps_skipped_then_abort(files, tmp_path, monkeypatch):
     assert not out.exists() and leftovers(tmp_path) == []
 
 
-class ScriptedDraft(heal.RefDraft):
+class ScriptedDraft(refnet.RefDraft):
     """Held-out KL follows `curve[finite steps done]`; weights after every step are recorded."""
 
     curve: dict = {}
@@ -212,7 +224,7 @@ def trained_of(path):
 
 def test_patience_stop_and_best_restore(files, tmp_path, monkeypatch):
     model, data = files
-    monkeypatch.setattr(heal, "RefDraft", ScriptedDraft)
+    monkeypatch.setattr(refnet, "RefDraft", ScriptedDraft)
     ScriptedDraft.curve = {0: 1.0, 2: 0.5, 4: 0.3, 6: 0.4, 8: 0.35, 10: 0.2}
     cfg = dataclasses.replace(SMALL, eval_every=2, patience=2, epochs=3.0)
     out = tmp_path / "o.ddlw"
@@ -226,10 +238,10 @@ def test_patience_stop_and_best_restore(files, tmp_path, monkeypatch):
     assert any(not np.array_equal(ScriptedDraft.seen[8][n], got[n]) for n in got)
 
 
-def test_init_weights_used(files, tmp_path, monkeypatch):
+def test_init_weights_used(files, tmp_path, monkeypatch, make_model):
     model, data = files
     src = make_model(tmp_path / "src.ddlw", seed=5)  # a different draft (and trunk)
-    monkeypatch.setattr(heal, "RefDraft", ScriptedDraft)
+    monkeypatch.setattr(refnet, "RefDraft", ScriptedDraft)
     ScriptedDraft.curve = dict.fromkeys(range(0, 200, 2), 1.0)  # never better than the start
     out = tmp_path / "o.ddlw"
     cfg = dataclasses.replace(SMALL, eval_every=2, patience=1)
@@ -310,7 +322,7 @@ def perfect_chain(steps_right):
     return fake
 
 
-def test_acceptance_end_to_end_known(tmp_path, monkeypatch):
+def test_acceptance_end_to_end_known(tmp_path, monkeypatch, make_model):
     m = load_model(make_model(tmp_path / "m.ddlw"))
     rng = np.random.default_rng(1)
     windows = [rng.integers(0, 256, n) for n in (20, 13, 7)]
@@ -324,7 +336,7 @@ def test_acceptance_end_to_end_known(tmp_path, monkeypatch):
     assert r["acceptance_length"] == 2.0
 
 
-def test_acceptance_real_draft_and_probe(tmp_path):
+def test_acceptance_real_draft_and_probe(tmp_path, make_model):
     m = load_model(make_model(tmp_path / "m.ddlw"))
     rng = np.random.default_rng(2)
     windows = [rng.integers(0, 256, 16) for _ in range(3)]
@@ -335,7 +347,7 @@ def test_acceptance_real_draft_and_probe(tmp_path):
     assert len(r["probe"]) == 8 and sum(p["current"] for p in r["probe"]) == 1
     cur = next(p for p in r["probe"] if p["current"])
     assert cur["acceptance_length"] == pytest.approx(r["acceptance_length"])
-    with pytest.raises(NotImplementedError, match="not written yet"):
+    with pytest.raises(backend.UnknownBackendError, match="unknown backend 'cuda'"):
         accept.acceptance(m, windows, depth=2, backend="cuda")
 
 
@@ -349,7 +361,7 @@ def test_accept_file(files):
 # compress
 
 
-def test_drop_layers(tmp_path):
+def test_drop_layers(tmp_path, tiny_cfg):
     m = Model(tiny_cfg(n_layers=3), init_params(tiny_cfg(n_layers=3), 0))
     c = compress.drop_layers(m, [1])
     assert c.cfg.n_layers == 2
@@ -364,7 +376,7 @@ def test_drop_layers(tmp_path):
         compress.drop_layers(m, [0, 1, 2])
 
 
-def test_ffn_keep_by_importance(tmp_path):
+def test_ffn_keep_by_importance(tmp_path, tiny_cfg, make_model):
     cfg = tiny_cfg()
     params = init_params(cfg, 0)
     p = "model.layers.0."
@@ -387,3 +399,24 @@ def test_ffn_keep_by_importance(tmp_path):
     assert load_model(out).provenance["compress"]["ffn_hidden_before"] == 24
     with pytest.raises(compress.CompressError, match="exactly one"):
         compress.compress_file(out, tmp_path / "x.ddlw")
+
+
+def test_chain_attention_is_named_by_what_it_does_and_per_step_by_default():
+    """per-step (each chain step its own causal pass, the reference heal tool's way) is the default of heal
+    and accept; the old names are refused with a message that names the new ones."""
+    assert heal.HealConfig().chain_attention == accept.DEFAULT_CHAIN_ATTENTION == "per-step"
+    assert accept.CHAIN_ATTENTION == ("per-step", "stacked")
+    for old in ("seed", "runtime"):
+        with pytest.raises(heal.HealError, match="per-step, stacked") as e:
+            heal.HealConfig(chain_attention=old)
+        assert e.value.field == "chain_attention"
+        with pytest.raises(accept.AcceptError, match="per-step, stacked"):
+            accept.check_chain_attention(old)
+
+
+def test_heal_progress_events_have_one_schema(files, tmp_path):
+    model, data = files
+    events = []
+    heal.heal(model, str(data), tmp_path / "o.ddlw", SMALL, progress=events.append)
+    assert events and all(e["job"] == "heal" and "event" in e and "kind" not in e for e in events)
+    assert [e["event"] for e in events][:2] == ["windows", "trunk"] and events[-1]["event"] == "written"

@@ -141,17 +141,14 @@ def test_engine_and_refnet_joint_adamw_steps_agree(gpu):
 # the command line: train --mtp, then the heal story on the GPU backend
 
 
-def test_cli_train_mtp_compress_accept_heal(tmp_path):
+def test_cli_train_mtp_compress_accept_heal(tmp_path, cli, ok):
     import json
-
-    from test_cli import MODEL_ARGS, cli, ok
 
     words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
     corpus = tmp_path / "c.txt"
     corpus.write_text(" ".join(np.random.default_rng(0).choice(words, 1500)))
-    model_args = [
-        a if a != "1" or MODEL_ARGS[i - 1] != "--n-layers" else "2" for i, a in enumerate(MODEL_ARGS)
-    ]
+    model_args = ["--vocab-size", "256", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
+                  "--head-dim", "8", "--ffn-hidden", "48", "--max-seq-len", "32", "--backend", "wgpu"]  # fmt: skip
     train = ["--variants", "baseline", "--max-steps", "6", "--eval-interval", "3", "--batch-size", "2",
              "--seq-len", "16", "--eval-batches", "2", "--learning-rate", "1e-2", "--no-plots", *model_args]  # fmt: skip
     out = tmp_path / "run"
@@ -162,7 +159,8 @@ def test_cli_train_mtp_compress_accept_heal(tmp_path):
         assert h["train"]["loss"] == pytest.approx(h["train_loss_main"] + 0.5 * h["train_loss_mtp"], rel=1e-5)
     assert rep["history"][-1]["train_loss_mtp"] < rep["history"][0]["train_loss_mtp"]
     ck = out / "baseline" / "checkpoint.ddlw"
-    ev = json.loads(ok(cli("eval", ck, "--data", corpus, "--seq-len", "16", "--batch", "2", "--json")).stdout)
+    ev = json.loads(ok(cli("eval", ck, "--data", corpus, "--seq-len", "16", "--batch", "2", "--json",
+                           "--backend", "wgpu")).stdout)  # fmt: skip
     assert ev["loss"] == pytest.approx(rep["final_train"]["loss"], rel=0.2)  # the trunk's loss
     small = tmp_path / "small.ddlw"
     ok(cli("compress", ck, "--out", small, "--drop-layers", "1"))
@@ -189,10 +187,11 @@ def test_cli_train_mtp_compress_accept_heal(tmp_path):
         for b in ("ref", "wgpu")
     ]
     assert acc[0]["prefix_acceptance"] == acc[1]["prefix_acceptance"] and acc[1]["backend"] == "wgpu"
-    assert acc[0]["chain_attention"] == acc[1]["chain_attention"] == "runtime"  # the CLI's default
+    assert acc[0]["chain_attention"] == acc[1]["chain_attention"] == "per-step"  # the CLI's default
     healed = tmp_path / "healed.ddlw"
     r = ok(cli("heal", small, "--data", corpus, "--out", healed, "--init", ck, "--window", "32", "--tokens", "1600",
-               "--chain", "2", "--batch", "2", "--epochs", "0.2", "--lr", "1e-3", "--eval-every", "5", "--json"))  # fmt: skip
+               "--chain", "2", "--batch", "2", "--epochs", "0.2", "--lr", "1e-3", "--eval-every", "5", "--json",
+               "--backend", "wgpu"))  # fmt: skip
     h = json.loads(r.stdout)
     assert h["backend"] == "wgpu" and h["heldout_kl_best"] <= h["heldout_kl_start"]
-    assert h["chain_attention"] == h["acceptance_after"]["chain_attention"] == "runtime"
+    assert h["chain_attention"] == h["acceptance_after"]["chain_attention"] == "per-step"

@@ -27,8 +27,9 @@ from ddl_ref.config import ModelVariant, preset
 from ddl_ref.optim import CosineWarmupSchedule
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu import train as T
+from ddl_wgpu.backend import make_net
 from ddl_wgpu.data import ByteTokenizer, TokenDataset, load_datasets
-from ddl_wgpu.engine import AdamW
+from ddl_wgpu.step import AdamW
 from ddl_wgpu.train import (
     RunOptions,
     TrainingConfig,
@@ -36,7 +37,6 @@ from ddl_wgpu.train import (
     check_resume,
     evaluate,
     load_checkpoint,
-    make_net,
     resume,
     schedule_for_phase,
     train_variant,
@@ -582,7 +582,7 @@ def test_checkpoint_artifact(straight, data):
     rep, out = straight
     trn, _ = data
     ck = load_checkpoint(out / "checkpoint.ddlw")
-    assert set(ck) == {"cfg", "params", "best", "m", "v", "report", "position"}
+    assert set(ck) == {"cfg", "params", "best", "m", "v", "report", "position", "data"}
     assert ck["cfg"] == BASELINE.resolve_config(CFG)
     names = [s.name for s in param_table(ck["cfg"])]
     for key in ("params", "best", "m", "v"):
@@ -686,9 +686,10 @@ def test_resume_refuses_the_wrong_kind(straight, data, tmp_path):
     _, full_out = straight
     trn, val = data
     with pytest.raises(
-        TrainingError, match=r"^invalid resume state: the run already completed its 6 steps; pass --steps N"
-    ):
+        TrainingError, match=r"^invalid resume state: the run already completed its 6 steps$"
+    ) as e:
         resume(full_out / "checkpoint.ddlw", trn, val, WGPU, out_dir=tmp_path / "x")
+    assert e.value.kind == "run_completed"  # the CLI says how to go on: a new phase with --steps N
     train_variant(CFG, BASELINE, trn, val, TCFG, tmp_path / "s", RunOptions(backend="ref", stop_after=3))
     with pytest.raises(TrainingError, match=r"^invalid resume state: the run stopped at step 3 of its phase"):
         resume(tmp_path / "s" / "checkpoint.ddlw", trn, val, REF, steps=2)
