@@ -57,11 +57,15 @@ import numpy as np
 from ddl_ref import decode as ref_decode
 from ddl_ref import mtp as ref_mtp
 from ddl_wgpu.data import tokenizer_for
+from ddl_wgpu.errors import UserError
 from ddl_wgpu.modelfile import Model, load_model
 
+MAX_NEW_TOKENS = 128  # default tokens generated at most
+DEPTH = 3  # default draft tokens per speculative round
 
-class GenerateError(ValueError):
-    """A generation request that cannot run, with one clear line."""
+
+class GenerateError(UserError):
+    """A generation request that cannot run, with one clear line; `field` names the setting it is about."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +79,11 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
-            raise GenerateError(f"temperature must be >= 0, got {self.temperature}")
+            raise GenerateError(f"temperature must be >= 0, got {self.temperature}", field="temperature")
         if self.top_k < 0:
-            raise GenerateError(f"top_k must be >= 0 (0: no limit), got {self.top_k}")
+            raise GenerateError(f"top_k must be >= 0 (0: no limit), got {self.top_k}", field="top_k")
         if not 0 < self.top_p <= 1:
-            raise GenerateError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise GenerateError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
 
     @property
     def greedy(self) -> bool:
@@ -359,15 +363,14 @@ def make_engine(model: Model, backend: str, device: str | None, depth: int, dtyp
                 capacity: int | None = None) -> tuple[Engine, str]:  # fmt: skip
     """-> (engine, the backend it runs on); "auto" follows `backend.choose_backend` (numpy on CPU adapters).
     `capacity`: positions the caches hold (default the model's max_seq_len)."""
-    from ddl_wgpu.backend import BackendError, choose_backend, open_gpu
+    from ddl_wgpu.backend import choose_backend, open_gpu
 
-    try:
-        used = choose_backend(backend, device).name
-    except BackendError as e:
-        raise GenerateError(str(e)) from e
+    used = choose_backend(backend, device).name  # a BackendError is the caller's to report
     if used == "ref":
         if dtype != "f32":
-            raise GenerateError(f"a {dtype} trunk needs the wgpu backend (the numpy trunk is f32)")
+            raise GenerateError(
+                f"a {dtype} trunk needs the wgpu backend (the numpy trunk is f32)", kind="trunk_needs_wgpu"
+            )
         return RefEngine(model, depth, capacity), "ref"
     from ddl_wgpu.decode import WgpuEngine
     from ddl_wgpu.gpu import GpuError
@@ -382,18 +385,20 @@ def encode_prompt(model: Model, prompt: str | bytes, tokenizer=None) -> np.ndarr
     tok = tokenizer if tokenizer is not None else tokenizer_for(model.tokenizer)
     ids = tok.encode_bytes(prompt) if isinstance(prompt, bytes) else tok.encode(prompt)
     if ids.size == 0:
-        raise GenerateError("empty prompt: give at least one character of text")
+        raise GenerateError("empty prompt: give at least one character of text", field="prompt")
     if int(ids.max()) >= model.cfg.vocab_size:
         raise GenerateError(f"the prompt has token id {int(ids.max())} >= the model's vocab_size "
                             f"{model.cfg.vocab_size}")  # fmt: skip
     if ids.size >= model.cfg.max_seq_len:
         raise GenerateError(f"the prompt is {ids.size} tokens; the model's context (max_seq_len) is "
-                            f"{model.cfg.max_seq_len}, which leaves no room to generate")  # fmt: skip
+                            f"{model.cfg.max_seq_len}, which leaves no room to generate",
+                            field="prompt")  # fmt: skip
     return ids
 
 
-def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
-             stops: Sequence[str] = (), speculative: bool = False, depth: int = 3, backend: str = "auto",
+def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = MAX_NEW_TOKENS,
+             sampling: Sampling = Sampling(), stops: Sequence[str] = (), speculative: bool = False,
+             depth: int = DEPTH, backend: str = "auto",
              device: str | None = None, on_text: Callable[[str], None] | None = None,
              dtype: str = "f32") -> dict:  # fmt: skip
     """Generate a continuation of `prompt` (text, or raw bytes) with the model (a `Model` or a `.ddlw` path).
@@ -409,15 +414,18 @@ def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = 64, 
         except (CheckpointError, OSError) as e:
             raise GenerateError(str(e)) from e
     if dtype not in ("f32", "f16"):
-        raise GenerateError(f"trunk dtype must be f32 or f16, got {dtype!r}")
+        raise GenerateError(f"trunk dtype must be f32 or f16, got {dtype!r}", field="trunk_dtype")
     if max_new_tokens < 1:
-        raise GenerateError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        raise GenerateError(
+            f"max_new_tokens must be at least 1, got {max_new_tokens}", field="max_new_tokens"
+        )
     if speculative:
         if model.cfg.mtp is None:
             raise GenerateError("speculative decoding needs the model's MTP draft, and this model has none "
-                                "(no model.mtp.* tensors; train with --mtp or heal one in)")  # fmt: skip
+                                "(no model.mtp.* tensors: a model trained with a draft, or healed, has them)",
+                                field="speculative")  # fmt: skip
         if depth < 1:
-            raise GenerateError(f"depth must be at least 1, got {depth}")
+            raise GenerateError(f"depth must be at least 1, got {depth}", field="depth")
     tokenizer = tokenizer_for(model.tokenizer)
     ids = encode_prompt(model, prompt, tokenizer)
     # The caches hold what this request can reach, not the model's whole context (a 40k-token Qwen3 context
@@ -428,3 +436,14 @@ def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = 64, 
               depth if speculative else 0)  # fmt: skip
     out.update(backend=used, speculative=bool(speculative))
     return out
+
+
+def summary_line(r: dict) -> str:
+    """One line about a `generate` result: tokens, why it stopped, speeds, the backend and the draft's numbers."""
+    line = (f"[{r['new_tokens']} tokens ({r['finish_reason']}); prefill {r['prompt_tokens']} tokens at "
+            f"{r['prefill_tokens_per_s']:.0f} tok/s; decode {r['decode_tokens_per_s']:.1f} tok/s on {r['backend']}")  # fmt: skip
+    if r.get("speculative") and r.get("rounds"):
+        acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"])
+        line += (f"; draft depth {r['depth']}: {r['mean_accepted']:.2f} drafts kept per round, "
+                 f"{r['tokens_per_pass']:.2f} tokens per trunk pass, acceptance per depth {acc}")  # fmt: skip
+    return line + "]"

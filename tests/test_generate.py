@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -320,3 +323,57 @@ def test_model_tokenizer_is_used(tmp_path):
     assert out["prompt_tokens"] == 2 and out["new_tokens"] == 6
     words = [w for w, i in sorted(vocab.items(), key=lambda kv: kv[1])]
     assert out["text"].split() == [words[i] for i in out["token_ids"]]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the command line
+
+
+def cli(*args, stdin=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "ddl_wgpu.cli", "generate", *map(str, args)], input=stdin,
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+
+
+def test_cli_generate_streams_text_and_json(tmp_path):
+    path = byte_model(tmp_path)
+    want = generate(path, "ab", max_new_tokens=12, backend="ref")
+    r = cli(path, "--prompt", "ab", "--max-new-tokens", 12, "--backend", "ref")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want["text"] + "\n"
+    assert "[12 tokens (length)" in r.stderr and "tok/s" in r.stderr
+    r = cli(
+        path, "--max-new-tokens", 12, "--backend", "ref", "--json", "--speculative", "--depth", 2, stdin="ab"
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == want["token_ids"] and out["text"] == want["text"] and out["speculative"]
+    assert len(out["acceptance_per_depth"]) == 2 and out["decode_s"] >= 0
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(b"ab")
+    r = cli(path, "--prompt-file", prompt, "--max-new-tokens", 12, "--backend", "ref", "--json",
+            "--temperature", 0.9, "--top-k", 20, "--top-p", 0.9, "--seed", 4, "--stop", "never-seen")  # fmt: skip
+    again = cli(path, "--prompt", "ab", "--max-new-tokens", 12, "--backend", "ref", "--json",
+                "--temperature", 0.9, "--top-k", 20, "--top-p", 0.9, "--seed", 4, "--stop", "never-seen")  # fmt: skip
+    assert r.returncode == 0 and json.loads(r.stdout)["token_ids"] == json.loads(again.stdout)["token_ids"]
+
+
+def test_cli_generate_errors_are_one_line(tmp_path):
+    path = byte_model(tmp_path)
+    nodraft = byte_model(tmp_path, draft=False)
+    bad = tmp_path / "bad.ddlw"
+    bad.write_bytes(b"not a model at all")
+    cases = [
+        ((path, "--prompt", ""), "empty prompt"),
+        ((path, "--prompt", "x" * 40), "context"),
+        ((nodraft, "--prompt", "hi", "--speculative"), "MTP draft"),
+        ((bad, "--prompt", "hi"), "bad.ddlw"),
+        ((path, "--prompt", "hi", "--temperature", -1), "temperature"),
+        ((path, "--prompt", "hi", "--backend", "tpu"), "backend"),
+        ((path, "--prompt", "hi", "--prompt-file", bad), "not both"),
+    ]
+    for args, words in cases:
+        r = cli(*args, "--backend", "ref") if "--backend" not in args else cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and words in errors[0] and "Traceback" not in r.stderr, (args, r.stderr)
