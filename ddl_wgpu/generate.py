@@ -17,7 +17,7 @@ Speculative decoding (`speculative=True`), one round with n tokens fed and the n
 
 1. the draft's step-1 rows are caught up for every fed anchor a < n it has not seen (trunk hidden h_a, token
    x_{a+1}); the last (anchor n−1, token x_n) proposes d_1 for x_{n+1}; chain step σ = 2..K reads its own step
-   σ−1 hidden and token at position n + σ − 2 (the stacked "runtime" layout of `accept`'s chain attention);
+   σ−1 hidden and token at position n + σ − 2 (the "stacked" chain attention of `accept` and `heal`);
    the chain rows are then rolled back, the step-1 rows kept;
 2. the trunk verifies [x_n, d_1, ..., d_K] in one `feed` (K + 1 rows, distributions P_0..P_K);
 3. greedy: d_j is kept while d_j = argmax P_{j−1}; the first mismatch is replaced by the trunk's argmax, and
@@ -35,7 +35,7 @@ kept.
 
 Verified (tests/test_generate.py on numpy; tests/test_generate_gpu.py on the GPU engine): greedy output token
 for token equal with and without speculation for all six variants at depths 1-3 (both the accept and the
-reject paths taken); the draft's proposals equal `accept`'s greedy chain with the runtime attention; seeded
+reject paths taken); the draft's proposals equal `accept`'s greedy chain with the stacked attention; seeded
 sampling reproducible; the first three sampled tokens of speculative rounds two drafts deep against the
 trunk's exact joint distribution (chi-square over 4000 seeds; the same statistic rejects the draft's own
 distribution, and fails when drafts are always kept or a rejection draws from P instead of the residual);

@@ -25,6 +25,7 @@ from ddl_wgpu import accept
 from ddl_wgpu.data import ByteTokenizer
 from ddl_wgpu.generate import GenerateError, RefEngine, Sampling, TextStream, distribution, generate, run
 from ddl_wgpu.modelfile import Model, save_model
+from ddl_wgpu.refnet import ref_runner
 
 VARIANTS = list(ModelVariant)
 
@@ -178,8 +179,8 @@ def test_draft_proposals_equal_accept_stacked_chain(variant):
     ids = np.random.default_rng(3).integers(0, 13, 12)
     (tb,) = accept.trunk_batches(model, [ids])
     depth = 3
-    preds = accept.greedy_chain(model.params, model.cfg, tb, depth, accept.ref_runner(model.params, model.cfg),
-                                "runtime")  # fmt: skip
+    preds = accept.greedy_chain(model.params, model.cfg, tb, depth, ref_runner(model.params, model.cfg),
+                                "stacked")  # fmt: skip
     for p in (0, 4, 7):
         engine = RefEngine(model, depth)
         engine.feed(ids[: p + 1], "argmax")
