@@ -80,6 +80,10 @@ BackendOpt = Annotated[
     ),
 ]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="Adapter index or name substring.")]
+PrecisionOpt = Annotated[
+    str,
+    typer.Option("--precision", help="f32, or f16: mixed precision (f16 GEMM products, loss scaling; wgpu)."),
+]
 
 
 def _backend_line(choice: BackendChoice) -> str:
@@ -391,6 +395,7 @@ def train(
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots (needs matplotlib)."),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    precision: PrecisionOpt = "f32",
 ):
     """Train a sweep of variants on the same data and budget; write reports, checkpoints and plots."""
     base = _model_config(preset, locals(), mtp)
@@ -414,8 +419,14 @@ def train(
     tcfg.validate()
     if seq_len > base.max_seq_len:
         fail(f"--seq-len {seq_len} exceeds the model's max_seq_len {base.max_seq_len} (see --max-seq-len)")
+    if precision not in ("f32", "f16"):
+        fail(f"--precision must be f32 or f16, got {precision!r}")
     vs = parse_variants(variants)
     choice = choose_backend(backend, device)
+    if precision != "f32" and choice.name != "wgpu":
+        fail(
+            f"--precision {precision} runs on the wgpu backend only ({_backend_line(choice)}): pass --backend wgpu"
+        )
     source = _data_source(data, val_data, val_fraction, max_tokens)
     trn, val = _load_data(source, seq_len, batch_size, base.vocab_size, seed)
     typer.echo("resolved configuration:")
@@ -427,9 +438,13 @@ def train(
     if val is not None:
         typer.echo(f"  val:      {fields(val.summary())}")
     typer.echo(f"  tokens per step: {batch_size * seq_len:,}")
+    if precision != "f32":
+        typer.echo(
+            f"  precision: {precision} (f16 GEMM products, f32 weights/optimizer, dynamic loss scaling)"
+        )
     con = TrainConsole()
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
-                                stop_after=stop_after, progress=con, data=source)  # fmt: skip
+                                stop_after=stop_after, progress=con, data=source, precision=precision)  # fmt: skip
     comp = _run(lambda: train_lib.train_variants(base, vs, trn, val, tcfg, out, opts), con, f"{out}/")
     if comp.get("status") == "stopped":
         last = comp["reports"][-1]
