@@ -24,6 +24,7 @@ from ddl_ref.config import ConfigError, ModelVariant, MtpConfig, parse_variants
 from ddl_ref.config import preset as make_preset
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu import accept as accept_lib
+from ddl_wgpu import generate as generate_lib
 from ddl_wgpu import heal as heal_lib
 from ddl_wgpu import train as train_lib
 from ddl_wgpu.backend import BackendChoice, BackendError, UnknownBackendError, choose_backend, make_net
@@ -696,6 +697,68 @@ def heal(
             f"healed {rep['steps']} steps (best step {rep['best_step']}): held-out KL "
             f"{rep['heldout_kl_start']:.4f} -> {rep['heldout_kl_best']:.4f}; wrote {out}"
         )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# generate
+
+
+def _prompt_of(prompt: str | None, prompt_file: Path | None) -> str | bytes:
+    """--prompt TEXT, --prompt-file FILE (its bytes), else standard input (its bytes)."""
+    if prompt is not None and prompt_file is not None:
+        fail("give --prompt or --prompt-file, not both")
+    if prompt is not None:
+        return prompt
+    if prompt_file is not None:
+        return prompt_file.read_bytes()
+    if sys.stdin is None or sys.stdin.isatty():
+        fail("no prompt: give --prompt TEXT, --prompt-file FILE, or the text on standard input")
+    return sys.stdin.buffer.read()
+
+
+def _write_now(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+@app.command()
+def generate(
+    model: Path = typer.Argument(..., help="Model file (.ddlw)."),
+    prompt: str = typer.Option(
+        None, "--prompt", help="The prompt (else --prompt-file, else standard input)."
+    ),
+    prompt_file: Path = typer.Option(None, "--prompt-file", help="Read the prompt from this file."),
+    max_new_tokens: int = typer.Option(
+        generate_lib.MAX_NEW_TOKENS, "--max-new-tokens", help="Tokens at most."
+    ),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; > 0: sampling."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: all)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample among the most likely tokens of mass p."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed: same seed, same text."),
+    stop: list[str] = typer.Option(None, "--stop", help="Stop before this text (repeatable)."),
+    speculative: bool = typer.Option(
+        False, "--speculative", help="Speculative decoding with the model's MTP draft (the same greedy text)."
+    ),
+    depth: int = typer.Option(generate_lib.DEPTH, "--depth", help="Draft tokens per speculative round."),
+    backend: BackendOpt = "auto",
+    device: DeviceOpt = None,
+    trunk_dtype: TrunkDtype = "f32",
+    as_json: bool = typer.Option(False, "--json", help="Print the text, token ids and timings as JSON."),
+):
+    """Continue a prompt: the text streamed as it is produced (greedy, or sampled), optionally speculating with
+    the model's MTP draft; a summary line (tokens/s, the draft's acceptance) on standard error."""
+    text = _prompt_of(prompt, prompt_file)
+    sampling = generate_lib.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    choice = choose_backend(backend, device)
+    typer.echo(_backend_line(choice), err=True)
+    r = generate_lib.generate(model, text, max_new_tokens=max_new_tokens, sampling=sampling, stops=stop or (),
+                              speculative=speculative, depth=depth, backend=choice.name, device=device,
+                              on_text=None if as_json else _write_now, dtype=trunk_dtype)  # fmt: skip
+    if as_json:
+        typer.echo(json.dumps(r, indent=2))
+    else:
+        typer.echo()
+        typer.echo(generate_lib.summary_line(r), err=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
