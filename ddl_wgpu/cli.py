@@ -9,7 +9,10 @@ or command that gets the user further, and exit with 2; nothing a user can trigg
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import math
 import os
 import sys
 import time
@@ -42,8 +45,10 @@ from ddl_wgpu.data import (
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.hf import HfError, export_hf_from_file, import_hf_to_file
 from ddl_wgpu.inspect import describe, render_text
-from ddl_wgpu.modelfile import Model, load_model, save_model
+from ddl_wgpu.modelfile import Model, check_fits, load_model, save_model
 from ddl_wgpu.plots import write_plots
+from ddl_wgpu.rundir import RunLock, claim_output
+from ddl_wgpu.safeio import refuse_overwrite_input
 
 app = typer.Typer(
     add_completion=False,
@@ -65,6 +70,57 @@ def fail(message: str, code: int = EXIT_USER_ERROR):
 
 def _emit(obj, as_json: bool, text: str):
     typer.echo(json.dumps(obj, indent=2) if as_json else text)
+
+
+MAX_INT = train_lib.MAX_INT  # integers are stored in msgpack headers (int64)
+MAX_BATCH_TOKENS = 1 << 31  # rows x tokens of one batch: the engine indexes a batch with 32-bit integers
+
+
+def _in_range(flag: str, value, lo, hi=MAX_INT) -> None:
+    """One `error:` line (before any work) unless lo <= `value` <= hi (None: the option was not given)."""
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        fail(f"--{flag} must be a finite number, got {value}")
+    if not lo <= value <= hi:
+        top = "2^63-1" if hi == MAX_INT else f"{hi:g}" if isinstance(hi, float) else f"{hi}"
+        fail(f"--{flag} must be between {lo} and {top}, got {value}")
+
+
+def _batch_tokens(batch_flag: str, batch: int, seq_len: int) -> None:
+    if batch * seq_len > MAX_BATCH_TOKENS:
+        fail(f"--{batch_flag} {batch} x --seq-len {seq_len} tokens per batch is more than the 2^31 allowed")
+
+
+def _output_file(out: Path) -> None:
+    """An output file must not be a folder and its folder must be writable: checked before any work."""
+    if out.is_dir():
+        fail(f"--out {out} is a folder; name the file to write (e.g. {out / 'model.ddlw'})")
+    parent = out.parent if str(out.parent) else Path(".")
+    if parent.exists() and not parent.is_dir():
+        fail(f"--out {out}: {parent} is not a folder")
+    if not parent.exists():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            fail(f"--out {out}: cannot create {parent}: {e.strerror or e}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        fail(f"--out {out}: the folder {parent} is not writable")
+
+
+def _fits(cfg, training: bool, what: str) -> None:
+    try:
+        check_fits(cfg, training, what)
+    except ConfigError as e:
+        fail(f"{e} (see the model options, e.g. --d-model, --n-layers, --vocab-size)")
+
+
+NoVerify = Annotated[
+    bool,
+    typer.Option(
+        "--no-verify", help="Skip the tensor hash check of trusted inputs (it costs one hashing pass)."
+    ),
+]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -197,11 +253,14 @@ def init(
     mtp: bool = typer.Option(False, "--mtp", help="Add an MTP draft block (model.mtp.*)."),
 ):
     """Write a freshly initialised model file."""
+    _in_range("seed", seed, 0)
     base = _model_config(preset, locals())
     v = ModelVariant.parse(variant)
     cfg = v.resolve_config(base)
     if mtp:
         cfg = replace(cfg, mtp=MtpConfig())
+    _output_file(out)
+    _fits(cfg, False, "the model")
     params = init_params(cfg, seed)
     save_model(out, Model(cfg, params, variant=v.slug, provenance={"init": {"seed": seed, "preset": preset}}))
     table = param_table(cfg)
@@ -220,12 +279,17 @@ def eval_(
     max_tokens: int = typer.Option(200_000, "--max-tokens", help="Read at most this many tokens (0: all)."),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Loss and perplexity over consecutive windows of a corpus (and spectral diagnostics for DDL models)."""
+    _in_range("seq-len", seq_len, 2)
+    _in_range("batch", batch, 1)
+    _in_range("max-tokens", max_tokens, 0)
+    _batch_tokens("batch", batch, seq_len)
     choice = choose_backend(backend, device)
     typer.echo(_backend_line(choice), err=as_json)
-    m = load_model(model)
+    m = load_model(model, verify=not no_verify)
     ds = eval_windows(
         data,
         tokenizer=tokenizer_for(m.tokenizer),
@@ -280,10 +344,12 @@ def export_hf(
         "--raw/--no-raw",
         help="Raw tensors under our names (default for models Qwen3/Llama cannot hold).",
     ),
+    force: bool = typer.Option(False, "--force", help="Replace the files of a non-empty FOLDER."),
+    no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Export a model as a Hugging Face folder (Qwen3/Llama for baseline models, raw tensors for DDL)."""
-    summary = export_hf_from_file(model, folder, raw=raw)
+    summary = export_hf_from_file(model, folder, raw=raw, overwrite=force, verify=not no_verify)
     _emit(summary, as_json, summary_text(summary) + f"\nwrote {folder}")
 
 
@@ -322,13 +388,18 @@ def _load_data(source: dict, seq_len: int, batch_size: int, vocab_size: int, see
     )
 
 
-def _run(fn, con: TrainConsole, where: str):
-    """Run a training function with the console; Ctrl-C leaves a resumable checkpoint and exits 130."""
+def _run(fn, con: TrainConsole):
+    """Run a training function with the console; Ctrl-C exits 130 saying what was saved (the library saves
+    the last completed step: `train_lib.TrainingInterrupted`)."""
     try:
         return fn()
+    except train_lib.TrainingInterrupted as e:
+        con.close()
+        typer.echo(e.message, err=True)
+        raise typer.Exit(130) from None
     except KeyboardInterrupt:
         con.close()
-        typer.echo(f"interrupted: resumable checkpoint saved under {where}", err=True)
+        typer.echo("interrupted before training started: nothing saved", err=True)
         raise typer.Exit(130) from None
     finally:
         con.close()
@@ -388,10 +459,17 @@ def train(
     ),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop after N steps with a resumable checkpoint."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots (needs matplotlib)."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Train into an --out folder that holds another run, replacing it."
+    ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
 ):
     """Train a sweep of variants on the same data and budget; write reports, checkpoints and plots."""
+    _in_range("save-interval", save_interval, 0)
+    _in_range("stop-after", stop_after, 0)
+    _in_range("max-tokens", max_tokens, 0)
+    _in_range("val-fraction", val_fraction, 0.0, 1.0)
     base = _model_config(preset, locals(), mtp)
     tcfg = train_lib.TrainingConfig(
         max_steps=max_steps,
@@ -413,10 +491,20 @@ def train(
     tcfg.validate()
     if seq_len > base.max_seq_len:
         fail(f"--seq-len {seq_len} exceeds the model's max_seq_len {base.max_seq_len} (see --max-seq-len)")
+    _batch_tokens("batch-size", batch_size, seq_len)
     vs = parse_variants(variants)
+    for v in vs:
+        _fits(v.resolve_config(base), True, f"variant {v.slug}")
     choice = choose_backend(backend, device)
     source = _data_source(data, val_data, val_fraction, max_tokens)
-    trn, val = _load_data(source, seq_len, batch_size, base.vocab_size, seed)
+    with claim_output(out, overwrite):
+        _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots)
+
+
+def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots):
+    """`train` once its options are checked and its output folder claimed."""
+    batch_size, seq_len = tcfg.batch_size, tcfg.seq_len
+    trn, val = _load_data(source, seq_len, batch_size, base.vocab_size, tcfg.seed)
     typer.echo("resolved configuration:")
     typer.echo("  model:    " + fields(base.to_dict()))
     typer.echo("  training: " + fields(tcfg.to_dict()))
@@ -429,7 +517,7 @@ def train(
     con = TrainConsole()
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
                                 stop_after=stop_after, progress=con, data=source)  # fmt: skip
-    comp = _run(lambda: train_lib.train_variants(base, vs, trn, val, tcfg, out, opts), con, f"{out}/")
+    comp = _run(lambda: train_lib.train_variants(base, vs, trn, val, tcfg, out, opts), con)
     if comp.get("status") == "stopped":
         last = comp["reports"][-1]
         typer.echo(f"stopped after step {last['steps_completed']}: continue with "
@@ -494,9 +582,16 @@ def resume(
     stop_after: int = typer.Option(0, "--stop-after", help="Stop again after N steps."),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    no_verify: NoVerify = False,
 ):
     """Continue an interrupted run, or train a new phase (--steps N) from a checkpoint."""
-    ck = train_lib.load_checkpoint(checkpoint)
+    _in_range("save-interval", save_interval, 0)
+    _in_range("stop-after", stop_after, 0)
+    _in_range("max-tokens", max_tokens, 0)
+    _in_range("val-fraction", val_fraction, 0.0, 1.0)
+    _in_range("steps", steps, 1)
+    _in_range("eval-interval", eval_interval, 1)
+    ck = train_lib.load_checkpoint(checkpoint, verify=not no_verify)
     tr = ck["report"]["training"]
     recorded = _recorded_source(ck)
     source = {
@@ -530,17 +625,23 @@ def resume(
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
                                 stop_after=stop_after, progress=con, data=source)  # fmt: skip
     where = out or checkpoint.parent
-    rep = _run(
-        lambda: train_lib.resume(checkpoint, trn, val, opts, out_dir=out, steps=steps, overrides=over),
-        con,
-        str(where),
-    )
+    sweep_dir = checkpoint.parent.parent if ck["sweep"] and out is None and steps is None else None
+    with contextlib.ExitStack() as locks:
+        locks.enter_context(RunLock(where))
+        if sweep_dir is not None:  # finishing the sweep writes its other variants and its report
+            locks.enter_context(RunLock(sweep_dir))
+        rep = _run(
+            lambda: train_lib.resume(checkpoint, trn, val, opts, out_dir=out, steps=steps, overrides=over),
+            con,
+        )
     fv = rep.get("final_validation") or {}
     typer.echo(
         f"{rep['variant']}: {rep['steps_completed']} steps, status {rep.get('status')}, "
         f"final train {((rep.get('final_train') or {}).get('loss', float('nan'))):.4f}, "
         f"final val {fv.get('loss', float('nan')):.4f}; report {where / train_lib.REPORT}"
     )
+    if sweep_dir is not None and (sweep_dir / train_lib.REPORT).is_file():
+        typer.echo(f"sweep report: {sweep_dir / train_lib.REPORT}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -572,10 +673,12 @@ def compress(
     ffn_keep: float = typer.Option(
         None, "--ffn-keep", help="Fraction of each SwiGLU's channels to keep (0, 1]."
     ),
+    no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Structural compress: drop whole blocks, or keep the most important SwiGLU channels."""
-    prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep)
+    _output_file(out)
+    prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep, verify=not no_verify)
     _emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
 
 
@@ -593,14 +696,19 @@ def accept(
     device: DeviceOpt = None,
     trunk_dtype: TrunkDtype = "f32",
     chain_attention: ChainAttention = accept_lib.DEFAULT_CHAIN_ATTENTION,
+    no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Greedy speculative acceptance of the draft chained K deep: A_j, α_j, τ (all and on-policy anchors)."""
+    _in_range("depth", depth, 1)
+    _in_range("window", window, depth + 1)
+    _in_range("tokens", tokens, 0)
     choice = choose_backend(backend, device)
     typer.echo(_backend_line(choice), err=as_json)
     r = accept_lib.accept_file(model, data, depth=depth, window=window, tokens=tokens or None,
                                backend=choice.name, probe_conventions=probe_conventions, device=device,
-                               trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
+                               trunk_dtype=trunk_dtype, chain_attention=chain_attention,
+                               verify=not no_verify)  # fmt: skip
     _emit(r, as_json, accept_text(r))
 
 
@@ -647,9 +755,20 @@ def heal(
     chain_attention: ChainAttention = HEAL.chain_attention,
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="JSON progress lines and the report as JSON."),
 ):
     """Retrain the MTP draft head on its own trunk by top-k KL self-distillation; write it back into OUT."""
+    for flag, value, lo in (("chain", chain, 1), ("refresh", refresh, 1), ("tokens", tokens, 1), ("window", window, 2),
+                            ("topk", topk, 1), ("batch", batch, 1), ("eval-every", eval_every, 1),
+                            ("patience", patience, 0), ("seed", seed, 0)):  # fmt: skip
+        _in_range(flag, value, lo)
+    _in_range("epochs", epochs, 0.0, 1e6)
+    if chain >= window:
+        fail(f"--chain {chain} needs windows longer than the chain: --window {window} is too short")
+    _batch_tokens("batch", batch, window)
+    refuse_overwrite_input(out, [model, init], heal_lib.HealError)
+    _output_file(out)
     cfg = heal_lib.HealConfig(chain=chain, refresh=refresh, tokens=tokens, window=window, epochs=epochs, lr=lr,
                               topk=topk, batch=batch, eval_every=eval_every, patience=patience, seed=seed,
                               trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
@@ -658,7 +777,7 @@ def heal(
     typer.echo("  heal:     " + fields(cfg.to_dict()), err=as_json)
     typer.echo("  " + _backend_line(choice), err=as_json)
     rep = heal_lib.heal(model, data, out, cfg, init_path=init, backend=choice.name,
-                        progress=HealConsole(as_json), device=device)  # fmt: skip
+                        progress=HealConsole(as_json), device=device, verify=not no_verify)  # fmt: skip
     if as_json:
         typer.echo(json.dumps(rep, indent=2, default=str))
     else:
@@ -681,7 +800,16 @@ HINTS = {
     "trunk_needs_wgpu": "use --backend wgpu or --trunk-dtype f32",
     "one_method": "pass exactly one of --drop-layers LIST and --ffn-keep F",
     "too_few_windows": "give more data (--data) or a larger --tokens, or a smaller --batch",
+    "run_exists": "pass --overwrite to replace it, or continue it with `resume DIR/VARIANT/checkpoint.ddlw`",
+    "locked": "wait for it to end, or write to another --out",
+    "not_writable": "write to another --out",
+    "out_not_folder": "--out names a folder to create",
 }
+
+# OS errors a user causes through the files they name: one line, not a traceback.
+USER_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EROFS: "read-only file system",
+               errno.EDQUOT: "disk quota exceeded", errno.EACCES: "permission denied",
+               errno.ENOTDIR: "not a folder", errno.EEXIST: "already exists"}  # fmt: skip
 
 
 def _hint(e: BaseException) -> str:
@@ -702,11 +830,16 @@ def _is_user_error(e: BaseException) -> bool:
                   | IsADirectoryError
                   | PermissionError):  # fmt: skip
         return True
+    if isinstance(e, OSError) and e.errno in USER_ERRNOS:
+        return True
     gpu_mod = sys.modules.get("ddl_wgpu.gpu")  # only a loaded GPU layer can have raised its errors
     return gpu_mod is not None and isinstance(e, gpu_mod.GpuError)
 
 
 def _error_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno in USER_ERRNOS:
+        where = e.filename if e.filename is not None else "writing"
+        return f"error: {where}: {USER_ERRNOS[e.errno]} ({e.strerror or e})"
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return f"error: {msg}{_hint(e)}"
 
