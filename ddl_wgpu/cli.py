@@ -858,7 +858,7 @@ def main():
     except usage.ClickException as e:
         typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
         sys.exit(EXIT_USER_ERROR)
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):
         typer.echo("interrupted", err=True)
         sys.exit(130)
     except Exception as e:
