@@ -209,8 +209,12 @@ def write_json(path: Path, obj) -> None:
     """Atomic JSON write (temp name, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(obj, indent=2, allow_nan=True))
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, allow_nan=True))
+        tmp.replace(path)
+    except BaseException:  # a full disk or a Ctrl-C: no half-written partial left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save_checkpoint(
@@ -268,6 +272,7 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT
 
 
+DATA_FIELDS = {"data", "val_data", "val_fraction", "max_tokens"}  # RunOptions.data
 REPORT_FIELDS = {"variant": str, "history": list, "steps_completed": int, "train_dataset": dict,
                  "training": dict}  # fmt: skip
 
@@ -343,6 +348,8 @@ def load_checkpoint(path: Path, verify: bool = True) -> dict:
                 missing = sorted(set(a) - set(b))
                 raise CheckpointError(f"{path}: missing optimizer tensor {pre}{missing[0]}")
         data, sweep = meta.get("train.data"), meta.get("train.sweep")
+        if data and not (isinstance(data, dict) and set(data) >= DATA_FIELDS):
+            raise _bad(path, f"train.data must record {sorted(DATA_FIELDS)}")
         return {
             "cfg": cfg,
             "params": params,
