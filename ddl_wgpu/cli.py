@@ -135,6 +135,10 @@ BackendOpt = Annotated[
     ),
 ]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="Adapter index or name substring.")]
+PrecisionOpt = Annotated[
+    str,
+    typer.Option("--precision", help="f32, or f16: mixed precision (f16 GEMM products, loss scaling; wgpu)."),
+]
 
 
 def _backend_line(choice: BackendChoice) -> str:
@@ -464,6 +468,7 @@ def train(
     ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    precision: PrecisionOpt = "f32",
 ):
     """Train a sweep of variants on the same data and budget; write reports, checkpoints and plots."""
     _in_range("save-interval", save_interval, 0)
@@ -492,16 +497,22 @@ def train(
     if seq_len > base.max_seq_len:
         fail(f"--seq-len {seq_len} exceeds the model's max_seq_len {base.max_seq_len} (see --max-seq-len)")
     _batch_tokens("batch-size", batch_size, seq_len)
+    if precision not in ("f32", "f16"):
+        fail(f"--precision must be f32 or f16, got {precision!r}")
     vs = parse_variants(variants)
     for v in vs:
         _fits(v.resolve_config(base), True, f"variant {v.slug}")
     choice = choose_backend(backend, device)
+    if precision != "f32" and choice.name != "wgpu":
+        fail(
+            f"--precision {precision} runs on the wgpu backend only ({_backend_line(choice)}): pass --backend wgpu"
+        )
     source = _data_source(data, val_data, val_fraction, max_tokens)
     with claim_output(out, overwrite):
-        _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots)
+        _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots, precision)
 
 
-def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots):
+def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots, precision):
     """`train` once its options are checked and its output folder claimed."""
     batch_size, seq_len = tcfg.batch_size, tcfg.seq_len
     trn, val = _load_data(source, seq_len, batch_size, base.vocab_size, tcfg.seed)
@@ -514,9 +525,13 @@ def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop
     if val is not None:
         typer.echo(f"  val:      {fields(val.summary())}")
     typer.echo(f"  tokens per step: {batch_size * seq_len:,}")
+    if precision != "f32":
+        typer.echo(
+            f"  precision: {precision} (f16 GEMM products, f32 weights/optimizer, dynamic loss scaling)"
+        )
     con = TrainConsole()
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
-                                stop_after=stop_after, progress=con, data=source)  # fmt: skip
+                                stop_after=stop_after, progress=con, data=source, precision=precision)  # fmt: skip
     comp = _run(lambda: train_lib.train_variants(base, vs, trn, val, tcfg, out, opts), con)
     if comp.get("status") == "stopped":
         last = comp["reports"][-1]
