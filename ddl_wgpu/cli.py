@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import math
 import os
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -30,6 +30,7 @@ from ddl_wgpu import accept as accept_lib
 from ddl_wgpu import heal as heal_lib
 from ddl_wgpu import train as train_lib
 from ddl_wgpu.backend import BackendChoice, BackendError, UnknownBackendError, choose_backend, make_net
+from ddl_wgpu.cli_checks import EXIT_USER_ERROR, batch_tokens, fail, fits, in_range, output_file
 from ddl_wgpu.compress import compress_file
 from ddl_wgpu.console import HealConsole, TrainConsole, accept_text, fields, ranked_table, summary_text
 from ddl_wgpu.container import CheckpointError
@@ -45,7 +46,7 @@ from ddl_wgpu.data import (
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.hf import HfError, export_hf_from_file, import_hf_to_file
 from ddl_wgpu.inspect import describe, render_text
-from ddl_wgpu.modelfile import Model, check_fits, load_model, save_model
+from ddl_wgpu.modelfile import Model, load_model, save_model
 from ddl_wgpu.plots import write_plots
 from ddl_wgpu.rundir import RunLock, claim_output
 from ddl_wgpu.safeio import refuse_overwrite_input
@@ -58,61 +59,12 @@ app = typer.Typer(
     "Vulkan, Metal or DX12 GPU through WGSL.",
 )
 
-EXIT_USER_ERROR = 2
 TRAIN = train_lib.TrainingConfig()  # the defaults of the training options
 HEAL = heal_lib.HealConfig()  # the defaults of the heal options
 
 
-def fail(message: str, code: int = EXIT_USER_ERROR):
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
-
 def _emit(obj, as_json: bool, text: str):
     typer.echo(json.dumps(obj, indent=2) if as_json else text)
-
-
-MAX_INT = train_lib.MAX_INT  # integers are stored in msgpack headers (int64)
-MAX_BATCH_TOKENS = 1 << 31  # rows x tokens of one batch: the engine indexes a batch with 32-bit integers
-
-
-def _in_range(flag: str, value, lo, hi=MAX_INT) -> None:
-    """One `error:` line (before any work) unless lo <= `value` <= hi (None: the option was not given)."""
-    if value is None:
-        return
-    if isinstance(value, float) and not math.isfinite(value):
-        fail(f"--{flag} must be a finite number, got {value}")
-    if not lo <= value <= hi:
-        top = "2^63-1" if hi == MAX_INT else f"{hi:g}" if isinstance(hi, float) else f"{hi}"
-        fail(f"--{flag} must be between {lo} and {top}, got {value}")
-
-
-def _batch_tokens(batch_flag: str, batch: int, seq_len: int) -> None:
-    if batch * seq_len > MAX_BATCH_TOKENS:
-        fail(f"--{batch_flag} {batch} x --seq-len {seq_len} tokens per batch is more than the 2^31 allowed")
-
-
-def _output_file(out: Path) -> None:
-    """An output file must not be a folder and its folder must be writable: checked before any work."""
-    if out.is_dir():
-        fail(f"--out {out} is a folder; name the file to write (e.g. {out / 'model.ddlw'})")
-    parent = out.parent if str(out.parent) else Path(".")
-    if parent.exists() and not parent.is_dir():
-        fail(f"--out {out}: {parent} is not a folder")
-    if not parent.exists():
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            fail(f"--out {out}: cannot create {parent}: {e.strerror or e}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        fail(f"--out {out}: the folder {parent} is not writable")
-
-
-def _fits(cfg, training: bool, what: str) -> None:
-    try:
-        check_fits(cfg, training, what)
-    except ConfigError as e:
-        fail(f"{e} (see the model options, e.g. --d-model, --n-layers, --vocab-size)")
 
 
 NoVerify = Annotated[
@@ -257,14 +209,14 @@ def init(
     mtp: bool = typer.Option(False, "--mtp", help="Add an MTP draft block (model.mtp.*)."),
 ):
     """Write a freshly initialised model file."""
-    _in_range("seed", seed, 0)
+    in_range("seed", seed, 0)
     base = _model_config(preset, locals())
     v = ModelVariant.parse(variant)
     cfg = v.resolve_config(base)
     if mtp:
         cfg = replace(cfg, mtp=MtpConfig())
-    _output_file(out)
-    _fits(cfg, False, "the model")
+    output_file(out)
+    fits(cfg, False, "the model")
     params = init_params(cfg, seed)
     save_model(out, Model(cfg, params, variant=v.slug, provenance={"init": {"seed": seed, "preset": preset}}))
     table = param_table(cfg)
@@ -287,10 +239,10 @@ def eval_(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Loss and perplexity over consecutive windows of a corpus (and spectral diagnostics for DDL models)."""
-    _in_range("seq-len", seq_len, 2)
-    _in_range("batch", batch, 1)
-    _in_range("max-tokens", max_tokens, 0)
-    _batch_tokens("batch", batch, seq_len)
+    in_range("seq-len", seq_len, 2)
+    in_range("batch", batch, 1)
+    in_range("max-tokens", max_tokens, 0)
+    batch_tokens("batch", batch, seq_len)
     choice = choose_backend(backend, device)
     typer.echo(_backend_line(choice), err=as_json)
     m = load_model(model, verify=not no_verify)
@@ -471,10 +423,10 @@ def train(
     precision: PrecisionOpt = "f32",
 ):
     """Train a sweep of variants on the same data and budget; write reports, checkpoints and plots."""
-    _in_range("save-interval", save_interval, 0)
-    _in_range("stop-after", stop_after, 0)
-    _in_range("max-tokens", max_tokens, 0)
-    _in_range("val-fraction", val_fraction, 0.0, 1.0)
+    in_range("save-interval", save_interval, 0)
+    in_range("stop-after", stop_after, 0)
+    in_range("max-tokens", max_tokens, 0)
+    in_range("val-fraction", val_fraction, 0.0, 1.0)
     base = _model_config(preset, locals(), mtp)
     tcfg = train_lib.TrainingConfig(
         max_steps=max_steps,
@@ -496,12 +448,12 @@ def train(
     tcfg.validate()
     if seq_len > base.max_seq_len:
         fail(f"--seq-len {seq_len} exceeds the model's max_seq_len {base.max_seq_len} (see --max-seq-len)")
-    _batch_tokens("batch-size", batch_size, seq_len)
+    batch_tokens("batch-size", batch_size, seq_len)
     if precision not in ("f32", "f16"):
         fail(f"--precision must be f32 or f16, got {precision!r}")
     vs = parse_variants(variants)
     for v in vs:
-        _fits(v.resolve_config(base), True, f"variant {v.slug}")
+        fits(v.resolve_config(base), True, f"variant {v.slug}")
     choice = choose_backend(backend, device)
     if precision != "f32" and choice.name != "wgpu":
         fail(
@@ -600,12 +552,12 @@ def resume(
     no_verify: NoVerify = False,
 ):
     """Continue an interrupted run, or train a new phase (--steps N) from a checkpoint."""
-    _in_range("save-interval", save_interval, 0)
-    _in_range("stop-after", stop_after, 0)
-    _in_range("max-tokens", max_tokens, 0)
-    _in_range("val-fraction", val_fraction, 0.0, 1.0)
-    _in_range("steps", steps, 1)
-    _in_range("eval-interval", eval_interval, 1)
+    in_range("save-interval", save_interval, 0)
+    in_range("stop-after", stop_after, 0)
+    in_range("max-tokens", max_tokens, 0)
+    in_range("val-fraction", val_fraction, 0.0, 1.0)
+    in_range("steps", steps, 1)
+    in_range("eval-interval", eval_interval, 1)
     ck = train_lib.load_checkpoint(checkpoint, verify=not no_verify)
     tr = ck["report"]["training"]
     recorded = _recorded_source(ck)
@@ -692,7 +644,7 @@ def compress(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Structural compress: drop whole blocks, or keep the most important SwiGLU channels."""
-    _output_file(out)
+    output_file(out)
     prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep, verify=not no_verify)
     _emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
 
@@ -715,9 +667,9 @@ def accept(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Greedy speculative acceptance of the draft chained K deep: A_j, α_j, τ (all and on-policy anchors)."""
-    _in_range("depth", depth, 1)
-    _in_range("window", window, depth + 1)
-    _in_range("tokens", tokens, 0)
+    in_range("depth", depth, 1)
+    in_range("window", window, depth + 1)
+    in_range("tokens", tokens, 0)
     choice = choose_backend(backend, device)
     typer.echo(_backend_line(choice), err=as_json)
     r = accept_lib.accept_file(model, data, depth=depth, window=window, tokens=tokens or None,
@@ -777,13 +729,13 @@ def heal(
     for flag, value, lo in (("chain", chain, 1), ("refresh", refresh, 1), ("tokens", tokens, 1), ("window", window, 2),
                             ("topk", topk, 1), ("batch", batch, 1), ("eval-every", eval_every, 1),
                             ("patience", patience, 0), ("seed", seed, 0)):  # fmt: skip
-        _in_range(flag, value, lo)
-    _in_range("epochs", epochs, 0.0, 1e6)
+        in_range(flag, value, lo)
+    in_range("epochs", epochs, 0.0, 1e6)
     if chain >= window:
         fail(f"--chain {chain} needs windows longer than the chain: --window {window} is too short")
-    _batch_tokens("batch", batch, window)
+    batch_tokens("batch", batch, window, "window")
     refuse_overwrite_input(out, [model, init], heal_lib.HealError)
-    _output_file(out)
+    output_file(out)
     cfg = heal_lib.HealConfig(chain=chain, refresh=refresh, tokens=tokens, window=window, epochs=epochs, lr=lr,
                               topk=topk, batch=batch, eval_every=eval_every, patience=patience, seed=seed,
                               trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
@@ -861,27 +813,34 @@ def _error_line(e: BaseException) -> str:
 
 def main():
     """Console-script entry point: run the app; user errors and usage errors become one line and exit 2."""
+    sys.exit(_main())
+
+
+def _main() -> int:
     try:
         code = app(standalone_mode=False)
+        # the command is done: a Ctrl-C from now on has nothing left to interrupt (and must not turn the exit
+        # into a death by SIGINT)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     except usage.NoArgsIsHelpError as e:
         e.show()
-        sys.exit(e.exit_code)
+        return e.exit_code
     except usage.UsageError as e:
         command = f" (see `ddl-wgpu {e.ctx.info_name} --help`)" if e.ctx is not None and e.ctx.parent else ""
         typer.echo(f"error: {' '.join(e.format_message().split())}{command}", err=True)
-        sys.exit(EXIT_USER_ERROR)
+        return EXIT_USER_ERROR
     except usage.ClickException as e:
         typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
-        sys.exit(EXIT_USER_ERROR)
+        return EXIT_USER_ERROR
     except (typer.Abort, KeyboardInterrupt):
         typer.echo("interrupted", err=True)
-        sys.exit(130)
+        return 130
     except Exception as e:
         if not _is_user_error(e):
             raise
         typer.echo(_error_line(e), err=True)
-        sys.exit(EXIT_USER_ERROR)
-    sys.exit(code if isinstance(code, int) else 0)
+        return EXIT_USER_ERROR
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":
