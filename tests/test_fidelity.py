@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from ddl_wgpu import accept
+from ddl_wgpu import accept, heal
+from ddl_wgpu.modelfile import load_model
 
 
 def test_on_policy_acceptance_is_measured_on_one_anchor_set():
@@ -37,3 +40,79 @@ def test_on_policy_prefix_never_rises_on_random_data():
     A = op["prefix_acceptance"]
     assert all(b <= a for a, b in zip(A, A[1:], strict=False))
     assert all(0.0 <= c <= 1.0 for c in op["conditional_acceptance"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# heal: job order, windows, trunk pass, provenance
+
+
+def test_xorshift_job_shuffle_pins_the_reference_sequence():
+    rng = heal.XorShift64()
+    # x ^= x << 13; x ^= x >> 7; x ^= x << 17 (mod 2^64) from 0x9e3779b97f4a7c15
+    assert rng.next() == 0xDC1B77AE0BF34DAD
+    assert rng.next() == 0x64F0EEB9026E6076
+    # Fisher-Yates over [0..4] from i = 4 down: r1 % 5 = 4 (no swap), r2 % 4 = 2 (0x...76: low bits 0110),
+    # then r3 % 3 = 0 and r4 % 2 = 0 -> [1, 3, 0, 2, 4]
+    order = list(range(5))
+    heal.XorShift64().shuffle(order)
+    assert order == [1, 3, 0, 2, 4]
+
+
+def test_job_order_reshuffles_the_same_array_each_pass():
+    job = heal._HealJob.__new__(heal._HealJob)
+    job.jobs = list("abcde")
+    gen = job._job_order(heal.XorShift64(0))
+    got = [next(gen) for _ in range(15)]
+    # pass 2 shuffles pass 1's order [1, 3, 0, 2, 4], not the identity; pass 3 shuffles pass 2's
+    assert "".join(got) == "bdace" + "abedc" + "adbce"
+
+
+def test_heal_windows_keep_short_last_windows_and_cut_at_the_budget():
+    r = np.arange(68, dtype=np.uint32)  # chunks of 24: 24, 24, 20 (>= 16 + 2: kept)
+    assert [w.size for w in heal.heal_windows([r], 24, 2, 10_000)] == [24, 24, 20]
+    assert [w.size for w in heal.heal_windows([r[:50]], 24, 2, 10_000)] == [
+        24,
+        24,
+    ]  # a 2-token chunk: skipped
+    # the window that reaches the budget is cut to fit, however short, and is the last
+    assert [w.size for w in heal.heal_windows([r, r], 24, 2, 30)] == [24, 6]
+
+
+def test_heal_reads_records_until_the_token_budget_is_met(tmp_path):
+    import json
+
+    short = [json.dumps({"text": "x" * 10}) for _ in range(100)]  # 1000 tokens, every record too short
+    long = [json.dumps({"text": "y" * 30}) for _ in range(40)]  # a 24-token window each (the rest skipped)
+    spec = tmp_path / "d.jsonl"
+    spec.write_text("\n".join(short + long) + "\n")
+    model = SimpleNamespace(tokenizer=None, cfg=SimpleNamespace(vocab_size=256))
+    wins = heal._windows(model, str(spec), heal.HealConfig(window=24, chain=2, tokens=480, batch=1))
+    assert len(wins) == 20 and sum(w.size for w in wins) == 480
+
+
+def test_trunk_pass_keeps_f32_hidden_and_pads_with_the_first_eos(heal_kit):
+    cfg = heal_kit.tiny_cfg()
+    assert heal.pad_id(SimpleNamespace(metadata={"hf.eos_token_id": 7})) == 7
+    assert heal.pad_id(SimpleNamespace(metadata={"hf.eos_token_id": [9, 3]})) == 9
+    assert heal.pad_id(SimpleNamespace(metadata={})) == 0
+
+    class Teacher:
+        def topk_hidden(self, ids, k):
+            B, T = ids.shape
+            h = np.full((B, T, cfg.d_model), 1 / 3, np.float32)  # not an f16 value
+            return np.zeros((B, T, k), np.int32), np.ones((B, T, k), np.float32), h, h
+
+    wins = [np.arange(5, dtype=np.uint32), np.arange(3, dtype=np.uint32)]
+    cache = heal._trunk_pass(Teacher(), wins, cfg, 2, 2, lambda *a, **k: None, pad=7)
+    assert cache.hidden.dtype == np.float32 and cache.hidden[0, 0, 0] == np.float32(1 / 3)
+    assert cache.ids[1].tolist() == [0, 1, 2, 7, 7]
+
+
+def test_heal_writes_the_reference_provenance_key_and_reads_the_old_one(tmp_path, heal_kit):
+    model = heal_kit.make_model(tmp_path / "m.ddlw")
+    text = heal_kit.make_text(tmp_path / "t.txt", 300)
+    heal.heal(model, str(text), tmp_path / "h.ddlw", heal_kit.SMALL)
+    prov = load_model(tmp_path / "h.ddlw").provenance
+    assert "mtp_heal" in prov and "heal_mtp" not in prov
+    assert heal.heal_record(prov) is prov["mtp_heal"]
+    assert heal.heal_record({"heal_mtp": {"steps": 3}}) == {"steps": 3}

@@ -84,7 +84,7 @@ def test_heal_changes_only_trained_draft_tensors(files, tmp_path):
         assert "model.mtp.eh_proj.weight" not in changed
         prov = b.provenance
     assert prov["train"] == {"seed": 0}  # earlier provenance kept
-    h = prov["heal_mtp"]
+    h = prov["mtp_heal"]
     for key in ("data", "tokens", "windows", "steps", "best_step", "lr", "topk", "heldout_kl_start",
                 "heldout_kl_best", "init", "acceptance_before", "acceptance_after"):  # fmt: skip
         assert key in h, key
@@ -276,7 +276,7 @@ def test_atomic_output_on_failure(files, tmp_path, monkeypatch):
     assert out.read_bytes() == b"previous" and leftovers(tmp_path) == []
     monkeypatch.setattr(container.Writer, "write", real)
     heal.heal(model, str(data), out, SMALL)
-    assert load_model(out).provenance["heal_mtp"]["steps"] > 0 and leftovers(tmp_path) == []
+    assert load_model(out).provenance["mtp_heal"]["steps"] > 0 and leftovers(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------------------------------------
