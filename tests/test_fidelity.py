@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from ddl_ref.config import ModelVariant, preset
+from ddl_ref.params import init_params
 from ddl_wgpu import accept, heal
+from ddl_wgpu import train as T
+from ddl_wgpu.backend import make_net
+from ddl_wgpu.data import ByteTokenizer, load_datasets
 from ddl_wgpu.modelfile import load_model
+from ddl_wgpu.refnet import RefWork
 
 
 def test_on_policy_acceptance_is_measured_on_one_anchor_set():
@@ -116,3 +125,107 @@ def test_heal_writes_the_reference_provenance_key_and_reads_the_old_one(tmp_path
     assert "mtp_heal" in prov and "heal_mtp" not in prov
     assert heal.heal_record(prov) is prov["mtp_heal"]
     assert heal.heal_record({"heal_mtp": {"steps": 3}}) == {"steps": 3}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# train: evaluation, failed variants, phases, checkpoint errors
+
+MODEL = dict(vocab_size=256, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
+             max_seq_len=32)  # fmt: skip
+REF = T.RunOptions(backend="ref")
+
+
+@pytest.fixture(scope="module")
+def tdata(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
+    p = tmp_path_factory.mktemp("data") / "c.txt"
+    p.write_text(" ".join(words[int(i)] for i in rng.integers(0, len(words), 500)))
+    return load_datasets(str(p), tokenizer=ByteTokenizer(), seq_len=16, batch_size=2, val_fraction=0.2,
+                         vocab_size=256, seed=0)  # fmt: skip
+
+
+def tcfg(**kw):
+    base = dict(
+        max_steps=4, eval_interval=2, learning_rate=1e-2, min_learning_rate=1e-3, batch_size=2, seq_len=16
+    )
+    return T.TrainingConfig(**{**base, **kw})
+
+
+def test_evaluation_covers_the_whole_split_by_default(tdata, tmp_path):
+    trn, val = tdata
+    assert T.TrainingConfig().eval_batches == 0 and trn.num_batches > 16
+    rep = T.train_variant(preset("tiny", **MODEL), ModelVariant("baseline"), trn, val, tcfg(max_steps=1), None,
+                          REF)  # fmt: skip
+    net = make_net(ModelVariant("baseline").resolve_config(preset("tiny", **MODEL)), None, "ref", None, 0)
+    assert rep["initial_train"] == T.evaluate(net, trn, 0)["metrics"]
+    assert rep["initial_train"] != T.evaluate(net, trn, 16)["metrics"]
+
+
+def test_a_non_finite_variant_fails_and_the_sweep_goes_on(tdata, tmp_path, monkeypatch):
+    trn, val = tdata
+    real_step, calls = RefWork.step, []
+
+    def step(self, *a, **k):  # the ddl variant's second step is non-finite
+        res = real_step(self, *a, **k)
+        if self.net.cfg.residual == "delta":
+            calls.append(1)
+            return dataclasses.replace(res, finite=False) if len(calls) == 2 else res
+        return res
+
+    monkeypatch.setattr(RefWork, "step", step)
+    vs = [ModelVariant.parse("ddl"), ModelVariant("baseline")]
+    comp = T.train_variants(preset("tiny", **MODEL), vs, trn, val, tcfg(), tmp_path, REF)
+    ddl, base = comp["reports"]
+    assert (
+        ddl["status"] == "failed" and ddl["failure"]["step"] == 2 and "non-finite" in ddl["failure"]["reason"]
+    )
+    assert base["status"] == "completed" and base["steps_completed"] == 4
+    assert comp["final_train_loss_ranking"] == ["baseline", "ddl"]
+    assert comp["final_validation_loss_ranking"] == ["baseline", "ddl"]
+    assert json.loads((tmp_path / "report.json").read_text())["final_train_loss_ranking"] == [
+        "baseline",
+        "ddl",
+    ]
+    assert json.loads((tmp_path / "ddl" / "report.json").read_text())["status"] == "failed"
+    assert T.load_checkpoint(tmp_path / "ddl" / "checkpoint.ddlw")["report"]["steps_completed"] == 1
+
+
+def test_a_new_phase_after_a_warm_up_run_takes_every_training_option(tdata, tmp_path):
+    trn, val = tdata
+    cfg = preset("tiny", **MODEL)
+    T.train_variant(cfg, ModelVariant("baseline"), trn, val, tcfg(warmup_steps=3), tmp_path / "a", REF)
+    over = {"beta1": 0.8, "beta2": 0.99, "epsilon": 1e-6, "eval_batches": 2, "weight_decay": 0.0}
+    rep = T.resume(
+        tmp_path / "a" / T.CHECKPOINT, trn, val, REF, out_dir=tmp_path / "b", steps=2, overrides=over
+    )
+    assert rep["status"] == "completed" and rep["steps_completed"] == 6
+    phase = T.load_checkpoint(tmp_path / "b" / T.CHECKPOINT)["position"]["phase"]
+    assert phase["training"] == {**tcfg().to_dict(), **over, "max_steps": 2, "warmup_steps": 0}
+    with pytest.raises(T.TrainingError, match="seq_len cannot change in a new phase"):
+        T.resume(tmp_path / "b" / T.CHECKPOINT, trn, val, REF, out_dir=tmp_path / "c", steps=2,
+                 overrides={"seq_len": 8})  # fmt: skip
+
+
+def test_resume_checks_optimizer_state_and_the_best_model_kind(tdata, tmp_path):
+    trn, val = tdata
+    cfg = preset("tiny", **MODEL)
+    T.train_variant(cfg, ModelVariant("baseline"), trn, val, tcfg(), tmp_path / "a", REF)
+    ck = T.load_checkpoint(tmp_path / "a" / T.CHECKPOINT)
+    T.check_resume(ck, trn, val)
+    bad = copy.deepcopy(ck)
+    del bad["v"]["model.norm.weight"]
+    with pytest.raises(T.TrainingError, match=r"^optimizer state serialization failed: tensor "
+                                              r"optim\.v\.model\.norm\.weight is missing"):  # fmt: skip
+        T.check_resume(bad, trn, val)
+    bad = copy.deepcopy(ck)
+    bad["best"] = init_params(ModelVariant.parse("ddl").resolve_config(cfg), 0)
+    with pytest.raises(T.TrainingError, match=r"^invalid resume state: best-validation checkpoint kind does "
+                                              r"not match the baseline artifact$"):  # fmt: skip
+        T.check_resume(bad, trn, val)
+    bad = copy.deepcopy(ck)
+    bad["cfg"] = ModelVariant.parse("ddl").resolve_config(cfg)
+    bad["report"]["variant"] = "ddl"
+    with pytest.raises(T.TrainingError, match=r"^invalid resume state: best-validation checkpoint kind does "
+                                              r"not match the DDL artifact$"):  # fmt: skip
+        T.check_resume(bad, trn, val)
