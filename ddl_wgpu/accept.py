@@ -267,7 +267,7 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, 
         probe = []
         for concat, th, ch in itertools.product(("emb_first", "hidden_first"), ("pre_norm", "post_norm"),
                                                 ("pre_norm", "post_norm")):  # fmt: skip
-            conv = MtpConfig(concat=concat, trunk_hidden=th, chain_hidden=ch)
+            conv = dataclasses.replace(cfg.mtp, concat=concat, trunk_hidden=th, chain_hidden=ch)
             r = acceptance_from_trunk(model.params, dataclasses.replace(cfg, mtp=conv), trunk, depth, runner,
                                       chain_attention)  # fmt: skip
             probe.append({**conv.to_dict(), "current": conv == cfg.mtp,

@@ -58,6 +58,7 @@ import numpy as np
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import ModelConfig
+from ddl_ref.params import param_table
 from ddl_wgpu import accept as accept_mod
 from ddl_wgpu.accept import CHAIN_ATTENTION, DEFAULT_CHAIN_ATTENTION
 from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teacher
@@ -78,6 +79,7 @@ OLD_PROVENANCE_KEY = "heal_mtp"  # written by earlier versions; still read
 XORSHIFT_START = 0x9E3779B97F4A7C15  # the reference heal tool's job-shuffle state
 _U64 = (1 << 64) - 1
 # A draft is present iff these are in the file (the reference heal tool checks the first three).
+GATE = "model.mtp.layers.0.mlp.gate_proj.weight"  # its rows: the draft's FFN width
 REQUIRED = ("model.mtp.eh_proj.weight", "model.mtp.enorm.weight", "model.mtp.hnorm.weight",
             "model.mtp.layers.0.self_attn.q_proj.weight", "model.mtp.norm.weight")  # fmt: skip
 
@@ -194,15 +196,29 @@ def _load(path, what: str) -> Model:
         raise HealError(f"heal: {what}: {e}") from e
 
 
+def _draft_width_of(init_path, model: Model) -> Model:
+    """`model` with its draft's FFN width taken from the init model (the reference heal tool's rule): a draft
+    narrowed with its trunk heals at the init's width; the config records it (`MtpConfig.ffn_hidden`)."""
+    with open_checkpoint(init_path) as ck:
+        if GATE not in ck.names():
+            return model
+        width = int(ck.info(GATE).shape[0])
+    if width == ref_mtp.draft_ffn_hidden(model.cfg):
+        return model
+    mtp = dataclasses.replace(model.cfg.mtp, ffn_hidden=None if width == model.cfg.ffn_hidden else width)
+    cfg = dataclasses.replace(model.cfg, mtp=mtp)
+    return dataclasses.replace(model, cfg=cfg)
+
+
 def _init_weights(init_path, model: Model) -> dict:
-    _require_draft(init_path)
     src = _load(init_path, "the init model")
+    shapes = {spec.name: tuple(spec.shape) for spec in param_table(model.cfg)}
     out = {}
     for n in ref_mtp.trained_names(model.params):
-        if n not in src.params or src.params[n].shape != model.params[n].shape:
-            have = None if n not in src.params else tuple(src.params[n].shape)
+        have = None if n not in src.params else tuple(src.params[n].shape)
+        if have != shapes[n]:
             raise HealError(f"heal: the init model {init_path}: {n} has shape {have}, the model needs "
-                            f"{tuple(model.params[n].shape)}", field="init")  # fmt: skip
+                            f"{shapes[n]}", field="init")  # fmt: skip
         out[n] = src.params[n]
     return out
 
@@ -217,9 +233,11 @@ def _encode(array: np.ndarray, dtype: str):
     return np.asarray(array).astype(np_dtype), dtype
 
 
-def write_back(model_path, out_path, trained: dict, provenance_key: str, record: dict) -> Path:
+def write_back(model_path, out_path, trained: dict, provenance_key: str, record: dict,
+               config: dict | None = None) -> Path:  # fmt: skip
     """OUT = MODEL with `trained` tensors replaced (stored dtype kept) and every other tensor copied byte for
-    byte; `provenance[provenance_key] = record`. Atomic (the container writes OUT.partial, then renames)."""
+    byte; `provenance[provenance_key] = record`; `config` replaces MODEL's (a draft healed at another FFN
+    width). Atomic (the container writes OUT.partial, then renames)."""
     with open_checkpoint(model_path) as ck:
         prov = dict(ck.provenance or {})
         prov[provenance_key] = record
@@ -233,7 +251,7 @@ def write_back(model_path, out_path, trained: dict, provenance_key: str, record:
                 else:
                     yield name, ck.tensor(name, copy=False), dtype
 
-        paths = save(out_path, tensors(), config=ck.config, metadata=ck.metadata, provenance=prov,
+        paths = save(out_path, tensors(), config=config or ck.config, metadata=ck.metadata, provenance=prov,
                      tokenizer=ck.tokenizer)  # fmt: skip
     return paths[0]
 
@@ -451,7 +469,12 @@ def _inputs(model_path, init_path, cfg: HealConfig) -> tuple[Model, dict | None]
     if model.cfg.mtp is None:  # tensors present but the config says no draft
         raise HealError(f"heal: {model_path} carries no MTP draft (config has no mtp; missing tensor "
                         "model.mtp.eh_proj.weight in its table)")  # fmt: skip
-    init = _init_weights(init_path, model) if init_path is not None else None
+    init = None
+    if init_path is not None:
+        _require_draft(init_path)
+        model = _draft_width_of(init_path, model)
+        init = _init_weights(init_path, model)
+        model = dataclasses.replace(model, params={**model.params, **init})
     if cfg.window > model.cfg.max_seq_len:
         raise HealError(f"heal: window {cfg.window} exceeds the model's max_seq_len {model.cfg.max_seq_len}",
                         field="window")  # fmt: skip
@@ -533,6 +556,6 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
         "config": cfg.to_dict(),
         "conventions": mcfg.mtp.to_dict(),
     }
-    path = write_back(model_path, out_path, trained, PROVENANCE_KEY, record)
+    path = write_back(model_path, out_path, trained, PROVENANCE_KEY, record, mcfg.to_dict())
     events("written", out=os.fspath(path))
     return {**record, "out": os.fspath(path), "history": job.history}

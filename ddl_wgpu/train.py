@@ -607,7 +607,6 @@ def check_resume(ck: dict, train: TokenDataset, val: TokenDataset | None) -> Non
         )
     if rep["steps_completed"] > 0 and not ck["m"]:
         raise TrainingError.resume_mismatch("saved training artifact is missing optimizer state")
-    _check_saved_state(ck)
     variant = ModelVariant.parse(rep["variant"])
     is_ddl = ck["cfg"].residual == "delta"
     if is_ddl and not variant.uses_ddl:
@@ -618,6 +617,7 @@ def check_resume(ck: dict, train: TokenDataset, val: TokenDataset | None) -> Non
         raise TrainingError.resume_mismatch(
             f"saved report expects variant {variant.slug} but checkpoint contains a baseline model"
         )
+    _check_saved_state(ck)
 
 
 def _is_ddl_model(params: dict) -> bool:

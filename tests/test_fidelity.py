@@ -12,7 +12,7 @@ import pytest
 
 from ddl_ref.config import ModelVariant, preset
 from ddl_ref.params import init_params
-from ddl_wgpu import accept, heal
+from ddl_wgpu import accept, compress, heal
 from ddl_wgpu import train as T
 from ddl_wgpu.backend import make_net
 from ddl_wgpu.data import ByteTokenizer, load_datasets
@@ -229,3 +229,35 @@ def test_resume_checks_optimizer_state_and_the_best_model_kind(tdata, tmp_path):
     with pytest.raises(T.TrainingError, match=r"^invalid resume state: best-validation checkpoint kind does "
                                               r"not match the DDL artifact$"):  # fmt: skip
         T.check_resume(bad, trn, val)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the draft's FFN width: compress leaves it, heal takes it from the init model
+
+
+def test_compress_ffn_keep_leaves_the_draft_and_heal_init_source_works(tmp_path, heal_kit):
+    src = heal_kit.make_model(tmp_path / "m.ddlw")
+    compress.compress_file(src, tmp_path / "c.ddlw", keep=0.5)
+    c, m = load_model(tmp_path / "c.ddlw"), load_model(src)
+    assert c.cfg.ffn_hidden == 12 and c.cfg.mtp.ffn_hidden == 24
+    for n in m.params:
+        if n.startswith("model.mtp."):
+            np.testing.assert_array_equal(c.params[n], m.params[n])
+    text = heal_kit.make_text(tmp_path / "t.txt", 300)
+    heal.heal(tmp_path / "c.ddlw", str(text), tmp_path / "h.ddlw", heal_kit.SMALL, init_path=src)
+    h = load_model(tmp_path / "h.ddlw")
+    assert h.cfg.ffn_hidden == 12 and h.cfg.mtp.ffn_hidden == 24
+    assert h.params["model.mtp.layers.0.mlp.gate_proj.weight"].shape == (24, h.cfg.d_model)
+
+
+def test_heal_takes_the_draft_width_from_the_init_model(tmp_path, heal_kit):
+    # a model whose draft was narrowed with its trunk (12 channels), healed from a source whose draft has 24
+    narrow = heal_kit.make_model(tmp_path / "n.ddlw", heal_kit.tiny_cfg(ffn_hidden=12))
+    src = heal_kit.make_model(tmp_path / "s.ddlw", heal_kit.tiny_cfg(ffn_hidden=24))
+    text = heal_kit.make_text(tmp_path / "t.txt", 300)
+    heal.heal(narrow, str(text), tmp_path / "h.ddlw", heal_kit.SMALL, init_path=src)
+    h = load_model(tmp_path / "h.ddlw")
+    assert h.cfg.ffn_hidden == 12 and h.cfg.mtp.ffn_hidden == 24
+    assert h.params["model.mtp.layers.0.mlp.down_proj.weight"].shape == (h.cfg.d_model, 24)
+    np.testing.assert_array_equal(h.params["model.layers.0.mlp.gate_proj.weight"],
+                                  load_model(narrow).params["model.layers.0.mlp.gate_proj.weight"])  # fmt: skip
