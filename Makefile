@@ -1,7 +1,7 @@
 # The two commands of the README. Each bootstraps .venv and a Vulkan driver itself (scripts/bootstrap.sh).
 .PHONY: demo test lint bench clean
 
-# lavapipe uses every core by default; two threads keep timings stable on CI-sized machines (wgpu.md §1)
+# lavapipe uses every core by default; two threads keep timings stable on CI-sized machines (docs/wgpu-notes.md)
 export LP_NUM_THREADS ?= 2
 export PYTHONUNBUFFERED = 1
 
@@ -16,13 +16,19 @@ DEMO_ARGS ?= --data stdlib --variants baseline,ddl,ddl-cc --preset tiny --max-st
 PORTABLE_TESTS = tests/test_engine*.py tests/test_kernel_*.py tests/test_chain_attention.py tests/test_mtp_train.py \
 	tests/test_heal_gpu.py tests/test_gpu.py tests/test_entry_points.py
 
+# BOOTSTRAP and DDL let a host without network run the same targets on its own Python (BENCHMARKS.md: on the
+# H200, `make demo BOOTSTRAP=true DDL="python3 -m ddl_wgpu.cli"`).
+BOOTSTRAP ?= scripts/bootstrap.sh
+DDL ?= .venv/bin/ddl-wgpu
+
 demo:
-	@EXTRAS=test,plot scripts/bootstrap.sh
-	.venv/bin/ddl-wgpu devices
-	.venv/bin/ddl-wgpu check
-	.venv/bin/ddl-wgpu train $(DEMO_ARGS) --out runs/demo
+	@EXTRAS=plot $(BOOTSTRAP)
+	$(DDL) devices
+	rm -rf runs/demo
+	$(DDL) train $(DEMO_ARGS) --out runs/demo
 	@echo; echo "== the heal story: train --mtp, compress, accept (drops), heal, accept (recovers)"
-	scripts/heal_story.sh .venv/bin/ddl-wgpu runs/demo/heal
+	scripts/heal_story.sh "$(DDL)" runs/demo/heal
+	@echo; echo "outputs: runs/demo/report.json (ranked sweep), runs/demo/*.png (plots), runs/demo/VARIANT/ (reports, checkpoints), runs/demo/heal/ (the heal story)"
 
 test:
 	@EXTRAS=test,plot,hf scripts/bootstrap.sh
@@ -38,7 +44,7 @@ lint:
 
 # Benchmarks need a real GPU (BENCHMARKS.md); PyTorch, when installed, is measured in the same run.
 bench:
-	@EXTRAS=test scripts/bootstrap.sh
+	@EXTRAS= $(BOOTSTRAP)
 	.venv/bin/python bench/kernels.py
 	.venv/bin/python bench/train_step.py
 
