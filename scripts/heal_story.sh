@@ -2,7 +2,9 @@
 # The heal story on the embedded corpus: train a tiny model with a jointly trained MTP draft
 # (--mtp), compress it (drop its last block), measure the draft's greedy acceptance (it drops: the trunk
 # changed under it), heal the draft on the compressed trunk's own predictions, measure again (it recovers).
-# `heal` runs with its defaults, the reference heal tool's; evaluation covers the whole split (train's default).
+# `heal` runs with its defaults, the reference heal tool's. The training run caps its evaluations at 4 batches
+# (--eval-batches): the story needs the draft, not exact training metrics, and whole-split evaluations of
+# 400k tokens cost more than the training on the numpy backend.
 #
 #   scripts/heal_story.sh [CLI] [DIR] [BACKEND]   CLI defaults to .venv/bin/ddl-wgpu, DIR to runs/demo/heal,
 #                                                 BACKEND (auto, ref or wgpu) to auto
@@ -14,7 +16,7 @@ TRAINED=$DIR/train/baseline/checkpoint.ddlw
 ACCEPT="--data stdlib --depth 3 --tokens 20000 --backend $BACKEND"
 
 $CLI train --data stdlib --variants baseline --preset tiny --mtp --mtp-weight 0.3 --max-steps 150 \
-  --eval-interval 50 --batch-size 8 --seq-len 128 --learning-rate 3e-3 --warmup-steps 10 \
+  --eval-interval 50 --eval-batches 4 --batch-size 8 --seq-len 128 --learning-rate 3e-3 --warmup-steps 10 \
   --max-tokens 400000 --no-plots --backend "$BACKEND" --out "$DIR/train"
 $CLI compress "$TRAINED" --drop-layers 1 --out "$DIR/compressed.ddlw"
 $CLI accept "$TRAINED" $ACCEPT --json > "$DIR/accept_trained.json"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -261,3 +262,19 @@ def test_heal_takes_the_draft_width_from_the_init_model(tmp_path, heal_kit):
     assert h.params["model.mtp.layers.0.mlp.down_proj.weight"].shape == (h.cfg.d_model, 24)
     np.testing.assert_array_equal(h.params["model.layers.0.mlp.gate_proj.weight"],
                                   load_model(narrow).params["model.layers.0.mlp.gate_proj.weight"])  # fmt: skip
+
+
+def test_train_cli_writes_every_report_and_exits_non_zero_when_a_variant_fails(tmp_path, cli):
+    text = tmp_path / "c.txt"
+    text.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 40))
+    # a learning rate of 1e30 makes the weights overflow after the first step: the second is non-finite
+    r = cli("train", "--data", text, "--out", tmp_path / "o", "--variants", "baseline", "--max-steps", "3",
+            "--eval-interval", "1", "--batch-size", "2", "--seq-len", "16", "--learning-rate", "1e30",
+            "--backend", "ref", "--no-plots", "--preset", "tiny", "--d-model", "16", "--n-layers", "1",
+            "--n-heads", "2", "--n-kv-heads", "1", "--head-dim", "8", "--ffn-hidden", "24",
+            "--max-seq-len", "32")  # fmt: skip
+    assert r.returncode == 2, r.stderr  # a user error: the run itself went wrong, not the tool
+    assert "error: 1 of 1 variants failed: baseline" in r.stderr
+    assert re.search(r"^1    baseline      failed at step 2: non-finite", r.stdout, re.M), r.stdout
+    comp = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert comp["final_train_loss_ranking"] == ["baseline"] and comp["reports"][0]["status"] == "failed"
