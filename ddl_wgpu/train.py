@@ -691,7 +691,7 @@ def comparison_report(
 
 def _comparison(reports: list[dict], train_summary: dict, val_summary: dict | None, training: dict) -> dict:
     tr = rank(reports, "final_train") or []
-    vr = rank(reports, "final_validation") if val is not None else None
+    vr = rank(reports, "final_validation") if val_summary is not None else None
     return {
         "train_dataset": train_summary,
         "validation_dataset": val_summary,
