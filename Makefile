@@ -6,7 +6,7 @@ export LP_NUM_THREADS ?= 2
 export PYTHONUNBUFFERED = 1
 # The numpy backend's products at the demo and test shapes are too small to share between threads: on this
 # 2-core machine one OpenBLAS thread ran a tiny --mtp step 10x faster than two when another process was busy
-# (two threads spin-wait on each other), and no slower alone.
+# (two threads spin-wait on each other).
 export OPENBLAS_NUM_THREADS ?= 1
 
 # The main job on the embedded corpus: a baseline vs DDL sweep on Python's stdlib sources (about a minute on
