@@ -25,6 +25,7 @@ from ddl_ref.config import preset as make_preset
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu import accept as accept_lib
 from ddl_wgpu import heal as heal_lib
+from ddl_wgpu import sweep as sweep_lib
 from ddl_wgpu import train as train_lib
 from ddl_wgpu.backend import BackendChoice, BackendError, UnknownBackendError, choose_backend, make_net
 from ddl_wgpu.compress import compress_file
@@ -79,6 +80,34 @@ BackendOpt = Annotated[
     ),
 ]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="Adapter index or name substring.")]
+
+
+DevicesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--devices",
+        help="Run the jobs in worker processes, one per adapter: 'all' or a comma list of "
+        "adapter indices or names (name one twice for two workers on it).",
+        rich_help_panel="Sweep",
+    ),
+]
+WorkersOpt = Annotated[
+    int,
+    typer.Option(
+        "--workers",
+        help="Worker processes (the numpy backend's; on wgpu spread over --devices).",
+        rich_help_panel="Sweep",
+    ),
+]
+RayOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        help="Run the jobs as Ray tasks: 'local' (start a local cluster) or a running "
+        "cluster's ADDRESS ('auto', HOST:PORT, ray://HOST:PORT); needs the ray extra.",
+        rich_help_panel="Sweep",
+    ),
+]
 
 
 def _backend_line(choice: BackendChoice) -> str:
@@ -388,6 +417,15 @@ def train(
     ),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop after N steps with a resumable checkpoint."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots (needs matplotlib)."),
+    seeds: str = typer.Option(
+        None,
+        "--seeds",
+        help="Comma list of seeds: one job per (variant, seed), in OUT/VARIANT/seed-S/ (overrides --seed).",
+        rich_help_panel="Sweep",
+    ),
+    devices: DevicesOpt = None,
+    workers: WorkersOpt = 0,
+    ray: RayOpt = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
 ):
@@ -416,6 +454,14 @@ def train(
     vs = parse_variants(variants)
     choice = choose_backend(backend, device)
     source = _data_source(data, val_data, val_fraction, max_tokens)
+    if seeds is not None or devices is not None or workers or ray is not None:
+        seed_list = sweep_lib.parse_seeds(seeds) if seeds is not None else [seed]
+        sw = sweep_lib.Sweep(base.to_dict(), replace(tcfg, seed=seed_list[0]).to_dict(), [v.slug for v in vs],
+                             seed_list, source, choice.name, save_interval)  # fmt: skip
+        runner = sweep_lib.Runner.parse(choice.name, devices, workers, ray, device)
+        typer.echo(f"sweep: {len(sw.jobs())} jobs ({len(vs)} variants x {len(seed_list)} seeds), "
+                   f"{runner.describe()}; {_backend_line(choice)}")  # fmt: skip
+        return _sweep(lambda: sweep_lib.run(sw, out, runner, stop_after), out, plots)
     trn, val = _load_data(source, seq_len, batch_size, base.vocab_size, seed)
     typer.echo("resolved configuration:")
     typer.echo("  model:    " + fields(base.to_dict()))
@@ -444,6 +490,34 @@ def train(
                 typer.echo(f"plot: {p}")
         except ImportError:
             typer.echo("plots skipped: matplotlib not installed (pip install 'ddl-wgpu[plot]')")
+
+
+def _sweep(fn, out: Path, plots: bool):
+    """Run or resume a sweep (`sweep.run`): its table, report and plots; Ctrl-C leaves every job resumable."""
+    try:
+        comp = fn()
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted: every job saved a resumable checkpoint; continue with `ddl-wgpu resume {out}`",
+                   err=True)  # fmt: skip
+        raise typer.Exit(130) from None
+    if comp.get("status") == "stopped":
+        typer.echo(f"stopped: continue every job with `ddl-wgpu resume {out}`")
+        return
+    many = "seed_summary" in comp
+    typer.echo("\n" + (sweep_lib.table(comp) if many else ranked_table(comp)))
+    typer.echo(f"\nreport: {out / train_lib.REPORT}")
+    if plots and comp["reports"]:
+        try:
+            for p in write_plots(comp, out):
+                typer.echo(f"plot: {p}")
+        except ImportError:
+            typer.echo("plots skipped: matplotlib not installed (pip install 'ddl-wgpu[plot]')")
+    failed = [j["job"] for j in comp["jobs"] if j["status"] != "completed"]
+    if failed:
+        fail(
+            f"{len(failed)} of {len(comp['jobs'])} jobs failed ({', '.join(failed)}); the report ranks the rest; "
+            f"`ddl-wgpu resume {out}` runs them again"
+        )
 
 
 def _recorded_source(ck: dict) -> dict:
@@ -476,7 +550,9 @@ def _spec(given: str | None, recorded: str | None) -> str | None:
 
 @app.command()
 def resume(
-    checkpoint: Path = typer.Argument(..., help="A training checkpoint (DIR/VARIANT/checkpoint.ddlw)."),
+    checkpoint: Path = typer.Argument(
+        ..., help="A training checkpoint (DIR/VARIANT/checkpoint.ddlw), or a sweep's folder (its every job)."
+    ),
     data: str = typer.Option(None, "--data", help="The run's training data spec (default: the run's own)."),
     val_data: str = typer.Option(None, "--val-data", help="The run's validation spec (default: the run's)."),
     val_fraction: float = typer.Option(None, "--val-fraction", help="Default: the run's."),
@@ -492,10 +568,20 @@ def resume(
     out: Path = typer.Option(None, "--out", help="Write here instead of the checkpoint's folder."),
     save_interval: int = typer.Option(0, "--save-interval", help="Save a checkpoint every N steps."),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop again after N steps."),
+    devices: DevicesOpt = None,
+    workers: WorkersOpt = 0,
+    ray: RayOpt = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
 ):
-    """Continue an interrupted run, or train a new phase (--steps N) from a checkpoint."""
+    """Continue an interrupted run, or train a new phase (--steps N) from a checkpoint; continue a sweep."""
+    if checkpoint.is_dir():  # a sweep: by default where and on what backend it ran
+        sw = sweep_lib.Sweep.load(checkpoint)
+        back = choose_backend(backend, device).name if backend != "auto" else sw.backend
+        runner = None
+        if devices is not None or workers or ray is not None:
+            runner = sweep_lib.Runner.parse(back, devices, workers, ray, device)
+        return _sweep(lambda: sweep_lib.resume(checkpoint, runner, back, stop_after), checkpoint, True)
     ck = train_lib.load_checkpoint(checkpoint)
     tr = ck["report"]["training"]
     recorded = _recorded_source(ck)
