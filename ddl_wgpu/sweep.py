@@ -451,8 +451,9 @@ class _Pool:
 #
 # Output: a task writes its job's folder straight into OUT when it sees the sweep's own OUT/sweep.json (one
 # host, or shared storage at the same path); elsewhere it trains in a temporary folder and returns the
-# folder's files as bytes, which the driver writes into OUT (checkpoints travel through Ray's object store,
-# and a job stopped by Ctrl-C there is not kept).
+# folder's files as bytes, which the driver writes into OUT (checkpoints travel through Ray's object store).
+# Ctrl-C cancels the tasks: Ray raises KeyboardInterrupt in each running one at its next Python bytecode, the
+# run saves its checkpoint and the task returns its folder as for any other end.
 
 ADAPTER_RESOURCE = "wgpu_adapter"
 _SLOTS = "ddl-wgpu-adapter-slots"

@@ -8,8 +8,14 @@ one test of two wgpu workers on one adapter."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +34,7 @@ MODEL = dict(
 CFG = preset("tiny", **MODEL)
 TCFG = T.TrainingConfig(max_steps=6, eval_interval=2, learning_rate=1e-2, min_learning_rate=1e-3, warmup_steps=2,
                         batch_size=2, seq_len=16, eval_batches=2, seed=0)  # fmt: skip
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "pack", "my", "box", "with", "five"]
 
 
@@ -54,11 +61,11 @@ def make_sweep(corpus, variants=("baseline", "ddl"), seeds=(0,), backend="ref", 
                    source(corpus), backend, **kw)  # fmt: skip
 
 
-def sequential(corpus, out: Path, variants=("baseline", "ddl"), seed=0, backend="ref") -> dict:
+def sequential(corpus, out: Path, variants=("baseline", "ddl"), seed=0, backend="ref", **training) -> dict:
     """What `train` without a sweep does: `train_variants` on data loaded once."""
     trn, val = load_datasets(str(corpus), tokenizer=ByteTokenizer(), seq_len=16, batch_size=2, val_fraction=0.1,
                              vocab_size=256, seed=seed)  # fmt: skip
-    tcfg = T.TrainingConfig(**(TCFG.to_dict() | {"seed": seed}))
+    tcfg = T.TrainingConfig(**(TCFG.to_dict() | {"seed": seed} | training))
     opts = T.RunOptions(backend=backend, data=source(corpus))
     return T.train_variants(CFG, [ModelVariant.parse(v) for v in variants], trn, val, tcfg, out, opts)
 
@@ -182,3 +189,108 @@ def test_ray_local_cluster_runs_the_sweep(corpus, tmp_path, quiet):
     assert_same_comparison(seq, comp)
     for v in ("baseline", "ddl"):
         assert_same_job(tmp_path / "seq" / v, tmp_path / "ray" / v)
+
+
+def test_runner_options():
+    assert S.Runner.parse("ref", None, 2, None, None) == S.Runner((None, None))
+    assert S.Runner.parse("ref", None, 0, None, None) == S.Runner()  # --seeds alone: one after another
+    with pytest.raises(S.SweepError, match="--workers N"):
+        S.Runner.parse("ref", "0,1", 0, None, None)
+    assert S.Runner.parse("wgpu", "0,0", 0, None, None).devices == ("0", "0")
+    assert S.Runner.parse("wgpu", "0,1", 3, None, None).devices == ("0", "1", "0")
+    assert S.Runner.parse("wgpu", None, 2, None, "1").devices == ("1", "1")  # two workers on --device 1
+    assert S.Runner.parse("wgpu", None, 0, "ray://head:10001", None) == S.Runner((), "ray://head:10001")
+    with pytest.raises(S.SweepError, match="declare their own"):
+        S.Runner.parse("wgpu", "0", 0, "auto", None)
+    assert S.parse_seeds("0, 1,2") == [0, 1, 2]
+    for bad in ("", "1,1", "-1", "a"):
+        with pytest.raises(S.SweepError):
+            S.parse_seeds(bad)
+
+
+def test_adapter_slots_are_held_until_released(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    a, fa = S._claim_slot()
+    b, fb = S._claim_slot()
+    assert (a, b) == (0, 1)
+    fa.close()
+    c, fc = S._claim_slot()
+    assert c == 0
+    fb.close()
+    fc.close()
+
+
+class Events(list):
+    put_nowait = list.append
+
+
+def test_a_ray_task_writes_into_a_shared_out_else_returns_its_folder(corpus, tmp_path):
+    sequential(corpus, tmp_path / "seq", variants=("ddl",))
+    sw = make_sweep(corpus, variants=("ddl",))
+    events = Events()
+    res = S._ray_task(sw, sw.jobs()[0], str(tmp_path / "not-here"), [], {}, (0, False), events)
+    assert res["status"] == "completed" and not (tmp_path / "not-here").exists()
+    assert set(res["files"]) == {T.REPORT, T.CHECKPOINT}
+    for rel, data in res["files"].items():
+        (tmp_path / "got" / "ddl").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "got" / "ddl" / rel).write_bytes(data)
+    assert_same_job(tmp_path / "seq" / "ddl", tmp_path / "got" / "ddl")
+    assert [e["event"] for _, e in events][:2] == ["start", "eval"]
+    sw.save(tmp_path / "shared")  # the driver's OUT/sweep.json, seen by the task: it writes there itself
+    res = S._ray_task(sw, sw.jobs()[0], str(tmp_path / "shared"), [], {}, (0, False), Events())
+    assert "files" not in res
+    assert_same_job(tmp_path / "seq" / "ddl", tmp_path / "shared" / "ddl")
+
+
+def cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "ddl_wgpu.cli", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def train_args(corpus, out, steps=6):
+    model = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
+    return ["train", "--data", corpus, "--out", out, "--variants", "baseline,ddl", "--backend", "ref", *model,
+            "--max-steps", steps, "--eval-interval", max(steps // 3, 1), "--learning-rate", "1e-2",
+            "--min-learning-rate", "1e-3", "--warmup-steps", 2, "--batch-size", 2, "--seq-len", 16,
+            "--eval-batches", 2, "--val-fraction", 0.1, "--max-tokens", 0]  # fmt: skip
+
+
+def test_cli_seed_sweep_with_two_workers_and_resume(corpus, tmp_path):
+    out = tmp_path / "sw"
+    r = cli(*train_args(corpus, out), "--seeds", "0,1", "--workers", 2)
+    assert r.returncode == 0, r.stderr
+    assert "4 jobs (2 variants x 2 seeds), 2 worker processes" in r.stdout
+    assert "mean ± std" in r.stdout and "ddl/seed-1" in r.stdout
+    assert "[baseline/seed-0] completed" in r.stderr and "[ddl/seed-1] step 6/6" in r.stderr
+    if HAS_MPL:
+        assert (out / "loss.png").is_file()
+    first = json.loads((out / T.REPORT).read_text())
+    r = cli("resume", out)  # every job finished: kept, the comparison written again
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / T.REPORT).read_text())["seed_summary"] == first["seed_summary"]
+    r = cli("resume", tmp_path)
+    assert r.returncode == 2 and "not a sweep folder" in r.stderr
+
+
+def test_ctrl_c_stops_every_worker_resumably_and_resume_finishes_the_sweep(corpus, tmp_path):
+    out, steps = tmp_path / "sw", 600
+    proc = subprocess.Popen([sys.executable, "-m", "ddl_wgpu.cli", *map(str, train_args(corpus, out, steps)),
+                             "--workers", "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    stepping = set()
+    for line in proc.stderr:
+        if line.startswith("[") and "] step " in line:
+            stepping.add(line[1 : line.index("]")])
+        if stepping == {"baseline", "ddl"}:
+            break
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert f"resume {out}" in err
+    stopped = [json.loads((out / v / T.REPORT).read_text())["steps_completed"] for v in ("baseline", "ddl")]
+    assert all(0 < n < steps for n in stopped), stopped
+    r = cli("resume", out)
+    assert r.returncode == 0, r.stderr
+    sequential(corpus, tmp_path / "seq", max_steps=steps, eval_interval=steps // 3)
+    for v in ("baseline", "ddl"):
+        assert_same_job(tmp_path / "seq" / v, out / v)
