@@ -459,8 +459,9 @@ def train(
         sw = sweep_lib.Sweep(base.to_dict(), replace(tcfg, seed=seed_list[0]).to_dict(), [v.slug for v in vs],
                              seed_list, source, choice.name, save_interval)  # fmt: skip
         runner = sweep_lib.Runner.parse(choice.name, devices, workers, ray, device)
-        typer.echo(f"sweep: {len(sw.jobs())} jobs ({len(vs)} variants x {len(seed_list)} seeds), "
-                   f"{runner.describe()}; {_backend_line(choice)}")  # fmt: skip
+        typer.echo(f"resolved configuration:\n  model:    {fields(base.to_dict())}\n  training: {fields(sw.training)}\n"
+                   f"  data:     {fields(source)}\n  {_backend_line(choice)}\n  sweep:    {len(sw.jobs())} jobs "
+                   f"({len(vs)} variants x {len(seed_list)} seeds), {runner.describe()}")  # fmt: skip
         return _sweep(lambda: sweep_lib.run(sw, out, runner, stop_after), out, plots)
     trn, val = _load_data(source, seq_len, batch_size, base.vocab_size, seed)
     typer.echo("resolved configuration:")

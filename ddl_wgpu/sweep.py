@@ -281,13 +281,14 @@ class SweepView:
 
     def result(self, job: str, res: dict) -> None:
         p, rep = f"[{job}]", res.get("report") or {}
+        where = f" on {res['where']}" if res.get("where") else ""
         if res["status"] == "completed":
             fv = (rep.get("final_validation") or {}).get("loss", float("nan"))
             self.say(
-                f"{p} completed: final train {rep['final_train']['loss']:.4f}, final validation {fv:.4f}"
+                f"{p} completed{where}: final train {rep['final_train']['loss']:.4f}, final validation {fv:.4f}"
             )
         elif res["status"] == "failed":
-            self.say(f"{p} FAILED: {res['error']}")
+            self.say(f"{p} FAILED{where}: {res['error']}")
         else:
             self.say(f"{p} {res['status']} after step {rep.get('steps_completed', 0)} (resumable)")
 
@@ -333,6 +334,7 @@ def _worker(index: int, device, inbox, outbox) -> None:
                     ("result", index, job.name, {"status": "interrupted", "report": rep, "error": None})
                 )
                 return
+            res["where"] = f"worker {index}" + ("" if device is None else f", adapter {device}")
             outbox.put(("result", index, job.name, res))
     except KeyboardInterrupt:  # between jobs
         return
@@ -673,6 +675,8 @@ def run(sweep: Sweep, root: Path, runner: Runner, stop_after: int = 0, view: Swe
     Ctrl-C: KeyboardInterrupt once every running job has saved its checkpoint."""
     root = Path(root)
     view = view or SweepView()
+    if runner.ray in (None, "local"):  # this host's workers see what this process sees: say so once, now
+        check_data(sweep.data)
     sweep = replace(sweep, runner={"devices": list(runner.devices), "ray": runner.ray})
     root.mkdir(parents=True, exist_ok=True)
     sweep.save(root)
