@@ -27,6 +27,7 @@ Public API: `Sweep`, `Job`, `Runner`, `parse_seeds`, `run`, `resume`, `compariso
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -208,6 +209,25 @@ def finished_report(folder: Path) -> dict | None:
     return rep if rep.get("status") == "completed" else None
 
 
+class StopRequest:
+    """Ctrl-C reaching a process that runs jobs: its job ends after the step in progress (and that step's
+    evaluation) with a resumable checkpoint, through `RunOptions.stop_after`, and no other job starts. A
+    KeyboardInterrupt would land wherever the signal does, and a step cut between its update and its history
+    entry saves weights one step ahead of the report, which a resume then trains again. Callable as a SIGINT
+    handler; asking again changes nothing."""
+
+    def __init__(self):
+        self.requested, self.opts = False, None
+
+    def __call__(self, *_signal) -> None:
+        self.requested = True
+        if self.opts is not None:
+            self.opts.stop_after = 1  # read after every step: "stop now" once a step has run in this process
+
+
+STOP = StopRequest()
+
+
 def run_job(sweep: Sweep, job: Job, root: Path, device, progress, stop_after: int = 0,
             resuming: bool = False) -> dict:  # fmt: skip
     """Train `job` into ROOT/job.name -> its report; `resuming`: continue its checkpoint when it has one."""
@@ -216,12 +236,17 @@ def run_job(sweep: Sweep, job: Job, root: Path, device, progress, stop_after: in
     tcfg = sweep.tcfg(job.seed)
     trn, val = _load(sweep, tcfg)
     opts = train_lib.RunOptions(backend=sweep.backend, device=device, save_interval=sweep.save_interval,
-                                stop_after=stop_after, progress=progress, data=sweep.data)  # fmt: skip
+                                stop_after=1 if STOP.requested else stop_after, progress=progress,
+                                data=sweep.data)  # fmt: skip
     ck = folder / train_lib.CHECKPOINT
-    if resuming and ck.is_file():
-        return train_lib.resume(ck, trn, val, opts)
-    base = ModelConfig.from_dict(sweep.base)
-    return train_lib.train_variant(base, ModelVariant.parse(job.variant), trn, val, tcfg, folder, opts)
+    STOP.opts = opts  # `train.resume` keeps this very object: the run's data is recorded in it
+    try:
+        if resuming and ck.is_file():
+            return train_lib.resume(ck, trn, val, opts)
+        base = ModelConfig.from_dict(sweep.base)
+        return train_lib.train_variant(base, ModelVariant.parse(job.variant), trn, val, tcfg, folder, opts)
+    finally:
+        STOP.opts = None
 
 
 def attempt(sweep: Sweep, job: Job, root: Path, device, progress, stop_after: int = 0,
@@ -299,45 +324,36 @@ class SweepView:
 
 def _inline(sweep, jobs, root, launch, view) -> dict:
     results = {}
-    for job in jobs:
-        res = attempt(sweep, job, root, None, Forward(view.event, job.name), *launch)
-        results[job.name] = res
-        view.result(job.name, res)
+    previous = signal.signal(signal.SIGINT, STOP)
+    try:
+        for job in jobs:
+            if STOP.requested:
+                raise KeyboardInterrupt
+            res = attempt(sweep, job, root, None, Forward(view.event, job.name), *launch)
+            results[job.name] = res
+            view.result(job.name, res)
+        if STOP.requested:
+            raise KeyboardInterrupt
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        STOP.requested = False
     return results
 
 
-def _first_interrupt(signum, frame):
-    """A worker's SIGINT handler: the first raises KeyboardInterrupt (the run saves its checkpoint); any
-    later one (the terminal's and the parent's both arrive) is ignored so the save completes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
 def _worker(index: int, device, inbox, outbox) -> None:
-    """A worker process: jobs from `inbox` until None; events, then each job's result, into `outbox`."""
-    signal.signal(signal.SIGINT, _first_interrupt)
+    """A worker process: jobs from `inbox` until None (or Ctrl-C); events, then each job's result, into
+    `outbox`."""
+    signal.signal(signal.SIGINT, STOP)
     if device is not None:
         from ddl_wgpu.gpu import ENV_ADAPTER
 
         os.environ[ENV_ADAPTER] = str(device)
-    try:
-        while (msg := inbox.get()) is not None:
-            sweep, job, root, launch = msg
-            sink = Forward(lambda name, ev: outbox.put(("event", index, name, ev)), job.name)
-            try:
-                res = attempt(sweep, job, root, device, sink, *launch)
-            except KeyboardInterrupt:
-                folder = Path(root) / job.name
-                saved = (folder / train_lib.CHECKPOINT).is_file()
-                rep = json.loads((folder / train_lib.REPORT).read_text()) if saved else {}
-                outbox.put(
-                    ("result", index, job.name, {"status": "interrupted", "report": rep, "error": None})
-                )
-                return
-            res["where"] = f"worker {index}" + ("" if device is None else f", adapter {device}")
-            outbox.put(("result", index, job.name, res))
-    except KeyboardInterrupt:  # between jobs
-        return
+    while not STOP.requested and (msg := inbox.get()) is not None:
+        sweep, job, root, launch = msg
+        sink = Forward(lambda name, ev: outbox.put(("event", index, name, ev)), job.name)
+        res = attempt(sweep, job, root, device, sink, *launch)
+        res["where"] = f"worker {index}" + ("" if device is None else f", adapter {device}")
+        outbox.put(("result", index, job.name, res))
 
 
 class _Pool:
@@ -423,18 +439,20 @@ class _Pool:
             self.hand(i, pending)
 
     def stop(self) -> None:
-        """Ctrl-C: every worker saves a resumable checkpoint; wait for them (a further Ctrl-C is ignored)."""
+        """Ctrl-C: every running job ends after its current step with a resumable checkpoint, idle workers
+        exit; wait for them all (a further Ctrl-C is ignored)."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            self.view.say(f"interrupted: {len(self.running)} running job(s) saving resumable checkpoints")
-            for p in self.procs:
+            self.view.say(f"interrupted: {len(self.running)} running job(s) stop after their current step")
+            for i, p in enumerate(self.procs):
                 if p is not None and p.is_alive():
-                    os.kill(p.pid, signal.SIGINT)
-            while any(p is not None and p.is_alive() for p in self.procs) or self.running:
+                    os.kill(
+                        p.pid, signal.SIGINT
+                    )  # the terminal may not have sent it (a SIGINT to this process)
+                    self.inboxes[i].put(None)
+            while self.running and any(p is not None and p.is_alive() for p in self.procs):
                 self.drain(0.5)
-                if not any(p is not None and p.is_alive() for p in self.procs):
-                    self.drain(0.2)
-                    break
+            self.drain(0.2)
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -454,8 +472,9 @@ class _Pool:
 # Output: a task writes its job's folder straight into OUT when it sees the sweep's own OUT/sweep.json (one
 # host, or shared storage at the same path); elsewhere it trains in a temporary folder and returns the
 # folder's files as bytes, which the driver writes into OUT (checkpoints travel through Ray's object store).
-# Ctrl-C cancels the tasks: Ray raises KeyboardInterrupt in each running one at its next Python bytecode, the
-# run saves its checkpoint and the task returns its folder as for any other end.
+# Ctrl-C puts an item in a `stop` queue that each task watches: its job ends after its current step with a
+# checkpoint (`StopRequest`), the task returns as for any other end, and a task not yet started returns at
+# once. (Not ray.cancel: the KeyboardInterrupt it raises can cut a step in two.)
 
 ADAPTER_RESOURCE = "wgpu_adapter"
 _SLOTS = "ddl-wgpu-adapter-slots"
@@ -490,11 +509,28 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
 
 
-def _ray_task(sweep: Sweep, job: Job, root: str, devices: list, files: dict, launch: tuple, events) -> dict:
+def _watch(stop, done) -> None:
+    """A task's thread: the driver's Ctrl-C (an item in the `stop` queue) becomes this process's STOP."""
+    while not done.wait(0.5):
+        if not stop.empty():
+            STOP()
+            return
+
+
+def _ray_task(
+    sweep: Sweep, job: Job, root: str, devices: list, files: dict, launch: tuple, events, stop
+) -> dict:
     """One job as a Ray task -> its result, with `files` (the job folder's) when OUT is not shared."""
     import shutil
     import tempfile
+    import threading
 
+    if not stop.empty():  # the sweep was interrupted before this task started
+        return {"status": "interrupted", "report": {}, "error": None}
+    with contextlib.suppress(ValueError):  # a SIGINT to the worker itself (main thread only)
+        signal.signal(signal.SIGINT, STOP)
+    done = threading.Event()
+    threading.Thread(target=_watch, args=(stop, done), daemon=True).start()
     lock, device = None, None
     if sweep.backend == "wgpu":
         from ddl_wgpu.gpu import ENV_ADAPTER
@@ -511,15 +547,13 @@ def _ray_task(sweep: Sweep, job: Job, root: str, devices: list, files: dict, lau
             (work / job.name / rel).parent.mkdir(parents=True, exist_ok=True)
             (work / job.name / rel).write_bytes(data)
         sink = Forward(lambda name, ev: events.put_nowait((name, ev)), job.name)
-        try:
-            res = attempt(sweep, job, work, device, sink, *launch)
-        except KeyboardInterrupt:
-            res = {"status": "interrupted", "report": {}, "error": None}
+        res = attempt(sweep, job, work, device, sink, *launch)
         res["where"] = socket.gethostname() + ("" if device is None else f", adapter {device}")
         if not shared and (work / job.name).is_dir():
             res["files"] = _files(work / job.name)
         return res
     finally:
+        done.set()
         if lock is not None:
             lock.close()
         if not shared:
@@ -538,7 +572,7 @@ def _ray(sweep, jobs, root, runner, launch, view) -> dict:
         # the workers import this very package (a source checkout included), not another installed copy
         paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
         n = len(runner.devices)
-        ray.init(num_cpus=None if wgpu or not n else n, resources={ADAPTER_RESOURCE: n} if wgpu else None,
+        ray.init(address="local", num_cpus=None if wgpu or not n else n, resources={ADAPTER_RESOURCE: n} if wgpu else None,
                  include_dashboard=False, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}})  # fmt: skip
     else:
@@ -546,32 +580,35 @@ def _ray(sweep, jobs, root, runner, launch, view) -> dict:
     try:
         need = {"num_cpus": 0, "resources": {ADAPTER_RESOURCE: 1}} if wgpu else {"num_cpus": 1}
         task = ray.remote(max_calls=1, **need)(_ray_task)
-        events = Queue(actor_options={"num_cpus": 0})
+        events, stop = Queue(actor_options={"num_cpus": 0}), Queue(actor_options={"num_cpus": 0})
         devices = list(runner.devices) if local else []
         refs = {}
         for job in jobs:
             folder = root / job.name
             files = _files(folder) if launch[1] and (folder / train_lib.CHECKPOINT).is_file() else {}
-            refs[task.remote(sweep, job, str(root), devices, files, launch, events)] = job
-        return _ray_wait(ray, refs, root, events, view)
+            refs[task.remote(sweep, job, str(root), devices, files, launch, events, stop)] = job
+        return _ray_wait(ray, refs, root, events, stop, view)
     finally:
         ray.shutdown()
 
 
-def _ray_wait(ray, refs: dict, root: Path, events, view) -> dict:
+def _ray_wait(ray, refs: dict, root: Path, events, stop, view) -> dict:
     results = {}
 
     def pump():
         while not events.empty():
             view.event(*events.get_nowait())
 
-    def collect(ref, job, cancelled=False):
+    def collect(ref, job):
         try:
             res = ray.get(ref)
         except Exception as e:
             text = str(e).strip().splitlines()
-            res = {"status": "interrupted" if cancelled else "failed", "report": {},
-                   "error": None if cancelled else f"{type(e).__name__}: {text[0] if text else ''}"}  # fmt: skip
+            res = {
+                "status": "failed",
+                "report": None,
+                "error": f"{type(e).__name__}: {text[0] if text else ''}",
+            }
         for rel, data in (res.pop("files", None) or {}).items():
             (root / job.name / rel).parent.mkdir(parents=True, exist_ok=True)
             (root / job.name / rel).write_bytes(data)
@@ -588,13 +625,10 @@ def _ray_wait(ray, refs: dict, root: Path, events, view) -> dict:
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            view.say(
-                f"interrupted: cancelling {len(refs)} Ray task(s); running ones save resumable checkpoints"
-            )
-            for ref in refs:
-                ray.cancel(ref)
+            view.say(f"interrupted: {len(refs)} Ray task(s) stop after their current step")
+            stop.put(True)
             for ref, job in refs.items():
-                collect(ref, job, cancelled=True)
+                collect(ref, job)
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         raise

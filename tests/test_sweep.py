@@ -221,14 +221,19 @@ def test_adapter_slots_are_held_until_released(tmp_path, monkeypatch):
 
 
 class Events(list):
+    """A Ray queue's two methods the task calls, in this process."""
+
     put_nowait = list.append
+
+    def empty(self):
+        return not self
 
 
 def test_a_ray_task_writes_into_a_shared_out_else_returns_its_folder(corpus, tmp_path):
     sequential(corpus, tmp_path / "seq", variants=("ddl",))
     sw = make_sweep(corpus, variants=("ddl",))
     events = Events()
-    res = S._ray_task(sw, sw.jobs()[0], str(tmp_path / "not-here"), [], {}, (0, False), events)
+    res = S._ray_task(sw, sw.jobs()[0], str(tmp_path / "not-here"), [], {}, (0, False), events, Events())
     assert res["status"] == "completed" and not (tmp_path / "not-here").exists()
     assert set(res["files"]) == {T.REPORT, T.CHECKPOINT}
     for rel, data in res["files"].items():
@@ -237,7 +242,7 @@ def test_a_ray_task_writes_into_a_shared_out_else_returns_its_folder(corpus, tmp
     assert_same_job(tmp_path / "seq" / "ddl", tmp_path / "got" / "ddl")
     assert [e["event"] for _, e in events][:2] == ["start", "eval"]
     sw.save(tmp_path / "shared")  # the driver's OUT/sweep.json, seen by the task: it writes there itself
-    res = S._ray_task(sw, sw.jobs()[0], str(tmp_path / "shared"), [], {}, (0, False), Events())
+    res = S._ray_task(sw, sw.jobs()[0], str(tmp_path / "shared"), [], {}, (0, False), Events(), Events())
     assert "files" not in res
     assert_same_job(tmp_path / "seq" / "ddl", tmp_path / "shared" / "ddl")
 
