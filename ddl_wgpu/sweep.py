@@ -16,13 +16,15 @@ Workers: one process per entry of the device list (the 'spawn' context: a forked
 safe to share). Each process selects its adapter the way every command does (`RunOptions.device` and the
 DDL_WGPU_ADAPTER variable: Vulkan ignores CUDA_VISIBLE_DEVICES). Jobs are handed out as workers free up; a job
 that raises, or whose worker dies, is marked failed and the others go on. Ctrl-C (SIGINT to the process group,
-as a terminal sends it, or to this process alone, which forwards it) makes every worker save a resumable
-checkpoint; `resume OUT` then finishes the unfinished jobs and keeps the finished ones.
+as a terminal sends it, or to this process alone, which forwards it) ends every running job after its current
+step with a resumable checkpoint (`StopRequest`); `resume OUT` then finishes the unfinished jobs and keeps the
+finished ones.
 
-Ray: the same jobs as tasks (`ray_sweep.py`).
+Ray: the same jobs as tasks, one adapter each (see "Ray tasks" below for how a task finds its adapter and
+where its files go).
 
-Public API: `Sweep`, `Job`, `Runner`, `parse_seeds`, `run`, `resume`, `comparison`, `check_data`,
-`SweepView`, `SWEEP`.
+Public API: `Sweep`, `Job`, `Runner`, `parse_seeds`, `run`, `resume`, `comparison`, `table`, `check_data`,
+`SweepView`, `SWEEP`, `ADAPTER_RESOURCE`.
 """
 
 from __future__ import annotations
@@ -324,7 +326,10 @@ class SweepView:
 
 def _inline(sweep, jobs, root, launch, view) -> dict:
     results = {}
-    previous = signal.signal(signal.SIGINT, STOP)
+    try:
+        previous = signal.signal(signal.SIGINT, STOP)
+    except ValueError:  # not the main thread: Ctrl-C is not this sweep's to handle
+        previous = None
     try:
         for job in jobs:
             if STOP.requested:
@@ -335,7 +340,8 @@ def _inline(sweep, jobs, root, launch, view) -> dict:
         if STOP.requested:
             raise KeyboardInterrupt
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         STOP.requested = False
     return results
 
@@ -408,10 +414,10 @@ class _Pool:
 
     def run(self, jobs) -> dict:
         pending = deque(jobs)
-        for i in range(len(self.devices)):
-            self.start(i)
-            self.hand(i, pending)
         try:
+            for i in range(len(self.devices)):
+                self.start(i)
+                self.hand(i, pending)
             while self.running:
                 for i in self.drain(0.5):
                     self.hand(i, pending)
@@ -425,6 +431,9 @@ class _Pool:
             for p in self.procs:
                 if p is not None:
                     p.join(timeout=5)
+            for q in (*self.inboxes, self.outbox):  # their semaphores go back now, not at interpreter exit
+                if q is not None:
+                    q.close()
         return self.results
 
     def _lost(self, i: int, job, pending: deque) -> None:
@@ -706,7 +715,8 @@ def run(sweep: Sweep, root: Path, runner: Runner, stop_after: int = 0, view: Swe
     """Run every job of `sweep` into ROOT -> the comparison report (also ROOT/report.json), or {"status":
     "stopped", "jobs": ...} when --stop-after left jobs unfinished. `resuming`: keep the jobs that completed
     and continue the others from their checkpoints (else every job starts afresh, as `train` always does).
-    Ctrl-C: KeyboardInterrupt once every running job has saved its checkpoint."""
+    Ctrl-C: KeyboardInterrupt once every running job has saved its checkpoint. Worker processes are spawned:
+    a script that calls this with `runner.devices` does so under `if __name__ == "__main__":`."""
     root = Path(root)
     view = view or SweepView()
     if runner.ray in (None, "local"):  # this host's workers see what this process sees: say so once, now
