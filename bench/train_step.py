@@ -4,6 +4,9 @@
     python3 bench/train_step.py --quick              # tiny preset, 2 x 64 (lavapipe smoke test)
     python3 bench/train_step.py --variants baseline --batch 8 --json out.json
 
+Engine runs: `--precision f32,f16` (default both): f32, and f16 products with dynamic loss scaling
+(`TrunkWork(precision="f16")`; `--f16-chunk 8,16` runs one f16 engine per chunk length).
+
 One step = zero grads, forward, LM head + loss, backward, global grad-norm clip 1.0, AdamW (lr 3e-4, betas
 0.9/0.95, eps 1e-5, wd 0.1) on every parameter. Both sides start from `ddl_ref.params.init_params(cfg, seed)`
 and train on the same random batch. Before timing, the PyTorch model's initial loss must equal the engine's
@@ -57,18 +60,31 @@ def encode_step(net, work, upd, rec) -> None:
     work._head_train.record(rec)
     work._sum.record(rec)
     work._bwd.record(rec)
+    for c in work._unscale:  # f16: the gradients divided by the loss scale
+        c.record(rec)
     net.optimizer_call(upd).record(rec)
 
 
-def bench_engine(gpu, cfg, params, ids, args) -> dict:
+def bench_engine(gpu, cfg, params, ids, args, precision: str = "f32", chunk: int | None = None) -> dict:
+    """One engine run; `precision` "f16" with `chunk` (None: the default F16_CHUNK) for the f16 products."""
     from ddl_wgpu.net import Net
+    from ddl_wgpu.ops import matmul as k_mm
     from ddl_wgpu.step import AdamW
+    from ddl_wgpu.trunk import TrunkWork
 
     B, T = ids.shape
     t0 = time.perf_counter()
-    net = Net(gpu, cfg, params)
-    work = net.work(B, T)
-    r = {"build_s": time.perf_counter() - t0}
+    default_chunk = k_mm.F16_CHUNK
+    if chunk is not None:
+        k_mm.F16_CHUNK = chunk  # the launchers read it as the Work builds its Calls
+    try:
+        net = Net(gpu, cfg, params)
+        work = net.work(B, T) if precision == "f32" else TrunkWork(net, B, T, precision=precision)
+    finally:
+        k_mm.F16_CHUNK = default_chunk
+    r = {"build_s": time.perf_counter() - t0, "precision": precision}
+    if precision == "f16":
+        r["f16_chunk"] = chunk or default_chunk
     first = work.step(ids)  # forward + backward, no update: the loss at init
     r["init_loss"] = first.loss
     step = 0
@@ -105,6 +121,8 @@ def bench_engine(gpu, cfg, params, ids, args) -> dict:
         r["dispatches"] = rec.n_dispatches
         del rec
     r["encode_ms"] = 1e3 * common.median(enc)
+    if work.loss_scale is not None:
+        r["loss_scale"], r["skipped_steps"] = work.loss_scale.scale, work.loss_scale.skipped
     # GPU time of one step's recording, from timestamps (same Calls as Work.step)
     if "timestamp-query" in gpu.features:
         ts = []
@@ -195,6 +213,13 @@ def main(argv=None) -> int:
         "--budget-s", type=float, default=20.0, help="cap on the timed seconds of one measurement"
     )
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--precision", default="f32,f16", help="engine runs: f32, f16 (f16 needs shader-f16)")
+    ap.add_argument(
+        "--f16-chunk", default=None, help="f16 chunk lengths to run, e.g. 8,16 (default F16_CHUNK)"
+    )
+    ap.add_argument(
+        "--f16-tile", default=None, help="wx,wy,tm,tn of the f16 large tile (default F16_LARGE_TILE)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--torch", default="auto", choices=["auto", "cuda", "cpu", "none"])
     ap.add_argument("--no-bf16", action="store_true")
@@ -209,6 +234,10 @@ def main(argv=None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (1 if q else 3)
 
     t_start = time.perf_counter()
+    if args.f16_tile:
+        from ddl_wgpu.ops import matmul as k_mm
+
+        k_mm.F16_LARGE_TILE = k_mm.Tile(*(int(x) for x in args.f16_tile.split(",")))
     gpu = common.open_gpu(args.device)
     torch, tdev = common.torch_setup(args.torch)
     print(f"adapter: {common.adapter_line(gpu)}")
@@ -224,14 +253,15 @@ def main(argv=None) -> int:
         entry = {"variant": vname, "params": num_params(cfg), "flops_per_token": fpt, "runs": {}}
         print(f"{vname}: {entry['params'] / 1e6:.1f}M parameters, batch {B} x {T}", flush=True)
         runs = entry["runs"]
-        try:
-            runs["ddl-wgpu"] = bench_engine(gpu, cfg, params, ids, args)
-        except Exception as e:
-            runs["ddl-wgpu"] = {
-                "error": f"{e.__class__.__name__}: {e}",
-                "traceback": traceback.format_exc()[-2000:],
-            }
-        print(f"  ddl-wgpu: {_brief(runs['ddl-wgpu'])}", flush=True)
+        for name, prec, chunk in engine_runs(args, gpu):
+            try:
+                runs[name] = bench_engine(gpu, cfg, params, ids, args, prec, chunk)
+            except Exception as e:
+                runs[name] = {
+                    "error": f"{e.__class__.__name__}: {e}",
+                    "traceback": traceback.format_exc()[-2000:],
+                }
+            print(f"  {name}: {_brief(runs[name])}", flush=True)
         if torch is not None:
             try:
                 entry["torch_init_loss"] = torch_loss(torch, tdev, cfg, params, ids)
@@ -248,15 +278,21 @@ def main(argv=None) -> int:
                     }
                 print(f"  {name}: {_brief(runs[name])}", flush=True)
                 common.torch_free(torch, tdev)
-        # the same-run correctness gate: initial losses must agree
-        wl, tl = runs["ddl-wgpu"].get("init_loss"), entry.get("torch_init_loss")
-        if wl is not None and tl is not None:
-            entry["init_loss_diff"] = abs(wl - tl)
-            entry["init_loss_ok"] = bool(entry["init_loss_diff"] <= LOSS_TOL)
-            print(f"  initial loss: ddl-wgpu {wl:.6f}, torch {tl:.6f}, |diff| {entry['init_loss_diff']:.2e} "
-                  f"({'ok' if entry['init_loss_ok'] else 'FAIL'})")  # fmt: skip
-            if not entry["init_loss_ok"]:
-                failed.append(f"{vname}: initial loss differs by {entry['init_loss_diff']:.2e}")
+        # the same-run correctness gate: initial losses must agree (every engine run, f16 included)
+        tl = entry.get("torch_init_loss")
+        for name in [n for n in runs if n.startswith("ddl-wgpu")]:
+            wl = runs[name].get("init_loss")
+            if wl is None or tl is None:
+                continue
+            diff = abs(wl - tl)
+            runs[name]["init_loss_diff"], ok = diff, bool(diff <= LOSS_TOL)
+            if name == "ddl-wgpu":
+                entry["init_loss_diff"], entry["init_loss_ok"] = diff, ok
+            print(
+                f"  initial loss: {name} {wl:.6f}, torch {tl:.6f}, |diff| {diff:.2e} ({'ok' if ok else 'FAIL'})"
+            )
+            if not ok:
+                failed.append(f"{vname}/{name}: initial loss differs by {diff:.2e}")
         for name, r in runs.items():
             if "error" in r:
                 failed.append(f"{vname}/{name}: {r['error'][:120]}")
@@ -304,6 +340,20 @@ def main(argv=None) -> int:
         f"total {data['wall_s']:.0f}s; {'all checks passed' if not failed else 'FAILED: ' + '; '.join(failed)}"
     )
     return 1 if failed else 0
+
+
+def engine_runs(args, gpu) -> list[tuple[str, str, int | None]]:
+    """(name, precision, chunk) of the engine runs asked for; f16 only where the adapter has shader-f16."""
+    out = []
+    for prec in [p.strip() for p in args.precision.split(",") if p.strip()]:
+        if prec == "f32":
+            out.append(("ddl-wgpu", "f32", None))
+        elif "shader-f16" not in gpu.features:
+            print(f"  (no f16 runs: {gpu.name} lacks shader-f16)")
+        else:
+            chunks = [int(c) for c in args.f16_chunk.split(",")] if args.f16_chunk else [None]
+            out += [(f"ddl-wgpu f16{'' if c is None else f' c{c}'}", "f16", c) for c in chunks]
+    return out
 
 
 def _brief(r: dict) -> str:

@@ -169,11 +169,13 @@ def draft_logits(params: dict, cfg: ModelConfig, hidden_post):
 
 
 def draft_kl_forward(params: dict, cfg: ModelConfig, x_rows, teacher_ids, teacher_probs, weights,
-                     chain: int = 0):  # fmt: skip
+                     chain: int = 0, form: str = "full"):  # fmt: skip
     """Top-k KL of the draft against a teacher, summed over rows.
 
     x_rows (B, T, C), teacher_ids/probs (B, T, k), weights (B, T) 0/1 -> (kl_sum, cache). `chain` as in
-    `draft_forward` (stacked steps: the caller gives the rows of steps < chain weight 0).
+    `draft_forward` (stacked steps: the caller gives the rows of steps < chain weight 0). `form`: "full" (the
+    reference heal tool's: the draft's full-vocabulary log-softmax against the teacher's renormalised top-k)
+    or "topk" (the draft renormalised over the teacher's k ids); `ops.topk_kl_forward`.
     """
     B, T, C = x_rows.shape
     pre, post, c_draft = draft_forward(params, cfg, x_rows, chain)
@@ -184,6 +186,7 @@ def draft_kl_forward(params: dict, cfg: ModelConfig, x_rows, teacher_ids, teache
         np.asarray(teacher_ids).reshape(B * T, k),
         np.asarray(teacher_probs, x_rows.dtype).reshape(B * T, k),
         np.asarray(weights).reshape(B * T),
+        form,
     )
     return kl_sum, {"draft": c_draft, "kl": c_kl, "post": post, "shape": (B, T)}
 

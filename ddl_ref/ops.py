@@ -340,31 +340,56 @@ def lm_loss_backward(cache, dloss=1.0):
     return drows * (float(dloss) / count)
 
 
-def topk_kl_forward(student_logits, teacher_ids, teacher_probs, weights):
-    """Top-k KL(p~ || q~) for MTP healing.
+KL_FORMS = ("full", "topk")
 
-    student_logits (N, V), teacher_ids (N, k) int, teacher_probs (N, k), weights (N,) 0/1.
-    p~ = teacher_probs renormalised over the k ids; q~ = student softmax restricted to the same k ids and
-    renormalised over them. kl_sum = sum_n w_n * sum_i p~_i (log p~_i - log q~_i), with 0 log 0 = 0.
+
+def topk_kl_forward(student_logits, teacher_ids, teacher_probs, weights, form: str = "full"):
+    """Top-k KL distillation loss for MTP healing, summed over rows.
+
+    student_logits (N, V), teacher_ids (N, k) int, teacher_probs (N, k), weights (N,) 0/1. p~ = teacher_probs
+    renormalised over the k ids (a row without teacher mass, e.g. batch padding, gets p~ = 0 and contributes
+    nothing). kl_sum = sum_n w_n * sum_i p~_i (log p~_i - log q_i), with 0 log 0 = 0, where log q is
+    - form "full" (the reference heal tool's distillation loss): the student's full-vocabulary log-softmax at
+      the teacher's ids, so every logit gets gradient (mass the student puts outside the top-k is penalised);
+    - form "topk": the student's softmax restricted to the k ids and renormalised over them (KL(p~ || q~);
+      logits outside the top-k get no gradient).
     """
+    if form not in KL_FORMS:
+        raise ValueError(f"kl form must be one of {list(KL_FORMS)}, got {form!r}")
     N = student_logits.shape[0]
     ids = np.asarray(teacher_ids).astype(np.int64)
     w = np.asarray(weights, dtype=student_logits.dtype)
     z = student_logits[np.arange(N)[:, None], ids]  # (N, k)
-    logq = z - logsumexp(z, axis=-1, keepdims=True)  # (N, k) log q~
-    p = teacher_probs / np.sum(teacher_probs, axis=-1, keepdims=True)  # (N, k) p~
+    if form == "full":
+        lse = logsumexp(student_logits, axis=-1, keepdims=True)  # (N, 1), over the whole vocabulary
+    else:
+        lse = logsumexp(z, axis=-1, keepdims=True)
+    logq = z - lse  # (N, k)
+    psum = np.sum(teacher_probs, axis=-1, keepdims=True)
+    p = np.divide(teacher_probs, psum, out=np.zeros_like(teacher_probs), where=psum > 0)  # (N, k) p~
     # 0 * log 0 is taken as 0; np.where keeps log(0) = -inf out of the sum.
     plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
     kl_rows = np.sum(plogp - p * logq, axis=-1)  # (N,)
     kl_sum = float(np.sum(w * kl_rows))
-    return kl_sum, (student_logits.shape, ids, p, np.exp(logq), w)
+    # the softmax the gradient needs: over the vocabulary ("full") or over the k ids ("topk")
+    q = np.exp(student_logits - lse) if form == "full" else np.exp(logq)
+    # the sum of p~: exactly 1, or 0 for a row without teacher mass (whose gradient is then 0 too)
+    mass = (psum > 0).astype(q.dtype)
+    return kl_sum, (student_logits.shape, ids, p, q * mass, w, form)
 
 
 def topk_kl_backward(cache):
-    """-> dlogits (N, V): only the k teacher ids get gradient, w * (q~_i - p~_i)."""
-    shape, ids, p, q, w = cache
+    """-> dlogits (N, V) of kl_sum: w * (m * q - p~), q the student's softmax over the vocabulary ("full") or
+    over the k ids ("topk", zero elsewhere), p~ at the k ids, m = sum of p~ (1, or 0 for a row without
+    teacher mass)."""
+    shape, ids, p, mq, w, form = cache
     N = shape[0]
-    dlogits = np.zeros(shape, dtype=q.dtype)
+    rows = np.arange(N)[:, None]
     # add.at so that a repeated id (possible in malformed teacher data) accumulates instead of overwriting.
-    np.add.at(dlogits, (np.arange(N)[:, None], ids), (q - p) * w[:, None])
+    if form == "full":
+        dlogits = mq * w[:, None]
+        np.add.at(dlogits, (rows, ids), -p * w[:, None])
+        return dlogits
+    dlogits = np.zeros(shape, dtype=mq.dtype)
+    np.add.at(dlogits, (rows, ids), (mq - p) * w[:, None])
     return dlogits

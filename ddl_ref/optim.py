@@ -1,4 +1,12 @@
-"""Reference optimizer pieces: global gradient norm and clipping, AdamW, and the seed's cosine warm-up schedule.
+"""Reference optimizer pieces: gradient-norm clipping (per tensor or global), AdamW, and the seed's cosine
+warm-up schedule.
+
+Clipping has two modes (`CLIP_MODES`):
+- "per-tensor" (the reference trainer's default: burn's `GradientClippingConfig::Norm`, which the optimizer
+  applies to each parameter tensor's gradient on its own): tensor t is scaled by clip / ||g_t|| where its own
+  L2 norm exceeds clip, every other tensor is left as it is;
+- "global" (PyTorch's `clip_grad_norm_`, the official DDL code's): one norm over every gradient element,
+  every tensor scaled by clip / ||g|| where that norm exceeds clip.
 
 AdamW follows the PyTorch documentation (https://pytorch.org/docs/stable/generated/torch.optim.AdamW.html):
 decoupled weight decay p <- p - lr*wd*p, then the bias-corrected Adam step. As in the seed's burn AdamW, every
@@ -19,6 +27,8 @@ import numpy as np
 
 from ddl_ref.params import ParamSpec
 
+CLIP_MODES = ("per-tensor", "global")
+
 
 def global_grad_norm(grads: dict[str, np.ndarray]) -> float:
     """sqrt of the sum of squares of every gradient element, accumulated in float64."""
@@ -30,6 +40,22 @@ def clip_multiplier(norm: float, clip: float) -> float:
     if norm <= 0.0 or norm <= clip:
         return 1.0
     return clip / norm
+
+
+def tensor_grad_norms(grads: dict[str, np.ndarray]) -> dict[str, float]:
+    """Each gradient's own L2 norm, accumulated in float64."""
+    return {n: math.sqrt(float(np.sum(np.square(g, dtype=np.float64)))) for n, g in grads.items()}
+
+
+def clip_multipliers(grads: dict[str, np.ndarray], clip: float, mode: str) -> dict[str, float]:
+    """The multiplier of every gradient under `mode` ("per-tensor": min(1, clip / ||g_t||) from each tensor's
+    own norm; "global": min(1, clip / ||g||) for all, from the global norm), for `adamw_step`."""
+    if mode == "per-tensor":
+        return {n: clip_multiplier(norm, clip) for n, norm in tensor_grad_norms(grads).items()}
+    if mode == "global":
+        mult = clip_multiplier(global_grad_norm(grads), clip)
+        return dict.fromkeys(grads, mult)
+    raise ValueError(f"grad_clip_mode must be one of {list(CLIP_MODES)}, got {mode!r}")
 
 
 def decayed_names(table: Iterable[ParamSpec]) -> set[str]:
@@ -47,14 +73,14 @@ def adamw_step(
     beta2: float,
     eps: float,
     weight_decay: float,
-    grad_multiplier: float = 1.0,
+    grad_multiplier: float | dict[str, float] = 1.0,
     trainable: Collection[str] | None = None,
     decay: Collection[str] | None = None,
 ) -> None:
     """One AdamW update, in place on `params` and `state` ({"m": {name: array}, "v": {name: array}}).
 
-    step counts from 1 (bias correction). grad_multiplier carries gradient clipping (`clip_multiplier`) so
-    gradients need not be rescaled first. trainable: names to update (None: all in grads); decay: names that
+    step counts from 1 (bias correction). grad_multiplier carries gradient clipping so gradients need not be
+    rescaled first: one float for every tensor (`clip_multiplier`), or one per name (`clip_multipliers`). trainable: names to update (None: all in grads); decay: names that
     get weight decay (None: all).
     """
     if step < 1:
@@ -69,7 +95,8 @@ def adamw_step(
         p = params[name]
         m = m_all.setdefault(name, np.zeros_like(p))
         v = v_all.setdefault(name, np.zeros_like(p))
-        g = grad * float(grad_multiplier)
+        mult = grad_multiplier[name] if isinstance(grad_multiplier, dict) else grad_multiplier
+        g = grad * float(mult)
         if decay is None or name in decay:
             p -= float(lr * weight_decay) * p
         m *= float(beta1)

@@ -20,7 +20,8 @@ Public API
 - `open_gpu(device=None) -> gpu.Gpu`: the process's device for an adapter choice, opened once.
 - `make_net(cfg, params, backend, device, seed=0, mtp_weight=0.0) -> TrainNet`: the training net.
 - `make_teacher(backend, model, batch=4, device=None, trunk_dtype="f32") -> Teacher`: heal's frozen trunk.
-- `make_draft(backend, model, init=None, batch=4, device=None) -> Draft`: heal's draft trained alone.
+- `make_draft(backend, model, init=None, batch=4, device=None, kl_form="full") -> Draft`: heal's draft trained
+  alone.
 - `make_accept_backend(backend, model, batch=8, device=None, trunk_dtype="f32") -> (Teacher | None,
   Runner | None)`: accept's trunk and draft step; (None, None) on "ref" (accept runs numpy inline).
 - Protocols: `TrainNet`, `TrainWork`, `Teacher`, `Draft`, `Runner`.
@@ -226,10 +227,15 @@ def open_gpu(device: str | None = None) -> Gpu:
 
 
 def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | None, seed: int = 0,
-             mtp_weight: float = 0.0) -> TrainNet:  # fmt: skip
+             mtp_weight: float = 0.0, precision: str = "f32") -> TrainNet:  # fmt: skip
     """A training net on the backend; fresh parameters from `seed` when `params` is None. A model with an
-    MTP draft (`cfg.mtp`) trains it jointly, its loss weighted by `mtp_weight`."""
+    MTP draft (`cfg.mtp`) trains it jointly, its loss weighted by `mtp_weight`. `precision` "f16": mixed
+    precision (f16 GEMM products, loss scaling; wgpu only)."""
     backend = _resolve(backend, device)
+    if precision != "f32" and backend != "wgpu":
+        raise BackendError(
+            f"precision {precision} runs on the wgpu backend only (the numpy reference is float64)"
+        )
     if params is None:
         params = init_params(cfg, seed)
     if backend == "ref":
@@ -238,7 +244,7 @@ def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | 
         return RefNet(cfg, params, mtp_weight=mtp_weight)
     from ddl_wgpu.net import Net
 
-    return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight)
+    return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight, precision=precision)
 
 
 def _check_trunk_dtype(backend: str, trunk_dtype: str) -> None:
@@ -268,16 +274,17 @@ def make_teacher(backend: str, model: Model, batch: int = 4, device: str | None 
 
 
 def make_draft(backend: str, model: Model, init: dict | None = None, batch: int = 4,
-               device: str | None = None) -> Draft:  # fmt: skip
-    """heal's draft (block + final norm) trained alone, from `init` weights when given, else the model's."""
+               device: str | None = None, kl_form: str = "full") -> Draft:  # fmt: skip
+    """heal's draft (block + final norm) trained alone, from `init` weights when given, else the model's;
+    `kl_form` the top-k KL's form ("full" or "topk", `ddl_ref.ops.KL_FORMS`)."""
     backend = _resolve(backend, device)
     if backend == "ref":
         from ddl_wgpu.refnet import RefDraft
 
-        return RefDraft(model.params, model.cfg, init)
+        return RefDraft(model.params, model.cfg, init, kl_form)
     from ddl_wgpu.heal_gpu import WgpuDraft
 
-    return WgpuDraft(open_gpu(device), model.params, model.cfg, init, batch)
+    return WgpuDraft(open_gpu(device), model.params, model.cfg, init, batch, kl_form)
 
 
 def make_accept_backend(backend: str, model: Model, batch: int = 8, device: str | None = None,

@@ -80,6 +80,10 @@ BackendOpt = Annotated[
     ),
 ]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="Adapter index or name substring.")]
+PrecisionOpt = Annotated[
+    str,
+    typer.Option("--precision", help="f32, or f16: mixed precision (f16 GEMM products, loss scaling; wgpu)."),
+]
 
 
 DevicesOpt = Annotated[
@@ -401,7 +405,12 @@ def train(
     beta1: float = _opt(TRAIN.beta1, "AdamW beta1.", TRAIN_HELP),
     beta2: float = _opt(TRAIN.beta2, "AdamW beta2.", TRAIN_HELP),
     epsilon: float = _opt(TRAIN.epsilon, "AdamW epsilon.", TRAIN_HELP),
-    grad_clip: float = _opt(TRAIN.grad_clip, "Global gradient-norm clip.", TRAIN_HELP),
+    grad_clip: float = _opt(TRAIN.grad_clip, "Gradient-norm clip.", TRAIN_HELP),
+    grad_clip_mode: str = _opt(
+        TRAIN.grad_clip_mode,
+        "per-tensor (each tensor by its own norm, the reference trainer's) or global (one norm for all).",
+        TRAIN_HELP,
+    ),
     batch_size: int = _opt(TRAIN.batch_size, "Rows per step.", TRAIN_HELP),
     seq_len: int = _opt(TRAIN.seq_len, "Tokens per row.", TRAIN_HELP),
     seed: int = _opt(TRAIN.seed, "Init and data-order seed.", TRAIN_HELP),
@@ -428,6 +437,7 @@ def train(
     ray: RayOpt = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    precision: PrecisionOpt = "f32",
 ):
     """Train a sweep of variants on the same data and budget; write reports, checkpoints and plots."""
     base = _model_config(preset, locals(), mtp)
@@ -442,6 +452,7 @@ def train(
         beta2=beta2,
         epsilon=epsilon,
         grad_clip=grad_clip,
+        grad_clip_mode=grad_clip_mode,
         batch_size=batch_size,
         seq_len=seq_len,
         seed=seed,
@@ -451,8 +462,14 @@ def train(
     tcfg.validate()
     if seq_len > base.max_seq_len:
         fail(f"--seq-len {seq_len} exceeds the model's max_seq_len {base.max_seq_len} (see --max-seq-len)")
+    if precision not in ("f32", "f16"):
+        fail(f"--precision must be f32 or f16, got {precision!r}")
     vs = parse_variants(variants)
     choice = choose_backend(backend, device)
+    if precision != "f32" and choice.name != "wgpu":
+        fail(
+            f"--precision {precision} runs on the wgpu backend only ({_backend_line(choice)}): pass --backend wgpu"
+        )
     source = _data_source(data, val_data, val_fraction, max_tokens)
     if seeds is not None or devices is not None or workers or ray is not None:
         seed_list = sweep_lib.parse_seeds(seeds) if seeds is not None else [seed]
@@ -473,9 +490,13 @@ def train(
     if val is not None:
         typer.echo(f"  val:      {fields(val.summary())}")
     typer.echo(f"  tokens per step: {batch_size * seq_len:,}")
+    if precision != "f32":
+        typer.echo(
+            f"  precision: {precision} (f16 GEMM products, f32 weights/optimizer, dynamic loss scaling)"
+        )
     con = TrainConsole()
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
-                                stop_after=stop_after, progress=con, data=source)  # fmt: skip
+                                stop_after=stop_after, progress=con, data=source, precision=precision)  # fmt: skip
     comp = _run(lambda: train_lib.train_variants(base, vs, trn, val, tcfg, out, opts), con, f"{out}/")
     if comp.get("status") == "stopped":
         last = comp["reports"][-1]
@@ -566,6 +587,7 @@ def resume(
     eval_interval: int = _opt(None, "New phase: evaluation interval.", TRAIN_HELP),
     weight_decay: float = _opt(None, "New phase: weight decay.", TRAIN_HELP),
     grad_clip: float = _opt(None, "New phase: gradient clip.", TRAIN_HELP),
+    grad_clip_mode: str = _opt(None, "New phase: per-tensor or global clipping.", TRAIN_HELP),
     out: Path = typer.Option(None, "--out", help="Write here instead of the checkpoint's folder."),
     save_interval: int = typer.Option(0, "--save-interval", help="Save a checkpoint every N steps."),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop again after N steps."),
@@ -610,6 +632,7 @@ def resume(
             eval_interval=eval_interval,
             weight_decay=weight_decay,
             grad_clip=grad_clip,
+            grad_clip_mode=grad_clip_mode,
         ).items()
         if v is not None
     }
@@ -732,6 +755,12 @@ def heal(
     seed: int = _opt(HEAL.seed, "Job-order seed.", HEAL_HELP),
     trunk_dtype: TrunkDtype = HEAL.trunk_dtype,
     chain_attention: ChainAttention = HEAL.chain_attention,
+    kl_form: str = _opt(
+        HEAL.kl_form,
+        "Top-k KL: full (the draft's full-vocabulary log-softmax, as the reference heal tool) or topk "
+        "(the draft renormalised over the teacher's k ids).",
+        HEAL_HELP,
+    ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     as_json: bool = typer.Option(False, "--json", help="JSON progress lines and the report as JSON."),
@@ -739,7 +768,8 @@ def heal(
     """Retrain the MTP draft head on its own trunk by top-k KL self-distillation; write it back into OUT."""
     cfg = heal_lib.HealConfig(chain=chain, refresh=refresh, tokens=tokens, window=window, epochs=epochs, lr=lr,
                               topk=topk, batch=batch, eval_every=eval_every, patience=patience, seed=seed,
-                              trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
+                              trunk_dtype=trunk_dtype, chain_attention=chain_attention,
+                              kl_form=kl_form)  # fmt: skip
     choice = choose_backend(backend, device)
     typer.echo("resolved configuration:", err=as_json)
     typer.echo("  heal:     " + fields(cfg.to_dict()), err=as_json)

@@ -27,18 +27,22 @@ from ddl_wgpu.step import AdamW, StepResult
 
 
 class DraftWork(Blocks):
-    """A one-layer baseline model on input rows (B, T, C), its loss the top-k KL (width `kl_k`) to a
-    teacher's top-k; `chain` = j >= 1 stacks chain steps 1..j (module docstring)."""
+    """A one-layer baseline model on input rows (B, T, C), its loss the top-k KL (width `kl_k`, form
+    `kl_form`: "full" or "topk", `ops.topk_kl`) to a teacher's top-k; `chain` = j >= 1 stacks chain steps
+    1..j (module docstring)."""
 
-    def __init__(self, net, batch: int, seq: int, kl_k: int, chain: int = 0, chunk_rows: int | None = None):
+    def __init__(self, net, batch: int, seq: int, kl_k: int, chain: int = 0, chunk_rows: int | None = None,
+                 kl_form: str = "full"):  # fmt: skip
         cfg = net.cfg
+        if kl_form not in k_topk.FORMS:
+            raise GpuError(f"kl form must be one of {list(k_topk.FORMS)}, got {kl_form!r}")
         if chain and (chain < 1 or seq % chain):
             raise GpuError(f"chain={chain} needs {seq} rows of whole chain windows")
         if net.inference:
             raise GpuError("a draft work trains: it needs a Net with gradients (not inference-only)")
         if cfg.residual != "add" or kl_k < 1 or cfg.mtp is not None:
             raise GpuError("a draft work needs a baseline model without a draft and a top-k width kl_k >= 1")
-        self.chain, self.kl_k = int(chain), int(kl_k)
+        self.chain, self.kl_k, self.kl_form = int(chain), int(kl_k), kl_form
         super().__init__(net, batch, seq, chunk_rows, span=seq // chain if chain else seq)
         N = self.N
         self.init_backward_scratch()
@@ -81,7 +85,8 @@ class DraftWork(Blocks):
         """The top-k KL of one chunk of logits to the teacher's top-k (its kernel writes the gradient in
         place even when evaluating: harmless scratch)."""
         return k_topk.topk_kl(self.gpu, self.row_loss, logits, self.t_ids, self.t_probs, self.weights, n,
-                              self.cfg.vocab_size, self.kl_k, self.scale, row_offset=r0)  # fmt: skip
+                              self.cfg.vocab_size, self.kl_k, self.scale, row_offset=r0,
+                              form=self.kl_form)  # fmt: skip
 
     def backward_calls(self) -> Call:
         """final norm -> blocks; the rows came from outside: nothing flows into the embedding."""

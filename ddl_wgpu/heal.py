@@ -54,6 +54,7 @@ import numpy as np
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import ModelConfig
+from ddl_ref.ops import KL_FORMS
 from ddl_wgpu import accept as accept_mod
 from ddl_wgpu.accept import CHAIN_ATTENTION, DEFAULT_CHAIN_ATTENTION
 from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teacher
@@ -95,8 +96,14 @@ class HealConfig:
     seed: int = 0  # seed of the per-epoch job shuffle
     trunk_dtype: str = "f32"  # the GPU trunk's big matrices: f32, or f16 (half the memory; needs shader-f16)
     chain_attention: str = DEFAULT_CHAIN_ATTENTION  # "per-step": step j causal over its own rows; "stacked"
+    # the top-k KL: "full" (the reference heal tool's: the draft's full-vocabulary log-softmax against the
+    # teacher's renormalised top-k) or "topk" (the draft renormalised over the k ids); `ddl_ref.ops.KL_FORMS`
+    kl_form: str = "full"
 
     def __post_init__(self) -> None:
+        if self.kl_form not in KL_FORMS:
+            raise HealError(f"heal: kl_form must be one of {', '.join(KL_FORMS)}, got {self.kl_form!r}",
+                            field="kl_form")  # fmt: skip
         if self.chain_attention not in CHAIN_ATTENTION:
             raise HealError(f"heal: chain attention must be one of {', '.join(CHAIN_ATTENTION)}, "
                             f"got {self.chain_attention!r}", field="chain_attention")  # fmt: skip
@@ -413,7 +420,7 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     events("windows", windows=len(wins), tokens=total_tokens, chain=cfg.chain, data=str(data_spec))
 
     teacher = make_teacher(backend, model, cfg.batch, device, cfg.trunk_dtype)
-    draft = make_draft(backend, model, init, cfg.batch, device)
+    draft = make_draft(backend, model, init, cfg.batch, device, cfg.kl_form)
     kk = min(cfg.topk, mcfg.vocab_size)
     cache = _trunk_pass(teacher, wins, mcfg, kk, cfg.batch, events)
     chain = _Chain(model, cfg, cache, draft)

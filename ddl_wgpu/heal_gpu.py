@@ -55,11 +55,12 @@ class WgpuTeacher:
 class WgpuDraft:
     """The draft block + its final norm on the GPU, as a one-layer model (`ddl_ref.mtp.draft_config`) whose
     first block reads the given input rows; the shared embedding/head is loaded but frozen. Adam
-    (`step.draft_adamw`) as `refnet.RefDraft`; a non-finite step leaves weights and moments untouched (the
-    AdamW kernel's skip)."""
+    (`step.draft_adamw`) and the top-k KL's form (`kl_form`) as `refnet.RefDraft`; a non-finite step leaves
+    weights and moments untouched (the AdamW kernel's skip)."""
 
-    def __init__(self, gpu: Gpu, params: dict, cfg: ModelConfig, init: dict | None = None, batch: int = 4):
-        self.cfg, self.B = cfg, batch
+    def __init__(self, gpu: Gpu, params: dict, cfg: ModelConfig, init: dict | None = None, batch: int = 4,
+                 kl_form: str = "full"):  # fmt: skip
+        self.cfg, self.B, self.kl_form = cfg, batch, kl_form
         src = init if init is not None else params
         n = len(ref_mtp.MTP_LAYER_PREFIX)
         self.names = {}  # one-layer name -> model.mtp.* name
@@ -75,7 +76,9 @@ class WgpuDraft:
 
     def _work(self, T: int, k: int = 1, chain: int = 0) -> DraftWork:
         if (T, k, chain) not in self._works:
-            self._works[(T, k, chain)] = DraftWork(self.net, self.B, T, kl_k=k, chain=chain)
+            self._works[(T, k, chain)] = DraftWork(
+                self.net, self.B, T, kl_k=k, chain=chain, kl_form=self.kl_form
+            )
         return self._works[(T, k, chain)]
 
     def _args(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0):

@@ -110,6 +110,7 @@ class Net:
         inference: bool = False,
         dtype: str = "f32",
         frozen_state: bool = True,
+        precision: str = "f32",
     ):
         if dtype not in DTYPES:
             raise GpuError(f"parameter dtype {dtype!r} is not one of {list(DTYPES)}")
@@ -123,6 +124,9 @@ class Net:
         if inference and trainable:
             raise GpuError("an inference Net has no trainable parameters")
         self.inference, self.dtype = bool(inference), dtype
+        self.precision = (
+            precision  # of the GEMMs in this net's Works (`blocks.Blocks`; "f16": mixed precision)
+        )
         self.gpu, self.cfg = gpu, cfg
         self.mtp_weight = float(mtp_weight)  # weight of the draft's loss in joint training (cfg.mtp set)
         self.table = param_table(cfg)
@@ -185,7 +189,7 @@ class Net:
         step, evaluation) for a training net, an `InferenceWork` (forward only) for an inference net."""
         if (batch, seq) not in self._works:
             job = InferenceWork if self.inference else TrunkWork
-            self._works[(batch, seq)] = job(self, batch, seq)
+            self._works[(batch, seq)] = job(self, batch, seq, precision=self.precision)
         return self._works[(batch, seq)]
 
     def export_snapshot(self, snapshot: list) -> dict[str, np.ndarray]:
@@ -367,27 +371,62 @@ class Net:
         return self._zero
 
     def optimizer_call(self, hyper: AdamW) -> Call:
-        """Global gradient norm over the trainable tensors, clip multiplier, AdamW; built once, its
-        uniforms rewritten per step (the clip threshold and the AdamW hyper-parameters)."""
+        """Gradient norm over the trainable tensors, clip multipliers, AdamW; built once per clip mode, its
+        uniforms rewritten per step (the clip threshold and the AdamW hyper-parameters).
+
+        "global": one norm over contiguous runs of trainable tensors, one multiplier (`scalars`) for all.
+        "per-tensor": each tensor's own norm and multiplier (`reduce.tensor_norm_clip`, one record per
+        tensor), AdamW over each tensor reading its record; `scalars` still gets the global norm and the
+        finite flag, so the step's reported norm and non-finite skip are those of "global"."""
         self._require_training("optimizer_call")
+        mode = hyper.grad_clip_mode
+        if mode not in ("per-tensor", "global"):
+            raise GpuError(f"grad_clip_mode must be 'per-tensor' or 'global', got {mode!r}")
         values = k_adamw.adamw_uniform_values(
             hyper.lr, hyper.step, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay
         )
         if self._opt is None:
-            runs = self._trainable_runs()
-            ranges = [((self.g[a], off, n), n // F32) for a, off, n in runs]
-            parts = self.gpu.buffer(k_red.total_partials([n for _, n in ranges]) * F32, label="norm_partials")
-            norm_call = k_red.grad_norm_clip(self.gpu, self.scalars, parts, ranges, hyper.grad_clip)
-            self._clip_uniform = norm_call.uniforms[-1]
-            self._norm_count = k_red.total_partials([n for _, n in ranges])
+            self._opt = {}
             self._hyper_buf = self.gpu.uniform(k_adamw.ADAMW_FMT, *values)
-            call = norm_call
-            for a, off, n in runs:
-                views = [(buf[a], off, n) for buf in (self.p, self.g, self.m, self.v)]
-                call = call + k_adamw.adamw(self.gpu, *views, self.scalars, n // F32, self._hyper_buf)
-            self._opt = call
-        self.gpu.write_uniform(
-            self._clip_uniform, k_red.FINALIZE_FMT, self._norm_count, hyper.grad_clip, 0, 0
-        )
+        if mode not in self._opt:
+            self._opt[mode] = self._global_clip() if mode == "global" else self._tensor_clip()
+        call, clip_uniforms = self._opt[mode]
+        for buf, fmt, head, tail in clip_uniforms:
+            self.gpu.write_uniform(buf, fmt, *head, hyper.grad_clip, *tail)
         self.gpu.write_uniform(self._hyper_buf, k_adamw.ADAMW_FMT, *values)
-        return self._opt
+        return call
+
+    def _global_clip(self):
+        """The "global" optimizer call over contiguous runs of trainable tensors, and its clip uniforms."""
+        runs = self._trainable_runs()
+        ranges = [((self.g[a], off, n), n // F32) for a, off, n in runs]
+        count = k_red.total_partials([n for _, n in ranges])
+        parts = self.gpu.buffer(count * F32, label="norm_partials")
+        call = k_red.grad_norm_clip(self.gpu, self.scalars, parts, ranges, 1.0)
+        clip_uniforms = [(call.uniforms[-1], k_red.FINALIZE_FMT, (count,), (0, 0))]
+        for a, off, n in runs:
+            views = [(buf[a], off, n) for buf in (self.p, self.g, self.m, self.v)]
+            call = call + k_adamw.adamw(self.gpu, *views, self.scalars, n // F32, self._hyper_buf)
+        return call, clip_uniforms
+
+    def _tensor_clip(self):
+        """The "per-tensor" optimizer call (one clip record per trainable tensor), and its clip uniforms."""
+        pieces = []
+        for name in self.trainable:
+            s = self.slots[name]
+            pieces.append(self._pieces(s.arena, s.offset, s.numel * F32))
+        tensors = [[((self.g[a], off, n), n // F32) for a, off, n in ps] for ps in pieces]
+        count = k_red.total_partials([n for ps in tensors for _, n in ps])
+        parts = self.gpu.buffer(count * F32, label="norm_partials_tensors")
+        self._records = self.gpu.buffer(len(tensors) * k_red.RECORD_BYTES, label="clip_records")
+        call = k_red.tensor_norm_clip(self.gpu, self.scalars, self._records, parts, tensors, 1.0)
+        clip_uniforms = [
+            (call.uniforms[-3], k_red.FINALIZE_FMT, (count,), (0, 0)),
+            (call.uniforms[-2], k_red.TENSOR_CLIP_FMT, (len(tensors),), (k_red.RECORD_BYTES // 4, 0)),
+        ]
+        for t, ps in enumerate(pieces):
+            record = (self._records, t * k_red.RECORD_BYTES, k_red.SCALARS_BYTES)
+            for a, off, n in ps:
+                views = [(buf[a], off, n) for buf in (self.p, self.g, self.m, self.v)]
+                call = call + k_adamw.adamw(self.gpu, *views, record, n // F32, self._hyper_buf)
+        return call, clip_uniforms

@@ -16,9 +16,10 @@ import numpy as np
 
 from ddl_ref import model as ref_model
 from ddl_ref import mtp as ref_mtp
+from ddl_ref import ops as ref_ops
 from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
-from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
+from ddl_ref.optim import adamw_step, clip_multiplier, clip_multipliers, global_grad_norm
 from ddl_ref.params import init_params, param_table, trainable_names
 from ddl_wgpu.step import DRAFT_ADAM, DRAFT_GRAD_CLIP, AdamW, StepResult
 
@@ -104,7 +105,7 @@ class RefWork:
             tg = {n: net._grads[n] for n in net.trainable}
             norm = global_grad_norm(tg)
             if finite:
-                mult = clip_multiplier(norm, update.grad_clip)
+                mult = clip_multipliers(tg, update.grad_clip, update.grad_clip_mode)
                 adamw_step(
                     net.params,
                     net._grads,
@@ -158,10 +159,13 @@ class RefTeacher:
 
 class RefDraft:
     """The draft block + final norm in numpy float32, trained with Adam (`step.DRAFT_ADAM`, no weight decay,
-    the gradient scaled to a global norm <= `step.DRAFT_GRAD_CLIP`); everything else frozen."""
+    the gradient scaled to a global norm <= `step.DRAFT_GRAD_CLIP`); everything else frozen. `kl_form`: the
+    top-k KL's form (`ddl_ref.ops.KL_FORMS`)."""
 
-    def __init__(self, params: dict, cfg: ModelConfig, init: dict | None = None):
-        self.cfg = cfg
+    def __init__(self, params: dict, cfg: ModelConfig, init: dict | None = None, kl_form: str = "full"):
+        if kl_form not in ref_ops.KL_FORMS:
+            raise ValueError(f"kl form must be one of {list(ref_ops.KL_FORMS)}, got {kl_form!r}")
+        self.cfg, self.kl_form = cfg, kl_form
         names = ref_mtp.trained_names(params)
         src = init if init is not None else params
         self.params = {n: np.array(src[n], np.float32) for n in names}
@@ -178,7 +182,7 @@ class RefDraft:
         p = self._all()
         with np.errstate(all="ignore"):
             kl, cache = ref_mtp.draft_kl_forward(p, self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
-                                                 teacher_probs, weights, chain)  # fmt: skip
+                                                 teacher_probs, weights, chain, self.kl_form)  # fmt: skip
             loss = kl / count
             # gradient of grad_scale * loss, unscaled again (the engine's f16 loss scaling; exact in f32)
             _dx, grads = ref_mtp.draft_kl_backward(p, self.cfg, cache, dloss=float(grad_scale) / count)
@@ -193,7 +197,8 @@ class RefDraft:
 
     def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float:
         kl, _ = ref_mtp.draft_kl_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
-                                         teacher_probs, np.asarray(weights, np.float32), chain)  # fmt: skip
+                                         teacher_probs, np.asarray(weights, np.float32), chain,
+                                         self.kl_form)  # fmt: skip
         return float(kl)
 
     def hidden_out(self, x_rows, chain: int = 0):

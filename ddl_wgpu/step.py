@@ -21,6 +21,10 @@ class AdamW:
     eps: float = 1e-5
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    # "per-tensor" (each tensor by its own norm, the reference trainer's rule) or "global" (one norm for all;
+    # `ddl_ref.optim.CLIP_MODES`). The engine's default stays "global"; `train.TrainingConfig` chooses
+    # per-tensor for training runs.
+    grad_clip_mode: str = "global"
 
 
 @dataclass
@@ -34,7 +38,9 @@ class StepResult:
 
 
 # The heal draft's optimizer: Adam with these betas and eps, no weight decay, the gradient scaled to a global
-# norm of at most DRAFT_GRAD_CLIP (the same on both backends).
+# norm of at most DRAFT_GRAD_CLIP (the same on both backends). Global, not per tensor: the reference heal tool
+# measures one gradient norm over the draft's trained tensors and multiplies every gradient by 1 / norm when
+# the norm exceeds 1.
 DRAFT_ADAM = (0.9, 0.999, 1e-8)
 DRAFT_GRAD_CLIP = 1.0
 
@@ -43,4 +49,4 @@ def draft_adamw(lr: float, step: int) -> AdamW:
     """The heal draft's optimizer settings for one step."""
     beta1, beta2, eps = DRAFT_ADAM
     return AdamW(lr=float(lr), step=int(step), beta1=beta1, beta2=beta2, eps=eps, weight_decay=0.0,
-                 grad_clip=DRAFT_GRAD_CLIP)  # fmt: skip
+                 grad_clip=DRAFT_GRAD_CLIP, grad_clip_mode="global")  # fmt: skip

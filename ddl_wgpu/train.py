@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ddl_ref.config import ModelConfig, ModelVariant
-from ddl_ref.optim import CosineWarmupSchedule
+from ddl_ref.optim import CLIP_MODES, CosineWarmupSchedule
 from ddl_ref.spectral import SpectralAccumulator
 from ddl_wgpu.backend import make_net
 from ddl_wgpu.container import open_checkpoint, save
@@ -81,7 +81,10 @@ class TrainingConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     epsilon: float = 1e-5
-    grad_clip: float = 1.0  # global gradient-norm clip
+    grad_clip: float = 1.0  # gradient-norm clip
+    # "per-tensor": each tensor by its own norm (the reference trainer's burn clipping); "global": one norm
+    # over all (PyTorch's clip_grad_norm_). A checkpoint written before the field existed resumes "global".
+    grad_clip_mode: str = "per-tensor"
     batch_size: int = 8  # rows per step
     seq_len: int = 128  # tokens per row
     seed: int = 0  # parameter init (and data shuffle) seed
@@ -124,6 +127,8 @@ class TrainingConfig:
             raise bad("epsilon must be finite and positive")
         if not (math.isfinite(self.grad_clip) and self.grad_clip > 0.0):
             raise bad("grad_clip must be finite and positive")
+        if self.grad_clip_mode not in CLIP_MODES:
+            raise bad(f"grad_clip_mode must be one of {', '.join(CLIP_MODES)}")
         if self.batch_size == 0:
             raise bad("batch_size must be greater than zero")
         if self.seq_len < 2:
@@ -259,6 +264,10 @@ def load_checkpoint(path: Path) -> dict:
             "position": dict(meta.get("train.position") or {}),
             "data": dict(meta["train.data"]) if meta.get("train.data") else None,
         }
+    # a checkpoint from before grad_clip_mode clipped globally: it resumes so, bit for bit
+    for training in (out["report"].get("training"), out["position"].get("phase", {}).get("training")):
+        if isinstance(training, dict):
+            training.setdefault("grad_clip_mode", "global")
     return out
 
 
@@ -272,6 +281,7 @@ class RunOptions:
 
     backend: str = "wgpu"
     device: str | None = None
+    precision: str = "f32"  # "f16": mixed precision (f16 GEMM products, dynamic loss scaling; wgpu only)
     save_interval: int = 0  # save a checkpoint every N steps (0: only at the end / on stop)
     stop_after: int = 0  # end this process after N steps with a resumable checkpoint (0: run to the end)
     progress: object = None  # callable(event: dict) for progress display (`run.Events` schema)
@@ -316,7 +326,8 @@ class _Variant:
             train_spectral = self.work.spectral(batch.ids, batch.lengths)
         lr = self.schedule.learning_rate(in_phase)
         hyper = AdamW(lr=lr, step=done + 1, beta1=tcfg.beta1, beta2=tcfg.beta2, eps=tcfg.epsilon,
-                      weight_decay=tcfg.weight_decay, grad_clip=tcfg.grad_clip)  # fmt: skip
+                      weight_decay=tcfg.weight_decay, grad_clip=tcfg.grad_clip,
+                      grad_clip_mode=tcfg.grad_clip_mode)  # fmt: skip
         res = self.work.step(batch.ids, batch.lengths, update=hyper)
         if not res.finite:
             self.checkpoint()
@@ -412,7 +423,7 @@ class _Variant:
 def _fresh(base, variant, train, val, tcfg, opts, events):
     """A new run: the variant's net from the random seed, the initial evaluation and an empty report."""
     cfg = variant.resolve_config(base)
-    net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed, tcfg.mtp_weight)
+    net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed, tcfg.mtp_weight, opts.precision)
     phase = {"start_step": 0, "training": tcfg.to_dict(), "previous_lr": None}
     events("start", variant=variant.slug, num_params=net.num_params, cfg=cfg.to_dict())
     t_eval = time.perf_counter()
@@ -449,7 +460,7 @@ def _resumed(resume: dict, opts: RunOptions):
     """A run continued from a loaded checkpoint: its net (weights and moments), report, phase and best."""
     cfg, report, phase = resume["cfg"], resume["report"], resume["position"]["phase"]
     w = TrainingConfig.from_dict(phase["training"]).mtp_weight
-    net = make_net(cfg, resume["params"], opts.backend, opts.device, mtp_weight=w)
+    net = make_net(cfg, resume["params"], opts.backend, opts.device, mtp_weight=w, precision=opts.precision)
     snap = _snapshot_of(net, resume["best"]) if resume["best"] is not None else None
     if resume["m"]:  # after the best snapshot: `_snapshot_of` goes through `net.load`, which zeroes moments
         net.load_moments(resume["m"], resume["v"])

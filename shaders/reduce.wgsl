@@ -15,6 +15,13 @@
 //                                          scalars[3] = the sum of squares itself
 // AdamW reads scalars[1] and scalars[2], so clipping and the non-finite skip need no host round trip.
 //
+// Per-tensor clipping (each tensor scaled by its own norm) adds, after finalize_clip:
+//   finalize_tensors (one workgroup per tensor t) sums t's slice partials[start_t .. start_t + count_t) in
+//                 a fixed order and writes t's record at records[t * stride ..]: (norm_t, multiplier
+//                 min(1, clip / norm_t), the GLOBAL finite flag scalars[2], sum of squares). A record has
+//                 the layout of `scalars`, and stride is 256 bytes, so AdamW binds t's record as its
+//                 scalars; the finite flag stays global, so one non-finite tensor still skips the whole step.
+//
 // sum_rows (one workgroup): out[index] = sum of x[0..n).
 
 const WG: u32 = 256u;
@@ -90,6 +97,51 @@ fn finalize_clip(@builtin(local_invocation_id) lid3: vec3<u32>) {
         fc_scalars[1] = mult;
         fc_scalars[2] = select(0.0, 1.0, finite);
         fc_scalars[3] = total;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+
+// generated from its description in ddl_wgpu/ops/reduce.py (`Uniform`)
+{{struct TensorClipParams}}
+
+@group(0) @binding(0) var<storage, read> ft_partials: array<f32>;
+@group(0) @binding(1) var<storage, read> ft_ranges: array<u32>;
+@group(0) @binding(2) var<storage, read> ft_scalars: array<f32>;
+@group(0) @binding(3) var<storage, read_write> ft_records: array<f32>;
+@group(0) @binding(4) var<uniform> ft_p: TensorClipParams;
+
+@compute @workgroup_size(256)
+fn finalize_tensors(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_id) lid3: vec3<u32>,
+) {
+    let t = wid.x;
+    if (t >= ft_p.tensors) {
+        return;
+    }
+    let lid = lid3.x;
+    let start = ft_ranges[2u * t];
+    let count = ft_ranges[2u * t + 1u];
+    var acc = 0.0;
+    for (var i = lid; i < count; i += WG) {
+        acc += ft_partials[start + i];
+    }
+    let total = tree_sum(lid, acc);
+    if (lid == 0u) {
+        let finite = ft_scalars[2] != 0.0;
+        let norm = sqrt(total);
+        var mult = 1.0;
+        if (!finite) {
+            mult = 0.0;
+        } else if (ft_p.clip > 0.0 && norm > ft_p.clip) {
+            mult = ft_p.clip / norm;
+        }
+        let at = t * ft_p.stride;
+        ft_records[at] = norm;
+        ft_records[at + 1u] = mult;
+        ft_records[at + 2u] = select(0.0, 1.0, finite);
+        ft_records[at + 3u] = total;
     }
 }
 

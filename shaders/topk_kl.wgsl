@@ -1,12 +1,16 @@
 // Top-k KL distillation loss (for healing an MTP draft head) and the top-k selection that makes its
 // teacher data.
 //
-// `topk_kl` works in place on a (rows, V) chunk of student logits, like cross_entropy: with the teacher's
-// k ids and probabilities for the row, p~ = teacher probs renormalised over the k ids, q~ = student
-// softmax restricted to the k ids and renormalised, row_loss[g] = weight * sum_i p~_i (log p~_i - log q~_i)
-// (0 log 0 = 0), and the logits row becomes the gradient: zero except at the k ids, where it is
-// (q~_i - p~_i) * weight * scale (a repeated id accumulates, as np.add.at does in the reference).
-// g = row_offset + r indexes the per-step teacher_ids / teacher_probs / weights / row_loss buffers.
+// `topk_kl` works in place on a (rows, V) chunk of student logits, like cross_entropy. With the teacher's
+// k ids and probabilities for the row, p~ = teacher probs renormalised over the k ids (0 for a row without
+// teacher mass), row_loss[g] = weight * sum_i p~_i (log p~_i - log q_i) (0 log 0 = 0), where log q is
+//   form 1 ("full", the reference heal tool's): the student's log-softmax over the whole row at the ids;
+//            the logits row becomes weight * scale * (m * softmax(z) - p~ at the k ids);
+//   form 0 ("topk"): the student's softmax restricted to the k ids and renormalised (q~); the logits row
+//            becomes weight * scale * (m * q~_i - p~_i) at the k ids and zero elsewhere;
+// m = sum of p~ (1, or 0 for a row without teacher mass). A repeated id accumulates, as np.add.at does in
+// the reference. g = row_offset + r indexes the per-step teacher_ids / teacher_probs / weights / row_loss
+// buffers.
 //
 // `topk` writes, per row, the k largest logits' ids (ties: lower id first) and their full-softmax
 // probabilities (not renormalised). k <= 64.
@@ -53,41 +57,62 @@ fn topk_kl(
     let base = row * V;
     let g = kl_p.row_offset + row;
 
-    // 1. gather the student logits at the teacher ids (ids out of range are clipped: memory safety only)
+    // 1. gather the student logits at the teacher ids (ids out of range are clipped: memory safety only),
+    //    and the row's log-sum-exp (read before step 2 overwrites the row)
     if (lid < k) {
         let id = min(kl_teacher_ids[g * k + lid], V - 1u);
         kl_id[lid] = id;
         kl_z[lid] = kl_logits[base + id];
     }
+    var ms = vec2<f32>(NEG_BIG, 0.0);
+    if (kl_p.form == 1u) {
+        for (var i = lid; i < V; i += WG) {
+            ms = online_ms(ms, kl_logits[base + i]);
+        }
+    }
+    let lse_row = lse_reduce(lid, ms);
     storageBarrier();
     workgroupBarrier();
 
-    // 2. the gradient is zero off the k ids
+    // the teacher's mass (every invocation reads the k probabilities: k <= 64)
+    var psum = 0.0;
+    for (var j = 0u; j < k; j++) {
+        psum += kl_teacher_probs[g * k + j];
+    }
+    // A row without teacher mass (padding, zero-filled) gets p~ = 0 and m = 0 rather than 0/0 = NaN, so a
+    // padding row contributes exactly 0 instead of poisoning the gradient norm.
+    let has_mass = psum > 0.0;
+    let inv_psum = select(0.0, 1.0 / psum, has_mass);
+    let w = kl_weights[g];
+    let ws = w * kl_scale[0];
+    let mass = select(0.0, 1.0, has_mass);
+    let mws = mass * ws;
+
+    // 2. "full": m * softmax(z) over the whole row; "topk": zero off the k ids
     for (var i = lid; i < V; i += WG) {
-        kl_logits[base + i] = 0.0;
+        var d = 0.0;
+        if (kl_p.form == 1u) {
+            d = exp(kl_logits[base + i] - lse_row) * mws;
+        }
+        kl_logits[base + i] = d;
     }
     storageBarrier();
+    workgroupBarrier();
 
     // 3. k <= 64 terms: one invocation, in a fixed order (duplicate ids accumulate deterministically)
     if (lid == 0u) {
-        var m = NEG_BIG;
-        for (var j = 0u; j < k; j++) {
-            m = max(m, kl_z[j]);
+        var lse = lse_row;
+        if (kl_p.form == 0u) {
+            var m = NEG_BIG;
+            for (var j = 0u; j < k; j++) {
+                m = max(m, kl_z[j]);
+            }
+            var s = 0.0;
+            for (var j = 0u; j < k; j++) {
+                s += exp(kl_z[j] - m);
+            }
+            lse = m + log(s);
         }
-        var s = 0.0;
-        for (var j = 0u; j < k; j++) {
-            s += exp(kl_z[j] - m);
-        }
-        let lse = m + log(s);
-        var psum = 0.0;
-        for (var j = 0u; j < k; j++) {
-            psum += kl_teacher_probs[g * k + j];
-        }
-        // A row without teacher mass (padding, zero-filled) gets p~ = 0 rather than 0/0 = NaN, so a
-        // weight-0 padding row contributes exactly 0 instead of poisoning the gradient norm.
-        let inv_psum = select(0.0, 1.0 / psum, psum > 0.0);
-        let w = kl_weights[g];
-        let ws = w * kl_scale[0];
         var kl = 0.0;
         for (var j = 0u; j < k; j++) {
             let p = kl_teacher_probs[g * k + j] * inv_psum;
@@ -96,7 +121,11 @@ fn topk_kl(
                 kl += p * (log(p) - logq);
             }
             let at = base + kl_id[j];
-            kl_logits[at] = kl_logits[at] + (exp(logq) - p) * ws;
+            if (kl_p.form == 1u) {
+                kl_logits[at] = kl_logits[at] - p * ws;
+            } else {
+                kl_logits[at] = kl_logits[at] + (exp(logq) * mass - p) * ws;
+            }
         }
         kl_row_loss[g] = w * kl;
     }

@@ -119,7 +119,9 @@ def test_runtime_draft_step_matches_refdraft(gpu, qk, heal_kit):
     w[:, -W:] = (rng.random((B, W)) < 0.8).astype(np.float32)  # the step-j rows only
     ref, gd = RefDraft(p, cfg), WgpuDraft(open_gpu(), p, cfg, batch=B)
     want = ref.loss_sum(x, tid, tp, w, chain=j)
-    assert want != pytest.approx(ref.loss_sum(x, tid, tp, w), rel=1e-3)  # the mask matters
+    # the mask matters (by ~5e-4 relative: the full-vocabulary KL is dominated by the draft's mass off the
+    # random top-k, which the mask barely moves)
+    assert want != pytest.approx(ref.loss_sum(x, tid, tp, w), rel=1e-4)
     assert gd.loss_sum(x, tid, tp, w, chain=j) == pytest.approx(want, rel=1e-5)
     p64 = {n: a.astype(np.float64) for n, a in p.items()}
     kl, cache = ref_mtp.draft_kl_forward(p64, cfg, x.astype(np.float64), tid, tp, w, chain=j)

@@ -113,8 +113,9 @@ def test_gpu_heal_matches_reference_heal(gpu, tmp_path, heal_kit):
         assert set(g[key]) == set(r[key])
         np.testing.assert_allclose(g[key]["prefix_acceptance"], r[key]["prefix_acceptance"], atol=0.02)
     a, b = load_model(tmp_path / "r.ddlw").params, load_model(tmp_path / "g.ddlw").params
+    # atol lr: Adam moves an element whose gradient is ~0 by up to lr a step on the sign of float noise
     for n in ref_mtp.trained_names(a):
-        np.testing.assert_allclose(b[n], a[n], rtol=1e-2, atol=2e-4, err_msg=n)
+        np.testing.assert_allclose(b[n], a[n], rtol=1e-2, atol=heal_kit.SMALL.lr, err_msg=n)
 
 
 def test_gpu_acceptance_matches_reference(gpu, tmp_path, heal_kit):

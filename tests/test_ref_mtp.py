@@ -100,8 +100,9 @@ def test_draft_block_grad(qk_norm):
         assert_grad_close(name, g, numeric_grad(loss, params[name]))
 
 
+@pytest.mark.parametrize("form", ["full", "topk"])
 @pytest.mark.parametrize("tie", [True, False])
-def test_topk_kl_through_draft_grad(tie):
+def test_topk_kl_through_draft_grad(tie, form):
     cfg = tiny_cfg(tie_embeddings=tie, qk_norm="pre_rope")
     params = random_params(cfg, 4)
     rng = np.random.default_rng(5)
@@ -112,9 +113,9 @@ def test_topk_kl_through_draft_grad(tie):
     w = (rng.uniform(size=(B, T)) > 0.3).astype(np.float64)
 
     def loss():
-        return mtp.draft_kl_forward(params, cfg, x, tid, tp, w)[0]
+        return mtp.draft_kl_forward(params, cfg, x, tid, tp, w, form=form)[0]
 
-    _kl, cache = mtp.draft_kl_forward(params, cfg, x, tid, tp, w)
+    _kl, cache = mtp.draft_kl_forward(params, cfg, x, tid, tp, w, form=form)
     dx, grads = mtp.draft_kl_backward(params, cfg, cache)
     assert_grad_close("x", dx, numeric_grad(loss, x))
     for name, g in grads.items():

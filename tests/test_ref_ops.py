@@ -173,30 +173,69 @@ def test_lm_loss_no_predictions():
     np.testing.assert_array_equal(ops.lm_loss_backward(cache), 0.0)
 
 
-def test_topk_kl():
+@pytest.mark.parametrize("form", ["full", "topk"])
+def test_topk_kl(form):
     r = rng(9)
-    N, V, k = 4, 10, 3
+    N, V, k = 5, 10, 3
     logits = r.standard_normal((N, V))
     ids = np.stack([r.choice(V, size=k, replace=False) for _ in range(N)])
     probs = r.random((N, k))
     probs[1, 2] = 0.0  # 0 log 0 must be 0, not nan
-    weights = np.array([1.0, 1.0, 0.0, 1.0])
-    kl, cache = ops.topk_kl_forward(logits, ids, probs, weights)
+    probs[4] = 0.0  # a row without teacher mass (batch padding): contributes nothing, even with weight 1
+    weights = np.array([1.0, 1.0, 0.0, 1.0, 1.0])
+    kl, cache = ops.topk_kl_forward(logits, ids, probs, weights, form)
     expect = 0.0
     for n in (0, 1, 3):
         p = probs[n] / probs[n].sum()
-        q = np.exp(logits[n, ids[n]]) / np.exp(logits[n, ids[n]]).sum()
-        expect += sum(p[i] * (np.log(p[i]) - np.log(q[i])) for i in range(k) if p[i] > 0)
+        z = logits[n, ids[n]]
+        # "full": the student's log-softmax over the whole vocabulary; "topk": renormalised over the k ids
+        logq = z - np.log(np.exp(logits[n] if form == "full" else z).sum())
+        expect += sum(p[i] * (np.log(p[i]) - logq[i]) for i in range(k) if p[i] > 0)
     np.testing.assert_allclose(kl, expect, rtol=1e-12)
     assert kl >= 0.0
     dlogits = ops.topk_kl_backward(cache)
-    num = numeric_grad(lambda: ops.topk_kl_forward(logits, ids, probs, weights)[0], logits)
+    num = numeric_grad(lambda: ops.topk_kl_forward(logits, ids, probs, weights, form)[0], logits)
     assert_grad_close("dlogits", dlogits, num)
-    # Identical distributions: zero divergence, zero gradient.
-    same = np.exp(logits[np.arange(N)[:, None], ids])
-    kl0, cache0 = ops.topk_kl_forward(logits, ids, same, np.ones(N))
-    assert abs(kl0) < 1e-12
-    np.testing.assert_allclose(ops.topk_kl_backward(cache0), 0.0, atol=1e-15)
+    assert not dlogits[4].any() and not dlogits[2].any()
+    off = np.ones((N, V), bool)
+    off[np.arange(N)[:, None], ids] = False
+    if form == "full":  # off the top-k the gradient is the student's softmax (weight 1): never zero
+        sm = np.exp(logits - np.log(np.exp(logits).sum(-1, keepdims=True)))
+        np.testing.assert_allclose(dlogits[0][off[0]], sm[0][off[0]], rtol=1e-12)
+    else:
+        assert not dlogits[off].any()
+
+
+def test_topk_kl_full_is_topk_plus_the_mass_outside():
+    """KL_full = KL_topk − log Q(K): the full form adds the log of the student's mass on the teacher's ids."""
+    r = rng(11)
+    N, V, k = 4, 12, 4
+    logits = r.standard_normal((N, V)) * 2
+    ids = np.stack([r.choice(V, size=k, replace=False) for _ in range(N)])
+    probs = r.random((N, k))
+    full, _ = ops.topk_kl_forward(logits, ids, probs, np.ones(N), "full")
+    topk, _ = ops.topk_kl_forward(logits, ids, probs, np.ones(N), "topk")
+    sm = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    mass = sm[np.arange(N)[:, None], ids].sum(-1)
+    np.testing.assert_allclose(full, topk - np.log(mass).sum(), rtol=1e-12)
+    with pytest.raises(ValueError, match="kl form"):
+        ops.topk_kl_forward(logits, ids, probs, np.ones(N), "renorm")
+
+
+def test_topk_kl_identical_distributions_give_zero():
+    r = rng(12)
+    N, V = 3, 8  # k = V: the top-k is the whole vocabulary, so both forms are the full KL
+    logits = r.standard_normal((N, V))
+    ids = np.tile(np.arange(V), (N, 1))
+    same = np.exp(logits)
+    for form in ("full", "topk"):
+        kl0, cache0 = ops.topk_kl_forward(logits, ids, same, np.ones(N), form)
+        assert abs(kl0) < 1e-12
+        np.testing.assert_allclose(ops.topk_kl_backward(cache0), 0.0, atol=1e-15)
+    # "topk" is also zero when the student agrees on the k ids alone, whatever it does elsewhere
+    ids3 = ids[:, :3]
+    kl3, cache3 = ops.topk_kl_forward(logits, ids3, same[:, :3], np.ones(N), "topk")
+    assert abs(kl3) < 1e-12 and np.abs(ops.topk_kl_backward(cache3)).max() < 1e-15
 
 
 def test_float32_stays_float32():

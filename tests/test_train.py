@@ -665,6 +665,7 @@ def test_new_phase_follows_the_seed(straight, data, tmp_path):
                 eps=TCFG.epsilon,
                 weight_decay=TCFG.weight_decay,
                 grad_clip=TCFG.grad_clip,
+                grad_clip_mode=TCFG.grad_clip_mode,
             ),
         )
         assert res.loss == hist[gs]["train"]["loss"], f"step {gs + 1}"

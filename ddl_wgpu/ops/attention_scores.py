@@ -106,7 +106,8 @@ def _heads(c: Chunk, T: int, H: int, K: int, D: int) -> dict:
 
 
 def _mm(gpu, c_res, a_res, b_res, M, N, K, lay: dict, a: str, b: str, cc: str, **kw) -> Call:
-    """matmul with the operands' strides taken from the chunk layout `lay` (keys "q", "k", "s")."""
+    """matmul with the operands' strides taken from the chunk layout `lay` (keys "q", "k", "s"); `kw` carries
+    the products' `compute` precision among matmul's other keywords."""
     (lda, sa), (ldb, sb), (ldc, sc) = lay[a], lay[b], lay[cc]
     batch = Batch(lay["batch"], lay["inner"], sa, sb, sc)
     return matmul(gpu, c_res, a_res, b_res, M, N, K, lda=lda, ldb=ldb, ldc=ldc, batch=batch, **kw)
@@ -126,23 +127,41 @@ def _row_call(
     return Call([(k, gpu.bind(k, *buffers, u), groups)], [u])
 
 
-def forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float, W: int = 0) -> Call:
+def forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float, W: int = 0,
+            compute: str = "f32") -> Call:  # fmt: skip
     """out (B,T,H,D) and lse (B,H,T) from q (B,T,H,D), k, v (B,T,K,D); causal, or with W > 0 the chained
-    draft's mask over T = chain*W stacked rows."""
+    draft's mask over T = chain*W stacked rows. `compute` is the products' precision (`matmul`)."""
     chunks, nbytes = plan(gpu, B, H, K, T)
     s = _scratch(gpu, "scores", nbytes)
     call = Call()
     for c in chunks:
         lay = _heads(c, T, H, K, D)
         rows, z0 = lay["batch"] * T, c.b0 * H + c.j0 * (H // K)
-        call += _mm(gpu, s, q, k, T, T, D, lay, "q", "k", "s", trans_b=True, alpha=scale, causal="skip_upper")
+        call += _mm(
+            gpu,
+            s,
+            q,
+            k,
+            T,
+            T,
+            D,
+            lay,
+            "q",
+            "k",
+            "s",
+            trans_b=True,
+            alpha=scale,
+            causal="skip_upper",
+            compute=compute,
+        )
         call += _row_call(gpu, "scores_softmax", "wwu", [s, lse], T, rows, z0, W, rows)
-        call += _mm(gpu, out, s, v, T, D, T, lay, "s", "k", "q", causal="k_to_row")
+        call += _mm(gpu, out, s, v, T, D, T, lay, "s", "k", "q", causal="k_to_row", compute=compute)
     return call
 
 
 def backward(
-    gpu, dq, dk, dv, dout, lse, delta, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float, W: int = 0
+    gpu, dq, dk, dv, dout, lse, delta, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float, W: int = 0,
+    compute: str = "f32",
 ) -> Call:  # fmt: skip
     """dq (B,T,H,D), dk, dv (B,T,K,D) from dout, the forward's lse, delta = rowsum(dout * out) (B,H,T) and
     q, k, v; the mask as in `forward`. Outputs are overwritten."""
@@ -153,11 +172,31 @@ def backward(
     for c in chunks:
         lay = _heads(c, T, H, K, D)
         rows, z0 = lay["batch"] * T, c.b0 * H + c.j0 * G
-        call += _mm(gpu, s, q, k, T, T, D, lay, "q", "k", "s", trans_b=True, alpha=scale, causal="skip_upper")
-        call += _mm(gpu, dp, dout, v, T, T, D, lay, "q", "k", "s", trans_b=True, causal="skip_upper")
+        call += _mm(
+            gpu,
+            s,
+            q,
+            k,
+            T,
+            T,
+            D,
+            lay,
+            "q",
+            "k",
+            "s",
+            trans_b=True,
+            alpha=scale,
+            causal="skip_upper",
+            compute=compute,
+        )
+        call += _mm(
+            gpu, dp, dout, v, T, T, D, lay, "q", "k", "s", trans_b=True, causal="skip_upper", compute=compute
+        )
         groups = -(-(rows * T) // 256)
         call += _row_call(gpu, "scores_backward", "rrwwu", [lse, delta, s, dp], T, rows, z0, W, groups)
-        call += _mm(gpu, dq, dp, k, T, D, T, lay, "s", "k", "q", alpha=scale, causal="k_to_row")
+        call += _mm(
+            gpu, dq, dp, k, T, D, T, lay, "s", "k", "q", alpha=scale, causal="k_to_row", compute=compute
+        )
         # kv head j collects its G query heads h = jG + g in order g = 0, 1, ...: one product per g, over
         # z = (batch, kv head of the chunk); the scores of head jG + g sit g*T*T past those of head jG
         hc = c.nk * G
@@ -172,5 +211,5 @@ def backward(
             per_kv["q"] = (ldq, replace(sq, istride=G * D, off=sq.off + g * D))
             for dst, coef, rhs, alpha in ((dv, s, dout, 1.0), (dk, dp, q, scale)):
                 call += _mm(gpu, dst, coef, rhs, T, D, T, per_kv, "s", "q", "k", trans_a=True, alpha=alpha,
-                            accumulate=g > 0, causal="k_from_row")  # fmt: skip
+                            accumulate=g > 0, causal="k_from_row", compute=compute)  # fmt: skip
     return call

@@ -13,6 +13,11 @@ Global gradient norm over several flat ranges (one per arena or per tensor), wit
 offsets) followed by one `finalize_clip`. AdamW (`ops/adamw.py`) reads the clip multiplier and the
 finite flag straight from `scalars`. The engine reads `scalars` (and the loss) after a step, if at all.
 
+Per-tensor clipping (`tensor_norm_clip`, the reference trainer's rule) sums each tensor's squares into its
+own slice of `partials`, reduces them all once for the global norm and finite flag (`finalize_clip`), then
+each tensor's slice for its own norm and multiplier (`finalize_tensors`), one 256-byte record per tensor
+that AdamW binds as its `scalars`; reference `ddl_ref.optim.clip_multipliers`.
+
 `sum_rows` reduces a row_loss buffer to one f32 (the batch loss sum) in a single workgroup, so it is meant
 for row counts (up to ~1e6), not parameter counts.
 
@@ -20,6 +25,8 @@ Launch sizes depend only on n, so results are bit-reproducible run to run.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from ddl_wgpu.gpu import Call, Uniform
 from ddl_wgpu.ops import need_bytes as _need
@@ -33,10 +40,21 @@ SUM_SQUARES = Uniform("SumSquaresParams", ("n", "u32"), ("offset", "u32"), ("_a"
 FINALIZE = Uniform("FinalizeParams", ("count", "u32"), ("clip", "f32"), ("_a", "pad"), ("_b", "pad"))
 FINALIZE_FMT = FINALIZE.fmt  # the positional form (count, clip, 0, 0), for callers that rewrite the clip
 SUM_ROWS = Uniform("SumRowsParams", ("n", "u32"), ("index", "u32"), ("_a", "pad"), ("_b", "pad"))
-UNIFORMS = (SUM_SQUARES, FINALIZE, SUM_ROWS)
+TENSOR_CLIP = Uniform(
+    "TensorClipParams",
+    ("tensors", "u32"),
+    ("clip", "f32"),
+    ("stride", "u32", "f32 per record"),
+    ("_a", "pad"),
+)
+TENSOR_CLIP_FMT = TENSOR_CLIP.fmt  # positional (tensors, clip, stride, 0), for callers that rewrite the clip
+UNIFORMS = (SUM_SQUARES, FINALIZE, SUM_ROWS, TENSOR_CLIP)
 
 # the `scalars` buffer written by finalize_clip: 4 f32 (norm, clip multiplier, finite flag, sum of squares)
 SCALARS_BYTES = 16
+# one tensor's record written by finalize_tensors: the layout of `scalars` in a 256-byte slot, so a storage
+# view of it is offset-aligned on every adapter and AdamW binds it as its `scalars`
+RECORD_BYTES = 256
 
 
 def sum_squares_groups(n: int, max_groups: int = MAX_GROUPS) -> int:
@@ -93,6 +111,52 @@ def grad_norm_clip(gpu, scalars, partials, ranges, clip: float, max_groups: int 
         call = call + sum_squares(gpu, partials, x, n, offset=offset, max_groups=max_groups)
         offset += sum_squares_groups(n, max_groups)
     return call + finalize_clip(gpu, scalars, partials, offset, clip)
+
+
+def finalize_tensors(gpu, records, partials, scalars, ranges, clip: float) -> Call:
+    """Per-tensor clipping: record t of `records` (RECORD_BYTES each) = (norm_t, min(1, clip / norm_t), the
+    global finite flag scalars[2], sum of squares) from t's partials[start_t .. start_t + count_t).
+
+    ranges: [(start_t, count_t)] into `partials` (what `sum_squares` wrote for tensor t); `scalars` is
+    finalize_clip's output over the same partials (its finite flag, read on the GPU). The clip lives in
+    `call.uniforms[0]` (TENSOR_CLIP); `call.uniforms[1]` keeps the ranges buffer alive."""
+    ranges = [(int(a), int(c)) for a, c in ranges]
+    if not ranges or min(c for _, c in ranges) < 1:
+        raise ValueError("finalize_tensors: every tensor needs at least one partial")
+    _need("partials", partials, max(a + c for a, c in ranges) * 4)
+    _need("scalars", scalars, SCALARS_BYTES)
+    _need("records", records, len(ranges) * RECORD_BYTES)
+    if len(ranges) > 65535:
+        raise ValueError(f"finalize_tensors: {len(ranges)} tensors, one dispatch takes at most 65535")
+    table = gpu.upload(np.asarray(ranges, np.uint32).reshape(-1), label="clip_ranges")
+    k = gpu.kernel(FILE, "finalize_tensors", "rrrwu", workgroup=(WG, 1, 1), uniforms=UNIFORMS)
+    u = gpu.uniform(
+        TENSOR_CLIP, tensors=len(ranges), clip=clip, stride=RECORD_BYTES // 4, label="finalize_tensors"
+    )
+    bg = gpu.bind(k, partials, table, scalars, records, u)
+    return Call([(k, bg, (len(ranges), 1, 1))], [u, table])
+
+
+def tensor_norm_clip(
+    gpu, scalars, records, partials, tensors, clip: float, max_groups: int = MAX_GROUPS
+) -> Call:
+    """Per-tensor clipping of several tensors, each given as its pieces [(buffer_or_view, n), ...] (a tensor
+    larger than one binding comes in several): `sum_squares` per piece (a tensor's pieces at consecutive
+    partials), `finalize_clip` over all (the global norm and finite flag into `scalars`, as in
+    `grad_norm_clip`), then `finalize_tensors` (record t into `records`). `partials` needs
+    total_partials of every piece's n. The clip uniforms: FINALIZE at `call.uniforms[-3]`, TENSOR_CLIP at
+    `call.uniforms[-2]`."""
+    call = Call()
+    offset = 0
+    ranges = []
+    for pieces in tensors:
+        start = offset
+        for x, n in pieces:
+            call = call + sum_squares(gpu, partials, x, n, offset=offset, max_groups=max_groups)
+            offset += sum_squares_groups(n, max_groups)
+        ranges.append((start, offset - start))
+    call = call + finalize_clip(gpu, scalars, partials, offset, clip)
+    return call + finalize_tensors(gpu, records, partials, scalars, ranges, clip)
 
 
 def sum_rows(gpu, out, x, n: int, index: int = 0) -> Call:

@@ -4,8 +4,10 @@ Kernel path: `shaders/topk_kl.wgsl` -> `ddl_wgpu/ops/topk_kl.py` -> reference `d
 `ddl_ref.ops.topk_kl_backward` -> test `tests/test_kernel_topk_kl.py`.
 
 `topk_kl` is used like `crossentropy.cross_entropy`: in place on a (rows, V) chunk of student logits, which
-become the gradient (zero except at the teacher's k ids, where it is (q~ - p~) * weight * scale_buf[0]),
-with per-row losses weight * KL(p~ || q~) (unscaled). The per-step buffers `teacher_ids` (N, k) u32,
+become the gradient times weight * scale_buf[0], with per-row losses weight * KL (unscaled). Two forms
+(`form`): "full" (the default, the reference heal tool's), the student's full-vocabulary log-softmax against
+the teacher's renormalised top-k, gradient softmax(z) - p~ over the whole row; "topk", the student
+renormalised over the k ids, gradient q~ - p~ at the k ids and zero elsewhere. The per-step buffers `teacher_ids` (N, k) u32,
 `teacher_probs` (N, k) f32, `weights` (N,) f32 and `row_loss` (N,) f32 are indexed at row `row_offset + r`.
 
 `topk` produces the teacher data from teacher logits: the k largest logits per row (ties: lower id first)
@@ -21,7 +23,19 @@ from ddl_wgpu.ops import need_bytes as _need
 FILE = "topk_kl.wgsl"
 WG = 256
 KMAX = 64
-PARAMS = Uniform("Params", ("rows", "u32"), ("V", "u32"), ("k", "u32"), ("row_offset", "u32"))
+PARAMS = Uniform(
+    "Params",
+    ("rows", "u32"),
+    ("V", "u32"),
+    ("k", "u32"),
+    ("row_offset", "u32"),
+    ("form", "u32", "topk_kl: 1 the full-vocabulary log-softmax, 0 renormalised over the k ids"),
+    ("_a", "pad"),
+    ("_b", "pad"),
+    ("_c", "pad"),
+)
+# `ddl_ref.ops.KL_FORMS` -> the kernel's form code
+FORMS = {"full": 1, "topk": 0}
 
 
 def _check_sizes(rows: int, V: int, k: int):
@@ -43,9 +57,13 @@ def topk_kl(
     k: int,
     scale_buf,
     row_offset: int = 0,
+    form: str = "full",
 ) -> Call:
-    """KL(p~ || q~) over the teacher's k ids and its gradient, in place on `logits` (rows, V)."""
+    """The top-k KL of `form` ("full" or "topk", `ddl_ref.ops.topk_kl_forward`) and its gradient, in place
+    on `logits` (rows, V)."""
     _check_sizes(rows, V, k)
+    if form not in FORMS:
+        raise ValueError(f"kl form must be one of {list(FORMS)}, got {form!r}")
     _need("logits", logits, rows * V * 4)
     n = row_offset + rows
     _need("teacher_ids", teacher_ids, n * k * 4)
@@ -54,7 +72,7 @@ def topk_kl(
     _need("row_loss (whole-batch buffer, indexed at row_offset + r)", row_loss, n * 4)
     _need("scale_buf", scale_buf, 4)
     kern = gpu.kernel(FILE, "topk_kl", "rrrrwwu", workgroup=(WG, 1, 1), uniforms=(PARAMS,))
-    u = gpu.uniform(PARAMS, rows=rows, V=V, k=k, row_offset=row_offset, label="topk_kl")
+    u = gpu.uniform(PARAMS, rows=rows, V=V, k=k, row_offset=row_offset, form=FORMS[form], label="topk_kl")
     bg = gpu.bind(kern, teacher_ids, teacher_probs, weights, scale_buf, logits, row_loss, u)
     return Call([(kern, bg, rows)], [u])
 
@@ -68,6 +86,6 @@ def topk(gpu, ids_out, probs_out, logits, rows: int, V: int, k: int, row_offset:
     _need("ids_out", ids_out, (row_offset + rows) * k * 4)
     _need("probs_out", probs_out, (row_offset + rows) * k * 4)
     kern = gpu.kernel(FILE, "topk", "rwwu", workgroup=(WG, 1, 1), uniforms=(PARAMS,))
-    u = gpu.uniform(PARAMS, rows=rows, V=V, k=k, row_offset=row_offset, label="topk")
+    u = gpu.uniform(PARAMS, rows=rows, V=V, k=k, row_offset=row_offset, form=0, label="topk")
     bg = gpu.bind(kern, logits, ids_out, probs_out, u)
     return Call([(kern, bg, rows)], [u])
