@@ -474,7 +474,7 @@ def train(
     if seeds is not None or devices is not None or workers or ray is not None:
         seed_list = sweep_lib.parse_seeds(seeds) if seeds is not None else [seed]
         sw = sweep_lib.Sweep(base.to_dict(), replace(tcfg, seed=seed_list[0]).to_dict(), [v.slug for v in vs],
-                             seed_list, source, choice.name, save_interval)  # fmt: skip
+                             seed_list, source, choice.name, save_interval, precision)  # fmt: skip
         runner = sweep_lib.Runner.parse(choice.name, devices, workers, ray, device)
         typer.echo(f"resolved configuration:\n  model:    {fields(base.to_dict())}\n  training: {fields(sw.training)}\n"
                    f"  data:     {fields(source)}\n  {_backend_line(choice)}\n  sweep:    {len(sw.jobs())} jobs "

@@ -85,6 +85,7 @@ class Sweep:
     data: dict  # how every job loads its data (`RunOptions.data`)
     backend: str  # "wgpu" or "ref", resolved
     save_interval: int = 0
+    precision: str = "f32"  # `RunOptions.precision`
     runner: dict = field(default_factory=dict)  # how it ran (`Runner`): what `resume` does by default
     id: str = field(default_factory=lambda: uuid.uuid4().hex)  # Ray workers recognise a shared OUT by it
 
@@ -239,7 +240,7 @@ def run_job(sweep: Sweep, job: Job, root: Path, device, progress, stop_after: in
     trn, val = _load(sweep, tcfg)
     opts = train_lib.RunOptions(backend=sweep.backend, device=device, save_interval=sweep.save_interval,
                                 stop_after=1 if STOP.requested else stop_after, progress=progress,
-                                data=sweep.data)  # fmt: skip
+                                data=sweep.data, precision=sweep.precision)  # fmt: skip
     ck = folder / train_lib.CHECKPOINT
     STOP.opts = opts  # `train.resume` keeps this very object: the run's data is recorded in it
     try:
