@@ -29,6 +29,7 @@ from ddl_ref.params import init_params, param_table
 from ddl_wgpu import accept as accept_lib
 from ddl_wgpu import generate as generate_lib
 from ddl_wgpu import heal as heal_lib
+from ddl_wgpu import sweep as sweep_lib
 from ddl_wgpu import train as train_lib
 from ddl_wgpu.backend import BackendChoice, BackendError, UnknownBackendError, choose_backend, make_net
 from ddl_wgpu.cli_checks import EXIT_USER_ERROR, batch_tokens, fail, fits, in_range, output_file
@@ -91,6 +92,34 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="Adapter index o
 PrecisionOpt = Annotated[
     str,
     typer.Option("--precision", help="f32, or f16: mixed precision (f16 GEMM products, loss scaling; wgpu)."),
+]
+
+
+DevicesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--devices",
+        help="Run the jobs in worker processes, one per adapter: 'all' or a comma list of "
+        "adapter indices or names (name one twice for two workers on it).",
+        rich_help_panel="Sweep",
+    ),
+]
+WorkersOpt = Annotated[
+    int,
+    typer.Option(
+        "--workers",
+        help="Worker processes (the numpy backend's; on wgpu spread over --devices).",
+        rich_help_panel="Sweep",
+    ),
+]
+RayOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        help="Run the jobs as Ray tasks: 'local' (start a local cluster) or a running "
+        "cluster's ADDRESS ('auto', HOST:PORT, ray://HOST:PORT); needs the ray extra.",
+        rich_help_panel="Sweep",
+    ),
 ]
 
 
@@ -424,6 +453,15 @@ def train(
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Train into an --out folder that holds another run, replacing it."
     ),
+    seeds: str = typer.Option(
+        None,
+        "--seeds",
+        help="Comma list of seeds: one job per (variant, seed), in OUT/VARIANT/seed-S/ (overrides --seed).",
+        rich_help_panel="Sweep",
+    ),
+    devices: DevicesOpt = None,
+    workers: WorkersOpt = 0,
+    ray: RayOpt = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     precision: PrecisionOpt = "f32",
@@ -468,6 +506,16 @@ def train(
         )
     source = _data_source(data, val_data, val_fraction, max_tokens)
     with claim_output(out, overwrite):
+        if seeds is not None or devices is not None or workers or ray is not None:
+            seed_list = sweep_lib.parse_seeds(seeds) if seeds is not None else [seed]
+            sw = sweep_lib.Sweep(base.to_dict(), replace(tcfg, seed=seed_list[0]).to_dict(), [v.slug for v in vs],
+                                 seed_list, source, choice.name, save_interval, precision)  # fmt: skip
+            runner = sweep_lib.Runner.parse(choice.name, devices, workers, ray, device)
+            typer.echo(f"resolved configuration:\n  model:    {fields(base.to_dict())}\n  training: "
+                       f"{fields(sw.training)}\n  data:     {fields(source)}\n  {_backend_line(choice)}\n"
+                       f"  sweep:    {len(sw.jobs())} jobs ({len(vs)} variants x {len(seed_list)} seeds), "
+                       f"{runner.describe()}")  # fmt: skip
+            return _sweep(lambda: sweep_lib.run(sw, out, runner, stop_after), out, plots)
         _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots, precision)
 
 
@@ -517,6 +565,34 @@ def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop
         )
 
 
+def _sweep(fn, out: Path, plots: bool):
+    """Run or resume a sweep (`sweep.run`): its table, report and plots; Ctrl-C leaves every job resumable."""
+    try:
+        comp = fn()
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted: every job saved a resumable checkpoint; continue with `ddl-wgpu resume {out}`",
+                   err=True)  # fmt: skip
+        raise typer.Exit(130) from None
+    if comp.get("status") == "stopped":
+        typer.echo(f"stopped: continue every job with `ddl-wgpu resume {out}`")
+        return
+    many = "seed_summary" in comp
+    typer.echo("\n" + (sweep_lib.table(comp) if many else ranked_table(comp)))
+    typer.echo(f"\nreport: {out / train_lib.REPORT}")
+    if plots and comp["reports"]:
+        try:
+            for p in write_plots(comp, out):
+                typer.echo(f"plot: {p}")
+        except ImportError:
+            typer.echo("plots skipped: matplotlib not installed (pip install 'ddl-wgpu[plot]')")
+    failed = [j["job"] for j in comp["jobs"] if j["status"] != "completed"]
+    if failed:
+        fail(
+            f"{len(failed)} of {len(comp['jobs'])} jobs failed ({', '.join(failed)}); the report ranks the rest; "
+            f"`ddl-wgpu resume {out}` runs them again"
+        )
+
+
 def _recorded_source(ck: dict) -> dict:
     """How the checkpoint's run loaded its data: recorded by `train`; for an older checkpoint, what its report
     says (the training spec and the validation split) with the default token cap."""
@@ -547,7 +623,9 @@ def _spec(given: str | None, recorded: str | None) -> str | None:
 
 @app.command()
 def resume(
-    checkpoint: Path = typer.Argument(..., help="A training checkpoint (DIR/VARIANT/checkpoint.ddlw)."),
+    checkpoint: Path = typer.Argument(
+        ..., help="A training checkpoint (DIR/VARIANT/checkpoint.ddlw), or a sweep's folder (its every job)."
+    ),
     data: str = typer.Option(None, "--data", help="The run's training data spec (default: the run's own)."),
     val_data: str = typer.Option(None, "--val-data", help="The run's validation spec (default: the run's)."),
     val_fraction: float = typer.Option(None, "--val-fraction", help="Default: the run's."),
@@ -572,17 +650,28 @@ def resume(
     out: Path = typer.Option(None, "--out", help="Write here instead of the checkpoint's folder."),
     save_interval: int = typer.Option(0, "--save-interval", help="Save a checkpoint every N steps."),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop again after N steps."),
+    devices: DevicesOpt = None,
+    workers: WorkersOpt = 0,
+    ray: RayOpt = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     no_verify: NoVerify = False,
 ):
-    """Continue an interrupted run, or train a new phase (--steps N) from a checkpoint."""
+    """Continue an interrupted run, or train a new phase (--steps N) from a checkpoint; continue a sweep."""
     in_range("save-interval", save_interval, 0)
     in_range("stop-after", stop_after, 0)
     in_range("max-tokens", max_tokens, 0)
     in_range("val-fraction", val_fraction, 0.0, 1.0)
     in_range("steps", steps, 1)
     in_range("eval-interval", eval_interval, 1)
+    if checkpoint.is_dir():  # a sweep: by default where and on what backend it ran
+        sw = sweep_lib.Sweep.load(checkpoint)
+        back = choose_backend(backend, device).name if backend != "auto" else sw.backend
+        runner = None
+        if devices is not None or workers or ray is not None:
+            runner = sweep_lib.Runner.parse(back, devices, workers, ray, device)
+        with RunLock(checkpoint):
+            return _sweep(lambda: sweep_lib.resume(checkpoint, runner, back, stop_after), checkpoint, True)
     ck = train_lib.load_checkpoint(checkpoint, verify=not no_verify)
     tr = ck["report"]["training"]
     recorded = _recorded_source(ck)

@@ -1,9 +1,38 @@
 """PNG plots of a sweep (`train --plots`): loss curves per variant, β per DDL sublayer over steps, and the
-final β histogram. Needs matplotlib (the `plot` extra); the Agg backend, so no display is required."""
+final β histogram. Needs matplotlib (the `plot` extra); the Agg backend, so no display is required.
+
+A sweep over several seeds (`train --seeds`) has several reports per variant: each curve is then the mean over
+the seeds, with the band between the lowest and the highest seed (training loss) or error bars of one standard
+deviation (validation loss), and the histogram counts the sublayers of every seed."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import numpy as np
+
+
+def by_variant(reports: list[dict]) -> dict[str, list[dict]]:
+    """The reports of each variant (one per seed), in sweep order."""
+    groups: dict[str, list[dict]] = {}
+    for r in reports:
+        groups.setdefault(r["variant"], []).append(r)
+    return groups
+
+
+def _spectral(e: dict):
+    return e.get("validation_spectral") or e.get("train_spectral")
+
+
+def _common_steps(reps: list[dict], has) -> list[int]:
+    """The steps at which every seed's history has an entry for which `has(entry)` holds."""
+    steps = [{e["step"] for e in r["history"] if has(e)} for r in reps]
+    return sorted(set.intersection(*steps)) if steps else []
+
+
+def _at(r: dict, steps: list[int], value) -> np.ndarray:
+    entries = {e["step"]: e for e in r["history"]}
+    return np.array([value(entries[s]) for s in steps], dtype=np.float64)
 
 
 def write_plots(comp: dict, out_dir: Path) -> list[Path]:
@@ -14,28 +43,31 @@ def write_plots(comp: dict, out_dir: Path) -> list[Path]:
 
     out_dir = Path(out_dir)
     written = []
+    groups = by_variant(comp["reports"])
+    seeds = max((len(g) for g in groups.values()), default=1)
+    over = f" (mean over {seeds} seeds)" if seeds > 1 else ""
 
     # 1. train (every step) and validation (every eval) loss per variant
     fig, ax = plt.subplots(figsize=(8, 5))
-    for r in comp["reports"]:
-        h = r["history"]
-        line = ax.plot(
-            [e["step"] for e in h], [e["train"]["loss"] for e in h], label=f"{r['variant']} train", lw=1
-        )
-        vs = [(e["step"], e["validation"]["loss"]) for e in h if e.get("validation")]
-        if r.get("initial_validation"):
-            vs.insert(0, (0, r["initial_validation"]["loss"]))
-        if vs:
-            ax.plot(
-                *zip(*vs, strict=True),
-                "o--",
-                color=line[0].get_color(),
-                label=f"{r['variant']} validation",
-                ms=3,
-            )
+    for v, reps in groups.items():
+        steps = _common_steps(reps, lambda e: True)
+        train = np.stack([_at(r, steps, lambda e: e["train"]["loss"]) for r in reps])
+        line = ax.plot(steps, train.mean(axis=0), label=f"{v} train", lw=1)
+        if len(reps) > 1:
+            ax.fill_between(steps, train.min(axis=0), train.max(axis=0), color=line[0].get_color(), alpha=0.2)
+        vsteps = _common_steps(reps, lambda e: bool(e.get("validation")))
+        val = [list(_at(r, vsteps, lambda e: e["validation"]["loss"])) for r in reps]
+        if all(r.get("initial_validation") for r in reps):
+            vsteps = [0, *vsteps]
+            val = [[r["initial_validation"]["loss"], *x] for r, x in zip(reps, val, strict=True)]
+        if vsteps:
+            vals = np.array(val, dtype=np.float64)
+            err = vals.std(axis=0, ddof=1) if len(reps) > 1 else None
+            ax.errorbar(vsteps, vals.mean(axis=0), yerr=err, fmt="o--", color=line[0].get_color(),
+                        label=f"{v} validation", ms=3, capsize=2)  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title("training and validation loss")
+    ax.set_title("training and validation loss" + over)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     p = out_dir / "loss.png"
@@ -44,26 +76,20 @@ def write_plots(comp: dict, out_dir: Path) -> list[Path]:
     written.append(p)
 
     # 2. beta per DDL sublayer over the evaluation steps, one panel per DDL variant
-    ddl = [
-        r
-        for r in comp["reports"]
-        if any(e.get("validation_spectral") or e.get("train_spectral") for e in r["history"])
-    ]
+    ddl = {
+        v: reps for v, reps in groups.items() if all(any(_spectral(e) for e in r["history"]) for r in reps)
+    }
     if ddl:
         fig, axes = plt.subplots(1, len(ddl), figsize=(6 * len(ddl), 4.5), squeeze=False)
-        for ax, r in zip(axes[0], ddl, strict=True):
-            pts = [
-                (e["step"], (e.get("validation_spectral") or e.get("train_spectral"))["beta_per_layer"])
-                for e in r["history"]
-                if e.get("validation_spectral") or e.get("train_spectral")
-            ]
-            steps = [s for s, _ in pts]
-            n_layers = len(pts[0][1])
-            for i in range(n_layers):
+        for ax, (v, reps) in zip(axes[0], ddl.items(), strict=True):
+            steps = _common_steps(reps, lambda e: bool(_spectral(e)))
+            betas = np.array([[_spectral(e)["beta_per_layer"] for e in _entries(r, steps)] for r in reps])
+            mean = betas.mean(axis=0)  # (steps, sublayers)
+            for i in range(mean.shape[1]):
                 kind = "attn" if i % 2 == 0 else "mlp"
-                ax.plot(steps, [b[i] for _, b in pts], label=f"block {i // 2} {kind}", lw=1)
+                ax.plot(steps, mean[:, i], label=f"block {i // 2} {kind}", lw=1)
             ax.axhline(1.0, color="grey", lw=0.5, ls=":")
-            ax.set_title(f"{r['variant']}: mean β per DDL sublayer")
+            ax.set_title(f"{v}: mean β per DDL sublayer" + over)
             ax.set_xlabel("step")
             ax.set_ylabel("β")
             ax.set_ylim(0, 2)
@@ -73,18 +99,18 @@ def write_plots(comp: dict, out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(p)
 
-        # 3. final β histogram (per-layer betas) per DDL variant
+        # 3. final β histogram (per-layer betas) per DDL variant, every seed's sublayers counted
         fig, ax = plt.subplots(figsize=(7, 4))
-        for r in ddl:
-            spec = r.get("final_validation_spectral") or r.get("final_train_spectral")
-            if not spec:
+        for v, reps in ddl.items():
+            specs = [r.get("final_validation_spectral") or r.get("final_train_spectral") for r in reps]
+            if not all(specs):
                 continue
-            hist = spec["beta_histogram"]
-            edges, counts = hist["edges"], hist["counts"]
+            edges = specs[0]["beta_histogram"]["edges"]
+            counts = np.sum([s["beta_histogram"]["counts"] for s in specs], axis=0)
             centers = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:], strict=True)]
-            ax.step(centers, counts, where="mid", label=r["variant"])
+            ax.step(centers, counts, where="mid", label=v)
         ax.set_xlabel("β (per-sublayer mean)")
-        ax.set_ylabel("sublayers")
+        ax.set_ylabel("sublayers" + (f" (all {seeds} seeds)" if seeds > 1 else ""))
         ax.set_xlim(0, 2)
         ax.set_title("final β histogram: identity < 0.5 ≤ projection < 1.5 ≤ reflection")
         ax.legend(fontsize=8)
@@ -93,3 +119,8 @@ def write_plots(comp: dict, out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(p)
     return written
+
+
+def _entries(r: dict, steps: list[int]) -> list[dict]:
+    entries = {e["step"]: e for e in r["history"]}
+    return [entries[s] for s in steps]

@@ -1,0 +1,788 @@
+"""Sweeps of `train`: every (variant, seed) is one job with its own folder, run one after another in this
+process, by worker processes over the adapters of a host (`--devices`, `--workers`), or as Ray tasks on a
+cluster (`--ray`); one comparison report over them, each variant ranked by its mean over the seeds.
+
+A job is exactly `train --variants V --seed S` (the seed sets the initialisation, the data order and the
+validation split): it loads the data itself from the sweep's data spec and trains with `train.train_variant`,
+so its report and checkpoint are bit-identical to that run on the same kind of adapter, wherever it runs.
+
+Layout of a sweep's folder OUT:
+    OUT/sweep.json                what the sweep trains and how it ran (what `resume OUT` reads)
+    OUT/VARIANT/                  a job's report.json and checkpoint.ddlw, with one seed (today's layout)
+    OUT/VARIANT/seed-S/           the same, with several seeds
+    OUT/report.json               the comparison report, once every job has ended
+
+Workers: one process per entry of the device list (the 'spawn' context: a forked wgpu or BLAS state is not
+safe to share). Each process selects its adapter the way every command does (`RunOptions.device` and the
+DDL_WGPU_ADAPTER variable: Vulkan ignores CUDA_VISIBLE_DEVICES). Jobs are handed out as workers free up; a job
+that raises, or whose worker dies, is marked failed and the others go on. Ctrl-C (SIGINT to the process group,
+as a terminal sends it, or to this process alone, which forwards it) ends every running job after its current
+step with a resumable checkpoint (`StopRequest`); `resume OUT` then finishes the unfinished jobs and keeps the
+finished ones.
+
+Ray: the same jobs as tasks, one adapter each (see "Ray tasks" below for how a task finds its adapter and
+where its files go).
+
+Public API: `Sweep`, `Job`, `Runner`, `parse_seeds`, `run`, `resume`, `comparison`, `table`, `check_data`,
+`SweepView`, `SWEEP`, `ADAPTER_RESOURCE`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import queue
+import signal
+import socket
+import sys
+import uuid
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from ddl_ref.config import ModelConfig, ModelVariant
+from ddl_wgpu import train as train_lib
+from ddl_wgpu.data import STDLIB_SPEC, ByteTokenizer, DataError, load_datasets
+from ddl_wgpu.errors import UserError
+
+SWEEP = "sweep.json"
+# the statistics of the comparison over seeds, per variant and loss
+LOSS_KEYS = ("final_train", "final_validation", "best_validation")
+
+
+class SweepError(UserError):
+    """A sweep that cannot be set up or resumed, with one line for the user."""
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0,1,2' -> [0, 1, 2]: non-negative, no repeats."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise SweepError(f"seeds must be a comma list of integers, got {text!r}", field="seeds") from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise SweepError(f"seeds must be distinct non-negative integers, got {text!r}", field="seeds")
+    return seeds
+
+
+@dataclass(frozen=True)
+class Job:
+    variant: str
+    seed: int
+    name: str  # "ddl" (one seed) or "ddl/seed-1": the progress prefix and the folder under OUT
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What a sweep trains; written to OUT/sweep.json."""
+
+    base: dict  # ModelConfig.to_dict()
+    training: dict  # TrainingConfig.to_dict(); each job replaces its seed
+    variants: list[str]
+    seeds: list[int]
+    data: dict  # how every job loads its data (`RunOptions.data`)
+    backend: str  # "wgpu" or "ref", resolved
+    save_interval: int = 0
+    precision: str = "f32"  # `RunOptions.precision`
+    runner: dict = field(default_factory=dict)  # how it ran (`Runner`): what `resume` does by default
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # Ray workers recognise a shared OUT by it
+
+    def jobs(self) -> list[Job]:
+        many = len(self.seeds) > 1
+        return [Job(v, s, f"{v}/seed-{s}" if many else v) for v in self.variants for s in self.seeds]
+
+    def tcfg(self, seed: int) -> train_lib.TrainingConfig:
+        return train_lib.TrainingConfig.from_dict({**self.training, "seed": seed})
+
+    def save(self, root: Path) -> None:
+        train_lib.write_json(Path(root) / SWEEP, asdict(self))
+
+    @classmethod
+    def load(cls, root: Path) -> Sweep:
+        path = Path(root) / SWEEP
+        if not path.is_file():
+            raise SweepError(f"{root} is not a sweep folder (no {SWEEP}); resume a run with its checkpoint")
+        return cls(**json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class Runner:
+    """Where the jobs run: `devices` has one entry per worker process (an adapter index or name; None: the
+    default adapter, or the numpy backend); none and no `ray`: one after another in this process. `ray`:
+    "local" (start a local cluster) or a cluster's address."""
+
+    devices: tuple = ()
+    ray: str | None = None
+
+    @classmethod
+    def parse(cls, backend: str, devices: str | None, workers: int, ray: str | None, device: str | None):
+        """The options of `train`: `--devices all|LIST` (one worker per entry; repeat an entry for several
+        workers on one adapter), `--workers N` (N workers, spread over the devices; on numpy the only way to
+        ask for workers), `--ray local|ADDRESS`."""
+        if workers < 0:
+            raise SweepError("--workers must be non-negative", field="workers")
+        if backend == "ref":
+            if devices is not None:
+                raise SweepError(
+                    "--devices picks GPU adapters, and this sweep runs on the numpy backend: ask for worker "
+                    "processes with --workers N"
+                )
+            return cls((None,) * workers, ray)
+        if ray is not None and ray != "local":
+            if devices is not None:
+                raise SweepError(
+                    "--devices picks adapters of this host; a Ray cluster's nodes declare their own"
+                )
+            return cls((), ray)
+        if devices is None:
+            # a local Ray cluster gets a slot per GPU unless one adapter was named
+            listed = _gpu_adapters() if ray == "local" and device is None else [device]
+        elif devices.strip() == "all":
+            listed = _gpu_adapters()
+        else:
+            listed = [d.strip() for d in devices.split(",") if d.strip()]
+            if not listed:
+                raise SweepError(f"--devices: no adapter in {devices!r}", field="devices")
+        n = workers or (len(listed) if devices is not None or ray == "local" else 0)
+        return cls(tuple(listed[i % len(listed)] for i in range(n)), ray)
+
+    def describe(self) -> str:
+        if self.ray is not None:
+            where = "a local Ray cluster" if self.ray == "local" else f"the Ray cluster at {self.ray}"
+            return f"Ray tasks on {where}" + (f" ({len(self.devices)} slots)" if self.devices else "")
+        if not self.devices:
+            return "one job after another in this process"
+        return f"{len(self.devices)} worker processes: " + ", ".join(
+            "numpy" if d is None else f"adapter {d}" for d in self.devices
+        )
+
+
+def _gpu_adapters() -> list[str]:
+    """`--devices all`: the index of every real GPU adapter (not OpenGL, not a CPU implementation), else of
+    every non-OpenGL one (a CPU-only machine running `--backend wgpu`)."""
+    from ddl_wgpu import gpu as gpu_mod
+    from ddl_wgpu.backend import _GL_BACKENDS, cpu_implementation
+
+    infos = [dict(a.info) for a in gpu_mod.enumerate_adapters()]
+    usable = [i for i, info in enumerate(infos) if info.get("backend_type") not in _GL_BACKENDS]
+    real = [i for i in usable if cpu_implementation(infos[i]) is None]
+    if not (real or usable):
+        raise SweepError(gpu_mod.DRIVER_HINT)
+    return [str(i) for i in real or usable]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one job, in whichever process runs it
+
+
+def check_data(source: dict) -> None:
+    """Every data spec of the sweep is readable here: each worker checks before it trains."""
+    for key, what in (("data", "training data"), ("val_data", "validation data")):
+        spec = source.get(key)
+        if spec and spec != STDLIB_SPEC and not os.path.exists(spec):
+            raise DataError(
+                f"{socket.gethostname()} cannot see the {what} {spec}: every worker of a sweep reads the data "
+                "at the same path (put it on storage that every worker sees, or use --data stdlib)"
+            )
+
+
+def _load(sweep: Sweep, tcfg: train_lib.TrainingConfig):
+    s = sweep.data
+    return load_datasets(
+        s["data"],
+        tokenizer=ByteTokenizer(),
+        seq_len=tcfg.seq_len,
+        batch_size=tcfg.batch_size,
+        val_spec=s["val_data"],
+        val_fraction=s["val_fraction"],
+        max_tokens=s["max_tokens"] or None,
+        vocab_size=sweep.base["vocab_size"],
+        seed=tcfg.seed,
+    )
+
+
+def finished_report(folder: Path) -> dict | None:
+    """The report of a job that completed in an earlier run of the sweep, else None."""
+    path = folder / train_lib.REPORT
+    if not path.is_file():
+        return None
+    rep = json.loads(path.read_text())
+    return rep if rep.get("status") == "completed" else None
+
+
+class StopRequest:
+    """Ctrl-C reaching a process that runs jobs: its job ends after the step in progress (and that step's
+    evaluation) with a resumable checkpoint, through `RunOptions.stop_after`, and no other job starts. A
+    KeyboardInterrupt would land wherever the signal does, and a step cut between its update and its history
+    entry saves weights one step ahead of the report, which a resume then trains again. Callable as a SIGINT
+    handler; asking again changes nothing."""
+
+    def __init__(self):
+        self.requested, self.opts = False, None
+
+    def __call__(self, *_signal) -> None:
+        self.requested = True
+        if self.opts is not None:
+            self.opts.stop_after = 1  # read after every step: "stop now" once a step has run in this process
+
+
+STOP = StopRequest()
+
+
+def run_job(sweep: Sweep, job: Job, root: Path, device, progress, stop_after: int = 0,
+            resuming: bool = False) -> dict:  # fmt: skip
+    """Train `job` into ROOT/job.name -> its report; `resuming`: continue its checkpoint when it has one."""
+    folder = Path(root) / job.name
+    check_data(sweep.data)
+    tcfg = sweep.tcfg(job.seed)
+    trn, val = _load(sweep, tcfg)
+    opts = train_lib.RunOptions(backend=sweep.backend, device=device, save_interval=sweep.save_interval,
+                                stop_after=1 if STOP.requested else stop_after, progress=progress,
+                                data=sweep.data, precision=sweep.precision)  # fmt: skip
+    ck = folder / train_lib.CHECKPOINT
+    STOP.opts = opts  # `train.resume` keeps this very object: the run's data is recorded in it
+    try:
+        if resuming and ck.is_file():
+            return train_lib.resume(ck, trn, val, opts)
+        base = ModelConfig.from_dict(sweep.base)
+        return train_lib.train_variant(base, ModelVariant.parse(job.variant), trn, val, tcfg, folder, opts)
+    finally:
+        STOP.opts = None
+
+
+def attempt(sweep: Sweep, job: Job, root: Path, device, progress, stop_after: int = 0,
+            resuming: bool = False) -> dict:  # fmt: skip
+    """`run_job` -> a result {status, report, error}: status "completed", "stopped" (--stop-after) or
+    "failed" (the error's first line). Ctrl-C passes through (the run saved its checkpoint)."""
+    try:
+        rep = run_job(sweep, job, root, device, progress, stop_after, resuming)
+    except Exception as e:
+        text = str(e).strip().splitlines()
+        return {"status": "failed", "report": None, "error": f"{type(e).__name__}: {text[0] if text else ''}"}
+    return {"status": rep.get("status", "stopped"), "report": rep, "error": None}
+
+
+class Forward:
+    """A job's progress sink that passes its events on through `put(job, event)`: the step events of every
+    tenth of the run and the last, every other event, without the bulky report and configuration."""
+
+    def __init__(self, put, job: str):
+        self.put, self.job = put, job
+
+    def __call__(self, ev: dict) -> None:
+        if ev["event"] == "step" and not (
+            ev["step"] % max(ev["total"] // 10, 1) == 0 or ev["step"] == ev["total"]
+        ):
+            return
+        self.put(self.job, {k: v for k, v in ev.items() if k not in ("report", "cfg")})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the live view
+
+
+class SweepView:
+    """One progress view of every job: a plain line per job event, prefixed with the job's name, readable in
+    a terminal and in a log alike."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+
+    def say(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def event(self, job: str, ev: dict) -> None:
+        kind, p = ev["event"], f"[{job}]"
+        if kind == "start":
+            self.say(f"{p} start: {ev['num_params']:,} parameters")
+        elif kind == "eval" and ev["step"] == 0:
+            v = ev.get("validation")
+            vtxt = f", validation {v['loss']:.4f}" if v else ""
+            self.say(f"{p} initial evaluation: train {ev['train']['loss']:.4f}{vtxt}")
+        elif kind == "eval":
+            self.say(f"{p} step {ev['step']}: validation {ev['validation']['loss']:.4f}")
+        elif kind == "step":
+            self.say(f"{p} step {ev['step']}/{ev['total']}  loss {ev['loss']:.4f}  lr {ev['lr']:.2e}  "
+                     f"{ev['tokens_per_s']:,.0f} tok/s  {ev['s_per_step']:.3f} s/step")  # fmt: skip
+
+    def result(self, job: str, res: dict) -> None:
+        p, rep = f"[{job}]", res.get("report") or {}
+        where = f" on {res['where']}" if res.get("where") else ""
+        if res["status"] == "completed":
+            fv = (rep.get("final_validation") or {}).get("loss", float("nan"))
+            self.say(
+                f"{p} completed{where}: final train {rep['final_train']['loss']:.4f}, final validation {fv:.4f}"
+            )
+        elif res["status"] == "failed":
+            self.say(f"{p} FAILED{where}: {res['error']}")
+        else:
+            self.say(f"{p} {res['status']} after step {rep.get('steps_completed', 0)} (resumable)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# running the jobs
+
+
+def _inline(sweep, jobs, root, launch, view) -> dict:
+    results = {}
+    try:
+        previous = signal.signal(signal.SIGINT, STOP)
+    except ValueError:  # not the main thread: Ctrl-C is not this sweep's to handle
+        previous = None
+    try:
+        for job in jobs:
+            if STOP.requested:
+                raise KeyboardInterrupt
+            res = attempt(sweep, job, root, None, Forward(view.event, job.name), *launch)
+            results[job.name] = res
+            view.result(job.name, res)
+        if STOP.requested:
+            raise KeyboardInterrupt
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        STOP.requested = False
+    return results
+
+
+def _worker(index: int, device, inbox, outbox) -> None:
+    """A worker process: jobs from `inbox` until None (or Ctrl-C); events, then each job's result, into
+    `outbox`."""
+    signal.signal(signal.SIGINT, STOP)
+    if device is not None:
+        from ddl_wgpu.gpu import ENV_ADAPTER
+
+        os.environ[ENV_ADAPTER] = str(device)
+    while not STOP.requested and (msg := inbox.get()) is not None:
+        sweep, job, root, launch = msg
+        sink = Forward(lambda name, ev: outbox.put(("event", index, name, ev)), job.name)
+        res = attempt(sweep, job, root, device, sink, *launch)
+        res["where"] = f"worker {index}" + ("" if device is None else f", adapter {device}")
+        outbox.put(("result", index, job.name, res))
+
+
+class _Pool:
+    """Worker processes, one per device entry, each with its own inbox; jobs handed out as they free up."""
+
+    def __init__(self, devices, sweep, root, launch, view):
+        import multiprocessing as mp
+
+        self.ctx = mp.get_context("spawn")
+        self.outbox = self.ctx.Queue()
+        self.devices, self.view = list(devices), view
+        self.msg = lambda job: (sweep, job, str(root), launch)
+        self.procs: list = [None] * len(self.devices)
+        self.inboxes: list = [None] * len(self.devices)
+        self.running: dict[int, object] = {}  # worker index -> job
+        self.results: dict[str, dict] = {}
+
+    def start(self, i: int) -> None:
+        self.inboxes[i] = self.ctx.Queue()
+        self.procs[i] = self.ctx.Process(target=_worker, args=(i, self.devices[i], self.inboxes[i], self.outbox),
+                                         name=f"ddl-wgpu-worker-{i}")  # fmt: skip
+        self.procs[i].start()
+
+    def hand(self, i: int, pending: deque) -> None:
+        if pending:
+            job = pending.popleft()
+            self.running[i] = job
+            self.inboxes[i].put(self.msg(job))
+        else:
+            self.inboxes[i].put(None)
+
+    def take(self, msg) -> int | None:
+        """Handle one message; -> the index of a worker that just finished a job."""
+        kind, i, name, payload = msg
+        if kind == "event":
+            self.view.event(name, payload)
+            return None
+        self.results[name] = payload
+        self.running.pop(i, None)
+        self.view.result(name, payload)
+        return i
+
+    def drain(self, timeout: float) -> list[int]:
+        freed = []
+        try:
+            while True:
+                i = self.take(self.outbox.get(timeout=timeout))
+                if i is not None:
+                    freed.append(i)
+        except queue.Empty:
+            return freed
+
+    def run(self, jobs) -> dict:
+        pending = deque(jobs)
+        try:
+            for i in range(len(self.devices)):
+                self.start(i)
+                self.hand(i, pending)
+            while self.running:
+                for i in self.drain(0.5):
+                    self.hand(i, pending)
+                for i, job in list(self.running.items()):
+                    if not self.procs[i].is_alive():
+                        self._lost(i, job, pending)
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        finally:
+            for p in self.procs:
+                if p is not None:
+                    p.join(timeout=5)
+            for q in (*self.inboxes, self.outbox):  # their semaphores go back now, not at interpreter exit
+                if q is not None:
+                    q.close()
+        return self.results
+
+    def _lost(self, i: int, job, pending: deque) -> None:
+        """Worker i died with a job in hand: its last messages may still be in flight, then the job failed."""
+        for j in self.drain(0.2):
+            self.hand(j, pending)
+        if self.running.get(i) is job:
+            code = self.procs[i].exitcode
+            self.take(("result", i, job.name, {"status": "failed", "report": None,
+                                               "error": f"worker process exited with code {code}"}))  # fmt: skip
+            self.start(i)
+            self.hand(i, pending)
+
+    def stop(self) -> None:
+        """Ctrl-C: every running job ends after its current step with a resumable checkpoint, idle workers
+        exit; wait for them all (a further Ctrl-C is ignored)."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self.view.say(f"interrupted: {len(self.running)} running job(s) stop after their current step")
+            for i, p in enumerate(self.procs):
+                if p is not None and p.is_alive():
+                    os.kill(
+                        p.pid, signal.SIGINT
+                    )  # the terminal may not have sent it (a SIGINT to this process)
+                    self.inboxes[i].put(None)
+            while self.running and any(p is not None and p.is_alive() for p in self.procs):
+                self.drain(0.5)
+            self.drain(0.2)
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ray tasks
+#
+# A task takes one unit of the custom resource `wgpu_adapter` (the numpy backend: one CPU), which every node
+# declares as its number of adapters (`ray start --resources '{"wgpu_adapter": 2}'`; a local cluster is
+# started with one per worker). Ray keeps no instance ids for a custom resource (get_accelerator_ids() lists
+# only its own accelerator kinds, whose ids are CUDA's numbering, not Vulkan's), so a task picks its adapter
+# on its node: it locks the first free slot file (fcntl, released when the task's process ends) of the node,
+# and slot i is the i-th adapter of `--devices all` (or of the local cluster's device list). Ray runs at most
+# as many such tasks on a node as it declared, so a slot is always free. A task runs in a fresh process
+# (max_calls=1), so the adapter's memory goes back when it ends.
+#
+# Output: a task writes its job's folder straight into OUT when it sees the sweep's own OUT/sweep.json (one
+# host, or shared storage at the same path); elsewhere it trains in a temporary folder and returns the
+# folder's files as bytes, which the driver writes into OUT (checkpoints travel through Ray's object store).
+# Ctrl-C puts an item in a `stop` queue that each task watches: its job ends after its current step with a
+# checkpoint (`StopRequest`), the task returns as for any other end, and a task not yet started returns at
+# once. (Not ray.cancel: the KeyboardInterrupt it raises can cut a step in two.)
+
+ADAPTER_RESOURCE = "wgpu_adapter"
+_SLOTS = "ddl-wgpu-adapter-slots"
+
+
+def _claim_slot():
+    """-> (slot index, the open lock file that holds it)."""
+    import fcntl
+    import tempfile
+
+    d = Path(tempfile.gettempdir()) / _SLOTS
+    d.mkdir(exist_ok=True)
+    i = 0
+    while True:
+        f = open(d / f"slot-{i}.lock", "a")  # noqa: SIM115 (held until the task ends)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return i, f
+        except OSError:
+            f.close()
+            i += 1
+
+
+def _sees(root: Path, sweep_id: str) -> bool:
+    try:
+        return json.loads((Path(root) / SWEEP).read_text()).get("id") == sweep_id
+    except (OSError, ValueError):
+        return False
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def _watch(stop, done) -> None:
+    """A task's thread: the driver's Ctrl-C (an item in the `stop` queue) becomes this process's STOP."""
+    while not done.wait(0.5):
+        if not stop.empty():
+            STOP()
+            return
+
+
+def _ray_task(
+    sweep: Sweep, job: Job, root: str, devices: list, files: dict, launch: tuple, events, stop
+) -> dict:
+    """One job as a Ray task -> its result, with `files` (the job folder's) when OUT is not shared."""
+    import shutil
+    import tempfile
+    import threading
+
+    if not stop.empty():  # the sweep was interrupted before this task started
+        return {"status": "interrupted", "report": {}, "error": None}
+    with contextlib.suppress(ValueError):  # a SIGINT to the worker itself (main thread only)
+        signal.signal(signal.SIGINT, STOP)
+    done = threading.Event()
+    threading.Thread(target=_watch, args=(stop, done), daemon=True).start()
+    lock, device = None, None
+    if sweep.backend == "wgpu":
+        from ddl_wgpu.gpu import ENV_ADAPTER
+
+        slot, lock = _claim_slot()
+        listed = devices or _gpu_adapters()
+        device = listed[slot % len(listed)]
+        if device is not None:
+            os.environ[ENV_ADAPTER] = str(device)
+    shared = _sees(Path(root), sweep.id)
+    work = Path(root) if shared else Path(tempfile.mkdtemp(prefix="ddl-wgpu-job-"))
+    try:
+        for rel, data in files.items():
+            (work / job.name / rel).parent.mkdir(parents=True, exist_ok=True)
+            (work / job.name / rel).write_bytes(data)
+        sink = Forward(lambda name, ev: events.put_nowait((name, ev)), job.name)
+        res = attempt(sweep, job, work, device, sink, *launch)
+        res["where"] = socket.gethostname() + ("" if device is None else f", adapter {device}")
+        if not shared and (work / job.name).is_dir():
+            res["files"] = _files(work / job.name)
+        return res
+    finally:
+        done.set()
+        if lock is not None:
+            lock.close()
+        if not shared:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _ray(sweep, jobs, root, runner, launch, view) -> dict:
+    try:
+        import ray
+        from ray.util.queue import Queue
+    except ImportError:
+        raise SweepError("--ray needs Ray: pip install 'ddl-wgpu[ray]'") from None
+    local = runner.ray == "local"
+    wgpu = sweep.backend == "wgpu"
+    if local:
+        # the workers import this very package (a source checkout included), not another installed copy
+        paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+        n = len(runner.devices)
+        ray.init(address="local", num_cpus=None if wgpu or not n else n, resources={ADAPTER_RESOURCE: n} if wgpu else None,
+                 include_dashboard=False, configure_logging=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}})  # fmt: skip
+    else:
+        ray.init(address=runner.ray, configure_logging=False)
+    try:
+        need = {"num_cpus": 0, "resources": {ADAPTER_RESOURCE: 1}} if wgpu else {"num_cpus": 1}
+        task = ray.remote(max_calls=1, **need)(_ray_task)
+        events, stop = Queue(actor_options={"num_cpus": 0}), Queue(actor_options={"num_cpus": 0})
+        devices = list(runner.devices) if local else []
+        refs = {}
+        for job in jobs:
+            folder = root / job.name
+            files = _files(folder) if launch[1] and (folder / train_lib.CHECKPOINT).is_file() else {}
+            refs[task.remote(sweep, job, str(root), devices, files, launch, events, stop)] = job
+        return _ray_wait(ray, refs, root, events, stop, view)
+    finally:
+        ray.shutdown()
+
+
+def _ray_wait(ray, refs: dict, root: Path, events, stop, view) -> dict:
+    results = {}
+
+    def pump():
+        while not events.empty():
+            view.event(*events.get_nowait())
+
+    def collect(ref, job):
+        try:
+            res = ray.get(ref)
+        except Exception as e:
+            text = str(e).strip().splitlines()
+            res = {
+                "status": "failed",
+                "report": None,
+                "error": f"{type(e).__name__}: {text[0] if text else ''}",
+            }
+        for rel, data in (res.pop("files", None) or {}).items():
+            (root / job.name / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / job.name / rel).write_bytes(data)
+        pump()
+        results[job.name] = res
+        view.result(job.name, res)
+
+    try:
+        while refs:
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
+            pump()
+            for ref in ready:
+                collect(ref, refs.pop(ref))
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            view.say(f"interrupted: {len(refs)} Ray task(s) stop after their current step")
+            stop.put(True)
+            for ref, job in refs.items():
+                collect(ref, job)
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the comparison over jobs and seeds
+
+
+def _stats(values: list[float]) -> dict:
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": n}
+
+
+def _ranking(summary: dict, key: str) -> list[str] | None:
+    """Variants by mean loss (NaN last, ties in sweep order), as the reference trainer's ranking; None when a
+    variant has no such loss."""
+    entries = [(v, s[key]) for v, s in summary.items()]
+    if any(st is None for _, st in entries):
+        return None
+    return [v for v, st in sorted(entries, key=lambda e: (math.isnan(e[1]["mean"]), e[1]["mean"]))]
+
+
+def comparison(sweep: Sweep, results: dict) -> dict:
+    """The comparison report: with one seed, the reference trainer's `TrainingComparisonReport` of the
+    completed jobs (what `train` without a sweep writes); with several, its rankings by each variant's mean
+    over the seeds, `seed_summary` (mean, sample std, min, max per loss) and the datasets per seed. Both list
+    every job with its status (`jobs`) and every completed job's report (`reports`, in sweep order)."""
+    jobs = sweep.jobs()
+    done = [
+        (j, results[j.name]["report"]) for j in jobs if results.get(j.name, {}).get("status") == "completed"
+    ]
+    summary = {}
+    for v in sweep.variants:
+        reps = [r for j, r in done if j.variant == v]
+        if reps:
+            summary[v] = {"seeds": [r["training"]["seed"] for r in reps]}
+            for key in LOSS_KEYS:
+                losses = [r[key]["loss"] for r in reps if r.get(key)]
+                summary[v][key] = _stats(losses) if len(losses) == len(reps) else None
+    tr = _ranking(summary, "final_train") or []
+    vr = _ranking(summary, "final_validation")
+    first = done[0][1] if done else {}
+    comp = {
+        "train_dataset": first.get("train_dataset"),
+        "validation_dataset": first.get("validation_dataset"),
+        "training": sweep.training,
+        "reports": [r for _, r in done],
+        "final_train_loss_ranking": tr,
+        "best_final_train_variant": tr[0] if tr else None,
+        "final_validation_loss_ranking": vr,
+        "best_final_validation_variant": vr[0] if vr else None,
+    }
+    if len(sweep.seeds) > 1:
+        comp["train_dataset"] = comp["validation_dataset"] = None  # each seed splits and orders its own
+        comp["seeds"] = sweep.seeds
+        comp["datasets"] = {str(r["training"]["seed"]): {"train": r["train_dataset"],
+                                                         "validation": r["validation_dataset"]} for _, r in done}  # fmt: skip
+        comp["seed_summary"] = summary
+    comp["jobs"] = [{"job": j.name, "variant": j.variant, "seed": j.seed, "folder": j.name,
+                     "status": results.get(j.name, {}).get("status", "not run"),
+                     "error": results.get(j.name, {}).get("error")} for j in jobs]  # fmt: skip
+    return comp
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a sweep
+
+
+def run(sweep: Sweep, root: Path, runner: Runner, stop_after: int = 0, view: SweepView | None = None,
+        resuming: bool = False) -> dict:  # fmt: skip
+    """Run every job of `sweep` into ROOT -> the comparison report (also ROOT/report.json), or {"status":
+    "stopped", "jobs": ...} when --stop-after left jobs unfinished. `resuming`: keep the jobs that completed
+    and continue the others from their checkpoints (else every job starts afresh, as `train` always does).
+    Ctrl-C: KeyboardInterrupt once every running job has saved its checkpoint. Worker processes are spawned:
+    a script that calls this with `runner.devices` does so under `if __name__ == "__main__":`."""
+    root = Path(root)
+    view = view or SweepView()
+    if runner.ray in (None, "local"):  # this host's workers see what this process sees: say so once, now
+        check_data(sweep.data)
+    sweep = replace(sweep, runner={"devices": list(runner.devices), "ray": runner.ray})
+    root.mkdir(parents=True, exist_ok=True)
+    sweep.save(root)
+    jobs = sweep.jobs()
+    results, todo, launch = {}, [], (stop_after, resuming)
+    for job in jobs:  # finished in an earlier run of the sweep: kept as they are
+        rep = finished_report(root / job.name) if resuming else None
+        if rep is None:
+            todo.append(job)
+        else:
+            results[job.name] = {"status": "completed", "report": rep, "error": None}
+            view.result(job.name, results[job.name])
+    if todo and runner.ray is not None:
+        results.update(_ray(sweep, todo, root, runner, launch, view))
+    elif todo and runner.devices:
+        results.update(_Pool(runner.devices, sweep, root, launch, view).run(todo))
+    elif todo:
+        results.update(_inline(sweep, todo, root, launch, view))
+    if any(results.get(j.name, {}).get("status") in ("stopped", "interrupted") for j in jobs):
+        return {"status": "stopped", "jobs": comparison(sweep, results)["jobs"]}
+    comp = comparison(sweep, results)
+    train_lib.write_json(root / train_lib.REPORT, comp)
+    return comp
+
+
+def resume(root: Path, runner: Runner | None = None, backend: str | None = None, stop_after: int = 0,
+           view: SweepView | None = None) -> dict:  # fmt: skip
+    """Continue the sweep in ROOT: finished jobs kept, unfinished ones resumed from their checkpoints, jobs
+    not started (or failed) run; the comparison written anew. `runner` (default: the sweep's own) and
+    `backend` (default: the sweep's own) may change where the jobs run."""
+    sweep = Sweep.load(root)
+    if backend is not None:
+        sweep = replace(sweep, backend=backend)
+    if runner is None:
+        r = sweep.runner or {}
+        runner = Runner(tuple(r.get("devices") or ()), r.get("ray"))
+    return run(sweep, root, runner, stop_after, view, resuming=True)
+
+
+def table(comp: dict) -> str:
+    """The ranked table over seeds: mean ± std [min, max] of the final losses per variant, then each job."""
+    summary, nan = comp.get("seed_summary") or {}, float("nan")
+    order = comp.get("final_validation_loss_ranking") or comp.get("final_train_loss_ranking") or []
+
+    def cell(st):
+        return f"{st['mean']:.4f} ± {st['std']:.4f} [{st['min']:.4f}, {st['max']:.4f}]" if st else "-"
+
+    rows = [f"{'rank':<5}{'variant':<14}{'seeds':>6}  {'final val: mean ± std [min, max]':<38}"
+            f"{'final train: mean ± std [min, max]':<38}"]  # fmt: skip
+    for i, v in enumerate(order, 1):
+        s = summary[v]
+        rows.append(
+            f"{i:<5}{v:<14}{len(s['seeds']):>6}  {cell(s['final_validation']):<38}{cell(s['final_train'])}"
+        )
+    rows.append("")
+    by = {(r["variant"], r["training"]["seed"]): r for r in comp["reports"]}
+    for j in comp["jobs"]:
+        r = by.get((j["variant"], j["seed"]))
+        if r is None:
+            rows.append(f"  {j['job']:<24}{j['status']}{': ' + j['error'] if j['error'] else ''}")
+            continue
+        fv = (r.get("final_validation") or {}).get("loss", nan)
+        rows.append(f"  {j['job']:<24}final train {r['final_train']['loss']:.4f}  final val {fv:.4f}")
+    return "\n".join(rows)
