@@ -277,11 +277,12 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, 
 
 def accept_file(model_path, data_spec: str, depth: int = DEPTH, window: int = WINDOW, tokens: int | None = None,
                 backend: str = "ref", probe_conventions: bool = False, device: str | None = None,
-                trunk_dtype: str = "f32", chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
+                trunk_dtype: str = "f32", chain_attention: str = DEFAULT_CHAIN_ATTENTION,
+                verify: bool = True) -> dict:  # fmt: skip
     """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure."""
     backend = choose_backend(backend, device).name
     check_chain_attention(chain_attention)
-    model = load_model(model_path)
+    model = load_model(model_path, verify=verify)
     records = load_records(data_spec, tokenizer_for(model.tokenizer), tokens)
     check_vocab(records, model.cfg.vocab_size)
     windows = make_windows(records, min(window, model.cfg.max_seq_len), depth + 1)

@@ -9,8 +9,11 @@ or command that gets the user further, and exit with 2; nothing a user can trigg
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -24,9 +27,11 @@ from ddl_ref.config import ConfigError, ModelVariant, MtpConfig, parse_variants
 from ddl_ref.config import preset as make_preset
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu import accept as accept_lib
+from ddl_wgpu import generate as generate_lib
 from ddl_wgpu import heal as heal_lib
 from ddl_wgpu import train as train_lib
 from ddl_wgpu.backend import BackendChoice, BackendError, UnknownBackendError, choose_backend, make_net
+from ddl_wgpu.cli_checks import EXIT_USER_ERROR, batch_tokens, fail, fits, in_range, output_file
 from ddl_wgpu.compress import compress_file
 from ddl_wgpu.console import HealConsole, TrainConsole, accept_text, fields, ranked_table, summary_text
 from ddl_wgpu.container import CheckpointError
@@ -44,6 +49,8 @@ from ddl_wgpu.hf import HfError, export_hf_from_file, import_hf_to_file
 from ddl_wgpu.inspect import describe, render_text
 from ddl_wgpu.modelfile import Model, load_model, save_model
 from ddl_wgpu.plots import write_plots
+from ddl_wgpu.rundir import RunLock, claim_output
+from ddl_wgpu.safeio import refuse_overwrite_input
 
 app = typer.Typer(
     add_completion=False,
@@ -53,18 +60,20 @@ app = typer.Typer(
     "Vulkan, Metal or DX12 GPU through WGSL.",
 )
 
-EXIT_USER_ERROR = 2
 TRAIN = train_lib.TrainingConfig()  # the defaults of the training options
 HEAL = heal_lib.HealConfig()  # the defaults of the heal options
 
 
-def fail(message: str, code: int = EXIT_USER_ERROR):
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
-
 def _emit(obj, as_json: bool, text: str):
     typer.echo(json.dumps(obj, indent=2) if as_json else text)
+
+
+NoVerify = Annotated[
+    bool,
+    typer.Option(
+        "--no-verify", help="Skip the tensor hash check of trusted inputs (it costs one hashing pass)."
+    ),
+]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -201,11 +210,14 @@ def init(
     mtp: bool = typer.Option(False, "--mtp", help="Add an MTP draft block (model.mtp.*)."),
 ):
     """Write a freshly initialised model file."""
+    in_range("seed", seed, 0)
     base = _model_config(preset, locals())
     v = ModelVariant.parse(variant)
     cfg = v.resolve_config(base)
     if mtp:
         cfg = replace(cfg, mtp=MtpConfig())
+    output_file(out)
+    fits(cfg, False, "the model")
     params = init_params(cfg, seed)
     save_model(out, Model(cfg, params, variant=v.slug, provenance={"init": {"seed": seed, "preset": preset}}))
     table = param_table(cfg)
@@ -224,12 +236,17 @@ def eval_(
     max_tokens: int = typer.Option(200_000, "--max-tokens", help="Read at most this many tokens (0: all)."),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Loss and perplexity over consecutive windows of a corpus (and spectral diagnostics for DDL models)."""
+    in_range("seq-len", seq_len, 2)
+    in_range("batch", batch, 1)
+    in_range("max-tokens", max_tokens, 0)
+    batch_tokens("batch", batch, seq_len)
     choice = choose_backend(backend, device)
     typer.echo(_backend_line(choice), err=as_json)
-    m = load_model(model)
+    m = load_model(model, verify=not no_verify)
     ds = eval_windows(
         data,
         tokenizer=tokenizer_for(m.tokenizer),
@@ -284,10 +301,12 @@ def export_hf(
         "--raw/--no-raw",
         help="Raw tensors under our names (default for models Qwen3/Llama cannot hold).",
     ),
+    force: bool = typer.Option(False, "--force", help="Replace the files of a non-empty FOLDER."),
+    no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Export a model as a Hugging Face folder (Qwen3/Llama for baseline models, raw tensors for DDL)."""
-    summary = export_hf_from_file(model, folder, raw=raw)
+    summary = export_hf_from_file(model, folder, raw=raw, overwrite=force, verify=not no_verify)
     _emit(summary, as_json, summary_text(summary) + f"\nwrote {folder}")
 
 
@@ -326,13 +345,18 @@ def _load_data(source: dict, seq_len: int, batch_size: int, vocab_size: int, see
     )
 
 
-def _run(fn, con: TrainConsole, where: str):
-    """Run a training function with the console; Ctrl-C leaves a resumable checkpoint and exits 130."""
+def _run(fn, con: TrainConsole):
+    """Run a training function with the console; Ctrl-C exits 130 saying what was saved (the library saves
+    the last completed step: `train_lib.TrainingInterrupted`)."""
     try:
         return fn()
+    except train_lib.TrainingInterrupted as e:
+        con.close()
+        typer.echo(e.message, err=True)
+        raise typer.Exit(130) from None
     except KeyboardInterrupt:
         con.close()
-        typer.echo(f"interrupted: resumable checkpoint saved under {where}", err=True)
+        typer.echo("interrupted before training started: nothing saved", err=True)
         raise typer.Exit(130) from None
     finally:
         con.close()
@@ -397,11 +421,18 @@ def train(
     ),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop after N steps with a resumable checkpoint."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots (needs matplotlib)."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Train into an --out folder that holds another run, replacing it."
+    ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     precision: PrecisionOpt = "f32",
 ):
     """Train a sweep of variants on the same data and budget; write reports, checkpoints and plots."""
+    in_range("save-interval", save_interval, 0)
+    in_range("stop-after", stop_after, 0)
+    in_range("max-tokens", max_tokens, 0)
+    in_range("val-fraction", val_fraction, 0.0, 1.0)
     base = _model_config(preset, locals(), mtp)
     tcfg = train_lib.TrainingConfig(
         max_steps=max_steps,
@@ -424,16 +455,26 @@ def train(
     tcfg.validate()
     if seq_len > base.max_seq_len:
         fail(f"--seq-len {seq_len} exceeds the model's max_seq_len {base.max_seq_len} (see --max-seq-len)")
+    batch_tokens("batch-size", batch_size, seq_len)
     if precision not in ("f32", "f16"):
         fail(f"--precision must be f32 or f16, got {precision!r}")
     vs = parse_variants(variants)
+    for v in vs:
+        fits(v.resolve_config(base), True, f"variant {v.slug}")
     choice = choose_backend(backend, device)
     if precision != "f32" and choice.name != "wgpu":
         fail(
             f"--precision {precision} runs on the wgpu backend only ({_backend_line(choice)}): pass --backend wgpu"
         )
     source = _data_source(data, val_data, val_fraction, max_tokens)
-    trn, val = _load_data(source, seq_len, batch_size, base.vocab_size, seed)
+    with claim_output(out, overwrite):
+        _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots, precision)
+
+
+def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots, precision):
+    """`train` once its options are checked and its output folder claimed."""
+    batch_size, seq_len = tcfg.batch_size, tcfg.seq_len
+    trn, val = _load_data(source, seq_len, batch_size, base.vocab_size, tcfg.seed)
     typer.echo("resolved configuration:")
     typer.echo("  model:    " + fields(base.to_dict()))
     typer.echo("  training: " + fields(tcfg.to_dict()))
@@ -450,7 +491,7 @@ def train(
     con = TrainConsole()
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
                                 stop_after=stop_after, progress=con, data=source, precision=precision)  # fmt: skip
-    comp = _run(lambda: train_lib.train_variants(base, vs, trn, val, tcfg, out, opts), con, f"{out}/")
+    comp = _run(lambda: train_lib.train_variants(base, vs, trn, val, tcfg, out, opts), con)
     if comp.get("status") == "stopped":
         last = comp["reports"][-1]
         typer.echo(f"stopped after step {last['steps_completed']}: continue with "
@@ -516,9 +557,16 @@ def resume(
     stop_after: int = typer.Option(0, "--stop-after", help="Stop again after N steps."),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    no_verify: NoVerify = False,
 ):
     """Continue an interrupted run, or train a new phase (--steps N) from a checkpoint."""
-    ck = train_lib.load_checkpoint(checkpoint)
+    in_range("save-interval", save_interval, 0)
+    in_range("stop-after", stop_after, 0)
+    in_range("max-tokens", max_tokens, 0)
+    in_range("val-fraction", val_fraction, 0.0, 1.0)
+    in_range("steps", steps, 1)
+    in_range("eval-interval", eval_interval, 1)
+    ck = train_lib.load_checkpoint(checkpoint, verify=not no_verify)
     tr = ck["report"]["training"]
     recorded = _recorded_source(ck)
     source = {
@@ -553,17 +601,23 @@ def resume(
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
                                 stop_after=stop_after, progress=con, data=source)  # fmt: skip
     where = out or checkpoint.parent
-    rep = _run(
-        lambda: train_lib.resume(checkpoint, trn, val, opts, out_dir=out, steps=steps, overrides=over),
-        con,
-        str(where),
-    )
+    sweep_dir = checkpoint.parent.parent if ck["sweep"] and out is None and steps is None else None
+    with contextlib.ExitStack() as locks:
+        locks.enter_context(RunLock(where))
+        if sweep_dir is not None:  # finishing the sweep writes its other variants and its report
+            locks.enter_context(RunLock(sweep_dir))
+        rep = _run(
+            lambda: train_lib.resume(checkpoint, trn, val, opts, out_dir=out, steps=steps, overrides=over),
+            con,
+        )
     fv = rep.get("final_validation") or {}
     typer.echo(
         f"{rep['variant']}: {rep['steps_completed']} steps, status {rep.get('status')}, "
         f"final train {((rep.get('final_train') or {}).get('loss', float('nan'))):.4f}, "
         f"final val {fv.get('loss', float('nan')):.4f}; report {where / train_lib.REPORT}"
     )
+    if sweep_dir is not None and (sweep_dir / train_lib.REPORT).is_file():
+        typer.echo(f"sweep report: {sweep_dir / train_lib.REPORT}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -595,10 +649,12 @@ def compress(
     ffn_keep: float = typer.Option(
         None, "--ffn-keep", help="Fraction of each SwiGLU's channels to keep (0, 1]."
     ),
+    no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Structural compress: drop whole blocks, or keep the most important SwiGLU channels."""
-    prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep)
+    output_file(out)
+    prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep, verify=not no_verify)
     _emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
 
 
@@ -616,14 +672,19 @@ def accept(
     device: DeviceOpt = None,
     trunk_dtype: TrunkDtype = "f32",
     chain_attention: ChainAttention = accept_lib.DEFAULT_CHAIN_ATTENTION,
+    no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Greedy speculative acceptance of the draft chained K deep: A_j, α_j, τ (all and on-policy anchors)."""
+    in_range("depth", depth, 1)
+    in_range("window", window, depth + 1)
+    in_range("tokens", tokens, 0)
     choice = choose_backend(backend, device)
     typer.echo(_backend_line(choice), err=as_json)
     r = accept_lib.accept_file(model, data, depth=depth, window=window, tokens=tokens or None,
                                backend=choice.name, probe_conventions=probe_conventions, device=device,
-                               trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
+                               trunk_dtype=trunk_dtype, chain_attention=chain_attention,
+                               verify=not no_verify)  # fmt: skip
     _emit(r, as_json, accept_text(r))
 
 
@@ -676,9 +737,20 @@ def heal(
     ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="JSON progress lines and the report as JSON."),
 ):
     """Retrain the MTP draft head on its own trunk by top-k KL self-distillation; write it back into OUT."""
+    for flag, value, lo in (("chain", chain, 1), ("refresh", refresh, 1), ("tokens", tokens, 1), ("window", window, 2),
+                            ("topk", topk, 1), ("batch", batch, 1), ("eval-every", eval_every, 1),
+                            ("patience", patience, 0), ("seed", seed, 0)):  # fmt: skip
+        in_range(flag, value, lo)
+    in_range("epochs", epochs, 0.0, 1e6)
+    if chain >= window:
+        fail(f"--chain {chain} needs windows longer than the chain: --window {window} is too short")
+    batch_tokens("batch", batch, window, "window")
+    refuse_overwrite_input(out, [model, init], heal_lib.HealError)
+    output_file(out)
     cfg = heal_lib.HealConfig(chain=chain, refresh=refresh, tokens=tokens, window=window, epochs=epochs, lr=lr,
                               topk=topk, batch=batch, eval_every=eval_every, patience=patience, seed=seed,
                               trunk_dtype=trunk_dtype, chain_attention=chain_attention,
@@ -688,7 +760,7 @@ def heal(
     typer.echo("  heal:     " + fields(cfg.to_dict()), err=as_json)
     typer.echo("  " + _backend_line(choice), err=as_json)
     rep = heal_lib.heal(model, data, out, cfg, init_path=init, backend=choice.name,
-                        progress=HealConsole(as_json), device=device)  # fmt: skip
+                        progress=HealConsole(as_json), device=device, verify=not no_verify)  # fmt: skip
     if as_json:
         typer.echo(json.dumps(rep, indent=2, default=str))
     else:
@@ -696,6 +768,68 @@ def heal(
             f"healed {rep['steps']} steps (best step {rep['best_step']}): held-out KL "
             f"{rep['heldout_kl_start']:.4f} -> {rep['heldout_kl_best']:.4f}; wrote {out}"
         )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# generate
+
+
+def _prompt_of(prompt: str | None, prompt_file: Path | None) -> str | bytes:
+    """--prompt TEXT, --prompt-file FILE (its bytes), else standard input (its bytes)."""
+    if prompt is not None and prompt_file is not None:
+        fail("give --prompt or --prompt-file, not both")
+    if prompt is not None:
+        return prompt
+    if prompt_file is not None:
+        return prompt_file.read_bytes()
+    if sys.stdin is None or sys.stdin.isatty():
+        fail("no prompt: give --prompt TEXT, --prompt-file FILE, or the text on standard input")
+    return sys.stdin.buffer.read()
+
+
+def _write_now(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+@app.command()
+def generate(
+    model: Path = typer.Argument(..., help="Model file (.ddlw)."),
+    prompt: str = typer.Option(
+        None, "--prompt", help="The prompt (else --prompt-file, else standard input)."
+    ),
+    prompt_file: Path = typer.Option(None, "--prompt-file", help="Read the prompt from this file."),
+    max_new_tokens: int = typer.Option(
+        generate_lib.MAX_NEW_TOKENS, "--max-new-tokens", help="Tokens at most."
+    ),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; > 0: sampling."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: all)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample among the most likely tokens of mass p."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed: same seed, same text."),
+    stop: list[str] = typer.Option(None, "--stop", help="Stop before this text (repeatable)."),
+    speculative: bool = typer.Option(
+        False, "--speculative", help="Speculative decoding with the model's MTP draft (the same greedy text)."
+    ),
+    depth: int = typer.Option(generate_lib.DEPTH, "--depth", help="Draft tokens per speculative round."),
+    backend: BackendOpt = "auto",
+    device: DeviceOpt = None,
+    trunk_dtype: TrunkDtype = "f32",
+    as_json: bool = typer.Option(False, "--json", help="Print the text, token ids and timings as JSON."),
+):
+    """Continue a prompt: the text streamed as it is produced (greedy, or sampled), optionally speculating with
+    the model's MTP draft; a summary line (tokens/s, the draft's acceptance) on standard error."""
+    text = _prompt_of(prompt, prompt_file)
+    sampling = generate_lib.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    choice = choose_backend(backend, device)
+    typer.echo(_backend_line(choice), err=True)
+    r = generate_lib.generate(model, text, max_new_tokens=max_new_tokens, sampling=sampling, stops=stop or (),
+                              speculative=speculative, depth=depth, backend=choice.name, device=device,
+                              on_text=None if as_json else _write_now, dtype=trunk_dtype)  # fmt: skip
+    if as_json:
+        typer.echo(json.dumps(r, indent=2))
+    else:
+        typer.echo()
+        typer.echo(generate_lib.summary_line(r), err=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -711,7 +845,16 @@ HINTS = {
     "trunk_needs_wgpu": "use --backend wgpu or --trunk-dtype f32",
     "one_method": "pass exactly one of --drop-layers LIST and --ffn-keep F",
     "too_few_windows": "give more data (--data) or a larger --tokens, or a smaller --batch",
+    "run_exists": "pass --overwrite to replace it, or continue it with `resume DIR/VARIANT/checkpoint.ddlw`",
+    "locked": "wait for it to end, or write to another --out",
+    "not_writable": "write to another --out",
+    "out_not_folder": "--out names a folder to create",
 }
+
+# OS errors a user causes through the files they name: one line, not a traceback.
+USER_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EROFS: "read-only file system",
+               errno.EDQUOT: "disk quota exceeded", errno.EACCES: "permission denied",
+               errno.ENOTDIR: "not a folder", errno.EEXIST: "already exists"}  # fmt: skip
 
 
 def _hint(e: BaseException) -> str:
@@ -732,38 +875,50 @@ def _is_user_error(e: BaseException) -> bool:
                   | IsADirectoryError
                   | PermissionError):  # fmt: skip
         return True
+    if isinstance(e, OSError) and e.errno in USER_ERRNOS:
+        return True
     gpu_mod = sys.modules.get("ddl_wgpu.gpu")  # only a loaded GPU layer can have raised its errors
     return gpu_mod is not None and isinstance(e, gpu_mod.GpuError)
 
 
 def _error_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno in USER_ERRNOS:
+        where = e.filename if e.filename is not None else "writing"
+        return f"error: {where}: {USER_ERRNOS[e.errno]} ({e.strerror or e})"
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return f"error: {msg}{_hint(e)}"
 
 
 def main():
     """Console-script entry point: run the app; user errors and usage errors become one line and exit 2."""
+    sys.exit(_main())
+
+
+def _main() -> int:
     try:
         code = app(standalone_mode=False)
+        # the command is done: a Ctrl-C from now on has nothing left to interrupt (and must not turn the exit
+        # into a death by SIGINT)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     except usage.NoArgsIsHelpError as e:
         e.show()
-        sys.exit(e.exit_code)
+        return e.exit_code
     except usage.UsageError as e:
         command = f" (see `ddl-wgpu {e.ctx.info_name} --help`)" if e.ctx is not None and e.ctx.parent else ""
         typer.echo(f"error: {' '.join(e.format_message().split())}{command}", err=True)
-        sys.exit(EXIT_USER_ERROR)
+        return EXIT_USER_ERROR
     except usage.ClickException as e:
         typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
-        sys.exit(EXIT_USER_ERROR)
-    except typer.Abort:
+        return EXIT_USER_ERROR
+    except (typer.Abort, KeyboardInterrupt):
         typer.echo("interrupted", err=True)
-        sys.exit(130)
+        return 130
     except Exception as e:
         if not _is_user_error(e):
             raise
         typer.echo(_error_line(e), err=True)
-        sys.exit(EXIT_USER_ERROR)
-    sys.exit(code if isinstance(code, int) else 0)
+        return EXIT_USER_ERROR
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

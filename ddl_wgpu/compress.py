@@ -26,14 +26,25 @@ import numpy as np
 from ddl_ref.params import param_table
 from ddl_wgpu.container import open_checkpoint
 from ddl_wgpu.errors import UserError
-from ddl_wgpu.modelfile import Model, load_model, save_model
+from ddl_wgpu.modelfile import Model, check_fits, load_config, load_model, save_model
+from ddl_wgpu.safeio import refuse_overwrite_input
 
 
 class CompressError(UserError):
     """A compress request that cannot be applied, with one clear line."""
 
 
+MAX_LAYER = 1 << 20
 _BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+
+
+def _check_layers(layers: Iterable[int], n_layers: int) -> list[int]:
+    drop = sorted({int(i) for i in layers})
+    bad = [i for i in drop if not 0 <= i < n_layers]
+    if bad:
+        more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise CompressError(f"compress: layer(s) {bad[:3]}{more} out of range 0..{n_layers - 1}")
+    return drop
 
 
 def parse_layers(spec: str) -> list[int]:
@@ -48,6 +59,10 @@ def parse_layers(spec: str) -> list[int]:
         a, b = int(m.group(1)), int(m.group(2) or m.group(1))
         if b < a:
             raise CompressError(f"compress: bad layer range {part!r} in {spec!r}")
+        if b >= MAX_LAYER:  # no model has this many blocks; a set of them would not fit in memory
+            raise CompressError(
+                f"compress: layer {b} in {spec!r} is beyond any model (at most {MAX_LAYER - 1})"
+            )
         out.update(range(a, b + 1))
     if not out:
         raise CompressError(f"compress: empty layer list {spec!r}")
@@ -65,10 +80,7 @@ def _record(model: Model, rec: dict) -> dict:
 def drop_layers(model: Model, layers: Iterable[int]) -> Model:
     """`model` without the blocks in `layers`; the rest renumbered in order."""
     cfg = model.cfg
-    drop = sorted({int(i) for i in layers})
-    bad = [i for i in drop if not 0 <= i < cfg.n_layers]
-    if bad:
-        raise CompressError(f"compress: layer(s) {bad} out of range 0..{cfg.n_layers - 1}")
+    drop = _check_layers(layers, cfg.n_layers)
     keep = [i for i in range(cfg.n_layers) if i not in drop]
     if not keep:
         raise CompressError(f"compress: dropping {drop} would leave no block")
@@ -123,21 +135,28 @@ def ffn_keep(model: Model, fraction: float) -> Model:
 
 
 def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,
-                  keep: float | None = None) -> dict:  # fmt: skip
+                  keep: float | None = None, verify: bool = True) -> dict:  # fmt: skip
     """The `compress MODEL --out OUT (--drop-layers LIST | --ffn-keep F)` entry point -> provenance.compress.
 
     Exactly one of `drop` (a list or '1,3-5') and `keep` must be given. The output keeps the source's storage
-    dtype (that of the embedding) and is written atomically."""
+    dtype (that of the embedding) and is written atomically. Refused before any work: an output that is the
+    input, and a model that does not fit in memory; `verify=False` skips the tensor hash check."""
     if (drop is None) == (keep is None):
         raise CompressError(
             "compress: give exactly one of a list of blocks to drop and an FFN keep fraction",
             kind="one_method",
         )
-    with open_checkpoint(model_path) as ck:
+    refuse_overwrite_input(out_path, [model_path], CompressError)
+    with open_checkpoint(model_path, verify=verify) as ck:
         dtype = ck.info("model.embed_tokens.weight").dtype if "model.embed_tokens.weight" in ck else "f32"
-    model = load_model(model_path)
-    if drop is not None:
-        layers = parse_layers(drop) if isinstance(drop, str) else list(drop)
+        cfg = load_config(ck, model_path)
+    layers = None
+    if drop is not None:  # checked against the model before its tensors are read
+        layers = _check_layers(parse_layers(drop) if isinstance(drop, str) else list(drop), cfg.n_layers)
+    # the source and the compressed copy are in memory together
+    check_fits(dataclasses.replace(cfg, n_layers=2 * cfg.n_layers), False, f"compress: {model_path}")
+    model = load_model(model_path, verify=verify)
+    if layers is not None:
         out = drop_layers(model, layers)
     else:
         out = ffn_keep(model, float(keep))

@@ -48,6 +48,7 @@ Every bad input raises ``DataError`` (a ``ValueError``) with one clear line.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import sysconfig
 from collections.abc import Iterator, Sequence
@@ -58,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from ddl_wgpu.errors import UserError
-from ddl_wgpu.safeio import load_json
+from ddl_wgpu.safeio import load_json, open_regular
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -291,11 +292,18 @@ def _stdlib_files() -> list[Path]:
     return [path for _, path in found]
 
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read ({exc.strerror or _one_line(exc)})") from exc
+def _read_bytes(path: Path, limit: int | None = None) -> bytes:
+    """At most `limit` bytes (None: all) of a regular file; a FIFO or a device (`/dev/zero`) is refused, so
+    reading never blocks or grows without bound, and a file larger than the budget is never read whole."""
+    with open_regular(path, "a data file", DataError) as f:
+        try:
+            return f.read() if limit is None else f.read(limit)
+        except OSError as exc:
+            raise DataError(f"{path}: cannot read ({exc.strerror or _one_line(exc)})") from exc
+
+
+def _check_regular(path: Path) -> None:
+    open_regular(path, "a data file", DataError).close()
 
 
 def _text_records(files: Sequence[Path], tokenizer: Tokenizer, budget: _Budget) -> list[np.ndarray]:
@@ -303,19 +311,16 @@ def _text_records(files: Sequence[Path], tokenizer: Tokenizer, budget: _Budget) 
     for path in files:
         if budget.done:
             break
-        data = _read_bytes(path)
-        if isinstance(tokenizer, ByteTokenizer) and budget.left is not None:
-            data = data[: budget.left]  # bytes are tokens: never convert more than needed
+        # bytes are tokens: never read more than the budget needs
+        limit = budget.left if isinstance(tokenizer, ByteTokenizer) else None
+        data = _read_bytes(path, limit)
         records.append(budget.cut(tokenizer.encode_bytes(data)))
     return records
 
 
 def _jsonl_records(path: Path, tokenizer: Tokenizer, budget: _Budget) -> list[np.ndarray]:
     records = []
-    try:
-        handle = path.open("rb")
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read ({exc.strerror or _one_line(exc)})") from exc
+    handle = io.BufferedReader(open_regular(path, "a data file", DataError))  # lines need a buffer
     with handle:
         for lineno, raw in enumerate(handle, start=1):
             if budget.done:
@@ -332,6 +337,7 @@ def _jsonl_records(path: Path, tokenizer: Tokenizer, budget: _Budget) -> list[np
 
 
 def _bin_tokens(path: Path) -> np.ndarray:
+    _check_regular(path)
     size = path.stat().st_size
     if size == 0:
         return np.zeros(0, dtype=np.uint16)
@@ -364,6 +370,7 @@ def _native(arr: np.ndarray) -> np.ndarray:
 
 
 def _npy_tokens(path: Path) -> np.ndarray:
+    _check_regular(path)
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:

@@ -159,16 +159,16 @@ def _require_draft(path) -> None:
             raise HealError(f"heal: {path} carries no MTP draft (missing tensor {n})")
 
 
-def _load(path, what: str) -> Model:
+def _load(path, what: str, verify: bool = True) -> Model:
     try:
-        return load_model(path)
+        return load_model(path, verify=verify)
     except CheckpointError as e:
         raise HealError(f"heal: {what}: {e}") from e
 
 
-def _init_weights(init_path, model: Model) -> dict:
+def _init_weights(init_path, model: Model, verify: bool = True) -> dict:
     _require_draft(init_path)
-    src = _load(init_path, "the init model")
+    src = _load(init_path, "the init model", verify)
     out = {}
     for n in ref_mtp.trained_names(model.params):
         if n not in src.params or src.params[n].shape != model.params[n].shape:
@@ -189,10 +189,12 @@ def _encode(array: np.ndarray, dtype: str):
     return np.asarray(array).astype(np_dtype), dtype
 
 
-def write_back(model_path, out_path, trained: dict, provenance_key: str, record: dict) -> Path:
+def write_back(
+    model_path, out_path, trained: dict, provenance_key: str, record: dict, verify: bool = True
+) -> Path:
     """OUT = MODEL with `trained` tensors replaced (stored dtype kept) and every other tensor copied byte for
     byte; `provenance[provenance_key] = record`. Atomic (the container writes OUT.partial, then renames)."""
-    with open_checkpoint(model_path) as ck:
+    with open_checkpoint(model_path, verify=verify) as ck:
         prov = dict(ck.provenance or {})
         prov[provenance_key] = record
 
@@ -382,14 +384,14 @@ class _HealJob:
         return False
 
 
-def _inputs(model_path, init_path, cfg: HealConfig) -> tuple[Model, dict | None]:
+def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True) -> tuple[Model, dict | None]:
     """The model (with a draft) and the draft's starting weights from `init_path`, checked against `cfg`."""
     _require_draft(model_path)
-    model = _load(model_path, "model")
+    model = _load(model_path, "model", verify)
     if model.cfg.mtp is None:  # tensors present but the config says no draft
         raise HealError(f"heal: {model_path} carries no MTP draft (config has no mtp; missing tensor "
                         "model.mtp.eh_proj.weight in its table)")  # fmt: skip
-    init = _init_weights(init_path, model) if init_path is not None else None
+    init = _init_weights(init_path, model, verify) if init_path is not None else None
     if cfg.window > model.cfg.max_seq_len:
         raise HealError(f"heal: window {cfg.window} exceeds the model's max_seq_len {model.cfg.max_seq_len}",
                         field="window")  # fmt: skip
@@ -407,13 +409,13 @@ def _heldout_acceptance(model: Model, cache: _Cache, val: list[int], draft, runn
 
 def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, init_path=None,
          backend: str = "ref", progress: Callable[[dict], None] | None = None,
-         device: str | None = None) -> dict:  # fmt: skip
+         device: str | None = None, verify: bool = True) -> dict:  # fmt: skip
     """Retrain MODEL's draft on MODEL's trunk over `data_spec`; write OUT. -> the report (provenance.heal_mtp
     plus `out`, `history` of evaluations and `stopped`). Raises HealError with one line on bad input or abort."""
     cfg = cfg if cfg is not None else HealConfig()
     events = Events(progress, "heal")
     backend = choose_backend(backend, device).name
-    model, init = _inputs(model_path, init_path, cfg)
+    model, init = _inputs(model_path, init_path, cfg, verify)
     mcfg = model.cfg
     wins = _windows(model, data_spec, cfg)
     total_tokens = int(sum(w.size for w in wins))
@@ -471,6 +473,6 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
         "config": cfg.to_dict(),
         "conventions": mcfg.mtp.to_dict(),
     }
-    path = write_back(model_path, out_path, trained, "heal_mtp", record)
+    path = write_back(model_path, out_path, trained, "heal_mtp", record, verify)
     events("written", out=os.fspath(path))
     return {**record, "out": os.fspath(path), "history": job.history}

@@ -18,6 +18,8 @@ loss scale and skips, `LossScale`).
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -79,6 +81,51 @@ class LossScale:
         self.skipped += 1
         self.value = max(self.value / 2.0, 1.0)
         return self.skipped >= self.limit
+
+
+class DeferredInterrupt:
+    """Ctrl-C (SIGINT) held back while a step is in flight, so that an interrupt never lands between a step's
+    update and its record (a checkpoint labelled step N holding step N + 1's weights).
+
+    Inside `with DeferredInterrupt() as intr:` the first SIGINT only sets `intr.pending`; the job calls
+    `intr.check()` where its state is whole (a step recorded, an evaluation done), which raises
+    KeyboardInterrupt there. A second SIGINT raises at once (the way out of a long step) and sets `intr.hard`:
+    the state may then be torn, so nothing should be saved. Outside the main thread (where Python cannot
+    install handlers) or when one is already installed by an enclosing `with`, it changes nothing."""
+
+    _active: DeferredInterrupt | None = None
+
+    def __init__(self):
+        self.pending = self.hard = False
+        self._previous = None
+        self._owner = False
+
+    def __enter__(self) -> DeferredInterrupt:
+        outer = DeferredInterrupt._active
+        if outer is not None:
+            return outer
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+            self._owner = True
+            DeferredInterrupt._active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._owner:
+            signal.signal(signal.SIGINT, self._previous)
+            DeferredInterrupt._active = None
+            self._owner = False
+
+    def _handler(self, signum, frame) -> None:
+        if self.pending:
+            self.hard = True
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def check(self) -> None:
+        """KeyboardInterrupt if a Ctrl-C came since the `with` began (call where the state is whole)."""
+        if self.pending:
+            raise KeyboardInterrupt
 
 
 class Job(Protocol):

@@ -28,14 +28,16 @@ from ddl_ref.config import ModelConfig, ModelVariant
 from ddl_ref.optim import CLIP_MODES, CosineWarmupSchedule
 from ddl_ref.spectral import SpectralAccumulator
 from ddl_wgpu.backend import make_net
-from ddl_wgpu.container import open_checkpoint, save
+from ddl_wgpu.container import CheckpointError, open_checkpoint, save
 from ddl_wgpu.data import TokenDataset
 from ddl_wgpu.errors import UserError
-from ddl_wgpu.run import Best, Cadence, Events, drive
+from ddl_wgpu.modelfile import load_config, read_params
+from ddl_wgpu.run import Best, Cadence, DeferredInterrupt, Events, drive
+from ddl_wgpu.rundir import CHECKPOINT, REPORT
+from ddl_wgpu.safeio import load_json
 from ddl_wgpu.step import AdamW
 
-CHECKPOINT = "checkpoint.ddlw"
-REPORT = "report.json"
+MAX_INT = (1 << 63) - 1  # every integer setting is stored in the checkpoint's msgpack header (int64)
 
 
 class TrainingError(UserError):
@@ -63,6 +65,14 @@ class TrainingError(UserError):
     @classmethod
     def resume_mismatch(cls, message: str, **kw) -> TrainingError:
         return cls(f"invalid resume state: {message}", **kw)
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C ended a run; `message` says truthfully what was saved (and where)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,8 @@ class TrainingConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(f"{name} must be a non-negative integer")
+            if v > MAX_INT:
+                raise bad(f"{name} must be at most 2^63-1, got {v}")
         if self.max_steps == 0:
             raise bad("max_steps must be greater than zero")
         if self.eval_interval == 0:
@@ -202,16 +214,27 @@ def write_json(path: Path, obj) -> None:
     """Atomic JSON write (temp name, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(obj, indent=2, allow_nan=True))
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, allow_nan=True))
+        tmp.replace(path)
+    except BaseException:  # a full disk or a Ctrl-C: no half-written partial left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save_checkpoint(
-    path: Path, net, report: dict, best: dict | None, position: dict, data: dict | None = None
+    path: Path,
+    net,
+    report: dict,
+    best: dict | None,
+    position: dict,
+    data: dict | None = None,
+    sweep: dict | None = None,
 ) -> None:
     """Model (its usual names, so `eval`/`heal` read a checkpoint like a model file), best-validation model
-    (`best.` prefix), AdamW moments (`optim.m.` / `optim.v.`), report, position and how the run's data was
-    loaded (`data`, `RunOptions.data`), in one atomic file."""
+    (`best.` prefix), AdamW moments (`optim.m.` / `optim.v.`), report, position, how the run's data was
+    loaded (`data`, `RunOptions.data`) and the sweep it belongs to (`sweep`, `RunOptions.sweep`), in one
+    atomic file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     params = net.export()
     m, v = net.moments()
@@ -235,6 +258,8 @@ def save_checkpoint(
     }
     if data is not None:
         meta["train.data"] = data
+    if sweep is not None:
+        meta["train.sweep"] = sweep
     save(
         path,
         tensors(),
@@ -244,25 +269,102 @@ def save_checkpoint(
     )
 
 
-def load_checkpoint(path: Path) -> dict:
-    """-> {cfg, params, best, m, v, report, position, data}; raises CheckpointError or TrainingError. `data` is
-    how the run loaded its data (`RunOptions.data`), None in a checkpoint written before it was recorded."""
-    with open_checkpoint(path) as ck:
+def _bad(path, message: str) -> TrainingError:
+    return TrainingError.resume_mismatch(f"{path}: {message}")
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT
+
+
+DATA_FIELDS = {"data", "val_data", "val_fraction", "max_tokens"}  # RunOptions.data
+REPORT_FIELDS = {"variant": str, "history": list, "steps_completed": int, "train_dataset": dict,
+                 "training": dict}  # fmt: skip
+
+
+def _checked_report(raw, path) -> dict:
+    """`train.report`: JSON of a dict with the fields resume relies on, each of the right type."""
+    if not isinstance(raw, str):
+        raise _bad(path, f"train.report is {type(raw).__name__}, not the report's JSON text")
+    report = load_json(raw, f"{path}: train.report", TrainingError)
+    if not isinstance(report, dict):
+        raise _bad(path, f"train.report is a JSON {type(report).__name__}, not an object")
+    for name, kind in REPORT_FIELDS.items():
+        v = report.get(name)
+        if not (_int(v) if kind is int else isinstance(v, kind)):
+            raise _bad(path, f"train.report field {name!r} is missing or not a {kind.__name__}")
+    if not all(
+        isinstance(e, dict) and isinstance(e.get("learning_rate"), int | float) for e in report["history"]
+    ):
+        raise _bad(path, "train.report history holds an entry without a learning rate")
+    vd, bv = report.get("validation_dataset"), report.get("best_validation")
+    if vd is not None and not isinstance(vd, dict):
+        raise _bad(path, "train.report field 'validation_dataset' is not an object")
+    if bv is not None and not (isinstance(bv, dict) and isinstance(bv.get("loss"), int | float)):
+        raise _bad(path, "train.report field 'best_validation' has no loss")
+    try:
+        ModelVariant.parse(report["variant"])
+    except (ValueError, KeyError) as e:
+        raise _bad(path, f"train.report variant {report['variant']!r}: {e}") from None
+    return report
+
+
+def _checked_position(raw, path, report: dict) -> dict:
+    """`train.position`: the phase (first step, training options, previous rate) and the steps done."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("phase"), dict) or not raw["phase"]:
+        raise _bad(path, "train.position is missing or has no phase")
+    phase = raw["phase"]
+    if not _int(phase.get("start_step")) or not isinstance(phase.get("training"), dict):
+        raise _bad(path, "train.position phase needs a start_step and its training options")
+    prev = phase.get("previous_lr")
+    if prev is not None and (isinstance(prev, bool) or not isinstance(prev, int | float)):
+        raise _bad(path, f"train.position previous_lr is {prev!r}, not a number")
+    try:
+        TrainingConfig.from_dict(dict(phase["training"])).validate()
+    except (TypeError, ValueError) as e:
+        raise _bad(path, f"train.position phase training options: {e}") from None
+    if raw.get("steps_completed") != report["steps_completed"]:
+        raise _bad(path, f"train.position records {raw.get('steps_completed')!r} steps, the report "
+                         f"{report['steps_completed']}")  # fmt: skip
+    return {"phase": dict(phase), "steps_completed": raw["steps_completed"]}
+
+
+def load_checkpoint(path: Path, verify: bool = True) -> dict:
+    """-> {cfg, params, best, m, v, report, position, data, sweep}; raises CheckpointError or TrainingError,
+    one precise line per malformed piece. The config is checked (valid, fits in memory for training) and
+    then against every tensor read (shape, float dtype); tensors no parameter of the config names are never
+    read. `data` is how the run loaded its data (`RunOptions.data`) and `sweep` the sweep it is part of
+    (`RunOptions.sweep`), None in a checkpoint written before they were recorded. `verify=False` skips the
+    tensor hash check (trusted input)."""
+    with open_checkpoint(path, verify=verify) as ck:
         meta = dict(ck.metadata or {})
         if "train.report" not in meta:
             raise TrainingError.resume_mismatch(f"{path} is not a training checkpoint (no train.report)")
-        cfg = ModelConfig.from_dict(dict(ck.config))
-        names = ck.names()
-        model = [n for n in names if not n.startswith(("best.", "optim."))]
+        report = _checked_report(meta["train.report"], path)
+        position = _checked_position(meta.get("train.position"), path, report)
+        cfg = load_config(ck, path, training=True)
+        params = read_params(ck, cfg, path)
+        has_best = any(n.startswith("best.") for n in ck.names())
+        best = read_params(ck, cfg, path, prefix="best.") if has_best else None
+        m = read_params(ck, cfg, path, prefix="optim.m.", require_all=False)
+        v = read_params(ck, cfg, path, prefix="optim.v.", require_all=False)
+        for a, b, pre in ((params, m, "optim.m."), (params, v, "optim.v.")):
+            if (m or v) and set(a) != set(b):
+                missing = sorted(set(a) - set(b))
+                raise CheckpointError(f"{path}: missing optimizer tensor {pre}{missing[0]}")
+        data, sweep = meta.get("train.data"), meta.get("train.sweep")
+        if data and not (isinstance(data, dict) and set(data) >= DATA_FIELDS):
+            raise _bad(path, f"train.data must record {sorted(DATA_FIELDS)}")
         out = {
             "cfg": cfg,
-            "params": {n: ck.tensor_f32(n) for n in model},
-            "best": {n[5:]: ck.tensor_f32(n) for n in names if n.startswith("best.")} or None,
-            "m": {n[8:]: ck.tensor_f32(n) for n in names if n.startswith("optim.m.")},
-            "v": {n[8:]: ck.tensor_f32(n) for n in names if n.startswith("optim.v.")},
-            "report": json.loads(meta["train.report"]),
-            "position": dict(meta.get("train.position") or {}),
-            "data": dict(meta["train.data"]) if meta.get("train.data") else None,
+            "params": params,
+            "best": best,
+            "m": m,
+            "v": v,
+            "report": report,
+            "position": position,
+            "data": dict(data) if isinstance(data, dict) and data else None,
+            "sweep": dict(sweep) if isinstance(sweep, dict) and sweep else None,
         }
     # a checkpoint from before grad_clip_mode clipped globally: it resumes so, bit for bit
     for training in (out["report"].get("training"), out["position"].get("phase", {}).get("training")):
@@ -288,6 +390,9 @@ class RunOptions:
     # how the run's datasets were loaded (spec, validation spec or fraction, token cap), kept in the checkpoint
     # so that a resume can load them again without being told
     data: dict | None = None
+    # the sweep the run is part of ({"variants": [slugs], "base": base ModelConfig dict}), kept in the
+    # checkpoint so that resuming one variant can finish the sweep and write its ranked report
+    sweep: dict | None = None
 
 
 def _check_datasets(train: TokenDataset, val: TokenDataset | None) -> None:
@@ -313,6 +418,7 @@ class _Variant:
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
         self.steps_this_process = 0
         self.t0 = time.perf_counter()
+        self.interrupt = DeferredInterrupt()  # replaced by the run's own in `train_variant`
 
     # the run.Job interface
 
@@ -382,6 +488,8 @@ class _Variant:
         if self.opts.stop_after and self.steps_this_process >= self.opts.stop_after and not last:
             self.checkpoint()
             return True
+        if not last:  # step `done` and its evaluation are recorded: a Ctrl-C may end the run here (after the
+            self.interrupt.check()  # last step, the final evaluation runs first and the run completes)
         return False
 
     # the rest of the run
@@ -396,7 +504,7 @@ class _Variant:
             return
         best = self.net.export_snapshot(self.best.snapshot) if self.best.snapshot is not None else None
         position = {"phase": self.phase, "steps_completed": self.report["steps_completed"]}
-        save_checkpoint(self.ckpt, self.net, self.report, best, position, self.opts.data)
+        save_checkpoint(self.ckpt, self.net, self.report, best, position, self.opts.data, self.opts.sweep)
         write_json(_report_path(self.out_dir), self.report)
 
     def finish(self) -> None:
@@ -483,25 +591,54 @@ def train_variant(
     tcfg.validate()
     _check_datasets(train, val)
     events = Events(opts.progress, "train")
-    if resume is None:
-        net, report, phase, best = _fresh(base, variant, train, val, tcfg, opts, events)
-    else:
-        net, report, phase, best = _resumed(resume, opts)
-        tcfg = TrainingConfig.from_dict(phase["training"])
-    run = _Variant(net, report, phase, best, train, val, tcfg, out_dir, opts, events)
-    start = report["steps_completed"]
-    try:
-        if drive(run, start, run.cadence, best, events)[0] == "stopped":
-            report["status"] = "stopped"
-            return report
-    except KeyboardInterrupt:
-        run.checkpoint()
-        report["status"] = "interrupted"
-        raise
-    run.finish()
-    events("done", variant=report["variant"], report=report)
-    run.checkpoint()
+    # Ctrl-C is held back (run.DeferredInterrupt) and acted on only where the state is whole: after a step
+    # and its evaluation are recorded, or after the initial evaluation; the checkpoint then saved is exactly
+    # that of the last completed step, and `resume` continues bit for bit. A second Ctrl-C abandons the step
+    # in flight and saves nothing (its state may be torn).
+    with DeferredInterrupt() as intr:
+        try:
+            if resume is None:
+                net, report, phase, best = _fresh(base, variant, train, val, tcfg, opts, events)
+            else:
+                net, report, phase, best = _resumed(resume, opts)
+                tcfg = TrainingConfig.from_dict(phase["training"])
+        except KeyboardInterrupt:
+            raise TrainingInterrupted(
+                f"interrupted before the first step of {variant.slug}: nothing saved"
+            ) from None
+        run = _Variant(net, report, phase, best, train, val, tcfg, out_dir, opts, events)
+        run.interrupt = intr
+        start = report["steps_completed"]
+        try:
+            intr.check()
+            if drive(run, start, run.cadence, best, events)[0] == "stopped":
+                report["status"] = "stopped"
+                return report
+            run.finish()
+            events("done", variant=report["variant"], report=report)
+            run.checkpoint()
+        except KeyboardInterrupt:
+            raise _interrupted(run, intr) from None
     return report
+
+
+def _interrupted(run: _Variant, intr: DeferredInterrupt) -> TrainingInterrupted:
+    """Save what a Ctrl-C leaves whole and say what that is."""
+    done, name = run.report["steps_completed"], run.report["variant"]
+    if intr.hard:
+        return TrainingInterrupted(
+            f"interrupted twice: the step in flight of {name} was abandoned, nothing saved since the last "
+            f"checkpoint{f' ({run.ckpt})' if run.ckpt is not None and run.ckpt.exists() else ''}"
+        )
+    if run.ckpt is None:
+        return TrainingInterrupted(
+            f"interrupted after step {done} of {name} (no output folder: nothing saved)"
+        )
+    run.checkpoint()
+    run.report["status"] = "interrupted"
+    return TrainingInterrupted(
+        f"interrupted: resumable checkpoint of step {done} of {name} saved as {run.ckpt}"
+    )
 
 
 def _snapshot_of(net, params: dict):
@@ -529,12 +666,16 @@ def comparison_report(
     reports: list[dict], train: TokenDataset, val: TokenDataset | None, tcfg: TrainingConfig
 ) -> dict:
     """The reference trainer's `TrainingComparisonReport`."""
+    return _comparison(reports, train.summary(), val.summary() if val is not None else None, tcfg.to_dict())
+
+
+def _comparison(reports: list[dict], train_summary: dict, val_summary: dict | None, training: dict) -> dict:
     tr = rank(reports, "final_train") or []
     vr = rank(reports, "final_validation")
     return {
-        "train_dataset": train.summary(),
-        "validation_dataset": val.summary() if val is not None else None,
-        "training": tcfg.to_dict(),
+        "train_dataset": train_summary,
+        "validation_dataset": val_summary,
+        "training": training,
         "reports": reports,
         "final_train_loss_ranking": tr,
         "best_final_train_variant": tr[0] if tr else None,
@@ -560,13 +701,16 @@ def train_variants(
         raise TrainingError.empty_training_dataset()
     if val is not None and val.num_batches == 0:
         raise TrainingError.empty_validation_dataset()
+    if out_dir is not None and opts.sweep is None:
+        opts = replace(opts, sweep={"variants": [v.slug for v in variants], "base": base.to_dict()})
     reports = []
-    for v in variants:
-        d = out_dir / v.slug if out_dir is not None else None
-        r = train_variant(base, v, train, val, tcfg, d, opts)
-        reports.append(r)
-        if r.get("status") == "stopped":
-            break
+    with DeferredInterrupt():  # one Ctrl-C for the whole sweep: the variant in progress acts on it
+        for v in variants:
+            d = out_dir / v.slug if out_dir is not None else None
+            r = train_variant(base, v, train, val, tcfg, d, opts)
+            reports.append(r)
+            if r.get("status") == "stopped":
+                break
     comp = (
         comparison_report(reports, train, val, tcfg)
         if all(r.get("status") == "completed" for r in reports)
@@ -662,4 +806,47 @@ def resume(
     out = Path(out_dir) if out_dir is not None else Path(checkpoint).parent
     variant = ModelVariant.parse(rep["variant"])
     tcfg = TrainingConfig.from_dict(ck["position"]["phase"]["training"])
-    return train_variant(ck["cfg"], variant, train, val, tcfg, out, opts, resume=ck)
+    in_sweep = steps is None and ck["sweep"] is not None and out == Path(checkpoint).parent
+    if not in_sweep:
+        return train_variant(ck["cfg"], variant, train, val, tcfg, out, opts, resume=ck)
+    if opts.sweep is None:
+        opts = replace(opts, sweep=ck["sweep"])
+    with DeferredInterrupt():
+        report = train_variant(ck["cfg"], variant, train, val, tcfg, out, opts, resume=ck)
+        if report.get("status") == "completed" and phase["start_step"] == 0:
+            finish_sweep(out.parent, ck["sweep"], train, val, tcfg, opts)
+    return report
+
+
+def finish_sweep(
+    sweep_dir: Path, sweep: dict, train: TokenDataset, val: TokenDataset | None, tcfg, opts: RunOptions
+) -> Path | None:
+    """After a resumed variant of a sweep completed: train the sweep's variants that never started (an
+    interrupt ended the sweep before them), then write the ranked `sweep_dir/report.json` when every variant
+    has completed; -> its path, or None while some variant is still unfinished (resume it)."""
+    try:
+        slugs = [ModelVariant.parse(str(v)).slug for v in sweep["variants"]]
+        base = ModelConfig.from_dict(dict(sweep["base"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise TrainingError.resume_mismatch(f"the checkpoint's sweep record is malformed: {e}") from None
+    reports = []
+    for slug in slugs:
+        d = sweep_dir / slug
+        if not (d / CHECKPOINT).exists():
+            reports.append(train_variant(base, ModelVariant.parse(slug), train, val, tcfg, d, opts))
+            if reports[-1].get("status") != "completed":
+                return None
+            continue
+        try:
+            r = load_json((d / REPORT).read_bytes(), str(d / REPORT), TrainingError)
+        except OSError:
+            return None
+        if not isinstance(r, dict) or r.get("status") != "completed":
+            return None
+        reports.append(r)
+    path = sweep_dir / REPORT
+    training = reports[0].get("training", tcfg.to_dict())
+    write_json(
+        path, _comparison(reports, train.summary(), val.summary() if val is not None else None, training)
+    )
+    return path

@@ -165,7 +165,7 @@ def test_stdlib_is_real_and_deterministic():
 def test_stdlib_max_tokens_reads_only_what_it_needs(monkeypatch):
     reads = []
     real = data._read_bytes
-    monkeypatch.setattr(data, "_read_bytes", lambda p: reads.append(p) or real(p))
+    monkeypatch.setattr(data, "_read_bytes", lambda p, limit=None: reads.append(p) or real(p, limit))
     records = load_records("stdlib", BYTES, max_tokens=1000)
     assert sum(r.size for r in records) == 1000
     assert len(reads) == len(records) < 10

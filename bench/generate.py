@@ -1,0 +1,318 @@
+"""Generation speed at batch 1: prefill tokens/s and decode tokens/s of `ddl-wgpu generate`'s GPU engine, with
+and without speculative decoding, against PyTorch eager on the same GPU running the same model with a KV cache.
+
+    python3 bench/generate.py                         # the `small` preset (f32) and a Qwen-like shape (f16)
+    python3 bench/generate.py --shapes small          # one shape
+    python3 bench/generate.py --model demo.ddlw       # a trained model file (its own draft and acceptance)
+    python3 bench/generate.py --quick                 # d 64, vocab 512, 2 layers (lavapipe smoke test)
+
+Shapes: `small` (the DDL paper's small model: d 768, 12 layers, 6 x 128 heads, vocab 50304, f32) and `qwen`
+(Qwen3-1.7B-like: d 2048, 28 layers, 16 x 128 heads over 8 kv heads, ffn 6144, vocab 151936, tied, pre-RoPE
+q/k norm, theta 1e6, the trunk's big matrices in f16); both with a one-layer MTP draft. Weights come from
+`ddl_ref.params.init_params` (--seed) unless --model is given: a random draft agrees with a random trunk
+about 1/V of the time, so the speculative row of a synthetic model measures the cost of speculation at
+(almost) zero acceptance; a model trained with `--mtp` (and healed) gives the real acceptance and speed-up.
+
+What is timed (wall clock, `time.perf_counter`, every call ends with a read-back, so it is synchronised):
+- prefill: `WgpuEngine.feed(prompt, "argmax", last_only=True)` of --prompt tokens on an empty cache (one
+  pass: the training kernels; the head on the last row; the next token read back), as `generate` runs it. Tokens/s = prompt / s. Median of --repeats after a warm-up.
+- decode: `generate.run` greedy for --new tokens after the prompt, its decode time (first token excluded);
+  plain, then with the draft --depth deep (`speculative`). Tokens/s = (new − 1) / s; the speculative row adds
+  the mean accepted drafts per round, tokens per trunk pass and the acceptance per depth from the run.
+- peer: PyTorch eager, same weights (f32; f16 for an f16 shape), a plain greedy loop with a KV cache
+  (`torch_prefill`/`torch_step` below: one forward of the prompt, then one token per step, argmax on the
+  GPU, `.item()` per token); CUDA-synchronised wall clock. PyTorch here implements the baseline and DDL
+  d_v = 1 trunks (bench/torch_model.py), no draft: its row is plain decoding.
+
+Check (same run): the wgpu engine's greedy tokens with and without speculation are identical (exit 1 if
+not); with --quick also equal to the numpy engine's; the peer's tokens agreeing with ours is reported
+(f16 near-ties may differ), not required.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (puts the repository root on sys.path)
+import numpy as np  # noqa: E402
+
+from ddl_ref.config import ModelConfig, MtpConfig, preset  # noqa: E402
+from ddl_ref.params import init_params  # noqa: E402
+from ddl_wgpu.generate import RefEngine, run  # noqa: E402
+from ddl_wgpu.modelfile import Model, load_model  # noqa: E402
+
+SHAPES = {
+    "small": (lambda: preset("small", mtp=MtpConfig()), "f32"),
+    "qwen": (
+        lambda: ModelConfig(
+            vocab_size=151936,
+            d_model=2048,
+            n_layers=28,
+            n_heads=16,
+            n_kv_heads=8,
+            head_dim=128,
+            ffn_hidden=6144,
+            max_seq_len=4096,
+            rope_theta=1e6,
+            rms_eps=1e-6,
+            qk_norm="pre_rope",
+            mtp=MtpConfig(),
+        ),  # fmt: skip
+        "f16",
+    ),
+    "quick": (
+        lambda: ModelConfig(
+            vocab_size=512,
+            d_model=64,
+            n_layers=2,
+            n_heads=2,
+            n_kv_heads=2,
+            head_dim=32,
+            ffn_hidden=128,
+            max_seq_len=256,
+            mtp=MtpConfig(),
+        ),  # fmt: skip
+        "f32",
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the PyTorch peer: TorchLM's weights and ops, with a KV cache
+
+
+def torch_prefill(tm, torch, ids):
+    """-> (next token, cache [(k, v)] per layer, length): one forward of the prompt."""
+    return _torch_rows(tm, torch, ids, [], 0)
+
+
+def torch_step(tm, torch, token, cache, start):
+    return _torch_rows(tm, torch, token, cache, start)
+
+
+def _torch_rows(tm, torch, ids, cache, start):
+    import torch.nn.functional as F
+    from torch_model import rotate_half
+
+    cfg = tm.cfg
+    H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    n = ids.shape[1]
+    x = F.embedding(ids, tm.P("model.embed_tokens.weight"))
+    cos, sin = (
+        tm.cos[None, start : start + n, None, :].to(x.dtype),
+        tm.sin[None, start : start + n, None, :].to(x.dtype),
+    )
+    new_cache = []
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+
+        def attn(h, i=i, p=p):
+            q = F.linear(h, tm.P(p + "self_attn.q_proj.weight")).view(1, n, H, D)
+            k = F.linear(h, tm.P(p + "self_attn.k_proj.weight")).view(1, n, K, D)
+            v = F.linear(h, tm.P(p + "self_attn.v_proj.weight")).view(1, n, K, D)
+            if cfg.qk_norm == "pre_rope":
+                q, k = tm.norm(q, p + "self_attn.q_norm.weight"), tm.norm(k, p + "self_attn.k_norm.weight")
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            if cfg.qk_norm == "post_rope":
+                q, k = tm.norm(q, p + "self_attn.q_norm.weight"), tm.norm(k, p + "self_attn.k_norm.weight")
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            if cache:
+                k, v = torch.cat([cache[i][0], k], dim=2), torch.cat([cache[i][1], v], dim=2)
+            new_cache.append((k, v))
+            kk, vv = (
+                (k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)) if H != K else (k, v)
+            )
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, is_causal=n > 1)
+            return F.linear(a.transpose(1, 2).reshape(1, n, H * D), tm.P(p + "self_attn.o_proj.weight"))
+
+        if cfg.residual == "delta":
+            c = tm.norm(x, p + "input_layernorm.weight")
+            x = tm.delta(x, attn(c), c, p + "ddl_attn.")
+            c = tm.norm(x, p + "post_attention_layernorm.weight")
+            x = tm.delta(x, tm.mlp(c, p), c, p + "ddl_mlp.")
+        else:
+            x = x + attn(tm.norm(x, p + "input_layernorm.weight"))
+            x = x + tm.mlp(tm.norm(x, p + "post_attention_layernorm.weight"), p)
+    xf = tm.norm(x[:, -1:], "model.norm.weight")
+    head = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+    return F.linear(xf, tm.P(head)).argmax(-1), new_cache, start + n
+
+
+def bench_torch(torch, dev, model: Model, prompt, new: int, dtype: str, repeats: int) -> dict:
+    from torch_model import TorchLM
+
+    cfg = dataclasses.replace(model.cfg, mtp=None)
+    trunk = {k: v for k, v in model.params.items() if not k.startswith("model.mtp.")}
+    tm = TorchLM(cfg, trunk, dev)
+    if dtype == "f16":
+        tm = tm.half()
+        tm.cos, tm.sin = tm.cos.half(), tm.sin.half()
+    ids = torch.tensor(np.asarray(prompt)[None], device=dev)
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    def gen():
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            tok, cache, L = torch_prefill(tm, torch, ids)
+            out = [int(tok.item())]
+            t1 = time.perf_counter()
+            while len(out) < new:
+                tok, cache, L = torch_step(tm, torch, tok, cache, L)
+                out.append(int(tok.item()))
+            sync()
+            return out, t1 - t0, time.perf_counter() - t1
+
+    gen()  # warm-up
+    runs = [gen() for _ in range(repeats)]
+    pre = statistics.median(r[1] for r in runs)
+    dec = statistics.median(r[2] for r in runs)
+    tm.to("cpu")  # the next shape's peer gets the GPU's memory
+    common.torch_free(torch, dev)
+    return {
+        "tokens": runs[0][0],
+        "prefill_tokens_per_s": len(prompt) / pre,
+        "decode_tokens_per_s": (new - 1) / dec,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ours
+
+
+def bench_ours(gpu, model: Model, prompt, new: int, depth: int, dtype: str, repeats: int) -> dict:
+    from ddl_wgpu.decode import WgpuEngine
+
+    out: dict = {}
+    engine = WgpuEngine(gpu, model, depth, dtype)
+    times = []
+    for _ in range(repeats + 1):  # the first builds and compiles
+        engine.rollback(0)
+        t0 = time.perf_counter()
+        engine.feed(prompt, "argmax", last_only=True)
+        times.append(time.perf_counter() - t0)
+    out["prefill_tokens_per_s"] = len(prompt) / statistics.median(times[1:])
+    cap = model.cfg.max_seq_len
+    for name, k in (("plain", 0), ("speculative", depth)):
+        res = []
+        for _ in range(repeats + 1):
+            engine.rollback(0)
+            res.append(run(engine, _Quiet(), prompt, cap, new, depth=k))
+        out[name] = {
+            "tokens": res[-1]["token_ids"],
+            "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in res[1:]),
+            **{
+                key: res[-1][key]
+                for key in ("trunk_passes", "mean_accepted", "tokens_per_pass", "acceptance_per_depth")
+                if key in res[-1]
+            },  # fmt: skip
+        }
+    return out
+
+
+class _Quiet:
+    """A tokenizer whose text is never needed: the bench's ids may lie outside any real vocabulary."""
+
+    def decode(self, ids):
+        return ""
+
+
+def synthetic(shape: str, seed: int) -> tuple[Model, str]:
+    make, dtype = SHAPES[shape]
+    cfg = make()
+    return Model(cfg=cfg, params=init_params(cfg, seed), variant="baseline"), dtype
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="small,qwen", help="comma-separated: small, qwen")
+    ap.add_argument("--model", help="a .ddlw model file instead of the synthetic shapes")
+    ap.add_argument("--trunk-dtype", choices=("f32", "f16"), help="for --model (default f32)")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    ap.add_argument("--new", type=int, default=128, help="tokens generated")
+    ap.add_argument("--depth", type=int, default=3, help="speculative draft depth")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--torch", default="auto", choices=("auto", "cuda", "cpu", "none"))
+    ap.add_argument("--quick", action="store_true", help="a tiny shape, few tokens (lavapipe smoke test)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.shapes, args.prompt, args.new, args.repeats = "quick", 16, 12, 1
+    gpu = common.open_gpu(args.device)
+    torch, dev = common.torch_setup(args.torch)
+    print(common.adapter_line(gpu))
+    cases = []
+    if args.model:
+        m = load_model(args.model)
+        cases.append((Path(args.model).name, m, args.trunk_dtype or "f32"))
+    else:
+        for s in args.shapes.split(","):
+            m, dt = synthetic(s.strip(), args.seed)
+            cases.append((s.strip(), m, dt))
+    results, rows, failed = [], [], False
+    rng = np.random.default_rng(args.seed)
+    for name, model, dtype in cases:
+        prompt = [int(t) for t in rng.integers(0, model.cfg.vocab_size, args.prompt)]
+        entry = {"shape": name, "config": model.cfg.to_dict(), "dtype": dtype, "prompt": args.prompt,
+                 "new": args.new, "depth": args.depth}  # fmt: skip
+        try:
+            ours = bench_ours(gpu, model, prompt, args.new, args.depth, dtype, args.repeats)
+            entry["wgpu"] = ours
+            same = ours["plain"]["tokens"] == ours["speculative"]["tokens"]
+            entry["check_speculative_equal"] = same
+            failed |= not same
+            if args.quick:
+                ref = run(RefEngine(model), _Quiet(), prompt, model.cfg.max_seq_len, args.new)["token_ids"]
+                entry["check_numpy_equal"] = ref == ours["plain"]["tokens"]
+                failed |= not entry["check_numpy_equal"]
+        except Exception as e:
+            traceback.print_exc()
+            entry["error"] = f"{e.__class__.__name__}: {e}"
+            failed = True
+            ours = None
+        peer = None
+        if torch is not None:
+            try:
+                peer = bench_torch(torch, dev, model, prompt, args.new, dtype, args.repeats)
+                if ours is not None:
+                    peer["tokens_agree"] = float(
+                        np.mean(np.array(peer["tokens"]) == np.array(ours["plain"]["tokens"]))
+                    )
+                entry["torch"] = {**peer, **common.torch_info(torch, dev)}
+            except Exception as e:
+                entry["torch"] = {"error": f"{e.__class__.__name__}: {e}"}
+        else:
+            entry["torch"] = {"skipped": dev}
+        results.append(entry)
+        if ours is not None:
+            sp = ours["speculative"]
+            rows.append([name, dtype, common.fmt(ours["prefill_tokens_per_s"], ".0f"),
+                         common.fmt(ours["plain"]["decode_tokens_per_s"], ".1f"),
+                         common.fmt(sp["decode_tokens_per_s"], ".1f"), common.fmt(sp.get("mean_accepted"), ".2f"),
+                         " ".join(f"{a:.2f}" for a in sp.get("acceptance_per_depth", [])),
+                         common.fmt(peer and peer.get("prefill_tokens_per_s"), ".0f"),
+                         common.fmt(peer and peer.get("decode_tokens_per_s"), ".1f")])  # fmt: skip
+    print(common.table(["shape", "dtype", "prefill tok/s", "decode tok/s", f"spec K={args.depth} tok/s",
+                        "accepted/round", "acceptance per depth", "torch prefill", "torch decode"], rows,
+                       f"batch 1, prompt {args.prompt}, {args.new} new tokens, greedy"))  # fmt: skip
+    common.write_json(common.json_path(args.json, "generate.json"),
+                      {"when": common.now_iso(), "adapter": common.adapter_line(gpu), "host": common.host_info(),
+                       "results": results})  # fmt: skip
+    if failed:
+        print("FAILED: see the JSON", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

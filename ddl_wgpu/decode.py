@@ -1,0 +1,414 @@
+"""Decoding on the GPU with a cache: `WgpuEngine`, the `ddl_wgpu.generate.Engine` of the wgpu backend.
+
+The model lives in one inference-only `Net` (f32, or f16 big matrices), trunk and MTP draft together, so the
+draft shares the trunk's embedding and head. `GpuCache` holds what `ddl_ref.decode.TrunkCache` holds, by
+position, on the GPU: per layer the keys (after RoPE and q/k norm) and values; TC's compressor inputs (two
+sites per block and the readout); EC's embeddings; and, with a draft, the trunk hidden row the draft reads
+(`MtpConfig.trunk_hidden`). The draft has its own key/value cache, in run order (slot = RoPE position:
+step-1 rows of anchors 0..p, then a round's chain rows, which are rolled back).
+
+A pass of n new rows is a `TrunkRows` (an `inference.InferenceWork` of one sequence of n rows) or a
+`DraftRows` (`blocks.Blocks` running the draft block), built once per n and cached. They override the ops
+that see other positions: RoPE at positions start + r (`ops.decode.rope_at`), attention (keys and values
+stored into the cache, then the rows attend over it: `attend_cache`; a prefill from position 0 uses the
+training flash kernel), the TC compressor and the EC expansion (`tc_cache`/`ec_cache` from their history
+caches), and for passes of at most `ops.gemv.GEMV_MAX_ROWS` rows the linear layers and the head as
+matrix-vector products (`ops.gemv`, f32 or f16 weights). Everything else is the training engine's
+kernels (GEMMs for longer passes such as a prefill, norms, Delta updates, SwiGLU). The start position reaches the kernels through a 4-byte `meta` buffer, set
+inside the command stream by a copy from a table of positions, so every Call is built once.
+
+Read-back: with head "argmax" only the chosen ids (the `topk` kernel with k = 1, ties to the lower id);
+a whole greedy draft chain (catch-up rows, then chain steps whose token and hidden row are copied on the GPU
+from the step before) is one submit that reads back the K drafted ids. Sampling with top-k (k <= 64): the
+k ids and probabilities per row (head "top<k>"), turned into the same distribution on the host; sampling
+over the whole vocabulary (head "logits"): the logits rows.
+
+Verified (tests/test_generate_gpu.py, lavapipe): logits equal `ddl_ref.model.forward`'s at every position for
+all six variants fed in pieces (prefill, single tokens, after a roll-back); greedy generation equal to the
+numpy engine's with and without speculation; seeded sampling reproducible; the draft's proposals equal the
+numpy engine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ddl_ref import ops as ref_ops
+from ddl_wgpu.blocks import QK_ORDER, Blocks
+from ddl_wgpu.gpu import Call, Gpu, GpuError
+from ddl_wgpu.inference import EMBED_EXPAND, InferenceWork
+from ddl_wgpu.layout import F32
+from ddl_wgpu.ops import decode as k_dec
+from ddl_wgpu.ops import gemv as k_gemv
+
+MTP = "model.mtp."
+
+
+class GpuCache:
+    """Per-position state on the GPU (module docstring): `kv[i]` = (keys, values) of layer i, `hist[site]`
+    TC inputs (site 2i / 2i+1: block i's attention / MLP compressor, 2L: the readout), `ehist` EC
+    embeddings, `hidden` the trunk rows a draft reads; `meta` the start of the next pass."""
+
+    def __init__(self, gpu: Gpu, cfg, capacity: int, layers: int, with_hidden: bool, tc: bool, ec: bool):
+        K, D, C, dv = cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.ddl_dv
+        self.gpu, self.capacity, self.length = gpu, capacity, 0
+        kv = capacity * K * D * F32
+        self.kv = [
+            (gpu.buffer(kv, label=f"kcache{i}"), gpu.buffer(kv, label=f"vcache{i}")) for i in range(layers)
+        ]
+        self.hist = (
+            [gpu.buffer(capacity * C * dv * F32, label=f"tc_hist{s}") for s in range(2 * layers + 1)]
+            if tc
+            else []
+        )
+        self.ehist = gpu.buffer(capacity * C * F32, label="ec_hist") if ec else None
+        self.hidden = gpu.buffer(capacity * C * F32, label="hidden_cache") if with_hidden else None
+        self.meta = gpu.buffer(16, label="meta")
+        cos, sin = ref_ops.rope_tables(capacity, D, cfg.rope_theta, np.float64)
+        self.cos = gpu.upload(cos.astype(np.float32), "rope_cos_cache")
+        self.sin = gpu.upload(sin.astype(np.float32), "rope_sin_cache")
+
+
+class _CachedRows:
+    """What trunk and draft passes share: RoPE at the cache's positions, attention over the cache, and for a
+    few rows the linear layers and the head as matrix-vector products."""
+
+    cache: GpuCache
+    prefill: bool
+
+    def _kv(self, a: dict):
+        raise NotImplementedError
+
+    # -- matrix-vector products for the few rows of a decoding pass (the tiled GEMM would idle) ----------
+
+    def _gemv(self, name: str, n_in: int) -> bool:
+        return self.N <= k_gemv.GEMV_MAX_ROWS and (self.net.wdtype(name) == "f32" or n_in % 4 == 0)
+
+    def _linear(self, out, x, name: str, n_out: int, n_in: int) -> Call:
+        if not self._gemv(name, n_in):
+            return super()._linear(out, x, name, n_out, n_in)
+        return k_gemv.gemv(self.gpu, out, x, self.net.view(name), self.N, n_out, n_in, self.net.wdtype(name))
+
+    def _project_out(self, out, x, name: str, n_in: int, accumulate: bool) -> Call:
+        if not self._gemv(name, n_in):
+            return super()._project_out(out, x, name, n_in, accumulate)
+        return k_gemv.gemv(self.gpu, out, x, self.net.view(name), self.N, self.C, n_in, self.net.wdtype(name),
+                          accumulate=accumulate)  # fmt: skip
+
+    def head_forward(self, logits, xf, n: int) -> Call:
+        """logits (n, V) = xf · Headᵀ: gemv per vocabulary chunk for a few rows, else the Vocab's GEMMs."""
+        net = self.net
+        if not self._gemv(net.head_name, self.C):
+            return self.vocab.head_forward(logits, xf, n)
+        call, V, dt = Call(), self.cfg.vocab_size, net.wdtype(net.head_name)
+        for v0, rows, w, _dw in self.vocab.head_chunks():
+            call += k_gemv.gemv(self.gpu, logits, xf, w, n, rows, self.C, dt, ldy=V, col0=v0)
+        return call
+
+    def head_calls(self, xf, loss, dxf=None, with_dw: bool = False) -> Call:
+        if dxf is not None or self.chunk < self.N or not self._gemv(self.net.head_name, self.C):
+            return super().head_calls(xf, loss, dxf, with_dw)
+        logits = (self.logit_chunk, 0, self.N * self.cfg.vocab_size * F32)
+        return self.head_forward(logits, xf, self.N) + loss(logits, self.N, 0)
+
+    def _qk_forward(self, a: dict, t: str, nh: int, p: str) -> Call:
+        D, g, c = self.cfg.head_dim, self.gpu, self.cache
+        call, src = Call(), a[t]
+        for j, op in enumerate(QK_ORDER[self.cfg.qk_norm], start=1):
+            dst = a[t + str(j)]
+            if op == "rope":
+                call += k_dec.rope_at(g, dst, src, c.cos, c.sin, c.meta, self.N, nh, D)
+            else:
+                call += self._norm(dst, a[t + "r"], src, p + f"self_attn.{t}_norm.weight", self.N * nh, D)
+            src = dst
+        return call
+
+    def attend(self, a: dict) -> Call:
+        """The rows' keys and values into the cache at start, then attention over slots 0 .. start + r."""
+        cfg, g, c = self.cfg, self.gpu, self.cache
+        H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        kc, vc = self._kv(a)
+        k_final = self._qk_final(a, "k")
+        call = k_dec.store_rows(g, kc, k_final, c.meta, self.N, K * D)
+        call += k_dec.store_rows(g, vc, a["v"], c.meta, self.N, K * D)
+        if self.prefill:  # from position 0 the cache holds exactly these rows: the training flash kernel
+            return call + Blocks.attend(self, a)
+        return call + k_dec.attend_cache(g, a["a"], self._qk_final(a, "q"), kc, vc, c.meta, self.N, H, K, D)
+
+
+class TrunkRows(_CachedRows, InferenceWork):
+    """The trunk over n new rows with the cache (`prefill`: the rows start at position 0)."""
+
+    def __init__(self, net, cache: GpuCache, n: int, prefill: bool):
+        self.cache, self.prefill = cache, prefill
+        super().__init__(net, 1, n)
+
+    def _kv(self, a: dict):
+        i = next(j for j, b in enumerate(self.L) if b is a)
+        return self.cache.kv[i]
+
+    def embed_forward(self, x0) -> Call:
+        cfg = self.cfg
+        if not (self.dv > 1 and cfg.ddl_expand_embed):
+            return super().embed_forward(x0)
+        g, c, n, C = self.gpu, self.cache, self.N, self.C
+        call = self.vocab.embed_forward(self.emb, self.ids, n)
+        call += k_dec.store_rows(g, c.ehist, self.emb, c.meta, n, C)
+        conv = self.net.view(EMBED_EXPAND)
+        return call + k_dec.ec_cache(g, x0, c.ehist, conv, c.meta, n, C, self.dv, cfg.ddl_conv_kernel)
+
+    def _compress(self, prefix: str, x_in, X) -> Call:
+        cfg = self.cfg
+        if cfg.ddl_compressor != "tc":
+            return super()._compress(prefix, x_in, X)
+        if prefix == "model.readout.":
+            site = 2 * cfg.n_layers
+        else:
+            i = int(prefix.split(".")[2])
+            site = 2 * i + (X is self.L[i]["xm"])
+        g, c, n, C, dv = self.gpu, self.cache, self.N, self.C, self.dv
+        P = self.net.view
+        call = k_dec.store_rows(g, c.hist[site], X, c.meta, n, C * dv)
+        return call + k_dec.tc_cache(g, x_in, c.hist[site], P(prefix + "conv.weight"), P(prefix + "read.weight"),
+                                     c.meta, n, C, dv, cfg.ddl_conv_kernel)  # fmt: skip
+
+    def forward_calls(self) -> Call:
+        """The trunk's forward, then (with a draft) its hidden rows into the hidden cache at start."""
+        call = super().forward_calls()
+        c = self.cache
+        if c.hidden is None:
+            return call
+        rows = self.xf if self.cfg.mtp.trunk_hidden == "post_norm" else self.xL
+        return call + k_dec.store_rows(self.gpu, c.hidden, rows, c.meta, self.N, self.C)
+
+
+class DraftRows(_CachedRows, Blocks):
+    """The MTP draft over n rows: inputs eh_proj·[enorm(E[tokens]); hnorm(hidden)], the draft block with its
+    cache, the draft's norm; pre = xS, post = xf; the head and top-k of Blocks."""
+
+    def __init__(self, net, cache: GpuCache, n: int):
+        self.cache, self.prefill = cache, False
+        super().__init__(net, 1, n)
+        g, C = self.gpu, self.C
+        self.ids = g.buffer(n * 4, label="draft_ids")
+        self.hid = self.act(n * C, "draft_hidden_in")
+        self.e = self.act(n * C, "draft_emb")
+        self.en = self.act(n * C, "draft_enorm")
+        self.hn = self.act(n * C, "draft_hnorm")
+        self.cat = self.act(n * 2 * C, "draft_cat")
+        self.rs = self.act(n, "draft_rstd")  # both input norms' rstd: nothing reads it afterwards
+        self._fwd = self._forward_calls()
+
+    def _layer_acts(self, i: int) -> dict:
+        """Activations of the draft block only (Blocks would size every trunk layer)."""
+        return self.block_acts("draft", self.N * self.C) if i == 0 else {}
+
+    def _kv(self, a: dict):
+        return self.cache.kv[0]
+
+    def _forward_calls(self) -> Call:
+        cfg, g, n, C = self.cfg, self.gpu, self.N, self.C
+        first = cfg.mtp.concat == "emb_first"
+        call = self.vocab.embed_forward(self.e, self.ids, n)
+        call += self._norm(self.en, self.rs, self.e, MTP + "enorm.weight")
+        call += self._norm(self.hn, self.rs, self.hid, MTP + "hnorm.weight")
+        for src, col in ((self.en, 0 if first else C), (self.hn, C if first else 0)):
+            call += k_dec.store_rows(g, self.cat, src, self.cache.meta, n, C, 2 * C, col, at_meta=False)
+        a = self.L[0]
+        call += self._linear(a["x"], self.cat, MTP + "eh_proj.weight", C, 2 * C)
+        call += self.block_forward(a, self.xS, MTP + "layers.0.", False)
+        return call + self._norm(self.xf, self.rf, self.xS, MTP + "norm.weight")
+
+    def hidden_out(self):
+        """(buffer, byte offset) of the last row's hidden the next chain step reads (`chain_hidden`)."""
+        buf = self.xf if self.cfg.mtp.chain_hidden == "post_norm" else self.xS
+        return buf, (self.N - 1) * self.C * F32
+
+
+class WgpuEngine:
+    """`ddl_wgpu.generate.Engine` on the GPU (module docstring). `depth` > 0 builds the draft's cache;
+    `capacity` positions (default the model's max_seq_len)."""
+
+    def __init__(self, gpu: Gpu, model, depth: int = 0, dtype: str = "f32", capacity: int | None = None):
+        cfg = model.cfg
+        if depth and cfg.mtp is None:
+            raise GpuError("speculative decoding needs the model's MTP draft")
+        if not depth:
+            cfg = dataclasses.replace(cfg, mtp=None)
+        params = {k: v for k, v in model.params.items() if depth or not k.startswith(MTP)}
+        from ddl_wgpu.net import Net
+
+        self.net = Net(gpu, cfg, params, inference=True, dtype=dtype)
+        self.gpu, self.cfg, self.depth = gpu, cfg, depth
+        cap = cfg.max_seq_len if capacity is None else int(capacity)
+        if not 0 < cap <= cfg.max_seq_len:
+            raise GpuError(f"cache capacity {cap} must be in 1..max_seq_len {cfg.max_seq_len}")
+        tc = cfg.residual == "delta" and cfg.ddl_dv > 1 and cfg.ddl_compressor == "tc"
+        ec = cfg.residual == "delta" and cfg.ddl_dv > 1 and cfg.ddl_expand_embed
+        self.trunk = GpuCache(gpu, cfg, cap, cfg.n_layers, bool(depth), tc, ec)
+        self.dcache = GpuCache(gpu, cfg, cap + depth, 1, False, False, False) if depth else None
+        self.positions = gpu.upload(np.arange(cap + depth + 1, dtype=np.uint32), "positions")
+        self.drafted = gpu.buffer(max(depth, 1) * 4, label="drafted")
+        self.readback = gpu.buffer((2 * depth + 1) * 4, label="round_readback")
+        self.ids = np.zeros(cap + 1, np.int64)
+        self._rows: dict = {}
+
+    @property
+    def length(self) -> int:
+        return self.trunk.length
+
+    def _get(self, kind: str, n: int, prefill: bool = False):
+        key = (kind, n, prefill)
+        if key not in self._rows:
+            if kind == "trunk":
+                self._rows[key] = TrunkRows(self.net, self.trunk, n, prefill)
+            else:
+                self._rows[key] = DraftRows(self.net, self.dcache, n)
+        return self._rows[key]
+
+    def _at(self, rec, cache: GpuCache, start: int) -> None:
+        rec.copy(self.positions, 4 * start, cache.meta, 0, 4)
+
+    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray:
+        """The trunk over new tokens; the head of every row, or with `last_only` of the last row alone (a
+        prompt: its last row is copied into the one-row pass's hidden and the head runs there)."""
+        ids = np.asarray(ids, np.int64)
+        n, start = ids.size, self.trunk.length
+        if start + n > self.trunk.capacity:
+            raise GpuError(f"{start + n} positions exceed the cache capacity {self.trunk.capacity}")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            raise GpuError(f"token id out of range for vocab_size {self.cfg.vocab_size}")
+        rows = self._get("trunk", n, prefill=start == 0)
+        self.gpu.write(rows.ids, ids.astype(np.uint32))  # the ids alone: no targets or weights to decode
+        self.ids[start : start + n] = ids
+        rec = self.gpu.recorder()
+        self._at(rec, self.trunk, start)
+        rows._fwd.record(rec)
+        if last_only and n > 1:
+            one = self._get("trunk", 1)
+            rec.copy(rows.xf, (n - 1) * rows.C * F32, one.xf, 0, rows.C * F32)
+            rows = one
+        out = self._head(rows, head, rec)
+        self.trunk.length = start + n
+        return out
+
+    def _head(self, rows, head: str, rec) -> np.ndarray:
+        """Record the head of `rows` into `rec`, submit, and read back per `head`: "argmax" (n,) ids;
+        "top<k>" (k <= 64) (n, V) pseudo-logits, log p at the k most likely ids and −inf elsewhere (what
+        `generate.distribution` with top_k = k turns into the same distribution as the full logits);
+        "logits" (n, V)."""
+        g, n = self.gpu, rows.N
+        if head == "logits":
+            rec.submit()
+            return self._logits(rows)
+        k = 1 if head == "argmax" else int(head[3:])
+        call, ids_out, probs_out = rows._topk_call(k)
+        call.record(rec)
+        rec.submit()
+        ids = g.download(ids_out, np.uint32, n * k).reshape(n, k).astype(np.int64)
+        if head == "argmax":
+            return ids[:, 0]
+        out = np.full((n, self.cfg.vocab_size), -np.inf, np.float32)
+        with np.errstate(divide="ignore"):
+            np.put_along_axis(
+                out, ids, np.log(g.download(probs_out, np.float32, n * k).reshape(n, k)), axis=-1
+            )
+        return out
+
+    def _logits(self, rows) -> np.ndarray:
+        """(n, V) logits of the rows' final hidden xf, head chunk by chunk (the Calls built once per rows)."""
+        g, n, V, C = self.gpu, rows.N, self.cfg.vocab_size, rows.C
+        if not hasattr(rows, "decode_logits"):
+            rows.decode_logits = []
+            for r0 in range(0, n, rows.chunk):
+                m = min(rows.chunk, n - r0)
+                xf = (rows.xf, r0 * C * F32, m * C * F32)
+                rows.decode_logits.append(
+                    (r0, m, rows.head_forward((rows.logit_chunk, 0, m * V * F32), xf, m))
+                )
+        out = np.empty((n, V), np.float32)
+        for r0, m, call in rows.decode_logits:
+            call.run(g)
+            out[r0 : r0 + m] = g.download(rows.logit_chunk, np.float32, m * V).reshape(m, V)
+        return out
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.trunk.length:
+            raise GpuError(f"cannot roll back to {length}: the cache holds {self.trunk.length} positions")
+        self.trunk.length = length
+        if self.dcache is not None:
+            self.dcache.length = min(self.dcache.length, length)
+
+    def _chain(self, rec, token: int, depth: int, head: str, pick):
+        """Record the draft's rows into `rec` (module docstring): catch-up step-1 rows for the anchors the draft
+        has not seen, then the chain rows. Greedy (head "argmax"): every step's argmax is copied on the GPU
+        into `drafted` and into the next step's token; nothing is submitted. Sampling: each step is submitted,
+        its row read back per `head` and `pick`ed on the host. -> (rec, tokens, rows)."""
+        g, C, dc = self.gpu, self.cfg.d_model, self.dcache
+        n, a = self.trunk.length, dc.length
+        self.ids[n] = token
+        first = self._get("draft", n - a)
+        g.write(first.ids, self.ids[a + 1 : n + 1].astype(np.uint32))
+        rec.copy(self.trunk.hidden, a * C * F32, first.hid, 0, (n - a) * C * F32)
+        self._at(rec, dc, a)
+        first._fwd.record(rec)
+        tokens, rows, prev = [], [], first
+        chain = self._get("draft", 1) if depth > 1 else None
+        for sigma in range(1, depth + 1):
+            if sigma > 1:  # the chain row at position n + σ − 2 reads step σ−1's token and hidden
+                buf, off = prev.hidden_out()
+                rec.copy(buf, off, chain.hid, 0, C * F32)
+                if head == "argmax":
+                    rec.copy(self.drafted, (sigma - 2) * 4, chain.ids, 0, 4)
+                else:
+                    g.write(chain.ids, np.array([tokens[-1]], np.uint32))
+                self._at(rec, dc, n + sigma - 2)
+                chain._fwd.record(rec)
+                prev = chain
+            if head == "argmax":
+                call, ids_out, _ = prev._topk_call(1)
+                call.record(rec)
+                rec.copy(ids_out, (prev.N - 1) * 4, self.drafted, (sigma - 1) * 4, 4)
+            else:
+                row = self._head(prev, head, rec)[-1]
+                rows.append(row)
+                tokens.append(pick(row))
+                rec = g.recorder()
+        return rec, tokens, rows
+
+    def draft(self, token: int, depth: int, head: str, pick):
+        """`depth` draft tokens after `token` (the next, not yet fed token) -> (tokens, rows read back); the
+        chain rows are rolled back at the end."""
+        rec, tokens, rows = self._chain(self.gpu.recorder(), token, depth, head, pick)
+        if head == "argmax":
+            rec.submit()
+            tokens = [int(t) for t in self.gpu.download(self.drafted, np.uint32, depth)]
+        self.dcache.length = self.trunk.length  # the chain rows go; the step-1 rows of anchors 0..n−1 stay
+        return tokens, rows
+
+    def round(self, token: int, depth: int) -> tuple[list[int], np.ndarray]:
+        """A greedy speculative round in one submit: the draft chain, then the trunk over [token, d_1..d_K]
+        with the drafted ids copied on the GPU into its input; reads back the K drafted ids and the K + 1
+        verify argmaxes alone. -> (drafts, argmax per verify row); the trunk cache then holds all K + 1."""
+        g, n = self.gpu, self.trunk.length
+        if n + depth + 1 > self.trunk.capacity:
+            raise GpuError(f"{n + depth + 1} positions exceed the cache capacity {self.trunk.capacity}")
+        rec, _, _ = self._chain(g.recorder(), token, depth, "argmax", None)
+        verify = self._get("trunk", depth + 1)
+        g.write(verify.ids, np.array([token], np.uint32))
+        rec.copy(self.drafted, 0, verify.ids, 4, 4 * depth)
+        self._at(rec, self.trunk, n)
+        verify._fwd.record(rec)
+        call, ids_out, _ = verify._topk_call(1)
+        call.record(rec)
+        rec.copy(ids_out, 0, self.readback, 0, 4 * (depth + 1))
+        rec.copy(self.drafted, 0, self.readback, 4 * (depth + 1), 4 * depth)
+        rec.submit()
+        out = g.download(self.readback, np.uint32, 2 * depth + 1).astype(np.int64)
+        drafts = [int(t) for t in out[depth + 1 :]]
+        self.ids[n : n + depth + 1] = [token, *drafts]
+        self.trunk.length = n + depth + 1
+        self.dcache.length = n
+        return drafts, out[: depth + 1]

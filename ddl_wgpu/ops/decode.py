@@ -1,0 +1,124 @@
+"""Launchers for `shaders/decode.wgsl`: the kernels of decoding with a cache (`ddl_wgpu.decode`).
+
+Kernel path: `shaders/decode.wgsl` -> `ddl_wgpu/ops/decode.py` -> references `ddl_ref.decode.attend_cached`,
+`ddl_ref.ops.rope_forward`, `ddl_ref.shortconv.tc_forward`, `ddl_ref.shortconv.ec_forward` -> test
+`tests/test_kernel_decode.py`.
+
+The n new rows of a decoding pass sit at positions start .. start + n − 1, and `start` is not a launch
+constant: it is the first u32 of a `meta` storage buffer the host rewrites before each submit (`set_start`),
+so the Calls are built once per row count and recorded at every position.
+
+- `store_rows(dst, src, meta, n, W, stride=W, col0=0, at_meta=True)`: rows of src into a cache at start (or
+  into columns col0.. of a wider buffer at row 0: the draft's concatenated input);
+- `rope_at(out, x, cos, sin, meta, n, N, D)`: RoPE at positions start + r (tables (cap, D));
+- `attend_cache(out, q, kc, vc, meta, n, H, K, D)`: attention of the n rows over cache slots 0 .. start + r;
+- `tc_cache(out, hist, conv, read, meta, n, C, dv, k)` / `ec_cache(out, hist, conv, meta, n, C, dv, k)`: the
+  causal short convolutions over time reading their inputs from a per-position history cache.
+
+The test checks each at sizes that are not multiples of the workgroup sizes and at several starts (the RoPE
+and the convolutions against the whole-sequence reference's rows, the attention against
+`attend_cached`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ddl_wgpu.gpu import Call, Gpu, Uniform, grid
+from ddl_wgpu.ops import need
+
+FILE = "decode.wgsl"
+WG = 256  # threads per workgroup of the one-thread-per-item entry points
+AW = 64  # threads per (row, head) workgroup of attend_cache
+MAXD = 256  # largest head_dim attend_cache holds
+STORE = Uniform(
+    "StoreParams",
+    ("n", "u32", "rows"),
+    ("W", "u32", "floats per source row"),
+    ("stride", "u32", "floats per destination row"),
+    ("col0", "u32", "first destination column"),
+    ("at_meta", "u32", "1: destination rows start at meta[0]; 0: at 0"),
+)
+ROPE = Uniform(
+    "RopeParams",
+    ("pairs", "u32", "n * N * D / 2"),
+    ("N", "u32"),
+    ("D", "u32"),
+    ("cap", "u32", "rows of the tables"),
+)
+ATTN = Uniform("AttnParams", ("n", "u32"), ("H", "u32"), ("K", "u32"), ("D", "u32"), ("scale", "f32"))
+CONV = Uniform(
+    "ConvParams",
+    ("n", "u32"),
+    ("C", "u32"),
+    ("dv", "u32"),
+    ("k", "u32"),
+    ("ec", "u32", "0: TC (with the read), 1: EC"),
+)
+UNIFORMS = (STORE, ROPE, ATTN, CONV)  # every kernel of the file compiles the whole file
+
+
+def set_start(gpu: Gpu, meta, start: int) -> None:
+    """The position of the next pass's first row (read by every kernel bound to `meta`)."""
+    gpu.queue.write_buffer(meta, 0, np.array([start], np.uint32).tobytes())
+
+
+def _one(gpu: Gpu, entry: str, sig: str, resources: list, items: int, layout: Uniform, **params) -> Call:
+    k = gpu.kernel(FILE, entry, sig, workgroup=(WG, 1, 1), uniforms=UNIFORMS)
+    u = gpu.uniform(layout, label=entry, **params)
+    return Call([(k, gpu.bind(k, *resources, u), grid(-(-items // WG)))], [u])
+
+
+def store_rows(gpu: Gpu, dst, src, meta, n: int, W: int, stride: int | None = None, col0: int = 0,
+               at_meta: bool = True) -> Call:  # fmt: skip
+    """dst[(base + r) * stride + col0 + c] = src[r * W + c]; base = meta's start, or 0 when not at_meta.
+    Rows past the end of dst are dropped (the caller keeps start + n within its capacity)."""
+    stride = W if stride is None else int(stride)
+    need("store_rows", "src", src, n * W)
+    need("store_rows", "dst", dst, n * stride if not at_meta else W)
+    return _one(gpu, "store_rows", "rrwu", [src, meta, dst], n * W, STORE, n=n, W=W, stride=stride, col0=col0,
+                at_meta=int(at_meta))  # fmt: skip
+
+
+def rope_at(gpu: Gpu, out, x, cos, sin, meta, n: int, N: int, D: int) -> Call:
+    """out (n, N, D) = RoPE of x at positions start + r; cos/sin (cap, D) f32."""
+    if D % 2:
+        raise ValueError(f"rope needs an even head_dim, got {D}")
+    need("rope_at", "x", x, n * N * D)
+    need("rope_at", "out", out, n * N * D)
+    cap = (cos.size if not isinstance(cos, tuple) else cos[2]) // (4 * D)
+    pairs = n * N * D // 2
+    return _one(
+        gpu, "rope_at", "rrrrwu", [x, cos, sin, meta, out], pairs, ROPE, pairs=pairs, N=N, D=D, cap=cap
+    )
+
+
+def attend_cache(gpu: Gpu, out, q, kc, vc, meta, n: int, H: int, K: int, D: int) -> Call:
+    """out (n, H, D) = causal attention of q (n, H, D) over the cache kc/vc (cap, K, D), row r seeing slots
+    0 .. start + r (the rows' own keys must be stored first)."""
+    if D > MAXD:
+        raise ValueError(f"attend_cache holds head_dim <= {MAXD}, got {D}")
+    if H % K:
+        raise ValueError(f"n_heads {H} must be a multiple of n_kv_heads {K}")
+    need("attend_cache", "q", q, n * H * D)
+    need("attend_cache", "out", out, n * H * D)
+    k = gpu.kernel(FILE, "attend_cache", "rrrrwu", workgroup=(AW, 1, 1), uniforms=UNIFORMS)
+    u = gpu.uniform(ATTN, label="attend_cache", n=n, H=H, K=K, D=D, scale=float(D) ** -0.5)
+    return Call([(k, gpu.bind(k, q, kc, vc, meta, out, u), grid(n * H))], [u])
+
+
+def tc_cache(gpu: Gpu, out, hist, conv, read, meta, n: int, C: int, dv: int, k: int) -> Call:
+    """out (n, C) = TC's conv over time + read, from hist (cap, C, dv) of every position's state."""
+    need("tc_cache", "out", out, n * C)
+    need("tc_cache", "conv", conv, C * dv * k)
+    return _one(gpu, "conv_cache", "rrrrwu", [hist, conv, read, meta, out], n * C, CONV, n=n, C=C, dv=dv, k=k,
+                ec=0)  # fmt: skip
+
+
+def ec_cache(gpu: Gpu, out, hist, conv, meta, n: int, C: int, dv: int, k: int) -> Call:
+    """out (n, C, dv) = EC's expansion from hist (cap, C) of every position's embedding."""
+    need("ec_cache", "out", out, n * C * dv)
+    need("ec_cache", "conv", conv, C * dv * k)
+    # The read binding is unused by EC; the conv weights stand in so the layout stays one signature.
+    return _one(gpu, "conv_cache", "rrrrwu", [hist, conv, conv, meta, out], n * C * dv, CONV, n=n, C=C, dv=dv,
+                k=k, ec=1)  # fmt: skip

@@ -1,0 +1,208 @@
+// Decoding with a cache: n new rows at positions start .. start + n − 1 of one sequence, where `start` (the
+// cache's length before these rows) is read from a small storage buffer `meta` written by the host before
+// each submit, so every bind group and uniform is built once (ddl_wgpu/ops/decode.py).
+//
+//   store_rows   (src, meta, dst, p)          dst[(base + r) * stride + col0 + c] = src[r * W + c],
+//                                             base = meta[0] when p.at_meta, else 0 (KV/history/hidden
+//                                             caches; the draft's [enorm(e); hnorm(h)] concatenation)
+//   rope_at      (x, cos, sin, meta, out, p)  rotate-half RoPE of x (n, N, D) at positions start + r
+//   attend_cache (q, kc, vc, meta, out, p)    out (n, H, D): row r's softmax(q kᵀ/√D) v over cache slots
+//                                             0 .. start + r (GQA: kv head h / (H/K))
+//   conv_cache   (hist, conv, read, meta, out, p)
+//                                             the causal short conv over time from a history cache
+//                                             hist (cap, C, dv) holding every position's input: TC
+//                                             (with the read over d_v: out (n, C)) or EC (hist (cap, C)
+//                                             of embeddings: out (n, C, dv))
+//
+// Every entry point is one thread per output item (attend_cache: one workgroup per (row, head)); the
+// launchers spread workgroups over x and y (`gpu.grid`) and every index is guarded.
+
+const WG: u32 = 256u;
+
+fn item(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
+    return (wid.x + wid.y * nwg.x) * WG + lid.x;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// store_rows
+
+{{struct StoreParams}}
+
+@group(0) @binding(0) var<storage, read> st_src: array<f32>;
+@group(0) @binding(1) var<storage, read> st_meta: array<u32>;
+@group(0) @binding(2) var<storage, read_write> st_dst: array<f32>;
+@group(0) @binding(3) var<uniform> st_p: StoreParams;
+
+@compute @workgroup_size(WG)
+fn store_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = item(wid, nwg, lid);
+    if (i >= st_p.n * st_p.W) { return; }
+    let r = i / st_p.W;
+    let c = i - r * st_p.W;
+    let base = select(0u, st_meta[0], st_p.at_meta == 1u);
+    let at = (base + r) * st_p.stride + st_p.col0 + c;
+    if (at < arrayLength(&st_dst)) {
+        st_dst[at] = st_src[i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// rope_at: x (n, N, D), tables (cap, D) whose row t is position t
+
+{{struct RopeParams}}
+
+@group(0) @binding(0) var<storage, read> ro_x: array<f32>;
+@group(0) @binding(1) var<storage, read> ro_cos: array<f32>;
+@group(0) @binding(2) var<storage, read> ro_sin: array<f32>;
+@group(0) @binding(3) var<storage, read> ro_meta: array<u32>;
+@group(0) @binding(4) var<storage, read_write> ro_out: array<f32>;
+@group(0) @binding(5) var<uniform> ro_p: RopeParams;
+
+@compute @workgroup_size(WG)
+fn rope_at(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+           @builtin(local_invocation_id) lid: vec3<u32>) {
+    let gid = item(wid, nwg, lid);
+    if (gid >= ro_p.pairs) { return; }
+    let h = ro_p.D / 2u;
+    let row = gid / h;  // r * N + head
+    let i = gid - row * h;
+    let pos = min(ro_meta[0] + row / ro_p.N, ro_p.cap - 1u);
+    let a = ro_x[row * ro_p.D + i];
+    let b = ro_x[row * ro_p.D + i + h];
+    let t = pos * ro_p.D + i;
+    ro_out[row * ro_p.D + i] = a * ro_cos[t] - b * ro_sin[t];
+    ro_out[row * ro_p.D + i + h] = b * ro_cos[t + h] + a * ro_sin[t + h];
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// attend_cache: one workgroup of AW threads per (row r, head h). Keys are taken in chunks of AW: each thread
+// scores one key of the chunk; the chunk's max rescales the running sum and output (online softmax); then
+// each thread accumulates its output dims d = lid, lid + AW, ... over the chunk's keys.
+
+const AW: u32 = 64u;
+
+{{struct AttnParams}}
+
+@group(0) @binding(0) var<storage, read> at_q: array<f32>;
+@group(0) @binding(1) var<storage, read> at_k: array<f32>;
+@group(0) @binding(2) var<storage, read> at_v: array<f32>;
+@group(0) @binding(3) var<storage, read> at_meta: array<u32>;
+@group(0) @binding(4) var<storage, read_write> at_out: array<f32>;
+@group(0) @binding(5) var<uniform> at_p: AttnParams;
+
+var<workgroup> sc: array<f32, AW>;   // the chunk's scores, then exp(score − running max)
+var<workgroup> red: array<f32, AW>;  // tree reductions
+const MAXD: u32 = 256u;              // head_dim at most MAXD (checked by the launcher)
+const DPT: u32 = MAXD / AW;          // output dims per thread
+
+@compute @workgroup_size(AW)
+fn attend_cache(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_id) lid: vec3<u32>) {
+    let g = wid.x + wid.y * nwg.x;
+    if (g >= at_p.n * at_p.H) { return; }  // uniform per workgroup: no barrier is skipped by half of it
+    let r = g / at_p.H;
+    let h = g - r * at_p.H;
+    let kvh = h / (at_p.H / at_p.K);
+    let D = at_p.D;
+    let S = at_meta[0] + r + 1u;  // keys 0 .. start + r
+    let qo = (r * at_p.H + h) * D;
+    var acc: array<f32, DPT>;
+    for (var j = 0u; j < DPT; j++) { acc[j] = 0.0; }
+    var m = -3.0e38;
+    var l = 0.0;
+    for (var s0 = 0u; s0 < S; s0 += AW) {
+        let s = s0 + lid.x;
+        var score = -3.0e38;
+        if (s < S) {
+            let ko = (s * at_p.K + kvh) * D;
+            var dot = 0.0;
+            for (var d = 0u; d < D; d++) { dot += at_q[qo + d] * at_k[ko + d]; }
+            score = dot * at_p.scale;
+        }
+        red[lid.x] = score;
+        workgroupBarrier();
+        for (var w = AW / 2u; w > 0u; w >>= 1u) {
+            if (lid.x < w) { red[lid.x] = max(red[lid.x], red[lid.x + w]); }
+            workgroupBarrier();
+        }
+        let m_new = max(m, red[0]);
+        let e = select(0.0, exp(score - m_new), s < S);
+        sc[lid.x] = e;
+        workgroupBarrier();
+        red[lid.x] = e;
+        workgroupBarrier();
+        for (var w = AW / 2u; w > 0u; w >>= 1u) {
+            if (lid.x < w) { red[lid.x] = red[lid.x] + red[lid.x + w]; }
+            workgroupBarrier();
+        }
+        let f = exp(m - m_new);
+        l = l * f + red[0];
+        let cnt = min(AW, S - s0);
+        for (var j = 0u; j < DPT; j++) {
+            let d = lid.x + j * AW;
+            if (d < D) {
+                var a = acc[j] * f;
+                for (var t = 0u; t < cnt; t++) { a += sc[t] * at_v[((s0 + t) * at_p.K + kvh) * D + d]; }
+                acc[j] = a;
+            }
+        }
+        m = m_new;
+        workgroupBarrier();  // sc and red are rewritten by the next chunk
+    }
+    for (var j = 0u; j < DPT; j++) {
+        let d = lid.x + j * AW;
+        if (d < D) { at_out[qo + d] = acc[j] / l; }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// conv_cache: tap m of kernel k multiplies the input at position t − (k − 1 − m); positions before 0 are
+// zeros. TC: out[r, i] = Σ_j read[j] Σ_m conv[i·dv + j, m] hist[t, i, j]. EC: out[r, i, j] =
+// Σ_m conv[i·dv + j, m] hist[t, i] (hist holds embeddings, (cap, C)).
+
+{{struct ConvParams}}
+
+@group(0) @binding(0) var<storage, read> cv_hist: array<f32>;
+@group(0) @binding(1) var<storage, read> cv_conv: array<f32>;
+@group(0) @binding(2) var<storage, read> cv_read: array<f32>;
+@group(0) @binding(3) var<storage, read> cv_meta: array<u32>;
+@group(0) @binding(4) var<storage, read_write> cv_out: array<f32>;
+@group(0) @binding(5) var<uniform> cv_p: ConvParams;
+
+@compute @workgroup_size(WG)
+fn conv_cache(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_id) lid: vec3<u32>) {
+    let gid = item(wid, nwg, lid);
+    let C = cv_p.C;
+    let dv = cv_p.dv;
+    let K = cv_p.k;
+    if (cv_p.ec == 1u) {
+        if (gid >= cv_p.n * C * dv) { return; }
+        let r = gid / (C * dv);
+        let ij = gid - r * C * dv;  // i * dv + j
+        let i = ij / dv;
+        let t = cv_meta[0] + r;
+        var y = 0.0;
+        for (var m = 0u; m < K; m++) {
+            let back = K - 1u - m;
+            if (back <= t) { y += cv_conv[ij * K + m] * cv_hist[(t - back) * C + i]; }
+        }
+        cv_out[gid] = y;
+        return;
+    }
+    if (gid >= cv_p.n * C) { return; }
+    let r = gid / C;
+    let i = gid - r * C;
+    let t = cv_meta[0] + r;
+    var x = 0.0;
+    for (var j = 0u; j < dv; j++) {
+        var y = 0.0;
+        for (var m = 0u; m < K; m++) {
+            let back = K - 1u - m;
+            if (back <= t) { y += cv_conv[(i * dv + j) * K + m] * cv_hist[((t - back) * C + i) * dv + j]; }
+        }
+        x += cv_read[j] * y;
+    }
+    cv_out[gid] = x;
+}

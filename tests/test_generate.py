@@ -1,0 +1,380 @@
+"""Tests of incremental decoding (`ddl_ref.decode`) and generation (`ddl_wgpu.generate`) on the numpy backend.
+
+The cache: for all six variants, with and without a draft, the trunk fed in pieces (prompt, single tokens,
+rows again after a roll-back) gives a full forward's logits at every position; the draft's cached rows give
+`ddl_ref.mtp.draft_forward`'s step-1 rows and its stacked chain rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ddl_ref import decode, mtp
+from ddl_ref import model as ref_model
+from ddl_ref.check import random_params
+from ddl_ref.config import ModelConfig, ModelVariant, MtpConfig
+from ddl_wgpu import accept
+from ddl_wgpu.data import ByteTokenizer
+from ddl_wgpu.generate import GenerateError, RefEngine, Sampling, TextStream, distribution, generate, run
+from ddl_wgpu.modelfile import Model, save_model
+from ddl_wgpu.refnet import ref_runner
+
+VARIANTS = list(ModelVariant)
+
+
+def tiny_cfg(variant=ModelVariant.BASELINE, **kw) -> ModelConfig:
+    base = dict(vocab_size=13, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=6, ffn_hidden=10,
+                max_seq_len=12, ddl_conv_kernel=3)  # fmt: skip
+    base.update(kw)
+    return ModelVariant(variant).resolve_config(ModelConfig(**base))
+
+
+def pieces_logits(params, cfg, ids, cuts):
+    """The trunk over ids fed as ids[0:cuts[0]], ids[cuts[0]:cuts[1]], ... -> (pre, logits) of every row."""
+    cache = decode.TrunkCache(cfg, dtype=np.float64)
+    pres, outs = [], []
+    for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True):
+        pre, _post, logits = decode.trunk_step(params, cfg, cache, ids[a:b])
+        pres.append(pre)
+        outs.append(logits)
+    assert cache.length == len(ids)
+    return np.concatenate(pres), np.concatenate(outs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the reference cache
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("qk_norm", ["post_rope", "pre_rope"])
+def test_cached_trunk_equals_forward(variant, qk_norm):
+    cfg = tiny_cfg(variant, qk_norm=qk_norm, tie_embeddings=variant != "ddl")
+    params = random_params(cfg, seed=3)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 11)
+    want, _, _ = ref_model.forward(params, cfg, ids[None])
+    pre_want, _ = ref_model.hidden_states(params, cfg, ids[None])
+    for cuts in ([5, 6, 7, 8, 9, 10], [1, 2, 3], [4]):  # prompt + single tokens, tiny prompt, two chunks
+        pre, got = pieces_logits(params, cfg, ids, cuts)
+        np.testing.assert_allclose(got, want[0], rtol=0, atol=1e-10)
+        np.testing.assert_allclose(pre, pre_want[0], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rollback_then_other_tokens(variant):
+    cfg = tiny_cfg(variant)
+    params = random_params(cfg, seed=4)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, cfg.vocab_size, 10)
+    other = rng.integers(0, cfg.vocab_size, 4)
+    cache = decode.TrunkCache(cfg, dtype=np.float64)
+    decode.trunk_step(params, cfg, cache, ids[:6])
+    decode.trunk_step(params, cfg, cache, other)  # a rejected speculation: positions 6..9 hold other tokens
+    cache.rollback(6)
+    _, _, got = decode.trunk_step(params, cfg, cache, ids[6:])
+    want, _, _ = ref_model.forward(params, cfg, ids[None])
+    np.testing.assert_allclose(got, want[0, 6:], rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="roll back"):
+        cache.rollback(11)
+
+
+def test_cache_capacity_refused():
+    cfg = tiny_cfg()
+    cache = decode.TrunkCache(cfg, capacity=4)
+    with pytest.raises(ValueError, match="capacity"):
+        decode.trunk_step(random_params(cfg), cfg, cache, np.arange(5))
+
+
+@pytest.mark.parametrize("variant", ["baseline", "ddl-tc"])
+@pytest.mark.parametrize(
+    "conv", [("emb_first", "pre_norm", "pre_norm"), ("hidden_first", "post_norm", "post_norm")]
+)
+def test_draft_rows_equal_draft_forward(variant, conv):
+    concat, th, ch = conv
+    cfg = tiny_cfg(variant, mtp=MtpConfig(concat=concat, trunk_hidden=th, chain_hidden=ch))
+    params = random_params(cfg, seed=5)
+    T = 9
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, T)
+    pre, post = ref_model.hidden_states(params, cfg, ids[None])
+    hid = mtp.pick_hidden(pre, post, th)[0]
+    # Step 1 over every anchor p < T−1 (reading x_{p+1}), as one causal pass: the cached rows, fed in pieces.
+    x = mtp.step_input(params, cfg, ids[None, 1:], hid[None, :-1], np.ones((1, T - 1), bool))
+    dpre, dpost, _ = mtp.draft_forward(params, cfg, x)
+    want = mtp.draft_logits(params, cfg, dpost)[0]
+    dc = decode.DraftCache(cfg, dtype=np.float64)
+    got = []
+    for a, b in ((0, 4), (4, 5), (5, 8)):
+        _, _, lg = decode.draft_step(params, cfg, dc, ids[a + 1 : b + 1], hid[a:b], np.arange(a, b))
+        got.append(lg)
+    np.testing.assert_allclose(np.concatenate(got), want, rtol=0, atol=1e-10)
+    # The stacked chain at the last anchor p: its step-σ row equals a chain row appended after the step-1
+    # rows 0..p at position p + σ − 1 (ddl_ref.ops.chain_mask's layout).
+    depth, p = 3, T - 2
+    chain_hid = mtp.pick_hidden(dpre, dpost, ch)[0, p]
+    tok = int(np.argmax(want[p]))
+    rows = [x]
+    for sigma in range(2, depth + 1):
+        _, _, lg = decode.draft_step(params, cfg, dc, [tok], chain_hid[None], [p + sigma - 1])
+        rows.append(mtp.step_input(params, cfg, np.full((1, T - 1), tok), np.broadcast_to(chain_hid, x.shape),
+                                   np.ones((1, T - 1), bool)))  # fmt: skip
+        spre, spost, _ = mtp.draft_forward(params, cfg, np.concatenate(rows, axis=1), chain=sigma)
+        stacked = mtp.draft_logits(params, cfg, spost)[0, -(T - 1) + p]
+        np.testing.assert_allclose(lg[0], stacked, rtol=0, atol=1e-10)
+        chain_hid = mtp.pick_hidden(spre, spost, ch)[0, -(T - 1) + p]
+        tok = int(np.argmax(stacked))
+    dc.rollback(T - 1)
+    assert dc.length == T - 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# generation on the numpy backend
+
+
+def tiny_model(variant="baseline", vocab=5, seed=7, draft=True, **kw) -> Model:
+    cfg = tiny_cfg(variant, vocab_size=vocab, mtp=MtpConfig() if draft else None, **kw)
+    params = {k: v.astype(np.float32) for k, v in random_params(cfg, seed=seed).items()}
+    return Model(cfg=cfg, params=params, variant=str(variant))
+
+
+def gen(model, prompt, depth=0, sampling=Sampling(), max_new=20, stops=(), on_text=None):
+    engine = RefEngine(model, depth)
+    return run(
+        engine, ByteTokenizer(), prompt, model.cfg.max_seq_len, max_new, sampling, stops, on_text, depth
+    )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_speculative_equals_plain(variant):
+    kept = rejected = 0
+    for seed in range(4):
+        model = tiny_model(variant, vocab=4, seed=seed, max_seq_len=24)
+        plain = gen(model, [1, 2, 3], max_new=18)
+        assert plain["new_tokens"] == 18 and plain["finish_reason"] == "length"
+        for depth in (1, 2, 3):
+            spec = gen(model, [1, 2, 3], depth=depth, max_new=18)
+            assert spec["token_ids"] == plain["token_ids"], (seed, depth)
+            assert spec["trunk_passes"] < plain["trunk_passes"] or spec["mean_accepted"] == 0
+            kept += round(spec["mean_accepted"] * spec["rounds"])
+            rejected += spec["rounds"] - round(spec["acceptance_per_depth"][-1] * spec["rounds"])
+    assert kept > 0 and rejected > 0  # both the accept and the reject paths ran
+
+
+def test_context_limit_stops_generation():
+    model = tiny_model(max_seq_len=10)
+    for depth in (0, 3):
+        out = gen(model, [1, 2, 3, 4], depth=depth, max_new=50)
+        assert out["finish_reason"] == "context" and out["new_tokens"] == 6
+
+
+@pytest.mark.parametrize("variant", ["baseline", "ddl-cc"])
+def test_draft_proposals_equal_accept_stacked_chain(variant):
+    model = tiny_model(variant, vocab=13, seed=11, max_seq_len=16)
+    ids = np.random.default_rng(3).integers(0, 13, 12)
+    (tb,) = accept.trunk_batches(model, [ids])
+    depth = 3
+    preds = accept.greedy_chain(model.params, model.cfg, tb, depth, ref_runner(model.params, model.cfg),
+                                "stacked")  # fmt: skip
+    for p in (0, 4, 7):
+        engine = RefEngine(model, depth)
+        engine.feed(ids[: p + 1], "argmax")
+        tokens, _ = engine.draft(int(ids[p + 1]), depth, "argmax", None)
+        assert tokens == [int(t) for t in preds[0, :, p]], p
+        assert engine.dcache.length == p + 1  # chain rows rolled back, step-1 rows of anchors 0..p kept
+
+
+def test_sampling_reproducible_with_seed():
+    model = tiny_model(vocab=13)
+    for depth in (0, 2):
+        a = gen(model, [1, 2], depth=depth, sampling=Sampling(temperature=1.0, top_k=8, top_p=0.9, seed=5))
+        b = gen(model, [1, 2], depth=depth, sampling=Sampling(temperature=1.0, top_k=8, top_p=0.9, seed=5))
+        c = gen(model, [1, 2], depth=depth, sampling=Sampling(temperature=1.0, top_k=8, top_p=0.9, seed=6))
+        assert a["token_ids"] == b["token_ids"]
+        assert a["token_ids"] != c["token_ids"]
+
+
+def test_distribution_filters():
+    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
+    np.testing.assert_allclose(distribution(logits, Sampling(1.0)), [0.1, 0.4, 0.2, 0.3])
+    np.testing.assert_allclose(distribution(logits, Sampling(1.0, top_k=2)), [0, 4 / 7, 0, 3 / 7])
+    np.testing.assert_allclose(distribution(logits, Sampling(1.0, top_p=0.65)), [0, 4 / 7, 0, 3 / 7])
+    np.testing.assert_allclose(distribution(logits, Sampling(1.0, top_p=0.75)), [0, 4 / 9, 2 / 9, 3 / 9])
+    hot = distribution(logits, Sampling(0.5))
+    np.testing.assert_allclose(hot, np.array([1, 16, 4, 9]) / 30)
+
+
+# Chi-square critical value at p = 0.001 with 26 degrees of freedom (27 cells: 3 tokens of a vocabulary of 3).
+CHI2_26_P001 = 54.05
+
+
+def _chi2(counts, probs):
+    expected = probs * counts.sum()
+    return float(np.sum((counts - expected) ** 2 / expected))
+
+
+def test_speculative_sampling_preserves_trunk_distribution():
+    """The first three generated tokens against the trunk's exact joint P(x1) P(x2 | x1) P(x3 | x1, x2), over
+    many seeds. x1 comes from the prefill; the first round drafts two tokens, so x2 and x3 are kept drafts,
+    residual draws after a rejection at depth 1 or 2, or the bonus token: every path of the acceptance runs.
+    The same statistic rejects tokens drawn from the draft chain alone, so the test can fail (it does when
+    drafts are always kept, or when a rejection draws from P instead of the residual)."""
+    V = 3
+    model = tiny_model(vocab=V, seed=2, max_seq_len=8)
+    params64 = {k: v.astype(np.float64) for k, v in model.params.items()}
+    prompt = [1, 2]
+    s = Sampling(temperature=0.8)
+
+    def trunk_next(ids):
+        return distribution(ref_model.forward(params64, model.cfg, np.array([ids]))[0][0, -1], s)
+
+    joint, qjoint = np.zeros((V, V, V)), np.zeros((V, V, V))
+    p1 = trunk_next(prompt)
+    for x1 in range(V):
+        for x2 in range(V):
+            joint[x1, x2] = p1[x1] * trunk_next([*prompt, x1])[x2] * trunk_next([*prompt, x1, x2])
+            engine = RefEngine(model, 2)
+            engine.feed(prompt, "logits")
+            _, (q1, q2) = engine.draft(x1, 2, "logits", lambda row, x2=x2: x2)  # the chain given d1 = x2
+            qjoint[x1, x2] = p1[x1] * distribution(q1, s)[x2] * distribution(q2, s)
+    n = 4000
+    assert _chi2(qjoint.ravel() * n, joint.ravel()) > 4 * CHI2_26_P001  # the draft alone is far off
+    counts = np.zeros(V**3)
+    for seed in range(n):
+        out = gen(model, prompt, depth=2, sampling=dataclasses.replace(s, seed=seed), max_new=4)
+        x1, x2, x3 = out["token_ids"][:3]
+        counts[(x1 * V + x2) * V + x3] += 1
+    assert _chi2(counts, joint.ravel()) < CHI2_26_P001
+
+
+def byte_model(tmp_path, draft=True, seed=3):
+    model = tiny_model(vocab=256, seed=seed, draft=draft, max_seq_len=40)
+    path = tmp_path / ("m.ddlw" if draft else "nodraft.ddlw")
+    save_model(path, model)
+    return path
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_stop_string_and_streaming(tmp_path, speculative):
+    path = byte_model(tmp_path)
+    s = Sampling() if speculative else Sampling(temperature=0.8, seed=3)  # speculation: greedy, same tokens
+    full = generate(path, "ab", max_new_tokens=30, sampling=s, backend="ref")
+    assert full["finish_reason"] == "length" and full["new_tokens"] == 30
+    text = full["text"]
+    firsts = [i for i in range(4, len(text) - 2) if text.find(text[i : i + 2]) == i]
+    stop = text[firsts[0] : firsts[0] + 2]  # a stop string that first appears after four characters
+    pieces: list[str] = []
+    out = generate(path, "ab", max_new_tokens=30, sampling=s, stops=["\x00never", stop], backend="ref",
+                   on_text=pieces.append, speculative=speculative, depth=2)  # fmt: skip
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == text[: text.find(stop)]
+    assert "".join(pieces) == out["text"] and len(pieces) > 1  # streamed in pieces, nothing past the stop
+    streamed: list[str] = []
+    whole = generate(path, "ab", max_new_tokens=30, sampling=s, backend="ref", on_text=streamed.append,
+                     speculative=speculative)  # fmt: skip
+    assert "".join(streamed) == whole["text"] == text
+
+
+def test_text_stream_holds_back_partial_stop_and_utf8():
+    got: list[str] = []
+    ts = TextStream(ByteTokenizer(), ["END"], got.append)
+    for b in b"xE":
+        assert not ts.add(b)
+    assert "".join(got) == "x"  # "E" may start "END": held back
+    for b in "é".encode():
+        ts.add(b)
+    assert "".join(got) == "xEé"  # never half of the two-byte "é"
+    assert ts.add(ord("E")) is False and ts.add(ord("N")) is False and ts.add(ord("D")) is True
+    assert ts.text == "xEé" and "".join(got) == "xEé"
+
+
+def test_refusals(tmp_path):
+    path = byte_model(tmp_path)
+    nodraft = byte_model(tmp_path, draft=False)
+    with pytest.raises(GenerateError, match="empty prompt"):
+        generate(path, "", backend="ref")
+    with pytest.raises(GenerateError, match="context"):
+        generate(path, "x" * 40, backend="ref")
+    with pytest.raises(GenerateError, match="no model.mtp"):
+        generate(nodraft, "hello", speculative=True, backend="ref")
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not a model")
+    with pytest.raises(GenerateError, match="notes.txt"):
+        generate(bad, "hello", backend="ref")
+    with pytest.raises(GenerateError, match="temperature"):
+        Sampling(temperature=-1)
+    with pytest.raises(GenerateError, match="top_p"):
+        Sampling(top_p=0)
+    out = generate(nodraft, "x" * 39, max_new_tokens=5, backend="ref")
+    assert out["finish_reason"] == "context" and out["new_tokens"] == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="the hf extra is not installed")
+def test_model_tokenizer_is_used(tmp_path):
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "foo": 3, "bar": 4}
+    spec = {"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+            "pre_tokenizer": {"type": "Whitespace"}}  # fmt: skip
+    model = dataclasses.replace(tiny_model(vocab=5, seed=4), tokenizer=json.dumps(spec).encode())
+    out = generate(model, "hello world", max_new_tokens=6, backend="ref")
+    assert out["prompt_tokens"] == 2 and out["new_tokens"] == 6
+    words = [w for w, i in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert out["text"].split() == [words[i] for i in out["token_ids"]]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the command line
+
+
+def cli(*args, stdin=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "ddl_wgpu.cli", "generate", *map(str, args)], input=stdin,
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+
+
+def test_cli_generate_streams_text_and_json(tmp_path):
+    path = byte_model(tmp_path)
+    want = generate(path, "ab", max_new_tokens=12, backend="ref")
+    r = cli(path, "--prompt", "ab", "--max-new-tokens", 12, "--backend", "ref")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want["text"] + "\n"
+    assert "[12 tokens (length)" in r.stderr and "tok/s" in r.stderr
+    r = cli(
+        path, "--max-new-tokens", 12, "--backend", "ref", "--json", "--speculative", "--depth", 2, stdin="ab"
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == want["token_ids"] and out["text"] == want["text"] and out["speculative"]
+    assert len(out["acceptance_per_depth"]) == 2 and out["decode_s"] >= 0
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(b"ab")
+    r = cli(path, "--prompt-file", prompt, "--max-new-tokens", 12, "--backend", "ref", "--json",
+            "--temperature", 0.9, "--top-k", 20, "--top-p", 0.9, "--seed", 4, "--stop", "never-seen")  # fmt: skip
+    again = cli(path, "--prompt", "ab", "--max-new-tokens", 12, "--backend", "ref", "--json",
+                "--temperature", 0.9, "--top-k", 20, "--top-p", 0.9, "--seed", 4, "--stop", "never-seen")  # fmt: skip
+    assert r.returncode == 0 and json.loads(r.stdout)["token_ids"] == json.loads(again.stdout)["token_ids"]
+
+
+def test_cli_generate_errors_are_one_line(tmp_path):
+    path = byte_model(tmp_path)
+    nodraft = byte_model(tmp_path, draft=False)
+    bad = tmp_path / "bad.ddlw"
+    bad.write_bytes(b"not a model at all")
+    cases = [
+        ((path, "--prompt", ""), "empty prompt"),
+        ((path, "--prompt", "x" * 40), "context"),
+        ((nodraft, "--prompt", "hi", "--speculative"), "MTP draft"),
+        ((bad, "--prompt", "hi"), "bad.ddlw"),
+        ((path, "--prompt", "hi", "--temperature", -1), "temperature"),
+        ((path, "--prompt", "hi", "--backend", "tpu"), "backend"),
+        ((path, "--prompt", "hi", "--prompt-file", bad), "not both"),
+    ]
+    for args, words in cases:
+        r = cli(*args, "--backend", "ref") if "--backend" not in args else cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and words in errors[0] and "Traceback" not in r.stderr, (args, r.stderr)
