@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# NVIDIA H200 SXM reference numbers (docs: wgpu.md §3-4)
+# NVIDIA H200 SXM reference numbers (docs/wgpu-notes.md#h200-reference-numbers)
 H200_FP32_TFLOPS = 66.9  # non-tensor FMA peak
 H200_HBM_GBS = 4300.0  # measured device-to-device copy (read + write bytes); datasheet 4800
 

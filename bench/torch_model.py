@@ -5,8 +5,8 @@ pre-norm RMSNorm ("standard" w·x̂ or "offset" (1+w)·x̂), RoPE rotate-half, q
 (pre- or post-RoPE), causal attention through `F.scaled_dot_product_attention` (GQA by repeating kv heads),
 SwiGLU MLP, tied or untied head, and the mean cross-entropy over positions p < min(length-1, T-1).
 
-Residual "add" (baseline) or "delta" with d_v = 1 (ddl.md §1.2/§1.3, `ddl_ref.delta`): per sublayer
-c = norm(x), u = sublayer(c), k = u/√(‖u‖²+ε²), β = 2σ(w_β·c + b_β), v = s·σ(w_v·x + b_v),
+Residual "add" (baseline) or "delta" with d_v = 1 (docs/model.md#the-delta-residual, `ddl_ref.delta`): per
+sublayer c = norm(x), u = sublayer(c), k = u/√(‖u‖²+ε²), β = 2σ(w_β·c + b_β), v = s·σ(w_v·x + b_v),
 x ← x + β(v − k·x)k.
 
 What this does not do: d_v > 1 (compressors, EC), MTP, KV caching, dropout.

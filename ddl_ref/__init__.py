@@ -16,7 +16,13 @@ from ddl_ref.config import (
     preset,
 )
 from ddl_ref.model import backward, forward, hidden_states
-from ddl_ref.optim import CosineWarmupSchedule, adamw_step, clip_multiplier, global_grad_norm
+from ddl_ref.optim import (
+    CosineWarmupSchedule,
+    adamw_step,
+    clip_multiplier,
+    clip_multipliers,
+    global_grad_norm,
+)
 from ddl_ref.params import ParamSpec, init_params, num_params, param_table
 from ddl_ref.spectral import DeltaRegime, SpectralAccumulator, beta_histogram, spectral_snapshot
 
@@ -36,6 +42,7 @@ __all__ = [
     "block_backward",
     "block_forward",
     "clip_multiplier",
+    "clip_multipliers",
     "delta",
     "forward",
     "global_grad_norm",

@@ -191,7 +191,7 @@ def block_backward(params, cfg: ModelConfig, i: int, dx, c, cos, sin, grads):
 
 
 def _ddl_block_forward(params, cfg: ModelConfig, i: int, X, cos, sin):
-    """The Deep Delta block (ddl.md §1.3 for d_v = 1, §1.5 for d_v > 1).
+    """The Deep Delta block for d_v = 1 and d_v > 1 (docs/model.md#deep-delta-learning).
 
     d_v = 1, x (B, T, C):   c = ln_1(x); h = attn(c); x = delta(x; u=h, c=c, x_v=x); same with ln_2/mlp.
     d_v > 1, X (B, T, C, dv): x_in = compress(X); c = ln_1(x_in); h = attn(c); X = delta(X; u=h, c=c,

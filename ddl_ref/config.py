@@ -1,12 +1,14 @@
 """Model configuration for the ddl-wgpu model family: one frozen `ModelConfig`, presets and `ModelVariant`.
 
-`ModelConfig` describes the architecture only (design.md §3); training settings live in `TrainConfig`
-elsewhere. Every field is validated on construction and `from_dict` rejects unknown keys and wrong types, so
-a sweep override or a checkpoint header with a typo fails loudly (nanoGPT `configurator.py`).
+`ModelConfig` describes the architecture only (docs/model.md#configuration-ddl_refconfigpy); training settings
+live in `TrainConfig` elsewhere. Every field is validated on construction and `from_dict` rejects unknown keys
+and wrong types, so a sweep override or a checkpoint header with a typo fails loudly (nanoGPT
+`configurator.py`).
 
 What this file deliberately does not do: compute parameter shapes (`params.py`) or know anything about the
-GPU engine. `ModelVariant` holds the six rows of the DDL paper's Table 3 (ddl.md §2.1): `baseline`, `ddl`
-(d_v = 1), `ddl-tc-noec`, `ddl-cc-noec`, `ddl-tc`, `ddl-cc`.
+GPU engine. `ModelVariant` holds the six rows of the DDL paper's Table 3
+(docs/model.md#the-six-variants-modelvariant): `baseline`, `ddl` (d_v = 1), `ddl-tc-noec`, `ddl-cc-noec`,
+`ddl-tc`, `ddl-cc`.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def _unknown_keys(owner: str, d: dict, cls: type) -> None:
 
 @dataclass(frozen=True)
 class MtpConfig:
-    """One multi-token-prediction draft block (mtp-heal.md §2): how its input is built and which hiddens it reads."""
+    """One multi-token-prediction draft block: how its input is built and which hiddens it reads
+    (docs/heal.md#the-draft-block)."""
 
     concat: str = (
         "emb_first"  # eh_proj input order: [enorm(emb), hnorm(h)] (DeepSeek-V3/Qwen) or hidden first
@@ -101,7 +104,8 @@ class MtpConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of one decoder-only model (design.md §3). Defaults are the DDL paper's small model."""
+    """The architecture of one decoder-only model (docs/model.md#configuration-ddl_refconfigpy). Defaults are
+    the DDL paper's small model."""
 
     # --- trunk
     vocab_size: int = 50304  # GPT-2 BPE 50257 padded up to a multiple of 128 (nanoGPT, DDL code)
@@ -117,13 +121,15 @@ class ModelConfig:
     tie_embeddings: bool = True  # lm_head shares embed_tokens (DDL code, Qwen3 <= 4B)
     norm_style: str = "standard"  # "standard": w*xhat (Llama/Qwen3); "offset": (1+w)*xhat (Gemma/Qwen3.5)
     qk_norm: str = "post_rope"  # "none", "pre_rope" (Qwen3) or "post_rope" (official DDL code)
-    # --- residual: "add" is the baseline; "delta" is Deep Delta Learning (ddl.md)
+    # --- residual: "add" is the baseline; "delta" is Deep Delta Learning (docs/model.md#deep-delta-learning)
     residual: str = "add"  # "add" or "delta"
     ddl_dv: int = 1  # value channels d_v of the delta state: 1, or 4 for the expanded state
     ddl_compressor: str = "none"  # d_v > 1 compressor: "none", "tc" (token conv) or "cc" (channel conv)
     ddl_expand_embed: bool = False  # EC: expand the embedding into the d_v state with a short conv
-    ddl_k_eps: float = 1e-5  # epsilon of the k normalisation (ddl.md §2.2)
-    ddl_beta_init: float = 1.0  # beta at init, in [0, 2]; 1.0 for baseline comparability (ddl.md §1.4)
+    ddl_k_eps: float = 1e-5  # epsilon of the k normalisation (docs/model.md#configuration-ddl_refconfigpy)
+    # beta at init, in [0, 2]; 1.0 for baseline comparability (the beta bias:
+    # docs/model.md#the-delta-residual)
+    ddl_beta_init: float = 1.0
     ddl_v_scale: float = 4.0  # v = scale * sigmoid(...) (ddl_v_sigmoid_scale)
     ddl_conv_kernel: int = 4  # short-conv kernel size of the compressors and EC
     # --- optional multi-token-prediction draft block
@@ -225,8 +231,8 @@ class ModelConfig:
         return cls(**d)
 
 
-# Presets. Sizes of "small" and "medium" follow the DDL paper (ddl.md §2.2); "tiny" is a byte-level model
-# for tests and smoke runs.
+# Presets. Sizes of "small" and "medium" follow the DDL paper (docs/model.md#configuration-ddl_refconfigpy);
+# "tiny" is a byte-level model for tests and smoke runs.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         vocab_size=256,  # byte-level
@@ -264,8 +270,9 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     return ModelConfig.from_dict(d)
 
 
-# Variants: one row per trained architecture (the seed's `ModelVariant`). Each row gives `uses_ddl` and the
-# config fields the variant forces; adding a DDL row is one entry here plus one enum member.
+# Variants: one row per trained architecture (the reference trainer's `ModelVariant`). Each row gives
+# `uses_ddl` and the config fields the variant forces; adding a DDL row is one entry here plus one enum
+# member.
 def _variant(uses_ddl: bool, residual: str, dv: int, compressor: str, ec: bool) -> dict[str, Any]:
     overrides = {"residual": residual, "ddl_dv": dv, "ddl_compressor": compressor, "ddl_expand_embed": ec}
     return {"uses_ddl": uses_ddl, "overrides": overrides}

@@ -1,4 +1,4 @@
-"""Deep Delta Learning ops, forward/backward pairs in numpy (ddl.md §1.2, §1.5, §5).
+"""Deep Delta Learning ops, forward/backward pairs in numpy (docs/model.md#deep-delta-learning).
 
 - `delta_forward` / `delta_backward`: the Delta residual update of one sublayer, any d_v, per token,
   vectorised over leading axes. The state X is (..., C, dv); d_v = 1 is X of shape (..., C, 1).
@@ -50,7 +50,7 @@ def delta_forward(X, u, c, x_v, w_beta, b_beta, W_v, b_v, k_eps, v_scale):
 
 
 def delta_backward(dX_new, cache):
-    """-> (dX, du, dc, dx_v, dw_beta, db_beta, dW_v, db_v) (ddl.md §5.1 / §5.2).
+    """-> (dX, du, dc, dx_v, dw_beta, db_beta, dW_v, db_v) (the backward of docs/model.md#the-delta-residual).
 
     With G = dX_new and q = Gᵀk: dX = G - β k qᵀ, dv = β q, dβ = δ·q, dk = β (G δ - X q),
     du = (dk - k (k·dk)) / n. Parameter gradients sum over every leading axis.

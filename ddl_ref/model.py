@@ -6,13 +6,13 @@
     logits = model.norm(x) @ (lm_head or embed_tokens).T
 
 `block_backward` calls the same ops as `block_forward` in exactly reverse order, and `backward` mirrors
-`forward`, so the two can be read line against line (style.md rule 4). The whole model is checked against
+`forward`, so the two can be read line against line. The whole model is checked against
 finite differences in tests/test_ref_model.py, and the engine is checked against this file.
 
-With `residual="delta"` (Deep Delta Learning, ddl.md §1.3/§1.5) each sublayer's output only sets the direction
-k of a rank-1 Delta update of the stream (`ddl_ref.delta`); for d_v > 1 the stream is a state X (B, T, C, dv),
-expanded from the embedding (EC or repetition, `ddl_ref.shortconv`), read by a per-block compressor (TC or CC,
-shared by both sublayers) and by a final readout compressor before model.norm.
+With `residual="delta"` (Deep Delta Learning, docs/model.md#deep-delta-learning) each sublayer's output only
+sets the direction k of a rank-1 Delta update of the stream (`ddl_ref.delta`); for d_v > 1 the stream is a
+state X (B, T, C, dv), expanded from the embedding (EC or repetition, `ddl_ref.shortconv`), read by a
+per-block compressor (TC or CC, shared by both sublayers) and by a final readout compressor before model.norm.
 
 Joint MTP training (DeepSeek-V3 style, `forward(..., mtp_weight=w)` with `cfg.mtp` set): the loss is
 CE(trunk, x_{p+1}) + w · CE(draft, x_{p+2}), the draft reading eh_proj·[enorm(E[x_{p+1}]); hnorm(h_p)]

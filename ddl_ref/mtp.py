@@ -1,4 +1,4 @@
-"""The MTP draft head (mtp-heal.md §1.2, §2, §5) as forward/backward pairs on numpy arrays.
+"""The MTP draft head (docs/heal.md) as forward/backward pairs on numpy arrays.
 
 One draft block under `model.mtp.*` predicts the token after next from the trunk's hidden row:
 
@@ -13,9 +13,10 @@ token t = x_{p+1}; step j > 1 reads the draft's own step j−1 output at row p (
 drafting greedily). The target of step j at row p is the trunk's distribution at p + j.
 
 Attention of a step-j pass is by default causal over the step-j rows of the same window at RoPE positions
-0..T−1, as the seed's trainer runs it (one window through a one-layer model). With `chain=j` the rows of
-steps 1..j are stacked and attend with the runtime's training-time-test "diagonal" mask (mtp-heal.md §6.2:
-step-j rows attend to step-1 rows ≤ p plus the same anchor's step-2..j rows, at positions p + j − 1).
+0..T−1, as the reference heal tool trains it (one window through a one-layer model). With `chain=j` the rows
+of steps 1..j are stacked and attend with the runtime's training-time-test "diagonal" mask
+(docs/heal.md#chain-attention-per-step-or-stacked: step-j rows attend to step-1 rows ≤ p plus the same
+anchor's step-2..j rows, at positions p + j − 1).
 
 The block reuses `ddl_ref.blocks.block_forward/block_backward` through a name-mapped view of the parameters
 (`model.mtp.layers.0.X` seen as `model.layers.0.X`) and a one-layer baseline config (`draft_config`), so the
@@ -140,9 +141,10 @@ def draft_forward(params: dict, cfg: ModelConfig, x_rows, chain: int = 0):
     """x_rows (B, T, C) block input -> (hidden_pre (B, T, C), hidden_post (B, T, C), cache).
 
     hidden_pre is the block's residual output (what cortiq chains), hidden_post = model.mtp.norm(pre).
-    chain = 0: one step's rows, causal attention at positions 0..T−1 (the seed). chain = j >= 1: the rows
-    of steps 1..j of one window stacked (row (σ−1)·W + p, T = j·W), attending with the runtime's diagonal
-    mask (`ops.chain_mask`) at positions p + σ − 1 (`ops.chain_positions`), mtp-heal.md §6.2.
+    chain = 0: one step's rows, causal attention at positions 0..T−1 (as the reference heal tool).
+    chain = j >= 1: the rows of steps 1..j of one window stacked (row (σ−1)·W + p, T = j·W), attending with the
+    runtime's diagonal mask (`ops.chain_mask`) at positions p + σ − 1 (`ops.chain_positions`),
+    docs/heal.md#chain-attention-per-step-or-stacked.
     """
     B, T, C = x_rows.shape
     W = chain_rows(chain, T) if chain else T

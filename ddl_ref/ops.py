@@ -215,7 +215,8 @@ def attention_backward(dout, cache):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# masked attention at explicit positions: the chained draft's training-time-test layout (mtp-heal.md §6.2)
+# masked attention at explicit positions: the chained draft's training-time-test layout
+# (docs/heal.md#chain-attention-per-step-or-stacked)
 
 
 def chain_positions(chain: int, T: int):
@@ -313,7 +314,7 @@ def cross_entropy_rows(logits, targets, weights):
 
 
 def lm_loss_forward(logits, ids, lengths):
-    """Causal-LM mean cross-entropy, as the seed trainer computes it.
+    """Causal-LM mean cross-entropy, as the reference trainer computes it.
 
     logits (B, T, V), ids (B, T) int, lengths (B,) int. Row b predicts ids[b, p+1] from position p for
     p < min(lengths[b] - 1, T - 1); padding never counts. Returns (loss, cache) with loss = summed NLL /

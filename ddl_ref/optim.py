@@ -1,5 +1,5 @@
-"""Reference optimizer pieces: gradient-norm clipping (per tensor or global), AdamW, and the seed's cosine
-warm-up schedule.
+"""Reference optimizer pieces: gradient-norm clipping (per tensor or global), AdamW, and the reference
+trainer's cosine warm-up schedule.
 
 Clipping has two modes (`CLIP_MODES`):
 - "per-tensor" (the reference trainer's default: burn's `GradientClippingConfig::Norm`, which the optimizer
@@ -9,10 +9,10 @@ Clipping has two modes (`CLIP_MODES`):
   every tensor scaled by clip / ||g|| where that norm exceeds clip.
 
 AdamW follows the PyTorch documentation (https://pytorch.org/docs/stable/generated/torch.optim.AdamW.html):
-decoupled weight decay p <- p - lr*wd*p, then the bias-corrected Adam step. As in the seed's burn AdamW, every
-parameter decays unless the caller passes a narrower `decay` set (see `decayed_names`). The schedule is a
-line-for-line port of the seed's `CosineWarmupSchedule` (seeds/000_9269e0bf05c9f72e.txt), error messages
-included.
+decoupled weight decay p <- p - lr*wd*p, then the bias-corrected Adam step. As in the reference trainer's burn
+AdamW, every parameter decays unless the caller passes a narrower `decay` set (see `decayed_names`). The
+schedule is a line-for-line port of the reference trainer's `CosineWarmupSchedule` (docs/reference-tools.md),
+error messages included.
 
 What this file deliberately does not do: keep flat buffers (the engine's `adamw.wgsl` does), schedule
 anything but the learning rate, or decide the training loop.
@@ -109,7 +109,7 @@ def adamw_step(
 
 
 class CosineWarmupSchedule:
-    """Linear warm-up to base_lr, then a half cosine down to min_lr (the seed's exact semantics).
+    """Linear warm-up to base_lr, then a half cosine down to min_lr (the reference trainer's exact semantics).
 
     Step is 0-based. Warm-up step s gives (s+1)/warmup * base, so the first step is not 0. The cosine runs over
     the remaining (total - warmup) steps with progress = cosine_step / (cosine_steps - 1), so the last step
@@ -118,7 +118,7 @@ class CosineWarmupSchedule:
 
     def __init__(self, base_lr: float, min_lr: float, warmup_steps: int, total_steps: int):
         if total_steps < 0 or warmup_steps < 0:
-            # The seed's usize cannot be negative; Python ints can.
+            # The reference trainer's usize cannot be negative; Python ints can.
             raise ValueError("warmup_steps and total_steps must be non-negative")
         if total_steps == 0:
             raise ValueError("total_steps must be greater than zero")

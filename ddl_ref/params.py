@@ -1,15 +1,16 @@
 """The one parameter table of the model family: names, shapes, init and weight decay, computed from the config.
 
-`param_table(cfg)` drives everything that enumerates parameters: `init_params` here, the engine's flat
-buffers and their offsets, the checkpoint order and the per-tensor gradient report (style.md rule 5). Names
-follow Hugging Face (design.md §3), so import/export is a rename table, not a translation.
+`param_table(cfg)` drives everything that enumerates parameters: `init_params` here, the engine's flat buffers
+and their offsets, the checkpoint order and the per-tensor gradient report. Names follow Hugging Face
+(docs/model.md#parameters-names-and-the-one-table-ddl_refparamspy), so import/export is a rename table, not a
+translation.
 
-Init (ddl.md §1.4, the DDL code's `init_gpt_weights`): embeddings N(0, 0.02²); every other 2-D weight
-N(0, (0.5/√C)²); the residual-output projections o_proj and down_proj N(0, (0.5/√C/√L)²); norm weights 1 for
-the "standard" style and 0 for the "offset" style (so both start as the identity scale).
+Init (the DDL code's `init_gpt_weights`): embeddings N(0, 0.02²); every other 2-D weight N(0, (0.5/√C)²); the
+residual-output projections o_proj and down_proj N(0, (0.5/√C/√L)²); norm weights 1 for the "standard" style
+and 0 for the "offset" style (so both start as the identity scale).
 
-DDL parameters (residual "delta", ddl.md §1.2–1.5), appended after each block's baseline parameters so the
-baseline layout of a block never moves:
+DDL parameters (residual "delta", docs/model.md#deep-delta-learning), appended after each block's baseline
+parameters so the baseline layout of a block never moves:
 
     model.embed_expand.conv.weight          (C*dv, k)  EC only; identity ("tap:k-1")
     per block i, after layer_specs(cfg, i):
@@ -26,12 +27,13 @@ a kernel of size k multiplies the input at time t − (k−1−m); tap k−1 is 
 value channel j + m − (dv−1)//2 for output channel j (PyTorch cross-correlation with that left pad).
 
 Compressor init: identity (TC: tap k−1 = 1; CC: tap (dv−1)//2 = 1; all others 0), not the N(0, 0.5/√C)
-that ddl.md §1.4 infers (unverified) for the official code. Reason: with read = 1/dv an identity compressor
+that a reading of the official DDL code suggests (unverified). Reason: with read = 1/dv an identity compressor
 makes x_in = mean over d_v of the state, which at init (state = repeated embedding, EC identity) is exactly
 the embedding, so every DDL variant starts from the same trunk input as the baseline and the d_v = 1 model,
 and x_in (the v input) keeps the stream's scale instead of being shrunk by ~0.5/√C·√k.
 
-MTP draft (cfg.mtp set, mtp-heal.md §2), appended after everything else so the trunk's layout never moves:
+MTP draft (cfg.mtp set, docs/heal.md#the-draft-block), appended after everything else so the trunk's layout
+never moves:
 
     model.mtp.enorm.weight        (C,)      norm init (as the trunk's norms)
     model.mtp.hnorm.weight        (C,)      norm init
@@ -62,7 +64,8 @@ class ParamSpec:
     name: str  # Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
     shape: tuple[int, ...]
     init: str  # "normal:STD", "uniform:A" (U(-A, A)), "const:VALUE", "tap:M" (zeros, [..., M] = 1), "ones", "zeros"
-    decay: bool = True  # AdamW weight decay applies; True for all, as the seed's burn AdamW decays everything
+    # AdamW weight decay applies; True for all, as the reference trainer's burn AdamW decays everything
+    decay: bool = True
 
     @property
     def numel(self) -> int:
@@ -79,7 +82,8 @@ def _normal(std: float) -> str:
 
 
 def _beta_bias(beta_init: float) -> float:
-    """logit(β₀/2) with β₀ clamped to [0, 2] and the logit input clipped to [1e-6, 1-1e-6] (ddl.md §1.4)."""
+    """logit(β₀/2) with β₀ clamped to [0, 2] and the logit input clipped to [1e-6, 1-1e-6]
+    (docs/model.md#the-delta-residual)."""
     p = min(max(min(max(float(beta_init), 0.0), 2.0) / 2.0, 1e-6), 1.0 - 1e-6)
     return math.log(p) - math.log(1.0 - p)
 

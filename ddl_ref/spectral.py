@@ -1,15 +1,16 @@
-"""Spectral diagnostics of the Deep Delta residual (the seed's `TrainingSpectralSnapshot`), from a forward's caches.
+"""Spectral diagnostics of the Deep Delta residual (the reference trainer's `TrainingSpectralSnapshot`), from
+a forward's caches.
 
-Every DDL sublayer is one "layer" (two per block, in the order block0.attn, block0.mlp, block1.attn, ...).
-No public source defines these diagnostics (ddl.md §3.2): the definitions below are this project's choices,
-derived from the spectrum of the Delta operator A = I − β k kᵀ (ddl.md §3.1: eigenvalue 1−β along k, 1 on
-k^⊥, det A = 1−β, and det(I_dv ⊗ A) = (1−β)^dv on the lifted d×d_v state). All means are over the *real*
-tokens of the batch (position t < lengths[b]), pooled over batch rows:
+Every DDL sublayer is one "layer" (two per block, in the order block0.attn, block0.mlp, block1.attn, ...). No
+public source defines these diagnostics (docs/model.md#spectral-diagnostics-ddl_refspectralpy): the
+definitions below are this project's choices, derived from the spectrum of the Delta operator A = I − β k kᵀ
+(eigenvalue 1−β along k, 1 on k^⊥, det A = 1−β, and det(I_dv ⊗ A) = (1−β)^dv on the lifted d×d_v state). All
+means are over the *real* tokens of the batch (position t < lengths[b]), pooled over batch rows:
 
 - `beta_per_layer[l]` = mean_t β_t, the gate (β = 2σ(w_β·c + b_β) ∈ (0, 2)).
 - `k_eigenvalue_per_layer[l]` = mean_t (1 − β_t): the eigenvalue of A along k.
 - `spatial_determinant_per_layer[l]` = mean_t (1 − β_t): det A ([P1] Cor. 3.2); equal to the above by
-  construction, kept as its own field because the seed reports both.
+  construction, kept as its own field because the reference trainer reports both.
 - `lifted_determinant_per_layer[l]` = mean_t (1 − β_t)^dv: det of I_dv ⊗ A, the map on the whole d×d_v state
   (equal to the spatial one when d_v = 1).
 - `regime_per_layer[l]` = `DeltaRegime.from_beta(beta_per_layer[l])`: the nearest of the anchors 0, 1, 2 —
@@ -24,7 +25,7 @@ tokens of the batch (position t < lengths[b]), pooled over batch rows:
 
 A snapshot is a plain dict with exactly these keys (lists of floats, regimes as strings), or None for a
 baseline model. `SpectralAccumulator` averages snapshots over evaluation batches weighted by their prediction
-count, then recomputes the regimes and the histogram from the averaged betas, as the seed does.
+count, then recomputes the regimes and the histogram from the averaged betas, as the reference trainer does.
 
 What this file deliberately does not do: run the model (`ddl_ref.model.forward(..., spectral=True)` calls
 `spectral_snapshot` on its own cache), or compute eigen-decompositions (the closed forms above are exact).
@@ -49,7 +50,7 @@ HIST_EDGES = [round(0.1 * i, 10) for i in range(HIST_BINS + 1)]  # 0.0, 0.1, ...
 
 
 class DeltaRegime(enum.StrEnum):
-    """The regime of a Delta operator by its β: the nearest of the anchors 0 (identity), 1, 2 (ddl.md §3.1)."""
+    """The regime of a Delta operator by its β: the nearest of the anchors 0 (identity), 1, 2."""
 
     IDENTITY = "identity"  # β → 0: A = I, the shortcut is skipped
     PROJECTION = "projection"  # β → 1: A = I − kkᵀ, replace-along-k ("target match")
@@ -120,7 +121,7 @@ def spectral_snapshot(cache, cfg, lengths=None) -> dict | None:
 
 
 class SpectralAccumulator:
-    """Weighted average of snapshots over evaluation batches (the seed's `SpectralAccumulator`).
+    """Weighted average of snapshots over evaluation batches (the reference trainer's `SpectralAccumulator`).
 
     `observe(snapshot, weight)` with weight = the batch's prediction count (a None snapshot, from a baseline
     model, is ignored); `finish()` -> the averaged snapshot, with regimes and histogram recomputed from the

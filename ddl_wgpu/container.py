@@ -1,7 +1,7 @@
 """The ddl-wgpu checkpoint container (``.ddlw``): one file format for models, training checkpoints and
 healed outputs.
 
-Layout (all integers little-endian; design.md §5, style.md rule 12, modelled on safetensors and GGUF)::
+Layout (all integers little-endian; docs/container.md; modelled on safetensors and GGUF)::
 
     offset 0        b"DDLW"                     magic, 4 bytes
     offset 4        u32 format version          = 2; bumped only for structural changes

@@ -10,10 +10,10 @@ What lives here and why:
 - kernels: WGSL loaded from `shaders/`, compiled once and cached by (file, entry point, constants,
   template values), each with an explicit bind-group layout built from a signature string, so one layout
   rule holds everywhere: read-only storage inputs first, then read-write outputs, then one uniform;
-- buffers, uploads, and downloads through one persistent staging buffer (wgpu.md §1: `queue.read_buffer`
-  makes a temporary buffer per call);
+- buffers, uploads, and downloads through one persistent staging buffer
+  (docs/wgpu-notes.md#reading-back-and-waiting: `queue.read_buffer` makes a temporary buffer per call);
 - a `Recorder` that encodes many dispatches into one compute pass and submits once (the only pattern that
-  scales: wgpu.md §1 dispatch-overhead table);
+  scales: docs/wgpu-notes.md#dispatch-cost);
 - a blocking wait that works on wgpu-py 0.32 (`on_submitted_work_done` is broken there, wgpu-py #834);
 - GPU timestamps for benchmarks.
 
@@ -352,7 +352,7 @@ class Kernel:
     """A compiled entry point with its explicit bind-group layout.
 
     `sig` has one char per binding, in binding order: 'r' read-only storage, 'w' read-write storage,
-    'u' uniform. The style rule (inputs, outputs, then Params) makes most signatures look like 'rrwu'.
+    'u' uniform. The layout rule (inputs, outputs, then Params) makes most signatures look like 'rrwu'.
     """
 
     name: str

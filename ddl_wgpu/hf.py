@@ -1,9 +1,10 @@
 """Hugging Face interop: import a `config.json` + `*.safetensors` folder, export a baseline model as Qwen3.
 
 Supported on import: `Qwen3ForCausalLM` (q/k RMSNorm over head_dim before RoPE -> qk_norm "pre_rope") and
-`LlamaForCausalLM` (qk_norm "none"), with bf16/f16/f32 weights in one `model.safetensors` or in shards listed by
-`model.safetensors.index.json`. Our parameter names are the Hugging Face names (design.md §3), so the trunk's
-rename is the identity; the only translations are the MTP draft names (mtp-heal.md §2), kept in `MTP_RENAMES`.
+`LlamaForCausalLM` (qk_norm "none"), with bf16/f16/f32 weights in one `model.safetensors` or in shards listed
+by `model.safetensors.index.json`. Our parameter names are the Hugging Face names
+(docs/model.md#parameters-names-and-the-one-table-ddl_refparamspy), so the trunk's rename is the identity; the
+only translations are the MTP draft names (docs/heal.md#the-draft-block), kept in `MTP_RENAMES`.
 
 MTP draft (one block, `cfg.mtp`, `ddl_ref.params.mtp_specs`). Import reads it from three layouts on a Qwen3/Llama
 trunk (the trunk decides the norm style: "standard" w·x̂ for the whole model, the draft's norms included):
@@ -13,7 +14,7 @@ trunk (the trunk decides the norm style: "standard" w·x̂ for the whole model, 
                   (ours; the CMF/cortiq layout, whose runtime feeds pre-norm hiddens)
     "mtp."        mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}.weight         post_norm / post_norm
                   + mtp.layers.0.* (Qwen3.5/Qwen3-Next names; vLLM/SGLang feed the trunk's post-final-norm
-                  hidden and chain the post-mtp.norm one, mtp-heal.md §2.3)
+                  hidden and chain the post-mtp.norm one, docs/heal.md#the-draft-block)
     "model.layers.{L}."  DeepSeek/GLM: {enorm,hnorm,eh_proj}.weight, shared_head.norm.weight  post_norm / post_norm
                   and the block at index L = num_hidden_layers; only when config.json declares the draft (else
                   those tensors are an error, as a wrong num_hidden_layers would be). Its embed_tokens and
@@ -88,8 +89,8 @@ RAW_HINT = (
     "ddl-wgpu's own tensor names, which import-hf reads back but transformers cannot load"
 )
 
-# MTP draft tensors. Qwen3.5 / Qwen3-Next store the draft as `mtp.*` (mtp-heal.md §2); our table (design.md §3)
-# uses `model.mtp.*`. HF (Qwen3.5 names) -> ours; export writes the inverse.
+# MTP draft tensors. Qwen3.5 / Qwen3-Next store the draft as `mtp.*`; our table (`ddl_ref.params`) uses
+# `model.mtp.*` (docs/heal.md#the-draft-block). HF (Qwen3.5 names) -> ours; export writes the inverse.
 MTP_RENAMES = {
     "mtp.fc.weight": "model.mtp.eh_proj.weight",
     "mtp.pre_fc_norm_embedding.weight": "model.mtp.enorm.weight",
@@ -100,7 +101,8 @@ MTP_PREFIX_RENAMES = {"mtp.layers.": "model.mtp.layers."}  # then the block's ow
 MTP_COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")  # Qwen3.5 / DeepSeek, GLM, Qwen3-Next
 MTP_CONVENTION_KEY = "ddl_mtp"  # config.json: our MtpConfig as a dict (written by export_hf)
 
-# Layouts a draft is read from (see the module docstring) and the hiddens their consuming runtimes feed.
+# Layouts a draft is read from (see the module docstring) and the hiddens their consuming runtimes feed
+# (docs/heal.md#the-draft-block).
 LAYOUT_OURS, LAYOUT_QWEN35, LAYOUT_DEEPSEEK, LAYOUT_MIMO = (
     "model.mtp.",
     "mtp.",
@@ -108,9 +110,9 @@ LAYOUT_OURS, LAYOUT_QWEN35, LAYOUT_DEEPSEEK, LAYOUT_MIMO = (
     "model.mtp_layers.",
 )
 _LAYOUT_DEFAULTS = {
-    LAYOUT_OURS: MtpConfig(),  # cortiq/CMF: pre-final-norm trunk hidden, pre-norm chain (mtp-heal.md §1.2)
-    LAYOUT_QWEN35: MtpConfig(trunk_hidden="post_norm", chain_hidden="post_norm"),  # vLLM/SGLang (§2.3)
-    LAYOUT_DEEPSEEK: MtpConfig(trunk_hidden="post_norm", chain_hidden="post_norm"),  # vLLM/SGLang (§2.3)
+    LAYOUT_OURS: MtpConfig(),  # cortiq/CMF: pre-final-norm trunk hidden, pre-norm chain
+    LAYOUT_QWEN35: MtpConfig(trunk_hidden="post_norm", chain_hidden="post_norm"),  # vLLM/SGLang
+    LAYOUT_DEEPSEEK: MtpConfig(trunk_hidden="post_norm", chain_hidden="post_norm"),  # vLLM/SGLang
 }
 _DEEPSEEK_RENAMES = {
     "shared_head.norm.weight": "norm.weight"
@@ -731,7 +733,7 @@ def _mtp_export_summary(mtp: MtpConfig, raw: bool) -> dict:
     out = {"names": "mtp.*", **mtp.to_dict(), "note": note}
     if mtp.trunk_hidden != "post_norm" or mtp.chain_hidden != "post_norm":
         out["warning"] = (
-            "vLLM/SGLang feed the draft post-norm hiddens (mtp-heal.md §2.3); this draft "
+            "vLLM/SGLang feed the draft post-norm hiddens (docs/heal.md#the-draft-block); this draft "
             f"expects trunk {mtp.trunk_hidden}, chain {mtp.chain_hidden}"
         )
     return out

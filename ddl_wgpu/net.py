@@ -1,11 +1,11 @@
 """Parameters, gradients and AdamW moments of one model resident on the GPU (`Net`), laid out from the
 parameter table, and where each one lives (`Slot`).
 
-Layout (style.md rule 5): the parameter table of `ddl_ref.params` is laid out into flat *arenas*, one
-buffer each for parameters, gradients, first and second moments; offsets are aligned to 256 bytes so any
-tensor can be bound as a sub-range on any adapter. A model too large for one buffer spans several arenas
-(the H200 caps a buffer just under 4 GiB and a binding at 2 GiB, wgpu.md §4), and a tensor larger than one
-binding is bound in row chunks (`Net.row_views`).
+Layout: the parameter table of `ddl_ref.params` is laid out into flat *arenas*, one buffer each for
+parameters, gradients, first and second moments; offsets are aligned to 256 bytes so any tensor can be bound
+as a sub-range on any adapter. A model too large for one buffer spans several arenas (the H200 caps a buffer
+just under 4 GiB and a binding at 2 GiB, docs/wgpu-notes.md#buffers-and-bindings), and a tensor larger than
+one binding is bound in row chunks (`Net.row_views`).
 
 Inference nets (`Net(..., inference=True, dtype="f32"|"f16")`, the heal teacher's frozen trunk): only the
 parameter arenas exist (no gradients, no moments: 4 or ~2 bytes per parameter instead of 16); the optimizer

@@ -11,7 +11,8 @@
 // Scores above the diagonal are never read (the GEMM that wrote S skipped those tiles, leaving old values).
 // Reductions run over a fixed tree in workgroup memory: same inputs, same bits.
 //
-// The mask: causal (W = 0), or the chained draft's (W = window, mtp-heal.md §6.2, `ddl_ref.ops.chain_mask`):
+// The mask: causal (W = 0), or the chained draft's (W = window, `ddl_ref.ops.chain_mask`,
+// docs/heal.md#chain-attention-per-step-or-stacked):
 // T = C*W stacked rows, row (σ-1)*W + p; key (σ', p') visible to query (σ, p) iff (σ' == 1 and p' <= p) or
 // (2 <= σ' <= σ and p' == p). Every visible key of row r sits at a row <= r, so the causal GEMM bounds hold
 // for both masks; masked entries get P = dS = 0 like the ones above the diagonal.

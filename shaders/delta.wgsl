@@ -1,4 +1,5 @@
-// The Deep Delta residual update (ddl.md §1.2, §1.5, §5), per token (row r = b*T + t), d_v = DV in 1..4:
+// The Deep Delta residual update (docs/model.md#deep-delta-learning), per token (row r = b*T + t), d_v = DV
+// in 1..4:
 //
 //   n = sqrt(|u|^2 + eps^2),  k = u / n           a = w_beta . c + b_beta,  beta = 2 sigmoid(a)
 //   z = W_v x_v + b_v,        v = s sigmoid(z)     p = X^T k,  X_new = X + k (beta (v - p))^T

@@ -16,7 +16,8 @@
 //
 // Tiling. A workgroup of WX x WY threads owns a BM x BN block of C, BM = WY*TM and BN = WX*TN; each thread
 // owns a TM x TN sub-block held as TM*TN/4 separate vec4<f32> accumulators (generated straight-line by
-// ddl_wgpu/ops/matmul.py: a private array indexed in a loop is spilled to slow memory on NVIDIA, wgpu.md §4).
+// ddl_wgpu/ops/matmul.py: a private array indexed in a loop is spilled to slow memory on NVIDIA,
+// docs/wgpu-notes.md#why-straight-line-wgsl).
 // The K axis is walked in steps of BK (the step's BK products generated unrolled, so shared-memory offsets are
 // constants): each step the workgroup copies op(A)[m0:m0+BM, k0:k0+BK] into As and op(B)[k0:k0+BK, n0:n0+BN]
 // into Bs, both k-major and packed as vec4 along m / n:

@@ -20,8 +20,8 @@
 // the row slots), each slot walking its rows in order, and every thread sums dout * xhat for its own fixed
 // channels over those rows in registers. At the end the slots' sums are added (slot_sum) and written as
 // one row of `partials`; `rmsnorm_backward_dw_reduce` then adds the n_blocks partial rows in block order.
-// No float atomics, and every order of addition depends on the shape only (style rule 9), so two runs
-// give the same bits.
+// No float atomics, and every order of addition depends on the shape only
+// (docs/kernels.md#deterministic-reductions), so two runs give the same bits.
 //
 // Template: an item is F = f32, or vec4<f32> (4 adjacent channels) when C % 4 == 0; HSUM adds the lanes of
 // an item. Params.C is the true channel count; a row has C / LANES items.

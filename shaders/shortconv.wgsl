@@ -1,5 +1,6 @@
-// The d_v > 1 state's short convolutions (ddl.md §1.5): the TC and CC compressors (state -> x_in), the EC
-// expander and plain repetition (embedding -> state). Reference: `ddl_ref.shortconv`.
+// The d_v > 1 state's short convolutions: the TC and CC compressors (state -> x_in), the EC expander and
+// plain repetition (embedding -> state). Reference: `ddl_ref.shortconv`; the math:
+// docs/model.md#the-expanded-state-d_v--4-expansion-compressors-readout.
 //
 // Layout: rows r = b*T + t; the state X is (rows, C, dv) row-major, x_in / e are (rows, C). Conv weights:
 //   TC, EC  conv (C*dv, k): channel i*dv + j, tap m multiplies time t - (k-1-m) (tap k-1 = the current
@@ -17,13 +18,14 @@
 //   ec_grad_partial              (dX0, e, partials, p)                 parameter-gradient pass 1
 //   colsum                       (partials, out, p)                    parameter-gradient pass 2
 //
-// Parameter gradients (no float atomics, style rule 9): pass 1 writes partials[b, col] = the sum over row
-// block b of one "column" value per row, a column being one dconv entry (col < n_conv) or one (i, j) of the
-// read gradient's integrand dx_in[r, i] * y[r, i, j] (col >= n_conv). A workgroup covers CW adjacent columns
-// times WG / CW row lanes; each lane sums its rows in order, a fixed tree adds the lanes. Pass 2 (`colsum`)
-// sums, per output o, the items partials[b * width + off + o * ostride + e * istride] over blocks b and
-// e < n_inner in a fixed order (n_inner = C for dread: it also sums over the features i) and adds the total
-// into the gradient. Launch sizes depend only on the shape, so the bits never change between runs.
+// Parameter gradients (no float atomics, docs/kernels.md#deterministic-reductions): pass 1 writes
+// partials[b, col] = the sum over row block b of one "column" value per row, a column being one dconv entry
+// (col < n_conv) or one (i, j) of the read gradient's integrand dx_in[r, i] * y[r, i, j] (col >= n_conv). A
+// workgroup covers CW adjacent columns times WG / CW row lanes; each lane sums its rows in order, a fixed
+// tree adds the lanes. Pass 2 (`colsum`) sums, per output o, the items
+// partials[b * width + off + o * ostride + e * istride] over blocks b and e < n_inner in a fixed order
+// (n_inner = C for dread: it also sums over the features i) and adds the total into the gradient. Launch
+// sizes depend only on the shape, so the bits never change between runs.
 
 const WG: u32 = 256u;
 override CW: u32 = 32u;  // columns per workgroup in the two gradient passes; a power of two <= WG

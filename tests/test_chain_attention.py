@@ -1,6 +1,7 @@
-"""The chained draft's runtime attention (mtp-heal.md §6.2): `ddl_ref.ops.chain_mask/chain_positions`,
-`attention_masked_forward/backward` (finite differences), the stacked draft forward against an incremental
-causal run of the same anchor, and the `attention_masked_*` WGSL kernels against the reference."""
+"""The chained draft's runtime attention (docs/heal.md#chain-attention-per-step-or-stacked):
+`ddl_ref.ops.chain_mask/chain_positions`, `attention_masked_forward/backward` (finite differences), the
+stacked draft forward against an incremental causal run of the same anchor, and the `attention_masked_*` WGSL
+kernels against the reference."""
 
 import numpy as np
 import pytest
@@ -214,14 +215,14 @@ def test_runtime_acceptance_is_the_incremental_runtime(tmp_path, heal_kit):
     tb = accept.trunk_batches(m, windows, batch=2)[0]
     depth = 3
     preds = accept.greedy_chain(m.params, m.cfg, tb, depth, ref_runner(m.params, m.cfg), "stacked")
-    seed = accept.greedy_chain(m.params, m.cfg, tb, depth, ref_runner(m.params, m.cfg), "per-step")
+    per_step = accept.greedy_chain(m.params, m.cfg, tb, depth, ref_runner(m.params, m.cfg), "per-step")
     differs = False
     for b, n in enumerate((12, 9)):
         for p in range(n - depth):
             want = _incremental_runtime_preds(m.params, m.cfg, tb, depth, b, p)
             assert list(preds[b, :, p]) == want, (b, p)
-            assert preds[b, 0, p] == seed[b, 0, p]  # step 1 is the same
-            differs |= list(seed[b, :, p]) != want
+            assert preds[b, 0, p] == per_step[b, 0, p]  # step 1 is the same
+            differs |= list(per_step[b, :, p]) != want
     assert differs  # the attention of the chained steps matters on this draft
 
 

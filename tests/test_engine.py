@@ -1,5 +1,5 @@
-"""Whole-model golden tests (style.md rule 7): the GPU engine against `ddl_ref` — loss, logits and every
-parameter gradient; three AdamW steps give the reference's losses; two runs are bit-identical; a frozen
+"""Whole-model golden tests (docs/architecture.md#tests): the GPU engine against `ddl_ref` — loss, logits and
+every parameter gradient; three AdamW steps give the reference's losses; two runs are bit-identical; a frozen
 subset stays frozen; snapshot/restore and export/load round-trip."""
 
 import numpy as np

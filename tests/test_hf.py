@@ -29,7 +29,8 @@ from ddl_wgpu.hf import (
 )
 from ddl_wgpu.modelfile import Model, load_model, save_model
 
-# head_dim 32 != hidden 64 / heads 4: catches the Qwen3-0.6B pitfall (mtp-heal.md §3).
+# head_dim 32 != hidden 64 / heads 4: catches the Qwen3-0.6B pitfall
+# (docs/model.md#configuration-ddl_refconfigpy).
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, vocab_size=256, rms_norm_eps=1e-6, rope_theta=1e6,
             max_position_embeddings=256)  # fmt: skip
@@ -238,7 +239,7 @@ def test_import_mtp_our_layout(tmp_path, tied, arch):
     params = random_params(cfg, seed=31)
     write_folder(tmp_path / "m", hf_config(tied, arch), params)
     m = import_hf(tmp_path / "m")
-    # model.mtp.* is the CMF/cortiq layout: that runtime feeds pre-norm hiddens (mtp-heal.md §1.2)
+    # model.mtp.* is the CMF/cortiq layout: that runtime feeds pre-norm hiddens (docs/heal.md#the-draft-block)
     assert m.cfg == cfg and m.cfg.mtp == MtpConfig(trunk_hidden="pre_norm", chain_hidden="pre_norm")
     assert_same_params(m.params, params)
     assert m.metadata["hf.mtp_layout"] == "model.mtp."
@@ -257,7 +258,7 @@ def test_import_mtp_qwen35_names(tmp_path, count_key):
     extra = {count_key: 1} if count_key else {}
     write_folder(tmp_path / "m", hf_config(True, **extra), stored, dtype="bf16", shards=2)
     m = import_hf(tmp_path / "m")
-    # Qwen3.5/Qwen3-Next names: vLLM/SGLang feed post-norm hiddens (mtp-heal.md §2.3)
+    # Qwen3.5/Qwen3-Next names: vLLM/SGLang feed post-norm hiddens (docs/heal.md#the-draft-block)
     assert m.cfg == cfg
     assert m.metadata["hf.mtp_layout"] == "mtp."
     assert_same_params(m.params, {n: bf16_to_f32(f32_to_bf16(a)) for n, a in params.items()})

@@ -1,4 +1,4 @@
-"""The wheel carries the shaders and the package runs from outside the repository (design.md §2)."""
+"""The wheel carries the shaders and the package runs from outside the repository."""
 
 import subprocess
 import sys

@@ -311,7 +311,8 @@ def attention_backward(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# masked attention of the chained draft's stacked rows (`ddl_ref.ops.chain_mask`, mtp-heal.md §6.2)
+# masked attention of the chained draft's stacked rows (`ddl_ref.ops.chain_mask`,
+# docs/heal.md#chain-attention-per-step-or-stacked)
 
 MPARAMS = Uniform(
     "MParams",

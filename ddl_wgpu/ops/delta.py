@@ -1,4 +1,5 @@
-"""Launchers for `shaders/delta.wgsl`: the Deep Delta residual update (ddl.md §1.2, §1.5, §5) of one sublayer.
+"""Launchers for `shaders/delta.wgsl`: the Deep Delta residual update of one sublayer
+(docs/model.md#deep-delta-learning).
 
 Kernel path: `shaders/delta.wgsl` -> `ddl_wgpu/ops/delta.py` -> reference `ddl_ref.delta.delta_forward`,
 `ddl_ref.delta.delta_backward` -> test `tests/test_kernel_delta.py`.

@@ -7,7 +7,8 @@ The backward needs, each step, the token positions sorted by id and the bucket b
 anyway, so `embedding_buckets(ids, V)` computes them with numpy and the step writes them into two u32
 buffers (`gpu.write(order_buf, order)`, `gpu.write(starts_buf, starts)`) bound once by
 `embedding_backward`. Each dwte element is then written by exactly one thread, in a fixed order (llm.c's
-bucketed wte backward; style rule 9): two runs give the same bits. Rows move as vec4<f32> when C % 4 == 0.
+bucketed wte backward; docs/kernels.md#deterministic-reductions): two runs give the same bits. Rows move as
+vec4<f32> when C % 4 == 0.
 
 Cost: a bucket is summed by one thread per channel (four interleaved partial sums), so the step's most
 frequent token sets the backward's time. Measured on the H200 (V 50304, C 768, 16384 tokens): 1.2 ms with
@@ -15,7 +16,7 @@ one id 2000 times, 1.6 ms for Zipf(1.2) ids (largest bucket 2972); real text's t
 of the tokens. Splitting long buckets over a workgroup (a fixed-order tree) is the next step if it matters.
 
 A table larger than one storage binding (a 150 K vocabulary at d 4096 is 2.5 GB in f32) is bound in row
-chunks (`engine.Net.row_views`): the forward runs `embedding_forward_range` once per chunk (each writes only
+chunks (`net.Net.row_views`): the forward runs `embedding_forward_range` once per chunk (each writes only
 the rows of its ids), the backward runs `embedding_backward(..., v0=row0)` once per chunk with that chunk's
 rows of the gradient, reading the buckets v0 .. v0 + rows of the one `starts` array. Every dwte element is
 still written by one thread, so the result stays deterministic.

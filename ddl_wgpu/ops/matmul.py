@@ -13,8 +13,8 @@ with the Hugging Face weight layout W (OUT, IN) needs three of the four layouts:
 
 The kernel body is generated here as straight-line WGSL from a `Tile` (threads per workgroup, outputs per
 thread, k depth): accumulators are separate `vec4<f32>` variables, never a private array indexed in a loop
-(0.7 vs 25-28 TFLOP/s on the H200, wgpu.md §4). Two tiles are predefined, 4x4 and 8x8 outputs per thread;
-`pick_tile` chooses between them by the number of workgroups a product yields.
+(0.7 vs 25-28 TFLOP/s on the H200, docs/wgpu-notes.md#why-straight-line-wgsl). Two tiles are predefined, 4x4
+and 8x8 outputs per thread; `pick_tile` chooses between them by the number of workgroups a product yields.
 
 Split-K: a product with few output tiles and a long K (dW = dy^T x with K = tokens; the LM head's dx with
 K = vocabulary) runs as `split_k` products over consecutive K slices (the batch axis of the same kernel, with
@@ -224,8 +224,8 @@ class Tile:
         }
 
 
-SMALL_TILE = Tile()  # 64 x 64 per workgroup, 4 x 4 per thread (wgpu.md §5's lavapipe shape)
-LARGE_TILE = Tile(tm=8, tn=8, bk=16)  # 128 x 128 per workgroup, 8 x 8 per thread (wgpu.md §4's H200 shape)
+SMALL_TILE = Tile()  # 64 x 64 per workgroup, 4 x 4 per thread (the lavapipe shape)
+LARGE_TILE = Tile(tm=8, tn=8, bk=16)  # 128 x 128 per workgroup, 8 x 8 per thread (the H200 shape)
 
 # Fewest LARGE_TILE workgroups for which the large tile is used: below this a product has too few
 # workgroups to fill the device and the small tile's 4x as many win. Measured (GPU timestamps):

@@ -1,4 +1,5 @@
-"""Launchers for `shaders/shortconv.wgsl`: the d_v > 1 state's compressors and expanders (ddl.md §1.5).
+"""Launchers for `shaders/shortconv.wgsl`: the d_v > 1 state's compressors and expanders
+(docs/model.md#the-expanded-state-d_v--4-expansion-compressors-readout).
 
 Kernel path: `shaders/shortconv.wgsl` -> `ddl_wgpu/ops/shortconv.py` -> reference
 `ddl_ref.shortconv.tc_forward`, `ddl_ref.shortconv.tc_backward`, `ddl_ref.shortconv.cc_forward`,
