@@ -65,6 +65,8 @@ class MtpConfig:
     )
     trunk_hidden: str = "pre_norm"  # trunk hidden fed to hnorm: before or after the trunk's final model.norm
     chain_hidden: str = "pre_norm"  # draft hidden chained to the next draft step: before or after mtp.norm
+    # the draft block's SwiGLU width; None: the trunk's (ModelConfig.ffn_hidden)
+    ffn_hidden: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,9 +79,17 @@ class MtpConfig:
         ):
             _check_type("MtpConfig", name, getattr(self, name), str)
             _check_enum("MtpConfig", name, getattr(self, name), allowed)
+        if self.ffn_hidden is not None:
+            _check_type("MtpConfig", "ffn_hidden", self.ffn_hidden, int)
+            if self.ffn_hidden < 1:
+                raise ConfigError(f"MtpConfig.ffn_hidden must be positive, got {self.ffn_hidden}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain dict; `ffn_hidden` only when the draft's width differs from the trunk's (set)."""
+        d = dataclasses.asdict(self)
+        if d["ffn_hidden"] is None:
+            del d["ffn_hidden"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MtpConfig:
@@ -198,8 +208,10 @@ class ModelConfig:
         return self.residual == "delta"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict (JSON/msgpack-able); `mtp` becomes a nested dict or None."""
-        return dataclasses.asdict(self)
+        """Plain dict (JSON/msgpack-able); `mtp` becomes a nested dict (`MtpConfig.to_dict`) or None."""
+        d = dataclasses.asdict(self)
+        d["mtp"] = self.mtp.to_dict() if self.mtp is not None else None
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:

@@ -50,10 +50,23 @@ _BLOCK_PREFIX = "model.layers.0."  # the name the draft block has inside its one
 
 
 def draft_config(cfg: ModelConfig) -> ModelConfig:
-    """The draft block as a one-layer baseline model: the trunk's geometry, additive residual, no draft."""
+    """The draft block as a one-layer baseline model: the trunk's geometry (the draft's own FFN width when
+    `MtpConfig.ffn_hidden` is set), additive residual, no draft."""
     return dataclasses.replace(
-        cfg, n_layers=1, residual="add", ddl_dv=1, ddl_compressor="none", ddl_expand_embed=False, mtp=None
+        cfg,
+        n_layers=1,
+        residual="add",
+        ddl_dv=1,
+        ddl_compressor="none",
+        ddl_expand_embed=False,
+        mtp=None,
+        ffn_hidden=draft_ffn_hidden(cfg),
     )
+
+
+def draft_ffn_hidden(cfg: ModelConfig) -> int:
+    """The draft block's SwiGLU width: its own when set, else the trunk's."""
+    return cfg.mtp.ffn_hidden if cfg.mtp is not None and cfg.mtp.ffn_hidden is not None else cfg.ffn_hidden
 
 
 def mtp_of(cfg: ModelConfig) -> MtpConfig:

@@ -48,6 +48,7 @@ this table).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -158,8 +159,10 @@ def mtp_specs(cfg: ModelConfig) -> list[ParamSpec]:
         ParamSpec(MTP_PREFIX + "hnorm.weight", (C,), norm),
         ParamSpec(MTP_PREFIX + "eh_proj.weight", (C, 2 * C), _normal(0.5 / math.sqrt(2 * C))),
     ]
-    # The block is a trunk block 0 renamed (same shapes, q/k norms when the trunk has them, same init).
-    trunk = layer_specs(cfg, 0)
+    # The block is a trunk block 0 renamed (same shapes, q/k norms when the trunk has them, same init), with
+    # its own SwiGLU width when `MtpConfig.ffn_hidden` is set (a draft kept whole by `compress --ffn-keep`).
+    width = cfg.mtp.ffn_hidden if cfg.mtp.ffn_hidden is not None else cfg.ffn_hidden
+    trunk = layer_specs(dataclasses.replace(cfg, ffn_hidden=width), 0)
     specs += [
         ParamSpec(MTP_LAYER_PREFIX + s.name[len("model.layers.0.") :], s.shape, s.init, s.decay)
         for s in trunk

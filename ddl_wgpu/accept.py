@@ -9,13 +9,13 @@ the draft's own step j−1 argmax). At anchor p, with d_{p,j} the draft's argmax
     alpha_j = A_j / A_{j-1}  (A_0 = 1; 0 when A_{j-1} = 0)   conditional acceptance
     tau     = 1 + sum_j A_j                        acceptance length (tokens per verify)
 
-Anchors are every p with p + depth < length (all depths use the same anchors). "On-policy" anchors of depth j
-are those where the data follows the trunk's greedy path for the first j tokens (x_{p+i} == g_{p+i-1},
-i = 1..j): only there does the teacher-forced measure equal what a greedy decode would see. Their set shrinks
-with j, so on_policy reports one anchor count per depth.
+Anchors are every p with p + depth < length (all depths use the same anchors). "On-policy" anchors are those
+where the data follows the trunk's greedy path for the whole depth (x_{p+i} == g_{p+i-1}, i = 1..depth): only
+there does the teacher-forced measure equal what a greedy decode would see. on_policy measures every depth on
+that one set, so its prefix acceptance cannot rise with depth and every conditional is <= 1.
 
 JSON keys: depth, prefix_acceptance [A_1..A_K], conditional_acceptance [alpha_1..alpha_K], acceptance_length,
-anchors, on_policy {anchors [per depth], prefix_acceptance, conditional_acceptance, acceptance_length},
+anchors, on_policy {anchors, prefix_acceptance, conditional_acceptance, acceptance_length},
 chain_attention; and `probe` (one entry per concat / trunk-hidden / chain-hidden convention) when asked for.
 
 Chain attention (`chain_attention`): "per-step" (default) runs each step as its own causal pass over that
@@ -85,14 +85,14 @@ def check_chain_attention(chain_attention: str) -> None:
 
 
 class Tally:
-    """Running counts of prefix-accepted anchors, over all anchors and over on-policy anchors per depth."""
+    """Running counts of prefix-accepted anchors, over all anchors and over the on-policy anchors."""
 
     def __init__(self, depth: int, chain_attention: str = DEFAULT_CHAIN_ATTENTION):
         self.depth = depth
         self.chain_attention = chain_attention
         self.anchors = 0
         self.hits = np.zeros(depth, np.int64)  # anchors whose first j drafts were all accepted
-        self.on_anchors = np.zeros(depth, np.int64)
+        self.on_anchors = 0
         self.on_hits = np.zeros(depth, np.int64)
 
     def add(self, preds, greedy, ids, length: int) -> None:
@@ -102,15 +102,17 @@ class Tally:
         if n <= 0:
             return
         p = np.arange(n)
-        ok = np.ones(n, bool)  # still accepted
-        on = np.ones(n, bool)  # data on the trunk's greedy path so far
+        greedy, ids = np.asarray(greedy), np.asarray(ids)
+        on = np.ones(n, bool)  # data on the trunk's greedy path for the whole depth
         for j in range(1, K + 1):
-            ok &= np.asarray(preds[j - 1])[p] == np.asarray(greedy)[p + j]
-            on &= np.asarray(ids)[p + j] == np.asarray(greedy)[p + j - 1]
+            on &= ids[p + j] == greedy[p + j - 1]
+        ok = np.ones(n, bool)  # still accepted
+        for j in range(1, K + 1):
+            ok &= np.asarray(preds[j - 1])[p] == greedy[p + j]
             self.hits[j - 1] += int(ok.sum())
-            self.on_anchors[j - 1] += int(on.sum())
             self.on_hits[j - 1] += int((ok & on).sum())
         self.anchors += n
+        self.on_anchors += int(on.sum())
 
     @staticmethod
     def _rates(hits, anchors):
@@ -123,7 +125,7 @@ class Tally:
 
     def result(self) -> dict:
         A, alpha, tau = self._rates(self.hits, [self.anchors] * self.depth)
-        oA, oalpha, otau = self._rates(self.on_hits, self.on_anchors)
+        oA, oalpha, otau = self._rates(self.on_hits, [self.on_anchors] * self.depth)
         return {
             "depth": self.depth,
             "prefix_acceptance": A,
@@ -131,7 +133,7 @@ class Tally:
             "acceptance_length": tau,
             "anchors": int(self.anchors),
             "on_policy": {
-                "anchors": [int(a) for a in self.on_anchors],
+                "anchors": int(self.on_anchors),
                 "prefix_acceptance": oA,
                 "conditional_acceptance": oalpha,
                 "acceptance_length": otau,
@@ -144,9 +146,9 @@ class Tally:
 # windows and the trunk pass
 
 
-def pad_batch(windows: Sequence[np.ndarray], T: int):
-    """-> (ids (B, T) int64 padded with 0, lengths (B,) int64)."""
-    ids = np.zeros((len(windows), T), np.int64)
+def pad_batch(windows: Sequence[np.ndarray], T: int, pad: int = 0):
+    """-> (ids (B, T) int64 padded with `pad`, lengths (B,) int64)."""
+    ids = np.full((len(windows), T), pad, np.int64)
     lengths = np.array([w.size for w in windows], np.int64)
     for b, w in enumerate(windows):
         ids[b, : w.size] = w
@@ -265,7 +267,7 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, 
         probe = []
         for concat, th, ch in itertools.product(("emb_first", "hidden_first"), ("pre_norm", "post_norm"),
                                                 ("pre_norm", "post_norm")):  # fmt: skip
-            conv = MtpConfig(concat=concat, trunk_hidden=th, chain_hidden=ch)
+            conv = dataclasses.replace(cfg.mtp, concat=concat, trunk_hidden=th, chain_hidden=ch)
             r = acceptance_from_trunk(model.params, dataclasses.replace(cfg, mtp=conv), trunk, depth, runner,
                                       chain_attention)  # fmt: skip
             probe.append({**conv.to_dict(), "current": conv == cfg.mtp,

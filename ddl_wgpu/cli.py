@@ -410,7 +410,7 @@ def train(
     seq_len: int = _opt(TRAIN.seq_len, "Tokens per row.", TRAIN_HELP),
     seed: int = _opt(TRAIN.seed, "Init and data-order seed.", TRAIN_HELP),
     eval_batches: int = _opt(
-        TRAIN.eval_batches, "Batches per evaluation (0: the whole dataset).", TRAIN_HELP
+        TRAIN.eval_batches, "Cap each evaluation at N batches (0: the whole split).", TRAIN_HELP
     ),
     mtp: bool = _opt(False, "Add an MTP draft block (model.mtp.*) trained jointly with the trunk."),
     mtp_weight: float = _opt(
@@ -478,6 +478,8 @@ def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop
     typer.echo("resolved configuration:")
     typer.echo("  model:    " + fields(base.to_dict()))
     typer.echo("  training: " + fields(tcfg.to_dict()))
+    if tcfg.eval_batches:
+        typer.echo(f"  evaluation: the first {tcfg.eval_batches} batches of each split (not the whole split)")
     typer.echo(f"  variants: {', '.join(v.slug for v in vs)}")
     typer.echo("  " + _backend_line(choice))
     typer.echo(f"  data:     {fields(trn.summary())}")
@@ -499,6 +501,8 @@ def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop
         return
     typer.echo("")
     typer.echo(ranked_table(comp))
+    if tcfg.eval_batches:
+        typer.echo(f"evaluation: the first {tcfg.eval_batches} batches of each split (--eval-batches)")
     typer.echo(f"\nreport: {out / train_lib.REPORT}")
     if plots:
         try:
@@ -506,6 +510,11 @@ def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop
                 typer.echo(f"plot: {p}")
         except ImportError:
             typer.echo("plots skipped: matplotlib not installed (pip install 'ddl-wgpu[plot]')")
+    failed = [r["variant"] for r in comp["reports"] if r.get("status") == "failed"]
+    if failed:
+        fail(
+            f"{len(failed)} of {len(comp['reports'])} variants failed: {', '.join(failed)} (see their reports)"
+        )
 
 
 def _recorded_source(ck: dict) -> dict:
@@ -551,6 +560,14 @@ def resume(
     eval_interval: int = _opt(None, "New phase: evaluation interval.", TRAIN_HELP),
     weight_decay: float = _opt(None, "New phase: weight decay.", TRAIN_HELP),
     grad_clip: float = _opt(None, "New phase: gradient clip.", TRAIN_HELP),
+    warmup_steps: int = _opt(None, "New phase: warm-up steps (a later phase never warms up).", TRAIN_HELP),
+    beta1: float = _opt(None, "New phase: AdamW beta1.", TRAIN_HELP),
+    beta2: float = _opt(None, "New phase: AdamW beta2.", TRAIN_HELP),
+    epsilon: float = _opt(None, "New phase: AdamW epsilon.", TRAIN_HELP),
+    eval_batches: int = _opt(
+        None, "New phase: cap each evaluation at N batches (0: whole split).", TRAIN_HELP
+    ),
+    mtp_weight: float = _opt(None, "New phase: weight of the draft's loss (joint MTP training).", TRAIN_HELP),
     grad_clip_mode: str = _opt(None, "New phase: per-tensor or global clipping.", TRAIN_HELP),
     out: Path = typer.Option(None, "--out", help="Write here instead of the checkpoint's folder."),
     save_interval: int = typer.Option(0, "--save-interval", help="Save a checkpoint every N steps."),
@@ -593,10 +610,18 @@ def resume(
             eval_interval=eval_interval,
             weight_decay=weight_decay,
             grad_clip=grad_clip,
+            warmup_steps=warmup_steps,
+            beta1=beta1,
+            beta2=beta2,
+            epsilon=epsilon,
+            eval_batches=eval_batches,
+            mtp_weight=mtp_weight,
             grad_clip_mode=grad_clip_mode,
         ).items()
         if v is not None
     }
+    if steps is not None:
+        typer.echo(f"  new phase: {steps} steps" + (", " + fields(over) if over else ""))
     con = TrainConsole()
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
                                 stop_after=stop_after, progress=con, data=source)  # fmt: skip
@@ -618,6 +643,9 @@ def resume(
     )
     if sweep_dir is not None and (sweep_dir / train_lib.REPORT).is_file():
         typer.echo(f"sweep report: {sweep_dir / train_lib.REPORT}")
+    if rep.get("status") == "failed":
+        f = rep["failure"]
+        fail(f"{rep['variant']} failed at step {f['step']}: {f['reason']}")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@
 - `ffn_keep(model, fraction)`: keep round(fraction·F) (at least 1) SwiGLU channels of every block, chosen per
   block by importance ‖gate row c‖·‖up row c‖·‖down column c‖ (a channel's output is down[:, c]·silu(g_c)·u_c,
   so the product of the three norms bounds its contribution for a unit input). Kept channels stay in their
-  original order. `ffn_hidden` is one config field shared by every block, the MTP draft's block included, so
-  the draft's FFN is cut by the same rule.
+  original order. The MTP draft is left whole, as the reference heal tool expects (it takes the draft's FFN
+  width from the model it starts from): its width is then recorded as `MtpConfig.ffn_hidden`.
 
 Both return a new `Model` with `provenance.compress` recorded (a previous record is kept under `previous`); the
 draft head itself is carried over unchanged: heal it against the new trunk (`ddl_wgpu.heal`).
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ddl_ref.mtp import draft_ffn_hidden
 from ddl_ref.params import param_table
 from ddl_wgpu.container import open_checkpoint
 from ddl_wgpu.errors import UserError
@@ -114,8 +115,6 @@ def ffn_keep(model: Model, fraction: float) -> Model:
     F = cfg.ffn_hidden
     F2 = max(1, int(round(float(fraction) * F)))
     prefixes = [f"model.layers.{i}." for i in range(cfg.n_layers)]
-    if cfg.mtp is not None:
-        prefixes.append("model.mtp.layers.0.")
     params = {n: np.array(a, copy=True) for n, a in model.params.items()}
     kept_mass = []
     for p in prefixes:
@@ -126,6 +125,10 @@ def ffn_keep(model: Model, fraction: float) -> Model:
         params[p + "mlp.down_proj.weight"] = params[p + "mlp.down_proj.weight"][:, keep]
         kept_mass.append(float(imp[keep].sum() / max(imp.sum(), 1e-30)))
     new_cfg = dataclasses.replace(cfg, ffn_hidden=F2)
+    if cfg.mtp is not None:  # the draft keeps its width (recorded when it now differs from the trunk's)
+        width = draft_ffn_hidden(cfg)
+        mtp = dataclasses.replace(cfg.mtp, ffn_hidden=None if width == F2 else width)
+        new_cfg = dataclasses.replace(new_cfg, mtp=mtp)
     for spec in param_table(new_cfg):
         assert params[spec.name].shape == spec.shape, spec.name
     rec = {"method": "ffn_keep", "fraction": float(fraction), "ffn_hidden_before": F, "ffn_hidden_after": F2,

@@ -64,6 +64,11 @@ class TrainConsole:
                 )
         elif kind == "done":
             self.close()
+        elif kind == "failed":
+            self.close()
+            self.console.print(
+                f"  [bold red]{ev['variant']} failed[/bold red] at step {ev['step']}: {ev['reason']}"
+            )
 
     def _bar(self, ev: dict, info: str):
         if self.bar is None:
@@ -95,6 +100,10 @@ def ranked_table(comp: dict) -> str:
     )
     for i, v in enumerate(order, 1):
         r = by[v]
+        if r.get("status") == "failed":  # ranked last, with no final metrics
+            f = r["failure"]
+            rows.append(f"{i:<5}{v:<14}failed at step {f['step']}: {f['reason']}")
+            continue
         fv = r.get("final_validation") or {}
         bv = r.get("best_validation") or {}
         ppl = (fv or r["final_train"])["perplexity"]

@@ -4,10 +4,13 @@ tool `mtp heal` does; docs/ describes it).
 A draft stops agreeing with a trunk that was compressed or fine-tuned; the fix that works is training it on the
 trunk's own predictions. The flow:
 
-1. Windows: every record cut into windows of `window` tokens; windows shorter than 16 + chain skipped; at most
-   `tokens` tokens. Every tenth window (index % 10 == 9) is held out. Fewer than 10 x batch windows is an error.
+1. Windows (`heal_windows`, the reference heal tool's rule): every record cut into windows of `window` tokens
+   (a record's short last window kept when it holds at least 16 + chain tokens, shorter ones skipped), records
+   read until `tokens` tokens are in hand, the window that reaches the budget cut to fit. Windows are padded
+   with the tokenizer's first EOS id (0 without one). Every tenth window (index % 10 == 9) is held out. Fewer
+   than 10 x batch windows is an error.
 2. The trunk runs once (`TrunkTeacher.topk_hidden`): per window its hidden rows (pre- or post-final-norm, per
-   `MtpConfig.trunk_hidden`, kept on the host in float16) and its next-token top-k (ids, probabilities).
+   `MtpConfig.trunk_hidden`, kept on the host in float32 up to `hnorm`) and its next-token top-k.
 3. The draft is trained alone as a one-layer model (`DraftTrainer`): its block `model.mtp.layers.0.*` and final
    norm `model.mtp.norm`, from `--init` weights when given, else the model's own. Trunk, embedding, head and the
    draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the reference heal tool.
@@ -15,14 +18,15 @@ trunk's own predictions. The flow:
    hidden; step j > 1 reads the token x_{p+j} and the draft's own step j−1 output at row p (`chain_hidden`),
    rebuilt from the current weights every `refresh` steps. The target of step j at row p is the trunk's top-k at
    p + j. Loss: top-k KL (teacher renormalised over its k ids, `ddl_ref.ops.topk_kl_forward`), mean over rows.
-5. One job = (train batch, chain step); the job list is shuffled every epoch by a generator seeded with `seed`.
+5. One job = (train batch, chain step); every pass over the jobs reshuffles the same order array in place
+   (Fisher-Yates, the reference's xorshift64 generator, `XorShift64`, continuing its state across passes).
    Learning rate: linear warm-up over the first 10 % of steps, then a cosine down to 0.1 x lr. Adam (0.9, 0.999,
    1e-8, no weight decay), gradient scaled to global norm <= 1. A non-finite loss or gradient zeroes the
    gradients, halves the loss scale and skips the step; the 20th such step aborts with `HealError`.
 6. Every `eval_every` steps (and at the last) the held-out KL per chain step is measured; checkpoints rank by
    its mean; `patience` evaluations without a new best stop the run. The best weights are restored.
 7. OUT = MODEL with the trained tensors written back (in their stored dtype) and every other tensor copied byte
-   for byte; `provenance.heal_mtp` records the run (acceptance before and after on the held-out windows).
+   for byte; `provenance.mtp_heal` (the reference's key; `heal_record` also reads the older `heal_mtp`) records the run (acceptance before and after on the held-out windows).
    Written atomically by the container (`OUT.partial`, then rename; removed on any failure).
 
 Backends: `backend.make_teacher` and `backend.make_draft` build the trunk (`backend.Teacher`) and the draft
@@ -55,11 +59,12 @@ import numpy as np
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import ModelConfig
 from ddl_ref.ops import KL_FORMS
+from ddl_ref.params import param_table
 from ddl_wgpu import accept as accept_mod
 from ddl_wgpu.accept import CHAIN_ATTENTION, DEFAULT_CHAIN_ATTENTION
 from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teacher
 from ddl_wgpu.container import CheckpointError, f32_to_bf16, open_checkpoint, save
-from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
+from ddl_wgpu.data import DataError, check_vocab, load_records, tokenizer_for
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.modelfile import Model, load_model
 from ddl_wgpu.run import Best, Cadence, Events, LossScale, drive
@@ -70,7 +75,12 @@ WARMUP_FRACTION = 0.1  # linear warm-up over the first 10 % of steps
 MIN_LR_FRACTION = 0.1  # the cosine ends at 0.1 x lr
 MIN_WINDOW = 16  # windows shorter than MIN_WINDOW + chain are skipped
 HELD_OUT_EVERY = 10  # window i is held out when i % 10 == 9
+PROVENANCE_KEY = "mtp_heal"  # the reference heal tool's key
+OLD_PROVENANCE_KEY = "heal_mtp"  # written by earlier versions; still read
+XORSHIFT_START = 0x9E3779B97F4A7C15  # the reference heal tool's job-shuffle state
+_U64 = (1 << 64) - 1
 # A draft is present iff these are in the file (the reference heal tool checks the first three).
+GATE = "model.mtp.layers.0.mlp.gate_proj.weight"  # its rows: the draft's FFN width
 REQUIRED = ("model.mtp.eh_proj.weight", "model.mtp.enorm.weight", "model.mtp.hnorm.weight",
             "model.mtp.layers.0.self_attn.q_proj.weight", "model.mtp.norm.weight")  # fmt: skip
 
@@ -93,7 +103,7 @@ class HealConfig:
     batch: int = 4  # windows per step
     eval_every: int = 50  # steps between held-out evaluations (also at the last step)
     patience: int = 3  # evaluations without a new best before stopping (0: never stop early)
-    seed: int = 0  # seed of the per-epoch job shuffle
+    seed: int = 0  # job shuffle: 0 is the reference's xorshift state; another seed is xored into it
     trunk_dtype: str = "f32"  # the GPU trunk's big matrices: f32, or f16 (half the memory; needs shader-f16)
     chain_attention: str = DEFAULT_CHAIN_ATTENTION  # "per-step": step j causal over its own rows; "stacked"
     # the top-k KL: "full" (the reference heal tool's: the draft's full-vocabulary log-softmax against the
@@ -148,6 +158,33 @@ def split_heldout(n: int) -> tuple[list[int], list[int]]:
     return [i for i in range(n) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1], val
 
 
+class XorShift64:
+    """The reference heal tool's job shuffle: xorshift64 (shifts 13, 7, 17) from 0x9e3779b97f4a7c15 (xored
+    with `seed`; seed 0 is the reference's state), Fisher-Yates from the last index down."""
+
+    def __init__(self, seed: int = 0):
+        self.state = (XORSHIFT_START ^ seed) & _U64 or XORSHIFT_START  # xorshift never leaves state 0
+
+    def next(self) -> int:
+        x = self.state
+        x ^= (x << 13) & _U64
+        x ^= x >> 7
+        x ^= (x << 17) & _U64
+        self.state = x
+        return x
+
+    def shuffle(self, order: list) -> None:
+        for i in range(len(order) - 1, 0, -1):
+            j = self.next() % (i + 1)
+            order[i], order[j] = order[j], order[i]
+
+
+def heal_record(provenance: dict) -> dict | None:
+    """A healed model's heal record: `mtp_heal`, or `heal_mtp` as earlier versions wrote it."""
+    prov = provenance or {}
+    return prov.get(PROVENANCE_KEY, prov.get(OLD_PROVENANCE_KEY))
+
+
 def _require_draft(path) -> None:
     try:
         with open_checkpoint(path) as ck:
@@ -166,15 +203,29 @@ def _load(path, what: str, verify: bool = True) -> Model:
         raise HealError(f"heal: {what}: {e}") from e
 
 
+def _draft_width_of(init_path, model: Model) -> Model:
+    """`model` with its draft's FFN width taken from the init model (the reference heal tool's rule): a draft
+    narrowed with its trunk heals at the init's width; the config records it (`MtpConfig.ffn_hidden`)."""
+    with open_checkpoint(init_path) as ck:
+        if GATE not in ck.names():
+            return model
+        width = int(ck.info(GATE).shape[0])
+    if width == ref_mtp.draft_ffn_hidden(model.cfg):
+        return model
+    mtp = dataclasses.replace(model.cfg.mtp, ffn_hidden=None if width == model.cfg.ffn_hidden else width)
+    cfg = dataclasses.replace(model.cfg, mtp=mtp)
+    return dataclasses.replace(model, cfg=cfg)
+
+
 def _init_weights(init_path, model: Model, verify: bool = True) -> dict:
-    _require_draft(init_path)
     src = _load(init_path, "the init model", verify)
+    shapes = {spec.name: tuple(spec.shape) for spec in param_table(model.cfg)}
     out = {}
     for n in ref_mtp.trained_names(model.params):
-        if n not in src.params or src.params[n].shape != model.params[n].shape:
-            have = None if n not in src.params else tuple(src.params[n].shape)
+        have = None if n not in src.params else tuple(src.params[n].shape)
+        if have != shapes[n]:
             raise HealError(f"heal: the init model {init_path}: {n} has shape {have}, the model needs "
-                            f"{tuple(model.params[n].shape)}", field="init")  # fmt: skip
+                            f"{shapes[n]}", field="init")  # fmt: skip
         out[n] = src.params[n]
     return out
 
@@ -189,11 +240,11 @@ def _encode(array: np.ndarray, dtype: str):
     return np.asarray(array).astype(np_dtype), dtype
 
 
-def write_back(
-    model_path, out_path, trained: dict, provenance_key: str, record: dict, verify: bool = True
-) -> Path:
+def write_back(model_path, out_path, trained: dict, provenance_key: str, record: dict,
+               config: dict | None = None, verify: bool = True) -> Path:  # fmt: skip
     """OUT = MODEL with `trained` tensors replaced (stored dtype kept) and every other tensor copied byte for
-    byte; `provenance[provenance_key] = record`. Atomic (the container writes OUT.partial, then renames)."""
+    byte; `provenance[provenance_key] = record`; `config` replaces MODEL's (a draft healed at another FFN
+    width). Atomic (the container writes OUT.partial, then renames)."""
     with open_checkpoint(model_path, verify=verify) as ck:
         prov = dict(ck.provenance or {})
         prov[provenance_key] = record
@@ -207,7 +258,7 @@ def write_back(
                 else:
                     yield name, ck.tensor(name, copy=False), dtype
 
-        paths = save(out_path, tensors(), config=ck.config, metadata=ck.metadata, provenance=prov,
+        paths = save(out_path, tensors(), config=config or ck.config, metadata=ck.metadata, provenance=prov,
                      tokenizer=ck.tokenizer)  # fmt: skip
     return paths[0]
 
@@ -220,7 +271,7 @@ class _Cache:
     lengths: np.ndarray  # (N,)
     top_ids: np.ndarray  # (N, T, k) int32
     top_probs: np.ndarray  # (N, T, k) float32
-    hidden: np.ndarray  # (N, T, C) float16: the trunk hidden the draft reads (MtpConfig.trunk_hidden)
+    hidden: np.ndarray  # (N, T, C) float32: the trunk hidden the draft reads (MtpConfig.trunk_hidden)
     x: dict  # chain step j -> (N, T, C) float16 block input rows
 
 
@@ -301,11 +352,35 @@ class _Chain:
         return out
 
 
+def heal_windows(records, window: int, chain: int, tokens: int) -> list[np.ndarray]:
+    """The reference heal tool's windows: each record cut into chunks of `window` tokens; a chunk shorter
+    than 16 + chain is skipped; the chunk that reaches the `tokens` budget is cut to fit and is the last."""
+    out, left = [], tokens
+    for r in records:
+        for s in range(0, int(r.shape[0]), window):
+            if left == 0:
+                return out
+            ch = r[s : s + window]
+            if ch.shape[0] < MIN_WINDOW + chain:
+                continue
+            ch = ch[:left]
+            left -= int(ch.shape[0])
+            out.append(ch)
+    return out
+
+
 def _windows(model: Model, data_spec: str, cfg: HealConfig) -> list[np.ndarray]:
+    """Records read until the windows hold `cfg.tokens` tokens or the corpus ends (the read doubles each
+    time a read of that many tokens gave fewer window tokens: skipped short chunks)."""
+    tok, cap = tokenizer_for(model.tokenizer), 2 * cfg.tokens
     try:
-        records = load_records(data_spec, tokenizer_for(model.tokenizer), 2 * cfg.tokens)
+        while True:
+            records = load_records(data_spec, tok, cap)
+            wins = heal_windows(records, cfg.window, cfg.chain, cfg.tokens)
+            if sum(w.size for w in wins) >= cfg.tokens or sum(r.size for r in records) < cap:
+                break
+            cap *= 2
         check_vocab(records, model.cfg.vocab_size)
-        wins = make_windows(records, cfg.window, MIN_WINDOW + cfg.chain, cfg.tokens)
     except DataError as e:
         raise HealError(f"heal: {e}") from e
     if len(wins) < HELD_OUT_EVERY * cfg.batch:
@@ -314,14 +389,22 @@ def _windows(model: Model, data_spec: str, cfg: HealConfig) -> list[np.ndarray]:
     return wins
 
 
+def pad_id(model: Model) -> int:
+    """The id windows are padded with: the tokenizer's first EOS id, 0 without one."""
+    eos = (model.metadata or {}).get("hf.eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return int(eos) if isinstance(eos, int) and not isinstance(eos, bool) else 0
+
+
 def _trunk_pass(
-    teacher, wins: list[np.ndarray], mcfg: ModelConfig, k: int, nb: int, events: Events
+    teacher, wins: list[np.ndarray], mcfg: ModelConfig, k: int, nb: int, events: Events, pad: int = 0
 ) -> _Cache:
     """The trunk once over every window: its top-k and the hidden rows the draft reads."""
     N, T, C = len(wins), max(w.size for w in wins), mcfg.d_model
-    ids, lengths = accept_mod.pad_batch(wins, T)
+    ids, lengths = accept_mod.pad_batch(wins, T, pad)
     cache = _Cache(ids, lengths, np.zeros((N, T, k), np.int32), np.zeros((N, T, k), np.float32),
-                   np.zeros((N, T, C), np.float16), {})  # fmt: skip
+                   np.zeros((N, T, C), np.float32), {})  # fmt: skip
     for s in range(0, N, nb):
         ti, tp, pre, post = teacher.topk_hidden(ids[s : s + nb], k)
         cache.top_ids[s : s + nb], cache.top_probs[s : s + nb] = ti, tp
@@ -339,16 +422,18 @@ class _HealJob:
         self.val_batches = val_batches
         self.jobs = [(b, j) for b in train_batches for j in range(1, cfg.chain + 1)]
         self.total = max(math.ceil(cfg.epochs * len(self.jobs)), 1)
-        self.order = self._job_order(np.random.default_rng(cfg.seed))
+        self.order = self._job_order(XorShift64(cfg.seed))
         self.scale = LossScale(LOSS_SCALE_START, MAX_NONFINITE)
         self.history = [{"step": 0, "heldout_kl": start_kl, "mean": best.value}]
         self.best_per_step = start_kl  # the held-out KL per chain step at the best evaluation
 
-    def _job_order(self, rng):
-        """The jobs, each pass over them in a fresh permutation."""
+    def _job_order(self, rng: XorShift64):
+        """The jobs, each pass over them after a reshuffle of the previous pass's order."""
+        order = list(range(len(self.jobs)))
         while True:
-            for oi in rng.permutation(len(self.jobs)):
-                yield self.jobs[int(oi)]
+            rng.shuffle(order)
+            for oi in order:
+                yield self.jobs[oi]
 
     def step(self, done: int) -> dict | None:
         b, j = next(self.order)
@@ -391,7 +476,12 @@ def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True) -> tupl
     if model.cfg.mtp is None:  # tensors present but the config says no draft
         raise HealError(f"heal: {model_path} carries no MTP draft (config has no mtp; missing tensor "
                         "model.mtp.eh_proj.weight in its table)")  # fmt: skip
-    init = _init_weights(init_path, model, verify) if init_path is not None else None
+    init = None
+    if init_path is not None:
+        _require_draft(init_path)
+        model = _draft_width_of(init_path, model)
+        init = _init_weights(init_path, model, verify)
+        model = dataclasses.replace(model, params={**model.params, **init})
     if cfg.window > model.cfg.max_seq_len:
         raise HealError(f"heal: window {cfg.window} exceeds the model's max_seq_len {model.cfg.max_seq_len}",
                         field="window")  # fmt: skip
@@ -410,7 +500,7 @@ def _heldout_acceptance(model: Model, cache: _Cache, val: list[int], draft, runn
 def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, init_path=None,
          backend: str = "ref", progress: Callable[[dict], None] | None = None,
          device: str | None = None, verify: bool = True) -> dict:  # fmt: skip
-    """Retrain MODEL's draft on MODEL's trunk over `data_spec`; write OUT. -> the report (provenance.heal_mtp
+    """Retrain MODEL's draft on MODEL's trunk over `data_spec`; write OUT. -> the report (provenance.mtp_heal
     plus `out`, `history` of evaluations and `stopped`). Raises HealError with one line on bad input or abort."""
     cfg = cfg if cfg is not None else HealConfig()
     events = Events(progress, "heal")
@@ -424,7 +514,7 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     teacher = make_teacher(backend, model, cfg.batch, device, cfg.trunk_dtype)
     draft = make_draft(backend, model, init, cfg.batch, device, cfg.kl_form)
     kk = min(cfg.topk, mcfg.vocab_size)
-    cache = _trunk_pass(teacher, wins, mcfg, kk, cfg.batch, events)
+    cache = _trunk_pass(teacher, wins, mcfg, kk, cfg.batch, events, pad_id(model))
     chain = _Chain(model, cfg, cache, draft)
     chain.refresh()
     if cfg.chain > 1:
@@ -473,6 +563,6 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
         "config": cfg.to_dict(),
         "conventions": mcfg.mtp.to_dict(),
     }
-    path = write_back(model_path, out_path, trained, "heal_mtp", record, verify)
+    path = write_back(model_path, out_path, trained, PROVENANCE_KEY, record, mcfg.to_dict(), verify)
     events("written", out=os.fspath(path))
     return {**record, "out": os.fspath(path), "history": job.history}

@@ -12,8 +12,8 @@ into readable lines (or JSON lines with `--json`), the reports keep their own re
 
 What it deliberately does not do: schedules, optimizers or data. Each job's learning-rate rule is its own
 (`train`: the reference trainer's cosine with warm-up per phase; `heal`: the reference heal tool's warm-up
-then cosine to a floor), as are its non-finite policies (`train` stops with a checkpoint; `heal` halves its
-loss scale and skips, `LossScale`).
+then cosine to a floor), as are its non-finite policies (`train` marks the variant failed, checkpoints its last
+good weights and goes on with the sweep; `heal` halves its loss scale and skips, `LossScale`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ every `eval_interval` steps, best-validation tracking, the `TrainingReport` / `T
 checkpoints, and the two kinds of resume.
 
 Where we differ from the reference trainer, on purpose:
-- evaluation of the *training* set (initial/final) reads at most `eval_batches` batches: a real corpus has
-  far more batches than a report needs, and the reference trainer's toy datasets never had that problem;
 - a new phase (`resume --steps N`) continues the data order where the last phase stopped (the reference trainer
   restarts at the first batch): the batch of global step s is `batches[s % num_batches]`;
 - checkpoints also carry the run's position, so an interrupted run (`--stop-after`, Ctrl-C, a crash
@@ -38,6 +36,7 @@ from ddl_wgpu.safeio import load_json
 from ddl_wgpu.step import AdamW
 
 MAX_INT = (1 << 63) - 1  # every integer setting is stored in the checkpoint's msgpack header (int64)
+PHASE_FIXED = ("batch_size", "seq_len", "seed")  # the data's batching and order: the run's, in every phase
 
 
 class TrainingError(UserError):
@@ -98,7 +97,9 @@ class TrainingConfig:
     batch_size: int = 8  # rows per step
     seq_len: int = 128  # tokens per row
     seed: int = 0  # parameter init (and data shuffle) seed
-    eval_batches: int = 16  # at most this many batches per evaluation of a dataset (0: all)
+    eval_batches: int = (
+        0  # 0: every evaluation covers the whole split (the reference's); N: its first N batches
+    )
     mtp_weight: float = 0.3  # joint MTP training (a model with a draft): weight of the draft's loss
 
     def validate(self) -> None:
@@ -402,6 +403,14 @@ def _check_datasets(train: TokenDataset, val: TokenDataset | None) -> None:
         raise TrainingError.empty_validation_dataset()
 
 
+class _NonFinite(Exception):
+    """A step whose loss or gradient is not finite: the variant's run ends as `failed`."""
+
+    def __init__(self, step: int, reason: str):
+        super().__init__(reason)
+        self.step, self.reason = step, reason
+
+
 class _Variant:
     """One variant's run in progress: its net, report, phase and best-validation weights; the `run.Job` of
     the step loop."""
@@ -436,12 +445,8 @@ class _Variant:
                       grad_clip_mode=tcfg.grad_clip_mode)  # fmt: skip
         res = self.work.step(batch.ids, batch.lengths, update=hyper)
         if not res.finite:
-            self.checkpoint()
-            raise TrainingError(
-                f"non-finite loss or gradient at step {done + 1} (loss {res.loss}); the last good "
-                f"checkpoint is {self.ckpt}; a lower learning rate may help",
-                kind="non_finite",
-            )
+            raise _NonFinite(done + 1, f"non-finite loss or gradient (loss {res.loss}, gradient norm "
+                             f"{res.grad_norm}); a lower learning rate may help")  # fmt: skip
         entry = {
             "step": done + 1,
             "learning_rate": lr,
@@ -614,6 +619,17 @@ def train_variant(
             if drive(run, start, run.cadence, best, events)[0] == "stopped":
                 report["status"] = "stopped"
                 return report
+        except _NonFinite as e:
+            # The reference finishes the sweep and ranks every run: this variant is marked failed (its last
+            # good weights checkpointed, its report written) and the sweep goes on.
+            report["status"] = "failed"
+            report["failure"] = {"step": e.step, "reason": e.reason}
+            run.checkpoint()
+            events("failed", variant=report["variant"], step=e.step, reason=e.reason)
+            return report
+        except KeyboardInterrupt:
+            raise _interrupted(run, intr) from None
+        try:
             run.finish()
             events("done", variant=report["variant"], report=report)
             run.checkpoint()
@@ -655,11 +671,15 @@ def _snapshot_of(net, params: dict):
 
 
 def rank(reports: list[dict], key: str) -> list[str] | None:
-    entries = [(r["variant"], r[key]["loss"]) for r in reports if r.get(key)]
-    if len(entries) != len(reports):
+    """Variants by their `key` loss; failed runs (no final metrics) last, in the sweep's order. None when a run
+    that did not fail has no `key` (e.g. no validation data)."""
+    ok = [r for r in reports if r.get("status") != "failed"]
+    entries = [(r["variant"], r[key]["loss"]) for r in ok if r.get(key)]
+    if len(entries) != len(ok):
         return None
     # the reference trainer's stable sort by `f32::total_cmp`: ties keep the sweep's order, NaN ranks last
-    return [v for v, _ in sorted(entries, key=lambda e: (math.isnan(e[1]), e[1]))]
+    ranked = [v for v, _ in sorted(entries, key=lambda e: (math.isnan(e[1]), e[1]))]
+    return ranked + [r["variant"] for r in reports if r.get("status") == "failed"]
 
 
 def comparison_report(
@@ -671,7 +691,7 @@ def comparison_report(
 
 def _comparison(reports: list[dict], train_summary: dict, val_summary: dict | None, training: dict) -> dict:
     tr = rank(reports, "final_train") or []
-    vr = rank(reports, "final_validation")
+    vr = rank(reports, "final_validation") if val_summary is not None else None
     return {
         "train_dataset": train_summary,
         "validation_dataset": val_summary,
@@ -713,7 +733,7 @@ def train_variants(
                 break
     comp = (
         comparison_report(reports, train, val, tcfg)
-        if all(r.get("status") == "completed" for r in reports)
+        if all(r.get("status") in ("completed", "failed") for r in reports)
         else None
     )
     if out_dir is not None and comp is not None:
@@ -755,6 +775,33 @@ def check_resume(ck: dict, train: TokenDataset, val: TokenDataset | None) -> Non
         raise TrainingError.resume_mismatch(
             f"saved report expects variant {variant.slug} but checkpoint contains a baseline model"
         )
+    _check_saved_state(ck)
+
+
+def _is_ddl_model(params: dict) -> bool:
+    """A model's kind from its tensors: a DDL model has Deep Delta tensors (`model.layers.I.ddl_attn.*`)."""
+    return any(".ddl_attn." in n for n in params)
+
+
+def _check_saved_state(ck: dict) -> None:
+    """The reference trainer's checks of a saved run's optimizer state and best-validation model: every
+    model tensor has both Adam moments of its shape, and the best model is of the checkpoint's kind."""
+    if ck["report"]["steps_completed"] > 0 and (ck["m"] or ck["v"]):
+        for kind in ("m", "v"):
+            for n, p in ck["params"].items():
+                if n not in ck[kind]:
+                    raise TrainingError(f"optimizer state serialization failed: tensor optim.{kind}.{n} is "
+                                        "missing from the checkpoint", kind="optimizer_state")  # fmt: skip
+                if ck[kind][n].shape != p.shape:
+                    raise TrainingError(f"optimizer state serialization failed: tensor optim.{kind}.{n} has "
+                                        f"shape {ck[kind][n].shape}, the model's {n} {p.shape}",
+                                        kind="optimizer_state")  # fmt: skip
+    best = ck["best"]
+    if best is not None and _is_ddl_model(best) != (ck["cfg"].residual == "delta"):
+        kind = "DDL" if ck["cfg"].residual == "delta" else "baseline"
+        raise TrainingError.resume_mismatch(
+            f"best-validation checkpoint kind does not match the {kind} artifact"
+        )
 
 
 def resume(
@@ -785,7 +832,18 @@ def resume(
                 f"the run already completed its {done} steps", kind="run_completed"
             )
     else:
-        tcfg = TrainingConfig.from_dict({**phase["training"], **(overrides or {}), "max_steps": steps})
+        data_fields = sorted(set(overrides or {}) & set(PHASE_FIXED))
+        if data_fields:
+            raise TrainingError.invalid_config(
+                f"{data_fields[0]} cannot change in a new phase: it shapes the run's data",
+                field=data_fields[0],
+            )
+        # The reference's caller passes a whole configuration per phase; what is not given is the last phase's,
+        # except warm-up: a later phase never warms up (`schedule_for_phase`), so an inherited warm-up longer
+        # than the new phase must not refuse it.
+        tcfg = TrainingConfig.from_dict(
+            {**phase["training"], "warmup_steps": 0, **(overrides or {}), "max_steps": steps}
+        )
         tcfg.validate()
         if done < phase["start_step"] + phase["training"]["max_steps"]:
             raise TrainingError.resume_mismatch(

@@ -151,7 +151,7 @@ def test_gpu_heal_with_f16_trunk_close_to_f32(gpu, tmp_path, heal_kit):
         model, data, tmp_path / "h.ddlw", replace(heal_kit.SMALL, trunk_dtype="f16"), backend="wgpu"
     )
     assert a["trunk_dtype"] == "f32" and h["trunk_dtype"] == "f16" and h["config"]["trunk_dtype"] == "f16"
-    assert load_model(tmp_path / "h.ddlw").provenance["heal_mtp"]["trunk_dtype"] == "f16"
+    assert load_model(tmp_path / "h.ddlw").provenance["mtp_heal"]["trunk_dtype"] == "f16"
     assert a["steps"] == h["steps"] and len(a["history"]) == len(h["history"]) >= 3
     for ha, hh in zip(a["history"], h["history"], strict=True):
         # observed: ~2e-3 relative (KLs ~4e-3); f16 rounding of the teacher's weights is the only difference

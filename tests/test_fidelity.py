@@ -1,0 +1,280 @@
+"""Behaviours that follow the reference trainer and the reference heal tool (docs/reference-tools.md)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ddl_ref.config import ModelVariant, preset
+from ddl_ref.params import init_params
+from ddl_wgpu import accept, compress, heal
+from ddl_wgpu import train as T
+from ddl_wgpu.backend import make_net
+from ddl_wgpu.data import ByteTokenizer, load_datasets
+from ddl_wgpu.modelfile import load_model
+from ddl_wgpu.refnet import RefWork
+
+
+def test_on_policy_acceptance_is_measured_on_one_anchor_set():
+    # depth 2, anchors p = 0, 1, 2. The data follows the trunk's greedy path for both steps at p = 0 only
+    # (p = 1: ids[3] = 9 != greedy[2] = 3; p = 2: ids[3] != greedy[2]). The draft is right at p = 0 for both
+    # steps and wrong at p = 1. Per-depth anchor sets ({0, 1} at depth 1, {0} at depth 2) would report
+    # A = [0.5, 1.0], rising with depth, and a conditional of 2.0.
+    ids = np.array([0, 1, 2, 9, 9])
+    greedy = np.array([1, 2, 3, 4, 5])
+    preds = np.array([[2, 0, 0, 0, 0], [3, 0, 0, 0, 0]])
+    t = accept.Tally(2)
+    t.add(preds, greedy, ids, 5)
+    op = t.result()["on_policy"]
+    assert op["anchors"] == 1
+    assert op["prefix_acceptance"] == pytest.approx([1.0, 1.0])
+    assert op["conditional_acceptance"] == pytest.approx([1.0, 1.0])
+
+
+def test_on_policy_prefix_never_rises_on_random_data():
+    rng = np.random.default_rng(0)
+    t = accept.Tally(4)
+    for _ in range(50):
+        greedy = rng.integers(0, 3, 40)
+        ids = np.where(rng.random(40) < 0.8, np.roll(greedy, 1), rng.integers(0, 3, 40))
+        preds = np.stack([np.where(rng.random(40) < 0.7, np.roll(greedy, -j), 0) for j in range(1, 5)])
+        t.add(preds, greedy, ids, 40)
+    op = t.result()["on_policy"]
+    assert op["anchors"] > 0
+    A = op["prefix_acceptance"]
+    assert all(b <= a for a, b in zip(A, A[1:], strict=False))
+    assert all(0.0 <= c <= 1.0 for c in op["conditional_acceptance"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# heal: job order, windows, trunk pass, provenance
+
+
+def test_xorshift_job_shuffle_pins_the_reference_sequence():
+    rng = heal.XorShift64()
+    # x ^= x << 13; x ^= x >> 7; x ^= x << 17 (mod 2^64) from 0x9e3779b97f4a7c15
+    assert rng.next() == 0xDC1B77AE0BF34DAD
+    assert rng.next() == 0x64F0EEB9026E6076
+    # Fisher-Yates over [0..4] from i = 4 down: r1 % 5 = 4 (no swap), r2 % 4 = 2 (0x...76: low bits 0110),
+    # then r3 % 3 = 0 and r4 % 2 = 0 -> [1, 3, 0, 2, 4]
+    order = list(range(5))
+    heal.XorShift64().shuffle(order)
+    assert order == [1, 3, 0, 2, 4]
+
+
+def test_job_order_reshuffles_the_same_array_each_pass():
+    job = heal._HealJob.__new__(heal._HealJob)
+    job.jobs = list("abcde")
+    gen = job._job_order(heal.XorShift64(0))
+    got = [next(gen) for _ in range(15)]
+    # pass 2 shuffles pass 1's order [1, 3, 0, 2, 4], not the identity; pass 3 shuffles pass 2's
+    assert "".join(got) == "bdace" + "abedc" + "adbce"
+
+
+def test_heal_windows_keep_short_last_windows_and_cut_at_the_budget():
+    r = np.arange(68, dtype=np.uint32)  # chunks of 24: 24, 24, 20 (>= 16 + 2: kept)
+    assert [w.size for w in heal.heal_windows([r], 24, 2, 10_000)] == [24, 24, 20]
+    assert [w.size for w in heal.heal_windows([r[:50]], 24, 2, 10_000)] == [
+        24,
+        24,
+    ]  # a 2-token chunk: skipped
+    # the window that reaches the budget is cut to fit, however short, and is the last
+    assert [w.size for w in heal.heal_windows([r, r], 24, 2, 30)] == [24, 6]
+
+
+def test_heal_reads_records_until_the_token_budget_is_met(tmp_path):
+    import json
+
+    short = [json.dumps({"text": "x" * 10}) for _ in range(100)]  # 1000 tokens, every record too short
+    long = [json.dumps({"text": "y" * 30}) for _ in range(40)]  # a 24-token window each (the rest skipped)
+    spec = tmp_path / "d.jsonl"
+    spec.write_text("\n".join(short + long) + "\n")
+    model = SimpleNamespace(tokenizer=None, cfg=SimpleNamespace(vocab_size=256))
+    wins = heal._windows(model, str(spec), heal.HealConfig(window=24, chain=2, tokens=480, batch=1))
+    assert len(wins) == 20 and sum(w.size for w in wins) == 480
+
+
+def test_trunk_pass_keeps_f32_hidden_and_pads_with_the_first_eos(heal_kit):
+    cfg = heal_kit.tiny_cfg()
+    assert heal.pad_id(SimpleNamespace(metadata={"hf.eos_token_id": 7})) == 7
+    assert heal.pad_id(SimpleNamespace(metadata={"hf.eos_token_id": [9, 3]})) == 9
+    assert heal.pad_id(SimpleNamespace(metadata={})) == 0
+
+    class Teacher:
+        def topk_hidden(self, ids, k):
+            B, T = ids.shape
+            h = np.full((B, T, cfg.d_model), 1 / 3, np.float32)  # not an f16 value
+            return np.zeros((B, T, k), np.int32), np.ones((B, T, k), np.float32), h, h
+
+    wins = [np.arange(5, dtype=np.uint32), np.arange(3, dtype=np.uint32)]
+    cache = heal._trunk_pass(Teacher(), wins, cfg, 2, 2, lambda *a, **k: None, pad=7)
+    assert cache.hidden.dtype == np.float32 and cache.hidden[0, 0, 0] == np.float32(1 / 3)
+    assert cache.ids[1].tolist() == [0, 1, 2, 7, 7]
+
+
+def test_heal_writes_the_reference_provenance_key_and_reads_the_old_one(tmp_path, heal_kit):
+    model = heal_kit.make_model(tmp_path / "m.ddlw")
+    text = heal_kit.make_text(tmp_path / "t.txt", 300)
+    heal.heal(model, str(text), tmp_path / "h.ddlw", heal_kit.SMALL)
+    prov = load_model(tmp_path / "h.ddlw").provenance
+    assert "mtp_heal" in prov and "heal_mtp" not in prov
+    assert heal.heal_record(prov) is prov["mtp_heal"]
+    assert heal.heal_record({"heal_mtp": {"steps": 3}}) == {"steps": 3}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# train: evaluation, failed variants, phases, checkpoint errors
+
+MODEL = dict(vocab_size=256, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
+             max_seq_len=32)  # fmt: skip
+REF = T.RunOptions(backend="ref")
+
+
+@pytest.fixture(scope="module")
+def tdata(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
+    p = tmp_path_factory.mktemp("data") / "c.txt"
+    p.write_text(" ".join(words[int(i)] for i in rng.integers(0, len(words), 500)))
+    return load_datasets(str(p), tokenizer=ByteTokenizer(), seq_len=16, batch_size=2, val_fraction=0.2,
+                         vocab_size=256, seed=0)  # fmt: skip
+
+
+def tcfg(**kw):
+    base = dict(
+        max_steps=4, eval_interval=2, learning_rate=1e-2, min_learning_rate=1e-3, batch_size=2, seq_len=16
+    )
+    return T.TrainingConfig(**{**base, **kw})
+
+
+def test_evaluation_covers_the_whole_split_by_default(tdata, tmp_path):
+    trn, val = tdata
+    assert T.TrainingConfig().eval_batches == 0 and trn.num_batches > 16
+    rep = T.train_variant(preset("tiny", **MODEL), ModelVariant("baseline"), trn, val, tcfg(max_steps=1), None,
+                          REF)  # fmt: skip
+    net = make_net(ModelVariant("baseline").resolve_config(preset("tiny", **MODEL)), None, "ref", None, 0)
+    assert rep["initial_train"] == T.evaluate(net, trn, 0)["metrics"]
+    assert rep["initial_train"] != T.evaluate(net, trn, 16)["metrics"]
+
+
+def test_a_non_finite_variant_fails_and_the_sweep_goes_on(tdata, tmp_path, monkeypatch):
+    trn, val = tdata
+    real_step, calls = RefWork.step, []
+
+    def step(self, *a, **k):  # the ddl variant's second step is non-finite
+        res = real_step(self, *a, **k)
+        if self.net.cfg.residual == "delta":
+            calls.append(1)
+            return dataclasses.replace(res, finite=False) if len(calls) == 2 else res
+        return res
+
+    monkeypatch.setattr(RefWork, "step", step)
+    vs = [ModelVariant.parse("ddl"), ModelVariant("baseline")]
+    comp = T.train_variants(preset("tiny", **MODEL), vs, trn, val, tcfg(), tmp_path, REF)
+    ddl, base = comp["reports"]
+    assert (
+        ddl["status"] == "failed" and ddl["failure"]["step"] == 2 and "non-finite" in ddl["failure"]["reason"]
+    )
+    assert base["status"] == "completed" and base["steps_completed"] == 4
+    assert comp["final_train_loss_ranking"] == ["baseline", "ddl"]
+    assert comp["final_validation_loss_ranking"] == ["baseline", "ddl"]
+    assert json.loads((tmp_path / "report.json").read_text())["final_train_loss_ranking"] == [
+        "baseline",
+        "ddl",
+    ]
+    assert json.loads((tmp_path / "ddl" / "report.json").read_text())["status"] == "failed"
+    assert T.load_checkpoint(tmp_path / "ddl" / "checkpoint.ddlw")["report"]["steps_completed"] == 1
+
+
+def test_a_new_phase_after_a_warm_up_run_takes_every_training_option(tdata, tmp_path):
+    trn, val = tdata
+    cfg = preset("tiny", **MODEL)
+    T.train_variant(cfg, ModelVariant("baseline"), trn, val, tcfg(warmup_steps=3), tmp_path / "a", REF)
+    over = {"beta1": 0.8, "beta2": 0.99, "epsilon": 1e-6, "eval_batches": 2, "weight_decay": 0.0}
+    rep = T.resume(
+        tmp_path / "a" / T.CHECKPOINT, trn, val, REF, out_dir=tmp_path / "b", steps=2, overrides=over
+    )
+    assert rep["status"] == "completed" and rep["steps_completed"] == 6
+    phase = T.load_checkpoint(tmp_path / "b" / T.CHECKPOINT)["position"]["phase"]
+    assert phase["training"] == {**tcfg().to_dict(), **over, "max_steps": 2, "warmup_steps": 0}
+    with pytest.raises(T.TrainingError, match="seq_len cannot change in a new phase"):
+        T.resume(tmp_path / "b" / T.CHECKPOINT, trn, val, REF, out_dir=tmp_path / "c", steps=2,
+                 overrides={"seq_len": 8})  # fmt: skip
+
+
+def test_resume_checks_optimizer_state_and_the_best_model_kind(tdata, tmp_path):
+    trn, val = tdata
+    cfg = preset("tiny", **MODEL)
+    T.train_variant(cfg, ModelVariant("baseline"), trn, val, tcfg(), tmp_path / "a", REF)
+    ck = T.load_checkpoint(tmp_path / "a" / T.CHECKPOINT)
+    T.check_resume(ck, trn, val)
+    bad = copy.deepcopy(ck)
+    del bad["v"]["model.norm.weight"]
+    with pytest.raises(T.TrainingError, match=r"^optimizer state serialization failed: tensor "
+                                              r"optim\.v\.model\.norm\.weight is missing"):  # fmt: skip
+        T.check_resume(bad, trn, val)
+    bad = copy.deepcopy(ck)
+    bad["best"] = init_params(ModelVariant.parse("ddl").resolve_config(cfg), 0)
+    with pytest.raises(T.TrainingError, match=r"^invalid resume state: best-validation checkpoint kind does "
+                                              r"not match the baseline artifact$"):  # fmt: skip
+        T.check_resume(bad, trn, val)
+    bad = copy.deepcopy(ck)
+    bad["cfg"] = ModelVariant.parse("ddl").resolve_config(cfg)
+    bad["report"]["variant"] = "ddl"
+    with pytest.raises(T.TrainingError, match=r"^invalid resume state: best-validation checkpoint kind does "
+                                              r"not match the DDL artifact$"):  # fmt: skip
+        T.check_resume(bad, trn, val)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the draft's FFN width: compress leaves it, heal takes it from the init model
+
+
+def test_compress_ffn_keep_leaves_the_draft_and_heal_init_source_works(tmp_path, heal_kit):
+    src = heal_kit.make_model(tmp_path / "m.ddlw")
+    compress.compress_file(src, tmp_path / "c.ddlw", keep=0.5)
+    c, m = load_model(tmp_path / "c.ddlw"), load_model(src)
+    assert c.cfg.ffn_hidden == 12 and c.cfg.mtp.ffn_hidden == 24
+    for n in m.params:
+        if n.startswith("model.mtp."):
+            np.testing.assert_array_equal(c.params[n], m.params[n])
+    text = heal_kit.make_text(tmp_path / "t.txt", 300)
+    heal.heal(tmp_path / "c.ddlw", str(text), tmp_path / "h.ddlw", heal_kit.SMALL, init_path=src)
+    h = load_model(tmp_path / "h.ddlw")
+    assert h.cfg.ffn_hidden == 12 and h.cfg.mtp.ffn_hidden == 24
+    assert h.params["model.mtp.layers.0.mlp.gate_proj.weight"].shape == (24, h.cfg.d_model)
+
+
+def test_heal_takes_the_draft_width_from_the_init_model(tmp_path, heal_kit):
+    # a model whose draft was narrowed with its trunk (12 channels), healed from a source whose draft has 24
+    narrow = heal_kit.make_model(tmp_path / "n.ddlw", heal_kit.tiny_cfg(ffn_hidden=12))
+    src = heal_kit.make_model(tmp_path / "s.ddlw", heal_kit.tiny_cfg(ffn_hidden=24))
+    text = heal_kit.make_text(tmp_path / "t.txt", 300)
+    heal.heal(narrow, str(text), tmp_path / "h.ddlw", heal_kit.SMALL, init_path=src)
+    h = load_model(tmp_path / "h.ddlw")
+    assert h.cfg.ffn_hidden == 12 and h.cfg.mtp.ffn_hidden == 24
+    assert h.params["model.mtp.layers.0.mlp.down_proj.weight"].shape == (h.cfg.d_model, 24)
+    np.testing.assert_array_equal(h.params["model.layers.0.mlp.gate_proj.weight"],
+                                  load_model(narrow).params["model.layers.0.mlp.gate_proj.weight"])  # fmt: skip
+
+
+def test_train_cli_writes_every_report_and_exits_non_zero_when_a_variant_fails(tmp_path, cli):
+    text = tmp_path / "c.txt"
+    text.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 40))
+    # a learning rate of 1e30 makes the weights overflow after the first step: the second is non-finite
+    r = cli("train", "--data", text, "--out", tmp_path / "o", "--variants", "baseline", "--max-steps", "3",
+            "--eval-interval", "1", "--batch-size", "2", "--seq-len", "16", "--learning-rate", "1e30",
+            "--backend", "ref", "--no-plots", "--preset", "tiny", "--d-model", "16", "--n-layers", "1",
+            "--n-heads", "2", "--n-kv-heads", "1", "--head-dim", "8", "--ffn-hidden", "24",
+            "--max-seq-len", "32")  # fmt: skip
+    assert r.returncode == 2, r.stderr  # a user error: the run itself went wrong, not the tool
+    assert "error: 1 of 1 variants failed: baseline" in r.stderr
+    assert re.search(r"^1    baseline      failed at step 2: non-finite", r.stdout, re.M), r.stdout
+    comp = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert comp["final_train_loss_ranking"] == ["baseline"] and comp["reports"][0]["status"] == "failed"
