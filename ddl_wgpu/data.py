@@ -1,6 +1,6 @@
 """Training and evaluation data: corpus specs, tokenizers, windows and padded batches.
 
-A data ``SPEC`` (design §7) is one of:
+A data ``SPEC`` is one of:
 
 ``stdlib``
     The running Python's standard-library ``.py`` sources, read at run time (a real corpus present on every

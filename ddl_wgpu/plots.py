@@ -25,7 +25,7 @@ def _spectral(e: dict):
 
 
 def _common_steps(reps: list[dict], has) -> list[int]:
-    """The steps at which every seed's history has an entry for which `has(entry)` holds."""
+    """The steps at which the history of every seed has an entry for which `has(entry)` holds."""
     steps = [{e["step"] for e in r["history"] if has(e)} for r in reps]
     return sorted(set.intersection(*steps)) if steps else []
 
@@ -99,7 +99,7 @@ def write_plots(comp: dict, out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(p)
 
-        # 3. final β histogram (per-layer betas) per DDL variant, every seed's sublayers counted
+        # 3. final β histogram (per-layer betas) per DDL variant, the sublayers of every seed counted
         fig, ax = plt.subplots(figsize=(7, 4))
         for v, reps in ddl.items():
             specs = [r.get("final_validation_spectral") or r.get("final_train_spectral") for r in reps]

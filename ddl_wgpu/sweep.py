@@ -2,7 +2,7 @@
 process, by worker processes over the adapters of a host (`--devices`, `--workers`), or as Ray tasks on a
 cluster (`--ray`); one comparison report over them, each variant ranked by its mean over the seeds.
 
-A job is exactly `train --variants V --seed S` (the seed sets the initialisation, the data order and the
+A job is exactly `train --variants V --seed S` (the random seed sets the initialisation, the data order and the
 validation split): it loads the data itself from the sweep's data spec and trains with `train.train_variant`,
 so its report and checkpoint are bit-identical to that run on the same kind of adapter, wherever it runs.
 

@@ -11,7 +11,7 @@ Where we differ from the reference trainer, on purpose:
   between saves) continues bit for bit on the same device.
 
 What it deliberately does not do: know about GPUs. It drives any backend with the `Net`/`Work` interface
-(`engine.Net` on wgpu, `refnet.RefNet` on numpy).
+(`net.Net` on wgpu, `refnet.RefNet` on numpy).
 """
 
 from __future__ import annotations

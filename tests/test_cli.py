@@ -264,7 +264,7 @@ def test_train_end_to_end(corpus, tmp_path, cli, ok, user_error):
     assert rep2["history"][:6] == rep["history"]
     assert [h["learning_rate"] for h in rep2["history"][6:]] == [1e-3, 1e-4]  # cosine from the last rate
     assert [h["step"] for h in rep2["history"]] == list(range(1, 9))
-    # resume with other data: the seed's check, one line
+    # resume with other data: the reference trainer's check, one line
     other = tmp_path / "other.txt"
     other.write_text(corpus.read_text()[::-1])
     user_error(
@@ -322,7 +322,7 @@ def test_draft_commands_on_a_model_without_a_draft(model_file, corpus, tmp_path,
 
 
 def test_new_phase_after_decay_to_zero_is_refused(corpus, tmp_path, cli, ok, user_error):
-    """A first phase with the seed's default floor (min_learning_rate 0) ends at lr 0; the seed's phase schedule
+    """A first phase with the reference trainer's default floor (min_learning_rate 0) ends at lr 0; the reference trainer's phase schedule
     would run the next phase at lr 0, silently training nothing: the CLI says so and exits 2."""
     out = tmp_path / "run"
     ok(cli("train", "--data", str(corpus), "--variants", "baseline", "--out", str(out), "--max-steps", "2",

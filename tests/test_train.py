@@ -1,8 +1,8 @@
-"""The trainer against the seed's `training.rs`: TrainingConfig defaults and every validation message, the
+"""The trainer against the reference trainer's `training.rs`: TrainingConfig defaults and every validation message, the
 cosine warm-up schedule and the phase schedule, loss/perplexity every step, evaluation and spectral
-telemetry on the seed's steps, best-validation tracking (initial evaluation included) with the best model
-kept, the TrainingReport / TrainingComparisonReport fields and ranking, the seed's errors, the checkpoint
-artifact, both kinds of resume with the seed's checks, a SIGKILLed run, and ref vs wgpu histories.
+telemetry on the reference trainer's steps, best-validation tracking (initial evaluation included) with the best model
+kept, the TrainingReport / TrainingComparisonReport fields and ranking, the reference trainer's errors, the checkpoint
+artifact, both kinds of resume with the reference trainer's checks, a SIGKILLed run, and ref vs wgpu histories.
 
 Everything runs a tiny model (d_model 32, one block) on a few KB of text, so the wgpu runs stay cheap on
 lavapipe. Exactness claims (`==` on losses) are made on one device within one process or across processes
@@ -79,7 +79,7 @@ CLI_MODEL_ARGS = [
     "32",
 ]
 
-REPORT_FIELDS = [  # the seed's TrainingReport, in order
+REPORT_FIELDS = [  # the reference trainer's TrainingReport, in order
     "variant",
     "config",
     "training",
@@ -242,7 +242,7 @@ RULES = [
     (dict(epsilon=NAN), "epsilon must be finite and positive"),
     (dict(grad_clip=0.0), "grad_clip must be finite and positive"),
     (dict(grad_clip=INF), "grad_clip must be finite and positive"),
-    # the fields the seed kept elsewhere
+    # the fields the reference trainer kept elsewhere
     (dict(batch_size=0), "batch_size must be greater than zero"),
     (dict(seq_len=1), "seq_len must be at least 2"),
     (dict(max_steps=-1), "max_steps must be a non-negative integer"),
@@ -291,10 +291,10 @@ def test_training_validates_before_anything(data):
 
 
 def test_cosine_schedule_is_the_seeds():
-    s = CosineWarmupSchedule(1.0, 0.1, 2, 6)  # the seed's own unit test
+    s = CosineWarmupSchedule(1.0, 0.1, 2, 6)  # the reference trainer's own unit test
     lrs = [s.learning_rate(i) for i in range(6)]
     assert lrs[0] == 0.5 and lrs[1] == 1.0 and lrs[2] <= 1.0 and lrs[3] < lrs[2] and lrs[5] == 0.1
-    # every value by the seed's formula: progress = (step - warmup) / (total - warmup - 1)
+    # every value by the reference trainer's formula: progress = (step - warmup) / (total - warmup - 1)
     for i in range(2, 6):
         expect = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (i - 2) / 3))
         assert lrs[i] == pytest.approx(expect, rel=1e-15)
@@ -377,7 +377,9 @@ def test_report_has_the_seeds_fields(straight, data):
     for key in ("initial_train", "initial_validation", "final_train", "final_validation", "best_validation"):
         assert set(rep[key]) == {"loss", "perplexity"}
         assert rep[key]["perplexity"] == pytest.approx(math.exp(rep[key]["loss"]), rel=1e-12)
-    for key in REPORT_FIELDS:  # a baseline model has no spectral telemetry (the seed's default: None)
+    for (
+        key
+    ) in REPORT_FIELDS:  # a baseline model has no spectral telemetry (the reference trainer's default: None)
         if key.endswith("_spectral"):
             assert rep[key] is None
     on_disk = T.json.loads((out / "report.json").read_text())
@@ -440,7 +442,7 @@ def test_evaluation_steps_are_the_seeds(data, monkeypatch):
 
 
 def expected_best(rep):
-    """The seed's rule: initial evaluation at step 0, then every evaluation, then the final one; a later
+    """The reference trainer's rule: initial evaluation at step 0, then every evaluation, then the final one; a later
     candidate replaces the best only when strictly lower."""
     cands = [(0, rep["initial_validation"])]
     cands += [(h["step"], h["validation"]) for h in rep["history"] if h["validation"] is not None]
@@ -527,7 +529,7 @@ def test_ranking_is_the_seeds(data):
     assert comp["best_final_train_variant"] == "baseline"
     assert comp["final_validation_loss_ranking"] == ["ddl", "ddl-cc", "baseline"]
     assert comp["best_final_validation_variant"] == "ddl"
-    # ties keep the sweep's order (the seed's stable sort), NaN ranks last (f32::total_cmp)
+    # ties keep the sweep's order (the reference trainer's stable sort), NaN ranks last (f32::total_cmp)
     reps = [fake_report("ddl-tc", 2.0, NAN), fake_report("baseline", 2.0, 1.0), fake_report("ddl", 1.0, 1.0)]
     comp = T.comparison_report(reps, trn, val, TCFG)
     assert comp["final_train_loss_ranking"] == ["ddl", "ddl-tc", "baseline"]
@@ -556,7 +558,7 @@ def test_ref_ddl_sweep_smoke(data, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the seed's errors
+# the reference trainer's errors
 
 
 def test_the_seeds_errors(data):
