@@ -91,7 +91,8 @@ class DeferredInterrupt:
     `intr.check()` where its state is whole (a step recorded, an evaluation done), which raises
     KeyboardInterrupt there. A second SIGINT raises at once (the way out of a long step) and sets `intr.hard`:
     the state may then be torn, so nothing should be saved. Outside the main thread (where Python cannot
-    install handlers) or when one is already installed by an enclosing `with`, it changes nothing."""
+    install handlers), when one is already installed by an enclosing `with`, or under a SIGINT handler that
+    stops jobs between steps itself (`stops_between_steps`), it changes nothing."""
 
     _active: DeferredInterrupt | None = None
 
@@ -104,7 +105,11 @@ class DeferredInterrupt:
         outer = DeferredInterrupt._active
         if outer is not None:
             return outer
-        if threading.current_thread() is threading.main_thread():
+        # A caller whose SIGINT handler ends the job between steps itself (a sweep's `StopRequest`, through
+        # `RunOptions.stop_after`; it says so with `stops_between_steps`) keeps its handler.
+        if threading.current_thread() is threading.main_thread() and not getattr(
+            signal.getsignal(signal.SIGINT), "stops_between_steps", False
+        ):
             self._previous = signal.signal(signal.SIGINT, self._handler)
             self._owner = True
             DeferredInterrupt._active = self

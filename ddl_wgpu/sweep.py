@@ -219,6 +219,8 @@ class StopRequest:
     entry saves weights one step ahead of the report, which a resume then trains again. Callable as a SIGINT
     handler; asking again changes nothing."""
 
+    stops_between_steps = True  # run.DeferredInterrupt leaves Ctrl-C to this handler
+
     def __init__(self):
         self.requested, self.opts = False, None
 
@@ -537,8 +539,9 @@ def _ray_task(
 
     if not stop.empty():  # the sweep was interrupted before this task started
         return {"status": "interrupted", "report": {}, "error": None}
+    previous = None
     with contextlib.suppress(ValueError):  # a SIGINT to the worker itself (main thread only)
-        signal.signal(signal.SIGINT, STOP)
+        previous = signal.signal(signal.SIGINT, STOP)
     done = threading.Event()
     threading.Thread(target=_watch, args=(stop, done), daemon=True).start()
     lock, device = None, None
@@ -564,6 +567,10 @@ def _ray_task(
         return res
     finally:
         done.set()
+        if (
+            previous is not None
+        ):  # the process may run other work after this task (a test calls it in-process)
+            signal.signal(signal.SIGINT, previous)
         if lock is not None:
             lock.close()
         if not shared:
