@@ -10,7 +10,6 @@ or command that gets the user further, and exit with 2; nothing a user can trigg
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import signal
@@ -18,35 +17,67 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
 
 import typer
 from typer._click import exceptions as usage  # typer parses with its own copy of click
 
-from ddl_ref.config import ConfigError, ModelVariant, MtpConfig, parse_variants
-from ddl_ref.config import preset as make_preset
+from ddl_ref.config import ModelVariant, MtpConfig, parse_variants
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu import accept as accept_lib
 from ddl_wgpu import generate as generate_lib
 from ddl_wgpu import heal as heal_lib
 from ddl_wgpu import sweep as sweep_lib
 from ddl_wgpu import train as train_lib
-from ddl_wgpu.backend import BackendChoice, BackendError, UnknownBackendError, choose_backend, make_net
-from ddl_wgpu.cli_checks import EXIT_USER_ERROR, batch_tokens, fail, fits, in_range, output_file
+from ddl_wgpu.backend import choose_backend, make_net
+from ddl_wgpu.cli_checks import (
+    EXIT_USER_ERROR,
+    batch_tokens,
+    error_line,
+    fail,
+    fits,
+    in_range,
+    is_user_error,
+    output_file,
+)
+from ddl_wgpu.cli_options import (
+    BackendOpt,
+    ChainAttention,
+    DeviceOpt,
+    DevicesOpt,
+    DModel,
+    FfnHidden,
+    HeadDim,
+    MaxSeqLen,
+    NHeads,
+    NKvHeads,
+    NLayers,
+    NormStyle,
+    NoVerify,
+    PrecisionOpt,
+    QkNorm,
+    RayOpt,
+    RopeTheta,
+    TieEmbeddings,
+    TrunkDtype,
+    VocabSize,
+    WorkersOpt,
+    backend_line,
+    emit,
+    model_config,
+    opt,
+)
 from ddl_wgpu.compress import compress_file
 from ddl_wgpu.console import HealConsole, TrainConsole, accept_text, fields, ranked_table, summary_text
-from ddl_wgpu.container import CheckpointError
 from ddl_wgpu.data import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_VAL_FRACTION,
     STDLIB_SPEC,
-    ByteTokenizer,
+    data_source,
     eval_windows,
-    load_datasets,
+    load_source,
     tokenizer_for,
 )
-from ddl_wgpu.errors import UserError
-from ddl_wgpu.hf import HfError, export_hf_from_file, import_hf_to_file
+from ddl_wgpu.hf import export_hf_from_file, import_hf_to_file
 from ddl_wgpu.inspect import describe, render_text
 from ddl_wgpu.modelfile import Model, load_model, save_model
 from ddl_wgpu.plots import write_plots
@@ -63,68 +94,6 @@ app = typer.Typer(
 
 TRAIN = train_lib.TrainingConfig()  # the defaults of the training options
 HEAL = heal_lib.HealConfig()  # the defaults of the heal options
-
-
-def _emit(obj, as_json: bool, text: str):
-    typer.echo(json.dumps(obj, indent=2) if as_json else text)
-
-
-NoVerify = Annotated[
-    bool,
-    typer.Option(
-        "--no-verify", help="Skip the tensor hash check of trusted inputs (it costs one hashing pass)."
-    ),
-]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the backend
-
-
-BackendOpt = Annotated[
-    str,
-    typer.Option(
-        "--backend",
-        help="auto (wgpu on a real GPU adapter, the numpy reference on CPU-only adapters), wgpu or ref.",
-    ),
-]
-DeviceOpt = Annotated[str | None, typer.Option("--device", help="Adapter index or name substring.")]
-PrecisionOpt = Annotated[
-    str,
-    typer.Option("--precision", help="f32, or f16: mixed precision (f16 GEMM products, loss scaling; wgpu)."),
-]
-
-
-DevicesOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--devices",
-        help="Run the jobs in worker processes, one per adapter: 'all' or a comma list of "
-        "adapter indices or names (name one twice for two workers on it).",
-        rich_help_panel="Sweep",
-    ),
-]
-WorkersOpt = Annotated[
-    int,
-    typer.Option(
-        "--workers",
-        help="Worker processes (the numpy backend's; on wgpu spread over --devices).",
-        rich_help_panel="Sweep",
-    ),
-]
-RayOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--ray",
-        help="Run the jobs as Ray tasks: 'local' (start a local cluster) or a running "
-        "cluster's ADDRESS ('auto', HOST:PORT, ray://HOST:PORT); needs the ray extra.",
-        rich_help_panel="Sweep",
-    ),
-]
-
-
-def _backend_line(choice: BackendChoice) -> str:
-    return f"backend: {choice.name} ({choice.reason})"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -175,45 +144,11 @@ def inspect(
 ):
     """Header summary, tensor table and provenance of a checkpoint file."""
     desc = describe(str(file), verify=verify)
-    _emit(desc, as_json, render_text(desc))
+    emit(desc, as_json, render_text(desc))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # models: init, eval, import-hf, export-hf
-
-MODEL_HELP = "Model options (override the preset)"
-
-
-def _model_opt(kind, help_: str):
-    """A model option shared by `init` and `train`: None means "the preset's value"."""
-    return Annotated[kind | None, typer.Option(help=help_, rich_help_panel=MODEL_HELP)]
-
-
-VocabSize = _model_opt(int, "Vocabulary size.")
-DModel = _model_opt(int, "Residual width.")
-NLayers = _model_opt(int, "Blocks.")
-NHeads = _model_opt(int, "Query heads.")
-NKvHeads = _model_opt(int, "Key/value heads (GQA).")
-HeadDim = _model_opt(int, "Head dimension.")
-FfnHidden = _model_opt(int, "SwiGLU hidden size.")
-MaxSeqLen = _model_opt(int, "Longest sequence.")
-RopeTheta = _model_opt(float, "RoPE base.")
-QkNorm = _model_opt(str, "none, pre_rope or post_rope.")
-NormStyle = _model_opt(str, "standard (w*x) or offset ((1+w)*x).")
-TieEmbeddings = _model_opt(bool, "Tie the LM head to the embedding.")
-MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
-                "max_seq_len", "rope_theta", "qk_norm", "norm_style", "tie_embeddings")  # fmt: skip
-
-
-def _model_config(preset: str, options: dict, mtp: bool = False):
-    """The preset with every model option the user gave (`options`: a command's locals()) applied, and an MTP
-    draft when `mtp`."""
-    cfg = make_preset(preset, **{k: options[k] for k in MODEL_FIELDS if options.get(k) is not None})
-    return replace(cfg, mtp=MtpConfig()) if mtp else cfg
-
-
-def _opt(default, help_: str, panel: str = MODEL_HELP, **kw):
-    return typer.Option(default, help=help_, rich_help_panel=panel, **kw)
 
 
 @app.command()
@@ -222,7 +157,7 @@ def init(
         "baseline", "--variant", help="baseline, ddl, ddl-tc-noec, ddl-cc-noec, ddl-tc, ddl-cc."
     ),
     out: Path = typer.Option(..., "--out", help="Model file to write (.ddlw)."),
-    preset: str = _opt("tiny", "Size preset: tiny, small (124M), medium (353M)."),
+    preset: str = opt("tiny", "Size preset: tiny, small (124M), medium (353M)."),
     seed: int = typer.Option(0, "--seed", help="Initialisation seed."),
     vocab_size: VocabSize = None,
     d_model: DModel = None,
@@ -240,7 +175,7 @@ def init(
 ):
     """Write a freshly initialised model file."""
     in_range("seed", seed, 0)
-    base = _model_config(preset, locals())
+    base = model_config(preset, locals())
     v = ModelVariant.parse(variant)
     cfg = v.resolve_config(base)
     if mtp:
@@ -274,7 +209,7 @@ def eval_(
     in_range("max-tokens", max_tokens, 0)
     batch_tokens("batch", batch, seq_len)
     choice = choose_backend(backend, device)
-    typer.echo(_backend_line(choice), err=as_json)
+    typer.echo(backend_line(choice), err=as_json)
     m = load_model(model, verify=not no_verify)
     ds = eval_windows(
         data,
@@ -305,7 +240,7 @@ def eval_(
         f"{model}: loss {out['loss']:.6f}  perplexity {out['perplexity']:.4f}  over {out['windows']} windows, "
         f"{out['tokens']} tokens ({choice.name}, {dt:.2f} s)"
     )
-    _emit(out, as_json, text)
+    emit(out, as_json, text)
 
 
 @app.command("import-hf")
@@ -318,7 +253,7 @@ def import_hf(
 ):
     """Import a Qwen3 or Llama checkpoint folder into our container."""
     summary = import_hf_to_file(folder, out)
-    _emit(summary, as_json, summary_text(summary) + f"\nwrote {out}")
+    emit(summary, as_json, summary_text(summary) + f"\nwrote {out}")
 
 
 @app.command("export-hf")
@@ -336,42 +271,13 @@ def export_hf(
 ):
     """Export a model as a Hugging Face folder (Qwen3/Llama for baseline models, raw tensors for DDL)."""
     summary = export_hf_from_file(model, folder, raw=raw, overwrite=force, verify=not no_verify)
-    _emit(summary, as_json, summary_text(summary) + f"\nwrote {folder}")
+    emit(summary, as_json, summary_text(summary) + f"\nwrote {folder}")
 
 
 # ---------------------------------------------------------------------------------------------------------
 # training
 
 TRAIN_HELP = "Training options"
-
-
-def _data_source(data: str, val_data: str | None, val_fraction: float, max_tokens: int) -> dict:
-    """How a run loads its data, recorded in its checkpoints: paths made absolute so that `resume` finds
-    them from any folder."""
-
-    def spec(s):
-        return s if s is None or s == STDLIB_SPEC else os.path.abspath(s)
-
-    return {
-        "data": spec(data),
-        "val_data": spec(val_data),
-        "val_fraction": val_fraction,
-        "max_tokens": max_tokens,
-    }
-
-
-def _load_data(source: dict, seq_len: int, batch_size: int, vocab_size: int, seed: int):
-    return load_datasets(
-        source["data"],
-        tokenizer=ByteTokenizer(),
-        seq_len=seq_len,
-        batch_size=batch_size,
-        val_spec=source["val_data"],
-        val_fraction=source["val_fraction"],
-        max_tokens=source["max_tokens"] or None,
-        vocab_size=vocab_size,
-        seed=seed,
-    )
 
 
 def _run(fn, con: TrainConsole):
@@ -407,7 +313,7 @@ def train(
     max_tokens: int = typer.Option(
         DEFAULT_MAX_TOKENS, "--max-tokens", help="Read at most this many tokens per spec (0: all)."
     ),
-    preset: str = _opt("tiny", "Size preset: tiny, small, medium."),
+    preset: str = opt("tiny", "Size preset: tiny, small, medium."),
     vocab_size: VocabSize = None,
     d_model: DModel = None,
     n_layers: NLayers = None,
@@ -420,29 +326,29 @@ def train(
     qk_norm: QkNorm = None,
     norm_style: NormStyle = None,
     tie_embeddings: TieEmbeddings = None,
-    max_steps: int = _opt(TRAIN.max_steps, "Optimizer steps.", TRAIN_HELP),
-    eval_interval: int = _opt(TRAIN.eval_interval, "Evaluate every N steps (and the last).", TRAIN_HELP),
-    learning_rate: float = _opt(TRAIN.learning_rate, "Peak learning rate.", TRAIN_HELP),
-    min_learning_rate: float = _opt(TRAIN.min_learning_rate, "Cosine floor.", TRAIN_HELP),
-    warmup_steps: int = _opt(TRAIN.warmup_steps, "Linear warm-up steps.", TRAIN_HELP),
-    weight_decay: float = _opt(TRAIN.weight_decay, "AdamW decoupled weight decay.", TRAIN_HELP),
-    beta1: float = _opt(TRAIN.beta1, "AdamW beta1.", TRAIN_HELP),
-    beta2: float = _opt(TRAIN.beta2, "AdamW beta2.", TRAIN_HELP),
-    epsilon: float = _opt(TRAIN.epsilon, "AdamW epsilon.", TRAIN_HELP),
-    grad_clip: float = _opt(TRAIN.grad_clip, "Gradient-norm clip.", TRAIN_HELP),
-    grad_clip_mode: str = _opt(
+    max_steps: int = opt(TRAIN.max_steps, "Optimizer steps.", TRAIN_HELP),
+    eval_interval: int = opt(TRAIN.eval_interval, "Evaluate every N steps (and the last).", TRAIN_HELP),
+    learning_rate: float = opt(TRAIN.learning_rate, "Peak learning rate.", TRAIN_HELP),
+    min_learning_rate: float = opt(TRAIN.min_learning_rate, "Cosine floor.", TRAIN_HELP),
+    warmup_steps: int = opt(TRAIN.warmup_steps, "Linear warm-up steps.", TRAIN_HELP),
+    weight_decay: float = opt(TRAIN.weight_decay, "AdamW decoupled weight decay.", TRAIN_HELP),
+    beta1: float = opt(TRAIN.beta1, "AdamW beta1.", TRAIN_HELP),
+    beta2: float = opt(TRAIN.beta2, "AdamW beta2.", TRAIN_HELP),
+    epsilon: float = opt(TRAIN.epsilon, "AdamW epsilon.", TRAIN_HELP),
+    grad_clip: float = opt(TRAIN.grad_clip, "Gradient-norm clip.", TRAIN_HELP),
+    grad_clip_mode: str = opt(
         TRAIN.grad_clip_mode,
         "per-tensor (each tensor by its own norm, the reference trainer's) or global (one norm for all).",
         TRAIN_HELP,
     ),
-    batch_size: int = _opt(TRAIN.batch_size, "Rows per step.", TRAIN_HELP),
-    seq_len: int = _opt(TRAIN.seq_len, "Tokens per row.", TRAIN_HELP),
-    seed: int = _opt(TRAIN.seed, "Init and data-order seed.", TRAIN_HELP),
-    eval_batches: int = _opt(
+    batch_size: int = opt(TRAIN.batch_size, "Rows per step.", TRAIN_HELP),
+    seq_len: int = opt(TRAIN.seq_len, "Tokens per row.", TRAIN_HELP),
+    seed: int = opt(TRAIN.seed, "Init and data-order seed.", TRAIN_HELP),
+    eval_batches: int = opt(
         TRAIN.eval_batches, "Cap each evaluation at N batches (0: the whole split).", TRAIN_HELP
     ),
-    mtp: bool = _opt(False, "Add an MTP draft block (model.mtp.*) trained jointly with the trunk."),
-    mtp_weight: float = _opt(
+    mtp: bool = opt(False, "Add an MTP draft block (model.mtp.*) trained jointly with the trunk."),
+    mtp_weight: float = opt(
         TRAIN.mtp_weight, "Weight of the draft's loss in joint MTP training.", TRAIN_HELP
     ),
     save_interval: int = typer.Option(
@@ -471,7 +377,7 @@ def train(
     in_range("stop-after", stop_after, 0)
     in_range("max-tokens", max_tokens, 0)
     in_range("val-fraction", val_fraction, 0.0, 1.0)
-    base = _model_config(preset, locals(), mtp)
+    base = model_config(preset, locals(), mtp)
     tcfg = train_lib.TrainingConfig(
         max_steps=max_steps,
         eval_interval=eval_interval,
@@ -502,9 +408,9 @@ def train(
     choice = choose_backend(backend, device)
     if precision != "f32" and choice.name != "wgpu":
         fail(
-            f"--precision {precision} runs on the wgpu backend only ({_backend_line(choice)}): pass --backend wgpu"
+            f"--precision {precision} runs on the wgpu backend only ({backend_line(choice)}): pass --backend wgpu"
         )
-    source = _data_source(data, val_data, val_fraction, max_tokens)
+    source = data_source(data, val_data, val_fraction, max_tokens)
     with claim_output(out, overwrite):
         if seeds is not None or devices is not None or workers or ray is not None:
             seed_list = sweep_lib.parse_seeds(seeds) if seeds is not None else [seed]
@@ -512,7 +418,7 @@ def train(
                                  seed_list, source, choice.name, save_interval, precision)  # fmt: skip
             runner = sweep_lib.Runner.parse(choice.name, devices, workers, ray, device)
             typer.echo(f"resolved configuration:\n  model:    {fields(base.to_dict())}\n  training: "
-                       f"{fields(sw.training)}\n  data:     {fields(source)}\n  {_backend_line(choice)}\n"
+                       f"{fields(sw.training)}\n  data:     {fields(source)}\n  {backend_line(choice)}\n"
                        f"  sweep:    {len(sw.jobs())} jobs ({len(vs)} variants x {len(seed_list)} seeds), "
                        f"{runner.describe()}")  # fmt: skip
             return _sweep(lambda: sweep_lib.run(sw, out, runner, stop_after), out, plots)
@@ -522,14 +428,14 @@ def train(
 def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots, precision):
     """`train` once its options are checked and its output folder claimed."""
     batch_size, seq_len = tcfg.batch_size, tcfg.seq_len
-    trn, val = _load_data(source, seq_len, batch_size, base.vocab_size, tcfg.seed)
+    trn, val = load_source(source, seq_len, batch_size, base.vocab_size, tcfg.seed)
     typer.echo("resolved configuration:")
     typer.echo("  model:    " + fields(base.to_dict()))
     typer.echo("  training: " + fields(tcfg.to_dict()))
     if tcfg.eval_batches:
         typer.echo(f"  evaluation: the first {tcfg.eval_batches} batches of each split (not the whole split)")
     typer.echo(f"  variants: {', '.join(v.slug for v in vs)}")
-    typer.echo("  " + _backend_line(choice))
+    typer.echo("  " + backend_line(choice))
     typer.echo(f"  data:     {fields(trn.summary())}")
     if val is not None:
         typer.echo(f"  val:      {fields(val.summary())}")
@@ -633,20 +539,20 @@ def resume(
     steps: int = typer.Option(
         None, "--steps", help="Train a new phase of N steps (default: finish the run)."
     ),
-    learning_rate: float = _opt(None, "New phase: peak learning rate.", TRAIN_HELP),
-    min_learning_rate: float = _opt(None, "New phase: cosine floor.", TRAIN_HELP),
-    eval_interval: int = _opt(None, "New phase: evaluation interval.", TRAIN_HELP),
-    weight_decay: float = _opt(None, "New phase: weight decay.", TRAIN_HELP),
-    grad_clip: float = _opt(None, "New phase: gradient clip.", TRAIN_HELP),
-    warmup_steps: int = _opt(None, "New phase: warm-up steps (a later phase never warms up).", TRAIN_HELP),
-    beta1: float = _opt(None, "New phase: AdamW beta1.", TRAIN_HELP),
-    beta2: float = _opt(None, "New phase: AdamW beta2.", TRAIN_HELP),
-    epsilon: float = _opt(None, "New phase: AdamW epsilon.", TRAIN_HELP),
-    eval_batches: int = _opt(
+    learning_rate: float = opt(None, "New phase: peak learning rate.", TRAIN_HELP),
+    min_learning_rate: float = opt(None, "New phase: cosine floor.", TRAIN_HELP),
+    eval_interval: int = opt(None, "New phase: evaluation interval.", TRAIN_HELP),
+    weight_decay: float = opt(None, "New phase: weight decay.", TRAIN_HELP),
+    grad_clip: float = opt(None, "New phase: gradient clip.", TRAIN_HELP),
+    warmup_steps: int = opt(None, "New phase: warm-up steps (a later phase never warms up).", TRAIN_HELP),
+    beta1: float = opt(None, "New phase: AdamW beta1.", TRAIN_HELP),
+    beta2: float = opt(None, "New phase: AdamW beta2.", TRAIN_HELP),
+    epsilon: float = opt(None, "New phase: AdamW epsilon.", TRAIN_HELP),
+    eval_batches: int = opt(
         None, "New phase: cap each evaluation at N batches (0: whole split).", TRAIN_HELP
     ),
-    mtp_weight: float = _opt(None, "New phase: weight of the draft's loss (joint MTP training).", TRAIN_HELP),
-    grad_clip_mode: str = _opt(None, "New phase: per-tensor or global clipping.", TRAIN_HELP),
+    mtp_weight: float = opt(None, "New phase: weight of the draft's loss (joint MTP training).", TRAIN_HELP),
+    grad_clip_mode: str = opt(None, "New phase: per-tensor or global clipping.", TRAIN_HELP),
     out: Path = typer.Option(None, "--out", help="Write here instead of the checkpoint's folder."),
     save_interval: int = typer.Option(0, "--save-interval", help="Save a checkpoint every N steps."),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop again after N steps."),
@@ -684,13 +590,13 @@ def resume(
     if source["data"] is None:
         fail(f"{checkpoint} does not record its training data: pass --data SPEC")
     choice = choose_backend(backend, device)
-    trn, val = _load_data(source, tr["seq_len"], tr["batch_size"], ck["cfg"].vocab_size, tr["seed"])
+    trn, val = load_source(source, tr["seq_len"], tr["batch_size"], ck["cfg"].vocab_size, tr["seed"])
     typer.echo("resolved configuration:")
     typer.echo(
         f"  checkpoint: {checkpoint} ({ck['report']['variant']}, {ck['report']['steps_completed']} steps)"
     )
     typer.echo("  data:     " + fields(source))
-    typer.echo("  " + _backend_line(choice))
+    typer.echo("  " + backend_line(choice))
     over = {
         k: v
         for k, v in dict(
@@ -741,21 +647,6 @@ def resume(
 # MTP draft: compress, accept, heal
 
 HEAL_HELP = "Heal options"
-ChainAttention = Annotated[
-    str,
-    typer.Option(
-        "--chain-attention",
-        help="Attention of chain steps: per-step (each step its own causal pass, as the reference heal tool) "
-        "or stacked (steps 1..j stacked with the runtime's diagonal mask).",
-    ),
-]
-TrunkDtype = Annotated[
-    str,
-    typer.Option(
-        "--trunk-dtype",
-        help="wgpu: the trunk's big matrices in f32, or f16 (half the memory; needs the adapter's shader-f16).",
-    ),
-]
 
 
 @app.command()
@@ -772,7 +663,7 @@ def compress(
     """Structural compress: drop whole blocks, or keep the most important SwiGLU channels."""
     output_file(out)
     prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep, verify=not no_verify)
-    _emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
+    emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
 
 
 @app.command()
@@ -797,12 +688,12 @@ def accept(
     in_range("window", window, depth + 1)
     in_range("tokens", tokens, 0)
     choice = choose_backend(backend, device)
-    typer.echo(_backend_line(choice), err=as_json)
+    typer.echo(backend_line(choice), err=as_json)
     r = accept_lib.accept_file(model, data, depth=depth, window=window, tokens=tokens or None,
                                backend=choice.name, probe_conventions=probe_conventions, device=device,
                                trunk_dtype=trunk_dtype, chain_attention=chain_attention,
                                verify=not no_verify)  # fmt: skip
-    _emit(r, as_json, accept_text(r))
+    emit(r, as_json, accept_text(r))
 
 
 @app.command("accept-table")
@@ -827,26 +718,26 @@ def heal(
     init: Path = typer.Option(
         None, "--init", help="Start the draft from this model's draft (e.g. the source)."
     ),
-    chain: int = _opt(HEAL.chain, "Chain steps trained (the runtime drafts 3-5 deep).", HEAL_HELP),
-    refresh: int = _opt(
+    chain: int = opt(HEAL.chain, "Chain steps trained (the runtime drafts 3-5 deep).", HEAL_HELP),
+    refresh: int = opt(
         HEAL.refresh, "Steps between rebuilds of chain steps 2.. from the current draft.", HEAL_HELP
     ),
-    tokens: int = _opt(HEAL.tokens, "Token budget of all windows.", HEAL_HELP),
-    window: int = _opt(HEAL.window, "Window length.", HEAL_HELP),
-    epochs: float = _opt(
+    tokens: int = opt(HEAL.tokens, "Token budget of all windows.", HEAL_HELP),
+    window: int = opt(HEAL.window, "Window length.", HEAL_HELP),
+    epochs: float = opt(
         HEAL.epochs, "Passes over the (batch, chain step) jobs; fractional allowed.", HEAL_HELP
     ),
-    lr: float = _opt(HEAL.lr, "Peak learning rate.", HEAL_HELP),
-    topk: int = _opt(HEAL.topk, "Width of the trunk's stored next-token distribution.", HEAL_HELP),
-    batch: int = _opt(HEAL.batch, "Windows per step.", HEAL_HELP),
-    eval_every: int = _opt(HEAL.eval_every, "Steps between held-out evaluations.", HEAL_HELP),
-    patience: int = _opt(
+    lr: float = opt(HEAL.lr, "Peak learning rate.", HEAL_HELP),
+    topk: int = opt(HEAL.topk, "Width of the trunk's stored next-token distribution.", HEAL_HELP),
+    batch: int = opt(HEAL.batch, "Windows per step.", HEAL_HELP),
+    eval_every: int = opt(HEAL.eval_every, "Steps between held-out evaluations.", HEAL_HELP),
+    patience: int = opt(
         HEAL.patience, "Evaluations without a new best before stopping (0: never).", HEAL_HELP
     ),
-    seed: int = _opt(HEAL.seed, "Job-order seed.", HEAL_HELP),
+    seed: int = opt(HEAL.seed, "Job-order seed.", HEAL_HELP),
     trunk_dtype: TrunkDtype = HEAL.trunk_dtype,
     chain_attention: ChainAttention = HEAL.chain_attention,
-    kl_form: str = _opt(
+    kl_form: str = opt(
         HEAL.kl_form,
         "Top-k KL: full (the draft's full-vocabulary log-softmax, as the reference heal tool) or topk "
         "(the draft renormalised over the teacher's k ids).",
@@ -875,7 +766,7 @@ def heal(
     choice = choose_backend(backend, device)
     typer.echo("resolved configuration:", err=as_json)
     typer.echo("  heal:     " + fields(cfg.to_dict()), err=as_json)
-    typer.echo("  " + _backend_line(choice), err=as_json)
+    typer.echo("  " + backend_line(choice), err=as_json)
     rep = heal_lib.heal(model, data, out, cfg, init_path=init, backend=choice.name,
                         progress=HealConsole(as_json), device=device, verify=not no_verify)  # fmt: skip
     if as_json:
@@ -938,7 +829,7 @@ def generate(
     text = _prompt_of(prompt, prompt_file)
     sampling = generate_lib.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     choice = choose_backend(backend, device)
-    typer.echo(_backend_line(choice), err=True)
+    typer.echo(backend_line(choice), err=True)
     r = generate_lib.generate(model, text, max_new_tokens=max_new_tokens, sampling=sampling, stops=stop or (),
                               speculative=speculative, depth=depth, backend=choice.name, device=device,
                               on_text=None if as_json else _write_now, dtype=trunk_dtype)  # fmt: skip
@@ -951,59 +842,6 @@ def generate(
 
 # ---------------------------------------------------------------------------------------------------------
 # errors
-
-# What gets the user further, by the library's `UserError.kind`.
-HINTS = {
-    "run_completed": "train a new phase with `resume CHECKPOINT --steps N`",
-    "phase_unfinished": "finish it first with `resume CHECKPOINT` (no --steps)",
-    "needs_phase": "pass --steps N to train a new phase with other options",
-    "non_finite": "try a lower --learning-rate",
-    "split_too_small": "give more data (--data, --max-tokens), validation data (--val-data) or --val-fraction 0",
-    "trunk_needs_wgpu": "use --backend wgpu or --trunk-dtype f32",
-    "one_method": "pass exactly one of --drop-layers LIST and --ffn-keep F",
-    "too_few_windows": "give more data (--data) or a larger --tokens, or a smaller --batch",
-    "run_exists": "pass --overwrite to replace it, or continue it with `resume DIR/VARIANT/checkpoint.ddlw`",
-    "locked": "wait for it to end, or write to another --out",
-    "not_writable": "write to another --out",
-    "out_not_folder": "--out names a folder to create",
-}
-
-# OS errors a user causes through the files they name: one line, not a traceback.
-USER_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EROFS: "read-only file system",
-               errno.EDQUOT: "disk quota exceeded", errno.EACCES: "permission denied",
-               errno.ENOTDIR: "not a folder", errno.EEXIST: "already exists"}  # fmt: skip
-
-
-def _hint(e: BaseException) -> str:
-    if isinstance(e, UnknownBackendError):
-        return " (--backend)"
-    if isinstance(e, BackendError) and "needs the wgpu backend" in str(e):
-        return f"; {HINTS['trunk_needs_wgpu']}"
-    kind, field = getattr(e, "kind", None), getattr(e, "field", None)
-    if kind in HINTS:
-        return f"; {HINTS[kind]}"
-    if field:
-        return f" (--{field.replace('_', '-')})"
-    return ""
-
-
-def _is_user_error(e: BaseException) -> bool:
-    if isinstance(e, UserError | BackendError | ConfigError | CheckpointError | HfError | FileNotFoundError
-                  | IsADirectoryError
-                  | PermissionError):  # fmt: skip
-        return True
-    if isinstance(e, OSError) and e.errno in USER_ERRNOS:
-        return True
-    gpu_mod = sys.modules.get("ddl_wgpu.gpu")  # only a loaded GPU layer can have raised its errors
-    return gpu_mod is not None and isinstance(e, gpu_mod.GpuError)
-
-
-def _error_line(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.errno in USER_ERRNOS:
-        where = e.filename if e.filename is not None else "writing"
-        return f"error: {where}: {USER_ERRNOS[e.errno]} ({e.strerror or e})"
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return f"error: {msg}{_hint(e)}"
 
 
 def main():
@@ -1031,9 +869,9 @@ def _main() -> int:
         typer.echo("interrupted", err=True)
         return 130
     except Exception as e:
-        if not _is_user_error(e):
+        if not is_user_error(e):
             raise
-        typer.echo(_error_line(e), err=True)
+        typer.echo(error_line(e), err=True)
         return EXIT_USER_ERROR
     return code if isinstance(code, int) else 0
 

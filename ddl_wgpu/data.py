@@ -712,3 +712,33 @@ def eval_windows(
     (``num_predictions``)."""
     windows = _windows_of(spec, tokenizer, seq_len, max_tokens, vocab_size)
     return TokenDataset(windows, batch_size=batch_size, seq_len=seq_len, source=os.fspath(spec), split="eval")
+
+
+def data_source(data: str, val_data: str | None, val_fraction: float, max_tokens: int) -> dict:
+    """How a run loads its data, recorded in its checkpoints (and a sweep's `sweep.json`): paths made
+    absolute so that `resume` finds them from any folder. `load_source` loads it."""
+
+    def spec(s):
+        return s if s is None or s == STDLIB_SPEC else os.path.abspath(s)
+
+    return {
+        "data": spec(data),
+        "val_data": spec(val_data),
+        "val_fraction": val_fraction,
+        "max_tokens": max_tokens,
+    }
+
+
+def load_source(source: dict, seq_len: int, batch_size: int, vocab_size: int, seed: int):
+    """(train, validation) datasets of a `data_source` record, byte tokens."""
+    return load_datasets(
+        source["data"],
+        tokenizer=ByteTokenizer(),
+        seq_len=seq_len,
+        batch_size=batch_size,
+        val_spec=source["val_data"],
+        val_fraction=source["val_fraction"],
+        max_tokens=source["max_tokens"] or None,
+        vocab_size=vocab_size,
+        seed=seed,
+    )

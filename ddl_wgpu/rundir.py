@@ -5,6 +5,7 @@ folder that already holds a run unless asked to overwrite it.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -104,3 +105,15 @@ def claim_output(folder: Path, overwrite: bool) -> RunLock:
         lock.__exit__()
         raise
     return lock
+
+
+def write_json(path: Path, obj) -> None:
+    """Atomic JSON write (temp name, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, allow_nan=True))
+        tmp.replace(path)
+    except BaseException:  # a full disk or a Ctrl-C: no half-written partial left behind
+        tmp.unlink(missing_ok=True)
+        raise

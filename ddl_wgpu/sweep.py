@@ -44,8 +44,9 @@ from pathlib import Path
 
 from ddl_ref.config import ModelConfig, ModelVariant
 from ddl_wgpu import train as train_lib
-from ddl_wgpu.data import STDLIB_SPEC, ByteTokenizer, DataError, load_datasets
+from ddl_wgpu.data import STDLIB_SPEC, DataError, load_source
 from ddl_wgpu.errors import UserError
+from ddl_wgpu.rundir import write_json
 
 SWEEP = "sweep.json"
 # the statistics of the comparison over seeds, per variant and loss
@@ -97,7 +98,7 @@ class Sweep:
         return train_lib.TrainingConfig.from_dict({**self.training, "seed": seed})
 
     def save(self, root: Path) -> None:
-        train_lib.write_json(Path(root) / SWEEP, asdict(self))
+        write_json(Path(root) / SWEEP, asdict(self))
 
     @classmethod
     def load(cls, root: Path) -> Sweep:
@@ -189,18 +190,7 @@ def check_data(source: dict) -> None:
 
 
 def _load(sweep: Sweep, tcfg: train_lib.TrainingConfig):
-    s = sweep.data
-    return load_datasets(
-        s["data"],
-        tokenizer=ByteTokenizer(),
-        seq_len=tcfg.seq_len,
-        batch_size=tcfg.batch_size,
-        val_spec=s["val_data"],
-        val_fraction=s["val_fraction"],
-        max_tokens=s["max_tokens"] or None,
-        vocab_size=sweep.base["vocab_size"],
-        seed=tcfg.seed,
-    )
+    return load_source(sweep.data, tcfg.seq_len, tcfg.batch_size, sweep.base["vocab_size"], tcfg.seed)
 
 
 def finished_report(folder: Path) -> dict | None:
@@ -750,7 +740,7 @@ def run(sweep: Sweep, root: Path, runner: Runner, stop_after: int = 0, view: Swe
     if any(results.get(j.name, {}).get("status") in ("stopped", "interrupted") for j in jobs):
         return {"status": "stopped", "jobs": comparison(sweep, results)["jobs"]}
     comp = comparison(sweep, results)
-    train_lib.write_json(root / train_lib.REPORT, comp)
+    write_json(root / train_lib.REPORT, comp)
     return comp
 
 

@@ -31,7 +31,7 @@ from ddl_wgpu.data import TokenDataset
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.modelfile import load_config, read_params
 from ddl_wgpu.run import Best, Cadence, DeferredInterrupt, Events, drive
-from ddl_wgpu.rundir import CHECKPOINT, REPORT
+from ddl_wgpu.rundir import CHECKPOINT, REPORT, write_json
 from ddl_wgpu.safeio import load_json
 from ddl_wgpu.step import AdamW
 
@@ -205,22 +205,6 @@ def evaluate(net, dataset: TokenDataset, max_batches: int = 0, spectral: bool = 
 
 # ---------------------------------------------------------------------------------------------------------
 # checkpoints
-
-
-def _report_path(d: Path) -> Path:
-    return d / REPORT
-
-
-def write_json(path: Path, obj) -> None:
-    """Atomic JSON write (temp name, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        tmp.write_text(json.dumps(obj, indent=2, allow_nan=True))
-        tmp.replace(path)
-    except BaseException:  # a full disk or a Ctrl-C: no half-written partial left behind
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def save_checkpoint(
@@ -510,7 +494,7 @@ class _Variant:
         best = self.net.export_snapshot(self.best.snapshot) if self.best.snapshot is not None else None
         position = {"phase": self.phase, "steps_completed": self.report["steps_completed"]}
         save_checkpoint(self.ckpt, self.net, self.report, best, position, self.opts.data, self.opts.sweep)
-        write_json(_report_path(self.out_dir), self.report)
+        write_json(self.out_dir / REPORT, self.report)
 
     def finish(self) -> None:
         """The final evaluation (the reference trainer's: whole datasets, here capped by eval_batches), the

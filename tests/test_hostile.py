@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddl_wgpu import cli as cli_mod
+from ddl_wgpu import cli_checks
 from ddl_wgpu import train as T
 from ddl_wgpu.container import CheckpointError, open_checkpoint, save
 from ddl_wgpu.data import DataError, load_records
@@ -106,8 +106,8 @@ def test_outputs_that_cannot_be_written(model, corpus, tmp_path, cli, user_error
 
 def test_a_full_disk_is_one_line():
     e = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "out/checkpoint.ddlw.partial")
-    assert cli_mod._is_user_error(e)
-    line = cli_mod._error_line(e)
+    assert cli_checks.is_user_error(e)
+    line = cli_checks.error_line(e)
     assert line.startswith("error: out/checkpoint.ddlw.partial: no space left") and "\n" not in line
 
 

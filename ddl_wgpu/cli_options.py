@@ -1,0 +1,133 @@
+"""The options the `ddl-wgpu` commands share, declared once (typer `Annotated` types with their help), and the
+small helpers the commands use to read them. `cli.py` holds the commands themselves."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Annotated
+
+import typer
+
+from ddl_ref.config import MtpConfig
+from ddl_ref.config import preset as make_preset
+from ddl_wgpu.backend import BackendChoice
+
+
+def emit(obj, as_json: bool, text: str):
+    typer.echo(json.dumps(obj, indent=2) if as_json else text)
+
+
+NoVerify = Annotated[
+    bool,
+    typer.Option(
+        "--no-verify", help="Skip the tensor hash check of trusted inputs (it costs one hashing pass)."
+    ),
+]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the backend
+
+BackendOpt = Annotated[
+    str,
+    typer.Option(
+        "--backend",
+        help="auto (wgpu on a real GPU adapter, the numpy reference on CPU-only adapters), wgpu or ref.",
+    ),
+]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="Adapter index or name substring.")]
+PrecisionOpt = Annotated[
+    str,
+    typer.Option("--precision", help="f32, or f16: mixed precision (f16 GEMM products, loss scaling; wgpu)."),
+]
+
+
+DevicesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--devices",
+        help="Run the jobs in worker processes, one per adapter: 'all' or a comma list of "
+        "adapter indices or names (name one twice for two workers on it).",
+        rich_help_panel="Sweep",
+    ),
+]
+WorkersOpt = Annotated[
+    int,
+    typer.Option(
+        "--workers",
+        help="Worker processes (the numpy backend's; on wgpu spread over --devices).",
+        rich_help_panel="Sweep",
+    ),
+]
+RayOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        help="Run the jobs as Ray tasks: 'local' (start a local cluster) or a running "
+        "cluster's ADDRESS ('auto', HOST:PORT, ray://HOST:PORT); needs the ray extra.",
+        rich_help_panel="Sweep",
+    ),
+]
+
+
+def backend_line(choice: BackendChoice) -> str:
+    return f"backend: {choice.name} ({choice.reason})"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# models
+
+MODEL_HELP = "Model options (override the preset)"
+
+
+def model_opt(kind, help_: str):
+    """A model option shared by `init` and `train`: None means "the preset's value"."""
+    return Annotated[kind | None, typer.Option(help=help_, rich_help_panel=MODEL_HELP)]
+
+
+VocabSize = model_opt(int, "Vocabulary size.")
+DModel = model_opt(int, "Residual width.")
+NLayers = model_opt(int, "Blocks.")
+NHeads = model_opt(int, "Query heads.")
+NKvHeads = model_opt(int, "Key/value heads (GQA).")
+HeadDim = model_opt(int, "Head dimension.")
+FfnHidden = model_opt(int, "SwiGLU hidden size.")
+MaxSeqLen = model_opt(int, "Longest sequence.")
+RopeTheta = model_opt(float, "RoPE base.")
+QkNorm = model_opt(str, "none, pre_rope or post_rope.")
+NormStyle = model_opt(str, "standard (w*x) or offset ((1+w)*x).")
+TieEmbeddings = model_opt(bool, "Tie the LM head to the embedding.")
+MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
+                "max_seq_len", "rope_theta", "qk_norm", "norm_style", "tie_embeddings")  # fmt: skip
+
+
+def model_config(preset: str, options: dict, mtp: bool = False):
+    """The preset with every model option the user gave (`options`: a command's locals()) applied, and an MTP
+    draft when `mtp`."""
+    cfg = make_preset(preset, **{k: options[k] for k in MODEL_FIELDS if options.get(k) is not None})
+    return replace(cfg, mtp=MtpConfig()) if mtp else cfg
+
+
+def opt(default, help_: str, panel: str = MODEL_HELP, **kw):
+    return typer.Option(default, help=help_, rich_help_panel=panel, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MTP draft
+
+ChainAttention = Annotated[
+    str,
+    typer.Option(
+        "--chain-attention",
+        help="Attention of chain steps: per-step (each step its own causal pass, as the reference heal tool) "
+        "or stacked (steps 1..j stacked with the runtime's diagonal mask).",
+    ),
+]
+TrunkDtype = Annotated[
+    str,
+    typer.Option(
+        "--trunk-dtype",
+        help="wgpu: the trunk's big matrices in f32, or f16 (half the memory; needs the adapter's shader-f16).",
+    ),
+]
