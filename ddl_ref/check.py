@@ -32,6 +32,11 @@ TOL = {
 }
 
 
+def f64(a) -> np.ndarray:
+    """A float64 copy: the precision the reference is evaluated in."""
+    return np.asarray(a, np.float64)
+
+
 def check(name: str, got: np.ndarray, ref: np.ndarray, kind: str = "elementwise", rtol=None, atol=None):
     """Assert `got` (a GPU result) matches `ref` within TOL[kind] (or the given rtol/atol); -> max abs diff."""
     r, a = TOL[kind]

@@ -553,6 +553,10 @@ class Gpu:
         if data:
             self.queue.write_buffer(buf, offset, data)
 
+    def read(self, buf, shape, dtype=np.float32) -> np.ndarray:
+        """The first prod(shape) items of `buf` as an array of `shape` (a download; tests and tools)."""
+        return self.download(buf, dtype, int(np.prod(shape))).reshape(shape)
+
     def download(self, buf, dtype=np.float32, count: int | None = None, offset: int = 0) -> np.ndarray:
         """Read `count` items of `dtype` from `buf` at byte `offset` through the persistent staging buffer.
         This waits for all submitted work: never call it inside a training step."""

@@ -17,10 +17,6 @@ from ddl_wgpu.ops import decode as k_dec
 f32 = np.float32
 
 
-def up(gpu, a):
-    return gpu.upload(np.ascontiguousarray(a))
-
-
 def meta_at(gpu, start):
     meta = gpu.buffer(16, label="meta")
     k_dec.set_start(gpu, meta, start)
@@ -32,13 +28,13 @@ def test_store_rows(gpu, rng, start):
     n, W, cap = 3, 37, 12
     src = rng.standard_normal((n, W)).astype(f32)
     dst = gpu.upload(np.full((cap, W), -1.0, f32))
-    k_dec.store_rows(gpu, dst, up(gpu, src), meta_at(gpu, start), n, W).run(gpu)
+    k_dec.store_rows(gpu, dst, gpu.upload(src), meta_at(gpu, start), n, W).run(gpu)
     want = np.full((cap, W), -1.0, f32)
     want[start : start + n] = src
     check("store_rows", gpu.download(dst, f32, cap * W).reshape(cap, W), want)
     # into columns of a wider buffer at row 0 (the draft's concatenation)
     wide = gpu.buffer(n * 2 * W * 4)
-    k_dec.store_rows(gpu, wide, up(gpu, src), meta_at(gpu, start), n, W, 2 * W, W, at_meta=False).run(gpu)
+    k_dec.store_rows(gpu, wide, gpu.upload(src), meta_at(gpu, start), n, W, 2 * W, W, at_meta=False).run(gpu)
     got = gpu.download(wide, f32, n * 2 * W).reshape(n, 2 * W)
     check("store_rows cols", got, np.concatenate([np.zeros_like(src), src], axis=1))
 
@@ -49,7 +45,7 @@ def test_rope_at(gpu, rng, start):
     x = rng.standard_normal((1, n, N, D)).astype(f32)
     cos, sin = ref.rope_tables(cap, D, 1e4, np.float64)
     out = gpu.buffer(x.nbytes)
-    k_dec.rope_at(gpu, out, up(gpu, x), up(gpu, cos.astype(f32)), up(gpu, sin.astype(f32)), meta_at(gpu, start),
+    k_dec.rope_at(gpu, out, gpu.upload(x), gpu.upload(cos.astype(f32)), gpu.upload(sin.astype(f32)), meta_at(gpu, start),
                   n, N, D).run(gpu)  # fmt: skip
     want = ref.rope_forward(x.astype(np.float64), cos[start : start + n], sin[start : start + n])
     check("rope_at", gpu.download(out, f32, x.size).reshape(x.shape), want)
@@ -63,9 +59,9 @@ def test_attend_cache(gpu, rng, start, H, K, D):
     kc = (rng.standard_normal((cap, K, D)) * 0.7).astype(f32)
     vc = rng.standard_normal((cap, K, D)).astype(f32)
     out = gpu.buffer(q.nbytes)
-    k_dec.attend_cache(gpu, out, up(gpu, q), up(gpu, kc), up(gpu, vc), meta_at(gpu, start), n, H, K, D).run(
-        gpu
-    )
+    k_dec.attend_cache(
+        gpu, out, gpu.upload(q), gpu.upload(kc), gpu.upload(vc), meta_at(gpu, start), n, H, K, D
+    ).run(gpu)
     S = start + n
     want = attend_cached(q.astype(np.float64), kc[:S].astype(np.float64), vc[:S].astype(np.float64), start)
     check("attend_cache", gpu.download(out, f32, q.size).reshape(q.shape), want, "attention")
@@ -79,12 +75,12 @@ def test_tc_and_ec_from_history(gpu, rng, start):
     read = rng.standard_normal(dv).astype(f32)
     out = gpu.buffer(n * C * 4)
     k_dec.tc_cache(
-        gpu, out, up(gpu, hist), up(gpu, conv), up(gpu, read), meta_at(gpu, start), n, C, dv, k
+        gpu, out, gpu.upload(hist), gpu.upload(conv), gpu.upload(read), meta_at(gpu, start), n, C, dv, k
     ).run(gpu)
     full = ref_sc.tc_forward(hist[None, : start + n].astype(np.float64), conv, read)[0][0]
     check("tc_cache", gpu.download(out, f32, n * C).reshape(n, C), full[start:], "norm")
     ehist = rng.standard_normal((cap, C)).astype(f32)
     out = gpu.buffer(n * C * dv * 4)
-    k_dec.ec_cache(gpu, out, up(gpu, ehist), up(gpu, conv), meta_at(gpu, start), n, C, dv, k).run(gpu)
+    k_dec.ec_cache(gpu, out, gpu.upload(ehist), gpu.upload(conv), meta_at(gpu, start), n, C, dv, k).run(gpu)
     full = ref_sc.ec_forward(ehist[None, : start + n].astype(np.float64), conv)[0][0]
     check("ec_cache", gpu.download(out, f32, n * C * dv).reshape(n, C, dv), full[start:], "norm")

@@ -10,24 +10,12 @@ import numpy as np
 import pytest
 
 from ddl_ref import delta as ref
-from ddl_ref.check import check
+from ddl_ref.check import check, f64
 from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.ops import delta as kd
 
 f32 = np.float32
 K_EPS, V_SCALE = 1e-5, 4.0
-
-
-def up(gpu, a):
-    return gpu.upload(np.ascontiguousarray(a, dtype=f32))
-
-
-def down(gpu, buf, shape):
-    return gpu.download(buf, f32, int(np.prod(shape))).reshape(shape)
-
-
-def f64(a):
-    return np.asarray(a, np.float64)
 
 
 def randn(rng, *shape, scale=1.0):
@@ -44,7 +32,7 @@ def _delta_case(gpu, rng, rows, C, dv, fused=None, alias=False):
     )  # fmt: skip
     if alias:
         h["x_v"] = h["X"][..., 0].copy()
-    d = {k: up(gpu, v) for k, v in h.items()}
+    d = {k: gpu.upload(v) for k, v in h.items()}
     if alias:
         d["x_v"] = d["X"]
     d["X_new"] = gpu.buffer(4 * rows * C * dv)
@@ -57,8 +45,8 @@ def _delta_case(gpu, rng, rows, C, dv, fused=None, alias=False):
 
 
 def _check_forward(gpu, d, X_new, cache, rows, C, dv):
-    check("delta X_new", down(gpu, d["X_new"], (rows, C, dv)), X_new, "norm")
-    st = down(gpu, d["stats"], (rows, kd.stats_size(dv)))
+    check("delta X_new", gpu.read(d["X_new"], (rows, C, dv)), X_new, "norm")
+    st = gpu.read(d["stats"], (rows, kd.stats_size(dv)))
     check("stats n", st[:, kd.STAT_N], cache["n"][:, 0], "norm")
     check("stats beta", st[:, kd.STAT_BETA], cache["beta"], "norm")
     check("stats v", st[:, kd.STAT_V : kd.STAT_V + dv], cache["v"], "norm")
@@ -112,37 +100,37 @@ def test_delta_backward(gpu, rng, C, dv, accumulate):
     dc0, dxv0 = randn(rng, rows, C), randn(rng, rows, C)
     pg0 = dict(dw_beta=randn(rng, C), db_beta=randn(rng, 1), dW_v=randn(rng, dv, C), db_v=randn(rng, dv))
     dX, du, da, dz = (gpu.buffer(4 * n) for n in (rows * C * dv, rows * C, rows, rows * dv))
-    dc, dxv = up(gpu, dc0), up(gpu, dxv0)
-    pg = {k: up(gpu, v) for k, v in pg0.items()}
-    ones = up(gpu, np.ones(rows, f32))
-    call = kd.delta_backward(gpu, dX, du, da, dz, dc, dxv, up(gpu, G), d["X"], d["u"], d["stats"], d["w_beta"],
+    dc, dxv = gpu.upload(dc0), gpu.upload(dxv0)
+    pg = {k: gpu.upload(v) for k, v in pg0.items()}
+    ones = gpu.upload(np.ones(rows, f32))
+    call = kd.delta_backward(gpu, dX, du, da, dz, dc, dxv, gpu.upload(G), d["X"], d["u"], d["stats"], d["w_beta"],
                              d["W_v"], rows, C, dv, V_SCALE, accumulate_dc=accumulate, accumulate_dx_v=accumulate)  # fmt: skip
     call += kd.delta_param_grads(gpu, pg["dw_beta"], pg["db_beta"], pg["dW_v"], pg["db_v"], da, dz, d["c"], d["x_v"],
                                  ones, rows, C, dv)  # fmt: skip
     call.run(gpu)
     a = 1.0 if accumulate else 0.0
-    check("delta dX", down(gpu, dX, (rows, C, dv)), dX_ref, "norm")
-    check("delta du", down(gpu, du, (rows, C)), du_ref, "norm")
-    check("delta dc", down(gpu, dc, (rows, C)), dc_ref + a * f64(dc0), "norm")
-    check("delta dx_v", down(gpu, dxv, (rows, C)), dxv_ref + a * f64(dxv0), "norm")
-    check("delta dw_beta", down(gpu, pg["dw_beta"], (C,)), dwb_ref + pg0["dw_beta"], "matmul")
-    check("delta db_beta", down(gpu, pg["db_beta"], (1,)), dbb_ref + pg0["db_beta"], "matmul")
-    check("delta dW_v", down(gpu, pg["dW_v"], (dv, C)), dWv_ref + pg0["dW_v"], "matmul")
-    check("delta db_v", down(gpu, pg["db_v"], (dv,)), dbv_ref + pg0["db_v"], "matmul")
+    check("delta dX", gpu.read(dX, (rows, C, dv)), dX_ref, "norm")
+    check("delta du", gpu.read(du, (rows, C)), du_ref, "norm")
+    check("delta dc", gpu.read(dc, (rows, C)), dc_ref + a * f64(dc0), "norm")
+    check("delta dx_v", gpu.read(dxv, (rows, C)), dxv_ref + a * f64(dxv0), "norm")
+    check("delta dw_beta", gpu.read(pg["dw_beta"], (C,)), dwb_ref + pg0["dw_beta"], "matmul")
+    check("delta db_beta", gpu.read(pg["db_beta"], (1,)), dbb_ref + pg0["db_beta"], "matmul")
+    check("delta dW_v", gpu.read(pg["dW_v"], (dv, C)), dWv_ref + pg0["dW_v"], "matmul")
+    check("delta db_v", gpu.read(pg["db_v"], (dv,)), dbv_ref + pg0["db_v"], "matmul")
 
 
 @pytest.mark.parametrize("dv", [1, 4])
 def test_delta_backward_deterministic(gpu, rng, dv):
     rows, C = 45, 37
     h, d, _, _ = _delta_case(gpu, rng, rows, C, dv)
-    G = up(gpu, randn(rng, rows, C, dv))
+    G = gpu.upload(randn(rng, rows, C, dv))
     sizes = dict(dX=rows * C * dv, du=rows * C, da=rows, dz=rows * dv, dc=rows * C, dxv=rows * C, dwb=C, dbb=1,
                  dWv=dv * C, dbv=dv)  # fmt: skip
     o = {n: gpu.buffer(4 * s) for n, s in sizes.items()}
     call = kd.delta_backward(gpu, o["dX"], o["du"], o["da"], o["dz"], o["dc"], o["dxv"], G, d["X"], d["u"],
                              d["stats"], d["w_beta"], d["W_v"], rows, C, dv, V_SCALE)  # fmt: skip
     call += kd.delta_param_grads(gpu, o["dwb"], o["dbb"], o["dWv"], o["dbv"], o["da"], o["dz"], d["c"], d["x_v"],
-                                 up(gpu, np.ones(rows, f32)), rows, C, dv)  # fmt: skip
+                                 gpu.upload(np.ones(rows, f32)), rows, C, dv)  # fmt: skip
     runs = []
     for _ in range(2):
         for n, s in sizes.items():
@@ -160,9 +148,9 @@ def test_ksum(gpu, rng):
     stats[:, kd.STAT_N] = rng.uniform(0.5, 3.0, rows)
     w = (rng.uniform(size=rows) < 0.7).astype(f32)
     out = gpu.buffer(4 * C)
-    call = kd.ksum(gpu, out, up(gpu, u), up(gpu, stats), up(gpu, w), rows, C, dv)
+    call = kd.ksum(gpu, out, gpu.upload(u), gpu.upload(stats), gpu.upload(w), rows, C, dv)
     call.run(gpu)
-    got = down(gpu, out, (C,))
+    got = gpu.read(out, (C,))
     check("ksum", got, np.sum(f64(w)[:, None] * f64(u) / f64(stats[:, :1]), axis=0), "norm")
     call.run(gpu)
-    assert np.array_equal(got, down(gpu, out, (C,))), "ksum is not deterministic"
+    assert np.array_equal(got, gpu.read(out, (C,))), "ksum is not deterministic"

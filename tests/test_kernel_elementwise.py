@@ -5,49 +5,37 @@ fill, scale) against numpy.
 import numpy as np
 import pytest
 
-from ddl_ref.check import check
+from ddl_ref.check import check, f64
 from ddl_wgpu.ops import elementwise
 
 f32 = np.float32
-
-
-def up(gpu, a):
-    return gpu.upload(np.ascontiguousarray(a, dtype=np.asarray(a).dtype))
-
-
-def down(gpu, buf, shape, dtype=f32):
-    return gpu.download(buf, dtype, int(np.prod(shape))).reshape(shape)
-
-
-def f64(a):
-    return np.asarray(a, np.float64)
 
 
 @pytest.mark.parametrize("n", [1000, 1001])  # the vec4 and the f32 path
 def test_elementwise(gpu, rng, n):
     a = rng.standard_normal(n).astype(f32)
     b = rng.standard_normal(n).astype(f32)
-    ba, bb = up(gpu, a), up(gpu, b)
+    ba, bb = gpu.upload(a), gpu.upload(b)
 
     out = gpu.buffer(4 * n)
     elementwise.add_forward(gpu, out, ba, bb, n).run(gpu)
-    check("add", down(gpu, out, (n,)), f64(a) + f64(b))
+    check("add", gpu.read(out, (n,)), f64(a) + f64(b))
 
-    y = up(gpu, b)
+    y = gpu.upload(b)
     elementwise.add_inplace(gpu, y, ba, n).run(gpu)
-    check("add_inplace", down(gpu, y, (n,)), f64(a) + f64(b))
+    check("add_inplace", gpu.read(y, (n,)), f64(a) + f64(b))
 
-    y = up(gpu, b)
+    y = gpu.upload(b)
     elementwise.axpy(gpu, y, ba, n, -0.75).run(gpu)
-    check("axpy", down(gpu, y, (n,)), f64(b) - 0.75 * f64(a))
+    check("axpy", gpu.read(y, (n,)), f64(b) - 0.75 * f64(a))
 
-    y = up(gpu, b)
+    y = gpu.upload(b)
     elementwise.scale_inplace(gpu, y, n, 3.0).run(gpu)
-    check("scale_inplace", down(gpu, y, (n,)), 3.0 * f64(b))
+    check("scale_inplace", gpu.read(y, (n,)), 3.0 * f64(b))
 
     # copy into, and fill, a view of an arena; items past n stay untouched
     m = 256 // 4 + n + 7
-    arena = up(gpu, np.full(m, 9.0, f32))
+    arena = gpu.upload(np.full(m, 9.0, f32))
     view = (arena, 256, 4 * n)
     elementwise.copy(gpu, view, ba, n).run(gpu)
     got = gpu.download(arena, f32, m)

@@ -6,22 +6,10 @@ import numpy as np
 import pytest
 
 from ddl_ref import ops as ref
-from ddl_ref.check import check
+from ddl_ref.check import check, f64
 from ddl_wgpu.ops import embedding
 
 f32 = np.float32
-
-
-def up(gpu, a):
-    return gpu.upload(np.ascontiguousarray(a, dtype=np.asarray(a).dtype))
-
-
-def down(gpu, buf, shape, dtype=f32):
-    return gpu.download(buf, dtype, int(np.prod(shape))).reshape(shape)
-
-
-def f64(a):
-    return np.asarray(a, np.float64)
 
 
 def test_embedding_buckets():
@@ -43,23 +31,23 @@ def test_embedding(gpu, rng, C):
     wte = rng.standard_normal((V, C)).astype(f32)
     dout = rng.standard_normal((B, T, C)).astype(f32)
     n = B * T
-    bids = up(gpu, ids.astype(np.uint32))
+    bids = gpu.upload(ids.astype(np.uint32))
     out = gpu.buffer(4 * n * C)
-    embedding.embedding_forward(gpu, out, bids, up(gpu, wte), n, C).run(gpu)
-    assert np.array_equal(down(gpu, out, (B, T, C)), ref.embedding_forward(ids, wte))
+    embedding.embedding_forward(gpu, out, bids, gpu.upload(wte), n, C).run(gpu)
+    assert np.array_equal(gpu.read(out, (B, T, C)), ref.embedding_forward(ids, wte))
 
     order, starts = embedding.embedding_buckets(ids, V)
-    bo, bs, bd = up(gpu, order), up(gpu, starts), up(gpu, dout)
+    bo, bs, bd = gpu.upload(order), gpu.upload(starts), gpu.upload(dout)
     ref_dwte = ref.embedding_backward(f64(dout), ids, V)
     dwte0 = rng.standard_normal((V, C)).astype(f32)
-    dwte = up(gpu, dwte0)
+    dwte = gpu.upload(dwte0)
     embedding.embedding_backward(gpu, dwte, bd, bo, bs, V, C).run(gpu)  # accumulate is the default
-    check("dwte (accumulated)", down(gpu, dwte, (V, C)), f64(dwte0) + ref_dwte)
+    check("dwte (accumulated)", gpu.read(dwte, (V, C)), f64(dwte0) + ref_dwte)
 
     got = []
     for _ in range(2):
-        dwte = up(gpu, dwte0)
+        dwte = gpu.upload(dwte0)
         embedding.embedding_backward(gpu, dwte, bd, bo, bs, V, C, accumulate=False).run(gpu)
-        got.append(down(gpu, dwte, (V, C)))
+        got.append(gpu.read(dwte, (V, C)))
     check("dwte", got[0], ref_dwte)
     assert np.array_equal(got[0], got[1])

@@ -9,22 +9,10 @@ import numpy as np
 import pytest
 
 from ddl_ref import ops as ref
-from ddl_ref.check import check
+from ddl_ref.check import check, f64
 from ddl_wgpu.ops import rmsnorm
 
 f32 = np.float32
-
-
-def up(gpu, a):
-    return gpu.upload(np.ascontiguousarray(a, dtype=np.asarray(a).dtype))
-
-
-def down(gpu, buf, shape, dtype=f32):
-    return gpu.download(buf, dtype, int(np.prod(shape))).reshape(shape)
-
-
-def f64(a):
-    return np.asarray(a, np.float64)
 
 
 # (rows, C): rows/C off the workgroup grid; C=6/16 the per-head shapes (many rows per workgroup); C=300/1100
@@ -58,10 +46,10 @@ def test_rmsnorm_forward(gpu, rng, rows, C, style):
     eps = 1e-5
     x, w, _ = _rms_inputs(rng, rows, C, style)
     out, rstd = gpu.buffer(4 * rows * C), gpu.buffer(4 * rows)
-    rmsnorm.rmsnorm_forward(gpu, out, rstd, up(gpu, x), up(gpu, w), rows, C, eps, style).run(gpu)
+    rmsnorm.rmsnorm_forward(gpu, out, rstd, gpu.upload(x), gpu.upload(w), rows, C, eps, style).run(gpu)
     ref_out, cache = ref.rmsnorm_forward(f64(x), f64(w), eps, style)
-    check("rmsnorm out", down(gpu, out, (rows, C)), ref_out, "norm")
-    check("rmsnorm rstd", down(gpu, rstd, (rows,)), cache[2][:, 0], "norm")
+    check("rmsnorm out", gpu.read(out, (rows, C)), ref_out, "norm")
+    check("rmsnorm rstd", gpu.read(rstd, (rows,)), cache[2][:, 0], "norm")
 
 
 @pytest.mark.parametrize("style", ["standard", "offset"])
@@ -71,20 +59,20 @@ def test_rmsnorm_backward(gpu, rng, rows, C, style):
     x, w, dout = _rms_inputs(rng, rows, C, style)
     rstd_ref = 1.0 / np.sqrt(np.mean(f64(x) ** 2, axis=-1) + eps)
     # rstd as the GPU forward would give it, so the backward is tested on its own
-    bx, bw, brstd, bdout = up(gpu, x), up(gpu, w), up(gpu, rstd_ref.astype(f32)), up(gpu, dout)
+    bx, bw, brstd, bdout = gpu.upload(x), gpu.upload(w), gpu.upload(rstd_ref.astype(f32)), gpu.upload(dout)
     dx0 = rng.standard_normal((rows, C)).astype(f32)
     dw0 = rng.standard_normal(C).astype(f32)
     _, cache = ref.rmsnorm_forward(f64(x), f64(w), eps, style)
     ref_dx, ref_dw = ref.rmsnorm_backward(f64(dout), cache)
 
     # overwrite dx, accumulate dw (the defaults)
-    dx, dw = gpu.buffer(4 * rows * C), up(gpu, dw0)
+    dx, dw = gpu.buffer(4 * rows * C), gpu.upload(dw0)
     rmsnorm.rmsnorm_backward(gpu, dx, dw, bdout, bx, bw, brstd, rows, C, style).run(gpu)
-    check("rmsnorm dx", down(gpu, dx, (rows, C)), ref_dx, "norm")
-    check("rmsnorm dw (accumulated)", down(gpu, dw, (C,)), f64(dw0) + ref_dw, "norm")
+    check("rmsnorm dx", gpu.read(dx, (rows, C)), ref_dx, "norm")
+    check("rmsnorm dw (accumulated)", gpu.read(dw, (C,)), f64(dw0) + ref_dw, "norm")
 
     # accumulate dx, overwrite dw, with a caller-given partials buffer
-    dx, dw = up(gpu, dx0), up(gpu, dw0)
+    dx, dw = gpu.upload(dx0), gpu.upload(dw0)
     partials = gpu.buffer(rmsnorm.rmsnorm_partials_size(rows, C))
     rmsnorm.rmsnorm_backward(
         gpu,
@@ -101,8 +89,8 @@ def test_rmsnorm_backward(gpu, rng, rows, C, style):
         accumulate_dw=False,
         partials=partials,
     ).run(gpu)
-    check("rmsnorm dx (accumulated)", down(gpu, dx, (rows, C)), f64(dx0) + ref_dx, "norm")
-    check("rmsnorm dw", down(gpu, dw, (C,)), ref_dw, "norm")
+    check("rmsnorm dx (accumulated)", gpu.read(dx, (rows, C)), f64(dx0) + ref_dx, "norm")
+    check("rmsnorm dw", gpu.read(dw, (C,)), ref_dw, "norm")
 
 
 def test_rmsnorm_per_head_roundtrip(gpu, rng):
@@ -113,27 +101,27 @@ def test_rmsnorm_per_head_roundtrip(gpu, rng):
     w = (1.0 + 0.1 * rng.standard_normal(D)).astype(f32)
     dout = rng.standard_normal((B, T, H, D)).astype(f32)
     out, rstd, dx, dw = gpu.buffer(x.nbytes), gpu.buffer(4 * rows), gpu.buffer(x.nbytes), gpu.buffer(4 * D)
-    bx, bw = up(gpu, x), up(gpu, w)
+    bx, bw = gpu.upload(x), gpu.upload(w)
     call = rmsnorm.rmsnorm_forward(gpu, out, rstd, bx, bw, rows, D, 1e-6, "standard")
-    call += rmsnorm.rmsnorm_backward(gpu, dx, dw, up(gpu, dout), bx, bw, rstd, rows, D, "standard")
+    call += rmsnorm.rmsnorm_backward(gpu, dx, dw, gpu.upload(dout), bx, bw, rstd, rows, D, "standard")
     call.run(gpu)
     ref_out, cache = ref.rmsnorm_forward(f64(x), f64(w), 1e-6, "standard")
     ref_dx, ref_dw = ref.rmsnorm_backward(f64(dout), cache)
-    check("per-head out", down(gpu, out, x.shape), ref_out, "norm")
-    check("per-head dx", down(gpu, dx, x.shape), ref_dx, "norm")
-    check("per-head dw", down(gpu, dw, (D,)), ref_dw, "norm")
+    check("per-head out", gpu.read(out, x.shape), ref_out, "norm")
+    check("per-head dx", gpu.read(dx, x.shape), ref_dx, "norm")
+    check("per-head dw", gpu.read(dw, (D,)), ref_dw, "norm")
 
 
 def test_rmsnorm_dw_deterministic(gpu, rng):
     rows, C = 300, 37  # 5 row blocks of 64 (4 passes of 16 row slots)
     x, w, dout = _rms_inputs(rng, rows, C, "standard")
     rstd = (1.0 / np.sqrt(np.mean(f64(x) ** 2, axis=-1) + 1e-6)).astype(f32)
-    bx, bw, brstd, bdout = up(gpu, x), up(gpu, w), up(gpu, rstd), up(gpu, dout)
+    bx, bw, brstd, bdout = gpu.upload(x), gpu.upload(w), gpu.upload(rstd), gpu.upload(dout)
     got = []
     for _ in range(2):
         dx, dw = gpu.buffer(x.nbytes), gpu.buffer(4 * C)
         rmsnorm.rmsnorm_backward(gpu, dx, dw, bdout, bx, bw, brstd, rows, C, accumulate_dw=False).run(gpu)
-        got.append((down(gpu, dx, (rows, C)), down(gpu, dw, (C,))))
+        got.append((gpu.read(dx, (rows, C)), gpu.read(dw, (C,))))
     assert np.array_equal(got[0][0], got[1][0])
     assert np.array_equal(got[0][1], got[1][1])
 

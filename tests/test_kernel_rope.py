@@ -6,45 +6,33 @@ import numpy as np
 import pytest
 
 from ddl_ref import ops as ref
-from ddl_ref.check import check
+from ddl_ref.check import check, f64
 from ddl_wgpu.ops import rope
 
 f32 = np.float32
-
-
-def up(gpu, a):
-    return gpu.upload(np.ascontiguousarray(a, dtype=np.asarray(a).dtype))
-
-
-def down(gpu, buf, shape, dtype=f32):
-    return gpu.download(buf, dtype, int(np.prod(shape))).reshape(shape)
-
-
-def f64(a):
-    return np.asarray(a, np.float64)
 
 
 @pytest.mark.parametrize("D", [16, 6, 12])  # vec4 pairs (h = 8), f32 pairs (h = 3, 6)
 def test_rope(gpu, rng, D):
     B, T, N = 2, 7, 3
     cos, sin = ref.rope_tables(T + 4, D, 10000.0, f32)  # tables longer than T: row stride D still holds
-    bcos, bsin = up(gpu, cos), up(gpu, sin)
+    bcos, bsin = gpu.upload(cos), gpu.upload(sin)
     x = rng.standard_normal((B, T, N, D)).astype(f32)
     dout = rng.standard_normal((B, T, N, D)).astype(f32)
     ref_out = ref.rope_forward(f64(x), f64(cos), f64(sin))
     ref_dx = ref.rope_backward(f64(dout), f64(cos), f64(sin))
 
     out = gpu.buffer(x.nbytes)
-    rope.rope_forward(gpu, out, up(gpu, x), bcos, bsin, B, T, N, D).run(gpu)
-    check("rope out", down(gpu, out, x.shape), ref_out)
+    rope.rope_forward(gpu, out, gpu.upload(x), bcos, bsin, B, T, N, D).run(gpu)
+    check("rope out", gpu.read(out, x.shape), ref_out)
     dx = gpu.buffer(x.nbytes)
-    rope.rope_backward(gpu, dx, up(gpu, dout), bcos, bsin, B, T, N, D).run(gpu)
-    check("rope dx", down(gpu, dx, x.shape), ref_dx)
+    rope.rope_backward(gpu, dx, gpu.upload(dout), bcos, bsin, B, T, N, D).run(gpu)
+    check("rope dx", gpu.read(dx, x.shape), ref_dx)
 
     # in place, on a buffer and on a view into an arena
-    bx = up(gpu, x)
+    bx = gpu.upload(x)
     rope.rope_forward(gpu, bx, bx, bcos, bsin, B, T, N, D).run(gpu)
-    check("rope out (in place)", down(gpu, bx, x.shape), ref_out)
+    check("rope out (in place)", gpu.read(bx, x.shape), ref_out)
     arena = gpu.buffer(512 + dout.nbytes)
     gpu.write(arena, dout, 512)
     view = (arena, 512, dout.nbytes)
