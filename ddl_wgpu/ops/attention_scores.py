@@ -127,6 +127,13 @@ def _row_call(
     return Call([(k, gpu.bind(k, *buffers, u), groups)], [u])
 
 
+def _scores(gpu, s, q, k, T: int, D: int, lay: dict, scale: float, compute: str) -> Call:
+    """S = scale·QKᵀ for one chunk, tiles above the diagonal skipped: the forward's, recomputed by the
+    backward."""
+    return _mm(gpu, s, q, k, T, T, D, lay, "q", "k", "s", trans_b=True, alpha=scale, causal="skip_upper",
+               compute=compute)  # fmt: skip
+
+
 def forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float, W: int = 0,
             compute: str = "f32") -> Call:  # fmt: skip
     """out (B,T,H,D) and lse (B,H,T) from q (B,T,H,D), k, v (B,T,K,D); causal, or with W > 0 the chained
@@ -137,23 +144,7 @@ def forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scal
     for c in chunks:
         lay = _heads(c, T, H, K, D)
         rows, z0 = lay["batch"] * T, c.b0 * H + c.j0 * (H // K)
-        call += _mm(
-            gpu,
-            s,
-            q,
-            k,
-            T,
-            T,
-            D,
-            lay,
-            "q",
-            "k",
-            "s",
-            trans_b=True,
-            alpha=scale,
-            causal="skip_upper",
-            compute=compute,
-        )
+        call += _scores(gpu, s, q, k, T, D, lay, scale, compute)
         call += _row_call(gpu, "scores_softmax", "wwu", [s, lse], T, rows, z0, W, rows)
         call += _mm(gpu, out, s, v, T, D, T, lay, "s", "k", "q", causal="k_to_row", compute=compute)
     return call
@@ -172,23 +163,7 @@ def backward(
     for c in chunks:
         lay = _heads(c, T, H, K, D)
         rows, z0 = lay["batch"] * T, c.b0 * H + c.j0 * G
-        call += _mm(
-            gpu,
-            s,
-            q,
-            k,
-            T,
-            T,
-            D,
-            lay,
-            "q",
-            "k",
-            "s",
-            trans_b=True,
-            alpha=scale,
-            causal="skip_upper",
-            compute=compute,
-        )
+        call += _scores(gpu, s, q, k, T, D, lay, scale, compute)
         call += _mm(
             gpu, dp, dout, v, T, T, D, lay, "q", "k", "s", trans_b=True, causal="skip_upper", compute=compute
         )
