@@ -73,13 +73,11 @@ class GpuCache:
 
 class _CachedRows:
     """What trunk and draft passes share: RoPE at the cache's positions, attention over the cache, and for a
-    few rows the linear layers and the head as matrix-vector products."""
+    few rows the linear layers and the head as matrix-vector products. Each pass class says where a layer's
+    keys and values live: `_kv(a)`, the cache entry of the layer whose activations are `a`."""
 
     cache: GpuCache
     prefill: bool
-
-    def _kv(self, a: dict):
-        raise NotImplementedError
 
     # -- matrix-vector products for the few rows of a decoding pass (the tiled GEMM would idle) ----------
 

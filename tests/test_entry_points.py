@@ -9,7 +9,7 @@ each, so the family test named beside it is the check of that entry point's numb
 import re
 from pathlib import Path
 
-from ddl_wgpu.ops import attention, delta, matmul, reduce, rmsnorm, rope, shortconv
+from ddl_wgpu.ops import attention, decode, delta, matmul, reduce, rmsnorm, rope, shortconv
 
 SHADERS = Path(__file__).resolve().parent.parent / "shaders"
 MB = 1 << 20
@@ -23,6 +23,7 @@ STAGES = {
     "attention_scores.wgsl:scores_backward": "test_kernel_attention.py",
     "attention.wgsl:attention_masked_backward_dq": "test_chain_attention.py",
     "attention.wgsl:attention_masked_backward_dkdv": "test_chain_attention.py",
+    "decode.wgsl:conv_cache": "test_kernel_decode.py",  # tc_cache and ec_cache
     "delta.wgsl:delta_heads": "test_kernel_delta.py",  # delta_forward(fused=False)
     "delta.wgsl:delta_update": "test_kernel_delta.py",  # delta_forward(fused=False)
     "delta.wgsl:delta_backward_rows": "test_kernel_delta.py",
@@ -31,6 +32,7 @@ STAGES = {
     "matmul.wgsl:splitk_reduce": "test_kernel_matmul.py",
     "reduce.wgsl:sum_squares": "test_kernel_reduce.py",
     "reduce.wgsl:finalize_clip": "test_kernel_reduce.py",
+    "reduce.wgsl:finalize_tensors": "test_clipping.py",  # tensor_norm_clip (per-tensor clipping records)
     "rmsnorm.wgsl:rmsnorm_backward_dw_reduce": "test_kernel_rmsnorm.py",
     "rope.wgsl:rope_forward_inplace": "test_kernel_rope.py",
     "rope.wgsl:rope_backward_inplace": "test_kernel_rope.py",
@@ -83,6 +85,8 @@ def test_multi_stage_launchers_dispatch_their_stages(gpu):
     seen |= dispatched(matmul.matmul(gpu, buf[0], buf[1], buf[2], 16, 16, 256, split_k=2))
     parts = gpu.buffer(reduce.total_partials([64]) * 4)
     seen |= dispatched(reduce.grad_norm_clip(gpu, buf[0], parts, [(buf[1], 64)], 1.0))
+    seen |= dispatched(reduce.tensor_norm_clip(gpu, buf[0], buf[2], parts, [[(buf[1], 64)]], 1.0))
+    seen |= dispatched(decode.tc_cache(gpu, *buf[:5], rows, C, dv, k))
     seen |= dispatched(rmsnorm.rmsnorm_backward(gpu, *buf[:6], rows, C))
     seen |= dispatched(rope.rope_forward(gpu, buf[0], buf[0], buf[1], buf[2], B, T, H, D))
     seen |= dispatched(rope.rope_backward(gpu, buf[0], buf[0], buf[1], buf[2], B, T, H, D))
