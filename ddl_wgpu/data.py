@@ -398,15 +398,21 @@ def _npy_tokens(path: Path) -> np.ndarray:
 
 
 def make_windows(
-    records: Sequence[np.ndarray], seq_len: int, min_len: int = 2, max_tokens: int | None = None
+    records: Sequence[np.ndarray],
+    seq_len: int,
+    min_len: int = 2,
+    max_tokens: int | None = None,
+    cut_min_len: int | None = None,
 ) -> list[np.ndarray]:
     """Each record cut into consecutive non-overlapping windows of ``seq_len`` tokens (views, no copies).
 
     The last window of a record keeps its shorter length; windows of fewer than ``min_len`` tokens are
     dropped (2 by default: a shorter window predicts nothing; `heal` and `accept` ask for room for their
     chain). With ``max_tokens`` the windows hold at most that many tokens in all: the window that reaches
-    the budget is cut to fit and is the last (dropped when the cut leaves it shorter than ``min_len``).
+    the budget is cut to fit and is the last (dropped when the cut leaves it shorter than ``cut_min_len``,
+    by default ``min_len``; the reference heal tool keeps it whatever its length: `heal` passes 1).
     """
+    cut_min_len = min_len if cut_min_len is None else cut_min_len
     _check_seq_len(seq_len)
     windows: list[np.ndarray] = []
     left = max_tokens
@@ -419,7 +425,7 @@ def make_windows(
                 continue
             if left is not None:
                 window = window[:left]
-                if window.shape[0] < min_len:
+                if window.shape[0] < cut_min_len:
                     return windows
                 left -= int(window.shape[0])
             windows.append(window)

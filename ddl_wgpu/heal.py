@@ -64,7 +64,7 @@ from ddl_wgpu import accept as accept_mod
 from ddl_wgpu.accept import CHAIN_ATTENTION, DEFAULT_CHAIN_ATTENTION
 from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teacher
 from ddl_wgpu.container import CheckpointError, f32_to_bf16, open_checkpoint, save
-from ddl_wgpu.data import DataError, check_vocab, load_records, tokenizer_for
+from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.modelfile import Model, load_model
 from ddl_wgpu.run import Best, Cadence, Events, LossScale, drive
@@ -355,18 +355,7 @@ class _Chain:
 def heal_windows(records, window: int, chain: int, tokens: int) -> list[np.ndarray]:
     """The reference heal tool's windows: each record cut into chunks of `window` tokens; a chunk shorter
     than 16 + chain is skipped; the chunk that reaches the `tokens` budget is cut to fit and is the last."""
-    out, left = [], tokens
-    for r in records:
-        for s in range(0, int(r.shape[0]), window):
-            if left == 0:
-                return out
-            ch = r[s : s + window]
-            if ch.shape[0] < MIN_WINDOW + chain:
-                continue
-            ch = ch[:left]
-            left -= int(ch.shape[0])
-            out.append(ch)
-    return out
+    return make_windows(records, window, min_len=MIN_WINDOW + chain, max_tokens=tokens, cut_min_len=1)
 
 
 def _windows(model: Model, data_spec: str, cfg: HealConfig) -> list[np.ndarray]:
