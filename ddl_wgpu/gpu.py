@@ -553,6 +553,22 @@ class Gpu:
         if data:
             self.queue.write_buffer(buf, offset, data)
 
+    def upload_ranges(self, arrays) -> tuple[object, list]:
+        """Several flat arrays in one new buffer as float32, each at a 256-byte-aligned offset (WebGPU's
+        default storage-offset alignment) -> (buffer, [((buffer, offset, nbytes), n), ...]): the views an
+        arena of tensors is bound through (tests and tools)."""
+        offsets, end = [], 0
+        for a in arrays:
+            offsets.append(end)
+            end += -(-np.asarray(a).size * 4 // 256) * 256
+        arena = self.buffer(end)
+        views = []
+        for a, o in zip(arrays, offsets, strict=True):
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            self.write(arena, a, o)
+            views.append(((arena, o, a.size * 4), a.size))
+        return arena, views
+
     def read(self, buf, shape, dtype=np.float32) -> np.ndarray:
         """The first prod(shape) items of `buf` as an array of `shape` (a download; tests and tools)."""
         return self.download(buf, dtype, int(np.prod(shape))).reshape(shape)

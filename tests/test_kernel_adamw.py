@@ -10,20 +10,6 @@ from ddl_wgpu.ops import adamw as adamw_ops
 from ddl_wgpu.ops import reduce as red_ops
 
 
-def ranges_arena(gpu, arrays):
-    """Pack flat f32 arrays into one arena at 256-byte-aligned offsets; return (arena, [(view, n)])."""
-    offs, off = [], 0
-    for a in arrays:
-        offs.append(off)
-        off += -(-a.size * 4 // 256) * 256
-    arena = gpu.buffer(off)
-    views = []
-    for a, o in zip(arrays, offs, strict=True):
-        gpu.write(arena, f32(a), o)
-        views.append(((arena, o, a.size * 4), a.size))
-    return arena, views
-
-
 def f32(a):
     return np.ascontiguousarray(a, dtype=np.float32)
 
@@ -41,7 +27,7 @@ def test_adamw_three_steps_with_clip_decay_and_skip(gpu, rng):
     views = {}
     for name in ("p", "g", "m", "v"):
         src = p0 if name == "p" else {"a": np.zeros(n1), "b": np.zeros(n2)}
-        arenas[name], views[name] = ranges_arena(gpu, [src["a"], src["b"]])
+        arenas[name], views[name] = gpu.upload_ranges([src["a"], src["b"]])
     scalars = gpu.buffer(red_ops.SCALARS_BYTES)
     partials = gpu.buffer(4 * red_ops.total_partials([n1, n2]))
     norm_call = red_ops.grad_norm_clip(gpu, scalars, partials, views["g"], clip)

@@ -15,22 +15,8 @@ def f32(a):
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
-def ranges_arena(gpu, arrays):
-    """Pack flat f32 arrays into one arena at 256-byte-aligned offsets; return (arena, [(view, n)])."""
-    offs, off = [], 0
-    for a in arrays:
-        offs.append(off)
-        off += -(-a.size * 4 // 256) * 256
-    arena = gpu.buffer(off)
-    views = []
-    for a, o in zip(arrays, offs, strict=True):
-        gpu.write(arena, f32(a), o)
-        views.append(((arena, o, a.size * 4), a.size))
-    return arena, views
-
-
 def grad_norm(gpu, arrays, clip, max_groups=red_ops.MAX_GROUPS):
-    _, views = ranges_arena(gpu, arrays)
+    _, views = gpu.upload_ranges(arrays)
     partials = gpu.buffer(4 * red_ops.total_partials([a.size for a in arrays], max_groups))
     scalars = gpu.buffer(red_ops.SCALARS_BYTES)
     call = red_ops.grad_norm_clip(gpu, scalars, partials, views, clip, max_groups=max_groups)
