@@ -4,6 +4,7 @@ and without speculative decoding, against PyTorch eager on the same GPU running 
     python3 bench/generate.py                         # the `small` preset (f32) and a Qwen-like shape (f16)
     python3 bench/generate.py --shapes small          # one shape
     python3 bench/generate.py --model demo.ddlw       # a trained model file (its own draft and acceptance)
+    python3 bench/generate.py --model m.ddlw --prompt-data stdlib   # ... prompted with real text
     python3 bench/generate.py --quick                 # d 64, vocab 512, 2 layers (lavapipe smoke test)
 
 Shapes: `small` (the DDL paper's small model: d 768, 12 layers, 6 x 128 heads, vocab 50304, f32) and `qwen`
@@ -226,6 +227,19 @@ class _Quiet:
         return ""
 
 
+def data_prompt(spec: str, model: Model, n: int) -> list[int]:
+    """The first n tokens of the last document of `spec` with more than n tokens (through the model's own
+    tokenizer): real text, so a trained model's draft is measured on what it was trained for. The last
+    documents hold the validation split's windows."""
+    from ddl_wgpu.data import load_records, tokenizer_for
+
+    records = load_records(spec, tokenizer_for(model.tokenizer))
+    doc = next((r for r in reversed(records) if r.size > n), None)
+    if doc is None:
+        raise SystemExit(f"--prompt-data {spec}: no document longer than {n} tokens")
+    return [int(t) for t in doc[:n]]
+
+
 def synthetic(shape: str, seed: int) -> tuple[Model, str]:
     make, dtype = SHAPES[shape]
     cfg = make()
@@ -238,6 +252,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="a .ddlw model file instead of the synthetic shapes")
     ap.add_argument("--trunk-dtype", choices=("f32", "f16"), help="for --model (default f32)")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    ap.add_argument("--prompt-data", help="take the prompt from this data spec (e.g. stdlib) instead of random ids")
     ap.add_argument("--new", type=int, default=128, help="tokens generated")
     ap.add_argument("--depth", type=int, default=3, help="speculative draft depth")
     ap.add_argument("--repeats", type=int, default=3)
@@ -263,7 +278,11 @@ def main(argv=None) -> int:
     results, rows, failed = [], [], False
     rng = np.random.default_rng(args.seed)
     for name, model, dtype in cases:
-        prompt = [int(t) for t in rng.integers(0, model.cfg.vocab_size, args.prompt)]
+        prompt = (
+            data_prompt(args.prompt_data, model, args.prompt)
+            if args.prompt_data
+            else [int(t) for t in rng.integers(0, model.cfg.vocab_size, args.prompt)]
+        )
         entry = {"shape": name, "config": model.cfg.to_dict(), "dtype": dtype, "prompt": args.prompt,
                  "new": args.new, "depth": args.depth}  # fmt: skip
         try:
