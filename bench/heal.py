@@ -211,7 +211,8 @@ class Jobs:
         gpu = draft.net.gpu
         self.lengths = np.full(args.batch, args.seq)
         self.top_ids, self.top_probs = out[0], out[1]
-        mtp, p, cfg = model.cfg.mtp, model.params, model.cfg
+        mtp, cfg = model.cfg.mtp, model.cfg
+        p = {**model.params, **frozen_as_stored(model, args)}  # the embedding the GPU rows gather from
 
         def tok_valid(j):
             return ref_mtp.shifted(ids, j), ref_mtp.step_valid(self.lengths, self.T, j)
@@ -273,6 +274,18 @@ class Jobs:
         return (x, tid, tp, w, kw), (cut(x), cut(tid), cut(tp), cut(w), kw)
 
 
+def frozen_as_stored(model: Model, args) -> dict:
+    """The embedding/head the draft reads, as the GPU holds them: the trunk's tensors (shared), rounded to f16
+    under --trunk-dtype f16."""
+    out = {}
+    for n in HEADS:
+        if n in model.params:
+            a = model.params[n]
+            f16 = args.trunk_dtype == "f16" and is_f16_matrix(n, a.shape)
+            out[n] = a.astype(np.float16).astype(np.float32) if f16 else a
+    return out
+
+
 def check_draft_step(draft, model: Model, jobs: Jobs, j: int, step: int, head64: dict) -> dict:
     """One `WgpuDraft.step` on window 0 against float64 `ddl_ref` on the weights the draft holds before it."""
     cfg = model.cfg
@@ -302,7 +315,7 @@ def bench_draft(gpu, model: Model, teacher, ids, out, args, progress) -> dict:
     r["rows_check"] = jobs.rows_check
     progress(f"  step-1 rows: GPU {jobs.gpu_rows['ms']:.2f} ms, numpy {jobs.host['ms']:.2f} ms per batch, "
              f"check {_status(jobs.rows_check)}; refresh batch {jobs.refresh['ms']:.2f} ms")  # fmt: skip
-    head64 = {n: model.params[n].astype(np.float64) for n in HEADS if n in model.params}
+    head64 = {n: a.astype(np.float64) for n, a in frozen_as_stored(model, args).items()}
     steps = itertools.count(1)  # Adam's step counter, across every chain step as in heal's job loop
     for j in range(1, args.chain + 1):
         x, tid, tp, w, kw = jobs.job(j)
