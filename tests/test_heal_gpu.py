@@ -12,8 +12,10 @@ import pytest
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
 from ddl_wgpu import accept, backend, heal
+from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.heal_gpu import WgpuDraft
 from ddl_wgpu.modelfile import Model, load_model
+from ddl_wgpu.net import Net
 from ddl_wgpu.refnet import RefDraft, RefTeacher
 
 
@@ -228,3 +230,21 @@ def test_gpu_step_rows_match_reference_and_share_the_embedding(gpu, heal_kit, dt
     stacked = np.concatenate([rx1, x2], axis=1)  # stacked: the last T rows of a chain-2 forward
     x3 = draft.next_rows(stacked, tok3, val3, chain=2)
     np.testing.assert_allclose(x3, ref_d.next_rows(stacked, tok3, val3, chain=2), rtol=1e-4, atol=1e-5)
+
+
+def test_net_refuses_a_trainable_or_misshapen_shared_tensor(heal_kit):
+    cfg = heal_kit.tiny_cfg()
+    m = Model(cfg, heal_kit.perturbed(cfg))
+    teacher = backend.make_teacher("wgpu", m, batch=2)
+    dcfg, g = ref_mtp.draft_config(cfg), teacher.net.gpu
+    with pytest.raises(GpuError, match="frozen"):
+        Net(
+            g,
+            dcfg,
+            trainable=["model.embed_tokens.weight"],
+            shared={"model.embed_tokens.weight": teacher.net},
+        )
+    small = heal_kit.tiny_cfg(vocab_size=128)
+    other = backend.make_teacher("wgpu", Model(small, heal_kit.perturbed(small)), batch=2)
+    with pytest.raises(GpuError, match="shape"):
+        Net(g, dcfg, shared={"model.embed_tokens.weight": other.net})
