@@ -1,7 +1,7 @@
 """Heal throughput at a realistic shape: the trunk teacher's tokens/s and the MTP draft's seconds per step.
 
     python3 bench/heal.py                       # d 2048, vocab 151936, 4 layers, 4 x 128 (heal's defaults)
-    python3 bench/heal.py --layers 28           # the whole Qwen3-1.7B-like trunk
+    python3 bench/heal.py --layers 28 --trunk-dtype f16   # the whole Qwen3-1.7B-like trunk in f16
     python3 bench/heal.py --d-model 4096        # Qwen3-8B-like blocks (32 heads, ffn 12288)
     python3 bench/heal.py --quick               # d 64, vocab 512, 2 layers, 2 x 32 (lavapipe smoke test)
 
