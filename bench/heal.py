@@ -41,8 +41,8 @@ embedding/head (`Net(shared=...)`): "total" is everything allocated at the end.
 
 The epoch estimate (1 M window tokens): the trunk pass as heal runs it (`WgpuTeacher.topk_rows`: forward,
 top-k, step-1 rows; timed as "heal's trunk pass"), the draft's jobs (chain per batch, 10 % of windows held
-out), and the refreshes (one per --refresh steps, each (chain − 1) refresh batches per batch of windows);
-evaluation and acceptance not counted.
+out), and the refreshes (one before training and one per --refresh steps, each (chain − 1) refresh batches
+per batch of windows); evaluation and acceptance not counted.
 
 Checks (same run; any failure exits 1 after the table and the JSON): on the first --check-rows tokens of
 window 0 (causal, so they do not depend on later tokens) against float64 numpy (`ddl_ref`):
@@ -504,7 +504,9 @@ def main(argv=None) -> int:
         # training batch (9 windows in 10), a refresh of steps 2..chain over every batch each --refresh steps
         batches = 1e6 / tok
         steps = 0.9 * batches * args.chain
-        refreshes = int(steps // args.refresh) if args.refresh and args.chain > 1 else 0
+        # heal refreshes once before training, then after every --refresh-th step but the last
+        periodic = int((math.ceil(steps) - 1) // args.refresh) if args.refresh else 0
+        refreshes = 1 + periodic if args.chain > 1 else 0
         estimate = {
             "trunk_s": batches * draft["trunk_pass"]["ms"] / 1e3,
             "draft_s": 0.9 * batches * sum(mix),
