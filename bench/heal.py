@@ -1,7 +1,7 @@
 """Heal throughput at a realistic shape: the trunk teacher's tokens/s and the MTP draft's seconds per step.
 
     python3 bench/heal.py                       # d 2048, vocab 151936, 4 layers, 4 x 128 (heal's defaults)
-    python3 bench/heal.py --layers 28           # the whole Qwen3-1.7B-like trunk
+    python3 bench/heal.py --layers 28 --trunk-dtype f16   # the whole Qwen3-1.7B-like trunk in f16
     python3 bench/heal.py --d-model 4096        # Qwen3-8B-like blocks (32 heads, ffn 12288)
     python3 bench/heal.py --quick               # d 64, vocab 512, 2 layers, 2 x 32 (lavapipe smoke test)
 
@@ -13,8 +13,12 @@ JSON. The numbers come from the classes `ddl-wgpu heal --backend wgpu` runs (`dd
 - trunk: `WgpuTeacher.topk_hidden(ids, k)` on one batch of --batch windows of --seq tokens: upload, forward,
   next-token top-k from chunked logits, download of the top-k and of both hidden rows (pre/post final norm).
   Tokens/s = B·T / (median wall-clock s per call).
-- host rows: `ddl_ref.mtp.step_input` (numpy: embedding, enorm/hnorm, eh_proj), which `heal` runs on the host
-  to build the draft's step-1 block input of every batch, and step j's at every refresh.
+- step-1 rows (GPU): `heal_gpu.DraftInput.rows` on the teacher's hidden rows still on the GPU after its forward
+  (embedding gather from the trunk's table, enorm/hnorm, eh_proj; download of the rows), as
+  `WgpuTeacher.topk_rows` builds the draft's step-1 block input of every batch; checked against the numpy
+  `ddl_ref.mtp.step_input`, which is also timed ("host rows (numpy)": what heal ran before).
+- refresh batch: `WgpuDraft.next_rows` (the draft's forward and the next step's rows from its output on the
+  GPU), what heal's refresh runs (chain − 1) times per batch of windows every --refresh steps.
 - draft: `WgpuDraft.step` for each chain step j = 1..--chain (one job of heal's list: forward, top-k KL,
   backward, gradient clip, Adam). With --chain-attention stacked step j stacks the rows of
   steps 1..j, so it runs j·B·T rows; "per-step" runs B·T. heal's jobs cycle uniformly over j, so the job-mix row
@@ -32,7 +36,13 @@ Work counted (model TFLOP/s): trunk 2·(block matrix params) + 2·C·V + 2·L·T
 draft 6·(block matrix params) + 4·C·V per row (the head is frozen: no dW), attention left out (< 1 % at
 T <= 1024). "GPU mem" is what the library allocates through `Gpu.buffer` (`Gpu.allocated`):
 parameters plus the activations and scratch of the Works built here (heal builds a few more for evaluation);
-the draft's Net also holds gradients and Adam moments, for every tensor it loads (the frozen embedding too).
+the draft's Net holds gradients and Adam moments of its trained tensors only, and reads the trunk's
+embedding/head (`Net(shared=...)`): "total" is everything allocated at the end.
+
+The epoch estimate (1 M window tokens): the trunk pass as heal runs it (`WgpuTeacher.topk_rows`: forward,
+top-k, step-1 rows; timed as "heal's trunk pass"), the draft's jobs (chain per batch, 10 % of windows held
+out), and the refreshes (one before training and one per --refresh steps, each (chain − 1) refresh batches
+per batch of windows); evaluation and acceptance not counted.
 
 Checks (same run; any failure exits 1 after the table and the JSON): on the first --check-rows tokens of
 window 0 (causal, so they do not depend on later tokens) against float64 numpy (`ddl_ref`):
@@ -143,8 +153,8 @@ def gpu_ms(gpu, make_call, quick: bool) -> dict:
 # the trunk
 
 
-def bench_trunk(gpu, model: Model, ids, args) -> tuple[dict, tuple]:
-    """-> (timings and memory, the last `topk_hidden` outputs)."""
+def bench_trunk(gpu, model: Model, ids, args) -> tuple[dict, tuple, object]:
+    """-> (timings and memory, the last `topk_hidden` outputs, the teacher)."""
     a0 = gpu.allocated
     teacher = backend.make_teacher("wgpu", model, args.batch, args.device, args.trunk_dtype)
     r = {"param_bytes": gpu.allocated - a0}
@@ -156,7 +166,7 @@ def bench_trunk(gpu, model: Model, ids, args) -> tuple[dict, tuple]:
     work = teacher.net.work(args.batch, args.seq)
     # as InferenceWork.topk records
     r["gpu"] = gpu_ms(gpu, lambda: work._fwd + work._topk[args.k][0], args.quick)
-    return r, out
+    return r, out, teacher
 
 
 def check_trunk(model: Model, ids, out, args) -> dict:
@@ -193,27 +203,48 @@ def check_trunk(model: Model, ids, out, args) -> dict:
 
 
 class Jobs:
-    """The draft's inputs for chain steps 1..chain, built as `heal` builds them (`step_input` on the host;
-    step j > 1 from the draft's own step j−1 output, `hidden_out`), and one job per step as heal's `join`."""
+    """The draft's inputs for chain steps 1..chain, built as `heal` builds them (step 1 on the GPU from the
+    teacher's hidden rows, `DraftInput`; step j > 1 from the draft's own step j−1 output, `next_rows`), and one
+    job per step as heal's `join`."""
 
-    def __init__(self, model: Model, draft, ids, out, args):
+    def __init__(self, model: Model, teacher, draft, ids, out, args):
         self.args, self.T = args, args.seq
+        gpu = draft.net.gpu
         self.lengths = np.full(args.batch, args.seq)
         self.top_ids, self.top_probs = out[0], out[1]
-        mtp, p, cfg = model.cfg.mtp, model.params, model.cfg
+        mtp, cfg = model.cfg.mtp, model.cfg
+        p = {**model.params, **frozen_as_stored(model, args)}  # the embedding the GPU rows gather from
 
-        def rows(j, hid):
-            tok = ref_mtp.shifted(ids, j)
-            return ref_mtp.step_input(p, cfg, tok, hid, ref_mtp.step_valid(self.lengths, self.T, j))
+        def tok_valid(j):
+            return ref_mtp.shifted(ids, j), ref_mtp.step_valid(self.lengths, self.T, j)
 
+        def host_rows(j, hid):
+            return ref_mtp.step_input(p, cfg, *tok_valid(j)[:1], hid, tok_valid(j)[1])
+
+        # the teacher's hidden rows of `ids` are on the GPU after its last forward (bench_trunk's)
+        work = teacher.net.work(args.batch, args.seq)
+        hid_buf = work.xL if mtp.trunk_hidden == "pre_norm" else work.xf
+
+        def gpu_rows():
+            return teacher.input.rows(*tok_valid(1), hid_buf)
+
+        x1 = gpu_rows()
+        self.gpu_rows = wall_ms(gpu, gpu_rows, args.warmup, args.steps)
+        self.gpu_rows["gpu"] = gpu_ms(gpu, lambda: next(iter(teacher.input._calls.values()))[0], args.quick)
         hid = ref_mtp.pick_hidden(out[2], out[3], mtp.trunk_hidden)
-        self.host = wall_ms(draft.net.gpu, lambda: rows(1, hid), args.warmup, args.steps)
-        self.x = {1: rows(1, hid)}
+        self.host = wall_ms(gpu, lambda: host_rows(1, hid), args.warmup, args.steps)
+        err = common.rel_err(x1, host_rows(1, hid))  # the reference rows on the GPU's (rounded) hidden
+        self.rows_check = {"err": err, "ok": bool(err <= TOL)}
+        self.x = {1: x1}
         # every later step's input from the previous one's draft output: the "per-step" refresh, which is
         # also heal's for j = 2; the values do not change the timing of a step
         for j in range(2, args.chain + 1):
-            pre, post = draft.hidden_out(self.x[j - 1])
-            self.x[j] = rows(j, ref_mtp.pick_hidden(pre, post, mtp.chain_hidden))
+            self.x[j] = draft.next_rows(self.x[j - 1], *tok_valid(j))
+        self.refresh = wall_ms(gpu, lambda: draft.next_rows(x1, *tok_valid(2)), args.warmup, args.steps)
+        # the trunk pass as heal runs it: forward, top-k, the step-1 rows (no hidden rows downloaded)
+        self.pass_ = wall_ms(
+            gpu, lambda: teacher.topk_rows(ids, self.lengths, args.k), args.warmup, args.steps
+        )
 
     def stacked(self, j: int) -> int:
         """How many chain steps' rows the step-j job stacks (1 in per-step mode and for step 1)."""
@@ -248,6 +279,18 @@ class Jobs:
         return (x, tid, tp, w, kw), (cut(x), cut(tid), cut(tp), cut(w), kw)
 
 
+def frozen_as_stored(model: Model, args) -> dict:
+    """The embedding/head the draft reads, as the GPU holds them: the trunk's tensors (shared), rounded to f16
+    under --trunk-dtype f16."""
+    out = {}
+    for n in HEADS:
+        if n in model.params:
+            a = model.params[n]
+            f16 = args.trunk_dtype == "f16" and is_f16_matrix(n, a.shape)
+            out[n] = a.astype(np.float16).astype(np.float32) if f16 else a
+    return out
+
+
 def check_draft_step(draft, model: Model, jobs: Jobs, j: int, step: int, head64: dict) -> dict:
     """One `WgpuDraft.step` on window 0 against float64 `ddl_ref` on the weights the draft holds before it."""
     cfg = model.cfg
@@ -267,14 +310,18 @@ def check_draft_step(draft, model: Model, jobs: Jobs, j: int, step: int, head64:
     return r
 
 
-def bench_draft(gpu, model: Model, ids, out, args, progress) -> dict:
+def bench_draft(gpu, model: Model, teacher, ids, out, args, progress) -> dict:
     a0 = gpu.allocated
-    draft = backend.make_draft("wgpu", model, None, args.batch, args.device)
+    draft = backend.make_draft("wgpu", model, None, args.batch, args.device, teacher=teacher)
     r = {"param_bytes": gpu.allocated - a0, "steps": {}}
     a1 = gpu.allocated
-    jobs = Jobs(model, draft, ids, out, args)
-    r["host_rows"] = jobs.host
-    head64 = {n: model.params[n].astype(np.float64) for n in HEADS if n in model.params}
+    jobs = Jobs(model, teacher, draft, ids, out, args)
+    r["host_rows"], r["gpu_rows"], r["refresh_batch"] = jobs.host, jobs.gpu_rows, jobs.refresh
+    r["trunk_pass"] = jobs.pass_
+    r["rows_check"] = jobs.rows_check
+    progress(f"  step-1 rows: GPU {jobs.gpu_rows['ms']:.2f} ms, numpy {jobs.host['ms']:.2f} ms per batch, "
+             f"check {_status(jobs.rows_check)}; refresh batch {jobs.refresh['ms']:.2f} ms")  # fmt: skip
+    head64 = {n: a.astype(np.float64) for n, a in frozen_as_stored(model, args).items()}
     steps = itertools.count(1)  # Adam's step counter, across every chain step as in heal's job loop
     for j in range(1, args.chain + 1):
         x, tid, tp, w, kw = jobs.job(j)
@@ -335,6 +382,7 @@ def parse(argv):
     ap.add_argument("--chain", type=int, default=HEAL.chain, help="chain steps timed (default heal's)")
     ap.add_argument("--chain-attention", default=HEAL.chain_attention, choices=heal.CHAIN_ATTENTION)
     ap.add_argument("--trunk-dtype", default=HEAL.trunk_dtype, choices=heal.TRUNK_DTYPES)
+    ap.add_argument("--refresh", type=int, default=HEAL.refresh, help="heal's refresh period (the estimate)")
     ap.add_argument(
         "--steps", type=int, default=None, help="timed calls per measurement (default 10; 3 with --quick)"
     )
@@ -392,14 +440,14 @@ def main(argv=None) -> int:
     failed: list[str] = []
     trunk = draft = error_tb = None
     try:
-        trunk, out = bench_trunk(gpu, model, ids, args)
+        trunk, out, teacher = bench_trunk(gpu, model, ids, args)
         progress(f"  trunk: {trunk['ms']:.2f} ms per batch (median of {trunk['calls']}; first call "
                  f"{trunk['first_call_s']:.1f}s)")  # fmt: skip
         trunk["check"] = check_trunk(model, ids, out, args)
         c = trunk["check"]
         progress(f"  trunk check: {_status(c)} (hidden {c['hidden_err']:.1e}, top-k probs "
                  f"{c['topk_probs_err']:.1e}, ids {c['topk_ids_err']:.1e})")  # fmt: skip
-        draft = bench_draft(gpu, model, ids, out, args, progress)
+        draft = bench_draft(gpu, model, teacher, ids, out, args, progress)
     except Exception as e:
         failed.append(f"{e.__class__.__name__}: {e}")
         error_tb = traceback.format_exc()
@@ -420,9 +468,19 @@ def main(argv=None) -> int:
         if check is not None and not check["ok"]:
             failed.append(f"trunk check: error {check['err']:.2e} > {TOL:.0e}")
     if draft is not None:
-        h = draft["host_rows"]
-        rows.append(["draft step-1 rows on the host (numpy)", f"{B}x{T} tok", f"{h['ms']:.2f}",
+        h, gr, rb = draft["host_rows"], draft["gpu_rows"], draft["refresh_batch"]
+        rows.append(["draft step-1 rows on the GPU", f"{B}x{T} tok", f"{gr['ms']:.2f}",
+                     f"{tok / (gr['ms'] / 1e3):,.0f}", "-", common.fmt(gr["gpu"].get("ms"), ".3g"), "-", "-",
+                     _status(draft["rows_check"])])  # fmt: skip
+        rows.append(["  (before: the same rows in numpy)", f"{B}x{T} tok", f"{h['ms']:.2f}",
                      f"{tok / (h['ms'] / 1e3):,.0f}", "-", "-", "-", "-", "-"])  # fmt: skip
+        tp = draft["trunk_pass"]
+        rows.append(["heal's trunk pass (topk_rows: + rows)", f"{B}x{T} tok", f"{tp['ms']:.2f}",
+                     f"{tok / (tp['ms'] / 1e3):,.0f}", "-", "-", "-", "-", "-"])  # fmt: skip
+        rows.append(["refresh batch (draft forward + rows)", f"{B}x{T} tok", f"{rb['ms']:.2f}",
+                     f"{tok / (rb['ms'] / 1e3):,.0f}", "-", "-", "-", "-", "-"])  # fmt: skip
+        if not draft["rows_check"]["ok"]:
+            failed.append(f"step-1 rows check: error {draft['rows_check']['err']:.2e} > {TOL:.0e}")
         mem = (draft["param_bytes"] + draft["work_bytes"]) / 1e9
         for j, e in draft["steps"].items():
             s = e["ms"] / 1e3
@@ -442,8 +500,21 @@ def main(argv=None) -> int:
                      f"{tok / s:,.0f}", f"{s:.4g}", "-", "-", f"{mem:.3g}", "-"])  # fmt: skip
     estimate = None
     if trunk is not None and draft is not None:
-        # one epoch of heal over 1 M window tokens: the trunk pass once, then `chain` jobs per batch
-        estimate = {"trunk_s": 1e6 / trunk["tokens_per_s"], "draft_s": 1e6 / tok * sum(mix)}
+        # one epoch of heal over 1 M window tokens: the trunk pass and step-1 rows once, `chain` jobs per
+        # training batch (9 windows in 10), a refresh of steps 2..chain over every batch each --refresh steps
+        batches = 1e6 / tok
+        steps = 0.9 * batches * args.chain
+        # heal refreshes once before training, then after every --refresh-th step but the last
+        periodic = int((math.ceil(steps) - 1) // args.refresh) if args.refresh else 0
+        refreshes = 1 + periodic if args.chain > 1 else 0
+        estimate = {
+            "trunk_s": batches * draft["trunk_pass"]["ms"] / 1e3,
+            "draft_s": 0.9 * batches * sum(mix),
+            "steps": steps,
+            "refreshes": refreshes,
+            "refresh_s": refreshes * (args.chain - 1) * batches * draft["refresh_batch"]["ms"] / 1e3,
+        }
+        estimate["total_s"] = estimate["trunk_s"] + estimate["draft_s"] + estimate["refresh_s"]  # fmt: skip
 
     headers = ["measurement", "shape", "ms", "tokens/s", "s/step", "GPU ms", "model TFLOP/s", "GPU mem GB",
                "check (err)"]  # fmt: skip
@@ -456,6 +527,7 @@ def main(argv=None) -> int:
         "trunk_flops_per_token": trunk_fpt, "draft_flops_per_row": draft_fpr,
         "trunk": trunk, "draft": draft, "estimate_per_1M_tokens": estimate,
         "failed": failed, "traceback": error_tb, "wall_s": time.perf_counter() - t_start,
+        "gpu_allocated_bytes": gpu.allocated,
     }  # fmt: skip
     common.write_json(common.json_path(args.json, "heal.json"), data)
     print()
@@ -463,9 +535,12 @@ def main(argv=None) -> int:
     title = (f"heal (d {args.d_model}, vocab {args.vocab}, {args.layers} trunk layers, "
              f"trunk {args.trunk_dtype}, chain {args.chain_attention})")  # fmt: skip
     print(common.table(headers, rows, title=title))
+    print(f"GPU memory allocated (Gpu.allocated, trunk + draft + works): {gpu.allocated / 1e9:.3f} GB")
     if estimate is not None:
-        print(f"one heal epoch over 1M window tokens: trunk pass {estimate['trunk_s']:.1f}s, draft "
-              f"{estimate['draft_s']:.1f}s ({args.chain} jobs per batch); evaluation and refresh not "
+        e = estimate
+        print(f"one heal epoch over 1M window tokens: {e['total_s']:.1f}s = trunk pass with step-1 rows "
+              f"{e['trunk_s']:.1f}s, draft {e['draft_s']:.1f}s ({e['steps']:.0f} steps), refresh "
+              f"{e['refresh_s']:.1f}s ({e['refreshes']} refreshes every {args.refresh} steps); evaluation not "
               "counted")  # fmt: skip
     verdict = "all checks passed" if not failed else "FAILED: " + "; ".join(failed)
     print(f"total {data['wall_s']:.0f}s; {verdict}")

@@ -20,8 +20,8 @@ Public API
 - `open_gpu(device=None) -> gpu.Gpu`: the process's device for an adapter choice, opened once.
 - `make_net(cfg, params, backend, device, seed=0, mtp_weight=0.0) -> TrainNet`: the training net.
 - `make_teacher(backend, model, batch=4, device=None, trunk_dtype="f32") -> Teacher`: heal's frozen trunk.
-- `make_draft(backend, model, init=None, batch=4, device=None, kl_form="full") -> Draft`: heal's draft trained
-  alone.
+- `make_draft(backend, model, init=None, batch=4, device=None, kl_form="full", teacher=None) -> Draft`: heal's
+  draft trained alone (on wgpu it shares `teacher`'s embedding/head).
 - `make_accept_backend(backend, model, batch=8, device=None, trunk_dtype="f32") -> (Teacher | None,
   Runner | None)`: accept's trunk and draft step; (None, None) on "ref" (accept runs numpy inline).
 - Protocols: `TrainNet`, `TrainWork`, `Teacher`, `Draft`, `Runner`.
@@ -117,6 +117,11 @@ class Teacher(Protocol):
         (B, T, C))."""
         ...
 
+    def topk_rows(self, ids_batch: np.ndarray, lengths, k: int, keep=()):
+        """ids (B, T), lengths (B,) -> (top_ids, top_probs, the draft's step-1 block input rows (B, T, C)
+        float32, [the trunk hidden the draft reads (T, C) for each window index in `keep`])."""
+        ...
+
 
 class Draft(Protocol):
     """heal's draft trained alone. `chain` = 0: x_rows (B, T, C) are one step's rows, causal attention.
@@ -131,6 +136,8 @@ class Draft(Protocol):
     def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float: ...
 
     def hidden_out(self, x_rows, chain: int = 0): ...  # -> (pre (B, T, C), post (B, T, C))
+
+    def next_rows(self, x_rows, next_tokens, valid, chain: int = 0): ...  # -> next step's rows (B, T, C)
 
     def snapshot(self): ...
 
@@ -274,9 +281,11 @@ def make_teacher(backend: str, model: Model, batch: int = 4, device: str | None 
 
 
 def make_draft(backend: str, model: Model, init: dict | None = None, batch: int = 4,
-               device: str | None = None, kl_form: str = "full") -> Draft:  # fmt: skip
+               device: str | None = None, kl_form: str = "full",
+               teacher: Teacher | None = None) -> Draft:  # fmt: skip
     """heal's draft (block + final norm) trained alone, from `init` weights when given, else the model's;
-    `kl_form` the top-k KL's form ("full" or "topk", `ddl_ref.ops.KL_FORMS`)."""
+    `kl_form` the top-k KL's form ("full" or "topk", `ddl_ref.ops.KL_FORMS`); on wgpu, given heal's
+    `teacher`, the draft reads the trunk's embedding/head instead of holding a copy."""
     backend = _resolve(backend, device)
     if backend == "ref":
         from ddl_wgpu.refnet import RefDraft
@@ -284,7 +293,7 @@ def make_draft(backend: str, model: Model, init: dict | None = None, batch: int 
         return RefDraft(model.params, model.cfg, init, kl_form)
     from ddl_wgpu.heal_gpu import WgpuDraft
 
-    return WgpuDraft(open_gpu(device), model.params, model.cfg, init, batch, kl_form)
+    return WgpuDraft(open_gpu(device), model.params, model.cfg, init, batch, kl_form, teacher)
 
 
 def make_accept_backend(backend: str, model: Model, batch: int = 8, device: str | None = None,

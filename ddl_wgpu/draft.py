@@ -2,7 +2,7 @@
 
 The MTP draft's block and final norm are healed as a one-layer model (`ddl_ref.mtp.draft_config`) whose
 first block reads uploaded input rows (the draft's block input eh_proj·[enorm(e); hnorm(h)], built on the
-host) instead of an embedding, and whose loss is the top-k KL to a teacher's top-k (`ops.topk_kl`, in row
+GPU by `heal_gpu.DraftInput`) instead of an embedding, and whose loss is the top-k KL to a teacher's top-k (`ops.topk_kl`, in row
 chunks of logits like the cross-entropy). Nothing flows into the embedding; the shared head is frozen unless
 trainable.
 
@@ -147,6 +147,13 @@ class DraftWork(Blocks):
         self._head_eval.record(rec)
         self._sum.record(rec)
         return float(self.finish(rec, False)[0])
+
+    def forward(self, x) -> None:
+        """Forward of input rows x (B, T, C); its output rows stay on the GPU (`xL`, `xf`)."""
+        self.upload_rows(x)
+        rec = self.gpu.recorder()
+        self._fwd.record(rec)
+        rec.submit()
 
     def forward_rows(self, x) -> tuple[np.ndarray, np.ndarray]:
         """Forward of input rows x (B, T, C) -> the block's (output, final-normed output), each (B, T, C)."""

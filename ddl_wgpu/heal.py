@@ -9,15 +9,19 @@ trunk's own predictions. The flow:
    read until `tokens` tokens are in hand, the window that reaches the budget cut to fit. Windows are padded
    with the tokenizer's first EOS id (0 without one). Every tenth window (index % 10 == 9) is held out. Fewer
    than 10 x batch windows is an error.
-2. The trunk runs once (`TrunkTeacher.topk_hidden`): per window its hidden rows (pre- or post-final-norm, per
-   `MtpConfig.trunk_hidden`, kept on the host in float32 up to `hnorm`) and its next-token top-k.
+2. The trunk runs once (`backend.Teacher.topk_rows`): per window its next-token top-k and the draft's step-1
+   block input rows, built from its hidden rows (pre- or post-final-norm, per `MtpConfig.trunk_hidden`) where
+   they are: on the GPU on wgpu (`heal_gpu.DraftInput`), so only the held-out windows' hidden rows (for the
+   acceptance) come back to the host.
 3. The draft is trained alone as a one-layer model (`DraftTrainer`): its block `model.mtp.layers.0.*` and final
    norm `model.mtp.norm`, from `--init` weights when given, else the model's own. Trunk, embedding, head and the
    draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the reference heal tool.
 4. Chained training: the block input of step 1 is `eh_proj·[enorm(E[x_{p+1}]); hnorm(h_p)]` from the trunk's
    hidden; step j > 1 reads the token x_{p+j} and the draft's own step j−1 output at row p (`chain_hidden`),
-   rebuilt from the current weights every `refresh` steps. The target of step j at row p is the trunk's top-k at
-   p + j. Loss: top-k KL (teacher renormalised over its k ids, `ddl_ref.ops.topk_kl_forward`), mean over rows.
+   rebuilt from the current weights every `refresh` steps (`backend.Draft.next_rows`: on wgpu the draft's output
+   rows never leave the GPU; every step's block inputs are kept on the host in float16). The target of step j at
+   row p is the trunk's top-k at p + j. Loss: top-k KL (teacher renormalised over its k ids,
+   `ddl_ref.ops.topk_kl_forward`), mean over rows.
 5. One job = (train batch, chain step); every pass over the jobs reshuffles the same order array in place
    (Fisher-Yates, the reference's xorshift64 generator, `XorShift64`, continuing its state across passes).
    Learning rate: linear warm-up over the first 10 % of steps, then a cosine down to 0.1 x lr. Adam (0.9, 0.999,
@@ -271,8 +275,8 @@ class _Cache:
     lengths: np.ndarray  # (N,)
     top_ids: np.ndarray  # (N, T, k) int32
     top_probs: np.ndarray  # (N, T, k) float32
-    hidden: np.ndarray  # (N, T, C) float32: the trunk hidden the draft reads (MtpConfig.trunk_hidden)
-    x: dict  # chain step j -> (N, T, C) float16 block input rows
+    heldout_hidden: np.ndarray  # (held-out windows, T, C) float32: the trunk hidden the draft reads
+    x: dict  # chain step j -> (N, T, C) float16 block input rows (step 1 from the trunk's pass)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -288,20 +292,6 @@ class _Chain:
         self.chain, self.nb = cfg.chain, cfg.batch
         self.stacked_mode = cfg.chain_attention == "stacked"
         self.N, self.T = cache.ids.shape
-        C = self.mcfg.d_model
-        cache.x[1] = np.zeros((self.N, self.T, C), np.float16)
-        for s in range(0, self.N, self.nb):
-            cache.x[1][s : s + self.nb] = self.block_in(
-                slice(s, s + self.nb), 1, cache.hidden[s : s + self.nb]
-            )
-
-    def block_in(self, sel, j: int, hid) -> np.ndarray:
-        c = self.cache
-        tok = ref_mtp.shifted(c.ids[sel], j)
-        valid = ref_mtp.step_valid(c.lengths[sel], self.T, j)
-        return ref_mtp.step_input(
-            self.model.params, self.mcfg, tok, np.asarray(hid, np.float32), valid
-        ).astype(np.float16)
 
     def stacked(self, sel, j: int) -> np.ndarray:
         """Block inputs of steps 1..j of the windows `sel`, stacked along time -> (b, j·T, C) float32."""
@@ -313,14 +303,13 @@ class _Chain:
         for j in range(2, self.chain + 1):
             xj = np.zeros((N, T, self.mcfg.d_model), np.float16)
             for s in range(0, N, nb):
+                sel = slice(s, s + nb)
+                tok = ref_mtp.shifted(self.cache.ids[sel], j)
+                valid = ref_mtp.step_valid(self.cache.lengths[sel], T, j)
                 if self.stacked_mode and j > 2:  # step j−1's rows of the stacked forward of steps 1..j−1
-                    pre, post = self.draft.hidden_out(self.stacked(slice(s, s + nb), j - 1), chain=j - 1)
-                    pre, post = pre[:, -T:], post[:, -T:]
+                    xj[sel] = self.draft.next_rows(self.stacked(sel, j - 1), tok, valid, chain=j - 1)
                 else:
-                    pre, post = self.draft.hidden_out(x[j - 1][s : s + nb].astype(np.float32))
-                xj[s : s + nb] = self.block_in(
-                    slice(s, s + nb), j, ref_mtp.pick_hidden(pre, post, self.mcfg.mtp.chain_hidden)
-                )
+                    xj[sel] = self.draft.next_rows(x[j - 1][sel].astype(np.float32), tok, valid)
             x[j] = xj
 
     def join(self, b: np.ndarray, j: int):
@@ -386,18 +375,22 @@ def pad_id(model: Model) -> int:
     return int(eos) if isinstance(eos, int) and not isinstance(eos, bool) else 0
 
 
-def _trunk_pass(
-    teacher, wins: list[np.ndarray], mcfg: ModelConfig, k: int, nb: int, events: Events, pad: int = 0
-) -> _Cache:
-    """The trunk once over every window: its top-k and the hidden rows the draft reads."""
+def _trunk_pass(teacher, wins: list[np.ndarray], mcfg: ModelConfig, k: int, nb: int, events: Events,
+                pad: int = 0, keep: list[int] = ()) -> _Cache:  # fmt: skip
+    """The trunk once over every window: its top-k, the draft's step-1 block input rows, and the hidden rows
+    the draft reads of the windows in `keep` (the held-out ones, in that order)."""
     N, T, C = len(wins), max(w.size for w in wins), mcfg.d_model
     ids, lengths = accept_mod.pad_batch(wins, T, pad)
     cache = _Cache(ids, lengths, np.zeros((N, T, k), np.int32), np.zeros((N, T, k), np.float32),
-                   np.zeros((N, T, C), np.float32), {})  # fmt: skip
+                   np.zeros((len(keep), T, C), np.float32), {1: np.zeros((N, T, C), np.float16)})  # fmt: skip
+    slot = {w: i for i, w in enumerate(keep)}
     for s in range(0, N, nb):
-        ti, tp, pre, post = teacher.topk_hidden(ids[s : s + nb], k)
+        mine = [w for w in range(s, min(s + nb, N)) if w in slot]
+        ti, tp, x, hid = teacher.topk_rows(ids[s : s + nb], lengths[s : s + nb], k, [w - s for w in mine])
         cache.top_ids[s : s + nb], cache.top_probs[s : s + nb] = ti, tp
-        cache.hidden[s : s + nb] = ref_mtp.pick_hidden(pre, post, mcfg.mtp.trunk_hidden)
+        cache.x[1][s : s + nb] = x
+        for w, h in zip(mine, hid, strict=True):
+            cache.heldout_hidden[slot[w]] = h
         events("trunk", done=min(s + nb, N), windows=N)
     return cache
 
@@ -480,7 +473,7 @@ def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True) -> tupl
 def _heldout_acceptance(model: Model, cache: _Cache, val: list[int], draft, runner, cfg: HealConfig) -> dict:
     """`accept`'s greedy acceptance of the current draft on the held-out windows, from the trunk's pass."""
     vi = np.array(val)
-    hid = cache.hidden[vi].astype(np.float32)
+    hid = cache.heldout_hidden
     tbs = [accept_mod.TrunkBatch(cache.ids[vi], cache.lengths[vi], cache.top_ids[vi][..., 0], hid, hid)]
     params = {**model.params, **draft.export()}
     return accept_mod.acceptance_from_trunk(params, model.cfg, tbs, cfg.chain, runner, cfg.chain_attention)
@@ -501,14 +494,14 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     events("windows", windows=len(wins), tokens=total_tokens, chain=cfg.chain, data=str(data_spec))
 
     teacher = make_teacher(backend, model, cfg.batch, device, cfg.trunk_dtype)
-    draft = make_draft(backend, model, init, cfg.batch, device, cfg.kl_form)
+    draft = make_draft(backend, model, init, cfg.batch, device, cfg.kl_form, teacher)
     kk = min(cfg.topk, mcfg.vocab_size)
-    cache = _trunk_pass(teacher, wins, mcfg, kk, cfg.batch, events, pad_id(model))
+    train, val = split_heldout(len(wins))
+    cache = _trunk_pass(teacher, wins, mcfg, kk, cfg.batch, events, pad_id(model), val)
     chain = _Chain(model, cfg, cache, draft)
     chain.refresh()
     if cfg.chain > 1:
         events("refresh", step=0, chain=cfg.chain)
-    train, val = split_heldout(len(wins))
     nb = cfg.batch
     tb = [np.array(train[s : s + nb]) for s in range(0, len(train) - nb + 1, nb)]
     vb = [np.array(val[s : s + nb]) for s in range(0, len(val) - nb + 1, nb)]

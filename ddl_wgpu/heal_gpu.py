@@ -1,6 +1,14 @@
 """heal's and accept's GPU backend objects (`backend.Teacher`, `backend.Draft`; their numpy twins are
 `refnet.RefTeacher` and `refnet.RefDraft`): the frozen trunk as an inference-only `Net` (`WgpuTeacher`, over
-`inference.InferenceWork`) and the draft trained alone (`WgpuDraft`, over `draft.DraftWork`).
+`inference.InferenceWork`), the draft trained alone (`WgpuDraft`, over `draft.DraftWork`), and the draft's
+block input rows built on the GPU (`DraftInput`).
+
+The draft's input x = eh_proj·[enorm(E[t]); hnorm(h)] (`ddl_ref.mtp.step_input`) is built where its inputs
+already are: h is the teacher's hidden rows after its forward (step 1) or the draft's own output rows after
+its forward (steps 2..chain, heal's refresh), E the embedding the trunk holds; only the token ids and the row
+mask go up and only x comes down, never the hidden rows (`WgpuTeacher.topk_rows`, `WgpuDraft.next_rows`).
+Given the teacher, the draft's Net reads the trunk's embedding/head (`Net(shared=...)`, in the trunk's dtype)
+instead of holding a second copy.
 """
 
 from __future__ import annotations
@@ -15,8 +23,12 @@ from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
 from ddl_wgpu.draft import DraftWork
 from ddl_wgpu.gpu import Gpu, GpuError
+from ddl_wgpu.layout import EMBED, F32
 from ddl_wgpu.net import Net
+from ddl_wgpu.ops import matmul as k_mm
+from ddl_wgpu.ops import mtp_input as k_mtp
 from ddl_wgpu.step import draft_adamw
+from ddl_wgpu.vocab import Vocab
 
 
 def pad_rows(a, B: int):
@@ -29,6 +41,52 @@ def pad_rows(a, B: int):
     return np.concatenate([a, np.zeros((B - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
+class DraftInput:
+    """The draft's block input rows x = eh_proj·[enorm(E[t]); hnorm(h)] of B·T rows on the GPU: the gather of
+    the tokens from `embed_net`'s embedding (f32 or f16, row chunks: `vocab.Vocab`), `ops.mtp_input` (both
+    norms, the concatenation, the row mask), the projection on `matmul`. enorm, hnorm and eh_proj are uploaded
+    once as float32 (frozen). The result is `ddl_ref.mtp.step_input`'s within float rounding (f64 sums aside,
+    the same operations), on the table as `embed_net` stores it."""
+
+    def __init__(self, gpu: Gpu, params: dict, cfg: ModelConfig, embed_net: Net):
+        self.gpu, self.cfg, self.C = gpu, cfg, cfg.d_model
+        norms = [np.asarray(params[n], np.float32).reshape(-1) for n in (ref_mtp.ENORM, ref_mtp.HNORM)]
+        self.wn = gpu.upload(np.concatenate(norms), "mtp_norms")
+        self.eh = gpu.upload(np.asarray(params[ref_mtp.EH_PROJ], np.float32), "mtp_eh_proj")
+        self.vocab = Vocab(embed_net)
+        self._bufs: dict = {}  # rows -> (tokens, valid, e, cat, x)
+        self._calls: dict = {}  # (rows, T, hidden buffer, h_stride, h_offset) -> (Call, the hidden buffer)
+
+    def _buffers(self, N: int):
+        if N not in self._bufs:
+            g, C = self.gpu, self.C
+            self._bufs[N] = (g.buffer(N * 4, label="mtp_tokens"), g.buffer(N * F32, label="mtp_valid"),
+                             g.buffer(N * C * F32, label="mtp_e"), g.buffer(2 * N * C * F32, label="mtp_cat"),
+                             g.buffer(N * C * F32, label="mtp_x"))  # fmt: skip
+        return self._bufs[N]
+
+    def rows(self, tokens, valid, hidden, h_stride: int | None = None, h_offset: int = 0) -> np.ndarray:
+        """tokens (B, T) int (row p's token), valid (B, T) bool, `hidden` a GPU buffer of windows of
+        `h_stride` rows (default T) whose rows h_offset.. are the hidden rows -> x (B, T, C) float32."""
+        tokens = np.asarray(tokens)
+        B, T = tokens.shape
+        N, C, g = B * T, self.C, self.gpu
+        tok, val, e, cat, x = self._buffers(N)
+        key = (N, T, id(hidden), h_stride, h_offset)
+        if key not in self._calls:
+            mtp, cfg = self.cfg.mtp, self.cfg
+            call = self.vocab.embed_forward(e, tok, N)
+            call += k_mtp.mtp_input_rows(g, cat, e, hidden, self.wn, val, N, C, T, cfg.rms_eps, cfg.norm_style,
+                                         mtp.concat, h_stride, h_offset)  # fmt: skip
+            call += k_mm.matmul(g, x, cat, self.eh, N, C, 2 * C, trans_b=True)
+            self._calls[key] = (call, hidden)  # the buffer kept alive while its id is a key
+        V = self.cfg.vocab_size
+        g.write(tok, np.clip(tokens, 0, V - 1).astype(np.uint32).reshape(-1))
+        g.write(val, np.asarray(valid, np.float32).reshape(-1))
+        self._calls[key][0].run(g)
+        return g.read(x, (B, T, C))
+
+
 class WgpuTeacher:
     """The trunk on the GPU: one forward per batch of windows, the next-token top-k from chunked logits, the
     hidden rows before and after the final norm downloaded as float32 (heal keeps the one the draft reads in
@@ -37,11 +95,13 @@ class WgpuTeacher:
     fits a 16 GB card), which needs the adapter feature shader-f16."""
 
     def __init__(self, gpu: Gpu, params: dict, cfg: ModelConfig, batch: int, dtype: str = "f32"):
-        cfg = dataclasses.replace(cfg, mtp=None)  # the trunk alone
+        cfg_full, cfg = cfg, dataclasses.replace(cfg, mtp=None)  # the trunk alone
         trunk = {n: a for n, a in params.items() if not n.startswith("model.mtp.")}
         self.net = Net(gpu, cfg, trunk, inference=True, dtype=dtype)
         self.dtype = dtype
         self.B = batch
+        self.mtp = cfg_full.mtp
+        self.input = DraftInput(gpu, params, cfg_full, self.net) if cfg_full.mtp is not None else None
 
     def topk_hidden(self, ids_batch, k: int):
         ids = np.asarray(ids_batch)
@@ -51,15 +111,32 @@ class WgpuTeacher:
         pre, post = work.hidden()
         return top_ids[:b], top_probs[:b], pre[:b], post[:b]
 
+    def topk_rows(self, ids_batch, lengths, k: int, keep=()):
+        """One forward -> (top_ids, top_probs, the draft's step-1 block input rows (b, T, C) float32, [the
+        hidden rows the draft reads (T, C) of each window index in `keep`]). The rows are built on the GPU
+        from the forward's hidden rows (`DraftInput`); only the kept windows' hidden rows come down."""
+        ids = np.asarray(ids_batch)
+        b, T = ids.shape
+        work = self.net.work(self.B, T)
+        top_ids, top_probs = work.topk(pad_rows(ids, self.B), k)
+        hid = work.xL if self.mtp.trunk_hidden == "pre_norm" else work.xf
+        tok = pad_rows(ref_mtp.shifted(ids, 1), self.B)
+        valid = pad_rows(ref_mtp.step_valid(lengths, T, 1), self.B)
+        x = self.input.rows(tok, valid, hid)[:b]
+        n = T * self.net.cfg.d_model
+        kept = [self.net.gpu.download(hid, np.float32, n, i * n * F32).reshape(T, -1) for i in keep]
+        return top_ids[:b], top_probs[:b], x, kept
+
 
 class WgpuDraft:
     """The draft block + its final norm on the GPU, as a one-layer model (`ddl_ref.mtp.draft_config`) whose
-    first block reads the given input rows; the shared embedding/head is loaded but frozen. Adam
+    first block reads the given input rows; the embedding/head is frozen: read from `teacher`'s Net when
+    given (no copy; in the trunk's dtype), else loaded into the draft's own. Adam
     (`step.draft_adamw`) and the top-k KL's form (`kl_form`) as `refnet.RefDraft`; a non-finite step leaves
     weights and moments untouched (the AdamW kernel's skip)."""
 
     def __init__(self, gpu: Gpu, params: dict, cfg: ModelConfig, init: dict | None = None, batch: int = 4,
-                 kl_form: str = "full"):  # fmt: skip
+                 kl_form: str = "full", teacher: WgpuTeacher | None = None):  # fmt: skip
         self.cfg, self.B, self.kl_form = cfg, batch, kl_form
         src = init if init is not None else params
         n = len(ref_mtp.MTP_LAYER_PREFIX)
@@ -68,10 +145,15 @@ class WgpuDraft:
             local = "model.norm.weight" if name == ref_mtp.NORM else "model.layers.0." + name[n:]
             self.names[local] = name
         dp = {local: np.asarray(src[name], np.float32) for local, name in self.names.items()}
-        for name in ("model.embed_tokens.weight", head_name(cfg)):  # the head is the embedding when tied
-            dp[name] = params[name]
+        frozen = (EMBED, head_name(cfg))  # the head is the embedding when tied
+        shared = {name: teacher.net for name in frozen} if teacher is not None else {}
+        for name in frozen:
+            if name not in shared:
+                dp[name] = params[name]
         # the frozen embedding/head gets no gradient or moment storage (the draft work never writes it)
-        self.net = Net(gpu, ref_mtp.draft_config(cfg), dp, trainable=list(self.names), frozen_state=False)
+        self.net = Net(gpu, ref_mtp.draft_config(cfg), dp, trainable=list(self.names), frozen_state=False,
+                       shared=shared)  # fmt: skip
+        self.input = teacher.input if teacher is not None else DraftInput(gpu, params, cfg, self.net)
         self._works: dict = {}
 
     def _work(self, T: int, k: int = 1, chain: int = 0) -> DraftWork:
@@ -108,6 +190,19 @@ class WgpuDraft:
         b = x.shape[0]
         pre, post = self._work(x.shape[1], 1, chain).forward_rows(pad_rows(x, self.B))
         return pre[:b], post[:b]
+
+    def next_rows(self, x_rows, next_tokens, valid, chain: int = 0) -> np.ndarray:
+        """The block input rows of the next chain step from this draft's forward of x_rows (with `chain`,
+        the stacked output's last step), built on the GPU from the `chain_hidden` output rows (`DraftInput`):
+        next_tokens (b, T) row p's token, valid (b, T) -> (b, T, C) float32."""
+        x = np.asarray(x_rows, np.float32)
+        b, S = x.shape[0], x.shape[1]
+        T = np.shape(next_tokens)[1]
+        work = self._work(S, 1, chain)
+        work.forward(pad_rows(x, self.B))
+        hid = work.xL if self.cfg.mtp.chain_hidden == "pre_norm" else work.xf
+        tok, val = pad_rows(next_tokens, self.B), pad_rows(valid, self.B)
+        return self.input.rows(tok, val, hid, h_stride=S, h_offset=S - T)[:b]
 
     def greedy(self, x_rows, chain: int = 0):
         """Forward only -> (argmax (b, T) int32, pre, post): one chained draft step (`accept`), any b; `chain`

@@ -96,6 +96,10 @@ class Net:
 
     `inference=True`: parameters only (no gradient or moment arenas), frozen, forward-only Works; `dtype`
     "f16" (inference only) stores the `F16_SUFFIXES` matrices as f16 (see the module docstring).
+
+    `shared` {name: owner Net}: frozen tensors this net reads from the owner's parameter arena instead of
+    holding a copy (heal's draft reads the trunk's embedding/head, in the trunk's dtype). They get no storage
+    here, are never written (`load`, `restore`) and are read back from the owner (`export`).
     """
 
     def __init__(
@@ -111,6 +115,7 @@ class Net:
         dtype: str = "f32",
         frozen_state: bool = True,
         precision: str = "f32",
+        shared: dict | None = None,
     ):
         if dtype not in DTYPES:
             raise GpuError(f"parameter dtype {dtype!r} is not one of {list(DTYPES)}")
@@ -131,6 +136,15 @@ class Net:
         self.mtp_weight = float(mtp_weight)  # weight of the draft's loss in joint training (cfg.mtp set)
         self.table = param_table(cfg)
         self.trainable = self._trainable_names(trainable, inference)
+        self.shared = dict(shared or {})
+        for name, owner in self.shared.items():
+            spec = next((t for t in self.table if t.name == name), None)
+            if spec is None or owner.gpu is not gpu or tuple(spec.shape) != owner.slots[name].shape:
+                raise GpuError(
+                    f"shared tensor {name}: not in this net's table, or of another shape or device"
+                )
+            if name in self.trainable:
+                raise GpuError(f"shared tensor {name} is frozen here: it cannot be trainable")
         limit = min(gpu.max_buffer, arena_bytes or gpu.max_buffer)
         limit = limit // ALIGN * ALIGN
         self.slots: dict[str, Slot] = {}
@@ -145,6 +159,8 @@ class Net:
             ]
         state_sizes: list[int] = []
         for spec in order:
+            if spec.name in self.shared:
+                continue
             dt = "f16" if dtype == "f16" and is_f16_matrix(spec.name, spec.shape) else "f32"
             nbytes = spec.numel * (F16 if dt == "f16" else F32)
             # larger than a binding is fine (bound in row chunks, `row_views`); larger than a buffer is not
@@ -169,6 +185,14 @@ class Net:
         self.has_state = {name for name in self.slots if frozen_state or name in self.trainable}
         mk = gpu.buffer
         self.p = [mk(s, label=f"params{i}") for i, s in enumerate(sizes)]
+        # the owners' arenas of the shared tensors, as arena indices len(p), len(p) + 1, ... ('p' views only)
+        self.p_shared = []
+        for name, owner in self.shared.items():
+            s = owner.slots[name]
+            self.slots[name] = Slot(
+                name, s.shape, len(self.p) + len(self.p_shared), s.offset, s.numel, s.dtype
+            )
+            self.p_shared.append(owner.p[s.arena])
         if inference:
             self.g, self.m, self.v = [], [], []
         else:
@@ -204,7 +228,11 @@ class Net:
             name, s = spec.name, self.slots[spec.name]
             if names is not None and name not in names:
                 continue
-            raw = arenas[s.arena][s.offset : s.offset + s.nbytes]
+            if name in self.shared:  # from the owner's arena (frozen: the same in any snapshot)
+                buf = self.p_shared[s.arena - len(self.p)]
+                raw = self.gpu.download(buf, np.uint8, s.bind_bytes, s.offset)[: s.nbytes]
+            else:
+                raw = arenas[s.arena][s.offset : s.offset + s.nbytes]
             a = raw.view(np.float16 if s.dtype == "f16" else np.float32)
             out[name] = a.astype(np.float32).reshape(s.shape)
         return out
@@ -233,7 +261,11 @@ class Net:
                 f"parameter {name} ({s.nbytes} bytes) exceeds this adapter's storage binding limit "
                 f"{self.gpu.max_binding}: a kernel cannot bind it whole; bind it in row chunks (Net.row_views)"
             )
-        return (getattr(self, kind)[s.arena], s.offset, s.bind_bytes)
+        return (self._arenas(kind)[s.arena], s.offset, s.bind_bytes)
+
+    def _arenas(self, kind: str) -> list:
+        """The buffers of arena kind 'p' (own, then the shared tensors' owners'), 'g', 'm' or 'v'."""
+        return self.p + self.p_shared if kind == "p" else getattr(self, kind)
 
     def chunk_rows(self, name: str) -> int:
         """Rows per chunk of `row_views(name)`: the parameter's row count when it fits one binding, else
@@ -260,7 +292,7 @@ class Net:
         if kind != "p":
             self._require_training(f"gradient/moment view of {name}", name)
         s = self.slots[name]
-        buf = getattr(self, kind)[s.arena]
+        buf = self._arenas(kind)[s.arena]
         total = s.shape[0] if s.shape else 1
         row_bytes = s.nbytes // max(total, 1)
         step = self.chunk_rows(name)
@@ -282,10 +314,12 @@ class Net:
 
     def load(self, params: dict):
         """Write every parameter (float arrays of the table's shapes); moments and gradients are zeroed."""
-        missing = [n for n in self.slots if n not in params]
+        missing = [n for n in self.slots if n not in params and n not in self.shared]
         if missing:
             raise GpuError(f"missing parameter(s): {missing[:5]}{' …' if len(missing) > 5 else ''}")
         for name, s in self.slots.items():
+            if name in self.shared:  # the owner's
+                continue
             a = np.asarray(params[name])
             if tuple(a.shape) != s.shape:
                 raise GpuError(f"parameter {name} has shape {tuple(a.shape)}, the config needs {s.shape}")

@@ -21,6 +21,7 @@ from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
 from ddl_ref.optim import adamw_step, clip_multiplier, clip_multipliers, global_grad_norm
 from ddl_ref.params import init_params, param_table, trainable_names
+from ddl_wgpu.layout import EMBED
 from ddl_wgpu.step import DRAFT_ADAM, DRAFT_GRAD_CLIP, AdamW, StepResult
 
 
@@ -156,6 +157,16 @@ class RefTeacher:
     def topk_hidden(self, ids_batch, k: int):
         return ref_mtp.trunk_topk_hidden(self.params, self.cfg, ids_batch, k)
 
+    def topk_rows(self, ids_batch, lengths, k: int, keep=()):
+        """-> (top_ids, top_probs, the draft's step-1 block input rows (b, T, C) float32, [the trunk hidden the
+        draft reads (T, C) of each window index in `keep`]) (`ddl_ref.mtp.step_input`)."""
+        ids = np.asarray(ids_batch)
+        top_ids, top_probs, pre, post = self.topk_hidden(ids, k)
+        hid = np.asarray(ref_mtp.pick_hidden(pre, post, self.cfg.mtp.trunk_hidden), np.float32)
+        valid = ref_mtp.step_valid(lengths, ids.shape[1], 1)
+        x = ref_mtp.step_input(self.params, self.cfg, ref_mtp.shifted(ids, 1), hid, valid)
+        return top_ids, top_probs, x, [hid[i] for i in keep]
+
 
 class RefDraft:
     """The draft block + final norm in numpy float32, trained with Adam (`step.DRAFT_ADAM`, no weight decay,
@@ -171,6 +182,8 @@ class RefDraft:
         self.params = {n: np.array(src[n], np.float32) for n in names}
         head = ref_mtp.head_weight(params, cfg)
         self.shared = {head_name(cfg): head}
+        # the frozen input projection and embedding the next chain step's rows are built from (`next_rows`)
+        self.inputs = {n: params[n] for n in (EMBED, ref_mtp.ENORM, ref_mtp.HNORM, ref_mtp.EH_PROJ)}
         self.state: dict = {"m": {}, "v": {}}
 
     def _all(self) -> dict:
@@ -204,6 +217,14 @@ class RefDraft:
     def hidden_out(self, x_rows, chain: int = 0):
         pre, post, _ = ref_mtp.draft_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), chain)
         return pre, post
+
+    def next_rows(self, x_rows, next_tokens, valid, chain: int = 0):
+        """The block input rows of the next chain step from this draft's output on x_rows (with `chain`, the
+        output's last step): `ddl_ref.mtp.step_input` of the tokens (b, T) on the `chain_hidden` rows."""
+        pre, post = self.hidden_out(x_rows, chain)
+        T = np.shape(next_tokens)[1]
+        hid = ref_mtp.pick_hidden(pre[:, -T:], post[:, -T:], self.cfg.mtp.chain_hidden)
+        return ref_mtp.step_input(self.inputs, self.cfg, next_tokens, np.asarray(hid, np.float32), valid)
 
     def snapshot(self):
         return {n: p.copy() for n, p in self.params.items()}

@@ -97,9 +97,10 @@ class Vocab:
         dW (+)= dlogits[:, chunk]ᵀ · xf into its own rows of the gradient."""
         g, C, V = self.gpu, self.C, self.V
         call = Call()
+        dt = self.net.wdtype(self.net.head_name)  # f16: a frozen head shared from an f16 trunk (heal's draft)
         for j, (v0, rows, w, dw) in enumerate(self.head_chunks()):
             d = self._logit_cols(dlogits, n, v0, rows)
-            call += k_mm.matmul(g, dxf, d, w, n, C, rows, lda=V, accumulate=j > 0, **self.compute)
+            call += k_mm.matmul(g, dxf, d, w, n, C, rows, lda=V, accumulate=j > 0, b_dtype=dt, **self.compute)
             if with_dw:
                 call += k_mm.matmul(g, dw, d, xf, rows, C, n, trans_a=True, lda=V, accumulate=True,
                                     **self.compute)  # fmt: skip

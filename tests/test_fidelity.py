@@ -106,15 +106,16 @@ def test_trunk_pass_keeps_f32_hidden_and_pads_with_the_first_eos(heal_kit):
     assert heal.pad_id(SimpleNamespace(metadata={"hf.eos_token_id": [9, 3]})) == 9
     assert heal.pad_id(SimpleNamespace(metadata={})) == 0
 
-    class Teacher:
-        def topk_hidden(self, ids, k):
+    class Teacher:  # the step-1 rows are built by the teacher (from its float32 hidden rows)
+        def topk_rows(self, ids, lengths, k, keep=()):
             B, T = ids.shape
             h = np.full((B, T, cfg.d_model), 1 / 3, np.float32)  # not an f16 value
-            return np.zeros((B, T, k), np.int32), np.ones((B, T, k), np.float32), h, h
+            return np.zeros((B, T, k), np.int32), np.ones((B, T, k), np.float32), h, [h[i] for i in keep]
 
     wins = [np.arange(5, dtype=np.uint32), np.arange(3, dtype=np.uint32)]
-    cache = heal._trunk_pass(Teacher(), wins, cfg, 2, 2, lambda *a, **k: None, pad=7)
-    assert cache.hidden.dtype == np.float32 and cache.hidden[0, 0, 0] == np.float32(1 / 3)
+    cache = heal._trunk_pass(Teacher(), wins, cfg, 2, 2, lambda *a, **k: None, pad=7, keep=[1])
+    assert cache.heldout_hidden.dtype == np.float32 and cache.heldout_hidden[0, 0, 0] == np.float32(1 / 3)
+    assert cache.heldout_hidden.shape == (1, 5, cfg.d_model) and cache.x[1].dtype == np.float16
     assert cache.ids[1].tolist() == [0, 1, 2, 7, 7]
 
 

@@ -12,8 +12,10 @@ import pytest
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
 from ddl_wgpu import accept, backend, heal
+from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.heal_gpu import WgpuDraft
 from ddl_wgpu.modelfile import Model, load_model
+from ddl_wgpu.net import Net
 from ddl_wgpu.refnet import RefDraft, RefTeacher
 
 
@@ -186,3 +188,63 @@ def test_accept_file_wgpu_f16_trunk(tmp_path, heal_kit):
     np.testing.assert_allclose(h["prefix_acceptance"], a["prefix_acceptance"], atol=0.05)
     with pytest.raises(backend.BackendError, match="wgpu"):
         accept.accept_file(model, data, depth=2, window=24, trunk_dtype="f16")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_gpu_step_rows_match_reference_and_share_the_embedding(gpu, heal_kit, dtype):
+    """heal's block input rows built on the GPU (`WgpuTeacher.topk_rows`, `WgpuDraft.next_rows`, per-step and
+    stacked) against the numpy path (`RefTeacher.topk_rows`, `RefDraft.next_rows`: `ddl_ref.mtp.step_input`);
+    the draft given the teacher reads the trunk's embedding (no copy: fewer bytes allocated, same export)."""
+    conv = MtpConfig(concat="hidden_first", trunk_hidden="post_norm", chain_hidden="pre_norm")
+    cfg = heal_kit.tiny_cfg(mtp=conv)
+    m = Model(cfg, heal_kit.perturbed(cfg))
+    B, T = 3, 10
+    ids = np.random.default_rng(6).integers(0, 256, (B, T))
+    lengths = np.array([10, 7, 3])
+    g = backend.open_gpu()
+    teacher = backend.make_teacher("wgpu", m, batch=4, trunk_dtype=dtype)
+    a0 = g.allocated
+    draft = backend.make_draft("wgpu", m, batch=4, teacher=teacher)
+    shared_bytes = g.allocated - a0
+    a1 = g.allocated
+    backend.make_draft("wgpu", m, batch=4)
+    emb = m.params["model.embed_tokens.weight"]
+    assert (g.allocated - a1) - shared_bytes >= emb.nbytes  # its own copy of the f32 embedding
+    assert draft.net.slots["model.embed_tokens.weight"].dtype == dtype
+    np.testing.assert_array_equal(draft.net.export()["model.embed_tokens.weight"],
+                                  emb.astype(np.float16 if dtype == "f16" else np.float32))  # fmt: skip
+    # the numpy twins on the weights as the GPU holds them (f16: the trunk's rounded matrices)
+    p = {n: a.astype(np.float16).astype(np.float32) if dtype == "f16" and teacher.net.slots.get(n) is not None
+         and teacher.net.wdtype(n) == "f16" else a for n, a in m.params.items()}  # fmt: skip
+    ref_t, ref_d = RefTeacher(p, cfg), RefDraft(p, cfg)
+    ti, tp, x1, kept = teacher.topk_rows(ids, lengths, 8, keep=[2, 0])
+    ri, rp, rx1, rkept = ref_t.topk_rows(ids, lengths, 8, keep=[2, 0])
+    np.testing.assert_allclose(x1, rx1, rtol=1e-4, atol=1e-5)
+    assert not x1[1, 6:].any() and not x1[2, 2:].any()  # rows p + 1 >= length are zero
+    for got, want in zip(kept, rkept, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    tok2, val2 = ref_mtp.shifted(ids, 2), ref_mtp.step_valid(lengths, T, 2)
+    x2 = draft.next_rows(rx1, tok2, val2)  # per-step: the draft's output rows on step 1's
+    np.testing.assert_allclose(x2, ref_d.next_rows(rx1, tok2, val2), rtol=1e-4, atol=1e-5)
+    tok3, val3 = ref_mtp.shifted(ids, 3), ref_mtp.step_valid(lengths, T, 3)
+    stacked = np.concatenate([rx1, x2], axis=1)  # stacked: the last T rows of a chain-2 forward
+    x3 = draft.next_rows(stacked, tok3, val3, chain=2)
+    np.testing.assert_allclose(x3, ref_d.next_rows(stacked, tok3, val3, chain=2), rtol=1e-4, atol=1e-5)
+
+
+def test_net_refuses_a_trainable_or_misshapen_shared_tensor(heal_kit):
+    cfg = heal_kit.tiny_cfg()
+    m = Model(cfg, heal_kit.perturbed(cfg))
+    teacher = backend.make_teacher("wgpu", m, batch=2)
+    dcfg, g = ref_mtp.draft_config(cfg), teacher.net.gpu
+    with pytest.raises(GpuError, match="frozen"):
+        Net(
+            g,
+            dcfg,
+            trainable=["model.embed_tokens.weight"],
+            shared={"model.embed_tokens.weight": teacher.net},
+        )
+    small = heal_kit.tiny_cfg(vocab_size=128)
+    other = backend.make_teacher("wgpu", Model(small, heal_kit.perturbed(small)), batch=2)
+    with pytest.raises(GpuError, match="shape"):
+        Net(g, dcfg, shared={"model.embed_tokens.weight": other.net})
