@@ -99,6 +99,9 @@ class Tile:
     bk: int = 16  # k depth of one shared-memory tile
     unroll: bool = True  # the bk products of a k step as straight-line code (constant shared offsets)
     prefetch: bool = True  # fetch the next k step's tiles into registers before this step's products
+    # vec4 global loads for the operands whose layout allows them (`vec_ok`; the others keep scalar copies):
+    # off by default until measured on the H200 (`bench/matmul_sweep.py`); needs bk % 4 == 0, f32 products
+    vec: bool = False
 
     @property
     def bm(self) -> int:
@@ -122,12 +125,23 @@ class Tile:
                 f"matmul tile {self}: {self.shared_bytes} bytes of workgroup memory exceed the limit"
             )
 
-    def templates(self, b_dtype: str = "f32", compute: str = "f32", chunk: int = 0) -> dict:
+    def templates(
+        self,
+        b_dtype: str = "f32",
+        compute: str = "f32",
+        chunk: int = 0,
+        vec=(False, False),
+        trans=(False, False),
+    ) -> dict:
         """The `{{name}}` values of matmul.wgsl for this tile: sizes plus the generated straight-line code;
         `b_dtype` "f16" reads B as array<f16> (and enables the f16 extension); `compute` "f16" rounds both
         operands to f16 on fetch and sums the products of `chunk` consecutive k in f16 partials that are
-        added into the f32 accumulators (`chunk` divides bk)."""
+        added into the f32 accumulators (`chunk` divides bk). `vec` (for A, B): that operand is bound as
+        array<vec4<f32>> and copied with vec4 loads (`_vec_copies`), `trans` its layout (TRANS_A, TRANS_B)."""
         half = compute == "f16"
+        vec = tuple(bool(v) for v in vec)
+        if any(vec) and (half or b_dtype != "f32" or self.bk % 4):
+            raise GpuError(f"matmul tile {self}: vec4 loads need f32 operands and products and bk % 4 == 0")
         if half and (chunk < 1 or self.bk % chunk):
             raise GpuError(f"matmul: the f16 chunk {chunk} must divide the tile's k depth {self.bk}")
         mq, nq = self.tm // 4, self.tn // 4  # vec4 groups of rows (of As) and of columns (of Bs) per thread
@@ -196,7 +210,17 @@ class Tile:
         head = [f"    var p{x}{s} = {fetch(x, s, 'k_begin')};" for x, s in slots] if self.prefetch else []
         loop = "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {"
         i8, i12 = " " * 8, " " * 12
-        if self.prefetch:  # registers p<x><s> carry the next step's copies across its products
+        if any(vec):
+            stash, refill, head = _vec_copies(self, vec, trans)
+            reg = None
+        if any(vec) and self.prefetch:  # registers q<p>_<j> carry the next step's copies
+            kloop = [*head("k_begin"), loop, *stash(i8), f"{i8}workgroupBarrier();",
+                     f"{i8}if (k0 + BK < k_end) {{", *refill(i12, "k0 + BK"), f"{i8}}}",
+                     *inner, f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
+        elif any(vec):
+            kloop = [*head(None), loop, *refill(i8, "k0"), *stash(i8), f"{i8}workgroupBarrier();",
+                     *inner, f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
+        elif self.prefetch:  # registers p<x><s> carry the next step's copies across its products
             kloop = [*head, loop, *stash(i8, reg), f"{i8}workgroupBarrier();",
                      f"{i8}if (k0 + BK < k_end) {{", *(i12 + r for r in refill), f"{i8}}}",
                      *inner, f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
@@ -218,10 +242,77 @@ class Tile:
             "acc_decl": "\n".join(decl),
             "kloop": "\n".join(kloop),
             "store": "\n".join(store),
-            "b_type": b_dtype,
+            "a_array": "vec4<f32>" if vec[0] else "f32",
+            "b_array": "vec4<f32>" if vec[1] else b_dtype,
+            "a_elem": "a[i >> 2u][i & 3u]" if vec[0] else "a[i]",
+            "b_elem": "b[i >> 2u][i & 3u]" if vec[1] else "f32(b[i])",
+            "a_vec": "a[i >> 2u]" if vec[0] else "vec4<f32>(a[i], a[i + 1u], a[i + 2u], a[i + 3u])",
+            "b_vec": "b[i >> 2u]"
+            if vec[1]
+            else "vec4<f32>(f32(b[i]), f32(b[i + 1u]), f32(b[i + 2u]), f32(b[i + 3u]))",
+            "kl": 2 if self.bk % 8 == 0 else 1,
             "sh_type": "f16" if half else "f32",
             "enable": "enable f16;" if "f16" in (b_dtype, compute) else "",
         }
+
+
+def _vec_copies(tile: Tile, vec: tuple, trans: tuple):
+    """The k step's copies of A and B into shared memory when at least one operand takes vec4 loads.
+
+    Work comes in units of 4 vec4 registers: a k-contiguous vec4 operand (A as (M, K), B as (N, K)) has one
+    unit per 4 x 4 block (`fetchk_*`: 4 loads along k, transposed into As / Bs by `stashk_*`); an m/n-contiguous
+    vec4 operand (`fetchv_*`) and a scalar one (`fetch_*`, four scalar loads per vec4) have units of 4 slots
+    u, u + U, u + 2U, u + 3U (U units; consecutive threads take consecutive slots). A's units come first, then
+    B's; thread t takes units t, t + NT, ...: the 128 x 128 tile's 256 threads each take exactly one unit (4
+    registers, as many as the scalar copies'), A's in warps 0-3 and B's in warps 4-7.
+    Returns (stash(indent), refill(indent, k0), head(k0 or None)) line generators."""
+    nt = tile.wx * tile.wy
+    ops = []
+    for x, n, v, tr in (("a", tile.bm, vec[0], trans[0]), ("b", tile.bn, vec[1], trans[1])):
+        kind = ("k" if tr == (x == "b") else "m") if v else "s"  # A: k-contiguous unless trans; B: if trans
+        ops.append((x, kind, tile.bk * n // 16))
+    ua = ops[0][2]
+    total = ua + ops[1][2]
+    passes = -(-total // nt)
+
+    def unit(x, kind, units, u, regs, what, k0=None):
+        x0 = "m0" if x == "a" else "n0"
+        if what == "stash" and kind == "k":
+            return [f"stashk_{x}({u}, {', '.join(regs)});"]
+        if what == "stash":
+            return [f"stash_{x}({u} + {j * units}u, {r});" for j, r in enumerate(regs)]
+        if kind == "k":
+            return [f"{r} = fetchk_{x}(base_{x}, {x0}, {k0}, {u}, {j}u);" for j, r in enumerate(regs)]
+        f = "fetchv" if kind == "m" else "fetch"
+        return [f"{r} = {f}_{x}(base_{x}, {x0}, {k0}, {u} + {j * units}u);" for j, r in enumerate(regs)]
+
+    def lines(ind: str, what: str, k0=None) -> list[str]:
+        out = []
+        for p in range(passes):
+            regs = [f"q{p}_{j}" for j in range(4)]
+            lo, hi = p * nt, p * nt + nt  # the units this pass covers
+            u = f"t + {lo}u" if lo else "t"
+            (xa, ka, na), (xb, kb, nb) = ops
+            if hi <= ua:  # all A
+                out += [ind + line for line in unit(xa, ka, na, f"({u})", regs, what, k0)]
+            elif lo >= ua and hi <= total:  # all B
+                out += [ind + line for line in unit(xb, kb, nb, f"({u} - {ua}u)", regs, what, k0)]
+            else:  # straddles A / B or runs past the last unit: branch on the thread (warp-uniform splits)
+                if lo < ua:
+                    out += [f"{ind}if ({u} < {ua}u) {{"]
+                    out += [ind + "    " + line for line in unit(xa, ka, na, f"({u})", regs, what, k0)]
+                    out += [f"{ind}}} else if ({u} < {total}u) {{"]
+                else:
+                    out += [f"{ind}if ({u} < {total}u) {{"]
+                out += [ind + "    " + line for line in unit(xb, kb, nb, f"({u} - {ua}u)", regs, what, k0)]
+                out += [f"{ind}}}"]
+        return out
+
+    def head(k0) -> list[str]:
+        decl = [f"    var q{p}_{j} = vec4<f32>(0.0);" for p in range(passes) for j in range(4)]
+        return decl + (lines("    ", "fetch", k0) if k0 else [])
+
+    return (lambda ind: lines(ind, "stash")), (lambda ind, k0: lines(ind, "fetch", k0)), head
 
 
 SMALL_TILE = Tile()  # 64 x 64 per workgroup, 4 x 4 per thread (the lavapipe shape)
@@ -283,9 +374,9 @@ def _check_compute(gpu, compute: str, chunk: int) -> None:
 
 
 def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile, b_dtype: str = "f32", compute: str = "f32",
-           chunk: int = 0):  # fmt: skip
-    """The compiled `matmul` entry point for one layout, tile, B element type and product precision
-    (cached by the device layer)."""
+           chunk: int = 0, vec=(False, False)):  # fmt: skip
+    """The compiled `matmul` entry point for one layout, tile, B element type, product precision and vec4
+    loads of (A, B) (cached by the device layer)."""
     _b_itemsize(gpu, b_dtype)
     _check_compute(gpu, compute, chunk)
     tile.validate(gpu)
@@ -294,9 +385,43 @@ def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile, b_dtype: str = "f32", 
         "matmul",
         "rrwu",
         constants={"TRANS_A": int(trans_a), "TRANS_B": int(trans_b)},
-        templates=tile.templates(b_dtype, compute, chunk if compute == "f16" else 0),
+        templates=tile.templates(
+            b_dtype, compute, chunk if compute == "f16" else 0, vec, (bool(trans_a), bool(trans_b))
+        ),
         workgroup=(tile.wx, tile.wy, 1),
         uniforms=UNIFORMS,
+    )
+
+
+def vec_ok(res, s: Strides, cols: int, ld: int, itemsize: int = 4) -> bool:
+    """Whether an operand can be read with vec4 loads: f32, its rows whole vec4s (columns and row stride
+    multiples of 4), every element offset of its batch a multiple of 4 and its binding 16-byte aligned (a
+    view's byte offset and size). Otherwise its copies stay scalar."""
+    _, off, size = res if isinstance(res, tuple) else (res, 0, res.size)
+    return (
+        itemsize == 4
+        and cols >= 4
+        and cols % 4 == 0
+        and ld % 4 == 0
+        and s.off % 4 == 0
+        and s.stride % 4 == 0
+        and s.istride % 4 == 0
+        and off % 16 == 0
+        and size % 16 == 0
+    )
+
+
+def vec_loads(tile, a, b, M, N, K, trans_a=False, trans_b=False, lda=None, ldb=None, sa=None, sb=None,
+              b_dtype="f32", compute="f32") -> tuple[bool, bool]:  # fmt: skip
+    """Which operands (A, B) `matmul` reads with vec4 loads for this call: none unless `tile.vec` (f32
+    products, bk % 4 == 0), then each one whose layout passes `vec_ok`."""
+    if not tile.vec or compute != "f32" or b_dtype != "f32" or tile.bk % 4:
+        return (False, False)
+    lda = int(lda if lda is not None else (M if trans_a else K))
+    ldb = int(ldb if ldb is not None else (K if trans_b else N))
+    return (
+        vec_ok(a, sa or Strides(), M if trans_a else K, lda),
+        vec_ok(b, sb or Strides(), K if trans_b else N, ldb),
     )
 
 
@@ -563,7 +688,8 @@ def matmul(
     groups = (-(-N // tile.bn), -(-M // tile.bm), batch)
     if max(groups) > MAX_GROUPS:
         raise GpuError(f"matmul: {groups} workgroups exceed {MAX_GROUPS} per dimension; split the product")
-    k = kernel(gpu, trans_a, trans_b, tile, b_dtype, compute, chunk)
+    vec = vec_loads(tile, a, b, M, N, K, trans_a, trans_b, lda, ldb, sa, sb, b_dtype, compute)
+    k = kernel(gpu, trans_a, trans_b, tile, b_dtype, compute, chunk, vec)
     u = gpu.uniform(
         PARAMS,
         M=M,
