@@ -13,6 +13,8 @@ split-K plan included:
     vec            the same tiles with vec4 global loads (`Tile.vec`)
     vec-bk32       vec, large tile with a k step of 32 (half the barriers per FMA, twice the prefetch registers)
     vec-128x64     vec, large tile of 8 x 16 threads (128 rows x 64 columns: twice the tiles of N 768)
+    vec-2stage     vec, large tile with two shared stages (one barrier per k step; 34 KiB of shared memory)
+    vec-2stage-bk8 the same with a k step of 8 (the shared bytes of the default tile)
 
 and, for the split-K products (dW, the head's dx), `vec` at explicit slice counts (`--splits`).
 
@@ -48,6 +50,11 @@ VARIANTS = {
     "vec": (dataclasses.replace(LARGE, vec=True), dataclasses.replace(SMALL, vec=True)),
     "vec-bk32": (dataclasses.replace(LARGE, bk=32, vec=True), dataclasses.replace(SMALL, vec=True)),
     "vec-128x64": (dataclasses.replace(LARGE, wx=8, wy=16, vec=True), dataclasses.replace(SMALL, vec=True)),
+    "vec-2stage": (dataclasses.replace(LARGE, vec=True, stages=2), dataclasses.replace(SMALL, vec=True)),
+    "vec-2stage-bk8": (
+        dataclasses.replace(LARGE, bk=8, vec=True, stages=2),
+        dataclasses.replace(SMALL, vec=True),
+    ),
 }
 
 

@@ -72,6 +72,10 @@ const SA: u32 = BMV + 1u;
 const SB: u32 = BNV + 1u;
 var<workgroup> As: array<vec4<{{sh_type}}>, {{as_len}}>;  // BK * SA
 var<workgroup> Bs: array<vec4<{{sh_type}}>, {{bs_len}}>;  // BK * SB
+// Two shared stages (`Tile.stages` 2): As / Bs hold two k steps. A step's products read the stage filled the
+// step before, then its prefetched registers are stored into the other stage (`stage` flips there, read by
+// `stash_*`), so one barrier per step separates every write from the reads of the same stage.
+{{stage_decl}}
 
 // Element i of A / B, and the 4 elements i .. i+3 (i a multiple of 4 where it matters). The launcher declares
 // an operand as array<vec4<f32>> only for vec4 loads (`Tile.vec`, below); as array<f32> (or f16) the vec4 is
@@ -137,7 +141,7 @@ fn fetch_a(base: u32, m0: u32, k0: u32, i: u32) -> vec4<f32> {
 fn stash_a(i: u32, v: vec4<{{sh_type}}>) {
     if (i < BK * BMV) {
         let s = a_slot(i);
-        As[s.x * SA + s.y] = v;
+        As[{{a_stage}}s.x * SA + s.y] = v;
     }
 }
 
@@ -166,7 +170,7 @@ fn fetch_b(base: u32, n0: u32, k0: u32, i: u32) -> vec4<f32> {
 fn stash_b(i: u32, v: vec4<{{sh_type}}>) {
     if (i < BK * BNV) {
         let s = b_slot(i);
-        Bs[s.x * SB + s.y] = v;
+        Bs[{{b_stage}}s.x * SB + s.y] = v;
     }
 }
 
@@ -226,7 +230,7 @@ fn fetchk_b(base: u32, n0: u32, k0: u32, u: u32, j: u32) -> vec4<f32> {
 
 fn stashk_a(u: u32, r0: vec4<f32>, r1: vec4<f32>, r2: vec4<f32>, r3: vec4<f32>) {
     let s = blk(u, BMV);
-    let i = 4u * s.x * SA + s.y;
+    let i = {{a_stage}}4u * s.x * SA + s.y;
     As[i] = vec4<{{sh_type}}>(vec4<f32>(r0.x, r1.x, r2.x, r3.x));
     As[i + SA] = vec4<{{sh_type}}>(vec4<f32>(r0.y, r1.y, r2.y, r3.y));
     As[i + 2u * SA] = vec4<{{sh_type}}>(vec4<f32>(r0.z, r1.z, r2.z, r3.z));
@@ -235,7 +239,7 @@ fn stashk_a(u: u32, r0: vec4<f32>, r1: vec4<f32>, r2: vec4<f32>, r3: vec4<f32>) 
 
 fn stashk_b(u: u32, r0: vec4<f32>, r1: vec4<f32>, r2: vec4<f32>, r3: vec4<f32>) {
     let s = blk(u, BNV);
-    let i = 4u * s.x * SB + s.y;
+    let i = {{b_stage}}4u * s.x * SB + s.y;
     Bs[i] = vec4<{{sh_type}}>(vec4<f32>(r0.x, r1.x, r2.x, r3.x));
     Bs[i + SB] = vec4<{{sh_type}}>(vec4<f32>(r0.y, r1.y, r2.y, r3.y));
     Bs[i + 2u * SB] = vec4<{{sh_type}}>(vec4<f32>(r0.z, r1.z, r2.z, r3.z));

@@ -177,8 +177,13 @@ def test_matmul_two_level_batch_gqa_offsets(gpu, rng, tile):
 
 @pytest.mark.parametrize(
     "tile",
-    [SMALL_TILE, Tile(wx=4, wy=4, tm=4, tn=4, bk=4), Tile(vec=True)],
-    ids=["64x64", "16x16", "64x64-vec"],
+    [
+        SMALL_TILE,
+        Tile(wx=4, wy=4, tm=4, tn=4, bk=4),
+        Tile(vec=True),
+        Tile(wx=4, wy=4, tm=4, tn=4, bk=4, vec=True, stages=2),
+    ],
+    ids=["64x64", "16x16", "64x64-vec", "16x16-vec-2-stages"],
 )
 def test_matmul_causal_modes(gpu, rng, tile):
     # The three causal modes of attention's products on T x T positions (T not a multiple of the tile).
@@ -249,6 +254,8 @@ def test_matmul_views_into_arena(gpu, rng):
         Tile(unroll=False, prefetch=False),
         Tile(wx=4, wy=8, tm=8, tn=4, bk=5, unroll=False),
         Tile(tm=8, tn=8, bk=16, prefetch=False),
+        Tile(stages=2),
+        Tile(wx=4, wy=8, tm=8, tn=4, bk=5, stages=2),
     ],
     ids=[
         "8x8-bk16",
@@ -257,6 +264,8 @@ def test_matmul_views_into_arena(gpu, rng):
         "loop-noprefetch",
         "odd-bk-loop",
         "8x8-noprefetch",
+        "2-stages",
+        "odd-bk-2-stages",
     ],
 )
 def test_matmul_other_tiles(gpu, rng, tile):
@@ -364,8 +373,12 @@ VEC_TILES = [
     Tile(wx=4, wy=8, tm=8, tn=4, bk=4, vec=True),  # one k-group per block (KL 1)
     Tile(wx=8, wy=8, tm=8, tn=8, bk=16, vec=True),  # two passes of units per thread
     Tile(wx=8, wy=8, tm=4, tn=4, bk=32, vec=True),  # two passes, 8 k-groups per block row
+    Tile(vec=True, stages=2),  # two shared stages, one barrier per k step
+    Tile(wx=8, wy=4, tm=4, tn=8, bk=8, vec=True, stages=2),
+    Tile(tm=8, tn=8, bk=8, vec=True, stages=2),
 ]
-VEC_IDS = ["64x64", "128x128", "128x128-noprefetch", "wide", "bk4", "2-passes", "bk32"]
+VEC_IDS = ["64x64", "128x128", "128x128-noprefetch", "wide", "bk4", "2-passes", "bk32", "2-stages", "wide-2-stages",
+           "128x128-bk8-2-stages"]  # fmt: skip
 
 
 @pytest.mark.parametrize("tile", VEC_TILES, ids=VEC_IDS)
@@ -462,6 +475,11 @@ def test_vec_tile_rules(gpu):
     with pytest.raises(GpuError, match="vec4"):
         Tile(vec=True).templates(compute="f16", chunk=4, vec=(False, True))
     assert LARGE_TILE.vec is False and SMALL_TILE.vec is False  # off by default until measured
+    assert LARGE_TILE.stages == SMALL_TILE.stages == 1
+    with pytest.raises(GpuError, match="stages"):
+        Tile(stages=2, prefetch=False).validate(gpu)
+    with pytest.raises(GpuError, match="stages"):
+        Tile(stages=3).validate(gpu)
 
 
 # -- f16 products ---------------------------------------------------------------------------------------

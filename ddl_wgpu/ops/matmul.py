@@ -27,6 +27,13 @@ f32 kernel run on the same weights rounded to f16 (same k order). It needs the a
 the module gets `enable f16;` only in that variant. Offsets/strides of B are in elements either way; a view
 of f16 data is (buffer, byte offset, bytes) with the bytes rounded up to 4.
 
+Tile options, off by default until measured on the H200 (`bench/matmul_sweep.py` times them on the training
+products): `vec` reads each operand whose stored rows are whole, 16-byte aligned vec4s (`vec_loads`) with one
+vec4 load and one bounds test per 4 elements (m and n clamped, only k tested), k-contiguous operands as 4 x 4
+blocks transposed in registers (`_vec_copies`); `stages=2` keeps two k steps in shared memory so that each
+step needs one barrier instead of two. Both fill shared memory with the same values as the default copies,
+so the results are bit for bit the default kernel's.
+
 What this file deliberately does not do: pick tiles by timing.
 """
 
@@ -102,6 +109,9 @@ class Tile:
     # vec4 global loads for the operands whose layout allows them (`vec_ok`; the others keep scalar copies):
     # off by default until measured on the H200 (`bench/matmul_sweep.py`); needs bk % 4 == 0, f32 products
     vec: bool = False
+    # 2: two shared stages, one barrier per k step (the next step's registers are stored into the other stage
+    # after this step's products); needs prefetch. Off by default (measured slower with scalar loads).
+    stages: int = 1
 
     @property
     def bm(self) -> int:
@@ -113,11 +123,13 @@ class Tile:
 
     @property
     def shared_bytes(self) -> int:
-        return 16 * self.bk * (self.bm // 4 + 1 + self.bn // 4 + 1)  # As and Bs, rows padded by one vec4
+        return 16 * self.stages * self.bk * (self.bm // 4 + 1 + self.bn // 4 + 1)  # rows padded by one vec4
 
     def validate(self, gpu) -> None:
         if self.tm % 4 or self.tn % 4 or min(self.tm, self.tn, self.wx, self.wy, self.bk) <= 0:
             raise GpuError(f"matmul tile {self}: tm and tn must be positive multiples of 4")
+        if self.stages not in (1, 2) or (self.stages == 2 and not self.prefetch):
+            raise GpuError(f"matmul tile {self}: stages must be 1, or 2 with prefetch")
         if self.wx * self.wy > gpu.limits.get("max-compute-invocations-per-workgroup", 256):
             raise GpuError(f"matmul tile {self}: {self.wx * self.wy} threads exceed the adapter's limit")
         if self.shared_bytes > gpu.limits.get("max-compute-workgroup-storage-size", 16384):
@@ -153,10 +165,13 @@ class Tile:
         if half:
             decl += [f"    var {part(i, r, j)}: vec4<f16>;" for i, r, j in acc]
 
+        two = self.stages == 2
+        oa, ob = ("oa + ", "ob + ") if two else ("", "")  # the stage read this step (two stages)
+
         def products(kk: str, ind: str, k: int = 0) -> list[str]:
             # one k of the step: TM/4 + TN/4 vec4 loads from shared memory, TM*TN/4 vec4 FMAs
-            out = [f"{ind}let a{i} = As[{kk}SA + ty + {i}u * WY];" for i in range(mq)]
-            out += [f"{ind}let b{j} = Bs[{kk}SB + tx + {j}u * WX];" for j in range(nq)]
+            out = [f"{ind}let a{i} = As[{oa}{kk}SA + ty + {i}u * WY];" for i in range(mq)]
+            out += [f"{ind}let b{j} = Bs[{ob}{kk}SB + tx + {j}u * WX];" for j in range(nq)]
             if not half:
                 out += [
                     f"{ind}{name(i, r, j)} = fma(vec4<f32>(a{i}.{comp[r]}), b{j}, {name(i, r, j)});"
@@ -212,8 +227,16 @@ class Tile:
         i8, i12 = " " * 8, " " * 12
         if any(vec):
             stash, refill, head = _vec_copies(self, vec, trans)
-            reg = None
-        if any(vec) and self.prefetch:  # registers q<p>_<j> carry the next step's copies
+        if two:  # stage 0 filled before the loop; each step refills the other stage after its products
+            pre, first = (head("k_begin"), stash("    ")) if any(vec) else (head, stash("    ", reg))
+            again = stash(i12) if any(vec) else stash(i12, reg)
+            fill = refill(i12, "k0 + BK") if any(vec) else [i12 + r for r in refill]
+            kloop = [*pre, "    stage = 0u;", *first, "    workgroupBarrier();", loop,
+                     f"{i8}let oa = stage * (BK * SA);", f"{i8}let ob = stage * (BK * SB);",
+                     f"{i8}let more = k0 + BK < k_end;", f"{i8}if (more) {{", *fill, f"{i8}}}", *inner,
+                     f"{i8}if (more) {{", f"{i12}stage = 1u - stage;", *again, f"{i8}}}",
+                     f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
+        elif any(vec) and self.prefetch:  # registers q<p>_<j> carry the next step's copies
             kloop = [*head("k_begin"), loop, *stash(i8), f"{i8}workgroupBarrier();",
                      f"{i8}if (k0 + BK < k_end) {{", *refill(i12, "k0 + BK"), f"{i8}}}",
                      *inner, f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
@@ -237,8 +260,13 @@ class Tile:
             "bk": self.bk,
             "bmv": self.bm // 4,
             "bnv": self.bn // 4,
-            "as_len": self.bk * (self.bm // 4 + 1),
-            "bs_len": self.bk * (self.bn // 4 + 1),
+            "as_len": self.stages * self.bk * (self.bm // 4 + 1),
+            "bs_len": self.stages * self.bk * (self.bn // 4 + 1),
+            "stage_decl": "var<private> stage: u32;  // the shared stage being filled (two stages)"
+            if two
+            else "",
+            "a_stage": "stage * (BK * SA) + " if two else "",
+            "b_stage": "stage * (BK * SB) + " if two else "",
             "acc_decl": "\n".join(decl),
             "kloop": "\n".join(kloop),
             "store": "\n".join(store),
@@ -415,7 +443,7 @@ def vec_loads(tile, a, b, M, N, K, trans_a=False, trans_b=False, lda=None, ldb=N
               b_dtype="f32", compute="f32") -> tuple[bool, bool]:  # fmt: skip
     """Which operands (A, B) `matmul` reads with vec4 loads for this call: none unless `tile.vec` (f32
     products, bk % 4 == 0), then each one whose layout passes `vec_ok`."""
-    if not tile.vec or compute != "f32" or b_dtype != "f32" or tile.bk % 4:
+    if not tile.vec or compute != "f32" or b_dtype != "f32" or tile.bk % 4 or K < 1:
         return (False, False)
     lda = int(lda if lda is not None else (M if trans_a else K))
     ldb = int(ldb if ldb is not None else (K if trans_b else N))
