@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -224,6 +225,7 @@ def main(argv=None) -> int:
         "torch": common.torch_info(torch, tdev) if torch else {"skipped": tdev},
         "sizes": {"preset": "tiny" if args.quick else "small", "B": S["B"], "T": S["T"], "head_chunk": S["head_chunk"]},
         "variants": {k: [dataclasses.asdict(t) for t in v] for k, v in VARIANTS.items()},
+        k_mm.ENV_TILE: os.environ.get(k_mm.ENV_TILE, ""),  # "default" is the tiles it gives (unset: the code's)
         "results": results, "failed": failed, "budget_exhausted": over, "wall_s": time.perf_counter() - t_start,
     }  # fmt: skip
     common.write_json(common.json_path(args.out, "matmul_sweep.json"), data)

@@ -482,6 +482,20 @@ def test_vec_tile_rules(gpu):
         Tile(stages=3).validate(gpu)
 
 
+def test_tile_options_from_the_environment_syntax():
+    """DDL_WGPU_MATMUL (A/B runs of whole training steps): Tile fields applied to the large tile, vec also to
+    the small one; empty leaves both as they are; an unknown name is an error."""
+    from ddl_wgpu.ops.matmul import tile_options
+
+    assert tile_options("", LARGE_TILE, SMALL_TILE) == (LARGE_TILE, SMALL_TILE)
+    large, small = tile_options("vec, stages=2,bk=8", Tile(tm=8, tn=8), Tile())
+    assert large == Tile(tm=8, tn=8, bk=8, vec=True, stages=2) and small == Tile(vec=True)
+    large, small = tile_options("wx=8,wy=16,vec=0", Tile(tm=8, tn=8), Tile())
+    assert large == Tile(wx=8, wy=16, tm=8, tn=8) and small == Tile()
+    with pytest.raises(GpuError, match="not a Tile field"):
+        tile_options("vector", LARGE_TILE, SMALL_TILE)
+
+
 # -- f16 products ---------------------------------------------------------------------------------------
 
 

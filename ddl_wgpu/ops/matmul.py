@@ -39,6 +39,8 @@ What this file deliberately does not do: pick tiles by timing.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 from ddl_wgpu.gpu import MAX_GROUPS, Call, GpuError, Uniform
@@ -345,6 +347,31 @@ def _vec_copies(tile: Tile, vec: tuple, trans: tuple):
 
 SMALL_TILE = Tile()  # 64 x 64 per workgroup, 4 x 4 per thread (the lavapipe shape)
 LARGE_TILE = Tile(tm=8, tn=8, bk=16)  # 128 x 128 per workgroup, 8 x 8 per thread (the H200 shape)
+
+# Tile options for a whole run without editing this file, for A/B measurements of the training step (e.g.
+# `DDL_WGPU_MATMUL=vec,stages=2 python3 bench/train_step.py`): a comma list of `Tile` fields, `name=value`
+# (a bare name means 1), applied to LARGE_TILE; `vec` also to SMALL_TILE. Unset: the tiles above.
+ENV_TILE = "DDL_WGPU_MATMUL"
+
+
+def tile_options(spec: str, large: Tile, small: Tile) -> tuple[Tile, Tile]:
+    """(large, small) with the options of `spec` (the DDL_WGPU_MATMUL syntax) applied."""
+    fields = {f.name: f.type for f in dataclasses.fields(Tile)}
+    opts = {}
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in fields:
+            raise GpuError(f"{ENV_TILE}: {name!r} is not a Tile field ({', '.join(fields)})")
+        v = int(value) if value.strip() else 1
+        opts[name] = bool(v) if fields[name] in ("bool", bool) else v
+    small = dataclasses.replace(small, vec=opts["vec"]) if "vec" in opts else small
+    return dataclasses.replace(large, **opts), small
+
+
+LARGE_TILE, SMALL_TILE = tile_options(os.environ.get(ENV_TILE, ""), LARGE_TILE, SMALL_TILE)
 
 # Fewest LARGE_TILE workgroups for which the large tile is used: below this a product has too few
 # workgroups to fill the device and the small tile's 4x as many win. Measured (GPU timestamps):
