@@ -119,6 +119,29 @@ def settle(once, n: int, tries: int = 10) -> None:
         last = t
 
 
+def warm_up(gpu, seconds: float = 2.0) -> None:
+    """Keep the GPU busy with 2048^3 GEMMs for `seconds` before the first timed case. `settle` alone was not
+    enough on the H200: the first case of a run, timed from an idle GPU, measured 3.8x slower than the same
+    product later in the run (bench/matmul_sweep.py, BENCHMARKS.md), as clocks ramped for over a second."""
+    import numpy as np
+
+    from ddl_wgpu.ops import matmul as k_mm
+
+    if seconds <= 0:
+        return
+    n = 2048
+    a = gpu.upload(np.ones((n, n), np.float32))
+    c = gpu.buffer(n * n * 4, label="warm-up")
+    call = k_mm.matmul(gpu, c, a, a, n, n, n)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        rec = gpu.recorder()
+        for _ in range(8):
+            call.record(rec)
+        rec.submit()
+        gpu.wait()
+
+
 def gpu_time_ms(gpu, calls, target_ms: float = 40.0, repeats: int = REPEATS, max_n: int = 200) -> dict:
     """GPU time of one `Call` (ms), best and median of `repeats`: each repeat records the calls N times,
     round-robin (so inputs rotate among `calls`), into one timestamped recorder; elapsed / N. A warm-up

@@ -252,7 +252,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="a .ddlw model file instead of the synthetic shapes")
     ap.add_argument("--trunk-dtype", choices=("f32", "f16"), help="for --model (default f32)")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
-    ap.add_argument("--prompt-data", help="take the prompt from this data spec (e.g. stdlib) instead of random ids")
+    ap.add_argument(
+        "--prompt-data", help="take the prompt from this data spec (e.g. stdlib) instead of random ids"
+    )
     ap.add_argument("--new", type=int, default=128, help="tokens generated")
     ap.add_argument("--depth", type=int, default=3, help="speculative draft depth")
     ap.add_argument("--repeats", type=int, default=3)

@@ -139,6 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--target-ms", type=float, default=15.0, help="length of one timed repeat")
     ap.add_argument("--rotate", type=int, default=2, help="input copies rotated among (small operands)")
+    ap.add_argument("--warm-up-s", type=float, default=2.0, help="GEMMs before the first timed case")
     ap.add_argument("--budget-s", type=float, default=120.0, help="start no case after this many seconds")
     ap.add_argument("--torch", default="auto", choices=["auto", "cuda", "cpu", "none"])
     ap.add_argument("--device", default=None)
@@ -159,6 +160,7 @@ def main(argv=None) -> int:
     splits = [int(s) for s in args.splits.split(",") if s]
     rng = np.random.default_rng(0)
     results, over = [], False
+    common.warm_up(gpu, 0.0 if args.quick else args.warm_up_s)
     # the LM head's dx (the slowest product against cuBLAS) first, in case the budget runs out
     for label, M, N, K, ta, tb in sorted(matmul_cases(S), key=lambda c: "head dx" not in c[0]):
         if args.only and args.only not in label:

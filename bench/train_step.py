@@ -55,14 +55,41 @@ def n_steps(args, step_s: float) -> int:
 
 def encode_step(net, work, upd, rec) -> None:
     """Record the Calls of one training step exactly as `TrunkWork.step` does (into any recorder)."""
-    net.zero_grads_call().record(rec)
-    work._fwd.record(rec)
-    work._head_train.record(rec)
-    work._sum.record(rec)
-    work._bwd.record(rec)
-    for c in work._unscale:  # f16: the gradients divided by the loss scale
-        c.record(rec)
-    net.optimizer_call(upd).record(rec)
+    parts = [("zero", [net.zero_grads_call()]), ("forward", [work._fwd]), ("head+loss", [work._head_train]),
+             ("loss sum", [work._sum]), ("backward", [work._bwd]), ("unscale", work._unscale),  # f16 only
+             ("optimizer", [net.optimizer_call(upd)])]  # fmt: skip
+    for phase, calls in parts:
+        rec.phase = phase  # read by gpu.ProfileRecorder (--profile); a plain Recorder ignores it
+        for c in calls:
+            c.record(rec)
+
+
+def profile_step(gpu, net, work, upd) -> dict:
+    """GPU ms of one step per (phase, shader family): every dispatch timed alone (`gpu.ProfileRecorder`)."""
+    from ddl_wgpu.gpu import ProfileRecorder
+
+    rec = ProfileRecorder(gpu)
+    encode_step(net, work, upd(), rec)
+    rec.submit()
+    out: dict[str, float] = {}
+    for key, ms in rec.profile().items():
+        phase, kernel = key.split("|", 1)
+        family = kernel.split(":")[0].removesuffix(".wgsl")
+        out[f"{phase}|{family}"] = out.get(f"{phase}|{family}", 0.0) + ms
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def print_profile(results: list[dict]) -> None:
+    """The --profile table: GPU ms per (phase, shader family), one column per engine run."""
+    cols = [(r["variant"], name, run["profile_ms"]) for r in results
+            for name, run in r["runs"].items() if "profile_ms" in run]  # fmt: skip
+    if not cols:
+        return
+    keys = sorted({k for _, _, p in cols for k in p}, key=lambda k: -max(p.get(k, 0.0) for _, _, p in cols))
+    rows = [[*k.split("|", 1), *(common.fmt(p.get(k), ".2f") for _, _, p in cols)] for k in keys]
+    rows.append(["all", "", *(common.fmt(sum(p.values()), ".1f") for _, _, p in cols)])
+    print(common.table(["phase", "shader", *(f"{v} {n}" for v, n, _ in cols)], rows,
+                       "GPU ms per step by phase and shader family (each dispatch timed alone)"))  # fmt: skip
 
 
 def bench_engine(gpu, cfg, params, ids, args, precision: str = "f32", chunk: int | None = None) -> dict:
@@ -132,6 +159,8 @@ def bench_engine(gpu, cfg, params, ids, args, precision: str = "f32", chunk: int
             rec.submit()
             ts.append(rec.elapsed_ms())
         r["gpu_ms"] = common.median(ts)
+        if args.profile:
+            r["profile_ms"] = profile_step(gpu, net, work, upd)
     gpu.wait()
     del work, net
     gc.collect()
@@ -224,6 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--torch", default="auto", choices=["auto", "cuda", "cpu", "none"])
     ap.add_argument("--no-bf16", action="store_true")
     ap.add_argument("--device", default=None, help="wgpu adapter (index or name substring)")
+    ap.add_argument("--profile", action="store_true", help="GPU ms per phase and shader family (timestamps)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     q = args.quick
@@ -333,6 +363,7 @@ def main(argv=None) -> int:
     }  # fmt: skip
     common.write_json(common.json_path(args.json, "train_step.json"), data)
     print()
+    print_profile(results)
     print(f"adapter: {data['adapter']}")
     print(f"torch: {data['torch']}")
     print(common.table(headers, rows, title=f"training step ({args.preset} preset, {B} x {T} tokens)"))
