@@ -39,6 +39,7 @@ from common import (
 os.environ.setdefault("DDL_WGPU_TRUSTED", "matmul.wgsl,attention.wgsl,attention_fused.wgsl")
 
 from ddl_ref import ops as ref  # noqa: E402
+from ddl_wgpu.gpu import Call  # noqa: E402
 from ddl_wgpu.ops import attention, attention_fused  # noqa: E402
 
 F32 = 4
@@ -63,7 +64,9 @@ def _down_lse(gpu, buf, H, T, sel, keep):
     )
 
 
-def run_shape(gpu, shape, args, tpeer) -> list[dict]:
+def run_shape(gpu, shape, args, tpeer, budget_s: float) -> list[dict]:
+    """Every case of one shape: SDPA, scores, flash, then the fused tiles while `budget_s` lasts."""
+    t_start = time.perf_counter()
     B, T, H, K, D = shape
     G, sel = H // K, sorted({0, B - 1})
     rng = np.random.default_rng(0)
@@ -73,30 +76,31 @@ def run_shape(gpu, shape, args, tpeer) -> list[dict]:
     dout = rng.standard_normal((B, T, H, D), dtype=np.float32)
     bq, bk, bv, bdo = (gpu.upload(a) for a in (q, k, v, dout))
     out, lse = gpu.buffer(q.nbytes), gpu.buffer(B * H * T * F32)
-    dq, dk, dv, delta = (
-        gpu.buffer(q.nbytes),
-        gpu.buffer(k.nbytes),
-        gpu.buffer(v.nbytes),
-        gpu.buffer(B * H * T * 4),
-    )
+    dq, dk, dv = gpu.buffer(q.nbytes), gpu.buffer(k.nbytes), gpu.buffer(v.nbytes)
+    delta = gpu.buffer(B * H * T * F32)
     q64, k64, v64, do64 = _sample(B, H, K, (q, k, v, dout))
     want_out, cache = ref.attention_forward(q64, k64, v64)
     want_dq, want_dk, want_dv = ref.attention_backward(do64, cache) if args.backward else (None, None, None)
     flop = 2.0 * B * H * T * T * D  # causal: half of 4·B·H·T²·D
     label = f"B{B} T{T} H{H}/{K}x{D}"
-    rows = []
+    rows = torch_rows(tpeer, shape, label, flop, args) if tpeer[0] is not None else []
 
     def time_it(call):
         return gpu_time_ms(gpu, [call], target_ms=args.target_ms, repeats=args.repeats)["ms"]
 
-    cases = [(f"fused {t.label()}", "fused", t) for t in attention_fused.fitting_tiles(gpu, D)]
-    if args.tiles == "first":
-        cases = cases[:1]
-    cases += [("scores", "scores", None), ("flash", "flash", None)]
+    cases = [("scores", "scores", None), ("flash", "flash", None)]
+    tiles = attention_fused.fitting_tiles(gpu, D)
+    cases += [(f"fused {t.label()}", "fused", t) for t in (tiles[:1] if args.tiles == "first" else tiles)]
     for name, impl, tile in cases:
         if impl not in args.impls:
             continue
         if impl == "scores" and not attention.attention_scores.fits(gpu, H, K, T):
+            continue
+        if impl == "fused" and time.perf_counter() - t_start > budget_s:
+            print(f"{label}: {name} left out (over this shape's {budget_s:.0f} s)", flush=True)
+            rows.append(
+                {"shape": label, "pass": "fwd", "impl": name, "ms": None, "tflops": None, "err": None}
+            )
             continue
         t0 = time.perf_counter()
         if impl == "fused":
@@ -113,22 +117,23 @@ def run_shape(gpu, shape, args, tpeer) -> list[dict]:
         print(
             f"{label} fwd {name}: {ms:.3f} ms, err {err:.1e} ({time.perf_counter() - t0:.1f} s)", flush=True
         )
-        # the backward after the first fused tile, the scores path and flash (each after its own forward)
-        if not args.backward or (impl == "fused" and tile != cases[0][2]):
+        if not args.backward:
             continue
+        # each backward after its own forward (it reads that forward's out and lse); delta pass included
         bw = attention.attention_backward(gpu, dq, dk, dv, bdo, out, lse, bq, bk, bv, B, T, H, K, D, scratch=delta,
                                           impl=impl)  # fmt: skip
+        if impl == "fused":  # this tile's kernels after the delta pass
+            bw = Call(bw.dispatches[:1], bw.uniforms) + attention_fused.attention_fused_backward(
+                gpu, dq, dk, dv, bdo, lse, delta, bq, bk, bv, B, T, H, K, D, tile=tile
+            )
         bw.run(gpu)
         err = max(rel_err(_down(gpu, dq, B, T, H, D, sel, G), want_dq),
                   rel_err(_down(gpu, dk, B, T, K, D, sel, 1), want_dk),
                   rel_err(_down(gpu, dv, B, T, K, D, sel, 1), want_dv))  # fmt: skip
         ms = time_it(bw)
-        names = sorted({kern.name.split(":")[1] for kern, _, _ in bw.dispatches})
-        rows.append({"shape": label, "pass": "bwd", "impl": f"{impl} ({', '.join(names)})"[:60], "ms": ms,
-                     "tflops": 2.5 * flop / ms / 1e9, "err": err})  # fmt: skip
-        print(f"{label} bwd {impl}: {ms:.3f} ms, err {err:.1e}", flush=True)
-    if tpeer[0] is not None:
-        rows += torch_rows(tpeer, shape, label, flop, args)
+        rows.append({"shape": label, "pass": "bwd", "impl": name, "ms": ms, "tflops": 2.5 * flop / ms / 1e9,
+                     "err": err})  # fmt: skip
+        print(f"{label} bwd {name}: {ms:.3f} ms, err {err:.1e}", flush=True)
     return rows
 
 
@@ -175,6 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--torch", choices=("auto", "cuda", "cpu", "none"), default="auto")
     ap.add_argument("--target-ms", type=float, default=25.0, help="GPU time per timed repeat")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=150.0, help="fused tiles stop being started after this")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/attention_sweep.json)")
     args = ap.parse_args(argv)
     args.impls = set(args.impls.split(","))
@@ -183,14 +189,16 @@ def main(argv=None) -> int:
     gpu = open_gpu()
     print(adapter_line(gpu), flush=True)
     tpeer = torch_setup(args.torch)
-    rows = []
-    for s in args.shapes.split(","):
-        rows += run_shape(gpu, tuple(int(x) for x in s.split("x")), args, tpeer)
+    rows, shapes = [], args.shapes.split(",")
+    t0 = time.perf_counter()
+    for i, s in enumerate(shapes):  # each shape gets an even share of what is left of the budget
+        share = (args.budget_s - (time.perf_counter() - t0)) / (len(shapes) - i)
+        rows += run_shape(gpu, tuple(int(x) for x in s.split("x")), args, tpeer, share)
     # ratio to SDPA of the same shape and pass
     peer = {(r["shape"], r["pass"]): r["ms"] for r in rows if r["impl"] == "torch sdpa fp32"}
     for r in rows:
         p = peer.get((r["shape"], r["pass"]))
-        r["vs_sdpa"] = p / r["ms"] if p else None
+        r["vs_sdpa"] = p / r["ms"] if p and r["ms"] else None
     data = {"when": now_iso(), "adapter": adapter_line(gpu), "host": host_info(), "rows": rows,
             "trusted": os.environ.get("DDL_WGPU_TRUSTED"),
             "torch": torch_info(*tpeer) if tpeer[0] is not None else tpeer[1]}  # fmt: skip
@@ -198,6 +206,24 @@ def main(argv=None) -> int:
     body = [[r["shape"], r["pass"], r["impl"], fmt(r["ms"], ".3f"), fmt(r["tflops"], ".1f"), fmt(r["vs_sdpa"], ".2f"),
              fmt(r.get("err"), ".1e")] for r in rows]  # fmt: skip
     print(table(["shape", "pass", "impl", "ms", "TFLOP/s", "x SDPA", "err"], body, "attention sweep"))
+    # the short summary, last: per shape and pass, the peers and the best fused tile
+    summary = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for pas in ("fwd", "bwd"):
+            here = [r for r in rows if r["shape"] == shape and r["pass"] == pas and r["ms"]]
+            if not here:
+                continue
+            ms = {r["impl"]: r["ms"] for r in here}
+            fused = min(
+                (r for r in here if r["impl"].startswith("fused")), key=lambda r: r["ms"], default=None
+            )
+            sdpa = ms.get("torch sdpa fp32")
+            summary.append([shape, pas, fmt(sdpa, ".3f"), fmt(ms.get("scores"), ".3f"), fmt(ms.get("flash"), ".3f"),
+                            fused["impl"].removeprefix("fused ") if fused else "-", fmt(fused and fused["ms"], ".3f"),
+                            fmt(sdpa / fused["ms"] if fused and sdpa else None, ".2f"),
+                            fmt(ms["scores"] / fused["ms"] if fused and "scores" in ms else None, ".2f")])  # fmt: skip
+    print(table(["shape", "pass", "SDPA ms", "scores ms", "flash ms", "best fused tile", "ms", "x SDPA", "x scores"],
+                summary, "best fused tile per shape"))  # fmt: skip
     return 0
 
 

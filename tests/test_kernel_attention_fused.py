@@ -1,8 +1,9 @@
-"""The fused register-tiled attention forward (attention_fused.wgsl) against ddl_ref.ops.attention_forward
-(float64 reference of float32 inputs): out and lse for GQA shapes, T = 1 and T not a multiple of the tiles,
-head dims 4..256 (including ones not a multiple of 4), a custom scale, every candidate tile this adapter fits,
-the tiles chosen under WebGPU's default limits, determinism and causality; and the backward reached through
-`attention.attention_backward(impl="fused")`, which consumes the fused forward's out and lse."""
+"""The fused register-tiled attention kernels (attention_fused.wgsl) against ddl_ref.ops.attention_forward and
+attention_backward (float64 reference of float32 inputs): out, lse, dq, dk, dv for GQA shapes, T = 1 and T not
+a multiple of the tiles, head dims 4..256 (including ones not a multiple of 4), a custom scale, every candidate
+tile this adapter fits (square and not), the tiles chosen under WebGPU's default limits, determinism and
+causality; and the whole path through `attention.attention_forward/backward(impl="fused")` (with the delta
+pass), as the engine reaches it with DDL_WGPU_ATTENTION=fused."""
 
 import numpy as np
 import pytest
@@ -11,7 +12,14 @@ from ddl_ref import ops as ref
 from ddl_ref.check import check
 from ddl_wgpu.gpu import WEBGPU_LIMITS, GpuError
 from ddl_wgpu.ops import attention, attention_fused
-from ddl_wgpu.ops.attention_fused import TILES, Tile, attention_fused_forward, choose_tile, fitting_tiles
+from ddl_wgpu.ops.attention_fused import (
+    TILES,
+    Tile,
+    attention_fused_backward,
+    attention_fused_forward,
+    choose_tile,
+    fitting_tiles,
+)
 
 SHAPES = [  # (B, T, H, K, D)
     (1, 1, 1, 1, 4),
@@ -29,7 +37,8 @@ def _inputs(shape, seed=0):
     q = rng.standard_normal((B, T, H, D)).astype(np.float32)
     k = rng.standard_normal((B, T, K, D)).astype(np.float32)
     v = rng.standard_normal((B, T, K, D)).astype(np.float32)
-    return q, k, v
+    dout = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    return q, k, v, dout
 
 
 def _forward(gpu, shape, q, k, v, scale=None, tile=None):
@@ -40,21 +49,40 @@ def _forward(gpu, shape, q, k, v, scale=None, tile=None):
     return gpu.read(out, q.shape), gpu.read(lse, (B, H, T))
 
 
-def _check_forward(gpu, shape, seed=0, tile=None):
-    q, k, v = _inputs(shape, seed)
+def _backward(gpu, shape, q, k, v, dout, out, lse, scale=None, tile=None):
+    """The fused backward from the GPU forward's out and lse; delta = rowsum(dout * out) made here (the delta
+    pass is `attention.wgsl`'s, tested with the launchers below and in test_kernel_attention.py)."""
+    B, T, H, K, D = shape
+    delta = np.einsum("bthd,bthd->bht", dout.astype(np.float64), out.astype(np.float64)).astype(np.float32)
+    bufs = [gpu.upload(a) for a in (q, k, v, dout, lse, delta)]
+    dq, dk, dv = gpu.buffer(q.nbytes), gpu.buffer(k.nbytes), gpu.buffer(v.nbytes)
+    bq, bk, bv, bdo, blse, bdelta = bufs
+    attention_fused_backward(gpu, dq, dk, dv, bdo, blse, bdelta, bq, bk, bv, B, T, H, K, D, scale=scale,
+                             tile=tile).run(gpu)  # fmt: skip
+    return gpu.read(dq, q.shape), gpu.read(dk, k.shape), gpu.read(dv, v.shape)
+
+
+def _check_both(gpu, shape, seed=0, tile=None):
+    """Forward and backward of one shape against the float64 reference."""
+    q, k, v, dout = _inputs(shape, seed)
     out, lse = _forward(gpu, shape, q, k, v, tile=tile)
     want, cache = ref.attention_forward(*(a.astype(np.float64) for a in (q, k, v)))
     check(f"{shape} out", out, want, "attention")
     check(f"{shape} lse", lse, cache[4], "attention")
+    grads = _backward(gpu, shape, q, k, v, dout, out, lse, tile=tile)
+    for name, got, w in zip(
+        ("dq", "dk", "dv"), grads, ref.attention_backward(dout.astype(np.float64), cache), strict=True
+    ):
+        check(f"{shape} {name}", got, w, "attention")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}D{}".format(*s))
-def test_fused_forward_matches_reference(gpu, shape):
-    _check_forward(gpu, shape)
+def test_fused_matches_reference(gpu, shape):
+    _check_both(gpu, shape)
 
 
-def test_fused_forward_head_dim_256(gpu):
-    _check_forward(gpu, (1, 9, 4, 2, 256), seed=1)
+def test_fused_head_dim_256(gpu):
+    _check_both(gpu, (1, 9, 4, 2, 256), seed=1)
 
 
 def test_every_fitting_tile(gpu):
@@ -63,7 +91,7 @@ def test_every_fitting_tile(gpu):
     fit = fitting_tiles(gpu, 16)
     assert len(fit) >= len(TILES) - 3, [t.label() for t in fit]
     for tile in fit:
-        _check_forward(gpu, (1, 2 * max(tile.bq, tile.bk) + 5, 2, 1, 16), tile=tile)
+        _check_both(gpu, (1, 2 * max(tile.bq, tile.bk) + 5, 2, 1, 16), tile=tile)
 
 
 def test_webgpu_default_limits_pick_small_tiles():
@@ -89,23 +117,37 @@ def test_bad_tiles_and_sizes_are_refused(gpu):
 
 
 def test_custom_scale_and_determinism(gpu):
-    shape = (1, 40, 2, 1, 16)
-    q, k, v = _inputs(shape, seed=3)
+    shape = (1, 40, 2, 2, 16)  # one kv head per query head: the einsums below need no group sums
+    q, k, v, dout = _inputs(shape, seed=3)
     out, lse = _forward(gpu, shape, q, k, v, scale=0.37)
     out2, lse2 = _forward(gpu, shape, q, k, v, scale=0.37)
     assert np.array_equal(out, out2) and np.array_equal(lse, lse2)
+    grads = _backward(gpu, shape, q, k, v, dout, out, lse, scale=0.37)
+    grads2 = _backward(gpu, shape, q, k, v, dout, out, lse, scale=0.37)
+    assert all(np.array_equal(a, b) for a, b in zip(grads, grads2, strict=True))
     s = np.einsum("thd,shd->hts", q.astype(np.float64)[0], k.astype(np.float64)[0]) * 0.37
     s = np.where(np.tril(np.ones((40, 40), bool)), s, -np.inf)
     want_lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
     p = np.exp(s - want_lse[..., None])
-    check("scaled out", out[0], np.einsum("hts,shd->thd", p, v.astype(np.float64)[0]), "attention")
+    v64, do64 = v.astype(np.float64)[0], dout.astype(np.float64)[0]
+    want_out = np.einsum("hts,shd->thd", p, v64)
+    check("scaled out", out[0], want_out, "attention")
     check("scaled lse", lse[0], want_lse, "attention")
+    dp = np.einsum("thd,shd->hts", do64, v64)
+    ds = p * (dp - np.einsum("thd,thd->ht", do64, want_out)[..., None])
+    check(
+        "scaled dq", grads[0][0], 0.37 * np.einsum("hts,shd->thd", ds, k.astype(np.float64)[0]), "attention"
+    )
+    check(
+        "scaled dk", grads[1][0], 0.37 * np.einsum("hts,thd->shd", ds, q.astype(np.float64)[0]), "attention"
+    )
+    check("scaled dv", grads[2][0], np.einsum("hts,thd->shd", p, do64), "attention")
 
 
 def test_causal(gpu):
     """Changing keys and values after position t leaves out and lse at rows <= t bit-identical."""
     shape, t = (1, 50, 2, 2, 16), 21
-    q, k, v = _inputs(shape, seed=4)
+    q, k, v, _ = _inputs(shape, seed=4)
     out, lse = _forward(gpu, shape, q, k, v)
     k2, v2 = k.copy(), v.copy()
     k2[:, t + 1 :] += 5.0
@@ -118,21 +160,23 @@ def test_causal(gpu):
 
 @pytest.mark.parametrize("shape", [(2, 20, 6, 3, 32), (1, 37, 2, 1, 64)], ids=["gqa", "D64"])
 def test_fused_choice_through_the_attention_launchers(gpu, shape, monkeypatch):
-    """impl="fused" (and DDL_WGPU_ATTENTION=fused) runs this kernel forward; the backward consumes its out
-    and lse and matches the reference's gradients."""
+    """DDL_WGPU_ATTENTION=fused runs these kernels through the attention launchers (the backward after
+    `attention.wgsl`'s delta pass) and the results match the reference."""
     B, T, H, K, D = shape
     monkeypatch.setenv(attention.ENV_IMPL, "fused")
     assert attention.choose_impl(gpu, H, K, T) == "fused"
     assert attention.choose_impl(gpu, H, K, T, masked=True) != "fused"
-    q, k, v = _inputs(shape, seed=5)
-    dout = np.random.default_rng(6).standard_normal(q.shape).astype(np.float32)
+    q, k, v, dout = _inputs(shape, seed=5)
     bq, bk, bv, bdo = (gpu.upload(a) for a in (q, k, v, dout))
     out, lse = gpu.buffer(q.nbytes), gpu.buffer(B * H * T * 4)
     dq, dk, dv = gpu.buffer(q.nbytes), gpu.buffer(k.nbytes), gpu.buffer(v.nbytes)
     fwd = attention.attention_forward(gpu, out, lse, bq, bk, bv, B, T, H, K, D)
     assert {kern.name for kern, _, _ in fwd.dispatches} == {f"{attention_fused.FILE}:attention_fused_forward"}
     fwd.run(gpu)
-    attention.attention_backward(gpu, dq, dk, dv, bdo, out, lse, bq, bk, bv, B, T, H, K, D).run(gpu)
+    bwd = attention.attention_backward(gpu, dq, dk, dv, bdo, out, lse, bq, bk, bv, B, T, H, K, D)
+    assert [kern.name.split(":")[1] for kern, _, _ in bwd.dispatches] == [
+        "attention_backward_delta", "attention_fused_backward_dq", "attention_fused_backward_dkdv"]  # fmt: skip
+    bwd.run(gpu)
     want, cache = ref.attention_forward(*(a.astype(np.float64) for a in (q, k, v)))
     wdq, wdk, wdv = ref.attention_backward(dout.astype(np.float64), cache)
     for name, buf, w in (("out", out, want), ("dq", dq, wdq), ("dk", dk, wdk), ("dv", dv, wdv)):

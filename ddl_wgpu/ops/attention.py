@@ -26,8 +26,8 @@ FILE = "attention.wgsl"
 # kernels: no T x T storage), "scores" (GEMMs over materialised scores, `attention_scores.py`), or "auto":
 # scores on GPUs whenever one kv head's scores fit the scratch limit (H200, T = 1024: fwd + bwd several
 # times faster), flash on CPU adapters (lavapipe) and for sequences too long for the scratch; or "fused": the
-# register-tiled forward of `attention_fused.py` (no scratch), its backward as "auto" would run it (opt-in
-# until measured on the H200: bench/attention_sweep.py).
+# register-tiled flash kernels of `attention_fused.py` (no scratch; opt-in until measured on the H200:
+# bench/attention_sweep.py).
 ENV_IMPL = "DDL_WGPU_ATTENTION"
 IMPLS = ("auto", "flash", "scores", "fused")
 PARAMS = Uniform("Params", ("B", "u32"), ("T", "u32"), ("H", "u32"), ("KH", "u32"), ("scale", "f32"))
@@ -251,7 +251,7 @@ def attention_forward(
 ) -> Call:  # fmt: skip
     """out (B,T,H,D) and lse (B,H,T) from q (B,T,H,D), k, v (B,T,K,D); causal; scale defaults to D**-0.5.
     `impl`: see `choose_impl`. `compute` "f16": the scores path's two products take f16 products
-    (`matmul`'s compute; the softmax stays f32); the flash kernels are f32 either way."""
+    (`matmul`'s compute; the softmax stays f32); the flash and fused kernels are f32 either way."""
     _check(B, T, H, K, D)
     _check_bindings("attention_forward", B, T, H, K, D, out=out, lse=lse, q=q, k=k, v=v)
     scale = float(D) ** -0.5 if scale is None else float(scale)
@@ -276,7 +276,8 @@ def attention_backward(
 ) -> Call:  # fmt: skip
     """dq (B,T,H,D), dk, dv (B,T,K,D) from dout, the forward's out and lse, and q, k, v. First delta =
     rowsum(dout * out) into `scratch` (B*H*T floats, allocated here when None); then, flash: dq per query
-    block and dk, dv per key block; scores: `attention_scores.backward`. Deterministic; outputs are
+    block and dk, dv per key block; scores: `attention_scores.backward`; fused: `attention_fused.attention_fused_backward`.
+    Deterministic; outputs are
     overwritten. `impl`: see `choose_impl`; `compute` as in `attention_forward`."""
     _check(B, T, H, K, D)
     delta = gpu.buffer(B * H * T * 4, label="attention delta") if scratch is None else scratch
@@ -291,8 +292,10 @@ def attention_backward(
     kd = gpu.kernel(FILE, "attention_backward_delta", "rrwu", templates=templates, uniforms=UNIFORMS)
     delta_pass = (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64))
     chosen = choose_impl(gpu, H, K, T, impl)
-    if chosen == "fused":  # no fused backward yet: the one "auto" picks (both read the forward's lse)
-        chosen = choose_impl(gpu, H, K, T, "auto")
+    if chosen == "fused":
+        grads = attention_fused.attention_fused_backward(gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D,
+                                                         scale)  # fmt: skip
+        return Call([delta_pass], keep) + grads
     if chosen == "scores":
         grads = attention_scores.backward(gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D, scale,
                                           compute=compute)  # fmt: skip

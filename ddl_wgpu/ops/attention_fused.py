@@ -1,16 +1,15 @@
 """Fused causal grouped-query attention with GEMM-style register tiles (`shaders/attention_fused.wgsl`).
 
 Kernel path: `shaders/attention_fused.wgsl` -> `ddl_wgpu/ops/attention_fused.py` -> reference
-`ddl_ref.ops.attention_forward` (the backward consumes its lse: `ddl_ref.ops.attention_backward`) -> test
-`tests/test_kernel_attention_fused.py`.
+`ddl_ref.ops.attention_forward`, `ddl_ref.ops.attention_backward` -> test `tests/test_kernel_attention_fused.py`.
 
-Shapes as in `attention.py`: q (B,T,H,D), k and v (B,T,K,D), out (B,T,H,D), lse (B,H,T); H % K == 0. Reached
-through `attention.attention_forward(..., impl="fused")` or DDL_WGPU_ATTENTION=fused; the backward of that
-choice runs on the scores path (GPUs) or the flash kernels (CPU adapters), which read the same lse.
+Shapes as in `attention.py`: q (B,T,H,D), k and v (B,T,K,D), out (B,T,H,D), lse and delta (B,H,T); H % K == 0.
+Reached through `attention.attention_forward/backward(..., impl="fused")` or DDL_WGPU_ATTENTION=fused (the
+backward's delta = rowsum(dout * out) comes from `attention.wgsl`'s delta pass there).
 
-The WGSL is a template: D, the tile (`Tile`) and the straight-line per-thread code (score and output
-accumulators, the softmax of each owned row, the P and V products) are generated here, one module per D and
-tile. `TILES` lists the candidates best first; the launcher takes the first whose shared memory fits the
+The WGSL is a template: D, the tile (`Tile`, shared by the three kernels) and the straight-line per-thread
+code (score and output accumulators, the softmax of each owned row, the products through shared memory, the
+helpers that stage each binding) are generated here, one module per D and tile. `TILES` lists the candidates best first; the launcher takes the first whose shared memory fits the
 adapter's workgroup storage (48 KiB on NVIDIA, 32 KiB on lavapipe, 16 KiB under DDL_WGPU_LIMITS=webgpu).
 """
 
@@ -110,30 +109,112 @@ def choose_tile(gpu, D: int, tile: Tile | None = None) -> Tile:
     return fit[0]
 
 
+_BUFFERS = {"q": "q", "k": "k", "v": "v", "dout": "gdout"}  # helper suffix -> WGSL binding
+
+
+def _helpers() -> str:
+    """at_X, rows_X, cols_X, chunk_X for X in q, k, v, dout, and the backward's lse / delta readers."""
+    out = []
+    for name, arr in _BUFFERS.items():
+        out.append(
+            f"fn at_{name}(base: u32, stride: u32, row: u32, d: u32) -> f32 {{\n"
+            f"    if (row < P.T && d < D) {{ return {arr}[base + row * stride + d]; }}\n    return 0.0;\n}}"
+        )
+        for kind, rows, off, stride in (("rows", "BQ", "0u", "SQ"), ("cols", "BK", "KOFF", "SK")):
+            four = ", ".join(f"at_{name}(base, stride, r + {e}u, d)" for e in range(4))
+            out.append(
+                f"fn {kind}_{name}(base: u32, stride: u32, r0: u32, d0: u32, lid: u32) {{\n"
+                f"    for (var n = 0u; n < (DK * {rows} / 4u + NT - 1u) / NT; n++) {{\n"
+                f"        let i = lid + n * NT;\n"
+                f"        if (i < DK * {rows} / 4u) {{\n"
+                f"            let d = d0 + i % DK;\n"
+                f"            let r = r0 + 4u * (i / DK);\n"
+                f"            stage[{off} + (i % DK) * {stride} + i / DK] = vec4<f32>({four});\n"
+                f"        }}\n    }}\n}}"
+            )
+        four = ", ".join(f"at_{name}(base, stride, r, d + {e}u)" for e in range(4))
+        out.append(
+            f"fn chunk_{name}(base: u32, stride: u32, j0: u32, lid: u32) {{\n"
+            f"    for (var n = 0u; n < (BJ * SV + NT - 1u) / NT; n++) {{\n"
+            f"        let i = lid + n * NT;\n"
+            f"        if (i < BJ * SV) {{\n"
+            f"            let r = j0 + i / SV;\n"
+            f"            let d = 4u * (i % SV);\n"
+            f"            stage[i] = vec4<f32>({four});\n"
+            f"        }}\n    }}\n}}"
+        )
+    out.append(
+        "fn lse2_at(base: u32, i: u32) -> f32 {\n"
+        "    if (i < P.T) { return glse[base + i] * LOG2E; }\n    return 0.0;\n}"
+    )
+    out.append(
+        "fn delta_at(base: u32, i: u32) -> f32 {\n"
+        "    if (i < P.T) { return gdelta[base + i]; }\n    return 0.0;\n}"
+    )
+    return "\n\n".join(out)
+
+
 def _templates(D: int, t: Tile) -> dict:
-    """The kernel's constants and straight-line code for head_dim D and tile t."""
+    """The kernels' constants and straight-line code for head_dim D and tile t."""
     tm, nb, na = t.tm, t.tn // 4, t.tm // 4
     nu = t.sv(D) // t.wx
-    rows = range(tm)
-    cols = range(nb)
-    chans = range(nu)
+    rows, cols, chans = range(tm), range(nb), range(nu)
+    xyzw = "xyzw"
 
-    def qi(r: int) -> str:  # the tile row of thread row r: 4 * (ty + WY * (r / 4)) + r % 4
+    def row(r: int) -> str:  # the tile row of thread row r: 4 * (ty + WY * (r / 4)) + r % 4
         return f"4u * (ty + {t.wy * (r // 4)}u) + {r % 4}u"
 
-    decl = [f"    let qi{r} = q0 + {qi(r)}; var m{r} = NEG; var l{r} = 0.0;" for r in rows]
-    decl += [f"    var s{r}_{b} = vec4<f32>(0.0);" for r in rows for b in cols]
-    decl += [f"    var o{r}_{u} = vec4<f32>(0.0);" for r in rows for u in chans]
+    def col4(b: int, first: str) -> str:  # the 4 tile columns of thread column group b, from `first`
+        return f"vec4<u32>({first} + 4u * (tx + {t.wx * b}u)) + vec4<u32>(0u, 1u, 2u, 3u)"
 
-    s_step = [f"let qa{a} = stage[d * SQ + ty + {t.wy * a}u];" for a in range(na)]
-    s_step += [f"let kb{b} = stage[KOFF + d * SK + tx + {t.wx * b}u];" for b in cols]
-    s_step += [f"s{r}_{b} += qa{r // 4}.{'xyzw'[r % 4]} * kb{b};" for r in rows for b in cols]
+    def regs(prefix: str, n) -> list[str]:
+        return [f"var {prefix}{r}_{j} = vec4<f32>(0.0);" for r in rows for j in n]
 
-    mask = [
-        f"let kj{b} = vec4<u32>(k0 + 4u * (tx + {t.wx * b}u)) + vec4<u32>(0u, 1u, 2u, 3u); "
-        f"let kin{b} = kj{b} < vec4<u32>(fp.T);"
-        for b in cols
-    ]
+    def zero(*prefixes: str) -> list[str]:
+        return [f"{p}{r}_{b} = vec4<f32>(0.0);" for p in prefixes for r in rows for b in cols]
+
+    def score_step(acc: str) -> list[str]:  # acc += one channel of the row operand x the column operand
+        lines = [f"let qa{a} = stage[d * SQ + ty + {t.wy * a}u];" for a in range(na)]
+        lines += [f"let kb{b} = stage[KOFF + d * SK + tx + {t.wx * b}u];" for b in cols]
+        return lines + [f"{acc}{r}_{b} += qa{r // 4}.{xyzw[r % 4]} * kb{b};" for r in rows for b in cols]
+
+    def row_step(acc: str) -> list[str]:  # acc += column j0 + j of `ps` x staged row j
+        lines = [f"let pa{a} = ps[(j0 + j) * SP + ty + {t.wy * a}u];" for a in range(na)]
+        lines += [f"let vb{u} = stage[j * SV + tx + {t.wx * u}u];" for u in chans]
+        return lines + [f"{acc}{r}_{u} += pa{r // 4}.{xyzw[r % 4]} * vb{u};" for r in rows for u in chans]
+
+    def to_ps(src: str) -> list[str]:  # ps[column][row group] from the thread's score registers
+        out = []
+        for a in range(na):
+            for b in cols:
+                for e, w in enumerate(xyzw):
+                    vals = ", ".join(f"{src}{4 * a + i}_{b}.{w}" for i in range(4))
+                    out.append(
+                        f"ps[(4u * (tx + {t.wx * b}u) + {e}u) * SP + ty + {t.wy * a}u] = vec4<f32>({vals});"
+                    )
+        return out
+
+    def store(acc: str, idx: str, arr: str, base: str, stride: str, factor: str) -> list[str]:
+        out = []
+        for r in rows:
+            puts = " ".join(
+                f"if (c{u} + {e}u < D) {{ {arr}[o + c{u} + {e}u] = {acc}{r}_{u}.{xyzw[e]}{factor}; }}"
+                for u in chans
+                for e in range(4)
+            )
+            cs = " ".join(f"let c{u} = 4u * (tx + {t.wx * u}u);" for u in chans)
+            out.append(f"if ({idx}{r} < P.T) {{ let o = {base} + {idx}{r} * {stride}; {cs} {puts} }}")
+        return out
+
+    def block(lines: list[str], indent: int) -> str:
+        return "\n".join(" " * indent + line for line in lines)
+
+    tpl = {"D": D, "WX": t.wx, "WY": t.wy, "BQ": t.bq, "BK": t.bk, "DK": t.dk, "BJ": t.bj, "SV": t.sv(D),
+           "STAGE": t.stage_vec4s(D), "HELPERS": _helpers()}  # fmt: skip
+
+    # forward
+    decl = [f"let qi{r} = q0 + {row(r)}; var m{r} = NEG; var l{r} = 0.0;" for r in rows]
+    mask = [f"let kj{b} = {col4(b, 'k0')}; let kin{b} = kj{b} < vec4<u32>(P.T);" for b in cols]
     for r in rows:
         mask += [
             f"s{r}_{b} = select(vec4<f32>(NEG), s{r}_{b} * c2, kin{b} & (kj{b} <= vec4<u32>(qi{r})));"
@@ -143,7 +224,6 @@ def _templates(D: int, t: Tile) -> dict:
         for b in range(1, nb):
             mx = f"max({mx}, max4(s{r}_{b}))"
         mask.append(f"red[(qi{r} - q0) * WX + tx] = {mx};")
-
     soft = []
     for r in rows:
         sm = " + ".join(f"sum4(s{r}_{b})" for b in cols)
@@ -156,58 +236,83 @@ def _templates(D: int, t: Tile) -> dict:
             + " ".join(f"o{r}_{u} *= al;" for u in chans)
             + " }"
         )
-    for a in range(na):
-        for b in cols:
-            for e, w in enumerate("xyzw"):
-                vals = ", ".join(f"s{4 * a + i}_{b}.{w}" for i in range(4))
-                soft.append(
-                    f"ps[(4u * (tx + {t.wx * b}u) + {e}u) * SP + ty + {t.wy * a}u] = vec4<f32>({vals});"
-                )
-
-    pv = [f"let pa{a} = ps[(j0 + j) * SP + ty + {t.wy * a}u];" for a in range(na)]
-    pv += [f"let vb{u} = stage[j * SV + tx + {t.wx * u}u];" for u in chans]
-    pv += [f"o{r}_{u} += pa{r // 4}.{'xyzw'[r % 4]} * vb{u};" for r in rows for u in chans]
-
-    store = []
+    fw_store = []
     for r in rows:
-        puts = []
-        for u in chans:
-            puts += [
-                f"if (c{u} + {k}u < D) {{ fout[ob + c{u} + {k}u] = o{r}_{u}.{'xyzw'[k]} * inv; }}"
-                for k in range(4)
-            ]
-        store.append(
-            f"    {{ let row = (qi{r} - q0) * WX; var ls = red[row]; "
-            f"for (var x = 1u; x < WX; x++) {{ ls += red[row + x]; }} "
-            f"if (qi{r} < fp.T) {{ let inv = 1.0 / ls; let ob = qbase + qi{r} * fp.H * D; "
-            + " ".join(f"let c{u} = 4u * (tx + {t.wx * u}u);" for u in chans)
-            + " "
-            + " ".join(puts)
-            + f" if (tx == 0u) {{ flse[bh * fp.T + qi{r}] = (m{r} + log2(ls)) * LN2; }} }} }}"
+        fw_store.append(
+            f"{{ let row = (qi{r} - q0) * WX; var ls = red[row]; "
+            f"for (var x = 1u; x < WX; x++) {{ ls += red[row + x]; }} let inv{r} = 1.0 / ls; "
+            f"if (tx == 0u && qi{r} < P.T) {{ flse[bh * P.T + qi{r}] = (m{r} + log2(ls)) * LN2; }}"
         )
-
-    def block(lines: list[str], indent: int) -> str:
-        return "\n".join(" " * indent + line for line in lines)
-
-    return {
-        "D": D,
-        "WX": t.wx,
-        "WY": t.wy,
-        "BQ": t.bq,
-        "BK": t.bk,
-        "DK": t.dk,
-        "BJ": t.bj,
-        "SV": t.sv(D),
-        "STAGE": t.stage_vec4s(D),
-        "DECL": "\n".join(decl),
-        "S_ZERO": block([f"s{r}_{b} = vec4<f32>(0.0);" for r in rows for b in cols], 8),
-        "S_STEP": block(s_step, 16),
-        "S_MASK": block(mask, 8),
-        "S_SOFTMAX": block(soft, 8),
-        "PV_STEP": block(pv, 20),
-        "L_PUT": block([f"red[(qi{r} - q0) * WX + tx] = l{r};" for r in rows], 4),
-        "STORE": "\n".join(store),
+        fw_store += store("o", "qi", "fout", "qbase", "qs", f" * inv{r}")[r : r + 1]
+        fw_store.append("}")
+    tpl |= {
+        "FW_DECL": block(decl + regs("s", cols) + regs("o", chans), 4),
+        "FW_S_ZERO": block(zero("s"), 8),
+        "FW_S_STEP": block(score_step("s"), 16),
+        "FW_MASK": block(mask, 8),
+        "FW_SOFTMAX": block(soft + to_ps("s"), 8),
+        "FW_PV_STEP": block(row_step("o"), 20),
+        "FW_L_PUT": block([f"red[(qi{r} - q0) * WX + tx] = l{r};" for r in rows], 4),
+        "FW_STORE": block(fw_store, 4),
     }
+
+    # backward, dq: rows are queries, columns keys
+    decl = [
+        f"let qi{r} = q0 + {row(r)}; let ql{r} = lse2_at(bh * P.T, qi{r}); let qd{r} = delta_at(bh * P.T, qi{r});"
+        for r in rows
+    ]
+    ds = [f"let kj{b} = {col4(b, 'k0')}; let kin{b} = kj{b} < vec4<u32>(P.T);" for b in cols]
+    for r in rows:
+        for b in cols:
+            ok = f"kin{b} & (kj{b} <= vec4<u32>(qi{r})) & vec4<bool>(qi{r} < P.T)"
+            ds.append(
+                f"s{r}_{b} = select(vec4<f32>(0.0), exp2(s{r}_{b} * c2 - vec4<f32>(ql{r})), {ok}) "
+                f"* (dp{r}_{b} - vec4<f32>(qd{r}));"
+            )
+    tpl |= {
+        "DQ_DECL": block(decl + regs("s", cols) + regs("dp", cols) + regs("a", chans), 4),
+        "DQ_S_ZERO": block(zero("s", "dp"), 8),
+        "DQ_S_STEP": block(score_step("s"), 16),
+        "DQ_DP_STEP": block(score_step("dp"), 16),
+        "DQ_DS": block(ds + to_ps("s"), 8),
+        "DQ_PV_STEP": block(row_step("a"), 20),
+        "DQ_STORE": block(store("a", "qi", "gdq", "qbase", "qs", " * P.scale"), 4),
+    }
+
+    # backward, dk and dv: rows are keys, columns queries
+    decl = [f"let kr{r} = k0 + {row(r)};" for r in rows]
+    kvp = []
+    for b in cols:
+        ci = f"c0 + 4u * (tx + {t.wx * b}u)"
+        kvp.append(
+            f"let ci{b} = {col4(b, 'c0')}; let cin{b} = ci{b} < vec4<u32>(P.T); "
+            f"let cl{b} = vec4<f32>(" + ", ".join(f"lse2_at(lbase, {ci} + {e}u)" for e in range(4)) + "); "
+            f"let cd{b} = vec4<f32>(" + ", ".join(f"delta_at(lbase, {ci} + {e}u)" for e in range(4)) + ");"
+        )
+    for r in rows:
+        kvp += [
+            f"s{r}_{b} = select(vec4<f32>(0.0), exp2(s{r}_{b} * c2 - cl{b}), cin{b} & (vec4<u32>(kr{r}) <= ci{b}));"
+            for b in cols
+        ]
+    kvds = [f"dp{r}_{b} = s{r}_{b} * (dp{r}_{b} - cd{b});" for r in rows for b in cols]
+    tpl |= {
+        "KV_DECL": block(
+            decl + regs("s", cols) + regs("dp", cols) + regs("dk", chans) + regs("dv", chans), 4
+        ),
+        "KV_S_ZERO": block(zero("s", "dp"), 12),
+        "KV_S_STEP": block(score_step("s"), 20),
+        "KV_DP_STEP": block(score_step("dp"), 20),
+        "KV_P": block(kvp + to_ps("s"), 12),
+        "KV_DV_STEP": block(row_step("dv"), 24),
+        "KV_DS": block(kvds + to_ps("dp"), 12),
+        "KV_DK_STEP": block(row_step("dk"), 24),
+        "KV_STORE": block(
+            store("dk", "kr", "gdk", "kbase", "ks", " * P.scale")
+            + store("dv", "kr", "gdv", "kbase", "ks", ""),
+            4,
+        ),
+    }
+    return tpl
 
 
 def attention_fused_forward(
@@ -221,8 +326,39 @@ def attention_fused_forward(
     _need("attention_fused_forward", out=(out, B * T * H * D), lse=(lse, B * H * T), q=(q, B * T * H * D),
           k=(k, B * T * K * D), v=(v, B * T * K * D))  # fmt: skip
     scale = float(D) ** -0.5 if scale is None else float(scale)
-    kern = gpu.kernel(FILE, "attention_fused_forward", "rrrwwu", templates=_templates(D, t), uniforms=(PARAMS,),
+    kern = gpu.kernel(FILE, "attention_fused_forward", "urrrww", templates=_templates(D, t), uniforms=(PARAMS,),
                       workgroup=(t.wy * t.wx, 1, 1))  # fmt: skip
     u = gpu.uniform(PARAMS, B=B, T=T, H=H, KH=K, scale=scale)
     groups = B * H * (-(-T // t.bq))
-    return Call([(kern, gpu.bind(kern, q, k, v, out, lse, u), groups)], [u])
+    return Call([(kern, gpu.bind(kern, u, q, k, v, out, lse), groups)], [u])
+
+
+def attention_fused_backward(
+    gpu, dq, dk, dv, dout, lse, delta, q, k, v, B: int, T: int, H: int, K: int, D: int, scale=None,
+    tile: Tile | None = None,
+) -> Call:  # fmt: skip
+    """dq (B,T,H,D), dk, dv (B,T,K,D) from dout, the forward's lse, delta = rowsum(dout * out) (B,H,T) and
+    q, k, v: dq per query tile, then dk and dv per key tile (each row owned by one workgroup, no atomics).
+    Outputs are overwritten. `tile` as in `attention_fused_forward`."""
+    if min(B, T, H, K) < 1 or H % K:
+        raise GpuError(f"attention_fused: bad sizes B={B} T={T} H={H} K={K} (need H % K == 0)")
+    t = choose_tile(gpu, D, tile)
+    nq, nk = B * T * H * D, B * T * K * D
+    _need("attention_fused_backward", dq=(dq, nq), dk=(dk, nk), dv=(dv, nk), dout=(dout, nq), q=(q, nq),
+          k=(k, nk), v=(v, nk), lse=(lse, B * H * T), delta=(delta, B * H * T))  # fmt: skip
+    scale = float(D) ** -0.5 if scale is None else float(scale)
+    tpl = _templates(D, t)
+    wg = (t.wy * t.wx, 1, 1)
+    kq = gpu.kernel(
+        FILE, "attention_fused_backward_dq", "urrrrrrw", templates=tpl, uniforms=(PARAMS,), workgroup=wg
+    )
+    kk = gpu.kernel(FILE, "attention_fused_backward_dkdv", "urrrrrrww", templates=tpl, uniforms=(PARAMS,),
+                    workgroup=wg)  # fmt: skip
+    u = gpu.uniform(PARAMS, B=B, T=T, H=H, KH=K, scale=scale)
+    return Call(
+        [
+            (kq, gpu.bind(kq, u, q, k, v, dout, lse, delta, dq), B * H * (-(-T // t.bq))),
+            (kk, gpu.bind(kk, u, q, k, v, dout, lse, delta, dk, dv), B * K * (-(-T // t.bq))),
+        ],
+        [u],
+    )
