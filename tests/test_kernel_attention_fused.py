@@ -13,6 +13,8 @@ from ddl_ref.check import check
 from ddl_wgpu.gpu import WEBGPU_LIMITS, GpuError
 from ddl_wgpu.ops import attention, attention_fused
 from ddl_wgpu.ops.attention_fused import (
+    BACKWARD_TILES,
+    FORWARD_TILES,
     TILES,
     Tile,
     attention_fused_backward,
@@ -99,9 +101,16 @@ def test_webgpu_default_limits_pick_small_tiles():
         limits = WEBGPU_LIMITS
 
     for D in (16, 64, 128, 256):
-        t = choose_tile(Limits, D)
-        assert t.shared_bytes(D) <= WEBGPU_LIMITS["max-compute-workgroup-storage-size"]
-        assert t.wy * t.wx <= WEBGPU_LIMITS["max-compute-invocations-per-workgroup"]
+        for backward in (False, True):
+            t = choose_tile(Limits, D, backward=backward)
+            assert t.shared_bytes(D) <= WEBGPU_LIMITS["max-compute-workgroup-storage-size"]
+            assert t.wy * t.wx <= WEBGPU_LIMITS["max-compute-invocations-per-workgroup"]
+
+
+def test_both_orders_hold_every_candidate():
+    """The tile test above runs TILES; the backward's order must not hold a tile it did not check."""
+    assert sorted(map(str, BACKWARD_TILES)) == sorted(map(str, FORWARD_TILES)) == sorted(map(str, TILES))
+    assert all(t.valid() for t in TILES)
 
 
 def test_bad_tiles_and_sizes_are_refused(gpu):

@@ -9,8 +9,10 @@ backward's delta = rowsum(dout * out) comes from `attention.wgsl`'s delta pass t
 
 The WGSL is a template: D, the tile (`Tile`, shared by the three kernels) and the straight-line per-thread
 code (score and output accumulators, the softmax of each owned row, the products through shared memory, the
-helpers that stage each binding) are generated here, one module per D and tile. `TILES` lists the candidates best first; the launcher takes the first whose shared memory fits the
-adapter's workgroup storage (48 KiB on NVIDIA, 32 KiB on lavapipe, 16 KiB under DDL_WGPU_LIMITS=webgpu).
+helpers that stage each binding) are generated here, one module per D and tile. `FORWARD_TILES` and
+`BACKWARD_TILES` order the candidates (`TILES`) best first; a launcher takes the first whose shared memory
+fits the adapter's workgroup storage (48 KiB on NVIDIA, 32 KiB on lavapipe, 16 KiB under
+DDL_WGPU_LIMITS=webgpu).
 """
 
 from __future__ import annotations
@@ -71,29 +73,49 @@ class Tile:
         return f"q{self.bq}k{self.bk}t{self.wy}x{self.wx}d{self.dk}j{self.bj}"
 
 
-# Candidates, best first (a guess until the H200 sweep, bench/attention_sweep.py, orders them).
-TILES = (
-    Tile(64, 64, 16, 16, 32, 32),
+# Candidates, best first: a guess until the H200 sweep (bench/attention_sweep.py) orders them. The forward
+# carries one set of output accumulators (TM rows x D/WX channels), so it can afford TM = 8 (the GEMM's
+# shared loads per FMA); the dk/dv kernel carries two sets, so TM = 4 comes first there.
+FORWARD_TILES = (
     Tile(64, 64, 8, 16, 32, 32),
+    Tile(64, 64, 16, 16, 32, 32),
+    Tile(64, 64, 8, 16, 16, 16),
     Tile(64, 64, 16, 16, 16, 16),
-    Tile(64, 32, 16, 8, 32, 32),
     Tile(128, 32, 16, 8, 16, 16),
+    Tile(64, 32, 16, 8, 32, 32),
     Tile(32, 64, 8, 16, 16, 16),
     Tile(32, 32, 8, 8, 16, 16),
     Tile(32, 32, 8, 8, 16, 8),
     Tile(16, 16, 4, 4, 16, 8),
     Tile(16, 16, 4, 4, 8, 4),
 )
+BACKWARD_TILES = (
+    Tile(64, 64, 16, 16, 32, 32),
+    Tile(64, 64, 16, 16, 16, 16),
+    Tile(64, 32, 16, 8, 32, 32),
+    Tile(32, 64, 8, 16, 16, 16),
+    Tile(64, 64, 8, 16, 32, 32),
+    Tile(64, 64, 8, 16, 16, 16),
+    Tile(128, 32, 16, 8, 16, 16),
+    Tile(32, 32, 8, 8, 16, 16),
+    Tile(32, 32, 8, 8, 16, 8),
+    Tile(16, 16, 4, 4, 16, 8),
+    Tile(16, 16, 4, 4, 8, 4),
+)
+TILES = FORWARD_TILES  # every candidate
 
 
-def fitting_tiles(gpu, D: int) -> list[Tile]:
-    """The candidates this adapter can run at head_dim D (workgroup storage and invocations)."""
+def fitting_tiles(gpu, D: int, backward: bool = False) -> list[Tile]:
+    """The candidates this adapter can run at head_dim D (workgroup storage and invocations), in the
+    forward's or the backward's order."""
     limit = int(gpu.limits.get("max-compute-workgroup-storage-size", 16384))
     threads = int(gpu.limits.get("max-compute-invocations-per-workgroup", 256))
-    return [t for t in TILES if t.wy * t.wx <= threads and t.shared_bytes(D) <= limit]
+    order = BACKWARD_TILES if backward else FORWARD_TILES
+    return [t for t in order if t.wy * t.wx <= threads and t.shared_bytes(D) <= limit]
 
 
-def choose_tile(gpu, D: int, tile: Tile | None = None) -> Tile:
+def choose_tile(gpu, D: int, tile: Tile | None = None, backward: bool = False) -> Tile:
+    """`tile` after checking it, else the first candidate that fits (`fitting_tiles`)."""
     if not 1 <= D <= MAX_D:
         raise GpuError(f"attention_fused: head_dim {D} out of range 1..{MAX_D}")
     if tile is not None:
@@ -103,7 +125,7 @@ def choose_tile(gpu, D: int, tile: Tile | None = None) -> Tile:
                 f"attention_fused: tile {tile} is not valid or does not fit {limit} bytes at D {D}"
             )
         return tile
-    fit = fitting_tiles(gpu, D)
+    fit = fitting_tiles(gpu, D, backward)
     if not fit:
         raise GpuError(f"attention_fused: no tile fits this adapter at head_dim {D}")
     return fit[0]
@@ -319,7 +341,7 @@ def attention_fused_forward(
     gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale=None, tile: Tile | None = None
 ) -> Call:
     """out (B,T,H,D) and lse (B,H,T) from q (B,T,H,D), k, v (B,T,K,D); causal; scale defaults to D**-0.5.
-    `tile`: a `Tile` to use instead of the first of `TILES` that fits."""
+    `tile`: a `Tile` to use instead of the first of `FORWARD_TILES` that fits."""
     if min(B, T, H, K) < 1 or H % K:
         raise GpuError(f"attention_fused: bad sizes B={B} T={T} H={H} K={K} (need H % K == 0)")
     t = choose_tile(gpu, D, tile)
@@ -339,10 +361,10 @@ def attention_fused_backward(
 ) -> Call:  # fmt: skip
     """dq (B,T,H,D), dk, dv (B,T,K,D) from dout, the forward's lse, delta = rowsum(dout * out) (B,H,T) and
     q, k, v: dq per query tile, then dk and dv per key tile (each row owned by one workgroup, no atomics).
-    Outputs are overwritten. `tile` as in `attention_fused_forward`."""
+    Outputs are overwritten. `tile`: instead of the first of `BACKWARD_TILES` that fits."""
     if min(B, T, H, K) < 1 or H % K:
         raise GpuError(f"attention_fused: bad sizes B={B} T={T} H={H} K={K} (need H % K == 0)")
-    t = choose_tile(gpu, D, tile)
+    t = choose_tile(gpu, D, tile, backward=True)
     nq, nk = B * T * H * D, B * T * K * D
     _need("attention_fused_backward", dq=(dq, nq), dk=(dk, nk), dv=(dv, nk), dout=(dout, nq), q=(q, nq),
           k=(k, nk), v=(v, nk), lse=(lse, B * H * T), delta=(delta, B * H * T))  # fmt: skip
