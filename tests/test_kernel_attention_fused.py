@@ -107,6 +107,14 @@ def test_webgpu_default_limits_pick_small_tiles():
             assert t.wy * t.wx <= WEBGPU_LIMITS["max-compute-invocations-per-workgroup"]
 
 
+def test_runs_under_webgpu_default_limits():
+    """On a device created with WebGPU's default limits (16 KiB of workgroup storage) the kernels the launcher
+    picks compile and match the reference at the largest head dim."""
+    from ddl_wgpu.gpu import Gpu
+
+    _check_both(Gpu(limits_mode="webgpu"), (1, 21, 2, 1, 256), seed=2)
+
+
 def test_both_orders_hold_every_candidate():
     """The tile test above runs TILES; the backward's order must not hold a tile it did not check."""
     assert sorted(map(str, BACKWARD_TILES)) == sorted(map(str, FORWARD_TILES)) == sorted(map(str, TILES))
