@@ -33,6 +33,9 @@
 // Causality: a masked score has probability exactly 0 (NEG in the forward: key tile 0 always holds key
 // 0 <= every row, so the running max is finite from the first tile on). Workgroups are dispatched longest
 // first. Every sum runs in a fixed order and nothing uses atomics: same inputs, same bits.
+// Bounds: every global read goes through at_X / lse2_at / delta_at (row < T, channel < D), every store is
+// guarded, every shared index is in range by its loop bounds, and the launchers check every binding's size:
+// the module is safe to build without naga's runtime checks (DDL_WGPU_TRUSTED, `gpu.TRUSTED_FILES`).
 
 // generated from its description in ddl_wgpu/ops/attention_fused.py (`Uniform`)
 {{struct Params}}
