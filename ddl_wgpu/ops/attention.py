@@ -224,8 +224,8 @@ def _check_bindings(entry: str, B: int, T: int, H: int, K: int, D: int, **named)
 
 def choose_impl(gpu, H: int, K: int, T: int, impl: str | None = None, masked: bool = False) -> str:
     """'flash', 'scores' or 'fused' for one attention shape: `impl`, else env DDL_WGPU_ATTENTION, else 'auto'
-    ('fused' only when asked for, and never for the chain mask, which it does not have: there as 'auto'). For the
-    chain-masked attention 'flash' means its plain-loop kernels, and 'auto' picks the scores path on every
+    ('fused' only when asked for, and never for the chain mask, which it lacks: there it acts as 'auto'). For
+    the chain-masked attention 'flash' means its plain-loop kernels, and 'auto' picks the scores path on every
     adapter whenever it fits (the loops are slow everywhere; on lavapipe their dk/dv also came out wrong at
     W = 80, D = 128 with grouped heads, a result no other adapter was checked for)."""
     impl = impl or os.environ.get(ENV_IMPL) or "auto"
@@ -276,9 +276,9 @@ def attention_backward(
 ) -> Call:  # fmt: skip
     """dq (B,T,H,D), dk, dv (B,T,K,D) from dout, the forward's out and lse, and q, k, v. First delta =
     rowsum(dout * out) into `scratch` (B*H*T floats, allocated here when None); then, flash: dq per query
-    block and dk, dv per key block; scores: `attention_scores.backward`; fused: `attention_fused.attention_fused_backward`.
-    Deterministic; outputs are
-    overwritten. `impl`: see `choose_impl`; `compute` as in `attention_forward`."""
+    block and dk, dv per key block; scores: `attention_scores.backward`; fused:
+    `attention_fused.attention_fused_backward`. Deterministic; outputs are overwritten. `impl`: see
+    `choose_impl`; `compute` as in `attention_forward`."""
     _check(B, T, H, K, D)
     delta = gpu.buffer(B * H * T * 4, label="attention delta") if scratch is None else scratch
     _check_bindings("attention_backward", B, T, H, K, D, dq=dq, dk=dk, dv=dv, dout=dout, out=out, lse=lse, q=q,
