@@ -48,6 +48,7 @@ const BQ: u32 = {{BQ}}u;  // rows per workgroup = WY * TM
 const BK: u32 = {{BK}}u;  // columns per tile = WX * TN
 const DK: u32 = {{DK}}u;  // channels per staged chunk of a score product's operands
 const BJ: u32 = {{BJ}}u;  // rows per staged chunk of a row product's right operand
+const UNROLL: u32 = {{UNROLL}}u;  // inner steps generated per loop trip (constant shared offsets); divides DK, BJ
 const SQ: u32 = BQ / 4u + 1u;  // odd vec4 strides of the k-major chunks
 const SK: u32 = BK / 4u + 1u;
 const KOFF: u32 = DK * SQ;  // the column operand follows the row operand in `stage`
@@ -128,7 +129,7 @@ fn attention_fused_forward(
             rows_q(qbase, qs, q0, d0, lid);
             cols_k(kbase, ks, k0, d0, lid);
             workgroupBarrier();
-            for (var d = 0u; d < DK; d++) {
+            for (var dd = 0u; dd < DK; dd += UNROLL) {  // UNROLL channels per trip, d = dd + c
 {{FW_S_STEP}}
             }
         }
@@ -141,7 +142,7 @@ fn attention_fused_forward(
                 workgroupBarrier();  // P is in `ps`; the previous users of `stage` are done
                 chunk_v(kbase, ks, k0 + j0, lid);
                 workgroupBarrier();
-                for (var j = 0u; j < BJ; j++) {
+                for (var jj = 0u; jj < BJ; jj += UNROLL) {  // j = jj + c
 {{FW_PV_STEP}}
                 }
             }
@@ -188,7 +189,7 @@ fn attention_fused_backward_dq(
             rows_q(qbase, qs, q0, d0, lid);
             cols_k(kbase, ks, k0, d0, lid);
             workgroupBarrier();
-            for (var d = 0u; d < DK; d++) {
+            for (var dd = 0u; dd < DK; dd += UNROLL) {  // UNROLL channels per trip, d = dd + c
 {{DQ_S_STEP}}
             }
         }
@@ -197,7 +198,7 @@ fn attention_fused_backward_dq(
             rows_dout(qbase, qs, q0, d0, lid);
             cols_v(kbase, ks, k0, d0, lid);
             workgroupBarrier();
-            for (var d = 0u; d < DK; d++) {
+            for (var dd = 0u; dd < DK; dd += UNROLL) {  // UNROLL channels per trip, d = dd + c
 {{DQ_DP_STEP}}
             }
         }
@@ -208,7 +209,7 @@ fn attention_fused_backward_dq(
                 workgroupBarrier();
                 chunk_k(kbase, ks, k0 + j0, lid);
                 workgroupBarrier();
-                for (var j = 0u; j < BJ; j++) {
+                for (var jj = 0u; jj < BJ; jj += UNROLL) {  // j = jj + c
 {{DQ_PV_STEP}}
                 }
             }
@@ -255,7 +256,7 @@ fn attention_fused_backward_dkdv(
                 rows_k(kbase, ks, k0, d0, lid);
                 cols_q(qbase, qs, c0, d0, lid);
                 workgroupBarrier();
-                for (var d = 0u; d < DK; d++) {
+                for (var dd = 0u; dd < DK; dd += UNROLL) {  // UNROLL channels per trip, d = dd + c
 {{KV_S_STEP}}
                 }
             }
@@ -264,7 +265,7 @@ fn attention_fused_backward_dkdv(
                 rows_v(kbase, ks, k0, d0, lid);
                 cols_dout(qbase, qs, c0, d0, lid);
                 workgroupBarrier();
-                for (var d = 0u; d < DK; d++) {
+                for (var dd = 0u; dd < DK; dd += UNROLL) {  // UNROLL channels per trip, d = dd + c
 {{KV_DP_STEP}}
                 }
             }
@@ -275,7 +276,7 @@ fn attention_fused_backward_dkdv(
                     workgroupBarrier();
                     chunk_dout(qbase, qs, c0 + j0, lid);
                     workgroupBarrier();
-                    for (var j = 0u; j < BJ; j++) {
+                    for (var jj = 0u; jj < BJ; jj += UNROLL) {  // j = jj + c
 {{KV_DV_STEP}}
                     }
                 }
@@ -287,7 +288,7 @@ fn attention_fused_backward_dkdv(
                     workgroupBarrier();
                     chunk_q(qbase, qs, c0 + j0, lid);
                     workgroupBarrier();
-                    for (var j = 0u; j < BJ; j++) {
+                    for (var jj = 0u; jj < BJ; jj += UNROLL) {  // j = jj + c
 {{KV_DK_STEP}}
                     }
                 }

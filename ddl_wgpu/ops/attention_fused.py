@@ -38,6 +38,7 @@ class Tile:
     wx: int
     dk: int
     bj: int
+    unroll: int = 1  # inner steps (channels or rows) generated per loop trip
 
     @property
     def tm(self) -> int:
@@ -55,6 +56,8 @@ class Tile:
             and self.tn % 4 == 0
             and self.bk % self.bj == 0
             and self.dk >= 1
+            and self.dk % self.unroll == 0
+            and self.bj % self.unroll == 0
         )
 
     def sv(self, D: int) -> int:
@@ -70,7 +73,9 @@ class Tile:
         return 16 * (self.stage_vec4s(D) + self.bk * (self.bq // 4 + 1)) + 4 * self.bq * self.wx
 
     def label(self) -> str:
-        return f"q{self.bq}k{self.bk}t{self.wy}x{self.wx}d{self.dk}j{self.bj}"
+        return f"q{self.bq}k{self.bk}t{self.wy}x{self.wx}d{self.dk}j{self.bj}" + (
+            f"u{self.unroll}" if self.unroll > 1 else ""
+        )
 
 
 # Candidates, best first: a guess until the H200 sweep (bench/attention_sweep.py) orders them. The forward
@@ -78,7 +83,9 @@ class Tile:
 # shared loads per FMA); the dk/dv kernel carries two sets, so TM = 4 comes first there.
 FORWARD_TILES = (
     Tile(64, 64, 8, 16, 32, 32),
+    Tile(64, 64, 8, 16, 32, 32, 8),
     Tile(64, 64, 16, 16, 32, 32),
+    Tile(64, 64, 16, 16, 32, 32, 8),
     Tile(64, 64, 8, 16, 16, 16),
     Tile(64, 64, 16, 16, 16, 16),
     Tile(128, 32, 16, 8, 16, 16),
@@ -87,20 +94,22 @@ FORWARD_TILES = (
     Tile(32, 32, 8, 8, 16, 16),
     Tile(32, 32, 8, 8, 16, 8),
     Tile(16, 16, 4, 4, 16, 8),
-    Tile(16, 16, 4, 4, 8, 4),
+    Tile(16, 16, 4, 4, 8, 4, 2),
 )
 BACKWARD_TILES = (
     Tile(64, 64, 16, 16, 32, 32),
+    Tile(64, 64, 16, 16, 32, 32, 8),
     Tile(64, 64, 16, 16, 16, 16),
     Tile(64, 32, 16, 8, 32, 32),
     Tile(32, 64, 8, 16, 16, 16),
     Tile(64, 64, 8, 16, 32, 32),
+    Tile(64, 64, 8, 16, 32, 32, 8),
     Tile(64, 64, 8, 16, 16, 16),
     Tile(128, 32, 16, 8, 16, 16),
     Tile(32, 32, 8, 8, 16, 16),
     Tile(32, 32, 8, 8, 16, 8),
     Tile(16, 16, 4, 4, 16, 8),
-    Tile(16, 16, 4, 4, 8, 4),
+    Tile(16, 16, 4, 4, 8, 4, 2),
 )
 TILES = FORWARD_TILES  # every candidate
 
@@ -195,15 +204,23 @@ def _templates(D: int, t: Tile) -> dict:
     def zero(*prefixes: str) -> list[str]:
         return [f"{p}{r}_{b} = vec4<f32>(0.0);" for p in prefixes for r in rows for b in cols]
 
-    def score_step(acc: str) -> list[str]:  # acc += one channel of the row operand x the column operand
+    def unrolled(var: str, body: list[str]) -> list[str]:  # UNROLL copies of one step, var = var*var + c
+        out = []
+        for c in range(t.unroll):
+            out += [f"{{ let {var} = {var}{var} + {c}u;", *("    " + line for line in body), "}"]
+        return out
+
+    def score_step(acc: str) -> list[str]:  # acc += one channel d of the row operand x the column operand
         lines = [f"let qa{a} = stage[d * SQ + ty + {t.wy * a}u];" for a in range(na)]
         lines += [f"let kb{b} = stage[KOFF + d * SK + tx + {t.wx * b}u];" for b in cols]
-        return lines + [f"{acc}{r}_{b} += qa{r // 4}.{xyzw[r % 4]} * kb{b};" for r in rows for b in cols]
+        lines += [f"{acc}{r}_{b} += qa{r // 4}.{xyzw[r % 4]} * kb{b};" for r in rows for b in cols]
+        return unrolled("d", lines)
 
     def row_step(acc: str) -> list[str]:  # acc += column j0 + j of `ps` x staged row j
         lines = [f"let pa{a} = ps[(j0 + j) * SP + ty + {t.wy * a}u];" for a in range(na)]
         lines += [f"let vb{u} = stage[j * SV + tx + {t.wx * u}u];" for u in chans]
-        return lines + [f"{acc}{r}_{u} += pa{r // 4}.{xyzw[r % 4]} * vb{u};" for r in rows for u in chans]
+        lines += [f"{acc}{r}_{u} += pa{r // 4}.{xyzw[r % 4]} * vb{u};" for r in rows for u in chans]
+        return unrolled("j", lines)
 
     def to_ps(src: str) -> list[str]:  # ps[column][row group] from the thread's score registers
         out = []
@@ -231,8 +248,8 @@ def _templates(D: int, t: Tile) -> dict:
     def block(lines: list[str], indent: int) -> str:
         return "\n".join(" " * indent + line for line in lines)
 
-    tpl = {"D": D, "WX": t.wx, "WY": t.wy, "BQ": t.bq, "BK": t.bk, "DK": t.dk, "BJ": t.bj, "SV": t.sv(D),
-           "STAGE": t.stage_vec4s(D), "HELPERS": _helpers()}  # fmt: skip
+    tpl = {"D": D, "WX": t.wx, "WY": t.wy, "BQ": t.bq, "BK": t.bk, "DK": t.dk, "BJ": t.bj, "UNROLL": t.unroll,
+           "SV": t.sv(D), "STAGE": t.stage_vec4s(D), "HELPERS": _helpers()}  # fmt: skip
 
     # forward
     decl = [f"let qi{r} = q0 + {row(r)}; var m{r} = NEG; var l{r} = 0.0;" for r in rows]
