@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The heal story at a size where the model writes real text, ending in a measured speed-up: train a byte-level
-# `small`-width model with its MTP draft on the stdlib corpus, compress it (drop its last block), heal the draft
+# `small`-width model with its MTP draft on the stdlib corpus, compress it (drop its block 9 of 12), heal the draft
 # on the compressed trunk, and measure for the trained and the healed model: the draft's acceptance (`accept`),
 # greedy decoding with and without speculation against PyTorch's KV-cache loop (`bench/generate.py`, prompted
 # with real stdlib text), and a sample of what each writes (`generate`). Needs a real GPU (BENCHMARKS.md).
 #
 #   bench/speculative_story.sh [DIR] [CLI]     DIR defaults to runs/speculative, CLI to "python3 -m ddl_wgpu.cli"
 #
-# Overrides: PYTHON (runs bench/generate.py; python3), STEPS (400), DROP (the blocks compress removes; 11, the last), MODEL (the
+# Overrides: PYTHON (runs bench/generate.py; python3), STEPS (400), DROP (the blocks compress removes; 9, three quarters deep), MODEL (the
 # size flags), TRAIN (the training flags), HEAL (heal's flags; --tokens 60000), ACCEPT_TOKENS (50000),
 # PROMPT_TOKENS and NEW_TOKENS (256 each). A smoke run of every step at a tiny size on a CPU:
 #   MODEL="--preset tiny" STEPS=4 DROP=1 HEAL="--tokens 2000" ACCEPT_TOKENS=500 PROMPT_TOKENS=8 NEW_TOKENS=8 \
@@ -16,7 +16,7 @@ set -euo pipefail
 DIR=${1:-runs/speculative}
 CLI=${2:-python3 -m ddl_wgpu.cli}
 STEPS=${STEPS:-400}
-DROP=${DROP:-11}
+DROP=${DROP:-9}
 # `small`'s trunk (d 768, 12 layers, 6 x 128 heads) on bytes: vocab 256 instead of 50304, so the step is the
 # transformer and not the LM head, and 1024-byte windows.
 MODEL=${MODEL:---preset small --vocab-size 256 --max-seq-len 1024}
