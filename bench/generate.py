@@ -24,6 +24,10 @@ What is timed (wall clock, `time.perf_counter`, every call ends with a read-back
   GPU, `.item()` per token); CUDA-synchronised wall clock. PyTorch here implements the baseline and DDL
   d_v = 1 trunks (bench/torch_model.py), no draft: its row is plain decoding.
 
+A model whose context (max_seq_len) is shorter than --prompt + --new (the demo's models: 128) is measured at
+fewer tokens, at most half its context new and the rest prompt (`fit_context`): the run prints the counts and
+the JSON records them; otherwise generation would stop at the context and time fewer tokens than asked.
+
 Check (same run): the wgpu engine's greedy tokens with and without speculation are identical (exit 1 if
 not); with --quick also equal to the numpy engine's; the peer's tokens agreeing with ours is reported
 (f16 near-ties may differ), not required.
