@@ -11,7 +11,8 @@
 # numpy training:
 # - a third block (--n-layers 3, 173k parameters) and 1000 steps (1M tokens) at lr 2e-2: train loss 1.24
 #   (2 blocks at 1e-2: 1.30; 3 blocks at 1e-2: 1.29, at 6e-3 and 600 steps: 2.07; lr 3e-3 and 1000 steps with
-#   2 blocks: 1.74, greedy text all underscores);
+#   2 blocks: 1.74, greedy text all underscores); 1300 steps reach 1.11 and a slightly better text
+#   (`, context=self):` / `"""Return self is None:` / `return self._is_special`) for about 45 s more;
 # - compress --ffn-keep 0.75 instead of dropping a block: dropping either block of 2, or the middle or last of
 #   3, left greedy text like `__slf_(slfarselt, 'dinty=Nonyale):`, `retuppen ()` or spaces, while keeping 3/4
 #   of the SwiGLU channels keeps real identifiers and still moves the trunk enough that the draft's
