@@ -25,6 +25,10 @@ What is timed (wall clock, `time.perf_counter`, every call ends with a read-back
   GPU, `.item()` per token); CUDA-synchronised wall clock. PyTorch here implements the baseline and DDL
   d_v = 1 trunks (bench/torch_model.py), no draft: its row is plain decoding.
 
+A model whose context (max_seq_len) is shorter than --prompt + --new (the demo's models: 128) is measured at
+fewer tokens, at most half its context new and the rest prompt (`fit_context`): the run prints the counts and
+the JSON records them; otherwise generation would stop at the context and time fewer tokens than asked.
+
 Check (same run): the wgpu engine's greedy tokens with and without speculation are identical (exit 1 if
 not); with --quick also equal to the numpy engine's; the peer's tokens agreeing with ours is reported
 (f16 near-ties may differ), not required.
@@ -240,6 +244,26 @@ def data_prompt(spec: str, model: Model, n: int) -> list[int]:
     return [int(t) for t in doc[:n]]
 
 
+def fit_context(prompt: int, new: int, context: int, name: str) -> tuple[int, int]:
+    """-> (prompt, new) within a model of `context` positions. A sequence longer than the context would stop
+    generating early (`generate.run` ends at the context), so the decode rates would time fewer tokens than
+    the table says, or none: then half the context goes to the prompt and half to the new tokens (at most the
+    requested counts), and the clamp is printed and recorded in the JSON (its `prompt` and `new`)."""
+    if prompt < 1 or new < 2:
+        raise SystemExit(f"--prompt must be at least 1 and --new at least 2 (got {prompt}, {new})")
+    if prompt + new <= context:
+        return prompt, new
+    if context < 3:
+        raise SystemExit(f"{name}: max_seq_len {context} leaves no room for a prompt and 2 new tokens")
+    new_fit = min(new, max(2, context // 2))
+    prompt_fit = min(prompt, context - new_fit)
+    print(
+        f"{name}: --prompt {prompt} + --new {new} exceed its max_seq_len {context}; "
+        f"measuring prompt {prompt_fit} + {new_fit} new instead"
+    )
+    return prompt_fit, new_fit
+
+
 def synthetic(shape: str, seed: int) -> tuple[Model, str]:
     make, dtype = SHAPES[shape]
     cfg = make()
@@ -280,21 +304,22 @@ def main(argv=None) -> int:
     results, rows, failed = [], [], False
     rng = np.random.default_rng(args.seed)
     for name, model, dtype in cases:
+        n_prompt, n_new = fit_context(args.prompt, args.new, model.cfg.max_seq_len, name)
         prompt = (
-            data_prompt(args.prompt_data, model, args.prompt)
+            data_prompt(args.prompt_data, model, n_prompt)
             if args.prompt_data
-            else [int(t) for t in rng.integers(0, model.cfg.vocab_size, args.prompt)]
+            else [int(t) for t in rng.integers(0, model.cfg.vocab_size, n_prompt)]
         )
-        entry = {"shape": name, "config": model.cfg.to_dict(), "dtype": dtype, "prompt": args.prompt,
-                 "new": args.new, "depth": args.depth}  # fmt: skip
+        entry = {"shape": name, "config": model.cfg.to_dict(), "dtype": dtype, "prompt": n_prompt,
+                 "new": n_new, "depth": args.depth, "prompt_data": args.prompt_data}  # fmt: skip
         try:
-            ours = bench_ours(gpu, model, prompt, args.new, args.depth, dtype, args.repeats)
+            ours = bench_ours(gpu, model, prompt, n_new, args.depth, dtype, args.repeats)
             entry["wgpu"] = ours
             same = ours["plain"]["tokens"] == ours["speculative"]["tokens"]
             entry["check_speculative_equal"] = same
             failed |= not same
             if args.quick:
-                ref = run(RefEngine(model), _Quiet(), prompt, model.cfg.max_seq_len, args.new)["token_ids"]
+                ref = run(RefEngine(model), _Quiet(), prompt, model.cfg.max_seq_len, n_new)["token_ids"]
                 entry["check_numpy_equal"] = ref == ours["plain"]["tokens"]
                 failed |= not entry["check_numpy_equal"]
         except Exception as e:
@@ -305,7 +330,7 @@ def main(argv=None) -> int:
         peer = None
         if torch is not None:
             try:
-                peer = bench_torch(torch, dev, model, prompt, args.new, dtype, args.repeats)
+                peer = bench_torch(torch, dev, model, prompt, n_new, dtype, args.repeats)
                 if ours is not None:
                     peer["tokens_agree"] = float(
                         np.mean(np.array(peer["tokens"]) == np.array(ours["plain"]["tokens"]))
@@ -326,7 +351,8 @@ def main(argv=None) -> int:
                          common.fmt(peer and peer.get("decode_tokens_per_s"), ".1f")])  # fmt: skip
     print(common.table(["shape", "dtype", "prefill tok/s", "decode tok/s", f"spec K={args.depth} tok/s",
                         "accepted/round", "acceptance per depth", "torch prefill", "torch decode"], rows,
-                       f"batch 1, prompt {args.prompt}, {args.new} new tokens, greedy"))  # fmt: skip
+                       f"batch 1, prompt {args.prompt}, {args.new} new tokens (fewer where a model's context "
+                       "is shorter: the JSON's prompt and new), greedy"))  # fmt: skip
     common.write_json(common.json_path(args.json, "generate.json"),
                       {"when": common.now_iso(), "adapter": common.adapter_line(gpu), "host": common.host_info(),
                        "results": results})  # fmt: skip
