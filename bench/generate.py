@@ -5,6 +5,7 @@ and without speculative decoding, against PyTorch eager on the same GPU running 
     python3 bench/generate.py --shapes small          # one shape
     python3 bench/generate.py --model demo.ddlw       # a trained model file (its own draft and acceptance)
     python3 bench/generate.py --model m.ddlw --prompt-data stdlib   # ... prompted with real text
+    python3 bench/generate.py --model m.ddlw --prompt-data stdlib --prompts 16   # ... and 16 short continuations
     python3 bench/generate.py --quick                 # d 64, vocab 512, 2 layers (lavapipe smoke test)
 
 Shapes: `small` (the DDL paper's small model: d 768, 12 layers, 6 x 128 heads, vocab 50304, f32) and `qwen`
@@ -224,6 +225,42 @@ def bench_ours(gpu, model: Model, prompt, new: int, depth: int, dtype: str, repe
     return out
 
 
+def bench_prompts(gpu, model: Model, prompts: list, new: int, depth: int, dtype: str) -> dict:
+    """Greedy decoding of `new` tokens after each of several prompts, plain and with the draft, once each
+    (after one warm-up run): decode tokens/s over all prompts (their new tokens / their decode seconds), and
+    the draft's acceptance pooled over the rounds of every prompt. A trained model's greedy text tends to fall
+    into repeats after a while, which a draft predicts easily; many short continuations of different real
+    prompts measure the draft on text more like what a user asks for than one long continuation."""
+    from ddl_wgpu.decode import WgpuEngine
+
+    engine = WgpuEngine(gpu, model, depth, dtype)
+    cap = model.cfg.max_seq_len
+    out: dict = {"prompts": len(prompts)}
+    tokens = {}
+    for name, k in (("plain", 0), ("speculative", depth)):
+        engine.rollback(0)
+        run(engine, _Quiet(), prompts[0], cap, new, depth=k)  # warm-up: builds and compiles
+        res = []
+        for p in prompts:
+            engine.rollback(0)
+            res.append(run(engine, _Quiet(), p, cap, new, depth=k))
+        tokens[name] = [r["token_ids"] for r in res]
+        dec = sum(r["decode_s"] for r in res)
+        entry = {"decode_tokens_per_s": sum(len(r["token_ids"]) - 1 for r in res) / dec}
+        if k:
+            rounds = sum(r["rounds"] for r in res)
+            entry["mean_accepted"] = sum(r["mean_accepted"] * r["rounds"] for r in res) / rounds
+            entry["acceptance_per_depth"] = [
+                sum(r["acceptance_per_depth"][j] * r["rounds"] for r in res) / rounds for j in range(k)
+            ]
+            entry["tokens_per_pass"] = sum(len(r["token_ids"]) for r in res) / sum(
+                r["trunk_passes"] for r in res
+            )
+        out[name] = entry
+    out["same_tokens"] = tokens["plain"] == tokens["speculative"]
+    return out
+
+
 class _Quiet:
     """A tokenizer whose text is never needed: the bench's ids may lie outside any real vocabulary."""
 
@@ -231,17 +268,17 @@ class _Quiet:
         return ""
 
 
-def data_prompt(spec: str, model: Model, n: int) -> list[int]:
-    """The first n tokens of the last document of `spec` with more than n tokens (through the model's own
-    tokenizer): real text, so a trained model's draft is measured on what it was trained for. The last
-    documents hold the validation split's windows."""
+def data_prompts(spec: str, model: Model, n: int, count: int = 1) -> list[list[int]]:
+    """The first n tokens of each of the last `count` documents of `spec` with more than n tokens (through the
+    model's own tokenizer): real text, so a trained model's draft is measured on what it was trained for. The
+    last documents hold the validation split's windows."""
     from ddl_wgpu.data import load_records, tokenizer_for
 
     records = load_records(spec, tokenizer_for(model.tokenizer))
-    doc = next((r for r in reversed(records) if r.size > n), None)
-    if doc is None:
-        raise SystemExit(f"--prompt-data {spec}: no document longer than {n} tokens")
-    return [int(t) for t in doc[:n]]
+    docs = [r for r in reversed(records) if r.size > n][:count]
+    if len(docs) < count:
+        raise SystemExit(f"--prompt-data {spec}: fewer than {count} documents longer than {n} tokens")
+    return [[int(t) for t in d[:n]] for d in docs]
 
 
 def fit_context(prompt: int, new: int, context: int, name: str) -> tuple[int, int]:
@@ -279,6 +316,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--prompt-data", help="take the prompt from this data spec (e.g. stdlib) instead of random ids"
     )
+    ap.add_argument(
+        "--prompts", type=int, default=0,
+        help="with --prompt-data: also decode --short-new tokens after each of this many documents' openings",
+    )  # fmt: skip
+    ap.add_argument("--short-new", type=int, default=64, help="new tokens per prompt of --prompts")
     ap.add_argument("--new", type=int, default=128, help="tokens generated")
     ap.add_argument("--depth", type=int, default=3, help="speculative draft depth")
     ap.add_argument("--repeats", type=int, default=3)
@@ -306,7 +348,7 @@ def main(argv=None) -> int:
     for name, model, dtype in cases:
         n_prompt, n_new = fit_context(args.prompt, args.new, model.cfg.max_seq_len, name)
         prompt = (
-            data_prompt(args.prompt_data, model, n_prompt)
+            data_prompts(args.prompt_data, model, n_prompt)[0]
             if args.prompt_data
             else [int(t) for t in rng.integers(0, model.cfg.vocab_size, n_prompt)]
         )
@@ -318,6 +360,12 @@ def main(argv=None) -> int:
             same = ours["plain"]["tokens"] == ours["speculative"]["tokens"]
             entry["check_speculative_equal"] = same
             failed |= not same
+            if args.prompts and args.prompt_data:
+                short = min(args.short_new, n_new)
+                many = data_prompts(args.prompt_data, model, n_prompt, args.prompts)
+                entry["wgpu_prompts"] = bench_prompts(gpu, model, many, short, args.depth, dtype)
+                entry["wgpu_prompts"]["new"] = short
+                failed |= not entry["wgpu_prompts"]["same_tokens"]
             if args.quick:
                 ref = run(RefEngine(model), _Quiet(), prompt, model.cfg.max_seq_len, n_new)["token_ids"]
                 entry["check_numpy_equal"] = ref == ours["plain"]["tokens"]
@@ -349,6 +397,13 @@ def main(argv=None) -> int:
                          " ".join(f"{a:.2f}" for a in sp.get("acceptance_per_depth", [])),
                          common.fmt(peer and peer.get("prefill_tokens_per_s"), ".0f"),
                          common.fmt(peer and peer.get("decode_tokens_per_s"), ".1f")])  # fmt: skip
+            many = entry.get("wgpu_prompts")
+            if many:
+                sp = many["speculative"]
+                rows.append([f"{name}, {many['prompts']} prompts x {many['new']} new", dtype, "-",
+                             common.fmt(many["plain"]["decode_tokens_per_s"], ".1f"),
+                             common.fmt(sp["decode_tokens_per_s"], ".1f"), common.fmt(sp["mean_accepted"], ".2f"),
+                             " ".join(f"{a:.2f}" for a in sp["acceptance_per_depth"]), "-", "-"])  # fmt: skip
     print(common.table(["shape", "dtype", "prefill tok/s", "decode tok/s", f"spec K={args.depth} tok/s",
                         "accepted/round", "acceptance per depth", "torch prefill", "torch decode"], rows,
                        f"batch 1, prompt {args.prompt}, {args.new} new tokens (fewer where a model's context "
