@@ -139,3 +139,15 @@ def random_params(cfg, seed=0) -> dict:
     weights, offsets and every path carry signal in a gradient check."""
     rng = np.random.default_rng(seed)
     return {s.name: rng.standard_normal(s.shape) * 0.5 for s in param_table(cfg)}
+
+
+def attention_inputs(shape, seed=0):
+    """q, k, v and an upstream gradient dout for causal attention of `shape` = (B, T, H, K, D): H query heads
+    over K key/value heads, standard normal float32 (the attention kernels' tests)."""
+    B, T, H, K, D = shape
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    k = rng.standard_normal((B, T, K, D)).astype(np.float32)
+    v = rng.standard_normal((B, T, K, D)).astype(np.float32)
+    dout = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    return q, k, v, dout

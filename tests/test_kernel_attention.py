@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ddl_ref import ops as ref
-from ddl_ref.check import check
+from ddl_ref.check import attention_inputs, check
 from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.ops import attention, attention_scores
 from ddl_wgpu.ops.attention import MAX_D, attention_backward, attention_forward, choose_impl, tile_config
@@ -22,16 +22,6 @@ SHAPES = [  # (B, T, H, K, D)
     (2, 20, 6, 3, 32),
     (1, 70, 2, 2, 8),
 ]
-
-
-def _inputs(shape, seed=0):
-    B, T, H, K, D = shape
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
-    k = rng.standard_normal((B, T, K, D)).astype(np.float32)
-    v = rng.standard_normal((B, T, K, D)).astype(np.float32)
-    dout = rng.standard_normal((B, T, H, D)).astype(np.float32)
-    return q, k, v, dout
 
 
 def _gpu_attention(gpu, shape, q, k, v, dout, scale=None, impl="flash"):
@@ -67,14 +57,14 @@ def _check_all(got, want, label):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}D{}".format(*s))
 def test_attention_matches_reference(gpu, shape, impl):
-    q, k, v, dout = _inputs(shape)
+    q, k, v, dout = attention_inputs(shape)
     _check_all(_gpu_attention(gpu, shape, q, k, v, dout, impl=impl), _reference(q, k, v, dout), str(shape))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", [(1, 19, 2, 1, 128), (1, 9, 4, 2, 256)], ids=["D128", "D256"])
 def test_attention_large_head_dim(gpu, shape, impl):
-    q, k, v, dout = _inputs(shape, seed=1)
+    q, k, v, dout = attention_inputs(shape, seed=1)
     _check_all(_gpu_attention(gpu, shape, q, k, v, dout, impl=impl), _reference(q, k, v, dout), str(shape))
 
 
@@ -86,7 +76,7 @@ def test_attention_scores_in_chunks(gpu, monkeypatch):
     monkeypatch.setattr(attention_scores, "SCORE_BYTES", 3 * H * T * T * 4 // 2)
     chunks, _ = attention_scores.plan(gpu, B, H, K, T)
     assert [(c.b0, c.nb, c.j0, c.nk) for c in chunks] == [(0, 1, 0, K), (1, 1, 0, K), (2, 1, 0, K)]
-    q, k, v, dout = _inputs(shape, seed=7)
+    q, k, v, dout = attention_inputs(shape, seed=7)
     _check_all(_gpu_attention(gpu, shape, q, k, v, dout, impl="scores"), _reference(q, k, v, dout), "chunks")
 
 
@@ -103,7 +93,7 @@ def test_attention_scores_in_chunks_of_heads(gpu, monkeypatch):
         (1, 1, 0, 2),
         (1, 1, 2, 1),
     ]
-    q, k, v, dout = _inputs(shape, seed=8)
+    q, k, v, dout = attention_inputs(shape, seed=8)
     _check_all(_gpu_attention(gpu, shape, q, k, v, dout, impl="scores"), _reference(q, k, v, dout), "heads")
 
 
@@ -134,14 +124,14 @@ def test_attention_tile_shapes(gpu, monkeypatch, tile):
     # shape on a D that is a multiple of 4 (vec4 loads) and one that is not (scalar loads, zero padding).
     monkeypatch.setattr(attention, "_TILES", (tile,))
     for shape in [(1, 11, 2, 1, 7), (2, 9, 4, 2, 12)]:
-        q, k, v, dout = _inputs(shape, seed=2)
+        q, k, v, dout = attention_inputs(shape, seed=2)
         _check_all(_gpu_attention(gpu, shape, q, k, v, dout), _reference(q, k, v, dout), f"{tile} {shape}")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_attention_deterministic(gpu, impl):
     shape = (2, 20, 6, 3, 32)
-    q, k, v, dout = _inputs(shape, seed=3)
+    q, k, v, dout = attention_inputs(shape, seed=3)
     a = _gpu_attention(gpu, shape, q, k, v, dout, impl=impl)
     b = _gpu_attention(gpu, shape, q, k, v, dout, impl=impl)
     for name in a:
@@ -153,7 +143,7 @@ def test_attention_causal(gpu, impl):
     # Changing k and v at positions > t leaves out[:, :t+1] and lse[..., :t+1] bit-identical.
     shape = (1, 37, 4, 2, 16)
     t = 17
-    q, k, v, dout = _inputs(shape, seed=4)
+    q, k, v, dout = attention_inputs(shape, seed=4)
     a = _gpu_attention(gpu, shape, q, k, v, dout, impl=impl)
     k2, v2 = k.copy(), v.copy()
     k2[:, t + 1 :] = 10.0 * np.random.default_rng(5).standard_normal(k2[:, t + 1 :].shape)
@@ -170,7 +160,7 @@ def test_attention_custom_scale(gpu, impl):
     shape = (2, 13, 4, 1, 8)
     B, T, H, K, D = shape
     c = 0.2
-    q, k, v, dout = _inputs(shape, seed=6)
+    q, k, v, dout = attention_inputs(shape, seed=6)
     got = _gpu_attention(gpu, shape, q, k, v, dout, scale=c, impl=impl)
     f = c * np.sqrt(D)
     want = _reference(q.astype(np.float64) * f, k, v, dout)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ddl_ref import ops as ref
-from ddl_ref.check import check
+from ddl_ref.check import attention_inputs, check
 from ddl_wgpu.gpu import WEBGPU_LIMITS, GpuError
 from ddl_wgpu.ops import attention, attention_fused
 from ddl_wgpu.ops.attention_fused import (
@@ -31,16 +31,6 @@ SHAPES = [  # (B, T, H, K, D)
     (1, 70, 2, 2, 64),
     (1, 19, 2, 1, 128),
 ]
-
-
-def _inputs(shape, seed=0):
-    B, T, H, K, D = shape
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
-    k = rng.standard_normal((B, T, K, D)).astype(np.float32)
-    v = rng.standard_normal((B, T, K, D)).astype(np.float32)
-    dout = rng.standard_normal((B, T, H, D)).astype(np.float32)
-    return q, k, v, dout
 
 
 def _forward(gpu, shape, q, k, v, scale=None, tile=None):
@@ -66,7 +56,7 @@ def _backward(gpu, shape, q, k, v, dout, out, lse, scale=None, tile=None):
 
 def _check_both(gpu, shape, seed=0, tile=None):
     """Forward and backward of one shape against the float64 reference."""
-    q, k, v, dout = _inputs(shape, seed)
+    q, k, v, dout = attention_inputs(shape, seed)
     out, lse = _forward(gpu, shape, q, k, v, tile=tile)
     want, cache = ref.attention_forward(*(a.astype(np.float64) for a in (q, k, v)))
     check(f"{shape} out", out, want, "attention")
@@ -141,7 +131,7 @@ def test_bad_tiles_and_sizes_are_refused(gpu):
 
 def test_custom_scale_and_determinism(gpu):
     shape = (1, 40, 2, 2, 16)  # one kv head per query head: the einsums below need no group sums
-    q, k, v, dout = _inputs(shape, seed=3)
+    q, k, v, dout = attention_inputs(shape, seed=3)
     out, lse = _forward(gpu, shape, q, k, v, scale=0.37)
     out2, lse2 = _forward(gpu, shape, q, k, v, scale=0.37)
     assert np.array_equal(out, out2) and np.array_equal(lse, lse2)
@@ -170,7 +160,7 @@ def test_custom_scale_and_determinism(gpu):
 def test_causal(gpu):
     """Changing keys and values after position t leaves out and lse at rows <= t bit-identical."""
     shape, t = (1, 50, 2, 2, 16), 21
-    q, k, v, _ = _inputs(shape, seed=4)
+    q, k, v, _ = attention_inputs(shape, seed=4)
     out, lse = _forward(gpu, shape, q, k, v)
     k2, v2 = k.copy(), v.copy()
     k2[:, t + 1 :] += 5.0
@@ -189,7 +179,7 @@ def test_fused_choice_through_the_attention_launchers(gpu, shape, monkeypatch):
     monkeypatch.setenv(attention.ENV_IMPL, "fused")
     assert attention.choose_impl(gpu, H, K, T) == "fused"
     assert attention.choose_impl(gpu, H, K, T, masked=True) != "fused"
-    q, k, v, dout = _inputs(shape, seed=5)
+    q, k, v, dout = attention_inputs(shape, seed=5)
     bq, bk, bv, bdo = (gpu.upload(a) for a in (q, k, v, dout))
     out, lse = gpu.buffer(q.nbytes), gpu.buffer(B * H * T * 4)
     dq, dk, dv = gpu.buffer(q.nbytes), gpu.buffer(k.nbytes), gpu.buffer(v.nbytes)

@@ -78,14 +78,15 @@ class Tile:
         )
 
 
-# Candidates, best first: a guess until the H200 sweep (bench/attention_sweep.py) orders them. The forward
-# carries one set of output accumulators (TM rows x D/WX channels), so it can afford TM = 8 (the GEMM's
-# shared loads per FMA); the dk/dv kernel carries two sets, so TM = 4 comes first there.
+# Candidates, best first, in the order the H200 sweep measured them at B 16, T 1024, 6 x 128 heads
+# (`bench/attention_sweep.py`, BENCHMARKS.md): 16 x 16 threads of 4 x 4 scores led both passes (forward 1.33 ms
+# unrolled by 8, 1.34 not; backward 4.40 either way); 8 x 16 threads of 8 x 4 ran the forward in 1.39-1.50 ms.
+# Tiles the sweep never reached keep their first guessed order.
 FORWARD_TILES = (
-    Tile(64, 64, 8, 16, 32, 32),
-    Tile(64, 64, 8, 16, 32, 32, 8),
-    Tile(64, 64, 16, 16, 32, 32),
     Tile(64, 64, 16, 16, 32, 32, 8),
+    Tile(64, 64, 16, 16, 32, 32),
+    Tile(64, 64, 8, 16, 32, 32, 8),
+    Tile(64, 64, 8, 16, 32, 32),
     Tile(64, 64, 8, 16, 16, 16),
     Tile(64, 64, 16, 16, 16, 16),
     Tile(128, 32, 16, 8, 16, 16),
