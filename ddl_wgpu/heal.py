@@ -59,6 +59,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -334,20 +335,24 @@ class _Chain:
         previous refresh, this one's included (eager: (chain − 1) x batches, all at the refresh)."""
         if self.chain < 2:
             return 0
-        N, T, x = self.N, self.T, self.cache.x
         if self.lazy:
             self.weights = self.draft.keep(self.weights)
             self.built[:] = 1
             for j in range(2, self.chain + 1):
-                x.setdefault(j, np.zeros((N, T, self.mcfg.d_model), np.float16))
+                self.cache.x.setdefault(j, np.zeros((self.N, self.T, self.mcfg.d_model), np.float16))
         else:
-            for j in range(2, self.chain + 1):
-                xj = np.zeros((N, T, self.mcfg.d_model), np.float16)
-                for s in range(0, N, self.nb):
-                    xj[s : s + self.nb] = self._next_rows(slice(s, s + self.nb), j)
-                x[j] = xj
+            self._rebuild_all()
         done, self.period_forwards = self.period_forwards, 0
         return done
+
+    def _rebuild_all(self) -> None:
+        """Eager: steps 2..chain of every refresh batch, step by step, from the current weights."""
+        N, T, x = self.N, self.T, self.cache.x
+        for j in range(2, self.chain + 1):
+            xj = np.zeros((N, T, self.mcfg.d_model), np.float16)
+            for s in range(0, N, self.nb):
+                xj[s : s + self.nb] = self._next_rows(slice(s, s + self.nb), j)
+            x[j] = xj
 
     def refresh_event(self, events: Events, step: int) -> None:
         """`refresh`, then its event: `rebuilt` the refresh-batch forwards since the previous refresh (lazy: the
@@ -364,6 +369,10 @@ class _Chain:
         stale = [k for k in np.unique(np.asarray(windows) // self.nb) if self.built[k] < j]
         if not stale:
             return
+        self._rebuild(stale, j)
+
+    def _rebuild(self, stale: list, j: int) -> None:
+        """Chain steps built + 1..j of the refresh batches `stale` from the kept weights."""
         x = self.cache.x
         with self.draft.using(self.weights):
             for k in stale:
@@ -514,6 +523,75 @@ class _HealJob:
         return False
 
 
+def _batches(windows: list[int], nb: int) -> list[np.ndarray]:
+    """Jobs' batches: `nb` windows of the list at a time, a short last one dropped."""
+    return [np.array(windows[s : s + nb]) for s in range(0, len(windows) - nb + 1, nb)]
+
+
+class _CountingDraft:
+    """`refresh_forwards`' stand-in draft: no arithmetic, every loss 0."""
+
+    def step(self, *args, **kw):
+        return 1.0, 1.0, True
+
+    def loss_sum(self, *args, **kw) -> float:
+        return 0.0
+
+    def keep(self, into=None):
+        return into
+
+    def snapshot(self):
+        return None
+
+
+class _CountingChain(_Chain):
+    """`refresh_forwards`' chain: which refresh batches are stale and when, as `_Chain`; the forwards of a
+    rebuild counted, not run, and no rows."""
+
+    def _rebuild_all(self) -> None:
+        self.forwards += (self.chain - 1) * self.batches
+        self.period_forwards += (self.chain - 1) * self.batches
+
+    def _rebuild(self, stale: list, j: int) -> None:
+        for k in stale:
+            n = j - int(self.built[k])
+            self.forwards += n
+            self.period_forwards += n
+            self.built[k] = j
+
+    def join(self, b: np.ndarray, j: int):
+        if j > 1:
+            self._current(b, j)
+        return None, None, None, np.ones(1), {}
+
+    def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
+        if batches and self.chain > 1:
+            self._current(np.concatenate(batches), self.chain)
+        return [0.0] * self.chain
+
+
+def refresh_forwards(windows: int, cfg: HealConfig, lazy: bool = True) -> dict:
+    """The refresh-batch forwards (`Draft.next_rows` calls) a heal over `windows` windows runs when nothing
+    stops it early (patience off), lazy or eager, counted by running heal's job loop (`_HealJob`, `_Chain`,
+    `run.drive`) on a stand-in draft -> {"forwards", "steps", "refreshes", "batches"} (bench/heal.py's epoch
+    estimate; tests check it against real runs)."""
+    cfg = dataclasses.replace(cfg, patience=0)
+    N = windows
+    cache = SimpleNamespace(ids=np.zeros((N, 1)), x={})  # `_CountingChain` reads no rows
+    model = SimpleNamespace(cfg=SimpleNamespace(d_model=0))
+    chain = _CountingChain(model, cfg, cache, _CountingDraft(), lazy)
+    refreshes = []
+    events = Events(lambda e: refreshes.append(e) if e["event"] == "refresh" else None, "heal")
+    chain.refresh_event(events, 0)
+    train, val = split_heldout(N)
+    vb = _batches(val, cfg.batch)
+    v0 = chain.heldout_kl(vb)
+    best = Best(0.0, 0, None)
+    job = _HealJob(chain, cfg, _batches(train, cfg.batch), vb, best, v0, events)
+    _stopped, done = drive(job, 0, Cadence(cfg.eval_every, job.total), best, events, 0)
+    return {"forwards": chain.forwards, "steps": done, "refreshes": len(refreshes), "batches": chain.batches}
+
+
 def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True) -> tuple[Model, dict | None]:
     """The model (with a draft) and the draft's starting weights from `init_path`, checked against `cfg`."""
     _require_draft(model_path)
@@ -563,9 +641,7 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     cache = _trunk_pass(teacher, wins, mcfg, kk, cfg.batch, events, pad_id(model), val)
     chain = _Chain(model, cfg, cache, draft)
     chain.refresh_event(events, 0)
-    nb = cfg.batch
-    tb = [np.array(train[s : s + nb]) for s in range(0, len(train) - nb + 1, nb)]
-    vb = [np.array(val[s : s + nb]) for s in range(0, len(val) - nb + 1, nb)]
+    tb, vb = _batches(train, cfg.batch), _batches(val, cfg.batch)
 
     runner = draft.greedy if backend == "wgpu" else None
     acc_before = _heldout_acceptance(model, cache, val, draft, runner, cfg)

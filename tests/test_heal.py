@@ -482,6 +482,11 @@ def test_lazy_refresh_rebuilds_fewer_batches(files, tmp_path, monkeypatch):
     assert 0 < lazy["refresh_forwards"] < eager["refresh_forwards"] / 2
     assert all(e["rebuilt"] <= 2 * batches for e in ev_l)
     assert sum(e["rebuilt"] for e in ev_l) <= lazy["refresh_forwards"]  # the last period has no event
+    # bench/heal.py's count (heal's job loop on a stand-in draft) is the real one
+    for r, is_lazy in ((eager, False), (lazy, True)):
+        count = heal.refresh_forwards(r["windows"], run, is_lazy)
+        assert count["forwards"] == r["refresh_forwards"] and count["steps"] == r["steps"]
+        assert count["refreshes"] == refreshes
     # the first period: steps 2..3 of the held-out windows' refresh batches for the evaluation at step 0, then
     # of at most 2 refresh batches for each of its 3 jobs (a batch of 2 training windows spans 1 or 2)
     val = heal.split_heldout(eager["windows"])[1]
