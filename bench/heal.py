@@ -18,7 +18,7 @@ JSON. The numbers come from the classes `ddl-wgpu heal --backend wgpu` runs (`dd
   `WgpuTeacher.topk_rows` builds the draft's step-1 block input of every batch; checked against the numpy
   `ddl_ref.mtp.step_input`, which is also timed ("host rows (numpy)": what heal ran before).
 - refresh batch: `WgpuDraft.next_rows` (the draft's forward and the next step's rows from its output on the
-  GPU), what heal's refresh runs (chain − 1) times per batch of windows every --refresh steps.
+  GPU), what heal's refresh runs for chain steps 2..chain of a batch of windows a job or evaluation reads.
 - draft: `WgpuDraft.step` for each chain step j = 1..--chain (one job of heal's list: forward, top-k KL,
   backward, gradient clip, Adam). With --chain-attention stacked step j stacks the rows of
   steps 1..j, so it runs j·B·T rows; "per-step" runs B·T. heal's jobs cycle uniformly over j, so the job-mix row
@@ -41,8 +41,10 @@ embedding/head (`Net(shared=...)`): "total" is everything allocated at the end.
 
 The epoch estimate (1 M window tokens): the trunk pass as heal runs it (`WgpuTeacher.topk_rows`: forward,
 top-k, step-1 rows; timed as "heal's trunk pass"), the draft's jobs (chain per batch, 10 % of windows held
-out), and the refreshes (one before training and one per --refresh steps, each (chain − 1) refresh batches
-per batch of windows); evaluation and acceptance not counted.
+out), and the refresh batches heal's lazy refresh rebuilds: per --refresh steps those its jobs and its
+held-out evaluation read, counted by running heal's job loop on a stand-in draft (`heal.refresh_forwards`;
+the eager rebuild of every batch at each refresh is in the JSON for comparison); evaluation's own forwards
+and acceptance not counted.
 
 Checks (same run; any failure exits 1 after the table and the JSON): on the first --check-rows tokens of
 window 0 (causal, so they do not depend on later tokens) against float64 numpy (`ddl_ref`):
@@ -501,18 +503,24 @@ def main(argv=None) -> int:
     estimate = None
     if trunk is not None and draft is not None:
         # one epoch of heal over 1 M window tokens: the trunk pass and step-1 rows once, `chain` jobs per
-        # training batch (9 windows in 10), a refresh of steps 2..chain over every batch each --refresh steps
+        # training batch (9 windows in 10), and the refresh batches heal's lazy refresh rebuilds (those its jobs
+        # and evaluations read each --refresh steps), counted by heal's own job loop (`heal.refresh_forwards`)
         batches = 1e6 / tok
-        steps = 0.9 * batches * args.chain
-        # heal refreshes once before training, then after every --refresh-th step but the last
-        periodic = int((math.ceil(steps) - 1) // args.refresh) if args.refresh else 0
-        refreshes = 1 + periodic if args.chain > 1 else 0
+        run = heal.HealConfig(chain=args.chain, refresh=args.refresh, window=T, batch=B,
+                              chain_attention=args.chain_attention)  # fmt: skip
+        windows = round(1e6 / T)
+        lazy = heal.refresh_forwards(windows, run)
+        eager = lazy["refreshes"] * (args.chain - 1) * lazy["batches"]  # every batch of windows each time
+        rb_s = draft["refresh_batch"]["ms"] / 1e3
         estimate = {
             "trunk_s": batches * draft["trunk_pass"]["ms"] / 1e3,
-            "draft_s": 0.9 * batches * sum(mix),
-            "steps": steps,
-            "refreshes": refreshes,
-            "refresh_s": refreshes * (args.chain - 1) * batches * draft["refresh_batch"]["ms"] / 1e3,
+            "draft_s": lazy["steps"] * draft["job_mix_s_per_step"],
+            "steps": lazy["steps"],
+            "refreshes": lazy["refreshes"],
+            "refresh_forwards": lazy["forwards"],
+            "refresh_s": lazy["forwards"] * rb_s,
+            "eager_refresh_forwards": eager,  # before: every window at every refresh
+            "eager_refresh_s": eager * rb_s,
         }
         estimate["total_s"] = estimate["trunk_s"] + estimate["draft_s"] + estimate["refresh_s"]  # fmt: skip
 
@@ -540,8 +548,9 @@ def main(argv=None) -> int:
         e = estimate
         print(f"one heal epoch over 1M window tokens: {e['total_s']:.1f}s = trunk pass with step-1 rows "
               f"{e['trunk_s']:.1f}s, draft {e['draft_s']:.1f}s ({e['steps']:.0f} steps), refresh "
-              f"{e['refresh_s']:.1f}s ({e['refreshes']} refreshes every {args.refresh} steps); evaluation not "
-              "counted")  # fmt: skip
+              f"{e['refresh_s']:.1f}s ({e['refresh_forwards']} refresh batches rebuilt lazily over "
+              f"{e['refreshes']} refreshes every {args.refresh} steps; eager: {e['eager_refresh_forwards']}, "
+              f"{e['eager_refresh_s']:.1f}s); evaluation's own forwards not counted")  # fmt: skip
     verdict = "all checks passed" if not failed else "FAILED: " + "; ".join(failed)
     print(f"total {data['wall_s']:.0f}s; {verdict}")
     return 1 if failed else 0

@@ -143,6 +143,10 @@ class Draft(Protocol):
 
     def restore(self, snap) -> None: ...
 
+    def keep(self, into=None): ...  # a snapshot, written into `into` (an earlier keep) when given
+
+    def using(self, snap): ...  # a context: the forwards within it run on the weights `snap`
+
     def export(self) -> dict: ...  # {model.mtp.* name: float32 array} of the trained tensors
 
 

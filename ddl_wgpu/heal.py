@@ -18,8 +18,10 @@ trunk's own predictions. The flow:
    draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the reference heal tool.
 4. Chained training: the block input of step 1 is `eh_proj·[enorm(E[x_{p+1}]); hnorm(h_p)]` from the trunk's
    hidden; step j > 1 reads the token x_{p+j} and the draft's own step j−1 output at row p (`chain_hidden`),
-   rebuilt from the current weights every `refresh` steps (`backend.Draft.next_rows`: on wgpu the draft's output
-   rows never leave the GPU; every step's block inputs are kept on the host in float16). The target of step j at
+   rebuilt from the weights at every `refresh`-th step (`backend.Draft.next_rows`: on wgpu the draft's output
+   rows never leave the GPU; every step's block inputs are kept on the host in float16). The rebuild is lazy
+   (`_Chain`): a refresh keeps a copy of the weights and each batch of windows is rebuilt from it when a job or
+   an evaluation first reads it, bit for bit the rows of a rebuild of every window. The target of step j at
    row p is the trunk's top-k at p + j. Loss: top-k KL (teacher renormalised over its k ids,
    `ddl_ref.ops.topk_kl_forward`), mean over rows.
 5. One job = (train batch, chain step); every pass over the jobs reshuffles the same order array in place
@@ -57,6 +59,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -77,6 +80,10 @@ LOSS_SCALE_START = 4096.0  # the reference heal tool's first loss scale; halved 
 MAX_NONFINITE = 20  # the 20th non-finite step aborts
 WARMUP_FRACTION = 0.1  # linear warm-up over the first 10 % of steps
 MIN_LR_FRACTION = 0.1  # the cosine ends at 0.1 x lr
+# heal's refresh rebuilds each batch of windows' chain rows when a job or an evaluation first needs them,
+# from the weights kept at the refresh (bit for bit the eager rebuild of every window, `_Chain`); False: the
+# eager rebuild (tests compare the two)
+LAZY_REFRESH = True
 MIN_WINDOW = 16  # windows shorter than MIN_WINDOW + chain are skipped
 HELD_OUT_EVERY = 10  # window i is held out when i % 10 == 9
 PROVENANCE_KEY = "mtp_heal"  # the reference heal tool's key
@@ -285,36 +292,100 @@ class _Cache:
 
 class _Chain:
     """The draft's block inputs per chain step over all windows (float16 on the host), built from the trunk's
-    pass and rebuilt from the current draft by `refresh`; `join` gives a training or evaluation job's arrays."""
+    pass and rebuilt from the draft by `refresh`; `join` gives a training or evaluation job's arrays.
 
-    def __init__(self, model: Model, cfg: HealConfig, cache: _Cache, draft):
+    A refresh batch is `batch` consecutive windows (s..s + batch − 1, s a multiple of `batch`, held-out ones
+    included), the grouping the draft's forwards run in. Lazy (`LAZY_REFRESH`): a refresh keeps a copy of the
+    draft's weights (`Draft.keep`) and marks every refresh batch stale; `join` rebuilds the refresh batches its
+    windows lie in, from that copy (`Draft.using`), up to the chain step it needs, when first asked. Every row
+    is the one the eager rebuild of all windows at the refresh gives, bit for bit (same weights, same batches
+    of windows, same order of chain steps), at the cost of the batches the jobs and evaluations of a period
+    touch instead of all of them."""
+
+    def __init__(self, model: Model, cfg: HealConfig, cache: _Cache, draft, lazy: bool | None = None):
         self.model, self.mcfg, self.cache, self.draft = model, model.cfg, cache, draft
         self.chain, self.nb = cfg.chain, cfg.batch
         self.stacked_mode = cfg.chain_attention == "stacked"
         self.N, self.T = cache.ids.shape
+        self.lazy = LAZY_REFRESH if lazy is None else lazy
+        self.batches = -(-self.N // self.nb)  # refresh batches
+        self.built = np.full(self.batches, self.chain)  # per refresh batch: chain steps 1..built are current
+        self.weights = None  # lazy: the draft's weights at the last refresh
+        self.forwards = 0  # refresh-batch forwards (draft forward + the next step's rows), all told
+        self.period_forwards = 0  # ... since the last `refresh`
 
     def stacked(self, sel, j: int) -> np.ndarray:
         """Block inputs of steps 1..j of the windows `sel`, stacked along time -> (b, j·T, C) float32."""
         return np.concatenate([self.cache.x[s][sel] for s in range(1, j + 1)], axis=1).astype(np.float32)
 
-    def refresh(self) -> None:
-        """Chain steps 2..chain rebuilt from the current draft's outputs."""
-        N, T, nb, x = self.N, self.T, self.nb, self.cache.x
+    def _next_rows(self, sel: slice, j: int) -> np.ndarray:
+        """Step j's block inputs of the windows `sel` (a refresh batch) from the draft's step j−1 output."""
+        x = self.cache.x
+        tok = ref_mtp.shifted(self.cache.ids[sel], j)
+        valid = ref_mtp.step_valid(self.cache.lengths[sel], self.T, j)
+        self.forwards += 1
+        self.period_forwards += 1
+        if self.stacked_mode and j > 2:  # step j−1's rows of the stacked forward of steps 1..j−1
+            return self.draft.next_rows(self.stacked(sel, j - 1), tok, valid, chain=j - 1)
+        return self.draft.next_rows(x[j - 1][sel].astype(np.float32), tok, valid)
+
+    def refresh(self) -> int:
+        """Chain steps 2..chain from the current draft's outputs: rebuilt for every window now (eager), or the
+        weights kept and every refresh batch marked stale (lazy) -> the refresh-batch forwards run since the
+        previous refresh, this one's included (eager: (chain − 1) x batches, all at the refresh)."""
+        if self.chain < 2:
+            return 0
+        if self.lazy:
+            self.weights = self.draft.keep(self.weights)
+            self.built[:] = 1
+            for j in range(2, self.chain + 1):
+                self.cache.x.setdefault(j, np.zeros((self.N, self.T, self.mcfg.d_model), np.float16))
+        else:
+            self._rebuild_all()
+        done, self.period_forwards = self.period_forwards, 0
+        return done
+
+    def _rebuild_all(self) -> None:
+        """Eager: steps 2..chain of every refresh batch, step by step, from the current weights."""
+        N, T, x = self.N, self.T, self.cache.x
         for j in range(2, self.chain + 1):
             xj = np.zeros((N, T, self.mcfg.d_model), np.float16)
-            for s in range(0, N, nb):
-                sel = slice(s, s + nb)
-                tok = ref_mtp.shifted(self.cache.ids[sel], j)
-                valid = ref_mtp.step_valid(self.cache.lengths[sel], T, j)
-                if self.stacked_mode and j > 2:  # step j−1's rows of the stacked forward of steps 1..j−1
-                    xj[sel] = self.draft.next_rows(self.stacked(sel, j - 1), tok, valid, chain=j - 1)
-                else:
-                    xj[sel] = self.draft.next_rows(x[j - 1][sel].astype(np.float32), tok, valid)
+            for s in range(0, N, self.nb):
+                xj[s : s + self.nb] = self._next_rows(slice(s, s + self.nb), j)
             x[j] = xj
+
+    def refresh_event(self, events: Events, step: int) -> None:
+        """`refresh`, then its event: `rebuilt` the refresh-batch forwards since the previous refresh (lazy: the
+        ones the period's jobs and evaluations asked for; eager: all of them, at this refresh), `batches` the
+        refresh batches (a full rebuild is (chain − 1) x batches forwards)."""
+        rebuilt = self.refresh()
+        if self.chain > 1:
+            events("refresh", step=step, chain=self.chain, lazy=self.lazy, rebuilt=rebuilt,
+                   batches=self.batches)  # fmt: skip
+
+    def _current(self, windows: np.ndarray, j: int) -> None:
+        """Lazy: chain steps 2..j of the refresh batches holding `windows` rebuilt from the kept weights where
+        stale (step by step, as the eager refresh orders them)."""
+        stale = [k for k in np.unique(np.asarray(windows) // self.nb) if self.built[k] < j]
+        if not stale:
+            return
+        self._rebuild(stale, j)
+
+    def _rebuild(self, stale: list, j: int) -> None:
+        """Chain steps built + 1..j of the refresh batches `stale` from the kept weights."""
+        x = self.cache.x
+        with self.draft.using(self.weights):
+            for k in stale:
+                sel = slice(k * self.nb, (k + 1) * self.nb)
+                for s in range(int(self.built[k]) + 1, j + 1):
+                    x[s][sel] = self._next_rows(sel, s)
+                self.built[k] = j
 
     def join(self, b: np.ndarray, j: int):
         """-> (x, teacher ids, teacher probs, weights, the trainer's chain keyword) of step j on windows b."""
         c, T = self.cache, self.T
+        if j > 1:
+            self._current(b, j)
         x = c.x[j][b].astype(np.float32)
         tid = ref_mtp.shifted(c.top_ids[b], j)
         tp = ref_mtp.shifted(c.top_probs[b], j, fill=1.0)  # masked rows: any finite distribution
@@ -330,6 +401,8 @@ class _Chain:
 
     def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
         """The draft's mean top-k KL to the trunk per chain step over the held-out batches."""
+        if batches and self.chain > 1:  # lazy: the stale held-out refresh batches in one go
+            self._current(np.concatenate(batches), self.chain)
         out = []
         for j in range(1, self.chain + 1):
             s = n = 0.0
@@ -431,8 +504,7 @@ class _HealJob:
             return None
         n = done + 1
         if self.cfg.chain > 1 and self.cfg.refresh > 0 and n % self.cfg.refresh == 0 and n < self.total:
-            self.chain.refresh()
-            self.events("refresh", step=n, chain=self.cfg.chain)
+            self.chain.refresh_event(self.events, n)
         return {"loss": loss, "lr": lr, "grad_norm": gnorm}
 
     def evaluate(self, done: int) -> float:
@@ -449,6 +521,75 @@ class _HealJob:
 
     def after_step(self, done: int) -> bool:
         return False
+
+
+def _batches(windows: list[int], nb: int) -> list[np.ndarray]:
+    """Jobs' batches: `nb` windows of the list at a time, a short last one dropped."""
+    return [np.array(windows[s : s + nb]) for s in range(0, len(windows) - nb + 1, nb)]
+
+
+class _CountingDraft:
+    """`refresh_forwards`' stand-in draft: no arithmetic, every loss 0."""
+
+    def step(self, *args, **kw):
+        return 1.0, 1.0, True
+
+    def loss_sum(self, *args, **kw) -> float:
+        return 0.0
+
+    def keep(self, into=None):
+        return into
+
+    def snapshot(self):
+        return None
+
+
+class _CountingChain(_Chain):
+    """`refresh_forwards`' chain: which refresh batches are stale and when, as `_Chain`; the forwards of a
+    rebuild counted, not run, and no rows."""
+
+    def _rebuild_all(self) -> None:
+        self.forwards += (self.chain - 1) * self.batches
+        self.period_forwards += (self.chain - 1) * self.batches
+
+    def _rebuild(self, stale: list, j: int) -> None:
+        for k in stale:
+            n = j - int(self.built[k])
+            self.forwards += n
+            self.period_forwards += n
+            self.built[k] = j
+
+    def join(self, b: np.ndarray, j: int):
+        if j > 1:
+            self._current(b, j)
+        return None, None, None, np.ones(1), {}
+
+    def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
+        if batches and self.chain > 1:
+            self._current(np.concatenate(batches), self.chain)
+        return [0.0] * self.chain
+
+
+def refresh_forwards(windows: int, cfg: HealConfig, lazy: bool = True) -> dict:
+    """The refresh-batch forwards (`Draft.next_rows` calls) a heal over `windows` windows runs when nothing
+    stops it early (patience off), lazy or eager, counted by running heal's job loop (`_HealJob`, `_Chain`,
+    `run.drive`) on a stand-in draft -> {"forwards", "steps", "refreshes", "batches"} (bench/heal.py's epoch
+    estimate; tests check it against real runs)."""
+    cfg = dataclasses.replace(cfg, patience=0)
+    N = windows
+    cache = SimpleNamespace(ids=np.zeros((N, 1)), x={})  # `_CountingChain` reads no rows
+    model = SimpleNamespace(cfg=SimpleNamespace(d_model=0))
+    chain = _CountingChain(model, cfg, cache, _CountingDraft(), lazy)
+    refreshes = []
+    events = Events(lambda e: refreshes.append(e) if e["event"] == "refresh" else None, "heal")
+    chain.refresh_event(events, 0)
+    train, val = split_heldout(N)
+    vb = _batches(val, cfg.batch)
+    v0 = chain.heldout_kl(vb)
+    best = Best(0.0, 0, None)
+    job = _HealJob(chain, cfg, _batches(train, cfg.batch), vb, best, v0, events)
+    _stopped, done = drive(job, 0, Cadence(cfg.eval_every, job.total), best, events, 0)
+    return {"forwards": chain.forwards, "steps": done, "refreshes": len(refreshes), "batches": chain.batches}
 
 
 def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True) -> tuple[Model, dict | None]:
@@ -499,12 +640,8 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     train, val = split_heldout(len(wins))
     cache = _trunk_pass(teacher, wins, mcfg, kk, cfg.batch, events, pad_id(model), val)
     chain = _Chain(model, cfg, cache, draft)
-    chain.refresh()
-    if cfg.chain > 1:
-        events("refresh", step=0, chain=cfg.chain)
-    nb = cfg.batch
-    tb = [np.array(train[s : s + nb]) for s in range(0, len(train) - nb + 1, nb)]
-    vb = [np.array(val[s : s + nb]) for s in range(0, len(val) - nb + 1, nb)]
+    chain.refresh_event(events, 0)
+    tb, vb = _batches(train, cfg.batch), _batches(val, cfg.batch)
 
     runner = draft.greedy if backend == "wgpu" else None
     acc_before = _heldout_acceptance(model, cache, val, draft, runner, cfg)
@@ -547,4 +684,5 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     }
     path = write_back(model_path, out_path, trained, PROVENANCE_KEY, record, mcfg.to_dict(), verify)
     events("written", out=os.fspath(path))
-    return {**record, "out": os.fspath(path), "history": job.history}
+    # refresh_forwards: the draft forwards all refreshes ran (lazy: those the jobs and evaluations needed)
+    return {**record, "out": os.fspath(path), "history": job.history, "refresh_forwards": chain.forwards}

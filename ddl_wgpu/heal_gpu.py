@@ -13,6 +13,7 @@ instead of holding a second copy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -155,6 +156,7 @@ class WgpuDraft:
                        shared=shared)  # fmt: skip
         self.input = teacher.input if teacher is not None else DraftInput(gpu, params, cfg, self.net)
         self._works: dict = {}
+        self._aside = None  # `using`: the trained weights while another snapshot's are in
 
     def _work(self, T: int, k: int = 1, chain: int = 0) -> DraftWork:
         if (T, k, chain) not in self._works:
@@ -223,6 +225,29 @@ class WgpuDraft:
 
     def restore(self, snap) -> None:
         self.net.restore(snap)
+
+    def keep(self, into=None):
+        """A GPU-side snapshot of the current weights (`Net.snapshot`), copied into `into` (an earlier `keep`)
+        when given rather than into new buffers."""
+        if into is None:
+            return self.net.snapshot()
+        rec = self.net.gpu.recorder()
+        for src, dst in zip(self.net.p, into, strict=True):
+            rec.copy(src, 0, dst, 0, src.size)
+        rec.submit()
+        return into
+
+    @contextlib.contextmanager
+    def using(self, snap):
+        """Within the block the draft's forwards run on the weights `snap` (heal's lazy refresh): the trained
+        weights are copied aside, `snap` copied in, and the trained weights back after it (GPU-side copies; the
+        gradients and Adam moments are not touched)."""
+        self._aside = self.keep(self._aside)
+        self.net.restore(snap)
+        try:
+            yield
+        finally:
+            self.net.restore(self._aside)
 
     def export(self) -> dict:
         p = self.net.export()

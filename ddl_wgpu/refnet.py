@@ -9,6 +9,7 @@ it is readable. Nothing here imports wgpu.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -232,6 +233,24 @@ class RefDraft:
     def restore(self, snap) -> None:
         for n, p in snap.items():
             self.params[n][...] = p
+
+    def keep(self, into=None):
+        """A snapshot of the current weights, written into `into` (an earlier `keep`) when given."""
+        if into is None:
+            return self.snapshot()
+        for n, p in self.params.items():
+            into[n][...] = p
+        return into
+
+    @contextlib.contextmanager
+    def using(self, snap):
+        """Within the block the draft's forwards run on the weights `snap` (heal's lazy refresh); the trained
+        weights, untouched, are back after it."""
+        own, self.params = self.params, snap
+        try:
+            yield
+        finally:
+            self.params = own
 
     def export(self) -> dict:
         return {n: p.copy() for n, p in self.params.items()}

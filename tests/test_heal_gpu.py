@@ -248,3 +248,23 @@ def test_net_refuses_a_trainable_or_misshapen_shared_tensor(heal_kit):
     other = backend.make_teacher("wgpu", Model(small, heal_kit.perturbed(small)), batch=2)
     with pytest.raises(GpuError, match="shape"):
         Net(g, dcfg, shared={"model.embed_tokens.weight": other.net})
+
+
+@pytest.mark.parametrize("mode", ["per-step", "stacked"])
+def test_gpu_lazy_refresh_gives_the_eager_results_bit_for_bit(gpu, tmp_path, heal_kit, monkeypatch, mode):
+    """On the GPU the lazy refresh's rows come from the kept weights copied into the draft's buffers for the
+    forwards (`WgpuDraft.using`), batched as the eager refresh batches them: the same bits."""
+    model = heal_kit.make_model(tmp_path / "m.ddlw")
+    data = str(heal_kit.make_text(tmp_path / "t.txt"))
+    run = replace(heal_kit.SMALL, chain=3, refresh=3, chain_attention=mode)
+    got = {}
+    for lazy in (False, True):
+        monkeypatch.setattr(heal, "LAZY_REFRESH", lazy)
+        r = heal.heal(model, data, tmp_path / f"{lazy}.ddlw", run, backend="wgpu")
+        p = load_model(tmp_path / f"{lazy}.ddlw").params
+        got[lazy] = r, {n: p[n] for n in ref_mtp.trained_names(p)}
+    (eager, te), (lazy, tl) = got[False], got[True]
+    assert eager["steps"] > 2 * run.refresh and len(eager["history"]) >= 3
+    assert lazy["history"] == eager["history"]
+    assert all(np.array_equal(tl[n], te[n]) for n in te)
+    assert 0 < lazy["refresh_forwards"] < eager["refresh_forwards"]
