@@ -5,6 +5,8 @@ tile this adapter fits (square and not), the tiles chosen under WebGPU's default
 causality; and the whole path through `attention.attention_forward/backward(impl="fused")` (with the delta
 pass), as the engine reaches it with DDL_WGPU_ATTENTION=fused."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -77,18 +79,28 @@ def test_fused_head_dim_256(gpu):
     _check_both(gpu, (1, 9, 4, 2, 256), seed=1)
 
 
+def _storage(gpu) -> int:
+    return int(gpu.limits.get("max-compute-workgroup-storage-size", 16384))
+
+
 def test_every_fitting_tile(gpu):
-    """Each candidate tile the adapter fits (lavapipe's 32 KiB: all but the largest), on a sequence spanning
-    several query and key tiles."""
+    """Each candidate tile the adapter fits (lavapipe's 32 KiB: all but the largest; WebGPU's default 16 KiB
+    under DDL_WGPU_LIMITS=webgpu: the 32 x 32 and 16 x 16 ones), on a sequence spanning several query and key
+    tiles."""
     fit = fitting_tiles(gpu, 16)
-    assert len(fit) >= len(TILES) - 4, [t.label() for t in fit]  # all but those with 32-channel chunks
+    least = len(TILES) - 4 if _storage(gpu) >= 32768 else 4  # all but those with 32-channel chunks
+    assert len(fit) >= least, [t.label() for t in fit]
     for tile in fit:
         _check_both(gpu, (1, 2 * max(tile.bq, tile.bk) + 5, 2, 1, 16), tile=tile)
 
 
 @pytest.mark.parametrize("tile", [Tile(64, 64, 8, 16, 16, 16, 8), Tile(32, 32, 8, 8, 16, 16, 16)], ids=str)
 def test_unrolled_inner_steps(gpu, tile):
-    """UNROLL = 8 and 16 (the H200 candidates' unrolled copies need more storage than lavapipe has)."""
+    """UNROLL = 8 and 16 (the H200 candidates' unrolled copies need more storage than lavapipe has). Within
+    WebGPU's default 16 KiB the 64 x 64 tile does not fit: the same unrolling runs on the 32 x 32 tile."""
+    if tile.shared_bytes(32) > _storage(gpu):
+        tile = dataclasses.replace(tile, bq=32, bk=32, wy=8, wx=8)
+        assert tile.shared_bytes(32) <= _storage(gpu)
     _check_both(gpu, (1, 2 * tile.bq + 3, 4, 2, 32), seed=7, tile=tile)
 
 
