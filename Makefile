@@ -11,7 +11,7 @@ export OPENBLAS_NUM_THREADS ?= 1
 
 # The main job on the embedded corpus: a baseline vs DDL sweep on Python's stdlib sources, the ranked table,
 # report and plots under runs/demo/; then the heal story (scripts/heal_story.sh): train --mtp, compress, accept
-# (drops), heal, accept (recovers), generate, under runs/demo/heal/. 3 min 2 s in all on a fresh clone of the
+# (drops), heal, accept (recovers), generate, under runs/demo/heal/. 3 min 13 s in all on a fresh clone of the
 # 2-core development machine, about 2 min of it the heal story (its 1000 training steps: README).
 DEMO_ARGS ?= --data stdlib --variants baseline,ddl,ddl-cc --preset tiny --max-steps 60 --eval-interval 20 \
 	--eval-batches 4 --batch-size 8 --seq-len 128 --learning-rate 3e-3 --warmup-steps 5 --max-tokens 2000000

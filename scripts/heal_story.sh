@@ -21,7 +21,8 @@
 #   2.14 at 5e-5 (the trained model's: 2.17), at the same 40k tokens (about 10 s);
 # - the prompt: a real stdlib class head (from _pydecimal.py, most of the 400k bytes read); 80 new tokens
 #   fill the 128-token context.
-# The whole script took 2 min 8 s there (about 100 s of it training); `make demo` 3 min 2 s on a fresh clone.
+# The whole script took 2 min 8 s there (about 100 s of it training); `make demo` 3 min 2 s on a fresh clone
+# (3 min 13 s on a later commit, under load).
 # `heal` otherwise runs with the reference heal tool's defaults except its token budget (40k instead of 200k:
 # on the numpy backend a refresh of 200k tokens' chain inputs takes minutes). The training run caps its
 # evaluations at 4 batches (--eval-batches): the story needs the draft, not exact training metrics.
