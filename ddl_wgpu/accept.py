@@ -26,12 +26,15 @@ and the steps 2..s rows of its own anchor, the runtime's diagonal mask), step s'
 draft's own step s−1 output and greedy token. Step 1 and the counting are the same in both; at depth 1 the two
 agree. The JSON adds `chain_attention`.
 
-Backends (`backend.make_accept_backend`): "ref" runs trunk and draft in numpy; "wgpu" runs the trunk
-(`heal_gpu.WgpuTeacher`, its greedy token from the `topk` kernel with k = 1) and every draft step's block, norm
-and head (`heal_gpu.WgpuDraft.greedy`, with
-the masked attention kernels for a stacked step) on the GPU, forward only; the draft's input rows
-eh_proj·[enorm(e); hnorm(h)] are built on the host by the same `ddl_ref.mtp.step_input` on both. Argmax ties
-go to the lower id on both, so the numbers agree up to float near-ties.
+Backends (`backend.make_accept_backend`): "ref" runs trunk and draft in numpy; "wgpu" runs everything on the
+GPU, forward only (`gpu_acceptance`): the trunk (`heal_gpu.WgpuTeacher.greedy_hidden`, its greedy token from
+the `topk` kernel with k = 1, its hidden rows left on the GPU), then the chain (`heal_gpu.WgpuDraft.greedy_chain`):
+each step's input rows eh_proj·[enorm(e); hnorm(h)] built on the GPU (`heal_gpu.DraftInput`, step 1 from the
+trunk's rows, step j + 1 from the draft's step-j argmax ids and output rows), the block (the masked attention
+kernels for a stacked step), norm, head and argmax; only the argmax ids come down. `--probe-conventions`
+re-measures on the host rows (`greedy_chain`: `ddl_ref.mtp.step_input`, the draft's steps by
+`WgpuDraft.greedy`) from the same trunk pass's hidden rows, downloaded for it. Argmax ties go to the lower id
+on both backends, so the numbers agree up to float near-ties.
 
 What this file deliberately does not do: sampling acceptance (min(1, P/Q)).
 """
@@ -241,6 +244,29 @@ def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth:
     return tally.result()
 
 
+def gpu_acceptance(cfg, windows: Sequence[np.ndarray], depth: int, batch: int, teacher, draft,
+                   chain_attention: str = DEFAULT_CHAIN_ATTENTION,
+                   keep_hidden: bool = False) -> tuple[dict, list[TrunkBatch]]:  # fmt: skip
+    """`acceptance_from_trunk` with the trunk and the whole greedy chain on the GPU (`backend.AcceptTeacher`,
+    `backend.AcceptDraft`): per batch of windows the trunk's greedy tokens and hidden rows
+    (`greedy_hidden`, the rows left on the GPU), then `draft.greedy_chain` from them; only token ids come
+    down. -> (the result, the batches' `TrunkBatch`es with their hidden rows downloaded when `keep_hidden`,
+    for a host-side measure on the same trunk pass, else [])."""
+    check_chain_attention(chain_attention)
+    T = max(w.size for w in windows)
+    tally, kept = Tally(depth, chain_attention), []
+    for s in range(0, len(windows), batch):
+        ids, lengths = pad_batch(windows[s : s + batch], T)
+        greedy, hidden = teacher.greedy_hidden(ids, cfg.mtp.trunk_hidden)
+        tok, valid = ref_mtp.shifted(ids, 1), ref_mtp.step_valid(lengths, T, 1)
+        preds = draft.greedy_chain(hidden, tok, valid, depth, chain_attention == "stacked", cfg.mtp)
+        for b in range(ids.shape[0]):
+            tally.add(preds[b], greedy[b], ids[b], int(lengths[b]))
+        if keep_hidden:
+            kept.append(TrunkBatch(ids, lengths, greedy, *teacher.hidden_rows(ids.shape[0], T)))
+    return tally.result(), kept
+
+
 def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, backend: str = "ref",
                conventions: MtpConfig | dict | None = None, probe_conventions: bool = False,
                batch: int = 8, device: str | None = None, trunk_dtype: str = "f32",
@@ -259,10 +285,16 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, 
         raise AcceptError(f"no window longer than depth {depth}: nothing to measure")
     if max(w.size for w in windows) > model.cfg.max_seq_len:
         raise AcceptError(f"a window is longer than the model's max_seq_len {model.cfg.max_seq_len}")
-    teacher, runner = make_accept_backend(backend, model, batch, device, trunk_dtype)
-    trunk = trunk_batches(model, windows, batch, teacher)
+    teacher, draft = make_accept_backend(backend, model, batch, device, trunk_dtype)
     cfg = _with_conventions(model.cfg, conventions)
-    result = acceptance_from_trunk(model.params, cfg, trunk, depth, runner, chain_attention)
+    if teacher is None:
+        runner = None
+        trunk = trunk_batches(model, windows, batch)
+        result = acceptance_from_trunk(model.params, cfg, trunk, depth, None, chain_attention)
+    else:  # the chain on the GPU; the probe (other conventions) on the host, from the downloaded hidden rows
+        runner = draft.greedy
+        result, trunk = gpu_acceptance(cfg, windows, depth, batch, teacher, draft, chain_attention,
+                                       keep_hidden=probe_conventions)  # fmt: skip
     if probe_conventions:
         probe = []
         for concat, th, ch in itertools.product(("emb_first", "hidden_first"), ("pre_norm", "post_norm"),
