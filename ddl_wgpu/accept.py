@@ -167,6 +167,7 @@ class TrunkBatch:
     greedy: np.ndarray  # (B, T) trunk argmax at each position
     pre: np.ndarray  # (B, T, C) pre-final-norm hidden
     post: np.ndarray  # (B, T, C) post-final-norm hidden
+    x1: np.ndarray | None = None  # (B, T, C) the draft's step-1 input rows when given (pre, post then unused)
 
 
 def trunk_batches(
@@ -213,7 +214,10 @@ def greedy_chain(
     valid = ref_mtp.step_valid(tb.lengths, T, 1)
     preds, xs = [], []
     for j in range(1, depth + 1):
-        xs.append(ref_mtp.step_input(params, cfg, tok, hid, valid))
+        given = j == 1 and tb.x1 is not None
+        xs.append(
+            np.asarray(tb.x1, np.float32) if given else ref_mtp.step_input(params, cfg, tok, hid, valid)
+        )
         if chain_attention == "stacked" and j > 1:  # the step-j rows of the stacked forward of steps 1..j
             tok, pre, post = (a[:, -T:] for a in runner(np.concatenate(xs, axis=1), chain=j))
         else:
@@ -231,7 +235,7 @@ def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth:
     check_chain_attention(chain_attention)
     tally = Tally(depth, chain_attention)
     for tb in trunk:
-        if runner is None and chain_attention == "per-step":
+        if runner is None and chain_attention == "per-step" and tb.x1 is None:
             steps = ref_mtp.draft_chain(
                 params, cfg, tb.ids, tb.lengths, tb.pre, tb.post, depth, tokens="greedy"
             )
@@ -265,6 +269,26 @@ def gpu_acceptance(cfg, windows: Sequence[np.ndarray], depth: int, batch: int, t
         if keep_hidden:
             kept.append(TrunkBatch(ids, lengths, greedy, *teacher.hidden_rows(ids.shape[0], T)))
     return tally.result(), kept
+
+
+def acceptance_from_rows(params: dict, cfg, tb: TrunkBatch, depth: int, draft=None,
+                         chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
+    """`acceptance_from_trunk` of one `TrunkBatch` carrying the draft's step-1 rows `x1` (heal's held-out
+    windows): on the GPU (`backend.AcceptDraft.greedy_chain`, in batches of `draft.B` windows, every later
+    step's rows built there) when `draft` is given, else numpy (`greedy_chain` on `refnet.ref_runner`)."""
+    if draft is None:
+        return acceptance_from_trunk(params, cfg, [tb], depth, None, chain_attention)
+    check_chain_attention(chain_attention)
+    T = tb.ids.shape[1]
+    tok, valid = ref_mtp.shifted(tb.ids, 1), ref_mtp.step_valid(tb.lengths, T, 1)
+    tally = Tally(depth, chain_attention)
+    for s in range(0, tb.ids.shape[0], draft.B):
+        part = slice(s, s + draft.B)
+        preds = draft.greedy_chain(None, tok[part], valid[part], depth, chain_attention == "stacked", cfg.mtp,
+                                   rows=tb.x1[part])  # fmt: skip
+        for b in range(preds.shape[0]):
+            tally.add(preds[b], tb.greedy[s + b], tb.ids[s + b], int(tb.lengths[s + b]))
+    return tally.result()
 
 
 def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, backend: str = "ref",

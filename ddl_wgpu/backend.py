@@ -168,9 +168,12 @@ class AcceptDraft(Protocol):
     """accept's draft on the GPU (`heal_gpu.WgpuDraft`): one step on host rows (`greedy`, a `Runner`) or the
     whole greedy chain from the trunk's hidden rows on the GPU (`greedy_chain`)."""
 
+    B: int  # windows per GPU batch
+
     def greedy(self, x_rows, chain: int = 0) -> tuple: ...
 
-    def greedy_chain(self, hidden, tokens, valid, depth: int, stacked: bool = False, mtp=None) -> np.ndarray:
+    def greedy_chain(self, hidden, tokens, valid, depth: int, stacked: bool = False, mtp=None,
+                     rows=None) -> np.ndarray:  # fmt: skip
         """-> the draft's argmax per chain step (b, depth, T) int32."""
         ...
 

@@ -259,14 +259,17 @@ class WgpuDraft:
             out.append((ids[:n, :, 0], pre[:n], post[:n]))
         return tuple(np.concatenate(parts) for parts in zip(*out, strict=True))
 
-    def greedy_chain(self, hidden, tokens, valid, depth: int, stacked: bool = False, mtp=None) -> np.ndarray:
+    def greedy_chain(self, hidden, tokens, valid, depth: int, stacked: bool = False, mtp=None,
+                     rows=None) -> np.ndarray:  # fmt: skip
         """`accept.greedy_chain` with every row on the GPU: step 1's rows from `hidden` (a GPU buffer of
         this draft's batch of windows of T rows, e.g. `WgpuTeacher.greedy_hidden`'s) and `tokens` (b, T),
         masked by `valid` (b, T, the same mask every step); step j + 1's from step j's argmax ids (copied on
         the GPU into the token buffer) and its `chain_hidden` output rows. `stacked`: step σ >= 2 runs the
         stacked rows of steps 1..σ (each step's rows kept on the GPU, copied window by window into the
         chain-σ work's input) and reads its last T rows of each window. `mtp` overrides the model's
-        MtpConfig (concat, chain_hidden). Only the argmax ids come down -> preds (b, depth, T) int32."""
+        MtpConfig (concat, chain_hidden). `rows` (b, T, C): step 1's rows given (heal's held-out windows, whose
+        step-1 rows it holds), uploaded instead of built (`hidden` unused; `tokens` then only sizes the batch).
+        Only the argmax ids come down -> preds (b, depth, T) int32."""
         mtp = mtp or self.cfg.mtp
         tokens = np.asarray(tokens)
         b, T = tokens.shape
@@ -281,7 +284,10 @@ class WgpuDraft:
             S = sigma * T if sigma else T
             work = self._work(S, 1, sigma)
             rec = g.recorder()
-            inp.call(N, T, h, stride, stride - T, mtp.concat).record(rec)
+            if j > 1 or rows is None:
+                inp.call(N, T, h, stride, stride - T, mtp.concat).record(rec)
+            else:
+                g.write(x, pad_rows(np.asarray(rows, np.float32), B).reshape(-1))
             x_in = work.L[0]["x"]
             if not stacked:
                 rec.copy(x, 0, x_in, 0, N * row)

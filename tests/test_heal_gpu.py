@@ -312,3 +312,30 @@ def test_gpu_greedy_chain_matches_the_host_rows_path(gpu, heal_kit, monkeypatch,
         hidden, tok, valid, depth, mode == "stacked", replace(conv, chain_hidden="post_norm")
     )
     assert np.array_equal(other[:, 0], preds[:, 0]) and not np.array_equal(other[:, 1:], preds[:, 1:])
+
+
+@pytest.mark.parametrize("mode", ["per-step", "stacked"])
+def test_heldout_acceptance_from_step1_rows_on_the_gpu(gpu, heal_kit, monkeypatch, mode):
+    """heal's held-out acceptance starts from the windows' step-1 rows (`accept.acceptance_from_rows`): on
+    the GPU (`WgpuDraft.greedy_chain(rows=...)`, more windows than the draft's batch) it equals the host-rows
+    chain on the same draft (`WgpuDraft.greedy` runner, later rows by `ddl_ref.mtp.step_input`) and the numpy
+    chain, and builds no row on the host."""
+    cfg = heal_kit.tiny_cfg(mtp=MtpConfig(trunk_hidden="post_norm", chain_hidden="pre_norm"))
+    m = Model(cfg, heal_kit.perturbed(cfg, seed=5))
+    rng = np.random.default_rng(9)
+    ids, lengths = rng.integers(0, 256, (5, 14)), np.array([14, 11, 6, 14, 9])
+    ti, _tp, x1, _ = RefTeacher(m.params, cfg).topk_rows(ids, lengths, 1)
+    tb = accept.TrunkBatch(ids, lengths, ti[..., 0], None, None, x1)
+    draft = backend.make_draft("wgpu", m, batch=2)
+    # a tiny untrained draft agrees with no trunk: make the "trunk" agree with the draft's step j at position
+    # q when q % 3 == j − 1, so anchors are accepted to different depths and every step's ids matter
+    preds = accept.greedy_chain(m.params, cfg, tb, 3, draft.greedy, mode)
+    for q in range(1, ids.shape[1]):
+        j = min(q % 3 + 1, q)
+        tb.greedy[:, q] = preds[:, j - 1, q - j]
+    host = accept.acceptance_from_trunk(m.params, cfg, [tb], 3, draft.greedy, mode)
+    numpy = accept.acceptance_from_rows(m.params, cfg, tb, 3, None, mode)
+    monkeypatch.setattr(ref_mtp, "step_input", lambda *a: pytest.fail("rows built on the host"))
+    got = accept.acceptance_from_rows(m.params, cfg, tb, 3, draft, mode)
+    assert got == host == numpy and got["anchors"] == int((lengths - 3).sum())
+    assert all(a > 0 for a in got["prefix_acceptance"])  # accepted to every depth: the comparison has teeth
