@@ -26,12 +26,15 @@ and the steps 2..s rows of its own anchor, the runtime's diagonal mask), step s'
 draft's own step s−1 output and greedy token. Step 1 and the counting are the same in both; at depth 1 the two
 agree. The JSON adds `chain_attention`.
 
-Backends (`backend.make_accept_backend`): "ref" runs trunk and draft in numpy; "wgpu" runs the trunk
-(`heal_gpu.WgpuTeacher`, its greedy token from the `topk` kernel with k = 1) and every draft step's block, norm
-and head (`heal_gpu.WgpuDraft.greedy`, with
-the masked attention kernels for a stacked step) on the GPU, forward only; the draft's input rows
-eh_proj·[enorm(e); hnorm(h)] are built on the host by the same `ddl_ref.mtp.step_input` on both. Argmax ties
-go to the lower id on both, so the numbers agree up to float near-ties.
+Backends (`backend.make_accept_backend`): "ref" runs trunk and draft in numpy; "wgpu" runs everything on the
+GPU, forward only (`gpu_acceptance`): the trunk (`heal_gpu.WgpuTeacher.greedy_hidden`, its greedy token from
+the `topk` kernel with k = 1, its hidden rows left on the GPU), then the chain (`heal_gpu.WgpuDraft.greedy_chain`):
+each step's input rows eh_proj·[enorm(e); hnorm(h)] built on the GPU (`heal_gpu.DraftInput`, step 1 from the
+trunk's rows, step j + 1 from the draft's step-j argmax ids and output rows), the block (the masked attention
+kernels for a stacked step), norm, head and argmax; only the argmax ids come down. `--probe-conventions`
+re-measures on the host rows (`greedy_chain`: `ddl_ref.mtp.step_input`, the draft's steps by
+`WgpuDraft.greedy`) from the same trunk pass's hidden rows, downloaded for it. Argmax ties go to the lower id
+on both backends, so the numbers agree up to float near-ties.
 
 What this file deliberately does not do: sampling acceptance (min(1, P/Q)).
 """
@@ -164,6 +167,7 @@ class TrunkBatch:
     greedy: np.ndarray  # (B, T) trunk argmax at each position
     pre: np.ndarray  # (B, T, C) pre-final-norm hidden
     post: np.ndarray  # (B, T, C) post-final-norm hidden
+    x1: np.ndarray | None = None  # (B, T, C) the draft's step-1 input rows when given (pre, post then unused)
 
 
 def trunk_batches(
@@ -210,7 +214,10 @@ def greedy_chain(
     valid = ref_mtp.step_valid(tb.lengths, T, 1)
     preds, xs = [], []
     for j in range(1, depth + 1):
-        xs.append(ref_mtp.step_input(params, cfg, tok, hid, valid))
+        given = j == 1 and tb.x1 is not None
+        xs.append(
+            np.asarray(tb.x1, np.float32) if given else ref_mtp.step_input(params, cfg, tok, hid, valid)
+        )
         if chain_attention == "stacked" and j > 1:  # the step-j rows of the stacked forward of steps 1..j
             tok, pre, post = (a[:, -T:] for a in runner(np.concatenate(xs, axis=1), chain=j))
         else:
@@ -228,7 +235,7 @@ def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth:
     check_chain_attention(chain_attention)
     tally = Tally(depth, chain_attention)
     for tb in trunk:
-        if runner is None and chain_attention == "per-step":
+        if runner is None and chain_attention == "per-step" and tb.x1 is None:
             steps = ref_mtp.draft_chain(
                 params, cfg, tb.ids, tb.lengths, tb.pre, tb.post, depth, tokens="greedy"
             )
@@ -238,6 +245,49 @@ def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth:
             preds = greedy_chain(params, cfg, tb, depth, run, chain_attention)
         for b in range(tb.ids.shape[0]):
             tally.add(preds[b], tb.greedy[b], tb.ids[b], int(tb.lengths[b]))
+    return tally.result()
+
+
+def gpu_acceptance(cfg, windows: Sequence[np.ndarray], depth: int, batch: int, teacher, draft,
+                   chain_attention: str = DEFAULT_CHAIN_ATTENTION,
+                   keep_hidden: bool = False) -> tuple[dict, list[TrunkBatch]]:  # fmt: skip
+    """`acceptance_from_trunk` with the trunk and the whole greedy chain on the GPU (`backend.AcceptTeacher`,
+    `backend.AcceptDraft`): per batch of windows the trunk's greedy tokens and hidden rows
+    (`greedy_hidden`, the rows left on the GPU), then `draft.greedy_chain` from them; only token ids come
+    down. -> (the result, the batches' `TrunkBatch`es with their hidden rows downloaded when `keep_hidden`,
+    for a host-side measure on the same trunk pass, else [])."""
+    check_chain_attention(chain_attention)
+    T = max(w.size for w in windows)
+    tally, kept = Tally(depth, chain_attention), []
+    for s in range(0, len(windows), batch):
+        ids, lengths = pad_batch(windows[s : s + batch], T)
+        greedy, hidden = teacher.greedy_hidden(ids, cfg.mtp.trunk_hidden)
+        tok, valid = ref_mtp.shifted(ids, 1), ref_mtp.step_valid(lengths, T, 1)
+        preds = draft.greedy_chain(hidden, tok, valid, depth, chain_attention == "stacked", cfg.mtp)
+        for b in range(ids.shape[0]):
+            tally.add(preds[b], greedy[b], ids[b], int(lengths[b]))
+        if keep_hidden:
+            kept.append(TrunkBatch(ids, lengths, greedy, *teacher.hidden_rows(ids.shape[0], T)))
+    return tally.result(), kept
+
+
+def acceptance_from_rows(params: dict, cfg, tb: TrunkBatch, depth: int, draft=None,
+                         chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
+    """`acceptance_from_trunk` of one `TrunkBatch` carrying the draft's step-1 rows `x1` (heal's held-out
+    windows): on the GPU (`backend.AcceptDraft.greedy_chain`, in batches of `draft.B` windows, every later
+    step's rows built there) when `draft` is given, else numpy (`greedy_chain` on `refnet.ref_runner`)."""
+    if draft is None:
+        return acceptance_from_trunk(params, cfg, [tb], depth, None, chain_attention)
+    check_chain_attention(chain_attention)
+    T = tb.ids.shape[1]
+    tok, valid = ref_mtp.shifted(tb.ids, 1), ref_mtp.step_valid(tb.lengths, T, 1)
+    tally = Tally(depth, chain_attention)
+    for s in range(0, tb.ids.shape[0], draft.B):
+        part = slice(s, s + draft.B)
+        preds = draft.greedy_chain(None, tok[part], valid[part], depth, chain_attention == "stacked", cfg.mtp,
+                                   rows=tb.x1[part])  # fmt: skip
+        for b in range(preds.shape[0]):
+            tally.add(preds[b], tb.greedy[s + b], tb.ids[s + b], int(tb.lengths[s + b]))
     return tally.result()
 
 
@@ -259,10 +309,16 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, 
         raise AcceptError(f"no window longer than depth {depth}: nothing to measure")
     if max(w.size for w in windows) > model.cfg.max_seq_len:
         raise AcceptError(f"a window is longer than the model's max_seq_len {model.cfg.max_seq_len}")
-    teacher, runner = make_accept_backend(backend, model, batch, device, trunk_dtype)
-    trunk = trunk_batches(model, windows, batch, teacher)
+    teacher, draft = make_accept_backend(backend, model, batch, device, trunk_dtype)
     cfg = _with_conventions(model.cfg, conventions)
-    result = acceptance_from_trunk(model.params, cfg, trunk, depth, runner, chain_attention)
+    if teacher is None:
+        runner = None
+        trunk = trunk_batches(model, windows, batch)
+        result = acceptance_from_trunk(model.params, cfg, trunk, depth, None, chain_attention)
+    else:  # the chain on the GPU; the probe (other conventions) on the host, from the downloaded hidden rows
+        runner = draft.greedy
+        result, trunk = gpu_acceptance(cfg, windows, depth, batch, teacher, draft, chain_attention,
+                                       keep_hidden=probe_conventions)  # fmt: skip
     if probe_conventions:
         probe = []
         for concat, th, ch in itertools.product(("emb_first", "hidden_first"), ("pre_norm", "post_norm"),

@@ -23,8 +23,8 @@ Public API
 - `make_draft(backend, model, init=None, batch=4, device=None, kl_form="full", teacher=None) -> Draft`: heal's
   draft trained alone (on wgpu it shares `teacher`'s embedding/head).
 - `make_accept_backend(backend, model, batch=8, device=None, trunk_dtype="f32") -> (Teacher | None,
-  Runner | None)`: accept's trunk and draft step; (None, None) on "ref" (accept runs numpy inline).
-- Protocols: `TrainNet`, `TrainWork`, `Teacher`, `Draft`, `Runner`.
+  AcceptDraft | None)`: accept's trunk and draft; (None, None) on "ref" (accept runs numpy inline).
+- Protocols: `TrainNet`, `TrainWork`, `Teacher`, `Draft`, `Runner`, `AcceptTeacher`, `AcceptDraft`.
 `backend` arguments take "auto" too (resolved by `choose_backend`).
 """
 
@@ -152,6 +152,30 @@ class Draft(Protocol):
 
 # accept's draft step: runner(x_rows, chain=0) -> (argmax (B, T'), pre, post)
 Runner = Callable[..., tuple]
+
+
+class AcceptTeacher(Protocol):
+    """accept's trunk on the GPU (`heal_gpu.WgpuTeacher`): its greedy tokens, the hidden rows left there."""
+
+    def greedy_hidden(self, ids_batch: np.ndarray, which: str):
+        """ids (b, T) -> (greedy (b, T) int32, a GPU buffer of the `which` hidden rows of the batch)."""
+        ...
+
+    def hidden_rows(self, b: int, T: int): ...  # -> the last forward's (pre, post) (b, T, C), downloaded
+
+
+class AcceptDraft(Protocol):
+    """accept's draft on the GPU (`heal_gpu.WgpuDraft`): one step on host rows (`greedy`, a `Runner`) or the
+    whole greedy chain from the trunk's hidden rows on the GPU (`greedy_chain`)."""
+
+    B: int  # windows per GPU batch
+
+    def greedy(self, x_rows, chain: int = 0) -> tuple: ...
+
+    def greedy_chain(self, hidden, tokens, valid, depth: int, stacked: bool = False, mtp=None,
+                     rows=None) -> np.ndarray:  # fmt: skip
+        """-> the draft's argmax per chain step (b, depth, T) int32."""
+        ...
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -301,12 +325,12 @@ def make_draft(backend: str, model: Model, init: dict | None = None, batch: int 
 
 
 def make_accept_backend(backend: str, model: Model, batch: int = 8, device: str | None = None,
-                        trunk_dtype: str = "f32") -> tuple[Teacher | None, Runner | None]:  # fmt: skip
-    """accept's trunk and draft step on the backend: (teacher, runner) on wgpu; (None, None) on numpy,
-    where accept runs `ddl_ref.mtp` inline (`refnet.ref_runner` where it needs a runner)."""
+                        trunk_dtype: str = "f32") -> tuple[AcceptTeacher | None, AcceptDraft | None]:  # fmt: skip
+    """accept's trunk and draft on the backend: (teacher, draft) on wgpu; (None, None) on numpy, where accept
+    runs `ddl_ref.mtp` inline (`refnet.ref_runner` where it needs a runner)."""
     backend = _resolve(backend, device)
     _check_trunk_dtype(backend, trunk_dtype)
     if backend == "ref":
         return None, None
     teacher = make_teacher("wgpu", model, batch, device, trunk_dtype)
-    return teacher, make_draft("wgpu", model, None, batch, device).greedy
+    return teacher, make_draft("wgpu", model, None, batch, device)

@@ -11,8 +11,8 @@ trunk's own predictions. The flow:
    than 10 x batch windows is an error.
 2. The trunk runs once (`backend.Teacher.topk_rows`): per window its next-token top-k and the draft's step-1
    block input rows, built from its hidden rows (pre- or post-final-norm, per `MtpConfig.trunk_hidden`) where
-   they are: on the GPU on wgpu (`heal_gpu.DraftInput`), so only the held-out windows' hidden rows (for the
-   acceptance) come back to the host.
+   they are: on the GPU on wgpu (`heal_gpu.DraftInput`), so the hidden rows never come back to the host (the
+   acceptance starts from the held-out windows' step-1 rows, kept in float32).
 3. The draft is trained alone as a one-layer model (`DraftTrainer`): its block `model.mtp.layers.0.*` and final
    norm `model.mtp.norm`, from `--init` weights when given, else the model's own. Trunk, embedding, head and the
    draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the reference heal tool.
@@ -282,7 +282,7 @@ class _Cache:
     lengths: np.ndarray  # (N,)
     top_ids: np.ndarray  # (N, T, k) int32
     top_probs: np.ndarray  # (N, T, k) float32
-    heldout_hidden: np.ndarray  # (held-out windows, T, C) float32: the trunk hidden the draft reads
+    heldout_x: np.ndarray  # (held-out windows, T, C) float32: their step-1 block input rows (the acceptance)
     x: dict  # chain step j -> (N, T, C) float16 block input rows (step 1 from the trunk's pass)
 
 
@@ -450,8 +450,8 @@ def pad_id(model: Model) -> int:
 
 def _trunk_pass(teacher, wins: list[np.ndarray], mcfg: ModelConfig, k: int, nb: int, events: Events,
                 pad: int = 0, keep: list[int] = ()) -> _Cache:  # fmt: skip
-    """The trunk once over every window: its top-k, the draft's step-1 block input rows, and the hidden rows
-    the draft reads of the windows in `keep` (the held-out ones, in that order)."""
+    """The trunk once over every window: its top-k and the draft's step-1 block input rows (float16; those of
+    the windows in `keep`, the held-out ones, in that order, also in float32 for the acceptance)."""
     N, T, C = len(wins), max(w.size for w in wins), mcfg.d_model
     ids, lengths = accept_mod.pad_batch(wins, T, pad)
     cache = _Cache(ids, lengths, np.zeros((N, T, k), np.int32), np.zeros((N, T, k), np.float32),
@@ -459,11 +459,11 @@ def _trunk_pass(teacher, wins: list[np.ndarray], mcfg: ModelConfig, k: int, nb: 
     slot = {w: i for i, w in enumerate(keep)}
     for s in range(0, N, nb):
         mine = [w for w in range(s, min(s + nb, N)) if w in slot]
-        ti, tp, x, hid = teacher.topk_rows(ids[s : s + nb], lengths[s : s + nb], k, [w - s for w in mine])
+        ti, tp, x, _ = teacher.topk_rows(ids[s : s + nb], lengths[s : s + nb], k)
         cache.top_ids[s : s + nb], cache.top_probs[s : s + nb] = ti, tp
         cache.x[1][s : s + nb] = x
-        for w, h in zip(mine, hid, strict=True):
-            cache.heldout_hidden[slot[w]] = h
+        for w in mine:
+            cache.heldout_x[slot[w]] = x[w - s]
         events("trunk", done=min(s + nb, N), windows=N)
     return cache
 
@@ -611,13 +611,16 @@ def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True) -> tupl
     return model, init
 
 
-def _heldout_acceptance(model: Model, cache: _Cache, val: list[int], draft, runner, cfg: HealConfig) -> dict:
-    """`accept`'s greedy acceptance of the current draft on the held-out windows, from the trunk's pass."""
+def _heldout_acceptance(model: Model, cache: _Cache, val: list[int], draft, on_gpu: bool,
+                        cfg: HealConfig) -> dict:  # fmt: skip
+    """`accept`'s greedy acceptance of the current draft on the held-out windows, from the trunk's pass (their
+    step-1 rows; on the GPU every later step's rows are built there, `accept.acceptance_from_rows`)."""
     vi = np.array(val)
-    hid = cache.heldout_hidden
-    tbs = [accept_mod.TrunkBatch(cache.ids[vi], cache.lengths[vi], cache.top_ids[vi][..., 0], hid, hid)]
+    tb = accept_mod.TrunkBatch(cache.ids[vi], cache.lengths[vi], cache.top_ids[vi][..., 0], None, None,
+                               cache.heldout_x)  # fmt: skip
     params = {**model.params, **draft.export()}
-    return accept_mod.acceptance_from_trunk(params, model.cfg, tbs, cfg.chain, runner, cfg.chain_attention)
+    return accept_mod.acceptance_from_rows(params, model.cfg, tb, cfg.chain, draft if on_gpu else None,
+                                           cfg.chain_attention)  # fmt: skip
 
 
 def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, init_path=None,
@@ -643,8 +646,7 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     chain.refresh_event(events, 0)
     tb, vb = _batches(train, cfg.batch), _batches(val, cfg.batch)
 
-    runner = draft.greedy if backend == "wgpu" else None
-    acc_before = _heldout_acceptance(model, cache, val, draft, runner, cfg)
+    acc_before = _heldout_acceptance(model, cache, val, draft, backend == "wgpu", cfg)
     v0 = chain.heldout_kl(vb)
     e0 = float(np.mean(v0))
     events("eval", step=0, heldout_kl=v0, mean=e0, best=e0)
@@ -655,7 +657,7 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
 
     draft.restore(best.snapshot)
     trained = draft.export()
-    acc_after = _heldout_acceptance(model, cache, val, draft, runner, cfg)
+    acc_after = _heldout_acceptance(model, cache, val, draft, backend == "wgpu", cfg)
     record = {
         "data": str(data_spec),
         "tokens": total_tokens,

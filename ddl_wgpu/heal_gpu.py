@@ -7,6 +7,9 @@ The draft's input x = eh_proj·[enorm(E[t]); hnorm(h)] (`ddl_ref.mtp.step_input`
 already are: h is the teacher's hidden rows after its forward (step 1) or the draft's own output rows after
 its forward (steps 2..chain, heal's refresh), E the embedding the trunk holds; only the token ids and the row
 mask go up and only x comes down, never the hidden rows (`WgpuTeacher.topk_rows`, `WgpuDraft.next_rows`).
+accept's greedy chain keeps even x there (`WgpuTeacher.greedy_hidden`, `WgpuDraft.greedy_chain`): the rows
+are copied into the draft's input on the GPU, each step's argmax ids into the next step's token buffer, and
+only those ids come down.
 Given the teacher, the draft's Net reads the trunk's embedding/head (`Net(shared=...)`, in the trunk's dtype)
 instead of holding a second copy.
 """
@@ -23,7 +26,7 @@ from ddl_ref import mtp as ref_mtp
 from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
 from ddl_wgpu.draft import DraftWork
-from ddl_wgpu.gpu import Gpu, GpuError
+from ddl_wgpu.gpu import Call, Gpu, GpuError
 from ddl_wgpu.layout import EMBED, F32
 from ddl_wgpu.net import Net
 from ddl_wgpu.ops import matmul as k_mm
@@ -56,9 +59,10 @@ class DraftInput:
         self.eh = gpu.upload(np.asarray(params[ref_mtp.EH_PROJ], np.float32), "mtp_eh_proj")
         self.vocab = Vocab(embed_net)
         self._bufs: dict = {}  # rows -> (tokens, valid, e, cat, x)
-        self._calls: dict = {}  # (rows, T, hidden buffer, h_stride, h_offset) -> (Call, the hidden buffer)
+        self._calls: dict = {}  # (rows, T, hidden buffer, h_stride, h_offset, concat) -> (Call, hidden buffer)
 
-    def _buffers(self, N: int):
+    def buffers(self, N: int):
+        """(tokens u32, valid f32, e, cat, x) of N rows, allocated once per N."""
         if N not in self._bufs:
             g, C = self.gpu, self.C
             self._bufs[N] = (g.buffer(N * 4, label="mtp_tokens"), g.buffer(N * F32, label="mtp_valid"),
@@ -66,26 +70,38 @@ class DraftInput:
                              g.buffer(N * C * F32, label="mtp_x"))  # fmt: skip
         return self._bufs[N]
 
+    def call(self, N: int, T: int, hidden, h_stride: int | None = None, h_offset: int = 0,
+             concat: str | None = None) -> Call:  # fmt: skip
+        """The Call building N rows (windows of T) into `x` from the token and mask buffers (`buffers(N)`)
+        and the hidden rows in `hidden` (windows of `h_stride` rows from `h_offset`); built once per key.
+        `concat` overrides the model's MtpConfig.concat."""
+        concat = concat or self.cfg.mtp.concat
+        key = (N, T, id(hidden), h_stride, h_offset, concat)
+        if key not in self._calls:
+            g, C, cfg = self.gpu, self.C, self.cfg
+            tok, val, e, cat, x = self.buffers(N)
+            call = self.vocab.embed_forward(e, tok, N)
+            call += k_mtp.mtp_input_rows(g, cat, e, hidden, self.wn, val, N, C, T, cfg.rms_eps, cfg.norm_style,
+                                         concat, h_stride, h_offset)  # fmt: skip
+            call += k_mm.matmul(g, x, cat, self.eh, N, C, 2 * C, trans_b=True)
+            self._calls[key] = (call, hidden)  # the buffer kept alive while its id is a key
+        return self._calls[key][0]
+
+    def upload(self, tokens, valid) -> None:
+        """tokens (B, T) int and valid (B, T) bool into the token and mask buffers of B·T rows."""
+        tokens = np.asarray(tokens)
+        tok, val, _e, _cat, _x = self.buffers(tokens.size)
+        V = self.cfg.vocab_size
+        self.gpu.write(tok, np.clip(tokens, 0, V - 1).astype(np.uint32).reshape(-1))
+        self.gpu.write(val, np.asarray(valid, np.float32).reshape(-1))
+
     def rows(self, tokens, valid, hidden, h_stride: int | None = None, h_offset: int = 0) -> np.ndarray:
         """tokens (B, T) int (row p's token), valid (B, T) bool, `hidden` a GPU buffer of windows of
         `h_stride` rows (default T) whose rows h_offset.. are the hidden rows -> x (B, T, C) float32."""
-        tokens = np.asarray(tokens)
-        B, T = tokens.shape
-        N, C, g = B * T, self.C, self.gpu
-        tok, val, e, cat, x = self._buffers(N)
-        key = (N, T, id(hidden), h_stride, h_offset)
-        if key not in self._calls:
-            mtp, cfg = self.cfg.mtp, self.cfg
-            call = self.vocab.embed_forward(e, tok, N)
-            call += k_mtp.mtp_input_rows(g, cat, e, hidden, self.wn, val, N, C, T, cfg.rms_eps, cfg.norm_style,
-                                         mtp.concat, h_stride, h_offset)  # fmt: skip
-            call += k_mm.matmul(g, x, cat, self.eh, N, C, 2 * C, trans_b=True)
-            self._calls[key] = (call, hidden)  # the buffer kept alive while its id is a key
-        V = self.cfg.vocab_size
-        g.write(tok, np.clip(tokens, 0, V - 1).astype(np.uint32).reshape(-1))
-        g.write(val, np.asarray(valid, np.float32).reshape(-1))
-        self._calls[key][0].run(g)
-        return g.read(x, (B, T, C))
+        B, T = np.shape(tokens)
+        self.upload(tokens, valid)
+        self.call(B * T, T, hidden, h_stride, h_offset).run(self.gpu)
+        return self.gpu.read(self.buffers(B * T)[4], (B, T, self.C))
 
 
 class WgpuTeacher:
@@ -128,6 +144,28 @@ class WgpuTeacher:
         kept = [self.net.gpu.download(hid, np.float32, n, i * n * F32).reshape(T, -1) for i in keep]
         return top_ids[:b], top_probs[:b], x, kept
 
+    def greedy_hidden(self, ids_batch, which: str):
+        """One forward of ids (b, T) -> (the trunk's greedy next token (b, T) int32, the GPU buffer of the
+        hidden rows `which` ("pre_norm" or "post_norm") of all `batch` windows (padded ones zero ids)). Only
+        the argmax ids come down; the buffer holds the rows until this teacher's next forward of that T
+        (`WgpuDraft.greedy_chain` reads it). `hidden_rows` downloads them when a host path needs them."""
+        ids = np.asarray(ids_batch)
+        b, T = ids.shape
+        work = self.net.work(self.B, T)
+        work.upload_ids(pad_rows(ids, self.B), None)
+        call, ids_out, _probs = work._topk_call(1)
+        rec = self.net.gpu.recorder()
+        work._fwd.record(rec)
+        call.record(rec)
+        rec.submit()
+        greedy = self.net.gpu.download(ids_out, np.uint32, work.N).reshape(self.B, T)[:b].astype(np.int32)
+        return greedy, ref_mtp.pick_hidden(work.xL, work.xf, which)
+
+    def hidden_rows(self, b: int, T: int):
+        """The last forward's (pre, post) hidden rows of its first b windows of T, downloaded (b, T, C)."""
+        pre, post = self.net.work(self.B, T).hidden()
+        return pre[:b], post[:b]
+
 
 class WgpuDraft:
     """The draft block + its final norm on the GPU, as a one-layer model (`ddl_ref.mtp.draft_config`) whose
@@ -157,6 +195,7 @@ class WgpuDraft:
         self.input = teacher.input if teacher is not None else DraftInput(gpu, params, cfg, self.net)
         self._works: dict = {}
         self._aside = None  # `using`: the trained weights while another snapshot's are in
+        self._steps: dict = {}  # rows -> each chain step's input rows (`greedy_chain`, stacked)
 
     def _work(self, T: int, k: int = 1, chain: int = 0) -> DraftWork:
         if (T, k, chain) not in self._works:
@@ -219,6 +258,63 @@ class WgpuDraft:
             n = part.shape[0]
             out.append((ids[:n, :, 0], pre[:n], post[:n]))
         return tuple(np.concatenate(parts) for parts in zip(*out, strict=True))
+
+    def greedy_chain(self, hidden, tokens, valid, depth: int, stacked: bool = False, mtp=None,
+                     rows=None) -> np.ndarray:  # fmt: skip
+        """`accept.greedy_chain` with every row on the GPU: step 1's rows from `hidden` (a GPU buffer of
+        this draft's batch of windows of T rows, e.g. `WgpuTeacher.greedy_hidden`'s) and `tokens` (b, T),
+        masked by `valid` (b, T, the same mask every step); step j + 1's from step j's argmax ids (copied on
+        the GPU into the token buffer) and its `chain_hidden` output rows. `stacked`: step σ >= 2 runs the
+        stacked rows of steps 1..σ (each step's rows kept on the GPU, copied window by window into the
+        chain-σ work's input) and reads its last T rows of each window. `mtp` overrides the model's
+        MtpConfig (concat, chain_hidden). `rows` (b, T, C): step 1's rows given (heal's held-out windows, whose
+        step-1 rows it holds), uploaded instead of built (`hidden` unused; `tokens` then only sizes the batch).
+        Only the argmax ids come down -> preds (b, depth, T) int32."""
+        mtp = mtp or self.cfg.mtp
+        tokens = np.asarray(tokens)
+        b, T = tokens.shape
+        B, C, g, inp = self.B, self.cfg.d_model, self.net.gpu, self.input
+        N, row = B * T, C * F32
+        inp.upload(pad_rows(tokens, B), pad_rows(valid, B))
+        tok, _val, _e, _cat, x = inp.buffers(N)
+        steps = self._step_rows(N, depth) if stacked else []
+        preds, h, stride = [], hidden, T
+        for j in range(1, depth + 1):
+            sigma = j if stacked and j > 1 else 0
+            S = sigma * T if sigma else T
+            work = self._work(S, 1, sigma)
+            rec = g.recorder()
+            if j > 1 or rows is None:
+                inp.call(N, T, h, stride, stride - T, mtp.concat).record(rec)
+            else:
+                g.write(x, pad_rows(np.asarray(rows, np.float32), B).reshape(-1))
+            x_in = work.L[0]["x"]
+            if not stacked:
+                rec.copy(x, 0, x_in, 0, N * row)
+            else:
+                rec.copy(x, 0, steps[j - 1], 0, N * row)
+                for w in range(B):  # window w's rows of steps 1..j, one after the other
+                    for s in range(j):
+                        rec.copy(steps[s], w * T * row, x_in, (w * S + s * T) * row, T * row)
+            work._fwd.record(rec)
+            top, ids_out, _probs = work._topk_call(1)
+            top.record(rec)
+            for w in range(B) if sigma else ():  # the next step's tokens: this step's argmax ids
+                rec.copy(ids_out, (w * S + S - T) * 4, tok, w * T * 4, T * 4)
+            if not sigma:
+                rec.copy(ids_out, 0, tok, 0, N * 4)
+            rec.submit()
+            ids = g.download(ids_out, np.uint32, B * S).reshape(B, S)[:b, S - T :]
+            preds.append(ids.astype(np.int32))
+            h, stride = ref_mtp.pick_hidden(work.xL, work.xf, mtp.chain_hidden), S
+        return np.stack(preds, axis=1)
+
+    def _step_rows(self, N: int, depth: int) -> list:
+        """`depth` buffers of N input rows (stacked chains keep every step's rows), allocated once."""
+        have = self._steps.setdefault(N, [])
+        while len(have) < depth:
+            have.append(self.net.gpu.buffer(N * self.cfg.d_model * F32, label=f"chain_step{len(have) + 1}"))
+        return have
 
     def snapshot(self):
         return self.net.snapshot()

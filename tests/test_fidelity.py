@@ -100,7 +100,7 @@ def test_heal_reads_records_until_the_token_budget_is_met(tmp_path):
     assert len(wins) == 20 and sum(w.size for w in wins) == 480
 
 
-def test_trunk_pass_keeps_f32_hidden_and_pads_with_the_first_eos(heal_kit):
+def test_trunk_pass_keeps_f32_heldout_rows_and_pads_with_the_first_eos(heal_kit):
     cfg = heal_kit.tiny_cfg()
     assert heal.pad_id(SimpleNamespace(metadata={"hf.eos_token_id": 7})) == 7
     assert heal.pad_id(SimpleNamespace(metadata={"hf.eos_token_id": [9, 3]})) == 9
@@ -109,13 +109,14 @@ def test_trunk_pass_keeps_f32_hidden_and_pads_with_the_first_eos(heal_kit):
     class Teacher:  # the step-1 rows are built by the teacher (from its float32 hidden rows)
         def topk_rows(self, ids, lengths, k, keep=()):
             B, T = ids.shape
-            h = np.full((B, T, cfg.d_model), 1 / 3, np.float32)  # not an f16 value
-            return np.zeros((B, T, k), np.int32), np.ones((B, T, k), np.float32), h, [h[i] for i in keep]
+            x = np.full((B, T, cfg.d_model), 1 / 3, np.float32)  # not an f16 value
+            return np.zeros((B, T, k), np.int32), np.ones((B, T, k), np.float32), x, [x[i] for i in keep]
 
     wins = [np.arange(5, dtype=np.uint32), np.arange(3, dtype=np.uint32)]
     cache = heal._trunk_pass(Teacher(), wins, cfg, 2, 2, lambda *a, **k: None, pad=7, keep=[1])
-    assert cache.heldout_hidden.dtype == np.float32 and cache.heldout_hidden[0, 0, 0] == np.float32(1 / 3)
-    assert cache.heldout_hidden.shape == (1, 5, cfg.d_model) and cache.x[1].dtype == np.float16
+    # the held-out windows' step-1 rows stay float32 for the acceptance; the training rows are float16
+    assert cache.heldout_x.dtype == np.float32 and cache.heldout_x[0, 0, 0] == np.float32(1 / 3)
+    assert cache.heldout_x.shape == (1, 5, cfg.d_model) and cache.x[1].dtype == np.float16
     assert cache.ids[1].tolist() == [0, 1, 2, 7, 7]
 
 

@@ -120,14 +120,16 @@ def test_gpu_heal_matches_reference_heal(gpu, tmp_path, heal_kit):
         np.testing.assert_allclose(b[n], a[n], rtol=1e-2, atol=heal_kit.SMALL.lr, err_msg=n)
 
 
-def test_gpu_acceptance_matches_reference(gpu, tmp_path, heal_kit):
+@pytest.mark.parametrize("mode", ["per-step", "stacked"])
+def test_gpu_acceptance_matches_reference(gpu, tmp_path, heal_kit, mode):
     conv = MtpConfig(concat="emb_first", trunk_hidden="pre_norm", chain_hidden="post_norm")
     m = load_model(heal_kit.make_model(tmp_path / "m.ddlw", cfg=heal_kit.tiny_cfg(mtp=conv), seed=4))
     rng = np.random.default_rng(2)
     windows = [rng.integers(0, 256, n) for n in (20, 16, 24, 9, 30)]
-    r = accept.acceptance(m, windows, depth=3, batch=2, probe_conventions=True)
-    g = accept.acceptance(m, windows, depth=3, batch=2, backend="wgpu", probe_conventions=True)
-    assert list(g) == list(r)
+    kw = dict(depth=3, batch=2, probe_conventions=True, chain_attention=mode)
+    r = accept.acceptance(m, windows, **kw)
+    g = accept.acceptance(m, windows, backend="wgpu", **kw)
+    assert list(g) == list(r) and g["chain_attention"] == mode
     for key in ("prefix_acceptance", "conditional_acceptance", "acceptance_length", "anchors", "on_policy"):
         assert g[key] == r[key], key
     assert [p["prefix_acceptance"] for p in g["probe"]] == [p["prefix_acceptance"] for p in r["probe"]]
@@ -268,3 +270,72 @@ def test_gpu_lazy_refresh_gives_the_eager_results_bit_for_bit(gpu, tmp_path, hea
     assert lazy["history"] == eager["history"]
     assert all(np.array_equal(tl[n], te[n]) for n in te)
     assert 0 < lazy["refresh_forwards"] < eager["refresh_forwards"]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("mode", ["per-step", "stacked"])
+def test_gpu_greedy_chain_matches_the_host_rows_path(gpu, heal_kit, monkeypatch, dtype, mode):
+    """accept's chain with every row on the GPU (`WgpuTeacher.greedy_hidden`, `WgpuDraft.greedy_chain`)
+    against the host-rows path on the same GPU trunk and draft (`accept.greedy_chain`: the downloaded hidden
+    rows, `ddl_ref.mtp.step_input`, `WgpuDraft.greedy`): the same argmax ids at every step (the rows differ by
+    float rounding only, and this model has no near-tie there). The GPU path never builds rows on the host
+    and downloads nothing larger than one step's token ids."""
+    conv = MtpConfig(concat="hidden_first", trunk_hidden="post_norm", chain_hidden="pre_norm")
+    cfg = heal_kit.tiny_cfg(mtp=conv)
+    m = Model(cfg, heal_kit.perturbed(cfg, seed=2))
+    B, T, depth = 3, 12, 3
+    rng = np.random.default_rng(8)
+    ids, lengths = rng.integers(0, 256, (B, T)), np.array([12, 9, 5])
+    teacher, draft = backend.make_accept_backend("wgpu", m, batch=4, trunk_dtype=dtype)
+    # the host path: the trunk's hidden rows downloaded, the rows built in numpy, one draft step at a time
+    top, _p, pre, post = teacher.topk_hidden(ids, 1)
+    tb = accept.TrunkBatch(ids, lengths, top[..., 0], pre, post)
+    host = accept.greedy_chain(m.params, cfg, tb, depth, draft.greedy, mode)
+    g = draft.net.gpu
+    sizes, download = [], g.download
+
+    def counted(buf, dtype=np.float32, count=None, offset=0):
+        sizes.append(count)
+        return download(buf, dtype, count, offset)
+
+    monkeypatch.setattr(g, "download", counted)
+    monkeypatch.setattr(ref_mtp, "step_input", lambda *a: pytest.fail("rows built on the host"))
+    greedy, hidden = teacher.greedy_hidden(ids, conv.trunk_hidden)
+    tok, valid = ref_mtp.shifted(ids, 1), ref_mtp.step_valid(lengths, T, 1)
+    preds = draft.greedy_chain(hidden, tok, valid, depth, stacked=mode == "stacked")
+    assert preds.shape == (B, depth, T) and np.array_equal(greedy, top[..., 0])
+    np.testing.assert_array_equal(preds, host)
+    stacked_rows = depth if mode == "stacked" else 1  # the chain-σ work's ids: σ·T rows per window
+    assert len(sizes) == depth + 1 and max(sizes) <= 4 * T * stacked_rows  # ids only (batch 4)
+    # the steps really chain: with another chain_hidden the later steps' predictions change
+    other = draft.greedy_chain(
+        hidden, tok, valid, depth, mode == "stacked", replace(conv, chain_hidden="post_norm")
+    )
+    assert np.array_equal(other[:, 0], preds[:, 0]) and not np.array_equal(other[:, 1:], preds[:, 1:])
+
+
+@pytest.mark.parametrize("mode", ["per-step", "stacked"])
+def test_heldout_acceptance_from_step1_rows_on_the_gpu(gpu, heal_kit, monkeypatch, mode):
+    """heal's held-out acceptance starts from the windows' step-1 rows (`accept.acceptance_from_rows`): on
+    the GPU (`WgpuDraft.greedy_chain(rows=...)`, more windows than the draft's batch) it equals the host-rows
+    chain on the same draft (`WgpuDraft.greedy` runner, later rows by `ddl_ref.mtp.step_input`) and the numpy
+    chain, and builds no row on the host."""
+    cfg = heal_kit.tiny_cfg(mtp=MtpConfig(trunk_hidden="post_norm", chain_hidden="pre_norm"))
+    m = Model(cfg, heal_kit.perturbed(cfg, seed=5))
+    rng = np.random.default_rng(9)
+    ids, lengths = rng.integers(0, 256, (5, 14)), np.array([14, 11, 6, 14, 9])
+    ti, _tp, x1, _ = RefTeacher(m.params, cfg).topk_rows(ids, lengths, 1)
+    tb = accept.TrunkBatch(ids, lengths, ti[..., 0], None, None, x1)
+    draft = backend.make_draft("wgpu", m, batch=2)
+    # a tiny untrained draft agrees with no trunk: make the "trunk" agree with the draft's step j at position
+    # q when q % 3 == j − 1, so anchors are accepted to different depths and every step's ids matter
+    preds = accept.greedy_chain(m.params, cfg, tb, 3, draft.greedy, mode)
+    for q in range(1, ids.shape[1]):
+        j = min(q % 3 + 1, q)
+        tb.greedy[:, q] = preds[:, j - 1, q - j]
+    host = accept.acceptance_from_trunk(m.params, cfg, [tb], 3, draft.greedy, mode)
+    numpy = accept.acceptance_from_rows(m.params, cfg, tb, 3, None, mode)
+    monkeypatch.setattr(ref_mtp, "step_input", lambda *a: pytest.fail("rows built on the host"))
+    got = accept.acceptance_from_rows(m.params, cfg, tb, 3, draft, mode)
+    assert got == host == numpy and got["anchors"] == int((lengths - 3).sum())
+    assert all(a > 0 for a in got["prefix_acceptance"])  # accepted to every depth: the comparison has teeth
