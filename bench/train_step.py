@@ -284,13 +284,7 @@ def main(argv=None) -> int:
         print(f"{vname}: {entry['params'] / 1e6:.1f}M parameters, batch {B} x {T}", flush=True)
         runs = entry["runs"]
         for name, prec, chunk in engine_runs(args, gpu):
-            try:
-                runs[name] = bench_engine(gpu, cfg, params, ids, args, prec, chunk)
-            except Exception as e:
-                runs[name] = {
-                    "error": f"{e.__class__.__name__}: {e}",
-                    "traceback": traceback.format_exc()[-2000:],
-                }
+            runs[name] = _attempt(bench_engine, gpu, cfg, params, ids, args, prec, chunk)
             print(f"  {name}: {_brief(runs[name])}", flush=True)
         if torch is not None:
             try:
@@ -299,13 +293,7 @@ def main(argv=None) -> int:
                 entry["torch_init_loss_error"] = f"{e.__class__.__name__}: {e}"
             modes = [("torch fp32", False)] + ([] if args.no_bf16 else [("torch bf16 autocast", True)])
             for name, bf16 in modes:
-                try:
-                    runs[name] = bench_torch(torch, tdev, cfg, params, ids, args, bf16)
-                except Exception as e:
-                    runs[name] = {
-                        "error": f"{e.__class__.__name__}: {e}",
-                        "traceback": traceback.format_exc()[-2000:],
-                    }
+                runs[name] = _attempt(bench_torch, torch, tdev, cfg, params, ids, args, bf16)
                 print(f"  {name}: {_brief(runs[name])}", flush=True)
                 common.torch_free(torch, tdev)
         # the same-run correctness gate: initial losses must agree (every engine run, f16 included)
@@ -385,6 +373,14 @@ def engine_runs(args, gpu) -> list[tuple[str, str, int | None]]:
             chunks = [int(c) for c in args.f16_chunk.split(",")] if args.f16_chunk else [None]
             out += [(f"ddl-wgpu f16{'' if c is None else f' c{c}'}", "f16", c) for c in chunks]
     return out
+
+
+def _attempt(measure, *args) -> dict:
+    """One measurement's result, or its error (the other runs still go on; the JSON records the failure)."""
+    try:
+        return measure(*args)
+    except Exception as e:
+        return {"error": f"{e.__class__.__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
 
 
 def _brief(r: dict) -> str:

@@ -117,9 +117,9 @@ class Teacher(Protocol):
         (B, T, C))."""
         ...
 
-    def topk_rows(self, ids_batch: np.ndarray, lengths, k: int, keep=()):
+    def topk_rows(self, ids_batch: np.ndarray, lengths, k: int):
         """ids (B, T), lengths (B,) -> (top_ids, top_probs, the draft's step-1 block input rows (B, T, C)
-        float32, [the trunk hidden the draft reads (T, C) for each window index in `keep`])."""
+        float32)."""
         ...
 
 

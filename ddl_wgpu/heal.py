@@ -459,7 +459,7 @@ def _trunk_pass(teacher, wins: list[np.ndarray], mcfg: ModelConfig, k: int, nb: 
     slot = {w: i for i, w in enumerate(keep)}
     for s in range(0, N, nb):
         mine = [w for w in range(s, min(s + nb, N)) if w in slot]
-        ti, tp, x, _ = teacher.topk_rows(ids[s : s + nb], lengths[s : s + nb], k)
+        ti, tp, x = teacher.topk_rows(ids[s : s + nb], lengths[s : s + nb], k)
         cache.top_ids[s : s + nb], cache.top_probs[s : s + nb] = ti, tp
         cache.x[1][s : s + nb] = x
         for w in mine:

@@ -128,10 +128,9 @@ class WgpuTeacher:
         pre, post = work.hidden()
         return top_ids[:b], top_probs[:b], pre[:b], post[:b]
 
-    def topk_rows(self, ids_batch, lengths, k: int, keep=()):
-        """One forward -> (top_ids, top_probs, the draft's step-1 block input rows (b, T, C) float32, [the
-        hidden rows the draft reads (T, C) of each window index in `keep`]). The rows are built on the GPU
-        from the forward's hidden rows (`DraftInput`); only the kept windows' hidden rows come down."""
+    def topk_rows(self, ids_batch, lengths, k: int):
+        """One forward -> (top_ids, top_probs, the draft's step-1 block input rows (b, T, C) float32). The
+        rows are built on the GPU from the forward's hidden rows (`DraftInput`); the hidden rows stay there."""
         ids = np.asarray(ids_batch)
         b, T = ids.shape
         work = self.net.work(self.B, T)
@@ -139,10 +138,7 @@ class WgpuTeacher:
         hid = work.xL if self.mtp.trunk_hidden == "pre_norm" else work.xf
         tok = pad_rows(ref_mtp.shifted(ids, 1), self.B)
         valid = pad_rows(ref_mtp.step_valid(lengths, T, 1), self.B)
-        x = self.input.rows(tok, valid, hid)[:b]
-        n = T * self.net.cfg.d_model
-        kept = [self.net.gpu.download(hid, np.float32, n, i * n * F32).reshape(T, -1) for i in keep]
-        return top_ids[:b], top_probs[:b], x, kept
+        return top_ids[:b], top_probs[:b], self.input.rows(tok, valid, hid)[:b]
 
     def greedy_hidden(self, ids_batch, which: str):
         """One forward of ids (b, T) -> (the trunk's greedy next token (b, T) int32, the GPU buffer of the
@@ -325,13 +321,7 @@ class WgpuDraft:
     def keep(self, into=None):
         """A GPU-side snapshot of the current weights (`Net.snapshot`), copied into `into` (an earlier `keep`)
         when given rather than into new buffers."""
-        if into is None:
-            return self.net.snapshot()
-        rec = self.net.gpu.recorder()
-        for src, dst in zip(self.net.p, into, strict=True):
-            rec.copy(src, 0, dst, 0, src.size)
-        rec.submit()
-        return into
+        return self.net.snapshot(into)
 
     @contextlib.contextmanager
     def using(self, snap):
@@ -346,5 +336,5 @@ class WgpuDraft:
             self.net.restore(self._aside)
 
     def export(self) -> dict:
-        p = self.net.export()
+        p = self.net.export(self.names)  # the trained tensors only: not the shared embedding/head
         return {name: p[local].copy() for local, name in self.names.items()}

@@ -336,16 +336,17 @@ class Net:
             for b in bufs:
                 self.gpu.write(b, np.zeros(b.size // F32, np.float32))
 
-    def _export(self, kind: str) -> dict[str, np.ndarray]:
-        """Parameters, or the gradients/moments of every tensor that has them (`frozen_state`)."""
+    def _export(self, kind: str, names=None) -> dict[str, np.ndarray]:
+        """Parameters (`names`, default all), or the gradients/moments of every tensor that has them
+        (`frozen_state`)."""
         if kind != "p":
             self._require_training("gradients/moments")
             return self._decode(getattr(self, kind), self.has_state)
-        return self._decode(self.p)
+        return self._decode(self.p, names)
 
-    def export(self) -> dict[str, np.ndarray]:
-        """Every parameter as float32 numpy arrays, in table order."""
-        return self._export("p")
+    def export(self, names=None) -> dict[str, np.ndarray]:
+        """The parameters `names` (default every one) as float32 numpy arrays, in table order."""
+        return self._export("p", names)
 
     def grads(self) -> dict[str, np.ndarray]:
         return self._export("g")
@@ -361,18 +362,19 @@ class Net:
                     continue
                 self.gpu.write(getattr(self, kind)[s.arena], np.asarray(src[name], np.float32), s.offset)
 
-    def snapshot(self) -> list:
-        """A GPU-side copy of the parameters (no host round trip)."""
-        copies = [self.gpu.buffer(b.size, label="snapshot") for b in self.p]
-        rec = self.gpu.recorder()
-        for src, dst in zip(self.p, copies, strict=True):
-            rec.copy(src, 0, dst, 0, src.size)
-        rec.submit()
+    def snapshot(self, into: list | None = None) -> list:
+        """A GPU-side copy of the parameters (no host round trip), into the buffers of an earlier snapshot
+        `into` when given (a copy kept again and again allocates once)."""
+        copies = into if into is not None else [self.gpu.buffer(b.size, label="snapshot") for b in self.p]
+        self._copy_all(self.p, copies)
         return copies
 
     def restore(self, snapshot: list):
+        self._copy_all(snapshot, self.p)
+
+    def _copy_all(self, sources: list, targets: list) -> None:
         rec = self.gpu.recorder()
-        for src, dst in zip(snapshot, self.p, strict=True):
+        for src, dst in zip(sources, targets, strict=True):
             rec.copy(src, 0, dst, 0, src.size)
         rec.submit()
 

@@ -158,15 +158,15 @@ class RefTeacher:
     def topk_hidden(self, ids_batch, k: int):
         return ref_mtp.trunk_topk_hidden(self.params, self.cfg, ids_batch, k)
 
-    def topk_rows(self, ids_batch, lengths, k: int, keep=()):
-        """-> (top_ids, top_probs, the draft's step-1 block input rows (b, T, C) float32, [the trunk hidden the
-        draft reads (T, C) of each window index in `keep`]) (`ddl_ref.mtp.step_input`)."""
+    def topk_rows(self, ids_batch, lengths, k: int):
+        """-> (top_ids, top_probs, the draft's step-1 block input rows (b, T, C) float32)
+        (`ddl_ref.mtp.step_input`)."""
         ids = np.asarray(ids_batch)
         top_ids, top_probs, pre, post = self.topk_hidden(ids, k)
         hid = np.asarray(ref_mtp.pick_hidden(pre, post, self.cfg.mtp.trunk_hidden), np.float32)
         valid = ref_mtp.step_valid(lengths, ids.shape[1], 1)
         x = ref_mtp.step_input(self.params, self.cfg, ref_mtp.shifted(ids, 1), hid, valid)
-        return top_ids, top_probs, x, [hid[i] for i in keep]
+        return top_ids, top_probs, x
 
 
 class RefDraft:

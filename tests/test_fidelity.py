@@ -107,10 +107,10 @@ def test_trunk_pass_keeps_f32_heldout_rows_and_pads_with_the_first_eos(heal_kit)
     assert heal.pad_id(SimpleNamespace(metadata={})) == 0
 
     class Teacher:  # the step-1 rows are built by the teacher (from its float32 hidden rows)
-        def topk_rows(self, ids, lengths, k, keep=()):
+        def topk_rows(self, ids, lengths, k):
             B, T = ids.shape
             x = np.full((B, T, cfg.d_model), 1 / 3, np.float32)  # not an f16 value
-            return np.zeros((B, T, k), np.int32), np.ones((B, T, k), np.float32), x, [x[i] for i in keep]
+            return np.zeros((B, T, k), np.int32), np.ones((B, T, k), np.float32), x
 
     wins = [np.arange(5, dtype=np.uint32), np.arange(3, dtype=np.uint32)]
     cache = heal._trunk_pass(Teacher(), wins, cfg, 2, 2, lambda *a, **k: None, pad=7, keep=[1])
