@@ -92,15 +92,15 @@ TILES = ((16, 16, 8, 8), (16, 16, 8, 4), (16, 16, 4, 8), (16, 32, 4, 8), (32, 16
 SWEEP_CHUNKS = (16,)  # the fastest chunk at every tile of the first sweep (chunk 8 and 16: BENCHMARKS.md)
 
 
-def sweep_table(gpu, rng) -> list[dict]:
-    """GPU ms of the TIMED products for every tile x SWEEP_CHUNKS with f16 products, and f32 for reference."""
+def sweep_table(gpu, rng, tiles=TILES, chunks=SWEEP_CHUNKS) -> list[dict]:
+    """GPU ms of the TIMED products for every tile x chunk with f16 products, and f32 for reference."""
     ops = []
     for label, M, N, K, ta, tb in TIMED:
         A = gpu.upload(rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32))
         B = gpu.upload(rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32))
         ops.append((label, M, N, K, ta, tb, A, B, gpu.buffer(4 * M * N)))
     rows = []
-    for tile, chunk in [(None, 0)] + [(t, c) for t in TILES for c in SWEEP_CHUNKS]:
+    for tile, chunk in [(None, 0)] + [(t, c) for t in tiles for c in chunks]:
         row = {
             "tile": "f32 (LARGE_TILE)" if tile is None else "x".join(map(str, tile)),
             "chunk": chunk,
@@ -125,6 +125,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--sweep", default=None, help="time every f16 tile x chunk; write the fastest to this file"
     )
+    ap.add_argument("--tiles", default=None,
+                    help="--sweep's f16 tiles, 'wx,wy,tm,tn[,bk];...' (default: TILES)")  # fmt: skip
+    ap.add_argument("--sweep-chunks", default=None, help="--sweep's chunk lengths, '4,16' (default 16)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -145,7 +148,9 @@ def main(argv=None) -> int:
                                    for r in tt], "GPU ms (TFLOP/s) per chunk length"))  # fmt: skip
         out["times"] = tt
     if args.sweep:
-        sw = sweep_table(gpu, rng)
+        tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";")] if args.tiles else TILES
+        chunks = [int(c) for c in args.sweep_chunks.split(",")] if args.sweep_chunks else SWEEP_CHUNKS
+        sw = sweep_table(gpu, rng, tiles, chunks)
         best = min(sw[1:], key=lambda r: sum(r["ms"]))
         print(f"fastest f16 tile: {best['tile']} chunk {best['chunk']} ({sum(best['ms']):.3f} ms for both products; "
               f"f32 {sum(sw[0]['ms']):.3f})")  # fmt: skip

@@ -7,8 +7,9 @@
 Engine runs: `--precision f32,f16` (default both): f32, and f16 products with dynamic loss scaling
 (`TrunkWork(precision="f16")`; `--f16-chunk 8,16` runs one f16 engine per chunk length).
 
-One step = zero grads, forward, LM head + loss, backward, global grad-norm clip 1.0, AdamW (lr 3e-4, betas
-0.9/0.95, eps 1e-5, wd 0.1) on every parameter. Both sides start from `ddl_ref.params.init_params(cfg, seed)`
+One step = zero grads, forward, LM head + loss, backward, global grad-norm clip 1.0 (`--clip-mode per-tensor`:
+each tensor by its own norm, as `ddl-wgpu train` clips by default), AdamW (lr 3e-4, betas 0.9/0.95, eps 1e-5,
+wd 0.1) on every parameter. Both sides start from `ddl_ref.params.init_params(cfg, seed)`
 and train on the same random batch. Before timing, the PyTorch model's initial loss must equal the engine's
 on that batch (|Δ| <= 1e-3), else the run fails (exit 1).
 
@@ -119,7 +120,7 @@ def bench_engine(gpu, cfg, params, ids, args, precision: str = "f32", chunk: int
     def upd():
         nonlocal step
         step += 1
-        return AdamW(lr=args.lr, step=step)
+        return AdamW(lr=args.lr, step=step, grad_clip_mode=args.clip_mode)
 
     for _ in range(args.warmup):
         res = work.step(ids, update=upd())
@@ -254,6 +255,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bf16", action="store_true")
     ap.add_argument("--device", default=None, help="wgpu adapter (index or name substring)")
     ap.add_argument("--profile", action="store_true", help="GPU ms per phase and shader family (timestamps)")
+    ap.add_argument(
+        "--clip-mode", default="global", choices=["global", "per-tensor"],
+        help="the engine's gradient clipping: global (PyTorch's clip_grad_norm_, the default here) or per-tensor "
+        "(what `ddl-wgpu train` runs by default); the PyTorch peer always clips globally",
+    )  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     q = args.quick
@@ -347,6 +353,7 @@ def main(argv=None) -> int:
         "adapter": common.adapter_line(gpu), "adapter_info": gpu.info, "host": common.host_info(),
         "torch": common.torch_info(torch, tdev) if torch else {"skipped": tdev},
         "preset": args.preset, "batch": B, "seq": T, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
+        "clip_mode": args.clip_mode,
         "results": results, "failed": failed, "wall_s": time.perf_counter() - t_start,
     }  # fmt: skip
     common.write_json(common.json_path(args.json, "train_step.json"), data)

@@ -410,6 +410,7 @@ class _Variant:
         self.cadence = Cadence(tcfg.eval_interval, phase["start_step"] + tcfg.max_steps, phase["start_step"])
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
         self.steps_this_process = 0
+        self.step_seconds = 0.0  # wall time inside the optimizer steps (no evaluation, spectra, checkpoints)
         self.t0 = time.perf_counter()
         self.interrupt = DeferredInterrupt()  # replaced by the run's own in `train_variant`
 
@@ -427,7 +428,9 @@ class _Variant:
         hyper = AdamW(lr=lr, step=done + 1, beta1=tcfg.beta1, beta2=tcfg.beta2, eps=tcfg.epsilon,
                       weight_decay=tcfg.weight_decay, grad_clip=tcfg.grad_clip,
                       grad_clip_mode=tcfg.grad_clip_mode)  # fmt: skip
-        res = self.work.step(batch.ids, batch.lengths, update=hyper)
+        t = time.perf_counter()
+        res = self.work.step(batch.ids, batch.lengths, update=hyper)  # synchronous: it reads the loss back
+        self.step_seconds += time.perf_counter() - t
         if not res.finite:
             raise _NonFinite(done + 1, f"non-finite loss or gradient (loss {res.loss}, gradient norm "
                              f"{res.grad_norm}); a lower learning rate may help")  # fmt: skip
@@ -510,10 +513,13 @@ class _Variant:
                 self._record_best(fin_val, self.cadence.end)
         report["status"] = "completed"
         elapsed = time.perf_counter() - self.t0
-        report["throughput"] = {
+        tokens = self.steps_this_process * self.tokens_per_step
+        report["throughput"] = {  # this process's part of the run
             "steps": self.steps_this_process,
             "seconds": elapsed,
-            "tokens_per_s": self.steps_this_process * self.tokens_per_step / max(elapsed, 1e-9),
+            "tokens_per_s": tokens / max(elapsed, 1e-9),  # the whole run: evaluations and checkpoints included
+            "step_seconds": self.step_seconds,
+            "step_tokens_per_s": tokens / max(self.step_seconds, 1e-9),  # the optimizer steps alone
         }
 
 

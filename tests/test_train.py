@@ -386,6 +386,16 @@ def test_report_has_the_seeds_fields(straight, data):
     assert on_disk == T.json.loads(T.json.dumps(rep))
 
 
+def test_throughput_separates_the_steps_from_the_whole_run(straight):
+    """The whole run's time holds the steps' time and the evaluations': steps-only tokens/s is the larger."""
+    tp = straight[0]["throughput"]
+    tokens = TCFG.max_steps * TCFG.batch_size * TCFG.seq_len
+    assert tp["steps"] == TCFG.max_steps
+    assert 0.0 < tp["step_seconds"] < tp["seconds"]
+    assert tp["tokens_per_s"] == pytest.approx(tokens / tp["seconds"])
+    assert tp["step_tokens_per_s"] == pytest.approx(tokens / tp["step_seconds"])
+
+
 def test_evaluation_steps_are_the_seeds(data, monkeypatch):
     """Validation and spectral telemetry on (step+1) % eval_interval == 0 and on the last step; train
     telemetry on the same steps; initial and final snapshots. A stand-in `spectral` on the ref backend
