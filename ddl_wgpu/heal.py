@@ -20,9 +20,10 @@ trunk's own predictions. The flow:
    hidden; step j > 1 reads the token x_{p+j} and the draft's own step j−1 output at row p (`chain_hidden`),
    rebuilt from the weights at every `refresh`-th step (`backend.Draft.next_rows`: on wgpu the draft's output
    rows never leave the GPU; every step's block inputs are kept on the host in float16). The rebuild is lazy
-   (`_Chain`): a refresh keeps a copy of the weights and each batch of windows is rebuilt from it when a job or
-   an evaluation first reads it, bit for bit the rows of a rebuild of every window. The target of step j at
-   row p is the trunk's top-k at p + j. Loss: top-k KL (teacher renormalised over its k ids,
+   (`_Chain`): a refresh keeps a copy of the weights and each refresh batch (`batch` training windows, or
+   `batch` held-out ones: never a mix, so an evaluation rebuilds only held-out batches) is rebuilt from it
+   when a job or an evaluation first reads it, bit for bit the rows of a rebuild of every window. The target
+   of step j at row p is the trunk's top-k at p + j. Loss: top-k KL (teacher renormalised over its k ids,
    `ddl_ref.ops.topk_kl_forward`), mean over rows.
 5. One job = (train batch, chain step); every pass over the jobs reshuffles the same order array in place
    (Fisher-Yates, the reference's xorshift64 generator, `XorShift64`, continuing its state across passes).
@@ -80,7 +81,7 @@ LOSS_SCALE_START = 4096.0  # the reference heal tool's first loss scale; halved 
 MAX_NONFINITE = 20  # the 20th non-finite step aborts
 WARMUP_FRACTION = 0.1  # linear warm-up over the first 10 % of steps
 MIN_LR_FRACTION = 0.1  # the cosine ends at 0.1 x lr
-# heal's refresh rebuilds each batch of windows' chain rows when a job or an evaluation first needs them,
+# heal's refresh rebuilds each refresh batch's chain rows when a job or an evaluation first needs them,
 # from the weights kept at the refresh (bit for bit the eager rebuild of every window, `_Chain`); False: the
 # eager rebuild (tests compare the two)
 LAZY_REFRESH = True
@@ -294,13 +295,16 @@ class _Chain:
     """The draft's block inputs per chain step over all windows (float16 on the host), built from the trunk's
     pass and rebuilt from the draft by `refresh`; `join` gives a training or evaluation job's arrays.
 
-    A refresh batch is `batch` consecutive windows (s..s + batch − 1, s a multiple of `batch`, held-out ones
-    included), the grouping the draft's forwards run in. Lazy (`LAZY_REFRESH`): a refresh keeps a copy of the
-    draft's weights (`Draft.keep`) and marks every refresh batch stale; `join` rebuilds the refresh batches its
-    windows lie in, from that copy (`Draft.using`), up to the chain step it needs, when first asked. Every row
-    is the one the eager rebuild of all windows at the refresh gives, bit for bit (same weights, same batches
-    of windows, same order of chain steps), at the cost of the batches the jobs and evaluations of a period
-    touch instead of all of them."""
+    Refresh batches, the grouping the draft's forwards run in, never mix training and held-out windows: the
+    training windows in index order cut into runs of `batch` (the last run may be short), then the held-out
+    windows likewise (`split_heldout`). A training job's batch (`_batches`: the same runs, a short last one
+    dropped) is then exactly one refresh batch, and so is a held-out evaluation batch; with consecutive windows
+    (the older grouping) nearly every refresh batch held a held-out window, so each evaluation rebuilt almost
+    all of them. Lazy (`LAZY_REFRESH`): a refresh keeps a copy of the draft's weights (`Draft.keep`) and marks
+    every refresh batch stale; `join` rebuilds the refresh batches its windows lie in, from that copy
+    (`Draft.using`), up to the chain step it needs, when first asked. Every row is the one the eager rebuild of
+    all windows at the refresh gives, bit for bit (same weights, same batches of windows, same order of chain
+    steps), at the cost of the batches the jobs and evaluations of a period touch instead of all of them."""
 
     def __init__(self, model: Model, cfg: HealConfig, cache: _Cache, draft, lazy: bool | None = None):
         self.model, self.mcfg, self.cache, self.draft = model, model.cfg, cache, draft
@@ -308,7 +312,15 @@ class _Chain:
         self.stacked_mode = cfg.chain_attention == "stacked"
         self.N, self.T = cache.ids.shape
         self.lazy = LAZY_REFRESH if lazy is None else lazy
-        self.batches = -(-self.N // self.nb)  # refresh batches
+        train, val = split_heldout(self.N)
+        # refresh batch k's windows (index arrays): training windows first, then held-out ones, `nb` at a time
+        self.members = [
+            np.array(ws[s : s + self.nb]) for ws in (train, val) for s in range(0, len(ws), self.nb)
+        ]
+        self.batches = len(self.members)  # refresh batches
+        self.batch_of = np.zeros(self.N, np.int64)  # window -> its refresh batch
+        for k, m in enumerate(self.members):
+            self.batch_of[m] = k
         self.built = np.full(self.batches, self.chain)  # per refresh batch: chain steps 1..built are current
         self.weights = None  # lazy: the draft's weights at the last refresh
         self.forwards = 0  # refresh-batch forwards (draft forward + the next step's rows), all told
@@ -318,8 +330,9 @@ class _Chain:
         """Block inputs of steps 1..j of the windows `sel`, stacked along time -> (b, j·T, C) float32."""
         return np.concatenate([self.cache.x[s][sel] for s in range(1, j + 1)], axis=1).astype(np.float32)
 
-    def _next_rows(self, sel: slice, j: int) -> np.ndarray:
-        """Step j's block inputs of the windows `sel` (a refresh batch) from the draft's step j−1 output."""
+    def _next_rows(self, sel: np.ndarray, j: int) -> np.ndarray:
+        """Step j's block inputs of the windows `sel` (a refresh batch's index array) from the draft's step j−1
+        output."""
         x = self.cache.x
         tok = ref_mtp.shifted(self.cache.ids[sel], j)
         valid = ref_mtp.step_valid(self.cache.lengths[sel], self.T, j)
@@ -350,8 +363,8 @@ class _Chain:
         N, T, x = self.N, self.T, self.cache.x
         for j in range(2, self.chain + 1):
             xj = np.zeros((N, T, self.mcfg.d_model), np.float16)
-            for s in range(0, N, self.nb):
-                xj[s : s + self.nb] = self._next_rows(slice(s, s + self.nb), j)
+            for sel in self.members:
+                xj[sel] = self._next_rows(sel, j)
             x[j] = xj
 
     def refresh_event(self, events: Events, step: int) -> None:
@@ -366,7 +379,7 @@ class _Chain:
     def _current(self, windows: np.ndarray, j: int) -> None:
         """Lazy: chain steps 2..j of the refresh batches holding `windows` rebuilt from the kept weights where
         stale (step by step, as the eager refresh orders them)."""
-        stale = [k for k in np.unique(np.asarray(windows) // self.nb) if self.built[k] < j]
+        stale = [k for k in np.unique(self.batch_of[np.asarray(windows)]) if self.built[k] < j]
         if not stale:
             return
         self._rebuild(stale, j)
@@ -376,7 +389,7 @@ class _Chain:
         x = self.cache.x
         with self.draft.using(self.weights):
             for k in stale:
-                sel = slice(k * self.nb, (k + 1) * self.nb)
+                sel = self.members[k]
                 for s in range(int(self.built[k]) + 1, j + 1):
                     x[s][sel] = self._next_rows(sel, s)
                 self.built[k] = j

@@ -9,6 +9,7 @@ and abort, patience, best restore, byte-for-byte carry-over, provenance, atomic 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -469,7 +470,8 @@ def test_lazy_refresh_rebuilds_fewer_batches(files, tmp_path, monkeypatch):
     run = dataclasses.replace(SMALL, chain=3, refresh=3, tokens=1500)
     runs = heal_eager_and_lazy(monkeypatch, model, str(data), tmp_path, run)
     (eager, _, ev_e), (lazy, _, ev_l) = runs[False], runs[True]
-    batches = -(-eager["windows"] // run.batch)  # refresh batches: `batch` consecutive windows
+    train, val = heal.split_heldout(eager["windows"])
+    batches = -(-len(train) // run.batch) + -(-len(val) // run.batch)  # training and held-out ones apart
     refreshes = 1 + (eager["steps"] - 1) // run.refresh
     steps = [run.refresh * i for i in range(refreshes)]
     assert [e["step"] for e in ev_e] == [e["step"] for e in ev_l] == steps
@@ -487,8 +489,79 @@ def test_lazy_refresh_rebuilds_fewer_batches(files, tmp_path, monkeypatch):
         count = heal.refresh_forwards(r["windows"], run, is_lazy)
         assert count["forwards"] == r["refresh_forwards"] and count["steps"] == r["steps"]
         assert count["refreshes"] == refreshes
-    # the first period: steps 2..3 of the held-out windows' refresh batches for the evaluation at step 0, then
-    # of at most 2 refresh batches for each of its 3 jobs (a batch of 2 training windows spans 1 or 2)
-    val = heal.split_heldout(eager["windows"])[1]
-    held_out = {w // run.batch for w in val[: len(val) // run.batch * run.batch]}
-    assert 2 * len(held_out) <= ev_l[1]["rebuilt"] <= 2 * (len(held_out) + 3 * 2)
+    # the first period: steps 2..3 of the held-out refresh batches for the evaluation at step 0 (one per
+    # evaluation batch), then of at most one refresh batch for each of its 3 jobs (a job's batch is one)
+    held_out = len(val) // run.batch
+    assert 2 * held_out <= ev_l[1]["rebuilt"] <= 2 * (held_out + 3)
+
+
+class _RowDraft:
+    """A draft for `_Chain` alone: next_rows gives rows of ones and counts its calls; losses 0."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def keep(self, into=None):
+        return into
+
+    def using(self, snap):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def next_rows(self, x, tok, valid, chain=0):
+        self.calls += 1
+        return np.ones(x.shape, np.float32)  # per-step: (b, T, C), step j - 1's rows
+
+    def loss_sum(self, *args, **kw):
+        return 0.0
+
+
+def chain_of(N, nb, chain=3, T=4, C=2):
+    """A lazy `_Chain` over N windows of T rows (step 1's rows zeros) on `_RowDraft`."""
+    cache = heal._Cache(np.zeros((N, T), np.int64), np.full(N, T), np.zeros((N, T, 1), np.int32),
+                        np.ones((N, T, 1), np.float32), np.zeros((0, T, C), np.float32),
+                        {1: np.zeros((N, T, C), np.float16)})  # fmt: skip
+    model = Model(SimpleNamespace(d_model=C), {})
+    cfg = dataclasses.replace(SMALL, chain=chain, batch=nb)
+    return heal._Chain(model, cfg, cache, _RowDraft(), lazy=True)
+
+
+@pytest.mark.parametrize("N, nb", [(40, 2), (47, 4), (103, 4), (60, 3), (75, 8)])
+def test_refresh_batches_keep_training_and_held_out_windows_apart(N, nb):
+    """Refresh batches: the training windows `nb` at a time in index order, then the held-out ones; each job
+    or evaluation batch is exactly one refresh batch."""
+    c = chain_of(N, nb)
+    train, val = heal.split_heldout(N)
+    assert [list(m) for m in c.members] == [
+        ws[s : s + nb] for ws in (train, val) for s in range(0, len(ws), nb)
+    ]
+    assert c.batches == len(c.members) == -(-len(train) // nb) + -(-len(val) // nb)
+    held = set(val)
+    assert all(len({w in held for w in m}) == 1 for m in c.members)  # no batch mixes the two
+    assert sorted(np.concatenate(c.members).tolist()) == list(range(N))  # every window once
+    assert all((c.batch_of[m] == k).all() for k, m in enumerate(c.members))
+    for b in heal._batches(train, nb) + heal._batches(val, nb):
+        assert len(np.unique(c.batch_of[b])) == 1 and list(c.members[c.batch_of[b[0]]]) == list(b)
+
+
+def test_heldout_evaluation_after_a_refresh_rebuilds_only_held_out_batches():
+    """With consecutive windows as refresh batches every held-out window lay in its own batch, so an evaluation
+    rebuilt (chain - 1) x len(val) forwards, most of them training windows; now (chain - 1) x its batches."""
+    N, nb = 83, 4
+    c = chain_of(N, nb)
+    train, val = heal.split_heldout(N)
+    vb = heal._batches(val, nb)
+    c.refresh()
+    c.heldout_kl(vb)
+    assert c.draft.calls == c.forwards == 2 * len(vb) == 2 * (len(val) // nb)
+    read = np.concatenate(vb)
+    assert (c.cache.x[2][read] == 1).all() and (c.cache.x[3][read] == 1).all()
+    unread = np.setdiff1d(np.arange(N), read)  # training windows and the short last held-out batch
+    assert (c.cache.x[2][unread] == 0).all() and (c.cache.x[3][unread] == 0).all()
+    assert [int(c.built[k]) for k in range(c.batches)] == [3 if k in set(c.batch_of[read]) else 1
+                                                          for k in range(c.batches)]  # fmt: skip
+    c.heldout_kl(vb)  # current now: nothing more
+    assert c.forwards == 2 * len(vb)
+    c.join(heal._batches(train, nb)[5], 2)  # a training job: its own batch, step 2 only
+    assert c.forwards == 2 * len(vb) + 1

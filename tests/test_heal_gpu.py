@@ -253,7 +253,8 @@ def test_net_refuses_a_trainable_or_misshapen_shared_tensor(heal_kit):
 @pytest.mark.parametrize("mode", ["per-step", "stacked"])
 def test_gpu_lazy_refresh_gives_the_eager_results_bit_for_bit(gpu, tmp_path, heal_kit, monkeypatch, mode):
     """On the GPU the lazy refresh's rows come from the kept weights copied into the draft's buffers for the
-    forwards (`WgpuDraft.using`), batched as the eager refresh batches them: the same bits."""
+    forwards (`WgpuDraft.using`), batched as the eager refresh batches them (training and held-out windows
+    apart): the same bits."""
     model = heal_kit.make_model(tmp_path / "m.ddlw")
     data = str(heal_kit.make_text(tmp_path / "t.txt"))
     run = replace(heal_kit.SMALL, chain=3, refresh=3, chain_attention=mode)
@@ -268,6 +269,8 @@ def test_gpu_lazy_refresh_gives_the_eager_results_bit_for_bit(gpu, tmp_path, hea
     assert lazy["history"] == eager["history"]
     assert all(np.array_equal(tl[n], te[n]) for n in te)
     assert 0 < lazy["refresh_forwards"] < eager["refresh_forwards"]
+    for r, is_lazy in ((eager, False), (lazy, True)):  # the count bench/heal.py uses is the GPU run's
+        assert heal.refresh_forwards(r["windows"], run, is_lazy)["forwards"] == r["refresh_forwards"]
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
