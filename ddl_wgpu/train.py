@@ -517,7 +517,8 @@ class _Variant:
         report["throughput"] = {  # this process's part of the run
             "steps": self.steps_this_process,
             "seconds": elapsed,
-            "tokens_per_s": tokens / max(elapsed, 1e-9),  # the whole run: evaluations and checkpoints included
+            # the whole run, evaluations and checkpoints included
+            "tokens_per_s": tokens / max(elapsed, 1e-9),
             "step_seconds": self.step_seconds,
             "step_tokens_per_s": tokens / max(self.step_seconds, 1e-9),  # the optimizer steps alone
         }
