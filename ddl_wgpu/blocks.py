@@ -46,12 +46,13 @@ class Blocks:
     norm, the LM head in row chunks, the top-k read-out and the step read-back every engine uses."""
 
     def __init__(self, net, batch: int, seq: int, chunk_rows: int | None = None, span: int | None = None,
-                 precision: str = "f32"):  # fmt: skip
+                 precision: str = "f32", cfg=None):  # fmt: skip
         """`span`: the positions the seq rows cover (default seq), at most the model's max_seq_len.
         `precision` "f16": the GEMMs (linear layers, attention's products on the scores path, the LM head)
         take f16 products (`ops.matmul`'s compute="f16"); everything they write, and every other op, stays
-        f32."""
-        cfg = net.cfg
+        f32. `cfg`: the geometry the blocks are sized by, when not the net's (the MTP draft's rows: its own
+        SwiGLU width after `compress --ffn-keep`)."""
+        cfg = net.cfg if cfg is None else cfg
         if precision not in PRECISIONS:
             raise GpuError(f"precision {precision!r} is not one of {list(PRECISIONS)}")
         if precision == "f16" and "shader-f16" not in net.gpu.features:

@@ -35,6 +35,7 @@ import dataclasses
 
 import numpy as np
 
+from ddl_ref import mtp as ref_mtp
 from ddl_ref import ops as ref_ops
 from ddl_wgpu.blocks import QK_ORDER, Blocks
 from ddl_wgpu.gpu import Call, Gpu, GpuError
@@ -188,7 +189,10 @@ class DraftRows(_CachedRows, Blocks):
 
     def __init__(self, net, cache: GpuCache, n: int):
         self.cache, self.prefill = cache, False
-        super().__init__(net, 1, n)
+        # the trunk's geometry with the draft block's own SwiGLU width: `compress --ffn-keep` narrows the
+        # trunk's FFN and leaves the draft's as it was
+        draft_cfg = dataclasses.replace(net.cfg, ffn_hidden=ref_mtp.draft_ffn_hidden(net.cfg))
+        super().__init__(net, 1, n, cfg=draft_cfg)
         g, C = self.gpu, self.C
         self.ids = g.buffer(n * 4, label="draft_ids")
         self.hid = self.act(n * C, "draft_hidden_in")

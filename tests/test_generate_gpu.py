@@ -64,8 +64,11 @@ def test_gpu_greedy_equals_numpy_with_and_without_speculation(gpu, variant):
             assert out["trunk_passes"] == ref["trunk_passes"] and out["mean_accepted"] == ref["mean_accepted"]
 
 
-def test_gpu_draft_proposals_equal_numpy(gpu):
-    model = small_model("ddl-cc", vocab=13, seed=2)
+@pytest.mark.parametrize(
+    "draft_ffn", [None, 40]
+)  # 40: a draft wider than its trunk (after compress --ffn-keep)
+def test_gpu_draft_proposals_equal_numpy(gpu, draft_ffn):
+    model = small_model("ddl-cc", vocab=13, seed=2, mtp=MtpConfig(ffn_hidden=draft_ffn))
     ids = np.random.default_rng(5).integers(0, 13, 10)
     for head in ("argmax", "logits"):
         engines = [RefEngine(model, 3), WgpuEngine(gpu, model, 3)]

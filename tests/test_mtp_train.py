@@ -117,6 +117,18 @@ def test_engine_joint_step_matches_reference(gpu, kw):
     check("eval", np.float64(s / c), np.float64(cache["loss_main"]), "model")
 
 
+def test_engine_refuses_joint_training_of_a_draft_of_its_own_width(gpu):
+    """After `compress --ffn-keep` the draft keeps its SwiGLU width; the joint step sizes the draft block as
+    a trunk block, so it says so instead of reading the draft's weights at the wrong shape."""
+    from ddl_wgpu.gpu import GpuError
+    from ddl_wgpu.net import Net
+
+    cfg = tiny(mtp=MtpConfig(ffn_hidden=56))
+    net = Net(gpu, cfg, init_params(cfg, 3), mtp_weight=0.3)
+    with pytest.raises(GpuError, match=r"draft's SwiGLU width \(56\) to equal the trunk's"):
+        net.work(B, T)
+
+
 def test_engine_and_refnet_joint_adamw_steps_agree(gpu):
     from ddl_wgpu.net import Net
     from ddl_wgpu.refnet import RefNet
