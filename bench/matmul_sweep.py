@@ -15,6 +15,8 @@ split-K plan included:
     vec-128x64     vec, large tile of 8 x 16 threads (128 rows x 64 columns: twice the tiles of N 768)
     vec-2stage     vec, large tile with two shared stages (one barrier per k step; 34 KiB of shared memory)
     vec-2stage-bk8 the same with a k step of 8 (the shared bytes of the default tile)
+    warp           the default tiles with warp-arranged output owners (`Tile.warp`: 4 x 8 threads per warp)
+    warp-vec       warp with vec4 global loads
 
 and, for the split-K products (dW, the head's dx), `vec` at explicit slice counts (`--splits`).
 
@@ -55,6 +57,11 @@ VARIANTS = {
     "vec-2stage-bk8": (
         dataclasses.replace(LARGE, bk=8, vec=True, stages=2),
         dataclasses.replace(SMALL, vec=True),
+    ),
+    "warp": (dataclasses.replace(LARGE, warp=True), dataclasses.replace(SMALL, warp=True)),
+    "warp-vec": (
+        dataclasses.replace(LARGE, warp=True, vec=True),
+        dataclasses.replace(SMALL, warp=True, vec=True),
     ),
 }
 
@@ -188,8 +195,11 @@ def main(argv=None) -> int:
                     got = case.sample(calls)
                     e["err"] = common.rel_err(got, case.ref)
                     e["ok"] = bool(e["err"] <= 1e-4)
-                    # vec4 loads and two stages copy the same values: same tile shape, same bits
-                    shape_key = (dataclasses.replace(k_mm.pick_tile(gpu, M, N), vec=False, stages=1), split)
+                    # vec4 loads, two stages and warp-arranged owners: same tile shape, same bits
+                    shape_key = (
+                        dataclasses.replace(k_mm.pick_tile(gpu, M, N), vec=False, stages=1, warp=False),
+                        split,
+                    )
                     if v == "default" and split is None:
                         base_bits, base_tile = got, shape_key
                     elif base_bits is not None and shape_key == base_tile:

@@ -31,6 +31,11 @@
 // per k, a thread reads TM/4 vec4 of As and TN/4 vec4 of Bs and does TM*TN/4 vec4 FMAs. A thread's rows are
 // the vec4 groups ty, ty + WY, ty + 2WY, ...; its columns the vec4 groups tx, tx + WX, ...: neighbouring
 // threads read neighbouring vec4s of Bs (no bank conflicts) and threads of a row broadcast the same As.
+// Which thread owns which outputs (`Tile.warp`): by default thread (tx, ty) = (lid.x, lid.y), so a warp of 32
+// is 2 thread rows x 16 columns and each k reads 16 distinct vec4s of Bs (two shared-memory wavefronts) and
+// 2 of As. With `warp` a warp is 4 thread rows x 8 columns (tx, ty remapped from the thread index; warps tile
+// the workgroup): 8 distinct vec4s of Bs and 4 of As, one wavefront each. Only the owner of each C element
+// changes, not its k order: the results are the same bits.
 // Out-of-range elements of A and B are copied as 0, so the edge tiles of M, N and K need no special case;
 // stores are guarded element by element. Each C element is summed by one thread in a fixed k order: the
 // result is deterministic (same inputs, same bits).
@@ -288,9 +293,8 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) l
     } else if (P.causal == 3u) {
         k_begin = (m0 / BK) * BK;
     }
-    let tx = lid.x;
-    let ty = lid.y;
-    let t = ty * WX + tx;
+    let t = lid.y * WX + lid.x;  // the copies' thread index
+{{thread_map}}
     let zo = z / P.inner;
     let zi = z % P.inner;
     let base_a = P.off_a + zo * P.stride_a + (zi / P.div_a) * P.istride_a;

@@ -11,6 +11,8 @@ f32 kernel's on the same data.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -281,6 +283,33 @@ def test_matmul_other_tiles(gpu, rng, tile):
         B = _rand(rng, *((N, K) if trans_b else (K, N)))
         got = _run_matmul(gpu, A, B, M, N, K, trans_a=trans_a, trans_b=trans_b, tile=tile)
         check(f"matmul {tile}", got.reshape(M, N), _op(A, trans_a) @ _op(B, trans_b), "matmul")
+
+
+@pytest.mark.parametrize(
+    "tile",
+    [Tile(warp=True), Tile(tm=8, tn=8, bk=16, warp=True), Tile(wx=8, wy=4, tm=4, tn=8, bk=8, warp=True),
+     Tile(wx=8, wy=8, tm=4, tn=4, bk=8, vec=True, warp=True)],
+    ids=["64x64", "128x128", "wide", "vec"],
+)  # fmt: skip
+def test_warp_arranged_owners_give_the_same_bits(gpu, rng, tile):
+    """`Tile.warp` changes which thread owns each output, not its k order: right against float64 and bit for
+    bit the default arrangement's, in every layout, with edges in M, N and K."""
+    if tile.shared_bytes > gpu.limits["max-compute-workgroup-storage-size"]:  # e.g. DDL_WGPU_LIMITS=webgpu
+        return
+    plain = dataclasses.replace(tile, warp=False)
+    M, N, K = 70, 44, 36
+    for trans_a, trans_b in [(False, False), (False, True), (True, False), (True, True)]:
+        A = _rand(rng, *((K, M) if trans_a else (M, K)))
+        B = _rand(rng, *((N, K) if trans_b else (K, N)))
+        kw = dict(trans_a=trans_a, trans_b=trans_b, split_k=1)
+        got = _run_matmul(gpu, A, B, M, N, K, tile=tile, **kw).reshape(M, N)
+        check(f"warp {tile}", got, _op(A, trans_a) @ _op(B, trans_b), "matmul")
+        assert np.array_equal(got, _run_matmul(gpu, A, B, M, N, K, tile=plain, **kw).reshape(M, N))
+
+
+def test_warp_needs_whole_warps_of_4_x_8(gpu):
+    with pytest.raises(GpuError, match="warp needs wx a multiple of 8"):
+        Tile(wx=4, wy=8, warp=True).validate(gpu)
 
 
 def test_matmul_deterministic(gpu, rng):

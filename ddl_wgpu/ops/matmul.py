@@ -114,6 +114,9 @@ class Tile:
     # 2: two shared stages, one barrier per k step (the next step's registers are stored into the other stage
     # after this step's products); needs prefetch. Off by default (measured slower with scalar loads).
     stages: int = 1
+    # warp-arranged output owners (matmul.wgsl: 4 x 8 threads per warp of 32 instead of 2 x 16: half the
+    # shared-memory wavefronts of the B reads); needs wx % 8 == 0 and wy % 4 == 0. Off until measured.
+    warp: bool = False
 
     @property
     def bm(self) -> int:
@@ -132,6 +135,8 @@ class Tile:
             raise GpuError(f"matmul tile {self}: tm and tn must be positive multiples of 4")
         if self.stages not in (1, 2) or (self.stages == 2 and not self.prefetch):
             raise GpuError(f"matmul tile {self}: stages must be 1, or 2 with prefetch")
+        if self.warp and (self.wx % 8 or self.wy % 4):
+            raise GpuError(f"matmul tile {self}: warp needs wx a multiple of 8 and wy a multiple of 4")
         if self.wx * self.wy > gpu.limits.get("max-compute-invocations-per-workgroup", 256):
             raise GpuError(f"matmul tile {self}: {self.wx * self.wy} threads exceed the adapter's limit")
         if self.shared_bytes > gpu.limits.get("max-compute-workgroup-storage-size", 16384):
@@ -269,6 +274,16 @@ class Tile:
             else "",
             "a_stage": "stage * (BK * SA) + " if two else "",
             "b_stage": "stage * (BK * SB) + " if two else "",
+            "thread_map": "\n".join(
+                [
+                    "    let lane = t % 32u;",
+                    "    let warp = t / 32u;",
+                    "    let tx = (warp % (WX / 8u)) * 8u + lane % 8u;",
+                    "    let ty = (warp / (WX / 8u)) * 4u + lane / 8u;",
+                ]
+                if self.warp
+                else ["    let tx = lid.x;", "    let ty = lid.y;"]
+            ),  # fmt: skip
             "acc_decl": "\n".join(decl),
             "kloop": "\n".join(kloop),
             "store": "\n".join(store),
