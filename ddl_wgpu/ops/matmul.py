@@ -115,7 +115,9 @@ class Tile:
     # after this step's products); needs prefetch. Off by default (measured slower with scalar loads).
     stages: int = 1
     # warp-arranged output owners (matmul.wgsl: 4 x 8 threads per warp of 32 instead of 2 x 16: half the
-    # shared-memory wavefronts of the B reads); needs wx % 8 == 0 and wy % 4 == 0. Off until measured.
+    # shared-memory wavefronts of the B reads); needs wx % 8 == 0 and wy % 4 == 0. Off: on the H200 it changed
+    # no product by more than 2 % and the step ran 0.7 % slower (`bench/matmul_sweep.py`, BENCHMARKS.md), so
+    # shared-memory reads do not bound this kernel.
     warp: bool = False
 
     @property
