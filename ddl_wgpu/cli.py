@@ -290,8 +290,11 @@ def _run(fn, con: TrainConsole):
         typer.echo(e.message, err=True)
         raise typer.Exit(130) from None
     except KeyboardInterrupt:
+        # Not the library's TrainingInterrupted: the Ctrl-C came before the run began or, since the library
+        # holds Ctrl-C back until its reports and checkpoints are written, after its last write
         con.close()
-        typer.echo("interrupted before training started: nothing saved", err=True)
+        typer.echo("interrupted after training completed: its reports and checkpoints are saved" if con.started
+                   else "interrupted before training started: nothing saved", err=True)  # fmt: skip
         raise typer.Exit(130) from None
     finally:
         con.close()
@@ -448,6 +451,17 @@ def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
                                 stop_after=stop_after, progress=con, data=source, precision=precision)  # fmt: skip
     comp = _run(lambda: train_lib.train_variants(base, vs, trn, val, tcfg, out, opts), con)
+    try:
+        _finish_train(comp, out, tcfg, plots)
+    except KeyboardInterrupt:  # the training is done and saved; only the table or the plots were cut short
+        typer.echo(
+            f"interrupted after training completed: its reports and checkpoints are saved in {out}", err=True
+        )
+        raise typer.Exit(130) from None
+
+
+def _finish_train(comp: dict, out: Path, tcfg, plots: bool) -> None:
+    """What `train` prints once its sweep returned: the ranked table, the report's path, the plots."""
     if comp.get("status") == "stopped":
         last = comp["reports"][-1]
         typer.echo(f"stopped after step {last['steps_completed']}: continue with "

@@ -35,8 +35,10 @@ class TrainConsole:
         self.live = self.console.is_terminal
         self.bar = None
         self.val = ""
+        self.started = False  # an event came: the run has begun
 
     def __call__(self, ev: dict):
+        self.started = True
         kind = ev["event"]
         if kind == "start":
             self.console.print(f"[bold]{ev['variant']}[/bold]: {ev['num_params']:,} parameters")

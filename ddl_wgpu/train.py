@@ -715,20 +715,23 @@ def train_variants(
     if out_dir is not None and opts.sweep is None:
         opts = replace(opts, sweep={"variants": [v.slug for v in variants], "base": base.to_dict()})
     reports = []
-    with DeferredInterrupt():  # one Ctrl-C for the whole sweep: the variant in progress acts on it
+    # One Ctrl-C for the whole sweep: the variant in progress acts on it. The sweep's report is written inside
+    # the same `with`: a Ctrl-C after the last variant's last step (which nothing acts on any more: the work is
+    # done and saved) cannot cut the report short.
+    with DeferredInterrupt():
         for v in variants:
             d = out_dir / v.slug if out_dir is not None else None
             r = train_variant(base, v, train, val, tcfg, d, opts)
             reports.append(r)
             if r.get("status") == "stopped":
                 break
-    comp = (
-        comparison_report(reports, train, val, tcfg)
-        if all(r.get("status") in ("completed", "failed") for r in reports)
-        else None
-    )
-    if out_dir is not None and comp is not None:
-        write_json(out_dir / REPORT, comp)
+        comp = (
+            comparison_report(reports, train, val, tcfg)
+            if all(r.get("status") in ("completed", "failed") for r in reports)
+            else None
+        )
+        if out_dir is not None and comp is not None:
+            write_json(out_dir / REPORT, comp)
     return comp or {"reports": reports, "status": "stopped"}
 
 
