@@ -314,9 +314,7 @@ class _Chain:
         self.lazy = LAZY_REFRESH if lazy is None else lazy
         train, val = split_heldout(self.N)
         # refresh batch k's windows (index arrays): training windows first, then held-out ones, `nb` at a time
-        self.members = [
-            np.array(ws[s : s + self.nb]) for ws in (train, val) for s in range(0, len(ws), self.nb)
-        ]
+        self.members = _batches(train, self.nb, short=True) + _batches(val, self.nb, short=True)
         self.batches = len(self.members)  # refresh batches
         self.batch_of = np.zeros(self.N, np.int64)  # window -> its refresh batch
         for k, m in enumerate(self.members):
@@ -536,9 +534,11 @@ class _HealJob:
         return False
 
 
-def _batches(windows: list[int], nb: int) -> list[np.ndarray]:
-    """Jobs' batches: `nb` windows of the list at a time, a short last one dropped."""
-    return [np.array(windows[s : s + nb]) for s in range(0, len(windows) - nb + 1, nb)]
+def _batches(windows: list[int], nb: int, short: bool = False) -> list[np.ndarray]:
+    """`nb` windows of the list at a time: the jobs' batches (a short last one dropped) or, `short`, the
+    refresh batches (`_Chain`: a short last one kept)."""
+    end = len(windows) if short else len(windows) - nb + 1
+    return [np.array(windows[s : s + nb]) for s in range(0, end, nb)]
 
 
 class _CountingDraft:

@@ -218,9 +218,10 @@ class TrunkWork(InferenceWork):
     def _init_mtp(self):
         """Buffers of the draft: its per-step inputs, the block input's pieces, its block, its head."""
         gpu, N, C, V, act = self.gpu, self.N, self.C, self.cfg.vocab_size, self.act
-        if ref_mtp.draft_ffn_hidden(self.cfg) != self.cfg.ffn_hidden:  # the draft block is sized as a trunk's
-            raise GpuError(f"joint MTP training needs the draft's SwiGLU width ({ref_mtp.draft_ffn_hidden(self.cfg)}) "
-                           f"to equal the trunk's ({self.cfg.ffn_hidden}); `heal` retrains a draft of its own width")  # fmt: skip
+        width = ref_mtp.draft_ffn_hidden(self.cfg)
+        if width != self.cfg.ffn_hidden:  # the joint draft block is sized as a trunk block (`block_acts`)
+            raise GpuError(f"joint MTP training needs the draft's SwiGLU width ({width}) to equal the trunk's "
+                           f"({self.cfg.ffn_hidden}); `heal` retrains a draft of its own width")  # fmt: skip
         u32 = lambda n, label: gpu.buffer(n * 4, label=label)  # noqa: E731
         # [enorm(e); hnorm(h)] is built as a row gather from one table holding enorm(e) in rows [0, N) and
         # hnorm(h) in rows [N2, N2 + N), N2 >= N chosen so both halves bind at 256-byte-aligned offsets.
