@@ -41,6 +41,27 @@ def test_rope(gpu, rng, D):
     check("rope dx (in place)", got, ref_dx)
 
 
+# partial rotary (Qwen3.5: a quarter of the head): vec4 items (R = 8 of 32) and f32 items (R = 4 of 12, 2 of 6)
+@pytest.mark.parametrize("D, R", [(32, 8), (12, 4), (6, 2)])
+def test_partial_rope(gpu, rng, D, R):
+    B, T, N = 2, 5, 3
+    cos, sin = ref.rope_tables(T, D, 1e6, f32, rotary_dim=R)
+    assert cos.shape == (T, R)
+    bcos, bsin = gpu.upload(cos), gpu.upload(sin)
+    x = rng.standard_normal((B, T, N, D)).astype(f32)
+    out = gpu.buffer(x.nbytes)
+    rope.rope_forward(gpu, out, gpu.upload(x), bcos, bsin, B, T, N, D, rotary=R).run(gpu)
+    ref_out = ref.rope_forward(f64(x), f64(cos), f64(sin))
+    check("partial rope out", gpu.read(out, x.shape), ref_out)
+    assert np.array_equal(gpu.read(out, x.shape)[..., R:], x[..., R:]), "pass-through channels changed"
+    dx = gpu.buffer(x.nbytes)
+    rope.rope_backward(gpu, dx, gpu.upload(x), bcos, bsin, B, T, N, D, rotary=R).run(gpu)
+    check("partial rope dx", gpu.read(dx, x.shape), ref.rope_backward(f64(x), f64(cos), f64(sin)))
+    bx = gpu.upload(x)
+    rope.rope_forward(gpu, bx, bx, bcos, bsin, B, T, N, D, rotary=R).run(gpu)
+    check("partial rope (in place)", gpu.read(bx, x.shape), ref_out)
+
+
 def test_rope_rejects():
     class Buf:
         size = 4096

@@ -3,18 +3,19 @@
 Kernel path: `shaders/rope.wgsl` -> `ddl_wgpu/ops/rope.py` -> reference `ddl_ref.ops.rope_forward`,
 `ddl_ref.ops.rope_backward` -> test `tests/test_kernel_rope.py`.
 
-The tables cos/sin are (T_max, D) f32 with T_max >= T, from `ddl_ref.ops.rope_tables`, uploaded once; row t
-is position t, and positions run 0..T-1 within each sequence of the batch.
+The tables cos/sin are (T_max, R) f32 with T_max >= T, from `ddl_ref.ops.rope_tables`, uploaded once; row t
+is position t, and positions run 0..T-1 within each sequence of the batch. R = `rotary` (default D) is the
+rotated width: partial rotary (Qwen3.5, R = D/4) rotates the first R channels of each head and passes the
+others through.
 
 In place: when `out is x` (or `dx is dout`; or both are the same view of the same buffer) the launcher
 picks the `*_inplace` entry point, which binds that buffer once as read_write (binding one buffer twice
 with one binding writable is a wgpu usage conflict). Two different views of one buffer are refused for the
 same reason.
 
-Items move as vec4<f32> when head_dim / 2 is a multiple of 4 (`elementwise.vec_width`).
+Items move as vec4<f32> when head_dim / 2 and R / 2 are multiples of 4 (`elementwise.vec_width`).
 
-What it does not do: partial rotary (rotating only the first d < D channels), interleaved pairs, or
-position offsets (KV-cache decoding).
+What it does not do: interleaved pairs, or position offsets (KV-cache decoding: `decode.rope_at`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ PARAMS = Uniform(
     ("pairs", "u32", "B * T * N * h / LANES"),
     ("T", "u32"),
     ("N", "u32"),
-    ("D", "u32", "head_dim / LANES: a row of x, or of a table, in items of F"),
+    ("D", "u32", "head_dim / LANES: a row of x, in items of F"),
+    ("R", "u32", "rotated items of a row (<= D): a row of a table"),
+    ("_pad0", "pad"),
+    ("_pad1", "pad"),
+    ("_pad2", "pad"),
 )
 
 
@@ -46,16 +51,18 @@ def _same(a, b) -> bool:
     raise ValueError("rope: input and output are different views of one buffer; wgpu cannot bind that")
 
 
-def _launch(gpu: Gpu, entry: str, out, x, cos, sin, B: int, T: int, N: int, D: int) -> Call:
+def _launch(gpu: Gpu, entry: str, out, x, cos, sin, B: int, T: int, N: int, D: int, rotary=None) -> Call:
     B, T, N, D = int(B), int(T), int(N), int(D)
-    if D % 2:
-        raise ValueError(f"rope needs an even head_dim, got {D}")
+    R = D if rotary is None else int(rotary)
+    if D % 2 or R % 2 or not 0 < R <= D:
+        raise ValueError(f"rope needs an even head_dim and an even rotated width <= it, got {D} and {R}")
     n = B * T * N * D
-    for name, r, count in (("x", x, n), ("out", out, n), ("cos", cos, T * D), ("sin", sin, T * D)):
+    for name, r, count in (("x", x, n), ("out", out, n), ("cos", cos, T * R), ("sin", sin, T * R)):
         need(entry, name, r, count)
-    width = vec_width(D // 2, x, out, cos, sin)  # pairs of items move as vec4 when h % 4 == 0
+    # pairs of items move as vec4 when h % 4 == 0 (and the pass-through pairs too)
+    width = vec_width(D // 2, x, out, cos, sin) if R // 2 % 4 == 0 else 1
     pairs = n // 2 // width
-    u = gpu.uniform(PARAMS, pairs=pairs, T=T, N=N, D=D // width, label=entry)
+    u = gpu.uniform(PARAMS, pairs=pairs, T=T, N=N, D=D // width, R=R // width, label=entry)
     tm = templates(width)
     if _same(out, x):
         k = gpu.kernel(
@@ -68,11 +75,12 @@ def _launch(gpu: Gpu, entry: str, out, x, cos, sin, B: int, T: int, N: int, D: i
     return Call([(k, bg, max(1, -(-pairs // WG)))], [u])
 
 
-def rope_forward(gpu: Gpu, out, x, cos, sin, B: int, T: int, N: int, D: int) -> Call:
-    """out (B, T, N, D) = x * cos + rotate_half(x) * sin; `out` may be `x` (in place)."""
-    return _launch(gpu, "rope_forward", out, x, cos, sin, B, T, N, D)
+def rope_forward(gpu: Gpu, out, x, cos, sin, B: int, T: int, N: int, D: int, rotary=None) -> Call:
+    """out (B, T, N, D) = x * cos + rotate_half(x) * sin on the first `rotary` (default D) channels, the rest
+    copied; `out` may be `x` (in place)."""
+    return _launch(gpu, "rope_forward", out, x, cos, sin, B, T, N, D, rotary)
 
 
-def rope_backward(gpu: Gpu, dx, dout, cos, sin, B: int, T: int, N: int, D: int) -> Call:
+def rope_backward(gpu: Gpu, dx, dout, cos, sin, B: int, T: int, N: int, D: int, rotary=None) -> Call:
     """dx (B, T, N, D) = R^T dout (overwritten, not accumulated); `dx` may be `dout` (in place)."""
-    return _launch(gpu, "rope_backward", dx, dout, cos, sin, B, T, N, D)
+    return _launch(gpu, "rope_backward", dx, dout, cos, sin, B, T, N, D, rotary)
