@@ -147,8 +147,7 @@ def _templates(ti: int, tj: int, pi: int, pj: int) -> dict[str, str]:
         for b in Bs
     ]
     pb += [
-        f"red_r[tj * DKP + {row[a]}] = "
-        f"{_sum([f'd_{a}_{b} * e{b} + at * p_{a}_{b} * du{b}' for b in Bs])};"
+        f"red_r[tj * DKP + {row[a]}] = {_sum([f'd_{a}_{b} * e{b} + at * p_{a}_{b} * du{b}' for b in Bs])};"
         for a in A
     ]
     pb += [f"d_{a}_{b} = d_{a}_{b} + k{a} * du{b};" for a, b in pairs]
@@ -179,7 +178,7 @@ def _kernel(gpu: Gpu, entry: str, sig: str, Dk: int, Dv: int):
 def _check_sizes(entry: str, B: int, T: int, Hk: int, Hv: int, tc: int) -> None:
     if Hk <= 0 or Hv % Hk:
         raise ValueError(f"{entry}: value heads {Hv} must be a multiple of key heads {Hk}")
-    if not 1 <= tc:
+    if tc < 1:
         raise ValueError(f"{entry}: chunk length {tc} must be positive")
 
 
