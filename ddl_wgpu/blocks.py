@@ -18,9 +18,11 @@ from __future__ import annotations
 import numpy as np
 
 from ddl_ref import ops as ref_ops
+from ddl_wgpu.gdn import GatedDeltaNet
 from ddl_wgpu.gpu import Call, GpuError
 from ddl_wgpu.layout import F32
 from ddl_wgpu.ops import attention as k_attn
+from ddl_wgpu.ops import attn_gate as k_gate
 from ddl_wgpu.ops import delta as k_delta
 from ddl_wgpu.ops import elementwise as k_ew
 from ddl_wgpu.ops import matmul as k_mm
@@ -41,9 +43,11 @@ SUBLAYERS = (
 )
 
 
-class Blocks:
+class Blocks(GatedDeltaNet):
     """Activations and Calls of the blocks of `net` (a `net.Net`) for one (batch, seq) shape, plus the final
-    norm, the LM head in row chunks, the top-k read-out and the step read-back every engine uses."""
+    norm, the LM head in row chunks, the top-k read-out and the step read-back every engine uses. A block's
+    token mixer is full attention (optionally gated, partial RoPE) or, in a hybrid trunk, a Gated DeltaNet
+    (`gdn.GatedDeltaNet`, per `cfg.layer_type(i)`)."""
 
     def __init__(self, net, batch: int, seq: int, chunk_rows: int | None = None, span: int | None = None,
                  precision: str = "f32", cfg=None):  # fmt: skip
@@ -91,22 +95,20 @@ class Blocks:
         return self.gpu.buffer(n * F32, label=label)
 
     def _rope_tables(self):
-        """cos, sin (T, D/2) float64 of the rows' positions 0..T−1."""
-        return ref_ops.rope_tables(self.T, self.cfg.head_dim, self.cfg.rope_theta, np.float64)
+        """cos, sin (T, R) float64 of the rows' positions 0..T−1, R = the rotated dims (`cfg.rope_dim`: a
+        partial table is the full table of a head of R dims)."""
+        return ref_ops.rope_tables(self.T, self.cfg.rope_dim, self.cfg.rope_theta, np.float64)
 
-    def block_acts(self, tag: str, S: int) -> dict:
-        """Saved activations of one block (`x` is the block input: stream or DDL state of S floats)."""
+    def block_acts(self, tag: str, S: int, mixer: str = "full_attention") -> dict:
+        """Saved activations of one block (`x` is the block input: stream or DDL state of S floats) whose token
+        mixer is `mixer` ("full_attention" or "linear_attention")."""
         cfg, N, C, B, T, act = self.cfg, self.N, self.C, self.B, self.T, self.act
         H, K, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
         a = {
+            "mixer": mixer,
             "x": act(S, f"x{tag}"),  # block input: stream or DDL state
             "h": act(N * C, f"h{tag}"),
             "r1": act(N, f"rstd1_{tag}"),
-            "q": act(N * H * D, f"q{tag}"),
-            "k": act(N * K * D, f"k{tag}"),
-            "v": act(N * K * D, f"v{tag}"),
-            "a": act(N * H * D, f"att{tag}"),
-            "lse": act(B * H * T, f"lse{tag}"),
             "xm": act(S, f"xm{tag}"),  # stream/state after the attention sublayer
             "h2": act(N * C, f"h2{tag}"),
             "r2": act(N, f"rstd2_{tag}"),
@@ -114,6 +116,18 @@ class Blocks:
             "up": act(N * F, f"up{tag}"),
             "s": act(N * F, f"swiglu{tag}"),
         }
+        if mixer == "linear_attention":
+            return self.gdn_acts(tag, a)
+        a.update(
+            q=act(N * H * D, f"q{tag}"),
+            k=act(N * K * D, f"k{tag}"),
+            v=act(N * K * D, f"v{tag}"),
+            a=act(N * H * D, f"att{tag}"),
+            lse=act(B * H * T, f"lse{tag}"),
+        )
+        if cfg.attn_output_gate:  # q_proj's [query; gate] rows, the gate, the gated output o_proj reads
+            a.update(qg=act(2 * N * H * D, f"qg{tag}"), og=act(N * H * D, f"ogate{tag}"),
+                     ag=act(N * H * D, f"att_gated{tag}"))  # fmt: skip
         for t, n_heads in (("q", H), ("k", K)):  # q/k after each op of their chain
             a[t + "1"] = act(N * n_heads * D, f"{t}1_{tag}")
             if cfg.qk_norm != "none":
@@ -122,7 +136,7 @@ class Blocks:
         return a
 
     def _layer_acts(self, i: int) -> dict:
-        a = self.block_acts(str(i), self.S)
+        a = self.block_acts(str(i), self.S, self.cfg.layer_type(i))
         if self.ddl:
             for sub, _norm, x_state, _h, _r in SUBLAYERS:
                 a["u_" + sub] = self.act(self.N * self.C, f"u_{sub}{i}")  # only its direction is used
@@ -146,6 +160,11 @@ class Blocks:
         self.ds = act(N * F, "ds")
         self.dgate = act(N * F, "dgate")
         self.dup = act(N * F, "dup")
+        if cfg.attn_output_gate:
+            self.dqg = act(2 * N * H * D, "dqg")  # d(q_proj output): [dquery; dgate] per head
+            self.dga = act(N * H * D, "d_att_gated")
+        if cfg.has_linear:
+            self.gd = self.gdn_scratch()
         if self.ddl:
             self.dS = [act(self.S, "dS0"), act(self.S, "dS1")]  # gradient of the stream/state, ping-pong
             self.du = act(N * C, "du")
@@ -246,14 +265,24 @@ class Blocks:
         """Attention (from a["h"]) or SwiGLU MLP (from a["h2"]), its output projection into `out`."""
         cfg, C = self.cfg, self.C
         H, K, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
+        if sub == "attn" and a["mixer"] == "linear_attention":
+            return self.gdn_forward(a, p, out, accumulate)
         if sub == "attn":
-            call = self._linear(a["q"], a["h"], p + "self_attn.q_proj.weight", H * D, C)
+            if cfg.attn_output_gate:  # q_proj gives [query; gate] per head: split them
+                call = self._linear(a["qg"], a["h"], p + "self_attn.q_proj.weight", 2 * H * D, C)
+                call += k_gate.split_heads(self.gpu, a["q"], a["og"], a["qg"], self.N * H, D)
+            else:
+                call = self._linear(a["q"], a["h"], p + "self_attn.q_proj.weight", H * D, C)
             call += self._linear(a["k"], a["h"], p + "self_attn.k_proj.weight", K * D, C)
             call += self._linear(a["v"], a["h"], p + "self_attn.v_proj.weight", K * D, C)
             call += self._qk_forward(a, "q", H, p)
             call += self._qk_forward(a, "k", K, p)
             call += self.attend(a)
-            return call + self._project_out(out, a["a"], p + "self_attn.o_proj.weight", H * D, accumulate)
+            att = a["a"]
+            if cfg.attn_output_gate:
+                call += k_gate.gate_forward(self.gpu, a["ag"], a["a"], a["og"], self.N * H * D)
+                att = a["ag"]
+            return call + self._project_out(out, att, p + "self_attn.o_proj.weight", H * D, accumulate)
         call = self._linear(a["gate"], a["h2"], p + "mlp.gate_proj.weight", F, C)
         call += self._linear(a["up"], a["h2"], p + "mlp.up_proj.weight", F, C)
         call += k_swiglu.swiglu_forward(self.gpu, a["s"], a["gate"], a["up"], self.N * F)
@@ -274,7 +303,8 @@ class Blocks:
         for j, op in enumerate(QK_ORDER[self.cfg.qk_norm], start=1):
             dst = a[t + str(j)]
             if op == "rope":
-                call += k_rope.rope_forward(self.gpu, dst, src, self.cos, self.sin, self.B, self.T, nh, D)
+                call += k_rope.rope_forward(self.gpu, dst, src, self.cos, self.sin, self.B, self.T, nh, D,
+                                            rotary=self.cfg.rope_dim)  # fmt: skip
             else:
                 call += self._norm(dst, a[t + "r"], src, p + f"self_attn.{t}_norm.weight", self.N * nh, D)
             src = dst
@@ -344,16 +374,27 @@ class Blocks:
             return call + self._linear_backward(
                 dh, self.dgate, a["h2"], p + "mlp.gate_proj.weight", F, C, True
             )
-        call = self._linear_backward(self.da, dout, a["a"], p + "self_attn.o_proj.weight", C, H * D)
+        if a["mixer"] == "linear_attention":
+            return self.gdn_backward(a, p, dout, accumulate_dh)
+        gated = cfg.attn_output_gate
+        o_in = a["ag"] if gated else a["a"]
+        call = self._linear_backward(self.dga if gated else self.da, dout, o_in, p + "self_attn.o_proj.weight", C,
+                                     H * D)  # fmt: skip
+        if gated:  # da and the gate half of d(q_proj output)
+            call += k_gate.gate_backward(self.gpu, self.da, self.dqg, self.dga, a["a"], a["og"], self.N * H, D)
         call += self.attend_backward(a)
         c_q, dq = self._qk_backward(a, "q", H, p, self.dq[0], self.dq[1])
         c_k, dk = self._qk_backward(a, "k", K, p, self.dk[0], self.dk[1])
         call += c_q + c_k
+        q_rows = H * D
+        if gated:  # the query half; q_proj's backward is then one GEMM over [dquery; dgate]
+            call += k_gate.join_query(self.gpu, self.dqg, dq, self.N * H, D)
+            dq, q_rows = self.dqg, 2 * H * D
         call += self._linear_backward(
             dh, self.dv_, a["h"], p + "self_attn.v_proj.weight", K * D, C, accumulate_dh
         )
         call += self._linear_backward(dh, dk, a["h"], p + "self_attn.k_proj.weight", K * D, C, True)
-        return call + self._linear_backward(dh, dq, a["h"], p + "self_attn.q_proj.weight", H * D, C, True)
+        return call + self._linear_backward(dh, dq, a["h"], p + "self_attn.q_proj.weight", q_rows, C, True)
 
     def attend_backward(self, a: dict) -> Call:
         """dq[0], dk[0], dv_ from da: the reverse of `attend`."""
@@ -371,7 +412,8 @@ class Blocks:
             src = a[t + str(j - 1)] if j > 1 else a[t]
             dnext = scratch if dcur is dfinal else dfinal
             if order[j - 1] == "rope":
-                call += k_rope.rope_backward(self.gpu, dnext, dcur, self.cos, self.sin, self.B, self.T, nh, D)
+                call += k_rope.rope_backward(self.gpu, dnext, dcur, self.cos, self.sin, self.B, self.T, nh, D,
+                                             rotary=self.cfg.rope_dim)  # fmt: skip
             else:
                 call += self._norm_backward(dnext, dcur, src, p + f"self_attn.{t}_norm.weight", a[t + "r"],
                                             self.N * nh, D)  # fmt: skip

@@ -1,0 +1,156 @@
+"""The Gated DeltaNet mixer on the GPU (Qwen3.5's linear attention, docs/model.md#gated-deltanet): the
+activations of one layer and the Calls of its forward and backward, for `blocks.Blocks`, mirrored op for op
+like `ddl_ref.gdn.gdn_forward` / `gdn_backward`.
+
+    X = h Wqkvᵀ;  z = h Wzᵀ;  a = h Waᵀ;  b = h Wbᵀ                     four GEMMs (ops.matmul)
+    c = silu(causal_conv(X))                       planar q | k | v     ops.gdn_inputs.conv_forward
+    q̂, k̂ = L2-normalised q (/√Dk), k               an RMSNorm            ops.gdn_inputs.l2norm_forward
+    g, β = −exp(A_log)·softplus(a + dt_bias), σ(b)                        ops.gdn_inputs.gates_forward
+    o = the gated delta rule over t (state Dk × Dv per value head)       ops.gated_delta
+    y = silu(z) ⊙ RMSNorm(o) per value head (w·x̂)                         ops.rmsnorm + ops.swiglu
+    out = y Woutᵀ                                                        ops.matmul (into the residual)
+
+The backward runs the same ops in reverse, through one set of scratch buffers every Gated DeltaNet layer
+shares (`gdn_scratch`), the delta rule's state scratch included. What each layer keeps for its backward: the
+GEMM outputs (X, z, a, b), the conv output, q̂/k̂ and the gates, the rule's r = v − u and chunk checkpoints
+(training nets only), o and its normalised form, y.
+
+What it does not do: decoding with a cache (`ddl_wgpu.decode`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ddl_ref.params import linear_conv_channels
+from ddl_wgpu.gpu import Call
+from ddl_wgpu.layout import F32
+from ddl_wgpu.ops import gated_delta as k_gd
+from ddl_wgpu.ops import gdn_inputs as k_gi
+from ddl_wgpu.ops import rmsnorm as k_norm
+from ddl_wgpu.ops import swiglu as k_swiglu
+
+CHUNK = 64  # tokens per checkpointed chunk of the delta rule (memory: docs/kernels.md#the-gated-delta-rule)
+
+
+def _part(buf, offset_floats: int, n_floats: int) -> tuple:
+    return (buf, offset_floats * F32, n_floats * F32)
+
+
+class GatedDeltaNet:
+    """Mixin of `blocks.Blocks`: a linear_attention block's activations (`gdn_acts`), forward
+    (`gdn_forward`) and backward (`gdn_backward`). Needs the Blocks' `_linear`, `_linear_backward`,
+    `_project_out`, `act`, `net`, `gpu`, `cfg`, `B`, `T`, `N`, `C`."""
+
+    def _gdn_sizes(self):
+        cfg = self.cfg
+        return cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
+
+    @property
+    def gdn_chunk(self) -> int:
+        return min(self.T, CHUNK)
+
+    def gdn_acts(self, tag: str, a: dict) -> dict:
+        """A Gated DeltaNet layer's saved activations, added to the block's dict `a`."""
+        B, T, N, act = self.B, self.T, self.N, self.act
+        Hk, Hv, Dk, Dv = self._gdn_sizes()
+        ab = k_gi.align_floats(N * Hv)
+        a.update(
+            X=act(N * linear_conv_channels(self.cfg), f"gdn_X{tag}"),
+            z=act(N * Hv * Dv, f"gdn_z{tag}"),
+            ab=act(2 * ab, f"gdn_ab{tag}"),  # a, then b at an aligned offset
+            cv=act(k_gi.planar_floats(N, Hk, Hv, Dk, Dv), f"gdn_conv{tag}"),
+            qkgb=act(k_gd.qkgb_floats(N, Hk, Hv, Dk), f"gdn_qkgb{tag}"),
+            qkr=act(k_gi.rstd_floats(N, Hk), f"gdn_qk_rstd{tag}"),
+            o=act(N * Hv * Dv, f"gdn_o{tag}"),
+            r=act(N * Hv * Dv, f"gdn_r{tag}"),
+            on=act(N * Hv * Dv, f"gdn_on{tag}"),
+            orstd=act(N * Hv, f"gdn_o_rstd{tag}"),
+            y=act(N * Hv * Dv, f"gdn_y{tag}"),
+        )
+        # checkpoints for the backward (training nets); an inference net's forward saves none
+        n_states = k_gd.states_floats(B, Hv, Dk, Dv, T, self.gdn_chunk) if not self.net.inference else 4
+        a["states"] = act(n_states, f"gdn_states{tag}")
+        return a
+
+    def gdn_scratch(self) -> dict:
+        """Backward scratch shared by every Gated DeltaNet layer."""
+        B, N, act = self.B, self.N, self.act
+        Hk, Hv, Dk, Dv = self._gdn_sizes()
+        Ch = linear_conv_channels(self.cfg)
+        return dict(
+            dy=act(N * Hv * Dv, "gdn_dy"),
+            dz=act(N * Hv * Dv, "gdn_dz"),
+            don=act(N * Hv * Dv, "gdn_don"),
+            do=act(N * Hv * Dv, "gdn_do"),
+            dqk=act(k_gi.qk_floats(N, Hv, Dk), "gdn_dqk"),
+            dqk_sum=act(k_gi.qk_floats(N, Hk, Dk), "gdn_dqk_per_key_head"),
+            dgb=act(2 * N * Hv * Dv, "gdn_dgb"),
+            dgg=act(N * Hv, "gdn_dgg"),
+            dab=act(2 * k_gi.align_floats(N * Hv), "gdn_dab"),
+            dcv=act(k_gi.planar_floats(N, Hk, Hv, Dk, Dv), "gdn_dconv"),
+            dpre=act(N * Ch, "gdn_dpre"),
+            dX=act(N * Ch, "gdn_dX"),
+            scratch=act(k_gd.scratch_floats(B, Hv, Dk, Dv, self.gdn_chunk), "gdn_state_scratch"),
+            ones=self.gpu.upload(np.ones(N, np.float32), "gdn_ones"),  # the gates' row sums are a GEMM
+        )
+
+    def _ab(self, buf) -> tuple[tuple, tuple]:
+        n = self.N * self._gdn_sizes()[1]
+        return _part(buf, 0, n), _part(buf, k_gi.align_floats(n), n)
+
+    def gdn_forward(self, a: dict, p: str, out, accumulate: bool) -> Call:
+        """The mixer of block `p` from a["h"] into `out` (+= with `accumulate`)."""
+        g, cfg, P, N, C = self.gpu, self.cfg, self.net.view, self.N, self.C
+        Hk, Hv, Dk, Dv = self._gdn_sizes()
+        q = p + "linear_attn."
+        Ch = linear_conv_channels(cfg)
+        ga, gb_ = self._ab(a["ab"])
+        k_off, gb_off = k_gd.qkgb_offsets(N, Hk, Dk)
+        v_off = k_gi.planar_offsets(N, Hk, Dk)[1]
+        call = self._linear(a["X"], a["h"], q + "in_proj_qkv.weight", Ch, C)
+        call += self._linear(a["z"], a["h"], q + "in_proj_z.weight", Hv * Dv, C)
+        call += self._linear(ga, a["h"], q + "in_proj_a.weight", Hv, C)
+        call += self._linear(gb_, a["h"], q + "in_proj_b.weight", Hv, C)
+        call += k_gi.conv_forward(g, a["cv"], a["X"], P(q + "conv1d.weight"), self.B, self.T, Hk, Hv, Dk, Dv,
+                                  cfg.linear_conv_kernel)  # fmt: skip
+        call += k_gi.l2norm_forward(g, _part(a["qkgb"], 0, gb_off), a["qkr"], a["cv"], N, Hk, Dk)
+        call += k_gi.gates_forward(g, _part(a["qkgb"], gb_off, 2 * N * Hv), ga, gb_, P(q + "A_log"),
+                                   P(q + "dt_bias"), N, Hv)  # fmt: skip
+        call += k_gd.gated_delta_forward(g, a["o"], a["r"], a["states"], a["qkgb"], a["cv"], self.B, self.T, Hk, Hv,
+                                         Dk, Dv, tc=self.gdn_chunk, v_off=v_off, v_stride=Hv * Dv,
+                                         save_ckpt=not self.net.inference)  # fmt: skip
+        call += k_norm.rmsnorm_forward(g, a["on"], a["orstd"], a["o"], P(q + "norm.weight"), N * Hv, Dv,
+                                       cfg.rms_eps, "standard")  # fmt: skip
+        call += k_swiglu.swiglu_forward(g, a["y"], a["z"], a["on"], N * Hv * Dv)
+        return call + self._project_out(out, a["y"], q + "out_proj.weight", Hv * Dv, accumulate)
+
+    def gdn_backward(self, a: dict, p: str, dout, accumulate_dh: bool) -> Call:
+        """Reverse of `gdn_forward`: from d(out) to d(a["h"]) in self.dh (+= with `accumulate_dh`)."""
+        g, cfg, P, N, C, s = self.gpu, self.cfg, self.net.view, self.N, self.C, self.gd
+        G = lambda n: self.net.view(n, "g")  # noqa: E731
+        Hk, Hv, Dk, Dv = self._gdn_sizes()
+        q = p + "linear_attn."
+        Ch, k = linear_conv_channels(cfg), cfg.linear_conv_kernel
+        n = N * Hv * Dv
+        ga, gb_ = self._ab(a["ab"])
+        da, db = self._ab(s["dab"])
+        v_off = k_gi.planar_offsets(N, Hk, Dk)[1]
+        call = self._linear_backward(s["dy"], dout, a["y"], q + "out_proj.weight", C, Hv * Dv)
+        call += k_swiglu.swiglu_backward(g, s["dz"], s["don"], s["dy"], a["z"], a["on"], n)
+        call += k_norm.rmsnorm_backward(g, s["do"], G(q + "norm.weight"), s["don"], a["o"], P(q + "norm.weight"),
+                                        a["orstd"], N * Hv, Dv, "standard")  # fmt: skip
+        call += k_gd.gated_delta_backward(g, s["dqk"], s["dcv"], s["dgb"], s["scratch"], a["states"], a["qkgb"],
+                                          a["r"], s["do"], self.B, self.T, Hk, Hv, Dk, Dv, tc=self.gdn_chunk,
+                                          v_off=v_off, v_stride=Hv * Dv)  # fmt: skip
+        call += k_gi.gates_backward(g, da, db, G(q + "A_log"), G(q + "dt_bias"), s["dgb"], ga, gb_, P(q + "A_log"),
+                                    P(q + "dt_bias"), s["ones"], N, Hv, Dv, dgg=s["dgg"])  # fmt: skip
+        call += k_gi.l2norm_backward(g, s["dcv"], s["dqk"], a["qkr"], a["cv"], N, Hk, Dk, G=Hv // Hk,
+                                     summed=s["dqk_sum"])  # fmt: skip
+        call += k_gi.conv_backward(g, s["dX"], G(q + "conv1d.weight"), s["dcv"], a["X"], P(q + "conv1d.weight"),
+                                   self.B, self.T, Hk, Hv, Dk, Dv, k, dpre=s["dpre"])  # fmt: skip
+        dh, h = self.dh, a["h"]
+        call += self._linear_backward(dh, s["dX"], h, q + "in_proj_qkv.weight", Ch, C, accumulate_dh)
+        call += self._linear_backward(dh, s["dz"], h, q + "in_proj_z.weight", Hv * Dv, C, True)
+        call += self._linear_backward(dh, da, h, q + "in_proj_a.weight", Hv, C, True)
+        return call + self._linear_backward(dh, db, h, q + "in_proj_b.weight", Hv, C, True)
