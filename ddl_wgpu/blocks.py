@@ -79,7 +79,12 @@ class Blocks(GatedDeltaNet):
         cos, sin = self._rope_tables()
         self.cos = self.gpu.upload(cos.astype(np.float32), "rope_cos")
         self.sin = self.gpu.upload(sin.astype(np.float32), "rope_sin")
-        self.L = [self._layer_acts(i) for i in range(cfg.n_layers)]  # the block output is the next "x"
+        # the block output is the next "x"; a forward-only net's layers share one set of activations
+        self.L = (
+            self._shared_layer_acts()
+            if self.shares_acts
+            else [self._layer_acts(i) for i in range(cfg.n_layers)]
+        )
         self.xS = self.act(S, "x_last")  # the last block's output (stream or state)
         self.xL = self.act(N * C, "x_final") if self.dv > 1 else self.xS  # readout, before the final norm
         self.xf = self.act(N * C, "x_normed")
@@ -93,6 +98,26 @@ class Blocks(GatedDeltaNet):
 
     def act(self, n: int, label: str):
         return self.gpu.buffer(n * F32, label=label)
+
+    @property
+    def shares_acts(self) -> bool:
+        """True when every layer of a mixer type uses the same activation buffers: a forward-only net keeps
+        nothing for a backward (a 64-layer, 5120-wide trunk at 16 x 1024 tokens needs ~8 GB of activations
+        per layer), except a DDL model, whose per-layer Delta stats the spectral diagnostics read."""
+        return self.net.inference and not self.ddl and self.cfg is self.net.cfg
+
+    def _shared_layer_acts(self) -> list[dict]:
+        """One activation set per mixer type; layer i reads its stream from one of two buffers and writes the
+        other (each layer still gets its own dict: code that finds a layer by its dict keeps working)."""
+        streams = [self.act(self.S, "x_even"), self.act(self.S, "x_odd")]
+        shared: dict[str, dict] = {}
+        out = []
+        for i in range(self.cfg.n_layers):
+            mixer = self.cfg.layer_type(i)
+            if mixer not in shared:
+                shared[mixer] = self.block_acts(f"_{mixer}", self.S, mixer)  # its own "x" goes unused
+            out.append(dict(shared[mixer], x=streams[i % 2]))
+        return out
 
     def _rope_tables(self):
         """cos, sin (T, R) float64 of the rows' positions 0..T−1, R = the rotated dims (`cfg.rope_dim`: a
@@ -381,7 +406,9 @@ class Blocks(GatedDeltaNet):
         call = self._linear_backward(self.dga if gated else self.da, dout, o_in, p + "self_attn.o_proj.weight", C,
                                      H * D)  # fmt: skip
         if gated:  # da and the gate half of d(q_proj output)
-            call += k_gate.gate_backward(self.gpu, self.da, self.dqg, self.dga, a["a"], a["og"], self.N * H, D)
+            call += k_gate.gate_backward(
+                self.gpu, self.da, self.dqg, self.dga, a["a"], a["og"], self.N * H, D
+            )
         call += self.attend_backward(a)
         c_q, dq = self._qk_backward(a, "q", H, p, self.dq[0], self.dq[1])
         c_k, dk = self._qk_backward(a, "k", K, p, self.dk[0], self.dk[1])

@@ -51,6 +51,11 @@ F16_SUFFIXES = (
     "model.embed_tokens.weight",
     "lm_head.weight",
     "model.mtp.eh_proj.weight",
+    "linear_attn.in_proj_qkv.weight",
+    "linear_attn.in_proj_z.weight",
+    "linear_attn.in_proj_a.weight",
+    "linear_attn.in_proj_b.weight",
+    "linear_attn.out_proj.weight",
 )
 
 

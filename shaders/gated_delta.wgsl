@@ -12,24 +12,26 @@
 // `s_a_b`; rows >= Dk and columns >= Dv are padding that stays 0). A column sum (S^T k, S^T q) or a row sum
 // (S dO) is one fixed-order pass through workgroup memory, so results are the same bits every run.
 //
-//   gated_delta_forward   (qk, v, gb, state_in, o, r, states, p)    3 barriers per token
+//   gated_delta_forward   (qkgb, v, state_in, o, r, states, p)    3 barriers per token
 //       o = the outputs; r = v - u (what the backward needs to rebuild S without a reduction);
 //       states: the state before every chunk of `tc` tokens (slots 0..nck-1, when save_ckpt) and the final
 //       state (slot nck, when save_final).
-//   gated_delta_backward  (qk, gb, r, do, states, dqk, dv, dgb, p)  4 barriers per token
-//       chunks in reverse: rebuild the chunk's states from its checkpoint (S_{t-1} of each token kept in the
-//       scratch region of `states`), then walk the chunk backwards with dS in registers:
+//   gated_delta_backward  (qkgb, r, do, states, scratch, dqk, dv, dgb, p)  4 barriers per token
+//       chunks in reverse: rebuild the chunk's states from its checkpoint (S_{t-1} of each token kept in
+//       `scratch`, tc states per (b, h), shared by every layer), then walk the chunk backwards with dS in
+//       registers:
 //           dS += q dO^T;  dq = S_t dO;  dd = dS^T k;  dv = beta dd;  du = -beta dd;
 //           dk = dS (beta r) + a S_{t-1} du;  dS~ = dS + k du^T;  dg = <dS~, a S_{t-1}>;  dbeta = dd . r;
 //           dS <- a dS~
 //       dq, dk are per value head (the lead's l2norm backward sums a key head's value heads); dg and dbeta
 //       are written as per-column terms (dgb: (rows, Hv, 2, Dv)), summed by `gdn_inputs.gates_backward`.
 //
-// Layouts (floats; rows n = b*T + t): q[n, hk, i] = qk[(n*Hk + hk)*Dk + i], k at qk[k_off + same];
-// v[n, h, j] = v[v_off + n*v_stride + h*Dv + j] (the v columns of the conv output; dv is written the same
-// way into its gradient); gb[(n*Hv + h)*2] = g, + 1 = beta; o, r, do: [(n*Hv + h)*Dv + j];
-// states[((b*Hv + h)*(nck + 1) + c)*Dk*Dv + i*Dv + j]; scratch at states[scratch_off + ((b*Hv + h)*tc + s)
-// * Dk*Dv + i*Dv + j]; dq[(n*Hv + h)*Dk + i], dk at dqk[dk_off + same].
+// Layouts (floats; rows n = b*T + t): one read-only buffer `qkgb` holds q[n, hk, i] at (n*Hk + hk)*Dk + i,
+// k at k_off + the same, and g, beta at gb_off + (n*Hv + h)*2 (+ 1) (three parts written by other kernels,
+// bound once: WebGPU's 8 storage buffers per stage); v[n, h, j] = v[v_off + n*v_stride + h*Dv + j] (the v
+// columns of the conv output; dv is written the same way into its gradient); o, r, do: [(n*Hv + h)*Dv + j];
+// states[((b*Hv + h)*(nck + 1) + c)*Dk*Dv + i*Dv + j]; scratch[((b*Hv + h)*tc + s)*Dk*Dv + i*Dv + j];
+// dq[(n*Hv + h)*Dk + i], dk at dqk[dk_off + same].
 
 const TI: u32 = {{TI}}u;  // thread rows (over Dk)
 const TJ: u32 = {{TJ}}u;  // thread columns (over Dv)
@@ -54,12 +56,11 @@ fn head_index(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
 
 @group(0) @binding(0) var<storage, read> f_qk: array<f32>;
 @group(0) @binding(1) var<storage, read> f_v: array<f32>;
-@group(0) @binding(2) var<storage, read> f_gb: array<f32>;
-@group(0) @binding(3) var<storage, read> f_state_in: array<f32>;
-@group(0) @binding(4) var<storage, read_write> f_o: array<f32>;
-@group(0) @binding(5) var<storage, read_write> f_r: array<f32>;
-@group(0) @binding(6) var<storage, read_write> f_states: array<f32>;
-@group(0) @binding(7) var<uniform> f_p: Params;
+@group(0) @binding(2) var<storage, read> f_state_in: array<f32>;
+@group(0) @binding(3) var<storage, read_write> f_o: array<f32>;
+@group(0) @binding(4) var<storage, read_write> f_r: array<f32>;
+@group(0) @binding(5) var<storage, read_write> f_states: array<f32>;
+@group(0) @binding(6) var<uniform> f_p: Params;
 
 fn f_ldq(n: u32, hk: u32, i: u32) -> f32 {
     if (i >= f_p.Dk) { return 0.0; }
@@ -99,8 +100,8 @@ fn gated_delta_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
             let slot = slots + t / f_p.tc;
             {{F_STORE}}
         }
-        let at = exp(f_gb[(n * f_p.Hv + h) * 2u]);
-        let bt = f_gb[(n * f_p.Hv + h) * 2u + 1u];
+        let at = exp(f_qk[f_p.gb_off + (n * f_p.Hv + h) * 2u]);
+        let bt = f_qk[f_p.gb_off + (n * f_p.Hv + h) * 2u + 1u];
         {{F_LOAD_K}}
         {{F_PARTIAL_U}}
         workgroupBarrier();
@@ -129,10 +130,10 @@ fn gated_delta_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
 // backward
 
 @group(0) @binding(0) var<storage, read> b_qk: array<f32>;
-@group(0) @binding(1) var<storage, read> b_gb: array<f32>;
-@group(0) @binding(2) var<storage, read> b_r: array<f32>;
-@group(0) @binding(3) var<storage, read> b_do: array<f32>;
-@group(0) @binding(4) var<storage, read_write> b_states: array<f32>;
+@group(0) @binding(1) var<storage, read> b_r: array<f32>;
+@group(0) @binding(2) var<storage, read> b_do: array<f32>;
+@group(0) @binding(3) var<storage, read> b_states: array<f32>;
+@group(0) @binding(4) var<storage, read_write> b_scratch: array<f32>;
 @group(0) @binding(5) var<storage, read_write> b_dqk: array<f32>;
 @group(0) @binding(6) var<storage, read_write> b_dv: array<f32>;
 @group(0) @binding(7) var<storage, read_write> b_dgb: array<f32>;
@@ -151,12 +152,16 @@ fn b_ldcol(buf: u32, n: u32, h: u32, j: u32) -> f32 {
     if (buf == 0u) { return b_r[(n * b_p.Hv + h) * b_p.Dv + j]; }
     return b_do[(n * b_p.Hv + h) * b_p.Dv + j];
 }
-fn b_ldstate(at: u32, i: u32, j: u32) -> f32 {
+fn b_ldckpt(at: u32, i: u32, j: u32) -> f32 {
     if (i >= b_p.Dk || j >= b_p.Dv) { return 0.0; }
     return b_states[at + i * b_p.Dv + j];
 }
-fn b_ststate(at: u32, i: u32, j: u32, x: f32) {
-    if (i < b_p.Dk && j < b_p.Dv) { b_states[at + i * b_p.Dv + j] = x; }
+fn b_ldscratch(at: u32, i: u32, j: u32) -> f32 {
+    if (i >= b_p.Dk || j >= b_p.Dv) { return 0.0; }
+    return b_scratch[at + i * b_p.Dv + j];
+}
+fn b_stscratch(at: u32, i: u32, j: u32, x: f32) {
+    if (i < b_p.Dk && j < b_p.Dv) { b_scratch[at + i * b_p.Dv + j] = x; }
 }
 
 @compute @workgroup_size(TI * TJ)
@@ -170,7 +175,7 @@ fn gated_delta_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     let ti = lid / TJ;
     let tj = lid - ti * TJ;
     let S = b_p.Dk * b_p.Dv;
-    let scratch = b_p.scratch_off + bh * b_p.tc * S;
+    let scratch = bh * b_p.tc * S;
     {{B_INIT}}
     for (var cc = 0u; cc < b_p.nck; cc++) {
         let c = b_p.nck - 1u - cc;
@@ -182,16 +187,16 @@ fn gated_delta_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
         for (var t = t0; t < t1; t++) {
             let n = b * b_p.T + t;
             {{B_SCRATCH_STORE}}
-            let at = exp(b_gb[(n * b_p.Hv + h) * 2u]);
-            let bt = b_gb[(n * b_p.Hv + h) * 2u + 1u];
+            let at = exp(b_qk[b_p.gb_off + (n * b_p.Hv + h) * 2u]);
+            let bt = b_qk[b_p.gb_off + (n * b_p.Hv + h) * 2u + 1u];
             {{B_RECOMPUTE}}
         }
         // walk the chunk backwards
         for (var tt = t1; tt > t0; tt--) {
             let t = tt - 1u;
             let n = b * b_p.T + t;
-            let at = exp(b_gb[(n * b_p.Hv + h) * 2u]);
-            let bt = b_gb[(n * b_p.Hv + h) * 2u + 1u];
+            let at = exp(b_qk[b_p.gb_off + (n * b_p.Hv + h) * 2u]);
+            let bt = b_qk[b_p.gb_off + (n * b_p.Hv + h) * 2u + 1u];
             {{B_LOAD_STEP}}
             {{B_PHASE_A}}
             workgroupBarrier();

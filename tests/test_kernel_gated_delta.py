@@ -30,35 +30,38 @@ def _inputs(rng, B, T, Hk, Hv, Dk, Dv):
 
 
 def _upload(gpu, q, k, v, g, beta, v_pad=0):
-    """GPU buffers in the kernel's layouts: qk = [q; k] planar, v inside rows of width Hv·Dv + v_pad (like the
-    conv output's v columns), gb = [g, beta] per (row, head)."""
+    """GPU buffers in the kernel's layouts: qkgb = [q; k; (g, beta) per (row, head)] at aligned offsets, v
+    inside rows of width Hv·Dv + v_pad (like the conv output's v columns)."""
     B, T, Hv, Dv = v.shape
-    N = B * T
+    N, Hk, Dk = B * T, q.shape[2], q.shape[3]
     vrow = np.zeros((N, v_pad + Hv * Dv), f32)
     vrow[:, v_pad:] = v.reshape(N, Hv * Dv)
-    qk = np.zeros(qk_floats(N, q.shape[2], q.shape[3]), f32)  # [q; k], k at an aligned offset
-    qk[: q.size], qk[align_floats(q.size) :][: k.size] = q.reshape(-1), k.reshape(-1)
-    gb = np.stack([g.reshape(N, Hv), beta.reshape(N, Hv)], axis=-1)
-    return gpu.upload(qk), gpu.upload(vrow), gpu.upload(gb), v_pad + Hv * Dv
+    k_off, gb_off = kg.qkgb_offsets(N, Hk, Dk)
+    qkgb = np.zeros(kg.qkgb_floats(N, Hk, Hv, Dk), f32)
+    qkgb[: q.size], qkgb[k_off : k_off + k.size] = q.reshape(-1), k.reshape(-1)
+    qkgb[gb_off:] = np.stack([g.reshape(N, Hv), beta.reshape(N, Hv)], axis=-1).reshape(-1)
+    return gpu.upload(qkgb), gpu.upload(vrow), v_pad + Hv * Dv
 
 
 def _forward(gpu, q, k, v, g, beta, tc, state=None, v_pad=0, save_final=True):
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
     N = B * T
-    qk, vb, gb, stride = _upload(gpu, q, k, v, g, beta, v_pad)
+    qkgb, vb, stride = _upload(gpu, q, k, v, g, beta, v_pad)
     o, r = gpu.buffer(4 * N * Hv * Dv), gpu.buffer(4 * N * Hv * Dv)
     states = gpu.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, tc))
     s_in = gpu.upload(state) if state is not None else None
-    kg.gated_delta_forward(gpu, o, r, states, qk, vb, gb, B, T, Hk, Hv, Dk, Dv, tc=tc, v_off=v_pad, v_stride=stride,
+    kg.gated_delta_forward(gpu, o, r, states, qkgb, vb, B, T, Hk, Hv, Dk, Dv, tc=tc, v_off=v_pad, v_stride=stride,
                            state_in=s_in, save_final=save_final).run(gpu)  # fmt: skip
-    return dict(qk=qk, gb=gb, o=o, r=r, states=states, stride=stride, v_pad=v_pad)
+    scratch = gpu.buffer(4 * kg.scratch_floats(B, Hv, Dk, Dv, tc))
+    return dict(qkgb=qkgb, o=o, r=r, states=states, scratch=scratch, stride=stride, v_pad=v_pad)
 
 
 SHAPES = [  # B, T, Hk, Hv, Dk, Dv, tc
     (2, 7, 1, 2, 5, 3, 3),
     (1, 9, 2, 4, 6, 7, 4),
     (2, 6, 1, 1, 20, 24, 6),
+    (1, 3, 1, 1, 128, 128, 2),  # Qwen3.5's heads: 8 x 8 state elements per thread
 ]
 
 
@@ -108,8 +111,8 @@ def test_backward_matches_reference(gpu, shape):
     dqk = gpu.buffer(4 * qk_floats(N, Hv, Dk))
     dvb = gpu.upload(np.full((N, d["stride"]), 7.0, f32))  # v's columns are written, the others kept
     dgb = gpu.buffer(4 * 2 * N * Hv * Dv)
-    kg.gated_delta_backward(gpu, dqk, dvb, dgb, d["states"], d["qk"], d["gb"], d["r"], gpu.upload(do), B, T, Hk,
-                            Hv, Dk, Dv, tc=tc, v_off=3, v_stride=d["stride"]).run(gpu)  # fmt: skip
+    kg.gated_delta_backward(gpu, dqk, dvb, dgb, d["scratch"], d["states"], d["qkgb"], d["r"], gpu.upload(do), B, T,
+                            Hk, Hv, Dk, Dv, tc=tc, v_off=3, v_stride=d["stride"]).run(gpu)  # fmt: skip
     got = gpu.download(dqk, f32)
     half = N * Hv * Dk
     G = Hv // Hk
@@ -136,8 +139,8 @@ def test_same_bits_every_run(gpu):
         d = _forward(gpu, *x, tc=tc)
         dqk, dvb = gpu.buffer(4 * qk_floats(N, Hv, Dk)), gpu.buffer(4 * N * Hv * Dv)
         dgb = gpu.buffer(8 * N * Hv * Dv)
-        kg.gated_delta_backward(gpu, dqk, dvb, dgb, d["states"], d["qk"], d["gb"], d["r"], do, B, T, Hk, Hv, Dk,
-                                Dv, tc=tc).run(gpu)  # fmt: skip
+        kg.gated_delta_backward(gpu, dqk, dvb, dgb, d["scratch"], d["states"], d["qkgb"], d["r"], do, B, T, Hk, Hv,
+                                Dk, Dv, tc=tc).run(gpu)  # fmt: skip
         runs.append([gpu.download(b, np.uint32) for b in (d["o"], dqk, dvb, dgb)])
     for a, b in zip(*runs, strict=True):
         assert np.array_equal(a, b)

@@ -13,8 +13,12 @@ slow memory on NVIDIA (docs/kernels.md#generated-wgsl).
 The forward saves, for the backward, r = v − u per token and value head (so the backward rebuilds every state
 without a reduction) and the state before every chunk of `tc` tokens (`states`, slots 0..nck−1); slot nck
 gets the final state (`save_final`: the decoding cache). The backward rebuilds one chunk at a time from its
-checkpoint, keeping each token's previous state in a scratch region at the end of `states` (`tc` states per
-(batch row, value head)), then walks the chunk backwards. Memory: `states_floats`.
+checkpoint, keeping each token's previous state in a scratch buffer (`tc` states per (batch row, value head),
+one for every layer), then walks the chunk backwards. Memory: `states_floats`, `scratch_floats`: with T
+tokens, L layers and chunks of tc, L·T/tc + tc states per (batch row, value head), least near tc = √(L·T).
+
+q, k and the gates travel in one read-only buffer (`qkgb`, three parts at aligned offsets) so each kernel
+binds at most 8 storage buffers (WebGPU's default per stage).
 
 What it does not do: the chunked (WY) form, which puts the work into matrix products; with no tensor cores
 in WGSL it saves no arithmetic here (docs/kernels.md#the-gated-delta-rule).
@@ -43,7 +47,7 @@ PARAMS = Uniform(
     ("has_init", "u32", "forward: 1 starts from state_in, 0 from zeros"),
     ("save_ckpt", "u32", "forward: 1 writes the chunk checkpoints"),
     ("save_final", "u32", "forward: 1 writes the final state to slot nck"),
-    ("scratch_off", "u32", "backward: floats, the scratch region of states"),
+    ("gb_off", "u32", "floats: g, beta's start in qkgb"),
     ("dk_off", "u32", "backward: floats, dk's start in dqk"),
 )
 MAX_THREADS = 256  # the most threads a workgroup gets (WebGPU's default limit)
@@ -114,15 +118,15 @@ def _templates(ti: int, tj: int, pi: int, pj: int) -> dict[str, str]:
     # -- backward
     nl2 = nl + "    "
     t["B_INIT"] = nl.join(f"var d_{a}_{b} = 0.0;" for a, b in pairs)
-    t["B_LOAD_CKPT"] = nl.join(f"var s_{a}_{b} = b_ldstate(ckpt, {row[a]}, {col[b]});" for a, b in pairs)
+    t["B_LOAD_CKPT"] = nl.join(f"var s_{a}_{b} = b_ldckpt(ckpt, {row[a]}, {col[b]});" for a, b in pairs)
     t["B_SCRATCH_STORE"] = nl2.join(
-        f"b_ststate(scratch + (t - t0) * S, {row[a]}, {col[b]}, s_{a}_{b});" for a, b in pairs
+        f"b_stscratch(scratch + (t - t0) * S, {row[a]}, {col[b]}, s_{a}_{b});" for a, b in pairs
     )
     rec = [f"let k{a} = b_ldk(n, hk, {row[a]});" for a in A]
     rec += [f"let e{b} = bt * b_ldcol(0u, n, h, {col[b]});" for b in Bs]
     rec += [f"s_{a}_{b} = at * s_{a}_{b} + k{a} * e{b};" for a, b in pairs]
     t["B_RECOMPUTE"] = nl2.join(rec)
-    step = [f"let p_{a}_{b} = b_ldstate(scratch + (t - t0) * S, {row[a]}, {col[b]});" for a, b in pairs]
+    step = [f"let p_{a}_{b} = b_ldscratch(scratch + (t - t0) * S, {row[a]}, {col[b]});" for a, b in pairs]
     step += [f"let k{a} = b_ldk(n, hk, {row[a]});{nl2}let q{a} = b_ldq(n, hk, {row[a]});" for a in A]
     step += [
         f"let r{b} = b_ldcol(0u, n, h, {col[b]});{nl2}let o{b} = b_ldcol(1u, n, h, {col[b]});"
@@ -161,12 +165,26 @@ def n_chunks(T: int, tc: int) -> int:
     return -(-int(T) // int(tc))
 
 
-def states_floats(B: int, Hv: int, Dk: int, Dv: int, T: int, tc: int, backward: bool = True) -> int:
-    """Floats of the `states` buffer: nck + 1 slots per (batch row, value head), plus the backward's scratch
-    (tc states each) after them."""
-    per = int(Dk) * int(Dv)
-    slots = int(B) * int(Hv) * (n_chunks(T, tc) + 1) * per
-    return slots + (int(B) * int(Hv) * int(tc) * per if backward else 0)
+def qkgb_offsets(rows: int, Hk: int, Dk: int) -> tuple[int, int]:
+    """Float offsets of k and of [g, beta] in the `qkgb` buffer (q at 0), each 256-byte aligned so the L2 norm
+    and the gates write their parts through views of their own."""
+    k_off = align_floats(int(rows) * int(Hk) * int(Dk))
+    return k_off, 2 * k_off
+
+
+def qkgb_floats(rows: int, Hk: int, Hv: int, Dk: int) -> int:
+    """Floats of `qkgb`: q, k (rows, Hk, Dk) and [g, beta] (rows, Hv, 2)."""
+    return qkgb_offsets(rows, Hk, Dk)[1] + 2 * int(rows) * int(Hv)
+
+
+def states_floats(B: int, Hv: int, Dk: int, Dv: int, T: int, tc: int) -> int:
+    """Floats of the `states` buffer: nck + 1 slots per (batch row, value head)."""
+    return int(B) * int(Hv) * (n_chunks(T, tc) + 1) * int(Dk) * int(Dv)
+
+
+def scratch_floats(B: int, Hv: int, Dk: int, Dv: int, tc: int) -> int:
+    """Floats of the backward's scratch: tc states per (batch row, value head); one serves every layer."""
+    return int(B) * int(Hv) * int(tc) * int(Dk) * int(Dv)
 
 
 def _kernel(gpu: Gpu, entry: str, sig: str, Dk: int, Dv: int):
@@ -182,50 +200,57 @@ def _check_sizes(entry: str, B: int, T: int, Hk: int, Hv: int, tc: int) -> None:
         raise ValueError(f"{entry}: chunk length {tc} must be positive")
 
 
+def _uniform(gpu, label, B, T, Hk, Hv, Dk, Dv, tc, v_off, v_stride, **flags):
+    k_off, gb_off = qkgb_offsets(B * T, Hk, Dk)
+    values = dict(has_init=0, save_ckpt=0, save_final=0, dk_off=0) | flags
+    return gpu.uniform(PARAMS, B=B, T=T, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, k_off=k_off, v_off=v_off, v_stride=v_stride,
+                       tc=tc, nck=n_chunks(T, tc), gb_off=gb_off, label=label, **values)  # fmt: skip
+
+
 def gated_delta_forward(
-    gpu: Gpu, o, r, states, qk, v, gb, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, *,
+    gpu: Gpu, o, r, states, qkgb, v, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, *,
     tc: int, v_off: int = 0, v_stride: int | None = None, state_in=None, save_ckpt: bool = True,
     save_final: bool = False,
 ) -> Call:  # fmt: skip
-    """o, r (B*T, Hv, Dv), states (`states_floats`) from q, k (`qk`: q (B*T, Hk, Dk) then k at float
-    `align_floats(B*T*Hk*Dk)`, `gdn_inputs.qk_floats`), v (`v_off` + n*`v_stride` + h*Dv + j; default planar), gb (B*T, Hv, 2) = [g, beta]; from
-    `state_in` (B, Hv, Dk, Dv) when given, else zeros."""
+    """o, r (B*T, Hv, Dv) and `states` (`states_floats`: the chunk checkpoints with `save_ckpt`, the final
+    state with `save_final`; unused otherwise) from `qkgb` (`qkgb_offsets`: q (B*T, Hk, Dk) normalised and
+    scaled, k (B*T, Hk, Dk) normalised, [g, beta] (B*T, Hv, 2)) and v (`v_off` + n*`v_stride` + h*Dv + j;
+    default planar), starting from `state_in` (B, Hv, Dk, Dv) when given, else zeros."""
     B, T, Hk, Hv, Dk, Dv, tc = (int(x) for x in (B, T, Hk, Hv, Dk, Dv, tc))
     _check_sizes("gated_delta_forward", B, T, Hk, Hv, tc)
-    N, nck = B * T, n_chunks(T, tc)
+    N = B * T
     v_stride = Hv * Dv if v_stride is None else int(v_stride)
-    slots = B * Hv * (nck + 1) * Dk * Dv
-    _need("gated_delta_forward", o=(o, N * Hv * Dv), r=(r, N * Hv * Dv), qk=(qk, qk_floats(N, Hk, Dk)),
-          v=(v, v_off + (N - 1) * v_stride + Hv * Dv), gb=(gb, 2 * N * Hv), states=(states, slots))  # fmt: skip
+    _need("gated_delta_forward", o=(o, N * Hv * Dv), r=(r, N * Hv * Dv), qkgb=(qkgb, qkgb_floats(N, Hk, Hv, Dk)),
+          v=(v, v_off + (N - 1) * v_stride + Hv * Dv))  # fmt: skip
+    if save_ckpt or save_final:
+        _need("gated_delta_forward", states=(states, states_floats(B, Hv, Dk, Dv, T, tc)))
     if state_in is not None:
         _need("gated_delta_forward", state_in=(state_in, B * Hv * Dk * Dv))
-    p = gpu.uniform(PARAMS, B=B, T=T, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, k_off=align_floats(N * Hk * Dk), v_off=v_off,
-                    v_stride=v_stride, tc=tc, nck=nck, has_init=int(state_in is not None),
-                    save_ckpt=int(save_ckpt), save_final=int(save_final), scratch_off=0, dk_off=0,
-                    label="gated_delta_forward")  # fmt: skip
-    k = _kernel(gpu, "gated_delta_forward", "rrrrwwwu", Dk, Dv)
-    init = state_in if state_in is not None else gb  # any buffer: not read when has_init is 0
-    return Call([(k, gpu.bind(k, qk, v, gb, init, o, r, states, p), B * Hv)], [p])
+    p = _uniform(gpu, "gated_delta_forward", B, T, Hk, Hv, Dk, Dv, tc, v_off, v_stride,
+                 has_init=int(state_in is not None), save_ckpt=int(save_ckpt), save_final=int(save_final))  # fmt: skip
+    k = _kernel(gpu, "gated_delta_forward", "rrrwwwu", Dk, Dv)
+    init = state_in if state_in is not None else v  # any buffer: not read when has_init is 0
+    return Call([(k, gpu.bind(k, qkgb, v, init, o, r, states, p), B * Hv)], [p])
 
 
 def gated_delta_backward(
-    gpu: Gpu, dqk, dv, dgb, states, qk, gb, r, do, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, *,
-    tc: int, v_off: int = 0, v_stride: int | None = None,
+    gpu: Gpu, dqk, dv, dgb, scratch, states, qkgb, r, do, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int,
+    *, tc: int, v_off: int = 0, v_stride: int | None = None,
 ) -> Call:  # fmt: skip
     """From do (B*T, Hv, Dv) and the forward's r and checkpoints: dqk = [dq; dk] (dk at float
-    `align_floats(B*T*Hv*Dk)`), each (B*T, Hv, Dk) per VALUE head (a key head's gradient is the sum over its value heads: the caller's l2norm backward adds them), dv
-    written like v (`v_off`, `v_stride`), dgb (B*T, Hv, 2, Dv): per-column terms of dg (0) and dbeta (1),
-    whose sums over the Dv columns are the gradients. `states` must hold the backward's scratch too."""
+    `align_floats(B*T*Hv*Dk)`), each (B*T, Hv, Dk) per VALUE head (a key head's gradient is the sum over its
+    value heads: `gdn_inputs.l2norm_backward` adds them), dv written like v (`v_off`, `v_stride`), dgb
+    (B*T, Hv, 2, Dv): per-column terms of dg (0) and dbeta (1), whose sums over the Dv columns are the
+    gradients (`gdn_inputs.gates_backward`). `scratch`: `scratch_floats` (any layer's backward may share it)."""
     B, T, Hk, Hv, Dk, Dv, tc = (int(x) for x in (B, T, Hk, Hv, Dk, Dv, tc))
     _check_sizes("gated_delta_backward", B, T, Hk, Hv, tc)
-    N, nck = B * T, n_chunks(T, tc)
+    N = B * T
     v_stride = Hv * Dv if v_stride is None else int(v_stride)
     _need("gated_delta_backward", dqk=(dqk, qk_floats(N, Hv, Dk)), dv=(dv, v_off + (N - 1) * v_stride + Hv * Dv),
-          dgb=(dgb, 2 * N * Hv * Dv), states=(states, states_floats(B, Hv, Dk, Dv, T, tc)),
-          qk=(qk, qk_floats(N, Hk, Dk)), gb=(gb, 2 * N * Hv), r=(r, N * Hv * Dv), do=(do, N * Hv * Dv))  # fmt: skip
-    p = gpu.uniform(PARAMS, B=B, T=T, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, k_off=align_floats(N * Hk * Dk), v_off=v_off,
-                    v_stride=v_stride, tc=tc, nck=nck, has_init=0, save_ckpt=0, save_final=0,
-                    scratch_off=B * Hv * (nck + 1) * Dk * Dv, dk_off=align_floats(N * Hv * Dk),
-                    label="gated_delta_backward")  # fmt: skip
+          dgb=(dgb, 2 * N * Hv * Dv), scratch=(scratch, scratch_floats(B, Hv, Dk, Dv, tc)),
+          states=(states, states_floats(B, Hv, Dk, Dv, T, tc)), qkgb=(qkgb, qkgb_floats(N, Hk, Hv, Dk)),
+          r=(r, N * Hv * Dv), do=(do, N * Hv * Dv))  # fmt: skip
+    p = _uniform(gpu, "gated_delta_backward", B, T, Hk, Hv, Dk, Dv, tc, v_off, v_stride,
+                 dk_off=align_floats(N * Hv * Dk))  # fmt: skip
     k = _kernel(gpu, "gated_delta_backward", "rrrrwwwwu", Dk, Dv)
-    return Call([(k, gpu.bind(k, qk, gb, r, do, states, dqk, dv, dgb, p), B * Hv)], [p])
+    return Call([(k, gpu.bind(k, qkgb, r, do, states, scratch, dqk, dv, dgb, p), B * Hv)], [p])
