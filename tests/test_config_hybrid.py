@@ -31,7 +31,8 @@ def test_apply_arch_keeps_sizes_and_builds_the_hybrid():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"layer_types": ("full_attention",)}, "1 entries for n_layers 2"),  # wrong length (tiny has 2 layers)
+        # wrong length (tiny has 2 layers)
+        ({"layer_types": ("full_attention",)}, "1 entries for n_layers 2"),
         ({"layer_types": ("full_attention", "sliding")}, "layer_types"),
         ({"layer_types": ("linear_attention", "full_attention")}, "positive when a layer is linear"),
         ({"rotary_dim": 3}, "rotary_dim must be even"),
