@@ -299,6 +299,15 @@ class ModelConfig:
         return cls(**d)
 
 
+def select_layers(cfg: ModelConfig, layers) -> ModelConfig:
+    """`cfg` with blocks `layers` (indices into cfg's blocks, in the new order, repeats allowed) and nothing
+    else changed: `n_layers` and, on a hybrid trunk, `layer_types` follow (a plain
+    `dataclasses.replace(cfg, n_layers=...)` fails there, the per-layer list no longer matching)."""
+    layers = [int(i) for i in layers]
+    lt = None if cfg.layer_types is None else tuple(cfg.layer_types[i] for i in layers)
+    return dataclasses.replace(cfg, n_layers=len(layers), layer_types=lt)
+
+
 # Presets. Sizes of "small" and "medium" follow the DDL paper (docs/model.md#configuration-ddl_refconfigpy);
 # "tiny" is a byte-level model for tests and smoke runs.
 PRESETS: dict[str, ModelConfig] = {

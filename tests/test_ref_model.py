@@ -330,6 +330,16 @@ def test_ddl_on_a_hybrid_trunk_gradients(variant):
     assert_model_grads(ModelVariant(variant).resolve_config(hybrid_cfg(rms_eps=1e-3)))
 
 
+def test_spectral_diagnostics_on_a_hybrid_ddl_trunk():
+    # DDL's diagnostics read the delta updates only: one entry per sublayer, whichever mixer fed it
+    cfg = ModelVariant("ddl-tc").resolve_config(hybrid_cfg())
+    _, _, cache = model.forward(random_params(cfg), cfg, np.zeros((1, 4), dtype=int), spectral=True)
+    assert len(cache["spectral"]["beta_per_layer"]) == 2 * cfg.n_layers
+    base = hybrid_cfg()
+    _, _, cache = model.forward(random_params(base), base, np.zeros((1, 4), dtype=int), spectral=True)
+    assert cache["spectral"] is None  # a baseline hybrid has none
+
+
 def test_hybrid_with_mtp_draft_gradients():
     # trunk block 0 is linear; the draft block is full attention with the trunk's gate and partial RoPE
     cfg = hybrid_cfg(mtp=MtpConfig(), tie_embeddings=False)
