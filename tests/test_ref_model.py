@@ -287,6 +287,9 @@ def test_cosine_warmup_schedule():
 # hybrid trunks (Qwen3.5): Gated DeltaNet and gated full attention with partial RoPE
 
 
+TWO_BLOCKS = dict(n_layers=2, layer_types=("linear_attention", "full_attention"))  # the cheaper checks
+
+
 def hybrid_cfg(**kw) -> ModelConfig:
     """Three blocks linear / full / linear, the output gate, RoPE on 2 of 6 head dims, Hv = 2·Hk, Dk != Dv."""
     base = dict(layer_types=("linear_attention", "full_attention", "linear_attention"), n_layers=3,
@@ -327,7 +330,7 @@ def test_ddl_on_a_hybrid_trunk_gradients(variant):
     # DeltaNet output of RMS ~3e-3 meets the gated norm's sqrt(mean(o²) + eps), which at 1e-5 bends too
     # sharply for central differences at 1e-6 once DDL's u/|u| sits behind it (the error then shrinks as
     # eps², as a correct gradient's does); the function and its backward are the same at any eps.
-    assert_model_grads(ModelVariant(variant).resolve_config(hybrid_cfg(rms_eps=1e-3)))
+    assert_model_grads(ModelVariant(variant).resolve_config(hybrid_cfg(rms_eps=1e-3, **TWO_BLOCKS)))
 
 
 def test_spectral_diagnostics_on_a_hybrid_ddl_trunk():
@@ -342,7 +345,7 @@ def test_spectral_diagnostics_on_a_hybrid_ddl_trunk():
 
 def test_hybrid_with_mtp_draft_gradients():
     # trunk block 0 is linear; the draft block is full attention with the trunk's gate and partial RoPE
-    cfg = hybrid_cfg(mtp=MtpConfig(), tie_embeddings=False)
+    cfg = hybrid_cfg(mtp=MtpConfig(), tie_embeddings=False, **TWO_BLOCKS)
     names = {s.name for s in param_table(cfg)}
     assert (
         "model.mtp.layers.0.self_attn.q_proj.weight" in names
