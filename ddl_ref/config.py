@@ -299,6 +299,15 @@ class ModelConfig:
         return cls(**d)
 
 
+def select_layers(cfg: ModelConfig, layers) -> ModelConfig:
+    """`cfg` with blocks `layers` (indices into cfg's blocks, in the new order, repeats allowed) and nothing
+    else changed: `n_layers` and, on a hybrid trunk, `layer_types` follow (a plain
+    `dataclasses.replace(cfg, n_layers=...)` fails there, the per-layer list no longer matching)."""
+    layers = [int(i) for i in layers]
+    lt = None if cfg.layer_types is None else tuple(cfg.layer_types[i] for i in layers)
+    return dataclasses.replace(cfg, n_layers=len(layers), layer_types=lt)
+
+
 # Presets. Sizes of "small" and "medium" follow the DDL paper (docs/model.md#configuration-ddl_refconfigpy);
 # "tiny" is a byte-level model for tests and smoke runs.
 PRESETS: dict[str, ModelConfig] = {
@@ -408,52 +417,6 @@ class ModelVariant(enum.StrEnum):
     def slug(self) -> str:
         """Stable lower-case name used in file names, checkpoints and the CLI."""
         return self.value
-
-    def _validate_hybrid(self) -> None:
-        lt = self.layer_types
-        if lt is not None:
-            if not isinstance(lt, tuple) or not all(isinstance(t, str) for t in lt):
-                raise ConfigError(f"ModelConfig.layer_types must be a tuple of names or None, got {lt!r:.80}")
-            if len(lt) != self.n_layers:
-                raise ConfigError(
-                    f"ModelConfig.layer_types has {len(lt)} entries for n_layers {self.n_layers}"
-                )
-            for t in lt:
-                _check_enum("ModelConfig", "layer_types[]", t, LAYER_TYPES)
-        if self.rotary_dim is not None:
-            _check_type("ModelConfig", "rotary_dim", self.rotary_dim, int)
-            if not 2 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
-                raise ConfigError(
-                    f"ModelConfig.rotary_dim must be even and in [2, head_dim={self.head_dim}], "
-                    f"got {self.rotary_dim}"
-                )
-        sizes = ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim")
-        for name in (*sizes, "linear_conv_kernel"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.has_linear:
-            for name in (*sizes, "linear_conv_kernel"):
-                if getattr(self, name) <= 0:
-                    raise ConfigError(f"ModelConfig.{name} must be positive when a layer is linear_attention")
-            if self.linear_v_heads % self.linear_k_heads:
-                raise ConfigError(
-                    f"ModelConfig.linear_v_heads ({self.linear_v_heads}) must be a multiple of "
-                    f"linear_k_heads ({self.linear_k_heads})"
-                )
-
-    def layer_type(self, i: int) -> str:
-        """Block i's token mixer: "full_attention" or "linear_attention"."""
-        return "full_attention" if self.layer_types is None else self.layer_types[i]
-
-    @property
-    def has_linear(self) -> bool:
-        """True when some block is a Gated DeltaNet (linear_attention) layer."""
-        return self.layer_types is not None and "linear_attention" in self.layer_types
-
-    @property
-    def rope_dim(self) -> int:
-        """The dims of a head that RoPE rotates (the rest pass through)."""
-        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def uses_ddl(self) -> bool:

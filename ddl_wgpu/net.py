@@ -133,6 +133,23 @@ class Net:
             )
         if inference and trainable:
             raise GpuError("an inference Net has no trainable parameters")
+        # The engine's blocks run plain softmax attention over whole heads: a Gated DeltaNet layer, the output
+        # gate (q_proj twice as wide) or partial RoPE would be read at the wrong shapes or silently skipped.
+        hybrid = [
+            name
+            for name, on in (
+                ("linear_attention layers", cfg.has_linear),
+                ("the attention output gate", cfg.attn_output_gate),
+                (f"partial RoPE (rotary_dim {cfg.rotary_dim} of head_dim {cfg.head_dim})",
+                 cfg.rope_dim != cfg.head_dim),
+            )
+            if on
+        ]  # fmt: skip
+        if hybrid:
+            raise GpuError(
+                f"the GPU engine does not run hybrid (Qwen3.5) trunks yet: this model has {', '.join(hybrid)}; "
+                "use --backend ref"
+            )
         self.inference, self.dtype = bool(inference), dtype
         self.precision = (
             precision  # of the GEMMs in this net's Works (`blocks.Blocks`; "f16": mixed precision)

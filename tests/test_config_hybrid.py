@@ -31,7 +31,8 @@ def test_apply_arch_keeps_sizes_and_builds_the_hybrid():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"layer_types": ("full_attention",)}, "1 entries for n_layers 2"),  # wrong length (tiny has 2 layers)
+        # wrong length (tiny has 2 layers)
+        ({"layer_types": ("full_attention",)}, "1 entries for n_layers 2"),
         ({"layer_types": ("full_attention", "sliding")}, "layer_types"),
         ({"layer_types": ("linear_attention", "full_attention")}, "positive when a layer is linear"),
         ({"rotary_dim": 3}, "rotary_dim must be even"),
@@ -82,3 +83,54 @@ def test_hybrid_param_table_follows_the_layer_types():
     assert (a >= np.log(0.01)).all() and (a <= np.log(16.0)).all() and len(set(a.tolist())) == a.size
     assert (p["model.layers.0.linear_attn.norm.weight"] == 1).all()  # the gated norm is w·x̂: starts at 1
     assert (p["model.layers.0.input_layernorm.weight"] == 0).all()  # zero-centred (1+w) norms start at 0
+
+
+def test_select_layers_and_param_count_follow_the_layer_types():
+    from ddl_ref.config import select_layers
+    from ddl_ref.params import num_params
+    from ddl_wgpu.modelfile import param_count
+
+    cfg = apply_arch(preset("tiny", n_layers=6, mtp=MtpConfig()), "qwen3_5")
+    assert cfg.layer_types.count("full_attention") == 1  # the two kinds differ in size
+    sub = select_layers(cfg, [3, 0, 0])
+    assert sub.n_layers == 3 and sub.layer_types == ("full_attention", "linear_attention", "linear_attention")
+    for c in (cfg, sub, select_layers(cfg, [3]), select_layers(cfg, [1]), preset("tiny"), preset("small")):
+        assert param_count(c) == num_params(c)
+    assert select_layers(preset("tiny"), [1, 0, 1]) == preset("tiny", n_layers=3)
+
+
+def test_drop_layers_keeps_a_hybrid_blocks_types_and_tensors():
+    from ddl_wgpu.compress import drop_layers
+    from ddl_wgpu.modelfile import Model
+
+    cfg = apply_arch(preset("tiny", n_layers=4), "qwen3_5")
+    model = Model(cfg=cfg, params=init_params(cfg, 0))
+    out = drop_layers(model, [1])
+    assert out.cfg.layer_types == ("linear_attention", "linear_attention", "full_attention")
+    np.testing.assert_array_equal(
+        out.params["model.layers.2.self_attn.q_proj.weight"],
+        model.params["model.layers.3.self_attn.q_proj.weight"],
+    )
+    np.testing.assert_array_equal(
+        out.params["model.layers.1.linear_attn.A_log"], model.params["model.layers.2.linear_attn.A_log"]
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, what",
+    [
+        ({"arch": True}, "linear_attention layers"),
+        ({"attn_output_gate": True}, "output gate"),
+        ({"rotary_dim": 8}, "partial RoPE"),
+    ],
+)
+def test_gpu_engine_refuses_hybrid_models(overrides, what):
+    # Refused before any device work (the gpu is never touched), so this runs without an adapter.
+    from ddl_wgpu.gpu import GpuError
+    from ddl_wgpu.net import Net
+
+    cfg = (
+        apply_arch(preset("tiny"), "qwen3_5") if overrides.pop("arch", False) else preset("tiny", **overrides)
+    )
+    with pytest.raises(GpuError, match=f"does not run hybrid.*{what}.*--backend ref"):
+        Net(None, cfg)

@@ -20,7 +20,7 @@ import pytest
 from ddl_ref import decode, mtp
 from ddl_ref import model as ref_model
 from ddl_ref.check import random_params
-from ddl_ref.config import ModelConfig, ModelVariant, MtpConfig
+from ddl_ref.config import ConfigError, ModelConfig, ModelVariant, MtpConfig
 from ddl_wgpu import accept
 from ddl_wgpu.data import ByteTokenizer
 from ddl_wgpu.generate import GenerateError, RefEngine, Sampling, TextStream, distribution, generate, run
@@ -67,6 +67,27 @@ def test_cached_trunk_equals_forward(variant, qk_norm):
         np.testing.assert_allclose(pre, pre_want[0], rtol=0, atol=1e-10)
 
 
+# Qwen3.5's full attention: the sigmoid output gate and RoPE on 2 of the 6 dims of a head
+GATED = dict(attn_output_gate=True, rotary_dim=2, norm_style="offset", qk_norm="pre_rope")
+
+
+@pytest.mark.parametrize("variant", ["baseline", "ddl-tc"])
+def test_cached_gated_partial_rope_trunk_equals_forward(variant):
+    cfg = tiny_cfg(variant, **GATED)
+    params = random_params(cfg, seed=3)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 11)
+    want, _, _ = ref_model.forward(params, cfg, ids[None])
+    for cuts in ([5, 6, 7, 8, 9, 10], [4]):
+        np.testing.assert_allclose(pieces_logits(params, cfg, ids, cuts)[1], want[0], rtol=0, atol=1e-10)
+
+
+def test_cache_refuses_a_hybrid_trunk():
+    cfg = tiny_cfg(layer_types=("linear_attention", "full_attention"), linear_k_heads=1, linear_v_heads=2,
+                   linear_k_dim=3, linear_v_dim=3, **GATED)  # fmt: skip
+    with pytest.raises(ConfigError, match="hybrid trunk"):
+        decode.TrunkCache(cfg)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_rollback_then_other_tokens(variant):
     cfg = tiny_cfg(variant)
@@ -92,13 +113,15 @@ def test_cache_capacity_refused():
         decode.trunk_step(random_params(cfg), cfg, cache, np.arange(5))
 
 
-@pytest.mark.parametrize("variant", ["baseline", "ddl-tc"])
+@pytest.mark.parametrize(
+    "variant, extra", [("baseline", {}), ("ddl-tc", {}), ("baseline", GATED), ("ddl-tc", GATED)]
+)
 @pytest.mark.parametrize(
     "conv", [("emb_first", "pre_norm", "pre_norm"), ("hidden_first", "post_norm", "post_norm")]
 )
-def test_draft_rows_equal_draft_forward(variant, conv):
+def test_draft_rows_equal_draft_forward(variant, extra, conv):
     concat, th, ch = conv
-    cfg = tiny_cfg(variant, mtp=MtpConfig(concat=concat, trunk_hidden=th, chain_hidden=ch))
+    cfg = tiny_cfg(variant, mtp=MtpConfig(concat=concat, trunk_hidden=th, chain_hidden=ch), **extra)
     params = random_params(cfg, seed=5)
     T = 9
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, T)
