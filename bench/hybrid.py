@@ -1,0 +1,471 @@
+"""Hybrid (Qwen3.5) trunks on the GPU: the training step against transformers, the Qwen3.8-27B-shaped forward,
+and the gated delta rule against its own bounds.
+
+    python3 bench/hybrid.py train        # `small` hybrid, 8 x 1024: engine vs transformers' Qwen3_5ForCausalLM
+    python3 bench/hybrid.py forward27b   # 64 layers, f16 weights, 16 x 1024 tokens: tokens/s, memory, per type
+    python3 bench/hybrid.py kernel       # the gated delta rule at the 27B and small shapes vs its bounds
+    python3 bench/hybrid.py all --fla-path /tmp/fla   # everything; the fla peer imports fla from that folder
+    python3 bench/hybrid.py all --quick --torch cpu   # tiny shapes (lavapipe smoke test)
+
+`train`: one step = zero grads, forward, LM head + loss, backward, global grad-norm clip 1.0, AdamW (lr 3e-4,
+betas 0.9/0.95, eps 1e-5, wd 0.1) on every parameter, both sides from `ddl_ref.params.init_params(cfg, seed)`
+on the same random batch; their initial losses must agree within 1e-3 (else exit 1). PyTorch peers, each in a
+subprocess so that what transformers imports is settled per peer: transformers' `Qwen3_5ForCausalLM` in fp32
+(TF32 off) with the flash-linear-attention Triton kernels when `--fla-path` holds them ("fla"), and without
+them ("eager": transformers' own PyTorch fallback of the chunked rule and the conv).
+
+`forward27b`: the Qwen3.8-27B trunk shape (hidden 5120, 64 layers, 3 Gated DeltaNet : 1 gated attention,
+FFN 17408, vocabulary 248320, untied) with random f16 weights (one random tensor per distinct shape, reused by
+every layer: timing does not depend on the values), an inference net whose layers share one activation set;
+the forward of 16 x 1024 tokens with the evaluation loss (chunked LM head), timed by GPU timestamps; GPU memory
+(our buffers, and nvidia-smi's used memory); the GPU time per layer type (every dispatch timed alone).
+
+`kernel`: `ops.gated_delta` forward and backward alone. FLOPs counted per state element per (token, value
+head): forward 6 (u = Sᵀk, the rank-1 update, o = Sᵀq), backward 18 (the chunk's rebuild 3, dS += q dOᵀ 2,
+dd 2, dq 4 (S_t rebuilt), dk 4, dS~ 2, dg 2, decay 1 rounded up); bytes: every input read and output written
+once, the checkpoints, and for the backward the scratch states written and read back (8 bytes per element per
+token): the backward is bound by those bytes, the forward by its FLOPs (H200: 66.9 TFLOP/s fp32 FMA, 4.3 TB/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (puts the repository root on sys.path)
+import numpy as np  # noqa: E402
+
+from ddl_ref.config import ModelConfig, apply_arch, preset, qwen35_layer_types  # noqa: E402
+from ddl_ref.params import init_params, num_params, param_table  # noqa: E402
+
+LOSS_TOL = 1e-3
+
+
+def qwen38_27b(n_layers: int = 64, seq: int = 1024) -> ModelConfig:
+    """The Qwen3.8-27B trunk (public config, `text_config`), without its draft."""
+    return ModelConfig(vocab_size=248320, d_model=5120, n_layers=n_layers, n_heads=24, n_kv_heads=4, head_dim=256,
+                       ffn_hidden=17408, max_seq_len=seq, rope_theta=1e7, rms_eps=1e-6, tie_embeddings=False,
+                       norm_style="offset", qk_norm="pre_rope", layer_types=qwen35_layer_types(n_layers),
+                       attn_output_gate=True, rotary_dim=64, linear_k_heads=16, linear_v_heads=48, linear_k_dim=128,
+                       linear_v_dim=128, linear_conv_kernel=4)  # fmt: skip
+
+
+def small_hybrid(quick: bool) -> ModelConfig:
+    return apply_arch(preset("tiny" if quick else "small"), "qwen3_5")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# train
+
+
+def bench_engine_train(gpu, cfg, params, ids, steps: int, warmup: int) -> dict:
+    from ddl_wgpu.net import Net
+    from ddl_wgpu.step import AdamW
+
+    B, T = ids.shape
+    t0 = time.perf_counter()
+    net = Net(gpu, cfg, params)
+    work = net.work(B, T)
+    r = {"build_s": time.perf_counter() - t0}
+    r["init_loss"] = work.step(ids).loss
+    n = 0
+
+    def upd():
+        nonlocal n
+        n += 1
+        return AdamW(lr=3e-4, step=n, grad_clip_mode="global")
+
+    for _ in range(warmup):
+        work.step(ids, update=upd())
+    gpu.wait()
+    losses = []
+    t1 = time.perf_counter()
+    for _ in range(steps):
+        losses.append(work.step(ids, update=upd()).loss)
+    gpu.wait()
+    r["s_per_step"] = (time.perf_counter() - t1) / steps
+    r["losses"] = losses
+    r["finite"] = bool(np.all(np.isfinite(losses)))
+    r["gpu_mib"] = gpu.allocated / 2**20
+    return r
+
+
+def hf_config(cfg: ModelConfig):
+    """transformers' Qwen3_5TextConfig of one of our hybrid configs."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
+                             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                             num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                             linear_num_key_heads=cfg.linear_k_heads, linear_num_value_heads=cfg.linear_v_heads,
+                             linear_key_head_dim=cfg.linear_k_dim, linear_value_head_dim=cfg.linear_v_dim,
+                             linear_conv_kernel_dim=cfg.linear_conv_kernel, max_position_embeddings=cfg.max_seq_len,
+                             rms_norm_eps=cfg.rms_eps, tie_word_embeddings=cfg.tie_embeddings,
+                             layer_types=list(cfg.layer_types),
+                             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                              "partial_rotary_factor": cfg.rope_dim / cfg.head_dim})  # fmt: skip
+
+
+def torch_train_peer(args) -> dict:
+    """(subprocess) transformers' model trained like the engine; prints a JSON line."""
+    torch, tdev = common.torch_setup(args.torch)
+    if torch is None:
+        return {"error": tdev}
+    from transformers import Qwen3_5ForCausalLM
+
+    cfg = small_hybrid(args.quick)
+    params = init_params(cfg, args.seed)
+    B, T = args.batch, args.seq
+    ids = np.random.default_rng(args.seed + 1).integers(0, cfg.vocab_size, (B, T)).astype(np.int64)
+    model = Qwen3_5ForCausalLM(hf_config(cfg)).to(tdev).float()
+    sd = model.state_dict()
+    with torch.no_grad():
+        for name, a in params.items():
+            t = sd[name]
+            t.copy_(torch.as_tensor(a).reshape(t.shape))
+    fla = "fla" in sys.modules or any(m.startswith("fla.") for m in sys.modules)
+    idt = torch.as_tensor(ids, device=tdev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1,
+                            fused=tdev == "cuda")  # fmt: skip
+
+    def sync():
+        if tdev == "cuda":
+            torch.cuda.synchronize()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=idt, labels=idt).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    with torch.no_grad():
+        init = float(model(input_ids=idt, labels=idt).loss)
+    for _ in range(args.warmup):
+        step()
+    sync()
+    t1 = time.perf_counter()
+    losses = [step() for _ in range(args.steps)]
+    sync()
+    r = {"s_per_step": (time.perf_counter() - t1) / args.steps, "init_loss": init,
+         "losses": [float(x.detach()) for x in losses], "fla_imported": fla}  # fmt: skip
+    if tdev == "cuda":
+        r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    r["finite"] = bool(np.all(np.isfinite(r["losses"])))
+    return r
+
+
+def run_peer(args, kernels: str) -> dict:
+    """The torch peer in a subprocess, with or without fla on its path."""
+    env = dict(os.environ)
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != args.fla_path]
+    if kernels == "fla":
+        if not args.fla_path:
+            return {"error": "no --fla-path: the fla peer was not run"}
+        path = [args.fla_path, *path]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    cmd = [sys.executable, __file__, "torch-train", "--torch", args.torch, "--batch", str(args.batch), "--seq",
+           str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]  # fmt: skip
+    if args.quick:
+        cmd.append("--quick")
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.peer_timeout)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    if p.returncode or not lines:
+        return {"error": f"exit {p.returncode}: {(p.stderr or p.stdout)[-400:]}"}
+    return json.loads(lines[-1])
+
+
+def bench_train(gpu, args) -> dict:
+    cfg = small_hybrid(args.quick)
+    params = init_params(cfg, args.seed)
+    B, T = args.batch, args.seq
+    ids = np.random.default_rng(args.seed + 1).integers(0, cfg.vocab_size, (B, T)).astype(np.int64)
+    out = {"params": num_params(cfg), "batch": B, "seq": T, "layer_types": list(cfg.layer_types), "runs": {}}
+    print(f"train: {out['params'] / 1e6:.1f}M parameters, {B} x {T}", flush=True)
+    runs = out["runs"]
+    runs["ddl-wgpu"] = _attempt(bench_engine_train, gpu, cfg, params, ids, args.steps, args.warmup)
+    print(f"  ddl-wgpu: {_brief(runs['ddl-wgpu'])}", flush=True)
+    for kernels in ("fla", "eager"):
+        runs[f"transformers fp32 {kernels}"] = r = run_peer(args, kernels)
+        print(f"  transformers {kernels}: {_brief(r)}", flush=True)
+    wl = runs["ddl-wgpu"].get("init_loss")
+    for name, r in runs.items():
+        if "s_per_step" in r:
+            r["tokens_per_s"] = B * T / r["s_per_step"]
+        if name != "ddl-wgpu" and wl is not None and "init_loss" in r:
+            r["init_loss_diff"] = abs(r["init_loss"] - wl)
+    fla = runs["transformers fp32 fla"].get("tokens_per_s")
+    if fla and "tokens_per_s" in runs["ddl-wgpu"]:
+        runs["ddl-wgpu"]["vs_fla"] = runs["ddl-wgpu"]["tokens_per_s"] / fla
+    eager = runs["transformers fp32 eager"].get("tokens_per_s")
+    if eager and "tokens_per_s" in runs["ddl-wgpu"]:
+        runs["ddl-wgpu"]["vs_eager"] = runs["ddl-wgpu"]["tokens_per_s"] / eager
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# forward27b
+
+
+class RandomWeights(dict):
+    """Parameters of `cfg` made on demand: one random tensor per (shape, init) kind, shared by every tensor of
+    that kind (norm weights and the Gated DeltaNet's A_log, dt_bias drawn as the table says)."""
+
+    def __init__(self, cfg, seed: int = 0):
+        super().__init__()
+        self.specs = {s.name: s for s in param_table(cfg)}
+        self.rng = np.random.default_rng(seed)
+        self.cache: dict = {}
+
+    def __contains__(self, name) -> bool:
+        return name in self.specs
+
+    def __getitem__(self, name):
+        s = self.specs[name]
+        key = (s.shape, s.init)
+        if key not in self.cache:
+            from ddl_ref.params import _draw
+
+            self.cache[key] = _draw(s, self.rng, np.float32)
+        return self.cache[key]
+
+
+def nvidia_smi_used_mib() -> float | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout  # fmt: skip
+        return float(out.split()[0])
+    except Exception:
+        return None
+
+
+def bench_forward27b(gpu, args) -> dict:
+    from ddl_wgpu.gpu import ProfileRecorder
+    from ddl_wgpu.net import Net
+
+    B, T = (2, 32) if args.quick else (16, 1024)
+    cfg = (
+        apply_arch(preset("tiny", n_layers=4, tie_embeddings=False), "qwen3_5") if args.quick else qwen38_27b(seq=T)
+    )
+    out = {"params": num_params(cfg), "batch": B, "seq": T, "n_layers": cfg.n_layers}
+    print(f"forward27b: {out['params'] / 1e9:.2f}B parameters, {B} x {T}", flush=True)
+    smi0 = nvidia_smi_used_mib()
+    t0 = time.perf_counter()
+    net = Net(gpu, cfg, RandomWeights(cfg), inference=True, dtype="f16")
+    out["load_s"] = time.perf_counter() - t0
+    out["weights_gib"] = sum(s.nbytes for s in net.slots.values()) / 2**30
+    t0 = time.perf_counter()
+    work = net.work(B, T)
+    out["build_s"] = time.perf_counter() - t0
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (B, T))
+    total, count = work.loss_sum(ids)  # compiles and warms
+    out["loss"] = total / count
+    rec_calls = [work._fwd, work._head_eval, work._sum]
+    times = []
+    for _ in range(args.repeats):
+        rec = gpu.recorder(timestamps=True)
+        for c in rec_calls:
+            c.record(rec)
+        rec.submit()
+        times.append(rec.elapsed_ms())
+    out["forward_ms"] = min(times)
+    out["forward_ms_all"] = times
+    out["tokens_per_s"] = B * T / (out["forward_ms"] / 1e3)
+    out["ours_gib"] = gpu.allocated / 2**30
+    smi = nvidia_smi_used_mib()
+    if smi is not None and smi0 is not None:
+        out["nvidia_smi_used_gib"] = smi / 1024
+        out["nvidia_smi_before_gib"] = smi0 / 1024
+    # GPU time by layer type: the same Calls, every dispatch timed alone, phases by layer type
+    rec = ProfileRecorder(gpu)
+    rec.phase = "embedding"
+    work.embed_forward(work.L[0]["x"]).record(rec)
+    for i, a in enumerate(work.L):
+        nxt = work.L[i + 1]["x"] if i + 1 < len(work.L) else work.xS
+        rec.phase = cfg.layer_type(i)
+        work.block_forward(a, nxt, f"model.layers.{i}.", False).record(rec)
+    rec.phase = "head+loss"
+    work.final_norm_forward().record(rec)
+    work._head_eval.record(rec)
+    work._sum.record(rec)
+    rec.submit()
+    per: dict[str, float] = {}
+    fam: dict[str, float] = {}
+    for key, ms in rec.profile().items():
+        phase, kernel = key.split("|", 1)
+        per[phase] = per.get(phase, 0.0) + ms
+        k = f"{phase}|{kernel.split(':')[0].removesuffix('.wgsl')}"
+        fam[k] = fam.get(k, 0.0) + ms
+    out["profile_ms_by_type"] = per
+    out["profile_ms_by_type_and_shader"] = dict(sorted(fam.items(), key=lambda kv: -kv[1]))
+    n_type = {t: sum(1 for i in range(cfg.n_layers) if cfg.layer_type(i) == t) for t in set(cfg.layer_types)}
+    out["ms_per_layer"] = {t: per.get(t, 0.0) / n for t, n in n_type.items()}
+    del work, net
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernel
+
+
+def bench_kernel(gpu, args) -> dict:
+    from ddl_wgpu.ops import gated_delta as kg
+
+    shapes = {"27b": (16, 1024, 16, 48, 128, 128), "small": (8, 1024, 6, 6, 128, 128)}
+    if args.quick:
+        shapes = {"quick": (1, 16, 1, 2, 16, 16)}
+    out = {}
+    rng = np.random.default_rng(0)
+    for name, (B, T, Hk, Hv, Dk, Dv) in shapes.items():
+        N, tc = B * T, min(T, 64)
+        k_off, gb_off = kg.qkgb_offsets(N, Hk, Dk)
+        qkgb = np.zeros(kg.qkgb_floats(N, Hk, Hv, Dk), np.float32)
+        q = rng.standard_normal((N, Hk, Dk)).astype(np.float32)
+        k = rng.standard_normal((N, Hk, Dk)).astype(np.float32)
+        qkgb[: q.size] = (q / np.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(Dk)).reshape(-1)
+        qkgb[k_off : k_off + k.size] = (k / np.linalg.norm(k, axis=-1, keepdims=True)).reshape(-1)
+        gb = np.stack([-rng.uniform(0.01, 2, (N, Hv)), rng.uniform(0.05, 0.95, (N, Hv))], -1)
+        qkgb[gb_off:] = gb.astype(np.float32).reshape(-1)
+        g = gpu
+        bufs = dict(qkgb=g.upload(qkgb), v=g.upload(rng.standard_normal(N * Hv * Dv).astype(np.float32)),
+                    o=g.buffer(4 * N * Hv * Dv), r=g.buffer(4 * N * Hv * Dv),
+                    states=g.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, tc)),
+                    scratch=g.buffer(4 * kg.scratch_floats(B, Hv, Dk, Dv, tc)),
+                    do=g.upload(rng.standard_normal(N * Hv * Dv).astype(np.float32)),
+                    dqk=g.buffer(4 * kg.qk_floats(N, Hv, Dk)), dv=g.buffer(4 * N * Hv * Dv),
+                    dgb=g.buffer(8 * N * Hv * Dv))  # fmt: skip
+        fwd = kg.gated_delta_forward(g, bufs["o"], bufs["r"], bufs["states"], bufs["qkgb"], bufs["v"], B, T, Hk, Hv,
+                                     Dk, Dv, tc=tc)  # fmt: skip
+        bwd = kg.gated_delta_backward(g, bufs["dqk"], bufs["dv"], bufs["dgb"], bufs["scratch"], bufs["states"],
+                                      bufs["qkgb"], bufs["r"], bufs["do"], B, T, Hk, Hv, Dk, Dv, tc=tc)  # fmt: skip
+        fwd.run(g)
+        tf = common.gpu_time_ms(g, [fwd], repeats=3)["ms"]
+        tb = common.gpu_time_ms(g, [bwd], repeats=3)["ms"]
+        el = N * Hv * Dk * Dv  # state elements x tokens
+        nck = kg.n_chunks(T, tc)
+        f_bytes = 4 * (qkgb.size + 3 * N * Hv * Dv + B * Hv * nck * Dk * Dv)
+        b_bytes = 4 * (qkgb.size + 2 * N * Hv * Dv + B * Hv * nck * Dk * Dv + 2 * el + kg.qk_floats(N, Hv, Dk)
+                       + 3 * N * Hv * Dv)  # fmt: skip
+        row = {"shape": [B, T, Hk, Hv, Dk, Dv], "tc": tc, "forward_ms": tf, "backward_ms": tb}
+        for part, ms, flop, nbytes in (("forward", tf, 6 * el, f_bytes), ("backward", tb, 18 * el, b_bytes)):
+            flop_ms = flop / (common.H200_FP32_TFLOPS * 1e9)
+            byte_ms = nbytes / (common.H200_HBM_GBS * 1e6)
+            bound = max(flop_ms, byte_ms)
+            row[part] = {"tflops": flop / ms / 1e9, "gbs": nbytes / ms / 1e6, "flop_bound_ms": flop_ms,
+                         "byte_bound_ms": byte_ms, "binds": "flops" if flop_ms >= byte_ms else "bytes",
+                         "x_of_bound": ms / bound}  # fmt: skip
+        out[name] = row
+        print(f"  kernel {name}: forward {tf:.2f} ms ({row['forward']['x_of_bound']:.2f}x its "
+              f"{row['forward']['binds']} bound), backward {tb:.2f} ms ({row['backward']['x_of_bound']:.2f}x its "
+              f"{row['backward']['binds']} bound)", flush=True)  # fmt: skip
+        del bufs
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _attempt(measure, *args) -> dict:
+    try:
+        return measure(*args)
+    except Exception as e:
+        return {"error": f"{e.__class__.__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+
+
+def _brief(r: dict) -> str:
+    if "error" in r:
+        return "ERROR " + r["error"][:300]
+    return f"{r['s_per_step'] * 1e3:.1f} ms/step, init loss {r.get('init_loss', float('nan')):.5f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["train", "forward27b", "kernel", "all", "torch-train"])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (lavapipe smoke test)")
+    ap.add_argument("--batch", type=int, default=None, help="train: default 8 (2 with --quick)")
+    ap.add_argument("--seq", type=int, default=None, help="train: default 1024 (32 with --quick)")
+    ap.add_argument("--steps", type=int, default=None, help="train: timed steps (default 6)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="forward27b: timed forwards")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torch", default="auto", choices=["auto", "cuda", "cpu", "none"])
+    ap.add_argument("--fla-path", default=None, help="a folder holding flash-linear-attention (fla) for the fla peer")
+    ap.add_argument("--peer-timeout", type=float, default=400.0)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    args.batch = args.batch or (2 if args.quick else 8)
+    args.seq = args.seq or (32 if args.quick else 1024)
+    args.steps = args.steps or (2 if args.quick else 6)
+    if args.what == "torch-train":
+        print(json.dumps(torch_train_peer(args)))
+        return 0
+    t0 = time.perf_counter()
+    gpu = common.open_gpu(args.device)
+    print(f"adapter: {common.adapter_line(gpu)}", flush=True)
+    data = {"bench": "hybrid", "date": common.now_iso(), "command": " ".join(["python3", "bench/hybrid.py", *sys.argv[1:]]),
+            "adapter": common.adapter_line(gpu), "host": common.host_info()}  # fmt: skip
+    parts = ["kernel", "train", "forward27b"] if args.what == "all" else [args.what]
+    for part in parts:
+        fn = {"train": bench_train, "forward27b": bench_forward27b, "kernel": bench_kernel}[part]
+        data[part] = _attempt(fn, gpu, args)
+        if "error" in data[part]:
+            print(f"{part}: ERROR {data[part]['error']}\n{data[part].get('traceback', '')}", flush=True)
+    data["wall_s"] = time.perf_counter() - t0
+    common.write_json(common.json_path(args.json, "hybrid.json"), data)
+    failed = _summary(data)
+    return 1 if failed else 0
+
+
+def _summary(data: dict) -> list[str]:
+    failed = []
+    tr = data.get("train")
+    if tr and "runs" in tr:
+        rows = []
+        for name, r in tr["runs"].items():
+            if "error" in r:
+                rows.append([name, "-", "-", "-", r["error"][:60]])
+                continue
+            diff = r.get("init_loss_diff")
+            if diff is not None and diff > LOSS_TOL:
+                failed.append(f"train/{name}: initial loss differs by {diff:.2e}")
+            rows.append([name, f"{r['s_per_step'] * 1e3:.1f}", f"{r['tokens_per_s'] / 1e3:.2f}K",
+                         common.fmt(r.get("init_loss"), ".5f"), common.fmt(diff, ".1e")])  # fmt: skip
+        print(common.table(["implementation", "ms/step", "tokens/s", "init loss", "|Δ init|"], rows,
+                           f"hybrid training step ({tr['params'] / 1e6:.1f}M, {tr['batch']} x {tr['seq']})"))  # fmt: skip
+        dw = tr["runs"].get("ddl-wgpu", {})
+        print(f"ddl-wgpu vs fla: {common.fmt(dw.get('vs_fla'), '.2f')}x, vs eager: {common.fmt(dw.get('vs_eager'), '.2f')}x")
+    fw = data.get("forward27b")
+    if fw and "forward_ms" in fw:
+        print(f"forward ({fw['params'] / 1e9:.2f}B, {fw['batch']} x {fw['seq']}): {fw['forward_ms']:.1f} ms, "
+              f"{fw['tokens_per_s'] / 1e3:.2f}K tokens/s; weights {fw['weights_gib']:.1f} GiB, our buffers "
+              f"{fw['ours_gib']:.1f} GiB, nvidia-smi {common.fmt(fw.get('nvidia_smi_used_gib'), '.1f')} GiB; "
+              f"ms per layer {', '.join(f'{k} {v:.2f}' for k, v in fw['ms_per_layer'].items())}")  # fmt: skip
+    elif fw:
+        failed.append(f"forward27b: {fw.get('error', '?')[:120]}")
+    kr = data.get("kernel")
+    if kr and "error" not in kr:
+        rows = []
+        for name, row in kr.items():
+            for part in ("forward", "backward"):
+                x = row[part]
+                rows.append([name, part, f"{row[part + '_ms']:.2f}", f"{x['tflops']:.1f}", f"{x['gbs']:.0f}",
+                             x["binds"], f"{x['x_of_bound']:.2f}"])  # fmt: skip
+        print(common.table(["shape", "pass", "ms", "TFLOP/s", "GB/s", "bound", "x bound"], rows,
+                           "gated delta rule"))  # fmt: skip
+    elif kr:
+        failed.append(f"kernel: {kr['error'][:120]}")
+    print(f"total {data['wall_s']:.0f}s; {'all checks passed' if not failed else 'FAILED: ' + '; '.join(failed)}")
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
