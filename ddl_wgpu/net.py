@@ -418,18 +418,18 @@ class Net:
         mode = hyper.grad_clip_mode
         if mode not in ("per-tensor", "global"):
             raise GpuError(f"grad_clip_mode must be 'per-tensor' or 'global', got {mode!r}")
-        values = k_adamw.adamw_uniform_values(
+        fields = k_adamw.adamw_fields(
             hyper.lr, hyper.step, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay
         )
         if self._opt is None:
             self._opt = {}
-            self._hyper_buf = self.gpu.uniform(k_adamw.ADAMW_FMT, *values)
+            self._hyper_buf = self.gpu.uniform(k_adamw.ADAMW, **fields, label="adamw")
         if mode not in self._opt:
             self._opt[mode] = self._global_clip() if mode == "global" else self._tensor_clip()
         call, clip_uniforms = self._opt[mode]
-        for buf, fmt, head, tail in clip_uniforms:
-            self.gpu.write_uniform(buf, fmt, *head, hyper.grad_clip, *tail)
-        self.gpu.write_uniform(self._hyper_buf, k_adamw.ADAMW_FMT, *values)
+        for buf, layout in clip_uniforms:  # only the threshold changes; counts and strides stay as built
+            self.gpu.write_fields(buf, layout, clip=hyper.grad_clip)
+        self.gpu.write_uniform(self._hyper_buf, k_adamw.ADAMW, **fields)
         return call
 
     def _global_clip(self):
@@ -439,7 +439,7 @@ class Net:
         count = k_red.total_partials([n for _, n in ranges])
         parts = self.gpu.buffer(count * F32, label="norm_partials")
         call = k_red.grad_norm_clip(self.gpu, self.scalars, parts, ranges, 1.0)
-        clip_uniforms = [(call.uniforms[-1], k_red.FINALIZE_FMT, (count,), (0, 0))]
+        clip_uniforms = [(call.uniforms[-1], k_red.FINALIZE)]
         for a, off, n in runs:
             views = [(buf[a], off, n) for buf in (self.p, self.g, self.m, self.v)]
             call = call + k_adamw.adamw(self.gpu, *views, self.scalars, n // F32, self._hyper_buf)
@@ -456,10 +456,7 @@ class Net:
         parts = self.gpu.buffer(count * F32, label="norm_partials_tensors")
         self._records = self.gpu.buffer(len(tensors) * k_red.RECORD_BYTES, label="clip_records")
         call = k_red.tensor_norm_clip(self.gpu, self.scalars, self._records, parts, tensors, 1.0)
-        clip_uniforms = [
-            (call.uniforms[-3], k_red.FINALIZE_FMT, (count,), (0, 0)),
-            (call.uniforms[-2], k_red.TENSOR_CLIP_FMT, (len(tensors),), (k_red.RECORD_BYTES // 4, 0)),
-        ]
+        clip_uniforms = [(call.uniforms[-3], k_red.FINALIZE), (call.uniforms[-2], k_red.TENSOR_CLIP)]
         for t, ps in enumerate(pieces):
             record = (self._records, t * k_red.RECORD_BYTES, k_red.SCALARS_BYTES)
             for a, off, n in ps:
