@@ -23,9 +23,9 @@ from ddl_ref.check import random_params
 from ddl_ref.config import ModelConfig, ModelVariant, MtpConfig
 from ddl_wgpu import accept
 from ddl_wgpu.data import ByteTokenizer
-from ddl_wgpu.generate import GenerateError, RefEngine, Sampling, TextStream, distribution, generate, run
+from ddl_wgpu.generate import GenerateError, Sampling, TextStream, distribution, generate, run
 from ddl_wgpu.modelfile import Model, save_model
-from ddl_wgpu.refnet import ref_runner
+from ddl_wgpu.refnet import RefEngine, ref_runner
 
 VARIANTS = list(ModelVariant)
 

@@ -14,8 +14,9 @@ from ddl_ref.check import check, random_params
 from ddl_ref.config import ModelConfig, ModelVariant, MtpConfig
 from ddl_wgpu.data import ByteTokenizer
 from ddl_wgpu.decode import WgpuEngine
-from ddl_wgpu.generate import RefEngine, Sampling, run
+from ddl_wgpu.generate import Sampling, run
 from ddl_wgpu.modelfile import Model
+from ddl_wgpu.refnet import RefEngine
 
 VARIANTS = list(ModelVariant)
 
