@@ -2,11 +2,12 @@
 model's MTP draft.
 
 The loop drives a decoding engine (`backend.Engine`, built by `backend.make_engine`: `refnet.RefEngine` on
-numpy, `ddl_ref.decode`; `decode.WgpuEngine` on the GPU) through five calls: `feed(ids, head)` runs the trunk over new tokens with its cache and returns each
-row's argmax (head "argmax"), logits (head "logits"), or logits that may be −inf outside the k most likely
-ids (head "top<k>", when sampling with top_k = k); `rollback(length)` forgets positions; `draft(token,
-depth, head, pick)` runs the MTP draft `depth` steps from the last fed position; `round(token, depth)` is a
-greedy draft and its verify in one call (one submit on the GPU); `length` is the fed count.
+numpy over `ddl_ref.decode`, `decode.WgpuEngine` on the GPU) through five calls: `feed(ids, head)` runs the
+trunk over new tokens with its cache and returns each row's argmax (head "argmax"), logits (head "logits"), or
+logits that may be −inf outside the k most likely ids (head "top<k>", when sampling with top_k = k);
+`rollback(length)` forgets positions; `draft(token, depth, head, pick)` runs the MTP draft `depth` steps from
+the last fed position; `round(token, depth)` is a greedy draft and its verify in one call (one submit on the
+GPU); `length` is the fed count.
 
 Plain decoding: the prompt in one `feed`, then one token per `feed`. The token at each step is the argmax of
 the trunk's logits (temperature 0) or drawn from `distribution(logits)`: logits / temperature, then top-k,
