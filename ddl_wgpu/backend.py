@@ -298,8 +298,11 @@ def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | 
 
         return RefNet(cfg, params, mtp_weight=mtp_weight)
     from ddl_wgpu.net import Net
+    from ddl_wgpu.trunk import TrunkWork
 
-    return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight, precision=precision)
+    return Net(
+        open_gpu(device), cfg, params, mtp_weight=mtp_weight, precision=precision, work_class=TrunkWork
+    )
 
 
 def _check_trunk_dtype(backend: str, trunk_dtype: str) -> None:
@@ -356,8 +359,8 @@ def make_accept_backend(backend: str, model: Model, batch: int = 8, device: str 
     return teacher, make_draft("wgpu", model, None, batch, device)
 
 
-def make_engine(backend: str, model: Model, depth: int = 0, device: str | None = None, trunk_dtype: str = "f32",
-                capacity: int | None = None) -> Engine:  # fmt: skip
+def make_engine(backend: str, model: Model, depth: int = 0, device: str | None = None,
+                trunk_dtype: str = "f32", capacity: int | None = None) -> Engine:  # fmt: skip
     """generate's decoding engine on the backend: the trunk's cache and, `depth` > 0, the MTP draft's for
     speculating `depth` deep; `capacity` positions (default the model's max_seq_len); on wgpu an
     inference-only net, its big matrices in `trunk_dtype`."""
