@@ -154,6 +154,8 @@ def test_bad_batch_shape_and_token_are_errors(gpu):
     from ddl_wgpu.gpu import GpuError
 
     cfg = tiny_cfg("engine")
+    with pytest.raises(GpuError, match="without a work class"):
+        Net(gpu, cfg, init_params(cfg, 0)).work(B, T)
     work = Net(gpu, cfg, init_params(cfg, 0), work_class=TrunkWork).work(B, T)
     with pytest.raises(GpuError, match="built for"):
         work.step(np.zeros((B, T + 1), int))

@@ -83,6 +83,13 @@ def test_numpy_backend_imports_no_wgpu(module):
     assert r.returncode == 0, r.stderr
 
 
+def test_the_net_imports_no_work():
+    """net.py (the GPU state) sits below the works: importing it loads neither trunk.py nor inference.py."""
+    code = "import sys, ddl_wgpu.net; assert not {'ddl_wgpu.trunk', 'ddl_wgpu.inference'} & set(sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_makers_on_both_backends_agree(gpu, heal_kit):
     cfg = heal_kit.tiny_cfg()
     m = Model(cfg, heal_kit.perturbed(cfg))
