@@ -253,7 +253,9 @@ def bench_forward27b(gpu, args) -> dict:
 
     B, T = (2, 32) if args.quick else (16, 1024)
     cfg = (
-        apply_arch(preset("tiny", n_layers=4, tie_embeddings=False), "qwen3_5") if args.quick else qwen38_27b(seq=T)
+        apply_arch(preset("tiny", n_layers=4, tie_embeddings=False), "qwen3_5")
+        if args.quick
+        else qwen38_27b(seq=T)
     )
     out = {"params": num_params(cfg), "batch": B, "seq": T, "n_layers": cfg.n_layers}
     print(f"forward27b: {out['params'] / 1e9:.2f}B parameters, {B} x {T}", flush=True)
@@ -397,7 +399,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="forward27b: timed forwards")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--torch", default="auto", choices=["auto", "cuda", "cpu", "none"])
-    ap.add_argument("--fla-path", default=None, help="a folder holding flash-linear-attention (fla) for the fla peer")
+    ap.add_argument(
+        "--fla-path", default=None, help="a folder holding flash-linear-attention (fla) for the fla peer"
+    )
     ap.add_argument("--peer-timeout", type=float, default=400.0)
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None)
@@ -442,7 +446,9 @@ def _summary(data: dict) -> list[str]:
         print(common.table(["implementation", "ms/step", "tokens/s", "init loss", "|Δ init|"], rows,
                            f"hybrid training step ({tr['params'] / 1e6:.1f}M, {tr['batch']} x {tr['seq']})"))  # fmt: skip
         dw = tr["runs"].get("ddl-wgpu", {})
-        print(f"ddl-wgpu vs fla: {common.fmt(dw.get('vs_fla'), '.2f')}x, vs eager: {common.fmt(dw.get('vs_eager'), '.2f')}x")
+        print(
+            f"ddl-wgpu vs fla: {common.fmt(dw.get('vs_fla'), '.2f')}x, vs eager: {common.fmt(dw.get('vs_eager'), '.2f')}x"
+        )
     fw = data.get("forward27b")
     if fw and "forward_ms" in fw:
         print(f"forward ({fw['params'] / 1e9:.2f}B, {fw['batch']} x {fw['seq']}): {fw['forward_ms']:.1f} ms, "
@@ -463,7 +469,9 @@ def _summary(data: dict) -> list[str]:
                            "gated delta rule"))  # fmt: skip
     elif kr:
         failed.append(f"kernel: {kr['error'][:120]}")
-    print(f"total {data['wall_s']:.0f}s; {'all checks passed' if not failed else 'FAILED: ' + '; '.join(failed)}")
+    print(
+        f"total {data['wall_s']:.0f}s; {'all checks passed' if not failed else 'FAILED: ' + '; '.join(failed)}"
+    )
     return failed
 
 

@@ -115,6 +115,29 @@ def l2norm_backward(dout, cache):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the decay and write gates
+
+
+def gates_forward(araw, braw, A_log, dt_bias):
+    """araw, braw (..., Hv) the in_proj_a / in_proj_b outputs, A_log, dt_bias (Hv,) -> (g, beta, cache):
+    g = −exp(A_log)·softplus(araw + dt_bias) (the log decay, <= 0), beta = sigmoid(braw)."""
+    x_dt = araw + dt_bias
+    A = np.exp(A_log)
+    g = -A * softplus(x_dt)
+    beta = ops.sigmoid(braw)
+    return g, beta, (x_dt, A, g, beta)
+
+
+def gates_backward(dg, dbeta, cache):
+    """-> (daraw, dbraw, dA_log, ddt_bias); dg/dx_dt = −A·sigmoid(x_dt), dg/dA_log = g, so dA_log and
+    ddt_bias sum the per-token terms over every leading axis."""
+    x_dt, A, g, beta = cache
+    lead = tuple(range(dg.ndim - 1))
+    daraw = dg * (-A) * ops.sigmoid(x_dt)
+    return daraw, dbeta * beta * (1.0 - beta), np.sum(dg * g, axis=lead), np.sum(daraw, axis=lead)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # the gated delta rule
 
 
@@ -305,19 +328,15 @@ def gdn_forward(params, cfg: ModelConfig, p: str, h, state: GdnState | None = No
     kn, c_k = l2norm_forward(c[..., kd : 2 * kd].reshape(B, T, Hk, Dk))
     vv = c[..., 2 * kd :].reshape(B, T, Hv, Dv)
     scale = float(Dk) ** -0.5
-    beta = ops.sigmoid(braw)
-    x_dt = araw + params[n["dt_bias"]]
-    A = np.exp(params[n["A_log"]])  # (Hv,)
-    g = -A * softplus(x_dt)  # (B, T, Hv): log decay, <= 0
+    g, beta, c_gates = gates_forward(araw, braw, params[n["A_log"]], params[n["dt_bias"]])  # (B, T, Hv) each
     o, S, c_delta = gated_delta_forward(
         qn * scale, kn, vv, g, beta, None if state is None else state.delta, checkpoint
     )
     y, c_gn = gated_rmsnorm_forward(o, z, params[n["norm"]], cfg.rms_eps)  # (B, T, Hv, Dv)
     y = y.reshape(B, T, Hv * Dv)
     out = ops.linear_forward(y, params[n["out"]])
-    cache = {"h": h, "conv": c_conv, "q": c_q, "k": c_k, "beta": beta, "x_dt": x_dt, "A": A, "g": g,
-             "delta": c_delta, "gn": c_gn, "y": y, "scale": scale,
-             "state": GdnState(conv_tail(c_conv), S)}  # fmt: skip
+    cache = {"h": h, "conv": c_conv, "q": c_q, "k": c_k, "gates": c_gates, "delta": c_delta, "gn": c_gn,
+             "y": y, "scale": scale, "state": GdnState(conv_tail(c_conv), S)}  # fmt: skip
     return out, cache
 
 
@@ -331,12 +350,7 @@ def gdn_backward(params, cfg: ModelConfig, p: str, dout, cache, grads):
     dy, grads[n["out"]] = ops.linear_backward(dout, cache["y"], params[n["out"]])
     do, dz, grads[n["norm"]] = gated_rmsnorm_backward(dy.reshape(B, T, Hv, Dv), cache["gn"])
     dqs, dkn, dvv, dg, dbeta, _ = gated_delta_backward(do, cache["delta"])
-    # g = −A·softplus(x_dt): dg/dx_dt = −A·sigmoid(x_dt), dg/dA_log = g
-    dx_dt = dg * (-cache["A"]) * ops.sigmoid(cache["x_dt"])
-    grads[n["A_log"]] = np.sum(dg * cache["g"], axis=(0, 1))
-    grads[n["dt_bias"]] = np.sum(dx_dt, axis=(0, 1))
-    beta = cache["beta"]
-    dbraw = dbeta * beta * (1.0 - beta)
+    dx_dt, dbraw, grads[n["A_log"]], grads[n["dt_bias"]] = gates_backward(dg, dbeta, cache["gates"])
     dq = l2norm_backward(dqs * cache["scale"], cache["q"])
     dk = l2norm_backward(dkn, cache["k"])
     dc = np.concatenate([dq.reshape(B, T, -1), dk.reshape(B, T, -1), dvv.reshape(B, T, -1)], axis=-1)

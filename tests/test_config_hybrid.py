@@ -114,23 +114,3 @@ def test_drop_layers_keeps_a_hybrid_blocks_types_and_tensors():
     np.testing.assert_array_equal(
         out.params["model.layers.1.linear_attn.A_log"], model.params["model.layers.2.linear_attn.A_log"]
     )
-
-
-@pytest.mark.parametrize(
-    "overrides, what",
-    [
-        ({"arch": True}, "linear_attention layers"),
-        ({"attn_output_gate": True}, "output gate"),
-        ({"rotary_dim": 8}, "partial RoPE"),
-    ],
-)
-def test_gpu_engine_refuses_hybrid_models(overrides, what):
-    # Refused before any device work (the gpu is never touched), so this runs without an adapter.
-    from ddl_wgpu.gpu import GpuError
-    from ddl_wgpu.net import Net
-
-    cfg = (
-        apply_arch(preset("tiny"), "qwen3_5") if overrides.pop("arch", False) else preset("tiny", **overrides)
-    )
-    with pytest.raises(GpuError, match=f"does not run hybrid.*{what}.*--backend ref"):
-        Net(None, cfg)

@@ -65,19 +65,26 @@ SHAPES = [  # B, T, Hk, Hv, Dk, Dv, tc
 ]
 
 
+def _r_reference(cache):
+    """r = v − u of every token from the reference's states (kept before every token: checkpoint 1)."""
+    S_prev = np.stack(cache["kept"], axis=1)  # (B, T, Hv, Dk, Dv): the state before token t
+    u = np.einsum("bthkv,bthk->bthv", S_prev * cache["a"][..., None, None], cache["ke"])
+    return cache["v"] - u
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_forward_matches_reference(gpu, shape):
     B, T, Hk, Hv, Dk, Dv, tc = shape
     rng = np.random.default_rng(sum(shape))
     q, k, v, g, beta = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
-    o_ref, S_ref, cache = ref.gated_delta_forward(*(f64(a) for a in (q, k, v, g, beta)))
+    o_ref, S_ref, cache = ref.gated_delta_forward(*(f64(a) for a in (q, k, v, g, beta)), checkpoint=1)
     d = _forward(gpu, q, k, v, g, beta, tc, v_pad=5)
     check("o", gpu.read(d["o"], (B, T, Hv, Dv)), o_ref, "norm")
-    check("r = v - u", gpu.read(d["r"], (B, T, Hv, Dv)), cache["r"], "norm")
+    check("r = v - u", gpu.read(d["r"], (B, T, Hv, Dv)), _r_reference(cache), "norm")
     nck = kg.n_chunks(T, tc)
     states = gpu.read(d["states"], (B, Hv, nck + 1, Dk, Dv))
     for c in range(nck):
-        check(f"checkpoint {c}", states[:, :, c], np.stack(cache["states"])[c * tc], "norm")
+        check(f"checkpoint {c}", states[:, :, c], cache["kept"][c * tc], "norm")
     check("final state", states[:, :, nck], S_ref, "norm")
 
 

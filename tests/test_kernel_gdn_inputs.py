@@ -1,7 +1,7 @@
 """The Gated DeltaNet's input kernels (`shaders/gdn_inputs.wgsl`, `ddl_wgpu/ops/gdn_inputs.py`) against
 `ddl_ref.gdn`: the causal conv with SiLU (planar output, a decoding history), its input and weight gradients;
 the L2 norm of q and k (an RMSNorm with a constant weight) and its backward with the per-key-head sum; the
-decay and write gates and their gradients.
+decay and write gates and their gradients (`ddl_ref.gdn.gates_forward` / `gates_backward`).
 
 Sizes are off the workgroup grid: 13 rows, channels 2·Hk·Dk + Hv·Dv = 2·2·5 + 4·3 = 32 and 2·1·6 + 3·7 = 33.
 """
@@ -69,7 +69,9 @@ def test_conv_with_history_equals_the_longer_sequence(gpu, rng):
     tail = x[:, 3:].copy()
     hist = gpu.upload(np.ascontiguousarray(x[:, : k - 1]))  # positions 0..2: the history of position 3
     out = gpu.buffer(4 * gi.planar_floats(B * (T - 3), Hk, Hv, Dk, Dv))
-    gi.conv_forward(gpu, out, gpu.upload(tail), gpu.upload(w), B, T - 3, Hk, Hv, Dk, Dv, k, hist=hist).run(gpu)
+    gi.conv_forward(gpu, out, gpu.upload(tail), gpu.upload(w), B, T - 3, Hk, Hv, Dk, Dv, k, hist=hist).run(
+        gpu
+    )
     got = _planar(gpu.download(out, f32), B * (T - 3), Hk, Hv, Dk, Dv)
     check("conv with history", got, whole[:, 3:].reshape(-1, Ch), "norm")
 

@@ -10,28 +10,13 @@ import math
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
 from ddl_ref import model, ops
 from ddl_ref.check import assert_grad_close, numeric_grad, random_params
 from ddl_ref.config import PRESETS, ConfigError, ModelConfig, ModelVariant, MtpConfig, parse_variants, preset
 from ddl_ref.optim import CosineWarmupSchedule, adamw_step, clip_multiplier, global_grad_norm
 from ddl_ref.params import init_params, num_params, param_table
-
-
-def tiny_cfg(**kw) -> ModelConfig:
-    base = dict(
-        vocab_size=11,
-        d_model=8,
-        n_layers=2,
-        n_heads=2,
-        n_kv_heads=1,
-        head_dim=6,
-        ffn_hidden=10,
-        max_seq_len=8,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
-
 
 # ----------------------------------------------------------------------------------------------------------
 # model
@@ -41,7 +26,7 @@ def tiny_cfg(**kw) -> ModelConfig:
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("qk_norm", ["none", "pre_rope", "post_rope"])
 def test_model_gradients_match_finite_differences(qk_norm, tied, norm_style):
-    cfg = tiny_cfg(qk_norm=qk_norm, tie_embeddings=tied, norm_style=norm_style)
+    cfg = tiny_cfg("numpy", qk_norm=qk_norm, tie_embeddings=tied, norm_style=norm_style)
     params = random_params(cfg)
     rng = np.random.default_rng(1)
     ids = rng.integers(0, cfg.vocab_size, size=(2, 5))
@@ -56,7 +41,7 @@ def test_model_gradients_match_finite_differences(qk_norm, tied, norm_style):
 
 
 def test_forward_shapes_loss_and_hidden_states():
-    cfg = tiny_cfg()
+    cfg = tiny_cfg("numpy")
     params = random_params(cfg)
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(3, 7))
     logits, loss, _ = model.forward(params, cfg, ids)
@@ -69,7 +54,7 @@ def test_forward_shapes_loss_and_hidden_states():
 
 
 def test_model_is_causal():
-    cfg = tiny_cfg()
+    cfg = tiny_cfg("numpy")
     params = random_params(cfg)
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, size=(1, 6))
     logits, _, _ = model.forward(params, cfg, ids)
@@ -101,13 +86,13 @@ def test_init_loss_near_log_vocab_and_float32_matches_float64():
 
 def test_delta_residual_runs():
     # The Deep Delta residual is implemented now; its own tests are in tests/test_ref_ddl.py.
-    cfg = tiny_cfg(residual="delta")
+    cfg = tiny_cfg("numpy", residual="delta")
     _, loss, cache = model.forward(random_params(cfg), cfg, np.zeros((1, 3), dtype=int))
     assert np.isfinite(loss) and len(cache["blocks"]) == cfg.n_layers
 
 
 def test_sequence_longer_than_max_seq_len():
-    cfg = tiny_cfg(max_seq_len=4)
+    cfg = tiny_cfg("numpy", max_seq_len=4)
     with pytest.raises(ValueError, match="exceeds max_seq_len 4"):
         model.forward(random_params(cfg), cfg, np.zeros((1, 5), dtype=int))
 
@@ -117,7 +102,7 @@ def test_sequence_longer_than_max_seq_len():
 
 
 def test_param_table_names_and_shapes():
-    cfg = tiny_cfg(qk_norm="pre_rope", tie_embeddings=False)
+    cfg = tiny_cfg("numpy", qk_norm="pre_rope", tie_embeddings=False)
     table = {s.name: s.shape for s in param_table(cfg)}
     assert table["model.embed_tokens.weight"] == (11, 8)
     assert table["model.layers.1.self_attn.q_proj.weight"] == (12, 8)  # H*D = 2*6, != d_model
@@ -127,7 +112,7 @@ def test_param_table_names_and_shapes():
     assert table["model.layers.0.mlp.down_proj.weight"] == (8, 10)
     assert table["lm_head.weight"] == (11, 8)
     assert len(table) == 1 + 2 * 11 + 1 + 1
-    no_qk = {s.name for s in param_table(tiny_cfg(qk_norm="none"))}
+    no_qk = {s.name for s in param_table(tiny_cfg("numpy", qk_norm="none"))}
     assert not any("q_norm" in n or "k_norm" in n for n in no_qk)
     assert "lm_head.weight" not in no_qk
     assert all(s.decay for s in param_table(cfg))
