@@ -68,10 +68,11 @@ def small_hybrid(quick: bool) -> ModelConfig:
 def bench_engine_train(gpu, cfg, params, ids, steps: int, warmup: int) -> dict:
     from ddl_wgpu.net import Net
     from ddl_wgpu.step import AdamW
+    from ddl_wgpu.trunk import TrunkWork
 
     B, T = ids.shape
     t0 = time.perf_counter()
-    net = Net(gpu, cfg, params)
+    net = Net(gpu, cfg, params, work_class=TrunkWork)
     work = net.work(B, T)
     r = {"build_s": time.perf_counter() - t0}
     r["init_loss"] = work.step(ids).loss
@@ -94,7 +95,27 @@ def bench_engine_train(gpu, cfg, params, ids, steps: int, warmup: int) -> dict:
     r["losses"] = losses
     r["finite"] = bool(np.all(np.isfinite(losses)))
     r["gpu_mib"] = gpu.allocated / 2**20
+    if "timestamp-query" in gpu.features:
+        r["profile_ms"] = profile_step(gpu, net, work, upd())
     return r
+
+
+def profile_step(gpu, net, work, hyper) -> dict:
+    """GPU ms of one training step per (phase, shader family): every dispatch timed alone."""
+    from ddl_wgpu.gpu import ProfileRecorder
+
+    rec = ProfileRecorder(gpu)
+    for phase, call in (("zero", net.zero_grads_call()), ("forward", work._fwd), ("head+loss", work._head_train),
+                        ("loss sum", work._sum), ("backward", work._bwd), ("optimizer", net.optimizer_call(hyper))):  # fmt: skip
+        rec.phase = phase
+        call.record(rec)
+    rec.submit()
+    out: dict[str, float] = {}
+    for key, ms in rec.profile().items():
+        phase, kernel = key.split("|", 1)
+        k = f"{phase}|{kernel.split(':')[0].removesuffix('.wgsl')}"
+        out[k] = out.get(k, 0.0) + ms
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def hf_config(cfg: ModelConfig):
@@ -118,6 +139,15 @@ def torch_train_peer(args) -> dict:
     torch, tdev = common.torch_setup(args.torch)
     if torch is None:
         return {"error": tdev}
+    bypassed = False
+    if args.bypass_fla_hopper_guard:
+        try:  # fla refuses its gated backward on Hopper with Triton 3.4-3.7.0 (wrong results, fla #640)
+            import fla.ops.common.chunk_o as chunk_o
+
+            bypassed = not chunk_o.TRITON_ABOVE_3_7_1
+            chunk_o.TRITON_ABOVE_3_7_1 = True
+        except Exception:
+            pass
     from transformers import Qwen3_5ForCausalLM
 
     cfg = small_hybrid(args.quick)
@@ -156,7 +186,7 @@ def torch_train_peer(args) -> dict:
     losses = [step() for _ in range(args.steps)]
     sync()
     r = {"s_per_step": (time.perf_counter() - t1) / args.steps, "init_loss": init,
-         "losses": [float(x.detach()) for x in losses], "fla_imported": fla}  # fmt: skip
+         "losses": [float(x.detach()) for x in losses], "fla_imported": fla, "fla_guard_bypassed": bypassed}  # fmt: skip
     if tdev == "cuda":
         r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     r["finite"] = bool(np.all(np.isfinite(r["losses"])))
@@ -176,6 +206,8 @@ def run_peer(args, kernels: str) -> dict:
            str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]  # fmt: skip
     if args.quick:
         cmd.append("--quick")
+    if kernels == "fla" and args.bypass_fla_hopper_guard:
+        cmd.append("--bypass-fla-hopper-guard")
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.peer_timeout)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode or not lines:
@@ -249,6 +281,7 @@ def nvidia_smi_used_mib() -> float | None:
 
 def bench_forward27b(gpu, args) -> dict:
     from ddl_wgpu.gpu import ProfileRecorder
+    from ddl_wgpu.inference import InferenceWork
     from ddl_wgpu.net import Net
 
     B, T = (2, 32) if args.quick else (16, 1024)
@@ -261,7 +294,7 @@ def bench_forward27b(gpu, args) -> dict:
     print(f"forward27b: {out['params'] / 1e9:.2f}B parameters, {B} x {T}", flush=True)
     smi0 = nvidia_smi_used_mib()
     t0 = time.perf_counter()
-    net = Net(gpu, cfg, RandomWeights(cfg), inference=True, dtype="f16")
+    net = Net(gpu, cfg, RandomWeights(cfg), inference=True, dtype="f16", work_class=InferenceWork)
     out["load_s"] = time.perf_counter() - t0
     out["weights_gib"] = sum(s.nbytes for s in net.slots.values()) / 2**30
     t0 = time.perf_counter()
@@ -403,6 +436,9 @@ def main(argv=None) -> int:
         "--fla-path", default=None, help="a folder holding flash-linear-attention (fla) for the fla peer"
     )
     ap.add_argument("--peer-timeout", type=float, default=400.0)
+    ap.add_argument("--bypass-fla-hopper-guard", action="store_true",
+                    help="time fla's kernels even where fla refuses its gated backward (Hopper with Triton 3.4 to "
+                    "3.7.0: fla #640, wrong gradients); its throughput only, its losses are not compared")  # fmt: skip
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -437,6 +473,8 @@ def _summary(data: dict) -> list[str]:
         for name, r in tr["runs"].items():
             if "error" in r:
                 rows.append([name, "-", "-", "-", r["error"][:60]])
+                if name == "ddl-wgpu":
+                    failed.append(f"train/{name}: {r['error'][:120]}")
                 continue
             diff = r.get("init_loss_diff")
             if diff is not None and diff > LOSS_TOL:
@@ -445,6 +483,11 @@ def _summary(data: dict) -> list[str]:
                          common.fmt(r.get("init_loss"), ".5f"), common.fmt(diff, ".1e")])  # fmt: skip
         print(common.table(["implementation", "ms/step", "tokens/s", "init loss", "|Δ init|"], rows,
                            f"hybrid training step ({tr['params'] / 1e6:.1f}M, {tr['batch']} x {tr['seq']})"))  # fmt: skip
+        prof = tr["runs"].get("ddl-wgpu", {}).get("profile_ms")
+        if prof:
+            top = list(prof.items())[:14]
+            print(common.table(["phase|shader", "GPU ms"], [[k, f"{v:.2f}"] for k, v in top],
+                               f"ddl-wgpu step by phase and shader (all {sum(prof.values()):.1f} ms)"))  # fmt: skip
         dw = tr["runs"].get("ddl-wgpu", {})
         print(
             f"ddl-wgpu vs fla: {common.fmt(dw.get('vs_fla'), '.2f')}x, vs eager: {common.fmt(dw.get('vs_eager'), '.2f')}x"

@@ -237,6 +237,11 @@ class WgpuEngine:
 
     def __init__(self, gpu: Gpu, model, depth: int = 0, dtype: str = "f32", capacity: int | None = None):
         cfg = model.cfg
+        if cfg.has_linear or cfg.rope_dim != cfg.head_dim:
+            raise GpuError(
+                "decoding a hybrid (Gated DeltaNet) or partial-RoPE model on the GPU is not supported yet: "
+                "its cache holds keys and values only; use --backend ref"
+            )
         if depth and cfg.mtp is None:
             raise GpuError("speculative decoding needs the model's MTP draft")
         if not depth:
