@@ -11,7 +11,6 @@ f32 kernel's on the same data.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -30,7 +29,6 @@ from ddl_wgpu.ops.matmul import (
     linear_forward,
     matmul,
     pick_tile,
-    vec_loads,
 )
 
 SHAPES = [(1, 1, 1), (7, 13, 5), (33, 17, 65), (64, 48, 40), (130, 9, 70)]  # (M, N, K)
@@ -150,8 +148,8 @@ def test_matmul_batched_transposed_row_strides(gpu, rng):
 
 @pytest.mark.parametrize(
     "tile",
-    [SMALL_TILE, Tile(wx=4, wy=4, tm=4, tn=4, bk=4), Tile(vec=True)],
-    ids=["64x64", "16x16", "64x64-vec"],
+    [SMALL_TILE, Tile(wx=4, wy=4, tm=4, tn=4, bk=4)],
+    ids=["64x64", "16x16"],
 )
 def test_matmul_two_level_batch_gqa_offsets(gpu, rng, tile):
     # Q K^T for every (b, h) of (B, T, H, D) storage with K/V heads shared by G = H / KH query heads, the
@@ -179,13 +177,8 @@ def test_matmul_two_level_batch_gqa_offsets(gpu, rng, tile):
 
 @pytest.mark.parametrize(
     "tile",
-    [
-        SMALL_TILE,
-        Tile(wx=4, wy=4, tm=4, tn=4, bk=4),
-        Tile(vec=True),
-        Tile(wx=4, wy=4, tm=4, tn=4, bk=4, vec=True, stages=2),
-    ],
-    ids=["64x64", "16x16", "64x64-vec", "16x16-vec-2-stages"],
+    [SMALL_TILE, Tile(wx=4, wy=4, tm=4, tn=4, bk=4)],
+    ids=["64x64", "16x16"],
 )
 def test_matmul_causal_modes(gpu, rng, tile):
     # The three causal modes of attention's products on T x T positions (T not a multiple of the tile).
@@ -256,8 +249,6 @@ def test_matmul_views_into_arena(gpu, rng):
         Tile(unroll=False, prefetch=False),
         Tile(wx=4, wy=8, tm=8, tn=4, bk=5, unroll=False),
         Tile(tm=8, tn=8, bk=16, prefetch=False),
-        Tile(stages=2),
-        Tile(wx=4, wy=8, tm=8, tn=4, bk=5, stages=2),
     ],
     ids=[
         "8x8-bk16",
@@ -266,8 +257,6 @@ def test_matmul_views_into_arena(gpu, rng):
         "loop-noprefetch",
         "odd-bk-loop",
         "8x8-noprefetch",
-        "2-stages",
-        "odd-bk-2-stages",
     ],
 )
 def test_matmul_other_tiles(gpu, rng, tile):
@@ -283,33 +272,6 @@ def test_matmul_other_tiles(gpu, rng, tile):
         B = _rand(rng, *((N, K) if trans_b else (K, N)))
         got = _run_matmul(gpu, A, B, M, N, K, trans_a=trans_a, trans_b=trans_b, tile=tile)
         check(f"matmul {tile}", got.reshape(M, N), _op(A, trans_a) @ _op(B, trans_b), "matmul")
-
-
-@pytest.mark.parametrize(
-    "tile",
-    [Tile(warp=True), Tile(tm=8, tn=8, bk=16, warp=True), Tile(wx=8, wy=4, tm=4, tn=8, bk=8, warp=True),
-     Tile(wx=8, wy=8, tm=4, tn=4, bk=8, vec=True, warp=True)],
-    ids=["64x64", "128x128", "wide", "vec"],
-)  # fmt: skip
-def test_warp_arranged_owners_give_the_same_bits(gpu, rng, tile):
-    """`Tile.warp` changes which thread owns each output, not its k order: right against float64 and bit for
-    bit the default arrangement's, in every layout, with edges in M, N and K."""
-    if tile.shared_bytes > gpu.limits["max-compute-workgroup-storage-size"]:  # e.g. DDL_WGPU_LIMITS=webgpu
-        return
-    plain = dataclasses.replace(tile, warp=False)
-    M, N, K = 70, 44, 36
-    for trans_a, trans_b in [(False, False), (False, True), (True, False), (True, True)]:
-        A = _rand(rng, *((K, M) if trans_a else (M, K)))
-        B = _rand(rng, *((N, K) if trans_b else (K, N)))
-        kw = dict(trans_a=trans_a, trans_b=trans_b, split_k=1)
-        got = _run_matmul(gpu, A, B, M, N, K, tile=tile, **kw).reshape(M, N)
-        check(f"warp {tile}", got, _op(A, trans_a) @ _op(B, trans_b), "matmul")
-        assert np.array_equal(got, _run_matmul(gpu, A, B, M, N, K, tile=plain, **kw).reshape(M, N))
-
-
-def test_warp_needs_whole_warps_of_4_x_8(gpu):
-    with pytest.raises(GpuError, match="warp needs wx a multiple of 8"):
-        Tile(wx=4, wy=8, warp=True).validate(gpu)
 
 
 def test_matmul_deterministic(gpu, rng):
@@ -390,139 +352,6 @@ def test_split_k_cost_counts_waves_and_the_short_slice():
     assert split_k_cost(10, 4096, 4) == 1024  # 40 workgroups, one wave, slices of 1024
     assert split_k_cost(SPLIT_K_SLOTS, 4096, 2) == 2 * 2048  # two waves of 2048
     assert split_k_cost(10, 4000, 4) == 1024 + 928  # 3 full slices of 1024, then 928 as its own launch
-
-
-# -- vec4 global loads (Tile.vec) --------------------------------------------------------------------------
-
-VEC_TILES = [
-    Tile(vec=True),
-    Tile(tm=8, tn=8, bk=16, vec=True),
-    Tile(tm=8, tn=8, bk=16, vec=True, prefetch=False),
-    Tile(wx=8, wy=4, tm=4, tn=8, bk=8, vec=True),  # A's and B's units straddle a pass of 32 threads
-    Tile(wx=4, wy=8, tm=8, tn=4, bk=4, vec=True),  # one k-group per block (KL 1)
-    Tile(wx=8, wy=8, tm=8, tn=8, bk=16, vec=True),  # two passes of units per thread
-    Tile(wx=8, wy=8, tm=4, tn=4, bk=32, vec=True),  # two passes, 8 k-groups per block row
-    Tile(vec=True, stages=2),  # two shared stages, one barrier per k step
-    Tile(wx=8, wy=4, tm=4, tn=8, bk=8, vec=True, stages=2),
-    Tile(tm=8, tn=8, bk=8, vec=True, stages=2),
-]
-VEC_IDS = ["64x64", "128x128", "128x128-noprefetch", "wide", "bk4", "2-passes", "bk32", "2-stages", "wide-2-stages",
-           "128x128-bk8-2-stages"]  # fmt: skip
-
-
-@pytest.mark.parametrize("tile", VEC_TILES, ids=VEC_IDS)
-@pytest.mark.parametrize("M,N,K", [(70, 44, 36), (33, 20, 12), (12, 9, 20), (64, 48, 40), (7, 13, 5)])
-def test_vec_loads_match_float64_and_the_scalar_copies(gpu, rng, tile, M, N, K):
-    """Each layout with vec4 loads where an operand's contiguous extent is a multiple of 4 (the other operand,
-    or both, fall back to scalar copies): right against float64, and bit for bit the scalar kernel's."""
-    if tile.shared_bytes > gpu.limits["max-compute-workgroup-storage-size"]:  # e.g. DDL_WGPU_LIMITS=webgpu
-        with pytest.raises(GpuError, match="workgroup memory"):
-            _run_matmul(gpu, _rand(rng, M, K), _rand(rng, N, K), M, N, K, trans_b=True, tile=tile)
-        return
-    scalar = Tile(tile.wx, tile.wy, tile.tm, tile.tn, tile.bk, tile.unroll, tile.prefetch)
-    for trans_a, trans_b in [(False, False), (False, True), (True, False), (True, True)]:
-        A = _rand(rng, *((K, M) if trans_a else (M, K)))
-        B = _rand(rng, *((N, K) if trans_b else (K, N)))
-        a, b = gpu.upload(A), gpu.upload(B)
-        used = vec_loads(tile, a, b, M, N, K, trans_a, trans_b)
-        assert used == (((M if trans_a else K) % 4 == 0), ((K if trans_b else N) % 4 == 0))
-        kw = dict(trans_a=trans_a, trans_b=trans_b, split_k=1)
-        got = _run_matmul(gpu, A, B, M, N, K, tile=tile, **kw).reshape(M, N)
-        check(
-            f"vec {tile} {M}x{N}x{K} ta={trans_a} tb={trans_b}",
-            got,
-            _op(A, trans_a) @ _op(B, trans_b),
-            "matmul",
-        )
-        assert np.array_equal(got, _run_matmul(gpu, A, B, M, N, K, tile=scalar, **kw).reshape(M, N))
-
-
-def test_vec_loads_fall_back_on_unaligned_strides_and_offsets(gpu, rng):
-    """Row strides and batch offsets that are not multiples of 4 keep that operand's copies scalar; padded
-    rows (stride a multiple of 4 beyond the columns) and aligned offsets take vec4 loads. NaN in the padding
-    would show any read past a row."""
-    M, N, K, nb = 37, 24, 28, 3
-    tile = Tile(vec=True)
-    for pad_a, pad_b, off in [(4, 0, 8), (3, 4, 8), (0, 1, 6), (0, 0, 2), (8, 8, 0)]:
-        lda, ldb = K + pad_a, N + pad_b
-        sa, sb = M * lda + 4 * (pad_a % 4 == 0), K * ldb  # batch strides, aligned when the row stride is
-        A = np.full(off + nb * sa, np.nan, np.float32)
-        B = np.full(off + nb * sb, np.nan, np.float32)
-        want = []
-        for z in range(nb):
-            az, bz = _rand(rng, M, K), _rand(rng, K, N)
-            A[off + z * sa : off + z * sa + M * lda].reshape(M, lda)[:, :K] = az
-            B[off + z * sb : off + z * sb + K * ldb].reshape(K, ldb)[:, :N] = bz
-            want.append(_op(az, False) @ _op(bz, False))
-        a, b = gpu.upload(A), gpu.upload(B)
-        batch = Batch(nb, a=Strides(sa, off=off), b=Strides(sb, off=off), c=Strides(M * N))
-        used = vec_loads(tile, a, b, M, N, K, lda=lda, ldb=ldb, sa=batch.a, sb=batch.b)
-        whole = off % 4 == 0  # and the binding's size a multiple of 16 bytes:
-        assert used == (
-            whole and a.size % 16 == 0 and lda % 4 == 0 and sa % 4 == 0,
-            whole and b.size % 16 == 0 and ldb % 4 == 0 and sb % 4 == 0,
-        )
-        assert any(used) or (pad_a, pad_b, off) != (8, 8, 0)
-        got = _run_matmul(gpu, A, B, M, N, K, batch=batch, lda=lda, ldb=ldb, tile=tile)
-        check(f"vec strides pad {pad_a},{pad_b} off {off}", got.reshape(nb, M, N), np.stack(want), "matmul")
-
-
-def test_vec_loads_views_and_split_k(gpu, rng):
-    """Operands bound as 256-aligned views of one arena (NaN around them), and split-K with its 256-aligned
-    slice views, through vec4 loads: right, and equal to the scalar kernel bit for bit."""
-    M, N, K = 20, 36, 600
-    A, B = _rand(rng, M, K), _rand(rng, N, K)
-    oa, ob = 256, 256 + (A.nbytes + 255) // 256 * 256
-    arena = np.full((ob + B.nbytes) // 4 + 64, np.nan, np.float32)
-    arena[oa // 4 : oa // 4 + A.size] = A.ravel()
-    arena[ob // 4 : ob // 4 + B.size] = B.ravel()
-    src = gpu.upload(arena)
-    av, bv = (src, oa, A.nbytes), (src, ob, B.nbytes)
-    assert vec_loads(Tile(vec=True), av, bv, M, N, K, trans_b=True) == (True, True)
-    want = _op(A, False) @ _op(B, True)
-    for parts in (1, 3):
-        outs = []
-        for tile in (Tile(vec=True), SMALL_TILE):
-            c = gpu.buffer(4 * M * N)
-            matmul(gpu, c, av, bv, M, N, K, trans_b=True, tile=tile, split_k=parts).run(gpu)
-            outs.append(gpu.download(c, np.float32, M * N).reshape(M, N))
-        check(f"vec views split_k={parts}", outs[0], want, "matmul")
-        assert np.array_equal(outs[0], outs[1])
-
-
-def test_vec_tile_rules(gpu):
-    """vec4 loads only for f32 products and operands with k steps of whole vec4s; asked for otherwise, the
-    launcher falls back to scalar copies and the generator refuses."""
-    a = gpu.buffer(4 * 64 * 64)
-    assert vec_loads(Tile(vec=True), a, a, 64, 64, 64) == (True, True)
-    assert vec_loads(Tile(), a, a, 64, 64, 64) == (False, False)  # off unless asked
-    assert vec_loads(Tile(bk=6, vec=True), a, a, 64, 64, 64) == (False, False)
-    assert vec_loads(Tile(vec=True), a, a, 64, 64, 64, compute="f16") == (False, False)
-    assert vec_loads(Tile(vec=True), a, a, 64, 64, 2) == (False, True)  # K < 4: A (M, K) rows too short
-    with pytest.raises(GpuError, match="vec4"):
-        Tile(bk=6, vec=True).templates(vec=(True, False))
-    with pytest.raises(GpuError, match="vec4"):
-        Tile(vec=True).templates(compute="f16", chunk=4, vec=(False, True))
-    assert LARGE_TILE.vec is False and SMALL_TILE.vec is False  # off by default until measured
-    assert LARGE_TILE.stages == SMALL_TILE.stages == 1
-    with pytest.raises(GpuError, match="stages"):
-        Tile(stages=2, prefetch=False).validate(gpu)
-    with pytest.raises(GpuError, match="stages"):
-        Tile(stages=3).validate(gpu)
-
-
-def test_tile_options_from_the_environment_syntax():
-    """DDL_WGPU_MATMUL (A/B runs of whole training steps): Tile fields applied to the large tile, vec also to
-    the small one; empty leaves both as they are; an unknown name is an error."""
-    from ddl_wgpu.ops.matmul import tile_options
-
-    assert tile_options("", LARGE_TILE, SMALL_TILE) == (LARGE_TILE, SMALL_TILE)
-    large, small = tile_options("vec, stages=2,bk=8", Tile(tm=8, tn=8), Tile())
-    assert large == Tile(tm=8, tn=8, bk=8, vec=True, stages=2) and small == Tile(vec=True)
-    large, small = tile_options("wx=8,wy=16,vec=0", Tile(tm=8, tn=8), Tile())
-    assert large == Tile(wx=8, wy=16, tm=8, tn=8) and small == Tile()
-    with pytest.raises(GpuError, match="not a Tile field"):
-        tile_options("vector", LARGE_TILE, SMALL_TILE)
 
 
 # -- f16 products ---------------------------------------------------------------------------------------

@@ -27,20 +27,13 @@ f32 kernel run on the same weights rounded to f16 (same k order). It needs the a
 the module gets `enable f16;` only in that variant. Offsets/strides of B are in elements either way; a view
 of f16 data is (buffer, byte offset, bytes) with the bytes rounded up to 4.
 
-Tile options, off by default until measured on the H200 (`bench/matmul_sweep.py` times them on the training
-products): `vec` reads each operand whose stored rows are whole, 16-byte aligned vec4s (`vec_loads`) with one
-vec4 load and one bounds test per 4 elements (m and n clamped, only k tested), k-contiguous operands as 4 x 4
-blocks transposed in registers (`_vec_copies`); `stages=2` keeps two k steps in shared memory so that each
-step needs one barrier instead of two. Both fill shared memory with the same values as the default copies,
-so the results are bit for bit the default kernel's.
-
-What this file deliberately does not do: pick tiles by timing.
+What this file deliberately does not do: pick tiles by timing, or vectorise its global loads, double-buffer
+its shared tiles or rearrange which thread owns which outputs: each was built and measured no faster on the
+H200 (docs/experiments.md).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass
 
 from ddl_wgpu.gpu import MAX_GROUPS, Call, GpuError, Uniform
@@ -108,17 +101,6 @@ class Tile:
     bk: int = 16  # k depth of one shared-memory tile
     unroll: bool = True  # the bk products of a k step as straight-line code (constant shared offsets)
     prefetch: bool = True  # fetch the next k step's tiles into registers before this step's products
-    # vec4 global loads for the operands whose layout allows them (`vec_ok`; the others keep scalar copies):
-    # off by default until measured on the H200 (`bench/matmul_sweep.py`); needs bk % 4 == 0, f32 products
-    vec: bool = False
-    # 2: two shared stages, one barrier per k step (the next step's registers are stored into the other stage
-    # after this step's products); needs prefetch. Off by default (measured slower with scalar loads).
-    stages: int = 1
-    # warp-arranged output owners (matmul.wgsl: 4 x 8 threads per warp of 32 instead of 2 x 16: half the
-    # shared-memory wavefronts of the B reads); needs wx % 8 == 0 and wy % 4 == 0. Off: on the H200 it changed
-    # no product by more than 2 % and the step ran 0.7 % slower (`bench/matmul_sweep.py`, BENCHMARKS.md), so
-    # shared-memory reads do not bound this kernel.
-    warp: bool = False
 
     @property
     def bm(self) -> int:
@@ -130,15 +112,11 @@ class Tile:
 
     @property
     def shared_bytes(self) -> int:
-        return 16 * self.stages * self.bk * (self.bm // 4 + 1 + self.bn // 4 + 1)  # rows padded by one vec4
+        return 16 * self.bk * (self.bm // 4 + 1 + self.bn // 4 + 1)  # rows padded by one vec4
 
     def validate(self, gpu) -> None:
         if self.tm % 4 or self.tn % 4 or min(self.tm, self.tn, self.wx, self.wy, self.bk) <= 0:
             raise GpuError(f"matmul tile {self}: tm and tn must be positive multiples of 4")
-        if self.stages not in (1, 2) or (self.stages == 2 and not self.prefetch):
-            raise GpuError(f"matmul tile {self}: stages must be 1, or 2 with prefetch")
-        if self.warp and (self.wx % 8 or self.wy % 4):
-            raise GpuError(f"matmul tile {self}: warp needs wx a multiple of 8 and wy a multiple of 4")
         if self.wx * self.wy > gpu.limits.get("max-compute-invocations-per-workgroup", 256):
             raise GpuError(f"matmul tile {self}: {self.wx * self.wy} threads exceed the adapter's limit")
         if self.shared_bytes > gpu.limits.get("max-compute-workgroup-storage-size", 16384):
@@ -146,23 +124,12 @@ class Tile:
                 f"matmul tile {self}: {self.shared_bytes} bytes of workgroup memory exceed the limit"
             )
 
-    def templates(
-        self,
-        b_dtype: str = "f32",
-        compute: str = "f32",
-        chunk: int = 0,
-        vec=(False, False),
-        trans=(False, False),
-    ) -> dict:
+    def templates(self, b_dtype: str = "f32", compute: str = "f32", chunk: int = 0) -> dict:
         """The `{{name}}` values of matmul.wgsl for this tile: sizes plus the generated straight-line code;
         `b_dtype` "f16" reads B as array<f16> (and enables the f16 extension); `compute` "f16" rounds both
         operands to f16 on fetch and sums the products of `chunk` consecutive k in f16 partials that are
-        added into the f32 accumulators (`chunk` divides bk). `vec` (for A, B): that operand is bound as
-        array<vec4<f32>> and copied with vec4 loads (`_vec_copies`), `trans` its layout (TRANS_A, TRANS_B)."""
+        added into the f32 accumulators (`chunk` divides bk)."""
         half = compute == "f16"
-        vec = tuple(bool(v) for v in vec)
-        if any(vec) and (half or b_dtype != "f32" or self.bk % 4):
-            raise GpuError(f"matmul tile {self}: vec4 loads need f32 operands and products and bk % 4 == 0")
         if half and (chunk < 1 or self.bk % chunk):
             raise GpuError(f"matmul: the f16 chunk {chunk} must divide the tile's k depth {self.bk}")
         mq, nq = self.tm // 4, self.tn // 4  # vec4 groups of rows (of As) and of columns (of Bs) per thread
@@ -174,13 +141,10 @@ class Tile:
         if half:
             decl += [f"    var {part(i, r, j)}: vec4<f16>;" for i, r, j in acc]
 
-        two = self.stages == 2
-        oa, ob = ("oa + ", "ob + ") if two else ("", "")  # the stage read this step (two stages)
-
         def products(kk: str, ind: str, k: int = 0) -> list[str]:
             # one k of the step: TM/4 + TN/4 vec4 loads from shared memory, TM*TN/4 vec4 FMAs
-            out = [f"{ind}let a{i} = As[{oa}{kk}SA + ty + {i}u * WY];" for i in range(mq)]
-            out += [f"{ind}let b{j} = Bs[{ob}{kk}SB + tx + {j}u * WX];" for j in range(nq)]
+            out = [f"{ind}let a{i} = As[{kk}SA + ty + {i}u * WY];" for i in range(mq)]
+            out += [f"{ind}let b{j} = Bs[{kk}SB + tx + {j}u * WX];" for j in range(nq)]
             if not half:
                 out += [
                     f"{ind}{name(i, r, j)} = fma(vec4<f32>(a{i}.{comp[r]}), b{j}, {name(i, r, j)});"
@@ -234,25 +198,7 @@ class Tile:
         head = [f"    var p{x}{s} = {fetch(x, s, 'k_begin')};" for x, s in slots] if self.prefetch else []
         loop = "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {"
         i8, i12 = " " * 8, " " * 12
-        if any(vec):
-            stash, refill, head = _vec_copies(self, vec, trans)
-        if two:  # stage 0 filled before the loop; each step refills the other stage after its products
-            pre, first = (head("k_begin"), stash("    ")) if any(vec) else (head, stash("    ", reg))
-            again = stash(i12) if any(vec) else stash(i12, reg)
-            fill = refill(i12, "k0 + BK") if any(vec) else [i12 + r for r in refill]
-            kloop = [*pre, "    stage = 0u;", *first, "    workgroupBarrier();", loop,
-                     f"{i8}let oa = stage * (BK * SA);", f"{i8}let ob = stage * (BK * SB);",
-                     f"{i8}let more = k0 + BK < k_end;", f"{i8}if (more) {{", *fill, f"{i8}}}", *inner,
-                     f"{i8}if (more) {{", f"{i12}stage = 1u - stage;", *again, f"{i8}}}",
-                     f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
-        elif any(vec) and self.prefetch:  # registers q<p>_<j> carry the next step's copies
-            kloop = [*head("k_begin"), loop, *stash(i8), f"{i8}workgroupBarrier();",
-                     f"{i8}if (k0 + BK < k_end) {{", *refill(i12, "k0 + BK"), f"{i8}}}",
-                     *inner, f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
-        elif any(vec):
-            kloop = [*head(None), loop, *refill(i8, "k0"), *stash(i8), f"{i8}workgroupBarrier();",
-                     *inner, f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
-        elif self.prefetch:  # registers p<x><s> carry the next step's copies across its products
+        if self.prefetch:  # registers p<x><s> carry the next step's copies across its products
             kloop = [*head, loop, *stash(i8, reg), f"{i8}workgroupBarrier();",
                      f"{i8}if (k0 + BK < k_end) {{", *(i12 + r for r in refill), f"{i8}}}",
                      *inner, f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
@@ -269,126 +215,20 @@ class Tile:
             "bk": self.bk,
             "bmv": self.bm // 4,
             "bnv": self.bn // 4,
-            "as_len": self.stages * self.bk * (self.bm // 4 + 1),
-            "bs_len": self.stages * self.bk * (self.bn // 4 + 1),
-            "stage_decl": "var<private> stage: u32;  // the shared stage being filled (two stages)"
-            if two
-            else "",
-            "a_stage": "stage * (BK * SA) + " if two else "",
-            "b_stage": "stage * (BK * SB) + " if two else "",
-            "thread_map": "\n".join(
-                [
-                    "    let lane = t % 32u;",
-                    "    let warp = t / 32u;",
-                    "    let tx = (warp % (WX / 8u)) * 8u + lane % 8u;",
-                    "    let ty = (warp / (WX / 8u)) * 4u + lane / 8u;",
-                ]
-                if self.warp
-                else ["    let tx = lid.x;", "    let ty = lid.y;"]
-            ),  # fmt: skip
+            "as_len": self.bk * (self.bm // 4 + 1),
+            "bs_len": self.bk * (self.bn // 4 + 1),
             "acc_decl": "\n".join(decl),
             "kloop": "\n".join(kloop),
             "store": "\n".join(store),
-            "a_array": "vec4<f32>" if vec[0] else "f32",
-            "b_array": "vec4<f32>" if vec[1] else b_dtype,
-            "a_elem": "a[i >> 2u][i & 3u]" if vec[0] else "a[i]",
-            "b_elem": "b[i >> 2u][i & 3u]" if vec[1] else "f32(b[i])",
-            "a_vec": "a[i >> 2u]" if vec[0] else "vec4<f32>(a[i], a[i + 1u], a[i + 2u], a[i + 3u])",
-            "b_vec": "b[i >> 2u]"
-            if vec[1]
-            else "vec4<f32>(f32(b[i]), f32(b[i + 1u]), f32(b[i + 2u]), f32(b[i + 3u]))",
-            "kl": 2 if self.bk % 8 == 0 else 1,
+            "b_array": b_dtype,
             "sh_type": "f16" if half else "f32",
             "enable": "enable f16;" if "f16" in (b_dtype, compute) else "",
         }
 
 
-def _vec_copies(tile: Tile, vec: tuple, trans: tuple):
-    """The k step's copies of A and B into shared memory when at least one operand takes vec4 loads.
-
-    Work comes in units of 4 vec4 registers: a k-contiguous vec4 operand (A as (M, K), B as (N, K)) has one
-    unit per 4 x 4 block (`fetchk_*`: 4 loads along k, transposed into As / Bs by `stashk_*`); an m/n-contiguous
-    vec4 operand (`fetchv_*`) and a scalar one (`fetch_*`, four scalar loads per vec4) have units of 4 slots
-    u, u + U, u + 2U, u + 3U (U units; consecutive threads take consecutive slots). A's units come first, then
-    B's; thread t takes units t, t + NT, ...: the 128 x 128 tile's 256 threads each take exactly one unit (4
-    registers, as many as the scalar copies'), A's in warps 0-3 and B's in warps 4-7.
-    Returns (stash(indent), refill(indent, k0), head(k0 or None)) line generators."""
-    nt = tile.wx * tile.wy
-    ops = []
-    for x, n, v, tr in (("a", tile.bm, vec[0], trans[0]), ("b", tile.bn, vec[1], trans[1])):
-        kind = ("k" if tr == (x == "b") else "m") if v else "s"  # A: k-contiguous unless trans; B: if trans
-        ops.append((x, kind, tile.bk * n // 16))
-    ua = ops[0][2]
-    total = ua + ops[1][2]
-    passes = -(-total // nt)
-
-    def unit(x, kind, units, u, regs, what, k0=None):
-        x0 = "m0" if x == "a" else "n0"
-        if what == "stash" and kind == "k":
-            return [f"stashk_{x}({u}, {', '.join(regs)});"]
-        if what == "stash":
-            return [f"stash_{x}({u} + {j * units}u, {r});" for j, r in enumerate(regs)]
-        if kind == "k":
-            return [f"{r} = fetchk_{x}(base_{x}, {x0}, {k0}, {u}, {j}u);" for j, r in enumerate(regs)]
-        f = "fetchv" if kind == "m" else "fetch"
-        return [f"{r} = {f}_{x}(base_{x}, {x0}, {k0}, {u} + {j * units}u);" for j, r in enumerate(regs)]
-
-    def lines(ind: str, what: str, k0=None) -> list[str]:
-        out = []
-        for p in range(passes):
-            regs = [f"q{p}_{j}" for j in range(4)]
-            lo, hi = p * nt, p * nt + nt  # the units this pass covers
-            u = f"t + {lo}u" if lo else "t"
-            (xa, ka, na), (xb, kb, nb) = ops
-            if hi <= ua:  # all A
-                out += [ind + line for line in unit(xa, ka, na, f"({u})", regs, what, k0)]
-            elif lo >= ua and hi <= total:  # all B
-                out += [ind + line for line in unit(xb, kb, nb, f"({u} - {ua}u)", regs, what, k0)]
-            else:  # straddles A / B or runs past the last unit: branch on the thread (warp-uniform splits)
-                if lo < ua:
-                    out += [f"{ind}if ({u} < {ua}u) {{"]
-                    out += [ind + "    " + line for line in unit(xa, ka, na, f"({u})", regs, what, k0)]
-                    out += [f"{ind}}} else if ({u} < {total}u) {{"]
-                else:
-                    out += [f"{ind}if ({u} < {total}u) {{"]
-                out += [ind + "    " + line for line in unit(xb, kb, nb, f"({u} - {ua}u)", regs, what, k0)]
-                out += [f"{ind}}}"]
-        return out
-
-    def head(k0) -> list[str]:
-        decl = [f"    var q{p}_{j} = vec4<f32>(0.0);" for p in range(passes) for j in range(4)]
-        return decl + (lines("    ", "fetch", k0) if k0 else [])
-
-    return (lambda ind: lines(ind, "stash")), (lambda ind, k0: lines(ind, "fetch", k0)), head
-
-
 SMALL_TILE = Tile()  # 64 x 64 per workgroup, 4 x 4 per thread (the lavapipe shape)
 LARGE_TILE = Tile(tm=8, tn=8, bk=16)  # 128 x 128 per workgroup, 8 x 8 per thread (the H200 shape)
 
-# Tile options for a whole run without editing this file, for A/B measurements of the training step (e.g.
-# `DDL_WGPU_MATMUL=vec,stages=2 python3 bench/train_step.py`): a comma list of `Tile` fields, `name=value`
-# (a bare name means 1), applied to LARGE_TILE; `vec` also to SMALL_TILE. Unset: the tiles above.
-ENV_TILE = "DDL_WGPU_MATMUL"
-
-
-def tile_options(spec: str, large: Tile, small: Tile) -> tuple[Tile, Tile]:
-    """(large, small) with the options of `spec` (the DDL_WGPU_MATMUL syntax) applied."""
-    fields = {f.name: f.type for f in dataclasses.fields(Tile)}
-    opts = {}
-    for item in (x.strip() for x in spec.split(",")):
-        if not item:
-            continue
-        name, _, value = item.partition("=")
-        name = name.strip()
-        if name not in fields:
-            raise GpuError(f"{ENV_TILE}: {name!r} is not a Tile field ({', '.join(fields)})")
-        v = int(value) if value.strip() else 1
-        opts[name] = bool(v) if fields[name] in ("bool", bool) else v
-    small = dataclasses.replace(small, vec=opts["vec"]) if "vec" in opts else small
-    return dataclasses.replace(large, **opts), small
-
-
-LARGE_TILE, SMALL_TILE = tile_options(os.environ.get(ENV_TILE, ""), LARGE_TILE, SMALL_TILE)
 
 # Fewest LARGE_TILE workgroups for which the large tile is used: below this a product has too few
 # workgroups to fill the device and the small tile's 4x as many win. Measured (GPU timestamps):
@@ -446,9 +286,9 @@ def _check_compute(gpu, compute: str, chunk: int) -> None:
 
 
 def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile, b_dtype: str = "f32", compute: str = "f32",
-           chunk: int = 0, vec=(False, False)):  # fmt: skip
-    """The compiled `matmul` entry point for one layout, tile, B element type, product precision and vec4
-    loads of (A, B) (cached by the device layer)."""
+           chunk: int = 0):  # fmt: skip
+    """The compiled `matmul` entry point for one layout, tile, B element type and product precision (cached
+    by the device layer)."""
     _b_itemsize(gpu, b_dtype)
     _check_compute(gpu, compute, chunk)
     tile.validate(gpu)
@@ -457,43 +297,9 @@ def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile, b_dtype: str = "f32", 
         "matmul",
         "rrwu",
         constants={"TRANS_A": int(trans_a), "TRANS_B": int(trans_b)},
-        templates=tile.templates(
-            b_dtype, compute, chunk if compute == "f16" else 0, vec, (bool(trans_a), bool(trans_b))
-        ),
+        templates=tile.templates(b_dtype, compute, chunk if compute == "f16" else 0),
         workgroup=(tile.wx, tile.wy, 1),
         uniforms=UNIFORMS,
-    )
-
-
-def vec_ok(res, s: Strides, cols: int, ld: int, itemsize: int = 4) -> bool:
-    """Whether an operand can be read with vec4 loads: f32, its rows whole vec4s (columns and row stride
-    multiples of 4), every element offset of its batch a multiple of 4 and its binding 16-byte aligned (a
-    view's byte offset and size). Otherwise its copies stay scalar."""
-    _, off, size = res if isinstance(res, tuple) else (res, 0, res.size)
-    return (
-        itemsize == 4
-        and cols >= 4
-        and cols % 4 == 0
-        and ld % 4 == 0
-        and s.off % 4 == 0
-        and s.stride % 4 == 0
-        and s.istride % 4 == 0
-        and off % 16 == 0
-        and size % 16 == 0
-    )
-
-
-def vec_loads(tile, a, b, M, N, K, trans_a=False, trans_b=False, lda=None, ldb=None, sa=None, sb=None,
-              b_dtype="f32", compute="f32") -> tuple[bool, bool]:  # fmt: skip
-    """Which operands (A, B) `matmul` reads with vec4 loads for this call: none unless `tile.vec` (f32
-    products, bk % 4 == 0), then each one whose layout passes `vec_ok`."""
-    if not tile.vec or compute != "f32" or b_dtype != "f32" or tile.bk % 4 or K < 1:
-        return (False, False)
-    lda = int(lda if lda is not None else (M if trans_a else K))
-    ldb = int(ldb if ldb is not None else (K if trans_b else N))
-    return (
-        vec_ok(a, sa or Strides(), M if trans_a else K, lda),
-        vec_ok(b, sb or Strides(), K if trans_b else N, ldb),
     )
 
 
@@ -760,8 +566,7 @@ def matmul(
     groups = (-(-N // tile.bn), -(-M // tile.bm), batch)
     if max(groups) > MAX_GROUPS:
         raise GpuError(f"matmul: {groups} workgroups exceed {MAX_GROUPS} per dimension; split the product")
-    vec = vec_loads(tile, a, b, M, N, K, trans_a, trans_b, lda, ldb, sa, sb, b_dtype, compute)
-    k = kernel(gpu, trans_a, trans_b, tile, b_dtype, compute, chunk, vec)
+    k = kernel(gpu, trans_a, trans_b, tile, b_dtype, compute, chunk)
     u = gpu.uniform(
         PARAMS,
         M=M,
