@@ -33,6 +33,8 @@ from ddl_wgpu.ops import matmul as k_mm  # noqa: E402
 from ddl_wgpu.vocab import head_chunk_rows  # noqa: E402
 
 F32 = 4
+
+
 def plan_note(gpu, M, N, K, split):
     parts = k_mm.auto_split_k(gpu, M, N, K, 1) if split is None else split
     if parts > 1 and 2 * parts <= K:

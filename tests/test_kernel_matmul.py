@@ -11,7 +11,6 @@ f32 kernel's on the same data.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
