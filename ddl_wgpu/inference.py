@@ -27,8 +27,8 @@ EMBED_EXPAND = "model.embed_expand.conv.weight"
 class InferenceWork(Blocks):
     """The token model's forward for one (batch, seq) shape, every launch built once."""
 
-    def __init__(self, net, batch: int, seq: int, chunk_rows: int | None = None, precision: str = "f32"):
-        super().__init__(net, batch, seq, chunk_rows, precision=precision)
+    def __init__(self, net, batch: int, seq: int, chunk_rows: int | None = None):
+        super().__init__(net, batch, seq, chunk_rows)
         N, V = self.N, self.cfg.vocab_size
         self.ids = self.gpu.buffer(N * 4, label="ids")
         self.targets = self.gpu.buffer(N * 4, label="targets")

@@ -114,7 +114,6 @@ class Net:
         inference: bool = False,
         dtype: str = "f32",
         frozen_state: bool = True,
-        precision: str = "f32",
         shared: dict | None = None,
     ):
         if dtype not in DTYPES:
@@ -129,9 +128,6 @@ class Net:
         if inference and trainable:
             raise GpuError("an inference Net has no trainable parameters")
         self.inference, self.dtype = bool(inference), dtype
-        self.precision = (
-            precision  # of the GEMMs in this net's Works (`blocks.Blocks`; "f16": mixed precision)
-        )
         self.gpu, self.cfg = gpu, cfg
         self.mtp_weight = float(mtp_weight)  # weight of the draft's loss in joint training (cfg.mtp set)
         self.table = param_table(cfg)
@@ -213,7 +209,7 @@ class Net:
         step, evaluation) for a training net, an `InferenceWork` (forward only) for an inference net."""
         if (batch, seq) not in self._works:
             job = InferenceWork if self.inference else TrunkWork
-            self._works[(batch, seq)] = job(self, batch, seq, precision=self.precision)
+            self._works[(batch, seq)] = job(self, batch, seq)
         return self._works[(batch, seq)]
 
     def export_snapshot(self, snapshot: list) -> dict[str, np.ndarray]:

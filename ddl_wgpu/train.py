@@ -368,7 +368,6 @@ class RunOptions:
 
     backend: str = "wgpu"
     device: str | None = None
-    precision: str = "f32"  # "f16": mixed precision (f16 GEMM products, dynamic loss scaling; wgpu only)
     save_interval: int = 0  # save a checkpoint every N steps (0: only at the end / on stop)
     stop_after: int = 0  # end this process after N steps with a resumable checkpoint (0: run to the end)
     progress: object = None  # callable(event: dict) for progress display (`run.Events` schema)
@@ -527,7 +526,7 @@ class _Variant:
 def _fresh(base, variant, train, val, tcfg, opts, events):
     """A new run: the variant's net from the random seed, the initial evaluation and an empty report."""
     cfg = variant.resolve_config(base)
-    net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed, tcfg.mtp_weight, opts.precision)
+    net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed, tcfg.mtp_weight)
     phase = {"start_step": 0, "training": tcfg.to_dict(), "previous_lr": None}
     events("start", variant=variant.slug, num_params=net.num_params, cfg=cfg.to_dict())
     t_eval = time.perf_counter()
@@ -564,7 +563,7 @@ def _resumed(resume: dict, opts: RunOptions):
     """A run continued from a loaded checkpoint: its net (weights and moments), report, phase and best."""
     cfg, report, phase = resume["cfg"], resume["report"], resume["position"]["phase"]
     w = TrainingConfig.from_dict(phase["training"]).mtp_weight
-    net = make_net(cfg, resume["params"], opts.backend, opts.device, mtp_weight=w, precision=opts.precision)
+    net = make_net(cfg, resume["params"], opts.backend, opts.device, mtp_weight=w)
     snap = _snapshot_of(net, resume["best"]) if resume["best"] is not None else None
     if resume["m"]:  # after the best snapshot: `_snapshot_of` goes through `net.load`, which zeroes moments
         net.load_moments(resume["m"], resume["v"])

@@ -40,13 +40,6 @@
 // it is copied into Bs; A, C, the shared tiles and every accumulation stay f32. The f32 module has both
 // placeholders filled as `f32` / nothing, so its source is unchanged.
 //
-// f16 products (`{{sh_type}}` = f16, the launcher's compute="f16", mixed-precision training): A and B are
-// read as stored (f32, or f16 B) and rounded to f16 as they are fetched, so the shared tiles and the
-// registers carrying the next step hold vec4<f16>. Each thread keeps, beside its f32 accumulators, one
-// vec4<f16> partial per accumulator: the products of CHUNK consecutive k are summed in f16 there (packed
-// half-precision FMAs, two products per instruction), then the partial is added into the f32 accumulator.
-// So f16 rounding touches at most CHUNK terms of a sum, and the sum across chunks is f32 in a fixed order
-// (still deterministic). The launcher generates the chunk boundaries into the unrolled k step.
 {{enable}}
 
 // generated from its description in ddl_wgpu/ops/matmul.py (`Uniform`)
@@ -70,8 +63,8 @@ const NT: u32 = WX * WY;
 
 const SA: u32 = BMV + 1u;
 const SB: u32 = BNV + 1u;
-var<workgroup> As: array<vec4<{{sh_type}}>, {{as_len}}>;  // BK * SA
-var<workgroup> Bs: array<vec4<{{sh_type}}>, {{bs_len}}>;  // BK * SB
+var<workgroup> As: array<vec4<f32>, {{as_len}}>;  // BK * SA
+var<workgroup> Bs: array<vec4<f32>, {{bs_len}}>;  // BK * SB
 
 // Element (row, col) of the stored A / B of this batch, or 0 outside the stored rows x cols (B widened to f32
 // when stored as f16).
@@ -116,7 +109,7 @@ fn fetch_a(base: u32, m0: u32, k0: u32, i: u32) -> vec4<f32> {
                      a_at(base, kg, m + 2u, P.K, P.M), a_at(base, kg, m + 3u, P.K, P.M));
 }
 
-fn stash_a(i: u32, v: vec4<{{sh_type}}>) {
+fn stash_a(i: u32, v: vec4<f32>) {
     if (i < BK * BMV) {
         let s = a_slot(i);
         As[s.x * SA + s.y] = v;
@@ -145,7 +138,7 @@ fn fetch_b(base: u32, n0: u32, k0: u32, i: u32) -> vec4<f32> {
                      b_at(base, n + 2u, kg, P.N, P.K), b_at(base, n + 3u, kg, P.N, P.K));
 }
 
-fn stash_b(i: u32, v: vec4<{{sh_type}}>) {
+fn stash_b(i: u32, v: vec4<f32>) {
     if (i < BK * BNV) {
         let s = b_slot(i);
         Bs[s.x * SB + s.y] = v;

@@ -239,18 +239,16 @@ def choose_impl(gpu, H: int, K: int, T: int, impl: str | None = None, masked: bo
 
 
 def attention_forward(
-    gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale=None, impl: str | None = None,
-    compute: str = "f32",
+    gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale=None, impl: str | None = None
 ) -> Call:  # fmt: skip
     """out (B,T,H,D) and lse (B,H,T) from q (B,T,H,D), k, v (B,T,K,D); causal; scale defaults to D**-0.5.
-    `impl`: see `choose_impl`. `compute` "f16": the scores path's two products take f16 products
-    (`matmul`'s compute; the softmax stays f32); the flash kernels are f32 either way."""
+    `impl`: see `choose_impl`."""
     _check(B, T, H, K, D)
     _check_bindings("attention_forward", B, T, H, K, D, out=out, lse=lse, q=q, k=k, v=v)
     scale = float(D) ** -0.5 if scale is None else float(scale)
     chosen = choose_impl(gpu, H, K, T, impl)
     if chosen == "scores":
-        return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale, compute=compute)
+        return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale)
     templates, cfg = _templates(gpu, D)
     R, TR = cfg["fw"]
     kern = gpu.kernel(
@@ -263,12 +261,12 @@ def attention_forward(
 
 def attention_backward(
     gpu, dq, dk, dv, dout, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scratch=None, scale=None,
-    impl: str | None = None, compute: str = "f32",
+    impl: str | None = None,
 ) -> Call:  # fmt: skip
     """dq (B,T,H,D), dk, dv (B,T,K,D) from dout, the forward's out and lse, and q, k, v. First delta =
     rowsum(dout * out) into `scratch` (B*H*T floats, allocated here when None); then, flash: dq per query
     block and dk, dv per key block; scores: `attention_scores.backward`. Deterministic; outputs are overwritten. `impl`: see
-    `choose_impl`; `compute` as in `attention_forward`."""
+    `choose_impl`."""
     _check(B, T, H, K, D)
     delta = gpu.buffer(B * H * T * 4, label="attention delta") if scratch is None else scratch
     _check_bindings("attention_backward", B, T, H, K, D, dq=dq, dk=dk, dv=dv, dout=dout, out=out, lse=lse, q=q,
@@ -283,8 +281,7 @@ def attention_backward(
     delta_pass = (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64))
     chosen = choose_impl(gpu, H, K, T, impl)
     if chosen == "scores":
-        grads = attention_scores.backward(gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D, scale,
-                                          compute=compute)  # fmt: skip
+        grads = attention_scores.backward(gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D, scale)
         return Call([delta_pass], keep) + grads
     R, TR = cfg["dq"]
     kq = gpu.kernel(

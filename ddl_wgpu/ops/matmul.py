@@ -124,52 +124,31 @@ class Tile:
                 f"matmul tile {self}: {self.shared_bytes} bytes of workgroup memory exceed the limit"
             )
 
-    def templates(self, b_dtype: str = "f32", compute: str = "f32", chunk: int = 0) -> dict:
+    def templates(self, b_dtype: str = "f32") -> dict:
         """The `{{name}}` values of matmul.wgsl for this tile: sizes plus the generated straight-line code;
-        `b_dtype` "f16" reads B as array<f16> (and enables the f16 extension); `compute` "f16" rounds both
-        operands to f16 on fetch and sums the products of `chunk` consecutive k in f16 partials that are
-        added into the f32 accumulators (`chunk` divides bk)."""
-        half = compute == "f16"
-        if half and (chunk < 1 or self.bk % chunk):
-            raise GpuError(f"matmul: the f16 chunk {chunk} must divide the tile's k depth {self.bk}")
+        `b_dtype` "f16" reads B as array<f16> (and enables the f16 extension)."""
         mq, nq = self.tm // 4, self.tn // 4  # vec4 groups of rows (of As) and of columns (of Bs) per thread
         acc = [(i, r, j) for i in range(mq) for r in range(4) for j in range(nq)]
         name = "acc_{}{}_{}".format
-        part = "h_{}{}_{}".format  # f16 partial of one chunk (compute "f16")
         comp = "xyzw"
         decl = [f"    var {name(i, r, j)} = vec4<f32>(0.0);" for i, r, j in acc]
-        if half:
-            decl += [f"    var {part(i, r, j)}: vec4<f16>;" for i, r, j in acc]
 
-        def products(kk: str, ind: str, k: int = 0) -> list[str]:
+        def products(kk: str, ind: str) -> list[str]:
             # one k of the step: TM/4 + TN/4 vec4 loads from shared memory, TM*TN/4 vec4 FMAs
             out = [f"{ind}let a{i} = As[{kk}SA + ty + {i}u * WY];" for i in range(mq)]
             out += [f"{ind}let b{j} = Bs[{kk}SB + tx + {j}u * WX];" for j in range(nq)]
-            if not half:
-                out += [
-                    f"{ind}{name(i, r, j)} = fma(vec4<f32>(a{i}.{comp[r]}), b{j}, {name(i, r, j)});"
-                    for i, r, j in acc
-                ]
-                return out
-            for i, r, j in acc:  # the chunk's first product starts the partial; its last flushes it
-                h, prod = part(i, r, j), f"vec4<f16>(a{i}.{comp[r]}) * b{j}"
-                out.append(
-                    f"{ind}{h} = {prod};"
-                    if k % chunk == 0
-                    else f"{ind}{h} = fma(vec4<f16>(a{i}.{comp[r]}), b{j}, {h});"
-                )
-            if k % chunk == chunk - 1:
-                out += [f"{ind}{name(i, r, j)} += vec4<f32>({part(i, r, j)});" for i, r, j in acc]
+            out += [
+                f"{ind}{name(i, r, j)} = fma(vec4<f32>(a{i}.{comp[r]}), b{j}, {name(i, r, j)});"
+                for i, r, j in acc
+            ]
             return out
 
         if self.unroll:  # braces scope each k's loads, so the names repeat
             inner = [
                 line
                 for kk in range(self.bk)
-                for line in ["        {", *products(f"{kk}u * ", "            ", kk), "        }"]
+                for line in ["        {", *products(f"{kk}u * ", "            "), "        }"]
             ]
-        elif half:
-            raise GpuError("matmul: f16 products need the unrolled k step (chunk boundaries are generated)")
         else:
             inner = [
                 "        for (var kk = 0u; kk < BK; kk++) {",
@@ -185,8 +164,7 @@ class Tile:
         ]
 
         def fetch(x: str, s: int, k0: str) -> str:
-            f = f"fetch_{x}(base_{x}, {'m0' if x == 'a' else 'n0'}, {k0}, t + {s}u * NT)"
-            return f"vec4<f16>({f})" if half else f
+            return f"fetch_{x}(base_{x}, {'m0' if x == 'a' else 'n0'}, {k0}, t + {s}u * NT)"
 
         def stash(ind: str, value) -> list[str]:  # this thread's copies into shared memory
             return [f"{ind}stash_{x}(t + {s}u * NT, {value(x, s)});" for x, s in slots]
@@ -221,8 +199,7 @@ class Tile:
             "kloop": "\n".join(kloop),
             "store": "\n".join(store),
             "b_array": b_dtype,
-            "sh_type": "f16" if half else "f32",
-            "enable": "enable f16;" if "f16" in (b_dtype, compute) else "",
+            "enable": "enable f16;" if b_dtype == "f16" else "",
         }
 
 
@@ -241,33 +218,16 @@ LARGE_TILE_MIN_GROUPS = {"CPU": 4}
 LARGE_TILE_MIN_GROUPS_GPU = 256
 
 
-# The large tile of f16 products (compute="f16"); None: LARGE_TILE. The f16 partials cost registers beside
-# the f32 accumulators: on the H200 (`bench/f16_chunk.py --sweep`, chunk 16, GPU ms of 16384x2048x768 NT and
-# 2048x768x16384 TN) 8x8 outputs per thread ran 1.77 / 1.95 ms, 4x4 1.36 / 1.48, and 4x8 outputs with a k
-# step of 32 (this tile; f16 halves the shared tiles' bytes) 1.38 / 1.46, the fastest by a hair; the f32
-# kernel 1.29 / 1.28. No f16 tile beat f32 there (BENCHMARKS.md).
-F16_LARGE_TILE: Tile | None = Tile(tm=4, tn=8, bk=32)
-
-
-def pick_tile(gpu, M: int, N: int, batch: int = 1, compute: str = "f32") -> Tile:
-    """The tile `matmul` uses when none is given: the large tile (LARGE_TILE, or F16_LARGE_TILE for f16
-    products) where it yields enough workgroups and fits the adapter's workgroup memory, else SMALL_TILE.
-    Every tile sums each C element in the same k order."""
-    large = (F16_LARGE_TILE or LARGE_TILE) if compute == "f16" else LARGE_TILE
+def pick_tile(gpu, M: int, N: int, batch: int = 1) -> Tile:
+    """The tile `matmul` uses when none is given: LARGE_TILE where it yields enough workgroups and fits the
+    adapter's workgroup memory, else SMALL_TILE. Every tile sums each C element in the same k order."""
     need = LARGE_TILE_MIN_GROUPS.get(gpu.info.get("type", ""), LARGE_TILE_MIN_GROUPS_GPU)
-    groups = -(-M // large.bm) * -(-N // large.bn) * batch
-    fits = large.shared_bytes <= gpu.limits.get("max-compute-workgroup-storage-size", 16384)
-    return large if groups >= need and fits else SMALL_TILE
+    groups = -(-M // LARGE_TILE.bm) * -(-N // LARGE_TILE.bn) * batch
+    fits = LARGE_TILE.shared_bytes <= gpu.limits.get("max-compute-workgroup-storage-size", 16384)
+    return LARGE_TILE if groups >= need and fits else SMALL_TILE
 
 
 B_DTYPES = {"f32": 4, "f16": 2}  # element bytes of B
-COMPUTE = ("f32", "f16")  # precision of the products (`matmul`'s `compute`)
-# k terms summed in one f16 partial before it is added into f32 (compute "f16"). Measured against float64
-# (`bench/f16_chunk.py`, lavapipe and H200, BENCHMARKS.md): the worst error per unit of sum |a_k b_k| grows
-# from 5.7e-5 (chunk 1, the f16 rounding of the operands alone) to 2.7e-4 (chunk 16, K 768, all-positive
-# data), every chunk up to 16 below bf16 operand rounding (4.0e-4 there); on the H200 chunk 16 ran faster than
-# chunk 8 at every tile swept (chunks 1 and 4 were timed only at the 8x8 tile, where they beat 16).
-F16_CHUNK = 16
 
 
 def _b_itemsize(gpu, b_dtype: str) -> int:
@@ -278,26 +238,17 @@ def _b_itemsize(gpu, b_dtype: str) -> int:
     return B_DTYPES[b_dtype]
 
 
-def _check_compute(gpu, compute: str, chunk: int) -> None:
-    if compute not in COMPUTE:
-        raise GpuError(f"matmul: compute {compute!r} is not one of {list(COMPUTE)}")
-    if compute == "f16" and "shader-f16" not in gpu.features:
-        raise GpuError(f"matmul: f16 products need the adapter feature shader-f16, which {gpu.name} lacks")
-
-
-def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile, b_dtype: str = "f32", compute: str = "f32",
-           chunk: int = 0):  # fmt: skip
-    """The compiled `matmul` entry point for one layout, tile, B element type and product precision (cached
-    by the device layer)."""
+def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile, b_dtype: str = "f32"):
+    """The compiled `matmul` entry point for one layout, tile and B element type (cached by the device
+    layer)."""
     _b_itemsize(gpu, b_dtype)
-    _check_compute(gpu, compute, chunk)
     tile.validate(gpu)
     return gpu.kernel(
         SHADER,
         "matmul",
         "rrwu",
         constants={"TRANS_A": int(trans_a), "TRANS_B": int(trans_b)},
-        templates=tile.templates(b_dtype, compute, chunk if compute == "f16" else 0),
+        templates=tile.templates(b_dtype),
         workgroup=(tile.wx, tile.wy, 1),
         uniforms=UNIFORMS,
     )
@@ -363,7 +314,6 @@ def _split_k(
     parts,
     tile,
     b_dtype="f32",
-    precision=("f32", 0),
 ) -> Call:
     """C (+)= alpha * op(A) op(B) as `parts` products over K slices plus a fixed-order reduction."""
     ks, full, rest = split_k_slices(K, parts)
@@ -388,11 +338,9 @@ def _split_k(
         batch=Batch(full, a=Strides(sa), b=Strides(sb), c=Strides(pstride)),
         lda=lda,
         ldb=ldb,
-        tile=tile or pick_tile(gpu, M, N, full, precision[0]),
+        tile=tile or pick_tile(gpu, M, N, full),
         split_k=1,
         b_dtype=b_dtype,
-        compute=precision[0],
-        chunk=precision[1],
     )
     if rest:  # the short last slice
         a_view = _offset_view(a, full * sa)
@@ -414,8 +362,6 @@ def _split_k(
             tile=tile,
             split_k=1,
             b_dtype=b_dtype,
-            compute=precision[0],
-            chunk=precision[1],
         )
     k = gpu.kernel(
         SHADER,
@@ -506,16 +452,13 @@ def matmul(
     tile: Tile | None = None,
     split_k: int | None = None,
     b_dtype: str = "f32",
-    compute: str = "f32",
-    chunk: int | None = None,
 ) -> Call:
     """C = alpha * op(A) * op(B) (+ C when `accumulate`), for the products of `batch` (one by default).
     `lda`, `ldb`, `ldc` are the row strides (in elements) of the stored matrices; they default to packed rows
     (A: K, or M when trans_a; B: N, or K when trans_b; C: N). `c` must be a different buffer from `a` and
     `b`. `tile` defaults to `pick_tile`. `split_k` slices K into that many products plus a reduction (None:
     `auto_split_k`; only for packed, unbatched C). `b_dtype` "f16": B holds f16 values (converted to f32 on
-    load; needs shader-f16). `compute` "f16": f16 products, summed in f16 over `chunk` consecutive k
-    (default F16_CHUNK) and in f32 across chunks (needs shader-f16); C and split-K partials stay f32.
+    load; needs shader-f16).
 
     `causal` (square positions x positions products of attention): "skip_upper" leaves the C tiles wholly
     above the diagonal unwritten, "k_to_row" stops the k loop after each tile's last row (op(A) zero for
@@ -536,8 +479,6 @@ def matmul(
     _check_fits("A", a, batch, inner, sa, *((K, M) if trans_a else (M, K)), lda)
     _check_fits("B", b, batch, inner, sb, *((N, K) if trans_b else (K, N)), ldb, _b_itemsize(gpu, b_dtype))
     _check_fits("C", c, batch, inner, sc, M, N, ldc)
-    chunk = int(chunk or F16_CHUNK) if compute == "f16" else 0
-    _check_compute(gpu, compute, chunk)
     plain = inner == 1 and causal is None and sa.off == sb.off == sc.off == 0
     parts = auto_split_k(gpu, M, N, K, batch) if split_k is None else int(split_k)
     if parts > 1 and batch == 1 and ldc == N and 2 * parts <= K and plain:
@@ -558,15 +499,14 @@ def matmul(
             parts,
             tile,
             b_dtype,
-            (compute, chunk),
         )
         if call is not None:
             return call
-    tile = tile or pick_tile(gpu, M, N, batch, compute)
+    tile = tile or pick_tile(gpu, M, N, batch)
     groups = (-(-N // tile.bn), -(-M // tile.bm), batch)
     if max(groups) > MAX_GROUPS:
         raise GpuError(f"matmul: {groups} workgroups exceed {MAX_GROUPS} per dimension; split the product")
-    k = kernel(gpu, trans_a, trans_b, tile, b_dtype, compute, chunk)
+    k = kernel(gpu, trans_a, trans_b, tile, b_dtype)
     u = gpu.uniform(
         PARAMS,
         M=M,
@@ -596,41 +536,11 @@ def matmul(
     return Call(dispatches=[(k, gpu.bind(k, a, b, c, u), groups)], uniforms=[u])
 
 
-# f16 rounding, either rounding mode: f32 -> f16 conversion is round-to-nearest on the adapters we know, but
-# Vulkan leaves it to the implementation, so the bounds use the looser round-toward-zero unit 2^-10.
-U_F16 = 2.0**-10
-TINY_F16 = 2.0**-24  # spacing of f16 subnormals: the absolute error of one rounding near zero is below it
-U_F32 = 2.0**-23
-
-
-def f16_rel_bound(K: int, chunk: int) -> float:
-    """The relative part of `f16_error_bound`: both operands rounded to f16 once, `chunk` f16 roundings per
-    partial (the first product and the fmas: gamma_c), K/chunk + 1 f32 roundings across the partials."""
-
-    def gamma(n: int, u: float) -> float:
-        return n * u / (1.0 - n * u)
-
-    inputs = (1.0 + U_F16) ** 2 - 1.0
-    rel = inputs + (1.0 + inputs) * gamma(chunk, U_F16)
-    return rel + (1.0 + rel) * gamma(-(-K // chunk) + 1, U_F32)
-
-
-def f16_error_bound(abs_ab, K: int, chunk: int, max_a: float, max_b: float):
-    """Worst-case |C_f16 - C_exact| per element of an f16-product `matmul` (alpha 1, no accumulate), from
-    abs_ab = |op(A)| @ |op(B)| (the sums of |a_k b_k|) and the chunk length: `f16_rel_bound` times abs_ab,
-    plus TINY_F16 for every f16 rounding near zero (2K of them, and the operands' roundings times the other
-    operand's magnitude)."""
-    return f16_rel_bound(K, chunk) * abs_ab + K * TINY_F16 * (max_a + max_b + 2.0)
-
-
 def linear_forward(
-    gpu, out, x, w, rows: int, out_features: int, in_features: int, w_dtype: str = "f32", compute: str = "f32"
+    gpu, out, x, w, rows: int, out_features: int, in_features: int, w_dtype: str = "f32"
 ) -> Call:
-    """out (rows, OUT) = x (rows, IN) @ w (OUT, IN)^T; `w_dtype` "f16" reads f16 weights; `compute` as in
-    `matmul`."""
-    return matmul(
-        gpu, out, x, w, rows, out_features, in_features, trans_b=True, b_dtype=w_dtype, compute=compute
-    )
+    """out (rows, OUT) = x (rows, IN) @ w (OUT, IN)^T; `w_dtype` "f16" reads f16 weights."""
+    return matmul(gpu, out, x, w, rows, out_features, in_features, trans_b=True, b_dtype=w_dtype)
 
 
 def linear_backward(
@@ -645,15 +555,12 @@ def linear_backward(
     in_features: int,
     accumulate_dx: bool = False,
     accumulate_dw: bool = False,
-    compute: str = "f32",
 ) -> Call:
     """dx (rows, IN) (+)= dout (rows, OUT) @ w (OUT, IN); dw (OUT, IN) (+)= dout^T @ x (rows, IN).
     `dx=None` skips the input gradient (e.g. when x is the embedding output of a frozen input)."""
     call = Call()
     if dx is not None:
-        call += matmul(
-            gpu, dx, dout, w, rows, in_features, out_features, accumulate=accumulate_dx, compute=compute
-        )
+        call += matmul(gpu, dx, dout, w, rows, in_features, out_features, accumulate=accumulate_dx)
     call += matmul(
         gpu,
         dw,
@@ -664,6 +571,5 @@ def linear_backward(
         rows,
         trans_a=True,
         accumulate=accumulate_dw,
-        compute=compute,
     )
     return call
