@@ -56,14 +56,14 @@ def encode_step(net, work, upd, rec) -> None:
     parts = [("zero", [net.zero_grads_call()]), ("forward", [work._fwd]), ("head+loss", [work._head_train]),
              ("loss sum", [work._sum]), ("backward", [work._bwd]), ("optimizer", [net.optimizer_call(upd)])]  # fmt: skip
     for phase, calls in parts:
-        rec.phase = phase  # read by gpu.ProfileRecorder (--profile); a plain Recorder ignores it
+        rec.phase = phase  # read by profiler.ProfileRecorder (--profile); a plain Recorder ignores it
         for c in calls:
             c.record(rec)
 
 
 def profile_step(gpu, net, work, upd) -> dict:
-    """GPU ms of one step per (phase, shader family): every dispatch timed alone (`gpu.ProfileRecorder`)."""
-    from ddl_wgpu.gpu import ProfileRecorder
+    """GPU ms of one step per (phase, shader family): every dispatch timed alone (`profiler.ProfileRecorder`)."""
+    from profiler import ProfileRecorder
 
     rec = ProfileRecorder(gpu)
     encode_step(net, work, upd(), rec)
