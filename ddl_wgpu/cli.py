@@ -541,6 +541,9 @@ def resume(
     steps: int = typer.Option(
         None, "--steps", help="Train a new phase of N steps (default: finish the run)."
     ),
+    restart_data: bool = typer.Option(
+        False, "--restart-data", help="New phase: start the data order at its first batch (the reference's)."
+    ),
     learning_rate: float = opt(None, "New phase: peak learning rate.", TRAIN_HELP),
     min_learning_rate: float = opt(None, "New phase: cosine floor.", TRAIN_HELP),
     eval_interval: int = opt(None, "New phase: evaluation interval.", TRAIN_HELP),
@@ -572,6 +575,8 @@ def resume(
     in_range("val-fraction", val_fraction, 0.0, 1.0)
     in_range("steps", steps, 1)
     in_range("eval-interval", eval_interval, 1)
+    if restart_data and steps is None:
+        fail("--restart-data restarts the data order of a new phase: pass --steps N")
     if checkpoint.is_dir():  # a sweep: by default where and on what backend it ran
         sw = sweep_lib.Sweep.load(checkpoint, say=lambda line: typer.echo(line, err=True))
         back = choose_backend(backend, device).name if backend != "auto" else sw.backend
@@ -618,7 +623,8 @@ def resume(
         if v is not None
     }
     if steps is not None:
-        typer.echo(f"  new phase: {steps} steps" + (", " + fields(over) if over else ""))
+        restart = ", data order from its first batch (--restart-data)" if restart_data else ""
+        typer.echo(f"  new phase: {steps} steps" + (", " + fields(over) if over else "") + restart)
     con = TrainConsole()
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
                                 stop_after=stop_after, progress=con, data=source)  # fmt: skip
@@ -628,10 +634,8 @@ def resume(
         locks.enter_context(RunLock(where))
         if sweep_dir is not None:  # finishing the sweep writes its other variants and its report
             locks.enter_context(RunLock(sweep_dir))
-        rep = _run(
-            lambda: train_lib.resume(checkpoint, trn, val, opts, out_dir=out, steps=steps, overrides=over),
-            con,
-        )
+        phase = dict(out_dir=out, steps=steps, overrides=over, restart_data=restart_data)
+        rep = _run(lambda: train_lib.resume(checkpoint, trn, val, opts, **phase), con)
     fv = rep.get("final_validation") or {}
     typer.echo(
         f"{rep['variant']}: {rep['steps_completed']} steps, status {rep.get('status')}, "
@@ -722,7 +726,7 @@ def heal(
     ),
     chain: int = opt(HEAL.chain, "Chain steps trained (the runtime drafts 3-5 deep).", HEAL_HELP),
     refresh: int = opt(
-        HEAL.refresh, "Steps between rebuilds of chain steps 2.. from the current draft.", HEAL_HELP
+        HEAL.refresh, "Steps between rebuilds of chain steps 2.. from the draft (0: never).", HEAL_HELP
     ),
     tokens: int = opt(HEAL.tokens, "Token budget of all windows.", HEAL_HELP),
     window: int = opt(HEAL.window, "Window length.", HEAL_HELP),
@@ -751,7 +755,7 @@ def heal(
     as_json: bool = typer.Option(False, "--json", help="JSON progress lines and the report as JSON."),
 ):
     """Retrain the MTP draft head on its own trunk by top-k KL self-distillation; write it back into OUT."""
-    for flag, value, lo in (("chain", chain, 1), ("refresh", refresh, 1), ("tokens", tokens, 1), ("window", window, 2),
+    for flag, value, lo in (("chain", chain, 1), ("refresh", refresh, 0), ("tokens", tokens, 1), ("window", window, 2),
                             ("topk", topk, 1), ("batch", batch, 1), ("eval-every", eval_every, 1),
                             ("patience", patience, 0), ("seed", seed, 0)):  # fmt: skip
         in_range(flag, value, lo)

@@ -73,7 +73,7 @@ from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teac
 from ddl_wgpu.container import CheckpointError, f32_to_bf16, open_checkpoint, save
 from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.errors import UserError
-from ddl_wgpu.modelfile import Model, load_model
+from ddl_wgpu.modelfile import FLOAT_DTYPES, Model, load_model
 from ddl_wgpu.run import Best, Cadence, Events, LossScale, drive
 
 LOSS_SCALE_START = 4096.0  # the reference heal tool's first loss scale; halved (to >= 1) per non-finite step
@@ -90,6 +90,9 @@ _U64 = (1 << 64) - 1
 GATE = "model.mtp.layers.0.mlp.gate_proj.weight"  # its rows: the draft's FFN width
 REQUIRED = ("model.mtp.eh_proj.weight", "model.mtp.enorm.weight", "model.mtp.hnorm.weight",
             "model.mtp.layers.0.self_attn.q_proj.weight", "model.mtp.norm.weight")  # fmt: skip
+# An --init file needs only what heal reads from it, the draft's block and final norm (the reference heal tool
+# reads only the draft block): the input projection is the healed model's own.
+INIT_REQUIRED = REQUIRED[3:]
 
 
 class HealError(UserError):
@@ -192,13 +195,13 @@ def heal_record(provenance: dict) -> dict | None:
     return prov.get(PROVENANCE_KEY, prov.get(OLD_PROVENANCE_KEY))
 
 
-def _require_draft(path) -> None:
+def _require_draft(path, required=REQUIRED) -> None:
     try:
         with open_checkpoint(path) as ck:
             names = set(ck.names())
     except CheckpointError as e:
         raise HealError(f"heal: {e}") from e
-    for n in REQUIRED:
+    for n in required:
         if n not in names:
             raise HealError(f"heal: {path} carries no MTP draft (missing tensor {n})")
 
@@ -225,15 +228,21 @@ def _draft_width_of(init_path, model: Model) -> Model:
 
 
 def _init_weights(init_path, model: Model, verify: bool = True) -> dict:
-    src = _load(init_path, "the init model", verify)
+    """The trained tensors (the draft's block and final norm) read from `init_path`, nothing else of it: its
+    config and its other tensors (the input projection included) may be anything or absent."""
     shapes = {spec.name: tuple(spec.shape) for spec in param_table(model.cfg)}
     out = {}
-    for n in ref_mtp.trained_names(model.params):
-        have = None if n not in src.params else tuple(src.params[n].shape)
-        if have != shapes[n]:
-            raise HealError(f"heal: the init model {init_path}: {n} has shape {have}, the model needs "
-                            f"{shapes[n]}", field="init")  # fmt: skip
-        out[n] = src.params[n]
+    try:
+        with open_checkpoint(init_path, verify=verify) as ck:
+            for n in ref_mtp.trained_names(model.params):
+                info = ck.info(n) if n in ck else None
+                if info is None or tuple(info.shape) != shapes[n] or info.dtype not in FLOAT_DTYPES:
+                    have = "no such tensor" if info is None else f"{info.dtype} {tuple(info.shape)}"
+                    raise HealError(f"heal: the init model {init_path}: {n} is {have}, the model needs a "
+                                    f"float tensor of shape {shapes[n]}", field="init")  # fmt: skip
+                out[n] = np.asarray(ck.tensor_f32(n), np.float32)
+    except CheckpointError as e:
+        raise HealError(f"heal: the init model: {e}") from e
     return out
 
 
@@ -532,7 +541,7 @@ def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True) -> tupl
                         "model.mtp.eh_proj.weight in its table)")  # fmt: skip
     init = None
     if init_path is not None:
-        _require_draft(init_path)
+        _require_draft(init_path, INIT_REQUIRED)
         model = _draft_width_of(init_path, model)
         init = _init_weights(init_path, model, verify)
         model = dataclasses.replace(model, params={**model.params, **init})
