@@ -13,7 +13,7 @@ trunk's own predictions. The flow:
    block input rows, built from its hidden rows (pre- or post-final-norm, per `MtpConfig.trunk_hidden`) where
    they are: on the GPU on wgpu (`heal_gpu.DraftInput`), so the hidden rows never come back to the host (the
    acceptance starts from the held-out windows' step-1 rows, kept in float32).
-3. The draft is trained alone as a one-layer model (`DraftTrainer`): its block `model.mtp.layers.0.*` and final
+3. The draft is trained alone as a one-layer model (`backend.Draft`): its block `model.mtp.layers.0.*` and final
    norm `model.mtp.norm`, from `--init` weights when given, else the model's own. Trunk, embedding, head and the
    draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the reference heal tool.
 4. Chained training: the block input of step 1 is `eh_proj·[enorm(E[x_{p+1}]); hnorm(h_p)]` from the trunk's
@@ -283,7 +283,7 @@ def write_back(model_path, out_path, trained: dict, provenance_key: str, record:
 class _Cache:
     """The trunk's pass over all windows, on the host."""
 
-    ids: np.ndarray  # (N, T) int64, padded with 0
+    ids: np.ndarray  # (N, T) int64, padded with `pad_id` (the tokenizer's first EOS id; 0 without one)
     lengths: np.ndarray  # (N,)
     top_ids: np.ndarray  # (N, T, k) int32
     top_probs: np.ndarray  # (N, T, k) float32

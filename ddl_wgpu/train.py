@@ -1,6 +1,7 @@
 """Variant sweeps with the reference trainer's semantics (the Rust trainer whose behaviour `train` reproduces,
 described in docs/): configuration and its validation,
-the cosine warm-up schedule, AdamW with global gradient-norm clipping, evaluation and spectral telemetry
+the cosine warm-up schedule, AdamW after gradient-norm clipping (each tensor by its own norm, as the reference
+trainer clips; `grad_clip_mode` "global": one norm over all), evaluation and spectral telemetry
 every `eval_interval` steps, best-validation tracking, the `TrainingReport` / `TrainingComparisonReport`,
 checkpoints, and the two kinds of resume.
 
