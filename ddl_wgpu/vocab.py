@@ -19,8 +19,8 @@ def head_chunk_rows(gpu, N: int, C: int, V: int) -> int:
     """Rows per chunk of the LM head over N rows (full logits never exist). Chunks are multiples of 64 rows
     (64·C·4 bytes keeps every chunk's view offset 256-aligned), bounded to 512 MiB of logits (half the binding
     limit on small adapters) and of equal height (no short last chunk of thin products). Tall chunks matter:
-    the head's dx product has K = V, and a 320-row chunk gave the H200 only 15 workgroups (3.9 TFLOP/s,
-    BENCHMARKS.md). Where 64 rows of logits do not fit the budget (lowered test limits), the smallest row
+    the head's dx product has K = V, and a 320-row chunk gave the H200 only 15 workgroups (3.9 TFLOP/s; see
+    commit 56c5f5d). Where 64 rows of logits do not fit the budget (lowered test limits), the smallest row
     count that keeps views aligned."""
     budget = min(512 << 20, gpu.max_binding // 2)
     fit = budget // (V * F32)
