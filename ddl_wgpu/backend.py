@@ -282,15 +282,10 @@ def open_gpu(device: str | None = None) -> Gpu:
 
 
 def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | None, seed: int = 0,
-             mtp_weight: float = 0.0, precision: str = "f32") -> TrainNet:  # fmt: skip
+             mtp_weight: float = 0.0) -> TrainNet:  # fmt: skip
     """A training net on the backend; fresh parameters from `seed` when `params` is None. A model with an
-    MTP draft (`cfg.mtp`) trains it jointly, its loss weighted by `mtp_weight`. `precision` "f16": mixed
-    precision (f16 GEMM products, loss scaling; wgpu only)."""
+    MTP draft (`cfg.mtp`) trains it jointly, its loss weighted by `mtp_weight`."""
     backend = _resolve(backend, device)
-    if precision != "f32" and backend != "wgpu":
-        raise BackendError(
-            f"precision {precision} runs on the wgpu backend only (the numpy reference is float64)"
-        )
     if params is None:
         params = init_params(cfg, seed)
     if backend == "ref":
@@ -300,9 +295,7 @@ def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | 
     from ddl_wgpu.net import Net
     from ddl_wgpu.trunk import TrunkWork
 
-    return Net(
-        open_gpu(device), cfg, params, mtp_weight=mtp_weight, precision=precision, work_class=TrunkWork
-    )
+    return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight, work_class=TrunkWork)
 
 
 def _check_trunk_dtype(backend: str, trunk_dtype: str) -> None:

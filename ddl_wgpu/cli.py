@@ -53,7 +53,6 @@ from ddl_wgpu.cli_options import (
     NLayers,
     NormStyle,
     NoVerify,
-    PrecisionOpt,
     QkNorm,
     RayOpt,
     RopeTheta,
@@ -373,7 +372,6 @@ def train(
     ray: RayOpt = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
-    precision: PrecisionOpt = "f32",
 ):
     """Train a sweep of variants on the same data and budget; write reports, checkpoints and plots."""
     in_range("save-interval", save_interval, 0)
@@ -403,32 +401,26 @@ def train(
     if seq_len > base.max_seq_len:
         fail(f"--seq-len {seq_len} exceeds the model's max_seq_len {base.max_seq_len} (see --max-seq-len)")
     batch_tokens("batch-size", batch_size, seq_len)
-    if precision not in ("f32", "f16"):
-        fail(f"--precision must be f32 or f16, got {precision!r}")
     vs = parse_variants(variants)
     for v in vs:
         fits(v.resolve_config(base), True, f"variant {v.slug}")
     choice = choose_backend(backend, device)
-    if precision != "f32" and choice.name != "wgpu":
-        fail(
-            f"--precision {precision} runs on the wgpu backend only ({backend_line(choice)}): pass --backend wgpu"
-        )
     source = data_source(data, val_data, val_fraction, max_tokens)
     with claim_output(out, overwrite):
         if seeds is not None or devices is not None or workers or ray is not None:
             seed_list = sweep_lib.parse_seeds(seeds) if seeds is not None else [seed]
             sw = sweep_lib.Sweep(base.to_dict(), replace(tcfg, seed=seed_list[0]).to_dict(), [v.slug for v in vs],
-                                 seed_list, source, choice.name, save_interval, precision)  # fmt: skip
+                                 seed_list, source, choice.name, save_interval)  # fmt: skip
             runner = sweep_lib.Runner.parse(choice.name, devices, workers, ray, device)
             typer.echo(f"resolved configuration:\n  model:    {fields(base.to_dict())}\n  training: "
                        f"{fields(sw.training)}\n  data:     {fields(source)}\n  {backend_line(choice)}\n"
                        f"  sweep:    {len(sw.jobs())} jobs ({len(vs)} variants x {len(seed_list)} seeds), "
                        f"{runner.describe()}")  # fmt: skip
             return _sweep(lambda: sweep_lib.run(sw, out, runner, stop_after), out, plots)
-        _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots, precision)
+        _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots)
 
 
-def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots, precision):
+def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots):
     """`train` once its options are checked and its output folder claimed."""
     batch_size, seq_len = tcfg.batch_size, tcfg.seq_len
     trn, val = load_source(source, seq_len, batch_size, base.vocab_size, tcfg.seed)
@@ -443,13 +435,9 @@ def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop
     if val is not None:
         typer.echo(f"  val:      {fields(val.summary())}")
     typer.echo(f"  tokens per step: {batch_size * seq_len:,}")
-    if precision != "f32":
-        typer.echo(
-            f"  precision: {precision} (f16 GEMM products, f32 weights/optimizer, dynamic loss scaling)"
-        )
     con = TrainConsole()
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
-                                stop_after=stop_after, progress=con, data=source, precision=precision)  # fmt: skip
+                                stop_after=stop_after, progress=con, data=source)  # fmt: skip
     comp = _run(lambda: train_lib.train_variants(base, vs, trn, val, tcfg, out, opts), con)
     try:
         _finish_train(comp, out, tcfg, plots)
@@ -553,6 +541,9 @@ def resume(
     steps: int = typer.Option(
         None, "--steps", help="Train a new phase of N steps (default: finish the run)."
     ),
+    restart_data: bool = typer.Option(
+        False, "--restart-data", help="New phase: start the data order at its first batch (the reference's)."
+    ),
     learning_rate: float = opt(None, "New phase: peak learning rate.", TRAIN_HELP),
     min_learning_rate: float = opt(None, "New phase: cosine floor.", TRAIN_HELP),
     eval_interval: int = opt(None, "New phase: evaluation interval.", TRAIN_HELP),
@@ -584,8 +575,10 @@ def resume(
     in_range("val-fraction", val_fraction, 0.0, 1.0)
     in_range("steps", steps, 1)
     in_range("eval-interval", eval_interval, 1)
+    if restart_data and steps is None:
+        fail("--restart-data restarts the data order of a new phase: pass --steps N")
     if checkpoint.is_dir():  # a sweep: by default where and on what backend it ran
-        sw = sweep_lib.Sweep.load(checkpoint)
+        sw = sweep_lib.Sweep.load(checkpoint, say=lambda line: typer.echo(line, err=True))
         back = choose_backend(backend, device).name if backend != "auto" else sw.backend
         runner = None
         if devices is not None or workers or ray is not None:
@@ -630,7 +623,8 @@ def resume(
         if v is not None
     }
     if steps is not None:
-        typer.echo(f"  new phase: {steps} steps" + (", " + fields(over) if over else ""))
+        restart = ", data order from its first batch (--restart-data)" if restart_data else ""
+        typer.echo(f"  new phase: {steps} steps" + (", " + fields(over) if over else "") + restart)
     con = TrainConsole()
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
                                 stop_after=stop_after, progress=con, data=source)  # fmt: skip
@@ -640,10 +634,8 @@ def resume(
         locks.enter_context(RunLock(where))
         if sweep_dir is not None:  # finishing the sweep writes its other variants and its report
             locks.enter_context(RunLock(sweep_dir))
-        rep = _run(
-            lambda: train_lib.resume(checkpoint, trn, val, opts, out_dir=out, steps=steps, overrides=over),
-            con,
-        )
+        phase = dict(out_dir=out, steps=steps, overrides=over, restart_data=restart_data)
+        rep = _run(lambda: train_lib.resume(checkpoint, trn, val, opts, **phase), con)
     fv = rep.get("final_validation") or {}
     typer.echo(
         f"{rep['variant']}: {rep['steps_completed']} steps, status {rep.get('status')}, "
@@ -734,7 +726,7 @@ def heal(
     ),
     chain: int = opt(HEAL.chain, "Chain steps trained (the runtime drafts 3-5 deep).", HEAL_HELP),
     refresh: int = opt(
-        HEAL.refresh, "Steps between rebuilds of chain steps 2.. from the current draft.", HEAL_HELP
+        HEAL.refresh, "Steps between rebuilds of chain steps 2.. from the draft (0: never).", HEAL_HELP
     ),
     tokens: int = opt(HEAL.tokens, "Token budget of all windows.", HEAL_HELP),
     window: int = opt(HEAL.window, "Window length.", HEAL_HELP),
@@ -763,7 +755,7 @@ def heal(
     as_json: bool = typer.Option(False, "--json", help="JSON progress lines and the report as JSON."),
 ):
     """Retrain the MTP draft head on its own trunk by top-k KL self-distillation; write it back into OUT."""
-    for flag, value, lo in (("chain", chain, 1), ("refresh", refresh, 1), ("tokens", tokens, 1), ("window", window, 2),
+    for flag, value, lo in (("chain", chain, 1), ("refresh", refresh, 0), ("tokens", tokens, 1), ("window", window, 2),
                             ("topk", topk, 1), ("batch", batch, 1), ("eval-every", eval_every, 1),
                             ("patience", patience, 0), ("seed", seed, 0)):  # fmt: skip
         in_range(flag, value, lo)

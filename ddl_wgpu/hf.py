@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from ddl_ref.config import ConfigError, ModelConfig, MtpConfig
+from ddl_ref.config import ConfigError, ModelConfig, ModelVariant, MtpConfig
 from ddl_ref.params import MTP_PREFIX, mtp_specs, param_table
 from ddl_wgpu.hf_files import (
     MAX_TOKENIZER,
@@ -529,7 +529,9 @@ def import_hf(folder) -> Model:
         metadata["hf.mtp_layout"] = draft.layout
         provenance["import_hf"]["mtp"] = {"layout": draft.layout, "conventions": draft.conventions,
                                           **draft.mtp.to_dict(), "ignored": list(draft.ignored)}  # fmt: skip
-    return Model(cfg=cfg, params=params, variant="baseline", tokenizer=tokenizer, provenance=provenance,
+    # the variant follows from the config (a raw export of a DDL model imports as that DDL variant)
+    variant = ModelVariant.of_config(cfg).slug
+    return Model(cfg=cfg, params=params, variant=variant, tokenizer=tokenizer, provenance=provenance,
                  metadata=metadata)  # fmt: skip
 
 
