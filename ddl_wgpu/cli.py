@@ -905,9 +905,11 @@ def generate(
     in_range("depth", depth, 1)
     sampling = generate_lib.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     choice = choose_backend(backend, device)
-    typer.echo(backend_line(choice), err=True)
     m = load_model(model)
+    if speculative:  # a round drafts within the model's context (and sizes its cache by the depth)
+        in_range("depth", depth, 1, m.cfg.max_seq_len - 1)
     text = _prompt_of(prompt, prompt_file, m)
+    typer.echo(backend_line(choice), err=True)
     r = generate_lib.generate(m, text, max_new_tokens=max_new_tokens, sampling=sampling, stops=stop or (),
                               speculative=speculative, depth=depth, backend=choice.name, device=device,
                               on_text=None if as_json else _write_now, dtype=trunk_dtype)  # fmt: skip

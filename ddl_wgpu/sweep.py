@@ -440,7 +440,7 @@ class _Pool:
 
     def _lost(self, i: int, job, pending: deque) -> None:
         """Worker i died with a job in hand: its last messages may still be in flight, then the job failed."""
-        for j in self.drain(0.2):
+        for j in self.drain(0.2, most=2.0):
             self.hand(j, pending)
         if self.running.get(i) is job:
             code = self.procs[i].exitcode

@@ -73,7 +73,7 @@ def read_record(path: Path) -> dict:
     # a record from before the clipping mode existed: its jobs clipped globally (as `train.load_checkpoint`)
     training = {"grad_clip_mode": "global", **d["training"]}
     try:
-        for s in seeds:
+        for s in (training.get("seed", 0), *seeds):  # each job trains with its own seed instead of the record's
             train_lib.TrainingConfig.from_dict({**training, "seed": s}).validate()
     except (train_lib.TrainingError, TypeError) as e:
         raise bad(f"'training': {e}") from None
