@@ -678,6 +678,8 @@ def resume(
     where = out or checkpoint.parent
     sweep_dir = checkpoint.parent.parent if ck["sweep"] and out is None and steps is None else None
     elsewhere = out is not None and out.resolve() != checkpoint.parent.resolve()
+    if elsewhere:  # --overwrite would clear the very checkpoint the run continues from
+        refuse_overwrite_input(out, [checkpoint], train_lib.TrainingError)
     # another --out is claimed as `train` claims its own: a new phase never writes over another run
     with contextlib.ExitStack() as locks:
         locks.enter_context(claim_output(where, overwrite) if elsewhere else RunLock(where))

@@ -73,7 +73,8 @@ def read_record(path: Path) -> dict:
     # a record from before the clipping mode existed: its jobs clipped globally (as `train.load_checkpoint`)
     training = {"grad_clip_mode": "global", **d["training"]}
     try:
-        for s in (training.get("seed", 0), *seeds):  # each job trains with its own seed instead of the record's
+        # the record's own seed too, though each job trains with its own instead
+        for s in (training.get("seed", 0), *seeds):
             train_lib.TrainingConfig.from_dict({**training, "seed": s}).validate()
     except (train_lib.TrainingError, TypeError) as e:
         raise bad(f"'training': {e}") from None
@@ -128,9 +129,11 @@ def _check_job(sweep: Sweep, job: Job, folder: Path, record: Path) -> None:
         with open_checkpoint(ck, verify=False) as c:  # the header alone: no tensor is read
             meta = dict(c.metadata or {})
             cfg = c.config
-        phase = (meta.get("train.position") or {}).get("phase") or {}
-        rep = load_json(meta.get("train.report") or "{}", f"{ck}: train.report", SweepError)
-        found.append((str(ck), rep.get("variant") if isinstance(rep, dict) else None, phase.get("training"), cfg,
+        position, raw = meta.get("train.position"), meta.get("train.report")
+        phase = position.get("phase") if isinstance(position, dict) else None
+        rep = load_json(raw, f"{ck}: train.report", SweepError) if isinstance(raw, str) else None
+        found.append((str(ck), rep.get("variant") if isinstance(rep, dict) else None,
+                      phase.get("training") if isinstance(phase, dict) else None, cfg,
                       meta.get("train.data")))  # fmt: skip
     report = folder / train_lib.REPORT
     if report.exists():

@@ -116,6 +116,7 @@ def test_a_new_phase_never_writes_over_another_run(finished, corpus, tmp_path, c
     assert snapshot(other) == before
     ok(cli(*phase, "--out", tmp_path / "P"))
     assert json.loads((tmp_path / "P" / T.REPORT).read_text())["steps_completed"] == 6
+    user_error(cli(*phase, "--out", finished, "--overwrite"), "holds the input")  # it would clear its input
     ok(cli(*phase, "--out", other / "baseline", "--overwrite"))
     assert json.loads((other / "baseline" / T.REPORT).read_text())["training"]["seed"] == 0
 
