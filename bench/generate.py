@@ -51,8 +51,9 @@ import numpy as np  # noqa: E402
 
 from ddl_ref.config import ModelConfig, MtpConfig, preset  # noqa: E402
 from ddl_ref.params import init_params  # noqa: E402
-from ddl_wgpu.generate import RefEngine, run  # noqa: E402
+from ddl_wgpu.generate import run  # noqa: E402
 from ddl_wgpu.modelfile import Model, load_model  # noqa: E402
+from ddl_wgpu.refnet import RefEngine  # noqa: E402
 
 SHAPES = {
     "small": (lambda: preset("small", mtp=MtpConfig()), "f32"),

@@ -82,8 +82,8 @@ from ddl_wgpu import (
     backend,  # noqa: E402
     heal,  # noqa: E402
 )
+from ddl_wgpu.layout import is_f16_matrix  # noqa: E402
 from ddl_wgpu.modelfile import Model  # noqa: E402
-from ddl_wgpu.net import is_f16_matrix  # noqa: E402
 from ddl_wgpu.step import draft_adamw  # noqa: E402
 
 TOL = 1e-4  # f32 GPU against float64 numpy

@@ -106,7 +106,7 @@ def bench_engine(gpu, cfg, params, ids, args, precision: str = "f32", chunk: int
     if chunk is not None:
         k_mm.F16_CHUNK = chunk  # the launchers read it as the Work builds its Calls
     try:
-        net = Net(gpu, cfg, params)
+        net = Net(gpu, cfg, params, work_class=TrunkWork)
         work = net.work(B, T) if precision == "f32" else TrunkWork(net, B, T, precision=precision)
     finally:
         k_mm.F16_CHUNK = default_chunk

@@ -22,6 +22,7 @@ from ddl_wgpu.gpu import Gpu
 from ddl_wgpu.net import Net
 from ddl_wgpu.step import AdamW
 from ddl_wgpu.train import evaluate
+from ddl_wgpu.trunk import TrunkWork
 
 
 def main():
@@ -52,7 +53,7 @@ def main():
     for v in variants:
         cfg = v.resolve_config(base)
         before = gpu.allocated
-        net = Net(gpu, cfg, init_params(cfg, 0))
+        net = Net(gpu, cfg, init_params(cfg, 0), work_class=TrunkWork)
         p_bytes = gpu.allocated - before
         work = net.work(a.batch, a.seq)
         w_bytes = gpu.allocated - before - p_bytes

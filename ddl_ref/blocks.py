@@ -4,6 +4,11 @@
 `block_backward` for the draft's block. Both import this module, neither imports the other's internals, so the
 two have no import circle. See `ddl_ref.model` for the model's shape and the Deep Delta residual.
 
+A block's token mixer follows `cfg.layer_type(i)`: softmax attention ("full_attention": GQA, RoPE on the
+first `cfg.rope_dim` dims of each head, optional q/k norms, optional sigmoid output gate) or the Gated DeltaNet
+("linear_attention", `ddl_ref.gdn`). Either is the sublayer output u of the residual (added, or the direction
+of a Deep Delta update); nothing else in the block depends on the mixer.
+
 Shape legend: B batch, T time, C d_model, H q heads, K kv heads, D head_dim, F ffn hidden, V vocab.
 """
 
@@ -11,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddl_ref import delta, ops, shortconv
+from ddl_ref import delta, gdn, ops, shortconv
 from ddl_ref.config import ModelConfig
 
 
@@ -29,12 +34,18 @@ def head_name(cfg: ModelConfig) -> str:
 
 def _attn_forward(params, cfg: ModelConfig, p: str, h, cos, sin, mask=None):
     """h (B, T, C) normalized -> (o_proj output (B, T, C), cache). `mask` (T, T) bool replaces the causal
-    mask (`ops.attention_masked_forward`); cos/sin rows are then the rows' positions."""
+    mask (`ops.attention_masked_forward`); cos/sin rows are then the rows' positions. With
+    `cfg.attn_output_gate` q_proj gives per head [query (D); gate (D)] and the attention output is multiplied
+    by sigmoid(gate) before o_proj."""
     B, T, C = h.shape
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     eps, style = cfg.rms_eps, cfg.norm_style
     c = {"h": h}
-    q = ops.linear_forward(h, params[p + "self_attn.q_proj.weight"]).reshape(B, T, H, D)
+    q = ops.linear_forward(h, params[p + "self_attn.q_proj.weight"])
+    if cfg.attn_output_gate:
+        qg = q.reshape(B, T, H, 2 * D)
+        q, c["gate"] = qg[..., :D], qg[..., D:].reshape(B, T, H * D)
+    q = q.reshape(B, T, H, D)
     k = ops.linear_forward(h, params[p + "self_attn.k_proj.weight"]).reshape(B, T, K, D)
     v = ops.linear_forward(h, params[p + "self_attn.v_proj.weight"]).reshape(B, T, K, D)
     if cfg.qk_norm == "pre_rope":
@@ -52,6 +63,9 @@ def _attn_forward(params, cfg: ModelConfig, p: str, h, cos, sin, mask=None):
     else:
         a, c["attn"] = ops.attention_masked_forward(q, k, v, mask)
     a = a.reshape(B, T, H * D)
+    if cfg.attn_output_gate:
+        c["a_raw"] = a
+        a = ops.sigmoid_gate_forward(a, c["gate"])
     c["a"] = a
     return ops.linear_forward(a, params[p + "self_attn.o_proj.weight"]), c
 
@@ -63,6 +77,8 @@ def _attn_backward(params, cfg: ModelConfig, p: str, dout, c, cos, sin, grads):
     da, grads[p + "self_attn.o_proj.weight"] = ops.linear_backward(
         dout, c["a"], params[p + "self_attn.o_proj.weight"]
     )
+    if cfg.attn_output_gate:
+        da, dgate = ops.sigmoid_gate_backward(da, c["a_raw"], c["gate"])
     dq, dk, dv = ops.attention_backward(da.reshape(B, T, H, D), c["attn"])
     if cfg.qk_norm == "post_rope":
         dq, grads[p + "self_attn.q_norm.weight"] = ops.rmsnorm_backward(dq, c["qn"])
@@ -79,10 +95,28 @@ def _attn_backward(params, cfg: ModelConfig, p: str, dout, c, cos, sin, grads):
     dh_k, grads[p + "self_attn.k_proj.weight"] = ops.linear_backward(
         dk.reshape(B, T, K * D), h, params[p + "self_attn.k_proj.weight"]
     )
+    if cfg.attn_output_gate:  # back to q_proj's per-head [query; gate] rows
+        dq = np.concatenate([dq, dgate.reshape(B, T, H, D)], axis=-1)
     dh_q, grads[p + "self_attn.q_proj.weight"] = ops.linear_backward(
-        dq.reshape(B, T, H * D), h, params[p + "self_attn.q_proj.weight"]
+        dq.reshape(B, T, -1), h, params[p + "self_attn.q_proj.weight"]
     )
     return dh_v + dh_k + dh_q
+
+
+def _mixer_forward(params, cfg: ModelConfig, i: int, p: str, h, cos, sin, mask=None):
+    """Block i's token mixer on the normalized input h (B, T, C) -> (output (B, T, C), cache)."""
+    if cfg.layer_type(i) == "linear_attention":
+        if mask is not None:
+            raise ValueError("an explicit attention mask needs a full-attention block")
+        return gdn.gdn_forward(params, cfg, p, h)
+    return _attn_forward(params, cfg, p, h, cos, sin, mask)
+
+
+def _mixer_backward(params, cfg: ModelConfig, i: int, p: str, dout, c, cos, sin, grads):
+    """dout (B, T, C) w.r.t. the mixer output -> dh (B, T, C)."""
+    if cfg.layer_type(i) == "linear_attention":
+        return gdn.gdn_backward(params, cfg, p, dout, c, grads)
+    return _attn_backward(params, cfg, p, dout, c, cos, sin, grads)
 
 
 def _mlp_forward(params, p: str, h2):
@@ -165,7 +199,7 @@ def block_forward(params, cfg: ModelConfig, i: int, x, cos, sin, mask=None):
     c = {}
     # --- attention sublayer
     h, c["n1"] = ops.rmsnorm_forward(x, params[p + "input_layernorm.weight"], eps, style)  # (B, T, C)
-    out, c["attn_sub"] = _attn_forward(params, cfg, p, h, cos, sin, mask)
+    out, c["attn_sub"] = _mixer_forward(params, cfg, i, p, h, cos, sin, mask)
     x = x + out
     # --- MLP sublayer
     h2, c["n2"] = ops.rmsnorm_forward(x, params[p + "post_attention_layernorm.weight"], eps, style)
@@ -185,7 +219,7 @@ def block_backward(params, cfg: ModelConfig, i: int, dx, c, cos, sin, grads):
     dxn, grads[p + "post_attention_layernorm.weight"] = ops.rmsnorm_backward(dh2, c["n2"])
     dx = dx + dxn
     # --- attention sublayer (reverse)
-    dh = _attn_backward(params, cfg, p, dx, c["attn_sub"], cos, sin, grads)
+    dh = _mixer_backward(params, cfg, i, p, dx, c["attn_sub"], cos, sin, grads)
     dxn, grads[p + "input_layernorm.weight"] = ops.rmsnorm_backward(dh, c["n1"])
     return dx + dxn
 
@@ -213,7 +247,7 @@ def _ddl_block_forward(params, cfg: ModelConfig, i: int, X, cos, sin):
             x_in, Xs = X, X[..., None]  # d_v = 1: the stream is its own readout and the v input
         h, cache[s + "_norm"] = ops.rmsnorm_forward(x_in, params[p + norm_name + ".weight"], eps, style)
         if s == "attn":
-            u, cache[sub] = _attn_forward(params, cfg, p, h, cos, sin)
+            u, cache[sub] = _mixer_forward(params, cfg, i, p, h, cos, sin)
         else:
             u, cache[sub] = _mlp_forward(params, p, h)
         Xs, cache["ddl_" + s] = _delta_forward(params, cfg, f"{p}ddl_{s}.", Xs, u, h, x_in)
@@ -231,7 +265,7 @@ def _ddl_block_backward(params, cfg: ModelConfig, i: int, dX, cache, cos, sin, g
         dXs = dX if expanded else dX[..., None]
         dXs, du, dc, dx_in = _delta_backward(f"{p}ddl_{s}.", dXs, cache["ddl_" + s], grads)
         if s == "attn":
-            dh = _attn_backward(params, cfg, p, du, cache[sub], cos, sin, grads)
+            dh = _mixer_backward(params, cfg, i, p, du, cache[sub], cos, sin, grads)
         else:
             dh = _mlp_backward(params, p, du, cache[sub], grads)
         dxn, grads[p + norm_name + ".weight"] = ops.rmsnorm_backward(dh + dc, cache[s + "_norm"])
@@ -250,7 +284,7 @@ def _ddl_block_backward(params, cfg: ModelConfig, i: int, dX, cache, cos, sin, g
 def _rope(cfg: ModelConfig, T: int, dtype):
     if cfg.max_seq_len < T:
         raise ValueError(f"sequence length {T} exceeds max_seq_len {cfg.max_seq_len}")
-    return ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, dtype)
+    return ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, dtype, cfg.rope_dim)
 
 
 def trunk_forward(params, cfg: ModelConfig, ids):
@@ -262,7 +296,7 @@ def trunk_forward(params, cfg: ModelConfig, ids):
     ids = np.asarray(ids)
     B, T = ids.shape
     dtype = params["model.embed_tokens.weight"].dtype
-    cos, sin = _rope(cfg, T, dtype)  # (T, D) each; positions 0..T-1
+    cos, sin = _rope(cfg, T, dtype)  # (T, rope_dim) each; positions 0..T-1
     x = ops.embedding_forward(ids, params["model.embed_tokens.weight"])  # (B, T, C)
     cache = {"ids": ids, "cos": cos, "sin": sin}
     expanded = cfg.residual == "delta" and cfg.ddl_dv > 1

@@ -28,6 +28,7 @@ QK_NORMS = ("none", "pre_rope", "post_rope")
 RESIDUALS = ("add", "delta")
 DDL_DVS = (1, 4)
 DDL_COMPRESSORS = ("none", "tc", "cc")
+LAYER_TYPES = ("full_attention", "linear_attention")  # a block's token mixer (Hugging Face's names)
 MTP_CONCATS = ("emb_first", "hidden_first")
 MTP_HIDDENS = ("pre_norm", "post_norm")
 
@@ -132,6 +133,17 @@ class ModelConfig:
     ddl_beta_init: float = 1.0
     ddl_v_scale: float = 4.0  # v = scale * sigmoid(...) (ddl_v_sigmoid_scale)
     ddl_conv_kernel: int = 4  # short-conv kernel size of the compressors and EC
+    # --- hybrid trunks (Qwen3.5, docs/model.md#hybrid-trunks-qwen35): per-layer token mixers, gated attention,
+    # partial RoPE. The defaults are the plain transformer above, so older configs load unchanged.
+    # per block "full_attention" (softmax attention) or "linear_attention" (Gated DeltaNet); None: all full
+    layer_types: tuple[str, ...] | None = None
+    attn_output_gate: bool = False  # full attention's output times sigmoid(gate); q_proj gives [q_h; gate_h]
+    rotary_dim: int | None = None  # RoPE rotates the first rotary_dim dims of a head (Qwen3.5: D/4); None: D
+    linear_k_heads: int = 0  # Gated DeltaNet query/key heads (Qwen3.5-27B: 16); 0 without linear layers
+    linear_v_heads: int = 0  # value heads, a multiple of linear_k_heads (27B: 48)
+    linear_k_dim: int = 0  # query/key head dim (27B: 128)
+    linear_v_dim: int = 0  # value head dim: the delta-rule state is linear_k_dim x linear_v_dim per head
+    linear_conv_kernel: int = 4  # depthwise causal conv over time on q, k, v (Qwen3.5: 4)
     # --- optional multi-token-prediction draft block
     mtp: MtpConfig | None = field(default=None)  # None: no draft head
 
@@ -161,6 +173,12 @@ class ModelConfig:
             "ddl_beta_init": float,
             "ddl_v_scale": float,
             "ddl_conv_kernel": int,
+            "attn_output_gate": bool,
+            "linear_k_heads": int,
+            "linear_v_heads": int,
+            "linear_k_dim": int,
+            "linear_v_dim": int,
+            "linear_conv_kernel": int,
         }
         for name, kind in kinds.items():
             _check_type("ModelConfig", name, getattr(self, name), kind)
@@ -185,6 +203,7 @@ class ModelConfig:
         if not 0.0 <= self.ddl_beta_init <= 2.0:
             raise ConfigError(f"ModelConfig.ddl_beta_init must be in [0, 2], got {self.ddl_beta_init}")
         self._validate_residual()
+        self._validate_hybrid()
         if self.mtp is not None and not isinstance(self.mtp, MtpConfig):
             raise ConfigError(f"ModelConfig.mtp must be an MtpConfig or None, got {type(self.mtp).__name__}")
 
@@ -208,6 +227,52 @@ class ModelConfig:
                 f"ModelConfig: residual='delta' with ddl_dv={dv} needs ddl_compressor 'tc' or 'cc', got {comp!r}"
             )
 
+    def _validate_hybrid(self) -> None:
+        lt = self.layer_types
+        if lt is not None:
+            if not isinstance(lt, tuple) or not all(isinstance(t, str) for t in lt):
+                raise ConfigError(f"ModelConfig.layer_types must be a tuple of names or None, got {lt!r:.80}")
+            if len(lt) != self.n_layers:
+                raise ConfigError(
+                    f"ModelConfig.layer_types has {len(lt)} entries for n_layers {self.n_layers}"
+                )
+            for t in lt:
+                _check_enum("ModelConfig", "layer_types[]", t, LAYER_TYPES)
+        if self.rotary_dim is not None:
+            _check_type("ModelConfig", "rotary_dim", self.rotary_dim, int)
+            if not 2 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+                raise ConfigError(
+                    f"ModelConfig.rotary_dim must be even and in [2, head_dim={self.head_dim}], "
+                    f"got {self.rotary_dim}"
+                )
+        sizes = ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim")
+        for name in (*sizes, "linear_conv_kernel"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.has_linear:
+            for name in (*sizes, "linear_conv_kernel"):
+                if getattr(self, name) <= 0:
+                    raise ConfigError(f"ModelConfig.{name} must be positive when a layer is linear_attention")
+            if self.linear_v_heads % self.linear_k_heads:
+                raise ConfigError(
+                    f"ModelConfig.linear_v_heads ({self.linear_v_heads}) must be a multiple of "
+                    f"linear_k_heads ({self.linear_k_heads})"
+                )
+
+    def layer_type(self, i: int) -> str:
+        """Block i's token mixer: "full_attention" or "linear_attention"."""
+        return "full_attention" if self.layer_types is None else self.layer_types[i]
+
+    @property
+    def has_linear(self) -> bool:
+        """True when some block is a Gated DeltaNet (linear_attention) layer."""
+        return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a head that RoPE rotates (the rest pass through)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
     @property
     def uses_ddl(self) -> bool:
         """True for the Deep Delta residual."""
@@ -217,6 +282,7 @@ class ModelConfig:
         """Plain dict (JSON/msgpack-able); `mtp` becomes a nested dict (`MtpConfig.to_dict`) or None."""
         d = dataclasses.asdict(self)
         d["mtp"] = self.mtp.to_dict() if self.mtp is not None else None
+        d["layer_types"] = list(self.layer_types) if self.layer_types is not None else None
         return d
 
     @classmethod
@@ -228,7 +294,18 @@ class ModelConfig:
         d = dict(d)
         if isinstance(d.get("mtp"), dict):
             d["mtp"] = MtpConfig.from_dict(d["mtp"])
+        if isinstance(d.get("layer_types"), list):  # JSON/msgpack give lists; the frozen config keeps a tuple
+            d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)
+
+
+def select_layers(cfg: ModelConfig, layers) -> ModelConfig:
+    """`cfg` with blocks `layers` (indices into cfg's blocks, in the new order, repeats allowed) and nothing
+    else changed: `n_layers` and, on a hybrid trunk, `layer_types` follow (a plain
+    `dataclasses.replace(cfg, n_layers=...)` fails there, the per-layer list no longer matching)."""
+    layers = [int(i) for i in layers]
+    lt = None if cfg.layer_types is None else tuple(cfg.layer_types[i] for i in layers)
+    return dataclasses.replace(cfg, n_layers=len(layers), layer_types=lt)
 
 
 # Presets. Sizes of "small" and "medium" follow the DDL paper (docs/model.md#configuration-ddl_refconfigpy);
@@ -268,6 +345,44 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     _unknown_keys("ModelConfig", overrides, ModelConfig)
     d.update(overrides)
     return ModelConfig.from_dict(d)
+
+
+# Architectures: the trunk family a preset is built as. "transformer" is the plain pre-norm decoder above;
+# "qwen3_5" is the Qwen3.5 hybrid at the same sizes (docs/model.md#hybrid-trunks-qwen35): Gated DeltaNet layers
+# with one gated full-attention layer in every `interval` (the last layer of each group, Qwen3.5's
+# full_attention_interval 4; fewer layers than that: the last one), zero-centred (1+w) norms, q/k norms before
+# RoPE, RoPE on a quarter of each head, and Gated DeltaNet heads with the attention's geometry (key heads =
+# n_kv_heads, value heads = n_heads, both of head_dim).
+ARCHES = ("transformer", "qwen3_5")
+QWEN35_INTERVAL = 4
+
+
+def qwen35_layer_types(n_layers: int, interval: int = QWEN35_INTERVAL) -> tuple[str, ...]:
+    """Qwen3.5's pattern: every `interval`-th layer full attention, the rest linear (Gated DeltaNet)."""
+    interval = max(1, min(interval, n_layers))
+    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers))
+
+
+def apply_arch(cfg: ModelConfig, arch: str) -> ModelConfig:
+    """`cfg` built as architecture `arch` (ARCHES); sizes, residual and the draft are kept."""
+    if arch not in ARCHES:
+        raise ConfigError(f"unknown architecture {arch!r}; valid: {list(ARCHES)}")
+    if arch == "transformer":
+        return cfg
+    rot = max(2, cfg.head_dim // 4 // 2 * 2)
+    return dataclasses.replace(
+        cfg,
+        norm_style="offset",
+        qk_norm="pre_rope",
+        attn_output_gate=True,
+        rotary_dim=rot,
+        layer_types=qwen35_layer_types(cfg.n_layers),
+        linear_k_heads=cfg.n_kv_heads,
+        linear_v_heads=cfg.n_heads,
+        linear_k_dim=cfg.head_dim,
+        linear_v_dim=cfg.head_dim,
+        linear_conv_kernel=4,
+    )
 
 
 # Variants: one row per trained architecture (the reference trainer's `ModelVariant`). Each row gives

@@ -27,6 +27,10 @@ sequence fed in pieces of any size (a prompt, then one token at a time, then row
 logits of `ddl_ref.model.forward` at every position (float64, 1e-10), and the draft rows equal
 `ddl_ref.mtp.draft_forward` (step 1, causal) and the stacked chain (`chain=σ`) row for row.
 
+Full-attention models only: the attention's output gate and partial RoPE are handled, but a hybrid trunk's
+Gated DeltaNet layers (`linear_attention`) would need their conv window and recurrent state cached, which
+`TrunkCache` does not hold yet; it refuses such a config. The draft block is full attention on any trunk.
+
 What this file deliberately does not do: sampling or the speculative loop (`ddl_wgpu.generate`), batches of
 several sequences, or any backward.
 """
@@ -38,7 +42,7 @@ import numpy as np
 from ddl_ref import delta, ops, shortconv
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.blocks import head_name
-from ddl_ref.config import ModelConfig
+from ddl_ref.config import ConfigError, ModelConfig
 
 
 def attend_cached(q, k, v, start: int):
@@ -65,7 +69,12 @@ def _attention(params, cfg: ModelConfig, p: str, h, kc, vc, start: int, cos, sin
     n = h.shape[0]
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     eps, style = cfg.rms_eps, cfg.norm_style
-    q = ops.linear_forward(h, params[p + "self_attn.q_proj.weight"]).reshape(1, n, H, D)
+    q = ops.linear_forward(h, params[p + "self_attn.q_proj.weight"])
+    gate = None
+    if cfg.attn_output_gate:  # per head [query; gate] (`ddl_ref.blocks._attn_forward`)
+        qg = q.reshape(n, H, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:].reshape(n, H * D)
+    q = q.reshape(1, n, H, D)
     k = ops.linear_forward(h, params[p + "self_attn.k_proj.weight"]).reshape(1, n, K, D)
     v = ops.linear_forward(h, params[p + "self_attn.v_proj.weight"]).reshape(n, K, D)
     norms = [(p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")]
@@ -78,8 +87,10 @@ def _attention(params, cfg: ModelConfig, p: str, h, kc, vc, start: int, cos, sin
         k = ops.rmsnorm_forward(k, params[norms[0][1]], eps, style)[0]
     kc[start : start + n] = k[0]
     vc[start : start + n] = v
-    a = attend_cached(q[0], kc[: start + n], vc[: start + n], start)
-    return ops.linear_forward(a.reshape(n, H * D), params[p + "self_attn.o_proj.weight"])
+    a = attend_cached(q[0], kc[: start + n], vc[: start + n], start).reshape(n, H * D)
+    if gate is not None:
+        a = ops.sigmoid_gate_forward(a, gate)
+    return ops.linear_forward(a, params[p + "self_attn.o_proj.weight"])
 
 
 def _mlp(params, p: str, h):
@@ -103,6 +114,11 @@ class TrunkCache:
     """The trunk's per-position state of one sequence (module docstring); `capacity` positions at most."""
 
     def __init__(self, cfg: ModelConfig, capacity: int | None = None, dtype=np.float32):
+        if cfg.has_linear:  # ConfigError: a user's model, one line in the CLI, not a traceback
+            raise ConfigError(
+                "incremental decoding of a hybrid trunk (linear_attention layers) is not implemented yet: "
+                "its cache would need each Gated DeltaNet's conv window and recurrent state"
+            )
         cap = cfg.max_seq_len if capacity is None else int(capacity)
         if not 0 < cap <= cfg.max_seq_len:
             raise ValueError(f"cache capacity {cap} must be in 1..max_seq_len {cfg.max_seq_len}")
@@ -110,7 +126,7 @@ class TrunkCache:
         self.cfg, self.capacity, self.length = cfg, cap, 0
         self.k = np.zeros((L, cap, K, D), dtype)
         self.v = np.zeros((L, cap, K, D), dtype)
-        self.cos, self.sin = ops.rope_tables(cap, D, cfg.rope_theta, dtype)
+        self.cos, self.sin = ops.rope_tables(cap, D, cfg.rope_theta, dtype, cfg.rope_dim)
         tc = cfg.residual == "delta" and cfg.ddl_dv > 1 and cfg.ddl_compressor == "tc"
         # One history per token-conv site: block i's attention and MLP compressor inputs, then the readout.
         self.conv = np.zeros((2 * L + 1, cap, C, dv), dtype) if tc else None
@@ -215,7 +231,7 @@ class DraftCache:
         self.k = np.zeros((cap, K, D), dtype)
         self.v = np.zeros((cap, K, D), dtype)
         # Positions of a chain row run past the slots (anchor + depth), so the table covers both.
-        self.cos, self.sin = ops.rope_tables(cfg.max_seq_len + cap, D, cfg.rope_theta, dtype)
+        self.cos, self.sin = ops.rope_tables(cfg.max_seq_len + cap, D, cfg.rope_theta, dtype, cfg.rope_dim)
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:

@@ -52,10 +52,12 @@ _BLOCK_PREFIX = "model.layers.0."  # the name the draft block has inside its one
 
 def draft_config(cfg: ModelConfig) -> ModelConfig:
     """The draft block as a one-layer baseline model: the trunk's geometry (the draft's own FFN width when
-    `MtpConfig.ffn_hidden` is set), additive residual, no draft."""
+    `MtpConfig.ffn_hidden` is set), additive residual, no draft, and always a full-attention block (on a
+    hybrid trunk too: Qwen3.5's draft; it keeps the trunk's output gate and partial RoPE)."""
     return dataclasses.replace(
         cfg,
         n_layers=1,
+        layer_types=None,
         residual="add",
         ddl_dv=1,
         ddl_compressor="none",
@@ -154,10 +156,11 @@ def draft_forward(params: dict, cfg: ModelConfig, x_rows, chain: int = 0):
     mask = None
     if chain:
         pos = ops.chain_positions(chain, W)
-        cos, sin = ops.rope_tables_at(pos, cfg.head_dim, cfg.rope_theta, x_rows.dtype)
+        cos, sin = ops.rope_tables_at(pos, cfg.head_dim, cfg.rope_theta, x_rows.dtype, cfg.rope_dim)
         mask = ops.chain_mask(chain, W)
     else:
-        cos, sin = ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, x_rows.dtype)  # positions 0..T-1
+        # positions 0..T-1
+        cos, sin = ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, x_rows.dtype, cfg.rope_dim)
     pre, c_block = ref_blocks.block_forward(block_view(params), dcfg, 0, x_rows, cos, sin, mask)
     post, c_norm = ops.rmsnorm_forward(pre, params[NORM], cfg.rms_eps, cfg.norm_style)
     return pre, post, {"block": c_block, "norm": c_norm, "cos": cos, "sin": sin}

@@ -113,17 +113,21 @@ def linear_backward(dout, x, w):
 # RoPE, rotate-half convention (HF Llama/Qwen3: halves, not interleaved pairs)
 
 
-def rope_tables(T, D, theta, dtype):
-    """-> (cos, sin), each (T, D).
+def rope_tables(T, D, theta, dtype, rotary_dim=None):
+    """-> (cos, sin), each (T, R) with R = rotary_dim (default D, the whole head).
 
-    Computed in float64, then cast: HF computes these in float32, which differs by about 1e-7 * position
-    radians; the float64 tables are the more exact of the two and are what the engine uploads.
+    Partial RoPE (Qwen3.5: R = D/4): the frequencies are those of an R-wide head, theta^(-2i/R) for i < R/2,
+    and `rope_forward` rotates the first R dims of each head and passes the rest through. R = D gives
+    exactly the full tables. Computed in float64, then cast: HF computes these in float32, which differs by
+    about 1e-7 * position radians; the float64 tables are the more exact of the two and are what the engine
+    uploads.
     """
-    if D % 2:
-        raise ValueError(f"rope needs an even head_dim, got {D}")
-    inv_freq = 1.0 / (float(theta) ** (np.arange(0, D, 2, dtype=np.float64) / D))  # (D/2,)
-    freqs = np.outer(np.arange(T, dtype=np.float64), inv_freq)  # (T, D/2)
-    emb = np.concatenate([freqs, freqs], axis=-1)  # (T, D)
+    R = D if rotary_dim is None else int(rotary_dim)
+    if R % 2 or not 0 < R <= D:
+        raise ValueError(f"rope needs an even rotary width in [2, head_dim {D}], got {R}")
+    inv_freq = 1.0 / (float(theta) ** (np.arange(0, R, 2, dtype=np.float64) / R))  # (R/2,)
+    freqs = np.outer(np.arange(T, dtype=np.float64), inv_freq)  # (T, R/2)
+    emb = np.concatenate([freqs, freqs], axis=-1)  # (T, R)
     return np.cos(emb).astype(dtype), np.sin(emb).astype(dtype)
 
 
@@ -139,19 +143,41 @@ def _rotate_half_t(g):
 
 
 def rope_forward(x, cos, sin):
-    """x (B, T, N, D), cos/sin (>=T, D) -> (B, T, N, D) = x*cos + rotate_half(x)*sin."""
-    T = x.shape[1]
-    c = cos[None, :T, None, :]  # (1, T, 1, D)
+    """x (B, T, N, D), cos/sin (>=T, R) with R <= D -> (B, T, N, D): the first R dims of each head become
+    x*cos + rotate_half(x)*sin (rotate-half within those R), dims R.. pass through (partial RoPE)."""
+    T, R = x.shape[1], cos.shape[-1]
+    c = cos[None, :T, None, :]  # (1, T, 1, R)
     s = sin[None, :T, None, :]
-    return x * c + _rotate_half(x) * s
+    if x.shape[-1] == R:  # the whole head: no split, so full RoPE keeps its exact arithmetic
+        return x * c + _rotate_half(x) * s
+    xr = x[..., :R]
+    return np.concatenate([xr * c + _rotate_half(xr) * s, x[..., R:]], axis=-1)
 
 
 def rope_backward(dout, cos, sin):
-    """dout (B, T, N, D) -> dx (B, T, N, D). RoPE is linear, so dx = R^T dout."""
-    T = dout.shape[1]
+    """dout (B, T, N, D) -> dx (B, T, N, D). RoPE is linear, so dx = R^T dout; the passed dims copy dout."""
+    T, R = dout.shape[1], cos.shape[-1]
     c = cos[None, :T, None, :]
     s = sin[None, :T, None, :]
-    return dout * c + _rotate_half_t(dout * s)
+    if dout.shape[-1] == R:
+        return dout * c + _rotate_half_t(dout * s)
+    dr = dout[..., :R]
+    return np.concatenate([dr * c + _rotate_half_t(dr * s), dout[..., R:]], axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the attention output gate (Qwen3.5's gated full attention): out = a * sigmoid(gate), elementwise
+
+
+def sigmoid_gate_forward(a, gate):
+    """a, gate (...) -> a * sigmoid(gate)."""
+    return a * sigmoid(gate)
+
+
+def sigmoid_gate_backward(dout, a, gate):
+    """-> (da, dgate); sigmoid'(g) = s * (1 - s)."""
+    s = sigmoid(gate)
+    return dout * s, dout * a * s * (1.0 - s)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -236,10 +262,12 @@ def chain_mask(chain: int, T: int):
     return ((sk == 0) & (pk <= pq)) | ((sk >= 1) & (sk <= sq) & (pk == pq))
 
 
-def rope_tables_at(positions, D, theta, dtype):
-    """-> (cos, sin), each (len(positions), D): row r is position positions[r] (`rope_tables`' rows)."""
+def rope_tables_at(positions, D, theta, dtype, rotary_dim=None):
+    """-> (cos, sin), each (len(positions), R): row r is position positions[r] (`rope_tables`' rows, the same
+    rotary width R = rotary_dim or D)."""
     positions = np.asarray(positions, np.int64)
-    cos, sin = rope_tables(int(positions.max()) + 1 if positions.size else 1, D, theta, np.float64)
+    n = int(positions.max()) + 1 if positions.size else 1
+    cos, sin = rope_tables(n, D, theta, np.float64, rotary_dim)
     return cos[positions].astype(dtype), sin[positions].astype(dtype)
 
 

@@ -9,6 +9,11 @@ Init (the DDL code's `init_gpt_weights`): embeddings N(0, 0.02²); every other 2
 residual-output projections o_proj and down_proj N(0, (0.5/√C/√L)²); norm weights 1 for the "standard" style
 and 0 for the "offset" style (so both start as the identity scale).
 
+Hybrid trunks (`cfg.layer_types`, Qwen3.5, docs/model.md#hybrid-trunks-qwen35): a "linear_attention" block has
+`linear_attn.*` (the Gated DeltaNet, `_linear_attention_specs`) where a full-attention block has `self_attn.*`;
+its norms and MLP are the same. With `attn_output_gate` a full-attention q_proj is (2·H·D, C), per head
+[query_h; gate_h] as Qwen3.5 stores it.
+
 DDL parameters (residual "delta", docs/model.md#deep-delta-learning), appended after each block's baseline
 parameters so the baseline layout of a block never moves:
 
@@ -63,7 +68,9 @@ from ddl_ref.config import ConfigError, ModelConfig
 class ParamSpec:
     name: str  # Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
     shape: tuple[int, ...]
-    init: str  # "normal:STD", "uniform:A" (U(-A, A)), "const:VALUE", "tap:M" (zeros, [..., M] = 1), "ones", "zeros"
+    # "normal:STD", "uniform:A" (U(-A, A)), "loguniform:LO:HI" (log of U(LO, HI)), "const:VALUE",
+    # "tap:M" (zeros, [..., M] = 1), "ones", "zeros"
+    init: str
     # AdamW weight decay applies; True for all, as the reference trainer's burn AdamW decays everything
     decay: bool = True
 
@@ -119,17 +126,13 @@ def ddl_layer_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
     return specs
 
 
-def layer_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
-    """The baseline (residual "add") parameters of block i, in forward order."""
-    C, H, K, D, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.n_layers
-    hidden = _normal(0.5 / math.sqrt(C))
-    # Output projections write into the residual stream; scaling by 1/√L keeps its variance O(1) in depth.
-    out = _normal(0.5 / math.sqrt(C) / math.sqrt(L))
-    norm = _norm_init(cfg)
-    p = f"model.layers.{i}."
+def _attention_specs(cfg: ModelConfig, p: str, hidden: str, out: str, norm: str) -> list[ParamSpec]:
+    """A full-attention mixer's parameters. With `attn_output_gate` q_proj is twice as wide: per head h its rows
+    are [query_h (D); gate_h (D)] (Qwen3.5's layout), and the attention output is times sigmoid(gate)."""
+    C, H, K, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q_rows = 2 * H * D if cfg.attn_output_gate else H * D
     specs = [
-        ParamSpec(p + "input_layernorm.weight", (C,), norm),
-        ParamSpec(p + "self_attn.q_proj.weight", (H * D, C), hidden),
+        ParamSpec(p + "self_attn.q_proj.weight", (q_rows, C), hidden),
         ParamSpec(p + "self_attn.k_proj.weight", (K * D, C), hidden),
         ParamSpec(p + "self_attn.v_proj.weight", (K * D, C), hidden),
         ParamSpec(p + "self_attn.o_proj.weight", (C, H * D), out),
@@ -139,6 +142,50 @@ def layer_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
             ParamSpec(p + "self_attn.q_norm.weight", (D,), norm),
             ParamSpec(p + "self_attn.k_norm.weight", (D,), norm),
         ]
+    return specs
+
+
+def linear_conv_channels(cfg: ModelConfig) -> int:
+    """Channels of a Gated DeltaNet's q/k/v projection and conv: [q (Hk·Dk); k (Hk·Dk); v (Hv·Dv)]."""
+    return 2 * cfg.linear_k_heads * cfg.linear_k_dim + cfg.linear_v_heads * cfg.linear_v_dim
+
+
+def _linear_attention_specs(cfg: ModelConfig, p: str, hidden: str, out: str) -> list[ParamSpec]:
+    """A Gated DeltaNet mixer's parameters (Qwen3.5's `linear_attn.*`, docs/model.md#gated-deltanet), in
+    forward order. The conv weight drops PyTorch's in-channel axis ((channels, 1, k) -> (channels, k)). Init:
+    the projections as any 2-D weight; the conv U(±1/√k) (PyTorch's Conv1d default); dt_bias 1 and
+    A = exp(A_log) ~ U(0.01, 16) (Qwen3.5's init); the gated norm's weight 1 (it is a plain w·x̂ norm in every
+    norm style)."""
+    C, Hv, Dv, k = cfg.d_model, cfg.linear_v_heads, cfg.linear_v_dim, cfg.linear_conv_kernel
+    q = p + "linear_attn."
+    return [
+        ParamSpec(q + "in_proj_qkv.weight", (linear_conv_channels(cfg), C), hidden),
+        ParamSpec(q + "in_proj_z.weight", (Hv * Dv, C), hidden),
+        ParamSpec(q + "in_proj_b.weight", (Hv, C), hidden),
+        ParamSpec(q + "in_proj_a.weight", (Hv, C), hidden),
+        ParamSpec(q + "conv1d.weight", (linear_conv_channels(cfg), k), f"uniform:{1.0 / math.sqrt(k)!r}"),
+        ParamSpec(q + "dt_bias", (Hv,), "ones"),
+        ParamSpec(q + "A_log", (Hv,), "loguniform:0.01:16"),
+        ParamSpec(q + "norm.weight", (Dv,), "ones"),
+        ParamSpec(q + "out_proj.weight", (C, Hv * Dv), out),
+    ]
+
+
+def layer_specs(cfg: ModelConfig, i: int, mixer: str | None = None) -> list[ParamSpec]:
+    """The baseline (residual "add") parameters of block i, in forward order: its norm, its token mixer
+    (`mixer`, default the block's `cfg.layer_type(i)`: self_attn.* or linear_attn.*), its norm, its MLP."""
+    C, F, L = cfg.d_model, cfg.ffn_hidden, cfg.n_layers
+    hidden = _normal(0.5 / math.sqrt(C))
+    # Output projections write into the residual stream; scaling by 1/√L keeps its variance O(1) in depth.
+    out = _normal(0.5 / math.sqrt(C) / math.sqrt(L))
+    norm = _norm_init(cfg)
+    p = f"model.layers.{i}."
+    mixer = cfg.layer_type(i) if mixer is None else mixer
+    specs = [ParamSpec(p + "input_layernorm.weight", (C,), norm)]
+    if mixer == "linear_attention":
+        specs += _linear_attention_specs(cfg, p, hidden, out)
+    else:
+        specs += _attention_specs(cfg, p, hidden, out, norm)
     specs += [
         ParamSpec(p + "post_attention_layernorm.weight", (C,), norm),
         ParamSpec(p + "mlp.gate_proj.weight", (F, C), hidden),
@@ -163,10 +210,11 @@ def mtp_specs(cfg: ModelConfig) -> list[ParamSpec]:
         ParamSpec(MTP_PREFIX + "hnorm.weight", (C,), norm),
         ParamSpec(MTP_PREFIX + "eh_proj.weight", (C, 2 * C), _normal(0.5 / math.sqrt(2 * C))),
     ]
-    # The block is a trunk block 0 renamed (same shapes, q/k norms when the trunk has them, same init), with
-    # its own SwiGLU width when `MtpConfig.ffn_hidden` is set (a draft kept whole by `compress --ffn-keep`).
+    # The block is a trunk block 0 renamed (same shapes, q/k norms when the trunk has them, same init), always
+    # a full-attention block (also on a hybrid trunk: Qwen3.5's draft), with its own SwiGLU width when
+    # `MtpConfig.ffn_hidden` is set (a draft kept whole by `compress --ffn-keep`).
     width = cfg.mtp.ffn_hidden if cfg.mtp.ffn_hidden is not None else cfg.ffn_hidden
-    trunk = layer_specs(dataclasses.replace(cfg, ffn_hidden=width), 0)
+    trunk = layer_specs(dataclasses.replace(cfg, ffn_hidden=width), 0, mixer="full_attention")
     specs += [
         ParamSpec(MTP_LAYER_PREFIX + s.name[len("model.layers.0.") :], s.shape, s.init, s.decay)
         for s in trunk
@@ -213,6 +261,9 @@ def _draw(spec: ParamSpec, rng: np.random.Generator, dtype) -> np.ndarray:
         w = np.zeros(spec.shape, dtype=dtype)
         w[..., int(spec.init.split(":", 1)[1])] = 1.0
         return w
+    if spec.init.startswith("loguniform:"):
+        lo, hi = (float(v) for v in spec.init.split(":")[1:])
+        return np.log(rng.uniform(lo, hi, size=spec.shape)).astype(dtype)
     if spec.init.startswith("uniform:"):
         a = float(spec.init.split(":", 1)[1])
         return rng.uniform(-a, a, size=spec.shape).astype(dtype)

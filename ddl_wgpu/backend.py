@@ -1,8 +1,9 @@
 """The one place that chooses the backend of every command and builds its objects.
 
 Two backends run the same model: "wgpu", the GPU engine (`net.Net` and its works `trunk.TrunkWork`,
-`inference.InferenceWork`; heal's `heal_gpu.WgpuTeacher` and `heal_gpu.WgpuDraft` over `draft.DraftWork`),
-and "ref", the numpy reference (`refnet.RefNet`, `refnet.RefTeacher`, `refnet.RefDraft`). "auto" picks wgpu
+`inference.InferenceWork`; heal's `heal_gpu.WgpuTeacher` and `heal_gpu.WgpuDraft` over `draft.DraftWork`;
+generate's `decode.WgpuEngine`), and "ref", the numpy reference (`refnet.RefNet`, `refnet.RefTeacher`,
+`refnet.RefDraft`, `refnet.RefEngine`). "auto" picks wgpu
 on any real GPU adapter and numpy where the only adapters are CPU implementations of Vulkan/D3D
 (llvmpipe/lavapipe, WARP, SwiftShader), which run the engine about a hundred times slower than numpy, or
 where there is none.
@@ -26,7 +27,9 @@ Public API
   draft trained alone (on wgpu it shares `teacher`'s embedding/head).
 - `make_accept_backend(backend, model, batch=8, device=None, trunk_dtype="f32") -> (Teacher | None,
   AcceptDraft | None)`: accept's trunk and draft; (None, None) on "ref" (accept runs numpy inline).
-- Protocols: `TrainNet`, `TrainWork`, `Teacher`, `Draft`, `Runner`, `AcceptTeacher`, `AcceptDraft`.
+- `make_engine(backend, model, depth=0, device=None, trunk_dtype="f32", capacity=None) -> Engine`: generate's
+  decoding engine (trunk and draft caches).
+- Protocols: `TrainNet`, `TrainWork`, `Teacher`, `Draft`, `Runner`, `AcceptTeacher`, `AcceptDraft`, `Engine`.
 `backend` arguments take "auto" too (resolved by `choose_backend`).
 """
 
@@ -180,6 +183,23 @@ class AcceptDraft(Protocol):
         ...
 
 
+class Engine(Protocol):
+    """generate's decoding engine (`refnet.RefEngine`, `decode.WgpuEngine`; what `generate.run` drives, its
+    module docstring says how). `feed` returns per row: head "argmax" the ids (n,), "logits" or "top<k>"
+    (n, V) logits; `last_only` the last row's alone (what a prompt needs)."""
+
+    backend: str  # "ref" or "wgpu": what generate reports
+    length: int  # positions fed so far
+
+    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray: ...
+
+    def rollback(self, length: int) -> None: ...
+
+    def draft(self, token: int, depth: int, head: str, pick: Callable | None) -> tuple[list[int], list]: ...
+
+    def round(self, token: int, depth: int) -> tuple[list[int], np.ndarray]: ...  # greedy draft + verify
+
+
 # ----------------------------------------------------------------------------------------------------------
 # choosing
 
@@ -308,8 +328,11 @@ def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | 
 
         return RefNet(cfg, params, mtp_weight=mtp_weight)
     from ddl_wgpu.net import Net
+    from ddl_wgpu.trunk import TrunkWork
 
-    return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight, precision=precision)
+    return Net(
+        open_gpu(device), cfg, params, mtp_weight=mtp_weight, precision=precision, work_class=TrunkWork
+    )
 
 
 def _check_trunk_dtype(backend: str, trunk_dtype: str) -> None:
@@ -364,3 +387,23 @@ def make_accept_backend(backend: str, model: Model, batch: int = 8, device: str 
         return None, None
     teacher = make_teacher("wgpu", model, batch, device, trunk_dtype)
     return teacher, make_draft("wgpu", model, None, batch, device)
+
+
+def make_engine(backend: str, model: Model, depth: int = 0, device: str | None = None,
+                trunk_dtype: str = "f32", capacity: int | None = None) -> Engine:  # fmt: skip
+    """generate's decoding engine on the backend: the trunk's cache and, `depth` > 0, the MTP draft's for
+    speculating `depth` deep; `capacity` positions (default the model's max_seq_len); on wgpu an
+    inference-only net, its big matrices in `trunk_dtype`."""
+    backend = _resolve(backend, device)
+    _check_trunk_dtype(backend, trunk_dtype)
+    if backend == "ref":
+        from ddl_wgpu.refnet import RefEngine
+
+        return RefEngine(model, depth, capacity)
+    from ddl_wgpu.decode import WgpuEngine
+    from ddl_wgpu.gpu import GpuError
+
+    try:
+        return WgpuEngine(open_gpu(device), model, depth, trunk_dtype, capacity)
+    except GpuError as e:
+        raise BackendError(f"decoding on the GPU: {e}") from e

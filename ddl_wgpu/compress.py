@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ddl_ref.config import select_layers
 from ddl_ref.mtp import draft_ffn_hidden
 from ddl_ref.params import param_table
 from ddl_wgpu.container import open_checkpoint
@@ -85,7 +86,7 @@ def drop_layers(model: Model, layers: Iterable[int]) -> Model:
     keep = [i for i in range(cfg.n_layers) if i not in drop]
     if not keep:
         raise CompressError(f"compress: dropping {drop} would leave no block")
-    new_cfg = dataclasses.replace(cfg, n_layers=len(keep))
+    new_cfg = select_layers(cfg, keep)  # a hybrid's kept blocks keep their layer types
     params = {}
     for spec in param_table(new_cfg):
         m = _BLOCK.match(spec.name)
@@ -157,7 +158,10 @@ def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,
     if drop is not None:  # checked against the model before its tensors are read
         layers = _check_layers(parse_layers(drop) if isinstance(drop, str) else list(drop), cfg.n_layers)
     # the source and the compressed copy are in memory together
-    check_fits(dataclasses.replace(cfg, n_layers=2 * cfg.n_layers), False, f"compress: {model_path}")
+    lt = None if cfg.layer_types is None else cfg.layer_types * 2
+    check_fits(
+        dataclasses.replace(cfg, n_layers=2 * cfg.n_layers, layer_types=lt), False, f"compress: {model_path}"
+    )
     model = load_model(model_path, verify=verify)
     if layers is not None:
         out = drop_layers(model, layers)

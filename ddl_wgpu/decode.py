@@ -1,4 +1,4 @@
-"""Decoding on the GPU with a cache: `WgpuEngine`, the `ddl_wgpu.generate.Engine` of the wgpu backend.
+"""Decoding on the GPU with a cache: `WgpuEngine`, the `backend.Engine` of the wgpu backend.
 
 The model lives in one inference-only `Net` (f32, or f16 big matrices), trunk and MTP draft together, so the
 draft shares the trunk's embedding and head. `GpuCache` holds what `ddl_ref.decode.TrunkCache` holds, by
@@ -230,8 +230,10 @@ class DraftRows(_CachedRows, Blocks):
 
 
 class WgpuEngine:
-    """`ddl_wgpu.generate.Engine` on the GPU (module docstring). `depth` > 0 builds the draft's cache;
-    `capacity` positions (default the model's max_seq_len)."""
+    """`backend.Engine` on the GPU (module docstring), built by `backend.make_engine`. `depth` > 0 builds the
+    draft's cache; `capacity` positions (default the model's max_seq_len)."""
+
+    backend = "wgpu"
 
     def __init__(self, gpu: Gpu, model, depth: int = 0, dtype: str = "f32", capacity: int | None = None):
         cfg = model.cfg

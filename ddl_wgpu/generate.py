@@ -1,12 +1,13 @@
 """Text generation from a model file: sampling, stop strings, streaming, and speculative decoding with the
 model's MTP draft.
 
-The loop drives a decoding engine (`RefEngine` here: numpy, `ddl_ref.decode`; `ddl_wgpu.decode.WgpuEngine`:
-the GPU) through five calls: `feed(ids, head)` runs the trunk over new tokens with its cache and returns each
-row's argmax (head "argmax"), logits (head "logits"), or logits that may be −inf outside the k most likely
-ids (head "top<k>", when sampling with top_k = k); `rollback(length)` forgets positions; `draft(token,
-depth, head, pick)` runs the MTP draft `depth` steps from the last fed position; `round(token, depth)` is a
-greedy draft and its verify in one call (one submit on the GPU); `length` is the fed count.
+The loop drives a decoding engine (`backend.Engine`, built by `backend.make_engine`: `refnet.RefEngine` on
+numpy over `ddl_ref.decode`, `decode.WgpuEngine` on the GPU) through five calls: `feed(ids, head)` runs the
+trunk over new tokens with its cache and returns each row's argmax (head "argmax"), logits (head "logits"), or
+logits that may be −inf outside the k most likely ids (head "top<k>", when sampling with top_k = k);
+`rollback(length)` forgets positions; `draft(token, depth, head, pick)` runs the MTP draft `depth` steps from
+the last fed position; `round(token, depth)` is a greedy draft and its verify in one call (one submit on the
+GPU); `length` is the fed count.
 
 Plain decoding: the prompt in one `feed`, then one token per `feed`. The token at each step is the argmax of
 the trunk's logits (temperature 0) or drawn from `distribution(logits)`: logits / temperature, then top-k,
@@ -50,12 +51,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import numpy as np
 
-from ddl_ref import decode as ref_decode
-from ddl_ref import mtp as ref_mtp
+from ddl_wgpu.backend import Engine, make_engine
 from ddl_wgpu.data import tokenizer_for
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.modelfile import Model, load_model
@@ -114,81 +113,6 @@ def draw(p, rng: np.random.Generator) -> int:
     """One token from probabilities p by inverse CDF (one uniform per token)."""
     c = np.cumsum(p)
     return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), p.size - 1))
-
-
-class Engine(Protocol):
-    """What `run` drives (module docstring). `feed` returns per row: head "argmax" the ids (n,), "logits" or
-    "top<k>" (n, V) logits; `last_only` the last row's alone (what a prompt needs)."""
-
-    length: int
-
-    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray: ...
-
-    def rollback(self, length: int) -> None: ...
-
-    def draft(self, token: int, depth: int, head: str, pick: Callable | None) -> tuple[list[int], list]: ...
-
-    def round(self, token: int, depth: int) -> tuple[list[int], np.ndarray]: ...  # greedy draft + verify
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the numpy engine
-
-
-class RefEngine:
-    """`Engine` over `ddl_ref.decode` (float32 numpy): trunk and draft caches, the trunk's hidden rows and the
-    tokens by position for the draft's catch-up rows."""
-
-    def __init__(self, model: Model, depth: int = 0, capacity: int | None = None):
-        self.params, self.cfg = model.params, model.cfg
-        cap = self.cfg.max_seq_len if capacity is None else int(capacity)
-        self.trunk = ref_decode.TrunkCache(self.cfg, cap)
-        self.dcache = ref_decode.DraftCache(self.cfg, cap + depth) if depth else None
-        self.hidden = np.zeros((cap, self.cfg.d_model), np.float32) if depth else None
-        self.ids = np.zeros(cap + 1, np.int64)
-
-    @property
-    def length(self) -> int:
-        return self.trunk.length
-
-    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray:
-        start = self.trunk.length
-        ids = np.asarray(ids, np.int64)
-        pre, post, logits = ref_decode.trunk_step(self.params, self.cfg, self.trunk, ids)
-        self.ids[start : start + ids.size] = ids
-        if self.hidden is not None:
-            self.hidden[start : start + ids.size] = ref_mtp.pick_hidden(pre, post, self.cfg.mtp.trunk_hidden)
-        logits = logits[-1:] if last_only else logits
-        return np.argmax(logits, axis=-1) if head == "argmax" else logits
-
-    def rollback(self, length: int) -> None:
-        self.trunk.rollback(length)
-        if self.dcache is not None and self.dcache.length > length:
-            self.dcache.rollback(length)
-
-    def draft(self, token: int, depth: int, head: str, pick: Callable | None):
-        """Draft `depth` tokens after `token` (the next, not yet fed token) -> (tokens, logits per step)."""
-        n, dc = self.trunk.length, self.dcache
-        self.ids[n] = token
-        a = dc.length  # catch-up: step-1 rows for anchors a..n−1
-        pre, post, logits = ref_decode.draft_step(self.params, self.cfg, dc, self.ids[a + 1 : n + 1],
-                                                  self.hidden[a:n], np.arange(a, n))  # fmt: skip
-        tokens, rows = [], []
-        for sigma in range(1, depth + 1):
-            rows.append(logits[-1])
-            tokens.append(int(np.argmax(logits[-1])) if head == "argmax" else pick(logits[-1]))
-            if sigma < depth:
-                hid = ref_mtp.pick_hidden(pre, post, self.cfg.mtp.chain_hidden)[-1:]
-                pre, post, logits = ref_decode.draft_step(self.params, self.cfg, dc, tokens[-1:], hid,
-                                                          [n + sigma - 1])  # fmt: skip
-        dc.rollback(n)  # the chain rows go; the step-1 rows of anchors 0..n−1 stay
-        return tokens, rows
-
-    def round(self, token: int, depth: int) -> tuple[list[int], np.ndarray]:
-        """A greedy round: `depth` drafts after `token`, then the trunk over [token, drafts] -> (drafts, the
-        argmax of every verify row)."""
-        drafts, _ = self.draft(token, depth, "argmax", None)
-        return drafts, self.feed([token, *drafts], "argmax")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -361,28 +285,6 @@ def run(engine: Engine, tokenizer, prompt_ids, context: int, max_new_tokens: int
 # the entry point
 
 
-def make_engine(model: Model, backend: str, device: str | None, depth: int, dtype: str = "f32",
-                capacity: int | None = None) -> tuple[Engine, str]:  # fmt: skip
-    """-> (engine, the backend it runs on); "auto" follows `backend.choose_backend` (numpy on CPU adapters).
-    `capacity`: positions the caches hold (default the model's max_seq_len)."""
-    from ddl_wgpu.backend import choose_backend, open_gpu
-
-    used = choose_backend(backend, device).name  # a BackendError is the caller's to report
-    if used == "ref":
-        if dtype != "f32":
-            raise GenerateError(
-                f"a {dtype} trunk needs the wgpu backend (the numpy trunk is f32)", kind="trunk_needs_wgpu"
-            )
-        return RefEngine(model, depth, capacity), "ref"
-    from ddl_wgpu.decode import WgpuEngine
-    from ddl_wgpu.gpu import GpuError
-
-    try:
-        return WgpuEngine(open_gpu(device), model, depth, dtype, capacity), "wgpu"
-    except GpuError as e:
-        raise GenerateError(f"decoding on the GPU: {e}") from e
-
-
 # The longest prompt worth reading: the prompt must leave room in the model's context, and no token of a
 # Hugging Face vocabulary is near this many bytes (a byte token is one); reading more (a 5 GB file,
 # /dev/zero on standard input) would only fill the memory before the refusal.
@@ -427,7 +329,9 @@ def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = MAX_
 
     -> {"text", "token_ids", "prompt_tokens", "new_tokens", "finish_reason" ("length", "stop", "context"),
     timings, "backend", "speculative", and with speculation the draft's statistics}. `on_text` receives the
-    text as it becomes final (`TextStream`). `dtype` "f16" keeps the GPU's big matrices in f16 (wgpu only)."""
+    text as it becomes final (`TextStream`). `dtype` "f16" keeps the GPU's big matrices in f16 (wgpu only).
+    `backend` is the command's choice ("wgpu" or "ref", from `backend.choose_backend`), handed to
+    `backend.make_engine` (which resolves "auto" itself for a caller that has not chosen)."""
     if not isinstance(model, Model):
         from ddl_wgpu.container import CheckpointError
 
@@ -454,10 +358,10 @@ def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = MAX_
     # The caches hold what this request can reach, not the model's whole context (a 40k-token Qwen3 context
     # would take gigabytes of keys and values for a short answer).
     context = min(model.cfg.max_seq_len, ids.size + max_new_tokens + 1)
-    engine, used = make_engine(model, backend, device, depth if speculative else 0, dtype, context)
+    engine = make_engine(backend, model, depth if speculative else 0, device, dtype, context)
     out = run(engine, tokenizer, ids, context, max_new_tokens, sampling, stops, on_text,
               depth if speculative else 0)  # fmt: skip
-    out.update(backend=used, speculative=bool(speculative))
+    out.update(backend=engine.backend, speculative=bool(speculative))
     return out
 
 

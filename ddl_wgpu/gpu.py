@@ -250,15 +250,11 @@ def dump_shader(
     return path
 
 
-def pack(fmt: str, *values) -> bytes:
-    """Pack a `Params` uniform: one char per field ('u' u32, 'i' i32, 'f' f32), padded to 16 bytes as
-    WGSL's uniform layout requires for a struct of scalars."""
-    assert len(fmt) == len(values), (fmt, values)
-    data = struct.pack("<" + fmt.replace("u", "I"), *values)
-    return data + b"\0" * (-len(data) % 16)
+_WGSL_TYPES = {"u32": "I", "i32": "i", "f32": "f", "pad": "I"}  # the `struct` code of each field type
 
 
-_WGSL_TYPES = {"u32": "u", "i32": "i", "f32": "f", "pad": "u"}
+def _scalar(ftype: str, value) -> bytes:
+    return struct.pack("<" + _WGSL_TYPES[ftype], float(value) if ftype == "f32" else int(value))
 
 
 class Uniform:
@@ -268,7 +264,8 @@ class Uniform:
     field is (name, type) or (name, type, comment), type u32, i32, f32, or "pad" (a u32 always 0, never
     given). The WGSL side is generated from it (`wgsl()`, inserted where a shader has the hole
     `{{struct Params}}`; the launcher passes the description to `Gpu.kernel(..., uniforms=...)`), and the
-    buffer is packed from it by field name (`pack(rows=..., eps=...)`), so the two cannot disagree."""
+    buffer is packed from it by field name (`pack(rows=..., eps=...)`), so the two cannot disagree; a
+    per-step value is rewritten by name too, in place at its `offset` (`Gpu.write_fields`)."""
 
     def __init__(self, name: str, *fields: tuple):
         self.name = name
@@ -282,11 +279,12 @@ class Uniform:
         if len(set(names)) != len(names):
             raise ValueError(f"uniform {name}: duplicate field names {names}")
         self.names = tuple(n for n, t, _ in self.fields if t != "pad")  # the fields `pack` takes
-        # the positional format of `pack(fmt, ...)`, for callers that pack every field in order
-        self.fmt = "".join(_WGSL_TYPES[t] for _, t, _ in self.fields)
+        self._types = {n: t for n, t, _ in self.fields}
 
     def offset(self, field: str) -> int:
         """Byte offset of `field` in the packed uniform (for rewriting one field in place)."""
+        if field not in self.names:
+            raise ValueError(f"uniform {self.name}: no field {field!r} (fields {list(self.names)})")
         return 4 * [n for n, _, _ in self.fields].index(field)
 
     def wgsl(self) -> str:
@@ -305,11 +303,12 @@ class Uniform:
         if given != wanted:
             missing, unknown = sorted(wanted - given), sorted(given - wanted)
             raise ValueError(f"uniform {self.name}: missing fields {missing}, unknown fields {unknown}")
-        ordered = [
-            0 if t == "pad" else (float(values[n]) if t == "f32" else int(values[n]))
-            for n, t, _ in self.fields
-        ]
-        return pack(self.fmt, *ordered)
+        data = b"".join(_scalar(t, values.get(n, 0)) for n, t, _ in self.fields)
+        return data + b"\0" * (-len(data) % 16)  # WGSL's uniform layout: a multiple of 16 bytes
+
+    def pack_field(self, field: str, value) -> tuple[int, bytes]:
+        """(byte offset, bytes) of one field's value, for rewriting that field alone in place."""
+        return self.offset(field), _scalar(self._types[field], value)
 
     def __repr__(self) -> str:
         return f"Uniform({self.name}: {', '.join(n for n, _, _ in self.fields)})"
@@ -329,16 +328,10 @@ def limit_mode(mode: str | None = None) -> str:
     return value
 
 
-def _uniform_bytes(layout, values: tuple, fields: dict) -> bytes:
-    if isinstance(layout, Uniform):
-        if values:
-            raise GpuError(
-                f"uniform {layout.name}: give the fields by name, not {len(values)} positional values"
-            )
-        return layout.pack(**fields)
-    if fields:
-        raise GpuError(f"a format string {layout!r} packs positional values, not fields {sorted(fields)}")
-    return pack(layout, *values)
+def _uniform(layout) -> Uniform:
+    if not isinstance(layout, Uniform):
+        raise GpuError(f"a uniform is described by a gpu.Uniform (fields by name), not {layout!r}")
+    return layout
 
 
 def _lowered(limit: int, override: int | None, env: str) -> int:
@@ -526,18 +519,25 @@ class Gpu:
         self.allocated += size
         return self.device.create_buffer(size=size, usage=usage, label=label)
 
-    def uniform(self, layout, *values, label: str = "params", **fields):
-        """A uniform buffer holding `layout.pack(**fields)` (a `Uniform`), or `pack(layout, *values)` (a
-        format string); rewrite it with `write_uniform`."""
-        data = _uniform_bytes(layout, values, fields)
+    def uniform(self, layout: Uniform, *, label: str = "params", **fields):
+        """A uniform buffer holding `layout.pack(**fields)`; rewrite it whole with `write_uniform`, or some
+        fields in place with `write_fields`."""
+        data = _uniform(layout).pack(**fields)
         buf = self.device.create_buffer(
             size=len(data), usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST, label=label
         )
         self.queue.write_buffer(buf, 0, data)
         return buf
 
-    def write_uniform(self, buf, layout, *values, **fields):
-        self.queue.write_buffer(buf, 0, _uniform_bytes(layout, values, fields))
+    def write_uniform(self, buf, layout: Uniform, **fields):
+        """Rewrite a uniform buffer with `layout.pack(**fields)` (every field, by name)."""
+        self.queue.write_buffer(buf, 0, _uniform(layout).pack(**fields))
+
+    def write_fields(self, buf, layout: Uniform, **fields):
+        """Rewrite only the named fields of a uniform buffer, each at its `Uniform.offset`; the others keep
+        the values they were packed with (a per-step value such as a clip threshold)."""
+        for name, value in fields.items():
+            self.queue.write_buffer(buf, *_uniform(layout).pack_field(name, value))
 
     def upload(self, array: np.ndarray, label: str = ""):
         """A new storage buffer holding `array` (C-contiguous bytes)."""
@@ -631,7 +631,7 @@ class Gpu:
 @dataclass
 class Call:
     """A launch prepared once: its dispatches (kernel, bind group, workgroup counts), plus the uniforms it
-    owns (kept alive here, rewritten with `gpu.write_uniform` when a per-step value changes)."""
+    owns (kept alive here, rewritten by field name, `gpu.write_fields`, when a per-step value changes)."""
 
     dispatches: list = field(default_factory=list)
     uniforms: list = field(default_factory=list)

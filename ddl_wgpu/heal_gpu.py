@@ -27,6 +27,7 @@ from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
 from ddl_wgpu.draft import DraftWork
 from ddl_wgpu.gpu import Call, Gpu, GpuError
+from ddl_wgpu.inference import InferenceWork
 from ddl_wgpu.layout import EMBED, F32
 from ddl_wgpu.net import Net
 from ddl_wgpu.ops import matmul as k_mm
@@ -108,13 +109,13 @@ class WgpuTeacher:
     """The trunk on the GPU: one forward per batch of windows, the next-token top-k from chunked logits, the
     hidden rows before and after the final norm downloaded as float32 (heal keeps the one the draft reads in
     float16). Frozen: the trunk is an inference-only Net (no gradients or optimizer state); `dtype` "f16"
-    stores its big matrices in f16 (`net.F16_SUFFIXES`: about 2 bytes per parameter, so a 4 B-parameter trunk
+    stores its big matrices in f16 (`layout.F16_SUFFIXES`: about 2 bytes per parameter, so a 4 B-parameter trunk
     fits a 16 GB card), which needs the adapter feature shader-f16."""
 
     def __init__(self, gpu: Gpu, params: dict, cfg: ModelConfig, batch: int, dtype: str = "f32"):
         cfg_full, cfg = cfg, dataclasses.replace(cfg, mtp=None)  # the trunk alone
         trunk = {n: a for n, a in params.items() if not n.startswith("model.mtp.")}
-        self.net = Net(gpu, cfg, trunk, inference=True, dtype=dtype)
+        self.net = Net(gpu, cfg, trunk, inference=True, dtype=dtype, work_class=InferenceWork)
         self.dtype = dtype
         self.B = batch
         self.mtp = cfg_full.mtp

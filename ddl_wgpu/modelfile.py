@@ -13,7 +13,6 @@ checked against its hash unless the caller passes `verify=False` (see `ddl_wgpu.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddl_ref.config import ConfigError, ModelConfig
+from ddl_ref.config import ConfigError, ModelConfig, select_layers
 from ddl_ref.params import param_table
 from ddl_wgpu.container import Checkpoint, CheckpointError, f32_to_bf16, open_checkpoint, save
 
@@ -60,13 +59,20 @@ class Model:
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Number of parameters, in closed form: the table of a one-block and of a two-block model give the
-    per-block count, so an absurd `n_layers` costs nothing (building its table would take minutes)."""
-    one = sum(s.numel for s in param_table(dataclasses.replace(cfg, n_layers=1)))
-    if cfg.n_layers == 1:
-        return one
-    two = sum(s.numel for s in param_table(dataclasses.replace(cfg, n_layers=2)))
-    return one + (cfg.n_layers - 1) * (two - one)
+    """Number of parameters, in closed form: per kind of block (full or linear attention), the tables of a
+    one-block and a two-block model of that kind give its per-block count, so an absurd `n_layers` costs
+    nothing (building its table would take minutes)."""
+    kinds = ["full_attention"] if cfg.layer_types is None else list(dict.fromkeys(cfg.layer_types))
+    total = None
+    for kind in kinds:
+        i = 0 if cfg.layer_types is None else cfg.layer_types.index(kind)  # a block of this kind
+        one = sum(s.numel for s in param_table(select_layers(cfg, [i])))
+        two = sum(s.numel for s in param_table(select_layers(cfg, [i, i])))
+        if total is None:  # everything outside the blocks, counted once
+            total = one - (two - one)
+        n = cfg.n_layers if cfg.layer_types is None else cfg.layer_types.count(kind)
+        total += n * (two - one)
+    return total
 
 
 def estimate_bytes(cfg: ModelConfig, training: bool) -> int:

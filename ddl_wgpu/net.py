@@ -1,7 +1,8 @@
 """Parameters, gradients and AdamW moments of one model resident on the GPU (`Net`), laid out from the
-parameter table, and where each one lives (`Slot`).
+parameter table.
 
-Layout: the parameter table of `ddl_ref.params` is laid out into flat *arenas*, one buffer each for
+Layout (`layout.plan`, a pure function of the table and the adapter's limits; where each tensor lives is a
+`layout.Slot`): the parameter table of `ddl_ref.params` is laid out into flat *arenas*, one buffer each for
 parameters, gradients, first and second moments; offsets are aligned to 256 bytes so any tensor can be bound
 as a sub-range on any adapter. A model too large for one buffer spans several arenas (the H200 caps a buffer
 just under 4 GiB and a binding at 2 GiB, docs/wgpu-notes.md#buffers-and-bindings), and a tensor larger than
@@ -9,79 +10,32 @@ one binding is bound in row chunks (`Net.row_views`).
 
 Inference nets (`Net(..., inference=True, dtype="f32"|"f16")`, the heal teacher's frozen trunk): only the
 parameter arenas exist (no gradients, no moments: 4 or ~2 bytes per parameter instead of 16); the optimizer
-and gradient views raise GpuError. With dtype="f16" the large 2-D matrices (`F16_SUFFIXES`) are stored as f16
-and read by the f16-B matmul / f16 embedding gather (f32 accumulation); every 1-D tensor and the small
+and gradient views raise GpuError. With dtype="f16" the large 2-D matrices (`layout.F16_SUFFIXES`) are stored
+as f16 and read by the f16-B matmul / f16 embedding gather (f32 accumulation); every 1-D tensor and the small
 DDL/compressor/conv weights stay f32. f16 needs the adapter's shader-f16.
 
 The activations and the model's forward/backward live in the per-job works: `trunk.TrunkWork` (training),
-`inference.InferenceWork` (forward only), `draft.DraftWork` (heal's draft), over `blocks.Blocks`.
+`inference.InferenceWork` (forward only), `draft.DraftWork` (heal's draft), over `blocks.Blocks`. This module
+imports none of them: a net is given its work class (`Net(work_class=...)`, see `Net.work`).
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
 from ddl_ref.params import init_params, param_table, trainable_names
+from ddl_wgpu import layout
 from ddl_wgpu.gpu import Call, Gpu, GpuError
-from ddl_wgpu.inference import InferenceWork
-from ddl_wgpu.layout import ALIGN, F16, F32
+from ddl_wgpu.layout import F32
 from ddl_wgpu.layout import align as _align
 from ddl_wgpu.ops import adamw as k_adamw
 from ddl_wgpu.ops import elementwise as k_ew
 from ddl_wgpu.ops import reduce as k_red
 from ddl_wgpu.step import AdamW
-from ddl_wgpu.trunk import TrunkWork
 
 DTYPES = ("f32", "f16")
-# Names (by suffix) of the matrices an f16 inference Net stores as f16: the large 2-D ones. Everything else
-# (1-D norm weights and biases, the DDL beta/v projections, compressor and conv weights) stays f32.
-F16_SUFFIXES = (
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-    "model.embed_tokens.weight",
-    "lm_head.weight",
-    "model.mtp.eh_proj.weight",
-)
-
-
-def is_f16_matrix(name: str, shape) -> bool:
-    """Whether an f16 inference Net stores this parameter as f16 (`F16_SUFFIXES`, 2-D only)."""
-    return len(shape) == 2 and name.endswith(F16_SUFFIXES)
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where one parameter lives: arena index and byte range (the same in every arena kind)."""
-
-    name: str
-    shape: tuple
-    arena: int
-    offset: int
-    numel: int
-    dtype: str = "f32"
-
-    @property
-    def itemsize(self) -> int:
-        return F16 if self.dtype == "f16" else F32
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
-
-    @property
-    def bind_bytes(self) -> int:
-        """Bytes of a binding of the whole tensor: nbytes rounded up to 4 (WebGPU binding sizes)."""
-        return -(-self.nbytes // 4) * 4
 
 
 class Net:
@@ -95,7 +49,7 @@ class Net:
     embedding/head is most of its bytes (a 152 K x 2048 embedding: 3.7 GB of gradients and moments).
 
     `inference=True`: parameters only (no gradient or moment arenas), frozen, forward-only Works; `dtype`
-    "f16" (inference only) stores the `F16_SUFFIXES` matrices as f16 (see the module docstring).
+    "f16" (inference only) stores the `layout.F16_SUFFIXES` matrices as f16 (see the module docstring).
 
     `shared` {name: owner Net}: frozen tensors this net reads from the owner's parameter arena instead of
     holding a copy (heal's draft reads the trunk's embedding/head, in the trunk's dtype). They get no storage
@@ -116,6 +70,7 @@ class Net:
         frozen_state: bool = True,
         precision: str = "f32",
         shared: dict | None = None,
+        work_class: type | None = None,
     ):
         if dtype not in DTYPES:
             raise GpuError(f"parameter dtype {dtype!r} is not one of {list(DTYPES)}")
@@ -128,6 +83,23 @@ class Net:
             )
         if inference and trainable:
             raise GpuError("an inference Net has no trainable parameters")
+        # The engine's blocks run plain softmax attention over whole heads: a Gated DeltaNet layer, the output
+        # gate (q_proj twice as wide) or partial RoPE would be read at the wrong shapes or silently skipped.
+        hybrid = [
+            name
+            for name, on in (
+                ("linear_attention layers", cfg.has_linear),
+                ("the attention output gate", cfg.attn_output_gate),
+                (f"partial RoPE (rotary_dim {cfg.rotary_dim} of head_dim {cfg.head_dim})",
+                 cfg.rope_dim != cfg.head_dim),
+            )
+            if on
+        ]  # fmt: skip
+        if hybrid:
+            raise GpuError(
+                f"the GPU engine does not run hybrid (Qwen3.5) trunks yet: this model has {', '.join(hybrid)}; "
+                "use --backend ref"
+            )
         self.inference, self.dtype = bool(inference), dtype
         self.precision = (
             precision  # of the GEMMs in this net's Works (`blocks.Blocks`; "f16": mixed precision)
@@ -145,75 +117,49 @@ class Net:
                 )
             if name in self.trainable:
                 raise GpuError(f"shared tensor {name} is frozen here: it cannot be trainable")
-        limit = min(gpu.max_buffer, arena_bytes or gpu.max_buffer)
-        limit = limit // ALIGN * ALIGN
-        self.slots: dict[str, Slot] = {}
-        sizes: list[int] = [0]
-        # with frozen_state=False the trainable tensors come first, so the gradient/moment arenas can end
-        # where they do; otherwise table order
-        order = self.table
-        if not frozen_state:
-            first = set(self.trainable)
-            order = [t for t in self.table if t.name in first] + [
-                t for t in self.table if t.name not in first
-            ]
-        state_sizes: list[int] = []
-        for spec in order:
-            if spec.name in self.shared:
-                continue
-            dt = "f16" if dtype == "f16" and is_f16_matrix(spec.name, spec.shape) else "f32"
-            nbytes = spec.numel * (F16 if dt == "f16" else F32)
-            # larger than a binding is fine (bound in row chunks, `row_views`); larger than a buffer is not
-            if _align(nbytes) > gpu.max_buffer:
-                raise GpuError(
-                    f"parameter {spec.name} needs {nbytes} bytes, more than this adapter's max-buffer-size "
-                    f"{gpu.max_buffer}: it cannot be held in one buffer"
-                )
-            if sizes[-1] + _align(nbytes) > limit and sizes[-1] > 0:
-                sizes.append(0)
-            self.slots[spec.name] = Slot(
-                spec.name, tuple(spec.shape), len(sizes) - 1, sizes[-1], spec.numel, dt
+        owners = {name: owner.slots[name] for name, owner in self.shared.items()}
+        try:
+            lay = layout.plan(
+                self.table, gpu.max_buffer, arena_bytes, dtype, self.trainable, frozen_state, owners
             )
-            sizes[-1] += _align(nbytes)
-            if frozen_state or spec.name in self.trainable:
-                state_sizes += [0] * (len(sizes) - len(state_sizes))
-                state_sizes[-1] = sizes[-1]
-        self.arena_sizes = sizes
-        # gradient/moment arenas: as large as the parameter arenas, or up to the last trainable tensor (an
-        # arena without one keeps a minimal buffer, so arena indices stay the same)
-        state_sizes = [max(ALIGN, n) for n in state_sizes + [0] * (len(sizes) - len(state_sizes))]
-        self.has_state = {name for name in self.slots if frozen_state or name in self.trainable}
+        except layout.LayoutError as e:
+            raise GpuError(str(e)) from e
+        self.slots, self.arena_sizes, self.has_state = lay.slots, lay.arena_sizes, lay.has_state
         mk = gpu.buffer
-        self.p = [mk(s, label=f"params{i}") for i, s in enumerate(sizes)]
+        self.p = [mk(s, label=f"params{i}") for i, s in enumerate(lay.arena_sizes)]
         # the owners' arenas of the shared tensors, as arena indices len(p), len(p) + 1, ... ('p' views only)
-        self.p_shared = []
-        for name, owner in self.shared.items():
-            s = owner.slots[name]
-            self.slots[name] = Slot(
-                name, s.shape, len(self.p) + len(self.p_shared), s.offset, s.numel, s.dtype
-            )
-            self.p_shared.append(owner.p[s.arena])
+        self.p_shared = [owner.p[owner.slots[name].arena] for name, owner in self.shared.items()]
         if inference:
             self.g, self.m, self.v = [], [], []
         else:
-            self.g = [mk(s, label=f"grads{i}") for i, s in enumerate(state_sizes)]
-            self.m = [mk(s, label=f"adam_m{i}") for i, s in enumerate(state_sizes)]
-            self.v = [mk(s, label=f"adam_v{i}") for i, s in enumerate(state_sizes)]
+            self.g = [mk(s, label=f"grads{i}") for i, s in enumerate(lay.state_sizes)]
+            self.m = [mk(s, label=f"adam_m{i}") for i, s in enumerate(lay.state_sizes)]
+            self.v = [mk(s, label=f"adam_v{i}") for i, s in enumerate(lay.state_sizes)]
         self.scalars = gpu.buffer(k_red.SCALARS_BYTES, label="scalars")  # norm, clip mult, finite, sumsq
         self.load(params if params is not None else init_params(cfg, seed))
         self._opt = None
         self._zero = None
+        self.work_class = work_class
         self._works: dict = {}
 
     def _trainable_names(self, trainable, inference: bool) -> list[str]:
         return [] if inference else trainable_names([s.name for s in self.table], trainable)
 
-    def work(self, batch: int, seq: int) -> TrunkWork | InferenceWork:
-        """The work of this net's job for (batch, seq), built on first use and cached: a `TrunkWork` (training
-        step, evaluation) for a training net, an `InferenceWork` (forward only) for an inference net."""
+    def work(self, batch: int, seq: int):
+        """The work of this net's job for (batch, seq), built on first use and cached: `work_class(net, batch,
+        seq)`, the class the net was built with (`trunk.TrunkWork`, training step and evaluation, from
+        `backend.make_net`; `inference.InferenceWork`, forward only, for heal's and accept's trunk).
+
+        The class is handed in rather than imported: the works are built on a Net (they read its slots and
+        views), so net.py stays the layer below them, knows no work, and a new work needs no change here. A
+        net whose works are built directly (generate's `decode.TrunkRows`, heal's `draft.DraftWork`) needs
+        none."""
+        if self.work_class is None:
+            raise GpuError(
+                "this Net was built without a work class: Net(..., work_class=TrunkWork or InferenceWork)"
+            )
         if (batch, seq) not in self._works:
-            job = InferenceWork if self.inference else TrunkWork
-            self._works[(batch, seq)] = job(self, batch, seq, precision=self.precision)
+            self._works[(batch, seq)] = self.work_class(self, batch, seq, precision=self.precision)
         return self._works[(batch, seq)]
 
     def export_snapshot(self, snapshot: list) -> dict[str, np.ndarray]:
@@ -267,25 +213,6 @@ class Net:
         """The buffers of arena kind 'p' (own, then the shared tensors' owners'), 'g', 'm' or 'v'."""
         return self.p + self.p_shared if kind == "p" else getattr(self, kind)
 
-    def chunk_rows(self, name: str) -> int:
-        """Rows per chunk of `row_views(name)`: the parameter's row count when it fits one binding, else
-        the most rows whose view fits the binding limit, a multiple of 64 where 64 rows fit (then every
-        chunk's first row is a multiple of 64: 256-byte aligned as a vocabulary offset into logits rows as
-        well as a view), else a multiple of the rows that keep views 256-byte aligned."""
-        s = self.slots[name]
-        rows = s.shape[0] if s.shape else 1
-        if s.nbytes <= self.gpu.max_binding:
-            return rows
-        row_bytes = s.nbytes // rows
-        fit = self.gpu.max_binding // row_bytes
-        step = 64 if fit >= 64 and 64 * row_bytes % ALIGN == 0 else ALIGN // math.gcd(ALIGN, row_bytes)
-        if fit < step:
-            raise GpuError(
-                f"parameter {name}: one aligned row chunk ({step} rows of {row_bytes} bytes) exceeds this "
-                f"adapter's storage binding limit {self.gpu.max_binding}"
-            )
-        return fit // step * step
-
     def row_views(self, name: str, kind: str = "p") -> list[tuple[int, int, tuple]]:
         """A parameter (in arena kind 'p', 'g', 'm' or 'v') as row chunks [(row0, rows, view)], each view
         256-byte aligned and within the storage-binding limit; one chunk when the parameter fits a binding."""
@@ -295,7 +222,10 @@ class Net:
         buf = self._arenas(kind)[s.arena]
         total = s.shape[0] if s.shape else 1
         row_bytes = s.nbytes // max(total, 1)
-        step = self.chunk_rows(name)
+        try:
+            step = layout.chunk_rows(s, self.gpu.max_binding)
+        except layout.LayoutError as e:
+            raise GpuError(str(e)) from e
         out = []
         for r0 in range(0, total, step):
             n = min(step, total - r0)
@@ -392,9 +322,7 @@ class Net:
         return [piece for a, off, n in runs for piece in self._pieces(a, off, n)]
 
     def _pieces(self, arena: int, offset: int, nbytes: int) -> list[tuple[int, int, int]]:
-        """A byte range of an arena as 256-aligned pieces each within the storage-binding limit."""
-        cap = self.gpu.max_binding // ALIGN * ALIGN
-        return [(arena, offset + o, min(cap, nbytes - o)) for o in range(0, nbytes, cap)]
+        return layout.pieces(arena, offset, nbytes, self.gpu.max_binding)
 
     def zero_grads_call(self) -> Call:
         self._require_training("zero_grads_call")
@@ -418,18 +346,18 @@ class Net:
         mode = hyper.grad_clip_mode
         if mode not in ("per-tensor", "global"):
             raise GpuError(f"grad_clip_mode must be 'per-tensor' or 'global', got {mode!r}")
-        values = k_adamw.adamw_uniform_values(
+        fields = k_adamw.adamw_fields(
             hyper.lr, hyper.step, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay
         )
         if self._opt is None:
             self._opt = {}
-            self._hyper_buf = self.gpu.uniform(k_adamw.ADAMW_FMT, *values)
+            self._hyper_buf = self.gpu.uniform(k_adamw.ADAMW, **fields, label="adamw")
         if mode not in self._opt:
             self._opt[mode] = self._global_clip() if mode == "global" else self._tensor_clip()
         call, clip_uniforms = self._opt[mode]
-        for buf, fmt, head, tail in clip_uniforms:
-            self.gpu.write_uniform(buf, fmt, *head, hyper.grad_clip, *tail)
-        self.gpu.write_uniform(self._hyper_buf, k_adamw.ADAMW_FMT, *values)
+        for buf, desc in clip_uniforms:  # only the threshold changes; counts and strides stay as built
+            self.gpu.write_fields(buf, desc, clip=hyper.grad_clip)
+        self.gpu.write_uniform(self._hyper_buf, k_adamw.ADAMW, **fields)
         return call
 
     def _global_clip(self):
@@ -439,7 +367,7 @@ class Net:
         count = k_red.total_partials([n for _, n in ranges])
         parts = self.gpu.buffer(count * F32, label="norm_partials")
         call = k_red.grad_norm_clip(self.gpu, self.scalars, parts, ranges, 1.0)
-        clip_uniforms = [(call.uniforms[-1], k_red.FINALIZE_FMT, (count,), (0, 0))]
+        clip_uniforms = [(call.uniforms[-1], k_red.FINALIZE)]
         for a, off, n in runs:
             views = [(buf[a], off, n) for buf in (self.p, self.g, self.m, self.v)]
             call = call + k_adamw.adamw(self.gpu, *views, self.scalars, n // F32, self._hyper_buf)
@@ -456,10 +384,7 @@ class Net:
         parts = self.gpu.buffer(count * F32, label="norm_partials_tensors")
         self._records = self.gpu.buffer(len(tensors) * k_red.RECORD_BYTES, label="clip_records")
         call = k_red.tensor_norm_clip(self.gpu, self.scalars, self._records, parts, tensors, 1.0)
-        clip_uniforms = [
-            (call.uniforms[-3], k_red.FINALIZE_FMT, (count,), (0, 0)),
-            (call.uniforms[-2], k_red.TENSOR_CLIP_FMT, (len(tensors),), (k_red.RECORD_BYTES // 4, 0)),
-        ]
+        clip_uniforms = [(call.uniforms[-3], k_red.FINALIZE), (call.uniforms[-2], k_red.TENSOR_CLIP)]
         for t, ps in enumerate(pieces):
             record = (self._records, t * k_red.RECORD_BYTES, k_red.SCALARS_BYTES)
             for a, off, n in ps:

@@ -3,7 +3,8 @@
 `RefNet` / `RefWork` mirror `net.Net` / `trunk.TrunkWork` (load, export, snapshot/restore, step, loss_sum),
 so training, evaluation and healing run unchanged on either backend, and tests compare the two step by
 step. `RefTeacher` / `RefDraft` are heal's trunk and draft (`backend.Teacher`, `backend.Draft`), and
-`ref_runner` accept's draft step. Arithmetic is float32 numpy through `ddl_ref`; nothing here is fast, all of
+`ref_runner` accept's draft step; `RefEngine` is generate's decoding engine (`backend.Engine`, over the
+caches of `ddl_ref.decode`). Arithmetic is float32 numpy through `ddl_ref`; nothing here is fast, all of
 it is readable. Nothing here imports wgpu.
 """
 
@@ -12,9 +13,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ddl_ref import decode as ref_decode
 from ddl_ref import model as ref_model
 from ddl_ref import mtp as ref_mtp
 from ddl_ref import ops as ref_ops
@@ -24,6 +28,9 @@ from ddl_ref.optim import adamw_step, clip_multiplier, clip_multipliers, global_
 from ddl_ref.params import init_params, param_table, trainable_names
 from ddl_wgpu.layout import EMBED
 from ddl_wgpu.step import DRAFT_ADAM, DRAFT_GRAD_CLIP, AdamW, StepResult
+
+if TYPE_CHECKING:
+    from ddl_wgpu.modelfile import Model
 
 
 class RefNet:
@@ -265,3 +272,61 @@ def ref_runner(params: dict, cfg):
         return np.argmax(ref_mtp.draft_logits(params, cfg, post), axis=-1), pre, post
 
     return run
+
+
+class RefEngine:
+    """`backend.Engine` over `ddl_ref.decode` (float32 numpy): trunk and draft caches, the trunk's hidden rows
+    and the tokens by position for the draft's catch-up rows."""
+
+    backend = "ref"
+
+    def __init__(self, model: Model, depth: int = 0, capacity: int | None = None):
+        self.params, self.cfg = model.params, model.cfg
+        cap = self.cfg.max_seq_len if capacity is None else int(capacity)
+        self.trunk = ref_decode.TrunkCache(self.cfg, cap)
+        self.dcache = ref_decode.DraftCache(self.cfg, cap + depth) if depth else None
+        self.hidden = np.zeros((cap, self.cfg.d_model), np.float32) if depth else None
+        self.ids = np.zeros(cap + 1, np.int64)
+
+    @property
+    def length(self) -> int:
+        return self.trunk.length
+
+    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray:
+        start = self.trunk.length
+        ids = np.asarray(ids, np.int64)
+        pre, post, logits = ref_decode.trunk_step(self.params, self.cfg, self.trunk, ids)
+        self.ids[start : start + ids.size] = ids
+        if self.hidden is not None:
+            self.hidden[start : start + ids.size] = ref_mtp.pick_hidden(pre, post, self.cfg.mtp.trunk_hidden)
+        logits = logits[-1:] if last_only else logits
+        return np.argmax(logits, axis=-1) if head == "argmax" else logits
+
+    def rollback(self, length: int) -> None:
+        self.trunk.rollback(length)
+        if self.dcache is not None and self.dcache.length > length:
+            self.dcache.rollback(length)
+
+    def draft(self, token: int, depth: int, head: str, pick: Callable | None):
+        """Draft `depth` tokens after `token` (the next, not yet fed token) -> (tokens, logits per step)."""
+        n, dc = self.trunk.length, self.dcache
+        self.ids[n] = token
+        a = dc.length  # catch-up: step-1 rows for anchors a..n−1
+        pre, post, logits = ref_decode.draft_step(self.params, self.cfg, dc, self.ids[a + 1 : n + 1],
+                                                  self.hidden[a:n], np.arange(a, n))  # fmt: skip
+        tokens, rows = [], []
+        for sigma in range(1, depth + 1):
+            rows.append(logits[-1])
+            tokens.append(int(np.argmax(logits[-1])) if head == "argmax" else pick(logits[-1]))
+            if sigma < depth:
+                hid = ref_mtp.pick_hidden(pre, post, self.cfg.mtp.chain_hidden)[-1:]
+                pre, post, logits = ref_decode.draft_step(self.params, self.cfg, dc, tokens[-1:], hid,
+                                                          [n + sigma - 1])  # fmt: skip
+        dc.rollback(n)  # the chain rows go; the step-1 rows of anchors 0..n−1 stay
+        return tokens, rows
+
+    def round(self, token: int, depth: int) -> tuple[list[int], np.ndarray]:
+        """A greedy round: `depth` drafts after `token`, then the trunk over [token, drafts] -> (drafts, the
+        argmax of every verify row)."""
+        drafts, _ = self.draft(token, depth, "argmax", None)
+        return drafts, self.feed([token, *drafts], "argmax")

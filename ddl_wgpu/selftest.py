@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddl_wgpu.gpu import Gpu
+from ddl_wgpu.gpu import Gpu, Uniform
+
+FILE = "selftest.wgsl"
+PARAMS = Uniform("Params", ("n", "u32", "floats in x and y"), ("alpha", "f32"))
 
 
 def selftest(gpu: Gpu, n: int = 100_003) -> list[str]:
@@ -13,9 +16,9 @@ def selftest(gpu: Gpu, n: int = 100_003) -> list[str]:
     rng = np.random.default_rng(0)
     x = rng.standard_normal(n).astype(np.float32)
     y = rng.standard_normal(n).astype(np.float32)
-    k = gpu.kernel("selftest.wgsl", "saxpy", "rwu")
+    k = gpu.kernel(FILE, "saxpy", "rwu", uniforms=(PARAMS,))
     bx, by = gpu.upload(x), gpu.upload(y)
-    params = gpu.uniform("uf", n, 2.5)
+    params = gpu.uniform(PARAMS, n=n, alpha=2.5)
     rec = gpu.recorder(timestamps=True)
     rec.dispatch(k, gpu.bind(k, bx, by, params), -(-n // 64))
     rec.submit()

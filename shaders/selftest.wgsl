@@ -2,10 +2,7 @@
 // Small enough to compile in milliseconds on any adapter; exercises storage reads and writes, a uniform,
 // a 2-D dispatch grid and the bounds guard.
 
-struct Params {
-  n: u32,
-  alpha: f32,
-}
+{{struct Params}}
 
 @group(0) @binding(0) var<storage, read> x: array<f32>;
 @group(0) @binding(1) var<storage, read_write> y: array<f32>;

@@ -1,23 +1,23 @@
 """Shared fixtures: one GPU device for the whole test session (device creation and the first pipeline cost
 ~0.5 s on lavapipe); the words of the CLI tests' corpus; and `heal_kit`, the tiny models, texts and heal
-settings the heal, accept and chain-attention tests share."""
+settings the heal, accept and chain-attention tests share. The plain helpers (the one tiny-config factory
+`tiny_cfg`, the tiny models) are in `helpers.py`."""
 
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import make_model, make_text, perturbed, tiny_cfg
 
-from ddl_ref.config import ModelConfig, MtpConfig
-from ddl_ref.params import init_params
+from ddl_ref.config import MtpConfig
 from ddl_wgpu.heal import HealConfig
-from ddl_wgpu.modelfile import Model, save_model
 
 REPO = Path(__file__).resolve().parents[1]
-HEAL_WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
 CORPUS_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "pack", "my", "box", "with",
                 "five", "dozen", "liquor", "jugs", "and", "then", "a", "cat", "sat", "on", "mat"]  # fmt: skip
 
@@ -39,42 +39,19 @@ def corpus_words() -> list[str]:
     return CORPUS_WORDS
 
 
-def tiny_cfg(**kw) -> ModelConfig:
-    """A tiny byte-level model with an MTP draft."""
-    base = dict(vocab_size=256, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
-                max_seq_len=32, qk_norm="pre_rope", mtp=MtpConfig())  # fmt: skip
-    base.update(kw)
-    return ModelConfig(**base)
-
-
-def perturbed(cfg, seed=0):
-    """Init params with the draft's norms and projection moved off their init (so every path matters)."""
-    p = init_params(cfg, seed)
-    rng = np.random.default_rng(seed + 1)
-    return {n: (a + 0.2 * rng.standard_normal(a.shape).astype(np.float32)) if "mtp" in n else a
-            for n, a in p.items()}  # fmt: skip
-
-
-def make_text(path, words=200, seed=0):
-    """A text of `words` random words."""
-    rng = np.random.default_rng(seed)
-    path.write_text(" ".join(rng.choice(HEAL_WORDS, words)))
-    return path
-
-
-def make_model(path, cfg=None, seed=0):
-    """A tiny model with a perturbed draft, saved to `path`."""
-    cfg = cfg or tiny_cfg()
-    save_model(path, Model(cfg, perturbed(cfg, seed)))
-    return path
-
-
 @pytest.fixture(scope="session")
 def heal_kit():
-    """tiny_cfg, perturbed, make_text, make_model and SMALL (a short heal that both backends run)."""
+    """tiny_cfg (the default shape with an MTP draft and pre-RoPE q/k norm), perturbed, make_text,
+    make_model (a model with a perturbed draft, of that config unless given) and SMALL (a short heal that
+    both backends run)."""
+    heal_cfg = partial(tiny_cfg, qk_norm="pre_rope", mtp=MtpConfig())
     small = HealConfig(chain=2, window=24, tokens=1200, batch=2, eval_every=4, patience=0, lr=3e-3, epochs=0.3,
                        refresh=5)  # fmt: skip
-    return SimpleNamespace(tiny_cfg=tiny_cfg, perturbed=perturbed, make_text=make_text, make_model=make_model,
+
+    def make(path, cfg=None, seed=0):
+        return make_model(path, cfg or heal_cfg(), seed)
+
+    return SimpleNamespace(tiny_cfg=heal_cfg, perturbed=perturbed, make_text=make_text, make_model=make,
                            SMALL=small)  # fmt: skip
 
 

@@ -5,11 +5,12 @@ kernels against the reference."""
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref import ops
 from ddl_ref.check import check, numeric_grad, rel_error
-from ddl_ref.config import ModelConfig, MtpConfig
+from ddl_ref.config import MtpConfig
 from ddl_ref.params import init_params
 from ddl_wgpu.backend import open_gpu
 from ddl_wgpu.heal_gpu import WgpuDraft
@@ -44,14 +45,9 @@ def test_attention_masked_finite_differences(rng):
     )
 
 
-def _tiny_cfg():
-    return ModelConfig(vocab_size=48, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
-                       max_seq_len=16, mtp=MtpConfig())  # fmt: skip
-
-
 def test_stacked_draft_matches_incremental_causal(rng):
     """Row (j, p) of the stacked forward = the last row of a causal run over [x1[0..p], x2[p], .., xj[p]]."""
-    cfg = _tiny_cfg()
+    cfg = tiny_cfg(vocab_size=48, n_layers=1, max_seq_len=16, mtp=MtpConfig())
     params = {n: a.astype(np.float64) for n, a in init_params(cfg, seed=3).items()}
     W, j = 5, 3
     xs = rng.standard_normal((1, j * W, cfg.d_model))

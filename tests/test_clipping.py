@@ -9,10 +9,10 @@ import math
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
 from ddl_ref import model as rm
 from ddl_ref.check import check
-from ddl_ref.config import ModelVariant, preset
 from ddl_ref.optim import adamw_step, clip_multipliers, global_grad_norm, tensor_grad_norms
 from ddl_ref.params import init_params
 from ddl_wgpu.ops import reduce as k_red
@@ -23,12 +23,6 @@ B, T = 2, 9
 LENGTHS = np.array([9, 6])
 BETA1 = 0.9
 CLIP = 1.0
-
-
-def ddl_cfg():
-    base = preset("tiny", vocab_size=53, d_model=20, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8,
-                  ffn_hidden=36, max_seq_len=16)  # fmt: skip
-    return ModelVariant.DDL.resolve_config(base)
 
 
 def ids(seed=0):
@@ -116,7 +110,7 @@ def test_tensor_records_match_float64(gpu, rng, finite):
 def test_ddl_step_one_clips_each_tensor_by_its_own_norm(gpu, backend):
     """At step 1 of a tiny ddl model the global norm exceeds the clip, so "global" scales every tensor,
     while per tensor only the tensors whose own norm exceeds it are scaled (by clip / own norm)."""
-    cfg = ddl_cfg()
+    cfg = tiny_cfg("ddl", "ddl")
     p0 = init_params(cfg, 3)
     grads = ref_grads(cfg, p0)
     norms = tensor_grad_norms(grads)
@@ -125,8 +119,9 @@ def test_ddl_step_one_clips_each_tensor_by_its_own_norm(gpu, backend):
     for mode in ("per-tensor", "global"):
         if backend == "wgpu":
             from ddl_wgpu.net import Net
+            from ddl_wgpu.trunk import TrunkWork
 
-            net = Net(gpu, cfg, p0)
+            net = Net(gpu, cfg, p0, work_class=TrunkWork)
         else:
             net = RefNet(cfg, p0)
         r = net.work(B, T).step(ids(), LENGTHS, AdamW(lr=1e-3, step=1, grad_clip=CLIP, grad_clip_mode=mode))
@@ -144,13 +139,14 @@ def test_ddl_step_one_clips_each_tensor_by_its_own_norm(gpu, backend):
 
 def test_per_tensor_steps_follow_reference_and_are_bit_identical(gpu):
     from ddl_wgpu.net import Net
+    from ddl_wgpu.trunk import TrunkWork
 
-    cfg = ddl_cfg()
+    cfg = tiny_cfg("ddl", "ddl")
     p0 = init_params(cfg, 5)
     hyper = [AdamW(lr=1e-2, step=s + 1, grad_clip=0.5, grad_clip_mode="per-tensor") for s in range(3)]
 
     def run():
-        net = Net(gpu, cfg, p0)
+        net = Net(gpu, cfg, p0, work_class=TrunkWork)
         work = net.work(B, T)
         losses = [work.step(ids(s), LENGTHS, h).loss for s, h in enumerate(hyper)]
         return losses, net.export()
@@ -204,8 +200,7 @@ def _train_setup(tmp_path):
     (tmp_path / "c.txt").write_text(" ".join(words[int(i)] for i in rng.integers(len(words), size=500)))
     data = load_datasets(str(tmp_path / "c.txt"), tokenizer=ByteTokenizer(), seq_len=16, batch_size=2,
                          val_fraction=0.2, vocab_size=256, seed=0)  # fmt: skip
-    cfg = preset("tiny", vocab_size=256, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
-                 ffn_hidden=48, max_seq_len=32)  # fmt: skip
+    cfg = tiny_cfg("train")
     # a clip below the norms, so the two modes differ from the first step
     tcfg = TrainingConfig(max_steps=4, eval_interval=2, learning_rate=1e-2, batch_size=2, seq_len=16,
                           eval_batches=2, grad_clip=0.05)  # fmt: skip

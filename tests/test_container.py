@@ -13,6 +13,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1005,20 +1006,11 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
 # ----------------------------------------------------- model files: config against tensors (issue 14.6/14/16/17)
 
 
-def _tiny_model_cfg(**kw):
-    from ddl_ref.config import ModelConfig
-
-    base = dict(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
-                max_seq_len=32)  # fmt: skip
-    base.update(kw)
-    return ModelConfig(**base)
-
-
 def _model_file(path, cfg=None, config=None, extra=(), cast=None, metadata=None):
     """A model file whose header config may differ from the config its tensors were made for."""
     from ddl_ref.params import init_params
 
-    cfg = cfg or _tiny_model_cfg()
+    cfg = cfg or tiny_cfg(vocab_size=64)
     params = init_params(cfg, 0)
     items = [(n, a.astype(cast[1]) if cast and n == cast[0] else a) for n, a in params.items()]
     save(path, items + list(extra), config=config or cfg.to_dict(), metadata=metadata or {})
@@ -1031,17 +1023,17 @@ def test_param_count_and_estimate_bytes_are_closed_forms():
     from ddl_wgpu.modelfile import estimate_bytes, param_count
 
     for cfg in (
-        _tiny_model_cfg(),
-        _tiny_model_cfg(n_layers=1, tie_embeddings=False),
-        _tiny_model_cfg(n_layers=3, mtp=MtpConfig(), qk_norm="none"),
-        _tiny_model_cfg(residual="delta", ddl_dv=4, ddl_compressor="tc", ddl_expand_embed=True),
+        tiny_cfg(vocab_size=64),
+        tiny_cfg(vocab_size=64, n_layers=1, tie_embeddings=False),
+        tiny_cfg(vocab_size=64, n_layers=3, mtp=MtpConfig(), qk_norm="none"),
+        tiny_cfg(vocab_size=64, residual="delta", ddl_dv=4, ddl_compressor="tc", ddl_expand_embed=True),
     ):
         n = sum(s.numel for s in param_table(cfg))
         assert param_count(cfg) == n
         rope = 2 * cfg.max_seq_len * cfg.head_dim * 4
         assert estimate_bytes(cfg, training=False) == 4 * n + rope
         assert estimate_bytes(cfg, training=True) == 20 * n + rope
-    huge = _tiny_model_cfg(n_layers=10**9)  # instant, where param_table would take minutes
+    huge = tiny_cfg(vocab_size=64, n_layers=10**9)  # instant, where param_table would take minutes
     assert param_count(huge) > 10**11
 
 
@@ -1060,7 +1052,7 @@ def test_an_absurd_config_is_refused_before_any_allocation(tmp_path, override):
 
     from ddl_wgpu.modelfile import load_model
 
-    cfg = _tiny_model_cfg().to_dict() | override
+    cfg = tiny_cfg(vocab_size=64).to_dict() | override
     p = _model_file(tmp_path / "m.ddlw", config=cfg)
     t0 = time.perf_counter()
     with pytest.raises(
@@ -1074,20 +1066,20 @@ def test_check_fits_names_the_memory_it_needs_and_has(monkeypatch):
     from ddl_ref.config import ConfigError
     from ddl_wgpu import modelfile
 
-    cfg = _tiny_model_cfg()
+    cfg = tiny_cfg(vocab_size=64)
     need = modelfile.estimate_bytes(cfg, training=True)
     monkeypatch.setattr(modelfile, "available_bytes", lambda: need - 1)
     assert modelfile.check_fits(cfg, training=False) < need
     with pytest.raises(ConfigError, match="needs about .* to train .* this machine has .* available"):
         modelfile.check_fits(cfg, training=True)
     with pytest.raises(ConfigError, match="rope_theta is inf"):
-        modelfile.check_fits(_tiny_model_cfg(rope_theta=float("inf")), training=False)
+        modelfile.check_fits(tiny_cfg(vocab_size=64, rope_theta=float("inf")), training=False)
 
 
 def test_config_is_checked_against_the_tensors(tmp_path):
     from ddl_wgpu.modelfile import load_config, load_model, read_params
 
-    cfg = _tiny_model_cfg()
+    cfg = tiny_cfg(vocab_size=64)
     big_vocab = cfg.to_dict() | {"vocab_size": 1000}
     p = _model_file(tmp_path / "v.ddlw", config=big_vocab)
     with pytest.raises(

@@ -4,32 +4,18 @@ subset stays frozen; snapshot/restore and export/load round-trip."""
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
 from ddl_ref import model as rm
 from ddl_ref.check import check
-from ddl_ref.config import preset
 from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
 from ddl_ref.params import init_params
 from ddl_wgpu.net import Net
 from ddl_wgpu.step import AdamW
+from ddl_wgpu.trunk import TrunkWork
 
 B, T = 3, 11
 LENGTHS = np.array([11, 7, 1])  # a full row, a padded row, a row that predicts nothing
-
-
-def tiny(**kw):
-    base = dict(
-        vocab_size=61,
-        d_model=24,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=6,
-        ffn_hidden=40,
-        max_seq_len=32,
-    )
-    base.update(kw)
-    return preset("tiny", **base)
 
 
 def batch(seed=0, V=61):
@@ -48,7 +34,7 @@ CASES = [
 def test_loss_logits_and_every_gradient_match_reference(gpu, kw, attention, monkeypatch):
     # "auto" is the flash kernels on a CPU adapter; "scores" the attention GEMMs GPUs run by default
     monkeypatch.setenv("DDL_WGPU_ATTENTION", attention)
-    cfg = tiny(**kw)
+    cfg = tiny_cfg("engine", **kw)
     p = init_params(cfg, 3)
     if cfg.norm_style == "offset":  # non-trivial norm weights so the (1+w) path is really exercised
         rng = np.random.default_rng(5)
@@ -56,7 +42,7 @@ def test_loss_logits_and_every_gradient_match_reference(gpu, kw, attention, monk
             n: (a + 0.1 * rng.standard_normal(a.shape).astype(np.float32)) if "norm" in n else a
             for n, a in p.items()
         }
-    net = Net(gpu, cfg, p)
+    net = Net(gpu, cfg, p, work_class=TrunkWork)
     work = net.work(B, T)
     ids = batch()
     res = work.step(ids, LENGTHS)
@@ -74,12 +60,12 @@ def test_loss_logits_and_every_gradient_match_reference(gpu, kw, attention, monk
 
 
 def test_adamw_steps_follow_reference_and_are_bit_identical(gpu):
-    cfg = tiny()
+    cfg = tiny_cfg("engine")
     p0 = init_params(cfg, 7)
     ids = [batch(s) for s in range(3)]
 
     def run():
-        net = Net(gpu, cfg, p0)
+        net = Net(gpu, cfg, p0, work_class=TrunkWork)
         work = net.work(B, T)
         out = []
         for s in range(3):
@@ -109,10 +95,10 @@ def test_adamw_steps_follow_reference_and_are_bit_identical(gpu):
 
 
 def test_frozen_subset_stays_frozen(gpu):
-    cfg = tiny()
+    cfg = tiny_cfg("engine")
     p0 = init_params(cfg, 1)
     only = {n for n in p0 if ".mlp." in n}
-    net = Net(gpu, cfg, p0, trainable=only)
+    net = Net(gpu, cfg, p0, trainable=only, work_class=TrunkWork)
     net.work(B, T).step(batch(), LENGTHS, AdamW(lr=1e-2, step=1))
     after = net.export()
     for n in p0:
@@ -121,9 +107,9 @@ def test_frozen_subset_stays_frozen(gpu):
 
 
 def test_snapshot_restore_export_load(gpu):
-    cfg = tiny()
+    cfg = tiny_cfg("engine")
     p0 = init_params(cfg, 2)
-    net = Net(gpu, cfg, p0)
+    net = Net(gpu, cfg, p0, work_class=TrunkWork)
     snap = net.snapshot()
     net.work(B, T).step(batch(), LENGTHS, AdamW(lr=1e-1, step=1))
     assert not np.array_equal(net.export()["model.norm.weight"], p0["model.norm.weight"])
@@ -135,8 +121,8 @@ def test_snapshot_restore_export_load(gpu):
 
 
 def test_eval_loss_sum_matches_train_loss(gpu):
-    cfg = tiny()
-    net = Net(gpu, cfg, init_params(cfg, 4))
+    cfg = tiny_cfg("engine")
+    net = Net(gpu, cfg, init_params(cfg, 4), work_class=TrunkWork)
     work = net.work(B, T)
     s, c = work.loss_sum(batch(), LENGTHS)
     r = work.step(batch(), LENGTHS)
@@ -146,15 +132,14 @@ def test_eval_loss_sum_matches_train_loss(gpu):
 
 def test_lm_head_chunks_compose(gpu):
     """Chunked LM head (64-row chunks over 128 rows) gives the same loss and gradients as one chunk."""
-    cfg = tiny(vocab_size=300)
+    cfg = tiny_cfg("engine", vocab_size=300)
     p = init_params(cfg, 9)
     ids = np.random.default_rng(3).integers(0, 300, (8, 16))
     lengths = np.full(8, 16)
-    whole = Net(gpu, cfg, p)
+    whole = Net(gpu, cfg, p, work_class=TrunkWork)
     w1 = whole.work(8, 16)
     r1 = w1.step(ids, lengths)
     chunked = Net(gpu, cfg, p)
-    from ddl_wgpu.trunk import TrunkWork
 
     w2 = TrunkWork(chunked, 8, 16, chunk_rows=64)
     assert w2.chunk == 64 and w1.chunk == 128
@@ -168,8 +153,10 @@ def test_lm_head_chunks_compose(gpu):
 def test_bad_batch_shape_and_token_are_errors(gpu):
     from ddl_wgpu.gpu import GpuError
 
-    cfg = tiny()
-    work = Net(gpu, cfg, init_params(cfg, 0)).work(B, T)
+    cfg = tiny_cfg("engine")
+    with pytest.raises(GpuError, match="without a work class"):
+        Net(gpu, cfg, init_params(cfg, 0)).work(B, T)
+    work = Net(gpu, cfg, init_params(cfg, 0), work_class=TrunkWork).work(B, T)
     with pytest.raises(GpuError, match="built for"):
         work.step(np.zeros((B, T + 1), int))
     with pytest.raises(GpuError, match="out of range"):

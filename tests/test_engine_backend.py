@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from ddl_ref.params import init_params
 from ddl_wgpu import backend
 from ddl_wgpu.modelfile import Model
 
@@ -82,6 +83,13 @@ def test_numpy_backend_imports_no_wgpu(module):
     assert r.returncode == 0, r.stderr
 
 
+def test_the_net_imports_no_work():
+    """net.py (the GPU state) sits below the works: importing it loads neither trunk.py nor inference.py."""
+    code = "import sys, ddl_wgpu.net; assert not {'ddl_wgpu.trunk', 'ddl_wgpu.inference'} & set(sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_makers_on_both_backends_agree(gpu, heal_kit):
     cfg = heal_kit.tiny_cfg()
     m = Model(cfg, heal_kit.perturbed(cfg))
@@ -103,3 +111,23 @@ def test_makers_on_both_backends_agree(gpu, heal_kit):
     assert backend.make_accept_backend("ref", m) == (None, None)
     with pytest.raises(backend.BackendError, match="f16 trunk needs the wgpu backend"):
         backend.make_teacher("ref", m, trunk_dtype="f16")
+
+
+def test_make_engine_on_both_backends(gpu, heal_kit):
+    """generate's engine from the backend layer: the numpy and the GPU engine feed the same prompt to the same
+    logits, each says which backend it is, and a f16 trunk on numpy is refused like the other makers'."""
+    cfg = heal_kit.tiny_cfg()
+    m = Model(cfg, heal_kit.perturbed(cfg))
+    ref, dev = (backend.make_engine(b, m, depth=2, capacity=16) for b in ("ref", "wgpu"))
+    assert (type(ref).__name__, ref.backend) == ("RefEngine", "ref")
+    assert (type(dev).__name__, dev.backend) == ("WgpuEngine", "wgpu")
+    ids = [3, 1, 4, 1, 5]
+    want, got = ref.feed(ids, "logits"), dev.feed(ids, "logits")
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+    assert ref.length == dev.length == len(ids)
+    assert ref.draft(9, 2, "argmax", None)[0] == dev.draft(9, 2, "argmax", None)[0]
+    with pytest.raises(backend.BackendError, match="f16 trunk needs the wgpu backend"):
+        backend.make_engine("ref", m, trunk_dtype="f16")
+    plain = heal_kit.tiny_cfg(mtp=None)
+    with pytest.raises(backend.BackendError, match="decoding on the GPU: speculative decoding needs"):
+        backend.make_engine("wgpu", Model(plain, init_params(plain, 0)), depth=1)

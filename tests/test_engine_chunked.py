@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
 from ddl_ref import model as rm
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.check import check
-from ddl_ref.config import MtpConfig, preset
+from ddl_ref.config import MtpConfig
 from ddl_ref.params import init_params
 from ddl_wgpu.draft import DraftWork
 from ddl_wgpu.gpu import Gpu, GpuError
@@ -21,6 +22,7 @@ from ddl_wgpu.net import Net
 from ddl_wgpu.ops import elementwise as k_ew
 from ddl_wgpu.ops import embedding as k_emb
 from ddl_wgpu.step import AdamW
+from ddl_wgpu.trunk import TrunkWork
 
 B, T = 2, 8
 LENGTHS = np.array([8, 5])
@@ -32,13 +34,6 @@ MAX_BUFFER = 64 << 10  # several arenas
 @pytest.fixture(scope="module")
 def small():
     return Gpu(max_binding=MAX_BINDING, max_buffer=MAX_BUFFER)
-
-
-def tiny(**kw):
-    base = dict(vocab_size=V, d_model=C, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_hidden=48,
-                max_seq_len=16)  # fmt: skip
-    base.update(kw)
-    return preset("tiny", **base)
 
 
 def batch(seed=0):
@@ -64,8 +59,8 @@ def test_limits_are_lowered_and_enforced(gpu, small):
 
 
 def test_row_views_are_aligned_and_cover_the_table(small):
-    cfg = tiny(tie_embeddings=False)
-    net = Net(small, cfg, init_params(cfg, 0))
+    cfg = tiny_cfg("chunked", tie_embeddings=False)
+    net = Net(small, cfg, init_params(cfg, 0), work_class=TrunkWork)
     assert len(net.arena_sizes) > 1
     for name in (EMBED, "lm_head.weight"):
         views = net.row_views(name, "g")
@@ -82,7 +77,7 @@ def test_row_views_are_aligned_and_cover_the_table(small):
 
 
 def test_tensor_over_max_buffer_is_a_clear_error(small, monkeypatch):
-    cfg = tiny()
+    cfg = tiny_cfg("chunked")
     monkeypatch.setattr(small, "max_buffer", 32 << 10)
     with pytest.raises(
         GpuError, match="parameter model.embed_tokens.weight needs 38400 bytes.*max-buffer-size"
@@ -134,11 +129,14 @@ CASES = [
     "kw", CASES, ids=["tied", "untied", "ddl4-tied", "ddl1-untied", "mtp-tied", "mtp-untied"]
 )
 def test_chunked_model_matches_unchunked_and_reference(gpu, small, kw):
-    cfg = tiny(**kw)
+    cfg = tiny_cfg("chunked", **kw)
     p = init_params(cfg, 3)
     w = 0.3 if cfg.mtp is not None else 0.0
     ids = batch(1)
-    whole, chunked = Net(gpu, cfg, p, mtp_weight=w), Net(small, cfg, p, mtp_weight=w)
+    whole, chunked = (
+        Net(gpu, cfg, p, mtp_weight=w, work_class=TrunkWork),
+        Net(small, cfg, p, mtp_weight=w, work_class=TrunkWork),
+    )
     assert len(chunked.row_views(chunked.head_name)) == 5 and len(whole.row_views(whole.head_name)) == 1
     w1, w2 = whole.work(B, T), chunked.work(B, T)
     assert w2.chunk < B * T  # the logits rows are chunked too
@@ -163,9 +161,9 @@ def test_chunked_model_matches_unchunked_and_reference(gpu, small, kw):
 
 def test_chunked_adamw_steps_match_unchunked(gpu, small):
     """The optimizer and the gradient norm run over binding-sized pieces of the arenas; zeroing too."""
-    cfg = tiny(tie_embeddings=False)
+    cfg = tiny_cfg("chunked", tie_embeddings=False)
     p = init_params(cfg, 5)
-    nets = [Net(gpu, cfg, p), Net(small, cfg, p)]
+    nets = [Net(gpu, cfg, p, work_class=TrunkWork), Net(small, cfg, p, work_class=TrunkWork)]
     out = []
     for net in nets:
         work, res = net.work(B, T), []
@@ -182,7 +180,7 @@ def test_chunked_adamw_steps_match_unchunked(gpu, small):
     for n in p1:
         np.testing.assert_allclose(p2[n], p1[n], rtol=1e-4, atol=1e-5, err_msg=n)
     # two chunked runs are bit-identical
-    again = Net(small, cfg, p)
+    again = Net(small, cfg, p, work_class=TrunkWork)
     for s in range(3):
         again.work(B, T).step(batch(s), LENGTHS, AdamW(lr=1e-2, step=s + 1, grad_clip=0.5))
     for n, a in again.export().items():
@@ -190,11 +188,13 @@ def test_chunked_adamw_steps_match_unchunked(gpu, small):
 
 
 def test_chunked_teacher_topk_matches_unchunked_and_reference(gpu, small):
-    cfg = tiny(residual="delta", ddl_dv=4, ddl_compressor="cc", ddl_expand_embed=True)
+    cfg = tiny_cfg("chunked", residual="delta", ddl_dv=4, ddl_compressor="cc", ddl_expand_embed=True)
     p = init_params(cfg, 2)
     ids = batch(4)
     k = 8
-    (i1, p1), (i2, p2) = (Net(g, cfg, p, trainable=[]).work(B, T).topk(ids, k) for g in (gpu, small))
+    (i1, p1), (i2, p2) = (
+        Net(g, cfg, p, trainable=[], work_class=TrunkWork).work(B, T).topk(ids, k) for g in (gpu, small)
+    )
     np.testing.assert_allclose(p2, p1, rtol=1e-5, atol=1e-7)
     assert (i1[..., 0] == i2[..., 0]).all()
     ri, rp, _pre, _post = ref_mtp.trunk_topk_hidden(
@@ -208,7 +208,7 @@ def test_chunked_teacher_topk_matches_unchunked_and_reference(gpu, small):
 def test_chunked_rows_topk_kl_matches_unchunked(gpu, small, tie):
     """The heal draft's path: input rows, one block, the top-k KL on vocabulary-chunked logits; with the
     head trained too, so its per-chunk gradient is exercised."""
-    cfg = ref_mtp.draft_config(tiny(tie_embeddings=tie))
+    cfg = ref_mtp.draft_config(tiny_cfg("chunked", tie_embeddings=tie))
     p = init_params(cfg, 6)
     rng = np.random.default_rng(7)
     k = 8

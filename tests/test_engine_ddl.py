@@ -3,33 +3,21 @@ steps; the spectral diagnostics of a DDL forward, GPU vs reference."""
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
 from ddl_ref import model as rm
 from ddl_ref.check import check
-from ddl_ref.config import ModelVariant, preset
+from ddl_ref.config import ModelVariant
 from ddl_ref.params import init_params
 from ddl_ref.spectral import LAYER_KEYS
 from ddl_wgpu.net import Net
 from ddl_wgpu.refnet import RefNet
 from ddl_wgpu.step import AdamW
+from ddl_wgpu.trunk import TrunkWork
 
 B, T = 2, 9
 LENGTHS = np.array([9, 5])
 VARIANTS = [v for v in ModelVariant]
-
-
-def base_cfg():
-    return preset(
-        "tiny",
-        vocab_size=53,
-        d_model=20,
-        n_layers=2,
-        n_heads=2,
-        n_kv_heads=1,
-        head_dim=8,
-        ffn_hidden=36,
-        max_seq_len=16,
-    )
 
 
 def perturbed(cfg, seed):
@@ -44,10 +32,10 @@ def perturbed(cfg, seed):
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.slug)
 def test_variant_matches_reference(gpu, variant):
-    cfg = variant.resolve_config(base_cfg())
+    cfg = tiny_cfg("ddl", variant)
     p = perturbed(cfg, 11)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T))
-    net = Net(gpu, cfg, p)
+    net = Net(gpu, cfg, p, work_class=TrunkWork)
     work = net.work(B, T)
     res = work.step(ids, LENGTHS)
     p64 = {n: a.astype(np.float64) for n, a in p.items()}
@@ -64,10 +52,10 @@ def test_variant_matches_reference(gpu, variant):
 
 @pytest.mark.parametrize("variant", [ModelVariant.DDL, ModelVariant.DDL_CC], ids=lambda v: v.slug)
 def test_spectral_gpu_matches_reference(gpu, variant):
-    cfg = variant.resolve_config(base_cfg())
+    cfg = tiny_cfg("ddl", variant)
     p = perturbed(cfg, 3)
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (B, T))
-    got = Net(gpu, cfg, p).work(B, T).spectral(ids, LENGTHS)
+    got = Net(gpu, cfg, p, work_class=TrunkWork).work(B, T).spectral(ids, LENGTHS)
     want = RefNet(cfg, p).work(B, T).spectral(ids, LENGTHS)
     assert got is not None and want is not None
     for key in LAYER_KEYS:
@@ -78,15 +66,18 @@ def test_spectral_gpu_matches_reference(gpu, variant):
 
 
 def test_baseline_has_no_spectral(gpu):
-    cfg = base_cfg()
-    assert Net(gpu, cfg, init_params(cfg, 0)).work(B, T).spectral(np.zeros((B, T), int)) is None
+    cfg = tiny_cfg("ddl")
+    assert (
+        Net(gpu, cfg, init_params(cfg, 0), work_class=TrunkWork).work(B, T).spectral(np.zeros((B, T), int))
+        is None
+    )
 
 
 @pytest.mark.parametrize("variant", [ModelVariant.DDL, ModelVariant.DDL_TC], ids=lambda v: v.slug)
 def test_ddl_adamw_steps_match_ref_backend(gpu, variant):
-    cfg = variant.resolve_config(base_cfg())
+    cfg = tiny_cfg("ddl", variant)
     p = perturbed(cfg, 5)
-    gnet, rnet = Net(gpu, cfg, p), RefNet(cfg, p)
+    gnet, rnet = Net(gpu, cfg, p, work_class=TrunkWork), RefNet(cfg, p)
     gw, rw = gnet.work(B, T), rnet.work(B, T)
     for s in range(3):
         ids = np.random.default_rng(s).integers(0, cfg.vocab_size, (B, T))

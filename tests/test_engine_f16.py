@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
-from ddl_ref.config import preset
 from ddl_ref.params import init_params
 from ddl_wgpu.gpu import Gpu, GpuError
 from ddl_wgpu.inference import InferenceWork
-from ddl_wgpu.layout import ALIGN
-from ddl_wgpu.net import F16_SUFFIXES, Net, is_f16_matrix
+from ddl_wgpu.layout import ALIGN, F16_SUFFIXES, is_f16_matrix
+from ddl_wgpu.net import Net
 from ddl_wgpu.ops import embedding as k_emb
 from ddl_wgpu.ops import matmul as k_mm
 from ddl_wgpu.step import AdamW
@@ -27,13 +27,6 @@ from ddl_wgpu.trunk import TrunkWork
 
 B, T = 2, 8
 V, C = 300, 32
-
-
-def tiny(**kw):
-    base = dict(vocab_size=V, d_model=C, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_hidden=48,
-                max_seq_len=16)  # fmt: skip
-    base.update(kw)
-    return preset("tiny", **base)
 
 
 def rounded(params: dict) -> dict:
@@ -125,12 +118,14 @@ def test_embedding_gather_f16(gpu, rng, width_c):
     ids=["untied", "tied", "ddl"],
 )
 def test_f16_net_matches_prerounded_f32_and_is_close_to_f32(gpu, kw):
-    cfg = tiny(**kw)
+    cfg = tiny_cfg("chunked", **kw)
     p = init_params(cfg, 0)
     x = ids()
-    full = Net(gpu, cfg, p)  # the training engine, f32
-    n16 = Net(gpu, cfg, p, inference=True, dtype="f16")
-    nr = Net(gpu, cfg, rounded(p), inference=True)  # f32 inference net on the rounded weights
+    full = Net(gpu, cfg, p, work_class=TrunkWork)  # the training engine, f32
+    n16 = Net(gpu, cfg, p, inference=True, dtype="f16", work_class=InferenceWork)
+    nr = Net(
+        gpu, cfg, rounded(p), inference=True, work_class=InferenceWork
+    )  # f32 inference net on the rounded weights
     l32, l16, lr = (n.work(B, T).logits(x) for n in (full, n16, nr))
     # same kernels, same k order, the f16 -> f32 conversion exact: equal up to accumulation-order noise
     np.testing.assert_allclose(l16, lr, rtol=0, atol=1e-6 * np.abs(lr).max())
@@ -154,10 +149,10 @@ def test_f16_net_in_row_chunks():
     small = Gpu(max_binding=8192, max_buffer=64 << 10)
     if "shader-f16" not in small.features:
         pytest.skip("adapter without shader-f16")
-    cfg = tiny(tie_embeddings=False)
+    cfg = tiny_cfg("chunked", tie_embeddings=False)
     p = init_params(cfg, 1)
-    n16 = Net(small, cfg, p, inference=True, dtype="f16")
-    nr = Net(small, cfg, rounded(p), inference=True)
+    n16 = Net(small, cfg, p, inference=True, dtype="f16", work_class=InferenceWork)
+    nr = Net(small, cfg, rounded(p), inference=True, work_class=InferenceWork)
     assert len(n16.row_views("model.embed_tokens.weight")) > 1 and len(n16.row_views("lm_head.weight")) > 1
     x = ids(1)
     l16, lr = n16.work(B, T).logits(x), nr.work(B, T).logits(x)
@@ -168,7 +163,7 @@ def test_f16_net_in_row_chunks():
 
 
 def test_inference_net_memory(gpu):
-    cfg = tiny(tie_embeddings=False)
+    cfg = tiny_cfg("chunked", tie_embeddings=False)
     p = init_params(cfg, 0)
     big = sum(a.size for n, a in p.items() if is_f16_matrix(n, a.shape))
     rest = sum(a.size for n, a in p.items() if not is_f16_matrix(n, a.shape))
@@ -193,8 +188,8 @@ def test_inference_net_memory(gpu):
 
 
 def test_inference_net_refuses_training(gpu):
-    cfg = tiny()
-    net = Net(gpu, cfg, init_params(cfg, 0), inference=True, dtype="f16")
+    cfg = tiny_cfg("chunked")
+    net = Net(gpu, cfg, init_params(cfg, 0), inference=True, dtype="f16", work_class=InferenceWork)
     work = net.work(B, T)
     # the forward-only work: no backward Calls, no training head, no backward scratch
     assert isinstance(work, InferenceWork) and not hasattr(work, "_bwd") and not hasattr(work, "_head_train")
@@ -216,7 +211,7 @@ def test_inference_net_refuses_training(gpu):
 
 
 def test_f16_without_shader_f16_is_one_clear_error(gpu, monkeypatch):
-    cfg = tiny()
+    cfg = tiny_cfg("chunked")
     monkeypatch.setattr(gpu, "features", set())
     with pytest.raises(GpuError, match="shader-f16") as e:
         Net(gpu, cfg, init_params(cfg, 0), inference=True, dtype="f16")

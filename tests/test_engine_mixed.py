@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_engine import LENGTHS, B, T, batch, tiny
+from helpers import tiny_cfg
 
 from ddl_ref import model as rm
 from ddl_ref.params import init_params
@@ -21,6 +21,14 @@ from ddl_wgpu.net import Net
 from ddl_wgpu.ops.matmul import F16_CHUNK, f16_rel_bound
 from ddl_wgpu.step import AdamW
 from ddl_wgpu.trunk import LossScale, TrunkWork
+
+B, T = 3, 11  # test_engine's shapes
+LENGTHS = np.array([11, 7, 1])  # a full row, a padded row, a row that predicts nothing
+
+
+def batch(seed=0, V=61):
+    return np.random.default_rng(seed).integers(0, V, (B, T))
+
 
 EPS = f16_rel_bound(1024, F16_CHUNK)  # 1.8 % at chunk 16; K barely matters (f32 across chunks)
 
@@ -36,7 +44,7 @@ def normwise(got, ref) -> float:
 @pytest.mark.parametrize("attention", ["auto", "scores"])
 def test_f16_step_loss_logits_and_gradients_within_derived_tolerance(gpu, attention, monkeypatch):
     monkeypatch.setenv("DDL_WGPU_ATTENTION", attention)  # scores: attention's products in f16 too
-    cfg = tiny(qk_norm="post_rope", tie_embeddings=True)
+    cfg = tiny_cfg("engine", qk_norm="post_rope", tie_embeddings=True)
     p = init_params(cfg, 3)
     p64 = {n: a.astype(np.float64) for n, a in p.items()}
     ids = batch()
@@ -57,7 +65,7 @@ def test_f16_step_loss_logits_and_gradients_within_derived_tolerance(gpu, attent
 
 
 def test_loss_scaling_skips_a_non_finite_step(gpu):
-    cfg = tiny()
+    cfg = tiny_cfg("engine")
     p = init_params(cfg, 7)
     ids = batch(1)
     hyper = AdamW(lr=1e-2, step=1)
@@ -85,7 +93,7 @@ def test_loss_scaling_skips_a_non_finite_step(gpu):
 
 def test_f16_adamw_steps_track_f32(gpu):
     # three optimizer steps: f16 losses stay within the forward's tolerance of the f32 engine's
-    cfg = tiny()
+    cfg = tiny_cfg("engine")
     p = init_params(cfg, 11)
     losses = {}
     for prec in ("f32", "f16"):
@@ -110,7 +118,7 @@ def test_loss_scale_rule():
 
 def test_precision_is_checked(gpu):
     with pytest.raises(Exception, match="precision"):
-        TrunkWork(Net(gpu, tiny(), init_params(tiny(), 0)), B, T, precision="bf16")
+        TrunkWork(Net(gpu, tiny_cfg("engine"), init_params(tiny_cfg("engine"), 0)), B, T, precision="bf16")
 
 
 def test_train_runs_f16_through_make_net(gpu):
@@ -118,7 +126,7 @@ def test_train_runs_f16_through_make_net(gpu):
     # backend refuses
     from ddl_wgpu.backend import BackendError, make_net
 
-    cfg = tiny()
+    cfg = tiny_cfg("engine")
     net = make_net(cfg, None, "wgpu", None, precision="f16")
     assert net.work(B, T).loss_scale is not None and net.work(B, T).precision == "f16"
     assert make_net(cfg, None, "wgpu", None).work(B, T).loss_scale is None

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
-from ddl_ref.config import ModelVariant, preset
+from ddl_ref.config import ModelVariant
 from ddl_ref.params import init_params
 from ddl_wgpu import accept, compress, heal
 from ddl_wgpu import train as T
@@ -133,8 +134,6 @@ def test_heal_writes_the_reference_provenance_key_and_reads_the_old_one(tmp_path
 # ----------------------------------------------------------------------------------------------------------
 # train: evaluation, failed variants, phases, checkpoint errors
 
-MODEL = dict(vocab_size=256, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
-             max_seq_len=32)  # fmt: skip
 REF = T.RunOptions(backend="ref")
 
 
@@ -158,9 +157,9 @@ def tcfg(**kw):
 def test_evaluation_covers_the_whole_split_by_default(tdata, tmp_path):
     trn, val = tdata
     assert T.TrainingConfig().eval_batches == 0 and trn.num_batches > 16
-    rep = T.train_variant(preset("tiny", **MODEL), ModelVariant("baseline"), trn, val, tcfg(max_steps=1), None,
+    rep = T.train_variant(tiny_cfg(n_layers=1), ModelVariant("baseline"), trn, val, tcfg(max_steps=1), None,
                           REF)  # fmt: skip
-    net = make_net(ModelVariant("baseline").resolve_config(preset("tiny", **MODEL)), None, "ref", None, 0)
+    net = make_net(ModelVariant("baseline").resolve_config(tiny_cfg(n_layers=1)), None, "ref", None, 0)
     assert rep["initial_train"] == T.evaluate(net, trn, 0)["metrics"]
     assert rep["initial_train"] != T.evaluate(net, trn, 16)["metrics"]
 
@@ -178,7 +177,7 @@ def test_a_non_finite_variant_fails_and_the_sweep_goes_on(tdata, tmp_path, monke
 
     monkeypatch.setattr(RefWork, "step", step)
     vs = [ModelVariant.parse("ddl"), ModelVariant("baseline")]
-    comp = T.train_variants(preset("tiny", **MODEL), vs, trn, val, tcfg(), tmp_path, REF)
+    comp = T.train_variants(tiny_cfg(n_layers=1), vs, trn, val, tcfg(), tmp_path, REF)
     ddl, base = comp["reports"]
     assert (
         ddl["status"] == "failed" and ddl["failure"]["step"] == 2 and "non-finite" in ddl["failure"]["reason"]
@@ -196,7 +195,7 @@ def test_a_non_finite_variant_fails_and_the_sweep_goes_on(tdata, tmp_path, monke
 
 def test_a_new_phase_after_a_warm_up_run_takes_every_training_option(tdata, tmp_path):
     trn, val = tdata
-    cfg = preset("tiny", **MODEL)
+    cfg = tiny_cfg(n_layers=1)
     T.train_variant(cfg, ModelVariant("baseline"), trn, val, tcfg(warmup_steps=3), tmp_path / "a", REF)
     over = {"beta1": 0.8, "beta2": 0.99, "epsilon": 1e-6, "eval_batches": 2, "weight_decay": 0.0}
     rep = T.resume(
@@ -212,7 +211,7 @@ def test_a_new_phase_after_a_warm_up_run_takes_every_training_option(tdata, tmp_
 
 def test_resume_checks_optimizer_state_and_the_best_model_kind(tdata, tmp_path):
     trn, val = tdata
-    cfg = preset("tiny", **MODEL)
+    cfg = tiny_cfg(n_layers=1)
     T.train_variant(cfg, ModelVariant("baseline"), trn, val, tcfg(), tmp_path / "a", REF)
     ck = T.load_checkpoint(tmp_path / "a" / T.CHECKPOINT)
     T.check_resume(ck, trn, val)

@@ -16,25 +16,19 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import random_model, tiny_cfg
 
 from ddl_ref import decode, mtp
 from ddl_ref import model as ref_model
 from ddl_ref.check import random_params
-from ddl_ref.config import ModelConfig, ModelVariant, MtpConfig
+from ddl_ref.config import ConfigError, ModelVariant, MtpConfig
 from ddl_wgpu import accept
 from ddl_wgpu.data import ByteTokenizer
-from ddl_wgpu.generate import GenerateError, RefEngine, Sampling, TextStream, distribution, generate, run
-from ddl_wgpu.modelfile import Model, save_model
-from ddl_wgpu.refnet import ref_runner
+from ddl_wgpu.generate import GenerateError, Sampling, TextStream, distribution, generate, run
+from ddl_wgpu.modelfile import save_model
+from ddl_wgpu.refnet import RefEngine, ref_runner
 
 VARIANTS = list(ModelVariant)
-
-
-def tiny_cfg(variant=ModelVariant.BASELINE, **kw) -> ModelConfig:
-    base = dict(vocab_size=13, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=6, ffn_hidden=10,
-                max_seq_len=12, ddl_conv_kernel=3)  # fmt: skip
-    base.update(kw)
-    return ModelVariant(variant).resolve_config(ModelConfig(**base))
 
 
 def pieces_logits(params, cfg, ids, cuts):
@@ -56,7 +50,7 @@ def pieces_logits(params, cfg, ids, cuts):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("qk_norm", ["post_rope", "pre_rope"])
 def test_cached_trunk_equals_forward(variant, qk_norm):
-    cfg = tiny_cfg(variant, qk_norm=qk_norm, tie_embeddings=variant != "ddl")
+    cfg = tiny_cfg("generate", variant, qk_norm=qk_norm, tie_embeddings=variant != "ddl")
     params = random_params(cfg, seed=3)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 11)
     want, _, _ = ref_model.forward(params, cfg, ids[None])
@@ -67,9 +61,30 @@ def test_cached_trunk_equals_forward(variant, qk_norm):
         np.testing.assert_allclose(pre, pre_want[0], rtol=0, atol=1e-10)
 
 
+# Qwen3.5's full attention: the sigmoid output gate and RoPE on 2 of the 6 dims of a head
+GATED = dict(attn_output_gate=True, rotary_dim=2, norm_style="offset", qk_norm="pre_rope")
+
+
+@pytest.mark.parametrize("variant", ["baseline", "ddl-tc"])
+def test_cached_gated_partial_rope_trunk_equals_forward(variant):
+    cfg = tiny_cfg("generate", variant, **GATED)
+    params = random_params(cfg, seed=3)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 11)
+    want, _, _ = ref_model.forward(params, cfg, ids[None])
+    for cuts in ([5, 6, 7, 8, 9, 10], [4]):
+        np.testing.assert_allclose(pieces_logits(params, cfg, ids, cuts)[1], want[0], rtol=0, atol=1e-10)
+
+
+def test_cache_refuses_a_hybrid_trunk():
+    cfg = tiny_cfg("generate", layer_types=("linear_attention", "full_attention"), linear_k_heads=1, linear_v_heads=2,
+                   linear_k_dim=3, linear_v_dim=3, **GATED)  # fmt: skip
+    with pytest.raises(ConfigError, match="hybrid trunk"):
+        decode.TrunkCache(cfg)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_rollback_then_other_tokens(variant):
-    cfg = tiny_cfg(variant)
+    cfg = tiny_cfg("generate", variant)
     params = random_params(cfg, seed=4)
     rng = np.random.default_rng(1)
     ids = rng.integers(0, cfg.vocab_size, 10)
@@ -86,19 +101,23 @@ def test_rollback_then_other_tokens(variant):
 
 
 def test_cache_capacity_refused():
-    cfg = tiny_cfg()
+    cfg = tiny_cfg("generate", "baseline")
     cache = decode.TrunkCache(cfg, capacity=4)
     with pytest.raises(ValueError, match="capacity"):
         decode.trunk_step(random_params(cfg), cfg, cache, np.arange(5))
 
 
-@pytest.mark.parametrize("variant", ["baseline", "ddl-tc"])
+@pytest.mark.parametrize(
+    "variant, extra", [("baseline", {}), ("ddl-tc", {}), ("baseline", GATED), ("ddl-tc", GATED)]
+)
 @pytest.mark.parametrize(
     "conv", [("emb_first", "pre_norm", "pre_norm"), ("hidden_first", "post_norm", "post_norm")]
 )
-def test_draft_rows_equal_draft_forward(variant, conv):
+def test_draft_rows_equal_draft_forward(variant, extra, conv):
     concat, th, ch = conv
-    cfg = tiny_cfg(variant, mtp=MtpConfig(concat=concat, trunk_hidden=th, chain_hidden=ch))
+    cfg = tiny_cfg(
+        "generate", variant, mtp=MtpConfig(concat=concat, trunk_hidden=th, chain_hidden=ch), **extra
+    )
     params = random_params(cfg, seed=5)
     T = 9
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, T)
@@ -137,12 +156,6 @@ def test_draft_rows_equal_draft_forward(variant, conv):
 # generation on the numpy backend
 
 
-def tiny_model(variant="baseline", vocab=5, seed=7, draft=True, **kw) -> Model:
-    cfg = tiny_cfg(variant, vocab_size=vocab, mtp=MtpConfig() if draft else None, **kw)
-    params = {k: v.astype(np.float32) for k, v in random_params(cfg, seed=seed).items()}
-    return Model(cfg=cfg, params=params, variant=str(variant))
-
-
 def gen(model, prompt, depth=0, sampling=Sampling(), max_new=20, stops=(), on_text=None):
     engine = RefEngine(model, depth)
     return run(
@@ -154,7 +167,9 @@ def gen(model, prompt, depth=0, sampling=Sampling(), max_new=20, stops=(), on_te
 def test_greedy_speculative_equals_plain(variant):
     kept = rejected = 0
     for seed in range(4):
-        model = tiny_model(variant, vocab=4, seed=seed, max_seq_len=24)
+        model = random_model(
+            tiny_cfg("generate", variant, vocab_size=4, max_seq_len=24, mtp=MtpConfig()), seed, variant
+        )
         plain = gen(model, [1, 2, 3], max_new=18)
         assert plain["new_tokens"] == 18 and plain["finish_reason"] == "length"
         for depth in (1, 2, 3):
@@ -167,7 +182,7 @@ def test_greedy_speculative_equals_plain(variant):
 
 
 def test_context_limit_stops_generation():
-    model = tiny_model(max_seq_len=10)
+    model = random_model(tiny_cfg("generate", "baseline", vocab_size=5, max_seq_len=10, mtp=MtpConfig()), 7)
     for depth in (0, 3):
         out = gen(model, [1, 2, 3, 4], depth=depth, max_new=50)
         assert out["finish_reason"] == "context" and out["new_tokens"] == 6
@@ -175,7 +190,7 @@ def test_context_limit_stops_generation():
 
 @pytest.mark.parametrize("variant", ["baseline", "ddl-cc"])
 def test_draft_proposals_equal_accept_stacked_chain(variant):
-    model = tiny_model(variant, vocab=13, seed=11, max_seq_len=16)
+    model = random_model(tiny_cfg("generate", variant, max_seq_len=16, mtp=MtpConfig()), 11, variant)
     ids = np.random.default_rng(3).integers(0, 13, 12)
     (tb,) = accept.trunk_batches(model, [ids])
     depth = 3
@@ -190,7 +205,7 @@ def test_draft_proposals_equal_accept_stacked_chain(variant):
 
 
 def test_sampling_reproducible_with_seed():
-    model = tiny_model(vocab=13)
+    model = random_model(tiny_cfg("generate", "baseline", mtp=MtpConfig()), 7)
     for depth in (0, 2):
         a = gen(model, [1, 2], depth=depth, sampling=Sampling(temperature=1.0, top_k=8, top_p=0.9, seed=5))
         b = gen(model, [1, 2], depth=depth, sampling=Sampling(temperature=1.0, top_k=8, top_p=0.9, seed=5))
@@ -225,7 +240,7 @@ def test_speculative_sampling_preserves_trunk_distribution():
     The same statistic rejects tokens drawn from the draft chain alone, so the test can fail (it does when
     drafts are always kept, or when a rejection draws from P instead of the residual)."""
     V = 3
-    model = tiny_model(vocab=V, seed=2, max_seq_len=8)
+    model = random_model(tiny_cfg("generate", "baseline", vocab_size=V, max_seq_len=8, mtp=MtpConfig()), 2)
     params64 = {k: v.astype(np.float64) for k, v in model.params.items()}
     prompt = [1, 2]
     s = Sampling(temperature=0.8)
@@ -253,7 +268,8 @@ def test_speculative_sampling_preserves_trunk_distribution():
 
 
 def byte_model(tmp_path, draft=True, seed=3):
-    model = tiny_model(vocab=256, seed=seed, draft=draft, max_seq_len=40)
+    cfg = tiny_cfg("generate", "baseline", vocab_size=256, max_seq_len=40, mtp=MtpConfig() if draft else None)
+    model = random_model(cfg, seed)
     path = tmp_path / ("m.ddlw" if draft else "nodraft.ddlw")
     save_model(path, model)
     return path
@@ -319,7 +335,10 @@ def test_model_tokenizer_is_used(tmp_path):
     vocab = {"[UNK]": 0, "hello": 1, "world": 2, "foo": 3, "bar": 4}
     spec = {"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
             "pre_tokenizer": {"type": "Whitespace"}}  # fmt: skip
-    model = dataclasses.replace(tiny_model(vocab=5, seed=4), tokenizer=json.dumps(spec).encode())
+    model = dataclasses.replace(
+        random_model(tiny_cfg("generate", "baseline", vocab_size=5, mtp=MtpConfig()), 4),
+        tokenizer=json.dumps(spec).encode(),
+    )
     out = generate(model, "hello world", max_new_tokens=6, backend="ref")
     assert out["prompt_tokens"] == 2 and out["new_tokens"] == 6
     words = [w for w, i in sorted(vocab.items(), key=lambda kv: kv[1])]

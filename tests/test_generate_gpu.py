@@ -8,30 +8,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import random_model, tiny_cfg
 
 from ddl_ref import model as ref_model
-from ddl_ref.check import check, random_params
-from ddl_ref.config import ModelConfig, ModelVariant, MtpConfig
+from ddl_ref.check import check
+from ddl_ref.config import ModelVariant, MtpConfig
 from ddl_wgpu.data import ByteTokenizer
 from ddl_wgpu.decode import WgpuEngine
-from ddl_wgpu.generate import RefEngine, Sampling, run
-from ddl_wgpu.modelfile import Model
+from ddl_wgpu.generate import Sampling, run
+from ddl_wgpu.refnet import RefEngine
 
 VARIANTS = list(ModelVariant)
 
 
-def small_model(variant, vocab=19, seed=5, draft=True, **kw):
-    """A two-layer model of `variant` with random (not initial) float32 weights."""
-    base = dict(vocab_size=vocab, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_hidden=24,
-                max_seq_len=24, ddl_conv_kernel=3, mtp=MtpConfig() if draft else None)  # fmt: skip
-    cfg = ModelVariant(variant).resolve_config(ModelConfig(**{**base, **kw}))
-    params = {k: v.astype(np.float32) for k, v in random_params(cfg, seed=seed).items()}
-    return Model(cfg=cfg, params=params, variant=str(variant))
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_decode_logits_equal_forward(gpu, variant):
-    model = small_model(variant, draft=False, qk_norm="pre_rope" if variant == "ddl" else "post_rope")
+    cfg = tiny_cfg("decode", variant, qk_norm="pre_rope" if variant == "ddl" else "post_rope")
+    model = random_model(cfg, 5, variant)
     ids = np.random.default_rng(4).integers(0, model.cfg.vocab_size, 12)
     want = ref_model.forward(
         {k: v.astype(np.float64) for k, v in model.params.items()}, model.cfg, ids[None]
@@ -54,7 +47,7 @@ def test_gpu_decode_logits_equal_forward(gpu, variant):
 
 @pytest.mark.parametrize("variant", ["baseline", "ddl-tc", "ddl-cc-noec"])
 def test_gpu_greedy_equals_numpy_with_and_without_speculation(gpu, variant):
-    model = small_model(variant, vocab=5, seed=1)
+    model = random_model(tiny_cfg("decode", variant, vocab_size=5, mtp=MtpConfig()), 1, variant)
     want = run(RefEngine(model), ByteTokenizer(), [1, 2, 3], 24, 14)["token_ids"]
     for depth in (0, 2, 3):
         out = run(WgpuEngine(gpu, model, depth), ByteTokenizer(), [1, 2, 3], 24, 14, depth=depth)
@@ -68,7 +61,9 @@ def test_gpu_greedy_equals_numpy_with_and_without_speculation(gpu, variant):
     "draft_ffn", [None, 40]
 )  # 40: a draft wider than its trunk (after compress --ffn-keep)
 def test_gpu_draft_proposals_equal_numpy(gpu, draft_ffn):
-    model = small_model("ddl-cc", vocab=13, seed=2, mtp=MtpConfig(ffn_hidden=draft_ffn))
+    model = random_model(
+        tiny_cfg("decode", "ddl-cc", vocab_size=13, mtp=MtpConfig(ffn_hidden=draft_ffn)), 2, "ddl-cc"
+    )
     ids = np.random.default_rng(5).integers(0, 13, 10)
     for head in ("argmax", "logits"):
         engines = [RefEngine(model, 3), WgpuEngine(gpu, model, 3)]
@@ -88,7 +83,7 @@ def test_gpu_draft_proposals_equal_numpy(gpu, draft_ffn):
 
 @pytest.mark.parametrize("top_k", [6, 0])  # k ids and probabilities read back / the logits
 def test_gpu_sampling_reproducible(gpu, top_k):
-    model = small_model("baseline", vocab=13, seed=3)
+    model = random_model(tiny_cfg("decode", "baseline", vocab_size=13, mtp=MtpConfig()), 3)
     s = Sampling(temperature=1.0, top_k=top_k, seed=11)
     a = run(WgpuEngine(gpu, model, 2), ByteTokenizer(), [1, 2], 24, 10, s, depth=2)
     b = run(WgpuEngine(gpu, model, 2), ByteTokenizer(), [1, 2], 24, 10, s, depth=2)

@@ -2,11 +2,13 @@
 adapter selection, uniforms, recording and timestamps."""
 
 import re
+import struct
 
 import numpy as np
 import pytest
 
 from ddl_wgpu import gpu as G
+from ddl_wgpu import selftest as st
 from ddl_wgpu.selftest import selftest
 
 
@@ -36,18 +38,18 @@ def test_small_kernel_against_numpy(gpu):
 def test_recorder_timestamps(gpu):
     if "timestamp-query" not in gpu.features:
         pytest.skip("adapter has no timestamp-query")
-    k = gpu.kernel("selftest.wgsl", "saxpy", "rwu")
+    k = gpu.kernel(st.FILE, "saxpy", "rwu", uniforms=(st.PARAMS,))
     x, y = gpu.upload(np.ones(1000, np.float32)), gpu.upload(np.zeros(1000, np.float32))
     rec = gpu.recorder(timestamps=True)
-    rec.dispatch(k, gpu.bind(k, x, y, gpu.uniform("uf", 1000, 3.0)), 16)
+    rec.dispatch(k, gpu.bind(k, x, y, gpu.uniform(st.PARAMS, n=1000, alpha=3.0)), 16)
     rec.submit()
     assert rec.elapsed_ms() >= 0.0
     assert np.all(gpu.download(y, np.float32, 1000) == 3.0)
 
 
 def test_pipeline_cache(gpu):
-    a = gpu.kernel("selftest.wgsl", "saxpy", "rwu")
-    b = gpu.kernel("selftest.wgsl", "saxpy", "rwu")
+    a = gpu.kernel(st.FILE, "saxpy", "rwu", uniforms=(st.PARAMS,))
+    b = gpu.kernel(st.FILE, "saxpy", "rwu", uniforms=(st.PARAMS,))
     assert a is b
 
 
@@ -77,7 +79,7 @@ def test_trusted_module_compiles_and_reports_errors(gpu, tmp_path, monkeypatch):
 
 def test_missing_entry_point_names_file_and_entry(gpu):
     with pytest.raises(G.KernelError, match=r"selftest\.wgsl:nope"):
-        gpu.kernel("selftest.wgsl", "nope", "rwu")
+        gpu.kernel(st.FILE, "nope", "rwu", uniforms=(st.PARAMS,))
 
 
 def test_missing_shader_file(gpu):
@@ -94,14 +96,15 @@ def test_unfilled_template_is_an_error(tmp_path):
 
 
 def test_bind_checks_signature(gpu):
-    k = gpu.kernel("selftest.wgsl", "saxpy", "rwu")
+    k = gpu.kernel(st.FILE, "saxpy", "rwu", uniforms=(st.PARAMS,))
     with pytest.raises(G.GpuError, match="signature"):
         gpu.bind(k, gpu.buffer(16))
 
 
 def test_pack_pads_to_16_bytes():
-    assert len(G.pack("uf", 1, 2.0)) == 16
-    assert len(G.pack("uuuuf", 1, 2, 3, 4, 5.0)) == 32
+    assert len(G.Uniform("A", ("a", "u32"), ("b", "f32")).pack(a=1, b=2.0)) == 16
+    five = G.Uniform("B", *[(f"u{i}", "u32") for i in range(4)], ("f", "f32"))
+    assert len(five.pack(u0=1, u1=2, u2=3, u3=4, f=5.0)) == 32
 
 
 def test_grid_splits_large_dispatches():
@@ -154,8 +157,11 @@ P = G.Uniform("P", ("n", "u32", "items"), ("alpha", "f32"), ("_pad", "pad"))
 
 def test_uniform_description_emits_the_struct_and_packs_by_name():
     assert P.wgsl() == "struct P {\n    n: u32,      // items\n    alpha: f32,\n    _pad: u32,\n}"
-    assert P.fmt == "ufu" and P.names == ("n", "alpha") and P.offset("alpha") == 4
-    assert P.pack(alpha=2.5, n=7) == G.pack("ufu", 7, 2.5, 0)
+    assert P.names == ("n", "alpha") and P.offset("alpha") == 4
+    assert P.pack(alpha=2.5, n=7) == struct.pack("<IfI", 7, 2.5, 0) + bytes(4)
+    assert P.pack_field("alpha", 0.5) == (4, struct.pack("<f", 0.5))
+    with pytest.raises(ValueError, match="no field '_pad'"):
+        P.offset("_pad")
     with pytest.raises(ValueError, match=r"missing fields \['alpha'\]"):
         P.pack(n=7)
     with pytest.raises(ValueError, match=r"unknown fields \['beta'\]"):
@@ -165,8 +171,10 @@ def test_uniform_description_emits_the_struct_and_packs_by_name():
 
 
 def test_uniform_buffers_take_fields_by_name(gpu):
-    with pytest.raises(G.GpuError, match="by name"):
-        gpu.uniform(P, 7, 2.5)
+    with pytest.raises(TypeError):
+        gpu.uniform(P, 7, 2.5)  # positional values have no path any more
+    with pytest.raises(G.GpuError, match="gpu.Uniform"):
+        gpu.uniform("uf", n=7, alpha=2.5)
     with pytest.raises(ValueError, match="missing"):
         gpu.uniform(P, n=7)
     buf = gpu.uniform(P, n=7, alpha=2.5)
@@ -174,16 +182,28 @@ def test_uniform_buffers_take_fields_by_name(gpu):
     gpu.write_uniform(buf, P, n=8, alpha=1.0)
     with pytest.raises(ValueError, match="unknown"):
         gpu.write_uniform(buf, P, n=8, alpha=1.0, beta=0.0)
+    with pytest.raises(ValueError, match="no field 'beta'"):
+        gpu.write_fields(buf, P, beta=0.0)
+
+
+def test_write_fields_rewrites_one_field_in_place(gpu):
+    """saxpy over the first n = 5 of 8 floats: after alpha alone is rewritten, n is still 5."""
+    k = gpu.kernel(st.FILE, "saxpy", "rwu", uniforms=(st.PARAMS,))
+    x, y = gpu.upload(np.ones(8, np.float32)), gpu.upload(np.zeros(8, np.float32))
+    u = gpu.uniform(st.PARAMS, n=5, alpha=2.0)
+    gpu.write_fields(u, st.PARAMS, alpha=-3.0)
+    gpu.run(k, [x, y, u], 1)
+    assert gpu.download(y, np.float32, 8).tolist() == [-3.0] * 5 + [0.0] * 3
 
 
 def test_every_shader_uniform_comes_from_a_description():
-    """No hand-written uniform struct is left in shaders/ (selftest.wgsl, the standalone smoke test of a fresh
-    machine, aside): each `var<uniform>` type is a `{{struct NAME}}` hole, and the family's launcher module
+    """No hand-written uniform struct is left in shaders/: each `var<uniform>` type is a `{{struct NAME}}`
+    hole, and the family's launcher module (`ddl_wgpu/selftest.py` for the smoke test of a fresh machine)
     declares exactly those structs as `Uniform`s."""
     import importlib
 
     for f in sorted(G.shader_dirs()[0].glob("*.wgsl")):
-        if f.name == "selftest.wgsl" or f.name.startswith("prelude_"):
+        if f.name.startswith("prelude_"):
             continue
         src = f.read_text()
         used = set(re.findall(r"var<uniform>\s+\w+\s*:\s*(\w+)", src))
@@ -192,7 +212,9 @@ def test_every_shader_uniform_comes_from_a_description():
         assert not re.search(r"^\s*struct\s+\w*Params\b", src, re.M), (
             f"{f.name}: a hand-written Params struct"
         )
-        module = importlib.import_module(f"ddl_wgpu.ops.{f.stem}")
+        module = importlib.import_module(
+            "ddl_wgpu.selftest" if f.stem == "selftest" else f"ddl_wgpu.ops.{f.stem}"
+        )
         declared = {v.name for v in vars(module).values() if isinstance(v, G.Uniform)}
         assert declared == holes, (f.name, declared, holes)
 

@@ -23,16 +23,12 @@ from ddl_wgpu.modelfile import Model, load_model, save_model
 
 
 @pytest.fixture
-def tiny_cfg(heal_kit):
-    return heal_kit.tiny_cfg
-
-
-@pytest.fixture
-def make_model(tiny_cfg):
-    """make_model(path, cfg=None, seed=0, dtype="f32"): a model at its init weights, saved to `path`."""
+def make_model(heal_kit):
+    """make_model(path, cfg=None, seed=0, dtype="f32"): a model at its init weights (of heal_kit's config
+    unless given), saved to `path`."""
 
     def make(path, cfg=None, seed=0, dtype="f32"):
-        cfg = cfg or tiny_cfg()
+        cfg = cfg or heal_kit.tiny_cfg()
         model = Model(cfg, init_params(cfg, seed), provenance={"train": {"seed": seed}})
         save_model(path, model, dtype=dtype)
         return path
@@ -103,9 +99,9 @@ def test_heal_keeps_f16_storage(tmp_path, make_model, make_text):
         assert {ck.info(n).dtype for n in ck.names()} == {"f16"}
 
 
-def test_heal_ddl_trunk_other_conventions_deterministic(tmp_path, tiny_cfg, make_model, make_text):
+def test_heal_ddl_trunk_other_conventions_deterministic(tmp_path, heal_kit, make_model, make_text):
     conv = MtpConfig(concat="hidden_first", trunk_hidden="post_norm", chain_hidden="post_norm")
-    cfg = tiny_cfg(residual="delta", ddl_dv=4, ddl_compressor="cc", ddl_expand_embed=True, mtp=conv)
+    cfg = heal_kit.tiny_cfg(residual="delta", ddl_dv=4, ddl_compressor="cc", ddl_expand_embed=True, mtp=conv)
     model = make_model(tmp_path / "m.ddlw", cfg=cfg)
     data = str(make_text(tmp_path / "t.txt"))
     run = dataclasses.replace(SMALL, chain=3, refresh=5)
@@ -139,8 +135,8 @@ def test_window_count_error_names_counts(tmp_path, make_model):
     assert not (tmp_path / "o.ddlw").exists() and leftovers(tmp_path) == []
 
 
-def test_model_without_draft_names_missing_tensor(tmp_path, tiny_cfg, make_model, make_text):
-    model = make_model(tmp_path / "m.ddlw", cfg=tiny_cfg(mtp=None))
+def test_model_without_draft_names_missing_tensor(tmp_path, heal_kit, make_model, make_text):
+    model = make_model(tmp_path / "m.ddlw", cfg=heal_kit.tiny_cfg(mtp=None))
     with pytest.raises(
         heal.HealError, match=r"carries no MTP draft \(missing tensor model\.mtp\.eh_proj\.weight\)"
     ):
@@ -360,8 +356,8 @@ def test_accept_file(files):
 # compress
 
 
-def test_drop_layers(tmp_path, tiny_cfg):
-    m = Model(tiny_cfg(n_layers=3), init_params(tiny_cfg(n_layers=3), 0))
+def test_drop_layers(tmp_path, heal_kit):
+    m = Model(heal_kit.tiny_cfg(n_layers=3), init_params(heal_kit.tiny_cfg(n_layers=3), 0))
     c = compress.drop_layers(m, [1])
     assert c.cfg.n_layers == 2
     np.testing.assert_array_equal(c.params["model.layers.1.mlp.up_proj.weight"],
@@ -375,8 +371,8 @@ def test_drop_layers(tmp_path, tiny_cfg):
         compress.drop_layers(m, [0, 1, 2])
 
 
-def test_ffn_keep_by_importance(tmp_path, tiny_cfg, make_model):
-    cfg = tiny_cfg()
+def test_ffn_keep_by_importance(tmp_path, heal_kit, make_model):
+    cfg = heal_kit.tiny_cfg()
     params = init_params(cfg, 0)
     p = "model.layers.0."
     params[p + "mlp.down_proj.weight"][:, [3, 7, 11]] *= 100.0  # the three most important channels

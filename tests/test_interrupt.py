@@ -21,17 +21,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
-from ddl_ref.config import ModelVariant, preset
+from ddl_ref.config import ModelVariant
 from ddl_wgpu import train as T
 from ddl_wgpu.data import ByteTokenizer, load_datasets
 from ddl_wgpu.run import DeferredInterrupt
 from ddl_wgpu.train import RunOptions, TrainingConfig, TrainingInterrupted
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = dict(vocab_size=256, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=24,
-             max_seq_len=32)  # fmt: skip
-CFG = preset("tiny", **MODEL)
+CFG = tiny_cfg(n_layers=1)
 BASELINE = ModelVariant("baseline")
 TCFG = TrainingConfig(max_steps=10, eval_interval=3, learning_rate=1e-2, min_learning_rate=1e-3, warmup_steps=2,
                       batch_size=2, seq_len=16, eval_batches=2, seed=0)  # fmt: skip

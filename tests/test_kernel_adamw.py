@@ -46,7 +46,7 @@ def test_adamw_three_steps_with_clip_decay_and_skip(gpu, rng):
         ref_optim.adamw_step(params, g32, state, lr, step, grad_multiplier=mult, **hp)
         gpu.write(views["g"][0][0][0], f32(g["a"]), views["g"][0][0][1])
         gpu.write(views["g"][1][0][0], f32(g["b"]), views["g"][1][0][1])
-        gpu.write_uniform(hyper, adamw_ops.ADAMW_FMT, *adamw_ops.adamw_uniform_values(lr, step, **hp))
+        gpu.write_uniform(hyper, adamw_ops.ADAMW, **adamw_ops.adamw_fields(lr, step, **hp))
         step_call.run(gpu)
         assert (mult < 1.0) == (step == 1)  # step 1 is clipped, the others are not
 
@@ -64,7 +64,7 @@ def test_adamw_three_steps_with_clip_decay_and_skip(gpu, rng):
     bad = f32(grads[0]["b"])
     bad[5] = np.nan
     gpu.write(views["g"][1][0][0], bad, views["g"][1][0][1])
-    gpu.write_uniform(hyper, adamw_ops.ADAMW_FMT, *adamw_ops.adamw_uniform_values(1e-2, 4, **hp))
+    gpu.write_uniform(hyper, adamw_ops.ADAMW, **adamw_ops.adamw_fields(1e-2, 4, **hp))
     step_call.run(gpu)
     assert gpu.download(scalars, np.float32, 4)[2] == 0.0
     after = [get(k, i) for k in ("p", "m", "v") for i in range(2)]
@@ -76,7 +76,7 @@ def test_adamw_owned_uniform_and_determinism(gpu, rng):
     n = 300
     p, g = f32(rng.normal(size=n)), f32(rng.normal(size=n))
     scalars = gpu.upload(f32([0.0, 0.5, 1.0, 0.0]))  # multiplier 0.5, finite
-    vals = adamw_ops.adamw_uniform_values(1e-3, 1, 0.9, 0.999, 1e-8, 0.0)
+    vals = adamw_ops.adamw_fields(1e-3, 1, 0.9, 0.999, 1e-8, 0.0)
 
     def once():
         bufs = [gpu.upload(a) for a in (p, g, np.zeros(n, np.float32), np.zeros(n, np.float32))]

@@ -3,18 +3,14 @@
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.check import check, f64
-from ddl_ref.config import ModelConfig, MtpConfig
+from ddl_ref.config import MtpConfig
 from ddl_wgpu.ops import mtp_input
 
 f32 = np.float32
-
-
-def _cfg(C: int, concat: str, style: str) -> ModelConfig:
-    return ModelConfig(vocab_size=64, d_model=C, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=C,
-                       ffn_hidden=8, max_seq_len=32, norm_style=style, mtp=MtpConfig(concat=concat))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -23,7 +19,8 @@ def _cfg(C: int, concat: str, style: str) -> ModelConfig:
 )  # C 300: more channels than invocations (two per thread); S 3: the last T rows of a stacked forward
 def test_mtp_input_rows(gpu, rng, C, concat, style, S):
     B, T = 3, 5
-    cfg = _cfg(C, concat, style)
+    cfg = tiny_cfg(vocab_size=64, d_model=C, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=C, ffn_hidden=8,
+                   norm_style=style, mtp=MtpConfig(concat=concat))  # fmt: skip
     e = rng.standard_normal((B, T, C)).astype(f32)
     h = (3.0 * rng.standard_normal((B, S * T, C))).astype(f32)
     h[1, -1] = np.nan  # a masked row may hold anything: its output is still zero

@@ -39,9 +39,7 @@ def test_grad_norm_and_clip(gpu, rng):
 
     # the clip threshold is in the finalize uniform, rewritable per run
     call, scalars, _ = grad_norm(gpu, arrays, 2.0 * norm)
-    gpu.write_uniform(
-        call.uniforms[-1], red_ops.FINALIZE_FMT, red_ops.total_partials([1001, 37, 5003]), 0.25 * norm, 0, 0
-    )
+    gpu.write_fields(call.uniforms[-1], red_ops.FINALIZE, clip=0.25 * norm)
     call.run(gpu)
     check("rewritten clip", gpu.download(scalars, np.float32, 4)[1], np.float64(0.25), "loss")
 

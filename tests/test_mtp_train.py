@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
 from ddl_ref import model as rm
 from ddl_ref.check import check, numeric_grad, random_params, rel_error
-from ddl_ref.config import ModelConfig, MtpConfig, preset
+from ddl_ref.config import MtpConfig
 from ddl_ref.params import init_params
-
-
-def small_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=13, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=6, ffn_hidden=10,
-                max_seq_len=8, mtp=MtpConfig())  # fmt: skip
-    base.update(kw)
-    return ModelConfig(**base)
 
 
 @pytest.mark.parametrize(
@@ -29,7 +23,7 @@ def small_cfg(**kw) -> ModelConfig:
     ids=["emb_first-pre-tied", "hidden_first-post-untied"],
 )
 def test_joint_loss_gradients_finite_differences(conv, tie):
-    cfg = small_cfg(mtp=conv, tie_embeddings=tie, qk_norm="pre_rope")
+    cfg = tiny_cfg("mtp", n_layers=1, mtp=conv, tie_embeddings=tie, qk_norm="pre_rope")
     p = random_params(cfg, 1)
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 6))
     lengths = np.array([6, 4])
@@ -50,11 +44,11 @@ def test_joint_loss_gradients_finite_differences(conv, tie):
 
 
 def test_without_weight_the_draft_is_ignored():
-    cfg = small_cfg()
+    cfg = tiny_cfg("mtp", n_layers=1)
     p = random_params(cfg)
     ids = np.random.default_rng(0).integers(0, 13, (2, 6))
     a = rm.forward(p, cfg, ids)[1]
-    b = rm.forward(p, small_cfg(mtp=None), ids)[1]
+    b = rm.forward(p, tiny_cfg("mtp", n_layers=1, mtp=None), ids)[1]
     _, c, cache = rm.forward(p, cfg, ids, mtp_weight=0.0)
     assert a == b == c == cache["loss_main"] and cache["loss_mtp"] > 0
 
@@ -65,13 +59,6 @@ def test_without_weight_the_draft_is_ignored():
 
 B, T = 3, 11
 LENGTHS = np.array([11, 7, 2])  # a full row, a padded row, a row the draft cannot use
-
-
-def tiny(**kw):
-    base = dict(vocab_size=61, d_model=24, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=6, ffn_hidden=40,
-                max_seq_len=32, mtp=MtpConfig())  # fmt: skip
-    base.update(kw)
-    return preset("tiny", **base)
 
 
 CASES = [
@@ -88,15 +75,16 @@ CASES = [
 @pytest.mark.parametrize("kw", CASES, ids=["baseline-tied", "hidden_first-post-untied", "ddl-cc-offset"])
 def test_engine_joint_step_matches_reference(gpu, kw):
     from ddl_wgpu.net import Net
+    from ddl_wgpu.trunk import TrunkWork
 
-    cfg = tiny(**kw)
+    cfg = tiny_cfg("engine", **{"mtp": MtpConfig(), **kw})
     p = init_params(cfg, 3)
     rng = np.random.default_rng(5)  # non-trivial draft norms and projection
     p = {
         n: (a + 0.1 * rng.standard_normal(a.shape).astype(np.float32)) if "mtp" in n else a
         for n, a in p.items()
     }
-    net = Net(gpu, cfg, p, mtp_weight=0.3)
+    net = Net(gpu, cfg, p, mtp_weight=0.3, work_class=TrunkWork)
     work = net.work(B, T)
     ids = np.random.default_rng(0).integers(0, 61, (B, T))
     res = work.step(ids, LENGTHS)
@@ -122,9 +110,10 @@ def test_engine_refuses_joint_training_of_a_draft_of_its_own_width(gpu):
     a trunk block, so it says so instead of reading the draft's weights at the wrong shape."""
     from ddl_wgpu.gpu import GpuError
     from ddl_wgpu.net import Net
+    from ddl_wgpu.trunk import TrunkWork
 
-    cfg = tiny(mtp=MtpConfig(ffn_hidden=56))
-    net = Net(gpu, cfg, init_params(cfg, 3), mtp_weight=0.3)
+    cfg = tiny_cfg("engine", mtp=MtpConfig(ffn_hidden=56))
+    net = Net(gpu, cfg, init_params(cfg, 3), mtp_weight=0.3, work_class=TrunkWork)
     with pytest.raises(GpuError, match=r"draft's SwiGLU width \(56\) to equal the trunk's"):
         net.work(B, T)
 
@@ -133,10 +122,11 @@ def test_engine_and_refnet_joint_adamw_steps_agree(gpu):
     from ddl_wgpu.net import Net
     from ddl_wgpu.refnet import RefNet
     from ddl_wgpu.step import AdamW
+    from ddl_wgpu.trunk import TrunkWork
 
-    cfg = tiny()
+    cfg = tiny_cfg("engine", mtp=MtpConfig())
     p0 = init_params(cfg, 7)
-    nets = [Net(gpu, cfg, p0, mtp_weight=0.5), RefNet(cfg, p0, mtp_weight=0.5)]
+    nets = [Net(gpu, cfg, p0, mtp_weight=0.5, work_class=TrunkWork), RefNet(cfg, p0, mtp_weight=0.5)]
     out = [[], []]
     for s in range(3):
         ids = np.random.default_rng(s).integers(0, 61, (B, T))

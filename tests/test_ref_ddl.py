@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
 from ddl_ref import delta, model, shortconv
 from ddl_ref.check import assert_grad_close, check_grad, numeric_grad, random_params
@@ -16,13 +17,6 @@ from ddl_ref.params import init_params, num_params, param_table
 from ddl_ref.spectral import DeltaRegime, SpectralAccumulator, beta_histogram, spectral_snapshot
 
 DDL_VARIANTS = [v for v in ModelVariant if v.uses_ddl]
-
-
-def tiny_cfg(variant: ModelVariant = ModelVariant.DDL, **kw) -> ModelConfig:
-    base = dict(vocab_size=11, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=6, ffn_hidden=10,
-                max_seq_len=8)  # fmt: skip
-    base.update(kw)
-    return variant.resolve_config(ModelConfig(**base))
 
 
 def delta_inputs(rng, lead, C, dv):
@@ -103,7 +97,7 @@ def test_identity_inits():
     B, T, C, dv = 2, 5, 3, 4
     e = rng.standard_normal((B, T, C))
     for variant in (ModelVariant.DDL_TC, ModelVariant.DDL_CC):
-        cfg = tiny_cfg(variant, d_model=C)
+        cfg = tiny_cfg("numpy", variant, d_model=C)
         p = init_params(cfg, 0, np.float64)
         # EC at init repeats the embedding d_v times.
         X0 = shortconv.ec_forward(e, p["model.embed_expand.conv.weight"])[0]
@@ -178,7 +172,7 @@ def test_error_contraction():
 
 @pytest.mark.parametrize("variant", DDL_VARIANTS, ids=lambda v: v.slug)
 def test_model_gradients_match_finite_differences(variant):
-    cfg = tiny_cfg(variant)
+    cfg = tiny_cfg("numpy", variant)
     params = random_params(cfg)
     rng = np.random.default_rng(1)
     ids = rng.integers(0, cfg.vocab_size, size=(2, 5))
@@ -230,9 +224,9 @@ def test_d_v4_variants_agree_at_init():
 
 def test_param_table_per_variant():
     C, dv, k = 8, 4, 4
-    base = {s.name for s in param_table(tiny_cfg(ModelVariant.BASELINE))}
+    base = {s.name for s in param_table(tiny_cfg("numpy", ModelVariant.BASELINE))}
     for v in ModelVariant:
-        cfg = tiny_cfg(v)
+        cfg = tiny_cfg("numpy", v)
         table = {s.name: s for s in param_table(cfg)}
         assert base <= set(table)
         extra = {n: s.shape for n, s in table.items() if n not in base}
@@ -300,7 +294,7 @@ def test_param_counts():
 
 
 def _const_beta_cfg_params(variant, beta):
-    cfg = tiny_cfg(variant)
+    cfg = tiny_cfg("numpy", variant)
     params = random_params(cfg)
     for n in params:
         if "beta_proj.weight" in n:
@@ -346,11 +340,11 @@ def test_spectral_snapshot_constant_beta(variant):
 
 
 def test_spectral_none_for_baseline_and_k_coherence_extremes():
-    cfg = tiny_cfg(ModelVariant.BASELINE)
+    cfg = tiny_cfg("numpy", ModelVariant.BASELINE)
     _, _, cache = model.forward(random_params(cfg), cfg, np.zeros((1, 3), dtype=int), spectral=True)
     assert cache["spectral"] is None
     # Hand-built caches: one direction for every token -> coherence 1; opposite directions -> 0.
-    cfg = tiny_cfg(ModelVariant.DDL, d_model=4, n_layers=1)
+    cfg = tiny_cfg("numpy", ModelVariant.DDL, d_model=4, n_layers=1)
     k_same = np.tile(np.array([0.0, 1.0, 0.0, 0.0]), (1, 2, 1))
     k_opp = np.array([[[1.0, 0, 0, 0], [-1.0, 0, 0, 0]]])
     beta = np.full((1, 2), 0.3)

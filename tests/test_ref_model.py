@@ -10,28 +10,13 @@ import math
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
 from ddl_ref import model, ops
 from ddl_ref.check import assert_grad_close, numeric_grad, random_params
 from ddl_ref.config import PRESETS, ConfigError, ModelConfig, ModelVariant, MtpConfig, parse_variants, preset
 from ddl_ref.optim import CosineWarmupSchedule, adamw_step, clip_multiplier, global_grad_norm
 from ddl_ref.params import init_params, num_params, param_table
-
-
-def tiny_cfg(**kw) -> ModelConfig:
-    base = dict(
-        vocab_size=11,
-        d_model=8,
-        n_layers=2,
-        n_heads=2,
-        n_kv_heads=1,
-        head_dim=6,
-        ffn_hidden=10,
-        max_seq_len=8,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
-
 
 # ----------------------------------------------------------------------------------------------------------
 # model
@@ -41,7 +26,7 @@ def tiny_cfg(**kw) -> ModelConfig:
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("qk_norm", ["none", "pre_rope", "post_rope"])
 def test_model_gradients_match_finite_differences(qk_norm, tied, norm_style):
-    cfg = tiny_cfg(qk_norm=qk_norm, tie_embeddings=tied, norm_style=norm_style)
+    cfg = tiny_cfg("numpy", qk_norm=qk_norm, tie_embeddings=tied, norm_style=norm_style)
     params = random_params(cfg)
     rng = np.random.default_rng(1)
     ids = rng.integers(0, cfg.vocab_size, size=(2, 5))
@@ -56,7 +41,7 @@ def test_model_gradients_match_finite_differences(qk_norm, tied, norm_style):
 
 
 def test_forward_shapes_loss_and_hidden_states():
-    cfg = tiny_cfg()
+    cfg = tiny_cfg("numpy")
     params = random_params(cfg)
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(3, 7))
     logits, loss, _ = model.forward(params, cfg, ids)
@@ -69,7 +54,7 @@ def test_forward_shapes_loss_and_hidden_states():
 
 
 def test_model_is_causal():
-    cfg = tiny_cfg()
+    cfg = tiny_cfg("numpy")
     params = random_params(cfg)
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, size=(1, 6))
     logits, _, _ = model.forward(params, cfg, ids)
@@ -101,13 +86,13 @@ def test_init_loss_near_log_vocab_and_float32_matches_float64():
 
 def test_delta_residual_runs():
     # The Deep Delta residual is implemented now; its own tests are in tests/test_ref_ddl.py.
-    cfg = tiny_cfg(residual="delta")
+    cfg = tiny_cfg("numpy", residual="delta")
     _, loss, cache = model.forward(random_params(cfg), cfg, np.zeros((1, 3), dtype=int))
     assert np.isfinite(loss) and len(cache["blocks"]) == cfg.n_layers
 
 
 def test_sequence_longer_than_max_seq_len():
-    cfg = tiny_cfg(max_seq_len=4)
+    cfg = tiny_cfg("numpy", max_seq_len=4)
     with pytest.raises(ValueError, match="exceeds max_seq_len 4"):
         model.forward(random_params(cfg), cfg, np.zeros((1, 5), dtype=int))
 
@@ -117,7 +102,7 @@ def test_sequence_longer_than_max_seq_len():
 
 
 def test_param_table_names_and_shapes():
-    cfg = tiny_cfg(qk_norm="pre_rope", tie_embeddings=False)
+    cfg = tiny_cfg("numpy", qk_norm="pre_rope", tie_embeddings=False)
     table = {s.name: s.shape for s in param_table(cfg)}
     assert table["model.embed_tokens.weight"] == (11, 8)
     assert table["model.layers.1.self_attn.q_proj.weight"] == (12, 8)  # H*D = 2*6, != d_model
@@ -127,7 +112,7 @@ def test_param_table_names_and_shapes():
     assert table["model.layers.0.mlp.down_proj.weight"] == (8, 10)
     assert table["lm_head.weight"] == (11, 8)
     assert len(table) == 1 + 2 * 11 + 1 + 1
-    no_qk = {s.name for s in param_table(tiny_cfg(qk_norm="none"))}
+    no_qk = {s.name for s in param_table(tiny_cfg("numpy", qk_norm="none"))}
     assert not any("q_norm" in n or "k_norm" in n for n in no_qk)
     assert "lm_head.weight" not in no_qk
     assert all(s.decay for s in param_table(cfg))
@@ -281,3 +266,183 @@ def test_cosine_warmup_schedule():
         CosineWarmupSchedule(1.0, 0.1, 7, 6)
     with pytest.raises(ValueError, match="min_learning_rate cannot exceed base_learning_rate"):
         CosineWarmupSchedule(0.1, 1.0, 2, 6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# hybrid trunks (Qwen3.5): Gated DeltaNet and gated full attention with partial RoPE
+
+
+TWO_BLOCKS = dict(n_layers=2, layer_types=("linear_attention", "full_attention"))  # the cheaper checks
+
+
+def hybrid_cfg(**kw) -> ModelConfig:
+    """Three blocks linear / full / linear, the output gate, RoPE on 2 of 6 head dims, Hv = 2·Hk, Dk != Dv."""
+    base = dict(layer_types=("linear_attention", "full_attention", "linear_attention"), n_layers=3,
+                attn_output_gate=True, rotary_dim=2, linear_k_heads=1, linear_v_heads=2, linear_k_dim=3,
+                linear_v_dim=4, linear_conv_kernel=3, norm_style="offset", qk_norm="pre_rope")  # fmt: skip
+    base.update(kw)
+    return tiny_cfg(**base)
+
+
+def assert_model_grads(cfg, mtp_weight=None, seed=0):
+    params = random_params(cfg, seed=seed)
+    ids = np.random.default_rng(seed + 1).integers(0, cfg.vocab_size, size=(2, 6))
+    lengths = np.array([6, 4])  # the second row is padded
+    _, _, cache = model.forward(params, cfg, ids, lengths, mtp_weight=mtp_weight)
+    grads = model.backward(params, cfg, cache)
+    assert list(grads) == [s.name for s in param_table(cfg)]
+    for name, p in params.items():
+        num = numeric_grad(lambda: model.forward(params, cfg, ids, lengths, mtp_weight=mtp_weight)[1], p)
+        assert_grad_close(name, grads[name], num)
+        assert np.any(grads[name] != 0.0), f"{name}: gradient is identically zero"
+
+
+@pytest.mark.parametrize(
+    "tied, overrides",
+    [
+        (True, {}),
+        (False, {}),
+        (False, {"qk_norm": "post_rope", "norm_style": "standard", "rotary_dim": None}),
+    ],
+)
+def test_hybrid_model_gradients_match_finite_differences(tied, overrides):
+    assert_model_grads(hybrid_cfg(tie_embeddings=tied, **overrides))
+
+
+@pytest.mark.parametrize("variant", ["ddl", "ddl-tc", "ddl-cc-noec"])
+def test_ddl_on_a_hybrid_trunk_gradients(variant):
+    # The mixer's output is the Deep Delta sublayer output u, whichever mixer it is. rms_eps 1e-3: a Gated
+    # DeltaNet output of RMS ~3e-3 meets the gated norm's sqrt(mean(o²) + eps), which at 1e-5 bends too
+    # sharply for central differences at 1e-6 once DDL's u/|u| sits behind it (the error then shrinks as
+    # eps², as a correct gradient's does); the function and its backward are the same at any eps.
+    assert_model_grads(ModelVariant(variant).resolve_config(hybrid_cfg(rms_eps=1e-3, **TWO_BLOCKS)))
+
+
+def test_spectral_diagnostics_on_a_hybrid_ddl_trunk():
+    # DDL's diagnostics read the delta updates only: one entry per sublayer, whichever mixer fed it
+    cfg = ModelVariant("ddl-tc").resolve_config(hybrid_cfg())
+    _, _, cache = model.forward(random_params(cfg), cfg, np.zeros((1, 4), dtype=int), spectral=True)
+    assert len(cache["spectral"]["beta_per_layer"]) == 2 * cfg.n_layers
+    base = hybrid_cfg()
+    _, _, cache = model.forward(random_params(base), base, np.zeros((1, 4), dtype=int), spectral=True)
+    assert cache["spectral"] is None  # a baseline hybrid has none
+
+
+def test_hybrid_with_mtp_draft_gradients():
+    # trunk block 0 is linear; the draft block is full attention with the trunk's gate and partial RoPE
+    cfg = hybrid_cfg(mtp=MtpConfig(), tie_embeddings=False, **TWO_BLOCKS)
+    names = {s.name for s in param_table(cfg)}
+    assert (
+        "model.mtp.layers.0.self_attn.q_proj.weight" in names
+        and "model.layers.0.self_attn.o_proj.weight" not in names
+    )
+    assert_model_grads(cfg, mtp_weight=0.3, seed=3)
+
+
+def test_hybrid_forward_is_causal_and_float32_matches_float64():
+    cfg = hybrid_cfg()
+    p64 = random_params(cfg, seed=4)
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, size=(2, 7))
+    logits, _, _ = model.forward(p64, cfg, ids)
+    ids2 = ids.copy()
+    ids2[:, 4] = (ids2[:, 4] + 1) % cfg.vocab_size
+    logits2, _, _ = model.forward(p64, cfg, ids2)
+    np.testing.assert_array_equal(logits[:, :4], logits2[:, :4])
+    assert not np.allclose(logits[:, 4:], logits2[:, 4:])
+    l32, _, _ = model.forward({k: v.astype(np.float32) for k, v in p64.items()}, cfg, ids)
+    assert l32.dtype == np.float32
+    np.testing.assert_allclose(l32, logits, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# against transformers' Qwen3_5ForCausalLM: loss and the gradient of every parameter
+
+
+def _torch_transformers():
+    """torch and transformers; a failure (not a skip) without them: the reference must be compared with HF."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        pytest.fail(f"{e}: the parity tests need the `test` extra (pip install -e '.[test]')")
+    return torch, transformers
+
+
+# rms_norm_eps 1e-4, not Qwen3.5's 1e-6: transformers computes its norms and the delta rule in float32 even in a
+# float64 model, and a head whose output is near zero has that rounding amplified by its gated norm to ~1e-4 of
+# a gradient at eps 1e-6 (with transformers' float32 casts patched to float64 the gap is ~3e-6); at 1e-4 its
+# float32 noise stays under 2e-5, so the 1e-4 bound below keeps a margin and a real mismatch (> 1e-2) shows.
+QWEN35 = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=6,
+              linear_value_head_dim=5, linear_conv_kernel_dim=4, rms_norm_eps=1e-3, max_position_embeddings=32)  # fmt: skip
+QWEN35_LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+
+
+def _our_qwen35_config(prf: float, tied: bool) -> ModelConfig:
+    """What `import-hf` will make of the config above: head_dim 16 != 32 / 4, GQA, Hv = 2·Hk, Dk != Dv."""
+    q = QWEN35
+    return ModelConfig(vocab_size=q["vocab_size"], d_model=q["hidden_size"], n_layers=len(QWEN35_LAYERS),
+                       n_heads=q["num_attention_heads"], n_kv_heads=q["num_key_value_heads"], head_dim=q["head_dim"],
+                       ffn_hidden=q["intermediate_size"], max_seq_len=q["max_position_embeddings"],
+                       rope_theta=10000.0, rms_eps=q["rms_norm_eps"], tie_embeddings=tied, norm_style="offset",
+                       qk_norm="pre_rope", layer_types=tuple(QWEN35_LAYERS), attn_output_gate=True,
+                       rotary_dim=int(q["head_dim"] * prf), linear_k_heads=q["linear_num_key_heads"],
+                       linear_v_heads=q["linear_num_value_heads"], linear_k_dim=q["linear_key_head_dim"],
+                       linear_v_dim=q["linear_value_head_dim"], linear_conv_kernel=q["linear_conv_kernel_dim"])  # fmt: skip
+
+
+def _hf_qwen35(torch, transformers, prf: float, tied: bool, dtype, seed: int = 0):
+    config = transformers.Qwen3_5TextConfig(
+        **QWEN35, num_hidden_layers=len(QWEN35_LAYERS), layer_types=QWEN35_LAYERS, tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": prf},
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3_5ForCausalLM(config).to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    # random values everywhere (the zero-centred norms off 0, the gated norm off 1, A_log, dt_bias, the conv),
+    # at scales that keep every path active, so a misplaced weight shows up in the loss or a gradient
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            r = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            if name.endswith("linear_attn.norm.weight"):
+                v = 1.0 + 0.3 * r
+            elif p.ndim == 1:  # (1+w) norms, A_log, dt_bias
+                v = 0.3 * r
+            elif name.endswith("conv1d.weight"):
+                v = 0.5 * r
+            else:
+                v = r / math.sqrt(p.shape[1])
+            p.copy_(v.to(dtype))
+    return hf
+
+
+@pytest.mark.parametrize("prf, tied, dtype", [(0.25, True, "float64"), (0.25, False, "float64"),
+                                              (0.5, True, "float64"), (0.5, False, "float32")])  # fmt: skip
+def test_hybrid_matches_transformers_loss_and_gradients(prf, tied, dtype):
+    torch, transformers = _torch_transformers()
+    hf = _hf_qwen35(torch, transformers, prf, tied, getattr(torch, dtype))
+    cfg = _our_qwen35_config(prf, tied)
+    sd = hf.state_dict()
+    params = {}
+    for s in param_table(cfg):  # identical names; the conv drops PyTorch's in-channel axis
+        t = sd[s.name].double().numpy()
+        params[s.name] = t[:, 0, :] if s.name.endswith("conv1d.weight") else t
+        assert params[s.name].shape == s.shape, s.name
+    ids = np.random.default_rng(7).integers(0, cfg.vocab_size, size=(3, 11))
+    lengths = np.array([11, 7, 2])  # right padding; torch gets the mask and -100 labels there
+    real = np.arange(11)[None, :] < lengths[:, None]
+    out = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(real.astype(np.int64)),
+             labels=torch.tensor(np.where(real, ids, -100)))  # fmt: skip
+    out.loss.backward()
+    logits, loss, cache = model.forward(params, cfg, ids, lengths)
+    grads = model.backward(params, cfg, cache)
+    assert abs(loss - out.loss.item()) <= 1e-4 * abs(loss), (loss, out.loss.item())
+    hf_logits = out.logits.detach().double().numpy()
+    assert np.max(np.abs(logits - hf_logits)[real]) <= 1e-4 * np.max(np.abs(hf_logits[real]))
+    hf_params = dict(hf.named_parameters())
+    assert set(grads) == set(hf_params)  # a tied lm_head is the embedding in both
+    for name, g in grads.items():
+        want = hf_params[name].grad.double().numpy()
+        want = want[:, 0, :] if name.endswith("conv1d.weight") else want
+        rel = np.max(np.abs(g - want)) / np.max(np.abs(want))
+        assert rel <= 1e-4, f"{name}: gradient off by {rel:.2e} of its max"

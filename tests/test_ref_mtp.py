@@ -11,20 +11,13 @@ import math
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
 from ddl_ref import model as ref_model
 from ddl_ref import mtp, ops
 from ddl_ref.check import assert_grad_close, check_grad, fakeloss, numeric_grad, random_params
-from ddl_ref.config import ModelConfig, MtpConfig
+from ddl_ref.config import MtpConfig
 from ddl_ref.params import init_params, param_table
-
-
-def tiny_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=13, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=6, ffn_hidden=10,
-                max_seq_len=8, mtp=MtpConfig())  # fmt: skip
-    base.update(kw)
-    return ModelConfig(**base)
-
 
 # ----------------------------------------------------------------------------------------------------------
 # parameter table
@@ -32,9 +25,9 @@ def tiny_cfg(**kw) -> ModelConfig:
 
 @pytest.mark.parametrize("qk_norm", ["none", "pre_rope"])
 def test_param_table_mtp_entries(qk_norm):
-    cfg = tiny_cfg(qk_norm=qk_norm, norm_style="offset")
+    cfg = tiny_cfg("mtp", qk_norm=qk_norm, norm_style="offset")
     table = {s.name: s for s in param_table(cfg)}
-    base = [s.name for s in param_table(tiny_cfg(qk_norm=qk_norm, norm_style="offset", mtp=None))]
+    base = [s.name for s in param_table(tiny_cfg("mtp", qk_norm=qk_norm, norm_style="offset", mtp=None))]
     names = list(table)
     assert names[: len(base)] == base  # the trunk's layout never moves
     extra = names[len(base) :]
@@ -61,7 +54,7 @@ def test_param_table_mtp_entries(qk_norm):
 @pytest.mark.parametrize("concat", ["emb_first", "hidden_first"])
 @pytest.mark.parametrize("norm_style", ["standard", "offset"])
 def test_draft_input_grad(concat, norm_style):
-    cfg = tiny_cfg(mtp=MtpConfig(concat=concat), norm_style=norm_style)
+    cfg = tiny_cfg("mtp", mtp=MtpConfig(concat=concat), norm_style=norm_style)
     rng = np.random.default_rng(1)
     C = cfg.d_model
     inputs = [rng.standard_normal((2, 3, C)), rng.standard_normal((2, 3, C)), rng.standard_normal(C),
@@ -80,7 +73,10 @@ def test_draft_input_grad(concat, norm_style):
 def test_draft_block_grad(qk_norm):
     # A DDL trunk: the draft block must still be a baseline block.
     cfg = tiny_cfg(
-        qk_norm=qk_norm, residual="delta", norm_style="offset" if qk_norm == "none" else "standard"
+        "mtp",
+        qk_norm=qk_norm,
+        residual="delta",
+        norm_style="offset" if qk_norm == "none" else "standard",
     )
     params = random_params(cfg, 2)
     rng = np.random.default_rng(3)
@@ -103,7 +99,7 @@ def test_draft_block_grad(qk_norm):
 @pytest.mark.parametrize("form", ["full", "topk"])
 @pytest.mark.parametrize("tie", [True, False])
 def test_topk_kl_through_draft_grad(tie, form):
-    cfg = tiny_cfg(tie_embeddings=tie, qk_norm="pre_rope")
+    cfg = tiny_cfg("mtp", tie_embeddings=tie, qk_norm="pre_rope")
     params = random_params(cfg, 4)
     rng = np.random.default_rng(5)
     B, T, k = 2, 6, 4
@@ -130,8 +126,8 @@ def test_topk_kl_through_draft_grad(tie, form):
 
 
 def test_concat_order_switch():
-    cfg_e = tiny_cfg(mtp=MtpConfig(concat="emb_first"))
-    cfg_h = tiny_cfg(mtp=MtpConfig(concat="hidden_first"))
+    cfg_e = tiny_cfg("mtp", mtp=MtpConfig(concat="emb_first"))
+    cfg_h = tiny_cfg("mtp", mtp=MtpConfig(concat="hidden_first"))
     rng = np.random.default_rng(6)
     C = cfg_e.d_model
     e, h = rng.standard_normal((3, C)), rng.standard_normal((3, C))
@@ -150,7 +146,7 @@ def test_concat_order_switch():
 @pytest.mark.parametrize("trunk_hidden", ["pre_norm", "post_norm"])
 @pytest.mark.parametrize("chain_hidden", ["pre_norm", "post_norm"])
 def test_hidden_choices_in_chain(trunk_hidden, chain_hidden):
-    cfg = tiny_cfg(mtp=MtpConfig(trunk_hidden=trunk_hidden, chain_hidden=chain_hidden))
+    cfg = tiny_cfg("mtp", mtp=MtpConfig(trunk_hidden=trunk_hidden, chain_hidden=chain_hidden))
     params = random_params(cfg, 7)
     rng = np.random.default_rng(8)
     ids = rng.integers(0, cfg.vocab_size, (2, 7))
@@ -175,12 +171,12 @@ def test_hidden_choices_in_chain(trunk_hidden, chain_hidden):
     )
     # the other trunk convention gives a different first step
     other = MtpConfig(trunk_hidden="post_norm" if trunk_hidden == "pre_norm" else "pre_norm")
-    cfg2 = tiny_cfg(mtp=other)
+    cfg2 = tiny_cfg("mtp", mtp=other)
     assert not np.allclose(mtp.draft_chain(params, cfg2, ids, lengths, tpre, tpost, 1)[0], l1)
 
 
 def test_draft_rows_are_causal_and_padding_free():
-    cfg = tiny_cfg()
+    cfg = tiny_cfg("mtp")
     params = random_params(cfg, 9)
     rng = np.random.default_rng(10)
     x = rng.standard_normal((1, 6, cfg.d_model))

@@ -82,6 +82,56 @@ def test_rope_tables_and_forward():
     )
 
 
+def test_rope_full_width_is_unchanged_bit_for_bit():
+    # rotary_dim = D (or None) must give exactly today's tables and rotation: old checkpoints, same numbers.
+    T, D, theta = 7, 8, 1e6
+    inv = 1.0 / (theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    emb = np.concatenate([np.outer(np.arange(T, dtype=np.float64), inv)] * 2, axis=-1)
+    for rd in (None, D):
+        cos, sin = ops.rope_tables(T, D, theta, np.float32, rotary_dim=rd)
+        np.testing.assert_array_equal(cos, np.cos(emb).astype(np.float32))
+        np.testing.assert_array_equal(sin, np.sin(emb).astype(np.float32))
+    x = rng(40).standard_normal((2, T, 3, D)).astype(np.float32)
+    c, s = ops.rope_tables(T, D, theta, np.float32)
+    h = D // 2
+    expect = x * c[None, :, None] + np.concatenate([-x[..., h:], x[..., :h]], axis=-1) * s[None, :, None]
+    np.testing.assert_array_equal(ops.rope_forward(x, c, s), expect)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_partial_rope(R):
+    T, D, theta = 6, 8, 10000.0
+    cos, sin = ops.rope_tables(T, D, theta, np.float64, rotary_dim=R)
+    assert cos.shape == sin.shape == (T, R)
+    # the frequencies are an R-wide head's: position 3, frequency 1 (R = 4) turns by 3 / theta^(2/R)
+    ang = 3.0 / theta ** (2.0 * (R // 2 - 1) / R)
+    np.testing.assert_allclose(cos[3, R // 2 - 1], np.cos(ang), rtol=1e-14)
+    x = rng(41).standard_normal((2, T, 3, D))
+    out = ops.rope_forward(x, cos, sin)
+    np.testing.assert_array_equal(out[..., R:], x[..., R:])  # the other dims pass through
+    full_r = ops.rope_forward(x[..., :R], cos, sin)  # the rotated dims: rotate-half RoPE of an R-wide head
+    np.testing.assert_allclose(out[..., :R], full_r, rtol=1e-14)
+    assert not np.allclose(out[:, 1:, :, :R], x[:, 1:, :, :R])
+    check_grad(
+        lambda x: ops.rope_forward(x, cos, sin), lambda out, dout, x: ops.rope_backward(dout, cos, sin), [x]
+    )
+    pos = np.array([5, 0, 3, 3])
+    ca, sa = ops.rope_tables_at(pos, D, theta, np.float64, rotary_dim=R)
+    np.testing.assert_array_equal(ca, cos[pos])
+    np.testing.assert_array_equal(sa, sin[pos])
+    with pytest.raises(ValueError, match="even rotary width"):
+        ops.rope_tables(T, D, theta, np.float64, rotary_dim=3)
+
+
+def test_sigmoid_gate():
+    r = rng(42)
+    a, gate = r.standard_normal((2, 3, 7)), r.standard_normal((2, 3, 7)) * 3.0
+    np.testing.assert_allclose(ops.sigmoid_gate_forward(a, gate), a / (1.0 + np.exp(-gate)), rtol=1e-12)
+    check_grad(
+        ops.sigmoid_gate_forward, lambda out, dout, a, g: ops.sigmoid_gate_backward(dout, a, g), [a, gate]
+    )
+
+
 def _attention_naive(q, k, v):
     B, T, H, D = q.shape
     K = k.shape[2]

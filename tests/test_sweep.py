@@ -20,18 +20,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import SHAPES, tiny_cfg
 
-from ddl_ref.config import ModelVariant, preset
+from ddl_ref.config import ModelVariant
 from ddl_wgpu import sweep as S
 from ddl_wgpu import train as T
 from ddl_wgpu.container import open_checkpoint
 from ddl_wgpu.data import ByteTokenizer, load_datasets
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = dict(
-    vocab_size=256, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=48, max_seq_len=32
-)
-CFG = preset("tiny", **MODEL)
+MODEL = SHAPES["train"]  # also given to the CLI as options
+CFG = tiny_cfg("train")
 TCFG = T.TrainingConfig(max_steps=6, eval_interval=2, learning_rate=1e-2, min_learning_rate=1e-3, warmup_steps=2,
                         batch_size=2, seq_len=16, eval_batches=2, seed=0)  # fmt: skip
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None

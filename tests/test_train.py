@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import tiny_cfg
 
-from ddl_ref.config import ModelVariant, preset
+from ddl_ref.config import ModelVariant
 from ddl_ref.optim import CosineWarmupSchedule
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu import train as T
@@ -43,10 +44,7 @@ from ddl_wgpu.train import (
     train_variants,
 )
 
-MODEL = dict(
-    vocab_size=256, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, ffn_hidden=48, max_seq_len=32
-)
-CFG = preset("tiny", **MODEL)
+CFG = tiny_cfg("train")
 BASELINE = ModelVariant("baseline")
 # warm-up, a cosine to a non-zero floor, evaluation every 2 steps: every schedule branch in 6 steps
 TCFG = TrainingConfig(

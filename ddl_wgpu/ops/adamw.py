@@ -6,7 +6,7 @@ Kernel path: `shaders/adamw.wgsl` -> `ddl_wgpu/ops/adamw.py` -> reference `ddl_r
     hyper = adamw_hyper(gpu, lr, step, beta1, beta2, eps, weight_decay)   # one uniform per step ...
     calls = [adamw(gpu, p_i, g_i, m_i, v_i, scalars, n_i, hyper) for each range]  # ... shared by all
     # every step:
-    gpu.write_uniform(hyper, ADAMW_FMT, *adamw_uniform_values(lr, step, beta1, beta2, eps, wd))
+    gpu.write_uniform(hyper, ADAMW, **adamw_fields(lr, step, beta1, beta2, eps, wd))
 
 `scalars` is the buffer `reduce.finalize_clip` writes: the kernel multiplies gradients by scalars[1] (the
 clip multiplier) and leaves p, m, v untouched when scalars[2] == 0 (a non-finite gradient). Semantics are
@@ -37,34 +37,30 @@ ADAMW = Uniform(
     ("bc1", "f32", "1 - beta1^step"),
     ("bc2", "f32", "1 - beta2^step"),
 )
-ADAMW_FMT = ADAMW.fmt  # the positional form, for callers that pack `adamw_uniform_values` in order
 
 
-def adamw_uniform_values(
-    lr: float, step: int, beta1: float, beta2: float, eps: float, weight_decay: float
-) -> tuple:
-    """The uniform's values for `step` (from 1), in ADAMW_FMT order; bias corrections and 1 - beta in
-    float64 on the host (1 - f32(0.999) would be 1.3e-5 off)."""
+def adamw_fields(lr: float, step: int, beta1: float, beta2: float, eps: float, weight_decay: float) -> dict:
+    """The ADAMW uniform's fields for `step` (from 1), by name; bias corrections and 1 - beta in float64 on
+    the host (1 - f32(0.999) would be 1.3e-5 off)."""
     if step < 1:
         raise ValueError(f"adamw: step={step} counts from 1")
     b1, b2 = float(beta1), float(beta2)
-    return (
-        float(lr),
-        b1,
-        b2,
-        1.0 - b1,
-        1.0 - b2,
-        float(eps),
-        float(weight_decay),
-        1.0 - b1**step,
-        1.0 - b2**step,
+    return dict(
+        lr=float(lr),
+        beta1=b1,
+        beta2=b2,
+        one_minus_beta1=1.0 - b1,
+        one_minus_beta2=1.0 - b2,
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        bc1=1.0 - b1**step,
+        bc2=1.0 - b2**step,
     )
 
 
 def adamw_hyper(gpu, lr: float, step: int, beta1: float, beta2: float, eps: float, weight_decay: float):
     """A hyper-parameter uniform that several `adamw` Calls can share (one write per step serves all)."""
-    values = adamw_uniform_values(lr, step, beta1, beta2, eps, weight_decay)
-    return gpu.uniform(ADAMW, **dict(zip(ADAMW.names, values, strict=True)), label="adamw")
+    return gpu.uniform(ADAMW, **adamw_fields(lr, step, beta1, beta2, eps, weight_decay), label="adamw")
 
 
 def _exact(name: str, r, n: int):
@@ -79,15 +75,15 @@ def adamw(gpu, p, g, m, v, scalars, n: int, hyper) -> Call:
     """One AdamW step over n f32 of p (updated in place) with gradient g and moments m, v (updated).
 
     `hyper` is either a uniform buffer (from `adamw_hyper`, shareable across ranges; rewrite it with
-    `gpu.write_uniform(hyper, ADAMW_FMT, *adamw_uniform_values(...))`) or a tuple of values from
-    `adamw_uniform_values` (then this Call owns the uniform: `call.uniforms[0]`).
+    `gpu.write_uniform(hyper, ADAMW, **adamw_fields(...))`) or the fields from `adamw_fields` (then this
+    Call owns the uniform: `call.uniforms[0]`).
     `scalars` is finalize_clip's output (clip multiplier at [1], finite flag at [2])."""
     if n < 1:
         raise ValueError(f"adamw: n={n} must be positive")
-    if isinstance(hyper, tuple | list):
-        hyper = gpu.uniform(ADAMW, **dict(zip(ADAMW.names, hyper, strict=True)), label="adamw")
+    if isinstance(hyper, dict):
+        hyper = gpu.uniform(ADAMW, **hyper, label="adamw")
     elif not isinstance(hyper, wgpu.GPUBuffer):
-        raise TypeError("adamw: hyper must be a uniform buffer or a tuple from adamw_uniform_values")
+        raise TypeError("adamw: hyper must be a uniform buffer or the fields from adamw_fields")
     sbytes = scalars[2] if isinstance(scalars, tuple) else scalars.size
     if sbytes < 12:
         raise ValueError("adamw: scalars must hold finalize_clip's (norm, clip multiplier, finite flag)")

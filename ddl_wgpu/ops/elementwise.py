@@ -22,8 +22,6 @@ What it does not do: broadcasting or strides; every operand is a flat run of n f
 
 from __future__ import annotations
 
-import struct
-
 from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops import need, view  # re-exported: the other launchers import them from here
 
@@ -60,7 +58,7 @@ def _launch(gpu: Gpu, entry: str, sig: str, resources: list, n: int, alpha: floa
 def set_alpha(gpu: Gpu, call: Call, alpha: float):
     """Rewrite the scalar of an `axpy`, `fill` or `scale_inplace` Call (Params.alpha) for the next submit,
     leaving n as it was."""
-    gpu.queue.write_buffer(call.uniforms[0], PARAMS.offset("alpha"), struct.pack("<f", float(alpha)))
+    gpu.write_fields(call.uniforms[0], PARAMS, alpha=alpha)
 
 
 def add_forward(gpu: Gpu, out, a, b, n: int) -> Call:

@@ -38,7 +38,6 @@ MAX_GROUPS = 1024  # cap on partials per range (grid-stride beyond it)
 
 SUM_SQUARES = Uniform("SumSquaresParams", ("n", "u32"), ("offset", "u32"), ("_a", "pad"), ("_b", "pad"))
 FINALIZE = Uniform("FinalizeParams", ("count", "u32"), ("clip", "f32"), ("_a", "pad"), ("_b", "pad"))
-FINALIZE_FMT = FINALIZE.fmt  # the positional form (count, clip, 0, 0), for callers that rewrite the clip
 SUM_ROWS = Uniform("SumRowsParams", ("n", "u32"), ("index", "u32"), ("_a", "pad"), ("_b", "pad"))
 TENSOR_CLIP = Uniform(
     "TensorClipParams",
@@ -47,7 +46,6 @@ TENSOR_CLIP = Uniform(
     ("stride", "u32", "f32 per record"),
     ("_a", "pad"),
 )
-TENSOR_CLIP_FMT = TENSOR_CLIP.fmt  # positional (tensors, clip, stride, 0), for callers that rewrite the clip
 UNIFORMS = (SUM_SQUARES, FINALIZE, SUM_ROWS, TENSOR_CLIP)
 
 # the `scalars` buffer written by finalize_clip: 4 f32 (norm, clip multiplier, finite flag, sum of squares)
@@ -88,7 +86,7 @@ def finalize_clip(gpu, scalars, partials, count: int, clip: float) -> Call:
     """scalars[0..4) = (global norm, clip multiplier, finite flag, sum of squares) from partials[0..count).
 
     The clip threshold lives in the Call's uniform (`call.uniforms[0]`, FINALIZE); rewrite it with
-    `gpu.write_uniform(call.uniforms[0], FINALIZE, count=count, clip=new_clip)`.
+    `gpu.write_fields(call.uniforms[0], FINALIZE, clip=new_clip)`.
     clip <= 0 disables clipping (multiplier 1).
     """
     if count < 1:
@@ -119,7 +117,8 @@ def finalize_tensors(gpu, records, partials, scalars, ranges, clip: float) -> Ca
 
     ranges: [(start_t, count_t)] into `partials` (what `sum_squares` wrote for tensor t); `scalars` is
     finalize_clip's output over the same partials (its finite flag, read on the GPU). The clip lives in
-    `call.uniforms[0]` (TENSOR_CLIP); `call.uniforms[1]` keeps the ranges buffer alive."""
+    `call.uniforms[0]` (TENSOR_CLIP: `gpu.write_fields(call.uniforms[0], TENSOR_CLIP, clip=new_clip)`);
+    `call.uniforms[1]` keeps the ranges buffer alive."""
     ranges = [(int(a), int(c)) for a, c in ranges]
     if not ranges or min(c for _, c in ranges) < 1:
         raise ValueError("finalize_tensors: every tensor needs at least one partial")

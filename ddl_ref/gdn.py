@@ -1,0 +1,348 @@
+"""The Gated DeltaNet token mixer of hybrid trunks (Qwen3.5's `linear_attention` layers), forward and backward.
+
+Per token t and value head h (key head h // (Hv/Hk): consecutive value heads share a key head):
+
+    qkv   = in_proj_qkv · x                      channels [q (Hk·Dk); k (Hk·Dk); v (Hv·Dv)]
+    c     = silu(causal depthwise conv over time of qkv)            `causal_conv_forward`
+    q, k  = l2norm(q), l2norm(k) over Dk;  q ← q / √Dk               `l2norm_forward`
+    β     = sigmoid(in_proj_b · x);  g = −exp(A_log) · softplus(in_proj_a · x + dt_bias)
+    S     ← exp(g_t)·S;  u = Sᵀk_t;  S ← S + k_t (β_t (v_t − u))ᵀ;  o_t = Sᵀq_t     `gated_delta_forward`
+    y     = w ⊙ o/√(mean(o²)+eps) ⊙ silu(z),  z = in_proj_z · x      `gated_rmsnorm_forward`
+    out   = out_proj · y
+
+S is Dk × Dv per (batch, value head), zero before the first token unless a state is passed in. The conv uses
+PyTorch's tap convention (tap m multiplies the input at t − (k−1−m); zeros before t = 0), so Qwen3.5's
+(channels, 1, k) weight loads by dropping its middle axis.
+
+State for decoding: `gdn_forward(..., state=GdnState(conv, delta))` continues a sequence: `conv` holds the last
+k−1 inputs of the conv (B, k−1, Ch), `delta` the recurrent state (B, Hv, Dk, Dv); the cache's `"state"` is the
+state after the last token, so two halves run with the state passed give the whole sequence's outputs.
+
+Memory: the backward of the recurrence needs every per-step state S_t. They are not all kept: the forward keeps
+one every `checkpoint` tokens and the backward recomputes the states of one segment at a time from its first
+(the recurrence cannot be run backwards: with |k| = 1 and β → 1, I − βkkᵀ is singular).
+
+What this file deliberately does not do: the chunked form's backward (`gated_delta_chunked_forward` is a
+forward-only matrix form, the specification a chunked kernel is checked against), variable-length packing,
+or anything for speed.
+
+Shape legend: B batch, T time, C d_model, Ch conv channels 2·Hk·Dk + Hv·Dv, Hk key heads, Hv value heads,
+Dk key head dim, Dv value head dim, k conv kernel.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ddl_ref import ops
+from ddl_ref.config import ModelConfig
+
+# Qwen3.5's (and flash-linear-attention's) l2norm epsilon, inside the sqrt of the sum of squares
+L2_EPS = 1e-6
+
+
+class GdnState(NamedTuple):
+    """What a Gated DeltaNet layer carries from one token to the next."""
+
+    conv: np.ndarray  # (B, k−1, Ch) the last k−1 conv inputs (the projected qkv rows), oldest first
+    delta: np.ndarray  # (B, Hv, Dk, Dv) the recurrent state S
+
+
+def _silu_grad(x):
+    s = ops.sigmoid(x)
+    return s + x * s * (1.0 - s)
+
+
+def softplus(x):
+    # log(1 + e^x) without overflow for large x.
+    return np.logaddexp(0.0, x).astype(x.dtype, copy=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# depthwise causal conv over time, then SiLU
+
+
+def causal_conv_forward(x, w, state=None):
+    """x (B, T, Ch), w (Ch, k), state (B, k−1, Ch) the inputs before t = 0 (None: zeros)
+    -> (out = silu(conv) (B, T, Ch), cache). pre[t, c] = Σ_m w[c, m] · x[t − (k−1−m), c]."""
+    B, T, Ch = x.shape
+    k = w.shape[1]
+    hist = np.zeros((B, k - 1, Ch), x.dtype) if state is None else np.asarray(state, x.dtype)
+    xp = np.concatenate([hist, x], axis=1)  # (B, T+k−1, Ch): row j is time j − (k−1)
+    pre = np.zeros_like(x)
+    for m in range(k):  # tap m reads time t − (k−1−m), i.e. row t + m of xp
+        pre += xp[:, m : m + T, :] * w[:, m]
+    return ops.silu(pre), (xp, w, pre)
+
+
+def causal_conv_backward(dout, cache, with_state=False):
+    """-> (dx (B, T, Ch), dw (Ch, k)), and dstate (B, k−1, Ch) with `with_state`."""
+    xp, w, pre = cache
+    T, k = pre.shape[1], w.shape[1]
+    dpre = dout * _silu_grad(pre)
+    dxp = np.zeros_like(xp)
+    dw = np.zeros_like(w)
+    for m in range(k):
+        dw[:, m] = np.sum(dpre * xp[:, m : m + T, :], axis=(0, 1))
+        dxp[:, m : m + T, :] += dpre * w[:, m]
+    if with_state:
+        return dxp[:, k - 1 :], dw, dxp[:, : k - 1]
+    return dxp[:, k - 1 :], dw
+
+
+def conv_tail(cache):
+    """The last k−1 conv inputs (B, k−1, Ch) of a `causal_conv_forward` cache: the next call's `state`."""
+    xp, w, _ = cache
+    return xp[:, xp.shape[1] - (w.shape[1] - 1) :].copy()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# L2 normalisation over the last axis
+
+
+def l2norm_forward(x, eps=L2_EPS):
+    """x (..., D) -> (x · rsqrt(Σx² + eps), cache)."""
+    r = 1.0 / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + float(eps))  # (..., 1)
+    return x * r, (x, r)
+
+
+def l2norm_backward(dout, cache):
+    """-> dx. out = x·r with dr/dx = −r³x, so dx = r·dout − r³·x·(x·dout)."""
+    x, r = cache
+    return r * dout - (r * r * r) * x * np.sum(x * dout, axis=-1, keepdims=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the gated delta rule
+
+
+def _step(S, q, k, v, a, beta):
+    """One token for every (batch, value head): S (B, Hv, Dk, Dv), q/k (B, Hv, Dk), v (B, Hv, Dv), a = exp(g)
+    and beta (B, Hv) -> (decayed S, u, delta, new S, o)."""
+    Sd = S * a[:, :, None, None]  # decay the memory
+    u = np.einsum("bhkv,bhk->bhv", Sd, k)  # what the decayed memory recalls for k
+    d = beta[:, :, None] * (v - u)  # the correction written back (the delta rule)
+    Sn = Sd + k[:, :, :, None] * d[:, :, None, :]
+    o = np.einsum("bhkv,bhk->bhv", Sn, q)  # read with q after the write
+    return Sd, u, d, Sn, o
+
+
+def _expand_heads(x, G):
+    # (B, T, Hk, D) -> (B, T, Hv, D): key head j serves value heads j·G .. j·G+G−1 (repeat_interleave).
+    return np.repeat(x, G, axis=2)
+
+
+def gated_delta_forward(q, k, v, g, beta, state=None, checkpoint=64):
+    """The recurrence, token by token.
+
+    q, k (B, T, Hk, Dk) as given (normalised and scaled already), v (B, T, Hv, Dv), g and beta (B, T, Hv),
+    state (B, Hv, Dk, Dv) or None (zeros) -> (o (B, T, Hv, Dv), final state (B, Hv, Dk, Dv), cache).
+    The cache keeps the state before every `checkpoint`-th token (module docstring).
+    """
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    if Hv % Hk:
+        raise ValueError(f"value heads {Hv} must be a multiple of key heads {Hk}")
+    if checkpoint < 1:
+        raise ValueError(f"checkpoint must be >= 1, got {checkpoint}")
+    G = Hv // Hk
+    qe, ke = _expand_heads(q, G), _expand_heads(k, G)  # (B, T, Hv, Dk)
+    a = np.exp(g)  # (B, T, Hv): decay factors in (0, 1]
+    S = np.zeros((B, Hv, Dk, Dv), v.dtype) if state is None else np.array(state, v.dtype)
+    o = np.empty_like(v)
+    kept = []  # the state before tokens 0, checkpoint, 2·checkpoint, ...
+    for t in range(T):
+        if t % checkpoint == 0:
+            kept.append(S)
+        _, _, _, S, o[:, t] = _step(S, qe[:, t], ke[:, t], v[:, t], a[:, t], beta[:, t])
+    cache = {"qe": qe, "ke": ke, "v": v, "a": a, "beta": beta, "kept": kept, "checkpoint": checkpoint, "G": G}
+    return o, S, cache
+
+
+def gated_delta_backward(do, cache, dstate=None):
+    """do (B, T, Hv, Dv), dstate (B, Hv, Dk, Dv) the gradient of the final state (None: zero)
+    -> (dq, dk (B, T, Hk, Dk), dv (B, T, Hv, Dv), dg, dbeta (B, T, Hv), dstate0 (B, Hv, Dk, Dv)).
+
+    Derivation (per batch and value head; S_t the state after token t, ⟨·,·⟩ the Frobenius product). One
+    step is S̃ = a_t S_{t−1}, u = S̃ᵀk_t, δ = β_t (v_t − u), S_t = S̃ + k_t δᵀ, o_t = S_tᵀ q_t. Let Ḡ be the
+    gradient of the loss w.r.t. S_t from the later tokens (dstate for t = T−1). Then, backwards in time:
+
+        G     = Ḡ + q_t do_tᵀ                  S_t feeds o_t and the next step
+        dq_t  = S_t do_t
+        dδ    = Gᵀ k_t,        dk_t  = G δ + S̃ du
+        dv_t  = β_t dδ,        dβ_t  = ⟨v_t − u, dδ⟩,      du = −β_t dδ
+        dS̃    = G + k_t duᵀ                    through S_t = S̃ + kδᵀ and u = S̃ᵀk
+        dg_t  = ⟨dS̃, S̃⟩                        since dS̃/dg = a_t S_{t−1} = S̃
+        Ḡ     ← a_t dS̃                         the gradient w.r.t. S_{t−1}
+
+    and dstate0 is the last Ḡ. Per step it needs S_{t−1} (hence S̃, u and δ by one forward step) and S_t:
+    the states between two kept ones are recomputed from the earlier, one segment at a time. A key head's
+    gradient sums those of the value heads it serves.
+    """
+    qe, ke, v, a, beta = cache["qe"], cache["ke"], cache["v"], cache["a"], cache["beta"]
+    kept, cp, G = cache["kept"], cache["checkpoint"], cache["G"]
+    B, T, Hv, Dk = qe.shape
+    Dv = v.shape[3]
+    dqe, dke = np.zeros_like(qe), np.zeros_like(ke)
+    dv, dg, dbeta = np.zeros_like(v), np.zeros_like(a), np.zeros_like(beta)
+    dS = np.zeros((B, Hv, Dk, Dv), v.dtype) if dstate is None else np.array(dstate, v.dtype)
+    for j in reversed(range(len(kept))):
+        t0, t1 = j * cp, min(T, (j + 1) * cp)
+        steps, S = [], kept[j]
+        for t in range(t0, t1):  # recompute this segment's steps from its kept state
+            Sd, u, d, S, _ = _step(S, qe[:, t], ke[:, t], v[:, t], a[:, t], beta[:, t])
+            steps.append((Sd, u, d, S))
+        for t in reversed(range(t0, t1)):
+            Sd, u, d, Sn = steps[t - t0]
+            do_t, q_t, k_t, b_t = do[:, t], qe[:, t], ke[:, t], beta[:, t][:, :, None]
+            dqe[:, t] = np.einsum("bhkv,bhv->bhk", Sn, do_t)
+            Gt = dS + q_t[:, :, :, None] * do_t[:, :, None, :]
+            dd = np.einsum("bhkv,bhk->bhv", Gt, k_t)
+            dv[:, t] = b_t * dd
+            dbeta[:, t] = np.sum((v[:, t] - u) * dd, axis=-1)
+            du = -b_t * dd
+            dke[:, t] = np.einsum("bhkv,bhv->bhk", Gt, d) + np.einsum("bhkv,bhv->bhk", Sd, du)
+            dSd = Gt + k_t[:, :, :, None] * du[:, :, None, :]
+            dg[:, t] = np.sum(dSd * Sd, axis=(-2, -1))
+            dS = dSd * a[:, t][:, :, None, None]
+    Hk = Hv // G
+    dq = dqe.reshape(B, T, Hk, G, Dk).sum(axis=3)
+    dk = dke.reshape(B, T, Hk, G, Dk).sum(axis=3)
+    return dq, dk, dv, dg, dbeta, dS
+
+
+def gated_delta_chunked_forward(q, k, v, g, beta, state=None, chunk=64):
+    """The same recurrence in matrix form over chunks of `chunk` tokens (forward only) -> (o, final state).
+
+    Within a chunk from state S_0, with γ_t = Σ_{r≤t} g_r (chunk-local) and Γ_t = exp(γ_t), unrolling gives
+    S_t = Γ_t S_0 + Σ_{s≤t} (Γ_t/Γ_s) k_s δ_sᵀ, so the corrections δ solve the unit lower-triangular system
+        δ_t + β_t Σ_{s<t} (Γ_t/Γ_s)(k_tᵀk_s) δ_s = β_t (v_t − Γ_t S_0ᵀk_t),
+    and o_t = Γ_t S_0ᵀq_t + Σ_{s≤t} (Γ_t/Γ_s)(q_tᵀk_s) δ_s, S_end = Γ_n S_0 + Σ_s (Γ_n/Γ_s) k_s δ_sᵀ. The
+    ratios are taken as exp(γ_t − γ_s) (s ≤ t), which never overflows. This is what a chunked kernel computes
+    with matrix products; the per-token `gated_delta_forward` stays the reference.
+    """
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    G = Hv // Hk
+    # (B, Hv, T, ·) so each (batch, head) is a stack of matrices
+    Q = _expand_heads(q, G).transpose(0, 2, 1, 3)
+    K = _expand_heads(k, G).transpose(0, 2, 1, 3)
+    V = v.transpose(0, 2, 1, 3)
+    gg, bb = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)  # (B, Hv, T)
+    S = np.zeros((B, Hv, Dk, Dv), v.dtype) if state is None else np.array(state, v.dtype)
+    O = np.empty_like(V)
+    for c0 in range(0, T, chunk):
+        sl = slice(c0, min(T, c0 + chunk))
+        Qc, Kc, Vc, bc = Q[:, :, sl], K[:, :, sl], V[:, :, sl], bb[:, :, sl]
+        n = Qc.shape[2]
+        gam = np.cumsum(gg[:, :, sl], axis=-1)  # (B, Hv, n)
+        lower = np.tril(np.ones((n, n), bool))
+        diff = np.where(lower, gam[..., :, None] - gam[..., None, :], 0.0)
+        ratio = np.where(lower, np.exp(diff), 0.0)  # Γ_t/Γ_s for s <= t, else 0
+        strict = ratio * ~np.eye(n, dtype=bool)
+        A = bc[..., :, None] * (Kc @ Kc.transpose(0, 1, 3, 2)) * strict
+        rhs = bc[..., None] * (Vc - np.exp(gam)[..., None] * (Kc @ S))
+        D = np.linalg.solve(np.eye(n, dtype=A.dtype) + A, rhs)  # (B, Hv, n, Dv): the corrections δ
+        O[:, :, sl] = np.exp(gam)[..., None] * (Qc @ S) + ((Qc @ Kc.transpose(0, 1, 3, 2)) * ratio) @ D
+        tail = np.exp(gam[..., -1:] - gam)  # (B, Hv, n): Γ_n/Γ_s
+        S = np.exp(gam[..., -1])[..., None, None] * S + (Kc * tail[..., None]).transpose(0, 1, 3, 2) @ D
+    return O.transpose(0, 2, 1, 3).astype(v.dtype, copy=False), S
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the gated RMSNorm of the value heads
+
+
+def gated_rmsnorm_forward(x, z, w, eps):
+    """x, z (..., Dv), w (Dv,) -> (w ⊙ x/√(mean(x²)+eps) ⊙ silu(z), cache). A plain w·x̂ norm in every norm
+    style (Qwen3.5's gated norm is not zero-centred)."""
+    n, c_norm = ops.rmsnorm_forward(x, w, eps, "standard")
+    return n * ops.silu(z), (n, z, c_norm)
+
+
+def gated_rmsnorm_backward(dout, cache):
+    """-> (dx, dz, dw)."""
+    n, z, c_norm = cache
+    dz = dout * n * _silu_grad(z)
+    dx, dw = ops.rmsnorm_backward(dout * ops.silu(z), c_norm)
+    return dx, dz, dw
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the whole mixer
+
+
+def _names(p: str) -> dict[str, str]:
+    q = p + "linear_attn."
+    return {
+        "qkv": q + "in_proj_qkv.weight",
+        "z": q + "in_proj_z.weight",
+        "b": q + "in_proj_b.weight",
+        "a": q + "in_proj_a.weight",
+        "conv": q + "conv1d.weight",
+        "dt_bias": q + "dt_bias",
+        "A_log": q + "A_log",
+        "norm": q + "norm.weight",
+        "out": q + "out_proj.weight",
+    }
+
+
+def gdn_forward(params, cfg: ModelConfig, p: str, h, state: GdnState | None = None, checkpoint: int = 64):
+    """The Gated DeltaNet of block prefix `p` ("model.layers.{i}.") on the normalised input h (B, T, C)
+    -> (out (B, T, C), cache); cache["state"] is the `GdnState` after the last token."""
+    B, T, C = h.shape
+    Hk, Hv, Dk, Dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
+    n = _names(p)
+    qkv = ops.linear_forward(h, params[n["qkv"]])  # (B, T, Ch)
+    z = ops.linear_forward(h, params[n["z"]]).reshape(B, T, Hv, Dv)
+    braw = ops.linear_forward(h, params[n["b"]])  # (B, T, Hv)
+    araw = ops.linear_forward(h, params[n["a"]])  # (B, T, Hv)
+    c, c_conv = causal_conv_forward(qkv, params[n["conv"]], None if state is None else state.conv)
+    kd = Hk * Dk
+    qn, c_q = l2norm_forward(c[..., :kd].reshape(B, T, Hk, Dk))
+    kn, c_k = l2norm_forward(c[..., kd : 2 * kd].reshape(B, T, Hk, Dk))
+    vv = c[..., 2 * kd :].reshape(B, T, Hv, Dv)
+    scale = float(Dk) ** -0.5
+    beta = ops.sigmoid(braw)
+    x_dt = araw + params[n["dt_bias"]]
+    A = np.exp(params[n["A_log"]])  # (Hv,)
+    g = -A * softplus(x_dt)  # (B, T, Hv): log decay, <= 0
+    o, S, c_delta = gated_delta_forward(
+        qn * scale, kn, vv, g, beta, None if state is None else state.delta, checkpoint
+    )
+    y, c_gn = gated_rmsnorm_forward(o, z, params[n["norm"]], cfg.rms_eps)  # (B, T, Hv, Dv)
+    y = y.reshape(B, T, Hv * Dv)
+    out = ops.linear_forward(y, params[n["out"]])
+    cache = {"h": h, "conv": c_conv, "q": c_q, "k": c_k, "beta": beta, "x_dt": x_dt, "A": A, "g": g,
+             "delta": c_delta, "gn": c_gn, "y": y, "scale": scale,
+             "state": GdnState(conv_tail(c_conv), S)}  # fmt: skip
+    return out, cache
+
+
+def gdn_backward(params, cfg: ModelConfig, p: str, dout, cache, grads):
+    """dout (B, T, C) w.r.t. the mixer output -> dh (B, T, C) w.r.t. its normalised input; the parameter
+    gradients go into `grads` by name."""
+    B, T, _ = dout.shape
+    Hv, Dv = cfg.linear_v_heads, cfg.linear_v_dim
+    n = _names(p)
+    h = cache["h"]
+    dy, grads[n["out"]] = ops.linear_backward(dout, cache["y"], params[n["out"]])
+    do, dz, grads[n["norm"]] = gated_rmsnorm_backward(dy.reshape(B, T, Hv, Dv), cache["gn"])
+    dqs, dkn, dvv, dg, dbeta, _ = gated_delta_backward(do, cache["delta"])
+    # g = −A·softplus(x_dt): dg/dx_dt = −A·sigmoid(x_dt), dg/dA_log = g
+    dx_dt = dg * (-cache["A"]) * ops.sigmoid(cache["x_dt"])
+    grads[n["A_log"]] = np.sum(dg * cache["g"], axis=(0, 1))
+    grads[n["dt_bias"]] = np.sum(dx_dt, axis=(0, 1))
+    beta = cache["beta"]
+    dbraw = dbeta * beta * (1.0 - beta)
+    dq = l2norm_backward(dqs * cache["scale"], cache["q"])
+    dk = l2norm_backward(dkn, cache["k"])
+    dc = np.concatenate([dq.reshape(B, T, -1), dk.reshape(B, T, -1), dvv.reshape(B, T, -1)], axis=-1)
+    dqkv, grads[n["conv"]] = causal_conv_backward(dc, cache["conv"])
+    dh_a, grads[n["a"]] = ops.linear_backward(dx_dt, h, params[n["a"]])
+    dh_b, grads[n["b"]] = ops.linear_backward(dbraw, h, params[n["b"]])
+    dh_z, grads[n["z"]] = ops.linear_backward(dz.reshape(B, T, Hv * Dv), h, params[n["z"]])
+    dh_qkv, grads[n["qkv"]] = ops.linear_backward(dqkv, h, params[n["qkv"]])
+    return dh_qkv + dh_z + dh_b + dh_a
