@@ -19,25 +19,39 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import SHAPES, tiny_cfg
 
+from ddl_ref.config import MtpConfig
+from ddl_ref.params import init_params
 from ddl_wgpu import accept
 from ddl_wgpu import generate as G
-from ddl_wgpu.hf import HfError, import_hf
+from ddl_wgpu.hf import HfError, export_hf, import_hf
+from ddl_wgpu.modelfile import Model, save_model
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = ["--vocab-size", "256", "--d-model", "16", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1",
-         "--head-dim", "8", "--ffn-hidden", "24", "--max-seq-len", "32"]  # fmt: skip
+SHAPE = {**SHAPES["default"], "n_layers": 1}
+MODEL = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()]  # the same shape as the CLI's options
 GEN = ["--backend", "ref", "--max-new-tokens", "3"]
 
 
+def model(path: Path | None = None, **overrides) -> Model:
+    """A freshly initialised model of SHAPE (what `init` writes), saved to `path` when given."""
+    cfg = tiny_cfg(n_layers=1, **overrides)
+    m = Model(cfg, init_params(cfg, 0))
+    if path is not None:
+        save_model(path, m)
+    return m
+
+
 @pytest.fixture(scope="module")
-def files(tmp_path_factory, corpus_words, cli, ok):
+def files(tmp_path_factory, corpus_words):
+    """corpus.txt and tm.ddlw (a model with an MTP draft, context 32)."""
     d = tmp_path_factory.mktemp("inputs")
     rng = np.random.default_rng(0)
     (d / "corpus.txt").write_text(
         " ".join(corpus_words[int(i)] for i in rng.integers(0, len(corpus_words), 300))
     )
-    ok(cli("init", "--out", d / "tm.ddlw", "--mtp", *MODEL))
+    model(d / "tm.ddlw", mtp=MtpConfig())
     return d
 
 
@@ -149,16 +163,15 @@ def test_generate_refusals_are_one_line(files, tmp_path, cli, ok, user_error):
     user_error(r, "standard output is closed")
 
 
-def _hf_folder(tmp_path, cli, ok) -> Path:
+def _hf_folder(tmp_path) -> Path:
     """A Qwen3 export of a tiny baseline model (its config.json is what import-hf reads)."""
-    ok(cli("init", "--out", tmp_path / "q.ddlw", "--qk-norm", "pre_rope", *MODEL))
-    ok(cli("export-hf", tmp_path / "q.ddlw", tmp_path / "hf"))
+    export_hf(model(qk_norm="pre_rope"), tmp_path / "hf")
     return tmp_path / "hf"
 
 
 def test_import_hf_config_values_are_checked_before_the_work(tmp_path, cli, ok, user_error):
     """Item 12: `"rms_norm_eps": "abc"` was a traceback, `"bos_token_id": 1e30` failed at the save."""
-    hf = _hf_folder(tmp_path, cli, ok)
+    hf = _hf_folder(tmp_path)
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "bos_token_id": 10**30}))
     user_error(cli("import-hf", hf, tmp_path / "im.ddlw"), "config.json", "bos_token_id")
@@ -174,7 +187,7 @@ def test_import_hf_config_values_are_checked_before_the_work(tmp_path, cli, ok, 
 
 def test_export_hf_into_a_name_the_file_system_cannot_hold(tmp_path, cli, ok, user_error):
     """Item 13: the cleanup of the failed export raised its own OSError (the name is too long there too)."""
-    ok(cli("init", "--out", tmp_path / "q.ddlw", "--qk-norm", "pre_rope", *MODEL))
+    model(tmp_path / "q.ddlw", qk_norm="pre_rope")
     user_error(cli("export-hf", tmp_path / "q.ddlw", tmp_path / ("x" * 250)), "cannot write the export")
     assert [p.name for p in tmp_path.iterdir()] == ["q.ddlw"]
 

@@ -20,7 +20,6 @@ import os
 import queue
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,16 +27,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import typer
+from helpers import SHAPES, tiny_cfg
 
+from ddl_ref.config import MtpConfig
+from ddl_ref.params import init_params
 from ddl_wgpu import cli_checks, rundir
 from ddl_wgpu import sweep as S
 from ddl_wgpu import train as T
 from ddl_wgpu.backend import choose_backend
 from ddl_wgpu.container import open_checkpoint, save
+from ddl_wgpu.hf import export_raw
+from ddl_wgpu.modelfile import Model, save_model
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = ["--vocab-size", "256", "--d-model", "16", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1",
-         "--head-dim", "8", "--ffn-hidden", "24", "--max-seq-len", "32"]  # fmt: skip
+SHAPE = {**SHAPES["default"], "n_layers": 1}  # one block: a run of 4 steps takes a second on numpy
+MODEL = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()]  # the same shape as the CLI's options
 SWEEP = "sweep.json"
 TRAIN = ["--variants", "baseline", "--max-steps", "4", "--eval-interval", "2", "--batch-size", "2", "--seq-len",
          "16", "--eval-batches", "1", "--min-learning-rate", "1e-4", "--backend", "ref", "--no-plots",
@@ -66,6 +70,14 @@ def finished(tmp_path_factory, corpus, cli, ok) -> Path:
     out = tmp_path_factory.mktemp("lost_run") / "R"
     ok(cli("train", "--data", corpus, "--out", out, *TRAIN))
     return out
+
+
+def model(path: Path, seed: int = 0, **overrides) -> Model:
+    """A freshly initialised model of SHAPE (what `init` writes), saved to `path`."""
+    cfg = tiny_cfg(n_layers=1, **overrides)
+    m = Model(cfg, init_params(cfg, seed))
+    save_model(path, m)
+    return m
 
 
 def snapshot(folder: Path) -> dict:
@@ -124,9 +136,8 @@ def test_a_new_phase_never_writes_over_another_run(finished, corpus, tmp_path, c
 def test_model_files_are_never_replaced_unasked(corpus, tmp_path, cli, ok, user_error):
     """Item 3: init, compress, heal and import-hf refuse an existing output unless --force (as export-hf)."""
     m, v = tmp_path / "m.ddlw", tmp_path / "v.ddlw"
-    ok(cli("init", "--out", m, "--mtp", *MODEL))
-    ok(cli("init", "--out", v, "--seed", "1", *MODEL))
-    ok(cli("export-hf", m, tmp_path / "hf", "--raw"))
+    export_raw(model(m, mtp=MtpConfig()), tmp_path / "hf")
+    model(v, seed=1)
     before = v.read_bytes()
     user_error(cli("init", "--out", v, *MODEL), "--out", "already exists", "--force")
     user_error(cli("compress", m, "--out", v, "--ffn-keep", "0.5"), "already exists", "--force")
@@ -142,7 +153,8 @@ def test_model_files_are_never_replaced_unasked(corpus, tmp_path, cli, ok, user_
 # the backend of a resume (item 4)
 
 
-def test_an_exact_resume_continues_on_the_backend_it_trained_on(corpus, tmp_path, cli, ok, user_error):
+def test_an_exact_resume_continues_on_the_backend_it_trained_on(corpus, tmp_path, monkeypatch, capsys, cli, ok,
+                                                                 user_error):  # fmt: skip
     """A wgpu run resumed the way the tool says (no --backend): `auto` chose numpy on a CPU-only adapter and
     the history diverged from the first resumed step."""
     gpu = [a if a != "ref" else "wgpu" for a in TRAIN]
@@ -152,10 +164,13 @@ def test_an_exact_resume_continues_on_the_backend_it_trained_on(corpus, tmp_path
     rec = T.load_checkpoint(ck)["backend"]
     assert rec["backend"] == "wgpu" and rec["device"]
     user_error(cli("resume", ck, "--backend", "ref"), "--backend wgpu", "bit for bit", "--steps")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DDL_WGPU_ADAPTER": "no such adapter"}
-    r = subprocess.run([sys.executable, "-m", "ddl_wgpu.cli", "resume", str(ck)], capture_output=True, text=True,
-                       env=env, timeout=120)  # fmt: skip
-    user_error(r, "cannot run", "--backend")
+    monkeypatch.setenv("DDL_WGPU_ADAPTER", "no such adapter")  # this machine cannot run the recorded backend
+    with pytest.raises(typer.Exit):
+        cli_checks.resume_backend(rec, "auto", None, False)
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: the run trained on the wgpu backend") and "cannot run" in line, line
+    assert "--backend" in line and "\n" not in line
+    monkeypatch.delenv("DDL_WGPU_ADAPTER")
     r = ok(cli("resume", ck))
     assert "backend: wgpu" in r.stdout
     want, got = (json.loads((tmp_path / d / "baseline" / T.REPORT).read_text()) for d in ("A", "B"))
@@ -259,9 +274,17 @@ def test_checks_a_job_would_make_run_before_any_job(corpus, tmp_path, cli, user_
     user_error(
         cli("train", "--data", corpus, "--out", out, *gpu, "--devices", "7"), "adapter '7'", "--devices"
     )
-    user_error(cli("train", "--data", corpus, "--out", out, *gpu, "--devices", "nosuchgpu"), "nosuchgpu",
-               "--devices")  # fmt: skip
     assert not out.exists()
+    from ddl_wgpu.sweep_checks import check_runner
+
+    with pytest.raises(S.SweepError, match="nosuchgpu") as e:
+        check_runner(S.Runner(("0", "nosuchgpu")), "wgpu")
+    assert e.value.field == "devices"
+    with pytest.raises(S.SweepError, match="nosuchgpu") as e:
+        check_runner(S.Runner(), "wgpu", "nosuchgpu")  # one job after another, on --device
+    assert e.value.field == "device"
+    check_runner(S.Runner(("0", "0")), "wgpu")
+    check_runner(S.Runner((None, None)), "ref")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -306,8 +329,13 @@ def test_damaged_locks(corpus, tmp_path, cli, ok, user_error):
         out = tmp_path / f"o{i}"
         out.mkdir()
         (out / rundir.LOCK).write_text(pid)
-        ok(cli("train", "--data", corpus, "--out", out, *TRAIN))
+        with rundir.RunLock(out):  # taken over: the process it names cannot exist
+            assert (out / rundir.LOCK).read_text() == str(os.getpid())
         assert not (out / rundir.LOCK).exists()
+    (out / rundir.LOCK).write_text("99999999999999999999")
+    ok(cli("train", "--data", corpus, "--out", out, *TRAIN))  # through the command line too
+    (out / rundir.LOCK).write_text(str(os.getpid()))  # a live process's: in use
+    user_error(cli("train", "--data", corpus, "--out", out, *TRAIN, "--overwrite"), "in use by another run")
     out = tmp_path / "dir"
     (out / rundir.LOCK).mkdir(parents=True)
     user_error(cli("train", "--data", corpus, "--out", out, *TRAIN), "is not a regular file", rundir.LOCK)
@@ -316,8 +344,7 @@ def test_damaged_locks(corpus, tmp_path, cli, ok, user_error):
 def test_import_hf_into_an_unwritable_folder_says_so_as_the_others(tmp_path, monkeypatch, capsys, cli, ok):
     """Item 18: import-hf named `OUT.partial` where every other command says the folder is not writable (tried
     in this process: the tests may run as root, for whom every folder is writable)."""
-    ok(cli("init", "--out", tmp_path / "m.ddlw", *MODEL))
-    ok(cli("export-hf", tmp_path / "m.ddlw", tmp_path / "hf", "--raw"))
+    export_raw(model(tmp_path / "m.ddlw"), tmp_path / "hf")
     from ddl_wgpu import cli as cli_mod
 
     real = os.access
