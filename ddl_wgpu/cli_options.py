@@ -25,6 +25,10 @@ NoVerify = Annotated[
     ),
 ]
 
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Replace the output file when it exists (else refused).")
+]
+
 
 # ---------------------------------------------------------------------------------------------------------
 # the backend

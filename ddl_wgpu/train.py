@@ -242,6 +242,7 @@ def save_checkpoint(
         "train.report": json.dumps(report),
         "train.position": position,
         "train.has_best": best is not None,
+        "train.backend": backend_record(net),
     }
     if data is not None:
         meta["train.data"] = data
@@ -254,6 +255,27 @@ def save_checkpoint(
         metadata=meta,
         provenance={"train": {"tool": "ddl-wgpu train"}},
     )
+
+
+def backend_record(net) -> dict:
+    """Where a run trains, kept in its checkpoint (`train.backend`): an exact resume continues there, bit for
+    bit (another backend takes another float path); the device kind is the adapter's `gpu.Gpu.name`."""
+    gpu = getattr(net, "gpu", None)  # the wgpu engine's Net holds its device; the numpy RefNet none
+    return (
+        {"backend": "wgpu", "device": gpu.name} if gpu is not None else {"backend": "ref", "device": "numpy"}
+    )
+
+
+def _checked_backend(raw, path) -> dict | None:
+    if raw is None:  # a checkpoint from before the backend was recorded
+        return None
+    if not (
+        isinstance(raw, dict) and raw.get("backend") in ("wgpu", "ref") and isinstance(raw.get("device"), str)
+    ):
+        raise _bad(
+            path, f"train.backend must record the backend (wgpu or ref) and the device, got {raw!r:.80}"
+        )
+    return {"backend": raw["backend"], "device": raw["device"]}
 
 
 def _bad(path, message: str) -> TrainingError:
@@ -320,12 +342,12 @@ def _checked_position(raw, path, report: dict) -> dict:
 
 
 def load_checkpoint(path: Path, verify: bool = True) -> dict:
-    """-> {cfg, params, best, m, v, report, position, data, sweep}; raises CheckpointError or TrainingError,
-    one precise line per malformed piece. The config is checked (valid, fits in memory for training) and
-    then against every tensor read (shape, float dtype); tensors no parameter of the config names are never
-    read. `data` is how the run loaded its data (`RunOptions.data`) and `sweep` the sweep it is part of
-    (`RunOptions.sweep`), None in a checkpoint written before they were recorded. `verify=False` skips the
-    tensor hash check (trusted input)."""
+    """-> {cfg, params, best, m, v, report, position, data, sweep, backend}; raises CheckpointError or
+    TrainingError, one precise line per malformed piece. The config is checked (valid, fits in memory for
+    training) and then against every tensor read (shape, float dtype); tensors no parameter of the config
+    names are never read. `data` is how the run loaded its data (`RunOptions.data`) and `sweep` the sweep it
+    is part of (`RunOptions.sweep`), `backend` where it trained (`backend_record`), None in a checkpoint
+    written before they were recorded. `verify=False` skips the tensor hash check (trusted input)."""
     with open_checkpoint(path, verify=verify) as ck:
         meta = dict(ck.metadata or {})
         if "train.report" not in meta:
@@ -355,6 +377,7 @@ def load_checkpoint(path: Path, verify: bool = True) -> dict:
             "position": position,
             "data": dict(data) if isinstance(data, dict) and data else None,
             "sweep": dict(sweep) if isinstance(sweep, dict) and sweep else None,
+            "backend": _checked_backend(meta.get("train.backend"), path),
         }
     # a checkpoint from before grad_clip_mode clipped globally: it resumes so, bit for bit
     for training in (out["report"].get("training"), out["position"].get("phase", {}).get("training")):
