@@ -104,7 +104,7 @@ def host_info() -> dict:
 # Both peers report the best of their repeats as "ms" (the median is kept as "median_ms"): on the lent H200
 # the wgpu side sometimes ran 2-4x slow for seconds at a time (the SM clock idles at 345 MHz between cases,
 # while the host computes the float64 checks, and boosts to 1980 MHz under load), while the same kernels
-# before and after ran at full speed (BENCHMARKS.md, "Method"). So each case also runs until its time stops
+# before and after ran at full speed (docs/benchmarks.md, "Best of N after settling"). So each case also runs until its time stops
 # falling (`settle`) before the timed repeats; the best repeat is then the kernel's own speed.
 REPEATS = 7
 
@@ -122,7 +122,7 @@ def settle(once, n: int, tries: int = 10) -> None:
 def warm_up(gpu, seconds: float = 2.0) -> None:
     """Keep the GPU busy with 2048^3 GEMMs for `seconds` before the first timed case. `settle` alone was not
     enough on the H200: the first case of a run, timed from an idle GPU, measured 3.8x slower than the same
-    product later in the run (bench/matmul_sweep.py, BENCHMARKS.md), as clocks ramped for over a second."""
+    product later in the run (bench/matmul_sweep.py, docs/experiments.md), as clocks ramped for over a second."""
     import numpy as np
 
     from ddl_wgpu.ops import matmul as k_mm

@@ -42,7 +42,7 @@ embedding/head (`Net(shared=...)`): "total" is everything allocated at the end.
 The epoch estimate (1 M window tokens): the trunk pass as heal runs it (`WgpuTeacher.topk_rows`: forward,
 top-k, step-1 rows; timed as "heal's trunk pass"), the draft's jobs (chain per batch, 10 % of windows held
 out), and the refresh batches heal's lazy refresh rebuilds: per --refresh steps those its jobs and its
-held-out evaluation read, counted by running heal's job loop on a stand-in draft (`heal.refresh_forwards`;
+held-out evaluation read, counted by running heal's job loop on a stand-in draft (`bench/heal_count.py`;
 the eager rebuild of every batch at each refresh is in the JSON for comparison); evaluation's own forwards
 and acceptance not counted.
 
@@ -71,6 +71,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
 import numpy as np  # noqa: E402
+from heal_count import refresh_forwards  # noqa: E402
 
 from ddl_ref import model as ref_model  # noqa: E402
 from ddl_ref import mtp as ref_mtp  # noqa: E402
@@ -504,12 +505,12 @@ def main(argv=None) -> int:
     if trunk is not None and draft is not None:
         # one epoch of heal over 1 M window tokens: the trunk pass and step-1 rows once, `chain` jobs per
         # training batch (9 windows in 10), and the refresh batches heal's lazy refresh rebuilds (those its jobs
-        # and evaluations read each --refresh steps), counted by heal's own job loop (`heal.refresh_forwards`)
+        # and evaluations read each --refresh steps), counted by heal's own job loop (`heal_count.py`)
         batches = 1e6 / tok
         run = heal.HealConfig(chain=args.chain, refresh=args.refresh, window=T, batch=B,
                               chain_attention=args.chain_attention)  # fmt: skip
         windows = round(1e6 / T)
-        lazy = heal.refresh_forwards(windows, run)
+        lazy = refresh_forwards(windows, run)
         eager = lazy["refreshes"] * (args.chain - 1) * lazy["batches"]  # every batch of windows each time
         rb_s = draft["refresh_batch"]["ms"] / 1e3
         estimate = {

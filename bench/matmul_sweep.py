@@ -1,39 +1,25 @@
-"""GEMM variant sweep: the generator's options (`ddl_wgpu/ops/matmul.py` `Tile`) timed against each other and
-against PyTorch fp32 (TF32 off) on the `small` preset's training products, in one run.
+"""GEMM sweep: the generated GEMM (`ddl_wgpu/ops/matmul.py`) and its split-K slice counts timed against
+PyTorch fp32 (TF32 off) on the `small` preset's training products, in one run.
 
     python3 bench/matmul_sweep.py --out sweep.json             # H200: about 1-2 minutes
     python3 bench/matmul_sweep.py --quick --out /tmp/sweep.json  # tiny shapes (lavapipe: does it run end to end)
 
 Shapes: `bench/kernels.py`'s matmul cases (4096^3, the forward NT products, the dx NN and dW TN products with
-split-K, the LM head's chunk products at the engine's chunk rows, `vocab.head_chunk_rows`). Variants replace
-the launcher's tiles (`LARGE_TILE` / `SMALL_TILE`, which `pick_tile` chooses between) for the whole product,
-split-K plan included:
-
-    default        the tiles as they are (scalar global loads)
-    vec            the same tiles with vec4 global loads (`Tile.vec`)
-    vec-bk32       vec, large tile with a k step of 32 (half the barriers per FMA, twice the prefetch registers)
-    vec-128x64     vec, large tile of 8 x 16 threads (128 rows x 64 columns: twice the tiles of N 768)
-    vec-2stage     vec, large tile with two shared stages (one barrier per k step; 34 KiB of shared memory)
-    vec-2stage-bk8 the same with a k step of 8 (the shared bytes of the default tile)
-    warp           the default tiles with warp-arranged output owners (`Tile.warp`: 4 x 8 threads per warp)
-    warp-vec       warp with vec4 global loads
-
-and, for the split-K products (dW, the head's dx), `vec` at explicit slice counts (`--splits`).
+split-K, the LM head's chunk products at the engine's chunk rows, `vocab.head_chunk_rows`). The product runs on
+the launcher's tiles (`LARGE_TILE` / `SMALL_TILE`, which `pick_tile` chooses between), split-K plan
+included, and for the split-K products (dW, the head's dx) also at explicit slice counts (`--splits`). The tile
+options once swept here (vec4 global loads, two shared stages, warp-arranged owners, other k steps) measured
+no faster and were removed (docs/experiments.md).
 
 Per case: the product once, a sample of rows x columns checked against float64; then GPU-timestamp timing,
-best of `--repeats` (default 3) after the clocks settle (bench/common.py). Variants with the same tile shape
-must give the same bits as `default` (vec4 loads copy the same values): `same_bits` in the table. The sweep
-stops starting cases after `--budget-s` seconds (the table and the JSON are still written). Exit status 1 when
-a check failed.
+best of `--repeats` (default 3) after the clocks settle (bench/common.py). The sweep stops starting cases
+after `--budget-s` seconds (the table and the JSON are still written). Exit status 1 when a check failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import gc
-import os
 import sys
 import time
 from pathlib import Path
@@ -47,34 +33,6 @@ from ddl_wgpu.ops import matmul as k_mm  # noqa: E402
 from ddl_wgpu.vocab import head_chunk_rows  # noqa: E402
 
 F32 = 4
-LARGE, SMALL = k_mm.LARGE_TILE, k_mm.SMALL_TILE
-VARIANTS = {
-    "default": (LARGE, SMALL),
-    "vec": (dataclasses.replace(LARGE, vec=True), dataclasses.replace(SMALL, vec=True)),
-    "vec-bk32": (dataclasses.replace(LARGE, bk=32, vec=True), dataclasses.replace(SMALL, vec=True)),
-    "vec-128x64": (dataclasses.replace(LARGE, wx=8, wy=16, vec=True), dataclasses.replace(SMALL, vec=True)),
-    "vec-2stage": (dataclasses.replace(LARGE, vec=True, stages=2), dataclasses.replace(SMALL, vec=True)),
-    "vec-2stage-bk8": (
-        dataclasses.replace(LARGE, bk=8, vec=True, stages=2),
-        dataclasses.replace(SMALL, vec=True),
-    ),
-    "warp": (dataclasses.replace(LARGE, warp=True), dataclasses.replace(SMALL, warp=True)),
-    "warp-vec": (
-        dataclasses.replace(LARGE, warp=True, vec=True),
-        dataclasses.replace(SMALL, warp=True, vec=True),
-    ),
-}
-
-
-@contextlib.contextmanager
-def tiles(large, small):
-    """The launcher's two tiles replaced for the products built inside (pick_tile reads them per call)."""
-    old = k_mm.LARGE_TILE, k_mm.SMALL_TILE
-    k_mm.LARGE_TILE, k_mm.SMALL_TILE = large, small
-    try:
-        yield
-    finally:
-        k_mm.LARGE_TILE, k_mm.SMALL_TILE = old
 
 
 def plan_note(gpu, M, N, K, split):
@@ -140,8 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny shapes (lavapipe smoke test)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
-    ap.add_argument("--splits", default="8,16,24,32", help="explicit split-K counts tried with `vec`")
+    ap.add_argument("--splits", default="8,16,24,32", help="explicit split-K counts tried")
     ap.add_argument("--only", default="", help="substring filter on the case labels")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--target-ms", type=float, default=15.0, help="length of one timed repeat")
@@ -160,10 +117,6 @@ def main(argv=None) -> int:
     print(f"torch peer: {common.torch_info(torch, tdev) if torch else tdev}")
     S = sizes(argparse.Namespace(quick=args.quick, batch=args.batch, seq=args.seq))
     S["head_chunk"] = head_chunk_rows(gpu, S["N"], S["cfg"].d_model, S["cfg"].vocab_size)
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = set(variants) - set(VARIANTS)
-    if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}")
     splits = [int(s) for s in args.splits.split(",") if s]
     rng = np.random.default_rng(0)
     results, over = [], False
@@ -178,10 +131,9 @@ def main(argv=None) -> int:
         lay = ("T" if ta else "N") + ("T" if tb else "N")
         shape = f"{M}x{N}x{K} {lay}"
         case = Case(gpu, rng, M, N, K, ta, tb, args.rotate)
-        runs = [(v, None) for v in variants]
-        if "dW" in label or "head dx" in label:  # the split-K products: slice counts, vec tiles
-            runs += [("vec", p) for p in splits if 2 * p <= K]
-        base_bits, base_tile = None, None
+        runs = [("default", None)]
+        if "dW" in label or "head dx" in label:  # the split-K products: slice counts
+            runs += [("default", p) for p in splits if 2 * p <= K]
         for v, split in runs:
             if time.perf_counter() - t_start > args.budget_s:
                 over = True
@@ -189,25 +141,14 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             e = {"label": label, "shape": shape, "variant": v, "split": split, "flop": 2.0 * M * N * K}
             try:
-                with tiles(*VARIANTS[v]):
-                    e["plan"] = plan_note(gpu, M, N, K, split)
-                    calls = case.calls(split)
-                    got = case.sample(calls)
-                    e["err"] = common.rel_err(got, case.ref)
-                    e["ok"] = bool(e["err"] <= 1e-4)
-                    # vec4 loads, two stages and warp-arranged owners: same tile shape, same bits
-                    shape_key = (
-                        dataclasses.replace(k_mm.pick_tile(gpu, M, N), vec=False, stages=1, warp=False),
-                        split,
-                    )
-                    if v == "default" and split is None:
-                        base_bits, base_tile = got, shape_key
-                    elif base_bits is not None and shape_key == base_tile:
-                        e["same_bits"] = bool(np.array_equal(got, base_bits))
-                        e["ok"] = e["ok"] and e["same_bits"]
-                    e["gpu"] = common.gpu_time_ms(gpu, calls, args.target_ms, args.repeats)
-                    e["tflops"] = e["flop"] / e["gpu"]["ms"] / 1e9
-                    del calls
+                e["plan"] = plan_note(gpu, M, N, K, split)
+                calls = case.calls(split)
+                got = case.sample(calls)
+                e["err"] = common.rel_err(got, case.ref)
+                e["ok"] = bool(e["err"] <= 1e-4)
+                e["gpu"] = common.gpu_time_ms(gpu, calls, args.target_ms, args.repeats)
+                e["tflops"] = e["flop"] / e["gpu"]["ms"] / 1e9
+                del calls
                 status = f"{e['gpu']['ms']:.4g} ms {e['tflops']:.3g} TF/s err {e['err']:.1e}"
                 status += "" if e["ok"] else " FAIL"
             except Exception as ex:  # a variant that cannot run here (limits) is reported, not fatal
@@ -236,13 +177,13 @@ def main(argv=None) -> int:
         "adapter": common.adapter_line(gpu), "adapter_info": gpu.info, "host": common.host_info(),
         "torch": common.torch_info(torch, tdev) if torch else {"skipped": tdev},
         "sizes": {"preset": "tiny" if args.quick else "small", "B": S["B"], "T": S["T"], "head_chunk": S["head_chunk"]},
-        "variants": {k: [dataclasses.asdict(t) for t in v] for k, v in VARIANTS.items()},
-        k_mm.ENV_TILE: os.environ.get(k_mm.ENV_TILE, ""),  # "default" is the tiles it gives (unset: the code's)
+        "tiles": [vars(k_mm.LARGE_TILE), vars(k_mm.SMALL_TILE)],
         "results": results, "failed": failed, "budget_exhausted": over, "wall_s": time.perf_counter() - t_start,
     }  # fmt: skip
     common.write_json(common.json_path(args.out, "matmul_sweep.json"), data)
 
     # the table: one row per shape, TFLOP/s per variant, the best against torch fp32
+    variants = ["default"]
     cols = [*variants, "best split"]
     by = {}
     for e in results:

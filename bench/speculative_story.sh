@@ -33,8 +33,9 @@ mkdir -p "$DIR"
 
 $CLI train --data stdlib --variants baseline $MODEL --mtp --mtp-weight 0.3 --max-steps "$STEPS" $TRAIN \
   --no-plots --overwrite --out "$DIR/train"
-$CLI compress "$TRAINED" --drop-layers "$DROP" --out "$DIR/compressed.ddlw"
-$CLI heal "$DIR/compressed.ddlw" --init "$TRAINED" --data stdlib ${HEAL:---tokens 60000} --out "$DIR/healed.ddlw"
+$CLI compress "$TRAINED" --drop-layers "$DROP" --force --out "$DIR/compressed.ddlw"
+$CLI heal "$DIR/compressed.ddlw" --init "$TRAINED" --data stdlib ${HEAL:---tokens 60000} --force \
+  --out "$DIR/healed.ddlw"
 for m in trained compressed healed; do
   f=$TRAINED
   [ "$m" = trained ] || f=$DIR/$m.ddlw

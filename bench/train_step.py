@@ -4,9 +4,6 @@
     python3 bench/train_step.py --quick              # tiny preset, 2 x 64 (lavapipe smoke test)
     python3 bench/train_step.py --variants baseline --batch 8 --json out.json
 
-Engine runs: `--precision f32,f16` (default both): f32, and f16 products with dynamic loss scaling
-(`TrunkWork(precision="f16")`; `--f16-chunk 8,16` runs one f16 engine per chunk length).
-
 One step = zero grads, forward, LM head + loss, backward, global grad-norm clip 1.0 (`--clip-mode per-tensor`:
 each tensor by its own norm, as `ddl-wgpu train` clips by default), AdamW (lr 3e-4, betas 0.9/0.95, eps 1e-5,
 wd 0.1) on every parameter. Both sides start from `ddl_ref.params.init_params(cfg, seed)`
@@ -57,17 +54,16 @@ def n_steps(args, step_s: float) -> int:
 def encode_step(net, work, upd, rec) -> None:
     """Record the Calls of one training step exactly as `TrunkWork.step` does (into any recorder)."""
     parts = [("zero", [net.zero_grads_call()]), ("forward", [work._fwd]), ("head+loss", [work._head_train]),
-             ("loss sum", [work._sum]), ("backward", [work._bwd]), ("unscale", work._unscale),  # f16 only
-             ("optimizer", [net.optimizer_call(upd)])]  # fmt: skip
+             ("loss sum", [work._sum]), ("backward", [work._bwd]), ("optimizer", [net.optimizer_call(upd)])]  # fmt: skip
     for phase, calls in parts:
-        rec.phase = phase  # read by gpu.ProfileRecorder (--profile); a plain Recorder ignores it
+        rec.phase = phase  # read by profiler.ProfileRecorder (--profile); a plain Recorder ignores it
         for c in calls:
             c.record(rec)
 
 
 def profile_step(gpu, net, work, upd) -> dict:
-    """GPU ms of one step per (phase, shader family): every dispatch timed alone (`gpu.ProfileRecorder`)."""
-    from ddl_wgpu.gpu import ProfileRecorder
+    """GPU ms of one step per (phase, shader family): every dispatch timed alone (`profiler.ProfileRecorder`)."""
+    from profiler import ProfileRecorder
 
     rec = ProfileRecorder(gpu)
     encode_step(net, work, upd(), rec)
@@ -93,26 +89,17 @@ def print_profile(results: list[dict]) -> None:
                        "GPU ms per step by phase and shader family (each dispatch timed alone)"))  # fmt: skip
 
 
-def bench_engine(gpu, cfg, params, ids, args, precision: str = "f32", chunk: int | None = None) -> dict:
-    """One engine run; `precision` "f16" with `chunk` (None: the default F16_CHUNK) for the f16 products."""
+def bench_engine(gpu, cfg, params, ids, args) -> dict:
+    """One engine run."""
     from ddl_wgpu.net import Net
-    from ddl_wgpu.ops import matmul as k_mm
     from ddl_wgpu.step import AdamW
     from ddl_wgpu.trunk import TrunkWork
 
     B, T = ids.shape
     t0 = time.perf_counter()
-    default_chunk = k_mm.F16_CHUNK
-    if chunk is not None:
-        k_mm.F16_CHUNK = chunk  # the launchers read it as the Work builds its Calls
-    try:
-        net = Net(gpu, cfg, params, work_class=TrunkWork)
-        work = net.work(B, T) if precision == "f32" else TrunkWork(net, B, T, precision=precision)
-    finally:
-        k_mm.F16_CHUNK = default_chunk
-    r = {"build_s": time.perf_counter() - t0, "precision": precision}
-    if precision == "f16":
-        r["f16_chunk"] = chunk or default_chunk
+    net = Net(gpu, cfg, params, work_class=TrunkWork)
+    work = net.work(B, T)
+    r = {"build_s": time.perf_counter() - t0}
     first = work.step(ids)  # forward + backward, no update: the loss at init
     r["init_loss"] = first.loss
     step = 0
@@ -149,8 +136,6 @@ def bench_engine(gpu, cfg, params, ids, args, precision: str = "f32", chunk: int
         r["dispatches"] = rec.n_dispatches
         del rec
     r["encode_ms"] = 1e3 * common.median(enc)
-    if work.loss_scale is not None:
-        r["loss_scale"], r["skipped_steps"] = work.loss_scale.scale, work.loss_scale.skipped
     # GPU time of one step's recording, from timestamps (same Calls as Work.step)
     if "timestamp-query" in gpu.features:
         ts = []
@@ -243,13 +228,6 @@ def main(argv=None) -> int:
         "--budget-s", type=float, default=20.0, help="cap on the timed seconds of one measurement"
     )
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--precision", default="f32,f16", help="engine runs: f32, f16 (f16 needs shader-f16)")
-    ap.add_argument(
-        "--f16-chunk", default=None, help="f16 chunk lengths to run, e.g. 8,16 (default F16_CHUNK)"
-    )
-    ap.add_argument(
-        "--f16-tile", default=None, help="wx,wy,tm,tn of the f16 large tile (default F16_LARGE_TILE)"
-    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--torch", default="auto", choices=["auto", "cuda", "cpu", "none"])
     ap.add_argument("--no-bf16", action="store_true")
@@ -270,10 +248,6 @@ def main(argv=None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (1 if q else 3)
 
     t_start = time.perf_counter()
-    if args.f16_tile:
-        from ddl_wgpu.ops import matmul as k_mm
-
-        k_mm.F16_LARGE_TILE = k_mm.Tile(*(int(x) for x in args.f16_tile.split(",")))
     gpu = common.open_gpu(args.device)
     torch, tdev = common.torch_setup(args.torch)
     print(f"adapter: {common.adapter_line(gpu)}")
@@ -289,9 +263,8 @@ def main(argv=None) -> int:
         entry = {"variant": vname, "params": num_params(cfg), "flops_per_token": fpt, "runs": {}}
         print(f"{vname}: {entry['params'] / 1e6:.1f}M parameters, batch {B} x {T}", flush=True)
         runs = entry["runs"]
-        for name, prec, chunk in engine_runs(args, gpu):
-            runs[name] = _attempt(bench_engine, gpu, cfg, params, ids, args, prec, chunk)
-            print(f"  {name}: {_brief(runs[name])}", flush=True)
+        runs["ddl-wgpu"] = _attempt(bench_engine, gpu, cfg, params, ids, args)
+        print(f"  ddl-wgpu: {_brief(runs['ddl-wgpu'])}", flush=True)
         if torch is not None:
             try:
                 entry["torch_init_loss"] = torch_loss(torch, tdev, cfg, params, ids)
@@ -302,7 +275,7 @@ def main(argv=None) -> int:
                 runs[name] = _attempt(bench_torch, torch, tdev, cfg, params, ids, args, bf16)
                 print(f"  {name}: {_brief(runs[name])}", flush=True)
                 common.torch_free(torch, tdev)
-        # the same-run correctness gate: initial losses must agree (every engine run, f16 included)
+        # the same-run correctness gate: initial losses must agree
         tl = entry.get("torch_init_loss")
         for name in [n for n in runs if n.startswith("ddl-wgpu")]:
             wl = runs[name].get("init_loss")
@@ -366,20 +339,6 @@ def main(argv=None) -> int:
         f"total {data['wall_s']:.0f}s; {'all checks passed' if not failed else 'FAILED: ' + '; '.join(failed)}"
     )
     return 1 if failed else 0
-
-
-def engine_runs(args, gpu) -> list[tuple[str, str, int | None]]:
-    """(name, precision, chunk) of the engine runs asked for; f16 only where the adapter has shader-f16."""
-    out = []
-    for prec in [p.strip() for p in args.precision.split(",") if p.strip()]:
-        if prec == "f32":
-            out.append(("ddl-wgpu", "f32", None))
-        elif "shader-f16" not in gpu.features:
-            print(f"  (no f16 runs: {gpu.name} lacks shader-f16)")
-        else:
-            chunks = [int(c) for c in args.f16_chunk.split(",")] if args.f16_chunk else [None]
-            out += [(f"ddl-wgpu f16{'' if c is None else f' c{c}'}", "f16", c) for c in chunks]
-    return out
 
 
 def _attempt(measure, *args) -> dict:

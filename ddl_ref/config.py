@@ -427,6 +427,15 @@ class ModelVariant(enum.StrEnum):
         return dataclasses.replace(base, **_VARIANTS[self.value]["overrides"])
 
     @classmethod
+    def of_config(cls, cfg: ModelConfig) -> ModelVariant:
+        """The variant whose residual fields `cfg` has: a model's variant from its config alone (every valid
+        config has the fields of exactly one row of `_VARIANTS`)."""
+        for v in cls:
+            if all(getattr(cfg, k) == x for k, x in _VARIANTS[v.value]["overrides"].items()):
+                return v
+        raise ConfigError(f"no variant has the residual fields of {cfg}")
+
+    @classmethod
     def parse(cls, name: str) -> ModelVariant:
         try:
             return cls(name.strip())

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -54,6 +55,7 @@ from ddl_wgpu.data import check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.modelfile import Model, load_model
 from ddl_wgpu.refnet import ref_runner
+from ddl_wgpu.safeio import load_json, read_regular
 
 KEYS = (
     "depth",
@@ -333,17 +335,21 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, 
     return result
 
 
-def accept_file(model_path, data_spec: str, depth: int = DEPTH, window: int = WINDOW, tokens: int | None = None,
-                backend: str = "ref", probe_conventions: bool = False, device: str | None = None,
-                trunk_dtype: str = "f32", chain_attention: str = DEFAULT_CHAIN_ATTENTION,
-                verify: bool = True) -> dict:  # fmt: skip
-    """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure."""
+def accept_file(model_path, data_spec: str, depth: int = DEPTH, window: int | None = None,
+                tokens: int | None = None, backend: str = "ref", probe_conventions: bool = False,
+                device: str | None = None, trunk_dtype: str = "f32",
+                chain_attention: str = DEFAULT_CHAIN_ATTENTION, verify: bool = True) -> dict:  # fmt: skip
+    """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure. `window` None:
+    WINDOW, or the model's context when shorter; a longer one is refused (it would silently be cut)."""
     backend = choose_backend(backend, device).name
     check_chain_attention(chain_attention)
     model = load_model(model_path, verify=verify)
+    if window is not None and window > model.cfg.max_seq_len:
+        ctx = model.cfg.max_seq_len
+        raise AcceptError(f"window {window} exceeds the model's context (max_seq_len {ctx})", field="window")
     records = load_records(data_spec, tokenizer_for(model.tokenizer), tokens)
     check_vocab(records, model.cfg.vocab_size)
-    windows = make_windows(records, min(window, model.cfg.max_seq_len), depth + 1)
+    windows = make_windows(records, min(window or WINDOW, model.cfg.max_seq_len), depth + 1)
     result = acceptance(model, windows, depth, backend, probe_conventions=probe_conventions, device=device,
                         trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
     result["data"] = str(data_spec)
@@ -356,14 +362,47 @@ def accept_file(model_path, data_spec: str, depth: int = DEPTH, window: int = WI
 # a side-by-side table of saved results (`make demo`'s heal story)
 
 
+MAX_RESULT_BYTES = 16 << 20  # a saved result is a few kilobytes (with --probe-conventions a few more)
+MAX_TABLE_DEPTH = 1024  # columns of the table; `accept --depth` is a few (a window's length at most)
+
+
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def load_result(path) -> dict:
+    """A saved `accept --json` result, read as untrusted input: a regular file of at most MAX_RESULT_BYTES of
+    JSON with an integer depth in 1..MAX_TABLE_DEPTH, that many prefix acceptances, a number τ and an anchor
+    count; AcceptError (one line naming the file) otherwise."""
+    where = str(path)
+    r = load_json(read_regular(path, "a saved accept --json result", AcceptError, MAX_RESULT_BYTES), where,
+                  AcceptError)  # fmt: skip
+    if not isinstance(r, dict):
+        raise AcceptError(f"{where}: a JSON {type(r).__name__}, not a saved `accept --json` result")
+    depth, prefix = r.get("depth"), r.get("prefix_acceptance")
+    if not (isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= MAX_TABLE_DEPTH):
+        raise AcceptError(
+            f"{where}: 'depth' is {depth!r:.40}, not an integer between 1 and {MAX_TABLE_DEPTH}"
+        )
+    if not (isinstance(prefix, list) and len(prefix) == depth and all(_number(a) for a in prefix)):
+        raise AcceptError(f"{where}: 'prefix_acceptance' is not a list of {depth} numbers (one per depth)")
+    if not _number(r.get("acceptance_length")):
+        raise AcceptError(f"{where}: 'acceptance_length' (tau) is not a number")
+    anchors = r.get("anchors")
+    if not (isinstance(anchors, int) and not isinstance(anchors, bool) and anchors >= 0):
+        raise AcceptError(f"{where}: 'anchors' is not a non-negative integer")
+    return r
+
+
 def table(results: Sequence[tuple[str, dict]]) -> str:
-    """[(label, accept JSON)] -> prefix acceptance per depth and τ, one row per result."""
+    """[(label, accept JSON)] -> prefix acceptance per depth and τ, one row per result (`load_result`'s; a
+    result less deep than another leaves its deeper cells blank)."""
     depth = max(r["depth"] for _, r in results)
     head = (
         f"{'':<12}" + "".join(f"{'A_' + str(j + 1):>9}" for j in range(depth)) + f"{'tau':>9}{'anchors':>9}"
     )
     rows = [head]
     for label, r in results:
-        cells = "".join(f"{a:>9.4f}" for a in r["prefix_acceptance"])
+        cells = "".join(f"{a:>9.4f}" for a in r["prefix_acceptance"]) + " " * 9 * (depth - r["depth"])
         rows.append(f"{label:<12}{cells}{r['acceptance_length']:>9.4f}{r['anchors']:>9}")
     return "\n".join(rows)

@@ -18,6 +18,8 @@ Public API
 - `choose_backend(requested="auto", device=None) -> BackendChoice`; `choose_from_adapters(infos) ->
   BackendChoice` (the "auto" rule on wgpu adapter-info dicts); `cpu_implementation(info) -> str | None`
   (why an adapter is a CPU implementation, None for a real GPU).
+- `require_backend(name, device=None, kind=None) -> (BackendChoice, device)`: the backend (and adapter kind)
+  a run recorded, or BackendError when this machine cannot run it; `device_kind(info)` the recorded kind.
 - `open_gpu(device=None) -> gpu.Gpu`: the process's device for an adapter choice, opened once.
 - `make_net(cfg, params, backend, device, seed=0, mtp_weight=0.0) -> TrainNet`: the training net.
 - `make_teacher(backend, model, batch=4, device=None, trunk_dtype="f32") -> Teacher`: heal's frozen trunk.
@@ -262,6 +264,34 @@ def choose_backend(requested: str = "auto", device: str | None = None) -> Backen
     return choose_from_adapters(infos)
 
 
+def device_kind(info: dict) -> str:
+    """An adapter's kind as a training checkpoint records it (`gpu.Gpu.name`): name, backend and type, from
+    `gpu.describe_adapter`'s dict."""
+    return f"{info['name']} ({info['backend']}, {info['type']})"
+
+
+def require_backend(name: str, device: str | None = None, kind: str | None = None):
+    """The backend a run recorded, here, or BackendError when this machine cannot run it; on wgpu the adapter
+    `device` (or DDL_WGPU_ADAPTER) names, else the first of the recorded `kind`, else the default adapter.
+    -> (the choice, its `adapter` the adapter's kind ("numpy" on ref); the device to open)."""
+    if name == "ref":
+        return BackendChoice("ref", "the numpy backend, as the run", "numpy"), device
+    if name != "wgpu":
+        raise UnknownBackendError(f"unknown backend {name!r}: one of wgpu, ref")
+    try:
+        from ddl_wgpu import gpu as gpu_mod
+    except ImportError as e:
+        raise BackendError(f"wgpu unavailable ({e})") from None
+    if device in (None, "") and not os.environ.get(gpu_mod.ENV_ADAPTER) and kind is not None:
+        infos = [gpu_mod.describe_adapter(a) for a in gpu_mod.enumerate_adapters()]
+        device = next((str(i) for i, info in enumerate(infos) if device_kind(info) == kind), None)
+    try:
+        info = gpu_mod.describe_adapter(gpu_mod.select_adapter(device))
+    except gpu_mod.NoAdapterError as e:
+        raise BackendError(str(e).splitlines()[0]) from None
+    return BackendChoice("wgpu", f"the run's backend, on {device_kind(info)}", device_kind(info)), device
+
+
 def _resolve(backend: str, device: str | None) -> str:
     return choose_backend(backend, device).name
 
@@ -282,15 +312,10 @@ def open_gpu(device: str | None = None) -> Gpu:
 
 
 def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | None, seed: int = 0,
-             mtp_weight: float = 0.0, precision: str = "f32") -> TrainNet:  # fmt: skip
+             mtp_weight: float = 0.0) -> TrainNet:  # fmt: skip
     """A training net on the backend; fresh parameters from `seed` when `params` is None. A model with an
-    MTP draft (`cfg.mtp`) trains it jointly, its loss weighted by `mtp_weight`. `precision` "f16": mixed
-    precision (f16 GEMM products, loss scaling; wgpu only)."""
+    MTP draft (`cfg.mtp`) trains it jointly, its loss weighted by `mtp_weight`."""
     backend = _resolve(backend, device)
-    if precision != "f32" and backend != "wgpu":
-        raise BackendError(
-            f"precision {precision} runs on the wgpu backend only (the numpy reference is float64)"
-        )
     if params is None:
         params = init_params(cfg, seed)
     if backend == "ref":
@@ -300,9 +325,7 @@ def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | 
     from ddl_wgpu.net import Net
     from ddl_wgpu.trunk import TrunkWork
 
-    return Net(
-        open_gpu(device), cfg, params, mtp_weight=mtp_weight, precision=precision, work_class=TrunkWork
-    )
+    return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight, work_class=TrunkWork)
 
 
 def _check_trunk_dtype(backend: str, trunk_dtype: str) -> None:

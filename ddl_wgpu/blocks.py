@@ -35,7 +35,6 @@ from ddl_wgpu.vocab import Vocab, head_chunk_rows
 
 # the order of the ops applied to q and k after their projections, per cfg.qk_norm
 QK_ORDER = {"none": ["rope"], "pre_rope": ["norm", "rope"], "post_rope": ["rope", "norm"]}
-PRECISIONS = ("f32", "f16")
 # (sublayer, its norm, the block activations of its input state, normed input, rstd), in forward order
 SUBLAYERS = (
     ("attn", "input_layernorm", "x", "h", "r1"),
@@ -50,21 +49,11 @@ class Blocks(GatedDeltaNet):
     (`gdn.GatedDeltaNet`, per `cfg.layer_type(i)`)."""
 
     def __init__(self, net, batch: int, seq: int, chunk_rows: int | None = None, span: int | None = None,
-                 precision: str = "f32", cfg=None):  # fmt: skip
-        """`span`: the positions the seq rows cover (default seq), at most the model's max_seq_len.
-        `precision` "f16": the GEMMs (linear layers, attention's products on the scores path, the LM head)
-        take f16 products (`ops.matmul`'s compute="f16"); everything they write, and every other op, stays
-        f32. `cfg`: the geometry the blocks are sized by, when not the net's (the MTP draft's rows: its own
-        SwiGLU width after `compress --ffn-keep`)."""
+                 cfg=None):  # fmt: skip
+        """`span`: the positions the seq rows cover (default seq), at most the model's max_seq_len. `cfg`: the
+        geometry the blocks are sized by, when not the net's (the MTP draft's rows: its own SwiGLU width after
+        `compress --ffn-keep`)."""
         cfg = net.cfg if cfg is None else cfg
-        if precision not in PRECISIONS:
-            raise GpuError(f"precision {precision!r} is not one of {list(PRECISIONS)}")
-        if precision == "f16" and "shader-f16" not in net.gpu.features:
-            raise GpuError(
-                f"--precision f16 needs the adapter feature shader-f16, which {net.gpu.name} lacks"
-            )
-        self.precision = precision
-        self.compute = {"compute": precision} if precision == "f16" else {}  # matmul's keyword, f32: none
         if (span or seq) > cfg.max_seq_len:
             raise GpuError(f"sequence length {span or seq} exceeds the model's max_seq_len {cfg.max_seq_len}")
         self.net, self.gpu, self.cfg = net, net.gpu, cfg
@@ -75,7 +64,7 @@ class Blocks(GatedDeltaNet):
         self.ddl = cfg.residual == "delta"
         self.dv = cfg.ddl_dv if self.ddl else 1
         self.S = S = N * C * self.dv  # floats in one stream/state
-        self.vocab = Vocab(net, precision)
+        self.vocab = Vocab(net)
         cos, sin = self._rope_tables()
         self.cos = self.gpu.upload(cos.astype(np.float32), "rope_cos")
         self.sin = self.gpu.upload(sin.astype(np.float32), "rope_sin")
@@ -203,18 +192,18 @@ class Blocks(GatedDeltaNet):
     def _linear(self, out, x, name: str, n_out: int, n_in: int) -> Call:
         """out (N, n_out) = x (N, n_in) · W[name]ᵀ."""
         return k_mm.linear_forward(self.gpu, out, x, self.net.view(name), self.N, n_out, n_in,
-                                   self.net.wdtype(name), **self.compute)  # fmt: skip
+                                   self.net.wdtype(name))  # fmt: skip
 
     def _linear_backward(self, dx, dout, x, name: str, n_out: int, n_in: int, accumulate_dx=False) -> Call:
         """dx (+)= dout · W[name]; dW[name] += doutᵀ · x."""
         w, dw = self.net.view(name), self.net.view(name, "g")
         return k_mm.linear_backward(self.gpu, dx, dw, dout, x, w, self.N, n_out, n_in,
-                                    accumulate_dx=accumulate_dx, accumulate_dw=True, **self.compute)  # fmt: skip
+                                    accumulate_dx=accumulate_dx, accumulate_dw=True)  # fmt: skip
 
     def _project_out(self, out, x, name: str, n_in: int, accumulate: bool) -> Call:
         """out (N, C) (+)= x (N, n_in) · W[name]ᵀ: a sublayer's output projection (into the residual)."""
         return k_mm.matmul(self.gpu, out, x, self.net.view(name), self.N, self.C, n_in, trans_b=True,
-                           accumulate=accumulate, b_dtype=self.net.wdtype(name), **self.compute)  # fmt: skip
+                           accumulate=accumulate, b_dtype=self.net.wdtype(name))  # fmt: skip
 
     def _norm(self, out, rstd, x, name: str, rows: int | None = None, dim: int | None = None) -> Call:
         cfg = self.cfg
@@ -316,7 +305,7 @@ class Blocks(GatedDeltaNet):
     def attend(self, a: dict) -> Call:
         """a["a"], a["lse"] = causal attention of the final q, k over v."""
         q, k = self._qk_final(a, "q"), self._qk_final(a, "k")
-        return k_attn.attention_forward(self.gpu, a["a"], a["lse"], q, k, a["v"], *self.heads, **self.compute)
+        return k_attn.attention_forward(self.gpu, a["a"], a["lse"], q, k, a["v"], *self.heads)
 
     def _qk_final(self, a: dict, t: str):
         return a[t + str(len(QK_ORDER[self.cfg.qk_norm]))]
@@ -428,7 +417,7 @@ class Blocks(GatedDeltaNet):
         q, k = self._qk_final(a, "q"), self._qk_final(a, "k")
         grads = (self.dq[0], self.dk[0], self.dv_)
         return k_attn.attention_backward(
-            self.gpu, *grads, self.da, a["a"], a["lse"], q, k, a["v"], *self.heads, **self.compute
+            self.gpu, *grads, self.da, a["a"], a["lse"], q, k, a["v"], *self.heads
         )
 
     def _qk_backward(self, a: dict, t: str, nh: int, p: str, dfinal, scratch) -> tuple[Call, object]:

@@ -7,19 +7,35 @@ which backend it chose and why. Progress is readable lines (`--json`: JSON lines
 or command that gets the user further, and exit with 2; nothing a user can trigger ends in a traceback.
 """
 
+# ruff: noqa: E402 (the Ctrl-C handler of the start is set before the other imports, which take a while)
 from __future__ import annotations
+
+import signal
+import sys
+
+
+def _interrupted_while_starting(*_signal) -> None:
+    """Ctrl-C while the package is still importing (the first few tenths of a second): the entry point's one
+    line and status 130, as anywhere later, not a KeyboardInterrupt traceback from inside some import."""
+    sys.stderr.write("interrupted\n")
+    raise SystemExit(130)
+
+
+try:  # only the main thread may set a handler; an import from another thread leaves Ctrl-C as it is
+    _STARTING_SIGINT = signal.signal(signal.SIGINT, _interrupted_while_starting)
+except ValueError:
+    _STARTING_SIGINT = None
 
 import contextlib
 import json
 import os
-import signal
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import typer
 from typer._click import exceptions as usage  # typer parses with its own copy of click
+from typer._click import utils as usage_utils
 
 from ddl_ref.config import ModelVariant, MtpConfig, parse_variants
 from ddl_ref.params import init_params, param_table
@@ -38,6 +54,9 @@ from ddl_wgpu.cli_checks import (
     in_range,
     is_user_error,
     output_file,
+    resume_backend,
+    sweep_backend,
+    within_context,
 )
 from ddl_wgpu.cli_options import (
     BackendOpt,
@@ -46,6 +65,7 @@ from ddl_wgpu.cli_options import (
     DevicesOpt,
     DModel,
     FfnHidden,
+    ForceOpt,
     HeadDim,
     MaxSeqLen,
     NHeads,
@@ -53,7 +73,6 @@ from ddl_wgpu.cli_options import (
     NLayers,
     NormStyle,
     NoVerify,
-    PrecisionOpt,
     QkNorm,
     RayOpt,
     RopeTheta,
@@ -66,7 +85,7 @@ from ddl_wgpu.cli_options import (
     model_config,
     opt,
 )
-from ddl_wgpu.compress import compress_file
+from ddl_wgpu.compress import CompressError, compress_file
 from ddl_wgpu.console import HealConsole, TrainConsole, accept_text, fields, ranked_table, summary_text
 from ddl_wgpu.data import (
     DEFAULT_MAX_TOKENS,
@@ -82,7 +101,8 @@ from ddl_wgpu.inspect import describe, render_text
 from ddl_wgpu.modelfile import Model, load_model, save_model
 from ddl_wgpu.plots import write_plots
 from ddl_wgpu.rundir import RunLock, claim_output
-from ddl_wgpu.safeio import refuse_overwrite_input
+from ddl_wgpu.safeio import read_regular, refuse_overwrite_input
+from ddl_wgpu.sweep_checks import capped_runner, check_runner
 
 app = typer.Typer(
     add_completion=False,
@@ -172,6 +192,7 @@ def init(
     norm_style: NormStyle = None,
     tie_embeddings: TieEmbeddings = None,
     mtp: bool = typer.Option(False, "--mtp", help="Add an MTP draft block (model.mtp.*)."),
+    force: ForceOpt = False,
 ):
     """Write a freshly initialised model file."""
     in_range("seed", seed, 0)
@@ -180,7 +201,7 @@ def init(
     cfg = v.resolve_config(base)
     if mtp:
         cfg = replace(cfg, mtp=MtpConfig())
-    output_file(out)
+    output_file(out, force)
     fits(cfg, False, "the model")
     params = init_params(cfg, seed)
     save_model(out, Model(cfg, params, variant=v.slug, provenance={"init": {"seed": seed, "preset": preset}}))
@@ -195,7 +216,9 @@ def init(
 def eval_(
     model: Path = typer.Argument(..., help="Model or checkpoint file."),
     data: str = typer.Option(..., "--data", help="Data spec: file, folder, .jsonl, .bin, .npy or 'stdlib'."),
-    seq_len: int = typer.Option(128, "--seq-len", help="Window length."),
+    seq_len: int = typer.Option(
+        None, "--seq-len", help="Window length (default: 128, or the model's context when shorter)."
+    ),
     batch: int = typer.Option(8, "--batch", help="Windows per batch."),
     max_tokens: int = typer.Option(200_000, "--max-tokens", help="Read at most this many tokens (0: all)."),
     backend: BackendOpt = "auto",
@@ -207,14 +230,15 @@ def eval_(
     in_range("seq-len", seq_len, 2)
     in_range("batch", batch, 1)
     in_range("max-tokens", max_tokens, 0)
-    batch_tokens("batch", batch, seq_len)
+    batch_tokens("batch", batch, seq_len or 128)
     choice = choose_backend(backend, device)
     typer.echo(backend_line(choice), err=as_json)
     m = load_model(model, verify=not no_verify)
+    within_context("seq-len", seq_len, m.cfg)
     ds = eval_windows(
         data,
         tokenizer=tokenizer_for(m.tokenizer),
-        seq_len=min(seq_len, m.cfg.max_seq_len),
+        seq_len=seq_len or min(128, m.cfg.max_seq_len),
         batch_size=batch,
         max_tokens=max_tokens or None,
         vocab_size=m.cfg.vocab_size,
@@ -249,9 +273,11 @@ def import_hf(
         ..., help="Hugging Face folder: config.json + *.safetensors (+ tokenizer.json)."
     ),
     out: Path = typer.Argument(..., help="Model file to write (.ddlw)."),
+    force: ForceOpt = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Import a Qwen3 or Llama checkpoint folder into our container."""
+    output_file(out, force, flag="")
     summary = import_hf_to_file(folder, out)
     emit(summary, as_json, summary_text(summary) + f"\nwrote {out}")
 
@@ -373,7 +399,6 @@ def train(
     ray: RayOpt = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
-    precision: PrecisionOpt = "f32",
 ):
     """Train a sweep of variants on the same data and budget; write reports, checkpoints and plots."""
     in_range("save-interval", save_interval, 0)
@@ -403,32 +428,30 @@ def train(
     if seq_len > base.max_seq_len:
         fail(f"--seq-len {seq_len} exceeds the model's max_seq_len {base.max_seq_len} (see --max-seq-len)")
     batch_tokens("batch-size", batch_size, seq_len)
-    if precision not in ("f32", "f16"):
-        fail(f"--precision must be f32 or f16, got {precision!r}")
     vs = parse_variants(variants)
     for v in vs:
         fits(v.resolve_config(base), True, f"variant {v.slug}")
     choice = choose_backend(backend, device)
-    if precision != "f32" and choice.name != "wgpu":
-        fail(
-            f"--precision {precision} runs on the wgpu backend only ({backend_line(choice)}): pass --backend wgpu"
-        )
     source = data_source(data, val_data, val_fraction, max_tokens)
+    sweep = seeds is not None or devices is not None or workers or ray is not None
+    if sweep:  # every check a job would make, before the folder is claimed and any job starts
+        in_range("workers", workers, 0)
+        seed_list = sweep_lib.parse_seeds(seeds) if seeds is not None else [seed]
+        sw = sweep_lib.Sweep(base.to_dict(), replace(tcfg, seed=seed_list[0]).to_dict(), [v.slug for v in vs],
+                             seed_list, source, choice.name, save_interval, plots=plots)  # fmt: skip
+        runner, capped = capped_runner(choice.name, devices, workers, ray, device, len(sw.jobs()))
+        check_runner(runner, choice.name, device)
     with claim_output(out, overwrite):
-        if seeds is not None or devices is not None or workers or ray is not None:
-            seed_list = sweep_lib.parse_seeds(seeds) if seeds is not None else [seed]
-            sw = sweep_lib.Sweep(base.to_dict(), replace(tcfg, seed=seed_list[0]).to_dict(), [v.slug for v in vs],
-                                 seed_list, source, choice.name, save_interval, precision)  # fmt: skip
-            runner = sweep_lib.Runner.parse(choice.name, devices, workers, ray, device)
+        if sweep:
             typer.echo(f"resolved configuration:\n  model:    {fields(base.to_dict())}\n  training: "
                        f"{fields(sw.training)}\n  data:     {fields(source)}\n  {backend_line(choice)}\n"
                        f"  sweep:    {len(sw.jobs())} jobs ({len(vs)} variants x {len(seed_list)} seeds), "
-                       f"{runner.describe()}")  # fmt: skip
+                       f"{runner.describe()}{capped}")  # fmt: skip
             return _sweep(lambda: sweep_lib.run(sw, out, runner, stop_after), out, plots)
-        _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots, precision)
+        _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots)
 
 
-def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots, precision):
+def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop_after, plots):
     """`train` once its options are checked and its output folder claimed."""
     batch_size, seq_len = tcfg.batch_size, tcfg.seq_len
     trn, val = load_source(source, seq_len, batch_size, base.vocab_size, tcfg.seed)
@@ -443,13 +466,9 @@ def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop
     if val is not None:
         typer.echo(f"  val:      {fields(val.summary())}")
     typer.echo(f"  tokens per step: {batch_size * seq_len:,}")
-    if precision != "f32":
-        typer.echo(
-            f"  precision: {precision} (f16 GEMM products, f32 weights/optimizer, dynamic loss scaling)"
-        )
     con = TrainConsole()
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
-                                stop_after=stop_after, progress=con, data=source, precision=precision)  # fmt: skip
+                                stop_after=stop_after, progress=con, data=source)  # fmt: skip
     comp = _run(lambda: train_lib.train_variants(base, vs, trn, val, tcfg, out, opts), con)
     try:
         _finish_train(comp, out, tcfg, plots)
@@ -553,6 +572,9 @@ def resume(
     steps: int = typer.Option(
         None, "--steps", help="Train a new phase of N steps (default: finish the run)."
     ),
+    restart_data: bool = typer.Option(
+        False, "--restart-data", help="New phase: start the data order at its first batch (the reference's)."
+    ),
     learning_rate: float = opt(None, "New phase: peak learning rate.", TRAIN_HELP),
     min_learning_rate: float = opt(None, "New phase: cosine floor.", TRAIN_HELP),
     eval_interval: int = opt(None, "New phase: evaluation interval.", TRAIN_HELP),
@@ -568,6 +590,9 @@ def resume(
     mtp_weight: float = opt(None, "New phase: weight of the draft's loss (joint MTP training).", TRAIN_HELP),
     grad_clip_mode: str = opt(None, "New phase: per-tensor or global clipping.", TRAIN_HELP),
     out: Path = typer.Option(None, "--out", help="Write here instead of the checkpoint's folder."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Write into an --out folder that holds another run, replacing it."
+    ),
     save_interval: int = typer.Option(0, "--save-interval", help="Save a checkpoint every N steps."),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop again after N steps."),
     devices: DevicesOpt = None,
@@ -584,14 +609,20 @@ def resume(
     in_range("val-fraction", val_fraction, 0.0, 1.0)
     in_range("steps", steps, 1)
     in_range("eval-interval", eval_interval, 1)
+    if restart_data and steps is None:
+        fail("--restart-data restarts the data order of a new phase: pass --steps N")
+    in_range("workers", workers, 0)
     if checkpoint.is_dir():  # a sweep: by default where and on what backend it ran
-        sw = sweep_lib.Sweep.load(checkpoint)
-        back = choose_backend(backend, device).name if backend != "auto" else sw.backend
+        sw = sweep_lib.Sweep.load(checkpoint, say=lambda line: typer.echo(line, err=True))
+        back = sweep_backend(sw.backend, backend, device)
         runner = None
         if devices is not None or workers or ray is not None:
-            runner = sweep_lib.Runner.parse(back, devices, workers, ray, device)
+            runner, _ = capped_runner(back, devices, workers, ray, device, len(sw.jobs()))
+            check_runner(runner, back, device)
         with RunLock(checkpoint):
-            return _sweep(lambda: sweep_lib.resume(checkpoint, runner, back, stop_after), checkpoint, True)
+            return _sweep(
+                lambda: sweep_lib.resume(checkpoint, runner, back, stop_after), checkpoint, sw.plots
+            )
     ck = train_lib.load_checkpoint(checkpoint, verify=not no_verify)
     tr = ck["report"]["training"]
     recorded = _recorded_source(ck)
@@ -603,7 +634,7 @@ def resume(
     }
     if source["data"] is None:
         fail(f"{checkpoint} does not record its training data: pass --data SPEC")
-    choice = choose_backend(backend, device)
+    choice, device, switch = resume_backend(ck["backend"], backend, device, steps is not None)
     trn, val = load_source(source, tr["seq_len"], tr["batch_size"], ck["cfg"].vocab_size, tr["seed"])
     typer.echo("resolved configuration:")
     typer.echo(
@@ -611,6 +642,8 @@ def resume(
     )
     typer.echo("  data:     " + fields(source))
     typer.echo("  " + backend_line(choice))
+    if switch:
+        typer.echo(switch)
     over = {
         k: v
         for k, v in dict(
@@ -630,20 +663,23 @@ def resume(
         if v is not None
     }
     if steps is not None:
-        typer.echo(f"  new phase: {steps} steps" + (", " + fields(over) if over else ""))
+        restart = ", data order from its first batch (--restart-data)" if restart_data else ""
+        typer.echo(f"  new phase: {steps} steps" + (", " + fields(over) if over else "") + restart)
     con = TrainConsole()
     opts = train_lib.RunOptions(backend=choice.name, device=device, save_interval=save_interval,
                                 stop_after=stop_after, progress=con, data=source)  # fmt: skip
     where = out or checkpoint.parent
     sweep_dir = checkpoint.parent.parent if ck["sweep"] and out is None and steps is None else None
+    elsewhere = out is not None and out.resolve() != checkpoint.parent.resolve()
+    if elsewhere:  # --overwrite would clear the very checkpoint the run continues from
+        refuse_overwrite_input(out, [checkpoint], train_lib.TrainingError)
+    # another --out is claimed as `train` claims its own: a new phase never writes over another run
     with contextlib.ExitStack() as locks:
-        locks.enter_context(RunLock(where))
+        locks.enter_context(claim_output(where, overwrite) if elsewhere else RunLock(where))
         if sweep_dir is not None:  # finishing the sweep writes its other variants and its report
             locks.enter_context(RunLock(sweep_dir))
-        rep = _run(
-            lambda: train_lib.resume(checkpoint, trn, val, opts, out_dir=out, steps=steps, overrides=over),
-            con,
-        )
+        phase = dict(out_dir=out, steps=steps, overrides=over, restart_data=restart_data)
+        rep = _run(lambda: train_lib.resume(checkpoint, trn, val, opts, **phase), con)
     fv = rep.get("final_validation") or {}
     typer.echo(
         f"{rep['variant']}: {rep['steps_completed']} steps, status {rep.get('status')}, "
@@ -671,11 +707,13 @@ def compress(
     ffn_keep: float = typer.Option(
         None, "--ffn-keep", help="Fraction of each SwiGLU's channels to keep (0, 1]."
     ),
+    force: ForceOpt = False,
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Structural compress: drop whole blocks, or keep the most important SwiGLU channels."""
-    output_file(out)
+    refuse_overwrite_input(out, [model], CompressError)  # "is the input" says more than "exists"
+    output_file(out, force)
     prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep, verify=not no_verify)
     emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
 
@@ -685,7 +723,11 @@ def accept(
     model: Path = typer.Argument(..., help="Model file with an MTP draft (model.mtp.*)."),
     data: str = typer.Option(..., "--data", help="Data spec."),
     depth: int = typer.Option(accept_lib.DEPTH, "--depth", help="Draft chain depth K."),
-    window: int = typer.Option(accept_lib.WINDOW, "--window", help="Window length."),
+    window: int = typer.Option(
+        None,
+        "--window",
+        help=f"Window length (default: {accept_lib.WINDOW}, or the model's context when shorter).",
+    ),
     tokens: int = typer.Option(accept_lib.TOKENS, "--tokens", help="Tokens to measure on (0: all)."),
     probe_conventions: bool = typer.Option(
         False, "--probe-conventions", help="Also measure the other concat order and hidden conventions."
@@ -701,6 +743,8 @@ def accept(
     in_range("depth", depth, 1)
     in_range("window", window, depth + 1)
     in_range("tokens", tokens, 0)
+    if window is None and depth + 1 > accept_lib.WINDOW:
+        fail(f"--depth {depth} needs windows of at least {depth + 1} tokens: pass --window")
     choice = choose_backend(backend, device)
     typer.echo(backend_line(choice), err=as_json)
     r = accept_lib.accept_file(model, data, depth=depth, window=window, tokens=tokens or None,
@@ -720,7 +764,7 @@ def accept_table(
         label, sep, path = arg.partition("=")
         if not sep:
             fail(f"accept-table: expected LABEL=FILE.json, got {arg!r}")
-        rows.append((label, json.loads(Path(path).read_text())))
+        rows.append((label, accept_lib.load_result(path)))
     typer.echo(accept_lib.table(rows))
 
 
@@ -734,7 +778,7 @@ def heal(
     ),
     chain: int = opt(HEAL.chain, "Chain steps trained (the runtime drafts 3-5 deep).", HEAL_HELP),
     refresh: int = opt(
-        HEAL.refresh, "Steps between rebuilds of chain steps 2.. from the current draft.", HEAL_HELP
+        HEAL.refresh, "Steps between rebuilds of chain steps 2.. from the draft (0: never).", HEAL_HELP
     ),
     tokens: int = opt(HEAL.tokens, "Token budget of all windows.", HEAL_HELP),
     window: int = opt(HEAL.window, "Window length.", HEAL_HELP),
@@ -759,11 +803,12 @@ def heal(
     ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    force: ForceOpt = False,
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="JSON progress lines and the report as JSON."),
 ):
     """Retrain the MTP draft head on its own trunk by top-k KL self-distillation; write it back into OUT."""
-    for flag, value, lo in (("chain", chain, 1), ("refresh", refresh, 1), ("tokens", tokens, 1), ("window", window, 2),
+    for flag, value, lo in (("chain", chain, 1), ("refresh", refresh, 0), ("tokens", tokens, 1), ("window", window, 2),
                             ("topk", topk, 1), ("batch", batch, 1), ("eval-every", eval_every, 1),
                             ("patience", patience, 0), ("seed", seed, 0)):  # fmt: skip
         in_range(flag, value, lo)
@@ -772,7 +817,7 @@ def heal(
         fail(f"--chain {chain} needs windows longer than the chain: --window {window} is too short")
     batch_tokens("batch", batch, window, "window")
     refuse_overwrite_input(out, [model, init], heal_lib.HealError)
-    output_file(out)
+    output_file(out, force)
     cfg = heal_lib.HealConfig(chain=chain, refresh=refresh, tokens=tokens, window=window, epochs=epochs, lr=lr,
                               topk=topk, batch=batch, eval_every=eval_every, patience=patience, seed=seed,
                               trunk_dtype=trunk_dtype, chain_attention=chain_attention,
@@ -796,17 +841,26 @@ def heal(
 # generate
 
 
-def _prompt_of(prompt: str | None, prompt_file: Path | None) -> str | bytes:
-    """--prompt TEXT, --prompt-file FILE (its bytes), else standard input (its bytes)."""
+def _prompt_of(prompt: str | None, prompt_file: Path | None, m: Model) -> bytes:
+    """--prompt TEXT (the bytes typed), --prompt-file FILE (a regular file's bytes), else standard input (its
+    bytes); none longer than a prompt of the model can be (`generate.prompt_limit`), read no further."""
     if prompt is not None and prompt_file is not None:
         fail("give --prompt or --prompt-file, not both")
+    limit = generate_lib.prompt_limit(m)
+    what = f"a prompt of this model (its context is {m.cfg.max_seq_len} tokens)"
     if prompt is not None:
-        return prompt
+        try:  # the arguments' own bytes: invalid UTF-8 reaches the tokenizer as the bytes it was
+            return prompt.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            fail("--prompt holds a lone UTF-16 surrogate, which is not text")
     if prompt_file is not None:
-        return prompt_file.read_bytes()
+        return read_regular(prompt_file, what, generate_lib.GenerateError, limit)
     if sys.stdin is None or sys.stdin.isatty():
         fail("no prompt: give --prompt TEXT, --prompt-file FILE, or the text on standard input")
-    return sys.stdin.buffer.read()
+    text = sys.stdin.buffer.read(limit + 1)
+    if len(text) > limit:
+        fail(f"standard input holds more than the {limit} bytes allowed for {what}")
+    return text
 
 
 def _write_now(text: str) -> None:
@@ -840,11 +894,16 @@ def generate(
 ):
     """Continue a prompt: the text streamed as it is produced (greedy, or sampled), optionally speculating with
     the model's MTP draft; a summary line (tokens/s, the draft's acceptance) on standard error."""
-    text = _prompt_of(prompt, prompt_file)
+    in_range("seed", seed, 0)
+    in_range("depth", depth, 1)
     sampling = generate_lib.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     choice = choose_backend(backend, device)
+    m = load_model(model)
+    if speculative:  # a round drafts within the model's context (and sizes its cache by the depth)
+        in_range("depth", depth, 1, m.cfg.max_seq_len - 1)
+    text = _prompt_of(prompt, prompt_file, m)
     typer.echo(backend_line(choice), err=True)
-    r = generate_lib.generate(model, text, max_new_tokens=max_new_tokens, sampling=sampling, stops=stop or (),
+    r = generate_lib.generate(m, text, max_new_tokens=max_new_tokens, sampling=sampling, stops=stop or (),
                               speculative=speculative, depth=depth, backend=choice.name, device=device,
                               on_text=None if as_json else _write_now, dtype=trunk_dtype)  # fmt: skip
     if as_json:
@@ -858,14 +917,38 @@ def generate(
 # errors
 
 
+if _STARTING_SIGINT is not None:  # the package is imported: Ctrl-C is a KeyboardInterrupt again
+    signal.signal(signal.SIGINT, _STARTING_SIGINT)
+
+
 def main():
-    """Console-script entry point: run the app; user errors and usage errors become one line and exit 2."""
-    sys.exit(_main())
+    """Console-script entry point: run the app; user errors and usage errors become one line and exit 2, a
+    Ctrl-C one line (what was saved, where a command knows) and exit 130."""
+    try:
+        code = _main()
+    except KeyboardInterrupt:  # in the last instants of `_main`, as it returned
+        code = 130
+    sys.exit(code)
+
+
+def _invoke() -> int:
+    """Run the app as typer's `app()` does, but let a KeyboardInterrupt through: typer turns it into a
+    silent exit 130, before `_main` can say what was interrupted."""
+    command = typer.main.get_command(app)
+    try:
+        with command.make_context(usage_utils._detect_program_name(), sys.argv[1:]) as ctx:
+            code = command.invoke(ctx)
+    except typer.Exit as e:
+        code = e.exit_code
+    return code if isinstance(code, int) else 0
 
 
 def _main() -> int:
+    if sys.stdout is None:  # started with standard output closed (`>&-`): where would the results go?
+        typer.echo("error: standard output is closed; redirect it instead (e.g. > /dev/null)", err=True)
+        return EXIT_USER_ERROR
     try:
-        code = app(standalone_mode=False)
+        code = _invoke()
         # the command is done: a Ctrl-C from now on has nothing left to interrupt (and must not turn the exit
         # into a death by SIGINT)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -879,7 +962,12 @@ def _main() -> int:
     except usage.ClickException as e:
         typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
         return EXIT_USER_ERROR
-    except (typer.Abort, KeyboardInterrupt):
+    except BrokenPipeError:  # the reader of standard output went away (`| head`): nothing more to say
+        with contextlib.suppress(OSError, ValueError):  # the exit's own flush must not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (typer.Abort, KeyboardInterrupt, EOFError):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one line, whatever more Ctrl-C follows
         typer.echo("interrupted", err=True)
         return 130
     except Exception as e:
@@ -887,7 +975,7 @@ def _main() -> int:
             raise
         typer.echo(error_line(e), err=True)
         return EXIT_USER_ERROR
-    return code if isinstance(code, int) else 0
+    return code
 
 
 if __name__ == "__main__":

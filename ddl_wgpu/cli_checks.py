@@ -12,8 +12,9 @@ from pathlib import Path
 import typer
 
 from ddl_ref.config import ConfigError
-from ddl_wgpu.backend import BackendError, UnknownBackendError
+from ddl_wgpu.backend import BackendChoice, BackendError, UnknownBackendError, choose_backend, require_backend
 from ddl_wgpu.container import CheckpointError
+from ddl_wgpu.container_format import _stale_set_files  # a model saved as shards: NAME-00001-of-00002.ddlw
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.hf import HfError
 from ddl_wgpu.modelfile import check_fits
@@ -46,20 +47,31 @@ def batch_tokens(batch_flag: str, batch: int, length: int, length_flag: str = "s
         )
 
 
-def output_file(out: Path) -> None:
-    """An output file must not be a folder and its folder must be writable."""
+def output_file(out: Path, force: bool = True, flag: str = "--out") -> None:
+    """An output file must not be a folder, its folder must be writable, and unless `force` it must not
+    exist: a model file (a trained one, maybe) is never replaced unasked. `flag`: how the message names it."""
+    label = f"{flag} {out}" if flag else str(out)
     if out.is_dir():
-        fail(f"--out {out} is a folder; name the file to write (e.g. {out / 'model.ddlw'})")
+        fail(f"{label} is a folder; name the file to write (e.g. {out / 'model.ddlw'})")
+    if not force and (out.exists() or out.is_symlink() or _stale_set_files(out)):
+        fail(f"{label} already exists; pass --force to replace it")
     parent = out.parent if str(out.parent) else Path(".")
     if parent.exists() and not parent.is_dir():
-        fail(f"--out {out}: {parent} is not a folder")
+        fail(f"{label}: {parent} is not a folder")
     if not parent.exists():
         try:
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            fail(f"--out {out}: cannot create {parent}: {e.strerror or e}")
+            fail(f"{label}: cannot create {parent}: {e.strerror or e}")
     if not os.access(parent, os.W_OK | os.X_OK):
-        fail(f"--out {out}: the folder {parent} is not writable")
+        fail(f"{label}: the folder {parent} is not writable")
+
+
+def within_context(flag: str, value: int | None, cfg) -> None:
+    """One `error:` line when a window of `value` tokens (None: the default, fitted to the model) is longer
+    than the model's context: it would silently be cut to it (as `train` and `heal` refuse)."""
+    if value is not None and value > cfg.max_seq_len:
+        fail(f"--{flag} {value} exceeds the model's context (max_seq_len {cfg.max_seq_len})")
 
 
 def fits(cfg, training: bool, what: str) -> None:
@@ -68,6 +80,59 @@ def fits(cfg, training: bool, what: str) -> None:
         check_fits(cfg, training, what)
     except ConfigError as e:
         fail(f"{e} (see the model options, e.g. --d-model, --n-layers, --vocab-size)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the backend of a resumed run
+
+
+def resume_backend(recorded: dict | None, requested: str, device: str | None,
+                   new_phase: bool) -> tuple[BackendChoice, str | None, str | None]:  # fmt: skip
+    """The backend of `resume CHECKPOINT` -> (choice, the device to open, a line to print or None).
+
+    An exact resume continues where the run trained (`train.backend`: backend and adapter kind), since another
+    backend takes another float path and the history would diverge from the first resumed step: `auto` means
+    the recorded backend, and another one, or a recorded one this machine cannot run, is refused naming
+    --backend. A new phase (`--steps N`) may switch, and says so. A checkpoint from before the backend was
+    recorded resumes as before (`auto` chooses)."""
+    if recorded is None:
+        return choose_backend(requested, device), device, None
+    was, kind = recorded["backend"], recorded["device"]
+    trained = f"the run trained on the {was} backend ({kind})"
+    if new_phase and requested != "auto":
+        choice = choose_backend(requested, device)
+    else:
+        if requested not in ("auto", was):
+            fail(f"{trained}; an exact resume continues it there, bit for bit: pass --backend {was} (or no "
+                 f"--backend), or train a new phase on {requested} with --steps N")  # fmt: skip
+        try:
+            choice, device = require_backend(was, device, kind)
+        except BackendError as e:
+            if not new_phase:
+                fail(f"{trained}, which this machine cannot run ({e}); an exact resume continues it there: "
+                     "train a new phase on another backend with --steps N --backend ref")  # fmt: skip
+            choice = choose_backend("auto", device)
+    if choice.name != was:
+        return choice, device, f"  backend switch: {trained}; this new phase runs on {choice.name}"
+    if choice.adapter is not None and choice.adapter != kind:
+        return choice, device, (f"  note: the run trained on {kind}; it continues on {choice.adapter} (the "
+                                "same backend on another adapter: the last bits may differ)")  # fmt: skip
+    return choice, device, None
+
+
+def sweep_backend(recorded: str, requested: str, device: str | None) -> str:
+    """The backend of `resume DIR`: the sweep's own (its jobs' checkpoints continue bit for bit there only),
+    refused naming --backend when another is asked for or this machine cannot run it."""
+    trained = f"the sweep trained on the {recorded} backend"
+    if requested not in ("auto", recorded):
+        fail(f"{trained}; resume finishes its jobs there, bit for bit: pass --backend {recorded} (or no "
+             "--backend)")  # fmt: skip
+    try:
+        require_backend(recorded, device)
+    except BackendError as e:
+        fail(f"{trained}, which this machine cannot run ({e}); resume it where it can run (--backend, "
+             "--device)")  # fmt: skip
+    return recorded
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -83,7 +148,8 @@ HINTS = {
     "trunk_needs_wgpu": "use --backend wgpu or --trunk-dtype f32",
     "one_method": "pass exactly one of --drop-layers LIST and --ffn-keep F",
     "too_few_windows": "give more data (--data) or a larger --tokens, or a smaller --batch",
-    "run_exists": "pass --overwrite to replace it, or continue it with `resume DIR/VARIANT/checkpoint.ddlw`",
+    "run_exists": "pass --overwrite to replace it, or continue it with `resume` (a sweep's folder, or the "
+    "checkpoint)",
     "locked": "wait for it to end, or write to another --out",
     "not_writable": "write to another --out",
     "out_not_folder": "--out names a folder to create",

@@ -25,6 +25,10 @@ NoVerify = Annotated[
     ),
 ]
 
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Replace the output file when it exists (else refused).")
+]
+
 
 # ---------------------------------------------------------------------------------------------------------
 # the backend
@@ -37,10 +41,6 @@ BackendOpt = Annotated[
     ),
 ]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="Adapter index or name substring.")]
-PrecisionOpt = Annotated[
-    str,
-    typer.Option("--precision", help="f32, or f16: mixed precision (f16 GEMM products, loss scaling; wgpu)."),
-]
 
 
 DevicesOpt = Annotated[

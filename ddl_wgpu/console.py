@@ -159,13 +159,11 @@ class HealConsole:
                 self.say(f"  trunk: {ev['done']}/{ev['windows']} windows ({dt:.1f} s)")
         elif kind == "refresh":
             steps = "step 2" if ev["chain"] == 2 else f"steps 2..{ev['chain']}"
-            if not ev.get("lazy"):
-                self.say(f"  chain {steps} rebuilt from the current draft ({dt:.0f} s)")
-            else:  # lazy: rows rebuilt per batch of windows when first read, from the weights kept here
-                full = (ev["chain"] - 1) * ev["batches"]
-                last = f"; the last period rebuilt {ev['rebuilt']} of {full} batches" if ev["step"] else ""
-                self.say(f"  chain {steps} stale from step {ev['step']}: rebuilt on demand from the draft "
-                         f"kept here{last} ({dt:.0f} s)")  # fmt: skip
+            # rows rebuilt per batch of windows when first read, from the weights kept here
+            full = (ev["chain"] - 1) * ev["batches"]
+            last = f"; the last period rebuilt {ev['rebuilt']} of {full} batches" if ev["step"] else ""
+            self.say(f"  chain {steps} stale from step {ev['step']}: rebuilt on demand from the draft "
+                     f"kept here{last} ({dt:.0f} s)")  # fmt: skip
         elif kind == "eval" and ev["step"] == 0:
             self.say(
                 f"  held-out KL to the trunk before training, per chain step: {kl_text(ev['heldout_kl'])}"

@@ -83,6 +83,8 @@ class Sampling:
             raise GenerateError(f"top_k must be >= 0 (0: no limit), got {self.top_k}", field="top_k")
         if not 0 < self.top_p <= 1:
             raise GenerateError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
+        if not (isinstance(self.seed, int) and 0 <= self.seed < 1 << 128):  # numpy seeds from non-negatives
+            raise GenerateError(f"seed must be a non-negative integer, got {self.seed}", field="seed")
 
     @property
     def greedy(self) -> bool:
@@ -283,8 +285,28 @@ def run(engine: Engine, tokenizer, prompt_ids, context: int, max_new_tokens: int
 # the entry point
 
 
+# The longest prompt worth reading: the prompt must leave room in the model's context, and no token of a
+# Hugging Face vocabulary is near this many bytes (a byte token is one); reading more (a 5 GB file,
+# /dev/zero on standard input) would only fill the memory before the refusal.
+MAX_TOKEN_BYTES = 64
+
+
+def prompt_limit(model: Model) -> int:
+    """The most bytes a prompt for `model` can take (its context, at the longest a token can be)."""
+    return model.cfg.max_seq_len * (
+        1 if model.tokenizer is None or len(model.tokenizer) == 0 else MAX_TOKEN_BYTES
+    )
+
+
 def encode_prompt(model: Model, prompt: str | bytes, tokenizer=None) -> np.ndarray:
     tok = tokenizer if tokenizer is not None else tokenizer_for(model.tokenizer)
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise GenerateError(
+                "the prompt holds a lone UTF-16 surrogate, which is not text", field="prompt"
+            ) from None
     ids = tok.encode_bytes(prompt) if isinstance(prompt, bytes) else tok.encode(prompt)
     if ids.size == 0:
         raise GenerateError("empty prompt: give at least one character of text", field="prompt")
@@ -328,8 +350,9 @@ def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = MAX_
             raise GenerateError("speculative decoding needs the model's MTP draft, and this model has none "
                                 "(no model.mtp.* tensors: a model trained with a draft, or healed, has them)",
                                 field="speculative")  # fmt: skip
-        if depth < 1:
-            raise GenerateError(f"depth must be at least 1, got {depth}", field="depth")
+        if not 1 <= depth < model.cfg.max_seq_len:  # a round drafts within the context (and sizes its cache)
+            raise GenerateError(f"depth must be between 1 and the model's context less one, "
+                                f"{model.cfg.max_seq_len - 1}, got {depth}", field="depth")  # fmt: skip
     tokenizer = tokenizer_for(model.tokenizer)
     ids = encode_prompt(model, prompt, tokenizer)
     # The caches hold what this request can reach, not the model's whole context (a 40k-token Qwen3 context

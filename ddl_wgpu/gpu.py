@@ -76,7 +76,7 @@ ENV_TRUSTED = "DDL_WGPU_TRUSTED"
 # shared-memory indices in range by their loop bounds) and whose launchers check every binding's size.
 # naga otherwise clamps each array index and counts every loop's iterations: in a GEMM's inner loop that is
 # integer work beside every shared-memory load.
-TRUSTED_FILES = frozenset({"matmul.wgsl", "attention.wgsl", "attention_fused.wgsl"})
+TRUSTED_FILES = frozenset({"matmul.wgsl", "attention.wgsl"})
 
 
 def trusted_files() -> frozenset:
@@ -726,68 +726,6 @@ class Recorder:
             raise GpuError("this adapter has no timestamp-query feature")
         t = self.gpu.download(self.qbuf, np.uint64, 2)
         return float(t[1] - t[0]) * self.gpu.timestamp_period_ns() / 1e6
-
-
-class ProfileRecorder(Recorder):
-    """A Recorder for benchmarks that times every dispatch: each one gets its own compute pass with a begin
-    and an end timestamp, and `profile()` returns GPU ms per kernel (`file:entry`) after `submit()`. The
-    pass boundaries serialise dispatches the driver might otherwise overlap a little, so the sum can exceed
-    a plain recording's elapsed time by a few percent; it shows where the time goes, not the step's time.
-    Set `phase` before recording a part (e.g. "forward"): keys are then "phase|file:entry"."""
-
-    PER_SET = 2048  # dispatches per query set (4096 timestamps, Vulkan's usual pool limit)
-
-    def __init__(self, gpu: Gpu):
-        super().__init__(gpu, timestamps=False)
-        if "timestamp-query" not in gpu.features:
-            raise GpuError("profiling needs the adapter feature timestamp-query")
-        self.names: list[str] = []
-        self.sets: list = []
-        self.phase = ""
-
-    def dispatch(self, kernel: Kernel, bind_group, groups):
-        if isinstance(groups, int):
-            groups = grid(groups)
-        self._close()
-        i = len(self.names) % self.PER_SET
-        if i == 0:
-            self.sets.append(
-                self.gpu.device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * self.PER_SET)
-            )
-        p = self.enc.begin_compute_pass(
-            timestamp_writes={"query_set": self.sets[-1], "beginning_of_pass_write_index": 2 * i,
-                              "end_of_pass_write_index": 2 * i + 1}
-        )  # fmt: skip
-        p.set_pipeline(kernel.pipeline)
-        p.set_bind_group(0, bind_group)
-        p.dispatch_workgroups(*groups)
-        p.end()
-        self.names.append(f"{self.phase}|{kernel.name}" if self.phase else kernel.name)
-        self.n_dispatches += 1
-
-    def submit(self):
-        self.bufs = []
-        for j, qs in enumerate(self.sets):
-            n = min(self.PER_SET, len(self.names) - j * self.PER_SET)
-            buf = self.gpu.device.create_buffer(
-                size=16 * n, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC
-            )
-            self.enc.resolve_query_set(qs, 0, 2 * n, buf, 0)
-            self.bufs.append((buf, n))
-        super().submit()
-
-    def profile(self) -> dict[str, float]:
-        """GPU ms per kernel name, summed over its dispatches (waits for the GPU)."""
-        period = self.gpu.timestamp_period_ns() / 1e6
-        out: dict[str, float] = {}
-        k = 0
-        for buf, n in self.bufs:
-            t = self.gpu.download(buf, np.uint64, 2 * n).reshape(n, 2)
-            for begin, end in t:
-                name = self.names[k]
-                out[name] = out.get(name, 0.0) + float(end - begin) * period
-                k += 1
-        return out
 
 
 def _main(argv: list[str]) -> int:

@@ -13,7 +13,7 @@ trunk's own predictions. The flow:
    block input rows, built from its hidden rows (pre- or post-final-norm, per `MtpConfig.trunk_hidden`) where
    they are: on the GPU on wgpu (`heal_gpu.DraftInput`), so the hidden rows never come back to the host (the
    acceptance starts from the held-out windows' step-1 rows, kept in float32).
-3. The draft is trained alone as a one-layer model (`DraftTrainer`): its block `model.mtp.layers.0.*` and final
+3. The draft is trained alone as a one-layer model (`backend.Draft`): its block `model.mtp.layers.0.*` and final
    norm `model.mtp.norm`, from `--init` weights when given, else the model's own. Trunk, embedding, head and the
    draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the reference heal tool.
 4. Chained training: the block input of step 1 is `eh_proj·[enorm(E[x_{p+1}]); hnorm(h_p)]` from the trunk's
@@ -60,7 +60,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -74,17 +73,13 @@ from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teac
 from ddl_wgpu.container import CheckpointError, f32_to_bf16, open_checkpoint, save
 from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.errors import UserError
-from ddl_wgpu.modelfile import Model, load_model
+from ddl_wgpu.modelfile import FLOAT_DTYPES, Model, load_model
 from ddl_wgpu.run import Best, Cadence, Events, LossScale, drive
 
 LOSS_SCALE_START = 4096.0  # the reference heal tool's first loss scale; halved (to >= 1) per non-finite step
 MAX_NONFINITE = 20  # the 20th non-finite step aborts
 WARMUP_FRACTION = 0.1  # linear warm-up over the first 10 % of steps
 MIN_LR_FRACTION = 0.1  # the cosine ends at 0.1 x lr
-# heal's refresh rebuilds each refresh batch's chain rows when a job or an evaluation first needs them,
-# from the weights kept at the refresh (bit for bit the eager rebuild of every window, `_Chain`); False: the
-# eager rebuild (tests compare the two)
-LAZY_REFRESH = True
 MIN_WINDOW = 16  # windows shorter than MIN_WINDOW + chain are skipped
 HELD_OUT_EVERY = 10  # window i is held out when i % 10 == 9
 PROVENANCE_KEY = "mtp_heal"  # the reference heal tool's key
@@ -95,6 +90,9 @@ _U64 = (1 << 64) - 1
 GATE = "model.mtp.layers.0.mlp.gate_proj.weight"  # its rows: the draft's FFN width
 REQUIRED = ("model.mtp.eh_proj.weight", "model.mtp.enorm.weight", "model.mtp.hnorm.weight",
             "model.mtp.layers.0.self_attn.q_proj.weight", "model.mtp.norm.weight")  # fmt: skip
+# An --init file needs only what heal reads from it, the draft's block and final norm (the reference heal tool
+# reads only the draft block): the input projection is the healed model's own.
+INIT_REQUIRED = REQUIRED[3:]
 
 
 class HealError(UserError):
@@ -197,13 +195,13 @@ def heal_record(provenance: dict) -> dict | None:
     return prov.get(PROVENANCE_KEY, prov.get(OLD_PROVENANCE_KEY))
 
 
-def _require_draft(path) -> None:
+def _require_draft(path, required=REQUIRED) -> None:
     try:
         with open_checkpoint(path) as ck:
             names = set(ck.names())
     except CheckpointError as e:
         raise HealError(f"heal: {e}") from e
-    for n in REQUIRED:
+    for n in required:
         if n not in names:
             raise HealError(f"heal: {path} carries no MTP draft (missing tensor {n})")
 
@@ -230,15 +228,21 @@ def _draft_width_of(init_path, model: Model) -> Model:
 
 
 def _init_weights(init_path, model: Model, verify: bool = True) -> dict:
-    src = _load(init_path, "the init model", verify)
+    """The trained tensors (the draft's block and final norm) read from `init_path`, nothing else of it: its
+    config and its other tensors (the input projection included) may be anything or absent."""
     shapes = {spec.name: tuple(spec.shape) for spec in param_table(model.cfg)}
     out = {}
-    for n in ref_mtp.trained_names(model.params):
-        have = None if n not in src.params else tuple(src.params[n].shape)
-        if have != shapes[n]:
-            raise HealError(f"heal: the init model {init_path}: {n} has shape {have}, the model needs "
-                            f"{shapes[n]}", field="init")  # fmt: skip
-        out[n] = src.params[n]
+    try:
+        with open_checkpoint(init_path, verify=verify) as ck:
+            for n in ref_mtp.trained_names(model.params):
+                info = ck.info(n) if n in ck else None
+                if info is None or tuple(info.shape) != shapes[n] or info.dtype not in FLOAT_DTYPES:
+                    have = "no such tensor" if info is None else f"{info.dtype} {tuple(info.shape)}"
+                    raise HealError(f"heal: the init model {init_path}: {n} is {have}, the model needs a "
+                                    f"float tensor of shape {shapes[n]}", field="init")  # fmt: skip
+                out[n] = np.asarray(ck.tensor_f32(n), np.float32)
+    except CheckpointError as e:
+        raise HealError(f"heal: the init model: {e}") from e
     return out
 
 
@@ -279,7 +283,7 @@ def write_back(model_path, out_path, trained: dict, provenance_key: str, record:
 class _Cache:
     """The trunk's pass over all windows, on the host."""
 
-    ids: np.ndarray  # (N, T) int64, padded with 0
+    ids: np.ndarray  # (N, T) int64, padded with `pad_id` (the tokenizer's first EOS id; 0 without one)
     lengths: np.ndarray  # (N,)
     top_ids: np.ndarray  # (N, T, k) int32
     top_probs: np.ndarray  # (N, T, k) float32
@@ -300,18 +304,18 @@ class _Chain:
     windows likewise (`split_heldout`). A training job's batch (`_batches`: the same runs, a short last one
     dropped) is then exactly one refresh batch, and so is a held-out evaluation batch; with consecutive windows
     (the older grouping) nearly every refresh batch held a held-out window, so each evaluation rebuilt almost
-    all of them. Lazy (`LAZY_REFRESH`): a refresh keeps a copy of the draft's weights (`Draft.keep`) and marks
+    all of them. The rebuild is lazy: a refresh keeps a copy of the draft's weights (`Draft.keep`) and marks
     every refresh batch stale; `join` rebuilds the refresh batches its windows lie in, from that copy
-    (`Draft.using`), up to the chain step it needs, when first asked. Every row is the one the eager rebuild of
+    (`Draft.using`), up to the chain step it needs, when first asked. Every row is the one an eager rebuild of
     all windows at the refresh gives, bit for bit (same weights, same batches of windows, same order of chain
-    steps), at the cost of the batches the jobs and evaluations of a period touch instead of all of them."""
+    steps; the tests compare the two), at the cost of the batches the jobs and evaluations of a period touch
+    instead of all of them."""
 
-    def __init__(self, model: Model, cfg: HealConfig, cache: _Cache, draft, lazy: bool | None = None):
+    def __init__(self, model: Model, cfg: HealConfig, cache: _Cache, draft):
         self.model, self.mcfg, self.cache, self.draft = model, model.cfg, cache, draft
         self.chain, self.nb = cfg.chain, cfg.batch
         self.stacked_mode = cfg.chain_attention == "stacked"
         self.N, self.T = cache.ids.shape
-        self.lazy = LAZY_REFRESH if lazy is None else lazy
         train, val = split_heldout(self.N)
         # refresh batch k's windows (index arrays): training windows first, then held-out ones, `nb` at a time
         self.members = _batches(train, self.nb, short=True) + _batches(val, self.nb, short=True)
@@ -320,7 +324,7 @@ class _Chain:
         for k, m in enumerate(self.members):
             self.batch_of[m] = k
         self.built = np.full(self.batches, self.chain)  # per refresh batch: chain steps 1..built are current
-        self.weights = None  # lazy: the draft's weights at the last refresh
+        self.weights = None  # the draft's weights at the last refresh
         self.forwards = 0  # refresh-batch forwards (draft forward + the next step's rows), all told
         self.period_forwards = 0  # ... since the last `refresh`
 
@@ -341,42 +345,29 @@ class _Chain:
         return self.draft.next_rows(x[j - 1][sel].astype(np.float32), tok, valid)
 
     def refresh(self) -> int:
-        """Chain steps 2..chain from the current draft's outputs: rebuilt for every window now (eager), or the
-        weights kept and every refresh batch marked stale (lazy) -> the refresh-batch forwards run since the
-        previous refresh, this one's included (eager: (chain − 1) x batches, all at the refresh)."""
+        """Chain steps 2..chain from the current draft's outputs, lazily: the weights kept and every refresh
+        batch marked stale -> the refresh-batch forwards run since the previous refresh."""
         if self.chain < 2:
             return 0
-        if self.lazy:
-            self.weights = self.draft.keep(self.weights)
-            self.built[:] = 1
-            for j in range(2, self.chain + 1):
-                self.cache.x.setdefault(j, np.zeros((self.N, self.T, self.mcfg.d_model), np.float16))
-        else:
-            self._rebuild_all()
+        self.weights = self.draft.keep(self.weights)
+        self.built[:] = 1
+        for j in range(2, self.chain + 1):
+            self.cache.x.setdefault(j, np.zeros((self.N, self.T, self.mcfg.d_model), np.float16))
         done, self.period_forwards = self.period_forwards, 0
         return done
 
-    def _rebuild_all(self) -> None:
-        """Eager: steps 2..chain of every refresh batch, step by step, from the current weights."""
-        N, T, x = self.N, self.T, self.cache.x
-        for j in range(2, self.chain + 1):
-            xj = np.zeros((N, T, self.mcfg.d_model), np.float16)
-            for sel in self.members:
-                xj[sel] = self._next_rows(sel, j)
-            x[j] = xj
-
     def refresh_event(self, events: Events, step: int) -> None:
-        """`refresh`, then its event: `rebuilt` the refresh-batch forwards since the previous refresh (lazy: the
-        ones the period's jobs and evaluations asked for; eager: all of them, at this refresh), `batches` the
-        refresh batches (a full rebuild is (chain − 1) x batches forwards)."""
+        """`refresh`, then its event: `rebuilt` the refresh-batch forwards since the previous refresh (the ones
+        the period's jobs and evaluations asked for), `batches` the refresh batches (a full rebuild is
+        (chain − 1) x batches forwards); `lazy` is true (the event's schema from when an eager rebuild was an
+        option)."""
         rebuilt = self.refresh()
         if self.chain > 1:
-            events("refresh", step=step, chain=self.chain, lazy=self.lazy, rebuilt=rebuilt,
-                   batches=self.batches)  # fmt: skip
+            events("refresh", step=step, chain=self.chain, lazy=True, rebuilt=rebuilt, batches=self.batches)
 
     def _current(self, windows: np.ndarray, j: int) -> None:
-        """Lazy: chain steps 2..j of the refresh batches holding `windows` rebuilt from the kept weights where
-        stale (step by step, as the eager refresh orders them)."""
+        """Chain steps 2..j of the refresh batches holding `windows` rebuilt from the kept weights where stale
+        (step by step, as an eager refresh of every batch orders them)."""
         stale = [k for k in np.unique(self.batch_of[np.asarray(windows)]) if self.built[k] < j]
         if not stale:
             return
@@ -412,7 +403,7 @@ class _Chain:
 
     def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
         """The draft's mean top-k KL to the trunk per chain step over the held-out batches."""
-        if batches and self.chain > 1:  # lazy: the stale held-out refresh batches in one go
+        if batches and self.chain > 1:  # the stale held-out refresh batches in one go
             self._current(np.concatenate(batches), self.chain)
         out = []
         for j in range(1, self.chain + 1):
@@ -541,70 +532,6 @@ def _batches(windows: list[int], nb: int, short: bool = False) -> list[np.ndarra
     return [np.array(windows[s : s + nb]) for s in range(0, end, nb)]
 
 
-class _CountingDraft:
-    """`refresh_forwards`' stand-in draft: no arithmetic, every loss 0."""
-
-    def step(self, *args, **kw):
-        return 1.0, 1.0, True
-
-    def loss_sum(self, *args, **kw) -> float:
-        return 0.0
-
-    def keep(self, into=None):
-        return into
-
-    def snapshot(self):
-        return None
-
-
-class _CountingChain(_Chain):
-    """`refresh_forwards`' chain: which refresh batches are stale and when, as `_Chain`; the forwards of a
-    rebuild counted, not run, and no rows."""
-
-    def _rebuild_all(self) -> None:
-        self.forwards += (self.chain - 1) * self.batches
-        self.period_forwards += (self.chain - 1) * self.batches
-
-    def _rebuild(self, stale: list, j: int) -> None:
-        for k in stale:
-            n = j - int(self.built[k])
-            self.forwards += n
-            self.period_forwards += n
-            self.built[k] = j
-
-    def join(self, b: np.ndarray, j: int):
-        if j > 1:
-            self._current(b, j)
-        return None, None, None, np.ones(1), {}
-
-    def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
-        if batches and self.chain > 1:
-            self._current(np.concatenate(batches), self.chain)
-        return [0.0] * self.chain
-
-
-def refresh_forwards(windows: int, cfg: HealConfig, lazy: bool = True) -> dict:
-    """The refresh-batch forwards (`Draft.next_rows` calls) a heal over `windows` windows runs when nothing
-    stops it early (patience off), lazy or eager, counted by running heal's job loop (`_HealJob`, `_Chain`,
-    `run.drive`) on a stand-in draft -> {"forwards", "steps", "refreshes", "batches"} (bench/heal.py's epoch
-    estimate; tests check it against real runs)."""
-    cfg = dataclasses.replace(cfg, patience=0)
-    N = windows
-    cache = SimpleNamespace(ids=np.zeros((N, 1)), x={})  # `_CountingChain` reads no rows
-    model = SimpleNamespace(cfg=SimpleNamespace(d_model=0))
-    chain = _CountingChain(model, cfg, cache, _CountingDraft(), lazy)
-    refreshes = []
-    events = Events(lambda e: refreshes.append(e) if e["event"] == "refresh" else None, "heal")
-    chain.refresh_event(events, 0)
-    train, val = split_heldout(N)
-    vb = _batches(val, cfg.batch)
-    v0 = chain.heldout_kl(vb)
-    best = Best(0.0, 0, None)
-    job = _HealJob(chain, cfg, _batches(train, cfg.batch), vb, best, v0, events)
-    _stopped, done = drive(job, 0, Cadence(cfg.eval_every, job.total), best, events, 0)
-    return {"forwards": chain.forwards, "steps": done, "refreshes": len(refreshes), "batches": chain.batches}
-
-
 def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True) -> tuple[Model, dict | None]:
     """The model (with a draft) and the draft's starting weights from `init_path`, checked against `cfg`."""
     _require_draft(model_path)
@@ -614,7 +541,7 @@ def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True) -> tupl
                         "model.mtp.eh_proj.weight in its table)")  # fmt: skip
     init = None
     if init_path is not None:
-        _require_draft(init_path)
+        _require_draft(init_path, INIT_REQUIRED)
         model = _draft_width_of(init_path, model)
         init = _init_weights(init_path, model, verify)
         model = dataclasses.replace(model, params={**model.params, **init})
@@ -699,5 +626,5 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     }
     path = write_back(model_path, out_path, trained, PROVENANCE_KEY, record, mcfg.to_dict(), verify)
     events("written", out=os.fspath(path))
-    # refresh_forwards: the draft forwards all refreshes ran (lazy: those the jobs and evaluations needed)
+    # refresh_forwards: the draft forwards all refreshes ran (those the jobs and evaluations needed)
     return {**record, "out": os.fspath(path), "history": job.history, "refresh_forwards": chain.forwards}

@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from ddl_ref.config import ConfigError, ModelConfig, MtpConfig
+from ddl_ref.config import ConfigError, ModelConfig, ModelVariant, MtpConfig
 from ddl_ref.params import MTP_PREFIX, mtp_specs, param_table
 from ddl_wgpu.hf_files import (
     MAX_TOKENIZER,
@@ -183,6 +183,22 @@ def _need(cfg: dict, key: str, where: str, kind: type = int) -> Any:
     return v
 
 
+def _optional(cfg: dict, key: str, default, where: str, kind: type) -> Any:
+    """`cfg[key]` of `kind` (float: any number; bool: true or false), `default` when absent or null."""
+    if cfg.get(key) is None:
+        return default
+    v = cfg[key]
+    ok = isinstance(v, bool) if kind is bool else isinstance(v, int | float) and not isinstance(v, bool)
+    if not ok:
+        raise HfError(
+            f"{where}: {key!r} must be {'true or false' if kind is bool else 'a number'}, got {v!r:.40}"
+        )
+    return v
+
+
+MAX_INT64 = (1 << 63) - 1  # the container's header stores integers as msgpack int64
+
+
 def _architecture(hf: dict, where: str) -> str:
     supported = ", ".join(f"{a} (model_type {t!r})" for a, (t, _) in SUPPORTED.items())
     archs = hf.get("architectures")
@@ -293,8 +309,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, s
             ffn_hidden=_need(hf, "intermediate_size", where),
             max_seq_len=hf.get("max_position_embeddings", default_max_pos),
             rope_theta=_rope_theta(hf, where),
-            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # both classes default to untied
+            rms_eps=float(_optional(hf, "rms_norm_eps", 1e-6, where, float)),
+            tie_embeddings=_optional(hf, "tie_word_embeddings", False, where, bool),  # both default to untied
             norm_style="standard",
             qk_norm=qk_norm,
             residual="add",
@@ -467,6 +483,13 @@ def import_hf(folder) -> Model:
         raise HfError(f"{folder}: no config.json (not a Hugging Face model folder?)")
     hf = read_json(cfg_path)
     cfg, arch = config_from_hf(hf, str(cfg_path))
+    for key in (
+        "bos_token_id",
+        "eos_token_id",
+    ):  # kept in the header: refused now, not at the save after the work
+        v = hf.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= MAX_INT64:
+            raise HfError(f"{cfg_path}: {key} {v} is not a token id (not between 0 and 2^63-1)")
     try:  # before anything is sized from the config (a table of 1e9 layers alone takes minutes)
         check_fits(cfg, training=False, what=f"{cfg_path}: the model")
     except ConfigError as e:
@@ -529,7 +552,9 @@ def import_hf(folder) -> Model:
         metadata["hf.mtp_layout"] = draft.layout
         provenance["import_hf"]["mtp"] = {"layout": draft.layout, "conventions": draft.conventions,
                                           **draft.mtp.to_dict(), "ignored": list(draft.ignored)}  # fmt: skip
-    return Model(cfg=cfg, params=params, variant="baseline", tokenizer=tokenizer, provenance=provenance,
+    # the variant follows from the config (a raw export of a DDL model imports as that DDL variant)
+    variant = ModelVariant.of_config(cfg).slug
+    return Model(cfg=cfg, params=params, variant=variant, tokenizer=tokenizer, provenance=provenance,
                  metadata=metadata)  # fmt: skip
 
 
@@ -593,6 +618,23 @@ def _fsync_dir(d: Path) -> None:
             os.close(fd)
 
 
+def _exists(p: Path) -> bool:
+    try:
+        return os.path.lexists(p) or p.exists()
+    except OSError:  # a name the file system cannot hold (too long): nothing is there
+        return False
+
+
+def _put_back(old: Path, folder: Path, tmp: Path) -> None:
+    """After a failed export: the previous folder back under its name, the partial one gone. Never raises:
+    the failure it cleans up after is the one to report (a name too long fails every look at it too)."""
+    with contextlib.suppress(OSError):
+        if _exists(old) and not _exists(folder):
+            os.rename(old, folder)
+    with contextlib.suppress(OSError):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _write_folder(
     model: Model, folder: Path, config: dict, tensors: list[tuple[str, np.ndarray]], overwrite: bool = False
 ) -> list[Path]:
@@ -617,16 +659,12 @@ def _write_folder(
             os.rename(folder, old)
         os.rename(tmp, folder)
     except OSError as e:
-        if old.exists() and not folder.exists():
-            os.rename(old, folder)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _put_back(old, folder, tmp)
         raise HfError(
             f"{folder}: cannot write the export: {e.strerror or e} ({folder} is unchanged)"
         ) from None
     except BaseException:
-        if old.exists() and not folder.exists():
-            os.rename(old, folder)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _put_back(old, folder, tmp)
         raise
     shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(parent)

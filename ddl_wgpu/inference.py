@@ -5,7 +5,7 @@ DDL variants —, every block, the readout, the final norm), then one of: the ev
 row chunks of logits, no gradients), the spectral diagnostics of a DDL forward, full logits (tests and small
 models), the next-token top-k (heal's teacher, accept's greedy trunk), the final hidden rows. An
 inference-only `Net` (heal's frozen f32 or f16 trunk) gets this Work; `trunk.TrunkWork` extends it with the
-training step. Later decoding belongs here.
+training step. Decoding with a key/value cache is not here: it is `decode.WgpuEngine`, on the same `Blocks`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ EMBED_EXPAND = "model.embed_expand.conv.weight"
 class InferenceWork(Blocks):
     """The token model's forward for one (batch, seq) shape, every launch built once."""
 
-    def __init__(self, net, batch: int, seq: int, chunk_rows: int | None = None, precision: str = "f32"):
-        super().__init__(net, batch, seq, chunk_rows, precision=precision)
+    def __init__(self, net, batch: int, seq: int, chunk_rows: int | None = None):
+        super().__init__(net, batch, seq, chunk_rows)
         N, V = self.N, self.cfg.vocab_size
         self.ids = self.gpu.buffer(N * 4, label="ids")
         self.targets = self.gpu.buffer(N * 4, label="targets")

@@ -68,7 +68,6 @@ class Net:
         inference: bool = False,
         dtype: str = "f32",
         frozen_state: bool = True,
-        precision: str = "f32",
         shared: dict | None = None,
         work_class: type | None = None,
     ):
@@ -84,9 +83,6 @@ class Net:
         if inference and trainable:
             raise GpuError("an inference Net has no trainable parameters")
         self.inference, self.dtype = bool(inference), dtype
-        self.precision = (
-            precision  # of the GEMMs in this net's Works (`blocks.Blocks`; "f16": mixed precision)
-        )
         self.gpu, self.cfg = gpu, cfg
         self.mtp_weight = float(mtp_weight)  # weight of the draft's loss in joint training (cfg.mtp set)
         self.table = param_table(cfg)
@@ -142,7 +138,7 @@ class Net:
                 "this Net was built without a work class: Net(..., work_class=TrunkWork or InferenceWork)"
             )
         if (batch, seq) not in self._works:
-            self._works[(batch, seq)] = self.work_class(self, batch, seq, precision=self.precision)
+            self._works[(batch, seq)] = self.work_class(self, batch, seq)
         return self._works[(batch, seq)]
 
     def export_snapshot(self, snapshot: list) -> dict[str, np.ndarray]:

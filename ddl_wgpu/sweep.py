@@ -37,6 +37,7 @@ import queue
 import signal
 import socket
 import sys
+import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
@@ -46,9 +47,9 @@ from ddl_ref.config import ModelConfig, ModelVariant
 from ddl_wgpu import train as train_lib
 from ddl_wgpu.data import STDLIB_SPEC, DataError, load_source
 from ddl_wgpu.errors import UserError
-from ddl_wgpu.rundir import write_json
+from ddl_wgpu.rundir import SWEEP, write_json
+from ddl_wgpu.safeio import load_json, read_regular
 
-SWEEP = "sweep.json"
 # the statistics of the comparison over seeds, per variant and loss
 LOSS_KEYS = ("final_train", "final_validation", "best_validation")
 
@@ -65,6 +66,8 @@ def parse_seeds(text: str) -> list[int]:
         raise SweepError(f"seeds must be a comma list of integers, got {text!r}", field="seeds") from None
     if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
         raise SweepError(f"seeds must be distinct non-negative integers, got {text!r}", field="seeds")
+    if max(seeds) > train_lib.MAX_INT:  # each job's seed is stored in its checkpoint's header (int64)
+        raise SweepError(f"seeds must be at most 2^63-1, got {max(seeds)}", field="seeds")
     return seeds
 
 
@@ -86,9 +89,9 @@ class Sweep:
     data: dict  # how every job loads its data (`RunOptions.data`)
     backend: str  # "wgpu" or "ref", resolved
     save_interval: int = 0
-    precision: str = "f32"  # `RunOptions.precision`
     runner: dict = field(default_factory=dict)  # how it ran (`Runner`): what `resume` does by default
     id: str = field(default_factory=lambda: uuid.uuid4().hex)  # Ray workers recognise a shared OUT by it
+    plots: bool = True  # `train --plots/--no-plots`: `resume OUT` writes them, or not, as the sweep did
 
     def jobs(self) -> list[Job]:
         many = len(self.seeds) > 1
@@ -101,11 +104,21 @@ class Sweep:
         write_json(Path(root) / SWEEP, asdict(self))
 
     @classmethod
-    def load(cls, root: Path) -> Sweep:
+    def load(cls, root: Path, say=None) -> Sweep:
+        """The sweep recorded in ROOT, read as untrusted input (`sweep_checks.read_record`); `say(line)` hears
+        about a record that no longer applies."""
+        from ddl_wgpu.sweep_checks import read_record
+
         path = Path(root) / SWEEP
-        if not path.is_file():
+        if not path.exists():
             raise SweepError(f"{root} is not a sweep folder (no {SWEEP}); resume a run with its checkpoint")
-        return cls(**json.loads(path.read_text()))
+        record = read_record(path)
+        # Sweeps of `train --precision f16` (f16 GEMM products; removed after it measured slower than f32,
+        # docs/experiments.md) recorded their precision here: they resume in f32, the only precision left.
+        precision = record.pop("precision", "f32")
+        if precision != "f32" and say is not None:
+            say(f"{root} was trained with --precision {precision}, which no longer exists: it resumes in f32")
+        return cls(**record)
 
 
 @dataclass(frozen=True)
@@ -198,8 +211,8 @@ def finished_report(folder: Path) -> dict | None:
     path = folder / train_lib.REPORT
     if not path.is_file():
         return None
-    rep = json.loads(path.read_text())
-    return rep if rep.get("status") == "completed" else None
+    rep = load_json(read_regular(path, "a job's report", SweepError, 1 << 28), str(path), SweepError)
+    return rep if isinstance(rep, dict) and rep.get("status") == "completed" else None
 
 
 class StopRequest:
@@ -232,7 +245,7 @@ def run_job(sweep: Sweep, job: Job, root: Path, device, progress, stop_after: in
     trn, val = _load(sweep, tcfg)
     opts = train_lib.RunOptions(backend=sweep.backend, device=device, save_interval=sweep.save_interval,
                                 stop_after=1 if STOP.requested else stop_after, progress=progress,
-                                data=sweep.data, precision=sweep.precision)  # fmt: skip
+                                data=sweep.data)  # fmt: skip
     ck = folder / train_lib.CHECKPOINT
     STOP.opts = opts  # `train.resume` keeps this very object: the run's data is recorded in it
     try:
@@ -395,15 +408,18 @@ class _Pool:
         self.view.result(name, payload)
         return i
 
-    def drain(self, timeout: float) -> list[int]:
+    def drain(self, timeout: float, most: float = 60.0) -> list[int]:
+        """Messages until none comes for `timeout` s or for `most` s (a dead worker must be noticed)."""
         freed = []
+        end = time.monotonic() + most
         try:
-            while True:
-                i = self.take(self.outbox.get(timeout=timeout))
+            while (left := end - time.monotonic()) > 0:
+                i = self.take(self.outbox.get(timeout=min(timeout, left)))
                 if i is not None:
                     freed.append(i)
         except queue.Empty:
-            return freed
+            pass
+        return freed
 
     def run(self, jobs) -> dict:
         pending = deque(jobs)
@@ -412,7 +428,7 @@ class _Pool:
                 self.start(i)
                 self.hand(i, pending)
             while self.running:
-                for i in self.drain(0.5):
+                for i in self.drain(0.5, most=1.0):
                     self.hand(i, pending)
                 for i, job in list(self.running.items()):
                     if not self.procs[i].is_alive():
@@ -431,7 +447,7 @@ class _Pool:
 
     def _lost(self, i: int, job, pending: deque) -> None:
         """Worker i died with a job in hand: its last messages may still be in flight, then the job failed."""
-        for j in self.drain(0.2):
+        for j in self.drain(0.2, most=2.0):
             self.hand(j, pending)
         if self.running.get(i) is job:
             code = self.procs[i].exitcode
@@ -502,7 +518,7 @@ def _claim_slot():
 
 def _sees(root: Path, sweep_id: str) -> bool:
     try:
-        return json.loads((Path(root) / SWEEP).read_text()).get("id") == sweep_id
+        return isinstance(r := json.loads((Path(root) / SWEEP).read_text()), dict) and r.get("id") == sweep_id
     except (OSError, ValueError):
         return False
 
@@ -731,6 +747,8 @@ def run(sweep: Sweep, root: Path, runner: Runner, stop_after: int = 0, view: Swe
         else:
             results[job.name] = {"status": "completed", "report": rep, "error": None}
             view.result(job.name, results[job.name])
+    if len(runner.devices) > len(todo):  # a worker per job left at most: more would only sit idle
+        runner = replace(runner, devices=runner.devices[: len(todo)])
     if todo and runner.ray is not None:
         results.update(_ray(sweep, todo, root, runner, launch, view))
     elif todo and runner.devices:
@@ -749,7 +767,10 @@ def resume(root: Path, runner: Runner | None = None, backend: str | None = None,
     """Continue the sweep in ROOT: finished jobs kept, unfinished ones resumed from their checkpoints, jobs
     not started (or failed) run; the comparison written anew. `runner` (default: the sweep's own) and
     `backend` (default: the sweep's own) may change where the jobs run."""
+    from ddl_wgpu.sweep_checks import check_jobs
+
     sweep = Sweep.load(root)
+    check_jobs(sweep, root)  # before any job starts: a job of other options would be ranked with the rest
     if backend is not None:
         sweep = replace(sweep, backend=backend)
     if runner is None:

@@ -1,12 +1,14 @@
 """Variant sweeps with the reference trainer's semantics (the Rust trainer whose behaviour `train` reproduces,
 described in docs/): configuration and its validation,
-the cosine warm-up schedule, AdamW with global gradient-norm clipping, evaluation and spectral telemetry
+the cosine warm-up schedule, AdamW after gradient-norm clipping (each tensor by its own norm, as the reference
+trainer clips; `grad_clip_mode` "global": one norm over all), evaluation and spectral telemetry
 every `eval_interval` steps, best-validation tracking, the `TrainingReport` / `TrainingComparisonReport`,
 checkpoints, and the two kinds of resume.
 
 Where we differ from the reference trainer, on purpose:
-- a new phase (`resume --steps N`) continues the data order where the last phase stopped (the reference trainer
-  restarts at the first batch): the batch of global step s is `batches[s % num_batches]`;
+- a new phase (`resume --steps N`) continues the data order where the last phase stopped: the batch of global
+  step s is `batches[(s - data_start) % num_batches]`, data_start 0 unless a phase restarted the order
+  (`resume --steps N --restart-data`, the reference trainer's behaviour: its phases start at the first batch);
 - checkpoints also carry the run's position, so an interrupted run (`--stop-after`, Ctrl-C, a crash
   between saves) continues bit for bit on the same device.
 
@@ -240,6 +242,7 @@ def save_checkpoint(
         "train.report": json.dumps(report),
         "train.position": position,
         "train.has_best": best is not None,
+        "train.backend": backend_record(net),
     }
     if data is not None:
         meta["train.data"] = data
@@ -252,6 +255,27 @@ def save_checkpoint(
         metadata=meta,
         provenance={"train": {"tool": "ddl-wgpu train"}},
     )
+
+
+def backend_record(net) -> dict:
+    """Where a run trains, kept in its checkpoint (`train.backend`): an exact resume continues there, bit for
+    bit (another backend takes another float path); the device kind is the adapter's `gpu.Gpu.name`."""
+    gpu = getattr(net, "gpu", None)  # the wgpu engine's Net holds its device; the numpy RefNet none
+    return (
+        {"backend": "wgpu", "device": gpu.name} if gpu is not None else {"backend": "ref", "device": "numpy"}
+    )
+
+
+def _checked_backend(raw, path) -> dict | None:
+    if raw is None:  # a checkpoint from before the backend was recorded
+        return None
+    if not (
+        isinstance(raw, dict) and raw.get("backend") in ("wgpu", "ref") and isinstance(raw.get("device"), str)
+    ):
+        raise _bad(
+            path, f"train.backend must record the backend (wgpu or ref) and the device, got {raw!r:.80}"
+        )
+    return {"backend": raw["backend"], "device": raw["device"]}
 
 
 def _bad(path, message: str) -> TrainingError:
@@ -304,6 +328,9 @@ def _checked_position(raw, path, report: dict) -> dict:
     prev = phase.get("previous_lr")
     if prev is not None and (isinstance(prev, bool) or not isinstance(prev, int | float)):
         raise _bad(path, f"train.position previous_lr is {prev!r}, not a number")
+    start = phase.get("data_start", 0)
+    if not _int(start) or start > phase["start_step"]:
+        raise _bad(path, f"train.position data_start is {start!r}, not a step at or before the phase's start")
     try:
         TrainingConfig.from_dict(dict(phase["training"])).validate()
     except (TypeError, ValueError) as e:
@@ -315,12 +342,12 @@ def _checked_position(raw, path, report: dict) -> dict:
 
 
 def load_checkpoint(path: Path, verify: bool = True) -> dict:
-    """-> {cfg, params, best, m, v, report, position, data, sweep}; raises CheckpointError or TrainingError,
-    one precise line per malformed piece. The config is checked (valid, fits in memory for training) and
-    then against every tensor read (shape, float dtype); tensors no parameter of the config names are never
-    read. `data` is how the run loaded its data (`RunOptions.data`) and `sweep` the sweep it is part of
-    (`RunOptions.sweep`), None in a checkpoint written before they were recorded. `verify=False` skips the
-    tensor hash check (trusted input)."""
+    """-> {cfg, params, best, m, v, report, position, data, sweep, backend}; raises CheckpointError or
+    TrainingError, one precise line per malformed piece. The config is checked (valid, fits in memory for
+    training) and then against every tensor read (shape, float dtype); tensors no parameter of the config
+    names are never read. `data` is how the run loaded its data (`RunOptions.data`) and `sweep` the sweep it
+    is part of (`RunOptions.sweep`), `backend` where it trained (`backend_record`), None in a checkpoint
+    written before they were recorded. `verify=False` skips the tensor hash check (trusted input)."""
     with open_checkpoint(path, verify=verify) as ck:
         meta = dict(ck.metadata or {})
         if "train.report" not in meta:
@@ -350,6 +377,7 @@ def load_checkpoint(path: Path, verify: bool = True) -> dict:
             "position": position,
             "data": dict(data) if isinstance(data, dict) and data else None,
             "sweep": dict(sweep) if isinstance(sweep, dict) and sweep else None,
+            "backend": _checked_backend(meta.get("train.backend"), path),
         }
     # a checkpoint from before grad_clip_mode clipped globally: it resumes so, bit for bit
     for training in (out["report"].get("training"), out["position"].get("phase", {}).get("training")):
@@ -368,7 +396,6 @@ class RunOptions:
 
     backend: str = "wgpu"
     device: str | None = None
-    precision: str = "f32"  # "f16": mixed precision (f16 GEMM products, dynamic loss scaling; wgpu only)
     save_interval: int = 0  # save a checkpoint every N steps (0: only at the end / on stop)
     stop_after: int = 0  # end this process after N steps with a resumable checkpoint (0: run to the end)
     progress: object = None  # callable(event: dict) for progress display (`run.Events` schema)
@@ -420,7 +447,8 @@ class _Variant:
         """Global step `done` (0-based over the whole run) -> step `done` + 1."""
         tcfg = self.tcfg
         in_phase = done - self.phase["start_step"]
-        batch = self.train.batch(done % self.train.num_batches)
+        # the data order runs on across phases unless one restarted it (`data_start`, `resume --restart-data`)
+        batch = self.train.batch((done - self.phase.get("data_start", 0)) % self.train.num_batches)
         train_spectral = None
         if self.cadence.due(done + 1) and hasattr(self.work, "spectral"):
             train_spectral = self.work.spectral(batch.ids, batch.lengths)
@@ -527,7 +555,7 @@ class _Variant:
 def _fresh(base, variant, train, val, tcfg, opts, events):
     """A new run: the variant's net from the random seed, the initial evaluation and an empty report."""
     cfg = variant.resolve_config(base)
-    net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed, tcfg.mtp_weight, opts.precision)
+    net = make_net(cfg, None, opts.backend, opts.device, tcfg.seed, tcfg.mtp_weight)
     phase = {"start_step": 0, "training": tcfg.to_dict(), "previous_lr": None}
     events("start", variant=variant.slug, num_params=net.num_params, cfg=cfg.to_dict())
     t_eval = time.perf_counter()
@@ -564,7 +592,7 @@ def _resumed(resume: dict, opts: RunOptions):
     """A run continued from a loaded checkpoint: its net (weights and moments), report, phase and best."""
     cfg, report, phase = resume["cfg"], resume["report"], resume["position"]["phase"]
     w = TrainingConfig.from_dict(phase["training"]).mtp_weight
-    net = make_net(cfg, resume["params"], opts.backend, opts.device, mtp_weight=w, precision=opts.precision)
+    net = make_net(cfg, resume["params"], opts.backend, opts.device, mtp_weight=w)
     snap = _snapshot_of(net, resume["best"]) if resume["best"] is not None else None
     if resume["m"]:  # after the best snapshot: `_snapshot_of` goes through `net.load`, which zeroes moments
         net.load_moments(resume["m"], resume["v"])
@@ -806,9 +834,12 @@ def resume(
     out_dir: Path | None = None,
     steps: int | None = None,
     overrides: dict | None = None,
+    restart_data: bool = False,
 ) -> dict:
     """Continue an interrupted run (no `steps`), or train a new phase of `steps` more steps with the
-    reference trainer's phase schedule (`overrides` change training options of the new phase)."""
+    reference trainer's phase schedule (`overrides` change training options of the new phase). A new phase
+    continues the data order; `restart_data` starts it at the first batch again, as the reference trainer's
+    phases do."""
     ck = load_checkpoint(Path(checkpoint))
     check_resume(ck, train, val)
     if opts.data is None:  # the continued run keeps recording how its data is loaded
@@ -820,6 +851,10 @@ def resume(
         if overrides:
             raise TrainingError.invalid_config(
                 "training options can only change in a new phase", kind="needs_phase"
+            )
+        if restart_data:
+            raise TrainingError.invalid_config(
+                "the data order can only restart in a new phase", kind="needs_phase"
             )
         if done >= phase["start_step"] + phase["training"]["max_steps"]:
             raise TrainingError.resume_mismatch(
@@ -854,6 +889,9 @@ def resume(
                 field="min_learning_rate",
             )
         ck["position"]["phase"] = {"start_step": done, "training": tcfg.to_dict(), "previous_lr": prev}
+        data_start = done if restart_data else phase.get("data_start", 0)
+        if data_start:  # recorded only when not 0, the order's start before phases could restart it
+            ck["position"]["phase"]["data_start"] = data_start
         rep["training"] = tcfg.to_dict()
     out = Path(out_dir) if out_dir is not None else Path(checkpoint).parent
     variant = ModelVariant.parse(rep["variant"])

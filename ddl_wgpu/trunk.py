@@ -15,20 +15,11 @@ baseline block with the draft's names, `model.mtp.norm`, and the chunked head + 
 x_{p+2} (loss scale mtp_weight / count2). Its backward runs first and its input gradient joins the trunk's
 hidden, embedding and head, so the trunk learns from the draft's loss too. `Net.mtp_weight` is read at every
 step; the result carries the combined loss and both parts.
-
-Mixed precision (`precision="f16"`, `train --precision f16`): the GEMMs take f16 products (`blocks.Blocks`);
-master weights, gradients, their reduction, clipping and AdamW stay f32. f16 has a narrow range (6.1e-5 to
-65504 for normal values), and the backward's gradients are small, so the loss is scaled: the cross-entropy's
-per-row weight is multiplied by S (`LossScale.scale`, a power of two) and every gradient is divided by S
-(exactly) before the norm, clipping and AdamW. Overflow shows up as a non-finite gradient; AdamW then leaves
-parameters and moments unchanged (the optimizer's non-finite skip), S halves, and the same batch runs again
-(`LossScale`'s rule). The loss itself is never scaled.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,40 +35,14 @@ from ddl_wgpu.ops import shortconv as k_sc
 from ddl_wgpu.step import AdamW, StepResult
 
 
-@dataclass
-class LossScale:
-    """Dynamic loss scaling for f16 products. The rule: a step whose gradient is not finite is skipped
-    (nothing is updated) and S halves (not below `min_scale`); after `growth_interval` finite steps in a row S
-    doubles (not above `max_scale`). S starts at 2^16 (as PyTorch's GradScaler); `skipped` counts the skips.
-    Powers of two keep the scaling and the unscaling exact."""
-
-    scale: float = 2.0**16
-    growth_interval: int = 200
-    min_scale: float = 1.0
-    max_scale: float = 2.0**24
-    good: int = 0  # finite steps since S last changed
-    skipped: int = 0
-
-    def update(self, finite: bool) -> None:
-        if not finite:
-            self.scale, self.good = max(self.min_scale, self.scale / 2), 0
-            self.skipped += 1
-            return
-        self.good += 1
-        if self.good >= self.growth_interval:
-            self.scale, self.good = min(self.max_scale, self.scale * 2), 0
-
-
 class TrunkWork(InferenceWork):
     """The token model's training step for one (batch, seq) shape (and everything `InferenceWork` does),
-    with the joint MTP draft when the model has one; `precision` "f16": f16 products with loss scaling."""
+    with the joint MTP draft when the model has one."""
 
-    def __init__(self, net, batch: int, seq: int, chunk_rows: int | None = None, precision: str = "f32"):
+    def __init__(self, net, batch: int, seq: int, chunk_rows: int | None = None):
         if net.inference:
             raise GpuError("an inference-only Net has no training steps: its work is an InferenceWork")
-        super().__init__(net, batch, seq, chunk_rows, precision=precision)
-        self.loss_scale = LossScale() if precision == "f16" else None
-        self._unscale = self._unscale_calls() if precision == "f16" else []
+        super().__init__(net, batch, seq, chunk_rows)
         self.init_backward_scratch()
         self.mtp = self.cfg.mtp
         self._head_train = self.head_calls(self.xf, self._cross_entropy(self._trunk_loss()), self.dxf, True)
@@ -140,45 +105,15 @@ class TrunkWork(InferenceWork):
 
     # -- the step ---------------------------------------------------------------------------------------
 
-    def _unscale_calls(self) -> list[Call]:
-        """One `scale_inplace` per binding-sized piece of the gradient arenas (alpha rewritten per step)."""
-        cap = self.gpu.max_binding // ALIGN * ALIGN
-        return [
-            k_ew.scale_inplace(
-                self.gpu, (buf, off, min(cap, buf.size - off)), min(cap, buf.size - off) // F32, 1.0
-            )
-            for buf in self.net.g
-            for off in range(0, buf.size, cap)
-        ]
-
     def step(self, ids, lengths=None, update: AdamW | None = None) -> StepResult:
         """Forward + backward (gradients overwritten, not accumulated), and with `update` the global
         gradient norm, clipping and AdamW, all in one encoder and one submit. With a draft (`cfg.mtp`) the
-        loss is loss_main + net.mtp_weight · loss_mtp, and both parts are in the result. f16 precision with
-        `update`: a step with a non-finite gradient is skipped and run again at half the loss scale (see
-        `LossScale`), until it is finite or the scale is at its floor."""
+        loss is loss_main + net.mtp_weight · loss_mtp, and both parts are in the result."""
         count = self.upload_ids(ids, lengths)
         self._upload_buckets(np.asarray(ids).astype(np.uint32), self.order, self.starts)
         if self.mtp is not None:
             self._upload_mtp(ids, lengths)
-        if self.loss_scale is None:
-            return self._run(count, update)
-        ls = self.loss_scale
-        while True:
-            s = ls.scale
-            self.gpu.write(self.scale, np.array([s / max(count, 1)], np.float32))
-            if self.mtp is not None:
-                mtp = self.net.mtp_weight / self.count_mtp if self.count_mtp else 0.0
-                self.gpu.write(self.m["scale"], np.array([s * mtp], np.float32))
-            for c in self._unscale:
-                k_ew.set_alpha(self.gpu, c, 1.0 / s)
-            res = self._run(count, update)
-            if update is None:
-                return res
-            grads_ok = res.finite or not np.isfinite(res.loss)  # a non-finite loss is not an overflow
-            ls.update(res.finite)
-            if grads_ok or s <= ls.min_scale:
-                return res
+        return self._run(count, update)
 
     def _run(self, count: int, update: AdamW | None) -> StepResult:
         """Record and submit one step over the uploaded batch; read its scalars."""
@@ -192,8 +127,6 @@ class TrunkWork(InferenceWork):
             self._head_mtp.record(rec)
             self._sum_mtp.record(rec)
         self._bwd.record(rec)
-        for c in self._unscale:
-            c.record(rec)
         if update is not None:
             self.net.optimizer_call(update).record(rec)
         out = self.finish(rec, update is not None, self.mtp is not None)

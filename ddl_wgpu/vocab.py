@@ -19,8 +19,8 @@ def head_chunk_rows(gpu, N: int, C: int, V: int) -> int:
     """Rows per chunk of the LM head over N rows (full logits never exist). Chunks are multiples of 64 rows
     (64·C·4 bytes keeps every chunk's view offset 256-aligned), bounded to 512 MiB of logits (half the binding
     limit on small adapters) and of equal height (no short last chunk of thin products). Tall chunks matter:
-    the head's dx product has K = V, and a 320-row chunk gave the H200 only 15 workgroups (3.9 TFLOP/s,
-    BENCHMARKS.md). Where 64 rows of logits do not fit the budget (lowered test limits), the smallest row
+    the head's dx product has K = V, and a 320-row chunk gave the H200 only 15 workgroups (3.9 TFLOP/s; see
+    commit 56c5f5d). Where 64 rows of logits do not fit the budget (lowered test limits), the smallest row
     count that keeps views aligned."""
     budget = min(512 << 20, gpu.max_binding // 2)
     fit = budget // (V * F32)
@@ -36,10 +36,8 @@ def head_chunk_rows(gpu, N: int, C: int, V: int) -> int:
 class Vocab:
     """The embedding gather and the LM head of `net` (a `net.Net`), in row chunks of their tables."""
 
-    def __init__(self, net, precision: str = "f32"):
-        """`precision` "f16": the head's products take f16 products (`ops.matmul`'s compute="f16")."""
+    def __init__(self, net):
         self.net, self.gpu = net, net.gpu
-        self.compute = {"compute": precision} if precision == "f16" else {}
         self.C, self.V = net.cfg.d_model, net.cfg.vocab_size
 
     def embed_forward(self, out, ids, n: int) -> Call:
@@ -89,7 +87,7 @@ class Vocab:
         dt = self.net.wdtype(self.net.head_name)
         for v0, rows, w, _dw in self.head_chunks():
             cols = self._logit_cols(logits, n, v0, rows)
-            call += k_mm.matmul(g, cols, xf, w, n, rows, C, trans_b=True, ldc=V, b_dtype=dt, **self.compute)
+            call += k_mm.matmul(g, cols, xf, w, n, rows, C, trans_b=True, ldc=V, b_dtype=dt)
         return call
 
     def head_backward(self, dxf, dlogits, xf, n: int, with_dw: bool) -> Call:
@@ -100,8 +98,7 @@ class Vocab:
         dt = self.net.wdtype(self.net.head_name)  # f16: a frozen head shared from an f16 trunk (heal's draft)
         for j, (v0, rows, w, dw) in enumerate(self.head_chunks()):
             d = self._logit_cols(dlogits, n, v0, rows)
-            call += k_mm.matmul(g, dxf, d, w, n, C, rows, lda=V, accumulate=j > 0, b_dtype=dt, **self.compute)
+            call += k_mm.matmul(g, dxf, d, w, n, C, rows, lda=V, accumulate=j > 0, b_dtype=dt)
             if with_dw:
-                call += k_mm.matmul(g, dw, d, xf, rows, C, n, trans_a=True, lda=V, accumulate=True,
-                                    **self.compute)  # fmt: skip
+                call += k_mm.matmul(g, dw, d, xf, rows, C, n, trans_a=True, lda=V, accumulate=True)
         return call

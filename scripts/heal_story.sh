@@ -40,11 +40,11 @@ PROMPT=$'class Context(object):\n    def __init__(self'
 $CLI train --data stdlib --variants baseline --preset tiny --n-layers 3 --mtp --mtp-weight 0.3 --max-steps 1000 \
   --eval-interval 250 --eval-batches 4 --batch-size 8 --seq-len 128 --learning-rate 2e-2 --warmup-steps 30 \
   --max-tokens 400000 --no-plots --backend "$BACKEND" --overwrite --out "$DIR/train"
-$CLI compress "$TRAINED" --ffn-keep 0.75 --out "$DIR/compressed.ddlw"
+$CLI compress "$TRAINED" --ffn-keep 0.75 --force --out "$DIR/compressed.ddlw"
 $CLI accept "$TRAINED" $ACCEPT --json > "$DIR/accept_trained.json"
 $CLI accept "$DIR/compressed.ddlw" $ACCEPT --json > "$DIR/accept_compressed.json"
 $CLI heal "$DIR/compressed.ddlw" --init "$TRAINED" --data stdlib --tokens 40000 --lr 1e-3 --backend "$BACKEND" \
-  --out "$DIR/healed.ddlw"
+  --force --out "$DIR/healed.ddlw"
 $CLI accept "$DIR/healed.ddlw" $ACCEPT --json > "$DIR/accept_healed.json"
 echo
 echo "the healed model continues a prompt (greedy, without and with its draft: the same text; the summary"

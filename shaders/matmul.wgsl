@@ -31,11 +31,6 @@
 // per k, a thread reads TM/4 vec4 of As and TN/4 vec4 of Bs and does TM*TN/4 vec4 FMAs. A thread's rows are
 // the vec4 groups ty, ty + WY, ty + 2WY, ...; its columns the vec4 groups tx, tx + WX, ...: neighbouring
 // threads read neighbouring vec4s of Bs (no bank conflicts) and threads of a row broadcast the same As.
-// Which thread owns which outputs (`Tile.warp`): by default thread (tx, ty) = (lid.x, lid.y), so a warp of 32
-// is 2 thread rows x 16 columns and each k reads 16 distinct vec4s of Bs (two shared-memory wavefronts) and
-// 2 of As. With `warp` a warp is 4 thread rows x 8 columns (tx, ty remapped from the thread index; warps tile
-// the workgroup): 8 distinct vec4s of Bs and 4 of As, one wavefront each. Only the owner of each C element
-// changes, not its k order: the results are the same bits.
 // Out-of-range elements of A and B are copied as 0, so the edge tiles of M, N and K need no special case;
 // stores are guarded element by element. Each C element is summed by one thread in a fixed k order: the
 // result is deterministic (same inputs, same bits).
@@ -45,19 +40,12 @@
 // it is copied into Bs; A, C, the shared tiles and every accumulation stay f32. The f32 module has both
 // placeholders filled as `f32` / nothing, so its source is unchanged.
 //
-// f16 products (`{{sh_type}}` = f16, the launcher's compute="f16", mixed-precision training): A and B are
-// read as stored (f32, or f16 B) and rounded to f16 as they are fetched, so the shared tiles and the
-// registers carrying the next step hold vec4<f16>. Each thread keeps, beside its f32 accumulators, one
-// vec4<f16> partial per accumulator: the products of CHUNK consecutive k are summed in f16 there (packed
-// half-precision FMAs, two products per instruction), then the partial is added into the f32 accumulator.
-// So f16 rounding touches at most CHUNK terms of a sum, and the sum across chunks is f32 in a fixed order
-// (still deterministic). The launcher generates the chunk boundaries into the unrolled k step.
 {{enable}}
 
 // generated from its description in ddl_wgpu/ops/matmul.py (`Uniform`)
 {{struct Params}}
 
-@group(0) @binding(0) var<storage, read> a: array<{{a_array}}>;
+@group(0) @binding(0) var<storage, read> a: array<f32>;
 @group(0) @binding(1) var<storage, read> b: array<{{b_array}}>;
 @group(0) @binding(2) var<storage, read_write> c: array<f32>;
 @group(0) @binding(3) var<uniform> P: Params;
@@ -75,43 +63,21 @@ const NT: u32 = WX * WY;
 
 const SA: u32 = BMV + 1u;
 const SB: u32 = BNV + 1u;
-var<workgroup> As: array<vec4<{{sh_type}}>, {{as_len}}>;  // BK * SA
-var<workgroup> Bs: array<vec4<{{sh_type}}>, {{bs_len}}>;  // BK * SB
-// Two shared stages (`Tile.stages` 2): As / Bs hold two k steps. A step's products read the stage filled the
-// step before, then its prefetched registers are stored into the other stage (`stage` flips there, read by
-// `stash_*`), so one barrier per step separates every write from the reads of the same stage.
-{{stage_decl}}
+var<workgroup> As: array<vec4<f32>, {{as_len}}>;  // BK * SA
+var<workgroup> Bs: array<vec4<f32>, {{bs_len}}>;  // BK * SB
 
-// Element i of A / B, and the 4 elements i .. i+3 (i a multiple of 4 where it matters). The launcher declares
-// an operand as array<vec4<f32>> only for vec4 loads (`Tile.vec`, below); as array<f32> (or f16) the vec4 is
-// four scalar loads, so every function here compiles in every variant.
-fn a_elem(i: u32) -> f32 {
-    return {{a_elem}};
-}
-
-fn b_elem(i: u32) -> f32 {
-    return {{b_elem}};
-}
-
-fn a_vec(i: u32) -> vec4<f32> {
-    return {{a_vec}};
-}
-
-fn b_vec(i: u32) -> vec4<f32> {
-    return {{b_vec}};
-}
-
-// Element (row, col) of the stored A / B of this batch, or 0 outside the stored rows x cols.
+// Element (row, col) of the stored A / B of this batch, or 0 outside the stored rows x cols (B widened to f32
+// when stored as f16).
 fn a_at(base: u32, row: u32, col: u32, rows: u32, cols: u32) -> f32 {
     if (row < rows && col < cols) {
-        return a_elem(base + row * P.lda + col);
+        return a[base + row * P.lda + col];
     }
     return 0.0;
 }
 
 fn b_at(base: u32, row: u32, col: u32, rows: u32, cols: u32) -> f32 {
     if (row < rows && col < cols) {
-        return b_elem(base + row * P.ldb + col);
+        return f32(b[base + row * P.ldb + col]);
     }
     return 0.0;
 }
@@ -143,10 +109,10 @@ fn fetch_a(base: u32, m0: u32, k0: u32, i: u32) -> vec4<f32> {
                      a_at(base, kg, m + 2u, P.K, P.M), a_at(base, kg, m + 3u, P.K, P.M));
 }
 
-fn stash_a(i: u32, v: vec4<{{sh_type}}>) {
+fn stash_a(i: u32, v: vec4<f32>) {
     if (i < BK * BMV) {
         let s = a_slot(i);
-        As[{{a_stage}}s.x * SA + s.y] = v;
+        As[s.x * SA + s.y] = v;
     }
 }
 
@@ -172,83 +138,11 @@ fn fetch_b(base: u32, n0: u32, k0: u32, i: u32) -> vec4<f32> {
                      b_at(base, n + 2u, kg, P.N, P.K), b_at(base, n + 3u, kg, P.N, P.K));
 }
 
-fn stash_b(i: u32, v: vec4<{{sh_type}}>) {
+fn stash_b(i: u32, v: vec4<f32>) {
     if (i < BK * BNV) {
         let s = b_slot(i);
-        Bs[{{b_stage}}s.x * SB + s.y] = v;
+        Bs[s.x * SB + s.y] = v;
     }
-}
-
-// Vec4 loads (`Tile.vec`; the launcher enables them per operand only where the stored rows are whole,
-// 16-byte aligned vec4s: columns, row stride, offsets and batch strides multiples of 4, the binding's byte
-// offset a multiple of 16). `*_run` reads the 4 elements (row, col .. col+3) with one load and one bounds
-// test: the row and column are clamped into the stored matrix instead of tested (a clamped m or n only feeds
-// C rows / columns that are never stored), and `live` (the k index in range) zeroes the run, since every k
-// feeds stored outputs. So interior tiles branch on nothing; the values copied to shared memory, and hence
-// the results, are bit for bit those of the scalar copies.
-fn a_run(base: u32, row: u32, col: u32, rows: u32, cols: u32, live: bool) -> vec4<f32> {
-    let v = a_vec(base + min(row, rows - 1u) * P.lda + min(col, cols - 4u));
-    return select(vec4<f32>(0.0), v, live);
-}
-
-fn b_run(base: u32, row: u32, col: u32, rows: u32, cols: u32, live: bool) -> vec4<f32> {
-    let v = b_vec(base + min(row, rows - 1u) * P.ldb + min(col, cols - 4u));
-    return select(vec4<f32>(0.0), v, live);
-}
-
-// Operand stored with m (n) contiguous (A as (K, M), B as (K, N)): slot i is one vec4 load along m (n),
-// stored as is by `stash_*`.
-fn fetchv_a(base: u32, m0: u32, k0: u32, i: u32) -> vec4<f32> {
-    let s = a_slot(i);
-    let kg = k0 + s.x;
-    return a_run(base, kg, m0 + 4u * s.y, P.K, P.M, kg < P.K);
-}
-
-fn fetchv_b(base: u32, n0: u32, k0: u32, i: u32) -> vec4<f32> {
-    let s = b_slot(i);
-    let kg = k0 + s.x;
-    return b_run(base, kg, n0 + 4u * s.y, P.K, P.N, kg < P.K);
-}
-
-// Operand stored k-contiguous (A as (M, K), B as (N, K)): block u is 4 rows m .. m+3 (one vec4 of As) by 4
-// k, four vec4 loads along k (`fetchk_*`, j = the row), transposed in registers into 4 vec4s of As
-// (`stashk_*`). Blocks are numbered KL k-groups fastest, then m: a quarter-warp's 128-bit stores then hit 8
-// different bank groups with the odd stride SA (KL 2: k-groups 4kq*SA apart differ by 4 mod 8), and each
-// load instruction reads KL*16 contiguous bytes of 16 rows (whole 32-byte sectors).
-const KL: u32 = {{kl}}u;
-
-fn blk(u: u32, rows_v: u32) -> vec2<u32> {  // (kq, mv)
-    return vec2<u32>(u % KL + KL * (u / (KL * rows_v)), (u / KL) % rows_v);
-}
-
-fn fetchk_a(base: u32, m0: u32, k0: u32, u: u32, j: u32) -> vec4<f32> {
-    let s = blk(u, BMV);
-    let kg = k0 + 4u * s.x;
-    return a_run(base, m0 + 4u * s.y + j, kg, P.M, P.K, kg < P.K);
-}
-
-fn fetchk_b(base: u32, n0: u32, k0: u32, u: u32, j: u32) -> vec4<f32> {
-    let s = blk(u, BNV);
-    let kg = k0 + 4u * s.x;
-    return b_run(base, n0 + 4u * s.y + j, kg, P.N, P.K, kg < P.K);
-}
-
-fn stashk_a(u: u32, r0: vec4<f32>, r1: vec4<f32>, r2: vec4<f32>, r3: vec4<f32>) {
-    let s = blk(u, BMV);
-    let i = {{a_stage}}4u * s.x * SA + s.y;
-    As[i] = vec4<{{sh_type}}>(vec4<f32>(r0.x, r1.x, r2.x, r3.x));
-    As[i + SA] = vec4<{{sh_type}}>(vec4<f32>(r0.y, r1.y, r2.y, r3.y));
-    As[i + 2u * SA] = vec4<{{sh_type}}>(vec4<f32>(r0.z, r1.z, r2.z, r3.z));
-    As[i + 3u * SA] = vec4<{{sh_type}}>(vec4<f32>(r0.w, r1.w, r2.w, r3.w));
-}
-
-fn stashk_b(u: u32, r0: vec4<f32>, r1: vec4<f32>, r2: vec4<f32>, r3: vec4<f32>) {
-    let s = blk(u, BNV);
-    let i = {{b_stage}}4u * s.x * SB + s.y;
-    Bs[i] = vec4<{{sh_type}}>(vec4<f32>(r0.x, r1.x, r2.x, r3.x));
-    Bs[i + SB] = vec4<{{sh_type}}>(vec4<f32>(r0.y, r1.y, r2.y, r3.y));
-    Bs[i + 2u * SB] = vec4<{{sh_type}}>(vec4<f32>(r0.z, r1.z, r2.z, r3.z));
-    Bs[i + 3u * SB] = vec4<{{sh_type}}>(vec4<f32>(r0.w, r1.w, r2.w, r3.w));
 }
 
 // C[m, n] = alpha * v (+ C[m, n]) for the element in range; `row` is the offset of row m in c.
@@ -294,7 +188,8 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) l
         k_begin = (m0 / BK) * BK;
     }
     let t = lid.y * WX + lid.x;  // the copies' thread index
-{{thread_map}}
+    let tx = lid.x;
+    let ty = lid.y;
     let zo = z / P.inner;
     let zi = z % P.inner;
     let base_a = P.off_a + zo * P.stride_a + (zi / P.div_a) * P.istride_a;

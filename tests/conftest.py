@@ -1,8 +1,10 @@
 """Shared fixtures: one GPU device for the whole test session (device creation and the first pipeline cost
 ~0.5 s on lavapipe); the words of the CLI tests' corpus; and `heal_kit`, the tiny models, texts and heal
-settings the heal, accept and chain-attention tests share. The plain helpers (the one tiny-config factory
-`tiny_cfg`, the tiny models) are in `helpers.py`."""
+settings the heal, accept and chain-attention tests share; heal's eager refresh (the oracle of the lazy one)
+and the bench's count of refresh forwards. The plain helpers (the one tiny-config factory `tiny_cfg`, the
+tiny models) are in `helpers.py`."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import pytest
 from helpers import make_model, make_text, perturbed, tiny_cfg
 
 from ddl_ref.config import MtpConfig
+from ddl_wgpu import heal
 from ddl_wgpu.heal import HealConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,3 +109,44 @@ def ok_fixture():
 def user_error_fixture():
     """user_error(process, *fragments): asserts one `error: ...` line and exit 2, returns the line."""
     return user_error
+
+
+# ---------------------------------------------------------------------------------------------------------
+# heal's refresh: the eager oracle the lazy rebuild must equal, and the bench's count of its forwards
+
+
+class _EagerChain(heal._Chain):
+    """heal's chain with every window's chain rows rebuilt from the current draft at each refresh, step by step
+    and batch by batch (what the lazy rebuild must reproduce bit for bit)."""
+
+    def refresh(self) -> int:
+        if self.chain < 2:
+            return 0
+        for j in range(2, self.chain + 1):
+            xj = np.zeros((self.N, self.T, self.mcfg.d_model), np.float16)
+            for sel in self.members:
+                xj[sel] = self._next_rows(sel, j)
+            self.cache.x[j] = xj
+        done, self.period_forwards = self.period_forwards, 0
+        return done
+
+
+@pytest.fixture
+def eager_refresh(monkeypatch):
+    """eager_refresh(True): heal rebuilds every window at each refresh from here on; (False): lazily again."""
+
+    lazy = heal._Chain
+
+    def use(eager: bool) -> None:
+        monkeypatch.setattr(heal, "_Chain", _EagerChain if eager else lazy)
+
+    return use
+
+
+@pytest.fixture(scope="session")
+def heal_count():
+    """`bench/heal_count.py` (its `refresh_forwards` is the count bench/heal.py's estimate rests on)."""
+    spec = importlib.util.spec_from_file_location("heal_count", REPO / "bench" / "heal_count.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

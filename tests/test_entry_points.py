@@ -19,8 +19,6 @@ STAGES = {
     "attention.wgsl:attention_backward_delta": "test_kernel_attention.py",
     "attention.wgsl:attention_backward_dq": "test_kernel_attention.py",
     "attention.wgsl:attention_backward_dkdv": "test_kernel_attention.py",
-    "attention_fused.wgsl:attention_fused_backward_dq": "test_kernel_attention_fused.py",
-    "attention_fused.wgsl:attention_fused_backward_dkdv": "test_kernel_attention_fused.py",
     "attention_scores.wgsl:scores_softmax": "test_kernel_attention.py",
     "attention_scores.wgsl:scores_backward": "test_kernel_attention.py",
     "attention.wgsl:attention_masked_backward_dq": "test_chain_attention.py",
@@ -80,7 +78,6 @@ def test_multi_stage_launchers_dispatch_their_stages(gpu):
     seen |= dispatched(attention.attention_backward(gpu, *buf[:9], B, T, H, K, D))
     seen |= dispatched(attention.attention_forward(gpu, *buf[:5], B, T, H, K, D, impl="scores"))
     seen |= dispatched(attention.attention_backward(gpu, *buf[:9], B, T, H, K, D, impl="scores"))
-    seen |= dispatched(attention.attention_backward(gpu, *buf[:9], B, T, H, K, D, impl="fused"))
     seen |= dispatched(attention.attention_masked_backward(gpu, *buf[:9], B, T, H, K, D, 4, impl="flash"))
     seen |= dispatched(delta.delta_forward(gpu, *buf[:10], rows, C, dv, 1e-5, 4.0, fused=False))
     seen |= dispatched(delta.delta_backward(gpu, *buf[:12], rows, C, dv, 4.0))

@@ -17,8 +17,10 @@ from ddl_ref.params import init_params
 from ddl_wgpu import accept, compress, heal
 from ddl_wgpu import train as T
 from ddl_wgpu.backend import make_net
+from ddl_wgpu.container import open_checkpoint, save
 from ddl_wgpu.data import ByteTokenizer, load_datasets
-from ddl_wgpu.modelfile import load_model
+from ddl_wgpu.hf import export_raw, import_hf
+from ddl_wgpu.modelfile import Model, load_model
 from ddl_wgpu.refnet import RefWork
 
 
@@ -131,6 +133,52 @@ def test_heal_writes_the_reference_provenance_key_and_reads_the_old_one(tmp_path
     assert heal.heal_record({"heal_mtp": {"steps": 3}}) == {"steps": 3}
 
 
+def heal_cli_args(heal_kit, tmp_path) -> list:
+    run = heal_kit.SMALL
+    model = heal_kit.make_model(tmp_path / "m.ddlw")
+    return [model, "--data", heal_kit.make_text(tmp_path / "t.txt"), "--chain", run.chain, "--window", run.window,
+            "--tokens", run.tokens, "--batch", run.batch, "--eval-every", run.eval_every, "--epochs", run.epochs,
+            "--lr", run.lr, "--backend", "ref", "--json"]  # fmt: skip
+
+
+def test_heal_refresh_0_never_refreshes(tmp_path, heal_kit, cli, ok):
+    """`--refresh 0` is the reference heal tool's (and `HealConfig`'s) "never refresh": chain step 2's rows are
+    built once, from the starting draft, and never again."""
+    args = heal_cli_args(heal_kit, tmp_path)
+    runs = {}
+    for refresh in (0, 3):
+        r = ok(cli("heal", *args, "--refresh", refresh, "--out", tmp_path / f"h{refresh}.ddlw"))
+        events = [json.loads(ln) for ln in r.stderr.splitlines() if ln.startswith("{")]
+        runs[refresh] = json.loads(r.stdout), [e["step"] for e in events if e["event"] == "refresh"]
+    (report, refreshed), (_, every3) = runs[0], runs[3]
+    assert report["config"]["refresh"] == 0 and report["steps"] > 6
+    assert refreshed == [0] and every3[:3] == [0, 3, 6]
+
+
+def test_heal_init_reads_only_the_draft_block(tmp_path, heal_kit):
+    """The reference heal tool reads only the draft's block from `--init`: a file holding just the block and
+    the final norm (no input projection, no trunk, no config) heals exactly as the whole source model does,
+    and the input projection (eh_proj, enorm, hnorm) stays the healed model's own."""
+    model = heal_kit.make_model(tmp_path / "m.ddlw")
+    data = str(heal_kit.make_text(tmp_path / "t.txt"))
+    source = heal_kit.make_model(tmp_path / "src.ddlw", seed=5)  # another draft (and trunk)
+    block = tmp_path / "block.ddlw"
+    with open_checkpoint(source) as ck:
+        kept = [n for n in ck.names() if n.startswith("model.mtp.layers.0.") or n == "model.mtp.norm.weight"]
+        save(block, [(n, ck.tensor(n)) for n in kept])
+    a = heal.heal(model, data, tmp_path / "a.ddlw", heal_kit.SMALL, init_path=source)
+    b = heal.heal(model, data, tmp_path / "b.ddlw", heal_kit.SMALL, init_path=block)
+    assert a["history"] == b["history"] and a["acceptance_after"] == b["acceptance_after"]
+    pa, pb, pm = (load_model(p).params for p in (tmp_path / "a.ddlw", tmp_path / "b.ddlw", model))
+    assert all(np.array_equal(pa[n], pb[n]) for n in pa)
+    for n in ("model.mtp.eh_proj.weight", "model.mtp.enorm.weight", "model.mtp.hnorm.weight"):
+        assert np.array_equal(pb[n], pm[n]), n
+    with open_checkpoint(source) as ck:  # without the block there is nothing to start from
+        save(tmp_path / "proj.ddlw", [(n, ck.tensor(n)) for n in ck.names() if n not in kept])
+    with pytest.raises(heal.HealError, match="no MTP draft .missing tensor model.mtp.layers.0.self_attn"):
+        heal.heal(model, data, tmp_path / "c.ddlw", heal_kit.SMALL, init_path=tmp_path / "proj.ddlw")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # train: evaluation, failed variants, phases, checkpoint errors
 
@@ -207,6 +255,94 @@ def test_a_new_phase_after_a_warm_up_run_takes_every_training_option(tdata, tmp_
     with pytest.raises(T.TrainingError, match="seq_len cannot change in a new phase"):
         T.resume(tmp_path / "b" / T.CHECKPOINT, trn, val, REF, out_dir=tmp_path / "c", steps=2,
                  overrides={"seq_len": 8})  # fmt: skip
+
+
+class Steps:
+    """The batch index of every training step taken on the numpy backend (a run's data order), read off the
+    ids each step trains on."""
+
+    def __init__(self, monkeypatch, dataset):
+        self.seen, step = [], RefWork.step
+        ids = [dataset.batch(i).ids for i in range(dataset.num_batches)]
+        assert len({x.tobytes() for x in ids}) == len(ids)  # every batch recognisable
+
+        def record(work, batch_ids, *args, **kw):
+            self.seen.append(next(i for i, x in enumerate(ids) if np.array_equal(x, batch_ids)))
+            return step(work, batch_ids, *args, **kw)
+
+        monkeypatch.setattr(RefWork, "step", record)
+
+
+def test_a_new_phase_continues_the_data_order_or_restarts_it(tdata, tmp_path, monkeypatch):
+    """`resume --steps N` continues the data order (batch of step s: s mod batches); `--restart-data` starts the
+    new phase at batch 0, as the reference trainer's phases do, and an interrupted restarted phase resumes in
+    its own order."""
+    trn, val = tdata
+    cfg = tiny_cfg(n_layers=1)
+    T.train_variant(cfg, ModelVariant("baseline"), trn, val, tcfg(), tmp_path / "a", REF)
+    ck = tmp_path / "a" / T.CHECKPOINT
+    order = {}
+    for restart in (False, True):
+        steps = Steps(monkeypatch, trn)
+        T.resume(ck, trn, val, REF, tmp_path / f"r{restart}", steps=3, restart_data=restart)
+        order[restart] = list(steps.seen)  # (a later Steps wraps this one, which keeps counting)
+    n = trn.num_batches
+    assert order[False] == [4 % n, 5 % n, 6 % n] and order[True] == [0, 1, 2]
+    stopped = tmp_path / "s"
+    T.resume(ck, trn, val, T.RunOptions(backend="ref", stop_after=1), stopped, steps=3, restart_data=True)
+    assert T.load_checkpoint(stopped / T.CHECKPOINT)["position"]["phase"]["data_start"] == 4
+    steps = Steps(monkeypatch, trn)
+    rep = T.resume(stopped / T.CHECKPOINT, trn, val, REF)
+    assert steps.seen == [1, 2] and rep["steps_completed"] == 7
+    assert rep["history"] == T.load_checkpoint(tmp_path / "rTrue" / T.CHECKPOINT)["report"]["history"]
+    with pytest.raises(T.TrainingError, match="the data order can only restart in a new phase"):
+        T.resume(stopped / T.CHECKPOINT, trn, val, REF, restart_data=True)
+
+
+def test_restart_data_on_the_command_line(tdata, tmp_path, cli, ok, user_error):
+    trn, val = tdata
+    T.train_variant(tiny_cfg(n_layers=1), ModelVariant("baseline"), trn, val, tcfg(), tmp_path / "a", REF)
+    ck = tmp_path / "a" / T.CHECKPOINT
+    user_error(cli("resume", ck, "--restart-data"), "--restart-data", "pass --steps N")
+    r = ok(cli("resume", ck, "--steps", 2, "--restart-data", "--data", trn.source, "--val-fraction", 0.2,
+               "--backend", "ref", "--out", tmp_path / "b"))  # fmt: skip
+    assert "new phase: 2 steps, data order from its first batch (--restart-data)" in r.stdout
+    assert T.load_checkpoint(tmp_path / "b" / T.CHECKPOINT)["position"]["phase"]["data_start"] == 4
+
+
+def test_a_damaged_checkpoint_is_refused_by_the_container_first(tdata, tmp_path, cli, user_error):
+    """What a user sees (docs/reference-tools.md): a checkpoint missing an optimizer moment, or holding a
+    best-validation model of the other kind, fails the container's checks before the reference trainer's
+    optimizer-state and best-model checks (`train.check_resume`) could run."""
+    trn, val = tdata
+    T.train_variant(tiny_cfg(n_layers=1), ModelVariant("baseline"), trn, val, tcfg(), tmp_path / "a", REF)
+    src = tmp_path / "a" / T.CHECKPOINT
+    ddl = init_params(ModelVariant.parse("ddl").resolve_config(tiny_cfg(n_layers=1)), 0)
+
+    def damaged(name: str, keep, extra=()) -> str:
+        with open_checkpoint(src) as ck:
+            tensors = [(n, ck.tensor(n), ck.info(n).dtype) for n in ck.names() if keep(n)]
+            save(tmp_path / name, [*tensors, *extra], config=ck.config, metadata=ck.metadata,
+                 provenance=ck.provenance)  # fmt: skip
+        return str(tmp_path / name)
+
+    path = damaged("moment.ddlw", lambda n: n != "optim.v.model.norm.weight")
+    user_error(cli("resume", path), f"error: {path}: missing optimizer tensor optim.v.model.norm.weight")
+    best = [("best." + n, a) for n, a in ddl.items()]
+    path = damaged("best.ddlw", lambda n: not n.startswith("best."), best)
+    line = user_error(cli("resume", path))
+    assert re.fullmatch(rf"error: {re.escape(path)}: tensor best\.model\.layers\.0\.ddl_attn\.\S+ is not a "
+                        r"parameter of the model's config", line), line  # fmt: skip
+
+
+def test_import_hf_takes_the_variant_from_the_config(tmp_path):
+    """A raw export of a DDL model imports as that variant (it was labelled `baseline`), so `eval --json`,
+    `inspect` and a later `export-hf` name it rightly."""
+    for slug in ("ddl-cc", "ddl", "baseline"):
+        cfg = ModelVariant.parse(slug).resolve_config(tiny_cfg(n_layers=1))
+        export_raw(Model(cfg, init_params(cfg, 0), variant=slug), tmp_path / slug)
+        assert import_hf(tmp_path / slug).variant == slug
+        assert ModelVariant.of_config(cfg).slug == slug
 
 
 def test_resume_checks_optimizer_state_and_the_best_model_kind(tdata, tmp_path):

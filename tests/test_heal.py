@@ -424,12 +424,12 @@ def test_heal_progress_events_have_one_schema(files, tmp_path):
 # the lazy refresh: each batch of windows rebuilt from the weights kept at the refresh when first read
 
 
-def heal_eager_and_lazy(monkeypatch, model, data, out_dir, run, backend_name="ref"):
+def heal_eager_and_lazy(eager_refresh, model, data, out_dir, run, backend_name="ref"):
     """-> {False: (report, trained, refresh events), True: ...}: one heal with the eager rebuild of every
-    window at each refresh, one with the lazy rebuild."""
+    window at each refresh (the tests' oracle, `conftest.eager_refresh`), one with heal's lazy rebuild."""
     out = {}
     for lazy in (False, True):
-        monkeypatch.setattr(heal, "LAZY_REFRESH", lazy)
+        eager_refresh(not lazy)
         events = []
         path = out_dir / f"lazy{int(lazy)}.ddlw"
         r = heal.heal(model, data, path, run, backend=backend_name, progress=events.append)
@@ -438,10 +438,10 @@ def heal_eager_and_lazy(monkeypatch, model, data, out_dir, run, backend_name="re
 
 
 @pytest.mark.parametrize("mode", ["per-step", "stacked"])
-def test_lazy_refresh_gives_the_eager_results_bit_for_bit(files, tmp_path, monkeypatch, mode):
+def test_lazy_refresh_gives_the_eager_results_bit_for_bit(files, tmp_path, eager_refresh, mode):
     model, data = files
     run = dataclasses.replace(SMALL, chain=3, refresh=3, tokens=1500, chain_attention=mode)
-    runs = heal_eager_and_lazy(monkeypatch, model, str(data), tmp_path, run)
+    runs = heal_eager_and_lazy(eager_refresh, model, str(data), tmp_path, run)
     (eager, te, _), (lazy, tl, _) = runs[False], runs[True]
     assert len(eager["history"]) >= 4 and eager["steps"] > 3 * run.refresh
     assert lazy["history"] == eager["history"]  # every held-out KL, exactly
@@ -449,7 +449,7 @@ def test_lazy_refresh_gives_the_eager_results_bit_for_bit(files, tmp_path, monke
     assert lazy["acceptance_after"] == eager["acceptance_after"]
 
 
-def test_lazy_refresh_needs_the_kept_weights(files, tmp_path, monkeypatch):
+def test_lazy_refresh_needs_the_kept_weights(files, tmp_path, monkeypatch, eager_refresh):
     """The comparison above can fail: rows rebuilt from the current weights instead of those kept at the
     refresh (`using` a no-op) change the held-out KL."""
     import contextlib
@@ -457,14 +457,14 @@ def test_lazy_refresh_needs_the_kept_weights(files, tmp_path, monkeypatch):
     model, data = files
     monkeypatch.setattr(refnet.RefDraft, "using", lambda self, snap: contextlib.nullcontext())
     run = dataclasses.replace(SMALL, chain=3, refresh=3, tokens=1500)
-    runs = heal_eager_and_lazy(monkeypatch, model, str(data), tmp_path, run)
+    runs = heal_eager_and_lazy(eager_refresh, model, str(data), tmp_path, run)
     assert runs[True][0]["history"] != runs[False][0]["history"]
 
 
-def test_lazy_refresh_rebuilds_fewer_batches(files, tmp_path, monkeypatch):
+def test_lazy_refresh_rebuilds_fewer_batches(files, tmp_path, eager_refresh, heal_count):
     model, data = files
     run = dataclasses.replace(SMALL, chain=3, refresh=3, tokens=1500)
-    runs = heal_eager_and_lazy(monkeypatch, model, str(data), tmp_path, run)
+    runs = heal_eager_and_lazy(eager_refresh, model, str(data), tmp_path, run)
     (eager, _, ev_e), (lazy, _, ev_l) = runs[False], runs[True]
     train, val = heal.split_heldout(eager["windows"])
     batches = -(-len(train) // run.batch) + -(-len(val) // run.batch)  # training and held-out ones apart
@@ -473,18 +473,18 @@ def test_lazy_refresh_rebuilds_fewer_batches(files, tmp_path, monkeypatch):
     assert [e["step"] for e in ev_e] == [e["step"] for e in ev_l] == steps
     assert all(e["batches"] == batches and e["chain"] == 3 for e in ev_e + ev_l)
     # eager: every window's steps 2..3 at each refresh
-    assert not any(e["lazy"] for e in ev_e) and all(e["rebuilt"] == 2 * batches for e in ev_e)
+    assert all(e["rebuilt"] == 2 * batches for e in ev_e)
     assert eager["refresh_forwards"] == refreshes * 2 * batches
     # lazy: nothing at the refresh itself; a period rebuilds what its 3 jobs and its evaluation read
     assert all(e["lazy"] for e in ev_l) and ev_l[0]["rebuilt"] == 0
     assert 0 < lazy["refresh_forwards"] < eager["refresh_forwards"] / 2
     assert all(e["rebuilt"] <= 2 * batches for e in ev_l)
     assert sum(e["rebuilt"] for e in ev_l) <= lazy["refresh_forwards"]  # the last period has no event
-    # bench/heal.py's count (heal's job loop on a stand-in draft) is the real one
-    for r, is_lazy in ((eager, False), (lazy, True)):
-        count = heal.refresh_forwards(r["windows"], run, is_lazy)
-        assert count["forwards"] == r["refresh_forwards"] and count["steps"] == r["steps"]
-        assert count["refreshes"] == refreshes
+    # bench/heal.py's count (heal's job loop on a stand-in draft) is the real one, and so is its eager figure
+    count = heal_count.refresh_forwards(lazy["windows"], run)
+    assert count["forwards"] == lazy["refresh_forwards"] and count["steps"] == lazy["steps"]
+    assert count["refreshes"] == refreshes and count["batches"] == batches
+    assert count["refreshes"] * 2 * count["batches"] == eager["refresh_forwards"]
     # the first period: steps 2..3 of the held-out refresh batches for the evaluation at step 0 (one per
     # evaluation batch), then of at most one refresh batch for each of its 3 jobs (a job's batch is one)
     held_out = len(val) // run.batch
@@ -520,7 +520,7 @@ def chain_of(N, nb, chain=3, T=4, C=2):
                         {1: np.zeros((N, T, C), np.float16)})  # fmt: skip
     model = Model(SimpleNamespace(d_model=C), {})
     cfg = dataclasses.replace(SMALL, chain=chain, batch=nb)
-    return heal._Chain(model, cfg, cache, _RowDraft(), lazy=True)
+    return heal._Chain(model, cfg, cache, _RowDraft())
 
 
 @pytest.mark.parametrize("N, nb", [(40, 2), (47, 4), (103, 4), (60, 3), (75, 8)])

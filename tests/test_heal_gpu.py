@@ -251,7 +251,8 @@ def test_net_refuses_a_trainable_or_misshapen_shared_tensor(heal_kit):
 
 
 @pytest.mark.parametrize("mode", ["per-step", "stacked"])
-def test_gpu_lazy_refresh_gives_the_eager_results_bit_for_bit(gpu, tmp_path, heal_kit, monkeypatch, mode):
+def test_gpu_lazy_refresh_gives_the_eager_results_bit_for_bit(gpu, tmp_path, heal_kit, eager_refresh, heal_count,
+                                                             mode):  # fmt: skip
     """On the GPU the lazy refresh's rows come from the kept weights copied into the draft's buffers for the
     forwards (`WgpuDraft.using`), batched as the eager refresh batches them (training and held-out windows
     apart): the same bits."""
@@ -260,7 +261,7 @@ def test_gpu_lazy_refresh_gives_the_eager_results_bit_for_bit(gpu, tmp_path, hea
     run = replace(heal_kit.SMALL, chain=3, refresh=3, chain_attention=mode)
     got = {}
     for lazy in (False, True):
-        monkeypatch.setattr(heal, "LAZY_REFRESH", lazy)
+        eager_refresh(not lazy)
         r = heal.heal(model, data, tmp_path / f"{lazy}.ddlw", run, backend="wgpu")
         p = load_model(tmp_path / f"{lazy}.ddlw").params
         got[lazy] = r, {n: p[n] for n in ref_mtp.trained_names(p)}
@@ -269,8 +270,9 @@ def test_gpu_lazy_refresh_gives_the_eager_results_bit_for_bit(gpu, tmp_path, hea
     assert lazy["history"] == eager["history"]
     assert all(np.array_equal(tl[n], te[n]) for n in te)
     assert 0 < lazy["refresh_forwards"] < eager["refresh_forwards"]
-    for r, is_lazy in ((eager, False), (lazy, True)):  # the count bench/heal.py uses is the GPU run's
-        assert heal.refresh_forwards(r["windows"], run, is_lazy)["forwards"] == r["refresh_forwards"]
+    count = heal_count.refresh_forwards(lazy["windows"], run)  # the count bench/heal.py uses is the GPU run's
+    assert count["forwards"] == lazy["refresh_forwards"]
+    assert count["refreshes"] * (run.chain - 1) * count["batches"] == eager["refresh_forwards"]
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])

@@ -2,16 +2,9 @@
 
 Shapes are small and deliberately not multiples of the 64 x 64 workgroup tile (nor of 4 or of BK), so the
 zero-filled edge copies and the guarded stores are exercised on every side.
-
-f16 products (`compute="f16"`, mixed-precision training), last: every result must lie within
-`f16_error_bound`, the worst case derived from the chunk length (f16 rounding of both operands, `chunk` f16
-roundings per partial, f32 across partials); and it must really be the f16 path: its error is far above the
-f32 kernel's on the same data.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 import pytest
@@ -25,12 +18,10 @@ from ddl_wgpu.ops.matmul import (
     Batch,
     Strides,
     Tile,
-    f16_error_bound,
     linear_backward,
     linear_forward,
     matmul,
     pick_tile,
-    vec_loads,
 )
 
 SHAPES = [(1, 1, 1), (7, 13, 5), (33, 17, 65), (64, 48, 40), (130, 9, 70)]  # (M, N, K)
@@ -150,8 +141,8 @@ def test_matmul_batched_transposed_row_strides(gpu, rng):
 
 @pytest.mark.parametrize(
     "tile",
-    [SMALL_TILE, Tile(wx=4, wy=4, tm=4, tn=4, bk=4), Tile(vec=True)],
-    ids=["64x64", "16x16", "64x64-vec"],
+    [SMALL_TILE, Tile(wx=4, wy=4, tm=4, tn=4, bk=4)],
+    ids=["64x64", "16x16"],
 )
 def test_matmul_two_level_batch_gqa_offsets(gpu, rng, tile):
     # Q K^T for every (b, h) of (B, T, H, D) storage with K/V heads shared by G = H / KH query heads, the
@@ -179,13 +170,8 @@ def test_matmul_two_level_batch_gqa_offsets(gpu, rng, tile):
 
 @pytest.mark.parametrize(
     "tile",
-    [
-        SMALL_TILE,
-        Tile(wx=4, wy=4, tm=4, tn=4, bk=4),
-        Tile(vec=True),
-        Tile(wx=4, wy=4, tm=4, tn=4, bk=4, vec=True, stages=2),
-    ],
-    ids=["64x64", "16x16", "64x64-vec", "16x16-vec-2-stages"],
+    [SMALL_TILE, Tile(wx=4, wy=4, tm=4, tn=4, bk=4)],
+    ids=["64x64", "16x16"],
 )
 def test_matmul_causal_modes(gpu, rng, tile):
     # The three causal modes of attention's products on T x T positions (T not a multiple of the tile).
@@ -256,8 +242,6 @@ def test_matmul_views_into_arena(gpu, rng):
         Tile(unroll=False, prefetch=False),
         Tile(wx=4, wy=8, tm=8, tn=4, bk=5, unroll=False),
         Tile(tm=8, tn=8, bk=16, prefetch=False),
-        Tile(stages=2),
-        Tile(wx=4, wy=8, tm=8, tn=4, bk=5, stages=2),
     ],
     ids=[
         "8x8-bk16",
@@ -266,8 +250,6 @@ def test_matmul_views_into_arena(gpu, rng):
         "loop-noprefetch",
         "odd-bk-loop",
         "8x8-noprefetch",
-        "2-stages",
-        "odd-bk-2-stages",
     ],
 )
 def test_matmul_other_tiles(gpu, rng, tile):
@@ -283,33 +265,6 @@ def test_matmul_other_tiles(gpu, rng, tile):
         B = _rand(rng, *((N, K) if trans_b else (K, N)))
         got = _run_matmul(gpu, A, B, M, N, K, trans_a=trans_a, trans_b=trans_b, tile=tile)
         check(f"matmul {tile}", got.reshape(M, N), _op(A, trans_a) @ _op(B, trans_b), "matmul")
-
-
-@pytest.mark.parametrize(
-    "tile",
-    [Tile(warp=True), Tile(tm=8, tn=8, bk=16, warp=True), Tile(wx=8, wy=4, tm=4, tn=8, bk=8, warp=True),
-     Tile(wx=8, wy=8, tm=4, tn=4, bk=8, vec=True, warp=True)],
-    ids=["64x64", "128x128", "wide", "vec"],
-)  # fmt: skip
-def test_warp_arranged_owners_give_the_same_bits(gpu, rng, tile):
-    """`Tile.warp` changes which thread owns each output, not its k order: right against float64 and bit for
-    bit the default arrangement's, in every layout, with edges in M, N and K."""
-    if tile.shared_bytes > gpu.limits["max-compute-workgroup-storage-size"]:  # e.g. DDL_WGPU_LIMITS=webgpu
-        return
-    plain = dataclasses.replace(tile, warp=False)
-    M, N, K = 70, 44, 36
-    for trans_a, trans_b in [(False, False), (False, True), (True, False), (True, True)]:
-        A = _rand(rng, *((K, M) if trans_a else (M, K)))
-        B = _rand(rng, *((N, K) if trans_b else (K, N)))
-        kw = dict(trans_a=trans_a, trans_b=trans_b, split_k=1)
-        got = _run_matmul(gpu, A, B, M, N, K, tile=tile, **kw).reshape(M, N)
-        check(f"warp {tile}", got, _op(A, trans_a) @ _op(B, trans_b), "matmul")
-        assert np.array_equal(got, _run_matmul(gpu, A, B, M, N, K, tile=plain, **kw).reshape(M, N))
-
-
-def test_warp_needs_whole_warps_of_4_x_8(gpu):
-    with pytest.raises(GpuError, match="warp needs wx a multiple of 8"):
-        Tile(wx=4, wy=8, warp=True).validate(gpu)
 
 
 def test_matmul_deterministic(gpu, rng):
@@ -390,245 +345,3 @@ def test_split_k_cost_counts_waves_and_the_short_slice():
     assert split_k_cost(10, 4096, 4) == 1024  # 40 workgroups, one wave, slices of 1024
     assert split_k_cost(SPLIT_K_SLOTS, 4096, 2) == 2 * 2048  # two waves of 2048
     assert split_k_cost(10, 4000, 4) == 1024 + 928  # 3 full slices of 1024, then 928 as its own launch
-
-
-# -- vec4 global loads (Tile.vec) --------------------------------------------------------------------------
-
-VEC_TILES = [
-    Tile(vec=True),
-    Tile(tm=8, tn=8, bk=16, vec=True),
-    Tile(tm=8, tn=8, bk=16, vec=True, prefetch=False),
-    Tile(wx=8, wy=4, tm=4, tn=8, bk=8, vec=True),  # A's and B's units straddle a pass of 32 threads
-    Tile(wx=4, wy=8, tm=8, tn=4, bk=4, vec=True),  # one k-group per block (KL 1)
-    Tile(wx=8, wy=8, tm=8, tn=8, bk=16, vec=True),  # two passes of units per thread
-    Tile(wx=8, wy=8, tm=4, tn=4, bk=32, vec=True),  # two passes, 8 k-groups per block row
-    Tile(vec=True, stages=2),  # two shared stages, one barrier per k step
-    Tile(wx=8, wy=4, tm=4, tn=8, bk=8, vec=True, stages=2),
-    Tile(tm=8, tn=8, bk=8, vec=True, stages=2),
-]
-VEC_IDS = ["64x64", "128x128", "128x128-noprefetch", "wide", "bk4", "2-passes", "bk32", "2-stages", "wide-2-stages",
-           "128x128-bk8-2-stages"]  # fmt: skip
-
-
-@pytest.mark.parametrize("tile", VEC_TILES, ids=VEC_IDS)
-@pytest.mark.parametrize("M,N,K", [(70, 44, 36), (33, 20, 12), (12, 9, 20), (64, 48, 40), (7, 13, 5)])
-def test_vec_loads_match_float64_and_the_scalar_copies(gpu, rng, tile, M, N, K):
-    """Each layout with vec4 loads where an operand's contiguous extent is a multiple of 4 (the other operand,
-    or both, fall back to scalar copies): right against float64, and bit for bit the scalar kernel's."""
-    if tile.shared_bytes > gpu.limits["max-compute-workgroup-storage-size"]:  # e.g. DDL_WGPU_LIMITS=webgpu
-        with pytest.raises(GpuError, match="workgroup memory"):
-            _run_matmul(gpu, _rand(rng, M, K), _rand(rng, N, K), M, N, K, trans_b=True, tile=tile)
-        return
-    scalar = Tile(tile.wx, tile.wy, tile.tm, tile.tn, tile.bk, tile.unroll, tile.prefetch)
-    for trans_a, trans_b in [(False, False), (False, True), (True, False), (True, True)]:
-        A = _rand(rng, *((K, M) if trans_a else (M, K)))
-        B = _rand(rng, *((N, K) if trans_b else (K, N)))
-        a, b = gpu.upload(A), gpu.upload(B)
-        used = vec_loads(tile, a, b, M, N, K, trans_a, trans_b)
-        assert used == (((M if trans_a else K) % 4 == 0), ((K if trans_b else N) % 4 == 0))
-        kw = dict(trans_a=trans_a, trans_b=trans_b, split_k=1)
-        got = _run_matmul(gpu, A, B, M, N, K, tile=tile, **kw).reshape(M, N)
-        check(
-            f"vec {tile} {M}x{N}x{K} ta={trans_a} tb={trans_b}",
-            got,
-            _op(A, trans_a) @ _op(B, trans_b),
-            "matmul",
-        )
-        assert np.array_equal(got, _run_matmul(gpu, A, B, M, N, K, tile=scalar, **kw).reshape(M, N))
-
-
-def test_vec_loads_fall_back_on_unaligned_strides_and_offsets(gpu, rng):
-    """Row strides and batch offsets that are not multiples of 4 keep that operand's copies scalar; padded
-    rows (stride a multiple of 4 beyond the columns) and aligned offsets take vec4 loads. NaN in the padding
-    would show any read past a row."""
-    M, N, K, nb = 37, 24, 28, 3
-    tile = Tile(vec=True)
-    for pad_a, pad_b, off in [(4, 0, 8), (3, 4, 8), (0, 1, 6), (0, 0, 2), (8, 8, 0)]:
-        lda, ldb = K + pad_a, N + pad_b
-        sa, sb = M * lda + 4 * (pad_a % 4 == 0), K * ldb  # batch strides, aligned when the row stride is
-        A = np.full(off + nb * sa, np.nan, np.float32)
-        B = np.full(off + nb * sb, np.nan, np.float32)
-        want = []
-        for z in range(nb):
-            az, bz = _rand(rng, M, K), _rand(rng, K, N)
-            A[off + z * sa : off + z * sa + M * lda].reshape(M, lda)[:, :K] = az
-            B[off + z * sb : off + z * sb + K * ldb].reshape(K, ldb)[:, :N] = bz
-            want.append(_op(az, False) @ _op(bz, False))
-        a, b = gpu.upload(A), gpu.upload(B)
-        batch = Batch(nb, a=Strides(sa, off=off), b=Strides(sb, off=off), c=Strides(M * N))
-        used = vec_loads(tile, a, b, M, N, K, lda=lda, ldb=ldb, sa=batch.a, sb=batch.b)
-        whole = off % 4 == 0  # and the binding's size a multiple of 16 bytes:
-        assert used == (
-            whole and a.size % 16 == 0 and lda % 4 == 0 and sa % 4 == 0,
-            whole and b.size % 16 == 0 and ldb % 4 == 0 and sb % 4 == 0,
-        )
-        assert any(used) or (pad_a, pad_b, off) != (8, 8, 0)
-        got = _run_matmul(gpu, A, B, M, N, K, batch=batch, lda=lda, ldb=ldb, tile=tile)
-        check(f"vec strides pad {pad_a},{pad_b} off {off}", got.reshape(nb, M, N), np.stack(want), "matmul")
-
-
-def test_vec_loads_views_and_split_k(gpu, rng):
-    """Operands bound as 256-aligned views of one arena (NaN around them), and split-K with its 256-aligned
-    slice views, through vec4 loads: right, and equal to the scalar kernel bit for bit."""
-    M, N, K = 20, 36, 600
-    A, B = _rand(rng, M, K), _rand(rng, N, K)
-    oa, ob = 256, 256 + (A.nbytes + 255) // 256 * 256
-    arena = np.full((ob + B.nbytes) // 4 + 64, np.nan, np.float32)
-    arena[oa // 4 : oa // 4 + A.size] = A.ravel()
-    arena[ob // 4 : ob // 4 + B.size] = B.ravel()
-    src = gpu.upload(arena)
-    av, bv = (src, oa, A.nbytes), (src, ob, B.nbytes)
-    assert vec_loads(Tile(vec=True), av, bv, M, N, K, trans_b=True) == (True, True)
-    want = _op(A, False) @ _op(B, True)
-    for parts in (1, 3):
-        outs = []
-        for tile in (Tile(vec=True), SMALL_TILE):
-            c = gpu.buffer(4 * M * N)
-            matmul(gpu, c, av, bv, M, N, K, trans_b=True, tile=tile, split_k=parts).run(gpu)
-            outs.append(gpu.download(c, np.float32, M * N).reshape(M, N))
-        check(f"vec views split_k={parts}", outs[0], want, "matmul")
-        assert np.array_equal(outs[0], outs[1])
-
-
-def test_vec_tile_rules(gpu):
-    """vec4 loads only for f32 products and operands with k steps of whole vec4s; asked for otherwise, the
-    launcher falls back to scalar copies and the generator refuses."""
-    a = gpu.buffer(4 * 64 * 64)
-    assert vec_loads(Tile(vec=True), a, a, 64, 64, 64) == (True, True)
-    assert vec_loads(Tile(), a, a, 64, 64, 64) == (False, False)  # off unless asked
-    assert vec_loads(Tile(bk=6, vec=True), a, a, 64, 64, 64) == (False, False)
-    assert vec_loads(Tile(vec=True), a, a, 64, 64, 64, compute="f16") == (False, False)
-    assert vec_loads(Tile(vec=True), a, a, 64, 64, 2) == (False, True)  # K < 4: A (M, K) rows too short
-    with pytest.raises(GpuError, match="vec4"):
-        Tile(bk=6, vec=True).templates(vec=(True, False))
-    with pytest.raises(GpuError, match="vec4"):
-        Tile(vec=True).templates(compute="f16", chunk=4, vec=(False, True))
-    assert LARGE_TILE.vec is False and SMALL_TILE.vec is False  # off by default until measured
-    assert LARGE_TILE.stages == SMALL_TILE.stages == 1
-    with pytest.raises(GpuError, match="stages"):
-        Tile(stages=2, prefetch=False).validate(gpu)
-    with pytest.raises(GpuError, match="stages"):
-        Tile(stages=3).validate(gpu)
-
-
-def test_tile_options_from_the_environment_syntax():
-    """DDL_WGPU_MATMUL (A/B runs of whole training steps): Tile fields applied to the large tile, vec also to
-    the small one; empty leaves both as they are; an unknown name is an error."""
-    from ddl_wgpu.ops.matmul import tile_options
-
-    assert tile_options("", LARGE_TILE, SMALL_TILE) == (LARGE_TILE, SMALL_TILE)
-    large, small = tile_options("vec, stages=2,bk=8", Tile(tm=8, tn=8), Tile())
-    assert large == Tile(tm=8, tn=8, bk=8, vec=True, stages=2) and small == Tile(vec=True)
-    large, small = tile_options("wx=8,wy=16,vec=0", Tile(tm=8, tn=8), Tile())
-    assert large == Tile(wx=8, wy=16, tm=8, tn=8) and small == Tile()
-    with pytest.raises(GpuError, match="not a Tile field"):
-        tile_options("vector", LARGE_TILE, SMALL_TILE)
-
-
-# -- f16 products ---------------------------------------------------------------------------------------
-
-
-def _run_f16(gpu, A, B, M, N, K, n_out=None, **kw):
-    a, b = gpu.upload(A), gpu.upload(B)
-    c = gpu.buffer(4 * (n_out or M * N))
-    matmul(gpu, c, a, b, M, N, K, **kw).run(gpu)
-    return gpu.download(c, np.float32, n_out or M * N)
-
-
-def _within(what, got, ref, bound):
-    err = np.abs(got.astype(np.float64) - ref)
-    worst = float((err / bound).max())
-    assert worst <= 1.0, f"{what}: error {err.max():.3g} exceeds the f16 bound (max ratio {worst:.3g})"
-    return float(err.max())
-
-
-@pytest.mark.parametrize("chunk", [1, 4, 8, 16])
-@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False), (True, True)])
-def test_f16_products_within_the_chunk_bound(gpu, rng, chunk, trans_a, trans_b):
-    M, N, K = 37, 21, 150
-    A = _rand(rng, *((K, M) if trans_a else (M, K)))
-    B = _rand(rng, *((N, K) if trans_b else (K, N)))
-    a64, b64 = _op(A, trans_a), _op(B, trans_b)
-    ref = a64 @ b64
-    bound = f16_error_bound(np.abs(a64) @ np.abs(b64), K, chunk, np.abs(A).max(), np.abs(B).max())
-    kw = dict(trans_a=trans_a, trans_b=trans_b, split_k=1)
-    got = _run_f16(gpu, A, B, M, N, K, compute="f16", chunk=chunk, **kw).reshape(M, N)
-    err16 = _within(f"f16 chunk {chunk} ta={trans_a} tb={trans_b}", got, ref, bound)
-    err32 = np.abs(_run_f16(gpu, A, B, M, N, K, **kw).reshape(M, N) - ref).max()
-    assert err16 > 20 * err32, f"f16 path error {err16:.3g} vs f32 {err32:.3g}: were f16 products used?"
-
-
-@pytest.mark.parametrize("tile", [SMALL_TILE, LARGE_TILE], ids=["small", "large"])
-def test_f16_tiles_split_k_and_the_bound_is_tight_enough(gpu, rng, tile):
-    # split-K (f32 partials, f32 reduction) over a long K, both tiles; the measured error is a sizeable
-    # fraction of the bound, so the bound is not vacuous
-    M, N, K = 20, 70, 1000
-    A, B = _rand(rng, K, M), _rand(rng, K, N)
-    if tile.shared_bytes > gpu.limits["max-compute-workgroup-storage-size"]:  # e.g. DDL_WGPU_LIMITS=webgpu
-        with pytest.raises(GpuError, match="workgroup memory"):
-            _run_f16(gpu, A, B, M, N, K, trans_a=True, compute="f16", chunk=8, tile=tile)
-        return
-    ref = A.T.astype(np.float64) @ B
-    bound = f16_error_bound(
-        np.abs(A.T.astype(np.float64)) @ np.abs(B), K, 8, np.abs(A).max(), np.abs(B).max()
-    )
-    for parts in (1, 3):
-        got = _run_f16(gpu, A, B, M, N, K, trans_a=True, compute="f16", chunk=8, split_k=parts, tile=tile)
-        _within(f"f16 split_k={parts}", got.reshape(M, N), ref, bound)
-    assert np.abs(got.reshape(M, N) - ref).max() > 1e-3 * bound.max()
-
-
-def test_f16_batched_causal_accumulate_alpha(gpu, rng):
-    # the attention layout: two-level batch, GQA divisor, causal k range, alpha, accumulate into C
-    T, D, nb, H, G = 19, 12, 2, 4, 2
-    q, k = _rand(rng, nb, T, H, D), _rand(rng, nb, T, H // G, D)
-    c0 = _rand(rng, nb * H, T, T)
-    batch = Batch(
-        nb * H, H, Strides(T * H * D, D), Strides(T * (H // G) * D, D, div=G), Strides(H * T * T, T * T)
-    )
-    a, b, c = gpu.upload(q), gpu.upload(k), gpu.upload(c0)
-    matmul(gpu, c, a, b, T, T, D, trans_b=True, lda=H * D, ldb=(H // G) * D, batch=batch, alpha=0.5,
-           accumulate=True, compute="f16", chunk=4).run(gpu)  # fmt: skip
-    got = gpu.download(c, np.float32, c0.size).reshape(nb, H, T, T)
-    q64 = q.astype(np.float64).transpose(0, 2, 1, 3)
-    k64 = np.repeat(k.astype(np.float64).transpose(0, 2, 1, 3), G, axis=1)
-    prod = q64 @ k64.transpose(0, 1, 3, 2)
-    ref = 0.5 * prod + c0.reshape(nb, H, T, T)
-    # alpha and accumulate: the product's bound halved, plus one f32 rounding of the result
-    bound = 0.5 * f16_error_bound(np.abs(q64) @ np.abs(k64).transpose(0, 1, 3, 2), D, 4, np.abs(q).max(),
-                                  np.abs(k).max()) + 2 * 2.0**-23 * (np.abs(ref) + 1.0)  # fmt: skip
-    _within("f16 batched", got, ref, bound)
-
-
-def test_f16_products_with_f16_weights(gpu, rng):
-    # f16 B storage (the inference Net) combined with f16 products: B is exact in f16 already
-    M, N, K = 9, 33, 40
-    A, W = _rand(rng, M, K), _rand(rng, N, K).astype(np.float16)
-    b = gpu.buffer(W.nbytes + 4)
-    gpu.write(b, W.reshape(-1))
-    a, c = gpu.upload(A), gpu.buffer(4 * M * N)
-    matmul(gpu, c, a, b, M, N, K, trans_b=True, b_dtype="f16", compute="f16", chunk=8).run(gpu)
-    w64 = W.astype(np.float64)
-    ref = A.astype(np.float64) @ w64.T
-    bound = f16_error_bound(
-        np.abs(A.astype(np.float64)) @ np.abs(w64).T, K, 8, np.abs(A).max(), np.abs(W).max()
-    )
-    _within("f16 products, f16 B", gpu.download(c, np.float32, M * N).reshape(M, N), ref, bound)
-
-
-def test_f16_chunk_must_divide_the_k_step(gpu, rng):
-    a, b, c = gpu.upload(_rand(rng, 8, 8)), gpu.upload(_rand(rng, 8, 8)), gpu.buffer(256)
-    with pytest.raises(GpuError, match="chunk"):
-        matmul(gpu, c, a, b, 8, 8, 8, compute="f16", chunk=3)
-    with pytest.raises(GpuError, match="compute"):
-        matmul(gpu, c, a, b, 8, 8, 8, compute="bf16")
-
-
-def test_pick_tile_uses_the_f16_tile_for_f16_products(gpu):
-    from ddl_wgpu.ops import matmul as k_mm
-
-    big = k_mm.pick_tile(gpu, 8192, 8192, compute="f16")
-    fits = k_mm.F16_LARGE_TILE.shared_bytes <= gpu.limits.get("max-compute-workgroup-storage-size", 16384)
-    assert big == (k_mm.F16_LARGE_TILE if fits else SMALL_TILE)
-    assert k_mm.pick_tile(gpu, 8192, 8192) == (LARGE_TILE if LARGE_TILE.shared_bytes <= gpu.limits.get(
-        "max-compute-workgroup-storage-size", 16384) else SMALL_TILE)  # fmt: skip

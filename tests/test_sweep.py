@@ -172,6 +172,24 @@ def test_a_stopped_sweep_resumes_as_a_whole(corpus, tmp_path, quiet):
     assert_same_comparison(comp, again)
 
 
+def test_a_sweep_recorded_with_precision_f16_resumes_in_f32(corpus, tmp_path, quiet):
+    """`train --precision f16` (removed) recorded its precision in sweep.json: such a sweep resumes in f32,
+    says so in one line, and ends where an f32 sweep ends."""
+    sequential(corpus, tmp_path / "seq", variants=("baseline",))
+    out = tmp_path / "sw"
+    S.run(make_sweep(corpus, variants=("baseline",)), out, S.Runner(), stop_after=3, view=quiet)
+    record = json.loads((out / S.SWEEP).read_text())
+    assert "precision" not in record
+    (out / S.SWEEP).write_text(json.dumps({**record, "precision": "f16"}))
+    said = []
+    assert S.Sweep.load(out, say=said.append) == S.Sweep(**record)
+    assert said == [f"{out} was trained with --precision f16, which no longer exists: it resumes in f32"]
+    r = cli("resume", out)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("--precision f16, which no longer exists: it resumes in f32") == 1
+    assert_same_job(tmp_path / "seq" / "baseline", out / "baseline")
+
+
 def test_two_wgpu_workers_on_one_adapter(corpus, tmp_path, quiet):
     pytest.importorskip("wgpu")
     sequential(corpus, tmp_path / "seq", variants=("ddl",), backend="wgpu")

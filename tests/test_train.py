@@ -592,7 +592,7 @@ def test_checkpoint_artifact(straight, data):
     rep, out = straight
     trn, _ = data
     ck = load_checkpoint(out / "checkpoint.ddlw")
-    assert set(ck) == {"cfg", "params", "best", "m", "v", "report", "position", "data", "sweep"}
+    assert set(ck) == {"cfg", "params", "best", "m", "v", "report", "position", "data", "sweep", "backend"}
     assert ck["cfg"] == BASELINE.resolve_config(CFG)
     names = [s.name for s in param_table(ck["cfg"])]
     for key in ("params", "best", "m", "v"):

@@ -18,18 +18,16 @@ from __future__ import annotations
 import os
 
 from ddl_wgpu.gpu import Call, GpuError, Uniform
-from ddl_wgpu.ops import attention_fused, attention_scores
+from ddl_wgpu.ops import attention_scores
 from ddl_wgpu.ops import need_all as _need
 
 FILE = "attention.wgsl"
 # Which causal-attention implementation `attention_forward` / `attention_backward` run: "flash" (this file's
 # kernels: no T x T storage), "scores" (GEMMs over materialised scores, `attention_scores.py`), or "auto":
 # scores on GPUs whenever one kv head's scores fit the scratch limit (H200, T = 1024: fwd + bwd several
-# times faster), flash on CPU adapters (lavapipe) and for sequences too long for the scratch; or "fused": the
-# register-tiled flash kernels of `attention_fused.py` (no scratch; opt-in until measured on the H200:
-# bench/attention_sweep.py).
+# times faster), flash on CPU adapters (lavapipe) and for sequences too long for the scratch.
 ENV_IMPL = "DDL_WGPU_ATTENTION"
-IMPLS = ("auto", "flash", "scores", "fused")
+IMPLS = ("auto", "flash", "scores")
 PARAMS = Uniform("Params", ("B", "u32"), ("T", "u32"), ("H", "u32"), ("KH", "u32"), ("scale", "f32"))
 MAX_D = 256
 
@@ -223,18 +221,13 @@ def _check_bindings(entry: str, B: int, T: int, H: int, K: int, D: int, **named)
 
 
 def choose_impl(gpu, H: int, K: int, T: int, impl: str | None = None, masked: bool = False) -> str:
-    """'flash', 'scores' or 'fused' for one attention shape: `impl`, else env DDL_WGPU_ATTENTION, else 'auto'
-    ('fused' only when asked for, and never for the chain mask, which it lacks: there it acts as 'auto'). For
+    """'flash' or 'scores' for one attention shape: `impl`, else env DDL_WGPU_ATTENTION, else 'auto'. For
     the chain-masked attention 'flash' means its plain-loop kernels, and 'auto' picks the scores path on every
     adapter whenever it fits (the loops are slow everywhere; on lavapipe their dk/dv also came out wrong at
     W = 80, D = 128 with grouped heads, a result no other adapter was checked for)."""
     impl = impl or os.environ.get(ENV_IMPL) or "auto"
     if impl not in IMPLS:
         raise GpuError(f"attention: implementation {impl!r} is not one of {', '.join(IMPLS)}")
-    if impl == "fused" and masked:  # the fused kernel has no chain mask
-        impl = "auto"
-    if impl == "fused":
-        return impl
     fits = attention_scores.fits(gpu, H, K, T)
     if impl == "auto":
         return "scores" if fits and (masked or gpu.info.get("type", "") != "CPU") else "flash"
@@ -246,20 +239,16 @@ def choose_impl(gpu, H: int, K: int, T: int, impl: str | None = None, masked: bo
 
 
 def attention_forward(
-    gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale=None, impl: str | None = None,
-    compute: str = "f32",
+    gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale=None, impl: str | None = None
 ) -> Call:  # fmt: skip
     """out (B,T,H,D) and lse (B,H,T) from q (B,T,H,D), k, v (B,T,K,D); causal; scale defaults to D**-0.5.
-    `impl`: see `choose_impl`. `compute` "f16": the scores path's two products take f16 products
-    (`matmul`'s compute; the softmax stays f32); the flash and fused kernels are f32 either way."""
+    `impl`: see `choose_impl`."""
     _check(B, T, H, K, D)
     _check_bindings("attention_forward", B, T, H, K, D, out=out, lse=lse, q=q, k=k, v=v)
     scale = float(D) ** -0.5 if scale is None else float(scale)
     chosen = choose_impl(gpu, H, K, T, impl)
-    if chosen == "fused":
-        return attention_fused.attention_fused_forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale)
     if chosen == "scores":
-        return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale, compute=compute)
+        return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale)
     templates, cfg = _templates(gpu, D)
     R, TR = cfg["fw"]
     kern = gpu.kernel(
@@ -272,13 +261,12 @@ def attention_forward(
 
 def attention_backward(
     gpu, dq, dk, dv, dout, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scratch=None, scale=None,
-    impl: str | None = None, compute: str = "f32",
+    impl: str | None = None,
 ) -> Call:  # fmt: skip
     """dq (B,T,H,D), dk, dv (B,T,K,D) from dout, the forward's out and lse, and q, k, v. First delta =
     rowsum(dout * out) into `scratch` (B*H*T floats, allocated here when None); then, flash: dq per query
-    block and dk, dv per key block; scores: `attention_scores.backward`; fused:
-    `attention_fused.attention_fused_backward`. Deterministic; outputs are overwritten. `impl`: see
-    `choose_impl`; `compute` as in `attention_forward`."""
+    block and dk, dv per key block; scores: `attention_scores.backward`. Deterministic; outputs are overwritten. `impl`: see
+    `choose_impl`."""
     _check(B, T, H, K, D)
     delta = gpu.buffer(B * H * T * 4, label="attention delta") if scratch is None else scratch
     _check_bindings("attention_backward", B, T, H, K, D, dq=dq, dk=dk, dv=dv, dout=dout, out=out, lse=lse, q=q,
@@ -292,13 +280,8 @@ def attention_backward(
     kd = gpu.kernel(FILE, "attention_backward_delta", "rrwu", templates=templates, uniforms=UNIFORMS)
     delta_pass = (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64))
     chosen = choose_impl(gpu, H, K, T, impl)
-    if chosen == "fused":
-        grads = attention_fused.attention_fused_backward(gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D,
-                                                         scale)  # fmt: skip
-        return Call([delta_pass], keep) + grads
     if chosen == "scores":
-        grads = attention_scores.backward(gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D, scale,
-                                          compute=compute)  # fmt: skip
+        grads = attention_scores.backward(gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D, scale)
         return Call([delta_pass], keep) + grads
     R, TR = cfg["dq"]
     kq = gpu.kernel(

@@ -106,8 +106,8 @@ def _heads(c: Chunk, T: int, H: int, K: int, D: int) -> dict:
 
 
 def _mm(gpu, c_res, a_res, b_res, M, N, K, lay: dict, a: str, b: str, cc: str, **kw) -> Call:
-    """matmul with the operands' strides taken from the chunk layout `lay` (keys "q", "k", "s"); `kw` carries
-    the products' `compute` precision among matmul's other keywords."""
+    """matmul with the operands' strides taken from the chunk layout `lay` (keys "q", "k", "s"); `kw`: matmul's
+    other keywords."""
     (lda, sa), (ldb, sb), (ldc, sc) = lay[a], lay[b], lay[cc]
     batch = Batch(lay["batch"], lay["inner"], sa, sb, sc)
     return matmul(gpu, c_res, a_res, b_res, M, N, K, lda=lda, ldb=ldb, ldc=ldc, batch=batch, **kw)
@@ -127,32 +127,29 @@ def _row_call(
     return Call([(k, gpu.bind(k, *buffers, u), groups)], [u])
 
 
-def _scores(gpu, s, q, k, T: int, D: int, lay: dict, scale: float, compute: str) -> Call:
+def _scores(gpu, s, q, k, T: int, D: int, lay: dict, scale: float) -> Call:
     """S = scale·QKᵀ for one chunk, tiles above the diagonal skipped: the forward's, recomputed by the
     backward."""
-    return _mm(gpu, s, q, k, T, T, D, lay, "q", "k", "s", trans_b=True, alpha=scale, causal="skip_upper",
-               compute=compute)  # fmt: skip
+    return _mm(gpu, s, q, k, T, T, D, lay, "q", "k", "s", trans_b=True, alpha=scale, causal="skip_upper")
 
 
-def forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float, W: int = 0,
-            compute: str = "f32") -> Call:  # fmt: skip
+def forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float, W: int = 0) -> Call:
     """out (B,T,H,D) and lse (B,H,T) from q (B,T,H,D), k, v (B,T,K,D); causal, or with W > 0 the chained
-    draft's mask over T = chain*W stacked rows. `compute` is the products' precision (`matmul`)."""
+    draft's mask over T = chain*W stacked rows."""
     chunks, nbytes = plan(gpu, B, H, K, T)
     s = _scratch(gpu, "scores", nbytes)
     call = Call()
     for c in chunks:
         lay = _heads(c, T, H, K, D)
         rows, z0 = lay["batch"] * T, c.b0 * H + c.j0 * (H // K)
-        call += _scores(gpu, s, q, k, T, D, lay, scale, compute)
+        call += _scores(gpu, s, q, k, T, D, lay, scale)
         call += _row_call(gpu, "scores_softmax", "wwu", [s, lse], T, rows, z0, W, rows)
-        call += _mm(gpu, out, s, v, T, D, T, lay, "s", "k", "q", causal="k_to_row", compute=compute)
+        call += _mm(gpu, out, s, v, T, D, T, lay, "s", "k", "q", causal="k_to_row")
     return call
 
 
 def backward(
-    gpu, dq, dk, dv, dout, lse, delta, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float, W: int = 0,
-    compute: str = "f32",
+    gpu, dq, dk, dv, dout, lse, delta, q, k, v, B: int, T: int, H: int, K: int, D: int, scale: float, W: int = 0
 ) -> Call:  # fmt: skip
     """dq (B,T,H,D), dk, dv (B,T,K,D) from dout, the forward's lse, delta = rowsum(dout * out) (B,H,T) and
     q, k, v; the mask as in `forward`. Outputs are overwritten."""
@@ -163,15 +160,11 @@ def backward(
     for c in chunks:
         lay = _heads(c, T, H, K, D)
         rows, z0 = lay["batch"] * T, c.b0 * H + c.j0 * G
-        call += _scores(gpu, s, q, k, T, D, lay, scale, compute)
-        call += _mm(
-            gpu, dp, dout, v, T, T, D, lay, "q", "k", "s", trans_b=True, causal="skip_upper", compute=compute
-        )
+        call += _scores(gpu, s, q, k, T, D, lay, scale)
+        call += _mm(gpu, dp, dout, v, T, T, D, lay, "q", "k", "s", trans_b=True, causal="skip_upper")
         groups = -(-(rows * T) // 256)
         call += _row_call(gpu, "scores_backward", "rrwwu", [lse, delta, s, dp], T, rows, z0, W, groups)
-        call += _mm(
-            gpu, dq, dp, k, T, D, T, lay, "s", "k", "q", alpha=scale, causal="k_to_row", compute=compute
-        )
+        call += _mm(gpu, dq, dp, k, T, D, T, lay, "s", "k", "q", alpha=scale, causal="k_to_row")
         # kv head j collects its G query heads h = jG + g in order g = 0, 1, ...: one product per g, over
         # z = (batch, kv head of the chunk); the scores of head jG + g sit g*T*T past those of head jG
         hc = c.nk * G
@@ -186,5 +179,5 @@ def backward(
             per_kv["q"] = (ldq, replace(sq, istride=G * D, off=sq.off + g * D))
             for dst, coef, rhs, alpha in ((dv, s, dout, 1.0), (dk, dp, q, scale)):
                 call += _mm(gpu, dst, coef, rhs, T, D, T, per_kv, "s", "q", "k", trans_a=True, alpha=alpha,
-                            accumulate=g > 0, causal="k_from_row", compute=compute)  # fmt: skip
+                            accumulate=g > 0, causal="k_from_row")  # fmt: skip
     return call

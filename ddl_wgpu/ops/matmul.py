@@ -27,20 +27,13 @@ f32 kernel run on the same weights rounded to f16 (same k order). It needs the a
 the module gets `enable f16;` only in that variant. Offsets/strides of B are in elements either way; a view
 of f16 data is (buffer, byte offset, bytes) with the bytes rounded up to 4.
 
-Tile options, off by default until measured on the H200 (`bench/matmul_sweep.py` times them on the training
-products): `vec` reads each operand whose stored rows are whole, 16-byte aligned vec4s (`vec_loads`) with one
-vec4 load and one bounds test per 4 elements (m and n clamped, only k tested), k-contiguous operands as 4 x 4
-blocks transposed in registers (`_vec_copies`); `stages=2` keeps two k steps in shared memory so that each
-step needs one barrier instead of two. Both fill shared memory with the same values as the default copies,
-so the results are bit for bit the default kernel's.
-
-What this file deliberately does not do: pick tiles by timing.
+What this file deliberately does not do: pick tiles by timing, or vectorise its global loads, double-buffer
+its shared tiles or rearrange which thread owns which outputs: each was built and measured no faster on the
+H200 (docs/experiments.md).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass
 
 from ddl_wgpu.gpu import MAX_GROUPS, Call, GpuError, Uniform
@@ -108,17 +101,6 @@ class Tile:
     bk: int = 16  # k depth of one shared-memory tile
     unroll: bool = True  # the bk products of a k step as straight-line code (constant shared offsets)
     prefetch: bool = True  # fetch the next k step's tiles into registers before this step's products
-    # vec4 global loads for the operands whose layout allows them (`vec_ok`; the others keep scalar copies):
-    # off by default until measured on the H200 (`bench/matmul_sweep.py`); needs bk % 4 == 0, f32 products
-    vec: bool = False
-    # 2: two shared stages, one barrier per k step (the next step's registers are stored into the other stage
-    # after this step's products); needs prefetch. Off by default (measured slower with scalar loads).
-    stages: int = 1
-    # warp-arranged output owners (matmul.wgsl: 4 x 8 threads per warp of 32 instead of 2 x 16: half the
-    # shared-memory wavefronts of the B reads); needs wx % 8 == 0 and wy % 4 == 0. Off: on the H200 it changed
-    # no product by more than 2 % and the step ran 0.7 % slower (`bench/matmul_sweep.py`, BENCHMARKS.md), so
-    # shared-memory reads do not bound this kernel.
-    warp: bool = False
 
     @property
     def bm(self) -> int:
@@ -130,15 +112,11 @@ class Tile:
 
     @property
     def shared_bytes(self) -> int:
-        return 16 * self.stages * self.bk * (self.bm // 4 + 1 + self.bn // 4 + 1)  # rows padded by one vec4
+        return 16 * self.bk * (self.bm // 4 + 1 + self.bn // 4 + 1)  # rows padded by one vec4
 
     def validate(self, gpu) -> None:
         if self.tm % 4 or self.tn % 4 or min(self.tm, self.tn, self.wx, self.wy, self.bk) <= 0:
             raise GpuError(f"matmul tile {self}: tm and tn must be positive multiples of 4")
-        if self.stages not in (1, 2) or (self.stages == 2 and not self.prefetch):
-            raise GpuError(f"matmul tile {self}: stages must be 1, or 2 with prefetch")
-        if self.warp and (self.wx % 8 or self.wy % 4):
-            raise GpuError(f"matmul tile {self}: warp needs wx a multiple of 8 and wy a multiple of 4")
         if self.wx * self.wy > gpu.limits.get("max-compute-invocations-per-workgroup", 256):
             raise GpuError(f"matmul tile {self}: {self.wx * self.wy} threads exceed the adapter's limit")
         if self.shared_bytes > gpu.limits.get("max-compute-workgroup-storage-size", 16384):
@@ -146,66 +124,31 @@ class Tile:
                 f"matmul tile {self}: {self.shared_bytes} bytes of workgroup memory exceed the limit"
             )
 
-    def templates(
-        self,
-        b_dtype: str = "f32",
-        compute: str = "f32",
-        chunk: int = 0,
-        vec=(False, False),
-        trans=(False, False),
-    ) -> dict:
+    def templates(self, b_dtype: str = "f32") -> dict:
         """The `{{name}}` values of matmul.wgsl for this tile: sizes plus the generated straight-line code;
-        `b_dtype` "f16" reads B as array<f16> (and enables the f16 extension); `compute` "f16" rounds both
-        operands to f16 on fetch and sums the products of `chunk` consecutive k in f16 partials that are
-        added into the f32 accumulators (`chunk` divides bk). `vec` (for A, B): that operand is bound as
-        array<vec4<f32>> and copied with vec4 loads (`_vec_copies`), `trans` its layout (TRANS_A, TRANS_B)."""
-        half = compute == "f16"
-        vec = tuple(bool(v) for v in vec)
-        if any(vec) and (half or b_dtype != "f32" or self.bk % 4):
-            raise GpuError(f"matmul tile {self}: vec4 loads need f32 operands and products and bk % 4 == 0")
-        if half and (chunk < 1 or self.bk % chunk):
-            raise GpuError(f"matmul: the f16 chunk {chunk} must divide the tile's k depth {self.bk}")
+        `b_dtype` "f16" reads B as array<f16> (and enables the f16 extension)."""
         mq, nq = self.tm // 4, self.tn // 4  # vec4 groups of rows (of As) and of columns (of Bs) per thread
         acc = [(i, r, j) for i in range(mq) for r in range(4) for j in range(nq)]
         name = "acc_{}{}_{}".format
-        part = "h_{}{}_{}".format  # f16 partial of one chunk (compute "f16")
         comp = "xyzw"
         decl = [f"    var {name(i, r, j)} = vec4<f32>(0.0);" for i, r, j in acc]
-        if half:
-            decl += [f"    var {part(i, r, j)}: vec4<f16>;" for i, r, j in acc]
 
-        two = self.stages == 2
-        oa, ob = ("oa + ", "ob + ") if two else ("", "")  # the stage read this step (two stages)
-
-        def products(kk: str, ind: str, k: int = 0) -> list[str]:
+        def products(kk: str, ind: str) -> list[str]:
             # one k of the step: TM/4 + TN/4 vec4 loads from shared memory, TM*TN/4 vec4 FMAs
-            out = [f"{ind}let a{i} = As[{oa}{kk}SA + ty + {i}u * WY];" for i in range(mq)]
-            out += [f"{ind}let b{j} = Bs[{ob}{kk}SB + tx + {j}u * WX];" for j in range(nq)]
-            if not half:
-                out += [
-                    f"{ind}{name(i, r, j)} = fma(vec4<f32>(a{i}.{comp[r]}), b{j}, {name(i, r, j)});"
-                    for i, r, j in acc
-                ]
-                return out
-            for i, r, j in acc:  # the chunk's first product starts the partial; its last flushes it
-                h, prod = part(i, r, j), f"vec4<f16>(a{i}.{comp[r]}) * b{j}"
-                out.append(
-                    f"{ind}{h} = {prod};"
-                    if k % chunk == 0
-                    else f"{ind}{h} = fma(vec4<f16>(a{i}.{comp[r]}), b{j}, {h});"
-                )
-            if k % chunk == chunk - 1:
-                out += [f"{ind}{name(i, r, j)} += vec4<f32>({part(i, r, j)});" for i, r, j in acc]
+            out = [f"{ind}let a{i} = As[{kk}SA + ty + {i}u * WY];" for i in range(mq)]
+            out += [f"{ind}let b{j} = Bs[{kk}SB + tx + {j}u * WX];" for j in range(nq)]
+            out += [
+                f"{ind}{name(i, r, j)} = fma(vec4<f32>(a{i}.{comp[r]}), b{j}, {name(i, r, j)});"
+                for i, r, j in acc
+            ]
             return out
 
         if self.unroll:  # braces scope each k's loads, so the names repeat
             inner = [
                 line
                 for kk in range(self.bk)
-                for line in ["        {", *products(f"{kk}u * ", "            ", kk), "        }"]
+                for line in ["        {", *products(f"{kk}u * ", "            "), "        }"]
             ]
-        elif half:
-            raise GpuError("matmul: f16 products need the unrolled k step (chunk boundaries are generated)")
         else:
             inner = [
                 "        for (var kk = 0u; kk < BK; kk++) {",
@@ -221,8 +164,7 @@ class Tile:
         ]
 
         def fetch(x: str, s: int, k0: str) -> str:
-            f = f"fetch_{x}(base_{x}, {'m0' if x == 'a' else 'n0'}, {k0}, t + {s}u * NT)"
-            return f"vec4<f16>({f})" if half else f
+            return f"fetch_{x}(base_{x}, {'m0' if x == 'a' else 'n0'}, {k0}, t + {s}u * NT)"
 
         def stash(ind: str, value) -> list[str]:  # this thread's copies into shared memory
             return [f"{ind}stash_{x}(t + {s}u * NT, {value(x, s)});" for x, s in slots]
@@ -234,25 +176,7 @@ class Tile:
         head = [f"    var p{x}{s} = {fetch(x, s, 'k_begin')};" for x, s in slots] if self.prefetch else []
         loop = "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {"
         i8, i12 = " " * 8, " " * 12
-        if any(vec):
-            stash, refill, head = _vec_copies(self, vec, trans)
-        if two:  # stage 0 filled before the loop; each step refills the other stage after its products
-            pre, first = (head("k_begin"), stash("    ")) if any(vec) else (head, stash("    ", reg))
-            again = stash(i12) if any(vec) else stash(i12, reg)
-            fill = refill(i12, "k0 + BK") if any(vec) else [i12 + r for r in refill]
-            kloop = [*pre, "    stage = 0u;", *first, "    workgroupBarrier();", loop,
-                     f"{i8}let oa = stage * (BK * SA);", f"{i8}let ob = stage * (BK * SB);",
-                     f"{i8}let more = k0 + BK < k_end;", f"{i8}if (more) {{", *fill, f"{i8}}}", *inner,
-                     f"{i8}if (more) {{", f"{i12}stage = 1u - stage;", *again, f"{i8}}}",
-                     f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
-        elif any(vec) and self.prefetch:  # registers q<p>_<j> carry the next step's copies
-            kloop = [*head("k_begin"), loop, *stash(i8), f"{i8}workgroupBarrier();",
-                     f"{i8}if (k0 + BK < k_end) {{", *refill(i12, "k0 + BK"), f"{i8}}}",
-                     *inner, f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
-        elif any(vec):
-            kloop = [*head(None), loop, *refill(i8, "k0"), *stash(i8), f"{i8}workgroupBarrier();",
-                     *inner, f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
-        elif self.prefetch:  # registers p<x><s> carry the next step's copies across its products
+        if self.prefetch:  # registers p<x><s> carry the next step's copies across its products
             kloop = [*head, loop, *stash(i8, reg), f"{i8}workgroupBarrier();",
                      f"{i8}if (k0 + BK < k_end) {{", *(i12 + r for r in refill), f"{i8}}}",
                      *inner, f"{i8}workgroupBarrier();", "    }"]  # fmt: skip
@@ -269,126 +193,19 @@ class Tile:
             "bk": self.bk,
             "bmv": self.bm // 4,
             "bnv": self.bn // 4,
-            "as_len": self.stages * self.bk * (self.bm // 4 + 1),
-            "bs_len": self.stages * self.bk * (self.bn // 4 + 1),
-            "stage_decl": "var<private> stage: u32;  // the shared stage being filled (two stages)"
-            if two
-            else "",
-            "a_stage": "stage * (BK * SA) + " if two else "",
-            "b_stage": "stage * (BK * SB) + " if two else "",
-            "thread_map": "\n".join(
-                [
-                    "    let lane = t % 32u;",
-                    "    let warp = t / 32u;",
-                    "    let tx = (warp % (WX / 8u)) * 8u + lane % 8u;",
-                    "    let ty = (warp / (WX / 8u)) * 4u + lane / 8u;",
-                ]
-                if self.warp
-                else ["    let tx = lid.x;", "    let ty = lid.y;"]
-            ),  # fmt: skip
+            "as_len": self.bk * (self.bm // 4 + 1),
+            "bs_len": self.bk * (self.bn // 4 + 1),
             "acc_decl": "\n".join(decl),
             "kloop": "\n".join(kloop),
             "store": "\n".join(store),
-            "a_array": "vec4<f32>" if vec[0] else "f32",
-            "b_array": "vec4<f32>" if vec[1] else b_dtype,
-            "a_elem": "a[i >> 2u][i & 3u]" if vec[0] else "a[i]",
-            "b_elem": "b[i >> 2u][i & 3u]" if vec[1] else "f32(b[i])",
-            "a_vec": "a[i >> 2u]" if vec[0] else "vec4<f32>(a[i], a[i + 1u], a[i + 2u], a[i + 3u])",
-            "b_vec": "b[i >> 2u]"
-            if vec[1]
-            else "vec4<f32>(f32(b[i]), f32(b[i + 1u]), f32(b[i + 2u]), f32(b[i + 3u]))",
-            "kl": 2 if self.bk % 8 == 0 else 1,
-            "sh_type": "f16" if half else "f32",
-            "enable": "enable f16;" if "f16" in (b_dtype, compute) else "",
+            "b_array": b_dtype,
+            "enable": "enable f16;" if b_dtype == "f16" else "",
         }
-
-
-def _vec_copies(tile: Tile, vec: tuple, trans: tuple):
-    """The k step's copies of A and B into shared memory when at least one operand takes vec4 loads.
-
-    Work comes in units of 4 vec4 registers: a k-contiguous vec4 operand (A as (M, K), B as (N, K)) has one
-    unit per 4 x 4 block (`fetchk_*`: 4 loads along k, transposed into As / Bs by `stashk_*`); an m/n-contiguous
-    vec4 operand (`fetchv_*`) and a scalar one (`fetch_*`, four scalar loads per vec4) have units of 4 slots
-    u, u + U, u + 2U, u + 3U (U units; consecutive threads take consecutive slots). A's units come first, then
-    B's; thread t takes units t, t + NT, ...: the 128 x 128 tile's 256 threads each take exactly one unit (4
-    registers, as many as the scalar copies'), A's in warps 0-3 and B's in warps 4-7.
-    Returns (stash(indent), refill(indent, k0), head(k0 or None)) line generators."""
-    nt = tile.wx * tile.wy
-    ops = []
-    for x, n, v, tr in (("a", tile.bm, vec[0], trans[0]), ("b", tile.bn, vec[1], trans[1])):
-        kind = ("k" if tr == (x == "b") else "m") if v else "s"  # A: k-contiguous unless trans; B: if trans
-        ops.append((x, kind, tile.bk * n // 16))
-    ua = ops[0][2]
-    total = ua + ops[1][2]
-    passes = -(-total // nt)
-
-    def unit(x, kind, units, u, regs, what, k0=None):
-        x0 = "m0" if x == "a" else "n0"
-        if what == "stash" and kind == "k":
-            return [f"stashk_{x}({u}, {', '.join(regs)});"]
-        if what == "stash":
-            return [f"stash_{x}({u} + {j * units}u, {r});" for j, r in enumerate(regs)]
-        if kind == "k":
-            return [f"{r} = fetchk_{x}(base_{x}, {x0}, {k0}, {u}, {j}u);" for j, r in enumerate(regs)]
-        f = "fetchv" if kind == "m" else "fetch"
-        return [f"{r} = {f}_{x}(base_{x}, {x0}, {k0}, {u} + {j * units}u);" for j, r in enumerate(regs)]
-
-    def lines(ind: str, what: str, k0=None) -> list[str]:
-        out = []
-        for p in range(passes):
-            regs = [f"q{p}_{j}" for j in range(4)]
-            lo, hi = p * nt, p * nt + nt  # the units this pass covers
-            u = f"t + {lo}u" if lo else "t"
-            (xa, ka, na), (xb, kb, nb) = ops
-            if hi <= ua:  # all A
-                out += [ind + line for line in unit(xa, ka, na, f"({u})", regs, what, k0)]
-            elif lo >= ua and hi <= total:  # all B
-                out += [ind + line for line in unit(xb, kb, nb, f"({u} - {ua}u)", regs, what, k0)]
-            else:  # straddles A / B or runs past the last unit: branch on the thread (warp-uniform splits)
-                if lo < ua:
-                    out += [f"{ind}if ({u} < {ua}u) {{"]
-                    out += [ind + "    " + line for line in unit(xa, ka, na, f"({u})", regs, what, k0)]
-                    out += [f"{ind}}} else if ({u} < {total}u) {{"]
-                else:
-                    out += [f"{ind}if ({u} < {total}u) {{"]
-                out += [ind + "    " + line for line in unit(xb, kb, nb, f"({u} - {ua}u)", regs, what, k0)]
-                out += [f"{ind}}}"]
-        return out
-
-    def head(k0) -> list[str]:
-        decl = [f"    var q{p}_{j} = vec4<f32>(0.0);" for p in range(passes) for j in range(4)]
-        return decl + (lines("    ", "fetch", k0) if k0 else [])
-
-    return (lambda ind: lines(ind, "stash")), (lambda ind, k0: lines(ind, "fetch", k0)), head
 
 
 SMALL_TILE = Tile()  # 64 x 64 per workgroup, 4 x 4 per thread (the lavapipe shape)
 LARGE_TILE = Tile(tm=8, tn=8, bk=16)  # 128 x 128 per workgroup, 8 x 8 per thread (the H200 shape)
 
-# Tile options for a whole run without editing this file, for A/B measurements of the training step (e.g.
-# `DDL_WGPU_MATMUL=vec,stages=2 python3 bench/train_step.py`): a comma list of `Tile` fields, `name=value`
-# (a bare name means 1), applied to LARGE_TILE; `vec` also to SMALL_TILE. Unset: the tiles above.
-ENV_TILE = "DDL_WGPU_MATMUL"
-
-
-def tile_options(spec: str, large: Tile, small: Tile) -> tuple[Tile, Tile]:
-    """(large, small) with the options of `spec` (the DDL_WGPU_MATMUL syntax) applied."""
-    fields = {f.name: f.type for f in dataclasses.fields(Tile)}
-    opts = {}
-    for item in (x.strip() for x in spec.split(",")):
-        if not item:
-            continue
-        name, _, value = item.partition("=")
-        name = name.strip()
-        if name not in fields:
-            raise GpuError(f"{ENV_TILE}: {name!r} is not a Tile field ({', '.join(fields)})")
-        v = int(value) if value.strip() else 1
-        opts[name] = bool(v) if fields[name] in ("bool", bool) else v
-    small = dataclasses.replace(small, vec=opts["vec"]) if "vec" in opts else small
-    return dataclasses.replace(large, **opts), small
-
-
-LARGE_TILE, SMALL_TILE = tile_options(os.environ.get(ENV_TILE, ""), LARGE_TILE, SMALL_TILE)
 
 # Fewest LARGE_TILE workgroups for which the large tile is used: below this a product has too few
 # workgroups to fill the device and the small tile's 4x as many win. Measured (GPU timestamps):
@@ -401,33 +218,16 @@ LARGE_TILE_MIN_GROUPS = {"CPU": 4}
 LARGE_TILE_MIN_GROUPS_GPU = 256
 
 
-# The large tile of f16 products (compute="f16"); None: LARGE_TILE. The f16 partials cost registers beside
-# the f32 accumulators: on the H200 (`bench/f16_chunk.py --sweep`, chunk 16, GPU ms of 16384x2048x768 NT and
-# 2048x768x16384 TN) 8x8 outputs per thread ran 1.77 / 1.95 ms, 4x4 1.36 / 1.48, and 4x8 outputs with a k
-# step of 32 (this tile; f16 halves the shared tiles' bytes) 1.38 / 1.46, the fastest by a hair; the f32
-# kernel 1.29 / 1.28. No f16 tile beat f32 there (BENCHMARKS.md).
-F16_LARGE_TILE: Tile | None = Tile(tm=4, tn=8, bk=32)
-
-
-def pick_tile(gpu, M: int, N: int, batch: int = 1, compute: str = "f32") -> Tile:
-    """The tile `matmul` uses when none is given: the large tile (LARGE_TILE, or F16_LARGE_TILE for f16
-    products) where it yields enough workgroups and fits the adapter's workgroup memory, else SMALL_TILE.
-    Every tile sums each C element in the same k order."""
-    large = (F16_LARGE_TILE or LARGE_TILE) if compute == "f16" else LARGE_TILE
+def pick_tile(gpu, M: int, N: int, batch: int = 1) -> Tile:
+    """The tile `matmul` uses when none is given: LARGE_TILE where it yields enough workgroups and fits the
+    adapter's workgroup memory, else SMALL_TILE. Every tile sums each C element in the same k order."""
     need = LARGE_TILE_MIN_GROUPS.get(gpu.info.get("type", ""), LARGE_TILE_MIN_GROUPS_GPU)
-    groups = -(-M // large.bm) * -(-N // large.bn) * batch
-    fits = large.shared_bytes <= gpu.limits.get("max-compute-workgroup-storage-size", 16384)
-    return large if groups >= need and fits else SMALL_TILE
+    groups = -(-M // LARGE_TILE.bm) * -(-N // LARGE_TILE.bn) * batch
+    fits = LARGE_TILE.shared_bytes <= gpu.limits.get("max-compute-workgroup-storage-size", 16384)
+    return LARGE_TILE if groups >= need and fits else SMALL_TILE
 
 
 B_DTYPES = {"f32": 4, "f16": 2}  # element bytes of B
-COMPUTE = ("f32", "f16")  # precision of the products (`matmul`'s `compute`)
-# k terms summed in one f16 partial before it is added into f32 (compute "f16"). Measured against float64
-# (`bench/f16_chunk.py`, lavapipe and H200, BENCHMARKS.md): the worst error per unit of sum |a_k b_k| grows
-# from 5.7e-5 (chunk 1, the f16 rounding of the operands alone) to 2.7e-4 (chunk 16, K 768, all-positive
-# data), every chunk up to 16 below bf16 operand rounding (4.0e-4 there); on the H200 chunk 16 ran faster than
-# chunk 8 at every tile swept (chunks 1 and 4 were timed only at the 8x8 tile, where they beat 16).
-F16_CHUNK = 16
 
 
 def _b_itemsize(gpu, b_dtype: str) -> int:
@@ -438,62 +238,19 @@ def _b_itemsize(gpu, b_dtype: str) -> int:
     return B_DTYPES[b_dtype]
 
 
-def _check_compute(gpu, compute: str, chunk: int) -> None:
-    if compute not in COMPUTE:
-        raise GpuError(f"matmul: compute {compute!r} is not one of {list(COMPUTE)}")
-    if compute == "f16" and "shader-f16" not in gpu.features:
-        raise GpuError(f"matmul: f16 products need the adapter feature shader-f16, which {gpu.name} lacks")
-
-
-def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile, b_dtype: str = "f32", compute: str = "f32",
-           chunk: int = 0, vec=(False, False)):  # fmt: skip
-    """The compiled `matmul` entry point for one layout, tile, B element type, product precision and vec4
-    loads of (A, B) (cached by the device layer)."""
+def kernel(gpu, trans_a: bool, trans_b: bool, tile: Tile, b_dtype: str = "f32"):
+    """The compiled `matmul` entry point for one layout, tile and B element type (cached by the device
+    layer)."""
     _b_itemsize(gpu, b_dtype)
-    _check_compute(gpu, compute, chunk)
     tile.validate(gpu)
     return gpu.kernel(
         SHADER,
         "matmul",
         "rrwu",
         constants={"TRANS_A": int(trans_a), "TRANS_B": int(trans_b)},
-        templates=tile.templates(
-            b_dtype, compute, chunk if compute == "f16" else 0, vec, (bool(trans_a), bool(trans_b))
-        ),
+        templates=tile.templates(b_dtype),
         workgroup=(tile.wx, tile.wy, 1),
         uniforms=UNIFORMS,
-    )
-
-
-def vec_ok(res, s: Strides, cols: int, ld: int, itemsize: int = 4) -> bool:
-    """Whether an operand can be read with vec4 loads: f32, its rows whole vec4s (columns and row stride
-    multiples of 4), every element offset of its batch a multiple of 4 and its binding 16-byte aligned (a
-    view's byte offset and size). Otherwise its copies stay scalar."""
-    _, off, size = res if isinstance(res, tuple) else (res, 0, res.size)
-    return (
-        itemsize == 4
-        and cols >= 4
-        and cols % 4 == 0
-        and ld % 4 == 0
-        and s.off % 4 == 0
-        and s.stride % 4 == 0
-        and s.istride % 4 == 0
-        and off % 16 == 0
-        and size % 16 == 0
-    )
-
-
-def vec_loads(tile, a, b, M, N, K, trans_a=False, trans_b=False, lda=None, ldb=None, sa=None, sb=None,
-              b_dtype="f32", compute="f32") -> tuple[bool, bool]:  # fmt: skip
-    """Which operands (A, B) `matmul` reads with vec4 loads for this call: none unless `tile.vec` (f32
-    products, bk % 4 == 0), then each one whose layout passes `vec_ok`."""
-    if not tile.vec or compute != "f32" or b_dtype != "f32" or tile.bk % 4 or K < 1:
-        return (False, False)
-    lda = int(lda if lda is not None else (M if trans_a else K))
-    ldb = int(ldb if ldb is not None else (K if trans_b else N))
-    return (
-        vec_ok(a, sa or Strides(), M if trans_a else K, lda),
-        vec_ok(b, sb or Strides(), K if trans_b else N, ldb),
     )
 
 
@@ -557,7 +314,6 @@ def _split_k(
     parts,
     tile,
     b_dtype="f32",
-    precision=("f32", 0),
 ) -> Call:
     """C (+)= alpha * op(A) op(B) as `parts` products over K slices plus a fixed-order reduction."""
     ks, full, rest = split_k_slices(K, parts)
@@ -582,11 +338,9 @@ def _split_k(
         batch=Batch(full, a=Strides(sa), b=Strides(sb), c=Strides(pstride)),
         lda=lda,
         ldb=ldb,
-        tile=tile or pick_tile(gpu, M, N, full, precision[0]),
+        tile=tile or pick_tile(gpu, M, N, full),
         split_k=1,
         b_dtype=b_dtype,
-        compute=precision[0],
-        chunk=precision[1],
     )
     if rest:  # the short last slice
         a_view = _offset_view(a, full * sa)
@@ -608,8 +362,6 @@ def _split_k(
             tile=tile,
             split_k=1,
             b_dtype=b_dtype,
-            compute=precision[0],
-            chunk=precision[1],
         )
     k = gpu.kernel(
         SHADER,
@@ -700,16 +452,13 @@ def matmul(
     tile: Tile | None = None,
     split_k: int | None = None,
     b_dtype: str = "f32",
-    compute: str = "f32",
-    chunk: int | None = None,
 ) -> Call:
     """C = alpha * op(A) * op(B) (+ C when `accumulate`), for the products of `batch` (one by default).
     `lda`, `ldb`, `ldc` are the row strides (in elements) of the stored matrices; they default to packed rows
     (A: K, or M when trans_a; B: N, or K when trans_b; C: N). `c` must be a different buffer from `a` and
     `b`. `tile` defaults to `pick_tile`. `split_k` slices K into that many products plus a reduction (None:
     `auto_split_k`; only for packed, unbatched C). `b_dtype` "f16": B holds f16 values (converted to f32 on
-    load; needs shader-f16). `compute` "f16": f16 products, summed in f16 over `chunk` consecutive k
-    (default F16_CHUNK) and in f32 across chunks (needs shader-f16); C and split-K partials stay f32.
+    load; needs shader-f16).
 
     `causal` (square positions x positions products of attention): "skip_upper" leaves the C tiles wholly
     above the diagonal unwritten, "k_to_row" stops the k loop after each tile's last row (op(A) zero for
@@ -730,8 +479,6 @@ def matmul(
     _check_fits("A", a, batch, inner, sa, *((K, M) if trans_a else (M, K)), lda)
     _check_fits("B", b, batch, inner, sb, *((N, K) if trans_b else (K, N)), ldb, _b_itemsize(gpu, b_dtype))
     _check_fits("C", c, batch, inner, sc, M, N, ldc)
-    chunk = int(chunk or F16_CHUNK) if compute == "f16" else 0
-    _check_compute(gpu, compute, chunk)
     plain = inner == 1 and causal is None and sa.off == sb.off == sc.off == 0
     parts = auto_split_k(gpu, M, N, K, batch) if split_k is None else int(split_k)
     if parts > 1 and batch == 1 and ldc == N and 2 * parts <= K and plain:
@@ -752,16 +499,14 @@ def matmul(
             parts,
             tile,
             b_dtype,
-            (compute, chunk),
         )
         if call is not None:
             return call
-    tile = tile or pick_tile(gpu, M, N, batch, compute)
+    tile = tile or pick_tile(gpu, M, N, batch)
     groups = (-(-N // tile.bn), -(-M // tile.bm), batch)
     if max(groups) > MAX_GROUPS:
         raise GpuError(f"matmul: {groups} workgroups exceed {MAX_GROUPS} per dimension; split the product")
-    vec = vec_loads(tile, a, b, M, N, K, trans_a, trans_b, lda, ldb, sa, sb, b_dtype, compute)
-    k = kernel(gpu, trans_a, trans_b, tile, b_dtype, compute, chunk, vec)
+    k = kernel(gpu, trans_a, trans_b, tile, b_dtype)
     u = gpu.uniform(
         PARAMS,
         M=M,
@@ -791,41 +536,11 @@ def matmul(
     return Call(dispatches=[(k, gpu.bind(k, a, b, c, u), groups)], uniforms=[u])
 
 
-# f16 rounding, either rounding mode: f32 -> f16 conversion is round-to-nearest on the adapters we know, but
-# Vulkan leaves it to the implementation, so the bounds use the looser round-toward-zero unit 2^-10.
-U_F16 = 2.0**-10
-TINY_F16 = 2.0**-24  # spacing of f16 subnormals: the absolute error of one rounding near zero is below it
-U_F32 = 2.0**-23
-
-
-def f16_rel_bound(K: int, chunk: int) -> float:
-    """The relative part of `f16_error_bound`: both operands rounded to f16 once, `chunk` f16 roundings per
-    partial (the first product and the fmas: gamma_c), K/chunk + 1 f32 roundings across the partials."""
-
-    def gamma(n: int, u: float) -> float:
-        return n * u / (1.0 - n * u)
-
-    inputs = (1.0 + U_F16) ** 2 - 1.0
-    rel = inputs + (1.0 + inputs) * gamma(chunk, U_F16)
-    return rel + (1.0 + rel) * gamma(-(-K // chunk) + 1, U_F32)
-
-
-def f16_error_bound(abs_ab, K: int, chunk: int, max_a: float, max_b: float):
-    """Worst-case |C_f16 - C_exact| per element of an f16-product `matmul` (alpha 1, no accumulate), from
-    abs_ab = |op(A)| @ |op(B)| (the sums of |a_k b_k|) and the chunk length: `f16_rel_bound` times abs_ab,
-    plus TINY_F16 for every f16 rounding near zero (2K of them, and the operands' roundings times the other
-    operand's magnitude)."""
-    return f16_rel_bound(K, chunk) * abs_ab + K * TINY_F16 * (max_a + max_b + 2.0)
-
-
 def linear_forward(
-    gpu, out, x, w, rows: int, out_features: int, in_features: int, w_dtype: str = "f32", compute: str = "f32"
+    gpu, out, x, w, rows: int, out_features: int, in_features: int, w_dtype: str = "f32"
 ) -> Call:
-    """out (rows, OUT) = x (rows, IN) @ w (OUT, IN)^T; `w_dtype` "f16" reads f16 weights; `compute` as in
-    `matmul`."""
-    return matmul(
-        gpu, out, x, w, rows, out_features, in_features, trans_b=True, b_dtype=w_dtype, compute=compute
-    )
+    """out (rows, OUT) = x (rows, IN) @ w (OUT, IN)^T; `w_dtype` "f16" reads f16 weights."""
+    return matmul(gpu, out, x, w, rows, out_features, in_features, trans_b=True, b_dtype=w_dtype)
 
 
 def linear_backward(
@@ -840,15 +555,12 @@ def linear_backward(
     in_features: int,
     accumulate_dx: bool = False,
     accumulate_dw: bool = False,
-    compute: str = "f32",
 ) -> Call:
     """dx (rows, IN) (+)= dout (rows, OUT) @ w (OUT, IN); dw (OUT, IN) (+)= dout^T @ x (rows, IN).
     `dx=None` skips the input gradient (e.g. when x is the embedding output of a frozen input)."""
     call = Call()
     if dx is not None:
-        call += matmul(
-            gpu, dx, dout, w, rows, in_features, out_features, accumulate=accumulate_dx, compute=compute
-        )
+        call += matmul(gpu, dx, dout, w, rows, in_features, out_features, accumulate=accumulate_dx)
     call += matmul(
         gpu,
         dw,
@@ -859,6 +571,5 @@ def linear_backward(
         rows,
         trans_a=True,
         accumulate=accumulate_dw,
-        compute=compute,
     )
     return call

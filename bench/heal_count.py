@@ -1,0 +1,77 @@
+"""`refresh_forwards`: how many refresh-batch forwards (`Draft.next_rows` calls) a heal over N windows runs,
+counted by running heal's own job loop (`heal._HealJob`, `heal._Chain`, `run.drive`) on a stand-in draft
+that does no arithmetic. `bench/heal.py` turns the count into its epoch estimate; `tests/test_heal.py` and
+`tests/test_heal_gpu.py` check it against the forwards of real runs, so the estimate counts what heal does.
+
+A benchmark's instrument: it reaches into heal's private classes, which is why it lives in `bench/` and not
+in the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+
+from ddl_wgpu.heal import HealConfig, _batches, _Chain, _HealJob, split_heldout
+from ddl_wgpu.run import Best, Cadence, Events, drive
+
+
+class _CountingDraft:
+    """The stand-in draft: no arithmetic, every loss 0."""
+
+    def step(self, *args, **kw):
+        return 1.0, 1.0, True
+
+    def loss_sum(self, *args, **kw) -> float:
+        return 0.0
+
+    def keep(self, into=None):
+        return into
+
+    def snapshot(self):
+        return None
+
+
+class _CountingChain(_Chain):
+    """Which refresh batches are stale and when, as `heal._Chain` decides; the forwards of a rebuild counted,
+    not run, and no rows."""
+
+    def _rebuild(self, stale: list, j: int) -> None:
+        for k in stale:
+            n = j - int(self.built[k])
+            self.forwards += n
+            self.period_forwards += n
+            self.built[k] = j
+
+    def join(self, b: np.ndarray, j: int):
+        if j > 1:
+            self._current(b, j)
+        return None, None, None, np.ones(1), {}
+
+    def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
+        if batches and self.chain > 1:
+            self._current(np.concatenate(batches), self.chain)
+        return [0.0] * self.chain
+
+
+def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
+    """The refresh-batch forwards a heal over `windows` windows runs when nothing stops it early (patience
+    off) -> {"forwards", "steps", "refreshes", "batches"}. An eager rebuild of every batch at each refresh
+    would run refreshes x (chain − 1) x batches."""
+    cfg = dataclasses.replace(cfg, patience=0)
+    N = windows
+    cache = SimpleNamespace(ids=np.zeros((N, 1)), x={})  # `_CountingChain` reads no rows
+    model = SimpleNamespace(cfg=SimpleNamespace(d_model=0))
+    chain = _CountingChain(model, cfg, cache, _CountingDraft())
+    refreshes = []
+    events = Events(lambda e: refreshes.append(e) if e["event"] == "refresh" else None, "heal")
+    chain.refresh_event(events, 0)
+    train, val = split_heldout(N)
+    vb = _batches(val, cfg.batch)
+    v0 = chain.heldout_kl(vb)
+    best = Best(0.0, 0, None)
+    job = _HealJob(chain, cfg, _batches(train, cfg.batch), vb, best, v0, events)
+    _stopped, done = drive(job, 0, Cadence(cfg.eval_every, job.total), best, events, 0)
+    return {"forwards": chain.forwards, "steps": done, "refreshes": len(refreshes), "batches": chain.batches}

@@ -1,0 +1,279 @@
+"""Issue 25 (round 3), inputs and interrupts: every one is one `error: ...` line and exit 2 (or `interrupted`
+and exit 130), never a traceback, a hang or the machine's memory.
+
+- `generate`'s prompt and `accept-table`'s saved results are read bounded (items 6, 8, 9);
+- `generate`, `import-hf` and `export-hf` refusals (items 11-13);
+- Ctrl-C while the package imports, before training starts, during `generate` (items 14, 15);
+- windows longer than the model's context (item 19).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import SHAPES, tiny_cfg
+
+from ddl_ref.config import MtpConfig
+from ddl_ref.params import init_params
+from ddl_wgpu import accept
+from ddl_wgpu import generate as G
+from ddl_wgpu.hf import HfError, export_hf, import_hf
+from ddl_wgpu.modelfile import Model, save_model
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = {**SHAPES["default"], "n_layers": 1}
+MODEL = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()]  # the same shape as the CLI's options
+GEN = ["--backend", "ref", "--max-new-tokens", "3"]
+
+
+def model(path: Path | None = None, **overrides) -> Model:
+    """A freshly initialised model of SHAPE (what `init` writes), saved to `path` when given."""
+    cfg = tiny_cfg(n_layers=1, **overrides)
+    m = Model(cfg, init_params(cfg, 0))
+    if path is not None:
+        save_model(path, m)
+    return m
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, corpus_words):
+    """corpus.txt and tm.ddlw (a model with an MTP draft, context 32)."""
+    d = tmp_path_factory.mktemp("inputs")
+    rng = np.random.default_rng(0)
+    (d / "corpus.txt").write_text(
+        " ".join(corpus_words[int(i)] for i in rng.integers(0, len(corpus_words), 300))
+    )
+    model(d / "tm.ddlw", mtp=MtpConfig())
+    return d
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+
+
+def _run(*args, timeout=60, **kw) -> subprocess.CompletedProcess:
+    """The command line with raw arguments (bytes allowed) and subprocess options."""
+    return subprocess.run([sys.executable, "-m", "ddl_wgpu.cli", *args], capture_output=True, env=_env(),
+                          timeout=timeout, **kw)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bounded reads (items 6, 8, 9)
+
+
+def test_a_prompt_is_read_only_as_far_as_the_context(files, tmp_path, cli, user_error):
+    """Item 6: `--prompt-file` and standard input were read whole (a 5 GB file was killed for memory at
+    24 GB; /dev/zero never ended)."""
+    m = files / "tm.ddlw"
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.truncate(256 << 20)  # sparse
+    user_error(cli("generate", m, "--prompt-file", big, *GEN, timeout=60), "more than the 32", "context")
+    if os.path.exists("/dev/zero"):
+        user_error(cli("generate", m, "--prompt-file", "/dev/zero", *GEN, timeout=60), "not a regular file")
+        with open("/dev/zero", "rb") as zero:
+            r = _run("generate", str(m), *GEN, stdin=zero, text=True)
+        user_error(r, "standard input holds more than the 32 bytes", "context")
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        user_error(cli("generate", m, "--prompt-file", tmp_path / "fifo", *GEN, timeout=60), "FIFO")
+
+
+GOOD = {"depth": 2, "prefix_acceptance": [0.5, 0.25], "acceptance_length": 1.75, "anchors": 10}
+
+
+def test_accept_table_checks_every_saved_result(tmp_path, cli, ok, user_error):
+    """Items 8 and 9: a saved result is untrusted input (`"depth": 1e30` looped forever, a prefix list shorter
+    than depth printed a misaligned table, the rest were tracebacks)."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(GOOD))
+    deep = tmp_path / "deep.json"
+    deep.write_text(json.dumps({**GOOD, "depth": 3, "prefix_acceptance": [0.5, 0.25, 0.125]}))
+    r = ok(cli("accept-table", f"a={good}", f"b={deep}"))
+    rows = r.stdout.splitlines()
+    assert len(rows) == 3 and len({len(row) for row in rows}) == 1, r.stdout  # aligned: a blank A_3 for "a"
+    cases = [
+        (json.dumps({**GOOD, "depth": 1e30}), "'depth'"),
+        (json.dumps({**GOOD, "depth": 10**30}), "'depth'"),
+        (json.dumps({**GOOD, "depth": -1}), "'depth'"),
+        (json.dumps({**GOOD, "depth": "3"}), "'depth'"),
+        (json.dumps({k: v for k, v in GOOD.items() if k != "depth"}), "'depth'"),
+        (json.dumps({**GOOD, "depth": 3}), "'prefix_acceptance'"),
+        (json.dumps({**GOOD, "prefix_acceptance": ["a", "b"]}), "'prefix_acceptance'"),
+        (json.dumps({**GOOD, "prefix_acceptance": [None, 0.1]}), "'prefix_acceptance'"),
+        (json.dumps({**GOOD, "acceptance_length": None}), "'acceptance_length'"),
+        (json.dumps({**GOOD, "anchors": "10"}), "'anchors'"),
+        ('{"depth": ', "invalid JSON"),
+        ("[]", "a JSON list"),
+        ("[" * 5000 + "]" * 5000, "nests deeper"),
+        ('{"depth": 2, "anchors": ' + "9" * 5000 + "}", "too many digits"),
+        (b"\xff\xfe{}", "not UTF-8"),
+    ]
+    for i, (content, fragment) in enumerate(cases):
+        p = tmp_path / f"bad{i}.json"
+        p.write_bytes(content if isinstance(content, bytes) else content.encode())
+        if i in (1, 5, 10):  # through the command line (10**30 looped forever), the rest by the check itself
+            user_error(cli("accept-table", f"a={good}", f"x={p}", timeout=30), str(p), fragment)
+        else:
+            with pytest.raises(accept.AcceptError, match=fragment):
+                accept.load_result(p)
+    if os.path.exists("/dev/zero"):
+        user_error(cli("accept-table", "x=/dev/zero", timeout=30), "not a regular file")
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)
+    with pytest.raises(accept.AcceptError, match="more than"):
+        accept.load_result(big)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# generate, import-hf, export-hf (items 11-13)
+
+
+def test_generate_refusals_are_one_line(files, tmp_path, cli, ok, user_error):
+    """Item 11."""
+    m = files / "tm.ddlw"
+    user_error(cli("generate", m, "--prompt", "hi", "--seed", "-1", *GEN), "--seed")
+    user_error(cli("generate", m, "--prompt", "hi", "--speculative", "--depth", str(10**20), *GEN), "--depth")
+    user_error(
+        cli("generate", m, "--prompt", "hi", "--speculative", "--depth", "1000", *GEN), "--depth", "31"
+    )
+    # invalid UTF-8 typed as the prompt: the bytes themselves reach the byte tokenizer, as from a file
+    r = _run("generate", str(m), "--prompt", b"ab\xff\xfe", *GEN, "--json")
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr
+    (tmp_path / "p.txt").write_bytes(b"ab\xff\xfe")
+    f = _run("generate", str(m), "--prompt-file", str(tmp_path / "p.txt"), *GEN, "--json")
+    assert json.loads(r.stdout)["token_ids"] == json.loads(f.stdout)["token_ids"]
+    assert json.loads(r.stdout)["prompt_tokens"] == 4
+    with pytest.raises(G.GenerateError, match="surrogate"):
+        G.generate(str(m), "a\ud800b", max_new_tokens=2, backend="ref")
+    with pytest.raises(G.GenerateError, match="seed"):
+        G.Sampling(seed=-1)
+    # started with standard output closed: one line, not an AttributeError from the first write
+    r = subprocess.run(["sh", "-c", 'exec "$0" "$@" >&-', sys.executable, "-m", "ddl_wgpu.cli", "generate", str(m),
+                        "--prompt", "hi", *GEN], capture_output=True, text=True, env=_env(), timeout=60)  # fmt: skip
+    user_error(r, "standard output is closed")
+
+
+def _hf_folder(tmp_path) -> Path:
+    """A Qwen3 export of a tiny baseline model (its config.json is what import-hf reads)."""
+    export_hf(model(qk_norm="pre_rope"), tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_import_hf_config_values_are_checked_before_the_work(tmp_path, cli, ok, user_error):
+    """Item 12: `"rms_norm_eps": "abc"` was a traceback, `"bos_token_id": 1e30` failed at the save."""
+    hf = _hf_folder(tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "bos_token_id": 10**30}))
+    user_error(cli("import-hf", hf, tmp_path / "im.ddlw"), "config.json", "bos_token_id")
+    assert not (tmp_path / "im.ddlw").exists()
+    for key, value in (("rms_norm_eps", "abc"), ("eos_token_id", -1), ("tie_word_embeddings", "false"),
+                       ("rms_norm_eps", [1])):  # fmt: skip
+        (hf / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(HfError, match=key):
+            import_hf(hf)
+    (hf / "config.json").write_text(json.dumps({**config, "bos_token_id": 1, "rms_norm_eps": 1e-5}))
+    assert import_hf(hf).metadata["hf.bos_token_id"] == 1
+
+
+def test_export_hf_into_a_name_the_file_system_cannot_hold(tmp_path, cli, ok, user_error):
+    """Item 13: the cleanup of the failed export raised its own OSError (the name is too long there too)."""
+    model(tmp_path / "q.ddlw", qk_norm="pre_rope")
+    user_error(cli("export-hf", tmp_path / "q.ddlw", tmp_path / ("x" * 250)), "cannot write the export")
+    assert [p.name for p in tmp_path.iterdir()] == ["q.ddlw"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ctrl-C (items 14, 15)
+
+
+def _interrupt_at(args: list[str], marker: str | None, delay: float = 20, importtime: bool = False):
+    """Start the command line (its standard input an open pipe), SIGINT it when `marker` appears on its
+    standard error or after `delay` s -> (exit status, standard error without -X importtime's lines)."""
+    flags = ["-X", "importtime"] if importtime else []
+    p = subprocess.Popen([sys.executable, *flags, "-m", "ddl_wgpu.cli", *args], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())  # fmt: skip
+    timer = threading.Timer(delay, p.send_signal, (signal.SIGINT,))
+    timer.start()
+    lines = []
+    try:
+        for line in p.stderr:
+            lines.append(line)
+            if marker is not None and marker in line:
+                p.send_signal(signal.SIGINT)
+                break
+        _, rest = p.communicate(timeout=60)
+    finally:
+        timer.cancel()
+    lines += rest.splitlines(True)
+    return p.returncode, "".join(x for x in lines if not x.startswith("import time:"))
+
+
+def test_ctrl_c_while_the_package_imports(files):
+    """Item 14: a KeyboardInterrupt traceback from inside an import. -X importtime shows where the import is;
+    the command (generate, waiting for its prompt on an open pipe) would wait after the import, so the signal
+    lands in the import or, on a slow machine, just after it: either way one line."""
+    for marker in ("| typer", "ddl_wgpu.backend", "ddl_wgpu.data"):
+        code, err = _interrupt_at(["generate", str(files / "tm.ddlw"), *GEN], marker, importtime=True)
+        assert "Traceback" not in err and code == 130, (marker, err)
+        assert err.strip().splitlines()[-1] == "interrupted", (marker, err)
+
+
+def test_ctrl_c_during_generate_says_so(files):
+    """Item 15: typer turned the KeyboardInterrupt into exit 130 before our line ran (here: generate waiting
+    for its prompt on standard input, an open pipe; on a slow machine the signal may land in the import, which
+    says the same)."""
+    code, err = _interrupt_at(["generate", str(files / "tm.ddlw"), *GEN], None, delay=2.5)
+    assert code == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted", err
+
+
+@pytest.mark.parametrize("where", ["load_source", "choose_backend"])
+def test_ctrl_c_before_training_starts_says_so(where, files, tmp_path, monkeypatch, capsys):
+    """Item 15: Ctrl-C in the backend choice or the data loading of `train` (tried in this process: the
+    interrupt is raised where the signal would land)."""
+    from ddl_wgpu import cli as cli_mod
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_mod, where, interrupted)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["ddl-wgpu", "train", "--data", str(files / "corpus.txt"), "--out", str(out),
+                                      "--backend", "ref", "--no-plots", "--seq-len", "16", "--batch-size", "2",
+                                      *MODEL])  # fmt: skip
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        code = cli_mod._main()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and err and err[-1].startswith("interrupted"), err
+    assert not out.exists()  # nothing was saved, and the claimed folder is gone again
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the model's context (item 19)
+
+
+def test_windows_past_the_context_are_refused(files, cli, ok, user_error):
+    """Item 19: `eval --seq-len 256` and `accept --window 256` on a model of context 32 silently used 32."""
+    m, corpus = files / "tm.ddlw", files / "corpus.txt"
+    user_error(
+        cli("eval", m, "--data", corpus, "--seq-len", "256", "--backend", "ref"), "--seq-len 256", "context"
+    )
+    user_error(
+        cli("accept", m, "--data", corpus, "--window", "256", "--backend", "ref"), "--window", "context"
+    )
+    r = ok(cli("eval", m, "--data", corpus, "--backend", "ref", "--json"))  # the default fits the context
+    assert json.loads(r.stdout)["windows"] > 0
+    ok(cli("accept", m, "--data", corpus, "--tokens", "300", "--backend", "ref"))
