@@ -2,20 +2,37 @@
 
 The model lives in one inference-only `Net` (f32, or f16 big matrices), trunk and MTP draft together, so the
 draft shares the trunk's embedding and head. `GpuCache` holds what `ddl_ref.decode.TrunkCache` holds, by
-position, on the GPU: per layer the keys (after RoPE and q/k norm) and values; TC's compressor inputs (two
-sites per block and the readout); EC's embeddings; and, with a draft, the trunk hidden row the draft reads
-(`MtpConfig.trunk_hidden`). The draft has its own key/value cache, in run order (slot = RoPE position:
-step-1 rows of anchors 0..p, then a round's chain rows, which are rolled back).
+position, on the GPU: per full-attention layer the keys (after RoPE and q/k norm) and values; TC's compressor
+inputs (two sites per block and the readout); EC's embeddings; and, with a draft, the trunk hidden row the
+draft reads (`MtpConfig.trunk_hidden`). The draft (a full-attention block, gated with partial RoPE on a
+Qwen3.5 trunk) has its own key/value cache, in run order (slot = RoPE position: step-1 rows of anchors 0..p,
+then a round's chain rows, which are rolled back).
+
+A Gated DeltaNet layer (hybrid trunks) is not cached by position but by its running state (`GdnCache`): the
+conv window (the in_proj_qkv rows of the k−1 positions before the next pass) and the recurrent state
+(Hv, Dk, Dv). A pass of n rows runs the mixer from them (the conv's `hist` is the window, the rule's
+`state_in` the state) and leaves the state and window after its last row. So that a speculative verify can
+be rolled back to its last accepted row, the pass also keeps, per layer: the state before every row and after
+the last (the rule with tc = 1 writes them, n + 1 slots per value head) and [the window before the pass; the
+pass's rows]. `rollback(length)` to a position inside the last pass copies the slot of that row into the state
+and rows length − start .. + k − 2 of the kept rows into the window (`take_rows`, the row from the positions
+table through the `slot` buffer: no download, one submit). A pass longer than `keep` rows (a prompt; keep =
+depth + 1, at least k − 1) keeps its start and end only (tc = n: a long prompt's every state would not fit);
+a roll-back further back than the last pass, or into a long one, is refused with one line; to 0 resets.
+Everything per layer lives in the cache, not in the layer's activations, which the layers of a forward-only
+net share (`Blocks.shares_acts`).
 
 A pass of n new rows is a `TrunkRows` (an `inference.InferenceWork` of one sequence of n rows) or a
 `DraftRows` (`blocks.Blocks` running the draft block), built once per n and cached. They override the ops
-that see other positions: RoPE at positions start + r (`ops.decode.rope_at`), attention (keys and values
-stored into the cache, then the rows attend over it: `attend_cache`; a prefill from position 0 uses the
-training flash kernel), the TC compressor and the EC expansion (`tc_cache`/`ec_cache` from their history
-caches), and for passes of at most `ops.gemv.GEMV_MAX_ROWS` rows the linear layers and the head as
-matrix-vector products (`ops.gemv`, f32 or f16 weights). Everything else is the training engine's
-kernels (GEMMs for longer passes such as a prefill, norms, Delta updates, SwiGLU). The start position reaches the kernels through a 4-byte `meta` buffer, set
-inside the command stream by a copy from a table of positions, so every Call is built once.
+that see other positions: RoPE at positions start + r on the first `rope_dim` dims (`ops.decode.rope_at`),
+attention (keys and values stored into the cache, then the rows attend over it: `attend_cache`; a prefill
+from position 0 uses the training flash kernel), the TC compressor and the EC expansion (`tc_cache`/`ec_cache`
+from their history caches), the Gated DeltaNet's conv and rule (above), and for passes of at most
+`ops.gemv.GEMV_MAX_ROWS` rows the linear layers (the gated q_proj's [query; gate] and the Gated DeltaNet's four
+projections included) and the head as matrix-vector products (`ops.gemv`, f32 or f16 weights). Everything else
+is the training engine's kernels (GEMMs for longer passes such as a prefill, norms, the output gate, Delta
+updates, SwiGLU). The start position reaches the kernels through a 4-byte `meta` buffer, set inside the command
+stream by a copy from a table of positions, so every Call is built once.
 
 Read-back: with head "argmax" only the chosen ids (the `topk` kernel with k = 1, ties to the lower id);
 a whole greedy draft chain (catch-up rows, then chain steps whose token and hidden row are copied on the GPU
@@ -23,10 +40,14 @@ from the step before) is one submit that reads back the K drafted ids. Sampling 
 k ids and probabilities per row (head "top<k>"), turned into the same distribution on the host; sampling
 over the whole vocabulary (head "logits"): the logits rows.
 
-Verified (tests/test_generate_gpu.py, lavapipe): logits equal `ddl_ref.model.forward`'s at every position for
+Verified (lavapipe): tests/test_generate_gpu.py: logits equal `ddl_ref.model.forward`'s at every position for
 all six variants fed in pieces (prefill, single tokens, after a roll-back); greedy generation equal to the
 numpy engine's with and without speculation; seeded sampling reproducible; the draft's proposals equal the
-numpy engine's.
+numpy engine's. tests/test_generate_gpu_hybrid.py, hybrid trunks (Gated DeltaNet + gated attention, partial
+RoPE): logits equal a float64 forward's fed in pieces (roll-backs to a pass's start and inside it, a reset),
+the refused roll-backs; greedy text with and without speculation (rejections included) equal to the trunk's
+argmax chain; the state and window after every acceptance length of a round bit for bit a plain decode's; the
+draft's proposals equal `accept`'s stacked chain.
 """
 
 from __future__ import annotations

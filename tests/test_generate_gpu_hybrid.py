@@ -1,11 +1,12 @@
 """The GPU decoding engine (`ddl_wgpu.decode.WgpuEngine`) on hybrid (Qwen3.5) trunks, on the test adapter:
 Gated DeltaNet layers (their conv window and recurrent state in the cache) mixed with gated full attention and
 partial RoPE, offset norms, pre-RoPE q/k norm. Logits equal a float64 full forward's at every position, fed
-in pieces (a prompt, single tokens, rows after a roll-back to a pass's start and inside it, after a reset);
-the roll-backs the cache cannot serve are refused; greedy text equals the trunk's argmax chain (a full forward
-per token: the numpy engine does not decode hybrids yet) with and without speculation, rejections included;
-the state after a partial acceptance is bit for bit a plain decode's; the Qwen3.5-form draft (gated, partial
-RoPE) proposes `accept`'s greedy stacked chain.
+in pieces (a prompt, single tokens, rows after a roll-back to a short pass's start and inside it, to a long
+pass's start, after a reset); the roll-backs the cache cannot serve are refused; greedy text equals the
+trunk's argmax chain (a full forward per token: the numpy engine does not decode hybrids yet) with and without
+speculation, rejections included; seeded speculative sampling repeats; the state after a partial acceptance
+is bit for bit a plain decode's; the Qwen3.5-form draft (gated, partial RoPE) proposes `accept`'s greedy
+stacked chain.
 
 Shapes: Dk 6 and Dv 5 (the rule pads both), Hv = 2·Hk, a conv of 4 taps (a window of 3, longer than a
 one- or two-row pass), a head of 8 with 4 dims rotated.
@@ -23,7 +24,7 @@ from ddl_ref.config import MtpConfig
 from ddl_wgpu import accept
 from ddl_wgpu.data import ByteTokenizer
 from ddl_wgpu.decode import WgpuEngine
-from ddl_wgpu.generate import run
+from ddl_wgpu.generate import Sampling, run
 from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.refnet import ref_runner
 
@@ -84,7 +85,10 @@ def test_hybrid_decode_logits_equal_forward(gpu, variant):
     with pytest.raises(GpuError, match="start and end only"):
         engine.rollback(3)  # inside a pass of 5 rows (more than 3)
     engine.rollback(5)  # its end: nothing to do
-    check("after a reset", engine.feed(ids[5:7], "logits"), want[5:7], "model")
+    feed(5, 7)
+    engine.feed(np.array([4, 3, 2, 1]), "argmax")  # a long pass (4 rows) away from 0, rejected
+    engine.rollback(7)  # its start: the state before it, the window before it
+    feed(7, 11)
 
 
 def _greedy(model, engine, depth, prompt, n):
@@ -103,6 +107,15 @@ def test_hybrid_greedy_same_with_and_without_speculation(gpu):
         acc = out["acceptance_per_depth"]
         assert 0 < acc[0] < 1, acc  # some rounds keep a draft, some reject the first
         assert 0 < out["mean_accepted"] < depth
+
+
+@pytest.mark.parametrize("top_k", [6, 0])  # k ids and probabilities read back / the logits
+def test_hybrid_speculative_sampling_reproducible(gpu, top_k):
+    """Sampling drafts (`draft`), verifies them in a `feed` and rolls back: the same seed, the same text."""
+    model = hybrid(seed=3, vocab_size=7, mtp=MtpConfig())
+    s = Sampling(temperature=1.0, top_k=top_k, seed=11)
+    a, b = (run(WgpuEngine(gpu, model, 2), ByteTokenizer(), [1, 2], 24, 10, s, depth=2) for _ in range(2))
+    assert a["token_ids"] == b["token_ids"] and a["rounds"] > 0
 
 
 def test_state_after_partial_acceptance_is_a_plain_decodes(gpu):
