@@ -23,16 +23,16 @@ Everything per layer lives in the cache, not in the layer's activations, which t
 net share (`Blocks.shares_acts`).
 
 A pass of n new rows is a `TrunkRows` (an `inference.InferenceWork` of one sequence of n rows) or a
-`DraftRows` (`blocks.Blocks` running the draft block), built once per n and cached. They override the ops
-that see other positions: RoPE at positions start + r on the first `rope_dim` dims (`ops.decode.rope_at`),
-attention (keys and values stored into the cache, then the rows attend over it: `attend_cache`; a prefill
-from position 0 uses the training flash kernel), the TC compressor and the EC expansion (`tc_cache`/`ec_cache`
-from their history caches), the Gated DeltaNet's conv and rule (above), and for passes of at most
-`ops.gemv.GEMV_MAX_ROWS` rows the linear layers (the gated q_proj's [query; gate] and the Gated DeltaNet's four
-projections included) and the head as matrix-vector products (`ops.gemv`, f32 or f16 weights). Everything else
-is the training engine's kernels (GEMMs for longer passes such as a prefill, norms, the output gate, Delta
-updates, SwiGLU). The start position reaches the kernels through a 4-byte `meta` buffer, set inside the command
-stream by a copy from a table of positions, so every Call is built once.
+`DraftRows` (`blocks.Blocks` running the draft block), built once per n and cached. They override the ops that
+see other positions: RoPE at positions start + r on the first `rope_dim` dims (`ops.decode.rope_at`),
+attention (keys and values stored into the cache, then the rows attend over it: `attend_cache`; a prefill from
+position 0 uses the training flash kernel), the TC compressor and the EC expansion (`tc_cache`/`ec_cache` from
+their history caches), the Gated DeltaNet's conv and rule (above), and for passes of at most
+`ops.gemv.GEMV_MAX_ROWS` rows the linear layers (the gated q_proj's [query; gate] and the Gated DeltaNet's
+four projections included) and the head as matrix-vector products (`ops.gemv`, f32 or f16 weights). Everything
+else is the training engine's kernels (GEMMs for longer passes such as a prefill, norms, the output gate,
+Delta updates, SwiGLU). The start position reaches the kernels through a 4-byte `meta` buffer, set inside the
+command stream by a copy from a table of positions, so every Call is built once.
 
 Read-back: with head "argmax" only the chosen ids (the `topk` kernel with k = 1, ties to the lower id);
 a whole greedy draft chain (catch-up rows, then chain steps whose token and hidden row are copied on the GPU
@@ -73,10 +73,10 @@ MTP = "model.mtp."
 @dataclasses.dataclass
 class GdnCache:
     """A Gated DeltaNet layer's decoding state on the GPU (module docstring). `win` (k−1, Ch): the conv's
-    inputs (the in_proj_qkv rows) of the k−1 positions before the next pass (None when k = 1); `state` (Hv, Dk,
-    Dv): the recurrent state after the last position; for the roll-back, the last pass's `states` (per value
-    head, the state before each row and after the last: n + 1 slots, or 2 for a pass of more than `keep` rows)
-    and `prev` ([the window before the pass; the pass's first rows], (k−1 + keep, Ch))."""
+    inputs (the in_proj_qkv rows) of the k−1 positions before the next pass (None when k = 1); `state`
+    (Hv, Dk, Dv): the recurrent state after the last position; for the roll-back, the last pass's `states`
+    (per value head, the state before each row and after the last: n + 1 slots, or 2 for a pass of more than
+    `keep` rows) and `prev` ([the window before the pass; the pass's first rows], (k−1 + keep, Ch))."""
 
     win: object
     state: object
@@ -166,8 +166,8 @@ class GpuCache:
             return
         s, n = self.last if self.last is not None else (self.length, 0)
         if not s <= length <= s + n:
-            raise GpuError(f"cannot roll a Gated DeltaNet layer's state back to {length}: the cache keeps the "
-                           f"states of its last pass only (positions {s}..{s + n})")  # fmt: skip
+            raise GpuError(f"cannot roll a Gated DeltaNet layer's state back to {length}: the cache keeps "
+                           f"the states of its last pass only (positions {s}..{s + n})")  # fmt: skip
         j = length - s
         if j == n:
             return

@@ -133,8 +133,9 @@ class GatedDeltaNet:
         """a["cv"] = silu(causal conv of a["X"]); before t = 0 the inputs are `hist` (B, k−1, Ch), else zeros
         (a decoding pass overrides this to read and keep its cache's window: `decode.TrunkRows`)."""
         Hk, Hv, Dk, Dv = self._gdn_sizes()
-        return k_gi.conv_forward(self.gpu, a["cv"], a["X"], self.net.view(q + "conv1d.weight"), self.B, self.T,
-                                 Hk, Hv, Dk, Dv, self.cfg.linear_conv_kernel, hist=hist)  # fmt: skip
+        w = self.net.view(q + "conv1d.weight")
+        return k_gi.conv_forward(self.gpu, a["cv"], a["X"], w, self.B, self.T, Hk, Hv, Dk, Dv,
+                                 self.cfg.linear_conv_kernel, hist=hist)  # fmt: skip
 
     def _gdn_rule(self, a: dict, q: str, states=None, state_in=None, tc: int | None = None,
                   save_final: bool = False) -> Call:  # fmt: skip
@@ -144,10 +145,11 @@ class GatedDeltaNet:
         Hk, Hv, Dk, Dv = self._gdn_sizes()
         v_off = k_gi.planar_offsets(self.N, Hk, Dk)[1]
         ckpt = states is not None or not self.net.inference
-        return k_gd.gated_delta_forward(self.gpu, a["o"], a["r"], a["states"] if states is None else states,
-                                        a["qkgb"], a["cv"], self.B, self.T, Hk, Hv, Dk, Dv,
-                                        tc=self.gdn_chunk if tc is None else tc, v_off=v_off, v_stride=Hv * Dv,
-                                        state_in=state_in, save_ckpt=ckpt, save_final=save_final)  # fmt: skip
+        states = a["states"] if states is None else states
+        tc = self.gdn_chunk if tc is None else tc
+        return k_gd.gated_delta_forward(self.gpu, a["o"], a["r"], states, a["qkgb"], a["cv"], self.B, self.T,
+                                        Hk, Hv, Dk, Dv, tc=tc, v_off=v_off, v_stride=Hv * Dv, state_in=state_in,
+                                        save_ckpt=ckpt, save_final=save_final)  # fmt: skip
 
     def gdn_backward(self, a: dict, p: str, dout, accumulate_dh: bool) -> Call:
         """Reverse of `gdn_forward`: from d(out) to d(a["h"]) in self.dh (+= with `accumulate_dh`)."""
