@@ -348,7 +348,7 @@ def bench_kernel(gpu, args) -> dict:
     out = {}
     rng = np.random.default_rng(0)
     for name, (B, T, Hk, Hv, Dk, Dv) in shapes.items():
-        N, tc, jb = B * T, kg.chunk_tokens(gpu, B, Hv, Dk, Dv, T), kg.column_blocks(B, Hv, Dv)
+        N, tc = B * T, kg.chunk_tokens(gpu, B, Hv, Dk, Dv, T)
         k_off, gb_off = kg.qkgb_offsets(N, Hk, Dk)
         qkgb = np.zeros(kg.qkgb_floats(N, Hk, Hv, Dk), np.float32)
         q = rng.standard_normal((N, Hk, Dk)).astype(np.float32)
@@ -363,7 +363,7 @@ def bench_kernel(gpu, args) -> dict:
                     states=g.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, tc)),
                     scratch=g.buffer(4 * kg.scratch_floats(B, Hv, Dk, Dv, tc)),
                     do=g.upload(rng.standard_normal(N * Hv * Dv).astype(np.float32)),
-                    dqk=g.buffer(4 * kg.qk_floats(N, Hv * jb, Dk)), dv=g.buffer(4 * N * Hv * Dv),
+                    dqk=g.buffer(4 * kg.qk_floats(N, Hv, Dk)), dv=g.buffer(4 * N * Hv * Dv),
                     dgb=g.buffer(8 * N * Hv * Dv))  # fmt: skip
         fwd = kg.gated_delta_forward(g, bufs["o"], bufs["r"], bufs["states"], bufs["qkgb"], bufs["v"], B, T, Hk, Hv,
                                      Dk, Dv, tc=tc)  # fmt: skip
@@ -377,7 +377,7 @@ def bench_kernel(gpu, args) -> dict:
         f_bytes = 4 * (qkgb.size + 3 * N * Hv * Dv + B * Hv * nck * Dk * Dv)
         b_bytes = 4 * (qkgb.size + 2 * N * Hv * Dv + B * Hv * nck * Dk * Dv + 2 * el + kg.qk_floats(N, Hv, Dk)
                        + 3 * N * Hv * Dv)  # fmt: skip
-        row = {"shape": [B, T, Hk, Hv, Dk, Dv], "tc": tc, "jb": jb, "tile": kg.tile(gpu, Dk, -(-Dv // jb)),
+        row = {"shape": [B, T, Hk, Hv, Dk, Dv], "tc": tc, "tile": kg.tile(gpu, Dk, Dv),
                "forward_ms": tf, "backward_ms": tb}  # fmt: skip
         for part, ms, flop, nbytes in (("forward", tf, 6 * el, f_bytes), ("backward", tb, 18 * el, b_bytes)):
             flop_ms = flop / (common.H200_FP32_TFLOPS * 1e9)

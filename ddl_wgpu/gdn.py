@@ -53,11 +53,6 @@ class GatedDeltaNet:
         Hk, Hv, Dk, Dv = self._gdn_sizes()
         return k_gd.chunk_tokens(self.gpu, self.B, Hv, Dk, Dv, self.T, CHUNK)
 
-    @property
-    def gdn_blocks(self) -> int:
-        Hk, Hv, Dk, Dv = self._gdn_sizes()
-        return k_gd.column_blocks(self.B, Hv, Dv)
-
     def gdn_acts(self, tag: str, a: dict) -> dict:
         """A Gated DeltaNet layer's saved activations, added to the block's dict `a`."""
         B, T, N, act = self.B, self.T, self.N, self.act
@@ -91,7 +86,7 @@ class GatedDeltaNet:
             dz=act(N * Hv * Dv, "gdn_dz"),
             don=act(N * Hv * Dv, "gdn_don"),
             do=act(N * Hv * Dv, "gdn_do"),
-            dqk=act(k_gi.qk_floats(N, Hv * self.gdn_blocks, Dk), "gdn_dqk"),
+            dqk=act(k_gi.qk_floats(N, Hv, Dk), "gdn_dqk"),
             dqk_sum=act(k_gi.qk_floats(N, Hk, Dk), "gdn_dqk_per_key_head"),
             dgb=act(2 * N * Hv * Dv, "gdn_dgb"),
             dgg=act(N * Hv, "gdn_dgg"),
@@ -172,7 +167,7 @@ class GatedDeltaNet:
         call += k_gi.gates_backward(g, da, db, G(q + "A_log"), G(q + "dt_bias"), s["dgb"], ga, gb_, P(q + "A_log"),
                                     P(q + "dt_bias"), s["ones"], N, Hv, Dv, dgg=s["dgg"])  # fmt: skip
         call += k_gi.l2norm_backward(g, s["dcv"], s["dqk"], a["qkr"], a["cv"], N, Hk, Dk,
-                                     G=Hv // Hk * self.gdn_blocks, summed=s["dqk_sum"])  # fmt: skip
+                                     G=Hv // Hk, summed=s["dqk_sum"])  # fmt: skip
         call += k_gi.conv_backward(g, s["dX"], G(q + "conv1d.weight"), s["dcv"], a["X"], P(q + "conv1d.weight"),
                                    self.B, self.T, Hk, Hv, Dk, Dv, k, dpre=s["dpre"])  # fmt: skip
         dh, h = self.dh, a["h"]
