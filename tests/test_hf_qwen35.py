@@ -24,8 +24,8 @@ from ddl_wgpu.backend import make_net
 from ddl_wgpu.compress import drop_layers
 from ddl_wgpu.container import f32_to_bf16, open_checkpoint
 from ddl_wgpu.data import eval_windows
-from ddl_wgpu.hf import HfError, export_hf, export_hf_from_file, import_hf, import_hf_to_file
-from ddl_wgpu.hf_files import SafetensorsFile, Weights
+from ddl_wgpu.hf import HfError, export_hf_from_file, import_hf, import_hf_to_file
+from ddl_wgpu.hf_files import Weights
 from ddl_wgpu.modelfile import Model, load_model, save_model
 from ddl_wgpu.train import evaluate
 
