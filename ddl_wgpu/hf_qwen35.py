@@ -222,16 +222,10 @@ def _rope(text: dict, head_dim: int, where: str) -> tuple[float, int | None]:
         raise HfError(f"{where}: rope_parameters.mrope_section must be a list of non-negative integers")
     optional(rp, "mrope_interleaved", False, f"{where}: rope_parameters", bool)
     theta = rp.get("rope_theta", text.get("rope_theta", 10000.0))  # transformers' default_theta
-    if (
-        isinstance(theta, bool)
-        or not isinstance(theta, int | float)
-        or not theta > 0
-        or not math.isfinite(theta)
-    ):
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
         raise HfError(f"{where}: rope_theta must be a positive number, got {theta!r}")
-    prf = rp.get(
-        "partial_rotary_factor", text.get("partial_rotary_factor", 0.25)
-    )  # Qwen3_5TextConfig's default
+    # Qwen3_5TextConfig's default when neither place has it
+    prf = rp.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
     if isinstance(prf, bool) or not isinstance(prf, int | float) or not 0 < prf <= 1:
         raise HfError(f"{where}: partial_rotary_factor must be in (0, 1], got {prf!r}")
     dim = int(head_dim * prf)  # transformers' own rounding (Qwen3_5TextRotaryEmbedding)
@@ -255,9 +249,11 @@ def _layer_types(text: dict, n_layers: int, where: str) -> tuple[str, ...]:
         raise HfError(
             f"{where}: layer_types must be a list of {n_layers} names (num_hidden_layers), got {lt!r:.80}"
         )
-    bad = sorted({t for t in lt if t not in ("full_attention", "linear_attention")}, key=str)
+    bad = [t for t in lt if t not in ("full_attention", "linear_attention")]
     if bad:
-        raise HfError(f"{where}: layer_types {bad[0]!r} is not supported (full_attention, linear_attention)")
+        raise HfError(
+            f"{where}: layer_types {bad[0]!r:.40} is not supported (full_attention, linear_attention)"
+        )
     return tuple(lt)
 
 
@@ -266,11 +262,8 @@ def read_config(hf: dict, where: str) -> tuple[ModelConfig, Source]:
     src = _layout(hf, where)
     text, w = src.text, src.where
     _refuse(text, w)
-    C, H, L = (
-        need(text, "hidden_size", w),
-        need(text, "num_attention_heads", w),
-        need(text, "num_hidden_layers", w),
-    )
+    C, H = need(text, "hidden_size", w), need(text, "num_attention_heads", w)
+    L = need(text, "num_hidden_layers", w)
     if L > MAX_LAYERS:  # before a per-layer list of that length is built (the memory check comes after)
         raise HfError(f"{w}: num_hidden_layers {L} is beyond any model (at most {MAX_LAYERS})")
     D = optional(text, "head_dim", 256, w, float)

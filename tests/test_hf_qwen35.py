@@ -21,7 +21,7 @@ import pytest
 from ddl_ref.check import random_params
 from ddl_ref.config import MtpConfig, apply_arch, preset
 from ddl_wgpu.backend import make_net
-from ddl_wgpu.compress import drop_layers
+from ddl_wgpu.compress import compress_file
 from ddl_wgpu.container import f32_to_bf16, open_checkpoint
 from ddl_wgpu.data import eval_windows
 from ddl_wgpu.hf import HfError, export_hf_from_file, import_hf, import_hf_to_file
@@ -136,12 +136,13 @@ def test_cli_import_eval_export(tmp_path, cli, ok):
     assert_close(hf_loss(back), hf_loss(hf), 1e-6)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_export_loads_in_transformers_with_the_same_loss(tmp_path, tied):
-    _, transformers = _torch()
-    hf = causal_lm(tied, seed=4)
+@pytest.mark.parametrize("tied, dtype", [(True, "float32"), (False, "float16")])
+def test_export_loads_in_transformers_with_the_same_loss(tmp_path, tied, dtype):
+    torch, transformers = _torch()
+    hf = causal_lm(tied, seed=4).to(getattr(torch, dtype))
     hf.save_pretrained(tmp_path / "hf")
-    import_hf_to_file(tmp_path / "hf", tmp_path / "m.ddlw")
+    s = import_hf_to_file(tmp_path / "hf", tmp_path / "m.ddlw")
+    assert s["dtypes"] == [{"float32": "F32", "float16": "F16"}[dtype]]
     s = export_hf_from_file(tmp_path / "m.ddlw", tmp_path / "out")
     assert s["architecture"] == "Qwen3_5ForCausalLM" and s["layout"] == "causal_lm"
     before = Weights(tmp_path / "hf")
@@ -268,7 +269,12 @@ def test_conditional_generation_changes_are_written_back(tmp_path):
     vision tower and the draft are what they were, and transformers computes the compressed model's loss."""
     _, transformers = _torch()
     conditional_generation(tmp_path / "hf", seed=8)
-    m = drop_layers(import_hf(tmp_path / "hf"), [0])
+    import_hf_to_file(tmp_path / "hf", tmp_path / "m.ddlw")
+    compress_file(
+        tmp_path / "m.ddlw", tmp_path / "d.ddlw", drop=[0]
+    )  # the command's path: dtypes, kept tensors
+    m = load_model(tmp_path / "d.ddlw", extra=True)
+    assert set(m.dtypes.values()) == {"bf16"} and len(m.extra) > 10
     m.params["model.norm.weight"] = m.params["model.norm.weight"] + np.float32(1 / 3)
     save_model(tmp_path / "c.ddlw", m, dtype=m.dtypes)
     export_hf_from_file(tmp_path / "c.ddlw", tmp_path / "out")
