@@ -168,8 +168,7 @@ def import_hf(folder) -> Model:
     cfg, draft, src = plan["cfg"], plan["draft"], dict(plan["names"])
     table = param_table(cfg)
     want = {s.name: s for s in table}
-    head = hf_qwen35.folder_name("lm_head.weight", "") if qwen35 else "lm_head.weight"
-    embed = src["model.embed_tokens.weight"]
+    head, embed = "lm_head.weight", src["model.embed_tokens.weight"]  # the head's name in every layout
     # A tied checkpoint may hold the shared matrix under either name (transformers keeps one of the two).
     if cfg.tie_embeddings and embed not in have and head in have:
         src["model.embed_tokens.weight"] = head

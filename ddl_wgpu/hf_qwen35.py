@@ -429,7 +429,8 @@ def source_of(model: Model, where: str = "model") -> dict | None:
     for name, n in want.items():
         a = model.extra.get(name)
         if a is None:
-            raise HfError(f"{where}: tensor {name} is missing (the folder's {SOURCE_KEY} names it)")
+            raise HfError(f"{where}: tensor {name} is missing (the folder's {SOURCE_KEY} names it; a library caller "
+                          "reads a model's kept tensors with load_model(..., extra=True))")  # fmt: skip
         a = np.asarray(a)
         if (
             a.dtype != np.uint8
