@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ddl_ref.config import ConfigError, ModelConfig, MtpConfig, qwen35_layer_types
+from ddl_ref.config import ConfigError, ModelConfig, MtpConfig
 from ddl_ref.params import MTP_PREFIX, param_table
 from ddl_wgpu.hf_common import (
     _LAYOUT_DEFAULTS,
@@ -235,16 +235,19 @@ def _rope(text: dict, head_dim: int, where: str) -> tuple[float, int | None]:
     return float(theta), None if dim == head_dim else dim
 
 
+def interval_layer_types(n_layers: int, interval: int) -> tuple[str, ...]:
+    """transformers' reading of `full_attention_interval`: layer i is full attention when (i + 1) % interval == 0
+    (unlike `ddl_ref.config.qwen35_layer_types`, a trunk shorter than the interval has no full layer)."""
+    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers))
+
+
 def _layer_types(text: dict, n_layers: int, where: str) -> tuple[str, ...]:
     lt = text.get("layer_types")
     if lt is None:
         interval = optional(text, "full_attention_interval", 4, where, float)
         if not isinstance(interval, int) or interval < 1:
             raise HfError(f"{where}: full_attention_interval must be a positive integer, got {interval!r}")
-        # transformers' rule: layer i is full attention when (i + 1) % interval == 0
-        return tuple(
-            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
-        )
+        return interval_layer_types(n_layers, interval)
     if not isinstance(lt, list) or len(lt) != n_layers:
         raise HfError(
             f"{where}: layer_types must be a list of {n_layers} names (num_hidden_layers), got {lt!r:.80}"
@@ -510,7 +513,7 @@ def _source_config(model: Model, rec: dict) -> dict:
     text["num_hidden_layers"], text["intermediate_size"] = cfg.n_layers, cfg.ffn_hidden
     if "layer_types" in text or "full_attention_interval" not in text:
         text["layer_types"] = lt
-    elif tuple(lt) != qwen35_layer_types(cfg.n_layers, text["full_attention_interval"]):
+    elif tuple(lt) != interval_layer_types(cfg.n_layers, text["full_attention_interval"]):
         del text["full_attention_interval"]  # compress broke the interval's pattern: list the layers
         text["layer_types"] = lt
     _draft_keys(text, cfg.mtp)

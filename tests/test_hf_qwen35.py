@@ -21,10 +21,10 @@ import pytest
 from ddl_ref.check import random_params
 from ddl_ref.config import MtpConfig, apply_arch, preset
 from ddl_wgpu.backend import make_net
-from ddl_wgpu.compress import compress_file
+from ddl_wgpu.compress import compress_file, drop_layers, ffn_keep
 from ddl_wgpu.container import f32_to_bf16, open_checkpoint
 from ddl_wgpu.data import eval_windows
-from ddl_wgpu.hf import HfError, export_hf_from_file, import_hf, import_hf_to_file
+from ddl_wgpu.hf import HfError, export_hf, export_hf_from_file, import_hf, import_hf_to_file
 from ddl_wgpu.hf_files import Weights
 from ddl_wgpu.modelfile import Model, load_model, save_model
 from ddl_wgpu.train import evaluate
@@ -155,6 +155,31 @@ def test_export_loads_in_transformers_with_the_same_loss(tmp_path, tied, dtype):
         assert np.array_equal(after.read_raw(n), before.read_raw(n)), n
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert_close(hf_loss(back), hf_loss(hf), 1e-6)
+
+
+def test_compressed_export_says_what_changed(tmp_path):
+    """A config that gives the layers by full_attention_interval: after ffn_keep and a dropped block that breaks
+    the interval's pattern, the export lists layer_types, drops the interval, gives the new SwiGLU width, and
+    transformers computes the compressed model's loss."""
+    _, transformers = _torch()
+    hf = causal_lm(False, seed=6, num_hidden_layers=4, layer_types=None, full_attention_interval=2)
+    hf.save_pretrained(tmp_path / "hf")
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del conf["layer_types"]  # as older configs say it
+    conf["full_attention_interval"] = 2
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(conf))
+    m = import_hf(tmp_path / "hf")
+    assert m.cfg.layer_types == ("linear_attention", "full_attention") * 2
+    assert_close(our_loss(m, "ref", tmp_path), hf_loss(hf))
+    export_hf(m, tmp_path / "same")  # unchanged: the config is the folder's, interval and all
+    assert json.loads((tmp_path / "same" / "config.json").read_text()) == conf
+    c = drop_layers(ffn_keep(m, 0.5), [1])
+    export_hf(c, tmp_path / "out")
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "full_attention_interval" not in out and out["intermediate_size"] == 24
+    assert out["layer_types"] == ["linear_attention", "linear_attention", "full_attention"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert_close(hf_loss(back), our_loss(c, "ref", tmp_path))
 
 
 def test_a_hybrid_made_here_exports_as_causal_lm(tmp_path):
