@@ -401,6 +401,7 @@ def source_of(model: Model, where: str = "model") -> dict | None:
     if (
         not isinstance(rec, dict)
         or not {"layout", "keep", "files"} <= set(rec)
+        or not isinstance(rec["layout"], str)
         or rec["layout"] not in LAYOUTS
     ):
         raise HfError(f"{bad} must be an object with a layout ({', '.join(LAYOUTS)}), keep and files")
@@ -417,7 +418,11 @@ def source_of(model: Model, where: str = "model") -> dict | None:
     want = {}
     for name, info in keep.items():
         if not (
-            name and isinstance(info, dict) and info.get("dtype") in ST_ITEMSIZE and _shape(info.get("shape"))
+            name
+            and isinstance(info, dict)
+            and isinstance(info.get("dtype"), str)
+            and info["dtype"] in ST_ITEMSIZE
+            and _shape(info.get("shape"))
         ):
             raise HfError(
                 f"{bad}: kept tensor {name!r:.80} needs a dtype of {sorted(ST_ITEMSIZE)} and a shape"
@@ -505,10 +510,12 @@ def _source_config(model: Model, rec: dict) -> dict:
     conf = load_json(raw, "the imported folder's config.json", HfError)
     if not isinstance(conf, dict):
         raise HfError("the imported folder's config.json is not a JSON object")
-    cfg = model.cfg
-    text = conf if rec["layout"] == CAUSAL else conf.get("text_config")
-    if not isinstance(text, dict):
-        raise HfError("the imported folder's config.json has no text_config")
+    _, src = read_config(conf, "the imported folder's config.json")  # read as untrusted before it is edited
+    if src.layout != rec["layout"]:
+        raise HfError(
+            f"the imported folder's config.json is a {src.layout} config, its record says {rec['layout']}"
+        )
+    cfg, text = model.cfg, src.text
     lt = [cfg.layer_type(i) for i in range(cfg.n_layers)]
     text["num_hidden_layers"], text["intermediate_size"] = cfg.n_layers, cfg.ffn_hidden
     if "layer_types" in text or "full_attention_interval" not in text:

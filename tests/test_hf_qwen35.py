@@ -402,8 +402,9 @@ def test_a_declared_draft_that_transformers_did_not_save_is_no_draft(tmp_path):
 
 
 def test_kept_tensors_are_checked_before_export(tmp_path, cond_folder):
-    """The record of kept tensors is read as untrusted: a shape that disagrees with the bytes, a stray tensor and
-    a flipped byte are each refused in one line before anything is written."""
+    """The record of kept tensors is read as untrusted: a shape that disagrees with the bytes, a stray tensor, a
+    kept config.json that is not this family's (or not its layout's) and a flipped byte are each refused in one
+    line before anything is written."""
     from ddl_wgpu.container import CheckpointError
 
     import_hf_to_file(cond_folder, tmp_path / "m.ddlw")
@@ -418,6 +419,16 @@ def test_kept_tensors_are_checked_before_export(tmp_path, cond_folder):
     save_model(tmp_path / "stray.ddlw", stray, dtype=m.dtypes)
     with pytest.raises(HfError, match=r"hf.keep.model.visual.extra.*not in the folder's hf.source record"):
         export_hf_from_file(tmp_path / "stray.ddlw", tmp_path / "out")
+    for conf, pattern in ((b'{"model_type": "llama"}', "model_type 'llama' is not a Qwen3.5 model type"),
+                          (b"[" * 100, "nests deeper"),
+                          (json.dumps({**json.loads(m.extra["hf.file.config.json"].tobytes())["text_config"],
+                                       "model_type": "qwen3_5_text"}).encode(), "causal_lm config, its record says")):  # fmt: skip
+        edited = dataclasses.replace(
+            m, extra={**m.extra, "hf.file.config.json": np.frombuffer(conf, np.uint8)}
+        )
+        save_model(tmp_path / "conf.ddlw", edited, dtype=m.dtypes)
+        with pytest.raises(HfError, match=pattern):
+            export_hf_from_file(tmp_path / "conf.ddlw", tmp_path / "out")
     with open_checkpoint(tmp_path / "m.ddlw") as ck:
         info = ck.info("hf.keep." + name)
         start = ck._file_of[info.name].data_start
