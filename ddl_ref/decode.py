@@ -40,8 +40,8 @@ sees (not a masked longer row, whose softmax would sum extra zeros in another or
 therefore does not depend on how many rows share its pass: after a verify of K + 1 rows and a roll-back to
 the accepted ones, the cache is bit for bit the cache of a plain decode of the same tokens, and greedy
 speculative decoding emits exactly the plain decode's tokens (not only up to near ties). A plain (n, C) @ W
-would be one GEMM, whose rows differ in the last bits from the one-row product (tests/test_generate_hybrid.py
-pins both properties on this numpy).
+would be one GEMM, whose rows differ in the last bits from the one-row product (OpenBLAS here);
+tests/test_generate_hybrid.py pins the one-row property and the cache's bit-exactness.
 
 `DraftCache` / `draft_step`: the MTP draft block (always a baseline, full-attention block) with its own
 key/value cache, appended in the order rows are run, each row with its own RoPE position. A row attends to
