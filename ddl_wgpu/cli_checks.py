@@ -18,7 +18,7 @@ from ddl_wgpu.container_format import _stale_set_files  # a model saved as shard
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.hf import HfError
 from ddl_wgpu.modelfile import check_fits
-from ddl_wgpu.train import MAX_INT  # integers are stored in msgpack headers (int64)
+from ddl_wgpu.train_config import MAX_INT  # integers are stored in msgpack headers (int64)
 
 EXIT_USER_ERROR = 2
 MAX_BATCH_TOKENS = 1 << 31  # rows x tokens of one batch: the engine indexes a batch with 32-bit integers

@@ -17,10 +17,12 @@ from pathlib import Path
 
 from ddl_ref.config import ConfigError, ModelConfig, ModelVariant
 from ddl_wgpu import train as train_lib
+from ddl_wgpu.checkpoint import DATA_FIELDS
 from ddl_wgpu.container import CheckpointError, open_checkpoint
 from ddl_wgpu.modelfile import check_fits
 from ddl_wgpu.safeio import load_json, read_regular
 from ddl_wgpu.sweep import SWEEP, Job, Runner, Sweep, SweepError
+from ddl_wgpu.train_config import MAX_INT
 
 MAX_RECORD_BYTES = 16 << 20  # a record is a few kilobytes (its configurations, variants and seeds)
 FIELDS = {"base", "training", "variants", "seeds", "data", "backend", "save_interval", "precision", "runner",
@@ -29,7 +31,7 @@ REQUIRED = ("base", "training", "variants", "seeds", "data", "backend")
 
 
 def _int(v, lo: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= train_lib.MAX_INT
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= MAX_INT
 
 
 def read_record(path: Path) -> dict:
@@ -88,12 +90,12 @@ def read_record(path: Path) -> dict:
     except ConfigError as e:
         raise bad(str(e)) from None
     data = d["data"]
-    if not (isinstance(data, dict) and set(data) == train_lib.DATA_FIELDS and isinstance(data["data"], str)
+    if not (isinstance(data, dict) and set(data) == DATA_FIELDS and isinstance(data["data"], str)
             and data["data"] and (data["val_data"] is None or isinstance(data["val_data"], str))
             and isinstance(data["val_fraction"], int | float) and not isinstance(data["val_fraction"], bool)
             and math.isfinite(data["val_fraction"]) and 0 <= data["val_fraction"] <= 1
             and _int(data["max_tokens"])):  # fmt: skip
-        raise bad(f"'data' must record {sorted(train_lib.DATA_FIELDS)} as `train` does")
+        raise bad(f"'data' must record {sorted(DATA_FIELDS)} as `train` does")
     if d["backend"] not in ("wgpu", "ref"):
         raise bad(f"'backend' {d['backend']!r} is not wgpu or ref")
     if not _int(d.get("save_interval", 0)):

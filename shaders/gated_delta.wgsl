@@ -104,15 +104,20 @@ fn gated_delta_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
     let tj = lid - ti * TJ;
     let slots = bh * (f_p.nck + 1u);
     {{F_INIT}}
+    // the inputs of the next token are loaded one token ahead (their latency overlaps this token's work)
+    var nx = b * f_p.T;
+    {{F_PREFETCH_DECL}}
     for (var t = 0u; t < f_p.T; t++) {
         let n = b * f_p.T + t;
         if (f_p.save_ckpt != 0u && t % f_p.tc == 0u) {
             let slot = slots + t / f_p.tc;
             {{F_STORE}}
         }
-        let at = exp(f_qk[f_p.gb_off + (n * f_p.Hv + h) * 2u]);
-        let bt = f_qk[f_p.gb_off + (n * f_p.Hv + h) * 2u + 1u];
-        {{F_LOAD_K}}
+        {{F_TAKE}}
+        if (t + 1u < f_p.T) {
+            nx = n + 1u;
+            {{F_PREFETCH}}
+        }
         {{F_PARTIAL_U}}
         workgroupBarrier();
         for (var c = lid; c < DVP; c += NT) {
@@ -198,20 +203,31 @@ fn gated_delta_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
         // rebuild the chunk: S_{t-1} of each of its tokens into the scratch
         let ckpt = (bh * (b_p.nck + 1u) + c) * S;
         {{B_LOAD_CKPT}}
+        var nx = b * b_p.T + t0;
+        {{B_R_PREFETCH_DECL}}
         for (var t = t0; t < t1; t++) {
             let n = b * b_p.T + t;
             {{B_SCRATCH_STORE}}
-            let at = exp(b_qk[b_p.gb_off + (n * b_p.Hv + h) * 2u]);
-            let bt = b_qk[b_p.gb_off + (n * b_p.Hv + h) * 2u + 1u];
+            {{B_R_TAKE}}
+            if (t + 1u < t1) {
+                nx = n + 1u;
+                {{B_R_PREFETCH}}
+            }
             {{B_RECOMPUTE}}
         }
-        // walk the chunk backwards
+        // walk the chunk backwards (again loading each token's inputs one token ahead)
+        nx = b * b_p.T + t1 - 1u;
+        var ns = scratch + (t1 - 1u - t0) * S;
+        {{B_PREFETCH_DECL}}
         for (var tt = t1; tt > t0; tt--) {
             let t = tt - 1u;
             let n = b * b_p.T + t;
-            let at = exp(b_qk[b_p.gb_off + (n * b_p.Hv + h) * 2u]);
-            let bt = b_qk[b_p.gb_off + (n * b_p.Hv + h) * 2u + 1u];
-            {{B_LOAD_STEP}}
+            {{B_TAKE}}
+            if (t > t0) {
+                nx = n - 1u;
+                ns = scratch + (t - 1u - t0) * S;
+                {{B_PREFETCH}}
+            }
             {{B_PHASE_A}}
             workgroupBarrier();
             for (var x = lid; x < DVP; x += NT) {

@@ -242,11 +242,12 @@ def test_ctrl_c_before_training_starts_says_so(where, files, tmp_path, monkeypat
     """Item 15: Ctrl-C in the backend choice or the data loading of `train` (tried in this process: the
     interrupt is raised where the signal would land)."""
     from ddl_wgpu import cli as cli_mod
+    from ddl_wgpu import cli_jobs  # train's command lives there (cli.py registers it)
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_mod, where, interrupted)
+    monkeypatch.setattr(cli_jobs, where, interrupted)
     out = tmp_path / "out"
     monkeypatch.setattr(sys, "argv", ["ddl-wgpu", "train", "--data", str(files / "corpus.txt"), "--out", str(out),
                                       "--backend", "ref", "--no-plots", "--seq-len", "16", "--batch-size", "2",

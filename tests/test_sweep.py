@@ -24,6 +24,7 @@ from helpers import SHAPES, tiny_cfg
 
 from ddl_ref.config import ModelVariant
 from ddl_wgpu import sweep as S
+from ddl_wgpu import sweep_ray as SR
 from ddl_wgpu import train as T
 from ddl_wgpu.container import open_checkpoint
 from ddl_wgpu.data import ByteTokenizer, load_datasets
@@ -227,11 +228,11 @@ def test_runner_options():
 
 def test_adapter_slots_are_held_until_released(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
-    a, fa = S._claim_slot()
-    b, fb = S._claim_slot()
+    a, fa = SR._claim_slot()
+    b, fb = SR._claim_slot()
     assert (a, b) == (0, 1)
     fa.close()
-    c, fc = S._claim_slot()
+    c, fc = SR._claim_slot()
     assert c == 0
     fb.close()
     fc.close()
@@ -250,7 +251,7 @@ def test_a_ray_task_writes_into_a_shared_out_else_returns_its_folder(corpus, tmp
     sequential(corpus, tmp_path / "seq", variants=("ddl",))
     sw = make_sweep(corpus, variants=("ddl",))
     events = Events()
-    res = S._ray_task(sw, sw.jobs()[0], str(tmp_path / "not-here"), [], {}, (0, False), events, Events())
+    res = SR._ray_task(sw, sw.jobs()[0], str(tmp_path / "not-here"), [], {}, (0, False), events, Events())
     assert res["status"] == "completed" and not (tmp_path / "not-here").exists()
     assert set(res["files"]) == {T.REPORT, T.CHECKPOINT}
     for rel, data in res["files"].items():
@@ -259,7 +260,7 @@ def test_a_ray_task_writes_into_a_shared_out_else_returns_its_folder(corpus, tmp
     assert_same_job(tmp_path / "seq" / "ddl", tmp_path / "got" / "ddl")
     assert [e["event"] for _, e in events][:2] == ["start", "eval"]
     sw.save(tmp_path / "shared")  # the driver's OUT/sweep.json, seen by the task: it writes there itself
-    res = S._ray_task(sw, sw.jobs()[0], str(tmp_path / "shared"), [], {}, (0, False), Events(), Events())
+    res = SR._ray_task(sw, sw.jobs()[0], str(tmp_path / "shared"), [], {}, (0, False), Events(), Events())
     assert "files" not in res
     assert_same_job(tmp_path / "seq" / "ddl", tmp_path / "shared" / "ddl")
 

@@ -11,6 +11,7 @@ on the same device."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import re
@@ -380,8 +381,8 @@ def test_report_has_the_seeds_fields(straight, data):
     ) in REPORT_FIELDS:  # a baseline model has no spectral telemetry (the reference trainer's default: None)
         if key.endswith("_spectral"):
             assert rep[key] is None
-    on_disk = T.json.loads((out / "report.json").read_text())
-    assert on_disk == T.json.loads(T.json.dumps(rep))
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk == json.loads(json.dumps(rep))
 
 
 def test_throughput_separates_the_steps_from_the_whole_run(straight):
@@ -513,9 +514,9 @@ def test_sweep_writes_the_comparison_report(data, tmp_path):
     assert comp["final_train_loss_ranking"] == ["baseline"] and comp["best_final_train_variant"] == "baseline"
     assert comp["final_validation_loss_ranking"] == ["baseline"]
     assert comp["best_final_validation_variant"] == "baseline"
-    on_disk = T.json.loads((tmp_path / "report.json").read_text())
-    assert on_disk == T.json.loads(T.json.dumps(comp))
-    assert on_disk["reports"][0] == T.json.loads((tmp_path / "baseline" / "report.json").read_text())
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk == json.loads(json.dumps(comp))
+    assert on_disk["reports"][0] == json.loads((tmp_path / "baseline" / "report.json").read_text())
     assert (tmp_path / "baseline" / "checkpoint.ddlw").is_file()
 
 
@@ -598,7 +599,7 @@ def test_checkpoint_artifact(straight, data):
     for key in ("params", "best", "m", "v"):
         assert sorted(ck[key]) == sorted(names), key
     assert any(np.abs(a).max() > 0 for a in ck["v"].values())  # real optimizer state
-    assert ck["report"] == T.json.loads(T.json.dumps(rep))
+    assert ck["report"] == json.loads(json.dumps(rep))
     assert ck["position"] == {
         "phase": {"start_step": 0, "training": TCFG.to_dict(), "previous_lr": None},
         "steps_completed": 6,
@@ -826,7 +827,7 @@ def test_sigkill_leaves_a_resumable_checkpoint(corpus, tmp_path):
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
-    resumed = T.json.loads((ckpt.parent / "report.json").read_text())
+    resumed = json.loads((ckpt.parent / "report.json").read_text())
     assert resumed["status"] == "completed" and resumed["steps_completed"] == 40
     r = subprocess.run(
         [*cli, "train", "--out", str(tmp_path / "whole"), *args],
@@ -836,7 +837,7 @@ def test_sigkill_leaves_a_resumable_checkpoint(corpus, tmp_path):
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
-    whole = T.json.loads((tmp_path / "whole" / "baseline" / "report.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "baseline" / "report.json").read_text())
     print(f"\nkilled after step {done}; resumed to 40")
     assert without_run_stats(resumed) == without_run_stats(whole)
 

@@ -104,13 +104,23 @@ def _templates(ti: int, tj: int, pi: int, pj: int) -> dict[str, str]:
     # -- forward
     t["F_INIT"] = nl.join(f"var s_{a}_{b} = f_ldinit(bh, {row[a]}, {col[b]});" for a, b in pairs)
     t["F_STORE"] = (nl + "    ").join(f"f_store(slot, {row[a]}, {col[b]}, s_{a}_{b});" for a, b in pairs)
-    t["F_LOAD_K"] = nl.join(
-        f"let k{a} = f_ldk(n, hk, {row[a]});{nl}let q{a} = f_ldq(n, hk, {row[a]});" for a in A
-    )
+    # the next token's inputs, loaded one token ahead into n* registers (index `nx`)
+    gb = "f_qk[f_p.gb_off + (nx * f_p.Hv + h) * 2u{}]"
+    loads = [(f"nk{a}", f"f_ldk(nx, hk, {row[a]})") for a in A] + [
+        (f"nq{a}", f"f_ldq(nx, hk, {row[a]})") for a in A
+    ]
+    loads += [(f"nv{b}", f"f_ldv(nx, h, {col[b]})") for b in Bs] + [
+        ("ng", gb.format("")),
+        ("nb", gb.format(" + 1u")),
+    ]
+    t["F_PREFETCH_DECL"] = nl.join(f"var {v} = {e};" for v, e in loads)
+    t["F_PREFETCH"] = (nl + "    ").join(f"{v} = {e};" for v, e in loads)
+    take = ["let at = exp(ng);", "let bt = nb;"] + [f"let k{a} = nk{a};{nl}let q{a} = nq{a};" for a in A]
+    t["F_TAKE"] = nl.join(take + [f"let v{b} = nv{b};" for b in Bs])
     t["F_PARTIAL_U"] = nl.join(
         f"red_c[ti * DVP + {loc[b]}] = {_sum([f's_{a}_{b} * k{a}' for a in A])};" for b in Bs
     )
-    upd = [f"let r{b} = f_ldv(n, h, {col[b]}) - at * vec_c[{loc[b]}];{nl}let e{b} = bt * r{b};" for b in Bs]
+    upd = [f"let r{b} = v{b} - at * vec_c[{loc[b]}];{nl}let e{b} = bt * r{b};" for b in Bs]
     upd += [
         f"if (ti == 0u && {col[b]} < c1) {{ f_r[(n * f_p.Hv + h) * f_p.Dv + {col[b]}] = r{b}; }}" for b in Bs
     ]
@@ -126,18 +136,34 @@ def _templates(ti: int, tj: int, pi: int, pj: int) -> dict[str, str]:
     t["B_SCRATCH_STORE"] = nl2.join(
         f"b_stscratch(scratch + (t - t0) * S, {row[a]}, {col[b]}, s_{a}_{b});" for a, b in pairs
     )
-    rec = [f"let k{a} = b_ldk(n, hk, {row[a]});" for a in A]
-    rec += [f"let e{b} = bt * b_ldcol(0u, n, h, {col[b]});" for b in Bs]
-    rec += [f"s_{a}_{b} = at * s_{a}_{b} + k{a} * e{b};" for a, b in pairs]
-    t["B_RECOMPUTE"] = nl2.join(rec)
-    step = [f"let p_{a}_{b} = b_ldscratch(scratch + (t - t0) * S, {row[a]}, {col[b]});" for a, b in pairs]
-    step += [f"let k{a} = b_ldk(n, hk, {row[a]});{nl2}let q{a} = b_ldq(n, hk, {row[a]});" for a in A]
-    step += [
-        f"let r{b} = b_ldcol(0u, n, h, {col[b]});{nl2}let o{b} = b_ldcol(1u, n, h, {col[b]});"
-        f"{nl2}let e{b} = bt * r{b};"
-        for b in Bs
+    bgb = "b_qk[b_p.gb_off + (nx * b_p.Hv + h) * 2u{}]"
+    gates = [("ng", bgb.format("")), ("nb", bgb.format(" + 1u"))]
+    # phase 1, the chunk's rebuild: k, r and the gates of the next token (r* registers)
+    rl = [(f"rk{a}", f"b_ldk(nx, hk, {row[a]})") for a in A] + [
+        (f"rr{b}", f"b_ldcol(0u, nx, h, {col[b]})") for b in Bs
     ]
-    t["B_LOAD_STEP"] = nl2.join(step)
+    rl += [("rg", bgb.format("")), ("rb", bgb.format(" + 1u"))]
+    t["B_R_PREFETCH_DECL"] = nl.join(f"var {v} = {e};" for v, e in rl)
+    t["B_R_PREFETCH"] = (nl2 + "    ").join(f"{v} = {e};" for v, e in rl)
+    t["B_R_TAKE"] = nl2.join(
+        ["let at = exp(rg);", "let bt = rb;"]
+        + [f"let k{a} = rk{a};" for a in A]
+        + [f"let e{b} = bt * rr{b};" for b in Bs]
+    )
+    t["B_RECOMPUTE"] = nl2.join(f"s_{a}_{b} = at * s_{a}_{b} + k{a} * e{b};" for a, b in pairs)
+    # phase 2, the walk backwards: the previous token's state (from the scratch), k, q, r, dO and gates
+    sl = [(f"np_{a}_{b}", f"b_ldscratch(ns, {row[a]}, {col[b]})") for a, b in pairs]
+    sl += [(f"nk{a}", f"b_ldk(nx, hk, {row[a]})") for a in A] + [
+        (f"nq{a}", f"b_ldq(nx, hk, {row[a]})") for a in A
+    ]
+    sl += [(f"nr{b}", f"b_ldcol(0u, nx, h, {col[b]})") for b in Bs]
+    sl += [(f"no{b}", f"b_ldcol(1u, nx, h, {col[b]})") for b in Bs] + gates
+    t["B_PREFETCH_DECL"] = nl.join(f"var {v} = {e};" for v, e in sl)
+    t["B_PREFETCH"] = (nl2 + "    ").join(f"{v} = {e};" for v, e in sl)
+    take = ["let at = exp(ng);", "let bt = nb;"] + [f"let p_{a}_{b} = np_{a}_{b};" for a, b in pairs]
+    take += [f"let k{a} = nk{a};{nl2}let q{a} = nq{a};" for a in A]
+    take += [f"let r{b} = nr{b};{nl2}let o{b} = no{b};{nl2}let e{b} = bt * r{b};" for b in Bs]
+    t["B_TAKE"] = nl2.join(take)
     # phase A: dS += q dO^T; column partials of dd = dS^T k; row partials of dq = S_t dO, S_t = a p + k e^T
     pa = [f"d_{a}_{b} = d_{a}_{b} + q{a} * o{b};" for a, b in pairs]
     pa += [f"red_c[ti * DVP + {loc[b]}] = {_sum([f'd_{a}_{b} * k{a}' for a in A])};" for b in Bs]
