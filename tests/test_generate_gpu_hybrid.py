@@ -3,7 +3,7 @@ Gated DeltaNet layers (their conv window and recurrent state in the cache) mixed
 partial RoPE, offset norms, pre-RoPE q/k norm. Logits equal a float64 full forward's at every position, fed
 in pieces (a prompt, single tokens, rows after a roll-back to a short pass's start and inside it, to a long
 pass's start, after a reset); the roll-backs the cache cannot serve are refused; greedy text equals the
-trunk's argmax chain (a full forward per token: the numpy engine does not decode hybrids yet) with and without
+trunk's argmax chain (a full forward per token) with and without
 speculation, rejections included; seeded speculative sampling repeats; the state after a partial acceptance
 is bit for bit a plain decode's; the Qwen3.5-form draft (gated, partial RoPE) proposes `accept`'s greedy
 stacked chain.
