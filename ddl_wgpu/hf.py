@@ -11,8 +11,8 @@ whole and renamed into place), and the file conveniences the CLI calls. The fami
 - `ddl_wgpu.hf_common`: the MTP draft's layouts and names, shared by both.
 
 Weights are bf16/f16/f32, in one `model.safetensors` or in shards listed by `model.safetensors.index.json`. Our
-parameter names are transformers' names for the text model (docs/model.md#parameters-names-and-the-one-table-
-ddl_refparamspy): the trunk's rename is the identity (a Qwen3.5 conditional-generation folder adds
+parameter names are transformers' names for the text model
+(docs/model.md#parameters-names-and-the-one-table-ddl_refparamspy): the trunk's rename is the identity (a Qwen3.5 conditional-generation folder adds
 `model.language_model.`), the draft's is `MTP_RENAMES`.
 
 On export, a Qwen3.5-family model (an imported one, or a hybrid made here) is written by `hf_qwen35`; a baseline
