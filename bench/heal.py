@@ -442,26 +442,18 @@ def parse(argv):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     q = args.quick
-    if args.shape and args.shape.startswith("qwen38"):
-        args.no_check = True  # the float64 reference of a 17-27 B model does not fit the host
-        cfg = shape_config(args.shape, args.seq or HEAL.window)
-        args.d_model, args.vocab, args.layers = cfg.d_model, cfg.vocab_size, cfg.n_layers
-        args.head_dim, args.heads, args.kv_heads, args.ffn = (
-            cfg.head_dim,
-            cfg.n_heads,
-            cfg.n_kv_heads,
+    if args.shape:  # the shape's sizes (the float64 reference of a 17-27 B model does not fit the host)
+        big = args.shape.startswith("qwen38")
+        args.no_check = args.no_check or big
+        q = args.quick = args.quick or not big
+        cfg = shape_config(args.shape, args.seq or (HEAL.window if big else 32))
+        args.d_model, args.vocab, args.layers, args.ffn = (
+            cfg.d_model,
+            cfg.vocab_size,
+            cfg.n_layers,
             cfg.ffn_hidden,
         )
-    elif args.shape == "quick-hybrid":
-        cfg = shape_config(args.shape, args.seq or 32)
-        args.d_model, args.vocab, args.layers = cfg.d_model, cfg.vocab_size, cfg.n_layers
-        args.head_dim, args.heads, args.kv_heads, args.ffn = (
-            cfg.head_dim,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.ffn_hidden,
-        )
-        q = args.quick = True
+        args.head_dim, args.heads, args.kv_heads = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     args.d_model = args.d_model or (64 if q else 2048)
     args.vocab = args.vocab or (512 if q else 151936)
     args.layers = args.layers or (2 if q else 4)

@@ -65,6 +65,17 @@ def tiny_cfg(shape: str = "default", variant: ModelVariant | str | None = None, 
     return ModelVariant(variant).resolve_config(cfg) if variant is not None else cfg
 
 
+def check_grads(got: dict, want: dict, label: str = "") -> None:
+    """Every gradient of `want` (the reference's, in table order) in `got` (the engine's, the same names), each
+    tensor scaled by its largest reference value so the model tolerance is relative to the tensor."""
+    from ddl_ref.check import check
+
+    assert list(got) == list(want)
+    for name, g in want.items():
+        scale = max(np.abs(g).max(), 1e-3)
+        check(f"{label}{name}", got[name] / scale, g / scale, "model")
+
+
 def random_model(cfg: ModelConfig, seed: int = 0, variant: ModelVariant | str = "baseline") -> Model:
     """A `Model` of `cfg` with random (not initial) float32 weights (`ddl_ref.check.random_params`)."""
     params = {k: v.astype(np.float32) for k, v in random_params(cfg, seed=seed).items()}

@@ -10,7 +10,7 @@ Shapes are off every tile: Dk 6 and Dv 5 (the delta rule pads both), Hv = 2·Hk,
 
 import numpy as np
 import pytest
-from helpers import tiny_cfg
+from helpers import check_grads, tiny_cfg
 
 from ddl_ref import model as rm
 from ddl_ref.check import check, random_params
@@ -42,10 +42,7 @@ def _step_against_reference(gpu, cfg, mtp_weight=None):
     check("loss", np.float64(res.loss), np.float64(loss), "model")
     check("logits", work.logits(ids), logits, "model")
     got = net.grads()
-    assert list(got) == list(grads)
-    for name, g in grads.items():
-        scale = max(np.abs(g).max(), 1e-3)
-        check(name, got[name] / scale, g / scale, "model")
+    check_grads(got, grads)
     return net, p, ids
 
 
