@@ -292,7 +292,7 @@ def test_conditional_generation_round_trip(tmp_path):
 def test_conditional_generation_changes_are_written_back(tmp_path):
     """A compressed and edited model: the config says so, the changed tensor is rounded to nearest even, the
     vision tower and the draft are what they were, and transformers computes the compressed model's loss."""
-    _, transformers = _torch()
+    torch, transformers = _torch()
     conditional_generation(tmp_path / "hf", seed=8)
     import_hf_to_file(tmp_path / "hf", tmp_path / "m.ddlw")
     compress_file(
@@ -314,8 +314,11 @@ def test_conditional_generation_changes_are_written_back(tmp_path):
     for n, v in before.items():
         if n.startswith(("model.visual.", "mtp.")):
             assert after[n][:2] == v[:2] and np.array_equal(after[n][2], v[2]), n
-    back = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
-    assert_close(hf_loss(back), our_loss(load_model(tmp_path / "c.ddlw"), "ref", tmp_path), 1e-4)
+    # computed in f32 (transformers would compute a bf16 folder in bf16); the weights are the export's bf16, so
+    # the reference is our loss on the exported folder, imported back
+    back = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    import_hf_to_file(tmp_path / "out", tmp_path / "back.ddlw")
+    assert_close(hf_loss(back.eval()), our_loss(load_model(tmp_path / "back.ddlw"), "ref", tmp_path), 1e-5)
 
 
 # ------------------------------------------------------------------------------------------- refusals
@@ -438,3 +441,45 @@ def test_kept_tensors_are_checked_before_export(tmp_path, cond_folder):
     with pytest.raises(CheckpointError, match="hash mismatch"):
         export_hf_from_file(tmp_path / "flip.ddlw", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_import_compress_heal_export(tmp_path):
+    """Issue 24's path on a Qwen3.5 conditional-generation folder with an `mtp.*` draft: import, compress (a
+    Gated DeltaNet block dropped), heal the draft on the compressed trunk, export. transformers loads the exported
+    trunk with the loss we compute on it; the draft comes back under the names, shapes and dtype it came with,
+    holding the healed values (rounded to bf16); the vision tower is the folder's, byte for byte."""
+    from ddl_wgpu.heal import HealConfig, heal
+
+    torch, transformers = _torch()
+    conditional_generation(tmp_path / "hf", seed=11)
+    import_hf_to_file(tmp_path / "hf", tmp_path / "m.ddlw")
+    compress_file(tmp_path / "m.ddlw", tmp_path / "c.ddlw", drop=[2])  # the last linear_attention block
+    tokens = np.random.default_rng(3).integers(0, V, 2400).astype(np.uint16)
+    np.save(tmp_path / "tokens.npy", tokens)
+    run = HealConfig(chain=2, refresh=0, tokens=2400, window=24, epochs=1.0, lr=1e-3, batch=4, eval_every=10,
+                     patience=0)  # fmt: skip
+    report = heal(tmp_path / "c.ddlw", str(tmp_path / "tokens.npy"), tmp_path / "h.ddlw", run, backend="ref")
+    assert report["steps"] > 0 and report["heldout_kl_best"] < report["heldout_kl_start"]
+    export_hf_from_file(tmp_path / "h.ddlw", tmp_path / "out")
+    before, after = _raw_tensors(tmp_path / "hf"), _raw_tensors(tmp_path / "out")
+    draft = sorted(n for n in before if n.startswith("mtp."))
+    assert sorted(n for n in after if n.startswith("mtp.")) == draft
+    healed = load_model(tmp_path / "h.ddlw")
+    changed = 0
+    for n in draft:
+        assert after[n][:2] == before[n][:2], n  # dtype and shape as the folder had them
+        changed += not np.array_equal(after[n][2], before[n][2])
+    assert changed > 0  # the healed block's tensors, not the original draft
+    q = "mtp.layers.0.self_attn.q_proj.weight"
+    want = f32_to_bf16(healed.params["model.mtp.layers.0.self_attn.q_proj.weight"]).view(np.uint8).reshape(-1)
+    assert np.array_equal(after[q][2], want)
+    for n, v in before.items():
+        if n.startswith("model.visual."):
+            assert after[n][:2] == v[:2] and np.array_equal(after[n][2], v[2]), n
+    text = json.loads((tmp_path / "out" / "config.json").read_text())["text_config"]
+    assert text["num_hidden_layers"] == 2 and text["layer_types"] == ["linear_attention", "full_attention"]
+    # computed in f32 (transformers would compute a bf16 folder in bf16); the weights are the export's bf16, so
+    # the reference is our loss on the exported folder, imported back
+    back = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    import_hf_to_file(tmp_path / "out", tmp_path / "back.ddlw")
+    assert_close(hf_loss(back.eval()), our_loss(load_model(tmp_path / "back.ddlw"), "ref", tmp_path), 1e-5)
