@@ -33,7 +33,9 @@ demo:
 	$(DDL) train $(DEMO_ARGS) --out runs/demo
 	@echo; echo "== the heal story: train --mtp, compress, accept (drops), heal, accept (recovers)"
 	scripts/heal_story.sh "$(DDL)" runs/demo/heal
-	@echo; echo "outputs: runs/demo/report.json (ranked sweep), runs/demo/*.png (plots), runs/demo/VARIANT/ (reports, checkpoints), runs/demo/heal/ (the heal story)"
+	@echo; echo "== the heal story on a hybrid (Qwen3.5-family) model: train --arch qwen3_5 --mtp, compress, accept (drops), heal, accept (recovers)"
+	scripts/heal_story_hybrid.sh "$(DDL)" runs/demo/heal-hybrid
+	@echo; echo "outputs: runs/demo/report.json (ranked sweep), runs/demo/*.png (plots), runs/demo/VARIANT/ (reports, checkpoints), runs/demo/heal/ (the heal story), runs/demo/heal-hybrid/ (on a hybrid)"
 
 test:
 	@EXTRAS=test,plot,hf scripts/bootstrap.sh
