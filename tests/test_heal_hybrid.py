@@ -129,8 +129,8 @@ def story(tmp_path_factory):
     data = np.frombuffer(text.encode(), np.uint8).astype(np.int64)
     work = net.work(8, 24)
     for step in range(1, 151):
-        starts = rng.integers(0, data.size - 24, 8)
-        work.step(np.stack([data[s : s + 24] for s in starts]), None, AdamW(lr=1e-2, step=step, weight_decay=0.0))
+        ids = np.stack([data[s : s + 24] for s in rng.integers(0, data.size - 24, 8)])
+        work.step(ids, None, AdamW(lr=1e-2, step=step, weight_decay=0.0))
     save_model(d / "trained.ddlw", Model(cfg, net.export()))
     compress.compress_file(d / "trained.ddlw", d / "compressed.ddlw", keep=0.5)
     return d / "trained.ddlw", d / "compressed.ddlw", d / "t.txt"
