@@ -18,6 +18,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -257,3 +258,41 @@ def table(headers: list[str], rows: list[list], title: str = "") -> str:
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     body = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells]
     return "\n".join(([title] if title else []) + [line, sep, *body])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# weights for shapes too large to initialise on the host
+
+
+class RandomWeights(Mapping):
+    """Parameters of `cfg` made on demand (a read-only mapping in table order): one random tensor per
+    (shape, init) kind, shared by every tensor of that kind, drawn as the table says (normal matrices, norm
+    weights, the Gated DeltaNet's A_log and dt_bias). For shapes whose `init_params` would not fit the host
+    (the Qwen3.8-27B trunk: 108 GB in float32): timing does not depend on the values, and the host holds one
+    layer's worth of arrays."""
+
+    def __init__(self, cfg, seed: int = 0):
+        import numpy as np
+
+        from ddl_ref.params import param_table
+
+        self.specs = {s.name: s for s in param_table(cfg)}
+        self.rng = np.random.default_rng(seed)
+        self.cache: dict = {}
+
+    def __iter__(self):
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def __getitem__(self, name):
+        import numpy as np
+
+        from ddl_ref.params import _draw
+
+        s = self.specs[name]
+        key = (s.shape, s.init)
+        if key not in self.cache:
+            self.cache[key] = _draw(s, self.rng, np.float32)
+        return self.cache[key]

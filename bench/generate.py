@@ -7,6 +7,7 @@ and without speculative decoding, against PyTorch eager on the same GPU running 
     python3 bench/generate.py --model m.ddlw --prompt-data stdlib   # ... prompted with real text
     python3 bench/generate.py --model m.ddlw --prompt-data stdlib --prompts 16   # ... and 16 short continuations
     python3 bench/generate.py --quick                 # d 64, vocab 512, 2 layers (lavapipe smoke test)
+    python3 bench/generate.py --shapes small-hybrid,qwen38-27b,qwen38-27b-4l --fla-path /tmp/fla   # hybrids
 
 Shapes: `small` (the DDL paper's small model: d 768, 12 layers, 6 x 128 heads, vocab 50304, f32) and `qwen`
 (Qwen3-1.7B-like: d 2048, 28 layers, 16 x 128 heads over 8 kv heads, ffn 6144, vocab 151936, tied, pre-RoPE
@@ -25,6 +26,15 @@ What is timed (wall clock, `time.perf_counter`, every call ends with a read-back
   (`torch_prefill`/`torch_step` below: one forward of the prompt, then one token per step, argmax on the
   GPU, `.item()` per token); CUDA-synchronised wall clock. PyTorch here implements the baseline and DDL
   d_v = 1 trunks (bench/torch_model.py), no draft: its row is plain decoding.
+
+Hybrid (Qwen3.5-family) shapes: `small-hybrid` (`small` built as `qwen3_5`, f32), `qwen38-27b` (the Qwen3.8-27B
+trunk, 64 layers, f16 weights, with its gated full-attention draft; random weights from `common.RandomWeights`:
+its float32 init does not fit the host) and `qwen38-27b-4l` (the same shape cut to 4 layers, 3 Gated DeltaNet
++ 1 gated attention). Their peer is transformers' own `Qwen3_5ForCausalLM` with the same weights (bf16 for an
+f16 shape, fp32 otherwise) and its cache, a greedy loop of one token per forward; with `--fla-path` it imports
+flash-linear-attention's kernels from that folder, else transformers' PyTorch fallback ("fla" / "eager" in the
+JSON). The peer runs only where its weights fit beside ours: not at the 64-layer shape (`--hf-max-layers`). The
+weight-read bound of a decoded token (every f16 weight read once, at 4.3 TB/s) is in the JSON and the table.
 
 A model whose context (max_seq_len) is shorter than --prompt + --new (the demo's models: 128) is measured at
 fewer tokens, at most half its context new and the rest prompt (`fit_context`): the run prints the counts and
@@ -74,6 +84,10 @@ SHAPES = {
         ),  # fmt: skip
         "f16",
     ),
+    "small-hybrid": (lambda: _hybrid("small-hybrid"), "f32"),
+    "qwen38-27b": (lambda: _hybrid("qwen38-27b"), "f16"),
+    "qwen38-27b-4l": (lambda: _hybrid("qwen38-27b-4l"), "f16"),
+    "quick-hybrid": (lambda: _hybrid("quick-hybrid"), "f32"),
     "quick": (
         lambda: ModelConfig(
             vocab_size=512,
@@ -89,6 +103,100 @@ SHAPES = {
         "f32",
     ),
 }
+
+
+def _hybrid(shape: str) -> ModelConfig:
+    """The hybrid shapes (module docstring), each with its Qwen3.5 draft (post-norm hiddens)."""
+    from hybrid import qwen38_27b
+
+    from ddl_ref.config import apply_arch, qwen35_layer_types
+
+    draft = MtpConfig(trunk_hidden="post_norm", chain_hidden="post_norm")
+    if shape in ("small-hybrid", "quick-hybrid"):
+        base = (
+            preset("small")
+            if shape == "small-hybrid"
+            else preset("tiny", n_layers=4, vocab_size=512, max_seq_len=256)
+        )
+        return dataclasses.replace(
+            apply_arch(base, "qwen3_5"), mtp=draft, tie_embeddings=shape == "small-hybrid"
+        )
+    n = 64 if shape == "qwen38-27b" else 4
+    cfg = dataclasses.replace(qwen38_27b(n, 4096), mtp=draft)
+    return dataclasses.replace(cfg, layer_types=qwen35_layer_types(n))
+
+
+def weight_bound_ms(model: Model, dtype: str) -> float:
+    """ms to read every weight a decoded token reads once (the trunk's matrices in the net's dtype, the head,
+    one embedding row) at the H200's measured 4.3 TB/s: decode's memory bound at batch 1."""
+    from ddl_wgpu.layout import is_f16_matrix
+
+    total = 0
+    for name, spec in _specs(model.cfg):
+        if (
+            name.startswith("model.mtp.")
+            or name == "model.embed_tokens.weight"
+            and not model.cfg.tie_embeddings
+        ):
+            continue
+        itemsize = 2 if dtype == "f16" and is_f16_matrix(name, spec.shape) else 4
+        total += spec.numel * itemsize
+    return total / (common.H200_HBM_GBS * 1e6)
+
+
+def _specs(cfg):
+    from ddl_ref.params import param_table
+
+    return [(s.name, s) for s in param_table(cfg)]
+
+
+def bench_hf(
+    torch, dev, model: Model, prompt, new: int, dtype: str, repeats: int, fla_path: str | None
+) -> dict:
+    """transformers' Qwen3_5ForCausalLM with the same weights, greedy with its cache (module docstring)."""
+    if fla_path and fla_path not in sys.path:
+        sys.path.insert(0, fla_path)
+    from hybrid import hf_config
+    from transformers import Qwen3_5ForCausalLM
+
+    cfg = dataclasses.replace(model.cfg, mtp=None)
+    tdt = torch.bfloat16 if dtype == "f16" else torch.float32
+    with torch.device(dev):
+        hm = Qwen3_5ForCausalLM(hf_config(cfg)).to(tdt)
+    sd = hm.state_dict()
+    with torch.no_grad():
+        for name, t in sd.items():
+            if name in model.params:
+                t.copy_(torch.as_tensor(np.asarray(model.params[name])).reshape(t.shape).to(tdt))
+    kernels = "fla" if any(m == "fla" or m.startswith("fla.") for m in sys.modules) else "eager"
+    ids = torch.tensor(np.asarray(prompt)[None], device=dev)
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    def gen():
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            o = hm(input_ids=ids, use_cache=True)
+            tok = o.logits[:, -1].argmax(-1, keepdim=True)
+            cache, out = o.past_key_values, [int(tok.item())]
+            t1 = time.perf_counter()
+            while len(out) < new:
+                o = hm(input_ids=tok, past_key_values=cache, use_cache=True)
+                tok = o.logits[:, -1].argmax(-1, keepdim=True)
+                cache = o.past_key_values
+                out.append(int(tok.item()))
+            sync()
+            return out, t1 - t0, time.perf_counter() - t1
+
+    gen()
+    runs = [gen() for _ in range(repeats)]
+    pre, dec = statistics.median(r[1] for r in runs), statistics.median(r[2] for r in runs)
+    hm.to("cpu")  # the next shape's runs get the GPU's memory
+    common.torch_free(torch, dev)
+    return {"tokens": runs[0][0], "prefill_tokens_per_s": len(prompt) / pre, "decode_tokens_per_s": (new - 1) / dec,
+            "kernels": kernels, "dtype": str(tdt)}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -305,7 +413,9 @@ def fit_context(prompt: int, new: int, context: int, name: str) -> tuple[int, in
 def synthetic(shape: str, seed: int) -> tuple[Model, str]:
     make, dtype = SHAPES[shape]
     cfg = make()
-    return Model(cfg=cfg, params=init_params(cfg, seed), variant="baseline"), dtype
+    big = shape.startswith("qwen38")  # its float32 init would not fit the host
+    params = common.RandomWeights(cfg, seed) if big else init_params(cfg, seed)
+    return Model(cfg=cfg, params=params, variant="baseline"), dtype
 
 
 def main(argv=None) -> int:
@@ -329,10 +439,17 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--torch", default="auto", choices=("auto", "cuda", "cpu", "none"))
     ap.add_argument("--quick", action="store_true", help="a tiny shape, few tokens (lavapipe smoke test)")
+    ap.add_argument(
+        "--fla-path", default=None, help="a folder holding flash-linear-attention for the hybrid peer"
+    )
+    ap.add_argument(
+        "--hf-max-layers", type=int, default=16, help="the hybrid peer runs up to this many layers"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.quick:
-        args.shapes, args.prompt, args.new, args.repeats = "quick", 16, 12, 1
+        args.shapes = "quick" if args.shapes == "small,qwen" else args.shapes
+        args.prompt, args.new, args.repeats = 16, 12, 1
     gpu = common.open_gpu(args.device)
     torch, dev = common.torch_setup(args.torch)
     print(common.adapter_line(gpu))
@@ -367,7 +484,7 @@ def main(argv=None) -> int:
                 entry["wgpu_prompts"] = bench_prompts(gpu, model, many, short, args.depth, dtype)
                 entry["wgpu_prompts"]["new"] = short
                 failed |= not entry["wgpu_prompts"]["same_tokens"]
-            if args.quick:
+            if args.quick and not model.cfg.has_linear:  # the numpy engine decodes hybrids once ddl_ref can
                 ref = run(RefEngine(model), _Quiet(), prompt, model.cfg.max_seq_len, n_new)["token_ids"]
                 entry["check_numpy_equal"] = ref == ours["plain"]["tokens"]
                 failed |= not entry["check_numpy_equal"]
@@ -377,9 +494,20 @@ def main(argv=None) -> int:
             failed = True
             ours = None
         peer = None
-        if torch is not None:
+        entry["weight_bound_ms_per_token"] = weight_bound_ms(model, dtype)
+        if ours is not None:
+            entry["decode_vs_weight_bound"] = (
+                1e3 / ours["plain"]["decode_tokens_per_s"] / entry["weight_bound_ms_per_token"]
+            )
+        hybrid = model.cfg.layer_types is not None
+        if torch is not None and hybrid and model.cfg.n_layers > args.hf_max_layers:
+            entry["torch"] = {"skipped": f"{model.cfg.n_layers} layers: its weights do not fit beside ours"}
+        elif torch is not None:
             try:
-                peer = bench_torch(torch, dev, model, prompt, n_new, dtype, args.repeats)
+                if hybrid:
+                    peer = bench_hf(torch, dev, model, prompt, n_new, dtype, args.repeats, args.fla_path)
+                else:
+                    peer = bench_torch(torch, dev, model, prompt, n_new, dtype, args.repeats)
                 if ours is not None:
                     peer["tokens_agree"] = float(
                         np.mean(np.array(peer["tokens"]) == np.array(ours["plain"]["tokens"]))
@@ -387,7 +515,7 @@ def main(argv=None) -> int:
                 entry["torch"] = {**peer, **common.torch_info(torch, dev)}
             except Exception as e:
                 entry["torch"] = {"error": f"{e.__class__.__name__}: {e}"}
-        else:
+        elif "torch" not in entry:
             entry["torch"] = {"skipped": dev}
         results.append(entry)
         if ours is not None:
@@ -397,16 +525,18 @@ def main(argv=None) -> int:
                          common.fmt(sp["decode_tokens_per_s"], ".1f"), common.fmt(sp.get("mean_accepted"), ".2f"),
                          " ".join(f"{a:.2f}" for a in sp.get("acceptance_per_depth", [])),
                          common.fmt(peer and peer.get("prefill_tokens_per_s"), ".0f"),
-                         common.fmt(peer and peer.get("decode_tokens_per_s"), ".1f")])  # fmt: skip
+                         common.fmt(peer and peer.get("decode_tokens_per_s"), ".1f"),
+                         common.fmt(entry.get("decode_vs_weight_bound"), ".2f")])  # fmt: skip
             many = entry.get("wgpu_prompts")
             if many:
                 sp = many["speculative"]
                 rows.append([f"{name}, {many['prompts']} prompts x {many['new']} new", dtype, "-",
                              common.fmt(many["plain"]["decode_tokens_per_s"], ".1f"),
                              common.fmt(sp["decode_tokens_per_s"], ".1f"), common.fmt(sp["mean_accepted"], ".2f"),
-                             " ".join(f"{a:.2f}" for a in sp["acceptance_per_depth"]), "-", "-"])  # fmt: skip
+                             " ".join(f"{a:.2f}" for a in sp["acceptance_per_depth"]), "-", "-", "-"])  # fmt: skip
     print(common.table(["shape", "dtype", "prefill tok/s", "decode tok/s", f"spec K={args.depth} tok/s",
-                        "accepted/round", "acceptance per depth", "torch prefill", "torch decode"], rows,
+                        "accepted/round", "acceptance per depth", "torch prefill", "torch decode",
+                        "ms/token vs weight bound"], rows,
                        f"batch 1, prompt {args.prompt}, {args.new} new tokens (fewer where a model's context "
                        "is shorter: the JSON's prompt and new), greedy"))  # fmt: skip
     common.write_json(common.json_path(args.json, "generate.json"),

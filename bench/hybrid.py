@@ -43,7 +43,7 @@ import common  # noqa: E402  (puts the repository root on sys.path)
 import numpy as np  # noqa: E402
 
 from ddl_ref.config import ModelConfig, apply_arch, preset, qwen35_layer_types  # noqa: E402
-from ddl_ref.params import init_params, num_params, param_table  # noqa: E402
+from ddl_ref.params import init_params, num_params  # noqa: E402
 
 LOSS_TOL = 1e-3
 
@@ -102,7 +102,7 @@ def bench_engine_train(gpu, cfg, params, ids, steps: int, warmup: int) -> dict:
 
 def profile_step(gpu, net, work, hyper) -> dict:
     """GPU ms of one training step per (phase, shader family): every dispatch timed alone."""
-    from ddl_wgpu.gpu import ProfileRecorder
+    from profiler import ProfileRecorder
 
     rec = ProfileRecorder(gpu)
     for phase, call in (("zero", net.zero_grads_call()), ("forward", work._fwd), ("head+loss", work._head_train),
@@ -247,29 +247,6 @@ def bench_train(gpu, args) -> dict:
 # forward27b
 
 
-class RandomWeights(dict):
-    """Parameters of `cfg` made on demand: one random tensor per (shape, init) kind, shared by every tensor of
-    that kind (norm weights and the Gated DeltaNet's A_log, dt_bias drawn as the table says)."""
-
-    def __init__(self, cfg, seed: int = 0):
-        super().__init__()
-        self.specs = {s.name: s for s in param_table(cfg)}
-        self.rng = np.random.default_rng(seed)
-        self.cache: dict = {}
-
-    def __contains__(self, name) -> bool:
-        return name in self.specs
-
-    def __getitem__(self, name):
-        s = self.specs[name]
-        key = (s.shape, s.init)
-        if key not in self.cache:
-            from ddl_ref.params import _draw
-
-            self.cache[key] = _draw(s, self.rng, np.float32)
-        return self.cache[key]
-
-
 def nvidia_smi_used_mib() -> float | None:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
@@ -279,24 +256,13 @@ def nvidia_smi_used_mib() -> float | None:
         return None
 
 
-def bench_forward27b(gpu, args) -> dict:
-    from ddl_wgpu.gpu import ProfileRecorder
-    from ddl_wgpu.inference import InferenceWork
-    from ddl_wgpu.net import Net
+def forward_profile(gpu, net, B: int, T: int, repeats: int = 1, smi0: float | None = None) -> dict:
+    """The forward of B x T tokens with the evaluation loss on an inference `net` (its layers share one
+    activation set): GPU ms from timestamps (best of `repeats`), tokens/s, memory, and the GPU time per layer
+    type (every dispatch timed alone)."""
+    from profiler import ProfileRecorder
 
-    B, T = (2, 32) if args.quick else (16, 1024)
-    cfg = (
-        apply_arch(preset("tiny", n_layers=4, tie_embeddings=False), "qwen3_5")
-        if args.quick
-        else qwen38_27b(seq=T)
-    )
-    out = {"params": num_params(cfg), "batch": B, "seq": T, "n_layers": cfg.n_layers}
-    print(f"forward27b: {out['params'] / 1e9:.2f}B parameters, {B} x {T}", flush=True)
-    smi0 = nvidia_smi_used_mib()
-    t0 = time.perf_counter()
-    net = Net(gpu, cfg, RandomWeights(cfg), inference=True, dtype="f16", work_class=InferenceWork)
-    out["load_s"] = time.perf_counter() - t0
-    out["weights_gib"] = sum(s.nbytes for s in net.slots.values()) / 2**30
+    cfg, out = net.cfg, {}
     t0 = time.perf_counter()
     work = net.work(B, T)
     out["build_s"] = time.perf_counter() - t0
@@ -305,7 +271,7 @@ def bench_forward27b(gpu, args) -> dict:
     out["loss"] = total / count
     rec_calls = [work._fwd, work._head_eval, work._sum]
     times = []
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         rec = gpu.recorder(timestamps=True)
         for c in rec_calls:
             c.record(rec)
@@ -343,7 +309,29 @@ def bench_forward27b(gpu, args) -> dict:
     out["profile_ms_by_type_and_shader"] = dict(sorted(fam.items(), key=lambda kv: -kv[1]))
     n_type = {t: sum(1 for i in range(cfg.n_layers) if cfg.layer_type(i) == t) for t in set(cfg.layer_types)}
     out["ms_per_layer"] = {t: per.get(t, 0.0) / n for t, n in n_type.items()}
-    del work, net
+    del work
+    return out
+
+
+def bench_forward27b(gpu, args) -> dict:
+    from ddl_wgpu.inference import InferenceWork
+    from ddl_wgpu.net import Net
+
+    B, T = (2, 32) if args.quick else (16, 1024)
+    cfg = (
+        apply_arch(preset("tiny", n_layers=4, tie_embeddings=False), "qwen3_5")
+        if args.quick
+        else qwen38_27b(seq=T)
+    )
+    out = {"params": num_params(cfg), "batch": B, "seq": T, "n_layers": cfg.n_layers}
+    print(f"forward27b: {out['params'] / 1e9:.2f}B parameters, {B} x {T}", flush=True)
+    smi0 = nvidia_smi_used_mib()
+    t0 = time.perf_counter()
+    net = Net(gpu, cfg, common.RandomWeights(cfg), inference=True, dtype="f16", work_class=InferenceWork)
+    out["load_s"] = time.perf_counter() - t0
+    out["weights_gib"] = sum(s.nbytes for s in net.slots.values()) / 2**30
+    out.update(forward_profile(gpu, net, B, T, args.repeats, smi0))
+    del net
     return out
 
 
@@ -360,7 +348,7 @@ def bench_kernel(gpu, args) -> dict:
     out = {}
     rng = np.random.default_rng(0)
     for name, (B, T, Hk, Hv, Dk, Dv) in shapes.items():
-        N, tc = B * T, min(T, 64)
+        N, tc = B * T, kg.chunk_tokens(gpu, B, Hv, Dk, Dv, T)
         k_off, gb_off = kg.qkgb_offsets(N, Hk, Dk)
         qkgb = np.zeros(kg.qkgb_floats(N, Hk, Hv, Dk), np.float32)
         q = rng.standard_normal((N, Hk, Dk)).astype(np.float32)
@@ -389,7 +377,8 @@ def bench_kernel(gpu, args) -> dict:
         f_bytes = 4 * (qkgb.size + 3 * N * Hv * Dv + B * Hv * nck * Dk * Dv)
         b_bytes = 4 * (qkgb.size + 2 * N * Hv * Dv + B * Hv * nck * Dk * Dv + 2 * el + kg.qk_floats(N, Hv, Dk)
                        + 3 * N * Hv * Dv)  # fmt: skip
-        row = {"shape": [B, T, Hk, Hv, Dk, Dv], "tc": tc, "forward_ms": tf, "backward_ms": tb}
+        row = {"shape": [B, T, Hk, Hv, Dk, Dv], "tc": tc, "tile": kg.tile(gpu, Dk, Dv),
+               "forward_ms": tf, "backward_ms": tb}  # fmt: skip
         for part, ms, flop, nbytes in (("forward", tf, 6 * el, f_bytes), ("backward", tb, 18 * el, b_bytes)):
             flop_ms = flop / (common.H200_FP32_TFLOPS * 1e9)
             byte_ms = nbytes / (common.H200_HBM_GBS * 1e6)

@@ -17,6 +17,7 @@ PyTorch's tap convention (tap m multiplies the input at t − (k−1−m); zeros
 State for decoding: `gdn_forward(..., state=GdnState(conv, delta))` continues a sequence: `conv` holds the last
 k−1 inputs of the conv (B, k−1, Ch), `delta` the recurrent state (B, Hv, Dk, Dv); the cache's `"state"` is the
 state after the last token, so two halves run with the state passed give the whole sequence's outputs.
+`state_after(cache, t)` replays a pass's cache to the state after its first t tokens (a decoder's roll-back).
 
 Memory: the backward of the recurrence needs every per-step state S_t. They are not all kept: the forward keeps
 one every `checkpoint` tokens and the backward recomputes the states of one segment at a time from its first
@@ -184,6 +185,22 @@ def gated_delta_forward(q, k, v, g, beta, state=None, checkpoint=64):
     return o, S, cache
 
 
+def state_after(cache, t: int):
+    """The state (B, Hv, Dk, Dv) after the first t tokens (0..T) of the `gated_delta_forward` pass whose cache
+    this is: from the kept state before token t − (t mod checkpoint), the same steps on the same stored inputs,
+    so bit for bit the state the pass itself held after token t − 1 (t = 0: the state it started from).
+    What a decoder's roll-back inside a pass reads (`ddl_ref.decode`); at most checkpoint − 1 steps."""
+    qe, ke, v, a, beta, kept, cp = (cache[n] for n in ("qe", "ke", "v", "a", "beta", "kept", "checkpoint"))
+    T = v.shape[1]
+    if not (kept and 0 <= t <= T):
+        raise ValueError(f"a state after {t} tokens of a {T}-token pass does not exist")
+    j = min(t // cp, len(kept) - 1)
+    S = kept[j]
+    for s in range(j * cp, t):
+        S = _step(S, qe[:, s], ke[:, s], v[:, s], a[:, s], beta[:, s])[3]
+    return S
+
+
 def gated_delta_backward(do, cache, dstate=None):
     """do (B, T, Hv, Dv), dstate (B, Hv, Dk, Dv) the gradient of the final state (None: zero)
     -> (dq, dk (B, T, Hk, Dk), dv (B, T, Hv, Dv), dg, dbeta (B, T, Hv), dstate0 (B, Hv, Dk, Dv)).
@@ -297,7 +314,8 @@ def gated_rmsnorm_backward(dout, cache):
 # the whole mixer
 
 
-def _names(p: str) -> dict[str, str]:
+def param_names(p: str) -> dict[str, str]:
+    """The tensor names of block prefix p's Gated DeltaNet, by role."""
     q = p + "linear_attn."
     return {
         "qkv": q + "in_proj_qkv.weight",
@@ -317,7 +335,7 @@ def gdn_forward(params, cfg: ModelConfig, p: str, h, state: GdnState | None = No
     -> (out (B, T, C), cache); cache["state"] is the `GdnState` after the last token."""
     B, T, C = h.shape
     Hk, Hv, Dk, Dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
-    n = _names(p)
+    n = param_names(p)
     qkv = ops.linear_forward(h, params[n["qkv"]])  # (B, T, Ch)
     z = ops.linear_forward(h, params[n["z"]]).reshape(B, T, Hv, Dv)
     braw = ops.linear_forward(h, params[n["b"]])  # (B, T, Hv)
@@ -345,7 +363,7 @@ def gdn_backward(params, cfg: ModelConfig, p: str, dout, cache, grads):
     gradients go into `grads` by name."""
     B, T, _ = dout.shape
     Hv, Dv = cfg.linear_v_heads, cfg.linear_v_dim
-    n = _names(p)
+    n = param_names(p)
     h = cache["h"]
     dy, grads[n["out"]] = ops.linear_backward(dout, cache["y"], params[n["out"]])
     do, dz, grads[n["norm"]] = gated_rmsnorm_backward(dy.reshape(B, T, Hv, Dv), cache["gn"])

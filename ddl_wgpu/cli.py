@@ -256,13 +256,14 @@ def eval_(
 @app.command("import-hf")
 def import_hf(
     folder: Path = typer.Argument(
-        ..., help="Hugging Face folder: config.json + *.safetensors (+ tokenizer.json)."
+        ...,
+        help="Hugging Face folder: config.json + *.safetensors (+ tokenizer.json and the small json files).",
     ),
     out: Path = typer.Argument(..., help="Model file to write (.ddlw)."),
     force: ForceOpt = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
-    """Import a Qwen3 or Llama checkpoint folder into our container."""
+    """Import a Qwen3, Llama or Qwen3.5 (CausalLM or ConditionalGeneration) folder into our container."""
     output_file(out, force, flag="")
     summary = import_hf_to_file(folder, out)
     emit(summary, as_json, summary_text(summary) + f"\nwrote {out}")
@@ -281,7 +282,8 @@ def export_hf(
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
-    """Export a model as a Hugging Face folder (Qwen3/Llama for baseline models, raw tensors for DDL)."""
+    """Export a model as a Hugging Face folder (Qwen3/Llama for baseline models, Qwen3.5 in the layout it came
+    from for hybrid trunks, raw tensors for DDL)."""
     summary = export_hf_from_file(model, folder, raw=raw, overwrite=force, verify=not no_verify)
     emit(summary, as_json, summary_text(summary) + f"\nwrote {folder}")
 

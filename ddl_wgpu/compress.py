@@ -87,15 +87,19 @@ def drop_layers(model: Model, layers: Iterable[int]) -> Model:
     if not keep:
         raise CompressError(f"compress: dropping {drop} would leave no block")
     new_cfg = select_layers(cfg, keep)  # a hybrid's kept blocks keep their layer types
-    params = {}
+    params, dtypes = {}, {}
     for spec in param_table(new_cfg):
         m = _BLOCK.match(spec.name)
         old = f"model.layers.{keep[int(m.group(1))]}.{m.group(2)}" if m else spec.name
         params[spec.name] = np.array(model.params[old], copy=True)
         assert params[spec.name].shape == spec.shape, spec.name
+        if old in model.dtypes:  # a block's storage dtype moves with it
+            dtypes[spec.name] = model.dtypes[old]
     rec = {"method": "drop_layers", "dropped": drop, "n_layers_before": cfg.n_layers,
            "n_layers_after": len(keep), "kept_layers": keep}  # fmt: skip
-    return dataclasses.replace(model, cfg=new_cfg, params=params, provenance=_record(model, rec))
+    return dataclasses.replace(
+        model, cfg=new_cfg, params=params, dtypes=dtypes, provenance=_record(model, rec)
+    )
 
 
 def ffn_importance(params: dict, prefix: str) -> np.ndarray:
@@ -142,8 +146,10 @@ def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,
                   keep: float | None = None, verify: bool = True) -> dict:  # fmt: skip
     """The `compress MODEL --out OUT (--drop-layers LIST | --ffn-keep F)` entry point -> provenance.compress.
 
-    Exactly one of `drop` (a list or '1,3-5') and `keep` must be given. The output keeps the source's storage
-    dtype (that of the embedding) and is written atomically. Refused before any work: an output that is the
+    Exactly one of `drop` (a list or '1,3-5') and `keep` must be given. Each tensor of the output keeps its
+    storage dtype in the source (a moved block its own), the tensors outside the parameter table (an imported
+    folder's vision tower and files, `modelfile.EXTRA_PREFIXES`) are carried byte for byte, and the output is
+    written atomically. Refused before any work: an output that is the
     input, and a model that does not fit in memory; `verify=False` skips the tensor hash check."""
     if (drop is None) == (keep is None):
         raise CompressError(
@@ -152,7 +158,6 @@ def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,
         )
     refuse_overwrite_input(out_path, [model_path], CompressError)
     with open_checkpoint(model_path, verify=verify) as ck:
-        dtype = ck.info("model.embed_tokens.weight").dtype if "model.embed_tokens.weight" in ck else "f32"
         cfg = load_config(ck, model_path)
     layers = None
     if drop is not None:  # checked against the model before its tensors are read
@@ -162,10 +167,11 @@ def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,
     check_fits(
         dataclasses.replace(cfg, n_layers=2 * cfg.n_layers, layer_types=lt), False, f"compress: {model_path}"
     )
-    model = load_model(model_path, verify=verify)
+    model = load_model(model_path, verify=verify, extra=True)
     if layers is not None:
         out = drop_layers(model, layers)
     else:
         out = ffn_keep(model, float(keep))
-    save_model(Path(out_path), out, dtype=dtype if dtype in ("f32", "f16", "bf16") else "f32")
+    storable = {n: d if d in ("f32", "f16", "bf16") else "f32" for n, d in out.dtypes.items()}  # f64 -> f32
+    save_model(Path(out_path), out, dtype=storable)
     return out.provenance["compress"]

@@ -2,20 +2,37 @@
 
 The model lives in one inference-only `Net` (f32, or f16 big matrices), trunk and MTP draft together, so the
 draft shares the trunk's embedding and head. `GpuCache` holds what `ddl_ref.decode.TrunkCache` holds, by
-position, on the GPU: per layer the keys (after RoPE and q/k norm) and values; TC's compressor inputs (two
-sites per block and the readout); EC's embeddings; and, with a draft, the trunk hidden row the draft reads
-(`MtpConfig.trunk_hidden`). The draft has its own key/value cache, in run order (slot = RoPE position:
-step-1 rows of anchors 0..p, then a round's chain rows, which are rolled back).
+position, on the GPU: per full-attention layer the keys (after RoPE and q/k norm) and values; TC's compressor
+inputs (two sites per block and the readout); EC's embeddings; and, with a draft, the trunk hidden row the
+draft reads (`MtpConfig.trunk_hidden`). The draft (a full-attention block, gated with partial RoPE on a
+Qwen3.5 trunk) has its own key/value cache, in run order (slot = RoPE position: step-1 rows of anchors 0..p,
+then a round's chain rows, which are rolled back).
+
+A Gated DeltaNet layer (hybrid trunks) is not cached by position but by its running state (`GdnCache`): the
+conv window (the in_proj_qkv rows of the k−1 positions before the next pass) and the recurrent state
+(Hv, Dk, Dv). A pass of n rows runs the mixer from them (the conv's `hist` is the window, the rule's
+`state_in` the state) and leaves the state and window after its last row. So that a speculative verify can
+be rolled back to its last accepted row, the pass also keeps, per layer: the state before every row and after
+the last (the rule with tc = 1 writes them, n + 1 slots per value head) and [the window before the pass; the
+pass's rows]. `rollback(length)` to a position inside the last pass copies the slot of that row into the state
+and rows length − start .. + k − 2 of the kept rows into the window (`take_rows`, the row from the positions
+table through the `slot` buffer: no download, one submit). A pass longer than `keep` rows (a prompt; keep =
+depth + 1, at least k − 1) keeps its start and end only (tc = n: a long prompt's every state would not fit);
+a roll-back further back than the last pass, or into a long one, is refused with one line; to 0 resets.
+Everything per layer lives in the cache, not in the layer's activations, which the layers of a forward-only
+net share (`Blocks.shares_acts`).
 
 A pass of n new rows is a `TrunkRows` (an `inference.InferenceWork` of one sequence of n rows) or a
-`DraftRows` (`blocks.Blocks` running the draft block), built once per n and cached. They override the ops
-that see other positions: RoPE at positions start + r (`ops.decode.rope_at`), attention (keys and values
-stored into the cache, then the rows attend over it: `attend_cache`; a prefill from position 0 uses the
-training flash kernel), the TC compressor and the EC expansion (`tc_cache`/`ec_cache` from their history
-caches), and for passes of at most `ops.gemv.GEMV_MAX_ROWS` rows the linear layers and the head as
-matrix-vector products (`ops.gemv`, f32 or f16 weights). Everything else is the training engine's
-kernels (GEMMs for longer passes such as a prefill, norms, Delta updates, SwiGLU). The start position reaches the kernels through a 4-byte `meta` buffer, set
-inside the command stream by a copy from a table of positions, so every Call is built once.
+`DraftRows` (`blocks.Blocks` running the draft block), built once per n and cached. They override the ops that
+see other positions: RoPE at positions start + r on the first `rope_dim` dims (`ops.decode.rope_at`),
+attention (keys and values stored into the cache, then the rows attend over it: `attend_cache`; a prefill from
+position 0 uses the training flash kernel), the TC compressor and the EC expansion (`tc_cache`/`ec_cache` from
+their history caches), the Gated DeltaNet's conv and rule (above), and for passes of at most
+`ops.gemv.GEMV_MAX_ROWS` rows the linear layers (the gated q_proj's [query; gate] and the Gated DeltaNet's
+four projections included) and the head as matrix-vector products (`ops.gemv`, f32 or f16 weights). Everything
+else is the training engine's kernels (GEMMs for longer passes such as a prefill, norms, the output gate,
+Delta updates, SwiGLU). The start position reaches the kernels through a 4-byte `meta` buffer, set inside the
+command stream by a copy from a table of positions, so every Call is built once.
 
 Read-back: with head "argmax" only the chosen ids (the `topk` kernel with k = 1, ties to the lower id);
 a whole greedy draft chain (catch-up rows, then chain steps whose token and hidden row are copied on the GPU
@@ -23,10 +40,14 @@ from the step before) is one submit that reads back the K drafted ids. Sampling 
 k ids and probabilities per row (head "top<k>"), turned into the same distribution on the host; sampling
 over the whole vocabulary (head "logits"): the logits rows.
 
-Verified (tests/test_generate_gpu.py, lavapipe): logits equal `ddl_ref.model.forward`'s at every position for
+Verified (lavapipe): tests/test_generate_gpu.py: logits equal `ddl_ref.model.forward`'s at every position for
 all six variants fed in pieces (prefill, single tokens, after a roll-back); greedy generation equal to the
 numpy engine's with and without speculation; seeded sampling reproducible; the draft's proposals equal the
-numpy engine's.
+numpy engine's. tests/test_generate_gpu_hybrid.py, hybrid trunks (Gated DeltaNet + gated attention, partial
+RoPE): logits equal a float64 forward's fed in pieces (roll-backs to a pass's start and inside it, a reset),
+the refused roll-backs; greedy text with and without speculation (rejections included) equal to the trunk's
+argmax chain; the state and window after every acceptance length of a round bit for bit a plain decode's; the
+draft's proposals equal `accept`'s stacked chain.
 """
 
 from __future__ import annotations
@@ -37,28 +58,55 @@ import numpy as np
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref import ops as ref_ops
+from ddl_ref.params import linear_conv_channels
 from ddl_wgpu.blocks import QK_ORDER, Blocks
 from ddl_wgpu.gpu import Call, Gpu, GpuError
 from ddl_wgpu.inference import EMBED_EXPAND, InferenceWork
 from ddl_wgpu.layout import F32
 from ddl_wgpu.ops import decode as k_dec
+from ddl_wgpu.ops import elementwise as k_ew
 from ddl_wgpu.ops import gemv as k_gemv
 
 MTP = "model.mtp."
 
 
-class GpuCache:
-    """Per-position state on the GPU (module docstring): `kv[i]` = (keys, values) of layer i, `hist[site]`
-    TC inputs (site 2i / 2i+1: block i's attention / MLP compressor, 2L: the readout), `ehist` EC
-    embeddings, `hidden` the trunk rows a draft reads; `meta` the start of the next pass."""
+@dataclasses.dataclass
+class GdnCache:
+    """A Gated DeltaNet layer's decoding state on the GPU (module docstring). `win` (k−1, Ch): the conv's
+    inputs (the in_proj_qkv rows) of the k−1 positions before the next pass (None when k = 1); `state`
+    (Hv, Dk, Dv): the recurrent state after the last position; for the roll-back, the last pass's `states`
+    (per value head, the state before each row and after the last: n + 1 slots, or 2 for a pass of more than
+    `keep` rows) and `prev` ([the window before the pass; the pass's first rows], (k−1 + keep, Ch))."""
 
-    def __init__(self, gpu: Gpu, cfg, capacity: int, layers: int, with_hidden: bool, tc: bool, ec: bool):
+    win: object
+    state: object
+    states: object
+    prev: object
+
+
+class GpuCache:
+    """Per-position state on the GPU (module docstring): `kv[i]` = (keys, values) of full-attention layer i
+    (None for a Gated DeltaNet layer), `gdn[i]` the `GdnCache` of linear-attention layer i (None for
+    full attention), `hist[site]` TC inputs (site 2i / 2i+1: block i's attention / MLP compressor, 2L: the
+    readout), `ehist` EC embeddings, `hidden` the trunk rows a draft reads; `meta` the start of the next pass,
+    `slot` a roll-back's row. `keep`: the longest pass whose every row's recurrent state is kept (a roll-back
+    can land inside it; at least k−1, so its rows also hold the next window)."""
+
+    def __init__(self, gpu: Gpu, cfg, capacity: int, layer_types, with_hidden: bool, tc: bool, ec: bool,
+                 keep: int = 1):  # fmt: skip
         K, D, C, dv = cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.ddl_dv
-        self.gpu, self.capacity, self.length = gpu, capacity, 0
+        layers = len(layer_types)
+        self.gpu, self.cfg, self.capacity, self.length = gpu, cfg, capacity, 0
+        self.keep = max(int(keep), cfg.linear_conv_kernel - 1, 1)
+        self.last: tuple[int, int] | None = None  # (start, rows) of the last trunk pass
         kv = capacity * K * D * F32
         self.kv = [
-            (gpu.buffer(kv, label=f"kcache{i}"), gpu.buffer(kv, label=f"vcache{i}")) for i in range(layers)
+            (gpu.buffer(kv, label=f"kcache{i}"), gpu.buffer(kv, label=f"vcache{i}"))
+            if t == "full_attention"
+            else None
+            for i, t in enumerate(layer_types)
         ]
+        self.gdn = [self._gdn(i) if t == "linear_attention" else None for i, t in enumerate(layer_types)]
         self.hist = (
             [gpu.buffer(capacity * C * dv * F32, label=f"tc_hist{s}") for s in range(2 * layers + 1)]
             if tc
@@ -67,9 +115,86 @@ class GpuCache:
         self.ehist = gpu.buffer(capacity * C * F32, label="ec_hist") if ec else None
         self.hidden = gpu.buffer(capacity * C * F32, label="hidden_cache") if with_hidden else None
         self.meta = gpu.buffer(16, label="meta")
-        cos, sin = ref_ops.rope_tables(capacity, D, cfg.rope_theta, np.float64)
+        self.slot = gpu.buffer(16, label="rollback_slot")
+        cos, sin = ref_ops.rope_tables(capacity, D, cfg.rope_theta, np.float64, cfg.rope_dim)
         self.cos = gpu.upload(cos.astype(np.float32), "rope_cos_cache")
         self.sin = gpu.upload(sin.astype(np.float32), "rope_sin_cache")
+        self._undo: dict = {}
+
+    def gdn_sizes(self) -> tuple[int, int, int, int, int]:
+        """(Ch, k, Hv, E = Dk·Dv, window floats) of the Gated DeltaNet layers."""
+        cfg = self.cfg
+        k = cfg.linear_conv_kernel
+        Ch = linear_conv_channels(cfg)
+        return Ch, k, cfg.linear_v_heads, cfg.linear_k_dim * cfg.linear_v_dim, (k - 1) * Ch
+
+    def _gdn(self, i: int) -> GdnCache:
+        g = self.gpu
+        Ch, k, Hv, E, W = self.gdn_sizes()
+        # gpu buffers start zeroed: the window before position 0 and the state S_0 are zeros
+        return GdnCache(
+            win=g.buffer(W * F32, label=f"gdn_window{i}") if W else None,
+            state=g.buffer(Hv * E * F32, label=f"gdn_state{i}"),
+            states=g.buffer(Hv * (self.keep + 1) * E * F32, label=f"gdn_pass_states{i}"),
+            prev=g.buffer((W + self.keep * Ch) * F32, label=f"gdn_pass_rows{i}") if W else None,
+        )
+
+    @property
+    def has_gdn(self) -> bool:
+        return any(c is not None for c in self.gdn)
+
+    def pass_slots(self, n: int) -> int:
+        """State slots per value head a pass of n rows writes: every row's (tc = 1), or, past `keep` rows, the
+        start and the end only (tc = n: the states of a long prompt's every row would not fit)."""
+        return n + 1 if n <= self.keep else 2
+
+    def rewind(self, length: int, positions) -> None:
+        """The Gated DeltaNet layers' window and state back to `length` (a roll-back, on the GPU): 0 resets
+        them; otherwise `length` must lie in the last pass (at its start when it was longer than `keep`),
+        whose per-row states and rows are still in `states` and `prev`."""
+        g = self.gpu
+        if length == 0:
+            if "reset" not in self._undo:
+                call = Call()
+                for c in filter(None, self.gdn):
+                    for buf in (c.win, c.state):
+                        if buf is not None:
+                            call += k_ew.fill(g, buf, buf.size // F32, 0.0)
+                self._undo["reset"] = call
+            self._undo["reset"].run(g)
+            self.last = None
+            return
+        s, n = self.last if self.last is not None else (self.length, 0)
+        if not s <= length <= s + n:
+            raise GpuError(f"cannot roll a Gated DeltaNet layer's state back to {length}: the cache keeps "
+                           f"the states of its last pass only (positions {s}..{s + n})")  # fmt: skip
+        j = length - s
+        if j == n:
+            return
+        if n > self.keep and j:
+            raise GpuError(f"cannot roll a Gated DeltaNet layer's state back to {length}: a pass of {n} rows "
+                           f"(more than {self.keep}) keeps its states at its start and end only")  # fmt: skip
+        slots = self.pass_slots(n)
+        if slots not in self._undo:
+            Ch, k, Hv, E, W = self.gdn_sizes()
+            call = Call()
+            for c in filter(None, self.gdn):
+                call += k_dec.take_rows(g, c.state, c.states, self.slot, Hv, E, slots * E, E)
+                if c.win is not None:  # positions j .. j + k − 2 of [window before; the pass's rows]
+                    call += k_dec.take_rows(g, c.win, c.prev, self.slot, 1, W, 0, Ch)
+            self._undo[slots] = call
+        rec = g.recorder()
+        rec.copy(positions, 4 * j, self.slot, 0, 4)
+        self._undo[slots].record(rec)
+        rec.submit()
+
+    def recurrent(self, i: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """Layer i's (window (k−1, Ch) or None, state (Hv, Dk, Dv)) downloaded (tests and inspection)."""
+        c, cfg = self.gdn[i], self.cfg
+        Ch, k, Hv, E, W = self.gdn_sizes()
+        win = self.gpu.download(c.win, np.float32, W).reshape(k - 1, Ch) if c.win is not None else None
+        state = self.gpu.download(c.state, np.float32, Hv * E)
+        return win, state.reshape(Hv, cfg.linear_k_dim, cfg.linear_v_dim)
 
 
 class _CachedRows:
@@ -118,7 +243,7 @@ class _CachedRows:
         for j, op in enumerate(QK_ORDER[self.cfg.qk_norm], start=1):
             dst = a[t + str(j)]
             if op == "rope":
-                call += k_dec.rope_at(g, dst, src, c.cos, c.sin, c.meta, self.N, nh, D)
+                call += k_dec.rope_at(g, dst, src, c.cos, c.sin, c.meta, self.N, nh, D, self.cfg.rope_dim)
             else:
                 call += self._norm(dst, a[t + "r"], src, p + f"self_attn.{t}_norm.weight", self.N * nh, D)
             src = dst
@@ -147,6 +272,38 @@ class TrunkRows(_CachedRows, InferenceWork):
     def _kv(self, a: dict):
         i = next(j for j, b in enumerate(self.L) if b is a)
         return self.cache.kv[i]
+
+    # -- a Gated DeltaNet layer from its cache (module docstring) ----------------------------------------
+
+    def _gdn_cache(self, q: str) -> GdnCache:
+        return self.cache.gdn[int(q.split(".")[2])]  # q = "model.layers.{i}.linear_attn."
+
+    def _gdn_conv(self, a: dict, q: str, hist=None) -> Call:
+        """The conv from the cache's window; the window before the pass and (a short pass) its rows kept in
+        `prev` for a roll-back."""
+        c, cache, g, n = self._gdn_cache(q), self.cache, self.gpu, self.N
+        if c.win is None:
+            return super()._gdn_conv(a, q)
+        Ch, k, Hv, E, W = cache.gdn_sizes()
+        call = k_dec.store_rows(g, c.prev, c.win, cache.meta, k - 1, Ch, at_meta=False)
+        if n <= cache.keep:
+            call += k_dec.store_rows(g, c.prev, a["X"], cache.meta, n, Ch, Ch, W, at_meta=False)
+        return call + super()._gdn_conv(a, q, hist=c.win)
+
+    def _gdn_rule(self, a: dict, q: str, **_) -> Call:
+        """The rule from the cache's state, writing every row's state (a short pass: tc = 1) or the first and
+        the last (tc = n) into the cache's `states`; then the cache's state and window after the last row.
+        Everything per layer lives in the cache: a forward-only net's layers share `a` (`shares_acts`)."""
+        c, cache, g, n = self._gdn_cache(q), self.cache, self.gpu, self.N
+        Ch, k, Hv, E, W = cache.gdn_sizes()
+        slots = cache.pass_slots(n)
+        call = super()._gdn_rule(a, q, states=c.states, state_in=c.state, tc=1 if n <= cache.keep else n,
+                                 save_final=True)  # fmt: skip
+        call += k_dec.take_rows(g, c.state, c.states, cache.meta, Hv, E, slots * E, E, slot=slots - 1)
+        if c.win is not None:  # the last k − 1 inputs: of [window; rows] in prev, or of the long pass's rows
+            src, row = (c.prev, n) if n <= cache.keep else (a["X"], n - (k - 1))
+            call += k_dec.take_rows(g, c.win, src, cache.meta, 1, W, 0, Ch, slot=row)
+        return call
 
     def embed_forward(self, x0) -> Call:
         cfg = self.cfg
@@ -237,11 +394,6 @@ class WgpuEngine:
 
     def __init__(self, gpu: Gpu, model, depth: int = 0, dtype: str = "f32", capacity: int | None = None):
         cfg = model.cfg
-        if cfg.has_linear or cfg.rope_dim != cfg.head_dim:
-            raise GpuError(
-                "decoding a hybrid (Gated DeltaNet) or partial-RoPE model on the GPU is not supported yet: "
-                "its cache holds keys and values only; use --backend ref"
-            )
         if depth and cfg.mtp is None:
             raise GpuError("speculative decoding needs the model's MTP draft")
         if not depth:
@@ -256,8 +408,12 @@ class WgpuEngine:
             raise GpuError(f"cache capacity {cap} must be in 1..max_seq_len {cfg.max_seq_len}")
         tc = cfg.residual == "delta" and cfg.ddl_dv > 1 and cfg.ddl_compressor == "tc"
         ec = cfg.residual == "delta" and cfg.ddl_dv > 1 and cfg.ddl_expand_embed
-        self.trunk = GpuCache(gpu, cfg, cap, cfg.n_layers, bool(depth), tc, ec)
-        self.dcache = GpuCache(gpu, cfg, cap + depth, 1, False, False, False) if depth else None
+        types = [cfg.layer_type(i) for i in range(cfg.n_layers)]
+        # a verify pass (depth + 1 rows) keeps every row's recurrent state: the roll-back lands inside it
+        self.trunk = GpuCache(gpu, cfg, cap, types, bool(depth), tc, ec, keep=depth + 1)
+        self.dcache = (
+            GpuCache(gpu, cfg, cap + depth, ["full_attention"], False, False, False) if depth else None
+        )
         self.positions = gpu.upload(np.arange(cap + depth + 1, dtype=np.uint32), "positions")
         self.drafted = gpu.buffer(max(depth, 1) * 4, label="drafted")
         self.readback = gpu.buffer((2 * depth + 1) * 4, label="round_readback")
@@ -300,7 +456,7 @@ class WgpuEngine:
             rec.copy(rows.xf, (n - 1) * rows.C * F32, one.xf, 0, rows.C * F32)
             rows = one
         out = self._head(rows, head, rec)
-        self.trunk.length = start + n
+        self.trunk.length, self.trunk.last = start + n, (start, n)
         return out
 
     def _head(self, rows, head: str, rec) -> np.ndarray:
@@ -344,8 +500,13 @@ class WgpuEngine:
         return out
 
     def rollback(self, length: int) -> None:
+        """Forget positions from `length` on: keys, values and histories are by position (only `length`
+        moves); a Gated DeltaNet layer's window and state are rebuilt on the GPU from its last pass
+        (`GpuCache.rewind`: to a position inside the last pass, or to 0)."""
         if not 0 <= length <= self.trunk.length:
             raise GpuError(f"cannot roll back to {length}: the cache holds {self.trunk.length} positions")
+        if length < self.trunk.length and self.trunk.has_gdn:
+            self.trunk.rewind(length, self.positions)
         self.trunk.length = length
         if self.dcache is not None:
             self.dcache.length = min(self.dcache.length, length)
@@ -418,6 +579,6 @@ class WgpuEngine:
         out = g.download(self.readback, np.uint32, 2 * depth + 1).astype(np.int64)
         drafts = [int(t) for t in out[depth + 1 :]]
         self.ids[n : n + depth + 1] = [token, *drafts]
-        self.trunk.length = n + depth + 1
+        self.trunk.length, self.trunk.last = n + depth + 1, (n, depth + 1)
         self.dcache.length = n
         return drafts, out[: depth + 1]

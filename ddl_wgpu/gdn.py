@@ -15,7 +15,9 @@ shares (`gdn_scratch`), the delta rule's state scratch included. What each layer
 GEMM outputs (X, z, a, b), the conv output, q̂/k̂ and the gates, the rule's r = v − u and chunk checkpoints
 (training nets only), o and its normalised form, y.
 
-What it does not do: decoding with a cache (`ddl_wgpu.decode`).
+Decoding with a cache (`ddl_wgpu.decode.TrunkRows`) runs the same forward, overriding two steps: the conv
+(`_gdn_conv`: it reads the cache's window of the k−1 inputs before the pass) and the rule (`_gdn_rule`: it
+starts from the cache's state and writes the state after every row into the cache).
 """
 
 from __future__ import annotations
@@ -51,11 +53,6 @@ class GatedDeltaNet:
         Hk, Hv, Dk, Dv = self._gdn_sizes()
         return k_gd.chunk_tokens(self.gpu, self.B, Hv, Dk, Dv, self.T, CHUNK)
 
-    @property
-    def gdn_blocks(self) -> int:
-        Hk, Hv, Dk, Dv = self._gdn_sizes()
-        return k_gd.column_blocks(self.B, Hv, Dv)
-
     def gdn_acts(self, tag: str, a: dict) -> dict:
         """A Gated DeltaNet layer's saved activations, added to the block's dict `a`."""
         B, T, N, act = self.B, self.T, self.N, self.act
@@ -89,7 +86,7 @@ class GatedDeltaNet:
             dz=act(N * Hv * Dv, "gdn_dz"),
             don=act(N * Hv * Dv, "gdn_don"),
             do=act(N * Hv * Dv, "gdn_do"),
-            dqk=act(k_gi.qk_floats(N, Hv * self.gdn_blocks, Dk), "gdn_dqk"),
+            dqk=act(k_gi.qk_floats(N, Hv, Dk), "gdn_dqk"),
             dqk_sum=act(k_gi.qk_floats(N, Hk, Dk), "gdn_dqk_per_key_head"),
             dgb=act(2 * N * Hv * Dv, "gdn_dgb"),
             dgg=act(N * Hv, "gdn_dgg"),
@@ -113,23 +110,41 @@ class GatedDeltaNet:
         Ch = linear_conv_channels(cfg)
         ga, gb_ = self._ab(a["ab"])
         k_off, gb_off = k_gd.qkgb_offsets(N, Hk, Dk)
-        v_off = k_gi.planar_offsets(N, Hk, Dk)[1]
         call = self._linear(a["X"], a["h"], q + "in_proj_qkv.weight", Ch, C)
         call += self._linear(a["z"], a["h"], q + "in_proj_z.weight", Hv * Dv, C)
         call += self._linear(ga, a["h"], q + "in_proj_a.weight", Hv, C)
         call += self._linear(gb_, a["h"], q + "in_proj_b.weight", Hv, C)
-        call += k_gi.conv_forward(g, a["cv"], a["X"], P(q + "conv1d.weight"), self.B, self.T, Hk, Hv, Dk, Dv,
-                                  cfg.linear_conv_kernel)  # fmt: skip
+        call += self._gdn_conv(a, q)
         call += k_gi.l2norm_forward(g, _part(a["qkgb"], 0, gb_off), a["qkr"], a["cv"], N, Hk, Dk)
         call += k_gi.gates_forward(g, _part(a["qkgb"], gb_off, 2 * N * Hv), ga, gb_, P(q + "A_log"),
                                    P(q + "dt_bias"), N, Hv)  # fmt: skip
-        call += k_gd.gated_delta_forward(g, a["o"], a["r"], a["states"], a["qkgb"], a["cv"], self.B, self.T, Hk, Hv,
-                                         Dk, Dv, tc=self.gdn_chunk, v_off=v_off, v_stride=Hv * Dv,
-                                         save_ckpt=not self.net.inference)  # fmt: skip
+        call += self._gdn_rule(a, q)
         call += k_norm.rmsnorm_forward(g, a["on"], a["orstd"], a["o"], P(q + "norm.weight"), N * Hv, Dv,
                                        cfg.rms_eps, "standard")  # fmt: skip
         call += k_swiglu.swiglu_forward(g, a["y"], a["z"], a["on"], N * Hv * Dv)
         return call + self._project_out(out, a["y"], q + "out_proj.weight", Hv * Dv, accumulate)
+
+    def _gdn_conv(self, a: dict, q: str, hist=None) -> Call:
+        """a["cv"] = silu(causal conv of a["X"]); before t = 0 the inputs are `hist` (B, k−1, Ch), else zeros
+        (a decoding pass overrides this to read and keep its cache's window: `decode.TrunkRows`)."""
+        Hk, Hv, Dk, Dv = self._gdn_sizes()
+        w = self.net.view(q + "conv1d.weight")
+        return k_gi.conv_forward(self.gpu, a["cv"], a["X"], w, self.B, self.T, Hk, Hv, Dk, Dv,
+                                 self.cfg.linear_conv_kernel, hist=hist)  # fmt: skip
+
+    def _gdn_rule(self, a: dict, q: str, states=None, state_in=None, tc: int | None = None,
+                  save_final: bool = False) -> Call:  # fmt: skip
+        """a["o"], a["r"] = the gated delta rule from the layer's q, k, gates and v; `states` (default the
+        layer's checkpoints, written by training nets only) and `state_in` as `ops.gated_delta`'s (a
+        decoding pass passes its cache's: `decode.TrunkRows`)."""
+        Hk, Hv, Dk, Dv = self._gdn_sizes()
+        v_off = k_gi.planar_offsets(self.N, Hk, Dk)[1]
+        ckpt = states is not None or not self.net.inference
+        states = a["states"] if states is None else states
+        tc = self.gdn_chunk if tc is None else tc
+        return k_gd.gated_delta_forward(self.gpu, a["o"], a["r"], states, a["qkgb"], a["cv"], self.B, self.T,
+                                        Hk, Hv, Dk, Dv, tc=tc, v_off=v_off, v_stride=Hv * Dv, state_in=state_in,
+                                        save_ckpt=ckpt, save_final=save_final)  # fmt: skip
 
     def gdn_backward(self, a: dict, p: str, dout, accumulate_dh: bool) -> Call:
         """Reverse of `gdn_forward`: from d(out) to d(a["h"]) in self.dh (+= with `accumulate_dh`)."""
@@ -152,7 +167,7 @@ class GatedDeltaNet:
         call += k_gi.gates_backward(g, da, db, G(q + "A_log"), G(q + "dt_bias"), s["dgb"], ga, gb_, P(q + "A_log"),
                                     P(q + "dt_bias"), s["ones"], N, Hv, Dv, dgg=s["dgg"])  # fmt: skip
         call += k_gi.l2norm_backward(g, s["dcv"], s["dqk"], a["qkr"], a["cv"], N, Hk, Dk,
-                                     G=Hv // Hk * self.gdn_blocks, summed=s["dqk_sum"])  # fmt: skip
+                                     G=Hv // Hk, summed=s["dqk_sum"])  # fmt: skip
         call += k_gi.conv_backward(g, s["dX"], G(q + "conv1d.weight"), s["dcv"], a["X"], P(q + "conv1d.weight"),
                                    self.B, self.T, Hk, Hv, Dk, Dv, k, dpre=s["dpre"])  # fmt: skip
         dh, h = self.dh, a["h"]

@@ -41,7 +41,9 @@ sampling reproducible; the first three sampled tokens of speculative rounds two 
 trunk's exact joint distribution (chi-square over 4000 seeds; the same statistic rejects the draft's own
 distribution, and fails when drafts are always kept or a rejection draws from P instead of the residual);
 stop strings, streaming (no half character, nothing past a stop), the model's Hugging Face tokenizer, and
-every refusal.
+every refusal. On hybrid trunks (tests/test_generate_hybrid.py, numpy): greedy output equal with and without
+speculation with a random draft, and the sampled joint against the trunk's; the loop is the same, the roll-back
+to n + 1 + m being inside the verify pass, where a Gated DeltaNet's state can be recovered.
 
 What this file deliberately does not do: batches of prompts, beam search, repetition penalties.
 """

@@ -15,14 +15,15 @@ import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ddl_wgpu.container import bf16_to_f32
+from ddl_wgpu.container import bf16_to_f32, f32_to_bf16
 from ddl_wgpu.safeio import load_json, open_regular, read_regular
 
-__all__ = ["HfError", "SafetensorsFile", "Weights", "read_json", "write_bytes", "write_safetensors"]
+__all__ = ["MAX_JSON_FILE", "MAX_TOKENIZER", "ST_ITEMSIZE", "HfError", "SafetensorsFile", "StTensor", "Weights", "encode", "read_json", "write_bytes",
+           "write_safetensors"]  # fmt: skip
 
 
 class HfError(ValueError):
@@ -32,15 +33,15 @@ class HfError(ValueError):
 # ------------------------------------------------------------------------------------------ safetensors
 
 _ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2)}  # readable dtypes -> (numpy, size)
-_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 _MAX_HEADER = 100 * 1024 * 1024
-_MAX_JSON_FILE = 64 * 1024 * 1024  # config.json and the index are KBs; refuse absurd ones before reading
+MAX_JSON_FILE = 64 * 1024 * 1024  # config.json and the index are KBs; refuse absurd ones before reading
 MAX_TOKENIZER = 32 * 1024 * 1024  # it travels in the container header, which is capped at 64 MiB
 
 
 def read_json(path: Path) -> Any:
-    return load_json(read_regular(path, "a JSON file", HfError, _MAX_JSON_FILE), str(path), HfError)
+    return load_json(read_regular(path, "a JSON file", HfError, MAX_JSON_FILE), str(path), HfError)
 
 
 def _nonneg_ints(xs: Any) -> bool:
@@ -109,8 +110,8 @@ class SafetensorsFile:
         start, end = offs
         if not start <= end <= data_len:
             raise HfError(f"{bad}: data_offsets {offs} outside the data section ({data_len} bytes)")
-        if dtype in _ST_ITEMSIZE and math.prod(shape) * _ST_ITEMSIZE[dtype] != end - start:
-            raise HfError(f"{bad}: {dtype}{shape} needs {math.prod(shape) * _ST_ITEMSIZE[dtype]} bytes, "
+        if dtype in ST_ITEMSIZE and math.prod(shape) * ST_ITEMSIZE[dtype] != end - start:
+            raise HfError(f"{bad}: {dtype}{shape} needs {math.prod(shape) * ST_ITEMSIZE[dtype]} bytes, "
                           f"data_offsets span {end - start}")  # fmt: skip
         return _StInfo(dtype, tuple(shape), start, end)
 
@@ -134,28 +135,89 @@ class SafetensorsFile:
         finally:
             del raw
 
+    def read_raw(self, name: str) -> np.ndarray:
+        """The tensor's stored bytes as a new uint8 array, whatever its dtype (a tensor kept byte for byte)."""
+        t = self.tensors[name]
+        if t.dtype not in ST_ITEMSIZE:  # its size is unknown, so its bytes cannot be told from a hole
+            raise HfError(
+                f"{self.path}: tensor {name!r} has unknown dtype {t.dtype}; known: {sorted(ST_ITEMSIZE)}"
+            )
+        if t.end == t.start:
+            return np.zeros(0, np.uint8)
+        raw = np.memmap(
+            self.path, dtype=np.uint8, mode="r", offset=self.data_start + t.start, shape=(t.end - t.start,)
+        )
+        try:
+            return np.array(raw)
+        finally:
+            del raw
+
+
+class StTensor(NamedTuple):
+    """One tensor to write: its safetensors dtype and shape, and its stored bytes (any array whose bytes, in C
+    order, are exactly prod(shape) * itemsize: raw uint8, uint16 bf16 bits, or the little-endian values)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+def encode(array: np.ndarray, dtype: str) -> np.ndarray:
+    """A float array stored as safetensors `dtype` (F32, F16, BF16 or F64), rounded to nearest, ties to even.
+
+    bf16: a NaN whose low 16 bits are zero (one that came from bf16) keeps its bits exactly; any other NaN becomes
+    a quiet NaN of its sign (`f32_to_bf16`). So a tensor read from bf16 and not changed comes back the same bytes."""
+    a = np.asarray(array)
+    if dtype == "BF16":
+        f = np.ascontiguousarray(a, dtype=np.float32)
+        out = f32_to_bf16(f)
+        bits = f.view(np.uint32)
+        exact = np.isnan(f) & ((bits & 0xFFFF) == 0)
+        if exact.any():
+            out[exact] = (bits[exact] >> 16).astype(np.uint16)
+        return out.astype("<u2")
+    np_dtype = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}.get(dtype)
+    if np_dtype is None:
+        raise HfError(f"cannot write a float tensor as {dtype} (F32, F16, BF16 or F64)")
+    return np.ascontiguousarray(a, dtype=np_dtype)
+
+
+def _entry(t) -> StTensor:
+    if isinstance(t, StTensor):
+        return t
+    name, a = t  # (name, array): float32, as every export before the Qwen3.5 layouts
+    a = np.ascontiguousarray(a, dtype="<f4")
+    return StTensor(name, "F32", tuple(a.shape), a)
+
 
 def write_safetensors(
-    path: Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str]
-) -> None:
-    """Write f32 tensors as one safetensors file, streaming tensor by tensor (into the export's fresh
-    folder, which is renamed into place as a whole)."""
-    items = [(n, np.ascontiguousarray(a, dtype="<f4")) for n, a in tensors]
+    path: Path, tensors: Iterable[StTensor | tuple[str, np.ndarray]], metadata: dict[str, str]
+) -> int:
+    """Write one safetensors file, streaming tensor by tensor (into the export's fresh folder, which is renamed
+    into place as a whole): `StTensor`s as given, (name, array) pairs as F32. -> the data section's size."""
+    items = [_entry(t) for t in tensors]
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     off = 0
-    for name, a in items:
-        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
-        off += a.nbytes
+    for t in items:
+        n = math.prod(t.shape) * ST_ITEMSIZE[t.dtype]
+        if t.data.nbytes != n:
+            raise ValueError(
+                f"tensor {t.name!r}: {t.data.nbytes} bytes for {t.dtype}{list(t.shape)} ({n} needed)"
+            )
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
     hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
     hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
 
     def write(f):
         f.write(len(hb).to_bytes(8, "little"))
         f.write(hb)
-        for _, a in items:
-            f.write(memoryview(a.reshape(-1)).cast("B"))
+        for t in items:
+            f.write(memoryview(np.ascontiguousarray(t.data).reshape(-1)).cast("B"))
 
     write_file(path, write)
+    return off
 
 
 def write_file(path: Path, write) -> None:
@@ -220,3 +282,10 @@ class Weights:
 
     def read_f32(self, name: str) -> np.ndarray:
         return self.where[name].read_f32(name)
+
+    def read_raw(self, name: str) -> np.ndarray:
+        return self.where[name].read_raw(name)
+
+    def data_bytes(self) -> int:
+        """The largest shard's tensor bytes (an export shards at about this size)."""
+        return max((max((t.end for t in f.tensors.values()), default=0) for f in self.files), default=0)

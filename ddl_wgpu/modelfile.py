@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from ddl_ref.params import param_table
 from ddl_wgpu.container import Checkpoint, CheckpointError, f32_to_bf16, open_checkpoint, save
 
 __all__ = [
+    "EXTRA_PREFIXES",
     "Model",
     "available_bytes",
     "check_fits",
@@ -53,6 +55,17 @@ class Model:
     tokenizer: bytes | None = None
     provenance: dict = field(default_factory=dict)
     metadata: dict = field(default_factory=dict)
+    # the storage dtype of a parameter where known ("f32", "f16", "bf16"): the file's, or on import the Hugging
+    # Face folder's; `save_model(..., dtype=model.dtypes)` keeps it
+    dtypes: dict[str, str] = field(default_factory=dict)
+    # tensors outside the parameter table that travel with the model, under EXTRA_PREFIXES: what an imported
+    # folder held that we do not run (a vision tower, byte for byte) and its small files (docs/container.md)
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+# A model file's tensors outside the parameter table that `load_model(extra=True)` reads and `save_model` writes:
+# the Hugging Face folder's tensors kept byte for byte and its small files (ddl_wgpu.hf_qwen35).
+EXTRA_PREFIXES = ("hf.keep.", "hf.file.")
 
 
 # ------------------------------------------------------------------------------------------------ sizes
@@ -126,12 +139,17 @@ def check_fits(cfg: ModelConfig, training: bool, what: str = "the model") -> int
 # ------------------------------------------------------------------------------------------------ writing
 
 
-def save_model(path, model: Model, dtype: str = "f32") -> Path:
-    """Write `model` atomically (`NAME.partial`, then rename). `dtype` 'f32' or 'f16' or 'bf16' storage."""
+def save_model(path, model: Model, dtype: str | Mapping[str, str] = "f32") -> Path:
+    """Write `model` atomically (`NAME.partial`, then rename): its parameters in table order, stored as `dtype`
+    ('f32', 'f16' or 'bf16'; a mapping gives each parameter's, 'f32' for those it leaves out), then its
+    `extra` tensors as they are."""
     table = param_table(model.cfg)
     missing = [s.name for s in table if s.name not in model.params]
     if missing:
         raise CheckpointError(f"{path}: model is missing parameter(s) {missing[:5]}")
+    stray = [n for n in model.extra if not n.startswith(EXTRA_PREFIXES) or n in model.params]
+    if stray:
+        raise CheckpointError(f"{path}: extra tensor {stray[0]!r} is not under {list(EXTRA_PREFIXES)}")
     meta = dict(model.metadata)
     meta["model.variant"] = model.variant
     meta["model.num_params"] = int(sum(s.numel for s in table))
@@ -139,12 +157,16 @@ def save_model(path, model: Model, dtype: str = "f32") -> Path:
     def tensors():
         for s in table:
             a = np.asarray(model.params[s.name], np.float32)
-            if dtype == "f16":
+            dt = dtype.get(s.name, "f32") if isinstance(dtype, Mapping) else dtype
+            if dt == "f16":
                 yield s.name, a.astype(np.float16)
-            elif dtype == "bf16":
+            elif dt == "bf16":
                 yield s.name, f32_to_bf16(a), "bf16"
-            else:
+            elif dt == "f32":
                 yield s.name, a
+            else:
+                raise CheckpointError(f"{path}: cannot store parameter {s.name} as {dt!r} (f32, f16 or bf16)")
+        yield from model.extra.items()
 
     save(
         path,
@@ -236,15 +258,21 @@ def _check_token_ids(meta: dict, cfg: ModelConfig, path) -> None:
                                   f"(vocab_size {cfg.vocab_size})")  # fmt: skip
 
 
-def load_model(path, names: set[str] | None = None, verify: bool = True, training: bool = False) -> Model:
+def load_model(
+    path, names: set[str] | None = None, verify: bool = True, training: bool = False, extra: bool = False
+) -> Model:
     """Read a model file (any float storage, returned as float32), checked as the module docstring says.
     `names` limits which tensors are read; `verify=False` skips the hash check (trusted input);
-    `training=True` sizes the memory check for training rather than inference."""
+    `training=True` sizes the memory check for training rather than inference; `extra=True` also reads the
+    tensors under EXTRA_PREFIXES (as stored), which a command that writes the model again must carry."""
     with open_checkpoint(path, verify=verify) as ck:
         cfg = _config(ck, path, training)
         meta = dict(ck.metadata or {})
         _check_token_ids(meta, cfg, path)
         params = read_params(ck, cfg, path, names=names)
+        extras = {}
+        if extra:
+            extras = {n: np.asarray(ck.tensor(n)) for n in ck.names() if n.startswith(EXTRA_PREFIXES)}
         return Model(
             cfg=cfg,
             params=params,
@@ -252,6 +280,8 @@ def load_model(path, names: set[str] | None = None, verify: bool = True, trainin
             tokenizer=ck.tokenizer,
             provenance=dict(ck.provenance or {}),
             metadata=meta,
+            dtypes={n: ck.info(n).dtype for n in params},
+            extra=extras,
         )
 
 

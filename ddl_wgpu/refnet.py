@@ -276,7 +276,8 @@ def ref_runner(params: dict, cfg):
 
 class RefEngine:
     """`backend.Engine` over `ddl_ref.decode` (float32 numpy): trunk and draft caches, the trunk's hidden rows
-    and the tokens by position for the draft's catch-up rows."""
+    and the tokens by position for the draft's catch-up rows. Every trunk decodes here, hybrids included; on a
+    hybrid, `rollback` goes back only into the last `feed`'s rows or to 0 (`ddl_ref.decode.TrunkCache`)."""
 
     backend = "ref"
 

@@ -5,7 +5,9 @@
 //   store_rows   (src, meta, dst, p)          dst[(base + r) * stride + col0 + c] = src[r * W + c],
 //                                             base = meta[0] when p.at_meta, else 0 (KV/history/hidden
 //                                             caches; the draft's [enorm(e); hnorm(h)] concatenation)
-//   rope_at      (x, cos, sin, meta, out, p)  rotate-half RoPE of x (n, N, D) at positions start + r
+//   rope_at      (x, cos, sin, meta, out, p)  rotate-half RoPE of x (n, N, D) at positions start + r, on the
+//                                             first R dims of each head (tables (cap, R)); the other D − R
+//                                             pass through (partial RoPE, Qwen3.5: R = D/4)
 //   attend_cache (q, kc, vc, meta, out, p)    out (n, H, D): row r's softmax(q kᵀ/√D) v over cache slots
 //                                             0 .. start + r (GQA: kv head h / (H/K))
 //   conv_cache   (hist, conv, read, meta, out, p)
@@ -13,6 +15,10 @@
 //                                             hist (cap, C, dv) holding every position's input: TC
 //                                             (with the read over d_v: out (n, C)) or EC (hist (cap, C)
 //                                             of embeddings: out (n, C, dv))
+//   take_rows    (src, meta, dst, p)          dst[h * E + e] = src[h * hs + s * rs + e], s = p.slot or
+//                                             meta[0]: one slot per head out of a strided buffer (a Gated
+//                                             DeltaNet layer's state after row s of a pass; its conv window,
+//                                             rows s .. s + k − 2 of [window; the pass's rows])
 //
 // Every entry point is one thread per output item (attend_cache: one workgroup per (row, head)); the
 // launchers spread workgroups over x and y (`gpu.grid`) and every index is guarded.
@@ -48,7 +54,9 @@ fn store_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// rope_at: x (n, N, D), tables (cap, D) whose row t is position t
+// rope_at: x (n, N, D), tables (cap, R) whose row t is position t. One thread per pair slot i < D/2 of a
+// (row, head): i < R/2 rotates the pair (i, i + R/2), as `ops.rope` (rotate-half within the R rotated dims);
+// i >= R/2 copies the two pass-through items R + 2 (i − R/2) and the next one.
 
 {{struct RopeParams}}
 
@@ -64,15 +72,23 @@ fn rope_at(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
            @builtin(local_invocation_id) lid: vec3<u32>) {
     let gid = item(wid, nwg, lid);
     if (gid >= ro_p.pairs) { return; }
-    let h = ro_p.D / 2u;
-    let row = gid / h;  // r * N + head
-    let i = gid - row * h;
+    let slots = ro_p.D / 2u;
+    let row = gid / slots;  // r * N + head
+    let i = gid - row * slots;
+    let h = ro_p.R / 2u;
+    let x0 = row * ro_p.D;
+    if (i >= h) {
+        let at = x0 + ro_p.R + 2u * (i - h);
+        ro_out[at] = ro_x[at];
+        ro_out[at + 1u] = ro_x[at + 1u];
+        return;
+    }
     let pos = min(ro_meta[0] + row / ro_p.N, ro_p.cap - 1u);
-    let a = ro_x[row * ro_p.D + i];
-    let b = ro_x[row * ro_p.D + i + h];
-    let t = pos * ro_p.D + i;
-    ro_out[row * ro_p.D + i] = a * ro_cos[t] - b * ro_sin[t];
-    ro_out[row * ro_p.D + i + h] = b * ro_cos[t + h] + a * ro_sin[t + h];
+    let a = ro_x[x0 + i];
+    let b = ro_x[x0 + i + h];
+    let t = pos * ro_p.R + i;
+    ro_out[x0 + i] = a * ro_cos[t] - b * ro_sin[t];
+    ro_out[x0 + i + h] = b * ro_cos[t + h] + a * ro_sin[t + h];
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -205,4 +221,27 @@ fn conv_cache(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         x += cv_read[j] * y;
     }
     cv_out[gid] = x;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// take_rows: one slot of E floats per head out of a buffer laid out [head][slot][E] (head stride hs, slot
+// stride rs, both in floats); the slot is a launch constant or, for a roll-back whose position the host only
+// knows at run time, meta[0] (so the Call is built once).
+
+{{struct TakeParams}}
+
+@group(0) @binding(0) var<storage, read> tk_src: array<f32>;
+@group(0) @binding(1) var<storage, read> tk_meta: array<u32>;
+@group(0) @binding(2) var<storage, read_write> tk_dst: array<f32>;
+@group(0) @binding(3) var<uniform> tk_p: TakeParams;
+
+@compute @workgroup_size(WG)
+fn take_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = item(wid, nwg, lid);
+    if (i >= tk_p.heads * tk_p.E) { return; }
+    let h = i / tk_p.E;
+    let e = i - h * tk_p.E;
+    let s = select(tk_p.slot, tk_meta[0], tk_p.at_meta == 1u);
+    tk_dst[i] = tk_src[h * tk_p.hs + s * tk_p.rs + e];
 }

@@ -21,7 +21,7 @@ from helpers import random_model, tiny_cfg
 from ddl_ref import decode, mtp
 from ddl_ref import model as ref_model
 from ddl_ref.check import random_params
-from ddl_ref.config import ConfigError, ModelVariant, MtpConfig
+from ddl_ref.config import ModelVariant, MtpConfig
 from ddl_wgpu import accept
 from ddl_wgpu.data import ByteTokenizer
 from ddl_wgpu.generate import GenerateError, Sampling, TextStream, distribution, generate, run
@@ -73,13 +73,6 @@ def test_cached_gated_partial_rope_trunk_equals_forward(variant):
     want, _, _ = ref_model.forward(params, cfg, ids[None])
     for cuts in ([5, 6, 7, 8, 9, 10], [4]):
         np.testing.assert_allclose(pieces_logits(params, cfg, ids, cuts)[1], want[0], rtol=0, atol=1e-10)
-
-
-def test_cache_refuses_a_hybrid_trunk():
-    cfg = tiny_cfg("generate", layer_types=("linear_attention", "full_attention"), linear_k_heads=1, linear_v_heads=2,
-                   linear_k_dim=3, linear_v_dim=3, **GATED)  # fmt: skip
-    with pytest.raises(ConfigError, match="hybrid trunk"):
-        decode.TrunkCache(cfg)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -388,12 +388,14 @@ def test_error_mtp_layouts(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "model_type, arch", [("qwen3_next", "Qwen3NextForCausalLM"), ("qwen3_5_text", "Qwen3_5ForCausalLM")]
+    "key, model_type, arch",
+    [("model_type", "qwen3_next", "Qwen3NextForCausalLM"), ("architectures", None, "Qwen3NextForCausalLM")],
 )
-def test_error_qwen3_next_trunk(tmp_path, model_type, arch):
+def test_error_qwen3_next_trunk(tmp_path, key, model_type, arch):
+    # a mixture-of-experts trunk: refused naming the key (the dense Qwen3.5 family: tests/test_hf_qwen35.py)
     hfc = hf_config(True, model_type=model_type, architectures=[arch], mtp_num_hidden_layers=1)
     write_folder(tmp_path / "m", hfc, as_qwen35(random_params(mtp_config(True))))
-    with pytest.raises(HfError, match="Qwen3-Next/Qwen3.5 model.*not supported"):
+    with pytest.raises(HfError, match=rf"config.json: {key} .*Qwen3-Next.* is not supported"):
         import_hf(tmp_path / "m")
 
 

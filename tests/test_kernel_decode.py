@@ -1,6 +1,7 @@
 """The decoding kernels (`shaders/decode.wgsl`, `ddl_wgpu/ops/decode.py`) against numpy: rows stored into a
-cache at the position in `meta`, RoPE at an offset, attention of new rows over a cache (GQA, several key
-chunks, a start of 0), the TC/EC short convolutions from a history cache (zeros before position 0).
+cache at the position in `meta`, RoPE at an offset (whole heads and partial), attention of new rows over a
+cache (GQA, several key chunks, a start of 0), the TC/EC short convolutions from a history cache (zeros before
+position 0), one slot per head out of a strided buffer (`take_rows`).
 
 Shapes are off the workgroup sizes; every test runs at two starts so a kernel that ignores `meta` fails.
 """
@@ -40,13 +41,14 @@ def test_store_rows(gpu, rng, start):
 
 
 @pytest.mark.parametrize("start", [0, 5])
-def test_rope_at(gpu, rng, start):
+@pytest.mark.parametrize("R", [None, 4, 2])  # the whole head; partial RoPE (Qwen3.5: D/4), the narrowest
+def test_rope_at(gpu, rng, start, R):
     n, N, D, cap = 3, 5, 12, 16
     x = rng.standard_normal((1, n, N, D)).astype(f32)
-    cos, sin = ref.rope_tables(cap, D, 1e4, np.float64)
-    out = gpu.buffer(x.nbytes)
+    cos, sin = ref.rope_tables(cap, D, 1e4, np.float64, R)
+    out = gpu.upload(np.full(x.shape, np.nan, f32))  # a pass-through dim left unwritten stays NaN
     k_dec.rope_at(gpu, out, gpu.upload(x), gpu.upload(cos.astype(f32)), gpu.upload(sin.astype(f32)), meta_at(gpu, start),
-                  n, N, D).run(gpu)  # fmt: skip
+                  n, N, D, R).run(gpu)  # fmt: skip
     want = ref.rope_forward(x.astype(np.float64), cos[start : start + n], sin[start : start + n])
     check("rope_at", gpu.download(out, f32, x.size).reshape(x.shape), want)
 
@@ -84,3 +86,20 @@ def test_tc_and_ec_from_history(gpu, rng, start):
     k_dec.ec_cache(gpu, out, gpu.upload(ehist), gpu.upload(conv), meta_at(gpu, start), n, C, dv, k).run(gpu)
     full = ref_sc.ec_forward(ehist[None, : start + n].astype(np.float64), conv)[0][0]
     check("ec_cache", gpu.download(out, f32, n * C * dv).reshape(n, C, dv), full[start:], "norm")
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_take_rows(gpu, rng, start):
+    """One slot per head out of [head][slot][E]: a constant slot, and the slot in meta (a roll-back's)."""
+    heads, slots, E = 3, 5, 37
+    src = rng.standard_normal((heads, slots, E)).astype(f32)
+    dst = gpu.buffer(heads * E * 4)
+    for slot in (4, None):
+        k_dec.take_rows(gpu, dst, gpu.upload(src), meta_at(gpu, start), heads, E, slots * E, E, slot).run(gpu)
+        want = src[:, 4 if slot is not None else start]
+        assert np.array_equal(gpu.download(dst, f32, heads * E).reshape(heads, E), want), slot
+    # rows s .. s + 2 of a (rows, W) buffer (a conv window out of [window; a pass's rows])
+    rows = rng.standard_normal((7, 11)).astype(f32)
+    win = gpu.buffer(3 * 11 * 4)
+    k_dec.take_rows(gpu, win, gpu.upload(rows), meta_at(gpu, start), 1, 3 * 11, 0, 11).run(gpu)
+    assert np.array_equal(gpu.download(win, f32, 33).reshape(3, 11), rows[start : start + 3])

@@ -4,8 +4,7 @@ the saved r = v − u, checkpoints and the final state; every gradient; a start 
 does not divide T; determinism.
 
 Shapes are off the thread grid: Dk 5 / 6 / 20 and Dv 3 / 7 / 24 pad rows and columns, 20 x 24 gives each thread
-two rows and two columns; Hv = 2·Hk shares a key head between two value heads; columns split over 2 and 3
-workgroups (a last block narrower than the others), whose dq/dk parts are summed like value heads.
+two rows and two columns; Hv = 2·Hk shares a key head between two value heads.
 """
 
 import numpy as np
@@ -44,7 +43,7 @@ def _upload(gpu, q, k, v, g, beta, v_pad=0):
     return gpu.upload(qkgb), gpu.upload(vrow), v_pad + Hv * Dv
 
 
-def _forward(gpu, q, k, v, g, beta, tc, state=None, v_pad=0, save_final=True, jb=None):
+def _forward(gpu, q, k, v, g, beta, tc, state=None, v_pad=0, save_final=True):
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
     N = B * T
@@ -53,16 +52,16 @@ def _forward(gpu, q, k, v, g, beta, tc, state=None, v_pad=0, save_final=True, jb
     states = gpu.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, tc))
     s_in = gpu.upload(state) if state is not None else None
     kg.gated_delta_forward(gpu, o, r, states, qkgb, vb, B, T, Hk, Hv, Dk, Dv, tc=tc, v_off=v_pad, v_stride=stride,
-                           state_in=s_in, save_final=save_final, jb=jb).run(gpu)  # fmt: skip
+                           state_in=s_in, save_final=save_final).run(gpu)  # fmt: skip
     scratch = gpu.buffer(4 * kg.scratch_floats(B, Hv, Dk, Dv, tc))
     return dict(qkgb=qkgb, o=o, r=r, states=states, scratch=scratch, stride=stride, v_pad=v_pad)
 
 
-SHAPES = [  # B, T, Hk, Hv, Dk, Dv, tc, jb (column blocks per head: one workgroup each)
-    (2, 7, 1, 2, 5, 3, 3, 1),
-    (1, 9, 2, 4, 6, 7, 4, 3),  # blocks of 3, 3 and 1 columns
-    (2, 6, 1, 1, 20, 24, 6, 2),
-    (1, 3, 1, 1, 128, 128, 2, 1),  # Qwen3.5's heads: 8 x 8 state elements per thread
+SHAPES = [  # B, T, Hk, Hv, Dk, Dv, tc
+    (2, 7, 1, 2, 5, 3, 3),
+    (1, 9, 2, 4, 6, 7, 4),
+    (2, 6, 1, 1, 20, 24, 6),
+    (1, 3, 1, 1, 128, 128, 2),  # Qwen3.5's heads: 8 x 8 state elements per thread
 ]
 
 
@@ -75,11 +74,11 @@ def _r_reference(cache):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_forward_matches_reference(gpu, shape):
-    B, T, Hk, Hv, Dk, Dv, tc, jb = shape
+    B, T, Hk, Hv, Dk, Dv, tc = shape
     rng = np.random.default_rng(sum(shape))
     q, k, v, g, beta = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
     o_ref, S_ref, cache = ref.gated_delta_forward(*(f64(a) for a in (q, k, v, g, beta)), checkpoint=1)
-    d = _forward(gpu, q, k, v, g, beta, tc, v_pad=5, jb=jb)
+    d = _forward(gpu, q, k, v, g, beta, tc, v_pad=5)
     check("o", gpu.read(d["o"], (B, T, Hv, Dv)), o_ref, "norm")
     check("r = v - u", gpu.read(d["r"], (B, T, Hv, Dv)), _r_reference(cache), "norm")
     nck = kg.n_chunks(T, tc)
@@ -95,7 +94,7 @@ def test_forward_from_a_state_equals_the_whole_sequence(gpu):
     B, T, Hk, Hv, Dk, Dv = 1, 8, 1, 2, 6, 5
     rng = np.random.default_rng(3)
     x = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
-    whole = _forward(gpu, *x, tc=T, jb=2)
+    whole = _forward(gpu, *x, tc=T)
     first = _forward(gpu, *(a[:, :5] for a in x), tc=5)
     S1 = gpu.read(first["states"], (B, Hv, 2, Dk, Dv))[:, :, 1].copy()
     second = _forward(gpu, *(a[:, 5:] for a in x), tc=3, state=S1)
@@ -108,23 +107,23 @@ def test_forward_from_a_state_equals_the_whole_sequence(gpu):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_backward_matches_reference(gpu, shape):
-    B, T, Hk, Hv, Dk, Dv, tc, jb = shape
+    B, T, Hk, Hv, Dk, Dv, tc = shape
     N = B * T
     rng = np.random.default_rng(100 + sum(shape))
     q, k, v, g, beta = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
     do = rng.standard_normal((B, T, Hv, Dv)).astype(f32)
     _, _, cache = ref.gated_delta_forward(*(f64(a) for a in (q, k, v, g, beta)))
     dq, dk, dv, dg, dbeta, _ = ref.gated_delta_backward(f64(do), cache)
-    d = _forward(gpu, q, k, v, g, beta, tc, v_pad=3, jb=jb)
-    dqk = gpu.buffer(4 * qk_floats(N, Hv * jb, Dk))
+    d = _forward(gpu, q, k, v, g, beta, tc, v_pad=3)
+    dqk = gpu.buffer(4 * qk_floats(N, Hv, Dk))
     dvb = gpu.upload(np.full((N, d["stride"]), 7.0, f32))  # v's columns are written, the others kept
     dgb = gpu.buffer(4 * 2 * N * Hv * Dv)
     kg.gated_delta_backward(gpu, dqk, dvb, dgb, d["scratch"], d["states"], d["qkgb"], d["r"], gpu.upload(do), B, T,
-                            Hk, Hv, Dk, Dv, tc=tc, v_off=3, v_stride=d["stride"], jb=jb).run(gpu)  # fmt: skip
+                            Hk, Hv, Dk, Dv, tc=tc, v_off=3, v_stride=d["stride"]).run(gpu)  # fmt: skip
     got = gpu.download(dqk, f32)
-    half = N * Hv * jb * Dk
-    G = Hv // Hk * jb
-    # per value head and column block: the sum over a key head's parts is its gradient
+    half = N * Hv * Dk
+    G = Hv // Hk
+    # per value head: the sum over a key head's value heads is its gradient
     check("dq", got[:half].reshape(B, T, Hk, G, Dk).sum(3), dq, "attention")
     dk_got = got[align_floats(half) :][:half]
     check("dk", dk_got.reshape(B, T, Hk, G, Dk).sum(3), dk, "attention")
@@ -137,18 +136,18 @@ def test_backward_matches_reference(gpu, shape):
 
 
 def test_same_bits_every_run(gpu):
-    B, T, Hk, Hv, Dk, Dv, tc, jb = SHAPES[2]
+    B, T, Hk, Hv, Dk, Dv, tc = SHAPES[2]
     N = B * T
     rng = np.random.default_rng(9)
     x = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
     do = gpu.upload(rng.standard_normal((B, T, Hv, Dv)).astype(f32))
     runs = []
     for _ in range(2):
-        d = _forward(gpu, *x, tc=tc, jb=jb)
-        dqk, dvb = gpu.buffer(4 * qk_floats(N, Hv * jb, Dk)), gpu.buffer(4 * N * Hv * Dv)
+        d = _forward(gpu, *x, tc=tc)
+        dqk, dvb = gpu.buffer(4 * qk_floats(N, Hv, Dk)), gpu.buffer(4 * N * Hv * Dv)
         dgb = gpu.buffer(8 * N * Hv * Dv)
         kg.gated_delta_backward(gpu, dqk, dvb, dgb, d["scratch"], d["states"], d["qkgb"], d["r"], do, B, T, Hk, Hv,
-                                Dk, Dv, tc=tc, jb=jb).run(gpu)  # fmt: skip
+                                Dk, Dv, tc=tc).run(gpu)  # fmt: skip
         runs.append([gpu.download(b, np.uint32) for b in (d["o"], dqk, dvb, dgb)])
     for a, b in zip(*runs, strict=True):
         assert np.array_equal(a, b)

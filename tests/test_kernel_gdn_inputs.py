@@ -3,6 +3,10 @@
 the L2 norm of q and k (an RMSNorm with a constant weight) and its backward with the per-key-head sum; the
 decay and write gates and their gradients (`ddl_ref.gdn.gates_forward` / `gates_backward`).
 
+Every entry point of the family is run: `conv_forward`; `conv_backward_pre`, `conv_backward_dx`,
+`conv_grad_partial` and `conv_grad_reduce` (the four passes of `conv_backward`); `gates_forward`,
+`gates_backward`; `head_group_sum` (inside `l2norm_backward` when G > 1).
+
 Sizes are off the workgroup grid: 13 rows, channels 2·Hk·Dk + Hv·Dv = 2·2·5 + 4·3 = 32 and 2·1·6 + 3·7 = 33.
 """
 

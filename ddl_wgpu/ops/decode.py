@@ -10,14 +10,18 @@ so the Calls are built once per row count and recorded at every position.
 
 - `store_rows(dst, src, meta, n, W, stride=W, col0=0, at_meta=True)`: rows of src into a cache at start (or
   into columns col0.. of a wider buffer at row 0: the draft's concatenated input);
-- `rope_at(out, x, cos, sin, meta, n, N, D)`: RoPE at positions start + r (tables (cap, D));
+- `rope_at(out, x, cos, sin, meta, n, N, D, rotary=None)`: RoPE at positions start + r on the first R =
+  `rotary` (default D) dims of each head, the rest passed through (tables (cap, R));
 - `attend_cache(out, q, kc, vc, meta, n, H, K, D)`: attention of the n rows over cache slots 0 .. start + r;
 - `tc_cache(out, hist, conv, read, meta, n, C, dv, k)` / `ec_cache(out, hist, conv, meta, n, C, dv, k)`: the
-  causal short convolutions over time reading their inputs from a per-position history cache.
+  causal short convolutions over time reading their inputs from a per-position history cache;
+- `take_rows(dst, src, meta, heads, E, hs, rs, slot=None)`: one slot of E floats per head out of a strided
+  buffer (slot `slot`, or meta's u32 when None): a Gated DeltaNet layer's state after some row of a pass, and
+  its conv window (`ddl_wgpu.decode`).
 
 The test checks each at sizes that are not multiples of the workgroup sizes and at several starts (the RoPE
 and the convolutions against the whole-sequence reference's rows, the attention against
-`attend_cached`).
+`attend_cached`; `take_rows` against numpy indexing).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ ROPE = Uniform(
     ("N", "u32"),
     ("D", "u32"),
     ("cap", "u32", "rows of the tables"),
+    ("R", "u32", "rotated dims per head (<= D)"),
 )
 ATTN = Uniform("AttnParams", ("n", "u32"), ("H", "u32"), ("K", "u32"), ("D", "u32"), ("scale", "f32"))
 CONV = Uniform(
@@ -55,7 +60,16 @@ CONV = Uniform(
     ("k", "u32"),
     ("ec", "u32", "0: TC (with the read), 1: EC"),
 )
-UNIFORMS = (STORE, ROPE, ATTN, CONV)  # every kernel of the file compiles the whole file
+TAKE = Uniform(
+    "TakeParams",
+    ("heads", "u32"),
+    ("E", "u32", "floats taken per head"),
+    ("hs", "u32", "floats between heads in src"),
+    ("rs", "u32", "floats between slots in src"),
+    ("slot", "u32", "the slot, when not at_meta"),
+    ("at_meta", "u32", "1: the slot is meta[0]"),
+)
+UNIFORMS = (STORE, ROPE, ATTN, CONV, TAKE)  # every kernel of the file compiles the whole file
 
 
 def set_start(gpu: Gpu, meta, start: int) -> None:
@@ -80,16 +94,18 @@ def store_rows(gpu: Gpu, dst, src, meta, n: int, W: int, stride: int | None = No
                 at_meta=int(at_meta))  # fmt: skip
 
 
-def rope_at(gpu: Gpu, out, x, cos, sin, meta, n: int, N: int, D: int) -> Call:
-    """out (n, N, D) = RoPE of x at positions start + r; cos/sin (cap, D) f32."""
-    if D % 2:
-        raise ValueError(f"rope needs an even head_dim, got {D}")
+def rope_at(gpu: Gpu, out, x, cos, sin, meta, n: int, N: int, D: int, rotary: int | None = None) -> Call:
+    """out (n, N, D) = RoPE of x at positions start + r on the first R = `rotary` (default D) dims of each
+    head, dims R.. copied; cos/sin (cap, R) f32."""
+    R = D if rotary is None else int(rotary)
+    if D % 2 or R % 2 or not 0 < R <= D:
+        raise ValueError(f"rope needs an even head_dim and an even rotary width in [2, D], got {D}, {R}")
     need("rope_at", "x", x, n * N * D)
     need("rope_at", "out", out, n * N * D)
-    cap = (cos.size if not isinstance(cos, tuple) else cos[2]) // (4 * D)
+    cap = (cos.size if not isinstance(cos, tuple) else cos[2]) // (4 * R)
     pairs = n * N * D // 2
     return _one(
-        gpu, "rope_at", "rrrrwu", [x, cos, sin, meta, out], pairs, ROPE, pairs=pairs, N=N, D=D, cap=cap
+        gpu, "rope_at", "rrrrwu", [x, cos, sin, meta, out], pairs, ROPE, pairs=pairs, N=N, D=D, cap=cap, R=R
     )
 
 
@@ -122,3 +138,14 @@ def ec_cache(gpu: Gpu, out, hist, conv, meta, n: int, C: int, dv: int, k: int) -
     # The read binding is unused by EC; the conv weights stand in so the layout stays one signature.
     return _one(gpu, "conv_cache", "rrrrwu", [hist, conv, conv, meta, out], n * C * dv, CONV, n=n, C=C, dv=dv,
                 k=k, ec=1)  # fmt: skip
+
+
+def take_rows(
+    gpu: Gpu, dst, src, meta, heads: int, E: int, hs: int, rs: int, slot: int | None = None
+) -> Call:
+    """dst[h * E + e] = src[h * hs + s * rs + e] for h < heads, e < E; s = `slot`, or meta's first u32 when
+    `slot` is None (a roll-back's row, set in the command stream)."""
+    need("take_rows", "dst", dst, heads * E)
+    s = 0 if slot is None else int(slot)
+    return _one(gpu, "take_rows", "rrwu", [src, meta, dst], heads * E, TAKE, heads=heads, E=E, hs=hs, rs=rs,
+                slot=s, at_meta=int(slot is None))  # fmt: skip

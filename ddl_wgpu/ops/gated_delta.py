@@ -49,10 +49,6 @@ PARAMS = Uniform(
     ("save_final", "u32", "forward: 1 writes the final state to slot nck"),
     ("gb_off", "u32", "floats: g, beta's start in qkgb"),
     ("dk_off", "u32", "backward: floats, dk's start in dqk"),
-    ("jb", "u32", "column blocks per head (one workgroup each)"),
-    ("dvb", "u32", "columns per block"),
-    ("_pad0", "pad"),
-    ("_pad1", "pad"),
 )
 MAX_THREADS = 256  # the most threads a workgroup gets (WebGPU's default limit)
 MAX_SIDE = 16  # threads along Dk or Dv
@@ -96,38 +92,28 @@ def _templates(ti: int, tj: int, pi: int, pj: int) -> dict[str, str]:
     """The straight-line per-thread code: state s_a_b (and its gradient d_a_b) for a < PI rows, b < PJ columns."""
     A, Bs = range(pi), range(pj)
     row = {a: f"ti + {a}u * TI" for a in A}
-    loc = {b: f"tj + {b}u * TJ" for b in Bs}  # a column within the block (workgroup memory)
-    col = {b: f"c0 + tj + {b}u * TJ" for b in Bs}  # the column in S (global memory)
+    col = {b: f"tj + {b}u * TJ" for b in Bs}
     pairs = [(a, b) for a in A for b in Bs]
     nl = "\n        "
     t = {"TI": str(ti), "TJ": str(tj), "DKP": str(ti * pi), "DVP": str(tj * pj)}
     # -- forward
     t["F_INIT"] = nl.join(f"var s_{a}_{b} = f_ldinit(bh, {row[a]}, {col[b]});" for a, b in pairs)
     t["F_STORE"] = (nl + "    ").join(f"f_store(slot, {row[a]}, {col[b]}, s_{a}_{b});" for a, b in pairs)
-    # the next token's inputs, loaded one token ahead into n* registers (index `nx`)
-    gb = "f_qk[f_p.gb_off + (nx * f_p.Hv + h) * 2u{}]"
-    loads = [(f"nk{a}", f"f_ldk(nx, hk, {row[a]})") for a in A] + [
-        (f"nq{a}", f"f_ldq(nx, hk, {row[a]})") for a in A
-    ]
-    loads += [(f"nv{b}", f"f_ldv(nx, h, {col[b]})") for b in Bs] + [
-        ("ng", gb.format("")),
-        ("nb", gb.format(" + 1u")),
-    ]
-    t["F_PREFETCH_DECL"] = nl.join(f"var {v} = {e};" for v, e in loads)
-    t["F_PREFETCH"] = (nl + "    ").join(f"{v} = {e};" for v, e in loads)
-    take = ["let at = exp(ng);", "let bt = nb;"] + [f"let k{a} = nk{a};{nl}let q{a} = nq{a};" for a in A]
-    t["F_TAKE"] = nl.join(take + [f"let v{b} = nv{b};" for b in Bs])
-    t["F_PARTIAL_U"] = nl.join(
-        f"red_c[ti * DVP + {loc[b]}] = {_sum([f's_{a}_{b} * k{a}' for a in A])};" for b in Bs
+    t["F_LOAD_K"] = nl.join(
+        f"let k{a} = f_ldk(n, hk, {row[a]});{nl}let q{a} = f_ldq(n, hk, {row[a]});" for a in A
     )
-    upd = [f"let r{b} = v{b} - at * vec_c[{loc[b]}];{nl}let e{b} = bt * r{b};" for b in Bs]
+    t["F_PARTIAL_U"] = nl.join(
+        f"red_c[ti * DVP + {col[b]}] = {_sum([f's_{a}_{b} * k{a}' for a in A])};" for b in Bs
+    )
+    upd = [f"let r{b} = f_ldv(n, h, {col[b]}) - at * vec_c[{col[b]}];{nl}let e{b} = bt * r{b};" for b in Bs]
     upd += [
-        f"if (ti == 0u && {col[b]} < c1) {{ f_r[(n * f_p.Hv + h) * f_p.Dv + {col[b]}] = r{b}; }}" for b in Bs
+        f"if (ti == 0u && {col[b]} < f_p.Dv) {{ f_r[(n * f_p.Hv + h) * f_p.Dv + {col[b]}] = r{b}; }}"
+        for b in Bs
     ]
     upd += [f"s_{a}_{b} = at * s_{a}_{b} + k{a} * e{b};" for a, b in pairs]
     t["F_UPDATE"] = nl.join(upd)
     t["F_PARTIAL_O"] = nl.join(
-        f"red_o[ti * DVP + {loc[b]}] = {_sum([f's_{a}_{b} * q{a}' for a in A])};" for b in Bs
+        f"red_o[ti * DVP + {col[b]}] = {_sum([f's_{a}_{b} * q{a}' for a in A])};" for b in Bs
     )
     # -- backward
     nl2 = nl + "    "
@@ -136,46 +122,30 @@ def _templates(ti: int, tj: int, pi: int, pj: int) -> dict[str, str]:
     t["B_SCRATCH_STORE"] = nl2.join(
         f"b_stscratch(scratch + (t - t0) * S, {row[a]}, {col[b]}, s_{a}_{b});" for a, b in pairs
     )
-    bgb = "b_qk[b_p.gb_off + (nx * b_p.Hv + h) * 2u{}]"
-    gates = [("ng", bgb.format("")), ("nb", bgb.format(" + 1u"))]
-    # phase 1, the chunk's rebuild: k, r and the gates of the next token (r* registers)
-    rl = [(f"rk{a}", f"b_ldk(nx, hk, {row[a]})") for a in A] + [
-        (f"rr{b}", f"b_ldcol(0u, nx, h, {col[b]})") for b in Bs
+    rec = [f"let k{a} = b_ldk(n, hk, {row[a]});" for a in A]
+    rec += [f"let e{b} = bt * b_ldcol(0u, n, h, {col[b]});" for b in Bs]
+    rec += [f"s_{a}_{b} = at * s_{a}_{b} + k{a} * e{b};" for a, b in pairs]
+    t["B_RECOMPUTE"] = nl2.join(rec)
+    step = [f"let p_{a}_{b} = b_ldscratch(scratch + (t - t0) * S, {row[a]}, {col[b]});" for a, b in pairs]
+    step += [f"let k{a} = b_ldk(n, hk, {row[a]});{nl2}let q{a} = b_ldq(n, hk, {row[a]});" for a in A]
+    step += [
+        f"let r{b} = b_ldcol(0u, n, h, {col[b]});{nl2}let o{b} = b_ldcol(1u, n, h, {col[b]});"
+        f"{nl2}let e{b} = bt * r{b};"
+        for b in Bs
     ]
-    rl += [("rg", bgb.format("")), ("rb", bgb.format(" + 1u"))]
-    t["B_R_PREFETCH_DECL"] = nl.join(f"var {v} = {e};" for v, e in rl)
-    t["B_R_PREFETCH"] = (nl2 + "    ").join(f"{v} = {e};" for v, e in rl)
-    t["B_R_TAKE"] = nl2.join(
-        ["let at = exp(rg);", "let bt = rb;"]
-        + [f"let k{a} = rk{a};" for a in A]
-        + [f"let e{b} = bt * rr{b};" for b in Bs]
-    )
-    t["B_RECOMPUTE"] = nl2.join(f"s_{a}_{b} = at * s_{a}_{b} + k{a} * e{b};" for a, b in pairs)
-    # phase 2, the walk backwards: the previous token's state (from the scratch), k, q, r, dO and gates
-    sl = [(f"np_{a}_{b}", f"b_ldscratch(ns, {row[a]}, {col[b]})") for a, b in pairs]
-    sl += [(f"nk{a}", f"b_ldk(nx, hk, {row[a]})") for a in A] + [
-        (f"nq{a}", f"b_ldq(nx, hk, {row[a]})") for a in A
-    ]
-    sl += [(f"nr{b}", f"b_ldcol(0u, nx, h, {col[b]})") for b in Bs]
-    sl += [(f"no{b}", f"b_ldcol(1u, nx, h, {col[b]})") for b in Bs] + gates
-    t["B_PREFETCH_DECL"] = nl.join(f"var {v} = {e};" for v, e in sl)
-    t["B_PREFETCH"] = (nl2 + "    ").join(f"{v} = {e};" for v, e in sl)
-    take = ["let at = exp(ng);", "let bt = nb;"] + [f"let p_{a}_{b} = np_{a}_{b};" for a, b in pairs]
-    take += [f"let k{a} = nk{a};{nl2}let q{a} = nq{a};" for a in A]
-    take += [f"let r{b} = nr{b};{nl2}let o{b} = no{b};{nl2}let e{b} = bt * r{b};" for b in Bs]
-    t["B_TAKE"] = nl2.join(take)
+    t["B_LOAD_STEP"] = nl2.join(step)
     # phase A: dS += q dO^T; column partials of dd = dS^T k; row partials of dq = S_t dO, S_t = a p + k e^T
     pa = [f"d_{a}_{b} = d_{a}_{b} + q{a} * o{b};" for a, b in pairs]
-    pa += [f"red_c[ti * DVP + {loc[b]}] = {_sum([f'd_{a}_{b} * k{a}' for a in A])};" for b in Bs]
+    pa += [f"red_c[ti * DVP + {col[b]}] = {_sum([f'd_{a}_{b} * k{a}' for a in A])};" for b in Bs]
     pa += [
         f"red_r[tj * DKP + {row[a]}] = {_sum([f'(at * p_{a}_{b} + k{a} * e{b}) * o{b}' for b in Bs])};"
         for a in A
     ]
     t["B_PHASE_A"] = nl2.join(pa)
     # phase B: dd, du; dv and the beta terms; row partials of dk; dS~ = dS + k du^T; column partials of dg
-    pb = [f"let dd{b} = vec_c[{loc[b]}];{nl2}let du{b} = -bt * dd{b};" for b in Bs]
+    pb = [f"let dd{b} = vec_c[{col[b]}];{nl2}let du{b} = -bt * dd{b};" for b in Bs]
     pb += [
-        f"if (ti == 0u && {col[b]} < c1) {{{nl2}    "
+        f"if (ti == 0u && {col[b]} < b_p.Dv) {{{nl2}    "
         f"b_dv[b_p.v_off + n * b_p.v_stride + h * b_p.Dv + {col[b]}] = bt * dd{b};{nl2}    "
         f"b_dgb[((n * b_p.Hv + h) * 2u + 1u) * b_p.Dv + {col[b]}] = dd{b} * r{b};{nl2}}}"
         for b in Bs
@@ -185,7 +155,7 @@ def _templates(ti: int, tj: int, pi: int, pj: int) -> dict[str, str]:
         for a in A
     ]
     pb += [f"d_{a}_{b} = d_{a}_{b} + k{a} * du{b};" for a, b in pairs]
-    pb += [f"red_c[ti * DVP + {loc[b]}] = {_sum([f'd_{a}_{b} * (at * p_{a}_{b})' for a in A])};" for b in Bs]
+    pb += [f"red_c[ti * DVP + {col[b]}] = {_sum([f'd_{a}_{b} * (at * p_{a}_{b})' for a in A])};" for b in Bs]
     t["B_PHASE_B"] = nl2.join(pb)
     t["B_DECAY"] = nl2.join(f"d_{a}_{b} = at * d_{a}_{b};" for a, b in pairs)
     return t
@@ -195,22 +165,9 @@ def n_chunks(T: int, tc: int) -> int:
     return -(-int(T) // int(tc))
 
 
-MIN_GROUPS = 256  # workgroups worth having in flight (an H200 has 132 SMs)
-MIN_BLOCK = 16  # columns a block keeps at least
-
-
-def column_blocks(B: int, Hv: int, Dv: int) -> int:
-    """jb, the column blocks per (batch row, value head): enough workgroups for a GPU when B·Hv is small
-    (a `small` hybrid at batch 8: 48 heads), never blocks under MIN_BLOCK columns. A function of the shape only
-    (the sums' order, hence the bits, depends on it)."""
-    want = _pow2_at_least(-(-MIN_GROUPS // (int(B) * int(Hv))))  # a power of two: blocks fill the thread grid
-    jb = max(1, min(-(-int(Dv) // MIN_BLOCK), want))
-    return -(-int(Dv) // -(-int(Dv) // jb))  # no empty block
-
-
 def chunk_tokens(gpu: Gpu, B: int, Hv: int, Dk: int, Dv: int, T: int, default: int = 64) -> int:
     """Tokens per checkpointed chunk: `default`, fewer when the backward's scratch (tc states per (batch row,
-    value head)) would not fit one storage binding (the Qwen3.8-27B shape at 16 x 1024: 32)."""
+    value head)) would not fit one storage binding (the Qwen3.8-27B shape at 16 x 1024: 42)."""
     per = 4 * int(B) * int(Hv) * int(Dk) * int(Dv)
     fit = gpu.max_binding // per
     if fit < 1:
@@ -242,8 +199,8 @@ def scratch_floats(B: int, Hv: int, Dk: int, Dv: int, tc: int) -> int:
     return int(B) * int(Hv) * int(tc) * int(Dk) * int(Dv)
 
 
-def _kernel(gpu: Gpu, entry: str, sig: str, Dk: int, dvb: int):
-    ti, tj, pi, pj = tile(gpu, Dk, dvb)
+def _kernel(gpu: Gpu, entry: str, sig: str, Dk: int, Dv: int):
+    ti, tj, pi, pj = tile(gpu, Dk, Dv)
     return gpu.kernel(FILE, entry, sig, templates=_templates(ti, tj, pi, pj), workgroup=(ti * tj, 1, 1),
                       uniforms=(PARAMS,))  # fmt: skip
 
@@ -255,31 +212,22 @@ def _check_sizes(entry: str, B: int, T: int, Hk: int, Hv: int, tc: int) -> None:
         raise ValueError(f"{entry}: chunk length {tc} must be positive")
 
 
-def _uniform(gpu, label, B, T, Hk, Hv, Dk, Dv, tc, v_off, v_stride, jb, **flags):
+def _uniform(gpu, label, B, T, Hk, Hv, Dk, Dv, tc, v_off, v_stride, **flags):
     k_off, gb_off = qkgb_offsets(B * T, Hk, Dk)
     values = dict(has_init=0, save_ckpt=0, save_final=0, dk_off=0) | flags
     return gpu.uniform(PARAMS, B=B, T=T, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, k_off=k_off, v_off=v_off, v_stride=v_stride,
-                       tc=tc, nck=n_chunks(T, tc), gb_off=gb_off, jb=jb, dvb=-(-Dv // jb), label=label,
-                       **values)  # fmt: skip
-
-
-def _blocks(jb, B, Hv, Dv) -> int:
-    jb = column_blocks(B, Hv, Dv) if jb is None else int(jb)
-    if not 1 <= jb <= Dv:
-        raise ValueError(f"gated delta rule: {jb} column blocks for {Dv} columns")
-    return jb
+                       tc=tc, nck=n_chunks(T, tc), gb_off=gb_off, label=label, **values)  # fmt: skip
 
 
 def gated_delta_forward(
     gpu: Gpu, o, r, states, qkgb, v, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, *,
     tc: int, v_off: int = 0, v_stride: int | None = None, state_in=None, save_ckpt: bool = True,
-    save_final: bool = False, jb: int | None = None,
+    save_final: bool = False,
 ) -> Call:  # fmt: skip
     """o, r (B*T, Hv, Dv) and `states` (`states_floats`: the chunk checkpoints with `save_ckpt`, the final
     state with `save_final`; unused otherwise) from `qkgb` (`qkgb_offsets`: q (B*T, Hk, Dk) normalised and
     scaled, k (B*T, Hk, Dk) normalised, [g, beta] (B*T, Hv, 2)) and v (`v_off` + n*`v_stride` + h*Dv + j;
-    default planar), starting from `state_in` (B, Hv, Dk, Dv) when given, else zeros. `jb`: column blocks per
-    head (default `column_blocks`)."""
+    default planar), starting from `state_in` (B, Hv, Dk, Dv) when given, else zeros."""
     B, T, Hk, Hv, Dk, Dv, tc = (int(x) for x in (B, T, Hk, Hv, Dk, Dv, tc))
     _check_sizes("gated_delta_forward", B, T, Hk, Hv, tc)
     N = B * T
@@ -290,34 +238,31 @@ def gated_delta_forward(
         _need("gated_delta_forward", states=(states, states_floats(B, Hv, Dk, Dv, T, tc)))
     if state_in is not None:
         _need("gated_delta_forward", state_in=(state_in, B * Hv * Dk * Dv))
-    jb = _blocks(jb, B, Hv, Dv)
-    p = _uniform(gpu, "gated_delta_forward", B, T, Hk, Hv, Dk, Dv, tc, v_off, v_stride, jb,
+    p = _uniform(gpu, "gated_delta_forward", B, T, Hk, Hv, Dk, Dv, tc, v_off, v_stride,
                  has_init=int(state_in is not None), save_ckpt=int(save_ckpt), save_final=int(save_final))  # fmt: skip
-    k = _kernel(gpu, "gated_delta_forward", "rrrwwwu", Dk, -(-Dv // jb))
+    k = _kernel(gpu, "gated_delta_forward", "rrrwwwu", Dk, Dv)
     init = state_in if state_in is not None else v  # any buffer: not read when has_init is 0
-    return Call([(k, gpu.bind(k, qkgb, v, init, o, r, states, p), B * Hv * jb)], [p])
+    return Call([(k, gpu.bind(k, qkgb, v, init, o, r, states, p), B * Hv)], [p])
 
 
 def gated_delta_backward(
     gpu: Gpu, dqk, dv, dgb, scratch, states, qkgb, r, do, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int,
-    *, tc: int, v_off: int = 0, v_stride: int | None = None, jb: int | None = None,
+    *, tc: int, v_off: int = 0, v_stride: int | None = None,
 ) -> Call:  # fmt: skip
     """From do (B*T, Hv, Dv) and the forward's r and checkpoints: dqk = [dq; dk] (dk at float
-    `align_floats(B*T*Hv*jb*Dk)`), each (B*T, Hv, jb, Dk): per value head and column block (a key head's
-    gradient is the sum of its G·jb parts: `gdn_inputs.l2norm_backward` adds them; `jb` as the forward's),
-    dv written like v (`v_off`, `v_stride`), dgb
+    `align_floats(B*T*Hv*Dk)`), each (B*T, Hv, Dk) per VALUE head (a key head's gradient is the sum over its
+    value heads: `gdn_inputs.l2norm_backward` adds them), dv written like v (`v_off`, `v_stride`), dgb
     (B*T, Hv, 2, Dv): per-column terms of dg (0) and dbeta (1), whose sums over the Dv columns are the
     gradients (`gdn_inputs.gates_backward`). `scratch`: `scratch_floats` (any layer's backward may share it)."""
     B, T, Hk, Hv, Dk, Dv, tc = (int(x) for x in (B, T, Hk, Hv, Dk, Dv, tc))
     _check_sizes("gated_delta_backward", B, T, Hk, Hv, tc)
     N = B * T
     v_stride = Hv * Dv if v_stride is None else int(v_stride)
-    jb = _blocks(jb, B, Hv, Dv)
-    _need("gated_delta_backward", dqk=(dqk, qk_floats(N, Hv * jb, Dk)), dv=(dv, v_off + (N - 1) * v_stride + Hv * Dv),
+    _need("gated_delta_backward", dqk=(dqk, qk_floats(N, Hv, Dk)), dv=(dv, v_off + (N - 1) * v_stride + Hv * Dv),
           dgb=(dgb, 2 * N * Hv * Dv), scratch=(scratch, scratch_floats(B, Hv, Dk, Dv, tc)),
           states=(states, states_floats(B, Hv, Dk, Dv, T, tc)), qkgb=(qkgb, qkgb_floats(N, Hk, Hv, Dk)),
           r=(r, N * Hv * Dv), do=(do, N * Hv * Dv))  # fmt: skip
-    p = _uniform(gpu, "gated_delta_backward", B, T, Hk, Hv, Dk, Dv, tc, v_off, v_stride, jb,
-                 dk_off=align_floats(N * Hv * jb * Dk))  # fmt: skip
-    k = _kernel(gpu, "gated_delta_backward", "rrrrwwwwu", Dk, -(-Dv // jb))
-    return Call([(k, gpu.bind(k, qkgb, r, do, states, scratch, dqk, dv, dgb, p), B * Hv * jb)], [p])
+    p = _uniform(gpu, "gated_delta_backward", B, T, Hk, Hv, Dk, Dv, tc, v_off, v_stride,
+                 dk_off=align_floats(N * Hv * Dk))  # fmt: skip
+    k = _kernel(gpu, "gated_delta_backward", "rrrrwwwwu", Dk, Dv)
+    return Call([(k, gpu.bind(k, qkgb, r, do, states, scratch, dqk, dv, dgb, p), B * Hv)], [p])
