@@ -105,11 +105,17 @@ def _layers(config: Any) -> dict | None:
         cfg = None
     if cfg is None:
         return None
-    types = [cfg.layer_type(i) for i in range(cfg.n_layers)]
+    if cfg.layer_types is not None:  # as long as the header, which the reader bounds
+        types, counts = (
+            list(cfg.layer_types),
+            {t: cfg.layer_types.count(t) for t in dict.fromkeys(cfg.layer_types)},
+        )
+    else:  # a header's n_layers may be anything: no list of that length is built
+        types, counts = None, {"full_attention": cfg.n_layers}
     return {
         "n_layers": cfg.n_layers,
-        "types": types,
-        "counts": {t: types.count(t) for t in dict.fromkeys(types)},
+        "types": types,  # per block; None for a plain transformer (every block full attention)
+        "counts": counts,
         "attn_output_gate": cfg.attn_output_gate,
         "rope_dim": cfg.rope_dim,
         "head_dim": cfg.head_dim,
@@ -119,14 +125,16 @@ def _layers(config: Any) -> dict | None:
 
 def _layers_line(lay: dict) -> str:
     """`3 blocks LLF: 2 linear_attention (Gated DeltaNet), 1 full_attention (softmax attention, gated, RoPE on 2
-    of 8 dims); draft: full_attention (...)`, one letter per block in the pattern."""
+    of 8 dims); draft: full_attention (...)`: a hybrid's pattern has one letter per block."""
     full = MIXER_NAMES["full_attention"] + (", gated" if lay["attn_output_gate"] else "")
     if lay["rope_dim"] != lay["head_dim"]:
         full += f", RoPE on {lay['rope_dim']} of {lay['head_dim']} dims"
     what = {"linear_attention": MIXER_NAMES["linear_attention"], "full_attention": full}
-    pattern = "".join("L" if t == "linear_attention" else "F" for t in lay["types"])
+    head = f"{lay['n_layers']} blocks"
+    if lay["types"]:  # a hybrid's pattern, one letter per block
+        head += " " + "".join("L" if t == "linear_attention" else "F" for t in lay["types"])
     kinds = ", ".join(f"{n} {t} ({what[t]})" for t, n in lay["counts"].items())
-    line = f"{lay['n_layers']} blocks {pattern}: {kinds}"
+    line = f"{head}: {kinds}"
     return line + (f"; draft: full_attention ({full})" if lay["draft"] else "")
 
 

@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 
 from ddl_ref import mtp as ref_mtp
+from ddl_ref.config import preset
 from ddl_wgpu import heal
+from ddl_wgpu.container import save
+from ddl_wgpu.inspect import describe
 from ddl_wgpu.modelfile import load_model
 
 SIZES = ["--vocab-size", "256", "--d-model", "32", "--n-layers", "3", "--n-heads", "2", "--n-kv-heads", "1",
@@ -69,7 +72,22 @@ def test_the_default_arch_builds_todays_models_bit_for_bit(tmp_path, cli, ok):
     a, b = (_json(ok(cli("inspect", tmp_path / f, "--json"))) for f in ("a.ddlw", "b.ddlw"))
     assert [t["hash"] for t in a["tensors"]] == [t["hash"] for t in b["tensors"]]
     assert a["config"] == b["config"] and a["config"]["layer_types"] is None
-    assert a["layers"]["types"] == ["full_attention"] * 3
+    assert a["layers"]["types"] is None and a["layers"]["counts"] == {"full_attention": 3}
+    assert (
+        "layers      3 blocks: 3 full_attention (softmax attention)\n"
+        in ok(cli("inspect", tmp_path / "a.ddlw")).stdout
+    )
+
+
+def test_inspect_summarises_a_header_of_any_depth_without_listing_it(tmp_path):
+    """A header may claim any number of blocks (inspect shows hostile files too): the layer summary counts
+    them without building a list that long, and a header whose config is no model config has none."""
+    cfg = {**preset("tiny").to_dict(), "n_layers": 10**12}
+    save(tmp_path / "deep.ddlw", [("x", np.zeros(4, np.float32), "f32")], config=cfg)
+    lay = describe(tmp_path / "deep.ddlw")["layers"]
+    assert lay["counts"] == {"full_attention": 10**12} and lay["types"] is None
+    save(tmp_path / "odd.ddlw", [("x", np.zeros(4, np.float32), "f32")], config={"n_layers": "many"})
+    assert describe(tmp_path / "odd.ddlw")["layers"] is None
 
 
 @pytest.mark.parametrize("command", ["init", "train"])
