@@ -11,15 +11,17 @@ export OPENBLAS_NUM_THREADS ?= 1
 
 # The main job on the embedded corpus: a baseline vs DDL sweep on Python's stdlib sources, the ranked table,
 # report and plots under runs/demo/; then the heal story (scripts/heal_story.sh): train --mtp, compress, accept
-# (drops), heal, accept (recovers), generate, under runs/demo/heal/. 3 min 13 s in all on a fresh clone of the
-# 2-core development machine, about 2 min of it the heal story (its 1000 training steps: README).
+# (drops), heal, accept (recovers), generate, under runs/demo/heal/; then the same on a Qwen3.5-family hybrid
+# (scripts/heal_story_hybrid.sh, runs/demo/heal-hybrid/). 4 min 2 s in all on a fresh clone of the 2-core
+# development machine: the heal story about 2 min (its 1000 training steps), the hybrid's about 1 min 8 s (300
+# steps: a numpy step of the hybrid costs about 1.5 of the transformer's), the sweep and .venv the rest (README).
 DEMO_ARGS ?= --data stdlib --variants baseline,ddl,ddl-cc --preset tiny --max-steps 60 --eval-interval 20 \
 	--eval-batches 4 --batch-size 8 --seq-len 128 --learning-rate 3e-3 --warmup-steps 5 --max-tokens 2000000
 
 # Run a second time with DDL_WGPU_LIMITS=webgpu (WebGPU's default limits instead of the adapter's): every kernel
 # has a path within them (docs/wgpu-notes.md).
 PORTABLE_TESTS = tests/test_engine*.py tests/test_kernel_*.py tests/test_chain_attention.py tests/test_mtp_train.py \
-	tests/test_heal_gpu.py tests/test_gpu.py tests/test_entry_points.py tests/test_generate_gpu*.py
+	tests/test_heal_gpu.py tests/test_heal_hybrid.py tests/test_gpu.py tests/test_entry_points.py tests/test_generate_gpu*.py
 
 # BOOTSTRAP and DDL let a host without network run the same targets on its own Python (BENCHMARKS.md: on the
 # H200, `make demo BOOTSTRAP=true DDL="python3 -m ddl_wgpu.cli"`).
@@ -33,7 +35,9 @@ demo:
 	$(DDL) train $(DEMO_ARGS) --out runs/demo
 	@echo; echo "== the heal story: train --mtp, compress, accept (drops), heal, accept (recovers)"
 	scripts/heal_story.sh "$(DDL)" runs/demo/heal
-	@echo; echo "outputs: runs/demo/report.json (ranked sweep), runs/demo/*.png (plots), runs/demo/VARIANT/ (reports, checkpoints), runs/demo/heal/ (the heal story)"
+	@echo; echo "== the heal story on a hybrid (Qwen3.5-family) model: train --arch qwen3_5 --mtp, compress, accept (drops), heal, accept (recovers)"
+	scripts/heal_story_hybrid.sh "$(DDL)" runs/demo/heal-hybrid
+	@echo; echo "outputs: runs/demo/report.json (ranked sweep), runs/demo/*.png (plots), runs/demo/VARIANT/ (reports, checkpoints), runs/demo/heal/ (the heal story), runs/demo/heal-hybrid/ (on a hybrid)"
 
 test:
 	@EXTRAS=test,plot,hf scripts/bootstrap.sh

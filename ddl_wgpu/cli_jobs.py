@@ -33,6 +33,7 @@ from ddl_wgpu.cli_checks import (
     sweep_backend,
 )
 from ddl_wgpu.cli_options import (
+    Arch,
     BackendOpt,
     ChainAttention,
     DeviceOpt,
@@ -118,6 +119,7 @@ def train(
         DEFAULT_MAX_TOKENS, "--max-tokens", help="Read at most this many tokens per spec (0: all)."
     ),
     preset: str = opt("tiny", "Size preset: tiny, small, medium."),
+    arch: Arch = "transformer",
     vocab_size: VocabSize = None,
     d_model: DModel = None,
     n_layers: NLayers = None,
@@ -180,7 +182,7 @@ def train(
     in_range("stop-after", stop_after, 0)
     in_range("max-tokens", max_tokens, 0)
     in_range("val-fraction", val_fraction, 0.0, 1.0)
-    base = model_config(preset, locals(), mtp)
+    base = model_config(preset, locals(), mtp, arch)
     tcfg = train_lib.TrainingConfig(
         max_steps=max_steps,
         eval_interval=eval_interval,

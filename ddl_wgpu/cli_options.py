@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from ddl_ref.config import MtpConfig
+from ddl_ref.config import ARCHES, ConfigError, MtpConfig, apply_arch
 from ddl_ref.config import preset as make_preset
 from ddl_wgpu.backend import BackendChoice
 
@@ -102,10 +102,31 @@ MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "h
                 "max_seq_len", "rope_theta", "qk_norm", "norm_style", "tie_embeddings")  # fmt: skip
 
 
-def model_config(preset: str, options: dict, mtp: bool = False):
-    """The preset with every model option the user gave (`options`: a command's locals()) applied, and an MTP
-    draft when `mtp`."""
-    cfg = make_preset(preset, **{k: options[k] for k in MODEL_FIELDS if options.get(k) is not None})
+Arch = Annotated[
+    str,
+    typer.Option(
+        "--arch",
+        help="transformer (the plain decoder) or qwen3_5 (the Qwen3.5 hybrid at the preset's sizes: Gated DeltaNet "
+        "layers with a gated full-attention layer every 4th and the last, zero-centred norms, partial RoPE).",
+        rich_help_panel=MODEL_HELP,
+    ),
+]
+# what an architecture decides itself: a model option that says otherwise is refused, not silently replaced
+ARCH_FIXED = ("norm_style", "qk_norm")
+
+
+def model_config(preset: str, options: dict, mtp: bool = False, arch: str = "transformer"):
+    """The preset with every model option the user gave (`options`: a command's locals()) applied, built as
+    architecture `arch` (`ddl_ref.config.apply_arch`: sizes kept), and an MTP draft when `mtp`."""
+    given = {k: options[k] for k in MODEL_FIELDS if options.get(k) is not None}
+    if arch not in ARCHES:
+        raise ConfigError(f"--arch must be one of {', '.join(ARCHES)}, got {arch!r}")
+    cfg = apply_arch(make_preset(preset, **given), arch)
+    for k in ARCH_FIXED:
+        if k in given and given[k] != getattr(cfg, k):
+            flag = "--" + k.replace("_", "-")
+            raise ConfigError(f"--arch {arch} builds {flag} {getattr(cfg, k)}; {flag} {given[k]} contradicts it "
+                              f"(leave {flag} out, or use --arch transformer)")  # fmt: skip
     return replace(cfg, mtp=MtpConfig()) if mtp else cfg
 
 

@@ -58,11 +58,14 @@ class DraftWork(Blocks):
         self._bwd = self.backward_calls()
 
     def _rope_tables(self):
-        """Stacked chain steps: row (σ−1)·W + p sits at position p + σ − 1."""
+        """Stacked chain steps: row (σ−1)·W + p sits at position p + σ − 1. The tables have the rotated width
+        (`cfg.rope_dim`, as the causal tables of `Blocks`): a partial-RoPE draft (Qwen3.5's) rotates only its
+        first rope_dim dims, with the frequencies of a head of that width."""
         if not self.chain:
             return super()._rope_tables()
         positions = ref_ops.chain_positions(self.chain, self.T // self.chain)
-        return ref_ops.rope_tables_at(positions, self.cfg.head_dim, self.cfg.rope_theta, np.float64)
+        cfg = self.cfg
+        return ref_ops.rope_tables_at(positions, cfg.head_dim, cfg.rope_theta, np.float64, cfg.rope_dim)
 
     def attend(self, a: dict) -> Call:
         """Causal attention, or with `chain` the runtime's diagonal mask over windows of T / chain rows."""

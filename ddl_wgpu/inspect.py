@@ -12,6 +12,8 @@ import math
 import os
 from typing import Any
 
+from ddl_ref.config import ConfigError, ModelConfig
+
 from .container import Checkpoint, open_checkpoint
 
 __all__ = ["describe", "render_text"]
@@ -38,8 +40,9 @@ def describe(path: str | os.PathLike, verify: bool = False) -> dict:
     element counts), tensor_bytes, dtypes ({dtype: {"tensors", "params", "nbytes"}}), config, metadata,
     provenance, has_tokenizer, tokenizer_bytes, shard (None, or {"count", "set_id"}), tensors (list of
     {name, dtype, shape, nbytes, hash, file}), header_checksum (True when the format has one: it was checked
-    on opening) and verified (True when `verify` ran and passed; a failed
-    verification raises CheckpointError).
+    on opening), verified (True when `verify` ran and passed; a failed
+    verification raises CheckpointError) and layers (the blocks' token mixers, `_layers`; None without a
+    valid model config).
     """
     with open_checkpoint(path) as ck:
         return _describe(ck, path, verify)
@@ -85,7 +88,54 @@ def _describe(ck: Checkpoint, path: str | os.PathLike, verify: bool) -> dict:
         "shard": None if shard is None else {"count": shard["count"], "set_id": shard["set_id"]},
         "tensors": tensors,
         "verified": bool(verify),
+        "layers": _layers(ck.config),
     }
+
+
+MIXER_NAMES = {"linear_attention": "Gated DeltaNet", "full_attention": "softmax attention"}
+
+
+def _layers(config: Any) -> dict | None:
+    """The blocks' token mixers of a model config (a hybrid trunk's per-layer types, the full attention's
+    output gate and rotated dims, the draft's block), or None when the header holds no valid model config
+    (a header is shown whatever it holds; its config is only summarised when it is one)."""
+    try:
+        cfg = ModelConfig.from_dict(dict(config)) if isinstance(config, dict) else None
+    except (ConfigError, TypeError, ValueError):
+        cfg = None
+    if cfg is None:
+        return None
+    if cfg.layer_types is not None:  # as long as the header, which the reader bounds
+        types, counts = (
+            list(cfg.layer_types),
+            {t: cfg.layer_types.count(t) for t in dict.fromkeys(cfg.layer_types)},
+        )
+    else:  # a header's n_layers may be anything: no list of that length is built
+        types, counts = None, {"full_attention": cfg.n_layers}
+    return {
+        "n_layers": cfg.n_layers,
+        "types": types,  # per block; None for a plain transformer (every block full attention)
+        "counts": counts,
+        "attn_output_gate": cfg.attn_output_gate,
+        "rope_dim": cfg.rope_dim,
+        "head_dim": cfg.head_dim,
+        "draft": "full_attention" if cfg.mtp is not None else None,  # a draft block is always full attention
+    }
+
+
+def _layers_line(lay: dict) -> str:
+    """`3 blocks LLF: 2 linear_attention (Gated DeltaNet), 1 full_attention (softmax attention, gated, RoPE on 2
+    of 8 dims); draft: full_attention (...)`: a hybrid's pattern has one letter per block."""
+    full = MIXER_NAMES["full_attention"] + (", gated" if lay["attn_output_gate"] else "")
+    if lay["rope_dim"] != lay["head_dim"]:
+        full += f", RoPE on {lay['rope_dim']} of {lay['head_dim']} dims"
+    what = {"linear_attention": MIXER_NAMES["linear_attention"], "full_attention": full}
+    head = f"{lay['n_layers']} blocks"
+    if lay["types"]:  # a hybrid's pattern, one letter per block
+        head += " " + "".join("L" if t == "linear_attention" else "F" for t in lay["types"])
+    kinds = ", ".join(f"{n} {t} ({what[t]})" for t, n in lay["counts"].items())
+    line = f"{head}: {kinds}"
+    return line + (f"; draft: full_attention ({full})" if lay["draft"] else "")
 
 
 def _human(n: int) -> str:
@@ -140,6 +190,8 @@ def render_text(desc: dict) -> str:
         f"dtypes      {dt or '(none)'}",
         f"tokenizer   {_human(desc['tokenizer_bytes']) if desc['has_tokenizer'] else '(none)'}",
     ]
+    if desc.get("layers"):
+        lines.append(f"layers      {_layers_line(desc['layers'])}")
     if desc.get("verified"):
         what = "header checksum and all tensor hashes match"
         if not desc["header_checksum"]:
