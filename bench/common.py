@@ -18,6 +18,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -28,6 +29,14 @@ if str(ROOT) not in sys.path:
 # NVIDIA H200 SXM reference numbers (docs/wgpu-notes.md#h200-reference-numbers)
 H200_FP32_TFLOPS = 66.9  # non-tensor FMA peak
 H200_HBM_GBS = 4300.0  # measured device-to-device copy (read + write bytes); datasheet 4800
+
+
+def attempt(measure, *args) -> dict:
+    """One measurement's result, or its error (the other runs still go on; the JSON records the failure)."""
+    try:
+        return measure(*args)
+    except Exception as e:
+        return {"error": f"{e.__class__.__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
 
 
 def now_iso() -> str:

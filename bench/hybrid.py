@@ -35,7 +35,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -223,7 +222,7 @@ def bench_train(gpu, args) -> dict:
     out = {"params": num_params(cfg), "batch": B, "seq": T, "layer_types": list(cfg.layer_types), "runs": {}}
     print(f"train: {out['params'] / 1e6:.1f}M parameters, {B} x {T}", flush=True)
     runs = out["runs"]
-    runs["ddl-wgpu"] = _attempt(bench_engine_train, gpu, cfg, params, ids, args.steps, args.warmup)
+    runs["ddl-wgpu"] = common.attempt(bench_engine_train, gpu, cfg, params, ids, args.steps, args.warmup)
     print(f"  ddl-wgpu: {_brief(runs['ddl-wgpu'])}", flush=True)
     for kernels in ("fla", "eager"):
         runs[f"transformers fp32 {kernels}"] = r = run_peer(args, kernels)
@@ -397,13 +396,6 @@ def bench_kernel(gpu, args) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _attempt(measure, *args) -> dict:
-    try:
-        return measure(*args)
-    except Exception as e:
-        return {"error": f"{e.__class__.__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
-
-
 def _brief(r: dict) -> str:
     if "error" in r:
         return "ERROR " + r["error"][:300]
@@ -445,7 +437,7 @@ def main(argv=None) -> int:
     parts = ["kernel", "train", "forward27b"] if args.what == "all" else [args.what]
     for part in parts:
         fn = {"train": bench_train, "forward27b": bench_forward27b, "kernel": bench_kernel}[part]
-        data[part] = _attempt(fn, gpu, args)
+        data[part] = common.attempt(fn, gpu, args)
         if "error" in data[part]:
             print(f"{part}: ERROR {data[part]['error']}\n{data[part].get('traceback', '')}", flush=True)
     data["wall_s"] = time.perf_counter() - t0

@@ -25,7 +25,6 @@ import gc
 import math
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -263,7 +262,7 @@ def main(argv=None) -> int:
         entry = {"variant": vname, "params": num_params(cfg), "flops_per_token": fpt, "runs": {}}
         print(f"{vname}: {entry['params'] / 1e6:.1f}M parameters, batch {B} x {T}", flush=True)
         runs = entry["runs"]
-        runs["ddl-wgpu"] = _attempt(bench_engine, gpu, cfg, params, ids, args)
+        runs["ddl-wgpu"] = common.attempt(bench_engine, gpu, cfg, params, ids, args)
         print(f"  ddl-wgpu: {_brief(runs['ddl-wgpu'])}", flush=True)
         if torch is not None:
             try:
@@ -272,7 +271,7 @@ def main(argv=None) -> int:
                 entry["torch_init_loss_error"] = f"{e.__class__.__name__}: {e}"
             modes = [("torch fp32", False)] + ([] if args.no_bf16 else [("torch bf16 autocast", True)])
             for name, bf16 in modes:
-                runs[name] = _attempt(bench_torch, torch, tdev, cfg, params, ids, args, bf16)
+                runs[name] = common.attempt(bench_torch, torch, tdev, cfg, params, ids, args, bf16)
                 print(f"  {name}: {_brief(runs[name])}", flush=True)
                 common.torch_free(torch, tdev)
         # the same-run correctness gate: initial losses must agree
@@ -339,14 +338,6 @@ def main(argv=None) -> int:
         f"total {data['wall_s']:.0f}s; {'all checks passed' if not failed else 'FAILED: ' + '; '.join(failed)}"
     )
     return 1 if failed else 0
-
-
-def _attempt(measure, *args) -> dict:
-    """One measurement's result, or its error (the other runs still go on; the JSON records the failure)."""
-    try:
-        return measure(*args)
-    except Exception as e:
-        return {"error": f"{e.__class__.__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
 
 
 def _brief(r: dict) -> str:

@@ -62,21 +62,22 @@ def check(name: str, got: np.ndarray, ref: np.ndarray, kind: str = "elementwise"
     return float(err.max()) if err.size else 0.0
 
 
-def numeric_grad(f: Callable[[], float], x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """Central differences of the scalar f() w.r.t. x, perturbing x in place (restored afterwards)."""
+def numeric_grad(f: Callable[[], float], x: np.ndarray, eps: float = 1e-6, at=None) -> np.ndarray:
+    """Central differences of the scalar f() w.r.t. x, perturbing x in place (restored afterwards). `at`: only
+    these flat indices (the result is then their 1-D gradient), for models whose every entry costs too much."""
     assert x.dtype == np.float64, "finite differences need float64"
-    g = np.zeros_like(x)
     flat = x.reshape(-1)  # a view: writing to it perturbs x
-    gflat = g.reshape(-1)
-    for i in range(flat.size):
+    idx = range(flat.size) if at is None else at
+    g = np.zeros(len(idx))
+    for j, i in enumerate(idx):
         old = flat[i]
         flat[i] = old + eps
         fp = f()
         flat[i] = old - eps
         fm = f()
         flat[i] = old
-        gflat[i] = (fp - fm) / (2.0 * eps)
-    return g
+        g[j] = (fp - fm) / (2.0 * eps)
+    return g.reshape(x.shape) if at is None else g
 
 
 def rel_error(analytic: np.ndarray, numeric: np.ndarray) -> tuple[float, float]:

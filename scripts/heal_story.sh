@@ -35,28 +35,11 @@ DIR=${2:-runs/demo/heal}
 BACKEND=${3:-auto}
 TRAINED=$DIR/train/baseline/checkpoint.ddlw
 ACCEPT="--data stdlib --depth 3 --tokens 20000 --backend $BACKEND"
+WHAT=model
 PROMPT=$'class Context(object):\n    def __init__(self'
 
 $CLI train --data stdlib --variants baseline --preset tiny --n-layers 3 --mtp --mtp-weight 0.3 --max-steps 1000 \
   --eval-interval 250 --eval-batches 4 --batch-size 8 --seq-len 128 --learning-rate 2e-2 --warmup-steps 30 \
   --max-tokens 400000 --no-plots --backend "$BACKEND" --overwrite --out "$DIR/train"
 $CLI compress "$TRAINED" --ffn-keep 0.75 --force --out "$DIR/compressed.ddlw"
-$CLI accept "$TRAINED" $ACCEPT --json > "$DIR/accept_trained.json"
-$CLI accept "$DIR/compressed.ddlw" $ACCEPT --json > "$DIR/accept_compressed.json"
-$CLI heal "$DIR/compressed.ddlw" --init "$TRAINED" --data stdlib --tokens 40000 --lr 1e-3 --backend "$BACKEND" \
-  --force --out "$DIR/healed.ddlw"
-$CLI accept "$DIR/healed.ddlw" $ACCEPT --json > "$DIR/accept_healed.json"
-echo
-echo "the healed model continues a prompt (greedy, without and with its draft: the same text; the summary"
-echo "lines on standard error give the tokens/s and the draft's acceptance):"
-printf '%s' "$PROMPT"
-echo
-for spec in "" "--speculative --depth 3"; do
-  echo "--- ${spec:-plain}:"
-  $CLI generate "$DIR/healed.ddlw" --prompt "$PROMPT" --max-new-tokens 80 --backend "$BACKEND" $spec
-  echo
-done
-echo
-echo "greedy acceptance of the draft chained 3 deep, prefix A_j per depth:"
-$CLI accept-table trained="$DIR/accept_trained.json" compressed="$DIR/accept_compressed.json" \
-  healed="$DIR/accept_healed.json"
+source "$(dirname "$0")/heal_and_show.sh"

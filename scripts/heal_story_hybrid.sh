@@ -36,6 +36,7 @@ BACKEND=${3:-auto}
 TRAINED=$DIR/train/baseline/checkpoint.ddlw
 ACCEPT="--data stdlib --depth 3 --tokens 20000 --backend $BACKEND"
 EVAL="--data stdlib --max-tokens 20000 --backend $BACKEND"
+WHAT=hybrid
 PROMPT='    def __init__(self, '
 
 $CLI train --data stdlib --arch qwen3_5 --variants baseline --preset tiny --n-layers 3 --mtp --mtp-weight 0.3 \
@@ -46,22 +47,4 @@ $CLI compress "$TRAINED" --ffn-keep 0.5 --force --out "$DIR/compressed.ddlw"
 echo "the trunk's loss on the first 20k bytes, trained and compressed:"
 $CLI eval "$TRAINED" $EVAL
 $CLI eval "$DIR/compressed.ddlw" $EVAL
-$CLI accept "$TRAINED" $ACCEPT --json > "$DIR/accept_trained.json"
-$CLI accept "$DIR/compressed.ddlw" $ACCEPT --json > "$DIR/accept_compressed.json"
-$CLI heal "$DIR/compressed.ddlw" --init "$TRAINED" --data stdlib --tokens 40000 --lr 1e-3 --backend "$BACKEND" \
-  --force --out "$DIR/healed.ddlw"
-$CLI accept "$DIR/healed.ddlw" $ACCEPT --json > "$DIR/accept_healed.json"
-echo
-echo "the healed hybrid continues a prompt (greedy, without and with its draft: the same text; the summary"
-echo "lines on standard error give the tokens/s and the draft's acceptance):"
-printf '%s' "$PROMPT"
-echo
-for spec in "" "--speculative --depth 3"; do
-  echo "--- ${spec:-plain}:"
-  $CLI generate "$DIR/healed.ddlw" --prompt "$PROMPT" --max-new-tokens 80 --backend "$BACKEND" $spec
-  echo
-done
-echo
-echo "greedy acceptance of the hybrid's draft chained 3 deep, prefix A_j per depth:"
-$CLI accept-table trained="$DIR/accept_trained.json" compressed="$DIR/accept_compressed.json" \
-  healed="$DIR/accept_healed.json"
+source "$(dirname "$0")/heal_and_show.sh"

@@ -1,6 +1,7 @@
 """What several test modules share, as plain functions (not a test module: nothing here is collected, and no
 test module imports another). The one factory of tiny model configurations (`tiny_cfg`) and the tiny
-models built from it (`random_model`, `perturbed`, `make_model`), and the heal tests' text (`make_text`).
+models built from it (`random_model`, `perturbed`, `make_model`), the heal tests' text (`make_text`), the engine
+tests' gradient check (`check_grads`) and the speculative-sampling check (`check_speculative_sampling`).
 
 `tiny_cfg(shape, variant, **overrides)`: the sizes of `SHAPES[shape]`, then `overrides`, then `variant`'s
 residual fields (`ModelVariant.resolve_config`). Each shape is small for a reason the tests rely on (its
@@ -104,3 +105,95 @@ def make_model(path, cfg: ModelConfig, seed: int = 0):
     """A tiny model with a perturbed draft, saved to `path`."""
     save_model(path, Model(cfg, perturbed(cfg, seed)))
     return path
+
+
+# Chi-square critical value at p = 0.001 with 26 degrees of freedom (27 cells: 3 tokens of a vocabulary of 3).
+CHI2_26_P001 = 54.05
+
+
+def _chi2(counts, probs):
+    expected = probs * counts.sum()
+    return float(np.sum((counts - expected) ** 2 / expected))
+
+
+def check_speculative_sampling(model: Model, gen, n: int) -> None:
+    """The first three tokens `gen(model, prompt, depth=2, sampling=, max_new=4)` draws over `n` seeds against
+    the trunk's exact joint P(x1) P(x2 | x1) P(x3 | x1, x2) (float64, a vocabulary of 3, temperature 0.8). x1
+    comes from the prefill; the first round drafts two tokens, so x2 and x3 are kept drafts, residual draws
+    after a rejection at depth 1 or 2, or the bonus token: every path of the acceptance runs. The statistic
+    first rejects the draft chain's own joint by a wide margin (what a rule that always keeps drafts yields),
+    so the check can fail."""
+    from ddl_ref import model as ref_model
+    from ddl_wgpu.generate import Sampling, distribution
+    from ddl_wgpu.refnet import RefEngine
+
+    V = model.cfg.vocab_size
+    assert V == 3
+    params64 = {k: v.astype(np.float64) for k, v in model.params.items()}
+    prompt, s = [1, 2], Sampling(temperature=0.8)
+
+    def trunk_next(ids):
+        return distribution(ref_model.forward(params64, model.cfg, np.array([ids]))[0][0, -1], s)
+
+    joint, qjoint = np.zeros((V, V, V)), np.zeros((V, V, V))
+    p1 = trunk_next(prompt)
+    for x1 in range(V):
+        for x2 in range(V):
+            joint[x1, x2] = p1[x1] * trunk_next([*prompt, x1])[x2] * trunk_next([*prompt, x1, x2])
+            engine = RefEngine(model, 2)
+            engine.feed(prompt, "logits")
+            _, (q1, q2) = engine.draft(x1, 2, "logits", lambda row, x2=x2: x2)  # the chain given d1 = x2
+            qjoint[x1, x2] = p1[x1] * distribution(q1, s)[x2] * distribution(q2, s)
+    assert _chi2(qjoint.ravel() * n, joint.ravel()) > 4 * CHI2_26_P001  # the draft alone is far off
+    counts = np.zeros(V**3)
+    for seed in range(n):
+        out = gen(model, prompt, depth=2, sampling=Sampling(temperature=0.8, seed=seed), max_new=4)
+        x1, x2, x3 = out["token_ids"][:3]
+        counts[(x1 * V + x2) * V + x3] += 1
+    assert _chi2(counts, joint.ravel()) < CHI2_26_P001
+
+
+def check_draft_step(p: dict, cfg: ModelConfig, batch: int, window: int, chain: int = 0) -> None:
+    """One draft step on the GPU (`WgpuDraft`) against `RefDraft` and the float64 reference on weights `p`: the
+    loss, every gradient, three Adam steps, the trained tensors and the output rows (of a partial batch).
+    chain > 0: the stacked rows of two chain steps of `window` tokens, RoPE at positions p + σ − 1, the loss on
+    the last step's rows only (as heal stacks them)."""
+    import pytest
+
+    from ddl_ref import mtp as ref_mtp
+    from ddl_wgpu import backend
+    from ddl_wgpu.heal_gpu import WgpuDraft
+    from ddl_wgpu.refnet import RefDraft
+
+    rng = np.random.default_rng(3)
+    B, T, k = batch, 2 * window if chain else window, 8
+    x = rng.standard_normal((B, T, cfg.d_model)).astype(np.float32)
+    tid = rng.integers(0, 256, (B, T, k))
+    tp = rng.random((B, T, k)).astype(np.float32)
+    w = (rng.random((B, T)) < 0.8).astype(np.float32)
+    if chain:
+        w[:, :window] = 0.0
+    kw = {"chain": chain} if chain else {}
+    ref, gpu_d = RefDraft(p, cfg), WgpuDraft(backend.open_gpu(), p, cfg, batch=B)
+    assert gpu_d.loss_sum(x, tid, tp, w, **kw) == pytest.approx(ref.loss_sum(x, tid, tp, w, **kw), rel=1e-5)
+    p64 = {n: a.astype(np.float64) for n, a in p.items()}
+    kl, cache = ref_mtp.draft_kl_forward(p64, cfg, x.astype(np.float64), tid, tp, w, chain)
+    _dx, rgrads = ref_mtp.draft_kl_backward(p64, cfg, cache, 1.0 / w.sum())
+    for step in range(1, 4):
+        rl, rn, rf = ref.step(x, tid, tp, w, 1e-2, step, 4096.0, **kw)
+        gl, gn, gf = gpu_d.step(x, tid, tp, w, 1e-2, step, 4096.0, **kw)
+        assert rf and gf
+        assert gl == pytest.approx(rl, rel=1e-4) and gn == pytest.approx(rn, rel=1e-4)
+        if step == 1:
+            assert gl == pytest.approx(kl / w.sum(), rel=1e-5)
+            got = gpu_d.grads()
+            assert set(got) == set(rgrads)
+            for n, g in rgrads.items():
+                scale = max(np.abs(g).max(), 1e-4)
+                np.testing.assert_allclose(got[n] / scale, g / scale, atol=2e-5, err_msg=n)
+    a, b = ref.export(), gpu_d.export()
+    for n in a:
+        np.testing.assert_allclose(b[n], a[n], rtol=1e-3, atol=1e-5, err_msg=n)
+    pairs = zip(gpu_d.hidden_out(x[:1], chain), ref.hidden_out(x[:1], chain), strict=True)  # pre-, post-norm
+    for got, want in pairs:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

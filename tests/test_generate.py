@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import random_model, tiny_cfg
+from helpers import check_speculative_sampling, random_model, tiny_cfg
 
 from ddl_ref import decode, mtp
 from ddl_ref import model as ref_model
@@ -217,47 +217,10 @@ def test_distribution_filters():
     np.testing.assert_allclose(hot, np.array([1, 16, 4, 9]) / 30)
 
 
-# Chi-square critical value at p = 0.001 with 26 degrees of freedom (27 cells: 3 tokens of a vocabulary of 3).
-CHI2_26_P001 = 54.05
-
-
-def _chi2(counts, probs):
-    expected = probs * counts.sum()
-    return float(np.sum((counts - expected) ** 2 / expected))
-
-
 def test_speculative_sampling_preserves_trunk_distribution():
-    """The first three generated tokens against the trunk's exact joint P(x1) P(x2 | x1) P(x3 | x1, x2), over
-    many seeds. x1 comes from the prefill; the first round drafts two tokens, so x2 and x3 are kept drafts,
-    residual draws after a rejection at depth 1 or 2, or the bonus token: every path of the acceptance runs.
-    The same statistic rejects tokens drawn from the draft chain alone, so the test can fail (it does when
-    drafts are always kept, or when a rejection draws from P instead of the residual)."""
-    V = 3
-    model = random_model(tiny_cfg("generate", "baseline", vocab_size=V, max_seq_len=8, mtp=MtpConfig()), 2)
-    params64 = {k: v.astype(np.float64) for k, v in model.params.items()}
-    prompt = [1, 2]
-    s = Sampling(temperature=0.8)
-
-    def trunk_next(ids):
-        return distribution(ref_model.forward(params64, model.cfg, np.array([ids]))[0][0, -1], s)
-
-    joint, qjoint = np.zeros((V, V, V)), np.zeros((V, V, V))
-    p1 = trunk_next(prompt)
-    for x1 in range(V):
-        for x2 in range(V):
-            joint[x1, x2] = p1[x1] * trunk_next([*prompt, x1])[x2] * trunk_next([*prompt, x1, x2])
-            engine = RefEngine(model, 2)
-            engine.feed(prompt, "logits")
-            _, (q1, q2) = engine.draft(x1, 2, "logits", lambda row, x2=x2: x2)  # the chain given d1 = x2
-            qjoint[x1, x2] = p1[x1] * distribution(q1, s)[x2] * distribution(q2, s)
-    n = 4000
-    assert _chi2(qjoint.ravel() * n, joint.ravel()) > 4 * CHI2_26_P001  # the draft alone is far off
-    counts = np.zeros(V**3)
-    for seed in range(n):
-        out = gen(model, prompt, depth=2, sampling=dataclasses.replace(s, seed=seed), max_new=4)
-        x1, x2, x3 = out["token_ids"][:3]
-        counts[(x1 * V + x2) * V + x3] += 1
-    assert _chi2(counts, joint.ravel()) < CHI2_26_P001
+    """Speculative sampling keeps the trunk's distribution (helpers.check_speculative_sampling)."""
+    model = random_model(tiny_cfg("generate", "baseline", vocab_size=3, max_seq_len=8, mtp=MtpConfig()), 2)
+    check_speculative_sampling(model, gen, 4000)
 
 
 def byte_model(tmp_path, draft=True, seed=3):

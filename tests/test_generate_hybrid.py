@@ -9,18 +9,16 @@ is mostly wrong; speculative sampling keeps the trunk's distribution.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
-from helpers import random_model, tiny_cfg
+from helpers import check_speculative_sampling, random_model, tiny_cfg
 
 from ddl_ref import decode
 from ddl_ref import model as ref_model
 from ddl_ref.check import random_params
 from ddl_ref.config import ModelVariant, MtpConfig
 from ddl_wgpu.data import ByteTokenizer
-from ddl_wgpu.generate import Sampling, distribution, run
+from ddl_wgpu.generate import Sampling, run
 from ddl_wgpu.refnet import RefEngine
 
 # Qwen3.5's layout at test size: Gated DeltaNets around a gated full-attention block with RoPE on 2 of the 6
@@ -195,47 +193,9 @@ def test_hybrid_greedy_speculative_equals_plain(variant):
     assert kept > 0 and rejected > 0  # both the accept and the reject paths ran
 
 
-# Chi-square critical value at p = 0.001 with 26 degrees of freedom (27 cells: 3 tokens of a vocabulary of 3).
-CHI2_26_P001 = 54.05
-
-
-def _chi2(counts, probs):
-    expected = probs * counts.sum()
-    return float(np.sum((counts - expected) ** 2 / expected))
-
-
 def test_hybrid_speculative_sampling_preserves_trunk_distribution():
-    """The first three generated tokens against the trunk's exact joint P(x1) P(x2 | x1) P(x3 | x1, x2), over
-    many seeds, on a two-block hybrid (a Gated DeltaNet, then gated attention). x1 comes from the prefill; the
-    first round drafts two tokens, so x2 and x3 are kept drafts, residual draws after a rejection at depth 1
-    or 2 (the recurrent state rolled back inside the verify pass), or the bonus token. The statistic rejects
-    the draft chain's own joint by a wide margin, which is what a rule that always keeps drafts yields, so
-    the test fails on it."""
-    V = 3
-    cfg = hybrid_cfg(vocab_size=V, max_seq_len=8, n_layers=2, layer_types=("linear_attention", "full_attention"),
+    """helpers.check_speculative_sampling on a two-block hybrid (a Gated DeltaNet, then gated attention): a
+    rejection at depth 1 or 2 rolls the recurrent state back inside the verify pass."""
+    cfg = hybrid_cfg(vocab_size=3, max_seq_len=8, n_layers=2, layer_types=("linear_attention", "full_attention"),
                      mtp=MtpConfig())  # fmt: skip
-    model = random_model(cfg, 2)
-    params64 = {k: v.astype(np.float64) for k, v in model.params.items()}
-    prompt = [1, 2]
-    s = Sampling(temperature=0.8)
-
-    def trunk_next(ids):
-        return distribution(ref_model.forward(params64, cfg, np.array([ids]))[0][0, -1], s)
-
-    joint, qjoint = np.zeros((V, V, V)), np.zeros((V, V, V))
-    p1 = trunk_next(prompt)
-    for x1 in range(V):
-        for x2 in range(V):
-            joint[x1, x2] = p1[x1] * trunk_next([*prompt, x1])[x2] * trunk_next([*prompt, x1, x2])
-            engine = RefEngine(model, 2)
-            engine.feed(prompt, "logits")
-            _, (q1, q2) = engine.draft(x1, 2, "logits", lambda row, x2=x2: x2)  # the chain given d1 = x2
-            qjoint[x1, x2] = p1[x1] * distribution(q1, s)[x2] * distribution(q2, s)
-    n = 3000
-    assert _chi2(qjoint.ravel() * n, joint.ravel()) > 4 * CHI2_26_P001  # the draft alone is far off
-    counts = np.zeros(V**3)
-    for seed in range(n):
-        out = gen(model, prompt, depth=2, sampling=dataclasses.replace(s, seed=seed), max_new=4)
-        x1, x2, x3 = out["token_ids"][:3]
-        counts[(x1 * V + x2) * V + x3] += 1
-    assert _chi2(counts, joint.ravel()) < CHI2_26_P001
+    check_speculative_sampling(random_model(cfg, 2), gen, 3000)

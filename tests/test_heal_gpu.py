@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from helpers import check_draft_step
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
@@ -35,39 +36,7 @@ def test_teacher_topk_and_hidden_match_reference(gpu, heal_kit):
 @pytest.mark.parametrize("tie", [True, False])
 def test_draft_step_loss_and_gradients_match_refdraft(gpu, tie, heal_kit):
     cfg = heal_kit.tiny_cfg(tie_embeddings=tie)
-    p = heal_kit.perturbed(cfg)
-    rng = np.random.default_rng(3)
-    B, T, k = 2, 12, 8
-    x = rng.standard_normal((B, T, cfg.d_model)).astype(np.float32)
-    tid = rng.integers(0, 256, (B, T, k))
-    tp = rng.random((B, T, k)).astype(np.float32)
-    w = (rng.random((B, T)) < 0.8).astype(np.float32)
-    ref, gpu_d = RefDraft(p, cfg), WgpuDraft(backend.open_gpu(), p, cfg, batch=B)
-    assert gpu_d.loss_sum(x, tid, tp, w) == pytest.approx(ref.loss_sum(x, tid, tp, w), rel=1e-5)
-    # the gradients of one step, against the reference's (float64) on the same weights
-    p64 = {n: a.astype(np.float64) for n, a in p.items()}
-    kl, cache = ref_mtp.draft_kl_forward(p64, cfg, x.astype(np.float64), tid, tp, w)
-    _dx, rgrads = ref_mtp.draft_kl_backward(p64, cfg, cache, 1.0 / w.sum())
-    for lr_step in range(1, 4):  # three Adam steps follow the reference
-        lr = 1e-2
-        rl, rn, rf = ref.step(x, tid, tp, w, lr, lr_step, 4096.0)
-        gl, gn, gf = gpu_d.step(x, tid, tp, w, lr, lr_step, 4096.0)
-        assert rf and gf
-        assert gl == pytest.approx(rl, rel=1e-4) and gn == pytest.approx(rn, rel=1e-4)
-        if lr_step == 1:
-            assert gl == pytest.approx(kl / w.sum(), rel=1e-5)
-            got = gpu_d.grads()
-            assert set(got) == set(rgrads)
-            for n, g in rgrads.items():
-                scale = max(np.abs(g).max(), 1e-4)
-                np.testing.assert_allclose(got[n] / scale, g / scale, atol=2e-5, err_msg=n)
-    a, b = ref.export(), gpu_d.export()
-    for n in a:
-        np.testing.assert_allclose(b[n], a[n], rtol=1e-3, atol=1e-5, err_msg=n)
-    pre, post = gpu_d.hidden_out(x[:1])  # a partial batch
-    rpre, rpost = ref.hidden_out(x[:1])
-    np.testing.assert_allclose(post, rpost, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(pre, rpre, rtol=1e-4, atol=1e-5)
+    check_draft_step(heal_kit.perturbed(cfg), cfg, batch=2, window=12)
 
 
 @pytest.mark.parametrize("tie", [True, False])
