@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ddl_ref.config import ConfigError, ModelConfig, ModelVariant, MtpConfig
+from ddl_ref.config import ConfigError, ModelConfig, ModelVariant
 from ddl_ref.params import MTP_PREFIX, mtp_specs, param_table
 from ddl_wgpu import hf_qwen35
 from ddl_wgpu.hf_common import (
@@ -497,11 +497,12 @@ def export_hf_from_file(
     if summary["architecture"] in hf_qwen35.ARCHS:
         summary["layout"] = hf_qwen35.layout_of(summary["architecture"])
     if model.cfg.mtp is not None:
-        summary["mtp"] = _mtp_export_summary(model.cfg.mtp, raw, summary["architecture"])
+        summary["mtp"] = _mtp_export_summary(model.cfg, raw, summary["architecture"])
     return summary
 
 
-def _mtp_export_summary(mtp: MtpConfig, raw: bool, arch: str = "") -> dict:
+def _mtp_export_summary(cfg: ModelConfig, raw: bool, arch: str = "") -> dict:
+    mtp = cfg.mtp
     if raw:
         return {"names": "model.mtp.*", **mtp.to_dict(), "note": "draft written under our own names"}
     if arch in hf_qwen35.ARCHS:
@@ -513,9 +514,15 @@ def _mtp_export_summary(mtp: MtpConfig, raw: bool, arch: str = "") -> dict:
             "weights' warning); MTP-aware runtimes read them as a Qwen3.5 draft (mtp.fc embedding first)"
         )
     out = {"names": "mtp.*", **mtp.to_dict(), "note": note}
+    warnings = []
     if mtp.trunk_hidden != "post_norm" or mtp.chain_hidden != "post_norm":
-        out["warning"] = (
-            "vLLM/SGLang feed the draft post-norm hiddens (docs/heal.md#the-draft-block); this draft "
-            f"expects trunk {mtp.trunk_hidden}, chain {mtp.chain_hidden}"
-        )
+        warnings.append("vLLM/SGLang feed the draft post-norm hiddens (docs/heal.md#the-draft-block); this draft "
+                        f"expects trunk {mtp.trunk_hidden}, chain {mtp.chain_hidden}")  # fmt: skip
+    if mtp.ffn_hidden is not None and mtp.ffn_hidden != cfg.ffn_hidden:
+        # after compress --ffn-keep the draft keeps its width; config.json's intermediate_size is the trunk's
+        warnings.append(f"the draft's SwiGLU is {mtp.ffn_hidden} wide and the trunk's {cfg.ffn_hidden}: vLLM/SGLang "
+                        "build the draft at intermediate_size (the trunk's), so they cannot load these mtp.* "
+                        "tensors (our import reads the width back from ddl_mtp)")  # fmt: skip
+    if warnings:
+        out["warning"] = "; ".join(warnings)
     return out

@@ -483,3 +483,21 @@ def test_import_compress_heal_export(tmp_path):
     back = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "out", dtype=torch.float32)
     import_hf_to_file(tmp_path / "out", tmp_path / "back.ddlw")
     assert_close(hf_loss(back.eval()), our_loss(load_model(tmp_path / "back.ddlw"), "ref", tmp_path), 1e-5)
+
+
+def test_a_narrowed_trunk_keeps_its_draft_width_and_export_says_so(tmp_path):
+    """compress --ffn-keep narrows the trunk's SwiGLUs, not the draft's: the export writes the draft at its own
+    width, our import reads it back, and the summary warns that vLLM/SGLang (which build the draft at the
+    config's intermediate_size) cannot load it."""
+    conditional_generation(tmp_path / "hf", seed=12)
+    import_hf_to_file(tmp_path / "hf", tmp_path / "m.ddlw")
+    compress_file(tmp_path / "m.ddlw", tmp_path / "c.ddlw", keep=0.5)
+    c = load_model(tmp_path / "c.ddlw")
+    assert c.cfg.mtp.ffn_hidden is not None and c.cfg.mtp.ffn_hidden > c.cfg.ffn_hidden
+    s = export_hf_from_file(tmp_path / "c.ddlw", tmp_path / "out")
+    assert "cannot load these mtp.*" in s["mtp"]["warning"]
+    before, after = _raw_tensors(tmp_path / "hf"), _raw_tensors(tmp_path / "out")
+    up = "mtp.layers.0.mlp.up_proj.weight"
+    assert after[up][:2] == before[up][:2] and np.array_equal(after[up][2], before[up][2])  # as it came
+    import_hf_to_file(tmp_path / "out", tmp_path / "back.ddlw")
+    assert load_model(tmp_path / "back.ddlw").cfg == c.cfg
