@@ -109,9 +109,10 @@ class Blocks(GatedDeltaNet):
         return out
 
     def _rope_tables(self):
-        """cos, sin (T, R) float64 of the rows' positions 0..T−1, R = the rotated dims (`cfg.rope_dim`: a
-        partial table is the full table of a head of R dims)."""
-        return ref_ops.rope_tables(self.T, self.cfg.rope_dim, self.cfg.rope_theta, np.float64)
+        """cos, sin (T, R) float64 of the rows' positions 0..T−1, R = the rotated dims (`cfg.rope_dim`), as
+        `DraftWork`'s chain tables and the decoder's are built."""
+        cfg = self.cfg
+        return ref_ops.rope_tables(self.T, cfg.head_dim, cfg.rope_theta, np.float64, cfg.rope_dim)
 
     def block_acts(self, tag: str, S: int, mixer: str = "full_attention") -> dict:
         """Saved activations of one block (`x` is the block input: stream or DDL state of S floats) whose token

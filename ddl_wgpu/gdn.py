@@ -26,17 +26,13 @@ import numpy as np
 
 from ddl_ref.params import linear_conv_channels
 from ddl_wgpu.gpu import Call
-from ddl_wgpu.layout import F32
 from ddl_wgpu.ops import gated_delta as k_gd
 from ddl_wgpu.ops import gdn_inputs as k_gi
 from ddl_wgpu.ops import rmsnorm as k_norm
+from ddl_wgpu.ops import sub
 from ddl_wgpu.ops import swiglu as k_swiglu
 
 CHUNK = 64  # tokens per checkpointed chunk of the delta rule (memory: docs/kernels.md#the-gated-delta-rule)
-
-
-def _part(buf, offset_floats: int, n_floats: int) -> tuple:
-    return (buf, offset_floats * F32, n_floats * F32)
 
 
 class GatedDeltaNet:
@@ -100,7 +96,7 @@ class GatedDeltaNet:
 
     def _ab(self, buf) -> tuple[tuple, tuple]:
         n = self.N * self._gdn_sizes()[1]
-        return _part(buf, 0, n), _part(buf, k_gi.align_floats(n), n)
+        return sub(buf, 0, n), sub(buf, k_gi.align_floats(n), n)
 
     def gdn_forward(self, a: dict, p: str, out, accumulate: bool) -> Call:
         """The mixer of block `p` from a["h"] into `out` (+= with `accumulate`)."""
@@ -115,8 +111,8 @@ class GatedDeltaNet:
         call += self._linear(ga, a["h"], q + "in_proj_a.weight", Hv, C)
         call += self._linear(gb_, a["h"], q + "in_proj_b.weight", Hv, C)
         call += self._gdn_conv(a, q)
-        call += k_gi.l2norm_forward(g, _part(a["qkgb"], 0, gb_off), a["qkr"], a["cv"], N, Hk, Dk)
-        call += k_gi.gates_forward(g, _part(a["qkgb"], gb_off, 2 * N * Hv), ga, gb_, P(q + "A_log"),
+        call += k_gi.l2norm_forward(g, sub(a["qkgb"], 0, gb_off), a["qkr"], a["cv"], N, Hk, Dk)
+        call += k_gi.gates_forward(g, sub(a["qkgb"], gb_off, 2 * N * Hv), ga, gb_, P(q + "A_log"),
                                    P(q + "dt_bias"), N, Hv)  # fmt: skip
         call += self._gdn_rule(a, q)
         call += k_norm.rmsnorm_forward(g, a["on"], a["orstd"], a["o"], P(q + "norm.weight"), N * Hv, Dv,

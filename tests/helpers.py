@@ -197,3 +197,18 @@ def check_draft_step(p: dict, cfg: ModelConfig, batch: int, window: int, chain: 
     pairs = zip(gpu_d.hidden_out(x[:1], chain), ref.hidden_out(x[:1], chain), strict=True)  # pre-, post-norm
     for got, want in pairs:
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def check_acceptance_backends(model: Model, windows, mode: str) -> dict:
+    """`accept.acceptance` chained 3 deep with every convention probed, on the GPU and on numpy: the same
+    report, key for key. -> the numpy report."""
+    from ddl_wgpu import accept
+
+    kw = dict(depth=3, batch=2, probe_conventions=True, chain_attention=mode)
+    r = accept.acceptance(model, windows, **kw)
+    g = accept.acceptance(model, windows, backend="wgpu", **kw)
+    assert list(g) == list(r) and g["chain_attention"] == mode
+    for key in ("prefix_acceptance", "conditional_acceptance", "acceptance_length", "anchors", "on_policy"):
+        assert g[key] == r[key], key
+    assert [p["prefix_acceptance"] for p in g["probe"]] == [p["prefix_acceptance"] for p in r["probe"]]
+    return r

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers import check_draft_step
+from helpers import check_acceptance_backends, check_draft_step
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
@@ -95,13 +95,7 @@ def test_gpu_acceptance_matches_reference(gpu, tmp_path, heal_kit, mode):
     m = load_model(heal_kit.make_model(tmp_path / "m.ddlw", cfg=heal_kit.tiny_cfg(mtp=conv), seed=4))
     rng = np.random.default_rng(2)
     windows = [rng.integers(0, 256, n) for n in (20, 16, 24, 9, 30)]
-    kw = dict(depth=3, batch=2, probe_conventions=True, chain_attention=mode)
-    r = accept.acceptance(m, windows, **kw)
-    g = accept.acceptance(m, windows, backend="wgpu", **kw)
-    assert list(g) == list(r) and g["chain_attention"] == mode
-    for key in ("prefix_acceptance", "conditional_acceptance", "acceptance_length", "anchors", "on_policy"):
-        assert g[key] == r[key], key
-    assert [p["prefix_acceptance"] for p in g["probe"]] == [p["prefix_acceptance"] for p in r["probe"]]
+    check_acceptance_backends(m, windows, mode)
 
 
 def test_accept_file_wgpu_same_json(tmp_path, heal_kit):

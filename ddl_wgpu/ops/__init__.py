@@ -18,6 +18,17 @@ def view(res) -> tuple:
     return res if isinstance(res, tuple) else (res, 0, res.size)
 
 
+def sub(res, offset_floats: int, n_floats: int) -> tuple:
+    """The view of `n_floats` f32 values starting `offset_floats` values into a buffer or view."""
+    buf, off, _ = view(res)
+    return (buf, off + 4 * int(offset_floats), 4 * int(n_floats))
+
+
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def nbytes(res) -> int:
     """Bytes bound by a buffer or a view."""
     return view(res)[2]

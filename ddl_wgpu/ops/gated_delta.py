@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from ddl_wgpu.gpu import Call, Gpu, GpuError, Uniform
 from ddl_wgpu.ops import need_all as _need
-from ddl_wgpu.ops.gdn_inputs import align_floats, qk_floats
+from ddl_wgpu.ops import pow2_at_least
+from ddl_wgpu.ops.gdn_inputs import align_floats, planar_offsets, qk_floats
 
 FILE = "gated_delta.wgsl"
 PARAMS = Uniform(
@@ -54,13 +55,6 @@ MAX_THREADS = 256  # the most threads a workgroup gets (WebGPU's default limit)
 MAX_SIDE = 16  # threads along Dk or Dv
 
 
-def _pow2_at_least(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
 def tile(gpu: Gpu, Dk: int, Dv: int) -> tuple[int, int, int, int]:
     """(TI, TJ, PI, PJ): TI x TJ threads of PI x PJ state elements each, for the adapter's limits. Up to 16 x 16
     threads; both sides halve (more elements per thread) while the workgroup memory the backward needs
@@ -68,7 +62,7 @@ def tile(gpu: Gpu, Dk: int, Dv: int) -> tuple[int, int, int, int]:
     limits only, so the sums' order (and the bits) never change between runs."""
     limit = gpu.limits.get("max-compute-workgroup-storage-size", 16 << 10)
     threads = min(MAX_THREADS, gpu.limits.get("max-compute-invocations-per-workgroup", 256))
-    ti, tj = min(MAX_SIDE, _pow2_at_least(Dk)), min(MAX_SIDE, _pow2_at_least(Dv))
+    ti, tj = min(MAX_SIDE, pow2_at_least(Dk)), min(MAX_SIDE, pow2_at_least(Dv))
 
     def shared(ti: int, tj: int) -> int:
         dkp, dvp = ti * -(-Dk // ti), tj * -(-Dv // tj)
@@ -179,9 +173,8 @@ def chunk_tokens(gpu: Gpu, B: int, Hv: int, Dk: int, Dv: int, T: int, default: i
 
 def qkgb_offsets(rows: int, Hk: int, Dk: int) -> tuple[int, int]:
     """Float offsets of k and of [g, beta] in the `qkgb` buffer (q at 0), each 256-byte aligned so the L2 norm
-    and the gates write their parts through views of their own."""
-    k_off = align_floats(int(rows) * int(Hk) * int(Dk))
-    return k_off, 2 * k_off
+    and the gates write their parts through views of their own: the planar conv output's k and v offsets."""
+    return planar_offsets(rows, Hk, Dk)
 
 
 def qkgb_floats(rows: int, Hk: int, Hv: int, Dk: int) -> int:

@@ -27,7 +27,7 @@ import numpy as np
 
 from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops import need_all as _need
-from ddl_wgpu.ops import view
+from ddl_wgpu.ops import sub
 from ddl_wgpu.ops.matmul import matmul
 from ddl_wgpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 
@@ -151,11 +151,6 @@ def conv_backward(gpu: Gpu, dx, dw, dout, x, w, B: int, T: int, Hk: int, Hv: int
 # the L2 norm of q and k: an RMSNorm with a constant weight
 
 
-def _sub(res, offset_floats: int, n_floats: int):
-    buf, off, _ = view(res)
-    return (buf, off + 4 * offset_floats, 4 * n_floats)
-
-
 def l2norm_weights(gpu: Gpu, Dk: int):
     """The constant RMSNorm weights that make the L2 norm: 1/Dk for q (with its 1/√Dk scale), 1/√Dk for k."""
     w = np.concatenate([np.full(Dk, 1.0 / Dk), np.full(Dk, 1.0 / math.sqrt(Dk))]).astype(np.float32)
@@ -182,8 +177,8 @@ def l2norm_forward(gpu: Gpu, qk, rstd, conv_out, rows: int, Hk: int, Dk: int, ep
     arena, wq, wk = l2norm_weights(gpu, Dk)
     call = Call()
     for s, w in enumerate((wq, wk)):
-        call += rmsnorm_forward(gpu, _sub(qk, s * ko, n * Dk), _sub(rstd, s * ro, n),
-                                _sub(conv_out, s * ko, n * Dk), w, n, Dk, eps / Dk, "standard")  # fmt: skip
+        call += rmsnorm_forward(gpu, sub(qk, s * ko, n * Dk), sub(rstd, s * ro, n),
+                                sub(conv_out, s * ko, n * Dk), w, n, Dk, eps / Dk, "standard")  # fmt: skip
     call.weights = arena  # kept alive with the call
     return call
 
@@ -209,8 +204,8 @@ def l2norm_backward(gpu: Gpu, dconv_out, dqk, rstd, conv_out, rows: int, Hk: int
     arena, wq, wk = l2norm_weights(gpu, Dk)
     dw_scratch = gpu.buffer(4 * Dk, label="l2norm dw (unused)")
     for s, w in enumerate((wq, wk)):
-        call += rmsnorm_backward(gpu, _sub(dconv_out, s * ko, n * Dk), dw_scratch, _sub(dqk, s * ko, n * Dk),
-                                 _sub(conv_out, s * ko, n * Dk), w, _sub(rstd, s * ro, n), n, Dk,
+        call += rmsnorm_backward(gpu, sub(dconv_out, s * ko, n * Dk), dw_scratch, sub(dqk, s * ko, n * Dk),
+                                 sub(conv_out, s * ko, n * Dk), w, sub(rstd, s * ro, n), n, Dk,
                                  "standard")  # fmt: skip
     call.weights = (arena, dw_scratch, summed)
     return call

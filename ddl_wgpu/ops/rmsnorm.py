@@ -25,6 +25,7 @@ What it does not do: a bias, a mean-subtracting LayerNorm, or fusing the residua
 from __future__ import annotations
 
 from ddl_wgpu.gpu import Call, Gpu, Uniform
+from ddl_wgpu.ops import pow2_at_least
 from ddl_wgpu.ops.elementwise import need, templates, vec_width
 
 FILE = "rmsnorm.wgsl"
@@ -62,17 +63,13 @@ def _style(style: str) -> int:
     return STYLES[style]
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def row_layout(items: int, ipt_max: int | None = None) -> tuple[int, int]:
     """(TPR, IPT) for a row of `items` (C, or C / 4 on the vec4 path): TPR threads per row, a power of two
     (at most WG) with at most `ipt_max` (default IPT_MAX) items each where that fits, and IPT =
     ceil(items / TPR) items per thread (more than `ipt_max` only for rows longer than WG * ipt_max). Shared
     with ops/delta.py."""
     items = max(1, int(items))
-    tpr = min(WG, _pow2_at_least(-(-items // int(IPT_MAX if ipt_max is None else ipt_max))))
+    tpr = min(WG, pow2_at_least(-(-items // int(IPT_MAX if ipt_max is None else ipt_max))))
     return tpr, -(-items // tpr)
 
 
@@ -128,8 +125,8 @@ def rmsnorm_dw_blocks(rows: int, C: int, width: int = 1) -> tuple[int, int]:
 def reduce_channels(items: int, n_blocks: int) -> int:
     """Items per workgroup (the `CW` override) of the dw reduce pass: WG / CW block lanes with about 4
     blocks each, so the pass has many workgroups and short serial sums."""
-    lanes = min(WG, _pow2_at_least(-(-int(n_blocks) // 4)))
-    return min(WG // lanes, _pow2_at_least(items))
+    lanes = min(WG, pow2_at_least(-(-int(n_blocks) // 4)))
+    return min(WG // lanes, pow2_at_least(items))
 
 
 def rmsnorm_partials_size(rows: int, C: int) -> int:
