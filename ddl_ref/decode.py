@@ -69,6 +69,7 @@ from ddl_ref import delta, gdn, ops, shortconv
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
+from ddl_ref.params import linear_conv_channels
 
 
 def attend_cached(q, k, v, start: int):
@@ -128,10 +129,9 @@ class Recurrent:
     `gdn.gated_delta_forward` cache: the state before it, kept states, the recurrence's inputs)."""
 
     def __init__(self, cfg: ModelConfig, dtype):
-        Hk, Hv, Dk, Dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
         self.k = cfg.linear_conv_kernel
-        self.window = np.zeros((self.k - 1, 2 * Hk * Dk + Hv * Dv), dtype)
-        self.state = np.zeros((Hv, Dk, Dv), dtype)
+        self.window = np.zeros((self.k - 1, linear_conv_channels(cfg)), dtype)
+        self.state = np.zeros((cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim), dtype)
         self.rows = self.delta = None
 
     def record(self, rows, delta_cache, state) -> None:
