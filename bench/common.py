@@ -278,15 +278,22 @@ class RandomWeights(Mapping):
     (shape, init) kind, shared by every tensor of that kind, drawn as the table says (normal matrices, norm
     weights, the Gated DeltaNet's A_log and dt_bias). For shapes whose `init_params` would not fit the host
     (the Qwen3.8-27B trunk: 108 GB in float32): timing does not depend on the values, and the host holds one
-    layer's worth of arrays."""
+    layer's worth of arrays. A tensor of more than `DRAW` elements repeats a block of its first rows (drawing
+    the 27B shape's 2.5 G embedding and head elements took most of a minute), and with `f16=True` the layers'
+    matrices an f16 net stores in half precision come in float16 (`layout.is_f16_matrix`): converted once
+    per kind here instead of once per layer in `Net.load`, which took the 27B loads past 3 minutes on the
+    H200's host."""
 
-    def __init__(self, cfg, seed: int = 0):
+    DRAW = 1 << 24
+
+    def __init__(self, cfg, seed: int = 0, f16: bool = False):
         import numpy as np
 
         from ddl_ref.params import param_table
 
         self.specs = {s.name: s for s in param_table(cfg)}
         self.rng = np.random.default_rng(seed)
+        self.f16 = f16
         self.cache: dict = {}
 
     def __iter__(self):
@@ -296,12 +303,21 @@ class RandomWeights(Mapping):
         return len(self.specs)
 
     def __getitem__(self, name):
+        import dataclasses
+
         import numpy as np
 
         from ddl_ref.params import _draw
+        from ddl_wgpu.layout import is_f16_matrix
 
         s = self.specs[name]
-        key = (s.shape, s.init)
+        half = self.f16 and is_f16_matrix(name, s.shape) and name.startswith("model.layers.")
+        key = (s.shape, s.init, half)
         if key not in self.cache:
-            self.cache[key] = _draw(s, self.rng, np.float32)
+            rows = max(1, self.DRAW // max(1, int(np.prod(s.shape[1:]))))
+            block = dataclasses.replace(s, shape=(min(rows, s.shape[0]), *s.shape[1:])) if s.shape else s
+            a = _draw(block, self.rng, np.float32)
+            if a.shape != s.shape:
+                a = np.resize(a, s.shape)
+            self.cache[key] = a.astype(np.float16) if half else a
         return self.cache[key]

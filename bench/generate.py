@@ -161,13 +161,20 @@ def bench_hf(
 
     cfg = dataclasses.replace(model.cfg, mtp=None)
     tdt = torch.bfloat16 if dtype == "f16" else torch.float32
-    with torch.device(dev):
-        hm = Qwen3_5ForCausalLM(hf_config(cfg)).to(tdt)
+    # built in its dtype (the 27B shape in float32 would be 108 GB) and filled on the GPU: the host sends each
+    # array as it is and copy_ converts there
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(tdt)
+    try:
+        with torch.device(dev):
+            hm = Qwen3_5ForCausalLM(hf_config(cfg))
+    finally:
+        torch.set_default_dtype(default)
     sd = hm.state_dict()
     with torch.no_grad():
         for name, t in sd.items():
             if name in model.params:
-                t.copy_(torch.as_tensor(np.asarray(model.params[name])).reshape(t.shape).to(tdt))
+                t.copy_(torch.as_tensor(np.asarray(model.params[name])).to(dev).reshape(t.shape))
     kernels = "fla" if any(m == "fla" or m.startswith("fla.") for m in sys.modules) else "eager"
     ids = torch.tensor(np.asarray(prompt)[None], device=dev)
 
@@ -193,7 +200,7 @@ def bench_hf(
     gen()
     runs = [gen() for _ in range(repeats)]
     pre, dec = statistics.median(r[1] for r in runs), statistics.median(r[2] for r in runs)
-    hm.to("cpu")  # the next shape's runs get the GPU's memory
+    hm = sd = None  # the next shape's runs get the GPU's memory
     common.torch_free(torch, dev)
     return {"tokens": runs[0][0], "prefill_tokens_per_s": len(prompt) / pre, "decode_tokens_per_s": (new - 1) / dec,
             "kernels": kernels, "dtype": str(tdt)}  # fmt: skip
@@ -414,7 +421,7 @@ def synthetic(shape: str, seed: int) -> tuple[Model, str]:
     make, dtype = SHAPES[shape]
     cfg = make()
     big = shape.startswith("qwen38")  # its float32 init would not fit the host
-    params = common.RandomWeights(cfg, seed) if big else init_params(cfg, seed)
+    params = common.RandomWeights(cfg, seed, f16=dtype == "f16") if big else init_params(cfg, seed)
     return Model(cfg=cfg, params=params, variant="baseline"), dtype
 
 

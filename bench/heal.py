@@ -489,7 +489,12 @@ def main(argv=None) -> int:
     progress(f"adapter: {common.adapter_line(gpu)}")
     cfg = model_config(args)
     t0 = time.perf_counter()
-    model = Model(cfg, common.RandomWeights(cfg, args.seed) if args.shape else init_params(cfg, args.seed))
+    model = Model(
+        cfg,
+        common.RandomWeights(cfg, args.seed, f16=args.trunk_dtype == "f16")
+        if args.shape
+        else init_params(cfg, args.seed),
+    )
     n_trunk = sum(a.size for n, a in model.params.items() if not n.startswith(ref_mtp.MTP_PREFIX))
     n_draft = sum(a.size for n, a in model.params.items() if n.startswith(ref_mtp.MTP_PREFIX))
     progress(f"model: {n_trunk / 1e6:.1f}M trunk + {n_draft / 1e6:.1f}M draft parameters, "

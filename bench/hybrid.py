@@ -326,7 +326,9 @@ def bench_forward27b(gpu, args) -> dict:
     print(f"forward27b: {out['params'] / 1e9:.2f}B parameters, {B} x {T}", flush=True)
     smi0 = nvidia_smi_used_mib()
     t0 = time.perf_counter()
-    net = Net(gpu, cfg, common.RandomWeights(cfg), inference=True, dtype="f16", work_class=InferenceWork)
+    net = Net(
+        gpu, cfg, common.RandomWeights(cfg, f16=True), inference=True, dtype="f16", work_class=InferenceWork
+    )
     out["load_s"] = time.perf_counter() - t0
     out["weights_gib"] = sum(s.nbytes for s in net.slots.values()) / 2**30
     out.update(forward_profile(gpu, net, B, T, args.repeats, smi0))

@@ -547,10 +547,12 @@ class Gpu:
 
     def write(self, buf, array: np.ndarray, offset: int = 0):
         """Copy host data into `buf` at byte `offset` (queued before the next submit)."""
-        data = np.ascontiguousarray(array).tobytes()
-        if len(data) % 4:
-            data += b"\0" * (-len(data) % 4)
-        if data:
+        a = np.ascontiguousarray(array)
+        if a.nbytes % 4:  # WebGPU writes whole words
+            data = a.tobytes() + b"\0" * (-a.nbytes % 4)
+        else:  # the array's own memory, not a copy (a 27B model's weights are 54 GB)
+            data = memoryview(a.reshape(-1)).cast("B")
+        if len(data):
             self.queue.write_buffer(buf, offset, data)
 
     def upload_ranges(self, arrays) -> tuple[object, list]:

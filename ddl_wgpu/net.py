@@ -233,14 +233,16 @@ class Net:
             if tuple(a.shape) != s.shape:
                 raise GpuError(f"parameter {name} has shape {tuple(a.shape)}, the config needs {s.shape}")
             if s.dtype == "f16":
-                h = a.astype(np.float16)
-                if not np.isfinite(h).all() and np.isfinite(a).all():
+                # no copy, and nothing that can overflow, when the array is float16 already
+                with np.errstate(over="ignore"):  # reported below, in one line
+                    h = a.astype(np.float16, copy=False)
+                if h is not a and not np.isfinite(h).all() and np.isfinite(a).all():
                     raise GpuError(
                         f"parameter {name} overflows float16 (max |x| {float(np.abs(a).max()):.4g})"
                     )
                 self.gpu.write(self.p[s.arena], h, s.offset)
             else:
-                self.gpu.write(self.p[s.arena], a.astype(np.float32), s.offset)
+                self.gpu.write(self.p[s.arena], a.astype(np.float32, copy=False), s.offset)
         for bufs in (self.g, self.m, self.v):
             for b in bufs:
                 self.gpu.write(b, np.zeros(b.size // F32, np.float32))

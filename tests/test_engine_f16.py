@@ -210,6 +210,31 @@ def test_inference_net_refuses_training(gpu):
         Net(gpu, cfg, init_params(cfg, 0), inference=True, dtype="bf16")
 
 
+def test_f16_net_loads_float16_arrays_as_their_float32_values(gpu):
+    """Given float16 arrays (a folder's own f16 tensors, the 27B bench's weights) an f16 net holds the same
+    bits as given their float32 values; a float32 weight past f16's range is refused in one line."""
+    cfg = tiny_cfg("chunked")
+    p = rounded(init_params(cfg, 0))
+    half = {n: a.astype(np.float16) if is_f16_matrix(n, a.shape) else a for n, a in p.items()}
+    a = Net(gpu, cfg, p, inference=True, dtype="f16", work_class=InferenceWork)
+    b = Net(gpu, cfg, half, inference=True, dtype="f16", work_class=InferenceWork)
+    for x, y in zip(a.p, b.p, strict=True):
+        assert np.array_equal(gpu.download(x, np.uint32), gpu.download(y, np.uint32))
+    big = dict(p)
+    name = next(n for n in p if is_f16_matrix(n, p[n].shape))
+    big[name] = p[name] * 1e6
+    with pytest.raises(GpuError, match=f"{name} overflows float16") as e:
+        Net(gpu, cfg, big, inference=True, dtype="f16", work_class=InferenceWork)
+    assert "\n" not in str(e.value)
+
+
+def test_write_pads_to_whole_words(gpu):
+    buf = gpu.buffer(16)
+    gpu.write(buf, np.full(4, 7, np.uint32))
+    gpu.write(buf, np.arange(1, 4, dtype=np.uint8), 4)  # 3 bytes: written as one word, its last byte 0
+    assert gpu.download(buf, np.uint8, 12).tolist() == [7, 0, 0, 0, 1, 2, 3, 0, 7, 0, 0, 0]
+
+
 def test_f16_without_shader_f16_is_one_clear_error(gpu, monkeypatch):
     cfg = tiny_cfg("chunked")
     monkeypatch.setattr(gpu, "features", set())
