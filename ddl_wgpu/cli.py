@@ -37,7 +37,7 @@ import typer
 from typer._click import exceptions as usage  # typer parses with its own copy of click
 from typer._click import utils as usage_utils
 
-from ddl_ref.config import ModelVariant, MtpConfig
+from ddl_ref.config import ModelVariant, arch_mtp
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu import accept as accept_lib
 from ddl_wgpu import cli_jobs
@@ -176,7 +176,11 @@ def init(
     qk_norm: QkNorm = None,
     norm_style: NormStyle = None,
     tie_embeddings: TieEmbeddings = None,
-    mtp: bool = typer.Option(False, "--mtp", help="Add an MTP draft block (model.mtp.*)."),
+    mtp: bool = typer.Option(
+        False,
+        "--mtp",
+        help="Add an MTP draft block (model.mtp.*; --arch qwen3_5: Qwen3.5's layout, post-norm hiddens).",
+    ),
     force: ForceOpt = False,
 ):
     """Write a freshly initialised model file."""
@@ -185,7 +189,7 @@ def init(
     v = ModelVariant.parse(variant)
     cfg = v.resolve_config(base)
     if mtp:
-        cfg = replace(cfg, mtp=MtpConfig())
+        cfg = replace(cfg, mtp=arch_mtp(arch))
     output_file(out, force)
     fits(cfg, False, "the model")
     params = init_params(cfg, seed)

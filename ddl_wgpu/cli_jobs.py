@@ -153,7 +153,11 @@ def train(
     eval_batches: int = opt(
         TRAIN.eval_batches, "Cap each evaluation at N batches (0: the whole split).", TRAIN_HELP
     ),
-    mtp: bool = opt(False, "Add an MTP draft block (model.mtp.*) trained jointly with the trunk."),
+    mtp: bool = opt(
+        False,
+        "Add an MTP draft block (model.mtp.*) trained jointly with the trunk (--arch qwen3_5: in Qwen3.5's "
+        "layout, post-norm hiddens).",
+    ),
     mtp_weight: float = opt(
         TRAIN.mtp_weight, "Weight of the draft's loss in joint MTP training.", TRAIN_HELP
     ),

@@ -63,6 +63,12 @@ def test_init_and_inspect_a_hybrid(tmp_path, cli, ok):
         desc["config"]["layer_types"] == desc["layers"]["types"] and desc["config"]["norm_style"] == "offset"
     )
     assert desc["provenance"]["init"]["arch"] == "qwen3_5"
+    # the draft in Qwen3.5's layout, as vLLM/SGLang feed it; a transformer's in our own
+    assert {k: desc["config"]["mtp"][k] for k in ("concat", "trunk_hidden", "chain_hidden")} == {
+        "concat": "emb_first", "trunk_hidden": "post_norm", "chain_hidden": "post_norm"}  # fmt: skip
+    ok(cli("init", "--out", tmp_path / "t.ddlw", "--mtp", *SIZES))
+    plain = _json(ok(cli("inspect", tmp_path / "t.ddlw", "--json")))["config"]["mtp"]
+    assert (plain["trunk_hidden"], plain["chain_hidden"]) == ("pre_norm", "pre_norm")
     assert "model.layers.0.linear_attn.in_proj_qkv.weight" in {t["name"] for t in desc["tensors"]}
 
 
@@ -139,6 +145,20 @@ def test_train_and_eval_a_hybrid_on_both_backends(trained, corpus, tmp_path, cli
         rep = json.loads((tmp_path / b / "baseline" / "report.json").read_text())
         losses[b] = [h["train"]["loss"] for h in rep["history"]]
     np.testing.assert_allclose(losses["wgpu"], losses["ref"], rtol=1e-4)
+
+
+def test_a_hybrid_trained_here_exports_a_draft_the_qwen35_runtimes_read(trained, tmp_path, cli, ok):
+    """`train --arch qwen3_5 --mtp` trains its draft on post-norm hiddens, so export-hf writes Qwen3.5's mtp.*
+    with nothing to warn about (docs/heal.md#the-draft-block)."""
+    assert load_model(trained).cfg.mtp.trunk_hidden == "post_norm"
+    summary = _json(ok(cli("export-hf", trained, tmp_path / "hf", "--json")))
+    assert summary["architecture"] == "Qwen3_5ForCausalLM" and summary["mtp"]["names"] == "mtp.*"
+    assert "warning" not in summary["mtp"], summary["mtp"]
+    names = set()
+    for f in (tmp_path / "hf").glob("*.safetensors"):  # a safetensors header: u64 length, then JSON
+        raw = f.read_bytes()
+        names |= set(json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])) - {"__metadata__"}
+    assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight"} <= names
 
 
 def test_compress_a_hybrid_keeps_its_layer_types(trained, corpus, tmp_path, cli, ok):
