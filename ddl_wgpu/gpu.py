@@ -551,7 +551,7 @@ class Gpu:
         if a.nbytes % 4:  # WebGPU writes whole words
             data = a.tobytes() + b"\0" * (-a.nbytes % 4)
         else:  # the array's own memory, not a copy (a 27B model's weights are 54 GB)
-            data = memoryview(a.reshape(-1)).cast("B")
+            data = memoryview(a.reshape(-1).view(np.uint8))
         if len(data):
             self.queue.write_buffer(buf, offset, data)
 
