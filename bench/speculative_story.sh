@@ -10,7 +10,8 @@
 # Overrides: PYTHON (runs bench/generate.py; python3), STEPS (400), DROP (the blocks compress removes; 9, three
 # quarters deep), MODEL (the size flags), TRAIN (the training flags), HEAL (heal's flags; --tokens 60000),
 # ACCEPT_TOKENS (30000), PROMPT_TOKENS and NEW_TOKENS (256 each: one long continuation), PROMPTS and SHORT_NEW
-# (16 prompts x 64 new tokens), GENERATE_ARGS (more flags for bench/generate.py). A smoke run of every step at a tiny size on a CPU:
+# (16 prompts x 64 new tokens), GENERATE_ARGS (more flags for bench/generate.py). A smoke run of every step at
+# a tiny size on a CPU:
 #   MODEL="--preset tiny" STEPS=4 DROP=1 HEAL="--tokens 2000" ACCEPT_TOKENS=500 PROMPT_TOKENS=8 NEW_TOKENS=8 \
 #   TRAIN="--batch-size 2 --seq-len 32 --eval-interval 2 --eval-batches 1" bench/speculative_story.sh /tmp/s
 set -euo pipefail
@@ -45,7 +46,8 @@ for m in trained healed; do
   f=$TRAINED
   [ "$m" = trained ] || f=$DIR/$m.ddlw
   ${PYTHON:-python3} bench/generate.py --model "$f" --prompt-data stdlib --prompt ${PROMPT_TOKENS:-256} \
-    --new ${NEW_TOKENS:-256} --prompts ${PROMPTS:-16} --short-new ${SHORT_NEW:-64} ${GENERATE_ARGS:-} --json "$DIR/generate_$m.json"
+    --new ${NEW_TOKENS:-256} --prompts ${PROMPTS:-16} --short-new ${SHORT_NEW:-64} ${GENERATE_ARGS:-} \
+    --json "$DIR/generate_$m.json"
   echo "== $m writes (greedy):"
   $CLI generate "$f" --prompt "$PROMPT" --max-new-tokens 200
 done

@@ -385,15 +385,13 @@ def apply_arch(cfg: ModelConfig, arch: str) -> ModelConfig:
     )
 
 
-def arch_mtp(arch: str) -> MtpConfig:
-    """The draft `--mtp` adds to an `arch` model: Qwen3.5's layout for `qwen3_5` (post-norm trunk hidden and
-    chained hidden, as vLLM's and SGLang's Qwen3.5 MTP feed it, so an exported draft runs there), our own
-    pre-norm one for the transformer (docs/heal.md#the-draft-block)."""
-    if arch not in ARCHES:
-        raise ConfigError(f"unknown architecture {arch!r}; valid: {list(ARCHES)}")
-    if arch == "qwen3_5":
-        return MtpConfig(trunk_hidden="post_norm", chain_hidden="post_norm")
-    return MtpConfig()
+# The draft `--mtp` adds to a model of each architecture: Qwen3.5's layout for `qwen3_5` (post-norm trunk hidden
+# and chained hidden, as vLLM's and SGLang's Qwen3.5 MTP feed it, so an exported draft runs there), our own
+# pre-norm one for the transformer (docs/heal.md#the-draft-block).
+ARCH_MTP = {
+    "transformer": MtpConfig(),
+    "qwen3_5": MtpConfig(trunk_hidden="post_norm", chain_hidden="post_norm"),
+}
 
 
 # Variants: one row per trained architecture (the reference trainer's `ModelVariant`). Each row gives

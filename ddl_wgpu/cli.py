@@ -37,7 +37,7 @@ import typer
 from typer._click import exceptions as usage  # typer parses with its own copy of click
 from typer._click import utils as usage_utils
 
-from ddl_ref.config import ModelVariant, arch_mtp
+from ddl_ref.config import ARCH_MTP, ModelVariant
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu import accept as accept_lib
 from ddl_wgpu import cli_jobs
@@ -189,7 +189,7 @@ def init(
     v = ModelVariant.parse(variant)
     cfg = v.resolve_config(base)
     if mtp:
-        cfg = replace(cfg, mtp=arch_mtp(arch))
+        cfg = replace(cfg, mtp=ARCH_MTP[arch])
     output_file(out, force)
     fits(cfg, False, "the model")
     params = init_params(cfg, seed)

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from ddl_ref.config import ARCHES, ConfigError, apply_arch, arch_mtp
+from ddl_ref.config import ARCH_MTP, ARCHES, ConfigError, apply_arch
 from ddl_ref.config import preset as make_preset
 from ddl_wgpu.backend import BackendChoice
 
@@ -118,7 +118,7 @@ ARCH_FIXED = ("norm_style", "qk_norm")
 def model_config(preset: str, options: dict, mtp: bool = False, arch: str = "transformer"):
     """The preset with every model option the user gave (`options`: a command's locals()) applied, built as
     architecture `arch` (`ddl_ref.config.apply_arch`: sizes kept), and an MTP draft in the architecture's
-    layout (`arch_mtp`) when `mtp`."""
+    layout (`ARCH_MTP`) when `mtp`."""
     given = {k: options[k] for k in MODEL_FIELDS if options.get(k) is not None}
     if arch not in ARCHES:
         raise ConfigError(f"--arch must be one of {', '.join(ARCHES)}, got {arch!r}")
@@ -128,7 +128,7 @@ def model_config(preset: str, options: dict, mtp: bool = False, arch: str = "tra
             flag = "--" + k.replace("_", "-")
             raise ConfigError(f"--arch {arch} builds {flag} {getattr(cfg, k)}; {flag} {given[k]} contradicts it "
                               f"(leave {flag} out, or use --arch transformer)")  # fmt: skip
-    return replace(cfg, mtp=arch_mtp(arch)) if mtp else cfg
+    return replace(cfg, mtp=ARCH_MTP[arch]) if mtp else cfg
 
 
 def opt(default, help_: str, panel: str = MODEL_HELP, **kw):

@@ -11,9 +11,9 @@
 #
 # Why these settings (measured on the numpy backend of the 2-core development machine, OPENBLAS_NUM_THREADS=1,
 # with other jobs running, while the hybrid's draft still read pre-norm hiddens; since `--arch qwen3_5 --mtp`
-# builds Qwen3.5's post-norm layout the output differs: the README quotes today's). The numpy hybrid step costs about 1.5x the
-# transformer's at these sizes (the Gated DeltaNet's recurrence is a loop over the 128 tokens of a window), so
-# the story trains 300 steps instead of the transformer story's 1000:
+# builds Qwen3.5's post-norm layout the output differs: the README quotes today's). The numpy hybrid step costs
+# about 1.5x the transformer's at these sizes (the Gated DeltaNet's recurrence is a loop over the 128 tokens of
+# a window), so the story trains 300 steps instead of the transformer story's 1000:
 # - `tiny` with 3 blocks (L L F, 191k parameters), 300 steps of 8 x 128 tokens at lr 2e-2: train loss about 1.6;
 # - compress --ffn-keep 0.5: the draft's acceptance drops at every depth and heal recovers most of it. Dropping
 #   the middle (Gated DeltaNet) block instead (--drop-layers 1, L L F -> L F) moved it less at 250-300 steps
@@ -23,8 +23,9 @@
 # - heal as in the transformer story: 40k tokens at lr 1e-3, --init the trained model's draft;
 # - the prompt: 300 steps leave a model whose greedy text soon repeats itself (train loss 1.64 against the
 #   transformer story's 1.24 after 1000 steps). Of the prompts tried, a method head gave real identifiers
-#   (`self._fix(` over and over; with the post-norm draft's joint training, `context._ing === self thes`); the transformer story's class head gave `._sign an an an ...`, an import
-#   line `is is is ...`, a docstring or an `if` body only spaces.
+#   (`self._fix(` over and over; with the post-norm draft's joint training, `context._ing === self thes`);
+#   the transformer story's class head gave `._sign an an an ...`, an import line `is is is ...`, a docstring
+#   or an `if` body only spaces.
 # The whole script took 50 s there with nothing else running (about 35 s of it training); `make demo`, with
 # the transformer story beside it: the README.
 #

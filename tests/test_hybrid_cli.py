@@ -17,6 +17,7 @@ from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import preset
 from ddl_wgpu import heal
 from ddl_wgpu.container import save
+from ddl_wgpu.hf_files import Weights
 from ddl_wgpu.inspect import describe
 from ddl_wgpu.modelfile import load_model
 
@@ -154,10 +155,7 @@ def test_a_hybrid_trained_here_exports_a_draft_the_qwen35_runtimes_read(trained,
     summary = _json(ok(cli("export-hf", trained, tmp_path / "hf", "--json")))
     assert summary["architecture"] == "Qwen3_5ForCausalLM" and summary["mtp"]["names"] == "mtp.*"
     assert "warning" not in summary["mtp"], summary["mtp"]
-    names = set()
-    for f in (tmp_path / "hf").glob("*.safetensors"):  # a safetensors header: u64 length, then JSON
-        raw = f.read_bytes()
-        names |= set(json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])) - {"__metadata__"}
+    names = set(Weights(tmp_path / "hf").names())
     assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight"} <= names
 
 
