@@ -1,5 +1,5 @@
 # The two commands of the README. Each bootstraps .venv and a Vulkan driver itself (scripts/bootstrap.sh).
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-blas lint bench clean
 
 # lavapipe uses every core by default; two threads keep timings stable on CI-sized machines (docs/wgpu-notes.md)
 export LP_NUM_THREADS ?= 2
@@ -46,6 +46,11 @@ test:
 	.venv/bin/python -m pytest
 	@echo; echo "== the engine and kernel tests again within WebGPU's default limits (what every Metal, DX12 and Vulkan GPU meets)"
 	DDL_WGPU_LIMITS=webgpu .venv/bin/python -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS)
+
+# The float64 gradient checks under every OpenBLAS kernel this CPU runs (not part of `make test`: ~3 min each)
+test-blas:
+	@EXTRAS=test,plot,hf scripts/bootstrap.sh
+	scripts/test_blas.sh
 
 lint:
 	.venv/bin/ruff check --fix .

@@ -13,7 +13,7 @@ import pytest
 from helpers import tiny_cfg
 
 from ddl_ref import model, ops
-from ddl_ref.check import assert_grad_close, numeric_grad, random_params
+from ddl_ref.check import assert_fd_grad, random_params
 from ddl_ref.config import PRESETS, ConfigError, ModelConfig, ModelVariant, MtpConfig, parse_variants, preset
 from ddl_ref.optim import CosineWarmupSchedule, adamw_step, clip_multiplier, global_grad_norm
 from ddl_ref.params import init_params, num_params, param_table
@@ -35,8 +35,7 @@ def test_model_gradients_match_finite_differences(qk_norm, tied, norm_style):
     grads = model.backward(params, cfg, cache)
     assert list(grads) == [s.name for s in param_table(cfg)]
     for name, p in params.items():
-        num = numeric_grad(lambda: model.forward(params, cfg, ids, lengths)[1], p)
-        assert_grad_close(name, grads[name], num)
+        assert_fd_grad(name, grads[name], lambda: model.forward(params, cfg, ids, lengths)[1], p)
         assert np.any(grads[name] != 0.0), f"{name}: gradient is identically zero"
 
 
@@ -307,8 +306,7 @@ def assert_model_grads(cfg, mtp_weight=None, seed=0):
     for name, p in params.items():
         at = fd_entries(grads[name], rng)
         f = lambda: model.forward(params, cfg, ids, lengths, mtp_weight=mtp_weight)[1]  # noqa: E731
-        num = numeric_grad(f, p, at=at)
-        assert_grad_close(name, grads[name] if at is None else grads[name].reshape(-1)[at], num)
+        assert_fd_grad(name, grads[name], f, p, at=at)
         assert np.any(grads[name] != 0.0), f"{name}: gradient is identically zero"
 
 
@@ -317,7 +315,10 @@ def assert_model_grads(cfg, mtp_weight=None, seed=0):
     [
         (True, {}),
         (False, {}),
-        (False, {"qk_norm": "post_rope", "norm_style": "standard", "rotary_dim": None}),
+        # rms_eps 1e-3: here a Gated DeltaNet output of RMS ~3e-3 meets the gated norm's sqrt(mean(o²) + eps),
+        # whose curvature at 1e-5 put the central differences' truncation error (1e-6 · eps_step² scaled) at
+        # 9e-7 of the gradient, within 10 % of the tolerance; at 1e-3 it is 2e-9
+        (False, {"qk_norm": "post_rope", "norm_style": "standard", "rotary_dim": None, "rms_eps": 1e-3}),
     ],
 )
 def test_hybrid_model_gradients_match_finite_differences(tied, overrides):
