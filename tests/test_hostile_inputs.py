@@ -278,3 +278,145 @@ def test_windows_past_the_context_are_refused(files, cli, ok, user_error):
     r = ok(cli("eval", m, "--data", corpus, "--backend", "ref", "--json"))  # the default fits the context
     assert json.loads(r.stdout)["windows"] > 0
     ok(cli("accept", m, "--data", corpus, "--tokens", "300", "--backend", "ref"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 31 (round 4): import-hf and export-hf read folders as transformers 5 reads them, and lose nothing
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        pytest.fail(f"{e}: these checks read the folders with transformers (the `test` extra)")
+    return transformers
+
+
+def _edit(folder: Path, **changes) -> dict:
+    """config.json with `changes` (None: the key removed)."""
+    conf = json.loads((folder / "config.json").read_text())
+    conf.update(changes)
+    conf = {k: v for k, v in conf.items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(conf))
+    return conf
+
+
+def _hybrid(n_layers: int = 4, **overrides) -> Model:
+    """A hybrid made here (Gated DeltaNet blocks, then a gated full-attention one), random weights."""
+    from ddl_ref.check import random_params
+    from ddl_ref.config import apply_arch
+
+    cfg = apply_arch(tiny_cfg(n_layers=n_layers, **overrides), "qwen3_5")
+    return Model(cfg, {n: a.astype(np.float32) for n, a in random_params(cfg, seed=1).items()})
+
+
+def test_a_distinct_lm_head_is_kept_when_the_config_ties_it(tmp_path):
+    """Defect 1: with `tie_word_embeddings: true` and an lm_head.weight that differs from the embedding, import
+    dropped the head; transformers keeps both ("we will NOT tie them"). Both families."""
+    from safetensors.numpy import load_file
+
+    transformers = _transformers()
+    for name, m in (
+        ("qwen3", model(qk_norm="pre_rope", tie_embeddings=False)),
+        ("hybrid", _hybrid(tie_embeddings=False)),
+    ):
+        hf = tmp_path / name
+        export_hf(m, hf)
+        _edit(hf, tie_word_embeddings=True)
+        got = import_hf(hf)
+        assert not got.cfg.tie_embeddings, name
+        for n in ("lm_head.weight", "model.embed_tokens.weight"):
+            np.testing.assert_array_equal(got.params[n], m.params[n], err_msg=f"{name} {n}")
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(hf)  # what transformers computes with
+        np.testing.assert_array_equal(theirs.lm_head.weight.detach().numpy(), got.params["lm_head.weight"])
+        export_hf(got, tmp_path / f"{name}-back")  # written back untied, the head included
+        assert "lm_head.weight" in load_file(tmp_path / f"{name}-back" / "model.safetensors")
+        assert import_hf(tmp_path / f"{name}-back").cfg == got.cfg
+
+
+def test_rope_scaling_is_read_before_rope_parameters(tmp_path):
+    """Defect 2: transformers 5 reads `rope_scaling` first (it replaces `rope_parameters` whole); with a yarn
+    `rope_scaling` beside a plain `rope_parameters` the import succeeded as another model. Both families."""
+    transformers = _transformers()
+    for name, m in (("qwen3", model(qk_norm="pre_rope")), ("hybrid", _hybrid())):
+        hf = tmp_path / name
+        export_hf(m, hf)
+        plain = json.loads((hf / "config.json").read_text())["rope_parameters"]
+        _edit(hf, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+        with pytest.raises(HfError, match="rope_scaling.*'yarn'|'yarn'.*not supported") as e:
+            import_hf(hf)
+        assert "\n" not in str(e.value)
+        _edit(hf, rope_scaling={**plain, "rope_theta": 5000.0})  # plain RoPE, another base: that base counts
+        assert import_hf(hf).cfg.rope_theta == 5000.0
+        assert transformers.AutoConfig.from_pretrained(hf).rope_parameters["rope_theta"] == 5000.0
+
+
+def test_a_causal_config_with_a_text_config_is_refused(tmp_path, cli, user_error):
+    """Defect 3: `Qwen3_5ForCausalLM` reads a `text_config` where one is present, AutoConfig the top level; we
+    read the top level and imported a model transformers does not compute (or refuses)."""
+    hf = tmp_path / "hf"
+    export_hf(_hybrid(), hf)
+    conf = json.loads((hf / "config.json").read_text())
+    _edit(hf, text_config={**conf, "rms_norm_eps": 0.1})
+    user_error(cli("import-hf", hf, tmp_path / "m.ddlw"), "text_config", "AutoConfig")
+    assert not (tmp_path / "m.ddlw").exists()
+
+
+def test_a_trunk_left_without_linear_attention_exports(tmp_path):
+    """Defect 5: after compress dropped every Gated DeltaNet block of an imported hybrid, export said its
+    linear_k_heads differed from the source config (which, with no such layer, says nothing of them)."""
+    from ddl_wgpu.compress import compress_file
+    from ddl_wgpu.hf import export_hf_from_file, import_hf_to_file
+
+    transformers = _transformers()
+    m = _hybrid(4)
+    assert m.cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    export_hf(m, tmp_path / "hf")
+    import_hf_to_file(tmp_path / "hf", tmp_path / "m.ddlw")
+    compress_file(tmp_path / "m.ddlw", tmp_path / "c.ddlw", drop="0-2")
+    export_hf_from_file(tmp_path / "c.ddlw", tmp_path / "out")
+    back = import_hf(tmp_path / "out")
+    assert back.cfg.layer_types == ("full_attention",) and back.cfg.n_layers == 1
+    for n, a in back.params.items():
+        want = m.params[n.replace("layers.0.", "layers.3.")]
+        np.testing.assert_array_equal(a, want, err_msg=n)
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "out").layer_types == ["full_attention"]
+
+
+def test_a_config_json_is_held_to_one_limit_at_import_and_export(tmp_path):
+    """Defect 6: config.json was read up to 64 MiB at import and checked against 32 MiB at export, so a 50 MB
+    config imported and then could not be exported. One limit: refused at import, or exported."""
+    from ddl_wgpu.hf import export_hf_from_file, import_hf_to_file
+
+    hf = tmp_path / "hf"
+    export_hf(_hybrid(), hf)
+    text = (hf / "config.json").read_text()
+    (hf / "config.json").write_text(text[:-1] + " " * (33 << 20) + text[-1])  # valid JSON, 33 MiB
+    try:
+        import_hf_to_file(hf, tmp_path / "m.ddlw")
+    except HfError as e:
+        assert "config.json" in str(e) and "more than" in str(e), e
+        return
+    export_hf_from_file(tmp_path / "m.ddlw", tmp_path / "out")
+
+
+def test_a_stray_file_the_import_does_not_read_is_no_input(tmp_path, cli, ok):
+    """Defect 14: a symlinked *.safetensors the import never reads (here pointing at the output's folder) made
+    it refuse with "output lies inside the input folder"."""
+    hf, out = tmp_path / "hf", tmp_path / "out"
+    export_hf(model(qk_norm="pre_rope"), hf)
+    out.mkdir()
+    (hf / "stray.safetensors").symlink_to(out)
+    ok(cli("import-hf", hf, out / "m.ddlw"))
+    assert (out / "m.ddlw").exists()
+
+
+def test_a_raw_export_with_a_draft_imports_with_its_draft_said(tmp_path, cli, ok):
+    """Defect 15: importing a `--raw` export that carries a draft reported `mtp: None`."""
+    save_model(tmp_path / "m.ddlw", model(mtp=MtpConfig()))
+    ok(cli("export-hf", tmp_path / "m.ddlw", tmp_path / "raw", "--raw"))
+    r = ok(cli("import-hf", tmp_path / "raw", tmp_path / "back.ddlw", "--json"))
+    mtp = json.loads(r.stdout)["mtp"]
+    assert (
+        mtp is not None and mtp["layout"] == "model.mtp." and mtp["trunk_hidden"] == MtpConfig().trunk_hidden
+    )

@@ -1,0 +1,67 @@
+"""Issue 30: `import-hf`, `export-hf` and `compress` go tensor by tensor, a piece at a time, so a command's peak
+memory is a small fixed amount whatever the model's size. A hybrid with its draft of about 250 MB (float32;
+written piece by piece from broadcast rows, so the test itself stays small) goes through the three commands as a
+user runs them, each a fresh process; each one's peak resident memory (its own high-water mark, from wait4) must
+stay under BOUND, well below the model's size (before the change each held the whole model, compress twice).
+The figures on the `medium` hybrid and a larger folder: bench/host_memory.py (BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ddl_ref.config import ARCH_MTP, ModelConfig, apply_arch
+from ddl_ref.params import param_table
+from ddl_wgpu.lazy import from_array
+from ddl_wgpu.modelfile import LazyModel, write_model
+
+REPO = Path(__file__).resolve().parents[1]
+BOUND = 150 << 20  # the interpreter with numpy and the CLI takes about 60 MB; the pieces a few MB each
+
+
+def _peak_rss(*args) -> int:
+    """Run `ddl-wgpu ARGS` in a fresh process -> its peak resident memory in bytes (it must succeed)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OPENBLAS_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "ddl_wgpu.cli", *map(str, args)], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    err = p.stderr.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    assert p.returncode == 0, (args, err.decode(errors="replace"))
+    return usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux
+
+
+def _big_hybrid(path: Path) -> int:
+    """A ~250 MB hybrid with a draft, written without ever holding it: every tensor a broadcast row."""
+    base = ModelConfig(vocab_size=50304, d_model=512, n_layers=8, n_heads=8, n_kv_heads=2, head_dim=64,
+                       ffn_hidden=1536, max_seq_len=256, tie_embeddings=False)  # fmt: skip
+    cfg = dataclasses.replace(apply_arch(base, "qwen3_5"), mtp=ARCH_MTP["qwen3_5"])
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for s in param_table(cfg):
+        row = (rng.standard_normal(s.shape[-1]) * 0.02).astype(np.float32)
+        tensors[s.name] = from_array(np.broadcast_to(row, s.shape))
+    write_model(path, LazyModel(cfg=cfg, tensors=tensors))
+    return sum(t.nbytes for t in tensors.values())
+
+
+@pytest.mark.skipif(not hasattr(os, "wait4"), reason="a child's peak memory needs os.wait4 (POSIX)")
+def test_file_commands_hold_a_few_pieces_not_the_model(tmp_path):
+    size = _big_hybrid(tmp_path / "m.ddlw")
+    assert size > 240e6
+    peaks = {
+        "export-hf": _peak_rss("export-hf", tmp_path / "m.ddlw", tmp_path / "hf"),
+        "import-hf": _peak_rss("import-hf", tmp_path / "hf", tmp_path / "back.ddlw"),
+        "compress": _peak_rss(
+            "compress", tmp_path / "back.ddlw", "--out", tmp_path / "c.ddlw", "--drop-layers", "1-3"
+        ),
+    }
+    over = {k: f"{v / 1e6:.0f} MB" for k, v in peaks.items() if v > BOUND}
+    print({k: f"{v / 1e6:.0f} MB" for k, v in peaks.items()})
+    assert not over, f"peak memory over {BOUND / 1e6:.0f} MB for a {size / 1e6:.0f} MB model: {over}"
