@@ -88,7 +88,8 @@ def medium_hybrid(work: Path, preset: str) -> tuple[str, float, list[dict]]:
 
 def synthetic_folder(folder: Path, gb: float, smoke: bool) -> None:
     """A bf16 Qwen3_5ForCausalLM folder of about `gb` GB with an mtp.* draft, in 1 GB shards (smoke: 2 MB),
-    written tensor by tensor (each a tiled random block: writing is fast, values are not all alike)."""
+    written tensor by tensor (each a tiled random block: writing is fast, values are not all alike): 2,048 wide,
+    a tied vocabulary of 151,936, as many layers (a multiple of 4) as the size takes (2.5 GB: 20)."""
     from ddl_ref.config import ModelConfig, MtpConfig, apply_arch
     from ddl_ref.params import param_table
     from ddl_wgpu.container import f32_to_bf16

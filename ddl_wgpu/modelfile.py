@@ -195,10 +195,10 @@ def save_model(path, model: Model, dtype: str | Mapping[str, str] = "f32") -> Pa
     missing = [s.name for s in param_table(model.cfg) if s.name not in model.params]
     if missing:
         raise CheckpointError(f"{path}: model is missing parameter(s) {missing[:5]}")
-    for n in model.params:
-        dt = dtype.get(n, "f32") if isinstance(dtype, Mapping) else dtype
+    for s in param_table(model.cfg):
+        dt = dtype.get(s.name, "f32") if isinstance(dtype, Mapping) else dtype
         if dt not in ("f32", "f16", "bf16"):
-            raise CheckpointError(f"{path}: cannot store parameter {n} as {dt!r} (f32, f16 or bf16)")
+            raise CheckpointError(f"{path}: cannot store parameter {s.name} as {dt!r} (f32, f16 or bf16)")
     return write_model(path, model.lazy(dtype))
 
 
