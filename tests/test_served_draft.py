@@ -197,6 +197,13 @@ def test_export_refuses_a_draft_wider_than_intermediate_size(hybrid, tmp_path, c
     assert not (tmp_path / "out").exists()
     export_hf_from_file(tmp_path / "h.ddlw", tmp_path / "raw", raw=True)
     assert not served_draft.check_folder(tmp_path / "raw").draft  # our names: not a draft they read
+    # the way out the refusal names: heal at the model's width (its own wide draft narrowed, no --init needed)
+    r = heal.heal(
+        tmp_path / "h.ddlw", str(text), tmp_path / "n.ddlw", dataclasses.replace(RUN, draft_width="model")
+    )
+    assert r["draft_width"]["ffn_hidden"] == 12 and r["draft_width"]["source_ffn_hidden"] == 24
+    export_hf_from_file(tmp_path / "n.ddlw", tmp_path / "out")
+    assert served_draft.check_folder(tmp_path / "out").ok
 
 
 # ---------------------------------------------------------------------------------------------------------
