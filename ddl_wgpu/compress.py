@@ -5,15 +5,18 @@
 - `ffn_keep(model, fraction)`: keep round(fraction·F) (at least 1) SwiGLU channels of every block, chosen per
   block by importance ‖gate row c‖·‖up row c‖·‖down column c‖ (a channel's output is down[:, c]·silu(g_c)·u_c,
   so the product of the three norms bounds its contribution for a unit input). Kept channels stay in their
-  original order. The MTP draft is left whole, as the reference heal tool expects (it takes the draft's FFN
-  width from the model it starts from): its width is then recorded as `MtpConfig.ffn_hidden`.
+  original order (`narrow_ffn`). The MTP draft follows the rule of the runtime it is laid out for
+  (`draft_layout.width_follows_trunk`): a Qwen3.5-layout model's draft is narrowed with the trunk by the same rule
+  (vLLM and SGLang build it at `intermediate_size`); any other draft is left whole, as the reference heal tool
+  expects (it takes the draft's FFN width from the model it starts from), its width then recorded as
+  `MtpConfig.ffn_hidden`.
 
 Each method is a `Plan` (`plan_drop_layers`, `plan_ffn_keep`): the new config and, for every new parameter, the
 input tensor it comes from and a per-tensor transform (`take_rows`, `take_columns`). `apply` runs a plan lazily,
 tensor by tensor and piece by piece (`ddl_wgpu.lazy`): `compress_file` streams a model file into the output so
 its memory does not grow with the model; `drop_layers` and `ffn_keep` give a `Model` in memory. Each records
-`provenance.compress` (a previous record is kept under `previous`); the draft head itself is carried over
-unchanged: heal it against the new trunk (`ddl_wgpu.heal`).
+`provenance.compress` (a previous record is kept under `previous`); the draft head is carried over (by
+`ffn_keep` narrowed as said, its record under `draft`): heal it against the new trunk (`ddl_wgpu.heal`).
 
 What this file deliberately does not do: attention-head pruning, quantisation, or any evaluation of the result.
 """
@@ -29,9 +32,10 @@ import numpy as np
 
 from ddl_ref.config import ModelConfig, select_layers
 from ddl_ref.mtp import draft_ffn_hidden
-from ddl_ref.params import param_table
+from ddl_ref.params import MTP_LAYER_PREFIX, param_table
+from ddl_wgpu.draft_layout import width_follows_trunk
 from ddl_wgpu.errors import UserError
-from ddl_wgpu.lazy import Lazy
+from ddl_wgpu.lazy import Lazy, convert, from_array
 from ddl_wgpu.modelfile import LazyModel, Model, open_model, write_model
 from ddl_wgpu.safeio import refuse_overwrite_input
 
@@ -115,7 +119,7 @@ def plan_drop_layers(cfg: ModelConfig, layers: Iterable[int]) -> Plan:
 
 
 def _f64_pieces(t: Lazy):
-    return (p.astype(np.float64) for p in t.to("f32").pieces())
+    return ((convert(p, "bf16", "f32") if t.dtype == "bf16" else p).astype(np.float64) for p in t.pieces())
 
 
 def _row_norms(t: Lazy) -> np.ndarray:
@@ -141,6 +145,14 @@ def ffn_importance(tensors: dict[str, Lazy], prefix: str) -> np.ndarray:
     return g * u * d
 
 
+def ffn_channels(tensors: dict[str, Lazy], prefix: str, n: int) -> tuple[np.ndarray, float]:
+    """The `n` most important channels (`ffn_importance`) of the SwiGLU under `prefix`, in their original order,
+    and the fraction of the importance they hold."""
+    imp = ffn_importance(tensors, prefix)
+    keep = np.sort(np.argsort(-imp, kind="stable")[:n])
+    return keep, float(imp[keep].sum() / max(imp.sum(), 1e-30))
+
+
 def take_rows(keep: np.ndarray) -> Callable[[Lazy], Lazy]:
     """The tensor's rows `keep` (a SwiGLU's gate or up projection narrowed to its kept channels)."""
     return lambda t: t.take_rows(keep)
@@ -151,9 +163,28 @@ def take_columns(keep: np.ndarray) -> Callable[[Lazy], Lazy]:
     return lambda t: t.map(lambda p: np.ascontiguousarray(p[:, keep]), (t.shape[0], len(keep)))
 
 
+FFN = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")  # a SwiGLU's tensors
+
+
+def narrow(prefix: str, keep: np.ndarray) -> dict[str, Callable[[Lazy], Lazy]]:
+    """The transforms that narrow the SwiGLU under `prefix` to the channels `keep`."""
+    gate, up, down = (prefix + n for n in FFN)
+    return {gate: take_rows(keep), up: take_rows(keep), down: take_columns(keep)}
+
+
+def narrow_ffn(params: dict, prefix: str, n: int) -> float:
+    """Keep the `n` most important channels (`ffn_channels`) of the SwiGLU under `prefix` in `params`, arrays in
+    memory (replaced in place) -> the fraction of the importance kept."""
+    tensors = {prefix + k: from_array(params[prefix + k]) for k in FFN}
+    keep, mass = ffn_channels(tensors, prefix, n)
+    for name, how in narrow(prefix, keep).items():
+        params[name] = how(tensors[name]).array()
+    return mass
+
+
 def plan_ffn_keep(model: LazyModel, fraction: float) -> Plan:
     """Keep the fraction `fraction` (0 < f <= 1) of every SwiGLU's channels, the most important per block (their
-    norms read a piece at a time); the draft keeps its width."""
+    norms read a piece at a time); the draft as `_draft_width` says."""
     cfg = model.cfg
     if not (isinstance(fraction, int | float) and 0.0 < float(fraction) <= 1.0):
         raise CompressError(
@@ -163,20 +194,33 @@ def plan_ffn_keep(model: LazyModel, fraction: float) -> Plan:
     F2 = max(1, int(round(float(fraction) * F)))
     transforms, kept_mass = {}, []
     for p in (f"model.layers.{i}." for i in range(cfg.n_layers)):
-        imp = ffn_importance(model.tensors, p)
-        keep = np.sort(np.argsort(-imp, kind="stable")[:F2])
-        transforms[p + "mlp.gate_proj.weight"] = transforms[p + "mlp.up_proj.weight"] = take_rows(keep)
-        transforms[p + "mlp.down_proj.weight"] = take_columns(keep)
-        kept_mass.append(float(imp[keep].sum() / max(imp.sum(), 1e-30)))
+        keep, mass = ffn_channels(model.tensors, p, F2)
+        transforms.update(narrow(p, keep))
+        kept_mass.append(mass)
     new_cfg = dataclasses.replace(cfg, ffn_hidden=F2)
-    if cfg.mtp is not None:  # the draft keeps its width (recorded when it now differs from the trunk's)
-        width = draft_ffn_hidden(cfg)
-        mtp = dataclasses.replace(cfg.mtp, ffn_hidden=None if width == F2 else width)
-        new_cfg = dataclasses.replace(new_cfg, mtp=mtp)
     rec = {"method": "ffn_keep", "fraction": float(fraction), "ffn_hidden_before": F, "ffn_hidden_after": F2,
            "importance": "norm(gate row) * norm(up row) * norm(down column)",
            "kept_importance_fraction": kept_mass}  # fmt: skip
+    if cfg.mtp is not None:
+        new_cfg, rec["draft"] = _draft_width(model.tensors, cfg, new_cfg, transforms)
     return Plan(new_cfg, rec, {s.name: s.name for s in param_table(new_cfg)}, transforms)
+
+
+def _draft_width(tensors: dict[str, Lazy], cfg: ModelConfig, new_cfg: ModelConfig,
+                 transforms: dict) -> tuple[ModelConfig, dict]:  # fmt: skip
+    """The draft after `ffn_keep` narrowed the trunk to `new_cfg.ffn_hidden`: narrowed with it (its transforms
+    added) when its runtime builds it at the trunk's width (and it is at least that wide), else whole (its
+    width recorded when it now differs from the trunk's) -> (the config, the record)."""
+    width, F2 = draft_ffn_hidden(cfg), new_cfg.ffn_hidden
+    follows, why = width_follows_trunk(cfg)
+    rec = {"ffn_hidden_before": width, "rule": why}
+    if follows and width >= F2:
+        keep, rec["kept_importance_fraction"] = ffn_channels(tensors, MTP_LAYER_PREFIX, F2)
+        transforms.update(narrow(MTP_LAYER_PREFIX, keep))
+        width = F2
+    rec["ffn_hidden_after"] = width
+    mtp = dataclasses.replace(cfg.mtp, ffn_hidden=None if width == F2 else width)
+    return dataclasses.replace(new_cfg, mtp=mtp), rec
 
 
 def apply(plan: Plan, model: LazyModel) -> LazyModel:
@@ -209,6 +253,21 @@ def drop_layers(model: Model, layers: Iterable[int]) -> Model:
 def ffn_keep(model: Model, fraction: float) -> Model:
     """Keep the fraction `fraction` (0 < f <= 1) of every SwiGLU's channels, the most important per block."""
     return _in_memory(plan_ffn_keep(model.lazy("f32"), fraction), model)
+
+
+def _draft_width(params: dict, cfg: ModelConfig, new_cfg: ModelConfig) -> tuple[ModelConfig, dict]:
+    """The draft after `ffn_keep` narrowed the trunk to `new_cfg.ffn_hidden`: narrowed with it when its runtime
+    builds it at the trunk's width (and it is at least that wide), else whole (its width recorded when it now
+    differs from the trunk's) -> (the config, the record)."""
+    width, F2 = draft_ffn_hidden(cfg), new_cfg.ffn_hidden
+    follows, why = width_follows_trunk(cfg)
+    rec = {"ffn_hidden_before": width, "rule": why}
+    if follows and width >= F2:
+        rec["kept_importance_fraction"] = narrow_ffn(params, MTP_LAYER_PREFIX, F2)
+        width = F2
+    rec["ffn_hidden_after"] = width
+    mtp = dataclasses.replace(cfg.mtp, ffn_hidden=None if width == F2 else width)
+    return dataclasses.replace(new_cfg, mtp=mtp), rec
 
 
 def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,

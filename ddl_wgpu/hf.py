@@ -465,6 +465,8 @@ def export_hf_from_file(
         summary["layout"] = plan.layout
     if model.cfg.mtp is not None:
         summary["mtp"] = _mtp_export_summary(model.cfg, raw, plan.mtp_note)
+        if plan.check_draft is not None:  # the written folder's draft against what its runtimes build
+            summary["mtp"]["served"] = plan.check_draft(Path(folder))
     return summary
 
 
@@ -473,15 +475,7 @@ def _mtp_export_summary(cfg: ModelConfig, raw: bool, note: str) -> dict:
     if raw:
         return {"names": "model.mtp.*", **mtp.to_dict(), "note": "draft written under our own names"}
     out = {"names": "mtp.*", **mtp.to_dict(), "note": note}
-    warnings = []
     if mtp.trunk_hidden != "post_norm" or mtp.chain_hidden != "post_norm":
-        warnings.append("vLLM/SGLang feed the draft post-norm hiddens (docs/heal.md#the-draft-block); this draft "
-                        f"expects trunk {mtp.trunk_hidden}, chain {mtp.chain_hidden}")  # fmt: skip
-    if mtp.ffn_hidden is not None and mtp.ffn_hidden != cfg.ffn_hidden:
-        # after compress --ffn-keep the draft keeps its width; config.json's intermediate_size is the trunk's
-        warnings.append(f"the draft's SwiGLU is {mtp.ffn_hidden} wide and the trunk's {cfg.ffn_hidden}: vLLM/SGLang "
-                        "build the draft at intermediate_size (the trunk's), so they cannot load these mtp.* "
-                        "tensors (our import reads the width back from ddl_mtp)")  # fmt: skip
-    if warnings:
-        out["warning"] = "; ".join(warnings)
+        out["warning"] = ("vLLM/SGLang feed the draft post-norm hiddens (docs/heal.md#the-draft-block); this draft "
+                          f"expects trunk {mtp.trunk_hidden}, chain {mtp.chain_hidden}")  # fmt: skip
     return out

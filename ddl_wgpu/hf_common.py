@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -82,6 +84,7 @@ class ExportPlan:
     shard_bytes: int = 0
     layout: str | None = None  # for the summary
     mtp_note: str = ""  # how runtimes read the draft's tensors in this family's folders
+    check_draft: Callable[[Path], dict] | None = None  # the written folder's draft against its runtimes
 
 
 # ------------------------------------------------------------------------------------------------ names

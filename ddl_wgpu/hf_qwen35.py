@@ -37,6 +37,7 @@ from typing import Any
 
 from ddl_ref.config import ConfigError, ModelConfig, MtpConfig, qwen35_layer_types
 from ddl_ref.params import MTP_PREFIX, param_table
+from ddl_wgpu import served_draft
 from ddl_wgpu.hf_common import (
     _LAYOUT_DEFAULTS,
     LAYOUT_QWEN35,
@@ -493,5 +494,8 @@ def export_plan(model: LazyModel, rec: dict | None) -> ExportPlan:
     taken = {t.name for t in tensors}
     if len(taken) != len(tensors):
         raise HfError("the model's kept tensors collide with its parameters' names in the folder")
+    # vLLM and SGLang build the draft from config.json: a tensor of another shape is refused before writing
+    served_draft.refuse_unservable(config, {t.name: t.shape for t in tensors})
     return ExportPlan(config=config, tensors=tensors, files=files, shard_bytes=rec.get("shard_bytes", 0) if rec else 0,
-                      layout=layout, mtp_note=MTP_NOTE)  # fmt: skip
+                      layout=layout, mtp_note=MTP_NOTE,
+                      check_draft=lambda folder: served_draft.check_folder(folder).summary())  # fmt: skip
