@@ -255,21 +255,6 @@ def ffn_keep(model: Model, fraction: float) -> Model:
     return _in_memory(plan_ffn_keep(model.lazy("f32"), fraction), model)
 
 
-def _draft_width(params: dict, cfg: ModelConfig, new_cfg: ModelConfig) -> tuple[ModelConfig, dict]:
-    """The draft after `ffn_keep` narrowed the trunk to `new_cfg.ffn_hidden`: narrowed with it when its runtime
-    builds it at the trunk's width (and it is at least that wide), else whole (its width recorded when it now
-    differs from the trunk's) -> (the config, the record)."""
-    width, F2 = draft_ffn_hidden(cfg), new_cfg.ffn_hidden
-    follows, why = width_follows_trunk(cfg)
-    rec = {"ffn_hidden_before": width, "rule": why}
-    if follows and width >= F2:
-        rec["kept_importance_fraction"] = narrow_ffn(params, MTP_LAYER_PREFIX, F2)
-        width = F2
-    rec["ffn_hidden_after"] = width
-    mtp = dataclasses.replace(cfg.mtp, ffn_hidden=None if width == F2 else width)
-    return dataclasses.replace(new_cfg, mtp=mtp), rec
-
-
 def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,
                   keep: float | None = None, verify: bool = True) -> dict:  # fmt: skip
     """The `compress MODEL --out OUT (--drop-layers LIST | --ffn-keep F)` entry point -> provenance.compress.
