@@ -257,6 +257,11 @@ def eval_(
     emit(out, as_json, text)
 
 
+def _say(line: str) -> None:
+    """A long file command's progress, on standard error (standard output holds its summary, maybe JSON)."""
+    typer.echo(line, err=True)
+
+
 @app.command("import-hf")
 def import_hf(
     folder: Path = typer.Argument(
@@ -269,7 +274,7 @@ def import_hf(
 ):
     """Import a Qwen3, Llama or Qwen3.5 (CausalLM or ConditionalGeneration) folder into our container."""
     output_file(out, force, flag="")
-    summary = import_hf_to_file(folder, out)
+    summary = import_hf_to_file(folder, out, say=_say)
     emit(summary, as_json, summary_text(summary) + f"\nwrote {out}")
 
 
@@ -288,7 +293,7 @@ def export_hf(
 ):
     """Export a model as a Hugging Face folder (Qwen3/Llama for baseline models, Qwen3.5 in the layout it came
     from for hybrid trunks, raw tensors for DDL)."""
-    summary = export_hf_from_file(model, folder, raw=raw, overwrite=force, verify=not no_verify)
+    summary = export_hf_from_file(model, folder, raw=raw, overwrite=force, verify=not no_verify, say=_say)
     emit(summary, as_json, summary_text(summary) + f"\nwrote {folder}")
 
 
@@ -315,7 +320,7 @@ def compress(
     """Structural compress: drop whole blocks, or keep the most important SwiGLU channels."""
     refuse_overwrite_input(out, [model], CompressError)  # "is the input" says more than "exists"
     output_file(out, force)
-    prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep, verify=not no_verify)
+    prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep, verify=not no_verify, say=_say)
     emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
 
 

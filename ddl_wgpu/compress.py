@@ -255,8 +255,8 @@ def ffn_keep(model: Model, fraction: float) -> Model:
     return _in_memory(plan_ffn_keep(model.lazy("f32"), fraction), model)
 
 
-def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,
-                  keep: float | None = None, verify: bool = True) -> dict:  # fmt: skip
+def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None, keep: float | None = None,
+                  verify: bool = True, say: Callable[[str], None] | None = None) -> dict:  # fmt: skip
     """The `compress MODEL --out OUT (--drop-layers LIST | --ffn-keep F)` entry point -> provenance.compress.
 
     Exactly one of `drop` (a list or '1,3-5') and `keep` must be given. The model goes tensor by tensor from
@@ -264,7 +264,7 @@ def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,
     the output keeps its storage dtype in the source (a moved block its own; f64 is written as f32), the tensors
     outside the parameter table (an imported folder's vision tower and files, `modelfile.EXTRA_PREFIXES`) are
     carried byte for byte, and the output is written atomically. Refused before any work: an output that is the
-    input; `verify=False` skips the tensor hash check."""
+    input; `verify=False` skips the tensor hash check; `say`: where a long compress says its progress."""
     if (drop is None) == (keep is None):
         raise CompressError(
             "compress: give exactly one of a list of blocks to drop and an FFN keep fraction",
@@ -279,5 +279,5 @@ def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,
             plan = plan_ffn_keep(model, float(keep))
         out = apply(plan, model)
         out.tensors = {n: t.to("f32") if t.dtype == "f64" else t for n, t in out.tensors.items()}
-        write_model(Path(out_path), out)
+        write_model(Path(out_path), out, say)
     return out.provenance["compress"]

@@ -34,6 +34,7 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,15 @@ import numpy as np
 from ddl_ref.config import ConfigError, ModelConfig, ModelVariant
 from ddl_ref.params import MTP_PREFIX, param_table
 from ddl_wgpu import hf_llama, hf_qwen35
-from ddl_wgpu.hf_common import _IGNORED, MAX_INT64, RAW_ARCHITECTURE, ExportPlan, more, swap_eh_halves
+from ddl_wgpu.hf_common import (
+    _IGNORED,
+    MAX_INT64,
+    RAW_ARCHITECTURE,
+    ExportPlan,
+    ImportPlan,
+    more,
+    swap_eh_halves,
+)
 from ddl_wgpu.hf_files import MAX_TOKENIZER, HfError, StTensor, Weights, write_bytes, write_safetensors
 from ddl_wgpu.hf_keep import (
     FILE_PREFIX,
@@ -53,7 +62,7 @@ from ddl_wgpu.hf_keep import (
     source_of,
     source_record,
 )
-from ddl_wgpu.lazy import from_array
+from ddl_wgpu.lazy import Progress, from_array
 from ddl_wgpu.modelfile import LazyModel, Model, check_fits, open_model, param_count, write_model
 from ddl_wgpu.safeio import load_json, read_regular, refuse_overwrite_input
 
@@ -205,18 +214,23 @@ def _read_folder(folder, resident: bool) -> tuple[LazyModel, list[Path]]:
                       provenance={"import_hf": rec}, metadata=metadata)  # fmt: skip
     inputs = [cfg_path, *(p for p in (tok, folder / "model.safetensors.index.json") if p.exists())]
     inputs += [f.path for f in weights.files]
-    if plan.layout is not None:  # kept to be written back (ddl_wgpu.hf_keep)
-        files = {"config.json": cfg_raw, **kept_files(folder, plan.keep_files)}
-        model.extra = {KEEP_PREFIX + n: weights.lazy_raw(n) for n in kept}
-        model.extra.update(
-            {FILE_PREFIX + n: from_array(np.frombuffer(b, np.uint8)) for n, b in files.items()}
-        )
-        shard_bytes = weights.data_bytes() if len(weights.files) > 1 else 0
-        info = {n: (weights.dtype(n), weights.shape(n)) for n in kept}
-        metadata[SOURCE_KEY] = source_record(arch, plan.layout, info, list(files), shard_bytes)
-        rec.update(layout=plan.layout, kept_tensors=len(kept), files=sorted(files))
-        inputs += [folder / n for n in files if n != "config.json"]
+    if plan.layout is not None:
+        inputs += _keep(model, plan, folder, weights, kept, cfg_raw)
     return model, inputs
+
+
+def _keep(model: LazyModel, plan: ImportPlan, folder: Path, weights: Weights, kept: list[str],
+          cfg_raw: bytes) -> list[Path]:  # fmt: skip
+    """What a family that writes the folder back keeps (`ddl_wgpu.hf_keep`): the tensors we do not run, byte for
+    byte, config.json and the small files, and their record -> the small files read."""
+    files = {"config.json": cfg_raw, **kept_files(folder, plan.keep_files)}
+    model.extra = {KEEP_PREFIX + n: weights.lazy_raw(n) for n in kept}
+    model.extra.update({FILE_PREFIX + n: from_array(np.frombuffer(b, np.uint8)) for n, b in files.items()})
+    shard_bytes = weights.data_bytes() if len(weights.files) > 1 else 0
+    info = {n: (weights.dtype(n), weights.shape(n)) for n in kept}
+    model.metadata[SOURCE_KEY] = source_record(plan.arch, plan.layout, info, list(files), shard_bytes)
+    model.provenance["import_hf"].update(layout=plan.layout, kept_tensors=len(kept), files=sorted(files))
+    return [folder / n for n in files if n != "config.json"]
 
 
 def import_hf(folder) -> Model:
@@ -227,13 +241,14 @@ def import_hf(folder) -> Model:
     return model.load()
 
 
-def import_hf_to_file(folder, out_path) -> dict:
+def import_hf_to_file(folder, out_path, say: Callable[[str], None] | None = None) -> dict:
     """A Hugging Face folder -> a model file, tensor by tensor (the memory a few pieces, whatever the model's
     size); -> a short summary for the CLI. Refuses, before writing anything, an output that is one of the files
-    the import reads (`F/model.safetensors`, `F/config.json`, ...) or a folder that holds one."""
+    the import reads (`F/model.safetensors`, `F/config.json`, ...) or a folder that holds one. `say`: where a
+    long import says its progress."""
     model, inputs = _read_folder(folder, resident=False)
     refuse_overwrite_input(out_path, inputs, HfError)
-    path = write_model(out_path, model)
+    path = write_model(out_path, model, say)
     rec = model.provenance["import_hf"]
     out = {
         "path": str(path),
@@ -333,14 +348,15 @@ def _shards(tensors: list, limit: int) -> list[list]:
     return groups
 
 
-def _write_folder(
-    tokenizer: bytes | str | None, folder: Path, plan: ExportPlan, overwrite: bool = False
-) -> list[Path]:
+def _write_folder(tokenizer: bytes | str | None, folder: Path, plan: ExportPlan, overwrite: bool = False,
+                  say: Callable[[str], None] | None = None) -> list[Path]:  # fmt: skip
     """Write the export into a fresh sibling folder, then rename it onto `folder`: the result holds exactly
     this model's files, and a failure (disk full, Ctrl-C) leaves `folder` as it was. The tensors go into one
     model.safetensors, or shards of about `plan.shard_bytes` with their index, a piece at a time; the files are
     written as they are."""
     exists = _check_target(folder, overwrite)
+    progress = Progress(f"writing {folder}", [t.data for t in plan.tensors], say)
+    plan = dataclasses.replace(plan, tensors=[t._replace(data=progress.wrap(t.data)) for t in plan.tensors])
     parent = folder.absolute().parent
     tmp = parent / f".{folder.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
     old = parent / f".{folder.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
@@ -402,9 +418,8 @@ def _raw_plan(model: LazyModel) -> ExportPlan:
     return ExportPlan(config=config, tensors=tensors)
 
 
-def _export(
-    model: LazyModel, folder, overwrite: bool, raw: bool, where: str = "model"
-) -> tuple[list[Path], ExportPlan]:
+def _export(model: LazyModel, folder, overwrite: bool, raw: bool, where: str = "model",
+            say: Callable[[str], None] | None = None) -> tuple[list[Path], ExportPlan]:  # fmt: skip
     """Plan and write an export: the raw one, or the family's that writes this model (the one it was imported
     from, by its kept record, checked before any work; else the first whose `exports` takes the config)."""
     if raw:
@@ -413,7 +428,7 @@ def _export(
         rec = source_of(model, where, _WRITTEN_BACK)
         family = next(f for f in FAMILIES if f.exports(model.cfg, rec))
         plan = family.export_plan(model, rec)
-    return _write_folder(model.tokenizer, Path(folder), plan, overwrite), plan
+    return _write_folder(model.tokenizer, Path(folder), plan, overwrite, say), plan
 
 
 def export_hf(model: Model, folder, overwrite: bool = False) -> list[Path]:
@@ -442,17 +457,17 @@ def export_raw(model: Model, folder, overwrite: bool = False) -> list[Path]:
 # ------------------------------------------------------------------------------------- file conveniences
 
 
-def export_hf_from_file(
-    model_path, folder, raw: bool | None = None, overwrite: bool = False, verify: bool = True
-) -> dict:
+def export_hf_from_file(model_path, folder, raw: bool | None = None, overwrite: bool = False, verify: bool = True,
+                        say: Callable[[str], None] | None = None) -> dict:  # fmt: skip
     """A model file -> a Hugging Face folder, tensor by tensor (export_hf, or the raw export: `raw=True`, or by
     default for residual 'delta' models); the memory a few pieces, whatever the model's size. `overwrite` and
-    the folder rules: see `export_hf`; `verify=False` skips the tensor hash check."""
+    the folder rules: see `export_hf`; `verify=False` skips the tensor hash check; `say`: where a long export
+    says its progress."""
     refuse_overwrite_input(folder, [model_path], HfError)
     with open_model(model_path, verify=verify) as model:
         if raw is None:
             raw = model.cfg.residual != "add"
-        files, plan = _export(model, folder, overwrite, raw, str(model_path))
+        files, plan = _export(model, folder, overwrite, raw, str(model_path), say)
     summary = {
         "folder": str(folder),
         "architecture": plan.config["architectures"][0],

@@ -16,7 +16,8 @@ one piece). Nothing is read until a consumer iterates `pieces()`, and each itera
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,3 +145,30 @@ def convert(x: np.ndarray, src: str, dst: str) -> np.ndarray:
         return out
     with np.errstate(over="ignore"):
         return f.astype(DTYPES[dst])
+
+
+class Progress:
+    """A long write's progress line: the bytes of the tensors `wrap`ped as their pieces pass, said through `say`
+    at most every `every` seconds, and not at all for a write smaller than `quiet` bytes (seconds of work)."""
+
+    def __init__(self, what: str, tensors: Iterable[Lazy], say: Callable[[str], None] | None,
+                 every: float = 10.0, quiet: int = 256 << 20):  # fmt: skip
+        self.what, self.say, self.every = what, say, every
+        self.total = sum(t.nbytes for t in tensors)
+        self.done, self.start = 0, time.monotonic()
+        self.last = self.start
+        if self.total < quiet:
+            self.say = None
+
+    def wrap(self, t):
+        """`t` counted as its pieces pass (an array, written whole, is not counted)."""
+        return t.map(self._count) if self.say is not None and isinstance(t, Lazy) else t
+
+    def _count(self, piece: np.ndarray) -> np.ndarray:
+        self.done += piece.nbytes
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            self.say(f"{self.what}: {self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB written "
+                     f"({100 * self.done / self.total:.0f} %, {now - self.start:.0f} s)")  # fmt: skip
+        return piece

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,7 @@ import numpy as np
 from ddl_ref.config import ConfigError, ModelConfig, select_layers
 from ddl_ref.params import param_table
 from ddl_wgpu.container import Checkpoint, CheckpointError, open_checkpoint, save
-from ddl_wgpu.lazy import Lazy, from_array
+from ddl_wgpu.lazy import Lazy, Progress, from_array
 
 __all__ = [
     "EXTRA_PREFIXES",
@@ -202,9 +202,10 @@ def save_model(path, model: Model, dtype: str | Mapping[str, str] = "f32") -> Pa
     return write_model(path, model.lazy(dtype))
 
 
-def write_model(path, model: LazyModel) -> Path:
+def write_model(path, model: LazyModel, say: Callable[[str], None] | None = None) -> Path:
     """Write a LazyModel atomically, tensor by tensor and piece by piece: its parameters in table order, then its
-    `extra` tensors. The header is what `save_model` writes (it writes through here)."""
+    `extra` tensors. The header is what `save_model` writes (it writes through here). `say`: where a long write
+    says its progress (`lazy.Progress`)."""
     table = param_table(model.cfg)
     if list(model.tensors) != [s.name for s in table]:
         missing = [s.name for s in table if s.name not in model.tensors]
@@ -222,7 +223,9 @@ def write_model(path, model: LazyModel) -> Path:
     meta = dict(model.metadata)
     meta["model.variant"] = model.variant
     meta["model.num_params"] = int(sum(s.numel for s in table))
-    save(path, [*model.tensors.items(), *model.extra.items()], config=model.cfg.to_dict(), metadata=meta,
+    tensors = [*model.tensors.items(), *model.extra.items()]
+    progress = Progress(f"writing {path}", [t for _, t in tensors], say)
+    save(path, [(n, progress.wrap(t)) for n, t in tensors], config=model.cfg.to_dict(), metadata=meta,
          provenance=model.provenance, tokenizer=model.tokenizer)  # fmt: skip
     return Path(path)
 

@@ -18,7 +18,7 @@ from ddl_wgpu.compress import compress_file, ffn_importance
 from ddl_wgpu.container import CheckpointError, bf16_to_f32, f32_to_bf16, open_checkpoint, save
 from ddl_wgpu.hf import export_hf_from_file, import_hf_to_file
 from ddl_wgpu.hf_files import StTensor, Weights, write_safetensors
-from ddl_wgpu.modelfile import Model, save_model
+from ddl_wgpu.modelfile import Model, open_model, save_model, write_model
 
 
 @pytest.fixture
@@ -98,3 +98,20 @@ def test_piece_size_changes_no_byte(monkeypatch, tmp_path):
         )
         want = np.linalg.norm(g, axis=1) * np.linalg.norm(u, axis=1) * np.linalg.norm(d, axis=0)
         assert np.array_equal(ffn_importance(tensors, p), want)
+
+
+def test_a_long_write_says_its_progress(small_pieces, monkeypatch, tmp_path):
+    """A write of more than `quiet` bytes says how far it is, at most every `every` seconds; a small one is quiet."""
+    m = Model(tiny_cfg(), random_params(tiny_cfg(), seed=0))
+    lines = []
+    p = lazy.Progress(
+        "writing x", [lazy.from_array(a) for a in m.params.values()], lines.append, every=0, quiet=0
+    )
+    for a in m.params.values():
+        list(p.wrap(lazy.from_array(a)).pieces())
+    assert lines and lines[-1].startswith("writing x: 0.00 of 0.00 GB written (100 %") and p.done == p.total
+    quiet = []
+    save_model(tmp_path / "m.ddlw", m)  # through write_model: nothing said for a small model
+    with open_model(tmp_path / "m.ddlw") as lm:
+        write_model(tmp_path / "c.ddlw", lm, quiet.append)
+    assert quiet == [] and (tmp_path / "c.ddlw").read_bytes() == (tmp_path / "m.ddlw").read_bytes()
