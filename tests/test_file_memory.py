@@ -1,5 +1,5 @@
 """Issue 30: `import-hf`, `export-hf` and `compress` go tensor by tensor, a piece at a time, so a command's peak
-memory is a small fixed amount whatever the model's size. A hybrid with its draft of about 250 MB (float32;
+memory is a small fixed amount whatever the model's size. A hybrid with its draft of about 330 MB (float32;
 written piece by piece from broadcast rows, so the test itself stays small) goes through the three commands as a
 user runs them, each a fresh process; each one's peak resident memory (its own high-water mark, VmHWM) must
 stay under BOUND, well below the model's size (before the change each held the whole model, compress twice).
@@ -44,7 +44,7 @@ def _peak_rss(tmp_path: Path, *args) -> int:
 
 
 def _big_hybrid(path: Path) -> int:
-    """A ~250 MB hybrid with a draft, written without ever holding it: every tensor a broadcast row."""
+    """A ~330 MB hybrid with a draft, written without ever holding it: every tensor a broadcast row."""
     base = ModelConfig(vocab_size=50304, d_model=512, n_layers=8, n_heads=8, n_kv_heads=2, head_dim=64,
                        ffn_hidden=1536, max_seq_len=256, tie_embeddings=False)  # fmt: skip
     cfg = dataclasses.replace(apply_arch(base, "qwen3_5"), mtp=ARCH_MTP["qwen3_5"])
@@ -62,7 +62,7 @@ def _big_hybrid(path: Path) -> int:
 )
 def test_file_commands_hold_a_few_pieces_not_the_model(tmp_path):
     size = _big_hybrid(tmp_path / "m.ddlw")
-    assert size > 240e6
+    assert size > 300e6
     peaks = {
         "export-hf": _peak_rss(tmp_path, "export-hf", tmp_path / "m.ddlw", tmp_path / "hf"),
         "import-hf": _peak_rss(tmp_path, "import-hf", tmp_path / "hf", tmp_path / "back.ddlw"),
