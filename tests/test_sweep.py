@@ -24,6 +24,7 @@ from helpers import SHAPES, tiny_cfg
 
 from ddl_ref.config import ModelVariant
 from ddl_wgpu import sweep as S
+from ddl_wgpu import sweep_job as J
 from ddl_wgpu import sweep_ray as SR
 from ddl_wgpu import train as T
 from ddl_wgpu.container import open_checkpoint
@@ -152,7 +153,7 @@ def test_a_failed_job_is_marked_and_the_rest_go_on(corpus, tmp_path, monkeypatch
 def test_a_worker_that_cannot_see_the_data_fails_its_job_with_the_reason(corpus, tmp_path):
     sw = make_sweep(corpus)
     sw = S.Sweep(**{**sw.__dict__, "data": source(tmp_path / "elsewhere.txt")})
-    res = S.attempt(sw, sw.jobs()[0], tmp_path / "sw", None, None)
+    res = J.attempt(sw, sw.jobs()[0], tmp_path / "sw", None, None)
     assert res["status"] == "failed"
     assert "cannot see the training data" in res["error"] and "elsewhere.txt" in res["error"]
 
@@ -179,9 +180,9 @@ def test_a_sweep_recorded_with_precision_f16_resumes_in_f32(corpus, tmp_path, qu
     sequential(corpus, tmp_path / "seq", variants=("baseline",))
     out = tmp_path / "sw"
     S.run(make_sweep(corpus, variants=("baseline",)), out, S.Runner(), stop_after=3, view=quiet)
-    record = json.loads((out / S.SWEEP).read_text())
+    record = json.loads((out / J.SWEEP).read_text())
     assert "precision" not in record
-    (out / S.SWEEP).write_text(json.dumps({**record, "precision": "f16"}))
+    (out / J.SWEEP).write_text(json.dumps({**record, "precision": "f16"}))
     said = []
     assert S.Sweep.load(out, say=said.append) == S.Sweep(**record)
     assert said == [f"{out} was trained with --precision f16, which no longer exists: it resumes in f32"]
