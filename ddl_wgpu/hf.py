@@ -75,7 +75,7 @@ from ddl_wgpu.hf_files import (
 from ddl_wgpu.hf_llama import SUPPORTED, config_to_hf
 from ddl_wgpu.hf_llama import config_from_hf as _llama_config
 from ddl_wgpu.modelfile import Model, check_fits, load_model, save_model
-from ddl_wgpu.safeio import load_json, read_regular, refuse_overwrite_input
+from ddl_wgpu.safeio import load_json, read_regular, refuse_overwrite_input, utf8_text
 
 __all__ = ["HfError", "config_from_hf", "config_to_hf", "export_hf", "export_hf_from_file", "export_raw",
            "import_hf", "import_hf_to_file"]  # fmt: skip
@@ -206,6 +206,7 @@ def import_hf(folder) -> Model:
         params["model.mtp.eh_proj.weight"] = swap_eh_halves(params["model.mtp.eh_proj.weight"])
     tok = folder / "tokenizer.json"
     tokenizer = read_regular(tok, "a tokenizer.json", HfError, MAX_TOKENIZER) if tok.exists() else None
+    utf8_text(tokenizer or b"", str(tok), HfError)  # carried as bytes, decoded by every command that loads it
     metadata: dict[str, Any] = {"hf.architecture": arch, **{f"hf.{k}": v for k, v in ids.items()}}
     provenance = {"import_hf": {"source": str(folder.resolve()), "architecture": arch,
                                 "dtypes": sorted(set(dtypes.values())), "shards": len(weights.files)}}  # fmt: skip
@@ -267,11 +268,12 @@ def _token_id(model: Model, key: str) -> int | None:
 
 
 # What a Hugging Face export folder holds (ours, or a previous one of transformers); with overwrite=True only
-# a folder holding nothing else is replaced, so a mistyped path never deletes unrelated files.
+# a folder holding nothing else is replaced, so a mistyped path never deletes unrelated files (nor a model
+# card, README.md, which no export writes: the user's).
 _EXPORT_FILES = re.compile(
     r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|vocab|added_tokens"
     r"|preprocessor_config|video_preprocessor_config|processor_config|chat_template)\.json|chat_template\.jinja"
-    r"|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|merges\.txt|README\.md"
+    r"|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|merges\.txt"
 )
 
 
