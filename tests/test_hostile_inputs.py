@@ -314,6 +314,16 @@ def here(monkeypatch, capsys):
     return run
 
 
+def error_after_progress(r: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit 2, no traceback, one `error:` line, the last, holding `fragments`: for the commands that say what
+    they do before the work that fails (generate's "backend:" line, heal's draft line)."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout, r.stderr
+    assert [ln for ln in lines if ln.startswith("error: ")] == lines[-1:], r.stderr
+    assert all(f in lines[-1] for f in fragments), (fragments, lines[-1])
+    return lines[-1]
+
+
 def test_generate_refuses_a_temperature_it_cannot_divide_by(files, here, user_error):
     """Item 4: `--temperature inf --top-k 1` sampled uniformly over the vocabulary, `--temperature 1e-310` gave
     NaN probabilities (logits / T overflowed) and always the last id. A non-finite temperature is refused; any
@@ -400,7 +410,8 @@ def test_names_past_the_file_system_limit_are_one_line_in_every_command(files, t
         ("resume", long),
     ]
     for args in cases:
-        user_error(here(*args), "too long")
+        check = error_after_progress if args[0] in ("heal", "generate") else user_error
+        check(here(*args), "too long")
     assert list(tmp_path.iterdir()) == []  # nothing written, no folder left
 
 
@@ -422,13 +433,12 @@ def test_a_tokenizer_that_is_not_utf8_is_refused_at_import_and_at_load(files, tm
     bad = tmp_path / "bad.ddlw"
     save_model(bad, dataclasses.replace(load_model(files / "tm.ddlw"), tokenizer=_bad_tokenizer()))
     corpus = files / "corpus.txt"
-    r = here("generate", bad, "--prompt", "t1", *GEN)  # after its "backend:" line, as every error of generate
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.splitlines()[-1].startswith("error: ") and "not UTF-8" in r.stderr, r.stderr
     for args in (("eval", bad, "--data", corpus, "--backend", "ref"),
-                 ("accept", bad, "--data", corpus, "--window", "24", "--backend", "ref"),
-                 ("heal", bad, "--data", corpus, "--out", tmp_path / "h.ddlw", "--window", "24", "--backend", "ref")):  # fmt: skip
+                 ("accept", bad, "--data", corpus, "--window", "24", "--backend", "ref")):  # fmt: skip
         user_error(here(*args), "tokenizer.json", "not UTF-8")
+    for args in (("generate", bad, "--prompt", "t1", *GEN),
+                 ("heal", bad, "--data", corpus, "--out", tmp_path / "h.ddlw", "--window", "24", "--backend", "ref")):  # fmt: skip
+        error_after_progress(here(*args), "tokenizer.json", "not UTF-8")
     assert not (tmp_path / "h.ddlw").exists()
 
 
