@@ -293,7 +293,14 @@ def require_backend(name: str, device: str | None = None, kind: str | None = Non
 
 
 def _resolve(backend: str, device: str | None) -> str:
-    return choose_backend(backend, device).name
+    """The backend's name; on numpy, its BLAS on one thread from here on (`refnet.one_blas_thread`: the bits of
+    a job must not depend on the process's thread settings)."""
+    name = choose_backend(backend, device).name
+    if name == "ref":
+        from ddl_wgpu.refnet import one_blas_thread
+
+        one_blas_thread()
+    return name
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from ddl_wgpu.cli_checks import (
     is_user_error,
     output_file,
     within_context,
+    writes,
 )
 from ddl_wgpu.cli_options import (
     Arch,
@@ -194,12 +195,15 @@ def init(
     fits(cfg, False, "the model")
     params = init_params(cfg, seed)
     prov = {"init": {"seed": seed, "preset": preset, "arch": arch}}
-    save_model(out, Model(cfg, params, variant=v.slug, provenance=prov))
-    table = param_table(cfg)
-    n = sum(s.numel for s in table)
-    base_n = sum(s.numel for s in param_table(ModelVariant.parse("baseline").resolve_config(base)))
-    typer.echo(f"variant {v.slug}: {n:,} parameters ({n - base_n:+,} over baseline) in {len(table)} tensors")
-    typer.echo(f"wrote {out}")
+    with writes(out):
+        save_model(out, Model(cfg, params, variant=v.slug, provenance=prov))
+        table = param_table(cfg)
+        n = sum(s.numel for s in table)
+        base_n = sum(s.numel for s in param_table(ModelVariant.parse("baseline").resolve_config(base)))
+        typer.echo(
+            f"variant {v.slug}: {n:,} parameters ({n - base_n:+,} over baseline) in {len(table)} tensors"
+        )
+        typer.echo(f"wrote {out}")
 
 
 @app.command("eval")
@@ -274,8 +278,9 @@ def import_hf(
 ):
     """Import a Qwen3, Llama or Qwen3.5 (CausalLM or ConditionalGeneration) folder into our container."""
     output_file(out, force, flag="")
-    summary = import_hf_to_file(folder, out, say=_say)
-    emit(summary, as_json, summary_text(summary) + f"\nwrote {out}")
+    with writes(out):
+        summary = import_hf_to_file(folder, out, say=_say)
+        emit(summary, as_json, summary_text(summary) + f"\nwrote {out}")
 
 
 @app.command("export-hf")
@@ -293,8 +298,9 @@ def export_hf(
 ):
     """Export a model as a Hugging Face folder (Qwen3/Llama for baseline models, Qwen3.5 in the layout it came
     from for hybrid trunks, raw tensors for DDL)."""
-    summary = export_hf_from_file(model, folder, raw=raw, overwrite=force, verify=not no_verify, say=_say)
-    emit(summary, as_json, summary_text(summary) + f"\nwrote {folder}")
+    with writes(folder):
+        summary = export_hf_from_file(model, folder, raw=raw, overwrite=force, verify=not no_verify, say=_say)
+        emit(summary, as_json, summary_text(summary) + f"\nwrote {folder}")
 
 
 app.command()(cli_jobs.train)
@@ -320,8 +326,9 @@ def compress(
     """Structural compress: drop whole blocks, or keep the most important SwiGLU channels."""
     refuse_overwrite_input(out, [model], CompressError)  # "is the input" says more than "exists"
     output_file(out, force)
-    prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep, verify=not no_verify, say=_say)
-    emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
+    with writes(out):
+        prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep, verify=not no_verify, say=_say)
+        emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
 
 
 @app.command()

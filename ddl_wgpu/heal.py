@@ -158,6 +158,10 @@ class HealConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > 0):
                 raise HealError(f"heal: {name} must be a positive number, got {v!r}", field=name)
+        if self.window < MIN_WINDOW + self.chain:  # every window would be skipped (`heal_windows`)
+            raise HealError(f"heal: a window holds at least {MIN_WINDOW} + chain tokens, and window {self.window} "
+                            f"is shorter than {MIN_WINDOW} + {self.chain} (give a window of at least "
+                            f"{MIN_WINDOW + self.chain}, or a shorter chain)", field="window")  # fmt: skip
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -498,8 +502,9 @@ def _windows(model: Model, data_spec: str, cfg: HealConfig) -> list[np.ndarray]:
     except DataError as e:
         raise HealError(f"heal: {e}") from e
     if len(wins) < HELD_OUT_EVERY * cfg.batch:
-        raise HealError(f"heal: {len(wins)} windows in {data_spec}, need {HELD_OUT_EVERY * cfg.batch} "
-                        "(every tenth is held out)", kind="too_few_windows")  # fmt: skip
+        raise HealError(f"heal: {len(wins)} windows in {data_spec}, need {HELD_OUT_EVERY * cfg.batch} (every "
+                        f"tenth is held out; a window holds {MIN_WINDOW} + chain = {MIN_WINDOW + cfg.chain} to "
+                        f"{cfg.window} tokens of one record)", kind="too_few_windows")  # fmt: skip
     return wins
 
 

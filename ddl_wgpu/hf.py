@@ -64,7 +64,7 @@ from ddl_wgpu.hf_keep import (
 )
 from ddl_wgpu.lazy import Progress, from_array
 from ddl_wgpu.modelfile import LazyModel, Model, check_fits, open_model, param_count, write_model
-from ddl_wgpu.safeio import load_json, read_regular, refuse_overwrite_input
+from ddl_wgpu.safeio import load_json, read_regular, refuse_overwrite_input, resolved, utf8_text
 
 __all__ = ["FAMILIES", "HfError", "config_from_hf", "export_hf", "export_hf_from_file", "export_raw", "import_hf",
            "import_hf_to_file"]  # fmt: skip
@@ -133,6 +133,10 @@ def _read_folder(folder, resident: bool) -> tuple[LazyModel, list[Path]]:
     """A Hugging Face folder as a LazyModel (only the headers read; the tensors are read when it is written or
     loaded) and the files it reads. `resident`: the caller holds the whole model in memory."""
     folder = Path(folder)
+    for name in ("", "config.json", "tokenizer.json", "model.safetensors.index.json", "model.safetensors"):
+        resolved(
+            folder / name, HfError
+        )  # a symbolic link loop is one line, not a folder or file said missing
     if not folder.is_dir():
         raise HfError(f"{folder}: not a directory")
     cfg_path = folder / "config.json"
@@ -197,6 +201,7 @@ def _read_folder(folder, resident: bool) -> tuple[LazyModel, list[Path]]:
         tensors[name] = t if plan.keep_dtypes else t.to("f32")
     tok = folder / "tokenizer.json"
     tokenizer = read_regular(tok, "a tokenizer.json", HfError, MAX_TOKENIZER) if tok.exists() else None
+    utf8_text(tokenizer or b"", str(tok), HfError)  # carried as bytes, decoded by every command that loads it
     metadata: dict[str, Any] = {"hf.architecture": arch, **{f"hf.{k}": v for k, v in ids.items()}}
     rec = {"source": str(folder.resolve()), "architecture": arch, "dtypes": sorted(set(dtypes.values())),
            "shards": len(weights.files)}  # fmt: skip
@@ -281,11 +286,12 @@ def _check_params(model: Model) -> None:
 
 
 # What a Hugging Face export folder holds (ours, or a previous one of transformers); with overwrite=True only
-# a folder holding nothing else is replaced, so a mistyped path never deletes unrelated files.
+# a folder holding nothing else is replaced, so a mistyped path never deletes unrelated files (nor a model
+# card, README.md, which no export writes: the user's).
 _EXPORT_FILES = re.compile(
     r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|vocab|added_tokens"
     r"|preprocessor_config|video_preprocessor_config|processor_config|chat_template)\.json|chat_template\.jinja"
-    r"|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|merges\.txt|README\.md"
+    r"|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|merges\.txt"
 )
 
 
