@@ -26,9 +26,13 @@ in WGSL it saves no arithmetic here (docs/kernels.md#the-gated-delta-rule).
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass, replace
+
 from ddl_wgpu.gpu import Call, Gpu, GpuError, Uniform
 from ddl_wgpu.ops import need_all as _need
-from ddl_wgpu.ops import pow2_at_least
+from ddl_wgpu.ops import pow2_at_least, sub
+from ddl_wgpu.ops import tiles as tl
 from ddl_wgpu.ops.gdn_inputs import align_floats, planar_offsets, qk_floats
 
 FILE = "gated_delta.wgsl"
@@ -50,6 +54,9 @@ PARAMS = Uniform(
     ("save_final", "u32", "forward: 1 writes the final state to slot nck"),
     ("gb_off", "u32", "floats: g, beta's start in qkgb"),
     ("dk_off", "u32", "backward: floats, dk's start in dqk"),
+    ("dr_off", "u32", "chunked backward: floats, dR's start in scr"),
+    ("ds_off", "u32", "chunked backward: floats, the chunk-end state gradients' start in scr"),
+    ("dg_off", "u32", "chunked backward: floats, [dg, dbeta]'s start in scr"),
 )
 MAX_THREADS = 256  # the most threads a workgroup gets (WebGPU's default limit)
 MAX_SIDE = 16  # threads along Dk or Dv
@@ -192,10 +199,14 @@ def scratch_floats(B: int, Hv: int, Dk: int, Dv: int, tc: int) -> int:
     return int(B) * int(Hv) * int(tc) * int(Dk) * int(Dv)
 
 
-def _kernel(gpu: Gpu, entry: str, sig: str, Dk: int, Dv: int):
+def _kernel(gpu: Gpu, entry: str, sig: str, Dk: int, Dv: int, plan: ChunkPlan | None = None):
+    """An entry point of the family's one module, whose per-token and chunked parts are both generated: the
+    per-token tile for the adapter, the chunked kernels for `plan` (default `chunk_plan`)."""
     ti, tj, pi, pj = tile(gpu, Dk, Dv)
-    return gpu.kernel(FILE, entry, sig, templates=_templates(ti, tj, pi, pj), workgroup=(ti * tj, 1, 1),
-                      uniforms=(PARAMS,))  # fmt: skip
+    plan = plan or chunk_plan(gpu, Dk, Dv)
+    templates = _templates(ti, tj, pi, pj) | plan.templates(Dk, Dv)
+    threads = plan.threads if entry.startswith("chunk") else ti * tj
+    return gpu.kernel(FILE, entry, sig, templates=templates, workgroup=(threads, 1, 1), uniforms=(PARAMS,))
 
 
 def _check_sizes(entry: str, B: int, T: int, Hk: int, Hv: int, tc: int) -> None:
@@ -207,7 +218,7 @@ def _check_sizes(entry: str, B: int, T: int, Hk: int, Hv: int, tc: int) -> None:
 
 def _uniform(gpu, label, B, T, Hk, Hv, Dk, Dv, tc, v_off, v_stride, **flags):
     k_off, gb_off = qkgb_offsets(B * T, Hk, Dk)
-    values = dict(has_init=0, save_ckpt=0, save_final=0, dk_off=0) | flags
+    values = dict(has_init=0, save_ckpt=0, save_final=0, dk_off=0, dr_off=0, ds_off=0, dg_off=0) | flags
     return gpu.uniform(PARAMS, B=B, T=T, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, k_off=k_off, v_off=v_off, v_stride=v_stride,
                        tc=tc, nck=n_chunks(T, tc), gb_off=gb_off, label=label, **values)  # fmt: skip
 
@@ -259,3 +270,411 @@ def gated_delta_backward(
                  dk_off=align_floats(N * Hv * Dk))  # fmt: skip
     k = _kernel(gpu, "gated_delta_backward", "rrrrwwwwu", Dk, Dv)
     return Call([(k, gpu.bind(k, qkgb, r, do, states, scratch, dqk, dv, dgb, p), B * Hv)], [p])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the chunked form: chunk_prep, chunk_forward, chunk_backward_state, chunk_backward_grads
+
+ENV_PLAN = "DDL_WGPU_GDN_PLAN"  # e.g. "chunk=64,bv=32,threads=256,br=8": the chunked kernels' plan
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The tunables of the chunked kernels. `chunk`: tokens per chunk (C); `bv`: value columns of the state
+    per workgroup of the two sequential kernels (their grid is batch rows x value heads x Dv/bv); `threads`
+    per workgroup; `br`: rows of an operand staged into workgroup memory per step (steps of the products
+    between two barriers); `unroll`: the br steps as straight-line code. All powers of two; a plan fits an
+    adapter when every kernel's workgroup memory and thread count do (`check`)."""
+
+    chunk: int = 64
+    bv: int = 32
+    threads: int = 256
+    br: int = 8
+    unroll: bool = True
+
+    def dims(self, Dk: int, Dv: int) -> tuple[int, int]:
+        """Dk, Dv padded to powers of two (and to at least bv and br)."""
+        return max(pow2_at_least(Dk), self.br), max(pow2_at_least(Dv), self.bv, self.br)
+
+    def tiles(self, Dk: int, Dv: int) -> dict[str, tl.Tile]:
+        cdk, cdv = self.dims(Dk, Dv)
+        C, n = self.chunk, self.threads
+        return {"p": tl.tile("p", C, C, n), "x": tl.tile("x", C, self.bv, n), "s": tl.tile("s", cdk, self.bv, n),
+                "e": tl.tile("e", C, C, n), "q": tl.tile("q", C, cdk, n)}  # fmt: skip
+
+    def layout(self, Dk: int, Dv: int) -> dict[str, int]:
+        """Offsets (floats) of each kernel's parts of its workgroup memory, and its size (*_SM)."""
+        cdk, _ = self.dims(Dk, Dv)
+        C, R, V = self.chunk, self.br, self.bv
+        t = self.tiles(Dk, Dv)
+        sq = C * (C + 1)  # a C x C matrix with rows padded to an odd stride
+        L = {"CP_STG": 0, "CP_T": 0, "CP_A": max(sq, R * (2 * C + 1))}
+        L["CP_SM"] = L["CP_A"] + sq
+        L |= {"CF_S": 0, "CF_R": cdk * V, "CF_STG": cdk * V + C * V}
+        L["CF_SM"] = L["CF_STG"] + max(R * (2 * C + 1), R * (C + 1), R * cdk)
+        L |= {"CB_S": 0, "CB_DO": cdk * V, "CB_DD": cdk * V + C * V, "CB_STG": cdk * V + 2 * C * V}
+        L["CB_SM"] = L["CB_STG"] + max(R * (C + 1), 2 * R * cdk)
+        # grads: region 1 = P, MKK (then the Z/Y/dK̃ staging); region 2 = the other staging, or reductions
+        red = max(C * t["e"].wx + C * t["e"].wy, C * t["q"].wx, self.threads)  # one partial sum at a time
+        r1 = max(2 * sq, R * (2 * C + 1) + R * (cdk + 1))
+        L |= {"CG_P": 0, "CG_A": sq, "CG_ZA": 0, "CG_ZB": R * (2 * C + 1), "CG_STG": r1, "CG_RED": r1,
+              "CG_STG2": r1 + R * (2 * C + 1)}  # fmt: skip
+        L["CG_SM"] = r1 + max(R * (2 * C + 1) + R * (C + 1), 2 * R * cdk, red)
+        return L
+
+    def shared_bytes(self, Dk: int, Dv: int) -> dict[str, int]:
+        """Workgroup memory of each kernel, bytes (its array plus the per-token gate arrays)."""
+        L, C = self.layout(Dk, Dv), self.chunk
+        extra = {"CP": 3 * C, "CF": 3 * C, "CB": 3 * C, "CG": 5 * C + 1}
+        return {k: 4 * (L[k + "_SM"] + extra[k]) for k in ("CP", "CF", "CB", "CG")}
+
+    def check(self, gpu: Gpu, Dk: int, Dv: int) -> None:
+        """Raise GpuError (one line) when this plan cannot run on the adapter."""
+        for name in ("chunk", "bv", "threads", "br"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise GpuError(f"gated delta plan {self}: {name} must be a power of two")
+        cdk, cdv = self.dims(Dk, Dv)
+        if self.chunk < 2 or self.br > self.chunk or self.bv > cdv or self.threads < self.chunk:
+            raise GpuError(f"gated delta plan {self}: needs 2 <= chunk, br <= chunk <= threads, bv <= Dv padded")
+        limit = gpu.limits.get("max-compute-workgroup-storage-size", 16 << 10)
+        if self.threads > gpu.limits.get("max-compute-invocations-per-workgroup", 256):
+            raise GpuError(f"gated delta plan {self}: {self.threads} threads exceed the adapter's limit")
+        need = max(self.shared_bytes(Dk, Dv).values())
+        if need > limit:
+            raise GpuError(f"gated delta plan {self}: {need} bytes of workgroup memory exceed the limit {limit}")
+
+    def templates(self, Dk: int, Dv: int) -> dict[str, str]:
+        return _chunk_templates(self, Dk, Dv)
+
+
+# In order of preference; the first that fits the adapter is the default (`chunk_plan`). The first is the
+# H200's (48 KiB, 1024 threads); the later ones fit WebGPU's default limits (16 KiB, 256 threads).
+PLANS = (
+    ChunkPlan(64, 32, 256, 8),
+    ChunkPlan(32, 32, 256, 8),
+    ChunkPlan(32, 16, 128, 8),
+    ChunkPlan(32, 8, 128, 4),
+    ChunkPlan(16, 8, 64, 4),
+    ChunkPlan(16, 4, 64, 2),
+)
+
+
+def parse_plan(text: str) -> ChunkPlan:
+    """A plan from "chunk=64,bv=32,threads=256,br=8,unroll=1" (any subset; the rest the dataclass's)."""
+    plan = ChunkPlan()
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in ChunkPlan.__dataclass_fields__ or not value.strip().isdigit():
+            raise GpuError(f"gated delta plan {text!r}: expected name=integer with names chunk, bv, threads, br, "
+                           "unroll")  # fmt: skip
+        plan = replace(plan, **{key: bool(int(value)) if key == "unroll" else int(value)})
+    return plan
+
+
+def chunk_plan(gpu: Gpu, Dk: int, Dv: int, plan: ChunkPlan | None = None) -> ChunkPlan:
+    """The chunked kernels' plan: `plan`, else env DDL_WGPU_GDN_PLAN, else the first of PLANS that fits;
+    checked against the adapter (a function of the shape and the limits only, so the bits never change
+    between runs on one adapter)."""
+    if plan is None and os.environ.get(ENV_PLAN):
+        plan = parse_plan(os.environ[ENV_PLAN])
+    if plan is not None:
+        plan.check(gpu, Dk, Dv)
+        return plan
+    for p in PLANS:
+        p = replace(p, bv=min(p.bv, p.dims(Dk, Dv)[1]))
+        try:
+            p.check(gpu, Dk, Dv)
+            return p
+        except GpuError:
+            continue
+    raise GpuError(f"gated delta rule: no chunk plan fits Dk={Dk}, Dv={Dv} in this adapter's limits")
+
+
+def _steps(plan: ChunkPlan, t: tl.Tile, terms, a_ops, b_ops, ind: int = 8) -> str:
+    """The br steps of a staged product: a_ops/b_ops map a key to fn(row or col, r) -> WGSL."""
+    if plan.unroll:
+        lines = []
+        for r in range(plan.br):
+            a = {k: (lambda x, f=f, r=r: f(x, f"{r}u")) for k, f in a_ops.items()}
+            b = {k: (lambda x, f=f, r=r: f(x, f"{r}u")) for k, f in b_ops.items()}
+            lines += tl.fma(t, terms, a, b)
+        return tl.indent(lines, ind)
+    a = {k: (lambda x, f=f: f(x, "r")) for k, f in a_ops.items()}
+    b = {k: (lambda x, f=f: f(x, "r")) for k, f in b_ops.items()}
+    body = ["for (var r = 0u; r < BR; r++) {", *("    " + x for x in tl.fma(t, terms, a, b)), "}"]
+    return tl.indent(body, ind)
+
+
+def _chunk_templates(plan: ChunkPlan, Dk: int, Dv: int) -> dict[str, str]:
+    """The `{{name}}` values of the chunked kernels: sizes, workgroup-memory offsets and the straight-line
+    per-thread code of every product (ddl_wgpu/ops/tiles.py)."""
+    cdk, cdv = plan.dims(Dk, Dv)
+    C, R, V = plan.chunk, plan.br, plan.bv
+    T = plan.tiles(Dk, Dv)
+    L = plan.layout(Dk, Dv)
+    p, x, st, e, q = T["p"], T["x"], T["s"], T["e"], T["q"]
+    C1, C2 = f"{C + 1}u", f"{2 * C + 1}u"
+    ind = tl.indent
+    out = {"CC": str(C), "CDK": str(cdk), "CDV": str(cdv), "BV": str(V), "CNT": str(plan.threads), "BR": str(R)}
+    out |= {k: str(L[k]) for k in ("CP_SM", "CF_SM", "CB_SM", "CG_SM")}
+    out["CHUNK_CONSTS"] = "\n".join(f"const {k}: u32 = {v}u;" for k, v in L.items() if not k.endswith("_SM"))
+
+    def act(t):
+        return t.active()
+
+    # -- chunk_prep
+    out["CP_COORDS"] = p.coords()
+    out["CP_DECL"] = ind(tl.decl(p, "kk") + tl.decl(p, "qk"), 4)
+    stg = lambda off: lambda row, r: f"cp_sm[CP_STG + {r} * {C2} + {off}{row}]"  # noqa: E731
+    out["CP_FMA"] = _steps(plan, p, [("kk", "k", "k"), ("qk", "q", "k")], {"k": stg(""), "q": stg(f"{C}u + ")},
+                           {"k": stg("")})  # fmt: skip
+    out["CP_MATS"] = ind(tl.each(p, lambda a, b, row, col: (
+        f"{{ let t = {row}; let s = {col}; let m = c_decay(t, s); if {act(p)} {{ "
+        f"cp_sm[CP_A + t * {C1} + s] = select(0.0, c_bet[t] * m * kk_{a}_{b}, s < t); "
+        f"cp_tp[base + CC2 + t * CC + s] = m * qk_{a}_{b}; "
+        f"cp_tp[base + 2u * CC2 + t * CC + s] = select(0.0, m * kk_{a}_{b}, s < t); }} }}")), 4)  # fmt: skip
+
+    # -- chunk_forward
+    out["CF_COORDS"] = x.coords() + "\n    " + st.coords()
+    init = tl.each(st, lambda a, b, row, col: f"var s_{a}_{b} = cf_ldinit(bh, {row}, j0 + {col});")
+    mirror = lambda sm, base, acc: tl.each(st, lambda a, b, row, col: (  # noqa: E731
+        f"if {act(st)} {{ {sm}[{base} + {row} * {V}u + {col}] = {acc}_{a}_{b}; }}"))
+    out["CF_S_INIT"] = ind(init + mirror("cf_sm", "CF_S", "s"), 4)
+    out["CF_S_STORE"] = ind(tl.each(st, lambda a, b, row, col: (
+        f"if {act(st)} {{ cf_store_state(slots + c, {row}, j0 + {col}, s_{a}_{b}); }}")), 12)  # fmt: skip
+    out["CF_X_DECL"] = ind(tl.decl(x, "xk") + tl.decl(x, "xq"), 8)
+    fstg = lambda off: lambda row, r: f"cf_sm[CF_STG + {r} * {C2} + {off}{row}]"  # noqa: E731
+    out["CF_X_FMA"] = _steps(plan, x, [("xk", "k", "s"), ("xq", "q", "s")], {"k": fstg(""), "q": fstg(f"{C}u + ")},
+                             {"s": lambda col, r: f"cf_sm[CF_S + (i0 + {r}) * {V}u + {col}]"}, 12)  # fmt: skip
+    out["CF_R"] = ind(tl.each(x, lambda a, b, row, col: (
+        f"if {act(x)} {{ cf_sm[CF_R + {row} * {V}u + {col}] = c_bet[{row}] * (cf_ldv(b, t0 + {row}, h, j0 + {col})"
+        f" - exp(c_gam[{row}]) * xk_{a}_{b}); }}")), 8)  # fmt: skip
+    out["CF_D_DECL"] = ind(tl.decl(x, "d"), 8)
+    tstg = lambda row, r: f"cf_sm[CF_STG + {r} * {C1} + {row}]"  # noqa: E731
+    rsh = lambda base, sm, k0: lambda col, r: f"{sm}[{base} + ({k0} + {r}) * {V}u + {col}]"  # noqa: E731
+    out["CF_D_FMA"] = _steps(plan, x, [("d", "t", "r")], {"t": tstg}, {"r": rsh("CF_R", "cf_sm", "s0")}, 12)
+    out["CF_D_STORE"] = ind(tl.each(x, lambda a, b, row, col: (
+        f"if {act(x)} {{ cf_sm[CF_R + {row} * {V}u + {col}] = d_{a}_{b}; "
+        f"if (cf_p.save_ckpt != 0u && t0 + {row} < cf_p.T && j0 + {col} < cf_p.Dv) {{ "
+        f"cf_d[((b * cf_p.T + t0 + {row}) * cf_p.Hv + h) * cf_p.Dv + j0 + {col}] = d_{a}_{b}; }} }}")), 8)  # fmt: skip
+    out["CF_O_INIT"] = ind(tl.each(x, lambda a, b, row, col: f"xq_{a}_{b} = exp(c_gam[{row}]) * xq_{a}_{b};"), 8)
+    out["CF_O_FMA"] = _steps(plan, x, [("xq", "t", "r")], {"t": tstg}, {"r": rsh("CF_R", "cf_sm", "s0")}, 12)
+    out["CF_O_STORE"] = ind(tl.each(x, lambda a, b, row, col: (
+        f"if ({act(x)} && t0 + {row} < cf_p.T && j0 + {col} < cf_p.Dv) {{ "
+        f"cf_o[((b * cf_p.T + t0 + {row}) * cf_p.Hv + h) * cf_p.Dv + j0 + {col}] = xq_{a}_{b}; }}")), 8)  # fmt: skip
+    decay = lambda acc: ind(["let decay = exp(c_gam[CC - 1u]);"] + tl.each(  # noqa: E731
+        st, lambda a, b, row, col: f"{acc}_{a}_{b} = decay * {acc}_{a}_{b};"), 8)
+    out["CF_S_DECAY"] = decay("s")
+    out["CF_S_FMA"] = _steps(plan, st, [("s", "k", "d")], {"k": lambda row, r: f"cf_sm[CF_STG + {r} * {cdk}u + {row}]"},
+                             {"d": rsh("CF_R", "cf_sm", "u0")}, 12)  # fmt: skip
+    out["CF_S_MIRROR"] = ind(mirror("cf_sm", "CF_S", "s"), 8)
+
+    # -- chunk_backward_state
+    out["CB_COORDS"] = out["CF_COORDS"]
+    out["CB_S_INIT"] = ind(tl.decl(st, "ds") + mirror("cb_sm", "CB_S", "ds"), 4)
+    out["CB_S_STORE"] = ind(tl.each(st, lambda a, b, row, col: (
+        f"if ({act(st)} && {row} < cb_p.Dk && j0 + {col} < cb_p.Dv) {{ "
+        f"cb_scr[cb_p.ds_off + ((bh * cb_p.nck + c) * cb_p.Dk + {row}) * cb_p.Dv + j0 + {col}] = ds_{a}_{b}; }}")), 8)  # fmt: skip
+    out["CB_DD_DECL"] = ind(tl.decl(x, "dd"), 8)
+    bstg = lambda row, r: f"cb_sm[CB_STG + {r} * {C1} + {row}]"  # noqa: E731
+    out["CB_DD_FMA1"] = _steps(plan, x, [("dd", "p", "o")], {"p": bstg}, {"o": rsh("CB_DO", "cb_sm", "s0")}, 12)
+    out["CB_DD_FMA2"] = _steps(plan, x, [("dd", "k", "s")], {"k": bstg}, {"s": rsh("CB_S", "cb_sm", "i0")}, 12)
+    out["CB_DD_STORE"] = ind(tl.each(x, lambda a, b, row, col: (
+        f"if {act(x)} {{ cb_sm[CB_DD + {row} * {V}u + {col}] = dd_{a}_{b}; }}")), 8)  # fmt: skip
+    out["CB_R_DECL"] = ind(tl.decl(x, "dr"), 8)
+    out["CB_R_FMA"] = _steps(plan, x, [("dr", "m", "d")], {"m": bstg}, {"d": rsh("CB_DD", "cb_sm", "s0")}, 12)
+    out["CB_R_STORE"] = ind(tl.each(x, lambda a, b, row, col: (
+        f"if {act(x)} {{ if (t0 + {row} < cb_p.T && j0 + {col} < cb_p.Dv) {{ "
+        f"cb_scr[cb_p.dr_off + ((b * cb_p.T + t0 + {row}) * cb_p.Hv + h) * cb_p.Dv + j0 + {col}] = dr_{a}_{b}; }} "
+        f"cb_sm[CB_DD + {row} * {V}u + {col}] = -c_bet[{row}] * exp(c_gam[{row}]) * dr_{a}_{b}; }}")), 8)  # fmt: skip
+    out["CB_S_DECAY"] = decay("ds")
+    kq = lambda off: lambda row, r: f"cb_sm[CB_STG + {off}{r} * {cdk}u + {row}]"  # noqa: E731
+    out["CB_S_FMA"] = _steps(plan, st, [("ds", "k", "d"), ("ds", "q", "o")], {"k": kq(""), "q": kq(f"{R * cdk}u + ")},
+                             {"d": rsh("CB_DD", "cb_sm", "u0"), "o": rsh("CB_DO", "cb_sm", "u0")}, 12)  # fmt: skip
+    out["CB_S_MIRROR"] = ind(mirror("cb_sm", "CB_S", "ds"), 8)
+
+    # -- chunk_backward_grads
+    out["CG_COORDS"] = e.coords() + "\n    " + q.coords()
+    out["CG_E_DECL"] = ind(tl.decl(e, "dp") + tl.decl(e, "da"), 4)
+    gstg = lambda off: lambda row, r: f"cg_sm[CG_STG + {r} * {C2} + {off}{row}]"  # noqa: E731
+    out["CG_E_FMA"] = _steps(plan, e, [("dp", "o", "d"), ("da", "r", "d")], {"o": gstg(""), "r": gstg(f"{C}u + ")},
+                             {"d": lambda col, r: f"cg_sm[CG_STG2 + {r} * {C1} + {col}]"})  # fmt: skip
+    ex, ey = e.wx, e.wy
+    rows_at, cols_at = "CG_RED", f"CG_RED + {C * ex}u"
+    elem = [f"var er{a} = 0.0;\n    var eb{a} = 0.0;" for a in range(e.tm)]
+    elem += [f"var ec{b} = 0.0;" for b in range(e.tn)]
+    elem += tl.each(e, lambda a, b, row, col: (
+        f"{{ let t = {row}; let s = {col}; let m = c_decay(t, s); "
+        f"let p = cg_sm[CG_P + t * {C1} + s]; let mkk = cg_sm[CG_A + t * {C1} + s]; "
+        f"let da = select(0.0, -da_{a}_{b}, s < t); let ee = dp_{a}_{b} * p + da * c_bet[t] * mkk; "
+        f"er{a} += ee; ec{b} += ee; eb{a} += da * mkk; "
+        f"if {act(e)} {{ cg_sm[CG_P + t * {C1} + s] = dp_{a}_{b} * m; cg_sm[CG_A + t * {C1} + s] = da * c_bet[t] * m; }} }}"))  # fmt: skip
+    elem += [f"if {act(e)} {{ cg_sm[{rows_at} + {e.row(a)} * {ex}u + tx_e] = er{a}; }}" for a in range(e.tm)]
+    elem += [f"if {act(e)} {{ cg_sm[{cols_at} + {e.col(b)} * {ey}u + ty_e] = ec{b}; }}" for b in range(e.tn)]
+    out["CG_E_ELEM"] = ind(elem, 4)
+    out["CG_E_REDUCE"] = ind([
+        "if (lid < CC) {",
+        "    var er = 0.0; var ec = 0.0;",
+        f"    for (var x = 0u; x < {ex}u; x++) {{ er += cg_sm[{rows_at} + lid * {ex}u + x]; }}",
+        f"    for (var y = 0u; y < {ey}u; y++) {{ ec += cg_sm[{cols_at} + lid * {ey}u + y]; }}",
+        "    cg_dgam[lid] = er - ec;",
+        "}",
+        "workgroupBarrier();",
+        *(f"if {act(e)} {{ cg_sm[{rows_at} + {e.row(a)} * {ex}u + tx_e] = eb{a}; }}" for a in range(e.tm)),
+        "workgroupBarrier();",
+        "if (lid < CC) {",
+        "    var eb = 0.0;",
+        f"    for (var x = 0u; x < {ex}u; x++) {{ eb += cg_sm[{rows_at} + lid * {ex}u + x]; }}",
+        "    cg_dbet[lid] = eb;",
+        "}"], 4)  # fmt: skip
+    out["CG_Q_DECL"] = ind(tl.decl(q, "dq") + tl.decl(q, "dk"), 4)
+    sq = lambda mat, t_, s_: f"cg_sm[{mat} + {t_} * {C1} + {s_}]"  # noqa: E731
+    out["CG_Q_FMA"] = _steps(plan, q, [("dq", "qk", "k"), ("dk", "qkt", "q"), ("dk", "kk", "k")], {
+        "qk": lambda row, r: sq("CG_P", row, f"(u0 + {r})"),
+        "qkt": lambda row, r: sq("CG_P", f"(u0 + {r})", row),
+        "kk": lambda row, r: f"({sq('CG_A', row, f'(u0 + {r})')} + {sq('CG_A', f'(u0 + {r})', row)})"}, {
+        "k": lambda col, r: f"cg_sm[CG_STG + {r} * {cdk}u + {col}]",
+        "q": lambda col, r: f"cg_sm[CG_STG + {R * cdk}u + {r} * {cdk}u + {col}]"})  # fmt: skip
+    out["CG_Q_STORE"] = ind(tl.each(q, lambda a, b, row, col: (
+        f"if ({act(q)} && cg_ok(t0 + {row}, {col})) {{ cg_dqk[cg_dqk_at(0u, b, t0 + {row}, h, {col})] = dq_{a}_{b}; "
+        f"cg_dqk[cg_dqk_at(1u, b, t0 + {row}, h, {col})] = dk_{a}_{b}; }}")), 4)  # fmt: skip
+    out["CG_Z_DECL"] = ind(tl.decl(q, "z") + tl.decl(q, "y"), 4)
+    za = lambda off: lambda row, r: f"cg_sm[CG_ZA + {r} * {C2} + {off}{row}]"  # noqa: E731
+    zb = lambda col, r: f"cg_sm[CG_ZB + {r} * {cdk + 1}u + {col}]"  # noqa: E731
+    out["CG_Z_FMA"] = _steps(plan, q, [("z", "r", "s"), ("y", "o", "s")], {"r": za(""), "o": za(f"{C}u + ")},
+                             {"s": zb})  # fmt: skip
+    qx = q.wx
+    qrow = "CG_RED"
+    zel = [f"var zr{a} = 0.0;\n    var zb{a} = 0.0;" for a in range(q.tm)]
+    zel += tl.each(q, lambda a, b, row, col: (
+        f"if ({act(q)} && cg_ok(t0 + {row}, {col})) {{ let gm = exp(c_gam[{row}]); let be = c_bet[{row}]; "
+        f"let qv = cg_ld(0u, b, t0 + {row}, hk, {col}); let kv = cg_ld(1u, b, t0 + {row}, hk, {col}); "
+        f"let a0 = cg_dqk_at(0u, b, t0 + {row}, h, {col}); let a1 = cg_dqk_at(1u, b, t0 + {row}, h, {col}); "
+        f"cg_dqk[a0] = cg_dqk[a0] + gm * y_{a}_{b}; cg_dqk[a1] = cg_dqk[a1] - be * gm * z_{a}_{b}; "
+        f"zr{a} += gm * (qv * y_{a}_{b} - be * kv * z_{a}_{b}); zb{a} -= gm * kv * z_{a}_{b}; }}"))  # fmt: skip
+    zel += [f"if {act(q)} {{ cg_sm[{qrow} + {q.row(a)} * {qx}u + tx_q] = zr{a}; }}" for a in range(q.tm)]
+    out["CG_Z_ELEM"] = ind(zel, 4)
+    out["CG_Z_REDUCE"] = ind([
+        "if (lid < CC) {",
+        "    var zr = 0.0;",
+        f"    for (var x = 0u; x < {qx}u; x++) {{ zr += cg_sm[{qrow} + lid * {qx}u + x]; }}",
+        "    cg_dgam[lid] += zr;",
+        "}",
+        "workgroupBarrier();",
+        *(f"if {act(q)} {{ cg_sm[{qrow} + {q.row(a)} * {qx}u + tx_q] = zb{a}; }}" for a in range(q.tm)),
+        "workgroupBarrier();",
+        "if (lid < CC) {",
+        "    var zb = 0.0;",
+        f"    for (var x = 0u; x < {qx}u; x++) {{ zb += cg_sm[{qrow} + lid * {qx}u + x]; }}",
+        "    cg_dbet[lid] += zb;",
+        "}"], 4)  # fmt: skip
+    out["CG_K_DECL"] = ind(tl.decl(q, "kt"), 4)
+    out["CG_K_FMA"] = _steps(plan, q, [("kt", "d", "s")], {"d": lambda row, r: f"cg_sm[CG_ZA + {r} * {C1} + {row}]"},
+                             {"s": zb})  # fmt: skip
+    kel = [f"var kr{a} = 0.0;" for a in range(q.tm)]
+    kel += tl.each(q, lambda a, b, row, col: (
+        f"if ({act(q)} && cg_ok(t0 + {row}, {col})) {{ let tail = exp(c_gam[CC - 1u] - c_gam[{row}]); "
+        f"let kv = cg_ld(1u, b, t0 + {row}, hk, {col}); let a1 = cg_dqk_at(1u, b, t0 + {row}, h, {col}); "
+        f"cg_dqk[a1] = cg_dqk[a1] + tail * kt_{a}_{b}; kr{a} += tail * kv * kt_{a}_{b}; }}"))  # fmt: skip
+    kel += [f"if {act(q)} {{ cg_sm[{qrow} + {q.row(a)} * {qx}u + tx_q] = kr{a}; }}" for a in range(q.tm)]
+    out["CG_K_ELEM"] = ind(kel, 4)
+    out["CG_K_REDUCE"] = ind([
+        "if (lid < CC) {",
+        "    var kr = 0.0;",
+        f"    for (var x = 0u; x < {qx}u; x++) {{ kr += cg_sm[{qrow} + lid * {qx}u + x]; }}",
+        "    cg_dgam[lid] -= kr;",
+        "}",
+        "if (lid == 0u) {",
+        "    var tot = 0.0;",
+        f"    for (var y = 0u; y < {C * qx}u; y++) {{ tot += cg_sm[{qrow} + y]; }}",
+        "    cg_last = tot;",
+        "}"], 4)  # fmt: skip
+    return out
+
+
+def chunk_sizes(B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int) -> dict[str, int]:
+    """Floats of the chunked kernels' scratch `scr` = [tp | dr | ds | dg] (each part 256-byte aligned):
+    tp the prep's three C x C matrices per (batch row, value head, chunk), dr = dR (B*T, Hv, Dv), ds the
+    state gradient at each chunk's end, dg = [dg, dbeta] (B*T, Hv, 2). The forward needs tp only."""
+    nck, N = n_chunks(T, chunk), int(B) * int(T)
+    tp = align_floats(int(B) * int(Hv) * nck * 3 * chunk * chunk)
+    dr = align_floats(N * int(Hv) * int(Dv))
+    ds = align_floats(int(B) * int(Hv) * nck * int(Dk) * int(Dv))
+    return {"tp": tp, "dr_off": tp, "ds_off": tp + dr, "dg_off": tp + dr + ds,
+            "floats": tp + dr + ds + align_floats(2 * N * int(Hv))}  # fmt: skip
+
+
+def chunk_forward(
+    gpu: Gpu, o, delta, states, scr, qkgb, v, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, *,
+    plan: ChunkPlan | None = None, v_off: int = 0, v_stride: int | None = None, state_in=None,
+    save_ckpt: bool = True, save_final: bool = False,
+) -> Call:  # fmt: skip
+    """The chunked forward (`chunk_prep` then `chunk_forward`): o (B*T, Hv, Dv) from `qkgb` and v as
+    `gated_delta_forward`'s, starting from `state_in` (B, Hv, Dk, Dv) or zeros. With `save_ckpt`, delta = Δ
+    (B*T, Hv, Dv) and `states` (`states_floats` with tc = plan.chunk) the state before each chunk, what
+    `chunk_backward` reads; with `save_final`, the final state in slot nck. `scr`: at least the tp part of
+    `chunk_sizes` (scratch; the backward's serves)."""
+    B, T, Hk, Hv, Dk, Dv = (int(x) for x in (B, T, Hk, Hv, Dk, Dv))
+    plan = chunk_plan(gpu, Dk, Dv, plan)
+    C = plan.chunk
+    _check_sizes("chunk_forward", B, T, Hk, Hv, C)
+    N, nck = B * T, n_chunks(T, C)
+    v_stride = Hv * Dv if v_stride is None else int(v_stride)
+    sz = chunk_sizes(B, T, Hv, Dk, Dv, C)
+    _need("chunk_forward", o=(o, N * Hv * Dv), qkgb=(qkgb, qkgb_floats(N, Hk, Hv, Dk)), scr=(scr, sz["tp"]),
+          v=(v, v_off + (N - 1) * v_stride + Hv * Dv))  # fmt: skip
+    if save_ckpt:
+        _need("chunk_forward", delta=(delta, N * Hv * Dv))
+    if save_ckpt or save_final:
+        _need("chunk_forward", states=(states, states_floats(B, Hv, Dk, Dv, T, C)))
+    if state_in is not None:
+        _need("chunk_forward", state_in=(state_in, B * Hv * Dk * Dv))
+    p = _uniform(gpu, "chunk_forward", B, T, Hk, Hv, Dk, Dv, C, v_off, v_stride, has_init=int(state_in is not None),
+                 save_ckpt=int(save_ckpt), save_final=int(save_final))  # fmt: skip
+    kp = _kernel(gpu, "chunk_prep", "rwu", Dk, Dv, plan)
+    kf = _kernel(gpu, "chunk_forward", "rrrrwwwu", Dk, Dv, plan)
+    tp = sub(scr, 0, sz["tp"])
+    init = state_in if state_in is not None else v  # any buffer: not read without has_init
+    delta = delta if save_ckpt else _unused(gpu)
+    states = states if (save_ckpt or save_final) else _unused(gpu)
+    nvb = plan.dims(Dk, Dv)[1] // plan.bv
+    return Call([(kp, gpu.bind(kp, qkgb, tp, p), B * Hv * nck),
+                 (kf, gpu.bind(kf, qkgb, v, init, tp, o, delta, states, p), B * Hv * nvb)], [p])  # fmt: skip
+
+
+def _unused(gpu: Gpu):
+    """A 16-byte buffer bound where a kernel's output is switched off (never written)."""
+    if "_gated_delta_unused" not in gpu.__dict__:
+        gpu.__dict__["_gated_delta_unused"] = gpu.buffer(16, label="gated_delta_unused")
+    return gpu.__dict__["_gated_delta_unused"]
+
+
+def chunk_backward(
+    gpu: Gpu, dqk, dv, scr, states, delta, qkgb, v, do, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, *,
+    plan: ChunkPlan | None = None, v_off: int = 0, v_stride: int | None = None,
+) -> Call:  # fmt: skip
+    """The chunked backward (`chunk_prep` again, `chunk_backward_state`, `chunk_backward_grads`) from do
+    (B*T, Hv, Dv) and the forward's `states` and `delta` (saved with save_ckpt, same plan): dqk as
+    `gated_delta_backward`'s (per value head), dv written like v (`v_off`, `v_stride`), and scr's dg part
+    (`chunk_sizes`) = [dg, dbeta] per (row, value head): `gdn_inputs.gates_backward` with Dv = 1."""
+    B, T, Hk, Hv, Dk, Dv = (int(x) for x in (B, T, Hk, Hv, Dk, Dv))
+    plan = chunk_plan(gpu, Dk, Dv, plan)
+    C = plan.chunk
+    _check_sizes("chunk_backward", B, T, Hk, Hv, C)
+    N, nck = B * T, n_chunks(T, C)
+    v_stride = Hv * Dv if v_stride is None else int(v_stride)
+    sz = chunk_sizes(B, T, Hv, Dk, Dv, C)
+    _need("chunk_backward", dqk=(dqk, qk_floats(N, Hv, Dk)), dv=(dv, v_off + (N - 1) * v_stride + Hv * Dv),
+          scr=(scr, sz["floats"]), states=(states, states_floats(B, Hv, Dk, Dv, T, C)),
+          delta=(delta, N * Hv * Dv), qkgb=(qkgb, qkgb_floats(N, Hk, Hv, Dk)), do=(do, N * Hv * Dv),
+          v=(v, v_off + (N - 1) * v_stride + Hv * Dv))  # fmt: skip
+    p = _uniform(gpu, "chunk_backward", B, T, Hk, Hv, Dk, Dv, C, v_off, v_stride, dk_off=align_floats(N * Hv * Dk),
+                 dr_off=sz["dr_off"], ds_off=sz["ds_off"], dg_off=sz["dg_off"])  # fmt: skip
+    kp = _kernel(gpu, "chunk_prep", "rwu", Dk, Dv, plan)
+    ks = _kernel(gpu, "chunk_backward_state", "rrwu", Dk, Dv, plan)
+    kg = _kernel(gpu, "chunk_backward_grads", "rrrrrwwwu", Dk, Dv, plan)
+    nvb = plan.dims(Dk, Dv)[1] // plan.bv
+    return Call([(kp, gpu.bind(kp, qkgb, sub(scr, 0, sz["tp"]), p), B * Hv * nck),
+                 (ks, gpu.bind(ks, qkgb, do, scr, p), B * Hv * nvb),
+                 (kg, gpu.bind(kg, qkgb, v, do, delta, states, scr, dqk, dv, p), B * Hv * nck)], [p])  # fmt: skip
