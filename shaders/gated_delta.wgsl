@@ -258,7 +258,10 @@ fn gated_delta_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
 // All sums run in a fixed order (no atomics): the same bits every run. Workgroup memory of each kernel is
 // one array carved at constant offsets (generated: ddl_wgpu/ops/gated_delta.py `ChunkPlan`); rows written
 // transposed are padded to odd strides. scr = [tp | dr | ds | dg] at the uniform's offsets (one binding,
-// as each kernel may bind 8 storage buffers).
+// as each kernel may bind 8 storage buffers). A call runs batch rows b0 .. b0 + B - 1 (where one row's
+// buffers would not fit a binding, the launcher makes several calls): token buffers (qkgb, v, o, delta,
+// do, dqk, dv, dg) are indexed by the batch row b, the per-chunk ones (tp, states, state_in, dr, ds) by the
+// call's own row bl = b - b0 (the launcher binds views of states and state_in at row b0).
 
 const CC: u32 = {{CC}}u;  // tokens per chunk
 const CDK: u32 = {{CDK}}u;  // Dk padded to a power of two
@@ -311,8 +314,9 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     if (id >= cp_p.B * cp_p.Hv * cp_p.nck) { return; }
     let bh = id / cp_p.nck;
     let c = id - bh * cp_p.nck;
-    let b = bh / cp_p.Hv;
-    let h = bh - b * cp_p.Hv;
+    let bl = bh / cp_p.Hv;  // the batch row within this call's rows
+    let b = bl + cp_p.b0;  // ... and within the whole batch (token buffers)
+    let h = bh - bl * cp_p.Hv;
     let hk = h / (cp_p.Hv / cp_p.Hk);
     let t0 = c * CC;
     let base = id * 3u * CC2;
@@ -401,8 +405,9 @@ fn chunk_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     if (id >= cf_p.B * cf_p.Hv * NVB) { return; }
     let bh = id / NVB;
     let j0 = (id - bh * NVB) * BV;
-    let b = bh / cf_p.Hv;
-    let h = bh - b * cf_p.Hv;
+    let bl = bh / cf_p.Hv;  // the batch row within this call's rows
+    let b = bl + cf_p.b0;  // ... and within the whole batch (token buffers)
+    let h = bh - bl * cf_p.Hv;
     let hk = h / (cf_p.Hv / cf_p.Hk);
     let slots = bh * (cf_p.nck + 1u);
     {{CF_COORDS}}
@@ -516,8 +521,9 @@ fn chunk_backward_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     if (id >= cb_p.B * cb_p.Hv * NVB) { return; }
     let bh = id / NVB;
     let j0 = (id - bh * NVB) * BV;
-    let b = bh / cb_p.Hv;
-    let h = bh - b * cb_p.Hv;
+    let bl = bh / cb_p.Hv;  // the batch row within this call's rows
+    let b = bl + cb_p.b0;  // ... and within the whole batch (token buffers)
+    let h = bh - bl * cb_p.Hv;
     let hk = h / (cb_p.Hv / cb_p.Hk);
     {{CB_COORDS}}
     {{CB_S_INIT}}
@@ -629,11 +635,11 @@ fn cg_ld(part: u32, b: u32, t: u32, hk: u32, i: u32) -> f32 {
     return cg_qk[part * cg_p.k_off + ((b * cg_p.T + t) * cg_p.Hk + hk) * cg_p.Dk + i];
 }
 fn cg_row(part: u32, b: u32, t: u32, h: u32, j: u32) -> f32 {
-    // part 0: dO, 1: dR, 2: Δ (rows (n, Hv, Dv))
+    // part 0: dO, 1: dR, 2: Δ (rows (n, Hv, Dv)); b the batch row (dR's rows are this call's: b - b0)
     if (t >= cg_p.T || j >= cg_p.Dv) { return 0.0; }
+    if (part == 1u) { return cg_scr[cg_p.dr_off + (((b - cg_p.b0) * cg_p.T + t) * cg_p.Hv + h) * cg_p.Dv + j]; }
     let at = ((b * cg_p.T + t) * cg_p.Hv + h) * cg_p.Dv + j;
     if (part == 0u) { return cg_do[at]; }
-    if (part == 1u) { return cg_scr[cg_p.dr_off + at]; }
     return cg_d[at];
 }
 fn cg_ldstate(part: u32, bh: u32, c: u32, i: u32, j: u32) -> f32 {
@@ -656,8 +662,9 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     if (id >= cg_p.B * cg_p.Hv * cg_p.nck) { return; }
     let bh = id / cg_p.nck;
     let c = id - bh * cg_p.nck;
-    let b = bh / cg_p.Hv;
-    let h = bh - b * cg_p.Hv;
+    let bl = bh / cg_p.Hv;  // the batch row within this call's rows
+    let b = bl + cg_p.b0;  // ... and within the whole batch (token buffers)
+    let h = bh - bl * cg_p.Hv;
     let hk = h / (cg_p.Hv / cg_p.Hk);
     let t0 = c * CC;
     let tbase = id * 3u * CC2;
@@ -704,8 +711,6 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     // dQK = dP ∘ M and dKK = dA ∘ diag(beta) M in place of P and MKK; dP ∘ P + dA ∘ A summed by rows and
     // by columns into dγ, dA ∘ MKK by rows into dbeta
     {{CG_E_ELEM}}
-    workgroupBarrier();
-    {{CG_E_REDUCE}}
     // dq = dQK K, dk = dQKᵀ Q + (dKK + dKKᵀ) K over the chunk's tokens (k, q rows staged as they are)
     {{CG_Q_DECL}}
     for (var u0 = 0u; u0 < CC; u0 += BR) {
@@ -739,8 +744,6 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     }
     // dq += Γ Y, dk -= beta Γ Z; dγ += Γ q·Y - beta Γ k·Z, dbeta -= Γ k·Z
     {{CG_Z_ELEM}}
-    workgroupBarrier();
-    {{CG_Z_REDUCE}}
     // dK̃ = Δ dSᵀ over Dv (Δ and dS staged transposed), and <S0, dS> on the side
     {{CG_K_DECL}}
     var sdot = 0.0;
@@ -764,8 +767,6 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     // dk += exp(γ_L - γ) dK̃; dγ -= K̃·dK̃; the last token gets Γ_L <S0, dS> + Σ K̃·dK̃
     {{CG_K_ELEM}}
     workgroupBarrier();
-    {{CG_K_REDUCE}}
-    workgroupBarrier();
     cg_sm[CG_RED + lid] = sdot;
     workgroupBarrier();
     if (lid == 0u) {
@@ -781,8 +782,9 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     var vdr = 0.0;
     if (tt < CC && t0 + tt < cg_p.T) {
         let n = b * cg_p.T + t0 + tt;
+        let nl = bl * cg_p.T + t0 + tt;
         for (var j = part; j < cg_p.Dv; j += per) {
-            let dr = cg_scr[cg_p.dr_off + (n * cg_p.Hv + h) * cg_p.Dv + j];
+            let dr = cg_scr[cg_p.dr_off + (nl * cg_p.Hv + h) * cg_p.Dv + j];
             cg_dv[cg_p.v_off + n * cg_p.v_stride + h * cg_p.Dv + j] = c_bet[tt] * dr;
             vdr += cg_v[cg_p.v_off + n * cg_p.v_stride + h * cg_p.Dv + j] * dr;
         }

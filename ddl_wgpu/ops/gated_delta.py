@@ -27,6 +27,7 @@ in WGSL it saves no arithmetic here (docs/kernels.md#the-gated-delta-rule).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ddl_wgpu.gpu import Call, Gpu, GpuError, Uniform
@@ -57,6 +58,7 @@ PARAMS = Uniform(
     ("dr_off", "u32", "chunked backward: floats, dR's start in scr"),
     ("ds_off", "u32", "chunked backward: floats, the chunk-end state gradients' start in scr"),
     ("dg_off", "u32", "chunked backward: floats, [dg, dbeta]'s start in scr"),
+    ("b0", "u32", "chunked: the call's first batch row"),
 )
 MAX_THREADS = 256  # the most threads a workgroup gets (WebGPU's default limit)
 MAX_SIDE = 16  # threads along Dk or Dv
@@ -201,11 +203,14 @@ def scratch_floats(B: int, Hv: int, Dk: int, Dv: int, tc: int) -> int:
 
 def _kernel(gpu: Gpu, entry: str, sig: str, Dk: int, Dv: int, plan: ChunkPlan | None = None):
     """An entry point of the family's one module, whose per-token and chunked parts are both generated: the
-    per-token tile for the adapter, the chunked kernels for `plan` (default `chunk_plan`)."""
-    ti, tj, pi, pj = tile(gpu, Dk, Dv)
-    plan = plan or chunk_plan(gpu, Dk, Dv)
-    templates = _templates(ti, tj, pi, pj) | plan.templates(Dk, Dv)
-    threads = plan.threads if entry.startswith("chunk") else ti * tj
+    part it belongs to for the shape and the adapter (the chunked kernels for `plan`, default `chunk_plan`),
+    the other at its smallest (a module compiles every entry point's code)."""
+    if entry.startswith("chunk"):  # the per-token part filled at its smallest: compiled, never run
+        plan = chunk_plan(gpu, Dk, Dv, plan)
+        templates, threads = _templates(1, 1, 1, 1) | plan.templates(Dk, Dv), plan.threads
+    else:
+        ti, tj, pi, pj = tile(gpu, Dk, Dv)
+        templates, threads = _templates(ti, tj, pi, pj) | _IDLE_PLAN.templates(1, 1), ti * tj
     return gpu.kernel(FILE, entry, sig, templates=templates, workgroup=(threads, 1, 1), uniforms=(PARAMS,))
 
 
@@ -216,9 +221,10 @@ def _check_sizes(entry: str, B: int, T: int, Hk: int, Hv: int, tc: int) -> None:
         raise ValueError(f"{entry}: chunk length {tc} must be positive")
 
 
-def _uniform(gpu, label, B, T, Hk, Hv, Dk, Dv, tc, v_off, v_stride, **flags):
-    k_off, gb_off = qkgb_offsets(B * T, Hk, Dk)
-    values = dict(has_init=0, save_ckpt=0, save_final=0, dk_off=0, dr_off=0, ds_off=0, dg_off=0) | flags
+def _uniform(gpu, label, B, T, Hk, Hv, Dk, Dv, tc, v_off, v_stride, k_off_rows=None, **flags):
+    # qkgb's parts are laid out for all its rows (k_off_rows, default B*T) even when a call runs fewer
+    k_off, gb_off = qkgb_offsets(B * T if k_off_rows is None else k_off_rows, Hk, Dk)
+    values = dict(has_init=0, save_ckpt=0, save_final=0, dk_off=0, dr_off=0, ds_off=0, dg_off=0, b0=0) | flags
     return gpu.uniform(PARAMS, B=B, T=T, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, k_off=k_off, v_off=v_off, v_stride=v_stride,
                        tc=tc, nck=n_chunks(T, tc), gb_off=gb_off, label=label, **values)  # fmt: skip
 
@@ -315,7 +321,7 @@ class ChunkPlan:
         L |= {"CB_S": 0, "CB_DO": cdk * V, "CB_DD": cdk * V + C * V, "CB_STG": cdk * V + 2 * C * V}
         L["CB_SM"] = L["CB_STG"] + max(R * (C + 1), 2 * R * cdk)
         # grads: region 1 = P, MKK (then the Z/Y/dK̃ staging); region 2 = the other staging, or reductions
-        red = max(C * t["e"].wx + C * t["e"].wy, C * t["q"].wx, self.threads)  # one partial sum at a time
+        red = max(C * t["e"].wx, C * t["e"].wy, C * t["q"].wx, self.threads)  # one partial sum at a time
         r1 = max(2 * sq, R * (2 * C + 1) + R * (cdk + 1))
         L |= {"CG_P": 0, "CG_A": sq, "CG_ZA": 0, "CG_ZB": R * (2 * C + 1), "CG_STG": r1, "CG_RED": r1,
               "CG_STG2": r1 + R * (2 * C + 1)}  # fmt: skip
@@ -336,13 +342,17 @@ class ChunkPlan:
                 raise GpuError(f"gated delta plan {self}: {name} must be a power of two")
         cdk, cdv = self.dims(Dk, Dv)
         if self.chunk < 2 or self.br > self.chunk or self.bv > cdv or self.threads < self.chunk:
-            raise GpuError(f"gated delta plan {self}: needs 2 <= chunk, br <= chunk <= threads, bv <= Dv padded")
+            raise GpuError(
+                f"gated delta plan {self}: needs 2 <= chunk, br <= chunk <= threads, bv <= Dv padded"
+            )
         limit = gpu.limits.get("max-compute-workgroup-storage-size", 16 << 10)
         if self.threads > gpu.limits.get("max-compute-invocations-per-workgroup", 256):
             raise GpuError(f"gated delta plan {self}: {self.threads} threads exceed the adapter's limit")
         need = max(self.shared_bytes(Dk, Dv).values())
         if need > limit:
-            raise GpuError(f"gated delta plan {self}: {need} bytes of workgroup memory exceed the limit {limit}")
+            raise GpuError(
+                f"gated delta plan {self}: {need} bytes of workgroup memory exceed the limit {limit}"
+            )
 
     def templates(self, Dk: int, Dv: int) -> dict[str, str]:
         return _chunk_templates(self, Dk, Dv)
@@ -358,6 +368,10 @@ PLANS = (
     ChunkPlan(16, 8, 64, 4),
     ChunkPlan(16, 4, 64, 2),
 )
+
+
+# The chunked part of a module compiled for a per-token entry point: the smallest code, never run.
+_IDLE_PLAN = ChunkPlan(chunk=2, bv=1, threads=2, br=1, unroll=False)
 
 
 def parse_plan(text: str) -> ChunkPlan:
@@ -382,7 +396,7 @@ def chunk_plan(gpu: Gpu, Dk: int, Dv: int, plan: ChunkPlan | None = None) -> Chu
         plan.check(gpu, Dk, Dv)
         return plan
     for p in PLANS:
-        p = replace(p, bv=min(p.bv, p.dims(Dk, Dv)[1]))
+        p = replace(p, bv=min(p.bv, pow2_at_least(Dv)))
         try:
             p.check(gpu, Dk, Dv)
             return p
@@ -406,203 +420,389 @@ def _steps(plan: ChunkPlan, t: tl.Tile, terms, a_ops, b_ops, ind: int = 8) -> st
     return tl.indent(body, ind)
 
 
+def _staged(arr: str, base: str, stride: int | str, k0: str = "") -> Callable[[str, str], str]:
+    """An operand of a staged product: element (k0 + r, x) of rows of `stride` floats at arr[base]."""
+    k = f"({k0} + {{r}})" if k0 else "{r}"
+    return lambda x, r: f"{arr}[{base} + {k.format(r=r)} * {stride}u + {x}]"
+
+
 def _chunk_templates(plan: ChunkPlan, Dk: int, Dv: int) -> dict[str, str]:
     """The `{{name}}` values of the chunked kernels: sizes, workgroup-memory offsets and the straight-line
-    per-thread code of every product (ddl_wgpu/ops/tiles.py)."""
+    per-thread code of every product (ddl_wgpu/ops/tiles.py). Products over a staged operand read its rows
+    r of the step; the output element (row, col) is `row`/`col` of the product's tile."""
     cdk, cdv = plan.dims(Dk, Dv)
     C, R, V = plan.chunk, plan.br, plan.bv
-    T = plan.tiles(Dk, Dv)
-    L = plan.layout(Dk, Dv)
-    p, x, st, e, q = T["p"], T["x"], T["s"], T["e"], T["q"]
-    C1, C2 = f"{C + 1}u", f"{2 * C + 1}u"
-    ind = tl.indent
-    out = {"CC": str(C), "CDK": str(cdk), "CDV": str(cdv), "BV": str(V), "CNT": str(plan.threads), "BR": str(R)}
+    tiles, L = plan.tiles(Dk, Dv), plan.layout(Dk, Dv)
+    p, x, st, e, q = (tiles[k] for k in "pxseq")
+    C1, C2 = C + 1, 2 * C + 1
+    ind, each = tl.indent, tl.each
+    out = {
+        "CC": str(C),
+        "CDK": str(cdk),
+        "CDV": str(cdv),
+        "BV": str(V),
+        "CNT": str(plan.threads),
+        "BR": str(R),
+    }
     out |= {k: str(L[k]) for k in ("CP_SM", "CF_SM", "CB_SM", "CG_SM")}
     out["CHUNK_CONSTS"] = "\n".join(f"const {k}: u32 = {v}u;" for k, v in L.items() if not k.endswith("_SM"))
 
-    def act(t):
-        return t.active()
+    def steps(t, terms, a_ops, b_ops, ind_=12):
+        return _steps(plan, t, terms, a_ops, b_ops, ind_)
 
-    # -- chunk_prep
+    def state_copy(sm: str, base: str, acc: str) -> list[str]:  # registers -> the workgroup copy
+        return each(
+            st,
+            lambda a, b, row, col: (
+                f"if {st.active()} {{ {sm}[{base} + {row} * {V}u + {col}] = {acc}_{a}_{b}; }}"
+            ),
+        )
+
+    def decay(acc: str) -> str:  # the state times Γ_L
+        return ind(
+            ["let decay = exp(c_gam[CC - 1u]);"]
+            + each(st, lambda a, b, r, c: f"{acc}_{a}_{b} = decay * {acc}_{a}_{b};"),
+            8,
+        )
+
+    # -- chunk_prep: [k; q] rows staged transposed, K Kᵀ and Q Kᵀ
     out["CP_COORDS"] = p.coords()
     out["CP_DECL"] = ind(tl.decl(p, "kk") + tl.decl(p, "qk"), 4)
-    stg = lambda off: lambda row, r: f"cp_sm[CP_STG + {r} * {C2} + {off}{row}]"  # noqa: E731
-    out["CP_FMA"] = _steps(plan, p, [("kk", "k", "k"), ("qk", "q", "k")], {"k": stg(""), "q": stg(f"{C}u + ")},
-                           {"k": stg("")})  # fmt: skip
-    out["CP_MATS"] = ind(tl.each(p, lambda a, b, row, col: (
-        f"{{ let t = {row}; let s = {col}; let m = c_decay(t, s); if {act(p)} {{ "
-        f"cp_sm[CP_A + t * {C1} + s] = select(0.0, c_bet[t] * m * kk_{a}_{b}, s < t); "
-        f"cp_tp[base + CC2 + t * CC + s] = m * qk_{a}_{b}; "
-        f"cp_tp[base + 2u * CC2 + t * CC + s] = select(0.0, m * kk_{a}_{b}, s < t); }} }}")), 4)  # fmt: skip
+    out["CP_FMA"] = steps(
+        p,
+        [("kk", "k", "k"), ("qk", "q", "k")],
+        {"k": _staged("cp_sm", "CP_STG", C2), "q": _staged("cp_sm", f"CP_STG + {C}u", C2)},
+        {"k": _staged("cp_sm", "CP_STG", C2)},
+        8,
+    )
+
+    def mats(a, b, row, col):
+        return (
+            f"{{ let t = {row}; let s = {col}; let m = c_decay(t, s); if {p.active()} {{ "
+            f"cp_sm[CP_A + t * {C1}u + s] = select(0.0, c_bet[t] * m * kk_{a}_{b}, s < t); "
+            f"cp_tp[base + CC2 + t * CC + s] = m * qk_{a}_{b}; "
+            f"cp_tp[base + 2u * CC2 + t * CC + s] = select(0.0, m * kk_{a}_{b}, s < t); }} }}"
+        )
+
+    out["CP_MATS"] = ind(each(p, mats), 4)
 
     # -- chunk_forward
     out["CF_COORDS"] = x.coords() + "\n    " + st.coords()
-    init = tl.each(st, lambda a, b, row, col: f"var s_{a}_{b} = cf_ldinit(bh, {row}, j0 + {col});")
-    mirror = lambda sm, base, acc: tl.each(st, lambda a, b, row, col: (  # noqa: E731
-        f"if {act(st)} {{ {sm}[{base} + {row} * {V}u + {col}] = {acc}_{a}_{b}; }}"))
-    out["CF_S_INIT"] = ind(init + mirror("cf_sm", "CF_S", "s"), 4)
-    out["CF_S_STORE"] = ind(tl.each(st, lambda a, b, row, col: (
-        f"if {act(st)} {{ cf_store_state(slots + c, {row}, j0 + {col}, s_{a}_{b}); }}")), 12)  # fmt: skip
+    init = each(st, lambda a, b, row, col: f"var s_{a}_{b} = cf_ldinit(bh, {row}, j0 + {col});")
+    out["CF_S_INIT"] = ind(init + state_copy("cf_sm", "CF_S", "s"), 4)
+    out["CF_S_STORE"] = ind(
+        each(
+            st,
+            lambda a, b, row, col: (
+                f"if {st.active()} {{ cf_store_state(slots + c, {row}, j0 + {col}, s_{a}_{b}); }}"
+            ),
+        ),
+        12,
+    )
     out["CF_X_DECL"] = ind(tl.decl(x, "xk") + tl.decl(x, "xq"), 8)
-    fstg = lambda off: lambda row, r: f"cf_sm[CF_STG + {r} * {C2} + {off}{row}]"  # noqa: E731
-    out["CF_X_FMA"] = _steps(plan, x, [("xk", "k", "s"), ("xq", "q", "s")], {"k": fstg(""), "q": fstg(f"{C}u + ")},
-                             {"s": lambda col, r: f"cf_sm[CF_S + (i0 + {r}) * {V}u + {col}]"}, 12)  # fmt: skip
-    out["CF_R"] = ind(tl.each(x, lambda a, b, row, col: (
-        f"if {act(x)} {{ cf_sm[CF_R + {row} * {V}u + {col}] = c_bet[{row}] * (cf_ldv(b, t0 + {row}, h, j0 + {col})"
-        f" - exp(c_gam[{row}]) * xk_{a}_{b}); }}")), 8)  # fmt: skip
+    out["CF_X_FMA"] = steps(
+        x,
+        [("xk", "k", "s"), ("xq", "q", "s")],
+        {"k": _staged("cf_sm", "CF_STG", C2), "q": _staged("cf_sm", f"CF_STG + {C}u", C2)},
+        {"s": _staged("cf_sm", "CF_S", V, "i0")},
+    )
+    out["CF_R"] = ind(
+        each(
+            x,
+            lambda a, b, row, col: (
+                f"if {x.active()} {{ cf_sm[CF_R + {row} * {V}u + {col}] = c_bet[{row}] * (cf_ldv(b, t0 + {row}, h, j0 + {col}) "
+                f"- exp(c_gam[{row}]) * xk_{a}_{b}); }}"
+            ),
+        ),
+        8,
+    )
     out["CF_D_DECL"] = ind(tl.decl(x, "d"), 8)
-    tstg = lambda row, r: f"cf_sm[CF_STG + {r} * {C1} + {row}]"  # noqa: E731
-    rsh = lambda base, sm, k0: lambda col, r: f"{sm}[{base} + ({k0} + {r}) * {V}u + {col}]"  # noqa: E731
-    out["CF_D_FMA"] = _steps(plan, x, [("d", "t", "r")], {"t": tstg}, {"r": rsh("CF_R", "cf_sm", "s0")}, 12)
-    out["CF_D_STORE"] = ind(tl.each(x, lambda a, b, row, col: (
-        f"if {act(x)} {{ cf_sm[CF_R + {row} * {V}u + {col}] = d_{a}_{b}; "
-        f"if (cf_p.save_ckpt != 0u && t0 + {row} < cf_p.T && j0 + {col} < cf_p.Dv) {{ "
-        f"cf_d[((b * cf_p.T + t0 + {row}) * cf_p.Hv + h) * cf_p.Dv + j0 + {col}] = d_{a}_{b}; }} }}")), 8)  # fmt: skip
-    out["CF_O_INIT"] = ind(tl.each(x, lambda a, b, row, col: f"xq_{a}_{b} = exp(c_gam[{row}]) * xq_{a}_{b};"), 8)
-    out["CF_O_FMA"] = _steps(plan, x, [("xq", "t", "r")], {"t": tstg}, {"r": rsh("CF_R", "cf_sm", "s0")}, 12)
-    out["CF_O_STORE"] = ind(tl.each(x, lambda a, b, row, col: (
-        f"if ({act(x)} && t0 + {row} < cf_p.T && j0 + {col} < cf_p.Dv) {{ "
-        f"cf_o[((b * cf_p.T + t0 + {row}) * cf_p.Hv + h) * cf_p.Dv + j0 + {col}] = xq_{a}_{b}; }}")), 8)  # fmt: skip
-    decay = lambda acc: ind(["let decay = exp(c_gam[CC - 1u]);"] + tl.each(  # noqa: E731
-        st, lambda a, b, row, col: f"{acc}_{a}_{b} = decay * {acc}_{a}_{b};"), 8)
+    out["CF_D_FMA"] = steps(
+        x, [("d", "t", "r")], {"t": _staged("cf_sm", "CF_STG", C1)}, {"r": _staged("cf_sm", "CF_R", V, "s0")}
+    )
+    out["CF_D_STORE"] = ind(
+        each(
+            x,
+            lambda a, b, row, col: (
+                f"if {x.active()} {{ cf_sm[CF_R + {row} * {V}u + {col}] = d_{a}_{b}; "
+                f"if (cf_p.save_ckpt != 0u && t0 + {row} < cf_p.T && j0 + {col} < cf_p.Dv) {{ "
+                f"cf_d[((b * cf_p.T + t0 + {row}) * cf_p.Hv + h) * cf_p.Dv + j0 + {col}] = d_{a}_{b}; }} }}"
+            ),
+        ),
+        8,
+    )
+    out["CF_O_INIT"] = ind(each(x, lambda a, b, row, col: f"xq_{a}_{b} = exp(c_gam[{row}]) * xq_{a}_{b};"), 8)
+    out["CF_O_FMA"] = steps(
+        x, [("xq", "t", "r")], {"t": _staged("cf_sm", "CF_STG", C1)}, {"r": _staged("cf_sm", "CF_R", V, "s0")}
+    )
+    out["CF_O_STORE"] = ind(
+        each(
+            x,
+            lambda a, b, row, col: (
+                f"if ({x.active()} && t0 + {row} < cf_p.T && j0 + {col} < cf_p.Dv) {{ "
+                f"cf_o[((b * cf_p.T + t0 + {row}) * cf_p.Hv + h) * cf_p.Dv + j0 + {col}] = xq_{a}_{b}; }}"
+            ),
+        ),
+        8,
+    )
     out["CF_S_DECAY"] = decay("s")
-    out["CF_S_FMA"] = _steps(plan, st, [("s", "k", "d")], {"k": lambda row, r: f"cf_sm[CF_STG + {r} * {cdk}u + {row}]"},
-                             {"d": rsh("CF_R", "cf_sm", "u0")}, 12)  # fmt: skip
-    out["CF_S_MIRROR"] = ind(mirror("cf_sm", "CF_S", "s"), 8)
+    out["CF_S_FMA"] = steps(
+        st,
+        [("s", "k", "d")],
+        {"k": _staged("cf_sm", "CF_STG", cdk)},
+        {"d": _staged("cf_sm", "CF_R", V, "u0")},
+    )
+    out["CF_S_MIRROR"] = ind(state_copy("cf_sm", "CF_S", "s"), 8)
 
     # -- chunk_backward_state
     out["CB_COORDS"] = out["CF_COORDS"]
-    out["CB_S_INIT"] = ind(tl.decl(st, "ds") + mirror("cb_sm", "CB_S", "ds"), 4)
-    out["CB_S_STORE"] = ind(tl.each(st, lambda a, b, row, col: (
-        f"if ({act(st)} && {row} < cb_p.Dk && j0 + {col} < cb_p.Dv) {{ "
-        f"cb_scr[cb_p.ds_off + ((bh * cb_p.nck + c) * cb_p.Dk + {row}) * cb_p.Dv + j0 + {col}] = ds_{a}_{b}; }}")), 8)  # fmt: skip
+    out["CB_S_INIT"] = ind(tl.decl(st, "ds") + state_copy("cb_sm", "CB_S", "ds"), 4)
+    out["CB_S_STORE"] = ind(
+        each(
+            st,
+            lambda a, b, row, col: (
+                f"if ({st.active()} && {row} < cb_p.Dk && j0 + {col} < cb_p.Dv) {{ "
+                f"cb_scr[cb_p.ds_off + ((bh * cb_p.nck + c) * cb_p.Dk + {row}) * cb_p.Dv + j0 + {col}] = ds_{a}_{b}; }}"
+            ),
+        ),
+        8,
+    )
     out["CB_DD_DECL"] = ind(tl.decl(x, "dd"), 8)
-    bstg = lambda row, r: f"cb_sm[CB_STG + {r} * {C1} + {row}]"  # noqa: E731
-    out["CB_DD_FMA1"] = _steps(plan, x, [("dd", "p", "o")], {"p": bstg}, {"o": rsh("CB_DO", "cb_sm", "s0")}, 12)
-    out["CB_DD_FMA2"] = _steps(plan, x, [("dd", "k", "s")], {"k": bstg}, {"s": rsh("CB_S", "cb_sm", "i0")}, 12)
-    out["CB_DD_STORE"] = ind(tl.each(x, lambda a, b, row, col: (
-        f"if {act(x)} {{ cb_sm[CB_DD + {row} * {V}u + {col}] = dd_{a}_{b}; }}")), 8)  # fmt: skip
+    stg = _staged("cb_sm", "CB_STG", C1)
+    out["CB_DD_FMA1"] = steps(x, [("dd", "p", "o")], {"p": stg}, {"o": _staged("cb_sm", "CB_DO", V, "s0")})
+    out["CB_DD_FMA2"] = steps(x, [("dd", "k", "s")], {"k": stg}, {"s": _staged("cb_sm", "CB_S", V, "i0")})
+    out["CB_DD_STORE"] = ind(
+        each(
+            x,
+            lambda a, b, row, col: f"if {x.active()} {{ cb_sm[CB_DD + {row} * {V}u + {col}] = dd_{a}_{b}; }}",
+        ),
+        8,
+    )
     out["CB_R_DECL"] = ind(tl.decl(x, "dr"), 8)
-    out["CB_R_FMA"] = _steps(plan, x, [("dr", "m", "d")], {"m": bstg}, {"d": rsh("CB_DD", "cb_sm", "s0")}, 12)
-    out["CB_R_STORE"] = ind(tl.each(x, lambda a, b, row, col: (
-        f"if {act(x)} {{ if (t0 + {row} < cb_p.T && j0 + {col} < cb_p.Dv) {{ "
-        f"cb_scr[cb_p.dr_off + ((b * cb_p.T + t0 + {row}) * cb_p.Hv + h) * cb_p.Dv + j0 + {col}] = dr_{a}_{b}; }} "
-        f"cb_sm[CB_DD + {row} * {V}u + {col}] = -c_bet[{row}] * exp(c_gam[{row}]) * dr_{a}_{b}; }}")), 8)  # fmt: skip
+    out["CB_R_FMA"] = steps(x, [("dr", "m", "d")], {"m": stg}, {"d": _staged("cb_sm", "CB_DD", V, "s0")})
+    out["CB_R_STORE"] = ind(
+        each(
+            x,
+            lambda a, b, row, col: (
+                f"if {x.active()} {{ if (t0 + {row} < cb_p.T && j0 + {col} < cb_p.Dv) {{ "
+                f"cb_scr[cb_p.dr_off + ((bl * cb_p.T + t0 + {row}) * cb_p.Hv + h) * cb_p.Dv + j0 + {col}] = dr_{a}_{b}; }} "
+                f"cb_sm[CB_DD + {row} * {V}u + {col}] = -c_bet[{row}] * exp(c_gam[{row}]) * dr_{a}_{b}; }}"
+            ),
+        ),
+        8,
+    )
     out["CB_S_DECAY"] = decay("ds")
-    kq = lambda off: lambda row, r: f"cb_sm[CB_STG + {off}{r} * {cdk}u + {row}]"  # noqa: E731
-    out["CB_S_FMA"] = _steps(plan, st, [("ds", "k", "d"), ("ds", "q", "o")], {"k": kq(""), "q": kq(f"{R * cdk}u + ")},
-                             {"d": rsh("CB_DD", "cb_sm", "u0"), "o": rsh("CB_DO", "cb_sm", "u0")}, 12)  # fmt: skip
-    out["CB_S_MIRROR"] = ind(mirror("cb_sm", "CB_S", "ds"), 8)
+    out["CB_S_FMA"] = steps(
+        st,
+        [("ds", "k", "d"), ("ds", "q", "o")],
+        {"k": _staged("cb_sm", "CB_STG", cdk), "q": _staged("cb_sm", f"CB_STG + {R * cdk}u", cdk)},
+        {"d": _staged("cb_sm", "CB_DD", V, "u0"), "o": _staged("cb_sm", "CB_DO", V, "u0")},
+    )
+    out["CB_S_MIRROR"] = ind(state_copy("cb_sm", "CB_S", "ds"), 8)
 
     # -- chunk_backward_grads
     out["CG_COORDS"] = e.coords() + "\n    " + q.coords()
-    out["CG_E_DECL"] = ind(tl.decl(e, "dp") + tl.decl(e, "da"), 4)
-    gstg = lambda off: lambda row, r: f"cg_sm[CG_STG + {r} * {C2} + {off}{row}]"  # noqa: E731
-    out["CG_E_FMA"] = _steps(plan, e, [("dp", "o", "d"), ("da", "r", "d")], {"o": gstg(""), "r": gstg(f"{C}u + ")},
-                             {"d": lambda col, r: f"cg_sm[CG_STG2 + {r} * {C1} + {col}]"})  # fmt: skip
-    ex, ey = e.wx, e.wy
-    rows_at, cols_at = "CG_RED", f"CG_RED + {C * ex}u"
-    elem = [f"var er{a} = 0.0;\n    var eb{a} = 0.0;" for a in range(e.tm)]
-    elem += [f"var ec{b} = 0.0;" for b in range(e.tn)]
-    elem += tl.each(e, lambda a, b, row, col: (
-        f"{{ let t = {row}; let s = {col}; let m = c_decay(t, s); "
-        f"let p = cg_sm[CG_P + t * {C1} + s]; let mkk = cg_sm[CG_A + t * {C1} + s]; "
-        f"let da = select(0.0, -da_{a}_{b}, s < t); let ee = dp_{a}_{b} * p + da * c_bet[t] * mkk; "
-        f"er{a} += ee; ec{b} += ee; eb{a} += da * mkk; "
-        f"if {act(e)} {{ cg_sm[CG_P + t * {C1} + s] = dp_{a}_{b} * m; cg_sm[CG_A + t * {C1} + s] = da * c_bet[t] * m; }} }}"))  # fmt: skip
-    elem += [f"if {act(e)} {{ cg_sm[{rows_at} + {e.row(a)} * {ex}u + tx_e] = er{a}; }}" for a in range(e.tm)]
-    elem += [f"if {act(e)} {{ cg_sm[{cols_at} + {e.col(b)} * {ey}u + ty_e] = ec{b}; }}" for b in range(e.tn)]
-    out["CG_E_ELEM"] = ind(elem, 4)
-    out["CG_E_REDUCE"] = ind([
-        "if (lid < CC) {",
-        "    var er = 0.0; var ec = 0.0;",
-        f"    for (var x = 0u; x < {ex}u; x++) {{ er += cg_sm[{rows_at} + lid * {ex}u + x]; }}",
-        f"    for (var y = 0u; y < {ey}u; y++) {{ ec += cg_sm[{cols_at} + lid * {ey}u + y]; }}",
-        "    cg_dgam[lid] = er - ec;",
-        "}",
-        "workgroupBarrier();",
-        *(f"if {act(e)} {{ cg_sm[{rows_at} + {e.row(a)} * {ex}u + tx_e] = eb{a}; }}" for a in range(e.tm)),
-        "workgroupBarrier();",
-        "if (lid < CC) {",
-        "    var eb = 0.0;",
-        f"    for (var x = 0u; x < {ex}u; x++) {{ eb += cg_sm[{rows_at} + lid * {ex}u + x]; }}",
-        "    cg_dbet[lid] = eb;",
-        "}"], 4)  # fmt: skip
-    out["CG_Q_DECL"] = ind(tl.decl(q, "dq") + tl.decl(q, "dk"), 4)
-    sq = lambda mat, t_, s_: f"cg_sm[{mat} + {t_} * {C1} + {s_}]"  # noqa: E731
-    out["CG_Q_FMA"] = _steps(plan, q, [("dq", "qk", "k"), ("dk", "qkt", "q"), ("dk", "kk", "k")], {
-        "qk": lambda row, r: sq("CG_P", row, f"(u0 + {r})"),
-        "qkt": lambda row, r: sq("CG_P", f"(u0 + {r})", row),
-        "kk": lambda row, r: f"({sq('CG_A', row, f'(u0 + {r})')} + {sq('CG_A', f'(u0 + {r})', row)})"}, {
-        "k": lambda col, r: f"cg_sm[CG_STG + {r} * {cdk}u + {col}]",
-        "q": lambda col, r: f"cg_sm[CG_STG + {R * cdk}u + {r} * {cdk}u + {col}]"})  # fmt: skip
-    out["CG_Q_STORE"] = ind(tl.each(q, lambda a, b, row, col: (
-        f"if ({act(q)} && cg_ok(t0 + {row}, {col})) {{ cg_dqk[cg_dqk_at(0u, b, t0 + {row}, h, {col})] = dq_{a}_{b}; "
-        f"cg_dqk[cg_dqk_at(1u, b, t0 + {row}, h, {col})] = dk_{a}_{b}; }}")), 4)  # fmt: skip
-    out["CG_Z_DECL"] = ind(tl.decl(q, "z") + tl.decl(q, "y"), 4)
-    za = lambda off: lambda row, r: f"cg_sm[CG_ZA + {r} * {C2} + {off}{row}]"  # noqa: E731
-    zb = lambda col, r: f"cg_sm[CG_ZB + {r} * {cdk + 1}u + {col}]"  # noqa: E731
-    out["CG_Z_FMA"] = _steps(plan, q, [("z", "r", "s"), ("y", "o", "s")], {"r": za(""), "o": za(f"{C}u + ")},
-                             {"s": zb})  # fmt: skip
-    qx = q.wx
-    qrow = "CG_RED"
-    zel = [f"var zr{a} = 0.0;\n    var zb{a} = 0.0;" for a in range(q.tm)]
-    zel += tl.each(q, lambda a, b, row, col: (
-        f"if ({act(q)} && cg_ok(t0 + {row}, {col})) {{ let gm = exp(c_gam[{row}]); let be = c_bet[{row}]; "
-        f"let qv = cg_ld(0u, b, t0 + {row}, hk, {col}); let kv = cg_ld(1u, b, t0 + {row}, hk, {col}); "
-        f"let a0 = cg_dqk_at(0u, b, t0 + {row}, h, {col}); let a1 = cg_dqk_at(1u, b, t0 + {row}, h, {col}); "
-        f"cg_dqk[a0] = cg_dqk[a0] + gm * y_{a}_{b}; cg_dqk[a1] = cg_dqk[a1] - be * gm * z_{a}_{b}; "
-        f"zr{a} += gm * (qv * y_{a}_{b} - be * kv * z_{a}_{b}); zb{a} -= gm * kv * z_{a}_{b}; }}"))  # fmt: skip
-    zel += [f"if {act(q)} {{ cg_sm[{qrow} + {q.row(a)} * {qx}u + tx_q] = zr{a}; }}" for a in range(q.tm)]
-    out["CG_Z_ELEM"] = ind(zel, 4)
-    out["CG_Z_REDUCE"] = ind([
-        "if (lid < CC) {",
-        "    var zr = 0.0;",
-        f"    for (var x = 0u; x < {qx}u; x++) {{ zr += cg_sm[{qrow} + lid * {qx}u + x]; }}",
-        "    cg_dgam[lid] += zr;",
-        "}",
-        "workgroupBarrier();",
-        *(f"if {act(q)} {{ cg_sm[{qrow} + {q.row(a)} * {qx}u + tx_q] = zb{a}; }}" for a in range(q.tm)),
-        "workgroupBarrier();",
-        "if (lid < CC) {",
-        "    var zb = 0.0;",
-        f"    for (var x = 0u; x < {qx}u; x++) {{ zb += cg_sm[{qrow} + lid * {qx}u + x]; }}",
-        "    cg_dbet[lid] += zb;",
-        "}"], 4)  # fmt: skip
-    out["CG_K_DECL"] = ind(tl.decl(q, "kt"), 4)
-    out["CG_K_FMA"] = _steps(plan, q, [("kt", "d", "s")], {"d": lambda row, r: f"cg_sm[CG_ZA + {r} * {C1} + {row}]"},
-                             {"s": zb})  # fmt: skip
-    kel = [f"var kr{a} = 0.0;" for a in range(q.tm)]
-    kel += tl.each(q, lambda a, b, row, col: (
-        f"if ({act(q)} && cg_ok(t0 + {row}, {col})) {{ let tail = exp(c_gam[CC - 1u] - c_gam[{row}]); "
-        f"let kv = cg_ld(1u, b, t0 + {row}, hk, {col}); let a1 = cg_dqk_at(1u, b, t0 + {row}, h, {col}); "
-        f"cg_dqk[a1] = cg_dqk[a1] + tail * kt_{a}_{b}; kr{a} += tail * kv * kt_{a}_{b}; }}"))  # fmt: skip
-    kel += [f"if {act(q)} {{ cg_sm[{qrow} + {q.row(a)} * {qx}u + tx_q] = kr{a}; }}" for a in range(q.tm)]
-    out["CG_K_ELEM"] = ind(kel, 4)
-    out["CG_K_REDUCE"] = ind([
-        "if (lid < CC) {",
-        "    var kr = 0.0;",
-        f"    for (var x = 0u; x < {qx}u; x++) {{ kr += cg_sm[{qrow} + lid * {qx}u + x]; }}",
-        "    cg_dgam[lid] -= kr;",
-        "}",
-        "if (lid == 0u) {",
-        "    var tot = 0.0;",
-        f"    for (var y = 0u; y < {C * qx}u; y++) {{ tot += cg_sm[{qrow} + y]; }}",
-        "    cg_last = tot;",
-        "}"], 4)  # fmt: skip
+    out |= _grads_templates(plan, e, q, cdk)
     return out
 
 
-def chunk_sizes(B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int) -> dict[str, int]:
-    """Floats of the chunked kernels' scratch `scr` = [tp | dr | ds | dg] (each part 256-byte aligned):
-    tp the prep's three C x C matrices per (batch row, value head, chunk), dr = dR (B*T, Hv, Dv), ds the
-    state gradient at each chunk's end, dg = [dg, dbeta] (B*T, Hv, 2). The forward needs tp only."""
-    nck, N = n_chunks(T, chunk), int(B) * int(T)
-    tp = align_floats(int(B) * int(Hv) * nck * 3 * chunk * chunk)
-    dr = align_floats(N * int(Hv) * int(Dv))
-    ds = align_floats(int(B) * int(Hv) * nck * int(Dk) * int(Dv))
-    return {"tp": tp, "dr_off": tp, "ds_off": tp + dr, "dg_off": tp + dr + ds,
+def _row_sums(t: tl.Tile, parts: list[str], target: str, op: str) -> list[str]:
+    """Reduce the per-thread row partials `parts` (one variable per row a of the tile) through CG_RED into
+    `target[t] op= Σ` for every row t (a fixed order), barriers around."""
+    lines = [
+        f"if {t.active()} {{ cg_sm[CG_RED + {t.row(a)} * {t.wx}u + tx_{t.name}] = {v}; }}"
+        for a, v in enumerate(parts)
+    ]
+    lines += [
+        "workgroupBarrier();",
+        "if (lid < CC) {",
+        "    var acc = 0.0;",
+        f"    for (var x = 0u; x < {t.wx}u; x++) {{ acc += cg_sm[CG_RED + lid * {t.wx}u + x]; }}",
+        f"    {target}[lid] {op} acc;",
+        "}",
+        "workgroupBarrier();",
+    ]
+    return lines
+
+
+def _grads_templates(plan: ChunkPlan, e: tl.Tile, q: tl.Tile, cdk: int) -> dict[str, str]:
+    """The generated parts of chunk_backward_grads: tile e over the chunk's C x C, tile q over its C x Dk."""
+    C, R = plan.chunk, plan.br
+    C1, C2 = C + 1, 2 * C + 1
+    ind, each = tl.indent, tl.each
+    out = {"CG_E_DECL": ind(tl.decl(e, "dp") + tl.decl(e, "da"), 4)}
+    out["CG_E_FMA"] = _steps(
+        plan,
+        e,
+        [("dp", "o", "d"), ("da", "r", "d")],
+        {"o": _staged("cg_sm", "CG_STG", C2), "r": _staged("cg_sm", f"CG_STG + {C}u", C2)},
+        {"d": _staged("cg_sm", "CG_STG2", C1)},
+    )
+
+    def elem(a, b, row, col):  # dQK, dKK in place of P, MKK; E = dP∘P + dA∘A by rows and columns
+        return (
+            f"{{ let t = {row}; let s = {col}; let m = c_decay(t, s); "
+            f"let p = cg_sm[CG_P + t * {C1}u + s]; let mkk = cg_sm[CG_A + t * {C1}u + s]; "
+            f"let da = select(0.0, -da_{a}_{b}, s < t); let ee = dp_{a}_{b} * p + da * c_bet[t] * mkk; "
+            f"er{a} += ee; ec{b} += ee; eb{a} += da * mkk; "
+            f"if {e.active()} {{ cg_sm[CG_P + t * {C1}u + s] = dp_{a}_{b} * m; "
+            f"cg_sm[CG_A + t * {C1}u + s] = da * c_bet[t] * m; }} }}"
+        )
+
+    lines = [f"var er{a} = 0.0;\n    var eb{a} = 0.0;" for a in range(e.tm)]
+    lines += [f"var ec{b} = 0.0;" for b in range(e.tn)] + each(e, elem)
+    # dγ = row sums - column sums of E (the columns first), dbeta = row sums of dA ∘ MKK
+    lines += [
+        f"if {e.active()} {{ cg_sm[CG_RED + {e.col(b)} * {e.wy}u + ty_e] = ec{b}; }}" for b in range(e.tn)
+    ]
+    lines += [
+        "workgroupBarrier();",
+        "if (lid < CC) {",
+        "    var acc = 0.0;",
+        f"    for (var y = 0u; y < {e.wy}u; y++) {{ acc += cg_sm[CG_RED + lid * {e.wy}u + y]; }}",
+        "    cg_dgam[lid] = -acc;",
+        "}",
+        "workgroupBarrier();",
+    ]
+    lines += _row_sums(e, [f"er{a}" for a in range(e.tm)], "cg_dgam", "+=")
+    lines += ["if (lid < CC) { cg_dbet[lid] = 0.0; }"]
+    lines += _row_sums(e, [f"eb{a}" for a in range(e.tm)], "cg_dbet", "+=")
+    out["CG_E_ELEM"] = ind(lines, 4)
+    out["CG_Q_DECL"] = ind(tl.decl(q, "dq") + tl.decl(q, "dk"), 4)
+
+    def sq(mat: str, t_: str, s_: str) -> str:  # element (t_, s_) of a C x C matrix in workgroup memory
+        return f"cg_sm[{mat} + {t_} * {C1}u + {s_}]"
+
+    out["CG_Q_FMA"] = _steps(
+        plan,
+        q,
+        [("dq", "qk", "k"), ("dk", "qkt", "q"), ("dk", "kk", "k")],
+        {
+            "qk": lambda row, r: sq("CG_P", row, f"(u0 + {r})"),
+            "qkt": lambda row, r: sq("CG_P", f"(u0 + {r})", row),
+            "kk": lambda row, r: f"({sq('CG_A', row, f'(u0 + {r})')} + {sq('CG_A', f'(u0 + {r})', row)})",
+        },
+        {"k": _staged("cg_sm", "CG_STG", cdk), "q": _staged("cg_sm", f"CG_STG + {R * cdk}u", cdk)},
+    )
+    out["CG_Q_STORE"] = ind(
+        each(
+            q,
+            lambda a, b, row, col: (
+                f"if ({q.active()} && cg_ok(t0 + {row}, {col})) {{ cg_dqk[cg_dqk_at(0u, b, t0 + {row}, h, {col})] = dq_{a}_{b}; "
+                f"cg_dqk[cg_dqk_at(1u, b, t0 + {row}, h, {col})] = dk_{a}_{b}; }}"
+            ),
+        ),
+        4,
+    )
+    out["CG_Z_DECL"] = ind(tl.decl(q, "z") + tl.decl(q, "y"), 4)
+    zs = _staged("cg_sm", "CG_ZB", cdk + 1)
+    out["CG_Z_FMA"] = _steps(
+        plan,
+        q,
+        [("z", "r", "s"), ("y", "o", "s")],
+        {"r": _staged("cg_sm", "CG_ZA", C2), "o": _staged("cg_sm", f"CG_ZA + {C}u", C2)},
+        {"s": zs},
+    )
+
+    def zel(a, b, row, col):  # dq += Γ Y, dk -= beta Γ Z; the row terms of dγ and dbeta
+        return (
+            f"if ({q.active()} && cg_ok(t0 + {row}, {col})) {{ let gm = exp(c_gam[{row}]); let be = c_bet[{row}]; "
+            f"let qv = cg_ld(0u, b, t0 + {row}, hk, {col}); let kv = cg_ld(1u, b, t0 + {row}, hk, {col}); "
+            f"let a0 = cg_dqk_at(0u, b, t0 + {row}, h, {col}); let a1 = cg_dqk_at(1u, b, t0 + {row}, h, {col}); "
+            f"cg_dqk[a0] = cg_dqk[a0] + gm * y_{a}_{b}; cg_dqk[a1] = cg_dqk[a1] - be * gm * z_{a}_{b}; "
+            f"zr{a} += gm * (qv * y_{a}_{b} - be * kv * z_{a}_{b}); zb{a} -= gm * kv * z_{a}_{b}; }}"
+        )
+
+    lines = [f"var zr{a} = 0.0;\n    var zb{a} = 0.0;" for a in range(q.tm)] + each(q, zel)
+    lines += _row_sums(q, [f"zr{a}" for a in range(q.tm)], "cg_dgam", "+=")
+    lines += _row_sums(q, [f"zb{a}" for a in range(q.tm)], "cg_dbet", "+=")
+    out["CG_Z_ELEM"] = ind(lines, 4)
+    out["CG_K_DECL"] = ind(tl.decl(q, "kt"), 4)
+    out["CG_K_FMA"] = _steps(plan, q, [("kt", "d", "s")], {"d": _staged("cg_sm", "CG_ZA", C1)}, {"s": zs})
+
+    def kel(a, b, row, col):  # dk += exp(γ_L − γ) dK̃; the row terms K̃·dK̃
+        return (
+            f"if ({q.active()} && cg_ok(t0 + {row}, {col})) {{ let tail = exp(c_gam[CC - 1u] - c_gam[{row}]); "
+            f"let kv = cg_ld(1u, b, t0 + {row}, hk, {col}); let a1 = cg_dqk_at(1u, b, t0 + {row}, h, {col}); "
+            f"cg_dqk[a1] = cg_dqk[a1] + tail * kt_{a}_{b}; kr{a} += tail * kv * kt_{a}_{b}; }}"
+        )
+
+    lines = [f"var kr{a} = 0.0;" for a in range(q.tm)] + each(q, kel)
+    lines += [
+        f"if {q.active()} {{ cg_sm[CG_RED + {q.row(a)} * {q.wx}u + tx_q] = kr{a}; }}" for a in range(q.tm)
+    ]
+    lines += [
+        "workgroupBarrier();",
+        "if (lid < CC) {",
+        "    var acc = 0.0;",
+        f"    for (var x = 0u; x < {q.wx}u; x++) {{ acc += cg_sm[CG_RED + lid * {q.wx}u + x]; }}",
+        "    cg_dgam[lid] -= acc;",
+        "}",
+        "if (lid == 0u) {",
+        "    var tot = 0.0;",
+        f"    for (var y = 0u; y < {C * q.wx}u; y++) {{ tot += cg_sm[CG_RED + y]; }}",
+        "    cg_last = tot;",
+        "}",
+    ]
+    out["CG_K_ELEM"] = ind(lines, 4)
+    return out
+
+
+def chunk_sizes(
+    rows: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int, N: int | None = None
+) -> dict[str, int]:
+    """Floats of the chunked kernels' scratch `scr` = [tp | dr | ds | dg] for calls of `rows` batch rows
+    (each part 256-byte aligned): tp the prep's three C x C matrices per (row, value head, chunk), dr = dR
+    (rows*T, Hv, Dv), ds the state gradient at each chunk's end, dg = [dg, dbeta] for all N = B*T tokens
+    ((N, Hv, 2); default rows*T). "forward": what the forward alone needs (tp); "floats": the whole."""
+    nck, rt = n_chunks(T, chunk), int(rows) * int(T)
+    N = rt if N is None else int(N)
+    tp = align_floats(int(rows) * int(Hv) * nck * 3 * chunk * chunk)
+    dr = align_floats(rt * int(Hv) * int(Dv))
+    ds = align_floats(int(rows) * int(Hv) * nck * int(Dk) * int(Dv))
+    return {"tp": tp, "forward": tp, "dr_off": tp, "ds_off": tp + dr, "dg_off": tp + dr + ds,
             "floats": tp + dr + ds + align_floats(2 * N * int(Hv))}  # fmt: skip
+
+
+def chunk_rows(gpu: Gpu, B: int, T: int, Hv: int, Dk: int, Dv: int, chunk: int, backward: bool) -> int:
+    """Batch rows per call of the chunked kernels: all B, unless `scr` (the backward's with `backward`, else
+    the forward's) or one layer's checkpoints would exceed a storage binding; then the most that fit, such
+    that the views of the checkpoints and of a start state at row offsets stay aligned."""
+    nck = n_chunks(T, chunk)
+    state_row = 4 * int(Hv) * (nck + 1) * int(Dk) * int(Dv)  # bytes of one batch row's checkpoints
+
+    def fits(g: int) -> bool:
+        sz = chunk_sizes(g, T, Hv, Dk, Dv, chunk, int(B) * int(T))
+        return (
+            4 * sz["floats" if backward else "forward"] <= gpu.max_binding
+            and g * state_row <= gpu.max_binding
+        )
+
+    def aligned(g: int) -> bool:
+        return g == B or (g * state_row % gpu.align == 0 and 4 * g * Hv * Dk * Dv % gpu.align == 0)
+
+    for g in range(int(B), 0, -1):
+        if fits(g) and aligned(g):
+            return g
+    raise GpuError(f"gated delta rule: one batch row of {T} tokens x {Hv} heads of {Dk} x {Dv} needs more than a "
+                   f"storage binding ({gpu.max_binding} bytes)")  # fmt: skip
+
+
+def chunk_scratch_floats(gpu: Gpu, B: int, T: int, Hv: int, Dk: int, Dv: int, backward: bool,
+                         plan: ChunkPlan | None = None) -> int:  # fmt: skip
+    """Floats of the `scr` buffer the chunked launchers need (the forward's alone without `backward`)."""
+    plan = chunk_plan(gpu, Dk, Dv, plan)
+    g = chunk_rows(gpu, B, T, Hv, Dk, Dv, plan.chunk, backward)
+    return chunk_sizes(g, T, Hv, Dk, Dv, plan.chunk, int(B) * int(T))["floats" if backward else "forward"]
+
+
+def _row_views(res, per_row: int, groups: list[tuple[int, int]]) -> list:
+    """Views of `res` at each group's first row (per_row floats per batch row)."""
+    return [sub(res, b0 * per_row, g * per_row) for b0, g in groups]
+
+
+def _groups(B: int, g: int) -> list[tuple[int, int]]:
+    return [(b0, min(g, B - b0)) for b0 in range(0, B, g)]
 
 
 def chunk_forward(
@@ -613,16 +813,17 @@ def chunk_forward(
     """The chunked forward (`chunk_prep` then `chunk_forward`): o (B*T, Hv, Dv) from `qkgb` and v as
     `gated_delta_forward`'s, starting from `state_in` (B, Hv, Dk, Dv) or zeros. With `save_ckpt`, delta = Δ
     (B*T, Hv, Dv) and `states` (`states_floats` with tc = plan.chunk) the state before each chunk, what
-    `chunk_backward` reads; with `save_final`, the final state in slot nck. `scr`: at least the tp part of
-    `chunk_sizes` (scratch; the backward's serves)."""
+    `chunk_backward` reads; with `save_final`, the final state in slot nck. `scr`: scratch of
+    `chunk_scratch_floats` (backward=save_ckpt; the backward's serves)."""
     B, T, Hk, Hv, Dk, Dv = (int(x) for x in (B, T, Hk, Hv, Dk, Dv))
     plan = chunk_plan(gpu, Dk, Dv, plan)
     C = plan.chunk
     _check_sizes("chunk_forward", B, T, Hk, Hv, C)
     N, nck = B * T, n_chunks(T, C)
     v_stride = Hv * Dv if v_stride is None else int(v_stride)
-    sz = chunk_sizes(B, T, Hv, Dk, Dv, C)
-    _need("chunk_forward", o=(o, N * Hv * Dv), qkgb=(qkgb, qkgb_floats(N, Hk, Hv, Dk)), scr=(scr, sz["tp"]),
+    g = chunk_rows(gpu, B, T, Hv, Dk, Dv, C, save_ckpt)
+    tpf = chunk_sizes(g, T, Hv, Dk, Dv, C)["tp"]
+    _need("chunk_forward", o=(o, N * Hv * Dv), qkgb=(qkgb, qkgb_floats(N, Hk, Hv, Dk)), scr=(scr, tpf),
           v=(v, v_off + (N - 1) * v_stride + Hv * Dv))  # fmt: skip
     if save_ckpt:
         _need("chunk_forward", delta=(delta, N * Hv * Dv))
@@ -630,17 +831,23 @@ def chunk_forward(
         _need("chunk_forward", states=(states, states_floats(B, Hv, Dk, Dv, T, C)))
     if state_in is not None:
         _need("chunk_forward", state_in=(state_in, B * Hv * Dk * Dv))
-    p = _uniform(gpu, "chunk_forward", B, T, Hk, Hv, Dk, Dv, C, v_off, v_stride, has_init=int(state_in is not None),
-                 save_ckpt=int(save_ckpt), save_final=int(save_final))  # fmt: skip
     kp = _kernel(gpu, "chunk_prep", "rwu", Dk, Dv, plan)
     kf = _kernel(gpu, "chunk_forward", "rrrrwwwu", Dk, Dv, plan)
-    tp = sub(scr, 0, sz["tp"])
-    init = state_in if state_in is not None else v  # any buffer: not read without has_init
+    tp = sub(scr, 0, tpf)
     delta = delta if save_ckpt else _unused(gpu)
-    states = states if (save_ckpt or save_final) else _unused(gpu)
     nvb = plan.dims(Dk, Dv)[1] // plan.bv
-    return Call([(kp, gpu.bind(kp, qkgb, tp, p), B * Hv * nck),
-                 (kf, gpu.bind(kf, qkgb, v, init, tp, o, delta, states, p), B * Hv * nvb)], [p])  # fmt: skip
+    groups = _groups(B, g)
+    sts = _row_views(states, Hv * (nck + 1) * Dk * Dv, groups) if (save_ckpt or save_final) else None
+    ins = _row_views(state_in, Hv * Dk * Dv, groups) if state_in is not None else None
+    call = Call()
+    for i, (b0, rows) in enumerate(groups):
+        p = _uniform(gpu, "chunk_forward", rows, T, Hk, Hv, Dk, Dv, C, v_off, v_stride, b0=b0, save_ckpt=int(save_ckpt),
+                     has_init=int(state_in is not None), save_final=int(save_final), k_off_rows=N)  # fmt: skip
+        init = ins[i] if ins else v  # any buffer: not read without has_init
+        st = sts[i] if sts else _unused(gpu)
+        call += Call([(kp, gpu.bind(kp, qkgb, tp, p), rows * Hv * nck),
+                      (kf, gpu.bind(kf, qkgb, v, init, tp, o, delta, st, p), rows * Hv * nvb)], [p])  # fmt: skip
+    return call
 
 
 def _unused(gpu: Gpu):
@@ -657,24 +864,39 @@ def chunk_backward(
     """The chunked backward (`chunk_prep` again, `chunk_backward_state`, `chunk_backward_grads`) from do
     (B*T, Hv, Dv) and the forward's `states` and `delta` (saved with save_ckpt, same plan): dqk as
     `gated_delta_backward`'s (per value head), dv written like v (`v_off`, `v_stride`), and scr's dg part
-    (`chunk_sizes`) = [dg, dbeta] per (row, value head): `gdn_inputs.gates_backward` with Dv = 1."""
+    (`chunk_dg_view`) = [dg, dbeta] per (row, value head): `gdn_inputs.gates_backward` with Dv = 1."""
     B, T, Hk, Hv, Dk, Dv = (int(x) for x in (B, T, Hk, Hv, Dk, Dv))
     plan = chunk_plan(gpu, Dk, Dv, plan)
     C = plan.chunk
     _check_sizes("chunk_backward", B, T, Hk, Hv, C)
     N, nck = B * T, n_chunks(T, C)
     v_stride = Hv * Dv if v_stride is None else int(v_stride)
-    sz = chunk_sizes(B, T, Hv, Dk, Dv, C)
+    g = chunk_rows(gpu, B, T, Hv, Dk, Dv, C, True)
+    sz = chunk_sizes(g, T, Hv, Dk, Dv, C, N)
     _need("chunk_backward", dqk=(dqk, qk_floats(N, Hv, Dk)), dv=(dv, v_off + (N - 1) * v_stride + Hv * Dv),
           scr=(scr, sz["floats"]), states=(states, states_floats(B, Hv, Dk, Dv, T, C)),
           delta=(delta, N * Hv * Dv), qkgb=(qkgb, qkgb_floats(N, Hk, Hv, Dk)), do=(do, N * Hv * Dv),
           v=(v, v_off + (N - 1) * v_stride + Hv * Dv))  # fmt: skip
-    p = _uniform(gpu, "chunk_backward", B, T, Hk, Hv, Dk, Dv, C, v_off, v_stride, dk_off=align_floats(N * Hv * Dk),
-                 dr_off=sz["dr_off"], ds_off=sz["ds_off"], dg_off=sz["dg_off"])  # fmt: skip
     kp = _kernel(gpu, "chunk_prep", "rwu", Dk, Dv, plan)
     ks = _kernel(gpu, "chunk_backward_state", "rrwu", Dk, Dv, plan)
     kg = _kernel(gpu, "chunk_backward_grads", "rrrrrwwwu", Dk, Dv, plan)
     nvb = plan.dims(Dk, Dv)[1] // plan.bv
-    return Call([(kp, gpu.bind(kp, qkgb, sub(scr, 0, sz["tp"]), p), B * Hv * nck),
-                 (ks, gpu.bind(ks, qkgb, do, scr, p), B * Hv * nvb),
-                 (kg, gpu.bind(kg, qkgb, v, do, delta, states, scr, dqk, dv, p), B * Hv * nck)], [p])  # fmt: skip
+    groups = _groups(B, g)
+    sts = _row_views(states, Hv * (nck + 1) * Dk * Dv, groups)
+    scr = sub(scr, 0, sz["floats"])
+    call = Call()
+    for i, (b0, rows) in enumerate(groups):
+        p = _uniform(gpu, "chunk_backward", rows, T, Hk, Hv, Dk, Dv, C, v_off, v_stride, b0=b0, k_off_rows=N,
+                     dk_off=align_floats(N * Hv * Dk), dr_off=sz["dr_off"], ds_off=sz["ds_off"], dg_off=sz["dg_off"])  # fmt: skip
+        call += Call([(kp, gpu.bind(kp, qkgb, sub(scr, 0, sz["tp"]), p), rows * Hv * nck),
+                      (ks, gpu.bind(ks, qkgb, do, scr, p), rows * Hv * nvb),
+                      (kg, gpu.bind(kg, qkgb, v, do, delta, sts[i], scr, dqk, dv, p), rows * Hv * nck)], [p])  # fmt: skip
+    return call
+
+
+def chunk_dg_view(gpu: Gpu, scr, B: int, T: int, Hv: int, Dk: int, Dv: int, plan: ChunkPlan | None = None):
+    """The view of `scr` holding [dg, dbeta] (B*T, Hv, 2) after `chunk_backward`."""
+    plan = chunk_plan(gpu, Dk, Dv, plan)
+    g = chunk_rows(gpu, B, T, Hv, Dk, Dv, plan.chunk, True)
+    sz = chunk_sizes(g, T, Hv, Dk, Dv, plan.chunk, int(B) * int(T))
+    return sub(scr, sz["dg_off"], 2 * int(B) * int(T) * int(Hv))
