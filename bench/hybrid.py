@@ -340,59 +340,178 @@ def bench_forward27b(gpu, args) -> dict:
 # kernel
 
 
-def bench_kernel(gpu, args) -> dict:
+KERNEL_SHAPES = {  # B, T, Hk, Hv, Dk, Dv
+    "27b": (16, 1024, 16, 48, 128, 128),  # the Qwen3.8-27B layer
+    "small": (8, 1024, 6, 6, 128, 128),  # the `small` hybrid's
+    "27b-short": (16, 64, 16, 48, 128, 128),  # one chunk per row: where the per-token form might still win
+}
+QUICK_SHAPES = {"quick": (2, 40, 1, 2, 16, 16)}
+
+
+def chunk_flops(shape, C: int) -> dict[str, float]:
+    """FLOPs the chunked kernels execute (full C x C squares, as they compute them) per pass: per (batch row,
+    value head, chunk) the prep 4C²Dk; the forward 6CDkDv + 4C²Dv; the backward the prep again, the state
+    pass 6CDkDv + 4C²Dv and the gradients 6CDkDv + 4C²Dv + 6C²Dk."""
+    B, T, Hk, Hv, Dk, Dv = shape
+    n = B * Hv * -(-T // C)
+    prep = 4 * C * C * Dk
+    fwd = prep + 6 * C * Dk * Dv + 4 * C * C * Dv
+    bwd = prep + 12 * C * Dk * Dv + 8 * C * C * Dv + 6 * C * C * Dk
+    return {"forward": n * fwd, "backward": n * bwd, "recurrence": 6 * B * T * Hv * Dk * Dv}
+
+
+def _kernel_inputs(gpu, shape, rng):
+    """Buffers of one shape: qkgb (q, k normalised, gates), v, do, and every output of both forms."""
     from ddl_wgpu.ops import gated_delta as kg
 
-    shapes = {"27b": (16, 1024, 16, 48, 128, 128), "small": (8, 1024, 6, 6, 128, 128)}
-    if args.quick:
-        shapes = {"quick": (1, 16, 1, 2, 16, 16)}
+    B, T, Hk, Hv, Dk, Dv = shape
+    N = B * T
+    k_off, gb_off = kg.qkgb_offsets(N, Hk, Dk)
+    qkgb = np.zeros(kg.qkgb_floats(N, Hk, Hv, Dk), np.float32)
+    q = rng.standard_normal((N, Hk, Dk)).astype(np.float32)
+    k = rng.standard_normal((N, Hk, Dk)).astype(np.float32)
+    qkgb[: q.size] = (q / np.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(Dk)).reshape(-1)
+    qkgb[k_off : k_off + k.size] = (k / np.linalg.norm(k, axis=-1, keepdims=True)).reshape(-1)
+    gb = np.stack([-rng.uniform(0.01, 2, (N, Hv)), rng.uniform(0.05, 0.95, (N, Hv))], -1)
+    qkgb[gb_off:] = gb.astype(np.float32).reshape(-1)
+    g = gpu
+    return dict(qkgb=g.upload(qkgb), v=g.upload(rng.standard_normal(N * Hv * Dv).astype(np.float32)),
+                do=g.upload(rng.standard_normal(N * Hv * Dv).astype(np.float32)), o=g.buffer(4 * N * Hv * Dv),
+                delta=g.buffer(4 * N * Hv * Dv), dqk=g.buffer(4 * kg.qk_floats(N, Hv, Dk)),
+                dv=g.buffer(4 * N * Hv * Dv))  # fmt: skip
+
+
+def time_chunked(
+    gpu, shape, bufs, plan, target_ms: float = 40.0, repeats: int = 3, profile: bool = False
+) -> dict:
+    """GPU ms of the chunked forward (an inference net's: nothing saved; and a training net's: Δ and the
+    checkpoints saved) and of the backward, under `plan`; with `profile`, GPU ms per kernel."""
+    from ddl_wgpu.ops import gated_delta as kg
+
+    B, T, Hk, Hv, Dk, Dv = shape
+    st = gpu.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, plan.chunk))
+    scr = gpu.buffer(4 * kg.chunk_scratch_floats(gpu, B, T, Hv, Dk, Dv, True, plan))
+    b = bufs
+    infer = kg.chunk_forward(
+        gpu, b["o"], None, None, scr, b["qkgb"], b["v"], *shape, plan=plan, save_ckpt=False
+    )
+    train = kg.chunk_forward(gpu, b["o"], b["delta"], st, scr, b["qkgb"], b["v"], *shape, plan=plan)
+    bwd = kg.chunk_backward(
+        gpu, b["dqk"], b["dv"], scr, st, b["delta"], b["qkgb"], b["v"], b["do"], *shape, plan=plan
+    )
+    train.run(gpu)
+    row = {"plan": plan.__dict__, "shared_bytes": plan.shared_bytes(Dk, Dv),
+           "rows_per_call": kg.chunk_rows(gpu, B, T, Hv, Dk, Dv, plan.chunk, True)}  # fmt: skip
+    for name, call in (("forward", infer), ("forward_train", train), ("backward", bwd)):
+        row[name + "_ms"] = common.gpu_time_ms(gpu, [call], target_ms=target_ms, repeats=repeats)["ms"]
+    if profile and "timestamp-query" in gpu.features:
+        from profiler import ProfileRecorder
+
+        rec = ProfileRecorder(gpu)
+        for phase, call in (("forward", infer), ("backward", bwd)):
+            rec.phase = phase
+            call.record(rec)
+        rec.submit()
+        row["profile_ms"] = {k.replace("gated_delta.wgsl:", ""): v for k, v in rec.profile().items()}
+    del st, scr
+    return row
+
+
+def bench_kernel(gpu, args) -> dict:
+    """The chunked rule (the engine's) at each shape under the adapter's default plan, against its FLOP and
+    byte bounds, beside the per-token forward (the decoder's kernel); `--sweep`: every plan of `sweep_plans`
+    at one shape."""
+    from ddl_wgpu.ops import gated_delta as kg
+
+    shapes = QUICK_SHAPES if args.quick else KERNEL_SHAPES
     out = {}
     rng = np.random.default_rng(0)
-    for name, (B, T, Hk, Hv, Dk, Dv) in shapes.items():
-        N, tc = B * T, kg.chunk_tokens(gpu, B, Hv, Dk, Dv, T)
-        k_off, gb_off = kg.qkgb_offsets(N, Hk, Dk)
-        qkgb = np.zeros(kg.qkgb_floats(N, Hk, Hv, Dk), np.float32)
-        q = rng.standard_normal((N, Hk, Dk)).astype(np.float32)
-        k = rng.standard_normal((N, Hk, Dk)).astype(np.float32)
-        qkgb[: q.size] = (q / np.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(Dk)).reshape(-1)
-        qkgb[k_off : k_off + k.size] = (k / np.linalg.norm(k, axis=-1, keepdims=True)).reshape(-1)
-        gb = np.stack([-rng.uniform(0.01, 2, (N, Hv)), rng.uniform(0.05, 0.95, (N, Hv))], -1)
-        qkgb[gb_off:] = gb.astype(np.float32).reshape(-1)
-        g = gpu
-        bufs = dict(qkgb=g.upload(qkgb), v=g.upload(rng.standard_normal(N * Hv * Dv).astype(np.float32)),
-                    o=g.buffer(4 * N * Hv * Dv), r=g.buffer(4 * N * Hv * Dv),
-                    states=g.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, tc)),
-                    scratch=g.buffer(4 * kg.scratch_floats(B, Hv, Dk, Dv, tc)),
-                    do=g.upload(rng.standard_normal(N * Hv * Dv).astype(np.float32)),
-                    dqk=g.buffer(4 * kg.qk_floats(N, Hv, Dk)), dv=g.buffer(4 * N * Hv * Dv),
-                    dgb=g.buffer(8 * N * Hv * Dv))  # fmt: skip
-        fwd = kg.gated_delta_forward(g, bufs["o"], bufs["r"], bufs["states"], bufs["qkgb"], bufs["v"], B, T, Hk, Hv,
-                                     Dk, Dv, tc=tc)  # fmt: skip
-        bwd = kg.gated_delta_backward(g, bufs["dqk"], bufs["dv"], bufs["dgb"], bufs["scratch"], bufs["states"],
-                                      bufs["qkgb"], bufs["r"], bufs["do"], B, T, Hk, Hv, Dk, Dv, tc=tc)  # fmt: skip
-        fwd.run(g)
-        tf = common.gpu_time_ms(g, [fwd], repeats=3)["ms"]
-        tb = common.gpu_time_ms(g, [bwd], repeats=3)["ms"]
-        el = N * Hv * Dk * Dv  # state elements x tokens
-        nck = kg.n_chunks(T, tc)
-        f_bytes = 4 * (qkgb.size + 3 * N * Hv * Dv + B * Hv * nck * Dk * Dv)
-        b_bytes = 4 * (qkgb.size + 2 * N * Hv * Dv + B * Hv * nck * Dk * Dv + 2 * el + kg.qk_floats(N, Hv, Dk)
-                       + 3 * N * Hv * Dv)  # fmt: skip
-        row = {"shape": [B, T, Hk, Hv, Dk, Dv], "tc": tc, "tile": kg.tile(gpu, Dk, Dv),
-               "forward_ms": tf, "backward_ms": tb}  # fmt: skip
-        for part, ms, flop, nbytes in (("forward", tf, 6 * el, f_bytes), ("backward", tb, 18 * el, b_bytes)):
+    for name, shape in shapes.items():
+        B, T, Hk, Hv, Dk, Dv = shape
+        N = B * T
+        bufs = _kernel_inputs(gpu, shape, rng)
+        plan = kg.chunk_plan(gpu, Dk, Dv)
+        row = {"shape": list(shape), **time_chunked(gpu, shape, bufs, plan, profile=True)}
+        # the per-token forward as the decoder runs it over a whole pass (nothing saved but the final state)
+        fin = gpu.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, T))
+        tok = kg.gated_delta_forward(gpu, bufs["o"], bufs["delta"], fin, bufs["qkgb"], bufs["v"], *shape, tc=T,
+                                     save_ckpt=False, save_final=True)  # fmt: skip
+        row["per_token_forward_ms"] = common.gpu_time_ms(gpu, [tok], repeats=3)["ms"]
+        fl = chunk_flops(shape, plan.chunk)
+        nbytes = 4 * (2 * N * Hv * Dk + 2 * N * Hv * Dv)  # q, k read per value head, v read, o written
+        ckpt = 4 * B * Hv * (-(-T // plan.chunk) + 1) * Dk * Dv
+        for part, ms, flop, nb in (("forward", row["forward_ms"], fl["forward"], nbytes),
+                                   ("backward", row["backward_ms"], fl["backward"], 2 * nbytes + 2 * ckpt)):  # fmt: skip
             flop_ms = flop / (common.H200_FP32_TFLOPS * 1e9)
-            byte_ms = nbytes / (common.H200_HBM_GBS * 1e6)
-            bound = max(flop_ms, byte_ms)
-            row[part] = {"tflops": flop / ms / 1e9, "gbs": nbytes / ms / 1e6, "flop_bound_ms": flop_ms,
+            byte_ms = nb / (common.H200_HBM_GBS * 1e6)
+            row[part] = {"tflops": flop / ms / 1e9, "gbs": nb / ms / 1e6, "flop_bound_ms": flop_ms,
                          "byte_bound_ms": byte_ms, "binds": "flops" if flop_ms >= byte_ms else "bytes",
-                         "x_of_bound": ms / bound}  # fmt: skip
+                         "x_of_bound": ms / max(flop_ms, byte_ms),
+                         "recurrence_flop_bound_ms": fl["recurrence"] * (3 if part == "backward" else 1)
+                         / (common.H200_FP32_TFLOPS * 1e9)}  # fmt: skip
         out[name] = row
-        print(f"  kernel {name}: forward {tf:.2f} ms ({row['forward']['x_of_bound']:.2f}x its "
-              f"{row['forward']['binds']} bound), backward {tb:.2f} ms ({row['backward']['x_of_bound']:.2f}x its "
-              f"{row['backward']['binds']} bound)", flush=True)  # fmt: skip
-        del bufs
+        print(f"  kernel {name} {plan}: forward {row['forward_ms']:.2f} ms (training {row['forward_train_ms']:.2f}), "
+              f"backward {row['backward_ms']:.2f} ms; per-token forward {row['per_token_forward_ms']:.2f} ms",
+              flush=True)  # fmt: skip
+        del bufs, fin
+    if args.sweep:
+        out["sweep"] = sweep(gpu, args)
     return out
+
+
+def sweep_plans(gpu, Dk: int, Dv: int) -> list:
+    """The plans `--sweep` times (those that fit the adapter): chunk 32 and 64, value columns per sequential
+    workgroup 16 to 64, 128 to 512 threads, staging steps of 4 to 16 rows; unrolled, and two looped."""
+    from ddl_wgpu.gpu import GpuError
+    from ddl_wgpu.ops.gated_delta import ChunkPlan
+
+    plans = [ChunkPlan(c, bv, n, br) for c in (64, 32) for bv in (32, 16, 64) for n in (256, 128, 512)
+             for br in (8, 4, 16)]  # fmt: skip
+    plans += [ChunkPlan(64, 32, 256, 8, unroll=False), ChunkPlan(32, 16, 128, 8, unroll=False)]
+    ok = []
+    for p in plans:
+        try:
+            p.check(gpu, Dk, Dv)
+            ok.append(p)
+        except GpuError:
+            pass
+    return ok
+
+
+def sweep(gpu, args) -> dict:
+    """Time every plan (`--plans`, else `sweep_plans`) at one shape (`--sweep-shape`); a table by forward
+    + backward time, and the winner as a DDL_WGPU_GDN_PLAN value."""
+    from ddl_wgpu.ops import gated_delta as kg
+
+    name = "quick" if args.quick else args.sweep_shape
+    shape = {**KERNEL_SHAPES, **QUICK_SHAPES}[name]
+    Dk, Dv = shape[4], shape[5]
+    plans = [kg.parse_plan(x) for x in args.plans.split(";")] if args.plans else sweep_plans(gpu, Dk, Dv)
+    bufs = _kernel_inputs(gpu, shape, np.random.default_rng(0))
+    rows = []
+    print(f"sweep: {len(plans)} plans at {name} {shape}", flush=True)
+    for i, plan in enumerate(plans):
+        t0 = time.perf_counter()
+        r = common.attempt(time_chunked, gpu, shape, bufs, plan, 10.0, 2)
+        r.setdefault("plan", plan.__dict__)
+        r["wall_s"] = time.perf_counter() - t0
+        rows.append(r)
+        print(f"  [{i + 1}/{len(plans)}] {_plan_text(plan)}: " + (
+            f"forward {r['forward_ms']:.2f} ms, backward {r['backward_ms']:.2f} ms" if "error" not in r
+            else f"ERROR {r['error'][:200]}") + f" ({r['wall_s']:.1f} s)", flush=True)  # fmt: skip
+    good = sorted((r for r in rows if "error" not in r), key=lambda r: r["forward_ms"] + r["backward_ms"])
+    table = [[_plan_text(kg.ChunkPlan(**r["plan"])), f"{r['forward_ms']:.2f}", f"{r['forward_train_ms']:.2f}",
+              f"{r['backward_ms']:.2f}", f"{r['forward_ms'] + r['backward_ms']:.2f}"] for r in good]  # fmt: skip
+    print(common.table(["plan (DDL_WGPU_GDN_PLAN)", "forward ms", "training forward ms", "backward ms", "fwd + bwd"],
+                       table, f"gated delta rule plans at {name} {tuple(shape)}"))  # fmt: skip
+    best = _plan_text(kg.ChunkPlan(**good[0]["plan"])) if good else None
+    if best:
+        print(f"fastest: DDL_WGPU_GDN_PLAN={best}")
+    return {"shape": list(shape), "name": name, "rows": rows, "best": best}
+
+
+def _plan_text(plan) -> str:
+    return f"chunk={plan.chunk},bv={plan.bv},threads={plan.threads},br={plan.br},unroll={int(plan.unroll)}"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -422,6 +541,12 @@ def main(argv=None) -> int:
     ap.add_argument("--bypass-fla-hopper-guard", action="store_true",
                     help="time fla's kernels even where fla refuses its gated backward (Hopper with Triton 3.4 to "
                     "3.7.0: fla #640, wrong gradients); its throughput only, its losses are not compared")  # fmt: skip
+    ap.add_argument("--sweep", action="store_true", help="kernel: also time every chunk plan at one shape")
+    ap.add_argument(
+        "--sweep-shape", default="27b", choices=list(KERNEL_SHAPES), help="kernel --sweep: the shape"
+    )
+    ap.add_argument("--plans", default=None,
+                    help='kernel --sweep: the plans to time, "chunk=64,bv=32,threads=256,br=8;chunk=32,..."')  # fmt: skip
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -487,12 +612,24 @@ def _summary(data: dict) -> list[str]:
     if kr and "error" not in kr:
         rows = []
         for name, row in kr.items():
+            if name == "sweep" or "error" in row:
+                continue
             for part in ("forward", "backward"):
                 x = row[part]
                 rows.append([name, part, f"{row[part + '_ms']:.2f}", f"{x['tflops']:.1f}", f"{x['gbs']:.0f}",
-                             x["binds"], f"{x['x_of_bound']:.2f}"])  # fmt: skip
-        print(common.table(["shape", "pass", "ms", "TFLOP/s", "GB/s", "bound", "x bound"], rows,
-                           "gated delta rule"))  # fmt: skip
+                             x["binds"], f"{x['x_of_bound']:.2f}",
+                             f"{row['per_token_forward_ms']:.2f}" if part == "forward" else "-"])  # fmt: skip
+        print(common.table(["shape", "pass", "ms", "TFLOP/s", "GB/s", "bound", "x bound", "per-token fwd ms"], rows,
+                           "gated delta rule, chunked (the engine's), beside the decoder's per-token forward"))  # fmt: skip
+        for name, row in kr.items():
+            if name != "sweep" and "profile_ms" in row:
+                print(
+                    f"  {name} per kernel (GPU ms): "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in row["profile_ms"].items())
+                )
+        sw = kr.get("sweep")
+        if sw and "error" in sw:
+            failed.append(f"kernel sweep: {sw['error'][:120]}")
     elif kr:
         failed.append(f"kernel: {kr['error'][:120]}")
     print(

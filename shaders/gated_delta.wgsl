@@ -239,7 +239,8 @@ fn gated_delta_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
 //
 //   chunk_prep            (qkgb, tp, p)     one workgroup per (b, h, chunk), independent of the state:
 //       tp[chunk] = [Tm, P, MKK] (each CC x CC, row-major): MKK = M ∘ K Kᵀ strictly below the diagonal,
-//       P = M ∘ Q Kᵀ, Tm = (I + diag(beta) MKK)⁻¹ (a column per thread, forward substitution).
+//       P = M ∘ Q Kᵀ, Tm = (I + diag(beta) MKK)⁻¹ (blocks of TB: the diagonal ones by forward substitution,
+//       a column per thread, then a block row at a time by products).
 //   chunk_forward         (qkgb, v, state_in, tp, o, delta, states, p)   one workgroup per (b, h, BV value
 //       columns), the chunks in order, the state's Dk x BV block in registers (a copy in workgroup memory
 //       for the products that read it):
@@ -271,6 +272,7 @@ const NVB: u32 = CDV / BV;
 const CNT: u32 = {{CNT}}u;  // threads per workgroup
 const BR: u32 = {{BR}}u;  // rows of an operand staged into workgroup memory at a time
 const CC2: u32 = CC * CC;
+const TB: u32 = {{TB}}u;  // the prep's blocks of Tm (rows and columns)
 {{CHUNK_CONSTS}}  // workgroup-memory offsets of each chunked kernel's parts (floats)
 
 var<workgroup> c_g: array<f32, CC>;  // the chunk's log decays g
@@ -350,15 +352,42 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     workgroupBarrier();
     {{CP_MATS}}
     workgroupBarrier();
-    // Tm = (I + A)⁻¹, A = diag(beta) MKK: thread j solves (I + A) x = e_j, reading only its own column
+    // Tm = (I + A)⁻¹, A = diag(beta) MKK, by TB x TB blocks: each diagonal block's inverse by forward
+    // substitution (a column per thread, reading only its own column), then block row by block row
+    // Tm_ij = -Tm_ii Σ_{j <= k < i} A_ik Tm_kj (blocks j < i), the sums in a fixed order
     if (lid < CC) {
         let j = lid;
-        for (var t = 0u; t < CC; t++) {
+        let d0 = (j / TB) * TB;
+        for (var t = 0u; t < d0; t++) { cp_sm[CP_T + t * (CC + 1u) + j] = 0.0; }
+        for (var t = d0; t < d0 + TB; t++) {
             var x = select(0.0, 1.0, t == j);
             for (var s = j; s < t; s++) {
                 x -= cp_sm[CP_A + t * (CC + 1u) + s] * cp_sm[CP_T + s * (CC + 1u) + j];
             }
             cp_sm[CP_T + t * (CC + 1u) + j] = x;
+        }
+    }
+    for (var ib = 1u; ib < CC / TB; ib++) {
+        workgroupBarrier();
+        let i0 = ib * TB;
+        for (var e = lid; e < i0 * TB; e += CNT) {  // X = Σ_k A_ik Tm_kj for every block j < i
+            let r = e / i0;
+            let col = e - r * i0;
+            var acc = 0.0;
+            for (var k = col; k < i0; k++) {
+                acc += cp_sm[CP_A + (i0 + r) * (CC + 1u) + k] * cp_sm[CP_T + k * (CC + 1u) + col];
+            }
+            cp_sm[CP_X + e] = acc;
+        }
+        workgroupBarrier();
+        for (var e = lid; e < i0 * TB; e += CNT) {  // Tm_ij = -Tm_ii X
+            let r = e / i0;
+            let col = e - r * i0;
+            var acc = 0.0;
+            for (var k = 0u; k <= r; k++) {
+                acc += cp_sm[CP_T + (i0 + r) * (CC + 1u) + i0 + k] * cp_sm[CP_X + k * i0 + col];
+            }
+            cp_sm[CP_T + (i0 + r) * (CC + 1u) + col] = -acc;
         }
     }
     workgroupBarrier();

@@ -9,8 +9,8 @@ divide T; determinism. Shapes are off the thread grid: Dk 5 / 6 / 20 and Dv 3 / 
 The chunked kernels (training and whole-sequence forwards) against `gated_delta_chunked_forward` (outputs, Δ,
 the checkpoints, the final state, the prep's C x C matrices) and the recurrence's backward (every gradient),
 under several plans: a chunk that does not divide T, several column blocks, a column block wider than Dv,
-the steps looped rather than unrolled, one element per thread or several, batch rows split over calls
-where a binding is small. Every plan fits WebGPU's default limits, so the `DDL_WGPU_LIMITS=webgpu` run
+the steps looped rather than unrolled, one element per thread or several, Tm solved in one block or in two
+and four, batch rows split over calls where a binding is small. Every plan fits WebGPU's default limits, so the `DDL_WGPU_LIMITS=webgpu` run
 repeats them all.
 """
 
@@ -166,9 +166,9 @@ def test_same_bits_every_run(gpu):
 
 CHUNKED = [  # (B, T, Hk, Hv, Dk, Dv), plan
     ((2, 7, 1, 2, 5, 3), kg.ChunkPlan(chunk=4, bv=4, threads=16, br=2)),
-    ((1, 9, 2, 4, 6, 7), kg.ChunkPlan(chunk=4, bv=8, threads=32, br=4)),
-    ((2, 6, 1, 1, 20, 24), kg.ChunkPlan(chunk=8, bv=8, threads=64, br=8, unroll=False)),
-    ((1, 20, 1, 2, 16, 16), kg.ChunkPlan(chunk=16, bv=8, threads=64, br=4)),
+    ((1, 9, 2, 4, 6, 7), kg.ChunkPlan(chunk=4, bv=8, threads=32, br=4, tb=2)),
+    ((2, 6, 1, 1, 20, 24), kg.ChunkPlan(chunk=8, bv=8, threads=64, br=8, unroll=False, tb=2)),
+    ((1, 20, 1, 2, 16, 16), kg.ChunkPlan(chunk=16, bv=8, threads=64, br=4, tb=4)),
 ]
 
 

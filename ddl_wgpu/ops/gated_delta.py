@@ -289,14 +289,16 @@ class ChunkPlan:
     """The tunables of the chunked kernels. `chunk`: tokens per chunk (C); `bv`: value columns of the state
     per workgroup of the two sequential kernels (their grid is batch rows x value heads x Dv/bv); `threads`
     per workgroup; `br`: rows of an operand staged into workgroup memory per step (steps of the products
-    between two barriers); `unroll`: the br steps as straight-line code. All powers of two; a plan fits an
-    adapter when every kernel's workgroup memory and thread count do (`check`)."""
+    between two barriers); `unroll`: the br steps as straight-line code; `tb`: the prep's blocks of Tm (at most
+    chunk; the diagonal blocks are solved a column per thread, tb steps long). All powers of two; a plan fits
+    an adapter when every kernel's workgroup memory and thread count do (`check`)."""
 
     chunk: int = 64
     bv: int = 32
     threads: int = 256
     br: int = 8
     unroll: bool = True
+    tb: int = 16
 
     def dims(self, Dk: int, Dv: int) -> tuple[int, int]:
         """Dk, Dv padded to powers of two (and to at least bv and br)."""
@@ -314,8 +316,10 @@ class ChunkPlan:
         C, R, V = self.chunk, self.br, self.bv
         t = self.tiles(Dk, Dv)
         sq = C * (C + 1)  # a C x C matrix with rows padded to an odd stride
+        tb = min(C, self.tb)
         L = {"CP_STG": 0, "CP_T": 0, "CP_A": max(sq, R * (2 * C + 1))}
-        L["CP_SM"] = L["CP_A"] + sq
+        L["CP_X"] = L["CP_A"] + sq  # the block solve's sums: up to (C - TB) x TB
+        L["CP_SM"] = L["CP_X"] + max(1, (C - tb) * tb)
         L |= {"CF_S": 0, "CF_R": cdk * V, "CF_STG": cdk * V + C * V}
         L["CF_SM"] = L["CF_STG"] + max(R * (2 * C + 1), R * (C + 1), R * cdk)
         L |= {"CB_S": 0, "CB_DO": cdk * V, "CB_DD": cdk * V + C * V, "CB_STG": cdk * V + 2 * C * V}
@@ -336,7 +340,7 @@ class ChunkPlan:
 
     def check(self, gpu: Gpu, Dk: int, Dv: int) -> None:
         """Raise GpuError (one line) when this plan cannot run on the adapter."""
-        for name in ("chunk", "bv", "threads", "br"):
+        for name in ("chunk", "bv", "threads", "br", "tb"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise GpuError(f"gated delta plan {self}: {name} must be a power of two")
@@ -381,7 +385,7 @@ def parse_plan(text: str) -> ChunkPlan:
         key, _, value = item.partition("=")
         if key not in ChunkPlan.__dataclass_fields__ or not value.strip().isdigit():
             raise GpuError(f"gated delta plan {text!r}: expected name=integer with names chunk, bv, threads, br, "
-                           "unroll")  # fmt: skip
+                           "unroll, tb")  # fmt: skip
         plan = replace(plan, **{key: bool(int(value)) if key == "unroll" else int(value)})
     return plan
 
@@ -437,6 +441,7 @@ def _chunk_templates(plan: ChunkPlan, Dk: int, Dv: int) -> dict[str, str]:
     C1, C2 = C + 1, 2 * C + 1
     ind, each = tl.indent, tl.each
     out = {
+        "TB": str(min(C, plan.tb)),
         "CC": str(C),
         "CDK": str(cdk),
         "CDV": str(cdv),
