@@ -1,9 +1,8 @@
 """The gated delta rule (`shaders/gated_delta.wgsl`, `ddl_wgpu/ops/gated_delta.py`), both forms, against
 `ddl_ref.gdn` (float64 reference of the float32 inputs).
 
-The per-token kernels (decoding) against `gated_delta_forward` / `gated_delta_backward`: outputs, the saved
-r = v − u, checkpoints and the final state; every gradient; a start state; a chunk length that does not
-divide T; determinism. Shapes are off the thread grid: Dk 5 / 6 / 20 and Dv 3 / 7 / 24 pad rows and columns,
+The per-token forward (decoding) against `gated_delta_forward`: outputs, the saved r = v − u, the saved states
+and the final state; a start state; a state interval that does not divide T; determinism. Shapes are off the thread grid: Dk 5 / 6 / 20 and Dv 3 / 7 / 24 pad rows and columns,
 20 x 24 gives each thread two rows and two columns; Hv = 2·Hk shares a key head between two value heads.
 
 The chunked kernels (training and whole-sequence forwards) against `gated_delta_chunked_forward` (outputs, Δ,
@@ -61,8 +60,7 @@ def _forward(gpu, q, k, v, g, beta, tc, state=None, v_pad=0, save_final=True):
     s_in = gpu.upload(state) if state is not None else None
     kg.gated_delta_forward(gpu, o, r, states, qkgb, vb, B, T, Hk, Hv, Dk, Dv, tc=tc, v_off=v_pad, v_stride=stride,
                            state_in=s_in, save_final=save_final).run(gpu)  # fmt: skip
-    scratch = gpu.buffer(4 * kg.scratch_floats(B, Hv, Dk, Dv, tc))
-    return dict(qkgb=qkgb, o=o, r=r, states=states, scratch=scratch, stride=stride, v_pad=v_pad)
+    return dict(qkgb=qkgb, o=o, r=r, states=states, stride=stride, v_pad=v_pad)
 
 
 SHAPES = [  # B, T, Hk, Hv, Dk, Dv, tc
@@ -113,50 +111,14 @@ def test_forward_from_a_state_equals_the_whole_sequence(gpu):
     check("final state", gpu.read(second["states"], (B, Hv, 2, Dk, Dv))[:, :, 1], S_ref, "norm")
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_backward_matches_reference(gpu, shape):
-    B, T, Hk, Hv, Dk, Dv, tc = shape
-    N = B * T
-    rng = np.random.default_rng(100 + sum(shape))
-    q, k, v, g, beta = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
-    do = rng.standard_normal((B, T, Hv, Dv)).astype(f32)
-    _, _, cache = ref.gated_delta_forward(*(f64(a) for a in (q, k, v, g, beta)))
-    dq, dk, dv, dg, dbeta, _ = ref.gated_delta_backward(f64(do), cache)
-    d = _forward(gpu, q, k, v, g, beta, tc, v_pad=3)
-    dqk = gpu.buffer(4 * qk_floats(N, Hv, Dk))
-    dvb = gpu.upload(np.full((N, d["stride"]), 7.0, f32))  # v's columns are written, the others kept
-    dgb = gpu.buffer(4 * 2 * N * Hv * Dv)
-    kg.gated_delta_backward(gpu, dqk, dvb, dgb, d["scratch"], d["states"], d["qkgb"], d["r"], gpu.upload(do), B, T,
-                            Hk, Hv, Dk, Dv, tc=tc, v_off=3, v_stride=d["stride"]).run(gpu)  # fmt: skip
-    got = gpu.download(dqk, f32)
-    half = N * Hv * Dk
-    G = Hv // Hk
-    # per value head: the sum over a key head's value heads is its gradient
-    check("dq", got[:half].reshape(B, T, Hk, G, Dk).sum(3), dq, "attention")
-    dk_got = got[align_floats(half) :][:half]
-    check("dk", dk_got.reshape(B, T, Hk, G, Dk).sum(3), dk, "attention")
-    dv_rows = gpu.read(dvb, (N, d["stride"]))
-    check("dv", dv_rows[:, 3:].reshape(B, T, Hv, Dv), dv, "attention")
-    assert (dv_rows[:, :3] == 7.0).all(), "dv wrote outside v's columns"
-    parts = gpu.read(dgb, (B, T, Hv, 2, Dv))
-    check("dg", parts[..., 0, :].sum(-1), dg, "attention")
-    check("dbeta", parts[..., 1, :].sum(-1), dbeta, "attention")
-
-
 def test_same_bits_every_run(gpu):
     B, T, Hk, Hv, Dk, Dv, tc = SHAPES[2]
-    N = B * T
     rng = np.random.default_rng(9)
     x = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
-    do = gpu.upload(rng.standard_normal((B, T, Hv, Dv)).astype(f32))
     runs = []
     for _ in range(2):
         d = _forward(gpu, *x, tc=tc)
-        dqk, dvb = gpu.buffer(4 * qk_floats(N, Hv, Dk)), gpu.buffer(4 * N * Hv * Dv)
-        dgb = gpu.buffer(8 * N * Hv * Dv)
-        kg.gated_delta_backward(gpu, dqk, dvb, dgb, d["scratch"], d["states"], d["qkgb"], d["r"], do, B, T, Hk, Hv,
-                                Dk, Dv, tc=tc).run(gpu)  # fmt: skip
-        runs.append([gpu.download(b, np.uint32) for b in (d["o"], dqk, dvb, dgb)])
+        runs.append([gpu.download(d[n], np.uint32) for n in ("o", "r", "states")])
     for a, b in zip(*runs, strict=True):
         assert np.array_equal(a, b)
 
