@@ -460,14 +460,21 @@ def bench_kernel(gpu, args) -> dict:
 
 
 def sweep_plans(gpu, Dk: int, Dv: int) -> list:
-    """The plans `--sweep` times (those that fit the adapter): chunk 32 and 64, value columns per sequential
-    workgroup 16 to 64, 128 to 512 threads, staging steps of 4 to 16 rows; unrolled, and two looped."""
+    """The plans `--sweep` times (those that fit the adapter): chunk 64 and 32, each with 16 to 64 value
+    columns per sequential workgroup and 64 to 512 threads, and single changes of the first (staging depth,
+    Tm's blocks, prefetch off, steps looped, the per-chunk kernels' threads)."""
+    from dataclasses import replace
+
     from ddl_wgpu.gpu import GpuError
     from ddl_wgpu.ops.gated_delta import ChunkPlan
 
-    plans = [ChunkPlan(c, bv, n, br) for c in (64, 32) for bv in (32, 16, 64) for n in (256, 128, 512)
-             for br in (8, 4, 16)]  # fmt: skip
-    plans += [ChunkPlan(64, 32, 256, 8, unroll=False), ChunkPlan(32, 16, 128, 8, unroll=False)]
+    grid = [(64, 32, 256), (64, 32, 128), (64, 32, 64), (64, 16, 128), (64, 16, 64), (64, 32, 512), (64, 16, 256),
+            (32, 32, 256), (32, 32, 128), (32, 32, 64), (32, 16, 128), (32, 16, 64), (32, 64, 256), (32, 64, 128)]  # fmt: skip
+    plans = [ChunkPlan(c, bv, n, 8) for c, bv, n in grid]
+    first = plans[0]
+    plans += [replace(first, br=4), replace(first, br=16), replace(first, tb=8), replace(first, tb=32),
+              replace(first, pf=False), replace(first, unroll=False), replace(first, pthreads=128),
+              replace(first, pthreads=512), ChunkPlan(32, 32, 128, 16), ChunkPlan(32, 32, 128, 8, pf=False)]  # fmt: skip
     ok = []
     for p in plans:
         try:
@@ -511,7 +518,8 @@ def sweep(gpu, args) -> dict:
 
 
 def _plan_text(plan) -> str:
-    return f"chunk={plan.chunk},bv={plan.bv},threads={plan.threads},br={plan.br},unroll={int(plan.unroll)}"
+    return (f"chunk={plan.chunk},bv={plan.bv},threads={plan.threads},br={plan.br},tb={plan.tb},pf={int(plan.pf)},"
+            f"unroll={int(plan.unroll)},pthreads={plan.pthreads}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -152,7 +152,8 @@ const CDK: u32 = {{CDK}}u;  // Dk padded to a power of two
 const CDV: u32 = {{CDV}}u;  // Dv padded
 const BV: u32 = {{BV}}u;  // value columns per workgroup of the sequential kernels
 const NVB: u32 = CDV / BV;
-const CNT: u32 = {{CNT}}u;  // threads per workgroup
+const CNT: u32 = {{CNT}}u;  // threads per workgroup of the sequential kernels (chunk_forward, chunk_backward_state)
+const CNTP: u32 = {{CNTP}}u;  // ... and of the per-chunk ones (chunk_prep, chunk_backward_grads)
 const BR: u32 = {{BR}}u;  // rows of an operand staged into workgroup memory at a time
 const CC2: u32 = CC * CC;
 const TB: u32 = {{TB}}u;  // the prep's blocks of Tm (rows and columns)
@@ -192,7 +193,7 @@ fn cp_ld(part: u32, b: u32, t: u32, hk: u32, i: u32) -> f32 {
     return cp_qk[part * cp_p.k_off + ((b * cp_p.T + t) * cp_p.Hk + hk) * cp_p.Dk + i];
 }
 
-@compute @workgroup_size(CNT)
+@compute @workgroup_size(CNTP)
 fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
     let id = group_index(wid, nwg);
@@ -224,7 +225,7 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     {{CP_DECL}}
     for (var i0 = 0u; i0 < CDK; i0 += BR) {
         workgroupBarrier();
-        for (var e = lid; e < 2u * CC * BR; e += CNT) {
+        for (var e = lid; e < 2u * CC * BR; e += CNTP) {
             let m = e / BR;
             let r = e - m * BR;
             cp_sm[CP_STG + r * (2u * CC + 1u) + m] = cp_ld(select(0u, 1u, m < CC), b, t0 + m % CC, hk, i0 + r);
@@ -253,7 +254,7 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     for (var ib = 1u; ib < CC / TB; ib++) {
         workgroupBarrier();
         let i0 = ib * TB;
-        for (var e = lid; e < i0 * TB; e += CNT) {  // X = Σ_k A_ik Tm_kj for every block j < i
+        for (var e = lid; e < i0 * TB; e += CNTP) {  // X = Σ_k A_ik Tm_kj for every block j < i
             let r = e / i0;
             let col = e - r * i0;
             var acc = 0.0;
@@ -263,7 +264,7 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
             cp_sm[CP_X + e] = acc;
         }
         workgroupBarrier();
-        for (var e = lid; e < i0 * TB; e += CNT) {  // Tm_ij = -Tm_ii X
+        for (var e = lid; e < i0 * TB; e += CNTP) {  // Tm_ij = -Tm_ii X
             let r = e / i0;
             let col = e - r * i0;
             var acc = 0.0;
@@ -274,7 +275,7 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         }
     }
     workgroupBarrier();
-    for (var e = lid; e < CC2; e += CNT) {
+    for (var e = lid; e < CC2; e += CNTP) {
         let t = e / CC;
         cp_tp[base + e] = cp_sm[CP_T + t * (CC + 1u) + e - t * CC];
     }
@@ -346,56 +347,47 @@ fn chunk_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
         c_cumsum(lid);
         // X_K = K S, X_Q = Q S over Dk in steps of BR (k and q staged transposed; S from its copy)
         {{CF_X_DECL}}
+        {{CF_X_PF}}
         for (var i0 = 0u; i0 < CDK; i0 += BR) {
             workgroupBarrier();
-            for (var e = lid; e < 2u * CC * BR; e += CNT) {
-                let m = e / BR;
-                let r = e - m * BR;
-                cf_sm[CF_STG + r * (2u * CC + 1u) + m] = cf_ld(select(0u, 1u, m < CC), b, t0 + m % CC, hk, i0 + r);
-            }
+            {{CF_X_STAGE}}
             workgroupBarrier();
+            {{CF_X_NEXT}}
             {{CF_X_FMA}}
         }
         // R = beta (V - Γ X_K)
         {{CF_R}}
         // Δ = Tm R (Tm staged transposed)
         {{CF_D_DECL}}
+        {{CF_D_PF}}
         for (var s0 = 0u; s0 < CC; s0 += BR) {
             workgroupBarrier();
-            for (var e = lid; e < CC * BR; e += CNT) {
-                let t = e / BR;
-                let r = e - t * BR;
-                cf_sm[CF_STG + r * (CC + 1u) + t] = cf_tp[tbase + t * CC + s0 + r];
-            }
+            {{CF_D_STAGE}}
             workgroupBarrier();
+            {{CF_D_NEXT}}
             {{CF_D_FMA}}
         }
         workgroupBarrier();
         {{CF_D_STORE}}
         // O = Γ X_Q + P Δ (P staged transposed)
         {{CF_O_INIT}}
+        {{CF_O_PF}}
         for (var s0 = 0u; s0 < CC; s0 += BR) {
             workgroupBarrier();
-            for (var e = lid; e < CC * BR; e += CNT) {
-                let t = e / BR;
-                let r = e - t * BR;
-                cf_sm[CF_STG + r * (CC + 1u) + t] = cf_tp[tbase + CC2 + t * CC + s0 + r];
-            }
+            {{CF_O_STAGE}}
             workgroupBarrier();
+            {{CF_O_NEXT}}
             {{CF_O_FMA}}
         }
         {{CF_O_STORE}}
         // S <- Γ_L S + K̃ᵀ Δ, K̃ = exp(γ_L - γ) K (rows staged as they are)
         {{CF_S_DECAY}}
+        {{CF_S_PF}}
         for (var u0 = 0u; u0 < CC; u0 += BR) {
             workgroupBarrier();
-            for (var e = lid; e < BR * CDK; e += CNT) {
-                let r = e / CDK;
-                let i = e - r * CDK;
-                let tail = exp(c_gam[CC - 1u] - c_gam[u0 + r]);
-                cf_sm[CF_STG + e] = tail * cf_ld(1u, b, t0 + u0 + r, hk, i);
-            }
+            {{CF_S_STAGE}}
             workgroupBarrier();
+            {{CF_S_NEXT}}
             {{CF_S_FMA}}
         }
         workgroupBarrier();
@@ -464,40 +456,33 @@ fn chunk_backward_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
         c_cumsum(lid);
         // dΔ = Pᵀ dO (P's rows staged as they are) ...
         {{CB_DD_DECL}}
+        {{CB_DD1_PF}}
         for (var s0 = 0u; s0 < CC; s0 += BR) {
             workgroupBarrier();
-            for (var e = lid; e < BR * CC; e += CNT) {
-                let r = e / CC;
-                let t = e - r * CC;
-                cb_sm[CB_STG + r * (CC + 1u) + t] = cb_scr[tbase + CC2 + (s0 + r) * CC + t];
-            }
+            {{CB_DD1_STAGE}}
             workgroupBarrier();
+            {{CB_DD1_NEXT}}
             {{CB_DD_FMA1}}
         }
         // ... + K̃ dS (K̃ staged transposed)
+        {{CB_DD2_PF}}
         for (var i0 = 0u; i0 < CDK; i0 += BR) {
             workgroupBarrier();
-            for (var e = lid; e < CC * BR; e += CNT) {
-                let t = e / BR;
-                let r = e - t * BR;
-                let tail = exp(c_gam[CC - 1u] - c_gam[t]);
-                cb_sm[CB_STG + r * (CC + 1u) + t] = tail * cb_ld(1u, b, t0 + t, hk, i0 + r);
-            }
+            {{CB_DD2_STAGE}}
             workgroupBarrier();
+            {{CB_DD2_NEXT}}
             {{CB_DD_FMA2}}
         }
         workgroupBarrier();
         {{CB_DD_STORE}}
         // dR = Tmᵀ dΔ (Tm's rows staged as they are)
         {{CB_R_DECL}}
+        {{CB_R_PF}}
         for (var s0 = 0u; s0 < CC; s0 += BR) {
             workgroupBarrier();
-            for (var e = lid; e < BR * CC; e += CNT) {
-                let r = e / CC;
-                let t = e - r * CC;
-                cb_sm[CB_STG + r * (CC + 1u) + t] = cb_scr[tbase + (s0 + r) * CC + t];
-            }
+            {{CB_R_STAGE}}
             workgroupBarrier();
+            {{CB_R_NEXT}}
             {{CB_R_FMA}}
         }
         workgroupBarrier();
@@ -508,15 +493,12 @@ fn chunk_backward_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
         }
         // dS <- Γ_L dS + Kᵀ (-beta Γ dR) + Qᵀ (Γ dO) (k and q rows staged as they are)
         {{CB_S_DECAY}}
+        {{CB_S_PF}}
         for (var u0 = 0u; u0 < CC; u0 += BR) {
             workgroupBarrier();
-            for (var e = lid; e < BR * CDK; e += CNT) {
-                let r = e / CDK;
-                let i = e - r * CDK;
-                cb_sm[CB_STG + e] = cb_ld(1u, b, t0 + u0 + r, hk, i);
-                cb_sm[CB_STG + BR * CDK + e] = cb_ld(0u, b, t0 + u0 + r, hk, i);
-            }
+            {{CB_S_STAGE}}
             workgroupBarrier();
+            {{CB_S_NEXT}}
             {{CB_S_FMA}}
         }
         workgroupBarrier();
@@ -567,7 +549,7 @@ fn cg_ok(t: u32, i: u32) -> bool {
     return t < cg_p.T && i < cg_p.Dk;
 }
 
-@compute @workgroup_size(CNT)
+@compute @workgroup_size(CNTP)
 fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                         @builtin(local_invocation_index) lid: u32) {
     let id = group_index(wid, nwg);
@@ -594,7 +576,7 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
         c_bet[lid] = be;
     }
     // P and MKK of the chunk (from chunk_prep)
-    for (var e = lid; e < CC2; e += CNT) {
+    for (var e = lid; e < CC2; e += CNTP) {
         let t = e / CC;
         let s = e - t * CC;
         cg_sm[CG_P + t * (CC + 1u) + s] = cg_scr[tbase + CC2 + e];
@@ -606,12 +588,12 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     {{CG_E_DECL}}
     for (var j0 = 0u; j0 < CDV; j0 += BR) {
         workgroupBarrier();
-        for (var e = lid; e < 2u * CC * BR; e += CNT) {
+        for (var e = lid; e < 2u * CC * BR; e += CNTP) {
             let m = e / BR;
             let r = e - m * BR;
             cg_sm[CG_STG + r * (2u * CC + 1u) + m] = cg_row(select(0u, 1u, m >= CC), b, t0 + m % CC, h, j0 + r);
         }
-        for (var e = lid; e < CC * BR; e += CNT) {
+        for (var e = lid; e < CC * BR; e += CNTP) {
             let s = e / BR;
             let r = e - s * BR;
             cg_sm[CG_STG2 + r * (CC + 1u) + s] = cg_row(2u, b, t0 + s, h, j0 + r);
@@ -627,7 +609,7 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     {{CG_Q_DECL}}
     for (var u0 = 0u; u0 < CC; u0 += BR) {
         workgroupBarrier();
-        for (var e = lid; e < BR * CDK; e += CNT) {
+        for (var e = lid; e < BR * CDK; e += CNTP) {
             let r = e / CDK;
             let i = e - r * CDK;
             cg_sm[CG_STG + e] = cg_ld(1u, b, t0 + u0 + r, hk, i);
@@ -641,12 +623,12 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     {{CG_Z_DECL}}
     for (var j0 = 0u; j0 < CDV; j0 += BR) {
         workgroupBarrier();
-        for (var e = lid; e < 2u * CC * BR; e += CNT) {
+        for (var e = lid; e < 2u * CC * BR; e += CNTP) {
             let m = e / BR;
             let r = e - m * BR;
             cg_sm[CG_ZA + r * (2u * CC + 1u) + m] = cg_row(select(1u, 0u, m >= CC), b, t0 + m % CC, h, j0 + r);
         }
-        for (var e = lid; e < CDK * BR; e += CNT) {
+        for (var e = lid; e < CDK * BR; e += CNTP) {
             let i = e / BR;
             let r = e - i * BR;
             cg_sm[CG_ZB + r * (CDK + 1u) + i] = cg_ldstate(0u, bh, c, i, j0 + r);
@@ -661,12 +643,12 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     var sdot = 0.0;
     for (var j0 = 0u; j0 < CDV; j0 += BR) {
         workgroupBarrier();
-        for (var e = lid; e < CC * BR; e += CNT) {
+        for (var e = lid; e < CC * BR; e += CNTP) {
             let m = e / BR;
             let r = e - m * BR;
             cg_sm[CG_ZA + r * (CC + 1u) + m] = cg_row(2u, b, t0 + m, h, j0 + r);
         }
-        for (var e = lid; e < CDK * BR; e += CNT) {
+        for (var e = lid; e < CDK * BR; e += CNTP) {
             let i = e / BR;
             let r = e - i * BR;
             let ds = cg_ldstate(1u, bh, c, i, j0 + r);
@@ -683,12 +665,12 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     workgroupBarrier();
     if (lid == 0u) {
         var acc = 0.0;
-        for (var x = 0u; x < CNT; x++) { acc += cg_sm[CG_RED + x]; }
+        for (var x = 0u; x < CNTP; x++) { acc += cg_sm[CG_RED + x]; }
         cg_dgam[CC - 1u] += cg_last + exp(c_gam[CC - 1u]) * acc;
     }
     workgroupBarrier();
-    // dv = beta dR and dbeta += V·dR: CNT / CC threads per token
-    let per = CNT / CC;
+    // dv = beta dR and dbeta += V·dR: CNTP / CC threads per token
+    let per = CNTP / CC;
     let tt = lid / per;
     let part = lid - tt * per;
     var vdr = 0.0;

@@ -8,7 +8,7 @@ and the final state; a start state; a state interval that does not divide T; det
 The chunked kernels (training and whole-sequence forwards) against `gated_delta_chunked_forward` (outputs, Δ,
 the checkpoints, the final state, the prep's C x C matrices) and the recurrence's backward (every gradient),
 under several plans: a chunk that does not divide T, several column blocks, a column block wider than Dv,
-the steps looped rather than unrolled, one element per thread or several, Tm solved in one block or in two
+the steps looped rather than unrolled, the staged rows prefetched or not, one element per thread or several, Tm solved in one block or in two
 and four, batch rows split over calls where a binding is small. Every plan fits WebGPU's default limits, so the `DDL_WGPU_LIMITS=webgpu` run
 repeats them all.
 """
@@ -127,10 +127,10 @@ def test_same_bits_every_run(gpu):
 # the chunked form
 
 CHUNKED = [  # (B, T, Hk, Hv, Dk, Dv), plan
-    ((2, 7, 1, 2, 5, 3), kg.ChunkPlan(chunk=4, bv=4, threads=16, br=2)),
-    ((1, 9, 2, 4, 6, 7), kg.ChunkPlan(chunk=4, bv=8, threads=32, br=4, tb=2)),
-    ((2, 6, 1, 1, 20, 24), kg.ChunkPlan(chunk=8, bv=8, threads=64, br=8, unroll=False, tb=2)),
-    ((1, 20, 1, 2, 16, 16), kg.ChunkPlan(chunk=16, bv=8, threads=64, br=4, tb=4)),
+    ((2, 7, 1, 2, 5, 3), kg.ChunkPlan(chunk=4, bv=4, threads=16, br=2, pthreads=32)),
+    ((1, 9, 2, 4, 6, 7), kg.ChunkPlan(chunk=4, bv=8, threads=32, br=4, tb=2, pthreads=16)),
+    ((2, 6, 1, 1, 20, 24), kg.ChunkPlan(chunk=8, bv=8, threads=64, br=8, unroll=False, tb=2, pf=False)),
+    ((1, 20, 1, 2, 16, 16), kg.ChunkPlan(chunk=16, bv=8, threads=64, br=4, tb=4, pthreads=64)),
 ]
 
 
@@ -213,7 +213,7 @@ def test_chunked_backward_matches_reference(gpu, shape, plan):
 def test_chunked_calls_split_over_batch_rows(gpu, monkeypatch):
     """Where one call's buffers would exceed a storage binding, the launchers run groups of batch rows (the
     checkpoints and the start state bound at row offsets): the results equal one call's."""
-    shape, plan = (5, 16, 1, 2, 8, 8), kg.ChunkPlan(chunk=4, bv=4, threads=16, br=2)
+    shape, plan = (5, 16, 1, 2, 8, 8), kg.ChunkPlan(chunk=4, bv=4, threads=16, br=2, pthreads=16)
     B, T, Hk, Hv, Dk, Dv = shape
     N = B * T
     rng = np.random.default_rng(5)

@@ -145,7 +145,8 @@ def _kernel(gpu: Gpu, entry: str, sig: str, Dk: int, Dv: int, plan: ChunkPlan | 
     the other at its smallest (a module compiles every entry point's code)."""
     if entry.startswith("chunk"):  # the per-token part filled at its smallest: compiled, never run
         plan = chunk_plan(gpu, Dk, Dv, plan)
-        templates, threads = _templates(1, 1, 1, 1) | plan.templates(Dk, Dv), plan.threads
+        threads = plan.pthreads if entry in ("chunk_prep", "chunk_backward_grads") else plan.threads
+        templates = _templates(1, 1, 1, 1) | plan.templates(Dk, Dv)
     else:
         ti, tj, pi, pj = tile(gpu, Dk, Dv)
         templates, threads = _templates(ti, tj, pi, pj) | _IDLE_PLAN.templates(1, 1), ti * tj
@@ -204,10 +205,12 @@ ENV_PLAN = "DDL_WGPU_GDN_PLAN"  # e.g. "chunk=64,bv=32,threads=256,br=8": the ch
 class ChunkPlan:
     """The tunables of the chunked kernels. `chunk`: tokens per chunk (C); `bv`: value columns of the state
     per workgroup of the two sequential kernels (their grid is batch rows x value heads x Dv/bv); `threads`
-    per workgroup; `br`: rows of an operand staged into workgroup memory per step (steps of the products
+    per workgroup of those, `pthreads` of the two per-chunk kernels (chunk_prep, chunk_backward_grads); `br`: rows of an operand staged into workgroup memory per step (steps of the products
     between two barriers); `unroll`: the br steps as straight-line code; `tb`: the prep's blocks of Tm (at most
     chunk; the diagonal blocks are solved a column per thread, tb steps long). All powers of two; a plan fits
-    an adapter when every kernel's workgroup memory and thread count do (`check`)."""
+    an adapter when every kernel's workgroup memory and thread count do (`check`). `pf`: the sequential
+    kernels load the next step's staged rows into registers before this step's products (prefetch), so the
+    loads' latency hides behind the arithmetic."""
 
     chunk: int = 64
     bv: int = 32
@@ -215,6 +218,8 @@ class ChunkPlan:
     br: int = 8
     unroll: bool = True
     tb: int = 16
+    pf: bool = True
+    pthreads: int = 256
 
     def dims(self, Dk: int, Dv: int) -> tuple[int, int]:
         """Dk, Dv padded to powers of two (and to at least bv and br)."""
@@ -222,9 +227,9 @@ class ChunkPlan:
 
     def tiles(self, Dk: int, Dv: int) -> dict[str, tl.Tile]:
         cdk, cdv = self.dims(Dk, Dv)
-        C, n = self.chunk, self.threads
-        return {"p": tl.tile("p", C, C, n), "x": tl.tile("x", C, self.bv, n), "s": tl.tile("s", cdk, self.bv, n),
-                "e": tl.tile("e", C, C, n), "q": tl.tile("q", C, cdk, n)}  # fmt: skip
+        C, n, m = self.chunk, self.threads, self.pthreads
+        return {"p": tl.tile("p", C, C, m), "x": tl.tile("x", C, self.bv, n), "s": tl.tile("s", cdk, self.bv, n),
+                "e": tl.tile("e", C, C, m), "q": tl.tile("q", C, cdk, m)}  # fmt: skip
 
     def layout(self, Dk: int, Dv: int) -> dict[str, int]:
         """Offsets (floats) of each kernel's parts of its workgroup memory, and its size (*_SM)."""
@@ -241,7 +246,7 @@ class ChunkPlan:
         L |= {"CB_S": 0, "CB_DO": cdk * V, "CB_DD": cdk * V + C * V, "CB_STG": cdk * V + 2 * C * V}
         L["CB_SM"] = L["CB_STG"] + max(R * (C + 1), 2 * R * cdk)
         # grads: region 1 = P, MKK (then the Z/Y/dK̃ staging); region 2 = the other staging, or reductions
-        red = max(C * t["e"].wx, C * t["e"].wy, C * t["q"].wx, self.threads)  # one partial sum at a time
+        red = max(C * t["e"].wx, C * t["e"].wy, C * t["q"].wx, self.pthreads)  # one partial sum at a time
         r1 = max(2 * sq, R * (2 * C + 1) + R * (cdk + 1))
         L |= {"CG_P": 0, "CG_A": sq, "CG_ZA": 0, "CG_ZB": R * (2 * C + 1), "CG_STG": r1, "CG_RED": r1,
               "CG_STG2": r1 + R * (2 * C + 1)}  # fmt: skip
@@ -256,18 +261,23 @@ class ChunkPlan:
 
     def check(self, gpu: Gpu, Dk: int, Dv: int) -> None:
         """Raise GpuError (one line) when this plan cannot run on the adapter."""
-        for name in ("chunk", "bv", "threads", "br", "tb"):
+        for name in ("chunk", "bv", "threads", "br", "tb", "pthreads"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise GpuError(f"gated delta plan {self}: {name} must be a power of two")
         cdk, cdv = self.dims(Dk, Dv)
-        if self.chunk < 2 or self.br > self.chunk or self.bv > cdv or self.threads < self.chunk:
-            raise GpuError(
-                f"gated delta plan {self}: needs 2 <= chunk, br <= chunk <= threads, bv <= Dv padded"
-            )
+        if (
+            self.chunk < 2
+            or self.br > self.chunk
+            or self.bv > cdv
+            or min(self.threads, self.pthreads) < self.chunk
+        ):
+            raise GpuError(f"gated delta plan {self}: needs 2 <= chunk, br <= chunk <= threads and pthreads, "
+                           "bv <= Dv padded")  # fmt: skip
+        most = max(self.threads, self.pthreads)
+        if most > gpu.limits.get("max-compute-invocations-per-workgroup", 256):
+            raise GpuError(f"gated delta plan {self}: {most} threads exceed the adapter's limit")
         limit = gpu.limits.get("max-compute-workgroup-storage-size", 16 << 10)
-        if self.threads > gpu.limits.get("max-compute-invocations-per-workgroup", 256):
-            raise GpuError(f"gated delta plan {self}: {self.threads} threads exceed the adapter's limit")
         need = max(self.shared_bytes(Dk, Dv).values())
         if need > limit:
             raise GpuError(
@@ -291,7 +301,7 @@ PLANS = (
 
 
 # The chunked part of a module compiled for a per-token entry point: the smallest code, never run.
-_IDLE_PLAN = ChunkPlan(chunk=2, bv=1, threads=2, br=1, unroll=False)
+_IDLE_PLAN = ChunkPlan(chunk=2, bv=1, threads=2, br=1, unroll=False, pthreads=2)
 
 
 def parse_plan(text: str) -> ChunkPlan:
@@ -301,8 +311,8 @@ def parse_plan(text: str) -> ChunkPlan:
         key, _, value = item.partition("=")
         if key not in ChunkPlan.__dataclass_fields__ or not value.strip().isdigit():
             raise GpuError(f"gated delta plan {text!r}: expected name=integer with names chunk, bv, threads, br, "
-                           "unroll, tb")  # fmt: skip
-        plan = replace(plan, **{key: bool(int(value)) if key == "unroll" else int(value)})
+                           "unroll, tb, pf, pthreads")  # fmt: skip
+        plan = replace(plan, **{key: bool(int(value)) if key in ("unroll", "pf") else int(value)})
     return plan
 
 
@@ -363,6 +373,7 @@ def _chunk_templates(plan: ChunkPlan, Dk: int, Dv: int) -> dict[str, str]:
         "CDV": str(cdv),
         "BV": str(V),
         "CNT": str(plan.threads),
+        "CNTP": str(plan.pthreads),
         "BR": str(R),
     }
     out |= {k: str(L[k]) for k in ("CP_SM", "CF_SM", "CB_SM", "CG_SM")}
@@ -521,9 +532,75 @@ def _chunk_templates(plan: ChunkPlan, Dk: int, Dv: int) -> dict[str, str]:
     )
     out["CB_S_MIRROR"] = ind(state_copy("cb_sm", "CB_S", "ds"), 8)
 
+    out |= _staging(plan, cdk)
+
     # -- chunk_backward_grads
     out["CG_COORDS"] = e.coords() + "\n    " + q.coords()
     out |= _grads_templates(plan, e, q, cdk)
+    return out
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """One operand staged per step of a sequential kernel's product: `n` elements, element e at `dst` (an
+    index into the kernel's workgroup array, from the names `split` defines) holding `src` (a function of
+    the step's first row k0)."""
+
+    sm: str
+    n: int
+    split: str
+    dst: str
+    src: Callable[[str], str]
+
+
+def _staging(plan: ChunkPlan, cdk: int) -> dict[str, str]:
+    """The staging of the sequential kernels' products: per loop XX, {{XX_STAGE}} fills the workgroup copy
+    of this step's rows (between the loop's two barriers); with `plan.pf` the rows come from registers
+    loaded one step ahead ({{XX_PF}} before the loop, {{XX_NEXT}} after its second barrier)."""
+    C, R = plan.chunk, plan.br
+    by_t = "let t = e / BR; let r = e - t * BR;"  # transposed: e over (token t, staged row r)
+    by_r = "let r = e / CC; let t = e - r * CC;"  # as stored: e over (staged row r, token t)
+    by_i = "let r = e / CDK; let i = e - r * CDK;"  # rows of Dk: e over (staged row r, column i)
+    loops = {
+        "CF_X": ("i0", "CDK", [_Stage("cf_sm", 2 * C * R, "let m = e / BR; let r = e - m * BR;",
+                                      "CF_STG + r * (2u * CC + 1u) + m",
+                                      lambda k: f"cf_ld(select(0u, 1u, m < CC), b, t0 + m % CC, hk, {k} + r)")]),
+        "CF_D": ("s0", "CC", [_Stage("cf_sm", C * R, by_t, "CF_STG + r * (CC + 1u) + t",
+                                     lambda k: f"cf_tp[tbase + t * CC + {k} + r]")]),
+        "CF_O": ("s0", "CC", [_Stage("cf_sm", C * R, by_t, "CF_STG + r * (CC + 1u) + t",
+                                     lambda k: f"cf_tp[tbase + CC2 + t * CC + {k} + r]")]),
+        "CF_S": ("u0", "CC", [_Stage("cf_sm", R * cdk, by_i, "CF_STG + e",
+                                     lambda k: f"exp(c_gam[CC - 1u] - c_gam[{k} + r]) * cf_ld(1u, b, t0 + {k} + r, hk, i)")]),
+        "CB_DD1": ("s0", "CC", [_Stage("cb_sm", R * C, by_r, "CB_STG + r * (CC + 1u) + t",
+                                       lambda k: f"cb_scr[tbase + CC2 + ({k} + r) * CC + t]")]),
+        "CB_DD2": ("i0", "CDK", [_Stage("cb_sm", C * R, by_t, "CB_STG + r * (CC + 1u) + t",
+                                        lambda k: f"exp(c_gam[CC - 1u] - c_gam[t]) * cb_ld(1u, b, t0 + t, hk, {k} + r)")]),
+        "CB_R": ("s0", "CC", [_Stage("cb_sm", R * C, by_r, "CB_STG + r * (CC + 1u) + t",
+                                     lambda k: f"cb_scr[tbase + ({k} + r) * CC + t]")]),
+        "CB_S": ("u0", "CC", [_Stage("cb_sm", R * cdk, by_i, "CB_STG + e", lambda k: f"cb_ld(1u, b, t0 + {k} + r, hk, i)"),
+                              _Stage("cb_sm", R * cdk, by_i, f"CB_STG + {R * cdk}u + e",
+                                     lambda k: f"cb_ld(0u, b, t0 + {k} + r, hk, i)")]),
+    }  # fmt: skip
+    out = {}
+    n_threads = plan.threads
+    for name, (k0, end, stages) in loops.items():
+        if not plan.pf:
+            out[name + "_PF"] = out[name + "_NEXT"] = ""
+            out[name + "_STAGE"] = tl.indent([
+                f"for (var e = lid; e < {st.n}u; e += CNT) {{ {st.split} {st.sm}[{st.dst}] = {st.src(k0)}; }}"
+                for st in stages], 12)  # fmt: skip
+            continue
+        init, store, nxt = [], [], []
+        for si, st in enumerate(stages):
+            for j in range(-(-st.n // n_threads)):
+                reg = f"pf_{name.lower()}_{si}_{j}"
+                at = f"let e = lid + {j * n_threads}u; if (e < {st.n}u) {{ {st.split}"
+                init += [f"var {reg} = 0.0;", f"{{ {at} {reg} = {st.src('0u')}; }} }}"]
+                store.append(f"{{ {at} {st.sm}[{st.dst}] = {reg}; }} }}")
+                nxt.append(f"{{ {at} {reg} = {st.src(f'({k0} + BR)')}; }} }}")
+        out[name + "_PF"] = tl.indent(init, 8)
+        out[name + "_STAGE"] = tl.indent(store, 12)
+        out[name + "_NEXT"] = tl.indent([f"if ({k0} + BR < {end}) {{", *("    " + x for x in nxt), "}"], 12)
     return out
 
 
