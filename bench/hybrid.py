@@ -11,8 +11,11 @@ and the gated delta rule against its own bounds.
 betas 0.9/0.95, eps 1e-5, wd 0.1) on every parameter, both sides from `ddl_ref.params.init_params(cfg, seed)`
 on the same random batch; their initial losses must agree within 1e-3 (else exit 1). PyTorch peers, each in a
 subprocess so that what transformers imports is settled per peer: transformers' `Qwen3_5ForCausalLM` in fp32
-(TF32 off) with the flash-linear-attention Triton kernels when `--fla-path` holds them ("fla"), and without
-them ("eager": transformers' own PyTorch fallback of the chunked rule and the conv).
+(TF32 off) with the flash-linear-attention Triton kernels when `--fla-path` holds them ("fla": Triton's dot
+products default to TF32 inputs whatever PyTorch's TF32 switch says; "fla ieee": the same with
+TRITON_F32_DEFAULT=ieee, IEEE f32 products), and without them ("eager": transformers' own PyTorch fallback of
+the chunked rule and the conv). The engine's rule runs under the adapter's default chunk plan, or
+DDL_WGPU_GDN_PLAN's (`kernel --sweep` prints the fastest).
 
 `forward27b`: the Qwen3.8-27B trunk shape (hidden 5120, 64 layers, 3 Gated DeltaNet : 1 gated attention,
 FFN 17408, vocabulary 248320, untied) with random f16 weights (one random tensor per distinct shape, reused by
@@ -20,11 +23,15 @@ every layer: timing does not depend on the values), an inference net whose layer
 the forward of 16 x 1024 tokens with the evaluation loss (chunked LM head), timed by GPU timestamps; GPU memory
 (our buffers, and nvidia-smi's used memory); the GPU time per layer type (every dispatch timed alone).
 
-`kernel`: `ops.gated_delta` forward and backward alone. FLOPs counted per state element per (token, value
-head): forward 6 (u = Sᵀk, the rank-1 update, o = Sᵀq), backward 18 (the chunk's rebuild 3, dS += q dOᵀ 2,
-dd 2, dq 4 (S_t rebuilt), dk 4, dS~ 2, dg 2, decay 1 rounded up); bytes: every input read and output written
-once, the checkpoints, and for the backward the scratch states written and read back (8 bytes per element per
-token): the backward is bound by those bytes, the forward by its FLOPs (H200: 66.9 TFLOP/s fp32 FMA, 4.3 TB/s).
+`kernel`: the chunked rule (`ops.gated_delta.chunk_forward` / `chunk_backward`, the engine's) alone at the
+27B layer, the small hybrid's and a one-chunk (64-token) 27B shape, under the adapter's default plan: the
+forward as an inference net runs it (nothing saved) and as a training net does (Δ and the checkpoints saved),
+the backward, GPU ms per kernel, and beside them the per-token forward (the decoder's kernel) over the same
+tokens. FLOPs as the kernels execute them (`chunk_flops`: full C x C squares); bytes: q, k, v read and o
+written once (the backward twice, with the checkpoints); H200: 66.9 TFLOP/s fp32 FMA, 4.3 TB/s. The recurrence
+itself needs 6 FLOPs per state element per token (forward), which `recurrence_flop_bound_ms` reports.
+`kernel --sweep` times every plan of `sweep_plans` (or `--plans`) at `--sweep-shape` and prints the fastest as
+a DDL_WGPU_GDN_PLAN value.
 """
 
 from __future__ import annotations
@@ -135,6 +142,10 @@ def hf_config(cfg: ModelConfig):
 
 def torch_train_peer(args) -> dict:
     """(subprocess) transformers' model trained like the engine; prints a JSON line."""
+    # bench/ (this script's folder, first on sys.path) holds a kernels.py that would shadow the `kernels`
+    # package transformers imports when it is installed
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     torch, tdev = common.torch_setup(args.torch)
     if torch is None:
         return {"error": tdev}
@@ -193,19 +204,22 @@ def torch_train_peer(args) -> dict:
 
 
 def run_peer(args, kernels: str) -> dict:
-    """The torch peer in a subprocess, with or without fla on its path."""
+    """The torch peer in a subprocess, with or without fla on its path ("fla ieee": Triton's f32 dot products
+    in IEEE f32 rather than its TF32 default)."""
     env = dict(os.environ)
     path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != args.fla_path]
-    if kernels == "fla":
+    if kernels.startswith("fla"):
         if not args.fla_path:
             return {"error": "no --fla-path: the fla peer was not run"}
         path = [args.fla_path, *path]
+    if kernels == "fla ieee":
+        env["TRITON_F32_DEFAULT"] = "ieee"
     env["PYTHONPATH"] = os.pathsep.join(path)
     cmd = [sys.executable, __file__, "torch-train", "--torch", args.torch, "--batch", str(args.batch), "--seq",
            str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]  # fmt: skip
     if args.quick:
         cmd.append("--quick")
-    if kernels == "fla" and args.bypass_fla_hopper_guard:
+    if kernels.startswith("fla") and args.bypass_fla_hopper_guard:
         cmd.append("--bypass-fla-hopper-guard")
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.peer_timeout)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
@@ -224,7 +238,10 @@ def bench_train(gpu, args) -> dict:
     runs = out["runs"]
     runs["ddl-wgpu"] = common.attempt(bench_engine_train, gpu, cfg, params, ids, args.steps, args.warmup)
     print(f"  ddl-wgpu: {_brief(runs['ddl-wgpu'])}", flush=True)
-    for kernels in ("fla", "eager"):
+    from ddl_wgpu.ops.gated_delta import chunk_plan
+
+    out["gdn_plan"] = chunk_plan(gpu, cfg.linear_k_dim, cfg.linear_v_dim).__dict__
+    for kernels in ("fla", "fla ieee", "eager"):
         runs[f"transformers fp32 {kernels}"] = r = run_peer(args, kernels)
         print(f"  transformers {kernels}: {_brief(r)}", flush=True)
     wl = runs["ddl-wgpu"].get("init_loss")
@@ -236,6 +253,9 @@ def bench_train(gpu, args) -> dict:
     fla = runs["transformers fp32 fla"].get("tokens_per_s")
     if fla and "tokens_per_s" in runs["ddl-wgpu"]:
         runs["ddl-wgpu"]["vs_fla"] = runs["ddl-wgpu"]["tokens_per_s"] / fla
+    fla_ieee = runs["transformers fp32 fla ieee"].get("tokens_per_s")
+    if fla_ieee and "tokens_per_s" in runs["ddl-wgpu"]:
+        runs["ddl-wgpu"]["vs_fla_ieee"] = runs["ddl-wgpu"]["tokens_per_s"] / fla_ieee
     eager = runs["transformers fp32 eager"].get("tokens_per_s")
     if eager and "tokens_per_s" in runs["ddl-wgpu"]:
         runs["ddl-wgpu"]["vs_eager"] = runs["ddl-wgpu"]["tokens_per_s"] / eager
@@ -605,9 +625,9 @@ def _summary(data: dict) -> list[str]:
             print(common.table(["phase|shader", "GPU ms"], [[k, f"{v:.2f}"] for k, v in top],
                                f"ddl-wgpu step by phase and shader (all {sum(prof.values()):.1f} ms)"))  # fmt: skip
         dw = tr["runs"].get("ddl-wgpu", {})
-        print(
-            f"ddl-wgpu vs fla: {common.fmt(dw.get('vs_fla'), '.2f')}x, vs eager: {common.fmt(dw.get('vs_eager'), '.2f')}x"
-        )
+        print(f"ddl-wgpu vs fla (TF32 dots): {common.fmt(dw.get('vs_fla'), '.2f')}x, vs fla (TRITON_F32_DEFAULT=ieee): "
+              f"{common.fmt(dw.get('vs_fla_ieee'), '.2f')}x, vs eager: {common.fmt(dw.get('vs_eager'), '.2f')}x; "
+              f"rule plan {tr.get('gdn_plan')}")  # fmt: skip
     fw = data.get("forward27b")
     if fw and "forward_ms" in fw:
         print(f"forward ({fw['params'] / 1e9:.2f}B, {fw['batch']} x {fw['seq']}): {fw['forward_ms']:.1f} ms, "
