@@ -10,9 +10,10 @@ like `ddl_ref.gdn.gdn_forward` / `gdn_backward`.
     y = silu(z) ⊙ RMSNorm(o) per value head (w·x̂)                         ops.rmsnorm + ops.swiglu
     out = y Woutᵀ                                                        ops.matmul (into the residual)
 
-The rule runs in its chunked form (`ops.gated_delta.chunk_forward` / `chunk_backward`, docs/kernels.md#the-
-chunked-form) through one scratch buffer every Gated DeltaNet layer shares (`gdn_scr`); the backward runs the
-same ops in reverse, through one set of scratch buffers the layers share (`gdn_scratch`). What each layer
+The rule runs in its chunked form (`ops.gated_delta.chunk_forward` / `chunk_backward`,
+docs/kernels.md#the-chunked-form) through one scratch buffer every Gated DeltaNet layer shares (`gdn_scr`);
+the backward runs the same ops in reverse, through one set of scratch buffers the layers share
+(`gdn_scratch`). What each layer
 keeps for its backward: the GEMM outputs (X, z, a, b), the conv output, q̂/k̂ and the gates, the rule's Δ
 (its per-token corrections) and the state before each chunk (training nets only), o and its normalised
 form, y.

@@ -1,7 +1,8 @@
 // The gated delta rule of a Gated DeltaNet layer (Qwen3.5's "linear attention"), forward and backward.
-// Reference: `ddl_ref.gdn`; the math: docs/model.md#gated-deltanet; the design: docs/kernels.md#the-gated-
-// delta-rule. Two forms: the chunked kernels below the line (training and every whole-sequence forward) and
-// the per-token forward here (a decoder's few rows, whose every row's state it can keep).
+// Reference: `ddl_ref.gdn`; the math: docs/model.md#gated-deltanet; the design:
+// docs/kernels.md#the-gated-delta-rule. Two forms: the chunked kernels below the line (training and every
+// whole-sequence forward) and the per-token forward here (a decoder's few rows, whose every row's state it
+// can keep).
 //
 // Per batch row b and value head h (its key head hk = h / (Hv / Hk)), a state S (Dk x Dv), zero or given at
 // t = 0, runs over the row's T tokens:

@@ -255,6 +255,30 @@ def test_chunked_same_bits_every_run(gpu):
         assert np.array_equal(a, b)
 
 
+def test_chunked_bits_do_not_depend_on_the_sequential_kernels_tunables(gpu):
+    """bv, threads, br, pf and unroll change which thread adds what, never the order of a sum: every output
+    has the same bits under each (so a plan chosen for speed changes no result)."""
+    shape = (1, 40, 1, 2, 16, 16)
+    B, T, Hk, Hv, Dk, Dv = shape
+    N = B * T
+    rng = np.random.default_rng(12)
+    x = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
+    do = gpu.upload(rng.standard_normal((B, T, Hv, Dv)).astype(f32))
+    runs = []
+    for plan in (kg.ChunkPlan(16, 8, 64, 4, pthreads=64), kg.ChunkPlan(16, 16, 32, 8, pthreads=64, pf=False, unroll=False),
+                 kg.ChunkPlan(16, 4, 128, 2, pthreads=64)):  # fmt: skip
+        d = _chunked(gpu, x, plan, v_pad=0)
+        dqk, dvb = gpu.buffer(4 * qk_floats(N, Hv, Dk)), gpu.buffer(4 * N * Hv * Dv)
+        kg.chunk_backward(gpu, dqk, dvb, d["scr"], d["states"], d["delta"], d["qkgb"], d["v"], do, B, T, Hk, Hv, Dk,
+                          Dv, plan=plan).run(gpu)  # fmt: skip
+        buf, off, n = kg.chunk_dg_view(gpu, d["scr"], B, T, Hv, Dk, Dv, plan)
+        dg = gpu.download(buf, np.uint32)[off // 4 :][: n // 4]
+        runs.append([gpu.download(b, np.uint32) for b in (d["o"], d["delta"], d["states"], dqk, dvb)] + [dg])
+    for other in runs[1:]:
+        for name, a, b in zip(("o", "delta", "states", "dqk", "dv", "dg"), runs[0], other, strict=True):
+            assert np.array_equal(a, b), name
+
+
 def test_chunk_plans():
     """The default plan is the first of PLANS that fits; a plan that does not fit, or is malformed, is one
     clear error; DDL_WGPU_GDN_PLAN parses."""

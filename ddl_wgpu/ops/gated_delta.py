@@ -12,7 +12,7 @@ row, value head and block of value columns, the chunks in order with the state's
 `chunk_backward_grads` (per chunk again). Their tunables are a `ChunkPlan` (chunk length, value columns per
 workgroup, threads, staging depth), the default the first of `PLANS` the adapter's limits allow, or
 DDL_WGPU_GDN_PLAN; `bench/hybrid.py kernel --sweep` times them. Each product's per-thread code is generated
-straight-line (`ddl_wgpu/ops/tiles.py`): a private array indexed at run time would live in slow memory on
+straight-line (`ddl_wgpu/wgsl_tiles.py`): a private array indexed at run time would live in slow memory on
 NVIDIA (docs/kernels.md#generated-wgsl).
 
 The per-token forward (`gated_delta_forward`: a decoder's pass of a few rows, `ddl_wgpu.decode`) walks the
@@ -29,10 +29,10 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from ddl_wgpu import wgsl_tiles as tl
 from ddl_wgpu.gpu import Call, Gpu, GpuError, Uniform
 from ddl_wgpu.ops import need_all as _need
 from ddl_wgpu.ops import pow2_at_least, sub
-from ddl_wgpu.ops import tiles as tl
 from ddl_wgpu.ops.gdn_inputs import align_floats, planar_offsets, qk_floats
 
 FILE = "gated_delta.wgsl"
@@ -358,7 +358,7 @@ def _staged(arr: str, base: str, stride: int | str, k0: str = "") -> Callable[[s
 
 def _chunk_templates(plan: ChunkPlan, Dk: int, Dv: int) -> dict[str, str]:
     """The `{{name}}` values of the chunked kernels: sizes, workgroup-memory offsets and the straight-line
-    per-thread code of every product (ddl_wgpu/ops/tiles.py). Products over a staged operand read its rows
+    per-thread code of every product (ddl_wgpu/wgsl_tiles.py). Products over a staged operand read its rows
     r of the step; the output element (row, col) is `row`/`col` of the product's tile."""
     cdk, cdv = plan.dims(Dk, Dv)
     C, R, V = plan.chunk, plan.br, plan.bv
