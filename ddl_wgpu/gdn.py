@@ -13,10 +13,9 @@ like `ddl_ref.gdn.gdn_forward` / `gdn_backward`.
 The rule runs in its chunked form (`ops.gated_delta.chunk_forward` / `chunk_backward`,
 docs/kernels.md#the-chunked-form) through one scratch buffer every Gated DeltaNet layer shares (`gdn_scr`);
 the backward runs the same ops in reverse, through one set of scratch buffers the layers share
-(`gdn_scratch`). What each layer
-keeps for its backward: the GEMM outputs (X, z, a, b), the conv output, q̂/k̂ and the gates, the rule's Δ
-(its per-token corrections) and the state before each chunk (training nets only), o and its normalised
-form, y.
+(`gdn_scratch`). What each layer keeps for its backward: the GEMM outputs (X, z, a, b), the conv output,
+q̂/k̂ and the gates, the rule's Δ (its per-token corrections) and the state before each chunk (training nets
+only), o and its normalised form, y.
 
 Decoding with a cache (`ddl_wgpu.decode.TrunkRows`) runs the same forward, overriding two steps: the conv
 (`_gdn_conv`: it reads the cache's window of the k−1 inputs before the pass) and the rule (`_gdn_rule`: it
@@ -57,9 +56,8 @@ class GatedDeltaNet:
         trains the backward's parts too (`ops.gated_delta.chunk_sizes`)."""
         if getattr(self, "_gdn_scr_buf", None) is None:
             Hk, Hv, Dk, Dv = self._gdn_sizes()
-            n = k_gd.chunk_scratch_floats(
-                self.gpu, self.B, self.T, Hv, Dk, Dv, not self.net.inference, self.gdn_plan
-            )
+            training = not self.net.inference
+            n = k_gd.chunk_scratch_floats(self.gpu, self.B, self.T, Hv, Dk, Dv, training, self.gdn_plan)
             self._gdn_scr_buf = self.act(n, "gdn_chunk_scratch")
         return self._gdn_scr_buf
 
@@ -176,9 +174,7 @@ class GatedDeltaNet:
         call += k_gd.chunk_backward(g, s["dqk"], s["dcv"], a["scr"], a["states"], a["delta"], a["qkgb"], a["cv"],
                                     s["do"], self.B, self.T, Hk, Hv, Dk, Dv, plan=self.gdn_plan, v_off=v_off,
                                     v_stride=Hv * Dv)  # fmt: skip
-        dgb = k_gd.chunk_dg_view(
-            g, a["scr"], self.B, self.T, Hv, Dk, Dv, self.gdn_plan
-        )  # [dg, dbeta] per head
+        dgb = k_gd.chunk_dg_view(g, a["scr"], self.B, self.T, Hv, Dk, Dv, self.gdn_plan)  # [dg, dbeta]
         call += k_gi.gates_backward(g, da, db, G(q + "A_log"), G(q + "dt_bias"), dgb, ga, gb_, P(q + "A_log"),
                                     P(q + "dt_bias"), s["ones"], N, Hv, 1, dgg=s["dgg"])  # fmt: skip
         call += k_gi.l2norm_backward(g, s["dcv"], s["dqk"], a["qkr"], a["cv"], N, Hk, Dk,

@@ -606,6 +606,13 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     // dQK = dP ∘ M and dKK = dA ∘ diag(beta) M in place of P and MKK; dP ∘ P + dA ∘ A summed by rows and
     // by columns into dγ, dA ∘ MKK by rows into dbeta
     {{CG_E_ELEM}}
+    // dKK + dKKᵀ in place: dKK is strictly lower, so its upper triangle takes the transpose
+    for (var e = lid; e < CC2; e += CNTP) {
+        let t = e / CC;
+        let s = e - t * CC;
+        if (s > t) { cg_sm[CG_A + t * (CC + 1u) + s] = cg_sm[CG_A + s * (CC + 1u) + t]; }
+    }
+    workgroupBarrier();
     // dq = dQK K, dk = dQKᵀ Q + (dKK + dKKᵀ) K over the chunk's tokens (k, q rows staged as they are)
     {{CG_Q_DECL}}
     for (var u0 = 0u; u0 < CC; u0 += BR) {

@@ -203,14 +203,15 @@ ENV_PLAN = "DDL_WGPU_GDN_PLAN"  # e.g. "chunk=64,bv=32,threads=256,br=8": the ch
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """The tunables of the chunked kernels. `chunk`: tokens per chunk (C); `bv`: value columns of the state
-    per workgroup of the two sequential kernels (their grid is batch rows x value heads x Dv/bv); `threads`
-    per workgroup of those, `pthreads` of the two per-chunk kernels (chunk_prep, chunk_backward_grads); `br`: rows of an operand staged into workgroup memory per step (steps of the products
-    between two barriers); `unroll`: the br steps as straight-line code; `tb`: the prep's blocks of Tm (at most
-    chunk; the diagonal blocks are solved a column per thread, tb steps long). All powers of two; a plan fits
-    an adapter when every kernel's workgroup memory and thread count do (`check`). `pf`: the sequential
-    kernels load the next step's staged rows into registers before this step's products (prefetch), so the
-    loads' latency hides behind the arithmetic."""
+    """The tunables of the chunked kernels, all powers of two. `chunk`: tokens per chunk (C); `bv`: value
+    columns of the state per workgroup of the two sequential kernels (their grid is batch rows x value heads x
+    Dv/bv); `threads` per workgroup of those, `pthreads` of the two per-chunk kernels (chunk_prep,
+    chunk_backward_grads); `br`: rows of an operand staged into workgroup memory per step (the steps of a
+    product between two barriers); `unroll`: the br steps as straight-line code; `tb`: the prep's blocks of
+    Tm (the diagonal ones solved a column per thread, tb steps long); `pf`: the sequential kernels load the
+    next step's staged rows into registers during this step's products (prefetch). A plan fits an adapter
+    when every kernel's workgroup memory and thread count do (`check`). Only chunk, tb and pthreads change
+    the rounding; the others change which thread adds what, not the order of any sum."""
 
     chunk: int = 64
     bv: int = 32
@@ -678,7 +679,7 @@ def _grads_templates(plan: ChunkPlan, e: tl.Tile, q: tl.Tile, cdk: int) -> dict[
         {
             "qk": lambda row, r: sq("CG_P", row, f"(u0 + {r})"),
             "qkt": lambda row, r: sq("CG_P", f"(u0 + {r})", row),
-            "kk": lambda row, r: f"({sq('CG_A', row, f'(u0 + {r})')} + {sq('CG_A', f'(u0 + {r})', row)})",
+            "kk": lambda row, r: sq("CG_A", row, f"(u0 + {r})"),  # dKK + dKKᵀ, completed in place
         },
         {"k": _staged("cg_sm", "CG_STG", cdk), "q": _staged("cg_sm", f"CG_STG + {R * cdk}u", cdk)},
     )
