@@ -76,7 +76,7 @@ ENV_TRUSTED = "DDL_WGPU_TRUSTED"
 # shared-memory indices in range by their loop bounds) and whose launchers check every binding's size.
 # naga otherwise clamps each array index and counts every loop's iterations: in a GEMM's inner loop that is
 # integer work beside every shared-memory load.
-TRUSTED_FILES = frozenset({"matmul.wgsl", "attention.wgsl"})
+TRUSTED_FILES = frozenset({"matmul.wgsl", "attention.wgsl", "gated_delta.wgsl"})
 
 
 def trusted_files() -> frozenset:
