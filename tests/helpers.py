@@ -1,12 +1,14 @@
 """What several test modules share, as plain functions (not a test module: nothing here is collected, and no
-test module imports another). The one factory of tiny model configurations (`tiny_cfg`) and the tiny
-models built from it (`random_model`, `perturbed`, `make_model`), the heal tests' text (`make_text`), the engine
-tests' gradient check (`check_grads`) and the speculative-sampling check (`check_speculative_sampling`).
+test module imports another). The one factory of tiny model configurations (`tiny_cfg`; `hybrid_cfg` for
+Qwen3.5-family trunks), the CLI's size flags of one (`cli_sizes`), the tiny models built from it
+(`random_model`, `perturbed`, `make_model`), the heal tests' text (`make_text`), the engine tests' gradient
+check (`check_grads`) and the speculative-sampling check (`check_speculative_sampling`).
 
 `tiny_cfg(shape, variant, **overrides)`: the sizes of `SHAPES[shape]`, then `overrides`, then `variant`'s
 residual fields (`ModelVariant.resolve_config`). Each shape is small for a reason the tests rely on (its
 comment); a test states what else it needs as overrides, so every configuration a test trains is written
-where it is used or here, nowhere else.
+where it is used or here, nowhere else. `hybrid_cfg` lays the `HYBRID` overlay (the layer types and the
+Gated DeltaNet's sizes) over a shape the same way; `cli_sizes` spells a shape's sizes as `init`/`train` flags.
 """
 
 from __future__ import annotations
@@ -59,11 +61,43 @@ SHAPES = {
 }  # fmt: skip
 
 
+# Qwen3.5's layout at test size, laid over any shape by `hybrid_cfg`: Gated DeltaNets around a gated
+# full-attention block with RoPE on 2 dims of a head, zero-centred norms, q/k norms before RoPE; Hv = 2·Hk
+# and Dk != Dv, and a conv of 3 taps (a window shorter than a verify pass, so it wraps). A test that relies on
+# other values (Dk and Dv off every tile on the GPU, a conv of Qwen3.5's 4) overrides them at the call.
+HYBRID = dict(
+    n_layers=3, layer_types=("linear_attention", "full_attention", "linear_attention"), attn_output_gate=True,
+    rotary_dim=2, norm_style="offset", qk_norm="pre_rope", linear_k_heads=1, linear_v_heads=2, linear_k_dim=3,
+    linear_v_dim=4, linear_conv_kernel=3)  # fmt: skip
+
+
 def tiny_cfg(shape: str = "default", variant: ModelVariant | str | None = None, **overrides) -> ModelConfig:
     """A tiny `ModelConfig`: `SHAPES[shape]` updated with `overrides`, then `variant` resolved (module
     docstring)."""
     cfg = ModelConfig(**{**SHAPES[shape], **overrides})
     return ModelVariant(variant).resolve_config(cfg) if variant is not None else cfg
+
+
+def hybrid_cfg(shape: str = "default", variant: ModelVariant | str | None = None, **overrides) -> ModelConfig:
+    """`tiny_cfg` of a hybrid (Qwen3.5-family) trunk: `SHAPES[shape]`, then `HYBRID`, then `overrides`."""
+    return tiny_cfg(shape, variant, **{**HYBRID, **overrides})
+
+
+# the sizes `init` and `train` take as flags (`--d-model 16`, ...): every field of a SHAPES entry that has one
+SIZE_FLAGS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
+              "max_seq_len")  # fmt: skip
+
+
+def cli_sizes(shape: str = "default", **overrides) -> list[str]:
+    """The size flags of `tiny_cfg(shape, **overrides)` for `ddl-wgpu init|train`, every size spelt out (the
+    preset's never leak in). A shape or override the flags cannot express (a conv kernel, a draft) is refused
+    here rather than silently dropped."""
+    fields = {**SHAPES[shape], **overrides}
+    extra = sorted(set(fields) - set(SIZE_FLAGS))
+    if extra:
+        raise ValueError(f"cli_sizes: {extra} have no size flag (pass the option itself to the command)")
+    cfg = tiny_cfg(shape, **overrides)
+    return [a for f in SIZE_FLAGS for a in ("--" + f.replace("_", "-"), str(getattr(cfg, f)))]
 
 
 def check_grads(got: dict, want: dict, label: str = "") -> None:

@@ -12,27 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import cli_sizes
 
 from ddl_ref.config import ModelVariant
 
-MODEL_ARGS = [
-    "--vocab-size",
-    "256",
-    "--d-model",
-    "32",
-    "--n-layers",
-    "1",
-    "--n-heads",
-    "2",
-    "--n-kv-heads",
-    "1",
-    "--head-dim",
-    "8",
-    "--ffn-hidden",
-    "48",
-    "--max-seq-len",
-    "32",
-]
+MODEL_ARGS = cli_sizes("train")
 TRAIN_ARGS = [
     "--variants",
     "baseline",
@@ -327,7 +311,7 @@ def test_new_phase_after_decay_to_zero_is_refused(corpus, tmp_path, cli, ok, use
     out = tmp_path / "run"
     ok(cli("train", "--data", str(corpus), "--variants", "baseline", "--out", str(out), "--max-steps", "2",
            "--eval-interval", "2", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1", "--no-plots",
-           "--d-model", "32", "--n-layers", "1"))  # fmt: skip
+           *MODEL_ARGS))  # fmt: skip
     ck = str(out / "baseline" / "checkpoint.ddlw")
     user_error(
         cli("resume", ck, "--data", str(corpus), "--steps", "2"), "learning rate 0", "--min-learning-rate"

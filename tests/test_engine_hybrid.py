@@ -10,7 +10,7 @@ Shapes are off every tile: Dk 6 and Dv 5 (the delta rule pads both), Hv = 2·Hk,
 
 import numpy as np
 import pytest
-from helpers import check_grads, tiny_cfg
+from helpers import check_grads, hybrid_cfg
 
 from ddl_ref import model as rm
 from ddl_ref.check import check, random_params
@@ -21,9 +21,8 @@ from ddl_wgpu.trunk import TrunkWork
 
 B, T = 2, 9
 LENGTHS = np.array([9, 6])
-HYBRID = dict(layer_types=("linear_attention", "full_attention", "linear_attention"), n_layers=3,
-              attn_output_gate=True, rotary_dim=2, norm_style="offset", qk_norm="pre_rope", linear_k_heads=1,
-              linear_v_heads=2, linear_k_dim=6, linear_v_dim=5, linear_conv_kernel=3)  # fmt: skip
+# Dk 6 and Dv 5: the gated delta rule's widths off every tile and vec4, as the engine shape's widths are
+OFF_TILE = dict(linear_k_dim=6, linear_v_dim=5)
 
 
 def _params(cfg, seed=3):
@@ -48,21 +47,21 @@ def _step_against_reference(gpu, cfg, mtp_weight=None):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_hybrid_step_matches_reference(gpu, tied):
-    cfg = tiny_cfg("engine", tie_embeddings=tied, **HYBRID)
+    cfg = hybrid_cfg("engine", tie_embeddings=tied, **OFF_TILE)
     _step_against_reference(gpu, cfg)
 
 
 def test_deep_delta_residual_on_a_hybrid_trunk(gpu):
-    _step_against_reference(gpu, tiny_cfg("engine", "ddl-cc", **HYBRID))
+    _step_against_reference(gpu, hybrid_cfg("engine", "ddl-cc", **OFF_TILE))
 
 
 def test_hybrid_with_a_joint_draft(gpu):
     """The draft is a gated full-attention block with partial RoPE, also though trunk block 0 is linear."""
-    _step_against_reference(gpu, tiny_cfg("engine", mtp=MtpConfig(), **HYBRID), mtp_weight=0.3)
+    _step_against_reference(gpu, hybrid_cfg("engine", mtp=MtpConfig(), **OFF_TILE), mtp_weight=0.3)
 
 
 def test_forward_only_nets_give_the_training_nets_loss(gpu):
-    cfg = tiny_cfg("engine", tie_embeddings=False, **HYBRID)
+    cfg = hybrid_cfg("engine", tie_embeddings=False, **OFF_TILE)
     p = _params(cfg)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T))
     total, count = Net(gpu, cfg, p, work_class=TrunkWork).work(B, T).loss_sum(ids, LENGTHS)
@@ -84,7 +83,7 @@ def test_step_gradients_equal_transformers_autograd(gpu):
     import torch  # the test extra's: a missing torch fails this test, as tests/test_hf.py's
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    cfg = tiny_cfg("engine", tie_embeddings=False, rms_eps=1e-6, **HYBRID)
+    cfg = hybrid_cfg("engine", tie_embeddings=False, rms_eps=1e-6, **OFF_TILE)
     hc = Qwen3_5TextConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
                            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                            num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, linear_num_key_heads=1,

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import tiny_cfg
+from helpers import cli_sizes, tiny_cfg
 
 from ddl_ref.config import ModelVariant
 from ddl_ref.params import init_params
@@ -407,9 +407,7 @@ def test_train_cli_writes_every_report_and_exits_non_zero_when_a_variant_fails(t
     # a learning rate of 1e30 makes the weights overflow after the first step: the second is non-finite
     r = cli("train", "--data", text, "--out", tmp_path / "o", "--variants", "baseline", "--max-steps", "3",
             "--eval-interval", "1", "--batch-size", "2", "--seq-len", "16", "--learning-rate", "1e30",
-            "--backend", "ref", "--no-plots", "--preset", "tiny", "--d-model", "16", "--n-layers", "1",
-            "--n-heads", "2", "--n-kv-heads", "1", "--head-dim", "8", "--ffn-hidden", "24",
-            "--max-seq-len", "32")  # fmt: skip
+            "--backend", "ref", "--no-plots", "--preset", "tiny", *cli_sizes(n_layers=1))  # fmt: skip
     assert r.returncode == 2, r.stderr  # a user error: the run itself went wrong, not the tool
     assert "error: 1 of 1 variants failed: baseline" in r.stderr
     assert re.search(r"^1    baseline      failed at step 2: non-finite", r.stdout, re.M), r.stdout

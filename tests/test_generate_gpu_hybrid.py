@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import random_model, tiny_cfg
+from helpers import hybrid_cfg, random_model
 
 from ddl_ref import model as ref_model
 from ddl_ref.check import check
@@ -28,14 +28,12 @@ from ddl_wgpu.generate import Sampling, run
 from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.refnet import ref_runner
 
-HYBRID = dict(layer_types=("linear_attention", "full_attention", "linear_attention"), n_layers=3,
-              attn_output_gate=True, rotary_dim=4, norm_style="offset", qk_norm="pre_rope", linear_k_heads=1,
-              linear_v_heads=2, linear_k_dim=6, linear_v_dim=5, linear_conv_kernel=4)  # fmt: skip
+SHAPE = dict(rotary_dim=4, linear_k_dim=6, linear_v_dim=5, linear_conv_kernel=4)  # the docstring's shapes
 GDN_LAYERS = (0, 2)
 
 
 def hybrid(variant="baseline", seed=5, **overrides):
-    return random_model(tiny_cfg("decode", variant, **{**HYBRID, **overrides}), seed, variant)
+    return random_model(hybrid_cfg("decode", variant, **{**SHAPE, **overrides}), seed, variant)
 
 
 def forward64(model, ids) -> np.ndarray:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import check_speculative_sampling, random_model, tiny_cfg
+from helpers import check_speculative_sampling, hybrid_cfg, random_model, tiny_cfg
 
 from ddl_ref import decode
 from ddl_ref import model as ref_model
@@ -21,17 +21,7 @@ from ddl_wgpu.data import ByteTokenizer
 from ddl_wgpu.generate import Sampling, run
 from ddl_wgpu.refnet import RefEngine
 
-# Qwen3.5's layout at test size: Gated DeltaNets around a gated full-attention block with RoPE on 2 of the 6
-# dims of a head, zero-centred norms, q/k norms before RoPE; Hv = 2·Hk and Dk != Dv, a conv of 3 (so the
-# window is shorter than a verify pass and wraps).
-HYBRID = dict(n_layers=3, layer_types=("linear_attention", "full_attention", "linear_attention"),
-              attn_output_gate=True, rotary_dim=2, norm_style="offset", qk_norm="pre_rope", linear_k_heads=1,
-              linear_v_heads=2, linear_k_dim=3, linear_v_dim=4, linear_conv_kernel=3)  # fmt: skip
 VARIANTS = list(ModelVariant)
-
-
-def hybrid_cfg(variant="baseline", **kw):
-    return tiny_cfg("generate", variant, **{**HYBRID, **kw})
 
 
 def params_of(cfg, seed, dtype=np.float64):
@@ -61,7 +51,7 @@ def cache_arrays(cache: decode.TrunkCache) -> dict:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_hybrid_cached_trunk_equals_forward(variant):
-    cfg = hybrid_cfg(variant, mtp=MtpConfig() if variant in ("baseline", "ddl-tc") else None)
+    cfg = hybrid_cfg("generate", variant, mtp=MtpConfig() if variant in ("baseline", "ddl-tc") else None)
     params = params_of(cfg, 3)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 11)
     want, _, _ = ref_model.forward(params, cfg, ids[None])
@@ -91,7 +81,7 @@ def test_hybrid_cached_trunk_equals_forward(variant):
 
 
 def test_hybrid_rollback_outside_the_last_pass_is_refused():
-    cfg = hybrid_cfg()
+    cfg = hybrid_cfg("generate", "baseline")
     params = params_of(cfg, 4)
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, 9)
     cache = decode.TrunkCache(cfg, dtype=np.float64)
@@ -137,7 +127,7 @@ def test_one_row_products_do_not_depend_on_the_pass():
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("variant", ["baseline", "ddl", "ddl-tc", "ddl-cc"])
 def test_verify_then_rollback_equals_plain_decode_bit_for_bit(variant, dtype):
-    cfg = hybrid_cfg(variant)
+    cfg = hybrid_cfg("generate", variant)
     params = params_of(cfg, 5, dtype)
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, cfg.vocab_size, 5)
@@ -181,7 +171,7 @@ def test_hybrid_greedy_speculative_equals_plain(variant):
     """Random draft weights: a draft that is wrong most of the time, right by chance on a vocabulary of 4."""
     kept = rejected = 0
     for seed in range(3):
-        cfg = hybrid_cfg(variant, vocab_size=4, max_seq_len=24, mtp=MtpConfig())
+        cfg = hybrid_cfg("generate", variant, vocab_size=4, max_seq_len=24, mtp=MtpConfig())
         model = random_model(cfg, seed, variant)
         plain = gen(model, [1, 2, 3], max_new=18)
         assert plain["new_tokens"] == 18 and plain["finish_reason"] == "length"
@@ -196,6 +186,6 @@ def test_hybrid_greedy_speculative_equals_plain(variant):
 def test_hybrid_speculative_sampling_preserves_trunk_distribution():
     """helpers.check_speculative_sampling on a two-block hybrid (a Gated DeltaNet, then gated attention): a
     rejection at depth 1 or 2 rolls the recurrent state back inside the verify pass."""
-    cfg = hybrid_cfg(vocab_size=3, max_seq_len=8, n_layers=2, layer_types=("linear_attention", "full_attention"),
-                     mtp=MtpConfig())  # fmt: skip
+    cfg = hybrid_cfg("generate", "baseline", vocab_size=3, max_seq_len=8, n_layers=2,
+                     layer_types=("linear_attention", "full_attention"), mtp=MtpConfig())  # fmt: skip
     check_speculative_sampling(random_model(cfg, 2), gen, 3000)

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import cli_sizes
 
 from ddl_wgpu import cli_checks
 from ddl_wgpu import train as T
 from ddl_wgpu.container import CheckpointError, open_checkpoint, save
 from ddl_wgpu.data import DataError, load_records
 
-MODEL_ARGS = ["--vocab-size", "256", "--d-model", "16", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
-              "--head-dim", "8", "--ffn-hidden", "24", "--max-seq-len", "32"]  # fmt: skip
+MODEL_ARGS = cli_sizes()
 TRAIN_ARGS = ["--variants", "baseline", "--max-steps", "4", "--eval-interval", "2", "--batch-size", "2",
               "--seq-len", "16", "--eval-batches", "1", "--backend", "ref", "--no-plots", *MODEL_ARGS]  # fmt: skip
 BIG = str(1 << 64)

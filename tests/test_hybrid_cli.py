@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import cli_sizes
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import preset
@@ -21,8 +22,7 @@ from ddl_wgpu.hf_files import Weights
 from ddl_wgpu.inspect import describe
 from ddl_wgpu.modelfile import load_model
 
-SIZES = ["--vocab-size", "256", "--d-model", "32", "--n-layers", "3", "--n-heads", "2", "--n-kv-heads", "1",
-         "--head-dim", "8", "--ffn-hidden", "48", "--max-seq-len", "32"]  # fmt: skip
+SIZES = cli_sizes("train", n_layers=3)
 HYBRID = ["--arch", "qwen3_5", *SIZES]  # L L F: two Gated DeltaNet blocks, then gated full attention
 TRAIN = ["--max-steps", "4", "--eval-interval", "2", "--batch-size", "2", "--seq-len", "16", "--eval-batches",
          "1", "--learning-rate", "1e-2", "--min-learning-rate", "1e-3", "--warmup-steps", "1", "--no-plots"]  # fmt: skip

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import tiny_cfg
+from helpers import cli_sizes, tiny_cfg
 
 from ddl_ref.config import ModelVariant
 from ddl_wgpu import train as T
@@ -208,9 +208,8 @@ def _env() -> dict:
 
 CLI_ARGS = ["--variants", "baseline,ddl", "--max-steps", "10", "--eval-interval", "3", "--batch-size", "2",
             "--seq-len", "16", "--eval-batches", "2", "--learning-rate", "1e-2", "--warmup-steps", "2",
-            "--min-learning-rate", "1e-3", "--backend", "ref", "--no-plots", "--vocab-size", "256", "--d-model",
-            "16", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1", "--head-dim", "8", "--ffn-hidden",
-            "24", "--max-seq-len", "32"]  # fmt: skip
+            "--min-learning-rate", "1e-3", "--backend", "ref", "--no-plots",
+            *cli_sizes(n_layers=1)]  # fmt: skip
 
 
 def test_cli_ctrl_c_then_resume_finishes_the_sweep(data, tmp_path):

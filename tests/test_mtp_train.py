@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import check_grads, tiny_cfg
+from helpers import check_grads, cli_sizes, tiny_cfg
 
 from ddl_ref import model as rm
 from ddl_ref.check import assert_fd_grad, check, random_params
@@ -144,8 +144,7 @@ def test_cli_train_mtp_compress_accept_heal(tmp_path, cli, ok):
     words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
     corpus = tmp_path / "c.txt"
     corpus.write_text(" ".join(np.random.default_rng(0).choice(words, 1500)))
-    model_args = ["--vocab-size", "256", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
-                  "--head-dim", "8", "--ffn-hidden", "48", "--max-seq-len", "32", "--backend", "wgpu"]  # fmt: skip
+    model_args = [*cli_sizes("train", n_layers=2), "--backend", "wgpu"]
     train = ["--variants", "baseline", "--max-steps", "6", "--eval-interval", "3", "--batch-size", "2",
              "--seq-len", "16", "--eval-batches", "2", "--learning-rate", "1e-2", "--no-plots", *model_args]  # fmt: skip
     out = tmp_path / "run"

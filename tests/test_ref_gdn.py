@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import hybrid_cfg
 
 from ddl_ref import gdn
 from ddl_ref.check import assert_fd_grad, check_grad, random_params
@@ -231,11 +232,8 @@ def test_gated_delta_rejects_bad_heads():
 
 
 def gdn_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=11, d_model=7, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, ffn_hidden=6,
-                max_seq_len=16, layer_types=("linear_attention",), linear_k_heads=1, linear_v_heads=2,
-                linear_k_dim=3, linear_v_dim=5, linear_conv_kernel=3)  # fmt: skip
-    base.update(kw)
-    return ModelConfig(**base)
+    """One Gated DeltaNet block (helpers.HYBRID's mixer) at the reference's finite-difference size."""
+    return hybrid_cfg("numpy", n_layers=1, layer_types=("linear_attention",), max_seq_len=16, **kw)
 
 
 def test_gdn_mixer_gradients_match_finite_differences():

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import tiny_cfg
+from helpers import hybrid_cfg, tiny_cfg
 
 from ddl_ref import model, ops
 from ddl_ref.check import assert_fd_grad, random_params
@@ -274,15 +274,6 @@ def test_cosine_warmup_schedule():
 TWO_BLOCKS = dict(n_layers=2, layer_types=("linear_attention", "full_attention"))  # the cheaper checks
 
 
-def hybrid_cfg(**kw) -> ModelConfig:
-    """Three blocks linear / full / linear, the output gate, RoPE on 2 of 6 head dims, Hv = 2·Hk, Dk != Dv."""
-    base = dict(layer_types=("linear_attention", "full_attention", "linear_attention"), n_layers=3,
-                attn_output_gate=True, rotary_dim=2, linear_k_heads=1, linear_v_heads=2, linear_k_dim=3,
-                linear_v_dim=4, linear_conv_kernel=3, norm_style="offset", qk_norm="pre_rope")  # fmt: skip
-    base.update(kw)
-    return tiny_cfg(**base)
-
-
 FD_ENTRIES = 48  # per tensor, in the hybrid checks: a Gated DeltaNet forward is a loop over tokens in Python
 
 
@@ -331,12 +322,12 @@ def test_ddl_on_a_hybrid_trunk_gradients(variant):
     # DeltaNet output of RMS ~3e-3 meets the gated norm's sqrt(mean(o²) + eps), which at 1e-5 bends too
     # sharply for central differences at 1e-6 once DDL's u/|u| sits behind it (the error then shrinks as
     # eps², as a correct gradient's does); the function and its backward are the same at any eps.
-    assert_model_grads(ModelVariant(variant).resolve_config(hybrid_cfg(rms_eps=1e-3, **TWO_BLOCKS)))
+    assert_model_grads(hybrid_cfg(variant=variant, rms_eps=1e-3, **TWO_BLOCKS))
 
 
 def test_spectral_diagnostics_on_a_hybrid_ddl_trunk():
     # DDL's diagnostics read the delta updates only: one entry per sublayer, whichever mixer fed it
-    cfg = ModelVariant("ddl-tc").resolve_config(hybrid_cfg())
+    cfg = hybrid_cfg(variant="ddl-tc")
     _, _, cache = model.forward(random_params(cfg), cfg, np.zeros((1, 4), dtype=int), spectral=True)
     assert len(cache["spectral"]["beta_per_layer"]) == 2 * cfg.n_layers
     base = hybrid_cfg()

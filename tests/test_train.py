@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import tiny_cfg
+from helpers import cli_sizes, tiny_cfg
 
 from ddl_ref.config import ModelVariant
 from ddl_ref.optim import CosineWarmupSchedule
@@ -59,24 +59,7 @@ TCFG = TrainingConfig(
     eval_batches=2,
     seed=0,
 )
-CLI_MODEL_ARGS = [
-    "--vocab-size",
-    "256",
-    "--d-model",
-    "32",
-    "--n-layers",
-    "1",
-    "--n-heads",
-    "2",
-    "--n-kv-heads",
-    "1",
-    "--head-dim",
-    "8",
-    "--ffn-hidden",
-    "48",
-    "--max-seq-len",
-    "32",
-]
+CLI_MODEL_ARGS = cli_sizes("train")
 
 REPORT_FIELDS = [  # the reference trainer's TrainingReport, in order
     "variant",
