@@ -12,9 +12,7 @@ export OPENBLAS_NUM_THREADS ?= 1
 # The main job on the embedded corpus: a baseline vs DDL sweep on Python's stdlib sources, the ranked table,
 # report and plots under runs/demo/; then the heal story (scripts/heal_story.sh): train --mtp, compress, accept
 # (drops), heal, accept (recovers), generate, under runs/demo/heal/; then the same on a Qwen3.5-family hybrid
-# (scripts/heal_story_hybrid.sh, runs/demo/heal-hybrid/). 2 min 52 s in all on a fresh clone of the idle 2-core
-# development machine; the hybrid's story alone 50 s (300 steps: a numpy step of the hybrid costs about 1.5 of
-# the transformer's), the transformer's most of the rest (its 1000 training steps) (README).
+# (scripts/heal_story_hybrid.sh, runs/demo/heal-hybrid/). What it prints and how long it takes: docs/demo.md.
 DEMO_ARGS ?= --data stdlib --variants baseline,ddl,ddl-cc --preset tiny --max-steps 60 --eval-interval 20 \
 	--eval-batches 4 --batch-size 8 --seq-len 128 --learning-rate 3e-3 --warmup-steps 5 --max-tokens 2000000
 

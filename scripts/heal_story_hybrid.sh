@@ -10,29 +10,11 @@
 # build every written mtp.* tensor at its shape). The trunk's loss before and after compress is printed too, to
 # show what changed under the draft. The draft is in Qwen3.5's layout, so compress narrows it with the trunk and
 # heal narrows the trained draft to the compressed width and trains stacked, as vLLM and SGLang build and run
-# it (docs/heal.md#which-runtime-serves-the-draft; the old defaults, a draft kept twice as wide and healed
-# per-step, reached tau 1.9942 where these reach 1.9724: docs/experiments.md).
+# it (docs/heal.md#which-runtime-serves-the-draft).
 #
-# Why these settings (measured on the numpy backend of the 2-core development machine, OPENBLAS_NUM_THREADS=1,
-# with other jobs running, while the hybrid's draft still read pre-norm hiddens; since `--arch qwen3_5 --mtp`
-# builds Qwen3.5's post-norm layout the output differs: the README quotes today's). The numpy hybrid step costs
-# about 1.5x the transformer's at these sizes (the Gated DeltaNet's recurrence is a loop over the 128 tokens of
-# a window), so the story trains 300 steps instead of the transformer story's 1000:
-# - `tiny` with 3 blocks (L L F, 191k parameters), 300 steps of 8 x 128 tokens at lr 2e-2: train loss about 1.6;
-# - compress --ffn-keep 0.5: the draft's acceptance drops at every depth and heal recovers most of it. Dropping
-#   the middle (Gated DeltaNet) block instead (--drop-layers 1, L L F -> L F) moved it less at 250-300 steps
-#   (tau 2.055 -> 2.020 -> 2.127 after heal at 300 steps, A_3 not dropping), and dropping the first block (250
-#   steps) broke the trunk (A_1 0.60 -> 0.04, a degenerate trunk the draft then predicts easily: tau 2.50 after
-#   heal);
-# - heal as in the transformer story: 40k tokens at lr 1e-3, --init the trained model's draft;
-# - the prompt: 300 steps leave a model whose greedy text soon repeats itself (train loss 1.64 against the
-#   transformer story's 1.24 after 1000 steps). Of the prompts tried, a method head gave real identifiers
-#   (`self._fix(` over and over; with the post-norm draft's joint training, `context._ing === self thes`);
-#   the transformer story's class head gave `._sign an an an ...`, an import line `is is is ...`, a docstring
-#   or an `if` body only spaces.
-# The whole script took 50 s there with nothing else running (about 35 s of it training), 1 min 43 s (51 s of
-# CPU) with the export step under a load average of 1.1-1.4; `make demo`, with the transformer story beside
-# it: the README.
+# Why these settings (3 blocks, 300 steps at lr 2e-2, --ffn-keep 0.5, heal as in the transformer story, the
+# prompt) and what else was tried: docs/experiments.md#how-the-demos-heal-stories-got-their-settings; what the
+# story prints: docs/demo.md.
 #
 #   scripts/heal_story_hybrid.sh [CLI] [DIR] [BACKEND]   CLI defaults to .venv/bin/ddl-wgpu, DIR to
 #                                                        runs/demo/heal-hybrid, BACKEND (auto, ref, wgpu) to auto

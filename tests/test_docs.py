@@ -1,7 +1,8 @@
 """The repository explains itself: no file points to documents or sources outside it, every relative markdown
-link and every `docs/<page>.md#<anchor>` citation resolves to a file and a heading, the README's layout table
-names every module, and the kernel catalogue (docs/kernels.md) names entry points, launchers, references and
-tests that exist."""
+link and every `docs/<page>.md#<anchor>` citation resolves to a file and a heading, every module, bench script,
+script and shader is listed where the docs list its kind (one listing per kind, below) and every listed path
+exists, the pages that map the code name modules and functions that exist, and the kernel catalogue
+(docs/kernels.md) names entry points, launchers, references, tests and generated shaders as the code has them."""
 
 from __future__ import annotations
 
@@ -209,36 +210,159 @@ def test_slug_and_resolve_catch_a_bad_anchor():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the README's layout table
+# where each kind of file is listed: one listing per kind, so that a new file has exactly one place to go and a
+# merge that adds a module without its line fails here, saying where the line goes
+#
+#   ddl_ref/*.py, ddl_wgpu/*.py        README.md, "## How the code is laid out": a row each, `path` first
+#   top-level folders                  the same table: a row each, `folder/` first
+#   scripts/*.sh                       the same table, the `scripts/` row: each script named in backticks
+#   ddl_wgpu/ops/*.py, shaders/*.wgsl  docs/kernels.md, "## The families": a row per family (below)
+#   bench/*.py, bench/*.sh             docs/benchmarks.md, "## The scripts": each as `bench/NAME`
+
+LAYOUT_SECTION = ("README.md", "## How the code is laid out")
+BENCH_SECTION = ("docs/benchmarks.md", "## The scripts")
+
+
+def section(doc: str, heading: str) -> str:
+    """The text of `doc` from `heading` to the next heading of the same level."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    start = text.index(heading)
+    level = heading.split(" ")[0]
+    end = text.find(f"\n{level} ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
 
 
 def layout_rows() -> list[str]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = text.index("## How the code is laid out")
-    end = text.find("\n## ", start + 1)
-    section = text[start : end if end >= 0 else len(text)]
-    return [line for line in section.splitlines() if line.startswith("| `")]
+    return [line for line in section(*LAYOUT_SECTION).splitlines() if line.startswith("| `")]
+
+
+def layout_firsts() -> list[str]:
+    return [re.match(r"\| `([^`]+)`", r).group(1) for r in layout_rows()]
+
+
+def package_modules() -> list[str]:
+    return [f"{pkg}/{p.name}" for pkg in ("ddl_ref", "ddl_wgpu")
+            for p in sorted((ROOT / pkg).glob("*.py")) if p.name != "__init__.py"]  # fmt: skip
+
+
+def unlisted(modules: list[str], firsts: list[str]) -> list[str]:
+    """What is wrong with the layout table's first cells `firsts` against the tree's `modules` and folders."""
+    where = f'{LAYOUT_SECTION[0]}, the table under "{LAYOUT_SECTION[1]}"'
+    bad = []
+    for mod in modules:
+        n = firsts.count(mod)
+        if n == 0:
+            bad.append(f"{mod} is not listed: add the row | `{mod}` | its one concern | to {where}")
+        elif n > 1:
+            bad.append(f"{mod} has {n} rows in {where} (want 1)")
+    folders = {n.split("/")[0] for n in tracked_files() if "/" in n and not n.startswith(".")}
+    listed = {f.rstrip("/") for f in firsts}
+    bad += [f"folder {d}/ has no row: add the row | `{d}/` | what it holds | to {where}"
+            for d in sorted(folders - listed)]  # fmt: skip
+    return bad
 
 
 def test_readme_layout_names_every_module():
-    rows = layout_rows()
-    firsts = [re.match(r"\| `([^`]+)`", r).group(1) for r in rows]
-    bad = [f"named but not in the tree: {f}" for f in firsts if not (ROOT / f).exists()]
-    for pkg in ("ddl_ref", "ddl_wgpu"):
-        for mod in sorted(p.name for p in (ROOT / pkg).glob("*.py") if p.name != "__init__.py"):
-            n = firsts.count(f"{pkg}/{mod}")
-            if n != 1:
-                bad.append(f"{pkg}/{mod} has {n} rows (want 1)")
-    ops_row = next((r for r in rows if r.startswith("| `ddl_wgpu/ops/`")), "")
-    ops_cell = ops_row.split("|")[2] if ops_row else ""
-    modules = {p.stem for p in (ROOT / "ddl_wgpu/ops").glob("*.py") if p.name != "__init__.py"}
-    listed = re.search(r"\(([^)]*)\)", ops_cell)  # the row lists the modules in its first parentheses
-    named = set(re.findall(r"`(\w+)`", listed.group(1) if listed else ""))
-    bad += [f"ddl_wgpu/ops/{m}.py not named in the ddl_wgpu/ops/ row" for m in sorted(modules - named)]
-    bad += [f"the ddl_wgpu/ops/ row names {m}, which is not a module" for m in sorted(named - modules)]
-    folders = {n.split("/")[0] for n in tracked_files() if "/" in n and not n.startswith(".")}
-    bad += [f"folder {d}/ has no row" for d in sorted(folders) if f"{d}/" not in firsts]
+    bad = unlisted(package_modules(), layout_firsts())
     assert not bad, "\n".join(bad)
+
+
+def test_a_new_module_fails_the_listing_loudly():
+    """A merge that brings a module without its row fails with the row to add and where (a stand-in
+    `ddl_wgpu/stream_new.py` beside the tree's modules)."""
+    bad = unlisted([*package_modules(), "ddl_wgpu/stream_new.py"], layout_firsts())
+    assert bad == [
+        "ddl_wgpu/stream_new.py is not listed: add the row | `ddl_wgpu/stream_new.py` | its one concern | to "
+        'README.md, the table under "## How the code is laid out"'
+    ]
+
+
+def test_readme_reads_in_ten_minutes():
+    """The README is the first screen, the commands, one line per measured headline and the layout; details
+    live in docs/ (commands.md, sweeps.md, demo.md, ...). A README growing past 200 lines fails here."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines (at most 200: move the details into docs/)"
+    first = "\n".join(lines[:15])
+    assert "make demo" in first and "make test" in first, (
+        "README.md: the two commands belong in its first 15 lines"
+    )
+
+
+def test_readme_layout_names_only_what_exists():
+    bad = [
+        f"{LAYOUT_SECTION[0]} lists {f}, which is not in the tree"
+        for f in layout_firsts()
+        if not (ROOT / f).exists()
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_script_is_listed():
+    row = next((r for r in layout_rows() if r.startswith("| `scripts/`")), "")
+    named = set(re.findall(r"`([\w.-]+\.sh)`", row))
+    have = {p.name for p in (ROOT / "scripts").glob("*.sh")}
+    bad = [
+        f"scripts/{n} is not named in the `scripts/` row of {LAYOUT_SECTION[0]}: add it there"
+        for n in sorted(have - named)
+    ]
+    bad += [
+        f"the `scripts/` row of {LAYOUT_SECTION[0]} names {n}, which is not in scripts/"
+        for n in sorted(named - have)
+    ]
+    assert row and not bad, "\n".join(bad) or "no `scripts/` row"
+
+
+def test_every_bench_script_is_listed():
+    text = section(*BENCH_SECTION)
+    named = set(re.findall(r"`bench/([\w.-]+\.(?:py|sh))`", text))
+    have = {p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh")}
+    where = f'{BENCH_SECTION[0]}, "{BENCH_SECTION[1]}"'
+    bad = [f"bench/{n} is not named in {where}: add a row (a script) or name it in the prose (a helper)"
+           for n in sorted(have - named)]  # fmt: skip
+    bad += [f"{where} names bench/{n}, which is not in bench/" for n in sorted(named - have)]
+    assert not bad, "\n".join(bad)
+
+
+# the pages that map the code: a module, a file or a `module.name` they mention must exist
+CODE_MAPS = ("README.md", "docs/architecture.md", "docs/kernels.md", "docs/commands.md", "docs/sweeps.md")
+_FILE_NAME = re.compile(r"`([\w-]+\.(?:py|wgsl|sh))`")
+_DOTTED = re.compile(r"`((?:ddl_wgpu\.|ddl_ref\.)?(?:ops\.)?(\w+))\.(\w+)(?:\(\))?`")
+
+
+def code_modules() -> dict[str, list[str]]:
+    """Each module's short name -> its dotted names (`decode` is one of ddl_ref, ddl_wgpu and ddl_wgpu.ops)."""
+    found: dict[str, list[str]] = {}
+    for pkg in ("ddl_ref", "ddl_wgpu", "ddl_wgpu/ops"):
+        for p in sorted((ROOT / pkg).glob("*.py")):
+            if p.name != "__init__.py":
+                found.setdefault(p.stem, []).append(f"{pkg.replace('/', '.')}.{p.stem}")
+    return found
+
+
+def test_code_maps_name_what_exists():
+    """A bare file name (`sweep_job.py`, `gemv.wgsl`) is a file of the tree; a `module.name` whose module is one
+    of the packages' (`cli_jobs.train`, `run.drive`) names something that module defines. What caught
+    `cli.train` after it moved to `cli_jobs.train`."""
+    files = {p.name for p in ROOT.glob("*/*") if p.suffix in (".py", ".wgsl", ".sh")}
+    files |= {p.name for p in (ROOT / "ddl_wgpu/ops").glob("*.py")}
+    modules, bad, checked = code_modules(), [], 0
+    for doc in CODE_MAPS:
+        for line in prose_lines((ROOT / doc).read_text(encoding="utf-8")):
+            bad += [
+                f"{doc}: `{f}`: no such file in the tree" for f in _FILE_NAME.findall(line) if f not in files
+            ]
+            for full, short, attr in _DOTTED.findall(line):
+                if attr in ("py", "wgsl", "sh", "json", "md", "ddlw", "safetensors"):
+                    continue
+                dotted = [full] if full.startswith(("ddl_wgpu.", "ddl_ref.")) else modules.get(short, [])
+                dotted = [d for d in dotted if d in sum(modules.values(), [])]
+                if not dotted:
+                    continue  # not one of our modules: a tensor name, a metadata key, ...
+                checked += 1
+                if not any(hasattr(importlib.import_module(d), attr) for d in dotted):
+                    bad.append(f"{doc}: `{full}.{attr}`: {' / '.join(dotted)} defines no {attr}")
+    assert not bad, "\n".join(bad)
+    assert checked > 20  # the pattern does find the pages' references
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -318,3 +442,62 @@ def test_kernel_catalogue_covers_every_shader_and_launcher():
         if mod.name != "__init__.py" and mod.stem not in rows:
             bad.append(f"ddl_wgpu/ops/{mod.name} has no catalogue row")
     assert not bad, "\n".join(bad)
+
+
+# placeholders that fill in an element type only (f32 or vec4<f32>, an f16 table's type and `enable f16;`), and
+# the plumbing any shader may hold (its uniform struct, an included prelude)
+TYPE_ONLY = {"F", "W", "enable"}
+PLUMBING = {"struct", "include"}
+
+
+def placeholders(family: str) -> set[str]:
+    return set(re.findall(r"\{\{(\w+)", (ROOT / f"shaders/{family}.wgsl").read_text())) - PLUMBING
+
+
+def shader_families() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "shaders").glob("*.wgsl"))
+
+
+def test_generated_wgsl_list_matches_the_shaders():
+    """docs/kernels.md's list of the shaders that get generated code, and of those that get only their element
+    type, against the placeholders the shader files hold."""
+    text = section("docs/kernels.md", "## Generated WGSL")
+    m = re.search(r"placeholders\. (.*?) get generated code.*?; (.*?) only their\s+element type", text, re.S)
+    assert m, "docs/kernels.md, Generated WGSL: the sentence listing the generated shaders has changed form"
+    generated, type_only = set(names(m.group(1))), set(names(m.group(2)))
+    want_generated = {f for f in shader_families() if placeholders(f) - TYPE_ONLY}
+    want_type_only = {f for f in shader_families() if placeholders(f) and not placeholders(f) - TYPE_ONLY}
+    bad = [f"{f} gets generated code: name it in the list" for f in sorted(want_generated - generated)]
+    bad += [
+        f"{f} is listed as generated but its shader has no code placeholder"
+        for f in sorted(generated - want_generated)
+    ]
+    bad += [
+        f"{f} gets its element type only: name it in the list" for f in sorted(want_type_only - type_only)
+    ]
+    bad += [f"{f} is listed as typed only, but its shader is not" for f in sorted(type_only - want_type_only)]
+    count = re.search(r"`attention` \((\d+) of them\)", m.group(1))
+    if count and int(count.group(1)) != len(placeholders("attention")):
+        bad.append(f"attention has {len(placeholders('attention'))} placeholders, not {count.group(1)}")
+    assert not bad, "docs/kernels.md, Generated WGSL:\n" + "\n".join(bad)
+
+
+def test_prelude_includers_and_trusted_files_match_the_code():
+    from ddl_wgpu.gpu import TRUSTED_FILES
+
+    text = section("docs/kernels.md", "## Shared WGSL helpers")
+    m = re.search(r"\{\{include prelude_reduce\.wgsl\}\}`\s+\((.*?) do\)", text, re.S)
+    includers = {
+        f
+        for f in shader_families()
+        if "{{include prelude_reduce.wgsl}}" in (ROOT / f"shaders/{f}.wgsl").read_text()
+    }
+    assert m and set(names(m.group(1))) == includers, (
+        f"docs/kernels.md: the shaders that include the prelude are {sorted(includers)}"
+    )
+    text = section("docs/kernels.md", "## Bounds checks")
+    m = re.search(r"naga.*?\n(.*?) are built trusted by default", text, re.S)
+    listed = set(re.findall(r"`([\w.]+\.wgsl)`", m.group(1) if m else ""))
+    assert listed == set(TRUSTED_FILES), (
+        f"docs/kernels.md: the files built trusted are {sorted(TRUSTED_FILES)}"
+    )
