@@ -28,6 +28,10 @@ class ProfileRecorder(Recorder):
         self.sets: list = []
         self.phase = ""
 
+    def dispatch_all(self, dispatches):
+        for kernel, bind_group, groups in dispatches:
+            self.dispatch(kernel, bind_group, groups)
+
     def dispatch(self, kernel: Kernel, bind_group, groups):
         if isinstance(groups, int):
             groups = grid(groups)

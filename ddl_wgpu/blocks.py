@@ -195,6 +195,14 @@ class Blocks(GatedDeltaNet):
         return k_mm.linear_forward(self.gpu, out, x, self.net.view(name), self.N, n_out, n_in,
                                    self.net.wdtype(name))  # fmt: skip
 
+    def _linears(self, x, n_in: int, outs: list[tuple]) -> Call:
+        """Several linear layers of one input, out (N, n_out) = x · W[name]ᵀ for each (out, name, n_out) of
+        `outs` (a decoding pass stacks them into one product: `decode._CachedRows`)."""
+        call = Call()
+        for out, name, n_out in outs:
+            call += self._linear(out, x, name, n_out, n_in)
+        return call
+
     def _linear_backward(self, dx, dout, x, name: str, n_out: int, n_in: int, accumulate_dx=False) -> Call:
         """dx (+)= dout · W[name]; dW[name] += doutᵀ · x."""
         w, dw = self.net.view(name), self.net.view(name, "g")
@@ -283,13 +291,12 @@ class Blocks(GatedDeltaNet):
         if sub == "attn" and a["mixer"] == "linear_attention":
             return self.gdn_forward(a, p, out, accumulate)
         if sub == "attn":
-            if cfg.attn_output_gate:  # q_proj gives [query; gate] per head: split them
-                call = self._linear(a["qg"], a["h"], p + "self_attn.q_proj.weight", 2 * H * D, C)
+            gated = cfg.attn_output_gate  # q_proj gives [query; gate] per head: split them
+            q = (a["qg"] if gated else a["q"], p + "self_attn.q_proj.weight", (2 if gated else 1) * H * D)
+            call = self._linears(a["h"], C, [q, (a["k"], p + "self_attn.k_proj.weight", K * D),
+                                             (a["v"], p + "self_attn.v_proj.weight", K * D)])  # fmt: skip
+            if gated:
                 call += k_gate.split_heads(self.gpu, a["q"], a["og"], a["qg"], self.N * H, D)
-            else:
-                call = self._linear(a["q"], a["h"], p + "self_attn.q_proj.weight", H * D, C)
-            call += self._linear(a["k"], a["h"], p + "self_attn.k_proj.weight", K * D, C)
-            call += self._linear(a["v"], a["h"], p + "self_attn.v_proj.weight", K * D, C)
             call += self._qk_forward(a, "q", H, p)
             call += self._qk_forward(a, "k", K, p)
             call += self.attend(a)
@@ -298,10 +305,16 @@ class Blocks(GatedDeltaNet):
                 call += k_gate.gate_forward(self.gpu, a["ag"], a["a"], a["og"], self.N * H * D)
                 att = a["ag"]
             return call + self._project_out(out, att, p + "self_attn.o_proj.weight", H * D, accumulate)
+        call = self._mlp_hidden(a, p)
+        return call + self._project_out(out, a["s"], p + "mlp.down_proj.weight", F, accumulate)
+
+    def _mlp_hidden(self, a: dict, p: str) -> Call:
+        """a["s"] = silu(gate) ⊙ up, gate and up = h2 · W_gateᵀ, h2 · W_upᵀ (kept in a["gate"], a["up"] for the
+        backward; a decoding pass fuses the three: `decode._CachedRows`)."""
+        F, C = self.cfg.ffn_hidden, self.C
         call = self._linear(a["gate"], a["h2"], p + "mlp.gate_proj.weight", F, C)
         call += self._linear(a["up"], a["h2"], p + "mlp.up_proj.weight", F, C)
-        call += k_swiglu.swiglu_forward(self.gpu, a["s"], a["gate"], a["up"], self.N * F)
-        return call + self._project_out(out, a["s"], p + "mlp.down_proj.weight", F, accumulate)
+        return call + k_swiglu.swiglu_forward(self.gpu, a["s"], a["gate"], a["up"], self.N * F)
 
     def attend(self, a: dict) -> Call:
         """a["a"], a["lse"] = causal attention of the final q, k over v."""

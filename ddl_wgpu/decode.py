@@ -215,6 +215,25 @@ class _CachedRows:
             return super()._linear(out, x, name, n_out, n_in)
         return k_gemv.gemv(self.gpu, out, x, self.net.view(name), self.N, n_out, n_in, self.net.wdtype(name))
 
+    def _linears(self, x, n_in: int, outs: list[tuple]) -> Call:
+        """A layer's projections of one input (q/k/v; a Gated DeltaNet's four) as one stacked product: one
+        dispatch where their weights are adjacent in one arena (`gemv_stacked`)."""
+        names = [name for _, name, _ in outs]
+        dts = {self.net.wdtype(name) for name in names}
+        if len(dts) > 1 or not all(self._gemv(name, n_in) for name in names):
+            return super()._linears(x, n_in, outs)
+        segs = [k_gemv.Segment(out, self.net.view(name), rows) for out, name, rows in outs]
+        return k_gemv.gemv_stacked(self.gpu, x, segs, self.N, n_in, dts.pop())
+
+    def _mlp_hidden(self, a: dict, p: str) -> Call:
+        """a["s"] = silu(h2 W_gateᵀ) ⊙ (h2 W_upᵀ) in one dispatch (`gemv_swiglu`): gate and up are not kept."""
+        gate, up = p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"
+        dt = self.net.wdtype(gate)
+        if dt != self.net.wdtype(up) or not (self._gemv(gate, self.C) and self._gemv(up, self.C)):
+            return super()._mlp_hidden(a, p)
+        P, F = self.net.view, self.cfg.ffn_hidden
+        return k_gemv.gemv_swiglu(self.gpu, a["s"], a["h2"], P(gate), P(up), self.N, F, self.C, dt)
+
     def _project_out(self, out, x, name: str, n_in: int, accumulate: bool) -> Call:
         if not self._gemv(name, n_in):
             return super()._project_out(out, x, name, n_in, accumulate)

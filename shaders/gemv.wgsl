@@ -38,6 +38,7 @@ alias WV = {{WV}};  // one item of W: vec4<f32>, vec4<u32> (8 halves), vec2<u32>
 {{struct GemvParams}}
 
 {{BINDINGS}}
+@group(0) @binding({{UBIND}}) var<uniform> gp: GemvParams;
 
 var<workgroup> part: array<f32, {{PART}}>;
 

@@ -160,13 +160,12 @@ def _templates(form: str, nx: int, tune: GemvTune, swiglu: bool, n_y: int) -> di
     sub = tune.reduce == "subgroup"
     warr = (lambda k: "gw1" if k % 2 else "gw0") if swiglu else (lambda k: "gw")
 
-    # bindings: x, the weights (one span, or gate and up), the outputs, the uniform (last)
+    # bindings: x, the weights (one span, or gate and up), the outputs; the uniform is the last (UBIND)
     wb = ["gw0", "gw1"] if swiglu else ["gw"]
     lines = ["@group(0) @binding(0) var<storage, read> gx: array<XA>;"]
     lines += [f"@group(0) @binding({1 + j}) var<storage, read> {w}: array<WV>;" for j, w in enumerate(wb)]
     y0 = 1 + len(wb)
     lines += [f"@group(0) @binding({y0 + b}) var<storage, read_write> gy{b}: array<f32>;" for b in range(n_y)]
-    lines.append(f"@group(0) @binding({y0 + n_y}) var<uniform> gp: GemvParams;")
 
     def x_item(r: int, u: int, at: str) -> list[str]:
         if pairs:  # 8 halves of W meet 8 floats of x: two vec4 loads
@@ -270,6 +269,7 @@ def _templates(form: str, nx: int, tune: GemvTune, swiglu: bool, n_y: int) -> di
         "XA": xa,
         "WV": wv,
         "BINDINGS": "\n".join(lines),
+        "UBIND": y0 + n_y,
         "PART": len(accs) * tune.wg if not sub else 1,
         "WROW": "    let s = seg(o);\n    return seg_w(s) + (o - seg_start(s)) * gp.items;",
         "STORE": store,
