@@ -52,7 +52,7 @@ class ProfileRecorder(Recorder):
         self.names.append(f"{self.phase}|{kernel.name}" if self.phase else kernel.name)
         self.n_dispatches += 1
 
-    def submit(self):
+    def finish(self):
         self.bufs = []
         for j, qs in enumerate(self.sets):
             n = min(self.PER_SET, len(self.names) - j * self.PER_SET)
@@ -61,7 +61,7 @@ class ProfileRecorder(Recorder):
             )
             self.enc.resolve_query_set(qs, 0, 2 * n, buf, 0)
             self.bufs.append((buf, n))
-        super().submit()
+        return super().finish()
 
     def profile(self) -> dict[str, float]:
         """GPU ms per kernel name, summed over its dispatches (waits for the GPU)."""

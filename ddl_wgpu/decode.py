@@ -435,9 +435,15 @@ class WgpuEngine:
         )
         self.positions = gpu.upload(np.arange(cap + depth + 1, dtype=np.uint32), "positions")
         self.drafted = gpu.buffer(max(depth, 1) * 4, label="drafted")
-        self.readback = gpu.buffer((2 * depth + 1) * 4, label="round_readback")
         self.ids = np.zeros(cap + 1, np.int64)
         self._rows: dict = {}
+        self._readback = gpu.readback(max(2 * depth + 1, 2 * 64) * 4, "decode_readback")
+        self._next: tuple | None = None  # ((start, head), the command buffer of that one-token step)
+        # the decode step's passes and their calls are built with the cache, before the first token
+        self._get("trunk", 1)._topk_call(1)
+        if depth:
+            self._get("trunk", depth + 1)._topk_call(1)
+            self._get("draft", 1)._topk_call(1)
 
     @property
     def length(self) -> int:
@@ -464,6 +470,8 @@ class WgpuEngine:
             raise GpuError(f"{start + n} positions exceed the cache capacity {self.trunk.capacity}")
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
             raise GpuError(f"token id out of range for vocab_size {self.cfg.vocab_size}")
+        if n == 1 and start > 0 and head != "logits":
+            return self._step(int(ids[0]), start, head)
         rows = self._get("trunk", n, prefill=start == 0)
         self.gpu.write(rows.ids, ids.astype(np.uint32))  # the ids alone: no targets or weights to decode
         self.ids[start : start + n] = ids
@@ -478,28 +486,66 @@ class WgpuEngine:
         self.trunk.length, self.trunk.last = start + n, (start, n)
         return out
 
+    def _step(self, token: int, start: int, head: str) -> np.ndarray:
+        """One decoded token at `start` > 0 in one submit: its command buffer was recorded while the GPU ran
+        the token before (or is recorded now), the token id goes in as a 4-byte write, and while the GPU runs
+        it the next position's step is recorded, so the host's recording of ~1500 dispatches (the 27B shape)
+        overlaps the GPU instead of preceding it. The head's ids (and probabilities) come back in the same
+        submit."""
+        rows = self._get("trunk", 1)
+        pending, self._next = self._next, None
+        cb = pending[1] if pending is not None and pending[0] == (start, head) else None
+        self.gpu.write(rows.ids, np.array([token], np.uint32))
+        self.gpu.queue.submit([cb if cb is not None else self._record_step(rows, start, head)])
+        self.ids[start] = token
+        self.trunk.length, self.trunk.last = start + 1, (start, 1)
+        if start + 1 < self.trunk.capacity:
+            self._next = ((start + 1, head), self._record_step(rows, start + 1, head))
+        return self._read_head(rows, head)
+
+    def _record_step(self, rows, start: int, head: str):
+        """The command buffer of a one-row trunk pass at `start` and its head (not submitted)."""
+        rec = self.gpu.recorder()
+        self._at(rec, self.trunk, start)
+        rows._fwd.record(rec)
+        self._record_head(rows, head, rec)
+        return rec.finish()
+
+    def _record_head(self, rows, head: str, rec) -> None:
+        """Record the top-k of `rows` (k = 1 for "argmax") and the copy of its ids and probabilities into
+        the read-back buffer."""
+        n, k = rows.N, 1 if head == "argmax" else int(head[3:])
+        call, ids_out, probs_out = rows._topk_call(k)
+        call.record(rec)
+        if self._readback.nbytes < 8 * n * k:  # a new buffer: a recorded step would copy into the old one
+            self._readback, self._next = self.gpu.readback(8 * n * k, "decode_readback"), None
+        rec.copy(ids_out, 0, self._readback.buffer, 0, 4 * n * k)
+        if head != "argmax":
+            rec.copy(probs_out, 0, self._readback.buffer, 4 * n * k, 4 * n * k)
+
+    def _read_head(self, rows, head: str) -> np.ndarray:
+        """What `_record_head` copied, after the submit: "argmax" (n,) ids; "top<k>" (n, V) pseudo-logits."""
+        n, k = rows.N, 1 if head == "argmax" else int(head[3:])
+        ids = self._readback.read(np.uint32, n * k).reshape(n, k).astype(np.int64)
+        if head == "argmax":
+            return ids[:, 0]
+        out = np.full((n, self.cfg.vocab_size), -np.inf, np.float32)
+        probs = self._readback.read(np.float32, n * k, 4 * n * k).reshape(n, k)
+        with np.errstate(divide="ignore"):
+            np.put_along_axis(out, ids, np.log(probs), axis=-1)
+        return out
+
     def _head(self, rows, head: str, rec) -> np.ndarray:
         """Record the head of `rows` into `rec`, submit, and read back per `head`: "argmax" (n,) ids;
         "top<k>" (k <= 64) (n, V) pseudo-logits, log p at the k most likely ids and −inf elsewhere (what
         `generate.distribution` with top_k = k turns into the same distribution as the full logits);
         "logits" (n, V)."""
-        g, n = self.gpu, rows.N
         if head == "logits":
             rec.submit()
             return self._logits(rows)
-        k = 1 if head == "argmax" else int(head[3:])
-        call, ids_out, probs_out = rows._topk_call(k)
-        call.record(rec)
+        self._record_head(rows, head, rec)
         rec.submit()
-        ids = g.download(ids_out, np.uint32, n * k).reshape(n, k).astype(np.int64)
-        if head == "argmax":
-            return ids[:, 0]
-        out = np.full((n, self.cfg.vocab_size), -np.inf, np.float32)
-        with np.errstate(divide="ignore"):
-            np.put_along_axis(
-                out, ids, np.log(g.download(probs_out, np.float32, n * k).reshape(n, k)), axis=-1
-            )
-        return out
+        return self._read_head(rows, head)
 
     def _logits(self, rows) -> np.ndarray:
         """(n, V) logits of the rows' final hidden xf, head chunk by chunk (the Calls built once per rows)."""
@@ -572,8 +618,9 @@ class WgpuEngine:
         chain rows are rolled back at the end."""
         rec, tokens, rows = self._chain(self.gpu.recorder(), token, depth, head, pick)
         if head == "argmax":
+            rec.copy(self.drafted, 0, self._readback.buffer, 0, 4 * depth)
             rec.submit()
-            tokens = [int(t) for t in self.gpu.download(self.drafted, np.uint32, depth)]
+            tokens = [int(t) for t in self._readback.read(np.uint32, depth)]
         self.dcache.length = self.trunk.length  # the chain rows go; the step-1 rows of anchors 0..n−1 stay
         return tokens, rows
 
@@ -592,10 +639,10 @@ class WgpuEngine:
         verify._fwd.record(rec)
         call, ids_out, _ = verify._topk_call(1)
         call.record(rec)
-        rec.copy(ids_out, 0, self.readback, 0, 4 * (depth + 1))
-        rec.copy(self.drafted, 0, self.readback, 4 * (depth + 1), 4 * depth)
+        rec.copy(ids_out, 0, self._readback.buffer, 0, 4 * (depth + 1))
+        rec.copy(self.drafted, 0, self._readback.buffer, 4 * (depth + 1), 4 * depth)
         rec.submit()
-        out = g.download(self.readback, np.uint32, 2 * depth + 1).astype(np.int64)
+        out = self._readback.read(np.uint32, 2 * depth + 1).astype(np.int64)
         drafts = [int(t) for t in out[depth + 1 :]]
         self.ids[n : n + depth + 1] = [token, *drafts]
         self.trunk.length, self.trunk.last = n + depth + 1, (n, depth + 1)

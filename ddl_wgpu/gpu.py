@@ -763,7 +763,9 @@ class Recorder:
         self._close()
         self.enc.copy_buffer_to_buffer(src, src_offset, dst, dst_offset, nbytes)
 
-    def submit(self):
+    def finish(self):
+        """The recording as a command buffer, to submit later (`gpu.queue.submit([cb])`, once): a step recorded
+        while the GPU still runs the one before."""
         if self.timed:
             # the end timestamp goes on a last empty pass so it covers every dispatch recorded
             self._close()
@@ -772,7 +774,10 @@ class Recorder:
             ).end()
             self.enc.resolve_query_set(self.qs, 0, 2, self.qbuf, 0)
         self._close()
-        self.gpu.queue.submit([self.enc.finish()])
+        return self.enc.finish()
+
+    def submit(self):
+        self.gpu.queue.submit([self.finish()])
 
     def elapsed_ms(self) -> float:
         """GPU time between the first dispatch and the end of the recording (waits for the GPU)."""
