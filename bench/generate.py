@@ -332,13 +332,74 @@ def bench_ours(gpu, model: Model, prompt, new: int, depth: int, dtype: str, repe
         out[name] = {
             "tokens": res[-1]["token_ids"],
             "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in res[1:]),
+            "decode_ms_per_token": statistics.median(1e3 / r["decode_tokens_per_s"] for r in res[1:]),
             **{
                 key: res[-1][key]
                 for key in ("trunk_passes", "mean_accepted", "tokens_per_pass", "acceptance_per_depth")
                 if key in res[-1]
             },  # fmt: skip
         }
+    out["step"] = profile_step(gpu, engine)
     return out
+
+
+def profile_step(gpu, engine) -> dict:
+    """One greedy decode step (the one-row trunk pass and its argmax at the engine's length) measured three
+    ways: the host's time to record it (what `WgpuEngine` overlaps with the GPU running the token before);
+    its GPU time (timestamps around the step); and each dispatch on its own (`profiler.ProfileRecorder`:
+    one timed pass per dispatch, so the sum exceeds the step a little), summed by kernel or launch label,
+    with the matrix-vector products' GB/s. The engine is reset afterwards (the steps moved its state)."""
+    import re
+
+    from profiler import ProfileRecorder
+
+    rows, start = engine._get("trunk", 1), max(1, engine.length)
+    host = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        engine._record_step(rows, start, "argmax")
+        host.append((time.perf_counter() - t0) * 1e3)
+    out = {"dispatches": len(rows._fwd.dispatches) + len(rows._topk_call(1)[0].dispatches),
+           "host_record_ms": statistics.median(host)}  # fmt: skip
+    if "timestamp-query" not in gpu.features:
+        engine.rollback(0)
+        return {**out, "gpu": "no timestamp-query on this adapter"}
+    steps = []
+    for _ in range(5):
+        rec = gpu.recorder(timestamps=True)
+        engine._at(rec, engine.trunk, start)
+        rows._fwd.record(rec)
+        engine._record_head(rows, "argmax", rec)
+        rec.submit()
+        steps.append(rec.elapsed_ms())
+    out["gpu_step_ms"] = min(steps)
+    prof = ProfileRecorder(gpu)
+    engine._at(prof, engine.trunk, start)
+    rows._fwd.record(prof)
+    engine._record_head(rows, "argmax", prof)
+    prof.submit()
+    per = prof.profile()
+    counts: dict = {}
+    for name in prof.names:
+        counts[name] = counts.get(name, 0) + 1
+    kernels = []
+    for name, ms in sorted(per.items(), key=lambda kv: -kv[1]):
+        k = {"name": name, "count": counts[name], "ms": ms}
+        m = re.search(r"wbytes=(\d+)", name)
+        if m:
+            k["gbs"] = counts[name] * int(m.group(1)) / ms / 1e6
+        kernels.append(k)
+    out.update(profile_sum_ms=sum(per.values()), kernels=kernels)
+    engine.rollback(0)
+    return out
+
+
+def profile_table(name: str, p: dict) -> str:
+    rows = [[k["name"][:70], k["count"], f"{k['ms']:.3f}", f"{100 * k['ms'] / p['profile_sum_ms']:.1f}%",
+             common.fmt(k.get("gbs"), ".0f")] for k in p["kernels"][:16]]  # fmt: skip
+    title = (f"{name}: one decode step, {p['dispatches']} dispatches: GPU {p['gpu_step_ms']:.3f} ms (timestamps), "
+             f"sum of dispatches timed alone {p['profile_sum_ms']:.3f} ms, host recording {p['host_record_ms']:.3f} ms")  # fmt: skip
+    return common.table(["kernel / launch", "count", "ms", "% of sum", "GB/s"], rows, title)
 
 
 def bench_prompts(gpu, model: Model, prompts: list, new: int, depth: int, dtype: str) -> dict:
@@ -468,7 +529,7 @@ def main(argv=None) -> int:
         for s in args.shapes.split(","):
             m, dt = synthetic(s.strip(), args.seed)
             cases.append((s.strip(), m, dt))
-    results, rows, failed = [], [], False
+    results, rows, profiles, failed = [], [], [], False
     rng = np.random.default_rng(args.seed)
     for name, model, dtype in cases:
         n_prompt, n_new = fit_context(args.prompt, args.new, model.cfg.max_seq_len, name)
@@ -506,6 +567,7 @@ def main(argv=None) -> int:
             entry["decode_vs_weight_bound"] = (
                 1e3 / ours["plain"]["decode_tokens_per_s"] / entry["weight_bound_ms_per_token"]
             )
+            entry["pct_of_weight_bound"] = 100.0 / entry["decode_vs_weight_bound"]
         hybrid = model.cfg.layer_types is not None
         if torch is not None and hybrid and model.cfg.n_layers > args.hf_max_layers:
             entry["torch"] = {"skipped": f"{model.cfg.n_layers} layers: its weights do not fit beside ours"}
@@ -529,21 +591,28 @@ def main(argv=None) -> int:
             sp = ours["speculative"]
             rows.append([name, dtype, common.fmt(ours["prefill_tokens_per_s"], ".0f"),
                          common.fmt(ours["plain"]["decode_tokens_per_s"], ".1f"),
+                         common.fmt(ours["plain"]["decode_ms_per_token"], ".3f"),
+                         common.fmt(entry["weight_bound_ms_per_token"], ".3f"),
+                         common.fmt(entry.get("pct_of_weight_bound"), ".1f"),
                          common.fmt(sp["decode_tokens_per_s"], ".1f"), common.fmt(sp.get("mean_accepted"), ".2f"),
                          " ".join(f"{a:.2f}" for a in sp.get("acceptance_per_depth", [])),
                          common.fmt(peer and peer.get("prefill_tokens_per_s"), ".0f"),
-                         common.fmt(peer and peer.get("decode_tokens_per_s"), ".1f"),
-                         common.fmt(entry.get("decode_vs_weight_bound"), ".2f")])  # fmt: skip
+                         common.fmt(peer and peer.get("decode_tokens_per_s"), ".1f")])  # fmt: skip
+            step = ours.get("step", {})
+            if "kernels" in step:
+                profiles.append(profile_table(name, step))
             many = entry.get("wgpu_prompts")
             if many:
                 sp = many["speculative"]
                 rows.append([f"{name}, {many['prompts']} prompts x {many['new']} new", dtype, "-",
-                             common.fmt(many["plain"]["decode_tokens_per_s"], ".1f"),
+                             common.fmt(many["plain"]["decode_tokens_per_s"], ".1f"), "-", "-", "-",
                              common.fmt(sp["decode_tokens_per_s"], ".1f"), common.fmt(sp["mean_accepted"], ".2f"),
-                             " ".join(f"{a:.2f}" for a in sp["acceptance_per_depth"]), "-", "-", "-"])  # fmt: skip
-    print(common.table(["shape", "dtype", "prefill tok/s", "decode tok/s", f"spec K={args.depth} tok/s",
-                        "accepted/round", "acceptance per depth", "torch prefill", "torch decode",
-                        "ms/token vs weight bound"], rows,
+                             " ".join(f"{a:.2f}" for a in sp["acceptance_per_depth"]), "-", "-"])  # fmt: skip
+    for p in profiles:
+        print(p)
+    print(common.table(["shape", "dtype", "prefill tok/s", "decode tok/s", "ms/token", "weight-read bound ms",
+                        "% of bound", f"spec K={args.depth} tok/s", "accepted/round", "acceptance per depth",
+                        "torch prefill", "torch decode"], rows,
                        f"batch 1, prompt {args.prompt}, {args.new} new tokens (fewer where a model's context "
                        "is shorter: the JSON's prompt and new), greedy"))  # fmt: skip
     common.write_json(common.json_path(args.json, "generate.json"),

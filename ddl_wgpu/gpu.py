@@ -490,9 +490,10 @@ class Gpu:
         self._kernels[key] = k
         return k
 
-    def bind(self, kernel: Kernel, *resources):
+    def bind(self, kernel: Kernel, *resources, label: str = ""):
         """A bind group for `kernel`: one resource per char of its signature, each a buffer or a
-        (buffer, offset, size) range. Build these once per shape, never per step."""
+        (buffer, offset, size) range. Build these once per shape, never per step. `label` names the launch
+        (a benchmark's per-dispatch profile shows it)."""
         if len(resources) != len(kernel.sig):
             raise GpuError(f"{kernel.name}: {len(resources)} buffers given, signature {kernel.sig!r}")
         entries = []
@@ -504,7 +505,7 @@ class Gpu:
                     f"storage binding limit {self.max_binding}; bind such a tensor in row chunks"
                 )
             entries.append({"binding": i, "resource": {"buffer": buf, "offset": off, "size": size}})
-        return self.device.create_bind_group(layout=kernel.layout, entries=entries)
+        return self.device.create_bind_group(layout=kernel.layout, entries=entries, label=label)
 
     # -- buffers ------------------------------------------------------------------------------------------
 

@@ -100,6 +100,10 @@ class GemvTune:
             out[key] = value.strip() if key == "reduce" else int(value)
         return dataclasses.replace(base, **out)
 
+    def spec(self) -> str:
+        """The `DDL_WGPU_GEMV` text of this tune."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
     def label(self) -> str:
         shape = f"wg{self.wg} rows{self.rows} rt{self.rt} u{self.unroll} f16x{self.f16_vec}"
         return f"{self.reduce}{'' if self.reduce == 'subgroup' else f' team{self.team}'} {shape}"
@@ -386,7 +390,10 @@ def gemv_stacked(gpu: Gpu, x, segments: list[Segment], n: int, in_features: int,
             fields[f"st{s_i}"] = NONE
     k = _kernel(gpu, form, n, tune, False, len(ybinds))
     u = gpu.uniform(PARAMS, label="gemv", out_=row, items=items, acc=int(accumulate), **fields)
-    return Call([(k, gpu.bind(k, x, span, *ybinds, u), grid(-(-row // tune.rows)))], [u])
+    label = (
+        f"gemv {'+'.join(str(s.rows) for s in segments)}x{in_features} {w_dtype} n{n} wbytes={row * wbytes}"
+    )
+    return Call([(k, gpu.bind(k, x, span, *ybinds, u, label=label), grid(-(-row // tune.rows)))], [u])
 
 
 def gemv_swiglu(gpu: Gpu, y, x, w_gate, w_up, n: int, F: int, in_features: int, w_dtype: str = "f32",
@@ -406,4 +413,5 @@ def gemv_swiglu(gpu: Gpu, y, x, w_gate, w_up, n: int, F: int, in_features: int, 
     fields.update(ld0=F, st1=NONE, st2=NONE, st3=NONE)
     k = _kernel(gpu, form, n, tune, True, 1)
     u = gpu.uniform(PARAMS, label="gemv_swiglu", out_=F, items=items, acc=0, **fields)
-    return Call([(k, gpu.bind(k, x, w_gate, w_up, y, u), grid(-(-F // tune.rows)))], [u])
+    label = f"gemv_swiglu 2x{F}x{in_features} {w_dtype} n{n} wbytes={2 * F * wbytes}"
+    return Call([(k, gpu.bind(k, x, w_gate, w_up, y, u, label=label), grid(-(-F // tune.rows)))], [u])
