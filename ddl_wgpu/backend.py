@@ -186,12 +186,14 @@ class AcceptDraft(Protocol):
 class Engine(Protocol):
     """generate's decoding engine (`refnet.RefEngine`, `decode.WgpuEngine`; what `generate.run` drives, its
     module docstring says how). `feed` returns per row: head "argmax" the ids (n,), "logits" or "top<k>"
-    (n, V) logits; `last_only` the last row's alone (what a prompt needs)."""
+    (n, V) logits; `last_only` the last row's alone (what a prompt needs); `ahead` promises that the argmax
+    returned is fed next and that no roll-back reaches into this token (plain greedy decoding: the GPU
+    engine then runs the next token before the host asks)."""
 
     backend: str  # "ref" or "wgpu": what generate reports
     length: int  # positions fed so far
 
-    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray: ...
+    def feed(self, ids, head: str, last_only: bool = False, ahead: bool = False) -> np.ndarray: ...
 
     def rollback(self, length: int) -> None: ...
 

@@ -438,7 +438,12 @@ class WgpuEngine:
         self.ids = np.zeros(cap + 1, np.int64)
         self._rows: dict = {}
         self._readback = gpu.readback(max(2 * depth + 1, 2 * 64) * 4, "decode_readback")
-        self._next: tuple | None = None  # ((start, head), the command buffer of that one-token step)
+        # one-token steps (`_step`): a read-back buffer per parity of the position (two steps can be in
+        # flight), the next step's command buffer recorded ahead ((start, head, from_gpu), buffer), and the
+        # greedy step run ahead ({"start", "index": its submission, "expect": the token it was fed})
+        self._rings = [gpu.readback(8 * 64, f"step_readback{i}") for i in range(2)]
+        self._next: tuple | None = None
+        self._ahead: dict | None = None
         # the decode step's passes and their calls are built with the cache, before the first token
         self._get("trunk", 1)._topk_call(1)
         if depth:
@@ -461,9 +466,11 @@ class WgpuEngine:
     def _at(self, rec, cache: GpuCache, start: int) -> None:
         rec.copy(self.positions, 4 * start, cache.meta, 0, 4)
 
-    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray:
+    def feed(self, ids, head: str, last_only: bool = False, ahead: bool = False) -> np.ndarray:
         """The trunk over new tokens; the head of every row, or with `last_only` of the last row alone (a
-        prompt: its last row is copied into the one-row pass's hidden and the head runs there)."""
+        prompt: its last row is copied into the one-row pass's hidden and the head runs there). `ahead`
+        (greedy decoding, one token at a time): the caller will feed back the argmax it gets and never roll
+        back into this token (`_step`)."""
         ids = np.asarray(ids, np.int64)
         n, start = ids.size, self.trunk.length
         if start + n > self.trunk.capacity:
@@ -471,7 +478,8 @@ class WgpuEngine:
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
             raise GpuError(f"token id out of range for vocab_size {self.cfg.vocab_size}")
         if n == 1 and start > 0 and head != "logits":
-            return self._step(int(ids[0]), start, head)
+            return self._step(int(ids[0]), start, head, ahead and head == "argmax")
+        self._settle()
         rows = self._get("trunk", n, prefill=start == 0)
         self.gpu.write(rows.ids, ids.astype(np.uint32))  # the ids alone: no targets or weights to decode
         self.ids[start : start + n] = ids
@@ -486,51 +494,95 @@ class WgpuEngine:
         self.trunk.length, self.trunk.last = start + n, (start, n)
         return out
 
-    def _step(self, token: int, start: int, head: str) -> np.ndarray:
-        """One decoded token at `start` > 0 in one submit: its command buffer was recorded while the GPU ran
-        the token before (or is recorded now), the token id goes in as a 4-byte write, and while the GPU runs
-        it the next position's step is recorded, so the host's recording of ~1500 dispatches (the 27B shape)
-        overlaps the GPU instead of preceding it. The head's ids (and probabilities) come back in the same
-        submit."""
-        rows = self._get("trunk", 1)
-        pending, self._next = self._next, None
-        cb = pending[1] if pending is not None and pending[0] == (start, head) else None
-        self.gpu.write(rows.ids, np.array([token], np.uint32))
-        self.gpu.queue.submit([cb if cb is not None else self._record_step(rows, start, head)])
+    # -- one decoded token: recorded ahead, one submit, and (greedy) the next token run ahead -------------
+
+    def _step(self, token: int, start: int, head: str, ahead: bool) -> np.ndarray:
+        """One decoded token at `start` > 0 in one submit. Its command buffer was recorded while the GPU ran
+        the token before (or is recorded now): the host's recording of ~1500 dispatches (the 27B shape)
+        overlaps the GPU instead of preceding it; the token id goes in as a 4-byte write, and the head's ids
+        (and probabilities) come back in the same submit, through a read-back buffer per parity of `start`.
+
+        `ahead` (greedy): the step at start + 1 is submitted too, before this one's argmax is read, with that
+        argmax copied into its input on the GPU, so the GPU never waits for the host between tokens (its
+        submit, the read-back, the caller's loop). When the caller then feeds that argmax, the step is already
+        done or running (`_ahead`); anything else first forgets it (`_settle`)."""
+        rows, g = self._get("trunk", 1), self.gpu
+        run = self._ahead
+        if run is not None and run["start"] == start and run["expect"] == token and ahead:
+            self._ahead, index = None, run["index"]
+        else:
+            self._settle()
+            self.gpu.write(rows.ids, np.array([token], np.uint32))
+            index = g.submit_indexed(self._take_step(rows, start, head, False))
         self.ids[start] = token
         self.trunk.length, self.trunk.last = start + 1, (start, 1)
-        if start + 1 < self.trunk.capacity:
-            self._next = ((start + 1, head), self._record_step(rows, start + 1, head))
-        return self._read_head(rows, head)
+        if ahead and start + 1 < self.trunk.capacity:
+            nxt = g.submit_indexed(self._take_step(rows, start + 1, head, True))
+            self._ahead = {"start": start + 1, "index": nxt, "expect": None}
+        if start + 1 + ahead < self.trunk.capacity:  # the next step to submit, recorded while the GPU works
+            at = start + 1 + ahead
+            self._next = ((at, head, ahead), self._record_step(rows, at, head, ahead))
+        out = self._read_head(rows, head, self._rings[start % 2], index)
+        if self._ahead is not None:
+            self._ahead["expect"] = int(out[0])
+        return out
 
-    def _record_step(self, rows, start: int, head: str):
-        """The command buffer of a one-row trunk pass at `start` and its head (not submitted)."""
+    def _take_step(self, rows, start: int, head: str, from_gpu: bool):
+        """The recorded step for (start, head, from_gpu), or one recorded now."""
+        pending, self._next = self._next, None
+        if pending is not None and pending[0] == (start, head, from_gpu):
+            return pending[1]
+        return self._record_step(rows, start, head, from_gpu)
+
+    def _record_step(self, rows, start: int, head: str, from_gpu: bool = False):
+        """The command buffer of a one-row trunk pass at `start` and its head (not submitted); `from_gpu`: its
+        token is the argmax the step before left in the top-k output, copied on the GPU."""
         rec = self.gpu.recorder()
+        if from_gpu:
+            rec.copy(rows._topk_call(1)[1], 0, rows.ids, 0, 4)
         self._at(rec, self.trunk, start)
         rows._fwd.record(rec)
-        self._record_head(rows, head, rec)
+        self._record_head(rows, head, rec, self._rings[start % 2])
         return rec.finish()
 
-    def _record_head(self, rows, head: str, rec) -> None:
-        """Record the top-k of `rows` (k = 1 for "argmax") and the copy of its ids and probabilities into
-        the read-back buffer."""
+    def _settle(self) -> None:
+        """Forget a greedy step run ahead that the caller did not take (another token fed, a roll-back, a
+        draft): the positions it wrote are overwritten when fed; a Gated DeltaNet layer's state and window go
+        back to before it, which leaves no roll-back into the token before (the caller of `ahead` promised
+        none)."""
+        run, self._ahead = self._ahead, None
+        if run is None:
+            return
+        s = run["start"]
+        if self.trunk.has_gdn:
+            self.trunk.last = (s, 1)
+            self.trunk.rewind(s, self.positions)
+        self.trunk.last = (s, 0)
+
+    def _record_head(self, rows, head: str, rec, rb=None) -> None:
+        """Record the top-k of `rows` (k = 1 for "argmax") and the copy of its ids and probabilities into a
+        read-back buffer (`rb`, default the engine's general one)."""
         n, k = rows.N, 1 if head == "argmax" else int(head[3:])
         call, ids_out, probs_out = rows._topk_call(k)
         call.record(rec)
-        if self._readback.nbytes < 8 * n * k:  # a new buffer: a recorded step would copy into the old one
-            self._readback, self._next = self.gpu.readback(8 * n * k, "decode_readback"), None
-        rec.copy(ids_out, 0, self._readback.buffer, 0, 4 * n * k)
+        if rb is None:
+            if self._readback.nbytes < 8 * n * k:
+                self._readback = self.gpu.readback(8 * n * k, "decode_readback")
+            rb = self._readback
+        rec.copy(ids_out, 0, rb.buffer, 0, 4 * n * k)
         if head != "argmax":
-            rec.copy(probs_out, 0, self._readback.buffer, 4 * n * k, 4 * n * k)
+            rec.copy(probs_out, 0, rb.buffer, 4 * n * k, 4 * n * k)
 
-    def _read_head(self, rows, head: str) -> np.ndarray:
-        """What `_record_head` copied, after the submit: "argmax" (n,) ids; "top<k>" (n, V) pseudo-logits."""
+    def _read_head(self, rows, head: str, rb=None, after: int | None = None) -> np.ndarray:
+        """What `_record_head` copied into `rb`, after submission `after` (None: all submitted work):
+        "argmax" (n,) ids; "top<k>" (n, V) pseudo-logits."""
+        rb = self._readback if rb is None else rb
         n, k = rows.N, 1 if head == "argmax" else int(head[3:])
-        ids = self._readback.read(np.uint32, n * k).reshape(n, k).astype(np.int64)
+        ids = rb.read(np.uint32, n * k, 0, after).reshape(n, k).astype(np.int64)
         if head == "argmax":
             return ids[:, 0]
         out = np.full((n, self.cfg.vocab_size), -np.inf, np.float32)
-        probs = self._readback.read(np.float32, n * k, 4 * n * k).reshape(n, k)
+        probs = rb.read(np.float32, n * k, 4 * n * k).reshape(n, k)
         with np.errstate(divide="ignore"):
             np.put_along_axis(out, ids, np.log(probs), axis=-1)
         return out
@@ -568,6 +620,7 @@ class WgpuEngine:
         """Forget positions from `length` on: keys, values and histories are by position (only `length`
         moves); a Gated DeltaNet layer's window and state are rebuilt on the GPU from its last pass
         (`GpuCache.rewind`: to a position inside the last pass, or to 0)."""
+        self._settle()
         if not 0 <= length <= self.trunk.length:
             raise GpuError(f"cannot roll back to {length}: the cache holds {self.trunk.length} positions")
         if length < self.trunk.length and self.trunk.has_gdn:
@@ -616,6 +669,7 @@ class WgpuEngine:
     def draft(self, token: int, depth: int, head: str, pick):
         """`depth` draft tokens after `token` (the next, not yet fed token) -> (tokens, rows read back); the
         chain rows are rolled back at the end."""
+        self._settle()
         rec, tokens, rows = self._chain(self.gpu.recorder(), token, depth, head, pick)
         if head == "argmax":
             rec.copy(self.drafted, 0, self._readback.buffer, 0, 4 * depth)
@@ -628,6 +682,7 @@ class WgpuEngine:
         """A greedy speculative round in one submit: the draft chain, then the trunk over [token, d_1..d_K]
         with the drafted ids copied on the GPU into its input; reads back the K drafted ids and the K + 1
         verify argmaxes alone. -> (drafts, argmax per verify row); the trunk cache then holds all K + 1."""
+        self._settle()
         g, n = self.gpu, self.trunk.length
         if n + depth + 1 > self.trunk.capacity:
             raise GpuError(f"{n + depth + 1} positions exceed the cache capacity {self.trunk.capacity}")

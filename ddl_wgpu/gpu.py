@@ -620,6 +620,21 @@ class Gpu:
 
         lib.wgpuDevicePoll(self.device._internal, True, ffi.NULL)
 
+    def submit_indexed(self, command_buffer) -> int:
+        """Submit one finished command buffer (`Recorder.finish`) -> its submission index, for `wait_for`
+        (wgpu-native's `wgpuQueueSubmitForIndex`; wgpu-py wraps only the plain submit)."""
+        from wgpu.backends.wgpu_native import ffi, lib
+
+        cbs = ffi.new("WGPUCommandBuffer[]", [command_buffer._internal])
+        return int(lib.wgpuQueueSubmitForIndex(self.queue._internal, 1, cbs))
+
+    def wait_for(self, index: int) -> None:
+        """Block until submission `index` has finished (later submissions may still run: a decoder reads
+        one token's result while the GPU already computes the next)."""
+        from wgpu.backends.wgpu_native import ffi, lib
+
+        lib.wgpuDevicePoll(self.device._internal, True, ffi.new("WGPUSubmissionIndex *", index))
+
     def timestamp_period_ns(self) -> float:
         from wgpu.backends.wgpu_native import lib
 
@@ -646,12 +661,18 @@ class Readback:
         usage = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
         self.buffer = gpu.device.create_buffer(size=self.nbytes, usage=usage, label=label)
 
-    def read(self, dtype, count: int, offset: int = 0) -> np.ndarray:
-        """`count` items of `dtype` at byte `offset`, after the submit that wrote them."""
+    def read(self, dtype, count: int, offset: int = 0, after: int | None = None) -> np.ndarray:
+        """`count` items of `dtype` at byte `offset`, after the submit that wrote them: `after`, its index
+        (`Gpu.submit_indexed`), waits for that submission alone; None waits for all submitted work."""
         dtype = np.dtype(dtype)
         n = count * dtype.itemsize
         lo, hi = offset // 8 * 8, -(-(offset + n) // 8) * 8  # map ranges are 8-byte aligned
-        self.buffer.map_sync("READ_NOSYNC", lo, hi - lo)
+        if after is None:
+            self.buffer.map_sync("READ_NOSYNC", lo, hi - lo)
+        else:  # wgpu-py's poll thread would wait for the latest submission
+            promise = self.buffer.map_async("READ_NOSYNC", lo, hi - lo)
+            self.gpu.wait_for(after)
+            promise.sync_wait()
         try:
             raw = np.frombuffer(self.buffer.read_mapped(lo, hi - lo, copy=False), np.uint8)
             return raw[offset - lo : offset - lo + n].copy().view(dtype)

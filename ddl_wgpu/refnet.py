@@ -293,8 +293,8 @@ class RefEngine:
     def length(self) -> int:
         return self.trunk.length
 
-    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray:
-        start = self.trunk.length
+    def feed(self, ids, head: str, last_only: bool = False, ahead: bool = False) -> np.ndarray:
+        start = self.trunk.length  # `ahead` is a GPU engine's hint: numpy has nothing to run ahead
         ids = np.asarray(ids, np.int64)
         pre, post, logits = ref_decode.trunk_step(self.params, self.cfg, self.trunk, ids)
         self.ids[start : start + ids.size] = ids

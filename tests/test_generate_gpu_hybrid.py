@@ -162,3 +162,34 @@ def test_qwen35_draft_proposes_the_stacked_chain(gpu):
         tokens, _ = engine.draft(int(ids[p + 1]), depth, "argmax", None)
         assert tokens == [int(t) for t in preds[0, :, p]], p
         assert engine.dcache.length == p + 1
+
+
+def test_greedy_step_run_ahead(gpu):
+    """`feed(..., ahead=True)` runs the next token on the GPU before the host asks (its input the argmax, copied
+    on the GPU). Taken (the argmax fed back), the logits and the Gated DeltaNet states are bit for bit those
+    of plain one-token feeds; not taken (another token fed, or a roll-back), it is forgotten: the state goes
+    back to before it, and only a roll-back into the token that ran it ahead is refused."""
+    model = hybrid(seed=6, vocab_size=11)
+    prompt = [3, 1, 4, 1]
+    fast, plain = WgpuEngine(gpu, model), WgpuEngine(gpu, model)
+    tok = [int(e.feed(prompt, "argmax", last_only=True)[0]) for e in (fast, plain)][0]
+    for _ in range(4):  # taken: each argmax fed back
+        got = int(fast.feed([tok], "argmax", ahead=True)[0])
+        assert got == int(plain.feed([tok], "argmax")[0])
+        tok = got
+    other = (tok + 1) % 11  # not taken: another token
+    assert np.array_equal(fast.feed([other], "logits"), plain.feed([other], "logits"))
+    for i in GDN_LAYERS:
+        for a, b in zip(fast.trunk.recurrent(i), plain.trunk.recurrent(i), strict=True):
+            assert np.array_equal(a, b), i
+    fast.feed([other], "argmax", ahead=True)  # runs ahead at the next position
+    plain.feed([other], "argmax")
+    n = fast.length
+    fast.rollback(n)  # a roll-back to the length: the token run ahead is forgotten
+    for i in GDN_LAYERS:
+        for a, b in zip(fast.trunk.recurrent(i), plain.trunk.recurrent(i), strict=True):
+            assert np.array_equal(a, b), i
+    with pytest.raises(GpuError, match="last pass only"):
+        fast.rollback(n - 1)  # into the token that ran ahead: its state before is gone
+    fast.rollback(0)  # a reset is always exact
+    assert fast.length == 0
