@@ -66,7 +66,7 @@ SWEEP_SHAPES = (
     "27B gdn in_proj qkv|z|b|a",
     "27B gdn out / attn o_proj",
 )
-DEFAULT_GRID = "reduce=subgroup,shared;wg=256;rows=8,16,32;rt=1,2,4;unroll=1,2,4;f16_vec=8"
+DEFAULT_GRID = "reduce=subgroup,shared;wg=256;rows=0,4,8,16,32;rt=1,2,4;unroll=1,2,4;f16_vec=8"
 
 
 def _weights(b, rows: int, IN: int, dtype: str) -> np.ndarray:
@@ -138,7 +138,7 @@ class GemvCase:
 def bench_gemv(b, kind, IN, rows, dtype, n) -> dict:
     """One shape under the default tune, its check and the PyTorch peer."""
     case = GemvCase(b, kind, IN, rows, dtype, n)
-    tune = k_gemv.fit_tune(b.gpu, k_gemv.default_tune(b.gpu), n, kind == "swiglu")
+    tune = k_gemv.fit_tune(b.gpu, k_gemv.default_tune(b.gpu), n, kind == "swiglu", case.out_rows)
     call = case.call(tune)
     call.run(b.gpu)
     err = case.check()
@@ -261,7 +261,7 @@ def sweep(b, grid_text: str, quick: bool) -> dict:
         for tune in tunes:
             key = tune.spec()
             try:
-                fitted = k_gemv.fit_tune(gpu, tune, n, kind == "swiglu")
+                fitted = k_gemv.fit_tune(gpu, tune, n, kind == "swiglu", case.out_rows)
                 call = case.call(fitted)
                 call.run(gpu)
                 err = case.check()

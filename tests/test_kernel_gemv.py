@@ -150,3 +150,7 @@ def test_tune_syntax(gpu):
     t = k_gemv.fit_tune(gpu, k_gemv.GemvTune(reduce="shared", wg=256, rt=4, team=32), 8, True)
     assert 4 * (2 * t.rt * 8 * t.wg) <= gpu.limits["max-compute-workgroup-storage-size"]
     assert t.rows % ((t.wg // t.team) * t.rt) == 0
+    # rows=0: per shape, the most rows per workgroup that leave 1024 workgroups, a workgroup of as many teams
+    auto = k_gemv.GemvTune(reduce="shared", team=32, rt=2)
+    small, big = (k_gemv.fit_tune(gpu, auto, 1, False, out) for out in (5120, 17408))
+    assert (small.rows, small.wg, big.rows, big.wg) == (4, 64, 16, 256)

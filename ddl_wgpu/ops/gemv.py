@@ -74,13 +74,13 @@ FORMS = {
 class GemvTune:
     """The kernel's shape (shaders/gemv.wgsl's header): `reduce` "subgroup" (a team is a subgroup, summed by a
     shuffle butterfly) or "shared" (teams of `team` threads summed through workgroup memory); `wg` threads per
-    workgroup; `rows` outputs per workgroup; `rt` rows a team computes at once (each lane keeps rt (2·rt for
-    swiglu) weight loads in flight per item); `unroll` items per loop turn; `f16_vec` halves per f16 load (8:
-    16 bytes, or 4)."""
+    workgroup (at most); `rows` outputs per workgroup, 0: per shape (`fit_tune`); `rt` rows a team computes at
+    once (each lane keeps rt (2·rt for swiglu) weight loads in flight per item); `unroll` items per loop
+    turn; `f16_vec` halves per f16 load (8: 16 bytes, or 4)."""
 
     reduce: str = "subgroup"
     wg: int = 256
-    rows: int = 16
+    rows: int = 0
     rt: int = 2
     unroll: int = 2
     team: int = 32
@@ -120,9 +120,17 @@ def default_tune(gpu: Gpu) -> GemvTune:
     return GemvTune.parse(text, base) if text else base
 
 
-def fit_tune(gpu: Gpu, tune: GemvTune, nx: int, swiglu: bool) -> GemvTune:
-    """`tune` checked, and shrunk where the device's limits require it (workgroup size, workgroup memory of the
-    shared reduction: rt, then wg, are halved), with rows a whole number of the shared path's team steps."""
+AUTO_GROUPS = 1024  # rows=0 takes the most rows per workgroup (of 16, 8, 4) that still give this many
+SUBGROUP = 32  # threads of a team assumed when sizing a workgroup for rows=0 (NVIDIA's subgroup; any works)
+
+
+def fit_tune(gpu: Gpu, tune: GemvTune, nx: int, swiglu: bool, out_rows: int = 1 << 20) -> GemvTune:
+    """`tune` checked and made concrete for a product of `out_rows` outputs: rows=0 picks rows per workgroup
+    (the most of 16, 8, 4 that leave at least AUTO_GROUPS workgroups: a product of 5120 outputs then spreads
+    over 1280 workgroups rather than 320, which the H200's 132 SMs take in unequal shares) and a workgroup
+    of as many teams as those rows need; then shrunk where the device's limits require (workgroup size,
+    workgroup memory of the shared reduction: rt, then wg, are halved), rows a whole number of the shared
+    path's team steps."""
     if tune.reduce not in ("subgroup", "shared"):
         raise GpuError(f"gemv: reduce must be 'subgroup' or 'shared', got {tune.reduce!r}")
     if tune.reduce == "subgroup" and "subgroup" not in gpu.features:
@@ -131,11 +139,16 @@ def fit_tune(gpu: Gpu, tune: GemvTune, nx: int, swiglu: bool) -> GemvTune:
         )
     if not (_pow2(tune.wg) and _pow2(tune.team) and tune.team <= tune.wg):
         raise GpuError(f"gemv: wg and team must be powers of two with team <= wg, got {tune.wg}, {tune.team}")
-    if min(tune.rows, tune.rt, tune.unroll) < 1 or tune.f16_vec not in (4, 8):
-        raise GpuError(f"gemv: rows, rt, unroll must be >= 1 and f16_vec 4 or 8, got {tune}")
+    if min(tune.rows, tune.rt - 1, tune.unroll - 1) < 0 or tune.f16_vec not in (4, 8):
+        raise GpuError(f"gemv: rows >= 0, rt and unroll >= 1, f16_vec 4 or 8, got {tune}")
     wg = min(tune.wg, gpu.limits.get("max-compute-invocations-per-workgroup", 256),
              gpu.limits.get("max-compute-workgroup-size-x", 256))  # fmt: skip
-    rt = tune.rt
+    rt, rows = tune.rt, tune.rows
+    if rows == 0:
+        rows = next((r for r in (16, 8) if -(-out_rows // r) >= AUTO_GROUPS), 4)
+        rt = min(rt, rows)
+        team = SUBGROUP if tune.reduce == "subgroup" else tune.team
+        wg = max(min(wg, team * (rows // rt)), min(wg, 64))
     if tune.reduce == "shared":
         budget = gpu.limits.get("max-compute-workgroup-storage-size", 16384) // 4
         per = 2 if swiglu else 1
@@ -146,9 +159,9 @@ def fit_tune(gpu: Gpu, tune: GemvTune, nx: int, swiglu: bool) -> GemvTune:
         if per * rt * nx * wg > budget:
             raise GpuError(f"gemv: {nx} rows do not fit workgroup memory with teams of {tune.team}")
         step = (wg // tune.team) * rt
-        rows = max(step, tune.rows // step * step)
+        rows = max(step, rows // step * step)
     else:
-        rows = max(tune.rows, rt)
+        rows = max(rows, rt)
     team = min(tune.team, wg)
     return dataclasses.replace(tune, wg=wg, rt=rt, rows=rows, team=team)
 
@@ -351,7 +364,7 @@ def gemv_stacked(gpu: Gpu, x, segments: list[Segment], n: int, in_features: int,
         raise ValueError(f"gemv_stacked: 1..{MAX_SEGMENTS} segments, got {len(segments)}")
     if not 1 <= n <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv: 1..{GEMV_MAX_ROWS} rows of x, got {n}")
-    tune = fit_tune(gpu, tune or default_tune(gpu), n, False)
+    tune = fit_tune(gpu, tune or default_tune(gpu), n, False, sum(s.rows for s in segments))
     wviews = [view(s.w) for s in segments]
     form = _form(w_dtype, in_features, x, wviews, tune)
     _, _, per_item, item_bytes = FORMS[form]
@@ -401,7 +414,7 @@ def gemv_swiglu(gpu: Gpu, y, x, w_gate, w_up, n: int, F: int, in_features: int, 
     """y (n, F) = silu(x · W_gateᵀ) ⊙ (x · W_upᵀ), both (F, IN), in one dispatch (the MLP's first half)."""
     if not 1 <= n <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv: 1..{GEMV_MAX_ROWS} rows of x, got {n}")
-    tune = fit_tune(gpu, tune or default_tune(gpu), n, True)
+    tune = fit_tune(gpu, tune or default_tune(gpu), n, True, F)
     form = _form(w_dtype, in_features, x, [view(w_gate), view(w_up)], tune)
     items = in_features // FORMS[form][2]
     wbytes = (2 if w_dtype == "f16" else 4) * in_features
