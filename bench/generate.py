@@ -324,11 +324,12 @@ def bench_ours(gpu, model: Model, prompt, new: int, depth: int, dtype: str, repe
         times.append(time.perf_counter() - t0)
     out["prefill_tokens_per_s"] = len(prompt) / statistics.median(times[1:])
     cap = model.cfg.max_seq_len
-    for name, k in (("plain", 0), ("speculative", depth)):
+    for name, k in (("plain", 0), ("plain_not_ahead", 0), ("speculative", depth)):
         res = []
+        eng = _NotAhead(engine) if name == "plain_not_ahead" else engine
         for _ in range(repeats + 1):
             engine.rollback(0)
-            res.append(run(engine, _Quiet(), prompt, cap, new, depth=k))
+            res.append(run(eng, _Quiet(), prompt, cap, new, depth=k))
         out[name] = {
             "tokens": res[-1]["token_ids"],
             "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in res[1:]),
@@ -438,6 +439,19 @@ def bench_prompts(gpu, model: Model, prompts: list, new: int, depth: int, dtype:
     return out
 
 
+class _NotAhead:
+    """The engine with greedy steps not run ahead (`WgpuEngine.feed`'s `ahead` dropped): what that saves."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def feed(self, ids, head, last_only=False, ahead=False):
+        return self.engine.feed(ids, head, last_only)
+
+
 class _Quiet:
     """A tokenizer whose text is never needed: the bench's ids may lie outside any real vocabulary."""
 
@@ -543,7 +557,9 @@ def main(argv=None) -> int:
         try:
             ours = bench_ours(gpu, model, prompt, n_new, args.depth, dtype, args.repeats)
             entry["wgpu"] = ours
-            same = ours["plain"]["tokens"] == ours["speculative"]["tokens"]
+            same = (
+                ours["plain"]["tokens"] == ours["speculative"]["tokens"] == ours["plain_not_ahead"]["tokens"]
+            )
             entry["check_speculative_equal"] = same
             failed |= not same
             if args.prompts and args.prompt_data:
@@ -592,6 +608,7 @@ def main(argv=None) -> int:
             rows.append([name, dtype, common.fmt(ours["prefill_tokens_per_s"], ".0f"),
                          common.fmt(ours["plain"]["decode_tokens_per_s"], ".1f"),
                          common.fmt(ours["plain"]["decode_ms_per_token"], ".3f"),
+                         common.fmt(ours["plain_not_ahead"]["decode_ms_per_token"], ".3f"),
                          common.fmt(entry["weight_bound_ms_per_token"], ".3f"),
                          common.fmt(entry.get("pct_of_weight_bound"), ".1f"),
                          common.fmt(sp["decode_tokens_per_s"], ".1f"), common.fmt(sp.get("mean_accepted"), ".2f"),
@@ -605,12 +622,12 @@ def main(argv=None) -> int:
             if many:
                 sp = many["speculative"]
                 rows.append([f"{name}, {many['prompts']} prompts x {many['new']} new", dtype, "-",
-                             common.fmt(many["plain"]["decode_tokens_per_s"], ".1f"), "-", "-", "-",
+                             common.fmt(many["plain"]["decode_tokens_per_s"], ".1f"), "-", "-", "-", "-",
                              common.fmt(sp["decode_tokens_per_s"], ".1f"), common.fmt(sp["mean_accepted"], ".2f"),
                              " ".join(f"{a:.2f}" for a in sp["acceptance_per_depth"]), "-", "-"])  # fmt: skip
     for p in profiles:
         print(p)
-    print(common.table(["shape", "dtype", "prefill tok/s", "decode tok/s", "ms/token", "weight-read bound ms",
+    print(common.table(["shape", "dtype", "prefill tok/s", "decode tok/s", "ms/token", "not run ahead", "weight-read bound ms",
                         "% of bound", f"spec K={args.depth} tok/s", "accepted/round", "acceptance per depth",
                         "torch prefill", "torch decode"], rows,
                        f"batch 1, prompt {args.prompt}, {args.new} new tokens (fewer where a model's context "

@@ -63,7 +63,7 @@ class Blocks(GatedDeltaNet):
         self.heads = (batch, seq, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)  # attention's (B, T, H, K, D)
         self.ddl = cfg.residual == "delta"
         self.dv = cfg.ddl_dv if self.ddl else 1
-        self.S = S = N * C * self.dv  # floats in one stream/state
+        self.S = N * C * self.dv  # floats in one stream/state
         self.vocab = Vocab(net)
         cos, sin = self._rope_tables()
         self.cos = self.gpu.upload(cos.astype(np.float32), "rope_cos")
@@ -74,7 +74,7 @@ class Blocks(GatedDeltaNet):
             if self.shares_acts
             else [self._layer_acts(i) for i in range(cfg.n_layers)]
         )
-        self.xS = self.act(S, "x_last")  # the last block's output (stream or state)
+        self.xS = self._last_state()  # the last block's output (stream or state)
         self.xL = self.act(N * C, "x_final") if self.dv > 1 else self.xS  # readout, before the final norm
         self.xf = self.act(N * C, "x_normed")
         self.rf = self.act(N, "rstd_final")
@@ -84,6 +84,10 @@ class Blocks(GatedDeltaNet):
         self.chunk = min(N, chunk_rows or head_chunk_rows(self.gpu, N, C, cfg.vocab_size))
         self.logit_chunk = self.act(self.chunk * cfg.vocab_size, "logits_chunk")
         self._topk: dict = {}
+
+    def _last_state(self):
+        """The buffer the last block writes (a decoding pass's is its one stream: `decode._CachedRows`)."""
+        return self.act(self.S, "x_last")
 
     def act(self, n: int, label: str):
         return self.gpu.buffer(n * F32, label=label)
@@ -264,7 +268,8 @@ class Blocks(GatedDeltaNet):
             x_out = a["xm"] if sub == "attn" else out
             if not ddl:  # baseline: x_out = x + sublayer(norm(x))
                 call += self._norm(a[h], a[r], a[x_state], p + norm + ".weight")
-                call += k_ew.copy(self.gpu, x_out, a[x_state], self.N * self.C)
+                if x_out is not a[x_state]:  # a decoding pass adds into the stream in place (`decode`)
+                    call += k_ew.copy(self.gpu, x_out, a[x_state], self.N * self.C)
                 call += self._sublayer_forward(sub, a, p, x_out, accumulate=True)
                 continue
             xin = a["xin_" + sub]

@@ -288,6 +288,17 @@ class TrunkRows(_CachedRows, InferenceWork):
         self.cache, self.prefill = cache, prefill
         super().__init__(net, 1, n)
 
+    def _shared_layer_acts(self) -> list[dict]:
+        """A baseline trunk's layers share one stream: each sublayer's output projection adds into it in place
+        (x += attn(norm(x)); x += mlp(norm(x))), so no copy of the stream precedes each residual add (two
+        dispatches a layer: 128 of a 27B token's ~1190). Only forward-only baseline nets share activations."""
+        layers = super()._shared_layer_acts()
+        stream = layers[0]["x"]
+        return [dict(a, x=stream, xm=stream) for a in layers]
+
+    def _last_state(self):
+        return self.L[0]["x"] if self.shares_acts else super()._last_state()
+
     def _kv(self, a: dict):
         i = next(j for j, b in enumerate(self.L) if b is a)
         return self.cache.kv[i]
@@ -380,8 +391,15 @@ class DraftRows(_CachedRows, Blocks):
         self._fwd = self._forward_calls()
 
     def _layer_acts(self, i: int) -> dict:
-        """Activations of the draft block only (Blocks would size every trunk layer)."""
-        return self.block_acts("draft", self.N * self.C) if i == 0 else {}
+        """Activations of the draft block only (Blocks would size every trunk layer); its baseline block adds
+        into its input stream in place, as the trunk's (`TrunkRows._shared_layer_acts`)."""
+        if i:
+            return {}
+        a = self.block_acts("draft", self.N * self.C)
+        return dict(a, xm=a["x"])
+
+    def _last_state(self):
+        return self.L[0]["x"]
 
     def _kv(self, a: dict):
         return self.cache.kv[0]
