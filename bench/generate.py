@@ -20,8 +20,13 @@ What is timed (wall clock, `time.perf_counter`, every call ends with a read-back
 - prefill: `WgpuEngine.feed(prompt, "argmax", last_only=True)` of --prompt tokens on an empty cache (one
   pass: the training kernels; the head on the last row; the next token read back), as `generate` runs it. Tokens/s = prompt / s. Median of --repeats after a warm-up.
 - decode: `generate.run` greedy for --new tokens after the prompt, its decode time (first token excluded);
-  plain, then with the draft --depth deep (`speculative`). Tokens/s = (new − 1) / s; the speculative row adds
-  the mean accepted drafts per round, tokens per trunk pass and the acceptance per depth from the run.
+  plain, plain with the greedy run-ahead off (`plain_not_ahead`: what running the next token ahead saves),
+  then with the draft --depth deep (`speculative`). Tokens/s = (new − 1) / s, and ms per token against the
+  weight-read bound; the speculative row adds the mean accepted drafts per round, tokens per trunk pass and
+  the acceptance per depth from the run.
+- one decode step (`profile_step`): its dispatch count, the host's ms to record it, its GPU ms (timestamps),
+  and every dispatch timed alone (`bench/profiler.py`), summed by kernel or launch label, with each
+  matrix-vector product's GB/s; printed as a table per shape, kept in the JSON (`wgpu.step`).
 - peer: PyTorch eager, same weights (f32; f16 for an f16 shape), a plain greedy loop with a KV cache
   (`torch_prefill`/`torch_step` below: one forward of the prompt, then one token per step, argmax on the
   GPU, `.item()` per token); CUDA-synchronised wall clock. PyTorch here implements the baseline and DDL

@@ -28,13 +28,19 @@ see other positions: RoPE at positions start + r on the first `rope_dim` dims (`
 attention (keys and values stored into the cache, then the rows attend over it: `attend_cache`; a prefill from
 position 0 uses the training flash kernel), the TC compressor and the EC expansion (`tc_cache`/`ec_cache` from
 their history caches), the Gated DeltaNet's conv and rule (above), and for passes of at most
-`ops.gemv.GEMV_MAX_ROWS` rows the linear layers (the gated q_proj's [query; gate] and the Gated DeltaNet's
-four projections included) and the head as matrix-vector products (`ops.gemv`, f32 or f16 weights). Everything
-else is the training engine's kernels (GEMMs for longer passes such as a prefill, norms, the output gate,
-Delta updates, SwiGLU). The start position reaches the kernels through a 4-byte `meta` buffer, set inside the
-command stream by a copy from a table of positions, so every Call is built once.
+`ops.gemv.GEMV_MAX_ROWS` rows the linear layers and the head as matrix-vector products (`ops.gemv`, f32 or f16
+weights: a layer's projections of one input stacked into one dispatch, the gated q_proj's [query; gate] and
+the Gated DeltaNet's four included; gate, up and SwiGLU in one), and a baseline block's sublayers add into one
+stream in place. Everything else is the training engine's kernels (GEMMs for longer passes such as a prefill,
+norms, the output gate, Delta updates). The start position reaches the kernels through a 4-byte `meta`
+buffer, set inside the command stream by a copy from a table of positions, so every Call is built once.
 
-Read-back: with head "argmax" only the chosen ids (the `topk` kernel with k = 1, ties to the lower id);
+A decoded token (`_step`) is one submit whose command buffer was recorded while the GPU ran the token before;
+in plain greedy decoding (`feed(..., ahead=True)`) the next token is submitted before this one's argmax is
+read, fed by that argmax on the GPU, and forgotten (`_settle`) when the caller does anything else
+(docs/kernels.md#the-decode-path).
+
+Read-back, in the submit that computes it: with head "argmax" only the chosen ids (the `topk` kernel with k = 1, ties to the lower id);
 a whole greedy draft chain (catch-up rows, then chain steps whose token and hidden row are copied on the GPU
 from the step before) is one submit that reads back the K drafted ids. Sampling with top-k (k <= 64): the
 k ids and probabilities per row (head "top<k>"), turned into the same distribution on the host; sampling
@@ -47,7 +53,8 @@ numpy engine's. tests/test_generate_gpu_hybrid.py, hybrid trunks (Gated DeltaNet
 RoPE): logits equal a float64 forward's fed in pieces (roll-backs to a pass's start and inside it, a reset),
 the refused roll-backs; greedy text with and without speculation (rejections included) equal to the trunk's
 argmax chain; the state and window after every acceptance length of a round bit for bit a plain decode's; the
-draft's proposals equal `accept`'s stacked chain.
+draft's proposals equal `accept`'s stacked chain; a greedy step run ahead, taken or forgotten, leaves what plain
+one-token feeds leave.
 """
 
 from __future__ import annotations

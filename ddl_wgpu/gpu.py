@@ -762,10 +762,10 @@ class Recorder:
 
     def dispatch_all(self, dispatches):
         """Record (kernel, bind group, workgroups) triples into the open pass. The replay of a prebuilt step
-        (a decoding pass is ~1500 of them at the Qwen3.8-27B shape) calls wgpu-native directly: through
+        (a decoding pass is ~1000 of them at the Qwen3.8-27B shape) calls wgpu-native directly: through
         wgpu-py's wrappers (argument checks, a cffi array per bind group, an error check per call) a dispatch
-        cost ~7 µs of host time on the development machine, ~1.8 µs this way; a pipeline already set is not
-        set again. wgpu-native reports a bad command when the pass ends or the encoder finishes, through
+        cost ~6.6 µs of host time on the 2-core development machine (lavapipe), ~1.7 µs this way; a pipeline
+        already set is not set again. wgpu-native reports a bad command when the pass ends or the encoder finishes, through
         wgpu-py's checked calls."""
         handle = self._open()._internal
         set_pipeline, set_group, run, null = _NATIVE
