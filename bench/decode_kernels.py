@@ -72,8 +72,7 @@ DEFAULT_GRID = "reduce=subgroup,shared;wg=256;rows=0,4,8,16,32;rt=1,2,4;unroll=1
 def _weights(b, rows: int, IN: int, dtype: str) -> np.ndarray:
     """A (rows, IN) matrix of a repeated random block (drawing a 2 GB head takes most of a minute)."""
     block = b.randn(min(rows, max(1, (1 << 22) // IN)), IN, scale=1.0 / math.sqrt(IN))
-    w = np.resize(block, (rows, IN))
-    return w.astype(np.float16) if dtype == "f16" else w
+    return np.resize(block.astype(np.float16) if dtype == "f16" else block, (rows, IN))
 
 
 class GemvCase:
@@ -85,6 +84,10 @@ class GemvCase:
         gpu = b.gpu
         item = 2 if dtype == "f16" else 4
         mats = rows * 2 if kind == "swiglu" else rows
+        if max(mats) * IN * item > gpu.max_binding:
+            raise common.Skip(
+                f"a {max(mats)}x{IN} {dtype} matrix exceeds the binding limit {gpu.max_binding}"
+            )
         self.ws, offs, end = [], [], 0
         for r in mats:
             offs.append(end)
@@ -257,7 +260,11 @@ def sweep(b, grid_text: str, quick: bool) -> dict:
     rows, per_tune = [], {}
     t0 = time.perf_counter()
     for label, kind, IN, segs, dtype, n, uses in shapes:
-        case = GemvCase(b, kind, IN, segs, dtype, n)
+        try:
+            case = GemvCase(b, kind, IN, segs, dtype, n)
+        except common.Skip as e:
+            print(f"  skipped {label}: {e}")
+            continue
         for tune in tunes:
             key = tune.spec()
             try:
