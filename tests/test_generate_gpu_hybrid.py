@@ -6,13 +6,15 @@ pass's start, after a reset); the roll-backs the cache cannot serve are refused;
 trunk's argmax chain (a full forward per token) with and without
 speculation, rejections included; seeded speculative sampling repeats; the state after a partial acceptance
 is bit for bit a plain decode's; the Qwen3.5-form draft (gated, partial RoPE) proposes `accept`'s greedy
-stacked chain.
+stacked chain; a greedy step run ahead, taken and forgotten; an f16 trunk's stacked and fused products.
 
 Shapes: Dk 6 and Dv 5 (the rule pads both), Hv = 2·Hk, a conv of 4 taps (a window of 3, longer than a
 one- or two-row pass), a head of 8 with 4 dims rotated.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from ddl_wgpu.data import ByteTokenizer
 from ddl_wgpu.decode import WgpuEngine
 from ddl_wgpu.generate import Sampling, run
 from ddl_wgpu.gpu import GpuError
+from ddl_wgpu.layout import is_f16_matrix
 from ddl_wgpu.refnet import ref_runner
 
 HYBRID = dict(layer_types=("linear_attention", "full_attention", "linear_attention"), n_layers=3,
@@ -193,3 +196,20 @@ def test_greedy_step_run_ahead(gpu):
         fast.rollback(n - 1)  # into the token that ran ahead: its state before is gone
     fast.rollback(0)  # a reset is always exact
     assert fast.length == 0
+
+
+def test_f16_trunk_decode_logits(gpu):
+    """`--trunk-dtype f16`: the decode passes' stacked and fused f16 products (q|gate / k / v, a Gated DeltaNet's
+    four projections, gate/up/SwiGLU) give a float64 forward's logits over the f16-rounded weights, fed in
+    pieces."""
+    if "shader-f16" not in gpu.features:
+        pytest.skip("the adapter has no shader-f16")
+    model = hybrid(seed=8, ffn_hidden=24)
+    rounded = {k: v.astype(np.float16).astype(np.float32) if is_f16_matrix(k, v.shape) else v
+               for k, v in model.params.items()}  # fmt: skip
+    ids = np.random.default_rng(9).integers(0, model.cfg.vocab_size, 10)
+    want = forward64(dataclasses.replace(model, params=rounded), ids)
+    engine = WgpuEngine(gpu, model, dtype="f16")
+    got = [engine.feed(ids[:4], "logits")] + [engine.feed(ids[t : t + 1], "logits") for t in range(4, 7)]
+    got.append(engine.feed(ids[7:], "logits"))
+    check("f16 decode logits", np.concatenate(got), want, "model")
