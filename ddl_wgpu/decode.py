@@ -126,6 +126,7 @@ class GpuCache:
         cos, sin = ref_ops.rope_tables(capacity, D, cfg.rope_theta, np.float64, cfg.rope_dim)
         self.cos = gpu.upload(cos.astype(np.float32), "rope_cos_cache")
         self.sin = gpu.upload(sin.astype(np.float32), "rope_sin_cache")
+        self.rope = gpu.upload(np.stack([cos, sin]).astype(np.float32), "rope_tables_cache")  # rope_store's
         self._undo: dict = {}
 
     def gdn_sizes(self) -> tuple[int, int, int, int, int]:
@@ -263,11 +264,19 @@ class _CachedRows:
         logits = (self.logit_chunk, 0, self.N * self.cfg.vocab_size * F32)
         return self.head_forward(logits, xf, self.N) + loss(logits, self.N, 0)
 
+    @property
+    def _rope_store(self) -> bool:
+        """RoPE is the last op on q and k (q/k norm "none" or "pre_rope") and the keys go to the cache: then one
+        launch rotates q and k and stores k and v (`attend`; a prefill's flash attention reads k itself)."""
+        return not self.prefill and QK_ORDER[self.cfg.qk_norm][-1] == "rope"
+
     def _qk_forward(self, a: dict, t: str, nh: int, p: str) -> Call:
         D, g, c = self.cfg.head_dim, self.gpu, self.cache
         call, src = Call(), a[t]
         for j, op in enumerate(QK_ORDER[self.cfg.qk_norm], start=1):
             dst = a[t + str(j)]
+            if op == "rope" and self._rope_store:
+                continue  # `attend` rotates with the stores
             if op == "rope":
                 call += k_dec.rope_at(g, dst, src, c.cos, c.sin, c.meta, self.N, nh, D, self.cfg.rope_dim)
             else:
@@ -276,16 +285,26 @@ class _CachedRows:
         return call
 
     def attend(self, a: dict) -> Call:
-        """The rows' keys and values into the cache at start, then attention over slots 0 .. start + r."""
+        """The rows' keys and values into the cache at start (with the RoPE of q and k where it is their last
+        op: `rope_store`), then attention over slots 0 .. start + r."""
         cfg, g, c = self.cfg, self.gpu, self.cache
         H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kc, vc = self._kv(a)
-        k_final = self._qk_final(a, "k")
-        call = k_dec.store_rows(g, kc, k_final, c.meta, self.N, K * D)
-        call += k_dec.store_rows(g, vc, a["v"], c.meta, self.N, K * D)
+        qf, kf = self._qk_final(a, "q"), self._qk_final(a, "k")
         if self.prefill:  # from position 0 the cache holds exactly these rows: the training flash kernel
+            call = k_dec.store_rows(g, kc, kf, c.meta, self.N, K * D)
+            call += k_dec.store_rows(g, vc, a["v"], c.meta, self.N, K * D)
             return call + Blocks.attend(self, a)
-        return call + k_dec.attend_cache(g, a["a"], self._qk_final(a, "q"), kc, vc, c.meta, self.N, H, K, D)
+        if self._rope_store:  # q and k before their RoPE: the input of their last op
+            last = len(QK_ORDER[cfg.qk_norm]) - 1
+            q, k = (a[t + str(last)] if last else a[t] for t in "qk")
+            call = k_dec.rope_store(
+                g, qf, kc, vc, q, k, a["v"], c.rope, c.meta, self.N, H, K, D, cfg.rope_dim
+            )
+        else:  # RoPE came before a q/k norm: the two stores in one launch
+            call = k_dec.rope_store(g, qf, kc, vc, kf, kf, a["v"], c.rope, c.meta, self.N, H, K, D, cfg.rope_dim,
+                                    rotate=False)  # fmt: skip
+        return call + k_dec.attend_cache(g, a["a"], qf, kc, vc, c.meta, self.N, H, K, D)
 
 
 class TrunkRows(_CachedRows, InferenceWork):

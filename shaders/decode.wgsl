@@ -8,6 +8,11 @@
 //   rope_at      (x, cos, sin, meta, out, p)  rotate-half RoPE of x (n, N, D) at positions start + r, on the
 //                                             first R dims of each head (tables (cap, R)); the other D − R
 //                                             pass through (partial RoPE, Qwen3.5: R = D/4)
+//   rope_store   (q, k, v, rope, meta, qo, kc, vc, p)
+//                                             a decoding pass's last step before attention in one launch:
+//                                             qo = RoPE(q), and RoPE(k), v stored into the caches at rows
+//                                             start + r (rope: the cos table, then the sin table); or,
+//                                             p.rotate = 0, k and v stored as they are
 //   attend_cache (q, kc, vc, meta, out, p)    out (n, H, D): row r's softmax(q kᵀ/√D) v over cache slots
 //                                             0 .. start + r (GQA: kv head h / (H/K))
 //   conv_cache   (hist, conv, read, meta, out, p)
@@ -89,6 +94,83 @@ fn rope_at(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let t = pos * ro_p.R + i;
     ro_out[x0 + i] = a * ro_cos[t] - b * ro_sin[t];
     ro_out[x0 + i + h] = b * ro_cos[t + h] + a * ro_sin[t + h];
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// rope_store: one thread per item of three ranges: the q pair slots (as rope_at's, into qo), the k pair
+// slots (rotated into kc's rows start + r), v's items (copied into vc's rows start + r). q (n, H, D), k and v
+// (n, K, D); the caches (cap, K, D); rope (2, cap, R): cos then sin. With p.rotate = 0 there is no q range and
+// k is stored as it is (a post-RoPE q/k norm comes after the rotation: only the two stores are left).
+
+{{struct RopeStoreParams}}
+
+@group(0) @binding(0) var<storage, read> rs_q: array<f32>;
+@group(0) @binding(1) var<storage, read> rs_k: array<f32>;
+@group(0) @binding(2) var<storage, read> rs_v: array<f32>;
+@group(0) @binding(3) var<storage, read> rs_rope: array<f32>;
+@group(0) @binding(4) var<storage, read> rs_meta: array<u32>;
+@group(0) @binding(5) var<storage, read_write> rs_qo: array<f32>;
+@group(0) @binding(6) var<storage, read_write> rs_kc: array<f32>;
+@group(0) @binding(7) var<storage, read_write> rs_vc: array<f32>;
+@group(0) @binding(8) var<uniform> rs_p: RopeStoreParams;
+
+@compute @workgroup_size(WG)
+fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_id) lid: vec3<u32>) {
+    let gid = item(wid, nwg, lid);
+    let D = rs_p.D;
+    let slots = D / 2u;
+    let nq = rs_p.n * rs_p.H * slots * rs_p.rotate;  // rotate 0: k and v stored as they are, q untouched
+    let nk = rs_p.n * rs_p.K * slots;
+    let start = rs_meta[0];
+    if (gid < nq + nk) {
+        let is_k = gid >= nq;
+        let g = select(gid, gid - nq, is_k);
+        let row = g / slots;  // r · heads + head
+        let i = g - row * slots;
+        let heads = select(rs_p.H, rs_p.K, is_k);
+        let pos = min(start + row / heads, rs_p.cap - 1u);
+        let x0 = row * D;
+        let h = rs_p.R / 2u;
+        let rot = i < h;  // slots past R/2 pass two items through
+        let ia = select(rs_p.R + 2u * (i - min(i, h)), i, rot);
+        let ib = select(ia + 1u, i + h, rot);
+        var a = 0.0;
+        var b = 0.0;
+        if (is_k) {
+            a = rs_k[x0 + ia];
+            b = rs_k[x0 + ib];
+        } else {
+            a = rs_q[x0 + ia];
+            b = rs_q[x0 + ib];
+        }
+        var oa = a;
+        var ob = b;
+        if (rot && rs_p.rotate == 1u) {  // as rope_at: rotate-half within the R rotated dims
+            let t = pos * rs_p.R + i;
+            let c = rs_p.cap * rs_p.R;  // the sin table follows the cos table
+            oa = a * rs_rope[t] - b * rs_rope[c + t];
+            ob = b * rs_rope[t + h] + a * rs_rope[c + t + h];
+        }
+        if (is_k) {
+            let kc0 = start * rs_p.K * D + x0;  // row r of the pass is cache row start + r
+            if (kc0 + D <= arrayLength(&rs_kc)) {
+                rs_kc[kc0 + ia] = oa;
+                rs_kc[kc0 + ib] = ob;
+            }
+        } else {
+            rs_qo[x0 + ia] = oa;
+            rs_qo[x0 + ib] = ob;
+        }
+        return;
+    }
+    let j = gid - nq - nk;
+    if (j < rs_p.n * rs_p.K * D) {
+        let at = start * rs_p.K * D + j;
+        if (at < arrayLength(&rs_vc)) {
+            rs_vc[at] = rs_v[j];
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------

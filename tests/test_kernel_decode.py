@@ -1,5 +1,6 @@
 """The decoding kernels (`shaders/decode.wgsl`, `ddl_wgpu/ops/decode.py`) against numpy: rows stored into a
-cache at the position in `meta`, RoPE at an offset (whole heads and partial), attention of new rows over a
+cache at the position in `meta`, RoPE at an offset (whole heads and partial), RoPE with the key and value
+stores in one launch, attention of new rows over a
 cache (GQA, several key chunks, a start of 0), the TC/EC short convolutions from a history cache (zeros before
 position 0), one slot per head out of a strided buffer (`take_rows`).
 
@@ -51,6 +52,38 @@ def test_rope_at(gpu, rng, start, R):
                   n, N, D, R).run(gpu)  # fmt: skip
     want = ref.rope_forward(x.astype(np.float64), cos[start : start + n], sin[start : start + n])
     check("rope_at", gpu.download(out, f32, x.size).reshape(x.shape), want)
+
+
+@pytest.mark.parametrize("start", [0, 5])
+@pytest.mark.parametrize("R", [None, 4])  # the whole head; partial RoPE
+def test_rope_store(gpu, rng, start, R):
+    """q rotated, k rotated into the key cache and v into the value cache at rows start .. start + n − 1 (the
+    other rows untouched), in one launch: as `rope_at` and `store_rows` would."""
+    n, H, K, D, cap = 3, 5, 2, 12, 16
+    q = rng.standard_normal((1, n, H, D)).astype(f32)
+    k = rng.standard_normal((1, n, K, D)).astype(f32)
+    v = rng.standard_normal((n, K, D)).astype(f32)
+    cos, sin = ref.rope_tables(cap, D, 1e4, np.float64, R)
+    rope = gpu.upload(np.stack([cos, sin]).astype(f32))
+    qo = gpu.upload(np.full(q.shape, np.nan, f32))  # a dim left unwritten stays NaN
+    kc, vc = (gpu.upload(np.full((cap, K, D), -1.0, f32)) for _ in range(2))
+    k_dec.rope_store(gpu, qo, kc, vc, gpu.upload(q), gpu.upload(k), gpu.upload(v), rope, meta_at(gpu, start), n,
+                     H, K, D, R).run(gpu)  # fmt: skip
+    tables = cos[start : start + n], sin[start : start + n]
+    check("rope_store q", gpu.read(qo, q.shape), ref.rope_forward(q.astype(np.float64), *tables))
+    want_k, want_v = np.full((cap, K, D), -1.0), np.full((cap, K, D), -1.0)
+    want_k[start : start + n] = ref.rope_forward(k.astype(np.float64), *tables)[0]
+    want_v[start : start + n] = v
+    check("rope_store k cache", gpu.read(kc, (cap, K, D)), want_k)
+    check("rope_store v cache", gpu.read(vc, (cap, K, D)), want_v)
+    # rotate=False: the two stores alone (k already rotated and normed), q_out untouched
+    k2, v2 = (rng.standard_normal((n, K, D)).astype(f32) for _ in range(2))
+    k_dec.rope_store(gpu, qo, kc, vc, gpu.upload(k2), gpu.upload(k2), gpu.upload(v2), rope, meta_at(gpu, start),
+                     n, H, K, D, R, rotate=False).run(gpu)  # fmt: skip
+    want_k[start : start + n], want_v[start : start + n] = k2, v2
+    check("rope_store k stored", gpu.read(kc, (cap, K, D)), want_k)
+    check("rope_store v stored", gpu.read(vc, (cap, K, D)), want_v)
+    check("rope_store q untouched", gpu.read(qo, q.shape), ref.rope_forward(q.astype(np.float64), *tables))
 
 
 @pytest.mark.parametrize("start", [0, 70, 133])

@@ -12,6 +12,9 @@ so the Calls are built once per row count and recorded at every position.
   into columns col0.. of a wider buffer at row 0: the draft's concatenated input);
 - `rope_at(out, x, cos, sin, meta, n, N, D, rotary=None)`: RoPE at positions start + r on the first R =
   `rotary` (default D) dims of each head, the rest passed through (tables (cap, R));
+- `rope_store(q_out, kc, vc, q, k, v, rope, meta, n, H, K, D, rotary=None)`: `rope_at` of q, and of k into
+  the key cache, v into the value cache, at rows start + r, in one launch (what a decoding pass runs before
+  `attend_cache` when RoPE is the last op on q and k);
 - `attend_cache(out, q, kc, vc, meta, n, H, K, D)`: attention of the n rows over cache slots 0 .. start + r;
 - `tc_cache(out, hist, conv, read, meta, n, C, dv, k)` / `ec_cache(out, hist, conv, meta, n, C, dv, k)`: the
   causal short convolutions over time reading their inputs from a per-position history cache;
@@ -19,8 +22,8 @@ so the Calls are built once per row count and recorded at every position.
   buffer (slot `slot`, or meta's u32 when None): a Gated DeltaNet layer's state after some row of a pass, and
   its conv window (`ddl_wgpu.decode`).
 
-The test checks each at sizes that are not multiples of the workgroup sizes and at several starts (the RoPE
-and the convolutions against the whole-sequence reference's rows, the attention against
+The test checks each at sizes that are not multiples of the workgroup sizes and at several starts (the RoPE,
+`rope_store` included, and the convolutions against the whole-sequence reference's rows, the attention against
 `attend_cached`; `take_rows` against numpy indexing).
 """
 
@@ -51,6 +54,16 @@ ROPE = Uniform(
     ("cap", "u32", "rows of the tables"),
     ("R", "u32", "rotated dims per head (<= D)"),
 )
+ROPE_STORE = Uniform(
+    "RopeStoreParams",
+    ("n", "u32", "rows"),
+    ("H", "u32", "query heads"),
+    ("K", "u32", "key/value heads"),
+    ("D", "u32", "head dim"),
+    ("R", "u32", "rotated dims per head (<= D)"),
+    ("cap", "u32", "rows of each table"),
+    ("rotate", "u32", "1: RoPE of q and k; 0: k and v stored as they are"),
+)
 ATTN = Uniform("AttnParams", ("n", "u32"), ("H", "u32"), ("K", "u32"), ("D", "u32"), ("scale", "f32"))
 CONV = Uniform(
     "ConvParams",
@@ -69,7 +82,7 @@ TAKE = Uniform(
     ("slot", "u32", "the slot, when not at_meta"),
     ("at_meta", "u32", "1: the slot is meta[0]"),
 )
-UNIFORMS = (STORE, ROPE, ATTN, CONV, TAKE)  # every kernel of the file compiles the whole file
+UNIFORMS = (STORE, ROPE, ROPE_STORE, ATTN, CONV, TAKE)  # every kernel of the file compiles the whole file
 
 
 def set_start(gpu: Gpu, meta, start: int) -> None:
@@ -107,6 +120,26 @@ def rope_at(gpu: Gpu, out, x, cos, sin, meta, n: int, N: int, D: int, rotary: in
     return _one(
         gpu, "rope_at", "rrrrwu", [x, cos, sin, meta, out], pairs, ROPE, pairs=pairs, N=N, D=D, cap=cap, R=R
     )
+
+
+def rope_store(gpu: Gpu, q_out, kc, vc, q, k, v, rope, meta, n: int, H: int, K: int, D: int,
+               rotary: int | None = None, rotate: bool = True) -> Call:  # fmt: skip
+    """One launch for what precedes attention over the cache: q_out (n, H, D) = RoPE of q at positions
+    start + r, and RoPE of k (n, K, D) and v (n, K, D) stored into kc / vc (cap, K, D) at rows start + r;
+    rope (2, cap, R): the cos table, then the sin table (`rope_at`'s, R = `rotary`, default D). `rotate`
+    False: k and v are stored as they are and q, q_out are not touched (any buffers: they are only bound)."""
+    R = D if rotary is None else int(rotary)
+    if D % 2 or R % 2 or not 0 < R <= D:
+        raise ValueError(f"rope needs an even head_dim and an even rotary width in [2, D], got {D}, {R}")
+    if rotate:
+        need("rope_store", "q", q, n * H * D)
+        need("rope_store", "q_out", q_out, n * H * D)
+    need("rope_store", "k", k, n * K * D)
+    need("rope_store", "v", v, n * K * D)
+    cap = (rope.size if not isinstance(rope, tuple) else rope[2]) // (8 * R)
+    items = n * (H * rotate + K) * D // 2 + n * K * D
+    return _one(gpu, "rope_store", "rrrrrwwwu", [q, k, v, rope, meta, q_out, kc, vc], items, ROPE_STORE, n=n, H=H,
+                K=K, D=D, R=R, cap=cap, rotate=int(rotate))  # fmt: skip
 
 
 def attend_cache(gpu: Gpu, out, q, kc, vc, meta, n: int, H: int, K: int, D: int) -> Call:
