@@ -187,9 +187,11 @@ class GpuCache:
             Ch, k, Hv, E, W = self.gdn_sizes()
             call = Call()
             for c in filter(None, self.gdn):
-                call += k_dec.take_rows(g, c.state, c.states, self.slot, Hv, E, slots * E, E)
-                if c.win is not None:  # positions j .. j + k − 2 of [window before; the pass's rows]
-                    call += k_dec.take_rows(g, c.win, c.prev, self.slot, 1, W, 0, Ch)
+                state = (c.state, c.states, Hv, E, slots * E, E, None)
+                if c.win is None:
+                    call += k_dec.take_rows(g, *state[:2], self.slot, *state[2:6])
+                else:  # and positions j .. j + k − 2 of [window before; the pass's rows]
+                    call += k_dec.take_rows2(g, state, (c.win, c.prev, 1, W, 0, Ch, None), self.slot)
             self._undo[slots] = call
         rec = g.recorder()
         rec.copy(positions, 4 * j, self.slot, 0, 4)
@@ -341,9 +343,10 @@ class TrunkRows(_CachedRows, InferenceWork):
         if c.win is None:
             return super()._gdn_conv(a, q)
         Ch, k, Hv, E, W = cache.gdn_sizes()
-        call = k_dec.store_rows(g, c.prev, c.win, cache.meta, k - 1, Ch, at_meta=False)
         if n <= cache.keep:
-            call += k_dec.store_rows(g, c.prev, a["X"], cache.meta, n, Ch, Ch, W, at_meta=False)
+            call = k_dec.concat_rows(g, c.prev, c.win, a["X"], k - 1, n, Ch)
+        else:
+            call = k_dec.store_rows(g, c.prev, c.win, cache.meta, k - 1, Ch, at_meta=False)
         return call + super()._gdn_conv(a, q, hist=c.win)
 
     def _gdn_rule(self, a: dict, q: str, **_) -> Call:
@@ -355,11 +358,12 @@ class TrunkRows(_CachedRows, InferenceWork):
         slots = cache.pass_slots(n)
         call = super()._gdn_rule(a, q, states=c.states, state_in=c.state, tc=1 if n <= cache.keep else n,
                                  save_final=True)  # fmt: skip
-        call += k_dec.take_rows(g, c.state, c.states, cache.meta, Hv, E, slots * E, E, slot=slots - 1)
-        if c.win is not None:  # the last k − 1 inputs: of [window; rows] in prev, or of the long pass's rows
-            src, row = (c.prev, n) if n <= cache.keep else (a["X"], n - (k - 1))
-            call += k_dec.take_rows(g, c.win, src, cache.meta, 1, W, 0, Ch, slot=row)
-        return call
+        state = (c.state, c.states, Hv, E, slots * E, E, slots - 1)
+        if c.win is None:
+            return call + k_dec.take_rows(g, *state[:2], cache.meta, *state[2:])
+        # and the window: the last k − 1 inputs, of [window; rows] in prev or of the long pass's rows
+        src, row = (c.prev, n) if n <= cache.keep else (a["X"], n - (k - 1))
+        return call + k_dec.take_rows2(g, state, (c.win, src, 1, W, 0, Ch, row), cache.meta)
 
     def embed_forward(self, x0) -> Call:
         cfg = self.cfg

@@ -20,6 +20,10 @@
 //                                             hist (cap, C, dv) holding every position's input: TC
 //                                             (with the read over d_v: out (n, C)) or EC (hist (cap, C)
 //                                             of embeddings: out (n, C, dv))
+//   concat_rows  (a, b, dst, p)               dst = [a (na rows); b (nb rows)], rows of W floats (a Gated
+//                                             DeltaNet layer's [window before the pass; the pass's rows])
+//   take_rows2   (src, src2, meta, dst, dst2, p)
+//                                             two take_rows in one launch (a layer's state and window)
 //   take_rows    (src, meta, dst, p)          dst[h * E + e] = src[h * hs + s * rs + e], s = p.slot or
 //                                             meta[0]: one slot per head out of a strided buffer (a Gated
 //                                             DeltaNet layer's state after row s of a pass; its conv window,
@@ -327,3 +331,56 @@ fn take_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
     let s = select(tk_p.slot, tk_meta[0], tk_p.at_meta == 1u);
     tk_dst[i] = tk_src[h * tk_p.hs + s * tk_p.rs + e];
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// concat_rows: one thread per item of [a; b].
+
+{{struct ConcatParams}}
+
+@group(0) @binding(0) var<storage, read> cc_a: array<f32>;
+@group(0) @binding(1) var<storage, read> cc_b: array<f32>;
+@group(0) @binding(2) var<storage, read_write> cc_dst: array<f32>;
+@group(0) @binding(3) var<uniform> cc_p: ConcatParams;
+
+@compute @workgroup_size(WG)
+fn concat_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+               @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = item(wid, nwg, lid);
+    let na = cc_p.na * cc_p.W;
+    if (i < na) {
+        cc_dst[i] = cc_a[i];
+    } else if (i < na + cc_p.nb * cc_p.W) {
+        cc_dst[i] = cc_b[i - na];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// take_rows2: take_rows of (src, dst, p's first fields) for the items below heads * E, then of (src2, dst2,
+// the fields ending in 2); each slot a launch constant or meta[0].
+
+{{struct Take2Params}}
+
+@group(0) @binding(0) var<storage, read> t2_src: array<f32>;
+@group(0) @binding(1) var<storage, read> t2_src2: array<f32>;
+@group(0) @binding(2) var<storage, read> t2_meta: array<u32>;
+@group(0) @binding(3) var<storage, read_write> t2_dst: array<f32>;
+@group(0) @binding(4) var<storage, read_write> t2_dst2: array<f32>;
+@group(0) @binding(5) var<uniform> t2_p: Take2Params;
+
+@compute @workgroup_size(WG)
+fn take_rows2(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+              @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = item(wid, nwg, lid);
+    let n1 = t2_p.heads * t2_p.E;
+    if (i < n1) {
+        let h = i / t2_p.E;
+        let s = select(t2_p.slot, t2_meta[0], t2_p.at_meta == 1u);
+        t2_dst[i] = t2_src[h * t2_p.hs + s * t2_p.rs + i - h * t2_p.E];
+    } else if (i < n1 + t2_p.heads2 * t2_p.E2) {
+        let j = i - n1;
+        let h = j / t2_p.E2;
+        let s = select(t2_p.slot2, t2_meta[0], t2_p.at_meta2 == 1u);
+        t2_dst2[j] = t2_src2[h * t2_p.hs2 + s * t2_p.rs2 + j - h * t2_p.E2];
+    }
+}
+

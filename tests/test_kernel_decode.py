@@ -2,7 +2,8 @@
 cache at the position in `meta`, RoPE at an offset (whole heads and partial), RoPE with the key and value
 stores in one launch, attention of new rows over a
 cache (GQA, several key chunks, a start of 0), the TC/EC short convolutions from a history cache (zeros before
-position 0), one slot per head out of a strided buffer (`take_rows`).
+position 0), one slot per head out of a strided buffer (`take_rows`, two at once: `take_rows2`), two row blocks
+concatenated (`concat_rows`).
 
 Shapes are off the workgroup sizes; every test runs at two starts so a kernel that ignores `meta` fails.
 """
@@ -136,3 +137,17 @@ def test_take_rows(gpu, rng, start):
     win = gpu.buffer(3 * 11 * 4)
     k_dec.take_rows(gpu, win, gpu.upload(rows), meta_at(gpu, start), 1, 3 * 11, 0, 11).run(gpu)
     assert np.array_equal(gpu.download(win, f32, 33).reshape(3, 11), rows[start : start + 3])
+    # take_rows2: a state slot (constant) and window rows (at meta) in one launch
+    st, wn = gpu.buffer(heads * E * 4), gpu.buffer(3 * 11 * 4)
+    first = (st, gpu.upload(src), heads, E, slots * E, E, 2)
+    k_dec.take_rows2(gpu, first, (wn, gpu.upload(rows), 1, 3 * 11, 0, 11, None), meta_at(gpu, start)).run(gpu)
+    assert np.array_equal(gpu.read(st, (heads, E)), src[:, 2])
+    assert np.array_equal(gpu.read(wn, (3, 11)), rows[start : start + 3])
+
+
+def test_concat_rows(gpu, rng):
+    a, b = rng.standard_normal((3, 13)).astype(f32), rng.standard_normal((2, 13)).astype(f32)
+    dst = gpu.upload(np.full((6, 13), -1.0, f32))
+    k_dec.concat_rows(gpu, dst, gpu.upload(a), gpu.upload(b), 3, 2, 13).run(gpu)
+    want = np.concatenate([a, b, np.full((1, 13), -1.0, f32)])
+    assert np.array_equal(gpu.read(dst, (6, 13)), want)

@@ -20,7 +20,8 @@ so the Calls are built once per row count and recorded at every position.
   causal short convolutions over time reading their inputs from a per-position history cache;
 - `take_rows(dst, src, meta, heads, E, hs, rs, slot=None)`: one slot of E floats per head out of a strided
   buffer (slot `slot`, or meta's u32 when None): a Gated DeltaNet layer's state after some row of a pass, and
-  its conv window (`ddl_wgpu.decode`).
+  its conv window (`ddl_wgpu.decode`); `take_rows2` does two in one launch (the state and the window);
+- `concat_rows(dst, a, b, na, nb, W)`: dst = [a; b] (a layer's window before a pass and the pass's rows).
 
 The test checks each at sizes that are not multiples of the workgroup sizes and at several starts (the RoPE,
 `rope_store` included, and the convolutions against the whole-sequence reference's rows, the attention against
@@ -82,7 +83,29 @@ TAKE = Uniform(
     ("slot", "u32", "the slot, when not at_meta"),
     ("at_meta", "u32", "1: the slot is meta[0]"),
 )
-UNIFORMS = (STORE, ROPE, ROPE_STORE, ATTN, CONV, TAKE)  # every kernel of the file compiles the whole file
+CONCAT = Uniform(
+    "ConcatParams", ("na", "u32", "rows of a"), ("nb", "u32", "rows of b"), ("W", "u32", "floats a row")
+)
+TAKE2 = Uniform(
+    "Take2Params",
+    *TAKE.fields,
+    ("heads2", "u32", "the second take's fields"),
+    ("E2", "u32"),
+    ("hs2", "u32"),
+    ("rs2", "u32"),
+    ("slot2", "u32"),
+    ("at_meta2", "u32"),
+)
+UNIFORMS = (
+    STORE,
+    ROPE,
+    ROPE_STORE,
+    ATTN,
+    CONV,
+    TAKE,
+    CONCAT,
+    TAKE2,
+)  # every kernel of the file compiles the whole file
 
 
 def set_start(gpu: Gpu, meta, start: int) -> None:
@@ -182,3 +205,22 @@ def take_rows(
     s = 0 if slot is None else int(slot)
     return _one(gpu, "take_rows", "rrwu", [src, meta, dst], heads * E, TAKE, heads=heads, E=E, hs=hs, rs=rs,
                 slot=s, at_meta=int(slot is None))  # fmt: skip
+
+
+def concat_rows(gpu: Gpu, dst, a, b, na: int, nb: int, W: int) -> Call:
+    """dst (na + nb, W) = [a (na, W); b (nb, W)] in one launch."""
+    need("concat_rows", "a", a, na * W)
+    need("concat_rows", "b", b, nb * W)
+    need("concat_rows", "dst", dst, (na + nb) * W)
+    return _one(gpu, "concat_rows", "rrwu", [a, b, dst], (na + nb) * W, CONCAT, na=na, nb=nb, W=W)
+
+
+def take_rows2(gpu: Gpu, first: tuple, second: tuple, meta) -> Call:
+    """Two `take_rows` in one launch: `first` and `second` are each (dst, src, heads, E, hs, rs, slot), slot
+    None for meta's first u32."""
+    (d1, s1, h1, e1, hs1, rs1, sl1), (d2, s2, h2, e2, hs2, rs2, sl2) = first, second
+    need("take_rows2", "dst", d1, h1 * e1)
+    need("take_rows2", "dst2", d2, h2 * e2)
+    return _one(gpu, "take_rows2", "rrrwwu", [s1, s2, meta, d1, d2], h1 * e1 + h2 * e2, TAKE2, heads=h1, E=e1,
+                hs=hs1, rs=rs1, slot=sl1 or 0, at_meta=int(sl1 is None), heads2=h2, E2=e2, hs2=hs2, rs2=rs2,
+                slot2=sl2 or 0, at_meta2=int(sl2 is None))  # fmt: skip
