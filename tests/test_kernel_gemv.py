@@ -3,8 +3,8 @@ vector form (f32 as vec4 and as scalars, f16 as 8 and as 4 halves per load) on b
 shuffles, workgroup memory), one and several x rows, accumulation, an output column offset and row stride;
 stacked segments in one dispatch (outputs in two buffers, two segments into one buffer) and the fallback when
 the weights lie in different buffers; the fused gate/up/SwiGLU; a row's bits independent of the x rows beside
-it and of the unrolling, rows per team and rows per workgroup (the decoder's rows computed apart); the tune
-syntax and its refusals."""
+it and of the unrolling, rows per team and rows per workgroup (the decoder's rows computed apart); the default
+tune (the subgroup reduction where its probe passes), the tune syntax and its refusals."""
 
 import numpy as np
 import pytest
@@ -136,6 +136,19 @@ def test_rows_apart(gpu, rng):
             assert np.array_equal(run(n, tune(reduce, **kw)), base), (reduce, kw)
     shared = run(n, tune("shared"))
     assert not np.array_equal(run(n, tune("shared", team=16, rows=16)), shared)  # another order: other bits
+
+
+def test_default_tune(gpu, monkeypatch):
+    """The subgroup reduction by default where the adapter has it and its probe sums right (lavapipe's do),
+    else workgroup memory; DDL_WGPU_GEMV overrides fields."""
+    assert k_gemv.subgroups_work(gpu) == ("subgroup" in gpu.features)
+    want = "subgroup" if "subgroup" in gpu.features else "shared"
+    assert k_gemv.default_tune(gpu).reduce == want
+    monkeypatch.setitem(k_gemv._SUBGROUPS, id(gpu), False)  # a driver whose subgroup path failed the probe
+    assert k_gemv.default_tune(gpu).reduce == "shared"
+    monkeypatch.setenv(k_gemv.ENV_TUNE, "rows=8,unroll=4")
+    t = k_gemv.default_tune(gpu)
+    assert (t.reduce, t.rows, t.unroll) == ("shared", 8, 4)
 
 
 def test_tune_syntax(gpu):

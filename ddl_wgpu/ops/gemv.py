@@ -114,10 +114,41 @@ def _pow2(n: int) -> bool:
 
 
 def default_tune(gpu: Gpu) -> GemvTune:
-    """The subgroup reduction where the adapter has `subgroup`, else workgroup memory; `DDL_WGPU_GEMV` on top."""
-    base = GemvTune(reduce="subgroup" if "subgroup" in gpu.features else "shared")
+    """The subgroup reduction where the adapter has `subgroup` and it passes `subgroups_work`, else workgroup
+    memory; `DDL_WGPU_GEMV` on top."""
+    base = GemvTune(reduce="subgroup" if subgroups_work(gpu) else "shared")
     text = os.environ.get(ENV_TUNE, "").strip()
     return GemvTune.parse(text, base) if text else base
+
+
+_SUBGROUPS: dict = {}  # id(gpu) -> whether the subgroup reduction compiled and summed right there
+
+
+def subgroups_work(gpu: Gpu) -> bool:
+    """Whether the adapter has `subgroup` and a small product through the subgroup reduction compiles and
+    matches numpy (checked once per device): a driver whose subgroup path fails falls back to the
+    workgroup-memory reduction instead of failing every decode."""
+    if "subgroup" not in gpu.features:
+        return False
+    if id(gpu) not in _SUBGROUPS:
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        x, w = (
+            rng.standard_normal((1, 72)).astype(np.float32),
+            rng.standard_normal((40, 72)).astype(np.float32),
+        )
+        try:
+            y = gpu.buffer(40 * 4, label="gemv_probe")
+            gemv(gpu, y, gpu.upload(x), gpu.upload(w), 1, 40, 72, tune=GemvTune(reduce="subgroup")).run(gpu)
+            got = gpu.download(y, np.float32, 40)
+            ok = bool(
+                np.allclose(got, (x.astype(np.float64) @ w.T.astype(np.float64))[0], rtol=1e-4, atol=1e-4)
+            )
+        except Exception:  # a compiler or validation error: the other reduction
+            ok = False
+        _SUBGROUPS[id(gpu)] = ok
+    return _SUBGROUPS[id(gpu)]
 
 
 AUTO_GROUPS = 1024  # rows=0 takes the most rows per workgroup (of 16, 8, 4) that still give this many
