@@ -18,13 +18,14 @@ JSON keys: depth, prefix_acceptance [A_1..A_K], conditional_acceptance [alpha_1.
 anchors, on_policy {anchors, prefix_acceptance, conditional_acceptance, acceptance_length},
 chain_attention; and `probe` (one entry per concat / trunk-hidden / chain-hidden convention) when asked for.
 
-Chain attention (`chain_attention`): "per-step" (default) runs each step as its own causal pass over that
-step's rows of the window (positions 0..T−1), as the reference heal tool trains. "stacked" does what a
+Chain attention (`chain_attention`; by default the one the draft's layout runs, `draft_layout.chain_attention_for`:
+"stacked" for a Qwen3.5-layout draft, "per-step" otherwise): "per-step" runs each step as its own causal pass
+over that step's rows of the window (positions 0..T−1), as the reference heal tool trains. "stacked" does what a
 speculative runtime does: step 1 as in "per-step"; step σ >= 2 is read off the stacked forward of steps 1..σ
 (`ddl_ref.mtp.draft_forward(chain=σ)`: row (s, p) at position p + s − 1 sees the step-1 rows at positions <= p
 and the steps 2..s rows of its own anchor, the runtime's diagonal mask), step s's input rows built from the
 draft's own step s−1 output and greedy token. Step 1 and the counting are the same in both; at depth 1 the two
-agree. The JSON adds `chain_attention`.
+agree. The JSON adds `chain_attention` (and `accept_file` why it was chosen: `chain_attention_why`).
 
 Backends (`backend.make_accept_backend`): "ref" runs trunk and draft in numpy; "wgpu" runs everything on the
 GPU, forward only (`gpu_acceptance`): the trunk (`heal_gpu.WgpuTeacher.greedy_hidden`, its greedy token from
@@ -51,9 +52,11 @@ import numpy as np
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
 from ddl_wgpu.backend import choose_backend, make_accept_backend
+from ddl_wgpu.container import open_checkpoint
 from ddl_wgpu.data import check_vocab, load_records, make_windows, tokenizer_for
+from ddl_wgpu.draft_layout import chain_attention_for
 from ddl_wgpu.errors import UserError
-from ddl_wgpu.modelfile import Model, load_model
+from ddl_wgpu.modelfile import Model, load_config, load_model
 from ddl_wgpu.refnet import ref_runner
 from ddl_wgpu.safeio import load_json, read_regular
 
@@ -68,7 +71,9 @@ KEYS = (
 )
 DEPTH, WINDOW, TOKENS = 3, 128, 20_000  # `accept`'s defaults: chain depth, window length, token budget (CLI)
 # Chain attention: "per-step" (each chain step its own causal pass, the reference heal tool's way) or
-# "stacked" (steps 1..j stacked with the runtime's diagonal mask); the default of both `heal` and `accept`.
+# "stacked" (steps 1..j stacked with the runtime's diagonal mask). `acceptance`, `accept_file` and `heal` take
+# the draft's layout's by default (`resolve_chain_attention`); the functions below them are handed it, and
+# default to the reference's.
 CHAIN_ATTENTION = ("per-step", "stacked")
 DEFAULT_CHAIN_ATTENTION = "per-step"
 
@@ -83,6 +88,20 @@ def check_chain_attention(chain_attention: str) -> None:
             f"chain attention must be one of {', '.join(CHAIN_ATTENTION)}, got {chain_attention!r}",
             field="chain_attention",
         )
+
+
+def resolve_chain_attention(cfg, chain_attention: str | None) -> tuple[str, str]:
+    """(the chain attention to measure with, why): `chain_attention` when given, else the draft's layout's."""
+    if chain_attention is None:
+        return chain_attention_for(cfg)
+    check_chain_attention(chain_attention)
+    return chain_attention, "as given"
+
+
+def chain_attention_of(model_path, chain_attention: str | None) -> tuple[str, str]:
+    """`resolve_chain_attention` for the model file at `model_path` (its header only, before the run)."""
+    with open_checkpoint(model_path) as ck:
+        return resolve_chain_attention(load_config(ck, model_path), chain_attention)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -296,16 +315,17 @@ def acceptance_from_rows(params: dict, cfg, tb: TrunkBatch, depth: int, draft=No
 def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, backend: str = "ref",
                conventions: MtpConfig | dict | None = None, probe_conventions: bool = False,
                batch: int = 8, device: str | None = None, trunk_dtype: str = "f32",
-               chain_attention: str = DEFAULT_CHAIN_ATTENTION) -> dict:  # fmt: skip
+               chain_attention: str | None = None) -> dict:  # fmt: skip
     """Greedy speculative acceptance of `model`'s draft over `windows` (1-D token arrays, each at most
-    max_seq_len long), chained `depth` deep, with `chain_attention` "per-step" or "stacked" (module docstring). `conventions` overrides the model's MtpConfig (concat, hiddens);
+    max_seq_len long), chained `depth` deep, with `chain_attention` "per-step" or "stacked" (None: the draft's
+    layout's; module docstring). `conventions` overrides the model's MtpConfig (concat, hiddens);
     `probe_conventions` adds `probe`: the same measure under every concat x trunk_hidden x chain_hidden.
     `trunk_dtype` "f16" (wgpu only) keeps the GPU trunk's big matrices in f16 (`heal_gpu.WgpuTeacher`)."""
-    check_chain_attention(chain_attention)
     if depth < 1:
         raise AcceptError(f"depth must be at least 1, got {depth}", field="depth")
     if model.cfg.mtp is None:
         raise AcceptError("the model has no MTP draft (missing tensor model.mtp.eh_proj.weight)")
+    chain_attention, _ = resolve_chain_attention(model.cfg, chain_attention)
     windows = [np.asarray(w, np.int64) for w in windows if np.asarray(w).size > depth]
     if not windows:
         raise AcceptError(f"no window longer than depth {depth}: nothing to measure")
@@ -338,12 +358,15 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, 
 def accept_file(model_path, data_spec: str, depth: int = DEPTH, window: int | None = None,
                 tokens: int | None = None, backend: str = "ref", probe_conventions: bool = False,
                 device: str | None = None, trunk_dtype: str = "f32",
-                chain_attention: str = DEFAULT_CHAIN_ATTENTION, verify: bool = True) -> dict:  # fmt: skip
+                chain_attention: str | None = None, verify: bool = True) -> dict:  # fmt: skip
     """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure. `window` None:
-    WINDOW, or the model's context when shorter; a longer one is refused (it would silently be cut)."""
+    WINDOW, or the model's context when shorter; a longer one is refused (it would silently be cut);
+    `chain_attention` None: the draft's layout's."""
     backend = choose_backend(backend, device).name
-    check_chain_attention(chain_attention)
+    if chain_attention is not None:
+        check_chain_attention(chain_attention)
     model = load_model(model_path, verify=verify)
+    chain_attention, why = resolve_chain_attention(model.cfg, chain_attention)
     if window is not None and window > model.cfg.max_seq_len:
         ctx = model.cfg.max_seq_len
         raise AcceptError(f"window {window} exceeds the model's context (max_seq_len {ctx})", field="window")
@@ -355,6 +378,7 @@ def accept_file(model_path, data_spec: str, depth: int = DEPTH, window: int | No
     result["data"] = str(data_spec)
     result["backend"] = backend
     result["trunk_dtype"] = trunk_dtype
+    result["chain_attention_why"] = why
     return result
 
 

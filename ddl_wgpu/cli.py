@@ -336,7 +336,7 @@ def accept(
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     trunk_dtype: TrunkDtype = "f32",
-    chain_attention: ChainAttention = accept_lib.DEFAULT_CHAIN_ATTENTION,
+    chain_attention: ChainAttention = None,
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
@@ -348,6 +348,11 @@ def accept(
         fail(f"--depth {depth} needs windows of at least {depth + 1} tokens: pass --window")
     choice = choose_backend(backend, device)
     typer.echo(backend_line(choice), err=as_json)
+    chain_attention, why = accept_lib.chain_attention_of(model, chain_attention)
+    typer.echo(
+        f"chain attention: {chain_attention} ({'--chain-attention' if why == 'as given' else why})",
+        err=as_json,
+    )
     r = accept_lib.accept_file(model, data, depth=depth, window=window, tokens=tokens or None,
                                backend=choice.name, probe_conventions=probe_conventions, device=device,
                                trunk_dtype=trunk_dtype, chain_attention=chain_attention,

@@ -39,6 +39,7 @@ from ddl_wgpu.cli_options import (
     DeviceOpt,
     DevicesOpt,
     DModel,
+    DraftWidth,
     FfnHidden,
     ForceOpt,
     HeadDim,
@@ -499,6 +500,7 @@ def heal(
     seed: int = opt(HEAL.seed, "Job-order seed.", HEAL_HELP),
     trunk_dtype: TrunkDtype = HEAL.trunk_dtype,
     chain_attention: ChainAttention = HEAL.chain_attention,
+    draft_width: DraftWidth = HEAL.draft_width,
     kl_form: str = opt(
         HEAL.kl_form,
         "Top-k KL: full (the draft's full-vocabulary log-softmax, as the reference heal tool) or topk "
@@ -524,11 +526,15 @@ def heal(
     output_file(out, force)
     cfg = heal_lib.HealConfig(chain=chain, refresh=refresh, tokens=tokens, window=window, epochs=epochs, lr=lr,
                               topk=topk, batch=batch, eval_every=eval_every, patience=patience, seed=seed,
-                              trunk_dtype=trunk_dtype, chain_attention=chain_attention,
+                              trunk_dtype=trunk_dtype, chain_attention=chain_attention, draft_width=draft_width,
                               kl_form=kl_form)  # fmt: skip
+    cfg, why = heal_lib.resolve_file(model, cfg)
     choice = choose_backend(backend, device)
     typer.echo("resolved configuration:", err=as_json)
     typer.echo("  heal:     " + fields(cfg.to_dict()), err=as_json)
+    for key, flag in (("chain_attention", "--chain-attention"), ("draft_width", "--draft-width")):
+        reason = flag if why[key] == "as given" else why[key]
+        typer.echo(f"  {key.replace('_', ' ')}: {getattr(cfg, key)} ({reason})", err=as_json)
     typer.echo("  " + backend_line(choice), err=as_json)
     rep = heal_lib.heal(model, data, out, cfg, init_path=init, backend=choice.name,
                         progress=HealConsole(as_json), device=device, verify=not no_verify)  # fmt: skip

@@ -139,11 +139,21 @@ def opt(default, help_: str, panel: str = MODEL_HELP, **kw):
 # MTP draft
 
 ChainAttention = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--chain-attention",
         help="Attention of chain steps: per-step (each step its own causal pass, as the reference heal tool) "
-        "or stacked (steps 1..j stacked with the runtime's diagonal mask).",
+        "or stacked (steps 1..j stacked with the runtime's diagonal mask, as vLLM/SGLang draft). Default: the "
+        "draft's layout's (stacked for a Qwen3.5-layout draft, per-step otherwise).",
+    ),
+]
+DraftWidth = Annotated[
+    str | None,
+    typer.Option(
+        "--draft-width",
+        help="The draft's FFN width: model (the model's FFN width, the starting draft narrowed by importance; what "
+        "vLLM/SGLang build a Qwen3.5 draft at) or init (the starting draft's, the reference heal tool's rule). "
+        "Default: model for a Qwen3.5-layout model, init otherwise.",
     ),
 ]
 TrunkDtype = Annotated[

@@ -5,11 +5,15 @@
 - `ffn_keep(model, fraction)`: keep round(fraction·F) (at least 1) SwiGLU channels of every block, chosen per
   block by importance ‖gate row c‖·‖up row c‖·‖down column c‖ (a channel's output is down[:, c]·silu(g_c)·u_c,
   so the product of the three norms bounds its contribution for a unit input). Kept channels stay in their
-  original order. The MTP draft is left whole, as the reference heal tool expects (it takes the draft's FFN
-  width from the model it starts from): its width is then recorded as `MtpConfig.ffn_hidden`.
+  original order (`narrow_ffn`). The MTP draft follows the rule of the runtime it is laid out for
+  (`draft_layout.width_follows_trunk`): a Qwen3.5-layout model's draft is narrowed with the trunk by the same rule
+  (vLLM and SGLang build it at `intermediate_size`); any other draft is left whole, as the reference heal tool
+  expects (it takes the draft's FFN width from the model it starts from), its width then recorded as
+  `MtpConfig.ffn_hidden`.
 
 Both return a new `Model` with `provenance.compress` recorded (a previous record is kept under `previous`); the
-draft head itself is carried over unchanged: heal it against the new trunk (`ddl_wgpu.heal`).
+draft head is carried over (by `ffn_keep` narrowed as said, its record under `draft`): heal it against the new
+trunk (`ddl_wgpu.heal`).
 
 What this file deliberately does not do: attention-head pruning, quantisation, or any evaluation of the result.
 """
@@ -23,10 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ddl_ref.config import select_layers
+from ddl_ref.config import ModelConfig, select_layers
 from ddl_ref.mtp import draft_ffn_hidden
-from ddl_ref.params import param_table
+from ddl_ref.params import MTP_LAYER_PREFIX, param_table
 from ddl_wgpu.container import open_checkpoint
+from ddl_wgpu.draft_layout import width_follows_trunk
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.modelfile import Model, check_fits, load_config, load_model, save_model
 from ddl_wgpu.safeio import refuse_overwrite_input
@@ -110,6 +115,17 @@ def ffn_importance(params: dict, prefix: str) -> np.ndarray:
     return g * u * d
 
 
+def narrow_ffn(params: dict, prefix: str, n: int) -> float:
+    """Keep the `n` most important channels (`ffn_importance`, in their original order) of the SwiGLU under
+    `prefix` in `params` (replaced in place) -> the fraction of the importance kept."""
+    imp = ffn_importance(params, prefix)
+    keep = np.sort(np.argsort(-imp, kind="stable")[:n])
+    params[prefix + "mlp.gate_proj.weight"] = params[prefix + "mlp.gate_proj.weight"][keep]
+    params[prefix + "mlp.up_proj.weight"] = params[prefix + "mlp.up_proj.weight"][keep]
+    params[prefix + "mlp.down_proj.weight"] = params[prefix + "mlp.down_proj.weight"][:, keep]
+    return float(imp[keep].sum() / max(imp.sum(), 1e-30))
+
+
 def ffn_keep(model: Model, fraction: float) -> Model:
     """Keep the fraction `fraction` (0 < f <= 1) of every SwiGLU's channels, the most important per block."""
     cfg = model.cfg
@@ -119,27 +135,32 @@ def ffn_keep(model: Model, fraction: float) -> Model:
         )
     F = cfg.ffn_hidden
     F2 = max(1, int(round(float(fraction) * F)))
-    prefixes = [f"model.layers.{i}." for i in range(cfg.n_layers)]
     params = {n: np.array(a, copy=True) for n, a in model.params.items()}
-    kept_mass = []
-    for p in prefixes:
-        imp = ffn_importance(model.params, p)
-        keep = np.sort(np.argsort(-imp, kind="stable")[:F2])
-        params[p + "mlp.gate_proj.weight"] = params[p + "mlp.gate_proj.weight"][keep]
-        params[p + "mlp.up_proj.weight"] = params[p + "mlp.up_proj.weight"][keep]
-        params[p + "mlp.down_proj.weight"] = params[p + "mlp.down_proj.weight"][:, keep]
-        kept_mass.append(float(imp[keep].sum() / max(imp.sum(), 1e-30)))
+    kept_mass = [narrow_ffn(params, f"model.layers.{i}.", F2) for i in range(cfg.n_layers)]
     new_cfg = dataclasses.replace(cfg, ffn_hidden=F2)
-    if cfg.mtp is not None:  # the draft keeps its width (recorded when it now differs from the trunk's)
-        width = draft_ffn_hidden(cfg)
-        mtp = dataclasses.replace(cfg.mtp, ffn_hidden=None if width == F2 else width)
-        new_cfg = dataclasses.replace(new_cfg, mtp=mtp)
-    for spec in param_table(new_cfg):
-        assert params[spec.name].shape == spec.shape, spec.name
     rec = {"method": "ffn_keep", "fraction": float(fraction), "ffn_hidden_before": F, "ffn_hidden_after": F2,
            "importance": "norm(gate row) * norm(up row) * norm(down column)",
            "kept_importance_fraction": kept_mass}  # fmt: skip
+    if cfg.mtp is not None:
+        new_cfg, rec["draft"] = _draft_width(params, cfg, new_cfg)
+    for spec in param_table(new_cfg):
+        assert params[spec.name].shape == spec.shape, spec.name
     return dataclasses.replace(model, cfg=new_cfg, params=params, provenance=_record(model, rec))
+
+
+def _draft_width(params: dict, cfg: ModelConfig, new_cfg: ModelConfig) -> tuple[ModelConfig, dict]:
+    """The draft after `ffn_keep` narrowed the trunk to `new_cfg.ffn_hidden`: narrowed with it when its runtime
+    builds it at the trunk's width (and it is at least that wide), else whole (its width recorded when it now
+    differs from the trunk's) -> (the config, the record)."""
+    width, F2 = draft_ffn_hidden(cfg), new_cfg.ffn_hidden
+    follows, why = width_follows_trunk(cfg)
+    rec = {"ffn_hidden_before": width, "rule": why}
+    if follows and width >= F2:
+        rec["kept_importance_fraction"] = narrow_ffn(params, MTP_LAYER_PREFIX, F2)
+        width = F2
+    rec["ffn_hidden_after"] = width
+    mtp = dataclasses.replace(cfg.mtp, ffn_hidden=None if width == F2 else width)
+    return dataclasses.replace(new_cfg, mtp=mtp), rec
 
 
 def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,

@@ -148,7 +148,13 @@ class HealConsole:
             self.say(json.dumps(ev, default=str))
             return
         kind, dt = ev["event"], time.perf_counter() - self.t0
-        if kind == "windows":
+        if kind == "draft":
+            came = "the init model's" if ev["init"] else "the model's"
+            if ev["ffn_hidden"] < ev["source_ffn_hidden"]:
+                came += f" {ev['source_ffn_hidden']} narrowed by importance"
+            self.say(f"heal: the draft's SwiGLU {ev['ffn_hidden']} channels wide ({came}; --draft-width "
+                     f"{ev['rule']}), chain attention {ev['chain_attention']}")  # fmt: skip
+        elif kind == "windows":
             self.say(
                 f"heal: {ev['windows']} windows, {ev['tokens']:,} tokens of {ev['data']}; chain depth {ev['chain']}"
             )

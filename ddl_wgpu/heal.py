@@ -15,7 +15,11 @@ trunk's own predictions. The flow:
    acceptance starts from the held-out windows' step-1 rows, kept in float32).
 3. The draft is trained alone as a one-layer model (`backend.Draft`): its block `model.mtp.layers.0.*` and final
    norm `model.mtp.norm`, from `--init` weights when given, else the model's own. Trunk, embedding, head and the
-   draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the reference heal tool.
+   draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the reference heal tool. Its FFN width
+   (`HealConfig.draft_width`, `_fit_draft`): "model", the model's own FFN width (the starting draft narrowed by
+   `compress.narrow_ffn`'s importance rule when wider), what vLLM and SGLang build a Qwen3.5 draft at; or "init",
+   the starting draft's width (the reference heal tool's rule); by default the one the model's layout needs
+   (`draft_layout.draft_width_for`).
 4. Chained training: the block input of step 1 is `eh_proj·[enorm(E[x_{p+1}]); hnorm(h_p)]` from the trunk's
    hidden; step j > 1 reads the token x_{p+j} and the draft's own step j−1 output at row p (`chain_hidden`),
    rebuilt from the weights at every `refresh`-th step (`backend.Draft.next_rows`: on wgpu the draft's output
@@ -41,8 +45,10 @@ Backends: `backend.make_teacher` and `backend.make_draft` build the trunk (`back
 (`heal_gpu.WgpuTeacher`, `heal_gpu.WgpuDraft`). Gradients are float32 on both, so the loss scale is carried
 but never needed.
 
-Chain attention (`HealConfig.chain_attention`): "per-step" (default) trains step j as its own pass whose rows
-attend causally to the other step-j rows of the window at positions 0..T−1, as the reference heal tool.
+Chain attention (`HealConfig.chain_attention`; by default the one the draft's layout runs,
+`draft_layout.chain_attention_for`: "stacked" for a Qwen3.5-layout draft, "per-step" otherwise): "per-step"
+trains step j as its own pass whose rows attend causally to the other step-j rows of the window at positions
+0..T−1, as the reference heal tool.
 "stacked" reproduces the inference's "diagonal" mask: a step-j job stacks the block inputs of steps 1..j of
 each window (j·T rows, row (σ−1)·T + p, step σ's rows the stored/refreshed step-σ inputs), row (j, p) attends
 to the step-1 rows at positions <= p and to the same anchor's step-2..j rows, RoPE position p + σ − 1; the
@@ -66,14 +72,16 @@ import numpy as np
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import ModelConfig
 from ddl_ref.ops import KL_FORMS
-from ddl_ref.params import param_table
+from ddl_ref.params import MTP_LAYER_PREFIX, param_table
 from ddl_wgpu import accept as accept_mod
-from ddl_wgpu.accept import CHAIN_ATTENTION, DEFAULT_CHAIN_ATTENTION
+from ddl_wgpu.accept import CHAIN_ATTENTION
 from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teacher
+from ddl_wgpu.compress import narrow_ffn
 from ddl_wgpu.container import CheckpointError, f32_to_bf16, open_checkpoint, save
 from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
+from ddl_wgpu.draft_layout import DRAFT_WIDTHS, chain_attention_for, draft_width_for
 from ddl_wgpu.errors import UserError
-from ddl_wgpu.modelfile import FLOAT_DTYPES, Model, load_model
+from ddl_wgpu.modelfile import FLOAT_DTYPES, Model, load_config, load_model
 from ddl_wgpu.run import Best, Cadence, Events, LossScale, drive
 
 LOSS_SCALE_START = 4096.0  # the reference heal tool's first loss scale; halved (to >= 1) per non-finite step
@@ -115,7 +123,10 @@ class HealConfig:
     patience: int = 3  # evaluations without a new best before stopping (0: never stop early)
     seed: int = 0  # job shuffle: 0 is the reference's xorshift state; another seed is xored into it
     trunk_dtype: str = "f32"  # the GPU trunk's big matrices: f32, or f16 (half the memory; needs shader-f16)
-    chain_attention: str = DEFAULT_CHAIN_ATTENTION  # "per-step": step j causal over its own rows; "stacked"
+    # "per-step": step j causal over its own rows; "stacked"; None: the draft's layout's (`resolve`)
+    chain_attention: str | None = None
+    # the draft's FFN width: "model" (the model's), "init" (the starting draft's); None: the layout's (`resolve`)
+    draft_width: str | None = None
     # the top-k KL: "full" (the reference heal tool's: the draft's full-vocabulary log-softmax against the
     # teacher's renormalised top-k) or "topk" (the draft renormalised over the k ids); `ddl_ref.ops.KL_FORMS`
     kl_form: str = "full"
@@ -124,9 +135,12 @@ class HealConfig:
         if self.kl_form not in KL_FORMS:
             raise HealError(f"heal: kl_form must be one of {', '.join(KL_FORMS)}, got {self.kl_form!r}",
                             field="kl_form")  # fmt: skip
-        if self.chain_attention not in CHAIN_ATTENTION:
+        if self.chain_attention is not None and self.chain_attention not in CHAIN_ATTENTION:
             raise HealError(f"heal: chain attention must be one of {', '.join(CHAIN_ATTENTION)}, "
                             f"got {self.chain_attention!r}", field="chain_attention")  # fmt: skip
+        if self.draft_width is not None and self.draft_width not in DRAFT_WIDTHS:
+            raise HealError(f"heal: draft width must be one of {', '.join(DRAFT_WIDTHS)}, got {self.draft_width!r}",
+                            field="draft_width")  # fmt: skip
         if self.trunk_dtype not in TRUNK_DTYPES:
             raise HealError(
                 f"heal: trunk_dtype must be one of {list(TRUNK_DTYPES)}, got {self.trunk_dtype!r}",
@@ -213,18 +227,65 @@ def _load(path, what: str, verify: bool = True) -> Model:
         raise HealError(f"heal: {what}: {e}") from e
 
 
-def _draft_width_of(init_path, model: Model) -> Model:
-    """`model` with its draft's FFN width taken from the init model (the reference heal tool's rule): a draft
-    narrowed with its trunk heals at the init's width; the config records it (`MtpConfig.ffn_hidden`)."""
-    with open_checkpoint(init_path) as ck:
-        if GATE not in ck.names():
-            return model
-        width = int(ck.info(GATE).shape[0])
-    if width == ref_mtp.draft_ffn_hidden(model.cfg):
-        return model
+def resolve(model_cfg: ModelConfig, cfg: HealConfig) -> tuple[HealConfig, dict]:
+    """`cfg` with the defaults that follow the model's layout filled in (`draft_layout`) -> (the config, why:
+    {"chain_attention": ..., "draft_width": ...}, "as given" for a value set by the caller)."""
+    why = {"chain_attention": "as given", "draft_width": "as given"}
+    if cfg.chain_attention is None:
+        mode, why["chain_attention"] = chain_attention_for(model_cfg)
+        cfg = dataclasses.replace(cfg, chain_attention=mode)
+    if cfg.draft_width is None:
+        rule, why["draft_width"] = draft_width_for(model_cfg)
+        cfg = dataclasses.replace(cfg, draft_width=rule)
+    return cfg, why
+
+
+def resolve_file(model_path, cfg: HealConfig) -> tuple[HealConfig, dict]:
+    """`resolve` for the model file at `model_path` (its header only, as `heal` will read it)."""
+    _require_draft(model_path)
+    try:
+        with open_checkpoint(model_path) as ck:
+            return resolve(load_config(ck, model_path), cfg)
+    except CheckpointError as e:
+        raise HealError(f"heal: {e}") from e
+
+
+def _with_width(model: Model, width: int) -> Model:
+    """`model` whose config gives its draft `width` SwiGLU channels (`MtpConfig.ffn_hidden`, None: the trunk's)."""
     mtp = dataclasses.replace(model.cfg.mtp, ffn_hidden=None if width == model.cfg.ffn_hidden else width)
-    cfg = dataclasses.replace(model.cfg, mtp=mtp)
-    return dataclasses.replace(model, cfg=cfg)
+    return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, mtp=mtp))
+
+
+def _fit_draft(model: Model, init_path, rule: str, verify: bool = True) -> tuple[Model, dict | None, dict]:
+    """The model with its draft at the width `rule` gives, and the draft's starting weights (from `init_path`,
+    else None: the model's own) -> (model, init weights, the width record).
+
+    The starting draft is the init model's (its width the rows of its gate_proj) or the model's own. "init" keeps
+    its width (the reference heal tool's rule); "model" heals at the model's FFN width (its trunk's, the
+    `intermediate_size` an export writes), narrowing a wider draft by `compress.narrow_ffn`'s importance rule; a
+    narrower one cannot be widened (HealError naming --draft-width init)."""
+    source = ref_mtp.draft_ffn_hidden(model.cfg)
+    if init_path is not None:
+        with open_checkpoint(init_path) as ck:
+            source = int(ck.info(GATE).shape[0]) if GATE in ck.names() else source
+    target = source if rule == "init" else model.cfg.ffn_hidden
+    whose = "the init model's" if init_path is not None else "the model's"
+    if target > source:
+        raise HealError(f"heal: --draft-width model: {whose} draft has {source} SwiGLU channels, fewer than the "
+                        f"model's FFN width {target}; a draft cannot be widened (--draft-width init heals it at "
+                        f"{source})", field="draft_width")  # fmt: skip
+    model = _with_width(model, source)
+    init = _init_weights(init_path, model, verify) if init_path is not None else None
+    rec = {"rule": rule, "ffn_hidden": target, "source_ffn_hidden": source}
+    if target < source:  # the starting draft narrowed by the importance rule compress --ffn-keep uses
+        weights = dict(init if init is not None else model.params)
+        rec["kept_importance_fraction"] = narrow_ffn(weights, MTP_LAYER_PREFIX, target)
+        if init is not None:
+            init = {n: weights[n] for n in init}
+        else:
+            model = dataclasses.replace(model, params=weights)
+        model = _with_width(model, target)
+    return model, init, rec
 
 
 def _init_weights(init_path, model: Model, verify: bool = True) -> dict:
@@ -532,23 +593,23 @@ def _batches(windows: list[int], nb: int, short: bool = False) -> list[np.ndarra
     return [np.array(windows[s : s + nb]) for s in range(0, end, nb)]
 
 
-def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True) -> tuple[Model, dict | None]:
-    """The model (with a draft) and the draft's starting weights from `init_path`, checked against `cfg`."""
+def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True) -> tuple[Model, dict | None, dict]:
+    """The model (with a draft at the width `cfg.draft_width` gives) and the draft's starting weights from
+    `init_path`, checked against `cfg` -> (model, init weights, the draft width record)."""
     _require_draft(model_path)
     model = _load(model_path, "model", verify)
     if model.cfg.mtp is None:  # tensors present but the config says no draft
         raise HealError(f"heal: {model_path} carries no MTP draft (config has no mtp; missing tensor "
                         "model.mtp.eh_proj.weight in its table)")  # fmt: skip
-    init = None
     if init_path is not None:
         _require_draft(init_path, INIT_REQUIRED)
-        model = _draft_width_of(init_path, model)
-        init = _init_weights(init_path, model, verify)
+    model, init, width = _fit_draft(model, init_path, resolve(model.cfg, cfg)[0].draft_width, verify)
+    if init is not None:
         model = dataclasses.replace(model, params={**model.params, **init})
     if cfg.window > model.cfg.max_seq_len:
         raise HealError(f"heal: window {cfg.window} exceeds the model's max_seq_len {model.cfg.max_seq_len}",
                         field="window")  # fmt: skip
-    return model, init
+    return model, init, width
 
 
 def _heldout_acceptance(model: Model, cache: _Cache, val: list[int], draft, on_gpu: bool,
@@ -571,7 +632,9 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     cfg = cfg if cfg is not None else HealConfig()
     events = Events(progress, "heal")
     backend = choose_backend(backend, device).name
-    model, init = _inputs(model_path, init_path, cfg, verify)
+    model, init, width = _inputs(model_path, init_path, cfg, verify)
+    cfg, why = resolve(model.cfg, cfg)
+    events("draft", **width, init=init_path is not None, chain_attention=cfg.chain_attention)
     mcfg = model.cfg
     wins = _windows(model, data_spec, cfg)
     total_tokens = int(sum(w.size for w in wins))
@@ -621,6 +684,8 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
         "backend": backend,
         "trunk_dtype": cfg.trunk_dtype,
         "chain_attention": cfg.chain_attention,
+        "chain_attention_why": why["chain_attention"],
+        "draft_width": {**width, "why": why["draft_width"]},
         "config": cfg.to_dict(),
         "conventions": mcfg.mtp.to_dict(),
     }

@@ -43,7 +43,7 @@ import numpy as np
 
 from ddl_ref.config import ConfigError, ModelConfig, ModelVariant
 from ddl_ref.params import MTP_PREFIX, mtp_specs, param_table
-from ddl_wgpu import hf_qwen35
+from ddl_wgpu import hf_qwen35, served_draft
 from ddl_wgpu.hf_common import (
     LAYOUT_DEEPSEEK,
     LAYOUT_MIMO,
@@ -412,6 +412,8 @@ def export_hf(model: Model, folder, overwrite: bool = False) -> list[Path]:
     names = _check_params(model)
     if hf_qwen35.is_qwen35(model.cfg) or model.metadata.get(hf_qwen35.SOURCE_KEY) is not None:
         p = hf_qwen35.export_plan(model)
+        # vLLM and SGLang build the draft from config.json: a tensor of another shape is refused before writing
+        served_draft.refuse_unservable(p["config"], {t.name: t.shape for t in p["tensors"]})
         return _write_folder(
             model, Path(folder), p["config"], p["tensors"], overwrite, p["files"], p["shard_bytes"]
         )
@@ -498,6 +500,8 @@ def export_hf_from_file(
         summary["layout"] = hf_qwen35.layout_of(summary["architecture"])
     if model.cfg.mtp is not None:
         summary["mtp"] = _mtp_export_summary(model.cfg, raw, summary["architecture"])
+        if "layout" in summary:  # the written folder's mtp.* against what vLLM and SGLang build
+            summary["mtp"]["served"] = served_draft.check_folder(folder).summary()
     return summary
 
 
@@ -514,15 +518,7 @@ def _mtp_export_summary(cfg: ModelConfig, raw: bool, arch: str = "") -> dict:
             "weights' warning); MTP-aware runtimes read them as a Qwen3.5 draft (mtp.fc embedding first)"
         )
     out = {"names": "mtp.*", **mtp.to_dict(), "note": note}
-    warnings = []
     if mtp.trunk_hidden != "post_norm" or mtp.chain_hidden != "post_norm":
-        warnings.append("vLLM/SGLang feed the draft post-norm hiddens (docs/heal.md#the-draft-block); this draft "
-                        f"expects trunk {mtp.trunk_hidden}, chain {mtp.chain_hidden}")  # fmt: skip
-    if mtp.ffn_hidden is not None and mtp.ffn_hidden != cfg.ffn_hidden:
-        # after compress --ffn-keep the draft keeps its width; config.json's intermediate_size is the trunk's
-        warnings.append(f"the draft's SwiGLU is {mtp.ffn_hidden} wide and the trunk's {cfg.ffn_hidden}: vLLM/SGLang "
-                        "build the draft at intermediate_size (the trunk's), so they cannot load these mtp.* "
-                        "tensors (our import reads the width back from ddl_mtp)")  # fmt: skip
-    if warnings:
-        out["warning"] = "; ".join(warnings)
+        out["warning"] = ("vLLM/SGLang feed the draft post-norm hiddens (docs/heal.md#the-draft-block); this draft "
+                          f"expects trunk {mtp.trunk_hidden}, chain {mtp.chain_hidden}")  # fmt: skip
     return out

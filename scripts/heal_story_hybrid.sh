@@ -6,8 +6,12 @@
 # compressed trunk's own predictions, measure again (it recovers). The healed model then continues a Python
 # prompt with and without speculative decoding through its draft (the same text: the decoder's cache keeps each
 # Gated DeltaNet layer's conv window and delta-rule state, and after a partial acceptance the state of the last
-# accepted token); last, the table. The trunk's loss before and after compress is printed too, to show what
-# changed under the draft.
+# accepted token); then the table, and last the export (`export-hf`, whose summary says whether vLLM and SGLang
+# build every written mtp.* tensor at its shape). The trunk's loss before and after compress is printed too, to
+# show what changed under the draft. The draft is in Qwen3.5's layout, so compress narrows it with the trunk and
+# heal narrows the trained draft to the compressed width and trains stacked, as vLLM and SGLang build and run
+# it (docs/heal.md#which-runtime-serves-the-draft; the old defaults, a draft kept twice as wide and healed
+# per-step, reached tau 1.9942 where these reach 1.9724: docs/experiments.md).
 #
 # Why these settings (measured on the numpy backend of the 2-core development machine, OPENBLAS_NUM_THREADS=1,
 # with other jobs running, while the hybrid's draft still read pre-norm hiddens; since `--arch qwen3_5 --mtp`
@@ -26,8 +30,9 @@
 #   (`self._fix(` over and over; with the post-norm draft's joint training, `context._ing === self thes`);
 #   the transformer story's class head gave `._sign an an an ...`, an import line `is is is ...`, a docstring
 #   or an `if` body only spaces.
-# The whole script took 50 s there with nothing else running (about 35 s of it training); `make demo`, with
-# the transformer story beside it: the README.
+# The whole script took 50 s there with nothing else running (about 35 s of it training), 1 min 43 s (51 s of
+# CPU) with the export step under a load average of 1.1-1.4; `make demo`, with the transformer story beside
+# it: the README.
 #
 #   scripts/heal_story_hybrid.sh [CLI] [DIR] [BACKEND]   CLI defaults to .venv/bin/ddl-wgpu, DIR to
 #                                                        runs/demo/heal-hybrid, BACKEND (auto, ref, wgpu) to auto
@@ -50,3 +55,6 @@ echo "the trunk's loss on the first 20k bytes, trained and compressed:"
 $CLI eval "$TRAINED" $EVAL
 $CLI eval "$DIR/compressed.ddlw" $EVAL
 source "$(dirname "$0")/heal_and_show.sh"
+echo
+echo "the healed $WHAT exported as a Hugging Face folder; its mtp.* checked against what vLLM and SGLang build:"
+$CLI export-hf "$DIR/healed.ddlw" "$DIR/hf" --force | grep -E '^(architecture|mtp):'

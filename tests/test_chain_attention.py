@@ -171,7 +171,7 @@ def test_runtime_heal_both_backends(gpu, tmp_path, heal_kit):
 def test_chain_attention_config():
     from ddl_wgpu import heal
 
-    assert heal.HealConfig().chain_attention == "per-step"
+    assert heal.HealConfig().chain_attention is None  # the draft's layout's (tests/test_served_draft.py)
     with pytest.raises(heal.HealError, match="chain attention"):
         heal.HealConfig(chain_attention="diagonal")
 

@@ -399,10 +399,12 @@ def test_ffn_keep_by_importance(tmp_path, heal_kit, make_model):
         compress.compress_file(out, tmp_path / "x.ddlw")
 
 
-def test_chain_attention_is_named_by_what_it_does_and_per_step_by_default():
-    """per-step (each chain step its own causal pass, the reference heal tool's way) is the default of heal
-    and accept; the old names are refused with a message that names the new ones."""
-    assert heal.HealConfig().chain_attention == accept.DEFAULT_CHAIN_ATTENTION == "per-step"
+def test_chain_attention_is_named_by_what_it_does_and_the_layout_picks_it(heal_kit):
+    """per-step (each chain step its own causal pass, the reference heal tool's way) or stacked; by default the
+    draft's layout picks (tests/test_served_draft.py), per-step for this draft (ours, pre-norm hiddens); the old
+    names are refused with a message that names the new ones."""
+    assert heal.HealConfig().chain_attention is None
+    assert heal.resolve(heal_kit.tiny_cfg(), heal.HealConfig())[0].chain_attention == "per-step"
     assert accept.CHAIN_ATTENTION == ("per-step", "stacked")
     for old in ("seed", "runtime"):
         with pytest.raises(heal.HealError, match="per-step, stacked") as e:
@@ -417,7 +419,9 @@ def test_heal_progress_events_have_one_schema(files, tmp_path):
     events = []
     heal.heal(model, str(data), tmp_path / "o.ddlw", SMALL, progress=events.append)
     assert events and all(e["job"] == "heal" and "event" in e and "kind" not in e for e in events)
-    assert [e["event"] for e in events][:2] == ["windows", "trunk"] and events[-1]["event"] == "written"
+    assert [e["event"] for e in events][:3] == ["draft", "windows", "trunk"] and events[-1][
+        "event"
+    ] == "written"
 
 
 # ----------------------------------------------------------------------------------------------------------

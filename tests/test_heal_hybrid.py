@@ -1,9 +1,10 @@
 """heal and accept on a hybrid (Qwen3.5-family) model, the GPU backend against the numpy one: the draft (a gated
 full-attention block with partial RoPE) one step and its gradients, per-step and stacked (the stacked chain's
 RoPE at explicit positions); the trunk's rows; a short heal (held-out KL at every evaluation, acceptance before
-and after, the healed weights); acceptance with every convention probed; the f16 trunk. The heal and accept
-runs use a tiny hybrid trained here with its draft (a few seconds of numpy) and compressed, so acceptance is far
-from zero and heal has something to repair."""
+and after, the healed weights); acceptance with every convention probed; the f16 trunk; the defaults a
+Qwen3.5-layout draft gets (stacked chain, the model's FFN width) and the export of its healed draft. The heal and
+accept runs use a tiny hybrid trained here with its draft (a few seconds of numpy) and compressed, so acceptance
+is far from zero and heal has something to repair."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from helpers import check_acceptance_backends, check_draft_step, perturbed, tiny
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig, apply_arch
 from ddl_ref.params import init_params
-from ddl_wgpu import accept, backend, compress, heal
+from ddl_wgpu import accept, backend, compress, heal, served_draft
+from ddl_wgpu.hf import export_hf_from_file
 from ddl_wgpu.modelfile import Model, load_model, save_model
 from ddl_wgpu.refnet import RefDraft, RefNet, RefTeacher
 from ddl_wgpu.step import AdamW
@@ -152,3 +154,33 @@ def test_gpu_heal_and_accept_of_a_hybrid_with_an_f16_trunk(gpu, tmp_path, story)
     x = accept.accept_file(trained, str(text), depth=2, window=24, backend="wgpu")
     y = accept.accept_file(trained, str(text), depth=2, window=24, backend="wgpu", trunk_dtype="f16")
     np.testing.assert_allclose(y["prefix_acceptance"], x["prefix_acceptance"], atol=0.05)
+
+
+def test_gpu_heal_and_accept_follow_the_layout_defaults(gpu, tmp_path, story):
+    """The story's hybrid with its draft read in Qwen3.5's layout (post-norm hiddens): without --chain-attention
+    or --draft-width, heal on the GPU and on numpy trains stacked, from the trained draft narrowed to the
+    compressed model's FFN width, with the same held-out KLs; accept measures stacked on both backends; the
+    healed model exports a draft vLLM and SGLang build as it is."""
+    post = {"trunk_hidden": "post_norm", "chain_hidden": "post_norm"}
+    files = []
+    for src in story[:2]:
+        m = load_model(src)
+        cfg = replace(m.cfg, mtp=replace(m.cfg.mtp, **post))
+        save_model(tmp_path / src.name, replace(m, cfg=cfg))
+        files.append(tmp_path / src.name)
+    trained, compressed = files
+    text = str(story[2])
+    r = heal.heal(compressed, text, tmp_path / "r.ddlw", HEAL, init_path=trained, backend="ref")
+    g = heal.heal(compressed, text, tmp_path / "g.ddlw", HEAL, init_path=trained, backend="wgpu")
+    width = load_model(compressed).cfg.ffn_hidden
+    for rep in (r, g):
+        assert rep["chain_attention"] == "stacked" and rep["acceptance_after"]["chain_attention"] == "stacked"
+        assert rep["draft_width"]["rule"] == "model" and rep["draft_width"]["ffn_hidden"] == width
+        assert rep["draft_width"]["source_ffn_hidden"] == 2 * width  # the trained draft, narrowed
+    for hr, hg in zip(r["history"], g["history"], strict=True):
+        np.testing.assert_allclose(hg["heldout_kl"], hr["heldout_kl"], atol=1e-4, rtol=0)
+    a = [accept.accept_file(trained, text, depth=3, window=24, backend=b) for b in ("ref", "wgpu")]
+    assert a[0]["chain_attention"] == a[1]["chain_attention"] == "stacked"
+    np.testing.assert_allclose(a[1]["prefix_acceptance"], a[0]["prefix_acceptance"], atol=0.02)
+    export_hf_from_file(tmp_path / "g.ddlw", tmp_path / "hf")
+    assert served_draft.check_folder(tmp_path / "hf").ok

@@ -1,8 +1,9 @@
 """Qwen3.5-family Hugging Face interop (ddl_wgpu.hf, ddl_wgpu.hf_qwen35) against tiny random models that
 transformers itself builds and saves: import + eval on both backends gives transformers' loss, export loads back
 in transformers with the same loss, a bf16 sharded `Qwen3_5ForConditionalGeneration` folder with a vision tower
-and an `mtp.*` draft round-trips byte for byte, the refusals name their key, and a tampered record of kept
-tensors is refused.
+and an `mtp.*` draft round-trips byte for byte, the refusals name their key, a tampered record of kept
+tensors is refused, and every export with a draft (imported causal and conditional-generation folders, after
+compress and heal) writes the mtp.* shapes vLLM and SGLang build from its config.json (`served_draft`).
 
 The models: GQA (4 heads over 2), head_dim 16 != hidden 32 / 4 heads, partial_rotary_factor 0.25 (4 of 16 dims),
 Gated DeltaNet and gated full-attention layers mixed, tied and untied, every weight random (the zero-centred
@@ -27,6 +28,7 @@ from ddl_wgpu.data import eval_windows
 from ddl_wgpu.hf import HfError, export_hf, export_hf_from_file, import_hf, import_hf_to_file
 from ddl_wgpu.hf_files import Weights
 from ddl_wgpu.modelfile import Model, load_model, save_model
+from ddl_wgpu.served_draft import check_folder
 from ddl_wgpu.train import evaluate
 
 V, B, T = 97, 2, 12
@@ -194,6 +196,7 @@ def test_a_hybrid_made_here_exports_as_causal_lm(tmp_path):
     m = load_model(tmp_path / "h.ddlw")
     assert m.cfg.has_linear and "hf.source" not in m.metadata
     export_hf_from_file(tmp_path / "h.ddlw", tmp_path / "out")
+    assert check_folder(tmp_path / "out").ok  # a hybrid made here (pre-norm draft: shapes only are checked)
     hfc = json.loads((tmp_path / "out" / "config.json").read_text())
     assert hfc["architectures"] == ["Qwen3_5ForCausalLM"] and hfc["layer_types"] == list(m.cfg.layer_types)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -258,6 +261,7 @@ def test_conditional_generation_round_trip(tmp_path):
     _, transformers = _torch()
     hf = conditional_generation(tmp_path / "hf")
     assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 2
+    assert check_folder(tmp_path / "hf").ok  # the draft as Qwen ships it: what vLLM and SGLang build
     s = import_hf_to_file(tmp_path / "hf", tmp_path / "m.ddlw")
     assert s["layout"] == "conditional_generation" and s["dtypes"] == ["BF16"] and s["kept_tensors"] > 10
     assert "tokenizer_config.json" in s["files"] and "generation_config.json" in s["files"]
@@ -270,6 +274,7 @@ def test_conditional_generation_round_trip(tmp_path):
     assert_close(our_loss(m, "ref", tmp_path), hf_loss(hf), 1e-4)
     export_hf_from_file(tmp_path / "m.ddlw", tmp_path / "out")
     out = tmp_path / "out"
+    assert check_folder(out).ok and check_folder(out).tensors == 15
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
     assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 64}'
     assert (out / "generation_config.json").read_bytes() == (
@@ -303,6 +308,7 @@ def test_conditional_generation_changes_are_written_back(tmp_path):
     m.params["model.norm.weight"] = m.params["model.norm.weight"] + np.float32(1 / 3)
     save_model(tmp_path / "c.ddlw", m, dtype=m.dtypes)
     export_hf_from_file(tmp_path / "c.ddlw", tmp_path / "out")
+    assert check_folder(tmp_path / "out").ok  # compress --drop-layers: the draft as it was
     text = json.loads((tmp_path / "out" / "config.json").read_text())["text_config"]
     assert text["num_hidden_layers"] == 2 and text["layer_types"] == ["full_attention", "linear_attention"]
     before, after = _raw_tensors(tmp_path / "hf"), _raw_tensors(tmp_path / "out")
@@ -461,6 +467,7 @@ def test_import_compress_heal_export(tmp_path):
     report = heal(tmp_path / "c.ddlw", str(tmp_path / "tokens.npy"), tmp_path / "h.ddlw", run, backend="ref")
     assert report["steps"] > 0 and report["heldout_kl_best"] < report["heldout_kl_start"]
     export_hf_from_file(tmp_path / "h.ddlw", tmp_path / "out")
+    assert check_folder(tmp_path / "out").ok  # after heal
     before, after = _raw_tensors(tmp_path / "hf"), _raw_tensors(tmp_path / "out")
     draft = sorted(n for n in before if n.startswith("mtp."))
     assert sorted(n for n in after if n.startswith("mtp.")) == draft
@@ -485,19 +492,83 @@ def test_import_compress_heal_export(tmp_path):
     assert_close(hf_loss(back.eval()), our_loss(load_model(tmp_path / "back.ddlw"), "ref", tmp_path), 1e-5)
 
 
-def test_a_narrowed_trunk_keeps_its_draft_width_and_export_says_so(tmp_path):
-    """compress --ffn-keep narrows the trunk's SwiGLUs, not the draft's: the export writes the draft at its own
-    width, our import reads it back, and the summary warns that vLLM/SGLang (which build the draft at the
-    config's intermediate_size) cannot load it."""
+def _with_draft(folder, seed):
+    """A folder transformers saved (its classes drop mtp.*) given an mtp.* draft as Qwen ships one, declared by
+    mtp_num_hidden_layers (in text_config for the conditional-generation layout)."""
+    torch, transformers = _torch()
+    from safetensors.torch import save_file
+
+    conf = json.loads((folder / "config.json").read_text())
+    text = conf.get("text_config", conf)
+    draft = _draft_tensors(torch, transformers, transformers.Qwen3_5TextConfig(**TEXT), seed)
+    save_file(draft, str(folder / "mtp.safetensors"), metadata={"format": "pt"})
+    if (folder / "model.safetensors").exists():  # one file: a shard of two, beside the draft's
+        names = Weights(folder).names()
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+        idx = {"metadata": {}, "weight_map": dict.fromkeys(names, "model-00001-of-00002.safetensors")}
+    else:
+        idx = json.loads((folder / "model.safetensors.index.json").read_text())
+    idx["weight_map"].update(dict.fromkeys(draft, "mtp.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(idx))
+    text["mtp_num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(conf, indent=2))
+
+
+def test_an_imported_causal_folder_exports_the_draft_vllm_and_sglang_build(tmp_path):
+    """A Qwen3_5ForCausalLM folder with an mtp.* draft: the folder, its export, and the exports after compress
+    --drop-layers and --ffn-keep each hold the mtp.* shapes vLLM and SGLang build from their config.json; after
+    --ffn-keep the draft is narrowed with the trunk (intermediate_size 24) and reads back as it was written."""
+    causal_lm(False, seed=13).save_pretrained(tmp_path / "hf")
+    _with_draft(tmp_path / "hf", 13)
+    assert check_folder(tmp_path / "hf").ok and check_folder(tmp_path / "hf").tensors == 15
+    s = import_hf_to_file(tmp_path / "hf", tmp_path / "m.ddlw")
+    assert s["layout"] == "causal_lm" and s["mtp"]["trunk_hidden"] == "post_norm"
+    compress_file(tmp_path / "m.ddlw", tmp_path / "d.ddlw", drop=[2])
+    compress_file(tmp_path / "m.ddlw", tmp_path / "f.ddlw", keep=0.5)
+    for name in ("m", "d", "f"):
+        out = tmp_path / f"out_{name}"
+        summary = export_hf_from_file(tmp_path / f"{name}.ddlw", out)
+        assert check_folder(out).ok, (name, check_folder(out).problems)
+        assert (
+            summary["mtp"]["served"].startswith("vLLM and SGLang build all 15")
+            and "warning" not in summary["mtp"]
+        )
+    conf = json.loads((tmp_path / "out_f" / "config.json").read_text())
+    assert conf["intermediate_size"] == 24 and "ddl_mtp" not in conf
+    assert Weights(tmp_path / "out_f").shape("mtp.layers.0.mlp.down_proj.weight") == (32, 24)
+    import_hf_to_file(tmp_path / "out_f", tmp_path / "back.ddlw")
+    assert load_model(tmp_path / "back.ddlw").cfg == load_model(tmp_path / "f.ddlw").cfg
+
+
+def test_a_narrowed_conditional_generation_folder_exports_a_servable_draft(tmp_path):
+    """compress --ffn-keep on an imported Qwen3.5 (conditional generation) narrows its draft with the trunk, so
+    the export's mtp.* are what vLLM and SGLang build at the new intermediate_size; healing from the source at
+    the init's width instead (--draft-width init) gives a draft export-hf refuses."""
+    from ddl_wgpu.heal import HealConfig, heal
+
     conditional_generation(tmp_path / "hf", seed=12)
     import_hf_to_file(tmp_path / "hf", tmp_path / "m.ddlw")
-    compress_file(tmp_path / "m.ddlw", tmp_path / "c.ddlw", keep=0.5)
+    rec = compress_file(tmp_path / "m.ddlw", tmp_path / "c.ddlw", keep=0.5)
     c = load_model(tmp_path / "c.ddlw")
-    assert c.cfg.mtp.ffn_hidden is not None and c.cfg.mtp.ffn_hidden > c.cfg.ffn_hidden
+    assert c.cfg.ffn_hidden == 24 and c.cfg.mtp.ffn_hidden is None and rec["draft"]["ffn_hidden_after"] == 24
     s = export_hf_from_file(tmp_path / "c.ddlw", tmp_path / "out")
-    assert "cannot load these mtp.*" in s["mtp"]["warning"]
-    before, after = _raw_tensors(tmp_path / "hf"), _raw_tensors(tmp_path / "out")
-    up = "mtp.layers.0.mlp.up_proj.weight"
-    assert after[up][:2] == before[up][:2] and np.array_equal(after[up][2], before[up][2])  # as it came
+    assert check_folder(tmp_path / "out").ok and "warning" not in s["mtp"]
+    assert (
+        json.loads((tmp_path / "out" / "config.json").read_text())["text_config"]["intermediate_size"] == 24
+    )
     import_hf_to_file(tmp_path / "out", tmp_path / "back.ddlw")
     assert load_model(tmp_path / "back.ddlw").cfg == c.cfg
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(4).integers(0, V, 2400).astype(np.uint16))
+    run = HealConfig(chain=2, refresh=0, tokens=2400, window=24, epochs=0.2, batch=4, patience=0,
+                     draft_width="init")  # fmt: skip
+    heal(
+        tmp_path / "c.ddlw",
+        str(tmp_path / "tokens.npy"),
+        tmp_path / "h.ddlw",
+        run,
+        init_path=tmp_path / "m.ddlw",
+    )
+    assert load_model(tmp_path / "h.ddlw").cfg.mtp.ffn_hidden == 48
+    with pytest.raises(HfError, match=r"keep the first 24 of its 48 channels.*--draft-width model"):
+        export_hf_from_file(tmp_path / "h.ddlw", tmp_path / "wide")
+    assert not (tmp_path / "wide").exists()

@@ -155,6 +155,7 @@ def test_a_hybrid_trained_here_exports_a_draft_the_qwen35_runtimes_read(trained,
     summary = _json(ok(cli("export-hf", trained, tmp_path / "hf", "--json")))
     assert summary["architecture"] == "Qwen3_5ForCausalLM" and summary["mtp"]["names"] == "mtp.*"
     assert "warning" not in summary["mtp"], summary["mtp"]
+    assert summary["mtp"]["served"] == "vLLM and SGLang build all 15 mtp.* tensors at the written shapes"
     names = set(Weights(tmp_path / "hf").names())
     assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight"} <= names
 
@@ -171,7 +172,10 @@ def test_compress_a_hybrid_keeps_its_layer_types(trained, corpus, tmp_path, cli,
                 assert np.array_equal(d.params[name.replace(f".{old}.", f".{new}.", 1)], a), name
     ok(cli("compress", trained, "--ffn-keep", "0.5", "--out", tmp_path / "f.ddlw"))
     f = load_model(tmp_path / "f.ddlw")
-    assert f.cfg.ffn_hidden == 24 and f.cfg.mtp.ffn_hidden == 48 and f.cfg.layer_types == src.cfg.layer_types
+    # the draft narrowed with the trunk: vLLM and SGLang build a Qwen3.5 draft at intermediate_size
+    assert (
+        f.cfg.ffn_hidden == 24 and f.cfg.mtp.ffn_hidden is None and f.cfg.layer_types == src.cfg.layer_types
+    )
     for m in ("d.ddlw", "f.ddlw"):  # each loads and runs
         ev = _json(
             ok(cli("eval", tmp_path / m, "--data", corpus, "--seq-len", "16", "--backend", "ref", "--json"))
