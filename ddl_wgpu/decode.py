@@ -73,6 +73,7 @@ from ddl_wgpu.layout import F32
 from ddl_wgpu.ops import decode as k_dec
 from ddl_wgpu.ops import elementwise as k_ew
 from ddl_wgpu.ops import gemv as k_gemv
+from ddl_wgpu.ops import view
 
 MTP = "model.mtp."
 
@@ -266,46 +267,61 @@ class _CachedRows:
         logits = (self.logit_chunk, 0, self.N * self.cfg.vocab_size * F32)
         return self.head_forward(logits, xf, self.N) + loss(logits, self.N, 0)
 
-    @property
-    def _rope_store(self) -> bool:
-        """RoPE is the last op on q and k (q/k norm "none" or "pre_rope") and the keys go to the cache: then one
-        launch rotates q and k and stores k and v (`attend`; a prefill's flash attention reads k itself)."""
-        return not self.prefill and QK_ORDER[self.cfg.qk_norm][-1] == "rope"
+    def _qk_norms(self, a: dict):
+        """(binding, wq, wk): the layer's q and k norm weights as one span and each one's first float in it, or
+        None when they are not in one buffer (`qk_finish` binds them once)."""
+        p = self._prefix(a)
+        qv, kv = (view(self.net.view(p + f"self_attn.{t}_norm.weight")) for t in "qk")
+        if qv[0] is not kv[0]:
+            return None
+        lo, hi = min(qv[1], kv[1]), max(qv[1] + qv[2], kv[1] + kv[2])
+        return (qv[0], lo, hi - lo), (qv[1] - lo) // F32, (kv[1] - lo) // F32
+
+    def _fused_qk(self, a: dict) -> bool:
+        """A decoding pass (not a prefill: its flash attention reads k itself) runs q's and k's chains and the
+        key store in one launch: `rope_store` (RoPE their only op; with the value store) or `qk_finish` (a q/k
+        norm too)."""
+        return not self.prefill and (self.cfg.qk_norm == "none" or self._qk_norms(a) is not None)
 
     def _qk_forward(self, a: dict, t: str, nh: int, p: str) -> Call:
-        D, g, c = self.cfg.head_dim, self.gpu, self.cache
+        cfg, D, g, c, N = self.cfg, self.cfg.head_dim, self.gpu, self.cache, self.N
+        if self._fused_qk(a):  # at k's turn, q's chain with it
+            if t == "q":
+                return Call()
+            H, K = cfg.n_heads, cfg.n_kv_heads
+            kc, vc = self._kv(a)
+            qf = self._qk_final(a, "q")
+            if cfg.qk_norm == "none":
+                return k_dec.rope_store(
+                    g, qf, kc, vc, a["q"], a["k"], a["v"], c.rope, c.meta, N, H, K, D, cfg.rope_dim
+                )
+            w, wq, wk = self._qk_norms(a)
+            call = k_dec.qk_finish(g, qf, kc, a["q"], a["k"], w, wq, wk, c.rope, c.meta, N, H, K, D, cfg.qk_norm,
+                                   cfg.rms_eps, cfg.norm_style, cfg.rope_dim)  # fmt: skip
+            return call + k_dec.store_rows(g, vc, a["v"], c.meta, N, K * D)
         call, src = Call(), a[t]
-        for j, op in enumerate(QK_ORDER[self.cfg.qk_norm], start=1):
+        for j, op in enumerate(QK_ORDER[cfg.qk_norm], start=1):
             dst = a[t + str(j)]
-            if op == "rope" and self._rope_store:
-                continue  # `attend` rotates with the stores
             if op == "rope":
-                call += k_dec.rope_at(g, dst, src, c.cos, c.sin, c.meta, self.N, nh, D, self.cfg.rope_dim)
+                call += k_dec.rope_at(g, dst, src, c.cos, c.sin, c.meta, N, nh, D, cfg.rope_dim)
             else:
-                call += self._norm(dst, a[t + "r"], src, p + f"self_attn.{t}_norm.weight", self.N * nh, D)
+                call += self._norm(dst, a[t + "r"], src, p + f"self_attn.{t}_norm.weight", N * nh, D)
             src = dst
         return call
 
     def attend(self, a: dict) -> Call:
-        """The rows' keys and values into the cache at start (with the RoPE of q and k where it is their last
-        op: `rope_store`), then attention over slots 0 .. start + r."""
+        """The rows' keys and values into the cache at start (where `_qk_forward` has not: a prefill, or q/k
+        norm weights in two buffers), then attention over slots 0 .. start + r."""
         cfg, g, c = self.cfg, self.gpu, self.cache
         H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kc, vc = self._kv(a)
-        qf, kf = self._qk_final(a, "q"), self._qk_final(a, "k")
+        qf = self._qk_final(a, "q")
+        if self._fused_qk(a):
+            return k_dec.attend_cache(g, a["a"], qf, kc, vc, c.meta, self.N, H, K, D)
+        call = k_dec.store_rows(g, kc, self._qk_final(a, "k"), c.meta, self.N, K * D)
+        call += k_dec.store_rows(g, vc, a["v"], c.meta, self.N, K * D)
         if self.prefill:  # from position 0 the cache holds exactly these rows: the training flash kernel
-            call = k_dec.store_rows(g, kc, kf, c.meta, self.N, K * D)
-            call += k_dec.store_rows(g, vc, a["v"], c.meta, self.N, K * D)
             return call + Blocks.attend(self, a)
-        if self._rope_store:  # q and k before their RoPE: the input of their last op
-            last = len(QK_ORDER[cfg.qk_norm]) - 1
-            q, k = (a[t + str(last)] if last else a[t] for t in "qk")
-            call = k_dec.rope_store(
-                g, qf, kc, vc, q, k, a["v"], c.rope, c.meta, self.N, H, K, D, cfg.rope_dim
-            )
-        else:  # RoPE came before a q/k norm: the two stores in one launch
-            call = k_dec.rope_store(g, qf, kc, vc, kf, kf, a["v"], c.rope, c.meta, self.N, H, K, D, cfg.rope_dim,
-                                    rotate=False)  # fmt: skip
         return call + k_dec.attend_cache(g, a["a"], qf, kc, vc, c.meta, self.N, H, K, D)
 
 
@@ -328,8 +344,13 @@ class TrunkRows(_CachedRows, InferenceWork):
         return self.L[0]["x"] if self.shares_acts else super()._last_state()
 
     def _kv(self, a: dict):
-        i = next(j for j, b in enumerate(self.L) if b is a)
-        return self.cache.kv[i]
+        return self.cache.kv[self._layer(a)]
+
+    def _layer(self, a: dict) -> int:
+        return next(j for j, b in enumerate(self.L) if b is a)
+
+    def _prefix(self, a: dict) -> str:
+        return f"model.layers.{self._layer(a)}."
 
     # -- a Gated DeltaNet layer from its cache (module docstring) ----------------------------------------
 
@@ -433,6 +454,9 @@ class DraftRows(_CachedRows, Blocks):
 
     def _kv(self, a: dict):
         return self.cache.kv[0]
+
+    def _prefix(self, a: dict) -> str:
+        return MTP + "layers.0."
 
     def _forward_calls(self) -> Call:
         cfg, g, n, C = self.cfg, self.gpu, self.N, self.C

@@ -11,8 +11,11 @@
 //   rope_store   (q, k, v, rope, meta, qo, kc, vc, p)
 //                                             a decoding pass's last step before attention in one launch:
 //                                             qo = RoPE(q), and RoPE(k), v stored into the caches at rows
-//                                             start + r (rope: the cos table, then the sin table); or,
-//                                             p.rotate = 0, k and v stored as they are
+//                                             start + r (rope: the cos table, then the sin table)
+//   qk_finish    (q, k, w, rope, meta, qo, kc, p)
+//                                             q and k through their chain with a q/k norm (RMSNorm then
+//                                             RoPE, or RoPE then RMSNorm): q into qo, k into the key cache
+//                                             at rows start + r
 //   attend_cache (q, kc, vc, meta, out, p)    out (n, H, D): row r's softmax(q kᵀ/√D) v over cache slots
 //                                             0 .. start + r (GQA: kv head h / (H/K))
 //   conv_cache   (hist, conv, read, meta, out, p)
@@ -103,8 +106,7 @@ fn rope_at(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
 // ---------------------------------------------------------------------------------------------------------
 // rope_store: one thread per item of three ranges: the q pair slots (as rope_at's, into qo), the k pair
 // slots (rotated into kc's rows start + r), v's items (copied into vc's rows start + r). q (n, H, D), k and v
-// (n, K, D); the caches (cap, K, D); rope (2, cap, R): cos then sin. With p.rotate = 0 there is no q range and
-// k is stored as it is (a post-RoPE q/k norm comes after the rotation: only the two stores are left).
+// (n, K, D); the caches (cap, K, D); rope (2, cap, R): cos then sin.
 
 {{struct RopeStoreParams}}
 
@@ -124,7 +126,7 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
     let gid = item(wid, nwg, lid);
     let D = rs_p.D;
     let slots = D / 2u;
-    let nq = rs_p.n * rs_p.H * slots * rs_p.rotate;  // rotate 0: k and v stored as they are, q untouched
+    let nq = rs_p.n * rs_p.H * slots;
     let nk = rs_p.n * rs_p.K * slots;
     let start = rs_meta[0];
     if (gid < nq + nk) {
@@ -150,7 +152,7 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         }
         var oa = a;
         var ob = b;
-        if (rot && rs_p.rotate == 1u) {  // as rope_at: rotate-half within the R rotated dims
+        if (rot) {  // as rope_at: rotate-half within the R rotated dims
             let t = pos * rs_p.R + i;
             let c = rs_p.cap * rs_p.R;  // the sin table follows the cos table
             oa = a * rs_rope[t] - b * rs_rope[c + t];
@@ -173,6 +175,96 @@ fn rope_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
         let at = start * rs_p.K * D + j;
         if (at < arrayLength(&rs_vc)) {
             rs_vc[at] = rs_v[j];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// qk_finish: one workgroup of QW threads per head row (r, head) of q (the first n·H workgroups) and of k (the
+// next n·K). The head's D values go to workgroup memory and through its chain in order: p.order 1 ("pre_rope")
+// RMSNorm then RoPE, 2 ("post_rope") RoPE then RMSNorm. RMSNorm as rmsnorm.wgsl's: out = weff · x · rstd,
+// rstd = 1/sqrt(mean(x²) + eps), weff = w (style 0) or 1 + w (style 1, offset); its sum a fixed tree.
+// RoPE as rope_at's (rotate-half within the first R dims). The norm weights share one binding: q's at
+// float p.wq, k's at p.wk.
+
+const QW: u32 = 64u;
+
+{{struct QkParams}}
+
+@group(0) @binding(0) var<storage, read> qk_q: array<f32>;
+@group(0) @binding(1) var<storage, read> qk_k: array<f32>;
+@group(0) @binding(2) var<storage, read> qk_w: array<f32>;
+@group(0) @binding(3) var<storage, read> qk_rope: array<f32>;
+@group(0) @binding(4) var<storage, read> qk_meta: array<u32>;
+@group(0) @binding(5) var<storage, read_write> qk_qo: array<f32>;
+@group(0) @binding(6) var<storage, read_write> qk_kc: array<f32>;
+@group(0) @binding(7) var<uniform> qk_p: QkParams;
+
+var<workgroup> qk_x: array<f32, 256>;  // the head (D <= MAXD)
+var<workgroup> qk_red: array<f32, QW>;
+
+fn qk_rope_step(lid: u32, pos: u32) {
+    let h = qk_p.R / 2u;
+    let c = qk_p.cap * qk_p.R;  // the sin table follows the cos table
+    for (var i = lid; i < h; i += QW) {
+        let t = pos * qk_p.R + i;
+        let a = qk_x[i];
+        let b = qk_x[i + h];
+        qk_x[i] = a * qk_rope[t] - b * qk_rope[c + t];
+        qk_x[i + h] = b * qk_rope[t + h] + a * qk_rope[c + t + h];
+    }
+    workgroupBarrier();
+}
+
+fn qk_norm_step(lid: u32, w0: u32) {
+    var ss = 0.0;
+    for (var d = lid; d < qk_p.D; d += QW) { ss += qk_x[d] * qk_x[d]; }
+    qk_red[lid] = ss;
+    workgroupBarrier();
+    for (var m = QW / 2u; m > 0u; m >>= 1u) {
+        if (lid < m) { qk_red[lid] = qk_red[lid] + qk_red[lid + m]; }
+        workgroupBarrier();
+    }
+    let r = 1.0 / sqrt(qk_red[0] / f32(qk_p.D) + qk_p.eps);
+    for (var d = lid; d < qk_p.D; d += QW) {
+        let w = qk_w[w0 + d];
+        qk_x[d] = select(w, 1.0 + w, qk_p.style != 0u) * qk_x[d] * r;
+    }
+    workgroupBarrier();
+}
+
+@compute @workgroup_size(QW)
+fn qk_finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_id) lid3: vec3<u32>) {
+    let g = wid.x + wid.y * nwg.x;
+    let nq = qk_p.n * qk_p.H;
+    if (g >= nq + qk_p.n * qk_p.K) { return; }  // uniform per workgroup: no barrier is skipped by half of it
+    let lid = lid3.x;
+    let is_k = g >= nq;
+    let row = select(g, g - nq, is_k);  // r · heads + head
+    let heads = select(qk_p.H, qk_p.K, is_k);
+    let start = qk_meta[0];
+    let pos = min(start + row / heads, qk_p.cap - 1u);
+    let D = qk_p.D;
+    let x0 = row * D;
+    for (var d = lid; d < D; d += QW) {
+        qk_x[d] = select(qk_q[x0 + d], qk_k[x0 + d], is_k);
+    }
+    workgroupBarrier();
+    let w0 = select(qk_p.wq, qk_p.wk, is_k);
+    if (qk_p.order == 1u) {
+        qk_norm_step(lid, w0);
+        qk_rope_step(lid, pos);
+    } else {
+        qk_rope_step(lid, pos);
+        qk_norm_step(lid, w0);
+    }
+    let kc0 = start * qk_p.K * D + x0;  // row r of the pass is cache row start + r
+    for (var d = lid; d < D; d += QW) {
+        if (is_k) {
+            if (kc0 + d < arrayLength(&qk_kc)) { qk_kc[kc0 + d] = qk_x[d]; }
+        } else {
+            qk_qo[x0 + d] = qk_x[d];
         }
     }
 }

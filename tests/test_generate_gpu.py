@@ -23,7 +23,9 @@ VARIANTS = list(ModelVariant)
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_decode_logits_equal_forward(gpu, variant):
-    cfg = tiny_cfg("decode", variant, qk_norm="pre_rope" if variant == "ddl" else "post_rope")
+    # each q/k chain a decoding pass fuses: RoPE alone (rope_store), norm then RoPE, RoPE then norm (qk_finish)
+    qk = {"baseline": "none", "ddl": "pre_rope"}.get(str(variant), "post_rope")
+    cfg = tiny_cfg("decode", variant, qk_norm=qk)
     model = random_model(cfg, 5, variant)
     ids = np.random.default_rng(4).integers(0, model.cfg.vocab_size, 12)
     want = ref_model.forward(

@@ -1,6 +1,7 @@
 """The decoding kernels (`shaders/decode.wgsl`, `ddl_wgpu/ops/decode.py`) against numpy: rows stored into a
 cache at the position in `meta`, RoPE at an offset (whole heads and partial), RoPE with the key and value
-stores in one launch, attention of new rows over a
+stores in one launch, q and k through a q/k norm and RoPE in one launch (`qk_finish`), attention of new rows
+over a
 cache (GQA, several key chunks, a start of 0), the TC/EC short convolutions from a history cache (zeros before
 position 0), one slot per head out of a strided buffer (`take_rows`, two at once: `take_rows2`), two row blocks
 concatenated (`concat_rows`).
@@ -77,14 +78,38 @@ def test_rope_store(gpu, rng, start, R):
     want_v[start : start + n] = v
     check("rope_store k cache", gpu.read(kc, (cap, K, D)), want_k)
     check("rope_store v cache", gpu.read(vc, (cap, K, D)), want_v)
-    # rotate=False: the two stores alone (k already rotated and normed), q_out untouched
-    k2, v2 = (rng.standard_normal((n, K, D)).astype(f32) for _ in range(2))
-    k_dec.rope_store(gpu, qo, kc, vc, gpu.upload(k2), gpu.upload(k2), gpu.upload(v2), rope, meta_at(gpu, start),
-                     n, H, K, D, R, rotate=False).run(gpu)  # fmt: skip
-    want_k[start : start + n], want_v[start : start + n] = k2, v2
-    check("rope_store k stored", gpu.read(kc, (cap, K, D)), want_k)
-    check("rope_store v stored", gpu.read(vc, (cap, K, D)), want_v)
-    check("rope_store q untouched", gpu.read(qo, q.shape), ref.rope_forward(q.astype(np.float64), *tables))
+
+
+@pytest.mark.parametrize("order,style,R", [("pre_rope", "offset", 4), ("post_rope", "standard", None)])
+@pytest.mark.parametrize("start", [0, 5])
+def test_qk_finish(gpu, rng, order, style, R, start):
+    """q and k through RMSNorm then RoPE (Qwen3.5: offset norm, partial RoPE) or RoPE then RMSNorm, q into its
+    buffer and k into the key cache at rows start .., in one launch: as `ddl_ref.ops`' per-head ops."""
+    n, H, K, D, cap, eps = 2, 3, 2, 130, 9, 1e-5
+    q = rng.standard_normal((1, n, H, D)).astype(f32)
+    k = rng.standard_normal((1, n, K, D)).astype(f32)
+    wq, wk = (1.0 + 0.1 * rng.standard_normal(D)).astype(f32), (0.1 * rng.standard_normal(D)).astype(f32)
+    w = np.zeros(64 + 2 * D, f32)  # both weights in one binding, k's first, q's at an offset
+    w[:D], w[64 + D :] = wk, wq
+    cos, sin = ref.rope_tables(cap, D, 1e4, np.float64, R)
+    qo = gpu.upload(np.full(q.shape, np.nan, f32))
+    kc = gpu.upload(np.full((cap, K, D), -1.0, f32))
+    k_dec.qk_finish(gpu, qo, kc, gpu.upload(q), gpu.upload(k), gpu.upload(w), 64 + D, 0,
+                    gpu.upload(np.stack([cos, sin]).astype(f32)), meta_at(gpu, start), n, H, K, D, order, eps, style,
+                    R).run(gpu)  # fmt: skip
+    tables = cos[start : start + n], sin[start : start + n]
+
+    def chain(x, wt):
+        x = x.astype(np.float64)
+        norm = lambda v: ref.rmsnorm_forward(v, wt.astype(np.float64), eps, style)[0]  # noqa: E731
+        if order == "pre_rope":
+            return ref.rope_forward(norm(x), *tables)
+        return norm(ref.rope_forward(x, *tables))
+
+    check("qk_finish q", gpu.read(qo, q.shape), chain(q, wq), "norm")
+    want_k = np.full((cap, K, D), -1.0)
+    want_k[start : start + n] = chain(k, wk)[0]
+    check("qk_finish k cache", gpu.read(kc, (cap, K, D)), want_k, "norm")
 
 
 @pytest.mark.parametrize("start", [0, 70, 133])

@@ -14,7 +14,9 @@ so the Calls are built once per row count and recorded at every position.
   `rotary` (default D) dims of each head, the rest passed through (tables (cap, R));
 - `rope_store(q_out, kc, vc, q, k, v, rope, meta, n, H, K, D, rotary=None)`: `rope_at` of q, and of k into
   the key cache, v into the value cache, at rows start + r, in one launch (what a decoding pass runs before
-  `attend_cache` when RoPE is the last op on q and k);
+  `attend_cache` when RoPE is the only op on q and k);
+- `qk_finish(q_out, kc, q, k, w, wq, wk, rope, meta, n, H, K, D, order, eps, style, rotary)`: q and k through
+  a q/k chain with a norm (RMSNorm then RoPE, or RoPE then RMSNorm) in one launch, k into the key cache;
 - `attend_cache(out, q, kc, vc, meta, n, H, K, D)`: attention of the n rows over cache slots 0 .. start + r;
 - `tc_cache(out, hist, conv, read, meta, n, C, dv, k)` / `ec_cache(out, hist, conv, meta, n, C, dv, k)`: the
   causal short convolutions over time reading their inputs from a per-position history cache;
@@ -63,8 +65,22 @@ ROPE_STORE = Uniform(
     ("D", "u32", "head dim"),
     ("R", "u32", "rotated dims per head (<= D)"),
     ("cap", "u32", "rows of each table"),
-    ("rotate", "u32", "1: RoPE of q and k; 0: k and v stored as they are"),
 )
+QK = Uniform(
+    "QkParams",
+    ("n", "u32", "rows"),
+    ("H", "u32", "query heads"),
+    ("K", "u32", "key heads"),
+    ("D", "u32", "head dim (<= MAXD)"),
+    ("R", "u32", "rotated dims per head"),
+    ("cap", "u32", "rows of each table"),
+    ("order", "u32", "1: RMSNorm then RoPE (pre_rope); 2: RoPE then RMSNorm (post_rope)"),
+    ("style", "u32", "0: w·x̂, 1: (1 + w)·x̂"),
+    ("wq", "u32", "q's norm weight: first float in the weight binding"),
+    ("wk", "u32", "k's"),
+    ("eps", "f32"),
+)
+QK_ORDERS = {"pre_rope": 1, "post_rope": 2}
 ATTN = Uniform("AttnParams", ("n", "u32"), ("H", "u32"), ("K", "u32"), ("D", "u32"), ("scale", "f32"))
 CONV = Uniform(
     "ConvParams",
@@ -96,16 +112,7 @@ TAKE2 = Uniform(
     ("slot2", "u32"),
     ("at_meta2", "u32"),
 )
-UNIFORMS = (
-    STORE,
-    ROPE,
-    ROPE_STORE,
-    ATTN,
-    CONV,
-    TAKE,
-    CONCAT,
-    TAKE2,
-)  # every kernel of the file compiles the whole file
+UNIFORMS = (STORE, ROPE, ROPE_STORE, QK, ATTN, CONV, TAKE, CONCAT, TAKE2)  # the file compiles as a whole
 
 
 def set_start(gpu: Gpu, meta, start: int) -> None:
@@ -146,23 +153,45 @@ def rope_at(gpu: Gpu, out, x, cos, sin, meta, n: int, N: int, D: int, rotary: in
 
 
 def rope_store(gpu: Gpu, q_out, kc, vc, q, k, v, rope, meta, n: int, H: int, K: int, D: int,
-               rotary: int | None = None, rotate: bool = True) -> Call:  # fmt: skip
+               rotary: int | None = None) -> Call:  # fmt: skip
     """One launch for what precedes attention over the cache: q_out (n, H, D) = RoPE of q at positions
     start + r, and RoPE of k (n, K, D) and v (n, K, D) stored into kc / vc (cap, K, D) at rows start + r;
-    rope (2, cap, R): the cos table, then the sin table (`rope_at`'s, R = `rotary`, default D). `rotate`
-    False: k and v are stored as they are and q, q_out are not touched (any buffers: they are only bound)."""
+    rope (2, cap, R): the cos table, then the sin table (`rope_at`'s, R = `rotary`, default D)."""
     R = D if rotary is None else int(rotary)
     if D % 2 or R % 2 or not 0 < R <= D:
         raise ValueError(f"rope needs an even head_dim and an even rotary width in [2, D], got {D}, {R}")
-    if rotate:
-        need("rope_store", "q", q, n * H * D)
-        need("rope_store", "q_out", q_out, n * H * D)
+    need("rope_store", "q", q, n * H * D)
+    need("rope_store", "q_out", q_out, n * H * D)
     need("rope_store", "k", k, n * K * D)
     need("rope_store", "v", v, n * K * D)
     cap = (rope.size if not isinstance(rope, tuple) else rope[2]) // (8 * R)
-    items = n * (H * rotate + K) * D // 2 + n * K * D
+    items = n * (H + K) * D // 2 + n * K * D
     return _one(gpu, "rope_store", "rrrrrwwwu", [q, k, v, rope, meta, q_out, kc, vc], items, ROPE_STORE, n=n, H=H,
-                K=K, D=D, R=R, cap=cap, rotate=int(rotate))  # fmt: skip
+                K=K, D=D, R=R, cap=cap)  # fmt: skip
+
+
+def qk_finish(gpu: Gpu, q_out, kc, q, k, w, wq: int, wk: int, rope, meta, n: int, H: int, K: int, D: int,
+              order: str, eps: float, style: str = "standard", rotary: int | None = None) -> Call:  # fmt: skip
+    """q (n, H, D) and k (n, K, D) through their q/k chain (`order` "pre_rope": RMSNorm then RoPE; "post_rope":
+    RoPE then RMSNorm) in one launch: q into q_out, k into the key cache kc (cap, K, D) at rows start + r.
+    The two norm weights (D each) lie in one binding `w`, at floats `wq` and `wk`; rope (2, cap, R) as
+    `rope_store`'s; `style` "standard" (w·x̂) or "offset" ((1 + w)·x̂)."""
+    R = D if rotary is None else int(rotary)
+    if D % 2 or R % 2 or not 0 < R <= D or D > MAXD:
+        raise ValueError(
+            f"qk_finish needs an even head_dim <= {MAXD} and an even rotary width in [2, D], got {D}, {R}"
+        )
+    if order not in QK_ORDERS or style not in ("standard", "offset"):
+        raise ValueError(f"qk_finish: order {order!r} / style {style!r}")
+    need("qk_finish", "q", q, n * H * D)
+    need("qk_finish", "q_out", q_out, n * H * D)
+    need("qk_finish", "k", k, n * K * D)
+    need("qk_finish", "w", w, max(wq, wk) + D)
+    cap = (rope.size if not isinstance(rope, tuple) else rope[2]) // (8 * R)
+    kern = gpu.kernel(FILE, "qk_finish", "rrrrrwwu", workgroup=(AW, 1, 1), uniforms=UNIFORMS)
+    u = gpu.uniform(QK, label="qk_finish", n=n, H=H, K=K, D=D, R=R, cap=cap, order=QK_ORDERS[order],
+                    style=int(style == "offset"), wq=wq, wk=wk, eps=eps)  # fmt: skip
+    return Call([(kern, gpu.bind(kern, q, k, w, rope, meta, q_out, kc, u), grid(n * (H + K)))], [u])
 
 
 def attend_cache(gpu: Gpu, out, q, kc, vc, meta, n: int, H: int, K: int, D: int) -> Call:
