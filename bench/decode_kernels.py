@@ -213,13 +213,24 @@ def bench_copy(b, nbytes: int) -> dict:
     t = {"ms": min(times), "median_ms": sorted(times)[len(times) // 2], "n_per_repeat": reps,
          "repeats": len(times), "timestamps": timed}  # fmt: skip
     return {"bytes": 2.0 * nbytes, "gpu": t, "err": 0.0 if ok else 1.0, "tol": 0.0,
-            "note": f"{nbytes >> 20} MiB buffer to buffer; read + write bytes"}  # fmt: skip
+            "note": f"{nbytes / (1 << 20):.4g} MiB buffer to buffer; read + write bytes"}  # fmt: skip
+
+
+COPY_BYTES, COPY_BYTES_QUICK = 1 << 30, 16 << 20
+
+
+def copy_bytes(max_binding: int, quick: bool) -> int:
+    """The buffer copy's size: 1 GiB (--quick: 16 MiB), at most half the binding limit, a whole number of
+    256-byte blocks (a copy's size must be a multiple of 4: the H200's limit of 2^31 − 1 bytes halves to an
+    odd count). The full run and --quick share this arithmetic, so a smoke run under an odd
+    DDL_WGPU_MAX_BINDING exercises it (tests/test_bench_decode.py)."""
+    return min(COPY_BYTES_QUICK if quick else COPY_BYTES, max_binding // 2) // 256 * 256
 
 
 def plan(args, max_binding: int) -> list[tuple]:
     """The `copy` and `gemv` groups' entries for bench/kernels.py's plan."""
-    nbytes = (16 << 20) if args.quick else min(1 << 30, max_binding // 2)
-    P = [("copy", "buffer copy", f"{nbytes >> 20} MiB", lambda b: bench_copy(b, nbytes))]
+    nbytes = copy_bytes(max_binding, args.quick)
+    P = [("copy", "buffer copy", f"{nbytes / (1 << 20):.4g} MiB", lambda b: bench_copy(b, nbytes))]
     for label, kind, IN, rows, dtype, n, _uses in cases(args.quick, max_binding):
         shape = f"{'+'.join(map(str, rows))}x{IN} {dtype} n{n}"
         P.append(("gemv", f"gemv {label}", shape,
@@ -253,7 +264,7 @@ def sweep(b, grid_text: str, quick: bool) -> dict:
     """Every tune of the grid on each sweep shape: GB/s, % of the copy, a check; the ranking (module
     docstring). -> the JSON's "sweep" entry; prints two short tables."""
     gpu = b.gpu
-    copy = bench_copy(b, (16 << 20) if quick else min(1 << 30, gpu.max_binding // 2))
+    copy = bench_copy(b, copy_bytes(gpu.max_binding, quick))
     copy_gbs = copy["bytes"] / copy["gpu"]["ms"] / 1e6
     tunes = parse_grid(grid_text)
     shapes = [c for c in cases(quick, gpu.max_binding) if quick or c[0] in SWEEP_SHAPES]

@@ -215,6 +215,7 @@ class _CachedRows:
 
     cache: GpuCache
     prefill: bool
+    _attn_scratch = None  # attend_cache's splits: one buffer for the pass's layers, made on first use
 
     # -- matrix-vector products for the few rows of a decoding pass (the tiled GEMM would idle) ----------
 
@@ -316,13 +317,15 @@ class _CachedRows:
         H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         kc, vc = self._kv(a)
         qf = self._qk_final(a, "q")
-        if self._fused_qk(a):
-            return k_dec.attend_cache(g, a["a"], qf, kc, vc, c.meta, self.N, H, K, D)
-        call = k_dec.store_rows(g, kc, self._qk_final(a, "k"), c.meta, self.N, K * D)
-        call += k_dec.store_rows(g, vc, a["v"], c.meta, self.N, K * D)
-        if self.prefill:  # from position 0 the cache holds exactly these rows: the training flash kernel
-            return call + Blocks.attend(self, a)
-        return call + k_dec.attend_cache(g, a["a"], qf, kc, vc, c.meta, self.N, H, K, D)
+        call = Call()
+        if not self._fused_qk(a):
+            call += k_dec.store_rows(g, kc, self._qk_final(a, "k"), c.meta, self.N, K * D)
+            call += k_dec.store_rows(g, vc, a["v"], c.meta, self.N, K * D)
+            if self.prefill:  # from position 0 the cache holds exactly these rows: the training flash kernel
+                return call + Blocks.attend(self, a)
+        if self._attn_scratch is None:
+            self._attn_scratch = k_dec.attend_scratch(g, self.N, H, D)
+        return call + k_dec.attend_cache(g, a["a"], qf, kc, vc, c.meta, self.N, H, K, D, self._attn_scratch)
 
 
 class TrunkRows(_CachedRows, InferenceWork):

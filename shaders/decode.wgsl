@@ -16,8 +16,10 @@
 //                                             q and k through their chain with a q/k norm (RMSNorm then
 //                                             RoPE, or RoPE then RMSNorm): q into qo, k into the key cache
 //                                             at rows start + r
-//   attend_cache (q, kc, vc, meta, out, p)    out (n, H, D): row r's softmax(q kᵀ/√D) v over cache slots
-//                                             0 .. start + r (GQA: kv head h / (H/K))
+//   attend_split (q, kc, vc, meta, part, p)   row r's attention over cache slots 0 .. start + r (GQA: kv
+//                                             head h / (H/K)) in up to p.ns splits of the keys, each
+//                                             split's (max, sum, unnormalised output) into part
+//   attend_merge (part, meta, out, p)         out (n, H, D): the splits combined in split order
 //   conv_cache   (hist, conv, read, meta, out, p)
 //                                             the causal short conv over time from a history cache
 //                                             hist (cap, C, dv) holding every position's input: TC
@@ -32,8 +34,9 @@
 //                                             DeltaNet layer's state after row s of a pass; its conv window,
 //                                             rows s .. s + k − 2 of [window; the pass's rows])
 //
-// Every entry point is one thread per output item (attend_cache: one workgroup per (row, head)); the
-// launchers spread workgroups over x and y (`gpu.grid`) and every index is guarded.
+// Every entry point is one thread per output item (attend_split: one workgroup per (row, head, split);
+// attend_merge and qk_finish: one per (row, head)); the launchers spread workgroups over x and y
+// (`gpu.grid`) and every index is guarded.
 
 const WG: u32 = 256u;
 
@@ -200,7 +203,7 @@ const QW: u32 = 64u;
 @group(0) @binding(6) var<storage, read_write> qk_kc: array<f32>;
 @group(0) @binding(7) var<uniform> qk_p: QkParams;
 
-var<workgroup> qk_x: array<f32, 256>;  // the head (D <= MAXD)
+var<workgroup> qk_x: array<f32, MAXD>;  // the head
 var<workgroup> qk_red: array<f32, QW>;
 
 fn qk_rope_step(lid: u32, pos: u32) {
@@ -270,11 +273,26 @@ fn qk_finish(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// attend_cache: one workgroup of AW threads per (row r, head h). Keys are taken in chunks of AW: each thread
-// scores one key of the chunk; the chunk's max rescales the running sum and output (online softmax); then
-// each thread accumulates its output dims d = lid, lid + AW, ... over the chunk's keys.
+// attend_split / attend_merge: attention over the cache split by keys (flash-decoding). Row r's keys
+// 0 .. S − 1 (S = start + r + 1) are taken in blocks of KB; the blocks are dealt to at most p.ns splits in
+// runs of bps = ceil(blocks / ns), so the partition depends on S alone (a row's bits are the same in a
+// one-row pass and in a verify: docs/generate.md#rows-computed-apart). attend_split: one workgroup per
+// (row, head, split) runs an online softmax over its blocks and writes (m, l, o): its running max, its sum
+// of exp(score − m) and its unnormalised output o[d] = Σ exp(score − m) v[d]. attend_merge: one workgroup
+// per (row, head) combines the splits in split order: out = Σ_p e^(m_p − M) o_p / Σ_p e^(m_p − M) l_p.
+//
+// In a block each key has LPK lanes: lane l sums q[d] k[d] over d = l, l + LPK, ... and the key's LPK
+// partial sums are added in lane order; every thread then reads the block's KB scores (the same max and
+// sums in every thread, in key order) and accumulates its output dims d = lid, lid + AW, ... over the
+// block's keys in key order. Fixed orders throughout: deterministic.
 
-const AW: u32 = 64u;
+const AW: u32 = 64u;                 // threads per workgroup (and per merge)
+const KB: u32 = 16u;                 // keys per block
+const LPK: u32 = AW / KB;            // lanes per key
+const MAXD: u32 = 256u;              // head_dim at most MAXD (checked by the launcher)
+const DPT: u32 = MAXD / AW;          // output dims per thread
+const MAXNS: u32 = 64u;              // splits at most (checked by the launcher)
+const NEG: f32 = -3.0e38;            // the running max before any key
 
 {{struct AttnParams}}
 
@@ -282,71 +300,122 @@ const AW: u32 = 64u;
 @group(0) @binding(1) var<storage, read> at_k: array<f32>;
 @group(0) @binding(2) var<storage, read> at_v: array<f32>;
 @group(0) @binding(3) var<storage, read> at_meta: array<u32>;
-@group(0) @binding(4) var<storage, read_write> at_out: array<f32>;
+@group(0) @binding(4) var<storage, read_write> at_part: array<f32>;
 @group(0) @binding(5) var<uniform> at_p: AttnParams;
 
-var<workgroup> sc: array<f32, AW>;   // the chunk's scores, then exp(score − running max)
-var<workgroup> red: array<f32, AW>;  // tree reductions
-const MAXD: u32 = 256u;              // head_dim at most MAXD (checked by the launcher)
-const DPT: u32 = MAXD / AW;          // output dims per thread
+var<workgroup> at_qs: array<f32, MAXD>;   // the row's query head
+var<workgroup> at_pd: array<f32, AW>;     // the lanes' partial dot products
+var<workgroup> at_sc: array<f32, KB>;     // the block's scores
+
+// (blocks of row r's keys, blocks per split)
+fn at_blocks(r: u32) -> vec2<u32> {
+    let S = at_meta[0] + r + 1u;
+    let nb = (S + KB - 1u) / KB;
+    return vec2<u32>(nb, (nb + at_p.ns - 1u) / at_p.ns);
+}
 
 @compute @workgroup_size(AW)
-fn attend_cache(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-                @builtin(local_invocation_id) lid: vec3<u32>) {
-    let g = wid.x + wid.y * nwg.x;
-    if (g >= at_p.n * at_p.H) { return; }  // uniform per workgroup: no barrier is skipped by half of it
-    let r = g / at_p.H;
-    let h = g - r * at_p.H;
+fn attend_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_id) lid3: vec3<u32>) {
+    let g = wid.x + wid.y * nwg.x;  // (r · H + h) · ns + split
+    let ns = at_p.ns;
+    if (g >= at_p.n * at_p.H * ns) { return; }  // uniform per workgroup: no barrier is skipped by half of it
+    let lid = lid3.x;
+    let rh = g / ns;
+    let r = rh / at_p.H;
+    let h = rh - r * at_p.H;
     let kvh = h / (at_p.H / at_p.K);
     let D = at_p.D;
-    let S = at_meta[0] + r + 1u;  // keys 0 .. start + r
-    let qo = (r * at_p.H + h) * D;
+    let S = at_meta[0] + r + 1u;
+    let nb = at_blocks(r);
+    let b0 = (g - rh * ns) * nb.y;
+    if (b0 >= nb.x) { return; }  // a split past the row's keys (uniform)
+    let b1 = min(nb.x, b0 + nb.y);
+    for (var d = lid; d < D; d += AW) { at_qs[d] = at_q[rh * D + d]; }
+    workgroupBarrier();
+    let j = lid / LPK;
+    let lane = lid - j * LPK;
     var acc: array<f32, DPT>;
-    for (var j = 0u; j < DPT; j++) { acc[j] = 0.0; }
-    var m = -3.0e38;
+    for (var t = 0u; t < DPT; t++) { acc[t] = 0.0; }
+    var m = NEG;
     var l = 0.0;
-    for (var s0 = 0u; s0 < S; s0 += AW) {
-        let s = s0 + lid.x;
-        var score = -3.0e38;
+    for (var b = b0; b < b1; b++) {
+        let s0 = b * KB;
+        let s = s0 + j;
+        var dot = 0.0;
         if (s < S) {
             let ko = (s * at_p.K + kvh) * D;
-            var dot = 0.0;
-            for (var d = 0u; d < D; d++) { dot += at_q[qo + d] * at_k[ko + d]; }
-            score = dot * at_p.scale;
+            for (var d = lane; d < D; d += LPK) { dot += at_qs[d] * at_k[ko + d]; }
         }
-        red[lid.x] = score;
+        at_pd[lid] = dot;
         workgroupBarrier();
-        for (var w = AW / 2u; w > 0u; w >>= 1u) {
-            if (lid.x < w) { red[lid.x] = max(red[lid.x], red[lid.x + w]); }
-            workgroupBarrier();
+        if (lane == 0u) {
+            var sum = 0.0;
+            for (var u = 0u; u < LPK; u++) { sum += at_pd[lid + u]; }
+            at_sc[j] = select(NEG, sum * at_p.scale, s < S);
         }
-        let m_new = max(m, red[0]);
-        let e = select(0.0, exp(score - m_new), s < S);
-        sc[lid.x] = e;
         workgroupBarrier();
-        red[lid.x] = e;
-        workgroupBarrier();
-        for (var w = AW / 2u; w > 0u; w >>= 1u) {
-            if (lid.x < w) { red[lid.x] = red[lid.x] + red[lid.x + w]; }
-            workgroupBarrier();
-        }
-        let f = exp(m - m_new);
-        l = l * f + red[0];
-        let cnt = min(AW, S - s0);
-        for (var j = 0u; j < DPT; j++) {
-            let d = lid.x + j * AW;
-            if (d < D) {
-                var a = acc[j] * f;
-                for (var t = 0u; t < cnt; t++) { a += sc[t] * at_v[((s0 + t) * at_p.K + kvh) * D + d]; }
-                acc[j] = a;
+        let cnt = min(KB, S - s0);
+        var bm = m;
+        for (var t = 0u; t < cnt; t++) { bm = max(bm, at_sc[t]); }
+        let f = exp(m - bm);
+        for (var u = 0u; u < DPT; u++) { acc[u] *= f; }
+        var bl = 0.0;
+        for (var t = 0u; t < cnt; t++) {
+            let e = exp(at_sc[t] - bm);
+            bl += e;
+            let vo = ((s0 + t) * at_p.K + kvh) * D;
+            for (var u = 0u; u < DPT; u++) {
+                let d = lid + u * AW;
+                if (d < D) { acc[u] += e * at_v[vo + d]; }
             }
         }
-        m = m_new;
-        workgroupBarrier();  // sc and red are rewritten by the next chunk
+        l = l * f + bl;
+        m = bm;
+        workgroupBarrier();  // at_pd and at_sc are rewritten by the next block
     }
-    for (var j = 0u; j < DPT; j++) {
-        let d = lid.x + j * AW;
-        if (d < D) { at_out[qo + d] = acc[j] / l; }
+    let base = g * (D + 2u);
+    if (lid == 0u) {
+        at_part[base] = m;
+        at_part[base + 1u] = l;
+    }
+    for (var u = 0u; u < DPT; u++) {
+        let d = lid + u * AW;
+        if (d < D) { at_part[base + 2u + d] = acc[u]; }
+    }
+}
+
+@group(0) @binding(0) var<storage, read> am_part: array<f32>;
+@group(0) @binding(1) var<storage, read> am_meta: array<u32>;
+@group(0) @binding(2) var<storage, read_write> am_out: array<f32>;
+@group(0) @binding(3) var<uniform> am_p: AttnParams;
+
+var<workgroup> am_w: array<f32, MAXNS>;  // e^(m_p − M) per split
+
+@compute @workgroup_size(AW)
+fn attend_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_id) lid3: vec3<u32>) {
+    let rh = wid.x + wid.y * nwg.x;  // r · H + h
+    if (rh >= am_p.n * am_p.H) { return; }  // uniform per workgroup
+    let lid = lid3.x;
+    let r = rh / am_p.H;
+    let D = am_p.D;
+    let S = am_meta[0] + r + 1u;
+    let nb = (S + KB - 1u) / KB;
+    let bps = (nb + am_p.ns - 1u) / am_p.ns;
+    let P = (nb + bps - 1u) / bps;  // the splits that hold keys
+    let stride = D + 2u;
+    let base = rh * am_p.ns * stride;
+    var M = NEG;
+    for (var p = 0u; p < P; p++) { M = max(M, am_part[base + p * stride]); }
+    if (lid < P) { am_w[lid] = exp(am_part[base + lid * stride] - M); }
+    workgroupBarrier();
+    var L = 0.0;
+    for (var p = 0u; p < P; p++) { L += am_w[p] * am_part[base + p * stride + 1u]; }
+    for (var d = lid; d < D; d += AW) {
+        var o = 0.0;
+        for (var p = 0u; p < P; p++) { o += am_w[p] * am_part[base + p * stride + 2u + d]; }
+        am_out[rh * D + d] = o / L;
     }
 }
 

@@ -1,8 +1,8 @@
 """The decoding kernels (`shaders/decode.wgsl`, `ddl_wgpu/ops/decode.py`) against numpy: rows stored into a
 cache at the position in `meta`, RoPE at an offset (whole heads and partial), RoPE with the key and value
 stores in one launch, q and k through a q/k norm and RoPE in one launch (`qk_finish`), attention of new rows
-over a
-cache (GQA, several key chunks, a start of 0), the TC/EC short convolutions from a history cache (zeros before
+over a cache split over workgroups (GQA, one and several key blocks per split, a start of 0; a row's bits
+independent of the rows beside it), the TC/EC short convolutions from a history cache (zeros before
 position 0), one slot per head out of a strided buffer (`take_rows`, two at once: `take_rows2`), two row blocks
 concatenated (`concat_rows`).
 
@@ -112,20 +112,29 @@ def test_qk_finish(gpu, rng, order, style, R, start):
     check("qk_finish k cache", gpu.read(kc, (cap, K, D)), want_k, "norm")
 
 
+@pytest.mark.parametrize("splits", [k_dec.SPLITS, 3])  # the default; few splits of several blocks each
 @pytest.mark.parametrize("start", [0, 70, 133])
 @pytest.mark.parametrize("H,K,D", [(4, 2, 16), (3, 3, 130)])
-def test_attend_cache(gpu, rng, start, H, K, D):
+def test_attend_cache(gpu, rng, start, H, K, D, splits):
+    """The keys split over workgroups and merged (one block, a block per split, several blocks per split with
+    the online softmax across them, splits left empty) give the reference attention; and a row's bits do not
+    depend on the rows beside it: the last row of a 3-row pass equals the same row decoded alone."""
     n, cap = 3, 140
     q = rng.standard_normal((n, H, D)).astype(f32)
     kc = (rng.standard_normal((cap, K, D)) * 0.7).astype(f32)
     vc = rng.standard_normal((cap, K, D)).astype(f32)
+    kb, vb = gpu.upload(kc), gpu.upload(vc)
     out = gpu.buffer(q.nbytes)
-    k_dec.attend_cache(
-        gpu, out, gpu.upload(q), gpu.upload(kc), gpu.upload(vc), meta_at(gpu, start), n, H, K, D
-    ).run(gpu)
+    meta = meta_at(gpu, start)
+    k_dec.attend_cache(gpu, out, gpu.upload(q), kb, vb, meta, n, H, K, D, splits=splits).run(gpu)
     S = start + n
     want = attend_cached(q.astype(np.float64), kc[:S].astype(np.float64), vc[:S].astype(np.float64), start)
-    check("attend_cache", gpu.download(out, f32, q.size).reshape(q.shape), want, "attention")
+    got = gpu.download(out, f32, q.size).reshape(q.shape)
+    check("attend_cache", got, want, "attention")
+    one = gpu.buffer(q[-1].nbytes)
+    k_dec.attend_cache(gpu, one, gpu.upload(q[-1]), kb, vb, meta_at(gpu, start + n - 1), 1, H, K, D,
+                       splits=splits).run(gpu)  # fmt: skip
+    assert np.array_equal(gpu.download(one, f32, H * D).reshape(H, D), got[-1])
 
 
 @pytest.mark.parametrize("start", [0, 1, 6])

@@ -17,7 +17,9 @@ so the Calls are built once per row count and recorded at every position.
   `attend_cache` when RoPE is the only op on q and k);
 - `qk_finish(q_out, kc, q, k, w, wq, wk, rope, meta, n, H, K, D, order, eps, style, rotary)`: q and k through
   a q/k chain with a norm (RMSNorm then RoPE, or RoPE then RMSNorm) in one launch, k into the key cache;
-- `attend_cache(out, q, kc, vc, meta, n, H, K, D)`: attention of the n rows over cache slots 0 .. start + r;
+- `attend_cache(out, q, kc, vc, meta, n, H, K, D)`: attention of the n rows over cache slots 0 .. start + r,
+  the keys split over many workgroups and the splits merged in a fixed order (`attend_scratch`: the partial
+  results, shareable between the layers of a pass);
 - `tc_cache(out, hist, conv, read, meta, n, C, dv, k)` / `ec_cache(out, hist, conv, meta, n, C, dv, k)`: the
   causal short convolutions over time reading their inputs from a per-position history cache;
 - `take_rows(dst, src, meta, heads, E, hs, rs, slot=None)`: one slot of E floats per head out of a strided
@@ -39,8 +41,10 @@ from ddl_wgpu.ops import need
 
 FILE = "decode.wgsl"
 WG = 256  # threads per workgroup of the one-thread-per-item entry points
-AW = 64  # threads per (row, head) workgroup of attend_cache
-MAXD = 256  # largest head_dim attend_cache holds
+AW = 64  # threads per workgroup of qk_finish, attend_split and attend_merge
+MAXD = 256  # largest head_dim qk_finish and attend_cache hold
+SPLITS = 32  # attend_cache: the most splits of a row's keys (of blocks of KB keys), at most MAXNS
+MAXNS = 64
 STORE = Uniform(
     "StoreParams",
     ("n", "u32", "rows"),
@@ -81,7 +85,15 @@ QK = Uniform(
     ("eps", "f32"),
 )
 QK_ORDERS = {"pre_rope": 1, "post_rope": 2}
-ATTN = Uniform("AttnParams", ("n", "u32"), ("H", "u32"), ("K", "u32"), ("D", "u32"), ("scale", "f32"))
+ATTN = Uniform(
+    "AttnParams",
+    ("n", "u32"),
+    ("H", "u32"),
+    ("K", "u32"),
+    ("D", "u32"),
+    ("scale", "f32"),
+    ("ns", "u32", "the most splits of a row's keys"),
+)
 CONV = Uniform(
     "ConvParams",
     ("n", "u32"),
@@ -194,18 +206,34 @@ def qk_finish(gpu: Gpu, q_out, kc, q, k, w, wq: int, wk: int, rope, meta, n: int
     return Call([(kern, gpu.bind(kern, q, k, w, rope, meta, q_out, kc, u), grid(n * (H + K)))], [u])
 
 
-def attend_cache(gpu: Gpu, out, q, kc, vc, meta, n: int, H: int, K: int, D: int) -> Call:
+def attend_scratch(gpu: Gpu, n: int, H: int, D: int, splits: int = SPLITS):
+    """The buffer `attend_cache` keeps its splits' partial results in: (n, H, splits, D + 2) floats. Passes
+    of one row count may share one (a layer's merge reads it before the next layer's split writes it)."""
+    return gpu.buffer(n * H * splits * (D + 2) * 4, label="attend_splits")
+
+
+def attend_cache(gpu: Gpu, out, q, kc, vc, meta, n: int, H: int, K: int, D: int, scratch=None,
+                 splits: int = SPLITS) -> Call:  # fmt: skip
     """out (n, H, D) = causal attention of q (n, H, D) over the cache kc/vc (cap, K, D), row r seeing slots
-    0 .. start + r (the rows' own keys must be stored first)."""
+    0 .. start + r (the rows' own keys must be stored first). Two launches (flash-decoding): `attend_split`
+    spreads each row's keys over up to `splits` workgroups per head, `attend_merge` combines them in a
+    fixed order (shaders/decode.wgsl); `scratch` holds the partial results (`attend_scratch`, made here when
+    None)."""
     if D > MAXD:
         raise ValueError(f"attend_cache holds head_dim <= {MAXD}, got {D}")
     if H % K:
         raise ValueError(f"n_heads {H} must be a multiple of n_kv_heads {K}")
+    if not 1 <= splits <= MAXNS:
+        raise ValueError(f"attend_cache: 1..{MAXNS} splits, got {splits}")
     need("attend_cache", "q", q, n * H * D)
     need("attend_cache", "out", out, n * H * D)
-    k = gpu.kernel(FILE, "attend_cache", "rrrrwu", workgroup=(AW, 1, 1), uniforms=UNIFORMS)
-    u = gpu.uniform(ATTN, label="attend_cache", n=n, H=H, K=K, D=D, scale=float(D) ** -0.5)
-    return Call([(k, gpu.bind(k, q, kc, vc, meta, out, u), grid(n * H))], [u])
+    scratch = attend_scratch(gpu, n, H, D, splits) if scratch is None else scratch
+    need("attend_cache", "scratch", scratch, n * H * splits * (D + 2))
+    u = gpu.uniform(ATTN, label="attend_cache", n=n, H=H, K=K, D=D, scale=float(D) ** -0.5, ns=splits)
+    ks = gpu.kernel(FILE, "attend_split", "rrrrwu", workgroup=(AW, 1, 1), uniforms=UNIFORMS)
+    km = gpu.kernel(FILE, "attend_merge", "rrwu", workgroup=(AW, 1, 1), uniforms=UNIFORMS)
+    return Call([(ks, gpu.bind(ks, q, kc, vc, meta, scratch, u), grid(n * H * splits)),
+                 (km, gpu.bind(km, scratch, meta, out, u), grid(n * H))], [u])  # fmt: skip
 
 
 def tc_cache(gpu: Gpu, out, hist, conv, read, meta, n: int, C: int, dv: int, k: int) -> Call:
