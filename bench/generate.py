@@ -329,9 +329,15 @@ def bench_ours(gpu, model: Model, prompt, new: int, depth: int, dtype: str, repe
         times.append(time.perf_counter() - t0)
     out["prefill_tokens_per_s"] = len(prompt) / statistics.median(times[1:])
     cap = model.cfg.max_seq_len
-    for name, k in (("plain", 0), ("plain_not_ahead", 0), ("speculative", depth)):
+    default_spin = engine._rings[0].spin
+    other = "block" if default_spin else "spin"
+    runs = [("plain", 0, default_spin), ("plain_not_ahead", 0, default_spin), ("speculative", depth, default_spin),
+            (f"plain_{other}", 0, not default_spin), (f"plain_not_ahead_{other}", 0, not default_spin)]  # fmt: skip
+    out["wait"] = "spin" if default_spin else "block"
+    for name, k, spin in runs:
         res = []
-        eng = _NotAhead(engine) if name == "plain_not_ahead" else engine
+        eng = _NotAhead(engine) if name.startswith("plain_not_ahead") else engine
+        _set_wait(engine, spin)
         for _ in range(repeats + 1):
             engine.rollback(0)
             res.append(run(eng, _Quiet(), prompt, cap, new, depth=k))
@@ -345,7 +351,50 @@ def bench_ours(gpu, model: Model, prompt, new: int, depth: int, dtype: str, repe
                 if key in res[-1]
             },  # fmt: skip
         }
+    _set_wait(engine, default_spin)
     out["step"] = profile_step(gpu, engine)
+    return out
+
+
+def _set_wait(engine, spin: bool) -> None:
+    """How the engine's read-backs wait for the GPU (`ddl_wgpu.gpu.Readback`: spin or block)."""
+    for rb in (*engine._rings, engine._readback):
+        rb.spin = spin
+
+
+def sync_probe(gpu, n: int = 200) -> dict:
+    """The host's round trip of a token's shape at no GPU cost: one tiny dispatch and a 16-byte copy into a
+    read-back buffer, submitted and read, median µs over n (after 20 warm-ups), through wgpu-py's own map
+    (`map_sync`: its poll thread, what the decoder used before), and `Readback.read` blocking and spinning."""
+    import wgpu
+
+    from ddl_wgpu.ops import elementwise as k_ew
+
+    buf = gpu.buffer(256, label="probe")
+    fill = k_ew.fill(gpu, buf, 16, 1.0)
+    rb = gpu.readback(64, "probe_readback")
+    legacy = gpu.device.create_buffer(size=64, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+
+    def once(how: str) -> float:
+        rec = gpu.recorder()
+        fill.record(rec)
+        rec.copy(buf, 0, legacy if how == "wgpu-py map_sync" else rb.buffer, 0, 16)
+        cb = rec.finish()
+        t0 = time.perf_counter()
+        index = gpu.submit_indexed(cb)
+        if how == "wgpu-py map_sync":
+            legacy.map_sync("READ_NOSYNC", 0, 16)
+            legacy.read_mapped(0, 16)
+            legacy.unmap()
+        else:
+            rb.spin = how == "spin"
+            rb.read(np.float32, 4, 0, index)
+        return (time.perf_counter() - t0) * 1e6
+
+    out = {}
+    for how in ("wgpu-py map_sync", "block", "spin"):
+        times = [once(how) for _ in range(20 + n)][20:]
+        out[how] = {"median_us": statistics.median(times), "p90_us": float(np.percentile(times, 90))}
     return out
 
 
@@ -444,6 +493,13 @@ def bench_prompts(gpu, model: Model, prompts: list, new: int, depth: int, dtype:
     return out
 
 
+def _other_wait(ours: dict) -> str:
+    """The table's cell for the read-backs' other wait (`_set_wait`): "block: ms/token, not run ahead"."""
+    other = "block" if ours["wait"] == "spin" else "spin"
+    a, b = ours[f"plain_{other}"], ours[f"plain_not_ahead_{other}"]
+    return f"{other}: {a['decode_ms_per_token']:.3f}, {b['decode_ms_per_token']:.3f}"
+
+
 class _NotAhead:
     """The engine with greedy steps not run ahead (`WgpuEngine.feed`'s `ahead` dropped): what that saves."""
 
@@ -540,6 +596,9 @@ def main(argv=None) -> int:
     gpu = common.open_gpu(args.device)
     torch, dev = common.torch_setup(args.torch)
     print(common.adapter_line(gpu))
+    probe = sync_probe(gpu, 50 if args.quick else 200)
+    print("submit + read-back round trip (a tiny dispatch), median / p90 µs: "
+          + "; ".join(f"{k} {v['median_us']:.0f} / {v['p90_us']:.0f}" for k, v in probe.items()))  # fmt: skip
     cases = []
     if args.model:
         m = load_model(args.model)
@@ -562,8 +621,8 @@ def main(argv=None) -> int:
         try:
             ours = bench_ours(gpu, model, prompt, n_new, args.depth, dtype, args.repeats)
             entry["wgpu"] = ours
-            same = (
-                ours["plain"]["tokens"] == ours["speculative"]["tokens"] == ours["plain_not_ahead"]["tokens"]
+            same = all(
+                ours[k]["tokens"] == ours["plain"]["tokens"] for k in ours if k.startswith(("plain", "spec"))
             )
             entry["check_speculative_equal"] = same
             failed |= not same
@@ -614,6 +673,7 @@ def main(argv=None) -> int:
                          common.fmt(ours["plain"]["decode_tokens_per_s"], ".1f"),
                          common.fmt(ours["plain"]["decode_ms_per_token"], ".3f"),
                          common.fmt(ours["plain_not_ahead"]["decode_ms_per_token"], ".3f"),
+                         _other_wait(ours),
                          common.fmt(entry["weight_bound_ms_per_token"], ".3f"),
                          common.fmt(entry.get("pct_of_weight_bound"), ".1f"),
                          common.fmt(sp["decode_tokens_per_s"], ".1f"), common.fmt(sp.get("mean_accepted"), ".2f"),
@@ -627,19 +687,20 @@ def main(argv=None) -> int:
             if many:
                 sp = many["speculative"]
                 rows.append([f"{name}, {many['prompts']} prompts x {many['new']} new", dtype, "-",
-                             common.fmt(many["plain"]["decode_tokens_per_s"], ".1f"), "-", "-", "-", "-",
+                             common.fmt(many["plain"]["decode_tokens_per_s"], ".1f"), "-", "-", "-", "-", "-",
                              common.fmt(sp["decode_tokens_per_s"], ".1f"), common.fmt(sp["mean_accepted"], ".2f"),
                              " ".join(f"{a:.2f}" for a in sp["acceptance_per_depth"]), "-", "-"])  # fmt: skip
     for p in profiles:
         print(p)
-    print(common.table(["shape", "dtype", "prefill tok/s", "decode tok/s", "ms/token", "not run ahead", "weight-read bound ms",
+    print(common.table(["shape", "dtype", "prefill tok/s", "decode tok/s", "ms/token", "not run ahead",
+                        "other wait: ms/token, not ahead", "weight-read bound ms",
                         "% of bound", f"spec K={args.depth} tok/s", "accepted/round", "acceptance per depth",
                         "torch prefill", "torch decode"], rows,
                        f"batch 1, prompt {args.prompt}, {args.new} new tokens (fewer where a model's context "
                        "is shorter: the JSON's prompt and new), greedy"))  # fmt: skip
     common.write_json(common.json_path(args.json, "generate.json"),
                       {"when": common.now_iso(), "adapter": common.adapter_line(gpu), "host": common.host_info(),
-                       "results": results})  # fmt: skip
+                       "sync_probe": probe, "results": results})  # fmt: skip
     if failed:
         print("FAILED: see the JSON", file=sys.stderr)
     return 1 if failed else 0
