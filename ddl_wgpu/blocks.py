@@ -223,6 +223,11 @@ class Blocks(GatedDeltaNet):
         return k_norm.rmsnorm_forward(self.gpu, out, rstd, x, self.net.view(name), rows or self.N,
                                       dim or self.C, cfg.rms_eps, cfg.norm_style)  # fmt: skip
 
+    def _input_norm(self, a: dict, h: str, r: str, x: str, name: str) -> Call:
+        """A baseline sublayer's input norm, a[h] = RMSNorm(a[x]) (a decoding pass leaves it to the products
+        that read a[h]: `decode._CachedRows`)."""
+        return self._norm(a[h], a[r], a[x], name)
+
     def _norm_backward(self, dx, dout, x, name: str, rstd, rows: int | None = None, dim: int | None = None,
                        accumulate_dx: bool = False) -> Call:  # fmt: skip
         return k_norm.rmsnorm_backward(self.gpu, dx, self.net.view(name, "g"), dout, x, self.net.view(name),
@@ -267,7 +272,7 @@ class Blocks(GatedDeltaNet):
         for sub, norm, x_state, h, r in SUBLAYERS:
             x_out = a["xm"] if sub == "attn" else out
             if not ddl:  # baseline: x_out = x + sublayer(norm(x))
-                call += self._norm(a[h], a[r], a[x_state], p + norm + ".weight")
+                call += self._input_norm(a, h, r, x_state, p + norm + ".weight")
                 if x_out is not a[x_state]:  # a decoding pass adds into the stream in place (`decode`)
                     call += k_ew.copy(self.gpu, x_out, a[x_state], self.N * self.C)
                 call += self._sublayer_forward(sub, a, p, x_out, accumulate=True)

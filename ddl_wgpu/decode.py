@@ -222,6 +222,31 @@ class _CachedRows:
     def _gemv(self, name: str, n_in: int) -> bool:
         return self.N <= k_gemv.GEMV_MAX_ROWS and (self.net.wdtype(name) == "f32" or n_in % 4 == 0)
 
+    _pending_norm = None  # (h, rstd, x, weight name): a sublayer's input norm left to the products reading h
+
+    def _input_norm(self, a: dict, h: str, r: str, x: str, name: str) -> Call:
+        """A few rows' sublayer input norm is not launched: the products that read a[h] (q/k/v, a Gated
+        DeltaNet's four, gate/up) compute it from a[x] in their input read (`gemv.Norm`, `_fused_norm`)."""
+        if self.N > k_gemv.GEMV_MAX_ROWS:
+            return super()._input_norm(a, h, r, x, name)
+        if self._pending_norm is not None:
+            raise GpuError(f"the norm {self._pending_norm[3]} was left to products that never read it")
+        self._pending_norm = (a[h], a[r], a[x], name)
+        return Call()
+
+    def _fused_norm(self, x, fusable: bool) -> tuple[Call, object, k_gemv.Norm | None]:
+        """For products reading x: (what runs first, the input they read, the norm they fuse). x the output
+        of a pending input norm: fused (its raw input read, `gemv.Norm`) when the products are matrix-vector
+        products, else the norm launched first; any other x: as it is."""
+        pending = self._pending_norm
+        if pending is None or pending[0] is not x:
+            return Call(), x, None
+        self._pending_norm = None
+        h, rstd, src, name = pending
+        if not fusable:
+            return self._norm(h, rstd, src, name), x, None
+        return Call(), src, k_gemv.Norm(self.net.view(name), self.cfg.rms_eps, self.cfg.norm_style)
+
     def _linear(self, out, x, name: str, n_out: int, n_in: int) -> Call:
         if not self._gemv(name, n_in):
             return super()._linear(out, x, name, n_out, n_in)
@@ -232,19 +257,24 @@ class _CachedRows:
         dispatch where their weights are adjacent in one arena (`gemv_stacked`)."""
         names = [name for _, name, _ in outs]
         dts = {self.net.wdtype(name) for name in names}
-        if len(dts) > 1 or not all(self._gemv(name, n_in) for name in names):
-            return super()._linears(x, n_in, outs)
+        fusable = len(dts) == 1 and all(self._gemv(name, n_in) for name in names)
+        first, x_in, norm = self._fused_norm(x, fusable)
+        if not fusable:
+            return first + super()._linears(x, n_in, outs)
         segs = [k_gemv.Segment(out, self.net.view(name), rows) for out, name, rows in outs]
-        return k_gemv.gemv_stacked(self.gpu, x, segs, self.N, n_in, dts.pop())
+        return k_gemv.gemv_stacked(self.gpu, x_in, segs, self.N, n_in, dts.pop(), norm=norm)
 
     def _mlp_hidden(self, a: dict, p: str) -> Call:
-        """a["s"] = silu(h2 W_gateᵀ) ⊙ (h2 W_upᵀ) in one dispatch (`gemv_swiglu`): gate and up are not kept."""
+        """a["s"] = silu(h2 W_gateᵀ) ⊙ (h2 W_upᵀ) in one dispatch (`gemv_swiglu`, h2's norm fused): gate and up
+        are not kept."""
         gate, up = p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"
         dt = self.net.wdtype(gate)
-        if dt != self.net.wdtype(up) or not (self._gemv(gate, self.C) and self._gemv(up, self.C)):
-            return super()._mlp_hidden(a, p)
+        fusable = dt == self.net.wdtype(up) and self._gemv(gate, self.C) and self._gemv(up, self.C)
+        first, x_in, norm = self._fused_norm(a["h2"], fusable)
+        if not fusable:
+            return first + super()._mlp_hidden(a, p)
         P, F = self.net.view, self.cfg.ffn_hidden
-        return k_gemv.gemv_swiglu(self.gpu, a["s"], a["h2"], P(gate), P(up), self.N, F, self.C, dt)
+        return k_gemv.gemv_swiglu(self.gpu, a["s"], x_in, P(gate), P(up), self.N, F, self.C, dt, norm=norm)
 
     def _project_out(self, out, x, name: str, n_in: int, accumulate: bool) -> Call:
         if not self._gemv(name, n_in):

@@ -2,7 +2,7 @@
 vector form (f32 as vec4 and as scalars, f16 as 8 and as 4 halves per load) on both reductions (subgroup
 shuffles, workgroup memory), one and several x rows, accumulation, an output column offset and row stride;
 stacked segments in one dispatch (outputs in two buffers, two segments into one buffer) and the fallback when
-the weights lie in different buffers; the fused gate/up/SwiGLU; a row's bits independent of the x rows beside
+the weights lie in different buffers; the fused gate/up/SwiGLU; an RMSNorm fused into the input read; a row's bits independent of the x rows beside
 it and of the unrolling, rows per team and rows per workgroup (the decoder's rows computed apart); the default
 tune (the subgroup reduction where its probe passes), the tune syntax and its refusals."""
 
@@ -112,6 +112,35 @@ def test_gemv_swiglu(gpu, rng, w_dtype, IN):
         y = gpu.buffer(n * F * 4)
         k_gemv.gemv_swiglu(gpu, y, gpu.upload(x), wg, wu, n, F, IN, w_dtype, tune=tune(reduce)).run(gpu)
         check("gemv_swiglu", gpu.read(y, (n, F)), want, "matmul")
+
+
+@pytest.mark.parametrize("w_dtype,IN,style", [("f32", 37, "standard"), ("f32", 40, "offset"), ("f16", 48, "offset"),
+                                              ("f16", 296, "standard")])  # fmt: skip
+def test_gemv_norm(gpu, rng, w_dtype, IN, style):
+    """An RMSNorm fused into the input read (`Norm`): stacked segments and the gate/up/SwiGLU form of the raw
+    x give the products of `ddl_ref`'s rmsnorm of x (both weight styles, every vector form, both
+    reductions), with a row's bits independent of the rows beside it."""
+    n, F, eps = 3, 45, 1e-5
+    x = (rng.standard_normal((n, IN)) * 3.0).astype(f32)
+    g = (1.0 + 0.2 * rng.standard_normal(IN)).astype(f32)
+    norm = k_gemv.Norm(gpu.upload(g), eps, style)
+    h = ref.rmsnorm_forward(x.astype(np.float64), g.astype(np.float64), eps, style)[0]
+    (wa, a64), (wb, b64) = weights(gpu, rng, F, IN, w_dtype), weights(gpu, rng, 9, IN, w_dtype)
+    wu, u64 = weights(gpu, rng, F, IN, w_dtype)
+    xb = gpu.upload(x)
+    for reduce in reductions(gpu):
+        y = gpu.buffer(n * F * 4)
+        k_gemv.gemv_swiglu(gpu, y, xb, wa, wu, n, F, IN, w_dtype, tune=tune(reduce), norm=norm).run(gpu)
+        want = ref.swiglu_forward(ref.linear_forward(h, a64), ref.linear_forward(h, u64))
+        check("gemv_swiglu norm", gpu.read(y, (n, F)), want, "norm")
+        ya, yb = gpu.buffer(n * F * 4), gpu.buffer(n * 9 * 4)
+        segs = [k_gemv.Segment(ya, wa, F), k_gemv.Segment(yb, wb, 9)]
+        k_gemv.gemv_stacked(gpu, xb, segs, n, IN, w_dtype, tune=tune(reduce), norm=norm).run(gpu)
+        check("gemv norm a", gpu.read(ya, (n, F)), ref.linear_forward(h, a64), "norm")
+        check("gemv norm b", gpu.read(yb, (n, 9)), ref.linear_forward(h, b64), "norm")
+        one = gpu.buffer(9 * 4)
+        k_gemv.gemv(gpu, one, gpu.upload(x[1]), wb, 1, 9, IN, w_dtype, tune=tune(reduce), norm=norm).run(gpu)
+        assert np.array_equal(gpu.read(one, (9,)), gpu.read(yb, (n, 9))[1]), reduce
 
 
 def test_rows_apart(gpu, rng):

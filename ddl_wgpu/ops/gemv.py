@@ -1,14 +1,16 @@
 """Launcher for `shaders/gemv.wgsl`: matrix-vector products for the few rows of a decoding pass.
 
 Kernel path: `shaders/gemv.wgsl` -> `ddl_wgpu/ops/gemv.py` -> references `ddl_ref.ops.linear_forward`,
-`ddl_ref.ops.swiglu_forward` -> test `tests/test_kernel_gemv.py`.
+`ddl_ref.ops.swiglu_forward`, `ddl_ref.ops.rmsnorm_forward` -> test `tests/test_kernel_gemv.py`.
 
 - `gemv(y, x, w, n, OUT, IN)`: y[r, col0 + o] (+)= Σ_i x[r, i] · w[o, i] for r < n, w (OUT, IN) the Hugging Face
   linear layout in f32 or f16 (read as u32 pairs and widened, so no shader-f16 is needed);
 - `gemv_stacked(x, segments, n, IN)`: several such products over the same x in one dispatch (`Segment`: its
   output view, its weight view, its rows), when the weights lie in one buffer within one binding (a layer's
   q/k/v, a Gated DeltaNet's four input projections: adjacent in the parameter arena); else one dispatch each;
-- `gemv_swiglu(y, x, w_gate, w_up, n, F, IN)`: y = silu(x W_gateᵀ) ⊙ (x W_upᵀ) in one dispatch.
+- `gemv_swiglu(y, x, w_gate, w_up, n, F, IN)`: y = silu(x W_gateᵀ) ⊙ (x W_upᵀ) in one dispatch;
+- each with `norm=Norm(w, eps, style)`: of RMSNorm(x) instead of x, the norm computed in the input read (a
+  decoding pass's sublayer input norm: no norm launch, no normalised row written).
 
 The work layout and its tunables (`GemvTune`: threads per workgroup, rows per workgroup, rows a team computes
 at once, loop unrolling, subgroup or workgroup-memory reduction, the f16 load width) are the shader's
@@ -60,6 +62,9 @@ PARAMS = Uniform(
     ("ld1", "u32"),
     ("ld2", "u32"),
     ("ld3", "u32"),
+    ("n_in", "u32", "the fused RMSNorm's width (in_features)"),
+    ("eps", "f32", "the fused RMSNorm's epsilon"),
+    ("noff", "f32", "the fused RMSNorm's weight offset: 0 (w·x̂) or 1 ((1 + w)·x̂)"),
 )
 # (x load, weight item, floats of IN per item, bytes per item) of each vector form
 FORMS = {
@@ -155,7 +160,9 @@ AUTO_GROUPS = 1024  # rows=0 takes the most rows per workgroup (of 16, 8, 4) tha
 SUBGROUP = 32  # threads of a team assumed when sizing a workgroup for rows=0 (NVIDIA's subgroup; any works)
 
 
-def fit_tune(gpu: Gpu, tune: GemvTune, nx: int, swiglu: bool, out_rows: int = 1 << 20) -> GemvTune:
+def fit_tune(
+    gpu: Gpu, tune: GemvTune, nx: int, swiglu: bool, out_rows: int = 1 << 20, norm: bool = False
+) -> GemvTune:
     """`tune` checked and made concrete for a product of `out_rows` outputs: rows=0 picks rows per workgroup
     (the most of 16, 8, 4 that leave at least AUTO_GROUPS workgroups: a product of 5120 outputs then spreads
     over 1280 workgroups rather than 320, which the H200's 132 SMs take in unequal shares) and a workgroup
@@ -183,11 +190,15 @@ def fit_tune(gpu: Gpu, tune: GemvTune, nx: int, swiglu: bool, out_rows: int = 1 
     if tune.reduce == "shared":
         budget = gpu.limits.get("max-compute-workgroup-storage-size", 16384) // 4
         per = 2 if swiglu else 1
-        while rt > 1 and per * rt * nx * wg > budget:
+
+        def words(rt: int, wg: int) -> int:  # the reduction's workgroup memory: every accumulator per thread
+            return (per * rt + norm) * nx * wg
+
+        while rt > 1 and words(rt, wg) > budget:
             rt //= 2
-        while wg > tune.team and per * rt * nx * wg > budget:
+        while wg > tune.team and words(rt, wg) > budget:
             wg //= 2
-        if per * rt * nx * wg > budget:
+        if words(rt, wg) > budget:
             raise GpuError(f"gemv: {nx} rows do not fit workgroup memory with teams of {tune.team}")
         step = (wg // tune.team) * rt
         rows = max(step, rows // step * step)
@@ -201,7 +212,7 @@ def fit_tune(gpu: Gpu, tune: GemvTune, nx: int, swiglu: bool, out_rows: int = 1 
 # code generation (straight-line: every accumulator and load its own variable, docs/kernels.md#generated-wgsl)
 
 
-def _templates(form: str, nx: int, tune: GemvTune, swiglu: bool, n_y: int) -> dict:
+def _templates(form: str, nx: int, tune: GemvTune, swiglu: bool, n_y: int, norm: bool = False) -> dict:
     xa, wv, _, _ = FORMS[form]
     nw = 2 * tune.rt if swiglu else tune.rt  # weight rows per loop turn
     pairs = form == "f16x8"
@@ -212,16 +223,32 @@ def _templates(form: str, nx: int, tune: GemvTune, swiglu: bool, n_y: int) -> di
     wb = ["gw0", "gw1"] if swiglu else ["gw"]
     lines = ["@group(0) @binding(0) var<storage, read> gx: array<XA>;"]
     lines += [f"@group(0) @binding({1 + j}) var<storage, read> {w}: array<WV>;" for j, w in enumerate(wb)]
-    y0 = 1 + len(wb)
+    if norm:  # the RMSNorm weight, laid out as x
+        lines.append(f"@group(0) @binding({1 + len(wb)}) var<storage, read> gn: array<XA>;")
+    y0 = 1 + len(wb) + norm
     lines += [f"@group(0) @binding({y0 + b}) var<storage, read_write> gy{b}: array<f32>;" for b in range(n_y)]
 
+    halves = ("a", "b") if pairs else ("",)  # 8 halves of W meet 8 floats of x: two vec4 loads
+    raw = "r" if norm else ""  # with the norm, x as loaded; x·(g + noff) is what meets W
+
     def x_item(r: int, u: int, at: str) -> list[str]:
-        if pairs:  # 8 halves of W meet 8 floats of x: two vec4 loads
+        if pairs:
             return [
-                f"let x{r}_{u}a = gx[2u * (xb{r} + {at})];",
-                f"let x{r}_{u}b = gx[2u * (xb{r} + {at}) + 1u];",
+                f"let x{r}_{u}a{raw} = gx[2u * (xb{r} + {at})];",
+                f"let x{r}_{u}b{raw} = gx[2u * (xb{r} + {at}) + 1u];",
             ]
-        return [f"let x{r}_{u} = gx[xb{r} + {at}];"]
+        return [f"let x{r}_{u}{raw} = gx[xb{r} + {at}];"]
+
+    def g_item(u: int, at: str) -> list[str]:
+        if pairs:
+            return [f"let g{u}a = gn[2u * {at}] + gp.noff;", f"let g{u}b = gn[2u * {at} + 1u] + gp.noff;"]
+        return [f"let g{u} = gn[{at}] + gp.noff;"]
+
+    def normed(r: int, u: int) -> list[str]:
+        """x's squares into row r's sum, then x scaled by the norm weight."""
+        sq = (lambda v: f"dot({v}, {v})") if xa.startswith("vec") else (lambda v: f"{v} * {v}")
+        out = [f"s{r} += {sq(f'x{r}_{u}{h}r')};" for h in halves]
+        return out + [f"let x{r}_{u}{h} = x{r}_{u}{h}r * g{u}{h};" for h in halves]
 
     def product(k: int, r: int, u: int) -> str:
         w = f"w{k}_{u}"
@@ -242,7 +269,11 @@ def _templates(form: str, nx: int, tune: GemvTune, swiglu: bool, n_y: int) -> di
             out += [f"let w{k}_{u} = {warr(k)}[wr{k} + {at}];" for k in range(nw)]
             for r in range(nx):
                 out += x_item(r, u, at)
+            if norm:
+                out += g_item(u, at)
         for u in range(count):
+            if norm:
+                out += [line for r in range(nx) for line in normed(r, u)]
             out += [f"a{k}_{r} += {product(k, r, u)};" for k in range(nw) for r in range(nx)]
         return "\n".join(ind + s for s in out)
 
@@ -256,26 +287,33 @@ def _templates(form: str, nx: int, tune: GemvTune, swiglu: bool, n_y: int) -> di
         bases = [f"let wr{k} = wrow(min(o0 + {k}u, last));" for k in range(nw)]
     bases += [f"let xb{r} = {r}u * items;" for r in range(nx)]
     decl = [f"var a{k}_{r} = 0.0;" for k in range(nw) for r in range(nx)]
-    accs = [(k, r) for k in range(nw) for r in range(nx)]
+    accs = [(f"a{k}_{r}") for k in range(nw) for r in range(nx)]
+    if norm:  # and per x row the sum of its squares (every team sums them in the same order: the same bits)
+        decl += [f"var s{r} = 0.0;" for r in range(nx)]
+        accs += [f"s{r}" for r in range(nx)]
+    # a row's sum as stored: with the norm, times its rstd = 1 / sqrt(mean(x²) + eps)
+    acc = (lambda k, r: f"(a{k}_{r} * rs{r})") if norm else (lambda k, r: f"a{k}_{r}")
+    rstd = [f"let rs{r} = 1.0 / sqrt(s{r} / f32(gp.n_in) + gp.eps);" for r in range(nx)] if norm else []
 
     # the stores of lane 0: per output row of the team's turn (swiglu: gate and up of it), per x row
     stores = []
     for j in range(tune.rt):
         inner = []
         for r in range(nx):
-            v = f"a{2 * j}_{r} * sigmoid(a{2 * j}_{r}) * a{2 * j + 1}_{r}" if swiglu else f"a{j}_{r}"
+            g, up = acc(2 * j, r), acc(2 * j + 1, r)
+            v = f"{g} * sigmoid({g}) * {up}" if swiglu else acc(j, r)
             inner.append(f"store(o0 + {j}u, {r}u, {v});")
         stores.append(f"if (o0 + {j}u <= last) {{ " + " ".join(inner) + " }")
     if sub:
-        red = [f"a{k}_{r} = team_sum(a{k}_{r}, T);" for k, r in accs]
-        red += ["if (lane == 0u) {"] + ["    " + s for s in stores] + ["}"]
+        red = [f"{a} = team_sum({a}, T);" for a in accs]
+        red += ["if (lane == 0u) {"] + ["    " + s for s in rstd + stores] + ["}"]
     else:  # every accumulator's tree at once, one barrier per level
-        red = [f"part[{q}u * WG + li] = a{k}_{r};" for q, (k, r) in enumerate(accs)]
+        red = [f"part[{q}u * WG + li] = {a};" for q, a in enumerate(accs)]
         red += ["workgroupBarrier();", "for (var m = TEAM >> 1u; m > 0u; m >>= 1u) {", "    if (lane < m) {"]
         red += [f"        part[{q}u * WG + li] += part[{q}u * WG + li + m];" for q in range(len(accs))]
         red += ["    }", "    workgroupBarrier();", "}", "if (lane == 0u) {"]
-        red += [f"    a{k}_{r} = part[{q}u * WG + li];" for q, (k, r) in enumerate(accs)]
-        red += ["    " + s for s in stores] + [
+        red += [f"    {a} = part[{q}u * WG + li];" for q, a in enumerate(accs)]
+        red += ["    " + s for s in rstd + stores] + [
             "}",
             "workgroupBarrier();  // part is rewritten by the next turn",
         ]
@@ -347,11 +385,31 @@ def _form(w_dtype: str, in_features: int, x, weights, tune: GemvTune) -> str:
     return "f32x4" if vec else "f32x1"
 
 
-def _kernel(gpu: Gpu, form: str, nx: int, tune: GemvTune, swiglu: bool, n_y: int):
-    sig = "r" * (3 if swiglu else 2) + "w" * n_y + "u"
+def _kernel(gpu: Gpu, form: str, nx: int, tune: GemvTune, swiglu: bool, n_y: int, norm: bool = False):
+    sig = "r" * (3 if swiglu else 2) + "r" * norm + "w" * n_y + "u"
     return gpu.kernel(FILE, "gemv", sig, constants={"WG": tune.wg, "ROWS": tune.rows, "TEAM": tune.team},
-                      templates=_templates(form, nx, tune, swiglu, n_y), workgroup=(tune.wg, 1, 1),
+                      templates=_templates(form, nx, tune, swiglu, n_y, norm), workgroup=(tune.wg, 1, 1),
                       uniforms=(PARAMS,))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Norm:
+    """An RMSNorm fused into a product's input read (`gemv_stacked`, `gemv_swiglu`): the product reads the
+    raw x and computes y = rstd · Σ_i W[o, i] · (w_i + offset) · x_i, rstd = 1 / sqrt(mean(x²) + eps), so the
+    normalised row is never written. `w` the norm weight (in_features f32), `style` "standard" (w·x̂) or
+    "offset" ((1 + w)·x̂), as `ops.rmsnorm`'s."""
+
+    w: object
+    eps: float
+    style: str = "standard"
+
+    def fields(self, in_features: int) -> dict:
+        if self.style not in ("standard", "offset"):
+            raise ValueError(f"gemv norm style must be 'standard' or 'offset', got {self.style!r}")
+        return {"n_in": in_features, "eps": float(self.eps), "noff": float(self.style == "offset")}
+
+
+NO_NORM = {"n_in": 0, "eps": 0.0, "noff": 0.0}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -371,10 +429,11 @@ class Segment:
 
 
 def gemv(gpu: Gpu, y, x, w, n: int, out_features: int, in_features: int, w_dtype: str = "f32", ldy: int | None = None,
-         col0: int = 0, accumulate: bool = False, tune: GemvTune | None = None) -> Call:  # fmt: skip
-    """y[r, col0 + o] (+)= Σ_i x[r, i] · w[o, i] for r < n; w (OUT, IN) f32 or f16 (read as u32 pairs)."""
+         col0: int = 0, accumulate: bool = False, tune: GemvTune | None = None, norm: Norm | None = None) -> Call:  # fmt: skip
+    """y[r, col0 + o] (+)= Σ_i x[r, i] · w[o, i] for r < n; w (OUT, IN) f32 or f16 (read as u32 pairs); `norm`:
+    of RMSNorm(x) (`Norm`)."""
     seg = Segment(y, w, out_features, ldy, col0)
-    return gemv_stacked(gpu, x, [seg], n, in_features, w_dtype, accumulate, tune)
+    return gemv_stacked(gpu, x, [seg], n, in_features, w_dtype, accumulate, tune, norm)
 
 
 def _span(views: list[tuple], limit: int) -> tuple | None:
@@ -388,25 +447,27 @@ def _span(views: list[tuple], limit: int) -> tuple | None:
 
 
 def gemv_stacked(gpu: Gpu, x, segments: list[Segment], n: int, in_features: int, w_dtype: str = "f32",
-                 accumulate: bool = False, tune: GemvTune | None = None) -> Call:  # fmt: skip
+                 accumulate: bool = False, tune: GemvTune | None = None, norm: Norm | None = None) -> Call:  # fmt: skip
     """Each segment's product over the same x (module docstring): one dispatch when their weights lie in
-    one buffer within one storage binding, else one per segment."""
+    one buffer within one storage binding, else one per segment; `norm`: of RMSNorm(x) (`Norm`)."""
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"gemv_stacked: 1..{MAX_SEGMENTS} segments, got {len(segments)}")
     if not 1 <= n <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv: 1..{GEMV_MAX_ROWS} rows of x, got {n}")
-    tune = fit_tune(gpu, tune or default_tune(gpu), n, False, sum(s.rows for s in segments))
+    tune = fit_tune(gpu, tune or default_tune(gpu), n, False, sum(s.rows for s in segments), norm is not None)
     wviews = [view(s.w) for s in segments]
-    form = _form(w_dtype, in_features, x, wviews, tune)
+    form = _form(w_dtype, in_features, x, wviews + ([view(norm.w)] if norm else []), tune)
     _, _, per_item, item_bytes = FORMS[form]
     items = in_features // per_item
     span = _span(wviews, gpu.max_binding)
     if span is None and len(segments) > 1:
         call = Call()
         for s in segments:
-            call += gemv_stacked(gpu, x, [s], n, in_features, w_dtype, accumulate, tune)
+            call += gemv_stacked(gpu, x, [s], n, in_features, w_dtype, accumulate, tune, norm)
         return call
     need("gemv", "x", x, n * in_features)
+    if norm is not None:
+        need("gemv", "norm weight", norm.w, in_features)
     wbytes = (2 if w_dtype == "f16" else 4) * in_features
     fields, ybinds, ykeys, row = {}, [], [], 0
     for s_i, s in enumerate(segments):
@@ -432,21 +493,22 @@ def gemv_stacked(gpu: Gpu, x, segments: list[Segment], n: int, in_features: int,
         fields.update({f"wb{s_i}": 0, f"yb{s_i}": 0, f"yo{s_i}": 0, f"ld{s_i}": 0})
         if s_i:
             fields[f"st{s_i}"] = NONE
-    k = _kernel(gpu, form, n, tune, False, len(ybinds))
+    k = _kernel(gpu, form, n, tune, False, len(ybinds), norm is not None)
+    fields.update(norm.fields(in_features) if norm else NO_NORM)
     u = gpu.uniform(PARAMS, label="gemv", out_=row, items=items, acc=int(accumulate), **fields)
-    label = (
-        f"gemv {'+'.join(str(s.rows) for s in segments)}x{in_features} {w_dtype} n{n} wbytes={row * wbytes}"
-    )
-    return Call([(k, gpu.bind(k, x, span, *ybinds, u, label=label), grid(-(-row // tune.rows)))], [u])
+    label = f"gemv{'_norm' if norm else ''} {'+'.join(str(s.rows) for s in segments)}x{in_features} {w_dtype} n{n} wbytes={row * wbytes}"
+    gn = [norm.w] if norm else []
+    return Call([(k, gpu.bind(k, x, span, *gn, *ybinds, u, label=label), grid(-(-row // tune.rows)))], [u])
 
 
 def gemv_swiglu(gpu: Gpu, y, x, w_gate, w_up, n: int, F: int, in_features: int, w_dtype: str = "f32",
-                tune: GemvTune | None = None) -> Call:  # fmt: skip
-    """y (n, F) = silu(x · W_gateᵀ) ⊙ (x · W_upᵀ), both (F, IN), in one dispatch (the MLP's first half)."""
+                tune: GemvTune | None = None, norm: Norm | None = None) -> Call:  # fmt: skip
+    """y (n, F) = silu(x · W_gateᵀ) ⊙ (x · W_upᵀ), both (F, IN), in one dispatch (the MLP's first half);
+    `norm`: of RMSNorm(x) (`Norm`)."""
     if not 1 <= n <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv: 1..{GEMV_MAX_ROWS} rows of x, got {n}")
-    tune = fit_tune(gpu, tune or default_tune(gpu), n, True, F)
-    form = _form(w_dtype, in_features, x, [view(w_gate), view(w_up)], tune)
+    tune = fit_tune(gpu, tune or default_tune(gpu), n, True, F, norm is not None)
+    form = _form(w_dtype, in_features, x, [view(w_gate), view(w_up)] + ([view(norm.w)] if norm else []), tune)
     items = in_features // FORMS[form][2]
     wbytes = (2 if w_dtype == "f16" else 4) * in_features
     need("gemv_swiglu", "x", x, n * in_features)
@@ -455,7 +517,11 @@ def gemv_swiglu(gpu: Gpu, y, x, w_gate, w_up, n: int, F: int, in_features: int, 
     need("gemv_swiglu", "w_up", w_up, F * wbytes // 4)
     fields = {f"{f}{s}": 0 for f in ("wb", "yb", "yo", "ld") for s in range(MAX_SEGMENTS)}
     fields.update(ld0=F, st1=NONE, st2=NONE, st3=NONE)
-    k = _kernel(gpu, form, n, tune, True, 1)
+    if norm is not None:
+        need("gemv_swiglu", "norm weight", norm.w, in_features)
+    fields.update(norm.fields(in_features) if norm else NO_NORM)
+    k = _kernel(gpu, form, n, tune, True, 1, norm is not None)
     u = gpu.uniform(PARAMS, label="gemv_swiglu", out_=F, items=items, acc=0, **fields)
-    label = f"gemv_swiglu 2x{F}x{in_features} {w_dtype} n{n} wbytes={2 * F * wbytes}"
-    return Call([(k, gpu.bind(k, x, w_gate, w_up, y, u, label=label), grid(-(-F // tune.rows)))], [u])
+    label = f"gemv_swiglu{'_norm' if norm else ''} 2x{F}x{in_features} {w_dtype} n{n} wbytes={2 * F * wbytes}"
+    gn = [norm.w] if norm else []
+    return Call([(k, gpu.bind(k, x, w_gate, w_up, *gn, y, u, label=label), grid(-(-F // tune.rows)))], [u])
