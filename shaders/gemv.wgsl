@@ -24,11 +24,11 @@
 //   from wb1) and y = silu(gate) · up written directly (`swiglu.wgsl`'s sigmoid): no gate/up buffers and no
 //   separate SwiGLU pass.
 //
-// Either form can fuse an RMSNorm of x into its input read (generated so when `gemv.Norm` is given): a lane
-// also sums the squares of the x items it loads (one more accumulator per x row, reduced with the others, so every team
-// sums them in the same order) and multiplies each item by the norm weight (+ p.noff: 1 for the offset
-// style) before it meets W; the row's sums are scaled by rstd = 1 / sqrt(mean(x²) + eps) when stored. The
-// normalised row is never written: no norm pass before the product.
+// Either form can fuse an RMSNorm of x into its input read (generated so when `gemv.Norm` is given): a
+// lane also sums the squares of the x items it loads (one more accumulator per x row, reduced with the
+// others, so every team sums them in the same order) and multiplies each item by the norm weight (+ p.noff:
+// 1 for the offset style) before it meets W; the row's sums are scaled by rstd = 1 / sqrt(mean(x²) + eps)
+// when stored. The normalised row is never written: no norm pass before the product.
 //
 //   gemv (x, w [, w_up] [, norm_w], y0 [, y1, y2, y3], p)
 
