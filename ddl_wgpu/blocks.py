@@ -486,15 +486,20 @@ class Blocks(GatedDeltaNet):
     def _topk_call(self, k: int):
         """(Call, ids buffer, probs buffer) of the top-k of the last forward's rows, built once per k."""
         if k not in self._topk:
-            g, N, V = self.gpu, self.N, self.cfg.vocab_size
+            g, N = self.gpu, self.N
             ids_out = g.buffer(N * k * 4, label="topk_ids")
             probs_out = g.buffer(N * k * F32, label="topk_probs")
 
             def topk(logits, n: int, r0: int) -> Call:
-                return k_topk.topk(g, ids_out, probs_out, logits, n, V, k, row_offset=r0)
+                return self._select(ids_out, probs_out, logits, n, k, r0)
 
             self._topk[k] = (self.head_calls(self.xf, topk), ids_out, probs_out)
         return self._topk[k]
+
+    def _select(self, ids_out, probs_out, logits, n: int, k: int, r0: int) -> Call:
+        """The top-k of n rows of logits into rows r0.. of ids_out / probs_out (a decoding pass takes its
+        argmax over many workgroups: `decode._CachedRows`)."""
+        return k_topk.topk(self.gpu, ids_out, probs_out, logits, n, self.cfg.vocab_size, k, row_offset=r0)
 
     def run_topk(self, forward: Call, k: int) -> tuple[np.ndarray, np.ndarray]:
         """`forward` (inputs already uploaded), then per row the k most likely next tokens and their

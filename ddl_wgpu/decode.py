@@ -292,6 +292,13 @@ class _CachedRows:
             call += k_gemv.gemv(self.gpu, logits, xf, w, n, rows, self.C, dt, ldy=V, col0=v0)
         return call
 
+    def _select(self, ids_out, probs_out, logits, n: int, k: int, r0: int) -> Call:
+        """k = 1 (greedy decoding, a greedy draft): the argmax over many workgroups (`ops.decode.argmax`; the
+        top-k kernel runs one workgroup per row over the whole vocabulary)."""
+        if k != 1:
+            return super()._select(ids_out, probs_out, logits, n, k, r0)
+        return k_dec.argmax(self.gpu, ids_out, probs_out, logits, n, self.cfg.vocab_size, r0)
+
     def head_calls(self, xf, loss, dxf=None, with_dw: bool = False) -> Call:
         if dxf is not None or self.chunk < self.N or not self._gemv(self.net.head_name, self.C):
             return super().head_calls(xf, loss, dxf, with_dw)

@@ -20,6 +20,10 @@
 //                                             head h / (H/K)) in up to p.ns splits of the keys, each
 //                                             split's (max, sum, unnormalised output) into part
 //   attend_merge (part, meta, out, p)         out (n, H, D): the splits combined in split order
+//   argmax_split (logits, part, p)            per (row, block of the vocabulary): its best logit and id
+//                                             and its softmax pair
+//   argmax_merge (part, ids, probs, p)        per row: the argmax (ties: the lower id) and its
+//                                             full-softmax probability (topk's k = 1, over workgroups)
 //   conv_cache   (hist, conv, read, meta, out, p)
 //                                             the causal short conv over time from a history cache
 //                                             hist (cap, C, dv) holding every position's input: TC
@@ -292,7 +296,7 @@ const LPK: u32 = AW / KB;            // lanes per key
 const MAXD: u32 = 256u;              // head_dim at most MAXD (checked by the launcher)
 const DPT: u32 = MAXD / AW;          // output dims per thread
 const MAXNS: u32 = 64u;              // splits at most (checked by the launcher)
-const NEG: f32 = -3.0e38;            // the running max before any key
+const NEG: f32 = -3.0e38;            // a running max before any value
 
 {{struct AttnParams}}
 
@@ -416,6 +420,111 @@ fn attend_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         var o = 0.0;
         for (var p = 0u; p < P; p++) { o += am_w[p] * am_part[base + p * stride + 2u + d]; }
         am_out[rh * D + d] = o / L;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// argmax_split / argmax_merge: each row's argmax over the vocabulary (ties: the lower id) and its
+// full-softmax probability, as topk_kl.wgsl's topk with k = 1, spread over workgroups: argmax_split, one
+// workgroup per (row, block of p.bv logits), writes the block's best (value, id) and its softmax pair
+// (m, s = Σ exp(z − m)); argmax_merge, one workgroup per row, combines the row's blocks. Both trees have a
+// fixed shape (deterministic); the pairs merge as prelude_reduce.wgsl's.
+
+const NONE: u32 = 0xffffffffu;
+
+{{include prelude_reduce.wgsl}}
+
+{{struct ArgmaxParams}}
+
+@group(0) @binding(0) var<storage, read> ax_logits: array<f32>;
+@group(0) @binding(1) var<storage, read_write> ax_part: array<u32>;  // per (row, block): best, id, m, s
+@group(0) @binding(2) var<uniform> ax_p: ArgmaxParams;
+
+var<workgroup> ax_v: array<f32, WG>;
+var<workgroup> ax_i: array<u32, WG>;
+
+// larger value first, then the lower id; NONE (no candidate) last (topk_kl.wgsl's order)
+fn ax_better(av: f32, ai: u32, bv: f32, bi: u32) -> bool {
+    if (ai == NONE) { return false; }
+    if (bi == NONE) { return true; }
+    return av > bv || (av == bv && ai < bi);
+}
+
+// the workgroup's best of every invocation's (cv, ci), in every invocation
+fn ax_reduce(lid: u32, cv: f32, ci: u32) -> vec2<u32> {
+    ax_v[lid] = cv;
+    ax_i[lid] = ci;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
+        if (lid < stride && ax_better(ax_v[lid + stride], ax_i[lid + stride], ax_v[lid], ax_i[lid])) {
+            ax_v[lid] = ax_v[lid + stride];
+            ax_i[lid] = ax_i[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    let best = vec2<u32>(bitcast<u32>(ax_v[0]), ax_i[0]);
+    workgroupBarrier();
+    return best;
+}
+
+@compute @workgroup_size(WG)
+fn argmax_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_id) lid3: vec3<u32>) {
+    let g = wid.x + wid.y * nwg.x;  // row · nb + block
+    if (g >= ax_p.rows * ax_p.nb) { return; }  // uniform per workgroup
+    let lid = lid3.x;
+    let r = g / ax_p.nb;
+    let lo = (g - r * ax_p.nb) * ax_p.bv;
+    let hi = min(ax_p.V, lo + ax_p.bv);
+    var cv = NEG;
+    var ci = NONE;
+    var ms = vec2<f32>(NEG, 0.0);
+    for (var i = lo + lid; i < hi; i += WG) {
+        let z = ax_logits[r * ax_p.V + i];
+        ms = online_ms(ms, z);
+        if (ax_better(z, i, cv, ci)) {
+            cv = z;
+            ci = i;
+        }
+    }
+    let tot = ms_reduce(lid, ms);
+    let best = ax_reduce(lid, cv, ci);
+    if (lid == 0u) {
+        ax_part[4u * g] = best.x;
+        ax_part[4u * g + 1u] = best.y;
+        ax_part[4u * g + 2u] = bitcast<u32>(tot.x);
+        ax_part[4u * g + 3u] = bitcast<u32>(tot.y);
+    }
+}
+
+@group(0) @binding(0) var<storage, read> axm_part: array<u32>;
+@group(0) @binding(1) var<storage, read_write> axm_ids: array<u32>;
+@group(0) @binding(2) var<storage, read_write> axm_probs: array<f32>;
+@group(0) @binding(3) var<uniform> axm_p: ArgmaxParams;
+
+@compute @workgroup_size(WG)
+fn argmax_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_id) lid3: vec3<u32>) {
+    let r = wid.x + wid.y * nwg.x;
+    if (r >= axm_p.rows) { return; }  // uniform per workgroup
+    let lid = lid3.x;
+    var cv = NEG;
+    var ci = NONE;
+    var ms = vec2<f32>(NEG, 0.0);
+    for (var b = lid; b < axm_p.nb; b += WG) {
+        let at = 4u * (r * axm_p.nb + b);
+        let v = bitcast<f32>(axm_part[at]);
+        if (ax_better(v, axm_part[at + 1u], cv, ci)) {
+            cv = v;
+            ci = axm_part[at + 1u];
+        }
+        ms = combine_ms(ms.x, ms.y, bitcast<f32>(axm_part[at + 2u]), bitcast<f32>(axm_part[at + 3u]));
+    }
+    let tot = ms_reduce(lid, ms);
+    let best = ax_reduce(lid, cv, ci);
+    if (lid == 0u) {
+        axm_ids[axm_p.row_offset + r] = best.y;
+        axm_probs[axm_p.row_offset + r] = exp(bitcast<f32>(best.x) - (tot.x + log(tot.y)));
     }
 }
 

@@ -2,9 +2,9 @@
 cache at the position in `meta`, RoPE at an offset (whole heads and partial), RoPE with the key and value
 stores in one launch, q and k through a q/k norm and RoPE in one launch (`qk_finish`), attention of new rows
 over a cache split over workgroups (GQA, one and several key blocks per split, a start of 0; a row's bits
-independent of the rows beside it), the TC/EC short convolutions from a history cache (zeros before
-position 0), one slot per head out of a strided buffer (`take_rows`, two at once: `take_rows2`), two row blocks
-concatenated (`concat_rows`).
+independent of the rows beside it), each row's argmax over the vocabulary in blocks, the TC/EC short
+convolutions from a history cache (zeros before position 0), one slot per head out of a strided buffer
+(`take_rows`, two at once: `take_rows2`), two row blocks concatenated (`concat_rows`).
 
 Shapes are off the workgroup sizes; every test runs at two starts so a kernel that ignores `meta` fails.
 """
@@ -16,6 +16,7 @@ from ddl_ref import ops as ref
 from ddl_ref import shortconv as ref_sc
 from ddl_ref.check import check
 from ddl_ref.decode import attend_cached
+from ddl_ref.mtp import topk_probs
 from ddl_wgpu.ops import decode as k_dec
 
 f32 = np.float32
@@ -135,6 +136,22 @@ def test_attend_cache(gpu, rng, start, H, K, D, splits):
     k_dec.attend_cache(gpu, one, gpu.upload(q[-1]), kb, vb, meta_at(gpu, start + n - 1), 1, H, K, D,
                        splits=splits).run(gpu)  # fmt: skip
     assert np.array_equal(gpu.download(one, f32, H * D).reshape(H, D), got[-1])
+
+
+@pytest.mark.parametrize("V,block", [(1000, 64), (37, 2048)])  # many blocks with a short last one; one block
+def test_argmax(gpu, rng, V, block):
+    """Each row's argmax and full-softmax probability over the vocabulary split into blocks: numpy's argmax
+    and `topk_probs`' probability, ties to the lower id (a row whose maximum appears in two blocks, another whose every logit is
+    equal), written at a row offset."""
+    rows, off = 3, 2
+    z = rng.standard_normal((rows, V)).astype(f32) * 4.0
+    z[1, [V // 3, V - 1]] = 50.0  # a tie across blocks: the lower id
+    z[2] = 0.5
+    ids, probs = gpu.upload(np.full(off + rows, 7, np.uint32)), gpu.buffer((off + rows) * 4)
+    k_dec.argmax(gpu, ids, probs, gpu.upload(z), rows, V, off, block).run(gpu)
+    want_p = topk_probs(z, 1)[1]  # its ids can break an exact tie either way (argpartition): numpy's argmax
+    assert np.array_equal(gpu.download(ids, np.uint32, off + rows), np.r_[7, 7, np.argmax(z, axis=-1)])
+    check("argmax probs", gpu.download(probs, f32, off + rows)[off:], want_p[:, 0].astype(np.float64), "norm")
 
 
 @pytest.mark.parametrize("start", [0, 1, 6])

@@ -1,8 +1,8 @@
 """Launchers for `shaders/decode.wgsl`: the kernels of decoding with a cache (`ddl_wgpu.decode`).
 
 Kernel path: `shaders/decode.wgsl` -> `ddl_wgpu/ops/decode.py` -> references `ddl_ref.decode.attend_cached`,
-`ddl_ref.ops.rope_forward`, `ddl_ref.shortconv.tc_forward`, `ddl_ref.shortconv.ec_forward` -> test
-`tests/test_kernel_decode.py`.
+`ddl_ref.ops.rope_forward`, `ddl_ref.shortconv.tc_forward`, `ddl_ref.shortconv.ec_forward`,
+`ddl_ref.mtp.topk_probs` -> test `tests/test_kernel_decode.py`.
 
 The n new rows of a decoding pass sit at positions start .. start + n − 1, and `start` is not a launch
 constant: it is the first u32 of a `meta` storage buffer the host rewrites before each submit (`set_start`),
@@ -20,6 +20,8 @@ so the Calls are built once per row count and recorded at every position.
 - `attend_cache(out, q, kc, vc, meta, n, H, K, D)`: attention of the n rows over cache slots 0 .. start + r,
   the keys split over many workgroups and the splits merged in a fixed order (`attend_scratch`: the partial
   results, shareable between the layers of a pass);
+- `argmax(ids_out, probs_out, logits, rows, V)`: each row's argmax and its full-softmax probability (the top-k
+  kernel's k = 1) over many workgroups, merged per row (greedy decoding's head);
 - `tc_cache(out, hist, conv, read, meta, n, C, dv, k)` / `ec_cache(out, hist, conv, meta, n, C, dv, k)`: the
   causal short convolutions over time reading their inputs from a per-position history cache;
 - `take_rows(dst, src, meta, heads, E, hs, rs, slot=None)`: one slot of E floats per head out of a strided
@@ -124,7 +126,27 @@ TAKE2 = Uniform(
     ("slot2", "u32"),
     ("at_meta2", "u32"),
 )
-UNIFORMS = (STORE, ROPE, ROPE_STORE, QK, ATTN, CONV, TAKE, CONCAT, TAKE2)  # the file compiles as a whole
+ARGMAX = Uniform(
+    "ArgmaxParams",
+    ("rows", "u32"),
+    ("V", "u32", "logits per row"),
+    ("bv", "u32", "logits per block"),
+    ("nb", "u32", "blocks per row"),
+    ("row_offset", "u32", "first output row"),
+)
+ARGMAX_BLOCK = 2048  # logits per argmax_split workgroup (a 248K vocabulary: 122 workgroups a row)
+UNIFORMS = (
+    STORE,
+    ROPE,
+    ROPE_STORE,
+    QK,
+    ATTN,
+    CONV,
+    TAKE,
+    CONCAT,
+    TAKE2,
+    ARGMAX,
+)  # the file compiles as a whole
 
 
 def set_start(gpu: Gpu, meta, start: int) -> None:
@@ -234,6 +256,23 @@ def attend_cache(gpu: Gpu, out, q, kc, vc, meta, n: int, H: int, K: int, D: int,
     km = gpu.kernel(FILE, "attend_merge", "rrwu", workgroup=(AW, 1, 1), uniforms=UNIFORMS)
     return Call([(ks, gpu.bind(ks, q, kc, vc, meta, scratch, u), grid(n * H * splits)),
                  (km, gpu.bind(km, scratch, meta, out, u), grid(n * H))], [u])  # fmt: skip
+
+
+def argmax(gpu: Gpu, ids_out, probs_out, logits, rows: int, V: int, row_offset: int = 0,
+           block: int = ARGMAX_BLOCK) -> Call:  # fmt: skip
+    """Per row of `logits` (rows, V) the argmax (ties: the lower id) and its full-softmax probability, written
+    at rows row_offset + r of ids_out (u32) / probs_out: `ops.topk_kl.topk` with k = 1, the vocabulary
+    spread over workgroups of `block` logits (`argmax_split`) and merged per row (`argmax_merge`)."""
+    need("argmax", "logits", logits, rows * V)
+    need("argmax", "ids_out", ids_out, row_offset + rows)
+    need("argmax", "probs_out", probs_out, row_offset + rows)
+    nb = -(-V // block)
+    part = gpu.buffer(rows * nb * 16, label="argmax_blocks")
+    u = gpu.uniform(ARGMAX, label="argmax", rows=rows, V=V, bv=block, nb=nb, row_offset=row_offset)
+    ks = gpu.kernel(FILE, "argmax_split", "rwu", workgroup=(WG, 1, 1), uniforms=UNIFORMS)
+    km = gpu.kernel(FILE, "argmax_merge", "rwwu", workgroup=(WG, 1, 1), uniforms=UNIFORMS)
+    return Call([(ks, gpu.bind(ks, logits, part, u), grid(rows * nb)),
+                 (km, gpu.bind(km, part, ids_out, probs_out, u), grid(rows))], [u])  # fmt: skip
 
 
 def tc_cache(gpu: Gpu, out, hist, conv, read, meta, n: int, C: int, dv: int, k: int) -> Call:
