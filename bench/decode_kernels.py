@@ -5,7 +5,7 @@ same run (the bandwidth the products are measured against), and the sweep of the
 
     python3 bench/kernels.py --only copy,gemv                # ~1 min on an H200
     python3 bench/kernels.py --gemv-sweep                    # the tunables' grid at the 27B shapes, ~3 min
-    python3 bench/kernels.py --gemv-sweep --gemv-grid "reduce=subgroup;rows=8,16;rt=1,2;unroll=2,4"
+    python3 bench/kernels.py --gemv-sweep --gemv-grid "reduce=subgroup;rows=0,8,16;rt=1,2,4;unroll=0,2,4,8"
 
 A row's rate is the bytes it must move (weights, x, y) over its GPU time; "% copy" divides that by the copy's
 rate (read + write bytes over time: the same convention as the 4.3 TB/s of common.H200_HBM_GBS). The peer is
@@ -13,8 +13,9 @@ PyTorch's F.linear on the same shape (bf16 for the f16 rows, fp32 with TF32 off 
 batch-1 path. Correctness: every row checks a sample of outputs against float64 `ddl_ref`.
 
 The sweep times each shape of `SWEEP_SHAPES` under every tune of the grid (fewer repeats), prints the best
-tunes per shape, and ranks the tunes by the per-token time of the 27B trunk's products (each shape weighted
-by how often a decoded token runs it) -- the `DDL_WGPU_GEMV` line to try in `bench/generate.py`.
+tunes per shape, and ranks the tunes by the per-token time of the 27B trunk's products and of `small`'s (each
+shape weighted by how often a decoded token runs it) -- the `DDL_WGPU_GEMV` line to try in
+`bench/generate.py`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def cases(quick: bool, max_binding: int) -> list[tuple]:
         ("small gate+up+swiglu", "swiglu", s["C"], [s["F"]], "f32", 1, 0),
         ("small down_proj", "plain", s["F"], [s["C"]], "f32", 1, 0),
         ("small q|k|v", "stacked", s["C"], [s["HD"]] * 3, "f32", 1, 0),
+        ("small o_proj", "plain", s["HD"], [s["C"]], "f32", 1, 0),
         ("small lm_head", "plain", s["C"], [s["V"]], "f32", 1, 0),
     ]
 
@@ -65,8 +67,13 @@ SWEEP_SHAPES = (
     "27B down_proj",
     "27B gdn in_proj qkv|z|b|a",
     "27B gdn out / attn o_proj",
+    "small gate+up+swiglu",
+    "small down_proj",
+    "small q|k|v",
+    "small o_proj",
 )
-DEFAULT_GRID = "reduce=subgroup,shared;wg=256;rows=0,4,8,16,32;rt=1,2,4;unroll=1,2,4;f16_vec=8"
+SMALL_USES = {"small gate+up+swiglu": 12, "small down_proj": 12, "small q|k|v": 12, "small o_proj": 12}
+DEFAULT_GRID = "reduce=subgroup,shared;wg=256;rows=0,4,8,16;rt=1,2,4;unroll=0,1,2,4,8;f16_vec=8"
 
 
 def _weights(b, rows: int, IN: int, dtype: str) -> np.ndarray:
@@ -106,6 +113,11 @@ class GemvCase:
         self.y = gpu.buffer(n * self.out_rows * F32, label="gemv_y")
         self.bytes = end + n * (IN + self.out_rows) * F32
 
+    def fit(self, tune):
+        """`tune` made concrete for this shape (rows and unroll per shape where 0), as the launchers do."""
+        items = k_gemv.row_items(self.dtype, self.IN, tune)
+        return k_gemv.fit_tune(self.b.gpu, tune, self.n, self.kind == "swiglu", self.out_rows, items=items)
+
     def call(self, tune):
         gpu, n, IN, dt = self.b.gpu, self.n, self.IN, self.dtype
         if self.kind == "swiglu":
@@ -141,7 +153,7 @@ class GemvCase:
 def bench_gemv(b, kind, IN, rows, dtype, n) -> dict:
     """One shape under the default tune, its check and the PyTorch peer."""
     case = GemvCase(b, kind, IN, rows, dtype, n)
-    tune = k_gemv.fit_tune(b.gpu, k_gemv.default_tune(b.gpu), n, kind == "swiglu", case.out_rows)
+    tune = case.fit(k_gemv.default_tune(b.gpu))
     call = case.call(tune)
     call.run(b.gpu)
     err = case.check()
@@ -268,7 +280,7 @@ def sweep(b, grid_text: str, quick: bool) -> dict:
     copy_gbs = copy["bytes"] / copy["gpu"]["ms"] / 1e6
     tunes = parse_grid(grid_text)
     shapes = [c for c in cases(quick, gpu.max_binding) if quick or c[0] in SWEEP_SHAPES]
-    rows, per_tune = [], {}
+    rows, per_tune = [], {"27B": {}, "small": {}}
     t0 = time.perf_counter()
     for label, kind, IN, segs, dtype, n, uses in shapes:
         try:
@@ -279,7 +291,7 @@ def sweep(b, grid_text: str, quick: bool) -> dict:
         for tune in tunes:
             key = tune.spec()
             try:
-                fitted = k_gemv.fit_tune(gpu, tune, n, kind == "swiglu", case.out_rows)
+                fitted = case.fit(tune)
                 call = case.call(fitted)
                 call.run(gpu)
                 err = case.check()
@@ -290,20 +302,26 @@ def sweep(b, grid_text: str, quick: bool) -> dict:
             except Exception as e:
                 entry = {"shape": label, "tune": key, "error": f"{e.__class__.__name__}: {e}"[:200]}
             rows.append(entry)
+            model = "small" if label.startswith("small") else "27B"
             if "ms" in entry and entry["ok"]:
-                per_tune.setdefault(key, {})[label] = entry["ms"] * (uses or 1)
+                weight = SMALL_USES.get(label, 1) if model == "small" else (uses or 1)
+                per_tune[model].setdefault(key, {})[label] = entry["ms"] * weight
         del case
         print(f"  swept {label}: {len(tunes)} tunes [{time.perf_counter() - t0:.0f}s]", flush=True)
-    complete = {k: sum(v.values()) for k, v in per_tune.items() if len(v) == len(shapes)}
-    ranking = sorted(complete.items(), key=lambda kv: kv[1])
+    rankings = {}
+    for model, tunes_ms in per_tune.items():
+        n_shapes = sum(1 for c in shapes if ("small" if c[0].startswith("small") else "27B") == model)
+        complete = {k: sum(v.values()) for k, v in tunes_ms.items() if len(v) == n_shapes}
+        rankings[model] = sorted(complete.items(), key=lambda kv: kv[1])
     for label, *_ in shapes:
         best = sorted((r for r in rows if r["shape"] == label and r.get("ok")), key=lambda r: r["ms"])[:5]
         print(common.table(["tune", "ms", "GB/s", "% copy"],
                            [[r["tune"], f"{r['ms']:.4g}", f"{r['gbs']:.0f}", f"{r['pct_copy']:.0f}%"] for r in best],
                            f"gemv {label}: best of {len(tunes)} tunes (copy {copy_gbs:.0f} GB/s)"))  # fmt: skip
-    print(common.table(["tune", "ms per 27B token (these shapes)"],
-                       [[k, f"{v:.4g}"] for k, v in ranking[:8]], "gemv tunes ranked by a decoded token's time"))  # fmt: skip
-    best = ranking[0][0] if ranking else None
-    if best:
-        print(f"best over these shapes: DDL_WGPU_GEMV={best}")
-    return {"copy_gbs": copy_gbs, "grid": grid_text, "results": rows, "ranking": ranking, "best": best}
+    for model, ranking in rankings.items():
+        if ranking:
+            print(common.table(["tune", f"ms per {model} token (these shapes)"], [[k, f"{v:.4g}"] for k, v in ranking[:8]],
+                               f"gemv tunes ranked by a decoded {model} token's products"))  # fmt: skip
+            print(f"best over the {model} shapes: DDL_WGPU_GEMV={ranking[0][0]}")
+    best = {model: ranking[0][0] for model, ranking in rankings.items() if ranking}
+    return {"copy_gbs": copy_gbs, "grid": grid_text, "results": rows, "ranking": rankings, "best": best}

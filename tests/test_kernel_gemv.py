@@ -196,3 +196,7 @@ def test_tune_syntax(gpu):
     auto = k_gemv.GemvTune(reduce="shared", team=32, rt=2)
     small, big = (k_gemv.fit_tune(gpu, auto, 1, False, out) for out in (5120, 17408))
     assert (small.rows, small.wg, big.rows, big.wg) == (4, 64, 16, 256)
+    # unroll=0: a lane's few items in one turn (768 f32 inputs: 6 a lane), capped by the loads a turn
+    # (8 x rows), 2 where a lane walks many (5120 f16 inputs: 20 a lane); 2 when the row length is unknown
+    fit = lambda nx, items, swiglu=False: k_gemv.fit_tune(gpu, auto, nx, swiglu, 768, items=items).unroll  # noqa: E731
+    assert (fit(1, 192), fit(8, 192), fit(1, 640), fit(1, 0)) == (6, 1, 2, 2)

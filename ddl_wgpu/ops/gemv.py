@@ -81,13 +81,13 @@ class GemvTune:
     shuffle butterfly) or "shared" (teams of `team` threads summed through workgroup memory); `wg` threads per
     workgroup (at most); `rows` outputs per workgroup, 0: per shape (`fit_tune`); `rt` rows a team computes at
     once (each lane keeps rt (2·rt for swiglu) weight loads in flight per item); `unroll` items per loop
-    turn; `f16_vec` halves per f16 load (8: 16 bytes, or 4)."""
+    turn, 0: per shape (`fit_tune`); `f16_vec` halves per f16 load (8: 16 bytes, or 4)."""
 
     reduce: str = "subgroup"
     wg: int = 256
     rows: int = 0
     rt: int = 2
-    unroll: int = 2
+    unroll: int = 0
     team: int = 32
     f16_vec: int = 8
 
@@ -160,15 +160,30 @@ AUTO_GROUPS = 1024  # rows=0 takes the most rows per workgroup (of 16, 8, 4) tha
 SUBGROUP = 32  # threads of a team assumed when sizing a workgroup for rows=0 (NVIDIA's subgroup; any works)
 
 
-def fit_tune(
-    gpu: Gpu, tune: GemvTune, nx: int, swiglu: bool, out_rows: int = 1 << 20, norm: bool = False
-) -> GemvTune:
-    """`tune` checked and made concrete for a product of `out_rows` outputs: rows=0 picks rows per workgroup
-    (the most of 16, 8, 4 that leave at least AUTO_GROUPS workgroups: a product of 5120 outputs then spreads
-    over 1280 workgroups rather than 320, which the H200's 132 SMs take in unequal shares) and a workgroup
-    of as many teams as those rows need; then shrunk where the device's limits require (workgroup size,
-    workgroup memory of the shared reduction: rt, then wg, are halved), rows a whole number of the shared
-    path's team steps."""
+AUTO_UNROLL_LANE = 16  # unroll=0: a lane with at most this many items takes them in one or two turns
+AUTO_UNROLL_MAX = 8  # ... of at most this many items
+AUTO_UNROLL_LOADS = 32  # ... and at most this many loads a turn (weights and x: registers)
+
+
+def _auto_unroll(tune: GemvTune, items: int, nx: int, per: int) -> int:
+    """unroll=0: the items a lane walks (items / team) in as few turns as its registers allow when they are few
+    (a short row: `small`'s 768 inputs are 6 items a lane, which unroll=2 took in three turns of two loads in
+    flight, at a quarter of the bandwidth); longer rows keep 2 (the 27B shapes, measured at the bound)."""
+    per_lane = -(-items // (SUBGROUP if tune.reduce == "subgroup" else tune.team))
+    if per_lane > AUTO_UNROLL_LANE:
+        return 2
+    return max(1, min(per_lane, AUTO_UNROLL_MAX, AUTO_UNROLL_LOADS // (per * tune.rt + 2 * nx)))
+
+
+def fit_tune(gpu: Gpu, tune: GemvTune, nx: int, swiglu: bool, out_rows: int = 1 << 20, norm: bool = False,
+             items: int = 0) -> GemvTune:  # fmt: skip
+    """`tune` checked and made concrete for a product of `out_rows` outputs of `items` vector loads a row:
+    rows=0 picks rows per workgroup (the most of 16, 8, 4 that leave at least AUTO_GROUPS workgroups: a
+    product of 5120 outputs then spreads over 1280 workgroups rather than 320, which the H200's 132 SMs take
+    in unequal shares) and a workgroup of as many teams as those rows need; unroll=0 per shape
+    (`_auto_unroll`; 2 when `items` is not given); then shrunk where the device's limits require (workgroup
+    size, workgroup memory of the shared reduction: rt, then wg, are halved), rows a whole number of the
+    shared path's team steps."""
     if tune.reduce not in ("subgroup", "shared"):
         raise GpuError(f"gemv: reduce must be 'subgroup' or 'shared', got {tune.reduce!r}")
     if tune.reduce == "subgroup" and "subgroup" not in gpu.features:
@@ -177,8 +192,8 @@ def fit_tune(
         )
     if not (_pow2(tune.wg) and _pow2(tune.team) and tune.team <= tune.wg):
         raise GpuError(f"gemv: wg and team must be powers of two with team <= wg, got {tune.wg}, {tune.team}")
-    if min(tune.rows, tune.rt - 1, tune.unroll - 1) < 0 or tune.f16_vec not in (4, 8):
-        raise GpuError(f"gemv: rows >= 0, rt and unroll >= 1, f16_vec 4 or 8, got {tune}")
+    if min(tune.rows, tune.rt - 1, tune.unroll) < 0 or tune.f16_vec not in (4, 8):
+        raise GpuError(f"gemv: rows and unroll >= 0, rt >= 1, f16_vec 4 or 8, got {tune}")
     wg = min(tune.wg, gpu.limits.get("max-compute-invocations-per-workgroup", 256),
              gpu.limits.get("max-compute-workgroup-size-x", 256))  # fmt: skip
     rt, rows = tune.rt, tune.rows
@@ -205,7 +220,11 @@ def fit_tune(
     else:
         rows = max(rows, rt)
     team = min(tune.team, wg)
-    return dataclasses.replace(tune, wg=wg, rt=rt, rows=rows, team=team)
+    fitted = dataclasses.replace(tune, wg=wg, rt=rt, rows=rows, team=team)
+    if tune.unroll == 0:
+        unroll = _auto_unroll(fitted, items, nx, 2 if swiglu else 1) if items else 2
+        fitted = dataclasses.replace(fitted, unroll=unroll)
+    return fitted
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -372,6 +391,12 @@ def _templates(form: str, nx: int, tune: GemvTune, swiglu: bool, n_y: int, norm:
     }
 
 
+def row_items(w_dtype: str, in_features: int, tune: GemvTune) -> int:
+    """Vector loads per weight row of 16-byte-aligned operands (what `fit_tune`'s `items` is)."""
+    per = 8 if w_dtype == "f16" and tune.f16_vec == 8 and in_features % 8 == 0 else 4
+    return in_features // per if in_features % 4 == 0 else in_features
+
+
 def _form(w_dtype: str, in_features: int, x, weights, tune: GemvTune) -> str:
     if w_dtype == "f16":
         if in_features % 4 or view(x)[1] % 16:
@@ -454,11 +479,12 @@ def gemv_stacked(gpu: Gpu, x, segments: list[Segment], n: int, in_features: int,
         raise ValueError(f"gemv_stacked: 1..{MAX_SEGMENTS} segments, got {len(segments)}")
     if not 1 <= n <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv: 1..{GEMV_MAX_ROWS} rows of x, got {n}")
-    tune = fit_tune(gpu, tune or default_tune(gpu), n, False, sum(s.rows for s in segments), norm is not None)
+    tune = tune or default_tune(gpu)
     wviews = [view(s.w) for s in segments]
     form = _form(w_dtype, in_features, x, wviews + ([view(norm.w)] if norm else []), tune)
     _, _, per_item, item_bytes = FORMS[form]
     items = in_features // per_item
+    tune = fit_tune(gpu, tune, n, False, sum(s.rows for s in segments), norm is not None, items)
     span = _span(wviews, gpu.max_binding)
     if span is None and len(segments) > 1:
         call = Call()
@@ -507,9 +533,10 @@ def gemv_swiglu(gpu: Gpu, y, x, w_gate, w_up, n: int, F: int, in_features: int, 
     `norm`: of RMSNorm(x) (`Norm`)."""
     if not 1 <= n <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv: 1..{GEMV_MAX_ROWS} rows of x, got {n}")
-    tune = fit_tune(gpu, tune or default_tune(gpu), n, True, F, norm is not None)
+    tune = tune or default_tune(gpu)
     form = _form(w_dtype, in_features, x, [view(w_gate), view(w_up)] + ([view(norm.w)] if norm else []), tune)
     items = in_features // FORMS[form][2]
+    tune = fit_tune(gpu, tune, n, True, F, norm is not None, items)
     wbytes = (2 if w_dtype == "f16" else 4) * in_features
     need("gemv_swiglu", "x", x, n * in_features)
     need("gemv_swiglu", "y", y, n * F)
