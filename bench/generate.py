@@ -23,7 +23,8 @@ What is timed (wall clock, `time.perf_counter`, every call ends with a read-back
   plain, plain with the greedy run-ahead off (`plain_not_ahead`: what running the next token ahead saves),
   then with the draft --depth deep (`speculative`). Tokens/s = (new − 1) / s, and ms per token against the
   weight-read bound; the speculative row adds the mean accepted drafts per round, tokens per trunk pass and
-  the acceptance per depth from the run.
+  the acceptance per depth from the run (and how many rounds ran from a recording made while the round
+  before ran: `WgpuEngine.round`).
 - one decode step (`profile_step`): its dispatch count, the host's ms to record it, its GPU ms (timestamps),
   and every dispatch timed alone (`bench/profiler.py`), summed by kernel or launch label, with each
   matrix-vector product's GB/s; printed as a table per shape, kept in the JSON (`wgpu.step`).
@@ -340,14 +341,23 @@ def bench_ours(gpu, model: Model, prompt, new: int, depth: int, dtype: str, repe
         _set_wait(engine, spin)
         for _ in range(repeats + 1):
             engine.rollback(0)
+            before = engine.rounds_ahead
             res.append(run(eng, _Quiet(), prompt, cap, new, depth=k))
+            res[-1]["rounds_recorded_ahead"] = engine.rounds_ahead - before
         out[name] = {
             "tokens": res[-1]["token_ids"],
             "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in res[1:]),
             "decode_ms_per_token": statistics.median(1e3 / r["decode_tokens_per_s"] for r in res[1:]),
             **{
                 key: res[-1][key]
-                for key in ("trunk_passes", "mean_accepted", "tokens_per_pass", "acceptance_per_depth")
+                for key in (
+                    "trunk_passes",
+                    "mean_accepted",
+                    "tokens_per_pass",
+                    "acceptance_per_depth",
+                    "rounds",
+                    "rounds_recorded_ahead",
+                )
                 if key in res[-1]
             },  # fmt: skip
         }

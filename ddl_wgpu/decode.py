@@ -556,6 +556,11 @@ class WgpuEngine:
         self._rings = [gpu.readback(8 * 64, f"step_readback{i}") for i in range(2)]
         self._next: tuple | None = None
         self._ahead: dict | None = None
+        # a greedy round recorded ahead ((n, a, depth, token), buffer) while the last one ran, and whether
+        # that one kept no draft (`round`)
+        self._round_next: tuple | None = None
+        self._round_zero = True
+        self.rounds_ahead = 0  # rounds whose recording was made while the round before ran
         # the decode step's passes and their calls are built with the cache, before the first token
         self._get("trunk", 1)._topk_call(1)
         if depth:
@@ -585,6 +590,7 @@ class WgpuEngine:
         back into this token (`_step`)."""
         ids = np.asarray(ids, np.int64)
         n, start = ids.size, self.trunk.length
+        self._round_next = None  # a round recorded ahead assumed nothing fed in between
         if start + n > self.trunk.capacity:
             raise GpuError(f"{start + n} positions exceed the cache capacity {self.trunk.capacity}")
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
@@ -741,16 +747,22 @@ class WgpuEngine:
         if self.dcache is not None:
             self.dcache.length = min(self.dcache.length, length)
 
-    def _chain(self, rec, token: int, depth: int, head: str, pick):
+    def _chain(
+        self, rec, token: int | None, depth: int, head: str, pick, n: int | None = None, a: int | None = None
+    ):
         """Record the draft's rows into `rec` (module docstring): catch-up step-1 rows for the anchors the draft
         has not seen, then the chain rows. Greedy (head "argmax"): every step's argmax is copied on the GPU
         into `drafted` and into the next step's token; nothing is submitted. Sampling: each step is submitted,
-        its row read back per `head` and `pick`ed on the host. -> (rec, tokens, rows)."""
+        its row read back per `head` and `pick`ed on the host. `n`, `a`: the trunk's and the draft's lengths
+        (default the caches'); `token` None: the catch-up rows' ids are already on the GPU (a round recorded
+        ahead, `_record_round`). -> (rec, tokens, rows)."""
         g, C, dc = self.gpu, self.cfg.d_model, self.dcache
-        n, a = self.trunk.length, dc.length
-        self.ids[n] = token
+        n = self.trunk.length if n is None else n
+        a = dc.length if a is None else a
         first = self._get("draft", n - a)
-        g.write(first.ids, self.ids[a + 1 : n + 1].astype(np.uint32))
+        if token is not None:
+            self.ids[n] = token
+            g.write(first.ids, self.ids[a + 1 : n + 1].astype(np.uint32))
         rec.copy(self.trunk.hidden, a * C * F32, first.hid, 0, (n - a) * C * F32)
         self._at(rec, dc, a)
         first._fwd.record(rec)
@@ -782,6 +794,7 @@ class WgpuEngine:
         """`depth` draft tokens after `token` (the next, not yet fed token) -> (tokens, rows read back); the
         chain rows are rolled back at the end."""
         self._settle()
+        self._round_next = None
         rec, tokens, rows = self._chain(self.gpu.recorder(), token, depth, head, pick)
         if head == "argmax":
             rec.copy(self.drafted, 0, self._readback.buffer, 0, 4 * depth)
@@ -793,25 +806,55 @@ class WgpuEngine:
     def round(self, token: int, depth: int) -> tuple[list[int], np.ndarray]:
         """A greedy speculative round in one submit: the draft chain, then the trunk over [token, d_1..d_K]
         with the drafted ids copied on the GPU into its input; reads back the K drafted ids and the K + 1
-        verify argmaxes alone. -> (drafts, argmax per verify row); the trunk cache then holds all K + 1."""
+        verify argmaxes alone. -> (drafts, argmax per verify row); the trunk cache then holds all K + 1.
+
+        The next round is recorded while the GPU runs this one, as if none of this round's drafts is kept
+        (its token the verify's first argmax, copied on the GPU): after a round that kept none, so what a
+        draft that is rarely right costs is not also the host's recording (`_round_next`); used when the
+        caller's next round is that one (the trunk rolled back to n + 1, the token that argmax)."""
         self._settle()
-        g, n = self.gpu, self.trunk.length
+        g, n, a = self.gpu, self.trunk.length, self.dcache.length
         if n + depth + 1 > self.trunk.capacity:
             raise GpuError(f"{n + depth + 1} positions exceed the cache capacity {self.trunk.capacity}")
-        rec, _, _ = self._chain(g.recorder(), token, depth, "argmax", None)
-        verify = self._get("trunk", depth + 1)
-        g.write(verify.ids, np.array([token], np.uint32))
-        rec.copy(self.drafted, 0, verify.ids, 4, 4 * depth)
-        self._at(rec, self.trunk, n)
-        verify._fwd.record(rec)
-        call, ids_out, _ = verify._topk_call(1)
-        call.record(rec)
-        rec.copy(ids_out, 0, self._readback.buffer, 0, 4 * (depth + 1))
-        rec.copy(self.drafted, 0, self._readback.buffer, 4 * (depth + 1), 4 * depth)
-        rec.submit()
+        pending, self._round_next = self._round_next, None
+        if pending is not None and pending[0] == (n, a, depth, token):
+            cb = pending[1]
+            self.ids[n] = token
+            self.rounds_ahead += 1
+        else:
+            cb = self._record_round(n, a, token, depth)
+        g.queue.submit([cb])
+        ahead = None
+        if self._round_zero and n + 1 + depth + 1 <= self.trunk.capacity:
+            ahead = self._record_round(n + 1, n, None, depth)
         out = self._readback.read(np.uint32, 2 * depth + 1).astype(np.int64)
         drafts = [int(t) for t in out[depth + 1 :]]
+        self._round_zero = drafts[0] != int(out[0])  # this round keeps no draft
+        if ahead is not None and self._round_zero:
+            self._round_next = ((n + 1, n, depth, int(out[0])), ahead)
         self.ids[n : n + depth + 1] = [token, *drafts]
         self.trunk.length, self.trunk.last = n + depth + 1, (n, depth + 1)
         self.dcache.length = n
         return drafts, out[: depth + 1]
+
+    def _record_round(self, n: int, a: int, token: int | None, depth: int):
+        """The command buffer of a greedy round at trunk length n and draft length a (`round`). `token` None:
+        the round after one that kept no draft, recorded before that one is read: its token is that round's
+        verify argmax of row 0, copied on the GPU into the draft's one catch-up row and the verify's first."""
+        g = self.gpu
+        verify = self._get("trunk", depth + 1)
+        call, ids_out, _ = verify._topk_call(1)
+        rec = g.recorder()
+        if token is None:
+            rec.copy(ids_out, 0, self._get("draft", n - a).ids, 0, 4)
+            rec.copy(ids_out, 0, verify.ids, 0, 4)
+        else:
+            g.write(verify.ids, np.array([token], np.uint32))
+        rec, _, _ = self._chain(rec, token, depth, "argmax", None, n, a)
+        rec.copy(self.drafted, 0, verify.ids, 4, 4 * depth)
+        self._at(rec, self.trunk, n)
+        verify._fwd.record(rec)
+        call.record(rec)
+        rec.copy(ids_out, 0, self._readback.buffer, 0, 4 * (depth + 1))
+        rec.copy(self.drafted, 0, self._readback.buffer, 4 * (depth + 1), 4 * depth)
+        return rec.finish()

@@ -99,17 +99,21 @@ def _greedy(model, engine, depth, prompt, n):
 
 
 def test_hybrid_greedy_same_with_and_without_speculation(gpu):
-    """A random draft over 5 tokens is wrong on purpose most of the time: the rounds both keep and reject."""
+    """A random draft over 5 tokens is wrong on purpose most of the time: the rounds both keep and reject (a
+    round after a rejection runs from its recording made while the rejected one ran, its token copied on the
+    GPU, after the Gated DeltaNet layers' roll-back)."""
     model = hybrid(seed=1, vocab_size=5, mtp=MtpConfig())
     prompt, n = [1, 2, 3], 16
     want = argmax_chain(model, prompt, n)
     assert _greedy(model, WgpuEngine(gpu, model), 0, prompt, n)["token_ids"] == want
     for depth in (2, 3):
-        out = _greedy(model, WgpuEngine(gpu, model, depth), depth, prompt, n)
+        engine = WgpuEngine(gpu, model, depth)
+        out = _greedy(model, engine, depth, prompt, n)
         assert out["token_ids"] == want, depth
         acc = out["acceptance_per_depth"]
         assert 0 < acc[0] < 1, acc  # some rounds keep a draft, some reject the first
         assert 0 < out["mean_accepted"] < depth
+        assert engine.rounds_ahead > 0  # rounds after a rejection ran from their recording made ahead
 
 
 @pytest.mark.parametrize("top_k", [6, 0])  # k ids and probabilities read back / the logits
