@@ -38,13 +38,15 @@ buffer, set inside the command stream by a copy from a table of positions, so ev
 A decoded token (`_step`) is one submit whose command buffer was recorded while the GPU ran the token before;
 in plain greedy decoding (`feed(..., ahead=True)`) the next token is submitted before this one's argmax is
 read, fed by that argmax on the GPU, and forgotten (`_settle`) when the caller does anything else
-(docs/kernels.md#the-decode-path).
+(docs/kernels.md#the-decode-path). A greedy speculative round records the next one while the GPU runs it, for
+the case that it keeps no draft (`round`).
 
-Read-back, in the submit that computes it: with head "argmax" only the chosen ids (the `topk` kernel with k = 1, ties to the lower id);
-a whole greedy draft chain (catch-up rows, then chain steps whose token and hidden row are copied on the GPU
-from the step before) is one submit that reads back the K drafted ids. Sampling with top-k (k <= 64): the
-k ids and probabilities per row (head "top<k>"), turned into the same distribution on the host; sampling
-over the whole vocabulary (head "logits"): the logits rows.
+Read-back, in the submit that computes it (`gpu.Readback`, waited for on this thread): with head "argmax" only
+the chosen ids (`ops.decode.argmax` over many workgroups, ties to the lower id); a whole greedy draft chain
+(catch-up rows, then chain steps whose token and hidden row are copied on the GPU from the step before) is
+one submit that reads back the K drafted ids. Sampling with top-k (k <= 64): the k ids and probabilities per
+row (head "top<k>"), turned into the same distribution on the host; sampling over the whole vocabulary (head
+"logits"): the logits rows.
 
 Verified (lavapipe): tests/test_generate_gpu.py: logits equal `ddl_ref.model.forward`'s at every position for
 all six variants fed in pieces (prefill, single tokens, after a roll-back); greedy generation equal to the
