@@ -148,7 +148,12 @@ class HealConsole:
             self.say(json.dumps(ev, default=str))
             return
         kind, dt = ev["event"], time.perf_counter() - self.t0
-        if kind == "windows":
+        if kind == "plan":
+            self.say(ev["line"])
+        elif kind == "scratch":
+            self.say(f"  host memory: the chain's rows ({ev['bytes'] / 2**30:.2f} GiB) pass --host-memory "
+                     f"({ev['budget'] / 2**30:.2f} GiB): they live in {ev['path']} until heal ends")  # fmt: skip
+        elif kind == "windows":
             self.say(
                 f"heal: {ev['windows']} windows, {ev['tokens']:,} tokens of {ev['data']}; chain depth {ev['chain']}"
             )
