@@ -389,9 +389,9 @@ def accept_file(model_path, data_spec: str, depth: int = DEPTH, window: int | No
     plan = None
     if on_gpu and usable:
         T = max(w.size for w in usable)
-        plan = plan_trunk(
-            backend, "accept", model.cfg, device, trunk_dtype, len(usable), T, BATCH, gpu_memory
-        )
+        draft = {"k": 1, "chain": depth, "stacked": chain_attention == "stacked", "kl_form": "full"}
+        plan = plan_trunk(backend, "accept", model.cfg, device, trunk_dtype, len(usable), T, BATCH, gpu_memory,
+                          draft=draft)  # fmt: skip
         if say is not None:
             say(plan.line())
     with open_checkpoint(model_path, verify=verify) if on_gpu else contextlib.nullcontext() as ck:

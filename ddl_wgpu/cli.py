@@ -437,6 +437,7 @@ def generate(
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     trunk_dtype: TrunkDtype = "f32",
+    gpu_memory: GpuMemory = None,
     as_json: bool = typer.Option(False, "--json", help="Print the text, token ids and timings as JSON."),
 ):
     """Continue a prompt: the text streamed as it is produced (greedy, or sampled), optionally speculating with
@@ -448,6 +449,8 @@ def generate(
     m = load_model(model)
     if speculative:  # a round drafts within the model's context (and sizes its cache by the depth)
         in_range("depth", depth, 1, m.cfg.max_seq_len - 1)
+    if choice.name == "wgpu":  # decoding reads every weight per token: a model past the budget is refused
+        gpumem.check_decode(m.cfg, trunk_dtype, gpumem.budget(gpu_memory), speculative)
     text = _prompt_of(prompt, prompt_file, m)
     typer.echo(backend_line(choice), err=True)
     r = generate_lib.generate(m, text, max_new_tokens=max_new_tokens, sampling=sampling, stops=stop or (),

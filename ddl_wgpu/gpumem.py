@@ -282,13 +282,9 @@ def plan_trunk(job: str, windows: int, window: int, budget_bytes: int | None, tr
         return best
 
     room = math.inf if budget_bytes is None else budget_bytes - reserve_bytes(budget_bytes)
-    if draft_bytes > room:
-        raise GpuBudgetError(f"--gpu-memory {gib(budget_bytes)} cannot hold {job}'s draft training: it needs about "
-                             f"{gib(draft_bytes + reserve_bytes(budget_bytes))} (a smaller --batch needs less)",
-                             )  # fmt: skip
     full = even_block(windows, cap(BLOCK_TOKENS), multiple)
     used = count(False, full)
-    if used is not None and used <= room:
+    if used is not None and used <= room and draft_bytes <= room:
         return plan(False, full, used)
     if budget_bytes is None:  # the limits, not a budget: the largest block they hold
         found = largest(False, full, math.inf)
@@ -303,6 +299,39 @@ def plan_trunk(job: str, windows: int, window: int, budget_bytes: int | None, tr
         need = f"about {gib(least + reserve_bytes(budget_bytes))}" if least is not None else "more"
         raise GpuBudgetError(f"--gpu-memory {gib(budget_bytes)} is below what the streamed trunk needs for one "
                              f"layer at a time: {need} (the resident embedding and head, two layer slots and "
-                             f"{multiple} window{'s' if multiple > 1 else ''} of activations)",
-                             )  # fmt: skip
+                             f"{multiple} window{'s' if multiple > 1 else ''} of activations)")  # fmt: skip
+    if draft_bytes > room:
+        raise GpuBudgetError(f"--gpu-memory {gib(budget_bytes)} cannot hold {job}'s draft after the trunk: it needs "
+                             f"about {gib(draft_bytes + reserve_bytes(budget_bytes))} (a smaller --batch needs "
+                             "less)")  # fmt: skip
     return plan(True, *found)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# generate: every weight read once per token, so nothing streams
+
+
+def weight_bytes(cfg, dtype: str = "f32", draft: bool = False) -> int:
+    """Bytes of a model's weights laid out on a GPU (`layout.plan`: 256-byte aligned, the f16 matrices of an
+    f16 net in f16), its MTP draft's with `draft`: the least a decoding engine holds (its caches come on top)."""
+    import dataclasses
+
+    from ddl_ref.params import param_table
+    from ddl_wgpu import layout
+
+    if not draft:
+        cfg = dataclasses.replace(cfg, mtp=None)
+    return sum(layout.plan(param_table(cfg), 1 << 62, dtype=dtype).arena_sizes)
+
+
+def check_decode(cfg, dtype: str, budget_bytes: int | None, draft: bool = False) -> None:
+    """GpuBudgetError unless the model's weights fit the budget (`generate` reads every weight once per token:
+    a model that does not fit cannot stream at a useful speed)."""
+    if budget_bytes is None:
+        return
+    need = weight_bytes(cfg, dtype, draft)
+    if need > budget_bytes - reserve_bytes(budget_bytes):
+        what = f"{dtype} weights" + (" with the draft" if draft else "")
+        raise GpuBudgetError(f"generate: the model needs at least {gib(need + reserve_bytes(budget_bytes))} of GPU "
+                             f"memory ({what} {gib(need)}, before its caches); --gpu-memory is {gib(budget_bytes)}"
+                             + ("" if dtype == "f16" else "; --trunk-dtype f16 halves the big matrices"))  # fmt: skip

@@ -601,13 +601,13 @@ def _heal(model_path, data_spec, out_path, cfg: HealConfig, init_path, backend: 
     mcfg = model.cfg
     wins = _windows(model, data_spec, cfg)
     total_tokens = int(sum(w.size for w in wins))
-    events("windows", windows=len(wins), tokens=total_tokens, chain=cfg.chain, data=str(data_spec))
     kk = min(cfg.topk, mcfg.vocab_size)
     T = max(w.size for w in wins)
     plan = plan_trunk(backend, "heal", mcfg, device, cfg.trunk_dtype, len(wins), T, cfg.batch, gpu_memory, kk,
                       draft={"k": kk, "chain": cfg.chain, "stacked": cfg.chain_attention == "stacked",
                              "kl_form": cfg.kl_form})  # fmt: skip
-    if plan is not None:
+    events("windows", windows=len(wins), tokens=total_tokens, chain=cfg.chain, data=str(data_spec))
+    if plan is not None:  # made before anything is said: a budget it refuses is one line
         events("plan", line=plan.line(), **plan.to_dict())
     # the draft's rows of every chain step: in RAM, or past --host-memory in the scratch file
     rows_bytes = cfg.chain * len(wins) * T * mcfg.d_model * 2

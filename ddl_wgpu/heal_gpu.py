@@ -130,13 +130,13 @@ class WgpuTeacher:
         self.input = DraftInput(gpu, params, cfg, self.net) if cfg.mtp is not None else None
         self._hid: dict = {}  # T -> a batch's hidden rows, copied out of a block for `DraftInput`
 
-    def _work(self, T: int):
+    def work(self, T: int):
         return self.trunk.work(self.block, T)
 
     def topk_hidden(self, ids_batch, k: int):
         ids = np.asarray(ids_batch)
         b, T = ids.shape
-        work = self._work(T)
+        work = self.work(T)
         top_ids, top_probs = work.topk(pad_rows(ids, self.block), k)
         pre, post = work.hidden()
         return top_ids[:b], top_probs[:b], pre[:b], post[:b]
@@ -149,7 +149,7 @@ class WgpuTeacher:
         ids = np.asarray(ids_batch)
         b, T = ids.shape
         mtp = mtp or self.mtp
-        work = self._work(T)
+        work = self.work(T)
         top_ids, top_probs = work.topk(pad_rows(ids, self.block), k)
         hid = ref_mtp.pick_hidden(work.xL, work.xf, mtp.trunk_hidden)
         tok, valid = ref_mtp.shifted(ids, 1), ref_mtp.step_valid(lengths, T, 1)
@@ -182,7 +182,7 @@ class WgpuTeacher:
         `hidden_rows` downloads them when a host path needs them."""
         ids = np.asarray(ids_batch)
         b, T = ids.shape
-        work = self._work(T)
+        work = self.work(T)
         work.upload_ids(pad_rows(ids, self.block), None)
         call, ids_out, _probs = work._topk_call(1)
         rec = work.record_forward(self.gpu.recorder())
@@ -193,7 +193,7 @@ class WgpuTeacher:
 
     def hidden_rows(self, b: int, T: int):
         """The last forward's (pre, post) hidden rows of its first b windows of T, downloaded (b, T, C)."""
-        pre, post = self._work(T).hidden()
+        pre, post = self.work(T).hidden()
         return pre[:b], post[:b]
 
     def release(self) -> None:
@@ -427,7 +427,7 @@ def plan_trunk_job(gpu: Gpu, job: str, cfg: ModelConfig, dtype: str, windows: in
 
     def teacher(dry, streamed: bool, block: int) -> WgpuTeacher:
         t = WgpuTeacher(dry, params, cfg, batch, dtype, plan=_Shape(streamed, block))
-        t._work(T)._topk_call(k)
+        t.work(T)._topk_call(k)
         down = block * T * k * F32  # the largest download: the block's top-k, or a batch's rows
         if rows and t.input is not None:
             t.input.buffers(batch * T)

@@ -148,6 +148,7 @@ class TrunkWeights:
 
     inference = True
     has_state = frozenset()
+    g = m = v = ()  # no gradient or moment arenas (frozen)
 
     def __init__(self, gpu, cfg: ModelConfig, source: WeightSource | None, dtype: str = "f32",
                  slots: int | None = None, pool=None):  # fmt: skip
