@@ -71,7 +71,7 @@ from ddl_ref.ops import KL_FORMS
 from ddl_ref.params import param_table
 from ddl_wgpu import accept as accept_mod
 from ddl_wgpu.accept import CHAIN_ATTENTION, DEFAULT_CHAIN_ATTENTION
-from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teacher, plan_trunk
+from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teacher, open_gpu, plan_trunk
 from ddl_wgpu.container import CheckpointError, f32_to_bf16, open_checkpoint, save
 from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.errors import UserError
@@ -678,4 +678,5 @@ def _heal(model_path, data_spec, out_path, cfg: HealConfig, init_path, backend: 
         "refresh_forwards": chain.forwards,
         "plan": plan.to_dict() if plan is not None else None,
         "scratch_bytes": host.scratch_bytes,
+        "gpu_peak_bytes": open_gpu(device).peak if on_gpu else None,  # the engine's own count, all phases
     }

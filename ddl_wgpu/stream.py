@@ -405,7 +405,7 @@ class Trunk:
         self.gpu, self.streamed = gpu, bool(streamed)
         self.dry = getattr(gpu, "dry", False)
         self.pool = None if self.dry else ThreadPoolExecutor(_workers(), thread_name_prefix="ddl-weights")
-        cfg = dataclasses.replace(cfg, mtp=None)
+        self.cfg = cfg = dataclasses.replace(cfg, mtp=None)
         self.weights = TrunkWeights(gpu, cfg, source, dtype, slots if streamed else None, self.pool)
         self.mode = upload_mode(upload) if streamed else "write"
         self.stream = None if self.dry else LayerStream(self.weights, self.mode, self.pool)

@@ -308,3 +308,30 @@ def test_heal_scratch_file_goes_after_a_failure_and_after_ctrl_c(files, tmp_path
     err = p.communicate(timeout=120)[1]
     assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err
     assert not scratch.exists() and not out.exists()
+
+
+def test_the_benches_smoke_runs(tmp_path):
+    """`bench/heal.py --gpu-memory` (resident and streamed passes, the draft after them) and `bench/heal_e2e.py
+    --smoke` (a heal command of a model on disk) run on a tiny hybrid: the streamed passes give the resident bits
+    and stay within their plans."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    a, b = tmp_path / "memory.json", tmp_path / "e2e.json"
+    for cmd in (["bench/heal.py", "--shape", "quick-hybrid", "--gpu-memory", "4MB", "--pass-windows", "16", "--steps",
+                 "1", "--json", a],
+                ["bench/heal_e2e.py", "--smoke", "--dir", tmp_path, "--out-dir", tmp_path / "out", "--json", b]):  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, *map(str, cmd)], capture_output=True, text=True, cwd=REPO, env=env
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+    mem = json.loads(a.read_text())["gpu_memory"]
+    assert [e["label"] for e in mem["phases"]] == ["resident", "streamed (mapped)", "streamed (write)"]
+    for e in mem["phases"][1:]:
+        assert (
+            e["same_bits"]
+            and e["plan"]["mode"] == "streamed"
+            and e["engine_peak_bytes"] <= e["plan"]["trunk_bytes"]
+        )
+    e2e = json.loads(b.read_text())["result"]
+    assert e2e["exit"] == 0 and e2e["plan"]["mode"] == "streamed" and e2e["peak_rss_bytes"] > 0
+    assert 0 < e2e["engine_peak_bytes"] <= e2e["plan"]["peak_bytes"] + (1 << 16)  # + the read-back staging
+    assert not (tmp_path / "quick-hybrid.ddlw").exists()  # removed without --keep
