@@ -26,12 +26,13 @@ and the steps 2..s rows of its own anchor, the runtime's diagonal mask), step s'
 draft's own step s−1 output and greedy token. Step 1 and the counting are the same in both; at depth 1 the two
 agree. The JSON adds `chain_attention`.
 
-Backends (`backend.make_accept_backend`): "ref" runs trunk and draft in numpy; "wgpu" runs everything on the
-GPU, forward only (`gpu_acceptance`): the trunk (`heal_gpu.WgpuTeacher.greedy_hidden`, its greedy token from
-the `topk` kernel with k = 1, its hidden rows left on the GPU), then the chain (`heal_gpu.WgpuDraft.greedy_chain`):
-each step's input rows eh_proj·[enorm(e); hnorm(h)] built on the GPU (`heal_gpu.DraftInput`, step 1 from the
-trunk's rows, step j + 1 from the draft's step-j argmax ids and output rows), the block (the masked attention
-kernels for a stacked step), norm, head and argmax; only the argmax ids come down. `--probe-conventions`
+Backends: "ref" runs trunk and draft in numpy; "wgpu" runs everything on the GPU, forward only
+(`gpu_acceptance`): the trunk over blocks of windows (`heal_gpu.WgpuTeacher.topk_rows`, resident or streamed
+within a `gpumem` plan; its greedy token from the `topk` kernel with k = 1, the draft's step-1 input rows
+eh_proj·[enorm(e); hnorm(h)] built on the GPU from its hidden rows, `heal_gpu.DraftInput`), its weights then
+freed, then the chain (`heal_gpu.WgpuDraft.greedy_chain`): step 1 from those rows, step j + 1's rows from the
+draft's step-j argmax ids and output rows, the block (the masked attention kernels for a stacked step), norm,
+head and argmax; only the step-1 rows and the argmax ids come down. `--probe-conventions`
 re-measures on the host rows (`greedy_chain`: `ddl_ref.mtp.step_input`, the draft's steps by
 `WgpuDraft.greedy`) from the same trunk pass's hidden rows, downloaded for it. Argmax ties go to the lower id
 on both backends, so the numbers agree up to float near-ties.

@@ -12,7 +12,11 @@ trunk's own predictions. The flow:
 2. The trunk runs once (`backend.Teacher.topk_rows`): per window its next-token top-k and the draft's step-1
    block input rows, built from its hidden rows (pre- or post-final-norm, per `MtpConfig.trunk_hidden`) where
    they are: on the GPU on wgpu (`heal_gpu.DraftInput`), so the hidden rows never come back to the host (the
-   acceptance starts from the held-out windows' step-1 rows, kept in float32).
+   acceptance starts from the held-out windows' step-1 rows, kept in float32). On wgpu the windows go in blocks,
+   the trunk resident or streamed layer by layer by the GPU memory plan (`gpumem`, `stream`), its tensors read
+   from MODEL's file as it needs them; its blocks' weights are freed before the draft is built (the peak is the
+   larger phase). The rows of every chain step stay in RAM, or past `host_memory` in a scratch file beside OUT
+   (`hostmem`).
 3. The draft is trained alone as a one-layer model (`backend.Draft`): its block `model.mtp.layers.0.*` and final
    norm `model.mtp.norm`, from `--init` weights when given, else the model's own. Trunk, embedding, head and the
    draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the reference heal tool.

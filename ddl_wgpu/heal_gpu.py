@@ -1,7 +1,8 @@
 """heal's and accept's GPU backend objects (`backend.Teacher`, `backend.Draft`; their numpy twins are
-`refnet.RefTeacher` and `refnet.RefDraft`): the frozen trunk as an inference-only `Net` (`WgpuTeacher`, over
-`inference.InferenceWork`), the draft trained alone (`WgpuDraft`, over `draft.DraftWork`), and the draft's
-block input rows built on the GPU (`DraftInput`).
+`refnet.RefTeacher` and `refnet.RefDraft`): the frozen trunk, resident or streamed layer by layer (`WgpuTeacher`,
+over `stream.Trunk`), the draft trained alone (`WgpuDraft`, over `draft.DraftWork`), the draft's block input
+rows built on the GPU (`DraftInput`), and the GPU memory plan of their jobs (`plan_trunk_job`, counted on a
+`gpumem.DryGpu`).
 
 The draft's input x = eh_proj·[enorm(E[t]); hnorm(h)] (`ddl_ref.mtp.step_input`) is built where its inputs
 already are: h is the teacher's hidden rows after its forward (step 1) or the draft's own output rows after
