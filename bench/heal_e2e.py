@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     heal_args = args.heal_args.split()
     if args.smoke:
-        args.shape, args.gpu_memory, args.tokens, args.trunk_dtype = "quick-hybrid", "6MB", 1500, "f32"
+        args.shape, args.gpu_memory, args.tokens, args.trunk_dtype = "quick-hybrid", "6MB", 800, "f32"
         heal_args = ["--window", "32", "--batch", "2", "--chain", "2", "--epochs", "0.2", *heal_args]
     cfg = shape_config(args.shape, 128)
     work = Path(args.dir)

@@ -217,16 +217,18 @@ def test_heal_streamed_writes_the_resident_plans_file(gpu, files, tmp_path, name
             np.testing.assert_array_equal(a.tensor(n), b.tensor(n))
 
 
-def test_accept_streamed_gives_the_resident_result(gpu, files):
-    model, text = files[0]["hybrid"], str(files[1])
+def test_accept_streamed_gives_the_resident_result(gpu, files, tmp_path):
+    model, text = files[0]["hybrid"], str(make_text(tmp_path / "t.txt", 700))  # a trunk larger than the draft
     cfg = load_model(model).cfg
-    plan_of = lambda b: backend.plan_trunk("wgpu", "accept", cfg, None, "f32", 34, 24, accept.BATCH, b,  # noqa: E731
+    records = accept.load_records(text, ByteTokenizer(), 2500)
+    n = sum(w.size > 2 for w in accept.make_windows(records, 24, 3))
+    plan_of = lambda b: backend.plan_trunk("wgpu", "accept", cfg, None, "f32", n, 24, accept.BATCH, b,  # noqa: E731
                                            draft={"k": 1, "chain": 2, "stacked": True, "kl_form": "full"})  # fmt: skip
     budget = squeezed(plan_of)
     said = []
-    a = accept.accept_file(model, text, depth=2, window=24, backend="wgpu", chain_attention="stacked")
-    b = accept.accept_file(model, text, depth=2, window=24, backend="wgpu", chain_attention="stacked",
-                           gpu_memory=budget, say=said.append)  # fmt: skip
+    a = accept.accept_file(model, text, 2, 24, 2500, backend="wgpu", chain_attention="stacked")
+    b = accept.accept_file(model, text, 2, 24, 2500, backend="wgpu", chain_attention="stacked", gpu_memory=budget,
+                           say=said.append)  # fmt: skip
     assert a["plan"]["mode"] == "resident" and b["plan"]["mode"] == "streamed" and "streamed" in said[0]
     assert {k: v for k, v in a.items() if k != "plan"} == {k: v for k, v in b.items() if k != "plan"}
 
@@ -260,7 +262,6 @@ def test_cli_plan_line_refusal_generate_and_out_of_memory(files, tmp_path, cli, 
             "--chain", "2", "--backend", "wgpu"]  # fmt: skip
     line = user_error(cli(*args, "--gpu-memory", "20KB"), "--gpu-memory 20.0 KiB is below", "two layer slots")
     assert "about" in line and not out.exists() and not hostmem.scratch_path(out).exists()
-    user_error(cli(*args, "--gpu-memory", "lots"), "--gpu-memory 'lots': not a size")
     r = ok(cli("eval", model, "--data", text, "--seq-len", "16", "--batch", "3", "--backend", "wgpu",
                "--gpu-memory", "1GB", "--json"))  # fmt: skip
     assert (
@@ -271,7 +272,7 @@ def test_cli_plan_line_refusal_generate_and_out_of_memory(files, tmp_path, cli, 
     user_error(
         cli(*gen, "--gpu-memory", "16KB"), "generate: the model needs at least", "--gpu-memory is 16.0 KiB"
     )
-    ok(cli(*gen, "--gpu-memory", "1GB"))
+    gpumem.check_decode(load_model(model).cfg, "f32", 1 << 20)  # what fits passes
     env = {**os.environ, "DDL_WGPU_DEVICE_MEMORY": "60000"}  # a card that is full: the driver's out-of-memory
     r = subprocess.run([sys.executable, "-m", "ddl_wgpu.cli", "eval", str(model), "--data", str(text), "--seq-len",
                         "16", "--backend", "wgpu"], capture_output=True, text=True, cwd=REPO,
@@ -316,8 +317,8 @@ def test_the_benches_smoke_runs(tmp_path):
     and stay within their plans."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     a, b = tmp_path / "memory.json", tmp_path / "e2e.json"
-    for cmd in (["bench/heal.py", "--shape", "quick-hybrid", "--gpu-memory", "4MB", "--pass-windows", "16", "--steps",
-                 "1", "--json", a],
+    for cmd in (["bench/heal.py", "--shape", "quick-hybrid", "--gpu-memory", "4MB", "--pass-windows", "12", "--steps",
+                 "1", "--chain", "2", "--json", a],
                 ["bench/heal_e2e.py", "--smoke", "--dir", tmp_path, "--out-dir", tmp_path / "out", "--json", b]):  # fmt: skip
         r = subprocess.run(
             [sys.executable, *map(str, cmd)], capture_output=True, text=True, cwd=REPO, env=env
