@@ -14,7 +14,8 @@ random words to --dir. Then, as a user runs it:
     ddl-wgpu heal MODEL --data TEXT --out OUT --gpu-memory SIZE --tokens N --trunk-dtype f16 --backend wgpu --json
 
 in a subprocess, timed from start to exit, nvidia-smi's memory.used sampled every 0.2 s, the peak RSS from the
-kernel's accounting of the child (`getrusage(RUSAGE_CHILDREN).ru_maxrss`), the trunk pass timed from heal's
+kernel's accounting of the child (`getrusage(RUSAGE_CHILDREN).ru_maxrss`; /proc sampled every 0.2 s splits it into
+anonymous memory and the model file's mapped pages, which belong to the page cache), the trunk pass timed from heal's
 progress lines (from its plan line to its last `trunk` line). The files are removed at the end (--keep keeps them).
 """
 
@@ -58,6 +59,38 @@ def write_model(path: Path, cfg, seed: int = 0) -> int:
     save(path, tensors(), config=cfg.to_dict(), metadata={"model.variant": "baseline", "model.num_params": n},
          provenance={"bench": "heal_e2e: random weights"})  # fmt: skip
     return path.stat().st_size
+
+
+class Rss:
+    """A process's resident memory sampled every 0.2 s from /proc: the most of its anonymous pages (what it
+    allocated) and of its file-backed ones (a memory-mapped model's pages it touched; the page cache's, which the
+    kernel takes back under pressure)."""
+
+    def __init__(self, pid: int):
+        import threading
+
+        self.pid, self.anon, self.file = pid, 0, 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                text = Path(f"/proc/{self.pid}/status").read_text()
+            except OSError:
+                return
+            for line in text.splitlines():
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "RssFile") and value.strip():
+                    n = int(value.split()[0]) * 1024
+                    if key == "RssAnon":
+                        self.anon = max(self.anon, n)
+                    else:
+                        self.file = max(self.file, n)
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def out_dir(arg: str | None, need: int, fallback: Path) -> Path:
@@ -112,6 +145,7 @@ def main(argv=None) -> int:
     print("$ " + " ".join(cmd[1:]), flush=True)
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    sampled = Rss(p.pid)
     marks, events = {}, []
     for line in p.stderr:  # heal's JSON progress lines, timed as they come
         now = time.perf_counter() - t0
@@ -131,6 +165,7 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     t_end = time.perf_counter()
     smi.stop()
+    sampled.stop()
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
     report = json.loads(stdout) if code == 0 and stdout.strip() else None
     plan = report.get("plan") if report else None
@@ -142,7 +177,8 @@ def main(argv=None) -> int:
         "trunk_tokens_per_s": windows_tokens / trunk_s if trunk_s and windows_tokens else None,
         "plan": plan, "engine_peak_bytes": report.get("gpu_peak_bytes") if report else None,
         "smi_peak_bytes": smi.peak(t0, t_end), "smi_before_bytes": smi0 * 2**20 if smi0 else None,
-        "peak_rss_bytes": rss, "steps": report.get("steps") if report else None,
+        "peak_rss_bytes": rss, "peak_rss_anon_bytes": sampled.anon, "peak_rss_file_bytes": sampled.file,
+        "steps": report.get("steps") if report else None,
         "heldout_kl": [report["heldout_kl_start"], report["heldout_kl_best"]] if report else None,
     }  # fmt: skip
     data = {"bench": "heal_e2e", "date": common.now_iso(), "host": common.host_info(), "args": vars(args),
@@ -158,7 +194,8 @@ def main(argv=None) -> int:
     print(f"heal of {args.shape} ({gib(size)} on disk) with --gpu-memory {args.gpu_memory}, --tokens {args.tokens}: "
           f"exit {code}, wall {wall:.0f} s (trunk pass {trunk_s or 0:.0f} s, "
           f"{r['trunk_tokens_per_s'] or 0:,.0f} tokens/s); peak GPU memory {gib(r['engine_peak_bytes'])} (engine), "
-          f"{gib(r['smi_peak_bytes'])} (nvidia-smi); peak host RSS {gib(rss)}")  # fmt: skip
+          f"{gib(r['smi_peak_bytes'])} (nvidia-smi); peak host RSS {gib(rss)} (sampled: anonymous "
+          f"{gib(sampled.anon)}, file-backed {gib(sampled.file)})")  # fmt: skip
     if code != 0:
         print(f"FAILED: heal exited {code}", file=sys.stderr)
     return 0 if code == 0 else 1
