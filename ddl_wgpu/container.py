@@ -513,5 +513,7 @@ def save(
     ) as w:
         for i in range(len(prepared)):
             w.write(*prepared[i])
-            prepared[i] = None  # let a memory-mapped source go once written (else a model's worth of pages stay)
+            prepared[i] = (
+                None  # let a memory-mapped source go once written (else a model's worth of pages stay)
+            )
     return w.paths

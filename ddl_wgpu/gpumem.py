@@ -301,9 +301,9 @@ def plan_trunk(job: str, windows: int, window: int, budget_bytes: int | None, tr
                              f"layer at a time: {need} (the resident embedding and head, two layer slots and "
                              f"{multiple} window{'s' if multiple > 1 else ''} of activations)")  # fmt: skip
     if draft_bytes > room:
+        less = " (a smaller --batch needs less)" if job == "heal" else ""
         raise GpuBudgetError(f"--gpu-memory {gib(budget_bytes)} cannot hold {job}'s draft after the trunk: it needs "
-                             f"about {gib(draft_bytes + reserve_bytes(budget_bytes))} (a smaller --batch needs "
-                             "less)")  # fmt: skip
+                             f"about {gib(draft_bytes + reserve_bytes(budget_bytes))}{less}")  # fmt: skip
     return plan(True, *found)
 
 

@@ -128,7 +128,7 @@ class WeightSource:
             self._convert(name, out, raw[sp[0] : sp[1]], stored, True)
             return sp[0], out
 
-        ahead = max(1, getattr(pool, "_max_workers", 1))
+        ahead = _workers()
         for s in range(0, len(spans), ahead):
             yield from pool.map(one, spans[s : s + ahead])
 
