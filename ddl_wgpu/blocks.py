@@ -87,11 +87,21 @@ class Blocks(GatedDeltaNet):
         self.loss_acc = self.act(4, "loss_sum")
         self.readback = self.gpu.buffer(32, label="readback")  # loss sum, norm, clip, finite; draft loss
         self.chunk = min(N, chunk_rows or head_chunk_rows(self.gpu, N, C, cfg.vocab_size))
-        self.logit_chunk = self.act(self.chunk * cfg.vocab_size, "logits_chunk")
+        self.logit_chunk = self._logits(self.chunk * cfg.vocab_size)
         self._topk: dict = {}
 
     def act(self, n: int, label: str):
         return self.gpu.buffer(n * F32, label=label)
+
+    def _logits(self, n: int):
+        """The head's chunk of logits (n floats): its own, or when the net keeps `shared_logits` (a dict: works of
+        it that never run within one submit, heal's draft's) one buffer every such work of the net reads."""
+        shared = getattr(self.net, "shared_logits", None)
+        if shared is None:
+            return self.act(n, "logits_chunk")
+        if shared.get("buffer") is None or shared["buffer"].size < n * F32:
+            shared["buffer"] = self.act(n, "logits_chunk")
+        return shared["buffer"]
 
     @property
     def shares_acts(self) -> bool:

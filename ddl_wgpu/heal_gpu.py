@@ -233,6 +233,9 @@ class WgpuDraft:
         # the frozen embedding/head gets no gradient or moment storage (the draft work never writes it)
         self.net = Net(gpu, ref_mtp.draft_config(cfg), dp, trainable=list(self.names), frozen_state=False,
                        shared=shared)  # fmt: skip
+        # each of the draft's works records and submits alone: they share one chunk of logits (at the Qwen3.8-27B
+        # vocabulary half a GB each, and a stacked chain builds two works per chain step)
+        self.net.shared_logits = {}
         self.input = teacher.input if teacher is not None else DraftInput(gpu, params, cfg, self.net)
         self._works: dict = {}
         self._aside = None  # `using`: the trained weights while another snapshot's are in
@@ -447,7 +450,7 @@ def plan_trunk_job(gpu: Gpu, job: str, cfg: ModelConfig, dtype: str, windows: in
     if draft is not None:
         dry = gpumem.DryGpu(gpu)
         t = WgpuTeacher(dry, params, cfg, batch, dtype, plan=_Shape(True, 1))
-        t.net.release()  # what stays after the trunk's pass: the embedding, final norm and head
+        t.release()  # what stays after the trunk's pass: the embedding, final norm and head
         dry.peak = dry.live
         d = WgpuDraft(dry, params, cfg, None, batch, draft["kl_form"], t)
         build_draft_phase(d, T, draft["k"], draft["chain"], draft["stacked"])

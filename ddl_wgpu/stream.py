@@ -431,8 +431,9 @@ class Trunk:
         self.weights = TrunkWeights(gpu, cfg, source, dtype, slots if streamed else None, self.pool)
         self.mode = upload_mode(upload) if streamed else "write"
         self.stream = None if self.dry else LayerStream(self.weights, self.mode, self.pool)
+        self._dry_staging = []
         if self.streamed and self.mode == "mapped" and self.dry:  # counted as the real stream allocates it
-            staging(self.weights)
+            self._dry_staging = [b for bufs in staging(self.weights) for b in bufs]
         self._works: dict = {}
         self.released = False
         if not self.streamed and not self.dry:
@@ -481,6 +482,8 @@ class Trunk:
         self.released = True
         if self.stream is not None:
             self.stream.close()
+        self.gpu.release(*self._dry_staging)
+        self._dry_staging = []
         self.weights.release()
         self._works.clear()
         if self.pool is not None:
