@@ -193,6 +193,9 @@ class RefTeacher:
         x = ref_mtp.step_input(self.params, self.cfg, ref_mtp.shifted(ids, 1), hid, valid)
         return top_ids, top_probs, x
 
+    def release(self) -> None:
+        """Nothing to free (the GPU trunk frees its blocks' weights here)."""
+
 
 class RefDraft:
     """The draft block + final norm in numpy float32, trained with Adam (`step.DRAFT_ADAM`, no weight decay,
