@@ -669,7 +669,6 @@ def _heal(model_path, data_spec, out_path, cfg: HealConfig, init_path, backend: 
     on_gpu = backend == "wgpu"
     model, init, width = _inputs(model_path, init_path, cfg, verify, lazy=on_gpu)
     cfg, why = resolve(model.cfg, cfg)
-    events("draft", **width, init=init_path is not None, chain_attention=cfg.chain_attention)
     mcfg = model.cfg
     wins = _windows(model, data_spec, cfg)
     total_tokens = int(sum(w.size for w in wins))
@@ -678,6 +677,7 @@ def _heal(model_path, data_spec, out_path, cfg: HealConfig, init_path, backend: 
     plan = plan_trunk(backend, "heal", mcfg, device, cfg.trunk_dtype, len(wins), T, cfg.batch, gpu_memory, kk,
                       draft={"k": kk, "chain": cfg.chain, "stacked": cfg.chain_attention == "stacked",
                              "kl_form": cfg.kl_form})  # fmt: skip
+    events("draft", **width, init=init_path is not None, chain_attention=cfg.chain_attention)
     events("windows", windows=len(wins), tokens=total_tokens, chain=cfg.chain, data=str(data_spec))
     if plan is not None:  # made before anything is said: a budget it refuses is one line
         events("plan", line=plan.line(), **plan.to_dict())

@@ -41,7 +41,6 @@ from ddl_ref.config import ModelConfig
 from ddl_ref.params import ddl_layer_specs, layer_specs
 from ddl_wgpu import layout
 from ddl_wgpu.container_format import bf16_to_f32
-from ddl_wgpu.gdn import CHUNK as GDN_CHUNK
 from ddl_wgpu.gpu import Call, GpuError
 from ddl_wgpu.inference import InferenceWork
 from ddl_wgpu.net import Net
@@ -352,12 +351,6 @@ class TrunkPass(InferenceWork):
         self.trunk = trunk
         super().__init__(trunk.weights, batch, seq)
         self.vocab.split_k = 1
-
-    @property
-    def gdn_chunk(self) -> int:
-        """A forward-only pass keeps no checkpoints of the delta rule: its chunk changes nothing computed (and
-        must not depend on the block's size, as the training chunk does)."""
-        return min(self.T, GDN_CHUNK)
 
     def _shared_layer_acts(self) -> list[dict]:
         """One activation set per mixer kind, as `Blocks._shared_layer_acts`, except that one kind runs at a time:
