@@ -11,8 +11,11 @@ and the gated delta rule against its own bounds.
 betas 0.9/0.95, eps 1e-5, wd 0.1) on every parameter, both sides from `ddl_ref.params.init_params(cfg, seed)`
 on the same random batch; their initial losses must agree within 1e-3 (else exit 1). PyTorch peers, each in a
 subprocess so that what transformers imports is settled per peer: transformers' `Qwen3_5ForCausalLM` in fp32
-(TF32 off) with the flash-linear-attention Triton kernels when `--fla-path` holds them ("fla"), and without
-them ("eager": transformers' own PyTorch fallback of the chunked rule and the conv).
+(TF32 off) with the flash-linear-attention Triton kernels when `--fla-path` holds them ("fla": Triton's dot
+products default to TF32 inputs whatever PyTorch's TF32 switch says; "fla ieee": the same with
+TRITON_F32_DEFAULT=ieee, IEEE f32 products), and without them ("eager": transformers' own PyTorch fallback of
+the chunked rule and the conv). The engine's rule runs under the adapter's default chunk plan, or
+DDL_WGPU_GDN_PLAN's (`kernel --sweep` prints the fastest).
 
 `forward27b`: the Qwen3.8-27B trunk shape (hidden 5120, 64 layers, 3 Gated DeltaNet : 1 gated attention,
 FFN 17408, vocabulary 248320, untied) with random f16 weights (one random tensor per distinct shape, reused by
@@ -20,11 +23,15 @@ every layer: timing does not depend on the values), an inference net whose layer
 the forward of 16 x 1024 tokens with the evaluation loss (chunked LM head), timed by GPU timestamps; GPU memory
 (our buffers, and nvidia-smi's used memory); the GPU time per layer type (every dispatch timed alone).
 
-`kernel`: `ops.gated_delta` forward and backward alone. FLOPs counted per state element per (token, value
-head): forward 6 (u = Sᵀk, the rank-1 update, o = Sᵀq), backward 18 (the chunk's rebuild 3, dS += q dOᵀ 2,
-dd 2, dq 4 (S_t rebuilt), dk 4, dS~ 2, dg 2, decay 1 rounded up); bytes: every input read and output written
-once, the checkpoints, and for the backward the scratch states written and read back (8 bytes per element per
-token): the backward is bound by those bytes, the forward by its FLOPs (H200: 66.9 TFLOP/s fp32 FMA, 4.3 TB/s).
+`kernel`: the chunked rule (`ops.gated_delta.chunk_forward` / `chunk_backward`, the engine's) alone at the
+27B layer, the small hybrid's and a one-chunk (64-token) 27B shape, under the adapter's default plan: the
+forward as an inference net runs it (nothing saved) and as a training net does (Δ and the checkpoints saved),
+the backward, GPU ms per kernel, and beside them the per-token forward (the decoder's kernel) over the same
+tokens. FLOPs as the kernels execute them (`chunk_flops`: full C x C squares); bytes: q, k, v read and o
+written once (the backward twice, with the checkpoints); H200: 66.9 TFLOP/s fp32 FMA, 4.3 TB/s. The recurrence
+itself needs 6 FLOPs per state element per token (forward), which `recurrence_flop_bound_ms` reports.
+`kernel --sweep` times every plan of `sweep_plans` (or `--plans`) at `--sweep-shape` and prints the fastest as
+a DDL_WGPU_GDN_PLAN value.
 """
 
 from __future__ import annotations
@@ -135,6 +142,10 @@ def hf_config(cfg: ModelConfig):
 
 def torch_train_peer(args) -> dict:
     """(subprocess) transformers' model trained like the engine; prints a JSON line."""
+    # bench/ (this script's folder, first on sys.path) holds a kernels.py that would shadow the `kernels`
+    # package transformers imports when it is installed
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     torch, tdev = common.torch_setup(args.torch)
     if torch is None:
         return {"error": tdev}
@@ -193,19 +204,22 @@ def torch_train_peer(args) -> dict:
 
 
 def run_peer(args, kernels: str) -> dict:
-    """The torch peer in a subprocess, with or without fla on its path."""
+    """The torch peer in a subprocess, with or without fla on its path ("fla ieee": Triton's f32 dot products
+    in IEEE f32 rather than its TF32 default)."""
     env = dict(os.environ)
     path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != args.fla_path]
-    if kernels == "fla":
+    if kernels.startswith("fla"):
         if not args.fla_path:
             return {"error": "no --fla-path: the fla peer was not run"}
         path = [args.fla_path, *path]
+    if kernels == "fla ieee":
+        env["TRITON_F32_DEFAULT"] = "ieee"
     env["PYTHONPATH"] = os.pathsep.join(path)
     cmd = [sys.executable, __file__, "torch-train", "--torch", args.torch, "--batch", str(args.batch), "--seq",
            str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]  # fmt: skip
     if args.quick:
         cmd.append("--quick")
-    if kernels == "fla" and args.bypass_fla_hopper_guard:
+    if kernels.startswith("fla") and args.bypass_fla_hopper_guard:
         cmd.append("--bypass-fla-hopper-guard")
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.peer_timeout)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
@@ -224,7 +238,10 @@ def bench_train(gpu, args) -> dict:
     runs = out["runs"]
     runs["ddl-wgpu"] = common.attempt(bench_engine_train, gpu, cfg, params, ids, args.steps, args.warmup)
     print(f"  ddl-wgpu: {_brief(runs['ddl-wgpu'])}", flush=True)
-    for kernels in ("fla", "eager"):
+    from ddl_wgpu.ops.gated_delta import chunk_plan
+
+    out["gdn_plan"] = chunk_plan(gpu, cfg.linear_k_dim, cfg.linear_v_dim).__dict__
+    for kernels in ("fla", "fla ieee", "eager"):
         runs[f"transformers fp32 {kernels}"] = r = run_peer(args, kernels)
         print(f"  transformers {kernels}: {_brief(r)}", flush=True)
     wl = runs["ddl-wgpu"].get("init_loss")
@@ -236,6 +253,9 @@ def bench_train(gpu, args) -> dict:
     fla = runs["transformers fp32 fla"].get("tokens_per_s")
     if fla and "tokens_per_s" in runs["ddl-wgpu"]:
         runs["ddl-wgpu"]["vs_fla"] = runs["ddl-wgpu"]["tokens_per_s"] / fla
+    fla_ieee = runs["transformers fp32 fla ieee"].get("tokens_per_s")
+    if fla_ieee and "tokens_per_s" in runs["ddl-wgpu"]:
+        runs["ddl-wgpu"]["vs_fla_ieee"] = runs["ddl-wgpu"]["tokens_per_s"] / fla_ieee
     eager = runs["transformers fp32 eager"].get("tokens_per_s")
     if eager and "tokens_per_s" in runs["ddl-wgpu"]:
         runs["ddl-wgpu"]["vs_eager"] = runs["ddl-wgpu"]["tokens_per_s"] / eager
@@ -340,59 +360,186 @@ def bench_forward27b(gpu, args) -> dict:
 # kernel
 
 
-def bench_kernel(gpu, args) -> dict:
+KERNEL_SHAPES = {  # B, T, Hk, Hv, Dk, Dv
+    "27b": (16, 1024, 16, 48, 128, 128),  # the Qwen3.8-27B layer
+    "small": (8, 1024, 6, 6, 128, 128),  # the `small` hybrid's
+    "27b-short": (16, 64, 16, 48, 128, 128),  # one chunk per row: where the per-token form might still win
+}
+QUICK_SHAPES = {"quick": (2, 40, 1, 2, 16, 16)}
+
+
+def chunk_flops(shape, C: int) -> dict[str, float]:
+    """FLOPs the chunked kernels execute (full C x C squares, as they compute them) per pass: per (batch row,
+    value head, chunk) the prep 4C²Dk; the forward 6CDkDv + 4C²Dv; the backward the prep again, the state
+    pass 6CDkDv + 4C²Dv and the gradients 6CDkDv + 4C²Dv + 6C²Dk."""
+    B, T, Hk, Hv, Dk, Dv = shape
+    n = B * Hv * -(-T // C)
+    prep = 4 * C * C * Dk
+    fwd = prep + 6 * C * Dk * Dv + 4 * C * C * Dv
+    bwd = prep + 12 * C * Dk * Dv + 8 * C * C * Dv + 6 * C * C * Dk
+    return {"forward": n * fwd, "backward": n * bwd, "recurrence": 6 * B * T * Hv * Dk * Dv}
+
+
+def _kernel_inputs(gpu, shape, rng):
+    """Buffers of one shape: qkgb (q, k normalised, gates), v, do, and every output of both forms."""
     from ddl_wgpu.ops import gated_delta as kg
 
-    shapes = {"27b": (16, 1024, 16, 48, 128, 128), "small": (8, 1024, 6, 6, 128, 128)}
-    if args.quick:
-        shapes = {"quick": (1, 16, 1, 2, 16, 16)}
+    B, T, Hk, Hv, Dk, Dv = shape
+    N = B * T
+    k_off, gb_off = kg.qkgb_offsets(N, Hk, Dk)
+    qkgb = np.zeros(kg.qkgb_floats(N, Hk, Hv, Dk), np.float32)
+    q = rng.standard_normal((N, Hk, Dk)).astype(np.float32)
+    k = rng.standard_normal((N, Hk, Dk)).astype(np.float32)
+    qkgb[: q.size] = (q / np.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(Dk)).reshape(-1)
+    qkgb[k_off : k_off + k.size] = (k / np.linalg.norm(k, axis=-1, keepdims=True)).reshape(-1)
+    gb = np.stack([-rng.uniform(0.01, 2, (N, Hv)), rng.uniform(0.05, 0.95, (N, Hv))], -1)
+    qkgb[gb_off:] = gb.astype(np.float32).reshape(-1)
+    g = gpu
+    return dict(qkgb=g.upload(qkgb), v=g.upload(rng.standard_normal(N * Hv * Dv).astype(np.float32)),
+                do=g.upload(rng.standard_normal(N * Hv * Dv).astype(np.float32)), o=g.buffer(4 * N * Hv * Dv),
+                delta=g.buffer(4 * N * Hv * Dv), dqk=g.buffer(4 * kg.qk_floats(N, Hv, Dk)),
+                dv=g.buffer(4 * N * Hv * Dv))  # fmt: skip
+
+
+def time_chunked(
+    gpu, shape, bufs, plan, target_ms: float = 40.0, repeats: int = 3, profile: bool = False
+) -> dict:
+    """GPU ms of the chunked forward (an inference net's: nothing saved; and a training net's: Δ and the
+    checkpoints saved) and of the backward, under `plan`; with `profile`, GPU ms per kernel."""
+    from ddl_wgpu.ops import gated_delta as kg
+
+    B, T, Hk, Hv, Dk, Dv = shape
+    st = gpu.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, plan.chunk))
+    scr = gpu.buffer(4 * kg.chunk_scratch_floats(gpu, B, T, Hv, Dk, Dv, True, plan))
+    b = bufs
+    infer = kg.chunk_forward(
+        gpu, b["o"], None, None, scr, b["qkgb"], b["v"], *shape, plan=plan, save_ckpt=False
+    )
+    train = kg.chunk_forward(gpu, b["o"], b["delta"], st, scr, b["qkgb"], b["v"], *shape, plan=plan)
+    bwd = kg.chunk_backward(
+        gpu, b["dqk"], b["dv"], scr, st, b["delta"], b["qkgb"], b["v"], b["do"], *shape, plan=plan
+    )
+    train.run(gpu)
+    row = {"plan": plan.__dict__, "shared_bytes": plan.shared_bytes(Dk, Dv),
+           "rows_per_call": kg.chunk_rows(gpu, B, T, Hv, Dk, Dv, plan.chunk, True)}  # fmt: skip
+    for name, call in (("forward", infer), ("forward_train", train), ("backward", bwd)):
+        row[name + "_ms"] = common.gpu_time_ms(gpu, [call], target_ms=target_ms, repeats=repeats)["ms"]
+    if profile and "timestamp-query" in gpu.features:
+        from profiler import ProfileRecorder
+
+        rec = ProfileRecorder(gpu)
+        for phase, call in (("forward", infer), ("backward", bwd)):
+            rec.phase = phase
+            call.record(rec)
+        rec.submit()
+        row["profile_ms"] = {k.replace("gated_delta.wgsl:", ""): v for k, v in rec.profile().items()}
+    del st, scr
+    return row
+
+
+def bench_kernel(gpu, args) -> dict:
+    """The chunked rule (the engine's) at each shape under the adapter's default plan, against its FLOP and
+    byte bounds, beside the per-token forward (the decoder's kernel); `--sweep`: every plan of `sweep_plans`
+    at one shape."""
+    from ddl_wgpu.ops import gated_delta as kg
+
+    shapes = QUICK_SHAPES if args.quick else KERNEL_SHAPES
     out = {}
     rng = np.random.default_rng(0)
-    for name, (B, T, Hk, Hv, Dk, Dv) in shapes.items():
-        N, tc = B * T, kg.chunk_tokens(gpu, B, Hv, Dk, Dv, T)
-        k_off, gb_off = kg.qkgb_offsets(N, Hk, Dk)
-        qkgb = np.zeros(kg.qkgb_floats(N, Hk, Hv, Dk), np.float32)
-        q = rng.standard_normal((N, Hk, Dk)).astype(np.float32)
-        k = rng.standard_normal((N, Hk, Dk)).astype(np.float32)
-        qkgb[: q.size] = (q / np.linalg.norm(q, axis=-1, keepdims=True) / np.sqrt(Dk)).reshape(-1)
-        qkgb[k_off : k_off + k.size] = (k / np.linalg.norm(k, axis=-1, keepdims=True)).reshape(-1)
-        gb = np.stack([-rng.uniform(0.01, 2, (N, Hv)), rng.uniform(0.05, 0.95, (N, Hv))], -1)
-        qkgb[gb_off:] = gb.astype(np.float32).reshape(-1)
-        g = gpu
-        bufs = dict(qkgb=g.upload(qkgb), v=g.upload(rng.standard_normal(N * Hv * Dv).astype(np.float32)),
-                    o=g.buffer(4 * N * Hv * Dv), r=g.buffer(4 * N * Hv * Dv),
-                    states=g.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, tc)),
-                    scratch=g.buffer(4 * kg.scratch_floats(B, Hv, Dk, Dv, tc)),
-                    do=g.upload(rng.standard_normal(N * Hv * Dv).astype(np.float32)),
-                    dqk=g.buffer(4 * kg.qk_floats(N, Hv, Dk)), dv=g.buffer(4 * N * Hv * Dv),
-                    dgb=g.buffer(8 * N * Hv * Dv))  # fmt: skip
-        fwd = kg.gated_delta_forward(g, bufs["o"], bufs["r"], bufs["states"], bufs["qkgb"], bufs["v"], B, T, Hk, Hv,
-                                     Dk, Dv, tc=tc)  # fmt: skip
-        bwd = kg.gated_delta_backward(g, bufs["dqk"], bufs["dv"], bufs["dgb"], bufs["scratch"], bufs["states"],
-                                      bufs["qkgb"], bufs["r"], bufs["do"], B, T, Hk, Hv, Dk, Dv, tc=tc)  # fmt: skip
-        fwd.run(g)
-        tf = common.gpu_time_ms(g, [fwd], repeats=3)["ms"]
-        tb = common.gpu_time_ms(g, [bwd], repeats=3)["ms"]
-        el = N * Hv * Dk * Dv  # state elements x tokens
-        nck = kg.n_chunks(T, tc)
-        f_bytes = 4 * (qkgb.size + 3 * N * Hv * Dv + B * Hv * nck * Dk * Dv)
-        b_bytes = 4 * (qkgb.size + 2 * N * Hv * Dv + B * Hv * nck * Dk * Dv + 2 * el + kg.qk_floats(N, Hv, Dk)
-                       + 3 * N * Hv * Dv)  # fmt: skip
-        row = {"shape": [B, T, Hk, Hv, Dk, Dv], "tc": tc, "tile": kg.tile(gpu, Dk, Dv),
-               "forward_ms": tf, "backward_ms": tb}  # fmt: skip
-        for part, ms, flop, nbytes in (("forward", tf, 6 * el, f_bytes), ("backward", tb, 18 * el, b_bytes)):
+    for name, shape in shapes.items():
+        B, T, Hk, Hv, Dk, Dv = shape
+        N = B * T
+        bufs = _kernel_inputs(gpu, shape, rng)
+        plan = kg.chunk_plan(gpu, Dk, Dv)
+        row = {"shape": list(shape), **time_chunked(gpu, shape, bufs, plan, profile=True)}
+        # the per-token forward as the decoder runs it over a whole pass (nothing saved but the final state)
+        fin = gpu.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, T))
+        tok = kg.gated_delta_forward(gpu, bufs["o"], bufs["delta"], fin, bufs["qkgb"], bufs["v"], *shape, tc=T,
+                                     save_ckpt=False, save_final=True)  # fmt: skip
+        row["per_token_forward_ms"] = common.gpu_time_ms(gpu, [tok], repeats=3)["ms"]
+        fl = chunk_flops(shape, plan.chunk)
+        nbytes = 4 * (2 * N * Hv * Dk + 2 * N * Hv * Dv)  # q, k read per value head, v read, o written
+        ckpt = 4 * B * Hv * (-(-T // plan.chunk) + 1) * Dk * Dv
+        for part, ms, flop, nb in (("forward", row["forward_ms"], fl["forward"], nbytes),
+                                   ("backward", row["backward_ms"], fl["backward"], 2 * nbytes + 2 * ckpt)):  # fmt: skip
             flop_ms = flop / (common.H200_FP32_TFLOPS * 1e9)
-            byte_ms = nbytes / (common.H200_HBM_GBS * 1e6)
-            bound = max(flop_ms, byte_ms)
-            row[part] = {"tflops": flop / ms / 1e9, "gbs": nbytes / ms / 1e6, "flop_bound_ms": flop_ms,
+            byte_ms = nb / (common.H200_HBM_GBS * 1e6)
+            row[part] = {"tflops": flop / ms / 1e9, "gbs": nb / ms / 1e6, "flop_bound_ms": flop_ms,
                          "byte_bound_ms": byte_ms, "binds": "flops" if flop_ms >= byte_ms else "bytes",
-                         "x_of_bound": ms / bound}  # fmt: skip
+                         "x_of_bound": ms / max(flop_ms, byte_ms),
+                         "recurrence_flop_bound_ms": fl["recurrence"] * (3 if part == "backward" else 1)
+                         / (common.H200_FP32_TFLOPS * 1e9)}  # fmt: skip
         out[name] = row
-        print(f"  kernel {name}: forward {tf:.2f} ms ({row['forward']['x_of_bound']:.2f}x its "
-              f"{row['forward']['binds']} bound), backward {tb:.2f} ms ({row['backward']['x_of_bound']:.2f}x its "
-              f"{row['backward']['binds']} bound)", flush=True)  # fmt: skip
-        del bufs
+        print(f"  kernel {name} {plan}: forward {row['forward_ms']:.2f} ms (training {row['forward_train_ms']:.2f}), "
+              f"backward {row['backward_ms']:.2f} ms; per-token forward {row['per_token_forward_ms']:.2f} ms",
+              flush=True)  # fmt: skip
+        del bufs, fin
+    if args.sweep:
+        out["sweep"] = sweep(gpu, args)
     return out
+
+
+def sweep_plans(gpu, Dk: int, Dv: int) -> list:
+    """The plans `--sweep` times (those that fit the adapter): chunk 64 and 32, each with 16 to 64 value
+    columns per sequential workgroup and 64 to 512 threads, and single changes of the first (staging depth,
+    Tm's blocks, prefetch off, steps looped, the per-chunk kernels' threads)."""
+    from dataclasses import replace
+
+    from ddl_wgpu.gpu import GpuError
+    from ddl_wgpu.ops.gated_delta import ChunkPlan
+
+    grid = [(64, 32, 256), (64, 32, 128), (64, 32, 64), (64, 16, 128), (64, 16, 64), (64, 32, 512), (64, 16, 256),
+            (32, 32, 256), (32, 32, 128), (32, 32, 64), (32, 16, 128), (32, 16, 64), (32, 64, 256), (32, 64, 128)]  # fmt: skip
+    plans = [ChunkPlan(c, bv, n, 8) for c, bv, n in grid]
+    first = plans[0]
+    plans += [replace(first, br=4), replace(first, br=16), replace(first, tb=8), replace(first, tb=32),
+              replace(first, pf=False), replace(first, unroll=False), replace(first, pthreads=128),
+              replace(first, pthreads=512), ChunkPlan(32, 32, 128, 16), ChunkPlan(32, 32, 128, 8, pf=False)]  # fmt: skip
+    ok = []
+    for p in plans:
+        try:
+            p.check(gpu, Dk, Dv)
+            ok.append(p)
+        except GpuError:
+            pass
+    return ok
+
+
+def sweep(gpu, args) -> dict:
+    """Time every plan (`--plans`, else `sweep_plans`) at one shape (`--sweep-shape`); a table by forward
+    + backward time, and the winner as a DDL_WGPU_GDN_PLAN value."""
+    from ddl_wgpu.ops import gated_delta as kg
+
+    name = "quick" if args.quick else args.sweep_shape
+    shape = {**KERNEL_SHAPES, **QUICK_SHAPES}[name]
+    Dk, Dv = shape[4], shape[5]
+    plans = [kg.parse_plan(x) for x in args.plans.split(";")] if args.plans else sweep_plans(gpu, Dk, Dv)
+    bufs = _kernel_inputs(gpu, shape, np.random.default_rng(0))
+    rows = []
+    print(f"sweep: {len(plans)} plans at {name} {shape}", flush=True)
+    for i, plan in enumerate(plans):
+        t0 = time.perf_counter()
+        r = common.attempt(time_chunked, gpu, shape, bufs, plan, 10.0, 2)
+        r.setdefault("plan", plan.__dict__)
+        r["wall_s"] = time.perf_counter() - t0
+        rows.append(r)
+        print(f"  [{i + 1}/{len(plans)}] {_plan_text(plan)}: " + (
+            f"forward {r['forward_ms']:.2f} ms, backward {r['backward_ms']:.2f} ms" if "error" not in r
+            else f"ERROR {r['error'][:200]}") + f" ({r['wall_s']:.1f} s)", flush=True)  # fmt: skip
+    good = sorted((r for r in rows if "error" not in r), key=lambda r: r["forward_ms"] + r["backward_ms"])
+    table = [[_plan_text(kg.ChunkPlan(**r["plan"])), f"{r['forward_ms']:.2f}", f"{r['forward_train_ms']:.2f}",
+              f"{r['backward_ms']:.2f}", f"{r['forward_ms'] + r['backward_ms']:.2f}"] for r in good]  # fmt: skip
+    print(common.table(["plan (DDL_WGPU_GDN_PLAN)", "forward ms", "training forward ms", "backward ms", "fwd + bwd"],
+                       table, f"gated delta rule plans at {name} {tuple(shape)}"))  # fmt: skip
+    best = _plan_text(kg.ChunkPlan(**good[0]["plan"])) if good else None
+    if best:
+        print(f"fastest: DDL_WGPU_GDN_PLAN={best}")
+    return {"shape": list(shape), "name": name, "rows": rows, "best": best}
+
+
+def _plan_text(plan) -> str:
+    return (f"chunk={plan.chunk},bv={plan.bv},threads={plan.threads},br={plan.br},tb={plan.tb},pf={int(plan.pf)},"
+            f"unroll={int(plan.unroll)},pthreads={plan.pthreads}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -422,6 +569,12 @@ def main(argv=None) -> int:
     ap.add_argument("--bypass-fla-hopper-guard", action="store_true",
                     help="time fla's kernels even where fla refuses its gated backward (Hopper with Triton 3.4 to "
                     "3.7.0: fla #640, wrong gradients); its throughput only, its losses are not compared")  # fmt: skip
+    ap.add_argument("--sweep", action="store_true", help="kernel: also time every chunk plan at one shape")
+    ap.add_argument(
+        "--sweep-shape", default="27b", choices=list(KERNEL_SHAPES), help="kernel --sweep: the shape"
+    )
+    ap.add_argument("--plans", default=None,
+                    help='kernel --sweep: the plans to time, "chunk=64,bv=32,threads=256,br=8;chunk=32,..."')  # fmt: skip
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -472,9 +625,9 @@ def _summary(data: dict) -> list[str]:
             print(common.table(["phase|shader", "GPU ms"], [[k, f"{v:.2f}"] for k, v in top],
                                f"ddl-wgpu step by phase and shader (all {sum(prof.values()):.1f} ms)"))  # fmt: skip
         dw = tr["runs"].get("ddl-wgpu", {})
-        print(
-            f"ddl-wgpu vs fla: {common.fmt(dw.get('vs_fla'), '.2f')}x, vs eager: {common.fmt(dw.get('vs_eager'), '.2f')}x"
-        )
+        print(f"ddl-wgpu vs fla (TF32 dots): {common.fmt(dw.get('vs_fla'), '.2f')}x, vs fla (TRITON_F32_DEFAULT=ieee): "
+              f"{common.fmt(dw.get('vs_fla_ieee'), '.2f')}x, vs eager: {common.fmt(dw.get('vs_eager'), '.2f')}x; "
+              f"rule plan {tr.get('gdn_plan')}")  # fmt: skip
     fw = data.get("forward27b")
     if fw and "forward_ms" in fw:
         print(f"forward ({fw['params'] / 1e9:.2f}B, {fw['batch']} x {fw['seq']}): {fw['forward_ms']:.1f} ms, "
@@ -487,12 +640,24 @@ def _summary(data: dict) -> list[str]:
     if kr and "error" not in kr:
         rows = []
         for name, row in kr.items():
+            if name == "sweep" or "error" in row:
+                continue
             for part in ("forward", "backward"):
                 x = row[part]
                 rows.append([name, part, f"{row[part + '_ms']:.2f}", f"{x['tflops']:.1f}", f"{x['gbs']:.0f}",
-                             x["binds"], f"{x['x_of_bound']:.2f}"])  # fmt: skip
-        print(common.table(["shape", "pass", "ms", "TFLOP/s", "GB/s", "bound", "x bound"], rows,
-                           "gated delta rule"))  # fmt: skip
+                             x["binds"], f"{x['x_of_bound']:.2f}",
+                             f"{row['per_token_forward_ms']:.2f}" if part == "forward" else "-"])  # fmt: skip
+        print(common.table(["shape", "pass", "ms", "TFLOP/s", "GB/s", "bound", "x bound", "per-token fwd ms"], rows,
+                           "gated delta rule, chunked (the engine's), beside the decoder's per-token forward"))  # fmt: skip
+        for name, row in kr.items():
+            if name != "sweep" and "profile_ms" in row:
+                print(
+                    f"  {name} per kernel (GPU ms): "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in row["profile_ms"].items())
+                )
+        sw = kr.get("sweep")
+        if sw and "error" in sw:
+            failed.append(f"kernel sweep: {sw['error'][:120]}")
     elif kr:
         failed.append(f"kernel: {kr['error'][:120]}")
     print(

@@ -358,8 +358,8 @@ QWEN35_INTERVAL = 4
 
 
 def qwen35_layer_types(n_layers: int, interval: int = QWEN35_INTERVAL) -> tuple[str, ...]:
-    """Qwen3.5's pattern: every `interval`-th layer full attention, the rest linear (Gated DeltaNet)."""
-    interval = max(1, min(interval, n_layers))
+    """Qwen3.5's pattern as transformers reads `full_attention_interval`: layer i is full attention when
+    (i + 1) % interval == 0, the rest linear (Gated DeltaNet); a trunk shorter than the interval has none."""
     return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers))
 
 
@@ -376,7 +376,7 @@ def apply_arch(cfg: ModelConfig, arch: str) -> ModelConfig:
         qk_norm="pre_rope",
         attn_output_gate=True,
         rotary_dim=rot,
-        layer_types=qwen35_layer_types(cfg.n_layers),
+        layer_types=qwen35_layer_types(cfg.n_layers, max(1, min(QWEN35_INTERVAL, cfg.n_layers))),
         linear_k_heads=cfg.n_kv_heads,
         linear_v_heads=cfg.n_heads,
         linear_k_dim=cfg.head_dim,

@@ -23,9 +23,12 @@ Memory: the backward of the recurrence needs every per-step state S_t. They are 
 one every `checkpoint` tokens and the backward recomputes the states of one segment at a time from its first
 (the recurrence cannot be run backwards: with |k| = 1 and β → 1, I − βkkᵀ is singular).
 
-What this file deliberately does not do: the chunked form's backward (`gated_delta_chunked_forward` is a
-forward-only matrix form, the specification a chunked kernel is checked against), variable-length packing,
-or anything for speed.
+The chunked form (`gated_delta_chunked_forward` / `gated_delta_chunked_backward`) computes the same rule with
+matrix products over chunks of tokens, the state carried between chunks: the decomposition the GPU's chunked
+kernels follow step for step, checked against the recurrence and by finite differences. The recurrence stays
+the reference the model runs.
+
+What this file deliberately does not do: variable-length packing, or anything for speed.
 
 Shape legend: B batch, T time, C d_model, Ch conv channels 2·Hk·Dk + Hv·Dv, Hk key heads, Hv value heads,
 Dk key head dim, Dv value head dim, k conv kernel.
@@ -253,18 +256,51 @@ def gated_delta_backward(do, cache, dstate=None):
     return dq, dk, dv, dg, dbeta, dS
 
 
-def gated_delta_chunked_forward(q, k, v, g, beta, state=None, chunk=64):
-    """The same recurrence in matrix form over chunks of `chunk` tokens (forward only) -> (o, final state).
+def chunk_matrices(Kc, Qc, gc, bc):
+    """The C × C matrices of one chunk, for every leading (batch, head) index: Kc, Qc (..., n, Dk), gc, bc
+    (..., n) -> (γ (..., n) the chunk-local cumulative log decay, M, KK, QK, Tm, P (..., n, n)):
 
-    Within a chunk from state S_0, with γ_t = Σ_{r≤t} g_r (chunk-local) and Γ_t = exp(γ_t), unrolling gives
-    S_t = Γ_t S_0 + Σ_{s≤t} (Γ_t/Γ_s) k_s δ_sᵀ, so the corrections δ solve the unit lower-triangular system
-        δ_t + β_t Σ_{s<t} (Γ_t/Γ_s)(k_tᵀk_s) δ_s = β_t (v_t − Γ_t S_0ᵀk_t),
-    and o_t = Γ_t S_0ᵀq_t + Σ_{s≤t} (Γ_t/Γ_s)(q_tᵀk_s) δ_s, S_end = Γ_n S_0 + Σ_s (Γ_n/Γ_s) k_s δ_sᵀ. The
-    ratios are taken as exp(γ_t − γ_s) (s ≤ t), which never overflows. This is what a chunked kernel computes
-    with matrix products; the per-token `gated_delta_forward` stays the reference.
+        M_ts  = exp(γ_t − γ_s) for s ≤ t, else 0      the decay from token s to token t (never overflows)
+        A     = strictly lower part of diag(β) (M ∘ K Kᵀ)
+        Tm    = (I + A)⁻¹                             unit lower triangular: the UT transform
+        P     = M ∘ Q Kᵀ                               lower triangular, diagonal included
+    """
+    n = Kc.shape[-2]
+    gam = np.cumsum(gc, axis=-1)
+    lower = np.tril(np.ones((n, n), bool))
+    M = np.where(lower, np.exp(np.where(lower, gam[..., :, None] - gam[..., None, :], 0.0)), 0.0)
+    KK = Kc @ np.swapaxes(Kc, -1, -2)
+    QK = Qc @ np.swapaxes(Kc, -1, -2)
+    A = np.tril(bc[..., :, None] * M * KK, -1)
+    eye = np.broadcast_to(np.eye(n, dtype=A.dtype), A.shape)
+    Tm = np.linalg.solve(eye + A, eye)
+    return gam, M, KK, QK, Tm, M * QK
+
+
+def gated_delta_chunked_forward(q, k, v, g, beta, state=None, chunk=64):
+    """The recurrence in matrix form over chunks of `chunk` tokens, as the GPU's chunked kernels compute it
+    -> (o, final state, cache for `gated_delta_chunked_backward`); shapes as `gated_delta_forward`'s.
+
+    Within a chunk of n tokens from state S₀ (per batch row and value head; γ, M, Tm, P from
+    `chunk_matrices`, Γ = exp(γ), L = n − 1 its last token), unrolling the steps gives
+    S_t = Γ_t S₀ + Σ_{s≤t} (Γ_t/Γ_s) k_s δ_sᵀ, whose corrections δ solve (I + A) Δ = R with
+
+        X_K = K S₀,  X_Q = Q S₀                        what the chunk's start state recalls
+        R   = diag(β) (V − diag(Γ) X_K)
+        Δ   = Tm R                                     the corrections δ_t, one row per token
+        O   = diag(Γ) X_Q + P Δ
+        S_n = Γ_L S₀ + K̃ᵀ Δ,  K̃ = diag(exp(γ_L − γ)) K
+
+    (the WY form of the chunk's transition ∏ e^{g_t}(I − β_t k_t k_tᵀ) = Γ_L I − K̃ᵀ Tm diag(βΓ) K, applied
+    to S₀ before Tm rather than after). The cache keeps each chunk's start state and Δ; the C × C matrices
+    are recomputed by the backward.
     """
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
+    if Hv % Hk:
+        raise ValueError(f"value heads {Hv} must be a multiple of key heads {Hk}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
     G = Hv // Hk
     # (B, Hv, T, ·) so each (batch, head) is a stack of matrices
     Q = _expand_heads(q, G).transpose(0, 2, 1, 3)
@@ -273,22 +309,88 @@ def gated_delta_chunked_forward(q, k, v, g, beta, state=None, chunk=64):
     gg, bb = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)  # (B, Hv, T)
     S = np.zeros((B, Hv, Dk, Dv), v.dtype) if state is None else np.array(state, v.dtype)
     O = np.empty_like(V)
+    starts, deltas = [], []
     for c0 in range(0, T, chunk):
         sl = slice(c0, min(T, c0 + chunk))
         Qc, Kc, Vc, bc = Q[:, :, sl], K[:, :, sl], V[:, :, sl], bb[:, :, sl]
-        n = Qc.shape[2]
-        gam = np.cumsum(gg[:, :, sl], axis=-1)  # (B, Hv, n)
+        gam, _, _, _, Tm, P = chunk_matrices(Kc, Qc, gg[:, :, sl], bc)
+        Gam = np.exp(gam)[..., None]  # (B, Hv, n, 1)
+        R = bc[..., None] * (Vc - Gam * (Kc @ S))
+        D = Tm @ R
+        O[:, :, sl] = Gam * (Qc @ S) + P @ D
+        starts.append(S)
+        deltas.append(D)
+        Kt = Kc * np.exp(gam[..., -1:] - gam)[..., None]  # K̃
+        S = np.exp(gam[..., -1])[..., None, None] * S + np.swapaxes(Kt, -1, -2) @ D
+    cache = {"Q": Q, "K": K, "V": V, "g": gg, "beta": bb, "chunk": chunk, "starts": starts, "deltas": deltas,
+             "G": G}  # fmt: skip
+    return O.transpose(0, 2, 1, 3).astype(v.dtype, copy=False), S, cache
+
+
+def gated_delta_chunked_backward(do, cache, dstate=None):
+    """The backward of `gated_delta_chunked_forward`, chunk by chunk in reverse (what the GPU's chunked
+    backward computes) -> (dq, dk, dv, dg, dbeta, dstate0) as `gated_delta_backward`'s.
+
+    Per chunk, from dO and the gradient dS_n of its end state (the next chunk's dS₀; dstate for the last):
+
+        dΔ  = Pᵀ dO + K̃ dS_n,   dR = Tmᵀ dΔ                       through O, S_n, then Δ = Tm R
+        dS₀ = Γ_L dS_n + Kᵀ (−diag(βΓ) dR) + Qᵀ (diag(Γ) dO)       the sequential part (one state)
+        Z = dR S₀ᵀ,  Y = dO S₀ᵀ,  dK̃ = Δ dS_nᵀ                      per token, given the chunk's states
+        dP = dO Δᵀ (s ≤ t),  dA = −dR Δᵀ (s < t)                   since dTm = dΔ Rᵀ and dA = −Tmᵀ dTm Tmᵀ
+        dq  = Γ Y + (dP ∘ M) K
+        dk  = −βΓ Z + exp(γ_L − γ) dK̃ + (dP ∘ M)ᵀ Q + (D + Dᵀ) K,   D = dA ∘ diag(β) M
+        dv  = β dR
+        dβ  = (V − Γ X_K)·dR + Σ_s (dA ∘ M ∘ KK)_ts,   with (Γ X_K)·dR = Γ k·Z (no X_K needed)
+        dγ  = Γ q·Y − βΓ k·Z − K̃·dK̃ + rows − columns of (dP ∘ P) and of (dA ∘ A);
+              the last token adds Γ_L ⟨S₀, dS_n⟩ + Σ_t K̃_t·dK̃_t
+        dg  = the reverse cumulative sum of dγ over the chunk (γ is g's cumulative sum)
+    """
+    Q, K, V, gg, bb = cache["Q"], cache["K"], cache["V"], cache["g"], cache["beta"]
+    chunk, starts, deltas, G = cache["chunk"], cache["starts"], cache["deltas"], cache["G"]
+    B, Hv, T, Dk = Q.shape
+    Dv = V.shape[3]
+    dO = do.transpose(0, 2, 1, 3)
+    dQ, dK, dV = np.zeros_like(Q), np.zeros_like(K), np.zeros_like(V)
+    dg, dbeta = np.zeros_like(gg), np.zeros_like(bb)
+    dS = np.zeros((B, Hv, Dk, Dv), V.dtype) if dstate is None else np.array(dstate, V.dtype)
+    tr = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
+    for j in reversed(range(len(starts))):
+        sl = slice(j * chunk, min(T, (j + 1) * chunk))
+        Qc, Kc, Vc, bc, dOc = Q[:, :, sl], K[:, :, sl], V[:, :, sl], bb[:, :, sl], dO[:, :, sl]
+        S0, D = starts[j], deltas[j]
+        n = Kc.shape[2]
+        gam, M, KK, QK, Tm, P = chunk_matrices(Kc, Qc, gg[:, :, sl], bc)
+        Gam = np.exp(gam)
+        tail = np.exp(gam[..., -1:] - gam)  # exp(γ_L − γ_t)
+        Kt = Kc * tail[..., None]
+        # the sequential part
+        dD = tr(P) @ dOc + Kt @ dS
+        dR = tr(Tm) @ dD
+        dS0 = (np.exp(gam[..., -1])[..., None, None] * dS + tr(Kc) @ (-(bc * Gam)[..., None] * dR)
+               + tr(Qc) @ (Gam[..., None] * dOc))  # fmt: skip
+        # the per-token products with the chunk's states
+        Z, Y, dKt = dR @ tr(S0), dOc @ tr(S0), D @ tr(dS)
+        # the intra-chunk part
         lower = np.tril(np.ones((n, n), bool))
-        diff = np.where(lower, gam[..., :, None] - gam[..., None, :], 0.0)
-        ratio = np.where(lower, np.exp(diff), 0.0)  # Γ_t/Γ_s for s <= t, else 0
-        strict = ratio * ~np.eye(n, dtype=bool)
-        A = bc[..., :, None] * (Kc @ Kc.transpose(0, 1, 3, 2)) * strict
-        rhs = bc[..., None] * (Vc - np.exp(gam)[..., None] * (Kc @ S))
-        D = np.linalg.solve(np.eye(n, dtype=A.dtype) + A, rhs)  # (B, Hv, n, Dv): the corrections δ
-        O[:, :, sl] = np.exp(gam)[..., None] * (Qc @ S) + ((Qc @ Kc.transpose(0, 1, 3, 2)) * ratio) @ D
-        tail = np.exp(gam[..., -1:] - gam)  # (B, Hv, n): Γ_n/Γ_s
-        S = np.exp(gam[..., -1])[..., None, None] * S + (Kc * tail[..., None]).transpose(0, 1, 3, 2) @ D
-    return O.transpose(0, 2, 1, 3).astype(v.dtype, copy=False), S
+        dQK = np.where(lower, dOc @ tr(D), 0.0) * M
+        dA = np.tril(-(dR @ tr(D)), -1)
+        dKK = dA * bc[..., :, None] * M
+        E = dQK * QK + dKK * KK  # dP ∘ P + dA ∘ A
+        dgam = (np.sum(Gam[..., None] * Qc * Y, -1) - np.sum((bc * Gam)[..., None] * Kc * Z, -1)
+                - np.sum(Kt * dKt, -1) + E.sum(-1) - E.sum(-2))  # fmt: skip
+        last = np.exp(gam[..., -1]) * np.sum(S0 * dS, axis=(-2, -1)) + np.sum(Kt * dKt, axis=(-2, -1))
+        dgam[..., -1] += last
+        dQ[:, :, sl] = Gam[..., None] * Y + dQK @ Kc
+        dK[:, :, sl] = (-(bc * Gam)[..., None] * Z + tail[..., None] * dKt + tr(dQK) @ Qc
+                        + (dKK + tr(dKK)) @ Kc)  # fmt: skip
+        dV[:, :, sl] = bc[..., None] * dR
+        dbeta[:, :, sl] = np.sum(Vc * dR, -1) - Gam * np.sum(Kc * Z, -1) + np.sum(dA * M * KK, -1)
+        dg[:, :, sl] = np.flip(np.cumsum(np.flip(dgam, -1), -1), -1)
+        dS = dS0
+    Hk = Hv // G
+    dq = dQ.transpose(0, 2, 1, 3).reshape(B, T, Hk, G, Dk).sum(axis=3)
+    dk = dK.transpose(0, 2, 1, 3).reshape(B, T, Hk, G, Dk).sum(axis=3)
+    return dq, dk, dV.transpose(0, 2, 1, 3), dg.transpose(0, 2, 1), dbeta.transpose(0, 2, 1), dS
 
 
 # ----------------------------------------------------------------------------------------------------------

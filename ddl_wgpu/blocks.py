@@ -48,6 +48,11 @@ class Blocks(GatedDeltaNet):
     token mixer is full attention (optionally gated, partial RoPE) or, in a hybrid trunk, a Gated DeltaNet
     (`gdn.GatedDeltaNet`, per `cfg.layer_type(i)`)."""
 
+    # K slices of the forward's GEMMs (`ops.matmul`'s split_k; None: chosen by shape). A work whose rows must
+    # not depend on how many windows share a pass sets 1 (`stream.TrunkPass`): slicing is chosen by the
+    # product's shape, so another row count could sum another way.
+    split_k: int | None = None
+
     def __init__(self, net, batch: int, seq: int, chunk_rows: int | None = None, span: int | None = None,
                  cfg=None):  # fmt: skip
         """`span`: the positions the seq rows cover (default seq), at most the model's max_seq_len. `cfg`: the
@@ -82,7 +87,7 @@ class Blocks(GatedDeltaNet):
         self.loss_acc = self.act(4, "loss_sum")
         self.readback = self.gpu.buffer(32, label="readback")  # loss sum, norm, clip, finite; draft loss
         self.chunk = min(N, chunk_rows or head_chunk_rows(self.gpu, N, C, cfg.vocab_size))
-        self.logit_chunk = self.act(self.chunk * cfg.vocab_size, "logits_chunk")
+        self.logit_chunk = self._logits(self.chunk * cfg.vocab_size)
         self._topk: dict = {}
 
     def _last_state(self):
@@ -91,6 +96,16 @@ class Blocks(GatedDeltaNet):
 
     def act(self, n: int, label: str):
         return self.gpu.buffer(n * F32, label=label)
+
+    def _logits(self, n: int):
+        """The head's chunk of logits (n floats): its own, or when the net keeps `shared_logits` (a dict: works of
+        it that never run within one submit, heal's draft's) one buffer every such work of the net reads."""
+        shared = getattr(self.net, "shared_logits", None)
+        if shared is None:
+            return self.act(n, "logits_chunk")
+        if shared.get("buffer") is None or shared["buffer"].size < n * F32:
+            shared["buffer"] = self.act(n, "logits_chunk")
+        return shared["buffer"]
 
     @property
     def shares_acts(self) -> bool:
@@ -118,23 +133,19 @@ class Blocks(GatedDeltaNet):
         cfg = self.cfg
         return ref_ops.rope_tables(self.T, cfg.head_dim, cfg.rope_theta, np.float64, cfg.rope_dim)
 
-    def block_acts(self, tag: str, S: int, mixer: str = "full_attention") -> dict:
+    def block_acts(self, tag: str, S: int, mixer: str = "full_attention", share: dict | None = None) -> dict:
         """Saved activations of one block (`x` is the block input: stream or DDL state of S floats) whose token
-        mixer is `mixer` ("full_attention" or "linear_attention")."""
-        cfg, N, C, B, T, act = self.cfg, self.N, self.C, self.B, self.T, self.act
+        mixer is `mixer` ("full_attention" or "linear_attention"). `share`: buffers to use instead of new ones
+        for those of its keys the block has (a forward-only trunk's mixer types share the MLP's)."""
+        cfg, N, C, B, T = self.cfg, self.N, self.C, self.B, self.T
         H, K, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
-        a = {
-            "mixer": mixer,
-            "x": act(S, f"x{tag}"),  # block input: stream or DDL state
-            "h": act(N * C, f"h{tag}"),
-            "r1": act(N, f"rstd1_{tag}"),
-            "xm": act(S, f"xm{tag}"),  # stream/state after the attention sublayer
-            "h2": act(N * C, f"h2{tag}"),
-            "r2": act(N, f"rstd2_{tag}"),
-            "gate": act(N * F, f"gate{tag}"),
-            "up": act(N * F, f"up{tag}"),
-            "s": act(N * F, f"swiglu{tag}"),
-        }
+        share, act = share or {}, self.act
+        # the block's input and both sublayers' norms, and the MLP (key, floats, label)
+        common = (("x", S, f"x{tag}"), ("h", N * C, f"h{tag}"), ("r1", N, f"rstd1_{tag}"),
+                  ("xm", S, f"xm{tag}"),  # stream/state after the attention sublayer
+                  ("h2", N * C, f"h2{tag}"), ("r2", N, f"rstd2_{tag}"), ("gate", N * F, f"gate{tag}"),
+                  ("up", N * F, f"up{tag}"), ("s", N * F, f"swiglu{tag}"))  # fmt: skip
+        a = {"mixer": mixer, **{k: share[k] if k in share else act(n, label) for k, n, label in common}}
         if mixer == "linear_attention":
             return self.gdn_acts(tag, a)
         a.update(
@@ -197,7 +208,7 @@ class Blocks(GatedDeltaNet):
     def _linear(self, out, x, name: str, n_out: int, n_in: int) -> Call:
         """out (N, n_out) = x (N, n_in) · W[name]ᵀ."""
         return k_mm.linear_forward(self.gpu, out, x, self.net.view(name), self.N, n_out, n_in,
-                                   self.net.wdtype(name))  # fmt: skip
+                                   self.net.wdtype(name), self.split_k)  # fmt: skip
 
     def _linears(self, x, n_in: int, outs: list[tuple]) -> Call:
         """Several linear layers of one input, out (N, n_out) = x · W[name]ᵀ for each (out, name, n_out) of
@@ -216,7 +227,7 @@ class Blocks(GatedDeltaNet):
     def _project_out(self, out, x, name: str, n_in: int, accumulate: bool) -> Call:
         """out (N, C) (+)= x (N, n_in) · W[name]ᵀ: a sublayer's output projection (into the residual)."""
         return k_mm.matmul(self.gpu, out, x, self.net.view(name), self.N, self.C, n_in, trans_b=True,
-                           accumulate=accumulate, b_dtype=self.net.wdtype(name))  # fmt: skip
+                           accumulate=accumulate, b_dtype=self.net.wdtype(name), split_k=self.split_k)  # fmt: skip
 
     def _norm(self, out, rstd, x, name: str, rows: int | None = None, dim: int | None = None) -> Call:
         cfg = self.cfg
@@ -505,10 +516,14 @@ class Blocks(GatedDeltaNet):
         """`forward` (inputs already uploaded), then per row the k most likely next tokens and their
         full-softmax probabilities (ties to the lower id, so ids[..., 0] is the argmax) -> (ids (B, T, k)
         int32, probs (B, T, k) f32). The forward's hidden rows stay readable through `hidden()`."""
+        rec = self.gpu.recorder()
+        forward.record(rec)
+        return self.topk_after(rec, k)
+
+    def topk_after(self, rec, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """`run_topk` after a forward already recorded into `rec`: the head and top-k, submit, read."""
         g, N = self.gpu, self.N
         call, ids_out, probs_out = self._topk_call(k)
-        rec = g.recorder()
-        forward.record(rec)
         call.record(rec)
         rec.submit()
         shape = (self.B, self.T, k)

@@ -40,7 +40,7 @@ from typer._click import utils as usage_utils
 from ddl_ref.config import ARCH_MTP, ModelVariant
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu import accept as accept_lib
-from ddl_wgpu import cli_jobs
+from ddl_wgpu import cli_jobs, gpumem
 from ddl_wgpu import generate as generate_lib
 from ddl_wgpu import train as train_lib
 from ddl_wgpu.backend import choose_backend, make_net
@@ -54,6 +54,7 @@ from ddl_wgpu.cli_checks import (
     is_user_error,
     output_file,
     within_context,
+    writes,
 )
 from ddl_wgpu.cli_options import (
     Arch,
@@ -63,6 +64,7 @@ from ddl_wgpu.cli_options import (
     DModel,
     FfnHidden,
     ForceOpt,
+    GpuMemory,
     HeadDim,
     MaxSeqLen,
     NHeads,
@@ -194,12 +196,15 @@ def init(
     fits(cfg, False, "the model")
     params = init_params(cfg, seed)
     prov = {"init": {"seed": seed, "preset": preset, "arch": arch}}
-    save_model(out, Model(cfg, params, variant=v.slug, provenance=prov))
-    table = param_table(cfg)
-    n = sum(s.numel for s in table)
-    base_n = sum(s.numel for s in param_table(ModelVariant.parse("baseline").resolve_config(base)))
-    typer.echo(f"variant {v.slug}: {n:,} parameters ({n - base_n:+,} over baseline) in {len(table)} tensors")
-    typer.echo(f"wrote {out}")
+    with writes(out):
+        save_model(out, Model(cfg, params, variant=v.slug, provenance=prov))
+        table = param_table(cfg)
+        n = sum(s.numel for s in table)
+        base_n = sum(s.numel for s in param_table(ModelVariant.parse("baseline").resolve_config(base)))
+        typer.echo(
+            f"variant {v.slug}: {n:,} parameters ({n - base_n:+,} over baseline) in {len(table)} tensors"
+        )
+        typer.echo(f"wrote {out}")
 
 
 @app.command("eval")
@@ -213,6 +218,7 @@ def eval_(
     max_tokens: int = typer.Option(200_000, "--max-tokens", help="Read at most this many tokens (0: all)."),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    gpu_memory: GpuMemory = None,
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
@@ -221,9 +227,12 @@ def eval_(
     in_range("batch", batch, 1)
     in_range("max-tokens", max_tokens, 0)
     batch_tokens("batch", batch, seq_len or 128)
+    budget = gpumem.budget(gpu_memory)
     choice = choose_backend(backend, device)
     typer.echo(backend_line(choice), err=as_json)
-    m = load_model(model, verify=not no_verify)
+    on_gpu = choice.name == "wgpu"  # the GPU trunk reads its tensors from the file as it needs them
+    m = load_model(model, verify=not no_verify, names=(lambda n: False) if on_gpu else None,
+                   check_memory=not on_gpu)  # fmt: skip
     within_context("seq-len", seq_len, m.cfg)
     ds = eval_windows(
         data,
@@ -234,8 +243,15 @@ def eval_(
         vocab_size=m.cfg.vocab_size,
     )
     t0 = time.perf_counter()
-    net = make_net(m.cfg, m.params, choice.name, device)
-    ev = train_lib.evaluate(net, ds, 0, spectral=True)
+    plan = None
+    if on_gpu:
+        from ddl_wgpu import trunk_eval  # the GPU layer: only a GPU run loads wgpu
+
+        ev, plan = trunk_eval.evaluate_file(model, m.cfg, ds, device, budget, not no_verify,
+                                            say=lambda line: typer.echo(line, err=as_json))  # fmt: skip
+    else:
+        net = make_net(m.cfg, m.params, choice.name, device)
+        ev = train_lib.evaluate(net, ds, 0, spectral=True)
     dt = time.perf_counter() - t0
     out = {
         **ev["metrics"],
@@ -247,6 +263,7 @@ def eval_(
         "variant": m.variant,
         "seconds": dt,
         "tokens_per_s": ds.num_tokens / max(dt, 1e-9),
+        "plan": plan.to_dict() if plan is not None else None,
     }
     if ev["spectral"] is not None:
         out["spectral"] = ev["spectral"]
@@ -255,6 +272,11 @@ def eval_(
         f"{out['tokens']} tokens ({choice.name}, {dt:.2f} s)"
     )
     emit(out, as_json, text)
+
+
+def _say(line: str) -> None:
+    """A long file command's progress, on standard error (standard output holds its summary, maybe JSON)."""
+    typer.echo(line, err=True)
 
 
 @app.command("import-hf")
@@ -269,8 +291,9 @@ def import_hf(
 ):
     """Import a Qwen3, Llama or Qwen3.5 (CausalLM or ConditionalGeneration) folder into our container."""
     output_file(out, force, flag="")
-    summary = import_hf_to_file(folder, out)
-    emit(summary, as_json, summary_text(summary) + f"\nwrote {out}")
+    with writes(out):
+        summary = import_hf_to_file(folder, out, say=_say)
+        emit(summary, as_json, summary_text(summary) + f"\nwrote {out}")
 
 
 @app.command("export-hf")
@@ -288,8 +311,9 @@ def export_hf(
 ):
     """Export a model as a Hugging Face folder (Qwen3/Llama for baseline models, Qwen3.5 in the layout it came
     from for hybrid trunks, raw tensors for DDL)."""
-    summary = export_hf_from_file(model, folder, raw=raw, overwrite=force, verify=not no_verify)
-    emit(summary, as_json, summary_text(summary) + f"\nwrote {folder}")
+    with writes(folder):
+        summary = export_hf_from_file(model, folder, raw=raw, overwrite=force, verify=not no_verify, say=_say)
+        emit(summary, as_json, summary_text(summary) + f"\nwrote {folder}")
 
 
 app.command()(cli_jobs.train)
@@ -315,8 +339,9 @@ def compress(
     """Structural compress: drop whole blocks, or keep the most important SwiGLU channels."""
     refuse_overwrite_input(out, [model], CompressError)  # "is the input" says more than "exists"
     output_file(out, force)
-    prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep, verify=not no_verify)
-    emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
+    with writes(out):
+        prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep, verify=not no_verify, say=_say)
+        emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
 
 
 @app.command()
@@ -337,6 +362,7 @@ def accept(
     device: DeviceOpt = None,
     trunk_dtype: TrunkDtype = "f32",
     chain_attention: ChainAttention = None,
+    gpu_memory: GpuMemory = None,
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
@@ -346,6 +372,7 @@ def accept(
     in_range("tokens", tokens, 0)
     if window is None and depth + 1 > accept_lib.WINDOW:
         fail(f"--depth {depth} needs windows of at least {depth + 1} tokens: pass --window")
+    budget = gpumem.budget(gpu_memory)
     choice = choose_backend(backend, device)
     typer.echo(backend_line(choice), err=as_json)
     chain_attention, why = accept_lib.chain_attention_of(model, chain_attention)
@@ -356,7 +383,8 @@ def accept(
     r = accept_lib.accept_file(model, data, depth=depth, window=window, tokens=tokens or None,
                                backend=choice.name, probe_conventions=probe_conventions, device=device,
                                trunk_dtype=trunk_dtype, chain_attention=chain_attention,
-                               verify=not no_verify)  # fmt: skip
+                               verify=not no_verify, gpu_memory=budget,
+                               say=lambda line: typer.echo(line, err=as_json))  # fmt: skip
     emit(r, as_json, accept_text(r))
 
 
@@ -426,6 +454,7 @@ def generate(
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     trunk_dtype: TrunkDtype = "f32",
+    gpu_memory: GpuMemory = None,
     as_json: bool = typer.Option(False, "--json", help="Print the text, token ids and timings as JSON."),
 ):
     """Continue a prompt: the text streamed as it is produced (greedy, or sampled), optionally speculating with
@@ -437,6 +466,8 @@ def generate(
     m = load_model(model)
     if speculative:  # a round drafts within the model's context (and sizes its cache by the depth)
         in_range("depth", depth, 1, m.cfg.max_seq_len - 1)
+    if choice.name == "wgpu":  # decoding reads every weight per token: a model past the budget is refused
+        gpumem.check_decode(m.cfg, trunk_dtype, gpumem.budget(gpu_memory), speculative)
     text = _prompt_of(prompt, prompt_file, m)
     typer.echo(backend_line(choice), err=True)
     r = generate_lib.generate(m, text, max_new_tokens=max_new_tokens, sampling=sampling, stops=stop or (),

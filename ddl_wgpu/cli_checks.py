@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -65,6 +67,35 @@ def output_file(out: Path, force: bool = True, flag: str = "--out") -> None:
             fail(f"{label}: cannot create {parent}: {e.strerror or e}")
     if not os.access(parent, os.W_OK | os.X_OK):
         fail(f"{label}: the folder {parent} is not writable")
+
+
+def _identity(out: Path) -> tuple | None:
+    """What stands at `out` (and the shards of a model saved as a set under its name) now: None for nothing."""
+    found = []
+    for p in (out, *_stale_set_files(out)):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        found.append((str(p), st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+    return tuple(found) or None
+
+
+@contextlib.contextmanager
+def writes(out: Path) -> Iterator[None]:
+    """Around the part of a command that writes `out` and says so. Outputs are written under a temporary name
+    and renamed into place only when complete, so a Ctrl-C that lands once something new stands at `out`
+    (after the rename, before the command said "wrote") interrupted nothing: the command says that `out` was
+    written and exits 0, instead of "interrupted" over a complete output that a re-run would then find
+    "already exists". A Ctrl-C before the rename is an interruption as anywhere (nothing was written)."""
+    before = _identity(out)
+    try:
+        yield
+    except KeyboardInterrupt:
+        if _identity(out) in (None, before):
+            raise
+        typer.echo(f"wrote {out} (complete: the Ctrl-C came after it was written)", err=True)
+        raise typer.Exit(0) from None
 
 
 def within_context(flag: str, value: int | None, cfg) -> None:
@@ -153,12 +184,19 @@ HINTS = {
     "locked": "wait for it to end, or write to another --out",
     "not_writable": "write to another --out",
     "out_not_folder": "--out names a folder to create",
+    "gpu_memory": "heal, accept and eval plan within --gpu-memory SIZE (what the card has free), streaming the "
+    "trunk layer by layer when it does not fit",
 }
 
-# OS errors a user causes through the files they name: one line, not a traceback.
+# OS errors a user causes through the files they name: one line, not a traceback. (A name of more than 255
+# bytes, or a symbolic link that leads back to itself, fails at the first look at the path, wherever that is.)
 USER_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EROFS: "read-only file system",
                errno.EDQUOT: "disk quota exceeded", errno.EACCES: "permission denied",
-               errno.ENOTDIR: "not a folder", errno.EEXIST: "already exists"}  # fmt: skip
+               errno.ENOTDIR: "not a folder", errno.EEXIST: "already exists",
+               errno.ENAMETOOLONG: "file name too long",
+               errno.ELOOP: "too many levels of symbolic links"}  # fmt: skip
+# Python before 3.13 reports a symbolic link loop met by `Path.resolve()` as this RuntimeError (3.13: ELOOP)
+SYMLINK_LOOP = "Symlink loop from "
 
 
 def hint(e: BaseException) -> str:
@@ -174,7 +212,13 @@ def hint(e: BaseException) -> str:
     return ""
 
 
+def _symlink_loop(e: BaseException) -> bool:
+    return type(e) is RuntimeError and str(e).startswith(SYMLINK_LOOP)
+
+
 def is_user_error(e: BaseException) -> bool:
+    if _symlink_loop(e):
+        return True
     if isinstance(e, UserError | BackendError | ConfigError | CheckpointError | HfError | FileNotFoundError
                   | IsADirectoryError
                   | PermissionError):  # fmt: skip
@@ -186,8 +230,11 @@ def is_user_error(e: BaseException) -> bool:
 
 
 def error_line(e: BaseException) -> str:
+    if _symlink_loop(e):  # "Symlink loop from '/x/y'": the path, as an OSError names it
+        return f"error: {str(e)[len(SYMLINK_LOOP) :].strip(chr(39))}: {USER_ERRNOS[errno.ELOOP]}"
     if isinstance(e, OSError) and e.errno in USER_ERRNOS:
         where = e.filename if e.filename is not None else "writing"
-        return f"error: {where}: {USER_ERRNOS[e.errno]} ({e.strerror or e})"
+        why, detail = USER_ERRNOS[e.errno], e.strerror or str(e)
+        return f"error: {where}: {why}" + ("" if detail.lower() == why else f" ({detail})")
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return f"error: {msg}{hint(e)}"

@@ -18,6 +18,7 @@ from pathlib import Path
 import typer
 
 from ddl_ref.config import parse_variants
+from ddl_wgpu import gpumem
 from ddl_wgpu import heal as heal_lib
 from ddl_wgpu import sweep as sweep_lib
 from ddl_wgpu import train as train_lib
@@ -31,6 +32,7 @@ from ddl_wgpu.cli_checks import (
     output_file,
     resume_backend,
     sweep_backend,
+    writes,
 )
 from ddl_wgpu.cli_options import (
     Arch,
@@ -42,7 +44,9 @@ from ddl_wgpu.cli_options import (
     DraftWidth,
     FfnHidden,
     ForceOpt,
+    GpuMemory,
     HeadDim,
+    HostMemory,
     MaxSeqLen,
     NHeads,
     NKvHeads,
@@ -70,7 +74,7 @@ from ddl_wgpu.data import (
 )
 from ddl_wgpu.plots import write_plots
 from ddl_wgpu.rundir import RunLock, claim_output
-from ddl_wgpu.safeio import refuse_overwrite_input
+from ddl_wgpu.safeio import refuse_overwrite_input, resolved
 from ddl_wgpu.sweep_checks import capped_runner, check_runner
 
 TRAIN = train_lib.TrainingConfig()  # the defaults of the training options
@@ -451,7 +455,8 @@ def resume(
                                 stop_after=stop_after, progress=con, data=source)  # fmt: skip
     where = out or checkpoint.parent
     sweep_dir = checkpoint.parent.parent if ck["sweep"] and out is None and steps is None else None
-    elsewhere = out is not None and out.resolve() != checkpoint.parent.resolve()
+    err = train_lib.TrainingError
+    elsewhere = out is not None and resolved(out, err) != resolved(checkpoint.parent, err)
     if elsewhere:  # --overwrite would clear the very checkpoint the run continues from
         refuse_overwrite_input(out, [checkpoint], train_lib.TrainingError)
     # another --out is claimed as `train` claims its own: a new phase never writes over another run
@@ -509,6 +514,8 @@ def heal(
     ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    gpu_memory: GpuMemory = None,
+    host_memory: HostMemory = None,
     force: ForceOpt = False,
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="JSON progress lines and the report as JSON."),
@@ -519,11 +526,11 @@ def heal(
                             ("patience", patience, 0), ("seed", seed, 0)):  # fmt: skip
         in_range(flag, value, lo)
     in_range("epochs", epochs, 0.0, 1e6)
-    if chain >= window:
-        fail(f"--chain {chain} needs windows longer than the chain: --window {window} is too short")
     batch_tokens("batch", batch, window, "window")
     refuse_overwrite_input(out, [model, init], heal_lib.HealError)
     output_file(out, force)
+    budget = gpumem.budget(gpu_memory)
+    host_budget = gpumem.parse_size(host_memory, "--host-memory") if host_memory else None
     cfg = heal_lib.HealConfig(chain=chain, refresh=refresh, tokens=tokens, window=window, epochs=epochs, lr=lr,
                               topk=topk, batch=batch, eval_every=eval_every, patience=patience, seed=seed,
                               trunk_dtype=trunk_dtype, chain_attention=chain_attention, draft_width=draft_width,
@@ -536,15 +543,17 @@ def heal(
         reason = flag if why[key] == "as given" else why[key]
         typer.echo(f"  {key.replace('_', ' ')}: {getattr(cfg, key)} ({reason})", err=as_json)
     typer.echo("  " + backend_line(choice), err=as_json)
-    rep = heal_lib.heal(model, data, out, cfg, init_path=init, backend=choice.name,
-                        progress=HealConsole(as_json), device=device, verify=not no_verify)  # fmt: skip
-    if as_json:
-        typer.echo(json.dumps(rep, indent=2, default=str))
-    else:
-        typer.echo(
-            f"healed {rep['steps']} steps (best step {rep['best_step']}): held-out KL "
-            f"{rep['heldout_kl_start']:.4f} -> {rep['heldout_kl_best']:.4f}; wrote {out}"
-        )
+    with writes(out):
+        rep = heal_lib.heal(model, data, out, cfg, init_path=init, backend=choice.name,
+                            progress=HealConsole(as_json), device=device, verify=not no_verify,
+                            gpu_memory=budget, host_memory=host_budget)  # fmt: skip
+        if as_json:
+            typer.echo(json.dumps(rep, indent=2, default=str))
+        else:
+            typer.echo(
+                f"healed {rep['steps']} steps (best step {rep['best_step']}): held-out KL "
+                f"{rep['heldout_kl_start']:.4f} -> {rep['heldout_kl_best']:.4f}; wrote {out}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------

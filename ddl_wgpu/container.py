@@ -121,6 +121,7 @@ from ddl_wgpu.container_format import (
     shard_paths,
 )
 from ddl_wgpu.container_read import Checkpoint, open_checkpoint
+from ddl_wgpu.lazy import Lazy
 
 __all__ = [
     "ALIGNMENT",
@@ -387,7 +388,8 @@ class Writer:
 
     def write(self, name: str, array: Any, dtype: str | None = None) -> None:
         """Write the next declared tensor. `dtype` defaults to the declared one; a float32 array declared
-        "bf16" is rounded to bf16, a uint16 array is taken as raw bf16 bits."""
+        "bf16" is rounded to bf16, a uint16 array is taken as raw bf16 bits. A `Lazy` (ddl_wgpu.lazy) of the
+        declared dtype and shape is written piece by piece, never whole."""
         if self._done:
             raise RuntimeError("writer is closed")
         if self._next >= len(self._order):
@@ -398,9 +400,17 @@ class Writer:
         decl_dtype, decl_shape, nb = self._entries[name]
         if dtype is not None and dtype != decl_dtype:
             raise ValueError(f"tensor {name!r}: dtype {dtype!r} differs from the declared {decl_dtype!r}")
-        arr, _ = _as_storable(name, array, decl_dtype)
-        if arr.shape != decl_shape:
-            raise ValueError(f"tensor {name!r}: shape {arr.shape} differs from the declared {decl_shape}")
+        if isinstance(array, Lazy):
+            if array.dtype != decl_dtype:
+                raise ValueError(
+                    f"tensor {name!r}: dtype {array.dtype!r} differs from the declared {decl_dtype!r}"
+                )
+            shape = array.shape
+        else:
+            array, _ = _as_storable(name, array, decl_dtype)
+            shape = array.shape
+        if shape != decl_shape:
+            raise ValueError(f"tensor {name!r}: shape {shape} differs from the declared {decl_shape}")
         part = self._part_of[name]
         entry = part.table[name]
         h = _hasher()
@@ -411,13 +421,20 @@ class Writer:
             pad = part.data_start + entry["offset"] - f.tell()
             assert 0 <= pad < ALIGNMENT
             f.write(b"\0" * pad)
-            for chunk in _byte_chunks(arr):
+            pieces = array.pieces() if isinstance(array, Lazy) else [array]
+            for chunk in (c for p in pieces for c in _byte_chunks(p)):
                 h.update(chunk)
                 f.write(chunk)
         except OSError as e:
             self.abort()
             raise _write_error(part.final, e) from None
-        assert f.tell() == part.data_start + entry["offset"] + nb
+        except BaseException:  # a bad piece of a Lazy (its source's error): nothing is left half written
+            self.abort()
+            raise
+        if f.tell() != part.data_start + entry["offset"] + nb:
+            self.abort()
+            raise ValueError(f"tensor {name!r}: {f.tell() - part.data_start - entry['offset']} bytes written, "
+                             f"{nb} declared")  # fmt: skip
         entry["hash"] = h.hexdigest()
         self._next += 1
 
@@ -484,21 +501,29 @@ def save(
     shard_bytes: int | None = None,
 ) -> list[Path]:
     """Write a checkpoint. `tensors` is a dict name -> array or an iterable of (name, array) or
-    (name, array, dtype) — e.g. ("w", uint16_bits, "bf16"). Arrays may be numpy memmaps; they are written
-    and hashed chunk by chunk, never concatenated. Tensors keep the given order.
+    (name, array, dtype) — e.g. ("w", uint16_bits, "bf16"). Arrays may be numpy memmaps or `Lazy` tensors
+    (`ddl_wgpu.lazy`, in their own dtype); they are written and hashed chunk by chunk, never concatenated.
+    Tensors keep the given order.
 
     Returns the written paths: `[path]`, or the shard files when `shard_bytes` forced a split (then `path`
     itself is not created; `open_checkpoint(path)` finds the set). A previous checkpoint at `path` is
     replaced only once the new one is complete.
     """
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
-    prepared: list[tuple[str, np.ndarray, str]] = []
+    prepared: list[tuple[str, np.ndarray | Lazy, str]] = []
     for item in items:
         if not isinstance(item, tuple) or len(item) not in (2, 3):
             raise TypeError(f"tensors must yield (name, array) or (name, array, dtype), got {item!r:.80}")
         name = item[0]
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor name must be a non-empty str, got {name!r}")
+        if isinstance(item[1], Lazy):
+            if len(item) == 3 and item[2] != item[1].dtype:
+                raise ValueError(
+                    f"tensor {name!r}: dtype {item[2]!r} differs from its Lazy's {item[1].dtype!r}"
+                )
+            prepared.append((name, item[1], item[1].dtype))
+            continue
         arr, dtype = _as_storable(name, item[1], item[2] if len(item) == 3 else None)
         prepared.append((name, arr, dtype))
     specs = [(n, d, a.shape) for n, a, d in prepared]
@@ -511,6 +536,9 @@ def save(
         tokenizer=tokenizer,
         shard_bytes=shard_bytes,
     ) as w:
-        for name, arr, dtype in prepared:
-            w.write(name, arr, dtype)
+        for i in range(len(prepared)):
+            w.write(*prepared[i])
+            prepared[i] = (
+                None  # let a memory-mapped source go once written (else a model's worth of pages stay)
+            )
     return w.paths

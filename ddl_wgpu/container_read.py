@@ -3,6 +3,7 @@ read lazily and hashed the first time they are read."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import threading
@@ -41,6 +42,7 @@ from ddl_wgpu.container_format import (
     header_checksum,
     shard_paths,
 )
+from ddl_wgpu.lazy import Lazy, rows_per_piece
 from ddl_wgpu.safeio import open_regular
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -394,9 +396,51 @@ class _File:
                 for chunk in _byte_chunks(arr):
                     h.update(chunk)
                 self._check_hash(t, h)
+                # the pages hashed stay in the page cache, not in this process: a reader that maps a whole model
+                # tensor by tensor keeps its resident memory at what it is using
+                mm = getattr(arr, "_mmap", None)
+                if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+                    mm.madvise(mmap.MADV_DONTNEED)
         if t.dtype == "bool" and arr.size and arr.view(np.uint8).max() > 1:
             raise self.fail(f"tensor {t.name!r}: bool tensor holds bytes other than 0 and 1")
         return arr
+
+    def pieces(self, t: TensorInfo, verify: bool) -> Iterator[np.ndarray]:
+        """The tensor's rows, a piece of about PIECE_BYTES at a time, each read into a new array (nothing mapped,
+        so the process holds one piece, not the tensor). With `verify`, the bytes are hashed as they are read and
+        checked before the last piece is handed out: a consumer never finishes with bytes that differ from what
+        was saved (a writer it feeds aborts on the error)."""
+        self._check_unchanged()
+        dt = DTYPES[t.dtype]
+        verify = verify and t.name not in self._verified
+        h = _hasher() if verify else None
+        if not t.shape:
+            pieces = [((), 0, t.nbytes)]
+        else:
+            step = rows_per_piece(t.shape, dt.itemsize)
+            row = t.nbytes // t.shape[0] if t.shape[0] else 0
+            pieces = [((min(step, t.shape[0] - r), *t.shape[1:]), r * row, min(step, t.shape[0] - r) * row)
+                      for r in range(0, t.shape[0], step)]  # fmt: skip
+        if not pieces:
+            if verify:
+                self._check_hash(t, h)
+            return
+        for i, (shape, start, n) in enumerate(pieces):
+            arr = np.empty(shape, dt)
+            got = self.read_into(
+                self.data_start + t.offset + start, memoryview(arr.reshape(-1).view(np.uint8))
+            )
+            if got != n:
+                raise self.fail(
+                    f"tensor {t.name!r}: short read of {start + got} of {t.nbytes} bytes (file truncated?)"
+                )
+            if verify:
+                h.update(memoryview(arr.reshape(-1).view(np.uint8)))
+                if i == len(pieces) - 1:
+                    self._check_hash(t, h)
+            if t.dtype == "bool" and arr.size and arr.view(np.uint8).max() > 1:
+                raise self.fail(f"tensor {t.name!r}: bool tensor holds bytes other than 0 and 1")
+            yield arr
 
     def verify(self) -> None:
         self._check_unchanged()
@@ -510,6 +554,12 @@ class Checkpoint:
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.tensor(name)
+
+    def lazy(self, name: str) -> Lazy:
+        """The tensor as stored, read piece by piece each time it is iterated (`ddl_wgpu.lazy`), hashed on the
+        first complete read when the checkpoint was opened with verify=True."""
+        t, f, verify = self._infos[name], self._file_of[name], self.verify_reads
+        return Lazy(t.shape, t.dtype, lambda: f.pieces(t, verify))
 
     def tensor_f32(self, name: str) -> np.ndarray:
         """A float tensor (f32/f16/bf16/f64) converted to float32."""

@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from ddl_wgpu.errors import UserError
-from ddl_wgpu.safeio import load_json, open_regular
+from ddl_wgpu.safeio import load_json, open_regular, utf8_text
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -141,11 +141,7 @@ class HFTokenizer:
                 "this model carries a Hugging Face tokenizer, which needs the 'tokenizers' package: "
                 "pip install 'ddl-wgpu[hf]'"
             ) from exc
-        text = (
-            tokenizer_json.decode("utf-8")
-            if isinstance(tokenizer_json, bytes | bytearray)
-            else tokenizer_json
-        )
+        text = utf8_text(tokenizer_json, "the model's tokenizer.json", DataError)  # at load, as at import
         try:
             self._tok = Tokenizer.from_str(text)
         except Exception as exc:  # the Rust side raises its own exception type

@@ -6,18 +6,21 @@ like `ddl_ref.gdn.gdn_forward` / `gdn_backward`.
     c = silu(causal_conv(X))                       planar q | k | v     ops.gdn_inputs.conv_forward
     q̂, k̂ = L2-normalised q (/√Dk), k               an RMSNorm            ops.gdn_inputs.l2norm_forward
     g, β = −exp(A_log)·softplus(a + dt_bias), σ(b)                        ops.gdn_inputs.gates_forward
-    o = the gated delta rule over t (state Dk × Dv per value head)       ops.gated_delta
+    o = the gated delta rule over t (state Dk × Dv per value head)       ops.gated_delta (chunked)
     y = silu(z) ⊙ RMSNorm(o) per value head (w·x̂)                         ops.rmsnorm + ops.swiglu
     out = y Woutᵀ                                                        ops.matmul (into the residual)
 
-The backward runs the same ops in reverse, through one set of scratch buffers every Gated DeltaNet layer
-shares (`gdn_scratch`), the delta rule's state scratch included. What each layer keeps for its backward: the
-GEMM outputs (X, z, a, b), the conv output, q̂/k̂ and the gates, the rule's r = v − u and chunk checkpoints
-(training nets only), o and its normalised form, y.
+The rule runs in its chunked form (`ops.gated_delta.chunk_forward` / `chunk_backward`,
+docs/kernels.md#the-chunked-form) through one scratch buffer every Gated DeltaNet layer shares (`gdn_scr`);
+the backward runs the same ops in reverse, through one set of scratch buffers the layers share
+(`gdn_scratch`). What each layer keeps for its backward: the GEMM outputs (X, z, a, b), the conv output,
+q̂/k̂ and the gates, the rule's Δ (its per-token corrections) and the state before each chunk (training nets
+only), o and its normalised form, y.
 
 Decoding with a cache (`ddl_wgpu.decode.TrunkRows`) runs the same forward, overriding two steps: the conv
 (`_gdn_conv`: it reads the cache's window of the k−1 inputs before the pass) and the rule (`_gdn_rule`: it
-starts from the cache's state and writes the state after every row into the cache).
+starts from the cache's state and writes the state after every row into the cache, which the per-token
+kernel does: `ops.gated_delta.gated_delta_forward`).
 """
 
 from __future__ import annotations
@@ -32,8 +35,6 @@ from ddl_wgpu.ops import rmsnorm as k_norm
 from ddl_wgpu.ops import sub
 from ddl_wgpu.ops import swiglu as k_swiglu
 
-CHUNK = 64  # tokens per checkpointed chunk of the delta rule (memory: docs/kernels.md#the-gated-delta-rule)
-
 
 class GatedDeltaNet:
     """Mixin of `blocks.Blocks`: a linear_attention block's activations (`gdn_acts`), forward
@@ -45,9 +46,20 @@ class GatedDeltaNet:
         return cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
 
     @property
-    def gdn_chunk(self) -> int:
+    def gdn_plan(self) -> k_gd.ChunkPlan:
+        """The chunked kernels' plan for this shape and adapter (`ops.gated_delta.chunk_plan`)."""
         Hk, Hv, Dk, Dv = self._gdn_sizes()
-        return k_gd.chunk_tokens(self.gpu, self.B, Hv, Dk, Dv, self.T, CHUNK)
+        return k_gd.chunk_plan(self.gpu, Dk, Dv)
+
+    def gdn_scr(self):
+        """The chunked rule's scratch, one for every layer: the forward's C x C matrices, and in a net that
+        trains the backward's parts too (`ops.gated_delta.chunk_sizes`)."""
+        if getattr(self, "_gdn_scr_buf", None) is None:
+            Hk, Hv, Dk, Dv = self._gdn_sizes()
+            training = not self.net.inference
+            n = k_gd.chunk_scratch_floats(self.gpu, self.B, self.T, Hv, Dk, Dv, training, self.gdn_plan)
+            self._gdn_scr_buf = self.act(n, "gdn_chunk_scratch")
+        return self._gdn_scr_buf
 
     def gdn_acts(self, tag: str, a: dict) -> dict:
         """A Gated DeltaNet layer's saved activations, added to the block's dict `a`."""
@@ -62,19 +74,20 @@ class GatedDeltaNet:
             qkgb=act(k_gd.qkgb_floats(N, Hk, Hv, Dk), f"gdn_qkgb{tag}"),
             qkr=act(k_gi.rstd_floats(N, Hk), f"gdn_qk_rstd{tag}"),
             o=act(N * Hv * Dv, f"gdn_o{tag}"),
-            r=act(N * Hv * Dv, f"gdn_r{tag}"),
+            delta=act(N * Hv * Dv, f"gdn_delta{tag}"),  # Δ (chunked), or v − u (the decoder's per-token rule)
             on=act(N * Hv * Dv, f"gdn_on{tag}"),
             orstd=act(N * Hv, f"gdn_o_rstd{tag}"),
             y=act(N * Hv * Dv, f"gdn_y{tag}"),
         )
-        # checkpoints for the backward (training nets); an inference net's forward saves none
-        n_states = k_gd.states_floats(B, Hv, Dk, Dv, T, self.gdn_chunk) if not self.net.inference else 4
+        # the state before each chunk for the backward (training nets); an inference net's forward saves none
+        n_states = k_gd.states_floats(B, Hv, Dk, Dv, T, self.gdn_plan.chunk) if not self.net.inference else 4
         a["states"] = act(n_states, f"gdn_states{tag}")
+        a["scr"] = self.gdn_scr()
         return a
 
     def gdn_scratch(self) -> dict:
         """Backward scratch shared by every Gated DeltaNet layer."""
-        B, N, act = self.B, self.N, self.act
+        N, act = self.N, self.act
         Hk, Hv, Dk, Dv = self._gdn_sizes()
         Ch = linear_conv_channels(self.cfg)
         return dict(
@@ -84,13 +97,11 @@ class GatedDeltaNet:
             do=act(N * Hv * Dv, "gdn_do"),
             dqk=act(k_gi.qk_floats(N, Hv, Dk), "gdn_dqk"),
             dqk_sum=act(k_gi.qk_floats(N, Hk, Dk), "gdn_dqk_per_key_head"),
-            dgb=act(2 * N * Hv * Dv, "gdn_dgb"),
             dgg=act(N * Hv, "gdn_dgg"),
             dab=act(2 * k_gi.align_floats(N * Hv), "gdn_dab"),
             dcv=act(k_gi.planar_floats(N, Hk, Hv, Dk, Dv), "gdn_dconv"),
             dpre=act(N * Ch, "gdn_dpre"),
             dX=act(N * Ch, "gdn_dX"),
-            scratch=act(k_gd.scratch_floats(B, Hv, Dk, Dv, self.gdn_chunk), "gdn_state_scratch"),
             ones=self.gpu.upload(np.ones(N, np.float32), "gdn_ones"),  # the gates' row sums are a GEMM
         )
 
@@ -128,17 +139,20 @@ class GatedDeltaNet:
 
     def _gdn_rule(self, a: dict, q: str, states=None, state_in=None, tc: int | None = None,
                   save_final: bool = False) -> Call:  # fmt: skip
-        """a["o"], a["r"] = the gated delta rule from the layer's q, k, gates and v; `states` (default the
-        layer's checkpoints, written by training nets only) and `state_in` as `ops.gated_delta`'s (a
-        decoding pass passes its cache's: `decode.TrunkRows`)."""
+        """a["o"] = the gated delta rule from the layer's q, k, gates and v: the chunked kernels, which in a
+        training net also save Δ and the state before each chunk. Given `states`, `state_in` and `tc` (a
+        decoding pass: `decode.TrunkRows`), the per-token kernel from `state_in`, writing the state before
+        every tc-th row and, with `save_final`, the last into `states` (`ops.gated_delta.gated_delta_forward`)."""
         Hk, Hv, Dk, Dv = self._gdn_sizes()
         v_off = k_gi.planar_offsets(self.N, Hk, Dk)[1]
-        ckpt = states is not None or not self.net.inference
-        states = a["states"] if states is None else states
-        tc = self.gdn_chunk if tc is None else tc
-        return k_gd.gated_delta_forward(self.gpu, a["o"], a["r"], states, a["qkgb"], a["cv"], self.B, self.T,
-                                        Hk, Hv, Dk, Dv, tc=tc, v_off=v_off, v_stride=Hv * Dv, state_in=state_in,
-                                        save_ckpt=ckpt, save_final=save_final)  # fmt: skip
+        g, B, T = self.gpu, self.B, self.T
+        if states is not None:
+            return k_gd.gated_delta_forward(g, a["o"], a["delta"], states, a["qkgb"], a["cv"], B, T, Hk, Hv, Dk, Dv,
+                                            tc=tc or T, v_off=v_off, v_stride=Hv * Dv, state_in=state_in,
+                                            save_final=save_final)  # fmt: skip
+        return k_gd.chunk_forward(g, a["o"], a["delta"], a["states"], a["scr"], a["qkgb"], a["cv"], B, T, Hk, Hv, Dk,
+                                  Dv, plan=self.gdn_plan, v_off=v_off, v_stride=Hv * Dv,
+                                  save_ckpt=not self.net.inference)  # fmt: skip
 
     def gdn_backward(self, a: dict, p: str, dout, accumulate_dh: bool) -> Call:
         """Reverse of `gdn_forward`: from d(out) to d(a["h"]) in self.dh (+= with `accumulate_dh`)."""
@@ -155,11 +169,12 @@ class GatedDeltaNet:
         call += k_swiglu.swiglu_backward(g, s["dz"], s["don"], s["dy"], a["z"], a["on"], n)
         call += k_norm.rmsnorm_backward(g, s["do"], G(q + "norm.weight"), s["don"], a["o"], P(q + "norm.weight"),
                                         a["orstd"], N * Hv, Dv, "standard")  # fmt: skip
-        call += k_gd.gated_delta_backward(g, s["dqk"], s["dcv"], s["dgb"], s["scratch"], a["states"], a["qkgb"],
-                                          a["r"], s["do"], self.B, self.T, Hk, Hv, Dk, Dv, tc=self.gdn_chunk,
-                                          v_off=v_off, v_stride=Hv * Dv)  # fmt: skip
-        call += k_gi.gates_backward(g, da, db, G(q + "A_log"), G(q + "dt_bias"), s["dgb"], ga, gb_, P(q + "A_log"),
-                                    P(q + "dt_bias"), s["ones"], N, Hv, Dv, dgg=s["dgg"])  # fmt: skip
+        call += k_gd.chunk_backward(g, s["dqk"], s["dcv"], a["scr"], a["states"], a["delta"], a["qkgb"], a["cv"],
+                                    s["do"], self.B, self.T, Hk, Hv, Dk, Dv, plan=self.gdn_plan, v_off=v_off,
+                                    v_stride=Hv * Dv)  # fmt: skip
+        dgb = k_gd.chunk_dg_view(g, a["scr"], self.B, self.T, Hv, Dk, Dv, self.gdn_plan)  # [dg, dbeta]
+        call += k_gi.gates_backward(g, da, db, G(q + "A_log"), G(q + "dt_bias"), dgb, ga, gb_, P(q + "A_log"),
+                                    P(q + "dt_bias"), s["ones"], N, Hv, 1, dgg=s["dgg"])  # fmt: skip
         call += k_gi.l2norm_backward(g, s["dcv"], s["dqk"], a["qkr"], a["cv"], N, Hk, Dk,
                                      G=Hv // Hk, summed=s["dqk_sum"])  # fmt: skip
         call += k_gi.conv_backward(g, s["dX"], G(q + "conv1d.weight"), s["dcv"], a["X"], P(q + "conv1d.weight"),

@@ -10,9 +10,10 @@ the last fed position; `round(token, depth)` is a greedy draft and its verify in
 GPU); `length` is the fed count.
 
 Plain decoding: the prompt in one `feed`, then one token per `feed`. The token at each step is the argmax of
-the trunk's logits (temperature 0) or drawn from `distribution(logits)`: logits / temperature, then top-k,
-then top-p (the smallest set of most likely tokens whose mass reaches p), renormalised, drawn by inverse CDF
-from one uniform of a generator seeded with `seed` (same seed, same settings, same text).
+the trunk's logits (temperature 0) or drawn from `distribution(logits)`: top-k, then logits / temperature (any
+finite temperature > 0: `distribution` says what its limits give), then top-p (the smallest set of most likely
+tokens whose mass reaches p), renormalised, drawn by inverse CDF from one uniform of a generator seeded with
+`seed` (same seed, same settings, same text).
 
 Speculative decoding (`speculative=True`), one round with n tokens fed and the next token x_n chosen:
 
@@ -51,6 +52,7 @@ What this file deliberately does not do: batches of prompts, beam search, repeti
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -79,8 +81,9 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise GenerateError(f"temperature must be >= 0, got {self.temperature}", field="temperature")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN fails both
+            raise GenerateError(f"temperature must be a finite number >= 0, got {self.temperature}",
+                                field="temperature")  # fmt: skip
         if self.top_k < 0:
             raise GenerateError(f"top_k must be >= 0 (0: no limit), got {self.top_k}", field="top_k")
         if not 0 < self.top_p <= 1:
@@ -94,12 +97,18 @@ class Sampling:
 
 
 def distribution(logits, s: Sampling) -> np.ndarray:
-    """logits (V,) -> probabilities (V,) float64 after temperature, top-k and top-p (module docstring)."""
-    z = np.asarray(logits, np.float64) / s.temperature
+    """logits (V,) -> probabilities (V,) float64 after top-k, temperature and top-p (module docstring).
+
+    Top-k picks from the logits themselves, so it never depends on the temperature. The temperature divides the
+    logits less their largest, (z - max z) / T <= 0, which cannot overflow for any finite T > 0: a T so small
+    that a gap over T passes the float64 range gives that token probability 0 (as T -> 0 the distribution
+    tends to the argmax, shared among exact ties), a very large T tends to uniform over the kept tokens."""
+    z = np.asarray(logits, np.float64)
     if 0 < s.top_k < z.size:
         kth = np.partition(z, z.size - s.top_k)[z.size - s.top_k]
         z = np.where(z >= kth, z, -np.inf)
-    p = np.exp(z - np.max(z))
+    with np.errstate(over="ignore"):  # a gap / T past the float64 range is -inf: probability 0
+        p = np.exp((z - np.max(z)) / s.temperature)
     p /= p.sum()
     if s.top_p < 1:
         order = np.argsort(-p, kind="stable")

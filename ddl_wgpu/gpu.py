@@ -26,6 +26,7 @@ import hashlib
 import os
 import re
 import struct
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,10 @@ ENV_ADAPTER = "DDL_WGPU_ADAPTER"
 # shapes; the constructor's `max_binding` / `max_buffer` do the same. Never raises a limit.
 ENV_MAX_BINDING = "DDL_WGPU_MAX_BINDING"
 ENV_MAX_BUFFER = "DDL_WGPU_MAX_BUFFER"
+# Pretend the device holds this many bytes for the buffers the engine creates (`Gpu.buffer`, `Gpu.upload_buffer`):
+# past it a buffer raises GpuOutOfMemory as a full card does (the tests of the out-of-memory path on lavapipe,
+# whose "device memory" is the host's). Never raises the driver's own limit.
+ENV_DEVICE_MEMORY = "DDL_WGPU_DEVICE_MEMORY"
 # "adapter" (default): request the adapter's own limits; "webgpu": request WebGPU's default limits instead,
 # so a run on a large GPU exercises the kernel shapes every conformant device can run (portability mode).
 ENV_LIMITS = "DDL_WGPU_LIMITS"
@@ -76,7 +81,7 @@ ENV_TRUSTED = "DDL_WGPU_TRUSTED"
 # shared-memory indices in range by their loop bounds) and whose launchers check every binding's size.
 # naga otherwise clamps each array index and counts every loop's iterations: in a GEMM's inner loop that is
 # integer work beside every shared-memory load.
-TRUSTED_FILES = frozenset({"matmul.wgsl", "attention.wgsl"})
+TRUSTED_FILES = frozenset({"matmul.wgsl", "attention.wgsl", "gated_delta.wgsl"})
 
 
 def trusted_files() -> frozenset:
@@ -134,6 +139,13 @@ class NoAdapterError(GpuError):
 
 class KernelError(GpuError):
     """A WGSL module or pipeline failed to build; the message names the file and entry point."""
+
+
+class GpuOutOfMemory(GpuError):
+    """The device could not give a buffer (the driver's out-of-memory, or `DDL_WGPU_DEVICE_MEMORY`). `kind` lets a
+    front end say what gets the user further (the CLI: a smaller --gpu-memory budget)."""
+
+    kind = "gpu_memory"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -397,7 +409,13 @@ class Gpu:
         self._modules: dict = {}
         self._layouts: dict = {}
         self._staging = None
-        self.allocated = 0  # bytes of storage buffers created through `buffer` (memory reports)
+        self.allocated = 0  # bytes of storage buffers created through `buffer`, all told (memory reports)
+        # bytes of the engine's buffers alive now (`buffer`, `upload_buffer`; down when one is released or
+        # collected) and the most at any moment: the engine's own count of its peak (`reset_peak` restarts it)
+        self.live = 0
+        self.peak = 0
+        cap = os.environ.get(ENV_DEVICE_MEMORY)
+        self.memory_cap = int(cap) if cap else None
         self.max_binding = _lowered(
             self.limits.get("max-storage-buffer-binding-size", 128 << 20), self.max_binding, ENV_MAX_BINDING
         )
@@ -517,8 +535,60 @@ class Gpu:
             raise GpuError(
                 f"buffer {label!r} of {size} bytes exceeds this adapter's max-buffer-size {self.max_buffer}"
             )
+        buf = self._create(size, usage, label)
         self.allocated += size
-        return self.device.create_buffer(size=size, usage=usage, label=label)
+        return buf
+
+    def upload_buffer(self, nbytes: int, label: str = "upload_staging"):
+        """A host-visible staging buffer, mapped for writing at creation (`mapped_array`, then `unmap`; copied
+        into storage buffers by a recorder), counted in `live` like a storage buffer."""
+        size = max(16, (int(nbytes) + 15) // 16 * 16)
+        return self._create(size, wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC, label, mapped=True)
+
+    def _create(self, size: int, usage, label: str, mapped: bool = False):
+        """Create a buffer counted in `live` and `peak` until it is released (`release`) or collected; the
+        driver's out-of-memory (or the `DDL_WGPU_DEVICE_MEMORY` cap) becomes GpuOutOfMemory."""
+        if self.memory_cap is not None and self.live + size > self.memory_cap:
+            raise GpuOutOfMemory(self._oom(label, size, f"the {self.memory_cap}-byte device"))
+        try:
+            buf = self.device.create_buffer(size=size, usage=usage, label=label, mapped_at_creation=mapped)
+        except (wgpu.GPUOutOfMemoryError, MemoryError) as e:
+            raise GpuOutOfMemory(self._oom(label, size, self.name)) from e
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        buf._ddl_freed = weakref.finalize(buf, self._freed, size)
+        return buf
+
+    def _oom(self, label: str, size: int, where: str) -> str:
+        return (f"the GPU is out of memory: buffer {label!r} of {size / 2**20:.1f} MiB did not fit {where} "
+                f"({self.live / 2**30:.2f} GiB in use by this process)")  # fmt: skip
+
+    def _freed(self, size: int) -> None:
+        self.live -= size
+
+    def release(self, *bufs) -> None:
+        """Give the memory of these buffers back now (not when Python collects them); `live` goes down. A
+        released buffer must not be used again."""
+        for b in bufs:
+            fin = getattr(b, "_ddl_freed", None)
+            if fin is not None and fin.alive:
+                fin()
+                b.destroy()
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def map_for_write(self, buf):
+        """Ask for an `upload_buffer` to be mapped for writing again once the GPU is done with it -> a promise
+        whose `sync_wait()` returns when it is (wgpu-py's poll thread resolves it: this thread waits for that
+        buffer only, never for the whole queue)."""
+        return buf.map_async(wgpu.MapMode.WRITE)
+
+    def mapped_array(self, buf) -> np.ndarray:
+        """The whole mapped range of a buffer mapped for writing, as a writable uint8 array (numpy copies into
+        it release the GIL, so several threads can fill one). Valid until the buffer is unmapped."""
+        view = buf._experimental_get_mapped_range(0, buf.size)  # wgpu-py has no stable writable view
+        return np.frombuffer(view, np.uint8)
 
     def uniform(self, layout: Uniform, *, label: str = "params", **fields):
         """A uniform buffer holding `layout.pack(**fields)`; rewrite it whole with `write_uniform`, or some
@@ -608,10 +678,13 @@ class Gpu:
         return Readback(self, nbytes, label)
 
     def _stage(self, nbytes: int):
+        """The read-back staging buffer, grown to the largest download (at most 256 MiB), counted in `live`."""
         if self._staging is None or self._staging.size < nbytes:
+            if self._staging is not None:
+                self.release(self._staging)
             size = max(nbytes, 1 << 16)
             usage = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
-            self._staging = self.device.create_buffer(size=size, usage=usage, label="staging")
+            self._staging = self._create(size, usage, "staging")
         return self._staging
 
     def wait(self):

@@ -1,5 +1,6 @@
-"""What the Hugging Face architecture families share (`ddl_wgpu.hf` drives them): reading config.json values,
-the raw export's marker, and the MTP draft: its layouts, its names in each, and finding it in a folder.
+"""What the Hugging Face architecture families share (`ddl_wgpu.hf` drives them): the plans a family hands the
+driver (`ImportPlan`, `ExportPlan`), reading config.json values, the raw export's marker, and the MTP draft: its
+layouts, its names in each, and finding it in a folder.
 
 MTP draft (one block, `cfg.mtp`, `ddl_ref.params.mtp_specs`). Import reads it from three layouts (on a Qwen3/Llama
 trunk the trunk decides the norm style, "standard" w·x̂ for the whole model, the draft's norms included; on a
@@ -30,12 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ddl_ref.config import ConfigError, MtpConfig
-from ddl_wgpu.hf_files import HfError
+from ddl_ref.config import ConfigError, ModelConfig, MtpConfig
+from ddl_wgpu.hf_files import HfError, StTensor
 
 RAW_ARCHITECTURE = "DdlForCausalLM"  # export_raw's marker; import_hf reads it back
 RAW_HINT = (
@@ -46,6 +49,43 @@ QWEN35_SUPPORTED = (
     "Qwen3_5ForCausalLM (model_type 'qwen3_5_text'), Qwen3_5ForConditionalGeneration (model_type 'qwen3_5')"
 )
 MAX_INT64 = (1 << 63) - 1  # the container's header stores integers as msgpack int64
+
+# ------------------------------------------------------------------------------------------------ plans
+
+
+@dataclasses.dataclass
+class ImportPlan:
+    """How to read one folder: what a family's `plan(hf, have, where)` returns and `hf.import_hf` carries out."""
+
+    cfg: ModelConfig  # the model, its draft included
+    arch: str  # the folder's architecture
+    names: dict[str, str]  # our parameter -> the folder's tensor
+    shapes: dict[str, tuple[int, ...]] = dataclasses.field(
+        default_factory=dict
+    )  # the folder's, where not ours
+    draft: Draft | None = None
+    note: str | None = None  # for the import summary (a declared draft the folder does not hold)
+    keep_dtypes: bool = False  # each parameter stored in the folder's dtype (else float32)
+    # The family writes the folder back as it came (`ddl_wgpu.hf_keep`): the layout it records, the tensors kept
+    # byte for byte and the small files kept beside config.json. None: nothing is kept.
+    layout: str | None = None
+    kept: tuple[str, ...] = ()
+    keep_files: re.Pattern | None = None
+
+
+@dataclasses.dataclass
+class ExportPlan:
+    """What a family's `export_plan(model, record)` says to write: config.json, the tensors (names, dtypes and
+    shapes of the folder; bytes read piece by piece), the small files, the shard size (0: one file)."""
+
+    config: dict
+    tensors: list[StTensor]
+    files: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    shard_bytes: int = 0
+    layout: str | None = None  # for the summary
+    mtp_note: str = ""  # how runtimes read the draft's tensors in this family's folders
+    check_draft: Callable[[Path], dict] | None = None  # the written folder's draft against its runtimes
+
 
 # ------------------------------------------------------------------------------------------------ names
 

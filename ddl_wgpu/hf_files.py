@@ -19,11 +19,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ddl_wgpu.container import bf16_to_f32, f32_to_bf16
+from ddl_wgpu.container_format import DTYPES
+from ddl_wgpu.lazy import Lazy, from_array, rows_per_piece
 from ddl_wgpu.safeio import load_json, open_regular, read_regular
 
-__all__ = ["MAX_JSON_FILE", "MAX_TOKENIZER", "ST_ITEMSIZE", "HfError", "SafetensorsFile", "StTensor", "Weights", "encode", "read_json", "write_bytes",
-           "write_safetensors"]  # fmt: skip
+__all__ = ["MAX_JSON_FILE", "MAX_TOKENIZER", "OURS_OF", "ST_ITEMSIZE", "ST_OF", "HfError", "SafetensorsFile", "StTensor",
+           "Weights", "encode", "read_json", "write_bytes", "write_safetensors"]  # fmt: skip
 
 
 class HfError(ValueError):
@@ -32,7 +33,7 @@ class HfError(ValueError):
 
 # ------------------------------------------------------------------------------------------ safetensors
 
-_ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2)}  # readable dtypes -> (numpy, size)
+_ST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}  # the float dtypes parameters are read from
 ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 _MAX_HEADER = 100 * 1024 * 1024
@@ -118,77 +119,84 @@ class SafetensorsFile:
     def names(self) -> list[str]:
         return list(self.tensors)
 
-    def read_f32(self, name: str) -> np.ndarray:
-        """The tensor as a new float32 array (bf16/f16/f32 storage)."""
+    def lazy(self, name: str) -> Lazy:
+        """A float tensor (F32, F16, BF16) as stored, read piece by piece when iterated (`ddl_wgpu.lazy`)."""
         t = self.tensors[name]
         if t.dtype not in _ST_DTYPES:
             raise HfError(f"{self.path}: tensor {name!r} has unsupported dtype {t.dtype}; "
                           f"supported: {sorted(_ST_DTYPES)}")  # fmt: skip
-        np_dtype, _ = _ST_DTYPES[t.dtype]
-        if math.prod(t.shape) == 0:
-            return np.zeros(t.shape, np.float32)
-        raw = np.memmap(self.path, dtype=np_dtype, mode="r", offset=self.data_start + t.start, shape=t.shape)
-        try:
-            if t.dtype == "BF16":
-                return bf16_to_f32(np.array(raw))
-            return np.array(raw, dtype=np.float32)
-        finally:
-            del raw
+        return self._lazy(name, t.shape, _ST_DTYPES[t.dtype])
 
-    def read_raw(self, name: str) -> np.ndarray:
-        """The tensor's stored bytes as a new uint8 array, whatever its dtype (a tensor kept byte for byte)."""
+    def lazy_raw(self, name: str) -> Lazy:
+        """The tensor's stored bytes (u8, 1-D), whatever its dtype (a tensor kept byte for byte)."""
         t = self.tensors[name]
         if t.dtype not in ST_ITEMSIZE:  # its size is unknown, so its bytes cannot be told from a hole
             raise HfError(
                 f"{self.path}: tensor {name!r} has unknown dtype {t.dtype}; known: {sorted(ST_ITEMSIZE)}"
             )
-        if t.end == t.start:
-            return np.zeros(0, np.uint8)
-        raw = np.memmap(
-            self.path, dtype=np.uint8, mode="r", offset=self.data_start + t.start, shape=(t.end - t.start,)
-        )
-        try:
-            return np.array(raw)
-        finally:
-            del raw
+        return self._lazy(name, (t.end - t.start,), "u8")
+
+    def _lazy(self, name: str, shape: tuple[int, ...], dtype: str) -> Lazy:
+        t, path, start = self.tensors[name], self.path, self.data_start + self.tensors[name].start
+        dt = DTYPES[dtype]
+
+        def pieces():
+            if t.end == t.start:  # nothing to read (an empty tensor)
+                if shape and shape[0]:
+                    yield np.zeros(shape, dt)
+                return
+            step = rows_per_piece(shape, dt.itemsize) if shape else 1
+            row = (t.end - t.start) // shape[0] if shape else t.end - t.start
+            with open_regular(path, "a safetensors file", HfError) as f:
+                for r in range(0, shape[0] if shape else 1, step):
+                    k = min(step, shape[0] - r) if shape else 1
+                    arr = np.empty((k, *shape[1:]) if shape else (), dt)
+                    mv = memoryview(arr.reshape(-1).view(np.uint8))
+                    try:
+                        f.seek(start + r * row)
+                        got = f.readinto(mv) or 0
+                        while got < len(mv) and (n := f.readinto(mv[got:])):
+                            got += n
+                    except OSError as e:
+                        raise HfError(f"{path}: cannot read tensor {name!r}: {e.strerror or e}") from None
+                    if got != len(mv):
+                        raise HfError(
+                            f"{path}: tensor {name!r} is cut short (the file changed since it was opened?)"
+                        )
+                    yield arr
+
+        return Lazy(tuple(shape), dtype, pieces)
 
 
 class StTensor(NamedTuple):
-    """One tensor to write: its safetensors dtype and shape, and its stored bytes (any array whose bytes, in C
-    order, are exactly prod(shape) * itemsize: raw uint8, uint16 bf16 bits, or the little-endian values)."""
+    """One tensor to write: its safetensors dtype and shape, and its stored bytes: an array or a `Lazy` whose
+    bytes, in C order, are exactly prod(shape) * itemsize (raw uint8, uint16 bf16 bits, or the little-endian
+    values)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
-    data: np.ndarray
+    data: np.ndarray | Lazy
 
 
-def encode(array: np.ndarray, dtype: str) -> np.ndarray:
-    """A float array stored as safetensors `dtype` (F32, F16, BF16 or F64), rounded to nearest, ties to even.
+ST_OF = {"f32": "F32", "f16": "F16", "bf16": "BF16", "f64": "F64"}  # container float dtype -> safetensors
+OURS_OF = {v: k for k, v in ST_OF.items()}
 
-    bf16: a NaN whose low 16 bits are zero (one that came from bf16) keeps its bits exactly; any other NaN becomes
-    a quiet NaN of its sign (`f32_to_bf16`). So a tensor read from bf16 and not changed comes back the same bytes."""
-    a = np.asarray(array)
-    if dtype == "BF16":
-        f = np.ascontiguousarray(a, dtype=np.float32)
-        out = f32_to_bf16(f)
-        bits = f.view(np.uint32)
-        exact = np.isnan(f) & ((bits & 0xFFFF) == 0)
-        if exact.any():
-            out[exact] = (bits[exact] >> 16).astype(np.uint16)
-        return out.astype("<u2")
-    np_dtype = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}.get(dtype)
-    if np_dtype is None:
+
+def encode(t: Lazy, dtype: str) -> Lazy:
+    """A float tensor stored as safetensors `dtype` (F32, F16, BF16 or F64), rounded to nearest, ties to even
+    (`lazy.convert`: a bf16 value read and written back is the same bytes)."""
+    if dtype not in OURS_OF:
         raise HfError(f"cannot write a float tensor as {dtype} (F32, F16, BF16 or F64)")
-    return np.ascontiguousarray(a, dtype=np_dtype)
+    return t.to(OURS_OF[dtype])
 
 
 def _entry(t) -> StTensor:
     if isinstance(t, StTensor):
         return t
-    name, a = t  # (name, array): float32, as every export before the Qwen3.5 layouts
-    a = np.ascontiguousarray(a, dtype="<f4")
-    return StTensor(name, "F32", tuple(a.shape), a)
+    name, a = t  # (name, array or Lazy): float32, as every export before the Qwen3.5 layouts
+    a = encode(a if isinstance(a, Lazy) else from_array(np.asarray(a, np.float32)), "F32")
+    return StTensor(name, "F32", a.shape, a)
 
 
 def write_safetensors(
@@ -214,7 +222,9 @@ def write_safetensors(
         f.write(len(hb).to_bytes(8, "little"))
         f.write(hb)
         for t in items:
-            f.write(memoryview(np.ascontiguousarray(t.data).reshape(-1)).cast("B"))
+            pieces = t.data.pieces() if isinstance(t.data, Lazy) else [t.data]
+            for p in pieces:
+                f.write(memoryview(np.ascontiguousarray(p).reshape(-1)).cast("B"))
 
     write_file(path, write)
     return off
@@ -280,11 +290,19 @@ class Weights:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.where[name].tensors[name].shape
 
-    def read_f32(self, name: str) -> np.ndarray:
-        return self.where[name].read_f32(name)
+    def lazy(self, name: str) -> Lazy:
+        return self.where[name].lazy(name)
+
+    def lazy_raw(self, name: str) -> Lazy:
+        return self.where[name].lazy_raw(name)
 
     def read_raw(self, name: str) -> np.ndarray:
-        return self.where[name].read_raw(name)
+        """The tensor's stored bytes as a new uint8 array."""
+        return self.lazy_raw(name).array()
+
+    def total_bytes(self) -> int:
+        """The tensor bytes of every file the folder's weights are read from."""
+        return sum(max((t.end for t in f.tensors.values()), default=0) for f in self.files)
 
     def data_bytes(self) -> int:
         """The largest shard's tensor bytes (an export shards at about this size)."""

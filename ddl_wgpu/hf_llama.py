@@ -1,28 +1,44 @@
-"""The Qwen3 and Llama families of `ddl_wgpu.hf`: config.json <-> ModelConfig.
+"""The Qwen3 and Llama families of `ddl_wgpu.hf` (and the raw export's `DdlForCausalLM`): config.json <->
+ModelConfig, the import plan and the export plan.
 
 Import: `Qwen3ForCausalLM` (q/k RMSNorm over head_dim before RoPE -> qk_norm "pre_rope") and `LlamaForCausalLM`
 (qk_norm "none"), "standard" w·x̂ norms, the trunk's names ours (the rename is the identity), an MTP draft in any
-of the layouts of `ddl_wgpu.hf_common`. Export: a model with qk_norm "pre_rope" becomes `Qwen3ForCausalLM`, one
-with "none" `LlamaForCausalLM`. A model with "post_rope" (the DDL code's q/k norm after RoPE), "offset" norms
-((1+w)·x̂) or a hybrid trunk's features (gated attention, partial RoPE, Gated DeltaNet layers: `ddl_wgpu.hf_qwen35`)
-has no exact class here and is refused, naming the raw export.
+of the layouts of `ddl_wgpu.hf_common`; parameters are stored as float32, and nothing else of the folder is kept.
+Export: a model with qk_norm "pre_rope" becomes `Qwen3ForCausalLM`, one with "none" `LlamaForCausalLM`. A model
+with "post_rope" (the DDL code's q/k norm after RoPE), "offset" norms ((1+w)·x̂) or a hybrid trunk's features
+(gated attention, partial RoPE, Gated DeltaNet layers: `ddl_wgpu.hf_qwen35`) has no exact class here and is
+refused, naming the raw export.
+
+The driver tries this family last: it claims every config.json the others do not, and refuses what it cannot
+read by naming every architecture the package supports.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ddl_ref.config import ConfigError, ModelConfig
+from ddl_ref.params import mtp_specs, param_table
 from ddl_wgpu.hf_common import (
+    LAYOUT_OURS,
     MTP_CONVENTION_KEY,
     MTP_COUNT_KEYS,
     QWEN35_SUPPORTED,
     RAW_ARCHITECTURE,
     RAW_HINT,
+    Draft,
+    ExportPlan,
+    ImportPlan,
+    draft_hf_name,
+    find_draft,
     need,
     optional,
+    our_to_hf_name,
+    swap_eh_halves,
 )
-from ddl_wgpu.hf_files import HfError
+from ddl_wgpu.hf_files import HfError, StTensor
+from ddl_wgpu.modelfile import LazyModel
 
 SUPPORTED = {  # architectures entry -> (model_type, qk_norm)
     "Qwen3ForCausalLM": ("qwen3", "pre_rope"),
@@ -60,22 +76,21 @@ def architecture(hf: dict, where: str) -> str:
 
 
 def _rope_theta(hf: dict, where: str) -> float:
-    """RoPE base from v5 `rope_parameters` or v4 top-level `rope_theta`; any scaling is refused."""
-    rp = hf.get("rope_parameters")
-    if rp is None:
-        # v4's scaling dict (null for plain RoPE); v5 treats it as rope_parameters
-        rp = hf.get("rope_scaling")
+    """RoPE base as transformers 5 reads it: `rope_scaling`, when set (v4's scaling dict), replaces
+    `rope_parameters` whole; the top-level `rope_theta` fills in a dict without one. Any scaling is refused."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rp = hf.get(key)
     theta = hf.get("rope_theta")
     if rp is not None:
         if not isinstance(rp, dict):
-            raise HfError(f"{where}: rope_parameters/rope_scaling must be an object or null, got {rp!r:.80}")
+            raise HfError(f"{where}: {key} must be an object or null, got {rp!r:.80}")
         rtype = rp.get("rope_type", rp.get("type", "default"))
         if rtype != "default":
             raise HfError(f"{where}: RoPE scaling {rtype!r} is not supported (only plain RoPE: "
                           "rope_scaling null or rope_type 'default')")  # fmt: skip
         extra = sorted(set(rp) - {"rope_type", "type", "rope_theta"})
         if extra and not (extra == ["partial_rotary_factor"] and rp["partial_rotary_factor"] == 1.0):
-            raise HfError(f"{where}: unsupported RoPE parameters {extra}")
+            raise HfError(f"{where}: unsupported RoPE parameters {extra} ({key})")
         theta = rp.get("rope_theta", theta)  # v5 gives rope_parameters priority over a top-level value
     prf = hf.get("partial_rotary_factor", 1.0)
     if prf != 1.0:
@@ -141,6 +156,57 @@ def config_from_hf(hf: dict, where: str = "config.json") -> tuple[ModelConfig, s
     except (ConfigError, TypeError) as e:
         raise HfError(f"{where}: {e}") from None
     return cfg, arch
+
+
+LAYOUTS: dict = {}  # nothing of the folder is kept to write back (`ddl_wgpu.hf_keep`)
+KEEP_FILES = None
+
+
+def claims(hf: dict) -> bool:
+    """Every config.json the other families do not claim: read here, or refused naming what is supported."""
+    return True
+
+
+def plan(hf: dict, have: set[str], where: str) -> ImportPlan:
+    """How to read a Qwen3/Llama (or raw export) folder: our names are its names; a draft in any layout (a raw
+    export's is ours, described by its config)."""
+    cfg, arch = config_from_hf(hf, where)
+    if arch == RAW_ARCHITECTURE:
+        draft = None if cfg.mtp is None else Draft(LAYOUT_OURS, cfg.mtp, "config.json", ())
+    else:
+        draft = find_draft(hf, have, cfg.n_layers, where)
+    if draft is not None:
+        cfg = dataclasses.replace(cfg, mtp=draft.mtp)
+    names = {s.name: s.name for s in param_table(cfg)}
+    if draft is not None:
+        names.update({s.name: draft_hf_name(s.name, draft.layout, cfg.n_layers) for s in mtp_specs(cfg)})
+    return ImportPlan(cfg=cfg, arch=arch, names=names, draft=draft)
+
+
+def exports(cfg: ModelConfig, record: dict | None) -> bool:
+    """The family of every model no other family writes (and the raw export's)."""
+    return True
+
+
+MTP_NOTE = ("transformers' Qwen3/Llama classes ignore the mtp.* tensors (the trunk loads, with an 'unused weights' "
+            "warning); MTP-aware runtimes read them as a Qwen3.5 draft (mtp.fc embedding first)")  # fmt: skip
+
+
+def export_plan(model: LazyModel, record: dict | None) -> ExportPlan:
+    """Qwen3ForCausalLM / LlamaForCausalLM: config.json and every parameter as float32 under its Hugging Face name
+    (no lm_head when tied; a "hidden_first" draft's eh_proj written embedding first, as mtp.fc)."""
+    config = config_to_hf(model.cfg, _token_id(model, "bos_token_id"), _token_id(model, "eos_token_id"))
+    tensors = []
+    for n, t in model.tensors.items():
+        if n == "model.mtp.eh_proj.weight" and model.cfg.mtp.concat == "hidden_first":
+            t = t.map(swap_eh_halves)
+        tensors.append(StTensor(our_to_hf_name(n), "F32", t.shape, t.to("f32")))
+    return ExportPlan(config=config, tensors=tensors, mtp_note=MTP_NOTE)
+
+
+def _token_id(model: LazyModel, key: str) -> int | None:
+    v = model.metadata.get(f"hf.{key}")
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def config_to_hf(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict:

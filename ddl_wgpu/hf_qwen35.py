@@ -16,43 +16,46 @@ gates), the tie flag of the class (the top-level one for the conditional-generat
 Qwen3.5-MoE, Qwen3-Next), `attention_bias`, another `hidden_act`, `attn_output_gate: false`, RoPE scaling or other
 RoPE keys, `mtp_use_dedicated_embeddings: true`, more than one draft layer.
 
-Nothing lost (`SOURCE_KEY`, `modelfile.EXTRA_PREFIXES`): the folder's tensors we do not run (`KEEP_TENSORS`, the
-vision tower) are kept as raw bytes under `hf.keep.NAME` with their dtype and shape in the metadata, config.json
-and the small files a transformers folder carries (`KEEP_FILES`) under `hf.file.NAME`; every parameter keeps the
-folder's dtype (`Model.dtypes`). Export writes the layout the model came from: its config.json with our changes
-(`num_hidden_layers`, `layer_types`, `intermediate_size`, the draft's conventions), each tensor in its dtype (an
-unchanged bf16 tensor is the same bytes, a changed one rounded to nearest even), the kept tensors and files as
-they were, sharded when the folder was. A model made here exports as `Qwen3_5ForCausalLM`.
+Nothing lost (`ddl_wgpu.hf_keep`): the folder's tensors we do not run (`KEEP_TENSORS`, the vision tower) are kept
+as raw bytes with their dtype and shape in the record, config.json and the small files a transformers folder
+carries (`KEEP_FILES`) beside them; every parameter keeps the folder's dtype. Export writes the layout the model
+came from: its config.json with our changes (`num_hidden_layers`, `layer_types`, `intermediate_size`, an untied
+head, the draft's conventions), each tensor in its dtype (an unchanged bf16 tensor is the same bytes, a changed
+one rounded to nearest even), the kept tensors and files as they were, sharded when the folder was. A model made
+here exports as `Qwen3_5ForCausalLM`.
+
+The family's interface to the driver (`ddl_wgpu.hf`): `claims` / `plan` / `config_from_hf` on import,
+`exports` / `export_plan` on export, `LAYOUTS` and `KEEP_FILES` for the record of what is kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from typing import Any
 
-import numpy as np
-
-from ddl_ref.config import ConfigError, ModelConfig, MtpConfig
+from ddl_ref.config import ConfigError, ModelConfig, MtpConfig, qwen35_layer_types
 from ddl_ref.params import MTP_PREFIX, param_table
+from ddl_wgpu import served_draft
 from ddl_wgpu.hf_common import (
     _LAYOUT_DEFAULTS,
     LAYOUT_QWEN35,
     MTP_CONVENTION_KEY,
     RAW_HINT,
     Draft,
+    ExportPlan,
+    ImportPlan,
     declared_mtp_layers,
     find_draft,
-    more,
     need,
     optional,
     our_to_hf_name,
     swap_eh_halves,
 )
-from ddl_wgpu.hf_files import ST_ITEMSIZE, HfError, StTensor, encode
-from ddl_wgpu.modelfile import EXTRA_PREFIXES, Model
+from ddl_wgpu.hf_files import ST_OF, HfError, StTensor
+from ddl_wgpu.hf_keep import FILE_PREFIX, KEEP_PREFIX
+from ddl_wgpu.modelfile import LazyModel
 from ddl_wgpu.safeio import load_json
 
 CAUSAL, COND = "causal_lm", "conditional_generation"
@@ -80,18 +83,14 @@ _ROPE_KEYS = {
     "mrope_interleaved",
 }
 
-SOURCE_KEY = "hf.source"  # metadata: what the folder was (layout, kept tensors, files, shard size)
-KEEP_PREFIX, FILE_PREFIX = EXTRA_PREFIXES
 KEEP_TENSORS = re.compile(r"^model\.visual\.")  # the vision tower: kept byte for byte, never run
 KEEP_FILES = re.compile(
     r"(generation_config|tokenizer_config|special_tokens_map|added_tokens|vocab|preprocessor_config"
     r"|video_preprocessor_config|processor_config|chat_template)\.json|merges\.txt|chat_template\.jinja"
 )
 MAX_LAYERS = 1 << 16
-MAX_FILE = 32 * 1024 * 1024  # one kept file (a vocab.json is a few MB)
-MAX_FILES = 64 * 1024 * 1024  # all of them together
-ST_OF = {"f32": "F32", "f16": "F16", "bf16": "BF16", "f64": "F64"}  # container dtype -> safetensors
-OURS_OF = {v: k for k, v in ST_OF.items()}
+MTP_NOTE = ("transformers' Qwen3.5 classes drop the mtp.* tensors on load (the trunk loads); vLLM's and SGLang's "
+            "Qwen3.5 MTP loaders read them (mtp.fc embedding first)")  # fmt: skip
 
 
 def _names(hf: dict) -> list[str]:
@@ -165,6 +164,10 @@ def _layout(hf: dict, where: str) -> Source:
             f"{where}: model_type {model_type!r} is not a Qwen3.5 model type ({', '.join(_BY_TYPE)})"
         )
     if layout == CAUSAL:
+        if hf.get("text_config") is not None:  # two readings in transformers itself: refuse, do not guess
+            raise HfError(f"{where}: a {LAYOUTS[CAUSAL][0]} config with a 'text_config': transformers' "
+                          f"{LAYOUTS[CAUSAL][0]} reads the text_config, its AutoConfig the top level (two different "
+                          "models); keep the text keys in one place")  # fmt: skip
         return Source(layout, hf, where)
     text = hf.get("text_config")
     if not isinstance(text, dict):
@@ -201,26 +204,25 @@ def _refuse(text: dict, where: str) -> None:
 
 
 def _rope(text: dict, head_dim: int, where: str) -> tuple[float, int | None]:
-    """(rope_theta, rotary_dim or None for the whole head) from `rope_parameters` (v5) or the v4 keys."""
-    rp = text.get("rope_parameters")
-    if rp is None:
-        rp = text.get("rope_scaling")
+    """(rope_theta, rotary_dim or None for the whole head) as transformers 5 reads them: `rope_scaling`, when
+    set, replaces `rope_parameters` whole; `rope_theta` and `partial_rotary_factor` at the top level fill in what
+    the dict leaves out."""
+    key = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
+    rp = text.get(key)
     if rp is not None and not isinstance(rp, dict):
-        raise HfError(f"{where}: rope_parameters must be an object or null, got {rp!r:.80}")
+        raise HfError(f"{where}: {key} must be an object or null, got {rp!r:.80}")
     rp = rp or {}
     rtype = rp.get("rope_type", rp.get("type", "default"))
     if rtype != "default":
-        raise HfError(
-            f"{where}: rope_parameters.rope_type {rtype!r}: RoPE scaling is not supported (plain RoPE)"
-        )
+        raise HfError(f"{where}: {key}.rope_type {rtype!r}: RoPE scaling is not supported (plain RoPE)")
     extra = sorted(set(rp) - _ROPE_KEYS)
     if extra:
-        raise HfError(f"{where}: rope_parameters.{extra[0]} is not supported (known: {sorted(_ROPE_KEYS)})")
+        raise HfError(f"{where}: {key}.{extra[0]} is not supported (known: {sorted(_ROPE_KEYS)})")
     sec = rp.get("mrope_section")  # text positions are equal in every section: any split is plain RoPE
     if sec is not None and not (isinstance(sec, list) and all(isinstance(v, int) and not isinstance(v, bool)
                                                                and v >= 0 for v in sec)):  # fmt: skip
-        raise HfError(f"{where}: rope_parameters.mrope_section must be a list of non-negative integers")
-    optional(rp, "mrope_interleaved", False, f"{where}: rope_parameters", bool)
+        raise HfError(f"{where}: {key}.mrope_section must be a list of non-negative integers")
+    optional(rp, "mrope_interleaved", False, f"{where}: {key}", bool)
     theta = rp.get("rope_theta", text.get("rope_theta", 10000.0))  # transformers' default_theta
     if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
         raise HfError(f"{where}: rope_theta must be a positive number, got {theta!r}")
@@ -235,19 +237,13 @@ def _rope(text: dict, head_dim: int, where: str) -> tuple[float, int | None]:
     return float(theta), None if dim == head_dim else dim
 
 
-def interval_layer_types(n_layers: int, interval: int) -> tuple[str, ...]:
-    """transformers' reading of `full_attention_interval`: layer i is full attention when (i + 1) % interval == 0
-    (unlike `ddl_ref.config.qwen35_layer_types`, a trunk shorter than the interval has no full layer)."""
-    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers))
-
-
 def _layer_types(text: dict, n_layers: int, where: str) -> tuple[str, ...]:
     lt = text.get("layer_types")
     if lt is None:
         interval = optional(text, "full_attention_interval", 4, where, float)
         if not isinstance(interval, int) or interval < 1:
             raise HfError(f"{where}: full_attention_interval must be a positive integer, got {interval!r}")
-        return interval_layer_types(n_layers, interval)
+        return qwen35_layer_types(n_layers, interval)
     if not isinstance(lt, list) or len(lt) != n_layers:
         raise HfError(
             f"{where}: layer_types must be a list of {n_layers} names (num_hidden_layers), got {lt!r:.80}"
@@ -311,6 +307,11 @@ def read_config(hf: dict, where: str) -> tuple[ModelConfig, Source]:
     return cfg, src
 
 
+def config_from_hf(hf: dict, where: str) -> tuple[ModelConfig, str]:
+    cfg, src = read_config(hf, where)
+    return cfg, src.arch
+
+
 def is_qwen35(cfg: ModelConfig) -> bool:
     """Whether a config has a Qwen3.5 trunk's features (export_hf then writes this family)."""
     return cfg.layer_types is not None or cfg.attn_output_gate or cfg.rotary_dim is not None
@@ -345,9 +346,9 @@ def folder_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[0], 1, shape[1]) if name.endswith("linear_attn.conv1d.weight") else tuple(shape)
 
 
-def plan(hf: dict, have: set[str], where: str) -> dict[str, Any]:
-    """How to read a Qwen3.5 folder with tensors `have`: the config, the source layout, our name -> the folder's
-    name and shape, the draft, the tensors kept byte for byte, and a note when a declared draft is absent."""
+def plan(hf: dict, have: set[str], where: str) -> ImportPlan:
+    """How to read a Qwen3.5 folder with tensors `have`: the config, our name -> the folder's name and shape, the
+    draft, the layout it is written back in, the tensors and files kept, a note when a declared draft is absent."""
     cfg, src = read_config(hf, where)
     trunk_layer = re.compile("^" + re.escape(src.prefix) + r"layers\.(\d+)\.")
     drafty = [n for n in have if n.startswith(("mtp.", "model.mtp", f"{src.prefix}mtp"))]
@@ -365,103 +366,30 @@ def plan(hf: dict, have: set[str], where: str) -> dict[str, Any]:
         note = f"{by} {declared} but the folder holds no mtp.* tensors: imported without a draft"
     if draft is not None:
         cfg = dataclasses.replace(cfg, mtp=draft.mtp)
-    names = {s.name: folder_name(s.name, src.prefix) for s in param_table(cfg)}
-    shapes = {s.name: folder_shape(s.name, s.shape) for s in param_table(cfg)}
-    kept = sorted(n for n in have if KEEP_TENSORS.match(n))
-    return {"cfg": cfg, "source": src, "names": names, "shapes": shapes, "draft": draft, "kept": kept,
-            "note": note}  # fmt: skip
+    table = param_table(cfg)
+    return ImportPlan(cfg=cfg, arch=src.arch, names={s.name: folder_name(s.name, src.prefix) for s in table},
+                      shapes={s.name: folder_shape(s.name, s.shape) for s in table}, draft=draft, note=note,
+                      keep_dtypes=True, layout=src.layout, kept=tuple(sorted(n for n in have if KEEP_TENSORS.match(n))),
+                      keep_files=KEEP_FILES)  # fmt: skip
 
 
-# ------------------------------------------------------------------------------------------------ source
-
-
-def source_record(
-    src: Source, kept: dict[str, tuple[str, tuple]], files: list[str], shard_bytes: int
-) -> dict:
-    """metadata[SOURCE_KEY] of an imported folder."""
-    return {"architecture": src.arch, "layout": src.layout, "files": sorted(files), "shard_bytes": int(shard_bytes),
-            "keep": {n: {"dtype": d, "shape": list(s)} for n, (d, s) in sorted(kept.items())}}  # fmt: skip
-
-
-def _shape(v: Any) -> bool:
-    return (
-        isinstance(v, list)
-        and len(v) <= 8
-        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v)
-    )
-
-
-def source_of(model: Model, where: str = "model") -> dict | None:
-    """The model's checked SOURCE_KEY record (None for a model that was not imported from this family), every
-    entry held against the tensors it names in `model.extra`: a hostile file is one HfError, before any work."""
-    rec = model.metadata.get(SOURCE_KEY)
-    if rec is None:
-        return None
-    bad = f"{where}: metadata {SOURCE_KEY}"
-    if (
-        not isinstance(rec, dict)
-        or not {"layout", "keep", "files"} <= set(rec)
-        or not isinstance(rec["layout"], str)
-        or rec["layout"] not in LAYOUTS
-    ):
-        raise HfError(f"{bad} must be an object with a layout ({', '.join(LAYOUTS)}), keep and files")
-    keep, files = rec["keep"], rec["files"]
-    if (
-        not isinstance(keep, dict)
-        or not isinstance(files, list)
-        or not all(isinstance(f, str) for f in files)
-    ):
-        raise HfError(f"{bad}: keep must be an object and files a list of names")
-    sb = rec.get("shard_bytes", 0)
-    if isinstance(sb, bool) or not isinstance(sb, int) or sb < 0:
-        raise HfError(f"{bad}: shard_bytes must be a non-negative integer, got {sb!r:.40}")
-    want = {}
-    for name, info in keep.items():
-        if not (
-            name
-            and isinstance(info, dict)
-            and isinstance(info.get("dtype"), str)
-            and info["dtype"] in ST_ITEMSIZE
-            and _shape(info.get("shape"))
-        ):
-            raise HfError(
-                f"{bad}: kept tensor {name!r:.80} needs a dtype of {sorted(ST_ITEMSIZE)} and a shape"
-            )
-        want[KEEP_PREFIX + name] = math.prod(info["shape"]) * ST_ITEMSIZE[info["dtype"]]
-    for f in files:
-        if not (f == "config.json" or KEEP_FILES.fullmatch(f)):
-            raise HfError(f"{bad}: file {f!r:.80} is not one a Hugging Face folder keeps here")
-        want[FILE_PREFIX + f] = None
-    if "config.json" not in files:
-        raise HfError(f"{bad}: the folder's config.json is not among its files")
-    for name, n in want.items():
-        a = model.extra.get(name)
-        if a is None:
-            raise HfError(f"{where}: tensor {name} is missing (the folder's {SOURCE_KEY} names it; a library caller "
-                          "reads a model's kept tensors with load_model(..., extra=True))")  # fmt: skip
-        a = np.asarray(a)
-        if (
-            a.dtype != np.uint8
-            or a.ndim != 1
-            or (n is not None and a.size != n)
-            or (n is None and a.size > MAX_FILE)
-        ):
-            size = f"{n} bytes" if n is not None else f"at most {MAX_FILE} bytes"
-            raise HfError(
-                f"{where}: tensor {name} must be raw u8 bytes ({size}), got {a.dtype}{list(a.shape)}"
-            )
-    stray = sorted(set(model.extra) - set(want))
-    if stray:
-        raise HfError(f"{where}: tensor(s) {more(stray, 3)} are not in the folder's {SOURCE_KEY} record")
-    return rec
+def exports(cfg: ModelConfig, record: dict | None) -> bool:
+    """Whether export writes this model as this family: one imported from it, or a hybrid trunk made here."""
+    return (record is not None and record["layout"] in LAYOUTS) or is_qwen35(cfg)
 
 
 # ------------------------------------------------------------------------------------------------ export
 
 
 def _trunk(cfg: ModelConfig) -> ModelConfig:
+    """What a config.json says of the trunk: the layer types listed; without a Gated DeltaNet layer its sizes say
+    nothing (`read_config` reads them as 0), whatever a compressed model still carries."""
     lt = tuple(cfg.layer_type(i) for i in range(cfg.n_layers))
-    return dataclasses.replace(cfg, mtp=None, layer_types=lt)
+    out = dataclasses.replace(cfg, mtp=None, layer_types=lt)
+    if "linear_attention" not in lt:
+        out = dataclasses.replace(out, linear_k_heads=0, linear_v_heads=0, linear_k_dim=0, linear_v_dim=0,
+                                  linear_conv_kernel=4)  # fmt: skip
+    return out
 
 
 def _draft_keys(text: dict, mtp: MtpConfig | None) -> None:
@@ -474,7 +402,7 @@ def _draft_keys(text: dict, mtp: MtpConfig | None) -> None:
         text[MTP_CONVENTION_KEY] = mtp.to_dict()
 
 
-def _fresh_config(model: Model) -> dict:
+def _fresh_config(model: LazyModel) -> dict:
     cfg = model.cfg
     prf = cfg.rope_dim / cfg.head_dim
     if int(cfg.head_dim * prf) != cfg.rope_dim:
@@ -503,10 +431,10 @@ def _fresh_config(model: Model) -> dict:
     return d
 
 
-def _source_config(model: Model, rec: dict) -> dict:
+def _source_config(model: LazyModel, rec: dict) -> dict:
     """The folder's own config.json with our changes: the blocks kept (`num_hidden_layers`, `layer_types`), the
-    SwiGLU width, the draft's conventions. Checked: it must describe exactly this model's trunk."""
-    raw = np.asarray(model.extra[FILE_PREFIX + "config.json"]).tobytes()
+    SwiGLU width, an untied head, the draft's conventions. Checked: it must describe exactly this model's trunk."""
+    raw = model.extra[FILE_PREFIX + "config.json"].array().tobytes()
     conf = load_json(raw, "the imported folder's config.json", HfError)
     if not isinstance(conf, dict):
         raise HfError("the imported folder's config.json is not a JSON object")
@@ -520,9 +448,12 @@ def _source_config(model: Model, rec: dict) -> dict:
     text["num_hidden_layers"], text["intermediate_size"] = cfg.n_layers, cfg.ffn_hidden
     if "layer_types" in text or "full_attention_interval" not in text:
         text["layer_types"] = lt
-    elif tuple(lt) != interval_layer_types(cfg.n_layers, text["full_attention_interval"]):
+    elif tuple(lt) != qwen35_layer_types(cfg.n_layers, text["full_attention_interval"]):
         del text["full_attention_interval"]  # compress broke the interval's pattern: list the layers
         text["layer_types"] = lt
+    tie_at = conf if src.layout == COND else text  # where the class reads its tie flag (read_config)
+    if optional(tie_at, "tie_word_embeddings", False, "config.json", bool) != cfg.tie_embeddings:
+        tie_at["tie_word_embeddings"] = cfg.tie_embeddings  # a head the import kept apart from the embedding
     _draft_keys(text, cfg.mtp)
     back, _ = read_config(conf, "the exported config.json")
     if _trunk(back) != _trunk(cfg):
@@ -536,40 +467,35 @@ def _source_config(model: Model, rec: dict) -> dict:
     return conf
 
 
-def export_plan(model: Model) -> dict[str, Any]:
+def export_plan(model: LazyModel, rec: dict | None) -> ExportPlan:
     """What export_hf writes for a Qwen3.5-family model: config.json, the tensors (ours in their dtypes, then the
-    kept ones as they were), the kept files and the shard size (0: one file)."""
+    kept ones as they were), the kept files and the shard size. `rec`: the model's checked `hf_keep` record."""
     check_exportable(model.cfg)
-    rec = source_of(model)
     layout = rec["layout"] if rec else CAUSAL
     config = _source_config(model, rec) if rec else _fresh_config(model)
     prefix = LAYOUTS[layout][2]
     tensors = []
     for spec in param_table(model.cfg):
-        a = np.asarray(model.params[spec.name])
+        t = model.tensors[spec.name]
         if spec.name == "model.mtp.eh_proj.weight" and model.cfg.mtp.concat == "hidden_first":
-            a = swap_eh_halves(a)  # mtp.fc is embedding first
-        st = ST_OF.get(model.dtypes.get(spec.name, "f32"), "F32")
+            t = t.map(swap_eh_halves)  # mtp.fc is embedding first
         tensors.append(
-            StTensor(folder_name(spec.name, prefix), st, folder_shape(spec.name, spec.shape), encode(a, st))
+            StTensor(folder_name(spec.name, prefix), ST_OF[t.dtype], folder_shape(spec.name, spec.shape), t)
         )
     files: dict[str, bytes] = {}
     if rec:
         for name, info in rec["keep"].items():
             tensors.append(
-                StTensor(
-                    name, info["dtype"], tuple(info["shape"]), np.asarray(model.extra[KEEP_PREFIX + name])
-                )
+                StTensor(name, info["dtype"], tuple(info["shape"]), model.extra[KEEP_PREFIX + name])
             )
         files = {
-            f: np.asarray(model.extra[FILE_PREFIX + f]).tobytes() for f in rec["files"] if f != "config.json"
+            f: model.extra[FILE_PREFIX + f].array().tobytes() for f in rec["files"] if f != "config.json"
         }
     taken = {t.name for t in tensors}
     if len(taken) != len(tensors):
         raise HfError("the model's kept tensors collide with its parameters' names in the folder")
-    return {"config": config, "tensors": tensors, "files": files, "shard_bytes": rec.get("shard_bytes", 0) if rec else 0,
-            "layout": layout}  # fmt: skip
-
-
-def config_json(config: dict) -> bytes:
-    return (json.dumps(config, indent=2) + "\n").encode("utf-8")
+    # vLLM and SGLang build the draft from config.json: a tensor of another shape is refused before writing
+    served_draft.refuse_unservable(config, {t.name: t.shape for t in tensors})
+    return ExportPlan(config=config, tensors=tensors, files=files, shard_bytes=rec.get("shard_bytes", 0) if rec else 0,
+                      layout=layout, mtp_note=MTP_NOTE,
+                      check_draft=lambda folder: served_draft.check_folder(folder).summary())  # fmt: skip

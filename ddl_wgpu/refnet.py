@@ -6,6 +6,10 @@ step. `RefTeacher` / `RefDraft` are heal's trunk and draft (`backend.Teacher`, `
 `ref_runner` accept's draft step; `RefEngine` is generate's decoding engine (`backend.Engine`, over the
 caches of `ddl_ref.decode`). Arithmetic is float32 numpy through `ddl_ref`; nothing here is fast, all of
 it is readable. Nothing here imports wgpu.
+
+The BLAS under numpy runs on one thread once a command has chosen this backend (`one_blas_thread`), so that
+the same job gives the same bits wherever it runs: in a terminal, under `make` (OPENBLAS_NUM_THREADS=1), in a
+worker process or in a Ray task (Ray sets OMP_NUM_THREADS=1).
 """
 
 from __future__ import annotations
@@ -31,6 +35,20 @@ from ddl_wgpu.step import DRAFT_ADAM, DRAFT_GRAD_CLIP, AdamW, StepResult
 
 if TYPE_CHECKING:
     from ddl_wgpu.modelfile import Model
+
+
+def one_blas_thread() -> None:
+    """Run this process's BLAS (numpy's matrix products) on one thread from now on, whatever the environment
+    says (OPENBLAS_NUM_THREADS, OMP_NUM_THREADS, the number of cores). OpenBLAS takes another path through a
+    product, which sums in another order, when its thread count differs: its x86 kernels without AVX-512
+    (Haswell, Zen) do at most of the tiny preset's shapes, so a sweep's job gave other bits in a Ray task
+    (one thread) than in the driver (one per core). One thread is also the fastest at the shapes this
+    backend trains (the Makefile's note). Done through threadpoolctl; without it the process's setting stays."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return
+    threadpool_limits(1, user_api="blas")
 
 
 class RefNet:
@@ -174,6 +192,9 @@ class RefTeacher:
         valid = ref_mtp.step_valid(lengths, ids.shape[1], 1)
         x = ref_mtp.step_input(self.params, self.cfg, ref_mtp.shifted(ids, 1), hid, valid)
         return top_ids, top_probs, x
+
+    def release(self) -> None:
+        """Nothing to free (the GPU trunk frees its blocks' weights here)."""
 
 
 class RefDraft:

@@ -8,7 +8,8 @@
   (``ValueError`` from the int conversion limit), lone surrogates (``\\ud800`` parses to a str that cannot be
   encoded again), duplicate keys, NaN/Infinity, invalid UTF-8.
 - :func:`refuse_overwrite_input` stops a command whose output is one of its inputs, or lies inside an input
-  folder, before any work (symlinks resolved).
+  folder, before any work (symlinks resolved, by :func:`resolved`, which turns a symbolic link loop or a name
+  the file system cannot hold into one line).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["MAX_JSON_DEPTH", "load_json", "open_regular", "refuse_overwrite_input"]
+__all__ = ["MAX_JSON_DEPTH", "load_json", "open_regular", "refuse_overwrite_input", "resolved", "utf8_text"]
 
 MAX_JSON_DEPTH = 64  # a config.json, an index or a data record nests a few levels; 64 keeps recursion safe
 
@@ -67,6 +68,17 @@ def read_regular(path: str | os.PathLike, what: str, error: type[Exception], lim
             raise error(f"{os.fspath(path)}: cannot read: {e.strerror or e}") from None
 
 
+def utf8_text(data: bytes | bytearray | memoryview | str, where: str, error: type[Exception]) -> str:
+    """The text of untrusted bytes; `error` with one line starting with `where` when they are not UTF-8 (a
+    str is already text)."""
+    if isinstance(data, str):
+        return data
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{where}: not UTF-8 text (byte {e.start})") from None
+
+
 def _max_depth(text: str) -> int:
     """Deepest [/{ nesting outside strings (a linear scan: no recursion, whatever the input)."""
     depth = deepest = 0
@@ -93,6 +105,11 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+class _DuplicateKey(Exception):
+    """Raised inside `json.loads` for a key given twice: not a ValueError, so that the decoder's own error
+    handling does not wrap it again (the line would name the file twice)."""
+
+
 def _check_strings(v: Any, where: str, error: type[Exception]) -> None:
     """Refuse lone surrogates (valid JSON escapes, but no valid text): they would crash the first encode."""
     stack = [v]
@@ -114,13 +131,7 @@ def _check_strings(v: Any, where: str, error: type[Exception]) -> None:
 
 def load_json(data: bytes | str, where: str, error: type[Exception], max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Parse untrusted JSON; every problem raises `error` with one line that starts with `where`."""
-    if isinstance(data, bytes | bytearray | memoryview):
-        try:
-            text = bytes(data).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise error(f"{where}: not UTF-8 text (byte {e.start})") from None
-    else:
-        text = data
+    text = utf8_text(data, where, error)
     if _max_depth(text) > max_depth:
         raise error(f"{where}: JSON nests deeper than {max_depth} levels")
 
@@ -128,12 +139,14 @@ def load_json(data: bytes | str, where: str, error: type[Exception], max_depth: 
         d: dict = {}
         for k, v in items:
             if k in d:
-                raise error(f"{where}: duplicate key {k!r} in JSON")
+                raise _DuplicateKey(k)
             d[k] = v
         return d
 
     try:
         value = json.loads(text, object_pairs_hook=pairs, parse_constant=_reject_constant)
+    except _DuplicateKey as e:
+        raise error(f"{where}: duplicate key {e.args[0]!r} in JSON") from None
     except json.JSONDecodeError as e:
         raise error(f"{where}: invalid JSON: {e}") from None
     except RecursionError:
@@ -147,17 +160,32 @@ def load_json(data: bytes | str, where: str, error: type[Exception], max_depth: 
     return value
 
 
+def resolved(path: str | os.PathLike, error: type[Exception]) -> Path:
+    """`path` with every symbolic link resolved (it need not exist); `error` with one line for a symbolic link
+    loop (Python before 3.13 raises a RuntimeError for it) or a name the file system cannot hold."""
+    try:
+        p = Path(path).resolve()
+        os.lstat(p)
+    except RuntimeError:
+        raise error(f"{os.fspath(path)}: too many levels of symbolic links") from None
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # a path still to be written
+    except OSError as e:
+        raise error(f"{os.fspath(path)}: {e.strerror or e}") from None
+    return p
+
+
 def refuse_overwrite_input(
     out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None], error: type[Exception] = ValueError
 ) -> None:
     """`error` when writing `out` would destroy an input before or while it is read: `out` is one of `inputs`
     (the same file through any symlink or hard link), lies inside an input that is a folder, or is a folder
     (replaced as a whole) that holds an input. Call it before any work; `None` inputs are skipped."""
-    out_p = Path(out).resolve()
+    out_p = resolved(out, error)
     for item in inputs:
         if item is None:
             continue
-        inp = Path(item).resolve()
+        inp = resolved(item, error)
         same = out_p == inp
         if not same and out_p.exists() and inp.exists():
             try:

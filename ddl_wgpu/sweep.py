@@ -20,11 +20,13 @@ as a terminal sends it, or to this process alone, which forwards it) ends every 
 step with a resumable checkpoint (`StopRequest`); `resume OUT` then finishes the unfinished jobs and keeps the
 finished ones.
 
-Ray: the same jobs as tasks, one adapter each (see "Ray tasks" below for how a task finds its adapter and
-where its files go).
+Ray: the same jobs as tasks, one adapter each (`sweep_ray.py`: how a task finds its adapter and where its
+files go).
 
-Public API: `Sweep`, `Job`, `Runner`, `parse_seeds`, `run`, `resume`, `comparison`, `table`, `check_data`,
-`SweepView`, `SWEEP` (the Ray tasks: `sweep_ray.py`).
+This module is the driver: `parse_seeds`, `run`, `resume`, `comparison`, `table`, `SweepView`. The record and
+one job (`Sweep`, `Job`, `Runner`, `attempt`, ...) are `sweep_job.py`, which the driver, the checks made
+before any job (`sweep_checks.py`) and the Ray tasks import; `Sweep`, `Job`, `Runner` and `SweepError` are
+re-exported here, the names a caller of the driver needs.
 """
 
 from __future__ import annotations
@@ -33,28 +35,34 @@ import math
 import os
 import queue
 import signal
-import socket
 import sys
 import time
-import uuid
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
-from ddl_ref.config import ModelConfig, ModelVariant
 from ddl_wgpu import train as train_lib
-from ddl_wgpu.data import STDLIB_SPEC, DataError, load_source
-from ddl_wgpu.errors import UserError
-from ddl_wgpu.rundir import SWEEP, write_json
-from ddl_wgpu.safeio import load_json, read_regular
+from ddl_wgpu.rundir import write_json
+from ddl_wgpu.sweep_checks import check_jobs
+from ddl_wgpu.sweep_job import (
+    STOP,
+    Forward,
+    Job,
+    Runner,
+    Sweep,
+    SweepError,
+    attempt,
+    check_data,
+    finished_report,
+)
+from ddl_wgpu.sweep_ray import run_tasks
 from ddl_wgpu.train_config import MAX_INT
+
+__all__ = ["Job", "Runner", "Sweep", "SweepError", "SweepView", "comparison", "parse_seeds", "resume", "run",
+           "table"]  # fmt: skip
 
 # the statistics of the comparison over seeds, per variant and loss
 LOSS_KEYS = ("final_train", "final_validation", "best_validation")
-
-
-class SweepError(UserError):
-    """A sweep that cannot be set up or resumed, with one line for the user."""
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -68,219 +76,6 @@ def parse_seeds(text: str) -> list[int]:
     if max(seeds) > MAX_INT:  # each job's seed is stored in its checkpoint's header (int64)
         raise SweepError(f"seeds must be at most 2^63-1, got {max(seeds)}", field="seeds")
     return seeds
-
-
-@dataclass(frozen=True)
-class Job:
-    variant: str
-    seed: int
-    name: str  # "ddl" (one seed) or "ddl/seed-1": the progress prefix and the folder under OUT
-
-
-@dataclass(frozen=True)
-class Sweep:
-    """What a sweep trains; written to OUT/sweep.json."""
-
-    base: dict  # ModelConfig.to_dict()
-    training: dict  # TrainingConfig.to_dict(); each job replaces its seed
-    variants: list[str]
-    seeds: list[int]
-    data: dict  # how every job loads its data (`RunOptions.data`)
-    backend: str  # "wgpu" or "ref", resolved
-    save_interval: int = 0
-    runner: dict = field(default_factory=dict)  # how it ran (`Runner`): what `resume` does by default
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # Ray workers recognise a shared OUT by it
-    plots: bool = True  # `train --plots/--no-plots`: `resume OUT` writes them, or not, as the sweep did
-
-    def jobs(self) -> list[Job]:
-        many = len(self.seeds) > 1
-        return [Job(v, s, f"{v}/seed-{s}" if many else v) for v in self.variants for s in self.seeds]
-
-    def tcfg(self, seed: int) -> train_lib.TrainingConfig:
-        return train_lib.TrainingConfig.from_dict({**self.training, "seed": seed})
-
-    def save(self, root: Path) -> None:
-        write_json(Path(root) / SWEEP, asdict(self))
-
-    @classmethod
-    def load(cls, root: Path, say=None) -> Sweep:
-        """The sweep recorded in ROOT, read as untrusted input (`sweep_checks.read_record`); `say(line)` hears
-        about a record that no longer applies."""
-        from ddl_wgpu.sweep_checks import read_record
-
-        path = Path(root) / SWEEP
-        if not path.exists():
-            raise SweepError(f"{root} is not a sweep folder (no {SWEEP}); resume a run with its checkpoint")
-        record = read_record(path)
-        # Sweeps of `train --precision f16` (f16 GEMM products; removed after it measured slower than f32,
-        # docs/experiments.md) recorded their precision here: they resume in f32, the only precision left.
-        precision = record.pop("precision", "f32")
-        if precision != "f32" and say is not None:
-            say(f"{root} was trained with --precision {precision}, which no longer exists: it resumes in f32")
-        return cls(**record)
-
-
-@dataclass(frozen=True)
-class Runner:
-    """Where the jobs run: `devices` has one entry per worker process (an adapter index or name; None: the
-    default adapter, or the numpy backend); none and no `ray`: one after another in this process. `ray`:
-    "local" (start a local cluster) or a cluster's address."""
-
-    devices: tuple = ()
-    ray: str | None = None
-
-    @classmethod
-    def parse(cls, backend: str, devices: str | None, workers: int, ray: str | None, device: str | None):
-        """The options of `train`: `--devices all|LIST` (one worker per entry; repeat an entry for several
-        workers on one adapter), `--workers N` (N workers, spread over the devices; on numpy the only way to
-        ask for workers), `--ray local|ADDRESS`."""
-        if workers < 0:
-            raise SweepError("--workers must be non-negative", field="workers")
-        if backend == "ref":
-            if devices is not None:
-                raise SweepError(
-                    "--devices picks GPU adapters, and this sweep runs on the numpy backend: ask for worker "
-                    "processes with --workers N"
-                )
-            return cls((None,) * workers, ray)
-        if ray is not None and ray != "local":
-            if devices is not None:
-                raise SweepError(
-                    "--devices picks adapters of this host; a Ray cluster's nodes declare their own"
-                )
-            return cls((), ray)
-        if devices is None:
-            # a local Ray cluster gets a slot per GPU unless one adapter was named
-            listed = _gpu_adapters() if ray == "local" and device is None else [device]
-        elif devices.strip() == "all":
-            listed = _gpu_adapters()
-        else:
-            listed = [d.strip() for d in devices.split(",") if d.strip()]
-            if not listed:
-                raise SweepError(f"--devices: no adapter in {devices!r}", field="devices")
-        n = workers or (len(listed) if devices is not None or ray == "local" else 0)
-        return cls(tuple(listed[i % len(listed)] for i in range(n)), ray)
-
-    def describe(self) -> str:
-        if self.ray is not None:
-            where = "a local Ray cluster" if self.ray == "local" else f"the Ray cluster at {self.ray}"
-            return f"Ray tasks on {where}" + (f" ({len(self.devices)} slots)" if self.devices else "")
-        if not self.devices:
-            return "one job after another in this process"
-        return f"{len(self.devices)} worker processes: " + ", ".join(
-            "numpy" if d is None else f"adapter {d}" for d in self.devices
-        )
-
-
-def _gpu_adapters() -> list[str]:
-    """`--devices all`: the index of every real GPU adapter (not OpenGL, not a CPU implementation), else of
-    every non-OpenGL one (a CPU-only machine running `--backend wgpu`)."""
-    from ddl_wgpu import gpu as gpu_mod
-    from ddl_wgpu.backend import _GL_BACKENDS, cpu_implementation
-
-    infos = [dict(a.info) for a in gpu_mod.enumerate_adapters()]
-    usable = [i for i, info in enumerate(infos) if info.get("backend_type") not in _GL_BACKENDS]
-    real = [i for i in usable if cpu_implementation(infos[i]) is None]
-    if not (real or usable):
-        raise SweepError(gpu_mod.DRIVER_HINT)
-    return [str(i) for i in real or usable]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# one job, in whichever process runs it
-
-
-def check_data(source: dict) -> None:
-    """Every data spec of the sweep is readable here: each worker checks before it trains."""
-    for key, what in (("data", "training data"), ("val_data", "validation data")):
-        spec = source.get(key)
-        if spec and spec != STDLIB_SPEC and not os.path.exists(spec):
-            raise DataError(
-                f"{socket.gethostname()} cannot see the {what} {spec}: every worker of a sweep reads the data "
-                "at the same path (put it on storage that every worker sees, or use --data stdlib)"
-            )
-
-
-def _load(sweep: Sweep, tcfg: train_lib.TrainingConfig):
-    return load_source(sweep.data, tcfg.seq_len, tcfg.batch_size, sweep.base["vocab_size"], tcfg.seed)
-
-
-def finished_report(folder: Path) -> dict | None:
-    """The report of a job that completed in an earlier run of the sweep, else None."""
-    path = folder / train_lib.REPORT
-    if not path.is_file():
-        return None
-    rep = load_json(read_regular(path, "a job's report", SweepError, 1 << 28), str(path), SweepError)
-    return rep if isinstance(rep, dict) and rep.get("status") == "completed" else None
-
-
-class StopRequest:
-    """Ctrl-C reaching a process that runs jobs: its job ends after the step in progress (and that step's
-    evaluation) with a resumable checkpoint, through `RunOptions.stop_after`, and no other job starts. A
-    KeyboardInterrupt would land wherever the signal does, and a step cut between its update and its history
-    entry saves weights one step ahead of the report, which a resume then trains again. Callable as a SIGINT
-    handler; asking again changes nothing."""
-
-    stops_between_steps = True  # run.DeferredInterrupt leaves Ctrl-C to this handler
-
-    def __init__(self):
-        self.requested, self.opts = False, None
-
-    def __call__(self, *_signal) -> None:
-        self.requested = True
-        if self.opts is not None:
-            self.opts.stop_after = 1  # read after every step: "stop now" once a step has run in this process
-
-
-STOP = StopRequest()
-
-
-def run_job(sweep: Sweep, job: Job, root: Path, device, progress, stop_after: int = 0,
-            resuming: bool = False) -> dict:  # fmt: skip
-    """Train `job` into ROOT/job.name -> its report; `resuming`: continue its checkpoint when it has one."""
-    folder = Path(root) / job.name
-    check_data(sweep.data)
-    tcfg = sweep.tcfg(job.seed)
-    trn, val = _load(sweep, tcfg)
-    opts = train_lib.RunOptions(backend=sweep.backend, device=device, save_interval=sweep.save_interval,
-                                stop_after=1 if STOP.requested else stop_after, progress=progress,
-                                data=sweep.data)  # fmt: skip
-    ck = folder / train_lib.CHECKPOINT
-    STOP.opts = opts  # `train.resume` keeps this very object: the run's data is recorded in it
-    try:
-        if resuming and ck.is_file():
-            return train_lib.resume(ck, trn, val, opts)
-        base = ModelConfig.from_dict(sweep.base)
-        return train_lib.train_variant(base, ModelVariant.parse(job.variant), trn, val, tcfg, folder, opts)
-    finally:
-        STOP.opts = None
-
-
-def attempt(sweep: Sweep, job: Job, root: Path, device, progress, stop_after: int = 0,
-            resuming: bool = False) -> dict:  # fmt: skip
-    """`run_job` -> a result {status, report, error}: status "completed", "stopped" (--stop-after) or
-    "failed" (the error's first line). Ctrl-C passes through (the run saved its checkpoint)."""
-    try:
-        rep = run_job(sweep, job, root, device, progress, stop_after, resuming)
-    except Exception as e:
-        text = str(e).strip().splitlines()
-        return {"status": "failed", "report": None, "error": f"{type(e).__name__}: {text[0] if text else ''}"}
-    return {"status": rep.get("status", "stopped"), "report": rep, "error": None}
-
-
-class Forward:
-    """A job's progress sink that passes its events on through `put(job, event)`: the step events of every
-    tenth of the run and the last, every other event, without the bulky report and configuration."""
-
-    def __init__(self, put, job: str):
-        self.put, self.job = put, job
-
-    def __call__(self, ev: dict) -> None:
-        if ev["event"] == "step" and not (
-            ev["step"] % max(ev["total"] // 10, 1) == 0 or ev["step"] == ev["total"]
-        ):
-            return
-        self.put(self.job, {k: v for k, v in ev.items() if k not in ("report", "cfg")})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -566,8 +361,6 @@ def run(sweep: Sweep, root: Path, runner: Runner, stop_after: int = 0, view: Swe
     if len(runner.devices) > len(todo):  # a worker per job left at most: more would only sit idle
         runner = replace(runner, devices=runner.devices[: len(todo)])
     if todo and runner.ray is not None:
-        from ddl_wgpu.sweep_ray import run_tasks  # Ray only when asked for (and the import cycle stays lazy)
-
         results.update(run_tasks(sweep, todo, root, runner, launch, view))
     elif todo and runner.devices:
         results.update(_Pool(runner.devices, sweep, root, launch, view).run(todo))
@@ -585,8 +378,6 @@ def resume(root: Path, runner: Runner | None = None, backend: str | None = None,
     """Continue the sweep in ROOT: finished jobs kept, unfinished ones resumed from their checkpoints, jobs
     not started (or failed) run; the comparison written anew. `runner` (default: the sweep's own) and
     `backend` (default: the sweep's own) may change where the jobs run."""
-    from ddl_wgpu.sweep_checks import check_jobs
-
     sweep = Sweep.load(root)
     check_jobs(sweep, root)  # before any job starts: a job of other options would be ranked with the rest
     if backend is not None:

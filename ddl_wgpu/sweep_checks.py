@@ -1,117 +1,24 @@
-"""A sweep's record (`OUT/sweep.json`) read as untrusted input, and the checks `train` and `resume` make before
-any job of a sweep starts.
+"""The checks `train` and `resume` make before any job of a sweep starts.
 
-`sweep.json` is a file anyone can edit: `read_record` refuses, with one line each, what would make the jobs
-fail one by one (`training: null`, an unknown variant, a seed past int64) or run wrong (`"seeds": [0, 0]`,
-two jobs at once into one folder). `check_jobs` holds the record against what the jobs of an earlier run wrote
-(their checkpoints and reports): an edited learning rate would train the fresh jobs at the new rate and
-resume the others at the old, and rank them together. `check_runner` names an adapter that does not exist
-before a worker is spawned for it.
+`sweep.json` is a file anyone can edit: `sweep_job.read_record` refuses, with one line each, what would make
+the jobs fail one by one (`training: null`, an unknown variant, a seed past int64) or run wrong
+(`"seeds": [0, 0]`, two jobs at once into one folder). `check_jobs` holds the record against what the jobs of
+an earlier run wrote (their checkpoints and reports): an edited learning rate would train the fresh jobs at
+the new rate and resume the others at the old, and rank them together. `check_runner` names an adapter that
+does not exist before a worker is spawned for it; `capped_runner` starts at most one worker per job.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
 from ddl_ref.config import ConfigError, ModelConfig, ModelVariant
 from ddl_wgpu import train as train_lib
-from ddl_wgpu.checkpoint import DATA_FIELDS
 from ddl_wgpu.container import CheckpointError, open_checkpoint
-from ddl_wgpu.modelfile import check_fits
+from ddl_wgpu.rundir import SWEEP
 from ddl_wgpu.safeio import load_json, read_regular
-from ddl_wgpu.sweep import SWEEP, Job, Runner, Sweep, SweepError
-from ddl_wgpu.train_config import MAX_INT
-
-MAX_RECORD_BYTES = 16 << 20  # a record is a few kilobytes (its configurations, variants and seeds)
-FIELDS = {"base", "training", "variants", "seeds", "data", "backend", "save_interval", "precision", "runner",
-          "id", "plots"}  # fmt: skip
-REQUIRED = ("base", "training", "variants", "seeds", "data", "backend")
-
-
-def _int(v, lo: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= MAX_INT
-
-
-def read_record(path: Path) -> dict:
-    """The fields of a `Sweep` from `path`, each checked; SweepError (one line naming the file) otherwise."""
-    where = str(path)
-    d = load_json(read_regular(path, "a sweep record", SweepError, MAX_RECORD_BYTES), where, SweepError)
-
-    def bad(message: str) -> SweepError:
-        return SweepError(f"{where}: {message}; it is not the record `train` wrote (restore it, or train the "
-                          "sweep anew)")  # fmt: skip
-
-    if not isinstance(d, dict):
-        raise bad(f"a JSON {type(d).__name__}, not an object")
-    unknown, missing = sorted(set(d) - FIELDS), [k for k in REQUIRED if k not in d]
-    if unknown or missing:
-        raise bad(f"unknown field {unknown[0]!r}" if unknown else f"no {missing[0]!r}")
-    if not isinstance(d["base"], dict):
-        raise bad("'base' is not a model configuration")
-    try:
-        base = ModelConfig.from_dict(d["base"])
-    except (ConfigError, TypeError) as e:
-        raise bad(f"'base': {e}") from None
-    variants = d["variants"]
-    if not (isinstance(variants, list) and variants and all(isinstance(v, str) for v in variants)):
-        raise bad("'variants' is not a list of variant names")
-    for v in variants:
-        try:
-            if ModelVariant.parse(v).slug != v:
-                raise ConfigError(f"{v!r} is not a variant's name")
-        except ConfigError as e:
-            raise bad(f"'variants': {e}") from None
-    if len(set(variants)) != len(variants):
-        raise bad(f"'variants' {variants} names a variant twice")
-    seeds = d["seeds"]
-    if not (isinstance(seeds, list) and seeds and all(_int(s) for s in seeds)):
-        raise bad("'seeds' is not a list of integers between 0 and 2^63-1")
-    if len(set(seeds)) != len(seeds):
-        raise bad(f"'seeds' {seeds} names a seed twice (two jobs would train into one folder)")
-    if not isinstance(d["training"], dict):
-        raise bad("'training' is not the training options")
-    # a record from before the clipping mode existed: its jobs clipped globally (as `train.load_checkpoint`)
-    training = {"grad_clip_mode": "global", **d["training"]}
-    try:
-        # the record's own seed too, though each job trains with its own instead
-        for s in (training.get("seed", 0), *seeds):
-            train_lib.TrainingConfig.from_dict({**training, "seed": s}).validate()
-    except (train_lib.TrainingError, TypeError) as e:
-        raise bad(f"'training': {e}") from None
-    if training["seq_len"] > base.max_seq_len:
-        raise bad(
-            f"'training' seq_len {training['seq_len']} exceeds the model's max_seq_len {base.max_seq_len}"
-        )
-    try:
-        for v in variants:
-            check_fits(ModelVariant.parse(v).resolve_config(base), True, f"variant {v}")
-    except ConfigError as e:
-        raise bad(str(e)) from None
-    data = d["data"]
-    if not (isinstance(data, dict) and set(data) == DATA_FIELDS and isinstance(data["data"], str)
-            and data["data"] and (data["val_data"] is None or isinstance(data["val_data"], str))
-            and isinstance(data["val_fraction"], int | float) and not isinstance(data["val_fraction"], bool)
-            and math.isfinite(data["val_fraction"]) and 0 <= data["val_fraction"] <= 1
-            and _int(data["max_tokens"])):  # fmt: skip
-        raise bad(f"'data' must record {sorted(DATA_FIELDS)} as `train` does")
-    if d["backend"] not in ("wgpu", "ref"):
-        raise bad(f"'backend' {d['backend']!r} is not wgpu or ref")
-    if not _int(d.get("save_interval", 0)):
-        raise bad("'save_interval' is not a non-negative integer")
-    if d.get("precision", "f32") not in ("f32", "f16"):
-        raise bad(f"'precision' {d['precision']!r} is not f32 or f16")
-    runner = d.get("runner", {})
-    if not (isinstance(runner, dict) and set(runner) <= {"devices", "ray"}
-            and isinstance(runner.get("devices", []), list)
-            and all(x is None or isinstance(x, str) for x in runner.get("devices", []))
-            and (runner.get("ray") is None or isinstance(runner["ray"], str))):  # fmt: skip
-        raise bad("'runner' is not how the sweep ran (devices, ray)")
-    if not isinstance(d.get("id", ""), str) or not isinstance(d.get("plots", True), bool):
-        raise bad("'id' is not a string or 'plots' not true or false")
-    return {**d, "training": training}
-
+from ddl_wgpu.sweep_job import MAX_RECORD_BYTES, Job, Runner, Sweep, SweepError
 
 # ---------------------------------------------------------------------------------------------------------
 # the record against its jobs

@@ -1,6 +1,7 @@
 """Sweeps as Ray tasks (`train --ray local|auto|ADDRESS`): one task per job, each claiming one adapter of
 its node; the task writes its job folder into the sweep's folder when it sees it (shared storage), else
-returns the files to the driver. `sweep.run` hands its jobs here when the runner is Ray.
+returns the files to the driver. `sweep.run` hands its jobs here when the runner is Ray; a task runs its job
+with `sweep_job.attempt`, as every other runner does.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from ddl_wgpu import train as train_lib
 from ddl_wgpu.rundir import SWEEP
-from ddl_wgpu.sweep import STOP, Forward, Job, Sweep, SweepError, _gpu_adapters, attempt
+from ddl_wgpu.sweep_job import STOP, Forward, Job, Sweep, SweepError, attempt, gpu_adapters
 
 # ---------------------------------------------------------------------------------------------------------
 # Ray tasks
@@ -96,7 +97,7 @@ def _ray_task(
         from ddl_wgpu.gpu import ENV_ADAPTER
 
         slot, lock = _claim_slot()
-        listed = devices or _gpu_adapters()
+        listed = devices or gpu_adapters()
         device = listed[slot % len(listed)]
         if device is not None:
             os.environ[ENV_ADAPTER] = str(device)

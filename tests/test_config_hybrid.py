@@ -13,8 +13,13 @@ def test_qwen35_pattern_every_fourth_layer_is_full_attention():
     assert qwen35_layer_types(8) == ("linear_attention",) * 3 + ("full_attention",) + (
         "linear_attention",
     ) * 3 + ("full_attention",)
-    # fewer layers than the interval: the last one is the full-attention layer
-    assert qwen35_layer_types(2) == ("linear_attention", "full_attention")
+    # transformers' reading: a trunk shorter than the interval has no full-attention layer; the hybrid built
+    # here (apply_arch) makes its last layer the full-attention one
+    assert qwen35_layer_types(2) == ("linear_attention", "linear_attention")
+    assert apply_arch(preset("tiny", n_layers=2), "qwen3_5").layer_types == (
+        "linear_attention",
+        "full_attention",
+    )
 
 
 def test_apply_arch_keeps_sizes_and_builds_the_hybrid():

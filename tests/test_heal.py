@@ -125,7 +125,9 @@ def test_window_count_error_names_counts(tmp_path, make_model):
     data = tmp_path / "short.txt"
     data.write_text("x" * (24 * 7))  # 7 windows of 24 bytes
     with pytest.raises(
-        heal.HealError, match=r"^heal: 7 windows in .*short\.txt, need 20 \(every tenth is held out\)$"
+        heal.HealError,
+        match=r"^heal: 7 windows in .*short\.txt, need 20 \(every tenth is held out; a window holds 16 \+ chain "
+        r"= 18 to 24 tokens of one record\)$",
     ):
         heal.heal(model, str(data), tmp_path / "o.ddlw", SMALL)
     # windows shorter than 16 + chain are skipped: 17-byte records give none

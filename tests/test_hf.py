@@ -145,13 +145,14 @@ def test_import_f16_mixed_with_f32(tmp_path):
         np.testing.assert_array_equal(m.params[name], a.astype(np.float32))
 
 
-def test_tied_folder_with_lm_head_ignores_it(tmp_path):
+def test_tied_folder_with_a_copy_of_the_embedding_as_lm_head_ignores_it(tmp_path):
+    """A distinct lm_head is kept apart (tests/test_hostile_inputs.py); a copy of the embedding is the same model."""
     cfg = our_config(True)
     params = random_params(cfg)
-    extra = dict(params, **{"lm_head.weight": np.full((256, 64), 9.0, np.float32)})
+    extra = dict(params, **{"lm_head.weight": params["model.embed_tokens.weight"].copy()})
     write_folder(tmp_path / "m", hf_config(True), extra)
     m = import_hf(tmp_path / "m")
-    assert "lm_head.weight" not in m.params
+    assert "lm_head.weight" not in m.params and m.cfg.tie_embeddings
     np.testing.assert_array_equal(m.params["model.embed_tokens.weight"], params["model.embed_tokens.weight"])
 
 

@@ -1,10 +1,16 @@
-"""The gated delta rule (`shaders/gated_delta.wgsl`, `ddl_wgpu/ops/gated_delta.py`) against
-`ddl_ref.gdn.gated_delta_forward` / `gated_delta_backward` (float64 reference of the float32 inputs): outputs,
-the saved r = v − u, checkpoints and the final state; every gradient; a start state; a chunk length that
-does not divide T; determinism.
+"""The gated delta rule (`shaders/gated_delta.wgsl`, `ddl_wgpu/ops/gated_delta.py`), both forms, against
+`ddl_ref.gdn` (float64 reference of the float32 inputs).
 
-Shapes are off the thread grid: Dk 5 / 6 / 20 and Dv 3 / 7 / 24 pad rows and columns, 20 x 24 gives each thread
-two rows and two columns; Hv = 2·Hk shares a key head between two value heads.
+The per-token forward (decoding) against `gated_delta_forward`: outputs, the saved r = v − u, the saved states
+and the final state; a start state; a state interval that does not divide T; determinism. Shapes are off the thread grid: Dk 5 / 6 / 20 and Dv 3 / 7 / 24 pad rows and columns,
+20 x 24 gives each thread two rows and two columns; Hv = 2·Hk shares a key head between two value heads.
+
+The chunked kernels (training and whole-sequence forwards) against `gated_delta_chunked_forward` (outputs, Δ,
+the checkpoints, the final state, the prep's C x C matrices) and the recurrence's backward (every gradient),
+under several plans: a chunk that does not divide T, several column blocks, a column block wider than Dv,
+the steps looped rather than unrolled, the staged rows prefetched or not, one element per thread or several, Tm solved in one block or in two
+and four, batch rows split over calls where a binding is small. Every plan fits WebGPU's default limits, so the `DDL_WGPU_LIMITS=webgpu` run
+repeats them all.
 """
 
 import numpy as np
@@ -12,6 +18,7 @@ import pytest
 
 from ddl_ref import gdn as ref
 from ddl_ref.check import check, f64
+from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.ops import gated_delta as kg
 from ddl_wgpu.ops.gdn_inputs import align_floats, qk_floats
 
@@ -53,8 +60,7 @@ def _forward(gpu, q, k, v, g, beta, tc, state=None, v_pad=0, save_final=True):
     s_in = gpu.upload(state) if state is not None else None
     kg.gated_delta_forward(gpu, o, r, states, qkgb, vb, B, T, Hk, Hv, Dk, Dv, tc=tc, v_off=v_pad, v_stride=stride,
                            state_in=s_in, save_final=save_final).run(gpu)  # fmt: skip
-    scratch = gpu.buffer(4 * kg.scratch_floats(B, Hv, Dk, Dv, tc))
-    return dict(qkgb=qkgb, o=o, r=r, states=states, scratch=scratch, stride=stride, v_pad=v_pad)
+    return dict(qkgb=qkgb, o=o, r=r, states=states, stride=stride, v_pad=v_pad)
 
 
 SHAPES = [  # B, T, Hk, Hv, Dk, Dv, tc
@@ -105,49 +111,193 @@ def test_forward_from_a_state_equals_the_whole_sequence(gpu):
     check("final state", gpu.read(second["states"], (B, Hv, 2, Dk, Dv))[:, :, 1], S_ref, "norm")
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_backward_matches_reference(gpu, shape):
-    B, T, Hk, Hv, Dk, Dv, tc = shape
+def test_same_bits_every_run(gpu):
+    B, T, Hk, Hv, Dk, Dv, tc = SHAPES[2]
+    rng = np.random.default_rng(9)
+    x = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
+    runs = []
+    for _ in range(2):
+        d = _forward(gpu, *x, tc=tc)
+        runs.append([gpu.download(d[n], np.uint32) for n in ("o", "r", "states")])
+    for a, b in zip(*runs, strict=True):
+        assert np.array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the chunked form
+
+CHUNKED = [  # (B, T, Hk, Hv, Dk, Dv), plan
+    ((2, 7, 1, 2, 5, 3), kg.ChunkPlan(chunk=4, bv=4, threads=16, br=2, pthreads=32)),
+    ((1, 9, 2, 4, 6, 7), kg.ChunkPlan(chunk=4, bv=8, threads=32, br=4, tb=2, pthreads=16)),
+    ((2, 6, 1, 1, 20, 24), kg.ChunkPlan(chunk=8, bv=8, threads=64, br=8, unroll=False, tb=2, pf=False)),
+    ((1, 20, 1, 2, 16, 16), kg.ChunkPlan(chunk=16, bv=8, threads=64, br=4, tb=4, pthreads=64)),
+]
+
+
+def _chunked(gpu, x, plan, state=None, v_pad=2, save_final=True):
+    """The chunked forward of inputs x = (q, k, v, g, beta) -> its buffers (and the scratch the backward
+    uses)."""
+    q, k, v, g, beta = x
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
     N = B * T
-    rng = np.random.default_rng(100 + sum(shape))
-    q, k, v, g, beta = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
+    qkgb, vb, stride = _upload(gpu, q, k, v, g, beta, v_pad)
+    o, d = gpu.buffer(4 * N * Hv * Dv), gpu.buffer(4 * N * Hv * Dv)
+    states = gpu.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, plan.chunk))
+    scr = gpu.buffer(4 * kg.chunk_scratch_floats(gpu, B, T, Hv, Dk, Dv, True, plan))
+    s_in = gpu.upload(state) if state is not None else None
+    kg.chunk_forward(gpu, o, d, states, scr, qkgb, vb, B, T, Hk, Hv, Dk, Dv, plan=plan, v_off=v_pad, v_stride=stride,
+                     state_in=s_in, save_final=save_final).run(gpu)  # fmt: skip
+    return dict(qkgb=qkgb, v=vb, o=o, delta=d, states=states, scr=scr, stride=stride, v_pad=v_pad)
+
+
+@pytest.mark.parametrize("shape, plan", CHUNKED)
+def test_chunked_forward_matches_reference(gpu, shape, plan):
+    B, T, Hk, Hv, Dk, Dv = shape
+    C, nck = plan.chunk, kg.n_chunks(T, plan.chunk)
+    rng = np.random.default_rng(sum(shape))
+    x = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
+    s0 = (0.5 * rng.standard_normal((B, Hv, Dk, Dv))).astype(f32)
+    o_ref, S_ref, cache = ref.gated_delta_chunked_forward(*(f64(a) for a in x), f64(s0), chunk=C)
+    d = _chunked(gpu, x, plan, state=s0)
+    check("o", gpu.read(d["o"], (B, T, Hv, Dv)), o_ref, "norm")
+    delta = np.concatenate(cache["deltas"], axis=2).transpose(0, 2, 1, 3)
+    check("delta", gpu.read(d["delta"], (B, T, Hv, Dv)), delta, "norm")
+    states = gpu.read(d["states"], (B, Hv, nck + 1, Dk, Dv))
+    for c in range(nck):
+        check(f"checkpoint {c}", states[:, :, c], cache["starts"][c], "norm")
+    check("final state", states[:, :, nck], S_ref, "norm")
+    # the recurrence agrees (the chunked reference equals it to rounding)
+    check("o vs the recurrence", gpu.read(d["o"], (B, T, Hv, Dv)),
+          ref.gated_delta_forward(*(f64(a) for a in x), f64(s0))[0], "norm")  # fmt: skip
+    # the prep's matrices of the last chunk (tp: [Tm, P, MKK] per (row, head, chunk), row-major C x C)
+    tp = gpu.download(d["scr"], f32)[: B * Hv * nck * 3 * C * C].reshape(B, Hv, nck, 3, C, C)
+    sl = slice((nck - 1) * C, T)
+    n = T - (nck - 1) * C
+    G = Hv // Hk
+    K, Q = (np.repeat(a, G, axis=2).transpose(0, 2, 1, 3)[:, :, sl] for a in (x[1], x[0]))
+    _, M, KK, _, Tm, P = ref.chunk_matrices(f64(K), f64(Q), f64(x[3].transpose(0, 2, 1)[:, :, sl]),
+                                            f64(x[4].transpose(0, 2, 1)[:, :, sl]))  # fmt: skip
+    check("Tm", tp[:, :, -1, 0, :n, :n], Tm, "norm")
+    check("P", tp[:, :, -1, 1, :n, :n], P, "norm")
+    check("MKK", tp[:, :, -1, 2, :n, :n], np.tril(M * KK, -1), "norm")
+
+
+@pytest.mark.parametrize("shape, plan", CHUNKED)
+def test_chunked_backward_matches_reference(gpu, shape, plan):
+    B, T, Hk, Hv, Dk, Dv = shape
+    N, G = B * T, Hv // Hk
+    rng = np.random.default_rng(200 + sum(shape))
+    x = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
     do = rng.standard_normal((B, T, Hv, Dv)).astype(f32)
-    _, _, cache = ref.gated_delta_forward(*(f64(a) for a in (q, k, v, g, beta)))
+    _, _, cache = ref.gated_delta_forward(*(f64(a) for a in x))
     dq, dk, dv, dg, dbeta, _ = ref.gated_delta_backward(f64(do), cache)
-    d = _forward(gpu, q, k, v, g, beta, tc, v_pad=3)
+    d = _chunked(gpu, x, plan, v_pad=3, save_final=False)
     dqk = gpu.buffer(4 * qk_floats(N, Hv, Dk))
     dvb = gpu.upload(np.full((N, d["stride"]), 7.0, f32))  # v's columns are written, the others kept
-    dgb = gpu.buffer(4 * 2 * N * Hv * Dv)
-    kg.gated_delta_backward(gpu, dqk, dvb, dgb, d["scratch"], d["states"], d["qkgb"], d["r"], gpu.upload(do), B, T,
-                            Hk, Hv, Dk, Dv, tc=tc, v_off=3, v_stride=d["stride"]).run(gpu)  # fmt: skip
+    kg.chunk_backward(gpu, dqk, dvb, d["scr"], d["states"], d["delta"], d["qkgb"], d["v"], gpu.upload(do), B, T, Hk,
+                      Hv, Dk, Dv, plan=plan, v_off=3, v_stride=d["stride"]).run(gpu)  # fmt: skip
     got = gpu.download(dqk, f32)
     half = N * Hv * Dk
-    G = Hv // Hk
-    # per value head: the sum over a key head's value heads is its gradient
     check("dq", got[:half].reshape(B, T, Hk, G, Dk).sum(3), dq, "attention")
-    dk_got = got[align_floats(half) :][:half]
-    check("dk", dk_got.reshape(B, T, Hk, G, Dk).sum(3), dk, "attention")
+    check("dk", got[align_floats(half) :][:half].reshape(B, T, Hk, G, Dk).sum(3), dk, "attention")
     dv_rows = gpu.read(dvb, (N, d["stride"]))
     check("dv", dv_rows[:, 3:].reshape(B, T, Hv, Dv), dv, "attention")
     assert (dv_rows[:, :3] == 7.0).all(), "dv wrote outside v's columns"
-    parts = gpu.read(dgb, (B, T, Hv, 2, Dv))
-    check("dg", parts[..., 0, :].sum(-1), dg, "attention")
-    check("dbeta", parts[..., 1, :].sum(-1), dbeta, "attention")
+    buf, off, _ = kg.chunk_dg_view(gpu, d["scr"], B, T, Hv, Dk, Dv, plan)
+    gb = gpu.download(buf, f32)[off // 4 :][: 2 * N * Hv].reshape(B, T, Hv, 2)
+    check("dg", gb[..., 0], dg, "attention")
+    check("dbeta", gb[..., 1], dbeta, "attention")
 
 
-def test_same_bits_every_run(gpu):
-    B, T, Hk, Hv, Dk, Dv, tc = SHAPES[2]
+def test_chunked_calls_split_over_batch_rows(gpu, monkeypatch):
+    """Where one call's buffers would exceed a storage binding, the launchers run groups of batch rows (the
+    checkpoints and the start state bound at row offsets): the results equal one call's."""
+    shape, plan = (5, 16, 1, 2, 8, 8), kg.ChunkPlan(chunk=4, bv=4, threads=16, br=2, pthreads=16)
+    B, T, Hk, Hv, Dk, Dv = shape
     N = B * T
-    rng = np.random.default_rng(9)
+    rng = np.random.default_rng(5)
+    x = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
+    s0 = rng.standard_normal((B, Hv, Dk, Dv)).astype(f32)
+    do = rng.standard_normal((B, T, Hv, Dv)).astype(f32)
+    out = []
+    for binding in (None, 12000):
+        dev = gpu
+        if binding:  # the same device believing its bindings small
+            monkeypatch.setattr(gpu, "max_binding", binding)
+            assert kg.chunk_rows(gpu, B, T, Hv, Dk, Dv, plan.chunk, True) == 2  # three calls: 2, 2 and 1 rows
+        d = _chunked(dev, x, plan, state=s0, v_pad=0)
+        dqk, dvb = dev.buffer(4 * qk_floats(N, Hv, Dk)), dev.buffer(4 * N * Hv * Dv)
+        kg.chunk_backward(dev, dqk, dvb, d["scr"], d["states"], d["delta"], d["qkgb"], d["v"], dev.upload(do), B, T,
+                          Hk, Hv, Dk, Dv, plan=plan).run(dev)  # fmt: skip
+        buf, off, n = kg.chunk_dg_view(dev, d["scr"], B, T, Hv, Dk, Dv, plan)
+        dg = dev.download(buf, f32)[off // 4 :][: n // 4]
+        out.append([dev.download(b, f32) for b in (d["o"], d["delta"], d["states"], dqk, dvb)] + [dg])
+    for name, a, b in zip(("o", "delta", "states", "dqk", "dv", "dg"), *out, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_chunked_same_bits_every_run(gpu):
+    shape, plan = CHUNKED[2]
+    B, T, Hk, Hv, Dk, Dv = shape
+    N = B * T
+    rng = np.random.default_rng(11)
     x = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
     do = gpu.upload(rng.standard_normal((B, T, Hv, Dv)).astype(f32))
     runs = []
     for _ in range(2):
-        d = _forward(gpu, *x, tc=tc)
+        d = _chunked(gpu, x, plan, v_pad=0)
         dqk, dvb = gpu.buffer(4 * qk_floats(N, Hv, Dk)), gpu.buffer(4 * N * Hv * Dv)
-        dgb = gpu.buffer(8 * N * Hv * Dv)
-        kg.gated_delta_backward(gpu, dqk, dvb, dgb, d["scratch"], d["states"], d["qkgb"], d["r"], do, B, T, Hk, Hv,
-                                Dk, Dv, tc=tc).run(gpu)  # fmt: skip
-        runs.append([gpu.download(b, np.uint32) for b in (d["o"], dqk, dvb, dgb)])
+        kg.chunk_backward(gpu, dqk, dvb, d["scr"], d["states"], d["delta"], d["qkgb"], d["v"], do, B, T, Hk, Hv, Dk,
+                          Dv, plan=plan).run(gpu)  # fmt: skip
+        runs.append([gpu.download(b, np.uint32) for b in (d["o"], d["states"], dqk, dvb, d["scr"])])
     for a, b in zip(*runs, strict=True):
         assert np.array_equal(a, b)
+
+
+def test_chunked_bits_do_not_depend_on_the_sequential_kernels_tunables(gpu):
+    """bv, threads, br, pf and unroll change which thread adds what, never the order of a sum: every output
+    has the same bits under each (so a plan chosen for speed changes no result)."""
+    shape = (1, 20, 1, 2, 8, 8)
+    B, T, Hk, Hv, Dk, Dv = shape
+    N = B * T
+    rng = np.random.default_rng(12)
+    x = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
+    do = gpu.upload(rng.standard_normal((B, T, Hv, Dv)).astype(f32))
+    runs = []
+    for plan in (kg.ChunkPlan(8, 8, 16, 4, pthreads=16), kg.ChunkPlan(8, 4, 32, 2, pthreads=16, pf=False, unroll=False),
+                 kg.ChunkPlan(8, 2, 64, 8, pthreads=16, unroll=False)):  # fmt: skip
+        d = _chunked(gpu, x, plan, v_pad=0)
+        dqk, dvb = gpu.buffer(4 * qk_floats(N, Hv, Dk)), gpu.buffer(4 * N * Hv * Dv)
+        kg.chunk_backward(gpu, dqk, dvb, d["scr"], d["states"], d["delta"], d["qkgb"], d["v"], do, B, T, Hk, Hv, Dk,
+                          Dv, plan=plan).run(gpu)  # fmt: skip
+        buf, off, n = kg.chunk_dg_view(gpu, d["scr"], B, T, Hv, Dk, Dv, plan)
+        dg = gpu.download(buf, np.uint32)[off // 4 :][: n // 4]
+        runs.append([gpu.download(b, np.uint32) for b in (d["o"], d["delta"], d["states"], dqk, dvb)] + [dg])
+    for other in runs[1:]:
+        for name, a, b in zip(("o", "delta", "states", "dqk", "dv", "dg"), runs[0], other, strict=True):
+            assert np.array_equal(a, b), name
+
+
+def test_chunk_plans():
+    """The default plan is the first of PLANS that fits; a plan that does not fit, or is malformed, is one
+    clear error; DDL_WGPU_GDN_PLAN parses."""
+
+    class Limits:
+        def __init__(self, shared, threads):
+            self.limits = {
+                "max-compute-workgroup-storage-size": shared,
+                "max-compute-invocations-per-workgroup": threads,
+            }
+
+    assert kg.chunk_plan(Limits(48 << 10, 1024), 128, 128) == kg.PLANS[0]
+    webgpu = kg.chunk_plan(Limits(16 << 10, 256), 128, 128)
+    assert max(webgpu.shared_bytes(128, 128).values()) <= 16 << 10
+    assert kg.chunk_plan(Limits(16 << 10, 256), 8, 4).bv <= 4  # never wider than Dv padded
+    with pytest.raises(GpuError, match="workgroup memory"):
+        kg.chunk_plan(Limits(16 << 10, 256), 128, 128, kg.PLANS[0])
+    with pytest.raises(GpuError, match="power of two"):
+        kg.ChunkPlan(chunk=48).check(Limits(48 << 10, 1024), 128, 128)
+    assert kg.parse_plan("chunk=32, bv=16,unroll=0") == kg.ChunkPlan(chunk=32, bv=16, unroll=False)
+    with pytest.raises(GpuError, match="name=integer"):
+        kg.parse_plan("chunks=32")

@@ -34,6 +34,7 @@ from ddl_ref.config import MtpConfig
 from ddl_ref.params import init_params
 from ddl_wgpu import cli_checks, rundir
 from ddl_wgpu import sweep as S
+from ddl_wgpu import sweep_job as J
 from ddl_wgpu import train as T
 from ddl_wgpu.backend import choose_backend
 from ddl_wgpu.container import open_checkpoint, save
@@ -251,7 +252,7 @@ def test_a_damaged_sweep_is_one_line(stopped_sweep, tmp_path, cli, user_error):
     (d / "baseline" / "seed-1" / T.REPORT).write_text('{"variant": ')
     user_error(cli("resume", d), "invalid JSON", str(d / "baseline" / "seed-1" / T.REPORT))
     with pytest.raises(S.SweepError, match="invalid JSON"):
-        S.finished_report(d / "baseline" / "seed-1")
+        J.finished_report(d / "baseline" / "seed-1")
 
 
 def test_the_untouched_sweep_resumes_without_plots_as_it_ran(stopped_sweep, tmp_path, cli, ok):

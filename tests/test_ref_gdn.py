@@ -1,6 +1,7 @@
 """The Gated DeltaNet reference (`ddl_ref.gdn`): every backward against float64 central finite differences, the
 recurrence against two forms derived independently of it (a brute-force product of transition matrices and the
-chunked matrix form), state chaining, and the delta rule against transformers' own torch implementations.
+chunked matrix form, whose own backward is checked by finite differences and against the recurrence's), state
+chaining, and the delta rule against transformers' own torch implementations.
 
 Shapes are small and odd (T 5-9, Dk/Dv 3-6) with Hv = 2·Hk, so a head mix-up or a transposed state shows up.
 torch and transformers are required (the `test` extra): those tests fail, not skip, without them.
@@ -146,9 +147,40 @@ def test_chunked_form_equals_the_recurrence(chunk, with_state):
     q, k, v, g, beta, s0 = delta_inputs(T=9, seed=7, state=with_state)
     g = g * 6.0  # strong decays too: the chunked form must not overflow in exp(γ_t − γ_s)
     o, S, _ = gdn.gated_delta_forward(q, k, v, g, beta, s0)
-    oc, Sc = gdn.gated_delta_chunked_forward(q, k, v, g, beta, s0, chunk=chunk)
+    oc, Sc, _ = gdn.gated_delta_chunked_forward(q, k, v, g, beta, s0, chunk=chunk)
     np.testing.assert_allclose(oc, o, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(Sc, S, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_chunked_backward_equals_the_recurrence_backward(chunk):
+    """The chunked backward (its own derivation: through Tm, P and the chunk states) gives the recurrence
+    backward's gradients, the initial state's included; strong decays and a last chunk shorter than the rest."""
+    q, k, v, g, beta, s0 = delta_inputs(T=9, seed=19)
+    g = g * 6.0
+    r = rng(20)
+    o, S, cache = gdn.gated_delta_forward(q, k, v, g, beta, s0)
+    do, dS = r.standard_normal(o.shape), r.standard_normal(S.shape)
+    want = gdn.gated_delta_backward(do, cache, dS)
+    _, _, cc = gdn.gated_delta_chunked_forward(q, k, v, g, beta, s0, chunk=chunk)
+    got = gdn.gated_delta_chunked_backward(do, cc, dS)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dstate0"), got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("chunk, T", [(3, 8), (4, 4), (64, 5)])
+def test_gated_delta_chunked_backward(chunk, T):
+    q, k, v, g, beta, s0 = delta_inputs(T=T, Dk=4, Dv=3, seed=21)
+
+    def fwd(q, k, v, g, beta, s0):
+        o, S, _ = gdn.gated_delta_chunked_forward(q, k, v, g, beta, s0, chunk=chunk)
+        return o, S
+
+    def bwd(out, dout, q, k, v, g, beta, s0):
+        _, _, cache = gdn.gated_delta_chunked_forward(q, k, v, g, beta, s0, chunk=chunk)
+        return gdn.gated_delta_chunked_backward(dout[0], cache, dstate=dout[1])
+
+    check_grad(fwd, bwd, [q, k, v, g, beta, s0])
 
 
 @pytest.mark.parametrize("checkpoint", [1, 3, 64])

@@ -24,6 +24,7 @@ from helpers import SHAPES, tiny_cfg
 
 from ddl_ref.config import ModelVariant
 from ddl_wgpu import sweep as S
+from ddl_wgpu import sweep_job as J
 from ddl_wgpu import sweep_ray as SR
 from ddl_wgpu import train as T
 from ddl_wgpu.container import open_checkpoint
@@ -152,7 +153,7 @@ def test_a_failed_job_is_marked_and_the_rest_go_on(corpus, tmp_path, monkeypatch
 def test_a_worker_that_cannot_see_the_data_fails_its_job_with_the_reason(corpus, tmp_path):
     sw = make_sweep(corpus)
     sw = S.Sweep(**{**sw.__dict__, "data": source(tmp_path / "elsewhere.txt")})
-    res = S.attempt(sw, sw.jobs()[0], tmp_path / "sw", None, None)
+    res = J.attempt(sw, sw.jobs()[0], tmp_path / "sw", None, None)
     assert res["status"] == "failed"
     assert "cannot see the training data" in res["error"] and "elsewhere.txt" in res["error"]
 
@@ -179,9 +180,9 @@ def test_a_sweep_recorded_with_precision_f16_resumes_in_f32(corpus, tmp_path, qu
     sequential(corpus, tmp_path / "seq", variants=("baseline",))
     out = tmp_path / "sw"
     S.run(make_sweep(corpus, variants=("baseline",)), out, S.Runner(), stop_after=3, view=quiet)
-    record = json.loads((out / S.SWEEP).read_text())
+    record = json.loads((out / J.SWEEP).read_text())
     assert "precision" not in record
-    (out / S.SWEEP).write_text(json.dumps({**record, "precision": "f16"}))
+    (out / J.SWEEP).write_text(json.dumps({**record, "precision": "f16"}))
     said = []
     assert S.Sweep.load(out, say=said.append) == S.Sweep(**record)
     assert said == [f"{out} was trained with --precision f16, which no longer exists: it resumes in f32"]
@@ -207,6 +208,57 @@ def test_ray_local_cluster_runs_the_sweep(corpus, tmp_path, quiet):
     assert_same_comparison(seq, comp)
     for v in ("baseline", "ddl"):
         assert_same_job(tmp_path / "seq" / v, tmp_path / "ray" / v)
+
+
+def _x86_kernel_without_avx512() -> dict:
+    """OPENBLAS_CORETYPE=Haswell where the CPU runs it (x86 with AVX2): the kernel of most x86 servers without
+    AVX-512, under which OpenBLAS sums many products in another order with another thread count."""
+    try:
+        flags = next(
+            (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), ""
+        )
+    except OSError:
+        flags = ""
+    return {"OPENBLAS_CORETYPE": "Haswell"} if " avx2" in flags else {}
+
+
+def test_a_job_gives_the_same_bits_whatever_the_blas_threads(corpus, tmp_path):
+    """Issue 31 item 7: a `--ray local` sweep on numpy differed from the same sweep run in the driver in the last
+    bits of a job: a Ray worker runs with OMP_NUM_THREADS=1, the driver with a BLAS thread per core, and OpenBLAS
+    takes another path through a product with another thread count. The numpy backend runs its BLAS on one
+    thread whatever the environment (`refnet.one_blas_thread`), so one job, trained under 1 and 2 threads,
+    gives the same report and checkpoint. Products of 1024 rows, large enough to be split over threads."""
+    model = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
+    args = ["train", "--data", corpus, "--variants", "baseline", "--backend", "ref", "--no-plots", *model,
+            "--max-steps", 2, "--eval-interval", 2, "--batch-size", 32, "--seq-len", 32, "--eval-batches", 1,
+            "--val-fraction", 0, "--max-tokens", 0]  # fmt: skip
+    for threads in ("1", "2"):
+        env = {**os.environ, **_x86_kernel_without_avx512(), "OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads,
+               "PYTHONPATH": str(REPO)}  # fmt: skip
+        r = subprocess.run([sys.executable, "-m", "ddl_wgpu.cli", *map(str, args), "--out", tmp_path / threads],
+                           cwd=REPO, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+    assert_same_job(tmp_path / "1" / "baseline", tmp_path / "2" / "baseline")
+
+
+def test_the_numpy_backend_runs_its_blas_on_one_thread():
+    """What makes item 7 hold on any CPU: once a command chose the numpy backend, the process's BLAS runs on
+    one thread, whatever it ran on before."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from ddl_wgpu.backend import make_net
+
+    def blas_threads() -> set[int]:
+        return {lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"}
+
+    if not blas_threads():
+        pytest.skip("numpy's BLAS is not one threadpoolctl can see")
+    before = threadpoolctl.threadpool_limits(2, user_api="blas")  # a Ray driver's, a terminal's
+    try:
+        assert blas_threads() == {2}
+        make_net(CFG, None, "ref", None)
+        assert blas_threads() == {1}
+    finally:
+        before.restore_original_limits()
 
 
 def test_runner_options():
