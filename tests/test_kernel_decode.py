@@ -115,7 +115,9 @@ def test_qk_finish(gpu, rng, order, style, R, start):
 
 @pytest.mark.parametrize("splits", [k_dec.SPLITS, 3])  # the default; few splits of several blocks each
 @pytest.mark.parametrize("start", [0, 70, 133])
-@pytest.mark.parametrize("H,K,D", [(4, 2, 16), (3, 3, 130)])
+@pytest.mark.parametrize(
+    "H,K,D", [(4, 2, 16), (3, 3, 130), (6, 1, 256)]
+)  # the last: the 27B's head_dim, GQA 6:1
 def test_attend_cache(gpu, rng, start, H, K, D, splits):
     """The keys split over workgroups and merged (one block, a block per split, several blocks per split with
     the online softmax across them, splits left empty) give the reference attention; and a row's bits do not
