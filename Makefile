@@ -19,7 +19,8 @@ DEMO_ARGS ?= --data stdlib --variants baseline,ddl,ddl-cc --preset tiny --max-st
 # Run a second time with DDL_WGPU_LIMITS=webgpu (WebGPU's default limits instead of the adapter's): every kernel
 # has a path within them (docs/wgpu-notes.md).
 PORTABLE_TESTS = tests/test_engine*.py tests/test_kernel_*.py tests/test_chain_attention.py tests/test_mtp_train.py \
-	tests/test_heal_gpu.py tests/test_heal_hybrid.py tests/test_gpu.py tests/test_entry_points.py tests/test_generate_gpu*.py
+	tests/test_heal_gpu.py tests/test_heal_hybrid.py tests/test_gpu.py tests/test_entry_points.py tests/test_generate_gpu*.py \
+	tests/test_stream.py
 
 # BOOTSTRAP and DDL let a host without network run the same targets on its own Python (BENCHMARKS.md: on the
 # H200, `make demo BOOTSTRAP=true DDL="python3 -m ddl_wgpu.cli"`).

@@ -31,6 +31,10 @@ H200_FP32_TFLOPS = 66.9  # non-tensor FMA peak
 H200_HBM_GBS = 4300.0  # measured device-to-device copy (read + write bytes); datasheet 4800
 
 
+class Skip(Exception):
+    """A case that cannot run here (missing launcher, size over a limit); reported, not a failure."""
+
+
 def attempt(measure, *args) -> dict:
     """One measurement's result, or its error (the other runs still go on; the JSON records the failure)."""
     try:

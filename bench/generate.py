@@ -20,8 +20,14 @@ What is timed (wall clock, `time.perf_counter`, every call ends with a read-back
 - prefill: `WgpuEngine.feed(prompt, "argmax", last_only=True)` of --prompt tokens on an empty cache (one
   pass: the training kernels; the head on the last row; the next token read back), as `generate` runs it. Tokens/s = prompt / s. Median of --repeats after a warm-up.
 - decode: `generate.run` greedy for --new tokens after the prompt, its decode time (first token excluded);
-  plain, then with the draft --depth deep (`speculative`). Tokens/s = (new − 1) / s; the speculative row adds
-  the mean accepted drafts per round, tokens per trunk pass and the acceptance per depth from the run.
+  plain, plain with the greedy run-ahead off (`plain_not_ahead`: what running the next token ahead saves),
+  then with the draft --depth deep (`speculative`). Tokens/s = (new − 1) / s, and ms per token against the
+  weight-read bound; the speculative row adds the mean accepted drafts per round, tokens per trunk pass and
+  the acceptance per depth from the run (and how many rounds ran from a recording made while the round
+  before ran: `WgpuEngine.round`).
+- one decode step (`profile_step`): its dispatch count, the host's ms to record it, its GPU ms (timestamps),
+  and every dispatch timed alone (`bench/profiler.py`), summed by kernel or launch label, with each
+  matrix-vector product's GB/s; printed as a table per shape, kept in the JSON (`wgpu.step`).
 - peer: PyTorch eager, same weights (f32; f16 for an f16 shape), a plain greedy loop with a KV cache
   (`torch_prefill`/`torch_step` below: one forward of the prompt, then one token per step, argmax on the
   GPU, `.item()` per token); CUDA-synchronised wall clock. PyTorch here implements the baseline and DDL
@@ -324,21 +330,141 @@ def bench_ours(gpu, model: Model, prompt, new: int, depth: int, dtype: str, repe
         times.append(time.perf_counter() - t0)
     out["prefill_tokens_per_s"] = len(prompt) / statistics.median(times[1:])
     cap = model.cfg.max_seq_len
-    for name, k in (("plain", 0), ("speculative", depth)):
+    default_spin = engine._rings[0].spin
+    other = "block" if default_spin else "spin"
+    runs = [("plain", 0, default_spin), ("plain_not_ahead", 0, default_spin), ("speculative", depth, default_spin),
+            (f"plain_{other}", 0, not default_spin), (f"plain_not_ahead_{other}", 0, not default_spin)]  # fmt: skip
+    out["wait"] = "spin" if default_spin else "block"
+    for name, k, spin in runs:
         res = []
+        eng = _NotAhead(engine) if name.startswith("plain_not_ahead") else engine
+        _set_wait(engine, spin)
         for _ in range(repeats + 1):
             engine.rollback(0)
-            res.append(run(engine, _Quiet(), prompt, cap, new, depth=k))
+            before = engine.rounds_ahead
+            res.append(run(eng, _Quiet(), prompt, cap, new, depth=k))
+            res[-1]["rounds_recorded_ahead"] = engine.rounds_ahead - before
         out[name] = {
             "tokens": res[-1]["token_ids"],
             "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in res[1:]),
+            "decode_ms_per_token": statistics.median(1e3 / r["decode_tokens_per_s"] for r in res[1:]),
             **{
                 key: res[-1][key]
-                for key in ("trunk_passes", "mean_accepted", "tokens_per_pass", "acceptance_per_depth")
+                for key in (
+                    "trunk_passes",
+                    "mean_accepted",
+                    "tokens_per_pass",
+                    "acceptance_per_depth",
+                    "rounds",
+                    "rounds_recorded_ahead",
+                )
                 if key in res[-1]
             },  # fmt: skip
         }
+    _set_wait(engine, default_spin)
+    out["step"] = profile_step(gpu, engine)
     return out
+
+
+def _set_wait(engine, spin: bool) -> None:
+    """How the engine's read-backs wait for the GPU (`ddl_wgpu.gpu.Readback`: spin or block)."""
+    for rb in (*engine._rings, engine._readback):
+        rb.spin = spin
+
+
+def sync_probe(gpu, n: int = 200) -> dict:
+    """The host's round trip of a token's shape at no GPU cost: one tiny dispatch and a 16-byte copy into a
+    read-back buffer, submitted and read, median µs over n (after 20 warm-ups), through wgpu-py's own map
+    (`map_sync`: its poll thread, what the decoder used before), and `Readback.read` blocking and spinning."""
+    import wgpu
+
+    from ddl_wgpu.ops import elementwise as k_ew
+
+    buf = gpu.buffer(256, label="probe")
+    fill = k_ew.fill(gpu, buf, 16, 1.0)
+    rb = gpu.readback(64, "probe_readback")
+    legacy = gpu.device.create_buffer(size=64, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+
+    def once(how: str) -> float:
+        rec = gpu.recorder()
+        fill.record(rec)
+        rec.copy(buf, 0, legacy if how == "wgpu-py map_sync" else rb.buffer, 0, 16)
+        cb = rec.finish()
+        t0 = time.perf_counter()
+        index = gpu.submit_indexed(cb)
+        if how == "wgpu-py map_sync":
+            legacy.map_sync("READ_NOSYNC", 0, 16)
+            legacy.read_mapped(0, 16)
+            legacy.unmap()
+        else:
+            rb.spin = how == "spin"
+            rb.read(np.float32, 4, 0, index)
+        return (time.perf_counter() - t0) * 1e6
+
+    out = {}
+    for how in ("wgpu-py map_sync", "block", "spin"):
+        times = [once(how) for _ in range(20 + n)][20:]
+        out[how] = {"median_us": statistics.median(times), "p90_us": float(np.percentile(times, 90))}
+    return out
+
+
+def profile_step(gpu, engine) -> dict:
+    """One greedy decode step (the one-row trunk pass and its argmax at the engine's length) measured three
+    ways: the host's time to record it (what `WgpuEngine` overlaps with the GPU running the token before);
+    its GPU time (timestamps around the step); and each dispatch on its own (`profiler.ProfileRecorder`:
+    one timed pass per dispatch, so the sum exceeds the step a little), summed by kernel or launch label,
+    with the matrix-vector products' GB/s. The engine is reset afterwards (the steps moved its state)."""
+    import re
+
+    from profiler import ProfileRecorder
+
+    rows, start = engine._get("trunk", 1), max(1, engine.length)
+    host = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        engine._record_step(rows, start, "argmax")
+        host.append((time.perf_counter() - t0) * 1e3)
+    out = {"dispatches": len(rows._fwd.dispatches) + len(rows._topk_call(1)[0].dispatches),
+           "host_record_ms": statistics.median(host)}  # fmt: skip
+    if "timestamp-query" not in gpu.features:
+        engine.rollback(0)
+        return {**out, "gpu": "no timestamp-query on this adapter"}
+    steps = []
+    for _ in range(5):
+        rec = gpu.recorder(timestamps=True)
+        engine._at(rec, engine.trunk, start)
+        rows._fwd.record(rec)
+        engine._record_head(rows, "argmax", rec)
+        rec.submit()
+        steps.append(rec.elapsed_ms())
+    out["gpu_step_ms"] = min(steps)
+    prof = ProfileRecorder(gpu)
+    engine._at(prof, engine.trunk, start)
+    rows._fwd.record(prof)
+    engine._record_head(rows, "argmax", prof)
+    prof.submit()
+    per = prof.profile()
+    counts: dict = {}
+    for name in prof.names:
+        counts[name] = counts.get(name, 0) + 1
+    kernels = []
+    for name, ms in sorted(per.items(), key=lambda kv: -kv[1]):
+        k = {"name": name, "count": counts[name], "ms": ms}
+        m = re.search(r"wbytes=(\d+)", name)
+        if m:
+            k["gbs"] = counts[name] * int(m.group(1)) / ms / 1e6
+        kernels.append(k)
+    out.update(profile_sum_ms=sum(per.values()), kernels=kernels)
+    engine.rollback(0)
+    return out
+
+
+def profile_table(name: str, p: dict) -> str:
+    rows = [[k["name"][:70], k["count"], f"{k['ms']:.3f}", f"{100 * k['ms'] / p['profile_sum_ms']:.1f}%",
+             common.fmt(k.get("gbs"), ".0f")] for k in p["kernels"][:16]]  # fmt: skip
+    title = (f"{name}: one decode step, {p['dispatches']} dispatches: GPU {p['gpu_step_ms']:.3f} ms (timestamps), "
+             f"sum of dispatches timed alone {p['profile_sum_ms']:.3f} ms, host recording {p['host_record_ms']:.3f} ms")  # fmt: skip
+    return common.table(["kernel / launch", "count", "ms", "% of sum", "GB/s"], rows, title)
 
 
 def bench_prompts(gpu, model: Model, prompts: list, new: int, depth: int, dtype: str) -> dict:
@@ -375,6 +501,26 @@ def bench_prompts(gpu, model: Model, prompts: list, new: int, depth: int, dtype:
         out[name] = entry
     out["same_tokens"] = tokens["plain"] == tokens["speculative"]
     return out
+
+
+def _other_wait(ours: dict) -> str:
+    """The table's cell for the read-backs' other wait (`_set_wait`): "block: ms/token, not run ahead"."""
+    other = "block" if ours["wait"] == "spin" else "spin"
+    a, b = ours[f"plain_{other}"], ours[f"plain_not_ahead_{other}"]
+    return f"{other}: {a['decode_ms_per_token']:.3f}, {b['decode_ms_per_token']:.3f}"
+
+
+class _NotAhead:
+    """The engine with greedy steps not run ahead (`WgpuEngine.feed`'s `ahead` dropped): what that saves."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def feed(self, ids, head, last_only=False, ahead=False):
+        return self.engine.feed(ids, head, last_only)
 
 
 class _Quiet:
@@ -460,6 +606,9 @@ def main(argv=None) -> int:
     gpu = common.open_gpu(args.device)
     torch, dev = common.torch_setup(args.torch)
     print(common.adapter_line(gpu))
+    probe = sync_probe(gpu, 50 if args.quick else 200)
+    print("submit + read-back round trip (a tiny dispatch), median / p90 µs: "
+          + "; ".join(f"{k} {v['median_us']:.0f} / {v['p90_us']:.0f}" for k, v in probe.items()))  # fmt: skip
     cases = []
     if args.model:
         m = load_model(args.model)
@@ -468,7 +617,7 @@ def main(argv=None) -> int:
         for s in args.shapes.split(","):
             m, dt = synthetic(s.strip(), args.seed)
             cases.append((s.strip(), m, dt))
-    results, rows, failed = [], [], False
+    results, rows, profiles, failed = [], [], [], False
     rng = np.random.default_rng(args.seed)
     for name, model, dtype in cases:
         n_prompt, n_new = fit_context(args.prompt, args.new, model.cfg.max_seq_len, name)
@@ -482,7 +631,9 @@ def main(argv=None) -> int:
         try:
             ours = bench_ours(gpu, model, prompt, n_new, args.depth, dtype, args.repeats)
             entry["wgpu"] = ours
-            same = ours["plain"]["tokens"] == ours["speculative"]["tokens"]
+            same = all(
+                ours[k]["tokens"] == ours["plain"]["tokens"] for k in ours if k.startswith(("plain", "spec"))
+            )
             entry["check_speculative_equal"] = same
             failed |= not same
             if args.prompts and args.prompt_data:
@@ -506,6 +657,7 @@ def main(argv=None) -> int:
             entry["decode_vs_weight_bound"] = (
                 1e3 / ours["plain"]["decode_tokens_per_s"] / entry["weight_bound_ms_per_token"]
             )
+            entry["pct_of_weight_bound"] = 100.0 / entry["decode_vs_weight_bound"]
         hybrid = model.cfg.layer_types is not None
         if torch is not None and hybrid and model.cfg.n_layers > args.hf_max_layers:
             entry["torch"] = {"skipped": f"{model.cfg.n_layers} layers: its weights do not fit beside ours"}
@@ -529,26 +681,36 @@ def main(argv=None) -> int:
             sp = ours["speculative"]
             rows.append([name, dtype, common.fmt(ours["prefill_tokens_per_s"], ".0f"),
                          common.fmt(ours["plain"]["decode_tokens_per_s"], ".1f"),
+                         common.fmt(ours["plain"]["decode_ms_per_token"], ".3f"),
+                         common.fmt(ours["plain_not_ahead"]["decode_ms_per_token"], ".3f"),
+                         _other_wait(ours),
+                         common.fmt(entry["weight_bound_ms_per_token"], ".3f"),
+                         common.fmt(entry.get("pct_of_weight_bound"), ".1f"),
                          common.fmt(sp["decode_tokens_per_s"], ".1f"), common.fmt(sp.get("mean_accepted"), ".2f"),
                          " ".join(f"{a:.2f}" for a in sp.get("acceptance_per_depth", [])),
                          common.fmt(peer and peer.get("prefill_tokens_per_s"), ".0f"),
-                         common.fmt(peer and peer.get("decode_tokens_per_s"), ".1f"),
-                         common.fmt(entry.get("decode_vs_weight_bound"), ".2f")])  # fmt: skip
+                         common.fmt(peer and peer.get("decode_tokens_per_s"), ".1f")])  # fmt: skip
+            step = ours.get("step", {})
+            if "kernels" in step:
+                profiles.append(profile_table(name, step))
             many = entry.get("wgpu_prompts")
             if many:
                 sp = many["speculative"]
                 rows.append([f"{name}, {many['prompts']} prompts x {many['new']} new", dtype, "-",
-                             common.fmt(many["plain"]["decode_tokens_per_s"], ".1f"),
+                             common.fmt(many["plain"]["decode_tokens_per_s"], ".1f"), "-", "-", "-", "-", "-",
                              common.fmt(sp["decode_tokens_per_s"], ".1f"), common.fmt(sp["mean_accepted"], ".2f"),
-                             " ".join(f"{a:.2f}" for a in sp["acceptance_per_depth"]), "-", "-", "-"])  # fmt: skip
-    print(common.table(["shape", "dtype", "prefill tok/s", "decode tok/s", f"spec K={args.depth} tok/s",
-                        "accepted/round", "acceptance per depth", "torch prefill", "torch decode",
-                        "ms/token vs weight bound"], rows,
+                             " ".join(f"{a:.2f}" for a in sp["acceptance_per_depth"]), "-", "-"])  # fmt: skip
+    for p in profiles:
+        print(p)
+    print(common.table(["shape", "dtype", "prefill tok/s", "decode tok/s", "ms/token", "not run ahead",
+                        "other wait: ms/token, not ahead", "weight-read bound ms",
+                        "% of bound", f"spec K={args.depth} tok/s", "accepted/round", "acceptance per depth",
+                        "torch prefill", "torch decode"], rows,
                        f"batch 1, prompt {args.prompt}, {args.new} new tokens (fewer where a model's context "
                        "is shorter: the JSON's prompt and new), greedy"))  # fmt: skip
     common.write_json(common.json_path(args.json, "generate.json"),
                       {"when": common.now_iso(), "adapter": common.adapter_line(gpu), "host": common.host_info(),
-                       "results": results})  # fmt: skip
+                       "sync_probe": probe, "results": results})  # fmt: skip
     if failed:
         print("FAILED: see the JSON", file=sys.stderr)
     return 1 if failed else 0

@@ -201,7 +201,7 @@ def bench_trunk(gpu, model: Model, ids, args) -> tuple[dict, tuple, object]:
     r["first_call_s"] = time.perf_counter() - t0
     r["work_bytes"] = gpu.allocated - a1
     r.update(wall_ms(gpu, lambda: teacher.topk_hidden(ids, args.k), args.warmup, args.steps))
-    work = teacher.net.work(args.batch, args.seq)
+    work = teacher.work(args.seq)
     # as InferenceWork.topk records
     r["gpu"] = gpu_ms(gpu, lambda: work._fwd + work._topk[args.k][0], args.quick)
     return r, out, teacher
@@ -260,7 +260,7 @@ class Jobs:
             return ref_mtp.step_input(p, cfg, *tok_valid(j)[:1], hid, tok_valid(j)[1])
 
         # the teacher's hidden rows of `ids` are on the GPU after its last forward (bench_trunk's)
-        work = teacher.net.work(args.batch, args.seq)
+        work = teacher.work(args.seq)
         hid_buf = work.xL if mtp.trunk_hidden == "pre_norm" else work.xf
 
         def gpu_rows():
@@ -438,6 +438,17 @@ def parse(argv):
     )
     ap.add_argument("--forward", default=None, help="BxT: also time a forward of B x T tokens on the trunk")
     ap.add_argument(
+        "--gpu-memory",
+        default=None,
+        help="SIZE: heal's trunk pass resident and streamed within SIZE, then the draft (bench/heal_stream.py)",
+    )
+    ap.add_argument(
+        "--pass-windows",
+        type=int,
+        default=None,
+        help="windows of the --gpu-memory trunk passes (default: two resident blocks)",
+    )
+    ap.add_argument(
         "--no-check", action="store_true", help="skip the float64 checks (implied by --shape qwen38-*)"
     )
     ap.add_argument("--json", default=None)
@@ -502,6 +513,8 @@ def main(argv=None) -> int:
              f"initialised in {time.perf_counter() - t0:.1f}s")  # fmt: skip
     ids = np.random.default_rng(args.seed + 1).integers(0, cfg.vocab_size, (B, T)).astype(np.int64)
 
+    if args.gpu_memory:
+        return main_memory(args, model, gpu, progress, t_start)
     failed: list[str] = []
     trunk = draft = error_tb = None
     try:
@@ -515,7 +528,7 @@ def main(argv=None) -> int:
                      f"{c['topk_probs_err']:.1e}, ids {c['topk_ids_err']:.1e})")  # fmt: skip
         if args.forward:
             fb, ft = (int(x) for x in args.forward.lower().split("x"))
-            trunk["forward"] = forward_profile(gpu, teacher.net, fb, ft)
+            trunk["forward"] = forward_profile(gpu, teacher.trunk, fb, ft)
             f = trunk["forward"]
             progress(f"  forward {fb} x {ft}: {f['forward_ms']:.1f} ms, {f['tokens_per_s'] / 1e3:.2f}K tokens/s, "
                      f"our buffers {f['ours_gib']:.1f} GiB; ms per layer "
@@ -622,6 +635,44 @@ def main(argv=None) -> int:
               f"{e['refresh_s']:.1f}s ({e['refresh_forwards']} refresh batches rebuilt lazily over "
               f"{e['refreshes']} refreshes every {args.refresh} steps; eager: {e['eager_refresh_forwards']}, "
               f"{e['eager_refresh_s']:.1f}s); evaluation's own forwards not counted")  # fmt: skip
+    verdict = "all checks passed" if not failed else "FAILED: " + "; ".join(failed)
+    print(f"total {data['wall_s']:.0f}s; {verdict}")
+    return 1 if failed else 0
+
+
+def main_memory(args, model, gpu, progress, t_start) -> int:
+    """--gpu-memory: `heal_stream.run`'s phases, its table and JSON; exit 1 when a streamed pass's bits differ."""
+    import heal_stream
+
+    failed, r, error_tb = [], None, None
+    try:
+        r = heal_stream.run(args, model, gpu, progress)
+        failed += [
+            f"{e['label']}: not the resident pass's bits" for e in r["phases"] if e.get("same_bits") is False
+        ]
+    except Exception as e:
+        failed.append(f"{e.__class__.__name__}: {e}")
+        error_tb = traceback.format_exc()
+        print(error_tb, file=sys.stderr)
+    data = {
+        "bench": "heal-gpu-memory", "date": common.now_iso(),
+        "command": " ".join(["python3", "bench/heal.py", *sys.argv[1:]]),
+        "adapter": common.adapter_line(gpu), "adapter_info": gpu.info, "host": common.host_info(),
+        "model": model.cfg.to_dict(), "args": vars(args), "gpu_memory": r, "failed": failed, "traceback": error_tb,
+        "wall_s": time.perf_counter() - t_start,
+    }  # fmt: skip
+    common.write_json(common.json_path(args.json, "heal_gpu_memory.json"), data)
+    print()
+    print(f"adapter: {data['adapter']}")
+    if r is not None:
+        headers, rows = heal_stream.rows(r)
+        title = (f"heal's trunk pass within --gpu-memory {args.gpu_memory} (d {args.d_model}, {args.layers} layers, "
+                 f"trunk {args.trunk_dtype}, {r['windows']} windows x {args.seq})")  # fmt: skip
+        print(common.table(headers, rows, title=title))
+        e = r["estimate"]
+        print(f"one heal epoch over 1M window tokens, streamed: {e['total_s']:.0f}s = trunk pass {e['trunk_s']:.0f}s, "
+              f"draft {e['draft_s']:.0f}s ({e['steps']:.0f} steps), refresh {e['refresh_s']:.0f}s "
+              f"({e['refresh_forwards']} refresh batches)")  # fmt: skip
     verdict = "all checks passed" if not failed else "FAILED: " + "; ".join(failed)
     print(f"total {data['wall_s']:.0f}s; {verdict}")
     return 1 if failed else 0

@@ -62,7 +62,7 @@ def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
     would run refreshes x (chain − 1) x batches."""
     cfg = dataclasses.replace(cfg, patience=0)
     N = windows
-    cache = SimpleNamespace(ids=np.zeros((N, 1)), x={})  # `_CountingChain` reads no rows
+    cache = SimpleNamespace(ids=np.zeros((N, 1)), x={}, zeros=np.zeros)  # `_CountingChain` reads no rows
     model = SimpleNamespace(cfg=SimpleNamespace(d_model=0))
     chain = _CountingChain(model, cfg, cache, _CountingDraft())
     refreshes = []

@@ -4,6 +4,8 @@ float64 reference in the same run, and paired with PyTorch on the same GPU in th
     python3 bench/kernels.py                 # full sizes (small preset: 16 x 1024 tokens), H200: ~1-2 min
     python3 bench/kernels.py --quick         # tiny sizes (lavapipe / CI smoke)
     python3 bench/kernels.py --only matmul,attention --json out.json
+    python3 bench/kernels.py --only copy,gemv     # the decoder's matrix-vector products (bench/decode_kernels.py)
+    python3 bench/kernels.py --gemv-sweep         # their tunables swept at the Qwen3.8-27B shapes
 
 Per case: warm-up, then N launches recorded into one timestamped recorder (inputs rotating among 2-3 copies
 so caches do not flatter), elapsed / N; the best of 7 repeats (the median is in the JSON). The same op in PyTorch (fp32 with TF32 off: the
@@ -31,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
+import decode_kernels  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ddl_ref import ops as ref  # noqa: E402
@@ -49,8 +52,9 @@ from ddl_wgpu.vocab import head_chunk_rows  # noqa: E402
 F32 = 4
 
 
-class Skip(Exception):
-    """A case that cannot run here (missing launcher, size over a limit); reported, not a failure."""
+Skip = (
+    common.Skip
+)  # a case that cannot run here (missing launcher, size over a limit): reported, not a failure
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -747,7 +751,7 @@ def plan(S, args) -> list[tuple[str, str, str, object]]:
     P.append(
         ("topk_kl", "top-k KL (in place)", f"{ce_rows}x{V} k{kk}", lambda b: bench_topk_kl(b, ce_rows, V, kk))
     )
-    return P
+    return P + decode_kernels.plan(args, S["max_binding"])
 
 
 def summarize(r: dict) -> dict:
@@ -773,7 +777,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--attention", default="scores,flash", help="attention implementations to time")
     ap.add_argument("--only", default="", help="comma list of groups: matmul,attention,rmsnorm,swiglu,delta,"
-                    "adamw,head,crossentropy,topk_kl")  # fmt: skip
+                    "adamw,head,crossentropy,topk_kl,copy,gemv")  # fmt: skip
+    ap.add_argument(
+        "--gemv-sweep",
+        action="store_true",
+        help="sweep the gemv kernel's tunables at the 27B shapes instead (bench/decode_kernels.py)",
+    )
+    ap.add_argument("--gemv-grid", default=decode_kernels.DEFAULT_GRID,
+                    help="the sweep's grid: 'key=v1,v2;key=...' over GemvTune's fields")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=common.REPEATS)
     ap.add_argument("--rotate", type=int, default=3, help="input copies rotated among (full size)")
     ap.add_argument("--torch", default="auto", choices=["auto", "cuda", "cpu", "none"])
@@ -790,8 +801,18 @@ def main(argv=None) -> int:
     S = sizes(args)
     cfg = S["cfg"]
     S["head_chunk"] = head_chunk_rows(gpu, S["N"], cfg.d_model, cfg.vocab_size)  # the engine's row chunk
+    S["max_binding"] = gpu.max_binding
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     b = Bench(gpu, args, torch, tdev)
+    if args.gemv_sweep:
+        data = {"bench": "kernels --gemv-sweep", "date": common.now_iso(),
+                "command": " ".join(["python3", "bench/kernels.py", *sys.argv[1:]]),
+                "adapter": common.adapter_line(gpu), "host": common.host_info(),
+                "sweep": decode_kernels.sweep(b, args.gemv_grid, args.quick),
+                "wall_s": time.perf_counter() - t_start}  # fmt: skip
+        common.write_json(common.json_path(args.json, "gemv_sweep.json"), data)
+        failed = [r for r in data["sweep"]["results"] if r.get("ok") is False]
+        return 1 if failed or not data["sweep"]["best"] else 0
     results = []
     for group, name, shape, thunk in plan(S, args):
         if only and group not in only:
@@ -814,6 +835,7 @@ def main(argv=None) -> int:
         gc.collect()
         common.torch_free(torch, tdev)
 
+    decode_kernels.with_copy_share(results)
     rows = []
     for e in results:
         if "gpu" not in e:
@@ -821,6 +843,7 @@ def main(argv=None) -> int:
                 [
                     e["name"],
                     e["shape"],
+                    "-",
                     "-",
                     "-",
                     "-",
@@ -837,10 +860,11 @@ def main(argv=None) -> int:
         t32, t16 = tt.get("fp32", {}).get("ms"), tt.get("bf16", {}).get("ms")
         rows.append([
             e["name"], e["shape"], common.fmt(e["gpu"]["ms"], ".4g"), rate, f"{e['pct_h200']:.1f}%",
+            common.fmt(e.get("pct_copy"), ".0f"),
             common.fmt(t32, ".4g"), common.fmt(e.get("vs_torch_fp32"), ".2f"), common.fmt(t16, ".4g"),
             f"{e['err']:.1e}", "ok" if e["ok"] else "FAIL",
         ])  # fmt: skip
-    headers = ["kernel", "shape", "wgpu ms", "rate", "% H200 peak", "torch fp32 ms", "speed vs fp32",
+    headers = ["kernel", "shape", "wgpu ms", "rate", "% H200 peak", "% copy", "torch fp32 ms", "speed vs fp32",
                "torch bf16 ms", "rel err", "check"]  # fmt: skip
     failed = [e["name"] for e in results if e.get("ok") is False or "error" in e]
     data = {
@@ -857,7 +881,8 @@ def main(argv=None) -> int:
     print(f"adapter: {data['adapter']}")
     print(f"torch: {data['torch']}")
     print(
-        "speed vs fp32 = torch fp32 ms / wgpu ms (>1: wgpu faster); % H200 peak of 66.9 TFLOP/s or 4.3 TB/s"
+        "speed vs fp32 = torch fp32 ms / wgpu ms (>1: wgpu faster); % H200 peak of 66.9 TFLOP/s or 4.3 TB/s; "
+        "% copy: of the buffer copy measured in this run"
     )
     print(
         common.table(

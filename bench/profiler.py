@@ -13,7 +13,8 @@ from ddl_wgpu.gpu import Gpu, GpuError, Kernel, Recorder, grid
 
 class ProfileRecorder(Recorder):
     """A Recorder for benchmarks that times every dispatch: each one gets its own compute pass with a begin
-    and an end timestamp, and `profile()` returns GPU ms per kernel (`file:entry`) after `submit()`. The
+    and an end timestamp, and `profile()` returns GPU ms per kernel (`file:entry`, or the launch's bind-group
+    label where its launcher gave one: gemv's shape and weight bytes) after `submit()`. The
     pass boundaries serialise dispatches the driver might otherwise overlap a little, so the sum can exceed
     a plain recording's elapsed time by a few percent; it shows where the time goes, not the step's time.
     Set `phase` before recording a part (e.g. "forward"): keys are then "phase|file:entry"."""
@@ -27,6 +28,10 @@ class ProfileRecorder(Recorder):
         self.names: list[str] = []
         self.sets: list = []
         self.phase = ""
+
+    def dispatch_all(self, dispatches):
+        for kernel, bind_group, groups in dispatches:
+            self.dispatch(kernel, bind_group, groups)
 
     def dispatch(self, kernel: Kernel, bind_group, groups):
         if isinstance(groups, int):
@@ -45,10 +50,13 @@ class ProfileRecorder(Recorder):
         p.set_bind_group(0, bind_group)
         p.dispatch_workgroups(*groups)
         p.end()
-        self.names.append(f"{self.phase}|{kernel.name}" if self.phase else kernel.name)
+        name = (
+            getattr(bind_group, "label", "") or kernel.name
+        )  # a launcher's label (gemv: its shape and bytes)
+        self.names.append(f"{self.phase}|{name}" if self.phase else name)
         self.n_dispatches += 1
 
-    def submit(self):
+    def finish(self):
         self.bufs = []
         for j, qs in enumerate(self.sets):
             n = min(self.PER_SET, len(self.names) - j * self.PER_SET)
@@ -57,7 +65,7 @@ class ProfileRecorder(Recorder):
             )
             self.enc.resolve_query_set(qs, 0, 2 * n, buf, 0)
             self.bufs.append((buf, n))
-        super().submit()
+        return super().finish()
 
     def profile(self) -> dict[str, float]:
         """GPU ms per kernel name, summed over its dispatches (waits for the GPU)."""

@@ -27,12 +27,13 @@ and the steps 2..s rows of its own anchor, the runtime's diagonal mask), step s'
 draft's own step s−1 output and greedy token. Step 1 and the counting are the same in both; at depth 1 the two
 agree. The JSON adds `chain_attention` (and `accept_file` why it was chosen: `chain_attention_why`).
 
-Backends (`backend.make_accept_backend`): "ref" runs trunk and draft in numpy; "wgpu" runs everything on the
-GPU, forward only (`gpu_acceptance`): the trunk (`heal_gpu.WgpuTeacher.greedy_hidden`, its greedy token from
-the `topk` kernel with k = 1, its hidden rows left on the GPU), then the chain (`heal_gpu.WgpuDraft.greedy_chain`):
-each step's input rows eh_proj·[enorm(e); hnorm(h)] built on the GPU (`heal_gpu.DraftInput`, step 1 from the
-trunk's rows, step j + 1 from the draft's step-j argmax ids and output rows), the block (the masked attention
-kernels for a stacked step), norm, head and argmax; only the argmax ids come down. `--probe-conventions`
+Backends: "ref" runs trunk and draft in numpy; "wgpu" runs everything on the GPU, forward only
+(`gpu_acceptance`): the trunk over blocks of windows (`heal_gpu.WgpuTeacher.topk_rows`, resident or streamed
+within a `gpumem` plan; its greedy token from the `topk` kernel with k = 1, the draft's step-1 input rows
+eh_proj·[enorm(e); hnorm(h)] built on the GPU from its hidden rows, `heal_gpu.DraftInput`), its weights then
+freed, then the chain (`heal_gpu.WgpuDraft.greedy_chain`): step 1 from those rows, step j + 1's rows from the
+draft's step-j argmax ids and output rows, the block (the masked attention kernels for a stacked step), norm,
+head and argmax; only the step-1 rows and the argmax ids come down. `--probe-conventions`
 re-measures on the host rows (`greedy_chain`: `ddl_ref.mtp.step_input`, the draft's steps by
 `WgpuDraft.greedy`) from the same trunk pass's hidden rows, downloaded for it. Argmax ties go to the lower id
 on both backends, so the numbers agree up to float near-ties.
@@ -42,6 +43,7 @@ What this file deliberately does not do: sampling acceptance (min(1, P/Q)).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -51,7 +53,7 @@ import numpy as np
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
-from ddl_wgpu.backend import choose_backend, make_accept_backend
+from ddl_wgpu.backend import check_trunk_dtype, choose_backend, make_draft, make_teacher, plan_trunk
 from ddl_wgpu.container import open_checkpoint
 from ddl_wgpu.data import check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.draft_layout import chain_attention_for
@@ -70,6 +72,8 @@ KEYS = (
     "chain_attention",
 )
 DEPTH, WINDOW, TOKENS = 3, 128, 20_000  # `accept`'s defaults: chain depth, window length, token budget (CLI)
+BATCH = 8  # windows per draft batch (and per trunk batch on numpy)
+EMBED = "model.embed_tokens.weight"
 # Chain attention: "per-step" (each chain step its own causal pass, the reference heal tool's way) or
 # "stacked" (steps 1..j stacked with the runtime's diagonal mask). `acceptance`, `accept_file` and `heal` take
 # the draft's layout's by default (`resolve_chain_attention`); the functions below them are handed it, and
@@ -192,7 +196,7 @@ class TrunkBatch:
 
 
 def trunk_batches(
-    model: Model, windows: Sequence[np.ndarray], batch: int = 8, teacher=None
+    model: Model, windows: Sequence[np.ndarray], batch: int = BATCH, teacher=None
 ) -> list[TrunkBatch]:
     """The trunk over the windows in batches; `teacher` (a `backend.Teacher`) runs it, numpy when None."""
     T = max(w.size for w in windows)
@@ -269,27 +273,42 @@ def acceptance_from_trunk(params: dict, cfg, trunk: Sequence[TrunkBatch], depth:
     return tally.result()
 
 
-def gpu_acceptance(cfg, windows: Sequence[np.ndarray], depth: int, batch: int, teacher, draft,
-                   chain_attention: str = DEFAULT_CHAIN_ATTENTION,
-                   keep_hidden: bool = False) -> tuple[dict, list[TrunkBatch]]:  # fmt: skip
-    """`acceptance_from_trunk` with the trunk and the whole greedy chain on the GPU (`backend.AcceptTeacher`,
-    `backend.AcceptDraft`): per batch of windows the trunk's greedy tokens and hidden rows
-    (`greedy_hidden`, the rows left on the GPU), then `draft.greedy_chain` from them; only token ids come
-    down. -> (the result, the batches' `TrunkBatch`es with their hidden rows downloaded when `keep_hidden`,
-    for a host-side measure on the same trunk pass, else [])."""
+def gpu_acceptance(model: Model, cfg, windows: Sequence[np.ndarray], depth: int, batch: int, device: str | None,
+                   trunk_dtype: str = "f32", chain_attention: str = DEFAULT_CHAIN_ATTENTION,
+                   keep_hidden: bool = False, plan=None, checkpoint=None) -> tuple[dict, list[TrunkBatch], object]:  # fmt: skip
+    """`acceptance_from_trunk` on the GPU: the trunk's pass over blocks of windows (`heal_gpu.WgpuTeacher`,
+    resident or streamed by `plan`, reading its tensors from `checkpoint` when given), keeping per window its
+    greedy tokens and the draft's step-1 rows (built on the GPU with `cfg`'s conventions); the trunk's weights
+    released; then the draft's greedy chain from those rows (`backend.AcceptDraft.greedy_chain`, `batch` windows
+    at a time, every later step's rows built there). Only token ids and the step-1 rows come down. -> (the
+    result, the `TrunkBatch`es of `batch` windows with their hidden rows downloaded when `keep_hidden`, for a
+    host-side measure on the same trunk pass, else [], the draft)."""
     check_chain_attention(chain_attention)
     T = max(w.size for w in windows)
-    tally, kept = Tally(depth, chain_attention), []
-    for s in range(0, len(windows), batch):
-        ids, lengths = pad_batch(windows[s : s + batch], T)
-        greedy, hidden = teacher.greedy_hidden(ids, cfg.mtp.trunk_hidden)
-        tok, valid = ref_mtp.shifted(ids, 1), ref_mtp.step_valid(lengths, T, 1)
-        preds = draft.greedy_chain(hidden, tok, valid, depth, chain_attention == "stacked", cfg.mtp)
-        for b in range(ids.shape[0]):
-            tally.add(preds[b], greedy[b], ids[b], int(lengths[b]))
+    teacher = make_teacher("wgpu", model, batch, device, trunk_dtype, plan, checkpoint)
+    kept = []
+    for s in range(0, len(windows), teacher.block):
+        ids, lengths = pad_batch(windows[s : s + teacher.block], T)
+        top, _probs, x1 = teacher.topk_rows(ids, lengths, 1, mtp=cfg.mtp)
+        pre = post = [None] * len(ids)
         if keep_hidden:
-            kept.append(TrunkBatch(ids, lengths, greedy, *teacher.hidden_rows(ids.shape[0], T)))
-    return tally.result(), kept
+            pre, post = teacher.hidden_rows(len(ids), T)
+        for b in range(0, len(ids), batch):
+            part = slice(b, b + batch)
+            kept.append(
+                TrunkBatch(ids[part], lengths[part], top[part, :, 0], pre[part], post[part], x1[part])
+            )
+    teacher.release()  # the draft runs after the trunk's weights are gone
+    draft = make_draft("wgpu", model, None, batch, device, teacher=teacher)
+    tally = Tally(depth, chain_attention)
+    for tb in kept:
+        tok, valid = ref_mtp.shifted(tb.ids, 1), ref_mtp.step_valid(tb.lengths, T, 1)
+        preds = draft.greedy_chain(None, tok, valid, depth, chain_attention == "stacked", cfg.mtp, rows=tb.x1)
+        for b in range(tb.ids.shape[0]):
+            tally.add(preds[b], tb.greedy[b], tb.ids[b], int(tb.lengths[b]))
+    if keep_hidden:  # the probe measures other conventions from the hidden rows: not these step-1 rows
+        kept = [dataclasses.replace(tb, x1=None) for tb in kept]
+    return tally.result(), kept if keep_hidden else [], draft
 
 
 def acceptance_from_rows(params: dict, cfg, tb: TrunkBatch, depth: int, draft=None,
@@ -314,13 +333,17 @@ def acceptance_from_rows(params: dict, cfg, tb: TrunkBatch, depth: int, draft=No
 
 def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, backend: str = "ref",
                conventions: MtpConfig | dict | None = None, probe_conventions: bool = False,
-               batch: int = 8, device: str | None = None, trunk_dtype: str = "f32",
-               chain_attention: str | None = None) -> dict:  # fmt: skip
+               batch: int = BATCH, device: str | None = None, trunk_dtype: str = "f32",
+               chain_attention: str | None = None, plan=None, checkpoint=None) -> dict:  # fmt: skip
     """Greedy speculative acceptance of `model`'s draft over `windows` (1-D token arrays, each at most
     max_seq_len long), chained `depth` deep, with `chain_attention` "per-step" or "stacked" (None: the draft's
     layout's; module docstring). `conventions` overrides the model's MtpConfig (concat, hiddens);
     `probe_conventions` adds `probe`: the same measure under every concat x trunk_hidden x chain_hidden.
-    `trunk_dtype` "f16" (wgpu only) keeps the GPU trunk's big matrices in f16 (`heal_gpu.WgpuTeacher`)."""
+    `trunk_dtype` "f16" (wgpu only) keeps the GPU trunk's big matrices in f16 (`heal_gpu.WgpuTeacher`); on wgpu
+    `plan` (a `gpumem.TrunkPlan`) runs the trunk resident or streamed, and `checkpoint` (the model's open file)
+    gives its tensors when the model was loaded without them."""
+    if chain_attention is not None:
+        check_chain_attention(chain_attention)
     if depth < 1:
         raise AcceptError(f"depth must be at least 1, got {depth}", field="depth")
     if model.cfg.mtp is None:
@@ -331,16 +354,17 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, 
         raise AcceptError(f"no window longer than depth {depth}: nothing to measure")
     if max(w.size for w in windows) > model.cfg.max_seq_len:
         raise AcceptError(f"a window is longer than the model's max_seq_len {model.cfg.max_seq_len}")
-    teacher, draft = make_accept_backend(backend, model, batch, device, trunk_dtype)
+    backend = choose_backend(backend, device).name
+    check_trunk_dtype(backend, trunk_dtype)
     cfg = _with_conventions(model.cfg, conventions)
-    if teacher is None:
+    if backend == "ref":
         runner = None
         trunk = trunk_batches(model, windows, batch)
         result = acceptance_from_trunk(model.params, cfg, trunk, depth, None, chain_attention)
     else:  # the chain on the GPU; the probe (other conventions) on the host, from the downloaded hidden rows
+        result, trunk, draft = gpu_acceptance(model, cfg, windows, depth, batch, device, trunk_dtype,
+                                              chain_attention, probe_conventions, plan, checkpoint)  # fmt: skip
         runner = draft.greedy
-        result, trunk = gpu_acceptance(cfg, windows, depth, batch, teacher, draft, chain_attention,
-                                       keep_hidden=probe_conventions)  # fmt: skip
     if probe_conventions:
         probe = []
         for concat, th, ch in itertools.product(("emb_first", "hidden_first"), ("pre_norm", "post_norm"),
@@ -358,27 +382,51 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, 
 def accept_file(model_path, data_spec: str, depth: int = DEPTH, window: int | None = None,
                 tokens: int | None = None, backend: str = "ref", probe_conventions: bool = False,
                 device: str | None = None, trunk_dtype: str = "f32",
-                chain_attention: str | None = None, verify: bool = True) -> dict:  # fmt: skip
+                chain_attention: str | None = None, verify: bool = True,
+                gpu_memory: int | None = None, say=None) -> dict:  # fmt: skip
     """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure. `window` None:
     WINDOW, or the model's context when shorter; a longer one is refused (it would silently be cut);
-    `chain_attention` None: the draft's layout's."""
+    `chain_attention` None: the draft's layout's. On wgpu the trunk's tensors are read from the file as the
+    trunk needs them (never the whole model in host memory) and its pass runs by the GPU memory plan (`gpumem`)
+    for `gpu_memory` bytes (None: no budget), which `say(line)` is told before the pass; the result's `plan`
+    records it (None on numpy)."""
     backend = choose_backend(backend, device).name
     if chain_attention is not None:
         check_chain_attention(chain_attention)
-    model = load_model(model_path, verify=verify)
+    check_trunk_dtype(backend, trunk_dtype)
+    on_gpu = backend == "wgpu"
+    # on the GPU the host needs the draft's tensors (and, to probe conventions on the host, the embedding)
+    wanted = (
+        (lambda n: n.startswith(ref_mtp.MTP_PREFIX) or (probe_conventions and n == EMBED)) if on_gpu else None
+    )
+    model = load_model(model_path, names=wanted, verify=verify, check_memory=not on_gpu)
     chain_attention, why = resolve_chain_attention(model.cfg, chain_attention)
     if window is not None and window > model.cfg.max_seq_len:
         ctx = model.cfg.max_seq_len
         raise AcceptError(f"window {window} exceeds the model's context (max_seq_len {ctx})", field="window")
+    if model.cfg.mtp is None:
+        raise AcceptError("the model has no MTP draft (missing tensor model.mtp.eh_proj.weight)")
     records = load_records(data_spec, tokenizer_for(model.tokenizer), tokens)
     check_vocab(records, model.cfg.vocab_size)
     windows = make_windows(records, min(window or WINDOW, model.cfg.max_seq_len), depth + 1)
-    result = acceptance(model, windows, depth, backend, probe_conventions=probe_conventions, device=device,
-                        trunk_dtype=trunk_dtype, chain_attention=chain_attention)  # fmt: skip
+    usable = [w for w in windows if w.size > depth]
+    plan = None
+    if on_gpu and usable:
+        T = max(w.size for w in usable)
+        draft = {"k": 1, "chain": depth, "stacked": chain_attention == "stacked", "kl_form": "full"}
+        plan = plan_trunk(backend, "accept", model.cfg, device, trunk_dtype, len(usable), T, BATCH, gpu_memory,
+                          draft=draft)  # fmt: skip
+        if say is not None:
+            say(plan.line())
+    with open_checkpoint(model_path, verify=verify) if on_gpu else contextlib.nullcontext() as ck:
+        result = acceptance(model, windows, depth, backend, probe_conventions=probe_conventions, device=device,
+                            trunk_dtype=trunk_dtype, chain_attention=chain_attention, plan=plan,
+                            checkpoint=ck)  # fmt: skip
     result["data"] = str(data_spec)
     result["backend"] = backend
     result["trunk_dtype"] = trunk_dtype
     result["chain_attention_why"] = why
+    result["plan"] = plan.to_dict() if plan is not None else None
     return result
 
 

@@ -127,6 +127,10 @@ class Teacher(Protocol):
         float32)."""
         ...
 
+    def release(self) -> None:
+        """The trunk has run: free what only its pass needed (the GPU trunk's blocks' weights)."""
+        ...
+
 
 class Draft(Protocol):
     """heal's draft trained alone. `chain` = 0: x_rows (B, T, C) are one step's rows, causal attention.
@@ -186,12 +190,14 @@ class AcceptDraft(Protocol):
 class Engine(Protocol):
     """generate's decoding engine (`refnet.RefEngine`, `decode.WgpuEngine`; what `generate.run` drives, its
     module docstring says how). `feed` returns per row: head "argmax" the ids (n,), "logits" or "top<k>"
-    (n, V) logits; `last_only` the last row's alone (what a prompt needs)."""
+    (n, V) logits; `last_only` the last row's alone (what a prompt needs); `ahead` promises that the argmax
+    returned is fed next and that no roll-back reaches into this token (plain greedy decoding: the GPU
+    engine then runs the next token before the host asks)."""
 
     backend: str  # "ref" or "wgpu": what generate reports
     length: int  # positions fed so far
 
-    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray: ...
+    def feed(self, ids, head: str, last_only: bool = False, ahead: bool = False) -> np.ndarray: ...
 
     def rollback(self, length: int) -> None: ...
 
@@ -335,7 +341,7 @@ def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | 
     return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight, work_class=TrunkWork)
 
 
-def _check_trunk_dtype(backend: str, trunk_dtype: str) -> None:
+def check_trunk_dtype(backend: str, trunk_dtype: str) -> None:
     if trunk_dtype not in TRUNK_DTYPES:
         raise BackendError(f"trunk dtype must be one of {list(TRUNK_DTYPES)}, got {trunk_dtype!r}")
     if trunk_dtype != "f32" and backend != "wgpu":
@@ -343,22 +349,44 @@ def _check_trunk_dtype(backend: str, trunk_dtype: str) -> None:
 
 
 def make_teacher(backend: str, model: Model, batch: int = 4, device: str | None = None,
-                 trunk_dtype: str = "f32") -> Teacher:  # fmt: skip
+                 trunk_dtype: str = "f32", plan=None, checkpoint=None) -> Teacher:  # fmt: skip
     """heal's frozen trunk: its next-token top-k and hidden rows per batch of `batch` windows; on wgpu an
-    inference-only net, its big matrices in `trunk_dtype` ("f16" needs the adapter feature shader-f16)."""
+    inference-only trunk (`stream.Trunk`), its big matrices in `trunk_dtype` ("f16" needs the adapter feature
+    shader-f16), run by the `gpumem.TrunkPlan` `plan` when given (resident or streamed, its block of windows)
+    and reading the trunk's tensors from the open `checkpoint` (the model's file, through its memory map) when
+    given, else from the model's params."""
     backend = _resolve(backend, device)
-    _check_trunk_dtype(backend, trunk_dtype)
+    check_trunk_dtype(backend, trunk_dtype)
     if backend == "ref":
         from ddl_wgpu.refnet import RefTeacher
 
         return RefTeacher(model.params, model.cfg)
-    from ddl_wgpu.gpu import GpuError
+    from ddl_wgpu.gpu import GpuError, GpuOutOfMemory
     from ddl_wgpu.heal_gpu import WgpuTeacher
+    from ddl_wgpu.stream import WeightSource
 
+    source = WeightSource(checkpoint=checkpoint) if checkpoint is not None else None
     try:
-        return WgpuTeacher(open_gpu(device), model.params, model.cfg, batch, trunk_dtype)
+        return WgpuTeacher(open_gpu(device), model.params, model.cfg, batch, trunk_dtype, plan, source)
+    except GpuOutOfMemory:
+        raise
     except GpuError as e:
         raise BackendError(f"trunk on the GPU: {e}") from e
+
+
+def plan_trunk(backend: str, job: str, cfg: ModelConfig, device: str | None, trunk_dtype: str, windows: int,
+               window: int, batch: int, gpu_memory: int | None, k: int = 1, rows: bool = True,
+               draft: dict | None = None):  # fmt: skip
+    """The GPU memory plan (`gpumem.TrunkPlan`) of heal's or accept's trunk pass over `windows` windows of
+    `window` tokens within `gpu_memory` bytes (None: no budget), its top-k of width k and (`rows`) the draft's
+    step-1 rows, and (`draft`: heal's {"k", "chain", "stacked", "kl_form"}) the draft's phase after it; None
+    on the numpy backend."""
+    if _resolve(backend, device) != "wgpu":
+        return None
+    from ddl_wgpu.heal_gpu import plan_trunk_job
+
+    return plan_trunk_job(open_gpu(device), job, cfg, trunk_dtype, windows, window, batch, gpu_memory, k, rows,
+                          draft)  # fmt: skip
 
 
 def make_draft(backend: str, model: Model, init: dict | None = None, batch: int = 4,
@@ -382,7 +410,7 @@ def make_accept_backend(backend: str, model: Model, batch: int = 8, device: str 
     """accept's trunk and draft on the backend: (teacher, draft) on wgpu; (None, None) on numpy, where accept
     runs `ddl_ref.mtp` inline (`refnet.ref_runner` where it needs a runner)."""
     backend = _resolve(backend, device)
-    _check_trunk_dtype(backend, trunk_dtype)
+    check_trunk_dtype(backend, trunk_dtype)
     if backend == "ref":
         return None, None
     teacher = make_teacher("wgpu", model, batch, device, trunk_dtype)
@@ -395,7 +423,7 @@ def make_engine(backend: str, model: Model, depth: int = 0, device: str | None =
     speculating `depth` deep; `capacity` positions (default the model's max_seq_len); on wgpu an
     inference-only net, its big matrices in `trunk_dtype`."""
     backend = _resolve(backend, device)
-    _check_trunk_dtype(backend, trunk_dtype)
+    check_trunk_dtype(backend, trunk_dtype)
     if backend == "ref":
         from ddl_wgpu.refnet import RefEngine
 

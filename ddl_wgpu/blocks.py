@@ -48,6 +48,11 @@ class Blocks(GatedDeltaNet):
     token mixer is full attention (optionally gated, partial RoPE) or, in a hybrid trunk, a Gated DeltaNet
     (`gdn.GatedDeltaNet`, per `cfg.layer_type(i)`)."""
 
+    # K slices of the forward's GEMMs (`ops.matmul`'s split_k; None: chosen by shape). A work whose rows must
+    # not depend on how many windows share a pass sets 1 (`stream.TrunkPass`): slicing is chosen by the
+    # product's shape, so another row count could sum another way.
+    split_k: int | None = None
+
     def __init__(self, net, batch: int, seq: int, chunk_rows: int | None = None, span: int | None = None,
                  cfg=None):  # fmt: skip
         """`span`: the positions the seq rows cover (default seq), at most the model's max_seq_len. `cfg`: the
@@ -63,7 +68,7 @@ class Blocks(GatedDeltaNet):
         self.heads = (batch, seq, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)  # attention's (B, T, H, K, D)
         self.ddl = cfg.residual == "delta"
         self.dv = cfg.ddl_dv if self.ddl else 1
-        self.S = S = N * C * self.dv  # floats in one stream/state
+        self.S = N * C * self.dv  # floats in one stream/state
         self.vocab = Vocab(net)
         cos, sin = self._rope_tables()
         self.cos = self.gpu.upload(cos.astype(np.float32), "rope_cos")
@@ -74,7 +79,7 @@ class Blocks(GatedDeltaNet):
             if self.shares_acts
             else [self._layer_acts(i) for i in range(cfg.n_layers)]
         )
-        self.xS = self.act(S, "x_last")  # the last block's output (stream or state)
+        self.xS = self._last_state()  # the last block's output (stream or state)
         self.xL = self.act(N * C, "x_final") if self.dv > 1 else self.xS  # readout, before the final norm
         self.xf = self.act(N * C, "x_normed")
         self.rf = self.act(N, "rstd_final")
@@ -82,11 +87,25 @@ class Blocks(GatedDeltaNet):
         self.loss_acc = self.act(4, "loss_sum")
         self.readback = self.gpu.buffer(32, label="readback")  # loss sum, norm, clip, finite; draft loss
         self.chunk = min(N, chunk_rows or head_chunk_rows(self.gpu, N, C, cfg.vocab_size))
-        self.logit_chunk = self.act(self.chunk * cfg.vocab_size, "logits_chunk")
+        self.logit_chunk = self._logits(self.chunk * cfg.vocab_size)
         self._topk: dict = {}
+
+    def _last_state(self):
+        """The buffer the last block writes (a decoding pass's is its one stream: `decode._CachedRows`)."""
+        return self.act(self.S, "x_last")
 
     def act(self, n: int, label: str):
         return self.gpu.buffer(n * F32, label=label)
+
+    def _logits(self, n: int):
+        """The head's chunk of logits (n floats): its own, or when the net keeps `shared_logits` (a dict: works of
+        it that never run within one submit, heal's draft's) one buffer every such work of the net reads."""
+        shared = getattr(self.net, "shared_logits", None)
+        if shared is None:
+            return self.act(n, "logits_chunk")
+        if shared.get("buffer") is None or shared["buffer"].size < n * F32:
+            shared["buffer"] = self.act(n, "logits_chunk")
+        return shared["buffer"]
 
     @property
     def shares_acts(self) -> bool:
@@ -114,23 +133,19 @@ class Blocks(GatedDeltaNet):
         cfg = self.cfg
         return ref_ops.rope_tables(self.T, cfg.head_dim, cfg.rope_theta, np.float64, cfg.rope_dim)
 
-    def block_acts(self, tag: str, S: int, mixer: str = "full_attention") -> dict:
+    def block_acts(self, tag: str, S: int, mixer: str = "full_attention", share: dict | None = None) -> dict:
         """Saved activations of one block (`x` is the block input: stream or DDL state of S floats) whose token
-        mixer is `mixer` ("full_attention" or "linear_attention")."""
-        cfg, N, C, B, T, act = self.cfg, self.N, self.C, self.B, self.T, self.act
+        mixer is `mixer` ("full_attention" or "linear_attention"). `share`: buffers to use instead of new ones
+        for those of its keys the block has (a forward-only trunk's mixer types share the MLP's)."""
+        cfg, N, C, B, T = self.cfg, self.N, self.C, self.B, self.T
         H, K, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
-        a = {
-            "mixer": mixer,
-            "x": act(S, f"x{tag}"),  # block input: stream or DDL state
-            "h": act(N * C, f"h{tag}"),
-            "r1": act(N, f"rstd1_{tag}"),
-            "xm": act(S, f"xm{tag}"),  # stream/state after the attention sublayer
-            "h2": act(N * C, f"h2{tag}"),
-            "r2": act(N, f"rstd2_{tag}"),
-            "gate": act(N * F, f"gate{tag}"),
-            "up": act(N * F, f"up{tag}"),
-            "s": act(N * F, f"swiglu{tag}"),
-        }
+        share, act = share or {}, self.act
+        # the block's input and both sublayers' norms, and the MLP (key, floats, label)
+        common = (("x", S, f"x{tag}"), ("h", N * C, f"h{tag}"), ("r1", N, f"rstd1_{tag}"),
+                  ("xm", S, f"xm{tag}"),  # stream/state after the attention sublayer
+                  ("h2", N * C, f"h2{tag}"), ("r2", N, f"rstd2_{tag}"), ("gate", N * F, f"gate{tag}"),
+                  ("up", N * F, f"up{tag}"), ("s", N * F, f"swiglu{tag}"))  # fmt: skip
+        a = {"mixer": mixer, **{k: share[k] if k in share else act(n, label) for k, n, label in common}}
         if mixer == "linear_attention":
             return self.gdn_acts(tag, a)
         a.update(
@@ -193,7 +208,15 @@ class Blocks(GatedDeltaNet):
     def _linear(self, out, x, name: str, n_out: int, n_in: int) -> Call:
         """out (N, n_out) = x (N, n_in) · W[name]ᵀ."""
         return k_mm.linear_forward(self.gpu, out, x, self.net.view(name), self.N, n_out, n_in,
-                                   self.net.wdtype(name))  # fmt: skip
+                                   self.net.wdtype(name), self.split_k)  # fmt: skip
+
+    def _linears(self, x, n_in: int, outs: list[tuple]) -> Call:
+        """Several linear layers of one input, out (N, n_out) = x · W[name]ᵀ for each (out, name, n_out) of
+        `outs` (a decoding pass stacks them into one product: `decode._CachedRows`)."""
+        call = Call()
+        for out, name, n_out in outs:
+            call += self._linear(out, x, name, n_out, n_in)
+        return call
 
     def _linear_backward(self, dx, dout, x, name: str, n_out: int, n_in: int, accumulate_dx=False) -> Call:
         """dx (+)= dout · W[name]; dW[name] += doutᵀ · x."""
@@ -204,12 +227,17 @@ class Blocks(GatedDeltaNet):
     def _project_out(self, out, x, name: str, n_in: int, accumulate: bool) -> Call:
         """out (N, C) (+)= x (N, n_in) · W[name]ᵀ: a sublayer's output projection (into the residual)."""
         return k_mm.matmul(self.gpu, out, x, self.net.view(name), self.N, self.C, n_in, trans_b=True,
-                           accumulate=accumulate, b_dtype=self.net.wdtype(name))  # fmt: skip
+                           accumulate=accumulate, b_dtype=self.net.wdtype(name), split_k=self.split_k)  # fmt: skip
 
     def _norm(self, out, rstd, x, name: str, rows: int | None = None, dim: int | None = None) -> Call:
         cfg = self.cfg
         return k_norm.rmsnorm_forward(self.gpu, out, rstd, x, self.net.view(name), rows or self.N,
                                       dim or self.C, cfg.rms_eps, cfg.norm_style)  # fmt: skip
+
+    def _input_norm(self, a: dict, h: str, r: str, x: str, name: str) -> Call:
+        """A baseline sublayer's input norm, a[h] = RMSNorm(a[x]) (a decoding pass leaves it to the products
+        that read a[h]: `decode._CachedRows`)."""
+        return self._norm(a[h], a[r], a[x], name)
 
     def _norm_backward(self, dx, dout, x, name: str, rstd, rows: int | None = None, dim: int | None = None,
                        accumulate_dx: bool = False) -> Call:  # fmt: skip
@@ -255,8 +283,9 @@ class Blocks(GatedDeltaNet):
         for sub, norm, x_state, h, r in SUBLAYERS:
             x_out = a["xm"] if sub == "attn" else out
             if not ddl:  # baseline: x_out = x + sublayer(norm(x))
-                call += self._norm(a[h], a[r], a[x_state], p + norm + ".weight")
-                call += k_ew.copy(self.gpu, x_out, a[x_state], self.N * self.C)
+                call += self._input_norm(a, h, r, x_state, p + norm + ".weight")
+                if x_out is not a[x_state]:  # a decoding pass adds into the stream in place (`decode`)
+                    call += k_ew.copy(self.gpu, x_out, a[x_state], self.N * self.C)
                 call += self._sublayer_forward(sub, a, p, x_out, accumulate=True)
                 continue
             xin = a["xin_" + sub]
@@ -283,13 +312,12 @@ class Blocks(GatedDeltaNet):
         if sub == "attn" and a["mixer"] == "linear_attention":
             return self.gdn_forward(a, p, out, accumulate)
         if sub == "attn":
-            if cfg.attn_output_gate:  # q_proj gives [query; gate] per head: split them
-                call = self._linear(a["qg"], a["h"], p + "self_attn.q_proj.weight", 2 * H * D, C)
+            gated = cfg.attn_output_gate  # q_proj gives [query; gate] per head: split them
+            q = (a["qg"] if gated else a["q"], p + "self_attn.q_proj.weight", (2 if gated else 1) * H * D)
+            call = self._linears(a["h"], C, [q, (a["k"], p + "self_attn.k_proj.weight", K * D),
+                                             (a["v"], p + "self_attn.v_proj.weight", K * D)])  # fmt: skip
+            if gated:
                 call += k_gate.split_heads(self.gpu, a["q"], a["og"], a["qg"], self.N * H, D)
-            else:
-                call = self._linear(a["q"], a["h"], p + "self_attn.q_proj.weight", H * D, C)
-            call += self._linear(a["k"], a["h"], p + "self_attn.k_proj.weight", K * D, C)
-            call += self._linear(a["v"], a["h"], p + "self_attn.v_proj.weight", K * D, C)
             call += self._qk_forward(a, "q", H, p)
             call += self._qk_forward(a, "k", K, p)
             call += self.attend(a)
@@ -298,10 +326,16 @@ class Blocks(GatedDeltaNet):
                 call += k_gate.gate_forward(self.gpu, a["ag"], a["a"], a["og"], self.N * H * D)
                 att = a["ag"]
             return call + self._project_out(out, att, p + "self_attn.o_proj.weight", H * D, accumulate)
+        call = self._mlp_hidden(a, p)
+        return call + self._project_out(out, a["s"], p + "mlp.down_proj.weight", F, accumulate)
+
+    def _mlp_hidden(self, a: dict, p: str) -> Call:
+        """a["s"] = silu(gate) ⊙ up, gate and up = h2 · W_gateᵀ, h2 · W_upᵀ (kept in a["gate"], a["up"] for the
+        backward; a decoding pass fuses the three: `decode._CachedRows`)."""
+        F, C = self.cfg.ffn_hidden, self.C
         call = self._linear(a["gate"], a["h2"], p + "mlp.gate_proj.weight", F, C)
         call += self._linear(a["up"], a["h2"], p + "mlp.up_proj.weight", F, C)
-        call += k_swiglu.swiglu_forward(self.gpu, a["s"], a["gate"], a["up"], self.N * F)
-        return call + self._project_out(out, a["s"], p + "mlp.down_proj.weight", F, accumulate)
+        return call + k_swiglu.swiglu_forward(self.gpu, a["s"], a["gate"], a["up"], self.N * F)
 
     def attend(self, a: dict) -> Call:
         """a["a"], a["lse"] = causal attention of the final q, k over v."""
@@ -463,24 +497,33 @@ class Blocks(GatedDeltaNet):
     def _topk_call(self, k: int):
         """(Call, ids buffer, probs buffer) of the top-k of the last forward's rows, built once per k."""
         if k not in self._topk:
-            g, N, V = self.gpu, self.N, self.cfg.vocab_size
+            g, N = self.gpu, self.N
             ids_out = g.buffer(N * k * 4, label="topk_ids")
             probs_out = g.buffer(N * k * F32, label="topk_probs")
 
             def topk(logits, n: int, r0: int) -> Call:
-                return k_topk.topk(g, ids_out, probs_out, logits, n, V, k, row_offset=r0)
+                return self._select(ids_out, probs_out, logits, n, k, r0)
 
             self._topk[k] = (self.head_calls(self.xf, topk), ids_out, probs_out)
         return self._topk[k]
+
+    def _select(self, ids_out, probs_out, logits, n: int, k: int, r0: int) -> Call:
+        """The top-k of n rows of logits into rows r0.. of ids_out / probs_out (a decoding pass takes its
+        argmax over many workgroups: `decode._CachedRows`)."""
+        return k_topk.topk(self.gpu, ids_out, probs_out, logits, n, self.cfg.vocab_size, k, row_offset=r0)
 
     def run_topk(self, forward: Call, k: int) -> tuple[np.ndarray, np.ndarray]:
         """`forward` (inputs already uploaded), then per row the k most likely next tokens and their
         full-softmax probabilities (ties to the lower id, so ids[..., 0] is the argmax) -> (ids (B, T, k)
         int32, probs (B, T, k) f32). The forward's hidden rows stay readable through `hidden()`."""
+        rec = self.gpu.recorder()
+        forward.record(rec)
+        return self.topk_after(rec, k)
+
+    def topk_after(self, rec, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """`run_topk` after a forward already recorded into `rec`: the head and top-k, submit, read."""
         g, N = self.gpu, self.N
         call, ids_out, probs_out = self._topk_call(k)
-        rec = g.recorder()
-        forward.record(rec)
         call.record(rec)
         rec.submit()
         shape = (self.B, self.T, k)

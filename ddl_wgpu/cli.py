@@ -40,7 +40,7 @@ from typer._click import utils as usage_utils
 from ddl_ref.config import ARCH_MTP, ModelVariant
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu import accept as accept_lib
-from ddl_wgpu import cli_jobs
+from ddl_wgpu import cli_jobs, gpumem
 from ddl_wgpu import generate as generate_lib
 from ddl_wgpu import train as train_lib
 from ddl_wgpu.backend import choose_backend, make_net
@@ -64,6 +64,7 @@ from ddl_wgpu.cli_options import (
     DModel,
     FfnHidden,
     ForceOpt,
+    GpuMemory,
     HeadDim,
     MaxSeqLen,
     NHeads,
@@ -217,6 +218,7 @@ def eval_(
     max_tokens: int = typer.Option(200_000, "--max-tokens", help="Read at most this many tokens (0: all)."),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    gpu_memory: GpuMemory = None,
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
@@ -225,9 +227,12 @@ def eval_(
     in_range("batch", batch, 1)
     in_range("max-tokens", max_tokens, 0)
     batch_tokens("batch", batch, seq_len or 128)
+    budget = gpumem.budget(gpu_memory)
     choice = choose_backend(backend, device)
     typer.echo(backend_line(choice), err=as_json)
-    m = load_model(model, verify=not no_verify)
+    on_gpu = choice.name == "wgpu"  # the GPU trunk reads its tensors from the file as it needs them
+    m = load_model(model, verify=not no_verify, names=(lambda n: False) if on_gpu else None,
+                   check_memory=not on_gpu)  # fmt: skip
     within_context("seq-len", seq_len, m.cfg)
     ds = eval_windows(
         data,
@@ -238,8 +243,15 @@ def eval_(
         vocab_size=m.cfg.vocab_size,
     )
     t0 = time.perf_counter()
-    net = make_net(m.cfg, m.params, choice.name, device)
-    ev = train_lib.evaluate(net, ds, 0, spectral=True)
+    plan = None
+    if on_gpu:
+        from ddl_wgpu import trunk_eval  # the GPU layer: only a GPU run loads wgpu
+
+        ev, plan = trunk_eval.evaluate_file(model, m.cfg, ds, device, budget, not no_verify,
+                                            say=lambda line: typer.echo(line, err=as_json))  # fmt: skip
+    else:
+        net = make_net(m.cfg, m.params, choice.name, device)
+        ev = train_lib.evaluate(net, ds, 0, spectral=True)
     dt = time.perf_counter() - t0
     out = {
         **ev["metrics"],
@@ -251,6 +263,7 @@ def eval_(
         "variant": m.variant,
         "seconds": dt,
         "tokens_per_s": ds.num_tokens / max(dt, 1e-9),
+        "plan": plan.to_dict() if plan is not None else None,
     }
     if ev["spectral"] is not None:
         out["spectral"] = ev["spectral"]
@@ -349,6 +362,7 @@ def accept(
     device: DeviceOpt = None,
     trunk_dtype: TrunkDtype = "f32",
     chain_attention: ChainAttention = None,
+    gpu_memory: GpuMemory = None,
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
@@ -358,6 +372,7 @@ def accept(
     in_range("tokens", tokens, 0)
     if window is None and depth + 1 > accept_lib.WINDOW:
         fail(f"--depth {depth} needs windows of at least {depth + 1} tokens: pass --window")
+    budget = gpumem.budget(gpu_memory)
     choice = choose_backend(backend, device)
     typer.echo(backend_line(choice), err=as_json)
     chain_attention, why = accept_lib.chain_attention_of(model, chain_attention)
@@ -368,7 +383,8 @@ def accept(
     r = accept_lib.accept_file(model, data, depth=depth, window=window, tokens=tokens or None,
                                backend=choice.name, probe_conventions=probe_conventions, device=device,
                                trunk_dtype=trunk_dtype, chain_attention=chain_attention,
-                               verify=not no_verify)  # fmt: skip
+                               verify=not no_verify, gpu_memory=budget,
+                               say=lambda line: typer.echo(line, err=as_json))  # fmt: skip
     emit(r, as_json, accept_text(r))
 
 
@@ -438,6 +454,7 @@ def generate(
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     trunk_dtype: TrunkDtype = "f32",
+    gpu_memory: GpuMemory = None,
     as_json: bool = typer.Option(False, "--json", help="Print the text, token ids and timings as JSON."),
 ):
     """Continue a prompt: the text streamed as it is produced (greedy, or sampled), optionally speculating with
@@ -449,6 +466,8 @@ def generate(
     m = load_model(model)
     if speculative:  # a round drafts within the model's context (and sizes its cache by the depth)
         in_range("depth", depth, 1, m.cfg.max_seq_len - 1)
+    if choice.name == "wgpu":  # decoding reads every weight per token: a model past the budget is refused
+        gpumem.check_decode(m.cfg, trunk_dtype, gpumem.budget(gpu_memory), speculative)
     text = _prompt_of(prompt, prompt_file, m)
     typer.echo(backend_line(choice), err=True)
     r = generate_lib.generate(m, text, max_new_tokens=max_new_tokens, sampling=sampling, stops=stop or (),

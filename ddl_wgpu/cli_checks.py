@@ -184,6 +184,8 @@ HINTS = {
     "locked": "wait for it to end, or write to another --out",
     "not_writable": "write to another --out",
     "out_not_folder": "--out names a folder to create",
+    "gpu_memory": "heal, accept and eval plan within --gpu-memory SIZE (what the card has free), streaming the "
+    "trunk layer by layer when it does not fit",
 }
 
 # OS errors a user causes through the files they name: one line, not a traceback. (A name of more than 255

@@ -18,6 +18,7 @@ from pathlib import Path
 import typer
 
 from ddl_ref.config import parse_variants
+from ddl_wgpu import gpumem
 from ddl_wgpu import heal as heal_lib
 from ddl_wgpu import sweep as sweep_lib
 from ddl_wgpu import train as train_lib
@@ -43,7 +44,9 @@ from ddl_wgpu.cli_options import (
     DraftWidth,
     FfnHidden,
     ForceOpt,
+    GpuMemory,
     HeadDim,
+    HostMemory,
     MaxSeqLen,
     NHeads,
     NKvHeads,
@@ -511,6 +514,8 @@ def heal(
     ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    gpu_memory: GpuMemory = None,
+    host_memory: HostMemory = None,
     force: ForceOpt = False,
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="JSON progress lines and the report as JSON."),
@@ -524,6 +529,8 @@ def heal(
     batch_tokens("batch", batch, window, "window")
     refuse_overwrite_input(out, [model, init], heal_lib.HealError)
     output_file(out, force)
+    budget = gpumem.budget(gpu_memory)
+    host_budget = gpumem.parse_size(host_memory, "--host-memory") if host_memory else None
     cfg = heal_lib.HealConfig(chain=chain, refresh=refresh, tokens=tokens, window=window, epochs=epochs, lr=lr,
                               topk=topk, batch=batch, eval_every=eval_every, patience=patience, seed=seed,
                               trunk_dtype=trunk_dtype, chain_attention=chain_attention, draft_width=draft_width,
@@ -538,7 +545,8 @@ def heal(
     typer.echo("  " + backend_line(choice), err=as_json)
     with writes(out):
         rep = heal_lib.heal(model, data, out, cfg, init_path=init, backend=choice.name,
-                            progress=HealConsole(as_json), device=device, verify=not no_verify)  # fmt: skip
+                            progress=HealConsole(as_json), device=device, verify=not no_verify,
+                            gpu_memory=budget, host_memory=host_budget)  # fmt: skip
         if as_json:
             typer.echo(json.dumps(rep, indent=2, default=str))
         else:

@@ -156,6 +156,23 @@ DraftWidth = Annotated[
         "Default: model for a Qwen3.5-layout model, init otherwise.",
     ),
 ]
+GpuMemory = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu-memory",
+        help="GPU memory this run may use, e.g. 16GB or 512MiB (binary units; env DDL_WGPU_GPU_MEMORY): the trunk "
+        "stays resident when it fits, else streams layer by layer. wgpu cannot ask the card: give what it has "
+        "free (docs/heal.md#choosing-the-budget).",
+    ),
+]
+HostMemory = Annotated[
+    str | None,
+    typer.Option(
+        "--host-memory",
+        help="Host memory for heal's chain rows, e.g. 32GB (default: half of what is available at the start); "
+        "past it they live in a scratch file beside --out, removed when heal ends.",
+    ),
+]
 TrunkDtype = Annotated[
     str,
     typer.Option(

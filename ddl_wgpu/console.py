@@ -154,6 +154,11 @@ class HealConsole:
                 came += f" {ev['source_ffn_hidden']} narrowed by importance"
             self.say(f"heal: the draft's SwiGLU {ev['ffn_hidden']} channels wide ({came}; --draft-width "
                      f"{ev['rule']}), chain attention {ev['chain_attention']}")  # fmt: skip
+        elif kind == "plan":
+            self.say(ev["line"])
+        elif kind == "scratch":
+            self.say(f"  host memory: the chain's rows ({ev['bytes'] / 2**30:.2f} GiB) pass --host-memory "
+                     f"({ev['budget'] / 2**30:.2f} GiB): they live in {ev['path']} until heal ends")  # fmt: skip
         elif kind == "windows":
             self.say(
                 f"heal: {ev['windows']} windows, {ev['tokens']:,} tokens of {ev['data']}; chain depth {ev['chain']}"

@@ -536,6 +536,9 @@ def save(
         tokenizer=tokenizer,
         shard_bytes=shard_bytes,
     ) as w:
-        for name, arr, dtype in prepared:
-            w.write(name, arr, dtype)
+        for i in range(len(prepared)):
+            w.write(*prepared[i])
+            prepared[i] = (
+                None  # let a memory-mapped source go once written (else a model's worth of pages stay)
+            )
     return w.paths

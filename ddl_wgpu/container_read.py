@@ -3,6 +3,7 @@ read lazily and hashed the first time they are read."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import threading
@@ -395,6 +396,11 @@ class _File:
                 for chunk in _byte_chunks(arr):
                     h.update(chunk)
                 self._check_hash(t, h)
+                # the pages hashed stay in the page cache, not in this process: a reader that maps a whole model
+                # tensor by tensor keeps its resident memory at what it is using
+                mm = getattr(arr, "_mmap", None)
+                if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+                    mm.madvise(mmap.MADV_DONTNEED)
         if t.dtype == "bool" and arr.size and arr.view(np.uint8).max() > 1:
             raise self.fail(f"tensor {t.name!r}: bool tensor holds bytes other than 0 and 1")
         return arr

@@ -39,7 +39,7 @@ from ddl_wgpu.ops import swiglu as k_swiglu
 class GatedDeltaNet:
     """Mixin of `blocks.Blocks`: a linear_attention block's activations (`gdn_acts`), forward
     (`gdn_forward`) and backward (`gdn_backward`). Needs the Blocks' `_linear`, `_linear_backward`,
-    `_project_out`, `act`, `net`, `gpu`, `cfg`, `B`, `T`, `N`, `C`."""
+    `_linears`, `_project_out`, `act`, `net`, `gpu`, `cfg`, `B`, `T`, `N`, `C`."""
 
     def _gdn_sizes(self):
         cfg = self.cfg
@@ -117,10 +117,8 @@ class GatedDeltaNet:
         Ch = linear_conv_channels(cfg)
         ga, gb_ = self._ab(a["ab"])
         k_off, gb_off = k_gd.qkgb_offsets(N, Hk, Dk)
-        call = self._linear(a["X"], a["h"], q + "in_proj_qkv.weight", Ch, C)
-        call += self._linear(a["z"], a["h"], q + "in_proj_z.weight", Hv * Dv, C)
-        call += self._linear(ga, a["h"], q + "in_proj_a.weight", Hv, C)
-        call += self._linear(gb_, a["h"], q + "in_proj_b.weight", Hv, C)
+        call = self._linears(a["h"], C, [(a["X"], q + "in_proj_qkv.weight", Ch), (a["z"], q + "in_proj_z.weight", Hv * Dv),
+                                         (ga, q + "in_proj_a.weight", Hv), (gb_, q + "in_proj_b.weight", Hv)])  # fmt: skip
         call += self._gdn_conv(a, q)
         call += k_gi.l2norm_forward(g, sub(a["qkgb"], 0, gb_off), a["qkr"], a["cv"], N, Hk, Dk)
         call += k_gi.gates_forward(g, sub(a["qkgb"], gb_off, 2 * N * Hv), ga, gb_, P(q + "A_log"),

@@ -257,7 +257,8 @@ def run(engine: Engine, tokenizer, prompt_ids, context: int, max_new_tokens: int
             break
         k = min(depth, remaining - 1, room)
         if k <= 0:
-            rows = engine.feed([nxt], ch.head)
+            # greedy: the argmax goes straight back in, so a GPU engine may run the next token ahead
+            rows = engine.feed([nxt], ch.head, ahead=sampling.greedy)
             stats.trunk_passes += 1
             nxt = ch.token(rows[-1])
             finish = emit([nxt])

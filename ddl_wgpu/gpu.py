@@ -26,6 +26,7 @@ import hashlib
 import os
 import re
 import struct
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,10 @@ ENV_ADAPTER = "DDL_WGPU_ADAPTER"
 # shapes; the constructor's `max_binding` / `max_buffer` do the same. Never raises a limit.
 ENV_MAX_BINDING = "DDL_WGPU_MAX_BINDING"
 ENV_MAX_BUFFER = "DDL_WGPU_MAX_BUFFER"
+# Pretend the device holds this many bytes for the buffers the engine creates (`Gpu.buffer`, `Gpu.upload_buffer`):
+# past it a buffer raises GpuOutOfMemory as a full card does (the tests of the out-of-memory path on lavapipe,
+# whose "device memory" is the host's). Never raises the driver's own limit.
+ENV_DEVICE_MEMORY = "DDL_WGPU_DEVICE_MEMORY"
 # "adapter" (default): request the adapter's own limits; "webgpu": request WebGPU's default limits instead,
 # so a run on a large GPU exercises the kernel shapes every conformant device can run (portability mode).
 ENV_LIMITS = "DDL_WGPU_LIMITS"
@@ -134,6 +139,13 @@ class NoAdapterError(GpuError):
 
 class KernelError(GpuError):
     """A WGSL module or pipeline failed to build; the message names the file and entry point."""
+
+
+class GpuOutOfMemory(GpuError):
+    """The device could not give a buffer (the driver's out-of-memory, or `DDL_WGPU_DEVICE_MEMORY`). `kind` lets a
+    front end say what gets the user further (the CLI: a smaller --gpu-memory budget)."""
+
+    kind = "gpu_memory"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -397,7 +409,13 @@ class Gpu:
         self._modules: dict = {}
         self._layouts: dict = {}
         self._staging = None
-        self.allocated = 0  # bytes of storage buffers created through `buffer` (memory reports)
+        self.allocated = 0  # bytes of storage buffers created through `buffer`, all told (memory reports)
+        # bytes of the engine's buffers alive now (`buffer`, `upload_buffer`; down when one is released or
+        # collected) and the most at any moment: the engine's own count of its peak (`reset_peak` restarts it)
+        self.live = 0
+        self.peak = 0
+        cap = os.environ.get(ENV_DEVICE_MEMORY)
+        self.memory_cap = int(cap) if cap else None
         self.max_binding = _lowered(
             self.limits.get("max-storage-buffer-binding-size", 128 << 20), self.max_binding, ENV_MAX_BINDING
         )
@@ -490,9 +508,10 @@ class Gpu:
         self._kernels[key] = k
         return k
 
-    def bind(self, kernel: Kernel, *resources):
+    def bind(self, kernel: Kernel, *resources, label: str = ""):
         """A bind group for `kernel`: one resource per char of its signature, each a buffer or a
-        (buffer, offset, size) range. Build these once per shape, never per step."""
+        (buffer, offset, size) range. Build these once per shape, never per step. `label` names the launch
+        (a benchmark's per-dispatch profile shows it)."""
         if len(resources) != len(kernel.sig):
             raise GpuError(f"{kernel.name}: {len(resources)} buffers given, signature {kernel.sig!r}")
         entries = []
@@ -504,7 +523,7 @@ class Gpu:
                     f"storage binding limit {self.max_binding}; bind such a tensor in row chunks"
                 )
             entries.append({"binding": i, "resource": {"buffer": buf, "offset": off, "size": size}})
-        return self.device.create_bind_group(layout=kernel.layout, entries=entries)
+        return self.device.create_bind_group(layout=kernel.layout, entries=entries, label=label)
 
     # -- buffers ------------------------------------------------------------------------------------------
 
@@ -516,8 +535,60 @@ class Gpu:
             raise GpuError(
                 f"buffer {label!r} of {size} bytes exceeds this adapter's max-buffer-size {self.max_buffer}"
             )
+        buf = self._create(size, usage, label)
         self.allocated += size
-        return self.device.create_buffer(size=size, usage=usage, label=label)
+        return buf
+
+    def upload_buffer(self, nbytes: int, label: str = "upload_staging"):
+        """A host-visible staging buffer, mapped for writing at creation (`mapped_array`, then `unmap`; copied
+        into storage buffers by a recorder), counted in `live` like a storage buffer."""
+        size = max(16, (int(nbytes) + 15) // 16 * 16)
+        return self._create(size, wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC, label, mapped=True)
+
+    def _create(self, size: int, usage, label: str, mapped: bool = False):
+        """Create a buffer counted in `live` and `peak` until it is released (`release`) or collected; the
+        driver's out-of-memory (or the `DDL_WGPU_DEVICE_MEMORY` cap) becomes GpuOutOfMemory."""
+        if self.memory_cap is not None and self.live + size > self.memory_cap:
+            raise GpuOutOfMemory(self._oom(label, size, f"the {self.memory_cap}-byte device"))
+        try:
+            buf = self.device.create_buffer(size=size, usage=usage, label=label, mapped_at_creation=mapped)
+        except (wgpu.GPUOutOfMemoryError, MemoryError) as e:
+            raise GpuOutOfMemory(self._oom(label, size, self.name)) from e
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        buf._ddl_freed = weakref.finalize(buf, self._freed, size)
+        return buf
+
+    def _oom(self, label: str, size: int, where: str) -> str:
+        return (f"the GPU is out of memory: buffer {label!r} of {size / 2**20:.1f} MiB did not fit {where} "
+                f"({self.live / 2**30:.2f} GiB in use by this process)")  # fmt: skip
+
+    def _freed(self, size: int) -> None:
+        self.live -= size
+
+    def release(self, *bufs) -> None:
+        """Give the memory of these buffers back now (not when Python collects them); `live` goes down. A
+        released buffer must not be used again."""
+        for b in bufs:
+            fin = getattr(b, "_ddl_freed", None)
+            if fin is not None and fin.alive:
+                fin()
+                b.destroy()
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def map_for_write(self, buf):
+        """Ask for an `upload_buffer` to be mapped for writing again once the GPU is done with it -> a promise
+        whose `sync_wait()` returns when it is (wgpu-py's poll thread resolves it: this thread waits for that
+        buffer only, never for the whole queue)."""
+        return buf.map_async(wgpu.MapMode.WRITE)
+
+    def mapped_array(self, buf) -> np.ndarray:
+        """The whole mapped range of a buffer mapped for writing, as a writable uint8 array (numpy copies into
+        it release the GIL, so several threads can fill one). Valid until the buffer is unmapped."""
+        view = buf._experimental_get_mapped_range(0, buf.size)  # wgpu-py has no stable writable view
+        return np.frombuffer(view, np.uint8)
 
     def uniform(self, layout: Uniform, *, label: str = "params", **fields):
         """A uniform buffer holding `layout.pack(**fields)`; rewrite it whole with `write_uniform`, or some
@@ -594,17 +665,26 @@ class Gpu:
             enc = self.device.create_command_encoder()
             enc.copy_buffer_to_buffer(buf, offset + done, stg, 0, padded)
             self.queue.submit([enc.finish()])
-            stg.map_sync(wgpu.MapMode.READ, 0, padded)
+            stg.map_sync("READ_NOSYNC", 0, padded)  # the copy is submitted: no extra empty submit
             out[done : done + n] = np.frombuffer(stg.read_mapped(0, padded, copy=False), np.uint8)[:n]
             stg.unmap()
             done += n
         return out.view(dtype)
 
+    def readback(self, nbytes: int, label: str = "readback") -> Readback:
+        """A mappable buffer a recording copies results into (`Recorder.copy`), read after that recording's
+        submit (`Readback.read`): a result comes back in the submit that made it, without the extra copy and
+        submit of `download`."""
+        return Readback(self, nbytes, label)
+
     def _stage(self, nbytes: int):
+        """The read-back staging buffer, grown to the largest download (at most 256 MiB), counted in `live`."""
         if self._staging is None or self._staging.size < nbytes:
+            if self._staging is not None:
+                self.release(self._staging)
             size = max(nbytes, 1 << 16)
             usage = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
-            self._staging = self.device.create_buffer(size=size, usage=usage, label="staging")
+            self._staging = self._create(size, usage, "staging")
         return self._staging
 
     def wait(self):
@@ -612,6 +692,21 @@ class Gpu:
         from wgpu.backends.wgpu_native import ffi, lib
 
         lib.wgpuDevicePoll(self.device._internal, True, ffi.NULL)
+
+    def submit_indexed(self, command_buffer) -> int:
+        """Submit one finished command buffer (`Recorder.finish`) -> its submission index, for `wait_for`
+        (wgpu-native's `wgpuQueueSubmitForIndex`; wgpu-py wraps only the plain submit)."""
+        from wgpu.backends.wgpu_native import ffi, lib
+
+        cbs = ffi.new("WGPUCommandBuffer[]", [command_buffer._internal])
+        return int(lib.wgpuQueueSubmitForIndex(self.queue._internal, 1, cbs))
+
+    def wait_for(self, index: int) -> None:
+        """Block until submission `index` has finished (later submissions may still run: a decoder reads
+        one token's result while the GPU already computes the next)."""
+        from wgpu.backends.wgpu_native import ffi, lib
+
+        lib.wgpuDevicePoll(self.device._internal, True, ffi.new("WGPUSubmissionIndex *", index))
 
     def timestamp_period_ns(self) -> float:
         from wgpu.backends.wgpu_native import lib
@@ -630,6 +725,73 @@ class Gpu:
         rec.submit()
 
 
+# how `Readback.read` waits: "spin" or "block" (default: spin unless the adapter is a CPU)
+ENV_WAIT = "DDL_WGPU_WAIT"
+
+
+def wait_mode(gpu: Gpu) -> str:
+    """`DDL_WGPU_WAIT`, else "spin" on a GPU (the host polls without blocking until the result is mapped: no
+    driver wake-up in the token's path) and "block" on a CPU adapter (whose work runs on the host's cores)."""
+    mode = os.environ.get(ENV_WAIT, "").strip() or ("block" if gpu.info.get("type") == "CPU" else "spin")
+    if mode not in ("spin", "block"):
+        raise GpuError(f"{ENV_WAIT} must be spin or block, got {mode!r}")
+    return mode
+
+
+class Readback:
+    """A MAP_READ buffer of `nbytes` (`Gpu.readback`): copy into `.buffer` inside a recording, submit, then
+    `read` (waits for the GPU). The map goes through wgpu-native on the calling thread, its callback fired
+    by this thread's own device polls: wgpu-py's map wakes its poll thread, whose blocking poll of every
+    submission holds the device's fence while the caller would submit the next token, and hands the result
+    over between threads (docs/kernels.md#the-decode-path)."""
+
+    def __init__(self, gpu: Gpu, nbytes: int, label: str = "readback"):
+        from wgpu.backends.wgpu_native import ffi, lib
+
+        self.gpu, self.nbytes = gpu, max(16, (int(nbytes) + 15) // 16 * 16)
+        usage = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
+        self.buffer = gpu.device.create_buffer(size=self.nbytes, usage=usage, label=label)
+        self.spin = wait_mode(gpu) == "spin"
+        done = self._done = []
+
+        @ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)")
+        def mapped(status, _message, _u1, _u2):
+            done.append(int(status))
+
+        self._callback = mapped  # kept alive with the buffer
+        self._info = ffi.new("WGPUBufferMapCallbackInfo *", {"mode": lib.WGPUCallbackMode_AllowProcessEvents,
+                                                             "callback": mapped})  # fmt: skip
+
+    def read(self, dtype, count: int, offset: int = 0, after: int | None = None) -> np.ndarray:
+        """`count` items of `dtype` at byte `offset`, once the submit that wrote them has finished (the map
+        completes then). `after`, that submission's index (`Gpu.submit_indexed`): a blocking wait waits for
+        it alone, not for later submissions; the spinning wait needs no index."""
+        from wgpu.backends.wgpu_native import ffi, lib
+
+        dtype = np.dtype(dtype)
+        n = count * dtype.itemsize
+        lo, hi = offset // 8 * 8, -(-(offset + n) // 8) * 8  # map ranges are 8-byte aligned
+        buf, dev, done = self.buffer._internal, self.gpu.device._internal, self._done
+        done.clear()
+        lib.wgpuBufferMapAsync(buf, lib.WGPUMapMode_Read, lo, hi - lo, self._info[0])
+        if self.spin:
+            while not done:
+                lib.wgpuDevicePoll(dev, False, ffi.NULL)
+        else:
+            lib.wgpuDevicePoll(
+                dev, True, ffi.NULL if after is None else ffi.new("WGPUSubmissionIndex *", after)
+            )
+            while not done:
+                lib.wgpuDevicePoll(dev, True, ffi.NULL)
+        if done[0] != lib.WGPUMapAsyncStatus_Success:
+            raise GpuError(f"could not map the read-back buffer (status {done[0]})")
+        try:
+            raw = ffi.buffer(lib.wgpuBufferGetConstMappedRange(buf, lo, hi - lo), hi - lo)
+            return np.frombuffer(raw, np.uint8)[offset - lo : offset - lo + n].copy().view(dtype)
+        finally:
+            lib.wgpuBufferUnmap(buf)
+
+
 @dataclass
 class Call:
     """A launch prepared once: its dispatches (kernel, bind group, workgroup counts), plus the uniforms it
@@ -639,8 +801,7 @@ class Call:
     uniforms: list = field(default_factory=list)
 
     def record(self, rec: Recorder):
-        for kernel, bind_group, groups in self.dispatches:
-            rec.dispatch(kernel, bind_group, groups)
+        rec.dispatch_all(self.dispatches)
 
     def __add__(self, other: Call) -> Call:
         return Call(self.dispatches + other.dispatches, self.uniforms + other.uniforms)
@@ -661,6 +822,16 @@ def grid(n_groups: int) -> tuple[int, int, int]:
     y = -(-n_groups // MAX_GROUPS)
     x = -(-n_groups // y)
     return (x, y, 1)
+
+
+def _native():
+    from wgpu.backends.wgpu_native import ffi, lib
+
+    return (lib.wgpuComputePassEncoderSetPipeline, lib.wgpuComputePassEncoderSetBindGroup,
+            lib.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL)  # fmt: skip
+
+
+_NATIVE = _native()
 
 
 class Recorder:
@@ -699,19 +870,36 @@ class Recorder:
             self.pass_ = None
 
     def dispatch(self, kernel: Kernel, bind_group, groups):
-        if isinstance(groups, int):
-            groups = grid(groups)
-        p = self._open()
-        p.set_pipeline(kernel.pipeline)
-        p.set_bind_group(0, bind_group)
-        p.dispatch_workgroups(*groups)
-        self.n_dispatches += 1
+        self.dispatch_all(((kernel, bind_group, groups),))
+
+    def dispatch_all(self, dispatches):
+        """Record (kernel, bind group, workgroups) triples into the open pass. The replay of a prebuilt step
+        (a decoding pass is ~1000 of them at the Qwen3.8-27B shape) calls wgpu-native directly: through
+        wgpu-py's wrappers (argument checks, a cffi array per bind group, an error check per call) a dispatch
+        cost ~6.6 µs of host time on the 2-core development machine (lavapipe), ~1.7 µs this way; a pipeline
+        already set is not set again. wgpu-native reports a bad command when the pass ends or the encoder finishes, through
+        wgpu-py's checked calls."""
+        handle = self._open()._internal
+        set_pipeline, set_group, run, null = _NATIVE
+        last = None
+        for kernel, bind_group, groups in dispatches:
+            if type(groups) is int:
+                groups = grid(groups)
+            pipe = kernel.pipeline._internal
+            if pipe != last:
+                set_pipeline(handle, pipe)
+                last = pipe
+            set_group(handle, 0, bind_group._internal, 0, null)
+            run(handle, *groups)
+            self.n_dispatches += 1
 
     def copy(self, src, src_offset: int, dst, dst_offset: int, nbytes: int):
         self._close()
         self.enc.copy_buffer_to_buffer(src, src_offset, dst, dst_offset, nbytes)
 
-    def submit(self):
+    def finish(self):
+        """The recording as a command buffer, to submit later (`gpu.queue.submit([cb])`, once): a step recorded
+        while the GPU still runs the one before."""
         if self.timed:
             # the end timestamp goes on a last empty pass so it covers every dispatch recorded
             self._close()
@@ -720,7 +908,10 @@ class Recorder:
             ).end()
             self.enc.resolve_query_set(self.qs, 0, 2, self.qbuf, 0)
         self._close()
-        self.gpu.queue.submit([self.enc.finish()])
+        return self.enc.finish()
+
+    def submit(self):
+        self.gpu.queue.submit([self.finish()])
 
     def elapsed_ms(self) -> float:
         """GPU time between the first dispatch and the end of the recording (waits for the GPU)."""

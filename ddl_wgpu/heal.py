@@ -12,7 +12,11 @@ trunk's own predictions. The flow:
 2. The trunk runs once (`backend.Teacher.topk_rows`): per window its next-token top-k and the draft's step-1
    block input rows, built from its hidden rows (pre- or post-final-norm, per `MtpConfig.trunk_hidden`) where
    they are: on the GPU on wgpu (`heal_gpu.DraftInput`), so the hidden rows never come back to the host (the
-   acceptance starts from the held-out windows' step-1 rows, kept in float32).
+   acceptance starts from the held-out windows' step-1 rows, kept in float32). On wgpu the windows go in blocks,
+   the trunk resident or streamed layer by layer by the GPU memory plan (`gpumem`, `stream`), its tensors read
+   from MODEL's file as it needs them; its blocks' weights are freed before the draft is built (the peak is the
+   larger phase). The rows of every chain step stay in RAM, or past `host_memory` in a scratch file beside OUT
+   (`hostmem`).
 3. The draft is trained alone as a one-layer model (`backend.Draft`): its block `model.mtp.layers.0.*` and final
    norm `model.mtp.norm`, from `--init` weights when given, else the model's own. Trunk, embedding, head and the
    draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the reference heal tool. Its FFN width
@@ -60,11 +64,13 @@ with the same `chain_attention`.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -75,12 +81,13 @@ from ddl_ref.ops import KL_FORMS
 from ddl_ref.params import MTP_LAYER_PREFIX, param_table
 from ddl_wgpu import accept as accept_mod
 from ddl_wgpu.accept import CHAIN_ATTENTION
-from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teacher
+from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teacher, open_gpu, plan_trunk
 from ddl_wgpu.compress import narrow_ffn
 from ddl_wgpu.container import CheckpointError, f32_to_bf16, open_checkpoint, save
 from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.draft_layout import DRAFT_WIDTHS, chain_attention_for, draft_width_for
 from ddl_wgpu.errors import UserError
+from ddl_wgpu.hostmem import HostArrays
 from ddl_wgpu.modelfile import FLOAT_DTYPES, Model, load_config, load_model
 from ddl_wgpu.run import Best, Cadence, Events, LossScale, drive
 
@@ -224,8 +231,13 @@ def _require_draft(path, required=REQUIRED) -> None:
             raise HealError(f"heal: {path} carries no MTP draft (missing tensor {n})")
 
 
-def _load(path, what: str, verify: bool = True) -> Model:
+def _load(path, what: str, verify: bool = True, lazy: bool = False) -> Model:
+    """The model; `lazy`: its draft's tensors only (a GPU trunk reads its own from the file, a piece at a time:
+    `stream.WeightSource`), and so without the check that the whole model fits in host memory."""
     try:
+        if lazy:
+            return load_model(path, names=lambda n: n.startswith(ref_mtp.MTP_PREFIX), verify=verify,
+                              check_memory=False)  # fmt: skip
         return load_model(path, verify=verify)
     except CheckpointError as e:
         raise HealError(f"heal: {what}: {e}") from e
@@ -354,6 +366,8 @@ class _Cache:
     top_probs: np.ndarray  # (N, T, k) float32
     heldout_x: np.ndarray  # (held-out windows, T, C) float32: their step-1 block input rows (the acceptance)
     x: dict  # chain step j -> (N, T, C) float16 block input rows (step 1 from the trunk's pass)
+    # (shape, dtype) -> a zero array for the rows of a chain step: in RAM or in heal's scratch file (`hostmem`)
+    zeros: Callable = field(default=np.zeros)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -417,7 +431,7 @@ class _Chain:
         self.weights = self.draft.keep(self.weights)
         self.built[:] = 1
         for j in range(2, self.chain + 1):
-            self.cache.x.setdefault(j, np.zeros((self.N, self.T, self.mcfg.d_model), np.float16))
+            self.cache.x.setdefault(j, self.cache.zeros((self.N, self.T, self.mcfg.d_model), np.float16))
         done, self.period_forwards = self.period_forwards, 0
         return done
 
@@ -517,13 +531,14 @@ def pad_id(model: Model) -> int:
 
 
 def _trunk_pass(teacher, wins: list[np.ndarray], mcfg: ModelConfig, k: int, nb: int, events: Events,
-                pad: int = 0, keep: list[int] = ()) -> _Cache:  # fmt: skip
-    """The trunk once over every window: its top-k and the draft's step-1 block input rows (float16; those of
-    the windows in `keep`, the held-out ones, in that order, also in float32 for the acceptance)."""
+                pad: int = 0, keep: list[int] = (), zeros: Callable = np.zeros) -> _Cache:  # fmt: skip
+    """The trunk once over every window, `nb` windows per pass: its top-k and the draft's step-1 block input
+    rows (float16, in `zeros`' arrays; those of the windows in `keep`, the held-out ones, in that order, also in
+    float32 for the acceptance)."""
     N, T, C = len(wins), max(w.size for w in wins), mcfg.d_model
     ids, lengths = accept_mod.pad_batch(wins, T, pad)
     cache = _Cache(ids, lengths, np.zeros((N, T, k), np.int32), np.zeros((N, T, k), np.float32),
-                   np.zeros((len(keep), T, C), np.float32), {1: np.zeros((N, T, C), np.float16)})  # fmt: skip
+                   np.zeros((len(keep), T, C), np.float32), {1: zeros((N, T, C), np.float16)}, zeros)  # fmt: skip
     slot = {w: i for i, w in enumerate(keep)}
     for s in range(0, N, nb):
         mine = [w for w in range(s, min(s + nb, N)) if w in slot]
@@ -598,11 +613,13 @@ def _batches(windows: list[int], nb: int, short: bool = False) -> list[np.ndarra
     return [np.array(windows[s : s + nb]) for s in range(0, end, nb)]
 
 
-def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True) -> tuple[Model, dict | None, dict]:
-    """The model (with a draft at the width `cfg.draft_width` gives) and the draft's starting weights from
-    `init_path`, checked against `cfg` -> (model, init weights, the draft width record)."""
+def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True,
+            lazy: bool = False) -> tuple[Model, dict | None, dict]:  # fmt: skip
+    """The model (with a draft at the width `cfg.draft_width` gives; `lazy`: its draft's tensors only, `_load`)
+    and the draft's starting weights from `init_path`, checked against `cfg` -> (model, init weights, the draft
+    width record)."""
     _require_draft(model_path)
-    model = _load(model_path, "model", verify)
+    model = _load(model_path, "model", verify, lazy)
     if model.cfg.mtp is None:  # tensors present but the config says no draft
         raise HealError(f"heal: {model_path} carries no MTP draft (config has no mtp; missing tensor "
                         "model.mtp.eh_proj.weight in its table)")  # fmt: skip
@@ -610,7 +627,7 @@ def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True) -> tupl
         _require_draft(init_path, INIT_REQUIRED)
     model, init, width = _fit_draft(model, init_path, resolve(model.cfg, cfg)[0].draft_width, verify)
     if init is not None:
-        model = dataclasses.replace(model, params={**model.params, **init})
+        model = dataclasses.replace(model, params=collections.ChainMap(init, model.params))
     if cfg.window > model.cfg.max_seq_len:
         raise HealError(f"heal: window {cfg.window} exceeds the model's max_seq_len {model.cfg.max_seq_len}",
                         field="window")  # fmt: skip
@@ -631,25 +648,55 @@ def _heldout_acceptance(model: Model, cache: _Cache, val: list[int], draft, on_g
 
 def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, init_path=None,
          backend: str = "ref", progress: Callable[[dict], None] | None = None,
-         device: str | None = None, verify: bool = True) -> dict:  # fmt: skip
+         device: str | None = None, verify: bool = True, gpu_memory: int | None = None,
+         host_memory: int | None = None) -> dict:  # fmt: skip
     """Retrain MODEL's draft on MODEL's trunk over `data_spec`; write OUT. -> the report (provenance.mtp_heal
-    plus `out`, `history` of evaluations and `stopped`). Raises HealError with one line on bad input or abort."""
+    plus `out`, `history` of evaluations and `stopped`, and the GPU memory `plan`). Raises HealError with one
+    line on bad input or abort. `gpu_memory` (bytes): the GPU budget the trunk's pass and the draft plan within
+    (`gpumem`: the trunk resident or streamed layer by layer from MODEL's file); `host_memory` (bytes, default
+    `hostmem.HOST_FRACTION` of the available memory): past it the draft's rows of every chain step live in a
+    scratch file beside OUT (`hostmem.HostArrays`), removed however the run ends."""
     cfg = cfg if cfg is not None else HealConfig()
-    events = Events(progress, "heal")
+    with contextlib.ExitStack() as stack:
+        host = stack.enter_context(HostArrays(out_path, host_memory))
+        return _heal(model_path, data_spec, out_path, cfg, init_path, backend, Events(progress, "heal"), device,
+                     verify, gpu_memory, host, stack)  # fmt: skip
+
+
+def _heal(model_path, data_spec, out_path, cfg: HealConfig, init_path, backend: str, events: Events, device,
+          verify: bool, gpu_memory: int | None, host: HostArrays, stack: contextlib.ExitStack) -> dict:  # fmt: skip
     backend = choose_backend(backend, device).name
-    model, init, width = _inputs(model_path, init_path, cfg, verify)
+    on_gpu = backend == "wgpu"
+    model, init, width = _inputs(model_path, init_path, cfg, verify, lazy=on_gpu)
     cfg, why = resolve(model.cfg, cfg)
-    events("draft", **width, init=init_path is not None, chain_attention=cfg.chain_attention)
     mcfg = model.cfg
     wins = _windows(model, data_spec, cfg)
     total_tokens = int(sum(w.size for w in wins))
-    events("windows", windows=len(wins), tokens=total_tokens, chain=cfg.chain, data=str(data_spec))
-
-    teacher = make_teacher(backend, model, cfg.batch, device, cfg.trunk_dtype)
-    draft = make_draft(backend, model, init, cfg.batch, device, cfg.kl_form, teacher)
     kk = min(cfg.topk, mcfg.vocab_size)
+    T = max(w.size for w in wins)
+    plan = plan_trunk(backend, "heal", mcfg, device, cfg.trunk_dtype, len(wins), T, cfg.batch, gpu_memory, kk,
+                      draft={"k": kk, "chain": cfg.chain, "stacked": cfg.chain_attention == "stacked",
+                             "kl_form": cfg.kl_form})  # fmt: skip
+    events("draft", **width, init=init_path is not None, chain_attention=cfg.chain_attention)
+    events("windows", windows=len(wins), tokens=total_tokens, chain=cfg.chain, data=str(data_spec))
+    if plan is not None:  # made before anything is said: a budget it refuses is one line
+        events("plan", line=plan.line(), **plan.to_dict())
+    # the draft's rows of every chain step: in RAM, or past --host-memory in the scratch file
+    rows_bytes = cfg.chain * len(wins) * T * mcfg.d_model * 2
+    in_ram = host.fits(rows_bytes)
+    if not in_ram:
+        events("scratch", path=str(host.path), bytes=rows_bytes, budget=host.budget)
+
+    def zeros(shape, dtype):
+        return host.zeros(shape, dtype, in_ram)
+
+    ck = stack.enter_context(open_checkpoint(model_path, verify=verify)) if on_gpu else None
+    teacher = make_teacher(backend, model, cfg.batch, device, cfg.trunk_dtype, plan, ck)
     train, val = split_heldout(len(wins))
-    cache = _trunk_pass(teacher, wins, mcfg, kk, cfg.batch, events, pad_id(model), val)
+    nb = getattr(teacher, "block", cfg.batch)
+    cache = _trunk_pass(teacher, wins, mcfg, kk, nb, events, pad_id(model), val, zeros)
+    teacher.release()  # the trunk has run: its blocks' weights go before the draft trains (the peak is the larger)
+    draft = make_draft(backend, model, init, cfg.batch, device, cfg.kl_form, teacher)
     chain = _Chain(model, cfg, cache, draft)
     chain.refresh_event(events, 0)
     tb, vb = _batches(train, cfg.batch), _batches(val, cfg.batch)
@@ -696,5 +743,14 @@ def heal(model_path, data_spec: str, out_path, cfg: HealConfig | None = None, in
     }
     path = write_back(model_path, out_path, trained, PROVENANCE_KEY, record, mcfg.to_dict(), verify)
     events("written", out=os.fspath(path))
-    # refresh_forwards: the draft forwards all refreshes ran (those the jobs and evaluations needed)
-    return {**record, "out": os.fspath(path), "history": job.history, "refresh_forwards": chain.forwards}
+    # refresh_forwards: the draft forwards all refreshes ran (those the jobs and evaluations needed); the plan
+    # and the scratch file are the run's, not the healed model's (its file is the same under any budget)
+    return {
+        **record,
+        "out": os.fspath(path),
+        "history": job.history,
+        "refresh_forwards": chain.forwards,
+        "plan": plan.to_dict() if plan is not None else None,
+        "scratch_bytes": host.scratch_bytes,
+        "gpu_peak_bytes": open_gpu(device).peak if on_gpu else None,  # the engine's own count, all phases
+    }

@@ -1,7 +1,8 @@
 """heal's and accept's GPU backend objects (`backend.Teacher`, `backend.Draft`; their numpy twins are
-`refnet.RefTeacher` and `refnet.RefDraft`): the frozen trunk as an inference-only `Net` (`WgpuTeacher`, over
-`inference.InferenceWork`), the draft trained alone (`WgpuDraft`, over `draft.DraftWork`), and the draft's
-block input rows built on the GPU (`DraftInput`).
+`refnet.RefTeacher` and `refnet.RefDraft`): the frozen trunk, resident or streamed layer by layer (`WgpuTeacher`,
+over `stream.Trunk`), the draft trained alone (`WgpuDraft`, over `draft.DraftWork`), the draft's block input
+rows built on the GPU (`DraftInput`), and the GPU memory plan of their jobs (`plan_trunk_job`, counted on a
+`gpumem.DryGpu`).
 
 The draft's input x = eh_proj·[enorm(E[t]); hnorm(h)] (`ddl_ref.mtp.step_input`) is built where its inputs
 already are: h is the teacher's hidden rows after its forward (step 1) or the draft's own output rows after
@@ -27,12 +28,12 @@ from ddl_ref.blocks import head_name
 from ddl_ref.config import ModelConfig
 from ddl_wgpu.draft import DraftWork
 from ddl_wgpu.gpu import Call, Gpu, GpuError
-from ddl_wgpu.inference import InferenceWork
 from ddl_wgpu.layout import EMBED, F32
 from ddl_wgpu.net import Net
 from ddl_wgpu.ops import matmul as k_mm
 from ddl_wgpu.ops import mtp_input as k_mtp
 from ddl_wgpu.step import draft_adamw
+from ddl_wgpu.stream import Trunk, WeightSource
 from ddl_wgpu.vocab import Vocab
 
 
@@ -72,21 +73,26 @@ class DraftInput:
         return self._bufs[N]
 
     def call(self, N: int, T: int, hidden, h_stride: int | None = None, h_offset: int = 0,
-             concat: str | None = None) -> Call:  # fmt: skip
+             concat: str | None = None, split_k: int | None = None) -> Call:  # fmt: skip
         """The Call building N rows (windows of T) into `x` from the token and mask buffers (`buffers(N)`)
         and the hidden rows in `hidden` (windows of `h_stride` rows from `h_offset`); built once per key.
-        `concat` overrides the model's MtpConfig.concat."""
+        `concat` overrides the model's MtpConfig.concat; `split_k` the projection's K slices (`ops.matmul`:
+        1 for rows that must not depend on the number built at once)."""
         concat = concat or self.cfg.mtp.concat
-        key = (N, T, id(hidden), h_stride, h_offset, concat)
+        key = (N, T, id(hidden), h_stride, h_offset, concat, split_k)
         if key not in self._calls:
             g, C, cfg = self.gpu, self.C, self.cfg
             tok, val, e, cat, x = self.buffers(N)
             call = self.vocab.embed_forward(e, tok, N)
             call += k_mtp.mtp_input_rows(g, cat, e, hidden, self.wn, val, N, C, T, cfg.rms_eps, cfg.norm_style,
                                          concat, h_stride, h_offset)  # fmt: skip
-            call += k_mm.matmul(g, x, cat, self.eh, N, C, 2 * C, trans_b=True)
+            call += k_mm.matmul(g, x, cat, self.eh, N, C, 2 * C, trans_b=True, split_k=split_k)
             self._calls[key] = (call, hidden)  # the buffer kept alive while its id is a key
         return self._calls[key][0]
+
+    def forget(self, hidden) -> None:
+        """Drop the Calls built on a hidden-rows buffer (so it can be freed: the trunk's pass is over)."""
+        self._calls = {k: v for k, v in self._calls.items() if v[1] is not hidden}
 
     def upload(self, tokens, valid) -> None:
         """tokens (B, T) int and valid (B, T) bool into the token and mask buffers of B·T rows."""
@@ -106,62 +112,100 @@ class DraftInput:
 
 
 class WgpuTeacher:
-    """The trunk on the GPU: one forward per batch of windows, the next-token top-k from chunked logits, the
-    hidden rows before and after the final norm downloaded as float32 (heal keeps the one the draft reads in
-    float16). Frozen: the trunk is an inference-only Net (no gradients or optimizer state); `dtype` "f16"
-    stores its big matrices in f16 (`layout.F16_SUFFIXES`: about 2 bytes per parameter, so a 4 B-parameter trunk
-    fits a 16 GB card), which needs the adapter feature shader-f16."""
+    """The trunk on the GPU (`stream.Trunk`: its blocks' weights resident, or streamed layer by layer under a
+    `gpumem.TrunkPlan`), run over blocks of `block` windows (the plan's, else `batch`): one forward per block,
+    the next-token top-k from chunked logits, the draft's step-1 rows built from the hidden rows where they are
+    (`topk_rows`), the hidden rows downloaded when asked (`topk_hidden`, `hidden_rows`). Frozen and
+    forward-only; `dtype` "f16" stores its big matrices in f16 (`layout.F16_SUFFIXES`: about 2 bytes per
+    parameter), which needs the adapter feature shader-f16. `net` answers as the trunk's Net (`TrunkWeights`):
+    a draft given this teacher reads its resident embedding/head. `release()` frees the blocks' weights and the
+    works once the trunk has run (heal's draft trains within the budget after it)."""
 
-    def __init__(self, gpu: Gpu, params: dict, cfg: ModelConfig, batch: int, dtype: str = "f32"):
-        cfg_full, cfg = cfg, dataclasses.replace(cfg, mtp=None)  # the trunk alone
-        trunk = {n: a for n, a in params.items() if not n.startswith("model.mtp.")}
-        self.net = Net(gpu, cfg, trunk, inference=True, dtype=dtype, work_class=InferenceWork)
-        self.dtype = dtype
-        self.B = batch
-        self.mtp = cfg_full.mtp
-        self.input = DraftInput(gpu, params, cfg_full, self.net) if cfg_full.mtp is not None else None
+    def __init__(self, gpu: Gpu, params, cfg: ModelConfig, batch: int, dtype: str = "f32", plan=None,
+                 source: WeightSource | None = None):  # fmt: skip
+        self.trunk = Trunk(gpu, cfg, source or WeightSource(params), dtype,
+                           streamed=plan is not None and plan.streamed)  # fmt: skip
+        self.net, self.gpu = self.trunk.weights, gpu
+        self.dtype, self.mtp, self.batch = dtype, cfg.mtp, batch
+        self.block = self.B = plan.block if plan is not None else batch  # windows per pass over the layers
+        self.input = DraftInput(gpu, params, cfg, self.net) if cfg.mtp is not None else None
+        self._hid: dict = {}  # T -> a batch's hidden rows, copied out of a block for `DraftInput`
+
+    def work(self, T: int):
+        return self.trunk.work(self.block, T)
 
     def topk_hidden(self, ids_batch, k: int):
         ids = np.asarray(ids_batch)
         b, T = ids.shape
-        work = self.net.work(self.B, T)
-        top_ids, top_probs = work.topk(pad_rows(ids, self.B), k)
+        work = self.work(T)
+        top_ids, top_probs = work.topk(pad_rows(ids, self.block), k)
         pre, post = work.hidden()
         return top_ids[:b], top_probs[:b], pre[:b], post[:b]
 
-    def topk_rows(self, ids_batch, lengths, k: int):
-        """One forward -> (top_ids, top_probs, the draft's step-1 block input rows (b, T, C) float32). The
-        rows are built on the GPU from the forward's hidden rows (`DraftInput`); the hidden rows stay there."""
+    def topk_rows(self, ids_batch, lengths, k: int, mtp=None):
+        """One forward of up to `block` windows -> (top_ids, top_probs, the draft's step-1 block input rows (b,
+        T, C) float32). The rows are built on the GPU from the forward's hidden rows (`DraftInput`, `batch`
+        windows at a time, the projection unsliced: rows independent of the block), which stay there. `mtp`
+        overrides the model's MtpConfig (trunk_hidden, concat: accept's conventions)."""
         ids = np.asarray(ids_batch)
         b, T = ids.shape
-        work = self.net.work(self.B, T)
-        top_ids, top_probs = work.topk(pad_rows(ids, self.B), k)
-        hid = work.xL if self.mtp.trunk_hidden == "pre_norm" else work.xf
-        tok = pad_rows(ref_mtp.shifted(ids, 1), self.B)
-        valid = pad_rows(ref_mtp.step_valid(lengths, T, 1), self.B)
-        return top_ids[:b], top_probs[:b], self.input.rows(tok, valid, hid)[:b]
+        mtp = mtp or self.mtp
+        work = self.work(T)
+        top_ids, top_probs = work.topk(pad_rows(ids, self.block), k)
+        hid = ref_mtp.pick_hidden(work.xL, work.xf, mtp.trunk_hidden)
+        tok, valid = ref_mtp.shifted(ids, 1), ref_mtp.step_valid(lengths, T, 1)
+        return top_ids[:b], top_probs[:b], self._rows(hid, tok, valid, mtp.concat)
+
+    def _rows(self, hid, tok, valid, concat: str) -> np.ndarray:
+        """The step-1 rows of the block's first len(tok) windows, `batch` windows at a time: each batch's
+        hidden rows copied into a buffer of one batch, then `DraftInput` (its buffers are the draft's)."""
+        b, T = tok.shape
+        B, C, g = self.batch, self.input.C, self.gpu
+        row = T * C * F32
+        if T not in self._hid:
+            self._hid[T] = g.buffer(B * row, label="batch_hidden")
+        h = self._hid[T]
+        out = np.empty((b, T, C), np.float32)
+        for s in range(0, b, B):
+            n = min(B, b - s)
+            self.input.upload(pad_rows(tok[s : s + n], B), pad_rows(valid[s : s + n], B))
+            rec = g.recorder()
+            rec.copy(hid, s * row, h, 0, n * row)
+            self.input.call(B * T, T, h, concat=concat, split_k=1).record(rec)
+            rec.submit()
+            out[s : s + n] = g.read(self.input.buffers(B * T)[4], (B, T, C))[:n]
+        return out
 
     def greedy_hidden(self, ids_batch, which: str):
         """One forward of ids (b, T) -> (the trunk's greedy next token (b, T) int32, the GPU buffer of the
-        hidden rows `which` ("pre_norm" or "post_norm") of all `batch` windows (padded ones zero ids)). Only
-        the argmax ids come down; the buffer holds the rows until this teacher's next forward of that T
-        (`WgpuDraft.greedy_chain` reads it). `hidden_rows` downloads them when a host path needs them."""
+        hidden rows `which` ("pre_norm" or "post_norm") of all `block` windows (padded ones zero ids)). Only
+        the argmax ids come down; the buffer holds the rows until this teacher's next forward of that T.
+        `hidden_rows` downloads them when a host path needs them."""
         ids = np.asarray(ids_batch)
         b, T = ids.shape
-        work = self.net.work(self.B, T)
-        work.upload_ids(pad_rows(ids, self.B), None)
+        work = self.work(T)
+        work.upload_ids(pad_rows(ids, self.block), None)
         call, ids_out, _probs = work._topk_call(1)
-        rec = self.net.gpu.recorder()
-        work._fwd.record(rec)
+        rec = work.record_forward(self.gpu.recorder())
         call.record(rec)
         rec.submit()
-        greedy = self.net.gpu.download(ids_out, np.uint32, work.N).reshape(self.B, T)[:b].astype(np.int32)
+        greedy = self.gpu.download(ids_out, np.uint32, work.N).reshape(self.block, T)[:b].astype(np.int32)
         return greedy, ref_mtp.pick_hidden(work.xL, work.xf, which)
 
     def hidden_rows(self, b: int, T: int):
         """The last forward's (pre, post) hidden rows of its first b windows of T, downloaded (b, T, C)."""
-        pre, post = self.net.work(self.B, T).hidden()
+        pre, post = self.work(T).hidden()
         return pre[:b], post[:b]
+
+    def release(self) -> None:
+        """Free the blocks' weights, the works and the batch copies of hidden rows (the trunk has run); the
+        embedding, final norm and head stay for the draft."""
+        for h in self._hid.values():
+            if self.input is not None:
+                self.input.forget(h)
+            self.gpu.release(h)
+        self._hid = {}
+        self.trunk.release()
 
 
 class WgpuDraft:
@@ -189,6 +233,9 @@ class WgpuDraft:
         # the frozen embedding/head gets no gradient or moment storage (the draft work never writes it)
         self.net = Net(gpu, ref_mtp.draft_config(cfg), dp, trainable=list(self.names), frozen_state=False,
                        shared=shared)  # fmt: skip
+        # each of the draft's works records and submits alone: they share one chunk of logits (at the Qwen3.8-27B
+        # vocabulary half a GB each, and a stacked chain builds two works per chain step)
+        self.net.shared_logits = {}
         self.input = teacher.input if teacher is not None else DraftInput(gpu, params, cfg, self.net)
         self._works: dict = {}
         self._aside = None  # `using`: the trained weights while another snapshot's are in
@@ -339,3 +386,73 @@ class WgpuDraft:
     def export(self) -> dict:
         p = self.net.export(self.names)  # the trained tensors only: not the shared embedding/head
         return {name: p[local].copy() for local, name in self.names.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the memory plan of heal's and accept's trunk pass and of heal's draft (`gpumem`), counted on a DryGpu
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What `WgpuTeacher` reads of a plan."""
+
+    streamed: bool
+    block: int
+
+
+def fake_params(cfg: ModelConfig) -> dict:
+    """Every tensor of `cfg`'s table as a read-only broadcast of 0.0 (no memory): what a dry build reads."""
+    from ddl_ref.params import param_table
+
+    return {s.name: np.broadcast_to(np.float32(0), s.shape) for s in param_table(cfg)}
+
+
+def build_draft_phase(draft: WgpuDraft, T: int, k: int, chain: int, stacked: bool) -> None:
+    """Every work heal's draft builds (its steps and evaluations, its refresh's next rows, the acceptance's greedy
+    chain), and the stacked chain's per-step rows: what the draft's phase allocates."""
+    draft._work(T, k, 0)
+    draft._work(T, 1, 0)
+    draft.input.buffers(draft.B * T)
+    if stacked:
+        for j in range(2, chain + 1):
+            draft._work(j * T, k, j)
+            draft._work(j * T, 1, j)
+        draft._step_rows(draft.B * T, chain)
+
+
+def plan_trunk_job(gpu: Gpu, job: str, cfg: ModelConfig, dtype: str, windows: int, T: int, batch: int,
+                   budget: int | None, k: int = 1, rows: bool = True, draft: dict | None = None):  # fmt: skip
+    """The `gpumem.TrunkPlan` of heal's (`draft`: {"k", "chain", "stacked", "kl_form"} of its draft) or accept's
+    trunk pass over `windows` windows of T tokens: the teacher, its work for a block, its top-k of width k and
+    (`rows`) the step-1 rows built `batch` windows at a time, counted by building them on a `gpumem.DryGpu`."""
+    from ddl_wgpu import gpumem
+
+    params = fake_params(cfg)
+
+    def teacher(dry, streamed: bool, block: int) -> WgpuTeacher:
+        t = WgpuTeacher(dry, params, cfg, batch, dtype, plan=_Shape(streamed, block))
+        t.work(T)._topk_call(k)
+        down = block * T * k * F32  # the largest download: the block's top-k, or a batch's rows
+        if rows and t.input is not None:
+            t.input.buffers(batch * T)
+            t._hid[T] = dry.buffer(batch * T * cfg.d_model * F32)
+            down = max(down, batch * T * cfg.d_model * F32)
+        dry.buffer(max(min(gpumem.READBACK_MAX, down), 1 << 16), "staging")
+        return t
+
+    def trunk_bytes(streamed: bool, block: int) -> int:
+        return gpumem.dry_bytes(gpu, lambda dry: teacher(dry, streamed, block))
+
+    def weight_bytes(streamed: bool) -> int:
+        return gpumem.dry_bytes(gpu, lambda dry: Trunk(dry, cfg, None, dtype, streamed).weights)
+
+    draft_bytes = 0
+    if draft is not None:
+        dry = gpumem.DryGpu(gpu)
+        t = WgpuTeacher(dry, params, cfg, batch, dtype, plan=_Shape(True, 1))
+        t.release()  # what stays after the trunk's pass: the embedding, final norm and head
+        dry.peak = dry.live
+        d = WgpuDraft(dry, params, cfg, None, batch, draft["kl_form"], t)
+        build_draft_phase(d, T, draft["k"], draft["chain"], draft["stacked"])
+        draft_bytes = dry.peak
+    return gpumem.plan_trunk(job, windows, T, budget, trunk_bytes, weight_bytes, draft_bytes, dtype=dtype)

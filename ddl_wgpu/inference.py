@@ -48,6 +48,12 @@ class InferenceWork(Blocks):
 
     # -- the forward ------------------------------------------------------------------------------------
 
+    def record_forward(self, rec):
+        """Record the forward into `rec` -> the recorder to go on recording in (a streamed trunk submits its layers
+        one by one between uploads and hands back a new one: `stream.TrunkPass`)."""
+        self._fwd.record(rec)
+        return rec
+
     def forward_calls(self) -> Call:
         """ids -> embedding (-> the d_v state) -> blocks -> readout -> final norm (xf)."""
         x0 = self.L[0]["x"] if self.L else self.xS
@@ -120,8 +126,7 @@ class InferenceWork(Blocks):
                 self._spectral_calls()
             else:
                 real = None
-        rec = self.gpu.recorder()
-        self._fwd.record(rec)
+        rec = self.record_forward(self.gpu.recorder())
         self._head_eval.record(rec)
         self._sum.record(rec)
         if real is not None:
@@ -144,29 +149,12 @@ class InferenceWork(Blocks):
 
     def _read_spectral(self, real: np.ndarray) -> dict:
         """The snapshot of the last forward from its delta stats (one read-back per sublayer) and k sums."""
-        from ddl_ref.spectral import LAYER_KEYS, finish_snapshot
-
         C, dv, N = self.C, self.dv, self.N
         subs = [(a, sub) for a in self.L for sub in ("attn", "mlp")]
         slots = self.gpu.download(self._ksums, np.float32).reshape(len(subs), self._kslot // F32)
-        ksums = slots[:, :C].astype(np.float64)
-        per_layer: dict[str, list[float]] = {k: [] for k in LAYER_KEYS}
-        n_real = float(real.sum())
         S = k_delta.stats_size(dv)
-        for j, (a, sub) in enumerate(subs):
-            st = self.gpu.download(a["st_" + sub], np.float32, N * S).reshape(N, S)[real].astype(np.float64)
-            beta = st[:, k_delta.STAT_BETA]
-            v = st[:, k_delta.STAT_V : k_delta.STAT_V + dv]
-            pr = st[:, k_delta.STAT_V + dv : k_delta.STAT_V + 2 * dv]
-            gamma = beta[:, None] * (v - pr)
-            one_minus = 1.0 - beta
-            per_layer["beta_per_layer"].append(float(beta.mean()))
-            per_layer["k_eigenvalue_per_layer"].append(float(one_minus.mean()))
-            per_layer["spatial_determinant_per_layer"].append(float(one_minus.mean()))
-            per_layer["lifted_determinant_per_layer"].append(float((one_minus**dv).mean()))
-            per_layer["k_coherence_per_layer"].append(float(np.linalg.norm(ksums[j] / n_real)))
-            per_layer["correction_norm_per_layer"].append(float(np.linalg.norm(gamma, axis=-1).mean()))
-        return finish_snapshot(per_layer)
+        stats = [self.gpu.download(a["st_" + sub], np.float32, N * S).reshape(N, S) for a, sub in subs]
+        return spectral_snapshot(stats, slots[:, :C], real, dv)
 
     # -- outputs of a forward ---------------------------------------------------------------------------
 
@@ -174,15 +162,13 @@ class InferenceWork(Blocks):
         """One forward of ids (B, T), then per row the k most likely next tokens and their probabilities
         (`Blocks.run_topk`)."""
         self.upload_ids(ids, lengths)
-        return self.run_topk(self._fwd, min(int(k), self.cfg.vocab_size))
+        return self.topk_after(self.record_forward(self.gpu.recorder()), min(int(k), self.cfg.vocab_size))
 
     def logits(self, ids) -> np.ndarray:
         """Full logits (B, T, V) — for tests and small models only (downloads chunk by chunk)."""
         self.upload_ids(ids, None)
         g, C, V, N = self.gpu, self.C, self.cfg.vocab_size, self.N
-        rec = g.recorder()
-        self._fwd.record(rec)
-        rec.submit()
+        self.record_forward(g.recorder()).submit()
         if self._logit_calls is None:  # one head Call per row chunk, built once like every other launch
             self._logit_calls = []
             for r0 in range(0, N, self.chunk):
@@ -199,3 +185,27 @@ class InferenceWork(Blocks):
 
     def step(self, ids, lengths=None, update=None):
         raise GpuError("this Work belongs to an inference-only Net: no training steps (forward only)")
+
+
+def spectral_snapshot(stats: list[np.ndarray], ksums: np.ndarray, real: np.ndarray, dv: int) -> dict:
+    """The spectral snapshot (`ddl_ref.spectral`'s definitions) of one forward from each DDL sublayer's per-row
+    delta stats (N, stats_size) and k sums (C,), over the rows where `real`."""
+    from ddl_ref.spectral import LAYER_KEYS, finish_snapshot
+
+    ksums = np.asarray(ksums).astype(np.float64)
+    per_layer: dict[str, list[float]] = {k: [] for k in LAYER_KEYS}
+    n_real = float(real.sum())
+    for j, st in enumerate(stats):
+        st = st[real].astype(np.float64)
+        beta = st[:, k_delta.STAT_BETA]
+        v = st[:, k_delta.STAT_V : k_delta.STAT_V + dv]
+        pr = st[:, k_delta.STAT_V + dv : k_delta.STAT_V + 2 * dv]
+        gamma = beta[:, None] * (v - pr)
+        one_minus = 1.0 - beta
+        per_layer["beta_per_layer"].append(float(beta.mean()))
+        per_layer["k_eigenvalue_per_layer"].append(float(one_minus.mean()))
+        per_layer["spatial_determinant_per_layer"].append(float(one_minus.mean()))
+        per_layer["lifted_determinant_per_layer"].append(float((one_minus**dv).mean()))
+        per_layer["k_coherence_per_layer"].append(float(np.linalg.norm(ksums[j] / n_real)))
+        per_layer["correction_norm_per_layer"].append(float(np.linalg.norm(gamma, axis=-1).mean()))
+    return finish_snapshot(per_layer)

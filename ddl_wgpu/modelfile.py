@@ -164,13 +164,19 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.3g} GiB"
 
 
-def check_fits(cfg: ModelConfig, training: bool, what: str = "the model", resident: bool = True) -> int:
-    """ConfigError (one line) unless `cfg`'s model fits in memory (:func:`estimate_bytes`); -> the estimate.
-    `resident=False`, for a command that goes tensor by tensor (`import-hf`, `export-hf`, `compress`): only a
-    model beyond any machine (ABSURD_BYTES) is refused."""
+def check_finite(cfg: ModelConfig, what: str = "the model") -> None:
+    """ConfigError (one line) unless every float setting of `cfg` is finite."""
     for name in ("rope_theta", "rms_eps", "ddl_k_eps", "ddl_v_scale", "ddl_beta_init"):
         if not math.isfinite(getattr(cfg, name)):
             raise ConfigError(f"{what}: {name} is {getattr(cfg, name)}, not a finite number")
+
+
+def check_fits(cfg: ModelConfig, training: bool, what: str = "the model", resident: bool = True) -> int:
+    """ConfigError (one line) unless `cfg`'s settings are finite and its model fits in memory
+    (:func:`estimate_bytes`); -> the estimate. `resident=False`, for a command that goes tensor by tensor
+    (`import-hf`, `export-hf`, `compress`, the GPU trunk read from the file's map): only a model beyond any
+    machine (ABSURD_BYTES) is refused."""
+    check_finite(cfg, what)
     need = estimate_bytes(cfg, training)
     have = available_bytes() if resident else None
     use = "to train" if training else "to load"
@@ -298,11 +304,11 @@ def read_params(
     require_all: bool = True,
 ) -> dict[str, np.ndarray]:
     """The parameters of `cfg` under `prefix` as float32 arrays (name without the prefix -> array), checked
-    first (:func:`check_model_tensors`); `names` limits which are read. No other tensor of the file is read."""
+    first (:func:`check_model_tensors`); `names` (a set, or a predicate on names) limits which are read. No
+    other tensor of the file is read."""
     found = check_model_tensors(ck, cfg, path, prefix, require_all)
-    return {
-        n: np.asarray(ck.tensor_f32(prefix + n), np.float32) for n in found if names is None or n in names
-    }
+    wanted = names if callable(names) else (lambda n: names is None or n in names)
+    return {n: np.asarray(ck.tensor_f32(prefix + n), np.float32) for n in found if wanted(n)}
 
 
 def _check_token_ids(meta: dict, cfg: ModelConfig, path) -> None:
@@ -314,14 +320,21 @@ def _check_token_ids(meta: dict, cfg: ModelConfig, path) -> None:
 
 
 def load_model(
-    path, names: set[str] | None = None, verify: bool = True, training: bool = False, extra: bool = False
+    path,
+    names: set[str] | None = None,
+    verify: bool = True,
+    training: bool = False,
+    extra: bool = False,
+    check_memory: bool = True,
 ) -> Model:
     """Read a model file (any float storage, returned as float32), checked as the module docstring says.
     `names` limits which tensors are read; `verify=False` skips the hash check (trusted input);
     `training=True` sizes the memory check for training rather than inference; `extra=True` also reads the
-    tensors under EXTRA_PREFIXES (as stored), which a command that writes the model again must carry."""
+    tensors under EXTRA_PREFIXES (as stored), which a command that writes the model again must carry;
+    `check_memory=False` skips the check that the whole model fits in memory (a reader that never holds it
+    whole: a streamed trunk, `stream.WeightSource`)."""
     with open_checkpoint(path, verify=verify) as ck:
-        cfg = _config(ck, path, training)
+        cfg = _config(ck, path, training, check_memory)
         meta = dict(ck.metadata or {})
         _check_token_ids(meta, cfg, path)
         params = read_params(ck, cfg, path, names=names)

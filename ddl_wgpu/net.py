@@ -54,6 +54,10 @@ class Net:
     `shared` {name: owner Net}: frozen tensors this net reads from the owner's parameter arena instead of
     holding a copy (heal's draft reads the trunk's embedding/head, in the trunk's dtype). They get no storage
     here, are never written (`load`, `restore`) and are read back from the owner (`export`).
+
+    `names` (a predicate on names) keeps only part of the table (a streamed trunk's resident tensors);
+    `loader(net)` fills the parameter arenas instead of `load(params)` (a checkpoint read tensor by tensor,
+    never whole in host memory: `stream.WeightSource`).
     """
 
     def __init__(
@@ -70,6 +74,8 @@ class Net:
         frozen_state: bool = True,
         shared: dict | None = None,
         work_class: type | None = None,
+        names=None,
+        loader=None,
     ):
         if dtype not in DTYPES:
             raise GpuError(f"parameter dtype {dtype!r} is not one of {list(DTYPES)}")
@@ -85,7 +91,9 @@ class Net:
         self.inference, self.dtype = bool(inference), dtype
         self.gpu, self.cfg = gpu, cfg
         self.mtp_weight = float(mtp_weight)  # weight of the draft's loss in joint training (cfg.mtp set)
-        self.table = param_table(cfg)
+        # `names` (a predicate): the part of the table this net holds (a streamed trunk's resident embedding,
+        # final norm and head, `stream.TrunkWeights`); every tensor by default
+        self.table = [t for t in param_table(cfg) if names is None or names(t.name)]
         self.trainable = self._trainable_names(trainable, inference)
         self.shared = dict(shared or {})
         for name, owner in self.shared.items():
@@ -115,7 +123,11 @@ class Net:
             self.m = [mk(s, label=f"adam_m{i}") for i, s in enumerate(lay.state_sizes)]
             self.v = [mk(s, label=f"adam_v{i}") for i, s in enumerate(lay.state_sizes)]
         self.scalars = gpu.buffer(k_red.SCALARS_BYTES, label="scalars")  # norm, clip mult, finite, sumsq
-        self.load(params if params is not None else init_params(cfg, seed))
+        if loader is not None:  # fills the arenas itself (tensor by tensor from a checkpoint, `stream`)
+            loader(self)
+        else:
+            # new buffers are zero (WebGPU zero-fills them): no gradient or moment to clear
+            self.load(params if params is not None else init_params(cfg, seed), clear_state=False)
         self._opt = None
         self._zero = None
         self.work_class = work_class
@@ -221,8 +233,9 @@ class Net:
 
     # -- host transfers ---------------------------------------------------------------------------------
 
-    def load(self, params: dict):
-        """Write every parameter (float arrays of the table's shapes); moments and gradients are zeroed."""
+    def load(self, params: dict, clear_state: bool = True):
+        """Write every parameter (float arrays of the table's shapes); moments and gradients are zeroed
+        (`clear_state`)."""
         missing = [n for n in self.slots if n not in params and n not in self.shared]
         if missing:
             raise GpuError(f"missing parameter(s): {missing[:5]}{' …' if len(missing) > 5 else ''}")
@@ -243,7 +256,7 @@ class Net:
                 self.gpu.write(self.p[s.arena], h, s.offset)
             else:
                 self.gpu.write(self.p[s.arena], a.astype(np.float32, copy=False), s.offset)
-        for bufs in (self.g, self.m, self.v):
+        for bufs in (self.g, self.m, self.v) if clear_state else ():
             for b in bufs:
                 self.gpu.write(b, np.zeros(b.size // F32, np.float32))
 

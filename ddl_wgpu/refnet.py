@@ -193,6 +193,9 @@ class RefTeacher:
         x = ref_mtp.step_input(self.params, self.cfg, ref_mtp.shifted(ids, 1), hid, valid)
         return top_ids, top_probs, x
 
+    def release(self) -> None:
+        """Nothing to free (the GPU trunk frees its blocks' weights here)."""
+
 
 class RefDraft:
     """The draft block + final norm in numpy float32, trained with Adam (`step.DRAFT_ADAM`, no weight decay,
@@ -311,8 +314,8 @@ class RefEngine:
     def length(self) -> int:
         return self.trunk.length
 
-    def feed(self, ids, head: str, last_only: bool = False) -> np.ndarray:
-        start = self.trunk.length
+    def feed(self, ids, head: str, last_only: bool = False, ahead: bool = False) -> np.ndarray:
+        start = self.trunk.length  # `ahead` is a GPU engine's hint: numpy has nothing to run ahead
         ids = np.asarray(ids, np.int64)
         pre, post, logits = ref_decode.trunk_step(self.params, self.cfg, self.trunk, ids)
         self.ids[start : start + ids.size] = ids

@@ -39,6 +39,7 @@ class Vocab:
     def __init__(self, net):
         self.net, self.gpu = net, net.gpu
         self.C, self.V = net.cfg.d_model, net.cfg.vocab_size
+        self.split_k: int | None = None  # the head's K slices (`ops.matmul`; `blocks.Blocks.split_k`)
 
     def embed_forward(self, out, ids, n: int) -> Call:
         """out (n, C) = E[ids]; a table larger than a binding runs one range-gather per row chunk."""
@@ -87,7 +88,9 @@ class Vocab:
         dt = self.net.wdtype(self.net.head_name)
         for v0, rows, w, _dw in self.head_chunks():
             cols = self._logit_cols(logits, n, v0, rows)
-            call += k_mm.matmul(g, cols, xf, w, n, rows, C, trans_b=True, ldc=V, b_dtype=dt)
+            call += k_mm.matmul(
+                g, cols, xf, w, n, rows, C, trans_b=True, ldc=V, b_dtype=dt, split_k=self.split_k
+            )
         return call
 
     def head_backward(self, dxf, dlogits, xf, n: int, with_dw: bool) -> Call:

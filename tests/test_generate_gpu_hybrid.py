@@ -6,13 +6,15 @@ pass's start, after a reset); the roll-backs the cache cannot serve are refused;
 trunk's argmax chain (a full forward per token) with and without
 speculation, rejections included; seeded speculative sampling repeats; the state after a partial acceptance
 is bit for bit a plain decode's; the Qwen3.5-form draft (gated, partial RoPE) proposes `accept`'s greedy
-stacked chain.
+stacked chain; a greedy step run ahead, taken and forgotten; an f16 trunk's stacked and fused products.
 
 Shapes: Dk 6 and Dv 5 (the rule pads both), Hv = 2·Hk, a conv of 4 taps (a window of 3, longer than a
 one- or two-row pass), a head of 8 with 4 dims rotated.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from ddl_wgpu.data import ByteTokenizer
 from ddl_wgpu.decode import WgpuEngine
 from ddl_wgpu.generate import Sampling, run
 from ddl_wgpu.gpu import GpuError
+from ddl_wgpu.layout import is_f16_matrix
 from ddl_wgpu.refnet import ref_runner
 
 SHAPE = dict(rotary_dim=4, linear_k_dim=6, linear_v_dim=5, linear_conv_kernel=4)  # the docstring's shapes
@@ -94,17 +97,21 @@ def _greedy(model, engine, depth, prompt, n):
 
 
 def test_hybrid_greedy_same_with_and_without_speculation(gpu):
-    """A random draft over 5 tokens is wrong on purpose most of the time: the rounds both keep and reject."""
+    """A random draft over 5 tokens is wrong on purpose most of the time: the rounds both keep and reject (a
+    round after a rejection runs from its recording made while the rejected one ran, its token copied on the
+    GPU, after the Gated DeltaNet layers' roll-back)."""
     model = hybrid(seed=1, vocab_size=5, mtp=MtpConfig())
     prompt, n = [1, 2, 3], 16
     want = argmax_chain(model, prompt, n)
     assert _greedy(model, WgpuEngine(gpu, model), 0, prompt, n)["token_ids"] == want
     for depth in (2, 3):
-        out = _greedy(model, WgpuEngine(gpu, model, depth), depth, prompt, n)
+        engine = WgpuEngine(gpu, model, depth)
+        out = _greedy(model, engine, depth, prompt, n)
         assert out["token_ids"] == want, depth
         acc = out["acceptance_per_depth"]
         assert 0 < acc[0] < 1, acc  # some rounds keep a draft, some reject the first
         assert 0 < out["mean_accepted"] < depth
+        assert engine.rounds_ahead > 0  # rounds after a rejection ran from their recording made ahead
 
 
 @pytest.mark.parametrize("top_k", [6, 0])  # k ids and probabilities read back / the logits
@@ -160,3 +167,51 @@ def test_qwen35_draft_proposes_the_stacked_chain(gpu):
         tokens, _ = engine.draft(int(ids[p + 1]), depth, "argmax", None)
         assert tokens == [int(t) for t in preds[0, :, p]], p
         assert engine.dcache.length == p + 1
+
+
+def test_greedy_step_run_ahead(gpu):
+    """`feed(..., ahead=True)` runs the next token on the GPU before the host asks (its input the argmax, copied
+    on the GPU). Taken (the argmax fed back), the logits and the Gated DeltaNet states are bit for bit those
+    of plain one-token feeds; not taken (another token fed, or a roll-back), it is forgotten: the state goes
+    back to before it, and only a roll-back into the token that ran it ahead is refused."""
+    model = hybrid(seed=6, vocab_size=11)
+    prompt = [3, 1, 4, 1]
+    fast, plain = WgpuEngine(gpu, model), WgpuEngine(gpu, model)
+    tok = [int(e.feed(prompt, "argmax", last_only=True)[0]) for e in (fast, plain)][0]
+    for _ in range(4):  # taken: each argmax fed back
+        got = int(fast.feed([tok], "argmax", ahead=True)[0])
+        assert got == int(plain.feed([tok], "argmax")[0])
+        tok = got
+    other = (tok + 1) % 11  # not taken: another token
+    assert np.array_equal(fast.feed([other], "logits"), plain.feed([other], "logits"))
+    for i in GDN_LAYERS:
+        for a, b in zip(fast.trunk.recurrent(i), plain.trunk.recurrent(i), strict=True):
+            assert np.array_equal(a, b), i
+    fast.feed([other], "argmax", ahead=True)  # runs ahead at the next position
+    plain.feed([other], "argmax")
+    n = fast.length
+    fast.rollback(n)  # a roll-back to the length: the token run ahead is forgotten
+    for i in GDN_LAYERS:
+        for a, b in zip(fast.trunk.recurrent(i), plain.trunk.recurrent(i), strict=True):
+            assert np.array_equal(a, b), i
+    with pytest.raises(GpuError, match="last pass only"):
+        fast.rollback(n - 1)  # into the token that ran ahead: its state before is gone
+    fast.rollback(0)  # a reset is always exact
+    assert fast.length == 0
+
+
+def test_f16_trunk_decode_logits(gpu):
+    """`--trunk-dtype f16`: the decode passes' stacked and fused f16 products (q|gate / k / v, a Gated DeltaNet's
+    four projections, gate/up/SwiGLU) give a float64 forward's logits over the f16-rounded weights, fed in
+    pieces."""
+    if "shader-f16" not in gpu.features:
+        pytest.skip("the adapter has no shader-f16")
+    model = hybrid(seed=8, ffn_hidden=24)
+    rounded = {k: v.astype(np.float16).astype(np.float32) if is_f16_matrix(k, v.shape) else v
+               for k, v in model.params.items()}  # fmt: skip
+    ids = np.random.default_rng(9).integers(0, model.cfg.vocab_size, 10)
+    want = forward64(dataclasses.replace(model, params=rounded), ids)
+    engine = WgpuEngine(gpu, model, dtype="f16")
+    got = [engine.feed(ids[:4], "logits")] + [engine.feed(ids[t : t + 1], "logits") for t in range(4, 7)]
+    got.append(engine.feed(ids[7:], "logits"))
+    check("f16 decode logits", np.concatenate(got), want, "model")

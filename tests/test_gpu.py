@@ -30,6 +30,26 @@ def test_download_at_offset_and_large(gpu):
     assert np.array_equal(gpu.download(buf, np.float32, 300_000), a)
 
 
+@pytest.mark.parametrize("mode", ["spin", "block"])
+def test_readback_reads_each_submit(gpu, monkeypatch, mode):
+    """A read-back buffer maps on the calling thread (`Readback.read`, either wait): each read returns what
+    the submit before it copied in, at an offset, after its submission index or after all work; the buffer
+    is unmapped again (the next copy into it validates)."""
+    monkeypatch.setenv(G.ENV_WAIT, mode)
+    rb = gpu.readback(64)
+    assert rb.spin == (mode == "spin")
+    for i in range(3):
+        src = gpu.upload(np.arange(16, dtype=np.uint32) * (i + 1))
+        rec = gpu.recorder()
+        rec.copy(src, 0, rb.buffer, 0, 64)
+        index = gpu.submit_indexed(rec.finish())
+        after = index if i % 2 else None
+        assert np.array_equal(rb.read(np.uint32, 5, 12, after), np.arange(3, 8, dtype=np.uint32) * (i + 1))
+    monkeypatch.setenv(G.ENV_WAIT, "sometimes")
+    with pytest.raises(G.GpuError, match="DDL_WGPU_WAIT must be spin or block"):
+        gpu.readback(16)
+
+
 def test_small_kernel_against_numpy(gpu):
     lines = selftest(gpu, n=70_001)  # raises on a wrong result
     assert lines[0].startswith("saxpy n=70001")

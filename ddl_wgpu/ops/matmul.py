@@ -537,10 +537,20 @@ def matmul(
 
 
 def linear_forward(
-    gpu, out, x, w, rows: int, out_features: int, in_features: int, w_dtype: str = "f32"
+    gpu,
+    out,
+    x,
+    w,
+    rows: int,
+    out_features: int,
+    in_features: int,
+    w_dtype: str = "f32",
+    split_k: int | None = None,
 ) -> Call:
-    """out (rows, OUT) = x (rows, IN) @ w (OUT, IN)^T; `w_dtype` "f16" reads f16 weights."""
-    return matmul(gpu, out, x, w, rows, out_features, in_features, trans_b=True, b_dtype=w_dtype)
+    """out (rows, OUT) = x (rows, IN) @ w (OUT, IN)^T; `w_dtype` "f16" reads f16 weights; `split_k` as `matmul`'s."""
+    return matmul(
+        gpu, out, x, w, rows, out_features, in_features, trans_b=True, b_dtype=w_dtype, split_k=split_k
+    )
 
 
 def linear_backward(

@@ -1,0 +1,342 @@
+"""The layer-streamed trunk (`stream.Trunk`) and the GPU memory plan (`gpumem`): a tiny transformer, a tiny Deep
+Delta model and a tiny hybrid (three blocks each, so two slots take turns and a hybrid's slot holds both kinds of
+block), each forced to stream by a budget below what its resident plan needs, give the resident plan's results
+bit for bit: heal's teacher rows and its healed file, accept's acceptance, eval's loss and spectral diagnostics
+(and the trunk's rows equal the plain `Net` + `InferenceWork` forward's). The plan's count of what it allocates
+equals the allocation; the plan line; a budget below one layer refused in one line; generate refusing a model
+past the budget; the driver's out-of-memory as one line; heal's scratch file gone after success, failure and
+Ctrl-C."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from conftest import REPO
+from helpers import make_model, make_text, perturbed, tiny_cfg
+
+from ddl_ref.config import MtpConfig, apply_arch
+from ddl_wgpu import accept, backend, gpumem, heal, heal_gpu, hostmem
+from ddl_wgpu.container import open_checkpoint
+from ddl_wgpu.data import ByteTokenizer, eval_windows
+from ddl_wgpu.modelfile import Model, load_model
+
+HEAL = heal.HealConfig(chain=2, window=24, tokens=600, batch=2, eval_every=3, patience=0, lr=3e-3, epochs=0.25,
+                       refresh=3)  # fmt: skip
+
+
+def kinds() -> dict:
+    """Three-block models with a draft: two slots take turns, and the hybrid's (L L F) slot 0 holds both kinds."""
+    mtp = MtpConfig(trunk_hidden="post_norm")
+    return {
+        "transformer": tiny_cfg(n_layers=3, qk_norm="pre_rope", mtp=mtp),
+        "ddl": tiny_cfg(
+            n_layers=3, mtp=mtp, residual="delta", ddl_dv=4, ddl_compressor="cc", ddl_expand_embed=True
+        ),
+        "hybrid": replace(apply_arch(tiny_cfg(n_layers=3, mtp=mtp), "qwen3_5"), rotary_dim=4),
+    }
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("stream")
+    return {name: make_model(d / f"{name}.ddlw", cfg) for name, cfg in kinds().items()}, make_text(
+        d / "t.txt", 400
+    )
+
+
+def squeezed(plan_of) -> int:
+    """A budget under which `plan_of(budget)` streams in more than one block: the largest of a descending series
+    below the resident plan's need."""
+    budget = int(plan_of(None).peak_bytes / (1 - gpumem.RESERVE_FRACTION))
+    for _ in range(40):
+        budget = budget * 7 // 8
+        try:
+            p = plan_of(budget)
+        except gpumem.GpuBudgetError:
+            continue
+        if p.streamed and p.blocks > 1:
+            return budget
+    raise AssertionError("no budget makes this trunk stream")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# without a GPU
+
+
+def test_sizes_and_the_budget(monkeypatch):
+    assert gpumem.parse_size("16GB") == gpumem.parse_size("16G") == gpumem.parse_size("16GiB") == 16 << 30
+    assert gpumem.parse_size("512MiB") == 512 << 20 and gpumem.parse_size("1.5k") == 1536
+    assert gpumem.parse_size("17179869184") == 16 << 30
+    for bad in ("", "lots", "16 GBs", "-1G", "0.1k"):
+        with pytest.raises(gpumem.GpuBudgetError, match="--gpu-memory"):
+            gpumem.parse_size(bad)
+    monkeypatch.delenv(gpumem.ENV_GPU_MEMORY, raising=False)
+    assert gpumem.budget(None) is None and gpumem.budget("2G") == 2 << 30
+    monkeypatch.setenv(gpumem.ENV_GPU_MEMORY, "3G")
+    assert gpumem.budget(None) == 3 << 30 and gpumem.budget("1G") == 1 << 30  # the option wins
+    assert gpumem.even_block(156, 67) == 52 and gpumem.even_block(10, 4, multiple=3) == 3
+
+
+def test_the_plan_takes_the_resident_trunk_when_it_fits_else_streams_else_refuses():
+    # the trunk phase grows with the block: 1000 bytes of weights resident, 400 streamed, 10 per window
+    def trunk(streamed, block):
+        return (400 if streamed else 1000) + 10 * block
+
+    def weights(streamed):
+        return 400 if streamed else 1000
+
+    def plan(budget, draft=300):
+        return gpumem.plan_trunk("heal", 500, 20, budget, trunk, weights, draft_bytes=draft)
+
+    assert (
+        not plan(None).streamed
+        and plan(None).block == gpumem.even_block(500, gpumem.BLOCK_TOKENS // 20) == 250
+    )
+    big = plan(20000)
+    assert not big.streamed and big.trunk_bytes <= 20000 * (1 - gpumem.RESERVE_FRACTION)
+    mid = plan(3000)
+    assert mid.streamed and mid.trunk_bytes <= 3000 * 0.95 and mid.block == gpumem.even_block(500, mid.block)
+    assert "streamed" in mid.line() and f"{mid.blocks} passes" in mid.line() and "budget" in mid.line()
+    with pytest.raises(gpumem.GpuBudgetError, match="below what the streamed trunk needs"):
+        plan(430)
+    with pytest.raises(gpumem.GpuBudgetError, match="draft after the trunk"):
+        plan(600, draft=900)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the trunk
+
+
+@pytest.mark.parametrize("name", ["transformer", "ddl", "hybrid"])
+def test_streamed_teacher_gives_the_resident_and_the_plain_forward_bits(gpu, monkeypatch, name):
+    """topk_rows through two slots (both upload modes; f16 on the hybrid) equal the resident trunk's, and the
+    plain Net + InferenceWork forward's top-k and hidden rows; the plan's dry count equals the allocation."""
+    from ddl_wgpu.inference import InferenceWork
+    from ddl_wgpu.net import Net
+
+    cfg = kinds()[name]
+    dtype = "f16" if name == "hybrid" else "f32"
+    m = Model(cfg, perturbed(cfg))
+    rng = np.random.default_rng(3)
+    ids, lengths = rng.integers(0, 256, (5, 20)), np.array([20, 17, 20, 9, 20])
+    resident = backend.make_teacher("wgpu", m, 2, trunk_dtype=dtype, plan=heal_gpu._Shape(False, 5))
+    want = resident.topk_rows(ids, lengths, 6)
+    _, _, pre, post = resident.topk_hidden(ids, 6)
+    trunk = {n: a for n, a in m.params.items() if not n.startswith("model.mtp.")}
+    plain = Net(gpu, replace(cfg, mtp=None), trunk, inference=True, dtype=dtype, work_class=InferenceWork)
+    work = plain.work(5, 20)
+    top, probs = work.topk(ids, 6)
+    np.testing.assert_array_equal(top, want[0])
+    np.testing.assert_array_equal(probs, want[1])
+    np.testing.assert_array_equal(work.hidden()[1], post)
+    for mode in ("mapped", "write"):
+        monkeypatch.setenv("DDL_WGPU_UPLOAD", mode)
+        streamed = backend.make_teacher("wgpu", m, 2, trunk_dtype=dtype, plan=heal_gpu._Shape(True, 2))
+        assert streamed.trunk.mode == mode and streamed.net.S == 2
+        for _ in range(2):  # the second pass re-uploads every slot
+            got = [streamed.topk_rows(ids[s : s + 2], lengths[s : s + 2], 6) for s in range(0, 5, 2)]
+            for a, b in zip(want, (np.concatenate(x) for x in zip(*got, strict=True)), strict=True):
+                np.testing.assert_array_equal(a, b)
+        streamed.release()
+    # what the plan counts is what the teacher allocates, buffer by buffer
+    monkeypatch.setenv("DDL_WGPU_UPLOAD", "mapped")
+    made, dry = collections.Counter(), collections.Counter()
+    create = type(gpu)._create
+
+    def counted(g, size, *a, **k):
+        made.update([size])
+        return create(g, size, *a, **k)
+
+    monkeypatch.setattr(type(gpu), "_create", counted)
+    had_unused, dry_labels = "_gated_delta_unused" in gpu.__dict__, set()
+    t = backend.make_teacher("wgpu", m, 2, trunk_dtype=dtype, plan=heal_gpu._Shape(True, 2))
+    t.work(20)._topk_call(6)
+    monkeypatch.setattr(type(gpu), "_create", create)
+
+    class Counting(gpumem.DryGpu):
+        def buffer(self, nbytes, label="", usage=None):
+            b = super().buffer(nbytes, label)
+            dry.update([b.size])
+            dry_labels.add(label)
+            return b
+
+    t = heal_gpu.WgpuTeacher(
+        Counting(gpu), heal_gpu.fake_params(cfg), cfg, 2, dtype, plan=heal_gpu._Shape(True, 2)
+    )
+    t.work(20)._topk_call(6)
+    if had_unused and "gated_delta_unused" in dry_labels:  # a device-wide 16-byte buffer, made once, earlier
+        made.update([16])
+    assert dry == made
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the jobs
+
+
+def _plan_line(events):
+    return [e["line"] for e in events if e["event"] == "plan"]
+
+
+@pytest.mark.parametrize("name", ["transformer", "hybrid"])
+def test_heal_streamed_writes_the_resident_plans_file(gpu, files, tmp_path, name):
+    """heal with a budget below the resident plan streams the trunk (the plan says so), keeps its chain rows in a
+    scratch file past --host-memory, and writes the file the resident run writes, byte for byte; the engine's
+    peak stays within the plan; the scratch file is gone after."""
+    model, text = files[0][name], files[1]
+    cfg = HEAL if name == "transformer" else replace(HEAL, trunk_dtype="f16")
+    plan_of = lambda b: backend.plan_trunk("wgpu", "heal", load_model(model).cfg, None, cfg.trunk_dtype, 25,  # noqa: E731
+                                           24, cfg.batch, b, 8, draft={"k": 8, "chain": 2, "kl_form": "full",
+                                           "stacked": cfg.chain_attention == "stacked"})  # fmt: skip
+    budget = squeezed(plan_of)
+    reports, lines = {}, {}
+    for label, gm, hm in (("resident", None, None), ("streamed", budget, 1024)):
+        events = []
+        gpu.reset_peak()
+        before = gpu.live
+        reports[label] = heal.heal(model, str(text), tmp_path / f"{label}.ddlw", replace(cfg, topk=8), backend="wgpu",
+                                   progress=events.append, gpu_memory=gm, host_memory=hm)  # fmt: skip
+        lines[label] = _plan_line(events)
+        plan = reports[label]["plan"]
+        assert gpu.peak - before <= max(plan["trunk_bytes"], plan["draft_bytes"])
+        assert not hostmem.scratch_path(tmp_path / f"{label}.ddlw").exists()
+    assert "resident" in lines["resident"][0] and "streamed" in lines["streamed"][0]
+    assert reports["streamed"]["plan"]["blocks"] > 1 and reports["streamed"]["scratch_bytes"] > 0
+    assert reports["resident"]["scratch_bytes"] == 0
+    drop = ("out", "plan", "scratch_bytes")
+    assert {k: v for k, v in reports["resident"].items() if k not in drop} == {
+        k: v for k, v in reports["streamed"].items() if k not in drop
+    }
+    with open_checkpoint(tmp_path / "resident.ddlw") as a, open_checkpoint(tmp_path / "streamed.ddlw") as b:
+        assert a.names() == b.names() and a.provenance == b.provenance
+        for n in a.names():
+            np.testing.assert_array_equal(a.tensor(n), b.tensor(n))
+
+
+def test_accept_streamed_gives_the_resident_result(gpu, files, tmp_path):
+    model, text = files[0]["hybrid"], str(make_text(tmp_path / "t.txt", 700))  # a trunk larger than the draft
+    cfg = load_model(model).cfg
+    records = accept.load_records(text, ByteTokenizer(), 2500)
+    n = sum(w.size > 2 for w in accept.make_windows(records, 24, 3))
+    plan_of = lambda b: backend.plan_trunk("wgpu", "accept", cfg, None, "f32", n, 24, accept.BATCH, b,  # noqa: E731
+                                           draft={"k": 1, "chain": 2, "stacked": True, "kl_form": "full"})  # fmt: skip
+    budget = squeezed(plan_of)
+    said = []
+    a = accept.accept_file(model, text, 2, 24, 2500, backend="wgpu", chain_attention="stacked")
+    b = accept.accept_file(model, text, 2, 24, 2500, backend="wgpu", chain_attention="stacked", gpu_memory=budget,
+                           say=said.append)  # fmt: skip
+    assert a["plan"]["mode"] == "resident" and b["plan"]["mode"] == "streamed" and "streamed" in said[0]
+    assert {k: v for k, v in a.items() if k != "plan"} == {k: v for k, v in b.items() if k != "plan"}
+
+
+@pytest.mark.parametrize("name", ["transformer", "ddl"])
+def test_eval_streamed_gives_the_resident_and_the_training_nets_numbers(gpu, files, name):
+    """eval's GPU path (several batches per pass, each batch's sums over its own rows) equals the training
+    net's batch-by-batch evaluation (`train.evaluate`, what eval ran before), resident and streamed."""
+    from ddl_wgpu import train, trunk_eval
+
+    model = files[0][name]
+    m = load_model(model)
+    ds = eval_windows(str(files[1]), tokenizer=ByteTokenizer(), seq_len=16, batch_size=3, vocab_size=256)
+    want = train.evaluate(backend.make_net(m.cfg, m.params, "wgpu", None), ds, 0, spectral=True)
+    budget = squeezed(lambda b: trunk_eval.plan_eval(gpu, m.cfg, 3, 16, ds.num_batches, b))
+    for b in (None, budget):
+        got, plan = trunk_eval.evaluate_file(model, m.cfg, ds, None, b)
+        assert plan.streamed == (b is not None) and plan.block % 3 == 0
+        assert got == want
+    assert (want["spectral"] is not None) == (name == "ddl")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the command line
+
+
+def test_cli_plan_line_refusal_generate_and_out_of_memory(files, tmp_path, cli, ok, user_error):
+    model, text = files[0]["transformer"], files[1]
+    out = tmp_path / "h.ddlw"
+    args = ["heal", model, "--data", text, "--out", out, "--window", "24", "--tokens", "600", "--batch", "2",
+            "--chain", "2", "--backend", "wgpu"]  # fmt: skip
+    line = user_error(cli(*args, "--gpu-memory", "20KB"), "--gpu-memory 20.0 KiB is below", "two layer slots")
+    assert "about" in line and not out.exists() and not hostmem.scratch_path(out).exists()
+    r = ok(cli("eval", model, "--data", text, "--seq-len", "16", "--batch", "3", "--backend", "wgpu",
+               "--gpu-memory", "1GB", "--json"))  # fmt: skip
+    assert (
+        "gpu memory plan: eval trunk resident" in r.stderr
+        and json.loads(r.stdout)["plan"]["mode"] == "resident"
+    )
+    gen = ["generate", model, "--prompt", "the", "--max-new-tokens", "2", "--backend", "wgpu"]
+    user_error(
+        cli(*gen, "--gpu-memory", "16KB"), "generate: the model needs at least", "--gpu-memory is 16.0 KiB"
+    )
+    gpumem.check_decode(load_model(model).cfg, "f32", 1 << 20)  # what fits passes
+    env = {**os.environ, "DDL_WGPU_DEVICE_MEMORY": "60000"}  # a card that is full: the driver's out-of-memory
+    r = subprocess.run([sys.executable, "-m", "ddl_wgpu.cli", "eval", str(model), "--data", str(text), "--seq-len",
+                        "16", "--backend", "wgpu"], capture_output=True, text=True, cwd=REPO,
+                       env={**env, "PYTHONPATH": str(REPO)})  # fmt: skip
+    user_error(r, "the GPU is out of memory", "--gpu-memory")
+
+
+def test_heal_scratch_file_goes_after_a_failure_and_after_ctrl_c(files, tmp_path, monkeypatch):
+    model, text = files[0]["transformer"], str(files[1])
+    out = tmp_path / "f.ddlw"
+    scratch = hostmem.scratch_path(out)
+
+    def fail(self, events, step):
+        assert scratch.exists()  # the chain's rows are in it now
+        raise heal.HealError("stopped here")
+
+    monkeypatch.setattr(heal._Chain, "refresh_event", fail)
+    with pytest.raises(heal.HealError, match="stopped here"):
+        heal.heal(model, text, out, HEAL, backend="wgpu", host_memory=1024)
+    assert not scratch.exists() and not out.exists()
+    # Ctrl-C while the draft trains (many steps): interrupted, exit 130, the scratch file gone, no output
+    out = tmp_path / "c.ddlw"
+    scratch = hostmem.scratch_path(out)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "ddl_wgpu.cli", "heal", str(model), "--data", text, "--out", str(out),
+                          "--window", "24", "--tokens", "600", "--batch", "2", "--chain", "2", "--epochs", "50",
+                          "--backend", "wgpu", "--host-memory", "1KB"], stderr=subprocess.PIPE, text=True,
+                         stdout=subprocess.DEVNULL, env=env)  # fmt: skip
+    t0 = time.time()
+    while not scratch.exists() and p.poll() is None and time.time() - t0 < 120:
+        time.sleep(0.05)
+    assert scratch.exists(), p.stderr.read() if p.poll() is not None else "no scratch file"
+    p.send_signal(signal.SIGINT)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    assert not scratch.exists() and not out.exists()
+
+
+def test_the_benches_smoke_runs(tmp_path):
+    """`bench/heal.py --gpu-memory` (resident and streamed passes, the draft after them) and `bench/heal_e2e.py
+    --smoke` (a heal command of a model on disk) run on a tiny hybrid: the streamed passes give the resident bits
+    and stay within their plans."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    a, b = tmp_path / "memory.json", tmp_path / "e2e.json"
+    for cmd in (["bench/heal.py", "--shape", "quick-hybrid", "--gpu-memory", "4MB", "--pass-windows", "12", "--steps",
+                 "1", "--chain", "2", "--json", a],
+                ["bench/heal_e2e.py", "--smoke", "--dir", tmp_path, "--out-dir", tmp_path / "out", "--json", b]):  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, *map(str, cmd)], capture_output=True, text=True, cwd=REPO, env=env
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+    mem = json.loads(a.read_text())["gpu_memory"]
+    assert [e["label"] for e in mem["phases"]] == ["resident", "streamed (mapped)", "streamed (write)"]
+    for e in mem["phases"][1:]:
+        assert (
+            e["same_bits"]
+            and e["plan"]["mode"] == "streamed"
+            and e["engine_peak_bytes"] <= e["plan"]["trunk_bytes"]
+        )
+    e2e = json.loads(b.read_text())["result"]
+    assert e2e["exit"] == 0 and e2e["plan"]["mode"] == "streamed" and e2e["peak_rss_bytes"] > 0
+    assert 0 < e2e["engine_peak_bytes"] <= e2e["plan"]["peak_bytes"] + (1 << 16)  # + the read-back staging
+    assert not (tmp_path / "quick-hybrid.ddlw").exists()  # removed without --keep
