@@ -56,11 +56,17 @@ def evaluate(net, dataset: TokenDataset, max_batches: int = 0, spectral: bool = 
     spectral snapshot averaged by prediction count when the model is a DDL model and `spectral` is set."""
     n = dataset.num_batches if max_batches <= 0 else min(max_batches, dataset.num_batches)
     work = net.work(dataset.batch_size, dataset.seq_len)
-    total, count = 0.0, 0
-    acc = None
-    for i in range(n):
-        b = dataset.batch(i)
-        s, c, snap = work.eval_batch(b.ids, b.lengths, spectral=spectral)  # one forward for both
+    batches = (dataset.batch(i) for i in range(n))
+    return summarize_eval(
+        work.eval_batch(b.ids, b.lengths, spectral=spectral) for b in batches
+    )  # one forward
+
+
+def summarize_eval(results) -> dict:
+    """{"metrics", "spectral"} of evaluation batches given as (loss sum, predictions, spectral snapshot or None),
+    in order: the mean loss over every prediction, the snapshots averaged by prediction count."""
+    total, count, acc = 0.0, 0, None
+    for s, c, snap in results:
         total += s
         count += c
         if snap is not None:

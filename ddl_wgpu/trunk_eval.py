@@ -100,20 +100,19 @@ class EvalPass:
 def evaluate(trunk: Trunk, dataset, per_block: int, spectral: bool = False) -> dict:
     """`train.evaluate` of every batch of `dataset` on the GPU trunk, `per_block` batches per pass over its
     layers: the same loss and spectral snapshot, batch by batch in the same order."""
-    from ddl_wgpu.train import SpectralAccumulator, metrics
+    from ddl_wgpu.train import summarize_eval
 
     ep = EvalPass(trunk, dataset.batch_size, dataset.seq_len, per_block)
-    total, count, acc = 0.0, 0, None
     n = dataset.num_batches
-    for s in range(0, n, per_block):
-        batches = [(b.ids, b.lengths) for b in (dataset.batch(i) for i in range(s, min(n, s + per_block)))]
-        for loss, c, snap in ep.run(batches, spectral):
-            total += loss
-            count += c
-            if snap is not None:
-                acc = acc or SpectralAccumulator()
-                acc.observe(snap, max(c, 1))
-    return {"metrics": metrics(total, count), "spectral": acc.finish() if acc else None}
+
+    def results():
+        for s in range(0, n, per_block):
+            batches = [
+                (b.ids, b.lengths) for b in (dataset.batch(i) for i in range(s, min(n, s + per_block)))
+            ]
+            yield from ep.run(batches, spectral)
+
+    return summarize_eval(results())
 
 
 def plan_eval(gpu, cfg, batch: int, T: int, batches: int, budget: int | None, dtype: str = "f32"):
