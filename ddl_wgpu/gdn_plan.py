@@ -156,12 +156,16 @@ def stage(name: str, base: str, stride: int, groups: int, *srcs: Src) -> Stage:
     return Stage(name, base, stride, groups, tuple(srcs))
 
 
-def slab_loop(sm: str, stages: list[Stage], K: int, body, bk: int, nt: int) -> list[str]:
+def slab_loop(
+    sm: str, stages: list[Stage], K: int, body, bk: int, nt: int, skip: str | None = None
+) -> list[str]:
     """The generated k loop of K (a multiple of bk) over `stages` (module docstring): registers
     pf_<stage>_<j>, the first slab loaded and stored, then per slab: the next one loaded into registers,
     `body(kk, bufs)` for kk < bk (bufs: each stage's current buffer offset), the next stored into the other
     buffer, one barrier. Inside, k0 is the slab's first k. Starts and ends with a barrier's guarantees: the
-    buffers are free before (the caller's last barrier) and after."""
+    buffers are free before (the caller's last barrier) and after. `skip`: a condition on k0 (and the
+    thread's rows) under which this thread's FMAs of the slab are all by exact zeros, left out (the sums
+    keep their order: the same bits)."""
     ns = K // bk
     assert ns * bk == K and ns >= 1, (K, bk)
 
@@ -212,8 +216,14 @@ def slab_loop(sm: str, stages: list[Stage], K: int, body, bk: int, nt: int) -> l
         lines += [f"    if (sl + 1u < {ns}u) {{", f"        let kn = k0 + {bk}u;", *("        " + x for x in fetch("kn")),
                   "    }"]  # fmt: skip
     bufs = {st.name: f"({st.base} + cur * {bk * st.stride}u)" for st in stages}
+    pad = "    "
+    if skip:
+        lines.append(f"    if (!({skip})) {{")
+        pad = "        "
     for kk in range(bk):
-        lines += ["    " + x for x in body(kk, bufs)]
+        lines += [pad + x for x in body(kk, bufs)]
+    if skip:
+        lines.append("    }")
     if ns > 1:
         lines += [f"    if (sl + 1u < {ns}u) {{", f"        let kn = k0 + {bk}u;",
                   *("        " + x for x in store("kn", "(1u - cur)")), "    }"]  # fmt: skip
@@ -304,13 +314,13 @@ def tiles(plan: ChunkPlan, Dk: int, Dv: int) -> dict[str, tl.Tile]:
     assert ty.wx == tz.wx and ty.gm == 2 and tz.gm == 1, (ty, tz)
     return {
         "kq": tl.tile("kq", 2 * C, C, m),  # prep: [K; Q] Kᵀ
-        "w": tl.tile("w", C, cdk, m),  # prep: W = Tm diag(βΓ) K
-        "u": tl.tile("u", C, cdv, m),  # prep: U = Tm diag(β) V
+        "w": tl.tile("w", C, cdk, m, contig=True),  # prep: W = Tm diag(βΓ) K
+        "u": tl.tile("u", C, cdv, m, contig=True),  # prep: U = Tm diag(β) V
         "x": tl.tile("x", 2 * C, V, n),  # forward: [W; Q] S
         "s": tl.tile("s", cdk, V, n),  # the state block (forward S, backward dS)
-        "o": tl.tile("o", C, cdv, m),  # output: P Δ
-        "d": tl.tile("d", C, V, n),  # backward state: dΔ
-        "r": tl.tile("r", C, cdv, m),  # grads: dR = Tmᵀ dΔ
+        "o": tl.tile("o", C, cdv, m, contig=True),  # output: P Δ
+        "d": tl.tile("d", C, V, n, contig=True),  # backward state: dΔ
+        "r": tl.tile("r", C, cdv, m, contig=True),  # grads: dR = Tmᵀ dΔ
         "e": tl.tile("e", 2 * C, C, m),  # grads: [dO; dR] Δᵀ
         "y": ty,  # grads: [dO; dR] S₀ᵀ, then + E K
         "z": tz,  # grads: Δ dSᵀ, then + E'ᵀ [Q; βK]
@@ -403,13 +413,12 @@ class _Gen:
     cdk: int
     cdv: int
 
-    def loop(self, kernel: str, stages, K: int, body, threads: int) -> list[str]:
+    def loop(self, kernel: str, stages, K: int, body, threads: int, skip=None) -> list[str]:
+        """A product's slab loop; `skip(bk)` the condition (on k0) of a triangular operand's zero slabs."""
         sm = {"CP": "cp_sm", "CF": "cf_sm", "CO": "co_sm", "CB": "cb_sm", "CG": "cg_sm"}[kernel]
-        return [
-            "{",
-            *("    " + x for x in slab_loop(sm, stages, K, body, self.lays[kernel].bk, threads)),
-            "}",
-        ]
+        bk = self.lays[kernel].bk
+        lines = slab_loop(sm, stages, K, body, bk, threads, skip(bk) if skip else None)
+        return ["{", *("    " + x for x in lines), "}"]
 
     # -- chunk_prep ---------------------------------------------------------------------------------------
 
@@ -447,7 +456,8 @@ class _Gen:
             body = product(t, acc, a, lambda kk, bufs: slab("cp_sm", bufs[acc], g4, kk))
             put = stores(t, acc, lambda row, colg, v: f"let o = blk + {dst} + {row} * {width}u + 4u * {colg}; "
                          + scalars(lambda f: f"cp_scr[o + {f}u]", v))  # fmt: skip
-            return tl.decl(t, acc) + self.loop("CP", [st], C, body, nt) + put
+            lower = lambda bk: f"k0 > {t.rows_range()[1]}"  # noqa: E731 (Tm[t, s] = 0 for s > t)
+            return tl.decl(t, acc) + self.loop("CP", [st], C, body, nt, lower) + put
 
         out["CP_W"] = wu(
             tw,
@@ -517,7 +527,9 @@ class _Gen:
             f"co_add_o(b, t0 + {row}, h, 4u * {colg} + {f}u, {v}.{tl.XYZW[f]});" for f in range(4)))  # fmt: skip
         return {
             "CO_COORDS": [to.coords()],
-            "CO_O": tl.decl(to, "o") + self.loop("CO", [pa, db], C, body, nt) + put,
+            "CO_O": tl.decl(to, "o")
+            + self.loop("CO", [pa, db], C, body, nt, lambda bk: f"k0 > {to.rows_range()[1]}")
+            + put,
         }
 
     # -- chunk_backward_state -----------------------------------------------------------------------------
@@ -543,7 +555,8 @@ class _Gen:
                        lambda f: f"exp(c_gam[CC - 1u] - c_gam[4u * g + {f}u]) * cb_ld(1u, b, t0 + 4u * g + {f}u, hk, {k} - CC + kk)")))  # fmt: skip
         body = product(td, "d", lambda kk, bufs: slab("cb_sm", bufs["aa"], T1, kk),
                        lambda kk, bufs: lambda g: f"cb_sm[CB_RB + (CC + k0 + {kk}u) * {sv}u + {g}]")  # fmt: skip
-        out["CB_A"] = tl.decl(td, "d") + self.loop("CB", [aa], C + cdk, body, nt)
+        upper = lambda bk: f"k0 < CC && k0 + {bk - 1}u < {td.rows_range()[0]}"  # noqa: E731 (P[s, t] = 0 for s < t)
+        out["CB_A"] = tl.decl(td, "d") + self.loop("CB", [aa], C + cdk, body, nt, upper)
         out["CB_A_EPI"] = stores(td, "d", lambda row, colg, v: f"cb_sm[CB_RB + {row} * {sv}u + {colg}] = {v}; " + " ".join(
             f"cb_store_dd(bl, t0 + {row}, h, j0 + 4u * {colg} + {f}u, {v}.{tl.XYZW[f]});" for f in range(4)))  # fmt: skip
         out["CB_S_DECAY"] = ["let decay = exp(c_gam[CC - 1u]);"] + [
@@ -584,7 +597,8 @@ class _Gen:
         # dR = Tmᵀ dΔ: Tm's rows and dΔ's rows as stored
         st, a, b = two("R", direct(c4, lambda k: vec4_of(lambda f: f"cg_scr[blk + TP_X + ({k} + kk) * CC + 4u * g + {f}u]")),
                        direct(v4, lambda k: vec4_of(lambda f: f"cg_lddd(bl, t0 + {k} + kk, h, 4u * g + {f}u)")), c4, v4)  # fmt: skip
-        out["CG_R"] = tl.decl(tr, "r") + self.loop("CG", st, C, product(tr, "r", a, b), nt)
+        upper = lambda bk: f"k0 + {bk - 1}u < {tr.rows_range()[0]}"  # noqa: E731 (Tm[s, t] = 0 for s < t)
+        out["CG_R"] = tl.decl(tr, "r") + self.loop("CG", st, C, product(tr, "r", a, b), nt, upper)
         # dR replaces dΔ (this workgroup alone reads those rows, all before the loop's last barrier); dv = β dR
         out["CG_R_EPI"] = stores(tr, "r", lambda row, colg, v: " ".join(
             f"cg_put_dr(bl, t0 + {row}, h, 4u * {colg} + {f}u, {v}.{tl.XYZW[f]}, {row});" for f in range(4)))  # fmt: skip
@@ -615,7 +629,8 @@ class _Gen:
               for a_, e, b_ in ty.blocks()]  # fmt: skip
         st, a, b = two("Y2", transposed(lambda k: vec4_of(lambda f: f"cg_scr[eb + (4u * g + {f}u) * CC + {k} + kk]")),
                        direct(k4, lambda k: vec4_of(lambda f: f"cg_ld(1u, b, t0 + {k} + kk, hk, 4u * g + {f}u)")), 2 * c4, k4)  # fmt: skip
-        y += self.loop("CG", st, C, product(ty, "y", a, b), nt)
+        # E[t', s] = 0 for s > t (both halves' rows are t = 4 ty + e)
+        y += self.loop("CG", st, C, product(ty, "y", a, b), nt, lambda bk: "k0 > 4u * ty_y + 3u")
         out["CG_Y"] = y
         # rows < C: dq; rows >= C: r = k · y (dβ += r, dγ += β r), then dk⁺ = β y stays in registers
         epi = stores(ty, "y", lambda row, colg, v: f"if ({row} < CC) {{ " + " ".join(
@@ -649,7 +664,10 @@ class _Gen:
         ]
         st, a, b = two("Z2", direct(c4, lambda k: vec4_of(lambda f: f"cg_scr[eb + ({k} + kk) * CC + 4u * g + {f}u]")),
                        direct(k4, lambda k: vec4_of(lambda f: f"cg_ldqbk(b, t0, {k} + kk, hk, 4u * g + {f}u)")), c4, k4)  # fmt: skip
-        z += self.loop("CG", st, 2 * C, product(tz, "z", a, b), nt)
+        # E[s', t] = 0 unless s' mod C >= t
+        z += self.loop(
+            "CG", st, 2 * C, product(tz, "z", a, b), nt, lambda bk: f"k0 % CC + {bk - 1}u < 4u * ty_z"
+        )
         out["CG_Z"] = z
         # dk = dk⁺ + z; dγ -= k · z
         epi = tl.each(tz, lambda a_, e, b_, nm: f"if {tz.active()} {{ let kv = z_{nm} + y_1_{e}_{b_}; " + " ".join(

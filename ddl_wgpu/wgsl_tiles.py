@@ -2,7 +2,9 @@
 
 A kernel that multiplies matrices staged in workgroup memory (the chunked gated delta rule's C x C and
 C x D products) spreads each output over its threads: a `Tile` of `wy` x `wx` threads, thread (ty, tx)
-owning the 4 x 4 blocks at row groups ty + wy*a (rows 4(ty + wy*a) .. + 3) and column groups tx + wx*b. Its
+owning the 4 x 4 blocks at row groups ty + wy*a (rows 4(ty + wy*a) .. + 3; with `contig`, the gm
+consecutive groups ty*gm + a, so a thread's rows are one range: a product by a triangular matrix can skip
+the steps where they meet only zeros) and column groups tx + wx*b. Its
 accumulators are separate `vec4<f32>` variables of generated code (`acc_a_e_b`: row e of row group a,
 the 4 columns of column group b), never a private array indexed at run time (which NVIDIA's compiler puts
 in slow memory: docs/wgpu-notes.md#why-straight-line-wgsl).
@@ -32,6 +34,7 @@ class Tile:
     cols: int
     wy: int
     wx: int
+    contig: bool = False
 
     @property
     def gm(self) -> int:
@@ -53,7 +56,15 @@ class Tile:
 
     def rowg(self, a: int) -> str:
         """The index of row group a (rows 4*rowg .. 4*rowg + 3)."""
+        if self.contig:
+            return f"(ty_{self.name} * {self.gm}u + {a}u)"
         return f"(ty_{self.name} + {a * self.wy}u)"
+
+    def rows_range(self) -> tuple[str, str]:
+        """The first and last row of a contiguous tile's thread."""
+        assert self.contig or self.gm == 1, self
+        lo = f"(ty_{self.name} * {4 * self.gm}u)"
+        return lo, f"({lo} + {4 * self.gm - 1}u)"
 
     def row(self, a: int, e: int) -> str:
         return f"(4u * {self.rowg(a)} + {e}u)"
@@ -70,7 +81,7 @@ class Tile:
         return [(a, e, b) for a in range(self.gm) for e in range(4) for b in range(self.gn)]
 
 
-def tile(name: str, rows: int, cols: int, threads: int, wy: int | None = None) -> Tile:
+def tile(name: str, rows: int, cols: int, threads: int, wy: int | None = None, contig: bool = False) -> Tile:
     """The split of a rows x cols output (multiples of 4, powers of two) over at most `threads` threads (all
     of them when the output has that many 4 x 4 blocks): the grid whose per-thread block has twice as many
     rows as columns or else is closest to that (A's vec4 are broadcasts, B's are not), more threads along the
@@ -88,7 +99,7 @@ def tile(name: str, rows: int, cols: int, threads: int, wy: int | None = None) -
             ratio = gm / (2 * gn)
             key = (-(wy_ * wx), max(ratio, 1 / ratio), -wx)
             if best is None or key < best[0]:
-                best = (key, Tile(name, rows, cols, wy_, wx))
+                best = (key, Tile(name, rows, cols, wy_, wx, contig))
         wx *= 2
     if best is None:
         raise ValueError(f"tile {name}: {rows} x {cols} does not split over {threads} threads (wy={wy})")
