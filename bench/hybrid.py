@@ -24,14 +24,18 @@ the forward of 16 x 1024 tokens with the evaluation loss (chunked LM head), time
 (our buffers, and nvidia-smi's used memory); the GPU time per layer type (every dispatch timed alone).
 
 `kernel`: the chunked rule (`ops.gated_delta.chunk_forward` / `chunk_backward`, the engine's) alone at the
-27B layer, the small hybrid's and a one-chunk (64-token) 27B shape, under the adapter's default plan: the
-forward as an inference net runs it (nothing saved) and as a training net does (Δ and the checkpoints saved),
-the backward, GPU ms per kernel, and beside them the per-token forward (the decoder's kernel) over the same
-tokens. FLOPs as the kernels execute them (`chunk_flops`: full C x C squares); bytes: q, k, v read and o
+27B layer, the small hybrid's, and 27B rows of 256 and 64 tokens, under the adapter's default plan: the
+forward as an inference net runs it (no checkpoints) and as a training net does (the checkpoints saved), the
+backward, GPU ms per kernel, and beside them the per-token forward over the same tokens (the kernel of the
+decoder and of an inference net's short rows: the line after the table says where each wins, for
+`PER_TOKEN_MAX_T`). FLOPs as the kernels execute them (`chunk_flops`: full C x C squares); bytes: q, k, v read and o
 written once (the backward twice, with the checkpoints); H200: 66.9 TFLOP/s fp32 FMA, 4.3 TB/s. The recurrence
 itself needs 6 FLOPs per state element per token (forward), which `recurrence_flop_bound_ms` reports.
-`kernel --sweep` times every plan of `sweep_plans` (or `--plans`) at `--sweep-shape` and prints the fastest as
-a DDL_WGPU_GDN_PLAN value.
+`kernel --sweep` times every plan of `sweep_plans` (or `--plans`) at each of `--sweep-shape`'s shapes and prints
+the fastest as a DDL_WGPU_GDN_PLAN value and as the `PLANS` line that makes it the default. The default plan,
+and every swept plan, is first checked against `ddl_ref` (float64) at a small shape on the device itself
+(`check_plan`): a plan with wrong results fails the run. The GPU is kept busy before the first timed case and
+between swept plans (clocks drop while the host compiles).
 """
 
 from __future__ import annotations
@@ -410,6 +414,75 @@ def _kernel_inputs(gpu, shape, rng):
                 dv=g.buffer(4 * N * Hv * Dv))  # fmt: skip
 
 
+CHECK_SHAPE = (2, 130, 2, 6, 128, 128)  # B, T, Hk, Hv, Dk, Dv: a short last chunk, 3 value heads per key head
+CHECK_SHAPE_QUICK = (1, 40, 1, 3, 16, 16)
+
+
+def reference_case(shape=CHECK_SHAPE, seed: int = 7) -> dict:
+    """Inputs of one small shape and `ddl_ref`'s recurrence on them in float64 (forward and backward): what
+    every timed plan is checked against on the device itself."""
+    from ddl_ref import gdn as ref
+
+    B, T, Hk, Hv, Dk, Dv = shape
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, Hk, Dk))
+    k = rng.standard_normal((B, T, Hk, Dk))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(Dk)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    x = [a.astype(np.float32) for a in (q, k, rng.standard_normal((B, T, Hv, Dv)), -rng.uniform(0.02, 1.5, (B, T, Hv)),
+                                        rng.uniform(0.05, 0.95, (B, T, Hv)))]  # fmt: skip
+    do = rng.standard_normal((B, T, Hv, Dv)).astype(np.float32)
+    o, _, cache = ref.gated_delta_forward(*(a.astype(np.float64) for a in x))
+    grads = ref.gated_delta_backward(do.astype(np.float64), cache)[:5]
+    return {"shape": shape, "x": x, "do": do, "o": o, "grads": grads}
+
+
+def check_plan(gpu, plan, case: dict) -> dict:
+    """The chunked forward and backward under `plan` at the case's shape against `ddl_ref` (the tolerances of
+    tests/test_kernel_gated_delta.py): {"ok": bool, "error": first failure, "max_abs": per output}."""
+    from ddl_ref.check import check
+    from ddl_wgpu.ops import gated_delta as kg
+    from ddl_wgpu.ops.gdn_inputs import align_floats, qk_floats
+
+    B, T, Hk, Hv, Dk, Dv = case["shape"]
+    N, G = B * T, Hv // Hk
+    q, k, v, g, beta = case["x"]
+    k_off, gb_off = kg.qkgb_offsets(N, Hk, Dk)
+    qkgb = np.zeros(kg.qkgb_floats(N, Hk, Hv, Dk), np.float32)
+    qkgb[: q.size], qkgb[k_off : k_off + k.size] = q.reshape(-1), k.reshape(-1)
+    qkgb[gb_off:] = np.stack([g.reshape(N, Hv), beta.reshape(N, Hv)], axis=-1).reshape(-1)
+    qb, vb, dob = gpu.upload(qkgb), gpu.upload(v.reshape(-1)), gpu.upload(case["do"].reshape(-1))
+    o, d = gpu.buffer(4 * N * Hv * Dv), gpu.buffer(4 * N * Hv * Dv)
+    st = gpu.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, plan.chunk))
+    scr = gpu.buffer(4 * kg.chunk_scratch_floats(gpu, B, T, Hv, Dk, Dv, True, plan))
+    dqk, dv = gpu.buffer(4 * qk_floats(N, Hv, Dk)), gpu.buffer(4 * N * Hv * Dv)
+    shape = (B, T, Hk, Hv, Dk, Dv)
+    (kg.chunk_forward(gpu, o, d, st, scr, qb, vb, *shape, plan=plan)
+     + kg.chunk_backward(gpu, dqk, dv, scr, st, d, qb, vb, dob, *shape, plan=plan)).run(gpu)  # fmt: skip
+    got = gpu.download(dqk, np.float32)
+    half = N * Hv * Dk
+    buf, off, _ = kg.chunk_dg_view(gpu, scr, B, T, Hv, Dk, Dv, plan)
+    gb = gpu.download(buf, np.float32)[off // 4 :][: 2 * N * Hv].reshape(B, T, Hv, 2)
+    dq_ref, dk_ref, dv_ref, dg_ref, db_ref = case["grads"]
+    outs = {
+        "o": (gpu.read(o, (B, T, Hv, Dv)), case["o"], "norm"),
+        "dq": (got[:half].reshape(B, T, Hk, G, Dk).sum(3), dq_ref, "attention"),
+        "dk": (got[align_floats(half) :][:half].reshape(B, T, Hk, G, Dk).sum(3), dk_ref, "attention"),
+        "dv": (gpu.read(dv, (B, T, Hv, Dv)), dv_ref, "attention"),
+        "dg": (gb[..., 0], dg_ref, "attention"),
+        "dbeta": (gb[..., 1], db_ref, "attention"),
+    }
+    r = {"ok": True, "max_abs": {}}
+    for name, (a, b, kind) in outs.items():
+        r["max_abs"][name] = float(np.abs(a - b).max())
+        try:
+            check(name, a, b, kind)
+        except AssertionError as e:
+            r["ok"] = False
+            r.setdefault("error", str(e)[:300])
+    return r
+
+
 def time_chunked(
     gpu,
     shape,
@@ -468,6 +541,13 @@ def bench_kernel(gpu, args) -> dict:
     shapes = QUICK_SHAPES if args.quick else KERNEL_SHAPES
     out = {"per_token_max_t": kg.per_token_max_t()}
     rng = np.random.default_rng(0)
+    cs = CHECK_SHAPE_QUICK if args.quick else CHECK_SHAPE
+    case = reference_case(cs)
+    d = kg.chunk_plan(gpu, cs[4], cs[5])
+    out["check"] = common.attempt(check_plan, gpu, d, case)
+    print(f"  check {d.text()} at {cs} against ddl_ref: "
+          + ("ok" if out["check"].get("ok") else f"FAILED {out['check'].get('error')}"), flush=True)  # fmt: skip
+    args._case = case
     common.warm_up(gpu, 0.0 if args.quick else args.warm_up_s)
     for name, shape in shapes.items():
         B, T, Hk, Hv, Dk, Dv = shape
@@ -547,6 +627,10 @@ def sweep(gpu, args, name: str) -> dict:
         t0 = time.perf_counter()
         r = common.attempt(time_chunked, gpu, shape, bufs, plan, 10.0, 2, False, warm)
         r.setdefault("plan", plan.__dict__)
+        if "error" not in r and getattr(args, "_case", None) is not None:
+            r["check"] = common.attempt(check_plan, gpu, plan, args._case)
+            if not r["check"].get("ok"):
+                r["error"] = f"wrong results: {r['check'].get('error')}"
         r["wall_s"] = time.perf_counter() - t0
         rows.append(r)
         print(f"  [{i + 1}/{len(plans)}] {plan.text()}: " + (
@@ -669,7 +753,9 @@ def _summary(data: dict) -> list[str]:
         failed.append(f"forward27b: {fw.get('error', '?')[:120]}")
     kr = data.get("kernel")
     if kr and "error" not in kr:
-        shapes = {k: v for k, v in kr.items() if isinstance(v, dict) and k != "sweep"}
+        shapes = {k: v for k, v in kr.items() if isinstance(v, dict) and k not in ("sweep", "check")}
+        if not kr.get("check", {}).get("ok"):
+            failed.append(f"kernel check against ddl_ref: {kr.get('check', {}).get('error', '?')[:200]}")
         rows = []
         for name, row in shapes.items():
             if "error" in row:
@@ -699,6 +785,10 @@ def _summary(data: dict) -> list[str]:
         for name, sw in (kr.get("sweep") or {}).items():
             if "error" in sw:
                 failed.append(f"kernel sweep {name}: {sw['error'][:120]}")
+                continue
+            wrong = [r["plan"] for r in sw["rows"] if "check" in r and not r["check"].get("ok")]
+            if wrong:
+                failed.append(f"kernel sweep {name}: {len(wrong)} plans give wrong results, first {wrong[0]}")
             elif sw.get("best"):
                 print(
                     f"sweep {name}: fastest (forward + backward) {sw['best']}; fastest forward {sw['best_forward']}"
