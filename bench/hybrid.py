@@ -595,7 +595,7 @@ def sweep_plans(gpu, Dk: int, Dv: int) -> list:
     first = kg.chunk_plan(gpu, Dk, Dv)
     plans = [first] + [replace(first, **kw) for kw in (
         dict(bv=16), dict(bv=64), dict(bv=64, threads=256), dict(bv=16, threads=64), dict(threads=64),
-        dict(threads=256), dict(bk=8), dict(bk=32), dict(tb=8), dict(tb=32), dict(pthreads=128), dict(pthreads=512),
+        dict(threads=256), dict(bk=8), dict(tb=8), dict(tb=32), dict(pthreads=128), dict(pthreads=512),
         dict(chunk=32), dict(chunk=32, bv=16), dict(chunk=32, bv=16, threads=64), dict(chunk=32, bv=64, threads=256),
         dict(chunk=32, bk=8, pthreads=128))]  # fmt: skip
     ok, seen = [], set()
