@@ -24,14 +24,18 @@ the forward of 16 x 1024 tokens with the evaluation loss (chunked LM head), time
 (our buffers, and nvidia-smi's used memory); the GPU time per layer type (every dispatch timed alone).
 
 `kernel`: the chunked rule (`ops.gated_delta.chunk_forward` / `chunk_backward`, the engine's) alone at the
-27B layer, the small hybrid's and a one-chunk (64-token) 27B shape, under the adapter's default plan: the
-forward as an inference net runs it (nothing saved) and as a training net does (Δ and the checkpoints saved),
-the backward, GPU ms per kernel, and beside them the per-token forward (the decoder's kernel) over the same
-tokens. FLOPs as the kernels execute them (`chunk_flops`: full C x C squares); bytes: q, k, v read and o
+27B layer, the small hybrid's, and 27B rows of 256 and 64 tokens, under the adapter's default plan: the
+forward as an inference net runs it (no checkpoints) and as a training net does (the checkpoints saved), the
+backward, GPU ms per kernel, and beside them the per-token forward over the same tokens (the kernel of the
+decoder and of an inference net's short rows: the line after the table says where each wins, for
+`PER_TOKEN_MAX_T`). FLOPs as the kernels execute them (`chunk_flops`: full C x C squares); bytes: q, k, v read and o
 written once (the backward twice, with the checkpoints); H200: 66.9 TFLOP/s fp32 FMA, 4.3 TB/s. The recurrence
 itself needs 6 FLOPs per state element per token (forward), which `recurrence_flop_bound_ms` reports.
-`kernel --sweep` times every plan of `sweep_plans` (or `--plans`) at `--sweep-shape` and prints the fastest as
-a DDL_WGPU_GDN_PLAN value.
+`kernel --sweep` times every plan of `sweep_plans` (or `--plans`) at each of `--sweep-shape`'s shapes and prints
+the fastest as a DDL_WGPU_GDN_PLAN value and as the `PLANS` line that makes it the default. The default plan,
+and every swept plan, is first checked against `ddl_ref` (float64) at a small shape on the device itself
+(`check_plan`): a plan with wrong results fails the run. The GPU is kept busy before the first timed case and
+between swept plans (clocks drop while the host compiles).
 """
 
 from __future__ import annotations
@@ -363,21 +367,30 @@ def bench_forward27b(gpu, args) -> dict:
 KERNEL_SHAPES = {  # B, T, Hk, Hv, Dk, Dv
     "27b": (16, 1024, 16, 48, 128, 128),  # the Qwen3.8-27B layer
     "small": (8, 1024, 6, 6, 128, 128),  # the `small` hybrid's
+    "27b-256": (16, 256, 16, 48, 128, 128),  # shorter rows: where the per-token forward stops winning
     "27b-short": (16, 64, 16, 48, 128, 128),  # one chunk per row: where the per-token form might still win
 }
 QUICK_SHAPES = {"quick": (2, 40, 1, 2, 16, 16)}
 
 
 def chunk_flops(shape, C: int) -> dict[str, float]:
-    """FLOPs the chunked kernels execute (full C x C squares, as they compute them) per pass: per (batch row,
-    value head, chunk) the prep 4C²Dk; the forward 6CDkDv + 4C²Dv; the backward the prep again, the state
-    pass 6CDkDv + 4C²Dv and the gradients 6CDkDv + 4C²Dv + 6C²Dk."""
+    """FLOPs the chunked kernels execute (full C x C squares, as they compute them) per pass, with n chunks
+    of (batch row, value head) and nk of (batch row, key head): the prep nk 4C²Dk ([K; Q] Kᵀ) + n 2C²Dk (W)
+    (+ n 2C²Dv, U, in the forward); the forward n (6CDkDv + 2C²Dv) (the recurrence's [W; Q] S and K̃ᵀΔ, then
+    P Δ); the backward the prep again, the state pass n (6CDkDv + 2C²Dv) and the gradients
+    n (6CDkDv + 6C²Dv + 8C²Dk)."""
     B, T, Hk, Hv, Dk, Dv = shape
-    n = B * Hv * -(-T // C)
-    prep = 4 * C * C * Dk
-    fwd = prep + 6 * C * Dk * Dv + 4 * C * C * Dv
-    bwd = prep + 12 * C * Dk * Dv + 8 * C * C * Dv + 6 * C * C * Dk
-    return {"forward": n * fwd, "backward": n * bwd, "recurrence": 6 * B * T * Hv * Dk * Dv}
+    nck = -(-T // C)
+    n, nk = B * Hv * nck, B * Hk * nck
+    prep_f = nk * 4 * C * C * Dk + n * (2 * C * C * Dk + 2 * C * C * Dv)
+    prep_b = nk * 4 * C * C * Dk + n * 2 * C * C * Dk
+    fwd = prep_f + n * (6 * C * Dk * Dv + 2 * C * C * Dv)
+    bwd = (
+        prep_b
+        + n * (6 * C * Dk * Dv + 2 * C * C * Dv)
+        + n * (6 * C * Dk * Dv + 6 * C * C * Dv + 8 * C * C * Dk)
+    )
+    return {"forward": fwd, "backward": bwd, "recurrence": 6 * B * T * Hv * Dk * Dv}
 
 
 def _kernel_inputs(gpu, shape, rng):
@@ -401,11 +414,89 @@ def _kernel_inputs(gpu, shape, rng):
                 dv=g.buffer(4 * N * Hv * Dv))  # fmt: skip
 
 
+CHECK_SHAPE = (2, 130, 2, 6, 128, 128)  # B, T, Hk, Hv, Dk, Dv: a short last chunk, 3 value heads per key head
+CHECK_SHAPE_QUICK = (1, 40, 1, 3, 16, 16)
+
+
+def reference_case(shape=CHECK_SHAPE, seed: int = 7) -> dict:
+    """Inputs of one small shape and `ddl_ref`'s recurrence on them in float64 (forward and backward): what
+    every timed plan is checked against on the device itself."""
+    from ddl_ref import gdn as ref
+
+    B, T, Hk, Hv, Dk, Dv = shape
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, Hk, Dk))
+    k = rng.standard_normal((B, T, Hk, Dk))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(Dk)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    x = [a.astype(np.float32) for a in (q, k, rng.standard_normal((B, T, Hv, Dv)), -rng.uniform(0.02, 1.5, (B, T, Hv)),
+                                        rng.uniform(0.05, 0.95, (B, T, Hv)))]  # fmt: skip
+    do = rng.standard_normal((B, T, Hv, Dv)).astype(np.float32)
+    o, _, cache = ref.gated_delta_forward(*(a.astype(np.float64) for a in x))
+    grads = ref.gated_delta_backward(do.astype(np.float64), cache)[:5]
+    return {"shape": shape, "x": x, "do": do, "o": o, "grads": grads}
+
+
+def check_plan(gpu, plan, case: dict) -> dict:
+    """The chunked forward and backward under `plan` at the case's shape against `ddl_ref` (the tolerances of
+    tests/test_kernel_gated_delta.py): {"ok": bool, "error": first failure, "max_abs": per output}."""
+    from ddl_ref.check import check
+    from ddl_wgpu.ops import gated_delta as kg
+    from ddl_wgpu.ops.gdn_inputs import align_floats, qk_floats
+
+    B, T, Hk, Hv, Dk, Dv = case["shape"]
+    N, G = B * T, Hv // Hk
+    q, k, v, g, beta = case["x"]
+    k_off, gb_off = kg.qkgb_offsets(N, Hk, Dk)
+    qkgb = np.zeros(kg.qkgb_floats(N, Hk, Hv, Dk), np.float32)
+    qkgb[: q.size], qkgb[k_off : k_off + k.size] = q.reshape(-1), k.reshape(-1)
+    qkgb[gb_off:] = np.stack([g.reshape(N, Hv), beta.reshape(N, Hv)], axis=-1).reshape(-1)
+    qb, vb, dob = gpu.upload(qkgb), gpu.upload(v.reshape(-1)), gpu.upload(case["do"].reshape(-1))
+    o, d = gpu.buffer(4 * N * Hv * Dv), gpu.buffer(4 * N * Hv * Dv)
+    st = gpu.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, plan.chunk))
+    scr = gpu.buffer(4 * kg.chunk_scratch_floats(gpu, B, T, Hv, Dk, Dv, True, plan))
+    dqk, dv = gpu.buffer(4 * qk_floats(N, Hv, Dk)), gpu.buffer(4 * N * Hv * Dv)
+    shape = (B, T, Hk, Hv, Dk, Dv)
+    (kg.chunk_forward(gpu, o, d, st, scr, qb, vb, *shape, plan=plan)
+     + kg.chunk_backward(gpu, dqk, dv, scr, st, d, qb, vb, dob, *shape, plan=plan)).run(gpu)  # fmt: skip
+    got = gpu.download(dqk, np.float32)
+    half = N * Hv * Dk
+    buf, off, _ = kg.chunk_dg_view(gpu, scr, B, T, Hv, Dk, Dv, plan)
+    gb = gpu.download(buf, np.float32)[off // 4 :][: 2 * N * Hv].reshape(B, T, Hv, 2)
+    dq_ref, dk_ref, dv_ref, dg_ref, db_ref = case["grads"]
+    outs = {
+        "o": (gpu.read(o, (B, T, Hv, Dv)), case["o"], "norm"),
+        "dq": (got[:half].reshape(B, T, Hk, G, Dk).sum(3), dq_ref, "attention"),
+        "dk": (got[align_floats(half) :][:half].reshape(B, T, Hk, G, Dk).sum(3), dk_ref, "attention"),
+        "dv": (gpu.read(dv, (B, T, Hv, Dv)), dv_ref, "attention"),
+        "dg": (gb[..., 0], dg_ref, "attention"),
+        "dbeta": (gb[..., 1], db_ref, "attention"),
+    }
+    r = {"ok": True, "max_abs": {}}
+    for name, (a, b, kind) in outs.items():
+        r["max_abs"][name] = float(np.abs(a - b).max())
+        try:
+            check(name, a, b, kind)
+        except AssertionError as e:
+            r["ok"] = False
+            r.setdefault("error", str(e)[:300])
+    return r
+
+
 def time_chunked(
-    gpu, shape, bufs, plan, target_ms: float = 40.0, repeats: int = 3, profile: bool = False
+    gpu,
+    shape,
+    bufs,
+    plan,
+    target_ms: float = 40.0,
+    repeats: int = 3,
+    profile: bool = False,
+    warm_s: float = 0.0,
 ) -> dict:
-    """GPU ms of the chunked forward (an inference net's: nothing saved; and a training net's: Δ and the
-    checkpoints saved) and of the backward, under `plan`; with `profile`, GPU ms per kernel."""
+    """GPU ms of the chunked forward (an inference net's: no checkpoints; and a training net's: the
+    checkpoints saved) and of the backward, under `plan`; with `profile`, GPU ms per kernel. The kernels are
+    compiled and run once first, then the GPU kept busy for `warm_s` seconds (clocks drop while the host
+    compiles)."""
     from ddl_wgpu.ops import gated_delta as kg
 
     B, T, Hk, Hv, Dk, Dv = shape
@@ -413,15 +504,19 @@ def time_chunked(
     scr = gpu.buffer(4 * kg.chunk_scratch_floats(gpu, B, T, Hv, Dk, Dv, True, plan))
     b = bufs
     infer = kg.chunk_forward(
-        gpu, b["o"], None, None, scr, b["qkgb"], b["v"], *shape, plan=plan, save_ckpt=False
+        gpu, b["o"], b["delta"], None, scr, b["qkgb"], b["v"], *shape, plan=plan, save_ckpt=False
     )
     train = kg.chunk_forward(gpu, b["o"], b["delta"], st, scr, b["qkgb"], b["v"], *shape, plan=plan)
     bwd = kg.chunk_backward(
         gpu, b["dqk"], b["dv"], scr, st, b["delta"], b["qkgb"], b["v"], b["do"], *shape, plan=plan
     )
     train.run(gpu)
-    row = {"plan": plan.__dict__, "shared_bytes": plan.shared_bytes(Dk, Dv),
-           "rows_per_call": kg.chunk_rows(gpu, B, T, Hv, Dk, Dv, plan.chunk, True)}  # fmt: skip
+    bwd.run(gpu)
+    gpu.wait()
+    common.warm_up(gpu, warm_s)
+    limit = gpu.limits.get("max-compute-workgroup-storage-size", 16 << 10)
+    row = {"plan": plan.__dict__, "shared_bytes": plan.shared_bytes(Dk, Dv, limit),
+           "rows_per_call": kg.chunk_rows(gpu, B, T, Hv, Dk, Dv, plan, True)}  # fmt: skip
     for name, call in (("forward", infer), ("forward_train", train), ("backward", bwd)):
         row[name + "_ms"] = common.gpu_time_ms(gpu, [call], target_ms=target_ms, repeats=repeats)["ms"]
     if profile and "timestamp-query" in gpu.features:
@@ -439,20 +534,28 @@ def time_chunked(
 
 def bench_kernel(gpu, args) -> dict:
     """The chunked rule (the engine's) at each shape under the adapter's default plan, against its FLOP and
-    byte bounds, beside the per-token forward (the decoder's kernel); `--sweep`: every plan of `sweep_plans`
-    at one shape."""
+    byte bounds, beside the per-token forward (the kernel an inference net's short rows and the decoder
+    run); `--sweep`: every plan of `sweep_plans` at each of `--sweep-shape`'s shapes."""
     from ddl_wgpu.ops import gated_delta as kg
 
     shapes = QUICK_SHAPES if args.quick else KERNEL_SHAPES
-    out = {}
+    out = {"per_token_max_t": kg.per_token_max_t()}
     rng = np.random.default_rng(0)
+    cs = CHECK_SHAPE_QUICK if args.quick else CHECK_SHAPE
+    case = reference_case(cs)
+    d = kg.chunk_plan(gpu, cs[4], cs[5])
+    out["check"] = common.attempt(check_plan, gpu, d, case)
+    print(f"  check {d.text()} at {cs} against ddl_ref: "
+          + ("ok" if out["check"].get("ok") else f"FAILED {out['check'].get('error')}"), flush=True)  # fmt: skip
+    args._case = case
+    common.warm_up(gpu, 0.0 if args.quick else args.warm_up_s)
     for name, shape in shapes.items():
         B, T, Hk, Hv, Dk, Dv = shape
         N = B * T
         bufs = _kernel_inputs(gpu, shape, rng)
         plan = kg.chunk_plan(gpu, Dk, Dv)
         row = {"shape": list(shape), **time_chunked(gpu, shape, bufs, plan, profile=True)}
-        # the per-token forward as the decoder runs it over a whole pass (nothing saved but the final state)
+        # the per-token forward over whole rows (nothing saved but the final state)
         fin = gpu.buffer(4 * kg.states_floats(B, Hv, Dk, Dv, T, T))
         tok = kg.gated_delta_forward(gpu, bufs["o"], bufs["delta"], fin, bufs["qkgb"], bufs["v"], *shape, tc=T,
                                      save_ckpt=False, save_final=True)  # fmt: skip
@@ -470,76 +573,84 @@ def bench_kernel(gpu, args) -> dict:
                          "recurrence_flop_bound_ms": fl["recurrence"] * (3 if part == "backward" else 1)
                          / (common.H200_FP32_TFLOPS * 1e9)}  # fmt: skip
         out[name] = row
-        print(f"  kernel {name} {plan}: forward {row['forward_ms']:.2f} ms (training {row['forward_train_ms']:.2f}), "
-              f"backward {row['backward_ms']:.2f} ms; per-token forward {row['per_token_forward_ms']:.2f} ms",
-              flush=True)  # fmt: skip
+        print(f"  kernel {name} {plan.text()}: forward {row['forward_ms']:.2f} ms (training "
+              f"{row['forward_train_ms']:.2f}), backward {row['backward_ms']:.2f} ms; per-token forward "
+              f"{row['per_token_forward_ms']:.2f} ms", flush=True)  # fmt: skip
         del bufs, fin
     if args.sweep:
-        out["sweep"] = sweep(gpu, args)
+        names = ["quick"] if args.quick else [x.strip() for x in args.sweep_shape.split(",") if x.strip()]
+        out["sweep"] = {name: common.attempt(sweep, gpu, args, name) for name in names}
     return out
 
 
 def sweep_plans(gpu, Dk: int, Dv: int) -> list:
-    """The plans `--sweep` times (those that fit the adapter): chunk 64 and 32, each with 16 to 64 value
-    columns per sequential workgroup and 64 to 512 threads, and single changes of the first (staging depth,
-    Tm's blocks, prefetch off, steps looped, the per-chunk kernels' threads)."""
+    """The plans `--sweep` times (those that fit the adapter): the default, then single changes of it (value
+    columns and threads of the sequential kernels, slab depth, Tm's blocks, the per-chunk kernels' threads)
+    and a few plans of chunk 32."""
     from dataclasses import replace
 
     from ddl_wgpu.gpu import GpuError
-    from ddl_wgpu.ops.gated_delta import ChunkPlan
+    from ddl_wgpu.ops import gated_delta as kg
 
-    grid = [(64, 32, 256), (64, 32, 128), (64, 32, 64), (64, 16, 128), (64, 16, 64), (64, 32, 512), (64, 16, 256),
-            (32, 32, 256), (32, 32, 128), (32, 32, 64), (32, 16, 128), (32, 16, 64), (32, 64, 256), (32, 64, 128)]  # fmt: skip
-    plans = [ChunkPlan(c, bv, n, 8) for c, bv, n in grid]
-    first = plans[0]
-    plans += [replace(first, br=4), replace(first, br=16), replace(first, tb=8), replace(first, tb=32),
-              replace(first, pf=False), replace(first, unroll=False), replace(first, pthreads=128),
-              replace(first, pthreads=512), ChunkPlan(32, 32, 128, 16), ChunkPlan(32, 32, 128, 8, pf=False)]  # fmt: skip
-    ok = []
+    first = kg.chunk_plan(gpu, Dk, Dv)
+    plans = [first] + [replace(first, **kw) for kw in (
+        dict(bv=16), dict(bv=64), dict(bv=64, threads=256), dict(bv=16, threads=64), dict(threads=64),
+        dict(threads=256), dict(bk=8), dict(tb=8), dict(tb=32), dict(pthreads=128), dict(pthreads=512),
+        dict(chunk=32), dict(chunk=32, bv=16), dict(chunk=32, bv=16, threads=64), dict(chunk=32, bv=64, threads=256),
+        dict(chunk=32, bk=8, pthreads=128))]  # fmt: skip
+    ok, seen = [], set()
     for p in plans:
         try:
             p.check(gpu, Dk, Dv)
-            ok.append(p)
         except GpuError:
-            pass
+            continue
+        if p not in seen:
+            seen.add(p)
+            ok.append(p)
     return ok
 
 
-def sweep(gpu, args) -> dict:
-    """Time every plan (`--plans`, else `sweep_plans`) at one shape (`--sweep-shape`); a table by forward
-    + backward time, and the winner as a DDL_WGPU_GDN_PLAN value."""
+def sweep(gpu, args, name: str) -> dict:
+    """Time every plan (`--plans`, else `sweep_plans`) at shape `name`: a table by forward + backward time,
+    the winner as a DDL_WGPU_GDN_PLAN value and as the line that makes it the default."""
     from ddl_wgpu.ops import gated_delta as kg
 
-    name = "quick" if args.quick else args.sweep_shape
     shape = {**KERNEL_SHAPES, **QUICK_SHAPES}[name]
     Dk, Dv = shape[4], shape[5]
     plans = [kg.parse_plan(x) for x in args.plans.split(";")] if args.plans else sweep_plans(gpu, Dk, Dv)
     bufs = _kernel_inputs(gpu, shape, np.random.default_rng(0))
     rows = []
     print(f"sweep: {len(plans)} plans at {name} {shape}", flush=True)
+    common.warm_up(gpu, 0.0 if args.quick else args.warm_up_s)
+    warm = 0.0 if args.quick else 0.5
     for i, plan in enumerate(plans):
         t0 = time.perf_counter()
-        r = common.attempt(time_chunked, gpu, shape, bufs, plan, 10.0, 2)
+        r = common.attempt(time_chunked, gpu, shape, bufs, plan, 10.0, 2, False, warm)
         r.setdefault("plan", plan.__dict__)
+        if "error" not in r and getattr(args, "_case", None) is not None:
+            r["check"] = common.attempt(check_plan, gpu, plan, args._case)
+            if not r["check"].get("ok"):
+                r["error"] = f"wrong results: {r['check'].get('error')}"
         r["wall_s"] = time.perf_counter() - t0
         rows.append(r)
-        print(f"  [{i + 1}/{len(plans)}] {_plan_text(plan)}: " + (
+        print(f"  [{i + 1}/{len(plans)}] {plan.text()}: " + (
             f"forward {r['forward_ms']:.2f} ms, backward {r['backward_ms']:.2f} ms" if "error" not in r
             else f"ERROR {r['error'][:200]}") + f" ({r['wall_s']:.1f} s)", flush=True)  # fmt: skip
     good = sorted((r for r in rows if "error" not in r), key=lambda r: r["forward_ms"] + r["backward_ms"])
-    table = [[_plan_text(kg.ChunkPlan(**r["plan"])), f"{r['forward_ms']:.2f}", f"{r['forward_train_ms']:.2f}",
+    table = [[kg.ChunkPlan(**r["plan"]).text(), f"{r['forward_ms']:.2f}", f"{r['forward_train_ms']:.2f}",
               f"{r['backward_ms']:.2f}", f"{r['forward_ms'] + r['backward_ms']:.2f}"] for r in good]  # fmt: skip
     print(common.table(["plan (DDL_WGPU_GDN_PLAN)", "forward ms", "training forward ms", "backward ms", "fwd + bwd"],
                        table, f"gated delta rule plans at {name} {tuple(shape)}"))  # fmt: skip
-    best = _plan_text(kg.ChunkPlan(**good[0]["plan"])) if good else None
-    if best:
-        print(f"fastest: DDL_WGPU_GDN_PLAN={best}")
-    return {"shape": list(shape), "name": name, "rows": rows, "best": best}
-
-
-def _plan_text(plan) -> str:
-    return (f"chunk={plan.chunk},bv={plan.bv},threads={plan.threads},br={plan.br},tb={plan.tb},pf={int(plan.pf)},"
-            f"unroll={int(plan.unroll)},pthreads={plan.pthreads}")  # fmt: skip
+    out = {"shape": list(shape), "name": name, "rows": rows, "best": None}
+    if good:
+        best = kg.ChunkPlan(**good[0]["plan"])
+        fwd = kg.ChunkPlan(**min(good, key=lambda r: r["forward_ms"])["plan"])
+        out |= {"best": best.text(), "best_forward": fwd.text()}
+        print(
+            f"fastest at {name} (forward + backward): DDL_WGPU_GDN_PLAN={best.text()}; fastest forward: "
+            f"{fwd.text()}\n  to make it the default, put first in PLANS (ddl_wgpu/ops/gated_delta.py): {best!r},"
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -569,15 +680,19 @@ def main(argv=None) -> int:
     ap.add_argument("--bypass-fla-hopper-guard", action="store_true",
                     help="time fla's kernels even where fla refuses its gated backward (Hopper with Triton 3.4 to "
                     "3.7.0: fla #640, wrong gradients); its throughput only, its losses are not compared")  # fmt: skip
-    ap.add_argument("--sweep", action="store_true", help="kernel: also time every chunk plan at one shape")
-    ap.add_argument(
-        "--sweep-shape", default="27b", choices=list(KERNEL_SHAPES), help="kernel --sweep: the shape"
-    )
+    ap.add_argument("--sweep", action="store_true", help="kernel: also time every chunk plan at some shapes")
+    ap.add_argument("--sweep-shape", default="27b",
+                    help=f"kernel --sweep: the shapes, comma-separated, of {', '.join(KERNEL_SHAPES)}")  # fmt: skip
     ap.add_argument("--plans", default=None,
-                    help='kernel --sweep: the plans to time, "chunk=64,bv=32,threads=256,br=8;chunk=32,..."')  # fmt: skip
+                    help='kernel --sweep: the plans to time, "chunk=64,bv=32,threads=128;chunk=32,..."')  # fmt: skip
+    ap.add_argument("--warm-up-s", type=float, default=2.0,
+                    help="kernel: seconds of GEMMs before the first timed case (clocks ramp up)")  # fmt: skip
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    bad = [x for x in args.sweep_shape.split(",") if x.strip() and x.strip() not in KERNEL_SHAPES]
+    if bad:
+        ap.error(f"--sweep-shape: unknown shape {bad[0]!r}; use {', '.join(KERNEL_SHAPES)}")
     args.batch = args.batch or (2 if args.quick else 8)
     args.seq = args.seq or (32 if args.quick else 1024)
     args.steps = args.steps or (2 if args.quick else 6)
@@ -638,9 +753,13 @@ def _summary(data: dict) -> list[str]:
         failed.append(f"forward27b: {fw.get('error', '?')[:120]}")
     kr = data.get("kernel")
     if kr and "error" not in kr:
+        shapes = {k: v for k, v in kr.items() if isinstance(v, dict) and k not in ("sweep", "check")}
+        if not kr.get("check", {}).get("ok"):
+            failed.append(f"kernel check against ddl_ref: {kr.get('check', {}).get('error', '?')[:200]}")
         rows = []
-        for name, row in kr.items():
-            if name == "sweep" or "error" in row:
+        for name, row in shapes.items():
+            if "error" in row:
+                failed.append(f"kernel {name}: {row['error'][:120]}")
                 continue
             for part in ("forward", "backward"):
                 x = row[part]
@@ -648,16 +767,32 @@ def _summary(data: dict) -> list[str]:
                              x["binds"], f"{x['x_of_bound']:.2f}",
                              f"{row['per_token_forward_ms']:.2f}" if part == "forward" else "-"])  # fmt: skip
         print(common.table(["shape", "pass", "ms", "TFLOP/s", "GB/s", "bound", "x bound", "per-token fwd ms"], rows,
-                           "gated delta rule, chunked (the engine's), beside the decoder's per-token forward"))  # fmt: skip
-        for name, row in kr.items():
-            if name != "sweep" and "profile_ms" in row:
+                           "gated delta rule, chunked (the engine's), beside the per-token forward"))  # fmt: skip
+        for name, row in shapes.items():
+            if "profile_ms" in row:
                 print(
                     f"  {name} per kernel (GPU ms): "
                     + ", ".join(f"{k} {v:.2f}" for k, v in row["profile_ms"].items())
                 )
-        sw = kr.get("sweep")
-        if sw and "error" in sw:
-            failed.append(f"kernel sweep: {sw['error'][:120]}")
+        # the per-token forward's threshold: the longest rows (of the shapes timed) where it won
+        wins = [row["shape"][1] for row in shapes.values() if "error" not in row
+                and row["per_token_forward_ms"] < row["forward_ms"]]  # fmt: skip
+        loses = [row["shape"][1] for row in shapes.values() if "error" not in row
+                 and row["per_token_forward_ms"] >= row["forward_ms"]]  # fmt: skip
+        print(f"per-token forward faster at T = {sorted(set(wins)) or 'none'}, chunked at T = {sorted(set(loses)) or 'none'}; "
+              f"inference runs per token up to T = {kr.get('per_token_max_t')} (PER_TOKEN_MAX_T in "
+              "ddl_wgpu/ops/gated_delta.py, env DDL_WGPU_GDN_PER_TOKEN_T)")  # fmt: skip
+        for name, sw in (kr.get("sweep") or {}).items():
+            if "error" in sw:
+                failed.append(f"kernel sweep {name}: {sw['error'][:120]}")
+                continue
+            wrong = [r["plan"] for r in sw["rows"] if "check" in r and not r["check"].get("ok")]
+            if wrong:
+                failed.append(f"kernel sweep {name}: {len(wrong)} plans give wrong results, first {wrong[0]}")
+            elif sw.get("best"):
+                print(
+                    f"sweep {name}: fastest (forward + backward) {sw['best']}; fastest forward {sw['best_forward']}"
+                )
     elif kr:
         failed.append(f"kernel: {kr['error'][:120]}")
     print(

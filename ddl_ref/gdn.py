@@ -25,8 +25,8 @@ one every `checkpoint` tokens and the backward recomputes the states of one segm
 
 The chunked form (`gated_delta_chunked_forward` / `gated_delta_chunked_backward`) computes the same rule with
 matrix products over chunks of tokens, the state carried between chunks: the decomposition the GPU's chunked
-kernels follow step for step, checked against the recurrence and by finite differences. The recurrence stays
-the reference the model runs.
+kernels follow (they form Δ = Tm R as U − W S₀, Tm applied before the state is known), checked against the
+recurrence and by finite differences. The recurrence stays the reference the model runs.
 
 What this file deliberately does not do: variable-length packing, or anything for speed.
 

@@ -11,7 +11,9 @@ like `ddl_ref.gdn.gdn_forward` / `gdn_backward`.
     out = y Woutᵀ                                                        ops.matmul (into the residual)
 
 The rule runs in its chunked form (`ops.gated_delta.chunk_forward` / `chunk_backward`,
-docs/kernels.md#the-chunked-form) through one scratch buffer every Gated DeltaNet layer shares (`gdn_scr`);
+docs/kernels.md#the-chunked-form) through one scratch buffer every Gated DeltaNet layer shares (`gdn_scr`),
+except in an inference net's forward of rows of at most `ops.gated_delta.per_token_max_t()` tokens, where
+the per-token kernel measured faster (`gdn_per_token`);
 the backward runs the same ops in reverse, through one set of scratch buffers the layers share
 (`gdn_scratch`). What each layer keeps for its backward: the GEMM outputs (X, z, a, b), the conv output,
 q̂/k̂ and the gates, the rule's Δ (its per-token corrections) and the state before each chunk (training nets
@@ -51,13 +53,21 @@ class GatedDeltaNet:
         Hk, Hv, Dk, Dv = self._gdn_sizes()
         return k_gd.chunk_plan(self.gpu, Dk, Dv)
 
+    @property
+    def gdn_per_token(self) -> bool:
+        """Whether this net's forward runs the rule per token: an inference net's rows of at most
+        `ops.gated_delta.per_token_max_t()` tokens (docs/kernels.md#the-per-token-forward)."""
+        return self.net.inference and k_gd.per_token_max_t() >= self.T
+
     def gdn_scr(self):
-        """The chunked rule's scratch, one for every layer: the forward's C x C matrices, and in a net that
-        trains the backward's parts too (`ops.gated_delta.chunk_sizes`)."""
+        """The chunked rule's scratch, one for every layer: the forward's per-chunk matrices, and in a net
+        that trains the backward's parts too (`ops.gated_delta.chunk_sizes`); none for a per-token forward."""
         if getattr(self, "_gdn_scr_buf", None) is None:
             Hk, Hv, Dk, Dv = self._gdn_sizes()
             training = not self.net.inference
-            n = k_gd.chunk_scratch_floats(self.gpu, self.B, self.T, Hv, Dk, Dv, training, self.gdn_plan)
+            n = 4
+            if not self.gdn_per_token:
+                n = k_gd.chunk_scratch_floats(self.gpu, self.B, self.T, Hv, Dk, Dv, training, self.gdn_plan)
             self._gdn_scr_buf = self.act(n, "gdn_chunk_scratch")
         return self._gdn_scr_buf
 
@@ -74,7 +84,7 @@ class GatedDeltaNet:
             qkgb=act(k_gd.qkgb_floats(N, Hk, Hv, Dk), f"gdn_qkgb{tag}"),
             qkr=act(k_gi.rstd_floats(N, Hk), f"gdn_qk_rstd{tag}"),
             o=act(N * Hv * Dv, f"gdn_o{tag}"),
-            delta=act(N * Hv * Dv, f"gdn_delta{tag}"),  # Δ (chunked), or v − u (the decoder's per-token rule)
+            delta=act(N * Hv * Dv, f"gdn_delta{tag}"),  # Δ (chunked), or v − u (the per-token rule)
             on=act(N * Hv * Dv, f"gdn_on{tag}"),
             orstd=act(N * Hv, f"gdn_o_rstd{tag}"),
             y=act(N * Hv * Dv, f"gdn_y{tag}"),
@@ -140,9 +150,10 @@ class GatedDeltaNet:
     def _gdn_rule(self, a: dict, q: str, states=None, state_in=None, tc: int | None = None,
                   save_final: bool = False) -> Call:  # fmt: skip
         """a["o"] = the gated delta rule from the layer's q, k, gates and v: the chunked kernels, which in a
-        training net also save Δ and the state before each chunk. Given `states`, `state_in` and `tc` (a
-        decoding pass: `decode.TrunkRows`), the per-token kernel from `state_in`, writing the state before
-        every tc-th row and, with `save_final`, the last into `states` (`ops.gated_delta.gated_delta_forward`)."""
+        training net also save the state before each chunk (and always Δ), or in an inference net's short
+        rows (`gdn_per_token`) the per-token kernel. Given `states`, `state_in` and `tc` (a decoding pass:
+        `decode.TrunkRows`), the per-token kernel from `state_in`, writing the state before every tc-th row
+        and, with `save_final`, the last into `states` (`ops.gated_delta.gated_delta_forward`)."""
         Hk, Hv, Dk, Dv = self._gdn_sizes()
         v_off = k_gi.planar_offsets(self.N, Hk, Dk)[1]
         g, B, T = self.gpu, self.B, self.T
@@ -150,6 +161,9 @@ class GatedDeltaNet:
             return k_gd.gated_delta_forward(g, a["o"], a["delta"], states, a["qkgb"], a["cv"], B, T, Hk, Hv, Dk, Dv,
                                             tc=tc or T, v_off=v_off, v_stride=Hv * Dv, state_in=state_in,
                                             save_final=save_final)  # fmt: skip
+        if self.gdn_per_token:
+            return k_gd.gated_delta_forward(g, a["o"], a["delta"], a["states"], a["qkgb"], a["cv"], B, T, Hk, Hv, Dk,
+                                            Dv, tc=T, v_off=v_off, v_stride=Hv * Dv, save_ckpt=False)  # fmt: skip
         return k_gd.chunk_forward(g, a["o"], a["delta"], a["states"], a["scr"], a["qkgb"], a["cv"], B, T, Hk, Hv, Dk,
                                   Dv, plan=self.gdn_plan, v_off=v_off, v_stride=Hv * Dv,
                                   save_ckpt=not self.net.inference)  # fmt: skip

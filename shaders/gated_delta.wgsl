@@ -118,47 +118,52 @@ fn gated_delta_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
 // =========================================================================================================
 // The chunked form (`ddl_ref.gdn.gated_delta_chunked_forward` / `gated_delta_chunked_backward`, whose
 // docstrings hold the math; docs/kernels.md#the-chunked-form). The T tokens of a row are cut into chunks of
-// CC; per chunk (γ the cumulative log decay within it, Γ = exp(γ), L its last token, tokens past T padded
-// with k = q = v = 0, g = 0, beta = 0, which changes nothing):
+// CC; per chunk (γ the cumulative log decay within it, Γ = exp(γ), L its last token, M_ts = exp(γ_t - γ_s)
+// for s <= t, tokens past T padded with k = q = v = 0, g = 0, beta = 0, which changes nothing). Only the
+// recurrence's own products run in the sequential kernels; everything local to a chunk runs per chunk:
 //
-//   chunk_prep            (qkgb, tp, p)     one workgroup per (b, h, chunk), independent of the state:
-//       tp[chunk] = [Tm, P, MKK] (each CC x CC, row-major): MKK = M ∘ K Kᵀ strictly below the diagonal,
-//       P = M ∘ Q Kᵀ, Tm = (I + diag(beta) MKK)⁻¹ (blocks of TB: the diagonal ones by forward substitution,
-//       a column per thread, then a block row at a time by products).
-//   chunk_forward         (qkgb, v, state_in, tp, o, delta, states, p)   one workgroup per (b, h, BV value
-//       columns), the chunks in order, the state's Dk x BV block in registers (a copy in workgroup memory
-//       for the products that read it):
-//           X_K, X_Q = K S, Q S;  R = beta (V - Γ X_K);  Δ = Tm R;  O = Γ X_Q + P Δ;  S <- Γ_L S + K̃ᵀ Δ
-//       delta = Δ and states = the state before each chunk (with save_ckpt: what the backward reads),
-//       slot nck the final state (save_final).
-//   chunk_backward_state  (qkgb, do, scr, p)   one workgroup per (b, h, BV value columns), chunks in
-//       reverse, dS in registers: scr's ds part gets dS at each chunk's end, its dr part dR:
-//           dΔ = Pᵀ dO + K̃ dS;  dR = Tmᵀ dΔ;  dS <- Γ_L dS - Kᵀ (beta Γ dR) + Qᵀ (Γ dO)
+//   chunk_prep            (qkgb, v, tp, p)   one workgroup per (b, key head, chunk), independent of the state:
+//       K Kᵀ and Q Kᵀ once for the key head's value heads, then per value head P = M ∘ Q Kᵀ,
+//       A = diag(beta) (M ∘ K Kᵀ) strictly lower, Tm = (I + A)⁻¹ (blocks of TB), W = Tm diag(beta Γ) K and,
+//       the forward's, U = Tm diag(beta) V (the backward's: Tm). tp[chunk] = [W | P | U or Tm].
+//   chunk_forward         (qkgb, state_in, tp, o, delta, states, p)   one workgroup per (b, h, BV value
+//       columns), the chunks in order, the state's CDK x BV block in registers (a copy in workgroup memory
+//       for the product that reads it):  X = [W; Q] S;  Δ = U - X_W;  o = Γ X_Q;  S <- Γ_L S + K̃ᵀ Δ
+//       (K̃ = exp(γ_L - γ) K). delta = Δ (always: chunk_output reads it); states = the state before each
+//       chunk (save_ckpt: the backward's) and after the last (save_final).
+//   chunk_output          (tp, delta, o, p)   one workgroup per (b, h, chunk):  o += P Δ.
+//   chunk_backward_state  (qkgb, do, scr, p)   one workgroup per (b, h, BV value columns), the chunks in
+//       reverse with dS in registers:  dΔ = Pᵀ dO + K̃ dS;  dS <- Γ_L dS - Wᵀ dΔ + Qᵀ (Γ dO); scr's dd part
+//       gets dΔ, its ds part dS at each chunk's end.
 //   chunk_backward_grads  (qkgb, v, do, delta, states, scr, dqk, dv, p)   one workgroup per (b, h, chunk):
-//       dP, dA from [dO; dR] Δᵀ with P, MKK (tp); dq, dk = the intra-chunk products, then the products
-//       with the chunk's start state (states) and end gradient (scr's ds): Z = dR S0ᵀ, Y = dO S0ᵀ,
-//       dK̃ = Δ dSᵀ; dv = beta dR; per token dg (the reverse cumulative sum of dγ) and dbeta into scr's dg
-//       part as (rows, Hv, 2).
+//       dR = Tmᵀ dΔ (in place of dΔ), dv = beta dR; [dP; -dA] = [dO; dR] Δᵀ -> E = [dP ∘ M; dA ∘ M]
+//       (scr's e part); y = [Γ dO; -Γ dR] S₀ᵀ + E K: dq (its first C rows) and dk⁺ = beta (its last);
+//       z = exp(γ_L - γ) Δ dSᵀ + [dQKᵀ | (dA ∘ M)ᵀ] [Q; beta K] = dk⁻; dk = dk⁺ + dk⁻; per token
+//       dbeta = V·dR + k·y_last and dγ = q·dq + k·dk⁺ - k·dk⁻ (+ <dS, S_n> on the last token), dg their
+//       reverse cumulative sum within the chunk, [dg, dbeta] into scr's dg part.
 //
-// All sums run in a fixed order (no atomics): the same bits every run. Workgroup memory of each kernel is
-// one array carved at constant offsets (generated: ddl_wgpu/ops/gated_delta.py `ChunkPlan`); rows written
-// transposed are padded to odd strides. scr = [tp | dr | ds | dg] at the uniform's offsets (one binding,
-// as each kernel may bind 8 storage buffers). A call runs batch rows b0 .. b0 + B - 1 (where one row's
-// buffers would not fit a binding, the launcher makes several calls): token buffers (qkgb, v, o, delta,
-// do, dqk, dv, dg) are indexed by the batch row b, the per-chunk ones (tp, states, state_in, dr, ds) by the
-// call's own row bl = b - b0 (the launcher binds views of states and state_in at row b0).
+// All sums run in a fixed order (no atomics): the same bits every run. Each kernel's workgroup memory is one
+// vec4 array carved at constant offsets (generated: ddl_wgpu/gdn_plan.py), with the per-token arrays of the
+// gates beside it. scr = [tp | dd | ds | e | dg] at the uniform's offsets (one binding: each kernel may
+// bind 8 storage buffers). A call runs batch rows b0 .. b0 + B - 1 (where one row group's buffers would not
+// fit a binding, the launcher makes several calls): token buffers (qkgb, v, o, delta, do, dqk, dv, dg) are
+// indexed by the batch row b, the per-chunk ones (tp, states, state_in, dd, ds, e) by the call's own row
+// bl = b - b0 (the launcher binds views of states and state_in at row b0).
 
 const CC: u32 = {{CC}}u;  // tokens per chunk
 const CDK: u32 = {{CDK}}u;  // Dk padded to a power of two
 const CDV: u32 = {{CDV}}u;  // Dv padded
 const BV: u32 = {{BV}}u;  // value columns per workgroup of the sequential kernels
+const SV: u32 = BV / 4u;  // ... in vec4
 const NVB: u32 = CDV / BV;
-const CNT: u32 = {{CNT}}u;  // threads per workgroup of the sequential kernels (chunk_forward, chunk_backward_state)
-const CNTP: u32 = {{CNTP}}u;  // ... and of the per-chunk ones (chunk_prep, chunk_backward_grads)
-const BR: u32 = {{BR}}u;  // rows of an operand staged into workgroup memory at a time
+const CNT: u32 = {{CNT}}u;  // threads per workgroup of the sequential kernels
+const CNTP: u32 = {{CNTP}}u;  // ... and of the per-chunk ones
 const CC2: u32 = CC * CC;
-const TB: u32 = {{TB}}u;  // the prep's blocks of Tm (rows and columns)
-{{CHUNK_CONSTS}}  // workgroup-memory offsets of each chunked kernel's parts (floats)
+const TB: u32 = {{TB}}u;  // the prep's blocks of Tm
+const TPB: u32 = {{TPB}}u;  // floats of one chunk's block of tp: W (CC x CDK), P (CC x CC), U (CC x CDV) or Tm
+const TP_P: u32 = CC * CDK;
+const TP_X: u32 = CC * CDK + CC2;
+{{CHUNK_CONSTS}}  // workgroup-memory offsets of each chunked kernel's parts (vec4; _F: floats)
 
 var<workgroup> c_g: array<f32, CC>;  // the chunk's log decays g
 var<workgroup> c_gam: array<f32, CC>;  // γ: their cumulative sum within the chunk
@@ -184,101 +189,110 @@ fn c_decay(t: u32, s: u32) -> f32 {
 // chunk_prep
 
 @group(0) @binding(0) var<storage, read> cp_qk: array<f32>;
-@group(0) @binding(1) var<storage, read_write> cp_tp: array<f32>;
-@group(0) @binding(2) var<uniform> cp_p: Params;
-var<workgroup> cp_sm: array<f32, {{CP_SM}}>;
+@group(0) @binding(1) var<storage, read> cp_val: array<f32>;
+@group(0) @binding(2) var<storage, read_write> cp_scr: array<f32>;
+@group(0) @binding(3) var<uniform> cp_p: Params;
+var<workgroup> cp_sm: array<vec4<f32>, {{CP_SM}}>;
 
+fn cp_rd(i: u32) -> f32 { return cp_sm[i >> 2u][i & 3u]; }
+fn cp_wr(i: u32, x: f32) { cp_sm[i >> 2u][i & 3u] = x; }
 fn cp_ld(part: u32, b: u32, t: u32, hk: u32, i: u32) -> f32 {
     // part 0: q, 1: k
     if (t >= cp_p.T || i >= cp_p.Dk) { return 0.0; }
     return cp_qk[part * cp_p.k_off + ((b * cp_p.T + t) * cp_p.Hk + hk) * cp_p.Dk + i];
+}
+fn cp_ldv(b: u32, t: u32, h: u32, j: u32) -> f32 {
+    if (t >= cp_p.T || j >= cp_p.Dv) { return 0.0; }
+    return cp_val[cp_p.v_off + (b * cp_p.T + t) * cp_p.v_stride + h * cp_p.Dv + j];
 }
 
 @compute @workgroup_size(CNTP)
 fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
               @builtin(local_invocation_index) lid: u32) {
     let id = group_index(wid, nwg);
-    if (id >= cp_p.B * cp_p.Hv * cp_p.nck) { return; }
-    let bh = id / cp_p.nck;
-    let c = id - bh * cp_p.nck;
-    let bl = bh / cp_p.Hv;  // the batch row within this call's rows
+    if (id >= cp_p.B * cp_p.Hk * cp_p.nck) { return; }
+    let bkh = id / cp_p.nck;
+    let c = id - bkh * cp_p.nck;
+    let bl = bkh / cp_p.Hk;  // the batch row within this call's rows
     let b = bl + cp_p.b0;  // ... and within the whole batch (token buffers)
-    let h = bh - bl * cp_p.Hv;
-    let hk = h / (cp_p.Hv / cp_p.Hk);
+    let hk = bkh - bl * cp_p.Hk;
+    let G = cp_p.Hv / cp_p.Hk;
     let t0 = c * CC;
-    let base = id * 3u * CC2;
     {{CP_COORDS}}
-    if (lid < CC) {
-        let t = t0 + lid;
-        var g = 0.0;
-        var be = 0.0;
-        if (t < cp_p.T) {
-            let at = cp_p.gb_off + ((b * cp_p.T + t) * cp_p.Hv + h) * 2u;
-            g = cp_qk[at];
-            be = cp_qk[at + 1u];
-        }
-        c_g[lid] = g;
-        c_bet[lid] = be;
-    }
-    workgroupBarrier();
-    c_cumsum(lid);
-    // K Kᵀ and Q Kᵀ over Dk in steps of BR: staged transposed, [k rows; q rows] of each i
-    {{CP_DECL}}
-    for (var i0 = 0u; i0 < CDK; i0 += BR) {
-        workgroupBarrier();
-        for (var e = lid; e < 2u * CC * BR; e += CNTP) {
-            let m = e / BR;
-            let r = e - m * BR;
-            cp_sm[CP_STG + r * (2u * CC + 1u) + m] = cp_ld(select(0u, 1u, m < CC), b, t0 + m % CC, hk, i0 + r);
-        }
-        workgroupBarrier();
-        {{CP_FMA}}
-    }
-    workgroupBarrier();
-    {{CP_MATS}}
-    workgroupBarrier();
-    // Tm = (I + A)⁻¹, A = diag(beta) MKK, by TB x TB blocks: each diagonal block's inverse by forward
-    // substitution (a column per thread, reading only its own column), then block row by block row
-    // Tm_ij = -Tm_ii Σ_{j <= k < i} A_ik Tm_kj (blocks j < i), the sums in a fixed order
-    if (lid < CC) {
-        let j = lid;
-        let d0 = (j / TB) * TB;
-        for (var t = 0u; t < d0; t++) { cp_sm[CP_T + t * (CC + 1u) + j] = 0.0; }
-        for (var t = d0; t < d0 + TB; t++) {
-            var x = select(0.0, 1.0, t == j);
-            for (var s = j; s < t; s++) {
-                x -= cp_sm[CP_A + t * (CC + 1u) + s] * cp_sm[CP_T + s * (CC + 1u) + j];
+    // [K; Q] Kᵀ over Dk, once for the key head's value heads ([k; q] rows staged transposed)
+    {{CP_KQ}}
+    for (var gi = 0u; gi < G; gi++) {
+        let h = hk * G + gi;
+        let blk = ((bl * cp_p.Hv + h) * cp_p.nck + c) * TPB;
+        if (lid < CC) {
+            let t = t0 + lid;
+            var g = 0.0;
+            var be = 0.0;
+            if (t < cp_p.T) {
+                let at = cp_p.gb_off + ((b * cp_p.T + t) * cp_p.Hv + h) * 2u;
+                g = cp_qk[at];
+                be = cp_qk[at + 1u];
             }
-            cp_sm[CP_T + t * (CC + 1u) + j] = x;
-        }
-    }
-    for (var ib = 1u; ib < CC / TB; ib++) {
-        workgroupBarrier();
-        let i0 = ib * TB;
-        for (var e = lid; e < i0 * TB; e += CNTP) {  // X = Σ_k A_ik Tm_kj for every block j < i
-            let r = e / i0;
-            let col = e - r * i0;
-            var acc = 0.0;
-            for (var k = col; k < i0; k++) {
-                acc += cp_sm[CP_A + (i0 + r) * (CC + 1u) + k] * cp_sm[CP_T + k * (CC + 1u) + col];
-            }
-            cp_sm[CP_X + e] = acc;
+            c_g[lid] = g;
+            c_bet[lid] = be;
         }
         workgroupBarrier();
-        for (var e = lid; e < i0 * TB; e += CNTP) {  // Tm_ij = -Tm_ii X
-            let r = e / i0;
-            let col = e - r * i0;
-            var acc = 0.0;
-            for (var k = 0u; k <= r; k++) {
-                acc += cp_sm[CP_T + (i0 + r) * (CC + 1u) + i0 + k] * cp_sm[CP_X + k * i0 + col];
+        c_cumsum(lid);
+        workgroupBarrier();
+        // A (workgroup memory, row-major, odd stride) and P (tp) from the K Kᵀ and Q Kᵀ registers
+        {{CP_MASK}}
+        workgroupBarrier();
+        // Tm = (I + A)⁻¹ by TB x TB blocks: each diagonal block's inverse by forward substitution (a column
+        // per thread, reading only its own column), then block row by block row
+        // Tm_ij = -Tm_ii Σ_{j <= k < i} A_ik Tm_kj (blocks j < i), the sums in a fixed order
+        if (lid < CC) {
+            let j = lid;
+            let d0 = (j / TB) * TB;
+            for (var t = 0u; t < d0; t++) { cp_wr(CP_T_F + t * (CC + 1u) + j, 0.0); }
+            for (var t = d0; t < d0 + TB; t++) {
+                var x = select(0.0, 1.0, t == j);
+                for (var s = j; s < t; s++) {
+                    x -= cp_rd(CP_A_F + t * (CC + 1u) + s) * cp_rd(CP_T_F + s * (CC + 1u) + j);
+                }
+                cp_wr(CP_T_F + t * (CC + 1u) + j, x);
             }
-            cp_sm[CP_T + (i0 + r) * (CC + 1u) + col] = -acc;
         }
-    }
-    workgroupBarrier();
-    for (var e = lid; e < CC2; e += CNTP) {
-        let t = e / CC;
-        cp_tp[base + e] = cp_sm[CP_T + t * (CC + 1u) + e - t * CC];
+        for (var ib = 1u; ib < CC / TB; ib++) {
+            workgroupBarrier();
+            let i0 = ib * TB;
+            for (var e = lid; e < i0 * TB; e += CNTP) {  // X = Σ_k A_ik Tm_kj for every block j < i
+                let r = e / i0;
+                let col = e - r * i0;
+                var acc = 0.0;
+                for (var k = col; k < i0; k++) {
+                    acc += cp_rd(CP_A_F + (i0 + r) * (CC + 1u) + k) * cp_rd(CP_T_F + k * (CC + 1u) + col);
+                }
+                cp_wr(CP_X_F + e, acc);
+            }
+            workgroupBarrier();
+            for (var e = lid; e < i0 * TB; e += CNTP) {  // Tm_ij = -Tm_ii X
+                let r = e / i0;
+                let col = e - r * i0;
+                var acc = 0.0;
+                for (var k = 0u; k <= r; k++) {
+                    acc += cp_rd(CP_T_F + (i0 + r) * (CC + 1u) + i0 + k) * cp_rd(CP_X_F + k * i0 + col);
+                }
+                cp_wr(CP_T_F + (i0 + r) * (CC + 1u) + col, -acc);
+            }
+        }
+        workgroupBarrier();
+        if (cp_p.mode != 0u) {  // the backward's Tm (row-major)
+            for (var e = lid; e < CC2; e += CNTP) {
+                let t = e / CC;
+                cp_scr[blk + TP_X + e] = cp_rd(CP_T_F + t * (CC + 1u) + e - t * CC);
+            }
+        }
+        // W = Tm diag(beta Γ) K (the rows of beta Γ K staged as they are; Tm read as scalars)
+        {{CP_W}}
+        if (cp_p.mode == 0u) {
+            // U = Tm diag(beta) V
+            {{CP_U}}
+        }
     }
 }
 
@@ -287,22 +301,22 @@ fn chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw
 // chunk_forward
 
 @group(0) @binding(0) var<storage, read> cf_qk: array<f32>;
-@group(0) @binding(1) var<storage, read> cf_v: array<f32>;
-@group(0) @binding(2) var<storage, read> cf_init: array<f32>;
-@group(0) @binding(3) var<storage, read> cf_tp: array<f32>;
-@group(0) @binding(4) var<storage, read_write> cf_o: array<f32>;
-@group(0) @binding(5) var<storage, read_write> cf_d: array<f32>;
-@group(0) @binding(6) var<storage, read_write> cf_states: array<f32>;
-@group(0) @binding(7) var<uniform> cf_p: Params;
-var<workgroup> cf_sm: array<f32, {{CF_SM}}>;
+@group(0) @binding(1) var<storage, read> cf_init: array<f32>;
+@group(0) @binding(2) var<storage, read> cf_scr: array<f32>;
+@group(0) @binding(3) var<storage, read_write> cf_o: array<f32>;
+@group(0) @binding(4) var<storage, read_write> cf_d: array<f32>;
+@group(0) @binding(5) var<storage, read_write> cf_states: array<f32>;
+@group(0) @binding(6) var<uniform> cf_p: Params;
+var<workgroup> cf_sm: array<vec4<f32>, {{CF_SM}}>;
 
 fn cf_ld(part: u32, b: u32, t: u32, hk: u32, i: u32) -> f32 {
     if (t >= cf_p.T || i >= cf_p.Dk) { return 0.0; }
     return cf_qk[part * cf_p.k_off + ((b * cf_p.T + t) * cf_p.Hk + hk) * cf_p.Dk + i];
 }
-fn cf_ldv(b: u32, t: u32, h: u32, j: u32) -> f32 {
-    if (t >= cf_p.T || j >= cf_p.Dv) { return 0.0; }
-    return cf_v[cf_p.v_off + (b * cf_p.T + t) * cf_p.v_stride + h * cf_p.Dv + j];
+fn cf_xa(blk: u32, b: u32, t0: u32, hk: u32, tq: u32, i: u32) -> f32 {
+    // row tq of [W; Q]: W from tp (CDK wide, padded with zeros), then q
+    if (tq < CC) { return cf_scr[blk + tq * CDK + i]; }
+    return cf_ld(0u, b, t0 + tq - CC, hk, i);
 }
 fn cf_ldinit(bh: u32, i: u32, j: u32) -> f32 {
     if (cf_p.has_init == 0u || i >= cf_p.Dk || j >= cf_p.Dv) { return 0.0; }
@@ -310,6 +324,12 @@ fn cf_ldinit(bh: u32, i: u32, j: u32) -> f32 {
 }
 fn cf_store_state(slot: u32, i: u32, j: u32, x: f32) {
     if (i < cf_p.Dk && j < cf_p.Dv) { cf_states[(slot * cf_p.Dk + i) * cf_p.Dv + j] = x; }
+}
+fn cf_store_delta(b: u32, t: u32, h: u32, j: u32, x: f32) {
+    if (t < cf_p.T && j < cf_p.Dv) { cf_d[((b * cf_p.T + t) * cf_p.Hv + h) * cf_p.Dv + j] = x; }
+}
+fn cf_store_o(b: u32, t: u32, h: u32, j: u32, x: f32) {
+    if (t < cf_p.T && j < cf_p.Dv) { cf_o[((b * cf_p.T + t) * cf_p.Hv + h) * cf_p.Dv + j] = x; }
 }
 
 @compute @workgroup_size(CNT)
@@ -325,11 +345,13 @@ fn chunk_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let hk = h / (cf_p.Hv / cf_p.Hk);
     let slots = bh * (cf_p.nck + 1u);
     {{CF_COORDS}}
+    // the state block in registers, and its copy
     {{CF_S_INIT}}
     for (var c = 0u; c < cf_p.nck; c++) {
         let t0 = c * CC;
-        let tbase = (bh * cf_p.nck + c) * 3u * CC2;
+        let blk = (bh * cf_p.nck + c) * TPB;
         if (cf_p.save_ckpt != 0u) {
+            let slot = slots + c;
             {{CF_S_STORE}}
         }
         if (lid < CC) {
@@ -346,58 +368,58 @@ fn chunk_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
         }
         workgroupBarrier();
         c_cumsum(lid);
-        // X_K = K S, X_Q = Q S over Dk in steps of BR (k and q staged transposed; S from its copy)
-        {{CF_X_DECL}}
-        {{CF_X_PF}}
-        for (var i0 = 0u; i0 < CDK; i0 += BR) {
-            workgroupBarrier();
-            {{CF_X_STAGE}}
-            workgroupBarrier();
-            {{CF_X_NEXT}}
-            {{CF_X_FMA}}
-        }
-        // R = beta (V - Γ X_K)
-        {{CF_R}}
-        // Δ = Tm R (Tm staged transposed)
-        {{CF_D_DECL}}
-        {{CF_D_PF}}
-        for (var s0 = 0u; s0 < CC; s0 += BR) {
-            workgroupBarrier();
-            {{CF_D_STAGE}}
-            workgroupBarrier();
-            {{CF_D_NEXT}}
-            {{CF_D_FMA}}
-        }
         workgroupBarrier();
-        {{CF_D_STORE}}
-        // O = Γ X_Q + P Δ (P staged transposed)
-        {{CF_O_INIT}}
-        {{CF_O_PF}}
-        for (var s0 = 0u; s0 < CC; s0 += BR) {
-            workgroupBarrier();
-            {{CF_O_STAGE}}
-            workgroupBarrier();
-            {{CF_O_NEXT}}
-            {{CF_O_FMA}}
-        }
-        {{CF_O_STORE}}
-        // S <- Γ_L S + K̃ᵀ Δ, K̃ = exp(γ_L - γ) K (rows staged as they are)
+        // X = [W; Q] S over Dk ([W; Q] staged transposed, S from its copy)
+        {{CF_X}}
+        // Δ = U - X_W (its copy and delta), o = Γ X_Q
+        {{CF_X_EPI}}
+        // S <- Γ_L S + K̃ᵀ Δ (K̃'s rows staged as they are, Δ from its copy)
         {{CF_S_DECAY}}
-        {{CF_S_PF}}
-        for (var u0 = 0u; u0 < CC; u0 += BR) {
-            workgroupBarrier();
-            {{CF_S_STAGE}}
-            workgroupBarrier();
-            {{CF_S_NEXT}}
-            {{CF_S_FMA}}
-        }
-        workgroupBarrier();
+        {{CF_S}}
         {{CF_S_MIRROR}}
     }
     if (cf_p.save_final != 0u) {
-        let c = cf_p.nck;
+        let slot = slots + cf_p.nck;
         {{CF_S_STORE}}
     }
+}
+
+
+// ---------------------------------------------------------------------------------------------------------
+// chunk_output
+
+@group(0) @binding(0) var<storage, read> co_scr: array<f32>;
+@group(0) @binding(1) var<storage, read> co_d: array<f32>;
+@group(0) @binding(2) var<storage, read_write> co_o: array<f32>;
+@group(0) @binding(3) var<uniform> co_p: Params;
+var<workgroup> co_sm: array<vec4<f32>, {{CO_SM}}>;
+
+fn co_ldd(b: u32, t: u32, h: u32, j: u32) -> f32 {
+    if (t >= co_p.T || j >= co_p.Dv) { return 0.0; }
+    return co_d[((b * co_p.T + t) * co_p.Hv + h) * co_p.Dv + j];
+}
+fn co_add_o(b: u32, t: u32, h: u32, j: u32, x: f32) {
+    if (t < co_p.T && j < co_p.Dv) {
+        let at = ((b * co_p.T + t) * co_p.Hv + h) * co_p.Dv + j;
+        co_o[at] = co_o[at] + x;
+    }
+}
+
+@compute @workgroup_size(CNTP)
+fn chunk_output(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_index) lid: u32) {
+    let id = group_index(wid, nwg);
+    if (id >= co_p.B * co_p.Hv * co_p.nck) { return; }
+    let bh = id / co_p.nck;
+    let c = id - bh * co_p.nck;
+    let bl = bh / co_p.Hv;
+    let b = bl + co_p.b0;
+    let h = bh - bl * co_p.Hv;
+    let t0 = c * CC;
+    let blk = id * TPB;
+    {{CO_COORDS}}
+    // o += P Δ over the chunk (P staged transposed, Δ's rows as they are)
+    {{CO_O}}
 }
 
 
@@ -408,7 +430,7 @@ fn chunk_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
 @group(0) @binding(1) var<storage, read> cb_do: array<f32>;
 @group(0) @binding(2) var<storage, read_write> cb_scr: array<f32>;
 @group(0) @binding(3) var<uniform> cb_p: Params;
-var<workgroup> cb_sm: array<f32, {{CB_SM}}>;
+var<workgroup> cb_sm: array<vec4<f32>, {{CB_SM}}>;
 
 fn cb_ld(part: u32, b: u32, t: u32, hk: u32, i: u32) -> f32 {
     if (t >= cb_p.T || i >= cb_p.Dk) { return 0.0; }
@@ -417,6 +439,12 @@ fn cb_ld(part: u32, b: u32, t: u32, hk: u32, i: u32) -> f32 {
 fn cb_lddo(b: u32, t: u32, h: u32, j: u32) -> f32 {
     if (t >= cb_p.T || j >= cb_p.Dv) { return 0.0; }
     return cb_do[((b * cb_p.T + t) * cb_p.Hv + h) * cb_p.Dv + j];
+}
+fn cb_store_ds(bh: u32, c: u32, i: u32, j: u32, x: f32) {
+    if (i < cb_p.Dk && j < cb_p.Dv) { cb_scr[cb_p.ds_off + ((bh * cb_p.nck + c) * cb_p.Dk + i) * cb_p.Dv + j] = x; }
+}
+fn cb_store_dd(bl: u32, t: u32, h: u32, j: u32, x: f32) {
+    if (t < cb_p.T && j < cb_p.Dv) { cb_scr[cb_p.dd_off + ((bl * cb_p.T + t) * cb_p.Hv + h) * cb_p.Dv + j] = x; }
 }
 
 @compute @workgroup_size(CNT)
@@ -431,11 +459,12 @@ fn chunk_backward_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     let h = bh - bl * cb_p.Hv;
     let hk = h / (cb_p.Hv / cb_p.Hk);
     {{CB_COORDS}}
+    // dS (zero after the last token) in registers, and its copy
     {{CB_S_INIT}}
     for (var cc = 0u; cc < cb_p.nck; cc++) {
         let c = cb_p.nck - 1u - cc;
         let t0 = c * CC;
-        let tbase = (bh * cb_p.nck + c) * 3u * CC2;
+        let blk = (bh * cb_p.nck + c) * TPB;
         {{CB_S_STORE}}
         if (lid < CC) {
             let t = t0 + lid;
@@ -449,60 +478,21 @@ fn chunk_backward_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
             c_g[lid] = g;
             c_bet[lid] = be;
         }
-        for (var e = lid; e < CC * BV; e += CNT) {
-            let t = e / BV;
-            cb_sm[CB_DO + e] = cb_lddo(b, t0 + t, h, j0 + e - t * BV);
+        for (var e = lid; e < CC * SV; e += CNT) {  // dO of the block's columns, rows CC .. 2CC - 1
+            let t = e / SV;
+            let j = j0 + 4u * (e - t * SV);
+            cb_sm[CB_RB + CC * SV + e] = vec4<f32>(cb_lddo(b, t0 + t, h, j), cb_lddo(b, t0 + t, h, j + 1u),
+                                                   cb_lddo(b, t0 + t, h, j + 2u), cb_lddo(b, t0 + t, h, j + 3u));
         }
         workgroupBarrier();
         c_cumsum(lid);
-        // dΔ = Pᵀ dO (P's rows staged as they are) ...
-        {{CB_DD_DECL}}
-        {{CB_DD1_PF}}
-        for (var s0 = 0u; s0 < CC; s0 += BR) {
-            workgroupBarrier();
-            {{CB_DD1_STAGE}}
-            workgroupBarrier();
-            {{CB_DD1_NEXT}}
-            {{CB_DD_FMA1}}
-        }
-        // ... + K̃ dS (K̃ staged transposed)
-        {{CB_DD2_PF}}
-        for (var i0 = 0u; i0 < CDK; i0 += BR) {
-            workgroupBarrier();
-            {{CB_DD2_STAGE}}
-            workgroupBarrier();
-            {{CB_DD2_NEXT}}
-            {{CB_DD_FMA2}}
-        }
         workgroupBarrier();
-        {{CB_DD_STORE}}
-        // dR = Tmᵀ dΔ (Tm's rows staged as they are)
-        {{CB_R_DECL}}
-        {{CB_R_PF}}
-        for (var s0 = 0u; s0 < CC; s0 += BR) {
-            workgroupBarrier();
-            {{CB_R_STAGE}}
-            workgroupBarrier();
-            {{CB_R_NEXT}}
-            {{CB_R_FMA}}
-        }
-        workgroupBarrier();
-        // dR out; the dΔ copy becomes -beta Γ dR, the dO copy Γ dO
-        {{CB_R_STORE}}
-        for (var e = lid; e < CC * BV; e += CNT) {
-            cb_sm[CB_DO + e] = exp(c_gam[e / BV]) * cb_sm[CB_DO + e];
-        }
-        // dS <- Γ_L dS + Kᵀ (-beta Γ dR) + Qᵀ (Γ dO) (k and q rows staged as they are)
+        // dΔ = Pᵀ dO + K̃ dS (P's rows as stored, then K̃ transposed; B = the rows [dO; dS])
+        {{CB_A}}
+        {{CB_A_EPI}}
+        // dS <- Γ_L dS + [-W; ΓQ]ᵀ [dΔ; dO] (the rows as stored)
         {{CB_S_DECAY}}
-        {{CB_S_PF}}
-        for (var u0 = 0u; u0 < CC; u0 += BR) {
-            workgroupBarrier();
-            {{CB_S_STAGE}}
-            workgroupBarrier();
-            {{CB_S_NEXT}}
-            {{CB_S_FMA}}
-        }
-        workgroupBarrier();
+        {{CB_B}}
         {{CB_S_MIRROR}}
     }
 }
@@ -512,7 +502,7 @@ fn chunk_backward_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
 // chunk_backward_grads
 
 @group(0) @binding(0) var<storage, read> cg_qk: array<f32>;
-@group(0) @binding(1) var<storage, read> cg_v: array<f32>;
+@group(0) @binding(1) var<storage, read> cg_val: array<f32>;
 @group(0) @binding(2) var<storage, read> cg_do: array<f32>;
 @group(0) @binding(3) var<storage, read> cg_d: array<f32>;
 @group(0) @binding(4) var<storage, read> cg_states: array<f32>;
@@ -520,34 +510,61 @@ fn chunk_backward_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
 @group(0) @binding(6) var<storage, read_write> cg_dqk: array<f32>;
 @group(0) @binding(7) var<storage, read_write> cg_dv: array<f32>;
 @group(0) @binding(8) var<uniform> cg_p: Params;
-var<workgroup> cg_sm: array<f32, {{CG_SM}}>;
-var<workgroup> cg_dgam: array<f32, CC>;  // dγ per token, summed over the phases
-var<workgroup> cg_dbet: array<f32, CC>;  // dbeta per token
-var<workgroup> cg_last: f32;  // Σ K̃·dK̃ over the chunk (its last token's dγ gets it)
+var<workgroup> cg_sm: array<vec4<f32>, {{CG_SM}}>;
+var<workgroup> c_dgam: array<f32, CC>;  // dγ per token, summed over the phases
+var<workgroup> c_dbet: array<f32, CC>;  // dbeta per token
+var<workgroup> c_rs: array<f32, 2 * CC>;  // row sums of a product's tile
 
+fn cg_rd(i: u32) -> f32 { return cg_sm[i >> 2u][i & 3u]; }
+fn cg_wr(i: u32, x: f32) { cg_sm[i >> 2u][i & 3u] = x; }
 fn cg_ld(part: u32, b: u32, t: u32, hk: u32, i: u32) -> f32 {
     if (t >= cg_p.T || i >= cg_p.Dk) { return 0.0; }
     return cg_qk[part * cg_p.k_off + ((b * cg_p.T + t) * cg_p.Hk + hk) * cg_p.Dk + i];
 }
-fn cg_row(part: u32, b: u32, t: u32, h: u32, j: u32) -> f32 {
-    // part 0: dO, 1: dR, 2: Δ (rows (n, Hv, Dv)); b the batch row (dR's rows are this call's: b - b0)
+fn cg_ldv(b: u32, t: u32, h: u32, j: u32) -> f32 {
     if (t >= cg_p.T || j >= cg_p.Dv) { return 0.0; }
-    if (part == 1u) { return cg_scr[cg_p.dr_off + (((b - cg_p.b0) * cg_p.T + t) * cg_p.Hv + h) * cg_p.Dv + j]; }
-    let at = ((b * cg_p.T + t) * cg_p.Hv + h) * cg_p.Dv + j;
-    if (part == 0u) { return cg_do[at]; }
-    return cg_d[at];
+    return cg_val[cg_p.v_off + (b * cg_p.T + t) * cg_p.v_stride + h * cg_p.Dv + j];
 }
-fn cg_ldstate(part: u32, bh: u32, c: u32, i: u32, j: u32) -> f32 {
-    // part 0: the state before chunk c (the forward's checkpoint), 1: dS at its end
+fn cg_ldd(b: u32, t: u32, h: u32, j: u32) -> f32 {  // Δ
+    if (t >= cg_p.T || j >= cg_p.Dv) { return 0.0; }
+    return cg_d[((b * cg_p.T + t) * cg_p.Hv + h) * cg_p.Dv + j];
+}
+fn cg_lddd(bl: u32, t: u32, h: u32, j: u32) -> f32 {  // dΔ, then dR in its place (scr's dd part)
+    if (t >= cg_p.T || j >= cg_p.Dv) { return 0.0; }
+    return cg_scr[cg_p.dd_off + ((bl * cg_p.T + t) * cg_p.Hv + h) * cg_p.Dv + j];
+}
+fn cg_ldodr(b: u32, bl: u32, t0: u32, tq: u32, h: u32, j: u32) -> f32 {  // row tq of [dO; dR]
+    if (tq < CC) {
+        let t = t0 + tq;
+        if (t >= cg_p.T || j >= cg_p.Dv) { return 0.0; }
+        return cg_do[((b * cg_p.T + t) * cg_p.Hv + h) * cg_p.Dv + j];
+    }
+    return cg_lddd(bl, t0 + tq - CC, h, j);
+}
+fn cg_lds0(bh: u32, c: u32, i: u32, j: u32) -> f32 {  // the state before chunk c (the forward's checkpoint)
     if (i >= cg_p.Dk || j >= cg_p.Dv) { return 0.0; }
-    if (part == 0u) { return cg_states[((bh * (cg_p.nck + 1u) + c) * cg_p.Dk + i) * cg_p.Dv + j]; }
+    return cg_states[((bh * (cg_p.nck + 1u) + c) * cg_p.Dk + i) * cg_p.Dv + j];
+}
+fn cg_ldds(bh: u32, c: u32, i: u32, j: u32) -> f32 {  // dS at chunk c's end
+    if (i >= cg_p.Dk || j >= cg_p.Dv) { return 0.0; }
     return cg_scr[cg_p.ds_off + ((bh * cg_p.nck + c) * cg_p.Dk + i) * cg_p.Dv + j];
 }
-fn cg_dqk_at(part: u32, b: u32, t: u32, h: u32, i: u32) -> u32 {
-    return part * cg_p.dk_off + ((b * cg_p.T + t) * cg_p.Hv + h) * cg_p.Dk + i;
+fn cg_ldqbk(b: u32, t0: u32, s: u32, hk: u32, i: u32) -> f32 {  // row s of [Q; diag(beta) K]
+    if (s < CC) { return cg_ld(0u, b, t0 + s, hk, i); }
+    return c_bet[s - CC] * cg_ld(1u, b, t0 + s - CC, hk, i);
 }
-fn cg_ok(t: u32, i: u32) -> bool {
-    return t < cg_p.T && i < cg_p.Dk;
+fn cg_put_dr(bl: u32, t: u32, h: u32, j: u32, x: f32, be: u32) {  // dR into scr's dd part, dv = beta dR
+    if (t < cg_p.T && j < cg_p.Dv) {
+        cg_scr[cg_p.dd_off + ((bl * cg_p.T + t) * cg_p.Hv + h) * cg_p.Dv + j] = x;
+        let n = (bl + cg_p.b0) * cg_p.T + t;
+        cg_dv[cg_p.v_off + n * cg_p.v_stride + h * cg_p.Dv + j] = c_bet[be] * x;
+    }
+}
+fn cg_put_dq(b: u32, t: u32, h: u32, i: u32, x: f32) {
+    if (t < cg_p.T && i < cg_p.Dk) { cg_dqk[((b * cg_p.T + t) * cg_p.Hv + h) * cg_p.Dk + i] = x; }
+}
+fn cg_put_dk(b: u32, t: u32, h: u32, i: u32, x: f32) {
+    if (t < cg_p.T && i < cg_p.Dk) { cg_dqk[cg_p.dk_off + ((b * cg_p.T + t) * cg_p.Hv + h) * cg_p.Dk + i] = x; }
 }
 
 @compute @workgroup_size(CNTP)
@@ -562,7 +579,8 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
     let h = bh - bl * cg_p.Hv;
     let hk = h / (cg_p.Hv / cg_p.Hk);
     let t0 = c * CC;
-    let tbase = id * 3u * CC2;
+    let blk = id * TPB;
+    let eb = cg_p.e_off + id * 2u * CC2;  // E: this chunk's 2CC x CC in scr's e part
     {{CG_COORDS}}
     if (lid < CC) {
         let t = t0 + lid;
@@ -576,132 +594,47 @@ fn chunk_backward_grads(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_work
         c_g[lid] = g;
         c_bet[lid] = be;
     }
-    // P and MKK of the chunk (from chunk_prep)
-    for (var e = lid; e < CC2; e += CNTP) {
-        let t = e / CC;
-        let s = e - t * CC;
-        cg_sm[CG_P + t * (CC + 1u) + s] = cg_scr[tbase + CC2 + e];
-        cg_sm[CG_A + t * (CC + 1u) + s] = cg_scr[tbase + 2u * CC2 + e];
-    }
     workgroupBarrier();
     c_cumsum(lid);
-    // dP = dO Δᵀ and -dA = dR Δᵀ over Dv ([dO; dR] and Δ staged transposed)
-    {{CG_E_DECL}}
-    for (var j0 = 0u; j0 < CDV; j0 += BR) {
-        workgroupBarrier();
-        for (var e = lid; e < 2u * CC * BR; e += CNTP) {
-            let m = e / BR;
-            let r = e - m * BR;
-            cg_sm[CG_STG + r * (2u * CC + 1u) + m] = cg_row(select(0u, 1u, m >= CC), b, t0 + m % CC, h, j0 + r);
-        }
-        for (var e = lid; e < CC * BR; e += CNTP) {
-            let s = e / BR;
-            let r = e - s * BR;
-            cg_sm[CG_STG2 + r * (CC + 1u) + s] = cg_row(2u, b, t0 + s, h, j0 + r);
-        }
-        workgroupBarrier();
-        {{CG_E_FMA}}
-    }
     workgroupBarrier();
-    // dQK = dP ∘ M and dKK = dA ∘ diag(beta) M in place of P and MKK; dP ∘ P + dA ∘ A summed by rows and
-    // by columns into dγ, dA ∘ MKK by rows into dbeta
-    {{CG_E_ELEM}}
-    // dKK + dKKᵀ in place: dKK is strictly lower, so its upper triangle takes the transpose
-    for (var e = lid; e < CC2; e += CNTP) {
-        let t = e / CC;
-        let s = e - t * CC;
-        if (s > t) { cg_sm[CG_A + t * (CC + 1u) + s] = cg_sm[CG_A + s * (CC + 1u) + t]; }
-    }
+    // dR = Tmᵀ dΔ (Tm's and dΔ's rows as stored); dR replaces dΔ, dv = beta dR, dbeta = V·dR
+    {{CG_R}}
+    {{CG_R_EPI}}
+    storageBarrier();
     workgroupBarrier();
-    // dq = dQK K, dk = dQKᵀ Q + (dKK + dKKᵀ) K over the chunk's tokens (k, q rows staged as they are)
-    {{CG_Q_DECL}}
-    for (var u0 = 0u; u0 < CC; u0 += BR) {
-        workgroupBarrier();
-        for (var e = lid; e < BR * CDK; e += CNTP) {
-            let r = e / CDK;
-            let i = e - r * CDK;
-            cg_sm[CG_STG + e] = cg_ld(1u, b, t0 + u0 + r, hk, i);
-            cg_sm[CG_STG + BR * CDK + e] = cg_ld(0u, b, t0 + u0 + r, hk, i);
-        }
-        workgroupBarrier();
-        {{CG_Q_FMA}}
-    }
-    {{CG_Q_STORE}}
-    // Z = dR S0ᵀ, Y = dO S0ᵀ over Dv ([dR; dO] and S0 staged transposed; P and MKK are no longer needed)
-    {{CG_Z_DECL}}
-    for (var j0 = 0u; j0 < CDV; j0 += BR) {
-        workgroupBarrier();
-        for (var e = lid; e < 2u * CC * BR; e += CNTP) {
-            let m = e / BR;
-            let r = e - m * BR;
-            cg_sm[CG_ZA + r * (2u * CC + 1u) + m] = cg_row(select(1u, 0u, m >= CC), b, t0 + m % CC, h, j0 + r);
-        }
-        for (var e = lid; e < CDK * BR; e += CNTP) {
-            let i = e / BR;
-            let r = e - i * BR;
-            cg_sm[CG_ZB + r * (CDK + 1u) + i] = cg_ldstate(0u, bh, c, i, j0 + r);
-        }
-        workgroupBarrier();
-        {{CG_Z_FMA}}
-    }
-    // dq += Γ Y, dk -= beta Γ Z; dγ += Γ q·Y - beta Γ k·Z, dbeta -= Γ k·Z
-    {{CG_Z_ELEM}}
-    // dK̃ = Δ dSᵀ over Dv (Δ and dS staged transposed), and <S0, dS> on the side
-    {{CG_K_DECL}}
+    // [dP; -dA] = [dO; dR] Δᵀ over Dv (both staged transposed) -> E = [dP ∘ M (s <= t); dA ∘ M (s < t)]
+    {{CG_E}}
+    {{CG_E_EPI}}
+    storageBarrier();
+    workgroupBarrier();
+    // y = [Γ dO S₀ᵀ; -Γ dR S₀ᵀ] + E K: dq (rows < CC), then dk⁺ = beta y (rows >= CC, kept)
+    {{CG_Y}}
+    {{CG_Y_EPI}}
+    // z = exp(γ_L - γ) Δ dSᵀ + [dQKᵀ | (dA ∘ M)ᵀ] [Q; beta K] = dk⁻
+    {{CG_Z}}
+    {{CG_Z_EPI}}
+    // the last token's dγ gets <dS, S_n> (= Γ_L <S₀, dS> + Σ K̃·dK̃), S_n the state after the chunk (the next
+    // checkpoint; after the last chunk dS is 0), summed over a fixed assignment of elements to threads
     var sdot = 0.0;
-    for (var j0 = 0u; j0 < CDV; j0 += BR) {
-        workgroupBarrier();
-        for (var e = lid; e < CC * BR; e += CNTP) {
-            let m = e / BR;
-            let r = e - m * BR;
-            cg_sm[CG_ZA + r * (CC + 1u) + m] = cg_row(2u, b, t0 + m, h, j0 + r);
-        }
-        for (var e = lid; e < CDK * BR; e += CNTP) {
-            let i = e / BR;
-            let r = e - i * BR;
-            let ds = cg_ldstate(1u, bh, c, i, j0 + r);
-            cg_sm[CG_ZB + r * (CDK + 1u) + i] = ds;
-            sdot += ds * cg_ldstate(0u, bh, c, i, j0 + r);
-        }
-        workgroupBarrier();
-        {{CG_K_FMA}}
+    if (c + 1u < cg_p.nck) {
+        let ds = cg_p.ds_off + (bh * cg_p.nck + c) * cg_p.Dk * cg_p.Dv;
+        let sn = (bh * (cg_p.nck + 1u) + c + 1u) * cg_p.Dk * cg_p.Dv;
+        for (var e = lid; e < cg_p.Dk * cg_p.Dv; e += CNTP) { sdot += cg_scr[ds + e] * cg_states[sn + e]; }
     }
-    // dk += exp(γ_L - γ) dK̃; dγ -= K̃·dK̃; the last token gets Γ_L <S0, dS> + Σ K̃·dK̃
-    {{CG_K_ELEM}}
-    workgroupBarrier();
-    cg_sm[CG_RED + lid] = sdot;
+    cg_wr(CG_RED_F + lid, sdot);
     workgroupBarrier();
     if (lid == 0u) {
         var acc = 0.0;
-        for (var x = 0u; x < CNTP; x++) { acc += cg_sm[CG_RED + x]; }
-        cg_dgam[CC - 1u] += cg_last + exp(c_gam[CC - 1u]) * acc;
+        for (var x = 0u; x < CNTP; x++) { acc += cg_rd(CG_RED_F + x); }
+        c_dgam[CC - 1u] += acc;
     }
-    workgroupBarrier();
-    // dv = beta dR and dbeta += V·dR: CNTP / CC threads per token
-    let per = CNTP / CC;
-    let tt = lid / per;
-    let part = lid - tt * per;
-    var vdr = 0.0;
-    if (tt < CC && t0 + tt < cg_p.T) {
-        let n = b * cg_p.T + t0 + tt;
-        let nl = bl * cg_p.T + t0 + tt;
-        for (var j = part; j < cg_p.Dv; j += per) {
-            let dr = cg_scr[cg_p.dr_off + (nl * cg_p.Hv + h) * cg_p.Dv + j];
-            cg_dv[cg_p.v_off + n * cg_p.v_stride + h * cg_p.Dv + j] = c_bet[tt] * dr;
-            vdr += cg_v[cg_p.v_off + n * cg_p.v_stride + h * cg_p.Dv + j] * dr;
-        }
-    }
-    workgroupBarrier();
-    cg_sm[CG_RED + lid] = vdr;
     workgroupBarrier();
     // dg = the reverse cumulative sum of dγ within the chunk
     if (lid < CC && t0 + lid < cg_p.T) {
-        var db = cg_dbet[lid];
-        for (var x = 0u; x < per; x++) { db += cg_sm[CG_RED + lid * per + x]; }
         var dg = 0.0;
-        for (var s = lid; s < CC; s++) { dg += cg_dgam[s]; }
+        for (var s = lid; s < CC; s++) { dg += c_dgam[s]; }
         let at = cg_p.dg_off + ((b * cg_p.T + t0 + lid) * cg_p.Hv + h) * 2u;
         cg_scr[at] = dg;
-        cg_scr[at + 1u] = db;
+        cg_scr[at + 1u] = c_dbet[lid];
     }
 }

@@ -17,6 +17,7 @@ from ddl_ref.check import check, random_params
 from ddl_ref.config import MtpConfig
 from ddl_wgpu.inference import InferenceWork
 from ddl_wgpu.net import Net
+from ddl_wgpu.ops import gated_delta as k_gd
 from ddl_wgpu.trunk import TrunkWork
 
 B, T = 2, 9
@@ -60,12 +61,24 @@ def test_hybrid_with_a_joint_draft(gpu):
     _step_against_reference(gpu, hybrid_cfg("engine", mtp=MtpConfig(), **OFF_TILE), mtp_weight=0.3)
 
 
-def test_forward_only_nets_give_the_training_nets_loss(gpu):
+def test_forward_only_nets_give_the_training_nets_loss(gpu, monkeypatch):
+    """With the chunked rule (per-token rows switched off) the forward-only net runs the training net's kernels
+    in the same order: the same bits. By default rows this short run per token (`per_token_max_t`): the
+    reference's loss to the model tolerance."""
     cfg = hybrid_cfg("engine", tie_embeddings=False, **OFF_TILE)
     p = _params(cfg)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T))
     total, count = Net(gpu, cfg, p, work_class=TrunkWork).work(B, T).loss_sum(ids, LENGTHS)
+    assert k_gd.per_token_max_t() >= T
+    short = Net(gpu, cfg, p, inference=True, work_class=InferenceWork).work(B, T)
+    assert short.gdn_per_token
+    _, loss, _ = rm.forward({n: a.astype(np.float64) for n, a in p.items()}, cfg, ids, LENGTHS)
+    t_short, c_short = short.loss_sum(ids, LENGTHS)
+    assert c_short == count
+    check("per-token loss", np.float64(t_short / c_short), np.float64(loss), "model")
+    monkeypatch.setenv(k_gd.ENV_PER_TOKEN, "0")
     inf = Net(gpu, cfg, p, inference=True, work_class=InferenceWork).work(B, T)
+    assert not inf.gdn_per_token
     assert inf.shares_acts and inf.L[0]["X"] is inf.L[2]["X"]  # one activation set per mixer type
     assert inf.loss_sum(ids, LENGTHS) == (total, count)  # the same kernels in the same order: the same bits
     if "shader-f16" in gpu.features:

@@ -6,10 +6,11 @@ and the final state; a start state; a state interval that does not divide T; det
 20 x 24 gives each thread two rows and two columns; Hv = 2·Hk shares a key head between two value heads.
 
 The chunked kernels (training and whole-sequence forwards) against `gated_delta_chunked_forward` (outputs, Δ,
-the checkpoints, the final state, the prep's C x C matrices) and the recurrence's backward (every gradient),
-under several plans: a chunk that does not divide T, several column blocks, a column block wider than Dv,
-the steps looped rather than unrolled, the staged rows prefetched or not, one element per thread or several, Tm solved in one block or in two
-and four, batch rows split over calls where a binding is small. Every plan fits WebGPU's default limits, so the `DDL_WGPU_LIMITS=webgpu` run
+the checkpoints, the final state, the prep's P, W = Tm diag(βΓ) K and U = Tm diag(β) V) and the recurrence's
+backward (every gradient), under several plans: a chunk that does not divide T, several column blocks, a
+column block as wide as Dv padded, one 4 x 4 block per thread or several, threads idle in small products, Tm
+solved in one block or in two and four, slabs of one row up to the whole chunk, batch rows split over calls
+where a binding is small. Every plan fits WebGPU's default limits, so the `DDL_WGPU_LIMITS=webgpu` run
 repeats them all.
 """
 
@@ -18,6 +19,7 @@ import pytest
 
 from ddl_ref import gdn as ref
 from ddl_ref.check import check, f64
+from ddl_wgpu import gdn_plan
 from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.ops import gated_delta as kg
 from ddl_wgpu.ops.gdn_inputs import align_floats, qk_floats
@@ -127,10 +129,10 @@ def test_same_bits_every_run(gpu):
 # the chunked form
 
 CHUNKED = [  # (B, T, Hk, Hv, Dk, Dv), plan
-    ((2, 7, 1, 2, 5, 3), kg.ChunkPlan(chunk=4, bv=4, threads=16, br=2, pthreads=32)),
-    ((1, 9, 2, 4, 6, 7), kg.ChunkPlan(chunk=4, bv=8, threads=32, br=4, tb=2, pthreads=16)),
-    ((2, 6, 1, 1, 20, 24), kg.ChunkPlan(chunk=8, bv=8, threads=64, br=8, unroll=False, tb=2, pf=False)),
-    ((1, 20, 1, 2, 16, 16), kg.ChunkPlan(chunk=16, bv=8, threads=64, br=4, tb=4, pthreads=64)),
+    ((2, 7, 1, 2, 5, 3), kg.ChunkPlan(chunk=4, bv=4, threads=16, bk=2, tb=4, pthreads=32)),
+    ((1, 9, 2, 4, 6, 7), kg.ChunkPlan(chunk=4, bv=8, threads=32, bk=4, tb=2, pthreads=16)),
+    ((2, 6, 1, 1, 20, 24), kg.ChunkPlan(chunk=8, bv=8, threads=64, bk=8, tb=2, pthreads=64)),
+    ((1, 20, 1, 3, 16, 16), kg.ChunkPlan(chunk=16, bv=8, threads=32, bk=1, tb=4, pthreads=64)),
 ]
 
 
@@ -170,17 +172,24 @@ def test_chunked_forward_matches_reference(gpu, shape, plan):
     # the recurrence agrees (the chunked reference equals it to rounding)
     check("o vs the recurrence", gpu.read(d["o"], (B, T, Hv, Dv)),
           ref.gated_delta_forward(*(f64(a) for a in x), f64(s0))[0], "norm")  # fmt: skip
-    # the prep's matrices of the last chunk (tp: [Tm, P, MKK] per (row, head, chunk), row-major C x C)
-    tp = gpu.download(d["scr"], f32)[: B * Hv * nck * 3 * C * C].reshape(B, Hv, nck, 3, C, C)
+    # the prep's block of the last chunk (tp: [W | P | U] per (row, head, chunk), W and U padded to Dk and Dv
+    # rounded up to powers of two)
+    cdk, cdv = plan.dims(Dk, Dv)
+    tpb = gdn_plan.tp_block(plan, Dk, Dv)
+    tp = gpu.download(d["scr"], f32)[: B * Hv * nck * tpb].reshape(B, Hv, nck, tpb)[:, :, -1]
     sl = slice((nck - 1) * C, T)
     n = T - (nck - 1) * C
     G = Hv // Hk
     K, Q = (np.repeat(a, G, axis=2).transpose(0, 2, 1, 3)[:, :, sl] for a in (x[1], x[0]))
-    _, M, KK, _, Tm, P = ref.chunk_matrices(f64(K), f64(Q), f64(x[3].transpose(0, 2, 1)[:, :, sl]),
-                                            f64(x[4].transpose(0, 2, 1)[:, :, sl]))  # fmt: skip
-    check("Tm", tp[:, :, -1, 0, :n, :n], Tm, "norm")
-    check("P", tp[:, :, -1, 1, :n, :n], P, "norm")
-    check("MKK", tp[:, :, -1, 2, :n, :n], np.tril(M * KK, -1), "norm")
+    beta = x[4].transpose(0, 2, 1)[:, :, sl]
+    gam, _, _, _, Tm, P = ref.chunk_matrices(
+        f64(K), f64(Q), f64(x[3].transpose(0, 2, 1)[:, :, sl]), f64(beta)
+    )
+    W = Tm @ ((beta * np.exp(gam))[..., None] * K)
+    U = Tm @ (beta[..., None] * x[2].transpose(0, 2, 1, 3)[:, :, sl])
+    check("W", tp[..., : C * cdk].reshape(B, Hv, C, cdk)[:, :, :n, :Dk], W, "norm")
+    check("P", tp[..., C * cdk : C * cdk + C * C].reshape(B, Hv, C, C)[:, :, :n, :n], P, "norm")
+    check("U", tp[..., C * cdk + C * C :][..., : C * cdv].reshape(B, Hv, C, cdv)[:, :, :n, :Dv], U, "norm")
 
 
 @pytest.mark.parametrize("shape, plan", CHUNKED)
@@ -213,7 +222,7 @@ def test_chunked_backward_matches_reference(gpu, shape, plan):
 def test_chunked_calls_split_over_batch_rows(gpu, monkeypatch):
     """Where one call's buffers would exceed a storage binding, the launchers run groups of batch rows (the
     checkpoints and the start state bound at row offsets): the results equal one call's."""
-    shape, plan = (5, 16, 1, 2, 8, 8), kg.ChunkPlan(chunk=4, bv=4, threads=16, br=2, pthreads=16)
+    shape, plan = (5, 16, 1, 2, 8, 8), kg.ChunkPlan(chunk=4, bv=4, threads=16, bk=2, pthreads=16)
     B, T, Hk, Hv, Dk, Dv = shape
     N = B * T
     rng = np.random.default_rng(5)
@@ -221,11 +230,11 @@ def test_chunked_calls_split_over_batch_rows(gpu, monkeypatch):
     s0 = rng.standard_normal((B, Hv, Dk, Dv)).astype(f32)
     do = rng.standard_normal((B, T, Hv, Dv)).astype(f32)
     out = []
-    for binding in (None, 12000):
+    for binding in (None, 16000):
         dev = gpu
         if binding:  # the same device believing its bindings small
             monkeypatch.setattr(gpu, "max_binding", binding)
-            assert kg.chunk_rows(gpu, B, T, Hv, Dk, Dv, plan.chunk, True) == 2  # three calls: 2, 2 and 1 rows
+            assert kg.chunk_rows(gpu, B, T, Hv, Dk, Dv, plan, True) == 2  # three calls: 2, 2 and 1 rows
         d = _chunked(dev, x, plan, state=s0, v_pad=0)
         dqk, dvb = dev.buffer(4 * qk_floats(N, Hv, Dk)), dev.buffer(4 * N * Hv * Dv)
         kg.chunk_backward(dev, dqk, dvb, d["scr"], d["states"], d["delta"], d["qkgb"], d["v"], dev.upload(do), B, T,
@@ -256,8 +265,8 @@ def test_chunked_same_bits_every_run(gpu):
 
 
 def test_chunked_bits_do_not_depend_on_the_sequential_kernels_tunables(gpu):
-    """bv, threads, br, pf and unroll change which thread adds what, never the order of a sum: every output
-    has the same bits under each (so a plan chosen for speed changes no result)."""
+    """bv, threads and bk change which thread adds what, never the order of a sum: every output has the same
+    bits under each (so a plan chosen for speed changes no result)."""
     shape = (1, 20, 1, 2, 8, 8)
     B, T, Hk, Hv, Dk, Dv = shape
     N = B * T
@@ -265,8 +274,8 @@ def test_chunked_bits_do_not_depend_on_the_sequential_kernels_tunables(gpu):
     x = _inputs(rng, B, T, Hk, Hv, Dk, Dv)
     do = gpu.upload(rng.standard_normal((B, T, Hv, Dv)).astype(f32))
     runs = []
-    for plan in (kg.ChunkPlan(8, 8, 16, 4, pthreads=16), kg.ChunkPlan(8, 4, 32, 2, pthreads=16, pf=False, unroll=False),
-                 kg.ChunkPlan(8, 2, 64, 8, pthreads=16, unroll=False)):  # fmt: skip
+    for plan in (kg.ChunkPlan(8, 8, 16, 4, pthreads=16), kg.ChunkPlan(8, 4, 32, 2, pthreads=16),
+                 kg.ChunkPlan(8, 4, 8, 8, pthreads=16)):  # fmt: skip
         d = _chunked(gpu, x, plan, v_pad=0)
         dqk, dvb = gpu.buffer(4 * qk_floats(N, Hv, Dk)), gpu.buffer(4 * N * Hv * Dv)
         kg.chunk_backward(gpu, dqk, dvb, d["scr"], d["states"], d["delta"], d["qkgb"], d["v"], do, B, T, Hk, Hv, Dk,
@@ -292,12 +301,13 @@ def test_chunk_plans():
 
     assert kg.chunk_plan(Limits(48 << 10, 1024), 128, 128) == kg.PLANS[0]
     webgpu = kg.chunk_plan(Limits(16 << 10, 256), 128, 128)
-    assert max(webgpu.shared_bytes(128, 128).values()) <= 16 << 10
+    assert max(webgpu.shared_bytes(128, 128, 16 << 10).values()) <= 16 << 10
     assert kg.chunk_plan(Limits(16 << 10, 256), 8, 4).bv <= 4  # never wider than Dv padded
     with pytest.raises(GpuError, match="workgroup memory"):
-        kg.chunk_plan(Limits(16 << 10, 256), 128, 128, kg.PLANS[0])
-    with pytest.raises(GpuError, match="power of two"):
+        kg.chunk_plan(Limits(16 << 10, 256), 128, 128, kg.ChunkPlan(chunk=64, bv=64))
+    with pytest.raises(GpuError, match="powers of two"):
         kg.ChunkPlan(chunk=48).check(Limits(48 << 10, 1024), 128, 128)
-    assert kg.parse_plan("chunk=32, bv=16,unroll=0") == kg.ChunkPlan(chunk=32, bv=16, unroll=False)
+    assert kg.parse_plan("chunk=32, bv=16,bk=8") == kg.ChunkPlan(chunk=32, bv=16, bk=8)
+    assert kg.parse_plan(kg.PLANS[1].text()) == kg.PLANS[1]
     with pytest.raises(GpuError, match="name=integer"):
         kg.parse_plan("chunks=32")
