@@ -12,8 +12,8 @@ like `ddl_ref.gdn.gdn_forward` / `gdn_backward`.
 
 The rule runs in its chunked form (`ops.gated_delta.chunk_forward` / `chunk_backward`,
 docs/kernels.md#the-chunked-form) through one scratch buffer every Gated DeltaNet layer shares (`gdn_scr`),
-except in an inference net's forward of rows of at most `ops.gated_delta.per_token_max_t()` tokens, where
-the per-token kernel measured faster (`gdn_per_token`);
+except in an inference net's forward where the per-token kernel measured faster (short rows, or a model of many
+value heads: `ops.gated_delta.per_token`, `gdn_per_token`);
 the backward runs the same ops in reverse, through one set of scratch buffers the layers share
 (`gdn_scratch`). What each layer keeps for its backward: the GEMM outputs (X, z, a, b), the conv output,
 q̂/k̂ and the gates, the rule's Δ (its per-token corrections) and the state before each chunk (training nets
@@ -55,9 +55,9 @@ class GatedDeltaNet:
 
     @property
     def gdn_per_token(self) -> bool:
-        """Whether this net's forward runs the rule per token: an inference net's rows of at most
-        `ops.gated_delta.per_token_max_t()` tokens (docs/kernels.md#the-per-token-forward)."""
-        return self.net.inference and k_gd.per_token_max_t() >= self.T
+        """Whether this net's forward runs the rule per token: an inference net's short rows, or any rows of a
+        model with many value heads (`ops.gated_delta.per_token`, docs/kernels.md#the-per-token-forward)."""
+        return self.net.inference and k_gd.per_token(self.T, self.cfg.linear_v_heads)
 
     def gdn_scr(self):
         """The chunked rule's scratch, one for every layer: the forward's per-chunk matrices, and in a net

@@ -311,3 +311,13 @@ def test_chunk_plans():
     assert kg.parse_plan(kg.PLANS[1].text()) == kg.PLANS[1]
     with pytest.raises(GpuError, match="name=integer"):
         kg.parse_plan("chunks=32")
+
+
+def test_per_token_rule_choice(monkeypatch):
+    """An inference forward runs per token in short rows and in models of many value heads, never by how many
+    rows a pass holds (a streamed trunk's blocks and a resident trunk's batches run the same kernels)."""
+    monkeypatch.delenv(kg.ENV_PER_TOKEN, raising=False)
+    assert kg.per_token(64, 6) and not kg.per_token(65, 6)  # the small hybrid: chunked past 64 tokens
+    assert kg.per_token(1024, 48) and kg.per_token(4096, kg.PER_TOKEN_MIN_HEADS)  # the 27B: per token
+    monkeypatch.setenv(kg.ENV_PER_TOKEN, "0")
+    assert not kg.per_token(8, 48)  # 0: always chunked

@@ -228,6 +228,8 @@ SEQUENTIAL = ("chunk_forward", "chunk_backward_state")  # the kernels that walk 
 # H200's (48 KiB, 1024 threads); the later ones fit WebGPU's default limits (16 KiB, 256 threads). To adopt
 # a measured winner (`bench/hybrid.py kernel --sweep` prints it in this form), put it first.
 PLANS = (
+    # the H200's sweep winner at the 27B layer and the small hybrid's alike (2026-12-03, BENCHMARKS.md)
+    ChunkPlan(chunk=64, bv=32, threads=128, bk=16, tb=16, pthreads=512),
     ChunkPlan(chunk=64, bv=32, threads=128, bk=16, tb=16, pthreads=256),
     ChunkPlan(chunk=32, bv=16, threads=128, bk=8, tb=16, pthreads=256),
     ChunkPlan(chunk=32, bv=8, threads=64, bk=8, tb=16, pthreads=256),
@@ -238,12 +240,18 @@ PLANS = (
 # The chunked part of a module compiled for a per-token entry point: the smallest code, never run.
 _IDLE_PLAN = ChunkPlan(chunk=4, bv=4, threads=4, bk=1, tb=1, pthreads=4)
 
-# An inference net's forward runs the per-token kernel for rows of at most this many tokens, the chunked
-# kernels above (H200, Vulkan: at 16 x 64 tokens of the 27B layer the per-token forward took 0.43 ms against
-# the chunked 0.80 ms; at 16 x 1024 the chunked forward must win: docs/experiments.md). A training forward
-# is always chunked (its backward reads the chunked forward's Δ and checkpoints).
+# An inference net's forward runs the per-token kernel for rows of at most PER_TOKEN_MAX_T tokens, and for
+# rows of any length in a model of at least PER_TOKEN_MIN_HEADS value heads; else the chunked kernels above.
+# Measured on the H200 (Vulkan, 2026-12-03, `bench/hybrid.py kernel`): at the 27B layer (48 value heads, 16
+# rows) the per-token forward took 0.44 / 1.69 / 6.76 ms at 64 / 256 / 1024 tokens against the chunked form's
+# 0.83 / 3.14 / 12.33; at the small hybrid's (6 value heads, 8 rows x 1024) 1.97 against 1.05. The per-token
+# kernel runs one workgroup per (row, value head): with many heads that fills the GPU, with few it does not.
+# The choice depends on the model and the row length, never on how many rows a pass holds, so a streamed
+# trunk's blocks and a resident trunk's batches run the same kernels (same bits). A training forward is always
+# chunked (its backward reads the chunked forward's Δ and checkpoints).
 ENV_PER_TOKEN = "DDL_WGPU_GDN_PER_TOKEN_T"
 PER_TOKEN_MAX_T = 64
+PER_TOKEN_MIN_HEADS = 32  # between the 6 measured chunked-faster and the 48 measured per-token-faster
 
 
 def per_token_max_t() -> int:
@@ -255,6 +263,13 @@ def per_token_max_t() -> int:
     if not value.isdigit():
         raise GpuError(f"{ENV_PER_TOKEN}={value!r}: expected a token count (0: always the chunked kernels)")
     return int(value)
+
+
+def per_token(T: int, Hv: int) -> bool:
+    """Whether an inference forward of rows of T tokens in a model of Hv value heads runs per token (the
+    measurements above); DDL_WGPU_GDN_PER_TOKEN_T=0 always runs the chunked kernels."""
+    max_t = per_token_max_t()
+    return max_t >= T or (max_t > 0 and Hv >= PER_TOKEN_MIN_HEADS)
 
 
 def chunk_plan(gpu: Gpu, Dk: int, Dv: int, plan: ChunkPlan | None = None) -> ChunkPlan:
