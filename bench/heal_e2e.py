@@ -176,6 +176,7 @@ def main(argv=None) -> int:
         "wall_s": wall, "trunk_pass_s": trunk_s,
         "trunk_tokens_per_s": windows_tokens / trunk_s if trunk_s and windows_tokens else None,
         "plan": plan, "engine_peak_bytes": report.get("gpu_peak_bytes") if report else None,
+        "engine_phase_peak_bytes": report.get("gpu_phase_peak_bytes") if report else None,
         "smi_peak_bytes": smi.peak(t0, t_end), "smi_before_bytes": smi0 * 2**20 if smi0 else None,
         "peak_rss_bytes": rss, "peak_rss_anon_bytes": sampled.anon, "peak_rss_file_bytes": sampled.file,
         "steps": report.get("steps") if report else None,
@@ -193,7 +194,9 @@ def main(argv=None) -> int:
 
     print(f"heal of {args.shape} ({gib(size)} on disk) with --gpu-memory {args.gpu_memory}, --tokens {args.tokens}: "
           f"exit {code}, wall {wall:.0f} s (trunk pass {trunk_s or 0:.0f} s, "
-          f"{r['trunk_tokens_per_s'] or 0:,.0f} tokens/s); peak GPU memory {gib(r['engine_peak_bytes'])} (engine), "
+          f"{r['trunk_tokens_per_s'] or 0:,.0f} tokens/s); peak GPU memory {gib(r['engine_peak_bytes'])} (engine: "
+          f"{', '.join(f'{k} {gib(v)}' for k, v in (r['engine_phase_peak_bytes'] or {}).items())}; plan "
+          f"{gib(plan['peak_bytes'] if plan else None)}), "
           f"{gib(r['smi_peak_bytes'])} (nvidia-smi); peak host RSS {gib(rss)} (sampled: anonymous "
           f"{gib(sampled.anon)}, file-backed {gib(sampled.file)})")  # fmt: skip
     if code != 0:

@@ -148,6 +148,8 @@ class Draft(Protocol):
 
     def next_rows(self, x_rows, next_tokens, valid, chain: int = 0): ...  # -> next step's rows (B, T, C)
 
+    def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None: ...  # heal's draft phase allocated
+
     def snapshot(self): ...
 
     def restore(self, snap) -> None: ...

@@ -691,12 +691,16 @@ def _heal(model_path, data_spec, out_path, cfg: HealConfig, init_path, backend: 
         return host.zeros(shape, dtype, in_ram)
 
     ck = stack.enter_context(open_checkpoint(model_path, verify=verify)) if on_gpu else None
+    peaks = _PhasePeaks(open_gpu(device) if on_gpu else None)
     teacher = make_teacher(backend, model, cfg.batch, device, cfg.trunk_dtype, plan, ck)
     train, val = split_heldout(len(wins))
     nb = getattr(teacher, "block", cfg.batch)
     cache = _trunk_pass(teacher, wins, mcfg, kk, nb, events, pad_id(model), val, zeros)
     teacher.release()  # the trunk has run: its blocks' weights go before the draft trains (the peak is the larger)
+    peaks.next("draft")
     draft = make_draft(backend, model, init, cfg.batch, device, cfg.kl_form, teacher)
+    # all the draft's phase allocates, now (what the plan counted): nothing after this adds to the peak
+    draft.prepare(T, kk, cfg.chain, cfg.chain_attention == "stacked")
     chain = _Chain(model, cfg, cache, draft)
     chain.refresh_event(events, 0)
     tb, vb = _batches(train, cfg.batch), _batches(val, cfg.batch)
@@ -752,5 +756,29 @@ def _heal(model_path, data_spec, out_path, cfg: HealConfig, init_path, backend: 
         "refresh_forwards": chain.forwards,
         "plan": plan.to_dict() if plan is not None else None,
         "scratch_bytes": host.scratch_bytes,
-        "gpu_peak_bytes": open_gpu(device).peak if on_gpu else None,  # the engine's own count, all phases
+        # the engine's own count: the most of its phases (trunk, draft), each beside the plan's estimate
+        **peaks.report(),
     }
+
+
+class _PhasePeaks:
+    """The engine's own count of the GPU memory heal's phases peak at (`Gpu.peak` from the start of each, less
+    what was alive before heal began): `next` ends a phase, `report` gives the most of all and each phase's."""
+
+    def __init__(self, gpu):
+        self.gpu, self.phase, self.done = gpu, "trunk", {}
+        if gpu is not None:
+            self.base = gpu.live
+            gpu.reset_peak()
+
+    def next(self, phase: str) -> None:
+        if self.gpu is not None:
+            self.done[self.phase] = self.gpu.peak - self.base
+            self.gpu.reset_peak()
+        self.phase = phase
+
+    def report(self) -> dict:
+        if self.gpu is None:
+            return {"gpu_peak_bytes": None, "gpu_phase_peak_bytes": None}
+        self.next(self.phase)
+        return {"gpu_peak_bytes": max(self.done.values()), "gpu_phase_peak_bytes": dict(self.done)}

@@ -205,6 +205,7 @@ class WgpuTeacher:
                 self.input.forget(h)
             self.gpu.release(h)
         self._hid = {}
+        self.gpu.drop_scratch()  # the trunk's block sized them; the draft's works size their own
         self.trunk.release()
 
 
@@ -233,13 +234,38 @@ class WgpuDraft:
         # the frozen embedding/head gets no gradient or moment storage (the draft work never writes it)
         self.net = Net(gpu, ref_mtp.draft_config(cfg), dp, trainable=list(self.names), frozen_state=False,
                        shared=shared)  # fmt: skip
-        # each of the draft's works records and submits alone: they share one chunk of logits (at the Qwen3.8-27B
-        # vocabulary half a GB each, and a stacked chain builds two works per chain step)
-        self.net.shared_logits = {}
+        # each of the draft's works records and submits alone, and what it computes is read (or copied) before
+        # another work runs: they share their activations (`Blocks.act`; at the Qwen3.8-27B shape a stacked
+        # chain's works of 3 x 512 rows hold 1.4 GiB each, its logits chunk 0.5 GiB)
+        self.net.shared_acts = {}
         self.input = teacher.input if teacher is not None else DraftInput(gpu, params, cfg, self.net)
         self._works: dict = {}
-        self._aside = None  # `using`: the trained weights while another snapshot's are in
+        self._aside = None  # `using`: the trained weights aside, unless in the gradients (`_aside_arenas`)
+        self._spare = None  # a copy of the weights `prepare` allocated for the first `keep`
         self._steps: dict = {}  # rows -> each chain step's input rows (`greedy_chain`, stacked)
+
+    def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None:
+        """Allocate now all that heal's draft phase on windows of T tokens allocates, so that nothing after it
+        does (`plan_trunk_job` counts it on a DryGpu, the same code): the works of its steps and evaluations
+        (top-k width k) and of its refresh's and acceptance's forwards (width 1, with their top-1), with
+        `stacked` those of chains 2..chain, largest first (their shared activations are sized by the first);
+        the acceptance's input rows and, stacked, each chain step's; with chain > 1 the refresh's copy of the
+        weights (`keep`) and where `using` puts them aside; the read-back staging of its largest download (the
+        weights, `export` and `snapshot`, or a batch's rows)."""
+        chains = range(2, chain + 1) if stacked else ()
+        for S, j in sorted([(T, 0)] + [(j * T, j) for j in chains], reverse=True):
+            self._work(S, k, j)
+            self._work(S, 1, j)._topk_call(1)
+        self.net.zero_grads_call()
+        self.net.optimizer_call(draft_adamw(0.0, 1))  # its uniforms are rewritten by every step
+        self.input.buffers(self.B * T)
+        if stacked:
+            self._step_rows(self.B * T, chain)
+        if chain > 1:
+            self._spare = [self.net.gpu.buffer(b.size, label="snapshot") for b in self.net.p]
+            self._aside_arenas()
+        rows = self.B * T * self.cfg.d_model * F32
+        self.net.gpu.readback(max([b.size for b in self.net.p] + [rows, self.B * chain * T * 4]))
 
     def _work(self, T: int, k: int = 1, chain: int = 0) -> DraftWork:
         if (T, k, chain) not in self._works:
@@ -262,7 +288,8 @@ class WgpuDraft:
         return float(r.loss), float(r.grad_norm), bool(r.finite and math.isfinite(r.grad_norm))
 
     def grads(self) -> dict:
-        """The last step's gradients of the trained tensors, by their model.mtp.* names (tests)."""
+        """The last step's gradients of the trained tensors, by their model.mtp.* names (tests; until a `using`,
+        which puts the weights aside there)."""
         g = self.net.grads()
         return {name: g[local] for local, name in self.names.items()}
 
@@ -360,28 +387,56 @@ class WgpuDraft:
             have.append(self.net.gpu.buffer(N * self.cfg.d_model * F32, label=f"chain_step{len(have) + 1}"))
         return have
 
-    def snapshot(self):
-        return self.net.snapshot()
+    def snapshot(self) -> list:
+        """The current weights in host memory (heal's best weights: taken once per new best, so the download
+        costs little, and the GPU holds no third copy of the draft): each parameter arena's bytes."""
+        return [self.net.gpu.download(b, np.uint8) for b in self.net.p]
 
     def restore(self, snap) -> None:
-        self.net.restore(snap)
+        """The weights of a `snapshot` (host) or a `keep` (GPU) back in."""
+        if snap and isinstance(snap[0], np.ndarray):
+            for buf, data in zip(self.net.p, snap, strict=True):
+                self.net.gpu.write(buf, data)
+        else:
+            self.net.restore(snap)
 
     def keep(self, into=None):
-        """A GPU-side snapshot of the current weights (`Net.snapshot`), copied into `into` (an earlier `keep`)
-        when given rather than into new buffers."""
+        """A GPU-side snapshot of the current weights (`Net.snapshot`: no host round trip, heal's refresh keeps
+        one per period), copied into `into` (an earlier `keep`) when given, else into the copy `prepare`
+        allocated, else into new buffers."""
+        if into is None:
+            into, self._spare = self._spare, None
         return self.net.snapshot(into)
+
+    def _aside_arenas(self) -> list:
+        """Where `using` puts the trained weights aside: the gradient arenas when each is as large as its
+        parameter arena (every step zeroes them before it writes them, so between steps they hold nothing;
+        `grads` reads the last step's only until then), else a copy of its own, allocated once."""
+        p, g = self.net.p, self.net.g
+        if len(g) == len(p) and all(a.size >= b.size for a, b in zip(g, p, strict=True)):
+            return g
+        if self._aside is None:
+            self._aside = [self.net.gpu.buffer(b.size, label="snapshot") for b in p]
+        return self._aside
+
+    def _copy_weights(self, src: list, dst: list) -> None:
+        rec = self.net.gpu.recorder()
+        for a, b, p in zip(src, dst, self.net.p, strict=True):
+            rec.copy(a, 0, b, 0, p.size)
+        rec.submit()
 
     @contextlib.contextmanager
     def using(self, snap):
-        """Within the block the draft's forwards run on the weights `snap` (heal's lazy refresh): the trained
-        weights are copied aside, `snap` copied in, and the trained weights back after it (GPU-side copies; the
-        gradients and Adam moments are not touched)."""
-        self._aside = self.keep(self._aside)
+        """Within the block the draft's forwards run on the weights `snap` (a `keep`; heal's lazy refresh): the
+        trained weights are copied aside (`_aside_arenas`), `snap` copied in, and the trained weights back after
+        it (GPU-side copies; the Adam moments are not touched)."""
+        aside = self._aside_arenas()
+        self._copy_weights(self.net.p, aside)
         self.net.restore(snap)
         try:
             yield
         finally:
-            self.net.restore(self._aside)
+            self._copy_weights(aside, self.net.p)
 
     def export(self) -> dict:
         p = self.net.export(self.names)  # the trained tensors only: not the shared embedding/head
@@ -407,19 +462,6 @@ def fake_params(cfg: ModelConfig) -> dict:
     return {s.name: np.broadcast_to(np.float32(0), s.shape) for s in param_table(cfg)}
 
 
-def build_draft_phase(draft: WgpuDraft, T: int, k: int, chain: int, stacked: bool) -> None:
-    """Every work heal's draft builds (its steps and evaluations, its refresh's next rows, the acceptance's greedy
-    chain), and the stacked chain's per-step rows: what the draft's phase allocates."""
-    draft._work(T, k, 0)
-    draft._work(T, 1, 0)
-    draft.input.buffers(draft.B * T)
-    if stacked:
-        for j in range(2, chain + 1):
-            draft._work(j * T, k, j)
-            draft._work(j * T, 1, j)
-        draft._step_rows(draft.B * T, chain)
-
-
 def plan_trunk_job(gpu: Gpu, job: str, cfg: ModelConfig, dtype: str, windows: int, T: int, batch: int,
                    budget: int | None, k: int = 1, rows: bool = True, draft: dict | None = None):  # fmt: skip
     """The `gpumem.TrunkPlan` of heal's (`draft`: {"k", "chain", "stacked", "kl_form"} of its draft) or accept's
@@ -437,7 +479,7 @@ def plan_trunk_job(gpu: Gpu, job: str, cfg: ModelConfig, dtype: str, windows: in
             t.input.buffers(batch * T)
             t._hid[T] = dry.buffer(batch * T * cfg.d_model * F32)
             down = max(down, batch * T * cfg.d_model * F32)
-        dry.buffer(max(min(gpumem.READBACK_MAX, down), 1 << 16), "staging")
+        dry.readback(down)
         return t
 
     def trunk_bytes(streamed: bool, block: int) -> int:
@@ -449,10 +491,21 @@ def plan_trunk_job(gpu: Gpu, job: str, cfg: ModelConfig, dtype: str, windows: in
     draft_bytes = 0
     if draft is not None:
         dry = gpumem.DryGpu(gpu)
-        t = WgpuTeacher(dry, params, cfg, batch, dtype, plan=_Shape(True, 1))
-        t.release()  # what stays after the trunk's pass: the embedding, final norm and head
-        dry.peak = dry.live
-        d = WgpuDraft(dry, params, cfg, None, batch, draft["kl_form"], t)
-        build_draft_phase(d, T, draft["k"], draft["chain"], draft["stacked"])
+        draft_phase(dry, cfg, dtype, batch, T, draft, params)
         draft_bytes = dry.peak
     return gpumem.plan_trunk(job, windows, T, budget, trunk_bytes, weight_bytes, draft_bytes, dtype=dtype)
+
+
+def draft_phase(dry, cfg: ModelConfig, dtype: str, batch: int, T: int, draft: dict, params=None) -> WgpuDraft:
+    """heal's draft phase built on `dry` (a `gpumem.DryGpu`) as heal builds it: what the trunk leaves after its
+    release (the embedding, final norm and head, the draft's input projection), then the draft on it, prepared
+    for windows of T tokens (`WgpuDraft.prepare`; `draft` as `plan_trunk_job`'s); `dry.peak` is then the
+    phase's peak."""
+    params = fake_params(cfg) if params is None else params
+    t = WgpuTeacher(dry, params, cfg, batch, dtype, plan=_Shape(True, 1))
+    t.input.buffers(batch * T)  # the trunk's pass made the step-1 rows' buffers; the draft's rows reuse them
+    t.release()
+    dry.peak = dry.live
+    d = WgpuDraft(dry, params, cfg, None, batch, draft["kl_form"], t)
+    d.prepare(T, draft["k"], draft["chain"], draft["stacked"])
+    return d

@@ -262,6 +262,9 @@ class RefDraft:
         for n, p in snap.items():
             self.params[n][...] = p
 
+    def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None:
+        """Nothing: host memory is allocated as heal goes (the GPU draft allocates its phase up front)."""
+
     def keep(self, into=None):
         """A snapshot of the current weights, written into `into` (an earlier `keep`) when given."""
         if into is None:
