@@ -72,7 +72,7 @@ WEBGPU_LIMITS = {
     "max-compute-workgroups-per-dimension": 65535,
 }
 # The read-back staging buffer grows to the largest download, at most this; a larger one goes through it in pieces
-READBACK_MAX = 256 << 20
+READBACK_MAX = 64 << 20
 # The device-wide scratch the launchers keep in a Gpu's __dict__ (`Gpu.drop_scratch`): dicts of buffers grown
 # to the largest use (`ops.matmul`'s split-K partials, `ops.attention_scores`' scores) or one buffer
 # (`ops.gated_delta`'s stand-in for an unused binding)

@@ -52,7 +52,9 @@ class DraftInput:
     the tokens from `embed_net`'s embedding (f32 or f16, row chunks: `vocab.Vocab`), `ops.mtp_input` (both
     norms, the concatenation, the row mask), the projection on `matmul`. enorm, hnorm and eh_proj are uploaded
     once as float32 (frozen). The result is `ddl_ref.mtp.step_input`'s within float rounding (f64 sums aside,
-    the same operations), on the table as `embed_net` stores it."""
+    the same operations), on the table as `embed_net` stores it. After `gather_on_host` the rows E[t] are
+    gathered on the host from the table's source instead (the same values: heal's draft phase, once the trunk's
+    untied embedding is released)."""
 
     def __init__(self, gpu: Gpu, params: dict, cfg: ModelConfig, embed_net: Net):
         self.gpu, self.cfg, self.C = gpu, cfg, cfg.d_model
@@ -60,8 +62,16 @@ class DraftInput:
         self.wn = gpu.upload(np.concatenate(norms), "mtp_norms")
         self.eh = gpu.upload(np.asarray(params[ref_mtp.EH_PROJ], np.float32), "mtp_eh_proj")
         self.vocab = Vocab(embed_net)
+        self.table = None  # (WeightSource, dtype) of the embedding once it is gathered on the host
         self._bufs: dict = {}  # rows -> (tokens, valid, e, cat, x)
         self._calls: dict = {}  # (rows, T, hidden buffer, h_stride, h_offset, concat) -> (Call, hidden buffer)
+
+    def gather_on_host(self, source, dtype: str) -> None:
+        """From now on E[t] comes from `source` (a `stream.WeightSource`), converted to `dtype` as the GPU's
+        table held it (`WeightSource.rows`), written into the rows' buffer by `upload`/`upload_tokens`: the
+        table on the GPU can go."""
+        self.table = (source, dtype)
+        self._calls = {}  # they gather from the GPU's table
 
     def buffers(self, N: int):
         """(tokens u32, valid f32, e, cat, x) of N rows, allocated once per N."""
@@ -83,7 +93,7 @@ class DraftInput:
         if key not in self._calls:
             g, C, cfg = self.gpu, self.C, self.cfg
             tok, val, e, cat, x = self.buffers(N)
-            call = self.vocab.embed_forward(e, tok, N)
+            call = self.vocab.embed_forward(e, tok, N) if self.table is None else Call()
             call += k_mtp.mtp_input_rows(g, cat, e, hidden, self.wn, val, N, C, T, cfg.rms_eps, cfg.norm_style,
                                          concat, h_stride, h_offset)  # fmt: skip
             call += k_mm.matmul(g, x, cat, self.eh, N, C, 2 * C, trans_b=True, split_k=split_k)
@@ -96,11 +106,17 @@ class DraftInput:
 
     def upload(self, tokens, valid) -> None:
         """tokens (B, T) int and valid (B, T) bool into the token and mask buffers of B·T rows."""
-        tokens = np.asarray(tokens)
-        tok, val, _e, _cat, _x = self.buffers(tokens.size)
-        V = self.cfg.vocab_size
-        self.gpu.write(tok, np.clip(tokens, 0, V - 1).astype(np.uint32).reshape(-1))
-        self.gpu.write(val, np.asarray(valid, np.float32).reshape(-1))
+        self.upload_tokens(tokens)
+        self.gpu.write(self.buffers(np.size(tokens))[1], np.asarray(valid, np.float32).reshape(-1))
+
+    def upload_tokens(self, tokens) -> None:
+        """tokens (B, T) int into the token buffer of B·T rows (and, gathered on the host, their rows E[t])."""
+        tokens = np.clip(np.asarray(tokens), 0, self.cfg.vocab_size - 1).reshape(-1)
+        tok, _val, e, _cat, _x = self.buffers(tokens.size)
+        self.gpu.write(tok, tokens.astype(np.uint32))
+        if self.table is not None:
+            source, dtype = self.table
+            self.gpu.write(e, source.rows(EMBED, tokens, dtype, self.C))
 
     def rows(self, tokens, valid, hidden, h_stride: int | None = None, h_offset: int = 0) -> np.ndarray:
         """tokens (B, T) int (row p's token), valid (B, T) bool, `hidden` a GPU buffer of windows of
@@ -198,8 +214,9 @@ class WgpuTeacher:
         return pre[:b], post[:b]
 
     def release(self) -> None:
-        """Free the blocks' weights, the works and the batch copies of hidden rows (the trunk has run); the
-        embedding, final norm and head stay for the draft."""
+        """Free the blocks' weights, the works, the batch copies of hidden rows and an untied embedding (the
+        trunk has run; the draft's input rows gather E[t] on the host after it); the final norm and head stay for
+        the draft."""
         for h in self._hid.values():
             if self.input is not None:
                 self.input.forget(h)
@@ -207,6 +224,9 @@ class WgpuTeacher:
         self._hid = {}
         self.gpu.drop_scratch()  # the trunk's block sized them; the draft's works size their own
         self.trunk.release()
+        w = self.trunk.weights
+        if w.release_embedding() and self.input is not None:  # the draft's rows E[t] gathered on the host
+            self.input.gather_on_host(w.source, w.wdtype(EMBED))
 
 
 class WgpuDraft:
@@ -228,12 +248,16 @@ class WgpuDraft:
         dp = {local: np.asarray(src[name], np.float32) for local, name in self.names.items()}
         frozen = (EMBED, head_name(cfg))  # the head is the embedding when tied
         shared = {name: teacher.net for name in frozen} if teacher is not None else {}
+        # a teacher's released embedding (heal's draft phase) is left out: the draft's works never read it
+        gone = teacher is not None and teacher.input is not None and teacher.input.table is not None
+        if gone:
+            frozen, shared = frozen[1:], {n: t for n, t in shared.items() if n != EMBED}
         for name in frozen:
             if name not in shared:
                 dp[name] = params[name]
         # the frozen embedding/head gets no gradient or moment storage (the draft work never writes it)
         self.net = Net(gpu, ref_mtp.draft_config(cfg), dp, trainable=list(self.names), frozen_state=False,
-                       shared=shared)  # fmt: skip
+                       shared=shared, names=(lambda n: n != EMBED) if gone else None)  # fmt: skip
         # each of the draft's works records and submits alone, and what it computes is read (or copied) before
         # another work runs: they share their activations (`Blocks.act`; at the Qwen3.8-27B shape a stacked
         # chain's works of 3 x 512 rows hold 1.4 GiB each, its logits chunk 0.5 GiB)
@@ -241,7 +265,6 @@ class WgpuDraft:
         self.input = teacher.input if teacher is not None else DraftInput(gpu, params, cfg, self.net)
         self._works: dict = {}
         self._aside = None  # `using`: the trained weights aside, unless in the gradients (`_aside_arenas`)
-        self._spare = None  # a copy of the weights `prepare` allocated for the first `keep`
         self._steps: dict = {}  # rows -> each chain step's input rows (`greedy_chain`, stacked)
 
     def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None:
@@ -249,9 +272,9 @@ class WgpuDraft:
         does (`plan_trunk_job` counts it on a DryGpu, the same code): the works of its steps and evaluations
         (top-k width k) and of its refresh's and acceptance's forwards (width 1, with their top-1), with
         `stacked` those of chains 2..chain, largest first (their shared activations are sized by the first);
-        the acceptance's input rows and, stacked, each chain step's; with chain > 1 the refresh's copy of the
-        weights (`keep`) and where `using` puts them aside; the read-back staging of its largest download (the
-        weights, `export` and `snapshot`, or a batch's rows)."""
+        the acceptance's input rows and, stacked, each chain step's; with chain > 1 where `using` puts the
+        weights aside; the read-back staging of its largest download (the weights, `export` and `snapshot`,
+        or a batch's rows)."""
         chains = range(2, chain + 1) if stacked else ()
         for S, j in sorted([(T, 0)] + [(j * T, j) for j in chains], reverse=True):
             self._work(S, k, j)
@@ -262,7 +285,6 @@ class WgpuDraft:
         if stacked:
             self._step_rows(self.B * T, chain)
         if chain > 1:
-            self._spare = [self.net.gpu.buffer(b.size, label="snapshot") for b in self.net.p]
             self._aside_arenas()
         rows = self.B * T * self.cfg.d_model * F32
         self.net.gpu.readback(max([b.size for b in self.net.p] + [rows, self.B * chain * T * 4]))
@@ -370,13 +392,16 @@ class WgpuDraft:
             work._fwd.record(rec)
             top, ids_out, _probs = work._topk_call(1)
             top.record(rec)
-            for w in range(B) if sigma else ():  # the next step's tokens: this step's argmax ids
+            on_gpu = inp.table is None  # the next step's tokens, this step's argmax ids, copied there
+            for w in range(B) if sigma and on_gpu else ():
                 rec.copy(ids_out, (w * S + S - T) * 4, tok, w * T * 4, T * 4)
-            if not sigma:
+            if not sigma and on_gpu:
                 rec.copy(ids_out, 0, tok, 0, N * 4)
             rec.submit()
-            ids = g.download(ids_out, np.uint32, B * S).reshape(B, S)[:b, S - T :]
-            preds.append(ids.astype(np.int32))
+            ids = g.download(ids_out, np.uint32, B * S).reshape(B, S)[:, S - T :]
+            preds.append(ids[:b].astype(np.int32))
+            if not on_gpu and j < depth:  # ... or their rows gathered on the host
+                inp.upload_tokens(ids)
             h, stride = ref_mtp.pick_hidden(work.xL, work.xf, mtp.chain_hidden), S
         return np.stack(preds, axis=1)
 
@@ -388,8 +413,8 @@ class WgpuDraft:
         return have
 
     def snapshot(self) -> list:
-        """The current weights in host memory (heal's best weights: taken once per new best, so the download
-        costs little, and the GPU holds no third copy of the draft): each parameter arena's bytes."""
+        """The current weights in host memory (heal's best weights and its refresh's: a download per new best or
+        per refresh, and the GPU holds no more copies of the draft): each parameter arena's bytes."""
         return [self.net.gpu.download(b, np.uint8) for b in self.net.p]
 
     def restore(self, snap) -> None:
@@ -399,14 +424,6 @@ class WgpuDraft:
                 self.net.gpu.write(buf, data)
         else:
             self.net.restore(snap)
-
-    def keep(self, into=None):
-        """A GPU-side snapshot of the current weights (`Net.snapshot`: no host round trip, heal's refresh keeps
-        one per period), copied into `into` (an earlier `keep`) when given, else into the copy `prepare`
-        allocated, else into new buffers."""
-        if into is None:
-            into, self._spare = self._spare, None
-        return self.net.snapshot(into)
 
     def _aside_arenas(self) -> list:
         """Where `using` puts the trained weights aside: the gradient arenas when each is as large as its
@@ -427,12 +444,12 @@ class WgpuDraft:
 
     @contextlib.contextmanager
     def using(self, snap):
-        """Within the block the draft's forwards run on the weights `snap` (a `keep`; heal's lazy refresh): the
-        trained weights are copied aside (`_aside_arenas`), `snap` copied in, and the trained weights back after
-        it (GPU-side copies; the Adam moments are not touched)."""
+        """Within the block the draft's forwards run on the weights `snap` (a `snapshot`; heal's lazy refresh):
+        the trained weights are copied aside on the GPU (`_aside_arenas`), `snap` written in, and the trained
+        weights copied back after it (the Adam moments are not touched)."""
         aside = self._aside_arenas()
         self._copy_weights(self.net.p, aside)
-        self.net.restore(snap)
+        self.restore(snap)
         try:
             yield
         finally:

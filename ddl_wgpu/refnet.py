@@ -265,14 +265,6 @@ class RefDraft:
     def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None:
         """Nothing: host memory is allocated as heal goes (the GPU draft allocates its phase up front)."""
 
-    def keep(self, into=None):
-        """A snapshot of the current weights, written into `into` (an earlier `keep`) when given."""
-        if into is None:
-            return self.snapshot()
-        for n, p in self.params.items():
-            into[n][...] = p
-        return into
-
     @contextlib.contextmanager
     def using(self, snap):
         """Within the block the draft's forwards run on the weights `snap` (heal's lazy refresh); the trained

@@ -199,7 +199,7 @@ def _heal_ops(d, kit, chain: int, stacked: bool) -> list:
     w = valid.astype(np.float32)
     out = [d.step(x, tid, tp, w, 1e-3, 1, 1.0)]
     x2 = d.next_rows(x, tok, valid)
-    kept = d.keep()
+    kept = d.snapshot()
     for j in range(2, chain + 1):
         xs, tids, tps, ws = x2, tid, tp, w
         if stacked:  # steps 1..j stacked, only step j's rows weighted (heal's `_Chain.join`)
@@ -291,6 +291,27 @@ def test_the_draft_works_sharing_activations_give_their_own_works_bits(gpu):
             assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
         else:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_draft_rows_gathered_on_the_host_are_the_gpu_tables(gpu):
+    """The trunk's release frees its untied embedding, and the draft's input rows then gather E[t] on the host, as
+    the f16 table held them: the refresh's rows and the acceptance chains (stacked and per-step) equal those of a
+    draft on the unreleased trunk, bit for bit."""
+    cfg = replace(kinds()["hybrid"], tie_embeddings=False)
+    m = Model(cfg, perturbed(cfg))
+    x, _tid, _tp, tok, valid = _draft_kit(cfg, np.random.default_rng(7), 2, 16, 6)
+    got = {}
+    for release in (False, True):
+        t = heal_gpu.WgpuTeacher(gpu, m.params, cfg, 2, "f16", plan=heal_gpu._Shape(True, 2))
+        live = gpu.live
+        if release:
+            t.release()
+            assert t.input.table is not None and gpu.live < live - cfg.vocab_size * cfg.d_model * 2
+        d = heal_gpu.WgpuDraft(gpu, m.params, cfg, None, 2, "full", t)
+        got[release] = [d.next_rows(x, tok, valid)] + [d.greedy_chain(None, tok, valid, 3, st, rows=x) for st in
+                                                       (True, False)]  # fmt: skip
+    for a, b in zip(got[False], got[True], strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -408,7 +429,7 @@ def test_heal_scratch_file_goes_after_a_failure_and_after_ctrl_c(files, tmp_path
     out = tmp_path / "f.ddlw"
     scratch = hostmem.scratch_path(out)
 
-    def fail(self, events, step):
+    def fail(self, events, step, plan=()):
         assert scratch.exists()  # the chain's rows are in it now
         raise heal.HealError("stopped here")
 
@@ -439,10 +460,12 @@ def test_the_benches_smoke_runs(tmp_path):
     --smoke` (a heal command of a model on disk) run on a tiny hybrid: the streamed passes give the resident bits
     and stay within their plans."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    a, b = tmp_path / "memory.json", tmp_path / "e2e.json"
+    a, b, c = tmp_path / "memory.json", tmp_path / "e2e.json", tmp_path / "plan.json"
     for cmd in (["bench/heal.py", "--shape", "quick-hybrid", "--gpu-memory", "4MB", "--pass-windows", "12", "--steps",
                  "1", "--chain", "2", "--json", a],
-                ["bench/heal_e2e.py", "--smoke", "--dir", tmp_path, "--out-dir", tmp_path / "out", "--json", b]):  # fmt: skip
+                ["bench/heal_e2e.py", "--smoke", "--dir", tmp_path, "--out-dir", tmp_path / "out", "--json", b],
+                ["bench/heal_plan.py", "--shape", "quick-hybrid", "--gpu-memory", "16MB", "--limits", "adapter",
+                 "--window", "32", "--windows", "40", "--json", c]):  # fmt: skip
         r = subprocess.run(
             [sys.executable, *map(str, cmd)], capture_output=True, text=True, cwd=REPO, env=env
         )
@@ -459,3 +482,6 @@ def test_the_benches_smoke_runs(tmp_path):
     assert e2e["exit"] == 0 and e2e["plan"]["mode"] == "streamed" and e2e["peak_rss_bytes"] > 0
     assert e2e["engine_peak_bytes"] == e2e["plan"]["peak_bytes"]  # each phase's as counted (stacked chains)
     assert not (tmp_path / "quick-hybrid.ddlw").exists()  # removed without --keep
+    rows = {r["chain_attention"]: r for r in json.loads(c.read_text())["rows"]}
+    assert rows["stacked"]["plan"]["draft_bytes"] > rows["per-step"]["plan"]["draft_bytes"] > 0
+    assert all(0 < sum(n for _, n in r["draft_labels"]) <= r["plan"]["draft_bytes"] for r in rows.values())
