@@ -260,7 +260,7 @@ class WgpuDraft:
                        shared=shared, names=(lambda n: n != EMBED) if gone else None)  # fmt: skip
         # each of the draft's works records and submits alone, and what it computes is read (or copied) before
         # another work runs: they share their activations (`Blocks.act`; at the Qwen3.8-27B shape a stacked
-        # chain's works of 3 x 512 rows hold 1.4 GiB each, its logits chunk 0.5 GiB)
+        # chain's last step, 3 x 512 rows, holds 1.3 GiB of them and each chunk of logits is 0.47 GiB)
         self.net.shared_acts = {}
         self.input = teacher.input if teacher is not None else DraftInput(gpu, params, cfg, self.net)
         self._works: dict = {}

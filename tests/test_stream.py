@@ -478,6 +478,9 @@ def test_the_benches_smoke_runs(tmp_path):
             and e["plan"]["mode"] == "streamed"
             and e["engine_peak_bytes"] <= e["plan"]["trunk_bytes"]
         )
+    assert (
+        mem["draft"]["engine_peak_bytes"] == mem["phases"][-1]["plan"]["draft_bytes"]
+    )  # prepared as planned
     e2e = json.loads(b.read_text())["result"]
     assert e2e["exit"] == 0 and e2e["plan"]["mode"] == "streamed" and e2e["peak_rss_bytes"] > 0
     assert e2e["engine_peak_bytes"] == e2e["plan"]["peak_bytes"]  # each phase's as counted (stacked chains)
