@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ddl_wgpu.heal import HealConfig, _batches, _Chain, _HealJob, split_heldout
-from ddl_wgpu.run import Best, Cadence, Events, drive
+from ddl_wgpu.run import Best, Events, drive
 
 
 class _CountingDraft:
@@ -27,9 +27,6 @@ class _CountingDraft:
     def loss_sum(self, *args, **kw) -> float:
         return 0.0
 
-    def keep(self, into=None):
-        return into
-
     def snapshot(self):
         return None
 
@@ -38,7 +35,7 @@ class _CountingChain(_Chain):
     """Which refresh batches are stale and when, as `heal._Chain` decides; the forwards of a rebuild counted,
     not run, and no rows."""
 
-    def _rebuild(self, stale: list, j: int) -> None:
+    def _rebuild(self, stale: list, j: int, weights=None) -> None:
         for k in stale:
             n = j - int(self.built[k])
             self.forwards += n
@@ -67,11 +64,11 @@ def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
     chain = _CountingChain(model, cfg, cache, _CountingDraft())
     refreshes = []
     events = Events(lambda e: refreshes.append(e) if e["event"] == "refresh" else None, "heal")
-    chain.refresh_event(events, 0)
     train, val = split_heldout(N)
     vb = _batches(val, cfg.batch)
-    v0 = chain.heldout_kl(vb)
+    job = _HealJob(chain, cfg, _batches(train, cfg.batch), vb, events)
+    job.refresh(0)
     best = Best(0.0, 0, None)
-    job = _HealJob(chain, cfg, _batches(train, cfg.batch), vb, best, v0, events)
-    _stopped, done = drive(job, 0, Cadence(cfg.eval_every, job.total), best, events, 0)
+    job.start(best, chain.heldout_kl(vb))
+    _stopped, done = drive(job, 0, job.cadence, best, events, 0)
     return {"forwards": chain.forwards, "steps": done, "refreshes": len(refreshes), "batches": chain.batches}

@@ -26,6 +26,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -145,6 +146,13 @@ def main(argv=None) -> int:
     print("$ " + " ".join(cmd[1:]), flush=True)
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    stopped: list = []
+
+    def stop(signum, frame) -> None:  # `timeout`'s SIGTERM: heal ends, and what it did so far is reported
+        stopped.append(signum)
+        p.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
     sampled = Rss(p.pid)
     marks, events = {}, []
     for line in p.stderr:  # heal's JSON progress lines, timed as they come
@@ -158,7 +166,7 @@ def main(argv=None) -> int:
         kind = ev.get("event")
         if kind in ("plan", "windows") or (kind == "trunk" and ev["done"] == ev["windows"]):
             marks[kind] = now
-        if kind in ("plan", "trunk", "written"):
+        if kind in ("plan", "trunk", "refresh", "eval", "skip", "written"):
             print(f"  {now:7.1f}s {ev.get('line') or json.dumps(ev)}", flush=True)
     stdout = p.stdout.read()
     code = p.wait()
@@ -168,14 +176,15 @@ def main(argv=None) -> int:
     sampled.stop()
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
     report = json.loads(stdout) if code == 0 and stdout.strip() else None
-    plan = report.get("plan") if report else None
+    plan = report.get("plan") if report else next((e for e in events if e.get("event") == "plan"), None)
     trunk_s = marks["trunk"] - marks.get("plan", marks.get("windows", 0.0)) if "trunk" in marks else None
     windows_tokens = report["tokens"] if report else None
     r = {
         "shape": args.shape, "model_bytes": size, "write_s": write_s, "command": " ".join(cmd[1:]), "exit": code,
-        "wall_s": wall, "trunk_pass_s": trunk_s,
+        "stopped": bool(stopped), "wall_s": wall, "trunk_pass_s": trunk_s, "events": events[-20:],
         "trunk_tokens_per_s": windows_tokens / trunk_s if trunk_s and windows_tokens else None,
         "plan": plan, "engine_peak_bytes": report.get("gpu_peak_bytes") if report else None,
+        "engine_phase_peak_bytes": report.get("gpu_phase_peak_bytes") if report else None,
         "smi_peak_bytes": smi.peak(t0, t_end), "smi_before_bytes": smi0 * 2**20 if smi0 else None,
         "peak_rss_bytes": rss, "peak_rss_anon_bytes": sampled.anon, "peak_rss_file_bytes": sampled.file,
         "steps": report.get("steps") if report else None,
@@ -193,11 +202,13 @@ def main(argv=None) -> int:
 
     print(f"heal of {args.shape} ({gib(size)} on disk) with --gpu-memory {args.gpu_memory}, --tokens {args.tokens}: "
           f"exit {code}, wall {wall:.0f} s (trunk pass {trunk_s or 0:.0f} s, "
-          f"{r['trunk_tokens_per_s'] or 0:,.0f} tokens/s); peak GPU memory {gib(r['engine_peak_bytes'])} (engine), "
+          f"{r['trunk_tokens_per_s'] or 0:,.0f} tokens/s); peak GPU memory {gib(r['engine_peak_bytes'])} (engine: "
+          f"{', '.join(f'{k} {gib(v)}' for k, v in (r['engine_phase_peak_bytes'] or {}).items())}; plan "
+          f"{gib(plan['peak_bytes'] if plan else None)}), "
           f"{gib(r['smi_peak_bytes'])} (nvidia-smi); peak host RSS {gib(rss)} (sampled: anonymous "
           f"{gib(sampled.anon)}, file-backed {gib(sampled.file)})")  # fmt: skip
     if code != 0:
-        print(f"FAILED: heal exited {code}", file=sys.stderr)
+        print(f"FAILED: heal exited {code}" + (" (stopped by SIGTERM)" if stopped else ""), file=sys.stderr)
     return 0 if code == 0 else 1
 
 

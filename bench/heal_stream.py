@@ -109,6 +109,8 @@ def run(args, model, gpu, progress) -> dict:
     rng = np.random.default_rng(args.seed + 2)
     wins = [rng.integers(0, cfg.vocab_size, T) for _ in range(windows)]
     smi = Smi()
+    gc.collect()
+    base = gpu.live  # before any phase: the draft's peak counts what the trunk leaves it, as the plan does
     phases, out, last_teacher = [], {}, None
     for label, p, mode in [("resident", resident_plan, None)] + [
         (f"streamed ({m})", streamed_plan, m) for m in stream.UPLOAD_MODES
@@ -153,7 +155,7 @@ def run(args, model, gpu, progress) -> dict:
             last_teacher = teacher
         cache = None
     os.environ.pop(stream.ENV_UPLOAD, None)
-    draft = draft_phase(args, model, gpu, last_teacher, out["resident"], smi, progress)
+    draft = draft_phase(args, model, gpu, last_teacher, out["resident"], smi, progress, base)
     smi.stop()
     streamed = max(phases[1:], key=lambda e: e["tokens_per_s"])
     estimate = epoch_estimate(args, streamed["tokens_per_s"], draft)
@@ -161,14 +163,17 @@ def run(args, model, gpu, progress) -> dict:
             "nvidia_smi": smi.ok}  # fmt: skip
 
 
-def draft_phase(args, model, gpu, teacher, cache, smi, progress) -> dict:
-    """heal's draft after the trunk's release: built on the teacher's resident head, one timed step per chain
-    step on the pass's first batch (the rows of step j > 1 from the draft's own output, as heal's refresh)."""
+def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> dict:
+    """heal's draft after the trunk's release: built on the teacher's resident head and prepared as heal prepares
+    it (`WgpuDraft.prepare`: what the plan's `draft_bytes` counts), one timed step per chain step on the pass's
+    first batch (the rows of step j > 1 from the draft's own output, as heal's refresh); its engine peak counts
+    from `base` (what was alive before the trunk's phases), as the plan does."""
     gc.collect()
     gpu.reset_peak()
-    live0, t0 = gpu.live, time.perf_counter()
+    t0 = time.perf_counter()
     draft = backend.make_draft("wgpu", model, None, args.batch, args.device, teacher=teacher)
     B, T = args.batch, args.seq
+    draft.prepare(T, min(args.topk, model.cfg.vocab_size), args.chain, args.chain_attention == "stacked")
     ids, lengths = cache.ids[:B], cache.lengths[:B]
     x = {1: cache.x[1][:B].astype(np.float32)}
     for j in range(2, args.chain + 1):
@@ -198,7 +203,7 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress) -> dict:
         steps[j] = float(np.median(times[1:]))
     t1 = time.perf_counter()
     r = {"steps_s": steps, "job_mix_s": float(np.mean(list(steps.values()))), "refresh_batch_s": float(np.median(refresh)),
-         "engine_peak_bytes": gpu.peak - live0, "smi_peak_bytes": smi.peak(t0, t1)}  # fmt: skip
+         "engine_peak_bytes": gpu.peak - base, "smi_peak_bytes": smi.peak(t0, t1)}  # fmt: skip
     progress(f"  draft: {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in steps.items())}; peak "
              f"{_gib(r['engine_peak_bytes'])} engine, {_gib(r['smi_peak_bytes'])} nvidia-smi")  # fmt: skip
     return r

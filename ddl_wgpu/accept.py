@@ -300,6 +300,9 @@ def gpu_acceptance(model: Model, cfg, windows: Sequence[np.ndarray], depth: int,
             )
     teacher.release()  # the draft runs after the trunk's weights are gone
     draft = make_draft("wgpu", model, None, batch, device, teacher=teacher)
+    draft.prepare(
+        T, 1, depth, chain_attention == "stacked"
+    )  # its works, largest first: what the plan counted
     tally = Tally(depth, chain_attention)
     for tb in kept:
         tok, valid = ref_mtp.shifted(tb.ids, 1), ref_mtp.step_valid(tb.lengths, T, 1)

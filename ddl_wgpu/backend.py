@@ -109,7 +109,7 @@ class TrainNet(Protocol):
 
     def load_moments(self, m: dict, v: dict) -> None: ...
 
-    def snapshot(self): ...
+    def snapshot(self): ...  # the current weights, in host memory
 
     def restore(self, snapshot) -> None: ...
 
@@ -148,11 +148,11 @@ class Draft(Protocol):
 
     def next_rows(self, x_rows, next_tokens, valid, chain: int = 0): ...  # -> next step's rows (B, T, C)
 
-    def snapshot(self): ...
+    def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None: ...  # heal's draft phase allocated
+
+    def snapshot(self): ...  # the current weights, in host memory
 
     def restore(self, snap) -> None: ...
-
-    def keep(self, into=None): ...  # a snapshot, written into `into` (an earlier keep) when given
 
     def using(self, snap): ...  # a context: the forwards within it run on the weights `snap`
 

@@ -87,7 +87,7 @@ class Blocks(GatedDeltaNet):
         self.loss_acc = self.act(4, "loss_sum")
         self.readback = self.gpu.buffer(32, label="readback")  # loss sum, norm, clip, finite; draft loss
         self.chunk = min(N, chunk_rows or head_chunk_rows(self.gpu, N, C, cfg.vocab_size))
-        self.logit_chunk = self._logits(self.chunk * cfg.vocab_size)
+        self.logit_chunk = self.act(self.chunk * cfg.vocab_size, "logits_chunk")
         self._topk: dict = {}
 
     def _last_state(self):
@@ -95,17 +95,21 @@ class Blocks(GatedDeltaNet):
         return self.act(self.S, "x_last")
 
     def act(self, n: int, label: str):
-        return self.gpu.buffer(n * F32, label=label)
-
-    def _logits(self, n: int):
-        """The head's chunk of logits (n floats): its own, or when the net keeps `shared_logits` (a dict: works of
-        it that never run within one submit, heal's draft's) one buffer every such work of the net reads."""
-        shared = getattr(self.net, "shared_logits", None)
-        if shared is None:
-            return self.act(n, "logits_chunk")
-        if shared.get("buffer") is None or shared["buffer"].size < n * F32:
-            shared["buffer"] = self.act(n, "logits_chunk")
-        return shared["buffer"]
+        """An activation or scratch buffer of n floats: the work's own, or when the net keeps `shared_acts` (a
+        dict; the works of heal's draft, which never run within one submit and whose results are read before
+        another work runs) the net's buffer for this label's next use by this work, grown when this work needs
+        more: every such work of the net binds the same buffers, sized by the largest work built first
+        (`heal_gpu.WgpuDraft.prepare`). A work reads only the rows it wrote, so a larger buffer changes
+        nothing; nothing a work writes once at its construction (its RoPE tables, constants) comes from here."""
+        pool = getattr(self.net, "shared_acts", None)
+        if pool is None:
+            return self.gpu.buffer(n * F32, label=label)
+        seen = self.__dict__.setdefault("_acts_seen", {})
+        key = (label, seen.get(label, 0))  # a label a work uses twice (dq0 and dq0 of another layer) twice
+        seen[label] = key[1] + 1
+        if key not in pool or pool[key].size < n * F32:
+            pool[key] = self.gpu.buffer(n * F32, label=label)
+        return pool[key]
 
     @property
     def shares_acts(self) -> bool:
@@ -497,9 +501,9 @@ class Blocks(GatedDeltaNet):
     def _topk_call(self, k: int):
         """(Call, ids buffer, probs buffer) of the top-k of the last forward's rows, built once per k."""
         if k not in self._topk:
-            g, N = self.gpu, self.N
-            ids_out = g.buffer(N * k * 4, label="topk_ids")
-            probs_out = g.buffer(N * k * F32, label="topk_probs")
+            g, N, V = self.gpu, self.N, self.cfg.vocab_size
+            ids_out = self.act(N * k, "topk_ids")  # u32, as wide as f32
+            probs_out = self.act(N * k, "topk_probs")
 
             def topk(logits, n: int, r0: int) -> Call:
                 return self._select(ids_out, probs_out, logits, n, k, r0)

@@ -48,7 +48,7 @@ class DraftWork(Blocks):
         self.init_backward_scratch()
         self.weights = self.act(N, "weights")
         self.scale = self.act(4, "loss_scale")
-        self.t_ids = self.gpu.buffer(N * self.kl_k * 4, label="teacher_ids")
+        self.t_ids = self.act(N * self.kl_k, "teacher_ids")  # u32, as wide as f32
         self.t_probs = self.act(N * self.kl_k, "teacher_probs")
         self._fwd = self.blocks_forward() + self.final_norm_forward()
         head_trained = net.head_name in net.trainable

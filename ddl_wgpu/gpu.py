@@ -71,6 +71,12 @@ WEBGPU_LIMITS = {
     "max-compute-workgroup-size-z": 64,
     "max-compute-workgroups-per-dimension": 65535,
 }
+# The read-back staging buffer grows to the largest download, at most this; a larger one goes through it in pieces
+READBACK_MAX = 64 << 20
+# The device-wide scratch the launchers keep in a Gpu's __dict__ (`Gpu.drop_scratch`): dicts of buffers grown
+# to the largest use (`ops.matmul`'s split-K partials, `ops.attention_scores`' scores) or one buffer
+# (`ops.gated_delta`'s stand-in for an unused binding)
+SCRATCH_CACHES = ("_splitk_scratch", "_attention_scores", "_gated_delta_unused")
 # A directory: every shader source a kernel compiles is written there, after includes and template
 # substitution, so generated WGSL can be read (`dump_shader`).
 ENV_DUMP = "DDL_WGPU_DUMP_WGSL"
@@ -656,7 +662,7 @@ class Gpu:
         if nbytes == 0:
             return np.zeros(0, dtype)
         out = np.empty(nbytes, np.uint8)
-        chunk = min(self.max_buffer, 256 << 20)
+        chunk = min(self.max_buffer, READBACK_MAX)
         done = 0
         while done < nbytes:
             n = min(chunk, nbytes - done)
@@ -676,9 +682,25 @@ class Gpu:
         submit (`Readback.read`): a result comes back in the submit that made it, without the extra copy and
         submit of `download`."""
         return Readback(self, nbytes, label)
+    def reserve_staging(self, nbytes: int) -> None:
+        """Grow the read-back staging buffer now to what a download of `nbytes` uses (`download`; a job that plans
+        its memory allocates it up front, `gpumem`)."""
+        n = min(int(nbytes), min(self.max_buffer, READBACK_MAX))
+        self._stage((n + 3) // 4 * 4)
+
+    def drop_scratch(self) -> None:
+        """Let go of the device-wide scratch (the read-back staging, the split-K partials, attention's scores):
+        after one phase of a job (heal's trunk pass) the next allocates them to its own needs. A Call built
+        earlier that binds them keeps them alive (`Call.scratch` aside, the caches are their only holders in
+        Python: drop them only when such Calls are gone)."""
+        if self._staging is not None:
+            self.release(self._staging)
+            self._staging = None
+        for name in SCRATCH_CACHES:
+            self.__dict__.pop(name, None)
 
     def _stage(self, nbytes: int):
-        """The read-back staging buffer, grown to the largest download (at most 256 MiB), counted in `live`."""
+        """The read-back staging buffer, grown to the largest download (at most READBACK_MAX), counted in `live`."""
         if self._staging is None or self._staging.size < nbytes:
             if self._staging is not None:
                 self.release(self._staging)
@@ -799,12 +821,16 @@ class Call:
 
     dispatches: list = field(default_factory=list)
     uniforms: list = field(default_factory=list)
+    # buffers its bind groups refer to that nothing else holds (a launcher's own scratch): wgpu-py's bind groups
+    # keep no Python reference, and a buffer Python collects leaves `Gpu.live` while the driver still holds it
+    scratch: object = None
 
     def record(self, rec: Recorder):
         rec.dispatch_all(self.dispatches)
 
     def __add__(self, other: Call) -> Call:
-        return Call(self.dispatches + other.dispatches, self.uniforms + other.uniforms)
+        kept = [c.scratch for c in (self, other) if c.scratch is not None]
+        return Call(self.dispatches + other.dispatches, self.uniforms + other.uniforms, kept or None)
 
     def run(self, gpu: Gpu):
         """Test helper: record this call alone and submit it."""

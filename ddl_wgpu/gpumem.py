@@ -39,9 +39,6 @@ ENV_GPU_MEMORY = "DDL_WGPU_GPU_MEMORY"
 BLOCK_TOKENS = 8192
 MAX_BLOCK_TOKENS = 32768
 RESERVE_FRACTION = 0.05  # of the budget, for what wgpu and the driver allocate beside the engine's buffers
-READBACK_MAX = (
-    256 << 20
-)  # the read-back staging buffer grows to the largest download, at most this (`Gpu.download`)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -116,6 +113,7 @@ class DryGpu:
         self.live = self.peak = self.allocated = 0
         self.memory_cap = None
         self._kernels: dict = {}
+        self._staging = None
 
     def buffer(self, nbytes: int, label: str = "", usage=None):
         size = max(16, (int(nbytes) + 15) // 16 * 16)
@@ -143,6 +141,28 @@ class DryGpu:
     def release(self, *bufs) -> None:
         for b in bufs:
             self.live -= b.size
+
+    def reserve_staging(self, nbytes: int) -> None:
+        """The read-back staging a download of `nbytes` grows to, as `Gpu.reserve_staging`."""
+        from ddl_wgpu.gpu import READBACK_MAX
+
+        n = min(int(nbytes), min(self.max_buffer, READBACK_MAX))
+        size = max((n + 3) // 4 * 4, 1 << 16)
+        if self._staging is None or self._staging.size < size:
+            if self._staging is not None:
+                self.release(self._staging)
+            self._staging = self.buffer(size, "staging")
+
+    def drop_scratch(self) -> None:
+        """As `Gpu.drop_scratch`: the staging and the launchers' device-wide scratch let go."""
+        from ddl_wgpu.gpu import SCRATCH_CACHES
+
+        if self._staging is not None:
+            self.release(self._staging)
+            self._staging = None
+        for name in SCRATCH_CACHES:
+            held = self.__dict__.pop(name, {})
+            self.release(*(held.values() if isinstance(held, dict) else [held]))
 
     def uniform(self, layout, *, label: str = "params", **fields):
         return _DryBuffer(len(layout.pack(**fields)), label)

@@ -27,10 +27,11 @@ trunk's own predictions. The flow:
 4. Chained training: the block input of step 1 is `eh_proj·[enorm(E[x_{p+1}]); hnorm(h_p)]` from the trunk's
    hidden; step j > 1 reads the token x_{p+j} and the draft's own step j−1 output at row p (`chain_hidden`),
    rebuilt from the weights at every `refresh`-th step (`backend.Draft.next_rows`: on wgpu the draft's output
-   rows never leave the GPU; every step's block inputs are kept on the host in float16). The rebuild is lazy
-   (`_Chain`): a refresh keeps a copy of the weights and each refresh batch (`batch` training windows, or
-   `batch` held-out ones: never a mix, so an evaluation rebuilds only held-out batches) is rebuilt from it
-   when a job or an evaluation first reads it, bit for bit the rows of a rebuild of every window. The target
+   rows never leave the GPU; every step's block inputs are kept on the host in float16). A refresh rebuilds
+   only the refresh batches (`batch` training windows, or `batch` held-out ones: never a mix, so an evaluation
+   rebuilds only held-out batches) that the coming period's jobs and evaluations read (`_HealJob.plan`), and
+   any other one lazily from a copy of the weights when first read (`_Chain`), bit for bit the rows of a
+   rebuild of every window. The target
    of step j at row p is the trunk's top-k at p + j. Loss: top-k KL (teacher renormalised over its k ids,
    `ddl_ref.ops.topk_kl_forward`), mean over rows.
 5. One job = (train batch, chain step); every pass over the jobs reshuffles the same order array in place
@@ -67,6 +68,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 from collections.abc import Callable
@@ -383,12 +385,14 @@ class _Chain:
     windows likewise (`split_heldout`). A training job's batch (`_batches`: the same runs, a short last one
     dropped) is then exactly one refresh batch, and so is a held-out evaluation batch; with consecutive windows
     (the older grouping) nearly every refresh batch held a held-out window, so each evaluation rebuilt almost
-    all of them. The rebuild is lazy: a refresh keeps a copy of the draft's weights (`Draft.keep`) and marks
-    every refresh batch stale; `join` rebuilds the refresh batches its windows lie in, from that copy
-    (`Draft.using`), up to the chain step it needs, when first asked. Every row is the one an eager rebuild of
-    all windows at the refresh gives, bit for bit (same weights, same batches of windows, same order of chain
-    steps; the tests compare the two), at the cost of the batches the jobs and evaluations of a period touch
-    instead of all of them."""
+    all of them. A refresh marks every refresh batch stale and rebuilds at once, from the current weights, those
+    its `plan` names (what the period's jobs and evaluations will read, up to the chain step each needs); it
+    keeps a copy of the weights in host memory (`Draft.snapshot`), from which `join` rebuilds any other stale
+    batch its windows lie in when first asked (`Draft.using`: a job a non-finite step pushed past the plan, or
+    a refresh without one). Every row is the one an eager rebuild of all windows at the refresh gives, bit for
+    bit (same weights, same batches of windows, same order of chain steps; the tests compare the two), at the
+    cost of the batches the jobs and evaluations of a period touch instead of all of them; and the GPU holds no
+    copy of the weights for it (what the copy costs is a download per refresh)."""
 
     def __init__(self, model: Model, cfg: HealConfig, cache: _Cache, draft):
         self.model, self.mcfg, self.cache, self.draft = model, model.cfg, cache, draft
@@ -423,24 +427,30 @@ class _Chain:
             return self.draft.next_rows(self.stacked(sel, j - 1), tok, valid, chain=j - 1)
         return self.draft.next_rows(x[j - 1][sel].astype(np.float32), tok, valid)
 
-    def refresh(self) -> int:
-        """Chain steps 2..chain from the current draft's outputs, lazily: the weights kept and every refresh
-        batch marked stale -> the refresh-batch forwards run since the previous refresh."""
+    def refresh(self, plan=()) -> int:
+        """Chain steps 2..chain from the current draft's outputs: every refresh batch marked stale, those `plan`
+        names ((windows, chain step) pairs) rebuilt now, the weights kept for the others -> the refresh-batch
+        forwards run since the previous refresh."""
         if self.chain < 2:
             return 0
-        self.weights = self.draft.keep(self.weights)
+        self.weights = self.draft.snapshot()
         self.built[:] = 1
         for j in range(2, self.chain + 1):
             self.cache.x.setdefault(j, self.cache.zeros((self.N, self.T, self.mcfg.d_model), np.float16))
         done, self.period_forwards = self.period_forwards, 0
+        need: dict[int, int] = {}  # refresh batch -> the chain step the period reads it to
+        for windows, j in plan:
+            for k in np.unique(self.batch_of[np.asarray(windows)]):
+                need[int(k)] = max(need.get(int(k), 1), min(int(j), self.chain))
+        for j in sorted(set(need.values()) - {1}):  # each batch's rows independent of the others
+            self._rebuild([k for k in sorted(need) if need[k] == j], j, None)
         return done
 
-    def refresh_event(self, events: Events, step: int) -> None:
+    def refresh_event(self, events: Events, step: int, plan=()) -> None:
         """`refresh`, then its event: `rebuilt` the refresh-batch forwards since the previous refresh (the ones
-        the period's jobs and evaluations asked for), `batches` the refresh batches (a full rebuild is
-        (chain − 1) x batches forwards); `lazy` is true (the event's schema from when an eager rebuild was an
-        option)."""
-        rebuilt = self.refresh()
+        the period's jobs and evaluations read), `batches` the refresh batches (a full rebuild is (chain − 1) x
+        batches forwards); `lazy` is true (the event's schema from when an eager rebuild was an option)."""
+        rebuilt = self.refresh(plan)
         if self.chain > 1:
             events("refresh", step=step, chain=self.chain, lazy=True, rebuilt=rebuilt, batches=self.batches)
 
@@ -450,12 +460,13 @@ class _Chain:
         stale = [k for k in np.unique(self.batch_of[np.asarray(windows)]) if self.built[k] < j]
         if not stale:
             return
-        self._rebuild(stale, j)
+        self._rebuild(stale, j, self.weights)
 
-    def _rebuild(self, stale: list, j: int) -> None:
-        """Chain steps built + 1..j of the refresh batches `stale` from the kept weights."""
+    def _rebuild(self, stale: list, j: int, weights) -> None:
+        """Chain steps built + 1..j of the refresh batches `stale` from the kept `weights` (None: the current
+        ones, at the refresh)."""
         x = self.cache.x
-        with self.draft.using(self.weights):
+        with self.draft.using(weights) if weights is not None else contextlib.nullcontext():
             for k in stale:
                 sel = self.members[k]
                 for s in range(int(self.built[k]) + 1, j + 1):
@@ -552,18 +563,47 @@ def _trunk_pass(teacher, wins: list[np.ndarray], mcfg: ModelConfig, k: int, nb: 
 
 
 class _HealJob:
-    """The draft's training steps over shuffled (train batch, chain step) jobs; the `run.Job` of the loop."""
+    """The draft's training steps over shuffled (train batch, chain step) jobs; the `run.Job` of the loop.
+    `refresh(0)` before the evaluation at step 0, then `start` with its result."""
 
-    def __init__(self, chain: _Chain, cfg: HealConfig, train_batches, val_batches, best: Best, start_kl,
-                 events: Events):  # fmt: skip
-        self.chain, self.cfg, self.best, self.events = chain, cfg, best, events
+    def __init__(self, chain: _Chain, cfg: HealConfig, train_batches, val_batches, events: Events):
+        self.chain, self.cfg, self.events = chain, cfg, events
         self.val_batches = val_batches
         self.jobs = [(b, j) for b in train_batches for j in range(1, cfg.chain + 1)]
         self.total = max(math.ceil(cfg.epochs * len(self.jobs)), 1)
         self.order = self._job_order(XorShift64(cfg.seed))
+        self.ahead: collections.deque = collections.deque()  # jobs drawn from `order` for a plan, not yet run
         self.scale = LossScale(LOSS_SCALE_START, MAX_NONFINITE)
+        self.cadence = Cadence(cfg.eval_every, self.total)
+
+    def start(self, best: Best, start_kl) -> None:
+        """The evaluation at step 0 done: `best` its score and weights, `start_kl` its KL per chain step."""
+        self.best = best
         self.history = [{"step": 0, "heldout_kl": start_kl, "mean": best.value}]
         self.best_per_step = start_kl  # the held-out KL per chain step at the best evaluation
+
+    def refresh(self, n: int) -> None:
+        """The refresh after step n (0: before the first), with what the period reads (`plan`)."""
+        self.chain.refresh_event(self.events, n, self.plan(n))
+
+    def plan(self, n: int) -> list:
+        """What the period after the refresh at step n reads, as (windows, chain step) pairs: the jobs of its steps
+        n + 1.. to the next refresh (after `refresh` steps) or the last step, and every held-out batch to the
+        last chain step when an evaluation falls in it (at a due step from n on, before the next refresh's, or
+        the last step). A non-finite step takes one job more than planned: `_Chain` rebuilds that job's rows
+        from its copy of the weights."""
+        cfg = self.cfg
+        last = n + cfg.refresh if cfg.refresh > 0 and n + cfg.refresh < self.total else self.total
+        while len(self.ahead) < last - n:
+            self.ahead.append(next(self.order))
+        reads = list(itertools.islice(self.ahead, last - n))
+        evals = range(n, last + 1 if last == self.total else last)
+        if any(self.cadence.due(s) for s in evals):
+            reads += [(b, cfg.chain) for b in self.val_batches]
+        return reads
+
+    def _next_job(self):
+        return self.ahead.popleft() if self.ahead else next(self.order)
 
     def _job_order(self, rng: XorShift64):
         """The jobs, each pass over them after a reshuffle of the previous pass's order."""
@@ -574,7 +614,7 @@ class _HealJob:
                 yield self.jobs[oi]
 
     def step(self, done: int) -> dict | None:
-        b, j = next(self.order)
+        b, j = self._next_job()
         x, tid, tp, w, c = self.chain.join(b, j)
         lr = self.cfg.lr * lr_multiplier(done + 1, self.total)
         loss, gnorm, finite = self.chain.draft.step(x, tid, tp, w, lr, done + 1, self.scale.value, **c)
@@ -587,7 +627,7 @@ class _HealJob:
             return None
         n = done + 1
         if self.cfg.chain > 1 and self.cfg.refresh > 0 and n % self.cfg.refresh == 0 and n < self.total:
-            self.chain.refresh_event(self.events, n)
+            self.refresh(n)
         return {"loss": loss, "lr": lr, "grad_norm": gnorm}
 
     def evaluate(self, done: int) -> float:
@@ -691,24 +731,29 @@ def _heal(model_path, data_spec, out_path, cfg: HealConfig, init_path, backend: 
         return host.zeros(shape, dtype, in_ram)
 
     ck = stack.enter_context(open_checkpoint(model_path, verify=verify)) if on_gpu else None
+    peaks = _PhasePeaks(open_gpu(device) if on_gpu else None)
     teacher = make_teacher(backend, model, cfg.batch, device, cfg.trunk_dtype, plan, ck)
     train, val = split_heldout(len(wins))
     nb = getattr(teacher, "block", cfg.batch)
     cache = _trunk_pass(teacher, wins, mcfg, kk, nb, events, pad_id(model), val, zeros)
     teacher.release()  # the trunk has run: its blocks' weights go before the draft trains (the peak is the larger)
+    peaks.next("draft")
     draft = make_draft(backend, model, init, cfg.batch, device, cfg.kl_form, teacher)
+    # all the draft's phase allocates, now (what the plan counted): nothing after this adds to the peak
+    draft.prepare(T, kk, cfg.chain, cfg.chain_attention == "stacked")
     chain = _Chain(model, cfg, cache, draft)
-    chain.refresh_event(events, 0)
     tb, vb = _batches(train, cfg.batch), _batches(val, cfg.batch)
+    job = _HealJob(chain, cfg, tb, vb, events)
+    job.refresh(0)
 
     acc_before = _heldout_acceptance(model, cache, val, draft, backend == "wgpu", cfg)
     v0 = chain.heldout_kl(vb)
     e0 = float(np.mean(v0))
     events("eval", step=0, heldout_kl=v0, mean=e0, best=e0)
     best = Best(e0, 0, draft.snapshot())
-    job = _HealJob(chain, cfg, tb, vb, best, v0, events)
+    job.start(best, v0)
     total = job.total
-    stopped, done = drive(job, 0, Cadence(cfg.eval_every, total), best, events, cfg.patience)
+    stopped, done = drive(job, 0, job.cadence, best, events, cfg.patience)
 
     draft.restore(best.snapshot)
     trained = draft.export()
@@ -752,5 +797,29 @@ def _heal(model_path, data_spec, out_path, cfg: HealConfig, init_path, backend: 
         "refresh_forwards": chain.forwards,
         "plan": plan.to_dict() if plan is not None else None,
         "scratch_bytes": host.scratch_bytes,
-        "gpu_peak_bytes": open_gpu(device).peak if on_gpu else None,  # the engine's own count, all phases
+        # the engine's own count: the most of its phases (trunk, draft), each beside the plan's estimate
+        **peaks.report(),
     }
+
+
+class _PhasePeaks:
+    """The engine's own count of the GPU memory heal's phases peak at (`Gpu.peak` from the start of each, less
+    what was alive before heal began): `next` ends a phase, `report` gives the most of all and each phase's."""
+
+    def __init__(self, gpu):
+        self.gpu, self.phase, self.done = gpu, "trunk", {}
+        if gpu is not None:
+            self.base = gpu.live
+            gpu.reset_peak()
+
+    def next(self, phase: str) -> None:
+        if self.gpu is not None:
+            self.done[self.phase] = self.gpu.peak - self.base
+            self.gpu.reset_peak()
+        self.phase = phase
+
+    def report(self) -> dict:
+        if self.gpu is None:
+            return {"gpu_peak_bytes": None, "gpu_phase_peak_bytes": None}
+        self.next(self.phase)
+        return {"gpu_peak_bytes": max(self.done.values()), "gpu_phase_peak_bytes": dict(self.done)}

@@ -52,7 +52,9 @@ class DraftInput:
     the tokens from `embed_net`'s embedding (f32 or f16, row chunks: `vocab.Vocab`), `ops.mtp_input` (both
     norms, the concatenation, the row mask), the projection on `matmul`. enorm, hnorm and eh_proj are uploaded
     once as float32 (frozen). The result is `ddl_ref.mtp.step_input`'s within float rounding (f64 sums aside,
-    the same operations), on the table as `embed_net` stores it."""
+    the same operations), on the table as `embed_net` stores it. After `gather_on_host` the rows E[t] are
+    gathered on the host from the table's source instead (the same values: heal's draft phase, once the trunk's
+    untied embedding is released)."""
 
     def __init__(self, gpu: Gpu, params: dict, cfg: ModelConfig, embed_net: Net):
         self.gpu, self.cfg, self.C = gpu, cfg, cfg.d_model
@@ -60,8 +62,16 @@ class DraftInput:
         self.wn = gpu.upload(np.concatenate(norms), "mtp_norms")
         self.eh = gpu.upload(np.asarray(params[ref_mtp.EH_PROJ], np.float32), "mtp_eh_proj")
         self.vocab = Vocab(embed_net)
+        self.table = None  # (WeightSource, dtype) of the embedding once it is gathered on the host
         self._bufs: dict = {}  # rows -> (tokens, valid, e, cat, x)
         self._calls: dict = {}  # (rows, T, hidden buffer, h_stride, h_offset, concat) -> (Call, hidden buffer)
+
+    def gather_on_host(self, source, dtype: str) -> None:
+        """From now on E[t] comes from `source` (a `stream.WeightSource`), converted to `dtype` as the GPU's
+        table held it (`WeightSource.rows`), written into the rows' buffer by `upload`/`upload_tokens`: the
+        table on the GPU can go."""
+        self.table = (source, dtype)
+        self._calls = {}  # they gather from the GPU's table
 
     def buffers(self, N: int):
         """(tokens u32, valid f32, e, cat, x) of N rows, allocated once per N."""
@@ -83,7 +93,7 @@ class DraftInput:
         if key not in self._calls:
             g, C, cfg = self.gpu, self.C, self.cfg
             tok, val, e, cat, x = self.buffers(N)
-            call = self.vocab.embed_forward(e, tok, N)
+            call = self.vocab.embed_forward(e, tok, N) if self.table is None else Call()
             call += k_mtp.mtp_input_rows(g, cat, e, hidden, self.wn, val, N, C, T, cfg.rms_eps, cfg.norm_style,
                                          concat, h_stride, h_offset)  # fmt: skip
             call += k_mm.matmul(g, x, cat, self.eh, N, C, 2 * C, trans_b=True, split_k=split_k)
@@ -96,11 +106,17 @@ class DraftInput:
 
     def upload(self, tokens, valid) -> None:
         """tokens (B, T) int and valid (B, T) bool into the token and mask buffers of B·T rows."""
-        tokens = np.asarray(tokens)
-        tok, val, _e, _cat, _x = self.buffers(tokens.size)
-        V = self.cfg.vocab_size
-        self.gpu.write(tok, np.clip(tokens, 0, V - 1).astype(np.uint32).reshape(-1))
-        self.gpu.write(val, np.asarray(valid, np.float32).reshape(-1))
+        self.upload_tokens(tokens)
+        self.gpu.write(self.buffers(np.size(tokens))[1], np.asarray(valid, np.float32).reshape(-1))
+
+    def upload_tokens(self, tokens) -> None:
+        """tokens (B, T) int into the token buffer of B·T rows (and, gathered on the host, their rows E[t])."""
+        tokens = np.clip(np.asarray(tokens), 0, self.cfg.vocab_size - 1).reshape(-1)
+        tok, _val, e, _cat, _x = self.buffers(tokens.size)
+        self.gpu.write(tok, tokens.astype(np.uint32))
+        if self.table is not None:
+            source, dtype = self.table
+            self.gpu.write(e, source.rows(EMBED, tokens, dtype, self.C))
 
     def rows(self, tokens, valid, hidden, h_stride: int | None = None, h_offset: int = 0) -> np.ndarray:
         """tokens (B, T) int (row p's token), valid (B, T) bool, `hidden` a GPU buffer of windows of
@@ -198,14 +214,19 @@ class WgpuTeacher:
         return pre[:b], post[:b]
 
     def release(self) -> None:
-        """Free the blocks' weights, the works and the batch copies of hidden rows (the trunk has run); the
-        embedding, final norm and head stay for the draft."""
+        """Free the blocks' weights, the works, the batch copies of hidden rows and an untied embedding (the
+        trunk has run; the draft's input rows gather E[t] on the host after it); the final norm and head stay for
+        the draft."""
         for h in self._hid.values():
             if self.input is not None:
                 self.input.forget(h)
             self.gpu.release(h)
         self._hid = {}
+        self.gpu.drop_scratch()  # the trunk's block sized them; the draft's works size their own
         self.trunk.release()
+        w = self.trunk.weights
+        if w.release_embedding() and self.input is not None:  # the draft's rows E[t] gathered on the host
+            self.input.gather_on_host(w.source, w.wdtype(EMBED))
 
 
 class WgpuDraft:
@@ -227,19 +248,46 @@ class WgpuDraft:
         dp = {local: np.asarray(src[name], np.float32) for local, name in self.names.items()}
         frozen = (EMBED, head_name(cfg))  # the head is the embedding when tied
         shared = {name: teacher.net for name in frozen} if teacher is not None else {}
+        # a teacher's released embedding (heal's draft phase) is left out: the draft's works never read it
+        gone = teacher is not None and teacher.input is not None and teacher.input.table is not None
+        if gone:
+            frozen, shared = frozen[1:], {n: t for n, t in shared.items() if n != EMBED}
         for name in frozen:
             if name not in shared:
                 dp[name] = params[name]
         # the frozen embedding/head gets no gradient or moment storage (the draft work never writes it)
         self.net = Net(gpu, ref_mtp.draft_config(cfg), dp, trainable=list(self.names), frozen_state=False,
-                       shared=shared)  # fmt: skip
-        # each of the draft's works records and submits alone: they share one chunk of logits (at the Qwen3.8-27B
-        # vocabulary half a GB each, and a stacked chain builds two works per chain step)
-        self.net.shared_logits = {}
+                       shared=shared, names=(lambda n: n != EMBED) if gone else None)  # fmt: skip
+        # each of the draft's works records and submits alone, and what it computes is read (or copied) before
+        # another work runs: they share their activations (`Blocks.act`; at the Qwen3.8-27B shape a stacked
+        # chain's last step, 3 x 512 rows, holds 1.3 GiB of them and each chunk of logits is 0.47 GiB)
+        self.net.shared_acts = {}
         self.input = teacher.input if teacher is not None else DraftInput(gpu, params, cfg, self.net)
         self._works: dict = {}
-        self._aside = None  # `using`: the trained weights while another snapshot's are in
+        self._aside = None  # `using`: the trained weights aside, unless in the gradients (`_aside_arenas`)
         self._steps: dict = {}  # rows -> each chain step's input rows (`greedy_chain`, stacked)
+
+    def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None:
+        """Allocate now all that heal's draft phase on windows of T tokens allocates, so that nothing after it
+        does (`plan_trunk_job` counts it on a DryGpu, the same code): the works of its steps and evaluations
+        (top-k width k) and of its refresh's and acceptance's forwards (width 1, with their top-1), with
+        `stacked` those of chains 2..chain, largest first (their shared activations are sized by the first);
+        the acceptance's input rows and, stacked, each chain step's; with chain > 1 where `using` puts the
+        weights aside; the read-back staging of its largest download (the weights, `export` and `snapshot`,
+        or a batch's rows)."""
+        chains = range(2, chain + 1) if stacked else ()
+        for S, j in sorted([(T, 0)] + [(j * T, j) for j in chains], reverse=True):
+            self._work(S, k, j)
+            self._work(S, 1, j)._topk_call(1)
+        self.net.zero_grads_call()
+        self.net.optimizer_call(draft_adamw(0.0, 1))  # its uniforms are rewritten by every step
+        self.input.buffers(self.B * T)
+        if stacked:
+            self._step_rows(self.B * T, chain)
+        if chain > 1:
+            self._aside_arenas()
+        rows = self.B * T * self.cfg.d_model * F32
+        self.net.gpu.reserve_staging(max([b.size for b in self.net.p] + [rows, self.B * chain * T * 4]))
 
     def _work(self, T: int, k: int = 1, chain: int = 0) -> DraftWork:
         if (T, k, chain) not in self._works:
@@ -262,7 +310,8 @@ class WgpuDraft:
         return float(r.loss), float(r.grad_norm), bool(r.finite and math.isfinite(r.grad_norm))
 
     def grads(self) -> dict:
-        """The last step's gradients of the trained tensors, by their model.mtp.* names (tests)."""
+        """The last step's gradients of the trained tensors, by their model.mtp.* names (tests; until a `using`,
+        which puts the weights aside there)."""
         g = self.net.grads()
         return {name: g[local] for local, name in self.names.items()}
 
@@ -343,13 +392,16 @@ class WgpuDraft:
             work._fwd.record(rec)
             top, ids_out, _probs = work._topk_call(1)
             top.record(rec)
-            for w in range(B) if sigma else ():  # the next step's tokens: this step's argmax ids
+            on_gpu = inp.table is None  # the next step's tokens, this step's argmax ids, copied there
+            for w in range(B) if sigma and on_gpu else ():
                 rec.copy(ids_out, (w * S + S - T) * 4, tok, w * T * 4, T * 4)
-            if not sigma:
+            if not sigma and on_gpu:
                 rec.copy(ids_out, 0, tok, 0, N * 4)
             rec.submit()
-            ids = g.download(ids_out, np.uint32, B * S).reshape(B, S)[:b, S - T :]
-            preds.append(ids.astype(np.int32))
+            ids = g.download(ids_out, np.uint32, B * S).reshape(B, S)[:, S - T :]
+            preds.append(ids[:b].astype(np.int32))
+            if not on_gpu and j < depth:  # ... or their rows gathered on the host
+                inp.upload_tokens(ids)
             h, stride = ref_mtp.pick_hidden(work.xL, work.xf, mtp.chain_hidden), S
         return np.stack(preds, axis=1)
 
@@ -360,28 +412,48 @@ class WgpuDraft:
             have.append(self.net.gpu.buffer(N * self.cfg.d_model * F32, label=f"chain_step{len(have) + 1}"))
         return have
 
-    def snapshot(self):
-        return self.net.snapshot()
+    def snapshot(self) -> list:
+        """The current weights in host memory (heal's best weights and its refresh's: a download per new best or
+        per refresh, and the GPU holds no more copies of the draft): each parameter arena's bytes."""
+        return [self.net.gpu.download(b, np.uint8) for b in self.net.p]
 
     def restore(self, snap) -> None:
-        self.net.restore(snap)
+        """The weights of a `snapshot` (host) or a `keep` (GPU) back in."""
+        if snap and isinstance(snap[0], np.ndarray):
+            for buf, data in zip(self.net.p, snap, strict=True):
+                self.net.gpu.write(buf, data)
+        else:
+            self.net.restore(snap)
 
-    def keep(self, into=None):
-        """A GPU-side snapshot of the current weights (`Net.snapshot`), copied into `into` (an earlier `keep`)
-        when given rather than into new buffers."""
-        return self.net.snapshot(into)
+    def _aside_arenas(self) -> list:
+        """Where `using` puts the trained weights aside: the gradient arenas when each is as large as its
+        parameter arena (every step zeroes them before it writes them, so between steps they hold nothing;
+        `grads` reads the last step's only until then), else a copy of its own, allocated once."""
+        p, g = self.net.p, self.net.g
+        if len(g) == len(p) and all(a.size >= b.size for a, b in zip(g, p, strict=True)):
+            return g
+        if self._aside is None:
+            self._aside = [self.net.gpu.buffer(b.size, label="snapshot") for b in p]
+        return self._aside
+
+    def _copy_weights(self, src: list, dst: list) -> None:
+        rec = self.net.gpu.recorder()
+        for a, b, p in zip(src, dst, self.net.p, strict=True):
+            rec.copy(a, 0, b, 0, p.size)
+        rec.submit()
 
     @contextlib.contextmanager
     def using(self, snap):
-        """Within the block the draft's forwards run on the weights `snap` (heal's lazy refresh): the trained
-        weights are copied aside, `snap` copied in, and the trained weights back after it (GPU-side copies; the
-        gradients and Adam moments are not touched)."""
-        self._aside = self.keep(self._aside)
-        self.net.restore(snap)
+        """Within the block the draft's forwards run on the weights `snap` (a `snapshot`; heal's lazy refresh):
+        the trained weights are copied aside on the GPU (`_aside_arenas`), `snap` written in, and the trained
+        weights copied back after it (the Adam moments are not touched)."""
+        aside = self._aside_arenas()
+        self._copy_weights(self.net.p, aside)
+        self.restore(snap)
         try:
             yield
         finally:
-            self.net.restore(self._aside)
+            self._copy_weights(aside, self.net.p)
 
     def export(self) -> dict:
         p = self.net.export(self.names)  # the trained tensors only: not the shared embedding/head
@@ -407,19 +479,6 @@ def fake_params(cfg: ModelConfig) -> dict:
     return {s.name: np.broadcast_to(np.float32(0), s.shape) for s in param_table(cfg)}
 
 
-def build_draft_phase(draft: WgpuDraft, T: int, k: int, chain: int, stacked: bool) -> None:
-    """Every work heal's draft builds (its steps and evaluations, its refresh's next rows, the acceptance's greedy
-    chain), and the stacked chain's per-step rows: what the draft's phase allocates."""
-    draft._work(T, k, 0)
-    draft._work(T, 1, 0)
-    draft.input.buffers(draft.B * T)
-    if stacked:
-        for j in range(2, chain + 1):
-            draft._work(j * T, k, j)
-            draft._work(j * T, 1, j)
-        draft._step_rows(draft.B * T, chain)
-
-
 def plan_trunk_job(gpu: Gpu, job: str, cfg: ModelConfig, dtype: str, windows: int, T: int, batch: int,
                    budget: int | None, k: int = 1, rows: bool = True, draft: dict | None = None):  # fmt: skip
     """The `gpumem.TrunkPlan` of heal's (`draft`: {"k", "chain", "stacked", "kl_form"} of its draft) or accept's
@@ -437,7 +496,7 @@ def plan_trunk_job(gpu: Gpu, job: str, cfg: ModelConfig, dtype: str, windows: in
             t.input.buffers(batch * T)
             t._hid[T] = dry.buffer(batch * T * cfg.d_model * F32)
             down = max(down, batch * T * cfg.d_model * F32)
-        dry.buffer(max(min(gpumem.READBACK_MAX, down), 1 << 16), "staging")
+        dry.reserve_staging(down)
         return t
 
     def trunk_bytes(streamed: bool, block: int) -> int:
@@ -449,10 +508,21 @@ def plan_trunk_job(gpu: Gpu, job: str, cfg: ModelConfig, dtype: str, windows: in
     draft_bytes = 0
     if draft is not None:
         dry = gpumem.DryGpu(gpu)
-        t = WgpuTeacher(dry, params, cfg, batch, dtype, plan=_Shape(True, 1))
-        t.release()  # what stays after the trunk's pass: the embedding, final norm and head
-        dry.peak = dry.live
-        d = WgpuDraft(dry, params, cfg, None, batch, draft["kl_form"], t)
-        build_draft_phase(d, T, draft["k"], draft["chain"], draft["stacked"])
+        draft_phase(dry, cfg, dtype, batch, T, draft, params)
         draft_bytes = dry.peak
     return gpumem.plan_trunk(job, windows, T, budget, trunk_bytes, weight_bytes, draft_bytes, dtype=dtype)
+
+
+def draft_phase(dry, cfg: ModelConfig, dtype: str, batch: int, T: int, draft: dict, params=None) -> WgpuDraft:
+    """heal's draft phase built on `dry` (a `gpumem.DryGpu`) as heal builds it: what the trunk leaves after its
+    release (the embedding, final norm and head, the draft's input projection), then the draft on it, prepared
+    for windows of T tokens (`WgpuDraft.prepare`; `draft` as `plan_trunk_job`'s); `dry.peak` is then the
+    phase's peak."""
+    params = fake_params(cfg) if params is None else params
+    t = WgpuTeacher(dry, params, cfg, batch, dtype, plan=_Shape(True, 1))
+    t.input.buffers(batch * T)  # the trunk's pass made the step-1 rows' buffers; the draft's rows reuse them
+    t.release()
+    dry.peak = dry.live
+    d = WgpuDraft(dry, params, cfg, None, batch, draft["kl_form"], t)
+    d.prepare(T, draft["k"], draft["chain"], draft["stacked"])
+    return d

@@ -360,7 +360,8 @@ class Net:
         ranges = [((self.g[a], off, n), n // F32) for a, off, n in runs]
         count = k_red.total_partials([n for _, n in ranges])
         parts = self.gpu.buffer(count * F32, label="norm_partials")
-        call = k_red.grad_norm_clip(self.gpu, self.scalars, parts, ranges, 1.0)
+        # the Call keeps its partials alive (its bind groups alone do not: `gpu.Call.scratch`)
+        call = Call(scratch=parts) + k_red.grad_norm_clip(self.gpu, self.scalars, parts, ranges, 1.0)
         clip_uniforms = [(call.uniforms[-1], k_red.FINALIZE)]
         for a, off, n in runs:
             views = [(buf[a], off, n) for buf in (self.p, self.g, self.m, self.v)]
@@ -377,7 +378,8 @@ class Net:
         count = k_red.total_partials([n for ps in tensors for _, n in ps])
         parts = self.gpu.buffer(count * F32, label="norm_partials_tensors")
         self._records = self.gpu.buffer(len(tensors) * k_red.RECORD_BYTES, label="clip_records")
-        call = k_red.tensor_norm_clip(self.gpu, self.scalars, self._records, parts, tensors, 1.0)
+        call = Call(scratch=parts) + k_red.tensor_norm_clip(self.gpu, self.scalars, self._records, parts, tensors,
+                                                             1.0)  # fmt: skip
         clip_uniforms = [(call.uniforms[-3], k_red.FINALIZE), (call.uniforms[-2], k_red.TENSOR_CLIP)]
         for t, ps in enumerate(pieces):
             record = (self._records, t * k_red.RECORD_BYTES, k_red.SCALARS_BYTES)

@@ -262,13 +262,8 @@ class RefDraft:
         for n, p in snap.items():
             self.params[n][...] = p
 
-    def keep(self, into=None):
-        """A snapshot of the current weights, written into `into` (an earlier `keep`) when given."""
-        if into is None:
-            return self.snapshot()
-        for n, p in self.params.items():
-            into[n][...] = p
-        return into
+    def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None:
+        """Nothing: host memory is allocated as heal goes (the GPU draft allocates its phase up front)."""
 
     @contextlib.contextmanager
     def using(self, snap):

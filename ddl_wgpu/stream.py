@@ -43,6 +43,7 @@ from ddl_wgpu import layout
 from ddl_wgpu.container_format import bf16_to_f32
 from ddl_wgpu.gpu import Call, GpuError
 from ddl_wgpu.inference import InferenceWork
+from ddl_wgpu.layout import EMBED
 from ddl_wgpu.net import Net
 
 LAYER = "model.layers."
@@ -100,6 +101,17 @@ class WeightSource:
             if np.isfinite(src).all():
                 raise GpuError(f"parameter {name} overflows float16 (max |x| {float(np.abs(src).max()):.4g})")
 
+    def rows(self, name: str, ids, dtype: str, width: int) -> np.ndarray:
+        """Rows `ids` (int, any shape) of the tensor `name` of rows of `width` values, as a GPU table of `dtype`
+        holds them (converted as `fill` converts them), in float32 -> (*ids.shape, width): the table's gather,
+        done on the host (a memory-mapped checkpoint reads those rows only)."""
+        raw, stored = self.raw(name)
+        ids = np.asarray(ids)
+        picked = raw.reshape(-1, width)[ids.reshape(-1)]
+        out = np.empty(picked.shape, _NP[dtype])
+        self._convert(name, out, picked, stored, False)  # checked when the table was uploaded
+        return out.astype(np.float32, copy=False).reshape(*ids.shape, width)
+
     def _spans(self, n: int, itemsize: int) -> list[tuple[int, int]]:
         step = max(64, PIECE_BYTES // itemsize // 64 * 64)  # whole words of f16 too
         return [(e, min(n, e + step)) for e in range(0, n, step)]
@@ -137,11 +149,12 @@ def _workers() -> int:
 
 
 class TrunkWeights:
-    """The trunk's weights on the GPU, as a `net.Net` reads them for its works: the embedding, the final norm,
-    the head (and a Deep Delta model's expansion and readout) in `head`, an inference Net of those tensors only;
-    every block's tensors in a slot (`slots` of them: one per layer when None; layer i in slot i % slots), each
-    laid out like a one-block Net of that block's kind (a hybrid has two kinds; a slot is as large as the
-    largest kind it takes). `view`, `wdtype`, `row_views`, `slots` answer for every tensor of the trunk, so the
+    """The trunk's weights on the GPU, as a `net.Net` reads them for its works: the final norm, the head (and a
+    Deep Delta model's expansion and readout) in `head`, an inference Net of those tensors only, and the
+    embedding in it too when tied, else in `embed`, a Net of its own (heal's draft phase gathers its rows on the
+    host instead: `release_embedding`); every block's tensors in a slot (`slots` of them: one per layer when
+    None; layer i in slot i % slots), each laid out like a one-block Net of that block's kind (a hybrid has two
+    kinds; a slot is as large as the largest kind it takes). `view`, `wdtype`, `row_views`, `slots` answer for every tensor of the trunk, so the
     works (`Blocks`, `Vocab`, `heal_gpu.DraftInput`) and a draft sharing the embedding/head (`Net(shared=...)`)
     use it as a Net. Frozen: no gradients or moments."""
 
@@ -154,8 +167,11 @@ class TrunkWeights:
         self.gpu, self.cfg, self.dtype, self.source = gpu, cfg, dtype, source
         self.pool = pool
         self.dry = getattr(gpu, "dry", False)
-        self.head = Net(gpu, cfg, None, inference=True, dtype=dtype, names=lambda n: not is_layer(n),
-                        loader=self._load_head)  # fmt: skip
+        untied = not cfg.tie_embeddings
+        self.head = Net(gpu, cfg, None, inference=True, dtype=dtype, loader=self._load_head,
+                        names=lambda n: not is_layer(n) and not (untied and n == EMBED))  # fmt: skip
+        self.embed = (Net(gpu, cfg, None, inference=True, dtype=dtype, loader=self._load_head,
+                          names=lambda n: n == EMBED) if untied else None)  # fmt: skip
         L = cfg.n_layers
         self.S = L if slots is None else max(1, min(int(slots), L))
         self.layer_names: list[list[str]] = []
@@ -183,11 +199,15 @@ class TrunkWeights:
                      for s, sizes in enumerate(self.arena_sizes)]  # fmt: skip
         self.holds: list[int | None] = [None] * self.S  # the layer each slot holds
         self.slots = dict(self.head.slots)  # a layer tensor's Slot: its arena within its layer's slot
+        if self.embed is not None:  # its arena after the head's (`p`)
+            e = self.embed.slots[EMBED]
+            self.slots[EMBED] = dataclasses.replace(e, arena=len(self.head.p) + e.arena)
         for i, names in enumerate(self.layer_names):
             prefix = f"{LAYER}{i}."
             for n in names:
                 self.slots[n] = dataclasses.replace(self.kind[i].slots[n[len(prefix) :]], name=n)
-        self.p = self.head.p  # the head's arenas: what a Net sharing the embedding/head binds
+        # the resident arenas (the head's, then the embedding's): what a Net sharing the embedding/head binds
+        self.p = self.head.p + (self.embed.p if self.embed is not None else [])
 
     # -- as a Net -----------------------------------------------------------------------------------------
 
@@ -201,8 +221,16 @@ class TrunkWeights:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the weights on the GPU: the head's arenas and the slots."""
-        return sum(self.head.arena_sizes) + sum(sum(sizes) for sizes in self.arena_sizes)
+        """Bytes of the weights on the GPU: the resident arenas and the slots."""
+        resident = sum(self.head.arena_sizes) + (sum(self.embed.arena_sizes) if self.embed is not None else 0)
+        return resident + sum(sum(sizes) for sizes in self.arena_sizes)
+
+    def _resident(self, name: str) -> Net:
+        if self.embed is None or name != EMBED:
+            return self.head
+        if not self.embed.p:
+            raise GpuError(f"{EMBED}: released after the trunk's pass (`release_embedding`)")
+        return self.embed
 
     def _layer(self, name: str) -> tuple[int, layout.Slot] | None:
         if not is_layer(name):
@@ -215,7 +243,7 @@ class TrunkWeights:
             raise GpuError(f"gradient/moment view of {name}: the trunk is frozen (inference only)")
         hit = self._layer(name)
         if hit is None:
-            return self.head.view(name)
+            return self._resident(name).view(name)
         i, s = hit
         if s.nbytes > self.gpu.max_binding:
             raise GpuError(f"parameter {name} ({s.nbytes} bytes) exceeds this adapter's storage binding limit "
@@ -224,7 +252,7 @@ class TrunkWeights:
 
     def row_views(self, name: str, kind: str = "p"):
         if self._layer(name) is None:
-            return self.head.row_views(name, kind)
+            return self._resident(name).row_views(name, kind)
         rows = self.slots[name].shape[0]
         return [(0, rows, self.view(name, kind))]
 
@@ -251,6 +279,15 @@ class TrunkWeights:
         for bufs in self.bufs:
             self.gpu.release(*bufs)
         self.bufs, self.holds = [[] for _ in range(self.S)], [None] * self.S
+
+    def release_embedding(self) -> bool:
+        """Free an untied embedding (heal's draft gathers its rows on the host: `WeightSource.rows`) -> whether
+        there was one to free (a tied one is the head)."""
+        if self.embed is None or not self.embed.p:
+            return False
+        self.gpu.release(*self.embed.p)
+        self.embed.p = []
+        return True
 
 
 def staging(weights: TrunkWeights) -> list[list]:

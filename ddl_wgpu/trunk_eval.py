@@ -125,7 +125,7 @@ def plan_eval(gpu, cfg, batch: int, T: int, batches: int, budget: int | None, dt
     def build(dry, streamed: bool, block: int) -> None:
         EvalPass(Trunk(dry, cfg, None, dtype, streamed), batch, T, block // batch)
         down = max(block, batch * T * max(S, 1)) * F32  # the largest download: the sums, or a batch's stats
-        dry.buffer(max(min(gpumem.READBACK_MAX, down), 1 << 16), "staging")
+        dry.reserve_staging(down)
 
     def trunk_bytes(streamed: bool, block: int) -> int:
         return gpumem.dry_bytes(gpu, lambda dry: build(dry, streamed, block))

@@ -119,7 +119,7 @@ class _EagerChain(heal._Chain):
     """heal's chain with every window's chain rows rebuilt from the current draft at each refresh, step by step
     and batch by batch (what the lazy rebuild must reproduce bit for bit)."""
 
-    def refresh(self) -> int:
+    def refresh(self, plan=()) -> int:
         if self.chain < 2:
             return 0
         for j in range(2, self.chain + 1):

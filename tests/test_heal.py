@@ -455,13 +455,51 @@ def test_lazy_refresh_gives_the_eager_results_bit_for_bit(files, tmp_path, eager
     assert lazy["acceptance_after"] == eager["acceptance_after"]
 
 
+def _skip_one_step(monkeypatch, at: int) -> list:
+    """Each draft's `at`-th step non-finite (skipped, its weights untouched: its period takes one job more than
+    its refresh planned) -> the count of `using` blocks (the rebuilds from the refresh's copy of the weights)."""
+    step, using, used = refnet.RefDraft.step, refnet.RefDraft.using, [0]
+
+    def flaky(self, *a, **k):
+        self.calls = getattr(self, "calls", 0) + 1
+        return (float("nan"), float("nan"), False) if self.calls == at else step(self, *a, **k)
+
+    def counted(self, snap):
+        used[0] += 1
+        return using(self, snap)
+
+    monkeypatch.setattr(refnet.RefDraft, "step", flaky)
+    monkeypatch.setattr(refnet.RefDraft, "using", counted)
+    return used
+
+
+def test_a_job_past_the_refreshs_plan_is_rebuilt_from_its_weights(
+    files, tmp_path, monkeypatch, eager_refresh
+):
+    """A refresh rebuilds what its period's jobs and evaluation read from the current weights; a job a
+    non-finite step pushed past that plan is rebuilt from the weights kept at the refresh, as the eager
+    oracle's rows: the same run. Without a skip nothing is rebuilt from the copy; with one, something is."""
+    model, data = files
+    run = dataclasses.replace(SMALL, chain=3, refresh=3, tokens=1500)
+    used = _skip_one_step(monkeypatch, 0)
+    plain = heal_eager_and_lazy(eager_refresh, model, str(data), tmp_path, run)
+    assert used[0] == 0 and plain[True][0]["history"] == plain[False][0]["history"]
+    monkeypatch.undo()
+    used = _skip_one_step(monkeypatch, 5)
+    runs = heal_eager_and_lazy(eager_refresh, model, str(data), tmp_path, run)
+    (eager, te, _), (lazy, tl, _) = runs[False], runs[True]
+    assert lazy["skipped_steps"] == eager["skipped_steps"] == 1 and used[0] > 0
+    assert lazy["history"] == eager["history"] and all(np.array_equal(tl[n], te[n]) for n in te)
+
+
 def test_lazy_refresh_needs_the_kept_weights(files, tmp_path, monkeypatch, eager_refresh):
-    """The comparison above can fail: rows rebuilt from the current weights instead of those kept at the
-    refresh (`using` a no-op) change the held-out KL."""
+    """The comparisons above can fail: rows rebuilt from the current weights instead of those kept at the
+    refresh (`using` a no-op, no plan) change the held-out KL."""
     import contextlib
 
     model, data = files
     monkeypatch.setattr(refnet.RefDraft, "using", lambda self, snap: contextlib.nullcontext())
+    monkeypatch.setattr(heal._HealJob, "plan", lambda self, n: [])
     run = dataclasses.replace(SMALL, chain=3, refresh=3, tokens=1500)
     runs = heal_eager_and_lazy(eager_refresh, model, str(data), tmp_path, run)
     assert runs[True][0]["history"] != runs[False][0]["history"]
@@ -503,8 +541,8 @@ class _RowDraft:
     def __init__(self):
         self.calls = 0
 
-    def keep(self, into=None):
-        return into
+    def snapshot(self):
+        return None
 
     def using(self, snap):
         import contextlib

@@ -18,8 +18,6 @@ What this does not do: zero the gradients (`elementwise`), or compute the norm (
 
 from __future__ import annotations
 
-import wgpu
-
 from ddl_wgpu.gpu import Call, Uniform
 
 FILE = "adamw.wgsl"
@@ -82,7 +80,7 @@ def adamw(gpu, p, g, m, v, scalars, n: int, hyper) -> Call:
         raise ValueError(f"adamw: n={n} must be positive")
     if isinstance(hyper, dict):
         hyper = gpu.uniform(ADAMW, **hyper, label="adamw")
-    elif not isinstance(hyper, wgpu.GPUBuffer):
+    elif not hasattr(hyper, "size"):  # a buffer (or a `gpumem.DryGpu`'s stand-in for one)
         raise TypeError("adamw: hyper must be a uniform buffer or the fields from adamw_fields")
     sbytes = scalars[2] if isinstance(scalars, tuple) else scalars.size
     if sbytes < 12:

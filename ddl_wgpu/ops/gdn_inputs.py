@@ -179,7 +179,7 @@ def l2norm_forward(gpu: Gpu, qk, rstd, conv_out, rows: int, Hk: int, Dk: int, ep
     for s, w in enumerate((wq, wk)):
         call += rmsnorm_forward(gpu, sub(qk, s * ko, n * Dk), sub(rstd, s * ro, n),
                                 sub(conv_out, s * ko, n * Dk), w, n, Dk, eps / Dk, "standard")  # fmt: skip
-    call.weights = arena  # kept alive with the call
+    call.scratch = arena  # kept alive with the call (`gpu.Call.scratch`)
     return call
 
 
@@ -207,7 +207,7 @@ def l2norm_backward(gpu: Gpu, dconv_out, dqk, rstd, conv_out, rows: int, Hk: int
         call += rmsnorm_backward(gpu, sub(dconv_out, s * ko, n * Dk), dw_scratch, sub(dqk, s * ko, n * Dk),
                                  sub(conv_out, s * ko, n * Dk), w, sub(rstd, s * ro, n), n, Dk,
                                  "standard")  # fmt: skip
-    call.weights = (arena, dw_scratch, summed)
+    call.scratch = (arena, dw_scratch, summed)
     return call
 
 
