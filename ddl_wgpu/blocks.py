@@ -501,7 +501,7 @@ class Blocks(GatedDeltaNet):
     def _topk_call(self, k: int):
         """(Call, ids buffer, probs buffer) of the top-k of the last forward's rows, built once per k."""
         if k not in self._topk:
-            g, N, V = self.gpu, self.N, self.cfg.vocab_size
+            N = self.N
             ids_out = self.act(N * k, "topk_ids")  # u32, as wide as f32
             probs_out = self.act(N * k, "topk_probs")
 

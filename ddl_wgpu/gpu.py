@@ -682,6 +682,7 @@ class Gpu:
         submit (`Readback.read`): a result comes back in the submit that made it, without the extra copy and
         submit of `download`."""
         return Readback(self, nbytes, label)
+
     def reserve_staging(self, nbytes: int) -> None:
         """Grow the read-back staging buffer now to what a download of `nbytes` uses (`download`; a job that plans
         its memory allocates it up front, `gpumem`)."""
