@@ -451,6 +451,11 @@ def parse(argv):
     ap.add_argument(
         "--no-check", action="store_true", help="skip the float64 checks (implied by --shape qwen38-*)"
     )
+    ap.add_argument(
+        "--uploads",
+        default=None,
+        help="--gpu-memory: the streamed passes' upload modes, comma-separated (default: every mode)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     q = args.quick

@@ -140,7 +140,10 @@ def main(argv=None) -> int:
     cmd = [sys.executable, "-m", "ddl_wgpu.cli", "heal", str(model), "--data", str(text), "--out", str(out),
            "--gpu-memory", args.gpu_memory, "--tokens", str(args.tokens), "--trunk-dtype", args.trunk_dtype,
            "--backend", "wgpu", "--force", "--json", *heal_args]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p
+    )  # keep the caller's (wgpu's)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     smi = Smi()
     smi0 = smi._read() if smi.ok else None
     print("$ " + " ".join(cmd[1:]), flush=True)

@@ -113,10 +113,14 @@ def run(args, model, gpu, progress) -> dict:
     base = gpu.live  # before any phase: the draft's peak counts what the trunk leaves it, as the plan does
     phases, out, last_teacher = [], {}, None
     for label, p, mode in [("resident", resident_plan, None)] + [
-        (f"streamed ({m})", streamed_plan, m) for m in stream.UPLOAD_MODES
+        (f"streamed ({m})", streamed_plan, m)
+        for m in (args.uploads.split(",") if getattr(args, "uploads", None) else stream.UPLOAD_MODES)
     ]:
         if mode is not None:
             os.environ[stream.ENV_UPLOAD] = mode
+            # the plan counts the upload mode's own buffers (the mapped staging is larger than write's)
+            p = plan_trunk_job(gpu, "heal", cfg, args.trunk_dtype, windows, T, args.batch, budget, kk,
+                               draft=draft_cfg)  # fmt: skip
         gc.collect()
         gpu.reset_peak()
         live0, t0 = gpu.live, time.perf_counter()

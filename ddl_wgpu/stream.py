@@ -17,14 +17,17 @@ Weights come from a `WeightSource`: a checkpoint read through its memory map, a 
 whole model in host memory), or a dict of arrays; each tensor is converted to the slot's dtype (f32, or f16 for
 the big matrices of an f16 trunk, `layout.F16_SUFFIXES`) exactly as `Net.load` converts it.
 
-Uploads (`ENV_UPLOAD`, `UPLOAD_MODES`):
-- "mapped" (default): two staging buffers of one layer each, mapped for writing; a layer is converted straight
+Uploads (`ENV_UPLOAD`, `UPLOAD_MODES`; the first is the default):
+- "write": `queue.write_buffer` per tensor piece from arrays the thread pool prepares (wgpu makes a staging
+  buffer per call); no staging of our own, no mapping. The default since the H200 run of 2026-12-03, in which
+  the mapped pass of the Qwen3.8-27B trunk did not finish in 7 minutes (BENCHMARKS.md); "write" was not
+  measured there.
+- "mapped": two staging buffers of one layer each, mapped for writing; a layer is converted straight
   into one by a pool of threads (numpy's copies release the GIL) while the GPU runs the layer before it, and
   copied into its slot at the start of its own submit; the staging buffer is mapped again when that submit is
   done. One host copy, reused memory, several cores (the issue measured a mapped staging buffer at 5.7 GB/s
-  and `queue.write_buffer` at 3.8 on the H200, one thread each).
-- "write": `queue.write_buffer` per tensor piece from arrays the thread pool prepares (wgpu makes a staging
-  buffer per call); no staging of our own.
+  and `queue.write_buffer` at 3.8 on the H200, one thread each). Its promises are resolved by wgpu-py's poll
+  thread: on lavapipe it gives the resident bits, on the H200 it stalled (see above).
 `bench/heal.py --gpu-memory` measures the streamed pass under both beside the resident one.
 """
 
@@ -48,7 +51,7 @@ from ddl_wgpu.net import Net
 
 LAYER = "model.layers."
 ENV_UPLOAD = "DDL_WGPU_UPLOAD"
-UPLOAD_MODES = ("mapped", "write")
+UPLOAD_MODES = ("write", "mapped")
 PIECE_BYTES = 16 << 20  # a conversion/copy task of the thread pool
 STREAM_SLOTS = 2  # layer slots of a streamed trunk: layer i + 1 uploads while layer i runs
 _NP = {"f32": np.float32, "f16": np.float16}

@@ -471,7 +471,7 @@ def test_the_benches_smoke_runs(tmp_path):
         )
         assert r.returncode == 0, r.stdout + r.stderr
     mem = json.loads(a.read_text())["gpu_memory"]
-    assert [e["label"] for e in mem["phases"]] == ["resident", "streamed (mapped)", "streamed (write)"]
+    assert [e["label"] for e in mem["phases"]] == ["resident", "streamed (write)", "streamed (mapped)"]
     for e in mem["phases"][1:]:
         assert (
             e["same_bits"]
