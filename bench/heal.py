@@ -645,10 +645,17 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+STALL_DUMP_S = 150  # --gpu-memory: every thread's stack to stderr each time this long passes
+
+
 def main_memory(args, model, gpu, progress, t_start) -> int:
     """--gpu-memory: `heal_stream.run`'s phases, its table and JSON; exit 1 when a streamed pass's bits differ."""
+    import faulthandler
+
     import heal_stream
 
+    # a pass that stalls on a real GPU (the mapped one did, 2026-12-03) leaves every thread's stack in the log
+    faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)
     failed, r, error_tb = [], None, None
     try:
         r = heal_stream.run(args, model, gpu, progress)
@@ -666,6 +673,7 @@ def main_memory(args, model, gpu, progress, t_start) -> int:
         "model": model.cfg.to_dict(), "args": vars(args), "gpu_memory": r, "failed": failed, "traceback": error_tb,
         "wall_s": time.perf_counter() - t_start,
     }  # fmt: skip
+    faulthandler.cancel_dump_traceback_later()
     common.write_json(common.json_path(args.json, "heal_gpu_memory.json"), data)
     print()
     print(f"adapter: {data['adapter']}")

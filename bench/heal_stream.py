@@ -27,6 +27,7 @@ from host arrays here (`bench/heal_e2e.py` reads a checkpoint on disk).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import subprocess
@@ -76,6 +77,31 @@ class Smi:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+class LayerLog:
+    """While a streamed pass runs: how long the main thread waits for each layer's upload (`LayerStream.bring`),
+    a time-stamped line every `every` layers (a pass that stalls shows where), the total in `wait_s`."""
+
+    def __init__(self, progress, label: str, t0: float, every: int = 16):
+        self.progress, self.label, self.t0, self.every, self.wait_s = progress, label, t0, every, 0.0
+
+    def __enter__(self):
+        self.orig = orig = stream.LayerStream.bring
+
+        def bring(ls, i, rec):
+            t = time.perf_counter()
+            orig(ls, i, rec)
+            self.wait_s += time.perf_counter() - t
+            if i % self.every == 0:
+                self.progress(f"    {self.label}: layer {i} in its slot at {time.perf_counter() - self.t0:.1f}s; "
+                              f"upload waits so far {self.wait_s:.1f}s")  # fmt: skip
+
+        stream.LayerStream.bring = bring
+        return self
+
+    def __exit__(self, *exc):
+        stream.LayerStream.bring = self.orig
 
 
 def _gib(n) -> str:
@@ -133,13 +159,16 @@ def run(args, model, gpu, progress) -> dict:
                 blocks.append((ev["done"], time.perf_counter()))
 
         events = Events(mark, "heal")
-        cache = heal._trunk_pass(teacher, wins, cfg, kk, teacher.block, events)
+        with LayerLog(progress, label, t1) if mode else contextlib.nullcontext() as layer_log:
+            cache = heal._trunk_pass(teacher, wins, cfg, kk, teacher.block, events)
         t2 = time.perf_counter()
         # the rate after the first block (its time holds the kernels' compilation and the first uploads)
         (w0, s0), (w1, s1) = (blocks[0], blocks[-1]) if len(blocks) > 1 else ((0, t1), blocks[-1])
         e = {"label": label, "plan": p.to_dict(), "load_s": t1 - t0, "pass_s": t2 - t1, "tokens": windows * T,
              "timed_tokens": (w1 - w0) * T, "tokens_per_s": (w1 - w0) * T / (s1 - s0),
              "engine_peak_bytes": gpu.peak - live0, "smi_peak_bytes": smi.peak(t0, t2)}  # fmt: skip
+        if layer_log is not None:
+            e["upload_wait_s"] = layer_log.wait_s
         if mode is None:
             out["resident"] = cache
         else:
