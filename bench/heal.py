@@ -451,11 +451,6 @@ def parse(argv):
     ap.add_argument(
         "--no-check", action="store_true", help="skip the float64 checks (implied by --shape qwen38-*)"
     )
-    ap.add_argument(
-        "--uploads",
-        default=None,
-        help="--gpu-memory: the streamed passes' upload modes, comma-separated (default: every mode)",
-    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     q = args.quick
@@ -654,7 +649,7 @@ def main_memory(args, model, gpu, progress, t_start) -> int:
 
     import heal_stream
 
-    # a pass that stalls on a real GPU (the mapped one did, 2026-12-03) leaves every thread's stack in the log
+    # a pass that stalls on a real GPU (a mapped upload ring did, 2026-12-03) leaves every thread's stack in the log
     faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)
     failed, r, error_tb = [], None, None
     try:

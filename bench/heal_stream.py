@@ -9,10 +9,9 @@ Phases, one after the other on one device, each starting from what the one befor
   BLOCK_TOKENS), then `heal._trunk_pass` over --pass-windows windows of --seq tokens (default: three resident
   blocks), as heal runs it (forward, top-k, the draft's step-1 rows downloaded); tokens/s over the blocks after
   the first (which compiles the kernels and, streamed, starts the uploads);
-- streamed, once per upload mode (`stream.UPLOAD_MODES`: "mapped" staging buffers filled by a thread pool,
-  "write": `queue.write_buffer`): heal's plan within SIZE, the same pass; its top-k and rows compared with the
-  resident pass's bit for bit (the "same bits" column; a difference fails the run);
-- draft: after the last streamed trunk is released (`WgpuTeacher.release`), heal's draft on its resident
+- streamed: heal's plan within SIZE, the same pass; its top-k and rows compared with the resident pass's bit for
+  bit (the "same bits" column; a difference fails the run), and how long the host waited on the uploads;
+- draft: after the streamed trunk is released (`WgpuTeacher.release`), heal's draft on its resident
   embedding/head, one training step per chain step (the first of each untimed), as `bench/heal.py` times them.
 
 Per phase: wall time, tokens/s (and the streamed pass's ratio to the resident one), the plan's estimate, the
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import subprocess
 import sys
 import threading
@@ -89,9 +87,9 @@ class LayerLog:
     def __enter__(self):
         self.orig = orig = stream.LayerStream.bring
 
-        def bring(ls, i, rec):
+        def bring(ls, i, rec, **kw):
             t = time.perf_counter()
-            orig(ls, i, rec)
+            orig(ls, i, rec, **kw)
             self.wait_s += time.perf_counter() - t
             if i % self.every == 0:
                 self.progress(f"    {self.label}: layer {i} in its slot at {time.perf_counter() - self.t0:.1f}s; "
@@ -138,15 +136,7 @@ def run(args, model, gpu, progress) -> dict:
     gc.collect()
     base = gpu.live  # before any phase: the draft's peak counts what the trunk leaves it, as the plan does
     phases, out, last_teacher = [], {}, None
-    for label, p, mode in [("resident", resident_plan, None)] + [
-        (f"streamed ({m})", streamed_plan, m)
-        for m in (args.uploads.split(",") if getattr(args, "uploads", None) else stream.UPLOAD_MODES)
-    ]:
-        if mode is not None:
-            os.environ[stream.ENV_UPLOAD] = mode
-            # the plan counts the upload mode's own buffers (the mapped staging is larger than write's)
-            p = plan_trunk_job(gpu, "heal", cfg, args.trunk_dtype, windows, T, args.batch, budget, kk,
-                               draft=draft_cfg)  # fmt: skip
+    for label, p, mode in [("resident", resident_plan, None), ("streamed", streamed_plan, "streamed")]:
         gc.collect()
         gpu.reset_peak()
         live0, t0 = gpu.live, time.perf_counter()
@@ -187,11 +177,9 @@ def run(args, model, gpu, progress) -> dict:
         else:
             last_teacher = teacher
         cache = None
-    os.environ.pop(stream.ENV_UPLOAD, None)
     draft = draft_phase(args, model, gpu, last_teacher, out["resident"], smi, progress, base)
     smi.stop()
-    streamed = max(phases[1:], key=lambda e: e["tokens_per_s"])
-    estimate = epoch_estimate(args, streamed["tokens_per_s"], draft)
+    estimate = epoch_estimate(args, phases[1]["tokens_per_s"], draft)
     return {"budget_bytes": budget, "windows": windows, "phases": phases, "draft": draft, "estimate": estimate,
             "nvidia_smi": smi.ok}  # fmt: skip
 

@@ -42,7 +42,7 @@ ENV_ADAPTER = "DDL_WGPU_ADAPTER"
 # shapes; the constructor's `max_binding` / `max_buffer` do the same. Never raises a limit.
 ENV_MAX_BINDING = "DDL_WGPU_MAX_BINDING"
 ENV_MAX_BUFFER = "DDL_WGPU_MAX_BUFFER"
-# Pretend the device holds this many bytes for the buffers the engine creates (`Gpu.buffer`, `Gpu.upload_buffer`):
+# Pretend the device holds this many bytes for the buffers the engine creates (`Gpu.buffer`):
 # past it a buffer raises GpuOutOfMemory as a full card does (the tests of the out-of-memory path on lavapipe,
 # whose "device memory" is the host's). Never raises the driver's own limit.
 ENV_DEVICE_MEMORY = "DDL_WGPU_DEVICE_MEMORY"
@@ -416,7 +416,7 @@ class Gpu:
         self._layouts: dict = {}
         self._staging = None
         self.allocated = 0  # bytes of storage buffers created through `buffer`, all told (memory reports)
-        # bytes of the engine's buffers alive now (`buffer`, `upload_buffer`; down when one is released or
+        # bytes of the engine's buffers alive now (`buffer`, `external`; down when one is released or
         # collected) and the most at any moment: the engine's own count of its peak (`reset_peak` restarts it)
         self.live = 0
         self.peak = 0
@@ -545,19 +545,13 @@ class Gpu:
         self.allocated += size
         return buf
 
-    def upload_buffer(self, nbytes: int, label: str = "upload_staging"):
-        """A host-visible staging buffer, mapped for writing at creation (`mapped_array`, then `unmap`; copied
-        into storage buffers by a recorder), counted in `live` like a storage buffer."""
-        size = max(16, (int(nbytes) + 15) // 16 * 16)
-        return self._create(size, wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC, label, mapped=True)
-
-    def _create(self, size: int, usage, label: str, mapped: bool = False):
+    def _create(self, size: int, usage, label: str):
         """Create a buffer counted in `live` and `peak` until it is released (`release`) or collected; the
         driver's out-of-memory (or the `DDL_WGPU_DEVICE_MEMORY` cap) becomes GpuOutOfMemory."""
         if self.memory_cap is not None and self.live + size > self.memory_cap:
             raise GpuOutOfMemory(self._oom(label, size, f"the {self.memory_cap}-byte device"))
         try:
-            buf = self.device.create_buffer(size=size, usage=usage, label=label, mapped_at_creation=mapped)
+            buf = self.device.create_buffer(size=size, usage=usage, label=label)
         except (wgpu.GPUOutOfMemoryError, MemoryError) as e:
             raise GpuOutOfMemory(self._oom(label, size, self.name)) from e
         self.live += size
@@ -584,17 +578,11 @@ class Gpu:
     def reset_peak(self) -> None:
         self.peak = self.live
 
-    def map_for_write(self, buf):
-        """Ask for an `upload_buffer` to be mapped for writing again once the GPU is done with it -> a promise
-        whose `sync_wait()` returns when it is (wgpu-py's poll thread resolves it: this thread waits for that
-        buffer only, never for the whole queue)."""
-        return buf.map_async(wgpu.MapMode.WRITE)
-
-    def mapped_array(self, buf) -> np.ndarray:
-        """The whole mapped range of a buffer mapped for writing, as a writable uint8 array (numpy copies into
-        it release the GIL, so several threads can fill one). Valid until the buffer is unmapped."""
-        view = buf._experimental_get_mapped_range(0, buf.size)  # wgpu-py has no stable writable view
-        return np.frombuffer(view, np.uint8)
+    def external(self, nbytes: int) -> None:
+        """Count `nbytes` (negative: give back) that wgpu allocates for us outside our buffers in `live` and
+        `peak`: the staging of `queue.write_buffer` a streamed trunk keeps bounded (`stream.LayerStream`)."""
+        self.live += int(nbytes)
+        self.peak = max(self.peak, self.live)
 
     def uniform(self, layout: Uniform, *, label: str = "params", **fields):
         """A uniform buffer holding `layout.pack(**fields)`; rewrite it whole with `write_uniform`, or some

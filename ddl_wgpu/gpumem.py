@@ -95,7 +95,7 @@ class _DryBuffer:
 
 class DryGpu:
     """A stand-in for `gpu.Gpu` while a job's GPU objects are built to count them: the real device's limits,
-    features and name; `buffer`/`upload`/`upload_buffer` count bytes (`live`, `peak`, checked against
+    features and name; `buffer`/`upload`/`external` count bytes (`live`, `peak`, checked against
     max-buffer-size as the real one does), `bind` checks every binding against the storage-binding limit as the
     real one does, kernels are not compiled and nothing is written. Any read-back or submit is an error (a
     constructor that ran one would be counted wrong)."""
@@ -125,8 +125,10 @@ class DryGpu:
         self.peak = max(self.peak, self.live)
         return _DryBuffer(size, label)
 
-    def upload_buffer(self, nbytes: int, label: str = "upload_staging"):
-        return self.buffer(nbytes, label)
+    def external(self, nbytes: int) -> None:
+        """As `Gpu.external`: bytes wgpu allocates beside our buffers, counted."""
+        self.live += int(nbytes)
+        self.peak = max(self.peak, self.live)
 
     def upload(self, array, label: str = ""):
         import numpy as np
@@ -195,7 +197,7 @@ class DryGpu:
     def _no(self, *a, **k):
         raise self._error("a dry run (DryGpu) counts buffers; it cannot record, submit or read back")
 
-    recorder = download = read = wait = run = map_for_write = mapped_array = _no
+    recorder = download = read = wait = run = _no
 
 
 def dry_bytes(gpu, build) -> int:

@@ -17,18 +17,14 @@ Weights come from a `WeightSource`: a checkpoint read through its memory map, a 
 whole model in host memory), or a dict of arrays; each tensor is converted to the slot's dtype (f32, or f16 for
 the big matrices of an f16 trunk, `layout.F16_SUFFIXES`) exactly as `Net.load` converts it.
 
-Uploads (`ENV_UPLOAD`, `UPLOAD_MODES`; the first is the default):
-- "write": `queue.write_buffer` per tensor piece from arrays the thread pool prepares (wgpu makes a staging
-  buffer per call); no staging of our own, no mapping. The default since the H200 run of 2026-12-03, in which
-  the mapped pass of the Qwen3.8-27B trunk did not finish in 7 minutes (BENCHMARKS.md); "write" was not
-  measured there.
-- "mapped": two staging buffers of one layer each, mapped for writing; a layer is converted straight
-  into one by a pool of threads (numpy's copies release the GIL) while the GPU runs the layer before it, and
-  copied into its slot at the start of its own submit; the staging buffer is mapped again when that submit is
-  done. One host copy, reused memory, several cores (the issue measured a mapped staging buffer at 5.7 GB/s
-  and `queue.write_buffer` at 3.8 on the H200, one thread each). Its promises are resolved by wgpu-py's poll
-  thread: on lavapipe it gives the resident bits, on the H200 it stalled (see above).
-`bench/heal.py --gpu-memory` measures the streamed pass under both beside the resident one.
+Uploads: `queue.write_buffer`, a piece of at most PIECE_BYTES per call, from the source's own memory where it
+is stored in the slot's dtype (a view of the checkpoint's map or of the array: no copy of ours), else from a
+piece the thread pool converted. wgpu copies each piece into a staging buffer of its own, freed when the submit
+that carries it is done; before writing layer i into its slot the host waits for the submit of layer i - 2 (the
+slot's last user), so no more than two layers' staging is alive (counted in the plan: `staging_bytes`) and the
+host runs at most one layer ahead of the GPU (on the H200 an unbounded host ran 20 GB of staging ahead, 2026-12-03).
+The next layer is prepared while this one is written. A mapped staging ring filled by the thread pool was
+tried and stalled on the H200 (docs/experiments.md).
 """
 
 from __future__ import annotations
@@ -41,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ddl_ref.config import ModelConfig
-from ddl_ref.params import ddl_layer_specs, layer_specs
+from ddl_ref.params import ddl_layer_specs, layer_specs, param_table
 from ddl_wgpu import layout
 from ddl_wgpu.container_format import bf16_to_f32
 from ddl_wgpu.gpu import Call, GpuError
@@ -50,19 +46,10 @@ from ddl_wgpu.layout import EMBED
 from ddl_wgpu.net import Net
 
 LAYER = "model.layers."
-ENV_UPLOAD = "DDL_WGPU_UPLOAD"
-UPLOAD_MODES = ("write", "mapped")
-PIECE_BYTES = 16 << 20  # a conversion/copy task of the thread pool
+PIECE_BYTES = 16 << 20  # a conversion task of the thread pool, and the most one write_buffer call copies
 STREAM_SLOTS = 2  # layer slots of a streamed trunk: layer i + 1 uploads while layer i runs
 _NP = {"f32": np.float32, "f16": np.float16}
 _STORED = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.float64): "f64"}
-
-
-def upload_mode(mode: str | None = None) -> str:
-    value = (mode or os.environ.get(ENV_UPLOAD) or UPLOAD_MODES[0]).strip().lower()
-    if value not in UPLOAD_MODES:
-        raise GpuError(f"unknown upload mode {value!r} (from {ENV_UPLOAD}); use one of {list(UPLOAD_MODES)}")
-    return value
 
 
 def is_layer(name: str) -> bool:
@@ -71,9 +58,8 @@ def is_layer(name: str) -> bool:
 
 class WeightSource:
     """The trunk's tensors as stored: an open checkpoint (`container.Checkpoint`; read through its memory map,
-    a piece at a time; bf16 as raw bits) or a dict of float arrays. `fill` converts one tensor into a slot's
-    memory, `pieces` yields it converted piece by piece; both as `Net.load` converts (f16: the same rounding and
-    the same overflow check)."""
+    a piece at a time; bf16 as raw bits) or a dict of float arrays. `pieces` yields a tensor piece by piece in a
+    slot's dtype, converted as `Net.load` converts (f16: the same rounding and the same overflow check)."""
 
     def __init__(self, params=None, checkpoint=None):
         if (params is None) == (checkpoint is None):
@@ -119,23 +105,17 @@ class WeightSource:
         step = max(64, PIECE_BYTES // itemsize // 64 * 64)  # whole words of f16 too
         return [(e, min(n, e + step)) for e in range(0, n, step)]
 
-    def fill(self, name: str, out: np.ndarray, pool, check: bool = True) -> None:
-        """Tensor `name` converted into `out` (flat, the slot's dtype), its pieces on `pool`'s threads."""
-        raw, stored = self.raw(name)
-        if raw.size != out.size:
-            raise GpuError(f"parameter {name} has {raw.size} values, its slot {out.size}")
-        spans = self._spans(raw.size, out.itemsize)
-        list(
-            pool.map(
-                lambda sp: self._convert(name, out[sp[0] : sp[1]], raw[sp[0] : sp[1]], stored, check), spans
-            )
-        )
-
     def pieces(self, name: str, dtype: str, pool):
-        """(element offset, converted piece) of tensor `name` in `dtype`, converted a few at a time on `pool`."""
+        """(element offset, converted piece) of tensor `name` in `dtype`, converted a few at a time on `pool`; a
+        tensor stored in `dtype` comes as views of its own memory (nothing to convert or check: the upload
+        reads the checkpoint's map or the array itself: on the H200 the pass then waited on no copy of ours)."""
         raw, stored = self.raw(name)
         target = np.dtype(_NP[dtype])
         spans = self._spans(raw.size, target.itemsize)
+        if stored == dtype:
+            for e0, e1 in spans:
+                yield e0, raw[e0:e1]
+            return
 
         def one(sp):
             out = np.empty(sp[1] - sp[0], target)
@@ -170,11 +150,6 @@ class TrunkWeights:
         self.gpu, self.cfg, self.dtype, self.source = gpu, cfg, dtype, source
         self.pool = pool
         self.dry = getattr(gpu, "dry", False)
-        untied = not cfg.tie_embeddings
-        self.head = Net(gpu, cfg, None, inference=True, dtype=dtype, loader=self._load_head,
-                        names=lambda n: not is_layer(n) and not (untied and n == EMBED))  # fmt: skip
-        self.embed = (Net(gpu, cfg, None, inference=True, dtype=dtype, loader=self._load_head,
-                          names=lambda n: n == EMBED) if untied else None)  # fmt: skip
         L = cfg.n_layers
         self.S = L if slots is None else max(1, min(int(slots), L))
         self.layer_names: list[list[str]] = []
@@ -192,6 +167,18 @@ class TrunkWeights:
                     raise GpuError(str(e)) from e
             self.kind.append(kinds[sig])
             self.layer_names.append([s.name for s in specs])
+        # wgpu's staging of our uploads at any moment (module docstring, "Uploads"): two layers, or two pieces
+        # of a resident tensor where a piece is larger; counted from here until `drop_staging`
+        piece = min(
+            PIECE_BYTES, max([s.numel for s in param_table(cfg) if not is_layer(s.name)], default=0) * 4
+        )
+        self.staging_bytes = 2 * max([sum(k.arena_sizes) for k in self.kind] + [piece])
+        gpu.external(self.staging_bytes)
+        untied = not cfg.tie_embeddings
+        self.head = Net(gpu, cfg, None, inference=True, dtype=dtype, loader=self._load_head,
+                        names=lambda n: not is_layer(n) and not (untied and n == EMBED))  # fmt: skip
+        self.embed = (Net(gpu, cfg, None, inference=True, dtype=dtype, loader=self._load_head,
+                          names=lambda n: n == EMBED) if untied else None)  # fmt: skip
         self.arena_sizes = []  # per slot, per arena: bytes (the largest of the layers it takes)
         for s in range(self.S):
             lays = self.kind[s :: self.S]
@@ -268,17 +255,28 @@ class TrunkWeights:
         """The resident tensors, piece by piece from the source (bounded host memory)."""
         if self.dry:
             return
+        pending = 0
         for spec in net.table:
             s = net.slots[spec.name]
             for e0, piece in self.source.pieces(spec.name, s.dtype, self.pool):
                 self.gpu.write(net.p[s.arena], piece, s.offset + e0 * s.itemsize)
+                pending += piece.nbytes
+                if pending >= self.staging_bytes // 2:  # wgpu's staging of these writes: at most one layer's
+                    self.gpu.wait_for(self.gpu.submit_indexed(self.gpu.recorder().finish()))
+                    pending = 0
 
     def layer_tensors(self, i: int):
         """(name, its Slot) of layer i's tensors."""
         return [(n, self.slots[n]) for n in self.layer_names[i]]
 
+    def drop_staging(self) -> None:
+        """No more uploads (a resident trunk once loaded, a streamed one once run): their staging uncounted."""
+        self.gpu.external(-self.staging_bytes)
+        self.staging_bytes = 0
+
     def release(self) -> None:
         """Free every slot (the trunk has run); the head stays (heal's draft reads it)."""
+        self.drop_staging()
         for bufs in self.bufs:
             self.gpu.release(*bufs)
         self.bufs, self.holds = [[] for _ in range(self.S)], [None] * self.S
@@ -293,90 +291,53 @@ class TrunkWeights:
         return True
 
 
-def staging(weights: TrunkWeights) -> list[list]:
-    """The "mapped" upload's two staging buffers, per arena of the largest slot (`Gpu.upload_buffer`)."""
-    sizes = [max(s[a] if a < len(s) else 0 for s in weights.arena_sizes)
-             for a in range(max(len(s) for s in weights.arena_sizes))]  # fmt: skip
-    return [
-        [weights.gpu.upload_buffer(n, f"upload_staging{r}.{a}") for a, n in enumerate(sizes)]
-        for r in range(2)
-    ]
-
-
 class LayerStream:
-    """Layers into their slots (module docstring, "Uploads"): `stage(i)` starts preparing layer i on the thread
-    pool; `bring(i, rec)` puts it into its slot before the work recorded next in `rec` (mapped: the staging
-    copy recorded into `rec`; write: `queue.write_buffer`s queued before `rec`'s submit); `submitted()` after
-    that submit (mapped: the staging buffer is mapped again once the GPU is done with it). The first upload
-    of each layer checks f16 overflow; later ones re-read the same bytes."""
+    """Layers into their slots (module docstring, "Uploads"): `stage(i)` starts preparing layer i's pieces on
+    the coordinating thread (converted on the pool where they must be); `bring(i, rec, then)` waits for them,
+    starts preparing layer `then`, waits for the slot's last submit and queues the writes (carried by `rec`'s
+    submit); `submitted(i, index)` records the submission index of layer i's work."""
 
-    def __init__(self, weights: TrunkWeights, mode: str, pool):
-        self.w, self.gpu, self.mode, self.pool = weights, weights.gpu, mode, pool
+    def __init__(self, weights: TrunkWeights, pool):
+        self.w, self.gpu, self.pool = weights, weights.gpu, pool
         self.coord = ThreadPoolExecutor(1, thread_name_prefix="ddl-stage")
-        self.staged: dict = {}  # layer -> (future, staging index)
-        self.checked: set = set()
-        self.ring, self.promises, self._used, self._next = [], [], [], 0
-        if mode == "mapped":
-            self.ring = staging(weights)
-            self.promises = [None, None]
+        self.staged: dict = {}  # layer -> future of its pieces
+        self.last: list[int | None] = [None] * weights.S  # per slot: the submission index of its last layer
 
     def stage(self, i: int) -> None:
-        if i in self.staged or self.w.holds[i % self.w.S] == i:
-            return
-        r = self._next
-        self._next ^= 1
-        promises = self.promises[r] if self.ring else None
-        if self.ring:
-            self.promises[r] = None
-        self.staged[i] = (self.coord.submit(self._prepare, i, r, promises), r)
+        if i not in self.staged and self.w.holds[i % self.w.S] != i:
+            self.staged[i] = self.coord.submit(self._prepare, i)
 
-    def _prepare(self, i: int, r: int, promises):
-        check = i not in self.checked
-        if self.mode == "write":
-            return [(s.arena, s.offset + e0 * s.itemsize, piece) for name, s in self.w.layer_tensors(i)
-                    for e0, piece in self.w.source.pieces(name, s.dtype, self.pool)]  # fmt: skip
-        for p in promises or ():
-            p.sync_wait()
-        arrays = [self.gpu.mapped_array(b) for b in self.ring[r]]
-        for name, s in self.w.layer_tensors(i):
-            out = arrays[s.arena][s.offset : s.offset + s.nbytes].view(_NP[s.dtype])
-            self.w.source.fill(name, out, self.pool, check)
-        return None
+    def _prepare(self, i: int):
+        return [(s.arena, s.offset + e0 * s.itemsize, piece) for name, s in self.w.layer_tensors(i)
+                for e0, piece in self.w.source.pieces(name, s.dtype, self.pool)]  # fmt: skip
 
-    def bring(self, i: int, rec) -> None:
+    def bring(self, i: int, rec, then: int | None = None) -> None:
+        """... and, once layer i is prepared, start preparing layer `then` while layer i is written (on the
+        H200 a layer's preparation waited for the write before it: 0.36 s a layer where either alone takes
+        half)."""
         s = i % self.w.S
         if self.w.holds[s] == i:
             return
         self.stage(i)
-        fut, r = self.staged.pop(i)
-        pieces = fut.result()
-        self.checked.add(i)
+        pieces = self.staged.pop(i).result()
+        if then is not None and then != i:
+            self.stage(then)
+        if self.last[s] is not None:  # the slot's last layer is done: its staging (and older) is freed
+            self.gpu.wait_for(self.last[s])
+            self.last[s] = None
         dst = self.w.bufs[s]
-        if self.mode == "write":
-            for arena, offset, piece in pieces:
-                self.gpu.write(dst[arena], piece, offset)
-        else:
-            for a, buf in enumerate(self.ring[r]):
-                buf.unmap()
-                n = self.w.kind[i].arena_sizes[a] if a < len(self.w.kind[i].arena_sizes) else 0
-                if n:
-                    rec.copy(buf, 0, dst[a], 0, n)
-            self._used.append(r)
+        for arena, offset, piece in pieces:
+            self.gpu.write(dst[arena], piece, offset)
         self.w.holds[s] = i
 
-    def submitted(self) -> None:
-        for r in self._used:
-            self.promises[r] = [self.gpu.map_for_write(b) for b in self.ring[r]]
-        self._used = []
+    def submitted(self, i: int, index: int) -> None:
+        self.last[i % self.w.S] = index
 
     def close(self) -> None:
-        for fut, _r in self.staged.values():
+        for fut in self.staged.values():
             fut.cancel()
         self.coord.shutdown(wait=True)
         self.staged = {}
-        for bufs in self.ring:
-            self.gpu.release(*bufs)
-        self.ring = []
 
 
 class TrunkPass(InferenceWork):
@@ -451,7 +412,7 @@ class Trunk:
     slots and the works once the trunk has run; `weights.head` stays."""
 
     def __init__(self, gpu, cfg: ModelConfig, source: WeightSource | None, dtype: str = "f32",
-                 streamed: bool = False, upload: str | None = None, slots: int = STREAM_SLOTS):  # fmt: skip
+                 streamed: bool = False, slots: int = STREAM_SLOTS):  # fmt: skip
         if dtype not in _NP:
             raise GpuError(f"trunk dtype {dtype!r} is not one of {list(_NP)}")
         if dtype == "f16" and "shader-f16" not in gpu.features:
@@ -462,27 +423,28 @@ class Trunk:
         self.pool = None if self.dry else ThreadPoolExecutor(_workers(), thread_name_prefix="ddl-weights")
         self.cfg = cfg = dataclasses.replace(cfg, mtp=None)
         self.weights = TrunkWeights(gpu, cfg, source, dtype, slots if streamed else None, self.pool)
-        self.mode = upload_mode(upload) if streamed else "write"
-        self.stream = None if self.dry else LayerStream(self.weights, self.mode, self.pool)
-        self._dry_staging = []
-        if self.streamed and self.mode == "mapped" and self.dry:  # counted as the real stream allocates it
-            self._dry_staging = [b for bufs in staging(self.weights) for b in bufs]
+        self.stream = None if self.dry else LayerStream(self.weights, self.pool)
         self._works: dict = {}
         self.released = False
-        if not self.streamed and not self.dry:
-            self._load_all()
+        if not self.streamed:
+            if not self.dry:
+                self._load_all()
+            self.weights.drop_staging()
 
     def _load_all(self) -> None:
-        """Every layer into its own slot, a layer per submit (wgpu keeps its staging until then)."""
+        """Every layer into its own slot, a layer per submit, at most two layers' staging alive (`LayerStream`;
+        the last submit waited for: its staging freed)."""
         L = self.weights.cfg.n_layers
+        prev = index = None
         for i in range(L):
-            self.stream.stage(i)
-            if i + 1 < L:
-                self.stream.stage(i + 1)
             rec = self.gpu.recorder()
-            self.stream.bring(i, rec)
-            rec.submit()
-            self.stream.submitted()
+            self.stream.bring(i, rec, then=i + 1 if i + 1 < L else None)
+            index = self.gpu.submit_indexed(rec.finish())
+            if prev is not None:
+                self.gpu.wait_for(prev)
+            prev = index
+        if index is not None:
+            self.gpu.wait_for(index)
 
     def work(self, batch: int, seq: int) -> TrunkPass:
         if self.released:
@@ -501,11 +463,9 @@ class Trunk:
         L = len(work.layer_calls)
         work.embed_call.record(rec)
         for i, call in enumerate(work.layer_calls):
-            self.stream.bring(i, rec)
+            self.stream.bring(i, rec, then=(i + 1) % L)
             call.record(rec)
-            rec.submit()
-            self.stream.submitted()
-            self.stream.stage((i + 1) % L)
+            self.stream.submitted(i, self.gpu.submit_indexed(rec.finish()))
             rec = self.gpu.recorder()
         work.tail_call.record(rec)
         return rec
@@ -515,8 +475,6 @@ class Trunk:
         self.released = True
         if self.stream is not None:
             self.stream.close()
-        self.gpu.release(*self._dry_staging)
-        self._dry_staging = []
         self.weights.release()
         self._works.clear()
         if self.pool is not None:
