@@ -9,7 +9,7 @@ each, so the family test named beside it is the check of that entry point's numb
 import re
 from pathlib import Path
 
-from ddl_wgpu.ops import attention, decode, delta, matmul, reduce, rmsnorm, rope, shortconv
+from ddl_wgpu.ops import attention, decode, delta, gated_delta, matmul, reduce, rmsnorm, rope, shortconv
 
 SHADERS = Path(__file__).resolve().parent.parent / "shaders"
 MB = 1 << 20
@@ -24,11 +24,19 @@ STAGES = {
     "attention.wgsl:attention_masked_backward_dq": "test_chain_attention.py",
     "attention.wgsl:attention_masked_backward_dkdv": "test_chain_attention.py",
     "decode.wgsl:conv_cache": "test_kernel_decode.py",  # tc_cache and ec_cache
+    "decode.wgsl:attend_split": "test_kernel_decode.py",  # attend_cache
+    "decode.wgsl:attend_merge": "test_kernel_decode.py",  # attend_cache
+    "decode.wgsl:argmax_split": "test_kernel_decode.py",  # argmax
+    "decode.wgsl:argmax_merge": "test_kernel_decode.py",  # argmax
     "delta.wgsl:delta_heads": "test_kernel_delta.py",  # delta_forward(fused=False)
     "delta.wgsl:delta_update": "test_kernel_delta.py",  # delta_forward(fused=False)
     "delta.wgsl:delta_backward_rows": "test_kernel_delta.py",
     "delta.wgsl:delta_backward_inputs": "test_kernel_delta.py",
     "delta.wgsl:delta_ksum": "test_kernel_delta.py",
+    "gated_delta.wgsl:chunk_prep": "test_kernel_gated_delta.py",  # chunk_forward and chunk_backward
+    "gated_delta.wgsl:chunk_output": "test_kernel_gated_delta.py",  # chunk_forward
+    "gated_delta.wgsl:chunk_backward_state": "test_kernel_gated_delta.py",  # chunk_backward
+    "gated_delta.wgsl:chunk_backward_grads": "test_kernel_gated_delta.py",  # chunk_backward
     "matmul.wgsl:splitk_reduce": "test_kernel_matmul.py",
     "reduce.wgsl:sum_squares": "test_kernel_reduce.py",
     "reduce.wgsl:finalize_clip": "test_kernel_reduce.py",
@@ -87,6 +95,10 @@ def test_multi_stage_launchers_dispatch_their_stages(gpu):
     seen |= dispatched(reduce.grad_norm_clip(gpu, buf[0], parts, [(buf[1], 64)], 1.0))
     seen |= dispatched(reduce.tensor_norm_clip(gpu, buf[0], buf[2], parts, [[(buf[1], 64)]], 1.0))
     seen |= dispatched(decode.tc_cache(gpu, *buf[:5], rows, C, dv, k))
+    seen |= dispatched(decode.attend_cache(gpu, *buf[:5], rows, H, K, D, splits=2))
+    seen |= dispatched(decode.argmax(gpu, *buf[:3], rows, 64))
+    seen |= dispatched(gated_delta.chunk_forward(gpu, *buf[:6], B, T, K, H, D, D))
+    seen |= dispatched(gated_delta.chunk_backward(gpu, *buf[:8], B, T, K, H, D, D))
     seen |= dispatched(rmsnorm.rmsnorm_backward(gpu, *buf[:6], rows, C))
     seen |= dispatched(rope.rope_forward(gpu, buf[0], buf[0], buf[1], buf[2], B, T, H, D))
     seen |= dispatched(rope.rope_backward(gpu, buf[0], buf[0], buf[1], buf[2], B, T, H, D))
