@@ -367,7 +367,7 @@ def bench_ours(gpu, model: Model, prompt, new: int, depth: int, dtype: str, repe
 
 
 def _set_wait(engine, spin: bool) -> None:
-    """How the engine's read-backs wait for the GPU (`ddl_wgpu.gpu.Readback`: spin or block)."""
+    """How the engine's read-backs wait for the GPU (`ddl_wgpu.readback.Readback`: spin or block)."""
     for rb in (*engine._rings, engine._readback):
         rb.spin = spin
 

@@ -41,7 +41,7 @@ read, fed by that argmax on the GPU, and forgotten (`_settle`) when the caller d
 (docs/kernels.md#the-decode-path). A greedy speculative round records the next one while the GPU runs it, for
 the case that it keeps no draft (`round`).
 
-Read-back, in the submit that computes it (`gpu.Readback`, waited for on this thread): with head "argmax" only
+Read-back, in the submit that computes it (`readback.Readback`, waited for on this thread): with head "argmax" only
 the chosen ids (`ops.decode.argmax` over many workgroups, ties to the lower id); a whole greedy draft chain
 (catch-up rows, then chain steps whose token and hidden row are copied on the GPU from the step before) is
 one submit that reads back the K drafted ids. Sampling with top-k (k <= 64): the k ids and probabilities per

@@ -7,11 +7,12 @@ What lives here and why:
   limits in the portability mode (`limits_mode="webgpu"` / env `DDL_WGPU_LIMITS=webgpu`: what every conformant
   Vulkan, Metal and DX12 device offers), and the optional features we use when present (shader-f16,
   subgroup, timestamp-query);
-- kernels: WGSL loaded from `shaders/`, compiled once and cached by (file, entry point, constants,
-  template values), each with an explicit bind-group layout built from a signature string, so one layout
-  rule holds everywhere: read-only storage inputs first, then read-write outputs, then one uniform;
+- kernels: WGSL loaded from `shaders/` (`shader_files`), compiled once and cached by (file, entry point,
+  constants, template values), each with an explicit bind-group layout built from a signature string, so one
+  layout rule holds everywhere: read-only storage inputs first, then read-write outputs, then one uniform;
 - buffers, uploads, and downloads through one persistent staging buffer
-  (docs/wgpu-notes.md#reading-back-and-waiting: `queue.read_buffer` makes a temporary buffer per call);
+  (docs/wgpu-notes.md#reading-back-and-waiting: `queue.read_buffer` makes a temporary buffer per call), and
+  read-back buffers waited for on the calling thread (`readback.Readback`);
 - a `Recorder` that encodes many dispatches into one compute pass and submits once (the only pattern that
   scales: docs/wgpu-notes.md#dispatch-cost);
 - a blocking wait that works on wgpu-py 0.32 (`on_submitted_work_done` is broken there, wgpu-py #834);
@@ -22,13 +23,10 @@ What it deliberately does not do: know anything about models. Kernels' launchers
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import struct
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +34,10 @@ import numpy as np
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 import wgpu  # noqa: E402
+
+from ddl_wgpu.gpu_errors import GpuError, GpuOutOfMemory, KernelError, NoAdapterError  # noqa: E402
+from ddl_wgpu.readback import Readback  # noqa: E402
+from ddl_wgpu.shader_files import dump_shader, shader_source, trusted_files  # noqa: E402
 
 ENV_ADAPTER = "DDL_WGPU_ADAPTER"
 # Lower the adapter's storage-binding / buffer limits (bytes), for tests of the row-chunked paths on small
@@ -77,27 +79,6 @@ READBACK_MAX = 64 << 20
 # to the largest use (`ops.matmul`'s split-K partials, `ops.attention_scores`' scores) or one buffer
 # (`ops.gated_delta`'s stand-in for an unused binding)
 SCRATCH_CACHES = ("_splitk_scratch", "_attention_scores", "_gated_delta_unused")
-# A directory: every shader source a kernel compiles is written there, after includes and template
-# substitution, so generated WGSL can be read (`dump_shader`).
-ENV_DUMP = "DDL_WGPU_DUMP_WGSL"
-# Shader files compiled without naga's runtime checks (index clamping, loop bounding): "default" (the
-# files in TRUSTED_FILES), "none", or a comma-separated list of files.
-ENV_TRUSTED = "DDL_WGPU_TRUSTED"
-# Kernels whose every index is guarded by construction (explicit bounds tests on global reads and writes,
-# shared-memory indices in range by their loop bounds) and whose launchers check every binding's size.
-# naga otherwise clamps each array index and counts every loop's iterations: in a GEMM's inner loop that is
-# integer work beside every shared-memory load.
-TRUSTED_FILES = frozenset({"matmul.wgsl", "attention.wgsl", "gated_delta.wgsl"})
-
-
-def trusted_files() -> frozenset:
-    """The shader files compiled without runtime checks (`DDL_WGPU_TRUSTED`, default TRUSTED_FILES)."""
-    value = os.environ.get(ENV_TRUSTED, "default").strip()
-    if value == "default":
-        return TRUSTED_FILES
-    if value in ("", "none"):
-        return frozenset()
-    return frozenset(f.strip() for f in value.split(",") if f.strip())
 
 
 DRIVER_HINT = (
@@ -133,25 +114,6 @@ _BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 2, "OpenGLES": 2
 MAX_GROUPS = 65535  # WebGPU's default max-compute-workgroups-per-dimension
 
 STORAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-
-
-class GpuError(RuntimeError):
-    """Base class of the device layer's errors."""
-
-
-class NoAdapterError(GpuError):
-    """No adapter at all, or none matching the user's choice."""
-
-
-class KernelError(GpuError):
-    """A WGSL module or pipeline failed to build; the message names the file and entry point."""
-
-
-class GpuOutOfMemory(GpuError):
-    """The device could not give a buffer (the driver's out-of-memory, or `DDL_WGPU_DEVICE_MEMORY`). `kind` lets a
-    front end say what gets the user further (the CLI: a smaller --gpu-memory budget)."""
-
-    kind = "gpu_memory"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -212,60 +174,6 @@ def select_adapter(choice: str | int | None = None):
         names = ", ".join(f"{i}: {_info(a)['name']} ({_info(a)['backend']})" for i, a in enumerate(adapters))
         raise NoAdapterError(f"no adapter matches {text!r}; found {names}")
     return min(matches, key=_rank)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# shaders
-
-
-def shader_dirs() -> list[Path]:
-    """Where the WGSL lives: inside the wheel (`ddl_wgpu/shaders`) or at the repository root (`shaders/`)."""
-    here = Path(__file__).resolve().parent
-    return [p for p in (here / "shaders", here.parent / "shaders") if p.is_dir()]
-
-
-def _read_shader(file: str) -> str:
-    candidates = [Path(file)] if Path(file).is_absolute() else [d / file for d in shader_dirs()]
-    for p in candidates:
-        if p.is_file():
-            return p.read_text()
-    raise KernelError(f"{file}: shader file not found in {[str(d) for d in shader_dirs()]}")
-
-
-def shader_source(file: str, templates: dict | None = None) -> str:
-    """Read a WGSL file; a line `{{include NAME}}` is replaced by the shader file NAME (shared helpers such as
-    `prelude_reduce.wgsl`), then `{{name}}` placeholders from `templates` (generated code, and the uniform
-    structs `{{struct Params}}` that `Uniform.wgsl` emits). Any placeholder left is an error (a generated
-    kernel with a hole must not compile silently)."""
-    src = _read_shader(file)
-    for name in re.findall(r"^\{\{include ([\w.]+)\}\}$", src, re.M):
-        src = src.replace("{{include " + name + "}}", _read_shader(name).rstrip("\n"))
-    for k, v in (templates or {}).items():
-        src = src.replace("{{" + k + "}}", str(v))
-    if "{{" in src:
-        start = src.index("{{")
-        raise KernelError(f"{file}: unfilled template placeholder {src[start : src.index('}}', start) + 2]}")
-    return src
-
-
-def dump_shader(
-    file: str, entry: str, constants: dict | None, templates: dict | None, src: str
-) -> Path | None:
-    """With env DDL_WGPU_DUMP_WGSL=DIR, write the source a kernel compiles (includes, uniform structs and
-    template values filled in) to DIR/<family>.<entry>.<hash>.wgsl, the hash over the constants and template
-    values (so each generated variant has its own file); the override constants head the file as a comment.
-    Returns the path written, or None when the variable is unset."""
-    out = os.environ.get(ENV_DUMP)
-    if not out:
-        return None
-    key = repr((sorted((constants or {}).items()), sorted((templates or {}).items())))
-    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-    path = Path(out) / f"{Path(file).stem}.{entry}.{digest}.wgsl"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        consts = ", ".join(f"{k}={v}" for k, v in sorted((constants or {}).items())) or "none"
-        path.write_text(f"// {file}:{entry}, override constants: {consts}\n{src}")
-    return path
 
 
 _WGSL_TYPES = {"u32": "I", "i32": "i", "f32": "f", "pad": "I"}  # the `struct` code of each field type
@@ -734,73 +642,6 @@ class Gpu:
         rec = self.recorder()
         rec.dispatch(kernel, self.bind(kernel, *resources), groups)
         rec.submit()
-
-
-# how `Readback.read` waits: "spin" or "block" (default: spin unless the adapter is a CPU)
-ENV_WAIT = "DDL_WGPU_WAIT"
-
-
-def wait_mode(gpu: Gpu) -> str:
-    """`DDL_WGPU_WAIT`, else "spin" on a GPU (the host polls without blocking until the result is mapped: no
-    driver wake-up in the token's path) and "block" on a CPU adapter (whose work runs on the host's cores)."""
-    mode = os.environ.get(ENV_WAIT, "").strip() or ("block" if gpu.info.get("type") == "CPU" else "spin")
-    if mode not in ("spin", "block"):
-        raise GpuError(f"{ENV_WAIT} must be spin or block, got {mode!r}")
-    return mode
-
-
-class Readback:
-    """A MAP_READ buffer of `nbytes` (`Gpu.readback`): copy into `.buffer` inside a recording, submit, then
-    `read` (waits for the GPU). The map goes through wgpu-native on the calling thread, its callback fired
-    by this thread's own device polls: wgpu-py's map wakes its poll thread, whose blocking poll of every
-    submission holds the device's fence while the caller would submit the next token, and hands the result
-    over between threads (docs/kernels.md#the-decode-path)."""
-
-    def __init__(self, gpu: Gpu, nbytes: int, label: str = "readback"):
-        from wgpu.backends.wgpu_native import ffi, lib
-
-        self.gpu, self.nbytes = gpu, max(16, (int(nbytes) + 15) // 16 * 16)
-        usage = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
-        self.buffer = gpu.device.create_buffer(size=self.nbytes, usage=usage, label=label)
-        self.spin = wait_mode(gpu) == "spin"
-        done = self._done = []
-
-        @ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)")
-        def mapped(status, _message, _u1, _u2):
-            done.append(int(status))
-
-        self._callback = mapped  # kept alive with the buffer
-        self._info = ffi.new("WGPUBufferMapCallbackInfo *", {"mode": lib.WGPUCallbackMode_AllowProcessEvents,
-                                                             "callback": mapped})  # fmt: skip
-
-    def read(self, dtype, count: int, offset: int = 0, after: int | None = None) -> np.ndarray:
-        """`count` items of `dtype` at byte `offset`, once the submit that wrote them has finished (the map
-        completes then). `after`, that submission's index (`Gpu.submit_indexed`): a blocking wait waits for
-        it alone, not for later submissions; the spinning wait needs no index."""
-        from wgpu.backends.wgpu_native import ffi, lib
-
-        dtype = np.dtype(dtype)
-        n = count * dtype.itemsize
-        lo, hi = offset // 8 * 8, -(-(offset + n) // 8) * 8  # map ranges are 8-byte aligned
-        buf, dev, done = self.buffer._internal, self.gpu.device._internal, self._done
-        done.clear()
-        lib.wgpuBufferMapAsync(buf, lib.WGPUMapMode_Read, lo, hi - lo, self._info[0])
-        if self.spin:
-            while not done:
-                lib.wgpuDevicePoll(dev, False, ffi.NULL)
-        else:
-            lib.wgpuDevicePoll(
-                dev, True, ffi.NULL if after is None else ffi.new("WGPUSubmissionIndex *", after)
-            )
-            while not done:
-                lib.wgpuDevicePoll(dev, True, ffi.NULL)
-        if done[0] != lib.WGPUMapAsyncStatus_Success:
-            raise GpuError(f"could not map the read-back buffer (status {done[0]})")
-        try:
-            raw = ffi.buffer(lib.wgpuBufferGetConstMappedRange(buf, lo, hi - lo), hi - lo)
-            return np.frombuffer(raw, np.uint8)[offset - lo : offset - lo + n].copy().view(dtype)
-        finally:
-            lib.wgpuBufferUnmap(buf)
 
 
 @dataclass

@@ -483,7 +483,7 @@ def test_generated_wgsl_list_matches_the_shaders():
 
 
 def test_prelude_includers_and_trusted_files_match_the_code():
-    from ddl_wgpu.gpu import TRUSTED_FILES
+    from ddl_wgpu.shader_files import TRUSTED_FILES
 
     text = section("docs/kernels.md", "## Shared WGSL helpers")
     m = re.search(r"\{\{include prelude_reduce\.wgsl\}\}`\s+\((.*?) do\)", text, re.S)

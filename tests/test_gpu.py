@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from ddl_wgpu import gpu as G
+from ddl_wgpu import readback as RB
 from ddl_wgpu import selftest as st
+from ddl_wgpu import shader_files as SF
 from ddl_wgpu.selftest import selftest
 
 
@@ -35,7 +37,7 @@ def test_readback_reads_each_submit(gpu, monkeypatch, mode):
     """A read-back buffer maps on the calling thread (`Readback.read`, either wait): each read returns what
     the submit before it copied in, at an offset, after its submission index or after all work; the buffer
     is unmapped again (the next copy into it validates)."""
-    monkeypatch.setenv(G.ENV_WAIT, mode)
+    monkeypatch.setenv(RB.ENV_WAIT, mode)
     rb = gpu.readback(64)
     assert rb.spin == (mode == "spin")
     for i in range(3):
@@ -45,7 +47,7 @@ def test_readback_reads_each_submit(gpu, monkeypatch, mode):
         index = gpu.submit_indexed(rec.finish())
         after = index if i % 2 else None
         assert np.array_equal(rb.read(np.uint32, 5, 12, after), np.arange(3, 8, dtype=np.uint32) * (i + 1))
-    monkeypatch.setenv(G.ENV_WAIT, "sometimes")
+    monkeypatch.setenv(RB.ENV_WAIT, "sometimes")
     with pytest.raises(G.GpuError, match="DDL_WGPU_WAIT must be spin or block"):
         gpu.readback(16)
 
@@ -86,15 +88,15 @@ def test_trusted_module_compiles_and_reports_errors(gpu, tmp_path, monkeypatch):
     runs, a broken one still raises KernelError naming file and entry."""
     bad = tmp_path / "broken_trusted.wgsl"
     bad.write_text("@compute @workgroup_size(1) fn oops() { let x: f32 = 1u; }\n")
-    monkeypatch.setenv(G.ENV_TRUSTED, f"{bad},selftest.wgsl")
-    assert str(bad) in G.trusted_files()
+    monkeypatch.setenv(SF.ENV_TRUSTED, f"{bad},selftest.wgsl")
+    assert str(bad) in SF.trusted_files()
     with pytest.raises(G.KernelError) as e:
         gpu.kernel(str(bad), "oops", "")
     assert "broken_trusted.wgsl:oops" in str(e.value)
-    monkeypatch.setenv(G.ENV_TRUSTED, "none")
-    assert G.trusted_files() == frozenset()
-    monkeypatch.setenv(G.ENV_TRUSTED, "default")
-    assert G.trusted_files() == G.TRUSTED_FILES
+    monkeypatch.setenv(SF.ENV_TRUSTED, "none")
+    assert SF.trusted_files() == frozenset()
+    monkeypatch.setenv(SF.ENV_TRUSTED, "default")
+    assert SF.trusted_files() == SF.TRUSTED_FILES
 
 
 def test_missing_entry_point_names_file_and_entry(gpu):
@@ -110,9 +112,9 @@ def test_missing_shader_file(gpu):
 def test_unfilled_template_is_an_error(tmp_path):
     f = tmp_path / "t.wgsl"
     f.write_text("const N = {{n}};\nconst M = {{m}};\n")
-    assert "const N = 3;" in G.shader_source(str(f), {"n": 3, "m": 4})
+    assert "const N = 3;" in SF.shader_source(str(f), {"n": 3, "m": 4})
     with pytest.raises(G.KernelError, match=r"\{\{m\}\}"):
-        G.shader_source(str(f), {"n": 3})
+        SF.shader_source(str(f), {"n": 3})
 
 
 def test_bind_checks_signature(gpu):
@@ -222,7 +224,7 @@ def test_every_shader_uniform_comes_from_a_description():
     declares exactly those structs as `Uniform`s."""
     import importlib
 
-    for f in sorted(G.shader_dirs()[0].glob("*.wgsl")):
+    for f in sorted(SF.shader_dirs()[0].glob("*.wgsl")):
         if f.name.startswith("prelude_"):
             continue
         src = f.read_text()
@@ -248,7 +250,7 @@ def test_dump_wgsl_writes_each_generated_shader(gpu, tmp_path, monkeypatch):
         "  if (g.x < p.n) { y[g.x] = {{FACTOR}} * p.alpha * y[g.x]; }\n}\n"
     )
     out = tmp_path / "dump"
-    monkeypatch.setenv(G.ENV_DUMP, str(out))
+    monkeypatch.setenv(SF.ENV_DUMP, str(out))
     for factor in ("2.0", "3.0"):
         k = gpu.kernel(str(shader), "scale", "wu", templates={"FACTOR": factor}, uniforms=(P,))
         y = gpu.upload(np.ones(10, np.float32))
@@ -260,16 +262,16 @@ def test_dump_wgsl_writes_each_generated_shader(gpu, tmp_path, monkeypatch):
     for text in texts:
         assert P.wgsl() in text and "{{" not in text
     assert {"2.0", "3.0"} == {t for t in ("2.0", "3.0") for text in texts if f"{t} * p.alpha" in text}
-    monkeypatch.delenv(G.ENV_DUMP)
-    assert G.dump_shader("x.wgsl", "e", None, None, "src") is None
+    monkeypatch.delenv(SF.ENV_DUMP)
+    assert SF.dump_shader("x.wgsl", "e", None, None, "src") is None
 
 
 def test_include_inserts_a_shared_file(tmp_path):
     f = tmp_path / "inc.wgsl"
     f.write_text("{{include prelude_reduce.wgsl}}\nconst N = 1;\n")
-    src = G.shader_source(str(f))
+    src = SF.shader_source(str(f))
     assert "{{" not in src and src.endswith("const N = 1;\n")
-    assert (G.shader_dirs()[0] / "prelude_reduce.wgsl").read_text().rstrip("\n") in src
+    assert (SF.shader_dirs()[0] / "prelude_reduce.wgsl").read_text().rstrip("\n") in src
 
 
 def test_webgpu_limits_mode(monkeypatch):

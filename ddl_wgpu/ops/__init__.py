@@ -5,7 +5,7 @@ module's docstring) -> `tests/test_kernel_X.py`. A module declares its shader's 
 `gpu.Uniform` descriptions: the WGSL structs are generated from them (the shader has a `{{struct NAME}}`
 hole) and the launchers pack them by field name. Reductions shared by several shaders live in
 `shaders/prelude_reduce.wgsl`, pasted in by an include line. `DDL_WGPU_DUMP_WGSL=DIR` writes every shader
-source as compiled (`gpu.dump_shader`).
+source as compiled (`shader_files.dump_shader`).
 
 Every launcher takes the GPU, then outputs, then inputs (llm.c's order), then sizes, and returns a
 `gpu.Call`: bind groups and uniforms built once, recorded into a step as many times as needed. A buffer

@@ -213,7 +213,7 @@ def _check(B: int, T: int, H: int, K: int, D: int):
 
 def _check_bindings(entry: str, B: int, T: int, H: int, K: int, D: int, **named) -> None:
     """Every binding holds what the shapes need: attention.wgsl is built without naga's index clamps
-    (`gpu.TRUSTED_FILES`), so a short buffer would be read out of bounds. Names: q/out/dq/dout (B,T,H,D),
+    (`shader_files.TRUSTED_FILES`), so a short buffer would be read out of bounds. Names: q/out/dq/dout (B,T,H,D),
     k/v/dk/dv (B,T,K,D), lse/delta (B,H,T)."""
     per = {"q": H * D, "out": H * D, "dq": H * D, "dout": H * D, "k": K * D, "v": K * D, "dk": K * D,
            "dv": K * D, "lse": H, "delta": H}  # fmt: skip
