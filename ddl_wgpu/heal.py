@@ -20,7 +20,7 @@ trunk's own predictions. The flow:
 3. The draft is trained alone as a one-layer model (`backend.Draft`): its block `model.mtp.layers.0.*` and final
    norm `model.mtp.norm`, from `--init` weights when given, else the model's own. Trunk, embedding, head and the
    draft's input projection (enorm, hnorm, eh_proj) are frozen, as in the reference heal tool. Its FFN width
-   (`HealConfig.draft_width`, `_fit_draft`): "model", the model's own FFN width (the starting draft narrowed by
+   (`HealConfig.draft_width`, `heal_files.fit_draft`): "model", the model's own FFN width (the starting draft narrowed by
    `compress.narrow_ffn`'s importance rule when wider), what vLLM and SGLang build a Qwen3.5 draft at; or "init",
    the starting draft's width (the reference heal tool's rule); by default the one the model's layout needs
    (`draft_layout.draft_width_for`).
@@ -42,7 +42,7 @@ trunk's own predictions. The flow:
 6. Every `eval_every` steps (and at the last) the held-out KL per chain step is measured; checkpoints rank by
    its mean; `patience` evaluations without a new best stop the run. The best weights are restored.
 7. OUT = MODEL with the trained tensors written back (in their stored dtype) and every other tensor copied byte
-   for byte; `provenance.mtp_heal` (the reference's key; `heal_record` also reads the older `heal_mtp`) records the run (acceptance before and after on the held-out windows).
+   for byte; `provenance.mtp_heal` (the reference's key; `heal_files.heal_record` also reads the older `heal_mtp`) records the run (acceptance before and after on the held-out windows).
    Written atomically by the container (`OUT.partial`, then rename; removed on any failure).
 
 Backends: `backend.make_teacher` and `backend.make_draft` build the trunk (`backend.Teacher`) and the draft
@@ -73,24 +73,22 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import ModelConfig
 from ddl_ref.ops import KL_FORMS
-from ddl_ref.params import MTP_LAYER_PREFIX, param_table
 from ddl_wgpu import accept as accept_mod
+from ddl_wgpu import heal_files as files
 from ddl_wgpu.accept import CHAIN_ATTENTION
 from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teacher, open_gpu, plan_trunk
-from ddl_wgpu.compress import narrow_ffn
-from ddl_wgpu.container import CheckpointError, f32_to_bf16, open_checkpoint, save
+from ddl_wgpu.container import CheckpointError, open_checkpoint
 from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.draft_layout import DRAFT_WIDTHS, chain_attention_for, draft_width_for
-from ddl_wgpu.errors import UserError
+from ddl_wgpu.heal_files import HealError
 from ddl_wgpu.hostmem import HostArrays
-from ddl_wgpu.modelfile import FLOAT_DTYPES, Model, load_config, load_model
+from ddl_wgpu.modelfile import Model, load_config
 from ddl_wgpu.run import Best, Cadence, Events, LossScale, drive
 
 LOSS_SCALE_START = 4096.0  # the reference heal tool's first loss scale; halved (to >= 1) per non-finite step
@@ -99,21 +97,8 @@ WARMUP_FRACTION = 0.1  # linear warm-up over the first 10 % of steps
 MIN_LR_FRACTION = 0.1  # the cosine ends at 0.1 x lr
 MIN_WINDOW = 16  # windows shorter than MIN_WINDOW + chain are skipped
 HELD_OUT_EVERY = 10  # window i is held out when i % 10 == 9
-PROVENANCE_KEY = "mtp_heal"  # the reference heal tool's key
-OLD_PROVENANCE_KEY = "heal_mtp"  # written by earlier versions; still read
 XORSHIFT_START = 0x9E3779B97F4A7C15  # the reference heal tool's job-shuffle state
 _U64 = (1 << 64) - 1
-# A draft is present iff these are in the file (the reference heal tool checks the first three).
-GATE = "model.mtp.layers.0.mlp.gate_proj.weight"  # its rows: the draft's FFN width
-REQUIRED = ("model.mtp.eh_proj.weight", "model.mtp.enorm.weight", "model.mtp.hnorm.weight",
-            "model.mtp.layers.0.self_attn.q_proj.weight", "model.mtp.norm.weight")  # fmt: skip
-# An --init file needs only what heal reads from it, the draft's block and final norm (the reference heal tool
-# reads only the draft block): the input projection is the healed model's own.
-INIT_REQUIRED = REQUIRED[3:]
-
-
-class HealError(UserError):
-    """A heal that cannot run or had to stop, with one clear line."""
 
 
 @dataclass(frozen=True)
@@ -216,35 +201,6 @@ class XorShift64:
             order[i], order[j] = order[j], order[i]
 
 
-def heal_record(provenance: dict) -> dict | None:
-    """A healed model's heal record: `mtp_heal`, or `heal_mtp` as earlier versions wrote it."""
-    prov = provenance or {}
-    return prov.get(PROVENANCE_KEY, prov.get(OLD_PROVENANCE_KEY))
-
-
-def _require_draft(path, required=REQUIRED) -> None:
-    try:
-        with open_checkpoint(path) as ck:
-            names = set(ck.names())
-    except CheckpointError as e:
-        raise HealError(f"heal: {e}") from e
-    for n in required:
-        if n not in names:
-            raise HealError(f"heal: {path} carries no MTP draft (missing tensor {n})")
-
-
-def _load(path, what: str, verify: bool = True, lazy: bool = False) -> Model:
-    """The model; `lazy`: its draft's tensors only (a GPU trunk reads its own from the file, a piece at a time:
-    `stream.WeightSource`), and so without the check that the whole model fits in host memory."""
-    try:
-        if lazy:
-            return load_model(path, names=lambda n: n.startswith(ref_mtp.MTP_PREFIX), verify=verify,
-                              check_memory=False)  # fmt: skip
-        return load_model(path, verify=verify)
-    except CheckpointError as e:
-        raise HealError(f"heal: {what}: {e}") from e
-
-
 def resolve(model_cfg: ModelConfig, cfg: HealConfig) -> tuple[HealConfig, dict]:
     """`cfg` with the defaults that follow the model's layout filled in (`draft_layout`) -> (the config, why:
     {"chain_attention": ..., "draft_width": ...}, "as given" for a value set by the caller)."""
@@ -260,102 +216,12 @@ def resolve(model_cfg: ModelConfig, cfg: HealConfig) -> tuple[HealConfig, dict]:
 
 def resolve_file(model_path, cfg: HealConfig) -> tuple[HealConfig, dict]:
     """`resolve` for the model file at `model_path` (its header only, as `heal` will read it)."""
-    _require_draft(model_path)
+    files.require_draft(model_path)
     try:
         with open_checkpoint(model_path) as ck:
             return resolve(load_config(ck, model_path), cfg)
     except CheckpointError as e:
         raise HealError(f"heal: {e}") from e
-
-
-def _with_width(model: Model, width: int) -> Model:
-    """`model` whose config gives its draft `width` SwiGLU channels (`MtpConfig.ffn_hidden`, None: the trunk's)."""
-    mtp = dataclasses.replace(model.cfg.mtp, ffn_hidden=None if width == model.cfg.ffn_hidden else width)
-    return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, mtp=mtp))
-
-
-def _fit_draft(model: Model, init_path, rule: str, verify: bool = True) -> tuple[Model, dict | None, dict]:
-    """The model with its draft at the width `rule` gives, and the draft's starting weights (from `init_path`,
-    else None: the model's own) -> (model, init weights, the width record).
-
-    The starting draft is the init model's (its width the rows of its gate_proj) or the model's own. "init" keeps
-    its width (the reference heal tool's rule); "model" heals at the model's FFN width (its trunk's, the
-    `intermediate_size` an export writes), narrowing a wider draft by `compress.narrow_ffn`'s importance rule; a
-    narrower one cannot be widened (HealError naming --draft-width init)."""
-    source = ref_mtp.draft_ffn_hidden(model.cfg)
-    if init_path is not None:
-        with open_checkpoint(init_path) as ck:
-            source = int(ck.info(GATE).shape[0]) if GATE in ck.names() else source
-    target = source if rule == "init" else model.cfg.ffn_hidden
-    whose = "the init model's" if init_path is not None else "the model's"
-    if target > source:
-        raise HealError(f"heal: --draft-width model: {whose} draft has {source} SwiGLU channels, fewer than the "
-                        f"model's FFN width {target}; a draft cannot be widened (--draft-width init heals it at "
-                        f"{source})", field="draft_width")  # fmt: skip
-    model = _with_width(model, source)
-    init = _init_weights(init_path, model, verify) if init_path is not None else None
-    rec = {"rule": rule, "ffn_hidden": target, "source_ffn_hidden": source}
-    if target < source:  # the starting draft narrowed by the importance rule compress --ffn-keep uses
-        weights = dict(init if init is not None else model.params)
-        rec["kept_importance_fraction"] = narrow_ffn(weights, MTP_LAYER_PREFIX, target)
-        if init is not None:
-            init = {n: weights[n] for n in init}
-        else:
-            model = dataclasses.replace(model, params=weights)
-        model = _with_width(model, target)
-    return model, init, rec
-
-
-def _init_weights(init_path, model: Model, verify: bool = True) -> dict:
-    """The trained tensors (the draft's block and final norm) read from `init_path`, nothing else of it: its
-    config and its other tensors (the input projection included) may be anything or absent."""
-    shapes = {spec.name: tuple(spec.shape) for spec in param_table(model.cfg)}
-    out = {}
-    try:
-        with open_checkpoint(init_path, verify=verify) as ck:
-            for n in ref_mtp.trained_names(model.params):
-                info = ck.info(n) if n in ck else None
-                if info is None or tuple(info.shape) != shapes[n] or info.dtype not in FLOAT_DTYPES:
-                    have = "no such tensor" if info is None else f"{info.dtype} {tuple(info.shape)}"
-                    raise HealError(f"heal: the init model {init_path}: {n} is {have}, the model needs a "
-                                    f"float tensor of shape {shapes[n]}", field="init")  # fmt: skip
-                out[n] = np.asarray(ck.tensor_f32(n), np.float32)
-    except CheckpointError as e:
-        raise HealError(f"heal: the init model: {e}") from e
-    return out
-
-
-def _encode(array: np.ndarray, dtype: str):
-    """A trained float32 tensor in the stored dtype of the tensor it replaces."""
-    if dtype == "bf16":
-        return f32_to_bf16(np.asarray(array, np.float32)), "bf16"
-    np_dtype = {"f32": np.float32, "f16": np.float16, "f64": np.float64}.get(dtype)
-    if np_dtype is None:
-        raise HealError(f"heal: cannot write a trained tensor back as {dtype}")
-    return np.asarray(array).astype(np_dtype), dtype
-
-
-def write_back(model_path, out_path, trained: dict, provenance_key: str, record: dict,
-               config: dict | None = None, verify: bool = True) -> Path:  # fmt: skip
-    """OUT = MODEL with `trained` tensors replaced (stored dtype kept) and every other tensor copied byte for
-    byte; `provenance[provenance_key] = record`; `config` replaces MODEL's (a draft healed at another FFN
-    width). Atomic (the container writes OUT.partial, then renames)."""
-    with open_checkpoint(model_path, verify=verify) as ck:
-        prov = dict(ck.provenance or {})
-        prov[provenance_key] = record
-
-        def tensors():
-            for name in ck.names():
-                dtype = ck.info(name).dtype
-                if name in trained:
-                    arr, dt = _encode(trained[name], dtype)
-                    yield name, arr, dt
-                else:
-                    yield name, ck.tensor(name, copy=False), dtype
-
-        paths = save(out_path, tensors(), config=config or ck.config, metadata=ck.metadata, provenance=prov,
-                     tokenizer=ck.tokenizer)  # fmt: skip
-    return paths[0]
 
 
 @dataclass
@@ -658,14 +524,14 @@ def _inputs(model_path, init_path, cfg: HealConfig, verify: bool = True,
     """The model (with a draft at the width `cfg.draft_width` gives; `lazy`: its draft's tensors only, `_load`)
     and the draft's starting weights from `init_path`, checked against `cfg` -> (model, init weights, the draft
     width record)."""
-    _require_draft(model_path)
-    model = _load(model_path, "model", verify, lazy)
+    files.require_draft(model_path)
+    model = files.load(model_path, "model", verify, lazy)
     if model.cfg.mtp is None:  # tensors present but the config says no draft
         raise HealError(f"heal: {model_path} carries no MTP draft (config has no mtp; missing tensor "
                         "model.mtp.eh_proj.weight in its table)")  # fmt: skip
     if init_path is not None:
-        _require_draft(init_path, INIT_REQUIRED)
-    model, init, width = _fit_draft(model, init_path, resolve(model.cfg, cfg)[0].draft_width, verify)
+        files.require_draft(init_path, files.INIT_REQUIRED)
+    model, init, width = files.fit_draft(model, init_path, resolve(model.cfg, cfg)[0].draft_width, verify)
     if init is not None:
         model = dataclasses.replace(model, params=collections.ChainMap(init, model.params))
     if cfg.window > model.cfg.max_seq_len:
@@ -786,7 +652,9 @@ def _heal(model_path, data_spec, out_path, cfg: HealConfig, init_path, backend: 
         "config": cfg.to_dict(),
         "conventions": mcfg.mtp.to_dict(),
     }
-    path = write_back(model_path, out_path, trained, PROVENANCE_KEY, record, mcfg.to_dict(), verify)
+    path = files.write_back(
+        model_path, out_path, trained, files.PROVENANCE_KEY, record, mcfg.to_dict(), verify
+    )
     events("written", out=os.fspath(path))
     # refresh_forwards: the draft forwards all refreshes ran (those the jobs and evaluations needed); the plan
     # and the scratch file are the run's, not the healed model's (its file is the same under any budget)

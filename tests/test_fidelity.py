@@ -14,7 +14,7 @@ from helpers import cli_sizes, tiny_cfg
 
 from ddl_ref.config import ModelVariant
 from ddl_ref.params import init_params
-from ddl_wgpu import accept, compress, heal
+from ddl_wgpu import accept, compress, heal, heal_files
 from ddl_wgpu import train as T
 from ddl_wgpu.backend import make_net
 from ddl_wgpu.container import open_checkpoint, save
@@ -129,8 +129,8 @@ def test_heal_writes_the_reference_provenance_key_and_reads_the_old_one(tmp_path
     heal.heal(model, str(text), tmp_path / "h.ddlw", heal_kit.SMALL)
     prov = load_model(tmp_path / "h.ddlw").provenance
     assert "mtp_heal" in prov and "heal_mtp" not in prov
-    assert heal.heal_record(prov) is prov["mtp_heal"]
-    assert heal.heal_record({"heal_mtp": {"steps": 3}}) == {"steps": 3}
+    assert heal_files.heal_record(prov) is prov["mtp_heal"]
+    assert heal_files.heal_record({"heal_mtp": {"steps": 3}}) == {"steps": 3}
 
 
 def heal_cli_args(heal_kit, tmp_path) -> list:

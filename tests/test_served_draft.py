@@ -24,7 +24,7 @@ import pytest
 
 from ddl_ref.config import ARCH_MTP, MtpConfig, apply_arch
 from ddl_ref.params import MTP_LAYER_PREFIX
-from ddl_wgpu import accept, compress, draft_layout, heal, served_draft
+from ddl_wgpu import accept, compress, draft_layout, heal, heal_files, served_draft
 from ddl_wgpu.hf import HfError, export_hf_from_file
 from ddl_wgpu.modelfile import load_model
 
@@ -141,7 +141,7 @@ def test_heal_draft_width_model_narrows_init_keeps_and_neither_widens(hybrid, tm
     c = load_model(tmp_path / "c.ddlw")
     assert heal.resolve(c.cfg, heal.HealConfig())[0].draft_width == "model"  # the hybrid's default
     # "model": the init draft (24 wide) narrowed to the model's 12 by the importance rule
-    fitted, init, rec = heal._fit_draft(c, model, "model")
+    fitted, init, rec = heal_files.fit_draft(c, model, "model")
     want = {n: a for n, a in load_model(model).params.items() if n.startswith(MTP_LAYER_PREFIX)}
     compress.narrow_ffn(want, MTP_LAYER_PREFIX, 12)
     assert rec == {"rule": "model", "ffn_hidden": 12, "source_ffn_hidden": 24,
