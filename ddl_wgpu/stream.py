@@ -20,15 +20,16 @@ the big matrices of an f16 trunk, `layout.F16_SUFFIXES`) exactly as `Net.load` c
 Uploads: `queue.write_buffer`, a piece of at most PIECE_BYTES per call, from the source's own memory where it
 is stored in the slot's dtype (a view of the checkpoint's map or of the array: no copy of ours), else from a
 piece the thread pool converted. wgpu copies each piece into a staging buffer of its own, freed when the submit
-that carries it is done; before writing layer i into its slot the host waits for the submit of layer i - 2 (the
-slot's last user), so no more than two layers' staging is alive (counted in the plan: `staging_bytes`) and the
-host runs at most one layer ahead of the GPU (on the H200 an unbounded host ran 20 GB of staging ahead, 2026-12-03).
-The next layer is prepared while this one is written. A mapped staging ring filled by the thread pool was
+that carries it is done; before writing a layer the host waits for the submit of the layer two before it, so
+no more than two layers' staging is alive (counted in the plan: `staging_bytes`) and the host runs at most one
+layer ahead of the GPU (on the H200 an unbounded host ran 20 GB of staging ahead, 2026-12-03). The next layer
+is prepared while this one is written. A mapped staging ring filled by the thread pool was
 tried and stalled on the H200 (docs/experiments.md).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import os
@@ -294,14 +295,16 @@ class TrunkWeights:
 class LayerStream:
     """Layers into their slots (module docstring, "Uploads"): `stage(i)` starts preparing layer i's pieces on
     the coordinating thread (converted on the pool where they must be); `bring(i, rec, then)` waits for them,
-    starts preparing layer `then`, waits for the slot's last submit and queues the writes (carried by `rec`'s
-    submit); `submitted(i, index)` records the submission index of layer i's work."""
+    starts preparing layer `then`, waits for the layer submitted two before it and queues the writes (carried
+    by `rec`'s submit); `submitted(index)` records a layer's submission index, `settle()` waits for the last."""
 
     def __init__(self, weights: TrunkWeights, pool):
         self.w, self.gpu, self.pool = weights, weights.gpu, pool
         self.coord = ThreadPoolExecutor(1, thread_name_prefix="ddl-stage")
         self.staged: dict = {}  # layer -> future of its pieces
-        self.last: list[int | None] = [None] * weights.S  # per slot: the submission index of its last layer
+        self.recent: collections.deque = collections.deque(
+            maxlen=2
+        )  # the last two layers' submission indices
 
     def stage(self, i: int) -> None:
         if i not in self.staged and self.w.holds[i % self.w.S] != i:
@@ -322,16 +325,20 @@ class LayerStream:
         pieces = self.staged.pop(i).result()
         if then is not None and then != i:
             self.stage(then)
-        if self.last[s] is not None:  # the slot's last layer is done: its staging (and older) is freed
-            self.gpu.wait_for(self.last[s])
-            self.last[s] = None
+        if len(self.recent) == 2:  # the layer two submits back is done: its staging (and older) is freed
+            self.gpu.wait_for(self.recent[0])
         dst = self.w.bufs[s]
         for arena, offset, piece in pieces:
             self.gpu.write(dst[arena], piece, offset)
         self.w.holds[s] = i
 
-    def submitted(self, i: int, index: int) -> None:
-        self.last[i % self.w.S] = index
+    def submitted(self, index: int) -> None:
+        self.recent.append(index)
+
+    def settle(self) -> None:
+        """Wait for the last layer's submit: no upload staging is left alive."""
+        if self.recent:
+            self.gpu.wait_for(self.recent[-1])
 
     def close(self) -> None:
         for fut in self.staged.values():
@@ -432,19 +439,14 @@ class Trunk:
             self.weights.drop_staging()
 
     def _load_all(self) -> None:
-        """Every layer into its own slot, a layer per submit, at most two layers' staging alive (`LayerStream`;
-        the last submit waited for: its staging freed)."""
+        """Every layer into its own slot, a layer per submit, at most two layers' staging alive (`LayerStream`),
+        none once loaded."""
         L = self.weights.cfg.n_layers
-        prev = index = None
         for i in range(L):
             rec = self.gpu.recorder()
             self.stream.bring(i, rec, then=i + 1 if i + 1 < L else None)
-            index = self.gpu.submit_indexed(rec.finish())
-            if prev is not None:
-                self.gpu.wait_for(prev)
-            prev = index
-        if index is not None:
-            self.gpu.wait_for(index)
+            self.stream.submitted(self.gpu.submit_indexed(rec.finish()))
+        self.stream.settle()
 
     def work(self, batch: int, seq: int) -> TrunkPass:
         if self.released:
@@ -465,7 +467,7 @@ class Trunk:
         for i, call in enumerate(work.layer_calls):
             self.stream.bring(i, rec, then=(i + 1) % L)
             call.record(rec)
-            self.stream.submitted(i, self.gpu.submit_indexed(rec.finish()))
+            self.stream.submitted(self.gpu.submit_indexed(rec.finish()))
             rec = self.gpu.recorder()
         work.tail_call.record(rec)
         return rec
