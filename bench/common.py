@@ -91,7 +91,7 @@ def median(xs):
 
 
 def open_gpu(device: str | None = None):
-    from ddl_wgpu.gpu import Gpu
+    from ddl_wgpu.runtime.gpu import Gpu
 
     gpu = Gpu(device)
     return gpu
@@ -312,7 +312,7 @@ class RandomWeights(Mapping):
         import numpy as np
 
         from ddl_ref.params import _draw
-        from ddl_wgpu.layout import is_f16_matrix
+        from ddl_wgpu.engine.layout import is_f16_matrix
 
         s = self.specs[name]
         half = self.f16 and is_f16_matrix(name, s.shape) and name.startswith("model.layers.")

@@ -67,9 +67,9 @@ import numpy as np  # noqa: E402
 
 from ddl_ref.config import ModelConfig, MtpConfig, preset  # noqa: E402
 from ddl_ref.params import init_params  # noqa: E402
-from ddl_wgpu.generate import run  # noqa: E402
-from ddl_wgpu.modelfile import Model, load_model  # noqa: E402
-from ddl_wgpu.refnet import RefEngine  # noqa: E402
+from ddl_wgpu.engine.refnet import RefEngine  # noqa: E402
+from ddl_wgpu.files.modelfile import Model, load_model  # noqa: E402
+from ddl_wgpu.jobs.generate import run  # noqa: E402
 
 SHAPES = {
     "small": (lambda: preset("small", mtp=MtpConfig()), "f32"),
@@ -135,7 +135,7 @@ def _hybrid(shape: str) -> ModelConfig:
 def weight_bound_ms(model: Model, dtype: str) -> float:
     """ms to read every weight a decoded token reads once (the trunk's matrices in the net's dtype, the head,
     one embedding row) at the H200's measured 4.3 TB/s: decode's memory bound at batch 1."""
-    from ddl_wgpu.layout import is_f16_matrix
+    from ddl_wgpu.engine.layout import is_f16_matrix
 
     total = 0
     for name, spec in _specs(model.cfg):
@@ -318,7 +318,7 @@ def bench_torch(torch, dev, model: Model, prompt, new: int, dtype: str, repeats:
 
 
 def bench_ours(gpu, model: Model, prompt, new: int, depth: int, dtype: str, repeats: int) -> dict:
-    from ddl_wgpu.decode import WgpuEngine
+    from ddl_wgpu.engine.decode import WgpuEngine
 
     out: dict = {}
     engine = WgpuEngine(gpu, model, depth, dtype)
@@ -367,7 +367,7 @@ def bench_ours(gpu, model: Model, prompt, new: int, depth: int, dtype: str, repe
 
 
 def _set_wait(engine, spin: bool) -> None:
-    """How the engine's read-backs wait for the GPU (`ddl_wgpu.readback.Readback`: spin or block)."""
+    """How the engine's read-backs wait for the GPU (`ddl_wgpu.runtime.readback.Readback`: spin or block)."""
     for rb in (*engine._rings, engine._readback):
         rb.spin = spin
 
@@ -473,7 +473,7 @@ def bench_prompts(gpu, model: Model, prompts: list, new: int, depth: int, dtype:
     the draft's acceptance pooled over the rounds of every prompt. A trained model's greedy text tends to fall
     into repeats after a while, which a draft predicts easily; many short continuations of different real
     prompts measure the draft on text more like what a user asks for than one long continuation."""
-    from ddl_wgpu.decode import WgpuEngine
+    from ddl_wgpu.engine.decode import WgpuEngine
 
     engine = WgpuEngine(gpu, model, depth, dtype)
     cap = model.cfg.max_seq_len

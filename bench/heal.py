@@ -19,7 +19,7 @@ layer type (`bench/hybrid.py forward_profile`). `--shape quick-hybrid` is a tiny
 
 The model is built in memory with `ddl_ref.params.init_params(cfg, --seed)`: a Qwen3-like baseline trunk (tied
 embedding, pre-RoPE q/k norm, GQA, SwiGLU) plus a one-layer MTP draft head. Nothing is read or written but the
-JSON. The numbers come from the classes `ddl-wgpu heal --backend wgpu` runs (`ddl_wgpu.heal`), called as
+JSON. The numbers come from the classes `ddl-wgpu heal --backend wgpu` runs (`ddl_wgpu.jobs.heal`), called as
 `heal` calls them:
 
 - trunk: `WgpuTeacher.topk_hidden(ids, k)` on one batch of --batch windows of --seq tokens: upload, forward,
@@ -93,13 +93,11 @@ from ddl_ref import ops as ref_ops  # noqa: E402
 from ddl_ref.config import ModelConfig, MtpConfig  # noqa: E402
 from ddl_ref.optim import global_grad_norm  # noqa: E402
 from ddl_ref.params import init_params, param_table  # noqa: E402
-from ddl_wgpu import (
-    backend,  # noqa: E402
-    heal,  # noqa: E402
-)
-from ddl_wgpu.layout import is_f16_matrix  # noqa: E402
-from ddl_wgpu.modelfile import Model  # noqa: E402
-from ddl_wgpu.step import draft_adamw  # noqa: E402
+from ddl_wgpu import backend
+from ddl_wgpu.engine.layout import is_f16_matrix  # noqa: E402
+from ddl_wgpu.engine.step import draft_adamw  # noqa: E402
+from ddl_wgpu.files.modelfile import Model  # noqa: E402
+from ddl_wgpu.jobs import heal
 
 TOL = 1e-4  # f32 GPU against float64 numpy
 HEAL = heal.HealConfig()  # heal's defaults: batch, window, top-k, chain, lr

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ddl_wgpu.heal import HealConfig, _batches, _Chain, _HealJob, split_heldout
-from ddl_wgpu.run import Best, Events, drive
+from ddl_wgpu.jobs.heal import HealConfig, _batches, _Chain, _HealJob, split_heldout
+from ddl_wgpu.jobs.run import Best, Events, drive
 
 
 class _CountingDraft:

@@ -39,8 +39,8 @@ from heal import shape_config  # noqa: E402
 from heal_stream import Smi  # noqa: E402
 
 from ddl_ref.params import param_table  # noqa: E402
-from ddl_wgpu.container import save  # noqa: E402
-from ddl_wgpu.layout import is_f16_matrix  # noqa: E402
+from ddl_wgpu.engine.layout import is_f16_matrix  # noqa: E402
+from ddl_wgpu.files.container import save  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["the", "model", "heals", "its", "draft", "on", "a", "trunk", "that", "was", "compressed", "and", "runs",

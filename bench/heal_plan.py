@@ -26,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
 from heal import SHAPES, shape_config  # noqa: E402
 
-from ddl_wgpu import backend, gpumem, heal, heal_gpu  # noqa: E402
+from ddl_wgpu import backend
+from ddl_wgpu.engine import gpumem, heal_gpu
+from ddl_wgpu.jobs import heal
 
 H200 = {"max-buffer-size": 4292870144, "max-storage-buffer-binding-size": 2147483644,
         "max-compute-workgroup-storage-size": 48 << 10}  # fmt: skip

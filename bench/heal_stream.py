@@ -38,9 +38,11 @@ import numpy as np
 from heal_count import refresh_forwards
 
 from ddl_ref import mtp as ref_mtp
-from ddl_wgpu import backend, gpumem, heal, stream
-from ddl_wgpu.heal_gpu import plan_trunk_job
-from ddl_wgpu.run import Events
+from ddl_wgpu import backend
+from ddl_wgpu.engine import gpumem, stream
+from ddl_wgpu.engine.heal_gpu import plan_trunk_job
+from ddl_wgpu.jobs import heal
+from ddl_wgpu.jobs.run import Events
 
 
 class Smi:

@@ -92,9 +92,9 @@ def synthetic_folder(folder: Path, gb: float, smoke: bool) -> None:
     a tied vocabulary of 151,936, as many layers (a multiple of 4) as the size takes (2.5 GB: 20)."""
     from ddl_ref.config import ModelConfig, MtpConfig, apply_arch
     from ddl_ref.params import param_table
-    from ddl_wgpu.container import f32_to_bf16
-    from ddl_wgpu.hf_files import StTensor, write_safetensors
-    from ddl_wgpu.hf_qwen35 import folder_name, folder_shape
+    from ddl_wgpu.files.container import f32_to_bf16
+    from ddl_wgpu.files.hf.folder import StTensor, write_safetensors
+    from ddl_wgpu.files.hf.qwen35 import folder_name, folder_shape
 
     width, vocab = (256, 4096) if smoke else (2048, 151936)
 

@@ -76,9 +76,9 @@ def small_hybrid(quick: bool) -> ModelConfig:
 
 
 def bench_engine_train(gpu, cfg, params, ids, steps: int, warmup: int) -> dict:
-    from ddl_wgpu.net import Net
-    from ddl_wgpu.step import AdamW
-    from ddl_wgpu.trunk import TrunkWork
+    from ddl_wgpu.engine.net import Net
+    from ddl_wgpu.engine.step import AdamW
+    from ddl_wgpu.engine.trunk import TrunkWork
 
     B, T = ids.shape
     t0 = time.perf_counter()
@@ -337,8 +337,8 @@ def forward_profile(gpu, net, B: int, T: int, repeats: int = 1, smi0: float | No
 
 
 def bench_forward27b(gpu, args) -> dict:
-    from ddl_wgpu.inference import InferenceWork
-    from ddl_wgpu.net import Net
+    from ddl_wgpu.engine.inference import InferenceWork
+    from ddl_wgpu.engine.net import Net
 
     B, T = (2, 32) if args.quick else (16, 1024)
     cfg = (
@@ -589,8 +589,8 @@ def sweep_plans(gpu, Dk: int, Dv: int) -> list:
     and a few plans of chunk 32."""
     from dataclasses import replace
 
-    from ddl_wgpu.gpu import GpuError
     from ddl_wgpu.ops import gated_delta as kg
+    from ddl_wgpu.runtime.gpu import GpuError
 
     first = kg.chunk_plan(gpu, Dk, Dv)
     plans = [first] + [replace(first, **kw) for kw in (

@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from ddl_ref import ops as ref  # noqa: E402
 from ddl_ref.config import preset  # noqa: E402
 from ddl_ref.params import num_params  # noqa: E402
-from ddl_wgpu.gpu import Call  # noqa: E402
+from ddl_wgpu.engine.vocab import head_chunk_rows  # noqa: E402
 from ddl_wgpu.ops import adamw as k_adamw  # noqa: E402
 from ddl_wgpu.ops import attention as k_attn  # noqa: E402
 from ddl_wgpu.ops import crossentropy as k_ce  # noqa: E402
@@ -47,7 +47,7 @@ from ddl_wgpu.ops import matmul as k_mm  # noqa: E402
 from ddl_wgpu.ops import rmsnorm as k_norm  # noqa: E402
 from ddl_wgpu.ops import swiglu as k_swiglu  # noqa: E402
 from ddl_wgpu.ops import topk_kl as k_topk  # noqa: E402
-from ddl_wgpu.vocab import head_chunk_rows  # noqa: E402
+from ddl_wgpu.runtime.gpu import Call  # noqa: E402
 
 F32 = 4
 

@@ -29,8 +29,8 @@ import common  # noqa: E402  (puts the repository root on sys.path)
 import numpy as np  # noqa: E402
 from kernels import matmul_cases, sizes  # noqa: E402
 
+from ddl_wgpu.engine.vocab import head_chunk_rows  # noqa: E402
 from ddl_wgpu.ops import matmul as k_mm  # noqa: E402
-from ddl_wgpu.vocab import head_chunk_rows  # noqa: E402
 
 F32 = 4
 

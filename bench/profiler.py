@@ -1,4 +1,4 @@
-"""`ProfileRecorder`: a `ddl_wgpu.gpu.Recorder` that times every dispatch on its own, for
+"""`ProfileRecorder`: a `ddl_wgpu.runtime.gpu.Recorder` that times every dispatch on its own, for
 `bench/train_step.py --profile` (GPU ms per phase and shader family). A benchmark's instrument, so it lives
 here and not in the device layer.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import wgpu
 
-from ddl_wgpu.gpu import Gpu, GpuError, Kernel, Recorder, grid
+from ddl_wgpu.runtime.gpu import Gpu, GpuError, Kernel, Recorder, grid
 
 
 class ProfileRecorder(Recorder):

@@ -87,7 +87,7 @@ def attempt(name: str, device: str | None) -> dict:
     import wgpu
     from wgpu.backends.wgpu_native import _api, ffi, lib
 
-    from ddl_wgpu.gpu import Gpu
+    from ddl_wgpu.runtime.gpu import Gpu
 
     out: dict = {}
     if name == "versions":

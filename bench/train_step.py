@@ -90,9 +90,9 @@ def print_profile(results: list[dict]) -> None:
 
 def bench_engine(gpu, cfg, params, ids, args) -> dict:
     """One engine run."""
-    from ddl_wgpu.net import Net
-    from ddl_wgpu.step import AdamW
-    from ddl_wgpu.trunk import TrunkWork
+    from ddl_wgpu.engine.net import Net
+    from ddl_wgpu.engine.step import AdamW
+    from ddl_wgpu.engine.trunk import TrunkWork
 
     B, T = ids.shape
     t0 = time.perf_counter()

@@ -18,11 +18,11 @@ from pathlib import Path
 from ddl_ref.config import ModelVariant, preset
 from ddl_ref.params import init_params
 from ddl_wgpu.data import ByteTokenizer, eval_windows
-from ddl_wgpu.gpu import Gpu
-from ddl_wgpu.net import Net
-from ddl_wgpu.step import AdamW
-from ddl_wgpu.train import evaluate
-from ddl_wgpu.trunk import TrunkWork
+from ddl_wgpu.engine.net import Net
+from ddl_wgpu.engine.step import AdamW
+from ddl_wgpu.engine.trunk import TrunkWork
+from ddl_wgpu.jobs.train import evaluate
+from ddl_wgpu.runtime.gpu import Gpu
 
 
 def main():

@@ -57,7 +57,7 @@ after a roll-back) gives the logits of `ddl_ref.model.forward` at every position
 verify pass and a roll-back into it, the cache equals a plain decode's bit for bit; the draft rows equal
 `ddl_ref.mtp.draft_forward` (step 1, causal) and the stacked chain (`chain=σ`) row for row.
 
-What this file deliberately does not do: sampling or the speculative loop (`ddl_wgpu.generate`), batches of
+What this file deliberately does not do: sampling or the speculative loop (`ddl_wgpu.jobs.generate`), batches of
 several sequences, or any backward.
 """
 

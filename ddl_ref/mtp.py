@@ -26,8 +26,8 @@ Joint training (`joint_forward`/`joint_backward`, used by `ddl_ref.model.forward
 draft's cross-entropy on x_{p+2} at every anchor p < length − 2, with its input gradient returned for the
 trunk's hidden, the shared embedding and the shared head (DeepSeek-V3 trains them all through the draft).
 
-What this file deliberately does not do: heal (that is `ddl_wgpu.heal`; there the embedding and head are
-frozen and get no gradient), or measure acceptance (that is `ddl_wgpu.accept`).
+What this file deliberately does not do: heal (that is `ddl_wgpu.jobs.heal`; there the embedding and head are
+frozen and get no gradient), or measure acceptance (that is `ddl_wgpu.jobs.accept`).
 
 Shape legend: B batch, T time, C d_model, V vocab, k top-k width.
 """

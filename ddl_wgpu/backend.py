@@ -45,11 +45,11 @@ import numpy as np
 
 from ddl_ref.config import ModelConfig
 from ddl_ref.params import init_params
-from ddl_wgpu.step import AdamW, StepResult
+from ddl_wgpu.engine.step import AdamW, StepResult
 
 if TYPE_CHECKING:
-    from ddl_wgpu.gpu import Gpu
-    from ddl_wgpu.modelfile import Model
+    from ddl_wgpu.files.modelfile import Model
+    from ddl_wgpu.runtime.gpu import Gpu
 
 BACKENDS = ("auto", "wgpu", "ref")
 TRUNK_DTYPES = ("f32", "f16")
@@ -57,7 +57,7 @@ TRUNK_DTYPES = ("f32", "f16")
 _CPU_NAMES = ("llvmpipe", "lavapipe", "swiftshader", "microsoft basic render driver", "warp")
 # Adapter types, best first, among real GPUs.
 _TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2}
-# wgpu's OpenGL backend is a fallback the engine does not use by choice (as `python -m ddl_wgpu.gpu --check`).
+# wgpu's OpenGL backend is a fallback the engine does not use by choice (as `python -m ddl_wgpu.runtime.gpu --check`).
 _GL_BACKENDS = ("OpenGL", "OpenGLES")
 
 
@@ -256,7 +256,7 @@ def choose_backend(requested: str = "auto", device: str | None = None) -> Backen
     if requested != "auto":
         return BackendChoice(requested, f"{requested} requested", None)
     try:
-        from ddl_wgpu import gpu as gpu_mod
+        from ddl_wgpu.runtime import gpu as gpu_mod
     except ImportError as e:  # no wgpu package or no loader: the numpy backend runs anyway
         return BackendChoice("ref", f"wgpu unavailable ({e}): numpy", None)
     choice = device if device not in (None, "") else os.environ.get(gpu_mod.ENV_ADAPTER) or None
@@ -285,7 +285,7 @@ def require_backend(name: str, device: str | None = None, kind: str | None = Non
     if name != "wgpu":
         raise UnknownBackendError(f"unknown backend {name!r}: one of wgpu, ref")
     try:
-        from ddl_wgpu import gpu as gpu_mod
+        from ddl_wgpu.runtime import gpu as gpu_mod
     except ImportError as e:
         raise BackendError(f"wgpu unavailable ({e})") from None
     if device in (None, "") and not os.environ.get(gpu_mod.ENV_ADAPTER) and kind is not None:
@@ -303,7 +303,7 @@ def _resolve(backend: str, device: str | None) -> str:
     a job must not depend on the process's thread settings)."""
     name = choose_backend(backend, device).name
     if name == "ref":
-        from ddl_wgpu.refnet import one_blas_thread
+        from ddl_wgpu.engine.refnet import one_blas_thread
 
         one_blas_thread()
     return name
@@ -317,7 +317,7 @@ _GPU: dict = {}
 
 def open_gpu(device: str | None = None) -> Gpu:
     """The process's device for an adapter choice, opened on first use and shared by every net after."""
-    from ddl_wgpu.gpu import Gpu
+    from ddl_wgpu.runtime.gpu import Gpu
 
     if device not in _GPU:
         _GPU[device] = Gpu(device)
@@ -332,11 +332,11 @@ def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | 
     if params is None:
         params = init_params(cfg, seed)
     if backend == "ref":
-        from ddl_wgpu.refnet import RefNet
+        from ddl_wgpu.engine.refnet import RefNet
 
         return RefNet(cfg, params, mtp_weight=mtp_weight)
-    from ddl_wgpu.net import Net
-    from ddl_wgpu.trunk import TrunkWork
+    from ddl_wgpu.engine.net import Net
+    from ddl_wgpu.engine.trunk import TrunkWork
 
     return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight, work_class=TrunkWork)
 
@@ -358,12 +358,12 @@ def make_teacher(backend: str, model: Model, batch: int = 4, device: str | None 
     backend = _resolve(backend, device)
     check_trunk_dtype(backend, trunk_dtype)
     if backend == "ref":
-        from ddl_wgpu.refnet import RefTeacher
+        from ddl_wgpu.engine.refnet import RefTeacher
 
         return RefTeacher(model.params, model.cfg)
-    from ddl_wgpu.gpu import GpuError, GpuOutOfMemory
-    from ddl_wgpu.heal_gpu import WgpuTeacher
-    from ddl_wgpu.stream import WeightSource
+    from ddl_wgpu.engine.heal_gpu import WgpuTeacher
+    from ddl_wgpu.engine.stream import WeightSource
+    from ddl_wgpu.runtime.gpu import GpuError, GpuOutOfMemory
 
     source = WeightSource(checkpoint=checkpoint) if checkpoint is not None else None
     try:
@@ -383,7 +383,7 @@ def plan_trunk(backend: str, job: str, cfg: ModelConfig, device: str | None, tru
     on the numpy backend."""
     if _resolve(backend, device) != "wgpu":
         return None
-    from ddl_wgpu.heal_gpu import plan_trunk_job
+    from ddl_wgpu.engine.heal_gpu import plan_trunk_job
 
     return plan_trunk_job(open_gpu(device), job, cfg, trunk_dtype, windows, window, batch, gpu_memory, k, rows,
                           draft)  # fmt: skip
@@ -397,10 +397,10 @@ def make_draft(backend: str, model: Model, init: dict | None = None, batch: int 
     `teacher`, the draft reads the trunk's embedding/head instead of holding a copy."""
     backend = _resolve(backend, device)
     if backend == "ref":
-        from ddl_wgpu.refnet import RefDraft
+        from ddl_wgpu.engine.refnet import RefDraft
 
         return RefDraft(model.params, model.cfg, init, kl_form)
-    from ddl_wgpu.heal_gpu import WgpuDraft
+    from ddl_wgpu.engine.heal_gpu import WgpuDraft
 
     return WgpuDraft(open_gpu(device), model.params, model.cfg, init, batch, kl_form, teacher)
 
@@ -425,11 +425,11 @@ def make_engine(backend: str, model: Model, depth: int = 0, device: str | None =
     backend = _resolve(backend, device)
     check_trunk_dtype(backend, trunk_dtype)
     if backend == "ref":
-        from ddl_wgpu.refnet import RefEngine
+        from ddl_wgpu.engine.refnet import RefEngine
 
         return RefEngine(model, depth, capacity)
-    from ddl_wgpu.decode import WgpuEngine
-    from ddl_wgpu.gpu import GpuError
+    from ddl_wgpu.engine.decode import WgpuEngine
+    from ddl_wgpu.runtime.gpu import GpuError
 
     try:
         return WgpuEngine(open_gpu(device), model, depth, trunk_dtype, capacity)

@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from ddl_wgpu.errors import UserError
-from ddl_wgpu.safeio import load_json, open_regular, utf8_text
+from ddl_wgpu.files.safeio import load_json, open_regular, utf8_text
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",

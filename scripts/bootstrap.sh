@@ -40,7 +40,7 @@ if [ ! -f "$stamp" ]; then
 fi
 
 # A real (non-OpenGL) adapter: Vulkan, Metal or DX12.
-has_adapter() { "$VENV/bin/python" -m ddl_wgpu.gpu --check >/dev/null 2>&1; }
+has_adapter() { "$VENV/bin/python" -m ddl_wgpu.runtime.gpu --check >/dev/null 2>&1; }
 if ! has_adapter; then
   if as_root && have_apt; then
     apt_install mesa-vulkan-drivers

@@ -143,7 +143,7 @@ fn gated_delta_forward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workg
 //       reverse cumulative sum within the chunk, [dg, dbeta] into scr's dg part.
 //
 // All sums run in a fixed order (no atomics): the same bits every run. Each kernel's workgroup memory is one
-// vec4 array carved at constant offsets (generated: ddl_wgpu/gdn_plan.py), with the per-token arrays of the
+// vec4 array carved at constant offsets (generated: ddl_wgpu/ops/gdn_plan.py), with the per-token arrays of the
 // gates beside it. scr = [tp | dd | ds | e | dg] at the uniform's offsets (one binding: each kernel may
 // bind 8 storage buffers). A call runs batch rows b0 .. b0 + B - 1 (where one row group's buffers would not
 // fit a binding, the launcher makes several calls): token buffers (qkgb, v, o, delta, do, dqk, dv, dg) are

@@ -1,5 +1,5 @@
 // Shared workgroup reductions, pasted by the loader where a shader has an include line naming this file
-// (ddl_wgpu/gpu.py `shader_source`). The including shader defines `const WG: u32`, its workgroup size (a
+// (ddl_wgpu/runtime/gpu.py `shader_source`). The including shader defines `const WG: u32`, its workgroup size (a
 // power of two), before the include line.
 //
 // Each reduction is a tree of fixed shape in workgroup memory: invocation lid adds lid + stride for

@@ -17,8 +17,8 @@ import pytest
 from helpers import make_model, make_text, perturbed, tiny_cfg
 
 from ddl_ref.config import MtpConfig
-from ddl_wgpu import heal
-from ddl_wgpu.heal import HealConfig
+from ddl_wgpu.jobs import heal
+from ddl_wgpu.jobs.heal import HealConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "pack", "my", "box", "with",
@@ -27,7 +27,7 @@ CORPUS_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", 
 
 @pytest.fixture(scope="session")
 def gpu():
-    from ddl_wgpu.gpu import Gpu  # the GPU layer loads wgpu: only GPU tests pay for it
+    from ddl_wgpu.runtime.gpu import Gpu  # the GPU layer loads wgpu: only GPU tests pay for it
 
     return Gpu()
 

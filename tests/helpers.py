@@ -18,7 +18,7 @@ import numpy as np
 from ddl_ref.check import random_params
 from ddl_ref.config import ModelConfig, ModelVariant, MtpConfig
 from ddl_ref.params import init_params
-from ddl_wgpu.modelfile import Model, save_model
+from ddl_wgpu.files.modelfile import Model, save_model
 
 SHAPES = {
     # byte-level and small enough for every job end to end on lavapipe: files, CLI runs, heal, accept
@@ -158,8 +158,8 @@ def check_speculative_sampling(model: Model, gen, n: int) -> None:
     first rejects the draft chain's own joint by a wide margin (what a rule that always keeps drafts yields),
     so the check can fail."""
     from ddl_ref import model as ref_model
-    from ddl_wgpu.generate import Sampling, distribution
-    from ddl_wgpu.refnet import RefEngine
+    from ddl_wgpu.engine.refnet import RefEngine
+    from ddl_wgpu.jobs.generate import Sampling, distribution
 
     V = model.cfg.vocab_size
     assert V == 3
@@ -196,8 +196,8 @@ def check_draft_step(p: dict, cfg: ModelConfig, batch: int, window: int, chain: 
 
     from ddl_ref import mtp as ref_mtp
     from ddl_wgpu import backend
-    from ddl_wgpu.heal_gpu import WgpuDraft
-    from ddl_wgpu.refnet import RefDraft
+    from ddl_wgpu.engine.heal_gpu import WgpuDraft
+    from ddl_wgpu.engine.refnet import RefDraft
 
     rng = np.random.default_rng(3)
     B, T, k = batch, 2 * window if chain else window, 8
@@ -236,7 +236,7 @@ def check_draft_step(p: dict, cfg: ModelConfig, batch: int, window: int, chain: 
 def check_acceptance_backends(model: Model, windows, mode: str) -> dict:
     """`accept.acceptance` chained 3 deep with every convention probed, on the GPU and on numpy: the same
     report, key for key. -> the numpy report."""
-    from ddl_wgpu import accept
+    from ddl_wgpu.jobs import accept
 
     kw = dict(depth=3, batch=2, probe_conventions=True, chain_attention=mode)
     r = accept.acceptance(model, windows, **kw)

@@ -13,9 +13,9 @@ from ddl_ref.check import assert_fd_grad, check
 from ddl_ref.config import MtpConfig
 from ddl_ref.params import init_params
 from ddl_wgpu.backend import open_gpu
-from ddl_wgpu.heal_gpu import WgpuDraft
+from ddl_wgpu.engine.heal_gpu import WgpuDraft
+from ddl_wgpu.engine.refnet import RefDraft, ref_runner
 from ddl_wgpu.ops.attention import attention_masked_backward, attention_masked_forward
-from ddl_wgpu.refnet import RefDraft, ref_runner
 
 
 def test_chain_mask_and_positions():
@@ -140,8 +140,8 @@ def test_runtime_draft_step_matches_refdraft(gpu, qk, heal_kit):
 def test_runtime_heal_both_backends(gpu, tmp_path, heal_kit):
     from dataclasses import replace
 
-    from ddl_wgpu import heal
-    from ddl_wgpu.modelfile import load_model
+    from ddl_wgpu.files.modelfile import load_model
+    from ddl_wgpu.jobs import heal
 
     h = heal_kit
     model = h.make_model(tmp_path / "m.ddlw", cfg=h.tiny_cfg(mtp=MtpConfig(chain_hidden="post_norm")))
@@ -169,7 +169,7 @@ def test_runtime_heal_both_backends(gpu, tmp_path, heal_kit):
 
 
 def test_chain_attention_config():
-    from ddl_wgpu import heal
+    from ddl_wgpu.jobs import heal
 
     assert heal.HealConfig().chain_attention is None  # the draft's layout's (tests/test_served_draft.py)
     with pytest.raises(heal.HealError, match="chain attention"):
@@ -200,8 +200,8 @@ def _incremental_runtime_preds(params, cfg, tb, depth: int, b: int, p: int) -> l
 
 
 def test_runtime_acceptance_is_the_incremental_runtime(tmp_path, heal_kit):
-    from ddl_wgpu import accept
-    from ddl_wgpu.modelfile import load_model
+    from ddl_wgpu.files.modelfile import load_model
+    from ddl_wgpu.jobs import accept
 
     h = heal_kit
     conv = MtpConfig(trunk_hidden="post_norm", chain_hidden="pre_norm")
@@ -223,8 +223,8 @@ def test_runtime_acceptance_is_the_incremental_runtime(tmp_path, heal_kit):
 
 
 def test_runtime_acceptance_gpu_matches_reference(gpu, tmp_path, heal_kit):
-    from ddl_wgpu import accept
-    from ddl_wgpu.modelfile import load_model
+    from ddl_wgpu.files.modelfile import load_model
+    from ddl_wgpu.jobs import accept
 
     h = heal_kit
     conv = MtpConfig(concat="emb_first", trunk_hidden="pre_norm", chain_hidden="post_norm")
@@ -245,7 +245,7 @@ def test_runtime_acceptance_gpu_matches_reference(gpu, tmp_path, heal_kit):
 
 @pytest.mark.parametrize("backend", ["ref", "wgpu"])
 def test_runtime_acceptance_depth_one_is_seed(backend, tmp_path, heal_kit):
-    from ddl_wgpu import accept
+    from ddl_wgpu.jobs import accept
 
     h = heal_kit
     model = h.make_model(tmp_path / "m.ddlw", seed=1)

@@ -15,9 +15,9 @@ from ddl_ref import model as rm
 from ddl_ref.check import check
 from ddl_ref.optim import adamw_step, clip_multipliers, global_grad_norm, tensor_grad_norms
 from ddl_ref.params import init_params
+from ddl_wgpu.engine.refnet import RefNet
+from ddl_wgpu.engine.step import AdamW, draft_adamw
 from ddl_wgpu.ops import reduce as k_red
-from ddl_wgpu.refnet import RefNet
-from ddl_wgpu.step import AdamW, draft_adamw
 
 B, T = 2, 9
 LENGTHS = np.array([9, 6])
@@ -118,8 +118,8 @@ def test_ddl_step_one_clips_each_tensor_by_its_own_norm(gpu, backend):
     assert global_grad_norm(grads) > CLIP and 0 < len(big) < len(grads) // 4
     for mode in ("per-tensor", "global"):
         if backend == "wgpu":
-            from ddl_wgpu.net import Net
-            from ddl_wgpu.trunk import TrunkWork
+            from ddl_wgpu.engine.net import Net
+            from ddl_wgpu.engine.trunk import TrunkWork
 
             net = Net(gpu, cfg, p0, work_class=TrunkWork)
         else:
@@ -138,8 +138,8 @@ def test_ddl_step_one_clips_each_tensor_by_its_own_norm(gpu, backend):
 
 
 def test_per_tensor_steps_follow_reference_and_are_bit_identical(gpu):
-    from ddl_wgpu.net import Net
-    from ddl_wgpu.trunk import TrunkWork
+    from ddl_wgpu.engine.net import Net
+    from ddl_wgpu.engine.trunk import TrunkWork
 
     cfg = tiny_cfg("ddl", "ddl")
     p0 = init_params(cfg, 5)
@@ -175,7 +175,7 @@ def test_heal_draft_clips_globally_as_the_reference_heal_tool():
 
 def _train_setup(tmp_path):
     from ddl_wgpu.data import ByteTokenizer, load_datasets
-    from ddl_wgpu.train import TrainingConfig
+    from ddl_wgpu.jobs.train import TrainingConfig
 
     words = [
         "the",
@@ -208,7 +208,7 @@ def _train_setup(tmp_path):
 
 
 def test_training_config_defaults_to_per_tensor_and_validates_the_mode():
-    from ddl_wgpu.train import TrainingConfig, TrainingError
+    from ddl_wgpu.jobs.train import TrainingConfig, TrainingError
 
     assert TrainingConfig().grad_clip_mode == "per-tensor"
     TrainingConfig(grad_clip_mode="global").validate()
@@ -222,8 +222,8 @@ def test_a_checkpoint_without_the_mode_resumes_global_bit_for_bit(tmp_path):
     from dataclasses import replace
 
     from ddl_ref.config import ModelVariant as MV
-    from ddl_wgpu.container import open_checkpoint, save
-    from ddl_wgpu.train import RunOptions, load_checkpoint, resume, train_variant
+    from ddl_wgpu.files.container import open_checkpoint, save
+    from ddl_wgpu.jobs.train import RunOptions, load_checkpoint, resume, train_variant
 
     (trn, val), cfg, tcfg = _train_setup(tmp_path)
     base = MV("baseline")

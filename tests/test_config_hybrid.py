@@ -93,7 +93,7 @@ def test_hybrid_param_table_follows_the_layer_types():
 def test_select_layers_and_param_count_follow_the_layer_types():
     from ddl_ref.config import select_layers
     from ddl_ref.params import num_params
-    from ddl_wgpu.modelfile import param_count
+    from ddl_wgpu.files.modelfile import param_count
 
     cfg = apply_arch(preset("tiny", n_layers=6, mtp=MtpConfig()), "qwen3_5")
     assert cfg.layer_types.count("full_attention") == 1  # the two kinds differ in size
@@ -105,8 +105,8 @@ def test_select_layers_and_param_count_follow_the_layer_types():
 
 
 def test_drop_layers_keeps_a_hybrid_blocks_types_and_tensors():
-    from ddl_wgpu.compress import drop_layers
-    from ddl_wgpu.modelfile import Model
+    from ddl_wgpu.files.modelfile import Model
+    from ddl_wgpu.jobs.compress import drop_layers
 
     cfg = apply_arch(preset("tiny", n_layers=4), "qwen3_5")
     model = Model(cfg=cfg, params=init_params(cfg, 0))

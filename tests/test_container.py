@@ -17,10 +17,10 @@ from helpers import tiny_cfg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddl_wgpu import container as C
-from ddl_wgpu import container_format as CF
-from ddl_wgpu import container_read as CR
-from ddl_wgpu.container import CheckpointError, Writer, bf16_to_f32, f32_to_bf16, open_checkpoint, save
+from ddl_wgpu.files import container as C
+from ddl_wgpu.files import container_format as CF
+from ddl_wgpu.files import container_read as CR
+from ddl_wgpu.files.container import CheckpointError, Writer, bf16_to_f32, f32_to_bf16, open_checkpoint, save
 
 # ------------------------------------------------------------------------------------------------ helpers
 
@@ -872,7 +872,7 @@ def test_no_pickle_anywhere():
         src = Path(module.__file__).read_text()
         assert "pickle" not in src.replace("No pickle", "").replace("no pickle", "")
         assert "allow_pickle" not in src
-    assert sys.modules.get("ddl_wgpu.container") is C
+    assert sys.modules.get("ddl_wgpu.files.container") is C
 
 
 # ------------------------------------------------------------------- verification while reading (issue 14.4)
@@ -1020,7 +1020,7 @@ def _model_file(path, cfg=None, config=None, extra=(), cast=None, metadata=None)
 def test_param_count_and_estimate_bytes_are_closed_forms():
     from ddl_ref.config import MtpConfig
     from ddl_ref.params import param_table
-    from ddl_wgpu.modelfile import estimate_bytes, param_count
+    from ddl_wgpu.files.modelfile import estimate_bytes, param_count
 
     for cfg in (
         tiny_cfg(vocab_size=64),
@@ -1050,7 +1050,7 @@ def test_param_count_and_estimate_bytes_are_closed_forms():
 def test_an_absurd_config_is_refused_before_any_allocation(tmp_path, override):
     import time
 
-    from ddl_wgpu.modelfile import load_model
+    from ddl_wgpu.files.modelfile import load_model
 
     cfg = tiny_cfg(vocab_size=64).to_dict() | override
     p = _model_file(tmp_path / "m.ddlw", config=cfg)
@@ -1064,7 +1064,7 @@ def test_an_absurd_config_is_refused_before_any_allocation(tmp_path, override):
 
 def test_check_fits_names_the_memory_it_needs_and_has(monkeypatch):
     from ddl_ref.config import ConfigError
-    from ddl_wgpu import modelfile
+    from ddl_wgpu.files import modelfile
 
     cfg = tiny_cfg(vocab_size=64)
     need = modelfile.estimate_bytes(cfg, training=True)
@@ -1077,7 +1077,7 @@ def test_check_fits_names_the_memory_it_needs_and_has(monkeypatch):
 
 
 def test_config_is_checked_against_the_tensors(tmp_path):
-    from ddl_wgpu.modelfile import load_config, load_model, read_params
+    from ddl_wgpu.files.modelfile import load_config, load_model, read_params
 
     cfg = tiny_cfg(vocab_size=64)
     big_vocab = cfg.to_dict() | {"vocab_size": 1000}
@@ -1113,7 +1113,7 @@ def test_config_is_checked_against_the_tensors(tmp_path):
 
 
 def test_integer_tensors_where_parameters_are_expected_are_refused(tmp_path):
-    from ddl_wgpu.modelfile import load_model
+    from ddl_wgpu.files.modelfile import load_model
 
     for dtype in (np.int32, np.uint32):
         p = _model_file(tmp_path / "i.ddlw", cast=("model.norm.weight", dtype))
@@ -1125,7 +1125,7 @@ def test_integer_tensors_where_parameters_are_expected_are_refused(tmp_path):
 
 
 def test_token_ids_must_lie_in_the_vocabulary(tmp_path):
-    from ddl_wgpu.modelfile import load_model
+    from ddl_wgpu.files.modelfile import load_model
 
     p = _model_file(tmp_path / "t.ddlw", metadata={"hf.eos_token_id": 64})
     with pytest.raises(CheckpointError, match=r"hf\.eos_token_id = 64 is not a token id .*vocab_size 64"):
@@ -1133,7 +1133,7 @@ def test_token_ids_must_lie_in_the_vocabulary(tmp_path):
 
 
 def test_extra_tensors_are_not_read_and_corrupt_ones_do_not_matter(tmp_path):
-    from ddl_wgpu.modelfile import load_model
+    from ddl_wgpu.files.modelfile import load_model
 
     extra = [("unused.big", np.zeros(1 << 21, np.float32))]  # 8 MiB
     p = _model_file(tmp_path / "x.ddlw", extra=extra)
@@ -1166,7 +1166,7 @@ HOSTILE_JSON = [
 
 @pytest.mark.parametrize("raw, pattern", HOSTILE_JSON)
 def test_load_json_turns_hostile_json_into_one_error(raw, pattern):
-    from ddl_wgpu.safeio import load_json
+    from ddl_wgpu.files.safeio import load_json
 
     with pytest.raises(KeyError, match=rf"^.src: .*{pattern}") as ei:
         load_json(raw, "src", KeyError)

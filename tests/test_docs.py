@@ -213,13 +213,16 @@ def test_slug_and_resolve_catch_a_bad_anchor():
 # where each kind of file is listed: one listing per kind, so that a new file has exactly one place to go and a
 # merge that adds a module without its line fails here, saying where the line goes
 #
-#   ddl_ref/*.py, ddl_wgpu/*.py        README.md, "## How the code is laid out": a row each, `path` first
-#   top-level folders                  the same table: a row each, `folder/` first
-#   scripts/*.sh                       the same table, the `scripts/` row: each script named in backticks
-#   ddl_wgpu/ops/*.py, shaders/*.wgsl  docs/kernels.md, "## The families": a row per family (below)
-#   bench/*.py, bench/*.sh             docs/benchmarks.md, "## The scripts": each as `bench/NAME`
+#   top-level folders, the package's    README.md, "## How the code is laid out": a row each, `folder/` first (the
+#   layer folders and top modules        package's three top-level modules as `ddl_wgpu/NAME.py`)
+#   scripts/*.sh                         the same table, the `scripts/` row: each script named in backticks
+#   ddl_ref/*.py, ddl_wgpu/**/*.py       docs/architecture.md, "## The modules": a row each, `path` first
+#   ddl_wgpu/ops/<family>.py, shaders/   docs/kernels.md, "## The families": a row per family (below); the other
+#                                        modules of ops/ (code generators) are in the modules table
+#   bench/*.py, bench/*.sh               docs/benchmarks.md, "## The scripts": each as `bench/NAME`
 
 LAYOUT_SECTION = ("README.md", "## How the code is laid out")
+MODULES_SECTION = ("docs/architecture.md", "## The modules")
 BENCH_SECTION = ("docs/benchmarks.md", "## The scripts")
 
 
@@ -232,49 +235,67 @@ def section(doc: str, heading: str) -> str:
     return text[start : end if end >= 0 else len(text)]
 
 
-def layout_rows() -> list[str]:
-    return [line for line in section(*LAYOUT_SECTION).splitlines() if line.startswith("| `")]
+def layout_rows(where: tuple[str, str] = LAYOUT_SECTION) -> list[str]:
+    return [line for line in section(*where).splitlines() if line.startswith("| `")]
 
 
-def layout_firsts() -> list[str]:
-    return [re.match(r"\| `([^`]+)`", r).group(1) for r in layout_rows()]
+def layout_firsts(where: tuple[str, str] = LAYOUT_SECTION) -> list[str]:
+    return [re.match(r"\| `([^`]+)`", r).group(1) for r in layout_rows(where)]
+
+
+def is_family(path: Path) -> bool:
+    """A launcher module of ops/ with its shader: docs/kernels.md lists it, not the modules table."""
+    return path.parent.name == "ops" and (ROOT / "shaders" / f"{path.stem}.wgsl").is_file()
 
 
 def package_modules() -> list[str]:
-    return [f"{pkg}/{p.name}" for pkg in ("ddl_ref", "ddl_wgpu")
-            for p in sorted((ROOT / pkg).glob("*.py")) if p.name != "__init__.py"]  # fmt: skip
+    return [p.relative_to(ROOT).as_posix() for pkg in ("ddl_ref", "ddl_wgpu")
+            for p in sorted((ROOT / pkg).rglob("*.py"))
+            if p.name not in ("__init__.py", "__main__.py") and not is_family(p)]  # fmt: skip
 
 
-def unlisted(modules: list[str], firsts: list[str]) -> list[str]:
-    """What is wrong with the layout table's first cells `firsts` against the tree's `modules` and folders."""
-    where = f'{LAYOUT_SECTION[0]}, the table under "{LAYOUT_SECTION[1]}"'
+def package_folders() -> list[str]:
+    """The top-level folders, the package's layer folders and its top-level modules: the README's rows."""
+    top = {n.split("/")[0] + "/" for n in tracked_files() if "/" in n and not n.startswith(".")}
+    layers = {p.parent.relative_to(ROOT).as_posix() + "/" for p in (ROOT / "ddl_wgpu").rglob("__init__.py")}
+    tops = {f"ddl_wgpu/{p.name}" for p in (ROOT / "ddl_wgpu").glob("*.py") if p.name != "__init__.py"}
+    return sorted(top | layers | tops)
+
+
+def unlisted(wanted: list[str], firsts: list[str], where: tuple[str, str]) -> list[str]:
+    """What is wrong with a table's first cells `firsts` against the `wanted` paths of the tree."""
+    place = f'{where[0]}, the table under "{where[1]}"'
     bad = []
-    for mod in modules:
-        n = firsts.count(mod)
+    listed = [f.rstrip("/") for f in firsts]
+    for path in wanted:
+        n = listed.count(path.rstrip("/"))
         if n == 0:
-            bad.append(f"{mod} is not listed: add the row | `{mod}` | its one concern | to {where}")
+            bad.append(f"{path} is not listed: add the row | `{path}` | its one concern | to {place}")
         elif n > 1:
-            bad.append(f"{mod} has {n} rows in {where} (want 1)")
-    folders = {n.split("/")[0] for n in tracked_files() if "/" in n and not n.startswith(".")}
-    listed = {f.rstrip("/") for f in firsts}
-    bad += [f"folder {d}/ has no row: add the row | `{d}/` | what it holds | to {where}"
-            for d in sorted(folders - listed)]  # fmt: skip
+            bad.append(f"{path} has {n} rows in {place} (want 1)")
     return bad
 
 
-def test_readme_layout_names_every_module():
-    bad = unlisted(package_modules(), layout_firsts())
+def test_architecture_names_every_module():
+    bad = unlisted(package_modules(), layout_firsts(MODULES_SECTION), MODULES_SECTION)
+    assert not bad, "\n".join(bad)
+
+
+def test_readme_layout_names_every_folder():
+    bad = unlisted(package_folders(), layout_firsts(), LAYOUT_SECTION)
     assert not bad, "\n".join(bad)
 
 
 def test_a_new_module_fails_the_listing_loudly():
     """A merge that brings a module without its row fails with the row to add and where (a stand-in
-    `ddl_wgpu/stream_new.py` beside the tree's modules)."""
-    bad = unlisted([*package_modules(), "ddl_wgpu/stream_new.py"], layout_firsts())
+    `ddl_wgpu/engine/stream_new.py` beside the tree's modules)."""
+    mods = [*package_modules(), "ddl_wgpu/engine/stream_new.py"]
+    bad = unlisted(mods, layout_firsts(MODULES_SECTION), MODULES_SECTION)
     assert bad == [
-        "ddl_wgpu/stream_new.py is not listed: add the row | `ddl_wgpu/stream_new.py` | its one concern | to "
-        'README.md, the table under "## How the code is laid out"'
+        "ddl_wgpu/engine/stream_new.py is not listed: add the row | `ddl_wgpu/engine/stream_new.py` | its one "
+        'concern | to docs/architecture.md, the table under "## The modules"'
     ]
+    assert "ddl_wgpu/engine/" in package_folders() and "ddl_wgpu/files/hf/" in package_folders()
 
 
 def test_readme_reads_in_ten_minutes():
@@ -290,8 +311,9 @@ def test_readme_reads_in_ten_minutes():
 
 def test_readme_layout_names_only_what_exists():
     bad = [
-        f"{LAYOUT_SECTION[0]} lists {f}, which is not in the tree"
-        for f in layout_firsts()
+        f"{where[0]} lists {f}, which is not in the tree"
+        for where in (LAYOUT_SECTION, MODULES_SECTION)
+        for f in layout_firsts(where)
         if not (ROOT / f).exists()
     ]
     assert not bad, "\n".join(bad)
@@ -326,16 +348,19 @@ def test_every_bench_script_is_listed():
 # the pages that map the code: a module, a file or a `module.name` they mention must exist
 CODE_MAPS = ("README.md", "docs/architecture.md", "docs/kernels.md", "docs/commands.md", "docs/sweeps.md")
 _FILE_NAME = re.compile(r"`([\w-]+\.(?:py|wgsl|sh))`")
-_DOTTED = re.compile(r"`((?:ddl_wgpu\.|ddl_ref\.)?(?:ops\.)?(\w+))\.(\w+)(?:\(\))?`")
+_LAYERS = r"(?:(?:cli|jobs|engine|ops|runtime|files|hf)\.)*"
+_DOTTED = re.compile(r"`((?:ddl_wgpu\.|ddl_ref\.)?" + _LAYERS + r"(\w+))\.(\w+)(?:\(\))?`")
 
 
 def code_modules() -> dict[str, list[str]]:
-    """Each module's short name -> its dotted names (`decode` is one of ddl_ref, ddl_wgpu and ddl_wgpu.ops)."""
+    """Each module's short name -> its dotted names (`decode` is one of ddl_ref.decode, ddl_wgpu.engine.decode
+    and ddl_wgpu.ops.decode)."""
     found: dict[str, list[str]] = {}
-    for pkg in ("ddl_ref", "ddl_wgpu", "ddl_wgpu/ops"):
-        for p in sorted((ROOT / pkg).glob("*.py")):
-            if p.name != "__init__.py":
-                found.setdefault(p.stem, []).append(f"{pkg.replace('/', '.')}.{p.stem}")
+    for pkg in ("ddl_ref", "ddl_wgpu"):
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            if p.name not in ("__init__.py", "__main__.py"):
+                dotted = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+                found.setdefault(p.stem, []).append(dotted)
     return found
 
 
@@ -344,7 +369,7 @@ def test_code_maps_name_what_exists():
     of the packages' (`cli_jobs.train`, `run.drive`) names something that module defines. What caught
     `cli.train` after it moved to `cli_jobs.train`."""
     files = {p.name for p in ROOT.glob("*/*") if p.suffix in (".py", ".wgsl", ".sh")}
-    files |= {p.name for p in (ROOT / "ddl_wgpu/ops").glob("*.py")}
+    files |= {p.name for p in (ROOT / "ddl_wgpu").rglob("*.py")}
     modules, bad, checked = code_modules(), [], 0
     for doc in CODE_MAPS:
         for line in prose_lines((ROOT / doc).read_text(encoding="utf-8")):
@@ -439,7 +464,7 @@ def test_kernel_catalogue_covers_every_shader_and_launcher():
             f"{fam}: entry point {e} not in the catalogue" for e in sorted(entry_points(fam) - documented)
         ]
     for mod in sorted((ROOT / "ddl_wgpu/ops").glob("*.py")):
-        if mod.name != "__init__.py" and mod.stem not in rows:
+        if is_family(mod) and mod.stem not in rows:
             bad.append(f"ddl_wgpu/ops/{mod.name} has no catalogue row")
     assert not bad, "\n".join(bad)
 
@@ -483,7 +508,7 @@ def test_generated_wgsl_list_matches_the_shaders():
 
 
 def test_prelude_includers_and_trusted_files_match_the_code():
-    from ddl_wgpu.shader_files import TRUSTED_FILES
+    from ddl_wgpu.runtime.shader_files import TRUSTED_FILES
 
     text = section("docs/kernels.md", "## Shared WGSL helpers")
     m = re.search(r"\{\{include prelude_reduce\.wgsl\}\}`\s+\((.*?) do\)", text, re.S)

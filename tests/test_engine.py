@@ -10,9 +10,9 @@ from ddl_ref import model as rm
 from ddl_ref.check import check
 from ddl_ref.optim import adamw_step, clip_multiplier, global_grad_norm
 from ddl_ref.params import init_params
-from ddl_wgpu.net import Net
-from ddl_wgpu.step import AdamW
-from ddl_wgpu.trunk import TrunkWork
+from ddl_wgpu.engine.net import Net
+from ddl_wgpu.engine.step import AdamW
+from ddl_wgpu.engine.trunk import TrunkWork
 
 B, T = 3, 11
 LENGTHS = np.array([11, 7, 1])  # a full row, a padded row, a row that predicts nothing
@@ -148,7 +148,7 @@ def test_lm_head_chunks_compose(gpu):
 
 
 def test_bad_batch_shape_and_token_are_errors(gpu):
-    from ddl_wgpu.gpu import GpuError
+    from ddl_wgpu.runtime.gpu import GpuError
 
     cfg = tiny_cfg("engine")
     with pytest.raises(GpuError, match="without a work class"):

@@ -11,7 +11,7 @@ import pytest
 
 from ddl_ref.params import init_params
 from ddl_wgpu import backend
-from ddl_wgpu.modelfile import Model
+from ddl_wgpu.files.modelfile import Model
 
 
 def info(device, adapter_type="DiscreteGPU", backend_type="Vulkan", vendor="", description=""):
@@ -76,7 +76,9 @@ def test_this_machine_lavapipe_chooses_numpy_and_forcing_works():
     assert issubclass(backend.UnknownBackendError, ValueError)
 
 
-@pytest.mark.parametrize("module", ["ddl_wgpu", "ddl_wgpu.refnet", "ddl_wgpu.backend", "ddl_wgpu.step"])
+@pytest.mark.parametrize(
+    "module", ["ddl_wgpu", "ddl_wgpu.engine.refnet", "ddl_wgpu.backend", "ddl_wgpu.engine.step"]
+)
 def test_numpy_backend_imports_no_wgpu(module):
     code = f"import sys, {module}; assert 'wgpu' not in sys.modules, [m for m in sys.modules if 'wgpu' in m]"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -85,7 +87,7 @@ def test_numpy_backend_imports_no_wgpu(module):
 
 def test_the_net_imports_no_work():
     """net.py (the GPU state) sits below the works: importing it loads neither trunk.py nor inference.py."""
-    code = "import sys, ddl_wgpu.net; assert not {'ddl_wgpu.trunk', 'ddl_wgpu.inference'} & set(sys.modules)"
+    code = "import sys, ddl_wgpu.engine.net; assert not {'ddl_wgpu.engine.trunk', 'ddl_wgpu.engine.inference'} & set(sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 

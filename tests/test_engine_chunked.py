@@ -15,14 +15,14 @@ from ddl_ref import mtp as ref_mtp
 from ddl_ref.check import check
 from ddl_ref.config import MtpConfig
 from ddl_ref.params import init_params
-from ddl_wgpu.draft import DraftWork
-from ddl_wgpu.gpu import Gpu, GpuError
-from ddl_wgpu.layout import EMBED
-from ddl_wgpu.net import Net
+from ddl_wgpu.engine.draft import DraftWork
+from ddl_wgpu.engine.layout import EMBED
+from ddl_wgpu.engine.net import Net
+from ddl_wgpu.engine.step import AdamW
+from ddl_wgpu.engine.trunk import TrunkWork
 from ddl_wgpu.ops import elementwise as k_ew
 from ddl_wgpu.ops import embedding as k_emb
-from ddl_wgpu.step import AdamW
-from ddl_wgpu.trunk import TrunkWork
+from ddl_wgpu.runtime.gpu import Gpu, GpuError
 
 B, T = 2, 8
 LENGTHS = np.array([8, 5])

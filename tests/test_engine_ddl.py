@@ -10,10 +10,10 @@ from ddl_ref.check import check
 from ddl_ref.config import ModelVariant
 from ddl_ref.params import init_params
 from ddl_ref.spectral import LAYER_KEYS
-from ddl_wgpu.net import Net
-from ddl_wgpu.refnet import RefNet
-from ddl_wgpu.step import AdamW
-from ddl_wgpu.trunk import TrunkWork
+from ddl_wgpu.engine.net import Net
+from ddl_wgpu.engine.refnet import RefNet
+from ddl_wgpu.engine.step import AdamW
+from ddl_wgpu.engine.trunk import TrunkWork
 
 B, T = 2, 9
 LENGTHS = np.array([9, 5])

@@ -16,14 +16,14 @@ import pytest
 from helpers import tiny_cfg
 
 from ddl_ref.params import init_params
-from ddl_wgpu.gpu import Gpu, GpuError
-from ddl_wgpu.inference import InferenceWork
-from ddl_wgpu.layout import ALIGN, F16_SUFFIXES, is_f16_matrix
-from ddl_wgpu.net import Net
+from ddl_wgpu.engine.inference import InferenceWork
+from ddl_wgpu.engine.layout import ALIGN, F16_SUFFIXES, is_f16_matrix
+from ddl_wgpu.engine.net import Net
+from ddl_wgpu.engine.step import AdamW
+from ddl_wgpu.engine.trunk import TrunkWork
 from ddl_wgpu.ops import embedding as k_emb
 from ddl_wgpu.ops import matmul as k_mm
-from ddl_wgpu.step import AdamW
-from ddl_wgpu.trunk import TrunkWork
+from ddl_wgpu.runtime.gpu import Gpu, GpuError
 
 B, T = 2, 8
 V, C = 300, 32

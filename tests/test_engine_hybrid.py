@@ -15,10 +15,10 @@ from helpers import check_grads, hybrid_cfg
 from ddl_ref import model as rm
 from ddl_ref.check import check, random_params
 from ddl_ref.config import MtpConfig
-from ddl_wgpu.inference import InferenceWork
-from ddl_wgpu.net import Net
+from ddl_wgpu.engine.inference import InferenceWork
+from ddl_wgpu.engine.net import Net
+from ddl_wgpu.engine.trunk import TrunkWork
 from ddl_wgpu.ops import gated_delta as k_gd
-from ddl_wgpu.trunk import TrunkWork
 
 B, T = 2, 9
 LENGTHS = np.array([9, 6])

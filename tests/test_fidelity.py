@@ -14,14 +14,14 @@ from helpers import cli_sizes, tiny_cfg
 
 from ddl_ref.config import ModelVariant
 from ddl_ref.params import init_params
-from ddl_wgpu import accept, compress, heal, heal_files
-from ddl_wgpu import train as T
 from ddl_wgpu.backend import make_net
-from ddl_wgpu.container import open_checkpoint, save
 from ddl_wgpu.data import ByteTokenizer, load_datasets
-from ddl_wgpu.hf import export_raw, import_hf
-from ddl_wgpu.modelfile import Model, load_model
-from ddl_wgpu.refnet import RefWork
+from ddl_wgpu.engine.refnet import RefWork
+from ddl_wgpu.files.container import open_checkpoint, save
+from ddl_wgpu.files.hf.convert import export_raw, import_hf
+from ddl_wgpu.files.modelfile import Model, load_model
+from ddl_wgpu.jobs import accept, compress, heal, heal_files
+from ddl_wgpu.jobs import train as T
 
 
 def test_on_policy_acceptance_is_measured_on_one_anchor_set():

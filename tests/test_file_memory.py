@@ -18,8 +18,8 @@ import pytest
 
 from ddl_ref.config import ARCH_MTP, ModelConfig, apply_arch
 from ddl_ref.params import param_table
-from ddl_wgpu.lazy import from_array
-from ddl_wgpu.modelfile import LazyModel, write_model
+from ddl_wgpu.files.lazy import from_array
+from ddl_wgpu.files.modelfile import LazyModel, write_model
 
 REPO = Path(__file__).resolve().parents[1]
 BOUND = 150 << 20  # the interpreter with numpy and the CLI takes about 60 MB; the pieces a few MB each

@@ -1,4 +1,4 @@
-"""Tests of incremental decoding (`ddl_ref.decode`) and generation (`ddl_wgpu.generate`) on the numpy backend.
+"""Tests of incremental decoding (`ddl_ref.decode`) and generation (`ddl_wgpu.jobs.generate`) on the numpy backend.
 
 The cache: for all six variants, with and without a draft, the trunk fed in pieces (prompt, single tokens,
 rows again after a roll-back) gives a full forward's logits at every position; the draft's cached rows give
@@ -22,11 +22,11 @@ from ddl_ref import decode, mtp
 from ddl_ref import model as ref_model
 from ddl_ref.check import random_params
 from ddl_ref.config import ModelVariant, MtpConfig
-from ddl_wgpu import accept
 from ddl_wgpu.data import ByteTokenizer
-from ddl_wgpu.generate import GenerateError, Sampling, TextStream, distribution, generate, run
-from ddl_wgpu.modelfile import save_model
-from ddl_wgpu.refnet import RefEngine, ref_runner
+from ddl_wgpu.engine.refnet import RefEngine, ref_runner
+from ddl_wgpu.files.modelfile import save_model
+from ddl_wgpu.jobs import accept
+from ddl_wgpu.jobs.generate import GenerateError, Sampling, TextStream, distribution, generate, run
 
 VARIANTS = list(ModelVariant)
 

@@ -1,4 +1,4 @@
-"""The GPU decoding engine (`ddl_wgpu.decode.WgpuEngine`) on the test adapter (lavapipe here) against the
+"""The GPU decoding engine (`ddl_wgpu.engine.decode.WgpuEngine`) on the test adapter (lavapipe here) against the
 numpy reference: logits of a prompt, single tokens and rows after a roll-back equal a full forward's for all
 six variants; greedy generation equals the numpy engine's, with and without speculation; the draft's
 proposals equal the numpy engine's; seeded sampling is reproducible.
@@ -14,9 +14,9 @@ from ddl_ref import model as ref_model
 from ddl_ref.check import check
 from ddl_ref.config import ModelVariant, MtpConfig
 from ddl_wgpu.data import ByteTokenizer
-from ddl_wgpu.decode import WgpuEngine
-from ddl_wgpu.generate import Sampling, run
-from ddl_wgpu.refnet import RefEngine
+from ddl_wgpu.engine.decode import WgpuEngine
+from ddl_wgpu.engine.refnet import RefEngine
+from ddl_wgpu.jobs.generate import Sampling, run
 
 VARIANTS = list(ModelVariant)
 

@@ -1,4 +1,4 @@
-"""The GPU decoding engine (`ddl_wgpu.decode.WgpuEngine`) on hybrid (Qwen3.5) trunks, on the test adapter:
+"""The GPU decoding engine (`ddl_wgpu.engine.decode.WgpuEngine`) on hybrid (Qwen3.5) trunks, on the test adapter:
 Gated DeltaNet layers (their conv window and recurrent state in the cache) mixed with gated full attention and
 partial RoPE, offset norms, pre-RoPE q/k norm. Logits equal a float64 full forward's at every position, fed
 in pieces (a prompt, single tokens, rows after a roll-back to a short pass's start and inside it, to a long
@@ -23,13 +23,13 @@ from helpers import hybrid_cfg, random_model
 from ddl_ref import model as ref_model
 from ddl_ref.check import check
 from ddl_ref.config import MtpConfig
-from ddl_wgpu import accept
 from ddl_wgpu.data import ByteTokenizer
-from ddl_wgpu.decode import WgpuEngine
-from ddl_wgpu.generate import Sampling, run
-from ddl_wgpu.gpu import GpuError
-from ddl_wgpu.layout import is_f16_matrix
-from ddl_wgpu.refnet import ref_runner
+from ddl_wgpu.engine.decode import WgpuEngine
+from ddl_wgpu.engine.layout import is_f16_matrix
+from ddl_wgpu.engine.refnet import ref_runner
+from ddl_wgpu.jobs import accept
+from ddl_wgpu.jobs.generate import Sampling, run
+from ddl_wgpu.runtime.gpu import GpuError
 
 SHAPE = dict(rotary_dim=4, linear_k_dim=6, linear_v_dim=5, linear_conv_kernel=4)  # the docstring's shapes
 GDN_LAYERS = (0, 2)

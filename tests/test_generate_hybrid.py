@@ -1,5 +1,5 @@
 """Tests of incremental and speculative decoding of hybrid trunks (Gated DeltaNet + gated full attention) on
-the numpy backend (`ddl_ref.decode`, `ddl_wgpu.refnet.RefEngine`, `ddl_wgpu.generate.run`).
+the numpy backend (`ddl_ref.decode`, `ddl_wgpu.engine.refnet.RefEngine`, `ddl_wgpu.jobs.generate.run`).
 
 The cache fed in pieces (prompt, single tokens, rows after a roll-back inside the last pass) gives a full
 forward's logits at every position; a verify pass rolled back to its accepted rows leaves, bit for bit, the
@@ -18,8 +18,8 @@ from ddl_ref import model as ref_model
 from ddl_ref.check import random_params
 from ddl_ref.config import ModelVariant, MtpConfig
 from ddl_wgpu.data import ByteTokenizer
-from ddl_wgpu.generate import Sampling, run
-from ddl_wgpu.refnet import RefEngine
+from ddl_wgpu.engine.refnet import RefEngine
+from ddl_wgpu.jobs.generate import Sampling, run
 
 VARIANTS = list(ModelVariant)
 

@@ -7,11 +7,11 @@ import struct
 import numpy as np
 import pytest
 
-from ddl_wgpu import gpu as G
-from ddl_wgpu import readback as RB
-from ddl_wgpu import selftest as st
-from ddl_wgpu import shader_files as SF
-from ddl_wgpu.selftest import selftest
+from ddl_wgpu.runtime import gpu as G
+from ddl_wgpu.runtime import readback as RB
+from ddl_wgpu.runtime import selftest as st
+from ddl_wgpu.runtime import shader_files as SF
+from ddl_wgpu.runtime.selftest import selftest
 
 
 @pytest.mark.parametrize(
@@ -220,7 +220,7 @@ def test_write_fields_rewrites_one_field_in_place(gpu):
 
 def test_every_shader_uniform_comes_from_a_description():
     """No hand-written uniform struct is left in shaders/: each `var<uniform>` type is a `{{struct NAME}}`
-    hole, and the family's launcher module (`ddl_wgpu/selftest.py` for the smoke test of a fresh machine)
+    hole, and the family's launcher module (`ddl_wgpu/runtime/selftest.py` for the smoke test of a fresh machine)
     declares exactly those structs as `Uniform`s."""
     import importlib
 
@@ -235,7 +235,7 @@ def test_every_shader_uniform_comes_from_a_description():
             f"{f.name}: a hand-written Params struct"
         )
         module = importlib.import_module(
-            "ddl_wgpu.selftest" if f.stem == "selftest" else f"ddl_wgpu.ops.{f.stem}"
+            "ddl_wgpu.runtime.selftest" if f.stem == "selftest" else f"ddl_wgpu.ops.{f.stem}"
         )
         declared = {v.name for v in vars(module).values() if isinstance(v, G.Uniform)}
         assert declared == holes, (f.name, declared, holes)

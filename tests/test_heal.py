@@ -17,9 +17,12 @@ import pytest
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
 from ddl_ref.params import init_params
-from ddl_wgpu import accept, backend, compress, container, heal, refnet
-from ddl_wgpu.container import open_checkpoint
-from ddl_wgpu.modelfile import Model, load_model, save_model
+from ddl_wgpu import backend
+from ddl_wgpu.engine import refnet
+from ddl_wgpu.files import container
+from ddl_wgpu.files.container import open_checkpoint
+from ddl_wgpu.files.modelfile import Model, load_model, save_model
+from ddl_wgpu.jobs import accept, compress, heal
 
 
 @pytest.fixture

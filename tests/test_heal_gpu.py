@@ -12,12 +12,13 @@ from helpers import check_acceptance_backends, check_draft_step
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
-from ddl_wgpu import accept, backend, heal
-from ddl_wgpu.gpu import GpuError
-from ddl_wgpu.heal_gpu import WgpuDraft
-from ddl_wgpu.modelfile import Model, load_model
-from ddl_wgpu.net import Net
-from ddl_wgpu.refnet import RefDraft, RefTeacher
+from ddl_wgpu import backend
+from ddl_wgpu.engine.heal_gpu import WgpuDraft
+from ddl_wgpu.engine.net import Net
+from ddl_wgpu.engine.refnet import RefDraft, RefTeacher
+from ddl_wgpu.files.modelfile import Model, load_model
+from ddl_wgpu.jobs import accept, heal
+from ddl_wgpu.runtime.gpu import GpuError
 
 
 def test_teacher_topk_and_hidden_match_reference(gpu, heal_kit):
@@ -43,8 +44,8 @@ def test_draft_step_loss_and_gradients_match_refdraft(gpu, tie, heal_kit):
 def test_draft_keeps_no_state_for_frozen_tensors(gpu, tie, heal_kit):
     """The draft's Net holds gradients and moments for its trained tensors only (they lead the arenas) and
     trains bit for bit like a Net that keeps state for every tensor."""
-    from ddl_wgpu.gpu import GpuError
-    from ddl_wgpu.net import Net
+    from ddl_wgpu.engine.net import Net
+    from ddl_wgpu.runtime.gpu import GpuError
 
     cfg = heal_kit.tiny_cfg(tie_embeddings=tie)
     p = heal_kit.perturbed(cfg)

@@ -17,11 +17,13 @@ from helpers import check_acceptance_backends, check_draft_step, perturbed, tiny
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig, apply_arch
 from ddl_ref.params import init_params
-from ddl_wgpu import accept, backend, compress, heal, served_draft
-from ddl_wgpu.hf import export_hf_from_file
-from ddl_wgpu.modelfile import Model, load_model, save_model
-from ddl_wgpu.refnet import RefDraft, RefNet, RefTeacher
-from ddl_wgpu.step import AdamW
+from ddl_wgpu import backend
+from ddl_wgpu.engine.refnet import RefDraft, RefNet, RefTeacher
+from ddl_wgpu.engine.step import AdamW
+from ddl_wgpu.files.hf import served_draft
+from ddl_wgpu.files.hf.convert import export_hf_from_file
+from ddl_wgpu.files.modelfile import Model, load_model, save_model
+from ddl_wgpu.jobs import accept, compress, heal
 
 
 def hybrid_cfg(**overrides):

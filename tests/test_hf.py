@@ -1,4 +1,4 @@
-"""Hugging Face import/export (ddl_wgpu.hf): tiny folders written here, no network.
+"""Hugging Face import/export (ddl_wgpu.files.hf.convert): tiny folders written here, no network.
 
 The torch/transformers parity tests need both (the `test` extra installs them) and fail, not skip, without
 them."""
@@ -18,8 +18,8 @@ from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import ModelConfig, MtpConfig
 from ddl_ref.model import forward, hidden_states
 from ddl_ref.params import init_params, param_table
-from ddl_wgpu.container import bf16_to_f32, f32_to_bf16
-from ddl_wgpu.hf import (
+from ddl_wgpu.files.container import bf16_to_f32, f32_to_bf16
+from ddl_wgpu.files.hf.convert import (
     HfError,
     export_hf,
     export_hf_from_file,
@@ -27,7 +27,7 @@ from ddl_wgpu.hf import (
     import_hf,
     import_hf_to_file,
 )
-from ddl_wgpu.modelfile import Model, load_model, save_model
+from ddl_wgpu.files.modelfile import Model, load_model, save_model
 
 # head_dim 32 != hidden 64 / heads 4: catches the Qwen3-0.6B pitfall
 # (docs/model.md#configuration-ddl_refconfigpy).
@@ -710,7 +710,7 @@ def test_import_refuses_to_write_over_its_input(tmp_path, target):
 
 
 def test_refuse_overwrite_input_helper(tmp_path):
-    from ddl_wgpu.safeio import refuse_overwrite_input
+    from ddl_wgpu.files.safeio import refuse_overwrite_input
 
     a = tmp_path / "a.ddlw"
     a.write_bytes(b"x")
@@ -753,7 +753,7 @@ def test_export_into_a_non_empty_folder(tmp_path):
 
 
 def test_export_disk_full_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
-    import ddl_wgpu.hf as H
+    import ddl_wgpu.files.hf.convert as H
 
     cfg = our_config(True)
     model = Model(cfg=cfg, params=random_params(cfg, seed=5), tokenizer=b"{}")
@@ -881,7 +881,7 @@ def test_a_fifo_in_the_folder_is_refused_without_blocking(tmp_path, name):
 
 
 def test_export_reads_verified_tensors(tmp_path):
-    from ddl_wgpu.container import CheckpointError, open_checkpoint
+    from ddl_wgpu.files.container import CheckpointError, open_checkpoint
 
     cfg = our_config(True)
     save_model(tmp_path / "m.ddlw", Model(cfg=cfg, params=random_params(cfg)))

@@ -1,4 +1,4 @@
-"""Qwen3.5-family Hugging Face interop (ddl_wgpu.hf, ddl_wgpu.hf_qwen35) against tiny random models that
+"""Qwen3.5-family Hugging Face interop (ddl_wgpu.files.hf.convert, ddl_wgpu.files.hf.qwen35) against tiny random models that
 transformers itself builds and saves: import + eval on both backends gives transformers' loss, export loads back
 in transformers with the same loss, a bf16 sharded `Qwen3_5ForConditionalGeneration` folder with a vision tower
 and an `mtp.*` draft round-trips byte for byte, the refusals name their key, a tampered record of kept
@@ -22,14 +22,14 @@ import pytest
 from ddl_ref.check import random_params
 from ddl_ref.config import MtpConfig, apply_arch, preset
 from ddl_wgpu.backend import make_net
-from ddl_wgpu.compress import compress_file, drop_layers, ffn_keep
-from ddl_wgpu.container import f32_to_bf16, open_checkpoint
 from ddl_wgpu.data import eval_windows
-from ddl_wgpu.hf import HfError, export_hf, export_hf_from_file, import_hf, import_hf_to_file
-from ddl_wgpu.hf_files import Weights
-from ddl_wgpu.modelfile import Model, load_model, save_model
-from ddl_wgpu.served_draft import check_folder
-from ddl_wgpu.train import evaluate
+from ddl_wgpu.files.container import f32_to_bf16, open_checkpoint
+from ddl_wgpu.files.hf.convert import HfError, export_hf, export_hf_from_file, import_hf, import_hf_to_file
+from ddl_wgpu.files.hf.folder import Weights
+from ddl_wgpu.files.hf.served_draft import check_folder
+from ddl_wgpu.files.modelfile import Model, load_model, save_model
+from ddl_wgpu.jobs.compress import compress_file, drop_layers, ffn_keep
+from ddl_wgpu.jobs.train import evaluate
 
 V, B, T = 97, 2, 12
 TEXT = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -414,7 +414,7 @@ def test_kept_tensors_are_checked_before_export(tmp_path, cond_folder):
     """The record of kept tensors is read as untrusted: a shape that disagrees with the bytes, a stray tensor, a
     kept config.json that is not this family's (or not its layout's) and a flipped byte are each refused in one
     line before anything is written."""
-    from ddl_wgpu.container import CheckpointError
+    from ddl_wgpu.files.container import CheckpointError
 
     import_hf_to_file(cond_folder, tmp_path / "m.ddlw")
     m = load_model(tmp_path / "m.ddlw", extra=True)
@@ -454,7 +454,7 @@ def test_import_compress_heal_export(tmp_path):
     Gated DeltaNet block dropped), heal the draft on the compressed trunk, export. transformers loads the exported
     trunk with the loss we compute on it; the draft comes back under the names, shapes and dtype it came with,
     holding the healed values (rounded to bf16); the vision tower is the folder's, byte for byte."""
-    from ddl_wgpu.heal import HealConfig, heal
+    from ddl_wgpu.jobs.heal import HealConfig, heal
 
     torch, transformers = _torch()
     conditional_generation(tmp_path / "hf", seed=11)
@@ -544,7 +544,7 @@ def test_a_narrowed_conditional_generation_folder_exports_a_servable_draft(tmp_p
     """compress --ffn-keep on an imported Qwen3.5 (conditional generation) narrows its draft with the trunk, so
     the export's mtp.* are what vLLM and SGLang build at the new intermediate_size; healing from the source at
     the init's width instead (--draft-width init) gives a draft export-hf refuses."""
-    from ddl_wgpu.heal import HealConfig, heal
+    from ddl_wgpu.jobs.heal import HealConfig, heal
 
     conditional_generation(tmp_path / "hf", seed=12)
     import_hf_to_file(tmp_path / "hf", tmp_path / "m.ddlw")

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from helpers import cli_sizes
 
-from ddl_wgpu import cli_checks
-from ddl_wgpu import train as T
-from ddl_wgpu.container import CheckpointError, open_checkpoint, save
+from ddl_wgpu.cli import checks as cli_checks
 from ddl_wgpu.data import DataError, load_records
+from ddl_wgpu.files.container import CheckpointError, open_checkpoint, save
+from ddl_wgpu.jobs import train as T
 
 MODEL_ARGS = cli_sizes()
 TRAIN_ARGS = ["--variants", "baseline", "--max-steps", "4", "--eval-interval", "2", "--batch-size", "2",
@@ -215,7 +215,7 @@ def test_resume_reads_no_extra_tensor(run, tmp_path, monkeypatch):
         cfg, md = dict(c.config), dict(c.metadata)
     extra = tmp_path / "extra.ddlw"
     save(extra, tensors, config=cfg, metadata=md)
-    from ddl_wgpu import container_read
+    from ddl_wgpu.files import container_read
 
     read = []
     real = container_read.Checkpoint.tensor_f32

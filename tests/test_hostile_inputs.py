@@ -31,11 +31,11 @@ from helpers import SHAPES, tiny_cfg
 
 from ddl_ref.config import MtpConfig
 from ddl_ref.params import init_params
-from ddl_wgpu import accept
-from ddl_wgpu import generate as G
-from ddl_wgpu.hf import HfError, export_hf, import_hf
-from ddl_wgpu.modelfile import Model, load_model, save_model
-from ddl_wgpu.safeio import load_json
+from ddl_wgpu.files.hf.convert import HfError, export_hf, import_hf
+from ddl_wgpu.files.modelfile import Model, load_model, save_model
+from ddl_wgpu.files.safeio import load_json
+from ddl_wgpu.jobs import accept
+from ddl_wgpu.jobs import generate as G
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = {**SHAPES["default"], "n_layers": 1}
@@ -250,8 +250,8 @@ def test_ctrl_c_during_generate_says_so(files):
 def test_ctrl_c_before_training_starts_says_so(where, files, tmp_path, monkeypatch, capsys):
     """Item 15: Ctrl-C in the backend choice or the data loading of `train` (tried in this process: the
     interrupt is raised where the signal would land)."""
-    from ddl_wgpu import cli as cli_mod
-    from ddl_wgpu import cli_jobs  # train's command lives there (cli.py registers it)
+    from ddl_wgpu.cli import app as cli_mod
+    from ddl_wgpu.cli import jobs as cli_jobs
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
@@ -297,7 +297,7 @@ def test_windows_past_the_context_are_refused(files, cli, ok, user_error):
 def here(monkeypatch, capsys):
     """here(*args) -> the finished command (returncode, stdout, stderr) of `ddl-wgpu ARGS` run through `main`'s
     path in this process; an exception that is not a user error escapes, as its traceback would."""
-    from ddl_wgpu import cli as cli_mod
+    from ddl_wgpu.cli import app as cli_mod
 
     def run(*args) -> subprocess.CompletedProcess:
         argv = ["ddl-wgpu", *map(str, args)]
@@ -470,8 +470,9 @@ def test_ctrl_c_once_the_output_is_in_place_says_it_was_written(files, tmp_path,
     """Item 12: Ctrl-C at the instant after compress, import-hf, export-hf, heal or init renamed its output
     into place printed "interrupted" and exited 130 though the output was complete (a re-run then said "already
     exists"). Now: the output was written, exit 0. A Ctrl-C before the rename is still an interruption."""
-    from ddl_wgpu import cli, cli_jobs
-    from ddl_wgpu import heal as heal_lib
+    from ddl_wgpu.cli import app as cli
+    from ddl_wgpu.cli import jobs as cli_jobs
+    from ddl_wgpu.jobs import heal as heal_lib
 
     m = files / "tm.ddlw"
 
@@ -638,8 +639,8 @@ def test_a_causal_config_with_a_text_config_is_refused(tmp_path, cli, user_error
 def test_a_trunk_left_without_linear_attention_exports(tmp_path):
     """Defect 5: after compress dropped every Gated DeltaNet block of an imported hybrid, export said its
     linear_k_heads differed from the source config (which, with no such layer, says nothing of them)."""
-    from ddl_wgpu.compress import compress_file
-    from ddl_wgpu.hf import export_hf_from_file, import_hf_to_file
+    from ddl_wgpu.files.hf.convert import export_hf_from_file, import_hf_to_file
+    from ddl_wgpu.jobs.compress import compress_file
 
     transformers = _transformers()
     m = _hybrid(4)
@@ -659,7 +660,7 @@ def test_a_trunk_left_without_linear_attention_exports(tmp_path):
 def test_a_config_json_is_held_to_one_limit_at_import_and_export(tmp_path):
     """Defect 6: config.json was read up to 64 MiB at import and checked against 32 MiB at export, so a 50 MB
     config imported and then could not be exported. One limit: refused at import, or exported."""
-    from ddl_wgpu.hf import export_hf_from_file, import_hf_to_file
+    from ddl_wgpu.files.hf.convert import export_hf_from_file, import_hf_to_file
 
     hf = tmp_path / "hf"
     export_hf(_hybrid(), hf)

@@ -16,11 +16,11 @@ from helpers import cli_sizes
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import preset
-from ddl_wgpu import heal
-from ddl_wgpu.container import save
-from ddl_wgpu.hf_files import Weights
-from ddl_wgpu.inspect import describe
-from ddl_wgpu.modelfile import load_model
+from ddl_wgpu.files.container import save
+from ddl_wgpu.files.hf.folder import Weights
+from ddl_wgpu.files.inspect import describe
+from ddl_wgpu.files.modelfile import load_model
+from ddl_wgpu.jobs import heal
 
 SIZES = cli_sizes("train", n_layers=3)
 HYBRID = ["--arch", "qwen3_5", *SIZES]  # L L F: two Gated DeltaNet blocks, then gated full attention

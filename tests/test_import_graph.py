@@ -97,7 +97,9 @@ def circle(g: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_has_no_circle():
     g = graph()
-    assert "ddl_wgpu.sweep" in g and "ddl_ref.model" in g and "ddl_wgpu.ops.matmul" in g  # it reads the tree
+    assert (
+        "ddl_wgpu.jobs.sweep" in g and "ddl_ref.model" in g and "ddl_wgpu.ops.matmul" in g
+    )  # it reads the tree
     found = circle(g)
     assert found is None, "import circle: " + " -> ".join(found)
 
@@ -124,3 +126,63 @@ def test_the_check_finds_a_circle_and_a_lazy_import(tmp_path):
     assert g == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.b"}}
     assert circle(g) == ["pkg.a", "pkg.b", "pkg.a"]
     assert circle({"pkg.a": {"pkg.b"}, "pkg.b": set(), "pkg.c": {"pkg.a", "pkg.b"}}) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the layers (issue 38): one folder per layer, and no import runs upward. A module's layer is its first folder
+# under ddl_wgpu/ (files/hf/ is files/), or its own name for the three top-level modules; `ddl_ref` is the floor.
+# Each layer may import itself and what this table lists, nothing else of the packages.
+
+BELOW = {
+    "errors": set(),
+    "files": {"errors"},
+    "data": {"files", "errors"},
+    "runtime": {"errors"},
+    "ops": {"runtime", "errors"},
+    "engine": {"ops", "runtime", "files", "errors"},
+    "backend": {"engine", "ops", "runtime", "files", "errors"},
+    "jobs": {"backend", "engine", "ops", "runtime", "files", "data", "errors"},
+    "cli": {"jobs", "backend", "engine", "ops", "runtime", "files", "data", "errors"},
+}
+
+
+def layer(module: str) -> str:
+    """`ddl_wgpu.files.hf.convert` -> files, `ddl_wgpu.backend` -> backend, `ddl_ref.ops` -> ddl_ref."""
+    parts = module.split(".")
+    if parts[0] == "ddl_ref":
+        return "ddl_ref"
+    return parts[1] if len(parts) > 1 else "package"
+
+
+def upward(g: dict[str, set[str]]) -> list[str]:
+    """Every import of `g` that its layer's row of BELOW does not allow, as 'a (layer) -> b (layer)'."""
+    bad = []
+    for mod, deps in sorted(g.items()):
+        src = layer(mod)
+        if src in ("ddl_ref", "package"):
+            continue
+        for dep in sorted(deps):
+            dst = layer(dep)
+            if dst not in ("ddl_ref", src) and dst not in BELOW[src]:
+                bad.append(f"{mod} ({src}) -> {dep} ({dst})")
+    return bad
+
+
+def test_every_module_has_a_layer():
+    """A new top-level module or folder has to be given its place in BELOW (with its reason in
+    ddl_wgpu/__init__.py) before it passes."""
+    stray = sorted(m for m in graph() if m.startswith("ddl_wgpu.") and layer(m) not in BELOW)
+    assert not stray, f"modules outside every layer (add them to BELOW): {stray}"
+
+
+def test_no_import_runs_upward():
+    g = graph()
+    assert "ddl_wgpu.files.hf.convert" in g and "ddl_wgpu.engine.net" in g  # it reads the folders
+    bad = upward(g)
+    assert not bad, "imports that run upward:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_catches_an_upward_import():
+    g = {"ddl_wgpu.runtime.gpu": {"ddl_wgpu.engine.net"}, "ddl_wgpu.engine.net": {"ddl_wgpu.runtime.gpu"},
+         "ddl_wgpu.files.lazy": {"ddl_ref.params", "ddl_wgpu.errors"}}  # fmt: skip
+    assert upward(g) == ["ddl_wgpu.runtime.gpu (runtime) -> ddl_wgpu.engine.net (engine)"]

@@ -1,4 +1,4 @@
-"""Tests for ddl_wgpu.inspect: describe() and render_text() on good, sharded and corrupt checkpoints."""
+"""Tests for ddl_wgpu.files.inspect: describe() and render_text() on good, sharded and corrupt checkpoints."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from ddl_wgpu import container as C
-from ddl_wgpu.container import CheckpointError, save
-from ddl_wgpu.inspect import describe, render_text
+from ddl_wgpu.files import container as C
+from ddl_wgpu.files.container import CheckpointError, save
+from ddl_wgpu.files.inspect import describe, render_text
 
 
 @pytest.fixture

@@ -24,10 +24,10 @@ import pytest
 from helpers import cli_sizes, tiny_cfg
 
 from ddl_ref.config import ModelVariant
-from ddl_wgpu import train as T
 from ddl_wgpu.data import ByteTokenizer, load_datasets
-from ddl_wgpu.run import DeferredInterrupt
-from ddl_wgpu.train import RunOptions, TrainingConfig, TrainingInterrupted
+from ddl_wgpu.jobs import train as T
+from ddl_wgpu.jobs.run import DeferredInterrupt
+from ddl_wgpu.jobs.train import RunOptions, TrainingConfig, TrainingInterrupted
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = tiny_cfg(n_layers=1)

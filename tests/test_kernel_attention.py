@@ -9,9 +9,9 @@ import pytest
 
 from ddl_ref import ops as ref
 from ddl_ref.check import attention_inputs, check
-from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.ops import attention, attention_scores
 from ddl_wgpu.ops.attention import MAX_D, attention_backward, attention_forward, choose_impl, tile_config
+from ddl_wgpu.runtime.gpu import GpuError
 
 IMPLS = ["flash", "scores"]
 

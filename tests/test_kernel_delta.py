@@ -11,8 +11,8 @@ import pytest
 
 from ddl_ref import delta as ref
 from ddl_ref.check import check, f64
-from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.ops import delta as kd
+from ddl_wgpu.runtime.gpu import GpuError
 
 f32 = np.float32
 K_EPS, V_SCALE = 1e-5, 4.0

@@ -19,10 +19,10 @@ import pytest
 
 from ddl_ref import gdn as ref
 from ddl_ref.check import check, f64
-from ddl_wgpu import gdn_plan
-from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.ops import gated_delta as kg
+from ddl_wgpu.ops.codegen import gdn_plan
 from ddl_wgpu.ops.gdn_inputs import align_floats, qk_floats
+from ddl_wgpu.runtime.gpu import GpuError
 
 f32 = np.float32
 

@@ -11,8 +11,8 @@ import pytest
 
 from ddl_ref import ops as ref
 from ddl_ref.check import check
-from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.ops import gemv as k_gemv
+from ddl_wgpu.runtime.gpu import GpuError
 
 f32 = np.float32
 

@@ -11,7 +11,6 @@ import pytest
 
 from ddl_ref import ops as ref
 from ddl_ref.check import check
-from ddl_wgpu.gpu import GpuError
 from ddl_wgpu.ops.matmul import (
     LARGE_TILE,
     SMALL_TILE,
@@ -23,6 +22,7 @@ from ddl_wgpu.ops.matmul import (
     matmul,
     pick_tile,
 )
+from ddl_wgpu.runtime.gpu import GpuError
 
 SHAPES = [(1, 1, 1), (7, 13, 5), (33, 17, 65), (64, 48, 40), (130, 9, 70)]  # (M, N, K)
 

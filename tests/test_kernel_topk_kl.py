@@ -106,7 +106,7 @@ def test_draft_step_gradients_match_reference_in_both_forms(gpu, heal_kit, form)
     gradient of one step against `ddl_ref.mtp` in float64, for each KL form; the forms differ."""
     from ddl_ref import mtp as ref_mtp
     from ddl_wgpu import backend
-    from ddl_wgpu.heal_gpu import WgpuDraft
+    from ddl_wgpu.engine.heal_gpu import WgpuDraft
 
     cfg = heal_kit.tiny_cfg()
     p = heal_kit.perturbed(cfg)
@@ -139,8 +139,8 @@ def test_heal_kl_form_option(heal_kit, tmp_path):
     form is refused with a one-line error naming the field."""
     from dataclasses import replace
 
-    from ddl_wgpu import heal
-    from ddl_wgpu.modelfile import load_model
+    from ddl_wgpu.files.modelfile import load_model
+    from ddl_wgpu.jobs import heal
 
     model = heal_kit.make_model(tmp_path / "m.ddlw")
     data = str(heal_kit.make_text(tmp_path / "t.txt"))

@@ -1,4 +1,4 @@
-"""`ddl_wgpu.layout.plan`, the GPU parameter layout as a pure function of the parameter table and the limits,
+"""`ddl_wgpu.engine.layout.plan`, the GPU parameter layout as a pure function of the parameter table and the limits,
 without a GPU: several arenas, f16 matrices, the trainable-first order of frozen_state=False, shared tensors,
 a tensor too large for a buffer; and the row chunks and binding pieces of a tensor."""
 
@@ -11,8 +11,8 @@ from helpers import tiny_cfg
 
 from ddl_ref.config import MtpConfig
 from ddl_ref.params import param_table
-from ddl_wgpu import layout
-from ddl_wgpu.layout import ALIGN, F16_SUFFIXES, LayoutError, Slot, plan
+from ddl_wgpu.engine import layout
+from ddl_wgpu.engine.layout import ALIGN, F16_SUFFIXES, LayoutError, Slot, plan
 
 
 @dataclass(frozen=True)

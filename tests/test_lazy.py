@@ -1,4 +1,4 @@
-"""Tensors in pieces (ddl_wgpu.lazy) and the file commands that stream them: with pieces of a few rows
+"""Tensors in pieces (ddl_wgpu.files.lazy) and the file commands that stream them: with pieces of a few rows
 (PIECE_BYTES made tiny), every source, transform and writer gives the bytes the whole tensor gives, a corrupt
 tensor read a piece at a time is refused before its output is in place, and compress and the HF round trip give
 the same files whatever the piece size."""
@@ -13,12 +13,12 @@ from helpers import tiny_cfg
 
 from ddl_ref.check import random_params
 from ddl_ref.config import MtpConfig, apply_arch
-from ddl_wgpu import lazy
-from ddl_wgpu.compress import compress_file, ffn_importance
-from ddl_wgpu.container import CheckpointError, bf16_to_f32, f32_to_bf16, open_checkpoint, save
-from ddl_wgpu.hf import export_hf_from_file, import_hf_to_file
-from ddl_wgpu.hf_files import StTensor, Weights, write_safetensors
-from ddl_wgpu.modelfile import Model, open_model, save_model, write_model
+from ddl_wgpu.files import lazy
+from ddl_wgpu.files.container import CheckpointError, bf16_to_f32, f32_to_bf16, open_checkpoint, save
+from ddl_wgpu.files.hf.convert import export_hf_from_file, import_hf_to_file
+from ddl_wgpu.files.hf.folder import StTensor, Weights, write_safetensors
+from ddl_wgpu.files.modelfile import Model, open_model, save_model, write_model
+from ddl_wgpu.jobs.compress import compress_file, ffn_importance
 
 
 @pytest.fixture

@@ -72,8 +72,8 @@ CASES = [
 
 @pytest.mark.parametrize("kw", CASES, ids=["baseline-tied", "hidden_first-post-untied", "ddl-cc-offset"])
 def test_engine_joint_step_matches_reference(gpu, kw):
-    from ddl_wgpu.net import Net
-    from ddl_wgpu.trunk import TrunkWork
+    from ddl_wgpu.engine.net import Net
+    from ddl_wgpu.engine.trunk import TrunkWork
 
     cfg = tiny_cfg("engine", **{"mtp": MtpConfig(), **kw})
     p = init_params(cfg, 3)
@@ -103,9 +103,9 @@ def test_engine_joint_step_matches_reference(gpu, kw):
 def test_engine_refuses_joint_training_of_a_draft_of_its_own_width(gpu):
     """After `compress --ffn-keep` the draft keeps its SwiGLU width; the joint step sizes the draft block as
     a trunk block, so it says so instead of reading the draft's weights at the wrong shape."""
-    from ddl_wgpu.gpu import GpuError
-    from ddl_wgpu.net import Net
-    from ddl_wgpu.trunk import TrunkWork
+    from ddl_wgpu.engine.net import Net
+    from ddl_wgpu.engine.trunk import TrunkWork
+    from ddl_wgpu.runtime.gpu import GpuError
 
     cfg = tiny_cfg("engine", mtp=MtpConfig(ffn_hidden=56))
     net = Net(gpu, cfg, init_params(cfg, 3), mtp_weight=0.3, work_class=TrunkWork)
@@ -114,10 +114,10 @@ def test_engine_refuses_joint_training_of_a_draft_of_its_own_width(gpu):
 
 
 def test_engine_and_refnet_joint_adamw_steps_agree(gpu):
-    from ddl_wgpu.net import Net
-    from ddl_wgpu.refnet import RefNet
-    from ddl_wgpu.step import AdamW
-    from ddl_wgpu.trunk import TrunkWork
+    from ddl_wgpu.engine.net import Net
+    from ddl_wgpu.engine.refnet import RefNet
+    from ddl_wgpu.engine.step import AdamW
+    from ddl_wgpu.engine.trunk import TrunkWork
 
     cfg = tiny_cfg("engine", mtp=MtpConfig())
     p0 = init_params(cfg, 7)

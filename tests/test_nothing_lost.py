@@ -32,14 +32,15 @@ from helpers import SHAPES, tiny_cfg
 
 from ddl_ref.config import MtpConfig
 from ddl_ref.params import init_params
-from ddl_wgpu import cli_checks, rundir
-from ddl_wgpu import sweep as S
-from ddl_wgpu import sweep_job as J
-from ddl_wgpu import train as T
 from ddl_wgpu.backend import choose_backend
-from ddl_wgpu.container import open_checkpoint, save
-from ddl_wgpu.hf import export_raw
-from ddl_wgpu.modelfile import Model, save_model
+from ddl_wgpu.cli import checks as cli_checks
+from ddl_wgpu.files.container import open_checkpoint, save
+from ddl_wgpu.files.hf.convert import export_raw
+from ddl_wgpu.files.modelfile import Model, save_model
+from ddl_wgpu.jobs import rundir
+from ddl_wgpu.jobs import sweep as S
+from ddl_wgpu.jobs import sweep_job as J
+from ddl_wgpu.jobs import train as T
 
 SHAPE = {**SHAPES["default"], "n_layers": 1}  # one block: a run of 4 steps takes a second on numpy
 MODEL = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()]  # the same shape as the CLI's options
@@ -231,7 +232,7 @@ def test_an_edited_sweep_record_is_refused(stopped_sweep, tmp_path, cli, user_er
         if i < 2:
             user_error(cli("resume", d), fragment)
         else:
-            from ddl_wgpu.sweep_checks import check_jobs
+            from ddl_wgpu.jobs.sweep_checks import check_jobs
 
             with pytest.raises(S.SweepError, match=fragment):
                 check_jobs(S.Sweep.load(d), d)
@@ -276,7 +277,7 @@ def test_checks_a_job_would_make_run_before_any_job(corpus, tmp_path, cli, user_
         cli("train", "--data", corpus, "--out", out, *gpu, "--devices", "7"), "adapter '7'", "--devices"
     )
     assert not out.exists()
-    from ddl_wgpu.sweep_checks import check_runner
+    from ddl_wgpu.jobs.sweep_checks import check_runner
 
     with pytest.raises(S.SweepError, match="nosuchgpu") as e:
         check_runner(S.Runner(("0", "nosuchgpu")), "wgpu")
@@ -297,7 +298,7 @@ def test_workers_are_capped_at_the_job_count(corpus, tmp_path, cli, ok, user_err
     assert f"1 worker processes: numpy ({10**18} workers asked for, at most one per job)" in r.stdout
     user_error(cli("train", "--data", corpus, "--out", tmp_path / "V", *TRAIN, "--workers", str(10**20)),
                "--workers")  # fmt: skip
-    from ddl_wgpu.sweep_checks import capped_runner
+    from ddl_wgpu.jobs.sweep_checks import capped_runner
 
     runner, note = capped_runner("ref", None, 1000, None, None, 3)
     assert runner == S.Runner((None,) * 3) and "1000 workers asked for" in note
@@ -346,7 +347,7 @@ def test_import_hf_into_an_unwritable_folder_says_so_as_the_others(tmp_path, mon
     """Item 18: import-hf named `OUT.partial` where every other command says the folder is not writable (tried
     in this process: the tests may run as root, for whom every folder is writable)."""
     export_raw(model(tmp_path / "m.ddlw"), tmp_path / "hf")
-    from ddl_wgpu import cli as cli_mod
+    from ddl_wgpu.cli import app as cli_mod
 
     real = os.access
     monkeypatch.setattr(

@@ -27,10 +27,10 @@ def test_wheel_contains_shaders_and_runs_outside_the_repo(tmp_path):
         capture_output=True,
     )
     code = (
-        "import ddl_wgpu.gpu as g, ddl_wgpu.shader_files as sf, pathlib, sys;"
+        "import ddl_wgpu.runtime.gpu as g, ddl_wgpu.runtime.shader_files as sf, pathlib, sys;"
         "d = sf.shader_dirs();"
         "assert d and pathlib.Path(sys.argv[1]) in d[0].parents, d;"
-        "from ddl_wgpu.selftest import selftest;"
+        "from ddl_wgpu.runtime.selftest import selftest;"
         "print(selftest(g.Gpu())[0])"
     )
     out = subprocess.run(

@@ -1,9 +1,9 @@
-"""The run driver `train` and `heal` share (`ddl_wgpu.run`): evaluation cadence, best tracking, patience,
+"""The run driver `train` and `heal` share (`ddl_wgpu.jobs.run`): evaluation cadence, best tracking, patience,
 skipped steps, a resumable stop and the one event schema."""
 
 import pytest
 
-from ddl_wgpu.run import Best, Cadence, Events, LossScale, drive
+from ddl_wgpu.jobs.run import Best, Cadence, Events, LossScale, drive
 
 
 class FakeJob:

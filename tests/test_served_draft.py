@@ -24,9 +24,10 @@ import pytest
 
 from ddl_ref.config import ARCH_MTP, MtpConfig, apply_arch
 from ddl_ref.params import MTP_LAYER_PREFIX
-from ddl_wgpu import accept, compress, draft_layout, heal, heal_files, served_draft
-from ddl_wgpu.hf import HfError, export_hf_from_file
-from ddl_wgpu.modelfile import load_model
+from ddl_wgpu.files.hf import draft_layout, served_draft
+from ddl_wgpu.files.hf.convert import HfError, export_hf_from_file
+from ddl_wgpu.files.modelfile import load_model
+from ddl_wgpu.jobs import accept, compress, heal, heal_files
 
 FFN = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 TEXT = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

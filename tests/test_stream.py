@@ -25,10 +25,13 @@ from conftest import REPO
 from helpers import make_model, make_text, perturbed, tiny_cfg
 
 from ddl_ref.config import MtpConfig, apply_arch
-from ddl_wgpu import accept, backend, gpumem, heal, heal_gpu, hostmem
-from ddl_wgpu.container import open_checkpoint
+from ddl_wgpu import backend
 from ddl_wgpu.data import ByteTokenizer, eval_windows
-from ddl_wgpu.modelfile import Model, load_model
+from ddl_wgpu.engine import gpumem, heal_gpu
+from ddl_wgpu.files import hostmem
+from ddl_wgpu.files.container import open_checkpoint
+from ddl_wgpu.files.modelfile import Model, load_model
+from ddl_wgpu.jobs import accept, heal
 
 HEAL = heal.HealConfig(chain=2, window=24, tokens=600, batch=2, eval_every=3, patience=0, lr=3e-3, epochs=0.25,
                        refresh=3)  # fmt: skip
@@ -121,8 +124,8 @@ def test_the_plan_takes_the_resident_trunk_when_it_fits_else_streams_else_refuse
 def test_streamed_teacher_gives_the_resident_and_the_plain_forward_bits(gpu, monkeypatch, name):
     """topk_rows through two slots (f16 on the hybrid) equal the resident trunk's, and the
     plain Net + InferenceWork forward's top-k and hidden rows; the plan's dry count equals the allocation."""
-    from ddl_wgpu.inference import InferenceWork
-    from ddl_wgpu.net import Net
+    from ddl_wgpu.engine.inference import InferenceWork
+    from ddl_wgpu.engine.net import Net
 
     cfg = kinds()[name]
     dtype = "f16" if name == "hybrid" else "f32"
@@ -428,7 +431,7 @@ def test_accept_streamed_gives_the_resident_result(gpu, files, tmp_path):
 def test_eval_streamed_gives_the_resident_and_the_training_nets_numbers(gpu, files, name):
     """eval's GPU path (several batches per pass, each batch's sums over its own rows) equals the training
     net's batch-by-batch evaluation (`train.evaluate`, what eval ran before), resident and streamed."""
-    from ddl_wgpu import train, trunk_eval
+    from ddl_wgpu.jobs import train, trunk_eval
 
     model = files[0][name]
     m = load_model(model)

@@ -1,4 +1,4 @@
-"""Sweeps (`ddl_wgpu.sweep`): a job run by a worker process, or a Ray task, gives the same report and
+"""Sweeps (`ddl_wgpu.jobs.sweep`): a job run by a worker process, or a Ray task, gives the same report and
 checkpoint as the sequential `train` of that variant and seed; seeds get their own folders and the comparison
 ranks variants by their mean over seeds; a failed job is marked and the others go on; a sweep stopped part way
 resumes as a whole to the same result.
@@ -23,12 +23,12 @@ import pytest
 from helpers import SHAPES, tiny_cfg
 
 from ddl_ref.config import ModelVariant
-from ddl_wgpu import sweep as S
-from ddl_wgpu import sweep_job as J
-from ddl_wgpu import sweep_ray as SR
-from ddl_wgpu import train as T
-from ddl_wgpu.container import open_checkpoint
 from ddl_wgpu.data import ByteTokenizer, load_datasets
+from ddl_wgpu.files.container import open_checkpoint
+from ddl_wgpu.jobs import sweep as S
+from ddl_wgpu.jobs import sweep_job as J
+from ddl_wgpu.jobs import sweep_ray as SR
+from ddl_wgpu.jobs import train as T
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = SHAPES["train"]  # also given to the CLI as options

@@ -28,11 +28,11 @@ from helpers import cli_sizes, tiny_cfg
 from ddl_ref.config import ModelVariant
 from ddl_ref.optim import CosineWarmupSchedule
 from ddl_ref.params import init_params, param_table
-from ddl_wgpu import train as T
 from ddl_wgpu.backend import make_net
 from ddl_wgpu.data import ByteTokenizer, TokenDataset, load_datasets
-from ddl_wgpu.step import AdamW
-from ddl_wgpu.train import (
+from ddl_wgpu.engine.step import AdamW
+from ddl_wgpu.jobs import train as T
+from ddl_wgpu.jobs.train import (
     RunOptions,
     TrainingConfig,
     TrainingError,
@@ -382,7 +382,7 @@ def test_evaluation_steps_are_the_seeds(data, monkeypatch):
     """Validation and spectral telemetry on (step+1) % eval_interval == 0 and on the last step; train
     telemetry on the same steps; initial and final snapshots. A stand-in `spectral` on the ref backend
     makes a baseline model report telemetry, so the steps are visible."""
-    from ddl_wgpu.refnet import RefWork
+    from ddl_wgpu.engine.refnet import RefWork
 
     calls = []
 

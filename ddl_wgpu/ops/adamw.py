@@ -18,7 +18,7 @@ What this does not do: zero the gradients (`elementwise`), or compute the norm (
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Uniform
+from ddl_wgpu.runtime.gpu import Call, Uniform
 
 FILE = "adamw.wgsl"
 WG = 256

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import os
 
-from ddl_wgpu.gpu import Call, GpuError, Uniform
 from ddl_wgpu.ops import attention_scores
 from ddl_wgpu.ops import need_all as _need
+from ddl_wgpu.runtime.gpu import Call, GpuError, Uniform
 
 FILE = "attention.wgsl"
 # Which causal-attention implementation `attention_forward` / `attention_backward` run: "flash" (this file's

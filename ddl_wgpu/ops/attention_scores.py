@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ddl_wgpu.gpu import Call, GpuError, Uniform
 from ddl_wgpu.ops.matmul import Batch, Strides, matmul
+from ddl_wgpu.runtime.gpu import Call, GpuError, Uniform
 
 FILE = "attention_scores.wgsl"
 PARAMS = Uniform(

@@ -13,8 +13,8 @@ its gradient back in the interleaved layout (the gate half in `gate_backward`, t
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops import need_all as _need
+from ddl_wgpu.runtime.gpu import Call, Gpu, Uniform
 
 FILE = "attn_gate.wgsl"
 WG = 256

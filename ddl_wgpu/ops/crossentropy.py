@@ -19,8 +19,8 @@ What this does not do: build the logits (matmul), reduce row_loss (reduce.sum_ro
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Uniform
 from ddl_wgpu.ops import need_bytes as _need
+from ddl_wgpu.runtime.gpu import Call, Uniform
 
 FILE = "crossentropy.wgsl"
 WG = 256

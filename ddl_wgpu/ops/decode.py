@@ -1,4 +1,4 @@
-"""Launchers for `shaders/decode.wgsl`: the kernels of decoding with a cache (`ddl_wgpu.decode`).
+"""Launchers for `shaders/decode.wgsl`: the kernels of decoding with a cache (`ddl_wgpu.engine.decode`).
 
 Kernel path: `shaders/decode.wgsl` -> `ddl_wgpu/ops/decode.py` -> references `ddl_ref.decode.attend_cached`,
 `ddl_ref.ops.rope_forward`, `ddl_ref.shortconv.tc_forward`, `ddl_ref.shortconv.ec_forward`,
@@ -26,7 +26,7 @@ so the Calls are built once per row count and recorded at every position.
   causal short convolutions over time reading their inputs from a per-position history cache;
 - `take_rows(dst, src, meta, heads, E, hs, rs, slot=None)`: one slot of E floats per head out of a strided
   buffer (slot `slot`, or meta's u32 when None): a Gated DeltaNet layer's state after some row of a pass, and
-  its conv window (`ddl_wgpu.decode`); `take_rows2` does two in one launch (the state and the window);
+  its conv window (`ddl_wgpu.engine.decode`); `take_rows2` does two in one launch (the state and the window);
 - `concat_rows(dst, a, b, na, nb, W)`: dst = [a; b] (a layer's window before a pass and the pass's rows).
 
 The test checks each at sizes that are not multiples of the workgroup sizes and at several starts (the RoPE,
@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddl_wgpu.gpu import Call, Gpu, Uniform, grid
 from ddl_wgpu.ops import need
+from ddl_wgpu.runtime.gpu import Call, Gpu, Uniform, grid
 
 FILE = "decode.wgsl"
 WG = 256  # threads per workgroup of the one-thread-per-item entry points

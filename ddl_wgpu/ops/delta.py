@@ -33,13 +33,13 @@ What it does not do: mixed precision, the MLP β head (`ddl_beta_single_linear=F
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Gpu, GpuError, Uniform
 from ddl_wgpu.ops import need_all as _need
 from ddl_wgpu.ops import view
 from ddl_wgpu.ops.elementwise import templates as _item_templates
 from ddl_wgpu.ops.elementwise import vec_width
 from ddl_wgpu.ops.matmul import matmul
 from ddl_wgpu.ops.rmsnorm import row_layout, unroll
+from ddl_wgpu.runtime.gpu import Call, Gpu, GpuError, Uniform
 
 FILE = "delta.wgsl"
 PARAMS = Uniform(

@@ -22,8 +22,8 @@ What it does not do: broadcasting or strides; every operand is a flat run of n f
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops import need, view  # re-exported: the other launchers import them from here
+from ddl_wgpu.runtime.gpu import Call, Gpu, Uniform
 
 FILE = "elementwise.wgsl"
 WG = 256  # threads per workgroup, as in the shader

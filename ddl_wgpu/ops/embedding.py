@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddl_wgpu.gpu import Call, Gpu, GpuError, Uniform
 from ddl_wgpu.ops.elementwise import need, templates, vec_width
+from ddl_wgpu.runtime.gpu import Call, Gpu, GpuError, Uniform
 
 FILE = "embedding.wgsl"
 WG = 256  # threads per workgroup, as in the shader

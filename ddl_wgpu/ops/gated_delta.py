@@ -10,11 +10,11 @@ tokens into chunks and does each chunk's work as small matrix products (docs/ker
 everything local to a chunk runs per chunk (`chunk_prep`, `chunk_output`, `chunk_backward_grads`), and only
 the recurrence's own products run in order over a row's chunks (`chunk_forward`, `chunk_backward_state`:
 per batch row, value head and block of value columns, the state's block in registers). Their tunables are a
-`ChunkPlan` (`ddl_wgpu/gdn_plan.py`, which also generates every product's straight-line per-thread code),
+`ChunkPlan` (`ddl_wgpu/ops/codegen/gdn_plan.py`, which also generates every product's straight-line per-thread code),
 the default the first of `PLANS` the adapter's limits allow, or DDL_WGPU_GDN_PLAN; `bench/hybrid.py kernel
 --sweep` times them.
 
-The per-token forward (`gated_delta_forward`: a decoder's pass of a few rows, `ddl_wgpu.decode`, and an
+The per-token forward (`gated_delta_forward`: a decoder's pass of a few rows, `ddl_wgpu.engine.decode`, and an
 inference net's forward of short rows, up to `PER_TOKEN_MAX_T` tokens, where it measured faster) walks the
 tokens in order with the Dk x Dv state spread over TI x TJ threads of PI x PJ elements each (`tile`), and can
 write the state before every tc-th token (with tc = 1 every row's: what a speculative verify rolls back to).
@@ -29,12 +29,12 @@ import os
 from dataclasses import replace
 from functools import lru_cache
 
-from ddl_wgpu import gdn_plan
-from ddl_wgpu.gdn_plan import ChunkPlan, parse_plan
-from ddl_wgpu.gpu import Call, Gpu, GpuError, Uniform
 from ddl_wgpu.ops import need_all as _need
 from ddl_wgpu.ops import pow2_at_least, sub
+from ddl_wgpu.ops.codegen import gdn_plan
+from ddl_wgpu.ops.codegen.gdn_plan import ChunkPlan, parse_plan
 from ddl_wgpu.ops.gdn_inputs import align_floats, planar_offsets, qk_floats
+from ddl_wgpu.runtime.gpu import Call, Gpu, GpuError, Uniform
 
 FILE = "gated_delta.wgsl"
 PARAMS = Uniform(

@@ -25,11 +25,11 @@ import math
 
 import numpy as np
 
-from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops import need_all as _need
 from ddl_wgpu.ops import sub
 from ddl_wgpu.ops.matmul import matmul
 from ddl_wgpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
+from ddl_wgpu.runtime.gpu import Call, Gpu, Uniform
 
 FILE = "gdn_inputs.wgsl"
 WG = 256  # threads per workgroup, as in the shader

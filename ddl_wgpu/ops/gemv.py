@@ -20,7 +20,7 @@ overrides any of them for a whole process (a benchmark sweep passes `tune=` inst
 deterministic, and a row's bits do not depend on how many x rows share the pass (the decoder relies on it:
 docs/generate.md#rows-computed-apart).
 
-`ddl_wgpu.decode` uses these for the linear layers and the LM head of passes of at most `GEMV_MAX_ROWS` rows,
+`ddl_wgpu.engine.decode` uses these for the linear layers and the LM head of passes of at most `GEMV_MAX_ROWS` rows,
 where the tiled GEMM would leave most of each tile idle.
 """
 
@@ -30,8 +30,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from ddl_wgpu.gpu import Call, Gpu, GpuError, Uniform, grid
 from ddl_wgpu.ops import need, view
+from ddl_wgpu.runtime.gpu import Call, Gpu, GpuError, Uniform, grid
 
 FILE = "gemv.wgsl"
 GEMV_MAX_ROWS = 8  # rows up to which a decoding pass uses gemv instead of the tiled GEMM

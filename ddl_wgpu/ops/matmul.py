@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddl_wgpu.gpu import MAX_GROUPS, Call, GpuError, Uniform
 from ddl_wgpu.ops import nbytes as _nbytes
+from ddl_wgpu.runtime.gpu import MAX_GROUPS, Call, GpuError, Uniform
 
 SHADER = "matmul.wgsl"
 PARAMS = Uniform(

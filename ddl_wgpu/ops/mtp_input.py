@@ -14,8 +14,8 @@ What it does not do: the projection itself, or a backward.
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops.elementwise import need
+from ddl_wgpu.runtime.gpu import Call, Gpu, Uniform
 
 FILE = "mtp_input.wgsl"
 WG = 256  # threads per workgroup (one row each), as in the shader

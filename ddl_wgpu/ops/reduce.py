@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddl_wgpu.gpu import Call, Uniform
 from ddl_wgpu.ops import need_bytes as _need
+from ddl_wgpu.runtime.gpu import Call, Uniform
 
 FILE = "reduce.wgsl"
 WG = 256

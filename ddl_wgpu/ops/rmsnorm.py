@@ -24,9 +24,9 @@ What it does not do: a bias, a mean-subtracting LayerNorm, or fusing the residua
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops import pow2_at_least
 from ddl_wgpu.ops.elementwise import need, templates, vec_width
+from ddl_wgpu.runtime.gpu import Call, Gpu, Uniform
 
 FILE = "rmsnorm.wgsl"
 WG = 256  # threads per workgroup, as in the shader

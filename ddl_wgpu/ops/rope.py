@@ -20,8 +20,8 @@ What it does not do: interleaved pairs, or position offsets (KV-cache decoding: 
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops.elementwise import need, templates, vec_width, view
+from ddl_wgpu.runtime.gpu import Call, Gpu, Uniform
 
 FILE = "rope.wgsl"
 WG = 256  # threads per workgroup, as in the shader

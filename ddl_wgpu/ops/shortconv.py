@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import math
 
-from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops import need_all as _need
+from ddl_wgpu.runtime.gpu import Call, Gpu, Uniform
 
 FILE = "shortconv.wgsl"
 WG = 256  # threads per workgroup, as in the shader

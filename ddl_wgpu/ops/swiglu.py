@@ -12,8 +12,8 @@ are two buffers (or two views of one arena).
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Gpu, Uniform
 from ddl_wgpu.ops.elementwise import need, templates, vec_width
+from ddl_wgpu.runtime.gpu import Call, Gpu, Uniform
 
 FILE = "swiglu.wgsl"
 WG = 256  # threads per workgroup, as in the shader

@@ -17,8 +17,8 @@ and their full-softmax probabilities (not renormalised; topk_kl renormalises), w
 
 from __future__ import annotations
 
-from ddl_wgpu.gpu import Call, Uniform
 from ddl_wgpu.ops import need_bytes as _need
+from ddl_wgpu.runtime.gpu import Call, Uniform
 
 FILE = "topk_kl.wgsl"
 WG = 256

@@ -1,0 +1,172 @@
+"""heal's draft on the GPU, trained alone: `DraftWork`.
+
+The MTP draft's block and final norm are healed as a one-layer model (`ddl_ref.mtp.draft_config`) whose
+first block reads uploaded input rows (the draft's block input eh_proj·[enorm(e); hnorm(h)], built on the
+GPU by `heal_gpu.DraftInput`) instead of an embedding, and whose loss is the top-k KL to a teacher's top-k (`ops.topk_kl`, in row
+chunks of logits like the cross-entropy). Nothing flows into the embedding; the shared head is frozen unless
+trainable.
+
+Chain attention (`chain=j`): the seq rows are the stacked rows of chain steps 1..j of each window (row
+(σ−1)·W + p, seq = j·W); attention uses the runtime's diagonal mask (`ops.attention.attention_masked_*`,
+`ddl_ref.ops.chain_mask`) and RoPE the positions p + σ − 1; the caller weights the rows of steps < j with 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ddl_ref import ops as ref_ops
+from ddl_wgpu.engine.blocks import Blocks
+from ddl_wgpu.engine.step import AdamW, StepResult
+from ddl_wgpu.ops import attention as k_attn
+from ddl_wgpu.ops import reduce as k_red
+from ddl_wgpu.ops import topk_kl as k_topk
+from ddl_wgpu.runtime.gpu import Call, GpuError
+
+
+class DraftWork(Blocks):
+    """A one-layer baseline model on input rows (B, T, C), its loss the top-k KL (width `kl_k`, form
+    `kl_form`: "full" or "topk", `ops.topk_kl`) to a teacher's top-k; `chain` = j >= 1 stacks chain steps
+    1..j (module docstring)."""
+
+    def __init__(self, net, batch: int, seq: int, kl_k: int, chain: int = 0, chunk_rows: int | None = None,
+                 kl_form: str = "full"):  # fmt: skip
+        cfg = net.cfg
+        if kl_form not in k_topk.FORMS:
+            raise GpuError(f"kl form must be one of {list(k_topk.FORMS)}, got {kl_form!r}")
+        if chain and (chain < 1 or seq % chain):
+            raise GpuError(f"chain={chain} needs {seq} rows of whole chain windows")
+        if net.inference:
+            raise GpuError("a draft work trains: it needs a Net with gradients (not inference-only)")
+        if cfg.residual != "add" or kl_k < 1 or cfg.mtp is not None:
+            raise GpuError("a draft work needs a baseline model without a draft and a top-k width kl_k >= 1")
+        self.chain, self.kl_k, self.kl_form = int(chain), int(kl_k), kl_form
+        super().__init__(net, batch, seq, chunk_rows, span=seq // chain if chain else seq)
+        N = self.N
+        self.init_backward_scratch()
+        self.weights = self.act(N, "weights")
+        self.scale = self.act(4, "loss_scale")
+        self.t_ids = self.act(N * self.kl_k, "teacher_ids")  # u32, as wide as f32
+        self.t_probs = self.act(N * self.kl_k, "teacher_probs")
+        self._fwd = self.blocks_forward() + self.final_norm_forward()
+        head_trained = net.head_name in net.trainable
+        self._head_eval = self.head_calls(self.xf, self._topk_kl)
+        self._head_train = self.head_calls(self.xf, self._topk_kl, self.dxf, head_trained)
+        self._sum = k_red.sum_rows(self.gpu, self.loss_acc, self.row_loss, N)
+        self._bwd = self.backward_calls()
+
+    def _rope_tables(self):
+        """Stacked chain steps: row (σ−1)·W + p sits at position p + σ − 1. The tables have the rotated width
+        (`cfg.rope_dim`, as the causal tables of `Blocks`): a partial-RoPE draft (Qwen3.5's) rotates only its
+        first rope_dim dims, with the frequencies of a head of that width."""
+        if not self.chain:
+            return super()._rope_tables()
+        positions = ref_ops.chain_positions(self.chain, self.T // self.chain)
+        cfg = self.cfg
+        return ref_ops.rope_tables_at(positions, cfg.head_dim, cfg.rope_theta, np.float64, cfg.rope_dim)
+
+    def attend(self, a: dict) -> Call:
+        """Causal attention, or with `chain` the runtime's diagonal mask over windows of T / chain rows."""
+        if not self.chain:
+            return super().attend(a)
+        q, k = self._qk_final(a, "q"), self._qk_final(a, "k")
+        W = self.T // self.chain
+        return k_attn.attention_masked_forward(self.gpu, a["a"], a["lse"], q, k, a["v"], *self.heads, W)
+
+    def attend_backward(self, a: dict) -> Call:
+        if not self.chain:
+            return super().attend_backward(a)
+        q, k = self._qk_final(a, "q"), self._qk_final(a, "k")
+        W = self.T // self.chain
+        grads = (self.dq[0], self.dk[0], self.dv_)
+        return k_attn.attention_masked_backward(self.gpu, *grads, self.da, a["a"], a["lse"], q, k, a["v"],
+                                                *self.heads, W)  # fmt: skip
+
+    def _topk_kl(self, logits, n: int, r0: int) -> Call:
+        """The top-k KL of one chunk of logits to the teacher's top-k (its kernel writes the gradient in
+        place even when evaluating: harmless scratch)."""
+        return k_topk.topk_kl(self.gpu, self.row_loss, logits, self.t_ids, self.t_probs, self.weights, n,
+                              self.cfg.vocab_size, self.kl_k, self.scale, row_offset=r0,
+                              form=self.kl_form)  # fmt: skip
+
+    def backward_calls(self) -> Call:
+        """final norm -> blocks; the rows came from outside: nothing flows into the embedding."""
+        call = self.final_norm_backward(self.dx)
+        c, _ = self.blocks_backward(self.dx)
+        return call + c
+
+    # -- per-step host data -----------------------------------------------------------------------------
+
+    def upload_rows(self, x, teacher_ids=None, teacher_probs=None, weights=None) -> float:
+        """x (B, T, C) into the first block's input; with a teacher, its top-k and the row weights (the loss
+        scale is 1 / their sum). -> the sum of the weights."""
+        x = np.asarray(x, np.float32)
+        C, N = self.C, self.N
+        if x.shape != (self.B, self.T, C):
+            raise GpuError(f"input rows of shape {x.shape}, this Work was built for {(self.B, self.T, C)}")
+        g = self.gpu
+        g.write(self.L[0]["x"], x.reshape(-1))
+        if teacher_ids is None:
+            return 0.0
+        k = self.kl_k
+        tid = np.asarray(teacher_ids).reshape(N, -1)
+        if tid.shape[1] != k:
+            raise GpuError(f"teacher top-k of width {tid.shape[1]}, this Work was built for {k}")
+        w = np.asarray(weights, np.float32).reshape(N)
+        count = float(w.sum())
+        g.write(self.t_ids, np.clip(tid, 0, self.cfg.vocab_size - 1).astype(np.uint32).reshape(-1))
+        g.write(self.t_probs, np.asarray(teacher_probs, np.float32).reshape(-1))
+        g.write(self.weights, w)
+        g.write(self.scale, np.array([1.0 / max(count, 1.0)], np.float32))
+        return count
+
+    # -- steps and evaluation ---------------------------------------------------------------------------
+
+    def step_rows(self, x, teacher_ids, teacher_probs, weights, update: AdamW | None = None) -> StepResult:
+        """x (B, T, C) block input rows; teacher top-k ids/probs (B, T, k); weights (B, T) 0/1. Forward,
+        top-k KL (mean over weighted rows), backward, and with `update` the clip and AdamW; one submit."""
+        count = self.upload_rows(x, teacher_ids, teacher_probs, weights)
+        rec = self.gpu.recorder()
+        self.net.zero_grads_call().record(rec)
+        self._fwd.record(rec)
+        self._head_train.record(rec)
+        self._sum.record(rec)
+        self._bwd.record(rec)
+        if update is not None:
+            self.net.optimizer_call(update).record(rec)
+        out = self.finish(rec, update is not None)
+        loss = float(out[0]) / max(count, 1.0)
+        finite = bool(np.isfinite(loss)) and (update is None or out[3] != 0)
+        norm = float(out[1]) if update is not None else math.nan
+        return StepResult(loss=loss, count=int(count), grad_norm=norm, finite=finite)
+
+    def loss_sum_rows(self, x, teacher_ids, teacher_probs, weights) -> float:
+        """Sum over rows of weight · top-k KL (evaluation; no gradients)."""
+        self.upload_rows(x, teacher_ids, teacher_probs, weights)
+        rec = self.gpu.recorder()
+        self._fwd.record(rec)
+        self._head_eval.record(rec)
+        self._sum.record(rec)
+        return float(self.finish(rec, False)[0])
+
+    def forward(self, x) -> None:
+        """Forward of input rows x (B, T, C); its output rows stay on the GPU (`xL`, `xf`)."""
+        self.upload_rows(x)
+        rec = self.gpu.recorder()
+        self._fwd.record(rec)
+        rec.submit()
+
+    def forward_rows(self, x) -> tuple[np.ndarray, np.ndarray]:
+        """Forward of input rows x (B, T, C) -> the block's (output, final-normed output), each (B, T, C)."""
+        self.upload_rows(x)
+        rec = self.gpu.recorder()
+        self._fwd.record(rec)
+        rec.submit()
+        return self.hidden()
+
+    def topk(self, x, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """One forward of input rows x (B, T, C), then per row the top-k next tokens (`Blocks.run_topk`)."""
+        self.upload_rows(x)
+        return self.run_topk(self._fwd, min(int(k), self.cfg.vocab_size))

@@ -1,0 +1,349 @@
+"""`--backend ref`: the numpy reference behind the engine's interface.
+
+`RefNet` / `RefWork` mirror `net.Net` / `trunk.TrunkWork` (load, export, snapshot/restore, step, loss_sum),
+so training, evaluation and healing run unchanged on either backend, and tests compare the two step by
+step. `RefTeacher` / `RefDraft` are heal's trunk and draft (`backend.Teacher`, `backend.Draft`), and
+`ref_runner` accept's draft step; `RefEngine` is generate's decoding engine (`backend.Engine`, over the
+caches of `ddl_ref.decode`). Arithmetic is float32 numpy through `ddl_ref`; nothing here is fast, all of
+it is readable. Nothing here imports wgpu.
+
+The BLAS under numpy runs on one thread once a command has chosen this backend (`one_blas_thread`), so that
+the same job gives the same bits wherever it runs: in a terminal, under `make` (OPENBLAS_NUM_THREADS=1), in a
+worker process or in a Ray task (Ray sets OMP_NUM_THREADS=1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ddl_ref import decode as ref_decode
+from ddl_ref import model as ref_model
+from ddl_ref import mtp as ref_mtp
+from ddl_ref import ops as ref_ops
+from ddl_ref.blocks import head_name
+from ddl_ref.config import ModelConfig
+from ddl_ref.optim import adamw_step, clip_multiplier, clip_multipliers, global_grad_norm
+from ddl_ref.params import init_params, param_table, trainable_names
+from ddl_wgpu.engine.layout import EMBED
+from ddl_wgpu.engine.step import DRAFT_ADAM, DRAFT_GRAD_CLIP, AdamW, StepResult
+
+if TYPE_CHECKING:
+    from ddl_wgpu.files.modelfile import Model
+
+
+def one_blas_thread() -> None:
+    """Run this process's BLAS (numpy's matrix products) on one thread from now on, whatever the environment
+    says (OPENBLAS_NUM_THREADS, OMP_NUM_THREADS, the number of cores). OpenBLAS takes another path through a
+    product, which sums in another order, when its thread count differs: its x86 kernels without AVX-512
+    (Haswell, Zen) do at most of the tiny preset's shapes, so a sweep's job gave other bits in a Ray task
+    (one thread) than in the driver (one per core). One thread is also the fastest at the shapes this
+    backend trains (the Makefile's note). Done through threadpoolctl; without it the process's setting stays."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return
+    threadpool_limits(1, user_api="blas")
+
+
+class RefNet:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict | None = None,
+        seed: int = 0,
+        trainable=None,
+        mtp_weight: float = 0.0,
+    ):
+        self.cfg = cfg
+        self.mtp_weight = float(mtp_weight)  # joint MTP training (cfg.mtp set): the draft loss's weight
+        self.table = param_table(cfg)
+        self.trainable = trainable_names([s.name for s in self.table], trainable)
+        self.load(params if params is not None else init_params(cfg, seed))
+        self._works: dict = {}
+
+    def load(self, params: dict):
+        self.params = {s.name: np.array(params[s.name], np.float32) for s in self.table}
+        self.state = {
+            "m": {n: np.zeros_like(p) for n, p in self.params.items()},
+            "v": {n: np.zeros_like(p) for n, p in self.params.items()},
+        }
+        self._grads = {n: np.zeros_like(p) for n, p in self.params.items()}
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(p.size) for p in self.params.values())
+
+    def export(self) -> dict:
+        return {n: p.copy() for n, p in self.params.items()}
+
+    def grads(self) -> dict:
+        return {n: g.copy() for n, g in self._grads.items()}
+
+    def moments(self):
+        return copy.deepcopy(self.state["m"]), copy.deepcopy(self.state["v"])
+
+    def load_moments(self, m: dict, v: dict):
+        self.state = {
+            "m": {n: np.array(m[n], np.float32) for n in self.params},
+            "v": {n: np.array(v[n], np.float32) for n in self.params},
+        }
+
+    def snapshot(self):
+        return self.export()
+
+    def export_snapshot(self, snap) -> dict:
+        return {n: p.copy() for n, p in snap.items()}
+
+    def restore(self, snap):
+        for n, p in snap.items():
+            self.params[n][...] = p
+
+    def work(self, batch: int, seq: int) -> RefWork:
+        if (batch, seq) not in self._works:
+            self._works[(batch, seq)] = RefWork(self, batch, seq)
+        return self._works[(batch, seq)]
+
+
+class RefWork:
+    def __init__(self, net: RefNet, batch: int, seq: int):
+        self.net, self.B, self.T = net, batch, seq
+
+    def step(self, ids, lengths=None, update: AdamW | None = None) -> StepResult:
+        net = self.net
+        w = net.mtp_weight if net.cfg.mtp is not None else None
+        _logits, loss, cache = ref_model.forward(net.params, net.cfg, ids, lengths, mtp_weight=w)
+        count = int(cache["loss"][1])
+        parts = (
+            {"loss_main": float(cache["loss_main"]), "loss_mtp": float(cache["loss_mtp"])}
+            if w is not None
+            else {}
+        )
+        grads = ref_model.backward(net.params, net.cfg, cache)
+        net._grads = {n: np.asarray(g, np.float32) for n, g in grads.items()}
+        norm = float("nan")
+        finite = bool(np.isfinite(loss)) and all(np.isfinite(g).all() for g in net._grads.values())
+        if update is not None:
+            tg = {n: net._grads[n] for n in net.trainable}
+            norm = global_grad_norm(tg)
+            if finite:
+                mult = clip_multipliers(tg, update.grad_clip, update.grad_clip_mode)
+                adamw_step(
+                    net.params,
+                    net._grads,
+                    net.state,
+                    update.lr,
+                    update.step,
+                    update.beta1,
+                    update.beta2,
+                    update.eps,
+                    update.weight_decay,
+                    mult,
+                    trainable=net.trainable,
+                )
+        return StepResult(loss=float(loss), count=count, grad_norm=norm, finite=finite, **parts)
+
+    def loss_sum(self, ids, lengths=None) -> tuple[float, int]:
+        _logits, loss, cache = ref_model.forward(self.net.params, self.net.cfg, ids, lengths)
+        count = int(cache["loss"][1])
+        return float(loss) * count, count
+
+    def spectral(self, ids, lengths=None) -> dict | None:
+        """The spectral snapshot of one forward (None for a baseline model)."""
+        if self.net.cfg.residual != "delta":
+            return None
+        cache = ref_model.forward(self.net.params, self.net.cfg, ids, lengths, spectral=True)[2]
+        return cache["spectral"]
+
+    def eval_batch(self, ids, lengths=None, spectral: bool = False) -> tuple[float, int, dict | None]:
+        """The loss sum, the prediction count and, with `spectral`, the snapshot (the engine's interface; the
+        reference keeps them as two readable forwards)."""
+        total, count = self.loss_sum(ids, lengths)
+        return total, count, (self.spectral(ids, lengths) if spectral else None)
+
+    def logits(self, ids) -> np.ndarray:
+        return ref_model.forward(self.net.params, self.net.cfg, ids)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# heal and accept: the frozen trunk, the draft trained alone, the draft's greedy step
+
+
+class RefTeacher:
+    """The trunk in numpy (`ddl_ref.mtp.trunk_topk_hidden`)."""
+
+    def __init__(self, params: dict, cfg: ModelConfig):
+        self.params, self.cfg = params, cfg
+
+    def topk_hidden(self, ids_batch, k: int):
+        return ref_mtp.trunk_topk_hidden(self.params, self.cfg, ids_batch, k)
+
+    def topk_rows(self, ids_batch, lengths, k: int):
+        """-> (top_ids, top_probs, the draft's step-1 block input rows (b, T, C) float32)
+        (`ddl_ref.mtp.step_input`)."""
+        ids = np.asarray(ids_batch)
+        top_ids, top_probs, pre, post = self.topk_hidden(ids, k)
+        hid = np.asarray(ref_mtp.pick_hidden(pre, post, self.cfg.mtp.trunk_hidden), np.float32)
+        valid = ref_mtp.step_valid(lengths, ids.shape[1], 1)
+        x = ref_mtp.step_input(self.params, self.cfg, ref_mtp.shifted(ids, 1), hid, valid)
+        return top_ids, top_probs, x
+
+    def release(self) -> None:
+        """Nothing to free (the GPU trunk frees its blocks' weights here)."""
+
+
+class RefDraft:
+    """The draft block + final norm in numpy float32, trained with Adam (`step.DRAFT_ADAM`, no weight decay,
+    the gradient scaled to a global norm <= `step.DRAFT_GRAD_CLIP`); everything else frozen. `kl_form`: the
+    top-k KL's form (`ddl_ref.ops.KL_FORMS`)."""
+
+    def __init__(self, params: dict, cfg: ModelConfig, init: dict | None = None, kl_form: str = "full"):
+        if kl_form not in ref_ops.KL_FORMS:
+            raise ValueError(f"kl form must be one of {list(ref_ops.KL_FORMS)}, got {kl_form!r}")
+        self.cfg, self.kl_form = cfg, kl_form
+        names = ref_mtp.trained_names(params)
+        src = init if init is not None else params
+        self.params = {n: np.array(src[n], np.float32) for n in names}
+        head = ref_mtp.head_weight(params, cfg)
+        self.shared = {head_name(cfg): head}
+        # the frozen input projection and embedding the next chain step's rows are built from (`next_rows`)
+        self.inputs = {n: params[n] for n in (EMBED, ref_mtp.ENORM, ref_mtp.HNORM, ref_mtp.EH_PROJ)}
+        self.state: dict = {"m": {}, "v": {}}
+
+    def _all(self) -> dict:
+        return {**self.shared, **self.params}
+
+    def step(self, x_rows, teacher_ids, teacher_probs, weights, lr, step, grad_scale, chain: int = 0):
+        weights = np.asarray(weights, np.float32)
+        count = max(float(weights.sum()), 1.0)
+        p = self._all()
+        with np.errstate(all="ignore"):
+            kl, cache = ref_mtp.draft_kl_forward(p, self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
+                                                 teacher_probs, weights, chain, self.kl_form)  # fmt: skip
+            loss = kl / count
+            # gradient of grad_scale * loss, unscaled again (the engine's f16 loss scaling; exact in f32)
+            _dx, grads = ref_mtp.draft_kl_backward(p, self.cfg, cache, dloss=float(grad_scale) / count)
+            grads = {n: g / np.float32(grad_scale) for n, g in grads.items()}
+            norm = global_grad_norm(grads)
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if finite:
+            adamw_step(self.params, grads, self.state, lr, step, *DRAFT_ADAM, weight_decay=0.0,
+                       grad_multiplier=clip_multiplier(norm, DRAFT_GRAD_CLIP))  # fmt: skip
+        # gradients are not kept between steps: a skipped step leaves nothing behind ("zeroed")
+        return float(loss), float(norm), bool(finite)
+
+    def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float:
+        kl, _ = ref_mtp.draft_kl_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
+                                         teacher_probs, np.asarray(weights, np.float32), chain,
+                                         self.kl_form)  # fmt: skip
+        return float(kl)
+
+    def hidden_out(self, x_rows, chain: int = 0):
+        pre, post, _ = ref_mtp.draft_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), chain)
+        return pre, post
+
+    def next_rows(self, x_rows, next_tokens, valid, chain: int = 0):
+        """The block input rows of the next chain step from this draft's output on x_rows (with `chain`, the
+        output's last step): `ddl_ref.mtp.step_input` of the tokens (b, T) on the `chain_hidden` rows."""
+        pre, post = self.hidden_out(x_rows, chain)
+        T = np.shape(next_tokens)[1]
+        hid = ref_mtp.pick_hidden(pre[:, -T:], post[:, -T:], self.cfg.mtp.chain_hidden)
+        return ref_mtp.step_input(self.inputs, self.cfg, next_tokens, np.asarray(hid, np.float32), valid)
+
+    def snapshot(self):
+        return {n: p.copy() for n, p in self.params.items()}
+
+    def restore(self, snap) -> None:
+        for n, p in snap.items():
+            self.params[n][...] = p
+
+    def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None:
+        """Nothing: host memory is allocated as heal goes (the GPU draft allocates its phase up front)."""
+
+    @contextlib.contextmanager
+    def using(self, snap):
+        """Within the block the draft's forwards run on the weights `snap` (heal's lazy refresh); the trained
+        weights, untouched, are back after it."""
+        own, self.params = self.params, snap
+        try:
+            yield
+        finally:
+            self.params = own
+
+    def export(self) -> dict:
+        return {n: p.copy() for n, p in self.params.items()}
+
+
+def ref_runner(params: dict, cfg):
+    """The numpy draft step for `accept.greedy_chain`: runner(x_rows, chain=0) -> (argmax, pre, post), all
+    rows, on the weights in `params` as given (no float32 copy: the measurement reads them as stored)."""
+
+    def run(x_rows, chain: int = 0):
+        pre, post, _ = ref_mtp.draft_forward(params, cfg, x_rows, chain)
+        return np.argmax(ref_mtp.draft_logits(params, cfg, post), axis=-1), pre, post
+
+    return run
+
+
+class RefEngine:
+    """`backend.Engine` over `ddl_ref.decode` (float32 numpy): trunk and draft caches, the trunk's hidden rows
+    and the tokens by position for the draft's catch-up rows. Every trunk decodes here, hybrids included; on a
+    hybrid, `rollback` goes back only into the last `feed`'s rows or to 0 (`ddl_ref.decode.TrunkCache`)."""
+
+    backend = "ref"
+
+    def __init__(self, model: Model, depth: int = 0, capacity: int | None = None):
+        self.params, self.cfg = model.params, model.cfg
+        cap = self.cfg.max_seq_len if capacity is None else int(capacity)
+        self.trunk = ref_decode.TrunkCache(self.cfg, cap)
+        self.dcache = ref_decode.DraftCache(self.cfg, cap + depth) if depth else None
+        self.hidden = np.zeros((cap, self.cfg.d_model), np.float32) if depth else None
+        self.ids = np.zeros(cap + 1, np.int64)
+
+    @property
+    def length(self) -> int:
+        return self.trunk.length
+
+    def feed(self, ids, head: str, last_only: bool = False, ahead: bool = False) -> np.ndarray:
+        start = self.trunk.length  # `ahead` is a GPU engine's hint: numpy has nothing to run ahead
+        ids = np.asarray(ids, np.int64)
+        pre, post, logits = ref_decode.trunk_step(self.params, self.cfg, self.trunk, ids)
+        self.ids[start : start + ids.size] = ids
+        if self.hidden is not None:
+            self.hidden[start : start + ids.size] = ref_mtp.pick_hidden(pre, post, self.cfg.mtp.trunk_hidden)
+        logits = logits[-1:] if last_only else logits
+        return np.argmax(logits, axis=-1) if head == "argmax" else logits
+
+    def rollback(self, length: int) -> None:
+        self.trunk.rollback(length)
+        if self.dcache is not None and self.dcache.length > length:
+            self.dcache.rollback(length)
+
+    def draft(self, token: int, depth: int, head: str, pick: Callable | None):
+        """Draft `depth` tokens after `token` (the next, not yet fed token) -> (tokens, logits per step)."""
+        n, dc = self.trunk.length, self.dcache
+        self.ids[n] = token
+        a = dc.length  # catch-up: step-1 rows for anchors a..n−1
+        pre, post, logits = ref_decode.draft_step(self.params, self.cfg, dc, self.ids[a + 1 : n + 1],
+                                                  self.hidden[a:n], np.arange(a, n))  # fmt: skip
+        tokens, rows = [], []
+        for sigma in range(1, depth + 1):
+            rows.append(logits[-1])
+            tokens.append(int(np.argmax(logits[-1])) if head == "argmax" else pick(logits[-1]))
+            if sigma < depth:
+                hid = ref_mtp.pick_hidden(pre, post, self.cfg.mtp.chain_hidden)[-1:]
+                pre, post, logits = ref_decode.draft_step(self.params, self.cfg, dc, tokens[-1:], hid,
+                                                          [n + sigma - 1])  # fmt: skip
+        dc.rollback(n)  # the chain rows go; the step-1 rows of anchors 0..n−1 stay
+        return tokens, rows
+
+    def round(self, token: int, depth: int) -> tuple[list[int], np.ndarray]:
+        """A greedy round: `depth` drafts after `token`, then the trunk over [token, drafts] -> (drafts, the
+        argmax of every verify row)."""
+        drafts, _ = self.draft(token, depth, "argmax", None)
+        return drafts, self.feed([token, *drafts], "argmax")

@@ -1,0 +1,4 @@
+"""The WebGPU device layer: adapter, kernels compiled once, buffers, recorded passes, submits and read-back
+(gpu.py), its errors, the WGSL sources it compiles (shader_files), the decoder's read-back buffer (readback)
+and the smoke-test kernel (selftest). Knows nothing of models; imports only errors.
+"""
