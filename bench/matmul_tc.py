@@ -1,0 +1,274 @@
+"""The subgroup-matrix GEMM (`shaders/matmul_tc.wgsl`) on Dawn: its adapter's configurations, each tile of a
+sweep checked against numpy and timed at the Qwen3.8-27B products, beside PyTorch bf16 in the same run.
+
+    python3 bench/matmul_tc.py [--sweep] [--tiles 2x2sg-4x4-k32,...] [--json PATH]
+
+Dawn is started with the toggles the engine uses: allow_unsafe_apis (the subgroup-matrix feature),
+vulkan_enable_f16_on_nvidia (f16 on NVIDIA's Vulkan driver) and disable_robustness (no bounds checks, as
+wgpu-native's trusted modules). Every tile is first checked at an odd shape in the three layouts of a linear
+layer (forward NT, dx NN, dW TN) against a float64 product of the same f16-rounded operands: a tile whose error
+passes the f16 tolerance is timed, one that fails is reported and dropped. Timing: `reps` dispatches in one
+pass, waited for by reading 16 bytes back, best of 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402,F401  (puts the repository root on sys.path)
+
+from ddl_wgpu.ops import matmul_tc as tc  # noqa: E402
+from ddl_wgpu.runtime.shader_files import shader_source  # noqa: E402
+
+TOGGLES = ["allow_unsafe_apis", "vulkan_enable_f16_on_nvidia", "disable_robustness"]
+# (name, M, N, K, trans_a, trans_b): the 27B's products at 16 x 1024 rows (forward x W^T is NT, dx = dy W is
+# NN, dW = dy^T x is TN)
+SHAPES = (
+    ("mlp gate/up fwd", 16384, 17408, 5120, False, True),
+    ("mlp down fwd", 16384, 5120, 17408, False, True),
+    ("attn q+gate fwd", 16384, 12288, 5120, False, True),
+    ("mlp up dx", 16384, 5120, 17408, False, False),
+    ("mlp up dW", 17408, 5120, 16384, True, False),
+)
+DEFAULT_TILES = ("2x2sg-4x4-k32", "2x2sg-4x4-k64", "4x2sg-2x4-k32", "2x4sg-4x2-k32", "2x2sg-2x4-k32",
+                 "4x4sg-2x2-k32", "2x2sg-4x4-k32-p0")  # fmt: skip
+
+
+def parse_tile(text: str) -> tc.TcTile:
+    """'2x2sg-4x4-k32[-pA[.B]]' -> TcTile(sg_rows=2, sg_cols=2, tm=4, tn=4, bk=32, pads)."""
+    parts = text.split("-")
+    sr, sc = map(int, parts[0].removesuffix("sg").split("x"))
+    tm, tn = map(int, parts[1].split("x"))
+    bk = int(parts[2].removeprefix("k"))
+    pa = pb = 8
+    if len(parts) > 3:
+        pads = parts[3].removeprefix("p").split(".")
+        pa = int(pads[0])
+        pb = int(pads[1]) if len(pads) > 1 else pa
+    return tc.TcTile(sr, sc, tm, tn, bk, pa, pb)
+
+
+def dawn_device():
+    import wgpudawn as wgpu
+    from wgpudawn.backends.dawn import extras
+
+    extras.set_instance_extras(enable_toggles=TOGGLES)
+    ad = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+    props = extras.get_adapter_properties(ad)
+    want = [f for f in ("shader-f16", "subgroups", "chromium-experimental-subgroup-matrix", "timestamp-query")
+            if f in ad.features]  # fmt: skip
+    dev = ad.request_device_sync(required_features=want, required_limits={
+        "max-storage-buffer-binding-size": ad.limits["max-storage-buffer-binding-size"],
+        "max-buffer-size": ad.limits["max-buffer-size"],
+        "max-compute-workgroup-storage-size": ad.limits["max-compute-workgroup-storage-size"],
+        "max-compute-invocations-per-workgroup": ad.limits["max-compute-invocations-per-workgroup"],
+        "max-compute-workgroup-size-x": ad.limits["max-compute-workgroup-size-x"]})  # fmt: skip
+    return wgpu, ad, dev, props
+
+
+class Runner:
+    def __init__(self, wgpu, dev, sg: int):
+        self.wgpu, self.dev, self.sg = wgpu, dev, sg
+        self.cache = {}
+
+    def buffer(self, array: np.ndarray):
+        U = self.wgpu.BufferUsage
+        return self.dev.create_buffer_with_data(data=np.ascontiguousarray(array),
+                                                usage=U.STORAGE | U.COPY_SRC | U.COPY_DST)  # fmt: skip
+
+    def pipeline(self, tile, cfg, ta, tb, adt, bdt):
+        key = (tile, cfg, ta, tb, adt, bdt)
+        if key not in self.cache:
+            src = shader_source(tc.SHADER, {**tc.templates(tile, cfg, self.sg, ta, tb, adt, bdt),
+                                            "struct TcParams": tc.PARAMS.wgsl()})  # fmt: skip
+            if os.environ.get("TC_ENABLE_SUBGROUPS"):
+                src = src.replace("enable f16;", "enable f16;\nenable subgroups;", 1)
+            mod = self.dev.create_shader_module(code=src)
+            self.cache[key] = self.dev.create_compute_pipeline(
+                layout="auto", compute={"module": mod, "entry_point": "matmul_tc"}
+            )
+        return self.cache[key]
+
+    def run(self, tile, cfg, A, B, C, M, N, K, ta, tb, adt="f32", bdt="f32", reps=1, accumulate=0, alpha=1.0):
+        pipe = self.pipeline(tile, cfg, ta, tb, adt, bdt)
+        lda = M if ta else K
+        ldb = K if tb else N
+        params = tc.PARAMS.pack(M=M, N=N, K=K, lda=lda, ldb=ldb, ldc=N, off_a=0, off_b=0, off_c=0, stride_a=0,
+                                stride_b=0, stride_c=0, accumulate=accumulate, alpha=alpha)  # fmt: skip
+        U = self.wgpu.BufferUsage
+        ub = self.dev.create_buffer_with_data(data=params, usage=U.UNIFORM)
+        bg = self.dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
+            {"binding": i, "resource": {"buffer": b}} for i, b in enumerate((A, B, C, ub))])  # fmt: skip
+        g = tc.groups(tile, cfg, M, N)
+        enc = self.dev.create_command_encoder()
+        p = enc.begin_compute_pass()
+        p.set_pipeline(pipe)
+        p.set_bind_group(0, bg)
+        for _ in range(reps):
+            p.dispatch_workgroups(*g)
+        p.end()
+        self.dev.queue.submit([enc.finish()])
+        self.dev.queue.read_buffer(C, 0, 16)
+
+
+def check(r: Runner, tile, cfg, rng) -> float:
+    """The largest error of the three layouts at an odd shape, relative to the largest |C|, with f32 and f16
+    operands in storage, and accumulate with alpha."""
+    M, N, K = 200, 264, 328
+    worst = 0.0
+    for ta, tb in ((False, True), (False, False), (True, False)):
+        for adt, bdt in (("f32", "f32"), ("f32", "f16"), ("f16", "f16")):
+            a = rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32)
+            b = rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32)
+            c0 = rng.standard_normal((M, N)).astype(np.float32)
+            a16, b16 = a.astype(np.float16), b.astype(np.float16)
+            want = (
+                0.5 * ((a16.T if ta else a16).astype(np.float64) @ (b16.T if tb else b16).astype(np.float64))
+                + c0
+            )
+            A = r.buffer(a16 if adt == "f16" else a)
+            B = r.buffer(b16 if bdt == "f16" else b)
+            C = r.buffer(c0)
+            r.run(tile, cfg, A, B, C, M, N, K, ta, tb, adt, bdt, accumulate=1, alpha=0.5)
+            got = np.frombuffer(r.dev.queue.read_buffer(C), np.float32).reshape(M, N)
+            worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    return worst
+
+
+def time_shape(r: Runner, tile, cfg, shape, rng, reps=10) -> float:
+    name, M, N, K, ta, tb = shape
+    a = rng.standard_normal((K, M) if ta else (M, K)).astype(np.float16)
+    b = rng.standard_normal((N, K) if tb else (K, N)).astype(np.float16)
+    A, B = r.buffer(a), r.buffer(b)
+    C = r.buffer(np.zeros((M, N), np.float32))
+    r.run(tile, cfg, A, B, C, M, N, K, ta, tb, "f16", "f16", reps=1)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        r.run(tile, cfg, A, B, C, M, N, K, ta, tb, "f16", "f16", reps=reps)
+        best = min(best, (time.perf_counter() - t) / reps)
+    for buf in (A, B, C):
+        buf.destroy()
+    return 2 * M * N * K / best / 1e12
+
+
+def torch_tflops(shape, reps=10) -> float | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    _, M, N, K, ta, tb = shape
+    a = torch.randn((K, M) if ta else (M, K), device="cuda", dtype=torch.bfloat16)
+    b = torch.randn((N, K) if tb else (K, N), device="cuda", dtype=torch.bfloat16)
+    x, y = (a.t() if ta else a), (b.t() if tb else b)
+    f = lambda: x @ y  # noqa: E731
+    f()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            f()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / reps)
+    torch.cuda.empty_cache()
+    return 2 * M * N * K / best / 1e12
+
+
+def simt_tflops(shapes, reps=5) -> dict:
+    """Today's SIMT GEMM (`ops.matmul`, wgpu-native) at the same shapes: f32 activations, f16 weights where
+    the f16 trunk has them (the forward's B), f32 otherwise; in a subprocess-free second device."""
+    from ddl_wgpu.ops import matmul as mm
+    from ddl_wgpu.runtime.gpu import Gpu
+
+    gpu = Gpu()
+    out = {}
+    for name, M, N, K, ta, tb in shapes:
+        bdt = "f16" if tb else "f32"
+        a = gpu.buffer(4 * M * K, label="a")
+        b = gpu.buffer((2 if bdt == "f16" else 4) * N * K, label="b")
+        c = gpu.buffer(4 * M * N, label="c")
+        call = mm.matmul(gpu, c, a, b, M, N, K, trans_a=ta, trans_b=tb, b_dtype=bdt)
+        call.run(gpu)
+        gpu.wait()
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(reps):
+                call.run(gpu)
+            gpu.wait()
+            best = min(best, (time.perf_counter() - t) / reps)
+        out[name] = 2 * M * N * K / best / 1e12
+        gpu.release(a, b, c)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiles", default=",".join(DEFAULT_TILES))
+    ap.add_argument("--shapes", default="all", help="all, or the first N of SHAPES")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--simt", action="store_true", help="also time today's SIMT GEMM (wgpu-native)")
+    args = ap.parse_args(argv)
+    wgpu, ad, dev, props = dawn_device()
+    cfgs = props.get("subgroup_matrix_configs", [])
+    print("adapter:", ad.summary)
+    print("toggles:", TOGGLES)
+    print("subgroup_matrix_configs:", cfgs)
+    sg = ad.limits.get("max-subgroup-size", 32) or 32
+    usable = [tc.Config(c["m"], c["n"], c["k"]) for c in cfgs
+              if c["component_type"] == "f16" and c["result_component_type"] == "f32"]  # fmt: skip
+    if not usable:
+        print("no f16 -> f32 subgroup-matrix configuration on this adapter")
+        return 1
+    r = Runner(wgpu, dev, sg)
+    rng = np.random.default_rng(0)
+    shapes = SHAPES if args.shapes == "all" else SHAPES[: int(args.shapes)]
+    results = {"adapter": ad.summary, "configs": cfgs, "toggles": TOGGLES, "rows": []}
+    peers = {s[0]: torch_tflops(s) for s in shapes}
+    print("pytorch bf16:", {k: (round(v, 1) if v else v) for k, v in peers.items()}, flush=True)
+    if args.simt:
+        results["simt"] = simt_tflops(shapes)
+        print("simt (wgpu-native):", {k: round(v, 1) for k, v in results["simt"].items()}, flush=True)
+    limit = ad.limits["max-compute-workgroup-storage-size"]
+    for cfg in usable:
+        for text in args.tiles.split(","):
+            tile = parse_tile(text)
+            if tile.bk % cfg.k or tc.workgroup_bytes(tile, cfg) > limit:
+                continue
+            label = f"{cfg.m}x{cfg.n}x{cfg.k} {tile.name()}"
+            try:
+                err = check(r, tile, cfg, rng)
+            except Exception as e:  # a compile failure is an answer for this tile
+                print(f"{label}: failed: {str(e)[:600]}", flush=True)
+                continue
+            row = {"config": [cfg.m, cfg.n, cfg.k], "tile": tile.name(), "max_rel_err": err, "tflops": {}}
+            if err > 2e-3:
+                print(f"{label}: WRONG, max rel err {err:.2e}", flush=True)
+                results["rows"].append(row)
+                continue
+            for s in shapes:
+                row["tflops"][s[0]] = time_shape(r, tile, cfg, s, rng)
+            results["rows"].append(row)
+            print(
+                f"{label}: err {err:.1e} " + " ".join(f"{k}={v:.1f}" for k, v in row["tflops"].items()),
+                flush=True,
+            )
+    results["pytorch_bf16"] = peers
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

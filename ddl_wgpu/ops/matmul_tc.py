@@ -1,0 +1,216 @@
+"""Launcher for `shaders/matmul_tc.wgsl`: the GEMM on the matrix units through WGSL subgroup matrices.
+
+Kernel path: `shaders/matmul_tc.wgsl` -> `ddl_wgpu/ops/matmul_tc.py` -> reference `ddl_ref.ops.linear_forward`,
+`ddl_ref.ops.linear_backward` -> test `tests/test_kernel_matmul_tc.py` (on a GPU that lists a configuration;
+skipped with the reason elsewhere).
+
+`matmul_tc` computes what `ops.matmul.matmul` computes, C = alpha * op(A) * op(B) (+ C) with one batch level,
+but each product runs on the matrix units: the operands are rounded to f16 as they are copied into workgroup
+memory and every sum accumulates in f32. It needs a runtime whose adapter lists a subgroup-matrix configuration
+with f16 operands and f32 results (`Gpu.matrix_configs`; Dawn on NVIDIA, AMD and Intel GPUs); `ops.matmul`
+routes a product here when the Gpu has one and the product is one this kernel takes (no causal mode, no
+two-level batch).
+
+The WGSL is generated from a `TcTile` (subgroups per workgroup as rows x columns, result matrices per subgroup,
+the k depth of one workgroup-memory step) and the configuration's matrix shape (MM x NN x KK): staging copies,
+accumulators, products and the epilogue straight-line, so every offset into workgroup memory is a constant.
+The tiles come from a sweep on the GPU (`bench/matmul_tc.py --sweep`), as the SIMT tiles did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddl_wgpu.runtime.gpu import Uniform
+
+SHADER = "matmul_tc.wgsl"
+PARAMS = Uniform(
+    "TcParams",
+    ("M", "u32"),
+    ("N", "u32"),
+    ("K", "u32"),
+    ("lda", "u32"),
+    ("ldb", "u32"),
+    ("ldc", "u32"),
+    ("off_a", "u32", "element offsets"),
+    ("off_b", "u32"),
+    ("off_c", "u32"),
+    ("stride_a", "u32", "elements between batch entries"),
+    ("stride_b", "u32"),
+    ("stride_c", "u32"),
+    ("accumulate", "u32", "1: C = alpha*op(A)op(B) + C"),
+    ("alpha", "f32"),
+    ("pad0", "pad"),
+    ("pad1", "pad"),
+)
+UNIFORMS = (PARAMS,)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One subgroup-matrix configuration of an adapter: left M x K times right K x N into an M x N result."""
+
+    m: int
+    n: int
+    k: int
+    operand: str = "f16"
+    result: str = "f32"
+
+
+@dataclass(frozen=True)
+class TcTile:
+    """A workgroup of sg_rows x sg_cols subgroups; each subgroup owns tm x tn result matrices; bk is the k depth
+    of one workgroup-memory step (a multiple of the configuration's k); pad_a / pad_b widen the rows of the
+    staged tiles (f16 elements) against bank conflicts."""
+
+    sg_rows: int = 2
+    sg_cols: int = 2
+    tm: int = 4
+    tn: int = 4
+    bk: int = 32
+    pad_a: int = 8
+    pad_b: int = 8
+
+    def block(self, cfg: Config) -> tuple[int, int]:
+        return self.sg_rows * self.tm * cfg.m, self.sg_cols * self.tn * cfg.n
+
+    def name(self) -> str:
+        return f"{self.sg_rows}x{self.sg_cols}sg-{self.tm}x{self.tn}-k{self.bk}-p{self.pad_a}.{self.pad_b}"
+
+
+def _stage(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool) -> str:
+    """The copies of one K step into As / Bs, unrolled; each reads global memory along its operand's contiguous
+    axis: A (M, K) along k, A stored (K, M) along m; B (K, N) along n, B stored (N, K) along k."""
+    BM, BN = tile.block(cfg)
+    BK, SA, SB = tile.bk, tile.bk + tile.pad_a, BN + tile.pad_b
+    lines = []
+    for e in range(-(-(BM * BK) // threads)):
+        guard = "" if (e + 1) * threads <= BM * BK else f"if (li + {e * threads}u < {BM * BK}u) "
+        if trans_a:  # (k, m) in storage: consecutive threads take consecutive m
+            rc = f"let r = (li + {e * threads}u) % {BM}u; let q = (li + {e * threads}u) / {BM}u;"
+            src = "a[oa + (k0 + q) * P.lda + m0 + r]"
+        else:
+            rc = f"let r = (li + {e * threads}u) / {BK}u; let q = (li + {e * threads}u) % {BK}u;"
+            src = "a[oa + (m0 + r) * P.lda + k0 + q]"
+        lines.append(
+            f"        {guard}{{ {rc} var v = f16(0.0); "
+            f"if (m0 + r < P.M && k0 + q < P.K) {{ v = f16({src}); }} As[r * {SA}u + q] = v; }}"
+        )
+    for e in range(-(-(BK * BN) // threads)):
+        guard = "" if (e + 1) * threads <= BK * BN else f"if (li + {e * threads}u < {BK * BN}u) "
+        if trans_b:  # (n, k) in storage: consecutive threads take consecutive k
+            rc = f"let q = (li + {e * threads}u) % {BK}u; let s = (li + {e * threads}u) / {BK}u;"
+            src = "b[ob + (n0 + s) * P.ldb + k0 + q]"
+        else:
+            rc = f"let q = (li + {e * threads}u) / {BN}u; let s = (li + {e * threads}u) % {BN}u;"
+            src = "b[ob + (k0 + q) * P.ldb + n0 + s]"
+        lines.append(
+            f"        {guard}{{ {rc} var v = f16(0.0); "
+            f"if (n0 + s < P.N && k0 + q < P.K) {{ v = f16({src}); }} Bs[q * {SB}u + s] = v; }}"
+        )
+    return "\n".join(lines)
+
+
+def _products(tile: TcTile, cfg: Config) -> str:
+    BN = tile.block(cfg)[1]
+    SA, SB = tile.bk + tile.pad_a, BN + tile.pad_b
+    left = f"subgroup_matrix_left<f16, {cfg.k}, {cfg.m}>"
+    right = f"subgroup_matrix_right<f16, {cfg.n}, {cfg.k}>"
+    lines = []
+    for kk in range(0, tile.bk, cfg.k):
+        for i in range(tile.tm):
+            lines.append(
+                f"        let l{i}_{kk} = subgroupMatrixLoad<{left}>(&As, (sm + {i * cfg.m}u) * {SA}u + {kk}u, false, {SA}u);"
+            )
+        for j in range(tile.tn):
+            lines.append(
+                f"        let r{j}_{kk} = subgroupMatrixLoad<{right}>(&Bs, {kk * SB}u + sn + {j * cfg.n}u, false, {SB}u);"
+            )
+        for i in range(tile.tm):
+            for j in range(tile.tn):
+                lines.append(
+                    f"        c{i}_{j} = subgroupMatrixMultiplyAccumulate(l{i}_{kk}, r{j}_{kk}, c{i}_{j});"
+                )
+    return "\n".join(lines)
+
+
+def _epilogue(tile: TcTile, cfg: Config) -> str:
+    lines = []
+    for i in range(tile.tm):
+        for j in range(tile.tn):
+            lines += [
+                f"    subgroupMatrixStore(&Cs, slab, c{i}_{j}, false, {cfg.n}u);",
+                "    workgroupBarrier();",
+                f"    for (var e = lane; e < {cfg.m * cfg.n}u; e += sg_size) {{",
+                f"        let row = m0 + sm + {i * cfg.m}u + e / {cfg.n}u;",
+                f"        let col = n0 + sn + {j * cfg.n}u + e % {cfg.n}u;",
+                "        if (row < P.M && col < P.N) {",
+                "            let o = oc + row * P.ldc + col;",
+                "            var v = P.alpha * Cs[slab + e];",
+                "            if (P.accumulate == 1u) { v += c[o]; }",
+                "            c[o] = v;",
+                "        }",
+                "    }",
+                "    workgroupBarrier();",
+            ]
+    return "\n".join(lines)
+
+
+def templates(
+    tile: TcTile,
+    cfg: Config,
+    subgroup_size: int,
+    trans_a: bool,
+    trans_b: bool,
+    a_dtype: str = "f32",
+    b_dtype: str = "f32",
+) -> dict:
+    """The placeholders of matmul_tc.wgsl for one tile, configuration, layout and operand types."""
+    if tile.bk % cfg.k:
+        raise ValueError(f"tile bk={tile.bk} is not a multiple of the configuration's k={cfg.k}")
+    BM, BN = tile.block(cfg)
+    threads = tile.sg_rows * tile.sg_cols * subgroup_size
+    SA, SB = tile.bk + tile.pad_a, BN + tile.pad_b
+    subgroups = tile.sg_rows * tile.sg_cols
+    consts = "\n".join(
+        f"const {n}: u32 = {v}u;"
+        for n, v in (
+            ("BM", BM),
+            ("BN", BN),
+            ("BK", tile.bk),
+            ("MM", cfg.m),
+            ("NN", cfg.n),
+            ("TM", tile.tm),
+            ("TN", tile.tn),
+            ("SG_COLS", tile.sg_cols),
+        )  # fmt: skip
+    )
+    acc = f"subgroup_matrix_result<f32, {cfg.n}, {cfg.m}>"
+    return {
+        "a_array": a_dtype,
+        "b_array": b_dtype,
+        "consts": consts,
+        "as_size": str(BM * SA),
+        "bs_size": str(tile.bk * SB),
+        "cs_size": str(subgroups * cfg.m * cfg.n),
+        "threads": str(threads),
+        "accumulators": "\n".join(
+            f"    var c{i}_{j} = {acc}();" for i in range(tile.tm) for j in range(tile.tn)
+        ),
+        "stage": _stage(tile, cfg, threads, trans_a, trans_b),
+        "products": _products(tile, cfg),
+        "epilogue": _epilogue(tile, cfg),
+    }
+
+
+def workgroup_bytes(tile: TcTile, cfg: Config) -> int:
+    BM, BN = tile.block(cfg)
+    return (
+        2 * (BM * (tile.bk + tile.pad_a) + tile.bk * (BN + tile.pad_b))
+        + 4 * tile.sg_rows * tile.sg_cols * cfg.m * cfg.n
+    )
+
+
+def groups(tile: TcTile, cfg: Config, M: int, N: int, batch: int = 1) -> tuple[int, int, int]:
+    BM, BN = tile.block(cfg)
+    return -(-N // BN), -(-M // BM), batch
