@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddl_wgpu.runtime.gpu import Uniform
+from ddl_wgpu.runtime.gpu import MAX_GROUPS, Call, GpuError, Uniform
 
 SHADER = "matmul_tc.wgsl"
 PARAMS = Uniform(
@@ -214,3 +214,106 @@ def workgroup_bytes(tile: TcTile, cfg: Config) -> int:
 def groups(tile: TcTile, cfg: Config, M: int, N: int, batch: int = 1) -> tuple[int, int, int]:
     BM, BN = tile.block(cfg)
     return -(-N // BN), -(-M // BM), batch
+
+
+# The tile every product uses until a sweep on the GPU says otherwise (bench/matmul_tc.py).
+DEFAULT_TILE = TcTile()
+OPERANDS = {"f32": 4, "f16": 2}  # element bytes of A and B in storage
+
+
+def usable_config(gpu) -> Config | None:
+    """The configuration `ops.matmul` routes products to: one with f16 operands and f32 results among the Gpu's
+    subgroup-matrix configurations (16 x 16 x 16 first, the shape NVIDIA and AMD run natively), when the Gpu's
+    products are on the matrix units (`gpu.products == "matrix"`); None otherwise."""
+    if getattr(gpu, "products", "simt") != "matrix":
+        return None
+    found = [Config(*c[:3]) for c in getattr(gpu, "matrix_configs", ()) if tuple(c[3:5]) == ("f16", "f32")]
+    found.sort(key=lambda c: (c != Config(16, 16, 16), -c.m * c.n * c.k))
+    return found[0] if found else None
+
+
+def subgroup_size(gpu) -> int:
+    """The subgroup size the kernel's workgroup is counted in: the adapter's (its largest, where it has a range,
+    as Dawn sizes subgroup-matrix workgroups)."""
+    return int(gpu.limits.get("max-subgroup-size") or gpu.limits.get("min-subgroup-size") or 32)
+
+
+def kernel(gpu, cfg: Config, tile: TcTile, trans_a: bool, trans_b: bool, a_dtype: str, b_dtype: str):
+    """The compiled `matmul_tc` entry point for one configuration, tile, layout and operand types."""
+    sg = subgroup_size(gpu)
+    limit = gpu.limits.get("max-compute-workgroup-storage-size", 16384)
+    if workgroup_bytes(tile, cfg) > limit:
+        raise GpuError(f"matmul_tc: tile {tile.name()} needs {workgroup_bytes(tile, cfg)} bytes of workgroup "
+                       f"memory, the adapter has {limit}")  # fmt: skip
+    threads = tile.sg_rows * tile.sg_cols * sg
+    return gpu.kernel(
+        SHADER,
+        "matmul_tc",
+        "rrwu",
+        templates=templates(tile, cfg, sg, trans_a, trans_b, a_dtype, b_dtype),
+        workgroup=(threads, 1, 1),
+        uniforms=UNIFORMS,
+    )
+
+
+def matmul_tc(
+    gpu,
+    c,
+    a,
+    b,
+    M: int,
+    N: int,
+    K: int,
+    trans_a: bool = False,
+    trans_b: bool = False,
+    accumulate: bool = False,
+    alpha: float = 1.0,
+    lda: int | None = None,
+    ldb: int | None = None,
+    ldc: int | None = None,
+    offsets: tuple[int, int, int] = (0, 0, 0),
+    strides: tuple[int, int, int] = (0, 0, 0),
+    batch: int = 1,
+    a_dtype: str = "f32",
+    b_dtype: str = "f32",
+    cfg: Config | None = None,
+    tile: TcTile | None = None,
+) -> Call:
+    """C = alpha * op(A) * op(B) (+ C when `accumulate`) on the matrix units, for `batch` products whose
+    operands start at offsets[i] + z * strides[i] (elements). Sizes as `ops.matmul.matmul`. `cfg` defaults to
+    `usable_config(gpu)` (an error when there is none), `tile` to DEFAULT_TILE."""
+    cfg = cfg or usable_config(gpu)
+    if cfg is None:
+        raise GpuError(f"matmul_tc: {gpu.name} lists no f16 -> f32 subgroup-matrix configuration in use")
+    if a_dtype not in OPERANDS or b_dtype not in OPERANDS:
+        raise GpuError(f"matmul_tc: operand types {a_dtype}, {b_dtype}: each one of {list(OPERANDS)}")
+    tile = tile or DEFAULT_TILE
+    M, N, K, batch = int(M), int(N), int(K), int(batch)
+    lda = int(lda if lda is not None else (M if trans_a else K))
+    ldb = int(ldb if ldb is not None else (K if trans_b else N))
+    ldc = int(ldc if ldc is not None else N)
+    if M == 0 or N == 0 or batch == 0:
+        return Call()
+    g = groups(tile, cfg, M, N, batch)
+    if max(g) > MAX_GROUPS:
+        raise GpuError(f"matmul_tc: {g} workgroups exceed {MAX_GROUPS} per dimension; split the product")
+    k = kernel(gpu, cfg, tile, trans_a, trans_b, a_dtype, b_dtype)
+    u = gpu.uniform(
+        PARAMS,
+        M=M,
+        N=N,
+        K=K,
+        lda=lda,
+        ldb=ldb,
+        ldc=ldc,
+        off_a=offsets[0],
+        off_b=offsets[1],
+        off_c=offsets[2],
+        stride_a=strides[0],
+        stride_b=strides[1],
+        stride_c=strides[2],
+        accumulate=int(accumulate),
+        alpha=alpha,
+        label="matmul_tc",
+    )
+    return Call(dispatches=[(k, gpu.bind(k, a, b, c, u), g)], uniforms=[u])
