@@ -347,3 +347,18 @@ def test_cli_precision(cli, ok, corpus_words, tmp_path):
     assert "precision: mixed (the run's)" in r.stdout
     rep = json.loads((tmp_path / "m" / "baseline" / "report.json").read_text())
     assert rep["history"][-1]["loss_scale"] == 2.0**18  # the new phase continues the run's scaler
+
+
+def test_a_sweep_resolves_auto_per_job_and_resumes(cli, ok, corpus_words, tmp_path):
+    """A sweep's record keeps `auto`; each job records what it resolved to, and resuming the sweep holds the
+    two to be the same options."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(" ".join(corpus_words * 30))
+    args = ["--variants", "baseline", "--max-steps", "2", "--eval-interval", "2", "--batch-size", "2",
+            "--seq-len", "16", "--eval-batches", "1", "--no-plots", "--backend", "ref", *cli_sizes("train")]  # fmt: skip
+    ok(cli("train", "--data", corpus, "--out", tmp_path / "s", "--seeds", "0,1", "--stop-after", "1", *args))
+    rep = json.loads((tmp_path / "s" / "baseline" / "seed-0" / "report.json").read_text())
+    assert rep["training"]["precision"] == "f32"
+    ok(cli("resume", tmp_path / "s"))
+    comp = json.loads((tmp_path / "s" / "report.json").read_text())
+    assert [r["steps_completed"] for r in comp["reports"]] == [2, 2]
