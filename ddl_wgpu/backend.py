@@ -22,6 +22,8 @@ Public API
   a run recorded, or BackendError when this machine cannot run it; `device_kind(info)` the recorded kind.
 - `open_gpu(device=None) -> gpu.Gpu`: the process's device for an adapter choice, opened once.
 - `make_net(cfg, params, backend, device, seed=0, mtp_weight=0.0) -> TrainNet`: the training net.
+- `PRECISIONS`; `apply_precision(precision, backend, device=None) -> PrecisionChoice`: what "auto", "f32" or
+  "mixed" means on this backend and adapter, and the Gpu's products set to match (docs/precision.md).
 - `make_teacher(backend, model, batch=4, device=None, trunk_dtype="f32") -> Teacher`: heal's frozen trunk.
 - `make_draft(backend, model, init=None, batch=4, device=None, kl_form="full", teacher=None) -> Draft`: heal's
   draft trained alone (on wgpu it shares `teacher`'s embedding/head).
@@ -307,6 +309,49 @@ def _resolve(backend: str, device: str | None) -> str:
 
         one_blas_thread()
     return name
+
+
+# ----------------------------------------------------------------------------------------------------------
+# precision (docs/precision.md)
+
+PRECISIONS = ("auto", "f32", "mixed")
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """`name` "f32" | "mixed" (what a run records); `products` where the matrix products run: "matrix" (the
+    GPU's matrix units, f16 operands, f32 accumulation), "simt" (f32 on the GPU's SIMT cores) or "numpy";
+    `reason` human text for the resolved-configuration print."""
+
+    name: str
+    products: str
+    reason: str
+
+
+def apply_precision(precision: str, backend: str, device: str | None = None) -> PrecisionChoice:
+    """Resolve `precision` on `backend` (and on wgpu the adapter `device`), and set the Gpu's `products` to
+    match, so that `ops.matmul` routes the run's products. "auto" is "mixed" where the Gpu lists a subgroup
+    matrix configuration (`matrix_configs`, the Dawn runtime's), else "f32"; "mixed" without one still runs
+    the loss scaling, its products f32 on the SIMT cores (or numpy's)."""
+    if precision not in PRECISIONS:
+        raise BackendError(f"unknown precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    if _resolve(backend, device) == "ref":
+        name = "f32" if precision == "auto" else precision
+        why = "float32 numpy" + (", dynamic loss scaling as on the GPU" if name == "mixed" else "")
+        return PrecisionChoice(name, "numpy", why)
+    gpu = open_gpu(device)
+    configs = tuple(getattr(gpu, "matrix_configs", ()) or ())
+    name = ("mixed" if configs else "f32") if precision == "auto" else precision
+    gpu.products = "matrix" if name == "mixed" and configs else "simt"
+    if name == "f32":
+        why = "f32 products" + (
+            "" if configs or precision != "auto" else " (the adapter has no subgroup matrix)"
+        )
+    elif configs:
+        why = "f16 products on the matrix units, f32 accumulation, f32 weights and optimizer, loss scaling"
+    else:
+        why = "no subgroup matrix on this adapter: products stay f32 on the SIMT cores; loss scaling runs"
+    return PrecisionChoice(name, gpu.products, why)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -7,18 +7,25 @@
 // Gradient norm over several flat ranges, all on the GPU:
 //   sum_squares   (one dispatch per range) partials[offset + w] = sum of x^2 over workgroup w's elements
 //                 (grid-stride: element i belongs to workgroup (i / 256) % groups);
-//   finalize_clip (one workgroup)          scalars[0] = sqrt(sum of partials[0..count))  (global norm)
-//                                          scalars[1] = clip multiplier min(1, clip / norm)
-//                                                       (1 if norm == 0, norm <= clip or clip <= 0;
+//   finalize_clip (one workgroup)          scalars[0] = sqrt(sum of partials[0..count)) * unscale
+//                                                       (global norm of the unscaled gradient)
+//                                          scalars[1] = clip multiplier min(1, clip / norm) * unscale
+//                                                       (unscale if norm == 0, norm <= clip or clip <= 0;
 //                                                        0 when the gradient is not finite)
 //                                          scalars[2] = 1.0 if every partial is finite, else 0.0
 //                                          scalars[3] = the sum of squares itself
 // AdamW reads scalars[1] and scalars[2], so clipping and the non-finite skip need no host round trip.
 //
+// `unscale` (a uniform field) is 1 / S for a gradient computed of S * loss (mixed precision's loss scaling,
+// docs/precision.md): the norm and the multiplier are those of the unscaled gradient, and AdamW's
+// grad * multiplier unscales it on the way. S is a power of two, so both products are exact: a run at any S
+// that does not overflow gives the bits of S = 1, and unscale = 1 gives the kernels' bits before the field.
+//
 // Per-tensor clipping (each tensor scaled by its own norm) adds, after finalize_clip:
 //   finalize_tensors (one workgroup per tensor t) sums t's slice partials[start_t .. start_t + count_t) in
-//                 a fixed order and writes t's record at records[t * stride ..]: (norm_t, multiplier
-//                 min(1, clip / norm_t), the GLOBAL finite flag scalars[2], sum of squares). A record has
+//                 a fixed order and writes t's record at records[t * stride ..]: (norm_t * unscale,
+//                 multiplier min(1, clip / norm_t) * unscale, the GLOBAL finite flag scalars[2], sum of
+//                 squares). A record has
 //                 the layout of `scalars`, and stride is 256 bytes, so AdamW binds t's record as its
 //                 scalars; the finite flag stays global, so one non-finite tensor still skips the whole step.
 //
@@ -86,12 +93,12 @@ fn finalize_clip(@builtin(local_invocation_id) lid3: vec3<u32>) {
     let nbad = tree_sum(lid, bad);
     if (lid == 0u) {
         let finite = nbad == 0.0 && !not_finite(total);
-        let norm = sqrt(total);
-        var mult = 1.0;
+        let norm = sqrt(total) * fc_p.unscale;
+        var mult = fc_p.unscale;
         if (!finite) {
             mult = 0.0;
         } else if (fc_p.clip > 0.0 && norm > fc_p.clip) {
-            mult = fc_p.clip / norm;
+            mult = (fc_p.clip / norm) * fc_p.unscale;
         }
         fc_scalars[0] = norm;
         fc_scalars[1] = mult;
@@ -130,12 +137,12 @@ fn finalize_tensors(
     let total = tree_sum(lid, acc);
     if (lid == 0u) {
         let finite = ft_scalars[2] != 0.0;
-        let norm = sqrt(total);
-        var mult = 1.0;
+        let norm = sqrt(total) * ft_p.unscale;
+        var mult = ft_p.unscale;
         if (!finite) {
             mult = 0.0;
         } else if (ft_p.clip > 0.0 && norm > ft_p.clip) {
-            mult = ft_p.clip / norm;
+            mult = (ft_p.clip / norm) * ft_p.unscale;
         }
         let at = t * ft_p.stride;
         ft_records[at] = norm;

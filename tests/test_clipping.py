@@ -103,6 +103,33 @@ def test_tensor_records_match_float64(gpu, rng, finite):
     check("global norm", glob[0], np.float64(global_grad_norm(flat)), "loss")
 
 
+def test_tensor_records_unscale(gpu, rng):
+    """The records of S * g with unscale = 1 / S (mixed precision's loss scaling): each norm that of g and each
+    multiplier g's divided by S, bit for bit the unscaled records for a power-of-two S."""
+    data = [rng.standard_normal(n).astype(np.float32) * s for n, s in ((5000, 0.004), (300, 3.0), (7, 1.0))]
+    flat = {str(t): a.astype(np.float64) for t, a in enumerate(data)}
+
+    def records(arrays, unscale):
+        tensors = [[(gpu.upload(a), a.size)] for a in arrays]
+        partials = gpu.buffer(k_red.total_partials([a.size for a in arrays]) * 4)
+        scalars = gpu.buffer(k_red.SCALARS_BYTES)
+        recs = gpu.buffer(len(arrays) * k_red.RECORD_BYTES)
+        k_red.tensor_norm_clip(gpu, scalars, recs, partials, tensors, CLIP, unscale=unscale).run(gpu)
+        return gpu.download(recs, np.float32).reshape(len(arrays), -1)[:, :4], gpu.download(
+            scalars, np.float32, 4
+        )
+
+    plain, plain_glob = records(data, 1.0)
+    s = 2.0**16
+    rec, glob = records([(a * np.float32(s)).astype(np.float32) for a in data], 1.0 / s)
+    mults = clip_multipliers(flat, CLIP, "per-tensor")
+    for t in range(len(data)):
+        check(f"norm {t}", rec[t, 0], np.float64(tensor_grad_norms(flat)[str(t)]), "loss")
+        check(f"mult {t}", rec[t, 1] * s, np.float64(mults[str(t)]), "loss")
+    assert np.array_equal(rec[:, 0], plain[:, 0]) and np.array_equal(rec[:, 1], plain[:, 1] / np.float32(s))
+    assert glob[0] == plain_glob[0] and glob[1] == np.float32(plain_glob[1] / s)
+
+
 # -- whole steps -----------------------------------------------------------------------------------------
 
 

@@ -68,14 +68,16 @@ class _Stray:
         signal.signal(signal.SIGINT, self.previous)
 
 
-def _interrupted_then_resumed(trn, val, out: Path, opts: RunOptions, delay: float) -> tuple[str, dict]:
+def _interrupted_then_resumed(
+    trn, val, out: Path, opts: RunOptions, delay: float, tcfg=TCFG
+) -> tuple[str, dict]:
     """One trial: train into `out`, SIGINT after `delay` s, resume when interrupted. -> (what happened, the
     final report)."""
     with _Stray():
         timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
         timer.start()
         try:
-            rep = T.train_variant(CFG, BASELINE, trn, val, TCFG, out, opts)
+            rep = T.train_variant(CFG, BASELINE, trn, val, tcfg, out, opts)
             what = "completed"
         except TrainingInterrupted as e:
             what = "interrupted"
@@ -88,9 +90,9 @@ def _interrupted_then_resumed(trn, val, out: Path, opts: RunOptions, delay: floa
     return what, rep
 
 
-def _trials(data, tmp_path, opts: RunOptions, n: int, seed: int):
+def _trials(data, tmp_path, opts: RunOptions, n: int, seed: int, tcfg=TCFG):
     _, trn, val = data
-    want = _outcome(T.train_variant(CFG, BASELINE, trn, val, TCFG, tmp_path / "straight", opts))
+    want = _outcome(T.train_variant(CFG, BASELINE, trn, val, tcfg, tmp_path / "straight", opts))
     # warm runs (the first compiles the GPU pipelines) time the window the delays fall in: from the start of
     # the initial evaluation to the end of the last step (the final evaluation runs to completion). The
     # quickest of three: one run slowed by a hiccup of the machine would stretch the window past the trials'
@@ -102,14 +104,16 @@ def _trials(data, tmp_path, opts: RunOptions, n: int, seed: int):
         timed = replace(
             opts, progress=lambda ev, m=marks, t0=t0: m.setdefault(ev["event"], time.perf_counter() - t0)
         )
-        again = T.train_variant(CFG, BASELINE, trn, val, TCFG, tmp_path / f"again{r}", timed)
+        again = T.train_variant(CFG, BASELINE, trn, val, tcfg, tmp_path / f"again{r}", timed)
         assert _outcome(again) == want
         windows.append((marks["done"] - marks["start"], marks["start"], marks["done"]))
     _, lo, hi = min(windows)
     rng = np.random.default_rng(seed)
     seen = []
     for i in range(n):
-        what, rep = _interrupted_then_resumed(trn, val, tmp_path / f"t{i}", opts, float(rng.uniform(lo, hi)))
+        what, rep = _interrupted_then_resumed(
+            trn, val, tmp_path / f"t{i}", opts, float(rng.uniform(lo, hi)), tcfg
+        )
         seen.append(what)
         assert _outcome(rep) == want, f"trial {i}: the resumed run differs from the uninterrupted one"
     return seen
@@ -123,6 +127,17 @@ def test_ctrl_c_at_random_moments_resumes_bit_exact_numpy(data, tmp_path):
 def test_ctrl_c_at_random_moments_resumes_bit_exact_wgpu(data, tmp_path):
     seen = _trials(data, tmp_path, RunOptions(backend="wgpu"), WGPU_TRIALS, seed=2)
     assert "interrupted" in seen, seen
+
+
+def test_ctrl_c_at_random_moments_resumes_bit_exact_mixed(data, tmp_path):
+    """Mixed precision (docs/precision.md) with a scale that overflows, backs off and grows within the run:
+    the scaler's state is part of what a Ctrl-C saves, so the resumed run skips the same steps at the same
+    scales (both in the history compared) and ends with the same weights."""
+    tcfg = replace(TCFG, precision="mixed", loss_scale=2.0**64, loss_scale_interval=2)
+    straight = T.train_variant(CFG, BASELINE, *data[1:], tcfg, None, RunOptions(backend="ref"))
+    assert any(h["skipped"] for h in straight["history"]), "the run must overflow for this test to mean much"
+    seen = _trials(data, tmp_path, RunOptions(backend="ref"), REF_TRIALS // 2, seed=3, tcfg=tcfg)
+    assert seen.count("interrupted") >= REF_TRIALS // 4, seen
 
 
 def test_ctrl_c_in_the_initial_evaluation_saves_step_0(data, tmp_path, monkeypatch):

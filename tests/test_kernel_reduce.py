@@ -15,11 +15,11 @@ def f32(a):
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
-def grad_norm(gpu, arrays, clip, max_groups=red_ops.MAX_GROUPS):
+def grad_norm(gpu, arrays, clip, max_groups=red_ops.MAX_GROUPS, unscale=1.0):
     _, views = gpu.upload_ranges(arrays)
     partials = gpu.buffer(4 * red_ops.total_partials([a.size for a in arrays], max_groups))
     scalars = gpu.buffer(red_ops.SCALARS_BYTES)
-    call = red_ops.grad_norm_clip(gpu, scalars, partials, views, clip, max_groups=max_groups)
+    call = red_ops.grad_norm_clip(gpu, scalars, partials, views, clip, max_groups=max_groups, unscale=unscale)
     call.run(gpu)
     return call, scalars, gpu.download(scalars, np.float32, 4)
 
@@ -42,6 +42,36 @@ def test_grad_norm_and_clip(gpu, rng):
     gpu.write_fields(call.uniforms[-1], red_ops.FINALIZE, clip=0.25 * norm)
     call.run(gpu)
     check("rewritten clip", gpu.download(scalars, np.float32, 4)[1], np.float64(0.25), "loss")
+
+
+def test_unscale_gives_the_unscaled_gradients_norm_and_multiplier(gpu, rng):
+    """Mixed precision's loss scaling: partials of S * g with unscale = 1 / S give the norm of g and the
+    multiplier min(1, clip / ||g||) / S, against the reference; for a power-of-two S bit for bit the unscaled
+    run's numbers (times 1 / S for the multiplier), whether the clip bites or not; the finite flag of a
+    scaled gradient whose sum of squares overflows is 0."""
+    arrays = [f32(rng.normal(size=n)) for n in (1001, 37, 5003)]
+    norm = ref_optim.global_grad_norm({str(i): a for i, a in enumerate(arrays)})
+    for clip in (0.5 * norm, 2.0 * norm):
+        plain = grad_norm(gpu, arrays, clip)[2]
+        for s in (2.0**16, 2.0**-3, 2.0**40):
+            scaled = [f32(a * np.float32(s)) for a in arrays]
+            got = grad_norm(gpu, scaled, clip, unscale=1.0 / s)[2]
+            check("unscaled norm", got[0], np.float64(norm), "loss")
+            check("multiplier / S", got[1] * s, np.float64(ref_optim.clip_multiplier(norm, clip)), "loss")
+            assert got[0] == plain[0] and got[1] == np.float32(plain[1] / s) and got[2] == 1.0
+            assert got[3] == np.float32(plain[3] * s * s)  # the sum of squares stays the scaled gradient's
+    # not a power of two: the formula still holds (to rounding)
+    got = grad_norm(gpu, [f32(a * 3.0) for a in arrays], 0.5 * norm, unscale=1.0 / 3.0)[2]
+    check("norm, S = 3", got[0], np.float64(norm), "loss")
+    check("multiplier, S = 3", got[1] * 3.0, np.float64(0.5), "loss")
+    # rewritable per step, like the clip
+    call, scalars, _ = grad_norm(gpu, arrays, 2.0 * norm)
+    gpu.write_fields(call.uniforms[-1], red_ops.FINALIZE, unscale=0.5)
+    call.run(gpu)
+    assert gpu.download(scalars, np.float32, 4)[1] == 0.5
+    # S * g past sqrt(f32 max) in the sum of squares: not finite, multiplier 0 (the scaler's overflow)
+    got = grad_norm(gpu, [f32(a * np.float32(2.0**70)) for a in arrays], 1.0, unscale=2.0**-70)[2]
+    assert got[2] == 0.0 and got[1] == 0.0
 
 
 def test_grad_norm_grid_stride_and_determinism(gpu, rng):

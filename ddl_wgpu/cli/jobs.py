@@ -18,7 +18,7 @@ from pathlib import Path
 import typer
 
 from ddl_ref.config import parse_variants
-from ddl_wgpu.backend import choose_backend
+from ddl_wgpu.backend import apply_precision, choose_backend
 from ddl_wgpu.cli.checks import (
     batch_tokens,
     fail,
@@ -49,6 +49,7 @@ from ddl_wgpu.cli.options import (
     NLayers,
     NormStyle,
     NoVerify,
+    Precision,
     QkNorm,
     RayOpt,
     RopeTheta,
@@ -166,6 +167,11 @@ def train(
     mtp_weight: float = opt(
         TRAIN.mtp_weight, "Weight of the draft's loss in joint MTP training.", TRAIN_HELP
     ),
+    precision: Precision = "auto",
+    loss_scale: float = opt(TRAIN.loss_scale, "mixed: the first loss scale (a power of two).", TRAIN_HELP),
+    loss_scale_interval: int = opt(
+        TRAIN.loss_scale_interval, "mixed: good steps in a row before the loss scale doubles.", TRAIN_HELP
+    ),
     save_interval: int = typer.Option(
         0, "--save-interval", help="Save a checkpoint every N steps (0: at the end)."
     ),
@@ -209,6 +215,9 @@ def train(
         seed=seed,
         eval_batches=eval_batches,
         mtp_weight=mtp_weight,
+        precision=precision,
+        loss_scale=loss_scale,
+        loss_scale_interval=loss_scale_interval,
     )
     tcfg.validate()
     if seq_len > base.max_seq_len:
@@ -241,9 +250,12 @@ def _train_into(out, base, vs, tcfg, choice, device, source, save_interval, stop
     """`train` once its options are checked and its output folder claimed."""
     batch_size, seq_len = tcfg.batch_size, tcfg.seq_len
     trn, val = load_source(source, seq_len, batch_size, base.vocab_size, tcfg.seed)
+    prec = apply_precision(tcfg.precision, choice.name, device)
+    tcfg = replace(tcfg, precision=prec.name)
     typer.echo("resolved configuration:")
     typer.echo("  model:    " + fields(base.to_dict()))
     typer.echo("  training: " + fields(tcfg.to_dict()))
+    typer.echo(f"  precision: {prec.name} ({prec.reason})")
     if tcfg.eval_batches:
         typer.echo(f"  evaluation: the first {tcfg.eval_batches} batches of each split (not the whole split)")
     typer.echo(f"  variants: {', '.join(v.slug for v in vs)}")
@@ -427,6 +439,7 @@ def resume(
     )
     typer.echo("  data:     " + fields(source))
     typer.echo("  " + backend_line(choice))
+    typer.echo(f"  precision: {tr.get('precision', 'f32')} (the run's)")
     if switch:
         typer.echo(switch)
     over = {

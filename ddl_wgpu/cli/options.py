@@ -173,6 +173,14 @@ HostMemory = Annotated[
         "past it they live in a scratch file beside --out, removed when heal ends.",
     ),
 ]
+Precision = Annotated[
+    str,
+    typer.Option(
+        "--precision",
+        help="auto (mixed where the adapter has a subgroup matrix, else f32), f32, or mixed: f16 operands for the "
+        "products with f32 accumulation, f32 weights and optimizer, dynamic loss scaling (docs/precision.md).",
+    ),
+]
 TrunkDtype = Annotated[
     str,
     typer.Option(

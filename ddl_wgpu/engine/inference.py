@@ -77,9 +77,10 @@ class InferenceWork(Blocks):
 
     # -- per-batch host data ----------------------------------------------------------------------------
 
-    def upload_ids(self, ids: np.ndarray, lengths: np.ndarray | None) -> int:
+    def upload_ids(self, ids: np.ndarray, lengths: np.ndarray | None, loss_scale: float = 1.0) -> int:
         """ids (B, T) and their next-token targets, weights (1 where position p predicts p + 1 < length) and
-        loss scale -> the number of predictions."""
+        the loss gradient's scale (1 / count, times mixed precision's power-of-two `loss_scale`, in f32: the
+        product is exact) -> the number of predictions."""
         ids = np.asarray(ids)
         if ids.shape != (self.B, self.T):
             raise GpuError(f"batch of shape {ids.shape}, this Work was built for {(self.B, self.T)}")
@@ -97,7 +98,7 @@ class InferenceWork(Blocks):
         g.write(self.ids, ids32.reshape(-1))
         g.write(self.targets, targets.reshape(-1))
         g.write(self.weights, valid.astype(np.float32).reshape(-1))
-        g.write(self.scale, np.array([1.0 / max(count, 1)], np.float32))
+        g.write(self.scale, np.array([1.0 / max(count, 1)], np.float32) * np.float32(loss_scale))
         return count
 
     # -- evaluation -------------------------------------------------------------------------------------

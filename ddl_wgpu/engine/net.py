@@ -349,8 +349,9 @@ class Net:
         if mode not in self._opt:
             self._opt[mode] = self._global_clip() if mode == "global" else self._tensor_clip()
         call, clip_uniforms = self._opt[mode]
-        for buf, desc in clip_uniforms:  # only the threshold changes; counts and strides stay as built
-            self.gpu.write_fields(buf, desc, clip=hyper.grad_clip)
+        # only the threshold and the loss scale's inverse change; counts and strides stay as built
+        for buf, desc in clip_uniforms:
+            self.gpu.write_fields(buf, desc, clip=hyper.grad_clip, unscale=1.0 / hyper.loss_scale)
         self.gpu.write_uniform(self._hyper_buf, k_adamw.ADAMW, **fields)
         return call
 

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from ddl_wgpu.files.modelfile import Model
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 def one_blas_thread() -> None:
     """Run this process's BLAS (numpy's matrix products) on one thread from now on, whatever the environment
     says (OPENBLAS_NUM_THREADS, OMP_NUM_THREADS, the number of cores). OpenBLAS takes another path through a
@@ -124,10 +127,17 @@ class RefWork:
             if w is not None
             else {}
         )
-        grads = ref_model.backward(net.params, net.cfg, cache)
-        net._grads = {n: np.asarray(g, np.float32) for n, g in grads.items()}
+        # mixed precision: the gradient of S * loss (S = update.loss_scale, a power of two), checked for
+        # overflow as the engine checks it (every element finite, and the sum of squares within f32, which
+        # the engine sums in f32), then unscaled: g / S is exact, so the update is the unscaled run's
+        scale = update.loss_scale if update is not None else 1.0
+        grads = ref_model.backward(net.params, net.cfg, cache, dloss=scale)
+        scaled = {n: np.asarray(g, np.float32) for n, g in grads.items()}
+        finite = bool(np.isfinite(loss)) and all(np.isfinite(g).all() for g in scaled.values())
+        if update is not None and finite:
+            finite = global_grad_norm({n: scaled[n] for n in net.trainable}) ** 2 <= F32_MAX
+        net._grads = scaled if scale == 1.0 else {n: g / np.float32(scale) for n, g in scaled.items()}
         norm = float("nan")
-        finite = bool(np.isfinite(loss)) and all(np.isfinite(g).all() for g in net._grads.values())
         if update is not None:
             tg = {n: net._grads[n] for n in net.trainable}
             norm = global_grad_norm(tg)

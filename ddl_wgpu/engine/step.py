@@ -1,7 +1,8 @@
 """The backend-neutral types of one optimizer step, shared by the GPU engine and the numpy backend.
 
-`AdamW` is what a caller asks of a step (the optimizer's hyper-parameters); `StepResult` is what a step
-reports. Nothing here imports wgpu: `--backend ref` runs without it.
+`AdamW` is what a caller asks of a step (the optimizer's hyper-parameters and the loss scale); `StepResult`
+is what a step reports; `LossScaler` is mixed precision's dynamic loss scale (docs/precision.md), the host's
+half of it. Nothing here imports wgpu: `--backend ref` runs without it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class AdamW:
     # `ddl_ref.optim.CLIP_MODES`). The engine's default stays "global"; `train.TrainingConfig` chooses
     # per-tensor for training runs.
     grad_clip_mode: str = "global"
+    # mixed precision (docs/precision.md): the backward computes the gradient of loss_scale * loss and the
+    # clip unscales it (`reduce.finalize_clip`'s unscale); a power of two, so 1 and any S that does not
+    # overflow give the same bits. The reported loss and gradient norm are the unscaled ones.
+    loss_scale: float = 1.0
 
 
 @dataclass
@@ -50,3 +55,75 @@ def draft_adamw(lr: float, step: int) -> AdamW:
     beta1, beta2, eps = DRAFT_ADAM
     return AdamW(lr=float(lr), step=int(step), beta1=beta1, beta2=beta2, eps=eps, weight_decay=0.0,
                  grad_clip=DRAFT_GRAD_CLIP, grad_clip_mode="global")  # fmt: skip
+
+
+# Mixed precision's dynamic loss scale: PyTorch's `torch.amp.GradScaler` defaults (init_scale 2^16,
+# growth_factor 2, backoff_factor 0.5, growth_interval 2000). Every factor is a power of two, so the scale is
+# one and the scaled gradient, its norm and the unscaled multiplier are exact in f32 (docs/precision.md).
+LOSS_SCALE_INIT = 2.0**16
+LOSS_SCALE_GROWTH = 2.0
+LOSS_SCALE_BACKOFF = 0.5
+LOSS_SCALE_INTERVAL = 2000
+# Below this the run fails as non-finite: the scale has been halved 30 times from its default start without
+# a finite gradient at a finite loss, which no overflow explains (a gradient past 2^14 * f32's range): the
+# gradient itself is NaN or infinite. PyTorch has no floor and would skip forever.
+LOSS_SCALE_MIN = 2.0**-14
+# The largest power of two f32 holds: GradScaler grows only to a finite scale, and f32 is where S lives on
+# the GPU (`AdamW.loss_scale` times 1 / count in a uniform).
+LOSS_SCALE_MAX = 2.0**127
+
+
+def is_scale(value) -> bool:
+    """A loss scale the engine takes: a power of two in [LOSS_SCALE_MIN, LOSS_SCALE_MAX]."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        return False
+    mant, _ = math.frexp(float(value))
+    return mant == 0.5 and LOSS_SCALE_MIN <= value <= LOSS_SCALE_MAX
+
+
+class LossScaler:
+    """GradScaler's rules on the host: after each step `update(finite)`; a finite gradient counts a good step
+    and every `interval`-th one in a row doubles the scale (never past LOSS_SCALE_MAX); a non-finite one skips
+    the step (the engine already left weights and moments untouched), halves the scale and restarts the count.
+    `failed` once the scale has fallen below LOSS_SCALE_MIN. `state()` / `from_state` round-trip a
+    checkpoint, so resume continues with the same scale and count."""
+
+    def __init__(self, scale: float = LOSS_SCALE_INIT, interval: int = LOSS_SCALE_INTERVAL, good: int = 0,
+                 skipped: int = 0):  # fmt: skip
+        self.scale, self.interval, self.good, self.skipped = (
+            float(scale),
+            int(interval),
+            int(good),
+            int(skipped),
+        )
+
+    def update(self, finite: bool) -> bool:
+        """Record one step's outcome; -> True when the step was applied, False when it was skipped."""
+        if finite:
+            self.good += 1
+            if self.good >= self.interval:
+                self.good = 0
+                if self.scale * LOSS_SCALE_GROWTH <= LOSS_SCALE_MAX:
+                    self.scale *= LOSS_SCALE_GROWTH
+            return True
+        self.scale *= LOSS_SCALE_BACKOFF
+        self.good = 0
+        self.skipped += 1
+        return False
+
+    @property
+    def failed(self) -> bool:
+        return self.scale < LOSS_SCALE_MIN
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: the scale, the good steps since the last change, the steps skipped."""
+        return {"scale": self.scale, "good_steps": self.good, "skipped_steps": self.skipped}
+
+    @classmethod
+    def from_state(cls, state: dict, interval: int) -> LossScaler:
+        return cls(state["scale"], interval, state["good_steps"], state["skipped_steps"])

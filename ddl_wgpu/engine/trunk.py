@@ -109,10 +109,13 @@ class TrunkWork(InferenceWork):
         """Forward + backward (gradients overwritten, not accumulated), and with `update` the global
         gradient norm, clipping and AdamW, all in one encoder and one submit. With a draft (`cfg.mtp`) the
         loss is loss_main + net.mtp_weight · loss_mtp, and both parts are in the result."""
-        count = self.upload_ids(ids, lengths)
+        # mixed precision: the backward runs on the gradient of S * loss (both losses' scales times S), the
+        # optimizer's clip unscales it (`Net.optimizer_call`); the loss sums read back are unscaled
+        scale = update.loss_scale if update is not None else 1.0
+        count = self.upload_ids(ids, lengths, scale)
         self._upload_buckets(np.asarray(ids).astype(np.uint32), self.order, self.starts)
         if self.mtp is not None:
-            self._upload_mtp(ids, lengths)
+            self._upload_mtp(ids, lengths, scale)
         return self._run(count, update)
 
     def _run(self, count: int, update: AdamW | None) -> StepResult:
@@ -233,8 +236,9 @@ class TrunkWork(InferenceWork):
         call += self._norm_backward(m["dhid"], m["dhn"], self._mtp_hidden(), MTP_HNORM, m["rh"])
         return call + self.vocab.embed_backward(m["de"], m["order"], m["starts"])
 
-    def _upload_mtp(self, ids, lengths) -> None:
-        """The draft's inputs: row p reads x_{p+1} and predicts x_{p+2}; loss scale mtp_weight / count2."""
+    def _upload_mtp(self, ids, lengths, loss_scale: float = 1.0) -> None:
+        """The draft's inputs: row p reads x_{p+1} and predicts x_{p+2}; loss scale mtp_weight / count2 (times
+        mixed precision's power-of-two `loss_scale`, exact in f32)."""
         ids32 = np.asarray(ids).astype(np.uint32)
         lengths = np.full(self.B, self.T) if lengths is None else np.asarray(lengths)
         pos = np.arange(self.T)[None, :]
@@ -249,5 +253,5 @@ class TrunkWork(InferenceWork):
         g.write(m["targets"], tgt.reshape(-1))
         g.write(m["weights"], valid2.astype(np.float32).reshape(-1))
         scale = self.net.mtp_weight / count2 if count2 else 0.0
-        g.write(m["scale"], np.array([scale], np.float32))
+        g.write(m["scale"], np.array([scale], np.float32) * np.float32(loss_scale))
         self._upload_buckets(tok, m["order"], m["starts"])

@@ -6,10 +6,12 @@ input (each malformed piece one precise line), and the reference trainer's resum
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ddl_ref.config import ModelVariant
 from ddl_wgpu.data import TokenDataset
+from ddl_wgpu.engine.step import LOSS_SCALE_BACKOFF, LOSS_SCALE_MAX, LOSS_SCALE_MIN
 from ddl_wgpu.files.container import CheckpointError, open_checkpoint, save
 from ddl_wgpu.files.modelfile import load_config, read_params
 from ddl_wgpu.files.safeio import load_json
@@ -148,7 +150,25 @@ def _checked_position(raw, path, report: dict) -> dict:
     if raw.get("steps_completed") != report["steps_completed"]:
         raise _bad(path, f"train.position records {raw.get('steps_completed')!r} steps, the report "
                          f"{report['steps_completed']}")  # fmt: skip
-    return {"phase": dict(phase), "steps_completed": raw["steps_completed"]}
+    out = {"phase": dict(phase), "steps_completed": raw["steps_completed"]}
+    if raw.get("scaler") is not None:
+        out["scaler"] = _checked_scaler(raw["scaler"], path)
+    return out
+
+
+def _checked_scaler(raw, path) -> dict:
+    """`train.position.scaler` (a mixed-precision run's `LossScaler.state`): a power-of-two scale no lower than
+    a failed run leaves it (one halving below the floor) and two step counts."""
+    ok = isinstance(raw, dict) and set(raw) == {"scale", "good_steps", "skipped_steps"}
+    scale = raw.get("scale") if ok else None
+    ok = ok and isinstance(scale, float) and _int(raw["good_steps"]) and _int(raw["skipped_steps"])
+    if not (
+        ok and LOSS_SCALE_MIN * LOSS_SCALE_BACKOFF <= scale <= LOSS_SCALE_MAX and math.frexp(scale)[0] == 0.5
+    ):
+        raise _bad(
+            path, f"train.position scaler must hold a power-of-two scale and two step counts, got {raw!r:.80}"
+        )
+    return dict(raw)
 
 
 def load_checkpoint(path: Path, verify: bool = True) -> dict:
@@ -193,6 +213,7 @@ def load_checkpoint(path: Path, verify: bool = True) -> dict:
     for training in (out["report"].get("training"), out["position"].get("phase", {}).get("training")):
         if isinstance(training, dict):
             training.setdefault("grad_clip_mode", "global")
+            training.setdefault("precision", "f32")  # from before mixed precision: an f32 run
     return out
 
 

@@ -32,6 +32,8 @@ def _check_job(sweep: Sweep, job: Job, folder: Path, record: Path) -> None:
     """The job's checkpoint and report, when it has them, are of this sweep's options."""
     want_cfg = ModelVariant.parse(job.variant).resolve_config(ModelConfig.from_dict(sweep.base))
     want = sweep.tcfg(job.seed).to_dict()
+    if want["precision"] == "auto":  # each job resolves it on its own adapter and records f32 or mixed
+        del want["precision"]
     ck = folder / train_lib.CHECKPOINT
     found = []  # (what, variant, training options, model config, data)
     if ck.exists():

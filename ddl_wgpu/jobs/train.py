@@ -10,7 +10,10 @@ Where we differ from the reference trainer, on purpose:
   step s is `batches[(s - data_start) % num_batches]`, data_start 0 unless a phase restarted the order
   (`resume --steps N --restart-data`, the reference trainer's behaviour: its phases start at the first batch);
 - checkpoints also carry the run's position, so an interrupted run (`--stop-after`, Ctrl-C, a crash
-  between saves) continues bit for bit on the same device.
+  between saves) continues bit for bit on the same device;
+- `precision` "mixed" (docs/precision.md) adds dynamic loss scaling (`step.LossScaler`, PyTorch GradScaler's
+  rules): a step whose scaled gradient overflows is skipped and recorded as such, not a failure; its scale
+  and good-step count are part of the checkpoint's position.
 
 What it deliberately does not do: know about GPUs. It drives any backend with the `Net`/`Work` interface
 (`net.Net` on wgpu, `refnet.RefNet` on numpy).
@@ -25,9 +28,9 @@ from pathlib import Path
 
 from ddl_ref.config import ModelConfig, ModelVariant
 from ddl_ref.spectral import SpectralAccumulator
-from ddl_wgpu.backend import make_net
+from ddl_wgpu.backend import apply_precision, make_net
 from ddl_wgpu.data import TokenDataset
-from ddl_wgpu.engine.step import AdamW
+from ddl_wgpu.engine.step import LOSS_SCALE_MIN, AdamW, LossScaler
 from ddl_wgpu.files.safeio import load_json
 from ddl_wgpu.jobs.checkpoint import check_resume, load_checkpoint, save_checkpoint
 from ddl_wgpu.jobs.run import Best, Cadence, DeferredInterrupt, Events, drive
@@ -129,6 +132,7 @@ class _Variant:
         self.step_seconds = 0.0  # wall time inside the optimizer steps (no evaluation, spectra, checkpoints)
         self.t0 = time.perf_counter()
         self.interrupt = DeferredInterrupt()  # replaced by the run's own in `train_variant`
+        self.scaler = None  # mixed precision's LossScaler (`train_variant` sets it)
 
     # the run.Job interface
 
@@ -142,15 +146,33 @@ class _Variant:
         if self.cadence.due(done + 1) and hasattr(self.work, "spectral"):
             train_spectral = self.work.spectral(batch.ids, batch.lengths)
         lr = self.schedule.learning_rate(in_phase)
-        hyper = AdamW(lr=lr, step=done + 1, beta1=tcfg.beta1, beta2=tcfg.beta2, eps=tcfg.epsilon,
-                      weight_decay=tcfg.weight_decay, grad_clip=tcfg.grad_clip,
-                      grad_clip_mode=tcfg.grad_clip_mode)  # fmt: skip
+        sc = self.scaler
+        # a skipped step is no optimizer step: AdamW's bias correction counts the applied ones (GradScaler's
+        # skip leaves torch.optim's step count alone too)
+        hyper = AdamW(lr=lr, step=done + 1 - (sc.skipped if sc else 0), beta1=tcfg.beta1, beta2=tcfg.beta2,
+                      eps=tcfg.epsilon, weight_decay=tcfg.weight_decay, grad_clip=tcfg.grad_clip,
+                      grad_clip_mode=tcfg.grad_clip_mode, loss_scale=sc.scale if sc else 1.0)  # fmt: skip
         t = time.perf_counter()
         res = self.work.step(batch.ids, batch.lengths, update=hyper)  # synchronous: it reads the loss back
         self.step_seconds += time.perf_counter() - t
-        if not res.finite:
+        skipped = False
+        if sc is None and not res.finite:
             raise _NonFinite(done + 1, f"non-finite loss or gradient (loss {res.loss}, gradient norm "
                              f"{res.grad_norm}); a lower learning rate may help")  # fmt: skip
+        if sc is not None:
+            # The loss is unscaled (the forward never sees S): a non-finite loss is the run's, not the
+            # scaler's. A non-finite gradient at a finite loss is an overflow of S * gradient: skipped, S halved,
+            # until S falls below LOSS_SCALE_MIN, where no overflow explains it any more.
+            if not math.isfinite(res.loss):
+                raise _NonFinite(done + 1, f"non-finite loss {res.loss}; a lower learning rate may help")
+            skipped = not sc.update(res.finite)
+            if sc.failed:
+                raise _NonFinite(done + 1, f"non-finite gradient (norm {res.grad_norm}) at every loss scale "
+                                 f"down to {LOSS_SCALE_MIN}: {sc.skipped} steps skipped; a lower learning "
+                                 "rate may help")  # fmt: skip
+            if skipped:
+                self.events("skip", variant=self.report["variant"], step=done + 1, loss_scale=sc.scale,
+                            skipped=sc.skipped)  # fmt: skip
         entry = {
             "step": done + 1,
             "learning_rate": lr,
@@ -158,8 +180,11 @@ class _Variant:
             "validation": None,
             "train_spectral": train_spectral,
             "validation_spectral": None,
-            "grad_norm": res.grad_norm,
+            "grad_norm": None if skipped else res.grad_norm,
         }
+        if sc is not None:  # mixed precision: the scale this step ran at, and whether it was skipped
+            entry["loss_scale"] = hyper.loss_scale
+            entry["skipped"] = skipped
         if self.net.cfg.mtp is not None:  # joint MTP training: "train" is the combined loss
             entry["train_loss_main"], entry["train_loss_mtp"] = res.loss_main, res.loss_mtp
         self.history.append(entry)
@@ -213,6 +238,8 @@ class _Variant:
             return
         best = self.net.export_snapshot(self.best.snapshot) if self.best.snapshot is not None else None
         position = {"phase": self.phase, "steps_completed": self.report["steps_completed"]}
+        if self.scaler is not None:
+            position["scaler"] = self.scaler.state()
         save_checkpoint(self.ckpt, self.net, self.report, best, position, self.opts.data, self.opts.sweep)
         write_json(self.out_dir / REPORT, self.report)
 
@@ -301,7 +328,7 @@ def train_variant(
     resume: dict | None = None,
 ) -> dict:
     """Train one variant (or continue one from `resume`, a loaded checkpoint); returns the report."""
-    tcfg.validate()
+    tcfg = with_precision(tcfg, opts)
     _check_datasets(train, val)
     events = Events(opts.progress, "train")
     # Ctrl-C is held back (run.DeferredInterrupt) and acted on only where the state is whole: after a step
@@ -321,6 +348,13 @@ def train_variant(
             ) from None
         run = _Variant(net, report, phase, best, train, val, tcfg, out_dir, opts, events)
         run.interrupt = intr
+        if tcfg.precision == "mixed":
+            saved = resume["position"].get("scaler") if resume is not None else None
+            run.scaler = (
+                LossScaler.from_state(saved, tcfg.loss_scale_interval)
+                if saved is not None
+                else LossScaler(tcfg.loss_scale, tcfg.loss_scale_interval)
+            )
         start = report["steps_completed"]
         try:
             intr.check()
@@ -344,6 +378,13 @@ def train_variant(
         except KeyboardInterrupt:
             raise _interrupted(run, intr) from None
     return report
+
+
+def with_precision(tcfg: TrainingConfig, opts: RunOptions) -> TrainingConfig:
+    """`tcfg` validated, its precision resolved on the run's backend ("auto" -> "f32" or "mixed": what the
+    run records) and the Gpu's products set to match (`backend.apply_precision`)."""
+    tcfg.validate()
+    return replace(tcfg, precision=apply_precision(tcfg.precision, opts.backend, opts.device).name)
 
 
 def _interrupted(run: _Variant, intr: DeferredInterrupt) -> TrainingInterrupted:
@@ -424,7 +465,7 @@ def train_variants(
     """Train every variant on the same data and config; write DIR/VARIANT/ and DIR/report.json."""
     if not variants:
         raise TrainingError.empty_variant_set()
-    tcfg.validate()
+    tcfg = with_precision(tcfg, opts)
     if train.num_batches == 0:
         raise TrainingError.empty_training_dataset()
     if val is not None and val.num_batches == 0:

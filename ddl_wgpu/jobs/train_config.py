@@ -9,6 +9,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 from ddl_ref.optim import CLIP_MODES, CosineWarmupSchedule
+from ddl_wgpu.backend import PRECISIONS
+from ddl_wgpu.engine.step import LOSS_SCALE_INIT, LOSS_SCALE_INTERVAL, is_scale
 from ddl_wgpu.errors import UserError
 
 MAX_INT = (1 << 63) - 1  # every integer setting is stored in the checkpoint's msgpack header (int64)
@@ -77,6 +79,13 @@ class TrainingConfig:
         0  # 0: every evaluation covers the whole split (the reference's); N: its first N batches
     )
     mtp_weight: float = 0.3  # joint MTP training (a model with a draft): weight of the draft's loss
+    # docs/precision.md: "f32", "mixed" (f16 products, f32 weights and optimizer, dynamic loss scaling) or
+    # "auto" (mixed where the adapter has a subgroup matrix; the CLI's default); a run records what "auto"
+    # resolved to. The library's default stays "f32", the bits its callers had, and a checkpoint written
+    # before the field existed resumes "f32".
+    precision: str = "f32"
+    loss_scale: float = LOSS_SCALE_INIT  # mixed: the first loss scale, a power of two
+    loss_scale_interval: int = LOSS_SCALE_INTERVAL  # mixed: good steps in a row before the scale doubles
 
     def validate(self) -> None:
         bad = TrainingError.invalid_config
@@ -88,6 +97,7 @@ class TrainingConfig:
             "seq_len",
             "seed",
             "eval_batches",
+            "loss_scale_interval",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -122,6 +132,12 @@ class TrainingConfig:
             raise bad("batch_size must be greater than zero")
         if self.seq_len < 2:
             raise bad("seq_len must be at least 2")
+        if self.precision not in PRECISIONS:
+            raise bad(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not is_scale(self.loss_scale):
+            raise bad(f"loss_scale must be a power of two in [2^-14, 2^127], got {self.loss_scale!r}")
+        if self.loss_scale_interval == 0:
+            raise bad("loss_scale_interval must be greater than zero")
         w = self.mtp_weight
         if isinstance(w, bool) or not isinstance(w, int | float) or not (math.isfinite(w) and w >= 0.0):
             raise bad("mtp_weight must be finite and non-negative")

@@ -21,6 +21,9 @@ that AdamW binds as its `scalars`; reference `ddl_ref.optim.clip_multipliers`.
 `sum_rows` reduces a row_loss buffer to one f32 (the batch loss sum) in a single workgroup, so it is meant
 for row counts (up to ~1e6), not parameter counts.
 
+Mixed precision (docs/precision.md) hands the finalize kernels a gradient of S * loss and `unscale` = 1 / S:
+they report the unscaled norm and fold 1 / S into the multiplier AdamW applies (exact for a power-of-two S).
+
 Launch sizes depend only on n, so results are bit-reproducible run to run.
 """
 
@@ -37,14 +40,16 @@ ELEMS_PER_GROUP = 2048  # a workgroup sums at least this many elements before th
 MAX_GROUPS = 1024  # cap on partials per range (grid-stride beyond it)
 
 SUM_SQUARES = Uniform("SumSquaresParams", ("n", "u32"), ("offset", "u32"), ("_a", "pad"), ("_b", "pad"))
-FINALIZE = Uniform("FinalizeParams", ("count", "u32"), ("clip", "f32"), ("_a", "pad"), ("_b", "pad"))
+FINALIZE = Uniform(
+    "FinalizeParams", ("count", "u32"), ("clip", "f32"), ("unscale", "f32", "1 / loss scale"), ("_b", "pad")
+)
 SUM_ROWS = Uniform("SumRowsParams", ("n", "u32"), ("index", "u32"), ("_a", "pad"), ("_b", "pad"))
 TENSOR_CLIP = Uniform(
     "TensorClipParams",
     ("tensors", "u32"),
     ("clip", "f32"),
     ("stride", "u32", "f32 per record"),
-    ("_a", "pad"),
+    ("unscale", "f32", "1 / loss scale"),
 )
 UNIFORMS = (SUM_SQUARES, FINALIZE, SUM_ROWS, TENSOR_CLIP)
 
@@ -82,38 +87,45 @@ def sum_squares(gpu, partials, x, n: int, offset: int = 0, max_groups: int = MAX
     return Call([(k, bg, (groups, 1, 1))], [u])
 
 
-def finalize_clip(gpu, scalars, partials, count: int, clip: float) -> Call:
+def finalize_clip(gpu, scalars, partials, count: int, clip: float, unscale: float = 1.0) -> Call:
     """scalars[0..4) = (global norm, clip multiplier, finite flag, sum of squares) from partials[0..count).
 
     The clip threshold lives in the Call's uniform (`call.uniforms[0]`, FINALIZE); rewrite it with
     `gpu.write_fields(call.uniforms[0], FINALIZE, clip=new_clip)`.
     clip <= 0 disables clipping (multiplier 1).
+    `unscale` (1 / S, the same uniform's field) for partials of a gradient scaled by the loss scale S: the
+    norm is sqrt(sum) * unscale and the multiplier min(1, clip / norm) * unscale (the sum of squares stays
+    the scaled gradient's); 1 gives the unscaled kernel's bits.
     """
     if count < 1:
         raise ValueError(f"finalize_clip: count={count} must be positive")
     _need("partials", partials, count * 4)
     _need("scalars", scalars, SCALARS_BYTES)
     k = gpu.kernel(FILE, "finalize_clip", "rwu", workgroup=(WG, 1, 1), uniforms=UNIFORMS)
-    u = gpu.uniform(FINALIZE, count=count, clip=clip, label="finalize_clip")
+    u = gpu.uniform(FINALIZE, count=count, clip=clip, unscale=unscale, label="finalize_clip")
     bg = gpu.bind(k, partials, scalars, u)
     return Call([(k, bg, (1, 1, 1))], [u])
 
 
-def grad_norm_clip(gpu, scalars, partials, ranges, clip: float, max_groups: int = MAX_GROUPS) -> Call:
+def grad_norm_clip(
+    gpu, scalars, partials, ranges, clip: float, max_groups: int = MAX_GROUPS, unscale: float = 1.0
+) -> Call:
     """Global norm of several flat ranges [(buffer_or_view, n), ...] and its clip multiplier, into
     `scalars` (see finalize_clip). `partials` needs total_partials([n for _, n in ranges]) f32.
-    The finalize uniform (clip) is the returned Call's last uniform."""
+    The finalize uniform (clip, unscale) is the returned Call's last uniform."""
     call = Call()
     offset = 0
     for x, n in ranges:
         call = call + sum_squares(gpu, partials, x, n, offset=offset, max_groups=max_groups)
         offset += sum_squares_groups(n, max_groups)
-    return call + finalize_clip(gpu, scalars, partials, offset, clip)
+    return call + finalize_clip(gpu, scalars, partials, offset, clip, unscale)
 
 
-def finalize_tensors(gpu, records, partials, scalars, ranges, clip: float) -> Call:
+def finalize_tensors(gpu, records, partials, scalars, ranges, clip: float, unscale: float = 1.0) -> Call:
     """Per-tensor clipping: record t of `records` (RECORD_BYTES each) = (norm_t, min(1, clip / norm_t), the
-    global finite flag scalars[2], sum of squares) from t's partials[start_t .. start_t + count_t).
+    global finite flag scalars[2], sum of squares) from t's partials[start_t .. start_t + count_t); with
+    `unscale` (1 / S, a TENSOR_CLIP field) norm_t = sqrt(sum_t) * unscale and the multiplier times unscale,
+    as in `finalize_clip`.
 
     ranges: [(start_t, count_t)] into `partials` (what `sum_squares` wrote for tensor t); `scalars` is
     finalize_clip's output over the same partials (its finite flag, read on the GPU). The clip lives in
@@ -130,21 +142,26 @@ def finalize_tensors(gpu, records, partials, scalars, ranges, clip: float) -> Ca
     table = gpu.upload(np.asarray(ranges, np.uint32).reshape(-1), label="clip_ranges")
     k = gpu.kernel(FILE, "finalize_tensors", "rrrwu", workgroup=(WG, 1, 1), uniforms=UNIFORMS)
     u = gpu.uniform(
-        TENSOR_CLIP, tensors=len(ranges), clip=clip, stride=RECORD_BYTES // 4, label="finalize_tensors"
+        TENSOR_CLIP,
+        tensors=len(ranges),
+        clip=clip,
+        stride=RECORD_BYTES // 4,
+        unscale=unscale,
+        label="finalize_tensors",
     )
     bg = gpu.bind(k, partials, table, scalars, records, u)
     return Call([(k, bg, (len(ranges), 1, 1))], [u, table])
 
 
 def tensor_norm_clip(
-    gpu, scalars, records, partials, tensors, clip: float, max_groups: int = MAX_GROUPS
+    gpu, scalars, records, partials, tensors, clip: float, max_groups: int = MAX_GROUPS, unscale: float = 1.0
 ) -> Call:
     """Per-tensor clipping of several tensors, each given as its pieces [(buffer_or_view, n), ...] (a tensor
     larger than one binding comes in several): `sum_squares` per piece (a tensor's pieces at consecutive
     partials), `finalize_clip` over all (the global norm and finite flag into `scalars`, as in
     `grad_norm_clip`), then `finalize_tensors` (record t into `records`). `partials` needs
-    total_partials of every piece's n. The clip uniforms: FINALIZE at `call.uniforms[-3]`, TENSOR_CLIP at
-    `call.uniforms[-2]`."""
+    total_partials of every piece's n. The clip uniforms (clip, unscale): FINALIZE at `call.uniforms[-3]`,
+    TENSOR_CLIP at `call.uniforms[-2]`."""
     call = Call()
     offset = 0
     ranges = []
@@ -154,8 +171,8 @@ def tensor_norm_clip(
             call = call + sum_squares(gpu, partials, x, n, offset=offset, max_groups=max_groups)
             offset += sum_squares_groups(n, max_groups)
         ranges.append((start, offset - start))
-    call = call + finalize_clip(gpu, scalars, partials, offset, clip)
-    return call + finalize_tensors(gpu, records, partials, scalars, ranges, clip)
+    call = call + finalize_clip(gpu, scalars, partials, offset, clip, unscale)
+    return call + finalize_tensors(gpu, records, partials, scalars, ranges, clip, unscale)
 
 
 def sum_rows(gpu, out, x, n: int, index: int = 0) -> Call:

@@ -298,6 +298,9 @@ class Gpu:
     max_binding: int | None = None
     max_buffer: int | None = None
     limits_mode: str | None = None
+    # where ops.matmul runs the products: "simt" (f32 on the SIMT cores) or "matrix" (the matrix units, f16
+    # operands, f32 accumulation); a mixed-precision run sets it (`backend.apply_precision`)
+    products: str = "simt"
     adapter: object = field(init=False)
     device: object = field(init=False)
 
