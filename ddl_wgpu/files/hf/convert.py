@@ -296,6 +296,20 @@ _EXPORT_FILES = re.compile(
 )
 
 
+# The weights of an export: written as a whole (one file, or shards and their index), so a replaced export's
+# weights all go, whatever the new one's sharding; every other file of the folder that the export does not
+# write stays (`_carry`).
+_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+
+
+def _carry(src: Path, dst: Path) -> None:
+    """A file of the replaced folder into the new one, as it is: a hard link (no copy), else a copy."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+
+
 def _check_target(folder: Path, overwrite: bool) -> bool:
     """Whether `folder` exists (an empty folder, or with overwrite=True a previous export); HfError else."""
     if not (folder.exists() or folder.is_symlink()):
@@ -393,6 +407,10 @@ def _write_folder(tokenizer: bytes | str | None, folder: Path, plan: ExportPlan,
         for name, data in sorted(plan.files.items()):
             write_bytes(tmp / name, data)
             names.append(name)
+        if exists:  # --force replaces what the export writes (and the weights, a set): every other file stays
+            for name in sorted(os.listdir(folder)):
+                if name not in names and not _WEIGHTS.fullmatch(name):
+                    _carry(folder / name, tmp / name)
         _fsync_dir(tmp)
         if exists:
             os.rename(folder, old)
