@@ -296,10 +296,11 @@ _EXPORT_FILES = re.compile(
 )
 
 
-# The weights of an export: written as a whole (one file, or shards and their index), so a replaced export's
-# weights all go, whatever the new one's sharding; every other file of the folder that the export does not
-# write stays (`_carry`).
-_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+# What an export writes as the model's, whole: the weights (one file, or shards and their index) and the
+# tokenizer.json the model carries (a model without one has none), so a replaced export's go, whatever the new
+# one's sharding, and no other model's tokenizer is left beside this model; every other file of the folder
+# that the export does not write stays (`_carry`).
+_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|tokenizer\.json")
 
 
 def _carry(src: Path, dst: Path) -> None:
@@ -407,7 +408,9 @@ def _write_folder(tokenizer: bytes | str | None, folder: Path, plan: ExportPlan,
         for name, data in sorted(plan.files.items()):
             write_bytes(tmp / name, data)
             names.append(name)
-        if exists:  # --force replaces what the export writes (and the weights, a set): every other file stays
+        if (
+            exists
+        ):  # --force replaces what the export writes (and the model's weights and tokenizer): the rest stays
             for name in sorted(os.listdir(folder)):
                 if name not in names and not _WEIGHTS.fullmatch(name):
                     _carry(folder / name, tmp / name)
