@@ -397,7 +397,7 @@ def test_heal_streamed_writes_the_resident_plans_file(files, tmp_path, name):
         plan, peaks = reports[label]["plan"], reports[label]["gpu_phase_peak_bytes"]
         assert gpu.peak - before <= max(plan["trunk_bytes"], plan["draft_bytes"])
         assert peaks == {"trunk": plan["trunk_bytes"], "draft": plan["draft_bytes"]}  # what it counted
-        assert not hostmem.scratch_path(tmp_path / f"{label}.ddlw").exists()
+        assert not hostmem.scratch_files(tmp_path / f"{label}.ddlw")
     assert "resident" in lines["resident"][0] and "streamed" in lines["streamed"][0]
     assert reports["streamed"]["plan"]["blocks"] > 1 and reports["streamed"]["scratch_bytes"] > 0
     assert reports["resident"]["scratch_bytes"] == 0
@@ -455,7 +455,7 @@ def test_cli_plan_line_refusal_generate_and_out_of_memory(files, tmp_path, cli, 
     args = ["heal", model, "--data", text, "--out", out, "--window", "24", "--tokens", "600", "--batch", "2",
             "--chain", "2", "--backend", "wgpu"]  # fmt: skip
     line = user_error(cli(*args, "--gpu-memory", "20KB"), "--gpu-memory 20.0 KiB is below", "two layer slots")
-    assert "about" in line and not out.exists() and not hostmem.scratch_path(out).exists()
+    assert "about" in line and not out.exists() and not hostmem.scratch_files(out)
     r = ok(cli("eval", model, "--data", text, "--seq-len", "16", "--batch", "3", "--backend", "wgpu",
                "--gpu-memory", "1GB", "--json"))  # fmt: skip
     assert (
@@ -477,32 +477,30 @@ def test_cli_plan_line_refusal_generate_and_out_of_memory(files, tmp_path, cli, 
 def test_heal_scratch_file_goes_after_a_failure_and_after_ctrl_c(files, tmp_path, monkeypatch):
     model, text = files[0]["transformer"], str(files[1])
     out = tmp_path / "f.ddlw"
-    scratch = hostmem.scratch_path(out)
 
     def fail(self, events, step, plan=()):
-        assert scratch.exists()  # the chain's rows are in it now
+        assert hostmem.scratch_files(out)  # the chain's rows are in it now
         raise heal.HealError("stopped here")
 
     monkeypatch.setattr(heal._Chain, "refresh_event", fail)
     with pytest.raises(heal.HealError, match="stopped here"):
         heal.heal(model, text, out, HEAL, backend="wgpu", host_memory=1024)
-    assert not scratch.exists() and not out.exists()
+    assert not hostmem.scratch_files(out) and not out.exists()
     # Ctrl-C while the draft trains (many steps): interrupted, exit 130, the scratch file gone, no output
     out = tmp_path / "c.ddlw"
-    scratch = hostmem.scratch_path(out)
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     p = subprocess.Popen([sys.executable, "-m", "ddl_wgpu.cli", "heal", str(model), "--data", text, "--out", str(out),
                           "--window", "24", "--tokens", "600", "--batch", "2", "--chain", "2", "--epochs", "50",
                           "--backend", "wgpu", "--host-memory", "1KB"], stderr=subprocess.PIPE, text=True,
                          stdout=subprocess.DEVNULL, env=env)  # fmt: skip
     t0 = time.time()
-    while not scratch.exists() and p.poll() is None and time.time() - t0 < 120:
+    while not hostmem.scratch_files(out) and p.poll() is None and time.time() - t0 < 120:
         time.sleep(0.05)
-    assert scratch.exists(), p.stderr.read() if p.poll() is not None else "no scratch file"
+    assert hostmem.scratch_files(out), p.stderr.read() if p.poll() is not None else "no scratch file"
     p.send_signal(signal.SIGINT)
     err = p.communicate(timeout=120)[1]
     assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err
-    assert not scratch.exists() and not out.exists()
+    assert not hostmem.scratch_files(out) and not out.exists()
 
 
 def test_the_benches_smoke_runs(tmp_path):

@@ -40,18 +40,24 @@ from typer._click import utils as usage_utils
 from ddl_ref.config import ARCH_MTP, ModelVariant
 from ddl_ref.params import init_params, param_table
 from ddl_wgpu.backend import choose_backend, make_net
+from ddl_wgpu.cli import checks as cli_checks
 from ddl_wgpu.cli import jobs as cli_jobs
 from ddl_wgpu.cli.checks import (
+    EXIT_TERMINATED,
     EXIT_USER_ERROR,
+    Terminated,
     batch_tokens,
     error_line,
     fail,
     fits,
     in_range,
+    interrupted,
     is_user_error,
     output_file,
+    remove_created,
     within_context,
     writes,
+    written_meanwhile,
 )
 from ddl_wgpu.cli.console import accept_text, summary_text
 from ddl_wgpu.cli.options import (
@@ -197,7 +203,7 @@ def init(
     fits(cfg, False, "the model")
     params = init_params(cfg, seed)
     prov = {"init": {"seed": seed, "preset": preset, "arch": arch}}
-    with writes(out):
+    with writes(out, replace=force):
         save_model(out, Model(cfg, params, variant=v.slug, provenance=prov))
         table = param_table(cfg)
         n = sum(s.numel for s in table)
@@ -292,7 +298,7 @@ def import_hf(
 ):
     """Import a Qwen3, Llama or Qwen3.5 (CausalLM or ConditionalGeneration) folder into our container."""
     output_file(out, force, flag="")
-    with writes(out):
+    with writes(out, replace=force):
         summary = import_hf_to_file(folder, out, say=_say)
         emit(summary, as_json, summary_text(summary) + f"\nwrote {out}")
 
@@ -340,7 +346,7 @@ def compress(
     """Structural compress: drop whole blocks, or keep the most important SwiGLU channels."""
     refuse_overwrite_input(out, [model], CompressError)  # "is the input" says more than "exists"
     output_file(out, force)
-    with writes(out):
+    with writes(out, replace=force):
         prov = compress_file(model, out, drop=drop_layers, keep=ffn_keep, verify=not no_verify, say=_say)
         emit(prov, as_json, summary_text(prov) + f"\nwrote {out}")
 
@@ -494,8 +500,8 @@ def main():
     Ctrl-C one line (what was saved, where a command knows) and exit 130."""
     try:
         code = _main()
-    except KeyboardInterrupt:  # in the last instants of `_main`, as it returned
-        code = 130
+    except KeyboardInterrupt as e:  # in the last instants of `_main`, as it returned
+        code = 0 if written_meanwhile() is not None else EXIT_TERMINATED if isinstance(e, Terminated) else 130
     sys.exit(code)
 
 
@@ -512,6 +518,20 @@ def _invoke() -> int:
 
 
 def _main() -> int:
+    """`_run`, after which a command that failed takes back the folders it created for its output (a refused
+    command leaves no empty folder behind)."""
+    cli_checks.WATCHED.clear()
+    cli_checks.CREATED.clear()
+    code = 1
+    try:
+        code = _run()
+    finally:
+        if code != 0:
+            remove_created()
+    return code
+
+
+def _run() -> int:
     if sys.stdout is None:  # started with standard output closed (`>&-`): where would the results go?
         typer.echo("error: standard output is closed; redirect it instead (e.g. > /dev/null)", err=True)
         return EXIT_USER_ERROR
@@ -520,6 +540,7 @@ def _main() -> int:
         # the command is done: a Ctrl-C from now on has nothing left to interrupt (and must not turn the exit
         # into a death by SIGINT)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except usage.NoArgsIsHelpError as e:
         e.show()
         return e.exit_code
@@ -534,7 +555,10 @@ def _main() -> int:
         with contextlib.suppress(OSError, ValueError):  # the exit's own flush must not fail again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (typer.Abort, KeyboardInterrupt, EOFError):
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM inside a command that writes (`checks.Terminated`)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one line, whatever more Ctrl-C follows
+        return interrupted(e)
+    except (typer.Abort, EOFError):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # one line, whatever more Ctrl-C follows
         typer.echo("interrupted", err=True)
         return 130

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import math
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import typer
 from ddl_ref.config import ConfigError
 from ddl_wgpu.backend import BackendChoice, BackendError, UnknownBackendError, choose_backend, require_backend
 from ddl_wgpu.errors import UserError
-from ddl_wgpu.files.container import CheckpointError
+from ddl_wgpu.files.container import CheckpointError, keep_existing
 from ddl_wgpu.files.container_format import (
     _stale_set_files,  # a model saved as shards: NAME-00001-of-00002.ddlw
 )
@@ -63,10 +64,12 @@ def output_file(out: Path, force: bool = True, flag: str = "--out") -> None:
     if parent.exists() and not parent.is_dir():
         fail(f"{label}: {parent} is not a folder")
     if not parent.exists():
+        missing = [d for d in (parent, *parent.parents) if not d.exists()]
         try:
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             fail(f"{label}: cannot create {parent}: {e.strerror or e}")
+        CREATED.extend(missing)  # deepest first: `remove_created` takes them back when the command fails
     if not os.access(parent, os.W_OK | os.X_OK):
         fail(f"{label}: the folder {parent} is not writable")
 
@@ -83,21 +86,82 @@ def _identity(out: Path) -> tuple | None:
     return tuple(found) or None
 
 
+# The folders `output_file` created for a command's output, deepest first: a command that fails takes them
+# back (`remove_created`), so that a refused run leaves no empty folder.
+CREATED: list[Path] = []
+# The outputs of `writes` blocks, each with what stood there before: a Ctrl-C that lands once the output is
+# in place, anywhere up to the exit, interrupted nothing (`written_meanwhile`).
+WATCHED: list[tuple[Path, tuple | None]] = []
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports a process that SIGTERM ended
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a batch scheduler) inside a command that writes: raised where the command
+    is, as Ctrl-C raises KeyboardInterrupt, so that every `with` and `finally` cleans up the same way (a
+    partial output, heal's scratch file); the command then exits 143 (`EXIT_TERMINATED`)."""
+
+
+def _terminate(*_signal) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one clean-up, whatever more SIGTERM follows
+    raise Terminated
+
+
+def remove_created() -> None:
+    """The folders `output_file` created, removed while empty (after a failed command)."""
+    for d in CREATED:
+        try:
+            d.rmdir()
+        except OSError:  # it holds something (not ours to remove): it and the folders above it stay
+            break
+    CREATED.clear()
+
+
+def written_meanwhile() -> Path | None:
+    """An output of a `writes` block that is in place now (something new stands at its name), or None."""
+    for out, before in WATCHED:
+        if _identity(out) not in (None, before):
+            return out
+    return None
+
+
+def interrupted(e: KeyboardInterrupt) -> int:
+    """The line and exit status of a Ctrl-C or SIGTERM that reached the entry point: success when the
+    command's output was already in place (it was the last thing the command did), else an interruption."""
+    out = written_meanwhile()
+    what = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+    if out is not None:
+        typer.echo(f"wrote {out} (complete: the {what} came after it was written)", err=True)
+        return 0
+    typer.echo("terminated" if isinstance(e, Terminated) else "interrupted", err=True)
+    return EXIT_TERMINATED if isinstance(e, Terminated) else 130
+
+
 @contextlib.contextmanager
-def writes(out: Path) -> Iterator[None]:
+def writes(out: Path, replace: bool = True) -> Iterator[None]:
     """Around the part of a command that writes `out` and says so. Outputs are written under a temporary name
     and renamed into place only when complete, so a Ctrl-C that lands once something new stands at `out`
-    (after the rename, before the command said "wrote") interrupted nothing: the command says that `out` was
-    written and exits 0, instead of "interrupted" over a complete output that a re-run would then find
-    "already exists". A Ctrl-C before the rename is an interruption as anywhere (nothing was written)."""
+    (after the rename, before the command said "wrote", or later, up to the exit: `interrupted`) interrupted
+    nothing: the command says that `out` was written and exits 0, instead of "interrupted" over a complete
+    output that a re-run would then find "already exists". A Ctrl-C before the rename is an interruption as
+    anywhere (nothing was written). SIGTERM inside the block is handled as Ctrl-C (`Terminated`, exit 143).
+    `replace` False (no --force): the rename never replaces a file that appeared at `out` meanwhile
+    (another run's: `container.keep_existing`); that run's file stays and this one fails with one line."""
     before = _identity(out)
+    WATCHED.append((out, before))
+    with contextlib.suppress(ValueError):  # only the main thread may set a handler
+        signal.signal(signal.SIGTERM, _terminate)
     try:
-        yield
-    except KeyboardInterrupt:
+        with contextlib.nullcontext() if replace else keep_existing(out):
+            yield
+    except KeyboardInterrupt as e:
         if _identity(out) in (None, before):
             raise
-        typer.echo(f"wrote {out} (complete: the Ctrl-C came after it was written)", err=True)
+        what = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        typer.echo(f"wrote {out} (complete: the {what} came after it was written)", err=True)
         raise typer.Exit(0) from None
+    except BaseException:
+        WATCHED.remove((out, before))  # it failed: what stands at `out` now is not this command's
+        raise
 
 
 def within_context(flag: str, value: int | None, cfg) -> None:
@@ -195,7 +259,7 @@ HINTS = {
 USER_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EROFS: "read-only file system",
                errno.EDQUOT: "disk quota exceeded", errno.EACCES: "permission denied",
                errno.ENOTDIR: "not a folder", errno.EEXIST: "already exists",
-               errno.ENAMETOOLONG: "file name too long",
+               errno.ENAMETOOLONG: "file name too long", errno.EFBIG: "file too large",
                errno.ELOOP: "too many levels of symbolic links"}  # fmt: skip
 # Python before 3.13 reports a symbolic link loop met by `Path.resolve()` as this RuntimeError (3.13: ELOOP)
 SYMLINK_LOOP = "Symlink loop from "

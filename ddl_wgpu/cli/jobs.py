@@ -556,7 +556,7 @@ def heal(
         reason = flag if why[key] == "as given" else why[key]
         typer.echo(f"  {key.replace('_', ' ')}: {getattr(cfg, key)} ({reason})", err=as_json)
     typer.echo("  " + backend_line(choice), err=as_json)
-    with writes(out):
+    with writes(out, replace=force):
         rep = heal_lib.heal(model, data, out, cfg, init_path=init, backend=choice.name,
                             progress=HealConsole(as_json), device=device, verify=not no_verify,
                             gpu_memory=budget, host_memory=host_budget)  # fmt: skip

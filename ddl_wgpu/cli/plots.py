@@ -11,6 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ddl_wgpu.files.safeio import write_atomic
+
+
+def _save(fig, p: Path) -> None:
+    """The figure as a PNG at `p`, written as every output is: a file of its own, then a rename."""
+    write_atomic(p, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
+
 
 def by_variant(reports: list[dict]) -> dict[str, list[dict]]:
     """The reports of each variant (one per seed), in sweep order."""
@@ -71,7 +78,7 @@ def write_plots(comp: dict, out_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     p = out_dir / "loss.png"
-    fig.savefig(p, dpi=120, bbox_inches="tight")
+    _save(fig, p)
     plt.close(fig)
     written.append(p)
 
@@ -95,7 +102,7 @@ def write_plots(comp: dict, out_dir: Path) -> list[Path]:
             ax.set_ylim(0, 2)
             ax.legend(fontsize=6, ncol=2)
         p = out_dir / "beta.png"
-        fig.savefig(p, dpi=120, bbox_inches="tight")
+        _save(fig, p)
         plt.close(fig)
         written.append(p)
 
@@ -115,7 +122,7 @@ def write_plots(comp: dict, out_dir: Path) -> list[Path]:
         ax.set_title("final β histogram: identity < 0.5 ≤ projection < 1.5 ≤ reflection")
         ax.legend(fontsize=8)
         p = out_dir / "beta_histogram.png"
-        fig.savefig(p, dpi=120, bbox_inches="tight")
+        _save(fig, p)
         plt.close(fig)
         written.append(p)
     return written

@@ -45,11 +45,15 @@ Version 1 (no header checksum, data_start = align_up(16 + N, 64)) is still read;
 that keeps it well formed (a renamed tensor, say) goes unnoticed there, which is why version 2 adds the
 checksum. Files are always written as version 2.
 
-Writing streams tensor by tensor into ``NAME.partial``: the table (and so the header length) follows from
-names, dtypes and shapes alone, and hashes are fixed-length strings, so the data is written and hashed in one
-pass and the header goes in at the end. Then fsync and ``os.replace``; on any exception the partial files are
-removed and whatever was at the final name is left untouched. An ``OSError`` while writing (disk full,
-read-only folder, ...) becomes a one-line :class:`CheckpointError` saying so.
+Writing streams tensor by tensor into a file of the writer's own, ``.NAME.<pid>.<random>.partial``
+(`safeio.create_exclusive`: created exclusively, never through a link, so two writers of one output never
+share a file): the table (and so the header length) follows from names, dtypes and shapes alone, and hashes
+are fixed-length strings, so the data is written and hashed in one pass and the header goes in at the end.
+Then fsync and a rename (`safeio.commit`); on any exception the partial files are removed and whatever was at
+the final name is left untouched. Inside ``keep_existing(path)`` (a command without --force) the rename never
+replaces a file: when another writer put one at the final name meanwhile, that file stays and this writer
+fails with one line. An ``OSError`` while writing (disk full, read-only folder, ...) becomes a one-line
+:class:`CheckpointError` saying so.
 
 The reader treats every file as hostile. It parses only the header; tensor data is read on demand (a
 ``pread``-style read of exactly that range, or a read-only ``numpy.memmap``). It checks, in this order, and
@@ -87,6 +91,7 @@ share (constants, dtypes, errors, hashing, shard names) in ``ddl_wgpu.files.cont
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import os
 import struct
@@ -122,6 +127,7 @@ from ddl_wgpu.files.container_format import (
 )
 from ddl_wgpu.files.container_read import Checkpoint, open_checkpoint
 from ddl_wgpu.files.lazy import Lazy
+from ddl_wgpu.files.safeio import AppearedError, commit, create_exclusive
 
 __all__ = [
     "ALIGNMENT",
@@ -228,12 +234,29 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
+# The outputs (absolute paths) a writer must not replace: a command asked to write a new file only
+# (`keep_existing`)
+_KEEP: contextvars.ContextVar[frozenset] = contextvars.ContextVar("ddlw_keep_existing", default=frozenset())
+
+
+@contextlib.contextmanager
+def keep_existing(path: str | os.PathLike):
+    """Inside the block, a Writer of `path` never replaces what stands at its final names: the first writer's
+    rename wins, and a later one fails with one line (its file removed), instead of writing over a file that
+    appeared after the command checked that none was there."""
+    token = _KEEP.set(_KEEP.get() | {os.path.abspath(path)})
+    try:
+        yield
+    finally:
+        _KEEP.reset(token)
+
+
 class _Part:
     """One output file (the whole checkpoint, or one shard) while it is being written."""
 
     def __init__(self, final: Path, names: list[str], table: dict[str, dict], data_bytes: int):
         self.final = final
-        self.partial = final.with_name(final.name + ".partial")
+        self.partial: Path | None = None  # the writer's own file, made when the first byte goes out
         self.names = names
         self.table = table  # name -> entry dict; hashes filled in as tensors are written
         self.data_bytes = data_bytes
@@ -247,7 +270,8 @@ class _Part:
         self.data_start = align_up(PREAMBLE + self.header_len + CHECKSUM_BYTES)
 
     def open(self) -> None:
-        self.file = open(self.partial, "wb")  # noqa: SIM115 -- closed in finish()/abort()
+        fd, self.partial = create_exclusive(self.final)
+        self.file = os.fdopen(fd, "wb")  # closed in finish()/abort()
         # Reserve the header region; the real header is written over it once every hash is known.
         self.file.write(b"\0" * self.data_start)
 
@@ -271,8 +295,9 @@ class _Part:
             with contextlib.suppress(OSError):
                 self.file.close()
             self.file = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.partial)
+        if self.partial is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.partial)
 
 
 class Writer:
@@ -457,8 +482,21 @@ class Writer:
             if self.sharded and self.path.exists():
                 stale.append(self.path)
             # Renames go last, after every file is complete and durable.
-            for part in self._parts:
-                os.replace(part.partial, part.final)
+            replace = os.path.abspath(self.path) not in _KEEP.get()
+            for k, part in enumerate(self._parts):
+                try:
+                    commit(part.partial, part.final, replace)
+                except AppearedError:
+                    for done in self._parts[:k]:  # this writer's shards already in place: not a set alone
+                        with contextlib.suppress(OSError):
+                            os.unlink(done.final)
+                    raise
+        except AppearedError as e:
+            self.abort()
+            raise CheckpointError(
+                f"{e.filename}: another run wrote it while this one was writing; that file is left as it is "
+                "and nothing of this run was written"
+            ) from None
         except OSError as e:
             self.abort()
             raise _write_error(self.path, e) from None

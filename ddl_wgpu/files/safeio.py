@@ -10,18 +10,29 @@
 - :func:`refuse_overwrite_input` stops a command whose output is one of its inputs, or lies inside an input
   folder, before any work (symlinks resolved, by :func:`resolved`, which turns a symbolic link loop or a name
   the file system cannot hold into one line).
+- :func:`create_exclusive` is how every writer starts a file it writes: a new inode under a name of its own
+  (``.NAME.<pid>.<random>.partial`` beside NAME, or another suffix), created with O_CREAT|O_EXCL|O_NOFOLLOW, so
+  that it never follows a link planted under that name, never truncates what is there, and two writers of one
+  output never share a file; the name is cut to fit the folder's name limit, whatever NAME's length.
+  :func:`commit` renames it onto NAME: the rename decides which of two writers wins (with ``replace=False``
+  the first, and the other is told NAME appeared meanwhile; else the last), and the loser's file is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
+import secrets
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["MAX_JSON_DEPTH", "load_json", "open_regular", "refuse_overwrite_input", "resolved", "utf8_text"]
+__all__ = ["MAX_JSON_DEPTH", "commit", "create_exclusive", "load_json", "open_regular", "refuse_overwrite_input",
+           "resolved", "is_temp_of", "temp_name", "utf8_text", "write_atomic"]  # fmt: skip
 
 MAX_JSON_DEPTH = 64  # a config.json, an index or a data record nests a few levels; 64 keeps recursion safe
 
@@ -200,3 +211,90 @@ def refuse_overwrite_input(
         if out_p in inp.parents:
             raise error(f"output {os.fspath(out)} is a folder that holds the input {os.fspath(item)}; "
                         "write it elsewhere")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# writing: a file of its own, then a rename
+
+NAME_MAX = 255  # bytes of one name on every file system we write to (ext4, xfs, btrfs, tmpfs, APFS, NTFS)
+_EXCLUSIVE = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_EXCLUSIVE |= getattr(os, "O_BINARY", 0)
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return min(NAME_MAX, os.pathconf(folder, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):  # no such folder yet, or no pathconf (Windows)
+        return NAME_MAX
+
+
+def temp_name(final: str | os.PathLike, suffix: str = ".partial") -> Path:
+    """A name of this writer's own beside `final`: ``.NAME.<pid>.<random>SUFFIX``, NAME cut (at a byte, as
+    the file system counts) so that the whole fits the folder's name limit: a NAME that fits, fits with it."""
+    final = Path(final)
+    tail = os.fsencode(f".{os.getpid()}.{secrets.token_hex(4)}{suffix}")
+    name = os.fsencode(final.name)[: max(1, _name_max(final.parent) - len(tail) - 1)]
+    return final.with_name(os.fsdecode(b"." + name + tail))
+
+
+def is_temp_of(name: str, final_name: str, suffix: str = ".partial") -> bool:
+    """Whether `name` is a name `temp_name` gives a writer of `final_name` (a write cut short, by kill -9)."""
+    m = re.fullmatch(r"\.(.+)\.\d+\.[0-9a-f]{8}" + re.escape(suffix), name, re.DOTALL)
+    return m is not None and os.fsencode(final_name).startswith(os.fsencode(m.group(1)))
+
+
+def create_exclusive(
+    final: str | os.PathLike, suffix: str = ".partial", mode: int = 0o644
+) -> tuple[int, Path]:
+    """(an open read-write descriptor, its path) of a new, empty file of this writer's own beside `final`
+    (`temp_name`). O_EXCL|O_NOFOLLOW: a name that exists, a symbolic link included, is never opened, so
+    nothing there is followed, truncated or shared with another writer (a clash of names, one in 2^32, takes
+    another)."""
+    for _ in range(8):
+        path = temp_name(final, suffix)
+        try:
+            return os.open(path, _EXCLUSIVE, mode), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "cannot create a file of this writer's own", os.fspath(final))
+
+
+class AppearedError(FileExistsError):
+    """`commit(replace=False)` found its target taken: another writer renamed its file there first."""
+
+
+def commit(tmp: str | os.PathLike, final: str | os.PathLike, replace: bool = True) -> None:
+    """Rename this writer's complete file `tmp` onto `final`. `replace`: whatever stands there goes (of two
+    writers, the last rename wins, each output complete). Else the first wins: a hard link, which fails when
+    `final` exists (atomic: no check-then-rename window), then `tmp` removed; `AppearedError` when another
+    writer got there first (its file is left as it is; `tmp` stays for the caller's clean-up). A file
+    system without hard links falls back to a check, then the rename."""
+    if replace:
+        os.replace(tmp, final)
+        return
+    try:
+        os.link(tmp, final, follow_symlinks=False)
+    except FileExistsError:
+        raise AppearedError(errno.EEXIST, "another writer wrote it meanwhile", os.fspath(final)) from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        if os.path.lexists(final):
+            raise AppearedError(errno.EEXIST, "another writer wrote it meanwhile", os.fspath(final)) from None
+        os.replace(tmp, final)
+        return
+    os.unlink(tmp)
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], Any], replace: bool = True) -> None:
+    """`write(f)` into a file of this writer's own beside `path` (`create_exclusive`), then `commit` it there;
+    on any failure (a full disk, a Ctrl-C) the file is removed and `path` is as it was."""
+    fd, tmp = create_exclusive(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        commit(tmp, path, replace)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

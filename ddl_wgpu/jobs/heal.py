@@ -43,7 +43,8 @@ trunk's own predictions. The flow:
    its mean; `patience` evaluations without a new best stop the run. The best weights are restored.
 7. OUT = MODEL with the trained tensors written back (in their stored dtype) and every other tensor copied byte
    for byte; `provenance.mtp_heal` (the reference's key; `heal_files.heal_record` also reads the older `heal_mtp`) records the run (acceptance before and after on the held-out windows).
-   Written atomically by the container (`OUT.partial`, then rename; removed on any failure).
+   Written atomically by the container (a `.OUT.<pid>.<random>.partial` of its own, then a rename; removed on
+   any failure).
 
 Backends: `backend.make_teacher` and `backend.make_draft` build the trunk (`backend.Teacher`) and the draft
 (`backend.Draft`) on the chosen backend: numpy (`refnet.RefTeacher`, `refnet.RefDraft`) or the GPU
@@ -301,8 +302,11 @@ class _Chain:
             return 0
         self.weights = self.draft.snapshot()
         self.built[:] = 1
-        for j in range(2, self.chain + 1):
-            self.cache.x.setdefault(j, self.cache.zeros((self.N, self.T, self.mcfg.d_model), np.float16))
+        for j in range(
+            2, self.chain + 1
+        ):  # made at the first refresh, then rewritten in place (one region each)
+            if j not in self.cache.x:
+                self.cache.x[j] = self.cache.zeros((self.N, self.T, self.mcfg.d_model), np.float16)
         done, self.period_forwards = self.period_forwards, 0
         need: dict[int, int] = {}  # refresh batch -> the chain step the period reads it to
         for windows, j in plan:
@@ -590,7 +594,8 @@ def _heal(model_path, data_spec, out_path, cfg: HealConfig, init_path, backend: 
     # the draft's rows of every chain step: in RAM, or past --host-memory in the scratch file
     rows_bytes = cfg.chain * len(wins) * T * mcfg.d_model * 2
     in_ram = host.fits(rows_bytes)
-    if not in_ram:
+    if not in_ram:  # the file and its whole size now: a full disk is one line before any work, not a SIGBUS
+        host.reserve(rows_bytes)
         events("scratch", path=str(host.path), bytes=rows_bytes, budget=host.budget)
 
     def zeros(shape, dtype):

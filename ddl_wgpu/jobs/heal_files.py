@@ -132,7 +132,7 @@ def write_back(model_path, out_path, trained: dict, provenance_key: str, record:
                config: dict | None = None, verify: bool = True) -> Path:  # fmt: skip
     """OUT = MODEL with `trained` tensors replaced (stored dtype kept) and every other tensor copied byte for
     byte; `provenance[provenance_key] = record`; `config` replaces MODEL's (a draft healed at another FFN
-    width). Atomic (the container writes OUT.partial, then renames)."""
+    width). Atomic (the container writes a partial file of its own, then renames it)."""
     with open_checkpoint(model_path, verify=verify) as ck:
         prov = dict(ck.provenance or {})
         prov[provenance_key] = record

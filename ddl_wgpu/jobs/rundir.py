@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ddl_ref.config import ModelVariant
 from ddl_wgpu.errors import UserError
+from ddl_wgpu.files.safeio import is_temp_of, write_atomic
 
 CHECKPOINT = "checkpoint.ddlw"
 REPORT = "report.json"
@@ -182,6 +183,9 @@ def clear_run(folder: Path) -> None:
             continue
         for name in names + [n + ".partial" for n in names]:
             (d / name).unlink(missing_ok=True)
+        for p in d.glob(".*.partial"):  # a write cut short (`safeio.temp_name`); the run's lock is held here
+            if any(is_temp_of(p.name, n) for n in names):
+                p.unlink(missing_ok=True)
         if d != folder:
             with contextlib.suppress(OSError):  # not empty: it holds files the run did not write
                 d.rmdir()
@@ -209,12 +213,7 @@ def claim_output(folder: Path, overwrite: bool) -> RunLock:
 
 
 def write_json(path: Path, obj) -> None:
-    """Atomic JSON write (temp name, then rename)."""
+    """Atomic JSON write: a file of this writer's own, then a rename (`safeio.write_atomic`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        tmp.write_text(json.dumps(obj, indent=2, allow_nan=True))
-        tmp.replace(path)
-    except BaseException:  # a full disk or a Ctrl-C: no half-written partial left behind
-        tmp.unlink(missing_ok=True)
-        raise
+    data = json.dumps(obj, indent=2, allow_nan=True).encode()
+    write_atomic(path, lambda f: f.write(data))  # a full disk or a Ctrl-C: no half-written file left behind

@@ -13,6 +13,7 @@ import signal
 import socket
 from pathlib import Path
 
+from ddl_wgpu.files.safeio import write_atomic
 from ddl_wgpu.jobs import train as train_lib
 from ddl_wgpu.jobs.rundir import SWEEP
 from ddl_wgpu.jobs.sweep_job import STOP, Forward, Job, Sweep, SweepError, attempt, gpu_adapters
@@ -106,7 +107,7 @@ def _ray_task(
     try:
         for rel, data in files.items():
             (work / job.name / rel).parent.mkdir(parents=True, exist_ok=True)
-            (work / job.name / rel).write_bytes(data)
+            write_atomic(work / job.name / rel, lambda f, data=data: f.write(data))
         sink = Forward(lambda name, ev: events.put_nowait((name, ev)), job.name)
         res = attempt(sweep, job, work, device, sink, *launch)
         res["where"] = socket.gethostname() + ("" if device is None else f", adapter {device}")
@@ -176,7 +177,7 @@ def _ray_wait(ray, refs: dict, root: Path, events, stop, view) -> dict:
             }
         for rel, data in (res.pop("files", None) or {}).items():
             (root / job.name / rel).parent.mkdir(parents=True, exist_ok=True)
-            (root / job.name / rel).write_bytes(data)
+            write_atomic(root / job.name / rel, lambda f, data=data: f.write(data))
         pump()
         results[job.name] = res
         view.result(job.name, res)

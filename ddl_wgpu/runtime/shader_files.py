@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import secrets
 from pathlib import Path
 
 from ddl_wgpu.runtime.gpu_errors import KernelError
@@ -81,5 +82,15 @@ def dump_shader(
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         consts = ", ".join(f"{k}={v}" for k, v in sorted((constants or {}).items())) or "none"
-        path.write_text(f"// {file}:{entry}, override constants: {consts}\n{src}")
+        text = f"// {file}:{entry}, override constants: {consts}\n{src}".encode()
+        # as every writer (files/safeio.py, a layer above): a file of its own, created exclusively, then a rename
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     return path

@@ -296,6 +296,21 @@ _EXPORT_FILES = re.compile(
 )
 
 
+# What an export writes as the model's, whole: the weights (one file, or shards and their index) and the
+# tokenizer.json the model carries (a model without one has none), so a replaced export's go, whatever the new
+# one's sharding, and no other model's tokenizer is left beside this model; every other file of the folder
+# that the export does not write stays (`_carry`).
+_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|tokenizer\.json")
+
+
+def _carry(src: Path, dst: Path) -> None:
+    """A file of the replaced folder into the new one, as it is: a hard link (no copy), else a copy."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+
+
 def _check_target(folder: Path, overwrite: bool) -> bool:
     """Whether `folder` exists (an empty folder, or with overwrite=True a previous export); HfError else."""
     if not (folder.exists() or folder.is_symlink()):
@@ -393,6 +408,12 @@ def _write_folder(tokenizer: bytes | str | None, folder: Path, plan: ExportPlan,
         for name, data in sorted(plan.files.items()):
             write_bytes(tmp / name, data)
             names.append(name)
+        if (
+            exists
+        ):  # --force replaces what the export writes (and the model's weights and tokenizer): the rest stays
+            for name in sorted(os.listdir(folder)):
+                if name not in names and not _WEIGHTS.fullmatch(name):
+                    _carry(folder / name, tmp / name)
         _fsync_dir(tmp)
         if exists:
             os.rename(folder, old)
