@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from ddl_ref import eagle3 as e3
+from ddl_ref.blocks import head_name
 from ddl_ref.config import ConfigError
 from ddl_wgpu.backend import choose_backend, make_eagle3_draft, make_eagle3_target, make_engine
 from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
@@ -266,7 +267,7 @@ class _Run:
     def fresh_params(self) -> dict:
         p = e3.init_eagle3(self.ecfg, self.cfg.seed)
         if self.cfg.init == "target":
-            head = self.model.params.get("lm_head.weight", self.embed)
+            head = self.model.params[head_name(self.model.cfg)]  # the embedding when tied
             p[e3.HEAD] = e3.head_from_target(head, self.d2t).astype(np.float32)
         return p
 

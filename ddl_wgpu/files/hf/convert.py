@@ -267,7 +267,8 @@ def import_eagle3_to_file(folder, out_path, target=None) -> dict:
         n_layers = eagle3file.target_identity(target)["n_layers"]
     draft, notes, inputs = hf_eagle3.read_folder(folder, n_layers)
     refuse_overwrite_input(out_path, inputs, HfError)
-    eagle3file.save_draft(out_path, draft, "f32")
+    kinds = set(draft.dtypes.values())  # the folder's dtype when it has one (bf16 stays bf16), else f32
+    eagle3file.save_draft(out_path, draft, kinds.pop() if len(kinds) == 1 else "f32")
     return {"path": str(out_path), "architecture": hf_eagle3.ARCHITECTURES[0], "eagle3": True,
             "num_params": eagle3file.draft_params_count(draft.cfg), "dtypes": sorted(set(draft.dtypes.values())),
             "draft_vocab": draft.cfg.draft_vocab, "aux_layers": list(draft.cfg.aux_layers),
