@@ -620,6 +620,7 @@ def draft(
         False, "Train on the target's own greedy continuations of the data's windows.", DRAFT_HELP
     ),
     prompt_len: int = opt(DRAFT.prompt_len, "--regenerate: prompt tokens kept from each window.", DRAFT_HELP),
+    eval_windows: int = opt(DRAFT.eval_windows, "Held-out windows each evaluation reads.", DRAFT_HELP),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop after N steps, saving the run to resume."),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
@@ -632,7 +633,7 @@ def draft(
     for flag, value, lo in (("draft-vocab", draft_vocab, 1), ("ttt", ttt, 1), ("tokens", tokens, 1),
                             ("seq-len", seq_len, 2), ("batch-size", batch_size, 1), ("eval-interval", eval_interval, 1),
                             ("seed", seed, 0), ("warmup-steps", warmup_steps, 0), ("prompt-len", prompt_len, 1),
-                            ("stop-after", stop_after, 0)):  # fmt: skip
+                            ("stop-after", stop_after, 0), ("eval-windows", eval_windows, 1)):  # fmt: skip
         in_range(flag, value, lo)
     in_range("epochs", epochs, 0.0, 1e6)
     refuse_overwrite_input(out, [target], draft_lib.DraftError)
@@ -641,7 +642,8 @@ def draft(
     cfg = draft_lib.DraftConfig(kind=kind, draft_vocab=draft_vocab, aux_layers=_aux_layers(aux_layers), ttt=ttt,
                                 tokens=tokens, seq_len=seq_len, batch_size=batch_size, epochs=epochs,
                                 learning_rate=learning_rate, warmup_steps=warmup_steps, eval_interval=eval_interval,
-                                seed=seed, init=init, regenerate=regenerate, prompt_len=prompt_len)  # fmt: skip
+                                seed=seed, init=init, regenerate=regenerate, prompt_len=prompt_len,
+                                eval_windows=eval_windows)  # fmt: skip
     choice = choose_backend(backend, device)
     typer.echo("resolved configuration:", err=as_json)
     typer.echo("  draft:    " + fields(cfg.to_dict()), err=as_json)

@@ -19,8 +19,8 @@ The flow:
    epoch's order, a permutation drawn from a generator seeded with (seed, epoch), so a step depends only on
    its number and the weights: stopped and resumed, the run gives the same bits. Learning rate: linear warm-up
    over `warmup_steps` (default 10 % of the steps), then a cosine down to 0.1 × lr.
-5. Every `eval_interval` steps and at the last, the held-out TTT loss; at the last also the greedy acceptance
-   on the held-out windows at depth 3 (τ, as `accept` measures it).
+5. Every `eval_interval` steps and at the last, the held-out TTT loss over the first `eval_windows` held-out
+   windows; at the last also the greedy acceptance on them at depth 3 (τ, as `accept` measures it).
 6. OUT: the draft file (`files/eagle3file.py`) with the target's identity; `provenance.draft` the run.
 
 Interrupting (Ctrl-C, or `stop_after` steps) writes the last whole step into the run file `OUT.run.ddlw`
@@ -95,6 +95,7 @@ class DraftConfig:
     init: str = "target"  # lm_head from the target's head rows ("target") or uniform ("random")
     regenerate: bool = False  # train on the target's own greedy continuations
     prompt_len: int = 32  # regenerate: the prompt taken from each window; the rest is decoded
+    eval_windows: int = 64  # held-out windows each evaluation reads (the first of them; all when fewer)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -105,7 +106,8 @@ class DraftConfig:
             raise DraftError(
                 f"draft: init must be one of {', '.join(INITS)}, got {self.init!r}", field="init"
             )
-        for name in ("draft_vocab", "ttt", "tokens", "seq_len", "batch_size", "eval_interval", "prompt_len"):
+        for name in ("draft_vocab", "ttt", "tokens", "seq_len", "batch_size", "eval_interval", "prompt_len",
+                     "eval_windows"):  # fmt: skip
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise DraftError(f"draft: {name} must be a positive integer, got {v!r}", field=name)
@@ -248,7 +250,9 @@ class _Run:
             wins = regenerate(self.model, wins, cfg, events)
         self.T = max(w.size for w in wins)
         self.ids, self.lengths = accept_mod.pad_batch(wins, self.T)
-        self.train, self.val = split(len(wins))
+        self.train, held = split(len(wins))
+        self.heldout_total = len(held)
+        self.val = held[: cfg.eval_windows]  # an evaluation's cost does not grow with the data
         self.tokens = int(sum(w.size for w in wins))
         self.per_epoch = len(self.train) // cfg.batch_size
         self.total = max(math.ceil(cfg.epochs * self.per_epoch), 1)
@@ -329,7 +333,8 @@ def train_draft(target_path, data_spec: str, out_path, cfg: DraftConfig | None =
 
 
 def _announce(run: _Run, events: Events) -> None:
-    events("windows", windows=len(run.ids), tokens=run.tokens, train=len(run.train), heldout=len(run.val),
+    events("windows", windows=len(run.ids), tokens=run.tokens, train=len(run.train), heldout=run.heldout_total,
+           evaluated=len(run.val),
            data=run.data_spec, regenerated=run.cfg.regenerate)  # fmt: skip
     events("draft", aux_layers=list(run.ecfg.aux_layers), draft_vocab=run.Vd, vocab=run.V, ttt=run.ecfg.ttt,
            steps=run.total, warmup=run.warmup, params=int(sum(math.prod(s) for s, _ in
