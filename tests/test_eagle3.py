@@ -384,3 +384,19 @@ def test_a_model_file_is_not_a_draft(setup):
         save_model(d / "short.ddlw", random_model(tiny_cfg("default", n_layers=3), 0))
         dj.train_draft(d / "short.ddlw", str(d / "text.txt"), d / "never.ddlw", dj.DraftConfig(**SMALL))
     assert not (d / "never.ddlw").exists()
+
+
+def test_regenerate_trains_on_the_targets_greedy_continuations(setup):
+    d, _ = setup
+    cfg = dj.DraftConfig(**{**SMALL, "tokens": 1200, "regenerate": True, "prompt_len": 8})
+    run = dj._Run(d / "t.ddlw", str(d / "text.txt"), cfg, "ref", dj.Events(None, "draft"))
+    plain = dj._Run(d / "t.ddlw", str(d / "text.txt"), dataclasses.replace(cfg, regenerate=False), "ref",
+                    dj.Events(None, "draft"))  # fmt: skip
+    m = load_model(d / "t.ddlw")
+    for w in (0, 7):
+        n = int(run.lengths[w])
+        ids = run.ids[w, :n]
+        assert np.array_equal(ids[:8], plain.ids[w, :8])  # the data's prompt kept
+        assert not np.array_equal(ids, plain.ids[w, :n])  # the rest is not the data
+        logits = dj.make_eagle3_target("ref", m, (1, 2, 3))(ids[None])[1][0]
+        assert np.array_equal(ids[8:], np.argmax(logits, axis=-1)[7 : n - 1])  # each the target's argmax
