@@ -33,8 +33,8 @@ then one row per step at position n − 1 + j, attending to every prefix key and
 greedy draft id mapped to a target id through d2t. Row n − 1 of TTT step j computes exactly this.
 
 What this file deliberately does not do: the target model (aux rows and logits are inputs), top-k teacher
-targets, export to safetensors/config.json files, the GPU engine and `ddl-wgpu draft` (later work,
-docs/eagle3.md#what-comes-later).
+targets, the files (`ddl_wgpu/files/eagle3file.py`, `ddl_wgpu/files/hf/eagle3.py`), training runs
+(`ddl_wgpu/jobs/draft.py`), the GPU engine (docs/eagle3.md#what-is-not-done).
 
 Shape legend: B batch, T window, H hidden, N q heads, K kv heads, D head_dim, F intermediate, V target vocab,
 Vd draft vocab.
