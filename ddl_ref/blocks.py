@@ -287,11 +287,12 @@ def _rope(cfg: ModelConfig, T: int, dtype):
     return ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, dtype, cfg.rope_dim)
 
 
-def trunk_forward(params, cfg: ModelConfig, ids):
+def trunk_forward(params, cfg: ModelConfig, ids, taps=()):
     """ids (B, T) -> (pre-norm last hidden (B, T, C), post-norm hidden (B, T, C), cache).
 
     DDL d_v > 1: the embedding is expanded to the state X0 (B, T, C, dv) by EC or repetition, and the last
-    hidden is the readout compressor's output.
+    hidden is the readout compressor's output. `taps`: layer ids whose input rows (the residual stream before
+    the layer, what an EAGLE-3 draft reads) go into cache["taps"], in the order given.
     """
     ids = np.asarray(ids)
     B, T = ids.shape
@@ -305,12 +306,14 @@ def trunk_forward(params, cfg: ModelConfig, ids):
             x, cache["expand"] = shortconv.ec_forward(x, params["model.embed_expand.conv.weight"])
         else:
             x = shortconv.repeat_forward(x, cfg.ddl_dv)  # (B, T, C, dv)
-    blocks = []
+    blocks, tapped = [], {}
     for i in range(cfg.n_layers):
+        if i in taps:
+            tapped[i] = x
         x, bc = block_forward(params, cfg, i, x, cos, sin)
         blocks.append(bc)
     if expanded:
         x, cache["readout"] = _compress_forward(params, cfg, "model.readout.", x)  # (B, T, C)
     xf, cnorm = ops.rmsnorm_forward(x, params["model.norm.weight"], cfg.rms_eps, cfg.norm_style)
-    cache.update(blocks=blocks, norm=cnorm)
+    cache.update(blocks=blocks, norm=cnorm, taps=[tapped[j] for j in taps])
     return x, xf, cache

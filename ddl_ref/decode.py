@@ -217,6 +217,7 @@ class TrunkCache:
         # One history per token-conv site: block i's mixer and MLP compressor inputs, then the readout.
         self.conv = np.zeros((2 * L + 1, cap, C, dv), dtype) if tc else None
         self.embed = np.zeros((cap, C), dtype) if cfg.ddl_expand_embed else None
+        self.taps: list = []  # the last step's tapped layer inputs (`trunk_step(taps=...)`)
 
     @property
     def floor(self) -> int:
@@ -301,10 +302,12 @@ def _add_block(params, cfg: ModelConfig, i: int, x, cache: TrunkCache, start: in
     return x + _mlp(params, p, _norm(params, cfg, p + "post_attention_layernorm.weight", x))
 
 
-def trunk_step(params, cfg: ModelConfig, cache: TrunkCache, ids):
+def trunk_step(params, cfg: ModelConfig, cache: TrunkCache, ids, taps=()):
     """ids (n,) new tokens at positions cache.length.. -> (pre (n, C), post (n, C), logits (n, V)).
 
-    pre/post are the hiddens before/after the final norm (what a draft may read); the cache grows by n."""
+    pre/post are the hiddens before/after the final norm (what a draft may read); the cache grows by n.
+    `taps`: layer ids whose input rows (n, C) go into `cache.taps`, in the order given (an EAGLE-3 draft's
+    aux rows)."""
     ids = np.asarray(ids, np.int64).reshape(-1)
     n, start = ids.size, cache.length
     if n == 0:
@@ -317,8 +320,12 @@ def trunk_step(params, cfg: ModelConfig, cache: TrunkCache, ids):
     if expanded:
         x = _expand(params, cfg, cache, x, start)
     block = _ddl_block if cfg.residual == "delta" else _add_block
+    tapped = {}
     for i in range(cfg.n_layers):
+        if i in taps:
+            tapped[i] = x[:, 0]
         x = block(params, cfg, i, x, cache, start, cos, sin)
+    cache.taps = [tapped[j] for j in taps]
     if expanded:
         x = _compress(params, cfg, "model.readout.", cache, 2 * cfg.n_layers, x, start)
     post = _norm(params, cfg, "model.norm.weight", x)

@@ -33,8 +33,8 @@ then one row per step at position n − 1 + j, attending to every prefix key and
 greedy draft id mapped to a target id through d2t. Row n − 1 of TTT step j computes exactly this.
 
 What this file deliberately does not do: the target model (aux rows and logits are inputs), top-k teacher
-targets, export to safetensors/config.json files, the GPU engine and `ddl-wgpu draft` (later work,
-docs/eagle3.md#what-comes-later).
+targets, the files (`ddl_wgpu/files/eagle3file.py`, `ddl_wgpu/files/hf/eagle3.py`), training runs
+(`ddl_wgpu/jobs/draft.py`), the GPU engine (docs/eagle3.md#what-is-not-done).
 
 Shape legend: B batch, T window, H hidden, N q heads, K kv heads, D head_dim, F intermediate, V target vocab,
 Vd draft vocab.
@@ -548,3 +548,29 @@ def propose(params: dict, cfg: Eagle3Config, embed, aux, ids, next_token: int, d
         kk = np.concatenate([kk, k1], axis=1)
         vv = np.concatenate([vv, v1], axis=1)
     return np.asarray(tids, np.int64), np.asarray(dids, np.int64), np.stack(logits_out)
+
+
+def ttt_greedy(params: dict, cfg: Eagle3Config, aux, ids, embed, d2t, depth: int) -> np.ndarray:
+    """Greedy drafting at every row at once, the layout of `ttt_forward` with the draft's own tokens:
+    aux (B, T, 3H), ids (B, T) -> (B, depth, T) target ids. Row p of step 0 reads x_{p+1} and fc(aux_p) and
+    drafts the token at p + 2; step i >= 1 reads step i−1's drafted id at row p, its `pre`, at position p + i,
+    attending as `ttt_mask`. Row n − 1 of step i is `propose`'s (i+1)-th token after the prefix x_0..x_{n−1}
+    with next token x_n (accept's measure, as `ddl_wgpu.jobs.accept` measures an MTP draft)."""
+    dtype = params[FC].dtype
+    ids = np.asarray(ids)
+    B, T = ids.shape
+    embed = np.asarray(embed, dtype)
+    tmap = target_ids(d2t)
+    hid = ops.linear_forward(np.asarray(aux, dtype), params[FC])
+    mask = ttt_mask(depth, T)
+    tok = _ahead(ids, 1)
+    past, kv, out = None, [], []
+    for i in range(depth):
+        m_i = mask[i * T : (i + 1) * T, : (i + 1) * T]
+        post, pre, (k, v), _ = step_forward(params, cfg, embed[tok], hid, ttt_positions(i, T), m_i, past)
+        tok = tmap[np.argmax(ops.linear_forward(post, params[HEAD]), axis=-1)]
+        out.append(tok)
+        kv.append((k, v))
+        past = (np.concatenate([a for a, _ in kv], axis=1), np.concatenate([b for _, b in kv], axis=1))
+        hid = pre
+    return np.stack(out, axis=1)

@@ -480,3 +480,64 @@ def make_engine(backend: str, model: Model, depth: int = 0, device: str | None =
         return WgpuEngine(open_gpu(device), model, depth, trunk_dtype, capacity)
     except GpuError as e:
         raise BackendError(f"decoding on the GPU: {e}") from e
+
+
+# ----------------------------------------------------------------------------------------------------------
+# EAGLE-3 drafts (`jobs/draft.py`, accept and generate with `--draft`): the numpy engine only, for now
+
+
+class Eagle3Target(Protocol):
+    """The frozen target of an EAGLE-3 draft: ids (B, T) -> (aux rows (B, T, 3C), logits (B, T, V))."""
+
+    def __call__(self, ids) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class Eagle3Trainee(Protocol):
+    """An EAGLE-3 draft trained alone (`refnet.RefEagle3Draft`)."""
+
+    def step(self, aux, ids, target_logits, loss_mask, lr: float, step: int) -> tuple[float, float, bool]: ...
+
+    def losses(self, aux, ids, target_logits, loss_mask) -> tuple[float, list[float]]: ...
+
+    def greedy_chain(self, aux, ids, depth: int) -> np.ndarray: ...  # (B, depth, T) target ids
+
+    def snapshot(self): ...
+
+    def restore(self, snap) -> None: ...
+
+    def export(self) -> dict: ...
+
+    def moments(self) -> tuple[dict, dict]: ...
+
+    def load_moments(self, m: dict, v: dict) -> None: ...
+
+
+def _eagle3_backend(backend: str, device: str | None) -> None:
+    if _resolve(backend, device) != "ref":
+        raise BackendError("EAGLE-3 drafts have no GPU engine yet: run with --backend ref (the numpy engine)")
+
+
+def make_eagle3_target(backend: str, model: Model, aux_layers, device: str | None = None) -> Eagle3Target:
+    """The target's aux rows at the inputs of `aux_layers` and its logits, per batch of windows."""
+    _eagle3_backend(backend, device)
+    from ddl_wgpu.engine.refnet import aux_logits
+
+    return lambda ids: aux_logits(model.params, model.cfg, ids, aux_layers)
+
+
+def make_eagle3_draft(backend: str, params: dict, cfg, embed, d2t, t2d, device: str | None = None,
+                      **optim) -> Eagle3Trainee:  # fmt: skip
+    """An EAGLE-3 draft to train or measure, from `params` (float32), the target's `embed` shared."""
+    _eagle3_backend(backend, device)
+    from ddl_wgpu.engine.refnet import RefEagle3Draft
+
+    return RefEagle3Draft(params, cfg, embed, d2t, t2d, **optim)
+
+
+def make_eagle3_engine(backend: str, model: Model, draft, depth: int, device: str | None = None,
+                       capacity: int | None = None) -> Engine:  # fmt: skip
+    """generate's engine speculating with an EAGLE-3 draft (`files.eagle3file.Eagle3Draft`) `depth` deep."""
+    _eagle3_backend(backend, device)
+    from ddl_wgpu.engine.refnet import RefEagle3Engine
+
+    return RefEagle3Engine(model, draft, depth, capacity)

@@ -96,6 +96,7 @@ from ddl_wgpu.files.inspect import describe, render_text
 from ddl_wgpu.files.modelfile import Model, load_model, save_model
 from ddl_wgpu.files.safeio import read_regular, refuse_overwrite_input
 from ddl_wgpu.jobs import accept as accept_lib
+from ddl_wgpu.jobs import draft as draft_lib
 from ddl_wgpu.jobs import generate as generate_lib
 from ddl_wgpu.jobs import train as train_lib
 from ddl_wgpu.jobs.compress import CompressError, compress_file
@@ -293,13 +294,17 @@ def import_hf(
         help="Hugging Face folder: config.json + *.safetensors (+ tokenizer.json and the small json files).",
     ),
     out: Path = typer.Argument(..., help="Model file to write (.ddlw)."),
+    target: Path = typer.Option(
+        None, "--target", help="EAGLE-3 draft folders: the target model, for default aux layer ids."
+    ),
     force: ForceOpt = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
-    """Import a Qwen3, Llama or Qwen3.5 (CausalLM or ConditionalGeneration) folder into our container."""
+    """Import a Qwen3, Llama or Qwen3.5 (CausalLM or ConditionalGeneration) folder into our container, or an
+    EAGLE-3 draft folder (LlamaForCausalLMEagle3) into a draft file."""
     output_file(out, force, flag="")
     with writes(out, replace=force):
-        summary = import_hf_to_file(folder, out, say=_say)
+        summary = import_hf_to_file(folder, out, say=_say, target=target)
         emit(summary, as_json, summary_text(summary) + f"\nwrote {out}")
 
 
@@ -313,13 +318,17 @@ def export_hf(
         help="Raw tensors under our names (default for models Qwen3/Llama cannot hold).",
     ),
     force: bool = typer.Option(False, "--force", help="Replace the files of a non-empty FOLDER."),
+    dtype: str = typer.Option(
+        None, "--dtype", help="EAGLE-3 drafts: bf16 (default, as published drafts), f16 or f32."
+    ),
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Export a model as a Hugging Face folder (Qwen3/Llama for baseline models, Qwen3.5 in the layout it came
-    from for hybrid trunks, raw tensors for DDL)."""
+    from for hybrid trunks, raw tensors for DDL), or an EAGLE-3 draft file as the folder vLLM and SGLang load."""
     with writes(folder):
-        summary = export_hf_from_file(model, folder, raw=raw, overwrite=force, verify=not no_verify, say=_say)
+        summary = export_hf_from_file(model, folder, raw=raw, overwrite=force, verify=not no_verify, say=_say,
+                                      dtype=dtype)  # fmt: skip
         emit(summary, as_json, summary_text(summary) + f"\nwrote {folder}")
 
 
@@ -370,6 +379,9 @@ def accept(
     trunk_dtype: TrunkDtype = "f32",
     chain_attention: ChainAttention = None,
     gpu_memory: GpuMemory = None,
+    draft: Path = typer.Option(
+        None, "--draft", help="Measure this EAGLE-3 draft file instead of the MTP draft."
+    ),
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
@@ -382,6 +394,11 @@ def accept(
     budget = gpumem.budget(gpu_memory)
     choice = choose_backend(backend, device)
     typer.echo(backend_line(choice), err=as_json)
+    if draft is not None:  # an EAGLE-3 draft file: the numpy engine measures it (`jobs/draft.py`)
+        r = draft_lib.accept_file(model, draft, data, depth=depth, window=window, tokens=tokens or None,
+                                  backend=choice.name, device=device, verify=not no_verify)  # fmt: skip
+        emit(r, as_json, accept_text(r))
+        return
     chain_attention, why = accept_lib.chain_attention_of(model, chain_attention)
     typer.echo(
         f"chain attention: {chain_attention} ({'--chain-attention' if why == 'as given' else why})",
@@ -410,6 +427,7 @@ def accept_table(
 
 
 app.command()(cli_jobs.heal)
+app.command()(cli_jobs.draft)
 
 
 def _prompt_of(prompt: str | None, prompt_file: Path | None, m: Model) -> bytes:
@@ -458,6 +476,11 @@ def generate(
         False, "--speculative", help="Speculative decoding with the model's MTP draft (the same greedy text)."
     ),
     depth: int = typer.Option(generate_lib.DEPTH, "--depth", help="Draft tokens per speculative round."),
+    draft: Path = typer.Option(
+        None,
+        "--draft",
+        help="Speculate with this EAGLE-3 draft file (`ddl-wgpu draft`) instead of an MTP draft.",
+    ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     trunk_dtype: TrunkDtype = "f32",
@@ -471,6 +494,7 @@ def generate(
     sampling = generate_lib.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     choice = choose_backend(backend, device)
     m = load_model(model)
+    eagle = draft_lib.load_for(model, draft) if draft is not None else None
     if speculative:  # a round drafts within the model's context (and sizes its cache by the depth)
         in_range("depth", depth, 1, m.cfg.max_seq_len - 1)
     if choice.name == "wgpu":  # decoding reads every weight per token: a model past the budget is refused
@@ -479,7 +503,7 @@ def generate(
     typer.echo(backend_line(choice), err=True)
     r = generate_lib.generate(m, text, max_new_tokens=max_new_tokens, sampling=sampling, stops=stop or (),
                               speculative=speculative, depth=depth, backend=choice.name, device=device,
-                              on_text=None if as_json else _write_now, dtype=trunk_dtype)  # fmt: skip
+                              on_text=None if as_json else _write_now, dtype=trunk_dtype, draft=eagle)  # fmt: skip
     if as_json:
         typer.echo(json.dumps(r, indent=2))
     else:

@@ -29,7 +29,7 @@ from ddl_wgpu.cli.checks import (
     sweep_backend,
     writes,
 )
-from ddl_wgpu.cli.console import HealConsole, TrainConsole, fields, ranked_table
+from ddl_wgpu.cli.console import DraftConsole, HealConsole, TrainConsole, fields, ranked_table
 from ddl_wgpu.cli.options import (
     Arch,
     BackendOpt,
@@ -71,6 +71,7 @@ from ddl_wgpu.data import (
 )
 from ddl_wgpu.engine import gpumem
 from ddl_wgpu.files.safeio import refuse_overwrite_input, resolved
+from ddl_wgpu.jobs import draft as draft_lib
 from ddl_wgpu.jobs import heal as heal_lib
 from ddl_wgpu.jobs import sweep as sweep_lib
 from ddl_wgpu.jobs import train as train_lib
@@ -409,6 +410,8 @@ def resume(
     if restart_data and steps is None:
         fail("--restart-data restarts the data order of a new phase: pass --steps N")
     in_range("workers", workers, 0)
+    if checkpoint.is_file() and draft_lib.is_run_file(checkpoint):  # a stopped `draft` run
+        return resume_draft(checkpoint, stop_after, no_verify)
     if checkpoint.is_dir():  # a sweep: by default where and on what backend it ran
         sw = sweep_lib.Sweep.load(checkpoint, say=lambda line: typer.echo(line, err=True))
         back = sweep_backend(sw.backend, backend, device)
@@ -571,3 +574,112 @@ def heal(
 
 # ---------------------------------------------------------------------------------------------------------
 # generate
+
+
+# ---------------------------------------------------------------------------------------------------------
+# draft: a new EAGLE-3 draft for a target
+
+DRAFT = draft_lib.DraftConfig()  # the defaults of the draft options
+DRAFT_HELP = "Draft options"
+
+
+def _aux_layers(text: str | None):
+    if text is None:
+        return None
+    try:
+        ids = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        fail(f"--aux-layers takes three comma-separated layer ids (e.g. 2,16,29), got {text!r}")
+    if len(ids) != 3:
+        fail(f"--aux-layers takes three layer ids, got {len(ids)}")
+    return ids
+
+
+def _draft_run(fn, out: Path):
+    """Run a draft job; Ctrl-C (or --stop-after) exits 130 (0 for --stop-after) naming the run file."""
+    try:
+        return fn()
+    except draft_lib.DraftInterrupted as e:
+        typer.echo(e.message, err=True)
+        raise typer.Exit(130 if e.message.startswith("interrupted") else 0) from None
+
+
+def draft(
+    target: Path = typer.Argument(..., help="The target model file (.ddlw) the draft speculates for."),
+    data: str = typer.Option(..., "--data", help="Data spec (as train and heal)."),
+    out: Path = typer.Option(..., "--out", help="The draft file to write (.ddlw)."),
+    kind: str = opt(DRAFT.kind, "The draft's kind (eagle3, the only one for now).", DRAFT_HELP),
+    draft_vocab: int = opt(
+        DRAFT.draft_vocab,
+        "Draft vocabulary size, capped at the target's; the data's most frequent tokens.",
+        DRAFT_HELP,
+    ),
+    aux_layers: str = opt(
+        None,
+        "Three target layers whose inputs the draft reads, e.g. 2,16,29 (default 2,L//2,L-3).",
+        DRAFT_HELP,
+    ),
+    ttt: int = opt(DRAFT.ttt, "Training-time-test unroll depth (7, as SpecForge).", DRAFT_HELP),
+    tokens: int = opt(DRAFT.tokens, "Token budget of all windows (as heal counts it).", DRAFT_HELP),
+    seq_len: int = opt(DRAFT.seq_len, "Window length.", DRAFT_HELP),
+    batch_size: int = opt(DRAFT.batch_size, "Windows per step.", DRAFT_HELP),
+    epochs: float = opt(DRAFT.epochs, "Passes over the training windows; fractional allowed.", DRAFT_HELP),
+    learning_rate: float = opt(DRAFT.learning_rate, "Peak learning rate (AdamW).", DRAFT_HELP),
+    warmup_steps: int = opt(None, "Linear warm-up steps (default: 10 % of the steps).", DRAFT_HELP),
+    eval_interval: int = opt(DRAFT.eval_interval, "Steps between held-out evaluations.", DRAFT_HELP),
+    seed: int = opt(DRAFT.seed, "Seed of the draft's init and of the batch order.", DRAFT_HELP),
+    init: str = opt(DRAFT.init, "lm_head from the target's head rows (target) or random.", DRAFT_HELP),
+    regenerate: bool = opt(
+        False, "Train on the target's own greedy continuations of the data's windows.", DRAFT_HELP
+    ),
+    prompt_len: int = opt(DRAFT.prompt_len, "--regenerate: prompt tokens kept from each window.", DRAFT_HELP),
+    eval_windows: int = opt(DRAFT.eval_windows, "Held-out windows each evaluation reads.", DRAFT_HELP),
+    stop_after: int = typer.Option(0, "--stop-after", help="Stop after N steps, saving the run to resume."),
+    backend: BackendOpt = "auto",
+    device: DeviceOpt = None,
+    gpu_memory: GpuMemory = None,
+    force: ForceOpt = False,
+    no_verify: NoVerify = False,
+    as_json: bool = typer.Option(False, "--json", help="JSON progress lines and the report as JSON."),
+):
+    """Train a new EAGLE-3 draft for TARGET (vLLM/SGLang serve it after `export-hf`); Ctrl-C saves the run."""
+    for flag, value, lo in (("draft-vocab", draft_vocab, 1), ("ttt", ttt, 1), ("tokens", tokens, 1),
+                            ("seq-len", seq_len, 2), ("batch-size", batch_size, 1), ("eval-interval", eval_interval, 1),
+                            ("seed", seed, 0), ("warmup-steps", warmup_steps, 0), ("prompt-len", prompt_len, 1),
+                            ("stop-after", stop_after, 0), ("eval-windows", eval_windows, 1)):  # fmt: skip
+        in_range(flag, value, lo)
+    in_range("epochs", epochs, 0.0, 1e6)
+    refuse_overwrite_input(out, [target], draft_lib.DraftError)
+    output_file(out, force)
+    gpumem.budget(gpu_memory)  # accepted and checked; the numpy engine has no GPU budget to keep
+    cfg = draft_lib.DraftConfig(kind=kind, draft_vocab=draft_vocab, aux_layers=_aux_layers(aux_layers), ttt=ttt,
+                                tokens=tokens, seq_len=seq_len, batch_size=batch_size, epochs=epochs,
+                                learning_rate=learning_rate, warmup_steps=warmup_steps, eval_interval=eval_interval,
+                                seed=seed, init=init, regenerate=regenerate, prompt_len=prompt_len,
+                                eval_windows=eval_windows)  # fmt: skip
+    choice = choose_backend(backend, device)
+    typer.echo("resolved configuration:", err=as_json)
+    typer.echo("  draft:    " + fields(cfg.to_dict()), err=as_json)
+    typer.echo("  " + backend_line(choice), err=as_json)
+    with writes(out):
+        rep = _draft_run(lambda: draft_lib.train_draft(target, data, out, cfg, backend=choice.name,
+                                                       progress=DraftConsole(as_json), device=device,
+                                                       verify=not no_verify, stop_after=stop_after or None), out)  # fmt: skip
+        _draft_report(rep, as_json)
+
+
+def _draft_report(rep: dict, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(rep, indent=2, default=str))
+    else:
+        typer.echo(f"trained {rep['steps']} steps: held-out TTT loss {rep['heldout_loss_start']:.4f} -> "
+                   f"{rep['heldout_loss_end']:.4f}, τ at depth {rep['acceptance']['depth']} "
+                   f"{rep['acceptance']['acceptance_length']:.4f}; wrote {rep['out']}")  # fmt: skip
+
+
+def resume_draft(run_file: Path, stop_after: int, no_verify: bool, as_json: bool = False):
+    """`resume DRAFT.run.ddlw`: continue a stopped draft run (`draft.resume`)."""
+    typer.echo(f"resolved configuration:\n  draft run: {run_file}")
+    rep = _draft_run(lambda: draft_lib.resume(run_file, DraftConsole(as_json), not no_verify, stop_after or None),
+                     run_file)  # fmt: skip
+    _draft_report(rep, as_json)

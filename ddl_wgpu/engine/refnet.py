@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ddl_ref import blocks as ref_blocks
 from ddl_ref import decode as ref_decode
+from ddl_ref import eagle3 as ref_eagle3
 from ddl_ref import model as ref_model
 from ddl_ref import mtp as ref_mtp
 from ddl_ref import ops as ref_ops
@@ -357,3 +359,136 @@ class RefEngine:
         argmax of every verify row)."""
         drafts, _ = self.draft(token, depth, "argmax", None)
         return drafts, self.feed([token, *drafts], "argmax")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# EAGLE-3 drafts (`ddl_ref.eagle3`): the target's aux rows and logits, the draft trained alone, decoding
+
+
+def aux_logits(params: dict, cfg: ModelConfig, ids, aux_layers) -> tuple[np.ndarray, np.ndarray]:
+    """The target over ids (B, T) -> (its residual stream at the inputs of `aux_layers`, concatenated (B, T, 3C),
+    its logits (B, T, V)), float32 (`ddl_ref.blocks.trunk_forward`'s taps)."""
+    _pre, post, cache = ref_blocks.trunk_forward(params, cfg, np.asarray(ids), taps=tuple(aux_layers))
+    logits = ref_ops.linear_forward(post, ref_mtp.head_weight(params, cfg))
+    return np.concatenate(cache["taps"], axis=-1).astype(np.float32), np.asarray(logits, np.float32)
+
+
+class RefEagle3Draft:
+    """An EAGLE-3 draft in numpy float32 (`backend.Eagle3Draft`), trained alone by SpecForge's unrolled TTT
+    loss (`ddl_ref.eagle3.ttt_forward`/`ttt_backward`) with AdamW (`ddl_ref.optim.adamw_step`; the gradient
+    scaled to a global norm <= `clip`); the target's embedding frozen and shared."""
+
+    def __init__(self, params: dict, cfg, embed, d2t, t2d, adam=(0.9, 0.999, 1e-8), weight_decay: float = 0.0,
+                 clip: float = 0.5):  # fmt: skip
+        self.cfg = cfg
+        self.params = {n: np.array(p, np.float32) for n, p in params.items()}
+        self.embed = np.asarray(embed, np.float32)
+        self.d2t, self.t2d = np.asarray(d2t, np.int64), np.asarray(t2d, bool)
+        self.adam, self.weight_decay, self.clip = adam, float(weight_decay), float(clip)
+        self.state: dict = {"m": {}, "v": {}}
+
+    def step(self, aux, ids, target_logits, loss_mask, lr: float, step: int) -> tuple[float, float, bool]:
+        """Forward, backward and (when finite) one AdamW update -> (loss, grad_norm, finite)."""
+        with np.errstate(all="ignore"):
+            loss, cache = ref_eagle3.ttt_forward(self.params, self.cfg, aux, ids, self.embed, target_logits,
+                                                 self.d2t, self.t2d, loss_mask=loss_mask)  # fmt: skip
+            grads = ref_eagle3.ttt_backward(self.params, self.cfg, cache)
+            norm = global_grad_norm(grads)
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if finite:
+            adamw_step(self.params, grads, self.state, lr, step, *self.adam, weight_decay=self.weight_decay,
+                       grad_multiplier=clip_multiplier(norm, self.clip))  # fmt: skip
+        return float(loss), float(norm), bool(finite)
+
+    def losses(self, aux, ids, target_logits, loss_mask) -> tuple[float, list[float]]:
+        """The TTT loss and each unroll step's loss (unweighted), without a gradient."""
+        loss, cache = ref_eagle3.ttt_forward(self.params, self.cfg, aux, ids, self.embed, target_logits,
+                                             self.d2t, self.t2d, loss_mask=loss_mask)  # fmt: skip
+        return float(loss), [float(v) for v in cache["step_losses"]]
+
+    def greedy_chain(self, aux, ids, depth: int) -> np.ndarray:
+        """-> (B, depth, T) the draft's greedy target ids at every anchor (`ddl_ref.eagle3.ttt_greedy`)."""
+        return ref_eagle3.ttt_greedy(self.params, self.cfg, aux, ids, self.embed, self.d2t, depth)
+
+    def snapshot(self):
+        return {n: p.copy() for n, p in self.params.items()}
+
+    def restore(self, snap) -> None:
+        for n, p in snap.items():
+            self.params[n][...] = p
+
+    def export(self) -> dict:
+        return self.snapshot()
+
+    def moments(self) -> tuple[dict, dict]:
+        return (
+            {n: a.copy() for n, a in self.state["m"].items()},
+            {n: a.copy() for n, a in self.state["v"].items()},
+        )
+
+    def load_moments(self, m: dict, v: dict) -> None:
+        self.state = {"m": {n: np.array(a, np.float32) for n, a in m.items()},
+                      "v": {n: np.array(a, np.float32) for n, a in v.items()}}  # fmt: skip
+
+
+class RefEagle3Engine(RefEngine):
+    """`backend.Engine` with an EAGLE-3 draft (float32 numpy): the trunk's cache taps its aux rows at every fed
+    position; the draft keeps the keys and values of its step-1 rows (anchor a: token x_{a+1}, fc(aux_a),
+    position a) and drafts as vLLM's proposer does (`ddl_ref.eagle3.propose`), one row per later step."""
+
+    def __init__(self, model: Model, draft, depth: int = 0, capacity: int | None = None):
+        super().__init__(model, 0, capacity)
+        self.d, self.dcfg = draft, draft.cfg
+        self.dparams = {n: np.asarray(p, np.float32) for n, p in draft.params.items()}
+        cap = self.trunk.capacity
+        self.aux = np.zeros((cap, 3 * self.cfg.d_model), np.float32)
+        K, D = self.dcfg.n_kv_heads, self.dcfg.head_dim
+        self.k = np.zeros((1, cap + depth, K, D), np.float32)
+        self.v = np.zeros((1, cap + depth, K, D), np.float32)
+        self.drafted = 0  # anchors whose step-1 keys are cached
+        self.tmap = ref_eagle3.target_ids(draft.d2t)
+        self.embed = np.asarray(self.params[EMBED], np.float32)
+
+    def feed(self, ids, head: str, last_only: bool = False, ahead: bool = False) -> np.ndarray:
+        start = self.trunk.length
+        ids = np.asarray(ids, np.int64)
+        _pre, _post, logits = ref_decode.trunk_step(
+            self.params, self.cfg, self.trunk, ids, self.dcfg.aux_layers
+        )
+        self.ids[start : start + ids.size] = ids
+        self.aux[start : start + ids.size] = np.concatenate(self.trunk.taps, axis=-1)
+        logits = logits[-1:] if last_only else logits
+        return np.argmax(logits, axis=-1) if head == "argmax" else logits
+
+    def rollback(self, length: int) -> None:
+        self.trunk.rollback(length)
+        self.drafted = min(self.drafted, length)
+
+    def _step(self, tokens, hidden, positions, start: int):
+        """Draft rows at cache slots start.. over the cached keys before them -> (post, pre)."""
+        n = len(tokens)
+        mask = np.concatenate([np.ones((n, start), bool), np.tril(np.ones((n, n), bool))], axis=1)
+        past = (self.k[:, :start], self.v[:, :start]) if start else None
+        emb = self.embed[np.asarray(tokens, np.int64)][None]
+        post, pre, (k, v), _ = ref_eagle3.step_forward(self.dparams, self.dcfg, emb, hidden, np.asarray(positions),
+                                                       mask, past)  # fmt: skip
+        self.k[:, start : start + n], self.v[:, start : start + n] = k, v
+        return post, pre
+
+    def draft(self, token: int, depth: int, head: str, pick: Callable | None):
+        n = self.trunk.length
+        self.ids[n] = token
+        a = self.drafted  # catch-up: step-1 rows of anchors a..n−1
+        hid = ref_ops.linear_forward(self.aux[a:n][None], self.dparams[ref_eagle3.FC])
+        post, pre = self._step(self.ids[a + 1 : n + 1], hid, np.arange(a, n), a)
+        self.drafted = n
+        tokens, rows = [], []
+        for j in range(depth):
+            logits = ref_ops.linear_forward(post[0, -1], self.dparams[ref_eagle3.HEAD])
+            full = np.full(self.cfg.vocab_size, -np.inf, np.float32)
+            full[self.tmap] = logits  # vLLM's scatter into the target vocabulary
+            rows.append(full)
+            tokens.append(int(self.tmap[int(np.argmax(logits))]) if head == "argmax" else pick(full))
+            if j < depth - 1:
+                post, pre = self._step([tokens[-1]], pre[:, -1:], [n + j], n + j)
+        return tokens, rows

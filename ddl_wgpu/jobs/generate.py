@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ddl_wgpu.backend import Engine, make_engine
+from ddl_wgpu.backend import Engine, make_eagle3_engine, make_engine
 from ddl_wgpu.data import tokenizer_for
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.files.modelfile import Model, load_model
@@ -336,7 +336,7 @@ def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = MAX_
              sampling: Sampling = Sampling(), stops: Sequence[str] = (), speculative: bool = False,
              depth: int = DEPTH, backend: str = "auto",
              device: str | None = None, on_text: Callable[[str], None] | None = None,
-             dtype: str = "f32") -> dict:  # fmt: skip
+             dtype: str = "f32", draft=None) -> dict:  # fmt: skip
     """Generate a continuation of `prompt` (text, or raw bytes) with the model (a `Model` or a `.ddlw` path).
 
     -> {"text", "token_ids", "prompt_tokens", "new_tokens", "finish_reason" ("length", "stop", "context"),
@@ -357,8 +357,11 @@ def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = MAX_
         raise GenerateError(
             f"max_new_tokens must be at least 1, got {max_new_tokens}", field="max_new_tokens"
         )
+    if draft is not None and not speculative:
+        raise GenerateError("a draft is for speculative decoding: pass --speculative with --draft",
+                            field="speculative")  # fmt: skip
     if speculative:
-        if model.cfg.mtp is None:
+        if model.cfg.mtp is None and draft is None:
             raise GenerateError("speculative decoding needs the model's MTP draft, and this model has none "
                                 "(no model.mtp.* tensors: a model trained with a draft, or healed, has them)",
                                 field="speculative")  # fmt: skip
@@ -370,7 +373,10 @@ def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = MAX_
     # The caches hold what this request can reach, not the model's whole context (a 40k-token Qwen3 context
     # would take gigabytes of keys and values for a short answer).
     context = min(model.cfg.max_seq_len, ids.size + max_new_tokens + 1)
-    engine = make_engine(backend, model, depth if speculative else 0, device, dtype, context)
+    if draft is not None:  # an EAGLE-3 draft file (`files.eagle3file.Eagle3Draft`) instead of the MTP draft
+        engine = make_eagle3_engine(backend, model, draft, depth, device, context)
+    else:
+        engine = make_engine(backend, model, depth if speculative else 0, device, dtype, context)
     out = run(engine, tokenizer, ids, context, max_new_tokens, sampling, stops, on_text,
               depth if speculative else 0)  # fmt: skip
     out.update(backend=engine.backend, speculative=bool(speculative))

@@ -42,6 +42,8 @@ import numpy as np
 
 from ddl_ref.config import ConfigError, ModelConfig, ModelVariant
 from ddl_ref.params import MTP_PREFIX, param_table
+from ddl_wgpu.files import eagle3file
+from ddl_wgpu.files.hf import eagle3 as hf_eagle3
 from ddl_wgpu.files.hf import llama as hf_llama
 from ddl_wgpu.files.hf import qwen35 as hf_qwen35
 from ddl_wgpu.files.hf.common import (
@@ -247,11 +249,40 @@ def import_hf(folder) -> Model:
     return model.load()
 
 
-def import_hf_to_file(folder, out_path, say: Callable[[str], None] | None = None) -> dict:
+def _eagle3_folder(folder) -> bool:
+    """Whether `folder`'s config.json names an EAGLE-3 draft (`hf/eagle3.py` reads it); False when unreadable
+    (the model import then says what is wrong)."""
+    try:
+        raw = read_regular(Path(folder) / "config.json", "a JSON file", HfError, MAX_FILE)
+        return hf_eagle3.claims(load_json(raw, "config.json", HfError))
+    except (HfError, OSError):
+        return False
+
+
+def import_eagle3_to_file(folder, out_path, target=None) -> dict:
+    """An EAGLE-3 draft folder -> a draft file (`files/eagle3file.py`); `target` (a model file) gives the aux
+    layer ids' default when the folder names none. -> a short summary for the CLI."""
+    n_layers = None
+    if target is not None:
+        n_layers = eagle3file.target_identity(target)["n_layers"]
+    draft, notes, inputs = hf_eagle3.read_folder(folder, n_layers)
+    refuse_overwrite_input(out_path, inputs, HfError)
+    kinds = set(draft.dtypes.values())  # the folder's dtype when it has one (bf16 stays bf16), else f32
+    eagle3file.save_draft(out_path, draft, kinds.pop() if len(kinds) == 1 else "f32")
+    return {"path": str(out_path), "architecture": hf_eagle3.ARCHITECTURES[0], "eagle3": True,
+            "num_params": eagle3file.draft_params_count(draft.cfg), "dtypes": sorted(set(draft.dtypes.values())),
+            "draft_vocab": draft.cfg.draft_vocab, "aux_layers": list(draft.cfg.aux_layers),
+            "bound_to_target": bool(draft.target.get("config_hash")), "notes": notes}  # fmt: skip
+
+
+def import_hf_to_file(folder, out_path, say: Callable[[str], None] | None = None, target=None) -> dict:
     """A Hugging Face folder -> a model file, tensor by tensor (the memory a few pieces, whatever the model's
     size); -> a short summary for the CLI. Refuses, before writing anything, an output that is one of the files
     the import reads (`F/model.safetensors`, `F/config.json`, ...) or a folder that holds one. `say`: where a
-    long import says its progress."""
+    long import says its progress. An EAGLE-3 draft folder becomes a draft file (`import_eagle3_to_file`,
+    `target` its default aux layers' model)."""
+    if _eagle3_folder(folder):
+        return import_eagle3_to_file(folder, out_path, target)
     model, inputs = _read_folder(folder, resident=False)
     refuse_overwrite_input(out_path, inputs, HfError)
     path = write_model(out_path, model, say)
@@ -485,13 +516,29 @@ def export_raw(model: Model, folder, overwrite: bool = False) -> list[Path]:
 # ------------------------------------------------------------------------------------- file conveniences
 
 
+def export_eagle3(draft_path, folder, dtype: str = "bf16", overwrite: bool = False, verify: bool = True,
+                  say: Callable[[str], None] | None = None) -> dict:  # fmt: skip
+    """A draft file -> the EAGLE-3 folder vLLM and SGLang load (`hf/eagle3.py`), checked after writing
+    against what vLLM's loader requires (`hf_eagle3.check_folder`)."""
+    draft = eagle3file.load_draft(draft_path, verify)
+    plan = hf_eagle3.export_plan(draft, dtype)
+    files = _write_folder(None, Path(folder), plan, overwrite, say)
+    return {"folder": str(folder), "architecture": plan.config["architectures"][0], "eagle3": True,
+            "dtype": dtype, "num_params": eagle3file.draft_params_count(draft.cfg),
+            "files": [p.name for p in files], "served": hf_eagle3.check_folder(folder)}  # fmt: skip
+
+
 def export_hf_from_file(model_path, folder, raw: bool | None = None, overwrite: bool = False, verify: bool = True,
-                        say: Callable[[str], None] | None = None) -> dict:  # fmt: skip
+                        say: Callable[[str], None] | None = None, dtype: str | None = None) -> dict:  # fmt: skip
     """A model file -> a Hugging Face folder, tensor by tensor (export_hf, or the raw export: `raw=True`, or by
     default for residual 'delta' models); the memory a few pieces, whatever the model's size. `overwrite` and
     the folder rules: see `export_hf`; `verify=False` skips the tensor hash check; `say`: where a long export
     says its progress."""
     refuse_overwrite_input(folder, [model_path], HfError)
+    if eagle3file.is_draft_file(model_path):  # an EAGLE-3 draft: the folder vLLM and SGLang load
+        return export_eagle3(model_path, folder, dtype or "bf16", overwrite, verify, say)
+    if dtype is not None:
+        raise HfError("--dtype sets an EAGLE-3 draft's export dtype; a model keeps its own dtypes")
     with open_model(model_path, verify=verify) as model:
         if raw is None:
             raw = model.cfg.residual != "add"
