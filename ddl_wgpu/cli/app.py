@@ -376,11 +376,9 @@ def accept(
     budget = gpumem.budget(gpu_memory)
     choice = choose_backend(backend, device)
     typer.echo(backend_line(choice), err=as_json)
-    chain_attention, why = accept_lib.chain_attention_of(model, chain_attention)
-    typer.echo(
-        f"chain attention: {chain_attention} ({'--chain-attention' if why == 'as given' else why})",
-        err=as_json,
-    )
+    shown, why = accept_lib.chain_attention_of(model, chain_attention)
+    typer.echo(f"chain attention: {shown} ({'--chain-attention' if why == 'as given' else why})", err=as_json)
+    # the option as the user gave it (None: defaulted), so the result's chain_attention_why says which it was
     r = accept_lib.accept_file(model, data, depth=depth, window=window, tokens=tokens or None,
                                backend=choice.name, probe_conventions=probe_conventions, device=device,
                                trunk_dtype=trunk_dtype, chain_attention=chain_attention,
@@ -463,12 +461,15 @@ def generate(
     in_range("seed", seed, 0)
     in_range("depth", depth, 1)
     sampling = generate_lib.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    budget = gpumem.budget(
+        gpu_memory
+    )  # read whatever the backend: a size no command takes is refused here too
     choice = choose_backend(backend, device)
     m = load_model(model)
     if speculative:  # a round drafts within the model's context (and sizes its cache by the depth)
         in_range("depth", depth, 1, m.cfg.max_seq_len - 1)
     if choice.name == "wgpu":  # decoding reads every weight per token: a model past the budget is refused
-        gpumem.check_decode(m.cfg, trunk_dtype, gpumem.budget(gpu_memory), speculative)
+        gpumem.check_decode(m.cfg, trunk_dtype, budget, speculative)
     text = _prompt_of(prompt, prompt_file, m)
     typer.echo(backend_line(choice), err=True)
     r = generate_lib.generate(m, text, max_new_tokens=max_new_tokens, sampling=sampling, stops=stop or (),

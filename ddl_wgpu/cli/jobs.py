@@ -76,6 +76,7 @@ from ddl_wgpu.jobs import train as train_lib
 from ddl_wgpu.jobs.checkpoint import load_checkpoint
 from ddl_wgpu.jobs.rundir import RunLock, claim_output
 from ddl_wgpu.jobs.sweep_checks import capped_runner, check_runner
+from ddl_wgpu.runtime.sizes import parse_size
 
 TRAIN = train_lib.TrainingConfig()  # the defaults of the training options
 HEAL = heal_lib.HealConfig()  # the defaults of the heal options
@@ -530,18 +531,20 @@ def heal(
     refuse_overwrite_input(out, [model, init], heal_lib.HealError)
     output_file(out, force)
     budget = gpumem.budget(gpu_memory)
-    host_budget = gpumem.parse_size(host_memory, "--host-memory") if host_memory else None
+    host_budget = parse_size(host_memory, "--host-memory") if host_memory not in (None, "") else None
     cfg = heal_lib.HealConfig(chain=chain, refresh=refresh, tokens=tokens, window=window, epochs=epochs, lr=lr,
                               topk=topk, batch=batch, eval_every=eval_every, patience=patience, seed=seed,
                               trunk_dtype=trunk_dtype, chain_attention=chain_attention, draft_width=draft_width,
                               kl_form=kl_form)  # fmt: skip
-    cfg, why = heal_lib.resolve_file(model, cfg)
+    # shown resolved; heal gets `cfg` as the user gave it, so its report and the healed file's record say which
+    # values were defaulted (heal resolves them again, the same way)
+    resolved, why = heal_lib.resolve_file(model, cfg)
     choice = choose_backend(backend, device)
     typer.echo("resolved configuration:", err=as_json)
-    typer.echo("  heal:     " + fields(cfg.to_dict()), err=as_json)
+    typer.echo("  heal:     " + fields(resolved.to_dict()), err=as_json)
     for key, flag in (("chain_attention", "--chain-attention"), ("draft_width", "--draft-width")):
         reason = flag if why[key] == "as given" else why[key]
-        typer.echo(f"  {key.replace('_', ' ')}: {getattr(cfg, key)} ({reason})", err=as_json)
+        typer.echo(f"  {key.replace('_', ' ')}: {getattr(resolved, key)} ({reason})", err=as_json)
     typer.echo("  " + backend_line(choice), err=as_json)
     with writes(out):
         rep = heal_lib.heal(model, data, out, cfg, init_path=init, backend=choice.name,

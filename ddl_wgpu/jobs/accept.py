@@ -95,9 +95,11 @@ def check_chain_attention(chain_attention: str) -> None:
 
 
 def resolve_chain_attention(cfg, chain_attention: str | None) -> tuple[str, str]:
-    """(the chain attention to measure with, why): `chain_attention` when given, else the draft's layout's."""
+    """(the chain attention to measure with, why): `chain_attention` when given ("as given"), else the draft's
+    layout's ("default: REASON")."""
     if chain_attention is None:
-        return chain_attention_for(cfg)
+        mode, reason = chain_attention_for(cfg)
+        return mode, f"default: {reason}"
     check_chain_attention(chain_attention)
     return chain_attention, "as given"
 
