@@ -58,6 +58,7 @@ from ddl_wgpu.cli.options import (
     Arch,
     BackendOpt,
     ChainAttention,
+    DecodeGpuMemory,
     DeviceOpt,
     DModel,
     FfnHidden,
@@ -93,6 +94,8 @@ from ddl_wgpu.jobs import accept as accept_lib
 from ddl_wgpu.jobs import generate as generate_lib
 from ddl_wgpu.jobs import train as train_lib
 from ddl_wgpu.jobs.compress import CompressError, compress_file
+
+EVAL_SEQ_LEN = 128  # eval's window when --seq-len is not given (or the model's context when shorter)
 
 app = typer.Typer(
     add_completion=False,
@@ -213,7 +216,9 @@ def eval_(
     model: Path = typer.Argument(..., help="Model or checkpoint file."),
     data: str = typer.Option(..., "--data", help="Data spec: file, folder, .jsonl, .bin, .npy or 'stdlib'."),
     seq_len: int = typer.Option(
-        None, "--seq-len", help="Window length (default: 128, or the model's context when shorter)."
+        None,
+        "--seq-len",
+        help=f"Window length (default: {EVAL_SEQ_LEN}, or the model's context when shorter).",
     ),
     batch: int = typer.Option(8, "--batch", help="Windows per batch."),
     max_tokens: int = typer.Option(200_000, "--max-tokens", help="Read at most this many tokens (0: all)."),
@@ -227,7 +232,7 @@ def eval_(
     in_range("seq-len", seq_len, 2)
     in_range("batch", batch, 1)
     in_range("max-tokens", max_tokens, 0)
-    batch_tokens("batch", batch, seq_len or 128)
+    batch_tokens("batch", batch, seq_len or EVAL_SEQ_LEN)
     budget = gpumem.budget(gpu_memory)
     choice = choose_backend(backend, device)
     typer.echo(backend_line(choice), err=as_json)
@@ -238,7 +243,7 @@ def eval_(
     ds = eval_windows(
         data,
         tokenizer=tokenizer_for(m.tokenizer),
-        seq_len=seq_len or min(128, m.cfg.max_seq_len),
+        seq_len=seq_len or min(EVAL_SEQ_LEN, m.cfg.max_seq_len),
         batch_size=batch,
         max_tokens=max_tokens or None,
         vocab_size=m.cfg.vocab_size,
@@ -453,7 +458,7 @@ def generate(
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     trunk_dtype: TrunkDtype = "f32",
-    gpu_memory: GpuMemory = None,
+    gpu_memory: DecodeGpuMemory = None,
     as_json: bool = typer.Option(False, "--json", help="Print the text, token ids and timings as JSON."),
 ):
     """Continue a prompt: the text streamed as it is produced (greedy, or sampled), optionally speculating with

@@ -170,7 +170,9 @@ def train(
     save_interval: int = typer.Option(
         0, "--save-interval", help="Save a checkpoint every N steps (0: at the end)."
     ),
-    stop_after: int = typer.Option(0, "--stop-after", help="Stop after N steps with a resumable checkpoint."),
+    stop_after: int = typer.Option(
+        0, "--stop-after", help="Stop after N steps with a resumable checkpoint (0: run to the end)."
+    ),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots (needs matplotlib)."),
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Train into an --out folder that holds another run, replacing it."
@@ -379,8 +381,10 @@ def resume(
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Write into an --out folder that holds another run, replacing it."
     ),
-    save_interval: int = typer.Option(0, "--save-interval", help="Save a checkpoint every N steps."),
-    stop_after: int = typer.Option(0, "--stop-after", help="Stop again after N steps."),
+    save_interval: int = typer.Option(
+        0, "--save-interval", help="Save a checkpoint every N steps (0: at the end)."
+    ),
+    stop_after: int = typer.Option(0, "--stop-after", help="Stop again after N steps (0: run to the end)."),
     devices: DevicesOpt = None,
     workers: WorkersOpt = 0,
     ray: RayOpt = None,
