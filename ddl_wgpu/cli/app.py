@@ -309,7 +309,8 @@ def export_hf(
     raw: bool = typer.Option(
         None,
         "--raw/--no-raw",
-        help="Raw tensors under our names (default for models Qwen3/Llama cannot hold).",
+        help="Raw tensors under our names (the default for Deep Delta models, which no transformers class holds; "
+        "else Qwen3/Llama, or Qwen3.5 for a hybrid trunk).",
     ),
     force: bool = typer.Option(False, "--force", help="Replace the files of a non-empty FOLDER."),
     no_verify: NoVerify = False,
