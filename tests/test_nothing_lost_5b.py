@@ -150,10 +150,15 @@ def test_size_text_reads_back_as_at_least_the_size():
 # 10 and 11: a refusal names a size the plan then takes, or blames the limits
 
 
-def named(line: str) -> int:
-    m = re.search(r"--gpu-memory (\d[\d.]*[KMG]iB)\b(?! is| cannot)", line)
+def as_named(line: str) -> str:
+    """The size a refusal names, as it spells it (what a user copies into --gpu-memory)."""
+    m = re.search(r"--gpu-memory (\d[\d.]*[KMG]iB)\b", line)
     assert m, line
-    return sizes.parse_size(m.group(1))
+    return m.group(1)
+
+
+def named(line: str) -> int:
+    return sizes.parse_size(as_named(line))
 
 
 def test_plan_refusals_name_the_least_accepted_budget():
@@ -242,11 +247,11 @@ def test_gpu_refusals_name_a_size_the_command_then_takes(kit, gpu, tmp_path, cli
         "wgpu",
     ]
     line = user_error(cli(*ev, "--gpu-memory", "8KB"), "needs at least --gpu-memory")
-    r = ok(cli(*ev, "--gpu-memory", shlex.quote(line.rsplit("--gpu-memory ", 1)[1].split()[0]), "--json"))
+    r = ok(cli(*ev, "--gpu-memory", as_named(line), "--json"))
     assert json.loads(r.stdout)["plan"]["budget_bytes"] == named(line)
     gen = ["generate", model, "--prompt", "the", "--max-new-tokens", "2", "--backend", "wgpu"]
     line = user_error(cli(*gen, "--gpu-memory", "16KB"), "generate: the model needs at least --gpu-memory")
-    ok(cli(*gen, "--gpu-memory", f"{named(line)}"))
+    ok(cli(*gen, "--gpu-memory", as_named(line)))
     with pytest.raises(gpumem.GpuBudgetError):
         gpumem.check_decode(cfg, "f32", named(line) - 1024)
     r = subprocess.run([sys.executable, "-m", "ddl_wgpu.cli", *map(str, ev), "--gpu-memory", "1GB"],

@@ -33,7 +33,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ddl_wgpu.runtime.sizes import SizeError, from_env, parse_size, size_text
+from ddl_wgpu.runtime.sizes import LEAST, SizeError, from_env, parse_size, size_text
 
 __all__ = ["ENV_GPU_MEMORY", "GpuBudgetError", "SizeError", "budget", "check_decode", "least_budget", "parse_size",
            "plan_trunk", "size_text"]  # fmt: skip
@@ -94,7 +94,7 @@ def least_budget(accepts: Callable[[int], bool], start: int) -> int:
 
 def _named(accepts: Callable[[int], bool], refused: int) -> str:
     """The least budget a plan takes, as the option reads it (`size_text`, checked to be taken)."""
-    text = size_text(least_budget(accepts, refused))
+    text = size_text(max(least_budget(accepts, refused), LEAST))  # never below what the option reads
     assert accepts(parse_size(text)), text  # what the refusal names, the plan takes
     return text
 

@@ -60,10 +60,10 @@ def narrow_way_out(width: int, intermediate: int) -> str:
     """What gets a draft narrower than intermediate_size served: heal cannot widen a draft (`heal --draft-width
     model` on it alone is refused), but it narrows a wider one, so a draft healed from one at least
     `intermediate` wide (--init), or our own names."""
-    return (f"a draft cannot be widened: heal one from a draft at least {intermediate} channels wide (`ddl-wgpu heal "
-            f"MODEL --data SPEC --out OUT --draft-width model --init WIDE.ddlw`, WIDE a model whose draft has at "
-            f"least {intermediate} SwiGLU channels, such as the model this {width}-channel draft was healed from; "
-            f"docs/heal.md), {RAW_WAY_OUT}")  # fmt: skip
+    return (f"a draft cannot be widened ({width} to {intermediate} channels): heal one from a draft at least "
+            f"{intermediate} wide (`ddl-wgpu heal MODEL --data SPEC --out OUT --draft-width model --init WIDE.ddlw`, "
+            f"WIDE a model whose draft has at least {intermediate} SwiGLU channels, such as the model this file was "
+            f"healed from; docs/heal.md), {RAW_WAY_OUT}")  # fmt: skip
 
 
 def text_config(config: Mapping) -> tuple[dict, str]:
