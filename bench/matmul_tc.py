@@ -102,7 +102,8 @@ class Runner:
         lda = M if ta else K
         ldb = K if tb else N
         params = tc.PARAMS.pack(M=M, N=N, K=K, lda=lda, ldb=ldb, ldc=N, off_a=0, off_b=0, off_c=0, stride_a=0,
-                                stride_b=0, stride_c=0, accumulate=accumulate, alpha=alpha)  # fmt: skip
+                                stride_b=0, stride_c=0, accumulate=accumulate, alpha=alpha, inner=1, div_a=1,
+                                div_b=1, istride_a=0, istride_b=0, istride_c=0, causal=0)  # fmt: skip
         U = self.wgpu.BufferUsage
         ub = self.dev.create_buffer_with_data(data=params, usage=U.UNIFORM)
         bg = self.dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[

@@ -40,13 +40,28 @@ fn matmul_tc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
              @builtin(subgroup_size) sg_size: u32) {
     let m0 = wid.y * BM;
     let n0 = wid.x * BN;
-    let oa = P.off_a + wid.z * P.stride_a;
-    let ob = P.off_b + wid.z * P.stride_b;
-    let oc = P.off_c + wid.z * P.stride_c;
+    // causal modes (attention's products, as matmul.wgsl): 1 leaves the tiles wholly above the diagonal
+    // unwritten; 2 stops k after the tile's last row (op(A) zero for k > m); 3 starts k at the tile's first
+    // row (op(A) zero for k < m). Uniform over the workgroup, so the barriers below stay uniform.
+    if (P.causal == 1u && n0 > m0 + BM - 1u) {
+        return;
+    }
+    var k_begin = 0u;
+    var k_end = P.K;
+    if (P.causal == 2u) {
+        k_end = min(P.K, m0 + BM);
+    } else if (P.causal == 3u) {
+        k_begin = (m0 / BK) * BK;
+    }
+    let zo = wid.z / P.inner;
+    let zi = wid.z % P.inner;
+    let oa = P.off_a + zo * P.stride_a + (zi / P.div_a) * P.istride_a;
+    let ob = P.off_b + zo * P.stride_b + (zi / P.div_b) * P.istride_b;
+    let oc = P.off_c + zo * P.stride_c + zi * P.istride_c;
     let sm = (sid / SG_COLS) * (TM * MM);  // the subgroup's first row and column inside the block
     let sn = (sid % SG_COLS) * (TN * NN);
 {{accumulators}}
-    for (var k0 = 0u; k0 < P.K; k0 += BK) {
+    for (var k0 = k_begin; k0 < k_end; k0 += BK) {
 {{stage}}
         workgroupBarrier();
 {{products}}

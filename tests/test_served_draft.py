@@ -252,9 +252,9 @@ def test_the_cli_prints_the_resolved_chain_and_width_with_the_reason(hybrid, tmp
     args = ["--data", text, "--window", "24", "--tokens", "1200", "--chain", "2", "--batch", "2", "--epochs",
             "0.3", "--backend", "ref"]  # fmt: skip
     r = ok(cli("heal", model, "--out", tmp_path / "h.ddlw", *args))
-    assert "  chain attention: stacked (the draft is in Qwen3.5's layout" in r.stdout, r.stdout
+    assert "  chain attention: stacked (default: the draft is in Qwen3.5's layout" in r.stdout, r.stdout
     assert (
-        "  draft width: model (a Qwen3.5-layout model: vLLM and SGLang build its draft at intermediate_size"
+        "  draft width: model (default: a Qwen3.5-layout model: vLLM and SGLang build its draft at intermediate_size"
         in r.stdout
     )
     assert (
@@ -270,5 +270,5 @@ def test_the_cli_prints_the_resolved_chain_and_width_with_the_reason(hybrid, tmp
     a = ok(
         cli("accept", model, "--data", text, "--depth", "2", "--window", "24", "--backend", "ref", "--json")
     )
-    assert "chain attention: stacked (the draft is in Qwen3.5's layout" in a.stderr
+    assert "chain attention: stacked (default: the draft is in Qwen3.5's layout" in a.stderr
     assert json.loads(a.stdout)["chain_attention"] == "stacked"

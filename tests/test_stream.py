@@ -81,7 +81,7 @@ def test_sizes_and_the_budget(monkeypatch):
     assert gpumem.parse_size("512MiB") == 512 << 20 and gpumem.parse_size("1.5k") == 1536
     assert gpumem.parse_size("17179869184") == 16 << 30
     for bad in ("", "lots", "16 GBs", "-1G", "0.1k"):
-        with pytest.raises(gpumem.GpuBudgetError, match="--gpu-memory"):
+        with pytest.raises(gpumem.SizeError, match="--gpu-memory"):
             gpumem.parse_size(bad)
     monkeypatch.delenv(gpumem.ENV_GPU_MEMORY, raising=False)
     assert gpumem.budget(None) is None and gpumem.budget("2G") == 2 << 30
@@ -455,7 +455,7 @@ def test_cli_plan_line_refusal_generate_and_out_of_memory(files, tmp_path, cli, 
     args = ["heal", model, "--data", text, "--out", out, "--window", "24", "--tokens", "600", "--batch", "2",
             "--chain", "2", "--backend", "wgpu"]  # fmt: skip
     line = user_error(cli(*args, "--gpu-memory", "20KB"), "--gpu-memory 20.0 KiB is below", "two layer slots")
-    assert "about" in line and not out.exists() and not hostmem.scratch_files(out)
+    assert "needs at least --gpu-memory" in line and not out.exists() and not hostmem.scratch_files(out)
     r = ok(cli("eval", model, "--data", text, "--seq-len", "16", "--batch", "3", "--backend", "wgpu",
                "--gpu-memory", "1GB", "--json"))  # fmt: skip
     assert (

@@ -64,6 +64,7 @@ from ddl_wgpu.cli.options import (
     Arch,
     BackendOpt,
     ChainAttention,
+    DecodeGpuMemory,
     DeviceOpt,
     DModel,
     FfnHidden,
@@ -100,6 +101,8 @@ from ddl_wgpu.jobs import draft as draft_lib
 from ddl_wgpu.jobs import generate as generate_lib
 from ddl_wgpu.jobs import train as train_lib
 from ddl_wgpu.jobs.compress import CompressError, compress_file
+
+EVAL_SEQ_LEN = 128  # eval's window when --seq-len is not given (or the model's context when shorter)
 
 app = typer.Typer(
     add_completion=False,
@@ -220,7 +223,9 @@ def eval_(
     model: Path = typer.Argument(..., help="Model or checkpoint file."),
     data: str = typer.Option(..., "--data", help="Data spec: file, folder, .jsonl, .bin, .npy or 'stdlib'."),
     seq_len: int = typer.Option(
-        None, "--seq-len", help="Window length (default: 128, or the model's context when shorter)."
+        None,
+        "--seq-len",
+        help=f"Window length (default: {EVAL_SEQ_LEN}, or the model's context when shorter).",
     ),
     batch: int = typer.Option(8, "--batch", help="Windows per batch."),
     max_tokens: int = typer.Option(200_000, "--max-tokens", help="Read at most this many tokens (0: all)."),
@@ -234,7 +239,7 @@ def eval_(
     in_range("seq-len", seq_len, 2)
     in_range("batch", batch, 1)
     in_range("max-tokens", max_tokens, 0)
-    batch_tokens("batch", batch, seq_len or 128)
+    batch_tokens("batch", batch, seq_len or EVAL_SEQ_LEN)
     budget = gpumem.budget(gpu_memory)
     choice = choose_backend(backend, device)
     typer.echo(backend_line(choice), err=as_json)
@@ -245,7 +250,7 @@ def eval_(
     ds = eval_windows(
         data,
         tokenizer=tokenizer_for(m.tokenizer),
-        seq_len=seq_len or min(128, m.cfg.max_seq_len),
+        seq_len=seq_len or min(EVAL_SEQ_LEN, m.cfg.max_seq_len),
         batch_size=batch,
         max_tokens=max_tokens or None,
         vocab_size=m.cfg.vocab_size,
@@ -315,7 +320,8 @@ def export_hf(
     raw: bool = typer.Option(
         None,
         "--raw/--no-raw",
-        help="Raw tensors under our names (default for models Qwen3/Llama cannot hold).",
+        help="Raw tensors under our names (the default for Deep Delta models, which no transformers class holds; "
+        "else Qwen3/Llama, or Qwen3.5 for a hybrid trunk).",
     ),
     force: bool = typer.Option(False, "--force", help="Replace the files of a non-empty FOLDER."),
     dtype: str = typer.Option(
@@ -399,11 +405,9 @@ def accept(
                                   backend=choice.name, device=device, verify=not no_verify)  # fmt: skip
         emit(r, as_json, accept_text(r))
         return
-    chain_attention, why = accept_lib.chain_attention_of(model, chain_attention)
-    typer.echo(
-        f"chain attention: {chain_attention} ({'--chain-attention' if why == 'as given' else why})",
-        err=as_json,
-    )
+    shown, why = accept_lib.chain_attention_of(model, chain_attention)
+    typer.echo(f"chain attention: {shown} ({'--chain-attention' if why == 'as given' else why})", err=as_json)
+    # the option as the user gave it (None: defaulted), so the result's chain_attention_why says which it was
     r = accept_lib.accept_file(model, data, depth=depth, window=window, tokens=tokens or None,
                                backend=choice.name, probe_conventions=probe_conventions, device=device,
                                trunk_dtype=trunk_dtype, chain_attention=chain_attention,
@@ -484,7 +488,7 @@ def generate(
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     trunk_dtype: TrunkDtype = "f32",
-    gpu_memory: GpuMemory = None,
+    gpu_memory: DecodeGpuMemory = None,
     as_json: bool = typer.Option(False, "--json", help="Print the text, token ids and timings as JSON."),
 ):
     """Continue a prompt: the text streamed as it is produced (greedy, or sampled), optionally speculating with
@@ -492,13 +496,16 @@ def generate(
     in_range("seed", seed, 0)
     in_range("depth", depth, 1)
     sampling = generate_lib.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    budget = gpumem.budget(
+        gpu_memory
+    )  # read whatever the backend: a size no command takes is refused here too
     choice = choose_backend(backend, device)
     m = load_model(model)
     eagle = draft_lib.load_for(model, draft) if draft is not None else None
     if speculative:  # a round drafts within the model's context (and sizes its cache by the depth)
         in_range("depth", depth, 1, m.cfg.max_seq_len - 1)
     if choice.name == "wgpu":  # decoding reads every weight per token: a model past the budget is refused
-        gpumem.check_decode(m.cfg, trunk_dtype, gpumem.budget(gpu_memory), speculative)
+        gpumem.check_decode(m.cfg, trunk_dtype, budget, speculative)
     text = _prompt_of(prompt, prompt_file, m)
     typer.echo(backend_line(choice), err=True)
     r = generate_lib.generate(m, text, max_new_tokens=max_new_tokens, sampling=sampling, stops=stop or (),

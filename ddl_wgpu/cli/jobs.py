@@ -78,6 +78,7 @@ from ddl_wgpu.jobs import train as train_lib
 from ddl_wgpu.jobs.checkpoint import load_checkpoint
 from ddl_wgpu.jobs.rundir import RunLock, claim_output
 from ddl_wgpu.jobs.sweep_checks import capped_runner, check_runner
+from ddl_wgpu.runtime.sizes import parse_size
 
 TRAIN = train_lib.TrainingConfig()  # the defaults of the training options
 HEAL = heal_lib.HealConfig()  # the defaults of the heal options
@@ -176,7 +177,9 @@ def train(
     save_interval: int = typer.Option(
         0, "--save-interval", help="Save a checkpoint every N steps (0: at the end)."
     ),
-    stop_after: int = typer.Option(0, "--stop-after", help="Stop after N steps with a resumable checkpoint."),
+    stop_after: int = typer.Option(
+        0, "--stop-after", help="Stop after N steps with a resumable checkpoint (0: run to the end)."
+    ),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots (needs matplotlib)."),
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Train into an --out folder that holds another run, replacing it."
@@ -391,8 +394,10 @@ def resume(
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Write into an --out folder that holds another run, replacing it."
     ),
-    save_interval: int = typer.Option(0, "--save-interval", help="Save a checkpoint every N steps."),
-    stop_after: int = typer.Option(0, "--stop-after", help="Stop again after N steps."),
+    save_interval: int = typer.Option(
+        0, "--save-interval", help="Save a checkpoint every N steps (0: at the end)."
+    ),
+    stop_after: int = typer.Option(0, "--stop-after", help="Stop again after N steps (0: run to the end)."),
     devices: DevicesOpt = None,
     workers: WorkersOpt = 0,
     ray: RayOpt = None,
@@ -546,18 +551,20 @@ def heal(
     refuse_overwrite_input(out, [model, init], heal_lib.HealError)
     output_file(out, force)
     budget = gpumem.budget(gpu_memory)
-    host_budget = gpumem.parse_size(host_memory, "--host-memory") if host_memory else None
+    host_budget = parse_size(host_memory, "--host-memory") if host_memory not in (None, "") else None
     cfg = heal_lib.HealConfig(chain=chain, refresh=refresh, tokens=tokens, window=window, epochs=epochs, lr=lr,
                               topk=topk, batch=batch, eval_every=eval_every, patience=patience, seed=seed,
                               trunk_dtype=trunk_dtype, chain_attention=chain_attention, draft_width=draft_width,
                               kl_form=kl_form)  # fmt: skip
-    cfg, why = heal_lib.resolve_file(model, cfg)
+    # shown resolved; heal gets `cfg` as the user gave it, so its report and the healed file's record say which
+    # values were defaulted (heal resolves them again, the same way)
+    resolved, why = heal_lib.resolve_file(model, cfg)
     choice = choose_backend(backend, device)
     typer.echo("resolved configuration:", err=as_json)
-    typer.echo("  heal:     " + fields(cfg.to_dict()), err=as_json)
+    typer.echo("  heal:     " + fields(resolved.to_dict()), err=as_json)
     for key, flag in (("chain_attention", "--chain-attention"), ("draft_width", "--draft-width")):
         reason = flag if why[key] == "as given" else why[key]
-        typer.echo(f"  {key.replace('_', ' ')}: {getattr(cfg, key)} ({reason})", err=as_json)
+        typer.echo(f"  {key.replace('_', ' ')}: {getattr(resolved, key)} ({reason})", err=as_json)
     typer.echo("  " + backend_line(choice), err=as_json)
     with writes(out, replace=force):
         rep = heal_lib.heal(model, data, out, cfg, init_path=init, backend=choice.name,

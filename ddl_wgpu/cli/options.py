@@ -56,7 +56,8 @@ WorkersOpt = Annotated[
     int,
     typer.Option(
         "--workers",
-        help="Worker processes (the numpy backend's; on wgpu spread over --devices).",
+        help="Worker processes (the numpy backend's; on wgpu spread over --devices; 0: one per --devices entry, "
+        "else none: the jobs run in this process).",
         rich_help_panel="Sweep",
     ),
 ]
@@ -156,21 +157,33 @@ DraftWidth = Annotated[
         "Default: model for a Qwen3.5-layout model, init otherwise.",
     ),
 ]
+SIZE_HELP = "e.g. 16GB or 512MiB (binary units; env DDL_WGPU_GPU_MEMORY; read the same way by every command)"
 GpuMemory = Annotated[
     str | None,
     typer.Option(
         "--gpu-memory",
-        help="GPU memory this run may use, e.g. 16GB or 512MiB (binary units; env DDL_WGPU_GPU_MEMORY): the trunk "
-        "stays resident when it fits, else streams layer by layer. wgpu cannot ask the card: give what it has "
-        "free (docs/heal.md#choosing-the-budget).",
+        help=f"GPU memory this run may use, {SIZE_HELP}: on wgpu the trunk stays resident when it fits, else "
+        "streams layer by layer, and a budget too small is refused naming the least one this job takes (the numpy "
+        "backend only reads the size). wgpu cannot ask the card: give what it has free "
+        "(docs/heal.md#choosing-the-budget).",
+    ),
+]
+DecodeGpuMemory = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu-memory",
+        help=f"GPU memory this run may use, {SIZE_HELP}: on wgpu a model whose weights do not fit is refused, "
+        "naming the least budget it takes (generate reads every weight once per token, so nothing streams; the "
+        "numpy backend only reads the size).",
     ),
 ]
 HostMemory = Annotated[
     str | None,
     typer.Option(
         "--host-memory",
-        help="Host memory for heal's chain rows, e.g. 32GB (default: half of what is available at the start); "
-        "past it they live in a scratch file beside --out, removed when heal ends.",
+        help="Host memory for heal's chain rows, e.g. 32GB (binary units, read as --gpu-memory is; default: half "
+        "of what is available at the start); past it they live in a scratch file beside --out, removed when heal "
+        "ends.",
     ),
 ]
 Precision = Annotated[

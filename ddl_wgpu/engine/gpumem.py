@@ -1,5 +1,6 @@
-"""GPU memory budgets: `--gpu-memory SIZE` read (`parse_size`, `budget`), what a job's GPU objects would allocate
-measured without allocating it (`DryGpu`), and the plan a trunk job runs by (`TrunkPlan`, `plan_trunk`).
+"""GPU memory budgets: `--gpu-memory SIZE` read (`budget`, through `runtime.sizes.parse_size`), what a job's GPU
+objects would allocate measured without allocating it (`DryGpu`), and the plan a trunk job runs by (`TrunkPlan`,
+`plan_trunk`).
 
 wgpu reports no adapter's memory, so the engine cannot ask the card how much it has: the user says it
 (`--gpu-memory 16GB`, or the environment's DDL_WGPU_GPU_MEMORY), and the jobs whose trunk is frozen and batched
@@ -10,27 +11,32 @@ wgpu reports no adapter's memory, so the engine cannot ask the card how much it 
   through in turn (`stream.Trunk`), windows in the largest block that fits (at most MAX_BLOCK_TOKENS).
 
 The resident plan is taken when it fits with a full block; else the streamed one; a budget that cannot hold
-even the streamed trunk with one window is refused in one line. Without a budget the plan is resident, as
-before. What a plan would allocate is counted by building the job's real GPU objects on a `DryGpu`: the same
-constructors, every buffer and bind-group size checked against the adapter's limits, but nothing allocated,
-compiled or uploaded; the count is therefore exact for what those constructors allocate (the tests compare
+even the streamed trunk with one window is refused in one line that names the least budget the plan takes (found
+by searching the plan itself, `least_budget`, and spelt so that the option reads it back: `sizes.size_text`), or,
+where the adapter's buffer or binding limits cannot hold even one window whatever the budget, says that the
+limits are the cause. Without a budget the plan is resident, as before. What a plan would allocate is counted
+by building the job's real GPU objects on a `DryGpu`: the same constructors, every buffer and bind-group size
+checked against the adapter's limits, but nothing allocated, compiled or uploaded; the count is therefore exact for what those constructors allocate (the tests compare
 it with a real build), and a block the adapter's binding limits cannot hold is never planned.
 
 The budget covers the engine's buffers (parameters, activations, the upload staging), the read-back staging
 (as large as the largest download) and a reserve of RESERVE_FRACTION of it for what wgpu keeps beside them
 (uniforms, pipelines, bind groups); not the driver's own context (a few hundred MiB on a discrete GPU) nor what
 other programs hold: the user leaves that out of the budget (docs/heal.md#choosing-the-budget). Sizes are
-binary: 16GB, 16G and 16GiB are 16 x 2^30 bytes (a "16 GB" card holds 16 GiB).
+binary: 16GB, 16G and 16GiB are 16 x 2^30 bytes (a "16 GB" card holds 16 GiB); every size option and variable
+reads them through `runtime.sizes`.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ddl_wgpu.errors import UserError
+from ddl_wgpu.runtime.sizes import LEAST, SizeError, from_env, parse_size, size_text
+
+__all__ = ["ENV_GPU_MEMORY", "GpuBudgetError", "SizeError", "budget", "check_decode", "least_budget", "parse_size",
+           "plan_trunk", "size_text"]  # fmt: skip
 
 ENV_GPU_MEMORY = "DDL_WGPU_GPU_MEMORY"
 # windows per block: a resident block holds BLOCK_TOKENS tokens (heal's trunk pass ran 4 x 128 before: the
@@ -39,31 +45,19 @@ ENV_GPU_MEMORY = "DDL_WGPU_GPU_MEMORY"
 BLOCK_TOKENS = 8192
 MAX_BLOCK_TOKENS = 32768
 RESERVE_FRACTION = 0.05  # of the budget, for what wgpu and the driver allocate beside the engine's buffers
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-class GpuBudgetError(UserError):
-    """A budget that cannot be read, or one a job cannot run within (one line)."""
-
-
-def parse_size(text: str, what: str = "--gpu-memory") -> int:
-    """'16GB', '16G', '16GiB', '512MiB', '1.5TB', '17179869184' -> bytes (binary units; module docstring)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
-    if m is None:
-        raise GpuBudgetError(f"{what} {text!r}: not a size (e.g. 16GB, 512MiB, 24G)")
-    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not math.isfinite(n) or n < 1 << 10:
-        raise GpuBudgetError(f"{what} {text!r}: a size of at least 1 KiB")
-    return int(n)
+class GpuBudgetError(SizeError):
+    """A budget a job cannot run within, or that the adapter's limits make moot (one line)."""
 
 
 def budget(option: str | None) -> int | None:
     """The GPU memory budget in bytes: the option, else the environment's DDL_WGPU_GPU_MEMORY, else None (no
-    budget: every trunk resident)."""
+    budget: every trunk resident). Every command reads it here, before anything else, whatever its backend: a
+    value it cannot read is refused even where no plan would use it."""
     if option not in (None, ""):
         return parse_size(option)
-    env = os.environ.get(ENV_GPU_MEMORY)
-    return parse_size(env, ENV_GPU_MEMORY) if env else None
+    return from_env(ENV_GPU_MEMORY)
 
 
 def gib(n: float) -> str:
@@ -77,6 +71,32 @@ def gib(n: float) -> str:
 def reserve_bytes(budget_bytes: int) -> int:
     """What the plan keeps out of a budget for wgpu beside the engine's buffers (module docstring)."""
     return int(RESERVE_FRACTION * budget_bytes)
+
+
+def least_budget(accepts: Callable[[int], bool], start: int) -> int:
+    """The least budget in bytes that `accepts` (a plan run on that budget: True when it plans, False when it
+    refuses) takes, searched from `start` (a budget it refused): doubling up to one it takes, then halving the
+    gap. The plan itself decides, so the size a refusal names is one the same plan then takes (the acceptance
+    only grows with the budget: every test the plan makes is "bytes <= what the budget leaves")."""
+    lo, hi = max(int(start), 0), max(int(start), 1 << 10)
+    while not accepts(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 62:
+            raise AssertionError("no budget is accepted")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if accepts(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _named(accepts: Callable[[int], bool], refused: int) -> str:
+    """The least budget a plan takes, as the option reads it (`size_text`, checked to be taken)."""
+    text = size_text(max(least_budget(accepts, refused), LEAST))  # never below what the option reads
+    assert accepts(parse_size(text)), text  # what the refusal names, the plan takes
+    return text
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -274,21 +294,30 @@ def plan_trunk(job: str, windows: int, window: int, budget_bytes: int | None, tr
     """The plan of a trunk job over `windows` windows of `window` tokens (module docstring). `trunk_bytes(streamed,
     block)` counts the trunk phase (a `dry_bytes` build; GpuError when the adapter's limits cannot hold that
     block); `weight_bytes(streamed)` its weights; `draft_bytes` the draft's phase (heal); blocks are multiples of
-    `multiple` windows (eval's batches). GpuBudgetError when nothing fits."""
+    `multiple` windows (eval's batches). GpuBudgetError when nothing fits: naming the least budget this same plan
+    takes (`least_budget` over `attempt`), or the adapter's limits where no budget would do."""
     from ddl_wgpu.runtime.gpu import GpuError
+
+    counted: dict[
+        tuple[bool, int], int | None
+    ] = {}  # each build counted once: the search re-plans many budgets
+    limits: list[str] = []  # what the adapter refused, for the message that blames its limits
 
     def cap(tokens: int) -> int:
         return max(multiple, min(-(-windows // multiple) * multiple, tokens // window // multiple * multiple))
 
     def count(streamed: bool, block: int) -> int | None:
-        try:
-            return trunk_bytes(streamed, block)
-        except GpuError:  # a block the adapter's binding or buffer limits cannot hold
-            return None
+        if (streamed, block) not in counted:
+            try:
+                counted[streamed, block] = trunk_bytes(streamed, block)
+            except GpuError as e:  # a block the adapter's binding or buffer limits cannot hold
+                counted[streamed, block] = None
+                limits.append(str(e))
+        return counted[streamed, block]
 
-    def plan(streamed: bool, block: int, used: int) -> TrunkPlan:
+    def plan(streamed: bool, block: int, used: int, budget: int | None) -> TrunkPlan:
         return TrunkPlan(job, streamed, block, windows, window, weight_bytes(streamed), used, draft_bytes,
-                         budget_bytes, dtype)  # fmt: skip
+                         budget, dtype)  # fmt: skip
 
     def largest(streamed: bool, most: int, room: float) -> tuple[int, int] | None:
         """The largest block <= most (even, a multiple) whose count fits `room`, and its count."""
@@ -303,30 +332,45 @@ def plan_trunk(job: str, windows: int, window: int, budget_bytes: int | None, tr
                 hi = mid - 1
         return best
 
-    room = math.inf if budget_bytes is None else budget_bytes - reserve_bytes(budget_bytes)
     full = even_block(windows, cap(BLOCK_TOKENS), multiple)
-    used = count(False, full)
-    if used is not None and used <= room and draft_bytes <= room:
-        return plan(False, full, used)
-    if budget_bytes is None:  # the limits, not a budget: the largest block they hold
-        found = largest(False, full, math.inf)
+
+    def attempt(budget: int) -> tuple[bool, int, int] | str:
+        """The plan's choice within `budget` bytes (streamed, block, bytes), or what it cannot hold ("trunk",
+        "draft")."""
+        room = budget - reserve_bytes(budget)
+        used = count(False, full)
+        if used is not None and used <= room and draft_bytes <= room:
+            return False, full, used
+        found = largest(True, cap(MAX_BLOCK_TOKENS), room)
         if found is None:
-            raise GpuBudgetError(
-                f"{job}: even one window of {window} tokens exceeds this adapter's buffer limits"
-            )
-        return plan(False, *found)
-    found = largest(True, cap(MAX_BLOCK_TOKENS), room)
-    if found is None:
-        least = count(True, multiple)
-        need = f"about {gib(least + reserve_bytes(budget_bytes))}" if least is not None else "more"
+            return "trunk"
+        return "draft" if draft_bytes > room else (True, *found)
+
+    if budget_bytes is None:  # no budget: resident, in the largest block the adapter's limits hold
+        used = count(False, full)
+        found = (full, used) if used is not None else largest(False, full, math.inf)
+        if found is None:
+            raise GpuBudgetError(f"{job}: this adapter's buffer and binding limits cannot hold the trunk with even "
+                                 f"one window of {window} tokens ({limits[-1]}): the limits are the cause",
+                                 kind="adapter_limits")  # fmt: skip
+        return plan(False, *found, None)
+    chosen = attempt(budget_bytes)
+    if not isinstance(chosen, str):
+        return plan(*chosen, budget_bytes)
+    if count(False, full) is None and count(True, multiple) is None:  # no budget holds it: the limits do not
+        raise GpuBudgetError(f"{job}: this adapter's buffer and binding limits cannot hold the trunk with even "
+                             f"one window of {window} tokens, resident or streamed ({limits[-1]}): the limits are "
+                             f"the cause, not --gpu-memory {gib(budget_bytes)}, and no budget changes them",
+                             kind="adapter_limits")  # fmt: skip
+    least = _named(lambda b: not isinstance(attempt(b), str), budget_bytes)
+    if chosen == "trunk":
         raise GpuBudgetError(f"--gpu-memory {gib(budget_bytes)} is below what the streamed trunk needs for one "
-                             f"layer at a time: {need} (the resident embedding and head, two layer slots and "
-                             f"{multiple} window{'s' if multiple > 1 else ''} of activations)")  # fmt: skip
-    if draft_bytes > room:
-        less = " (a smaller --batch needs less)" if job == "heal" else ""
-        raise GpuBudgetError(f"--gpu-memory {gib(budget_bytes)} cannot hold {job}'s draft after the trunk: it needs "
-                             f"about {gib(draft_bytes + reserve_bytes(budget_bytes))}{less}")  # fmt: skip
-    return plan(True, *found)
+                             f"layer at a time (the resident embedding and head, two layer slots and {multiple} "
+                             f"window{'s' if multiple > 1 else ''} of activations): this job needs at least "
+                             f"--gpu-memory {least}")  # fmt: skip
+    less = " (a smaller --batch needs less)" if job == "heal" else ""
+    raise GpuBudgetError(f"--gpu-memory {gib(budget_bytes)} cannot hold {job}'s draft after the trunk: this job "
+                         f"needs at least --gpu-memory {least}{less}")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -348,12 +392,16 @@ def weight_bytes(cfg, dtype: str = "f32", draft: bool = False) -> int:
 
 def check_decode(cfg, dtype: str, budget_bytes: int | None, draft: bool = False) -> None:
     """GpuBudgetError unless the model's weights fit the budget (`generate` reads every weight once per token:
-    a model that does not fit cannot stream at a useful speed)."""
+    a model that does not fit cannot stream at a useful speed), naming the least budget this check takes."""
     if budget_bytes is None:
         return
     need = weight_bytes(cfg, dtype, draft)
-    if need > budget_bytes - reserve_bytes(budget_bytes):
+
+    def fits(budget: int) -> bool:
+        return need <= budget - reserve_bytes(budget)
+
+    if not fits(budget_bytes):
         what = f"{dtype} weights" + (" with the draft" if draft else "")
-        raise GpuBudgetError(f"generate: the model needs at least {gib(need + reserve_bytes(budget_bytes))} of GPU "
-                             f"memory ({what} {gib(need)}, before its caches); --gpu-memory is {gib(budget_bytes)}"
+        raise GpuBudgetError(f"generate: the model needs at least --gpu-memory {_named(fits, budget_bytes)} ({what} "
+                             f"{gib(need)}, before its caches); --gpu-memory is {gib(budget_bytes)}"
                              + ("" if dtype == "f16" else "; --trunk-dtype f16 halves the big matrices"))  # fmt: skip

@@ -15,7 +15,9 @@ many windows share its block.
 
 Weights come from a `WeightSource`: a checkpoint read through its memory map, a piece at a time (never the
 whole model in host memory), or a dict of arrays; each tensor is converted to the slot's dtype (f32, or f16 for
-the big matrices of an f16 trunk, `layout.F16_SUFFIXES`) exactly as `Net.load` converts it.
+the big matrices of an f16 trunk, `layout.F16_SUFFIXES`) exactly as `Net.load` converts it, and checked finite
+the first time it goes up (`lazy.refuse_non_finite`, piece by piece on the thread pool: a NaN or infinite weight is
+one line naming the tensor).
 
 Uploads: `queue.write_buffer`, a piece of at most PIECE_BYTES per call, from the source's own memory where it
 is stored in the slot's dtype (a view of the checkpoint's map or of the array: no copy of ours), else from a
@@ -44,6 +46,7 @@ from ddl_wgpu.engine.inference import InferenceWork
 from ddl_wgpu.engine.layout import EMBED
 from ddl_wgpu.engine.net import Net
 from ddl_wgpu.files.container_format import bf16_to_f32
+from ddl_wgpu.files.lazy import refuse_non_finite
 from ddl_wgpu.runtime.gpu import Call, GpuError
 
 LAYER = "model.layers."
@@ -66,6 +69,10 @@ class WeightSource:
         if (params is None) == (checkpoint is None):
             raise ValueError("a weight source is a dict of arrays or a checkpoint")
         self.params, self.ck = params, checkpoint
+        # tensors found finite (`lazy.refuse_non_finite`, on the pool as they are first uploaded): a streamed trunk
+        # uploads every layer once per block, and checks it only the first time
+        self.where = checkpoint.path if checkpoint is not None else "the model"
+        self.finite: set[str] = set()
 
     def raw(self, name: str) -> tuple[np.ndarray, str]:
         """(the tensor as stored, flat, without a copy where possible; its dtype "f32", "f16", "bf16", "f64")."""
@@ -98,6 +105,8 @@ class WeightSource:
         raw, stored = self.raw(name)
         ids = np.asarray(ids)
         picked = raw.reshape(-1, width)[ids.reshape(-1)]
+        if name not in self.finite:  # the rows read, as they are read (a few rows: cheap)
+            refuse_non_finite(picked, stored, name, self.where)
         out = np.empty(picked.shape, _NP[dtype])
         self._convert(name, out, picked, stored, False)  # checked when the table was uploaded
         return out.astype(np.float32, copy=False).reshape(*ids.shape, width)
@@ -113,19 +122,28 @@ class WeightSource:
         raw, stored = self.raw(name)
         target = np.dtype(_NP[dtype])
         spans = self._spans(raw.size, target.itemsize)
-        if stored == dtype:
-            for e0, e1 in spans:
-                yield e0, raw[e0:e1]
-            return
+        check = name not in self.finite  # each piece checked on the pool, the first time the tensor goes up
+
+        def view(sp):
+            if check:
+                refuse_non_finite(raw[sp[0] : sp[1]], stored, name, self.where)
+            return sp[0], raw[sp[0] : sp[1]]
 
         def one(sp):
+            if check:
+                refuse_non_finite(raw[sp[0] : sp[1]], stored, name, self.where)
             out = np.empty(sp[1] - sp[0], target)
             self._convert(name, out, raw[sp[0] : sp[1]], stored, True)
             return sp[0], out
 
-        ahead = _workers()
+        if stored == dtype and not check:
+            for e0, e1 in spans:
+                yield e0, raw[e0:e1]
+            return
+        ahead, each = _workers(), (pool.map if pool is not None else map)
         for s in range(0, len(spans), ahead):
-            yield from pool.map(one, spans[s : s + ahead])
+            yield from each(view if stored == dtype else one, spans[s : s + ahead])
+        self.finite.add(name)
 
 
 def _workers() -> int:

@@ -11,6 +11,10 @@ one piece). Nothing is read until a consumer iterates `pieces()`, and each itera
   (`take_rows`), any other row-wise change (`map`);
 - consumers: the writers take a Lazy where they take an array (`container.Writer.write`,
   `hf_files.write_safetensors`); `array()` gathers the whole tensor for the library calls that want one.
+
+`finite` wraps a Lazy so that each piece is checked as it passes (`refuse_non_finite`: a NaN or an infinity in a weight
+is one `NonFiniteError` line naming the tensor): every reader of a model's weights for a job goes through it or
+through `refuse_non_finite` (import-hf as it converts, `modelfile` as it reads, the GPU trunk as it uploads).
 """
 
 from __future__ import annotations
@@ -22,10 +26,46 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ddl_wgpu.errors import UserError
 from ddl_wgpu.files.container_format import _FROM_NUMPY, DTYPES, bf16_to_f32, f32_to_bf16
 
 PIECE_BYTES = 4 << 20  # a piece of about 4 MiB: a few of them are a command's whole working set
 FLOATS = ("f32", "f16", "bf16", "f64")
+
+
+# the exponent bits of each float dtype (as its unsigned integer view): all set is an infinity or a NaN
+_EXPONENT = {"f16": (np.uint16, 0x7C00), "bf16": (np.uint16, 0x7F80), "f32": (np.uint32, 0x7F800000),
+             "f64": (np.uint64, 0x7FF0000000000000)}  # fmt: skip
+
+
+class NonFiniteError(UserError):
+    """A weight that is NaN or infinite: a model holding one computes NaN (generate emits one token forever,
+    accept measures nonsense), so every job refuses it where it reads it, naming the tensor."""
+
+
+def refuse_non_finite(piece: np.ndarray, dtype: str, name: str, where) -> np.ndarray:
+    """`piece` (values of tensor `name` in container dtype `dtype`: bf16 as its uint16 bits) back unchanged,
+    or NonFiniteError naming the tensor and `where` (the file or folder) when a value is NaN or infinite. One
+    pass of integer masks over the piece (no float conversion): cheaper than the hash every read pays."""
+    if dtype not in _EXPONENT or not piece.size:
+        return piece
+    bits, mask = _EXPONENT[dtype]
+    flat = np.ascontiguousarray(piece).reshape(-1).view(bits)
+    bad = np.flatnonzero((flat & bits(mask)) == mask)
+    if bad.size:
+        one = flat[bad[:1]]
+        value = float((bf16_to_f32(one) if dtype == "bf16" else one.view(DTYPES[dtype]))[0])
+        raise NonFiniteError(f"{where}: tensor {name} holds {value} (a weight that is not a finite number: every "
+                             f"output of the model would be NaN); refused", kind="non_finite_weight")  # fmt: skip
+    return piece
+
+
+def finite(t: Lazy, name: str, where) -> Lazy:
+    """`t` with every piece checked by `refuse_non_finite` as it passes (a non-float tensor as it is)."""
+    if t.dtype not in _EXPONENT:
+        return t
+    dtype = t.dtype
+    return t.map(lambda p: refuse_non_finite(p, dtype, name, where))
 
 
 def rows_per_piece(shape: tuple[int, ...], itemsize: int) -> int:

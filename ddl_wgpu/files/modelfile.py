@@ -8,7 +8,10 @@ Reading a model file checks, before any tensor is read: the config (valid, finit
 this machine: :func:`estimate_bytes`), then every tensor the config expects (present, the expected shape, a
 float dtype); token ids in the metadata must lie inside the vocabulary. Tensors the config does not expect
 (a training checkpoint's `best.`/`optim.` copies, or anything else) are never read. Each tensor read is
-checked against its hash unless the caller passes `verify=False` (see `ddl_wgpu.files.container`).
+checked against its hash unless the caller passes `verify=False` (see `ddl_wgpu.files.container`), and finite
+as it is read, piece by piece where it streams (`lazy.refuse_non_finite`: a NaN or infinite weight is refused in
+one line naming the tensor, whatever `verify` says; tensors a command does not read, such as the blocks
+`compress --drop-layers` drops, are not checked).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 from ddl_ref.config import ConfigError, ModelConfig, select_layers
 from ddl_ref.params import param_table
 from ddl_wgpu.files.container import Checkpoint, CheckpointError, open_checkpoint, save
-from ddl_wgpu.files.lazy import Lazy, Progress, from_array
+from ddl_wgpu.files.lazy import Lazy, Progress, finite, from_array, refuse_non_finite
 
 __all__ = [
     "EXTRA_PREFIXES",
@@ -39,6 +42,7 @@ __all__ = [
     "load_model",
     "open_model",
     "param_count",
+    "read_f32",
     "read_params",
     "save_model",
     "write_model",
@@ -308,7 +312,13 @@ def read_params(
     other tensor of the file is read."""
     found = check_model_tensors(ck, cfg, path, prefix, require_all)
     wanted = names if callable(names) else (lambda n: names is None or n in names)
-    return {n: np.asarray(ck.tensor_f32(prefix + n), np.float32) for n in found if wanted(n)}
+    return {n: read_f32(ck, prefix + n, path) for n in found if wanted(n)}
+
+
+def read_f32(ck: Checkpoint, name: str, path) -> np.ndarray:
+    """Tensor `name` of `ck` as float32, checked finite (`lazy.refuse_non_finite`: a NaN or infinite weight is one
+    NonFiniteError line naming it, not a model that silently computes NaN)."""
+    return refuse_non_finite(np.asarray(ck.tensor_f32(name), np.float32), "f32", name, path)
 
 
 def _check_token_ids(meta: dict, cfg: ModelConfig, path) -> None:
@@ -370,6 +380,6 @@ def open_model(path, verify: bool = True) -> Iterator[LazyModel]:
         cfg = load_config(ck, path, resident=False)
         meta = dict(ck.metadata or {})
         names = check_model_tensors(ck, cfg, path)
-        yield LazyModel(cfg=cfg, tensors={n: ck.lazy(n) for n in names}, variant=str(meta.get("model.variant", "baseline")),
+        yield LazyModel(cfg=cfg, tensors={n: finite(ck.lazy(n), n, path) for n in names}, variant=str(meta.get("model.variant", "baseline")),
                         tokenizer=ck.tokenizer, provenance=dict(ck.provenance or {}), metadata=meta,
                         extra={n: ck.lazy(n) for n in ck.names() if n.startswith(EXTRA_PREFIXES)})  # fmt: skip

@@ -95,9 +95,11 @@ def check_chain_attention(chain_attention: str) -> None:
 
 
 def resolve_chain_attention(cfg, chain_attention: str | None) -> tuple[str, str]:
-    """(the chain attention to measure with, why): `chain_attention` when given, else the draft's layout's."""
+    """(the chain attention to measure with, why): `chain_attention` when given ("as given"), else the draft's
+    layout's ("default: REASON")."""
     if chain_attention is None:
-        return chain_attention_for(cfg)
+        mode, reason = chain_attention_for(cfg)
+        return mode, f"default: {reason}"
     check_chain_attention(chain_attention)
     return chain_attention, "as given"
 
@@ -383,11 +385,12 @@ def acceptance(model: Model, windows: Sequence[np.ndarray], depth: int = DEPTH, 
 
 
 def accept_file(model_path, data_spec: str, depth: int = DEPTH, window: int | None = None,
-                tokens: int | None = None, backend: str = "ref", probe_conventions: bool = False,
+                tokens: int | None = TOKENS, backend: str = "ref", probe_conventions: bool = False,
                 device: str | None = None, trunk_dtype: str = "f32",
                 chain_attention: str | None = None, verify: bool = True,
                 gpu_memory: int | None = None, say=None) -> dict:  # fmt: skip
-    """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure. `window` None:
+    """The `accept MODEL --data SPEC [--depth K]` entry point: load, cut windows, measure; `tokens` the token
+    budget (the CLI's default, TOKENS; None: every token of the data). `window` None:
     WINDOW, or the model's context when shorter; a longer one is refused (it would silently be cut);
     `chain_attention` None: the draft's layout's. On wgpu the trunk's tensors are read from the file as the
     trunk needs them (never the whole model in host memory) and its pass runs by the GPU memory plan (`gpumem`)

@@ -204,14 +204,16 @@ class XorShift64:
 
 def resolve(model_cfg: ModelConfig, cfg: HealConfig) -> tuple[HealConfig, dict]:
     """`cfg` with the defaults that follow the model's layout filled in (`draft_layout`) -> (the config, why:
-    {"chain_attention": ..., "draft_width": ...}, "as given" for a value set by the caller)."""
+    {"chain_attention": ..., "draft_width": ...}, "as given" for a value set by the caller, "default: REASON" for
+    one filled in here). A caller that shows the resolved values first passes its own unresolved `cfg` to `heal`,
+    so the report and the healed file's record say which values were defaulted."""
     why = {"chain_attention": "as given", "draft_width": "as given"}
     if cfg.chain_attention is None:
-        mode, why["chain_attention"] = chain_attention_for(model_cfg)
-        cfg = dataclasses.replace(cfg, chain_attention=mode)
+        mode, reason = chain_attention_for(model_cfg)
+        cfg, why["chain_attention"] = dataclasses.replace(cfg, chain_attention=mode), f"default: {reason}"
     if cfg.draft_width is None:
-        rule, why["draft_width"] = draft_width_for(model_cfg)
-        cfg = dataclasses.replace(cfg, draft_width=rule)
+        rule, reason = draft_width_for(model_cfg)
+        cfg, why["draft_width"] = dataclasses.replace(cfg, draft_width=rule), f"default: {reason}"
     return cfg, why
 
 

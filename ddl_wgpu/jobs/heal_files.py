@@ -14,7 +14,7 @@ from ddl_ref import mtp as ref_mtp
 from ddl_ref.params import MTP_LAYER_PREFIX, param_table
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.files.container import CheckpointError, f32_to_bf16, open_checkpoint, save
-from ddl_wgpu.files.modelfile import FLOAT_DTYPES, Model, load_model
+from ddl_wgpu.files.modelfile import FLOAT_DTYPES, Model, load_model, read_f32
 from ddl_wgpu.jobs.compress import narrow_ffn
 
 PROVENANCE_KEY = "mtp_heal"  # the reference heal tool's key
@@ -84,7 +84,8 @@ def fit_draft(model: Model, init_path, rule: str, verify: bool = True) -> tuple[
     if target > source:
         raise HealError(f"heal: --draft-width model: {whose} draft has {source} SwiGLU channels, fewer than the "
                         f"model's FFN width {target}; a draft cannot be widened (--draft-width init heals it at "
-                        f"{source})", field="draft_width")  # fmt: skip
+                        f"{source}; --init a model whose draft has at least {target} heals at {target})",
+                        field="draft_width")  # fmt: skip
     model = with_width(model, source)
     init = init_weights(init_path, model, verify) if init_path is not None else None
     rec = {"rule": rule, "ffn_hidden": target, "source_ffn_hidden": source}
@@ -112,7 +113,7 @@ def init_weights(init_path, model: Model, verify: bool = True) -> dict:
                     have = "no such tensor" if info is None else f"{info.dtype} {tuple(info.shape)}"
                     raise HealError(f"heal: the init model {init_path}: {n} is {have}, the model needs a "
                                     f"float tensor of shape {shapes[n]}", field="init")  # fmt: skip
-                out[n] = np.asarray(ck.tensor_f32(n), np.float32)
+                out[n] = read_f32(ck, n, init_path)
     except CheckpointError as e:
         raise HealError(f"heal: the init model: {e}") from e
     return out

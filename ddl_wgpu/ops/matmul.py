@@ -481,18 +481,13 @@ def matmul(
     _check_fits("B", b, batch, inner, sb, *((N, K) if trans_b else (K, N)), ldb, _b_itemsize(gpu, b_dtype))
     _check_fits("C", c, batch, inner, sc, M, N, ldc)
     cfg = k_tc.usable_config(gpu)
-    if (
-        cfg is not None
-        and tile is None
-        and split_k in (None, 1)
-        and inner == 1
-        and div_a == div_b == 1
-        and not causal
-    ):
+    if cfg is not None and tile is None and split_k in (None, 1):
         # on the matrix units (ops/matmul_tc.py): operands rounded to f16, sums in f32, K never sliced
         return k_tc.matmul_tc(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, ldc,
                               offsets=(sa.off, sb.off, sc.off), strides=(sa.stride, sb.stride, sc.stride),
-                              batch=batch, b_dtype=b_dtype, cfg=cfg)  # fmt: skip
+                              batch=batch, inner=inner, divs=(div_a, div_b),
+                              istrides=(sa.istride, sb.istride, sc.istride), causal=CAUSAL_MODES[causal],
+                              b_dtype=b_dtype, cfg=cfg)  # fmt: skip
     plain = inner == 1 and causal is None and sa.off == sb.off == sc.off == 0
     parts = auto_split_k(gpu, M, N, K, batch) if split_k is None else int(split_k)
     if parts > 1 and batch == 1 and ldc == N and 2 * parts <= K and plain:

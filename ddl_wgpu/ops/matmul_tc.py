@@ -40,8 +40,14 @@ PARAMS = Uniform(
     ("stride_c", "u32"),
     ("accumulate", "u32", "1: C = alpha*op(A)op(B) + C"),
     ("alpha", "f32"),
+    ("inner", "u32", "two-level batch: z = zo * inner + zi, as matmul.wgsl"),
+    ("div_a", "u32"),
+    ("div_b", "u32"),
+    ("istride_a", "u32"),
+    ("istride_b", "u32"),
+    ("istride_c", "u32"),
+    ("causal", "u32", "0 none; 1 skip tiles above the diagonal; 2 k < tile end; 3 k from tile start"),
     ("pad0", "pad"),
-    ("pad1", "pad"),
 )
 UNIFORMS = (PARAMS,)
 
@@ -274,14 +280,20 @@ def matmul_tc(
     offsets: tuple[int, int, int] = (0, 0, 0),
     strides: tuple[int, int, int] = (0, 0, 0),
     batch: int = 1,
+    inner: int = 1,
+    divs: tuple[int, int] = (1, 1),
+    istrides: tuple[int, int, int] = (0, 0, 0),
+    causal: int = 0,
     a_dtype: str = "f32",
     b_dtype: str = "f32",
     cfg: Config | None = None,
     tile: TcTile | None = None,
 ) -> Call:
-    """C = alpha * op(A) * op(B) (+ C when `accumulate`) on the matrix units, for `batch` products whose
-    operands start at offsets[i] + z * strides[i] (elements). Sizes as `ops.matmul.matmul`. `cfg` defaults to
-    `usable_config(gpu)` (an error when there is none), `tile` to DEFAULT_TILE."""
+    """C = alpha * op(A) * op(B) (+ C when `accumulate`) on the matrix units, for `batch` products; product z
+    = zo * inner + zi reads operand X from offsets[X] + zo * strides[X] + (zi / divs[X]) * istrides[X]
+    (elements; C's div is 1), as `ops.matmul.matmul`'s two-level batch, and `causal` is its mode number
+    (`ops.matmul.CAUSAL_MODES`). `cfg` defaults to `usable_config(gpu)` (an error when there is none), `tile`
+    to DEFAULT_TILE."""
     cfg = cfg or usable_config(gpu)
     if cfg is None:
         raise GpuError(f"matmul_tc: {gpu.name} lists no f16 -> f32 subgroup-matrix configuration in use")
@@ -314,6 +326,13 @@ def matmul_tc(
         stride_c=strides[2],
         accumulate=int(accumulate),
         alpha=alpha,
+        inner=int(inner),
+        div_a=int(divs[0]),
+        div_b=int(divs[1]),
+        istride_a=istrides[0],
+        istride_b=istrides[1],
+        istride_c=istrides[2],
+        causal=int(causal),
         label="matmul_tc",
     )
     return Call(dispatches=[(k, gpu.bind(k, a, b, c, u), g)], uniforms=[u])

@@ -35,6 +35,7 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 import wgpu  # noqa: E402
 
+from ddl_wgpu.runtime import sizes  # noqa: E402
 from ddl_wgpu.runtime.gpu_errors import GpuError, GpuOutOfMemory, KernelError, NoAdapterError  # noqa: E402
 from ddl_wgpu.runtime.readback import Readback  # noqa: E402
 from ddl_wgpu.runtime.shader_files import dump_shader, shader_source, trusted_files  # noqa: E402
@@ -261,8 +262,9 @@ def _uniform(layout) -> Uniform:
 
 
 def _lowered(limit: int, override: int | None, env: str) -> int:
-    """The adapter's `limit`, lowered (never raised) by an explicit override or else the environment."""
-    value = override if override is not None else (os.environ.get(env) or None)
+    """The adapter's `limit`, lowered (never raised) by an explicit override or else the environment (a size,
+    read as every size is: `sizes.from_env`)."""
+    value = override if override is not None else sizes.from_env(env, least=1)
     return int(limit) if value is None else min(int(limit), int(value))
 
 
@@ -331,8 +333,7 @@ class Gpu:
         # collected) and the most at any moment: the engine's own count of its peak (`reset_peak` restarts it)
         self.live = 0
         self.peak = 0
-        cap = os.environ.get(ENV_DEVICE_MEMORY)
-        self.memory_cap = int(cap) if cap else None
+        self.memory_cap = sizes.from_env(ENV_DEVICE_MEMORY, least=1)
         self.max_binding = _lowered(
             self.limits.get("max-storage-buffer-binding-size", 128 << 20), self.max_binding, ENV_MAX_BINDING
         )

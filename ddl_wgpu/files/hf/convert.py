@@ -65,7 +65,7 @@ from ddl_wgpu.files.hf.keep import (
     source_of,
     source_record,
 )
-from ddl_wgpu.files.lazy import Progress, from_array
+from ddl_wgpu.files.lazy import Progress, finite, from_array
 from ddl_wgpu.files.modelfile import LazyModel, Model, check_fits, open_model, param_count, write_model
 from ddl_wgpu.files.safeio import load_json, read_regular, refuse_overwrite_input, resolved, utf8_text
 
@@ -194,7 +194,7 @@ def _read_folder(folder, resident: bool) -> tuple[LazyModel, list[Path]]:
                 f"{folder}: tensor {src[name]} has shape {tuple(shape)}, config.json implies {tuple(expect)}"
             )
         dtypes[name] = weights.dtype(src[name])
-        t = weights.lazy(src[name]).reshape(spec.shape)
+        t = finite(weights.lazy(src[name]), src[name], folder).reshape(spec.shape)  # checked as it converts
         if (
             name == "model.mtp.eh_proj.weight"
             and cfg.mtp.concat == "hidden_first"

@@ -53,6 +53,17 @@ TEXT_DEFAULTS = {"hidden_size": 4096, "intermediate_size": 12288, "num_attention
 FFN = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 WAY_OUT = ("heal the draft at the model's FFN width first (`ddl-wgpu heal MODEL --data SPEC --out OUT --draft-width "
            "model`, docs/heal.md), or write our own names with `export-hf --raw`")  # fmt: skip
+RAW_WAY_OUT = "or write our own names with `export-hf --raw`"
+
+
+def narrow_way_out(width: int, intermediate: int) -> str:
+    """What gets a draft narrower than intermediate_size served: heal cannot widen a draft (`heal --draft-width
+    model` on it alone is refused), but it narrows a wider one, so a draft healed from one at least
+    `intermediate` wide (--init), or our own names."""
+    return (f"a draft cannot be widened ({width} to {intermediate} channels): heal one from a draft at least "
+            f"{intermediate} wide (`ddl-wgpu heal MODEL --data SPEC --out OUT --draft-width model --init WIDE.ddlw`, "
+            f"WIDE a model whose draft has at least {intermediate} SwiGLU channels, such as the model this file was "
+            f"healed from; docs/heal.md), {RAW_WAY_OUT}")  # fmt: skip
 
 
 def text_config(config: Mapping) -> tuple[dict, str]:
@@ -124,6 +135,9 @@ class DraftCheck:
     tensors: int = 0
     problems: list[str] = field(default_factory=list)
     truncated: bool = False  # a SwiGLU tensor wider than intermediate_size: served on its first channels
+    narrower: tuple[int, int] | None = (
+        None  # (the draft's SwiGLU width, intermediate_size) when it is narrower
+    )
 
     @property
     def ok(self) -> bool:
@@ -174,6 +188,8 @@ def check_shapes(config: Mapping, written: Mapping[str, tuple[int, ...]]) -> Dra
             if width > I:
                 out.truncated = True
                 line += f" (intermediate_size {I}: their loaders keep the first {I} of its {width} channels)"
+            elif width < I:
+                out.narrower = (width, I)
         out.problems.append(line)
     return out
 
@@ -193,6 +209,8 @@ def refuse_unservable(config: Mapping, written: Mapping[str, tuple[int, ...]]) -
     check = check_shapes(config, written)
     if not check.ok:
         why = "they would serve a truncated draft" if check.truncated else "they would not load it as written"
+        # a narrower draft: `heal --draft-width model` alone would refuse it (it cannot widen), so name what works
+        way = narrow_way_out(*check.narrower) if check.narrower and not check.truncated else WAY_OUT
         raise HfError(f"export-hf: the draft's mtp.* tensors are not what config.json makes vLLM and SGLang build "
-                      f"({check.summary()}): {why}; {WAY_OUT}")  # fmt: skip
+                      f"({check.summary()}): {why}; {way}")  # fmt: skip
     return check
