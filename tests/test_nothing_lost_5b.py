@@ -110,11 +110,12 @@ def test_every_size_option_and_variable_reads_one_way(kit, monkeypatch, capsys):
     command that takes --gpu-memory, refuses 'banana' in the same one line, on the numpy backend too (generate
     used to exit 0); what one takes ('2.5MiB') every other takes."""
     found = size_options()
-    assert {c for c, o in found if o == "--gpu-memory"} == {"eval", "accept", "heal", "generate"}
+    assert {c for c, o in found if o == "--gpu-memory"} == {"eval", "accept", "heal", "generate", "draft"}
     assert ("heal", "--host-memory") in found
     m, t, out = kit["model"], kit["text"], kit["dir"] / "never.ddlw"
     base = {"eval": ["eval", m, "--data", t], "accept": ["accept", m, "--data", t],
-            "heal": ["heal", m, "--data", t, "--out", out], "generate": ["generate", m, "--prompt", "hi"]}  # fmt: skip
+            "heal": ["heal", m, "--data", t, "--out", out], "generate": ["generate", m, "--prompt", "hi"],
+            "draft": ["draft", m, "--data", t, "--out", out]}  # fmt: skip
     for command, option in found:
         code, _, err = run_in_process(
             monkeypatch, capsys, *base[command], "--backend", "ref", option, "banana"
@@ -439,8 +440,9 @@ LIBRARY = {
 def library_default(command: str, name: str):
     """The default the library uses for option `name` of `command` when the option is absent, or
     inspect.Parameter.empty where the CLI alone holds it (the backend: the CLI's is `auto`, chosen once per
-    command and passed down; a library call's is the numpy reference)."""
-    if name in ("backend", "device"):
+    command and passed down; a library call's is the numpy reference; likewise `--precision auto`, resolved to
+    f32 or mixed once the backend is known, `backend.apply_precision`)."""
+    if name in ("backend", "device", "precision"):
         return inspect.Parameter.empty
     for src in (
         LIBRARY.get(command, ()) if isinstance(LIBRARY.get(command), tuple) else [LIBRARY.get(command)]
