@@ -39,7 +39,7 @@ whether the full-vocabulary argmax lies in the draft vocabulary (SpecForge's row
 exactly the full-logit loss; the GPU engine's teacher gives this form (docs/eagle3.md#the-gpu-engine).
 
 What this file deliberately does not do: the target model (aux rows and logits are inputs), the files (`ddl_wgpu/files/eagle3file.py`, `ddl_wgpu/files/hf/eagle3.py`), training runs
-(`ddl_wgpu/jobs/draft.py`), the GPU engine (docs/eagle3.md#what-is-not-done).
+(`ddl_wgpu/jobs/draft.py`), the GPU engine (`ddl_wgpu/engine/eagle3.py`, docs/eagle3.md#the-gpu-engine).
 
 Shape legend: B batch, T window, H hidden, N q heads, K kv heads, D head_dim, F intermediate, V target vocab,
 Vd draft vocab.
