@@ -32,9 +32,14 @@ Inference (`propose`): step 0 over a prefix of n rows (token x_{p+1}, the last o
 then one row per step at position n − 1 + j, attending to every prefix key and the earlier drafted keys, the
 greedy draft id mapped to a target id through d2t. Row n − 1 of TTT step j computes exactly this.
 
-What this file deliberately does not do: the target model (aux rows and logits are inputs), top-k teacher
-targets, the files (`ddl_wgpu/files/eagle3file.py`, `ddl_wgpu/files/hf/eagle3.py`), training runs
-(`ddl_wgpu/jobs/draft.py`), the GPU engine (docs/eagle3.md#what-is-not-done).
+Top-k teacher targets (`teacher_topk`, `ttt_forward(..., teacher=...)`): the target's full logits (B, T, V)
+do not scale (V = 128K at 8B), so a teacher may give per row only the top k of p~ (the softmax over the Vd
+draft columns, SpecForge's target, then truncated to its k largest and renormalised over them) and a flag
+whether the full-vocabulary argmax lies in the draft vocabulary (SpecForge's row weight). With k = Vd this is
+exactly the full-logit loss; the GPU engine's teacher gives this form (docs/eagle3.md#the-gpu-engine).
+
+What this file deliberately does not do: the target model (aux rows and logits are inputs), the files (`ddl_wgpu/files/eagle3file.py`, `ddl_wgpu/files/hf/eagle3.py`), training runs
+(`ddl_wgpu/jobs/draft.py`), the GPU engine (`ddl_wgpu/engine/eagle3.py`, docs/eagle3.md#the-gpu-engine).
 
 Shape legend: B batch, T window, H hidden, N q heads, K kv heads, D head_dim, F intermediate, V target vocab,
 Vd draft vocab.
@@ -427,13 +432,47 @@ def loss_mask_from_lengths(lengths, T: int) -> np.ndarray:
     return (np.arange(T)[None, :] < np.asarray(lengths).reshape(-1, 1) - 1).astype(np.int64)
 
 
+def teacher_topk(target_logits, d2t, t2d, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The top-k teacher of a target's logits (B, T, V) -> (ids (B, T, k) int64 DRAFT ids, probs (B, T, k)
+    float32, in_draft (B, T) bool).
+
+    probs are p~ = softmax(z[target_ids(d2t)]) over the Vd draft columns (SpecForge's target p), its k largest
+    in descending order (ties to the lower draft id), not renormalised after the cut (`dense_teacher` and the
+    loss renormalise over the k). in_draft: the full-vocabulary argmax (ties to the lower id) is a draft
+    token, i.e. equals the target id of the draft top-1 (how the GPU teacher computes it)."""
+    z = np.asarray(target_logits, np.float64)
+    Vd = np.asarray(d2t).size
+    if not 1 <= int(k) <= Vd:
+        raise ValueError(f"teacher top-k width {k} must be in [1, {Vd}]")
+    zd = z[..., target_ids(d2t)]
+    p = ops.softmax(zd, axis=-1)
+    order = np.argsort(-zd, axis=-1, kind="stable")[..., : int(k)]  # descending, ties to the lower id
+    probs = np.take_along_axis(p, order, axis=-1)
+    in_draft = np.asarray(t2d)[np.argmax(z, axis=-1)]
+    return order.astype(np.int64), probs.astype(np.float32), in_draft.astype(bool)
+
+
+def dense_teacher(ids, probs, Vd: int) -> np.ndarray:
+    """A top-k teacher as dense targets (B, T, Vd): probs renormalised over the k ids (a row without mass
+    stays zero: `ops.topk_kl_forward`'s p~), zero elsewhere."""
+    ids = np.asarray(ids, np.int64)
+    probs = np.asarray(probs, np.float64)
+    psum = probs.sum(axis=-1, keepdims=True)
+    pn = np.divide(probs, psum, out=np.zeros_like(probs), where=psum > 0)
+    out = np.zeros((*ids.shape[:-1], int(Vd)))
+    np.put_along_axis(out, ids, pn, axis=-1)
+    return out
+
+
 def ttt_forward(params: dict, cfg: Eagle3Config, aux, ids, embed, target_logits, d2t, t2d, lengths=None,
-                loss_mask=None, kl: bool = False):  # fmt: skip
+                loss_mask=None, kl: bool = False, teacher=None):  # fmt: skip
     """The unrolled TTT loss of SpecForge (module docstring) -> (loss, cache).
 
     aux (B, T, 3H) the target's aux rows, ids (B, T) the tokens, embed (V, H) the target's embedding (frozen),
     target_logits (B, T, V) the target's logits (row p predicts x_{p+1}), d2t/t2d the draft vocabulary.
     loss_mask (B, T) 0/1, or from `lengths` (`loss_mask_from_lengths`; default: all rows T long).
+    teacher: instead of target_logits (then None), a top-k teacher (ids, probs, in_draft) as `teacher_topk`
+    gives it: the targets are its probs renormalised over the k ids, the row weights its in_draft flags.
     """
     ids = np.asarray(ids)
     B, T = ids.shape
@@ -442,12 +481,18 @@ def ttt_forward(params: dict, cfg: Eagle3Config, aux, ids, embed, target_logits,
     if loss_mask is None:
         loss_mask = loss_mask_from_lengths(np.full(B, T) if lengths is None else lengths, T)
     loss_mask = np.asarray(loss_mask).reshape(B, T)
-    z = np.asarray(target_logits, np.float64)
-    cols = target_ids(d2t)
-    # the targets of row r: the target model at position r + 1, over the draft vocabulary, renormalised
-    z_next = _ahead(z, 1)  # zero logits past the window (SpecForge's right padding)
-    p_tgt = ops.softmax(z_next[..., cols], axis=-1).astype(dtype)  # (B, T, Vd)
-    keep = np.asarray(t2d)[np.argmax(z_next, axis=-1)] & (loss_mask == 1)  # (B, T): step-0 weights
+    if teacher is None:
+        z = np.asarray(target_logits, np.float64)
+        cols = target_ids(d2t)
+        # the targets of row r: the target model at position r + 1, over the draft vocabulary, renormalised
+        z_next = _ahead(z, 1)  # zero logits past the window (SpecForge's right padding)
+        p_tgt = ops.softmax(z_next[..., cols], axis=-1).astype(dtype)  # (B, T, Vd)
+        in_next = np.asarray(t2d)[np.argmax(z_next, axis=-1)]
+    else:  # the same at the teacher's top-k (rows past the window: no mass, weight 0)
+        t_ids, t_probs, in_draft = teacher
+        p_tgt = _ahead(dense_teacher(t_ids, t_probs, cfg.draft_vocab), 1).astype(dtype)
+        in_next = _ahead(np.asarray(in_draft, bool), 1, fill=False)
+    keep = in_next & (loss_mask == 1)  # (B, T): step-0 weights
     aux = np.asarray(aux, dtype)
     hid = ops.linear_forward(aux, params[FC])  # (B, T, H)
     mask = ttt_mask(cfg.ttt, T)

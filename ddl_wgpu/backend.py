@@ -47,7 +47,7 @@ import numpy as np
 
 from ddl_ref.config import ModelConfig
 from ddl_ref.params import init_params
-from ddl_wgpu.engine.step import AdamW, StepResult
+from ddl_wgpu.engine.step import AdamW, Eagle3Batch, StepResult
 
 if TYPE_CHECKING:
     from ddl_wgpu.files.modelfile import Model
@@ -483,23 +483,28 @@ def make_engine(backend: str, model: Model, depth: int = 0, device: str | None =
 
 
 # ----------------------------------------------------------------------------------------------------------
-# EAGLE-3 drafts (`jobs/draft.py`, accept and generate with `--draft`): the numpy engine only, for now
+# EAGLE-3 drafts (`jobs/draft.py`, accept and generate with `--draft`): training and acceptance on both
+# engines (docs/eagle3.md#the-gpu-engine); generate's speculating engine on numpy only, for now
+
+EAGLE3_GPU_TOPK = 64  # the GPU teacher's default top-k width over the draft vocabulary (`ops.topk_kl.KMAX`)
 
 
 class Eagle3Target(Protocol):
-    """The frozen target of an EAGLE-3 draft: ids (B, T) -> (aux rows (B, T, 3C), logits (B, T, V))."""
+    """The frozen target of an EAGLE-3 draft: ids (B, T) -> `step.Eagle3Batch` (the aux rows where the backend
+    keeps them, the full-vocabulary argmax, and the teacher: full logits or a top-k over the draft vocabulary)."""
 
-    def __call__(self, ids) -> tuple[np.ndarray, np.ndarray]: ...
+    def __call__(self, ids) -> Eagle3Batch: ...
 
 
 class Eagle3Trainee(Protocol):
-    """An EAGLE-3 draft trained alone (`refnet.RefEagle3Draft`)."""
+    """An EAGLE-3 draft trained alone (`refnet.RefEagle3Draft`, `engine.eagle3.WgpuEagle3Draft`), fed by its
+    target's `Eagle3Batch`."""
 
-    def step(self, aux, ids, target_logits, loss_mask, lr: float, step: int) -> tuple[float, float, bool]: ...
+    def step(self, batch: Eagle3Batch, ids, loss_mask, lr: float, step: int) -> tuple[float, float, bool]: ...
 
-    def losses(self, aux, ids, target_logits, loss_mask) -> tuple[float, list[float]]: ...
+    def losses(self, batch: Eagle3Batch, ids, loss_mask) -> tuple[float, list[float]]: ...
 
-    def greedy_chain(self, aux, ids, depth: int) -> np.ndarray: ...  # (B, depth, T) target ids
+    def greedy_chain(self, batch: Eagle3Batch, ids, depth: int) -> np.ndarray: ...  # (B, depth, T) target ids
 
     def snapshot(self): ...
 
@@ -512,26 +517,67 @@ class Eagle3Trainee(Protocol):
     def load_moments(self, m: dict, v: dict) -> None: ...
 
 
-def _eagle3_backend(backend: str, device: str | None) -> None:
-    if _resolve(backend, device) != "ref":
-        raise BackendError("EAGLE-3 drafts have no GPU engine yet: run with --backend ref (the numpy engine)")
+def eagle3_teacher_k(backend: str, requested: int | None, draft_vocab: int, device: str | None = None) -> int:
+    """The teacher's top-k width: `requested`, else the backend's default (numpy 0: the full logits, SpecForge's
+    loss exactly; the GPU `EAGLE3_GPU_TOPK`), at most the draft vocabulary. The GPU teacher gives 1..64."""
+    name = choose_backend(backend, device).name
+    k = (0 if name == "ref" else EAGLE3_GPU_TOPK) if requested is None else int(requested)
+    k = min(k, int(draft_vocab))
+    if name != "ref" and not 1 <= k <= EAGLE3_GPU_TOPK:
+        raise BackendError(f"the GPU teacher gives a top-k of 1..{EAGLE3_GPU_TOPK} over the draft vocabulary, "
+                           f"got --teacher-k {requested}")  # fmt: skip
+    if k < 0:
+        raise BackendError(f"--teacher-k must be >= 0 (0: the full logits), got {requested}")
+    return k
 
 
-def make_eagle3_target(backend: str, model: Model, aux_layers, device: str | None = None) -> Eagle3Target:
-    """The target's aux rows at the inputs of `aux_layers` and its logits, per batch of windows."""
-    _eagle3_backend(backend, device)
-    from ddl_wgpu.engine.refnet import aux_logits
+def make_eagle3_target(backend: str, model: Model, aux_layers, device: str | None = None, d2t=None, t2d=None,
+                       k: int = 0, batch: int = 4, trunk_dtype: str = "f32",
+                       streamed: bool = False) -> Eagle3Target:  # fmt: skip
+    """The target's aux rows at the inputs of `aux_layers` and its teacher, per batch of windows: the full
+    logits (k = 0, numpy only) or the top-k over the draft vocabulary `d2t` (k >= 1). On wgpu the frozen trunk
+    (`stream.Trunk`, resident or `streamed`, its big matrices in `trunk_dtype`) over blocks of `batch` windows."""
+    backend = _resolve(backend, device)
+    if backend == "ref":
+        from ddl_wgpu.engine.refnet import RefEagle3Target
 
-    return lambda ids: aux_logits(model.params, model.cfg, ids, aux_layers)
+        return RefEagle3Target(model, aux_layers, d2t, t2d, k)
+    check_trunk_dtype(backend, trunk_dtype)
+    from ddl_wgpu.engine.eagle3 import WgpuEagle3Target
+    from ddl_wgpu.runtime.gpu import GpuError, GpuOutOfMemory
+
+    try:
+        return WgpuEagle3Target(open_gpu(device), model.params, model.cfg, aux_layers, d2t, k, batch, trunk_dtype,
+                                streamed)  # fmt: skip
+    except GpuOutOfMemory:
+        raise
+    except GpuError as e:
+        raise BackendError(f"EAGLE-3 target on the GPU: {e}") from e
 
 
 def make_eagle3_draft(backend: str, params: dict, cfg, embed, d2t, t2d, device: str | None = None,
-                      **optim) -> Eagle3Trainee:  # fmt: skip
-    """An EAGLE-3 draft to train or measure, from `params` (float32), the target's `embed` shared."""
-    _eagle3_backend(backend, device)
-    from ddl_wgpu.engine.refnet import RefEagle3Draft
+                      target=None, batch: int = 4, k: int = 0, **optim) -> Eagle3Trainee:  # fmt: skip
+    """An EAGLE-3 draft to train or measure, from `params` (float32), the target's `embed` shared (on wgpu read
+    where `target`, a `make_eagle3_target` of the same backend, keeps it; `batch` windows, top-k width k)."""
+    backend = _resolve(backend, device)
+    if backend == "ref":
+        from ddl_wgpu.engine.refnet import RefEagle3Draft
 
-    return RefEagle3Draft(params, cfg, embed, d2t, t2d, **optim)
+        return RefEagle3Draft(params, cfg, embed, d2t, t2d, **optim)
+    from ddl_wgpu.engine.eagle3 import WgpuEagle3Draft
+    from ddl_wgpu.runtime.gpu import GpuError, GpuOutOfMemory
+
+    try:
+        return WgpuEagle3Draft(target, params, cfg, d2t, t2d, batch, k, **optim)
+    except GpuOutOfMemory:
+        raise
+    except GpuError as e:
+        raise BackendError(f"EAGLE-3 draft on the GPU: {e}") from e
+
+
+def _eagle3_backend(backend: str, device: str | None) -> None:
+    if _resolve(backend, device) != "ref":
+        raise BackendError("generate with an EAGLE-3 draft has no GPU engine yet: run with --backend ref")
 
 
 def make_eagle3_engine(backend: str, model: Model, draft, depth: int, device: str | None = None,

@@ -398,5 +398,5 @@ def test_regenerate_trains_on_the_targets_greedy_continuations(setup):
         ids = run.ids[w, :n]
         assert np.array_equal(ids[:8], plain.ids[w, :8])  # the data's prompt kept
         assert not np.array_equal(ids, plain.ids[w, :n])  # the rest is not the data
-        logits = dj.make_eagle3_target("ref", m, (1, 2, 3))(ids[None])[1][0]
+        logits = dj.make_eagle3_target("ref", m, (1, 2, 3))(ids[None]).logits[0]
         assert np.array_equal(ids[8:], np.argmax(logits, axis=-1)[7 : n - 1])  # each the target's argmax

@@ -468,3 +468,69 @@ def test_propose_consistency_needs_the_position_shift(monkeypatch):
     monkeypatch.setattr(e3, "ttt_positions", lambda i, T: np.arange(T))
     _, cache = e3.ttt_forward(p, cfg, aux, ids, embed, z, d2t, t2d)
     assert np.abs(cache["steps"][1]["logits"][0, 3] - logits[1]).max() > 1e-6
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the top-k teacher (the GPU teacher's form)
+
+
+def test_teacher_topk_is_the_draft_softmax_truncated():
+    cfg = tiny()
+    _aux, _ids, _embed, z, d2t, t2d, _lengths = ttt_data(cfg)
+    z[1, 0, e3.target_ids(d2t)[:2]] = 7.0  # a tie at the top: the lower draft id first
+    ids, probs, in_draft = e3.teacher_topk(z, d2t, t2d, 4)
+    cols = e3.target_ids(d2t)
+    for b in range(z.shape[0]):
+        for r in range(z.shape[1]):
+            zd = z[b, r, cols]
+            p = np.exp(zd - zd.max()) / np.exp(zd - zd.max()).sum()
+            order = sorted(range(zd.size), key=lambda d: (-zd[d], d))[:4]
+            assert list(ids[b, r]) == order
+            np.testing.assert_allclose(probs[b, r], p[order], rtol=1e-6)
+            top = int(np.argmax(z[b, r]))
+            assert in_draft[b, r] == bool(t2d[top]) == (int(cols[ids[b, r, 0]]) == top)
+    assert ids[1, 0, 0] == 0 and ids[1, 0, 1] == 1
+    assert not in_draft[0, 2] and in_draft[0, 1]  # ttt_data's rows outside and inside the draft vocabulary
+    with pytest.raises(ValueError):
+        e3.teacher_topk(z, d2t, t2d, cfg.draft_vocab + 1)
+
+
+@pytest.mark.parametrize("kl", [False, True])
+def test_topk_teacher_with_k_vd_is_the_full_logit_loss(kl):
+    cfg = tiny()
+    p = random_params(cfg, seed=12)
+    aux, ids, embed, z, d2t, t2d, lengths = ttt_data(cfg)
+    full, c_full = e3.ttt_forward(p, cfg, aux, ids, embed, z, d2t, t2d, lengths, kl=kl)
+    teacher = e3.teacher_topk(z, d2t, t2d, cfg.draft_vocab)
+    top, c_top = e3.ttt_forward(p, cfg, aux, ids, embed, None, d2t, t2d, lengths, kl=kl, teacher=teacher)
+    # the probs went through float32: equal to that rounding
+    assert top == pytest.approx(full, rel=1e-6)
+    g_full, g_top = e3.ttt_backward(p, cfg, c_full), e3.ttt_backward(p, cfg, c_top)
+    for name in g_full:
+        np.testing.assert_allclose(g_top[name], g_full[name], rtol=1e-5, atol=1e-9, err_msg=name)
+    # a truncated teacher is another loss
+    cut, _ = e3.ttt_forward(p, cfg, aux, ids, embed, None, d2t, t2d, lengths, kl=kl,
+                            teacher=e3.teacher_topk(z, d2t, t2d, 3))  # fmt: skip
+    assert abs(cut - full) > 1e-3
+
+
+@pytest.mark.parametrize("nbr", [False, True])
+def test_topk_teacher_loss_grad_fd(nbr):
+    """The unrolled loss on a top-k teacher (k = 3 of Vd = 12) against every draft tensor."""
+    cfg = tiny(norm_before_residual=nbr)
+    p = random_params(cfg, seed=13)
+    aux, ids, embed, z, d2t, t2d, lengths = ttt_data(cfg)
+    t_ids, t_probs, in_draft = e3.teacher_topk(z, d2t, t2d, 3)
+    teacher = (t_ids, t_probs.astype(np.float64), in_draft)
+
+    def f():
+        return e3.ttt_forward(p, cfg, aux, ids, embed, None, d2t, t2d, lengths, teacher=teacher)[0]
+
+    loss, cache = e3.ttt_forward(p, cfg, aux, ids, embed, None, d2t, t2d, lengths, teacher=teacher)
+    grads = e3.ttt_backward(p, cfg, cache)
+    assert loss > 0
+    for name, g in grads.items():
+        assert np.abs(g).max() > 0, name
+        assert_fd_grad(name, g, f, p[name])
+    # the row whose target argmax lies outside the draft vocabulary weighs 0 (step 0, row 1 reads z[0, 2])
+    assert cache["steps"][0]["w"][0, 1] == 0 and cache["steps"][0]["w"][0, 0] == 1

@@ -641,6 +641,9 @@ def draft(
     ),
     prompt_len: int = opt(DRAFT.prompt_len, "--regenerate: prompt tokens kept from each window.", DRAFT_HELP),
     eval_windows: int = opt(DRAFT.eval_windows, "Held-out windows each evaluation reads.", DRAFT_HELP),
+    teacher_k: int = opt(
+        None, "Teacher top-k over the draft vocabulary (default: numpy 0 = full logits, GPU 64).", DRAFT_HELP
+    ),
     stop_after: int = typer.Option(0, "--stop-after", help="Stop after N steps, saving the run to resume."),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
@@ -653,17 +656,18 @@ def draft(
     for flag, value, lo in (("draft-vocab", draft_vocab, 1), ("ttt", ttt, 1), ("tokens", tokens, 1),
                             ("seq-len", seq_len, 2), ("batch-size", batch_size, 1), ("eval-interval", eval_interval, 1),
                             ("seed", seed, 0), ("warmup-steps", warmup_steps, 0), ("prompt-len", prompt_len, 1),
-                            ("stop-after", stop_after, 0), ("eval-windows", eval_windows, 1)):  # fmt: skip
+                            ("stop-after", stop_after, 0), ("eval-windows", eval_windows, 1),
+                            ("teacher-k", teacher_k, 0)):  # fmt: skip
         in_range(flag, value, lo)
     in_range("epochs", epochs, 0.0, 1e6)
     refuse_overwrite_input(out, [target], draft_lib.DraftError)
     output_file(out, force)
-    gpumem.budget(gpu_memory)  # accepted and checked; the numpy engine has no GPU budget to keep
+    budget = gpumem.budget(gpu_memory)  # on the GPU a budget streams the target's layers (two slots)
     cfg = draft_lib.DraftConfig(kind=kind, draft_vocab=draft_vocab, aux_layers=_aux_layers(aux_layers), ttt=ttt,
                                 tokens=tokens, seq_len=seq_len, batch_size=batch_size, epochs=epochs,
                                 learning_rate=learning_rate, warmup_steps=warmup_steps, eval_interval=eval_interval,
                                 seed=seed, init=init, regenerate=regenerate, prompt_len=prompt_len,
-                                eval_windows=eval_windows)  # fmt: skip
+                                eval_windows=eval_windows, teacher_k=teacher_k)  # fmt: skip
     choice = choose_backend(backend, device)
     typer.echo("resolved configuration:", err=as_json)
     typer.echo("  draft:    " + fields(cfg.to_dict()), err=as_json)
@@ -671,7 +675,8 @@ def draft(
     with writes(out):
         rep = _draft_run(lambda: draft_lib.train_draft(target, data, out, cfg, backend=choice.name,
                                                        progress=DraftConsole(as_json), device=device,
-                                                       verify=not no_verify, stop_after=stop_after or None), out)  # fmt: skip
+                                                       verify=not no_verify, stop_after=stop_after or None,
+                                                       streamed=budget is not None), out)  # fmt: skip
         _draft_report(rep, as_json)
 
 

@@ -76,6 +76,7 @@ class Net:
         work_class: type | None = None,
         names=None,
         loader=None,
+        table=None,
     ):
         if dtype not in DTYPES:
             raise GpuError(f"parameter dtype {dtype!r} is not one of {list(DTYPES)}")
@@ -93,7 +94,10 @@ class Net:
         self.mtp_weight = float(mtp_weight)  # weight of the draft's loss in joint training (cfg.mtp set)
         # `names` (a predicate): the part of the table this net holds (a streamed trunk's resident embedding,
         # final norm and head, `stream.TrunkWeights`); every tensor by default
-        self.table = [t for t in param_table(cfg) if names is None or names(t.name)]
+        # `table` (ParamSpecs): a parameter table of its own instead of cfg's (the EAGLE-3 draft's,
+        # `eagle3.DraftParams`: not a model's table, but the same arenas, gradient norm and AdamW)
+        full = param_table(cfg) if table is None else list(table)
+        self.table = [t for t in full if names is None or names(t.name)]
         self.trainable = self._trainable_names(trainable, inference)
         self.shared = dict(shared or {})
         for name, owner in self.shared.items():

@@ -33,7 +33,7 @@ from ddl_ref.config import ModelConfig
 from ddl_ref.optim import adamw_step, clip_multiplier, clip_multipliers, global_grad_norm
 from ddl_ref.params import init_params, param_table, trainable_names
 from ddl_wgpu.engine.layout import EMBED
-from ddl_wgpu.engine.step import DRAFT_ADAM, DRAFT_GRAD_CLIP, AdamW, StepResult
+from ddl_wgpu.engine.step import DRAFT_ADAM, DRAFT_GRAD_CLIP, AdamW, Eagle3Batch, StepResult
 
 if TYPE_CHECKING:
     from ddl_wgpu.files.modelfile import Model
@@ -373,6 +373,26 @@ def aux_logits(params: dict, cfg: ModelConfig, ids, aux_layers) -> tuple[np.ndar
     return np.concatenate(cache["taps"], axis=-1).astype(np.float32), np.asarray(logits, np.float32)
 
 
+class RefEagle3Target:
+    """The numpy target of an EAGLE-3 draft (`backend.Eagle3Target`): ids (B, T) -> `Eagle3Batch` of its aux rows
+    and full argmax, and its teacher: the full logits (k = 0) or the top-k over the draft vocabulary
+    (`ddl_ref.eagle3.teacher_topk`, the GPU teacher's form)."""
+
+    def __init__(self, model: Model, aux_layers, d2t=None, t2d=None, k: int = 0):
+        self.model, self.aux_layers, self.k = model, tuple(aux_layers), int(k)
+        self.d2t, self.t2d = d2t, t2d
+        if self.k and (d2t is None or t2d is None):
+            raise ValueError("a top-k teacher needs the draft vocabulary (d2t, t2d)")
+
+    def __call__(self, ids) -> Eagle3Batch:
+        aux, logits = aux_logits(self.model.params, self.model.cfg, ids, self.aux_layers)
+        greedy = np.argmax(logits, axis=-1)
+        if not self.k:
+            return Eagle3Batch(aux, greedy, logits)
+        t_ids, t_probs, in_draft = ref_eagle3.teacher_topk(logits, self.d2t, self.t2d, self.k)
+        return Eagle3Batch(aux, greedy, None, t_ids, t_probs, in_draft)
+
+
 class RefEagle3Draft:
     """An EAGLE-3 draft in numpy float32 (`backend.Eagle3Draft`), trained alone by SpecForge's unrolled TTT
     loss (`ddl_ref.eagle3.ttt_forward`/`ttt_backward`) with AdamW (`ddl_ref.optim.adamw_step`; the gradient
@@ -387,11 +407,14 @@ class RefEagle3Draft:
         self.adam, self.weight_decay, self.clip = adam, float(weight_decay), float(clip)
         self.state: dict = {"m": {}, "v": {}}
 
-    def step(self, aux, ids, target_logits, loss_mask, lr: float, step: int) -> tuple[float, float, bool]:
+    def _forward(self, batch: Eagle3Batch, ids, loss_mask):
+        return ref_eagle3.ttt_forward(self.params, self.cfg, batch.aux, ids, self.embed, batch.logits, self.d2t,
+                                      self.t2d, loss_mask=loss_mask, teacher=batch.teacher)  # fmt: skip
+
+    def step(self, batch: Eagle3Batch, ids, loss_mask, lr: float, step: int) -> tuple[float, float, bool]:
         """Forward, backward and (when finite) one AdamW update -> (loss, grad_norm, finite)."""
         with np.errstate(all="ignore"):
-            loss, cache = ref_eagle3.ttt_forward(self.params, self.cfg, aux, ids, self.embed, target_logits,
-                                                 self.d2t, self.t2d, loss_mask=loss_mask)  # fmt: skip
+            loss, cache = self._forward(batch, ids, loss_mask)
             grads = ref_eagle3.ttt_backward(self.params, self.cfg, cache)
             norm = global_grad_norm(grads)
         finite = math.isfinite(loss) and math.isfinite(norm)
@@ -400,15 +423,14 @@ class RefEagle3Draft:
                        grad_multiplier=clip_multiplier(norm, self.clip))  # fmt: skip
         return float(loss), float(norm), bool(finite)
 
-    def losses(self, aux, ids, target_logits, loss_mask) -> tuple[float, list[float]]:
+    def losses(self, batch: Eagle3Batch, ids, loss_mask) -> tuple[float, list[float]]:
         """The TTT loss and each unroll step's loss (unweighted), without a gradient."""
-        loss, cache = ref_eagle3.ttt_forward(self.params, self.cfg, aux, ids, self.embed, target_logits,
-                                             self.d2t, self.t2d, loss_mask=loss_mask)  # fmt: skip
+        loss, cache = self._forward(batch, ids, loss_mask)
         return float(loss), [float(v) for v in cache["step_losses"]]
 
-    def greedy_chain(self, aux, ids, depth: int) -> np.ndarray:
+    def greedy_chain(self, batch: Eagle3Batch, ids, depth: int) -> np.ndarray:
         """-> (B, depth, T) the draft's greedy target ids at every anchor (`ddl_ref.eagle3.ttt_greedy`)."""
-        return ref_eagle3.ttt_greedy(self.params, self.cfg, aux, ids, self.embed, self.d2t, depth)
+        return ref_eagle3.ttt_greedy(self.params, self.cfg, batch.aux, ids, self.embed, self.d2t, depth)
 
     def snapshot(self):
         return {n: p.copy() for n, p in self.params.items()}

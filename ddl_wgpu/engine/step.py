@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class AdamW:
@@ -127,3 +129,27 @@ class LossScaler:
     @classmethod
     def from_state(cls, state: dict, interval: int) -> LossScaler:
         return cls(state["scale"], interval, state["good_steps"], state["skipped_steps"])
+
+
+@dataclass
+class Eagle3Batch:
+    """What an EAGLE-3 target gives its draft for one batch of b windows of T tokens (`backend.Eagle3Target`).
+
+    aux: the residual stream at the inputs of the aux layers, where the backend keeps it: a host array
+    (b, T, 3C) (numpy) or the GPU engine's buffers (`eagle3.GpuAux`, valid until the target's next call).
+    greedy (b, T): the target's full-vocabulary argmax (accept's reference). The teacher is either the full
+    logits (b, T, V) (`logits`, the numpy backend with teacher_k 0) or a top-k over the draft vocabulary
+    (`top_ids` (b, T, k) draft ids, `top_probs` (b, T, k) the draft-vocabulary softmax, `in_draft` (b, T) the
+    full argmax is a draft token; `ddl_ref.eagle3.teacher_topk`)."""
+
+    aux: object
+    greedy: np.ndarray
+    logits: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_probs: np.ndarray | None = None
+    in_draft: np.ndarray | None = None
+
+    @property
+    def teacher(self):
+        """(ids, probs, in_draft) of a top-k teacher, None for full logits."""
+        return None if self.top_ids is None else (self.top_ids, self.top_probs, self.in_draft)

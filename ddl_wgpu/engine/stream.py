@@ -473,20 +473,25 @@ class Trunk:
             self._works[(batch, seq)] = TrunkPass(self, batch, seq)
         return self._works[(batch, seq)]
 
-    def record_forward(self, work: TrunkPass, rec):
+    def record_forward(self, work: TrunkPass, rec, tap=None):
         """`work`'s forward into `rec` -> the recorder to record its tail into. Resident: recorded whole.
         Streamed: layer i's weights brought into its slot, its Call recorded, submitted, layer i + 1 staged
-        (after the last layer, the first: the next block's), and so on."""
-        if not self.streamed:
+        (after the last layer, the first: the next block's), and so on. `tap(i, rec)`, when given, records
+        before layer i's Call (the EAGLE-3 teacher copies the residual stream at a layer's input there)."""
+        if not self.streamed and tap is None:
             work._fwd.record(rec)
             return rec
         L = len(work.layer_calls)
         work.embed_call.record(rec)
         for i, call in enumerate(work.layer_calls):
-            self.stream.bring(i, rec, then=(i + 1) % L)
+            if self.streamed:
+                self.stream.bring(i, rec, then=(i + 1) % L)
+            if tap is not None:
+                tap(i, rec)
             call.record(rec)
-            self.stream.submitted(self.gpu.submit_indexed(rec.finish()))
-            rec = self.gpu.recorder()
+            if self.streamed:
+                self.stream.submitted(self.gpu.submit_indexed(rec.finish()))
+                rec = self.gpu.recorder()
         work.tail_call.record(rec)
         return rec
 

@@ -43,7 +43,14 @@ import numpy as np
 from ddl_ref import eagle3 as e3
 from ddl_ref.blocks import head_name
 from ddl_ref.config import ConfigError
-from ddl_wgpu.backend import choose_backend, make_eagle3_draft, make_eagle3_target, make_engine
+from ddl_wgpu.backend import (
+    BackendError,
+    choose_backend,
+    eagle3_teacher_k,
+    make_eagle3_draft,
+    make_eagle3_target,
+    make_engine,
+)
 from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.files.container import CheckpointError, open_checkpoint, save
@@ -96,6 +103,9 @@ class DraftConfig:
     regenerate: bool = False  # train on the target's own greedy continuations
     prompt_len: int = 32  # regenerate: the prompt taken from each window; the rest is decoded
     eval_windows: int = 64  # held-out windows each evaluation reads (the first of them; all when fewer)
+    # the teacher's top-k over the draft vocabulary (None: the backend's default, numpy 0 = the full logits,
+    # the GPU 64; `backend.eagle3_teacher_k`); the same k gives the same loss on both backends
+    teacher_k: int | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -111,6 +121,10 @@ class DraftConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise DraftError(f"draft: {name} must be a positive integer, got {v!r}", field=name)
+        if self.teacher_k is not None and (isinstance(self.teacher_k, bool) or not isinstance(self.teacher_k, int)
+                                           or self.teacher_k < 0):  # fmt: skip
+            raise DraftError(f"draft: teacher_k must be a non-negative integer, got {self.teacher_k!r}",
+                             field="teacher_k")  # fmt: skip
         if self.seed < 0 or (self.warmup_steps is not None and self.warmup_steps < 0):
             raise DraftError("draft: seed and warmup_steps must be non-negative", field="seed")
         for name in ("epochs", "learning_rate"):
@@ -240,7 +254,7 @@ class _Run:
     """Everything a run (or its resumption) needs, rebuilt the same way from the target, data and settings."""
 
     def __init__(self, target_path, data_spec: str, cfg: DraftConfig, backend: str, events: Events,
-                 verify: bool = True, device=None):  # fmt: skip
+                 verify: bool = True, device=None, streamed: bool = False):  # fmt: skip
         self.cfg, self.events, self.backend, self.device = cfg, events, backend, device
         self.data_spec = str(data_spec)
         self.model, self.identity = _target(target_path, verify)
@@ -265,7 +279,12 @@ class _Run:
         self.counts = e3.token_counts(self.ids[self.train], mask, self.V)
         self.d2t, self.t2d = e3.draft_vocab(self.counts, self.Vd)
         self.ecfg = eagle3_config(self.model, cfg, self.Vd)
-        self.target = make_eagle3_target(backend, self.model, self.ecfg.aux_layers, device)
+        try:
+            self.k = eagle3_teacher_k(backend, cfg.teacher_k, self.Vd, device)
+        except BackendError as e:
+            raise DraftError(f"draft: {e}", field="teacher_k") from None
+        self.target = make_eagle3_target(backend, self.model, self.ecfg.aux_layers, device, self.d2t, self.t2d,
+                                         self.k, cfg.batch_size, streamed=streamed)  # fmt: skip
         self.embed = self.model.params["model.embed_tokens.weight"]
 
     def fresh_params(self) -> dict:
@@ -277,7 +296,8 @@ class _Run:
 
     def drafter(self, params: dict):
         return make_eagle3_draft(self.backend, params, self.ecfg, self.embed, self.d2t, self.t2d, self.device,
-                                 adam=ADAM, clip=GRAD_CLIP)  # fmt: skip
+                                 target=self.target, batch=self.cfg.batch_size, k=self.k, adam=ADAM,
+                                 clip=GRAD_CLIP)  # fmt: skip
 
     def batch(self, step: int) -> np.ndarray:
         """The windows of step `step` (1-based): batch (step−1) mod n of its epoch's permutation."""
@@ -288,15 +308,14 @@ class _Run:
 
     def inputs(self, sel):
         ids, lengths = self.ids[sel], self.lengths[sel]
-        aux, logits = self.target(ids)
-        return ids, lengths, aux, logits, e3.loss_mask_from_lengths(lengths, self.T)
+        return ids, lengths, self.target(ids), e3.loss_mask_from_lengths(lengths, self.T)
 
     def heldout(self, draft) -> dict:
         b = self.cfg.batch_size
         tot, steps, n = 0.0, np.zeros(self.ecfg.ttt), 0
         for s in range(0, len(self.val), b):
-            ids, _lengths, aux, logits, mask = self.inputs(self.val[s : s + b])
-            loss, per = draft.losses(aux, ids, logits, mask)
+            ids, _lengths, batch, mask = self.inputs(self.val[s : s + b])
+            loss, per = draft.losses(batch, ids, mask)
             tot += loss * len(ids)
             steps += np.asarray(per) * len(ids)
             n += len(ids)
@@ -306,9 +325,9 @@ class _Run:
         tally = accept_mod.Tally(depth, "eagle3")
         b = self.cfg.batch_size
         for s in range(0, len(self.val), b):
-            ids, lengths, aux, logits, _ = self.inputs(self.val[s : s + b])
-            preds = draft.greedy_chain(aux, ids, depth)
-            greedy = np.argmax(logits, axis=-1)
+            ids, lengths, batch, _ = self.inputs(self.val[s : s + b])
+            preds = draft.greedy_chain(batch, ids, depth)
+            greedy = batch.greedy
             for i in range(len(ids)):
                 tally.add(preds[i], greedy[i], ids[i], int(lengths[i]))
         return tally.result()
@@ -320,13 +339,14 @@ class _Run:
 
 def train_draft(target_path, data_spec: str, out_path, cfg: DraftConfig | None = None, backend: str = "ref",
                 progress: Callable[[dict], None] | None = None, device=None, verify: bool = True,
-                stop_after: int | None = None) -> dict:  # fmt: skip
+                stop_after: int | None = None, streamed: bool = False) -> dict:  # fmt: skip
     """Train an EAGLE-3 draft for the target at `target_path` on `data_spec`; write OUT. -> the report
-    (provenance.draft plus `out`). DraftInterrupted after writing the run file when stopped."""
+    (provenance.draft plus `out`). DraftInterrupted after writing the run file when stopped. `streamed`: the
+    GPU target streams its layers through two slots (`stream.Trunk`) instead of holding them all."""
     cfg = cfg if cfg is not None else DraftConfig()
     backend = choose_backend(backend, device).name
     events = Events(progress, "draft")
-    run = _Run(target_path, data_spec, cfg, backend, events, verify, device)
+    run = _Run(target_path, data_spec, cfg, backend, events, verify, device, streamed)
     _announce(run, events)
     draft = run.drafter(run.fresh_params())
     return _loop(run, draft, 0, [], Path(out_path), events, stop_after)
@@ -361,9 +381,9 @@ def _loop(run: _Run, draft, done: int, history: list, out: Path, events: Events,
     try:
         while done < run.total:
             step = done + 1
-            ids, _lengths, aux, logits, mask = run.inputs(run.batch(step))
+            ids, _lengths, batch, mask = run.inputs(run.batch(step))
             lr = lr_at(step, run.total, run.warmup, cfg.learning_rate)
-            loss, gnorm, finite = draft.step(aux, ids, logits, mask, lr, step)
+            loss, gnorm, finite = draft.step(batch, ids, mask, lr, step)
             if not finite:
                 raise DraftError(f"draft: non-finite loss or gradient at step {step} (loss {loss}, gradient norm "
                                  f"{gnorm}): lower --learning-rate")  # fmt: skip
@@ -503,16 +523,20 @@ def accept_file(target_path, draft_path, data_spec: str, depth: int = accept_mod
     wins = [w for w in wins if w.size > depth]
     if not wins:
         raise accept_mod.AcceptError(f"no window longer than depth {depth}: nothing to measure")
-    target = make_eagle3_target(backend, model, draft.cfg.aux_layers, device)
+    # the teacher is not read (acceptance compares with the target's argmax): the smallest top-k on the GPU
+    k = 0 if choose_backend(backend, device).name == "ref" else 1
+    target = make_eagle3_target(backend, model, draft.cfg.aux_layers, device, draft.d2t, draft.t2d, k,
+                                accept_mod.BATCH)  # fmt: skip
     embed = model.params["model.embed_tokens.weight"]
-    drafter = make_eagle3_draft(backend, draft.params, draft.cfg, embed, draft.d2t, draft.t2d, device)
+    drafter = make_eagle3_draft(backend, draft.params, draft.cfg, embed, draft.d2t, draft.t2d, device, target=target,
+                                batch=accept_mod.BATCH, k=max(k, 1))  # fmt: skip
     T = max(w.size for w in wins)
     tally = accept_mod.Tally(depth, "eagle3")
     for s in range(0, len(wins), accept_mod.BATCH):
         ids, lengths = accept_mod.pad_batch(wins[s : s + accept_mod.BATCH], T)
-        aux, logits = target(ids)
-        preds = drafter.greedy_chain(aux, ids, depth)
-        greedy = np.argmax(logits, axis=-1)
+        batch = target(ids)
+        preds = drafter.greedy_chain(batch, ids, depth)
+        greedy = batch.greedy
         for b in range(len(ids)):
             tally.add(preds[b], greedy[b], ids[b], int(lengths[b]))
     out = tally.result()
