@@ -89,7 +89,7 @@ class Runner:
         if key not in self.cache:
             src = shader_source(tc.SHADER, {**tc.templates(tile, cfg, self.sg, ta, tb, adt, bdt),
                                             "struct TcParams": tc.PARAMS.wgsl()})  # fmt: skip
-            if os.environ.get("TC_ENABLE_SUBGROUPS"):
+            if os.environ.get("TC_ENABLE_SUBGROUPS", "1") == "1":  # Tint wants it before a subgroup builtin
                 src = src.replace("enable f16;", "enable f16;\nenable subgroups;", 1)
             mod = self.dev.create_shader_module(code=src)
             self.cache[key] = self.dev.create_compute_pipeline(
