@@ -18,7 +18,7 @@ from pathlib import Path
 import typer
 
 from ddl_ref.config import parse_variants
-from ddl_wgpu.backend import choose_backend
+from ddl_wgpu.backend import choose_backend, set_runtime
 from ddl_wgpu.cli.checks import (
     batch_tokens,
     fail,
@@ -52,6 +52,7 @@ from ddl_wgpu.cli.options import (
     QkNorm,
     RayOpt,
     RopeTheta,
+    RuntimeOpt,
     TieEmbeddings,
     TrunkDtype,
     VocabSize,
@@ -185,6 +186,7 @@ def train(
     ray: RayOpt = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    runtime: RuntimeOpt = None,
 ):
     """Train a sweep of variants on the same data and budget; write reports, checkpoints and plots."""
     in_range("save-interval", save_interval, 0)
@@ -217,7 +219,7 @@ def train(
     vs = parse_variants(variants)
     for v in vs:
         fits(v.resolve_config(base), True, f"variant {v.slug}")
-    choice = choose_backend(backend, device)
+    choice = choose_backend(backend, device, runtime)
     source = data_source(data, val_data, val_fraction, max_tokens)
     sweep = seeds is not None or devices is not None or workers or ray is not None
     if sweep:  # every check a job would make, before the folder is claimed and any job starts
@@ -385,6 +387,7 @@ def resume(
     ray: RayOpt = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    runtime: RuntimeOpt = None,
     no_verify: NoVerify = False,
 ):
     """Continue an interrupted run, or train a new phase (--steps N) from a checkpoint; continue a sweep."""
@@ -397,6 +400,7 @@ def resume(
     if restart_data and steps is None:
         fail("--restart-data restarts the data order of a new phase: pass --steps N")
     in_range("workers", workers, 0)
+    set_runtime(runtime)
     if checkpoint.is_dir():  # a sweep: by default where and on what backend it ran
         sw = sweep_lib.Sweep.load(checkpoint, say=lambda line: typer.echo(line, err=True))
         back = sweep_backend(sw.backend, backend, device)
@@ -514,6 +518,7 @@ def heal(
     ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    runtime: RuntimeOpt = None,
     gpu_memory: GpuMemory = None,
     host_memory: HostMemory = None,
     force: ForceOpt = False,
@@ -536,7 +541,7 @@ def heal(
                               trunk_dtype=trunk_dtype, chain_attention=chain_attention, draft_width=draft_width,
                               kl_form=kl_form)  # fmt: skip
     cfg, why = heal_lib.resolve_file(model, cfg)
-    choice = choose_backend(backend, device)
+    choice = choose_backend(backend, device, runtime)
     typer.echo("resolved configuration:", err=as_json)
     typer.echo("  heal:     " + fields(cfg.to_dict()), err=as_json)
     for key, flag in (("chain_attention", "--chain-attention"), ("draft_width", "--draft-width")):
