@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import sys
 import tempfile
 
@@ -133,7 +134,7 @@ class Dawn:
 
     def shader_module(self, device, src: str, label: str, trusted: bool):
         # robustness is the device's (`request_device`'s toggle), not the module's
-        return device.create_shader_module(code=src, label=label)
+        return device.create_shader_module(code=for_tint(src), label=label)
 
     def timestamp_period_ns(self, queue) -> float:
         return 1.0  # Dawn converts timestamps to nanoseconds itself
@@ -146,6 +147,19 @@ class Dawn:
 
     def map_reader(self, device, buffer, spin: bool) -> DawnMap:
         return DawnMap(buffer, spin)
+
+
+# Tint wants `enable subgroups;` before a subgroup builtin; naga refuses the directive (the `subgroups`
+# enable-extension "is not yet implemented"), so the WGSL says nothing and Dawn's modules get it here.
+_SUBGROUP_USE = re.compile(r"\bsubgroup[A-Z]\w*\s*\(|@builtin\(\s*subgroup_")
+_SUBGROUP_ENABLE = re.compile(r"^\s*enable\s+[^;]*\bsubgroups\b", re.M)
+
+
+def for_tint(src: str) -> str:
+    """The WGSL as Tint wants it: `enable subgroups;` first where the source uses subgroup builtins."""
+    if _SUBGROUP_USE.search(src) and not _SUBGROUP_ENABLE.search(src):
+        return "enable subgroups;\n" + src
+    return src
 
 
 # What Dawn writes to stderr when it opens an adapter that is noise for our users: on lavapipe it lowers two
