@@ -160,3 +160,37 @@ def test_env_runtime_is_read(monkeypatch):
     assert os.environ["DDL_WGPU_RUNTIME"] == "native"
     set_runtime(None)  # no --runtime: the environment's stays
     assert os.environ["DDL_WGPU_RUNTIME"] == "native"
+
+
+def test_tint_gets_enable_subgroups_only_where_used():
+    from ddl_wgpu.runtime.dawn import for_tint
+
+    uses = "@compute @workgroup_size(32) fn f(@builtin(subgroup_size) n: u32) { let s = subgroupShuffleXor(1.0, 1u); }"
+    assert for_tint(uses).startswith("enable subgroups;\n") and for_tint(uses).endswith(uses)
+    assert for_tint("enable f16;\nenable subgroups;\n" + uses).count("enable subgroups;") == 1
+    plain = "// a subgroup of nothing\n@compute @workgroup_size(1) fn f() { let subgroups_x = 1u; }"
+    assert for_tint(plain) == plain
+
+
+def test_dawn_that_cannot_run_is_one_line(cli, user_error):
+    """--runtime dawn on an adapter Dawn does not have (it lists no OpenGL adapter): one line, exit 2; auto
+    falls back to wgpu-native there, saying why."""
+    user_error(cli("check", "--runtime", "dawn", "--device", "OpenGL"), "--runtime dawn: ", "Dawn")
+
+
+def test_without_wgpudawn_auto_is_native_and_dawn_an_error():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['wgpudawn'] = None\n"  # as if wgpudawn were not installed
+        "from ddl_wgpu.runtime import gpu as g, runtimes as r\n"
+        "rt, why = r.resolve('auto', None, g.select_adapter); print(rt.name, '|', why)\n"
+        "try:\n    r.resolve('dawn', None, g.select_adapter)\nexcept r.RuntimeUnavailable as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    auto, dawn = out.stdout.strip().splitlines()
+    assert auto.startswith("native | auto: wgpudawn is not installed"), auto
+    assert dawn.startswith("--runtime dawn: wgpudawn is not installed"), dawn
