@@ -16,10 +16,13 @@ export OPENBLAS_NUM_THREADS ?= 1
 DEMO_ARGS ?= --data stdlib --variants baseline,ddl,ddl-cc --preset tiny --max-steps 60 --eval-interval 20 \
 	--eval-batches 4 --batch-size 8 --seq-len 128 --learning-rate 3e-3 --warmup-steps 5 --max-tokens 2000000
 
-# Run a second time with DDL_WGPU_LIMITS=webgpu (WebGPU's default limits instead of the adapter's): every kernel
-# has a path within them (docs/wgpu-notes.md). The files that check every entry point (tests/test_entry_points.py
-# names them) and the engine's; the jobs built on them (heal, accept, the streamed trunk) read only the buffer-size
-# limits, which the tests' shapes never reach, so they run once (CI's whole `make test` must stay under 15 minutes).
+# Run a second time on the other WebGPU runtime, Dawn (DDL_WGPU_RUNTIME=dawn: Tint compiles every shader, where
+# the first pass's wgpu-native uses naga; docs/runtimes.md), within WebGPU's default limits instead of the
+# adapter's (DDL_WGPU_LIMITS=webgpu: every kernel has a path within them, docs/wgpu-notes.md). The files that check
+# every entry point (tests/test_entry_points.py names them) and the engine's; the jobs built on them (heal, accept,
+# the streamed trunk) read only the buffer-size limits, which the tests' shapes never reach, and call the runtime
+# only through the device layer these tests cover, so they run once (CI's whole `make test` must stay under
+# 15 minutes). Where Dawn cannot start (no Mesa it accepts), the second pass skips its tests, saying why.
 PORTABLE_TESTS = tests/test_engine*.py tests/test_kernel_*.py tests/test_chain_attention.py tests/test_gpu.py \
 	tests/test_entry_points.py tests/test_generate_gpu*.py
 
@@ -44,8 +47,8 @@ test:
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/python -m pytest
-	@echo; echo "== the engine and kernel tests again within WebGPU's default limits (what every Metal, DX12 and Vulkan GPU meets)"
-	DDL_WGPU_LIMITS=webgpu .venv/bin/python -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS)
+	@echo; echo "== the engine and kernel tests again on Dawn (Tint) within WebGPU's default limits (what every Metal, DX12 and Vulkan GPU meets)"
+	DDL_WGPU_RUNTIME=dawn DDL_WGPU_LIMITS=webgpu .venv/bin/python -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS)
 
 # The float64 gradient checks under every OpenBLAS kernel this CPU runs (not part of `make test`: ~3 min each)
 test-blas:

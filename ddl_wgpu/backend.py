@@ -15,7 +15,10 @@ Public API
 - `BackendChoice(name, reason, adapter)`: frozen; `name` "wgpu" | "ref", `reason` human text (e.g.
   "NVIDIA H200 (DiscreteGPU, Vulkan)", "only CPU adapters (llvmpipe ...): numpy is faster"), `adapter` the
   chosen adapter's description or None.
-- `choose_backend(requested="auto", device=None) -> BackendChoice`; `choose_from_adapters(infos) ->
+- `choose_backend(requested="auto", device=None, runtime=None) -> BackendChoice`: on wgpu also the WebGPU
+  runtime (`runtime`: "auto", "native" or "dawn", set for the whole process and its workers through env
+  DDL_WGPU_RUNTIME; `BackendChoice.runtime` and `runtime_reason` say which and why, None on ref);
+  `runtime_name(backend, device)` the runtime a job's device runs on (None on ref), for its report; `choose_from_adapters(infos) ->
   BackendChoice` (the "auto" rule on wgpu adapter-info dicts); `cpu_implementation(info) -> str | None`
   (why an adapter is a CPU implementation, None for a real GPU).
 - `require_backend(name, device=None, kind=None) -> (BackendChoice, device)`: the backend (and adapter kind)
@@ -54,6 +57,9 @@ if TYPE_CHECKING:
     from ddl_wgpu.runtime.gpu import Gpu
 
 BACKENDS = ("auto", "wgpu", "ref")
+# The WebGPU runtimes (runtime/runtimes.py, which imports wgpu: its names are repeated here) and their variable
+RUNTIMES = ("auto", "native", "dawn")
+ENV_RUNTIME = "DDL_WGPU_RUNTIME"
 TRUNK_DTYPES = ("f32", "f16")
 # Adapter names of CPU implementations of a GPU API (word-wise, lower case).
 _CPU_NAMES = ("llvmpipe", "lavapipe", "swiftshader", "microsoft basic render driver", "warp")
@@ -69,6 +75,10 @@ class BackendError(ValueError):
 
 class UnknownBackendError(BackendError):
     """A backend name that is not one of `BACKENDS`."""
+
+
+class UnknownRuntimeError(BackendError):
+    """A runtime name that is not one of `RUNTIMES`."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -217,6 +227,8 @@ class BackendChoice:
     name: str  # "wgpu" or "ref"
     reason: str  # why, for the resolved configuration
     adapter: str | None = None  # the adapter the choice looked at, when one
+    runtime: str | None = None  # on wgpu: the WebGPU runtime, "native" or "dawn" (runtime/runtimes.py)
+    runtime_reason: str | None = None  # why that runtime
 
 
 def cpu_implementation(info: dict) -> str | None:
@@ -250,11 +262,37 @@ def choose_from_adapters(infos: list[dict]) -> BackendChoice:
     return BackendChoice("ref", "no GPU adapter found: numpy", None)
 
 
-def choose_backend(requested: str = "auto", device: str | None = None) -> BackendChoice:
+def choose_backend(
+    requested: str = "auto", device: str | None = None, runtime: str | None = None
+) -> BackendChoice:
     """The backend for `requested` ("auto", "wgpu" or "ref"); with "auto", `device` (an adapter index or
-    name substring, else the environment's DDL_WGPU_ADAPTER) limits the adapters looked at."""
+    name substring, else the environment's DDL_WGPU_ADAPTER) limits the adapters looked at. `runtime`, when
+    given, becomes the process's WebGPU runtime request (env DDL_WGPU_RUNTIME, which every device opened after,
+    and every worker process, reads); on wgpu the choice names the runtime resolved and why."""
     if requested not in BACKENDS:
         raise UnknownBackendError(f"unknown backend {requested!r}: one of {', '.join(BACKENDS)}")
+    set_runtime(runtime)
+    return _with_runtime(_choose(requested, device), device)
+
+
+def set_runtime(runtime: str | None) -> None:
+    """Make `runtime` ("auto", "native", "dawn"; None: leave it) the process's WebGPU runtime request: env
+    DDL_WGPU_RUNTIME, which every device opened after and every worker process reads."""
+    if runtime is None:
+        return
+    if runtime not in RUNTIMES:
+        raise UnknownRuntimeError(f"unknown runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
+    os.environ[ENV_RUNTIME] = runtime
+
+
+def _with_runtime(choice: BackendChoice, device: str | None) -> BackendChoice:
+    if choice.name != "wgpu":
+        return choice
+    name, reason = _runtime(device)
+    return BackendChoice(choice.name, choice.reason, choice.adapter, name, reason)
+
+
+def _choose(requested: str, device: str | None) -> BackendChoice:
     if requested != "auto":
         return BackendChoice(requested, f"{requested} requested", None)
     try:
@@ -270,6 +308,25 @@ def choose_backend(requested: str = "auto", device: str | None = None) -> Backen
         except gpu_mod.NoAdapterError as e:
             raise BackendError(f"adapter {choice!r}: {e}") from e
     return choose_from_adapters(infos)
+
+
+def _runtime(device: str | None) -> tuple[str, str]:
+    """(runtime name, reason) of the device `device` names, resolved once per process (runtimes.resolve)."""
+    try:
+        from ddl_wgpu.runtime import gpu as gpu_mod
+    except ImportError as e:
+        raise BackendError(f"wgpu unavailable ({e})") from None
+    try:
+        rt, reason = gpu_mod.resolve(None, device, gpu_mod.select_adapter)
+    except gpu_mod.GpuError as e:  # --runtime dawn where Dawn cannot run
+        raise BackendError(str(e).splitlines()[0]) from None
+    return rt.name, reason
+
+
+def runtime_name(backend: str, device: str | None = None) -> str | None:
+    """The WebGPU runtime a job's device runs on ("native" or "dawn"), None on the numpy backend: what a report
+    records next to the backend."""
+    return open_gpu(device).runtime_name if backend == "wgpu" else None
 
 
 def device_kind(info: dict) -> str:
@@ -297,7 +354,8 @@ def require_backend(name: str, device: str | None = None, kind: str | None = Non
         info = gpu_mod.describe_adapter(gpu_mod.select_adapter(device))
     except gpu_mod.NoAdapterError as e:
         raise BackendError(str(e).splitlines()[0]) from None
-    return BackendChoice("wgpu", f"the run's backend, on {device_kind(info)}", device_kind(info)), device
+    choice = BackendChoice("wgpu", f"the run's backend, on {device_kind(info)}", device_kind(info))
+    return _with_runtime(choice, device), device
 
 
 def _resolve(backend: str, device: str | None) -> str:

@@ -50,3 +50,29 @@ if ! has_adapter; then
     exit 1
   fi
 fi
+
+# Dawn, the second runtime (docs/runtimes.md), refuses Mesa's lavapipe before Mesa 25 (Debian 12 ships 22.3:
+# "shaderUniform*ArrayDynamicIndexing required"). Where Dawn accepts no adapter and the installed lavapipe is
+# older, install Mesa 25 from bookworm-backports on Debian 12. Never fails the bootstrap: without it the Dawn
+# tests skip, saying why (`make test`'s second pass).
+dawn_why() { "$VENV/bin/python" -m ddl_wgpu.runtime.gpu --check-dawn 2>/dev/null | tail -n 1; }
+if ! "$VENV/bin/python" -m ddl_wgpu.runtime.gpu --check-dawn >/dev/null 2>&1; then
+  mesa=$(dpkg-query -W -f='${Version}' mesa-vulkan-drivers 2>/dev/null || true)
+  codename=$( (. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}") || true)
+  if [ -n "$mesa" ] && [ "${mesa%%.*}" -lt 25 ] 2>/dev/null && [ "$codename" = bookworm ] && as_root && have_apt; then
+    src=/etc/apt/sources.list.d/backports.sources
+    if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
+      echo "bootstrap: Dawn refuses lavapipe of Mesa $mesa; adding bookworm-backports ($src) for Mesa 25"
+      printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' >"$src"
+    fi
+    echo "bootstrap: apt-get install -y -t bookworm-backports mesa-vulkan-drivers"
+    if DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null 2>&1 &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm-backports mesa-vulkan-drivers >/dev/null 2>&1; then
+      echo "bootstrap: installed mesa-vulkan-drivers $(dpkg-query -W -f='${Version}' mesa-vulkan-drivers)"
+    else
+      echo "bootstrap: bookworm-backports is unavailable; the Dawn tests will skip ($(dawn_why))"
+    fi
+  else
+    echo "bootstrap: Dawn cannot run here ($(dawn_why)); the Dawn tests will skip"
+  fi
+fi

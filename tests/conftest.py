@@ -25,6 +25,31 @@ CORPUS_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", 
                 "five", "dozen", "liquor", "jugs", "and", "then", "a", "cat", "sat", "on", "mat"]  # fmt: skip
 
 
+def _dawn_problem() -> str | None:
+    """Why the session's runtime, Dawn (DDL_WGPU_RUNTIME=dawn: `make test`'s second pass), cannot run here, or
+    None: wgpudawn missing or broken, or no adapter Dawn accepts (a lavapipe older than Mesa 25)."""
+    if os.environ.get("DDL_WGPU_RUNTIME", "").strip().lower() != "dawn":
+        return None
+    from ddl_wgpu.runtime import gpu as g
+
+    try:
+        g.resolve("dawn", os.environ.get(g.ENV_ADAPTER) or None, g.select_adapter)
+    except g.GpuError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under DDL_WGPU_RUNTIME=dawn where Dawn cannot run, every test skips with the reason, printed once."""
+    problem = _dawn_problem()
+    if problem is None:
+        return
+    reason = f"DDL_WGPU_RUNTIME=dawn, but Dawn cannot run here: {problem}"
+    print(f"\n{reason}: every test of this session skips", file=sys.stderr)
+    for item in items:
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(scope="session")
 def gpu():
     from ddl_wgpu.runtime.gpu import Gpu  # the GPU layer loads wgpu: only GPU tests pay for it

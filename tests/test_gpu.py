@@ -160,7 +160,7 @@ def test_default_prefers_a_real_backend():
 
 
 def test_no_adapter_message(monkeypatch):
-    monkeypatch.setattr(G, "enumerate_adapters", lambda: [])
+    monkeypatch.setattr(G, "enumerate_adapters", lambda runtime=None: [])
     with pytest.raises(G.NoAdapterError) as e:
         G.select_adapter(None)
     assert "mesa-vulkan-drivers" in str(e.value)

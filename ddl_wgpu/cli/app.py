@@ -79,6 +79,7 @@ from ddl_wgpu.cli.options import (
     NoVerify,
     QkNorm,
     RopeTheta,
+    RuntimeOpt,
     TieEmbeddings,
     TrunkDtype,
     VocabSize,
@@ -119,35 +120,66 @@ app = typer.Typer(
 
 @app.command()
 def devices(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
-    """List every adapter: backend, type, driver, features and the limits that matter."""
+    """List every adapter of both WebGPU runtimes (wgpu-native, Dawn): backend, type, driver, features, the
+    limits that matter, Dawn's subgroup-matrix configurations and toggles, and what --runtime auto picks."""
     from ddl_wgpu.runtime import gpu as g
+    from ddl_wgpu.runtime import runtimes
 
-    adapters = [g.describe_adapter(a, i) for i, a in enumerate(g.enumerate_adapters())]
+    adapters, problems = [], {}
+    for name in ("native", "dawn"):
+        try:
+            rt = runtimes.load(name)
+        except runtimes.RuntimeUnavailable as e:
+            problems[name] = str(e)
+            continue
+        found = g.enumerate_adapters(rt)
+        if not found:
+            problems[name] = g.DAWN_HINT if name == "dawn" else g.DRIVER_HINT
+        for i, a in enumerate(found):
+            d = g.describe_adapter(a, i, rt)
+            d["toggles"] = g.runtime_toggles(rt)
+            adapters.append(d)
     if not adapters:
         fail(g.DRIVER_HINT)
+    try:
+        rt, reason = g.resolve(None, None, g.select_adapter)
+        auto = {"runtime": rt.name, "reason": reason}
+    except g.GpuError as e:
+        auto = {"runtime": None, "reason": str(e).splitlines()[0]}
     if as_json:
         typer.echo(json.dumps(adapters, indent=2))
         return
     for a in adapters:
         typer.echo(
-            f"[{a['index']}] {a['name']}  backend={a['backend']}  type={a['type']}  driver={a['driver']}"
+            f"[{a['index']}] {a['name']}  runtime={a['runtime']}  backend={a['backend']}  type={a['type']}  "
+            f"driver={a['driver']}"
         )
         typer.echo("    features: " + ", ".join(a["features"]))
         for k, v in a["limits"].items():
             typer.echo(f"    {k:40s} {v}")
+        if a["runtime"] == "dawn":
+            configs = ", ".join(f"{m}x{n}x{k} {t}->{r}" for m, n, k, t, r in a["subgroup_matrix_configs"])
+            typer.echo(f"    subgroup matrices: {configs or 'none'}")
+            typer.echo(f"    toggles: {', '.join(a['toggles'])}")
+    for name, why in problems.items():
+        typer.echo(f"{name}: {why}")
     chosen = g.describe_adapter(g.select_adapter(None))
     typer.echo(f"default adapter: {chosen['name']} ({chosen['backend']})")
+    typer.echo(f"runtime: {auto['runtime']} ({auto['reason']})")
 
 
 @app.command()
-def check(device: DeviceOpt = None):
+def check(device: DeviceOpt = None, runtime: RuntimeOpt = None):
     """Run a small kernel on the GPU and compare it with numpy."""
+    from ddl_wgpu.backend import set_runtime
     from ddl_wgpu.runtime.gpu import Gpu  # the GPU layer loads wgpu: only the GPU commands import it up front
     from ddl_wgpu.runtime.selftest import selftest
 
     t0 = time.perf_counter()
+    set_runtime(runtime)
     gpu = Gpu(device)
     typer.echo(f"adapter: {gpu.name}")
+    typer.echo(f"runtime: {gpu.runtime_name} ({gpu.runtime_reason})")
     for line in selftest(gpu):
         typer.echo(line)
     typer.echo(f"ok ({time.perf_counter() - t0:.2f} s)")
@@ -231,6 +263,7 @@ def eval_(
     max_tokens: int = typer.Option(200_000, "--max-tokens", help="Read at most this many tokens (0: all)."),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    runtime: RuntimeOpt = None,
     gpu_memory: GpuMemory = None,
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -241,7 +274,7 @@ def eval_(
     in_range("max-tokens", max_tokens, 0)
     batch_tokens("batch", batch, seq_len or EVAL_SEQ_LEN)
     budget = gpumem.budget(gpu_memory)
-    choice = choose_backend(backend, device)
+    choice = choose_backend(backend, device, runtime)
     typer.echo(backend_line(choice), err=as_json)
     on_gpu = choice.name == "wgpu"  # the GPU trunk reads its tensors from the file as it needs them
     m = load_model(model, verify=not no_verify, names=(lambda n: False) if on_gpu else None,
@@ -273,6 +306,8 @@ def eval_(
         "windows": int(ds.num_windows),
         "backend": choice.name,
         "backend_reason": choice.reason,
+        "runtime": choice.runtime,
+        "runtime_reason": choice.runtime_reason,
         "variant": m.variant,
         "seconds": dt,
         "tokens_per_s": ds.num_tokens / max(dt, 1e-9),
@@ -382,6 +417,7 @@ def accept(
     ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    runtime: RuntimeOpt = None,
     trunk_dtype: TrunkDtype = "f32",
     chain_attention: ChainAttention = None,
     gpu_memory: GpuMemory = None,
@@ -398,7 +434,7 @@ def accept(
     if window is None and depth + 1 > accept_lib.WINDOW:
         fail(f"--depth {depth} needs windows of at least {depth + 1} tokens: pass --window")
     budget = gpumem.budget(gpu_memory)
-    choice = choose_backend(backend, device)
+    choice = choose_backend(backend, device, runtime)
     typer.echo(backend_line(choice), err=as_json)
     if draft is not None:  # an EAGLE-3 draft file: the numpy engine measures it (`jobs/draft.py`)
         r = draft_lib.accept_file(model, draft, data, depth=depth, window=window, tokens=tokens or None,
@@ -487,6 +523,7 @@ def generate(
     ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    runtime: RuntimeOpt = None,
     trunk_dtype: TrunkDtype = "f32",
     gpu_memory: DecodeGpuMemory = None,
     as_json: bool = typer.Option(False, "--json", help="Print the text, token ids and timings as JSON."),
@@ -499,7 +536,7 @@ def generate(
     budget = gpumem.budget(
         gpu_memory
     )  # read whatever the backend: a size no command takes is refused here too
-    choice = choose_backend(backend, device)
+    choice = choose_backend(backend, device, runtime)
     m = load_model(model)
     eagle = draft_lib.load_for(model, draft) if draft is not None else None
     if speculative:  # a round drafts within the model's context (and sizes its cache by the depth)

@@ -15,7 +15,14 @@ from pathlib import Path
 import typer
 
 from ddl_ref.config import ConfigError
-from ddl_wgpu.backend import BackendChoice, BackendError, UnknownBackendError, choose_backend, require_backend
+from ddl_wgpu.backend import (
+    BackendChoice,
+    BackendError,
+    UnknownBackendError,
+    UnknownRuntimeError,
+    choose_backend,
+    require_backend,
+)
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.files.container import CheckpointError, keep_existing
 from ddl_wgpu.files.container_format import (
@@ -268,6 +275,8 @@ SYMLINK_LOOP = "Symlink loop from "
 def hint(e: BaseException) -> str:
     if isinstance(e, UnknownBackendError):
         return " (--backend)"
+    if isinstance(e, UnknownRuntimeError):
+        return " (--runtime)"
     if isinstance(e, BackendError) and "needs the wgpu backend" in str(e):
         return f"; {HINTS['trunk_needs_wgpu']}"
     kind, field = getattr(e, "kind", None), getattr(e, "field", None)

@@ -18,7 +18,7 @@ from pathlib import Path
 import typer
 
 from ddl_ref.config import parse_variants
-from ddl_wgpu.backend import apply_precision, choose_backend
+from ddl_wgpu.backend import apply_precision, choose_backend, set_runtime
 from ddl_wgpu.cli.checks import (
     batch_tokens,
     fail,
@@ -53,6 +53,7 @@ from ddl_wgpu.cli.options import (
     QkNorm,
     RayOpt,
     RopeTheta,
+    RuntimeOpt,
     TieEmbeddings,
     TrunkDtype,
     VocabSize,
@@ -195,6 +196,7 @@ def train(
     ray: RayOpt = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    runtime: RuntimeOpt = None,
 ):
     """Train a sweep of variants on the same data and budget; write reports, checkpoints and plots."""
     in_range("save-interval", save_interval, 0)
@@ -230,7 +232,7 @@ def train(
     vs = parse_variants(variants)
     for v in vs:
         fits(v.resolve_config(base), True, f"variant {v.slug}")
-    choice = choose_backend(backend, device)
+    choice = choose_backend(backend, device, runtime)
     source = data_source(data, val_data, val_fraction, max_tokens)
     sweep = seeds is not None or devices is not None or workers or ray is not None
     if sweep:  # every check a job would make, before the folder is claimed and any job starts
@@ -403,6 +405,7 @@ def resume(
     ray: RayOpt = None,
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    runtime: RuntimeOpt = None,
     no_verify: NoVerify = False,
 ):
     """Continue an interrupted run, or train a new phase (--steps N) from a checkpoint; continue a sweep."""
@@ -417,6 +420,7 @@ def resume(
     in_range("workers", workers, 0)
     if checkpoint.is_file() and draft_lib.is_run_file(checkpoint):  # a stopped `draft` run
         return resume_draft(checkpoint, stop_after, no_verify)
+    set_runtime(runtime)
     if checkpoint.is_dir():  # a sweep: by default where and on what backend it ran
         sw = sweep_lib.Sweep.load(checkpoint, say=lambda line: typer.echo(line, err=True))
         back = sweep_backend(sw.backend, backend, device)
@@ -535,6 +539,7 @@ def heal(
     ),
     backend: BackendOpt = "auto",
     device: DeviceOpt = None,
+    runtime: RuntimeOpt = None,
     gpu_memory: GpuMemory = None,
     host_memory: HostMemory = None,
     force: ForceOpt = False,
@@ -559,7 +564,7 @@ def heal(
     # shown resolved; heal gets `cfg` as the user gave it, so its report and the healed file's record say which
     # values were defaulted (heal resolves them again, the same way)
     resolved, why = heal_lib.resolve_file(model, cfg)
-    choice = choose_backend(backend, device)
+    choice = choose_backend(backend, device, runtime)
     typer.echo("resolved configuration:", err=as_json)
     typer.echo("  heal:     " + fields(resolved.to_dict()), err=as_json)
     for key, flag in (("chain_attention", "--chain-attention"), ("draft_width", "--draft-width")):

@@ -41,6 +41,15 @@ BackendOpt = Annotated[
     ),
 ]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="Adapter index or name substring.")]
+RuntimeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--runtime",
+        help="The WebGPU implementation under --backend wgpu: auto (Dawn where the adapter has tensor-core "
+        "subgroup matrices, else wgpu-native), native (wgpu-native) or dawn (Dawn, wgpudawn). Default: env "
+        "DDL_WGPU_RUNTIME, else auto.",
+    ),
+]
 
 
 DevicesOpt = Annotated[
@@ -73,7 +82,8 @@ RayOpt = Annotated[
 
 
 def backend_line(choice: BackendChoice) -> str:
-    return f"backend: {choice.name} ({choice.reason})"
+    line = f"backend: {choice.name} ({choice.reason})"
+    return line + (f", runtime: {choice.runtime} ({choice.runtime_reason})" if choice.runtime else "")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -127,7 +127,17 @@ class DryGpu:
 
         self._error = GpuError
         self.real = gpu
-        for name in ("limits", "features", "info", "max_binding", "max_buffer", "align", "limits_mode"):
+        for name in (
+            "limits",
+            "features",
+            "info",
+            "max_binding",
+            "max_buffer",
+            "align",
+            "limits_mode",
+            "runtime_name",
+            "matrix_configs",
+        ):
             setattr(self, name, getattr(gpu, name))
         self.name = gpu.name
         self.live = self.peak = self.allocated = 0

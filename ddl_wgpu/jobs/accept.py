@@ -53,7 +53,14 @@ import numpy as np
 
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
-from ddl_wgpu.backend import check_trunk_dtype, choose_backend, make_draft, make_teacher, plan_trunk
+from ddl_wgpu.backend import (
+    check_trunk_dtype,
+    choose_backend,
+    make_draft,
+    make_teacher,
+    plan_trunk,
+    runtime_name,
+)
 from ddl_wgpu.data import check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.engine.refnet import ref_runner
 from ddl_wgpu.errors import UserError
@@ -430,6 +437,7 @@ def accept_file(model_path, data_spec: str, depth: int = DEPTH, window: int | No
                             checkpoint=ck)  # fmt: skip
     result["data"] = str(data_spec)
     result["backend"] = backend
+    result["runtime"] = runtime_name(backend, device)
     result["trunk_dtype"] = trunk_dtype
     result["chain_attention_why"] = why
     result["plan"] = plan.to_dict() if plan is not None else None

@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ddl_wgpu.backend import Engine, make_eagle3_engine, make_engine
+from ddl_wgpu.backend import Engine, make_eagle3_engine, make_engine, runtime_name
 from ddl_wgpu.data import tokenizer_for
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.files.modelfile import Model, load_model
@@ -379,7 +379,9 @@ def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = MAX_
         engine = make_engine(backend, model, depth if speculative else 0, device, dtype, context)
     out = run(engine, tokenizer, ids, context, max_new_tokens, sampling, stops, on_text,
               depth if speculative else 0)  # fmt: skip
-    out.update(backend=engine.backend, speculative=bool(speculative))
+    out.update(
+        backend=engine.backend, runtime=runtime_name(engine.backend, device), speculative=bool(speculative)
+    )
     return out
 
 

@@ -80,7 +80,15 @@ import numpy as np
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import ModelConfig
 from ddl_ref.ops import KL_FORMS
-from ddl_wgpu.backend import TRUNK_DTYPES, choose_backend, make_draft, make_teacher, open_gpu, plan_trunk
+from ddl_wgpu.backend import (
+    TRUNK_DTYPES,
+    choose_backend,
+    make_draft,
+    make_teacher,
+    open_gpu,
+    plan_trunk,
+    runtime_name,
+)
 from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.files.container import CheckpointError, open_checkpoint
 from ddl_wgpu.files.hf.draft_layout import DRAFT_WIDTHS, chain_attention_for, draft_width_for
@@ -652,6 +660,7 @@ def _heal(model_path, data_spec, out_path, cfg: HealConfig, init_path, backend: 
         "acceptance_before": acc_before,
         "acceptance_after": acc_after,
         "backend": backend,
+        "runtime": runtime_name(backend, device),
         "trunk_dtype": cfg.trunk_dtype,
         "chain_attention": cfg.chain_attention,
         "chain_attention_why": why["chain_attention"],

@@ -1,12 +1,14 @@
 """The GPU device layer: one `Gpu` per process, WGSL kernels, buffers, recording and read-back.
 
 What lives here and why:
+- the WebGPU runtime (`runtimes.py`: wgpu-native, `native.py`, or Dawn, `dawn.py`; `--runtime` / env
+  DDL_WGPU_RUNTIME), whose calls every runtime-specific step below goes through;
 - adapter choice (`--device` / env `DDL_WGPU_ADAPTER`: an index or a name substring; by default a discrete
   GPU, then integrated, then a CPU adapter such as Mesa's lavapipe; Vulkan/Metal/DX12 before OpenGL);
 - the device, with the adapter's own limits (wgpu-py requests them all by default), or WebGPU's default
   limits in the portability mode (`limits_mode="webgpu"` / env `DDL_WGPU_LIMITS=webgpu`: what every conformant
   Vulkan, Metal and DX12 device offers), and the optional features we use when present (shader-f16,
-  subgroup, timestamp-query);
+  subgroup, timestamp-query; Dawn's subgroup matrices);
 - kernels: WGSL loaded from `shaders/` (`shader_files`), compiled once and cached by (file, entry point,
   constants, template values), each with an explicit bind-group layout built from a signature string, so one
   layout rule holds everywhere: read-only storage inputs first, then read-write outputs, then one uniform;
@@ -15,7 +17,7 @@ What lives here and why:
   read-back buffers waited for on the calling thread (`readback.Readback`);
 - a `Recorder` that encodes many dispatches into one compute pass and submits once (the only pattern that
   scales: docs/wgpu-notes.md#dispatch-cost);
-- a blocking wait that works on wgpu-py 0.32 (`on_submitted_work_done` is broken there, wgpu-py #834);
+- a blocking wait, for everything submitted or for one submission (`wait`, `submit_indexed`, `wait_for`);
 - GPU timestamps for benchmarks.
 
 What it deliberately does not do: know anything about models. Kernels' launchers live in `ddl_wgpu/ops/`.
@@ -38,6 +40,7 @@ import wgpu  # noqa: E402
 from ddl_wgpu.runtime import sizes  # noqa: E402
 from ddl_wgpu.runtime.gpu_errors import GpuError, GpuOutOfMemory, KernelError, NoAdapterError  # noqa: E402
 from ddl_wgpu.runtime.readback import Readback  # noqa: E402
+from ddl_wgpu.runtime.runtimes import ENV_RUNTIME, RUNTIMES, RuntimeUnavailable, load, resolve  # noqa: E402, F401
 from ddl_wgpu.runtime.shader_files import dump_shader, shader_source, trusted_files  # noqa: E402
 
 ENV_ADAPTER = "DDL_WGPU_ADAPTER"
@@ -87,8 +90,13 @@ DRIVER_HINT = (
     "`sudo apt-get install mesa-vulkan-drivers` gives Mesa's lavapipe (a CPU Vulkan driver); "
     "on a GPU machine install the vendor's Vulkan driver"
 )
+DAWN_HINT = (
+    "Dawn accepts no adapter here (it refuses Mesa's lavapipe before Mesa 25: "
+    "scripts/bootstrap.sh installs Mesa 25 from bookworm-backports on Debian 12)"
+)
 
-# Features we use when the adapter has them. `immediates` (push constants) is requested but not relied on.
+# Features we use when the adapter has them, by the project's names (wgpu-native's; a runtime maps its own to
+# these, `runtimes.py`). Dawn's device also gets chromium-experimental-subgroup-matrix where the adapter has it.
 OPTIONAL_FEATURES = (
     "shader-f16",
     "subgroup",
@@ -132,20 +140,30 @@ def _info(adapter) -> dict:
     }
 
 
-def enumerate_adapters() -> list:
-    """All adapters wgpu can see, in a stable order (the order `--device N` indexes)."""
+def enumerate_adapters(runtime=None) -> list:
+    """All adapters a runtime (default wgpu-native) can see, in a stable order (the order `--device N` indexes)."""
     try:
-        return list(wgpu.gpu.enumerate_adapters_sync())
+        return (runtime or load("native")).enumerate_adapters()
     except Exception:  # a broken loader is the same as no adapter for the user
         return []
 
 
-def describe_adapter(adapter, index: int | None = None) -> dict:
-    """A JSON-able summary: name, backend, type, driver, features and the limits that matter."""
+def describe_adapter(adapter, index: int | None = None, runtime=None) -> dict:
+    """A JSON-able summary: name, backend, type, driver, features (the runtime's own names) and the limits that
+    matter; with `runtime`, its name and the adapter's subgroup-matrix configurations."""
     d = {"index": index, **_info(adapter)}
     d["features"] = sorted(str(f) for f in adapter.features)
     d["limits"] = {k: int(adapter.limits[k]) for k in KEY_LIMITS if k in adapter.limits}
+    if runtime is not None:
+        d["runtime"] = runtime.name
+        d["subgroup_matrix_configs"] = [list(c) for c in runtime.matrix_configs(adapter)]
     return d
+
+
+def runtime_toggles(runtime) -> list:
+    """The toggles a device of `runtime` gets (Dawn's; none on wgpu-native): `disable_robustness` where there
+    are trusted shader files (shader_files.TRUSTED_FILES, DDL_WGPU_TRUSTED)."""
+    return runtime.planned_toggles(bool(trusted_files()))
 
 
 def _rank(adapter) -> tuple:
@@ -153,11 +171,14 @@ def _rank(adapter) -> tuple:
     return (_BACKEND_RANK.get(i["backend"], 1), _TYPE_RANK.get(i["type"], 4))
 
 
-def select_adapter(choice: str | int | None = None):
-    """Pick an adapter: `choice` (or env DDL_WGPU_ADAPTER) is an index or a case-insensitive substring of
-    the adapter's name, vendor, driver or backend. With no choice, the best by type and backend."""
-    adapters = enumerate_adapters()
+def select_adapter(choice: str | int | None = None, runtime=None):
+    """Pick an adapter of `runtime` (default wgpu-native): `choice` (or env DDL_WGPU_ADAPTER) is an index or a
+    case-insensitive substring of the adapter's name, vendor, driver or backend. With no choice, the best by type
+    and backend."""
+    adapters = enumerate_adapters(runtime)
     if not adapters:
+        if runtime is not None and runtime.name == "dawn":
+            raise NoAdapterError(DAWN_HINT)
         raise NoAdapterError(DRIVER_HINT)
     if choice is None or choice == "":
         choice = os.environ.get(ENV_ADAPTER) or None
@@ -294,12 +315,18 @@ class Gpu:
 
     `limits_mode` (or env DDL_WGPU_LIMITS) is "adapter" (the adapter's own limits) or "webgpu" (WebGPU's
     default limits, WEBGPU_LIMITS: the portability mode, in which every kernel picks shapes any conformant
-    device can run). Either way the kernels read the limits in force from `self.limits`."""
+    device can run). Either way the kernels read the limits in force from `self.limits`.
+
+    `runtime` (or env DDL_WGPU_RUNTIME) is "auto", "native" or "dawn" (`runtimes.py`); after construction
+    `runtime_name` is the one in use, `runtime_reason` why, `matrix_configs` the adapter's subgroup-matrix
+    configurations ((m, n, k, component_type, result_type) tuples, empty on wgpu-native) and `toggles` the Dawn
+    toggles in force."""
 
     choice: str | int | None = None
     max_binding: int | None = None
     max_buffer: int | None = None
     limits_mode: str | None = None
+    runtime: str | None = None
     # where ops.matmul runs the products: "simt" (f32 on the SIMT cores) or "matrix" (the matrix units, f16
     # operands, f32 accumulation); a mixed-precision run sets it (`backend.apply_precision`)
     products: str = "simt"
@@ -307,8 +334,11 @@ class Gpu:
     device: object = field(init=False)
 
     def __post_init__(self):
-        self.adapter = select_adapter(self.choice)
-        feats = [f for f in OPTIONAL_FEATURES if f in self.adapter.features]
+        self.rt, self.runtime_reason = resolve(self.runtime, self.choice, select_adapter)
+        self.runtime_name = self.rt.name
+        self.adapter = select_adapter(self.choice, self.rt)
+        self.matrix_configs = list(self.rt.matrix_configs(self.adapter))
+        feats = [f for f in OPTIONAL_FEATURES if f in self.rt.features(self.adapter.features)]
         self.limits_mode = limit_mode(self.limits_mode)
         required = {}
         if self.limits_mode == "webgpu":
@@ -319,11 +349,14 @@ class Gpu:
                 if k in available:
                     better_is_lower = k.startswith("min-")
                     required[k] = max(v, int(available[k])) if better_is_lower else min(v, int(available[k]))
-        self.device = self.adapter.request_device_sync(required_features=feats, required_limits=required)
+        self.device = self.rt.request_device(self.adapter, feats, required, bool(trusted_files()))
         self.queue = self.device.queue
-        self.features = set(str(f) for f in self.device.features)
+        self.features = self.rt.features(self.device.features)
+        self.toggles = self.rt.device_toggles(self.device)
+        self._pass_calls = self.rt.pass_calls()
         self.limits = {k: int(v) for k, v in self.device.limits.items() if isinstance(v, int | float)}
         self.info = describe_adapter(self.adapter)
+        self.info["runtime"] = self.runtime_name
         self._kernels: dict = {}
         self._modules: dict = {}
         self._layouts: dict = {}
@@ -361,26 +394,9 @@ class Gpu:
         return self._layouts[sig]
 
     def _create_module(self, src: str, file: str):
-        """A shader module; files in the trusted set skip naga's bounds checks and loop bounding
-        (`wgpuDeviceCreateShaderModuleTrusted`, wgpu-native only: wgpu-py has no wrapper for it)."""
-        if file not in trusted_files():
-            return self.device.create_shader_module(code=src, label=file)
-        from wgpu.backends.wgpu_native import _api
-
-        source = _api.new_struct_p("WGPUShaderSourceWGSL *", code=_api.to_c_string_view(src))
-        source[0].chain.next = _api.ffi.NULL
-        source[0].chain.sType = _api.lib.WGPUSType_ShaderSourceWGSL
-        desc = _api.new_struct_p(
-            "WGPUShaderModuleDescriptor *",
-            nextInChain=_api.ffi.cast("WGPUChainedStruct *", source),
-            label=_api.to_c_string_view(file),
-        )
-        handle = _api.lib.wgpuDeviceCreateShaderModuleTrusted(
-            self.device._internal, desc, _api.lib.WGPUShaderRuntimeChecks_None
-        )
-        if handle == _api.ffi.NULL:
-            raise KernelError(f"{file}: shader module creation failed")
-        return _api.GPUShaderModule(file, handle, self.device)
+        """A shader module; files in the trusted set skip the compiler's bounds checks (`runtimes.py`: a trusted
+        module on wgpu-native, the device's `disable_robustness` on Dawn)."""
+        return self.rt.shader_module(self.device, src, file, file in trusted_files())
 
     def kernel(
         self,
@@ -464,7 +480,7 @@ class Gpu:
             raise GpuOutOfMemory(self._oom(label, size, f"the {self.memory_cap}-byte device"))
         try:
             buf = self.device.create_buffer(size=size, usage=usage, label=label)
-        except (wgpu.GPUOutOfMemoryError, MemoryError) as e:
+        except MemoryError as e:  # both runtimes' GPUOutOfMemoryError derive from it
             raise GpuOutOfMemory(self._oom(label, size, self.name)) from e
         self.live += size
         self.peak = max(self.peak, self.live)
@@ -611,30 +627,20 @@ class Gpu:
         return self._staging
 
     def wait(self):
-        """Block until the queue is empty (`on_submitted_work_done` is broken in wgpu-py 0.32, #834)."""
-        from wgpu.backends.wgpu_native import ffi, lib
-
-        lib.wgpuDevicePoll(self.device._internal, True, ffi.NULL)
+        """Block until the queue is empty."""
+        self.rt.wait(self.device)
 
     def submit_indexed(self, command_buffer) -> int:
-        """Submit one finished command buffer (`Recorder.finish`) -> its submission index, for `wait_for`
-        (wgpu-native's `wgpuQueueSubmitForIndex`; wgpu-py wraps only the plain submit)."""
-        from wgpu.backends.wgpu_native import ffi, lib
-
-        cbs = ffi.new("WGPUCommandBuffer[]", [command_buffer._internal])
-        return int(lib.wgpuQueueSubmitForIndex(self.queue._internal, 1, cbs))
+        """Submit one finished command buffer (`Recorder.finish`) -> its submission index, for `wait_for`."""
+        return self.rt.submit_indexed(self.queue, command_buffer)
 
     def wait_for(self, index: int) -> None:
         """Block until submission `index` has finished (later submissions may still run: a decoder reads
         one token's result while the GPU already computes the next)."""
-        from wgpu.backends.wgpu_native import ffi, lib
-
-        lib.wgpuDevicePoll(self.device._internal, True, ffi.new("WGPUSubmissionIndex *", index))
+        self.rt.wait_for(self.device, index)
 
     def timestamp_period_ns(self) -> float:
-        from wgpu.backends.wgpu_native import lib
-
-        return float(lib.wgpuQueueGetTimestampPeriod(self.queue._internal))
+        return self.rt.timestamp_period_ns(self.queue)
 
     # -- recording ----------------------------------------------------------------------------------------
 
@@ -684,16 +690,6 @@ def grid(n_groups: int) -> tuple[int, int, int]:
     return (x, y, 1)
 
 
-def _native():
-    from wgpu.backends.wgpu_native import ffi, lib
-
-    return (lib.wgpuComputePassEncoderSetPipeline, lib.wgpuComputePassEncoderSetBindGroup,
-            lib.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL)  # fmt: skip
-
-
-_NATIVE = _native()
-
-
 class Recorder:
     """Encodes dispatches into one compute pass of one command encoder and submits once.
 
@@ -734,13 +730,14 @@ class Recorder:
 
     def dispatch_all(self, dispatches):
         """Record (kernel, bind group, workgroups) triples into the open pass. The replay of a prebuilt step
-        (a decoding pass is ~1000 of them at the Qwen3.8-27B shape) calls wgpu-native directly: through
+        (a decoding pass is ~1000 of them at the Qwen3.8-27B shape) calls the runtime's C functions directly
+        (`runtimes.py`, `pass_calls`): through
         wgpu-py's wrappers (argument checks, a cffi array per bind group, an error check per call) a dispatch
         cost ~6.6 µs of host time on the 2-core development machine (lavapipe), ~1.7 µs this way; a pipeline
         already set is not set again. wgpu-native reports a bad command when the pass ends or the encoder finishes, through
         wgpu-py's checked calls."""
         handle = self._open()._internal
-        set_pipeline, set_group, run, null = _NATIVE
+        set_pipeline, set_group, run, null = self.gpu._pass_calls
         last = None
         for kernel, bind_group, groups in dispatches:
             if type(groups) is int:
@@ -783,7 +780,15 @@ class Recorder:
 
 def _main(argv: list[str]) -> int:
     """`python -m ddl_wgpu.runtime.gpu --check`: exit 0 when a Vulkan, Metal or DX12 adapter exists (bootstrap uses
-    it to decide whether to install a driver; the OpenGL fallback adapter does not count)."""
+    it to decide whether to install a driver; the OpenGL fallback adapter does not count). `--check-dawn`: exit 0
+    when Dawn starts and accepts an adapter, else print why and exit 1."""
+    if "--check-dawn" in argv:  # exit 0 when Dawn starts and accepts an adapter (bootstrap: Mesa for Dawn)
+        try:
+            resolve("dawn", None, select_adapter)
+        except GpuError as e:
+            print(str(e).splitlines()[0])
+            return 1
+        return 0
     adapters = [_info(a) for a in enumerate_adapters()]
     real = [a for a in adapters if a["backend"] not in ("OpenGL", "OpenGLES")]
     if "--check" in argv:
