@@ -90,16 +90,31 @@ def median(xs):
 # the device under test
 
 
+# Every bench script opens its device here: DDL_WGPU_RUNTIME picks the runtime (auto|native|dawn) as for the
+# CLI, and BENCH_PRODUCTS=matrix puts the products on the matrix units (`ops/matmul_tc.py`, where the runtime
+# lists a configuration; what `--precision mixed` and an f16 trunk do in the jobs), "simt" keeps them there.
+ENV_PRODUCTS = "BENCH_PRODUCTS"
+
+
 def open_gpu(device: str | None = None):
+    import os
+
     from ddl_wgpu.runtime.gpu import Gpu
 
     gpu = Gpu(device)
+    products = os.environ.get(ENV_PRODUCTS, "simt")
+    if products not in ("simt", "matrix"):
+        raise SystemExit(f"{ENV_PRODUCTS}={products!r}: simt or matrix")
+    if products == "matrix" and not gpu.matrix_configs:
+        raise SystemExit(f"{ENV_PRODUCTS}=matrix: {gpu.name} ({gpu.runtime_name}) lists no subgroup matrix")
+    gpu.products = products
     return gpu
 
 
 def adapter_line(gpu) -> str:
     i = gpu.info
-    return f"{i['name']} | {i['backend']} | {i['type']} | driver {i['driver']} | vendor {i['vendor']}"
+    return (f"{i['name']} | {i['backend']} | {i['type']} | driver {i['driver']} | vendor {i['vendor']} | "
+            f"runtime {gpu.runtime_name} | products {gpu.products}")  # fmt: skip
 
 
 def host_info() -> dict:

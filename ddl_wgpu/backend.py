@@ -51,6 +51,7 @@ import numpy as np
 from ddl_ref.config import ModelConfig
 from ddl_ref.params import init_params
 from ddl_wgpu.engine.step import AdamW, Eagle3Batch, StepResult
+from ddl_wgpu.runtime.runtimes import tensor_core_configs
 
 if TYPE_CHECKING:
     from ddl_wgpu.files.modelfile import Model
@@ -398,7 +399,7 @@ def apply_precision(precision: str, backend: str, device: str | None = None) -> 
         why = "float32 numpy" + (", dynamic loss scaling as on the GPU" if name == "mixed" else "")
         return PrecisionChoice(name, "numpy", why)
     gpu = open_gpu(device)
-    configs = tuple(getattr(gpu, "matrix_configs", ()) or ())
+    configs = tuple(tensor_core_configs(getattr(gpu, "matrix_configs", ()) or ()))
     name = ("mixed" if configs else "f32") if precision == "auto" else precision
     gpu.products = "matrix" if name == "mixed" and configs else "simt"
     if name == "f32":
@@ -444,6 +445,14 @@ def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | 
     return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight, work_class=TrunkWork)
 
 
+def trunk_products(gpu, trunk_dtype: str) -> None:
+    """An f16 trunk (heal's, accept's, generate's: inference only) runs its products on the matrix units where
+    the Gpu lists a configuration the kernels take (`ops/matmul_tc.py`: activations rounded to f16 as they are
+    staged, f32 accumulation); an f32 trunk keeps f32 products on the SIMT cores, as its dtype asks."""
+    if trunk_dtype == "f16" and tensor_core_configs(getattr(gpu, "matrix_configs", ()) or ()):
+        gpu.products = "matrix"
+
+
 def check_trunk_dtype(backend: str, trunk_dtype: str) -> None:
     if trunk_dtype not in TRUNK_DTYPES:
         raise BackendError(f"trunk dtype must be one of {list(TRUNK_DTYPES)}, got {trunk_dtype!r}")
@@ -469,8 +478,10 @@ def make_teacher(backend: str, model: Model, batch: int = 4, device: str | None 
     from ddl_wgpu.runtime.gpu import GpuError, GpuOutOfMemory
 
     source = WeightSource(checkpoint=checkpoint) if checkpoint is not None else None
+    gpu = open_gpu(device)
+    trunk_products(gpu, trunk_dtype)
     try:
-        return WgpuTeacher(open_gpu(device), model.params, model.cfg, batch, trunk_dtype, plan, source)
+        return WgpuTeacher(gpu, model.params, model.cfg, batch, trunk_dtype, plan, source)
     except GpuOutOfMemory:
         raise
     except GpuError as e:
@@ -534,8 +545,10 @@ def make_engine(backend: str, model: Model, depth: int = 0, device: str | None =
     from ddl_wgpu.engine.decode import WgpuEngine
     from ddl_wgpu.runtime.gpu import GpuError
 
+    gpu = open_gpu(device)
+    trunk_products(gpu, trunk_dtype)
     try:
-        return WgpuEngine(open_gpu(device), model, depth, trunk_dtype, capacity)
+        return WgpuEngine(gpu, model, depth, trunk_dtype, capacity)
     except GpuError as e:
         raise BackendError(f"decoding on the GPU: {e}") from e
 

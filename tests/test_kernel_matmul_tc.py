@@ -69,7 +69,10 @@ def test_linear_backward_on_the_matrix_units(mgpu, rng):
     assert rel_err(g.read(dw, (OUT, IN)), want_dw + dw0) < TOL
 
 
-@pytest.mark.parametrize("tile", ["2x2sg-4x4-k32", "2x2sg-2x4-k32", "4x2sg-2x4-k32", "2x2sg-4x4-k64-p0"])
+@pytest.mark.parametrize(
+    "tile",
+    ["4x2sg-4x4-k32", "2x2sg-4x4-k16", "2x2sg-2x2-k16", "2x2sg-4x4-k32", "4x2sg-2x4-k32", "2x2sg-4x4-k64-p0"],
+)
 def test_every_tile_layout_and_batch(mgpu, rng, tile):
     """Each swept tile, the three layouts, a batch of two with offsets and alpha: against float64."""
     import sys
@@ -108,6 +111,18 @@ def test_the_generator_refuses_what_the_kernel_cannot_do():
     assert tc.workgroup_bytes(t, cfg) == 2 * (128 * 40 + 32 * 136) + 4 * 4 * 256
     src = tc.templates(t, cfg, 32, True, False)
     assert src["threads"] == "128" and src["products"].count("subgroupMatrixMultiplyAccumulate") == 2 * 16
+
+
+def test_the_tile_fits_the_adapter():
+    """pick_tile: the sweep's best where the workgroup memory holds it, a smaller one within WebGPU's 16 KiB."""
+
+    class Fake:
+        limits = {"max-compute-workgroup-storage-size": 49152}
+
+    cfg = tc.Config(16, 16, 16)
+    assert tc.pick_tile(Fake(), cfg) == tc.TILES[0]
+    Fake.limits = {"max-compute-workgroup-storage-size": 16384}
+    assert tc.workgroup_bytes(tc.pick_tile(Fake(), cfg), cfg) <= 16384 < tc.workgroup_bytes(tc.TILES[0], cfg)
 
 
 def test_products_stay_on_simt_unless_asked(gpu):

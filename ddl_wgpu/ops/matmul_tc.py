@@ -222,8 +222,11 @@ def groups(tile: TcTile, cfg: Config, M: int, N: int, batch: int = 1) -> tuple[i
     return -(-N // BN), -(-M // BM), batch
 
 
-# The tile every product uses until a sweep on the GPU says otherwise (bench/matmul_tc.py).
-DEFAULT_TILE = TcTile()
+# The tiles, best first, by the sweep on an H100 through Dawn (bench/matmul_tc.py; BENCHMARKS.md, "The GEMM on
+# the matrix units"): at the Qwen3.8-27B products 8 subgroups of 4 x 4 matrices staged 32 deep ran 122-139
+# TFLOP/s, 4 subgroups staged 16 deep 101-129 (and fit WebGPU's 16 KiB of workgroup memory), 4 subgroups
+# staged 32 deep 94-157 (its dW the slowest). `pick_tile` takes the first that fits the adapter.
+TILES = (TcTile(4, 2, 4, 4, 32, 8, 8), TcTile(2, 2, 4, 4, 16, 8, 8), TcTile(2, 2, 2, 2, 16, 8, 8))
 OPERANDS = {"f32": 4, "f16": 2}  # element bytes of A and B in storage
 
 
@@ -242,6 +245,15 @@ def subgroup_size(gpu) -> int:
     """The subgroup size the kernel's workgroup is counted in: the adapter's (its largest, where it has a range,
     as Dawn sizes subgroup-matrix workgroups)."""
     return int(gpu.limits.get("max-subgroup-size") or gpu.limits.get("min-subgroup-size") or 32)
+
+
+def pick_tile(gpu, cfg: Config) -> TcTile:
+    """The first of TILES whose workgroup memory the adapter has (WebGPU's default limits give 16 KiB)."""
+    limit = gpu.limits.get("max-compute-workgroup-storage-size", 16384)
+    for tile in TILES:
+        if workgroup_bytes(tile, cfg) <= limit:
+            return tile
+    raise GpuError(f"matmul_tc: no tile fits {limit} bytes of workgroup memory")
 
 
 def kernel(gpu, cfg: Config, tile: TcTile, trans_a: bool, trans_b: bool, a_dtype: str, b_dtype: str):
@@ -293,13 +305,13 @@ def matmul_tc(
     = zo * inner + zi reads operand X from offsets[X] + zo * strides[X] + (zi / divs[X]) * istrides[X]
     (elements; C's div is 1), as `ops.matmul.matmul`'s two-level batch, and `causal` is its mode number
     (`ops.matmul.CAUSAL_MODES`). `cfg` defaults to `usable_config(gpu)` (an error when there is none), `tile`
-    to DEFAULT_TILE."""
+    to `pick_tile`'s."""
     cfg = cfg or usable_config(gpu)
     if cfg is None:
         raise GpuError(f"matmul_tc: {gpu.name} lists no f16 -> f32 subgroup-matrix configuration in use")
     if a_dtype not in OPERANDS or b_dtype not in OPERANDS:
         raise GpuError(f"matmul_tc: operand types {a_dtype}, {b_dtype}: each one of {list(OPERANDS)}")
-    tile = tile or DEFAULT_TILE
+    tile = tile or pick_tile(gpu, cfg)
     M, N, K, batch = int(M), int(N), int(K), int(batch)
     lda = int(lda if lda is not None else (M if trans_a else K))
     ldb = int(ldb if ldb is not None else (K if trans_b else N))
