@@ -1,5 +1,5 @@
 # The two commands of the README. Each bootstraps .venv and a Vulkan driver itself (scripts/bootstrap.sh).
-.PHONY: demo test test-blas lint bench clean
+.PHONY: demo test test-gpu test-blas lint bench clean
 
 # lavapipe uses every core by default; two threads keep timings stable on CI-sized machines (docs/wgpu-notes.md)
 export LP_NUM_THREADS ?= 2
@@ -49,6 +49,13 @@ test:
 	.venv/bin/python -m pytest
 	@echo; echo "== the engine and kernel tests again on Dawn (Tint) within WebGPU's default limits (what every Metal, DX12 and Vulkan GPU meets)"
 	DDL_WGPU_RUNTIME=dawn DDL_WGPU_LIMITS=webgpu .venv/bin/python -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS)
+
+# The tests that need a GPU's matrix units (Dawn's subgroup matrices: tensor cores): they skip, with the reason,
+# where no configuration exists, so run them on such a GPU (BENCHMARKS.md, "The matrix units through Dawn").
+# PYTEST lets a host without the .venv run them (on the GPU machine: `make test-gpu PYTEST="python3 -m pytest"`).
+PYTEST ?= .venv/bin/python -m pytest
+test-gpu:
+	DDL_WGPU_RUNTIME=dawn $(PYTEST) -q -rs -p no:cacheprovider tests/test_kernel_matmul_tc.py tests/test_runtimes.py
 
 # The float64 gradient checks under every OpenBLAS kernel this CPU runs (not part of `make test`: ~3 min each)
 test-blas:
