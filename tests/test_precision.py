@@ -97,8 +97,10 @@ def test_auto_is_mixed_only_where_a_matrix_configuration_exists(monkeypatch):
     assert B.apply_precision("mixed", "ref") == B.PrecisionChoice(
         "mixed", "numpy", "float32 numpy, dynamic loss scaling as on the GPU"
     )
-    with_tc = SimpleNamespace(products="simt", matrix_configs=({"M": 8, "N": 8, "K": 8},))
-    without = SimpleNamespace(products="simt")  # a runtime that lists none (wgpu-native today)
+    with_tc = SimpleNamespace(products="simt", matrix_configs=[(16, 16, 16, "f16", "f32")])
+    # a runtime that lists none (wgpu-native), or only configurations the kernels do not take (NVIDIA without
+    # Dawn's f16 toggle lists int8 ones alone)
+    without = SimpleNamespace(products="simt", matrix_configs=[(16, 16, 32, "u8", "u32")])
     monkeypatch.setitem(B._GPU, "tc", with_tc)
     monkeypatch.setitem(B._GPU, "simt", without)
     got = B.apply_precision("auto", "wgpu", "tc")
