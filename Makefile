@@ -48,7 +48,7 @@ test:
 	.venv/bin/ruff format --check .
 	.venv/bin/python -m pytest
 	@echo; echo "== the engine and kernel tests again on Dawn (Tint) within WebGPU's default limits (what every Metal, DX12 and Vulkan GPU meets)"
-	DDL_WGPU_RUNTIME=dawn DDL_WGPU_LIMITS=webgpu .venv/bin/python -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS)
+	DDL_WGPU_RUNTIME=dawn DDL_WGPU_LIMITS=webgpu .venv/bin/python -m pytest -p no:cacheprovider $(PORTABLE_TESTS)
 
 # The tests that need a GPU's matrix units (Dawn's subgroup matrices: tensor cores): they skip, with the reason,
 # where no configuration exists, so run them on such a GPU (BENCHMARKS.md, "The matrix units through Dawn").

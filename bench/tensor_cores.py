@@ -1,4 +1,6 @@
 """Can wgpu-py 0.32 (wgpu-native 29) reach the tensor cores? Each way in, tried and its answer recorded.
+(Through Dawn, the second runtime, the answer is yes: WGSL subgroup matrices, `bench/matmul_tc.py` records
+that path: the adapter's configurations and the GEMM on them.)
 
     python3 bench/tensor_cores.py [--device N|name] [--json PATH]
 
