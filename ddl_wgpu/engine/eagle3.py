@@ -347,17 +347,30 @@ class Eagle3Work:
         return k_attn.attention_masked_forward(self.gpu, self.Os, self.lse, self.Qs, self.Ks, self.Vs, self.B, self.S,
                                                cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.T)  # fmt: skip
 
-    def head_loss(self, i: int, train: bool) -> Call:
-        """Step i's head in row chunks: logits, the top-k KL in place (loss rows, and the gradient scaled by
-        step_weight^i / N), with `train` the head's backward (dpost, dW_head); the step's loss sum into
-        loss_acc[i]."""
+    def _head_chunks(self, i: int):
+        """Step i's head in row chunks: (first row, rows, the chunk's post-norm rows, its logits view, the Call
+        that fills the logits), the one place head_loss and head_greedy cut the rows."""
         g, C, Vd, a = self.gpu, self.cfg.hidden, self.cfg.draft_vocab, self.a[i]
-        call = Call()
         for r0 in range(0, self.N, self.chunk):
             n = min(self.chunk, self.N - r0)
             x = (a["post"], r0 * C * F32, n * C * F32)
             logits = (self.logits, 0, n * Vd * F32)
-            call += k_mm.matmul(g, logits, x, self.P(e3.HEAD), n, Vd, C, trans_b=True, split_k=1)
+            yield (
+                r0,
+                n,
+                x,
+                logits,
+                k_mm.matmul(g, logits, x, self.P(e3.HEAD), n, Vd, C, trans_b=True, split_k=1),
+            )
+
+    def head_loss(self, i: int, train: bool) -> Call:
+        """Step i's head in row chunks: logits, the top-k KL in place (loss rows, and the gradient scaled by
+        step_weight^i / N), with `train` the head's backward (dpost, dW_head); the step's loss sum into
+        loss_acc[i]."""
+        g, C, Vd = self.gpu, self.cfg.hidden, self.cfg.draft_vocab
+        call = Call()
+        for r0, n, x, logits, head in self._head_chunks(i):
+            call += head
             call += k_topk.topk_kl(g, self.row_loss, logits, self.t_ids[i], self.t_probs[i], self.w[i], n, Vd,
                                    self.k, self.scale[i], row_offset=r0, form="full")  # fmt: skip
             if train:
@@ -368,13 +381,10 @@ class Eagle3Work:
 
     def head_greedy(self, i: int) -> Call:
         """Step i's draft argmax per row into g_ids (the top-1 of its logits over the draft vocabulary)."""
-        g, C, Vd, a = self.gpu, self.cfg.hidden, self.cfg.draft_vocab, self.a[i]
+        g, Vd = self.gpu, self.cfg.draft_vocab
         call = Call()
-        for r0 in range(0, self.N, self.chunk):
-            n = min(self.chunk, self.N - r0)
-            x = (a["post"], r0 * C * F32, n * C * F32)
-            logits = (self.logits, 0, n * Vd * F32)
-            call += k_mm.matmul(g, logits, x, self.P(e3.HEAD), n, Vd, C, trans_b=True, split_k=1)
+        for r0, n, _x, logits, head in self._head_chunks(i):
+            call += head
             call += k_topk.topk(g, self.g_ids, self.g_probs, logits, n, Vd, 1, row_offset=r0)
         return call
 

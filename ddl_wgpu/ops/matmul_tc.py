@@ -84,36 +84,33 @@ class TcTile:
         return f"{self.sg_rows}x{self.sg_cols}sg-{self.tm}x{self.tn}-k{self.bk}-p{self.pad_a}.{self.pad_b}"
 
 
+def _copy(
+    name: str, rows: int, cols: int, stride: int, threads: int, along_rows: bool, src: str, bound: str
+) -> list:
+    """The unrolled copy of one operand's rows x cols tile into workgroup array `name` (row stride `stride`),
+    element (r, q) read by `src` where `bound` holds, else 0; `along_rows`: consecutive threads take consecutive
+    rows (the operand is contiguous along them in storage), else consecutive columns."""
+    n, lines = rows * cols, []
+    for e in range(-(-n // threads)):
+        i = f"(li + {e * threads}u)"
+        guard = "" if (e + 1) * threads <= n else f"if {i} < {n}u "
+        rc = (f"let r = {i} % {rows}u; let q = {i} / {rows}u;" if along_rows
+              else f"let r = {i} / {cols}u; let q = {i} % {cols}u;")  # fmt: skip
+        lines.append(f"        {guard}{{ {rc} var v = f16(0.0); if ({bound}) {{ v = f16({src}); }} "
+                     f"{name}[r * {stride}u + q] = v; }}")  # fmt: skip
+    return lines
+
+
 def _stage(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool) -> str:
-    """The copies of one K step into As / Bs, unrolled; each reads global memory along its operand's contiguous
-    axis: A (M, K) along k, A stored (K, M) along m; B (K, N) along n, B stored (N, K) along k."""
+    """The copies of one K step into As (BM x BK) and Bs (BK x BN), unrolled; each reads global memory along its
+    operand's contiguous axis: A (M, K) along k, A stored (K, M) along m; B (K, N) along n, B stored (N, K)
+    along k. In Bs, r is k and q is n."""
     BM, BN = tile.block(cfg)
     BK, SA, SB = tile.bk, tile.bk + tile.pad_a, BN + tile.pad_b
-    lines = []
-    for e in range(-(-(BM * BK) // threads)):
-        guard = "" if (e + 1) * threads <= BM * BK else f"if (li + {e * threads}u < {BM * BK}u) "
-        if trans_a:  # (k, m) in storage: consecutive threads take consecutive m
-            rc = f"let r = (li + {e * threads}u) % {BM}u; let q = (li + {e * threads}u) / {BM}u;"
-            src = "a[oa + (k0 + q) * P.lda + m0 + r]"
-        else:
-            rc = f"let r = (li + {e * threads}u) / {BK}u; let q = (li + {e * threads}u) % {BK}u;"
-            src = "a[oa + (m0 + r) * P.lda + k0 + q]"
-        lines.append(
-            f"        {guard}{{ {rc} var v = f16(0.0); "
-            f"if (m0 + r < P.M && k0 + q < P.K) {{ v = f16({src}); }} As[r * {SA}u + q] = v; }}"
-        )
-    for e in range(-(-(BK * BN) // threads)):
-        guard = "" if (e + 1) * threads <= BK * BN else f"if (li + {e * threads}u < {BK * BN}u) "
-        if trans_b:  # (n, k) in storage: consecutive threads take consecutive k
-            rc = f"let q = (li + {e * threads}u) % {BK}u; let s = (li + {e * threads}u) / {BK}u;"
-            src = "b[ob + (n0 + s) * P.ldb + k0 + q]"
-        else:
-            rc = f"let q = (li + {e * threads}u) / {BN}u; let s = (li + {e * threads}u) % {BN}u;"
-            src = "b[ob + (k0 + q) * P.ldb + n0 + s]"
-        lines.append(
-            f"        {guard}{{ {rc} var v = f16(0.0); "
-            f"if (n0 + s < P.N && k0 + q < P.K) {{ v = f16({src}); }} Bs[q * {SB}u + s] = v; }}"
-        )
+    a_src = "a[oa + (k0 + q) * P.lda + m0 + r]" if trans_a else "a[oa + (m0 + r) * P.lda + k0 + q]"
+    b_src = "b[ob + (n0 + q) * P.ldb + k0 + r]" if trans_b else "b[ob + (k0 + r) * P.ldb + n0 + q]"
+    lines = _copy("As", BM, BK, SA, threads, trans_a, a_src, "m0 + r < P.M && k0 + q < P.K")
+    lines += _copy("Bs", BK, BN, SB, threads, trans_b, b_src, "n0 + q < P.N && k0 + r < P.K")
     return "\n".join(lines)
 
 
