@@ -399,7 +399,7 @@ def apply_precision(precision: str, backend: str, device: str | None = None) -> 
         why = "float32 numpy" + (", dynamic loss scaling as on the GPU" if name == "mixed" else "")
         return PrecisionChoice(name, "numpy", why)
     gpu = open_gpu(device)
-    configs = tuple(tensor_core_configs(getattr(gpu, "matrix_configs", ()) or ()))
+    configs = _matrix_units(gpu)
     name = ("mixed" if configs else "f32") if precision == "auto" else precision
     gpu.products = "matrix" if name == "mixed" and configs else "simt"
     if name == "f32":
@@ -445,11 +445,17 @@ def make_net(cfg: ModelConfig, params: dict | None, backend: str, device: str | 
     return Net(open_gpu(device), cfg, params, mtp_weight=mtp_weight, work_class=TrunkWork)
 
 
+def _matrix_units(gpu) -> tuple:
+    """The Gpu's subgroup-matrix configurations that the matrix-unit kernels take (`runtimes.TENSOR_CORE_CONFIGS`;
+    none on wgpu-native): what both a mixed-precision run and an f16 trunk ask before routing products there."""
+    return tuple(tensor_core_configs(getattr(gpu, "matrix_configs", ()) or ()))
+
+
 def trunk_products(gpu, trunk_dtype: str) -> None:
     """An f16 trunk (heal's, accept's, generate's: inference only) runs its products on the matrix units where
     the Gpu lists a configuration the kernels take (`ops/matmul_tc.py`: activations rounded to f16 as they are
     staged, f32 accumulation); an f32 trunk keeps f32 products on the SIMT cores, as its dtype asks."""
-    if trunk_dtype == "f16" and tensor_core_configs(getattr(gpu, "matrix_configs", ()) or ()):
+    if trunk_dtype == "f16" and _matrix_units(gpu):
         gpu.products = "matrix"
 
 
