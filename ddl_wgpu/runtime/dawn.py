@@ -38,6 +38,12 @@ DISABLED_TOGGLES = ("timestamp_quantization",)
 # Dawn's feature names -> the project's (wgpu-native's), and back for the device request
 FEATURES = {"subgroups": "subgroup"}
 MATRIX_FEATURE = "chromium-experimental-subgroup-matrix"
+# Buffers on host memory (`extras.create_buffer_from_host_memory`): an upload then is a copy the GPU's DMA
+# engines make from those pages, with no staging of Dawn's (bench/upload.py measures it against
+# `queue.write_buffer`). Experimental, behind allow_unsafe_apis like the subgroup matrices.
+HOST_POINTER_FEATURE = "host-mapped-pointer"
+# Dawn's features a device gets wherever the adapter offers them, besides the project's OPTIONAL_FEATURES
+DAWN_FEATURES = (MATRIX_FEATURE, HOST_POINTER_FEATURE)
 
 
 class Dawn:
@@ -80,8 +86,7 @@ class Dawn:
     def request_device(self, adapter, features: list, limits: dict, trusted: bool):
         back = {v: k for k, v in FEATURES.items()}
         wanted = [back.get(f, f) for f in features]
-        if MATRIX_FEATURE in adapter.features:
-            wanted.append(MATRIX_FEATURE)
+        wanted += [f for f in DAWN_FEATURES if f in adapter.features]
         return extras.request_device_sync(
             adapter,
             required_features=wanted,

@@ -96,7 +96,8 @@ DAWN_HINT = (
 )
 
 # Features we use when the adapter has them, by the project's names (wgpu-native's; a runtime maps its own to
-# these, `runtimes.py`). Dawn's device also gets chromium-experimental-subgroup-matrix where the adapter has it.
+# these, `runtimes.py`). Dawn's device also gets chromium-experimental-subgroup-matrix and host-mapped-pointer
+# where the adapter has them (`dawn.DAWN_FEATURES`).
 OPTIONAL_FEATURES = (
     "shader-f16",
     "subgroup",
