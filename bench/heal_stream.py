@@ -161,6 +161,7 @@ def run(args, model, gpu, progress) -> dict:
              "engine_peak_bytes": gpu.peak - live0, "smi_peak_bytes": smi.peak(t0, t2)}  # fmt: skip
         if layer_log is not None:
             e["upload_wait_s"] = layer_log.wait_s
+        e["upload"] = teacher.trunk.stream.mode  # DDL_WGPU_UPLOAD's way, as it ran (host falls back to write)
         if mode is None:
             out["resident"] = cache
         else:
@@ -171,7 +172,7 @@ def run(args, model, gpu, progress) -> dict:
             e["vs_resident"] = e["tokens_per_s"] / phases[0]["tokens_per_s"]
         progress(f"  {label}: {e['tokens_per_s']:,.0f} tokens/s over {windows} windows (blocks of {p.block}); "
                  f"peak {_gib(e['engine_peak_bytes'])} engine, {_gib(e['smi_peak_bytes'])} nvidia-smi"
-                 + (f"; same bits as resident: {e['same_bits']}" if mode else ""))  # fmt: skip
+                 + (f"; same bits as resident: {e['same_bits']}" if mode else "") + f"; uploads: {e['upload']}")  # fmt: skip
         phases.append(e)
         teacher.release()
         if mode is None:

@@ -176,6 +176,86 @@ def test_streamed_teacher_gives_the_resident_and_the_plain_forward_bits(gpu, mon
     assert dry == made
 
 
+def test_the_host_buffer_plan_lands_the_bytes_write_lands(monkeypatch):
+    """`stream.host_plan`: the pieces packed at whole words, copied back by its copies, give the slot exactly what
+    `Gpu.write` gives it (a piece's last word padded with zeros, the bytes between tensors untouched); adjacent
+    pieces of a tensor go in one copy. DDL_WGPU_UPLOAD takes write or host only."""
+    from ddl_wgpu.engine import stream
+
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal(40).astype(np.float32)
+    odd = rng.standard_normal(7).astype(np.float16)  # 14 bytes: a word's half to pad
+    pieces = [(0, 0, big[:24]), (0, 96, big[24:]), (0, 192, odd), (1, 16, odd[:3]), (0, 160, big[:4])]
+    slots = {a: np.full(256, 0xAB, np.uint8) for a in (0, 1)}
+    want = {a: v.copy() for a, v in slots.items()}
+    for arena, offset, piece in pieces:  # what Gpu.write puts there
+        b = piece.view(np.uint8)
+        want[arena][offset : offset + b.nbytes] = b
+        want[arena][offset + b.nbytes : offset + -(-b.nbytes // 4) * 4] = 0
+    used, fills, copies = stream.host_plan(pieces)
+    host = np.full(used, 0xCD, np.uint8)
+    for pos, raw in fills:  # as LayerStream._from_host fills it
+        host[pos : pos + raw.nbytes] = raw
+        host[pos + raw.nbytes : pos + -(-raw.nbytes // 4) * 4] = 0
+    for arena, src, offset, n in copies:
+        assert src % 4 == 0 and offset % 4 == 0 and n % 4 == 0
+        slots[arena][offset : offset + n] = host[src : src + n]
+    for a in slots:
+        np.testing.assert_array_equal(slots[a], want[a])
+    assert used == 160 + 16 + 8 + 16 and len(copies) == 4  # big's two pieces in one copy
+    monkeypatch.setenv(stream.ENV_UPLOAD, "Host")
+    assert stream.upload_mode() == "host"
+    monkeypatch.setenv(stream.ENV_UPLOAD, "mapped")
+    with pytest.raises(stream.GpuError, match="DDL_WGPU_UPLOAD='mapped': one of write, host"):
+        stream.upload_mode()
+
+
+def test_host_buffer_uploads_give_the_write_uploads_bits(monkeypatch):
+    """DDL_WGPU_UPLOAD=host on a Dawn device with host-mapped-pointer (lavapipe's has it): the f16 hybrid's teacher
+    streamed through two slots (twice: every slot uploaded again) and loaded resident gives the bits of the
+    streamed teacher that writes its layers (`queue.write_buffer`), and no layer goes up through `Gpu.write`."""
+    from ddl_wgpu.engine import stream
+    from ddl_wgpu.runtime import gpu as g
+
+    try:
+        g.resolve("dawn", None, g.select_adapter)
+        dawn = g.Gpu(runtime="dawn")
+    except g.GpuError as e:
+        pytest.skip(f"Dawn cannot run here: {e}")
+    if "host-mapped-pointer" not in dawn.features:
+        pytest.skip(f"{dawn.name} has no host-mapped-pointer under Dawn")
+    cfg = kinds()["hybrid"]
+    m = Model(cfg, perturbed(cfg))
+    ids, lengths = np.random.default_rng(3).integers(0, 256, (4, 20)), np.array([20, 17, 9, 20])
+
+    def teacher(streamed: bool):
+        return heal_gpu.WgpuTeacher(dawn, m.params, cfg, 2, "f16", plan=heal_gpu._Shape(streamed, 2))
+
+    def rows(t):
+        got = [t.topk_rows(ids[s : s + 2], lengths[s : s + 2], 6) for s in range(0, 4, 2)]
+        return [np.concatenate(x) for x in zip(*got, strict=True)]
+
+    monkeypatch.delenv(stream.ENV_UPLOAD, raising=False)
+    t = teacher(True)
+    want = rows(t)
+    assert t.trunk.stream.mode == "write" and t.trunk.stream.host is None
+    t.release()
+    monkeypatch.setenv(stream.ENV_UPLOAD, "host")
+    writes = []
+    write = type(dawn).write
+    monkeypatch.setattr(
+        type(dawn), "write", lambda gg, buf, *a, **k: (writes.append(buf.label), write(gg, buf, *a, **k))
+    )
+    for streamed in (True, False):
+        t = teacher(streamed)
+        for _ in range(2 if streamed else 1):
+            for a, b in zip(want, rows(t), strict=True):
+                np.testing.assert_array_equal(a, b)
+        assert t.trunk.stream.mode == "host" and t.trunk.stream.turn >= 3, streamed
+        t.release()
+    assert not [w for w in writes if w.startswith("layer_slot")], writes
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_uploads_keep_at_most_the_counted_staging_alive(gpu, monkeypatch, streamed):
     """wgpu keeps each `queue.write_buffer`'s staging until the submit carrying it is done: the bytes written

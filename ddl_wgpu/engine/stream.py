@@ -27,6 +27,15 @@ no more than two layers' staging is alive (counted in the plan: `staging_bytes`)
 layer ahead of the GPU (on the H200 an unbounded host ran 20 GB of staging ahead, 2026-12-03). The next layer
 is prepared while this one is written. A mapped staging ring filled by the thread pool was
 tried and stalled on the H200 (docs/experiments.md).
+
+Opt-in, until measured on a GPU (bench/upload.py, bench/heal.py --gpu-memory): env DDL_WGPU_UPLOAD=host copies
+each layer through two buffers on host memory instead (`Gpu.host_buffer`: Dawn's host-mapped-pointer; where the
+device lacks it, `write` as before). The pieces are copied into the host buffer of the layer two before (its
+submit waited for, as above) on the thread pool, and the layer's submit carries `copy_buffer_to_buffer`s from it:
+the GPU reads the host pages itself, with no single-threaded copy into staging and no staging in device memory. The same
+bytes land in the slot (a word's rest zeroed as `Gpu.write` pads it), so the results are the same bits. The plan
+still counts the write path's staging in device memory (`staging_bytes`): an over-count, left until the way is
+chosen.
 """
 
 from __future__ import annotations
@@ -52,6 +61,9 @@ from ddl_wgpu.runtime.gpu import Call, GpuError
 LAYER = "model.layers."
 PIECE_BYTES = 16 << 20  # a conversion task of the thread pool, and the most one write_buffer call copies
 STREAM_SLOTS = 2  # layer slots of a streamed trunk: layer i + 1 uploads while layer i runs
+# How a layer goes up (module docstring, "Uploads"): "write" (queue.write_buffer, the default) or "host"
+ENV_UPLOAD = "DDL_WGPU_UPLOAD"
+UPLOADS = ("write", "host")
 _NP = {"f32": np.float32, "f16": np.float16}
 _STORED = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.float64): "f64"}
 
@@ -144,6 +156,33 @@ class WeightSource:
         for s in range(0, len(spans), ahead):
             yield from each(view if stored == dtype else one, spans[s : s + ahead])
         self.finite.add(name)
+
+
+def upload_mode() -> str:
+    """Env DDL_WGPU_UPLOAD, else "write"; an unknown name is a GpuError."""
+    value = (os.environ.get(ENV_UPLOAD) or "write").strip().lower()
+    if value not in UPLOADS:
+        raise GpuError(f"{ENV_UPLOAD}={value!r}: one of {', '.join(UPLOADS)}")
+    return value
+
+
+def host_plan(pieces) -> tuple[int, list, list]:
+    """Where each piece of a layer ((arena, byte offset, array) as `LayerStream._prepare` makes them) goes in a host
+    buffer: packed in order, each at a multiple of 4 (copy_buffer_to_buffer's alignment) -> (bytes used,
+    [(host offset, the piece's bytes)], [(arena, host offset, slot offset, bytes)]: the copies, adjacent ones
+    merged, each a whole number of words: a piece's last word padded with zeros, as `Gpu.write` pads it)."""
+    pos, fills, copies = 0, [], []
+    for arena, offset, piece in pieces:
+        raw = np.ascontiguousarray(piece).reshape(-1).view(np.uint8)
+        n = -(-raw.nbytes // 4) * 4
+        fills.append((pos, raw))
+        last = copies[-1] if copies else None
+        if last and last[0] == arena and last[1] + last[3] == pos and last[2] + last[3] == offset:
+            last[3] += n
+        else:
+            copies.append([arena, pos, offset, n])
+        pos += n
+    return pos, fills, [tuple(c) for c in copies]
 
 
 def _workers() -> int:
@@ -323,6 +362,11 @@ class LayerStream:
         self.recent: collections.deque = collections.deque(
             maxlen=2
         )  # the last two layers' submission indices
+        # DDL_WGPU_UPLOAD=host: two host buffers taking turns (made at the first upload), else None; `mode` is
+        # the way in force ("host" falls back to "write" where the device has no host-mapped pointer)
+        self.mode = upload_mode()
+        self.host: list | None = None
+        self.turn = 0
 
     def stage(self, i: int) -> None:
         if i not in self.staged and self.w.holds[i % self.w.S] != i:
@@ -346,9 +390,45 @@ class LayerStream:
         if len(self.recent) == 2:  # the layer two submits back is done: its staging (and older) is freed
             self.gpu.wait_for(self.recent[0])
         dst = self.w.bufs[s]
-        for arena, offset, piece in pieces:
-            self.gpu.write(dst[arena], piece, offset)
+        if self.mode == "host" and self._host_ready():
+            self._from_host(pieces, dst, rec)
+        else:
+            for arena, offset, piece in pieces:
+                self.gpu.write(dst[arena], piece, offset)
         self.w.holds[s] = i
+
+    def _host_ready(self) -> bool:
+        """The two host buffers, each as large as the largest layer's packed pieces (`host_plan`), made once;
+        False (and `mode` "write") where the device has none."""
+        if self.host is None:
+            words = max(sum(-(-s.nbytes // 4) * 4 for _, s in self.w.layer_tensors(i))
+                        for i in range(self.w.cfg.n_layers))  # fmt: skip
+            made = [self.gpu.host_buffer(words, label=f"layer_host{k}") for k in range(2)]
+            if any(m is None for m in made):
+                self.mode = "write"
+                return False
+            self.host = made
+        return True
+
+    def _from_host(self, pieces, dst, rec) -> None:
+        """The pieces into the host buffer the layer two submits back used (that submit is done: `bring` waited
+        for it; a layer that needed no upload takes no turn, and the submit two back is then later still), filled
+        on the pool, and `rec`'s submit copies them into the slot."""
+        host, buf = self.host[self.turn % 2]
+        self.turn += 1
+        used, fills, copies = host_plan(pieces)
+        if used > host.size:
+            raise GpuError(f"a layer's pieces take {used} bytes, more than the {host.size}-byte host buffer")
+
+        def fill(job):
+            pos, raw = job
+            host[pos : pos + raw.nbytes] = raw
+            # the word's rest zeroed, as Gpu.write pads it
+            host[pos + raw.nbytes : pos + -(-raw.nbytes // 4) * 4] = 0
+
+        list(self.pool.map(fill, fills) if self.pool is not None else map(fill, fills))
+        for arena, src, offset, n in copies:
+            rec.copy(buf, src, dst[arena], offset, n)
 
     def submitted(self, index: int) -> None:
         self.recent.append(index)
@@ -363,6 +443,9 @@ class LayerStream:
             fut.cancel()
         self.coord.shutdown(wait=True)
         self.staged = {}
+        for _, buf in self.host or ():  # Dawn frees the pages once the submits that copy from them are done
+            buf.destroy()
+        self.host = None
 
 
 class TrunkPass(InferenceWork):

@@ -17,6 +17,7 @@ import re
 import sys
 import tempfile
 
+import numpy as np
 import wgpudawn
 from wgpudawn.backends.dawn import _api, extras, ffi, lib
 from wgpudawn.backends.dawn._ffi import c_callback, callbacks
@@ -152,6 +153,18 @@ class Dawn:
 
     def map_reader(self, device, buffer, spin: bool) -> DawnMap:
         return DawnMap(buffer, spin)
+
+    def host_buffer(self, device, nbytes: int, label: str):
+        """(a writable uint8 array of `nbytes` host bytes, a COPY_SRC buffer whose memory they are), or None where
+        the device lacks host-mapped-pointer. Pages of their own (`extras.allocate_host_memory`): Metal and D3D12
+        refuse part of a malloc block. The GPU copies out of them itself: no staging of Dawn's."""
+        if HOST_POINTER_FEATURE not in device.features:
+            return None
+        memory = extras.allocate_host_memory(device, nbytes)
+        buffer = extras.create_buffer_from_host_memory(
+            device, memory, usage=wgpudawn.BufferUsage.COPY_SRC, label=label
+        )
+        return np.frombuffer(memory, np.uint8)[:nbytes], buffer
 
 
 # Tint wants `enable subgroups;` before a subgroup builtin; naga refuses the directive (the `subgroups`

@@ -530,6 +530,13 @@ class Gpu:
             done += n
         return out.view(dtype)
 
+    def host_buffer(self, nbytes: int, label: str = "host") -> tuple | None:
+        """Host memory the GPU copies from without a staging copy: (a writable uint8 array of `nbytes`, a COPY_SRC
+        buffer on those pages) where the runtime's device has it (Dawn's host-mapped-pointer), else None. Host
+        memory, not the device's: not counted in `live`. Copy out of it with `Recorder.copy`; its bytes may be
+        rewritten once the submits that copy them are done (bench/upload.py measures this way against `write`)."""
+        return self.rt.host_buffer(self.device, int(nbytes), label)
+
     def readback(self, nbytes: int, label: str = "readback") -> Readback:
         """A mappable buffer a recording copies results into (`Recorder.copy`), read after that recording's
         submit (`Readback.read`): a result comes back in the submit that made it, without the extra copy and

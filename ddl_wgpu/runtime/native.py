@@ -82,6 +82,9 @@ class Native:
     def map_reader(self, device, buffer, spin: bool) -> NativeMap:
         return NativeMap(device, buffer, spin)
 
+    def host_buffer(self, device, nbytes: int, label: str):
+        return None  # wgpu-native has no buffer on host memory (Dawn's host-mapped-pointer)
+
 
 class NativeMap:
     """A MAP_READ buffer mapped through wgpu-native on the calling thread, its callback fired by this thread's
