@@ -180,6 +180,8 @@ def test_cli_refusals_are_one_line(kit, tmp_path, cli, user_error):
     user_error(cli(*heal, "--draft", d / "t.ddlw"), "not an EAGLE-3 draft", "a model file")
     user_error(cli(*heal, "--draft", d / "draft.ddlw", "--refresh", "10"), "--refresh", "draft MODEL --init")
     user_error(cli(*heal, "--aux-layers", "1,2,3"), "--aux-layers", "--draft")
+    user_error(cli("draft", d / "small.ddlw", "--init", "targte", "--data", d / "text.txt", "--out",
+                   tmp_path / "x.ddlw", "--backend", "ref"), "--init takes target, random or an EAGLE-3 draft")  # fmt: skip
     user_error(cli(*heal, "--draft", d / "draft.ddlw", "--aux-layers", "1,2,9"), "--aux-layers", "1..4")
     wide = tmp_path / "wide.ddlw"
     save_model(wide, random_model(tiny_cfg("default", n_layers=6, d_model=32, n_heads=4), 0))

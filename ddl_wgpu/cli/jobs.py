@@ -728,6 +728,9 @@ def draft(
     budget = gpumem.budget(gpu_memory)  # on the GPU a budget streams the target's layers (two slots)
     start = None
     if init not in draft_lib.INITS:  # a draft file to start from: a heal with every option of the trainer
+        if not Path(init).is_file():
+            fail(f"--init takes {', '.join(draft_lib.INITS)} or an EAGLE-3 draft file to start from; {init!r} is "
+                 "none of these")  # fmt: skip
         start, init = os.fspath(init), DRAFT.init
         refuse_overwrite_input(out, [start], draft_lib.DraftError)
     cfg = draft_lib.DraftConfig(start=start, kind=kind, draft_vocab=draft_vocab, aux_layers=parse_aux_layers(aux_layers), ttt=ttt,
