@@ -51,14 +51,21 @@ def test_compress_records_its_source_and_the_draft_maps_through_it(kit):
     plan = ea.plan_aux(draft, d / "draft.ddlw", d / "small.ddlw")
     # 2 kept (still layer 2); 3 dropped: the input of old layer 4, now layer 3, is the same point of the stream
     assert plan.how == ea.MAPPED and plan.aux_layers == (2, 3, 3)
-    assert len(plan.notes) == 2 and "aux layer 3 was dropped" in plan.notes[0] and "now layer 3" in plan.notes[0]
+    assert (
+        len(plan.notes) == 2 and "aux layer 3 was dropped" in plan.notes[0] and "now layer 3" in plan.notes[0]
+    )
     assert ea.plan_aux(draft, d / "draft.ddlw", d / "t.ddlw").how == ea.AS_IS
 
 
 def test_map_ids_is_the_count_of_kept_layers_below():
     origin = [0, 1, 4, 5, 7]  # layers 2, 3 and 6 of an 8-layer target dropped
     ids, notes = ea.map_ids((1, 3, 5), origin)
-    assert ids == (1, 2, 3) and len(notes) == 1 and "aux layer 3 was dropped" in notes[0] and "4 (now layer 2)" in notes[0]
+    assert (
+        ids == (1, 2, 3)
+        and len(notes) == 1
+        and "aux layer 3 was dropped" in notes[0]
+        and "4 (now layer 2)" in notes[0]
+    )
     assert ea.map_ids((2, 4, 7), origin)[0] == (2, 2, 4)
     # the input of old layer 8 would be the final stream, of old layer 0's the embedding: no tap
     assert ea.map_ids((1, 2, 8), origin)[0] is None
@@ -115,7 +122,8 @@ def test_heal_lowers_the_loss_and_raises_tau_on_the_compressed_target(kit):
     assert healed.cfg.aux_layers == (2, 3, 3)
     assert np.array_equal(healed.d2t, draft.d2t) and np.array_equal(healed.t2d, draft.t2d)
     assert healed.target["config_hash"] == ef.target_identity(d / "small.ddlw")["config_hash"]
-    assert ea.plan_aux(healed, "healed", d / "small.ddlw").how == ea.AS_IS  # now bound to the compressed target
+    # now bound to the compressed target
+    assert ea.plan_aux(healed, "healed", d / "small.ddlw").how == ea.AS_IS
     # `accept` measures both drafts on the compressed target with the same mapping, on other windows
     kw = dict(depth=3, window=32, tokens=3000)
     unhealed = dj.accept_file(d / "small.ddlw", d / "draft.ddlw", str(d / "text.txt"), **kw)
@@ -161,7 +169,10 @@ def test_cli_heal_with_a_draft_and_accept_with_the_mapping(kit, tmp_path, cli, o
     r = ok(cli("heal", d / "small.ddlw", "--draft", d / "draft.ddlw", "--data", d / "text.txt", "--out",
                tmp_path / "h.ddlw", "--tokens", "2000", "--window", "32", "--chain", "2", "--lr", "2e-3",
                "--backend", "ref"))  # fmt: skip
-    assert "aux layers [2, 3, 3] (the draft's [2, 3, 3] mapped" in r.stderr and "aux layer 3 was dropped" in r.stderr
+    assert (
+        "aux layers [2, 3, 3] (the draft's [2, 3, 3] mapped" in r.stderr
+        and "aux layer 3 was dropped" in r.stderr
+    )
     assert "healed" in r.stdout and "τ at depth 3" in r.stdout and "->" in r.stdout
     assert ef.load_draft(tmp_path / "h.ddlw").cfg.ttt == 2
     r = ok(cli("accept", d / "small.ddlw", "--draft", d / "draft.ddlw", "--data", d / "text.txt", "--tokens",
@@ -176,7 +187,16 @@ def test_cli_heal_with_a_draft_and_accept_with_the_mapping(kit, tmp_path, cli, o
 
 def test_cli_refusals_are_one_line(kit, tmp_path, cli, user_error):
     d, _ = kit
-    heal = ("heal", d / "small.ddlw", "--data", d / "text.txt", "--out", tmp_path / "o.ddlw", "--backend", "ref")
+    heal = (
+        "heal",
+        d / "small.ddlw",
+        "--data",
+        d / "text.txt",
+        "--out",
+        tmp_path / "o.ddlw",
+        "--backend",
+        "ref",
+    )
     user_error(cli(*heal, "--draft", d / "t.ddlw"), "not an EAGLE-3 draft", "a model file")
     user_error(cli(*heal, "--draft", d / "draft.ddlw", "--refresh", "10"), "--refresh", "draft MODEL --init")
     user_error(cli(*heal, "--aux-layers", "1,2,3"), "--aux-layers", "--draft")

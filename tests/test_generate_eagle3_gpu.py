@@ -46,7 +46,10 @@ def test_proposals_equal_the_numpy_engines(gpu, kit):
         want, _rows = ref.draft(token, 3, "argmax", None)
         got, rows = gpu_eng.draft(token, 3, "argmax", None)
         assert got == want, (got, want)
-        assert rows[0].shape == (m.cfg.vocab_size,) and np.isinf(rows[0]).sum() == m.cfg.vocab_size - draft.cfg.draft_vocab
+        assert (
+            rows[0].shape == (m.cfg.vocab_size,)
+            and np.isinf(rows[0]).sum() == m.cfg.vocab_size - draft.cfg.draft_vocab
+        )
         verify = ref.feed([token, *want], "argmax")
         assert list(gpu_eng.feed([token, *want], "argmax")) == list(verify)
         n = ref.length - 4

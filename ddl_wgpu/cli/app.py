@@ -335,7 +335,9 @@ def import_hf(
     ),
     out: Path = typer.Argument(..., help="Model file to write (.ddlw)."),
     target: Path = typer.Option(
-        None, "--target", help="EAGLE-3 draft folders: the target model, for default aux layer ids."
+        None,
+        "--target",
+        help="EAGLE-3 draft folders: the target model (default aux layer ids; a folder naming none is bound to it).",
     ),
     force: ForceOpt = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -425,7 +427,9 @@ def accept(
         None, "--draft", help="Measure this EAGLE-3 draft file instead of the MTP draft."
     ),
     aux_layers: str = typer.Option(
-        None, "--aux-layers", help="--draft: the three layer inputs the draft reads (default: mapped from its target)."
+        None,
+        "--aux-layers",
+        help="--draft: the three layer inputs the draft reads (default: mapped from its target).",
     ),
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -546,7 +550,8 @@ def generate(
     choice = choose_backend(backend, device, runtime)
     m = load_model(model)
     eagle = None
-    if draft is not None:  # its layers found on MODEL (`eagle3_aux`: its own target's, or mapped through compress)
+    # an EAGLE-3 draft's layers found on MODEL (`eagle3_aux`: its own target's, or mapped through compress)
+    if draft is not None:
         eagle, plan = draft_lib.plan_for(model, draft)
         for line in (plan.line(), *plan.notes):
             typer.echo(line, err=True)

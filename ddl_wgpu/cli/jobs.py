@@ -549,7 +549,9 @@ def heal(
         help="Heal this EAGLE-3 draft file on MODEL instead of the MTP draft (`draft`'s trainer; OUT a draft file).",
     ),
     aux_layers: str = opt(
-        None, "--draft: the three layer inputs of MODEL the draft reads (default: mapped from its target).", HEAL_HELP
+        None,
+        "--draft: the three layer inputs of MODEL the draft reads (default: mapped from its target).",
+        HEAL_HELP,
     ),
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="JSON progress lines and the report as JSON."),
@@ -622,7 +624,9 @@ def _heal_eagle3(model: Path, data: str, out: Path, draft_file: Path, given: dic
     output_file(out, given["force"])
     budget = gpumem.budget(given["gpu_memory"])
     settings = {to: given[frm] for frm, to in HEAL_AS_DRAFT.items()}
-    cfg = draft_lib.DraftConfig(**settings, start=os.fspath(draft_file), aux_layers=parse_aux_layers(given["aux_layers"]))
+    cfg = draft_lib.DraftConfig(
+        **settings, start=os.fspath(draft_file), aux_layers=parse_aux_layers(given["aux_layers"])
+    )
     choice = choose_backend(given["backend"], given["device"], given["runtime"])
     as_json = given["as_json"]
     typer.echo("resolved configuration:", err=as_json)

@@ -402,7 +402,9 @@ class WgpuEngine:
         ec = cfg.residual == "delta" and cfg.ddl_dv > 1 and cfg.ddl_expand_embed
         types = [cfg.layer_type(i) for i in range(cfg.n_layers)]
         # a verify pass (depth + 1 rows) keeps every row's recurrent state: the roll-back lands inside it
-        self.trunk = GpuCache(gpu, cfg, cap, types, bool(depth), tc, ec, keep=depth + 1 if keep is None else keep)
+        self.trunk = GpuCache(
+            gpu, cfg, cap, types, bool(depth), tc, ec, keep=depth + 1 if keep is None else keep
+        )
         self.dcache = (
             GpuCache(gpu, cfg, cap + depth, ["full_attention"], False, False, False) if depth else None
         )

@@ -58,7 +58,9 @@ class WgpuEagle3Engine(WgpuEngine):
     def __init__(self, gpu: Gpu, model, draft, depth: int, dtype: str = "f32", capacity: int | None = None):
         cfg = model.cfg
         if cfg.residual == "delta" and cfg.ddl_dv > 1:
-            raise GpuError(f"a d_v = {cfg.ddl_dv} Deep Delta trunk has no residual stream of vectors to draft from")
+            raise GpuError(
+                f"a d_v = {cfg.ddl_dv} Deep Delta trunk has no residual stream of vectors to draft from"
+            )
         if draft.cfg.hidden != cfg.d_model or draft.cfg.vocab != cfg.vocab_size:
             raise GpuError("the EAGLE-3 draft's width or vocabulary is not the model's")
         if not all(1 <= j < cfg.n_layers for j in draft.cfg.aux_layers):
@@ -72,9 +74,11 @@ class WgpuEagle3Engine(WgpuEngine):
         self.depth, self.cap = int(depth), cap
         self.dcfg = draft.cfg
         self.tmap = e3.target_ids(draft.d2t)
-        self.draft_id = np.full(cfg.vocab_size, -1, np.int64)  # a target id's draft id (a sampled draft token)
+        # a target id's draft id (what a sampled draft token was)
+        self.draft_id = np.full(cfg.vocab_size, -1, np.int64)
         self.draft_id[self.tmap] = np.arange(self.tmap.size)
-        host = types.SimpleNamespace(gpu=gpu, net=self.net, cfg=self.cfg)  # the embedding where the trunk has it
+        # the draft reads the embedding where the trunk keeps it (the draft's `target` is only asked for that)
+        host = types.SimpleNamespace(gpu=gpu, net=self.net, cfg=self.cfg)
         self.drafter = WgpuEagle3Draft(host, draft.params, draft.cfg, draft.d2t, draft.t2d, batch=1, k=1)
         self.work = self.drafter.work(cap, max(self.depth, 1))
         self.work.set_aux(GpuAux(self.aux, 1, cap))

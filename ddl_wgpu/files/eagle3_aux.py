@@ -86,7 +86,7 @@ def layer_origin(records: list[dict], n_layers: int, target: dict) -> list[int] 
             return None
         if rec.get("method") == "drop_layers":
             L = rec.get("n_layers_before")
-        if not by_identity and isinstance(want_L, int) and L == want_L:
+        if not by_identity and isinstance(want_L, int) and want_L == L:
             return origin  # no identity to compare (an older record, an unbound draft): the layer count
     return None
 
@@ -142,7 +142,9 @@ def plan_aux(draft: Eagle3Draft, draft_path, model_path, given=None) -> AuxPlan:
     records = compress_records(prov)
     if _same(ident, target):
         return AuxPlan(orig, AS_IS, orig)
-    origin = layer_origin(records, L, target) if (target.get("config_hash") or target.get("n_layers")) else None
+    origin = (
+        layer_origin(records, L, target) if (target.get("config_hash") or target.get("n_layers")) else None
+    )
     if origin is not None:
         ids, notes = map_ids(orig, origin)
         if ids is None:

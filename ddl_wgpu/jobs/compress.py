@@ -274,7 +274,10 @@ def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,
             kind="one_method",
         )
     refuse_overwrite_input(out_path, [model_path], CompressError)
-    with open_checkpoint(model_path, verify=False) as model_header, open_model(model_path, verify=verify) as model:
+    with (
+        open_checkpoint(model_path, verify=False) as model_header,
+        open_model(model_path, verify=verify) as model,
+    ):
         if drop is not None:  # checked against the model before its tensors are read
             layers = parse_layers(drop) if isinstance(drop, str) else list(drop)
             plan = plan_drop_layers(model.cfg, layers)

@@ -576,11 +576,6 @@ def plan_for(target_path, draft_path, verify: bool = True, aux_layers=None) -> t
     return on_model(draft, plan), plan
 
 
-def load_for(target_path, draft_path, verify: bool = True) -> Eagle3Draft:
-    """The draft file at `draft_path` as it runs on the model at `target_path` (`plan_for`)."""
-    return plan_for(target_path, draft_path, verify)[0]
-
-
 def accept_file(target_path, draft_path, data_spec: str, depth: int = accept_mod.DEPTH, window: int | None = None,
                 tokens: int | None = None, backend: str = "ref", device=None, verify: bool = True,
                 aux_layers=None, say: Callable[[str], None] | None = None) -> dict:  # fmt: skip
@@ -621,5 +616,7 @@ def accept_file(target_path, draft_path, data_spec: str, depth: int = accept_mod
         for b in range(len(ids)):
             tally.add(preds[b], greedy[b], ids[b], int(lengths[b]))
     out = tally.result()
-    out.update(data=str(data_spec), backend=backend, draft=os.fspath(draft_path), kind="eagle3", aux=plan.to_dict())
+    out.update(
+        data=str(data_spec), backend=backend, draft=os.fspath(draft_path), kind="eagle3", aux=plan.to_dict()
+    )
     return out
