@@ -15,6 +15,7 @@ from helpers import make_text, random_model, tiny_cfg
 from ddl_wgpu.files import eagle3_aux as ea
 from ddl_wgpu.files import eagle3file as ef
 from ddl_wgpu.files.container import CheckpointError
+from ddl_wgpu.files.hf.convert import export_hf_from_file, import_hf_to_file
 from ddl_wgpu.files.modelfile import load_model, save_model
 from ddl_wgpu.jobs import draft as dj
 from ddl_wgpu.jobs.compress import compress_file
@@ -107,6 +108,24 @@ def test_an_unbound_draft_on_a_model_with_dropped_blocks_needs_aux_layers(kit):
     assert ea.plan_aux(counted, "pub", d / "small.ddlw").aux_layers == (2, 3, 3)
 
 
+def test_a_published_folder_imported_with_its_target_maps_onto_the_compressed_copy(kit, tmp_path):
+    """The user story's `import-hf EAGLE_FOLDER draft.ddlw --target base.ddlw`: a folder that names no target is
+    bound to --target's model, so its layers map onto a compressed copy as a draft trained here does."""
+    d, _ = kit
+    export_hf_from_file(d / "draft.ddlw", tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf/config.json").read_text())
+    cfg.pop("ddl_target")  # as published by others
+    (tmp_path / "hf/config.json").write_text(json.dumps(cfg))
+    unbound = import_hf_to_file(tmp_path / "hf", tmp_path / "pub.ddlw")
+    assert not unbound["bound_to_target"]
+    with pytest.raises(CheckpointError, match="--aux-layers"):
+        dj.plan_for(d / "small.ddlw", tmp_path / "pub.ddlw")
+    bound = import_hf_to_file(tmp_path / "hf", tmp_path / "pub2.ddlw", target=d / "t.ddlw")
+    assert bound["bound_to_target"] and any("bound to the target" in n for n in bound["notes"])
+    _draft, plan = dj.plan_for(d / "small.ddlw", tmp_path / "pub2.ddlw")
+    assert plan.how == ea.MAPPED and plan.aux_layers == (2, 3, 3)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the heal
 
@@ -143,6 +162,20 @@ def test_the_start_draft_is_where_the_heal_begins(kit, tmp_path):
                        progress=lambda ev: seen.append(ev))  # fmt: skip
     step0 = next(ev["loss"] for ev in seen if ev["event"] == "eval" and ev["step"] == 0)
     assert rep["heldout_loss_start"] < 0.8 * step0
+
+
+def test_heal_on_the_gpu_is_the_numpy_heal(gpu, kit, tmp_path):
+    """`heal --draft --backend wgpu` (lavapipe): the same losses within float32 and the same acceptance."""
+    d, _ = kit
+    cfg = dj.DraftConfig(**{**SMALL, "learning_rate": 1e-2, "teacher_k": 4}, start=str(d / "draft.ddlw"))
+    reps = [dj.train_draft(d / "small.ddlw", str(d / "text.txt"), tmp_path / f"{b}.ddlw", cfg, backend=b)
+            for b in ("ref", "wgpu")]  # fmt: skip
+    ref, wgpu = reps
+    assert wgpu["backend"] == "wgpu" and wgpu["start"] == ref["start"]
+    for key in ("heldout_loss_start", "heldout_loss_end"):
+        assert wgpu[key] == pytest.approx(ref[key], rel=1e-5), key
+    assert ref["heldout_loss_end"] < 0.9 * ref["heldout_loss_start"]
+    assert wgpu["acceptance"]["prefix_acceptance"] == ref["acceptance"]["prefix_acceptance"]
 
 
 def test_a_stopped_heal_resumes_to_the_same_bits(kit, tmp_path):
