@@ -561,7 +561,7 @@ def make_engine(backend: str, model: Model, depth: int = 0, device: str | None =
 
 # ----------------------------------------------------------------------------------------------------------
 # EAGLE-3 drafts (`jobs/draft.py`, accept and generate with `--draft`): training and acceptance on both
-# engines (docs/eagle3.md#the-gpu-engine); generate's speculating engine on numpy only, for now
+# engines (docs/eagle3.md#the-gpu-engine), generate's speculating engine too
 
 EAGLE3_GPU_TOPK = 64  # the GPU teacher's default top-k width over the draft vocabulary (`ops.topk_kl.KMAX`)
 
@@ -652,15 +652,23 @@ def make_eagle3_draft(backend: str, params: dict, cfg, embed, d2t, t2d, device: 
         raise BackendError(f"EAGLE-3 draft on the GPU: {e}") from e
 
 
-def _eagle3_backend(backend: str, device: str | None) -> None:
-    if _resolve(backend, device) != "ref":
-        raise BackendError("generate with an EAGLE-3 draft has no GPU engine yet: run with --backend ref")
-
-
 def make_eagle3_engine(backend: str, model: Model, draft, depth: int, device: str | None = None,
-                       capacity: int | None = None) -> Engine:  # fmt: skip
-    """generate's engine speculating with an EAGLE-3 draft (`files.eagle3file.Eagle3Draft`) `depth` deep."""
-    _eagle3_backend(backend, device)
-    from ddl_wgpu.engine.refnet import RefEagle3Engine
+                       capacity: int | None = None, trunk_dtype: str = "f32") -> Engine:  # fmt: skip
+    """generate's engine speculating with an EAGLE-3 draft (`files.eagle3file.Eagle3Draft`) `depth` deep: numpy's
+    `refnet.RefEagle3Engine`, or on wgpu `decode_eagle3.WgpuEagle3Engine` (its trunk's big matrices in
+    `trunk_dtype`)."""
+    backend = _resolve(backend, device)
+    check_trunk_dtype(backend, trunk_dtype)
+    if backend == "ref":
+        from ddl_wgpu.engine.refnet import RefEagle3Engine
 
-    return RefEagle3Engine(model, draft, depth, capacity)
+        return RefEagle3Engine(model, draft, depth, capacity)
+    from ddl_wgpu.engine.decode_eagle3 import WgpuEagle3Engine
+    from ddl_wgpu.runtime.gpu import GpuError
+
+    gpu = open_gpu(device)
+    trunk_products(gpu, trunk_dtype)
+    try:
+        return WgpuEagle3Engine(gpu, model, draft, depth, trunk_dtype, capacity)
+    except GpuError as e:
+        raise BackendError(f"decoding with an EAGLE-3 draft on the GPU: {e}") from e

@@ -15,6 +15,7 @@ from helpers import make_text, random_model, tiny_cfg
 
 from ddl_ref import eagle3 as e3
 from ddl_ref.blocks import head_name
+from ddl_wgpu.files import eagle3_aux as ea
 from ddl_wgpu.files import eagle3file as ef
 from ddl_wgpu.files.container import CheckpointError, open_checkpoint, save
 from ddl_wgpu.files.hf import eagle3 as hf_e3
@@ -56,7 +57,7 @@ def test_training_lowers_the_loss_and_writes_a_bound_draft(setup):
     draft = ef.load_draft(d / "draft.ddlw")
     assert draft.cfg.aux_layers == e3.default_aux_layers(6)
     assert draft.target["config_hash"] == ef.target_identity(d / "t.ddlw")["config_hash"]
-    ef.check_target(draft, d / "draft.ddlw", d / "t.ddlw")  # its own target: accepted
+    assert ea.plan_aux(draft, d / "draft.ddlw", d / "t.ddlw").how == ea.AS_IS  # its own target: accepted
 
 
 def test_lm_head_starts_from_the_target_head(setup):
@@ -175,7 +176,9 @@ def test_a_published_folder_with_fields_missing_takes_vllms_defaults(setup, tmp_
     b = ef.load_draft(tmp_path / "pub.ddlw")
     assert b.cfg.aux_layers == e3.default_aux_layers(6)  # from SGLang's eagle_config ids + 1
     assert b.cfg.norm_before_residual is False and b.cfg.rope_theta == 10000.0
-    ef.check_target(b, "pub", d / "t.ddlw")  # unbound: checked by its shapes, and they fit
+    assert (
+        ea.plan_aux(b, "pub", d / "t.ddlw").how == ea.SHAPES
+    )  # unbound: checked by its shapes, and they fit
     # without any aux ids, the target's default needs the target
     cfg.pop("eagle_config")
     (tmp_path / "hf/config.json").write_text(json.dumps(cfg))

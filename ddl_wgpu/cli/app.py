@@ -335,7 +335,9 @@ def import_hf(
     ),
     out: Path = typer.Argument(..., help="Model file to write (.ddlw)."),
     target: Path = typer.Option(
-        None, "--target", help="EAGLE-3 draft folders: the target model, for default aux layer ids."
+        None,
+        "--target",
+        help="EAGLE-3 draft folders: the target model (default aux layer ids; a folder naming none is bound to it).",
     ),
     force: ForceOpt = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -424,6 +426,11 @@ def accept(
     draft: Path = typer.Option(
         None, "--draft", help="Measure this EAGLE-3 draft file instead of the MTP draft."
     ),
+    aux_layers: str = typer.Option(
+        None,
+        "--aux-layers",
+        help="--draft: the three layer inputs the draft reads (default: mapped from its target).",
+    ),
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
@@ -436,11 +443,15 @@ def accept(
     budget = gpumem.budget(gpu_memory)
     choice = choose_backend(backend, device, runtime)
     typer.echo(backend_line(choice), err=as_json)
-    if draft is not None:  # an EAGLE-3 draft file: the numpy engine measures it (`jobs/draft.py`)
+    if draft is not None:  # an EAGLE-3 draft file (`jobs/draft.py`), its layers found on MODEL (`eagle3_aux`)
         r = draft_lib.accept_file(model, draft, data, depth=depth, window=window, tokens=tokens or None,
-                                  backend=choice.name, device=device, verify=not no_verify)  # fmt: skip
+                                  backend=choice.name, device=device, verify=not no_verify,
+                                  aux_layers=cli_jobs.parse_aux_layers(aux_layers),
+                                  say=lambda line: typer.echo(line, err=True))  # fmt: skip
         emit(r, as_json, accept_text(r))
         return
+    if aux_layers is not None:
+        fail("--aux-layers names the layers an EAGLE-3 draft reads: it goes with --draft")
     shown, why = accept_lib.chain_attention_of(model, chain_attention)
     typer.echo(f"chain attention: {shown} ({'--chain-attention' if why == 'as given' else why})", err=as_json)
     # the option as the user gave it (None: defaulted), so the result's chain_attention_why says which it was
@@ -538,7 +549,12 @@ def generate(
     )  # read whatever the backend: a size no command takes is refused here too
     choice = choose_backend(backend, device, runtime)
     m = load_model(model)
-    eagle = draft_lib.load_for(model, draft) if draft is not None else None
+    eagle = None
+    # an EAGLE-3 draft's layers found on MODEL (`eagle3_aux`: its own target's, or mapped through compress)
+    if draft is not None:
+        eagle, plan = draft_lib.plan_for(model, draft)
+        for line in (plan.line(), *plan.notes):
+            typer.echo(line, err=True)
     if speculative:  # a round drafts within the model's context (and sizes its cache by the depth)
         in_range("depth", depth, 1, m.cfg.max_seq_len - 1)
     if choice.name == "wgpu":  # decoding reads every weight per token: a model past the budget is refused

@@ -223,9 +223,14 @@ class DraftConsole:
                      f"{ev['data']}{how}")  # fmt: skip
         elif kind == "regenerate":
             self.say(f"  regenerate: {ev['done']}/{ev['windows']} windows ({dt:.1f} s)")
+        elif kind == "aux":  # a run that starts from a draft file (heal): which target layers it reads
+            self.say(f"draft: starting from {ev['start']}: {ev['line']}")
+            for note in ev["notes"]:
+                self.say(f"  {note}")
         elif kind == "draft":
-            self.say(f"draft: EAGLE-3, {ev['params']:,} parameters, aux layers {ev['aux_layers']}, draft vocabulary "
-                     f"{ev['draft_vocab']} of {ev['vocab']}, TTT {ev['ttt']} deep, {ev['steps']} steps "
+            start = f", from {ev['start']}" if ev.get("start") else ""
+            self.say(f"draft: EAGLE-3, {ev['params']:,} parameters{start}, aux layers {ev['aux_layers']}, draft "
+                     f"vocabulary {ev['draft_vocab']} of {ev['vocab']}, TTT {ev['ttt']} deep, {ev['steps']} steps "
                      f"({ev['warmup']} warm-up)")  # fmt: skip
         elif kind == "resumed":
             self.say(f"  resumed after step {ev['step']} of {ev['steps']}")
@@ -242,8 +247,8 @@ class DraftConsole:
             )
         elif kind == "accept":
             A = " ".join(f"{a:.4f}" for a in ev["prefix_acceptance"])
-            self.say(
-                f"  held-out greedy acceptance, depth {ev['depth']}: A = {A}, τ = {ev['acceptance_length']:.4f}"
-            )
+            of = " of the start draft" if ev.get("start") else ""
+            self.say(f"  held-out greedy acceptance{of}, depth {ev['depth']}: A = {A}, "
+                     f"τ = {ev['acceptance_length']:.4f}")  # fmt: skip
         elif kind == "written":
             self.say(f"  wrote {ev['out']} ({dt:.1f} s)")

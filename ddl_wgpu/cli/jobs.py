@@ -543,10 +543,25 @@ def heal(
     gpu_memory: GpuMemory = None,
     host_memory: HostMemory = None,
     force: ForceOpt = False,
+    draft: Path = typer.Option(
+        None,
+        "--draft",
+        help="Heal this EAGLE-3 draft file on MODEL instead of the MTP draft (`draft`'s trainer; OUT a draft file).",
+    ),
+    aux_layers: str = opt(
+        None,
+        "--draft: the three layer inputs of MODEL the draft reads (default: mapped from its target).",
+        HEAL_HELP,
+    ),
     no_verify: NoVerify = False,
     as_json: bool = typer.Option(False, "--json", help="JSON progress lines and the report as JSON."),
 ):
-    """Retrain the MTP draft head on its own trunk by top-k KL self-distillation; write it back into OUT."""
+    """Retrain the MTP draft head on its own trunk by top-k KL self-distillation; write it back into OUT. With
+    --draft, retrain an EAGLE-3 draft file on MODEL instead (its weights and vocabulary kept as the start)."""
+    if draft is not None:
+        return _heal_eagle3(model, data, out, draft, locals())
+    if aux_layers is not None:
+        fail("--aux-layers names the layers an EAGLE-3 draft reads: it goes with --draft")
     for flag, value, lo in (("chain", chain, 1), ("refresh", refresh, 0), ("tokens", tokens, 1), ("window", window, 2),
                             ("topk", topk, 1), ("batch", batch, 1), ("eval-every", eval_every, 1),
                             ("patience", patience, 0), ("seed", seed, 0)):  # fmt: skip
@@ -584,6 +599,49 @@ def heal(
             )
 
 
+# EAGLE-3 drafts: heal's option -> the draft job's setting (`_heal_eagle3`)
+HEAL_AS_DRAFT = {"chain": "ttt", "tokens": "tokens", "window": "seq_len", "epochs": "epochs", "lr": "learning_rate",
+                 "topk": "teacher_k", "batch": "batch_size", "eval_every": "eval_interval", "seed": "seed"}  # fmt: skip
+# heal's options that only the MTP draft's heal reads, with the value that means "not given"
+MTP_ONLY = {"init": None, "refresh": HEAL.refresh, "patience": HEAL.patience, "trunk_dtype": HEAL.trunk_dtype,
+            "chain_attention": HEAL.chain_attention, "draft_width": HEAL.draft_width, "kl_form": HEAL.kl_form,
+            "host_memory": None}  # fmt: skip
+
+
+def _heal_eagle3(model: Path, data: str, out: Path, draft_file: Path, given: dict):
+    """`heal MODEL --draft DRAFT`: the `draft` job started from DRAFT (`draft.DraftConfig.start`), heal's options
+    mapped to its settings (`HEAL_AS_DRAFT`: the chain is the TTT unroll, the window the sequence length, the
+    top-k the teacher's); an option only the MTP heal reads is refused, naming `draft --init` for the rest."""
+    for name, unset in MTP_ONLY.items():
+        if given[name] != unset:
+            fail(f"--{name.replace('_', '-')} is the MTP draft's heal; with --draft (an EAGLE-3 draft) leave it out, "
+                 f"or use `ddl-wgpu draft MODEL --init {draft_file}` for all of the draft trainer's options")  # fmt: skip
+    for flag, lo in (("chain", 1), ("tokens", 1), ("window", 2), ("topk", 1), ("batch", 1), ("eval_every", 1),
+                     ("seed", 0)):  # fmt: skip
+        in_range(flag.replace("_", "-"), given[flag], lo)
+    in_range("epochs", given["epochs"], 0.0, 1e6)
+    refuse_overwrite_input(out, [model, draft_file], draft_lib.DraftError)
+    output_file(out, given["force"])
+    budget = gpumem.budget(given["gpu_memory"])
+    settings = {to: given[frm] for frm, to in HEAL_AS_DRAFT.items()}
+    cfg = draft_lib.DraftConfig(
+        **settings, start=os.fspath(draft_file), aux_layers=parse_aux_layers(given["aux_layers"])
+    )
+    choice = choose_backend(given["backend"], given["device"], given["runtime"])
+    as_json = given["as_json"]
+    typer.echo("resolved configuration:", err=as_json)
+    typer.echo(f"  heal:     the EAGLE-3 draft {draft_file} on {model} (the `draft` job's trainer from its weights)",
+               err=as_json)  # fmt: skip
+    typer.echo("  draft:    " + fields(cfg.to_dict()), err=as_json)
+    typer.echo("  " + backend_line(choice), err=as_json)
+    with writes(out):
+        rep = _draft_run(lambda: draft_lib.train_draft(model, data, out, cfg, backend=choice.name,
+                                                       progress=DraftConsole(as_json), device=given["device"],
+                                                       verify=not given["no_verify"],
+                                                       streamed=budget is not None), out)  # fmt: skip
+        _draft_report(rep, as_json)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # generate
 
@@ -595,7 +653,7 @@ DRAFT = draft_lib.DraftConfig()  # the defaults of the draft options
 DRAFT_HELP = "Draft options"
 
 
-def _aux_layers(text: str | None):
+def parse_aux_layers(text: str | None):
     if text is None:
         return None
     try:
@@ -640,7 +698,11 @@ def draft(
     warmup_steps: int = opt(None, "Linear warm-up steps (default: 10 % of the steps).", DRAFT_HELP),
     eval_interval: int = opt(DRAFT.eval_interval, "Steps between held-out evaluations.", DRAFT_HELP),
     seed: int = opt(DRAFT.seed, "Seed of the draft's init and of the batch order.", DRAFT_HELP),
-    init: str = opt(DRAFT.init, "lm_head from the target's head rows (target) or random.", DRAFT_HELP),
+    init: str = opt(
+        DRAFT.init,
+        "lm_head from the target's head rows (target) or random; or an EAGLE-3 draft file to start from (a heal).",
+        DRAFT_HELP,
+    ),
     regenerate: bool = opt(
         False, "Train on the target's own greedy continuations of the data's windows.", DRAFT_HELP
     ),
@@ -668,7 +730,14 @@ def draft(
     refuse_overwrite_input(out, [target], draft_lib.DraftError)
     output_file(out, force)
     budget = gpumem.budget(gpu_memory)  # on the GPU a budget streams the target's layers (two slots)
-    cfg = draft_lib.DraftConfig(kind=kind, draft_vocab=draft_vocab, aux_layers=_aux_layers(aux_layers), ttt=ttt,
+    start = None
+    if init not in draft_lib.INITS:  # a draft file to start from: a heal with every option of the trainer
+        if not Path(init).is_file():
+            fail(f"--init takes {', '.join(draft_lib.INITS)} or an EAGLE-3 draft file to start from; {init!r} is "
+                 "none of these")  # fmt: skip
+        start, init = os.fspath(init), DRAFT.init
+        refuse_overwrite_input(out, [start], draft_lib.DraftError)
+    cfg = draft_lib.DraftConfig(start=start, kind=kind, draft_vocab=draft_vocab, aux_layers=parse_aux_layers(aux_layers), ttt=ttt,
                                 tokens=tokens, seq_len=seq_len, batch_size=batch_size, epochs=epochs,
                                 learning_rate=learning_rate, warmup_steps=warmup_steps, eval_interval=eval_interval,
                                 seed=seed, init=init, regenerate=regenerate, prompt_len=prompt_len,
@@ -688,10 +757,14 @@ def draft(
 def _draft_report(rep: dict, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(rep, indent=2, default=str))
-    else:
-        typer.echo(f"trained {rep['steps']} steps: held-out TTT loss {rep['heldout_loss_start']:.4f} -> "
-                   f"{rep['heldout_loss_end']:.4f}, τ at depth {rep['acceptance']['depth']} "
-                   f"{rep['acceptance']['acceptance_length']:.4f}; wrote {rep['out']}")  # fmt: skip
+        return
+    acc, before = rep["acceptance"], rep.get("acceptance_start")
+    tau = f"{acc['acceptance_length']:.4f}"
+    if before is not None:  # a heal: the start draft's τ on the same windows first
+        tau = f"{before['acceptance_length']:.4f} -> {tau}"
+    typer.echo(f"{'healed' if rep.get('start') else 'trained'} {rep['steps']} steps: held-out TTT loss "
+               f"{rep['heldout_loss_start']:.4f} -> {rep['heldout_loss_end']:.4f}, τ at depth {acc['depth']} {tau}; "
+               f"wrote {rep['out']}")  # fmt: skip
 
 
 def resume_draft(run_file: Path, stop_after: int, no_verify: bool, as_json: bool = False):

@@ -378,11 +378,13 @@ class DraftRows(_CachedRows, Blocks):
 
 class WgpuEngine:
     """`backend.Engine` on the GPU (module docstring), built by `backend.make_engine`. `depth` > 0 builds the
-    draft's cache; `capacity` positions (default the model's max_seq_len)."""
+    draft's cache; `capacity` positions (default the model's max_seq_len); `keep`: the rows of a pass whose
+    recurrent state is kept for a roll-back (default depth + 1, a verify pass; another drafter's depth + 1)."""
 
     backend = "wgpu"
 
-    def __init__(self, gpu: Gpu, model, depth: int = 0, dtype: str = "f32", capacity: int | None = None):
+    def __init__(self, gpu: Gpu, model, depth: int = 0, dtype: str = "f32", capacity: int | None = None,
+                 keep: int | None = None):  # fmt: skip
         cfg = model.cfg
         if depth and cfg.mtp is None:
             raise GpuError("speculative decoding needs the model's MTP draft")
@@ -400,7 +402,9 @@ class WgpuEngine:
         ec = cfg.residual == "delta" and cfg.ddl_dv > 1 and cfg.ddl_expand_embed
         types = [cfg.layer_type(i) for i in range(cfg.n_layers)]
         # a verify pass (depth + 1 rows) keeps every row's recurrent state: the roll-back lands inside it
-        self.trunk = GpuCache(gpu, cfg, cap, types, bool(depth), tc, ec, keep=depth + 1)
+        self.trunk = GpuCache(
+            gpu, cfg, cap, types, bool(depth), tc, ec, keep=depth + 1 if keep is None else keep
+        )
         self.dcache = (
             GpuCache(gpu, cfg, cap + depth, ["full_attention"], False, False, False) if depth else None
         )

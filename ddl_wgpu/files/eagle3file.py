@@ -7,8 +7,8 @@ model config (a draft is not a model: `load_model` refuses it) and its settings 
 
 The target's identity is two hashes read from the target file's header alone (`target_identity`): its model
 config (canonical JSON) and its tensor table (every name with its stored hash), so a draft is refused for
-any other target, a compressed or retrained one included, with one line (`check_target`). The draft shares the
-target's embedding, which is therefore not in the file.
+any other target with one line, a compressed copy of it taken with its layers mapped (`eagle3_aux.plan_aux`).
+The draft shares the target's embedding, which is therefore not in the file.
 
 `load_draft` reads a file as untrusted input: the container's own checks, then the metadata's shape and
 types, the config (`Eagle3Config` validates it), exactly the expected tensors with their shapes and dtypes,
@@ -90,33 +90,6 @@ def target_identity(path) -> dict:
         return identity_of(ck)
 
 
-def check_target(draft: Eagle3Draft, draft_path, target_path) -> None:
-    """Refuse, in one line, a draft trained for another target than the model file at `target_path` (its
-    recorded identity differs), or one whose shapes cannot run on it (an imported draft that records no
-    target is checked for the shapes alone)."""
-    with open_checkpoint(target_path) as ck:
-        ident = identity_of(ck)
-        tcfg = dict(ck.config or {})
-    want = draft.target
-    if want.get("config_hash") and (want.get("config_hash") != ident["config_hash"]
-                                    or want.get("tensors_hash") != ident["tensors_hash"]):  # fmt: skip
-        trained = want.get("path") or "another model"
-        raise CheckpointError(
-            f"{draft_path}: this EAGLE-3 draft was trained for {trained} (config {want.get('config_hash')}, "
-            f"tensors {want.get('tensors_hash')}), not for {target_path} (config {ident['config_hash']}, "
-            f"tensors {ident['tensors_hash']}): train one for it with `ddl-wgpu draft`"
-        )
-    cfg = draft.cfg
-    for key, mine, what in (("d_model", cfg.hidden, "hidden size"), ("vocab_size", cfg.vocab, "vocabulary")):
-        if tcfg.get(key) != mine:
-            raise CheckpointError(f"{draft_path}: the draft's {what} is {mine}, the target {target_path}'s "
-                                  f"{tcfg.get(key)}")  # fmt: skip
-    L = tcfg.get("n_layers")
-    if not isinstance(L, int) or max(cfg.aux_layers) >= L:
-        raise CheckpointError(f"{draft_path}: the draft reads the inputs of target layers {list(cfg.aux_layers)}, "
-                              f"and {target_path} has {L} layers")  # fmt: skip
-
-
 def is_draft_file(path) -> bool:
     """Whether the container at `path` is an EAGLE-3 draft (its metadata says so); False for any other file."""
     try:
@@ -160,7 +133,7 @@ def load_draft(path, verify: bool = True) -> Eagle3Draft:
             raise CheckpointError(f"{where}: not an EAGLE-3 draft ({what} without metadata 'eagle3')")
         cfg = config_from_dict(meta.get("config"), where)
         target = meta.get("target")
-        # an imported draft may record no target (None hashes: `check_target` checks its shapes alone)
+        # an imported draft may record no target (None hashes: `eagle3_aux.plan_aux` checks its shapes alone)
         if not isinstance(target, dict) or not all(target.get(k) is None or isinstance(target.get(k), str)
                                                    for k in ("config_hash", "tensors_hash")):  # fmt: skip
             raise CheckpointError(f"{where}: metadata eagle3.target is not a map of config_hash/tensors_hash")

@@ -15,7 +15,8 @@ Each method is a `Plan` (`plan_drop_layers`, `plan_ffn_keep`): the new config an
 input tensor it comes from and a per-tensor transform (`take_rows`, `take_columns`). `apply` runs a plan lazily,
 tensor by tensor and piece by piece (`ddl_wgpu.files.lazy`): `compress_file` streams a model file into the output so
 its memory does not grow with the model; `drop_layers` and `ffn_keep` give a `Model` in memory. Each records
-`provenance.compress` (a previous record is kept under `previous`); the draft head is carried over (by
+`provenance.compress` (a previous record is kept under `previous`; `compress_file` adds `source`, the input's
+identity as an EAGLE-3 draft records its target's, `files.eagle3file.identity_of`); the draft head is carried over (by
 `ffn_keep` narrowed as said, its record under `draft`): heal it against the new trunk (`ddl_wgpu.jobs.heal`).
 
 What this file deliberately does not do: attention-head pruning, quantisation, or any evaluation of the result.
@@ -34,6 +35,8 @@ from ddl_ref.config import ModelConfig, select_layers
 from ddl_ref.mtp import draft_ffn_hidden
 from ddl_ref.params import MTP_LAYER_PREFIX, param_table
 from ddl_wgpu.errors import UserError
+from ddl_wgpu.files.container import open_checkpoint
+from ddl_wgpu.files.eagle3file import identity_of
 from ddl_wgpu.files.hf.draft_layout import width_follows_trunk
 from ddl_wgpu.files.lazy import Lazy, convert, from_array
 from ddl_wgpu.files.modelfile import LazyModel, Model, open_model, write_model
@@ -271,12 +274,18 @@ def compress_file(model_path, out_path, drop: Iterable[int] | str | None = None,
             kind="one_method",
         )
     refuse_overwrite_input(out_path, [model_path], CompressError)
-    with open_model(model_path, verify=verify) as model:
+    with (
+        open_checkpoint(model_path, verify=False) as model_header,
+        open_model(model_path, verify=verify) as model,
+    ):
         if drop is not None:  # checked against the model before its tensors are read
             layers = parse_layers(drop) if isinstance(drop, str) else list(drop)
             plan = plan_drop_layers(model.cfg, layers)
         else:
             plan = plan_ffn_keep(model, float(keep))
+        # what this was made from: the identity an EAGLE-3 draft records of its target, so that a draft for the
+        # input can find its layers on the output (`files.eagle3_aux`)
+        plan.record["source"] = identity_of(model_header)
         out = apply(plan, model)
         out.tensors = {n: t.to("f32") if t.dtype == "f64" else t for n, t in out.tensors.items()}
         write_model(Path(out_path), out, say)

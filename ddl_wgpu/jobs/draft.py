@@ -54,7 +54,16 @@ from ddl_wgpu.backend import (
 from ddl_wgpu.data import DataError, check_vocab, load_records, make_windows, tokenizer_for
 from ddl_wgpu.errors import UserError
 from ddl_wgpu.files.container import CheckpointError, open_checkpoint, save
-from ddl_wgpu.files.eagle3file import Eagle3Draft, config_dict, config_from_dict, identity_of, save_draft
+from ddl_wgpu.files.eagle3_aux import AuxPlan, on_model, plan_aux
+from ddl_wgpu.files.eagle3file import (
+    Eagle3Draft,
+    config_dict,
+    config_from_dict,
+    identity_of,
+    is_draft_file,
+    load_draft,
+    save_draft,
+)
 from ddl_wgpu.files.modelfile import Model, load_model
 from ddl_wgpu.jobs import accept as accept_mod
 from ddl_wgpu.jobs.run import Events
@@ -106,6 +115,10 @@ class DraftConfig:
     # the teacher's top-k over the draft vocabulary (None: the backend's default, numpy 0 = the full logits,
     # the GPU 64; `backend.eagle3_teacher_k`); the same k gives the same loss on both backends
     teacher_k: int | None = None
+    # a draft file to start from (heal: `heal --draft`, `draft --init FILE`): its weights, vocabulary and
+    # settings, its aux layers mapped onto the target (`files.eagle3_aux`); `draft_vocab` and `init` are then
+    # not read. None: a fresh draft
+    start: str | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -116,6 +129,8 @@ class DraftConfig:
             raise DraftError(
                 f"draft: init must be one of {', '.join(INITS)}, got {self.init!r}", field="init"
             )
+        if self.start is not None and not isinstance(self.start, str):
+            raise DraftError(f"draft: start must be a draft file's path, got {self.start!r}", field="start")
         for name in ("draft_vocab", "ttt", "tokens", "seq_len", "batch_size", "eval_interval", "prompt_len",
                      "eval_windows"):  # fmt: skip
             v = getattr(self, name)
@@ -189,14 +204,15 @@ def _target(target_path, verify: bool) -> tuple[Model, dict]:
     if cfg.residual == "delta" and cfg.ddl_dv > 1:
         raise DraftError(f"draft: {target_path} carries a d_v = {cfg.ddl_dv} Deep Delta state, not a residual "
                          "stream of vectors an EAGLE-3 draft reads")  # fmt: skip
-    if cfg.n_layers < 4:
-        raise DraftError(f"draft: an EAGLE-3 draft reads three layers of a target of at least 4; {target_path} "
-                         f"has {cfg.n_layers}")  # fmt: skip
     return model, {**ident, "path": os.fspath(target_path)}
 
 
 def eagle3_config(model: Model, cfg: DraftConfig, draft_vocab: int) -> e3.Eagle3Config:
     m = model.cfg
+    if cfg.aux_layers is None and m.n_layers < 4:  # (2, L//2, L−3) needs four layers
+        raise DraftError(f"draft: an EAGLE-3 draft reads three layer inputs, by default (2, L//2, L-3) of a target "
+                         f"of at least 4 layers; this one has {m.n_layers}: give them with --aux-layers a,b,c "
+                         f"(inputs 1..{m.n_layers - 1})", field="aux_layers")  # fmt: skip
     aux = cfg.aux_layers if cfg.aux_layers is not None else e3.default_aux_layers(m.n_layers)
     if not all(1 <= j < m.n_layers for j in aux):
         raise DraftError(f"draft: aux layers {list(aux)} must name layer inputs 1..{m.n_layers - 1} of the "
@@ -208,6 +224,26 @@ def eagle3_config(model: Model, cfg: DraftConfig, draft_vocab: int) -> e3.Eagle3
                                ttt=cfg.ttt)  # fmt: skip
     except ConfigError as e:
         raise DraftError(f"draft: {e}") from None
+
+
+@dataclass
+class Start:
+    """The draft a run starts from (heal): its config (the aux ids those it reads on this target, `ttt` the
+    run's), weights, vocabulary, and how its aux ids were found (`eagle3_aux.AuxPlan.to_dict`)."""
+
+    cfg: e3.Eagle3Config
+    params: dict
+    d2t: np.ndarray
+    t2d: np.ndarray
+    aux: dict
+    path: str
+
+
+def load_start(path, target_path, aux_layers=None, verify: bool = True) -> tuple[Start, AuxPlan]:
+    """The draft file at `path` as a run's start on the target at `target_path`: read as untrusted input
+    (`load_draft`), its aux ids planned on the target (`eagle3_aux.plan_aux`; `aux_layers` given: those)."""
+    draft, plan = plan_for(target_path, path, verify, aux_layers)
+    return Start(draft.cfg, draft.params, draft.d2t, draft.t2d, plan.to_dict(), os.fspath(path)), plan
 
 
 def windows(model: Model, data_spec: str, cfg: DraftConfig) -> list[np.ndarray]:
@@ -254,8 +290,9 @@ class _Run:
     """Everything a run (or its resumption) needs, rebuilt the same way from the target, data and settings."""
 
     def __init__(self, target_path, data_spec: str, cfg: DraftConfig, backend: str, events: Events,
-                 verify: bool = True, device=None, streamed: bool = False):  # fmt: skip
+                 verify: bool = True, device=None, streamed: bool = False, start: Start | None = None):  # fmt: skip
         self.cfg, self.events, self.backend, self.device = cfg, events, backend, device
+        self.start = start
         self.data_spec = str(data_spec)
         self.model, self.identity = _target(target_path, verify)
         self.target_path = Path(target_path)
@@ -273,12 +310,16 @@ class _Run:
         self.warmup = (
             cfg.warmup_steps if cfg.warmup_steps is not None else max(int(self.total * WARMUP_FRACTION), 1)
         )
-        mask = e3.loss_mask_from_lengths(self.lengths[self.train], self.T)
         self.V = self.model.cfg.vocab_size
-        self.Vd = min(cfg.draft_vocab, self.V)
-        self.counts = e3.token_counts(self.ids[self.train], mask, self.V)
-        self.d2t, self.t2d = e3.draft_vocab(self.counts, self.Vd)
-        self.ecfg = eagle3_config(self.model, cfg, self.Vd)
+        if start is not None:  # heal: the start's vocabulary and shapes kept, the run's unroll depth
+            self.Vd, self.d2t, self.t2d = start.cfg.draft_vocab, start.d2t, start.t2d
+            self.ecfg = dataclasses.replace(start.cfg, ttt=cfg.ttt)
+        else:
+            mask = e3.loss_mask_from_lengths(self.lengths[self.train], self.T)
+            self.Vd = min(cfg.draft_vocab, self.V)
+            self.counts = e3.token_counts(self.ids[self.train], mask, self.V)
+            self.d2t, self.t2d = e3.draft_vocab(self.counts, self.Vd)
+            self.ecfg = eagle3_config(self.model, cfg, self.Vd)
         try:
             self.k = eagle3_teacher_k(backend, cfg.teacher_k, self.Vd, device)
         except BackendError as e:
@@ -288,6 +329,8 @@ class _Run:
         self.embed = self.model.params["model.embed_tokens.weight"]
 
     def fresh_params(self) -> dict:
+        if self.start is not None:
+            return {n: np.array(a, np.float32) for n, a in self.start.params.items()}
         p = e3.init_eagle3(self.ecfg, self.cfg.seed)
         if self.cfg.init == "target":
             head = self.model.params[head_name(self.model.cfg)]  # the embedding when tied
@@ -346,7 +389,11 @@ def train_draft(target_path, data_spec: str, out_path, cfg: DraftConfig | None =
     cfg = cfg if cfg is not None else DraftConfig()
     backend = choose_backend(backend, device).name
     events = Events(progress, "draft")
-    run = _Run(target_path, data_spec, cfg, backend, events, verify, device, streamed)
+    start = None
+    if cfg.start is not None:
+        start, plan = load_start(cfg.start, target_path, cfg.aux_layers, verify)
+        events("aux", start=start.path, line=plan.line(), notes=list(plan.notes))
+    run = _Run(target_path, data_spec, cfg, backend, events, verify, device, streamed, start)
     _announce(run, events)
     draft = run.drafter(run.fresh_params())
     return _loop(run, draft, 0, [], Path(out_path), events, stop_after)
@@ -358,7 +405,8 @@ def _announce(run: _Run, events: Events) -> None:
            data=run.data_spec, regenerated=run.cfg.regenerate)  # fmt: skip
     events("draft", aux_layers=list(run.ecfg.aux_layers), draft_vocab=run.Vd, vocab=run.V, ttt=run.ecfg.ttt,
            steps=run.total, warmup=run.warmup, params=int(sum(math.prod(s) for s, _ in
-                                                              e3.eagle3_params(run.ecfg).values())))  # fmt: skip
+                                                              e3.eagle3_params(run.ecfg).values())),
+           start=None if run.start is None else run.start.path)  # fmt: skip
 
 
 def _loop(run: _Run, draft, done: int, history: list, out: Path, events: Events, stop_after) -> dict:
@@ -367,6 +415,9 @@ def _loop(run: _Run, draft, done: int, history: list, out: Path, events: Events,
         ev = run.heldout(draft)
         history.append({"step": 0, **ev})
         events("eval", step=0, **ev)
+        if run.start is not None:  # a heal: the start draft's acceptance on the held-out windows, to compare
+            history[0]["acceptance"] = run.acceptance(draft)
+            events("accept", start=True, **history[0]["acceptance"])
     stop = None if stop_after is None else done + stop_after
     interrupted = []
     old = signal.getsignal(signal.SIGINT)
@@ -413,6 +464,8 @@ def _loop(run: _Run, draft, done: int, history: list, out: Path, events: Events,
         "steps": done,
         "draft_vocab": run.Vd,
         "aux_layers": list(run.ecfg.aux_layers),
+        "start": None if run.start is None else {"path": run.start.path, "aux": run.start.aux},
+        "acceptance_start": history[0].get("acceptance"),
         "heldout_loss_start": history[0]["loss"],
         "heldout_loss_end": history[-1]["loss"],
         "acceptance": acc,
@@ -441,7 +494,8 @@ def save_run(run: _Run, draft, done: int, history: list, out: Path) -> Path:
     meta = {RUN_KEY: {"target": os.fspath(run.target_path.absolute()), "identity": run.identity,
                       "data": run.data_spec, "config": run.cfg.to_dict(), "eagle3": config_dict(run.ecfg),
                       "step": done, "total": run.total, "history": history, "backend": run.backend,
-                      "out": os.fspath(out.absolute())}}  # fmt: skip
+                      "out": os.fspath(out.absolute()),
+                      "start": None if run.start is None else {"path": run.start.path, "aux": run.start.aux}}}  # fmt: skip
     path = run_path(out)
     save(path, tensors, metadata=meta)
     return path
@@ -472,7 +526,16 @@ def resume(run_file, progress: Callable[[dict], None] | None = None, verify: boo
     except (KeyError, TypeError, ValueError) as e:
         raise DraftError(f"{where}: a damaged run record ({e})") from None
     events = Events(progress, "draft")
-    run = _Run(target, data_spec or spec, cfg, backend, events, verify)
+    start = None
+    if cfg.start is not None:  # a heal: the start as the run recorded it (its file is not read again)
+        try:
+            scfg = config_from_dict(rec["eagle3"], where)
+            names = list(e3.eagle3_params(scfg))
+            start = Start(scfg, {n: tensors[n] for n in names}, tensors["d2t"], tensors["t2d"],
+                          dict(rec["start"]["aux"]), str(rec["start"]["path"]))  # fmt: skip
+        except (KeyError, TypeError) as e:
+            raise DraftError(f"{where}: a damaged run record ({e})") from None
+    run = _Run(target, data_spec or spec, cfg, backend, events, verify, start=start)
     if run.identity["config_hash"] != rec["identity"].get("config_hash") or \
             run.identity["tensors_hash"] != rec["identity"].get("tensors_hash"):  # fmt: skip
         raise DraftError(f"{where}: the target {target} changed since the run began; it cannot be continued")
@@ -496,23 +559,36 @@ def resume(run_file, progress: Callable[[dict], None] | None = None, verify: boo
 # accept and generate with a draft file
 
 
-def load_for(target_path, draft_path, verify: bool = True) -> Eagle3Draft:
-    """The draft file at `draft_path`, refused in one line unless made for the target at `target_path`."""
-    from ddl_wgpu.files.eagle3file import check_target, load_draft
-
+def plan_for(target_path, draft_path, verify: bool = True, aux_layers=None) -> tuple[Eagle3Draft, AuxPlan]:
+    """The draft file at `draft_path` as it runs on the model at `target_path`, and how its aux layers were
+    found there (`eagle3_aux.plan_aux`: its own target's, `aux_layers` as given, or mapped through the model's
+    compress provenance); refused in one line when none of these applies."""
+    if not is_draft_file(draft_path) and Path(draft_path).is_file():
+        try:
+            with open_checkpoint(draft_path, verify=False) as ck:
+                what = "a model file" if ck.config else "a container"
+        except CheckpointError:
+            what = "not a .ddlw container"
+        raise DraftError(f"{os.fspath(draft_path)}: not an EAGLE-3 draft ({what}); an EAGLE-3 draft file is what "
+                         f"`ddl-wgpu draft` or `ddl-wgpu import-hf EAGLE_FOLDER` writes")  # fmt: skip
     draft = load_draft(draft_path, verify)
-    check_target(draft, draft_path, target_path)
-    return draft
+    plan = plan_aux(draft, draft_path, target_path, aux_layers)
+    return on_model(draft, plan), plan
 
 
 def accept_file(target_path, draft_path, data_spec: str, depth: int = accept_mod.DEPTH, window: int | None = None,
-                tokens: int | None = None, backend: str = "ref", device=None, verify: bool = True) -> dict:  # fmt: skip
+                tokens: int | None = None, backend: str = "ref", device=None, verify: bool = True,
+                aux_layers=None, say: Callable[[str], None] | None = None) -> dict:  # fmt: skip
     """`accept TARGET --draft DRAFT`: the EAGLE-3 draft's greedy acceptance chained `depth` deep, measured as
     `accept` measures an MTP draft (`accept.Tally`: the same windows and anchors, A_j, α_j, τ) from the
     target's pass over each batch of windows (`ddl_ref.eagle3.ttt_greedy`: step 1 reads the data token and the
-    aux rows, every later step its own previous draft)."""
+    aux rows, every later step its own previous draft). The aux layers as `plan_for` finds them (`aux_layers`:
+    --aux-layers); `say` hears the plan's line and notes."""
     backend = choose_backend(backend, device).name
-    draft = load_for(target_path, draft_path, verify)
+    draft, plan = plan_for(target_path, draft_path, verify, aux_layers)
+    for line in (plan.line(), *plan.notes):
+        if say is not None:
+            say(line)
     model = load_model(target_path, verify=verify)
     if window is not None and window > model.cfg.max_seq_len:
         raise accept_mod.AcceptError(f"window {window} exceeds the model's context (max_seq_len "
@@ -540,5 +616,7 @@ def accept_file(target_path, draft_path, data_spec: str, depth: int = accept_mod
         for b in range(len(ids)):
             tally.add(preds[b], greedy[b], ids[b], int(lengths[b]))
     out = tally.result()
-    out.update(data=str(data_spec), backend=backend, draft=os.fspath(draft_path), kind="eagle3")
+    out.update(
+        data=str(data_spec), backend=backend, draft=os.fspath(draft_path), kind="eagle3", aux=plan.to_dict()
+    )
     return out

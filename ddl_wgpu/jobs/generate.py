@@ -374,7 +374,7 @@ def generate(model: Model | str, prompt: str | bytes, max_new_tokens: int = MAX_
     # would take gigabytes of keys and values for a short answer).
     context = min(model.cfg.max_seq_len, ids.size + max_new_tokens + 1)
     if draft is not None:  # an EAGLE-3 draft file (`files.eagle3file.Eagle3Draft`) instead of the MTP draft
-        engine = make_eagle3_engine(backend, model, draft, depth, device, context)
+        engine = make_eagle3_engine(backend, model, draft, depth, device, context, dtype)
     else:
         engine = make_engine(backend, model, depth if speculative else 0, device, dtype, context)
     out = run(engine, tokenizer, ids, context, max_new_tokens, sampling, stops, on_text,

@@ -261,11 +261,18 @@ def _eagle3_folder(folder) -> bool:
 
 def import_eagle3_to_file(folder, out_path, target=None) -> dict:
     """An EAGLE-3 draft folder -> a draft file (`files/eagle3file.py`); `target` (a model file) gives the aux
-    layer ids' default when the folder names none. -> a short summary for the CLI."""
-    n_layers = None
+    layer ids' default when the folder names none, and binds a draft whose folder records no target to it.
+    -> a short summary for the CLI."""
+    ident = None
     if target is not None:
-        n_layers = eagle3file.target_identity(target)["n_layers"]
-    draft, notes, inputs = hf_eagle3.read_folder(folder, n_layers)
+        ident = eagle3file.target_identity(target)
+    draft, notes, inputs = hf_eagle3.read_folder(folder, None if ident is None else ident["n_layers"])
+    if ident is not None and not draft.target.get("config_hash"):
+        # the folder names no target and the user named one: bound to it, so that `accept`, `generate` and
+        # `heal` check it and map its layers onto a compressed copy (`files.eagle3_aux`)
+        draft.target = {**ident, "path": str(target)}
+        notes = [n for n in notes if not n.startswith("no target recorded")]
+        notes.append(f"bound to the target {target} (--target)")
     refuse_overwrite_input(out_path, inputs, HfError)
     kinds = set(draft.dtypes.values())  # the folder's dtype when it has one (bf16 stays bf16), else f32
     eagle3file.save_draft(out_path, draft, kinds.pop() if len(kinds) == 1 else "f32")
