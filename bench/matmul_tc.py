@@ -43,17 +43,32 @@ DEFAULT_TILES = ("2x2sg-4x4-k32", "2x2sg-4x4-k64", "4x2sg-2x4-k32", "2x4sg-4x2-k
 
 
 def parse_tile(text: str) -> tc.TcTile:
-    """'2x2sg-4x4-k32[-pA[.B]]' -> TcTile(sg_rows=2, sg_cols=2, tm=4, tn=4, bk=32, pads)."""
+    """'2x2sg-4x4-k32[-pA[.B]][-v1][-np][-ld]' -> TcTile(sg_rows=2, sg_cols=2, tm=4, tn=4, bk=32, pads; -v1
+    scalar loads only, -np no prefetch, -ld transposed operands copied rows first)."""
     parts = text.split("-")
     sr, sc = map(int, parts[0].removesuffix("sg").split("x"))
     tm, tn = map(int, parts[1].split("x"))
     bk = int(parts[2].removeprefix("k"))
     pa = pb = 8
-    if len(parts) > 3:
-        pads = parts[3].removeprefix("p").split(".")
-        pa = int(pads[0])
-        pb = int(pads[1]) if len(pads) > 1 else pa
-    return tc.TcTile(sr, sc, tm, tn, bk, pa, pb)
+    for flag in parts[3:]:
+        if flag.startswith("p"):
+            pads = flag.removeprefix("p").split(".")
+            pa = int(pads[0])
+            pb = int(pads[1]) if len(pads) > 1 else pa
+        elif flag not in ("v1", "np", "ld"):
+            raise ValueError(f"tile {text!r}: unknown part {flag!r}")
+    return tc.TcTile(
+        sr,
+        sc,
+        tm,
+        tn,
+        bk,
+        pa,
+        pb,
+        vec="v1" not in parts[3:],
+        prefetch="np" not in parts[3:],
+        lanes_down="ld" in parts[3:],
+    )
 
 
 def dawn_device():
@@ -84,10 +99,10 @@ class Runner:
         return self.dev.create_buffer_with_data(data=np.ascontiguousarray(array),
                                                 usage=U.STORAGE | U.COPY_SRC | U.COPY_DST)  # fmt: skip
 
-    def pipeline(self, tile, cfg, ta, tb, adt, bdt):
-        key = (tile, cfg, ta, tb, adt, bdt)
+    def pipeline(self, tile, cfg, ta, tb, adt, bdt, widths=(1, 1)):
+        key = (tile, cfg, ta, tb, adt, bdt, widths)
         if key not in self.cache:
-            src = shader_source(tc.SHADER, {**tc.templates(tile, cfg, self.sg, ta, tb, adt, bdt),
+            src = shader_source(tc.SHADER, {**tc.templates(tile, cfg, self.sg, ta, tb, adt, bdt, widths),
                                             "struct TcParams": tc.PARAMS.wgsl()})  # fmt: skip
             if os.environ.get("TC_ENABLE_SUBGROUPS", "1") == "1":  # Tint wants it before a subgroup builtin
                 src = src.replace("enable f16;", "enable f16;\nenable subgroups;", 1)
@@ -98,12 +113,14 @@ class Runner:
         return self.cache[key]
 
     def run(self, tile, cfg, A, B, C, M, N, K, ta, tb, adt="f32", bdt="f32", reps=1, accumulate=0, alpha=1.0):
-        pipe = self.pipeline(tile, cfg, ta, tb, adt, bdt)
         lda = M if ta else K
         ldb = K if tb else N
+        widths = tc.load_widths(tile, M, N, K, ta, tb, (lda, ldb), (0, 0), (0, 0), (0, 0))
+        pipe = self.pipeline(tile, cfg, ta, tb, adt, bdt, widths)
         params = tc.PARAMS.pack(M=M, N=N, K=K, lda=lda, ldb=ldb, ldc=N, off_a=0, off_b=0, off_c=0, stride_a=0,
                                 stride_b=0, stride_c=0, accumulate=accumulate, alpha=alpha, inner=1, div_a=1,
-                                div_b=1, istride_a=0, istride_b=0, istride_c=0, causal=0)  # fmt: skip
+                                div_b=1, istride_a=0, istride_b=0, istride_c=0, causal=0,
+                                direct_ok=int(tc.direct_ok(N, 0, 0, 0)))  # fmt: skip
         U = self.wgpu.BufferUsage
         ub = self.dev.create_buffer_with_data(data=params, usage=U.UNIFORM)
         bg = self.dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
@@ -122,39 +139,43 @@ class Runner:
 
 def check(r: Runner, tile, cfg, rng) -> float:
     """The largest error of the three layouts at an odd shape, relative to the largest |C|, with f32 and f16
-    operands in storage, and accumulate with alpha."""
-    M, N, K = 200, 264, 328
+    operands in storage, accumulating with alpha 0.5 (through workgroup memory) and 1 (the direct epilogue where
+    a block lies inside C): odd sizes (scalar loads, every edge) and multiples of 4 with whole blocks (vec4)."""
     worst = 0.0
-    for ta, tb in ((False, True), (False, False), (True, False)):
+    for (M, N, K), alpha, ta, tb in ((shape, alpha, ta, tb) for shape, alpha in (((201, 263, 329), 0.5),
+                                     ((520, 264, 328), 1.0)) for ta, tb in ((False, True), (False, False),
+                                     (True, False))):  # fmt: skip
         for adt, bdt in (("f32", "f32"), ("f32", "f16"), ("f16", "f16")):
             a = rng.standard_normal((K, M) if ta else (M, K)).astype(np.float32)
             b = rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32)
             c0 = rng.standard_normal((M, N)).astype(np.float32)
             a16, b16 = a.astype(np.float16), b.astype(np.float16)
             want = (
-                0.5 * ((a16.T if ta else a16).astype(np.float64) @ (b16.T if tb else b16).astype(np.float64))
+                alpha
+                * ((a16.T if ta else a16).astype(np.float64) @ (b16.T if tb else b16).astype(np.float64))
                 + c0
             )
             A = r.buffer(a16 if adt == "f16" else a)
             B = r.buffer(b16 if bdt == "f16" else b)
             C = r.buffer(c0)
-            r.run(tile, cfg, A, B, C, M, N, K, ta, tb, adt, bdt, accumulate=1, alpha=0.5)
+            r.run(tile, cfg, A, B, C, M, N, K, ta, tb, adt, bdt, accumulate=1, alpha=alpha)
             got = np.frombuffer(r.dev.queue.read_buffer(C), np.float32).reshape(M, N)
             worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
     return worst
 
 
-def time_shape(r: Runner, tile, cfg, shape, rng, reps=10) -> float:
+def time_shape(r: Runner, tile, cfg, shape, rng, reps=10, operands=("f16", "f16")) -> float:
     name, M, N, K, ta, tb = shape
-    a = rng.standard_normal((K, M) if ta else (M, K)).astype(np.float16)
-    b = rng.standard_normal((N, K) if tb else (K, N)).astype(np.float16)
+    host = {"f16": np.float16, "f32": np.float32}
+    a = rng.standard_normal((K, M) if ta else (M, K)).astype(host[operands[0]])
+    b = rng.standard_normal((N, K) if tb else (K, N)).astype(host[operands[1]])
     A, B = r.buffer(a), r.buffer(b)
     C = r.buffer(np.zeros((M, N), np.float32))
-    r.run(tile, cfg, A, B, C, M, N, K, ta, tb, "f16", "f16", reps=1)
+    r.run(tile, cfg, A, B, C, M, N, K, ta, tb, *operands, reps=1)
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        r.run(tile, cfg, A, B, C, M, N, K, ta, tb, "f16", "f16", reps=reps)
+        r.run(tile, cfg, A, B, C, M, N, K, ta, tb, *operands, reps=reps)
         best = min(best, (time.perf_counter() - t) / reps)
     for buf in (A, B, C):
         buf.destroy()
@@ -220,7 +241,13 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="all", help="all, or the first N of SHAPES")
     ap.add_argument("--json", default=None)
     ap.add_argument("--simt", action="store_true", help="also time today's SIMT GEMM (wgpu-native)")
+    ap.add_argument("--operands", default="f16,f16",
+                    help="A,B types in storage for the timings: f16,f16, or f32,f16 as the f16 trunk's forward "
+                         "(f32 activations), or f32,f32 as mixed-precision training")  # fmt: skip
     args = ap.parse_args(argv)
+    operands = tuple(args.operands.split(","))
+    if len(operands) != 2 or not set(operands) <= {"f16", "f32"}:
+        raise SystemExit(f"--operands {args.operands!r}: two of f16, f32, comma-separated")
     wgpu, ad, dev, props = dawn_device()
     cfgs = props.get("subgroup_matrix_configs", [])
     print("adapter:", ad.summary)
@@ -235,7 +262,7 @@ def main(argv=None) -> int:
     r = Runner(wgpu, dev, sg)
     rng = np.random.default_rng(0)
     shapes = SHAPES if args.shapes == "all" else SHAPES[: int(args.shapes)]
-    results = {"adapter": ad.summary, "configs": cfgs, "toggles": TOGGLES, "rows": []}
+    results = {"adapter": ad.summary, "configs": cfgs, "toggles": TOGGLES, "operands": operands, "rows": []}
     peers = {s[0]: torch_tflops(s) for s in shapes}
     print("pytorch bf16:", {k: (round(v, 1) if v else v) for k, v in peers.items()}, flush=True)
     if args.simt:
@@ -259,7 +286,7 @@ def main(argv=None) -> int:
                 results["rows"].append(row)
                 continue
             for s in shapes:
-                row["tflops"][s[0]] = time_shape(r, tile, cfg, s, rng)
+                row["tflops"][s[0]] = time_shape(r, tile, cfg, s, rng, operands=operands)
             results["rows"].append(row)
             print(
                 f"{label}: err {err:.1e} " + " ".join(f"{k}={v:.1f}" for k, v in row["tflops"].items()),

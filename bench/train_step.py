@@ -106,7 +106,10 @@ def bench_engine(gpu, cfg, params, ids, args) -> dict:
     def upd():
         nonlocal step
         step += 1
-        return AdamW(lr=args.lr, step=step, grad_clip_mode=args.clip_mode)
+        # on the matrix units the step runs as `train --precision mixed` does: the loss scaled by GradScaler's
+        # first scale (2^16; a power of two, so the update's bits match any scale that does not overflow)
+        scale = 65536.0 if getattr(gpu, "products", "simt") == "matrix" else 1.0
+        return AdamW(lr=args.lr, step=step, grad_clip_mode=args.clip_mode, loss_scale=scale)
 
     for _ in range(args.warmup):
         res = work.step(ids, update=upd())

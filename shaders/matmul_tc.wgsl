@@ -11,11 +11,16 @@
 // m and n), held as separate variables (an array of matrices is not allowed, and a loop over them would spill).
 // The K axis is walked in steps of BK: the workgroup copies op(A)[m0:m0+BM, k0:k0+BK] into As (row-major, row
 // stride SA) and op(B)[k0:k0+BK, n0:n0+BN] into Bs (row stride SB), converting to f16; every copy reads global
-// memory along the operand's contiguous axis (transposition lives only there). Then per KK-deep slice each
-// subgroup loads its TM left and TN right matrices from workgroup memory and multiplies-accumulates TM x TN
-// times. Out-of-range elements are copied as 0, so edge tiles need no special case.
-// The epilogue goes through workgroup memory, one result matrix at a time: the subgroup stores it into its own
-// MM x NN slab of Cs, then its lanes write alpha * acc (+ C) to C element by element, guarded at the edges.
+// memory along the operand's contiguous axis (transposition lives only there), as vec4 where the host found
+// the operand's vectors whole and aligned (the binding is then an array of vec4). The copy goes through
+// registers: with PREFETCH the loads of step k+1 are issued before step k's products, so global memory's
+// latency hides behind the matrix units (the stores into workgroup memory wait for the step's end). Per KK-deep
+// slice each subgroup loads its TM left and TN right matrices from workgroup memory and multiplies-accumulates
+// TM x TN times. Out-of-range elements are copied as 0, so edge tiles need no special case; blocks wholly
+// inside skip the bounds checks (a uniform branch).
+// The epilogue: a block inside C with alpha 1 and C's rows 16-byte aligned (`direct`) stores each result
+// matrix straight to C (accumulating C: its old value loaded as the starting accumulator); any other goes
+// through workgroup memory one result matrix at a time, the subgroup's lanes writing alpha * acc (+ C).
 // Each C element is one matrix-unit accumulation in a fixed k order: the same inputs give the same bits.
 enable f16;
 enable chromium_experimental_subgroup_matrix;
@@ -60,10 +65,16 @@ fn matmul_tc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     let oc = P.off_c + zo * P.stride_c + zi * P.istride_c;
     let sm = (sid / SG_COLS) * (TM * MM);  // the subgroup's first row and column inside the block
     let sn = (sid % SG_COLS) * (TN * NN);
+    let inside_mn = m0 + BM <= P.M && n0 + BN <= P.N;
+    let direct = inside_mn && P.alpha == 1.0 && P.direct_ok == 1u;
 {{accumulators}}
+{{regs}}
+{{prologue}}
     for (var k0 = k_begin; k0 < k_end; k0 += BK) {
-{{stage}}
+{{step_loads}}
+{{stores}}
         workgroupBarrier();
+{{next_loads}}
 {{products}}
         workgroupBarrier();
     }

@@ -71,34 +71,51 @@ def test_linear_backward_on_the_matrix_units(mgpu, rng):
 
 @pytest.mark.parametrize(
     "tile",
-    ["4x2sg-4x4-k32", "2x2sg-4x4-k16", "2x2sg-2x2-k16", "2x2sg-4x4-k32", "4x2sg-2x4-k32", "2x2sg-4x4-k64-p0"],
+    [
+        "4x2sg-4x4-k32",
+        "4x2sg-4x4-k32-ld",
+        "2x2sg-4x4-k16",
+        "2x2sg-2x2-k16-np",
+        "2x2sg-4x4-k32-v1",
+        "4x2sg-2x4-k32",
+        "2x2sg-4x4-k64-p0",
+    ],
 )
-def test_every_tile_layout_and_batch(mgpu, rng, tile):
-    """Each swept tile, the three layouts, a batch of two with offsets and alpha: against float64."""
+@pytest.mark.parametrize("shape", [(41, 150, 67), (264, 264, 96)])
+def test_every_tile_layout_and_batch(mgpu, rng, tile, shape):
+    """Each swept tile, the three layouts, a batch of two with offsets, accumulating with alpha 0.25 and 1:
+    against float64. Odd sizes take the scalar loads and every edge; multiples of 4 the vec4 loads, whole
+    blocks and (alpha 1) the direct epilogue."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from matmul_tc import parse_tile
 
-    g, M, N, K, nb = mgpu, 41, 150, 67, 2
-    t = parse_tile(tile)
-    for ta, tb in ((False, True), (False, False), (True, False)):
+    (M, N, K), nb, g, t = shape, 2, mgpu, parse_tile(tile)
+    pad = 4 if M % 4 == 0 else 5
+    for alpha, (ta, tb) in (
+        (al, lay) for al in (0.25, 1.0) for lay in ((False, True), (False, False), (True, False))
+    ):
         a = rng.standard_normal((nb, K, M) if ta else (nb, M, K)).astype(np.float32)
         b = rng.standard_normal((nb, N, K) if tb else (nb, K, N)).astype(np.float32)
-        c = np.zeros((nb, M, N), np.float32)
+        c = rng.standard_normal((nb, M, N)).astype(np.float32)
         ab, bb, cb = (
-            g.upload(np.concatenate([[0] * 5, a.ravel()]).astype(np.float32)),
+            g.upload(np.concatenate([[0] * pad, a.ravel()]).astype(np.float32)),
             g.upload(b),
             g.upload(c),
         )
-        tc.matmul_tc(g, cb, ab, bb, M, N, K, ta, tb, alpha=0.25, offsets=(5, 0, 0),
+        tc.matmul_tc(g, cb, ab, bb, M, N, K, ta, tb, accumulate=True, alpha=alpha, offsets=(pad, 0, 0),
                      strides=(M * K, N * K, M * N), batch=nb, tile=t).run(g)  # fmt: skip
         fa, fb = f16(a), f16(b)
-        want = 0.25 * np.einsum(
-            "zij,zjk->zik", fa.transpose(0, 2, 1) if ta else fa, fb.transpose(0, 2, 1) if tb else fb
+        want = (
+            alpha
+            * np.einsum(
+                "zij,zjk->zik", fa.transpose(0, 2, 1) if ta else fa, fb.transpose(0, 2, 1) if tb else fb
+            )
+            + c
         )
-        assert rel_err(g.read(cb, (nb, M, N)), want) < TOL, (tile, ta, tb)
+        assert rel_err(g.read(cb, (nb, M, N)), want) < TOL, (tile, ta, tb, alpha)
 
 
 def test_the_generator_refuses_what_the_kernel_cannot_do():
@@ -139,3 +156,170 @@ def test_products_stay_on_simt_unless_asked(gpu):
     assert tc.usable_config(Fake()) is None
     Fake.products, Fake.matrix_configs = "matrix", [(8, 8, 8, "f32", "f32")]
     assert tc.usable_config(Fake()) is None
+
+
+# -- the generated kernel on any GPU, its matrix calls emulated ----------------------------------------------
+# Lavapipe lists no subgroup matrix, so the tests above skip there. These run the very WGSL `matmul_tc`
+# generates (staging in vec4 or scalar loads, prefetch, bounds, the two epilogues, batches, causal modes),
+# with only the matrix types and builtins replaced by WGSL functions that do the same arithmetic, spread over
+# a 32-lane "subgroup" as the matrix units spread it: a result matrix is 8 f32 per lane (lane l holds elements
+# l, l + 32, ...), and a left or right operand is where it lies in workgroup memory (it is only ever loaded
+# from there, and multiplied before the next barrier). What they check is everything the generator and the
+# launcher compute; the matrix units themselves are checked above, on a GPU.
+
+EMULATED = """
+var<private> em_lane: u32;
+struct ML { o: u32, s: u32 }
+struct MRt { o: u32, s: u32 }
+struct MR { v: array<f32, 8> }
+fn ld_MR_c(o: u32, cm: bool, s: u32) -> MR {
+    var m: MR;
+    for (var t = 0u; t < 8u; t++) { let e = em_lane + 32u * t; m.v[t] = c[o + (e / 16u) * s + e % 16u]; }
+    return m;
+}
+fn ld_ML_As(o: u32, cm: bool, s: u32) -> ML { return ML(o, s); }
+fn ld_MRt_Bs(o: u32, cm: bool, s: u32) -> MRt { return MRt(o, s); }
+fn st_c(o: u32, m: MR, cm: bool, s: u32) {
+    for (var t = 0u; t < 8u; t++) { let e = em_lane + 32u * t; c[o + (e / 16u) * s + e % 16u] = m.v[t]; }
+}
+fn st_Cs(o: u32, m: MR, cm: bool, s: u32) {
+    for (var t = 0u; t < 8u; t++) { let e = em_lane + 32u * t; Cs[o + (e / 16u) * s + e % 16u] = m.v[t]; }
+}
+fn mma(l: ML, r: MRt, acc: MR) -> MR {
+    var out = acc;
+    for (var t = 0u; t < 8u; t++) {
+        let e = em_lane + 32u * t;
+        var sum = out.v[t];
+        for (var k = 0u; k < 16u; k++) {
+            sum += f32(As[l.o + (e / 16u) * l.s + k]) * f32(Bs[r.o + k * r.s + e % 16u]);
+        }
+        out.v[t] = sum;
+    }
+    return out;
+}
+"""
+
+
+def emulated(src: str) -> str:
+    """matmul_tc's WGSL with the 16 x 16 x 16 matrix types and builtins replaced by `EMULATED`'s, and the
+    subgroup builtins by a fixed 32-lane split of the workgroup (what the launcher counted threads in)."""
+    import re
+
+    src = src.replace("enable chromium_experimental_subgroup_matrix;\n", "")
+    src = src.replace("subgroup_matrix_result<f32, 16, 16>()", "MR()")
+    for wgsl, ours in (("result<f32", "MR"), ("left<f16", "ML"), ("right<f16", "MRt")):
+        src = src.replace(f"subgroup_matrix_{wgsl}, 16, 16>", ours)
+    src = re.sub(r"subgroupMatrixLoad<(\w+)>\(&(\w+), ", r"ld_\1_\2(", src)
+    src = re.sub(r"subgroupMatrixStore\(&(\w+), ", r"st_\1(", src)
+    src = src.replace("subgroupMatrixMultiplyAccumulate(", "mma(")
+    head, body = src.split("@compute", 1)
+    body = re.sub(r",\s*@builtin\(subgroup_id\) sid: u32, @builtin\(subgroup_invocation_id\) lane: u32,\s*"
+                  r"@builtin\(subgroup_size\) sg_size: u32\) \{", ") {\n    let sid = li / 32u; let lane = li % 32u; "
+                  "let sg_size = 32u; em_lane = lane;", body)  # fmt: skip
+    assert "subgroupMatrix" not in body and "sg_size = 32u" in body, "the generated kernel changed its shape"
+    return head + EMULATED + "@compute" + body
+
+
+_EMULATED_KERNELS = {}  # compiled once per session (lavapipe takes seconds per kernel)
+
+
+@pytest.fixture
+def emulating(gpu, monkeypatch):
+    """`matmul_tc` launching the emulated kernel, with 32-lane subgroups. On Dawn only: the kernel exists for
+    Dawn's compiler (Tint) alone, and lavapipe compiles naga's form of it for minutes where Tint's takes
+    seconds (make test's second pass runs these under Dawn)."""
+    if getattr(gpu, "runtime_name", "native") != "dawn":
+        pytest.skip(
+            "matmul_tc runs only through Dawn: its emulated form is tested in the Dawn pass (make test)"
+        )
+    from ddl_wgpu.runtime.gpu import Kernel
+    from ddl_wgpu.runtime.shader_files import shader_source
+
+    cache = _EMULATED_KERNELS
+
+    def kernel(g, cfg, tile, trans_a, trans_b, a_dtype, b_dtype, widths=(1, 1)):
+        key = (id(g.device), cfg, tile, trans_a, trans_b, a_dtype, b_dtype, widths)
+        if key not in cache:
+            t = tc.templates(tile, cfg, 32, trans_a, trans_b, a_dtype, b_dtype, widths)
+            src = emulated(shader_source(tc.SHADER, {**t, "struct TcParams": tc.PARAMS.wgsl()}))
+            bgl, layout = g._layout("rrwu")
+            pipe = g.device.create_compute_pipeline(
+                layout=layout, compute={"module": g._create_module(src, "matmul_tc (emulated)"),
+                                        "entry_point": "matmul_tc"})  # fmt: skip
+            cache[key] = Kernel(name="matmul_tc (emulated)", sig="rrwu", workgroup=(int(t["threads"]), 1, 1),
+                                pipeline=pipe, layout=bgl)  # fmt: skip
+        return cache[key]
+
+    monkeypatch.setattr(tc, "kernel", kernel)
+    monkeypatch.setattr(tc, "subgroup_size", lambda g: 32)
+    seen = []
+    real = tc.load_widths
+    monkeypatch.setattr(tc, "load_widths", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    gpu.widths_seen = seen
+    return gpu
+
+
+ODD, ALIGNED = (41, 150, 67), (136, 132, 48)
+# the layouts' operand types: shared with the causal test below, so its kernels are compiled once
+LAYOUTS = (((False, True), ("f32", "f16")), ((False, False), ("f16", "f32")), ((True, False), ("f32", "f32")))
+
+
+@pytest.mark.parametrize("tile, shape", [("2x2sg-2x2-k16", ODD), ("2x2sg-2x2-k16", ALIGNED),
+                                         ("2x2sg-4x4-k16-np-ld", ALIGNED), ("2x2sg-2x2-k32-v1-ld", ODD)])  # fmt: skip
+def test_the_generated_kernel_with_emulated_matrices(emulating, rng, tile, shape):
+    """Odd shapes (scalar loads, every edge guarded) and multiples of 4 (vec4 loads, blocks inside the
+    operands, the direct epilogue): three layouts, f32 and f16 operands, a batch of two with offsets,
+    alpha 1 accumulating (the direct path where the block is inside) and alpha 0.5 (through workgroup memory)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from matmul_tc import parse_tile
+
+    g, (M, N, K), nb, t = emulating, shape, 2, parse_tile(tile)
+    cfg = tc.Config(16, 16, 16)
+    pad = 4 if M % 4 == 0 else 5  # keeps the vec4 loads' alignment on the aligned shape
+    for ((ta, tb), (adt, bdt)), alpha in zip(LAYOUTS, (1.0, 0.5, 1.0), strict=True):
+        a = rng.standard_normal((nb, K, M) if ta else (nb, M, K)).astype(np.float32)
+        b = rng.standard_normal((nb, N, K) if tb else (nb, K, N)).astype(np.float32)
+        c0 = rng.standard_normal((nb, M, N)).astype(np.float32)
+        host = {"f32": np.float32, "f16": np.float16}
+        ab = g.upload(np.concatenate([np.zeros(pad, np.float32), a.ravel()]).astype(host[adt]))
+        bb, cb = g.upload(b.astype(host[bdt])), g.upload(c0)
+        tc.matmul_tc(g, cb, ab, bb, M, N, K, ta, tb, accumulate=True, alpha=alpha, offsets=(pad, 0, 0),
+                     strides=(M * K, N * K, M * N), batch=nb, a_dtype=adt, b_dtype=bdt, cfg=cfg, tile=t).run(g)  # fmt: skip
+        fa, fb = f16(a), f16(b)
+        want = (
+            alpha
+            * np.einsum(
+                "zij,zjk->zik", fa.transpose(0, 2, 1) if ta else fa, fb.transpose(0, 2, 1) if tb else fb
+            )
+            + c0
+        )
+        assert rel_err(g.read(cb, (nb, M, N)), want) < 1e-5, (tile, ta, tb)
+    vec = M % 4 == 0 and t.vec
+    assert g.widths_seen == [(4, 4) if vec else (1, 1)] * 3
+
+
+@pytest.mark.parametrize("causal", [1, 2, 3])
+def test_the_generated_kernel_causal_modes_with_emulated_matrices(emulating, rng, causal):
+    """The causal modes attention's scores path uses (tiles skipped above the diagonal, k stopped at the
+    tile's end, k started at its first row), against the same masks in float64."""
+    g, T, D = emulating, 72, 32
+    cfg, t = tc.Config(16, 16, 16), tc.TcTile(2, 2, 2, 2, 16)
+    (ta, tb), (adt, bdt) = LAYOUTS[causal - 1]
+    host = {"f32": np.float32, "f16": np.float16}
+    low = np.tril(np.ones((T, T)))
+    if causal == 1:  # S = q k^T: the blocks on and below the diagonal computed, the rest left as they were
+        q, k = rng.standard_normal((T, D)), rng.standard_normal((T, D))
+        cb = g.upload(np.zeros((T, T), np.float32))
+        tc.matmul_tc(g, cb, g.upload(q.astype(host[adt])), g.upload(k.astype(host[bdt])), T, T, D, ta, tb,
+                     causal=1, a_dtype=adt, b_dtype=bdt, cfg=cfg, tile=t).run(g)  # fmt: skip
+        got, want = g.read(cb, (T, T)), f16(q) @ f16(k).T
+        assert rel_err(got * low, want * low) < 1e-5
+    else:  # P v with P lower-triangular (2: k stops at the block's end); P^T dout stored as P (3: k starts at m)
+        p, v = rng.standard_normal((T, T)) * low, rng.standard_normal((T, D))
+        cb = g.upload(np.zeros((T, D), np.float32))
+        tc.matmul_tc(g, cb, g.upload(p.astype(host[adt])), g.upload(v.astype(host[bdt])), T, D, T, ta, tb,
+                     causal=causal, a_dtype=adt, b_dtype=bdt, cfg=cfg, tile=t).run(g)  # fmt: skip
+        assert rel_err(g.read(cb, (T, D)), (f16(p).T if ta else f16(p)) @ f16(v)) < 1e-5

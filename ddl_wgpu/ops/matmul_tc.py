@@ -47,7 +47,11 @@ PARAMS = Uniform(
     ("istride_b", "u32"),
     ("istride_c", "u32"),
     ("causal", "u32", "0 none; 1 skip tiles above the diagonal; 2 k < tile end; 3 k from tile start"),
-    ("pad0", "pad"),
+    (
+        "direct_ok",
+        "u32",
+        "1: C's offsets and rows 16-byte aligned, so the epilogue may store from the matrix units",
+    ),
 )
 UNIFORMS = (PARAMS,)
 
@@ -76,42 +80,144 @@ class TcTile:
     bk: int = 32
     pad_a: int = 8
     pad_b: int = 8
+    vec: bool = True  # vec4 global loads where the operand allows them (`load_widths`)
+    prefetch: bool = True  # the next K step's loads issued before this step's products (registers)
+    lanes_down: bool = False  # an operand transposed into workgroup memory copied by rows first (`_slots`)
 
     def block(self, cfg: Config) -> tuple[int, int]:
         return self.sg_rows * self.tm * cfg.m, self.sg_cols * self.tn * cfg.n
 
     def name(self) -> str:
-        return f"{self.sg_rows}x{self.sg_cols}sg-{self.tm}x{self.tn}-k{self.bk}-p{self.pad_a}.{self.pad_b}"
+        flags = (
+            ("" if self.vec else "-v1")
+            + ("" if self.prefetch else "-np")
+            + ("-ld" if self.lanes_down else "")
+        )
+        return f"{self.sg_rows}x{self.sg_cols}sg-{self.tm}x{self.tn}-k{self.bk}-p{self.pad_a}.{self.pad_b}{flags}"
 
 
-def _copy(
-    name: str, rows: int, cols: int, stride: int, threads: int, along_rows: bool, src: str, bound: str
-) -> list:
-    """The unrolled copy of one operand's rows x cols tile into workgroup array `name` (row stride `stride`),
-    element (r, q) read by `src` where `bound` holds, else 0; `along_rows`: consecutive threads take consecutive
-    rows (the operand is contiguous along them in storage), else consecutive columns."""
-    n, lines = rows * cols, []
+@dataclass(frozen=True)
+class _Operand:
+    """One operand's staging copy, in its storage orientation: the tile is `rows` x `cols` with `cols` the
+    axis contiguous in storage, starting at storage (r0, c0) within bounds (rext, cext); storage element
+    (r, q) goes to `smem`[r * sr + q * sc]. `w` elements travel per load (4: a vec4 binding)."""
+
+    tag: str  # "a" | "b": the binding, its offset `o{tag}` and leading dimension `P.ld{tag}`
+    smem: str
+    rows: int
+    cols: int
+    r0: str
+    c0: str
+    rext: str
+    cext: str
+    sr: int
+    sc: int
+    w: int
+    down: bool = False  # `_slots`' lanes_down
+
+
+def _operands(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool, wa: int, wb: int) -> tuple:
+    """A and B as storage-oriented copies, their k origin the variable `kl`. As is BM x BK (m, k) with row
+    stride SA, Bs is BK x BN (k, n) with row stride SB; transposition only swaps which axis is contiguous."""
+    BM, BN = tile.block(cfg)
+    BK, SA, SB = tile.bk, tile.bk + tile.pad_a, BN + tile.pad_b
+    down = tile.lanes_down
+    a = (_Operand("a", "As", BK, BM, "kl", "m0", "P.K", "P.M", 1, SA, wa, down) if trans_a
+         else _Operand("a", "As", BM, BK, "m0", "kl", "P.M", "P.K", SA, 1, wa))  # fmt: skip
+    b = (_Operand("b", "Bs", BN, BK, "n0", "kl", "P.N", "P.K", 1, SB, wb, down) if trans_b
+         else _Operand("b", "Bs", BK, BN, "kl", "n0", "P.K", "P.N", SB, 1, wb))  # fmt: skip
+    return a, b
+
+
+def _slots(op: _Operand, threads: int, lanes_down: bool = False) -> list:
+    """(row, column) expressions of each pass of the copy: thread li moves `w` consecutive elements per pass.
+    Consecutive threads take consecutive vectors along a row (global reads coalesce), or with `lanes_down`
+    consecutive rows (for an operand transposed into workgroup memory: its stores then fall along the
+    staged row, where a row-wise walk puts a warp's stores on a few banks). Where the threads divide evenly
+    each thread keeps its column (row) and steps by a constant; otherwise every pass recomputes both from its
+    slot number. A trailing guard when the slots do not fill the last pass."""
+    vecs = op.cols // op.w
+    n = op.rows * vecs
+    out = []
     for e in range(-(-n // threads)):
-        i = f"(li + {e * threads}u)"
-        guard = "" if (e + 1) * threads <= n else f"if {i} < {n}u "
-        rc = (f"let r = {i} % {rows}u; let q = {i} / {rows}u;" if along_rows
-              else f"let r = {i} / {cols}u; let q = {i} % {cols}u;")  # fmt: skip
-        lines.append(f"        {guard}{{ {rc} var v = f16(0.0); if ({bound}) {{ v = f16({src}); }} "
-                     f"{name}[r * {stride}u + q] = v; }}")  # fmt: skip
+        guard = "" if (e + 1) * threads <= n else f"li + {e * threads}u < {n}u"
+        if lanes_down and threads % op.rows == 0:
+            r, q = f"(li % {op.rows}u)", f"((li / {op.rows}u + {e * threads // op.rows}u) * {op.w}u)"
+        elif lanes_down:
+            r, q = (
+                f"((li + {e * threads}u) % {op.rows}u)",
+                f"(((li + {e * threads}u) / {op.rows}u) * {op.w}u)",
+            )
+        elif threads % vecs == 0:
+            r, q = f"(li / {vecs}u + {e * threads // vecs}u)", f"((li % {vecs}u) * {op.w}u)"
+        else:
+            r, q = f"((li + {e * threads}u) / {vecs}u)", f"(((li + {e * threads}u) % {vecs}u) * {op.w}u)"
+        out.append((r, q, guard))
+    return out
+
+
+def _reg(op: _Operand, e: int) -> str:
+    return f"r{op.tag}{e}"
+
+
+def _loads(op: _Operand, threads: int, bounded: bool) -> list:
+    """Global -> registers for every pass (converted to f16 there): `bounded` checks each vector against the
+    operand's extent (a vector is wholly in or out: the host picks w = 4 only where the extent is a multiple
+    of 4), else the whole tile is known inside."""
+    typ = "vec4<f16>" if op.w == 4 else "f16"
+    lines = []
+    for e, (r, q, guard) in enumerate(_slots(op, threads, op.down)):
+        idx = f"o{op.tag} + ({op.r0} + {r}) * P.ld{op.tag} + {op.c0} + {q}"
+        src = f"{typ}({op.tag}[({idx}) / {op.w}u])" if op.w > 1 else f"f16({op.tag}[{idx}])"
+        cond = [
+            c for c in (guard, bounded and f"{op.r0} + {r} < {op.rext} && {op.c0} + {q} < {op.cext}") if c
+        ]
+        if cond:
+            lines.append(
+                f"        {_reg(op, e)} = {typ}(0.0); if ({' && '.join(cond)}) {{ {_reg(op, e)} = {src}; }}"
+            )
+        else:
+            lines.append(f"        {_reg(op, e)} = {src};")
     return lines
 
 
-def _stage(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool) -> str:
-    """The copies of one K step into As (BM x BK) and Bs (BK x BN), unrolled; each reads global memory along its
-    operand's contiguous axis: A (M, K) along k, A stored (K, M) along m; B (K, N) along n, B stored (N, K)
-    along k. In Bs, r is k and q is n."""
-    BM, BN = tile.block(cfg)
-    BK, SA, SB = tile.bk, tile.bk + tile.pad_a, BN + tile.pad_b
-    a_src = "a[oa + (k0 + q) * P.lda + m0 + r]" if trans_a else "a[oa + (m0 + r) * P.lda + k0 + q]"
-    b_src = "b[ob + (n0 + q) * P.ldb + k0 + r]" if trans_b else "b[ob + (k0 + r) * P.ldb + n0 + q]"
-    lines = _copy("As", BM, BK, SA, threads, trans_a, a_src, "m0 + r < P.M && k0 + q < P.K")
-    lines += _copy("Bs", BK, BN, SB, threads, trans_b, b_src, "n0 + q < P.N && k0 + r < P.K")
-    return "\n".join(lines)
+def _stores(op: _Operand, threads: int) -> list:
+    """Registers -> workgroup memory, one f16 at a time (subgroupMatrixLoad reads an array of scalars)."""
+    lines = []
+    for e, (r, q, guard) in enumerate(_slots(op, threads, op.down)):
+        parts = [f"{op.smem}[{r} * {op.sr}u + ({q} + {j}u) * {op.sc}u] = {_reg(op, e)}{'.' + 'xyzw'[j] if op.w > 1 else ''};"
+                 for j in range(op.w)]  # fmt: skip
+        body = " ".join(parts)
+        lines.append(f"        if ({guard}) {{ {body} }}" if guard else f"        {body}")
+    return lines
+
+
+def _stage(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool, wa: int, wb: int) -> dict:
+    """The staging code of one K step, in pieces the template places: the register declarations, the loads
+    of the step at k origin `kl` (unbounded when the block and the step lie inside the operands, a uniform
+    branch), and the stores into As and Bs."""
+    ops = _operands(tile, cfg, trans_a, trans_b, wa, wb)
+    decl = [f"    var {_reg(op, e)}: {'vec4<f16>' if op.w == 4 else 'f16'};"
+            for op in ops for e in range(len(_slots(op, threads, op.down)))]  # fmt: skip
+    inside = sum((_loads(op, threads, False) for op in ops), [])
+    edge = sum((_loads(op, threads, True) for op in ops), [])
+
+    def loads(guard: str, k: str) -> str:
+        """The loads of the step at k origin `k`, where `guard` holds."""
+        return "\n".join([f"    if ({guard}) {{", f"        let kl = {k};", "        if (inside_mn && kl + BK <= P.K) {",
+                          *("    " + x for x in inside), "        } else {", *("    " + x for x in edge),
+                          "        }", "    }"])  # fmt: skip
+
+    # with prefetch a step's loads are issued one step early (before the loop, then after each step's
+    # stores); without, at the step's start
+    pre = tile.prefetch
+    return {
+        "regs": "\n".join(decl),
+        "prologue": loads("k_begin < k_end", "k_begin") if pre else "",
+        "step_loads": "" if pre else "    " + loads("true", "k0").replace("\n", "\n    "),
+        "next_loads": "    " + loads("k0 + BK < k_end", "k0 + BK").replace("\n", "\n    ") if pre else "",
+        "stores": "\n".join(sum((_stores(op, threads) for op in ops), [])),
+    }
 
 
 def _products(tile: TcTile, cfg: Config) -> str:
@@ -137,8 +243,32 @@ def _products(tile: TcTile, cfg: Config) -> str:
     return "\n".join(lines)
 
 
+def _at(tile: TcTile, cfg: Config, i: int, j: int) -> str:
+    """Where result matrix (i, j) of the subgroup starts in C."""
+    return f"oc + (m0 + sm + {i * cfg.m}u) * P.ldc + n0 + sn + {j * cfg.n}u"
+
+
+def _accumulators(tile: TcTile, cfg: Config) -> str:
+    """The TM x TN accumulators, zero, or C itself where the epilogue stores straight to C (`direct`) and the
+    product accumulates: then C's old value is where the sums start (alpha is 1 there)."""
+    acc = f"subgroup_matrix_result<f32, {cfg.n}, {cfg.m}>"
+    lines = [f"    var c{i}_{j} = {acc}();" for i in range(tile.tm) for j in range(tile.tn)]
+    lines.append("    if (direct && P.accumulate == 1u) {")
+    lines += [f"        c{i}_{j} = subgroupMatrixLoad<{acc}>(&c, {_at(tile, cfg, i, j)}, false, P.ldc);"
+              for i in range(tile.tm) for j in range(tile.tn)]  # fmt: skip
+    lines.append("    }")
+    return "\n".join(lines)
+
+
 def _epilogue(tile: TcTile, cfg: Config) -> str:
-    lines = []
+    """C from the accumulators: straight from the matrix units where the block lies inside C, alpha is 1 and
+    C's rows are 16-byte aligned (`direct`); elsewhere through workgroup memory one result matrix at a time,
+    each lane writing alpha * acc (+ C) element by element, guarded at the edges."""
+    lines = ["    if (direct) {"]
+    lines += [f"        subgroupMatrixStore(&c, {_at(tile, cfg, i, j)}, c{i}_{j}, false, P.ldc);"
+              for i in range(tile.tm) for j in range(tile.tn)]  # fmt: skip
+    lines.append("        return;")
+    lines.append("    }")
     for i in range(tile.tm):
         for j in range(tile.tn):
             lines += [
@@ -167,10 +297,14 @@ def templates(
     trans_b: bool,
     a_dtype: str = "f32",
     b_dtype: str = "f32",
+    widths: tuple[int, int] = (1, 1),
 ) -> dict:
-    """The placeholders of matmul_tc.wgsl for one tile, configuration, layout and operand types."""
+    """The placeholders of matmul_tc.wgsl for one tile, configuration, layout, operand types and load widths
+    (`widths`: elements per load of A and B, 4 where `load_widths` allows it and the tile asks for it)."""
     if tile.bk % cfg.k:
         raise ValueError(f"tile bk={tile.bk} is not a multiple of the configuration's k={cfg.k}")
+    if any(w not in (1, 4) for w in widths):
+        raise ValueError(f"load widths {widths}: each 1 or 4")
     BM, BN = tile.block(cfg)
     threads = tile.sg_rows * tile.sg_cols * subgroup_size
     SA, SB = tile.bk + tile.pad_a, BN + tile.pad_b
@@ -188,22 +322,42 @@ def templates(
             ("SG_COLS", tile.sg_cols),
         )  # fmt: skip
     )
-    acc = f"subgroup_matrix_result<f32, {cfg.n}, {cfg.m}>"
+    stage = _stage(tile, cfg, threads, trans_a, trans_b, *widths)
     return {
-        "a_array": a_dtype,
-        "b_array": b_dtype,
+        "a_array": f"vec4<{a_dtype}>" if widths[0] == 4 else a_dtype,
+        "b_array": f"vec4<{b_dtype}>" if widths[1] == 4 else b_dtype,
         "consts": consts,
         "as_size": str(BM * SA),
         "bs_size": str(tile.bk * SB),
         "cs_size": str(subgroups * cfg.m * cfg.n),
         "threads": str(threads),
-        "accumulators": "\n".join(
-            f"    var c{i}_{j} = {acc}();" for i in range(tile.tm) for j in range(tile.tn)
-        ),
-        "stage": _stage(tile, cfg, threads, trans_a, trans_b),
+        "accumulators": _accumulators(tile, cfg),
+        **stage,
         "products": _products(tile, cfg),
         "epilogue": _epilogue(tile, cfg),
     }
+
+
+def load_widths(
+    tile: TcTile,
+    M: int,
+    N: int,
+    K: int,
+    trans_a: bool,
+    trans_b: bool,
+    lds: tuple[int, int],
+    offsets: tuple[int, int],
+    strides: tuple[int, int],
+    istrides: tuple[int, int],
+) -> tuple[int, int]:
+    """Elements per global load of A and B: 4 (one vec4) where the tile asks for vectors and every vector of
+    the operand is whole and 4-aligned (its contiguous extent, leading dimension, offset and batch strides
+    multiples of 4), else 1."""
+    if not tile.vec:
+        return 1, 1
+    extents = (M if trans_a else K, K if trans_b else N)
+    return tuple(4 if all(v % 4 == 0 for v in (extents[x], lds[x], offsets[x], strides[x], istrides[x])) else 1
+                 for x in (0, 1))  # fmt: skip
 
 
 def workgroup_bytes(tile: TcTile, cfg: Config) -> int:
@@ -253,8 +407,17 @@ def pick_tile(gpu, cfg: Config) -> TcTile:
     raise GpuError(f"matmul_tc: no tile fits {limit} bytes of workgroup memory")
 
 
-def kernel(gpu, cfg: Config, tile: TcTile, trans_a: bool, trans_b: bool, a_dtype: str, b_dtype: str):
-    """The compiled `matmul_tc` entry point for one configuration, tile, layout and operand types."""
+def kernel(
+    gpu,
+    cfg: Config,
+    tile: TcTile,
+    trans_a: bool,
+    trans_b: bool,
+    a_dtype: str,
+    b_dtype: str,
+    widths: tuple[int, int] = (1, 1),
+):
+    """The compiled `matmul_tc` entry point for one configuration, tile, layout, operand types and widths."""
     sg = subgroup_size(gpu)
     limit = gpu.limits.get("max-compute-workgroup-storage-size", 16384)
     if workgroup_bytes(tile, cfg) > limit:
@@ -265,10 +428,16 @@ def kernel(gpu, cfg: Config, tile: TcTile, trans_a: bool, trans_b: bool, a_dtype
         SHADER,
         "matmul_tc",
         "rrwu",
-        templates=templates(tile, cfg, sg, trans_a, trans_b, a_dtype, b_dtype),
+        templates=templates(tile, cfg, sg, trans_a, trans_b, a_dtype, b_dtype, widths),
         workgroup=(threads, 1, 1),
         uniforms=UNIFORMS,
     )
+
+
+def direct_ok(ldc: int, off_c: int, stride_c: int, istride_c: int) -> bool:
+    """Whether every result matrix of C starts 16-byte aligned (four f32), which the matrix units' stores to
+    storage ask for; only then may the epilogue skip workgroup memory."""
+    return all(v % 4 == 0 for v in (ldc, off_c, stride_c, istride_c))
 
 
 def matmul_tc(
@@ -318,7 +487,8 @@ def matmul_tc(
     g = groups(tile, cfg, M, N, batch)
     if max(g) > MAX_GROUPS:
         raise GpuError(f"matmul_tc: {g} workgroups exceed {MAX_GROUPS} per dimension; split the product")
-    k = kernel(gpu, cfg, tile, trans_a, trans_b, a_dtype, b_dtype)
+    widths = load_widths(tile, M, N, K, trans_a, trans_b, (lda, ldb), offsets[:2], strides[:2], istrides[:2])
+    k = kernel(gpu, cfg, tile, trans_a, trans_b, a_dtype, b_dtype, widths)
     u = gpu.uniform(
         PARAMS,
         M=M,
@@ -342,6 +512,7 @@ def matmul_tc(
         istride_b=istrides[1],
         istride_c=istrides[2],
         causal=int(causal),
+        direct_ok=int(direct_ok(ldc, offsets[2], strides[2], istrides[2])),
         label="matmul_tc",
     )
     return Call(dispatches=[(k, gpu.bind(k, a, b, c, u), g)], uniforms=[u])
