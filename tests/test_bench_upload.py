@@ -17,11 +17,12 @@ HOST_MODES = ("host-pointer", "host-pointer-file", "host-pointer-file-shared")
 
 
 def _bench():
+    saved = list(sys.path)  # upload.py puts bench/ on the path, whose kernels.py shadows HF's `kernels`
     sys.path.insert(0, str(REPO / "bench"))
     try:
         import upload
     finally:
-        sys.path.remove(str(REPO / "bench"))
+        sys.path[:] = saved
     return upload
 
 

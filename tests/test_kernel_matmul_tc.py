@@ -19,6 +19,21 @@ from ddl_wgpu.ops import matmul_tc as tc
 TOL = 2e-3  # relative to the largest |C|: f32 accumulation over K <= 400 of f16 products
 
 
+def parse_tile(text: str):
+    """bench/matmul_tc.py's tile names, imported with sys.path left as it was (bench/ holds a kernels.py
+    that would shadow Hugging Face's `kernels` for every later test)."""
+    import sys
+    from pathlib import Path
+
+    saved = list(sys.path)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        from matmul_tc import parse_tile as parse
+    finally:
+        sys.path[:] = saved
+    return parse(text)
+
+
 @pytest.fixture(scope="module")
 def mgpu(gpu):
     """The session's Gpu with its products on the matrix units for this module's tests, restored after."""
@@ -86,12 +101,6 @@ def test_every_tile_layout_and_batch(mgpu, rng, tile, shape):
     """Each swept tile, the three layouts, a batch of two with offsets, accumulating with alpha 0.25 and 1:
     against float64. Odd sizes take the scalar loads and every edge; multiples of 4 the vec4 loads, whole
     blocks and (alpha 1) the direct epilogue."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from matmul_tc import parse_tile
-
     (M, N, K), nb, g, t = shape, 2, mgpu, parse_tile(tile)
     pad = 4 if M % 4 == 0 else 5
     for alpha, (ta, tb) in (
@@ -270,12 +279,6 @@ def test_the_generated_kernel_with_emulated_matrices(emulating, rng, tile, shape
     """Odd shapes (scalar loads, every edge guarded) and multiples of 4 (vec4 loads, blocks inside the
     operands, the direct epilogue): three layouts, f32 and f16 operands, a batch of two with offsets,
     alpha 1 accumulating (the direct path where the block is inside) and alpha 0.5 (through workgroup memory)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from matmul_tc import parse_tile
-
     g, (M, N, K), nb, t = emulating, shape, 2, parse_tile(tile)
     cfg = tc.Config(16, 16, 16)
     pad = 4 if M % 4 == 0 else 5  # keeps the vec4 loads' alignment on the aligned shape
