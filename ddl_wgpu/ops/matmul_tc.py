@@ -83,6 +83,7 @@ class TcTile:
     vec: bool = True  # vec4 global loads where the operand allows them (`load_widths`)
     prefetch: bool = True  # the next K step's loads issued before this step's products (registers)
     lanes_down: bool = False  # an operand transposed into workgroup memory copied by rows first (`_slots`)
+    direct: bool = True  # the epilogue stores whole result matrices to C where it can (`_epilogue`)
 
     def block(self, cfg: Config) -> tuple[int, int]:
         return self.sg_rows * self.tm * cfg.m, self.sg_cols * self.tn * cfg.n
@@ -92,6 +93,7 @@ class TcTile:
             ("" if self.vec else "-v1")
             + ("" if self.prefetch else "-np")
             + ("-ld" if self.lanes_down else "")
+            + ("" if self.direct else "-nd")
         )
         return f"{self.sg_rows}x{self.sg_cols}sg-{self.tm}x{self.tn}-k{self.bk}-p{self.pad_a}.{self.pad_b}{flags}"
 
@@ -320,6 +322,7 @@ def templates(
             ("TM", tile.tm),
             ("TN", tile.tn),
             ("SG_COLS", tile.sg_cols),
+            ("DIRECT", int(tile.direct)),
         )  # fmt: skip
     )
     stage = _stage(tile, cfg, threads, trans_a, trans_b, *widths)
@@ -377,7 +380,11 @@ def groups(tile: TcTile, cfg: Config, M: int, N: int, batch: int = 1) -> tuple[i
 # the matrix units"): at the Qwen3.8-27B products 8 subgroups of 4 x 4 matrices staged 32 deep ran 122-139
 # TFLOP/s, 4 subgroups staged 16 deep 101-129 (and fit WebGPU's 16 KiB of workgroup memory), 4 subgroups
 # staged 32 deep 94-157 (its dW the slowest). `pick_tile` takes the first that fits the adapter.
-TILES = (TcTile(4, 2, 4, 4, 32, 8, 8), TcTile(2, 2, 4, 4, 16, 8, 8), TcTile(2, 2, 2, 2, 16, 8, 8))
+# Those runs had scalar loads, no prefetch and every epilogue through workgroup memory: the tiles keep that
+# form (`PLAIN`) until the vec4 loads, the prefetch and the direct epilogue have run on a GPU (docs/kernels.md,
+# "The matrix units": they are tested on lavapipe with the matrix calls emulated, and not yet measured).
+PLAIN = {"vec": False, "prefetch": False, "direct": False}
+TILES = tuple(TcTile(*t, 8, 8, **PLAIN) for t in ((4, 2, 4, 4, 32), (2, 2, 4, 4, 16), (2, 2, 2, 2, 16)))
 OPERANDS = {"f32": 4, "f16": 2}  # element bytes of A and B in storage
 
 
