@@ -42,34 +42,7 @@ DEFAULT_TILES = ("2x2sg-4x4-k32", "2x2sg-4x4-k64", "4x2sg-2x4-k32", "2x4sg-4x2-k
                  "4x4sg-2x2-k32", "2x2sg-4x4-k32-p0")  # fmt: skip
 
 
-def parse_tile(text: str) -> tc.TcTile:
-    """'2x2sg-4x4-k32[-pA[.B]][-v1][-np][-ld][-nd]' -> TcTile(sg_rows=2, sg_cols=2, tm=4, tn=4, bk=32, pads; -v1
-    scalar loads only, -np no prefetch, -ld transposed operands copied rows first, -nd every epilogue through
-    workgroup memory)."""
-    parts = text.split("-")
-    sr, sc = map(int, parts[0].removesuffix("sg").split("x"))
-    tm, tn = map(int, parts[1].split("x"))
-    bk = int(parts[2].removeprefix("k"))
-    pa = pb = 8
-    for flag in parts[3:]:
-        if flag.startswith("p"):
-            pads = flag.removeprefix("p").split(".")
-            pa = int(pads[0])
-            pb = int(pads[1]) if len(pads) > 1 else pa
-        elif flag not in ("v1", "np", "ld", "nd"):
-            raise ValueError(f"tile {text!r}: unknown part {flag!r}")
-    return tc.TcTile(
-        sr,
-        sc,
-        tm,
-        tn,
-        bk,
-        pa,
-        pb,
-        vec="v1" not in parts[3:],
-        prefetch="np" not in parts[3:],
-        lanes_down="ld" in parts[3:],
-    )
+parse_tile = tc.parse_tile  # the names the sweep takes and prints (`TcTile.name`)
 
 
 def dawn_device():

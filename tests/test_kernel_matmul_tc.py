@@ -19,19 +19,7 @@ from ddl_wgpu.ops import matmul_tc as tc
 TOL = 2e-3  # relative to the largest |C|: f32 accumulation over K <= 400 of f16 products
 
 
-def parse_tile(text: str):
-    """bench/matmul_tc.py's tile names, imported with sys.path left as it was (bench/ holds a kernels.py
-    that would shadow Hugging Face's `kernels` for every later test)."""
-    import sys
-    from pathlib import Path
-
-    saved = list(sys.path)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    try:
-        from matmul_tc import parse_tile as parse
-    finally:
-        sys.path[:] = saved
-    return parse(text)
+parse_tile = tc.parse_tile
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +125,25 @@ def test_the_generator_refuses_what_the_kernel_cannot_do():
     assert tc.workgroup_bytes(t, cfg) == 2 * (128 * 40 + 32 * 136) + 4 * 4 * 256
     src = tc.templates(t, cfg, 32, True, False)
     assert src["threads"] == "128" and src["products"].count("subgroupMatrixMultiplyAccumulate") == 2 * 16
+
+
+def test_tile_names_round_trip_and_bad_ones_are_refused(monkeypatch):
+    """Every flag combination reads back from its name; DDL_WGPU_TC_TILE picks the tile; a bad name is one
+    GpuError naming the form."""
+    from ddl_wgpu.runtime.gpu import GpuError
+
+    for t in (*tc.TILES, tc.TcTile(2, 4, 4, 2, 16, 0, 16, lanes_down=True), tc.TcTile(prefetch=False)):
+        assert tc.parse_tile(t.name()) == t
+    assert tc.parse_tile("4x2sg-4x4-k32") == tc.TcTile(4, 2, 4, 4, 32)
+
+    class Fake:
+        limits = {"max-compute-workgroup-storage-size": 49152}
+
+    monkeypatch.setenv(tc.ENV_TILE, "2x2sg-2x2-k16-nd")
+    assert tc.pick_tile(Fake(), tc.Config(16, 16, 16)) == tc.TcTile(2, 2, 2, 2, 16, direct=False)
+    for bad in ("4x2-4x4-k32", "4x2sg-4x4", "4x2sg-4x4-k32-zz"):
+        with pytest.raises(GpuError, match="not of the form"):
+            tc.parse_tile(bad)
 
 
 def test_the_tile_fits_the_adapter():

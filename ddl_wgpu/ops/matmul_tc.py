@@ -405,9 +405,48 @@ def subgroup_size(gpu) -> int:
     return int(gpu.limits.get("max-subgroup-size") or gpu.limits.get("min-subgroup-size") or 32)
 
 
+ENV_TILE = (
+    "DDL_WGPU_TC_TILE"  # a tile by the name the sweep prints: what bench runs time before TILES changes
+)
+FLAGS = {"v1": "vec", "np": "prefetch", "nd": "direct"}  # name parts that turn a path off; "ld" turns one on
+
+
+def parse_tile(text: str) -> TcTile:
+    """'4x2sg-4x4-k32[-pA[.B]][-v1][-np][-ld][-nd]' -> a TcTile: subgroups as rows x columns, result matrices
+    per subgroup, the k depth, pads; -v1 scalar loads only, -np no prefetch, -ld transposed operands copied
+    rows first, -nd every epilogue through workgroup memory (`TcTile.name` writes the same form)."""
+    try:
+        parts = text.strip().split("-")
+        if not parts[0].endswith("sg") or not parts[2].startswith("k"):
+            raise ValueError("subgroups end in 'sg', the depth starts with 'k'")
+        sr, sc = map(int, parts[0].removesuffix("sg").split("x"))
+        tm, tn = map(int, parts[1].split("x"))
+        bk = int(parts[2].removeprefix("k"))
+        pads, flags = (8, 8), {"lanes_down": False}
+        for part in parts[3:]:
+            if part.startswith("p"):
+                pa, _, pb = part.removeprefix("p").partition(".")
+                pads = (int(pa), int(pb or pa))
+            elif part in FLAGS:
+                flags[FLAGS[part]] = False
+            elif part == "ld":
+                flags["lanes_down"] = True
+            else:
+                raise ValueError(part)
+        return TcTile(sr, sc, tm, tn, bk, *pads, **flags)
+    except (ValueError, IndexError) as e:
+        raise GpuError(f"matmul_tc: tile {text!r} is not of the form 4x2sg-4x4-k32[-p8.8][-v1][-np][-ld][-nd] "
+                       f"({e})") from None  # fmt: skip
+
+
 def pick_tile(gpu, cfg: Config) -> TcTile:
-    """The first of TILES whose workgroup memory the adapter has (WebGPU's default limits give 16 KiB)."""
+    """The tile env DDL_WGPU_TC_TILE names, else the first of TILES whose workgroup memory the adapter has
+    (WebGPU's default limits give 16 KiB)."""
+    import os
+
     limit = gpu.limits.get("max-compute-workgroup-storage-size", 16384)
+    if os.environ.get(ENV_TILE):
+        return parse_tile(os.environ[ENV_TILE])
     for tile in TILES:
         if workgroup_bytes(tile, cfg) <= limit:
             return tile
