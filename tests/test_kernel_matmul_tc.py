@@ -115,6 +115,20 @@ def test_every_tile_layout_and_batch(mgpu, rng, tile, shape):
         assert rel_err(g.read(cb, (nb, M, N)), want) < TOL, (tile, ta, tb, alpha)
 
 
+@pytest.mark.parametrize("tile", ["4x2sg-4x4-k32", "4x2sg-4x4-k32-v1-np-nd"])
+def test_a_product_smaller_than_one_result_matrix(mgpu, rng, tile):
+    """C of 1 x 1 and 3 x 5 (a scalar parameter's gradient, say): its binding is smaller than a 16 x 16 result
+    matrix, which Dawn refuses for a kernel that stores matrices to C (the ddl variant's train step did, on an
+    H100); the launcher takes the epilogue through workgroup memory there."""
+    g = mgpu
+    for M, N, K in ((1, 1, 40), (3, 5, 33)):
+        a = rng.standard_normal((M, K)).astype(np.float32)
+        b = rng.standard_normal((N, K)).astype(np.float32)
+        cb = g.upload(np.zeros((M, N), np.float32))
+        tc.matmul_tc(g, cb, g.upload(a), g.upload(b), M, N, K, trans_b=True, tile=parse_tile(tile)).run(g)
+        assert rel_err(g.read(cb, (M, N)), f16(a) @ f16(b).T) < TOL
+
+
 def test_the_generator_refuses_what_the_kernel_cannot_do():
     """Runs everywhere: a k depth that is not a multiple of the configuration's k is refused, and the
     workgroup memory a tile needs is what its staging and epilogue arrays take."""
@@ -125,6 +139,10 @@ def test_the_generator_refuses_what_the_kernel_cannot_do():
     assert tc.workgroup_bytes(t, cfg) == 2 * (128 * 40 + 32 * 136) + 4 * 4 * 256
     src = tc.templates(t, cfg, 32, True, False)
     assert src["threads"] == "128" and src["products"].count("subgroupMatrixMultiplyAccumulate") == 2 * 16
+    # only a direct tile touches C with matrix loads or stores (Dawn sizes C's binding by them)
+    assert "&c," in src["epilogue"] + src["accumulators"]
+    plain = tc.templates(tc.TcTile(2, 2, 4, 4, 32, direct=False), cfg, 32, True, False)
+    assert "&c," not in plain["epilogue"] + plain["accumulators"]
 
 
 def test_tile_names_round_trip_and_bad_ones_are_refused(monkeypatch):
