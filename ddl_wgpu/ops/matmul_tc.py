@@ -384,11 +384,16 @@ def groups(tile: TcTile, cfg: Config, M: int, N: int, batch: int = 1) -> tuple[i
 # the matrix units"): at the Qwen3.8-27B products 8 subgroups of 4 x 4 matrices staged 32 deep ran 122-139
 # TFLOP/s, 4 subgroups staged 16 deep 101-129 (and fit WebGPU's 16 KiB of workgroup memory), 4 subgroups
 # staged 32 deep 94-157 (its dW the slowest). `pick_tile` takes the first that fits the adapter.
-# Those runs had scalar loads, no prefetch and every epilogue through workgroup memory: the tiles keep that
-# form (`PLAIN`) until the vec4 loads, the prefetch and the direct epilogue have run on a GPU (docs/kernels.md,
-# "The matrix units": they are tested on lavapipe with the matrix calls emulated, and not yet measured).
+# Those runs had scalar loads, no prefetch and every epilogue through workgroup memory (`PLAIN`). The second
+# sweep on the H100 (BENCHMARKS.md, "The matrix units, second session"; f16 operands) timed the same 8 x 4 x 4
+# tile with vec4 loads and prefetch (`STAGED`, epilogue still through workgroup memory) at 152.7-170.3 TFLOP/s
+# for the products whose A is stored (M, K) (the forward 1.22x, dx 1.33x the plain tile's 125.0-128.3), but
+# 79.4 for dW, whose A is stored (K, M) (the plain tile 111.9): so `pick_tile` takes STAGED where A is not
+# transposed and the plain tiles elsewhere. Rows-first copies (`-ld`, meant for that transposed A) and the
+# direct epilogue were not timed (the sweep ran out of device time): they stay off.
 PLAIN = {"vec": False, "prefetch": False, "direct": False}
 TILES = tuple(TcTile(*t, 8, 8, **PLAIN) for t in ((4, 2, 4, 4, 32), (2, 2, 4, 4, 16), (2, 2, 2, 2, 16)))
+STAGED = TcTile(4, 2, 4, 4, 32, 8, 8, direct=False)
 OPERANDS = {"f32": 4, "f16": 2}  # element bytes of A and B in storage
 
 
@@ -443,15 +448,15 @@ def parse_tile(text: str) -> TcTile:
                        f"({e})") from None  # fmt: skip
 
 
-def pick_tile(gpu, cfg: Config) -> TcTile:
-    """The tile env DDL_WGPU_TC_TILE names, else the first of TILES whose workgroup memory the adapter has
-    (WebGPU's default limits give 16 KiB)."""
+def pick_tile(gpu, cfg: Config, trans_a: bool = False) -> TcTile:
+    """The tile env DDL_WGPU_TC_TILE names, else the first of STAGED (where A is not transposed) and TILES
+    whose workgroup memory the adapter has (WebGPU's default limits give 16 KiB)."""
     import os
 
     limit = gpu.limits.get("max-compute-workgroup-storage-size", 16384)
     if os.environ.get(ENV_TILE):
         return parse_tile(os.environ[ENV_TILE])
-    for tile in TILES:
+    for tile in TILES if trans_a else (STAGED, *TILES):
         if workgroup_bytes(tile, cfg) <= limit:
             return tile
     raise GpuError(f"matmul_tc: no tile fits {limit} bytes of workgroup memory")
@@ -527,7 +532,7 @@ def matmul_tc(
         raise GpuError(f"matmul_tc: {gpu.name} lists no f16 -> f32 subgroup-matrix configuration in use")
     if a_dtype not in OPERANDS or b_dtype not in OPERANDS:
         raise GpuError(f"matmul_tc: operand types {a_dtype}, {b_dtype}: each one of {list(OPERANDS)}")
-    tile = tile or pick_tile(gpu, cfg)
+    tile = tile or pick_tile(gpu, cfg, trans_a)
     M, N, K, batch = int(M), int(N), int(K), int(batch)
     lda = int(lda if lda is not None else (M if trans_a else K))
     ldb = int(ldb if ldb is not None else (K if trans_b else N))
