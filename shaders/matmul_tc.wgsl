@@ -66,7 +66,7 @@ fn matmul_tc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     let sm = (sid / SG_COLS) * (TM * MM);  // the subgroup's first row and column inside the block
     let sn = (sid % SG_COLS) * (TN * NN);
     let inside_mn = m0 + BM <= P.M && n0 + BN <= P.N;
-    let direct = DIRECT == 1u && inside_mn && P.alpha == 1.0 && P.direct_ok == 1u;
+    let direct = inside_mn && P.alpha == 1.0 && P.direct_ok == 1u;  // read only by a direct tile's code
 {{accumulators}}
 {{regs}}
 {{prologue}}

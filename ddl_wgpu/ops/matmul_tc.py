@@ -19,6 +19,7 @@ The tiles come from a sweep on the GPU (`bench/matmul_tc.py --sweep`), as the SI
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 from ddl_wgpu.runtime.gpu import MAX_GROUPS, Call, GpuError, Uniform
@@ -115,7 +116,7 @@ class _Operand:
     sr: int
     sc: int
     w: int
-    down: bool = False  # `_slots`' lanes_down
+    down: bool = False  # consecutive threads on consecutive rows (`TcTile.lanes_down`, `_slots`)
 
 
 def _operands(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool, wa: int, wb: int) -> tuple:
@@ -131,9 +132,9 @@ def _operands(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool, wa: int, 
     return a, b
 
 
-def _slots(op: _Operand, threads: int, lanes_down: bool = False) -> list:
+def _slots(op: _Operand, threads: int) -> list:
     """(row, column) expressions of each pass of the copy: thread li moves `w` consecutive elements per pass.
-    Consecutive threads take consecutive vectors along a row (global reads coalesce), or with `lanes_down`
+    Consecutive threads take consecutive vectors along a row (global reads coalesce), or with `op.down`
     consecutive rows (for an operand transposed into workgroup memory: its stores then fall along the
     staged row, where a row-wise walk puts a warp's stores on a few banks). Where the threads divide evenly
     each thread keeps its column (row) and steps by a constant; otherwise every pass recomputes both from its
@@ -143,9 +144,9 @@ def _slots(op: _Operand, threads: int, lanes_down: bool = False) -> list:
     out = []
     for e in range(-(-n // threads)):
         guard = "" if (e + 1) * threads <= n else f"li + {e * threads}u < {n}u"
-        if lanes_down and threads % op.rows == 0:
+        if op.down and threads % op.rows == 0:
             r, q = f"(li % {op.rows}u)", f"((li / {op.rows}u + {e * threads // op.rows}u) * {op.w}u)"
-        elif lanes_down:
+        elif op.down:
             r, q = (
                 f"((li + {e * threads}u) % {op.rows}u)",
                 f"(((li + {e * threads}u) / {op.rows}u) * {op.w}u)",
@@ -168,7 +169,7 @@ def _loads(op: _Operand, threads: int, bounded: bool) -> list:
     of 4), else the whole tile is known inside."""
     typ = "vec4<f16>" if op.w == 4 else "f16"
     lines = []
-    for e, (r, q, guard) in enumerate(_slots(op, threads, op.down)):
+    for e, (r, q, guard) in enumerate(_slots(op, threads)):
         idx = f"o{op.tag} + ({op.r0} + {r}) * P.ld{op.tag} + {op.c0} + {q}"
         src = f"{typ}({op.tag}[({idx}) / {op.w}u])" if op.w > 1 else f"f16({op.tag}[{idx}])"
         cond = [
@@ -186,7 +187,7 @@ def _loads(op: _Operand, threads: int, bounded: bool) -> list:
 def _stores(op: _Operand, threads: int) -> list:
     """Registers -> workgroup memory, one f16 at a time (subgroupMatrixLoad reads an array of scalars)."""
     lines = []
-    for e, (r, q, guard) in enumerate(_slots(op, threads, op.down)):
+    for e, (r, q, guard) in enumerate(_slots(op, threads)):
         parts = [f"{op.smem}[{r} * {op.sr}u + ({q} + {j}u) * {op.sc}u] = {_reg(op, e)}{'.' + 'xyzw'[j] if op.w > 1 else ''};"
                  for j in range(op.w)]  # fmt: skip
         body = " ".join(parts)
@@ -200,7 +201,7 @@ def _stage(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool
     branch), and the stores into As and Bs."""
     ops = _operands(tile, cfg, trans_a, trans_b, wa, wb)
     decl = [f"    var {_reg(op, e)}: {'vec4<f16>' if op.w == 4 else 'f16'};"
-            for op in ops for e in range(len(_slots(op, threads, op.down)))]  # fmt: skip
+            for op in ops for e in range(len(_slots(op, threads)))]  # fmt: skip
     inside = sum((_loads(op, threads, False) for op in ops), [])
     edge = sum((_loads(op, threads, True) for op in ops), [])
 
@@ -326,7 +327,6 @@ def templates(
             ("TM", tile.tm),
             ("TN", tile.tn),
             ("SG_COLS", tile.sg_cols),
-            ("DIRECT", int(tile.direct)),
         )  # fmt: skip
     )
     stage = _stage(tile, cfg, threads, trans_a, trans_b, *widths)
@@ -451,8 +451,6 @@ def parse_tile(text: str) -> TcTile:
 def pick_tile(gpu, cfg: Config, trans_a: bool = False) -> TcTile:
     """The tile env DDL_WGPU_TC_TILE names, else the first of STAGED (where A is not transposed) and TILES
     whose workgroup memory the adapter has (WebGPU's default limits give 16 KiB)."""
-    import os
-
     limit = gpu.limits.get("max-compute-workgroup-storage-size", 16384)
     if os.environ.get(ENV_TILE):
         return parse_tile(os.environ[ENV_TILE])
