@@ -209,12 +209,19 @@ def simt_tflops(shapes, reps=5) -> dict:
     return out
 
 
+def save(path, results: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(results, indent=1))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiles", default=",".join(DEFAULT_TILES))
     ap.add_argument("--shapes", default="all", help="all, or the first N of SHAPES")
     ap.add_argument("--json", default=None)
     ap.add_argument("--simt", action="store_true", help="also time today's SIMT GEMM (wgpu-native)")
+    ap.add_argument("--configs", default="first",
+                    help="first (the configuration the engine routes products to), all, or MxNxK,...")  # fmt: skip
     ap.add_argument("--operands", default="f16,f16",
                     help="A,B types in storage for the timings: f16,f16, or f32,f16 as the f16 trunk's forward "
                          "(f32 activations), or f32,f32 as mixed-precision training")  # fmt: skip
@@ -233,11 +240,17 @@ def main(argv=None) -> int:
     if not usable:
         print("no f16 -> f32 subgroup-matrix configuration on this adapter")
         return 1
+    usable.sort(key=lambda c: (c != tc.Config(16, 16, 16), -c.m * c.n * c.k))  # usable_config's order
+    if args.configs == "first":
+        usable = usable[:1]
+    elif args.configs != "all":
+        usable = [c for c in usable if f"{c.m}x{c.n}x{c.k}" in args.configs.split(",")]
     r = Runner(wgpu, dev, sg)
     rng = np.random.default_rng(0)
     shapes = SHAPES if args.shapes == "all" else SHAPES[: int(args.shapes)]
     results = {"adapter": ad.summary, "configs": cfgs, "toggles": TOGGLES, "operands": operands, "rows": []}
     peers = {s[0]: torch_tflops(s) for s in shapes}
+    results["pytorch_bf16"] = peers
     print("pytorch bf16:", {k: (round(v, 1) if v else v) for k, v in peers.items()}, flush=True)
     if args.simt:
         results["simt"] = simt_tflops(shapes)
@@ -266,9 +279,8 @@ def main(argv=None) -> int:
                 f"{label}: err {err:.1e} " + " ".join(f"{k}={v:.1f}" for k, v in row["tflops"].items()),
                 flush=True,
             )
-    results["pytorch_bf16"] = peers
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+            save(args.json, results)  # after every tile: a sweep cut short by its time limit keeps its rows
+    save(args.json, results)
     return 0
 
 

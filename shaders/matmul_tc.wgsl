@@ -43,8 +43,23 @@ var<workgroup> Cs: array<f32, {{cs_size}}>;
 fn matmul_tc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32,
              @builtin(subgroup_id) sid: u32, @builtin(subgroup_invocation_id) lane: u32,
              @builtin(subgroup_size) sg_size: u32) {
-    let m0 = wid.y * BM;
-    let n0 = wid.x * BN;
+    // the block this workgroup owns: the grid's order (x fastest) unless GROUP > 1, then bands of GROUP block
+    // rows, walked down each column of blocks within a band, so the workgroups running at once share the
+    // band's rows of A and few columns of B in the L2 cache
+    var by = wid.y;
+    var bx = wid.x;
+    if (GROUP > 1u) {
+        let nx = (P.N + BN - 1u) / BN;
+        let ny = (P.M + BM - 1u) / BM;
+        let flat = wid.y * nx + wid.x;
+        let first = (flat / (GROUP * nx)) * GROUP;
+        let rows = min(ny - first, GROUP);
+        let within = flat - first * nx;
+        by = first + within % rows;
+        bx = within / rows;
+    }
+    let m0 = by * BM;
+    let n0 = bx * BN;
     // causal modes (attention's products, as matmul.wgsl): 1 leaves the tiles wholly above the diagonal
     // unwritten; 2 stops k after the tile's last row (op(A) zero for k > m); 3 starts k at the tile's first
     // row (op(A) zero for k < m). Uniform over the workgroup, so the barriers below stay uniform.
@@ -69,15 +84,7 @@ fn matmul_tc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     let direct = inside_mn && P.alpha == 1.0 && P.direct_ok == 1u;  // read only by a direct tile's code
 {{accumulators}}
 {{regs}}
-{{prologue}}
-    for (var k0 = k_begin; k0 < k_end; k0 += BK) {
-{{step_loads}}
-{{stores}}
-        workgroupBarrier();
-{{next_loads}}
-{{products}}
-        workgroupBarrier();
-    }
+{{loop}}
     let slab = sid * (MM * NN);
 {{epilogue}}
 }

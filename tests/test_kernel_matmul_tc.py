@@ -82,6 +82,9 @@ def test_linear_backward_on_the_matrix_units(mgpu, rng):
         "2x2sg-4x4-k32-v1",
         "4x2sg-2x4-k32",
         "2x2sg-4x4-k64-p0",
+        "4x2sg-4x4-k32-cm",
+        "4x2sg-4x4-k16-cm-db",
+        "2x2sg-4x4-k32-cm-db-g8",
     ],
 )
 @pytest.mark.parametrize("shape", [(41, 150, 67), (264, 264, 96)])
@@ -138,7 +141,15 @@ def test_the_generator_refuses_what_the_kernel_cannot_do():
     t = tc.TcTile(2, 2, 4, 4, 32, 8, 8)
     assert tc.workgroup_bytes(t, cfg) == 2 * (128 * 40 + 32 * 136) + 4 * 4 * 256
     src = tc.templates(t, cfg, 32, True, False)
-    assert src["threads"] == "128" and src["products"].count("subgroupMatrixMultiplyAccumulate") == 2 * 16
+    assert src["threads"] == "128" and src["loop"].count("subgroupMatrixMultiplyAccumulate") == 2 * 16
+    # two stages double the staging; staged as stored, a transposed A is BK rows of BM + pad
+    t2 = tc.TcTile(2, 2, 4, 4, 32, 8, 8, native=True, stages=2)
+    assert tc.workgroup_bytes(t2, cfg) == 2 * 2 * (128 * 40 + 128 * 40) + 4 * 4 * 256  # A as is, B (N, K)
+    assert tc.templates(t2, cfg, 32, True, False)["as_size"] == str(2 * 32 * 136)
+    assert src["loop"].count("workgroupBarrier") == 2 and tc.templates(t2, cfg, 32, True, False)["loop"].count(
+        "workgroupBarrier") == 2  # one before the loop, one in it
+    with pytest.raises(ValueError, match="stages"):
+        tc.templates(tc.TcTile(prefetch=False, stages=2), cfg, 32, False, True)
     # only a direct tile touches C with matrix loads or stores (Dawn sizes C's binding by them)
     assert "&c," in src["epilogue"] + src["accumulators"]
     plain = tc.templates(tc.TcTile(2, 2, 4, 4, 32, direct=False), cfg, 32, True, False)
@@ -150,7 +161,8 @@ def test_tile_names_round_trip_and_bad_ones_are_refused(monkeypatch):
     GpuError naming the form."""
     from ddl_wgpu.runtime.gpu import GpuError
 
-    for t in (*tc.TILES, tc.TcTile(2, 4, 4, 2, 16, 0, 16, lanes_down=True), tc.TcTile(prefetch=False)):
+    for t in (*tc.TILES, tc.TcTile(2, 4, 4, 2, 16, 0, 16, lanes_down=True), tc.TcTile(prefetch=False),
+              tc.TcTile(native=True, stages=2, group=8)):
         assert tc.parse_tile(t.name()) == t
     assert tc.parse_tile("4x2sg-4x4-k32") == tc.TcTile(4, 2, 4, 4, 32)
 
@@ -159,7 +171,7 @@ def test_tile_names_round_trip_and_bad_ones_are_refused(monkeypatch):
 
     monkeypatch.setenv(tc.ENV_TILE, "2x2sg-2x2-k16-nd")
     assert tc.pick_tile(Fake(), tc.Config(16, 16, 16)) == tc.TcTile(2, 2, 2, 2, 16, direct=False)
-    for bad in ("4x2-4x4-k32", "4x2sg-4x4", "4x2sg-4x4-k32-zz"):
+    for bad in ("4x2-4x4-k32", "4x2sg-4x4", "4x2sg-4x4-k32-zz", "4x2sg-4x4-k32-g0"):
         with pytest.raises(GpuError, match="not of the form"):
             tc.parse_tile(bad)
 
@@ -206,16 +218,16 @@ def test_products_stay_on_simt_unless_asked(gpu):
 
 EMULATED = """
 var<private> em_lane: u32;
-struct ML { o: u32, s: u32 }
-struct MRt { o: u32, s: u32 }
+struct ML { o: u32, s: u32, cm: bool }
+struct MRt { o: u32, s: u32, cm: bool }
 struct MR { v: array<f32, 8> }
 fn ld_MR_c(o: u32, cm: bool, s: u32) -> MR {
     var m: MR;
     for (var t = 0u; t < 8u; t++) { let e = em_lane + 32u * t; m.v[t] = c[o + (e / 16u) * s + e % 16u]; }
     return m;
 }
-fn ld_ML_As(o: u32, cm: bool, s: u32) -> ML { return ML(o, s); }
-fn ld_MRt_Bs(o: u32, cm: bool, s: u32) -> MRt { return MRt(o, s); }
+fn ld_ML_As(o: u32, cm: bool, s: u32) -> ML { return ML(o, s, cm); }
+fn ld_MRt_Bs(o: u32, cm: bool, s: u32) -> MRt { return MRt(o, s, cm); }
 fn st_c(o: u32, m: MR, cm: bool, s: u32) {
     for (var t = 0u; t < 8u; t++) { let e = em_lane + 32u * t; c[o + (e / 16u) * s + e % 16u] = m.v[t]; }
 }
@@ -228,7 +240,10 @@ fn mma(l: ML, r: MRt, acc: MR) -> MR {
         let e = em_lane + 32u * t;
         var sum = out.v[t];
         for (var k = 0u; k < 16u; k++) {
-            sum += f32(As[l.o + (e / 16u) * l.s + k]) * f32(Bs[r.o + k * r.s + e % 16u]);
+            // element (row, k) of the left matrix and (k, col) of the right, row- or column-major
+            let ia = select(l.o + (e / 16u) * l.s + k, l.o + k * l.s + e / 16u, l.cm);
+            let ib = select(r.o + k * r.s + e % 16u, r.o + (e % 16u) * r.s + k, r.cm);
+            sum += f32(As[ia]) * f32(Bs[ib]);
         }
         out.v[t] = sum;
     }
@@ -304,9 +319,10 @@ LAYOUTS = (((False, True), ("f32", "f16")), ((False, False), ("f16", "f32")), ((
 # Few result matrices per subgroup, and few kernels: lavapipe compiles an emulated kernel in 10-100 s when its
 # cache is cold (more matrices, longer), so each generated path appears once: scalar loads with guarded edges
 # (ODD), the default path (vec4, prefetch, direct epilogue; its kernels serve the causal test too) with rows-
-# first copies, and vec4 without prefetch through workgroup memory.
+# first copies, vec4 without prefetch through workgroup memory, and operands staged as stored in two stages
+# with bands of block rows (three K steps, so the stages alternate; edge blocks on both axes).
 @pytest.mark.parametrize("tile, shape", [("2x2sg-2x2-k16", ODD), ("2x2sg-1x2-k16-ld", ALIGNED),
-                                         ("2x2sg-2x1-k16-np-nd", ALIGNED)])  # fmt: skip
+                                         ("2x2sg-2x1-k16-np-nd", ALIGNED), ("2x2sg-2x1-k16-cm-db-g2", ALIGNED)])  # fmt: skip
 def test_the_generated_kernel_with_emulated_matrices(emulating, rng, tile, shape):
     """Odd shapes (scalar loads, every edge guarded) and multiples of 4 (vec4 loads, blocks inside the
     operands, the direct epilogue): three layouts, f32 and f16 operands, a batch of two with offsets,

@@ -85,6 +85,9 @@ class TcTile:
     prefetch: bool = True  # the next K step's loads issued before this step's products (registers)
     lanes_down: bool = False  # an operand transposed into workgroup memory copied by rows first (`_slots`)
     direct: bool = True  # the epilogue stores whole result matrices to C where it can (`_epilogue`)
+    native: bool = False  # operands staged as stored; a transposed one read column-major (`_staged`)
+    stages: int = 1  # 2: two workgroup-memory buffers, one barrier per K step (`_loop`; needs prefetch)
+    group: int = 1  # >1: workgroups walk C in bands of `group` block rows, down each band's columns (`_raster`)
 
     def block(self, cfg: Config) -> tuple[int, int]:
         return self.sg_rows * self.tm * cfg.m, self.sg_cols * self.tn * cfg.n
@@ -95,6 +98,9 @@ class TcTile:
             + ("" if self.prefetch else "-np")
             + ("-ld" if self.lanes_down else "")
             + ("" if self.direct else "-nd")
+            + ("-cm" if self.native else "")
+            + ("-db" if self.stages == 2 else "")
+            + (f"-g{self.group}" if self.group > 1 else "")
         )
         return f"{self.sg_rows}x{self.sg_cols}sg-{self.tm}x{self.tn}-k{self.bk}-p{self.pad_a}.{self.pad_b}{flags}"
 
@@ -119,16 +125,50 @@ class _Operand:
     down: bool = False  # consecutive threads on consecutive rows (`TcTile.lanes_down`, `_slots`)
 
 
-def _operands(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool, wa: int, wb: int) -> tuple:
-    """A and B as storage-oriented copies, their k origin the variable `kl`. As is BM x BK (m, k) with row
-    stride SA, Bs is BK x BN (k, n) with row stride SB; transposition only swaps which axis is contiguous."""
+@dataclass(frozen=True)
+class _Staged:
+    """How one operand lies in workgroup memory: row stride `stride`, `col_major` whether its matrices are
+    read column-major (an operand staged as stored while the product takes it transposed), `size` f16
+    elements per stage."""
+
+    stride: int
+    col_major: bool
+    size: int
+
+
+def _staged(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool) -> tuple[_Staged, _Staged]:
+    """As and Bs. By default As is op(A)'s BM x BK block and Bs op(B)'s BK x BN block, whatever the storage
+    order: a transposed operand is transposed by the copy. With `native` a transposed operand is staged as
+    stored (A's BK x BM, B's BN x BK) and its matrices are loaded column-major, which is how the matrix units
+    take B anyway: the copy then writes rows, never a column (one bank per lane on NVIDIA)."""
     BM, BN = tile.block(cfg)
-    BK, SA, SB = tile.bk, tile.bk + tile.pad_a, BN + tile.pad_b
+    BK = tile.bk
+    ta, tb = tile.native and trans_a, tile.native and trans_b
+    a = _Staged(BM + tile.pad_a, True, BK * (BM + tile.pad_a)) if ta else _Staged(BK + tile.pad_a, False, BM * (BK + tile.pad_a))
+    b = _Staged(BK + tile.pad_b, True, BN * (BK + tile.pad_b)) if tb else _Staged(BN + tile.pad_b, False, BK * (BN + tile.pad_b))
+    return a, b
+
+
+def _operands(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool, wa: int, wb: int) -> tuple:
+    """A and B as storage-oriented copies, their k origin the variable `kl`, into As and Bs as `_staged`
+    lays them out: transposition changes which axis is contiguous in storage and, unless staged as stored,
+    swaps the copy's strides."""
+    BM, BN = tile.block(cfg)
+    BK = tile.bk
+    sa, sb = _staged(tile, cfg, trans_a, trans_b)
     down = tile.lanes_down
-    a = (_Operand("a", "As", BK, BM, "kl", "m0", "P.K", "P.M", 1, SA, wa, down) if trans_a
-         else _Operand("a", "As", BM, BK, "m0", "kl", "P.M", "P.K", SA, 1, wa))  # fmt: skip
-    b = (_Operand("b", "Bs", BN, BK, "n0", "kl", "P.N", "P.K", 1, SB, wb, down) if trans_b
-         else _Operand("b", "Bs", BK, BN, "kl", "n0", "P.K", "P.N", SB, 1, wb))  # fmt: skip
+    if not trans_a:
+        a = _Operand("a", "As", BM, BK, "m0", "kl", "P.M", "P.K", sa.stride, 1, wa)
+    elif sa.col_major:
+        a = _Operand("a", "As", BK, BM, "kl", "m0", "P.K", "P.M", sa.stride, 1, wa)
+    else:
+        a = _Operand("a", "As", BK, BM, "kl", "m0", "P.K", "P.M", 1, sa.stride, wa, down)
+    if not trans_b:
+        b = _Operand("b", "Bs", BK, BN, "kl", "n0", "P.K", "P.N", sb.stride, 1, wb)
+    elif sb.col_major:
+        b = _Operand("b", "Bs", BN, BK, "n0", "kl", "P.N", "P.K", sb.stride, 1, wb)
+    else:
+        b = _Operand("b", "Bs", BN, BK, "n0", "kl", "P.N", "P.K", 1, sb.stride, wb, down)
     return a, b
 
 
@@ -184,59 +224,111 @@ def _loads(op: _Operand, threads: int, bounded: bool) -> list:
     return lines
 
 
-def _stores(op: _Operand, threads: int) -> list:
-    """Registers -> workgroup memory, one f16 at a time (subgroupMatrixLoad reads an array of scalars)."""
+def _stores(op: _Operand, threads: int, base: str = "") -> list:
+    """Registers -> workgroup memory, one f16 at a time (subgroupMatrixLoad reads an array of scalars), at
+    `base` + the tile offset (`base` names the stage's first element where there are two)."""
     lines = []
     for e, (r, q, guard) in enumerate(_slots(op, threads)):
-        parts = [f"{op.smem}[{r} * {op.sr}u + ({q} + {j}u) * {op.sc}u] = {_reg(op, e)}{'.' + 'xyzw'[j] if op.w > 1 else ''};"
+        parts = [f"{op.smem}[{base}{r} * {op.sr}u + ({q} + {j}u) * {op.sc}u] = {_reg(op, e)}{'.' + 'xyzw'[j] if op.w > 1 else ''};"
                  for j in range(op.w)]  # fmt: skip
         body = " ".join(parts)
         lines.append(f"        if ({guard}) {{ {body} }}" if guard else f"        {body}")
     return lines
 
 
-def _stage(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool, wa: int, wb: int) -> dict:
-    """The staging code of one K step, in pieces the template places: the register declarations, the loads
-    of the step at k origin `kl` (unbounded when the block and the step lie inside the operands, a uniform
-    branch), and the stores into As and Bs."""
+def _loop(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool, wa: int, wb: int) -> dict:
+    """The register declarations and the K loop: each step's loads (at k origin `kl`; unbounded when the block
+    and the step lie inside the operands, a uniform branch), its stores into As and Bs, and its products.
+
+    One stage: store, barrier, products, barrier; with prefetch the next step's loads are issued between the
+    first barrier and the products, so global memory's latency hides behind the matrix units. Two stages
+    (`stages == 2`, prefetch implied): the products read stage s while the stores fill stage 1 - s with the
+    next step, one barrier per step. A thread stores into 1 - s only after the barrier that ended the last
+    reads of it (the previous step's products), and the products of the next step start after the barrier
+    that ends those stores, so the one barrier orders both."""
     ops = _operands(tile, cfg, trans_a, trans_b, wa, wb)
     decl = [f"    var {_reg(op, e)}: {'vec4<f16>' if op.w == 4 else 'f16'};"
             for op in ops for e in range(len(_slots(op, threads)))]  # fmt: skip
     inside = sum((_loads(op, threads, False) for op in ops), [])
     edge = sum((_loads(op, threads, True) for op in ops), [])
 
-    def loads(guard: str, k: str) -> str:
+    def loads(guard: str, k: str, indent: str) -> str:
         """The loads of the step at k origin `k`, where `guard` holds."""
-        return "\n".join([f"    if ({guard}) {{", f"        let kl = {k};", "        if (inside_mn && kl + BK <= P.K) {",
-                          *("    " + x for x in inside), "        } else {", *("    " + x for x in edge),
-                          "        }", "    }"])  # fmt: skip
+        body = [f"if ({guard}) {{", f"    let kl = {k};", "    if (inside_mn && kl + BK <= P.K) {",
+                *inside, "    } else {", *edge, "    }", "}"]  # fmt: skip
+        return "\n".join(indent + x for x in body)
 
-    # with prefetch a step's loads are issued one step early (before the loop, then after each step's
-    # stores); without, at the step's start
-    pre = tile.prefetch
-    return {
-        "regs": "\n".join(decl),
-        "prologue": loads("k_begin < k_end", "k_begin") if pre else "",
-        "step_loads": "" if pre else "    " + loads("true", "k0").replace("\n", "\n    "),
-        "next_loads": "    " + loads("k0 + BK < k_end", "k0 + BK").replace("\n", "\n    ") if pre else "",
-        "stores": "\n".join(sum((_stores(op, threads) for op in ops), [])),
-    }
+    def stores(base: str, indent: str) -> str:
+        """The stores into stage 0, or with `base` "n" into the stage at offsets `na` (As) and `nb` (Bs)."""
+        lines = sum((_stores(op, threads, base and f"{base}{op.tag} + ") for op in ops), [])
+        return "\n".join(indent + x.strip() for x in lines)
+
+    products = _products(tile, cfg, trans_a, trans_b)
+    if tile.stages == 2:
+        # stage bases: sa (As) and sb (Bs) of the stage the products read, the other's the stores fill
+        body = [
+            loads("k_begin < k_end", "k_begin", "    "),
+            stores("", "    "),
+            "    workgroupBarrier();",
+            loads("k_begin + BK < k_end", "k_begin + BK", "    "),
+            "    var st = 0u;",
+            "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {",
+            "        let sa = st * AS_STAGE;",
+            "        let sb = st * BS_STAGE;",
+            products,
+            "        if (k0 + BK < k_end) {",
+            "            let na = (1u - st) * AS_STAGE;",
+            "            let nb = (1u - st) * BS_STAGE;",
+            stores("n", "            "),
+            "        }",
+            "        workgroupBarrier();",
+            loads("k0 + 2u * BK < k_end", "k0 + 2u * BK", "        "),
+            "        st = 1u - st;",
+            "    }",
+        ]
+    elif tile.prefetch:
+        body = [
+            loads("k_begin < k_end", "k_begin", "    "),
+            "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {",
+            stores("", "        "),
+            "        workgroupBarrier();",
+            loads("k0 + BK < k_end", "k0 + BK", "        "),
+            products,
+            "        workgroupBarrier();",
+            "    }",
+        ]
+    else:
+        body = [
+            "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {",
+            loads("true", "k0", "        "),
+            stores("", "        "),
+            "        workgroupBarrier();",
+            products,
+            "        workgroupBarrier();",
+            "    }",
+        ]
+    return {"regs": "\n".join(decl), "loop": "\n".join(body)}
 
 
-def _products(tile: TcTile, cfg: Config) -> str:
-    BN = tile.block(cfg)[1]
-    SA, SB = tile.bk + tile.pad_a, BN + tile.pad_b
+def _products(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool) -> str:
+    """One step's products: per KK slice the subgroup's TM left and TN right matrices from workgroup memory
+    (`_staged`), then the TM x TN multiply-accumulates. With two stages the offsets start at the stage bases
+    `sa` and `sb`."""
+    sa, sb = _staged(tile, cfg, trans_a, trans_b)
+    ba, bb = ("sa + ", "sb + ") if tile.stages == 2 else ("", "")
     left = f"subgroup_matrix_left<f16, {cfg.k}, {cfg.m}>"
     right = f"subgroup_matrix_right<f16, {cfg.n}, {cfg.k}>"
     lines = []
     for kk in range(0, tile.bk, cfg.k):
         for i in range(tile.tm):
+            at = f"{kk * sa.stride}u + sm + {i * cfg.m}u" if sa.col_major else f"(sm + {i * cfg.m}u) * {sa.stride}u + {kk}u"
             lines.append(
-                f"        let l{i}_{kk} = subgroupMatrixLoad<{left}>(&As, (sm + {i * cfg.m}u) * {SA}u + {kk}u, false, {SA}u);"
+                f"        let l{i}_{kk} = subgroupMatrixLoad<{left}>(&As, {ba}{at}, {str(sa.col_major).lower()}, {sa.stride}u);"
             )
         for j in range(tile.tn):
+            at = f"(sn + {j * cfg.n}u) * {sb.stride}u + {kk}u" if sb.col_major else f"{kk * sb.stride}u + sn + {j * cfg.n}u"
             lines.append(
-                f"        let r{j}_{kk} = subgroupMatrixLoad<{right}>(&Bs, {kk * SB}u + sn + {j * cfg.n}u, false, {SB}u);"
+                f"        let r{j}_{kk} = subgroupMatrixLoad<{right}>(&Bs, {bb}{at}, {str(sb.col_major).lower()}, {sb.stride}u);"
             )
         for i in range(tile.tm):
             for j in range(tile.tn):
@@ -312,9 +404,11 @@ def templates(
         raise ValueError(f"tile bk={tile.bk} is not a multiple of the configuration's k={cfg.k}")
     if any(w not in (1, 4) for w in widths):
         raise ValueError(f"load widths {widths}: each 1 or 4")
+    if tile.stages not in (1, 2) or (tile.stages == 2 and not tile.prefetch):
+        raise ValueError(f"tile {tile.name()}: stages 1, or 2 with prefetch")
     BM, BN = tile.block(cfg)
     threads = tile.sg_rows * tile.sg_cols * subgroup_size
-    SA, SB = tile.bk + tile.pad_a, BN + tile.pad_b
+    sa, sb = _staged(tile, cfg, trans_a, trans_b)
     subgroups = tile.sg_rows * tile.sg_cols
     consts = "\n".join(
         f"const {n}: u32 = {v}u;"
@@ -327,20 +421,21 @@ def templates(
             ("TM", tile.tm),
             ("TN", tile.tn),
             ("SG_COLS", tile.sg_cols),
+            ("AS_STAGE", sa.size),
+            ("BS_STAGE", sb.size),
+            ("GROUP", tile.group),
         )  # fmt: skip
     )
-    stage = _stage(tile, cfg, threads, trans_a, trans_b, *widths)
     return {
         "a_array": f"vec4<{a_dtype}>" if widths[0] == 4 else a_dtype,
         "b_array": f"vec4<{b_dtype}>" if widths[1] == 4 else b_dtype,
         "consts": consts,
-        "as_size": str(BM * SA),
-        "bs_size": str(tile.bk * SB),
+        "as_size": str(tile.stages * sa.size),
+        "bs_size": str(tile.stages * sb.size),
         "cs_size": str(subgroups * cfg.m * cfg.n),
         "threads": str(threads),
         "accumulators": _accumulators(tile, cfg),
-        **stage,
-        "products": _products(tile, cfg),
+        **_loop(tile, cfg, threads, trans_a, trans_b, *widths),
         "epilogue": _epilogue(tile, cfg),
     }
 
@@ -368,9 +463,11 @@ def load_widths(
 
 
 def workgroup_bytes(tile: TcTile, cfg: Config) -> int:
-    BM, BN = tile.block(cfg)
+    """The largest workgroup memory the tile takes over the layouts (staged as stored, a transposed operand's
+    rows are padded along the other axis)."""
+    staged = max(sum(s.size for s in _staged(tile, cfg, ta, tb)) for ta in (False, True) for tb in (False, True))
     return (
-        2 * (BM * (tile.bk + tile.pad_a) + tile.bk * (BN + tile.pad_b))
+        2 * tile.stages * staged
         + 4 * tile.sg_rows * tile.sg_cols * cfg.m * cfg.n
     )
 
@@ -421,9 +518,10 @@ FLAGS = {"v1": "vec", "np": "prefetch", "nd": "direct"}  # name parts that turn 
 
 
 def parse_tile(text: str) -> TcTile:
-    """'4x2sg-4x4-k32[-pA[.B]][-v1][-np][-ld][-nd]' -> a TcTile: subgroups as rows x columns, result matrices
+    """'4x2sg-4x4-k32[-pA[.B]][-v1][-np][-ld][-nd][-cm][-db][-gN]' -> a TcTile: subgroups as rows x columns, result matrices
     per subgroup, the k depth, pads; -v1 scalar loads only, -np no prefetch, -ld transposed operands copied
-    rows first, -nd every epilogue through workgroup memory (`TcTile.name` writes the same form)."""
+    rows first, -nd every epilogue through workgroup memory, -cm operands staged as stored, -db two workgroup-memory stages, -gN bands of N block rows
+    (`TcTile.name` writes the same form)."""
     try:
         parts = text.strip().split("-")
         if not parts[0].endswith("sg") or not parts[2].startswith("k"):
@@ -440,11 +538,17 @@ def parse_tile(text: str) -> TcTile:
                 flags[FLAGS[part]] = False
             elif part == "ld":
                 flags["lanes_down"] = True
+            elif part == "cm":
+                flags["native"] = True
+            elif part == "db":
+                flags["stages"] = 2
+            elif part.startswith("g") and part[1:].isdigit() and int(part[1:]) > 0:
+                flags["group"] = int(part[1:])
             else:
                 raise ValueError(part)
         return TcTile(sr, sc, tm, tn, bk, *pads, **flags)
     except (ValueError, IndexError) as e:
-        raise GpuError(f"matmul_tc: tile {text!r} is not of the form 4x2sg-4x4-k32[-p8.8][-v1][-np][-ld][-nd] "
+        raise GpuError(f"matmul_tc: tile {text!r} is not of the form 4x2sg-4x4-k32[-p8.8][-v1][-np][-ld][-nd][-cm][-db][-gN] "
                        f"({e})") from None  # fmt: skip
 
 
