@@ -374,3 +374,38 @@ def test_the_generated_kernel_causal_modes_with_emulated_matrices(emulating, rng
         tc.matmul_tc(g, cb, g.upload(p.astype(host[adt])), g.upload(v.astype(host[bdt])), T, D, T, ta, tb,
                      causal=causal, a_dtype=adt, b_dtype=bdt, cfg=cfg, tile=t).run(g)  # fmt: skip
         assert rel_err(g.read(cb, (T, D)), (f16(p).T if ta else f16(p)) @ f16(v)) < 1e-5
+
+
+def test_split_k_on_the_emulated_matrix_units(emulating, rng, monkeypatch):
+    """A long K with few blocks of C (dW's layout) goes through `matmul` as K slices on the matrix units plus
+    the fixed-order reduction: three full slices batched, the short fourth at its offsets, accumulating with
+    alpha 0.5; the same bits twice."""
+    g, (M, N, K) = emulating, (48, 72, 4160)
+    cfg = tc.Config(16, 16, 16)
+    monkeypatch.setattr(tc, "usable_config", lambda gpu: cfg)
+    monkeypatch.setenv(tc.ENV_TILE, "2x2sg-1x2-k16-ld")  # compiled for the test above (dW, f32, vec4, direct)
+    monkeypatch.setitem(g.info, "type", "DiscreteGPU")  # CPU adapters never slice K
+    assert k_mm.auto_split_k_tc(g, cfg, parse_tile("2x2sg-1x2-k16-ld"), M, N, K) == 4
+    assert k_mm.split_k_slices(K, 4) == (1088, 3, 896)
+    a = rng.standard_normal((K, M)).astype(np.float32)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    c0 = rng.standard_normal((M, N)).astype(np.float32)
+    runs = []
+    for _ in range(2):
+        cb = g.upload(c0)
+        k_mm.matmul(g, cb, g.upload(a), g.upload(b), M, N, K, trans_a=True, accumulate=True, alpha=0.5).run(g)
+        runs.append(g.read(cb, (M, N)))
+    assert rel_err(runs[0], 0.5 * f16(a).T @ f16(b) + c0) < 1e-5
+    assert np.array_equal(runs[0], runs[1])
+
+
+def test_split_k_on_the_matrix_units(mgpu, rng):
+    """On the GPU: the small preset's dW shape (768 x 768 over 16 K rows) is sliced, and still right."""
+    g, (M, N, K) = mgpu, (768, 768, 16384)
+    cfg = tc.usable_config(g)
+    assert k_mm.auto_split_k_tc(g, cfg, tc.pick_tile(g, cfg, True), M, N, K) > 1
+    a = rng.standard_normal((K, M)).astype(np.float32)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    cb = g.buffer(M * N * 4)
+    k_mm.matmul(g, cb, g.upload(a), g.upload(b), M, N, K, trans_a=True).run(g)
+    assert rel_err(g.read(cb, (M, N)), f16(a).T @ f16(b)) < TOL

@@ -87,6 +87,9 @@ SPLIT_K_BELOW_GROUPS = 264
 # in waves of this many, so the slice count is chosen by the waves it costs (`split_k_cost`).
 SPLIT_K_SLOTS = 264
 SPLIT_K_MIN_SLICE = 1024  # never slice K thinner than this
+# The matrix-unit tile's workgroups resident at once, estimated: one 8-subgroup workgroup of 4 x 4 result matrices per SM
+# (its accumulators take most of the registers) on the H100's and H200's 132 SMs.
+TC_SPLIT_SLOTS = 132
 SPLIT_K_MAX = 16
 
 
@@ -274,13 +277,13 @@ def split_k_slices(K: int, parts: int) -> tuple[int, int, int]:
     return ks, K // ks, K - (K // ks) * ks
 
 
-def split_k_cost(groups: int, K: int, parts: int) -> int:
+def split_k_cost(groups: int, K: int, parts: int, slots: int = SPLIT_K_SLOTS) -> int:
     """Estimated time of a product with `groups` output tiles as `parts` K slices, in k elements walked by
     the slowest wave: the full slices run as one launch and a short last slice as another, each in waves of
     SPLIT_K_SLOTS workgroups. Measured on the H200 (768x768x16384, 36 tiles): 15 slices (14 of 1152 + 256,
     cost 2560) took 0.53 ms where 16 equal slices of 1024 (576 workgroups, 3 waves, cost 3072) took 0.81."""
     ks, full, rest = split_k_slices(K, parts)
-    waves = lambda n: -(-n // SPLIT_K_SLOTS)  # noqa: E731
+    waves = lambda n: -(-n // slots)  # noqa: E731
     return waves(groups * full) * ks + (waves(groups) * rest if rest else 0)
 
 
@@ -364,6 +367,11 @@ def _split_k(
             split_k=1,
             b_dtype=b_dtype,
         )
+    return call + _reduce_slices(gpu, scratch, c, M * N, parts, pstride, accumulate, alpha)
+
+
+def _reduce_slices(gpu, scratch, c, n: int, parts: int, pstride: int, accumulate: bool, alpha: float) -> Call:
+    """C (+)= alpha * the sum of `parts` partial products, slot by slot in a fixed order (no atomics)."""
     k = gpu.kernel(
         SHADER,
         "splitk_reduce",
@@ -374,15 +382,44 @@ def _split_k(
     )
     u = gpu.uniform(
         REDUCE_PARAMS,
-        n=M * N,
+        n=n,
         parts=parts,
         stride=pstride,
         accumulate=int(accumulate),
         alpha=alpha,
         label="splitk",
     )
-    call += Call([(k, gpu.bind(k, (scratch, 0, parts * pstride * 4), c, u), -(-(M * N) // 256))], [u])
-    return call
+    return Call([(k, gpu.bind(k, (scratch, 0, parts * pstride * 4), c, u), -(-n // 256))], [u])
+
+
+def auto_split_k_tc(gpu, cfg, tile, M: int, N: int, K: int) -> int:
+    """K slices for a product on the matrix units (`_split_k_tc`), chosen as `auto_split_k` chooses them but
+    counting the matrix-unit tile's workgroups, TC_SPLIT_SLOTS resident at once."""
+    bm, bn = tile.block(cfg)
+    groups = -(-M // bm) * -(-N // bn)
+    if gpu.info.get("type", "") == "CPU" or groups >= TC_SPLIT_SLOTS:
+        return 1
+    counts = range(1, max(1, min(SPLIT_K_MAX, K // SPLIT_K_MIN_SLICE)) + 1)
+    return min(counts, key=lambda p: (split_k_cost(groups, K, p, TC_SPLIT_SLOTS), p))
+
+
+def _split_k_tc(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, offs, parts, b_dtype,
+                cfg, tile) -> Call:  # fmt: skip
+    """`_split_k` on the matrix units: the full slices are one batched `matmul_tc` (a slice's offsets are its
+    batch strides), the short last slice one more at its element offsets, each into its partials slot; then
+    the same fixed-order reduction."""
+    ks, full, rest = split_k_slices(K, parts)
+    pstride = -(-(M * N) // 64) * 64
+    scratch = _scratch(gpu, (full + (rest > 0)) * pstride * 4)
+    sa = ks * lda if trans_a else ks
+    sb = ks if trans_b else ks * ldb
+    common = dict(lda=lda, ldb=ldb, ldc=N, b_dtype=b_dtype, cfg=cfg, tile=tile)
+    call = k_tc.matmul_tc(gpu, scratch, a, b, M, N, ks, trans_a, trans_b, offsets=(offs[0], offs[1], 0),
+                          strides=(sa, sb, pstride), batch=full, **common)  # fmt: skip
+    if rest:
+        call += k_tc.matmul_tc(gpu, scratch, a, b, M, N, rest, trans_a, trans_b,
+                               offsets=(offs[0] + full * sa, offs[1] + full * sb, full * pstride), **common)  # fmt: skip
+    return call + _reduce_slices(gpu, scratch, c, M * N, full + (rest > 0), pstride, accumulate, alpha)
 
 
 def _offset_view(res, elements: int, itemsize: int = 4):
@@ -482,12 +519,19 @@ def matmul(
     _check_fits("C", c, batch, inner, sc, M, N, ldc)
     cfg = k_tc.usable_config(gpu)
     if cfg is not None and tile is None and split_k in (None, 1):
-        # on the matrix units (ops/matmul_tc.py): operands rounded to f16, sums in f32, K never sliced
+        # on the matrix units (ops/matmul_tc.py): operands rounded to f16, sums in f32; a long K with few
+        # blocks of C (dW of a narrow model: 768 x 768 is 18 workgroups) is sliced as on the SIMT path
+        tc_tile = k_tc.pick_tile(gpu, cfg, trans_a)
+        if split_k is None and batch == 1 and inner == 1 and causal is None and ldc == N and sc.off == 0:
+            parts = auto_split_k_tc(gpu, cfg, tc_tile, M, N, K)
+            if parts > 1:
+                return _split_k_tc(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb,
+                                   (sa.off, sb.off), parts, b_dtype, cfg, tc_tile)  # fmt: skip
         return k_tc.matmul_tc(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, ldc,
                               offsets=(sa.off, sb.off, sc.off), strides=(sa.stride, sb.stride, sc.stride),
                               batch=batch, inner=inner, divs=(div_a, div_b),
                               istrides=(sa.istride, sb.istride, sc.istride), causal=CAUSAL_MODES[causal],
-                              b_dtype=b_dtype, cfg=cfg)  # fmt: skip
+                              b_dtype=b_dtype, cfg=cfg, tile=tc_tile)  # fmt: skip
     plain = inner == 1 and causal is None and sa.off == sb.off == sc.off == 0
     parts = auto_split_k(gpu, M, N, K, batch) if split_k is None else int(split_k)
     if parts > 1 and batch == 1 and ldc == N and 2 * parts <= K and plain:
