@@ -521,7 +521,7 @@ def matmul(
     if cfg is not None and tile is None and split_k in (None, 1):
         # on the matrix units (ops/matmul_tc.py): operands rounded to f16, sums in f32; a long K with few
         # blocks of C (dW of a narrow model: 768 x 768 is 18 workgroups) is sliced as on the SIMT path
-        tc_tile = k_tc.pick_tile(gpu, cfg, trans_a)
+        tc_tile = k_tc.pick_tile(gpu, cfg)
         if split_k is None and batch == 1 and inner == 1 and causal is None and ldc == N and sc.off == 0:
             parts = auto_split_k_tc(gpu, cfg, tc_tile, M, N, K)
             if parts > 1:

@@ -20,7 +20,7 @@ The tiles come from a sweep on the GPU (`bench/matmul_tc.py --sweep`), as the SI
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ddl_wgpu.runtime.gpu import MAX_GROUPS, Call, GpuError, Uniform
 
@@ -48,11 +48,6 @@ PARAMS = Uniform(
     ("istride_b", "u32"),
     ("istride_c", "u32"),
     ("causal", "u32", "0 none; 1 skip tiles above the diagonal; 2 k < tile end; 3 k from tile start"),
-    (
-        "direct_ok",
-        "u32",
-        "1: C's offsets and rows 16-byte aligned, so the epilogue may store from the matrix units",
-    ),
 )
 UNIFORMS = (PARAMS,)
 
@@ -83,33 +78,23 @@ class TcTile:
     pad_b: int = 8
     vec: bool = True  # vec4 global loads where the operand allows them (`load_widths`)
     prefetch: bool = True  # the next K step's loads issued before this step's products (registers)
-    lanes_down: bool = False  # an operand transposed into workgroup memory copied by rows first (`_slots`)
-    direct: bool = True  # the epilogue stores whole result matrices to C where it can (`_epilogue`)
-    native: bool = False  # operands staged as stored; a transposed one read column-major (`_staged`)
-    stages: int = 1  # 2: two workgroup-memory buffers, one barrier per K step (`_loop`; needs prefetch)
-    group: int = 1  # >1: workgroups walk C in bands of `group` block rows, down each band's columns (`_raster`)
 
     def block(self, cfg: Config) -> tuple[int, int]:
         return self.sg_rows * self.tm * cfg.m, self.sg_cols * self.tn * cfg.n
 
     def name(self) -> str:
-        flags = (
-            ("" if self.vec else "-v1")
-            + ("" if self.prefetch else "-np")
-            + ("-ld" if self.lanes_down else "")
-            + ("" if self.direct else "-nd")
-            + ("-cm" if self.native else "")
-            + ("-db" if self.stages == 2 else "")
-            + (f"-g{self.group}" if self.group > 1 else "")
-        )
+        flags = ("" if self.vec else "-v1") + ("" if self.prefetch else "-np")
         return f"{self.sg_rows}x{self.sg_cols}sg-{self.tm}x{self.tn}-k{self.bk}-p{self.pad_a}.{self.pad_b}{flags}"
 
 
 @dataclass(frozen=True)
 class _Operand:
-    """One operand's staging copy, in its storage orientation: the tile is `rows` x `cols` with `cols` the
-    axis contiguous in storage, starting at storage (r0, c0) within bounds (rext, cext); storage element
-    (r, q) goes to `smem`[r * sr + q * sc]. `w` elements travel per load (4: a vec4 binding)."""
+    """One operand's staging copy: a `rows` x `cols` tile of the operand as it is stored (`cols` the axis
+    contiguous in storage), from storage (r0, c0) within bounds (rext, cext), into `smem` in the same
+    orientation with row stride `stride` (the row plus a pad). A transposed operand (A stored (K, M), B stored
+    (N, K)) therefore stays transposed in workgroup memory and its matrices are loaded column-major
+    (`col_major`), which is how the matrix units take B anyway: every copy writes along a staged row, never
+    down a column. `w` elements travel per load (4: a vec4 binding)."""
 
     tag: str  # "a" | "b": the binding, its offset `o{tag}` and leading dimension `P.ld{tag}`
     smem: str
@@ -119,79 +104,39 @@ class _Operand:
     c0: str
     rext: str
     cext: str
-    sr: int
-    sc: int
-    w: int
-    down: bool = False  # consecutive threads on consecutive rows (`TcTile.lanes_down`, `_slots`)
-
-
-@dataclass(frozen=True)
-class _Staged:
-    """How one operand lies in workgroup memory: row stride `stride`, `col_major` whether its matrices are
-    read column-major (an operand staged as stored while the product takes it transposed), `size` f16
-    elements per stage."""
-
     stride: int
+    w: int
     col_major: bool
-    size: int
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.stride
 
 
-def _staged(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool) -> tuple[_Staged, _Staged]:
-    """As and Bs. By default As is op(A)'s BM x BK block and Bs op(B)'s BK x BN block, whatever the storage
-    order: a transposed operand is transposed by the copy. With `native` a transposed operand is staged as
-    stored (A's BK x BM, B's BN x BK) and its matrices are loaded column-major, which is how the matrix units
-    take B anyway: the copy then writes rows, never a column (one bank per lane on NVIDIA)."""
+def _operands(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool, wa: int = 1, wb: int = 1) -> tuple:
+    """A and B as staged, their k origin the variable `kl`: op(A)'s BM x BK block (stored (K, M): BK x BM) and
+    op(B)'s BK x BN block (stored (N, K): BN x BK)."""
     BM, BN = tile.block(cfg)
-    BK = tile.bk
-    ta, tb = tile.native and trans_a, tile.native and trans_b
-    a = _Staged(BM + tile.pad_a, True, BK * (BM + tile.pad_a)) if ta else _Staged(BK + tile.pad_a, False, BM * (BK + tile.pad_a))
-    b = _Staged(BK + tile.pad_b, True, BN * (BK + tile.pad_b)) if tb else _Staged(BN + tile.pad_b, False, BK * (BN + tile.pad_b))
-    return a, b
-
-
-def _operands(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool, wa: int, wb: int) -> tuple:
-    """A and B as storage-oriented copies, their k origin the variable `kl`, into As and Bs as `_staged`
-    lays them out: transposition changes which axis is contiguous in storage and, unless staged as stored,
-    swaps the copy's strides."""
-    BM, BN = tile.block(cfg)
-    BK = tile.bk
-    sa, sb = _staged(tile, cfg, trans_a, trans_b)
-    down = tile.lanes_down
-    if not trans_a:
-        a = _Operand("a", "As", BM, BK, "m0", "kl", "P.M", "P.K", sa.stride, 1, wa)
-    elif sa.col_major:
-        a = _Operand("a", "As", BK, BM, "kl", "m0", "P.K", "P.M", sa.stride, 1, wa)
-    else:
-        a = _Operand("a", "As", BK, BM, "kl", "m0", "P.K", "P.M", 1, sa.stride, wa, down)
-    if not trans_b:
-        b = _Operand("b", "Bs", BK, BN, "kl", "n0", "P.K", "P.N", sb.stride, 1, wb)
-    elif sb.col_major:
-        b = _Operand("b", "Bs", BN, BK, "n0", "kl", "P.N", "P.K", sb.stride, 1, wb)
-    else:
-        b = _Operand("b", "Bs", BN, BK, "n0", "kl", "P.N", "P.K", 1, sb.stride, wb, down)
+    BK, pa, pb = tile.bk, tile.pad_a, tile.pad_b
+    a = (_Operand("a", "As", BK, BM, "kl", "m0", "P.K", "P.M", BM + pa, wa, True) if trans_a
+         else _Operand("a", "As", BM, BK, "m0", "kl", "P.M", "P.K", BK + pa, wa, False))  # fmt: skip
+    b = (_Operand("b", "Bs", BN, BK, "n0", "kl", "P.N", "P.K", BK + pb, wb, True) if trans_b
+         else _Operand("b", "Bs", BK, BN, "kl", "n0", "P.K", "P.N", BN + pb, wb, False))  # fmt: skip
     return a, b
 
 
 def _slots(op: _Operand, threads: int) -> list:
-    """(row, column) expressions of each pass of the copy: thread li moves `w` consecutive elements per pass.
-    Consecutive threads take consecutive vectors along a row (global reads coalesce), or with `op.down`
-    consecutive rows (for an operand transposed into workgroup memory: its stores then fall along the
-    staged row, where a row-wise walk puts a warp's stores on a few banks). Where the threads divide evenly
-    each thread keeps its column (row) and steps by a constant; otherwise every pass recomputes both from its
-    slot number. A trailing guard when the slots do not fill the last pass."""
+    """(row, column) expressions of each pass of the copy: thread li moves `w` consecutive elements per pass,
+    consecutive threads consecutive vectors along a row (global reads coalesce, and the stores fall along one
+    staged row). Where the threads divide evenly each thread keeps its column and steps rows by a constant;
+    otherwise every pass recomputes both from its slot number. A trailing guard when the slots do not fill the
+    last pass."""
     vecs = op.cols // op.w
     n = op.rows * vecs
     out = []
     for e in range(-(-n // threads)):
         guard = "" if (e + 1) * threads <= n else f"li + {e * threads}u < {n}u"
-        if op.down and threads % op.rows == 0:
-            r, q = f"(li % {op.rows}u)", f"((li / {op.rows}u + {e * threads // op.rows}u) * {op.w}u)"
-        elif op.down:
-            r, q = (
-                f"((li + {e * threads}u) % {op.rows}u)",
-                f"(((li + {e * threads}u) / {op.rows}u) * {op.w}u)",
-            )
-        elif threads % vecs == 0:
+        if threads % vecs == 0:
             r, q = f"(li / {vecs}u + {e * threads // vecs}u)", f"((li % {vecs}u) * {op.w}u)"
         else:
             r, q = f"((li + {e * threads}u) / {vecs}u)", f"(((li + {e * threads}u) % {vecs}u) * {op.w}u)"
@@ -224,12 +169,11 @@ def _loads(op: _Operand, threads: int, bounded: bool) -> list:
     return lines
 
 
-def _stores(op: _Operand, threads: int, base: str = "") -> list:
-    """Registers -> workgroup memory, one f16 at a time (subgroupMatrixLoad reads an array of scalars), at
-    `base` + the tile offset (`base` names the stage's first element where there are two)."""
+def _stores(op: _Operand, threads: int) -> list:
+    """Registers -> workgroup memory, one f16 at a time (subgroupMatrixLoad reads an array of scalars)."""
     lines = []
     for e, (r, q, guard) in enumerate(_slots(op, threads)):
-        parts = [f"{op.smem}[{base}{r} * {op.sr}u + ({q} + {j}u) * {op.sc}u] = {_reg(op, e)}{'.' + 'xyzw'[j] if op.w > 1 else ''};"
+        parts = [f"{op.smem}[{r} * {op.stride}u + {q} + {j}u] = {_reg(op, e)}{'.' + 'xyzw'[j] if op.w > 1 else ''};"
                  for j in range(op.w)]  # fmt: skip
         body = " ".join(parts)
         lines.append(f"        if ({guard}) {{ {body} }}" if guard else f"        {body}")
@@ -238,14 +182,9 @@ def _stores(op: _Operand, threads: int, base: str = "") -> list:
 
 def _loop(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool, wa: int, wb: int) -> dict:
     """The register declarations and the K loop: each step's loads (at k origin `kl`; unbounded when the block
-    and the step lie inside the operands, a uniform branch), its stores into As and Bs, and its products.
-
-    One stage: store, barrier, products, barrier; with prefetch the next step's loads are issued between the
-    first barrier and the products, so global memory's latency hides behind the matrix units. Two stages
-    (`stages == 2`, prefetch implied): the products read stage s while the stores fill stage 1 - s with the
-    next step, one barrier per step. A thread stores into 1 - s only after the barrier that ended the last
-    reads of it (the previous step's products), and the products of the next step start after the barrier
-    that ends those stores, so the one barrier orders both."""
+    and the step lie inside the operands, a uniform branch), its stores into As and Bs, a barrier, its
+    products, a barrier. With prefetch the next step's loads are issued between the first barrier and the
+    products, so global memory's latency hides behind the matrix units; without, at the step's start."""
     ops = _operands(tile, cfg, trans_a, trans_b, wa, wb)
     decl = [f"    var {_reg(op, e)}: {'vec4<f16>' if op.w == 4 else 'f16'};"
             for op in ops for e in range(len(_slots(op, threads)))]  # fmt: skip
@@ -258,77 +197,42 @@ def _loop(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool,
                 *inside, "    } else {", *edge, "    }", "}"]  # fmt: skip
         return "\n".join(indent + x for x in body)
 
-    def stores(base: str, indent: str) -> str:
-        """The stores into stage 0, or with `base` "n" into the stage at offsets `na` (As) and `nb` (Bs)."""
-        lines = sum((_stores(op, threads, base and f"{base}{op.tag} + ") for op in ops), [])
-        return "\n".join(indent + x.strip() for x in lines)
-
-    products = _products(tile, cfg, trans_a, trans_b)
-    if tile.stages == 2:
-        # stage bases: sa (As) and sb (Bs) of the stage the products read, the other's the stores fill
-        body = [
-            loads("k_begin < k_end", "k_begin", "    "),
-            stores("", "    "),
-            "    workgroupBarrier();",
-            loads("k_begin + BK < k_end", "k_begin + BK", "    "),
-            "    var st = 0u;",
-            "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {",
-            "        let sa = st * AS_STAGE;",
-            "        let sb = st * BS_STAGE;",
-            products,
-            "        if (k0 + BK < k_end) {",
-            "            let na = (1u - st) * AS_STAGE;",
-            "            let nb = (1u - st) * BS_STAGE;",
-            stores("n", "            "),
-            "        }",
-            "        workgroupBarrier();",
-            loads("k0 + 2u * BK < k_end", "k0 + 2u * BK", "        "),
-            "        st = 1u - st;",
-            "    }",
-        ]
-    elif tile.prefetch:
-        body = [
-            loads("k_begin < k_end", "k_begin", "    "),
-            "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {",
-            stores("", "        "),
-            "        workgroupBarrier();",
-            loads("k0 + BK < k_end", "k0 + BK", "        "),
-            products,
-            "        workgroupBarrier();",
-            "    }",
-        ]
+    stores = "\n".join("        " + x.strip() for x in sum((_stores(op, threads) for op in ops), []))
+    products = _products(tile, cfg, *ops)
+    if tile.prefetch:
+        body = [loads("k_begin < k_end", "k_begin", "    "), "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {",
+                stores, "        workgroupBarrier();", loads("k0 + BK < k_end", "k0 + BK", "        ")]  # fmt: skip
     else:
-        body = [
-            "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {",
-            loads("true", "k0", "        "),
-            stores("", "        "),
-            "        workgroupBarrier();",
-            products,
-            "        workgroupBarrier();",
-            "    }",
-        ]
+        body = ["    for (var k0 = k_begin; k0 < k_end; k0 += BK) {", loads("true", "k0", "        "), stores,
+                "        workgroupBarrier();"]  # fmt: skip
+    body += [products, "        workgroupBarrier();", "    }"]
     return {"regs": "\n".join(decl), "loop": "\n".join(body)}
 
 
-def _products(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool) -> str:
+def _products(tile: TcTile, cfg: Config, a: _Operand, b: _Operand) -> str:
     """One step's products: per KK slice the subgroup's TM left and TN right matrices from workgroup memory
-    (`_staged`), then the TM x TN multiply-accumulates. With two stages the offsets start at the stage bases
-    `sa` and `sb`."""
-    sa, sb = _staged(tile, cfg, trans_a, trans_b)
-    ba, bb = ("sa + ", "sb + ") if tile.stages == 2 else ("", "")
+    (column-major where the operand is staged transposed), then the TM x TN multiply-accumulates."""
     left = f"subgroup_matrix_left<f16, {cfg.k}, {cfg.m}>"
     right = f"subgroup_matrix_right<f16, {cfg.n}, {cfg.k}>"
     lines = []
     for kk in range(0, tile.bk, cfg.k):
-        for i in range(tile.tm):
-            at = f"{kk * sa.stride}u + sm + {i * cfg.m}u" if sa.col_major else f"(sm + {i * cfg.m}u) * {sa.stride}u + {kk}u"
-            lines.append(
-                f"        let l{i}_{kk} = subgroupMatrixLoad<{left}>(&As, {ba}{at}, {str(sa.col_major).lower()}, {sa.stride}u);"
+        for i in range(tile.tm):  # rows sm + i*MM.., columns kk..
+            at = (
+                f"{kk * a.stride}u + sm + {i * cfg.m}u"
+                if a.col_major
+                else f"(sm + {i * cfg.m}u) * {a.stride}u + {kk}u"
             )
-        for j in range(tile.tn):
-            at = f"(sn + {j * cfg.n}u) * {sb.stride}u + {kk}u" if sb.col_major else f"{kk * sb.stride}u + sn + {j * cfg.n}u"
             lines.append(
-                f"        let r{j}_{kk} = subgroupMatrixLoad<{right}>(&Bs, {bb}{at}, {str(sb.col_major).lower()}, {sb.stride}u);"
+                f"        let l{i}_{kk} = subgroupMatrixLoad<{left}>(&As, {at}, {str(a.col_major).lower()}, {a.stride}u);"
+            )
+        for j in range(tile.tn):  # rows kk.., columns sn + j*NN..
+            at = (
+                f"(sn + {j * cfg.n}u) * {b.stride}u + {kk}u"
+                if b.col_major
+                else f"{kk * b.stride}u + sn + {j * cfg.n}u"
+            )
+            lines.append(
+                f"        let r{j}_{kk} = subgroupMatrixLoad<{right}>(&Bs, {at}, {str(b.col_major).lower()}, {b.stride}u);"
             )
         for i in range(tile.tm):
             for j in range(tile.tn):
@@ -338,36 +242,11 @@ def _products(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool) -> str:
     return "\n".join(lines)
 
 
-def _at(tile: TcTile, cfg: Config, i: int, j: int) -> str:
-    """Where result matrix (i, j) of the subgroup starts in C."""
-    return f"oc + (m0 + sm + {i * cfg.m}u) * P.ldc + n0 + sn + {j * cfg.n}u"
-
-
-def _accumulators(tile: TcTile, cfg: Config) -> str:
-    """The TM x TN accumulators, zero, or C itself where the epilogue stores straight to C (`direct`) and the
-    product accumulates: then C's old value is where the sums start (alpha is 1 there)."""
-    acc = f"subgroup_matrix_result<f32, {cfg.n}, {cfg.m}>"
-    lines = [f"    var c{i}_{j} = {acc}();" for i in range(tile.tm) for j in range(tile.tn)]
-    if not tile.direct:  # no matrix access to C at all: Dawn sizes C's smallest binding by such accesses
-        return "\n".join(lines)
-    lines.append("    if (direct && P.accumulate == 1u) {")
-    lines += [f"        c{i}_{j} = subgroupMatrixLoad<{acc}>(&c, {_at(tile, cfg, i, j)}, false, P.ldc);"
-              for i in range(tile.tm) for j in range(tile.tn)]  # fmt: skip
-    lines.append("    }")
-    return "\n".join(lines)
-
-
 def _epilogue(tile: TcTile, cfg: Config) -> str:
-    """C from the accumulators: straight from the matrix units where the block lies inside C, alpha is 1 and
-    C's rows are 16-byte aligned (`direct`); elsewhere through workgroup memory one result matrix at a time,
-    each lane writing alpha * acc (+ C) element by element, guarded at the edges."""
+    """C from the accumulators, through workgroup memory one result matrix at a time, each lane writing
+    alpha * acc (+ C) element by element, guarded at the edges. (Storing the result matrices straight to C
+    measured no faster on the H100: docs/experiments.md.)"""
     lines = []
-    if tile.direct:
-        lines.append("    if (direct) {")
-        lines += [f"        subgroupMatrixStore(&c, {_at(tile, cfg, i, j)}, c{i}_{j}, false, P.ldc);"
-                  for i in range(tile.tm) for j in range(tile.tn)]  # fmt: skip
-        lines.append("        return;")
-        lines.append("    }")
     for i in range(tile.tm):
         for j in range(tile.tn):
             lines += [
@@ -404,11 +283,9 @@ def templates(
         raise ValueError(f"tile bk={tile.bk} is not a multiple of the configuration's k={cfg.k}")
     if any(w not in (1, 4) for w in widths):
         raise ValueError(f"load widths {widths}: each 1 or 4")
-    if tile.stages not in (1, 2) or (tile.stages == 2 and not tile.prefetch):
-        raise ValueError(f"tile {tile.name()}: stages 1, or 2 with prefetch")
     BM, BN = tile.block(cfg)
     threads = tile.sg_rows * tile.sg_cols * subgroup_size
-    sa, sb = _staged(tile, cfg, trans_a, trans_b)
+    sa, sb = _operands(tile, cfg, trans_a, trans_b)
     subgroups = tile.sg_rows * tile.sg_cols
     consts = "\n".join(
         f"const {n}: u32 = {v}u;"
@@ -421,20 +298,21 @@ def templates(
             ("TM", tile.tm),
             ("TN", tile.tn),
             ("SG_COLS", tile.sg_cols),
-            ("AS_STAGE", sa.size),
-            ("BS_STAGE", sb.size),
-            ("GROUP", tile.group),
         )  # fmt: skip
     )
     return {
         "a_array": f"vec4<{a_dtype}>" if widths[0] == 4 else a_dtype,
         "b_array": f"vec4<{b_dtype}>" if widths[1] == 4 else b_dtype,
         "consts": consts,
-        "as_size": str(tile.stages * sa.size),
-        "bs_size": str(tile.stages * sb.size),
+        "as_size": str(sa.size),
+        "bs_size": str(sb.size),
         "cs_size": str(subgroups * cfg.m * cfg.n),
         "threads": str(threads),
-        "accumulators": _accumulators(tile, cfg),
+        "accumulators": "\n".join(
+            f"    var c{i}_{j} = subgroup_matrix_result<f32, {cfg.n}, {cfg.m}>();"
+            for i in range(tile.tm)
+            for j in range(tile.tn)
+        ),  # fmt: skip
         **_loop(tile, cfg, threads, trans_a, trans_b, *widths),
         "epilogue": _epilogue(tile, cfg),
     }
@@ -463,13 +341,12 @@ def load_widths(
 
 
 def workgroup_bytes(tile: TcTile, cfg: Config) -> int:
-    """The largest workgroup memory the tile takes over the layouts (staged as stored, a transposed operand's
-    rows are padded along the other axis)."""
-    staged = max(sum(s.size for s in _staged(tile, cfg, ta, tb)) for ta in (False, True) for tb in (False, True))
-    return (
-        2 * tile.stages * staged
-        + 4 * tile.sg_rows * tile.sg_cols * cfg.m * cfg.n
+    """The largest workgroup memory the tile takes over the layouts (a transposed operand is staged as stored,
+    its rows padded along the other axis)."""
+    staged = max(
+        sum(op.size for op in _operands(tile, cfg, ta, tb)) for ta in (False, True) for tb in (False, True)
     )
+    return 2 * staged + 4 * tile.sg_rows * tile.sg_cols * cfg.m * cfg.n
 
 
 def groups(tile: TcTile, cfg: Config, M: int, N: int, batch: int = 1) -> tuple[int, int, int]:
@@ -477,20 +354,14 @@ def groups(tile: TcTile, cfg: Config, M: int, N: int, batch: int = 1) -> tuple[i
     return -(-N // BN), -(-M // BM), batch
 
 
-# The tiles, best first, by the sweep on an H100 through Dawn (bench/matmul_tc.py; BENCHMARKS.md, "The GEMM on
-# the matrix units"): at the Qwen3.8-27B products 8 subgroups of 4 x 4 matrices staged 32 deep ran 122-139
-# TFLOP/s, 4 subgroups staged 16 deep 101-129 (and fit WebGPU's 16 KiB of workgroup memory), 4 subgroups
-# staged 32 deep 94-157 (its dW the slowest). `pick_tile` takes the first that fits the adapter.
-# Those runs had scalar loads, no prefetch and every epilogue through workgroup memory (`PLAIN`). The second
-# sweep on the H100 (BENCHMARKS.md, "The matrix units, second session"; f16 operands) timed the same 8 x 4 x 4
-# tile with vec4 loads and prefetch (`STAGED`, epilogue still through workgroup memory) at 152.7-170.3 TFLOP/s
-# for the products whose A is stored (M, K) (the forward 1.22x, dx 1.33x the plain tile's 125.0-128.3), but
-# 79.4 for dW, whose A is stored (K, M) (the plain tile 111.9): so `pick_tile` takes STAGED where A is not
-# transposed and the plain tiles elsewhere. Rows-first copies (`-ld`, meant for that transposed A) and the
-# direct epilogue were not timed (the sweep ran out of device time): they stay off.
-PLAIN = {"vec": False, "prefetch": False, "direct": False}
-TILES = tuple(TcTile(*t, 8, 8, **PLAIN) for t in ((4, 2, 4, 4, 32), (2, 2, 4, 4, 16), (2, 2, 2, 2, 16)))
-STAGED = TcTile(4, 2, 4, 4, 32, 8, 8, direct=False)
+# The tiles, best first; `pick_tile` takes the first whose workgroup memory the adapter has. `STAGED` is the
+# third sweep's best on an H100 through Dawn (bench/matmul_tc.py, f16 operands; BENCHMARKS.md, "The matrix
+# units, third session"): 8 subgroups of 4 x 4 matrices staged 32 deep, vec4 loads, prefetch, every operand
+# staged as stored, 164.9-170.4 TFLOP/s on the 27B's forward and dx products and 181.5 on dW (the second
+# sweep's transposing copy: 152.7-170.3 and 79.4). The two fallbacks fit WebGPU's default 16 KiB and ran
+# 101-129 TFLOP/s in the first sweep (scalar loads, no prefetch, the transposing copy then; not re-timed).
+STAGED = TcTile(4, 2, 4, 4, 32, 8, 8)
+TILES = (STAGED, *(TcTile(*t, 8, 8, vec=False, prefetch=False) for t in ((2, 2, 4, 4, 16), (2, 2, 2, 2, 16))))
 OPERANDS = {"f32": 4, "f16": 2}  # element bytes of A and B in storage
 
 
@@ -514,14 +385,12 @@ def subgroup_size(gpu) -> int:
 ENV_TILE = (
     "DDL_WGPU_TC_TILE"  # a tile by the name the sweep prints: what bench runs time before TILES changes
 )
-FLAGS = {"v1": "vec", "np": "prefetch", "nd": "direct"}  # name parts that turn a path off; "ld" turns one on
+FLAGS = {"v1": "vec", "np": "prefetch"}  # name parts that turn a path off
 
 
 def parse_tile(text: str) -> TcTile:
-    """'4x2sg-4x4-k32[-pA[.B]][-v1][-np][-ld][-nd][-cm][-db][-gN]' -> a TcTile: subgroups as rows x columns, result matrices
-    per subgroup, the k depth, pads; -v1 scalar loads only, -np no prefetch, -ld transposed operands copied
-    rows first, -nd every epilogue through workgroup memory, -cm operands staged as stored, -db two workgroup-memory stages, -gN bands of N block rows
-    (`TcTile.name` writes the same form)."""
+    """'4x2sg-4x4-k32[-pA[.B]][-v1][-np]' -> a TcTile: subgroups as rows x columns, result matrices per
+    subgroup, the k depth, pads; -v1 scalar loads only, -np no prefetch (`TcTile.name` writes the same form)."""
     try:
         parts = text.strip().split("-")
         if not parts[0].endswith("sg") or not parts[2].startswith("k"):
@@ -529,36 +398,29 @@ def parse_tile(text: str) -> TcTile:
         sr, sc = map(int, parts[0].removesuffix("sg").split("x"))
         tm, tn = map(int, parts[1].split("x"))
         bk = int(parts[2].removeprefix("k"))
-        pads, flags = (8, 8), {"lanes_down": False}
+        pads, flags = (8, 8), {}
         for part in parts[3:]:
             if part.startswith("p"):
                 pa, _, pb = part.removeprefix("p").partition(".")
                 pads = (int(pa), int(pb or pa))
             elif part in FLAGS:
                 flags[FLAGS[part]] = False
-            elif part == "ld":
-                flags["lanes_down"] = True
-            elif part == "cm":
-                flags["native"] = True
-            elif part == "db":
-                flags["stages"] = 2
-            elif part.startswith("g") and part[1:].isdigit() and int(part[1:]) > 0:
-                flags["group"] = int(part[1:])
             else:
                 raise ValueError(part)
         return TcTile(sr, sc, tm, tn, bk, *pads, **flags)
     except (ValueError, IndexError) as e:
-        raise GpuError(f"matmul_tc: tile {text!r} is not of the form 4x2sg-4x4-k32[-p8.8][-v1][-np][-ld][-nd][-cm][-db][-gN] "
-                       f"({e})") from None  # fmt: skip
+        raise GpuError(
+            f"matmul_tc: tile {text!r} is not of the form 4x2sg-4x4-k32[-p8.8][-v1][-np] ({e})"
+        ) from None
 
 
-def pick_tile(gpu, cfg: Config, trans_a: bool = False) -> TcTile:
-    """The tile env DDL_WGPU_TC_TILE names, else the first of STAGED (where A is not transposed) and TILES
-    whose workgroup memory the adapter has (WebGPU's default limits give 16 KiB)."""
+def pick_tile(gpu, cfg: Config) -> TcTile:
+    """The tile env DDL_WGPU_TC_TILE names, else the first of TILES whose workgroup memory the adapter has
+    (WebGPU's default limits give 16 KiB)."""
     limit = gpu.limits.get("max-compute-workgroup-storage-size", 16384)
     if os.environ.get(ENV_TILE):
         return parse_tile(os.environ[ENV_TILE])
-    for tile in TILES if trans_a else (STAGED, *TILES):
+    for tile in TILES:
         if workgroup_bytes(tile, cfg) <= limit:
             return tile
     raise GpuError(f"matmul_tc: no tile fits {limit} bytes of workgroup memory")
@@ -589,12 +451,6 @@ def kernel(
         workgroup=(threads, 1, 1),
         uniforms=UNIFORMS,
     )
-
-
-def direct_ok(ldc: int, off_c: int, stride_c: int, istride_c: int) -> bool:
-    """Whether every result matrix of C starts 16-byte aligned (four f32), which the matrix units' stores to
-    storage ask for; only then may the epilogue skip workgroup memory."""
-    return all(v % 4 == 0 for v in (ldc, off_c, stride_c, istride_c))
 
 
 def matmul_tc(
@@ -634,7 +490,7 @@ def matmul_tc(
         raise GpuError(f"matmul_tc: {gpu.name} lists no f16 -> f32 subgroup-matrix configuration in use")
     if a_dtype not in OPERANDS or b_dtype not in OPERANDS:
         raise GpuError(f"matmul_tc: operand types {a_dtype}, {b_dtype}: each one of {list(OPERANDS)}")
-    tile = tile or pick_tile(gpu, cfg, trans_a)
+    tile = tile or pick_tile(gpu, cfg)
     M, N, K, batch = int(M), int(N), int(K), int(batch)
     lda = int(lda if lda is not None else (M if trans_a else K))
     ldb = int(ldb if ldb is not None else (K if trans_b else N))
@@ -644,11 +500,6 @@ def matmul_tc(
     g = groups(tile, cfg, M, N, batch)
     if max(g) > MAX_GROUPS:
         raise GpuError(f"matmul_tc: {g} workgroups exceed {MAX_GROUPS} per dimension; split the product")
-    BM, BN = tile.block(cfg)
-    if tile.direct and (M < BM or N < BN):
-        # no block lies inside C, so the direct epilogue never runs; and its matrix stores would make Dawn ask
-        # for a C binding of at least one result matrix (a 1-element gradient is 4 bytes)
-        tile = replace(tile, direct=False)
     widths = load_widths(tile, M, N, K, trans_a, trans_b, (lda, ldb), offsets[:2], strides[:2], istrides[:2])
     k = kernel(gpu, cfg, tile, trans_a, trans_b, a_dtype, b_dtype, widths)
     u = gpu.uniform(
@@ -674,7 +525,6 @@ def matmul_tc(
         istride_b=istrides[1],
         istride_c=istrides[2],
         causal=int(causal),
-        direct_ok=int(direct_ok(ldc, offsets[2], strides[2], istrides[2])),
         label="matmul_tc",
     )
     return Call(dispatches=[(k, gpu.bind(k, a, b, c, u), g)], uniforms=[u])
