@@ -179,7 +179,7 @@ def test_streamed_teacher_gives_the_resident_and_the_plain_forward_bits(gpu, mon
 def test_the_host_buffer_plan_lands_the_bytes_write_lands(monkeypatch):
     """`stream.host_plan`: the pieces packed at whole words, copied back by its copies, give the slot exactly what
     `Gpu.write` gives it (a piece's last word padded with zeros, the bytes between tensors untouched); adjacent
-    pieces of a tensor go in one copy. DDL_WGPU_UPLOAD takes write or host only."""
+    pieces of a tensor go in one copy. DDL_WGPU_UPLOAD takes host (the default) or write only."""
     from ddl_wgpu.engine import stream
 
     rng = np.random.default_rng(0)
@@ -203,17 +203,20 @@ def test_the_host_buffer_plan_lands_the_bytes_write_lands(monkeypatch):
     for a in slots:
         np.testing.assert_array_equal(slots[a], want[a])
     assert used == 160 + 16 + 8 + 16 and len(copies) == 4  # big's two pieces in one copy
-    monkeypatch.setenv(stream.ENV_UPLOAD, "Host")
+    monkeypatch.delenv(stream.ENV_UPLOAD, raising=False)
     assert stream.upload_mode() == "host"
+    monkeypatch.setenv(stream.ENV_UPLOAD, "Write")
+    assert stream.upload_mode() == "write"
     monkeypatch.setenv(stream.ENV_UPLOAD, "mapped")
-    with pytest.raises(stream.GpuError, match="DDL_WGPU_UPLOAD='mapped': one of write, host"):
+    with pytest.raises(stream.GpuError, match="DDL_WGPU_UPLOAD='mapped': one of host, write"):
         stream.upload_mode()
 
 
 def test_host_buffer_uploads_give_the_write_uploads_bits(monkeypatch):
-    """DDL_WGPU_UPLOAD=host on a Dawn device with host-mapped-pointer (lavapipe's has it): the f16 hybrid's teacher
-    streamed through two slots (twice: every slot uploaded again) and loaded resident gives the bits of the
-    streamed teacher that writes its layers (`queue.write_buffer`), and no layer goes up through `Gpu.write`."""
+    """The default uploads on a Dawn device with host-mapped-pointer (lavapipe's has it) go through host buffers:
+    the f16 hybrid's teacher streamed through two slots (twice: every slot uploaded again) and loaded resident
+    gives the bits of the streamed teacher that writes its layers (DDL_WGPU_UPLOAD=write: `queue.write_buffer`),
+    and no layer goes up through `Gpu.write`."""
     from ddl_wgpu.engine import stream
     from ddl_wgpu.runtime import gpu as g
 
@@ -235,12 +238,12 @@ def test_host_buffer_uploads_give_the_write_uploads_bits(monkeypatch):
         got = [t.topk_rows(ids[s : s + 2], lengths[s : s + 2], 6) for s in range(0, 4, 2)]
         return [np.concatenate(x) for x in zip(*got, strict=True)]
 
-    monkeypatch.delenv(stream.ENV_UPLOAD, raising=False)
+    monkeypatch.setenv(stream.ENV_UPLOAD, "write")
     t = teacher(True)
     want = rows(t)
     assert t.trunk.stream.mode == "write" and t.trunk.stream.host is None
     t.release()
-    monkeypatch.setenv(stream.ENV_UPLOAD, "host")
+    monkeypatch.delenv(stream.ENV_UPLOAD)
     writes = []
     write = type(dawn).write
     monkeypatch.setattr(

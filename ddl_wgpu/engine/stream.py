@@ -28,14 +28,16 @@ layer ahead of the GPU (on the H200 an unbounded host ran 20 GB of staging ahead
 is prepared while this one is written. A mapped staging ring filled by the thread pool was
 tried and stalled on the H200 (docs/experiments.md).
 
-Opt-in, until measured on a GPU (bench/upload.py, bench/heal.py --gpu-memory): env DDL_WGPU_UPLOAD=host copies
-each layer through two buffers on host memory instead (`Gpu.host_buffer`: Dawn's host-mapped-pointer; where the
-device lacks it, `write` as before). The pieces are copied into the host buffer of the layer two before (its
-submit waited for, as above) on the thread pool, and the layer's submit carries `copy_buffer_to_buffer`s from it:
-the GPU reads the host pages itself, with no single-threaded copy into staging and no staging in device memory. The same
-bytes land in the slot (a word's rest zeroed as `Gpu.write` pads it), so the results are the same bits. The plan
-still counts the write path's staging in device memory (`staging_bytes`): an over-count, left until the way is
-chosen.
+Where the device has host-mapped memory (Dawn's host-mapped-pointer: `Gpu.host_buffer`), each layer goes
+through two buffers on host memory instead, the default (env DDL_WGPU_UPLOAD=host; `write` forces the path
+above). The pieces are copied into the host buffer of the layer two before (its submit waited for, as above)
+on the thread pool, and the layer's submit carries `copy_buffer_to_buffer`s from it: the GPU reads the host
+pages itself, with no single-threaded copy into staging and no staging in device memory. The same bytes land
+in the slot (a word's rest zeroed as `Gpu.write` pads it), so the results are the same bits. Measured on an
+H100 through Dawn (`bench/upload.py --modes ...`, a 27B layer): `write_buffer` 1.06 GB/s, host buffers 19.5-20.0;
+the 27B heal trunk pass streamed within 16 GB ran out of its 150 s with `write` and at 1,890 tokens/s (0.795x
+resident) with host buffers (BENCHMARKS.md). wgpu-native has no host-mapped memory and keeps `write`. The plan
+still counts the write path's staging in device memory (`staging_bytes`): on Dawn an over-count.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ PIECE_BYTES = 16 << 20  # a conversion task of the thread pool, and the most one
 STREAM_SLOTS = 2  # layer slots of a streamed trunk: layer i + 1 uploads while layer i runs
 # How a layer goes up (module docstring, "Uploads"): "write" (queue.write_buffer, the default) or "host"
 ENV_UPLOAD = "DDL_WGPU_UPLOAD"
-UPLOADS = ("write", "host")
+UPLOADS = ("host", "write")  # the default first: host buffers where the device has them, else write
 _NP = {"f32": np.float32, "f16": np.float16}
 _STORED = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.float64): "f64"}
 
@@ -159,8 +161,9 @@ class WeightSource:
 
 
 def upload_mode() -> str:
-    """Env DDL_WGPU_UPLOAD, else "write"; an unknown name is a GpuError."""
-    value = (os.environ.get(ENV_UPLOAD) or "write").strip().lower()
+    """Env DDL_WGPU_UPLOAD, else "host" (which falls back to "write" where the device has no host-mapped
+    memory); an unknown name is a GpuError."""
+    value = (os.environ.get(ENV_UPLOAD) or UPLOADS[0]).strip().lower()
     if value not in UPLOADS:
         raise GpuError(f"{ENV_UPLOAD}={value!r}: one of {', '.join(UPLOADS)}")
     return value
@@ -362,7 +365,7 @@ class LayerStream:
         self.recent: collections.deque = collections.deque(
             maxlen=2
         )  # the last two layers' submission indices
-        # DDL_WGPU_UPLOAD=host: two host buffers taking turns (made at the first upload), else None; `mode` is
+        # "host" (the default): two host buffers taking turns (made at the first upload), else None; `mode` is
         # the way in force ("host" falls back to "write" where the device has no host-mapped pointer)
         self.mode = upload_mode()
         self.host: list | None = None
