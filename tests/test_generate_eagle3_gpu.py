@@ -1,8 +1,9 @@
 """`generate --speculative --draft EAGLE.ddlw` on the GPU engine (`engine/decode_eagle3.py`,
 docs/eagle3.md#generate-on-the-gpu), on lavapipe at tiny shapes: the draft's proposals equal the numpy engine's
-(`refnet.RefEagle3Engine`) after a prompt and after rounds that kept and rejected drafts, greedy text equal to
-plain greedy text on wgpu with a trained and a random draft (the accept and the reject paths), seeded sampling
-reproducible, and the command line."""
+(`refnet.RefEagle3Engine`) after a prompt and after rounds that kept and rejected drafts, and so do the cached
+draft pass's logits at every step (within f32 rounding; a long prompt's catch-up, argmax and picked chains, a
+roll-back behind the draft's cached rows); greedy text equal to plain greedy text on wgpu with a trained and a
+random draft (the accept and the reject paths), seeded sampling reproducible, and the command line."""
 
 from __future__ import annotations
 
@@ -57,6 +58,51 @@ def test_proposals_equal_the_numpy_engines(gpu, kit):
         for eng in (ref, gpu_eng):
             eng.rollback(n + 1 + kept)
         token = int(verify[kept])
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_cached_draft_logits_equal_the_numpy_engines(gpu, kit, norm_before_residual):
+    """The cached draft pass against `RefEagle3Engine`, logits of every step: a 10-token prompt (a catch-up
+    longer than `GEMV_MAX_ROWS`: the GEMM path), then rounds whose drafts are all kept, some kept, none kept,
+    and a roll-back behind the draft's cached anchors with other tokens fed there; chain tokens the argmax or
+    a scripted pick (the same on both engines)."""
+    _d, m, draft = kit
+    if norm_before_residual:
+        draft = dataclasses.replace(draft, cfg=dataclasses.replace(draft.cfg, norm_before_residual=True))
+    ref, eng = RefEagle3Engine(m, draft, 3, 30), WgpuEagle3Engine(gpu, m, draft, 3, "f32", 30)
+    tmap = e3.target_ids(draft.d2t)
+    prompt = [5, 17, 99, 3, 42, 7, 64, 12, 8, 33]
+    for e in (ref, eng):
+        e.feed(prompt, "argmax", last_only=True)
+    rng = np.random.default_rng(7)
+    token, steps = 11, 0
+    # (depth, drafts kept, picked): kept None = roll back behind the draft's cached rows, other tokens fed
+    for depth, kept, picked in ((3, 3, False), (3, 0, True), (2, 1, False), (3, None, False), (3, 2, True),
+                                (1, 0, False), (3, 0, False)):  # fmt: skip
+        script = [int(t) for t in rng.choice(tmap, size=depth)]  # picked: these target ids, on both engines
+        head = "top5" if picked else "argmax"
+        n = ref.length
+        want_t, want_rows = ref.draft(token, depth, head, (lambda _row, it=iter(script): next(it)))
+        got_t, got_rows = eng.draft(token, depth, head, (lambda _row, it=iter(script): next(it)))
+        assert got_t == want_t, (got_t, want_t)
+        for got, want in zip(got_rows, want_rows, strict=True):
+            assert np.array_equal(np.isinf(got), np.isinf(want))
+            err = np.max(np.abs(got[tmap] - want[tmap]))
+            assert err <= 1e-4 * np.max(np.abs(want[tmap])), (steps, err)
+            steps += 1
+        verify = ref.feed([token, *want_t], "argmax")
+        assert list(eng.feed([token, *want_t], "argmax")) == list(verify)
+        if kept is None:  # back to three positions before this round's, three other tokens fed there
+            other = [(int(t) + 1) % m.cfg.vocab_size for t in ref.ids[n - 3 : n]]
+            for e in (ref, eng):
+                e.rollback(n - 3)
+                last = e.feed(other, "argmax")[-1]
+            token = int(last)
+        else:
+            for e in (ref, eng):
+                e.rollback(n + 1 + kept)
+            token = int(verify[kept])
+    assert steps == 18
 
 
 @pytest.mark.parametrize("trained", [True, False])
