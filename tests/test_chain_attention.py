@@ -97,6 +97,52 @@ def test_masked_kernels_match_reference(gpu, shape, impl):
     check("masked dv", got["dv"], dv, "attention")
 
 
+def _masked_gpu(gpu, shape, q, k, v, dout, W):
+    B, T, H, K, D = shape
+    bq, bk, bv, bdo = (gpu.upload(a) for a in (q, k, v, dout))
+    bo, bl = gpu.buffer(q.nbytes), gpu.buffer(B * H * T * 4)
+    gq, gk, gv = gpu.buffer(q.nbytes), gpu.buffer(k.nbytes), gpu.buffer(v.nbytes)
+    attention_masked_forward(gpu, bo, bl, bq, bk, bv, B, T, H, K, D, W).run(gpu)
+    attention_masked_backward(gpu, gq, gk, gv, bdo, bo, bl, bq, bk, bv, B, T, H, K, D, W).run(gpu)
+    got = {n: gpu.download(b, count=a.size).reshape(a.shape)
+           for n, b, a in (("out", bo, q), ("dq", gq, q), ("dk", gk, k), ("dv", gv, v))}  # fmt: skip
+    got["lse"] = gpu.download(bl, count=B * H * T).reshape(B, H, T)
+    return got
+
+
+def test_masked_scores_in_row_blocks(gpu, monkeypatch):
+    """The chain mask on the scores path in blocks of query rows: one kv head's scores over all T = 3 * 7
+    rows do not fit the (patched) scratch limit, 5 rows' do; blocks cross the window boundaries, the last is
+    a single row; grouped heads (G = 2), two batches. Against the float64 reference and the whole-head
+    scores path; same bits twice; `choose_impl` ('auto') picks the row blocks."""
+    from ddl_wgpu.ops import attention, attention_scores
+
+    B, W, C, H, K, D, R = 2, 7, 3, 4, 2, 8, 5
+    T = C * W
+    shape = (B, T, H, K, D)
+    rng = np.random.default_rng(2)
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float32)
+                     for s in ((B, T, H, D), (B, T, K, D), (B, T, K, D), (B, T, H, D)))  # fmt: skip
+    out, cache = ops.attention_masked_forward(*(a.astype(np.float64) for a in (q, k, v)), ops.chain_mask(C, W))
+    dq, dk, dv = ops.attention_masked_backward(dout.astype(np.float64), cache)
+    want = {"out": out, "lse": cache[4], "dq": dq, "dk": dk, "dv": dv}
+    monkeypatch.delenv(attention.ENV_IMPL, raising=False)
+    whole = _masked_gpu(gpu, shape, q, k, v, dout, W)
+    G = H // K
+    monkeypatch.setattr(attention_scores, "SCORE_BYTES", G * T * 4 * (R + 1) - 4)
+    assert not attention_scores.fits(gpu, H, K, T) and attention_scores.row_block(gpu, H, K, T) == R
+    assert attention.choose_impl(gpu, H, K, T, masked=True) == "scores"
+    chunks, _ = attention_scores.plan(gpu, B, H, K, T)
+    assert [(c.r0, c.nr) for c in chunks[:5]] == [(20, 1), (15, 5), (10, 5), (5, 5), (0, 5)]
+    got = _masked_gpu(gpu, shape, q, k, v, dout, W)
+    for name in want:
+        check(f"row blocks {name}", got[name], want[name], "attention")
+        check(f"row blocks vs whole {name}", got[name], whole[name].astype(np.float64), "attention")
+    again = _masked_gpu(gpu, shape, q, k, v, dout, W)
+    for name in got:
+        assert np.array_equal(got[name], again[name]), f"{name} differs between two identical runs"
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the draft trainers and heal in "stacked" chain attention
 

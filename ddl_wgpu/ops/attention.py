@@ -221,19 +221,24 @@ def _check_bindings(entry: str, B: int, T: int, H: int, K: int, D: int, **named)
 
 
 def choose_impl(gpu, H: int, K: int, T: int, impl: str | None = None, masked: bool = False) -> str:
-    """'flash' or 'scores' for one attention shape: `impl`, else env DDL_WGPU_ATTENTION, else 'auto'. For
-    the chain-masked attention 'flash' means its plain-loop kernels, and 'auto' picks the scores path on every
-    adapter whenever it fits (the loops are slow everywhere; on lavapipe their dk/dv also came out wrong at
-    W = 80, D = 128 with grouped heads, a result no other adapter was checked for)."""
+    """'flash' or 'scores' for one attention shape: `impl`, else env DDL_WGPU_ATTENTION, else 'auto'. The
+    scores path runs whole heads where one kv head's scores fit the scratch (`attention_scores.fits`), else
+    blocks of query rows (`attention_scores.row_block`). For the causal attention 'auto' picks it on GPUs
+    where whole heads fit, else the flash kernels. For the chain-masked attention 'flash' means its
+    plain-loop kernels, and 'auto' picks the scores path on every adapter whenever it can run, in row blocks
+    if need be (the loops are slow everywhere; on lavapipe their dk/dv also came out wrong at W = 80, D = 128
+    with grouped heads, a result no other adapter was checked for)."""
     impl = impl or os.environ.get(ENV_IMPL) or "auto"
     if impl not in IMPLS:
         raise GpuError(f"attention: implementation {impl!r} is not one of {', '.join(IMPLS)}")
-    fits = attention_scores.fits(gpu, H, K, T)
     if impl == "auto":
-        return "scores" if fits and (masked or gpu.info.get("type", "") != "CPU") else "flash"
-    if impl == "scores" and not fits:
+        if masked:
+            return "scores" if attention_scores.fits_rows(gpu, H, K, T) else "flash"
+        fits = attention_scores.fits(gpu, H, K, T)
+        return "scores" if fits and gpu.info.get("type", "") != "CPU" else "flash"
+    if impl == "scores" and not attention_scores.fits_rows(gpu, H, K, T):
         raise GpuError(
-            f"attention: the scores of {H // K} query head(s) ({T}^2 floats each) exceed the scratch limit"
+            f"attention: the scores of {H // K} query head(s) ({T} floats per row) exceed the scratch limit"
         )
     return impl
 
