@@ -1,14 +1,17 @@
 // Row kernels of causal attention with materialised scores (`ddl_wgpu/ops/attention_scores.py`).
 //
 // That path runs attention as GEMMs (`matmul.wgsl` with its two-level batch and causal tile bounds) on a
-// (Z, T, T) buffer of scores, Z = (batch, head) pairs of one chunk, row (z, t) at float (z*T + t)*T: the GEMM
+// (Z, R, Tk) buffer of scores, Z = (batch, head) pairs of one chunk, R query rows r0 .. r0+R-1 of each (all T
+// rows, r0 = 0, unless rows are chunked), Tk keys 0 .. Tk-1 per row (T, or r0+R when rows are chunked: no
+// query of the block sees a later key), row (z, t) at float (z*R + t - r0)*Tk: the GEMM
 // kernel is the best-tuned code we have, and on a GPU it beats the flash kernels of attention.wgsl by several
 // times at T = 1024. What the GEMMs cannot do lives here:
 //   - scores_softmax (forward): S (already scaled) -> P = softmax over keys s <= t, written in place, zeros for
 //     s > t (the causal GEMMs that read P rely on them); lse = max + log(sum) of each row, as the flash kernel.
 //     One read for the max and the sum (online, per thread, merged over one tree), one read + write for P.
 //   - scores_backward: S -> P = exp(S - lse) and dP -> dS = P (dP - delta), both in place, zeros for s > t.
-// Scores above the diagonal are never read (the GEMM that wrote S skipped those tiles, leaving old values).
+// Scores above the diagonal are never read (the GEMM that wrote S may have skipped those tiles, leaving old
+// values). lse and delta of row (z, t) sit at (z0 + z)*T + t.
 // Reductions run over a fixed tree in workgroup memory: same inputs, same bits.
 //
 // The mask: causal (W = 0), or the chained draft's (W = window, `ddl_ref.ops.chain_mask`,
@@ -50,8 +53,9 @@ fn scores_softmax(
         return;
     }
     let T = sm_p.T;
-    let t = row % T;
-    let base = row * T;
+    let z = row / sm_p.R;
+    let t = sm_p.r0 + row % sm_p.R;  // query position within T
+    let base = row * sm_p.Tk;
     let W = sm_p.W;
     // one pass over the row: a running max and sum per thread (online softmax), then one tree
     var m = NEG;
@@ -68,7 +72,7 @@ fn scores_softmax(
     m = ml.x;
     l = ml.y;
     let inv = 1.0 / l;  // every row sees at least itself: l >= 1
-    for (var s = lid; s < T; s += WG) {
+    for (var s = lid; s < sm_p.Tk; s += WG) {
         var p = 0.0;
         if (s <= t && visible(t, s, W)) {
             p = exp(sm_s[base + s] - m) * inv;
@@ -76,7 +80,7 @@ fn scores_softmax(
         sm_s[base + s] = p;
     }
     if (lid == 0u) {
-        sm_lse[sm_p.z0 * T + row] = m + log(l);
+        sm_lse[(sm_p.z0 + z) * T + t] = m + log(l);
     }
 }
 
@@ -93,16 +97,18 @@ fn scores_backward(
     @builtin(local_invocation_index) lid: u32,
 ) {
     let T = bw_p.T;
+    let Tk = bw_p.Tk;
     let i = (wid.x + wid.y * nwg.x) * 256u + lid;  // element (row, s) of the chunk
-    if (i >= bw_p.rows * T) {
+    if (i >= bw_p.rows * Tk) {
         return;
     }
-    let row = i / T;
-    let s = i % T;
+    let row = i / Tk;
+    let s = i % Tk;
+    let t = bw_p.r0 + row % bw_p.R;  // query position within T
     var p = 0.0;
     var ds = 0.0;
-    if (visible(row % T, s, bw_p.W)) {
-        let r = bw_p.z0 * T + row;
+    if (visible(t, s, bw_p.W)) {
+        let r = (bw_p.z0 + row / bw_p.R) * T + t;
         p = exp(bw_s[i] - bw_lse[r]);
         ds = p * (bw_dp[i] - bw_delta[r]);
     }

@@ -97,6 +97,106 @@ def test_masked_kernels_match_reference(gpu, shape, impl):
     check("masked dv", got["dv"], dv, "attention")
 
 
+def _masked_gpu(gpu, shape, q, k, v, dout, W, rows=None):
+    """Forward and backward on the GPU (default implementation choice), outputs in buffers that start out
+    holding 5.0 (so a value left unwritten shows)."""
+    B, T, H, K, D = shape
+    bq, bk, bv, bdo = (gpu.upload(a) for a in (q, k, v, dout))
+    junk = lambda n: gpu.upload(np.full(n, 5.0, np.float32))  # noqa: E731
+    bo, bl = junk(q.size), junk(B * H * T)
+    gq, gk, gv = junk(q.size), junk(k.size), junk(v.size)
+    attention_masked_forward(gpu, bo, bl, bq, bk, bv, B, T, H, K, D, W, rows=rows).run(gpu)
+    attention_masked_backward(gpu, gq, gk, gv, bdo, bo, bl, bq, bk, bv, B, T, H, K, D, W, rows=rows).run(gpu)
+    got = {n: gpu.download(b, count=a.size).reshape(a.shape)
+           for n, b, a in (("out", bo, q), ("dq", gq, q), ("dk", gk, k), ("dv", gv, v))}  # fmt: skip
+    got["lse"] = gpu.download(bl, count=B * H * T).reshape(B, H, T)
+    return got
+
+
+def test_masked_scores_in_row_blocks(gpu, monkeypatch):
+    """The chain mask on the scores path in blocks of query rows: one kv head's scores over all T = 3 * 7
+    rows do not fit the (patched) scratch limit, 5 rows' do; blocks cross the window boundaries, the last is
+    a single row; grouped heads (G = 2), two batches. Against the float64 reference and the whole-head
+    scores path; same bits twice; `choose_impl` ('auto') picks the row blocks."""
+    from ddl_wgpu.ops import attention, attention_scores
+
+    B, W, C, H, K, D, R = 2, 7, 3, 4, 2, 8, 5
+    T = C * W
+    shape = (B, T, H, K, D)
+    rng = np.random.default_rng(2)
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float32)
+                     for s in ((B, T, H, D), (B, T, K, D), (B, T, K, D), (B, T, H, D)))  # fmt: skip
+    out, cache = ops.attention_masked_forward(
+        *(a.astype(np.float64) for a in (q, k, v)), ops.chain_mask(C, W)
+    )
+    dq, dk, dv = ops.attention_masked_backward(dout.astype(np.float64), cache)
+    want = {"out": out, "lse": cache[4], "dq": dq, "dk": dk, "dv": dv}
+    monkeypatch.delenv(attention.ENV_IMPL, raising=False)
+    whole = _masked_gpu(gpu, shape, q, k, v, dout, W)
+    G = H // K
+    monkeypatch.setattr(attention_scores, "SCORE_BYTES", G * T * 4 * (R + 1) - 4)
+    assert not attention_scores.fits(gpu, H, K, T) and attention_scores.row_block(gpu, H, K, T) == R
+    assert attention.choose_impl(gpu, H, K, T, masked=True) == "scores"
+    chunks, _ = attention_scores.plan(gpu, B, H, K, T)
+    assert [(c.r0, c.nr) for c in chunks[:5]] == [(20, 1), (15, 5), (10, 5), (5, 5), (0, 5)]
+    got = _masked_gpu(gpu, shape, q, k, v, dout, W)
+    for name in want:
+        check(f"row blocks {name}", got[name], want[name], "attention")
+        check(f"row blocks vs whole {name}", got[name], whole[name].astype(np.float64), "attention")
+    again = _masked_gpu(gpu, shape, q, k, v, dout, W)
+    for name in got:
+        assert np.array_equal(got[name], again[name]), f"{name} differs between two identical runs"
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["whole", "row_blocks"])
+@pytest.mark.parametrize("step", [0, 1, 2])
+def test_masked_scores_row_range(gpu, monkeypatch, step, blocks):
+    """`rows` = step s's rows [s*W, (s+1)*W) of a 3-step stack, q and dout zero elsewhere (as the EAGLE-3
+    draft holds them): out, lse, dq of those rows and all of dk, dv match the float64 reference and are the
+    bits of the call without `rows` (dk and dv: with whole heads; in row blocks they are summed block by
+    block, so only to rounding); dk and dv past (s+1)*W are written (zeros); out past the range is not."""
+    from ddl_wgpu.ops import attention, attention_scores
+
+    B, W, C, H, K, D = 2, 7, 3, 4, 2, 8
+    T = C * W
+    lo, hi = step * W, (step + 1) * W
+    shape = (B, T, H, K, D)
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float32)
+                     for s in ((B, T, H, D), (B, T, K, D), (B, T, K, D), (B, T, H, D)))  # fmt: skip
+    for a in (q, dout):
+        a[:, :lo] = 0.0
+        a[:, hi:] = 0.0
+    out, cache = ops.attention_masked_forward(
+        *(a.astype(np.float64) for a in (q, k, v)), ops.chain_mask(C, W)
+    )
+    dq, dk, dv = ops.attention_masked_backward(dout.astype(np.float64), cache)
+    monkeypatch.delenv(attention.ENV_IMPL, raising=False)
+    full = _masked_gpu(gpu, shape, q, k, v, dout, W)
+    if blocks:  # one row of all T keys fits: blocks of R rows of the range, R = 3 (step 0) or 1
+        G = H // K
+        monkeypatch.setattr(attention_scores, "SCORE_BYTES", G * T * 4)
+        R = G * T * 4 // (G * hi * 4)
+        chunks, _ = attention_scores.plan(gpu, B, H, K, T, (lo, hi))
+        starts = list(range(lo + (W - 1) // R * R, lo - 1, -R))
+        assert [(c.r0, c.nr) for c in chunks] == [
+            (r0, min(R, hi - r0)) for b in range(B) for j in range(K) for r0 in starts
+        ]
+    assert attention.choose_impl(gpu, H, K, T, masked=True) == "scores"
+    got = _masked_gpu(gpu, shape, q, k, v, dout, W, rows=(lo, hi))
+    for name, want, part in (("out", out, np.s_[:, lo:hi]), ("lse", cache[4], np.s_[..., lo:hi]),
+                             ("dq", dq, np.s_[:, lo:hi]), ("dk", dk, np.s_[:]), ("dv", dv, np.s_[:])):  # fmt: skip
+        check(f"rows {name}", got[name][part], want[part], "attention")
+        if blocks and name in ("dk", "dv"):  # summed block by block: the whole call's sums, another order
+            check(f"rows {name} vs whole call", got[name], full[name].astype(np.float64), "attention")
+        else:
+            assert np.array_equal(got[name][part], full[name][part]), (
+                f"{name}: not the bits of the whole call"
+            )
+    assert np.all(got["dk"][:, hi:] == 0) and np.all(got["dv"][:, hi:] == 0)
+    assert np.all(got["out"][:, hi:] == 5.0)  # rows past the range are not visited
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the draft trainers and heal in "stacked" chain attention
 

@@ -2,7 +2,8 @@
 float32 inputs): the flash kernels of attention.wgsl and the GEMMs over materialised scores
 (attention_scores.wgsl + matmul). out, lse, dq, dk, dv for GQA shapes with T not a multiple of the tiles;
 determinism; causality; a custom scale; every flash tile shape the launcher can pick; large head dims; the
-flash tile choice for any D <= 256; the scores path in chunks of batches; the implementation choice."""
+flash tile choice for any D <= 256; the scores path in chunks of batches, of kv heads and of query rows; the
+implementation choice."""
 
 import numpy as np
 import pytest
@@ -97,6 +98,37 @@ def test_attention_scores_in_chunks_of_heads(gpu, monkeypatch):
     _check_all(_gpu_attention(gpu, shape, q, k, v, dout, impl="scores"), _reference(q, k, v, dout), "heads")
 
 
+def _row_blocks(monkeypatch, gpu, B, T, H, K, R):
+    """Set the scratch limit so that one kv head's scores over all T rows do not fit but R rows' do (R not
+    a multiple of ROW_ALIGN); check the plan: blocks of R rows, last block first, per (batch, kv head)."""
+    G = H // K
+    monkeypatch.setattr(attention_scores, "SCORE_BYTES", G * T * 4 * (R + 1) - 4)
+    assert not attention_scores.fits(gpu, H, K, T) and attention_scores.row_block(gpu, H, K, T) == R
+    chunks, nbytes = attention_scores.plan(gpu, B, H, K, T)
+    starts = list(range((T - 1) // R * R, -1, -R))
+    assert T % R and nbytes == G * R * T * 4
+    assert [(c.b0, c.j0, c.nk, c.r0, c.nr) for c in chunks] == [
+        (b, j, 1, r0, min(R, T - r0)) for b in range(B) for j in range(K) for r0 in starts
+    ]
+
+
+def test_attention_scores_in_row_blocks(gpu, monkeypatch):
+    # Not even one kv head's query heads fit over all T rows: blocks of 16 query rows (T = 70: a short last
+    # block of 6), GQA G = 2, two batches; each block's scores stop at key r0 + 16, the first block's are a
+    # square causal product, dk / dv add up over the blocks. Same bits twice.
+    shape = (2, 70, 4, 2, 8)
+    B, T, H, K, D = shape
+    q, k, v, dout = attention_inputs(shape, seed=9)
+    whole = _gpu_attention(gpu, shape, q, k, v, dout, impl="scores")
+    _row_blocks(monkeypatch, gpu, B, T, H, K, 16)
+    got = _gpu_attention(gpu, shape, q, k, v, dout, impl="scores")
+    _check_all(got, _reference(q, k, v, dout), "row blocks")
+    _check_all(got, {n: a.astype(np.float64) for n, a in whole.items()}, "row blocks vs whole heads")
+    again = _gpu_attention(gpu, shape, q, k, v, dout, impl="scores")
+    for name in got:
+        assert np.array_equal(got[name], again[name]), f"{name} differs between two identical runs"
+
+
 def test_attention_impl_choice(gpu, monkeypatch):
     monkeypatch.delenv(attention.ENV_IMPL, raising=False)
     cpu = gpu.info.get("type", "") == "CPU"
@@ -107,11 +139,16 @@ def test_attention_impl_choice(gpu, monkeypatch):
     assert choose_impl(gpu, 4, 1, 64, "flash") == "flash"  # the argument beats the environment
     monkeypatch.setattr(
         attention_scores, "SCORE_BYTES", 4 * 64 * 64 * 4 - 4
-    )  # one kv head's 4 query heads no longer fit
-    with pytest.raises(GpuError, match="scratch limit"):
-        choose_impl(gpu, 4, 1, 64)
+    )  # one kv head's 4 query heads no longer fit: the scores path runs in row blocks (of 63 rows)
+    assert not attention_scores.fits(gpu, 4, 1, 64) and attention_scores.row_block(gpu, 4, 1, 64) == 63
+    assert choose_impl(gpu, 4, 1, 64) == "scores"
     monkeypatch.setenv(attention.ENV_IMPL, "auto")
-    assert choose_impl(gpu, 4, 1, 64) == "flash"
+    assert choose_impl(gpu, 4, 1, 64) == "flash"  # causal: row blocks only on request
+    assert choose_impl(gpu, 4, 1, 64, masked=True) == "scores"
+    monkeypatch.setattr(attention_scores, "SCORE_BYTES", 4 * 64 * 4 - 4)  # not even one row fits
+    assert choose_impl(gpu, 4, 1, 64, masked=True) == "flash"
+    with pytest.raises(GpuError, match="scratch limit"):
+        choose_impl(gpu, 4, 1, 64, "scores")
     with pytest.raises(GpuError, match="not one of"):
         choose_impl(gpu, 4, 1, 64, "fast")
 

@@ -20,8 +20,10 @@ b·ttt·T + i·T + p, with the runtime's chain mask (`ops.attention.attention_ma
 into the stacks and its queries into an otherwise zero query stack, runs the masked attention over all stacked
 rows and copies its own rows out: the other rows' outputs are discarded, and its rows see only steps <= i.
 The backward recomputes that attention (the zero query rows give exact zero gradients, so the key and value
-gradients of all later steps accumulate in two stacks) and reads its own rows back. The attention over all
-stacked rows at each step costs ttt times the minimum; the products, which dominate, run once per step.
+gradients of all later steps accumulate in two stacks) and reads its own rows back. Both pass the attention
+step i's query rows [i·T, (i+1)·T) (`rows=`): the scores path then computes only those rows against keys
+[0, (i+1)·T) (and zero key gradients past them), the values it would compute for them over all stacked rows;
+the plain loops, where they run, compute every row. The products run once per step.
 
 The loss is heal's top-k KL in its "full" form (`ops.topk_kl`): the student's log-softmax over all Vd columns
 at the teacher's k ids, gradient q − p~ over the whole row: SpecForge's soft cross-entropy gradient with p~
@@ -328,7 +330,7 @@ class Eagle3Work:
         out.append(("rows", a["qr"], self.Qs, i, H * D, True))
         out.append(("rows", a["kr"], self.Ks, i, K * D, True))
         out.append(("rows", a["v"], self.Vs, i, K * D, True))
-        out.append(self._attend())
+        out.append(self._attend(i))
         out.append(("rows", self.Os, a["att"], i, H * D, False))
         call = k_ew.copy(g, a["r"], a["hn"] if cfg.norm_before_residual else a["hid"], N * C)
         call += self._mm(a["r"], a["att"], e3.O_PROJ, C, H * D, accumulate=True)
@@ -342,10 +344,15 @@ class Eagle3Work:
         out.append(call)
         return out
 
-    def _attend(self) -> Call:
+    def _rows_of(self, i: int) -> tuple[int, int]:
+        """Step i's query rows within a window's stack: the only ones with non-zero queries (and gradients)."""
+        return i * self.T, (i + 1) * self.T
+
+    def _attend(self, i: int) -> Call:
         cfg = self.cfg
         return k_attn.attention_masked_forward(self.gpu, self.Os, self.lse, self.Qs, self.Ks, self.Vs, self.B, self.S,
-                                               cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.T)  # fmt: skip
+                                               cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.T,
+                                               rows=self._rows_of(i))  # fmt: skip
 
     def _head_chunks(self, i: int):
         """Step i's head in row chunks: (first row, rows, the chunk's post-norm rows, its logits view, the Call
@@ -415,10 +422,10 @@ class Eagle3Work:
         out.append(call)
         out.append(("rows", a["qr"], self.Qs, i, H * D, True))
         out.append(("rows", self.datt, self.dOs, i, H * D, True))
-        call = self._attend()  # recomputed: the forward's rows of this step, bit for bit
+        call = self._attend(i)  # recomputed: the forward's rows of this step, bit for bit
         call += k_attn.attention_masked_backward(g, self.dQs, self.dKs, self.dVs, self.dOs, self.Os, self.lse, self.Qs,
                                                  self.Ks, self.Vs, self.B, self.S, H, K, D, self.T,
-                                                 scratch=self.delta)  # fmt: skip
+                                                 scratch=self.delta, rows=self._rows_of(i))  # fmt: skip
         call += k_ew.add_inplace(g, self.dKacc, self.dKs, self.B * self.S * K * D)
         call += k_ew.add_inplace(g, self.dVacc, self.dVs, self.B * self.S * K * D)
         out.append(call)

@@ -221,19 +221,24 @@ def _check_bindings(entry: str, B: int, T: int, H: int, K: int, D: int, **named)
 
 
 def choose_impl(gpu, H: int, K: int, T: int, impl: str | None = None, masked: bool = False) -> str:
-    """'flash' or 'scores' for one attention shape: `impl`, else env DDL_WGPU_ATTENTION, else 'auto'. For
-    the chain-masked attention 'flash' means its plain-loop kernels, and 'auto' picks the scores path on every
-    adapter whenever it fits (the loops are slow everywhere; on lavapipe their dk/dv also came out wrong at
-    W = 80, D = 128 with grouped heads, a result no other adapter was checked for)."""
+    """'flash' or 'scores' for one attention shape: `impl`, else env DDL_WGPU_ATTENTION, else 'auto'. The
+    scores path runs whole heads where one kv head's scores fit the scratch (`attention_scores.fits`), else
+    blocks of query rows (`attention_scores.row_block`). For the causal attention 'auto' picks it on GPUs
+    where whole heads fit, else the flash kernels. For the chain-masked attention 'flash' means its
+    plain-loop kernels, and 'auto' picks the scores path on every adapter whenever it can run, in row blocks
+    if need be (the loops are slow everywhere; on lavapipe their dk/dv also came out wrong at W = 80, D = 128
+    with grouped heads, a result no other adapter was checked for)."""
     impl = impl or os.environ.get(ENV_IMPL) or "auto"
     if impl not in IMPLS:
         raise GpuError(f"attention: implementation {impl!r} is not one of {', '.join(IMPLS)}")
-    fits = attention_scores.fits(gpu, H, K, T)
     if impl == "auto":
-        return "scores" if fits and (masked or gpu.info.get("type", "") != "CPU") else "flash"
-    if impl == "scores" and not fits:
+        if masked:
+            return "scores" if attention_scores.fits_rows(gpu, H, K, T) else "flash"
+        fits = attention_scores.fits(gpu, H, K, T)
+        return "scores" if fits and gpu.info.get("type", "") != "CPU" else "flash"
+    if impl == "scores" and not attention_scores.fits_rows(gpu, H, K, T):
         raise GpuError(
-            f"attention: the scores of {H // K} query head(s) ({T}^2 floats each) exceed the scratch limit"
+            f"attention: the scores of {H // K} query head(s) ({T} floats per row) exceed the scratch limit"
         )
     return impl
 
@@ -333,16 +338,18 @@ def _check_chain(T: int, W: int):
 
 
 def attention_masked_forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: int, D: int, W: int,
-                             scale=None, impl: str | None = None) -> Call:  # fmt: skip
+                             scale=None, impl: str | None = None, rows=None) -> Call:  # fmt: skip
     """`attention_forward` over T = chain·W stacked rows (row (σ−1)·W + p) with the chain mask instead of
     the causal one: the scores path with the mask (`attention_scores`), or plain loops, one thread per
-    (b, row, head) ('flash', and where the scores do not fit). `impl`: see `choose_impl`."""
+    (b, row, head) ('flash', and where the scores do not fit). `impl`: see `choose_impl`. `rows` = (lo, hi):
+    only query rows [lo, hi) of each batch are wanted; out and lse of the other rows are unspecified (the
+    scores path leaves them, the loops compute them)."""
     _check(B, T, H, K, D)
     _check_chain(T, W)
     _check_bindings("attention_masked_forward", B, T, H, K, D, out=out, lse=lse, q=q, k=k, v=v)
     scale = float(D) ** -0.5 if scale is None else float(scale)
     if choose_impl(gpu, H, K, T, impl, masked=True) == "scores":
-        return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale, W=W)
+        return attention_scores.forward(gpu, out, lse, q, k, v, B, T, H, K, D, scale, W=W, rows=rows)
     templates, _cfg = _templates(gpu, D)
     kern = gpu.kernel(FILE, "attention_masked_forward", "rrrwwu", templates=templates, uniforms=UNIFORMS)
     u = gpu.uniform(MPARAMS, B=B, T=T, H=H, KH=K, scale=scale, W=W)
@@ -350,10 +357,13 @@ def attention_masked_forward(gpu, out, lse, q, k, v, B: int, T: int, H: int, K: 
 
 
 def attention_masked_backward(gpu, dq, dk, dv, dout, out, lse, q, k, v, B: int, T: int, H: int, K: int,
-                              D: int, W: int, scratch=None, scale=None, impl: str | None = None) -> Call:  # fmt: skip
+                              D: int, W: int, scratch=None, scale=None, impl: str | None = None,
+                              rows=None) -> Call:  # fmt: skip
     """Backward of `attention_masked_forward`: delta (`attention_backward_delta`), then the scores path's
     backward with the mask, or the loops: dq per query row, then dk and dv per key row. Deterministic;
-    outputs are overwritten."""
+    outputs are overwritten. `rows` = (lo, hi), as in the forward: the caller holds dout = 0 outside those
+    rows, so dk and dv are the same with or without it (the scores path only visits the rows in range and
+    writes zeros past hi); dq outside the range is unspecified."""
     _check(B, T, H, K, D)
     _check_chain(T, W)
     delta = gpu.buffer(B * H * T * 4, label="attention delta") if scratch is None else scratch
@@ -368,7 +378,7 @@ def attention_masked_backward(gpu, dq, dk, dv, dout, out, lse, q, k, v, B: int, 
     delta_pass = (kd, gpu.bind(kd, dout, out, delta, u), -(-(B * T * H) // 64))
     if choose_impl(gpu, H, K, T, impl, masked=True) == "scores":
         grads = attention_scores.backward(
-            gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D, scale, W=W
+            gpu, dq, dk, dv, dout, lse, delta, q, k, v, B, T, H, K, D, scale, W=W, rows=rows
         )
         return Call([delta_pass], keep) + grads
     kq = gpu.kernel(FILE, "attention_masked_backward_dq", "rrrrrrwu", templates=templates, uniforms=UNIFORMS)
