@@ -1,7 +1,7 @@
 """The subgroup-matrix GEMM (`shaders/matmul_tc.wgsl`) on Dawn: its adapter's configurations, each tile of a
 sweep checked against numpy and timed at the Qwen3.8-27B products, beside PyTorch bf16 in the same run.
 
-    python3 bench/matmul_tc.py [--sweep] [--tiles 2x2sg-4x4-k32,...] [--json PATH]
+    python3 bench/matmul_tc.py [--tiles 4x2sg-4x4-k32,...] [--simt] [--operands f16,f16] [--configs first] [--json PATH]
 
 Dawn is started with the toggles the engine uses: allow_unsafe_apis (the subgroup-matrix feature),
 vulkan_enable_f16_on_nvidia (f16 on NVIDIA's Vulkan driver) and disable_robustness (no bounds checks, as

@@ -8,13 +8,13 @@ skipped with the reason elsewhere).
 but each product runs on the matrix units: the operands are rounded to f16 as they are copied into workgroup
 memory and every sum accumulates in f32. It needs a runtime whose adapter lists a subgroup-matrix configuration
 with f16 operands and f32 results (`Gpu.matrix_configs`; Dawn on NVIDIA, AMD and Intel GPUs); `ops.matmul`
-routes a product here when the Gpu has one and the product is one this kernel takes (no causal mode, no
-two-level batch).
+routes every product here when the Gpu has one, unless its caller asks for a SIMT tile or a K split (a long K
+with few blocks of C is sliced on the matrix units too: `ops.matmul._split_k_tc`).
 
 The WGSL is generated from a `TcTile` (subgroups per workgroup as rows x columns, result matrices per subgroup,
 the k depth of one workgroup-memory step) and the configuration's matrix shape (MM x NN x KK): staging copies,
 accumulators, products and the epilogue straight-line, so every offset into workgroup memory is a constant.
-The tiles come from a sweep on the GPU (`bench/matmul_tc.py --sweep`), as the SIMT tiles did.
+The tiles come from a sweep on the GPU (`bench/matmul_tc.py --tiles ...`), as the SIMT tiles did.
 """
 
 from __future__ import annotations
