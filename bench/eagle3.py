@@ -18,12 +18,14 @@ Printed: seconds per training step (median of --steps after --warmup) split into
 draft training tokens/s = B·T / (teacher + draft s), the engine's GPU memory peak (`Gpu.peak`: every buffer
 the library allocated, the upload staging a streamed target counts) beside the draft job's memory plan for the
 same run (`engine.eagle3.eagle3_count`, counted before anything is allocated: a GPU run checks the count) and
-nvidia-smi's used memory where nvidia-smi exists. JSON as docs/benchmarks.md says (--json, else $OUT/eagle3.json, else bench/results/).
+nvidia-smi's used memory where nvidia-smi exists. JSON as docs/benchmarks.md says (--json, else
+$OUT/eagle3.json, else bench/results/).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -95,6 +97,7 @@ def main(argv=None) -> int:
     # the draft job's memory plan (`plan_eagle3`, counted without allocating) for this run, printed beside the
     # engine's measured peak: a GPU run checks the count (the bench's teacher top-k is --k; no greedy chain)
     plan = ge3.eagle3_count(gpu, cfg, ecfg, a.batch, a.seq, a.k, a.trunk_dtype, streamed)
+    plan = dataclasses.replace(plan, budget_bytes=budget)
     print(plan.line())
     weights = RandomWeights(cfg, 0, f16=a.trunk_dtype == "f16")
     t0 = time.perf_counter()
@@ -144,8 +147,8 @@ def main(argv=None) -> int:
     }
     print(f"teacher {tm:.3f} s + draft step {dm:.3f} s per step of {a.batch} x {a.seq} tokens (ttt {a.ttt}): "
           f"{out['tokens_per_s']:.1f} draft training tokens/s ({out['draft_only_tokens_per_s']:.1f} the draft "
-          f"alone); GPU memory peak {gpu.peak / 2**20:.1f} MiB (engine count; the plan counted "
-          f"{plan.peak_bytes / 2**20:.1f} MiB), nvidia-smi "
+          f"alone); GPU memory peak {gpu.peak / 2**20:.2f} MiB (engine count; the plan counted "
+          f"{plan.peak_bytes / 2**20:.2f} MiB), nvidia-smi "
           f"{out['nvidia_smi_used'] or '-'}; target {'streamed' if streamed else 'resident'}, loaded in "
           f"{load_s:.1f} s")  # fmt: skip
     if not all(np.isfinite(losses)):

@@ -608,7 +608,8 @@ MTP_ONLY = {"init": None, "refresh": HEAL.refresh, "patience": HEAL.patience, "t
             "host_memory": None}  # fmt: skip
 
 
-# heal --draft's options for the settings that shrink a draft run (`draft.plan_memory`; the vocabulary is the start's)
+# heal --draft's options for the settings that shrink a draft run (`draft.plan_memory`; the vocabulary is the
+# start's: not named)
 HEAL_DRAFT_FLAGS = {"seq_len": "--window", "batch_size": "--batch", "ttt": "--chain"}
 
 

@@ -725,9 +725,10 @@ class Eagle3Plan:
         from ddl_wgpu.engine.gpumem import gib
 
         how = "streamed (2 layer slots)" if self.streamed else "resident"
+        chain = f" and a {self.chain}-step greedy chain" if self.chain else ""
         return (f"draft {gib(self.draft_bytes)} (parameters, gradients and AdamW moments "
                 f"{gib(self.draft_param_bytes)}, TTT work for {self.batch} x {self.seq} tokens x ttt {self.ttt}"
-                f"{f' and a {self.chain}-step greedy chain' if self.chain else ''} {gib(self.draft_work_bytes)}), target {how} {gib(self.target_bytes)} (weights "
+                f"{chain} {gib(self.draft_work_bytes)}), target {how} {gib(self.target_bytes)} (weights "
                 f"{gib(self.target_weight_bytes)}, work {gib(self.target_work_bytes)})")  # fmt: skip
 
     def line(self) -> str:
@@ -743,7 +744,8 @@ class Eagle3Plan:
 
 
 def eagle3_build(gpu, cfg: ModelConfig, ecfg: e3.Eagle3Config, batch: int, seq: int, k: int, dtype: str = "f32",
-                 streamed: bool = False, chain: int = 0, params=None, draft_params=None, marks: list | None = None):  # fmt: skip
+                 streamed: bool = False, chain: int = 0, params=None, draft_params=None,
+                 marks: list | None = None):  # fmt: skip
     """A draft job's GPU objects as the job builds them (`jobs.draft`: the target, the draft, its training work
     and, for the acceptance's greedy chain `chain` deep, the work of max(ttt, chain) steps), each Call built and
     the read-back staging grown to the largest download -> (target, draft). On a `gpumem.DryGpu` with no
@@ -794,7 +796,8 @@ def eagle3_count(gpu, cfg: ModelConfig, ecfg: e3.Eagle3Config, batch: int, seq: 
 
 
 def plan_eagle3(gpu, cfg: ModelConfig, ecfg: e3.Eagle3Config, batch: int, seq: int, k: int, budget: int | None,
-                dtype: str = "f32", chain: int = 0, lower: str = "the batch, the sequence length or ttt") -> Eagle3Plan:  # fmt: skip
+                dtype: str = "f32", chain: int = 0,
+                lower: str = "the batch, the sequence length or ttt") -> Eagle3Plan:  # fmt: skip
     """The plan of a draft job (`Eagle3Plan`): without a budget the target resident (as the job runs it then);
     within `budget` bytes (less `gpumem.reserve_bytes`) resident when that fits, else streamed; else a
     `gpumem.GpuBudgetError` in one line naming the parts, the least budget this plan takes and `lower`
