@@ -16,13 +16,16 @@ unrolled TTT forward, top-k KL, backward, clip, AdamW), on one batch of random t
 
 Printed: seconds per training step (median of --steps after --warmup) split into the teacher and the draft,
 draft training tokens/s = B·T / (teacher + draft s), the engine's GPU memory peak (`Gpu.peak`: every buffer
-the library allocated, the upload staging a streamed target counts) and nvidia-smi's used memory where
-nvidia-smi exists. JSON as docs/benchmarks.md says (--json, else $OUT/eagle3.json, else bench/results/).
+the library allocated, the upload staging a streamed target counts) beside the draft job's memory plan for the
+same run (`engine.eagle3.eagle3_count`, counted before anything is allocated: a GPU run checks the count) and
+nvidia-smi's used memory where nvidia-smi exists. JSON as docs/benchmarks.md says (--json, else
+$OUT/eagle3.json, else bench/results/).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -91,6 +94,11 @@ def main(argv=None) -> int:
     ecfg = e3.Eagle3Config(hidden=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                            intermediate=cfg.ffn_hidden, vocab=cfg.vocab_size, draft_vocab=Vd, aux_layers=aux,
                            rope_theta=cfg.rope_theta, rms_eps=cfg.rms_eps, ttt=a.ttt)  # fmt: skip
+    # the draft job's memory plan (`plan_eagle3`, counted without allocating) for this run, printed beside the
+    # engine's measured peak: a GPU run checks the count (the bench's teacher top-k is --k; no greedy chain)
+    plan = ge3.eagle3_count(gpu, cfg, ecfg, a.batch, a.seq, a.k, a.trunk_dtype, streamed)
+    plan = dataclasses.replace(plan, budget_bytes=budget)
+    print(plan.line())
     weights = RandomWeights(cfg, 0, f16=a.trunk_dtype == "f16")
     t0 = time.perf_counter()
     target = ge3.WgpuEagle3Target(gpu, weights, cfg, aux, d2t, a.k, a.batch, a.trunk_dtype, streamed,
@@ -133,12 +141,14 @@ def main(argv=None) -> int:
         "tokens_per_s": tokens / (tm + dm),
         "draft_only_tokens_per_s": tokens / dm,
         "engine_peak_bytes": gpu.peak,
+        "plan": plan.to_dict(),
         "nvidia_smi_used": nvidia_smi_used(),
         "losses": losses,
     }
     print(f"teacher {tm:.3f} s + draft step {dm:.3f} s per step of {a.batch} x {a.seq} tokens (ttt {a.ttt}): "
           f"{out['tokens_per_s']:.1f} draft training tokens/s ({out['draft_only_tokens_per_s']:.1f} the draft "
-          f"alone); GPU memory peak {gpu.peak / 2**20:.1f} MiB (engine count), nvidia-smi "
+          f"alone); GPU memory peak {gpu.peak / 2**20:.2f} MiB (engine count; the plan counted "
+          f"{plan.peak_bytes / 2**20:.2f} MiB), nvidia-smi "
           f"{out['nvidia_smi_used'] or '-'}; target {'streamed' if streamed else 'resident'}, loaded in "
           f"{load_s:.1f} s")  # fmt: skip
     if not all(np.isfinite(losses)):

@@ -608,6 +608,20 @@ MTP_ONLY = {"init": None, "refresh": HEAL.refresh, "patience": HEAL.patience, "t
             "host_memory": None}  # fmt: skip
 
 
+# heal --draft's options for the settings that shrink a draft run (`draft.plan_memory`; the vocabulary is the
+# start's: not named)
+HEAL_DRAFT_FLAGS = {"seq_len": "--window", "batch_size": "--batch", "ttt": "--chain"}
+
+
+def _draft_plan(target: Path, cfg, backend: str, device, budget: int | None, flags: dict, as_json: bool):
+    """The draft run's GPU memory plan, shown with the resolved configuration; a budget it does not fit is
+    refused here, in one line, before the target's weights or the data are read (`draft.plan_memory`)."""
+    plan = draft_lib.plan_memory(target, cfg, backend, device, budget, flags)
+    if plan is not None:
+        typer.echo("  " + plan.line(), err=as_json)
+    return plan
+
+
 def _heal_eagle3(model: Path, data: str, out: Path, draft_file: Path, given: dict):
     """`heal MODEL --draft DRAFT`: the `draft` job started from DRAFT (`draft.DraftConfig.start`), heal's options
     mapped to its settings (`HEAL_AS_DRAFT`: the chain is the TTT unroll, the window the sequence length, the
@@ -634,11 +648,12 @@ def _heal_eagle3(model: Path, data: str, out: Path, draft_file: Path, given: dic
                err=as_json)  # fmt: skip
     typer.echo("  draft:    " + fields(cfg.to_dict()), err=as_json)
     typer.echo("  " + backend_line(choice), err=as_json)
+    plan = _draft_plan(model, cfg, choice.name, given["device"], budget, HEAL_DRAFT_FLAGS, as_json)
     with writes(out):
         rep = _draft_run(lambda: draft_lib.train_draft(model, data, out, cfg, backend=choice.name,
                                                        progress=DraftConsole(as_json), device=given["device"],
                                                        verify=not given["no_verify"],
-                                                       streamed=budget is not None), out)  # fmt: skip
+                                                       streamed=plan is not None and plan.streamed), out)  # fmt: skip
         _draft_report(rep, as_json)
 
 
@@ -729,7 +744,7 @@ def draft(
     in_range("epochs", epochs, 0.0, 1e6)
     refuse_overwrite_input(out, [target], draft_lib.DraftError)
     output_file(out, force)
-    budget = gpumem.budget(gpu_memory)  # on the GPU a budget streams the target's layers (two slots)
+    budget = gpumem.budget(gpu_memory)  # on the GPU the run is planned within it (`_draft_plan`)
     start = None
     if init not in draft_lib.INITS:  # a draft file to start from: a heal with every option of the trainer
         if not Path(init).is_file():
@@ -746,11 +761,12 @@ def draft(
     typer.echo("resolved configuration:", err=as_json)
     typer.echo("  draft:    " + fields(cfg.to_dict()), err=as_json)
     typer.echo("  " + backend_line(choice), err=as_json)
+    plan = _draft_plan(target, cfg, choice.name, device, budget, draft_lib.DRAFT_FLAGS, as_json)
     with writes(out):
         rep = _draft_run(lambda: draft_lib.train_draft(target, data, out, cfg, backend=choice.name,
                                                        progress=DraftConsole(as_json), device=device,
                                                        verify=not no_verify, stop_after=stop_after or None,
-                                                       streamed=budget is not None), out)  # fmt: skip
+                                                       streamed=plan is not None and plan.streamed), out)  # fmt: skip
         _draft_report(rep, as_json)
 
 

@@ -377,6 +377,57 @@ class _Run:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the GPU memory plan
+
+# the settings that shrink a run, as `draft` spells them (`plan_memory`'s `flags`; heal --draft maps its own)
+DRAFT_FLAGS = {"seq_len": "--seq-len", "batch_size": "--batch-size", "ttt": "--ttt",
+               "draft_vocab": "--draft-vocab"}  # fmt: skip
+
+
+def plan_memory(target_path, cfg: DraftConfig, backend: str, device=None, gpu_memory: int | None = None,
+                flags: dict | None = None):  # fmt: skip
+    """The GPU memory plan of this run (`engine.eagle3.Eagle3Plan`: the target resident, or streamed where the
+    resident one does not fit `gpu_memory` bytes) from the configs alone, before any weight or data is read:
+    the target's header, the start draft's (a heal), windows of seq_len tokens (the longest the data can give).
+    None on the numpy backend, or where the start is no draft file (`train_draft` refuses it in its own words).
+    `gpumem.GpuBudgetError` (one line) where the run cannot fit, naming the least budget and `flags` (setting ->
+    option) with their values: what to lower."""
+    from ddl_wgpu.backend import open_gpu
+    from ddl_wgpu.engine.eagle3 import plan_eagle3
+    from ddl_wgpu.files.modelfile import load_config
+
+    if choose_backend(backend, device).name != "wgpu":
+        return None
+    try:
+        with open_checkpoint(target_path, verify=False) as ck:
+            mcfg = load_config(ck, target_path, resident=False)
+    except CheckpointError as e:
+        raise DraftError(f"draft: {e}") from None
+    if mcfg.residual == "delta" and mcfg.ddl_dv > 1:  # no draft reads it: `_target` refuses it
+        return None
+    if cfg.start is not None:  # a heal: the start's shapes and vocabulary, the run's unroll depth
+        try:
+            with open_checkpoint(cfg.start, verify=False) as ck:
+                scfg = config_from_dict(ck.metadata["eagle3"]["config"], cfg.start)
+        except (CheckpointError, KeyError, TypeError):  # no draft file: `load_start` refuses it in one line
+            return None
+        ecfg = dataclasses.replace(scfg, ttt=cfg.ttt)
+    else:
+        ecfg = eagle3_config(Model(mcfg, {}), cfg, min(cfg.draft_vocab, mcfg.vocab_size))
+    try:
+        k = eagle3_teacher_k(backend, cfg.teacher_k, ecfg.draft_vocab, device)
+    except BackendError as e:
+        raise DraftError(f"draft: {e}", field="teacher_k") from None
+    T = min(cfg.seq_len, mcfg.max_seq_len)
+    values = {"seq_len": T, "batch_size": cfg.batch_size, "ttt": cfg.ttt, "draft_vocab": ecfg.draft_vocab}
+    keep = {"draft_vocab"} if cfg.start is not None else set()  # a heal keeps the start's vocabulary
+    named = [f"{flag} {values[key]}" for key, flag in (flags or DRAFT_FLAGS).items() if key not in keep]
+    lower = "one of " + ", ".join(named)
+    return plan_eagle3(open_gpu(device), mcfg, ecfg, cfg.batch_size, T, k, gpu_memory, "f32", ACCEPT_DEPTH,
+                       lower)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------
 # running
 
 
