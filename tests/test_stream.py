@@ -259,6 +259,28 @@ def test_host_buffer_uploads_give_the_write_uploads_bits(monkeypatch):
     assert not [w for w in writes if w.startswith("layer_slot")], writes
 
 
+def test_host_buffer_uploads_count_no_layer_staging(gpu, monkeypatch):
+    """The staging a trunk counts (`staging_bytes`, in the plan and the engine's count alike): two layers where
+    they are written, only the resident tensors' two pieces where they go up through host buffers (a device
+    with host-mapped memory, uploads "host"); counted on the plan's dry device, as the memory plan counts."""
+    from ddl_wgpu.engine import stream
+
+    cfg = tiny_cfg(ffn_hidden=512)  # layers larger than the embedding, so the two counts differ
+    piece = 4 * cfg.vocab_size * cfg.d_model  # the largest resident tensor, the embedding
+    got = {}
+    for feature, mode in ((False, "host"), (True, "write"), (True, "host")):
+        monkeypatch.setenv(stream.ENV_UPLOAD, mode)
+        dry = gpumem.DryGpu(gpu)
+        dry.features = (set(gpu.features) - {"host-mapped-pointer"}) | (
+            {"host-mapped-pointer"} if feature else set()
+        )
+        w = stream.TrunkWeights(dry, cfg, None, "f32", 2, None)
+        layer = max(sum(k.arena_sizes) for k in w.kind)
+        got[feature, mode] = w.staging_bytes
+    assert layer > piece and got[False, "host"] == got[True, "write"] == 2 * layer
+    assert got[True, "host"] == 2 * piece
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_uploads_keep_at_most_the_counted_staging_alive(gpu, monkeypatch, streamed):
     """wgpu keeps each `queue.write_buffer`'s staging until the submit carrying it is done: the bytes written

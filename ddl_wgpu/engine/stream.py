@@ -36,8 +36,9 @@ pages itself, with no single-threaded copy into staging and no staging in device
 in the slot (a word's rest zeroed as `Gpu.write` pads it), so the results are the same bits. Measured on an
 H100 through Dawn (`bench/upload.py --modes ...`, a 27B layer): `write_buffer` 1.06 GB/s, host buffers 19.5-20.0;
 the 27B heal trunk pass streamed within 16 GB ran out of its 150 s with `write` and at 1,890 tokens/s (0.795x
-resident) with host buffers (BENCHMARKS.md). wgpu-native has no host-mapped memory and keeps `write`. The plan
-still counts the write path's staging in device memory (`staging_bytes`): on Dawn an over-count.
+resident) with host buffers (BENCHMARKS.md). wgpu-native has no host-mapped memory and keeps `write`. With
+host buffers the layers take no staging in device memory, so the plan (`staging_bytes`) counts only the
+resident tensors' pieces (that run counted two layers' staging, about 1.4 GiB at the 27B, that it did not use).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from ddl_wgpu.engine.layout import EMBED
 from ddl_wgpu.engine.net import Net
 from ddl_wgpu.files.container_format import bf16_to_f32
 from ddl_wgpu.files.lazy import refuse_non_finite
+from ddl_wgpu.runtime.dawn import HOST_POINTER_FEATURE
 from ddl_wgpu.runtime.gpu import Call, GpuError
 
 LAYER = "model.layers."
@@ -169,6 +171,12 @@ def upload_mode() -> str:
     return value
 
 
+def host_uploads(gpu) -> bool:
+    """Whether a trunk's layers on `gpu` go up through host buffers: `upload_mode` "host" and a device with
+    host-mapped memory (what `LayerStream` then does; a `gpumem.DryGpu` answers as its real device)."""
+    return upload_mode() == "host" and HOST_POINTER_FEATURE in getattr(gpu, "features", ())
+
+
 def host_plan(pieces) -> tuple[int, list, list]:
     """Where each piece of a layer ((arena, byte offset, array) as `LayerStream._prepare` makes them) goes in a host
     buffer: packed in order, each at a multiple of 4 (copy_buffer_to_buffer's alignment) -> (bytes used,
@@ -229,11 +237,13 @@ class TrunkWeights:
             self.kind.append(kinds[sig])
             self.layer_names.append([s.name for s in specs])
         # wgpu's staging of our uploads at any moment (module docstring, "Uploads"): two layers, or two pieces
-        # of a resident tensor where a piece is larger; counted from here until `drop_staging`
+        # of a resident tensor where a piece is larger; counted from here until `drop_staging`. Layers that go
+        # up through host buffers (`host_uploads`) take no staging: only the resident tensors' pieces count
         piece = min(
             PIECE_BYTES, max([s.numel for s in param_table(cfg) if not is_layer(s.name)], default=0) * 4
         )
-        self.staging_bytes = 2 * max([sum(k.arena_sizes) for k in self.kind] + [piece])
+        layers = [] if host_uploads(gpu) else [sum(k.arena_sizes) for k in self.kind]
+        self.staging_bytes = 2 * max([*layers, piece])
         gpu.external(self.staging_bytes)
         untied = not cfg.tie_embeddings
         self.head = Net(gpu, cfg, None, inference=True, dtype=dtype, loader=self._load_head,
