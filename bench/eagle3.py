@@ -17,7 +17,7 @@ unrolled TTT forward, top-k KL, backward, clip, AdamW), on one batch of random t
 Printed: seconds per training step (median of --steps after --warmup) split into the teacher and the draft,
 draft training tokens/s = B·T / (teacher + draft s), the engine's GPU memory peak (`Gpu.peak`: every buffer
 the library allocated, the upload staging a streamed target counts) beside the draft job's memory plan for the
-same run (`engine.eagle3.eagle3_count`, counted before anything is allocated: a GPU run checks the count) and
+same run (`engine.eagle3_plan.eagle3_count`, counted before anything is allocated: a GPU run checks the count) and
 nvidia-smi's used memory where nvidia-smi exists. JSON as docs/benchmarks.md says (--json, else
 $OUT/eagle3.json, else bench/results/).
 """
@@ -42,6 +42,7 @@ from common import RandomWeights, adapter_line, json_path, median, now_iso, open
 from ddl_ref import eagle3 as e3  # noqa: E402
 from ddl_ref.config import ModelConfig  # noqa: E402
 from ddl_wgpu.engine import eagle3 as ge3  # noqa: E402
+from ddl_wgpu.engine import eagle3_plan as e3plan  # noqa: E402
 from ddl_wgpu.engine.gpumem import parse_size  # noqa: E402
 from ddl_wgpu.engine.stream import WeightSource  # noqa: E402
 
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
                            rope_theta=cfg.rope_theta, rms_eps=cfg.rms_eps, ttt=a.ttt)  # fmt: skip
     # the draft job's memory plan (`plan_eagle3`, counted without allocating) for this run, printed beside the
     # engine's measured peak: a GPU run checks the count (the bench's teacher top-k is --k; no greedy chain)
-    plan = ge3.eagle3_count(gpu, cfg, ecfg, a.batch, a.seq, a.k, a.trunk_dtype, streamed)
+    plan = e3plan.eagle3_count(gpu, cfg, ecfg, a.batch, a.seq, a.k, a.trunk_dtype, streamed)
     plan = dataclasses.replace(plan, budget_bytes=budget)
     print(plan.line())
     weights = RandomWeights(cfg, 0, f16=a.trunk_dtype == "f16")

@@ -161,7 +161,7 @@ def run(args, model, gpu, progress) -> dict:
              "engine_peak_bytes": gpu.peak - live0, "smi_peak_bytes": smi.peak(t0, t2)}  # fmt: skip
         if layer_log is not None:
             e["upload_wait_s"] = layer_log.wait_s
-        e["upload"] = teacher.trunk.stream.mode  # DDL_WGPU_UPLOAD's way, as it ran (host falls back to write)
+        e["upload"] = teacher.trunk.stream.mode  # the way the layers went up (`stream.host_uploads`)
         if mode is None:
             out["resident"] = cache
         else:

@@ -1,4 +1,4 @@
-"""The draft job's GPU memory plan (`engine.eagle3.plan_eagle3`, docs/eagle3.md#the-gpu-memory-plan): its count,
+"""The draft job's GPU memory plan (`engine.eagle3_plan.plan_eagle3`, docs/eagle3.md#the-gpu-memory-plan): its count,
 taken on a `gpumem.DryGpu` from the job's own constructors, against what the real objects allocate on lavapipe
 (buffer by buffer and the engine's peak, `Gpu.peak`) through a training step, an evaluation and the greedy
 chain; and `ddl-wgpu draft` / `heal --draft` printing it or refusing a budget it does not fit in one line."""
@@ -14,6 +14,7 @@ from helpers import make_text, random_model, tiny_cfg
 
 from ddl_ref import eagle3 as e3
 from ddl_wgpu.engine import eagle3 as ge3
+from ddl_wgpu.engine import eagle3_plan as e3plan
 from ddl_wgpu.engine import gpumem
 from ddl_wgpu.files.modelfile import save_model
 
@@ -71,9 +72,9 @@ def test_the_plan_counts_what_the_draft_job_allocates(gpu, monkeypatch, streamed
 
     dry = Counting(gpu)
     dry.sizes = []
-    ge3.eagle3_build(dry, cfg, ecfg, B, T, k, "f32", streamed, chain=3)
+    e3plan.eagle3_build(dry, cfg, ecfg, B, T, k, "f32", streamed, chain=3)
     assert collections.Counter(dry.sizes) == collections.Counter(made)
-    plan = ge3.eagle3_count(gpu, cfg, ecfg, B, T, k, "f32", streamed, chain=3)
+    plan = e3plan.eagle3_count(gpu, cfg, ecfg, B, T, k, "f32", streamed, chain=3)
     assert plan.streamed == streamed and plan.peak_bytes == dry.peak
     if ttt >= 3:
         assert plan.peak_bytes == peak and plan.chain == 0
@@ -89,16 +90,16 @@ def test_the_plan_counts_what_the_draft_job_allocates(gpu, monkeypatch, streamed
 def test_a_budget_too_small_is_refused_naming_a_size_the_plan_takes(gpu):
     cfg = tiny_cfg("default", n_layers=4)
     ecfg = _ecfg(cfg, ttt=3)
-    free = ge3.plan_eagle3(gpu, cfg, ecfg, 2, 8, 4, None)
+    free = e3plan.plan_eagle3(gpu, cfg, ecfg, 2, 8, 4, None)
     with pytest.raises(gpumem.GpuBudgetError, match="cannot hold this run: draft .* lower --ttt") as e:
-        ge3.plan_eagle3(gpu, cfg, ecfg, 2, 8, 4, free.peak_bytes // 2, lower="--ttt")
+        e3plan.plan_eagle3(gpu, cfg, ecfg, 2, 8, 4, free.peak_bytes // 2, lower="--ttt")
     line = str(e.value)
     assert "\n" not in line
     least = gpumem.parse_size(line.split("needs at least --gpu-memory ")[1].split(",")[0])
-    plan = ge3.plan_eagle3(gpu, cfg, ecfg, 2, 8, 4, least)
+    plan = e3plan.plan_eagle3(gpu, cfg, ecfg, 2, 8, 4, least)
     assert plan.budget_bytes == least and plan.peak_bytes <= least
     # resident when it fits, else streamed (the streamed target's resident part is smaller at this shape)
-    assert not plan.streamed or ge3.plan_eagle3(gpu, cfg, ecfg, 2, 8, 4, None).peak_bytes > least
+    assert not plan.streamed or e3plan.plan_eagle3(gpu, cfg, ecfg, 2, 8, 4, None).peak_bytes > least
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -137,6 +137,7 @@ class DryGpu:
             "limits_mode",
             "runtime_name",
             "matrix_configs",
+            "host_buffers",
         ):
             setattr(self, name, getattr(gpu, name))
         self.name = gpu.name

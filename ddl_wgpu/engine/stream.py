@@ -59,15 +59,14 @@ from ddl_wgpu.engine.layout import EMBED
 from ddl_wgpu.engine.net import Net
 from ddl_wgpu.files.container_format import bf16_to_f32
 from ddl_wgpu.files.lazy import refuse_non_finite
-from ddl_wgpu.runtime.dawn import HOST_POINTER_FEATURE
 from ddl_wgpu.runtime.gpu import Call, GpuError
 
 LAYER = "model.layers."
 PIECE_BYTES = 16 << 20  # a conversion task of the thread pool, and the most one write_buffer call copies
 STREAM_SLOTS = 2  # layer slots of a streamed trunk: layer i + 1 uploads while layer i runs
-# How a layer goes up (module docstring, "Uploads"): "write" (queue.write_buffer, the default) or "host"
+# How a layer goes up (module docstring): "host" (host buffers where the device has them, the default) or "write"
 ENV_UPLOAD = "DDL_WGPU_UPLOAD"
-UPLOADS = ("host", "write")  # the default first: host buffers where the device has them, else write
+UPLOADS = ("host", "write")  # the default first
 _NP = {"f32": np.float32, "f16": np.float16}
 _STORED = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.float64): "f64"}
 
@@ -173,8 +172,8 @@ def upload_mode() -> str:
 
 def host_uploads(gpu) -> bool:
     """Whether a trunk's layers on `gpu` go up through host buffers: `upload_mode` "host" and a device with
-    host-mapped memory (what `LayerStream` then does; a `gpumem.DryGpu` answers as its real device)."""
-    return upload_mode() == "host" and HOST_POINTER_FEATURE in getattr(gpu, "features", ())
+    host-mapped memory (`Gpu.host_buffers`; a `gpumem.DryGpu` answers as its real device)."""
+    return upload_mode() == "host" and gpu.host_buffers
 
 
 def host_plan(pieces) -> tuple[int, list, list]:
@@ -375,9 +374,9 @@ class LayerStream:
         self.recent: collections.deque = collections.deque(
             maxlen=2
         )  # the last two layers' submission indices
-        # "host" (the default): two host buffers taking turns (made at the first upload), else None; `mode` is
-        # the way in force ("host" falls back to "write" where the device has no host-mapped pointer)
-        self.mode = upload_mode()
+        # the way in force: "host" where the layers go up through host buffers (`host_uploads`, as the trunk's
+        # staging count assumed), else "write"; the two host buffers taking turns are made at the first upload
+        self.mode = "host" if host_uploads(self.gpu) else "write"
         self.host: list | None = None
         self.turn = 0
 
@@ -403,30 +402,25 @@ class LayerStream:
         if len(self.recent) == 2:  # the layer two submits back is done: its staging (and older) is freed
             self.gpu.wait_for(self.recent[0])
         dst = self.w.bufs[s]
-        if self.mode == "host" and self._host_ready():
+        if self.mode == "host":
             self._from_host(pieces, dst, rec)
         else:
             for arena, offset, piece in pieces:
                 self.gpu.write(dst[arena], piece, offset)
         self.w.holds[s] = i
 
-    def _host_ready(self) -> bool:
-        """The two host buffers, each as large as the largest layer's packed pieces (`host_plan`), made once;
-        False (and `mode` "write") where the device has none."""
-        if self.host is None:
-            words = max(sum(-(-s.nbytes // 4) * 4 for _, s in self.w.layer_tensors(i))
-                        for i in range(self.w.cfg.n_layers))  # fmt: skip
-            made = [self.gpu.host_buffer(words, label=f"layer_host{k}") for k in range(2)]
-            if any(m is None for m in made):
-                self.mode = "write"
-                return False
-            self.host = made
-        return True
+    def _host_buffers(self) -> list:
+        """The two host buffers, each as large as the largest layer's packed pieces (`host_plan`)."""
+        words = max(sum(-(-s.nbytes // 4) * 4 for _, s in self.w.layer_tensors(i))
+                    for i in range(self.w.cfg.n_layers))  # fmt: skip
+        return [self.gpu.host_buffer(words, label=f"layer_host{k}") for k in range(2)]
 
     def _from_host(self, pieces, dst, rec) -> None:
         """The pieces into the host buffer the layer two submits back used (that submit is done: `bring` waited
         for it; a layer that needed no upload takes no turn, and the submit two back is then later still), filled
         on the pool, and `rec`'s submit copies them into the slot."""
+        if self.host is None:
+            self.host = self._host_buffers()
         host, buf = self.host[self.turn % 2]
         self.turn += 1
         used, fills, copies = host_plan(pieces)

@@ -386,14 +386,14 @@ DRAFT_FLAGS = {"seq_len": "--seq-len", "batch_size": "--batch-size", "ttt": "--t
 
 def plan_memory(target_path, cfg: DraftConfig, backend: str, device=None, gpu_memory: int | None = None,
                 flags: dict | None = None):  # fmt: skip
-    """The GPU memory plan of this run (`engine.eagle3.Eagle3Plan`: the target resident, or streamed where the
+    """The GPU memory plan of this run (`engine.eagle3_plan.Eagle3Plan`: the target resident, or streamed where the
     resident one does not fit `gpu_memory` bytes) from the configs alone, before any weight or data is read:
     the target's header, the start draft's (a heal), windows of seq_len tokens (the longest the data can give).
     None on the numpy backend, or where the start is no draft file (`train_draft` refuses it in its own words).
     `gpumem.GpuBudgetError` (one line) where the run cannot fit, naming the least budget and `flags` (setting ->
     option) with their values: what to lower."""
     from ddl_wgpu.backend import open_gpu
-    from ddl_wgpu.engine.eagle3 import plan_eagle3
+    from ddl_wgpu.engine.eagle3_plan import plan_eagle3
     from ddl_wgpu.files.modelfile import load_config
 
     if choose_backend(backend, device).name != "wgpu":

@@ -280,7 +280,7 @@ def split_k_slices(K: int, parts: int) -> tuple[int, int, int]:
 def split_k_cost(groups: int, K: int, parts: int, slots: int = SPLIT_K_SLOTS) -> int:
     """Estimated time of a product with `groups` output tiles as `parts` K slices, in k elements walked by
     the slowest wave: the full slices run as one launch and a short last slice as another, each in waves of
-    SPLIT_K_SLOTS workgroups. Measured on the H200 (768x768x16384, 36 tiles): 15 slices (14 of 1152 + 256,
+    `slots` workgroups (SPLIT_K_SLOTS for the SIMT tile, TC_SPLIT_SLOTS for the matrix units'). Measured on the H200 (768x768x16384, 36 tiles): 15 slices (14 of 1152 + 256,
     cost 2560) took 0.53 ms where 16 equal slices of 1024 (576 workgroups, 3 waves, cost 3072) took 0.81."""
     ks, full, rest = split_k_slices(K, parts)
     waves = lambda n: -(-n // slots)  # noqa: E731
@@ -320,15 +320,9 @@ def _split_k(
     b_dtype="f32",
 ) -> Call:
     """C (+)= alpha * op(A) op(B) as `parts` products over K slices plus a fixed-order reduction."""
-    ks, full, rest = split_k_slices(K, parts)
-    parts = full + (rest > 0)  # slices of exactly ks; the remainder (if any) is one more product
-    pstride = -(-(M * N) // 64) * 64  # elements between slices' partials: 256-byte aligned slots
+    ks, full, rest, pstride, scratch, sa, sb = _slices(gpu, M, N, K, parts, trans_a, trans_b, lda, ldb)
+    parts = full + (rest > 0)
     part_bytes = M * N * 4
-    scratch = _scratch(gpu, parts * pstride * 4)
-    # slice s starts ks columns of op(A) (a column offset when A is (M, K), ks rows when stored (K, M)) and
-    # ks rows of op(B) further on
-    sa = ks * lda if trans_a else ks
-    sb = ks if trans_b else ks * ldb
     call = matmul(
         gpu,
         scratch,
@@ -370,6 +364,17 @@ def _split_k(
     return call + _reduce_slices(gpu, scratch, c, M * N, parts, pstride, accumulate, alpha)
 
 
+def _slices(gpu, M, N, K, parts, trans_a, trans_b, lda, ldb) -> tuple:
+    """A split-K product's layout, shared by both GEMMs: K cut into `parts` (`split_k_slices`: full slices of
+    ks and the remainder, if any, one more product), the elements between slices' partials (256-byte aligned
+    slots), the partials buffer, and how far slice s moves A and B: ks columns of op(A) (a column offset when A
+    is (M, K), ks rows when stored (K, M)) and ks rows of op(B)."""
+    ks, full, rest = split_k_slices(K, parts)
+    pstride = -(-(M * N) // 64) * 64
+    scratch = _scratch(gpu, (full + (rest > 0)) * pstride * 4)
+    return ks, full, rest, pstride, scratch, (ks * lda if trans_a else ks), (ks if trans_b else ks * ldb)
+
+
 def _reduce_slices(gpu, scratch, c, n: int, parts: int, pstride: int, accumulate: bool, alpha: float) -> Call:
     """C (+)= alpha * the sum of `parts` partial products, slot by slot in a fixed order (no atomics)."""
     k = gpu.kernel(
@@ -408,11 +413,7 @@ def _split_k_tc(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda,
     """`_split_k` on the matrix units: the full slices are one batched `matmul_tc` (a slice's offsets are its
     batch strides), the short last slice one more at its element offsets, each into its partials slot; then
     the same fixed-order reduction."""
-    ks, full, rest = split_k_slices(K, parts)
-    pstride = -(-(M * N) // 64) * 64
-    scratch = _scratch(gpu, (full + (rest > 0)) * pstride * 4)
-    sa = ks * lda if trans_a else ks
-    sb = ks if trans_b else ks * ldb
+    ks, full, rest, pstride, scratch, sa, sb = _slices(gpu, M, N, K, parts, trans_a, trans_b, lda, ldb)
     common = dict(lda=lda, ldb=ldb, ldc=N, b_dtype=b_dtype, cfg=cfg, tile=tile)
     call = k_tc.matmul_tc(gpu, scratch, a, b, M, N, ks, trans_a, trans_b, offsets=(offs[0], offs[1], 0),
                           strides=(sa, sb, pstride), batch=full, **common)  # fmt: skip

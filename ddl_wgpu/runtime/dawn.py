@@ -51,6 +51,7 @@ class Dawn:
     name = "dawn"
     module = wgpudawn
     toggles = INSTANCE_TOGGLES
+    host_feature = HOST_POINTER_FEATURE  # what `host_buffer` needs of the device
 
     def __init__(self):
         try:

@@ -289,6 +289,8 @@ class Gpu:
         self.device = self.rt.request_device(self.adapter, feats, required, bool(trusted_files()))
         self.queue = self.device.queue
         self.features = self.rt.features(self.device.features)
+        # whether `host_buffer` gives buffers on host memory here (a streamed trunk's uploads and its plan ask)
+        self.host_buffers = self.rt.host_feature is not None and self.rt.host_feature in self.features
         self.toggles = self.rt.device_toggles(self.device)
         self._pass_calls = self.rt.pass_calls()
         self.limits = {k: int(v) for k, v in self.device.limits.items() if isinstance(v, int | float)}

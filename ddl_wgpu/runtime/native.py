@@ -18,6 +18,7 @@ class Native:
     name = "native"
     module = wgpu  # the wgpu-py API module: flags and enums are the same values in both runtimes
     toggles: tuple = ()  # wgpu-native has no toggles
+    host_feature = None  # nor buffers on host memory (`host_buffer`)
     # the project's feature names are wgpu-native's (`Gpu.features`, the launchers' tests)
     FEATURES: dict = {}
 

@@ -18,6 +18,7 @@ A runtime object holds the calls that differ between the two (docs/runtimes.md#t
     pass_calls() -> (set_pipeline, set_bind_group, dispatch, NULL)   the Recorder's direct C calls
     map_reader(device, buffer, spin) -> .read(lo, size, after) -> bytes
     host_buffer(device, nbytes, label) -> (uint8 array, COPY_SRC buffer on its pages) | None   None on native
+    host_feature: the device feature host_buffer needs (None: the runtime has none)
 """
 
 from __future__ import annotations
