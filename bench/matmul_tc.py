@@ -73,10 +73,10 @@ class Runner:
         return self.dev.create_buffer_with_data(data=np.ascontiguousarray(array),
                                                 usage=U.STORAGE | U.COPY_SRC | U.COPY_DST)  # fmt: skip
 
-    def pipeline(self, tile, cfg, ta, tb, adt, bdt, widths=(1, 1), copies=(False, False)):
-        key = (tile, cfg, ta, tb, adt, bdt, widths, copies)
+    def pipeline(self, tile, cfg, ta, tb, adt, bdt, widths=(1, 1)):
+        key = (tile, cfg, ta, tb, adt, bdt, widths)
         if key not in self.cache:
-            src = shader_source(tc.SHADER, {**tc.templates(tile, cfg, self.sg, ta, tb, adt, bdt, widths, copies),
+            src = shader_source(tc.SHADER, {**tc.templates(tile, cfg, self.sg, ta, tb, adt, bdt, widths),
                                             "struct TcParams": tc.PARAMS.wgsl()})  # fmt: skip
             if os.environ.get("TC_ENABLE_SUBGROUPS", "1") == "1":  # Tint wants it before a subgroup builtin
                 src = src.replace("enable f16;", "enable f16;\nenable subgroups;", 1)
@@ -89,10 +89,8 @@ class Runner:
     def run(self, tile, cfg, A, B, C, M, N, K, ta, tb, adt="f32", bdt="f32", reps=1, accumulate=0, alpha=1.0):
         lda = M if ta else K
         ldb = K if tb else N
-        layout = ((lda, ldb), (0, 0), (0, 0), (0, 0))
-        copies = tc.matrix_copies(tile, cfg, ta, tb, (adt, bdt), *layout)
-        widths = tuple(1 if c else w for c, w in zip(copies, tc.load_widths(tile, M, N, K, ta, tb, *layout)))
-        pipe = self.pipeline(tile, cfg, ta, tb, adt, bdt, widths, copies)
+        widths = tc.load_widths(tile, M, N, K, ta, tb, (lda, ldb), (0, 0), (0, 0), (0, 0))
+        pipe = self.pipeline(tile, cfg, ta, tb, adt, bdt, widths)
         params = tc.PARAMS.pack(M=M, N=N, K=K, lda=lda, ldb=ldb, ldc=N, off_a=0, off_b=0, off_c=0, stride_a=0,
                                 stride_b=0, stride_c=0, accumulate=accumulate, alpha=alpha, inner=1, div_a=1,
                                 div_b=1, istride_a=0, istride_b=0, istride_c=0, causal=0)  # fmt: skip

@@ -14,9 +14,6 @@
 //   copy             (src, dst, p)    dst = src
 //   fill             (buf, p)         buf = alpha
 //   scale_inplace    (y, p)           y *= alpha
-//   to_f16           (src, dst, p)    dst = f16(src), four items a thread whatever F is (dst packed in u32
-//                                     pairs; p.n counts fours): an f32 operand made f16 for the
-//                                     matrix-unit GEMM's matrix copies (ops/matmul.py)
 
 const WG: u32 = 256u;
 alias F = {{F}};
@@ -102,20 +99,4 @@ fn scale_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let i = item(wid, nwg, lid);
     if (i >= one_p.n) { return; }
     one_y[i] = one_y[i] * one_p.alpha;
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// dst = f16(src): four f32 in, four f16 out as two u32 (pack2x16float needs no shader-f16)
-
-@group(0) @binding(0) var<storage, read> half_src: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read_write> half_dst: array<vec2<u32>>;
-@group(0) @binding(2) var<uniform> half_p: Params;
-
-@compute @workgroup_size(WG)
-fn to_f16(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-          @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = item(wid, nwg, lid);
-    if (i >= half_p.n) { return; }
-    let v = half_src[i];
-    half_dst[i] = vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw));
 }

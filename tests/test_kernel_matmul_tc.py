@@ -115,29 +115,6 @@ def test_every_tile_layout_and_batch(mgpu, rng, tile, shape):
         assert rel_err(g.read(cb, (nb, M, N)), want) < TOL, (tile, ta, tb, alpha)
 
 
-@pytest.mark.parametrize("tile", ["4x2sg-4x4-k32-mc", "2x4sg-4x4-k32-mc", "2x2sg-4x4-k32-mc", "2x2sg-4x4-k64-mc"])
-def test_matrix_copies_on_the_matrix_units(mgpu, rng, tile):
-    """`-mc` on the GPU: f16 operands copied by subgroup matrices (whole blocks inside, the scalar copy at the
-    edges and in a short last step), the three layouts with f16 operands and the forward's f32 x f16, a batch
-    of two at aligned offsets, accumulating with alpha 0.5: against float64 on the f16-rounded operands."""
-    g, t, nb = mgpu, parse_tile(tile), 2
-    cfg = tc.usable_config(g)
-    cases = [((520, 264, 328), lay, ("f16", "f16")) for lay in ((False, True), (False, False), (True, False))]
-    for (M, N, K), (ta, tb), (adt, bdt) in [*cases, ((264, 520, 200), (False, True), ("f32", "f16"))]:
-        host = {"f32": np.float32, "f16": np.float16}
-        a = rng.standard_normal((nb, K, M) if ta else (nb, M, K)).astype(np.float32)
-        b = rng.standard_normal((nb, N, K) if tb else (nb, K, N)).astype(np.float32)
-        c0 = rng.standard_normal((nb, M, N)).astype(np.float32)
-        ab = g.upload(np.concatenate([np.zeros(8, np.float32), a.ravel()]).astype(host[adt]))
-        bb, cb = g.upload(b.astype(host[bdt])), g.upload(c0)
-        tc.matmul_tc(g, cb, ab, bb, M, N, K, ta, tb, accumulate=True, alpha=0.5, offsets=(8, 0, 0),
-                     strides=(M * K, N * K, M * N), batch=nb, a_dtype=adt, b_dtype=bdt, tile=t).run(g)  # fmt: skip
-        fa, fb = f16(a), f16(b)
-        want = 0.5 * np.einsum("zij,zjk->zik", fa.transpose(0, 2, 1) if ta else fa,
-                               fb.transpose(0, 2, 1) if tb else fb) + c0  # fmt: skip
-        assert rel_err(g.read(cb, (nb, M, N)), want) < TOL, (tile, ta, tb, adt)
-
-
 @pytest.mark.parametrize("tile", ["4x2sg-4x4-k32", "4x2sg-4x4-k32-v1-np"])
 def test_a_product_smaller_than_one_result_matrix(mgpu, rng, tile):
     """C of 1 x 1 and 3 x 5 (a scalar parameter's gradient, say): its binding is smaller than a 16 x 16 result
@@ -260,36 +237,11 @@ fn mma(l: ML, r: MRt, acc: MR) -> MR {
 """
 
 
-# A matrix copy (`-mc`) carries values: lane l holds elements l, l + 32, ... of the 16 x 16 block, loaded
-# from the operand's storage (f16: the only type a copy reads) and stored into workgroup memory.
-EMULATED_COPY = """
-fn st_{smem}_mc(o: u32, m: MC, cm: bool, s: u32) {
-    for (var t = 0u; t < 8u; t++) { let e = em_lane + 32u * t; {smem}[o + (e / 16u) * s + e % 16u] = m.v[t]; }
-}
-fn ld_MC_{x}(o: u32, cm: bool, s: u32) -> MC {
-    var m: MC;
-    for (var t = 0u; t < 8u; t++) { let e = em_lane + 32u * t; m.v[t] = {x}[o + (e / 16u) * s + e % 16u]; }
-    return m;
-}
-"""
-
-
 def emulated(src: str) -> str:
-    """matmul_tc's WGSL with the 16 x 16 x 16 matrix types and builtins replaced by `EMULATED`'s (and
-    `EMULATED_COPY`'s for the operands a kernel copies by matrices), and the subgroup builtins by a fixed
-    32-lane split of the workgroup (what the launcher counted threads in)."""
+    """matmul_tc's WGSL with the 16 x 16 x 16 matrix types and builtins replaced by `EMULATED`'s, and the
+    subgroup builtins by a fixed 32-lane split of the workgroup (what the launcher counted threads in)."""
     import re
 
-    copy = "subgroup_matrix_left<f16, 16, 16>"
-    extra = ""
-    for x, smem in (("a", "As"), ("b", "Bs")):
-        if f"subgroupMatrixLoad<{copy}>(&{x}, " in src:
-            src = src.replace(f"subgroupMatrixLoad<{copy}>(&{x}, ", f"ld_MC_{x}(")
-            src = re.sub(rf"subgroupMatrixStore\(&{smem}, (.*), (mc{x}\d+), ", rf"st_{smem}_mc(\1, \2, ", src)
-            extra += EMULATED_COPY.replace("{smem}", smem).replace("{x}", x)
-    if extra:
-        extra = "struct MC { v: array<f16, 8> }\n" + extra
-    src = src.replace(f"= {copy}();", "= MC();")
     src = src.replace("enable chromium_experimental_subgroup_matrix;\n", "")
     src = src.replace("subgroup_matrix_result<f32, 16, 16>()", "MR()")
     for wgsl, ours in (("result<f32", "MR"), ("left<f16", "ML"), ("right<f16", "MRt")):
@@ -302,7 +254,7 @@ def emulated(src: str) -> str:
                   r"@builtin\(subgroup_size\) sg_size: u32\) \{", ") {\n    let sid = li / 32u; let lane = li % 32u; "
                   "let sg_size = 32u; em_lane = lane;", body)  # fmt: skip
     assert "subgroupMatrix" not in body and "sg_size = 32u" in body, "the generated kernel changed its shape"
-    return head + EMULATED + extra + "@compute" + body
+    return head + EMULATED + "@compute" + body
 
 
 _EMULATED_KERNELS = {}  # compiled once per session (lavapipe takes seconds per kernel)
@@ -322,10 +274,10 @@ def emulating(gpu, monkeypatch):
 
     cache = _EMULATED_KERNELS
 
-    def kernel(g, cfg, tile, trans_a, trans_b, a_dtype, b_dtype, widths=(1, 1), copies=(False, False)):
-        key = (id(g.device), cfg, tile, trans_a, trans_b, a_dtype, b_dtype, widths, copies)
+    def kernel(g, cfg, tile, trans_a, trans_b, a_dtype, b_dtype, widths=(1, 1)):
+        key = (id(g.device), cfg, tile, trans_a, trans_b, a_dtype, b_dtype, widths)
         if key not in cache:
-            t = tc.templates(tile, cfg, 32, trans_a, trans_b, a_dtype, b_dtype, widths, copies)
+            t = tc.templates(tile, cfg, 32, trans_a, trans_b, a_dtype, b_dtype, widths)
             src = emulated(shader_source(tc.SHADER, {**t, "struct TcParams": tc.PARAMS.wgsl()}))
             bgl, layout = g._layout("rrwu")
             pipe = g.device.create_compute_pipeline(
@@ -337,11 +289,10 @@ def emulating(gpu, monkeypatch):
 
     monkeypatch.setattr(tc, "kernel", kernel)
     monkeypatch.setattr(tc, "subgroup_size", lambda g: 32)
-    seen, copied = [], []
-    real, real_copies = tc.load_widths, tc.matrix_copies
+    seen = []
+    real = tc.load_widths
     monkeypatch.setattr(tc, "load_widths", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
-    monkeypatch.setattr(tc, "matrix_copies", lambda *a, **k: copied.append(real_copies(*a, **k)) or copied[-1])
-    gpu.widths_seen, gpu.copies_seen = seen, copied
+    gpu.widths_seen = seen
     return gpu
 
 
@@ -383,75 +334,6 @@ def test_the_generated_kernel_with_emulated_matrices(emulating, rng, tile, shape
         assert rel_err(g.read(cb, (nb, M, N)), want) < 1e-5, (tile, ta, tb)
     vec = M % 4 == 0 and t.vec
     assert g.widths_seen == [(4, 4) if vec else (1, 1)] * 3
-
-
-def test_matrix_copies_with_emulated_matrices(emulating, rng):
-    """`-mc`: f16 operands copied into workgroup memory by subgroup matrices where the steps lie inside the
-    operands, the scalar bounded copy elsewhere. 72 x 88 has whole blocks of 32 and edge blocks, K 56 three
-    whole steps of 16 and a short last one. Each operand copied as stored and transposed: NN and TN with both
-    operands f16 (both copied), NT with f32 A and f16 B (B alone copied: the f16 trunk's forward); a batch of
-    two at 16-byte-aligned offsets, accumulating with alpha 0.5. (Three kernels: lavapipe takes ~35 s to
-    compile each when its cache is cold.)"""
-    g, (M, N, K), nb = emulating, (72, 88, 56), 2
-    cfg, t = tc.Config(16, 16, 16), parse_tile("1x2sg-2x1-k16-mc")
-    host = {"f32": np.float32, "f16": np.float16}
-    for (ta, tb), (adt, bdt) in (((False, False), ("f16", "f16")), ((True, False), ("f16", "f16")),
-                                 ((False, True), ("f32", "f16"))):  # fmt: skip
-        a = rng.standard_normal((nb, K, M) if ta else (nb, M, K)).astype(np.float32)
-        b = rng.standard_normal((nb, N, K) if tb else (nb, K, N)).astype(np.float32)
-        c0 = rng.standard_normal((nb, M, N)).astype(np.float32)
-        ab = g.upload(np.concatenate([np.zeros(8, np.float32), a.ravel()]).astype(host[adt]))
-        bb, cb = g.upload(b.astype(host[bdt])), g.upload(c0)
-        tc.matmul_tc(g, cb, ab, bb, M, N, K, ta, tb, accumulate=True, alpha=0.5, offsets=(8, 0, 0),
-                     strides=(M * K, N * K, M * N), batch=nb, a_dtype=adt, b_dtype=bdt, cfg=cfg, tile=t).run(g)  # fmt: skip
-        fa, fb = f16(a), f16(b)
-        want = 0.5 * np.einsum("zij,zjk->zik", fa.transpose(0, 2, 1) if ta else fa,
-                               fb.transpose(0, 2, 1) if tb else fb) + c0  # fmt: skip
-        assert rel_err(g.read(cb, (nb, M, N)), want) < 1e-5, (ta, tb, adt)
-    assert g.copies_seen == [(True, True), (True, True), (False, True)]
-
-
-def test_f32_operands_made_f16_for_matrix_copies(emulating, rng, monkeypatch):
-    """Through `ops.matmul` with a `-mc` tile: f32 A and B are rounded into f16 copies first (where the other
-    side is long enough: `HALVE_MIN`, lowered here), so both are copied by matrices; A taken at an offset
-    (a view of its buffer); the same bits as the product of f16 operands given as f16."""
-    g, (M, N, K) = emulating, (72, 88, 56)
-    monkeypatch.setattr(tc, "usable_config", lambda gpu: tc.Config(16, 16, 16))
-    monkeypatch.setenv(tc.ENV_TILE, "1x2sg-2x1-k16-mc")  # its NN f16 kernel is the test's above
-    monkeypatch.setattr(k_mm, "HALVE_MIN", 16)
-    a = rng.standard_normal((M, K)).astype(np.float32)
-    b = rng.standard_normal((K, N)).astype(np.float32)
-    ab = g.upload(np.concatenate([np.zeros(64, np.float32), a.ravel()]))
-    cb = g.upload(np.zeros((M, N), np.float32))
-    k_mm.matmul(g, cb, ab, g.upload(b), M, N, K, batch=k_mm.Batch(a=k_mm.Strides(off=64))).run(g)
-    got = g.read(cb, (M, N))
-    assert rel_err(got, f16(a) @ f16(b)) < 1e-5
-    assert g.copies_seen == [(True, True)]
-    c16 = g.upload(np.zeros((M, N), np.float32))
-    tc.matmul_tc(g, c16, g.upload(a.astype(np.float16)), g.upload(b.astype(np.float16)), M, N, K,
-                 a_dtype="f16", b_dtype="f16", tile=parse_tile("1x2sg-2x1-k16-mc")).run(g)  # fmt: skip
-    assert np.array_equal(got, g.read(c16, (M, N)))
-    # too short to pay, rows not 16-byte aligned in f16, already f16: the operand stays as it is
-    for other, ld, dtype in ((15, K, "f32"), (N, K + 4, "f32"), (N, K, "f16")):
-        assert k_mm._halve(g, "a", ab, 64, M, K, ld, other, dtype)[1:3] == (64, dtype)
-
-
-def test_matrix_copies_only_where_they_can_run():
-    """A copy needs f16 in storage, 16-byte-aligned rows and a tile that cuts evenly among the subgroups;
-    anything else keeps the scalar copy, and the generator refuses to be asked otherwise."""
-    cfg, t = tc.Config(16, 16, 16), parse_tile("4x2sg-4x4-k32-mc")
-    ok = ((5120, 5120), (0, 0), (0, 0), (0, 0))
-    assert tc.matrix_copies(t, cfg, False, True, ("f16", "f16"), *ok) == (True, True)
-    assert tc.matrix_copies(t, cfg, False, True, ("f32", "f16"), *ok) == (False, True)
-    assert tc.matrix_copies(t, cfg, False, True, ("f16", "f16"), (5124, 5120), (0, 4), (0, 0), (0, 0)) == (False, False)
-    assert tc.matrix_copies(parse_tile("4x2sg-4x4-k32"), cfg, False, True, ("f16", "f16"), *ok) == (False, False)
-    assert tc.matrix_copies(parse_tile("2x2sg-1x1-k16-mc"), cfg, False, False, ("f16", "f16"), *ok) == (False, False)
-    with pytest.raises(ValueError, match="matrix copy"):
-        tc.templates(t, cfg, 32, False, True, "f32", "f16", (1, 1), (True, True))
-    src = tc.templates(t, cfg, 32, False, True, "f16", "f16", (1, 1), (True, True))
-    # 8 subgroups share A's 32 matrices (256 x 32) and B's 16 (128 x 32): 4 + 2 each per step
-    assert src["regs"].count("subgroup_matrix_left<f16, 16, 16>()") == 6
-    assert src["loop"].count("subgroupMatrixStore(") == 6 and "k_fast" in src["loop"]
 
 
 @pytest.mark.parametrize("causal", [1, 2, 3])

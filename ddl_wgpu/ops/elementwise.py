@@ -6,9 +6,7 @@ Kernel path: `shaders/elementwise.wgsl` -> `ddl_wgpu/ops/elementwise.py` -> refe
 - `add_forward(out, a, b)`: out = a + b;
 - `add_inplace(y, x)`: y += x (the residual stream, summing gradients);
 - `axpy(y, x, alpha)`: y += alpha * x;
-- `copy(dst, src)`; `fill(buf, value)` (zeroing gradients); `scale_inplace(y, alpha)`;
-- `to_f16(dst, src)`: dst = src rounded to f16 (an f32 operand of the matrix-unit GEMM made f16 for its
-  matrix copies, `ops.matmul`).
+- `copy(dst, src)`; `fill(buf, value)` (zeroing gradients); `scale_inplace(y, alpha)`.
 
 Each returns a `Call` whose only uniform is `Params {n: u32, alpha: f32}` (n counts items of the shader's
 type: n / 4 on the vec4 path); a per-step scalar (a fill value, a scale) is changed with
@@ -25,7 +23,7 @@ What it does not do: broadcasting or strides; every operand is a flat run of n f
 from __future__ import annotations
 
 from ddl_wgpu.ops import need, view  # re-exported: the other launchers import them from here
-from ddl_wgpu.runtime.gpu import Call, Gpu, GpuError, Uniform
+from ddl_wgpu.runtime.gpu import Call, Gpu, Uniform
 
 FILE = "elementwise.wgsl"
 WG = 256  # threads per workgroup, as in the shader
@@ -96,19 +94,6 @@ def fill(gpu: Gpu, buf, n: int, value: float = 0.0) -> Call:
     """buf = value over n items (zeroing gradients before a step)."""
     need("fill", "buf", buf, n)
     return _launch(gpu, "fill", "wu", [buf], n, value)
-
-
-def to_f16(gpu: Gpu, dst, src, n: int) -> Call:
-    """dst = src rounded to f16 over n items (n a multiple of 4, both views 16-byte aligned); dst holds 2n
-    bytes."""
-    if int(n) % 4 or any(view(r)[1] % 16 for r in (dst, src)):
-        raise GpuError(f"to_f16: {n} items must be a multiple of 4 and both views 16-byte aligned")
-    need("to_f16", "src", src, n)
-    need("to_f16", "dst", dst, n // 2)
-    n = int(n)
-    k = gpu.kernel(FILE, "to_f16", "rwu", templates=templates(4), workgroup=(WG, 1, 1), uniforms=(PARAMS,))
-    u = gpu.uniform(PARAMS, n=n // 4, alpha=0.0, label="to_f16")
-    return Call([(k, gpu.bind(k, src, dst, u), max(1, -(-(n // 4) // WG)))], [u])
 
 
 def scale_inplace(gpu: Gpu, y, n: int, alpha: float) -> Call:

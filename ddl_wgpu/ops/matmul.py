@@ -36,10 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddl_wgpu.ops import elementwise
 from ddl_wgpu.ops import matmul_tc as k_tc
 from ddl_wgpu.ops import nbytes as _nbytes
-from ddl_wgpu.ops import view
 from ddl_wgpu.runtime.gpu import MAX_GROUPS, Call, GpuError, Uniform
 
 SHADER = "matmul.wgsl"
@@ -410,51 +408,19 @@ def auto_split_k_tc(gpu, cfg, tile, M: int, N: int, K: int) -> int:
     return min(counts, key=lambda p: (split_k_cost(groups, K, p, TC_SPLIT_SLOTS), p))
 
 
-def _split_k_tc(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, offs, parts, dtypes,
+def _split_k_tc(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, offs, parts, b_dtype,
                 cfg, tile) -> Call:  # fmt: skip
     """`_split_k` on the matrix units: the full slices are one batched `matmul_tc` (a slice's offsets are its
     batch strides), the short last slice one more at its element offsets, each into its partials slot; then
-    the same fixed-order reduction. `dtypes`: A's and B's in storage."""
+    the same fixed-order reduction."""
     ks, full, rest, pstride, scratch, sa, sb = _slices(gpu, M, N, K, parts, trans_a, trans_b, lda, ldb)
-    common = dict(lda=lda, ldb=ldb, ldc=N, a_dtype=dtypes[0], b_dtype=dtypes[1], cfg=cfg, tile=tile)
+    common = dict(lda=lda, ldb=ldb, ldc=N, b_dtype=b_dtype, cfg=cfg, tile=tile)
     call = k_tc.matmul_tc(gpu, scratch, a, b, M, N, ks, trans_a, trans_b, offsets=(offs[0], offs[1], 0),
                           strides=(sa, sb, pstride), batch=full, **common)  # fmt: skip
     if rest:
         call += k_tc.matmul_tc(gpu, scratch, a, b, M, N, rest, trans_a, trans_b,
                                offsets=(offs[0] + full * sa, offs[1] + full * sb, full * pstride), **common)  # fmt: skip
     return call + _reduce_slices(gpu, scratch, c, M * N, full + (rest > 0), pstride, accumulate, alpha)
-
-
-# An f32 operand is rounded into an f16 copy before a product on the matrix units when the tile copies f16
-# operands by whole matrices (`TcTile.matrix_copy`) and the product's other side is at least this long: the
-# copy reads and writes 6 bytes an element once, and each element then feeds 2 x that many flops.
-HALVE_MIN = 1024
-
-
-def _half_scratch(gpu, slot: str, nbytes: int):
-    """The f16 copy of operand `slot` ("a" or "b"), one buffer per size class shared by every product of
-    this device, as the split-K partials are (products run one after another). Sizes are rounded up to
-    3 significant bits (at most 1/8 unused)."""
-    cache = gpu.__dict__.setdefault("_half_scratch", {})
-    n = max(1 << 16, int(nbytes))
-    step = 1 << max(0, n.bit_length() - 3)
-    size = -(-n // step) * step
-    if (slot, size) not in cache:
-        cache[slot, size] = gpu.buffer(size, label=f"f16_{slot}")
-    return cache[slot, size]
-
-
-def _halve(gpu, slot: str, res, off: int, rows: int, cols: int, ld: int, other: int, dtype: str):
-    """(operand, element offset, dtype, Call): an unbatched f32 operand stored rows x cols with row stride
-    `ld` rounded into an f16 copy with the same row stride (`elementwise.to_f16`), where that pays
-    (`HALVE_MIN`) and the layout allows it (rows 16-byte aligned in f16, the source view 16-byte aligned);
-    otherwise the operand as it was."""
-    n = -(-((rows - 1) * ld + cols) // 4) * 4
-    src = res if off == 0 else _offset_view(res, off)
-    if dtype != "f32" or other < HALVE_MIN or ld % 8 or src is None or view(src)[2] < 4 * n:
-        return res, off, dtype, Call()
-    dst = _half_scratch(gpu, slot, 2 * n)
-    return dst, 0, "f16", elementwise.to_f16(gpu, dst, src, n)
 
 
 def _offset_view(res, elements: int, itemsize: int = 4):
@@ -557,21 +523,16 @@ def matmul(
         # on the matrix units (ops/matmul_tc.py): operands rounded to f16, sums in f32; a long K with few
         # blocks of C (dW of a narrow model: 768 x 768 is 18 workgroups) is sliced as on the SIMT path
         tc_tile = k_tc.pick_tile(gpu, cfg)
-        a_off, b_off, a_dtype, pre = sa.off, sb.off, "f32", Call()
-        if tc_tile.matrix_copy and batch == 1 and inner == 1:  # f32 operands made f16 for the matrix copies
-            a, a_off, a_dtype, ca = _halve(gpu, "a", a, a_off, *((K, M) if trans_a else (M, K)), lda, N, "f32")
-            b, b_off, b_dtype, cb = _halve(gpu, "b", b, b_off, *((N, K) if trans_b else (K, N)), ldb, M, b_dtype)
-            pre = ca + cb
         if split_k is None and batch == 1 and inner == 1 and causal is None and ldc == N and sc.off == 0:
             parts = auto_split_k_tc(gpu, cfg, tc_tile, M, N, K)
             if parts > 1:
-                return pre + _split_k_tc(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb,
-                                         (a_off, b_off), parts, (a_dtype, b_dtype), cfg, tc_tile)  # fmt: skip
-        return pre + k_tc.matmul_tc(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, ldc,
-                                    offsets=(a_off, b_off, sc.off), strides=(sa.stride, sb.stride, sc.stride),
-                                    batch=batch, inner=inner, divs=(div_a, div_b),
-                                    istrides=(sa.istride, sb.istride, sc.istride), causal=CAUSAL_MODES[causal],
-                                    a_dtype=a_dtype, b_dtype=b_dtype, cfg=cfg, tile=tc_tile)  # fmt: skip
+                return _split_k_tc(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb,
+                                   (sa.off, sb.off), parts, b_dtype, cfg, tc_tile)  # fmt: skip
+        return k_tc.matmul_tc(gpu, c, a, b, M, N, K, trans_a, trans_b, accumulate, alpha, lda, ldb, ldc,
+                              offsets=(sa.off, sb.off, sc.off), strides=(sa.stride, sb.stride, sc.stride),
+                              batch=batch, inner=inner, divs=(div_a, div_b),
+                              istrides=(sa.istride, sb.istride, sc.istride), causal=CAUSAL_MODES[causal],
+                              b_dtype=b_dtype, cfg=cfg, tile=tc_tile)  # fmt: skip
     plain = inner == 1 and causal is None and sa.off == sb.off == sc.off == 0
     parts = auto_split_k(gpu, M, N, K, batch) if split_k is None else int(split_k)
     if parts > 1 and batch == 1 and ldc == N and 2 * parts <= K and plain:

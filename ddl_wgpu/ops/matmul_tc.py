@@ -78,13 +78,12 @@ class TcTile:
     pad_b: int = 8
     vec: bool = True  # vec4 global loads where the operand allows them (`load_widths`)
     prefetch: bool = True  # the next K step's loads issued before this step's products (registers)
-    matrix_copy: bool = False  # f16 operands copied into workgroup memory as whole matrices (`matrix_copies`)
 
     def block(self, cfg: Config) -> tuple[int, int]:
         return self.sg_rows * self.tm * cfg.m, self.sg_cols * self.tn * cfg.n
 
     def name(self) -> str:
-        flags = ("" if self.vec else "-v1") + ("" if self.prefetch else "-np") + ("-mc" if self.matrix_copy else "")
+        flags = ("" if self.vec else "-v1") + ("" if self.prefetch else "-np")
         return f"{self.sg_rows}x{self.sg_cols}sg-{self.tm}x{self.tn}-k{self.bk}-p{self.pad_a}.{self.pad_b}{flags}"
 
 
@@ -108,23 +107,21 @@ class _Operand:
     stride: int
     w: int
     col_major: bool
-    mc: bool = False  # copied by subgroup matrices (an f16 operand in storage, `matrix_copies`)
 
     @property
     def size(self) -> int:
         return self.rows * self.stride
 
 
-def _operands(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool, wa: int = 1, wb: int = 1,
-              copies: tuple[bool, bool] = (False, False)) -> tuple:
+def _operands(tile: TcTile, cfg: Config, trans_a: bool, trans_b: bool, wa: int = 1, wb: int = 1) -> tuple:
     """A and B as staged, their k origin the variable `kl`: op(A)'s BM x BK block (stored (K, M): BK x BM) and
     op(B)'s BK x BN block (stored (N, K): BN x BK)."""
     BM, BN = tile.block(cfg)
     BK, pa, pb = tile.bk, tile.pad_a, tile.pad_b
-    a = (_Operand("a", "As", BK, BM, "kl", "m0", "P.K", "P.M", BM + pa, wa, True, copies[0]) if trans_a
-         else _Operand("a", "As", BM, BK, "m0", "kl", "P.M", "P.K", BK + pa, wa, False, copies[0]))  # fmt: skip
-    b = (_Operand("b", "Bs", BN, BK, "n0", "kl", "P.N", "P.K", BK + pb, wb, True, copies[1]) if trans_b
-         else _Operand("b", "Bs", BK, BN, "kl", "n0", "P.K", "P.N", BN + pb, wb, False, copies[1]))  # fmt: skip
+    a = (_Operand("a", "As", BK, BM, "kl", "m0", "P.K", "P.M", BM + pa, wa, True) if trans_a
+         else _Operand("a", "As", BM, BK, "m0", "kl", "P.M", "P.K", BK + pa, wa, False))  # fmt: skip
+    b = (_Operand("b", "Bs", BN, BK, "n0", "kl", "P.N", "P.K", BK + pb, wb, True) if trans_b
+         else _Operand("b", "Bs", BK, BN, "kl", "n0", "P.K", "P.N", BN + pb, wb, False))  # fmt: skip
     return a, b
 
 
@@ -147,11 +144,11 @@ def _slots(op: _Operand, threads: int) -> list:
     return out
 
 
-def _reg(op: _Operand, e: int, prefix: str = "r") -> str:
-    return f"{prefix}{op.tag}{e}"
+def _reg(op: _Operand, e: int) -> str:
+    return f"r{op.tag}{e}"
 
 
-def _loads(op: _Operand, threads: int, bounded: bool, prefix: str = "r") -> list:
+def _loads(op: _Operand, threads: int, bounded: bool) -> list:
     """Global -> registers for every pass (converted to f16 there): `bounded` checks each vector against the
     operand's extent (a vector is wholly in or out: the host picks w = 4 only where the extent is a multiple
     of 4), else the whole tile is known inside."""
@@ -164,106 +161,31 @@ def _loads(op: _Operand, threads: int, bounded: bool, prefix: str = "r") -> list
             c for c in (guard, bounded and f"{op.r0} + {r} < {op.rext} && {op.c0} + {q} < {op.cext}") if c
         ]
         if cond:
-            reg = _reg(op, e, prefix)
-            lines.append(f"        {reg} = {typ}(0.0); if ({' && '.join(cond)}) {{ {reg} = {src}; }}")
+            lines.append(
+                f"        {_reg(op, e)} = {typ}(0.0); if ({' && '.join(cond)}) {{ {_reg(op, e)} = {src}; }}"
+            )
         else:
-            lines.append(f"        {_reg(op, e, prefix)} = {src};")
+            lines.append(f"        {_reg(op, e)} = {src};")
     return lines
 
 
-def _stores(op: _Operand, threads: int, prefix: str = "r") -> list:
+def _stores(op: _Operand, threads: int) -> list:
     """Registers -> workgroup memory, one f16 at a time (subgroupMatrixLoad reads an array of scalars)."""
     lines = []
     for e, (r, q, guard) in enumerate(_slots(op, threads)):
-        reg = _reg(op, e, prefix)
-        parts = [f"{op.smem}[{r} * {op.stride}u + {q} + {j}u] = {reg}{'.' + 'xyzw'[j] if op.w > 1 else ''};"
+        parts = [f"{op.smem}[{r} * {op.stride}u + {q} + {j}u] = {_reg(op, e)}{'.' + 'xyzw'[j] if op.w > 1 else ''};"
                  for j in range(op.w)]  # fmt: skip
         body = " ".join(parts)
         lines.append(f"        if ({guard}) {{ {body} }}" if guard else f"        {body}")
     return lines
 
 
-def _copy_type(cfg: Config) -> str:
-    """The matrix a copy moves: cfg.m rows x cfg.k columns of f16 (any matrix type copies; a left one exists on
-    every configuration)."""
-    return f"subgroup_matrix_left<f16, {cfg.k}, {cfg.m}>"
-
-
-def _blocks(op: _Operand, cfg: Config, subgroups: int) -> list:
-    """(row, column) expressions of the blocks each subgroup copies, one per pass: the staged tile cut into
-    cfg.m x cfg.k matrices, subgroup `sid` taking blocks sid, sid + subgroups, ... (the count divides evenly,
-    so no subgroup branches: `matrix_copies` checks)."""
-    per_row = op.cols // cfg.k
-    n = (op.rows // cfg.m) * per_row
-    return [(f"((sid + {e * subgroups}u) / {per_row}u) * {cfg.m}u", f"((sid + {e * subgroups}u) % {per_row}u) * {cfg.k}u")
-            for e in range(n // subgroups)]  # fmt: skip
-
-
-def copyable(op: _Operand, cfg: Config, subgroups: int) -> bool:
-    """Whether the staged tile cuts into cfg.m x cfg.k matrices that the subgroups share evenly."""
-    return op.rows % cfg.m == 0 and op.cols % cfg.k == 0 and (op.rows // cfg.m) * (op.cols // cfg.k) % subgroups == 0
-
-
-def _matrix_loads(op: _Operand, cfg: Config, subgroups: int) -> list:
-    """Storage -> matrices: each of the subgroup's blocks of the step at k origin `kl` (whole: the caller runs
-    this only for blocks and steps inside the operands)."""
-    return [f"        mc{op.tag}{e} = subgroupMatrixLoad<{_copy_type(cfg)}>(&{op.tag}, o{op.tag} + ({op.r0} + {r}) * "
-            f"P.ld{op.tag} + {op.c0} + {c}, false, P.ld{op.tag});"
-            for e, (r, c) in enumerate(_blocks(op, cfg, subgroups))]  # fmt: skip
-
-
-def _matrix_stores(op: _Operand, cfg: Config, subgroups: int) -> list:
-    return [f"        subgroupMatrixStore(&{op.smem}, {r} * {op.stride}u + {c}, mc{op.tag}{e}, false, {op.stride}u);"
-            for e, (r, c) in enumerate(_blocks(op, cfg, subgroups))]  # fmt: skip
-
-
-def _loop_matrix_copy(tile: TcTile, cfg: Config, threads: int, ops: tuple) -> dict:
-    """The K loop where an operand is copied by subgroup matrices (`TcTile.matrix_copy`): a matrix load from
-    storage and a matrix store into workgroup memory move a whole cfg.m x cfg.k block per subgroup, so the
-    driver's own wide, conflict-free accesses replace one f16 store per element. Matrix loads have no bounds,
-    so the loop splits: the steps wholly inside the operands (every step of a block inside M and N) run the
-    copies, with prefetch; the rest (edge blocks, a short last step) run the scalar, bounded copy of `_loop`
-    without prefetch, their registers declared in that loop alone."""
-    subgroups = tile.sg_rows * tile.sg_cols
-    decl = [f"    var mc{op.tag}{e} = {_copy_type(cfg)}();" for op in ops if op.mc
-            for e in range(len(_blocks(op, cfg, subgroups)))]  # fmt: skip
-    decl += [f"    var {_reg(op, e)}: {'vec4<f16>' if op.w == 4 else 'f16'};" for op in ops if not op.mc
-             for e in range(len(_slots(op, threads)))]  # fmt: skip
-    fast_loads = sum((_matrix_loads(op, cfg, subgroups) if op.mc else _loads(op, threads, False) for op in ops), [])
-    fast_stores = sum((_matrix_stores(op, cfg, subgroups) if op.mc else _stores(op, threads) for op in ops), [])
-    products = _products(tile, cfg, *ops)
-
-    def loads(guard: str, k: str, indent: str) -> str:
-        body = [f"if ({guard}) {{", f"    let kl = {k};", *("    " + x.strip() for x in fast_loads), "}"]
-        return "\n".join(indent + x for x in body)
-
-    stores = "\n".join("        " + x.strip() for x in fast_stores)
-    body = ["    var k_fast = k_begin;", "    if (inside_mn) { k_fast = k_begin + ((k_end - k_begin) / BK) * BK; }"]
-    if tile.prefetch:
-        body += [loads("k_begin < k_fast", "k_begin", "    "), "    for (var k0 = k_begin; k0 < k_fast; k0 += BK) {",
-                 stores, "        workgroupBarrier();", loads("k0 + BK < k_fast", "k0 + BK", "        ")]  # fmt: skip
-    else:
-        body += ["    for (var k0 = k_begin; k0 < k_fast; k0 += BK) {", loads("true", "k0", "        "), stores,
-                 "        workgroupBarrier();"]  # fmt: skip
-    body += [products, "        workgroupBarrier();", "    }"]
-    slow = [f"var {_reg(op, e, 's')}: {'vec4<f16>' if op.w == 4 else 'f16'};" for op in ops
-            for e in range(len(_slots(op, threads)))]  # fmt: skip
-    slow += ["let kl = k0;", *sum((_loads(op, threads, True, "s") for op in ops), []),
-             *sum((_stores(op, threads, "s") for op in ops), []), "workgroupBarrier();"]
-    body += ["    for (var k0 = k_fast; k0 < k_end; k0 += BK) {", *("        " + x.strip() for x in slow), products,
-             "        workgroupBarrier();", "    }"]  # fmt: skip
-    return {"regs": "\n".join(decl), "loop": "\n".join(body)}
-
-
-def _loop(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool, wa: int, wb: int,
-          copies: tuple[bool, bool] = (False, False)) -> dict:
+def _loop(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool, wa: int, wb: int) -> dict:
     """The register declarations and the K loop: each step's loads (at k origin `kl`; unbounded when the block
     and the step lie inside the operands, a uniform branch), its stores into As and Bs, a barrier, its
     products, a barrier. With prefetch the next step's loads are issued between the first barrier and the
     products, so global memory's latency hides behind the matrix units; without, at the step's start."""
-    ops = _operands(tile, cfg, trans_a, trans_b, wa, wb, copies)
-    if any(copies):
-        return _loop_matrix_copy(tile, cfg, threads, ops)
+    ops = _operands(tile, cfg, trans_a, trans_b, wa, wb)
     decl = [f"    var {_reg(op, e)}: {'vec4<f16>' if op.w == 4 else 'f16'};"
             for op in ops for e in range(len(_slots(op, threads)))]  # fmt: skip
     inside = sum((_loads(op, threads, False) for op in ops), [])
@@ -354,20 +276,13 @@ def templates(
     a_dtype: str = "f32",
     b_dtype: str = "f32",
     widths: tuple[int, int] = (1, 1),
-    copies: tuple[bool, bool] = (False, False),
 ) -> dict:
     """The placeholders of matmul_tc.wgsl for one tile, configuration, layout, operand types and load widths
-    (`widths`: elements per load of A and B, 4 where `load_widths` allows it and the tile asks for it;
-    `copies`: A and B copied by subgroup matrices, where `matrix_copies` allows it)."""
+    (`widths`: elements per load of A and B, 4 where `load_widths` allows it and the tile asks for it)."""
     if tile.bk % cfg.k:
         raise ValueError(f"tile bk={tile.bk} is not a multiple of the configuration's k={cfg.k}")
     if any(w not in (1, 4) for w in widths):
         raise ValueError(f"load widths {widths}: each 1 or 4")
-    for x, (copy, dt, w) in enumerate(zip(copies, (a_dtype, b_dtype), widths, strict=True)):
-        if copy and (dt != "f16" or w != 1 or not copyable(_operands(tile, cfg, trans_a, trans_b)[x], cfg,
-                                                              tile.sg_rows * tile.sg_cols)):  # fmt: skip
-            raise ValueError(f"operand {'ab'[x]}: a matrix copy needs f16 in storage, width 1 and a tile that cuts "
-                             f"into the configuration's matrices evenly")  # fmt: skip
     BM, BN = tile.block(cfg)
     threads = tile.sg_rows * tile.sg_cols * subgroup_size
     sa, sb = _operands(tile, cfg, trans_a, trans_b)
@@ -398,7 +313,7 @@ def templates(
             for i in range(tile.tm)
             for j in range(tile.tn)
         ),  # fmt: skip
-        **_loop(tile, cfg, threads, trans_a, trans_b, *widths, copies),
+        **_loop(tile, cfg, threads, trans_a, trans_b, *widths),
         "epilogue": _epilogue(tile, cfg),
     }
 
@@ -423,28 +338,6 @@ def load_widths(
     extents = (M if trans_a else K, K if trans_b else N)
     return tuple(4 if all(v % 4 == 0 for v in (extents[x], lds[x], offsets[x], strides[x], istrides[x])) else 1
                  for x in (0, 1))  # fmt: skip
-
-
-def matrix_copies(
-    tile: TcTile,
-    cfg: Config,
-    trans_a: bool,
-    trans_b: bool,
-    dtypes: tuple[str, str],
-    lds: tuple[int, int],
-    offsets: tuple[int, int],
-    strides: tuple[int, int],
-    istrides: tuple[int, int],
-) -> tuple[bool, bool]:
-    """Which operands the tile copies by subgroup matrices: where it asks for it (`-mc`), the operand is f16 in
-    storage (a matrix load cannot convert), every row starts 16-byte aligned (leading dimension, offset and
-    batch strides multiples of 8 elements) and the staged tile cuts into the configuration's matrices evenly
-    among the subgroups."""
-    if not tile.matrix_copy:
-        return False, False
-    ops = _operands(tile, cfg, trans_a, trans_b)
-    return tuple(dtypes[x] == "f16" and copyable(ops[x], cfg, tile.sg_rows * tile.sg_cols)
-                 and all(v % 8 == 0 for v in (lds[x], offsets[x], strides[x], istrides[x])) for x in (0, 1))  # fmt: skip
 
 
 def workgroup_bytes(tile: TcTile, cfg: Config) -> int:
@@ -492,13 +385,12 @@ def subgroup_size(gpu) -> int:
 ENV_TILE = (
     "DDL_WGPU_TC_TILE"  # a tile by the name the sweep prints: what bench runs time before TILES changes
 )
-FLAGS = {"v1": ("vec", False), "np": ("prefetch", False), "mc": ("matrix_copy", True)}  # name parts: a path off or on
+FLAGS = {"v1": "vec", "np": "prefetch"}  # name parts that turn a path off
 
 
 def parse_tile(text: str) -> TcTile:
-    """'4x2sg-4x4-k32[-pA[.B]][-v1][-np][-mc]' -> a TcTile: subgroups as rows x columns, result matrices per
-    subgroup, the k depth, pads; -v1 scalar loads only, -np no prefetch, -mc f16 operands copied by subgroup
-    matrices (`TcTile.name` writes the same form)."""
+    """'4x2sg-4x4-k32[-pA[.B]][-v1][-np]' -> a TcTile: subgroups as rows x columns, result matrices per
+    subgroup, the k depth, pads; -v1 scalar loads only, -np no prefetch (`TcTile.name` writes the same form)."""
     try:
         parts = text.strip().split("-")
         if not parts[0].endswith("sg") or not parts[2].startswith("k"):
@@ -512,13 +404,13 @@ def parse_tile(text: str) -> TcTile:
                 pa, _, pb = part.removeprefix("p").partition(".")
                 pads = (int(pa), int(pb or pa))
             elif part in FLAGS:
-                flags[FLAGS[part][0]] = FLAGS[part][1]
+                flags[FLAGS[part]] = False
             else:
                 raise ValueError(part)
         return TcTile(sr, sc, tm, tn, bk, *pads, **flags)
     except (ValueError, IndexError) as e:
         raise GpuError(
-            f"matmul_tc: tile {text!r} is not of the form 4x2sg-4x4-k32[-p8.8][-v1][-np][-mc] ({e})"
+            f"matmul_tc: tile {text!r} is not of the form 4x2sg-4x4-k32[-p8.8][-v1][-np] ({e})"
         ) from None
 
 
@@ -543,10 +435,8 @@ def kernel(
     a_dtype: str,
     b_dtype: str,
     widths: tuple[int, int] = (1, 1),
-    copies: tuple[bool, bool] = (False, False),
 ):
-    """The compiled `matmul_tc` entry point for one configuration, tile, layout, operand types, widths and
-    matrix copies."""
+    """The compiled `matmul_tc` entry point for one configuration, tile, layout, operand types and widths."""
     sg = subgroup_size(gpu)
     limit = gpu.limits.get("max-compute-workgroup-storage-size", 16384)
     if workgroup_bytes(tile, cfg) > limit:
@@ -557,7 +447,7 @@ def kernel(
         SHADER,
         "matmul_tc",
         "rrwu",
-        templates=templates(tile, cfg, sg, trans_a, trans_b, a_dtype, b_dtype, widths, copies),
+        templates=templates(tile, cfg, sg, trans_a, trans_b, a_dtype, b_dtype, widths),
         workgroup=(threads, 1, 1),
         uniforms=UNIFORMS,
     )
@@ -610,11 +500,8 @@ def matmul_tc(
     g = groups(tile, cfg, M, N, batch)
     if max(g) > MAX_GROUPS:
         raise GpuError(f"matmul_tc: {g} workgroups exceed {MAX_GROUPS} per dimension; split the product")
-    layout = ((lda, ldb), offsets[:2], strides[:2], istrides[:2])
-    copies = matrix_copies(tile, cfg, trans_a, trans_b, (a_dtype, b_dtype), *layout)
-    widths = tuple(1 if copy else w for copy, w in zip(copies, load_widths(tile, M, N, K, trans_a, trans_b, *layout),
-                                                        strict=True))  # fmt: skip
-    k = kernel(gpu, cfg, tile, trans_a, trans_b, a_dtype, b_dtype, widths, copies)
+    widths = load_widths(tile, M, N, K, trans_a, trans_b, (lda, ldb), offsets[:2], strides[:2], istrides[:2])
+    k = kernel(gpu, cfg, tile, trans_a, trans_b, a_dtype, b_dtype, widths)
     u = gpu.uniform(
         PARAMS,
         M=M,
