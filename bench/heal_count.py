@@ -48,15 +48,20 @@ class _CountingChain(_Chain):
         return None, None, None, np.ones(1), {}
 
     def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
-        if batches and self.chain > 1:
+        if batches and self.chain > 1 and not self.fresh:
             self._current(np.concatenate(batches), self.chain)
+        for k in (int(self.batch_of[b[0]]) for b in batches):  # right after a refresh: built by its forwards
+            self.eval_built += self.chain - int(self.built[k])
+            self.built[k] = self.chain
         return [0.0] * self.chain
 
 
 def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
     """The refresh-batch forwards a heal over `windows` windows runs when nothing stops it early (patience
-    off) -> {"forwards", "steps", "refreshes", "batches"}. An eager rebuild of every batch at each refresh
-    would run refreshes x (chain − 1) x batches."""
+    off) -> {"forwards", "steps", "refreshes", "batches", "eval_built"}. An eager rebuild of every batch at
+    each refresh would run refreshes x (chain − 1) x batches. `eval_built`: the batches' chain steps an
+    evaluation right after a refresh built from its own forwards (`Draft.loss_sum_next`), no forward of
+    their own."""
     cfg = dataclasses.replace(cfg, patience=0)
     N = windows
     cache = SimpleNamespace(ids=np.zeros((N, 1)), x={}, zeros=np.zeros)  # `_CountingChain` reads no rows
@@ -71,4 +76,5 @@ def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
     best = Best(0.0, 0, None)
     job.start(best, chain.heldout_kl(vb))
     _stopped, done = drive(job, 0, job.cadence, best, events, 0)
-    return {"forwards": chain.forwards, "steps": done, "refreshes": len(refreshes), "batches": chain.batches}
+    return {"forwards": chain.forwards, "steps": done, "refreshes": len(refreshes), "batches": chain.batches,
+            "eval_built": chain.eval_built}

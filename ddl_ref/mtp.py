@@ -206,7 +206,7 @@ def draft_kl_forward(params: dict, cfg: ModelConfig, x_rows, teacher_ids, teache
         np.asarray(weights).reshape(B * T),
         form,
     )
-    return kl_sum, {"draft": c_draft, "kl": c_kl, "post": post, "shape": (B, T)}
+    return kl_sum, {"draft": c_draft, "kl": c_kl, "pre": pre, "post": post, "shape": (B, T)}
 
 
 def draft_kl_backward(params: dict, cfg: ModelConfig, cache, dloss: float = 1.0):

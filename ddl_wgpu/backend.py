@@ -161,6 +161,10 @@ class Draft(Protocol):
 
     def next_rows(self, x_rows, next_tokens, valid, chain: int = 0): ...  # -> next step's rows (B, T, C)
 
+    def loss_sum_next(self, x_rows, teacher_ids, teacher_probs, weights, next_tokens, valid, chain: int = 0):
+        """`loss_sum` and `next_rows` from one forward -> (loss sum, next step's rows (B, T, C))."""
+        ...
+
     def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None: ...  # heal's draft phase allocated
 
     def snapshot(self): ...  # the current weights, in host memory

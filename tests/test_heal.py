@@ -218,6 +218,10 @@ class ScriptedDraft(refnet.RefDraft):
     def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0):
         return ScriptedDraft.curve[self.done] * float(np.sum(weights))
 
+    def loss_sum_next(self, x_rows, teacher_ids, teacher_probs, weights, next_tokens, valid, chain: int = 0):
+        rows = super().loss_sum_next(x_rows, teacher_ids, teacher_probs, weights, next_tokens, valid, chain)[1]
+        return self.loss_sum(x_rows, teacher_ids, teacher_probs, weights, chain), rows
+
 
 def trained_of(path):
     m = load_model(path)
@@ -532,17 +536,26 @@ def test_lazy_refresh_rebuilds_fewer_batches(files, tmp_path, eager_refresh, hea
     assert count["forwards"] == lazy["refresh_forwards"] and count["steps"] == lazy["steps"]
     assert count["refreshes"] == refreshes and count["batches"] == batches
     assert count["refreshes"] * 2 * count["batches"] == eager["refresh_forwards"]
-    # the first period: steps 2..3 of the held-out refresh batches for the evaluation at step 0 (one per
-    # evaluation batch), then of at most one refresh batch for each of its 3 jobs (a job's batch is one)
+    # the first period: at most one refresh batch for each of its 3 jobs (a job's batch is one); the evaluation
+    # at step 0, right after the refresh, built steps 2..3 of the held-out batches from its own forwards (one
+    # per evaluation batch), and so did every evaluation at a refresh (refreshing every 3 steps, evaluating
+    # every 4)
     held_out = len(val) // run.batch
-    assert 2 * held_out <= ev_l[1]["rebuilt"] <= 2 * (held_out + 3)
+    assert ev_l[1]["rebuilt"] <= 2 * 3
+    evals_at_refresh = len([s for s in steps if s % run.eval_every == 0])
+    assert lazy["eval_built_rows"] == count["eval_built"] == evals_at_refresh * 2 * held_out > 0
 
 
 class _RowDraft:
-    """A draft for `_Chain` alone: next_rows gives rows of ones and counts its calls; losses 0."""
+    """A draft for `_Chain` alone: next_rows gives rows of ones and counts its calls, loss_sum_next rows of
+    twos and counts its own; losses 0."""
 
     def __init__(self):
-        self.calls = 0
+        self.calls = self.fused = 0
+
+    def loss_sum_next(self, x, tid, tp, w, tok, valid, chain=0):
+        self.fused += 1
+        return 0.0, np.full(x.shape[:1] + tok.shape[1:] + x.shape[2:], 2, np.float32)
 
     def snapshot(self):
         return None
@@ -596,8 +609,9 @@ def test_heldout_evaluation_after_a_refresh_rebuilds_only_held_out_batches():
     train, val = heal.split_heldout(N)
     vb = heal._batches(val, nb)
     c.refresh()
+    c.fresh = False  # a step since the refresh: the held-out rows come from the kept weights
     c.heldout_kl(vb)
-    assert c.draft.calls == c.forwards == 2 * len(vb) == 2 * (len(val) // nb)
+    assert c.draft.calls == c.forwards == 2 * len(vb) == 2 * (len(val) // nb) and c.draft.fused == 0
     read = np.concatenate(vb)
     assert (c.cache.x[2][read] == 1).all() and (c.cache.x[3][read] == 1).all()
     unread = np.setdiff1d(np.arange(N), read)  # training windows and the short last held-out batch
@@ -608,3 +622,20 @@ def test_heldout_evaluation_after_a_refresh_rebuilds_only_held_out_batches():
     assert c.forwards == 2 * len(vb)
     c.join(heal._batches(train, nb)[5], 2)  # a training job: its own batch, step 2 only
     assert c.forwards == 2 * len(vb) + 1
+
+
+def test_an_evaluation_right_after_a_refresh_builds_its_own_rows():
+    """No step since the refresh: the evaluation's forward of step j gives step j + 1's rows of each held-out
+    batch (`loss_sum_next`), so it runs no refresh forward; the rows it did not read stay stale."""
+    N, nb = 83, 4
+    c = chain_of(N, nb)
+    vb = heal._batches(heal.split_heldout(N)[1], nb)
+    c.refresh()
+    c.heldout_kl(vb)
+    assert c.draft.calls == c.forwards == 0 and c.draft.fused == c.eval_built == 2 * len(vb)
+    read = np.concatenate(vb)
+    assert (c.cache.x[2][read] == 2).all() and (c.cache.x[3][read] == 2).all()
+    assert (np.delete(c.cache.x[2], read, axis=0) == 0).all()
+    assert sorted({int(c.built[k]) for k in c.batch_of[read]}) == [3] and (np.delete(c.built, c.batch_of[read]) == 1).all()
+    c.heldout_kl(vb)  # current now: plain evaluations
+    assert c.draft.fused == 2 * len(vb) and c.forwards == 0

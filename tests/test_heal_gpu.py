@@ -219,7 +219,7 @@ def test_gpu_lazy_refresh_gives_the_eager_results_bit_for_bit(gpu, tmp_path, hea
                                                              mode):  # fmt: skip
     """On the GPU the lazy refresh's rows come from the kept weights copied into the draft's buffers for the
     forwards (`WgpuDraft.using`), batched as the eager refresh batches them (training and held-out windows
-    apart): the same bits."""
+    apart), or, for an evaluation right after a refresh, from the evaluation's own forwards: the same bits."""
     model = heal_kit.make_model(tmp_path / "m.ddlw")
     data = str(heal_kit.make_text(tmp_path / "t.txt"))
     run = replace(heal_kit.SMALL, chain=3, refresh=3, chain_attention=mode)
@@ -237,6 +237,9 @@ def test_gpu_lazy_refresh_gives_the_eager_results_bit_for_bit(gpu, tmp_path, hea
     count = heal_count.refresh_forwards(lazy["windows"], run)  # the count bench/heal.py uses is the GPU run's
     assert count["forwards"] == lazy["refresh_forwards"]
     assert count["refreshes"] * (run.chain - 1) * count["batches"] == eager["refresh_forwards"]
+    # evaluations right after a refresh built held-out rows from their own forwards (`loss_sum_next`), and the
+    # history above is still the eager one's, bit for bit
+    assert lazy["eval_built_rows"] == count["eval_built"] > 0
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])

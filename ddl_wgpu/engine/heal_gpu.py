@@ -325,15 +325,25 @@ class WgpuDraft:
         pre, post = self._work(x.shape[1], 1, chain).forward_rows(pad_rows(x, self.B))
         return pre[:b], post[:b]
 
+    def loss_sum_next(self, x_rows, teacher_ids, teacher_probs, weights, next_tokens, valid, chain: int = 0):
+        """`loss_sum` and `next_rows` from one forward -> (loss sum, the next chain step's rows (b, T, C))."""
+        work, args = self._args(x_rows, teacher_ids, teacher_probs, weights, chain)
+        loss = work.loss_sum_rows(*args)  # its forward's output rows stay on the GPU
+        return loss, self._rows(work, np.shape(x_rows)[0], args[0].shape[1], next_tokens, valid)
+
     def next_rows(self, x_rows, next_tokens, valid, chain: int = 0) -> np.ndarray:
         """The block input rows of the next chain step from this draft's forward of x_rows (with `chain`,
         the stacked output's last step), built on the GPU from the `chain_hidden` output rows (`DraftInput`):
         next_tokens (b, T) row p's token, valid (b, T) -> (b, T, C) float32."""
         x = np.asarray(x_rows, np.float32)
         b, S = x.shape[0], x.shape[1]
-        T = np.shape(next_tokens)[1]
         work = self._work(S, 1, chain)
         work.forward(pad_rows(x, self.B))
+        return self._rows(work, b, S, next_tokens, valid)
+
+    def _rows(self, work, b: int, S: int, next_tokens, valid) -> np.ndarray:
+        """The next chain step's rows from `work`'s last forward of S rows per window (its last T)."""
+        T = np.shape(next_tokens)[1]
         hid = work.xL if self.cfg.mtp.chain_hidden == "pre_norm" else work.xf
         tok, val = pad_rows(next_tokens, self.B), pad_rows(valid, self.B)
         return self.input.rows(tok, val, hid, h_stride=S, h_offset=S - T)[:b]

@@ -255,6 +255,13 @@ class RefDraft:
                                          self.kl_form)  # fmt: skip
         return float(kl)
 
+    def loss_sum_next(self, x_rows, teacher_ids, teacher_probs, weights, next_tokens, valid, chain: int = 0):
+        """`loss_sum` and `next_rows` from one forward -> (loss sum, the next chain step's rows)."""
+        kl, cache = ref_mtp.draft_kl_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
+                                             teacher_probs, np.asarray(weights, np.float32), chain,
+                                             self.kl_form)  # fmt: skip
+        return float(kl), self._rows(cache["pre"], cache["post"], next_tokens, valid)
+
     def hidden_out(self, x_rows, chain: int = 0):
         pre, post, _ = ref_mtp.draft_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), chain)
         return pre, post
@@ -262,7 +269,9 @@ class RefDraft:
     def next_rows(self, x_rows, next_tokens, valid, chain: int = 0):
         """The block input rows of the next chain step from this draft's output on x_rows (with `chain`, the
         output's last step): `ddl_ref.mtp.step_input` of the tokens (b, T) on the `chain_hidden` rows."""
-        pre, post = self.hidden_out(x_rows, chain)
+        return self._rows(*self.hidden_out(x_rows, chain), next_tokens, valid)
+
+    def _rows(self, pre, post, next_tokens, valid):
         T = np.shape(next_tokens)[1]
         hid = ref_mtp.pick_hidden(pre[:, -T:], post[:, -T:], self.cfg.mtp.chain_hidden)
         return ref_mtp.step_input(self.inputs, self.cfg, next_tokens, np.asarray(hid, np.float32), valid)

@@ -269,7 +269,13 @@ class _Chain:
     a refresh without one). Every row is the one an eager rebuild of all windows at the refresh gives, bit for
     bit (same weights, same batches of windows, same order of chain steps; the tests compare the two), at the
     cost of the batches the jobs and evaluations of a period touch instead of all of them; and the GPU holds no
-    copy of the weights for it (what the copy costs is a download per refresh)."""
+    copy of the weights for it (what the copy costs is a download per refresh).
+
+    An evaluation right after a refresh (no draft step between: `fresh`) is the refresh's own forward: the
+    draft's forward of chain step j's rows is both what step j's KL reads and what step j + 1's rows are built
+    from (`Draft.loss_sum_next`). So the plan leaves such an evaluation's held-out batches stale and
+    `heldout_kl` builds them as it goes, one forward per batch and step instead of two; the rows are the same
+    forward's on the same weights, so the bits do not change."""
 
     def __init__(self, model: Model, cfg: HealConfig, cache: _Cache, draft):
         self.model, self.mcfg, self.cache, self.draft = model, model.cfg, cache, draft
@@ -287,6 +293,8 @@ class _Chain:
         self.weights = None  # the draft's weights at the last refresh
         self.forwards = 0  # refresh-batch forwards (draft forward + the next step's rows), all told
         self.period_forwards = 0  # ... since the last `refresh`
+        self.fresh = False  # no draft step since the last refresh: the weights are the kept ones
+        self.eval_built = 0  # rows of a chain step built by an evaluation's own forwards, all told
 
     def stacked(self, sel, j: int) -> np.ndarray:
         """Block inputs of steps 1..j of the windows `sel`, stacked along time -> (b, j·T, C) float32."""
@@ -311,6 +319,7 @@ class _Chain:
         if self.chain < 2:
             return 0
         self.weights = self.draft.snapshot()
+        self.fresh = True
         self.built[:] = 1
         for j in range(
             2, self.chain + 1
@@ -372,15 +381,27 @@ class _Chain:
         return self.stacked(b, j), tid, tp, w, {"chain": j}
 
     def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
-        """The draft's mean top-k KL to the trunk per chain step over the held-out batches."""
-        if batches and self.chain > 1:  # the stale held-out refresh batches in one go
+        """The draft's mean top-k KL to the trunk per chain step over the held-out batches. Right after a
+        refresh (`fresh`) a stale batch's step j + 1 rows come from step j's evaluation forward; otherwise the
+        stale held-out refresh batches are rebuilt first, in one go, from the kept weights."""
+        if batches and self.chain > 1 and not self.fresh:
             self._current(np.concatenate(batches), self.chain)
         out = []
         for j in range(1, self.chain + 1):
             s = n = 0.0
             for b in batches:
                 x, tid, tp, w, c = self.join(b, j)
-                s += self.draft.loss_sum(x, tid, tp, w, **c)
+                k = int(self.batch_of[b[0]])
+                if j < self.chain and self.built[k] == j and np.array_equal(self.members[k], b):
+                    nxt = j + 1
+                    tok, valid = ref_mtp.shifted(self.cache.ids[b], nxt), ref_mtp.step_valid(self.cache.lengths[b], self.T, nxt)
+                    loss, rows = self.draft.loss_sum_next(x, tid, tp, w, tok, valid, **c)
+                    self.cache.x[nxt][b] = rows
+                    self.built[k] = nxt
+                    self.eval_built += 1
+                else:
+                    loss = self.draft.loss_sum(x, tid, tp, w, **c)
+                s += loss
                 n += float(w.sum())
             out.append(s / max(n, 1e-9))
         return out
@@ -470,15 +491,18 @@ class _HealJob:
         """What the period after the refresh at step n reads, as (windows, chain step) pairs: the jobs of its steps
         n + 1.. to the next refresh (after `refresh` steps) or the last step, and every held-out batch to the
         last chain step when an evaluation falls in it (at a due step from n on, before the next refresh's, or
-        the last step). A non-finite step takes one job more than planned: `_Chain` rebuilds that job's rows
-        from its copy of the weights."""
+        the last step), unless one falls at n itself: that one builds them from its own forwards
+        (`_Chain.heldout_kl`). A non-finite step takes one job more than planned: `_Chain` rebuilds that job's
+        rows from its copy of the weights."""
         cfg = self.cfg
         last = n + cfg.refresh if cfg.refresh > 0 and n + cfg.refresh < self.total else self.total
         while len(self.ahead) < last - n:
             self.ahead.append(next(self.order))
         reads = list(itertools.islice(self.ahead, last - n))
+        # an evaluation at n itself follows this refresh with no step between: it builds the held-out rows
+        # from its own forwards, and a later evaluation of the period reads those
         evals = range(n, last + 1 if last == self.total else last)
-        if any(self.cadence.due(s) for s in evals):
+        if any(self.cadence.due(s) for s in evals) and not self.cadence.due(n):
             reads += [(b, cfg.chain) for b in self.val_batches]
         return reads
 
@@ -496,6 +520,7 @@ class _HealJob:
     def step(self, done: int) -> dict | None:
         b, j = self._next_job()
         x, tid, tp, w, c = self.chain.join(b, j)
+        self.chain.fresh = False  # the weights move on from the kept ones
         lr = self.cfg.lr * lr_multiplier(done + 1, self.total)
         loss, gnorm, finite = self.chain.draft.step(x, tid, tp, w, lr, done + 1, self.scale.value, **c)
         if not (finite and math.isfinite(loss) and math.isfinite(gnorm)):
@@ -679,6 +704,7 @@ def _heal(model_path, data_spec, out_path, cfg: HealConfig, init_path, backend: 
         "out": os.fspath(path),
         "history": job.history,
         "refresh_forwards": chain.forwards,
+        "eval_built_rows": chain.eval_built,  # chain steps evaluations built from their own forwards
         "plan": plan.to_dict() if plan is not None else None,
         "scratch_bytes": host.scratch_bytes,
         # the engine's own count: the most of its phases (trunk, draft), each beside the plan's estimate
