@@ -30,7 +30,9 @@ JSON. The numbers come from the classes `ddl-wgpu heal --backend wgpu` runs (`dd
   `WgpuTeacher.topk_rows` builds the draft's step-1 block input of every batch; checked against the numpy
   `ddl_ref.mtp.step_input`, which is also timed ("host rows (numpy)": what heal ran before).
 - refresh batch: `WgpuDraft.next_rows` (the draft's forward and the next step's rows from its output on the
-  GPU), what heal's refresh runs for chain steps 2..chain of a batch of windows a job or evaluation reads.
+  GPU), what heal's refresh runs for chain steps 2..chain of a batch of windows a job reads.
+- held-out evaluation batch, per chain step j: `WgpuDraft.loss_sum_next` (j < chain: the KL and the next
+  step's rows from one forward) or `loss_sum` (the last step), on the job's rows of step j.
 - draft: `WgpuDraft.step` for each chain step j = 1..--chain (one job of heal's list: forward, top-k KL,
   backward, gradient clip, Adam). With --chain-attention stacked step j stacks the rows of
   steps 1..j, so it runs j·B·T rows; "per-step" runs B·T. heal's jobs cycle uniformly over j, so the job-mix row
@@ -55,8 +57,10 @@ The epoch estimate (1 M window tokens): the trunk pass as heal runs it (`WgpuTea
 top-k, step-1 rows; timed as "heal's trunk pass"), the draft's jobs (chain per batch, 10 % of windows held
 out), and the refresh batches heal's lazy refresh rebuilds: per --refresh steps those its jobs and its
 held-out evaluation read, counted by running heal's job loop on a stand-in draft (`bench/heal_count.py`;
-the eager rebuild of every batch at each refresh is in the JSON for comparison); evaluation's own forwards
-and acceptance not counted.
+the eager rebuild of every batch at each refresh is in the JSON for comparison); and the held-out
+evaluations (every --eval-every steps, at the start and at the last step: each chain step of every held-out
+batch, its KL forward timed as "held-out evaluation batch", the next step's rows built from it where an
+evaluation follows a refresh). The acceptance measurements before and after are not counted.
 
 Checks (same run; any failure exits 1 after the table and the JSON): on the first --check-rows tokens of
 window 0 (causal, so they do not depend on later tokens) against float64 numpy (`ddl_ref`):
@@ -79,6 +83,7 @@ import math
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -277,6 +282,16 @@ class Jobs:
         for j in range(2, args.chain + 1):
             self.x[j] = draft.next_rows(self.x[j - 1], *tok_valid(j))
         self.refresh = wall_ms(gpu, lambda: draft.next_rows(x1, *tok_valid(2)), args.warmup, args.steps)
+        # a held-out evaluation batch at each chain step: the KL forward, with the next step's rows where heal
+        # builds them from it (an evaluation right after a refresh)
+        self.evals = {}
+        for j in range(1, args.chain + 1):
+            x, tid, tp, w, kw = self.job(j)
+            if j < args.chain:
+                call = partial(draft.loss_sum_next, x, tid, tp, w, *tok_valid(j + 1), **kw)
+            else:
+                call = partial(draft.loss_sum, x, tid, tp, w, **kw)
+            self.evals[j] = wall_ms(gpu, call, args.warmup, args.steps)
         # the trunk pass as heal runs it: forward, top-k, the step-1 rows (no hidden rows downloaded)
         self.pass_ = wall_ms(
             gpu, lambda: teacher.topk_rows(ids, self.lengths, args.k), args.warmup, args.steps
@@ -354,9 +369,12 @@ def bench_draft(gpu, model: Model, teacher, ids, out, args, progress) -> dict:
     jobs = Jobs(model, teacher, draft, ids, out, args)
     r["host_rows"], r["gpu_rows"], r["refresh_batch"] = jobs.host, jobs.gpu_rows, jobs.refresh
     r["trunk_pass"] = jobs.pass_
+    r["eval_batch"] = jobs.evals
     r["rows_check"] = jobs.rows_check
+    evals = ", ".join(f"{e['ms']:.2f}" for e in jobs.evals.values())
     progress(f"  step-1 rows: GPU {jobs.gpu_rows['ms']:.2f} ms, numpy {jobs.host['ms']:.2f} ms per batch, "
-             f"check {_status(jobs.rows_check)}; refresh batch {jobs.refresh['ms']:.2f} ms")  # fmt: skip
+             f"check {_status(jobs.rows_check)}; refresh batch {jobs.refresh['ms']:.2f} ms; held-out evaluation "
+             f"batch per chain step {evals} ms")  # fmt: skip
     head64 = (
         {} if args.no_check else {n: a.astype(np.float64) for n, a in frozen_as_stored(model, args).items()}
     )
@@ -603,8 +621,14 @@ def main(argv=None) -> int:
             "refresh_s": lazy["forwards"] * rb_s,
             "eager_refresh_forwards": eager,  # before: every window at every refresh
             "eager_refresh_s": eager * rb_s,
+            "evaluations": lazy["evaluations"],  # each: chain steps x the held-out batches
+            "eval_built": lazy["eval_built"],  # rows evaluations built from their own forwards
+            "eval_s": lazy["evaluations"]
+            * lazy["heldout_batches"]
+            * sum(e["ms"] for e in draft["eval_batch"].values())
+            / 1e3,
         }
-        estimate["total_s"] = estimate["trunk_s"] + estimate["draft_s"] + estimate["refresh_s"]  # fmt: skip
+        estimate["total_s"] = sum(estimate[k] for k in ("trunk_s", "draft_s", "refresh_s", "eval_s"))
 
     headers = ["measurement", "shape", "ms", "tokens/s", "s/step", "GPU ms", "model TFLOP/s", "GPU mem GB",
                "check (err)"]  # fmt: skip
@@ -632,7 +656,9 @@ def main(argv=None) -> int:
               f"{e['trunk_s']:.1f}s, draft {e['draft_s']:.1f}s ({e['steps']:.0f} steps), refresh "
               f"{e['refresh_s']:.1f}s ({e['refresh_forwards']} refresh batches rebuilt lazily over "
               f"{e['refreshes']} refreshes every {args.refresh} steps; eager: {e['eager_refresh_forwards']}, "
-              f"{e['eager_refresh_s']:.1f}s); evaluation's own forwards not counted")  # fmt: skip
+              f"{e['eager_refresh_s']:.1f}s), held-out evaluation {e['eval_s']:.1f}s ({e['evaluations']} "
+              f"evaluations, {e['eval_built']} chain steps of held-out batches built by their forwards); "
+              f"the acceptance measurements not counted")  # fmt: skip
     verdict = "all checks passed" if not failed else "FAILED: " + "; ".join(failed)
     print(f"total {data['wall_s']:.0f}s; {verdict}")
     return 1 if failed else 0

@@ -48,6 +48,7 @@ class _CountingChain(_Chain):
         return None, None, None, np.ones(1), {}
 
     def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
+        self.evaluations = getattr(self, "evaluations", 0) + 1
         if batches and self.chain > 1 and not self.fresh:
             self._current(np.concatenate(batches), self.chain)
         for k in (int(self.batch_of[b[0]]) for b in batches):  # right after a refresh: built by its forwards
@@ -58,10 +59,11 @@ class _CountingChain(_Chain):
 
 def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
     """The refresh-batch forwards a heal over `windows` windows runs when nothing stops it early (patience
-    off) -> {"forwards", "steps", "refreshes", "batches", "eval_built"}. An eager rebuild of every batch at
-    each refresh would run refreshes x (chain − 1) x batches. `eval_built`: the batches' chain steps an
-    evaluation right after a refresh built from its own forwards (`Draft.loss_sum_next`), no forward of
-    their own."""
+    off) -> {"forwards", "steps", "refreshes", "batches", "eval_built", "evaluations", "heldout_batches"}. An
+    eager rebuild of every batch at each refresh would run refreshes x (chain − 1) x batches. `eval_built`:
+    the batches' chain steps an evaluation right after a refresh built from its own forwards
+    (`Draft.loss_sum_next`), no forward of their own. `evaluations` (the one before the first step included)
+    each run chain x `heldout_batches` forwards of the draft with its head and KL."""
     cfg = dataclasses.replace(cfg, patience=0)
     N = windows
     cache = SimpleNamespace(ids=np.zeros((N, 1)), x={}, zeros=np.zeros)  # `_CountingChain` reads no rows
@@ -76,5 +78,12 @@ def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
     best = Best(0.0, 0, None)
     job.start(best, chain.heldout_kl(vb))
     _stopped, done = drive(job, 0, job.cadence, best, events, 0)
-    return {"forwards": chain.forwards, "steps": done, "refreshes": len(refreshes), "batches": chain.batches,
-            "eval_built": chain.eval_built}
+    return {
+        "forwards": chain.forwards,
+        "steps": done,
+        "refreshes": len(refreshes),
+        "batches": chain.batches,
+        "eval_built": chain.eval_built,
+        "evaluations": chain.evaluations,
+        "heldout_batches": len(vb),
+    }

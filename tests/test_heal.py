@@ -219,7 +219,9 @@ class ScriptedDraft(refnet.RefDraft):
         return ScriptedDraft.curve[self.done] * float(np.sum(weights))
 
     def loss_sum_next(self, x_rows, teacher_ids, teacher_probs, weights, next_tokens, valid, chain: int = 0):
-        rows = super().loss_sum_next(x_rows, teacher_ids, teacher_probs, weights, next_tokens, valid, chain)[1]
+        rows = super().loss_sum_next(x_rows, teacher_ids, teacher_probs, weights, next_tokens, valid, chain)[
+            1
+        ]
         return self.loss_sum(x_rows, teacher_ids, teacher_probs, weights, chain), rows
 
 
@@ -534,6 +536,7 @@ def test_lazy_refresh_rebuilds_fewer_batches(files, tmp_path, eager_refresh, hea
     # bench/heal.py's count (heal's job loop on a stand-in draft) is the real one, and so is its eager figure
     count = heal_count.refresh_forwards(lazy["windows"], run)
     assert count["forwards"] == lazy["refresh_forwards"] and count["steps"] == lazy["steps"]
+    assert count["evaluations"] == len(lazy["history"])  # the estimate's evaluations are the run's
     assert count["refreshes"] == refreshes and count["batches"] == batches
     assert count["refreshes"] * 2 * count["batches"] == eager["refresh_forwards"]
     # the first period: at most one refresh batch for each of its 3 jobs (a job's batch is one); the evaluation
@@ -636,6 +639,9 @@ def test_an_evaluation_right_after_a_refresh_builds_its_own_rows():
     read = np.concatenate(vb)
     assert (c.cache.x[2][read] == 2).all() and (c.cache.x[3][read] == 2).all()
     assert (np.delete(c.cache.x[2], read, axis=0) == 0).all()
-    assert sorted({int(c.built[k]) for k in c.batch_of[read]}) == [3] and (np.delete(c.built, c.batch_of[read]) == 1).all()
+    assert (
+        sorted({int(c.built[k]) for k in c.batch_of[read]}) == [3]
+        and (np.delete(c.built, c.batch_of[read]) == 1).all()
+    )
     c.heldout_kl(vb)  # current now: plain evaluations
     assert c.draft.fused == 2 * len(vb) and c.forwards == 0

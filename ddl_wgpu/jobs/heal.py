@@ -394,7 +394,10 @@ class _Chain:
                 k = int(self.batch_of[b[0]])
                 if j < self.chain and self.built[k] == j and np.array_equal(self.members[k], b):
                     nxt = j + 1
-                    tok, valid = ref_mtp.shifted(self.cache.ids[b], nxt), ref_mtp.step_valid(self.cache.lengths[b], self.T, nxt)
+                    tok, valid = (
+                        ref_mtp.shifted(self.cache.ids[b], nxt),
+                        ref_mtp.step_valid(self.cache.lengths[b], self.T, nxt),
+                    )
                     loss, rows = self.draft.loss_sum_next(x, tid, tp, w, tok, valid, **c)
                     self.cache.x[nxt][b] = rows
                     self.built[k] = nxt
