@@ -85,6 +85,7 @@ import time
 import traceback
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
@@ -396,9 +397,7 @@ def bench_draft(gpu, model: Model, teacher, ids, out, args, progress) -> dict:
 
         def step_call(work=work):  # as DraftWork.step_rows records one training step
             upd = draft_adamw(HEAL.lr, next(steps))
-            net = draft.net
-            return (net.zero_grads_call() + work._fwd + work._head_train + work._sum + work._bwd
-                    + net.optimizer_call(upd))  # fmt: skip
+            return SimpleNamespace(record=lambda rec: work.record_step(rec, upd))
 
         e["gpu"] = gpu_ms(gpu, step_call, args.quick)
         r["steps"][j] = e

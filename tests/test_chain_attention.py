@@ -237,6 +237,42 @@ def test_runtime_draft_step_matches_refdraft(gpu, qk, heal_kit):
     np.testing.assert_allclose(post, rpost, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [None, 14, 7, 4])
+def test_stacked_head_on_the_last_rows_in_any_chunking(gpu, chunk, heal_kit):
+    """A stacked step's head runs on step j's rows alone, gathered: the 21 rows in one chunk of logits (None),
+    chunks of 14, 7 or 4 rows (the last two cutting windows apart). Loss and gradients as `RefDraft`'s on all
+    rows; rows before step j weighted non-zero are refused."""
+    from ddl_wgpu.engine.draft import DraftWork
+
+    h = heal_kit
+    cfg = h.tiny_cfg(qk_norm="pre_rope")
+    p = h.perturbed(cfg)
+    rng = np.random.default_rng(7)
+    B, W, j, k = 3, 7, 3, 8
+    T = j * W
+    x = rng.standard_normal((B, T, cfg.d_model)).astype(np.float32)
+    tid = rng.integers(0, 256, (B, T, k))
+    tp = rng.random((B, T, k)).astype(np.float32)
+    w = np.zeros((B, T), np.float32)
+    w[:, -W:] = (rng.random((B, W)) < 0.8).astype(np.float32)
+    ref, gd = RefDraft(p, cfg), WgpuDraft(open_gpu(), p, cfg, batch=B)
+    work = DraftWork(gd.net, B, T, k, chain=j, chunk_rows=chunk)
+    assert work.last == W
+    assert work.loss_sum_rows(x, tid, tp, w) == pytest.approx(ref.loss_sum(x, tid, tp, w, chain=j), rel=1e-5)
+    r = work.step_rows(x, tid, tp, w)
+    p64 = {n: a.astype(np.float64) for n, a in p.items()}
+    kl, cache = ref_mtp.draft_kl_forward(p64, cfg, x.astype(np.float64), tid, tp, w, chain=j)
+    _dx, rgrads = ref_mtp.draft_kl_backward(p64, cfg, cache, 1.0 / w.sum())
+    assert r.loss == pytest.approx(kl / w.sum(), rel=1e-5)
+    got = gd.grads()
+    for n, g in rgrads.items():
+        scale = max(np.abs(g).max(), 1e-4)
+        np.testing.assert_allclose(got[n] / scale, g / scale, atol=2e-5, err_msg=n)
+    w[0, 0] = 1.0
+    with pytest.raises(Exception, match="weighted 0"):
+        work.loss_sum_rows(x, tid, tp, w)
+
+
 def test_runtime_heal_both_backends(gpu, tmp_path, heal_kit):
     from dataclasses import replace
 

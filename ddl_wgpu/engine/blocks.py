@@ -483,13 +483,14 @@ class Blocks(GatedDeltaNet):
     def final_norm_backward(self, d_last) -> Call:
         return self._norm_backward(d_last, self.dxf, self.xL, "model.norm.weight", self.rf)
 
-    def head_calls(self, xf, loss, dxf=None, with_dw: bool = False) -> Call:
-        """The LM head over the rows of `xf` in row chunks of logits: per chunk the logits, `loss(logits, n,
-        r0)` (a Call on them), and with `dxf` the head's backward (dW too `with_dw`)."""
-        C, V = self.C, self.cfg.vocab_size
+    def head_calls(self, xf, loss, dxf=None, with_dw: bool = False, rows: int | None = None) -> Call:
+        """The LM head over the rows of `xf` (all N, or its first `rows`) in row chunks of logits: per chunk
+        the logits, `loss(logits, n, r0)` (a Call on them), and with `dxf` the head's backward (dW too
+        `with_dw`)."""
+        C, V, N = self.C, self.cfg.vocab_size, self.N if rows is None else rows
         call = Call()
-        for r0 in range(0, self.N, self.chunk):
-            n = min(self.chunk, self.N - r0)
+        for r0 in range(0, N, self.chunk):
+            n = min(self.chunk, N - r0)
             x = (xf, r0 * C * F32, n * C * F32)
             logits = (self.logit_chunk, 0, n * V * F32)
             call += self.vocab.head_forward(logits, x, n)

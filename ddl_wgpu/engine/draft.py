@@ -8,7 +8,12 @@ trainable.
 
 Chain attention (`chain=j`): the seq rows are the stacked rows of chain steps 1..j of each window (row
 (σ−1)·W + p, seq = j·W); attention uses the runtime's diagonal mask (`ops.attention.attention_masked_*`,
-`ddl_ref.ops.chain_mask`) and RoPE the positions p + σ − 1; the caller weights the rows of steps < j with 0.
+`ddl_ref.ops.chain_mask`) and RoPE the positions p + σ − 1. Only step j's rows (the last W of each window)
+carry the loss, so the head (the largest product at a wide vocabulary) runs on those alone: they are copied
+into rows of their own, one window after another (whole tiles for the head's product), the teacher's top-k
+and weights of those rows alone go up, and the head's gradient is copied back into them, the rows of steps < j
+getting 0 (what their weight of 0 gave them when the head ran on every row, at j times the cost). A frozen
+head only: a trained one keeps every row.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ddl_ref import ops as ref_ops
 from ddl_wgpu.engine.blocks import Blocks
 from ddl_wgpu.engine.step import AdamW, StepResult
 from ddl_wgpu.ops import attention as k_attn
+from ddl_wgpu.ops import elementwise as k_elt
 from ddl_wgpu.ops import reduce as k_red
 from ddl_wgpu.ops import topk_kl as k_topk
 from ddl_wgpu.runtime.gpu import Call, GpuError
@@ -45,16 +51,24 @@ class DraftWork(Blocks):
         self.chain, self.kl_k, self.kl_form = int(chain), int(kl_k), kl_form
         super().__init__(net, batch, seq, chunk_rows, span=seq // chain if chain else seq)
         N = self.N
+        head_trained = net.head_name in net.trainable
+        # the rows the head runs on per window: step j's alone in a stacked chain (a frozen head)
+        self.last = seq // chain if chain > 1 and not head_trained else 0
         self.init_backward_scratch()
         self.weights = self.act(N, "weights")
         self.scale = self.act(4, "loss_scale")
         self.t_ids = self.act(N * self.kl_k, "teacher_ids")  # u32, as wide as f32
         self.t_probs = self.act(N * self.kl_k, "teacher_probs")
         self._fwd = self.blocks_forward() + self.final_norm_forward()
-        head_trained = net.head_name in net.trainable
-        self._head_eval = self.head_calls(self.xf, self._topk_kl)
-        self._head_train = self.head_calls(self.xf, self._topk_kl, self.dxf, head_trained)
-        self._sum = k_red.sum_rows(self.gpu, self.loss_acc, self.row_loss, N)
+        xf, dxf, rows = self.xf, self.dxf, None
+        if self.last:  # the head's own rows: step j's of each window, gathered (`_record_head`)
+            rows = self.B * self.last
+            xf, dxf = self.act(rows * self.C, "xf_last"), self.act(rows * self.C, "dxf_last")
+            self._zero_dxf = k_elt.fill(self.gpu, self.dxf, N * self.C)  # shared with the other works
+        self._xf_rows, self._dxf_rows = xf, dxf
+        self._head_eval = self.head_calls(xf, self._topk_kl, rows=rows)
+        self._head_train = self.head_calls(xf, self._topk_kl, dxf, head_trained, rows=rows)
+        self._sum = k_red.sum_rows(self.gpu, self.loss_acc, self.row_loss, rows or N)
         self._bwd = self.backward_calls()
 
     def _rope_tables(self):
@@ -101,7 +115,8 @@ class DraftWork(Blocks):
 
     def upload_rows(self, x, teacher_ids=None, teacher_probs=None, weights=None) -> float:
         """x (B, T, C) into the first block's input; with a teacher, its top-k and the row weights (the loss
-        scale is 1 / their sum). -> the sum of the weights."""
+        scale is 1 / their sum), of the rows the head runs on (`last`: the last rows of each window; the
+        others' weights must be 0). -> the sum of the weights."""
         x = np.asarray(x, np.float32)
         C, N = self.C, self.N
         if x.shape != (self.B, self.T, C):
@@ -116,6 +131,11 @@ class DraftWork(Blocks):
             raise GpuError(f"teacher top-k of width {tid.shape[1]}, this Work was built for {k}")
         w = np.asarray(weights, np.float32).reshape(N)
         count = float(w.sum())
+        if self.last:  # step j's rows of each window, one window after another
+            keep = np.arange(N).reshape(self.B, self.T)[:, self.T - self.last :].reshape(-1)
+            if float(w[keep].sum()) != count:
+                raise GpuError("a stacked chain step's rows before its last step must be weighted 0")
+            tid, teacher_probs, w = tid[keep], np.asarray(teacher_probs).reshape(N, -1)[keep], w[keep]
         g.write(self.t_ids, np.clip(tid, 0, self.cfg.vocab_size - 1).astype(np.uint32).reshape(-1))
         g.write(self.t_probs, np.asarray(teacher_probs, np.float32).reshape(-1))
         g.write(self.weights, w)
@@ -124,18 +144,37 @@ class DraftWork(Blocks):
 
     # -- steps and evaluation ---------------------------------------------------------------------------
 
+    def _record_head(self, rec, train: bool) -> None:
+        """The head and its loss (and with `train` its backward into dxf), on step j's rows alone where `last`:
+        copied into the head's rows first, its gradient copied back after (dxf zeroed, so the rows of steps
+        < j get 0)."""
+        row, n = self.C * 4, self.last * self.C * 4
+        runs = [((b * self.T + self.T - self.last) * row, b * n) for b in range(self.B)] if self.last else []
+        for at, to in runs:
+            rec.copy(self.xf, at, self._xf_rows, to, n)
+        (self._head_train if train else self._head_eval).record(rec)
+        if runs and train:
+            self._zero_dxf.record(rec)
+            for at, to in runs:
+                rec.copy(self._dxf_rows, to, self.dxf, at, n)
+
+    def record_step(self, rec, update: AdamW | None = None) -> None:
+        """One training step's work into `rec` (the inputs uploaded): zeroed gradients, forward, head and
+        top-k KL, the loss sum, backward, and with `update` the clip and AdamW."""
+        self.net.zero_grads_call().record(rec)
+        self._fwd.record(rec)
+        self._record_head(rec, True)
+        self._sum.record(rec)
+        self._bwd.record(rec)
+        if update is not None:
+            self.net.optimizer_call(update).record(rec)
+
     def step_rows(self, x, teacher_ids, teacher_probs, weights, update: AdamW | None = None) -> StepResult:
         """x (B, T, C) block input rows; teacher top-k ids/probs (B, T, k); weights (B, T) 0/1. Forward,
         top-k KL (mean over weighted rows), backward, and with `update` the clip and AdamW; one submit."""
         count = self.upload_rows(x, teacher_ids, teacher_probs, weights)
         rec = self.gpu.recorder()
-        self.net.zero_grads_call().record(rec)
-        self._fwd.record(rec)
-        self._head_train.record(rec)
-        self._sum.record(rec)
-        self._bwd.record(rec)
-        if update is not None:
-            self.net.optimizer_call(update).record(rec)
+        self.record_step(rec, update)
         out = self.finish(rec, update is not None)
         loss = float(out[0]) / max(count, 1.0)
         finite = bool(np.isfinite(loss)) and (update is None or out[3] != 0)
@@ -147,7 +186,7 @@ class DraftWork(Blocks):
         self.upload_rows(x, teacher_ids, teacher_probs, weights)
         rec = self.gpu.recorder()
         self._fwd.record(rec)
-        self._head_eval.record(rec)
+        self._record_head(rec, False)
         self._sum.record(rec)
         return float(self.finish(rec, False)[0])
 
