@@ -47,8 +47,10 @@ class _CountingChain(_Chain):
             self._current(b, j)
         return None, None, None, np.ones(1), {}
 
+    evaluations = 0  # held-out evaluations run
+
     def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
-        self.evaluations = getattr(self, "evaluations", 0) + 1
+        self.evaluations += 1
         if batches and self.chain > 1 and not self.fresh:
             self._current(np.concatenate(batches), self.chain)
         for k in (int(self.batch_of[b[0]]) for b in batches):  # right after a refresh: built by its forwards
