@@ -33,6 +33,8 @@ JSON. The numbers come from the classes `ddl-wgpu heal --backend wgpu` runs (`dd
   GPU), what heal's refresh runs for chain steps 2..chain of a batch of windows a job reads.
 - held-out evaluation batch, per chain step j: `WgpuDraft.loss_sum_next` (j < chain: the KL and the next
   step's rows from one forward) or `loss_sum` (the last step), on the job's rows of step j.
+- acceptance chain: `WgpuDraft.greedy_chain` to depth --chain on the batch (accept's, and heal's acceptance
+  before and after), every row on the GPU.
 - draft: `WgpuDraft.step` for each chain step j = 1..--chain (one job of heal's list: forward, top-k KL,
   backward, gradient clip, Adam). With --chain-attention stacked step j stacks the rows of
   steps 1..j, so it runs j·B·T rows; "per-step" runs B·T. heal's jobs cycle uniformly over j, so the job-mix row
@@ -372,10 +374,16 @@ def bench_draft(gpu, model: Model, teacher, ids, out, args, progress) -> dict:
     r["trunk_pass"] = jobs.pass_
     r["eval_batch"] = jobs.evals
     r["rows_check"] = jobs.rows_check
+    # accept's greedy chain on the batch, every row on the GPU, as heal measures acceptance before and after
+    hidden = teacher.greedy_hidden(ids, model.cfg.mtp.trunk_hidden)[1]
+    tok, valid = ref_mtp.shifted(ids, 1), ref_mtp.step_valid(jobs.lengths, args.seq, 1)
+    stacked = args.chain_attention == "stacked"
+    r["accept_chain"] = wall_ms(gpu, lambda: draft.greedy_chain(hidden, tok, valid, args.chain, stacked),
+                                args.warmup, args.steps)  # fmt: skip
     evals = ", ".join(f"{e['ms']:.2f}" for e in jobs.evals.values())
     progress(f"  step-1 rows: GPU {jobs.gpu_rows['ms']:.2f} ms, numpy {jobs.host['ms']:.2f} ms per batch, "
              f"check {_status(jobs.rows_check)}; refresh batch {jobs.refresh['ms']:.2f} ms; held-out evaluation "
-             f"batch per chain step {evals} ms")  # fmt: skip
+             f"batch per chain step {evals} ms; acceptance chain {r['accept_chain']['ms']:.2f} ms")  # fmt: skip
     head64 = (
         {} if args.no_check else {n: a.astype(np.float64) for n, a in frozen_as_stored(model, args).items()}
     )

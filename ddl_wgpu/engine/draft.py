@@ -66,6 +66,7 @@ class DraftWork(Blocks):
             xf, dxf = self.act(rows * self.C, "xf_last"), self.act(rows * self.C, "dxf_last")
             self._zero_dxf = k_elt.fill(self.gpu, self.dxf, N * self.C)  # shared with the other works
         self._xf_rows, self._dxf_rows = xf, dxf
+        self._topk_last: dict = {}
         self._head_eval = self.head_calls(xf, self._topk_kl, rows=rows)
         self._head_train = self.head_calls(xf, self._topk_kl, dxf, head_trained, rows=rows)
         self._sum = k_red.sum_rows(self.gpu, self.loss_acc, self.row_loss, rows or N)
@@ -144,19 +145,43 @@ class DraftWork(Blocks):
 
     # -- steps and evaluation ---------------------------------------------------------------------------
 
+    def _runs(self) -> list:
+        """(byte offset in xf, byte offset in the head's rows) of each window's step-j rows (none without
+        `last`), and their byte length."""
+        row, n = self.C * 4, self.last * self.C * 4
+        return [((b * self.T + self.T - self.last) * row, b * n) for b in range(self.B)] if self.last else []
+
+    def _gather(self, rec) -> None:
+        """Step j's rows of each window into the head's rows (`last`)."""
+        for at, to in self._runs():
+            rec.copy(self.xf, at, self._xf_rows, to, self.last * self.C * 4)
+
     def _record_head(self, rec, train: bool) -> None:
         """The head and its loss (and with `train` its backward into dxf), on step j's rows alone where `last`:
         copied into the head's rows first, its gradient copied back after (dxf zeroed, so the rows of steps
         < j get 0)."""
-        row, n = self.C * 4, self.last * self.C * 4
-        runs = [((b * self.T + self.T - self.last) * row, b * n) for b in range(self.B)] if self.last else []
-        for at, to in runs:
-            rec.copy(self.xf, at, self._xf_rows, to, n)
+        self._gather(rec)
         (self._head_train if train else self._head_eval).record(rec)
-        if runs and train:
+        if self.last and train:
             self._zero_dxf.record(rec)
-            for at, to in runs:
-                rec.copy(self._dxf_rows, to, self.dxf, at, n)
+            for at, to in self._runs():
+                rec.copy(self._dxf_rows, to, self.dxf, at, self.last * self.C * 4)
+
+    def record_top1_last(self, rec):
+        """After a forward: each window's step-j rows' argmax over the vocabulary (the head on those rows alone,
+        `last`) -> the ids buffer, (B, last) u32 one window after another."""
+        if self.last not in self._topk_last:
+            ids = self.act(self.B * self.last, "top1_last")
+            probs = self.act(self.B * self.last, "top1_last_probs")
+
+            def top1(logits, n: int, r0: int) -> Call:
+                return self._select(ids, probs, logits, n, 1, r0)
+
+            self._topk_last[self.last] = (self.head_calls(self._xf_rows, top1, rows=self.B * self.last), ids)
+        call, ids = self._topk_last[self.last]
+        self._gather(rec)
+        call.record(rec)
+        return ids
 
     def record_step(self, rec, update: AdamW | None = None) -> None:
         """One training step's work into `rec` (the inputs uploaded): zeroed gradients, forward, head and
