@@ -401,7 +401,9 @@ class WgpuDraft:
                         rec.copy(steps[s], w * T * row, x_in, (w * S + s * T) * row, T * row)
             work._fwd.record(rec)
             on_gpu = inp.table is None  # the next step's tokens, this step's argmax ids, copied there
-            if sigma and work.last:  # the head on each window's step-j rows alone: ids (B, T) as tok lays them
+            if (
+                sigma and work.last
+            ):  # the head on each window's step-j rows alone: ids (B, T) as tok lays them
                 ids_out, at = work.record_top1_last(rec), 0
             else:
                 top, ids_out, _probs = work._topk_call(1)
