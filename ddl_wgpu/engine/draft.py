@@ -66,7 +66,14 @@ class DraftWork(Blocks):
             xf, dxf = self.act(rows * self.C, "xf_last"), self.act(rows * self.C, "dxf_last")
             self._zero_dxf = k_elt.fill(self.gpu, self.dxf, N * self.C)  # shared with the other works
         self._xf_rows, self._dxf_rows = xf, dxf
-        self._topk_last: dict = {}
+        if self.last:  # accept's greedy chain: the top-1 of those rows (built now: heal's plan counts it)
+            ids = self.act(rows, "top1_last")
+            probs = self.act(rows, "top1_last_probs")
+
+            def top1(logits, n: int, r0: int) -> Call:
+                return self._select(ids, probs, logits, n, 1, r0)
+
+            self._top1_last = (self.head_calls(xf, top1, rows=rows), ids)
         self._head_eval = self.head_calls(xf, self._topk_kl, rows=rows)
         self._head_train = self.head_calls(xf, self._topk_kl, dxf, head_trained, rows=rows)
         self._sum = k_red.sum_rows(self.gpu, self.loss_acc, self.row_loss, rows or N)
@@ -170,15 +177,7 @@ class DraftWork(Blocks):
     def record_top1_last(self, rec):
         """After a forward: each window's step-j rows' argmax over the vocabulary (the head on those rows alone,
         `last`) -> the ids buffer, (B, last) u32 one window after another."""
-        if self.last not in self._topk_last:
-            ids = self.act(self.B * self.last, "top1_last")
-            probs = self.act(self.B * self.last, "top1_last_probs")
-
-            def top1(logits, n: int, r0: int) -> Call:
-                return self._select(ids, probs, logits, n, 1, r0)
-
-            self._topk_last[self.last] = (self.head_calls(self._xf_rows, top1, rows=self.B * self.last), ids)
-        call, ids = self._topk_last[self.last]
+        call, ids = self._top1_last
         self._gather(rec)
         call.record(rec)
         return ids
