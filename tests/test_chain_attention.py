@@ -237,11 +237,12 @@ def test_runtime_draft_step_matches_refdraft(gpu, qk, heal_kit):
     np.testing.assert_allclose(post, rpost, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [None, 14, 7, 4])
+@pytest.mark.parametrize("chunk", [None, 12, 8, 4])
 def test_stacked_head_on_the_last_rows_in_any_chunking(gpu, chunk, heal_kit):
-    """A stacked step's head runs on step j's rows alone, gathered: the 21 rows in one chunk of logits (None),
-    chunks of 14, 7 or 4 rows (the last two cutting windows apart). Loss and gradients as `RefDraft`'s on all
-    rows; rows before step j weighted non-zero are refused."""
+    """A stacked step's head runs on step j's rows alone, gathered: the 21 rows (3 windows of 7) in one chunk
+    of logits (None), or chunks of 12, 8 or 4 rows, each cutting windows apart (multiples of 4 rows keep the
+    chunks' bindings 256-byte aligned at this width). Loss and gradients as `RefDraft`'s on all rows; rows
+    before step j weighted non-zero are refused."""
     from ddl_wgpu.engine.draft import DraftWork
 
     h = heal_kit
@@ -250,6 +251,7 @@ def test_stacked_head_on_the_last_rows_in_any_chunking(gpu, chunk, heal_kit):
     rng = np.random.default_rng(7)
     B, W, j, k = 3, 7, 3, 8
     T = j * W
+    assert chunk is None or chunk * cfg.d_model * 4 % 256 == 0
     x = rng.standard_normal((B, T, cfg.d_model)).astype(np.float32)
     tid = rng.integers(0, 256, (B, T, k))
     tp = rng.random((B, T, k)).astype(np.float32)
