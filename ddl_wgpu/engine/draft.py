@@ -24,6 +24,7 @@ import numpy as np
 
 from ddl_ref import ops as ref_ops
 from ddl_wgpu.engine.blocks import Blocks
+from ddl_wgpu.engine.layout import F32
 from ddl_wgpu.engine.step import AdamW, StepResult
 from ddl_wgpu.ops import attention as k_attn
 from ddl_wgpu.ops import elementwise as k_elt
@@ -61,19 +62,22 @@ class DraftWork(Blocks):
         self.t_probs = self.act(N * self.kl_k, "teacher_probs")
         self._fwd = self.blocks_forward() + self.final_norm_forward()
         xf, dxf, rows = self.xf, self.dxf, None
-        if self.last:  # the head's own rows: step j's of each window, gathered (`_record_head`)
+        # the head's own rows (`_record_head`): each window's step-j rows, (offset in xf, offset there) in bytes
+        self._runs, self._run_bytes = [], self.last * self.C * F32
+        if self.last:
             rows = self.B * self.last
             xf, dxf = self.act(rows * self.C, "xf_last"), self.act(rows * self.C, "dxf_last")
+            self._runs = [((b * self.T + self.T - self.last) * self.C * F32, b * self._run_bytes)
+                          for b in range(self.B)]  # fmt: skip
             self._zero_dxf = k_elt.fill(self.gpu, self.dxf, N * self.C)  # shared with the other works
-        self._xf_rows, self._dxf_rows = xf, dxf
-        if self.last:  # accept's greedy chain: the top-1 of those rows (built now: heal's plan counts it)
-            ids = self.act(rows, "top1_last")
-            probs = self.act(rows, "top1_last_probs")
+            # accept's greedy chain: the top-1 of those rows (built now: heal's plan counts it)
+            ids, probs = self.act(rows, "top1_last"), self.act(rows, "top1_last_probs")
 
             def top1(logits, n: int, r0: int) -> Call:
                 return self._select(ids, probs, logits, n, 1, r0)
 
             self._top1_last = (self.head_calls(xf, top1, rows=rows), ids)
+        self._xf_rows, self._dxf_rows = xf, dxf
         self._head_eval = self.head_calls(xf, self._topk_kl, rows=rows)
         self._head_train = self.head_calls(xf, self._topk_kl, dxf, head_trained, rows=rows)
         self._sum = k_red.sum_rows(self.gpu, self.loss_acc, self.row_loss, rows or N)
@@ -152,16 +156,10 @@ class DraftWork(Blocks):
 
     # -- steps and evaluation ---------------------------------------------------------------------------
 
-    def _runs(self) -> list:
-        """(byte offset in xf, byte offset in the head's rows) of each window's step-j rows (none without
-        `last`), and their byte length."""
-        row, n = self.C * 4, self.last * self.C * 4
-        return [((b * self.T + self.T - self.last) * row, b * n) for b in range(self.B)] if self.last else []
-
     def _gather(self, rec) -> None:
-        """Step j's rows of each window into the head's rows (`last`)."""
-        for at, to in self._runs():
-            rec.copy(self.xf, at, self._xf_rows, to, self.last * self.C * 4)
+        """Step j's rows of each window into the head's rows (`last`; nothing without)."""
+        for at, to in self._runs:
+            rec.copy(self.xf, at, self._xf_rows, to, self._run_bytes)
 
     def _record_head(self, rec, train: bool) -> None:
         """The head and its loss (and with `train` its backward into dxf), on step j's rows alone where `last`:
@@ -169,10 +167,10 @@ class DraftWork(Blocks):
         < j get 0)."""
         self._gather(rec)
         (self._head_train if train else self._head_eval).record(rec)
-        if self.last and train:
+        if self._runs and train:
             self._zero_dxf.record(rec)
-            for at, to in self._runs():
-                rec.copy(self._dxf_rows, to, self.dxf, at, self.last * self.C * 4)
+            for at, to in self._runs:
+                rec.copy(self._dxf_rows, to, self.dxf, at, self._run_bytes)
 
     def record_top1_last(self, rec):
         """After a forward: each window's step-j rows' argmax over the vocabulary (the head on those rows alone,

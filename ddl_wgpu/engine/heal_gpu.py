@@ -400,24 +400,23 @@ class WgpuDraft:
                     for s in range(j):
                         rec.copy(steps[s], w * T * row, x_in, (w * S + s * T) * row, T * row)
             work._fwd.record(rec)
-            on_gpu = inp.table is None  # the next step's tokens, this step's argmax ids, copied there
             if (
                 sigma and work.last
-            ):  # the head on each window's step-j rows alone: ids (B, T) as tok lays them
-                ids_out, at = work.record_top1_last(rec), 0
-            else:
+            ):  # the head on each window's step-j rows alone: ids (B, T), as tok lays them
+                ids_out, width = work.record_top1_last(rec), T
+            else:  # every row's: each window's last T of S
                 top, ids_out, _probs = work._topk_call(1)
                 top.record(rec)
-                at = S - T
-            for w in range(B) if at and on_gpu else ():
-                rec.copy(ids_out, (w * S + at) * 4, tok, w * T * 4, T * 4)
-            if not at and on_gpu:
-                rec.copy(ids_out, 0, tok, 0, N * 4)
+                width = S
+            if inp.table is None:  # the next step's tokens, this step's argmax ids, copied there
+                for w in range(B) if width != T else ():
+                    rec.copy(ids_out, (w * S + S - T) * 4, tok, w * T * 4, T * 4)
+                if width == T:
+                    rec.copy(ids_out, 0, tok, 0, N * 4)
             rec.submit()
-            width = T if not at else S
             ids = g.download(ids_out, np.uint32, B * width).reshape(B, width)[:, width - T :]
             preds.append(ids[:b].astype(np.int32))
-            if not on_gpu and j < depth:  # ... or their rows gathered on the host
+            if inp.table is not None and j < depth:  # ... or their rows gathered on the host
                 inp.upload_tokens(ids)
             h, stride = ref_mtp.pick_hidden(work.xL, work.xf, mtp.chain_hidden), S
         return np.stack(preds, axis=1)

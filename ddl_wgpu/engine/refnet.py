@@ -249,17 +249,17 @@ class RefDraft:
         # gradients are not kept between steps: a skipped step leaves nothing behind ("zeroed")
         return float(loss), float(norm), bool(finite)
 
+    def _kl(self, x_rows, teacher_ids, teacher_probs, weights, chain: int):
+        return ref_mtp.draft_kl_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
+                                        teacher_probs, np.asarray(weights, np.float32), chain,
+                                        self.kl_form)  # fmt: skip
+
     def loss_sum(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0) -> float:
-        kl, _ = ref_mtp.draft_kl_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
-                                         teacher_probs, np.asarray(weights, np.float32), chain,
-                                         self.kl_form)  # fmt: skip
-        return float(kl)
+        return float(self._kl(x_rows, teacher_ids, teacher_probs, weights, chain)[0])
 
     def loss_sum_next(self, x_rows, teacher_ids, teacher_probs, weights, next_tokens, valid, chain: int = 0):
         """`loss_sum` and `next_rows` from one forward -> (loss sum, the next chain step's rows)."""
-        kl, cache = ref_mtp.draft_kl_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), teacher_ids,
-                                             teacher_probs, np.asarray(weights, np.float32), chain,
-                                             self.kl_form)  # fmt: skip
+        kl, cache = self._kl(x_rows, teacher_ids, teacher_probs, weights, chain)
         return float(kl), self._rows(cache["pre"], cache["post"], next_tokens, valid)
 
     def hidden_out(self, x_rows, chain: int = 0):

@@ -304,13 +304,16 @@ class _Chain:
         """Step j's block inputs of the windows `sel` (a refresh batch's index array) from the draft's step j−1
         output."""
         x = self.cache.x
-        tok = ref_mtp.shifted(self.cache.ids[sel], j)
-        valid = ref_mtp.step_valid(self.cache.lengths[sel], self.T, j)
+        tok, valid = self._tok_valid(sel, j)
         self.forwards += 1
         self.period_forwards += 1
         if self.stacked_mode and j > 2:  # step j−1's rows of the stacked forward of steps 1..j−1
             return self.draft.next_rows(self.stacked(sel, j - 1), tok, valid, chain=j - 1)
         return self.draft.next_rows(x[j - 1][sel].astype(np.float32), tok, valid)
+
+    def _tok_valid(self, sel, j: int) -> tuple:
+        """Step j's tokens and valid rows of the windows `sel` (what its rows are built from)."""
+        return ref_mtp.shifted(self.cache.ids[sel], j), ref_mtp.step_valid(self.cache.lengths[sel], self.T, j)
 
     def refresh(self, plan=()) -> int:
         """Chain steps 2..chain from the current draft's outputs: every refresh batch marked stale, those `plan`
@@ -393,14 +396,9 @@ class _Chain:
                 x, tid, tp, w, c = self.join(b, j)
                 k = int(self.batch_of[b[0]])
                 if j < self.chain and self.built[k] == j and np.array_equal(self.members[k], b):
-                    nxt = j + 1
-                    tok, valid = (
-                        ref_mtp.shifted(self.cache.ids[b], nxt),
-                        ref_mtp.step_valid(self.cache.lengths[b], self.T, nxt),
-                    )
-                    loss, rows = self.draft.loss_sum_next(x, tid, tp, w, tok, valid, **c)
-                    self.cache.x[nxt][b] = rows
-                    self.built[k] = nxt
+                    loss, rows = self.draft.loss_sum_next(x, tid, tp, w, *self._tok_valid(b, j + 1), **c)
+                    self.cache.x[j + 1][b] = rows
+                    self.built[k] = j + 1
                     self.eval_built += 1
                 else:
                     loss = self.draft.loss_sum(x, tid, tp, w, **c)
