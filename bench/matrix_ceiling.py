@@ -259,12 +259,14 @@ class Bench:
 
 
 def emulated(src: str) -> str:
-    """The kernel with tests/test_kernel_matmul_tc.py's WGSL stand-ins for the matrix types and builtins (a
-    32-lane subgroup; the emulation's unused epilogue helper wants a `Cs`)."""
-    from tests.test_kernel_matmul_tc import emulated as emulate
+    """The kernel with tests/emulated_matrices.py's WGSL stand-ins for the matrix types and builtins (a 32-lane
+    subgroup; the results stored to c, and a `Cs` the stand-ins' store into it wants declared)."""
+    from tests.emulated_matrices import emulated as emulate
+    from tests.emulated_matrices import emulation
 
     return emulate(
-        src.replace("var<workgroup> As", "var<workgroup> Cs: array<f32, 256>;\nvar<workgroup> As", 1)
+        src.replace("var<workgroup> As", "var<workgroup> Cs: array<f32, 256>;\nvar<workgroup> As", 1),
+        emulation("As", "Bs", ("c", "Cs")),
     )
 
 

@@ -9,8 +9,10 @@ the 16 x 16 matrices or the tile), so every edge path runs."""
 
 from __future__ import annotations
 
+import emulated_matrices
 import numpy as np
 import pytest
+from emulated_matrices import emulation
 
 from ddl_ref import ops as ref
 from ddl_wgpu.ops import matmul as k_mm
@@ -199,62 +201,16 @@ def test_products_stay_on_simt_unless_asked(gpu):
 # -- the generated kernel on any GPU, its matrix calls emulated ----------------------------------------------
 # Lavapipe lists no subgroup matrix, so the tests above skip there. These run the very WGSL `matmul_tc`
 # generates (staging in vec4 or scalar loads, prefetch, bounds, transposed operands read column-major, the
-# epilogue, batches, causal modes, split-K),
-# with only the matrix types and builtins replaced by WGSL functions that do the same arithmetic, spread over
-# a 32-lane "subgroup" as the matrix units spread it: a result matrix is 8 f32 per lane (lane l holds elements
-# l, l + 32, ...), and a left or right operand is where it lies in workgroup memory (it is only ever loaded
-# from there, and multiplied before the next barrier). What they check is everything the generator and the
-# launcher compute; the matrix units themselves are checked above, on a GPU.
+# epilogue, batches, causal modes, split-K), with only the matrix types and builtins replaced by WGSL
+# functions doing the same arithmetic (`emulated_matrices`); the matrix units themselves are checked above,
+# on a GPU.
 
-EMULATED = """
-var<private> em_lane: u32;
-struct ML { o: u32, s: u32, cm: bool }
-struct MRt { o: u32, s: u32, cm: bool }
-struct MR { v: array<f32, 8> }
-fn ld_ML_As(o: u32, cm: bool, s: u32) -> ML { return ML(o, s, cm); }
-fn ld_MRt_Bs(o: u32, cm: bool, s: u32) -> MRt { return MRt(o, s, cm); }
-fn st_c(o: u32, m: MR, cm: bool, s: u32) {  // bench/matrix_ceiling.py's kernels store their results to c
-    for (var t = 0u; t < 8u; t++) { let e = em_lane + 32u * t; c[o + (e / 16u) * s + e % 16u] = m.v[t]; }
-}
-fn st_Cs(o: u32, m: MR, cm: bool, s: u32) {
-    for (var t = 0u; t < 8u; t++) { let e = em_lane + 32u * t; Cs[o + (e / 16u) * s + e % 16u] = m.v[t]; }
-}
-fn mma(l: ML, r: MRt, acc: MR) -> MR {
-    var out = acc;
-    for (var t = 0u; t < 8u; t++) {
-        let e = em_lane + 32u * t;
-        var sum = out.v[t];
-        for (var k = 0u; k < 16u; k++) {
-            // element (row, k) of the left matrix and (k, col) of the right, row- or column-major
-            let ia = select(l.o + (e / 16u) * l.s + k, l.o + k * l.s + e / 16u, l.cm);
-            let ib = select(r.o + k * r.s + e % 16u, r.o + (e % 16u) * r.s + k, r.cm);
-            sum += f32(As[ia]) * f32(Bs[ib]);
-        }
-        out.v[t] = sum;
-    }
-    return out;
-}
-"""
+EMULATION = emulation("As", "Bs", ("Cs",))
 
 
 def emulated(src: str) -> str:
-    """matmul_tc's WGSL with the 16 x 16 x 16 matrix types and builtins replaced by `EMULATED`'s, and the
-    subgroup builtins by a fixed 32-lane split of the workgroup (what the launcher counted threads in)."""
-    import re
-
-    src = src.replace("enable chromium_experimental_subgroup_matrix;\n", "")
-    src = src.replace("subgroup_matrix_result<f32, 16, 16>()", "MR()")
-    for wgsl, ours in (("result<f32", "MR"), ("left<f16", "ML"), ("right<f16", "MRt")):
-        src = src.replace(f"subgroup_matrix_{wgsl}, 16, 16>", ours)
-    src = re.sub(r"subgroupMatrixLoad<(\w+)>\(&(\w+), ", r"ld_\1_\2(", src)
-    src = re.sub(r"subgroupMatrixStore\(&(\w+), ", r"st_\1(", src)
-    src = src.replace("subgroupMatrixMultiplyAccumulate(", "mma(")
-    head, body = src.split("@compute", 1)
-    body = re.sub(r",\s*@builtin\(subgroup_id\) sid: u32, @builtin\(subgroup_invocation_id\) lane: u32,\s*"
-                  r"@builtin\(subgroup_size\) sg_size: u32\) \{", ") {\n    let sid = li / 32u; let lane = li % 32u; "
-                  "let sg_size = 32u; em_lane = lane;", body)  # fmt: skip
-    assert "subgroupMatrix" not in body and "sg_size = 32u" in body, "the generated kernel changed its shape"
-    return head + EMULATED + "@compute" + body
+    """matmul_tc's WGSL with the matrices emulated (`emulated_matrices`)."""
+    return emulated_matrices.emulated(src, EMULATION)
 
 
 _EMULATED_KERNELS = {}  # compiled once per session (lavapipe takes seconds per kernel)
@@ -306,7 +262,7 @@ LAYOUTS = (((False, True), ("f32", "f16")), ((False, False), ("f16", "f32")), ((
 # (ODD), the default path (vec4, prefetch; its kernels serve the causal and split-K tests too), vec4 without
 # prefetch. Each runs the three layouts, so both operands are staged as stored and read column-major.
 @pytest.mark.parametrize("tile, shape", [("2x2sg-2x2-k16", ODD), ("2x2sg-1x2-k16", ALIGNED),
-                                         ("2x2sg-2x1-k16-np", ALIGNED)])  # fmt: skip
+                                         ("2x2sg-2x1-k16-np", ALIGNED), ("2x2sg-1x2-k16-v2-s2", ALIGNED)])  # fmt: skip
 def test_the_generated_kernel_with_emulated_matrices(emulating, rng, tile, shape):
     """Odd shapes (scalar loads, every edge guarded) and multiples of 4 (vec4 loads, blocks inside the
     operands): three layouts, f32 and f16 operands, a batch of two with offsets, accumulating with alpha 1
@@ -333,7 +289,7 @@ def test_the_generated_kernel_with_emulated_matrices(emulating, rng, tile, shape
         )
         assert rel_err(g.read(cb, (nb, M, N)), want) < 1e-5, (tile, ta, tb)
     vec = M % 4 == 0 and t.vec
-    assert g.widths_seen == [(4, 4) if vec else (1, 1)] * 3
+    assert g.widths_seen == [(t.width, t.width) if vec else (1, 1)] * 3
 
 
 @pytest.mark.parametrize("causal", [1, 2, 3])

@@ -29,8 +29,8 @@ import os
 from dataclasses import replace
 from functools import lru_cache
 
+from ddl_wgpu.ops import gated_delta_tc, pow2_at_least, sub
 from ddl_wgpu.ops import need_all as _need
-from ddl_wgpu.ops import pow2_at_least, sub
 from ddl_wgpu.ops.codegen import gdn_plan
 from ddl_wgpu.ops.codegen.gdn_plan import ChunkPlan, parse_plan
 from ddl_wgpu.ops.gdn_inputs import align_floats, planar_offsets, qk_floats
@@ -384,10 +384,15 @@ def chunk_forward(
     if state_in is not None:
         _need("chunk_forward", state_in=(state_in, B * Hv * Dk * Dv))
     kp = _kernel(gpu, "chunk_prep", "rrwu", Dk, Dv, plan)
-    kf = _kernel(gpu, "chunk_forward", "rrrwwwu", Dk, Dv, plan)
+    tcp = gated_delta_tc.plan_for(
+        gpu, plan, Dk, Dv
+    )  # the sequential forward on the matrix units, where it runs
+    if tcp is not None:
+        kf, nvb = gated_delta_tc.kernel(gpu, tcp, plan, Dk, Dv, PARAMS), plan.dims(Dk, Dv)[1] // tcp.bv
+    else:
+        kf, nvb = _kernel(gpu, "chunk_forward", "rrrwwwu", Dk, Dv, plan), plan.dims(Dk, Dv)[1] // plan.bv
     ko = _kernel(gpu, "chunk_output", "rrwu", Dk, Dv, plan)
     tp = sub(scr, 0, tpf)
-    nvb = plan.dims(Dk, Dv)[1] // plan.bv
     groups = _groups(B, g)
     sts = _row_views(states, Hv * (nck + 1) * Dk * Dv, groups) if (save_ckpt or save_final) else None
     ins = _row_views(state_in, Hv * Dk * Dv, groups) if state_in is not None else None
