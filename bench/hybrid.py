@@ -478,13 +478,13 @@ def check_plan(gpu, plan, case: dict) -> dict:
     r = {
         "ok": True,
         "max_abs": {},
-        "tolerance": "2e-2 of the largest |value|" if f16_ops else "f32 (the tests')",
+        "tolerance": "1e-2 of the largest |value|" if f16_ops else "f32 (the tests')",
     }
     for name, (a, b, kind) in outs.items():
         r["max_abs"][name] = float(np.abs(a - b).max())
         try:
             check(
-                name, a, b, kind, **({"rtol": 0.0, "atol": 2e-2 * float(np.abs(b).max())} if f16_ops else {})
+                name, a, b, kind, **({"rtol": 0.0, "atol": 1e-2 * float(np.abs(b).max())} if f16_ops else {})
             )
         except AssertionError as e:
             r["ok"] = False

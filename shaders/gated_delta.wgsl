@@ -379,26 +379,7 @@ fn chunk_output(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 // ---------------------------------------------------------------------------------------------------------
 // chunk_backward_state
 
-@group(0) @binding(0) var<storage, read> cb_qk: array<f32>;
-@group(0) @binding(1) var<storage, read> cb_do: array<f32>;
-@group(0) @binding(2) var<storage, read_write> cb_scr: array<f32>;
-@group(0) @binding(3) var<uniform> cb_p: Params;
 var<workgroup> cb_sm: array<vec4<f32>, {{CB_SM}}>;
-
-fn cb_ld(part: u32, b: u32, t: u32, hk: u32, i: u32) -> f32 {
-    if (t >= cb_p.T || i >= cb_p.Dk) { return 0.0; }
-    return cb_qk[part * cb_p.k_off + ((b * cb_p.T + t) * cb_p.Hk + hk) * cb_p.Dk + i];
-}
-fn cb_lddo(b: u32, t: u32, h: u32, j: u32) -> f32 {
-    if (t >= cb_p.T || j >= cb_p.Dv) { return 0.0; }
-    return cb_do[((b * cb_p.T + t) * cb_p.Hv + h) * cb_p.Dv + j];
-}
-fn cb_store_ds(bh: u32, c: u32, i: u32, j: u32, x: f32) {
-    if (i < cb_p.Dk && j < cb_p.Dv) { cb_scr[cb_p.ds_off + ((bh * cb_p.nck + c) * cb_p.Dk + i) * cb_p.Dv + j] = x; }
-}
-fn cb_store_dd(bl: u32, t: u32, h: u32, j: u32, x: f32) {
-    if (t < cb_p.T && j < cb_p.Dv) { cb_scr[cb_p.dd_off + ((bl * cb_p.T + t) * cb_p.Hv + h) * cb_p.Dv + j] = x; }
-}
 
 @compute @workgroup_size(CNT)
 fn chunk_backward_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,

@@ -26,19 +26,20 @@ const BV: u32 = {{BV}}u;  // value columns per workgroup
 const NVB: u32 = {{NVB}}u;  // column blocks per value head
 const NT: u32 = {{NT}}u;  // threads
 const TPB: u32 = {{TPB}}u;  // floats of one chunk's block of tp (chunk_prep's [W | P | U])
-const TP_X: u32 = CC * CDK + CC * CC;
+const TP_P: u32 = CC * CDK;  // P's offset in a block of tp
+const TP_X: u32 = TP_P + CC * CC;  // U's
 const KX: u32 = {{KX}}u;  // Dk per slab of [W; Q]
 const KT: u32 = {{KT}}u;  // tokens per slab of K̃
 const SS: u32 = BV + 4u;  // row strides: Ss (f32)
 const SB: u32 = BV + 8u;  // Bh (f16)
-const SX: u32 = KX + 8u;  // Ah holding a slab of [W; Q]
-const SK: u32 = CDK + 8u;  // Ah holding a slab of K̃
+const SX: u32 = KX + 8u;  // Ah holding a slab of KX columns ([W; Q], [Pᵀ | K̃])
+const SK: u32 = CDK + 8u;  // Ah holding a slab of KT rows (K̃, [-W; ΓQ])
 
 {{include prelude_gdn_chunk.wgsl}}
 
 var<workgroup> Ss: array<f32, {{SS_SIZE}}>;  // the state block, CDK x BV (f32)
-var<workgroup> Bh: array<f16, {{BH_SIZE}}>;  // its f16 copy for X's product, then Δ (CC x BV) for the update's
-var<workgroup> Ah: array<f16, {{AH_SIZE}}>;  // a slab of [W; Q] (2CC x KX) or of K̃ (KT x CDK)
+var<workgroup> Bh: array<f16, {{BH_SIZE}}>;  // f16 right operands: S, then Δ (forward); [dΔ; dO; dS] (backward)
+var<workgroup> Ah: array<f16, {{AH_SIZE}}>;  // f16 slabs of the left operands (KX columns, or KT rows of CDK)
 var<workgroup> Xs: array<f32, {{XS_SIZE}}>;  // one result matrix per subgroup, for the epilogue
 
 @compute @workgroup_size(NT)
@@ -56,7 +57,7 @@ fn chunk_forward_tc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
     let hk = h / (cf_p.Hv / cf_p.Hk);
     let slots = bh * (cf_p.nck + 1u);
     let slab = sid * 256u;
-{{COORDS}}
+{{F_COORDS}}
     for (var e = li; e < CDK * BV; e += NT) {
         Ss[(e / BV) * SS + e % BV] = cf_ldinit(bh, e / BV, j0 + e % BV);
     }
@@ -97,12 +98,83 @@ fn chunk_forward_tc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgrou
             Ss[at] = decay * Ss[at];
         }
         workgroupBarrier();
-{{S}}
+{{F_S}}
         workgroupBarrier();
     }
     if (cf_p.save_final != 0u) {
         for (var e = li; e < CDK * BV; e += NT) {
             cf_store_state(slots + cf_p.nck, e / BV, j0 + e % BV, Ss[(e / BV) * SS + e % BV]);
         }
+    }
+}
+
+// chunk_backward_state_tc: gated_delta.wgsl's chunk_backward_state on the matrix units (its buffers, grid and
+// outputs), the chunks in reverse with the state gradient dS (CDK x BV, f32) in Ss, zero after the last token:
+//     dΔ = [Pᵀ | K̃] [dO; dS];   dS <- Γ_L dS + [-W; ΓQ]ᵀ [dΔ; dO]
+// Bh holds the rows [dΔ; dO; dS] in f16, so both products read their right operand as one block of rows (the
+// first from row CC, the second from row 0). The first product's left operand is staged as f16 slabs of KX
+// columns of [Pᵀ | K̃] (P's rows read down a column); the second's as slabs of KT rows of [-W; ΓQ], read
+// column-major. dΔ goes to scr in f32 (and, rounded, into Bh); dS at each chunk's end to scr in f32.
+@compute @workgroup_size(NT)
+fn chunk_backward_state_tc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                           @builtin(local_invocation_index) li: u32,
+                           @builtin(subgroup_id) sid: u32, @builtin(subgroup_invocation_id) lane: u32,
+                           @builtin(subgroup_size) sg_size: u32) {
+    let id = wid.x + wid.y * nwg.x;
+    if (id >= cb_p.B * cb_p.Hv * NVB) { return; }  // uniform over the workgroup
+    let bh = id / NVB;
+    let j0 = (id - bh * NVB) * BV;
+    let bl = bh / cb_p.Hv;
+    let b = bl + cb_p.b0;
+    let h = bh - bl * cb_p.Hv;
+    let hk = h / (cb_p.Hv / cb_p.Hk);
+    let slab = sid * 256u;
+{{B_COORDS}}
+    for (var e = li; e < CDK * BV; e += NT) {
+        Ss[(e / BV) * SS + e % BV] = 0.0;
+    }
+    workgroupBarrier();
+    for (var cc = 0u; cc < cb_p.nck; cc++) {
+        let c = cb_p.nck - 1u - cc;
+        let t0 = c * CC;
+        let blk = (bh * cb_p.nck + c) * TPB;
+        // dS at the chunk's end (to scr, and its f16 copy: Bh's rows 2CC..), dO (rows CC..), the gates
+        for (var e = li; e < CDK * BV; e += NT) {
+            let i = e / BV;
+            let j = e % BV;
+            let s = Ss[i * SS + j];
+            cb_store_ds(bh, c, i, j0 + j, s);
+            Bh[(2u * CC + i) * SB + j] = f16(s);
+        }
+        for (var e = li; e < CC * BV; e += NT) {
+            Bh[(CC + e / BV) * SB + e % BV] = f16(cb_lddo(b, t0 + e / BV, h, j0 + e % BV));
+        }
+        if (li < CC) {
+            let t = t0 + li;
+            var g = 0.0;
+            var be = 0.0;
+            if (t < cb_p.T) {
+                let at = cb_p.gb_off + ((b * cb_p.T + t) * cb_p.Hv + h) * 2u;
+                g = cb_qk[at];
+                be = cb_qk[at + 1u];
+            }
+            c_g[li] = g;
+            c_bet[li] = be;
+        }
+        workgroupBarrier();
+        c_cumsum(li);  // read after the next barrier (the first slab's)
+        // dΔ = [Pᵀ | K̃] [dO; dS] over CC + CDK, in slabs of KX
+{{A}}
+        // dΔ to scr and Bh's first CC rows
+{{A_EPI}}
+        // dS <- Γ_L dS + [-W; ΓQ]ᵀ [dΔ; dO] over 2CC, in slabs of KT
+        let decay = exp(c_gam[CC - 1u]);
+        for (var e = li; e < CDK * BV; e += NT) {
+            let at = (e / BV) * SS + e % BV;
+            Ss[at] = decay * Ss[at];
+        }
+        workgroupBarrier();
+{{B_S}}
+        workgroupBarrier();
     }
 }

@@ -1,7 +1,8 @@
 // prelude_gdn_chunk.wgsl: what the chunked gated delta rule's kernels share (an include line pastes it into
 // gated_delta.wgsl and gated_delta_tc.wgsl, which define CC, CDK and the `Params` struct): the chunk's gates
-// in workgroup memory with their cumulative sum, and chunk_forward's bindings and loads/stores (the SIMT
-// kernel and its matrix-unit form take the same buffers and write the same outputs). No entry point.
+// in workgroup memory with their cumulative sum, and the bindings and loads/stores of the two sequential kernels,
+// chunk_forward and chunk_backward_state (the SIMT kernels and their matrix-unit forms take the same buffers
+// and write the same outputs). No entry point.
 
 var<workgroup> c_g: array<f32, CC>;  // the chunk's log decays g
 var<workgroup> c_gam: array<f32, CC>;  // γ: their cumulative sum within the chunk
@@ -53,4 +54,25 @@ fn cf_store_delta(b: u32, t: u32, h: u32, j: u32, x: f32) {
 }
 fn cf_store_o(b: u32, t: u32, h: u32, j: u32, x: f32) {
     if (t < cf_p.T && j < cf_p.Dv) { cf_o[((b * cf_p.T + t) * cf_p.Hv + h) * cf_p.Dv + j] = x; }
+}
+
+// chunk_backward_state's buffers
+@group(0) @binding(0) var<storage, read> cb_qk: array<f32>;
+@group(0) @binding(1) var<storage, read> cb_do: array<f32>;
+@group(0) @binding(2) var<storage, read_write> cb_scr: array<f32>;
+@group(0) @binding(3) var<uniform> cb_p: Params;
+
+fn cb_ld(part: u32, b: u32, t: u32, hk: u32, i: u32) -> f32 {
+    if (t >= cb_p.T || i >= cb_p.Dk) { return 0.0; }
+    return cb_qk[part * cb_p.k_off + ((b * cb_p.T + t) * cb_p.Hk + hk) * cb_p.Dk + i];
+}
+fn cb_lddo(b: u32, t: u32, h: u32, j: u32) -> f32 {
+    if (t >= cb_p.T || j >= cb_p.Dv) { return 0.0; }
+    return cb_do[((b * cb_p.T + t) * cb_p.Hv + h) * cb_p.Dv + j];
+}
+fn cb_store_ds(bh: u32, c: u32, i: u32, j: u32, x: f32) {
+    if (i < cb_p.Dk && j < cb_p.Dv) { cb_scr[cb_p.ds_off + ((bh * cb_p.nck + c) * cb_p.Dk + i) * cb_p.Dv + j] = x; }
+}
+fn cb_store_dd(bl: u32, t: u32, h: u32, j: u32, x: f32) {
+    if (t < cb_p.T && j < cb_p.Dv) { cb_scr[cb_p.dd_off + ((bl * cb_p.T + t) * cb_p.Hv + h) * cb_p.Dv + j] = x; }
 }

@@ -13,6 +13,7 @@ import re
 
 _TYPES = """
 var<private> em_lane: u32;
+var<private> em_n: u32;  // 16, set at run time: loops the compiler cannot unroll compile in seconds, not minutes
 struct ML { o: u32, s: u32, cm: bool }
 struct MRt { o: u32, s: u32, cm: bool }
 struct MR { v: array<f32, 8> }
@@ -37,7 +38,7 @@ def emulation(left: str, right: str, stores: tuple[str, ...], result_loads: tupl
     for (var t = 0u; t < 8u; t++) {{
         let e = em_lane + 32u * t;
         var sum = out.v[t];
-        for (var k = 0u; k < 16u; k++) {{
+        for (var k = 0u; k < em_n; k++) {{
             // element (row, k) of the left matrix and (k, col) of the right, row- or column-major
             let ia = select(l.o + (e / 16u) * l.s + k, l.o + k * l.s + e / 16u, l.cm);
             let ib = select(r.o + k * r.s + e % 16u, r.o + (e % 16u) * r.s + k, r.cm);
@@ -64,6 +65,6 @@ def emulated(src: str, emulation_text: str) -> str:
     head, body = src.split("@compute", 1)
     body = re.sub(r",\s*@builtin\(subgroup_id\) sid: u32, @builtin\(subgroup_invocation_id\) lane: u32,\s*"
                   r"@builtin\(subgroup_size\) sg_size: u32\) \{", ") {\n    let sid = li / 32u; let lane = li % 32u; "
-                  "let sg_size = 32u; em_lane = lane;", body)  # fmt: skip
+                  "let sg_size = 32u; em_lane = lane; em_n = select(16u, 17u, wid.x == 0xffffffffu);", body)  # fmt: skip
     assert "subgroupMatrix" not in body and "sg_size = 32u" in body, "the generated kernel changed its shape"
     return head + emulation_text + "@compute" + body

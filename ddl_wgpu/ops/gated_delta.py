@@ -358,6 +358,18 @@ def _unused(gpu: Gpu):
     return gpu.__dict__["_gated_delta_unused"]
 
 
+def _sequential(gpu: Gpu, entry: str, Dk: int, Dv: int, plan: ChunkPlan):
+    """A sequential kernel (`entry`: chunk_forward or chunk_backward_state) and its column blocks per value
+    head: on the matrix units (`gated_delta_tc`, the same buffers and outputs) where the Gpu's products are
+    there and a plan fits, else the SIMT kernel."""
+    tc_entry = entry + "_tc"
+    tcp = gated_delta_tc.plan_for(gpu, plan, Dk, Dv, tc_entry)
+    if tcp is not None:
+        return gated_delta_tc.kernel(gpu, tcp, plan, Dk, Dv, PARAMS, tc_entry), plan.dims(Dk, Dv)[1] // tcp.bv
+    sig = "rrrwwwu" if entry == "chunk_forward" else "rrwu"
+    return _kernel(gpu, entry, sig, Dk, Dv, plan), plan.dims(Dk, Dv)[1] // plan.bv
+
+
 def chunk_forward(
     gpu: Gpu, o, delta, states, scr, qkgb, v, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, *,
     plan: ChunkPlan | None = None, v_off: int = 0, v_stride: int | None = None, state_in=None,
@@ -384,13 +396,7 @@ def chunk_forward(
     if state_in is not None:
         _need("chunk_forward", state_in=(state_in, B * Hv * Dk * Dv))
     kp = _kernel(gpu, "chunk_prep", "rrwu", Dk, Dv, plan)
-    tcp = gated_delta_tc.plan_for(
-        gpu, plan, Dk, Dv
-    )  # the sequential forward on the matrix units, where it runs
-    if tcp is not None:
-        kf, nvb = gated_delta_tc.kernel(gpu, tcp, plan, Dk, Dv, PARAMS), plan.dims(Dk, Dv)[1] // tcp.bv
-    else:
-        kf, nvb = _kernel(gpu, "chunk_forward", "rrrwwwu", Dk, Dv, plan), plan.dims(Dk, Dv)[1] // plan.bv
+    kf, nvb = _sequential(gpu, "chunk_forward", Dk, Dv, plan)
     ko = _kernel(gpu, "chunk_output", "rrwu", Dk, Dv, plan)
     tp = sub(scr, 0, tpf)
     groups = _groups(B, g)
@@ -429,9 +435,8 @@ def chunk_backward(
           delta=(delta, N * Hv * Dv), qkgb=(qkgb, qkgb_floats(N, Hk, Hv, Dk)), do=(do, N * Hv * Dv),
           v=(v, v_off + (N - 1) * v_stride + Hv * Dv))  # fmt: skip
     kp = _kernel(gpu, "chunk_prep", "rrwu", Dk, Dv, plan)
-    ks = _kernel(gpu, "chunk_backward_state", "rrwu", Dk, Dv, plan)
+    ks, nvb = _sequential(gpu, "chunk_backward_state", Dk, Dv, plan)
     kg = _kernel(gpu, "chunk_backward_grads", "rrrrrwwwu", Dk, Dv, plan)
-    nvb = plan.dims(Dk, Dv)[1] // plan.bv
     groups = _groups(B, g)
     sts = _row_views(states, Hv * (nck + 1) * Dk * Dv, groups)
     scr = sub(scr, 0, sz["floats"])
