@@ -111,11 +111,11 @@ def emulating(gpu, monkeypatch):
 
     launched = []
 
-    def kernel(g, p, plan, Dk, Dv, params, entry):
+    def kernel(g, p, plan, Dk, Dv, entry):
         key = (id(g.device), p, plan, Dk, Dv, entry)
         if key not in _KERNELS:
             t = gtc.templates(p, plan, Dk, Dv, 32, entry)
-            src = emulated(shader_source(gtc.FILE, {**t, "struct Params": params.wgsl()}), EMULATION)
+            src = emulated(shader_source(gtc.FILE, {**t, "struct Params": gtc.PARAMS.wgsl()}), EMULATION)
             bgl, layout = g._layout(gtc.SIGS[entry])
             pipe = g.device.create_compute_pipeline(
                 layout=layout,

@@ -32,36 +32,11 @@ from functools import lru_cache
 from ddl_wgpu.ops import gated_delta_tc, pow2_at_least, sub
 from ddl_wgpu.ops import need_all as _need
 from ddl_wgpu.ops.codegen import gdn_plan
-from ddl_wgpu.ops.codegen.gdn_plan import ChunkPlan, parse_plan
+from ddl_wgpu.ops.codegen.gdn_plan import PARAMS, ChunkPlan, parse_plan  # PARAMS: the family's uniform
 from ddl_wgpu.ops.gdn_inputs import align_floats, planar_offsets, qk_floats
-from ddl_wgpu.runtime.gpu import Call, Gpu, GpuError, Uniform
+from ddl_wgpu.runtime.gpu import Call, Gpu, GpuError
 
 FILE = "gated_delta.wgsl"
-PARAMS = Uniform(
-    "Params",
-    ("B", "u32", "batch rows"),
-    ("T", "u32", "tokens per row"),
-    ("Hk", "u32", "key heads"),
-    ("Hv", "u32", "value heads (a multiple of Hk)"),
-    ("Dk", "u32"),
-    ("Dv", "u32"),
-    ("k_off", "u32", "floats: k's start in qk"),
-    ("v_off", "u32", "floats: v's first column in its buffer"),
-    ("v_stride", "u32", "floats per token row of v's buffer"),
-    ("tc", "u32", "tokens per chunk (chunked: C; per-token: between two saved states)"),
-    ("nck", "u32", "chunks: ceil(T / tc)"),
-    ("has_init", "u32", "forward: 1 starts from state_in, 0 from zeros"),
-    ("save_ckpt", "u32", "forward: 1 writes the state before each chunk (chunked: and Δ)"),
-    ("save_final", "u32", "forward: 1 writes the final state to slot nck"),
-    ("gb_off", "u32", "floats: g, beta's start in qkgb"),
-    ("dk_off", "u32", "chunked backward: floats, dk's start in dqk"),
-    ("dd_off", "u32", "chunked backward: floats, dΔ's (then dR's) start in scr"),
-    ("ds_off", "u32", "chunked backward: floats, the chunk-end state gradients' start in scr"),
-    ("e_off", "u32", "chunked backward: floats, the per-chunk [dP ∘ M; dA ∘ M]'s start in scr"),
-    ("dg_off", "u32", "chunked backward: floats, [dg, dbeta]'s start in scr"),
-    ("b0", "u32", "chunked: the call's first batch row"),
-    ("mode", "u32", "chunk_prep: 0 the forward's (U), 1 the backward's (Tm)"),
-)
 MAX_THREADS = 256  # the most threads a workgroup gets (WebGPU's default limit)
 MAX_SIDE = 16  # threads along Dk or Dv
 
@@ -365,7 +340,7 @@ def _sequential(gpu: Gpu, entry: str, Dk: int, Dv: int, plan: ChunkPlan):
     tc_entry = entry + "_tc"
     tcp = gated_delta_tc.plan_for(gpu, plan, Dk, Dv, tc_entry)
     if tcp is not None:
-        return gated_delta_tc.kernel(gpu, tcp, plan, Dk, Dv, PARAMS, tc_entry), plan.dims(Dk, Dv)[1] // tcp.bv
+        return gated_delta_tc.kernel(gpu, tcp, plan, Dk, Dv, tc_entry), plan.dims(Dk, Dv)[1] // tcp.bv
     sig = "rrrwwwu" if entry == "chunk_forward" else "rrwu"
     return _kernel(gpu, entry, sig, Dk, Dv, plan), plan.dims(Dk, Dv)[1] // plan.bv
 

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 
 from ddl_wgpu.ops import matmul_tc
-from ddl_wgpu.ops.codegen.gdn_plan import ChunkPlan, tp_block
+from ddl_wgpu.ops.codegen.gdn_plan import PARAMS, ChunkPlan, tp_block  # PARAMS: the family's uniform
 
 FILE = "gated_delta_tc.wgsl"
 ENV = "DDL_WGPU_GDN_TC"  # "0": the SIMT chunk_forward even where the matrix units are in use; else a plan
@@ -234,9 +234,8 @@ def templates(
 SIGS = {ENTRIES[0]: "rrrwwwu", ENTRIES[1]: "rrwu"}  # chunk_forward's and chunk_backward_state's
 
 
-def kernel(gpu, p: TcPlan, plan: ChunkPlan, Dk: int, Dv: int, params, entry: str = ENTRIES[0]):
-    """The compiled `entry` for a plan and a chunk plan (its signature and uniform, `params`: the SIMT
-    kernel's)."""
+def kernel(gpu, p: TcPlan, plan: ChunkPlan, Dk: int, Dv: int, entry: str = ENTRIES[0]):
+    """The compiled `entry` for a plan and a chunk plan (its signature and uniform: the SIMT kernel's)."""
     sg = matmul_tc.subgroup_size(gpu)
     return gpu.kernel(FILE, entry, SIGS[entry], templates=templates(p, plan, Dk, Dv, sg, entry),
-                      workgroup=(p.subgroups * sg, 1, 1), uniforms=(params,))  # fmt: skip
+                      workgroup=(p.subgroups * sg, 1, 1), uniforms=(PARAMS,))  # fmt: skip
