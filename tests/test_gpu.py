@@ -228,7 +228,10 @@ def test_every_shader_uniform_comes_from_a_description():
         if f.name.startswith("prelude_"):
             continue
         src = re.sub(
-            r"^\{\{include ([\w.]+)\}\}$", lambda m, d=f.parent: (d / m[1]).read_text(), f.read_text(), flags=re.M
+            r"^\{\{include ([\w.]+)\}\}$",
+            lambda m, d=f.parent: (d / m[1]).read_text(),
+            f.read_text(),
+            flags=re.M,
         )
         used = set(re.findall(r"var<uniform>\s+\w+\s*:\s*(\w+)", src))
         holes = set(re.findall(r"\{\{struct (\w+)\}\}", src))
