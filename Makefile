@@ -55,8 +55,7 @@ test:
 # PYTEST lets a host without the .venv run them (on the GPU machine: `make test-gpu PYTEST="python3 -m pytest"`).
 PYTEST ?= .venv/bin/python -m pytest
 test-gpu:
-	DDL_WGPU_RUNTIME=dawn $(PYTEST) -q -rs -p no:cacheprovider tests/test_kernel_matmul_tc.py tests/test_kernel_gated_delta_tc.py \
-		tests/test_runtimes.py
+	DDL_WGPU_RUNTIME=dawn $(PYTEST) -q -rs -p no:cacheprovider tests/test_kernel_matmul_tc.py tests/test_runtimes.py
 
 # The float64 gradient checks under every OpenBLAS kernel this CPU runs (not part of `make test`: ~3 min each)
 test-blas:

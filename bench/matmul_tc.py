@@ -38,8 +38,8 @@ SHAPES = (
     ("mlp up dx", 16384, 5120, 17408, False, False),
     ("mlp up dW", 17408, 5120, 16384, True, False),
 )
-DEFAULT_TILES = ("4x2sg-4x4-k32", "2x4sg-4x4-k32", "4x2sg-4x4-k32-v1-np", "2x2sg-4x4-k32", "2x2sg-4x4-k64",
-                 "4x2sg-2x4-k32")  # fmt: skip
+DEFAULT_TILES = ("2x2sg-4x4-k32", "4x2sg-4x4-k32", "2x2sg-4x4-k32-np", "2x4sg-4x4-k32", "2x2sg-4x4-k16",
+                 "4x2sg-4x4-k32-v1-np")  # fmt: skip
 
 
 parse_tile = tc.parse_tile  # the names the sweep takes and prints (`TcTile.name`)

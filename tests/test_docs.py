@@ -394,11 +394,7 @@ def test_code_maps_name_what_exists():
 # the kernel catalogue
 
 # shader files that are not op families, and where docs/kernels.md describes them instead
-NOT_FAMILIES = {
-    "selftest": "`shaders/selftest.wgsl`",
-    "prelude_reduce": "`shaders/prelude_reduce.wgsl`",
-    "prelude_gdn_chunk": "`shaders/prelude_gdn_chunk.wgsl`",
-}
+NOT_FAMILIES = {"selftest": "`shaders/selftest.wgsl`", "prelude_reduce": "`shaders/prelude_reduce.wgsl`"}
 
 
 def catalogue_rows() -> dict[str, list[str]]:

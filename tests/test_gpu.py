@@ -221,18 +221,13 @@ def test_write_fields_rewrites_one_field_in_place(gpu):
 def test_every_shader_uniform_comes_from_a_description():
     """No hand-written uniform struct is left in shaders/: each `var<uniform>` type is a `{{struct NAME}}`
     hole, and the family's launcher module (`ddl_wgpu/runtime/selftest.py` for the smoke test of a fresh machine)
-    declares exactly those structs as `Uniform`s (a prelude's uniforms count where a shader includes it)."""
+    declares exactly those structs as `Uniform`s."""
     import importlib
 
     for f in sorted(SF.shader_dirs()[0].glob("*.wgsl")):
         if f.name.startswith("prelude_"):
             continue
-        src = re.sub(
-            r"^\{\{include ([\w.]+)\}\}$",
-            lambda m, d=f.parent: (d / m[1]).read_text(),
-            f.read_text(),
-            flags=re.M,
-        )
+        src = f.read_text()
         used = set(re.findall(r"var<uniform>\s+\w+\s*:\s*(\w+)", src))
         holes = set(re.findall(r"\{\{struct (\w+)\}\}", src))
         assert used and used == holes, (f.name, used, holes)

@@ -29,14 +29,39 @@ import os
 from dataclasses import replace
 from functools import lru_cache
 
-from ddl_wgpu.ops import gated_delta_tc, pow2_at_least, sub
 from ddl_wgpu.ops import need_all as _need
+from ddl_wgpu.ops import pow2_at_least, sub
 from ddl_wgpu.ops.codegen import gdn_plan
-from ddl_wgpu.ops.codegen.gdn_plan import PARAMS, ChunkPlan, parse_plan  # PARAMS: the family's uniform
+from ddl_wgpu.ops.codegen.gdn_plan import ChunkPlan, parse_plan
 from ddl_wgpu.ops.gdn_inputs import align_floats, planar_offsets, qk_floats
-from ddl_wgpu.runtime.gpu import Call, Gpu, GpuError
+from ddl_wgpu.runtime.gpu import Call, Gpu, GpuError, Uniform
 
 FILE = "gated_delta.wgsl"
+PARAMS = Uniform(
+    "Params",
+    ("B", "u32", "batch rows"),
+    ("T", "u32", "tokens per row"),
+    ("Hk", "u32", "key heads"),
+    ("Hv", "u32", "value heads (a multiple of Hk)"),
+    ("Dk", "u32"),
+    ("Dv", "u32"),
+    ("k_off", "u32", "floats: k's start in qk"),
+    ("v_off", "u32", "floats: v's first column in its buffer"),
+    ("v_stride", "u32", "floats per token row of v's buffer"),
+    ("tc", "u32", "tokens per chunk (chunked: C; per-token: between two saved states)"),
+    ("nck", "u32", "chunks: ceil(T / tc)"),
+    ("has_init", "u32", "forward: 1 starts from state_in, 0 from zeros"),
+    ("save_ckpt", "u32", "forward: 1 writes the state before each chunk (chunked: and Δ)"),
+    ("save_final", "u32", "forward: 1 writes the final state to slot nck"),
+    ("gb_off", "u32", "floats: g, beta's start in qkgb"),
+    ("dk_off", "u32", "chunked backward: floats, dk's start in dqk"),
+    ("dd_off", "u32", "chunked backward: floats, dΔ's (then dR's) start in scr"),
+    ("ds_off", "u32", "chunked backward: floats, the chunk-end state gradients' start in scr"),
+    ("e_off", "u32", "chunked backward: floats, the per-chunk [dP ∘ M; dA ∘ M]'s start in scr"),
+    ("dg_off", "u32", "chunked backward: floats, [dg, dbeta]'s start in scr"),
+    ("b0", "u32", "chunked: the call's first batch row"),
+    ("mode", "u32", "chunk_prep: 0 the forward's (U), 1 the backward's (Tm)"),
+)
 MAX_THREADS = 256  # the most threads a workgroup gets (WebGPU's default limit)
 MAX_SIDE = 16  # threads along Dk or Dv
 
@@ -333,18 +358,6 @@ def _unused(gpu: Gpu):
     return gpu.__dict__["_gated_delta_unused"]
 
 
-def _sequential(gpu: Gpu, entry: str, Dk: int, Dv: int, plan: ChunkPlan):
-    """A sequential kernel (`entry`: chunk_forward or chunk_backward_state) and its column blocks per value
-    head: on the matrix units (`gated_delta_tc`, the same buffers and outputs) where the Gpu's products are
-    there and a plan fits, else the SIMT kernel."""
-    tc_entry = entry + "_tc"
-    tcp = gated_delta_tc.plan_for(gpu, plan, Dk, Dv, tc_entry)
-    if tcp is not None:
-        return gated_delta_tc.kernel(gpu, tcp, plan, Dk, Dv, tc_entry), plan.dims(Dk, Dv)[1] // tcp.bv
-    sig = "rrrwwwu" if entry == "chunk_forward" else "rrwu"
-    return _kernel(gpu, entry, sig, Dk, Dv, plan), plan.dims(Dk, Dv)[1] // plan.bv
-
-
 def chunk_forward(
     gpu: Gpu, o, delta, states, scr, qkgb, v, B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, *,
     plan: ChunkPlan | None = None, v_off: int = 0, v_stride: int | None = None, state_in=None,
@@ -371,9 +384,10 @@ def chunk_forward(
     if state_in is not None:
         _need("chunk_forward", state_in=(state_in, B * Hv * Dk * Dv))
     kp = _kernel(gpu, "chunk_prep", "rrwu", Dk, Dv, plan)
-    kf, nvb = _sequential(gpu, "chunk_forward", Dk, Dv, plan)
+    kf = _kernel(gpu, "chunk_forward", "rrrwwwu", Dk, Dv, plan)
     ko = _kernel(gpu, "chunk_output", "rrwu", Dk, Dv, plan)
     tp = sub(scr, 0, tpf)
+    nvb = plan.dims(Dk, Dv)[1] // plan.bv
     groups = _groups(B, g)
     sts = _row_views(states, Hv * (nck + 1) * Dk * Dv, groups) if (save_ckpt or save_final) else None
     ins = _row_views(state_in, Hv * Dk * Dv, groups) if state_in is not None else None
@@ -410,8 +424,9 @@ def chunk_backward(
           delta=(delta, N * Hv * Dv), qkgb=(qkgb, qkgb_floats(N, Hk, Hv, Dk)), do=(do, N * Hv * Dv),
           v=(v, v_off + (N - 1) * v_stride + Hv * Dv))  # fmt: skip
     kp = _kernel(gpu, "chunk_prep", "rrwu", Dk, Dv, plan)
-    ks, nvb = _sequential(gpu, "chunk_backward_state", Dk, Dv, plan)
+    ks = _kernel(gpu, "chunk_backward_state", "rrwu", Dk, Dv, plan)
     kg = _kernel(gpu, "chunk_backward_grads", "rrrrrwwwu", Dk, Dv, plan)
+    nvb = plan.dims(Dk, Dv)[1] // plan.bv
     groups = _groups(B, g)
     sts = _row_views(states, Hv * (nck + 1) * Dk * Dv, groups)
     scr = sub(scr, 0, sz["floats"])

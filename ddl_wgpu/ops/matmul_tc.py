@@ -76,17 +76,14 @@ class TcTile:
     bk: int = 32
     pad_a: int = 8
     pad_b: int = 8
-    vec: bool = True  # vector global loads where the operand allows them (`load_widths`)
+    vec: bool = True  # vec4 global loads where the operand allows them (`load_widths`)
     prefetch: bool = True  # the next K step's loads issued before this step's products (registers)
-    width: int = 4  # elements per vector load (4 or 2; `vec` on)
-    stages: int = 1  # 2: two workgroup-memory buffers, one barrier per K step (`_loop`; prefetch implied)
 
     def block(self, cfg: Config) -> tuple[int, int]:
         return self.sg_rows * self.tm * cfg.m, self.sg_cols * self.tn * cfg.n
 
     def name(self) -> str:
-        flags = (("" if self.vec else "-v1") + ("" if self.prefetch else "-np")
-                 + ("-v2" if self.vec and self.width == 2 else "") + ("-s2" if self.stages == 2 else ""))  # fmt: skip
+        flags = ("" if self.vec else "-v1") + ("" if self.prefetch else "-np")
         return f"{self.sg_rows}x{self.sg_cols}sg-{self.tm}x{self.tn}-k{self.bk}-p{self.pad_a}.{self.pad_b}{flags}"
 
 
@@ -147,10 +144,6 @@ def _slots(op: _Operand, threads: int) -> list:
     return out
 
 
-def _typ(w: int) -> str:
-    return f"vec{w}<f16>" if w > 1 else "f16"
-
-
 def _reg(op: _Operand, e: int) -> str:
     return f"r{op.tag}{e}"
 
@@ -159,7 +152,7 @@ def _loads(op: _Operand, threads: int, bounded: bool) -> list:
     """Global -> registers for every pass (converted to f16 there): `bounded` checks each vector against the
     operand's extent (a vector is wholly in or out: the host picks w = 4 only where the extent is a multiple
     of 4), else the whole tile is known inside."""
-    typ = _typ(op.w)
+    typ = "vec4<f16>" if op.w == 4 else "f16"
     lines = []
     for e, (r, q, guard) in enumerate(_slots(op, threads)):
         idx = f"o{op.tag} + ({op.r0} + {r}) * P.ld{op.tag} + {op.c0} + {q}"
@@ -176,12 +169,11 @@ def _loads(op: _Operand, threads: int, bounded: bool) -> list:
     return lines
 
 
-def _stores(op: _Operand, threads: int, base: str = "") -> list:
-    """Registers -> workgroup memory, one f16 at a time (subgroupMatrixLoad reads an array of scalars), from
-    `base` (the stage's first element, where there are two)."""
+def _stores(op: _Operand, threads: int) -> list:
+    """Registers -> workgroup memory, one f16 at a time (subgroupMatrixLoad reads an array of scalars)."""
     lines = []
     for e, (r, q, guard) in enumerate(_slots(op, threads)):
-        parts = [f"{op.smem}[{base}{r} * {op.stride}u + {q} + {j}u] = {_reg(op, e)}{'.' + 'xyzw'[j] if op.w > 1 else ''};"
+        parts = [f"{op.smem}[{r} * {op.stride}u + {q} + {j}u] = {_reg(op, e)}{'.' + 'xyzw'[j] if op.w > 1 else ''};"
                  for j in range(op.w)]  # fmt: skip
         body = " ".join(parts)
         lines.append(f"        if ({guard}) {{ {body} }}" if guard else f"        {body}")
@@ -194,7 +186,7 @@ def _loop(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool,
     products, a barrier. With prefetch the next step's loads are issued between the first barrier and the
     products, so global memory's latency hides behind the matrix units; without, at the step's start."""
     ops = _operands(tile, cfg, trans_a, trans_b, wa, wb)
-    decl = [f"    var {_reg(op, e)}: {_typ(op.w)};"
+    decl = [f"    var {_reg(op, e)}: {'vec4<f16>' if op.w == 4 else 'f16'};"
             for op in ops for e in range(len(_slots(op, threads)))]  # fmt: skip
     inside = sum((_loads(op, threads, False) for op in ops), [])
     edge = sum((_loads(op, threads, True) for op in ops), [])
@@ -205,25 +197,8 @@ def _loop(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool,
                 *inside, "    } else {", *edge, "    }", "}"]  # fmt: skip
         return "\n".join(indent + x for x in body)
 
-    two = tile.stages == 2
-    bases = ("sa0 + ", "sb0 + ") if two else ("", "")
-    stores = "\n".join(
-        "        " + x.strip()
-        for op, base in zip(ops, bases, strict=True)
-        for x in _stores(op, threads, base)
-    )
-    products = _products(tile, cfg, *ops, *bases)
-    if two:
-        # two stages: this step's stores fill stage `st` while no one reads it (the last reads of it, two
-        # steps back, ended before the previous step's barrier); the one barrier then orders this step's
-        # stores before its products, and the previous step's products before the next step's stores.
-        sa, sb = (op.size for op in ops)
-        return {"regs": "\n".join(decl), "loop": "\n".join([
-            loads("k_begin < k_end", "k_begin", "    "), "    var st = 0u;",
-            "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {",
-            f"        let sa0 = st * {sa}u;", f"        let sb0 = st * {sb}u;", stores,
-            "        workgroupBarrier();", loads("k0 + BK < k_end", "k0 + BK", "        "), products,
-            "        st = 1u - st;", "    }", "    workgroupBarrier();"])}  # fmt: skip
+    stores = "\n".join("        " + x.strip() for x in sum((_stores(op, threads) for op in ops), []))
+    products = _products(tile, cfg, *ops)
     if tile.prefetch:
         body = [loads("k_begin < k_end", "k_begin", "    "), "    for (var k0 = k_begin; k0 < k_end; k0 += BK) {",
                 stores, "        workgroupBarrier();", loads("k0 + BK < k_end", "k0 + BK", "        ")]  # fmt: skip
@@ -234,10 +209,9 @@ def _loop(tile: TcTile, cfg: Config, threads: int, trans_a: bool, trans_b: bool,
     return {"regs": "\n".join(decl), "loop": "\n".join(body)}
 
 
-def _products(tile: TcTile, cfg: Config, a: _Operand, b: _Operand, base_a: str = "", base_b: str = "") -> str:
+def _products(tile: TcTile, cfg: Config, a: _Operand, b: _Operand) -> str:
     """One step's products: per KK slice the subgroup's TM left and TN right matrices from workgroup memory
-    (column-major where the operand is staged transposed; from the stage at `base_a` / `base_b`), then the
-    TM x TN multiply-accumulates."""
+    (column-major where the operand is staged transposed), then the TM x TN multiply-accumulates."""
     left = f"subgroup_matrix_left<f16, {cfg.k}, {cfg.m}>"
     right = f"subgroup_matrix_right<f16, {cfg.n}, {cfg.k}>"
     lines = []
@@ -249,7 +223,7 @@ def _products(tile: TcTile, cfg: Config, a: _Operand, b: _Operand, base_a: str =
                 else f"(sm + {i * cfg.m}u) * {a.stride}u + {kk}u"
             )
             lines.append(
-                f"        let l{i}_{kk} = subgroupMatrixLoad<{left}>(&As, {base_a}{at}, {str(a.col_major).lower()}, {a.stride}u);"
+                f"        let l{i}_{kk} = subgroupMatrixLoad<{left}>(&As, {at}, {str(a.col_major).lower()}, {a.stride}u);"
             )
         for j in range(tile.tn):  # rows kk.., columns sn + j*NN..
             at = (
@@ -258,7 +232,7 @@ def _products(tile: TcTile, cfg: Config, a: _Operand, b: _Operand, base_a: str =
                 else f"{kk * b.stride}u + sn + {j * cfg.n}u"
             )
             lines.append(
-                f"        let r{j}_{kk} = subgroupMatrixLoad<{right}>(&Bs, {base_b}{at}, {str(b.col_major).lower()}, {b.stride}u);"
+                f"        let r{j}_{kk} = subgroupMatrixLoad<{right}>(&Bs, {at}, {str(b.col_major).lower()}, {b.stride}u);"
             )
         for i in range(tile.tm):
             for j in range(tile.tn):
@@ -307,8 +281,8 @@ def templates(
     (`widths`: elements per load of A and B, 4 where `load_widths` allows it and the tile asks for it)."""
     if tile.bk % cfg.k:
         raise ValueError(f"tile bk={tile.bk} is not a multiple of the configuration's k={cfg.k}")
-    if any(w not in (1, 2, 4) for w in widths):
-        raise ValueError(f"load widths {widths}: each 1, 2 or 4")
+    if any(w not in (1, 4) for w in widths):
+        raise ValueError(f"load widths {widths}: each 1 or 4")
     BM, BN = tile.block(cfg)
     threads = tile.sg_rows * tile.sg_cols * subgroup_size
     sa, sb = _operands(tile, cfg, trans_a, trans_b)
@@ -327,11 +301,11 @@ def templates(
         )  # fmt: skip
     )
     return {
-        "a_array": f"vec{widths[0]}<{a_dtype}>" if widths[0] > 1 else a_dtype,
-        "b_array": f"vec{widths[1]}<{b_dtype}>" if widths[1] > 1 else b_dtype,
+        "a_array": f"vec4<{a_dtype}>" if widths[0] == 4 else a_dtype,
+        "b_array": f"vec4<{b_dtype}>" if widths[1] == 4 else b_dtype,
         "consts": consts,
-        "as_size": str(sa.size * tile.stages),
-        "bs_size": str(sb.size * tile.stages),
+        "as_size": str(sa.size),
+        "bs_size": str(sb.size),
         "cs_size": str(subgroups * cfg.m * cfg.n),
         "threads": str(threads),
         "accumulators": "\n".join(
@@ -356,14 +330,13 @@ def load_widths(
     strides: tuple[int, int],
     istrides: tuple[int, int],
 ) -> tuple[int, int]:
-    """Elements per global load of A and B: the tile's vector width w (4 or 2) where the tile asks for vectors
-    and every vector of the operand is whole and w-aligned (its contiguous extent, leading dimension, offset
-    and batch strides multiples of w), else 1."""
+    """Elements per global load of A and B: 4 (one vec4) where the tile asks for vectors and every vector of
+    the operand is whole and 4-aligned (its contiguous extent, leading dimension, offset and batch strides
+    multiples of 4), else 1."""
     if not tile.vec:
         return 1, 1
-    w = tile.width
     extents = (M if trans_a else K, K if trans_b else N)
-    return tuple(w if all(v % w == 0 for v in (extents[x], lds[x], offsets[x], strides[x], istrides[x])) else 1
+    return tuple(4 if all(v % 4 == 0 for v in (extents[x], lds[x], offsets[x], strides[x], istrides[x])) else 1
                  for x in (0, 1))  # fmt: skip
 
 
@@ -373,7 +346,7 @@ def workgroup_bytes(tile: TcTile, cfg: Config) -> int:
     staged = max(
         sum(op.size for op in _operands(tile, cfg, ta, tb)) for ta in (False, True) for tb in (False, True)
     )
-    return 2 * staged * tile.stages + 4 * tile.sg_rows * tile.sg_cols * cfg.m * cfg.n
+    return 2 * staged + 4 * tile.sg_rows * tile.sg_cols * cfg.m * cfg.n
 
 
 def groups(tile: TcTile, cfg: Config, M: int, N: int, batch: int = 1) -> tuple[int, int, int]:
@@ -382,12 +355,13 @@ def groups(tile: TcTile, cfg: Config, M: int, N: int, batch: int = 1) -> tuple[i
 
 
 # The tiles, best first; `pick_tile` takes the first whose workgroup memory the adapter has. `STAGED` is the
-# third sweep's best on an H100 through Dawn (bench/matmul_tc.py, f16 operands; BENCHMARKS.md, "The matrix
-# units, third session"): 8 subgroups of 4 x 4 matrices staged 32 deep, vec4 loads, prefetch, every operand
-# staged as stored, 164.9-170.4 TFLOP/s on the 27B's forward and dx products and 181.5 on dW (the second
-# sweep's transposing copy: 152.7-170.3 and 79.4). The two fallbacks fit WebGPU's default 16 KiB and ran
-# 101-129 TFLOP/s in the first sweep (scalar loads, no prefetch, the transposing copy then; not re-timed).
-STAGED = TcTile(4, 2, 4, 4, 32, 8, 8)
+# fifth session's best on an H100 through Dawn (bench/matmul_tc.py, f16 operands; BENCHMARKS.md, "The matrix
+# units, fifth session"): 4 subgroups of 4 x 4 matrices staged 32 deep, vec4 loads, prefetch, every operand
+# staged as stored, 189.1-199.2 TFLOP/s on the 27B's forwards, 210.7-212.4 on dx, 213.9-214.8 on dW, twice
+# (the 8-subgroup 4x2sg-4x4-k32 before it: 165.0-166.0, 170.6, 183.2 in the same run). Half the workgroup, so
+# two share an SM and one's staging overlaps the other's products. The two fallbacks fit WebGPU's default
+# 16 KiB and ran 101-129 TFLOP/s in the first sweep (scalar loads, no prefetch, the transposing copy then).
+STAGED = TcTile(2, 2, 4, 4, 32, 8, 8)
 TILES = (STAGED, *(TcTile(*t, 8, 8, vec=False, prefetch=False) for t in ((2, 2, 4, 4, 16), (2, 2, 2, 2, 16))))
 OPERANDS = {"f32": 4, "f16": 2}  # element bytes of A and B in storage
 
@@ -412,18 +386,12 @@ def subgroup_size(gpu) -> int:
 ENV_TILE = (
     "DDL_WGPU_TC_TILE"  # a tile by the name the sweep prints: what bench runs time before TILES changes
 )
-FLAGS = {
-    "v1": ("vec", False),
-    "np": ("prefetch", False),
-    "v2": ("width", 2),
-    "s2": ("stages", 2),
-}  # name parts
+FLAGS = {"v1": "vec", "np": "prefetch"}  # name parts that turn a path off
 
 
 def parse_tile(text: str) -> TcTile:
-    """'4x2sg-4x4-k32[-pA[.B]][-v1][-np][-v2][-s2]' -> a TcTile: subgroups as rows x columns, result matrices
-    per subgroup, the k depth, pads; -v1 scalar loads only, -np no prefetch, -v2 vec2 loads, -s2 two stages
-    (`TcTile.name` writes the same form)."""
+    """'4x2sg-4x4-k32[-pA[.B]][-v1][-np]' -> a TcTile: subgroups as rows x columns, result matrices per
+    subgroup, the k depth, pads; -v1 scalar loads only, -np no prefetch (`TcTile.name` writes the same form)."""
     try:
         parts = text.strip().split("-")
         if not parts[0].endswith("sg") or not parts[2].startswith("k"):
@@ -437,7 +405,7 @@ def parse_tile(text: str) -> TcTile:
                 pa, _, pb = part.removeprefix("p").partition(".")
                 pads = (int(pa), int(pb or pa))
             elif part in FLAGS:
-                flags[FLAGS[part][0]] = FLAGS[part][1]
+                flags[FLAGS[part]] = False
             else:
                 raise ValueError(part)
         return TcTile(sr, sc, tm, tn, bk, *pads, **flags)

@@ -21,35 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from ddl_wgpu.ops import pow2_at_least
 from ddl_wgpu.ops.codegen import wgsl_tiles as tl
-from ddl_wgpu.runtime.gpu import GpuError, Uniform
-
-# The uniform of every gated delta rule kernel (`shaders/gated_delta.wgsl` and `gated_delta_tc.wgsl`; their
-# launchers `ops.gated_delta` and `ops.gated_delta_tc` take it from here).
-PARAMS = Uniform(
-    "Params",
-    ("B", "u32", "batch rows"),
-    ("T", "u32", "tokens per row"),
-    ("Hk", "u32", "key heads"),
-    ("Hv", "u32", "value heads (a multiple of Hk)"),
-    ("Dk", "u32"),
-    ("Dv", "u32"),
-    ("k_off", "u32", "floats: k's start in qk"),
-    ("v_off", "u32", "floats: v's first column in its buffer"),
-    ("v_stride", "u32", "floats per token row of v's buffer"),
-    ("tc", "u32", "tokens per chunk (chunked: C; per-token: between two saved states)"),
-    ("nck", "u32", "chunks: ceil(T / tc)"),
-    ("has_init", "u32", "forward: 1 starts from state_in, 0 from zeros"),
-    ("save_ckpt", "u32", "forward: 1 writes the state before each chunk (chunked: and Δ)"),
-    ("save_final", "u32", "forward: 1 writes the final state to slot nck"),
-    ("gb_off", "u32", "floats: g, beta's start in qkgb"),
-    ("dk_off", "u32", "chunked backward: floats, dk's start in dqk"),
-    ("dd_off", "u32", "chunked backward: floats, dΔ's (then dR's) start in scr"),
-    ("ds_off", "u32", "chunked backward: floats, the chunk-end state gradients' start in scr"),
-    ("e_off", "u32", "chunked backward: floats, the per-chunk [dP ∘ M; dA ∘ M]'s start in scr"),
-    ("dg_off", "u32", "chunked backward: floats, [dg, dbeta]'s start in scr"),
-    ("b0", "u32", "chunked: the call's first batch row"),
-    ("mode", "u32", "chunk_prep: 0 the forward's (U), 1 the backward's (Tm)"),
-)
+from ddl_wgpu.runtime.gpu import GpuError
 
 KERNELS = (
     "CP",
