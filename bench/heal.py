@@ -711,7 +711,9 @@ def main_memory(args, model, gpu, progress, t_start) -> int:
         e = r["estimate"]
         print(f"one heal epoch over 1M window tokens, streamed: {e['total_s']:.0f}s = trunk pass {e['trunk_s']:.0f}s, "
               f"draft {e['draft_s']:.0f}s ({e['steps']:.0f} steps), refresh {e['refresh_s']:.0f}s "
-              f"({e['refresh_forwards']} refresh batches)")  # fmt: skip
+              f"({e['refresh_forwards']} refresh batches), held-out evaluation {e['eval_s']:.0f}s "
+              f"({e['evaluations']} evaluations of {e['heldout_batches']} batches); the acceptance measurements "
+              "not counted")  # fmt: skip
     verdict = "all checks passed" if not failed else "FAILED: " + "; ".join(failed)
     print(f"total {data['wall_s']:.0f}s; {verdict}")
     return 1 if failed else 0

@@ -18,7 +18,9 @@ Per phase: wall time, tokens/s (and the streamed pass's ratio to the resident on
 engine's own peak (`Gpu.peak`: every buffer it creates, the upload and read-back staging included) and the
 driver's (nvidia-smi's memory.used, sampled every 0.2 s; "-" without nvidia-smi). The epoch estimate over 1 M window
 tokens: the streamed pass at its measured rate, the draft's jobs at the measured job mix, the refresh batches
-heal's lazy refresh rebuilds (`heal_count.refresh_forwards`) at the measured refresh-batch time.
+heal's lazy refresh rebuilds (`heal_count.refresh_forwards`) at the measured refresh-batch time, and heal's
+held-out evaluations (every --eval-every steps and at the last: each chain step of every held-out batch) at the
+measured evaluation-batch time per chain step. The acceptance measurements before and after are not counted.
 
 Weights are `common.RandomWeights` (the 27B's float32 init does not fit the host); the streamed trunk reads them
 from host arrays here (`bench/heal_e2e.py` reads a checkpoint on disk).
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 import common  # noqa: F401  (puts the repository root on sys.path)
 import numpy as np
@@ -207,7 +210,16 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
         t = time.perf_counter()
         draft.next_rows(x[1], ref_mtp.shifted(ids, 2), ref_mtp.step_valid(lengths, T, 2))
         refresh.append(time.perf_counter() - t)
-    steps, n = {}, 0
+    steps, evals, n = {}, {}, 0
+
+    def median_s(call, runs: int) -> float:
+        times = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t)
+        return float(np.median(times[1:]))  # the first builds the work and compiles
+
     for j in range(1, args.chain + 1):
         tid, tp = ref_mtp.shifted(cache.top_ids[:B], j), ref_mtp.shifted(cache.top_probs[:B], j, fill=1.0)
         w = ref_mtp.step_valid(lengths, T, j).astype(np.float32)
@@ -218,17 +230,24 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
             tp = np.concatenate([np.ones((B, pad, tp.shape[-1]), tp.dtype), tp], axis=1)
             w = np.concatenate([np.zeros((B, pad), w.dtype), w], axis=1)
             xs, kw = np.concatenate([x[i] for i in range(1, j + 1)], axis=1), {"chain": j}
-        times = []
-        for _ in range(1 + args.steps):  # the first builds the work and compiles
+
+        def step(xs=xs, tid=tid, tp=tp, w=w, kw=kw):
+            nonlocal n
             n += 1
-            t = time.perf_counter()
             draft.step(xs, tid, tp, w, heal.HealConfig().lr, n, heal.LOSS_SCALE_START, **kw)
-            times.append(time.perf_counter() - t)
-        steps[j] = float(np.median(times[1:]))
+
+        steps[j] = median_s(step, 1 + args.steps)
+        # a held-out evaluation batch at this chain step: the KL forward, with the next step's rows where heal
+        # builds them from it (an evaluation right after a refresh), as bench/heal.py times it
+        nxt = (ref_mtp.shifted(ids, j + 1), ref_mtp.step_valid(lengths, T, j + 1))
+        last = j == args.chain
+        evals[j] = median_s(partial(draft.loss_sum, xs, tid, tp, w, **kw) if last
+                            else partial(draft.loss_sum_next, xs, tid, tp, w, *nxt, **kw), 1 + args.steps)  # fmt: skip
     t1 = time.perf_counter()
     r = {"steps_s": steps, "job_mix_s": float(np.mean(list(steps.values()))), "refresh_batch_s": float(np.median(refresh)),
-         "engine_peak_bytes": gpu.peak - base, "smi_peak_bytes": smi.peak(t0, t1)}  # fmt: skip
-    progress(f"  draft: {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in steps.items())}; peak "
+         "eval_batch_s": evals, "engine_peak_bytes": gpu.peak - base, "smi_peak_bytes": smi.peak(t0, t1)}  # fmt: skip
+    progress(f"  draft: {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in steps.items())}; held-out evaluation "
+             f"batch {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in evals.items())}; peak "
              f"{_gib(r['engine_peak_bytes'])} engine, {_gib(r['smi_peak_bytes'])} nvidia-smi")  # fmt: skip
     return r
 
@@ -239,8 +258,10 @@ def epoch_estimate(args, tokens_per_s: float, draft: dict) -> dict:
                           chain_attention=args.chain_attention)  # fmt: skip
     lazy = refresh_forwards(round(1e6 / args.seq), run)
     e = {"trunk_s": 1e6 / tokens_per_s, "draft_s": lazy["steps"] * draft["job_mix_s"], "steps": lazy["steps"],
-         "refresh_forwards": lazy["forwards"], "refresh_s": lazy["forwards"] * draft["refresh_batch_s"]}  # fmt: skip
-    e["total_s"] = e["trunk_s"] + e["draft_s"] + e["refresh_s"]
+         "refresh_forwards": lazy["forwards"], "refresh_s": lazy["forwards"] * draft["refresh_batch_s"],
+         "evaluations": lazy["evaluations"], "heldout_batches": lazy["heldout_batches"],
+         "eval_s": lazy["evaluations"] * lazy["heldout_batches"] * sum(draft["eval_batch_s"].values())}  # fmt: skip
+    e["total_s"] = e["trunk_s"] + e["draft_s"] + e["refresh_s"] + e["eval_s"]
     return e
 
 
