@@ -191,30 +191,37 @@ def draft_kl_forward(params: dict, cfg: ModelConfig, x_rows, teacher_ids, teache
     """Top-k KL of the draft against a teacher, summed over rows.
 
     x_rows (B, T, C), teacher_ids/probs (B, T, k), weights (B, T) 0/1 -> (kl_sum, cache). `chain` as in
-    `draft_forward` (stacked steps: the caller gives the rows of steps < chain weight 0). `form`: "full" (the
-    reference heal tool's: the draft's full-vocabulary log-softmax against the teacher's renormalised top-k)
-    or "topk" (the draft renormalised over the teacher's k ids); `ops.topk_kl_forward`.
+    `draft_forward`: stacked steps, of which only step `chain`'s rows (the last T / chain of each window) carry
+    the loss, so the head and the KL run on those rows alone (the rows of earlier steps only feed the
+    attention; their weights are ignored, and callers give them 0). `form`: "full" (the reference heal tool's:
+    the draft's full-vocabulary log-softmax against the teacher's renormalised top-k) or "topk" (the draft
+    renormalised over the teacher's k ids); `ops.topk_kl_forward`.
     """
     B, T, C = x_rows.shape
     pre, post, c_draft = draft_forward(params, cfg, x_rows, chain)
-    logits = draft_logits(params, cfg, post)  # (B, T, V)
+    last = (
+        chain_rows(chain, T) if chain else T
+    )  # the rows that carry the loss: the last `last` of each window
+    logits = draft_logits(params, cfg, post[:, T - last :])  # (B, last, V)
     k = np.shape(teacher_ids)[-1]
     kl_sum, c_kl = ops.topk_kl_forward(
-        logits.reshape(B * T, -1),
-        np.asarray(teacher_ids).reshape(B * T, k),
-        np.asarray(teacher_probs, x_rows.dtype).reshape(B * T, k),
-        np.asarray(weights).reshape(B * T),
+        logits.reshape(B * last, -1),
+        np.asarray(teacher_ids)[:, T - last :].reshape(B * last, k),
+        np.asarray(teacher_probs, x_rows.dtype)[:, T - last :].reshape(B * last, k),
+        np.asarray(weights)[:, T - last :].reshape(B * last),
         form,
     )
-    return kl_sum, {"draft": c_draft, "kl": c_kl, "pre": pre, "post": post, "shape": (B, T)}
+    return kl_sum, {"draft": c_draft, "kl": c_kl, "pre": pre, "post": post, "shape": (B, T), "last": last}
 
 
 def draft_kl_backward(params: dict, cfg: ModelConfig, cache, dloss: float = 1.0):
     """-> (dx_rows (B, T, C), grads of dloss * kl_sum for the trained draft tensors)."""
     B, T = cache["shape"]
-    dlogits = ops.topk_kl_backward(cache["kl"]) * float(dloss)  # (B*T, V)
-    dpost, _dhead = ops.linear_backward(
-        dlogits.reshape(B, T, -1), cache["post"], head_weight(params, cfg)
+    last = cache["last"]
+    dlogits = ops.topk_kl_backward(cache["kl"]) * float(dloss)  # (B*last, V)
+    dpost = np.zeros_like(cache["post"])
+    dpost[:, T - last :], _dhead = ops.linear_backward(
+        dlogits.reshape(B, last, -1), cache["post"][:, T - last :], head_weight(params, cfg)
     )  # the head is shared and frozen: its gradient is dropped
     return draft_backward(params, cfg, cache["draft"], dpost)
 

@@ -122,6 +122,41 @@ def test_topk_kl_through_draft_grad(tie, form):
     assert np.allclose(dx2, 4.0 * dx)
 
 
+def test_stacked_chain_kl_grad_and_head_on_the_last_step():
+    """Stacked chain steps: the KL reads step `chain`'s rows alone (a weight given to an earlier step's row
+    changes nothing), and its backward, through the chain-masked attention into every row, matches finite
+    differences in float64."""
+    cfg = tiny_cfg("mtp", qk_norm="pre_rope")
+    params = random_params(cfg, 4)
+    rng = np.random.default_rng(6)
+    B, W, j, k = 2, 4, 3, 4
+    T = j * W
+    x = rng.standard_normal((B, T, cfg.d_model))
+    tid = np.stack([rng.permutation(cfg.vocab_size)[:k] for _ in range(B * T)]).reshape(B, T, k)
+    tp = rng.uniform(0.01, 1.0, (B, T, k))
+    w = np.zeros((B, T))
+    w[:, -W:] = (rng.uniform(size=(B, W)) > 0.3).astype(np.float64)
+
+    def loss():
+        return mtp.draft_kl_forward(params, cfg, x, tid, tp, w, chain=j)[0]
+
+    kl, cache = mtp.draft_kl_forward(params, cfg, x, tid, tp, w, chain=j)
+    # the same sum as the KL over every row with the earlier steps' rows weighted 0, and weights on those
+    # rows are ignored
+    pre, post, _ = mtp.draft_forward(params, cfg, x, chain=j)
+    full, _ = ops.topk_kl_forward(mtp.draft_logits(params, cfg, post).reshape(B * T, -1), tid.reshape(B * T, k),
+                                  tp.reshape(B * T, k), w.reshape(B * T), "full")  # fmt: skip
+    assert kl == pytest.approx(full, rel=1e-12)
+    w_early = w.copy()
+    w_early[:, : T - W] = 1.0
+    assert mtp.draft_kl_forward(params, cfg, x, tid, tp, w_early, chain=j)[0] == kl
+    dx, grads = mtp.draft_kl_backward(params, cfg, cache)
+    assert np.abs(dx[:, : T - W]).max() > 0  # the earlier steps' rows feed step j through the attention
+    assert_fd_grad("x", dx, loss, x)
+    for name, g in grads.items():
+        assert_fd_grad(name, g, loss, params[name])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # conventions
 
