@@ -85,14 +85,13 @@ import math
 import sys
 import time
 import traceback
-from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
 import numpy as np  # noqa: E402
-from heal_count import refresh_forwards  # noqa: E402
+from heal_count import evaluation_batch, refresh_forwards  # noqa: E402
 from hybrid import forward_profile, qwen38_27b  # noqa: E402
 
 from ddl_ref import model as ref_model  # noqa: E402
@@ -290,10 +289,7 @@ class Jobs:
         self.evals = {}
         for j in range(1, args.chain + 1):
             x, tid, tp, w, kw = self.job(j)
-            if j < args.chain:
-                call = partial(draft.loss_sum_next, x, tid, tp, w, *tok_valid(j + 1), **kw)
-            else:
-                call = partial(draft.loss_sum, x, tid, tp, w, **kw)
+            call = evaluation_batch(draft, j, args.chain, x, tid, tp, w, tok_valid(j + 1), kw)
             self.evals[j] = wall_ms(gpu, call, args.warmup, args.steps)
         # the trunk pass as heal runs it: forward, top-k, the step-1 rows (no hidden rows downloaded)
         self.pass_ = wall_ms(

@@ -10,6 +10,7 @@ in the package.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -89,3 +90,12 @@ def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
         "evaluations": chain.evaluations,
         "heldout_batches": len(vb),
     }
+
+
+def evaluation_batch(draft, j: int, chain: int, x, tid, tp, w, next_rows_of, kw: dict):
+    """What heal runs for one held-out batch at chain step j (`_Chain.heldout_kl`), as a call to time: the KL
+    forward, which for j < chain also builds step j + 1's rows (`Draft.loss_sum_next`, an evaluation right after
+    a refresh) from `next_rows_of` = (tokens, valid) of step j + 1."""
+    if j < chain:
+        return partial(draft.loss_sum_next, x, tid, tp, w, *next_rows_of, **kw)
+    return partial(draft.loss_sum, x, tid, tp, w, **kw)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import subprocess
 import sys
 import threading
@@ -38,7 +39,7 @@ from functools import partial
 
 import common  # noqa: F401  (puts the repository root on sys.path)
 import numpy as np
-from heal_count import refresh_forwards
+from heal_count import evaluation_batch, refresh_forwards
 
 from ddl_ref import mtp as ref_mtp
 from ddl_wgpu import backend
@@ -210,7 +211,8 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
         t = time.perf_counter()
         draft.next_rows(x[1], ref_mtp.shifted(ids, 2), ref_mtp.step_valid(lengths, T, 2))
         refresh.append(time.perf_counter() - t)
-    steps, evals, n = {}, {}, 0
+    steps, evals = {}, {}
+    adam_steps = itertools.count(1)  # Adam's step counter, across the chain steps as in heal's job loop
 
     def median_s(call, runs: int) -> float:
         times = []
@@ -230,19 +232,13 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
             tp = np.concatenate([np.ones((B, pad, tp.shape[-1]), tp.dtype), tp], axis=1)
             w = np.concatenate([np.zeros((B, pad), w.dtype), w], axis=1)
             xs, kw = np.concatenate([x[i] for i in range(1, j + 1)], axis=1), {"chain": j}
-
-        def step(xs=xs, tid=tid, tp=tp, w=w, kw=kw):
-            nonlocal n
-            n += 1
-            draft.step(xs, tid, tp, w, heal.HealConfig().lr, n, heal.LOSS_SCALE_START, **kw)
-
-        steps[j] = median_s(step, 1 + args.steps)
-        # a held-out evaluation batch at this chain step: the KL forward, with the next step's rows where heal
-        # builds them from it (an evaluation right after a refresh), as bench/heal.py times it
+        step = partial(draft.step, xs, tid, tp, w, heal.HealConfig().lr)
+        steps[j] = median_s(
+            lambda s=step, kw=kw: s(next(adam_steps), heal.LOSS_SCALE_START, **kw), 1 + args.steps
+        )
+        # a held-out evaluation batch at this chain step, as bench/heal.py times it
         nxt = (ref_mtp.shifted(ids, j + 1), ref_mtp.step_valid(lengths, T, j + 1))
-        last = j == args.chain
-        evals[j] = median_s(partial(draft.loss_sum, xs, tid, tp, w, **kw) if last
-                            else partial(draft.loss_sum_next, xs, tid, tp, w, *nxt, **kw), 1 + args.steps)  # fmt: skip
+        evals[j] = median_s(evaluation_batch(draft, j, args.chain, xs, tid, tp, w, nxt, kw), 1 + args.steps)
     t1 = time.perf_counter()
     r = {"steps_s": steps, "job_mix_s": float(np.mean(list(steps.values()))), "refresh_batch_s": float(np.median(refresh)),
          "eval_batch_s": evals, "engine_peak_bytes": gpu.peak - base, "smi_peak_bytes": smi.peak(t0, t1)}  # fmt: skip

@@ -199,9 +199,8 @@ def draft_kl_forward(params: dict, cfg: ModelConfig, x_rows, teacher_ids, teache
     """
     B, T, C = x_rows.shape
     pre, post, c_draft = draft_forward(params, cfg, x_rows, chain)
-    last = (
-        chain_rows(chain, T) if chain else T
-    )  # the rows that carry the loss: the last `last` of each window
+    # the rows that carry the loss: the last `last` of each window
+    last = chain_rows(chain, T) if chain else T
     logits = draft_logits(params, cfg, post[:, T - last :])  # (B, last, V)
     k = np.shape(teacher_ids)[-1]
     kl_sum, c_kl = ops.topk_kl_forward(

@@ -400,19 +400,20 @@ class WgpuDraft:
                     for s in range(j):
                         rec.copy(steps[s], w * T * row, x_in, (w * S + s * T) * row, T * row)
             work._fwd.record(rec)
-            if (
-                sigma and work.last
-            ):  # the head on each window's step-j rows alone: ids (B, T), as tok lays them
+            # the argmax ids, `width` per window: the head on each window's step-j rows alone (T, as tok lays
+            # them), or on every row (S, each window's last T wanted)
+            if sigma and work.last:
                 ids_out, width = work.record_top1_last(rec), T
-            else:  # every row's: each window's last T of S
+            else:
                 top, ids_out, _probs = work._topk_call(1)
                 top.record(rec)
                 width = S
             if inp.table is None:  # the next step's tokens, this step's argmax ids, copied there
-                for w in range(B) if width != T else ():
-                    rec.copy(ids_out, (w * S + S - T) * 4, tok, w * T * 4, T * 4)
                 if width == T:
                     rec.copy(ids_out, 0, tok, 0, N * 4)
+                else:
+                    for w in range(B):
+                        rec.copy(ids_out, (w * S + S - T) * 4, tok, w * T * 4, T * 4)
             rec.submit()
             ids = g.download(ids_out, np.uint32, B * width).reshape(B, width)[:, width - T :]
             preds.append(ids[:b].astype(np.int32))
