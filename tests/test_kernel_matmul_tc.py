@@ -9,6 +9,8 @@ the 16 x 16 matrices or the tile), so every edge path runs."""
 
 from __future__ import annotations
 
+import re
+
 import emulated_matrices
 import numpy as np
 import pytest
@@ -78,6 +80,7 @@ def test_linear_backward_on_the_matrix_units(mgpu, rng):
     "tile",
     [
         "4x2sg-4x4-k32",
+        "2x2sg-4x4-k32",
         "2x4sg-4x4-k32",
         "2x2sg-4x4-k16-v1-np",
         "2x2sg-2x2-k16-np",
@@ -259,10 +262,10 @@ LAYOUTS = (((False, True), ("f32", "f16")), ((False, False), ("f16", "f32")), ((
 
 # Few result matrices per subgroup, and few kernels: lavapipe compiles an emulated kernel in 10-100 s when its
 # cache is cold (more matrices, longer), so each generated path appears once: scalar loads with guarded edges
-# (ODD), the default path (vec4, prefetch; its kernels serve the causal and split-K tests too), vec4 without
-# prefetch. Each runs the three layouts, so both operands are staged as stored and read column-major.
+# (ODD), the default path (vec4, prefetch; its kernels serve the causal and split-K tests too), the default
+# path 32 deep (its rows paired: `matmul_tc._paired`), vec4 without prefetch. Each runs the three layouts, so both operands are staged as stored and read column-major.
 @pytest.mark.parametrize("tile, shape", [("2x2sg-2x2-k16", ODD), ("2x2sg-1x2-k16", ALIGNED),
-                                         ("2x2sg-2x1-k16-np", ALIGNED)])  # fmt: skip
+                                         ("2x2sg-1x2-k32", ALIGNED), ("2x2sg-2x1-k16-np", ALIGNED)])  # fmt: skip
 def test_the_generated_kernel_with_emulated_matrices(emulating, rng, tile, shape):
     """Odd shapes (scalar loads, every edge guarded) and multiples of 4 (vec4 loads, blocks inside the
     operands): three layouts, f32 and f16 operands, a batch of two with offsets, accumulating with alpha 1
@@ -349,3 +352,35 @@ def test_split_k_on_the_matrix_units(mgpu, rng):
     cb = g.buffer(M * N * 4)
     k_mm.matmul(g, cb, g.upload(a), g.upload(b), M, N, K, trans_a=True).run(g)
     assert rel_err(g.read(cb, (M, N)), f16(a).T @ f16(b)) < TOL
+
+
+def _copy_cost(tile: tc.TcTile, trans_a: bool, trans_b: bool) -> dict:
+    """Runs everywhere: each staged operand's copy as the generated slot expressions place it (evaluated here
+    for every thread), checked to cover the tile once, and the worst number of bank wavefronts of one
+    subgroup's vec4 store (NVIDIA's compiler merges a lane's four f16 stores into one 8-byte store, served
+    16 lanes at a time over 32 banks of 4 bytes)."""
+    cfg, threads = tc.Config(16, 16, 16), tile.sg_rows * tile.sg_cols * 32
+    out = {}
+    for op in tc._operands(tile, cfg, trans_a, trans_b, 4, 4):
+        cells, worst = [], 0
+        for r, q, _guard in tc._slots(op, threads):
+            py = [re.sub(r"(\d+)u", r"\1", x).replace("/", "//") for x in (r, q)]
+            at = [(eval(py[0], {"li": li}), eval(py[1], {"li": li})) for li in range(threads)]  # noqa: S307
+            cells += [(row, col + j) for row, col in at for j in range(4)]
+            for h0 in range(0, threads, 16):
+                banks = {}
+                for row, col in at[h0 : h0 + 16]:
+                    for word in ((row * op.stride + col) // 2, (row * op.stride + col) // 2 + 1):
+                        banks.setdefault(word % 32, set()).add(word)
+                worst = max(worst, max(len(s) for s in banks.values()))
+        assert sorted(cells) == [(i, j) for i in range(op.rows) for j in range(op.cols)], op
+        out[op.tag] = worst
+    return out
+
+
+@pytest.mark.parametrize("layout", [(False, True), (False, False), (True, False)])
+def test_the_staging_copy_stores_in_one_wavefront(layout):
+    """The default tile's staging copy at each layout (forward, dx, dW): every element once, and every half
+    subgroup's 8-byte stores in one bank wavefront. Consecutive rows (before the pairing) took two wherever a
+    row is 32 deep: both operands of the forward, A of dx."""
+    assert _copy_cost(tc.STAGED, *layout) == {"a": 1, "b": 1}
