@@ -32,6 +32,30 @@ def test_download_at_offset_and_large(gpu):
     assert np.array_equal(gpu.download(buf, np.float32, 300_000), a)
 
 
+def test_large_writes_go_through_host_memory_in_queue_order(gpu, monkeypatch):
+    """`Gpu.write` from HOST_WRITE_MIN bytes on a device with host buffers (Dawn; lavapipe's has them): the
+    bytes land, in pieces through both host buffers in turn, ordered with `write_buffer` writes on either side;
+    elsewhere (wgpu-native) the same through `write_buffer`."""
+    monkeypatch.setattr(G, "HOST_WRITE_MIN", 4096)
+    monkeypatch.setattr(G, "HOST_WRITE_PIECE", 1 << 14)  # 4,096 words: the writes below go up in 2-13 pieces
+    rng = np.random.default_rng(5)
+    a, b = (rng.standard_normal(50_000).astype(np.float32) for _ in range(2))
+    buf_a, buf_b = gpu.buffer(a.nbytes), gpu.buffer(b.nbytes)
+    gpu.write(buf_a, np.zeros(10, np.float32), 400)  # write_buffer, before: overwritten
+    gpu.write(buf_a, a)
+    gpu.write(buf_b, b[:8192], 4 * 4096)  # 2 pieces, at an offset
+    gpu.write(buf_b, b[:4096])
+    gpu.write(buf_b, b[12288:], 4 * 12288)
+    gpu.write(buf_a, np.full(10, 7.0, np.float32), 400)  # write_buffer, after: kept
+    want_a = a.copy()
+    want_a[100:110] = 7.0
+    assert np.array_equal(gpu.download(buf_a), want_a)
+    assert np.array_equal(gpu.download(buf_b), np.concatenate([b[:4096], b[:8192], b[12288:]]))
+    assert all(s is not None for s in gpu._host_writes) == gpu.host_buffers
+    gpu.write(buf_a, b)  # again into a buffer the GPU has read: the new bytes
+    assert np.array_equal(gpu.download(buf_a), b)
+
+
 @pytest.mark.parametrize("mode", ["spin", "block"])
 def test_readback_reads_each_submit(gpu, monkeypatch, mode):
     """A read-back buffer maps on the calling thread (`Readback.read`, either wait): each read returns what

@@ -79,6 +79,12 @@ WEBGPU_LIMITS = {
 }
 # The read-back staging buffer grows to the largest download, at most this; a larger one goes through it in pieces
 READBACK_MAX = 64 << 20
+# `write` through host memory (where the device has it, `host_buffer`) from this size on: Dawn's
+# `queue.write_buffer` moved 1.06 GB/s on the H100 against 19.5-20.0 for host buffers (bench/upload.py), and a
+# heal draft step uploads 10-31 MB of rows at the 27B. Two host buffers of at most HOST_WRITE_PIECE bytes take
+# turns; a larger write goes up in pieces.
+HOST_WRITE_MIN = 1 << 20
+HOST_WRITE_PIECE = 64 << 20
 # The device-wide scratch the launchers keep in a Gpu's __dict__ (`Gpu.drop_scratch`): dicts of buffers grown
 # to the largest use (`ops.matmul`'s split-K partials, `ops.attention_scores`' scores) or one buffer
 # (`ops.gated_delta`'s stand-in for an unused binding)
@@ -300,6 +306,8 @@ class Gpu:
         self._modules: dict = {}
         self._layouts: dict = {}
         self._staging = None
+        self._host_writes: list = [None, None]  # (host bytes, COPY_SRC buffer, submission to wait for) each
+        self._host_turn = 0
         self.allocated = 0  # bytes of storage buffers created through `buffer`, all told (memory reports)
         # bytes of the engine's buffers alive now (`buffer`, `external`; down when one is released or
         # collected) and the most at any moment: the engine's own count of its peak (`reset_peak` restarts it)
@@ -477,15 +485,45 @@ class Gpu:
         self.write(buf, array)
         return buf
 
-    def write(self, buf, array: np.ndarray, offset: int = 0):
-        """Copy host data into `buf` at byte `offset` (queued before the next submit)."""
+    def write(self, buf, array: np.ndarray, offset: int = 0, via_host: bool = True):
+        """Copy host data into `buf` at byte `offset` (queued before the next submit). From HOST_WRITE_MIN bytes
+        on, where the device has host buffers and `via_host`, through them (`_write_host`), else through
+        `queue.write_buffer`."""
         a = np.ascontiguousarray(array)
+        if (
+            via_host
+            and self.host_buffers
+            and a.nbytes >= HOST_WRITE_MIN
+            and a.nbytes % 4 == 0
+            and offset % 4 == 0
+        ):
+            self._write_host(buf, a.reshape(-1).view(np.uint8), offset)
+            return
         if a.nbytes % 4:  # WebGPU writes whole words
             data = a.tobytes() + b"\0" * (-a.nbytes % 4)
         else:  # the array's own memory, not a copy (a 27B model's weights are 54 GB)
             data = memoryview(a.reshape(-1).view(np.uint8))
         if len(data):
             self.queue.write_buffer(buf, offset, data)
+
+    def _write_host(self, buf, data: np.ndarray, offset: int) -> None:
+        """`write` through the two host buffers in turn: each piece copied into the buffer whose last copy has
+        finished (its submission waited for), then copied by the GPU itself in a submit of its own, which the
+        queue runs before every later submit, as it would a `write_buffer`."""
+        for lo in range(0, len(data), HOST_WRITE_PIECE):
+            piece = data[lo : lo + HOST_WRITE_PIECE]
+            slot = self._host_writes[self._host_turn]
+            if slot is not None and slot[2] is not None:
+                self.wait_for(slot[2])
+            if slot is None or len(slot[0]) < len(piece):
+                size = max(len(piece), min(HOST_WRITE_PIECE, 2 * len(slot[0]) if slot else HOST_WRITE_MIN))
+                slot = [*self.host_buffer(size, label=f"write_host{self._host_turn}"), None]
+            slot[0][: len(piece)] = piece
+            enc = self.device.create_command_encoder()
+            enc.copy_buffer_to_buffer(slot[1], 0, buf, offset + lo, len(piece))
+            slot[2] = self.submit_indexed(enc.finish())
+            self._host_writes[self._host_turn] = slot
+            self._host_turn ^= 1
 
     def upload_ranges(self, arrays) -> tuple[object, list]:
         """Several flat arrays in one new buffer as float32, each at a 256-byte-aligned offset (WebGPU's
