@@ -34,8 +34,9 @@ def test_download_at_offset_and_large(gpu):
 
 def test_large_writes_go_through_host_memory_in_queue_order(gpu, monkeypatch):
     """`Gpu.write` from HOST_WRITE_MIN bytes on a device with host buffers (Dawn; lavapipe's has them): the
-    bytes land, in pieces through both host buffers in turn, ordered with `write_buffer` writes on either side;
-    elsewhere (wgpu-native) the same through `write_buffer`."""
+    bytes land, in pieces through host buffers, ordered with `write_buffer` writes on either side, and within
+    a pool of host buffers whose bound makes the host wait; elsewhere (wgpu-native) the same through
+    `write_buffer`."""
     monkeypatch.setattr(G, "HOST_WRITE_MIN", 4096)
     monkeypatch.setattr(G, "HOST_WRITE_PIECE", 1 << 14)  # 4,096 words: the writes below go up in 2-13 pieces
     rng = np.random.default_rng(5)
@@ -51,9 +52,15 @@ def test_large_writes_go_through_host_memory_in_queue_order(gpu, monkeypatch):
     want_a[100:110] = 7.0
     assert np.array_equal(gpu.download(buf_a), want_a)
     assert np.array_equal(gpu.download(buf_b), np.concatenate([b[:4096], b[:8192], b[12288:]]))
-    assert all(s is not None for s in gpu._host_writes) == gpu.host_buffers
+    assert bool(gpu._host_writes) == gpu.host_buffers
     gpu.write(buf_a, b)  # again into a buffer the GPU has read: the new bytes
     assert np.array_equal(gpu.download(buf_a), b)
+    held = sum(len(s[0]) for s in gpu._host_writes)
+    monkeypatch.setattr(G, "HOST_WRITE_POOL", 1 << 15)  # no growth past what is held: the host waits instead
+    for k in range(4):
+        gpu.write(buf_b, a + k)
+    assert np.array_equal(gpu.download(buf_b), a + 3)
+    assert sum(len(s[0]) for s in gpu._host_writes) <= max(held, 1 << 15)
 
 
 @pytest.mark.parametrize("mode", ["spin", "block"])

@@ -130,6 +130,19 @@ class Dawn:
         self._wait_future(lib.wgpuQueueOnSubmittedWorkDone(device.queue._internal, self._done_info).id)
         self._futures.clear()
 
+    def done(self, device, index: int) -> bool:
+        """Whether submission `index` has finished, without blocking (its future polled; an index no longer held
+        is finished, as in `wait_for`)."""
+        future = self._futures.get(index)
+        if future is None:
+            return True
+        info = ffi.new("WGPUFutureWaitInfo *")
+        info.future.id = future
+        lib.wgpuInstanceWaitAny(_api.get_wgpu_instance(), 1, info, 0)
+        if info.completed:
+            self.wait_for(device, index)
+        return bool(info.completed)
+
     def wait_for(self, device, index: int) -> None:
         """Block until submission `index` has finished (its queue-done future; later ones may still run). An
         index no longer held (waited for already, or forgotten as long finished) is finished."""

@@ -81,10 +81,13 @@ WEBGPU_LIMITS = {
 READBACK_MAX = 64 << 20
 # `write` through host memory (where the device has it, `host_buffer`) from this size on: Dawn's
 # `queue.write_buffer` moved 1.06 GB/s on the H100 against 19.5-20.0 for host buffers (bench/upload.py), and a
-# heal draft step uploads 10-31 MB of rows at the 27B. Two host buffers of at most HOST_WRITE_PIECE bytes take
-# turns; a larger write goes up in pieces.
+# heal draft step uploads 10-31 MB of rows at the 27B. A write goes up in pieces of at most HOST_WRITE_PIECE
+# bytes, each through a host buffer whose last copy is done; the buffers held stay within HOST_WRITE_POOL bytes
+# (past it the host waits for the oldest copy), so a write queued behind a streamed trunk's layers does not
+# stall the host that feeds them.
 HOST_WRITE_MIN = 1 << 20
 HOST_WRITE_PIECE = 64 << 20
+HOST_WRITE_POOL = 1 << 30
 # The device-wide scratch the launchers keep in a Gpu's __dict__ (`Gpu.drop_scratch`): dicts of buffers grown
 # to the largest use (`ops.matmul`'s split-K partials, `ops.attention_scores`' scores) or one buffer
 # (`ops.gated_delta`'s stand-in for an unused binding)
@@ -306,8 +309,7 @@ class Gpu:
         self._modules: dict = {}
         self._layouts: dict = {}
         self._staging = None
-        self._host_writes: list = [None, None]  # (host bytes, COPY_SRC buffer, submission to wait for) each
-        self._host_turn = 0
+        self._host_writes: list = []  # [host bytes, their COPY_SRC buffer, the submission of their last copy]
         self.allocated = 0  # bytes of storage buffers created through `buffer`, all told (memory reports)
         # bytes of the engine's buffers alive now (`buffer`, `external`; down when one is released or
         # collected) and the most at any moment: the engine's own count of its peak (`reset_peak` restarts it)
@@ -507,23 +509,36 @@ class Gpu:
             self.queue.write_buffer(buf, offset, data)
 
     def _write_host(self, buf, data: np.ndarray, offset: int) -> None:
-        """`write` through the two host buffers in turn: each piece copied into the buffer whose last copy has
-        finished (its submission waited for), then copied by the GPU itself in a submit of its own, which the
-        queue runs before every later submit, as it would a `write_buffer`."""
+        """`write` through host buffers: each piece copied into a host buffer whose last copy is done (`_host_slot`),
+        then copied by the GPU itself in a submit of its own, which the queue runs before every later submit, as
+        it would a `write_buffer`."""
         for lo in range(0, len(data), HOST_WRITE_PIECE):
             piece = data[lo : lo + HOST_WRITE_PIECE]
-            slot = self._host_writes[self._host_turn]
-            if slot is not None and slot[2] is not None:
-                self.wait_for(slot[2])
-            if slot is None or len(slot[0]) < len(piece):
-                size = max(len(piece), min(HOST_WRITE_PIECE, 2 * len(slot[0]) if slot else HOST_WRITE_MIN))
-                slot = [*self.host_buffer(size, label=f"write_host{self._host_turn}"), None]
+            slot = self._host_slot(len(piece))
             slot[0][: len(piece)] = piece
             enc = self.device.create_command_encoder()
             enc.copy_buffer_to_buffer(slot[1], 0, buf, offset + lo, len(piece))
             slot[2] = self.submit_indexed(enc.finish())
-            self._host_writes[self._host_turn] = slot
-            self._host_turn ^= 1
+
+    def _host_slot(self, n: int) -> list:
+        """A host buffer of at least n bytes that no pending copy reads: a free one, else a new one (sized to a
+        power of two) while the pool stays within HOST_WRITE_POOL, else the oldest one once its copy is done."""
+        for slot in sorted(self._host_writes, key=lambda s: len(s[0])):
+            if len(slot[0]) >= n and (slot[2] is None or self.rt.done(self.device, slot[2])):
+                return slot
+        size = max(HOST_WRITE_MIN, 1 << (n - 1).bit_length())
+        held = sum(len(s[0]) for s in self._host_writes)
+        while self._host_writes and held + size > HOST_WRITE_POOL:
+            oldest = min(self._host_writes, key=lambda s: s[2])
+            self.wait_for(oldest[2])
+            oldest[2] = None
+            if len(oldest[0]) >= n:
+                return oldest
+            self._host_writes.remove(oldest)
+            held -= len(oldest[0])
+        slot = [*self.host_buffer(size, label=f"write_host{len(self._host_writes)}"), None]
+        self._host_writes.append(slot)
+        return slot
 
     def upload_ranges(self, arrays) -> tuple[object, list]:
         """Several flat arrays in one new buffer as float32, each at a 256-byte-aligned offset (WebGPU's

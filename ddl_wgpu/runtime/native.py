@@ -49,6 +49,11 @@ class Native:
         """Block until the queue is empty (`on_submitted_work_done` is broken in wgpu-py 0.32, #834)."""
         lib.wgpuDevicePoll(device._internal, True, ffi.NULL)
 
+    def done(self, device, index: int) -> bool:
+        """Whether submission `index` has finished, without blocking: wgpu-native's poll says only whether the
+        whole queue is empty, so a later submission still running answers False."""
+        return bool(lib.wgpuDevicePoll(device._internal, False, ffi.NULL))
+
     def wait_for(self, device, index: int) -> None:
         lib.wgpuDevicePoll(device._internal, True, ffi.new("WGPUSubmissionIndex *", index))
 
