@@ -33,7 +33,7 @@ def test_download_at_offset_and_large(gpu):
 
 
 def test_large_writes_go_through_host_memory_in_queue_order(gpu, monkeypatch):
-    """`Gpu.write` from HOST_WRITE_MIN bytes on a device with host buffers (Dawn; lavapipe's has them): the
+    """`Gpu.write(via_host=True)` from HOST_WRITE_MIN bytes on a device with host buffers (Dawn; lavapipe's has them): the
     bytes land, in pieces through host buffers, ordered with `write_buffer` writes on either side, and within
     a pool of host buffers whose bound makes the host wait; elsewhere (wgpu-native) the same through
     `write_buffer`."""
@@ -43,22 +43,22 @@ def test_large_writes_go_through_host_memory_in_queue_order(gpu, monkeypatch):
     a, b = (rng.standard_normal(50_000).astype(np.float32) for _ in range(2))
     buf_a, buf_b = gpu.buffer(a.nbytes), gpu.buffer(b.nbytes)
     gpu.write(buf_a, np.zeros(10, np.float32), 400)  # write_buffer, before: overwritten
-    gpu.write(buf_a, a)
-    gpu.write(buf_b, b[:8192], 4 * 4096)  # 2 pieces, at an offset
-    gpu.write(buf_b, b[:4096])
-    gpu.write(buf_b, b[12288:], 4 * 12288)
+    gpu.write(buf_a, a, via_host=True)
+    gpu.write(buf_b, b[:8192], 4 * 4096, via_host=True)  # 2 pieces, at an offset
+    gpu.write(buf_b, b[:4096], via_host=True)
+    gpu.write(buf_b, b[12288:], 4 * 12288, via_host=True)
     gpu.write(buf_a, np.full(10, 7.0, np.float32), 400)  # write_buffer, after: kept
     want_a = a.copy()
     want_a[100:110] = 7.0
     assert np.array_equal(gpu.download(buf_a), want_a)
     assert np.array_equal(gpu.download(buf_b), np.concatenate([b[:4096], b[:8192], b[12288:]]))
     assert bool(gpu._host_writes) == gpu.host_buffers
-    gpu.write(buf_a, b)  # again into a buffer the GPU has read: the new bytes
+    gpu.write(buf_a, b, via_host=True)  # again into a buffer the GPU has read: the new bytes
     assert np.array_equal(gpu.download(buf_a), b)
     held = sum(len(s[0]) for s in gpu._host_writes)
     monkeypatch.setattr(G, "HOST_WRITE_POOL", 1 << 15)  # no growth past what is held: the host waits instead
     for k in range(4):
-        gpu.write(buf_b, a + k)
+        gpu.write(buf_b, a + k, via_host=True)
     assert np.array_equal(gpu.download(buf_b), a + 3)
     assert sum(len(s[0]) for s in gpu._host_writes) <= max(held, 1 << 15)
 

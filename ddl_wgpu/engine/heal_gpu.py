@@ -116,7 +116,7 @@ class DraftInput:
         self.gpu.write(tok, tokens.astype(np.uint32))
         if self.table is not None:
             source, dtype = self.table
-            self.gpu.write(e, source.rows(EMBED, tokens, dtype, self.C))
+            self.gpu.write(e, source.rows(EMBED, tokens, dtype, self.C), via_host=True)
 
     def rows(self, tokens, valid, hidden, h_stride: int | None = None, h_offset: int = 0) -> np.ndarray:
         """tokens (B, T) int (row p's token), valid (B, T) bool, `hidden` a GPU buffer of windows of
@@ -390,7 +390,7 @@ class WgpuDraft:
             if j > 1 or rows is None:
                 inp.call(N, T, h, stride, stride - T, mtp.concat).record(rec)
             else:
-                g.write(x, pad_rows(np.asarray(rows, np.float32), B).reshape(-1))
+                g.write(x, pad_rows(np.asarray(rows, np.float32), B).reshape(-1), via_host=True)
             x_in = work.L[0]["x"]
             if not stacked:
                 rec.copy(x, 0, x_in, 0, N * row)
@@ -438,7 +438,7 @@ class WgpuDraft:
         """The weights of a `snapshot` (host) or a `keep` (GPU) back in."""
         if snap and isinstance(snap[0], np.ndarray):
             for buf, data in zip(self.net.p, snap, strict=True):
-                self.net.gpu.write(buf, data)
+                self.net.gpu.write(buf, data, via_host=True)
         else:
             self.net.restore(snap)
 

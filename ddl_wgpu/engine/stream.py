@@ -406,7 +406,7 @@ class LayerStream:
             self._from_host(pieces, dst, rec)
         else:
             for arena, offset, piece in pieces:
-                self.gpu.write(dst[arena], piece, offset, via_host=False)
+                self.gpu.write(dst[arena], piece, offset)
         self.w.holds[s] = i
 
     def _host_buffers(self) -> list:

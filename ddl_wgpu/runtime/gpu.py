@@ -79,12 +79,11 @@ WEBGPU_LIMITS = {
 }
 # The read-back staging buffer grows to the largest download, at most this; a larger one goes through it in pieces
 READBACK_MAX = 64 << 20
-# `write` through host memory (where the device has it, `host_buffer`) from this size on: Dawn's
-# `queue.write_buffer` moved 1.06 GB/s on the H100 against 19.5-20.0 for host buffers (bench/upload.py), and a
-# heal draft step uploads 10-31 MB of rows at the 27B. A write goes up in pieces of at most HOST_WRITE_PIECE
-# bytes, each through a host buffer whose last copy is done; the buffers held stay within HOST_WRITE_POOL bytes
-# (past it the host waits for the oldest copy), so a write queued behind a streamed trunk's layers does not
-# stall the host that feeds them.
+# `write(..., via_host=True)` through host memory (where the device has it, `host_buffer`) from this size on:
+# Dawn's `queue.write_buffer` moved 1.06 GB/s on the H100 against 19.5-20.0 for host buffers (bench/upload.py),
+# and a heal draft step uploads 10-31 MB of rows at the 27B. A write goes up in pieces of at most
+# HOST_WRITE_PIECE bytes, each through a host buffer whose last copy is done; the buffers held stay within
+# HOST_WRITE_POOL bytes (past it the host waits for the oldest copy).
 HOST_WRITE_MIN = 1 << 20
 HOST_WRITE_PIECE = 64 << 20
 HOST_WRITE_POOL = 1 << 30
@@ -487,10 +486,12 @@ class Gpu:
         self.write(buf, array)
         return buf
 
-    def write(self, buf, array: np.ndarray, offset: int = 0, via_host: bool = True):
-        """Copy host data into `buf` at byte `offset` (queued before the next submit). From HOST_WRITE_MIN bytes
-        on, where the device has host buffers and `via_host`, through them (`_write_host`), else through
-        `queue.write_buffer`."""
+    def write(self, buf, array: np.ndarray, offset: int = 0, via_host: bool = False):
+        """Copy host data into `buf` at byte `offset` (queued before the next submit): through
+        `queue.write_buffer`, or with `via_host`, from HOST_WRITE_MIN bytes on and where the device has host
+        buffers, through them (`_write_host`). A caller asks for `via_host` where the queue is idle when it
+        writes (a heal draft's inputs, after the previous step's read-back); a streamed trunk's pass, whose
+        queue is never idle, was not measured with it."""
         a = np.ascontiguousarray(array)
         if (
             via_host
