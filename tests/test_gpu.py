@@ -61,6 +61,9 @@ def test_large_writes_go_through_host_memory_in_queue_order(gpu, monkeypatch):
         gpu.write(buf_b, a + k, via_host=True)
     assert np.array_equal(gpu.download(buf_b), a + 3)
     assert sum(len(s[0]) for s in gpu._host_writes) <= max(held, 1 << 15)
+    monkeypatch.setattr(G, "HOST_WRITE_PIECE", 1 << 17)  # pieces larger than every buffer held: they make way
+    gpu.write(buf_b, b, via_host=True)
+    assert np.array_equal(gpu.download(buf_b), b)
 
 
 @pytest.mark.parametrize("mode", ["spin", "block"])

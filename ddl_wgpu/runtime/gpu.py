@@ -529,13 +529,19 @@ class Gpu:
                 return slot
         size = max(HOST_WRITE_MIN, 1 << (n - 1).bit_length())
         held = sum(len(s[0]) for s in self._host_writes)
+
+        def age(i: int) -> int:  # free ones first, then the oldest copy
+            return -1 if self._host_writes[i][2] is None else self._host_writes[i][2]
+
         while self._host_writes and held + size > HOST_WRITE_POOL:
-            oldest = min(self._host_writes, key=lambda s: s[2])
-            self.wait_for(oldest[2])
-            oldest[2] = None
+            k = min(range(len(self._host_writes)), key=age)
+            oldest = self._host_writes[k]
+            if oldest[2] is not None:
+                self.wait_for(oldest[2])
+                oldest[2] = None
             if len(oldest[0]) >= n:
                 return oldest
-            self._host_writes.remove(oldest)
+            del self._host_writes[k]
             held -= len(oldest[0])
         slot = [*self.host_buffer(size, label=f"write_host{len(self._host_writes)}"), None]
         self._host_writes.append(slot)
