@@ -517,6 +517,8 @@ def main(argv=None) -> int:
     # heal's backends open their device through `backend.open_gpu` (one per adapter choice): the same one
     # here, so the bench reports that device and `gpu.allocated` counts what both backends allocate
     gpu = backend.open_gpu(args.device)
+    # an f16 trunk's products on the matrix units now, as heal's teacher will put them: the line says so
+    backend.trunk_products(gpu, args.trunk_dtype)
     progress(f"adapter: {common.adapter_line(gpu)}")
     cfg = model_config(args)
     t0 = time.perf_counter()
