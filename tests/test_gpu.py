@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ddl_wgpu.runtime import gpu as G
+from ddl_wgpu.runtime import host_writes as HW
 from ddl_wgpu.runtime import readback as RB
 from ddl_wgpu.runtime import selftest as st
 from ddl_wgpu.runtime import shader_files as SF
@@ -33,12 +34,12 @@ def test_download_at_offset_and_large(gpu):
 
 
 def test_large_writes_go_through_host_memory_in_queue_order(gpu, monkeypatch):
-    """`Gpu.write(via_host=True)` from HOST_WRITE_MIN bytes on a device with host buffers (Dawn; lavapipe's has them): the
+    """`Gpu.write(via_host=True)` from host_writes.MIN bytes on a device with host buffers (Dawn; lavapipe's has them): the
     bytes land, in pieces through host buffers, ordered with `write_buffer` writes on either side, and within
     a pool of host buffers whose bound makes the host wait; elsewhere (wgpu-native) the same through
     `write_buffer`."""
-    monkeypatch.setattr(G, "HOST_WRITE_MIN", 4096)
-    monkeypatch.setattr(G, "HOST_WRITE_PIECE", 1 << 14)  # 4,096 words: the writes below go up in 2-13 pieces
+    monkeypatch.setattr(HW, "MIN", 4096)
+    monkeypatch.setattr(HW, "PIECE", 1 << 14)  # 4,096 words: the writes below go up in 2-13 pieces
     rng = np.random.default_rng(5)
     a, b = (rng.standard_normal(50_000).astype(np.float32) for _ in range(2))
     buf_a, buf_b = gpu.buffer(a.nbytes), gpu.buffer(b.nbytes)
@@ -52,16 +53,16 @@ def test_large_writes_go_through_host_memory_in_queue_order(gpu, monkeypatch):
     want_a[100:110] = 7.0
     assert np.array_equal(gpu.download(buf_a), want_a)
     assert np.array_equal(gpu.download(buf_b), np.concatenate([b[:4096], b[:8192], b[12288:]]))
-    assert bool(gpu._host_writes) == gpu.host_buffers
+    assert bool(gpu._host_writes.slots) == gpu.host_buffers
     gpu.write(buf_a, b, via_host=True)  # again into a buffer the GPU has read: the new bytes
     assert np.array_equal(gpu.download(buf_a), b)
-    held = sum(len(s[0]) for s in gpu._host_writes)
-    monkeypatch.setattr(G, "HOST_WRITE_POOL", 1 << 15)  # no growth past what is held: the host waits instead
+    held = sum(len(s.host) for s in gpu._host_writes.slots)
+    monkeypatch.setattr(HW, "POOL", 1 << 15)  # no growth past what is held: the host waits instead
     for k in range(4):
         gpu.write(buf_b, a + k, via_host=True)
     assert np.array_equal(gpu.download(buf_b), a + 3)
-    assert sum(len(s[0]) for s in gpu._host_writes) <= max(held, 1 << 15)
-    monkeypatch.setattr(G, "HOST_WRITE_PIECE", 1 << 17)  # pieces larger than every buffer held: they make way
+    assert sum(len(s.host) for s in gpu._host_writes.slots) <= max(held, 1 << 15)
+    monkeypatch.setattr(HW, "PIECE", 1 << 17)  # pieces larger than every buffer held: they make way
     gpu.write(buf_b, b, via_host=True)
     assert np.array_equal(gpu.download(buf_b), b)
 

@@ -263,7 +263,8 @@ LAYOUTS = (((False, True), ("f32", "f16")), ((False, False), ("f16", "f32")), ((
 # Few result matrices per subgroup, and few kernels: lavapipe compiles an emulated kernel in 10-100 s when its
 # cache is cold (more matrices, longer), so each generated path appears once: scalar loads with guarded edges
 # (ODD), the default path (vec4, prefetch; its kernels serve the causal and split-K tests too), the default
-# path 32 deep (its rows paired: `matmul_tc._paired`), vec4 without prefetch. Each runs the three layouts, so both operands are staged as stored and read column-major.
+# path 32 deep (its rows paired: `matmul_tc._paired`), vec4 without prefetch. Each runs the three layouts, so
+# both operands are staged as stored and read column-major.
 @pytest.mark.parametrize("tile, shape", [("2x2sg-2x2-k16", ODD), ("2x2sg-1x2-k16", ALIGNED),
                                          ("2x2sg-1x2-k32", ALIGNED), ("2x2sg-2x1-k16-np", ALIGNED)])  # fmt: skip
 def test_the_generated_kernel_with_emulated_matrices(emulating, rng, tile, shape):

@@ -38,6 +38,7 @@ import wgpu  # noqa: E402
 
 from ddl_wgpu.runtime import sizes  # noqa: E402
 from ddl_wgpu.runtime.gpu_errors import GpuError, GpuOutOfMemory, KernelError, NoAdapterError  # noqa: E402
+from ddl_wgpu.runtime.host_writes import HostWrites  # noqa: E402
 from ddl_wgpu.runtime.readback import Readback  # noqa: E402
 from ddl_wgpu.runtime.runtimes import ENV_RUNTIME, RUNTIMES, RuntimeUnavailable, load, resolve  # noqa: E402, F401
 from ddl_wgpu.runtime.shader_files import dump_shader, shader_source, trusted_files  # noqa: E402
@@ -79,14 +80,6 @@ WEBGPU_LIMITS = {
 }
 # The read-back staging buffer grows to the largest download, at most this; a larger one goes through it in pieces
 READBACK_MAX = 64 << 20
-# `write(..., via_host=True)` through host memory (where the device has it, `host_buffer`) from this size on:
-# Dawn's `queue.write_buffer` moved 1.06 GB/s on the H100 against 19.5-20.0 for host buffers (bench/upload.py),
-# and a heal draft step uploads 10-31 MB of rows at the 27B. A write goes up in pieces of at most
-# HOST_WRITE_PIECE bytes, each through a host buffer whose last copy is done; the buffers held stay within
-# HOST_WRITE_POOL bytes (past it the host waits for the oldest copy).
-HOST_WRITE_MIN = 1 << 20
-HOST_WRITE_PIECE = 64 << 20
-HOST_WRITE_POOL = 1 << 30
 # The device-wide scratch the launchers keep in a Gpu's __dict__ (`Gpu.drop_scratch`): dicts of buffers grown
 # to the largest use (`ops.matmul`'s split-K partials, `ops.attention_scores`' scores) or one buffer
 # (`ops.gated_delta`'s stand-in for an unused binding)
@@ -308,7 +301,7 @@ class Gpu:
         self._modules: dict = {}
         self._layouts: dict = {}
         self._staging = None
-        self._host_writes: list = []  # [host bytes, their COPY_SRC buffer, the submission of their last copy]
+        self._host_writes = HostWrites(self)  # `write(..., via_host=True)`'s host buffers
         self.allocated = 0  # bytes of storage buffers created through `buffer`, all told (memory reports)
         # bytes of the engine's buffers alive now (`buffer`, `external`; down when one is released or
         # collected) and the most at any moment: the engine's own count of its peak (`reset_peak` restarts it)
@@ -488,19 +481,13 @@ class Gpu:
 
     def write(self, buf, array: np.ndarray, offset: int = 0, via_host: bool = False):
         """Copy host data into `buf` at byte `offset` (queued before the next submit): through
-        `queue.write_buffer`, or with `via_host`, from HOST_WRITE_MIN bytes on and where the device has host
-        buffers, through them (`_write_host`). A caller asks for `via_host` where the queue is idle when it
+        `queue.write_buffer`, or with `via_host`, from `host_writes.MIN` bytes on and where the device has host
+        buffers, through them (`host_writes.HostWrites`). A caller asks for `via_host` where the queue is idle when it
         writes (a heal draft's inputs, after the previous step's read-back); a streamed trunk's pass, whose
         queue is never idle, was not measured with it."""
         a = np.ascontiguousarray(array)
-        if (
-            via_host
-            and self.host_buffers
-            and a.nbytes >= HOST_WRITE_MIN
-            and a.nbytes % 4 == 0
-            and offset % 4 == 0
-        ):
-            self._write_host(buf, a.reshape(-1).view(np.uint8), offset)
+        if via_host and self._host_writes.applies(a.nbytes, offset):
+            self._host_writes.write(buf, a.reshape(-1).view(np.uint8), offset)
             return
         if a.nbytes % 4:  # WebGPU writes whole words
             data = a.tobytes() + b"\0" * (-a.nbytes % 4)
@@ -508,44 +495,6 @@ class Gpu:
             data = memoryview(a.reshape(-1).view(np.uint8))
         if len(data):
             self.queue.write_buffer(buf, offset, data)
-
-    def _write_host(self, buf, data: np.ndarray, offset: int) -> None:
-        """`write` through host buffers: each piece copied into a host buffer whose last copy is done (`_host_slot`),
-        then copied by the GPU itself in a submit of its own, which the queue runs before every later submit, as
-        it would a `write_buffer`."""
-        for lo in range(0, len(data), HOST_WRITE_PIECE):
-            piece = data[lo : lo + HOST_WRITE_PIECE]
-            slot = self._host_slot(len(piece))
-            slot[0][: len(piece)] = piece
-            enc = self.device.create_command_encoder()
-            enc.copy_buffer_to_buffer(slot[1], 0, buf, offset + lo, len(piece))
-            slot[2] = self.submit_indexed(enc.finish())
-
-    def _host_slot(self, n: int) -> list:
-        """A host buffer of at least n bytes that no pending copy reads: a free one, else a new one (sized to a
-        power of two) while the pool stays within HOST_WRITE_POOL, else the oldest one once its copy is done."""
-        for slot in sorted(self._host_writes, key=lambda s: len(s[0])):
-            if len(slot[0]) >= n and (slot[2] is None or self.rt.done(self.device, slot[2])):
-                return slot
-        size = max(HOST_WRITE_MIN, 1 << (n - 1).bit_length())
-        held = sum(len(s[0]) for s in self._host_writes)
-
-        def age(i: int) -> int:  # free ones first, then the oldest copy
-            return -1 if self._host_writes[i][2] is None else self._host_writes[i][2]
-
-        while self._host_writes and held + size > HOST_WRITE_POOL:
-            k = min(range(len(self._host_writes)), key=age)
-            oldest = self._host_writes[k]
-            if oldest[2] is not None:
-                self.wait_for(oldest[2])
-                oldest[2] = None
-            if len(oldest[0]) >= n:
-                return oldest
-            del self._host_writes[k]
-            held -= len(oldest[0])
-        slot = [*self.host_buffer(size, label=f"write_host{len(self._host_writes)}"), None]
-        self._host_writes.append(slot)
-        return slot
 
     def upload_ranges(self, arrays) -> tuple[object, list]:
         """Several flat arrays in one new buffer as float32, each at a 256-byte-aligned offset (WebGPU's
