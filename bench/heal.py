@@ -31,8 +31,11 @@ JSON. The numbers come from the classes `ddl-wgpu heal --backend wgpu` runs (`dd
   `ddl_ref.mtp.step_input`, which is also timed ("host rows (numpy)": what heal ran before).
 - refresh batch: `WgpuDraft.next_rows` (the draft's forward and the next step's rows from its output on the
   GPU), what heal's refresh runs for chain steps 2..chain of a batch of windows a job reads.
-- held-out evaluation batch, per chain step j: `WgpuDraft.loss_sum_next` (j < chain: the KL and the next
-  step's rows from one forward) or `loss_sum` (the last step), on the job's rows of step j.
+- held-out evaluation batch, per chain step j: `WgpuDraft.loss_sum` on the job's rows of step j (an evaluation
+  whose rows a refresh built); and chained: `WgpuDraft.loss_chain`, every chain step of a stale batch right
+  after a refresh, each step's rows built on the GPU from the forward of the step before and kept there (what
+  heal's evaluations at a refresh run). Checked: the chained sums have the per-step sums' bits (the rows of
+  steps 2.. are built as heal builds them, float16 as its cache holds them).
 - acceptance chain: `WgpuDraft.greedy_chain` to depth --chain on the batch (accept's, and heal's acceptance
   before and after), every row on the GPU.
 - draft: `WgpuDraft.step` for each chain step j = 1..--chain (one job of heal's list: forward, top-k KL,
@@ -60,9 +63,9 @@ top-k, step-1 rows; timed as "heal's trunk pass"), the draft's jobs (chain per b
 out), and the refresh batches heal's lazy refresh rebuilds: per --refresh steps those its jobs and its
 held-out evaluation read, counted by running heal's job loop on a stand-in draft (`bench/heal_count.py`;
 the eager rebuild of every batch at each refresh is in the JSON for comparison); and the held-out
-evaluations (every --eval-every steps, at the start and at the last step: each chain step of every held-out
-batch, its KL forward timed as "held-out evaluation batch", the next step's rows built from it where an
-evaluation follows a refresh). The acceptance measurements before and after are not counted.
+evaluations (every --eval-every steps, at the start and at the last step: every held-out batch, chained where
+the evaluation follows a refresh, else step by step). The acceptance measurements before and after are not
+counted.
 
 Checks (same run; any failure exits 1 after the table and the JSON): on the first --check-rows tokens of
 window 0 (causal, so they do not depend on later tokens) against float64 numpy (`ddl_ref`):
@@ -91,7 +94,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
 import numpy as np  # noqa: E402
-from heal_count import evaluation_batch, refresh_forwards  # noqa: E402
+from heal_count import evaluation_calls, evaluation_s, refresh_forwards  # noqa: E402
 from hybrid import forward_profile, qwen38_27b  # noqa: E402
 
 from ddl_ref import model as ref_model  # noqa: E402
@@ -279,18 +282,24 @@ class Jobs:
         err = common.rel_err(x1, host_rows(1, hid))  # the reference rows on the GPU's (rounded) hidden
         self.rows_check = {"err": err, "ok": bool(err <= TOL)}
         self.x = {1: x1}
-        # every later step's input from the previous one's draft output: the "per-step" refresh, which is
-        # also heal's for j = 2; the values do not change the timing of a step
+        # every later step's input from the draft's output on the steps before, as heal's refresh builds it
+        # (`_Chain._next_rows`), float16 as its cache holds it
         for j in range(2, args.chain + 1):
-            self.x[j] = draft.next_rows(self.x[j - 1], *tok_valid(j))
+            if self.stacked(j - 1) > 1:
+                rows = draft.next_rows(self.job(j - 1)[0], *tok_valid(j), chain=j - 1)
+            else:
+                rows = draft.next_rows(self.x[j - 1], *tok_valid(j))
+            self.x[j] = rows.astype(np.float16).astype(np.float32)
         self.refresh = wall_ms(gpu, lambda: draft.next_rows(x1, *tok_valid(2)), args.warmup, args.steps)
-        # a held-out evaluation batch at each chain step: the KL forward, with the next step's rows where heal
-        # builds them from it (an evaluation right after a refresh)
-        self.evals = {}
-        for j in range(1, args.chain + 1):
-            x, tid, tp, w, kw = self.job(j)
-            call = evaluation_batch(draft, j, args.chain, x, tid, tp, w, tok_valid(j + 1), kw)
-            self.evals[j] = wall_ms(gpu, call, args.warmup, args.steps)
+        # a held-out evaluation batch: each chain step's KL forward on rows already built, and the whole chain
+        # of a stale batch right after a refresh, each step's rows built from the forward before
+        jobs = {
+            j: (*self.job(j), tok_valid(j + 1) if j < args.chain else None) for j in range(1, args.chain + 1)
+        }
+        per_step, chained = evaluation_calls(draft, jobs, args.chain_attention == "stacked")
+        self.evals = {j: wall_ms(gpu, call, args.warmup, args.steps) for j, call in per_step.items()}
+        self.eval_chain = wall_ms(gpu, chained, args.warmup, args.steps)
+        self.eval_chain["same_bits"] = chained() == [call() for call in per_step.values()]
         # the trunk pass as heal runs it: forward, top-k, the step-1 rows (no hidden rows downloaded)
         self.pass_ = wall_ms(
             gpu, lambda: teacher.topk_rows(ids, self.lengths, args.k), args.warmup, args.steps
@@ -368,7 +377,7 @@ def bench_draft(gpu, model: Model, teacher, ids, out, args, progress) -> dict:
     jobs = Jobs(model, teacher, draft, ids, out, args)
     r["host_rows"], r["gpu_rows"], r["refresh_batch"] = jobs.host, jobs.gpu_rows, jobs.refresh
     r["trunk_pass"] = jobs.pass_
-    r["eval_batch"] = jobs.evals
+    r["eval_batch"], r["eval_chain"] = jobs.evals, jobs.eval_chain
     r["rows_check"] = jobs.rows_check
     # accept's greedy chain on the batch, every row on the GPU, as heal measures acceptance before and after
     hidden = teacher.greedy_hidden(ids, model.cfg.mtp.trunk_hidden)[1]
@@ -379,7 +388,9 @@ def bench_draft(gpu, model: Model, teacher, ids, out, args, progress) -> dict:
     evals = ", ".join(f"{e['ms']:.2f}" for e in jobs.evals.values())
     progress(f"  step-1 rows: GPU {jobs.gpu_rows['ms']:.2f} ms, numpy {jobs.host['ms']:.2f} ms per batch, "
              f"check {_status(jobs.rows_check)}; refresh batch {jobs.refresh['ms']:.2f} ms; held-out evaluation "
-             f"batch per chain step {evals} ms; acceptance chain {r['accept_chain']['ms']:.2f} ms")  # fmt: skip
+             f"batch per chain step {evals} ms, chained {jobs.eval_chain['ms']:.2f} ms "
+             f"({'the' if jobs.eval_chain['same_bits'] else 'NOT the'} per-step sums' bits); acceptance chain "
+             f"{r['accept_chain']['ms']:.2f} ms")  # fmt: skip
     head64 = (
         {} if args.no_check else {n: a.astype(np.float64) for n, a in frozen_as_stored(model, args).items()}
     )
@@ -586,8 +597,14 @@ def main(argv=None) -> int:
                      f"{tok / (tp['ms'] / 1e3):,.0f}", "-", "-", "-", "-", "-"])  # fmt: skip
         rows.append(["refresh batch (draft forward + rows)", f"{B}x{T} tok", f"{rb['ms']:.2f}",
                      f"{tok / (rb['ms'] / 1e3):,.0f}", "-", "-", "-", "-", "-"])  # fmt: skip
+        ec = draft["eval_chain"]
+        rows.append(["held-out evaluation batch, chained", f"{B}x{T} tok x {args.chain}", f"{ec['ms']:.2f}",
+                     f"{tok / (ec['ms'] / 1e3):,.0f}", "-", "-", "-", "-",
+                     "same bits" if ec["same_bits"] else "FAILED"])  # fmt: skip
         if not draft["rows_check"]["ok"]:
             failed.append(f"step-1 rows check: error {draft['rows_check']['err']:.2e} > {TOL:.0e}")
+        if not ec["same_bits"]:
+            failed.append("the chained held-out evaluation: not the per-step sums' bits")
         mem = (draft["param_bytes"] + draft["work_bytes"]) / 1e9
         for j, e in draft["steps"].items():
             s = e["ms"] / 1e3
@@ -628,10 +645,12 @@ def main(argv=None) -> int:
             "eager_refresh_s": eager * rb_s,
             "evaluations": lazy["evaluations"],  # each: chain steps x the held-out batches
             "eval_built": lazy["eval_built"],  # rows evaluations built from their own forwards
-            "eval_s": lazy["evaluations"]
-            * lazy["heldout_batches"]
-            * sum(e["ms"] for e in draft["eval_batch"].values())
-            / 1e3,
+            "eval_s": evaluation_s(
+                lazy,
+                args.chain,
+                draft["eval_chain"]["ms"] / 1e3,
+                sum(e["ms"] for e in draft["eval_batch"].values()) / 1e3,
+            ),  # fmt: skip
         }
         estimate["total_s"] = sum(estimate[k] for k in ("trunk_s", "draft_s", "refresh_s", "eval_s"))
 
@@ -686,6 +705,8 @@ def main_memory(args, model, gpu, progress, t_start) -> int:
         failed += [
             f"{e['label']}: not the resident pass's bits" for e in r["phases"] if e.get("same_bits") is False
         ]
+        if not r["draft"]["eval_chain_same_bits"]:
+            failed.append("the chained held-out evaluation: not the per-step sums' bits")
     except Exception as e:
         failed.append(f"{e.__class__.__name__}: {e}")
         error_tb = traceback.format_exc()

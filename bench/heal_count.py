@@ -52,12 +52,11 @@ class _CountingChain(_Chain):
 
     def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
         self.evaluations += 1
-        if batches and self.chain > 1 and not self.fresh:
-            self._current(np.concatenate(batches), self.chain)
-        for k in (int(self.batch_of[b[0]]) for b in batches):  # right after a refresh: built by its forwards
-            self.eval_built += self.chain - int(self.built[k])
-            self.built[k] = self.chain
-        return [0.0] * self.chain
+        return super().heldout_kl(batches)
+
+    def _fresh_losses(self, b: np.ndarray) -> tuple[list, list]:
+        self.eval_built += self.chain - 1  # right after a refresh: built by its own forwards, not kept
+        return [0.0] * self.chain, [1.0] * self.chain
 
 
 def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
@@ -65,7 +64,7 @@ def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
     off) -> {"forwards", "steps", "refreshes", "batches", "eval_built", "evaluations", "heldout_batches"}. An
     eager rebuild of every batch at each refresh would run refreshes x (chain − 1) x batches. `eval_built`:
     the batches' chain steps an evaluation right after a refresh built from its own forwards
-    (`Draft.loss_sum_next`), no forward of their own. `evaluations` (the one before the first step included)
+    (`Draft.loss_chain`), no forward of their own. `evaluations` (the one before the first step included)
     each run chain x `heldout_batches` forwards of the draft with its head and KL."""
     cfg = dataclasses.replace(cfg, patience=0)
     N = windows
@@ -92,10 +91,23 @@ def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
     }
 
 
-def evaluation_batch(draft, j: int, chain: int, x, tid, tp, w, next_rows_of, kw: dict):
-    """What heal runs for one held-out batch at chain step j (`_Chain.heldout_kl`), as a call to time: the KL
-    forward, which for j < chain also builds step j + 1's rows (`Draft.loss_sum_next`, an evaluation right after
-    a refresh) from `next_rows_of` = (tokens, valid) of step j + 1."""
-    if j < chain:
-        return partial(draft.loss_sum_next, x, tid, tp, w, *next_rows_of, **kw)
-    return partial(draft.loss_sum, x, tid, tp, w, **kw)
+def evaluation_calls(draft, jobs: dict, stacked: bool) -> tuple[dict, partial]:
+    """heal's held-out evaluation of one batch (`_Chain.heldout_kl`) as calls to time -> ({j: step j's KL
+    forward on rows already built (`Draft.loss_sum`: an evaluation whose rows a refresh built)}, all chain
+    steps of a stale batch right after a refresh, each on rows built from the forward of the step before
+    (`Draft.loss_chain`)). jobs[j] = (x, teacher ids, teacher probs, weights, keywords, next) of step j as
+    heal's `join` gives them, next = (tokens, valid) of step j + 1 (None at the last)."""
+    per_step = {
+        j: partial(draft.loss_sum, x, tid, tp, w, **kw) for j, (x, tid, tp, w, kw, _n) in jobs.items()
+    }
+    steps = [(tid, tp, w, nxt) for _x, tid, tp, w, _kw, nxt in jobs.values()]
+    return per_step, partial(draft.loss_chain, jobs[1][0], steps, stacked)
+
+
+def evaluation_s(lazy: dict, chain: int, chain_s: float, steps_s: float) -> float:
+    """An epoch's held-out evaluations in seconds (`lazy` from `refresh_forwards`): the batches evaluated right
+    after a refresh as chains (`chain_s` each, `Draft.loss_chain`), every other one step by step (`steps_s`,
+    the sum of its steps' `Draft.loss_sum`)."""
+    batches = lazy["evaluations"] * lazy["heldout_batches"]
+    chained = lazy["eval_built"] // (chain - 1) if chain > 1 else 0
+    return chained * chain_s + (batches - chained) * steps_s

@@ -39,7 +39,7 @@ from functools import partial
 
 import common  # noqa: F401  (puts the repository root on sys.path)
 import numpy as np
-from heal_count import evaluation_batch, refresh_forwards
+from heal_count import evaluation_calls, evaluation_s, refresh_forwards
 
 from ddl_ref import mtp as ref_mtp
 from ddl_wgpu import backend
@@ -204,14 +204,22 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
     draft.prepare(T, min(args.topk, model.cfg.vocab_size), args.chain, args.chain_attention == "stacked")
     ids, lengths = cache.ids[:B], cache.lengths[:B]
     x = {1: cache.x[1][:B].astype(np.float32)}
-    for j in range(2, args.chain + 1):
-        x[j] = draft.next_rows(x[j - 1], ref_mtp.shifted(ids, j), ref_mtp.step_valid(lengths, T, j))
+    stacked = args.chain_attention == "stacked"
+    for j in range(
+        2, args.chain + 1
+    ):  # as heal builds them (`_Chain._next_rows`), float16 as its cache holds them
+        tok = (ref_mtp.shifted(ids, j), ref_mtp.step_valid(lengths, T, j))
+        if stacked and j > 2:
+            rows = draft.next_rows(np.concatenate([x[i] for i in range(1, j)], axis=1), *tok, chain=j - 1)
+        else:
+            rows = draft.next_rows(x[j - 1], *tok)
+        x[j] = rows.astype(np.float16).astype(np.float32)
     refresh = []
     for _ in range(3):
         t = time.perf_counter()
         draft.next_rows(x[1], ref_mtp.shifted(ids, 2), ref_mtp.step_valid(lengths, T, 2))
         refresh.append(time.perf_counter() - t)
-    steps, evals = {}, {}
+    steps, jobs = {}, {}
     adam_steps = itertools.count(1)  # Adam's step counter, across the chain steps as in heal's job loop
 
     def median_s(call, runs: int) -> float:
@@ -232,18 +240,27 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
             tp = np.concatenate([np.ones((B, pad, tp.shape[-1]), tp.dtype), tp], axis=1)
             w = np.concatenate([np.zeros((B, pad), w.dtype), w], axis=1)
             xs, kw = np.concatenate([x[i] for i in range(1, j + 1)], axis=1), {"chain": j}
+        nxt = (ref_mtp.shifted(ids, j + 1), ref_mtp.step_valid(lengths, T, j + 1)) if j < args.chain else None
+        jobs[j] = (xs, tid, tp, w, kw, nxt)
+    # a held-out evaluation batch, as bench/heal.py times it: step by step, and chained right after a refresh
+    # (before the steps below move the weights on from those the rows were built with)
+    per_step, chained = evaluation_calls(draft, jobs, stacked)
+    evals = {j: median_s(call, 1 + args.steps) for j, call in per_step.items()}
+    chain_s = median_s(chained, 1 + args.steps)
+    same = chained() == [call() for call in per_step.values()]  # the same forwards on the same rows: the bits
+    for j, (xs, tid, tp, w, kw, _nxt) in jobs.items():
         step = partial(draft.step, xs, tid, tp, w, heal.HealConfig().lr)
         steps[j] = median_s(
             lambda s=step, kw=kw: s(next(adam_steps), heal.LOSS_SCALE_START, **kw), 1 + args.steps
         )
-        # a held-out evaluation batch at this chain step, as bench/heal.py times it
-        nxt = (ref_mtp.shifted(ids, j + 1), ref_mtp.step_valid(lengths, T, j + 1))
-        evals[j] = median_s(evaluation_batch(draft, j, args.chain, xs, tid, tp, w, nxt, kw), 1 + args.steps)
     t1 = time.perf_counter()
     r = {"steps_s": steps, "job_mix_s": float(np.mean(list(steps.values()))), "refresh_batch_s": float(np.median(refresh)),
-         "eval_batch_s": evals, "engine_peak_bytes": gpu.peak - base, "smi_peak_bytes": smi.peak(t0, t1)}  # fmt: skip
+         "eval_batch_s": evals, "eval_chain_s": chain_s, "eval_chain_same_bits": same,
+         "engine_peak_bytes": gpu.peak - base,
+         "smi_peak_bytes": smi.peak(t0, t1)}  # fmt: skip
     progress(f"  draft: {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in steps.items())}; held-out evaluation "
-             f"batch {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in evals.items())}; peak "
+             f"batch {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in evals.items())}, chained after a refresh "
+             f"{chain_s * 1e3:.1f} ms ({'the' if same else 'NOT the'} per-step sums' bits); peak "
              f"{_gib(r['engine_peak_bytes'])} engine, {_gib(r['smi_peak_bytes'])} nvidia-smi")  # fmt: skip
     return r
 
@@ -256,7 +273,8 @@ def epoch_estimate(args, tokens_per_s: float, draft: dict) -> dict:
     e = {"trunk_s": 1e6 / tokens_per_s, "draft_s": lazy["steps"] * draft["job_mix_s"], "steps": lazy["steps"],
          "refresh_forwards": lazy["forwards"], "refresh_s": lazy["forwards"] * draft["refresh_batch_s"],
          "evaluations": lazy["evaluations"], "heldout_batches": lazy["heldout_batches"],
-         "eval_s": lazy["evaluations"] * lazy["heldout_batches"] * sum(draft["eval_batch_s"].values())}  # fmt: skip
+         "eval_built": lazy["eval_built"],
+         "eval_s": evaluation_s(lazy, args.chain, draft["eval_chain_s"], sum(draft["eval_batch_s"].values()))}  # fmt: skip
     e["total_s"] = e["trunk_s"] + e["draft_s"] + e["refresh_s"] + e["eval_s"]
     return e
 

@@ -165,6 +165,11 @@ class Draft(Protocol):
         """`loss_sum` and `next_rows` from one forward -> (loss sum, next step's rows (B, T, C))."""
         ...
 
+    def loss_chain(self, x_rows, steps, stacked: bool) -> list[float]:
+        """One batch's KL sum per chain step, step 1 on x_rows, each later step on rows built from the one
+        before (float16-rounded); steps[j − 1] = (teacher ids, probs, weights, next (tokens, valid) or None)."""
+        ...
+
     def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None: ...  # heal's draft phase allocated
 
     def snapshot(self): ...  # the current weights, in host memory

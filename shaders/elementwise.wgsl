@@ -4,8 +4,8 @@
 // guards it.
 //
 // Template: F is f32 or vec4<f32> (the launcher picks vec4 when n % 4 == 0 and every view offset is a
-// multiple of 16: on the H200 vec4 moves about twice the bytes per second of scalar f32). Params.n counts
-// items of F.
+// multiple of 16: on the H200 vec4 moves about twice the bytes per second of scalar f32), U the u32 type of
+// the same width. Params.n counts items of F.
 //
 // Entry points (bindings: read-only inputs, then read_write outputs, then Params):
 //   add_forward      (a, b, out, p)   out = a + b
@@ -14,9 +14,11 @@
 //   copy             (src, dst, p)    dst = src
 //   fill             (buf, p)         buf = alpha
 //   scale_inplace    (y, p)           y *= alpha
+//   round_f16        (y, p)           y = f32(f16(y)), to nearest even, as numpy's astype(float16)
 
 const WG: u32 = 256u;
 alias F = {{F}};
+alias U = {{U}};
 
 // generated from its description in ddl_wgpu/ops/elementwise.py (`Uniform`)
 {{struct Params}}
@@ -99,4 +101,31 @@ fn scale_inplace(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups)
     let i = item(wid, nwg, lid);
     if (i >= one_p.n) { return; }
     one_y[i] = one_y[i] * one_p.alpha;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// y = f32(f16(y)): what heal's host cache of draft rows (float16) does to a row, on the GPU, so that rows kept
+// there between chain steps have the cache's bits. Integer arithmetic, not WGSL's f16 conversion: that needs
+// shader-f16 and leaves the rounding direction to the implementation; numpy rounds to nearest, ties to even.
+
+fn to_half(v: F) -> F {
+    let b = bitcast<U>(v);
+    let a = b & U(0x7fffffffu);
+    // |v| >= 2^-14 (an f16 normal): the 23-bit mantissa cut to 10 bits; + 0xfff + the kept lsb rounds a tie
+    // to even, and a carry moves into the exponent as it should
+    let nrm = (a + U(0xfffu) + ((a >> U(13u)) & U(1u))) & U(0xffffe000u);
+    // below: f16 subnormals, the multiples of 2^-24 (exact scalings; WGSL's round() takes ties to even)
+    let sub = bitcast<U>(round(bitcast<F>(a) * F(16777216.0)) * F(5.9604644775390625e-8));
+    var r = select(sub, nrm, a >= U(0x38800000u));
+    r = select(r, U(0x7f800000u), a >= U(0x477ff000u));  // from 65520 on (and inf): inf
+    r = select(r, a, a > U(0x7f800000u));  // NaN stays NaN
+    return bitcast<F>((b & U(0x80000000u)) | r);
+}
+
+@compute @workgroup_size(WG)
+fn round_f16(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+             @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = item(wid, nwg, lid);
+    if (i >= one_p.n) { return; }
+    one_y[i] = to_half(one_y[i]);
 }

@@ -550,15 +550,17 @@ def test_lazy_refresh_rebuilds_fewer_batches(files, tmp_path, eager_refresh, hea
 
 
 class _RowDraft:
-    """A draft for `_Chain` alone: next_rows gives rows of ones and counts its calls, loss_sum_next rows of
-    twos and counts its own; losses 0."""
+    """A draft for `_Chain` alone: next_rows gives rows of ones and counts its calls, loss_chain counts its
+    batches and the steps it builds the rows of; losses 0."""
 
     def __init__(self):
-        self.calls = self.fused = 0
+        self.calls = self.fused = self.chained = 0
 
-    def loss_sum_next(self, x, tid, tp, w, tok, valid, chain=0):
-        self.fused += 1
-        return 0.0, np.full(x.shape[:1] + tok.shape[1:] + x.shape[2:], 2, np.float32)
+    def loss_chain(self, x1, steps, stacked):
+        assert x1.shape[:2] == steps[0][2].shape and steps[-1][3] is None
+        self.chained += 1
+        self.fused += sum(s[3] is not None for s in steps)
+        return [0.0] * len(steps)
 
     def snapshot(self):
         return None
@@ -627,21 +629,23 @@ def test_heldout_evaluation_after_a_refresh_rebuilds_only_held_out_batches():
     assert c.forwards == 2 * len(vb) + 1
 
 
-def test_an_evaluation_right_after_a_refresh_builds_its_own_rows():
-    """No step since the refresh: the evaluation's forward of step j gives step j + 1's rows of each held-out
-    batch (`loss_sum_next`), so it runs no refresh forward; the rows it did not read stay stale."""
+def test_an_evaluation_right_after_a_refresh_runs_its_own_chains():
+    """No step since the refresh: each held-out batch runs its chain steps in turn, each on rows built from the
+    forward before (`loss_chain`), so it runs no refresh forward; it keeps no rows, so the batches stay stale
+    and a later evaluation of the period rebuilds them from the kept weights."""
     N, nb = 83, 4
     c = chain_of(N, nb)
     vb = heal._batches(heal.split_heldout(N)[1], nb)
     c.refresh()
     c.heldout_kl(vb)
-    assert c.draft.calls == c.forwards == 0 and c.draft.fused == c.eval_built == 2 * len(vb)
+    assert c.draft.calls == c.forwards == 0 and c.draft.chained == len(vb)
+    assert c.draft.fused == c.eval_built == 2 * len(vb)
+    assert not c.cache.x[2].any() and not c.cache.x[3].any() and (c.built == 1).all()
+    c.heldout_kl(vb)  # still right after the refresh: chained again
+    assert c.draft.chained == 2 * len(vb) and c.forwards == 0
+    c.fresh = False  # a step since: the held-out rows come from the kept weights, once
+    c.heldout_kl(vb)
+    c.heldout_kl(vb)
+    assert c.draft.chained == 2 * len(vb) and c.draft.calls == c.forwards == 2 * len(vb)
     read = np.concatenate(vb)
-    assert (c.cache.x[2][read] == 2).all() and (c.cache.x[3][read] == 2).all()
-    assert (np.delete(c.cache.x[2], read, axis=0) == 0).all()
-    assert (
-        sorted({int(c.built[k]) for k in c.batch_of[read]}) == [3]
-        and (np.delete(c.built, c.batch_of[read]) == 1).all()
-    )
-    c.heldout_kl(vb)  # current now: plain evaluations
-    assert c.draft.fused == 2 * len(vb) and c.forwards == 0
+    assert (c.cache.x[2][read] == 1).all() and (c.cache.x[3][read] == 1).all()

@@ -196,6 +196,47 @@ def test_gpu_step_rows_match_reference_and_share_the_embedding(gpu, heal_kit, dt
     np.testing.assert_allclose(x3, ref_d.next_rows(stacked, tok3, val3, chain=2), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["per-step", "stacked"])
+def test_gpu_loss_chain_is_the_host_rows_path(gpu, heal_kit, monkeypatch, mode):
+    """heal's evaluation right after a refresh, its rows kept on the GPU (`WgpuDraft.loss_chain`, fewer windows
+    than the draft's batch) gives the bits of the host path on the same draft (`RefDraft.loss_chain`'s steps:
+    `loss_sum_next`, the rows rounded to float16 on the host as heal's cache holds them, `loss_sum`) and
+    downloads nothing but the loss sums; without the rounding the later steps' sums are not the same."""
+    conv = MtpConfig(concat="hidden_first", trunk_hidden="post_norm", chain_hidden="pre_norm")
+    cfg = heal_kit.tiny_cfg(mtp=conv)
+    m = Model(cfg, heal_kit.perturbed(cfg, seed=3))
+    T, depth, stacked = 10, 3, mode == "stacked"
+    ids, lengths = np.random.default_rng(4).integers(0, 256, (3, T)), np.array([10, 7, 4])
+    top_ids, top_probs, x1 = RefTeacher(m.params, cfg).topk_rows(ids, lengths, 8)
+    steps = []
+    for j in range(1, depth + 1):  # as heal's `_Chain._targets` gives them
+        tid, tp = ref_mtp.shifted(top_ids, j), ref_mtp.shifted(top_probs, j, fill=1.0)
+        w = ref_mtp.step_valid(lengths, T, j).astype(np.float32)
+        if stacked and j > 1:
+            pad = ((0, 0), ((j - 1) * T, 0))
+            tid, tp, w = (
+                np.pad(tid, (*pad, (0, 0))),
+                np.pad(tp, (*pad, (0, 0)), constant_values=1.0),
+                np.pad(w, pad),
+            )
+        nxt = (ref_mtp.shifted(ids, j + 1), ref_mtp.step_valid(lengths, T, j + 1)) if j < depth else None
+        steps.append((tid, tp, w, nxt))
+    draft = backend.make_draft("wgpu", m, batch=4)
+    want = RefDraft.loss_chain(draft, x1, steps, stacked)  # the host path's steps, run by the GPU draft
+    g, sizes, download = draft.net.gpu, [], draft.net.gpu.download
+
+    def counted(buf, dtype=np.float32, count=None, offset=0):
+        sizes.append(count)
+        return download(buf, dtype, count, offset)
+
+    monkeypatch.setattr(g, "download", counted)
+    got = draft.loss_chain(x1, steps, stacked)
+    assert got == want and len(sizes) == depth and max(sizes) <= 5  # `finish`'s scalars alone
+    monkeypatch.setattr(np, "float16", np.float32)  # the host path without the rounding
+    unrounded = RefDraft.loss_chain(draft, x1, steps, stacked)
+    assert unrounded[0] == got[0] and unrounded[1:] != got[1:]
+
+
 def test_net_refuses_a_trainable_or_misshapen_shared_tensor(heal_kit):
     cfg = heal_kit.tiny_cfg()
     m = Model(cfg, heal_kit.perturbed(cfg))

@@ -61,3 +61,26 @@ def test_elementwise_grid_spread(gpu):
     elementwise.fill(gpu, buf, n, 1.5).run(gpu)
     got = gpu.download(buf, f32, n + 4)
     assert np.all(got[:n] == 1.5) and np.all(got[n:] == 0.0)
+
+
+@pytest.mark.parametrize("n", [4096, 4093])  # the vec4 and the u32 path
+def test_round_f16_is_numpys(gpu, rng, n):
+    """`round_f16` gives numpy's float32 -> float16 -> float32 bits: ties to even at both ends of the normal
+    range and among the subnormals, the subnormal range, overflow to inf from 65520 on, signs, zeros, inf."""
+    half = np.arange(2**16, dtype=np.uint16).view(np.float16)
+    half = half[np.isfinite(half)].astype(f32)
+    nxt = np.nextafter(half, f32(np.inf))
+    ties = (half[:-1] + half[1:]) / 2  # exactly half way between neighbours (sorted within each sign)
+    special = np.array([0.0, -0.0, 65504, 65519.99, 65520, -65520, 1e6, np.inf, -np.inf, 2**-14, 2**-24,
+                        2**-25, 3 * 2**-26, 2**-26, -(2**-25), 6.1e-5, 1e-30], f32)  # fmt: skip
+    spread = rng.standard_normal(n) * 10.0 ** rng.integers(-9, 5, n)
+    pool = np.concatenate([half, nxt, ties, special, spread.astype(f32)])
+    x = pool[rng.permutation(pool.size)[:n]]
+    x[: special.size] = special
+    y = gpu.upload(x)
+    elementwise.round_f16(gpu, y, n).run(gpu)
+    got = gpu.read(y, (n,))
+    with np.errstate(over="ignore"):  # 65520 and up: inf, as meant
+        want = x.astype(np.float16).astype(f32)
+    bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+    assert bad.size == 0, f"{bad.size} differ, e.g. {x[bad[:5]]} -> {got[bad[:5]]}, numpy {want[bad[:5]]}"

@@ -130,14 +130,19 @@ class DraftWork(Blocks):
         scale is 1 / their sum), of the rows the head runs on (`last`: the last rows of each window; the
         others' weights must be 0). -> the sum of the weights."""
         x = np.asarray(x, np.float32)
-        C, N = self.C, self.N
-        if x.shape != (self.B, self.T, C):
-            raise GpuError(f"input rows of shape {x.shape}, this Work was built for {(self.B, self.T, C)}")
-        g = self.gpu
-        g.write(self.L[0]["x"], x.reshape(-1), via_host=True)  # 10-31 MB a step at the 27B
+        if x.shape != (self.B, self.T, self.C):
+            raise GpuError(
+                f"input rows of shape {x.shape}, this Work was built for {(self.B, self.T, self.C)}"
+            )
+        self.gpu.write(self.L[0]["x"], x.reshape(-1), via_host=True)  # 10-31 MB a step at the 27B
         if teacher_ids is None:
             return 0.0
-        k = self.kl_k
+        return self.upload_teacher(teacher_ids, teacher_probs, weights)
+
+    def upload_teacher(self, teacher_ids, teacher_probs, weights) -> float:
+        """The teacher's top-k and the row weights alone (`upload_rows`; input rows already on the GPU, as in
+        `heal_gpu.WgpuDraft.loss_chain`) -> the sum of the weights."""
+        g, N, k = self.gpu, self.N, self.kl_k
         tid = np.asarray(teacher_ids).reshape(N, -1)
         if tid.shape[1] != k:
             raise GpuError(f"teacher top-k of width {tid.shape[1]}, this Work was built for {k}")

@@ -32,6 +32,7 @@ from ddl_wgpu.engine.net import Net
 from ddl_wgpu.engine.step import draft_adamw
 from ddl_wgpu.engine.stream import Trunk, WeightSource
 from ddl_wgpu.engine.vocab import Vocab
+from ddl_wgpu.ops import elementwise as k_elt
 from ddl_wgpu.ops import matmul as k_mm
 from ddl_wgpu.ops import mtp_input as k_mtp
 from ddl_wgpu.runtime.gpu import Call, Gpu, GpuError
@@ -266,6 +267,7 @@ class WgpuDraft:
         self._works: dict = {}
         self._aside = None  # `using`: the trained weights aside, unless in the gradients (`_aside_arenas`)
         self._steps: dict = {}  # rows -> each chain step's input rows (`greedy_chain`, stacked)
+        self._round: dict = {}  # rows -> `loss_chain`'s rounding of DraftInput's rows
 
     def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None:
         """Allocate now all that heal's draft phase on windows of T tokens allocates, so that nothing after it
@@ -282,6 +284,8 @@ class WgpuDraft:
         self.net.zero_grads_call()
         self.net.optimizer_call(draft_adamw(0.0, 1))  # its uniforms are rewritten by every step
         self.input.buffers(self.B * T)
+        if chain > 1:
+            self._round_call(self.B * T)
         if stacked:
             self._step_rows(self.B * T, chain)
         if chain > 1:
@@ -330,6 +334,56 @@ class WgpuDraft:
         work, args = self._args(x_rows, teacher_ids, teacher_probs, weights, chain)
         loss = work.loss_sum_rows(*args)  # its forward's output rows stay on the GPU
         return loss, self._rows(work, np.shape(x_rows)[0], args[0].shape[1], next_tokens, valid)
+
+    def loss_chain(self, x_rows, steps, stacked: bool) -> list[float]:
+        """heal's held-out evaluation of one batch right after a refresh (`refnet.RefDraft.loss_chain`), its
+        rows kept on the GPU: step 1 on x_rows (b, T, C); step j + 1's rows built there from step j's forward
+        (`DraftInput`), rounded to float16 as heal's host cache would hold them (`ops.elementwise.round_f16`:
+        the bits of `loss_sum_next` and the cache), and copied into step j + 1's input (`stacked`: after the
+        rows of steps 1..j of each window, as `greedy_chain` lays them). steps[j − 1] = (teacher ids, teacher
+        probs, weights, next) of step j, the first three as `loss_sum` takes them, next (tokens, valid) of
+        step j + 1 (None at the last). Only the loss sums come down, one per step -> [loss sum of step j]."""
+        x1 = np.asarray(x_rows, np.float32)
+        T = x1.shape[1]
+        B, C, g, inp = self.B, self.cfg.d_model, self.net.gpu, self.input
+        N, row = B * T, C * F32
+        x = inp.buffers(N)[4]
+        held = self._step_rows(N, len(steps)) if stacked else []
+        out = []
+        for j, (tid, tp, w, nxt) in enumerate(steps, 1):
+            sigma = j if stacked and j > 1 else 0
+            S = sigma * T if sigma else T
+            work = self._work(S, np.shape(tid)[-1], sigma)
+            x_in = work.L[0]["x"]
+            if j == 1:  # the host's rows; stacked, kept for the later steps' inputs
+                g.write(held[0] if stacked else x_in, pad_rows(x1, B).reshape(-1), via_host=True)
+            work.upload_teacher(*(pad_rows(a, B) for a in (tid, tp, w)))
+            if nxt is not None:
+                inp.upload(*(pad_rows(a, B) for a in nxt))
+            rec = g.recorder()
+            if j > 1:  # step j's rows, built by step j − 1
+                rec.copy(x, 0, held[j - 1] if stacked else x_in, 0, N * row)
+            if stacked and sigma:
+                for b in range(B):  # window b's rows of steps 1..j, one after the other
+                    for s in range(j):
+                        rec.copy(held[s], b * T * row, x_in, (b * S + s * T) * row, T * row)
+            elif stacked:
+                rec.copy(held[0], 0, x_in, 0, N * row)
+            work._fwd.record(rec)
+            work._record_head(rec, False)
+            work._sum.record(rec)
+            if nxt is not None:  # the next step's rows from this forward's last T rows of each window
+                hid = work.xL if self.cfg.mtp.chain_hidden == "pre_norm" else work.xf
+                inp.call(N, T, hid, S, S - T).record(rec)
+                self._round_call(N).record(rec)
+            out.append(float(work.finish(rec, False)[0]))
+        return out
+
+    def _round_call(self, N: int) -> Call:
+        """`round_f16` of DraftInput's N rows in place (`loss_chain`), built once per N."""
+        if N not in self._round:
+            self._round[N] = k_elt.round_f16(self.net.gpu, self.input.buffers(N)[4], N * self.cfg.d_model)
+        return self._round[N]
 
     def next_rows(self, x_rows, next_tokens, valid, chain: int = 0) -> np.ndarray:
         """The block input rows of the next chain step from this draft's forward of x_rows (with `chain`,

@@ -262,6 +262,24 @@ class RefDraft:
         kl, cache = self._kl(x_rows, teacher_ids, teacher_probs, weights, chain)
         return float(kl), self._rows(cache["pre"], cache["post"], next_tokens, valid)
 
+    def loss_chain(self, x_rows, steps, stacked: bool) -> list[float]:
+        """heal's held-out evaluation of one batch right after a refresh: step 1 on x_rows (b, T, C), step
+        j + 1 on the rows built from step j's forward (`loss_sum_next`) rounded to float16, as heal's host cache
+        holds rows (`stacked`: on the rows of steps 1..j of each window). steps[j − 1] = (teacher ids, teacher
+        probs, weights, next) of step j, next = (tokens, valid) of step j + 1 (None at the last) -> [the KL
+        sum of step j]. The GPU draft keeps the rows on the GPU (`heal_gpu.WgpuDraft.loss_chain`)."""
+        xs, out = [np.asarray(x_rows, np.float32)], []
+        for j, (tid, tp, w, nxt) in enumerate(steps, 1):
+            chain = j if stacked and j > 1 else 0
+            x = np.concatenate(xs, axis=1) if chain else xs[-1]
+            if nxt is None:
+                out.append(self.loss_sum(x, tid, tp, w, chain))
+                continue
+            loss, rows = self.loss_sum_next(x, tid, tp, w, *nxt, chain=chain)
+            out.append(loss)
+            xs.append(np.asarray(rows).astype(np.float16).astype(np.float32))
+        return out
+
     def hidden_out(self, x_rows, chain: int = 0):
         pre, post, _ = ref_mtp.draft_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), chain)
         return pre, post

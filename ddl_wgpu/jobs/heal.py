@@ -40,7 +40,9 @@ trunk's own predictions. The flow:
    1e-8, no weight decay), gradient scaled to global norm <= 1. A non-finite loss or gradient zeroes the
    gradients, halves the loss scale and skips the step; the 20th such step aborts with `HealError`.
 6. Every `eval_every` steps (and at the last) the held-out KL per chain step is measured; checkpoints rank by
-   its mean; `patience` evaluations without a new best stop the run. The best weights are restored.
+   its mean; `patience` evaluations without a new best stop the run. The best weights are restored. An
+   evaluation right after a refresh runs each held-out batch's chain steps in turn, each on rows built from
+   the forward of the step before (`backend.Draft.loss_chain`; on wgpu those rows never leave the GPU).
 7. OUT = MODEL with the trained tensors written back (in their stored dtype) and every other tensor copied byte
    for byte; `provenance.mtp_heal` (the reference's key; `heal_files.heal_record` also reads the older `heal_mtp`) records the run (acceptance before and after on the held-out windows).
    Written atomically by the container (a `.OUT.<pid>.<random>.partial` of its own, then a rename; removed on
@@ -273,9 +275,11 @@ class _Chain:
 
     An evaluation right after a refresh (no draft step between: `fresh`) is the refresh's own forward: the
     draft's forward of chain step j's rows is both what step j's KL reads and what step j + 1's rows are built
-    from (`Draft.loss_sum_next`). So the plan leaves such an evaluation's held-out batches stale and
-    `heldout_kl` builds them as it goes, one forward per batch and step instead of two; the rows are the same
-    forward's on the same weights, so the bits do not change."""
+    from. So the plan leaves such an evaluation's held-out batches stale and `heldout_kl` runs each batch's
+    chain steps one after the other (`Draft.loss_chain`), one forward per batch and step instead of two; the
+    rows are the same forward's on the same weights, rounded to float16 as the cache holds them, so the bits do
+    not change. They are not kept (on the GPU they never leave it): the batches stay stale, and an evaluation
+    later in the period reads rows the refresh built for it (`_HealJob.plan`)."""
 
     def __init__(self, model: Model, cfg: HealConfig, cache: _Cache, draft):
         self.model, self.mcfg, self.cache, self.draft = model, model.cfg, cache, draft
@@ -367,45 +371,61 @@ class _Chain:
 
     def join(self, b: np.ndarray, j: int):
         """-> (x, teacher ids, teacher probs, weights, the trainer's chain keyword) of step j on windows b."""
-        c, T = self.cache, self.T
         if j > 1:
             self._current(b, j)
-        x = c.x[j][b].astype(np.float32)
+        tid, tp, w, kw = self._targets(b, j)
+        return (self.stacked(b, j) if kw else self.cache.x[j][b].astype(np.float32)), tid, tp, w, kw
+
+    def _targets(self, b: np.ndarray, j: int):
+        """-> (teacher ids, teacher probs, weights, the trainer's chain keyword) of step j on windows b."""
+        c, T = self.cache, self.T
         tid = ref_mtp.shifted(c.top_ids[b], j)
         tp = ref_mtp.shifted(c.top_probs[b], j, fill=1.0)  # masked rows: any finite distribution
         w = ref_mtp.step_valid(c.lengths[b], T, j).astype(np.float32)
         if not self.stacked_mode or j == 1:  # step 1 is the same in both modes; no `chain` keyword
-            return x, tid, tp, w, {}
+            return tid, tp, w, {}
         # stacked: steps 1..j stacked; only the step-j rows (the last T) carry the loss
         pad = (j - 1) * T
         tid = np.concatenate([np.zeros((len(b), pad, tid.shape[-1]), tid.dtype), tid], axis=1)
         tp = np.concatenate([np.ones((len(b), pad, tp.shape[-1]), tp.dtype), tp], axis=1)
         w = np.concatenate([np.zeros((len(b), pad), w.dtype), w], axis=1)
-        return self.stacked(b, j), tid, tp, w, {"chain": j}
+        return tid, tp, w, {"chain": j}
 
     def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
         """The draft's mean top-k KL to the trunk per chain step over the held-out batches. Right after a
-        refresh (`fresh`) a stale batch's step j + 1 rows come from step j's evaluation forward; otherwise the
-        stale held-out refresh batches are rebuilt first, in one go, from the kept weights."""
-        if batches and self.chain > 1 and not self.fresh:
+        refresh (`fresh`) a stale batch runs its chain steps one after the other, each step's rows built from
+        the forward of the one before (`_fresh_losses`); otherwise the stale held-out refresh batches are
+        rebuilt first, in one go, from the kept weights."""
+        fresh = self.fresh and self.chain > 1
+        if batches and self.chain > 1 and not fresh:
             self._current(np.concatenate(batches), self.chain)
-        out = []
+        s, n = [0.0] * self.chain, [0.0] * self.chain
+        for b in batches:
+            k = int(self.batch_of[b[0]])
+            if fresh and self.built[k] == 1 and np.array_equal(self.members[k], b):
+                losses, counts = self._fresh_losses(b)
+            else:
+                losses, counts = [], []
+                for j in range(1, self.chain + 1):
+                    x, tid, tp, w, c = self.join(b, j)
+                    losses.append(self.draft.loss_sum(x, tid, tp, w, **c))
+                    counts.append(float(w.sum()))
+            for j in range(self.chain):  # each step's sums over the batches in order
+                s[j] += losses[j]
+                n[j] += counts[j]
+        return [sj / max(nj, 1e-9) for sj, nj in zip(s, n, strict=True)]
+
+    def _fresh_losses(self, b: np.ndarray) -> tuple[list, list]:
+        """A stale held-out batch right after a refresh: `Draft.loss_chain` from its step-1 rows -> (the KL
+        sum, the weight sum) per chain step. Its rows are not kept: the batch stays stale."""
+        steps, counts = [], []
         for j in range(1, self.chain + 1):
-            s = n = 0.0
-            for b in batches:
-                x, tid, tp, w, c = self.join(b, j)
-                k = int(self.batch_of[b[0]])
-                if j < self.chain and self.built[k] == j and np.array_equal(self.members[k], b):
-                    loss, rows = self.draft.loss_sum_next(x, tid, tp, w, *self._tok_valid(b, j + 1), **c)
-                    self.cache.x[j + 1][b] = rows
-                    self.built[k] = j + 1
-                    self.eval_built += 1
-                else:
-                    loss = self.draft.loss_sum(x, tid, tp, w, **c)
-                s += loss
-                n += float(w.sum())
-            out.append(s / max(n, 1e-9))
-        return out
+            tid, tp, w, _kw = self._targets(b, j)
+            steps.append((tid, tp, w, self._tok_valid(b, j + 1) if j < self.chain else None))
+            counts.append(float(w.sum()))
+        self.eval_built += self.chain - 1
+        x1 = self.cache.x[1][b].astype(np.float32)
+        return self.draft.loss_chain(x1, steps, self.stacked_mode), counts
 
 
 def heal_windows(records, window: int, chain: int, tokens: int) -> list[np.ndarray]:
@@ -491,19 +511,19 @@ class _HealJob:
     def plan(self, n: int) -> list:
         """What the period after the refresh at step n reads, as (windows, chain step) pairs: the jobs of its steps
         n + 1.. to the next refresh (after `refresh` steps) or the last step, and every held-out batch to the
-        last chain step when an evaluation falls in it (at a due step from n on, before the next refresh's, or
-        the last step), unless one falls at n itself: that one builds them from its own forwards
-        (`_Chain.heldout_kl`). A non-finite step takes one job more than planned: `_Chain` rebuilds that job's
-        rows from its copy of the weights."""
+        last chain step when an evaluation falls in it after n (at a due step before the next refresh's, or the
+        last step); one at n itself builds its rows from its own forwards and keeps none (`_Chain.heldout_kl`).
+        A non-finite step takes one job more than planned: `_Chain` rebuilds that job's rows from its copy of
+        the weights."""
         cfg = self.cfg
         last = n + cfg.refresh if cfg.refresh > 0 and n + cfg.refresh < self.total else self.total
         while len(self.ahead) < last - n:
             self.ahead.append(next(self.order))
         reads = list(itertools.islice(self.ahead, last - n))
         # an evaluation at n itself follows this refresh with no step between: it builds the held-out rows
-        # from its own forwards, and a later evaluation of the period reads those
-        evals = range(n, last + 1 if last == self.total else last)
-        if any(self.cadence.due(s) for s in evals) and not self.cadence.due(n):
+        # from its own forwards (and keeps none)
+        evals = range(n + 1, last + 1 if last == self.total else last)
+        if any(self.cadence.due(s) for s in evals):
             reads += [(b, cfg.chain) for b in self.val_batches]
         return reads
 

@@ -6,7 +6,9 @@ Kernel path: `shaders/elementwise.wgsl` -> `ddl_wgpu/ops/elementwise.py` -> refe
 - `add_forward(out, a, b)`: out = a + b;
 - `add_inplace(y, x)`: y += x (the residual stream, summing gradients);
 - `axpy(y, x, alpha)`: y += alpha * x;
-- `copy(dst, src)`; `fill(buf, value)` (zeroing gradients); `scale_inplace(y, alpha)`.
+- `copy(dst, src)`; `fill(buf, value)` (zeroing gradients); `scale_inplace(y, alpha)`;
+- `round_f16(y)`: y = f32(f16(y)) rounded to nearest even, numpy's `astype(float16)` bit for bit (heal's draft
+  rows kept on the GPU between chain steps, with the bits its float16 host cache gives them).
 
 Each returns a `Call` whose only uniform is `Params {n: u32, alpha: f32}` (n counts items of the shader's
 type: n / 4 on the vec4 path); a per-step scalar (a fill value, a scale) is changed with
@@ -42,8 +44,8 @@ def vec_width(n: int, *resources) -> int:
 def templates(width: int) -> dict:
     """Template values of the shaders that are written over `F` (f32 or vec4<f32>)."""
     if width == 4:
-        return {"F": "vec4<f32>", "LANES": 4, "HSUM": "(v.x + v.y) + (v.z + v.w)"}
-    return {"F": "f32", "LANES": 1, "HSUM": "v"}
+        return {"F": "vec4<f32>", "U": "vec4<u32>", "LANES": 4, "HSUM": "(v.x + v.y) + (v.z + v.w)"}
+    return {"F": "f32", "U": "u32", "LANES": 1, "HSUM": "v"}
 
 
 def _launch(gpu: Gpu, entry: str, sig: str, resources: list, n: int, alpha: float = 0.0) -> Call:
@@ -100,3 +102,10 @@ def scale_inplace(gpu: Gpu, y, n: int, alpha: float) -> Call:
     """y *= alpha over n items."""
     need("scale_inplace", "y", y, n)
     return _launch(gpu, "scale_inplace", "wu", [y], n, alpha)
+
+
+def round_f16(gpu: Gpu, y, n: int) -> Call:
+    """y = f32(f16(y)) over n items, to nearest with ties to even (numpy's `astype(float16)`, subnormals, inf
+    from 65520 on and NaN included)."""
+    need("round_f16", "y", y, n)
+    return _launch(gpu, "round_f16", "wu", [y], n)
