@@ -469,9 +469,9 @@ def test_kernel_catalogue_covers_every_shader_and_launcher():
     assert not bad, "\n".join(bad)
 
 
-# placeholders that fill in an element type only (f32 or vec4<f32>, an f16 table's type and `enable f16;`), and
-# the plumbing any shader may hold (its uniform struct, an included prelude)
-TYPE_ONLY = {"F", "W", "enable"}
+# placeholders that fill in an element type only (f32 or vec4<f32>, the u32 type of that width, an f16 table's
+# type and `enable f16;`), and the plumbing any shader may hold (its uniform struct, an included prelude)
+TYPE_ONLY = {"F", "U", "W", "enable"}
 PLUMBING = {"struct", "include"}
 
 
