@@ -268,6 +268,7 @@ class WgpuDraft:
         self._aside = None  # `using`: the trained weights aside, unless in the gradients (`_aside_arenas`)
         self._steps: dict = {}  # rows -> each chain step's input rows (`greedy_chain`, stacked)
         self._round: dict = {}  # rows -> `loss_chain`'s rounding of DraftInput's rows
+        self._sum_buf = None  # `loss_chain`'s loss sums
 
     def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None:
         """Allocate now all that heal's draft phase on windows of T tokens allocates, so that nothing after it
@@ -286,6 +287,7 @@ class WgpuDraft:
         self.input.buffers(self.B * T)
         if chain > 1:
             self._round_call(self.B * T)
+            self._sums(chain)
         if stacked:
             self._step_rows(self.B * T, chain)
         if chain > 1:
@@ -342,14 +344,15 @@ class WgpuDraft:
         the bits of `loss_sum_next` and the cache), and copied into step j + 1's input (`stacked`: after the
         rows of steps 1..j of each window, as `greedy_chain` lays them). steps[j − 1] = (teacher ids, teacher
         probs, weights, next) of step j, the first three as `loss_sum` takes them, next (tokens, valid) of
-        step j + 1 (None at the last). Only the loss sums come down, one per step -> [loss sum of step j]."""
+        step j + 1 (None at the last). The host waits once: each step's loss sum is copied aside and the next
+        step's uploads queue behind its submission; the sums come down together -> [loss sum of step j]."""
         x1 = np.asarray(x_rows, np.float32)
         T = x1.shape[1]
         B, C, g, inp = self.B, self.cfg.d_model, self.net.gpu, self.input
         N, row = B * T, C * F32
         x = inp.buffers(N)[4]
         held = self._step_rows(N, len(steps)) if stacked else []
-        out = []
+        sums = self._sums(len(steps))
         for j, (tid, tp, w, nxt) in enumerate(steps, 1):
             sigma = j if stacked and j > 1 else 0
             S = sigma * T if sigma else T
@@ -372,18 +375,25 @@ class WgpuDraft:
             work._fwd.record(rec)
             work._record_head(rec, False)
             work._sum.record(rec)
+            rec.copy(work.loss_acc, 0, sums, 4 * (j - 1), 4)
             if nxt is not None:  # the next step's rows from this forward's last T rows of each window
                 hid = work.xL if self.cfg.mtp.chain_hidden == "pre_norm" else work.xf
                 inp.call(N, T, hid, S, S - T).record(rec)
                 self._round_call(N).record(rec)
-            out.append(float(work.finish(rec, False)[0]))
-        return out
+            rec.submit()  # no wait: the next step's uploads queue behind it
+        return [float(v) for v in g.download(sums, np.float32, len(steps))]
 
     def _round_call(self, N: int) -> Call:
         """`round_f16` of DraftInput's N rows in place (`loss_chain`), built once per N."""
         if N not in self._round:
             self._round[N] = k_elt.round_f16(self.net.gpu, self.input.buffers(N)[4], N * self.cfg.d_model)
         return self._round[N]
+
+    def _sums(self, depth: int):
+        """`loss_chain`'s loss sums, one float per chain step: one download for the whole chain."""
+        if self._sum_buf is None or self._sum_buf.size < 4 * depth:
+            self._sum_buf = self.net.gpu.buffer(4 * depth, label="chain_loss_sums")
+        return self._sum_buf
 
     def next_rows(self, x_rows, next_tokens, valid, chain: int = 0) -> np.ndarray:
         """The block input rows of the next chain step from this draft's forward of x_rows (with `chain`,
