@@ -28,6 +28,9 @@ class _CountingDraft:
     def loss_sum(self, *args, **kw) -> float:
         return 0.0
 
+    def loss_chains(self, batches, stacked: bool) -> list[list[float]]:
+        return [[0.0] * len(steps) for _x, steps in batches]
+
     def snapshot(self):
         return None
 
@@ -54,9 +57,11 @@ class _CountingChain(_Chain):
         self.evaluations += 1
         return super().heldout_kl(batches)
 
-    def _fresh_losses(self, b: np.ndarray) -> tuple[list, list]:
-        self.eval_built += self.chain - 1  # right after a refresh: built by its own forwards, not kept
-        return [0.0] * self.chain, [1.0] * self.chain
+    def _targets(self, b: np.ndarray, j: int):
+        return None, None, np.ones(1), {}
+
+    def _chain_inputs(self, b: np.ndarray) -> tuple:
+        return None, [None] * self.chain
 
 
 def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
@@ -91,23 +96,33 @@ def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
     }
 
 
-def evaluation_calls(draft, jobs: dict, stacked: bool) -> tuple[dict, partial]:
+SERIES = 16  # `evaluation_calls`: held-out batches chained in one go (heal's evaluation runs all of them so)
+
+
+def evaluation_calls(draft, jobs: dict, stacked: bool) -> tuple[dict, partial, partial]:
     """heal's held-out evaluation of one batch (`_Chain.heldout_kl`) as calls to time -> ({j: step j's KL
     forward on rows already built (`Draft.loss_sum`: an evaluation whose rows a refresh built)}, all chain
-    steps of a stale batch right after a refresh, each on rows built from the forward of the step before
-    (`Draft.loss_chain`)). jobs[j] = (x, teacher ids, teacher probs, weights, keywords, next) of step j as
-    heal's `join` gives them, next = (tokens, valid) of step j + 1 (None at the last)."""
+    steps of one stale batch right after a refresh, each on rows built from the forward of the step before
+    (`Draft.loss_chain`), and SERIES such batches in one go as heal's evaluation runs them (`loss_chains`: the
+    host prepares a batch while the GPU runs the one before)). jobs[j] = (x, teacher ids, teacher probs,
+    weights, keywords, next) of step j as heal's `join` gives them, next = (tokens, valid) of step j + 1
+    (None at the last)."""
     per_step = {
         j: partial(draft.loss_sum, x, tid, tp, w, **kw) for j, (x, tid, tp, w, kw, _n) in jobs.items()
     }
     steps = [(tid, tp, w, nxt) for _x, tid, tp, w, _kw, nxt in jobs.values()]
-    return per_step, partial(draft.loss_chain, jobs[1][0], steps, stacked)
+    one = (jobs[1][0], steps)
+    return (
+        per_step,
+        partial(draft.loss_chain, *one, stacked),
+        partial(draft.loss_chains, [one] * SERIES, stacked),
+    )
 
 
 def evaluation_s(lazy: dict, chain: int, chain_s: float, steps_s: float) -> float:
     """An epoch's held-out evaluations in seconds (`lazy` from `refresh_forwards`): the batches evaluated right
-    after a refresh as chains (`chain_s` each, `Draft.loss_chain`), every other one step by step (`steps_s`,
-    the sum of its steps' `Draft.loss_sum`)."""
+    after a refresh as chains (`chain_s` each, a batch of a `Draft.loss_chains` series), every other one step by
+    step (`steps_s`, the sum of its steps' `Draft.loss_sum`)."""
     batches = lazy["evaluations"] * lazy["heldout_batches"]
     chained = lazy["eval_built"] // (chain - 1) if chain > 1 else 0
     return chained * chain_s + (batches - chained) * steps_s

@@ -39,7 +39,7 @@ from functools import partial
 
 import common  # noqa: F401  (puts the repository root on sys.path)
 import numpy as np
-from heal_count import evaluation_calls, evaluation_s, refresh_forwards
+from heal_count import SERIES, evaluation_calls, evaluation_s, refresh_forwards
 
 from ddl_ref import mtp as ref_mtp
 from ddl_wgpu import backend
@@ -244,10 +244,12 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
         jobs[j] = (xs, tid, tp, w, kw, nxt)
     # a held-out evaluation batch, as bench/heal.py times it: step by step, and chained right after a refresh
     # (before the steps below move the weights on from those the rows were built with)
-    per_step, chained = evaluation_calls(draft, jobs, stacked)
+    per_step, chained, series = evaluation_calls(draft, jobs, stacked)
     evals = {j: median_s(call, 1 + args.steps) for j, call in per_step.items()}
-    chain_s = median_s(chained, 1 + args.steps)
-    same = chained() == [call() for call in per_step.values()]  # the same forwards on the same rows: the bits
+    one_s = median_s(chained, 1 + args.steps)
+    chain_s = median_s(series, 1 + args.steps) / SERIES
+    # the same forwards on the same rows: the bits, alone and in a series
+    same = series()[-1] == chained() == [call() for call in per_step.values()]
     for j, (xs, tid, tp, w, kw, _nxt) in jobs.items():
         step = partial(draft.step, xs, tid, tp, w, heal.HealConfig().lr)
         steps[j] = median_s(
@@ -255,12 +257,12 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
         )
     t1 = time.perf_counter()
     r = {"steps_s": steps, "job_mix_s": float(np.mean(list(steps.values()))), "refresh_batch_s": float(np.median(refresh)),
-         "eval_batch_s": evals, "eval_chain_s": chain_s, "eval_chain_same_bits": same,
+         "eval_batch_s": evals, "eval_chain_s": chain_s, "eval_chain_one_s": one_s, "eval_chain_same_bits": same,
          "engine_peak_bytes": gpu.peak - base,
          "smi_peak_bytes": smi.peak(t0, t1)}  # fmt: skip
     progress(f"  draft: {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in steps.items())}; held-out evaluation "
              f"batch {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in evals.items())}, chained after a refresh "
-             f"{chain_s * 1e3:.1f} ms ({'the' if same else 'NOT the'} per-step sums' bits); peak "
+             f"{one_s * 1e3:.1f} ms alone, {chain_s * 1e3:.1f} ms in a series of {SERIES} ({'the' if same else 'NOT the'} per-step sums' bits); peak "
              f"{_gib(r['engine_peak_bytes'])} engine, {_gib(r['smi_peak_bytes'])} nvidia-smi")  # fmt: skip
     return r
 

@@ -170,6 +170,10 @@ class Draft(Protocol):
         before (float16-rounded); steps[j − 1] = (teacher ids, probs, weights, next (tokens, valid) or None)."""
         ...
 
+    def loss_chains(
+        self, batches, stacked: bool
+    ) -> list[list[float]]: ...  # loss_chain of each (x_rows, steps)
+
     def prepare(self, T: int, k: int, chain: int, stacked: bool) -> None: ...  # heal's draft phase allocated
 
     def snapshot(self): ...  # the current weights, in host memory

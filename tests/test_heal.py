@@ -562,6 +562,9 @@ class _RowDraft:
         self.fused += sum(s[3] is not None for s in steps)
         return [0.0] * len(steps)
 
+    def loss_chains(self, batches, stacked):
+        return [self.loss_chain(x1, steps, stacked) for x1, steps in batches]
+
     def snapshot(self):
         return None
 

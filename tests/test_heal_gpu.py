@@ -13,6 +13,7 @@ from helpers import check_acceptance_backends, check_draft_step
 from ddl_ref import mtp as ref_mtp
 from ddl_ref.config import MtpConfig
 from ddl_wgpu import backend
+from ddl_wgpu.engine import heal_gpu
 from ddl_wgpu.engine.heal_gpu import WgpuDraft
 from ddl_wgpu.engine.net import Net
 from ddl_wgpu.engine.refnet import RefDraft, RefTeacher
@@ -201,7 +202,7 @@ def test_gpu_loss_chain_is_the_host_rows_path(gpu, heal_kit, monkeypatch, mode):
     """heal's evaluation right after a refresh, its rows kept on the GPU (`WgpuDraft.loss_chain`, fewer windows
     than the draft's batch) gives the bits of the host path on the same draft (`RefDraft.loss_chain`'s steps:
     `loss_sum_next`, the rows rounded to float16 on the host as heal's cache holds them, `loss_sum`) and
-    downloads nothing but the loss sums, once; without the rounding the later steps' sums are not the same."""
+    downloads nothing but the loss sums, once; a series of batches (`loss_chains`) gives each one's; without the rounding the later steps' sums are not the same."""
     conv = MtpConfig(concat="hidden_first", trunk_hidden="post_norm", chain_hidden="pre_norm")
     cfg = heal_kit.tiny_cfg(mtp=conv)
     m = Model(cfg, heal_kit.perturbed(cfg, seed=3))
@@ -232,6 +233,16 @@ def test_gpu_loss_chain_is_the_host_rows_path(gpu, heal_kit, monkeypatch, mode):
     monkeypatch.setattr(g, "download", counted)
     got = draft.loss_chain(x1, steps, stacked)
     assert got == want and sizes == [depth]  # one download: the loss sums
+    # a series (heal's evaluation: the host runs ahead of the GPU), its sums down every CHAIN_FLUSH batches
+    other = RefDraft.loss_chain(draft, x1 * 0.5, steps, stacked)
+    monkeypatch.setattr(heal_gpu, "CHAIN_FLUSH", 2)
+    sizes.clear()
+    assert draft.loss_chains(iter([(x1, steps), (x1 * 0.5, steps), (x1, steps)]), stacked) == [
+        got,
+        other,
+        got,
+    ]
+    assert sizes == [2 * depth, depth] and other != got
     monkeypatch.setattr(np, "float16", np.float32)  # the host path without the rounding
     unrounded = RefDraft.loss_chain(draft, x1, steps, stacked)
     assert unrounded[0] == got[0] and unrounded[1:] != got[1:]

@@ -37,6 +37,8 @@ from ddl_wgpu.ops import matmul as k_mm
 from ddl_wgpu.ops import mtp_input as k_mtp
 from ddl_wgpu.runtime.gpu import Call, Gpu, GpuError
 
+CHAIN_FLUSH = 16  # `WgpuDraft.loss_chains`: batches whose loss sums come down together
+
 
 def pad_rows(a, B: int):
     """a (b, ...) -> (B, ...) with zero rows appended (a Work has a fixed batch)."""
@@ -287,7 +289,7 @@ class WgpuDraft:
         self.input.buffers(self.B * T)
         if chain > 1:
             self._round_call(self.B * T)
-            self._sums(chain)
+            self._sums(CHAIN_FLUSH * chain)
         if stacked:
             self._step_rows(self.B * T, chain)
         if chain > 1:
@@ -344,15 +346,37 @@ class WgpuDraft:
         the bits of `loss_sum_next` and the cache), and copied into step j + 1's input (`stacked`: after the
         rows of steps 1..j of each window, as `greedy_chain` lays them). steps[j − 1] = (teacher ids, teacher
         probs, weights, next) of step j, the first three as `loss_sum` takes them, next (tokens, valid) of
-        step j + 1 (None at the last). The host waits once: each step's loss sum is copied aside and the next
-        step's uploads queue behind its submission; the sums come down together -> [loss sum of step j]."""
-        x1 = np.asarray(x_rows, np.float32)
+        step j + 1 (None at the last). Only the loss sums come down -> [loss sum of step j]."""
+        return self.loss_chains([(x_rows, steps)], stacked)[0]
+
+    def loss_chains(self, batches, stacked: bool) -> list[list[float]]:
+        """`loss_chain` of each (x_rows, steps) of `batches` (an iterable, consumed as it goes) -> their sums. The
+        host never waits between steps or batches: each step's loss sum is copied aside and the next step's or
+        batch's uploads queue behind its submission, so the host prepares a batch while the GPU runs the one
+        before; the sums come down every CHAIN_FLUSH batches (which bounds how far the host runs ahead) and at
+        the end."""
+        out, slot, depth = [], 0, 0
+        for x_rows, steps in batches:
+            depth = len(steps)
+            sums = self._sums(CHAIN_FLUSH * depth)
+            self._record_chain(np.asarray(x_rows, np.float32), steps, stacked, sums, slot * depth)
+            slot += 1
+            if slot == CHAIN_FLUSH:
+                out += self._download_sums(sums, slot, depth)
+                slot = 0
+        return out + (self._download_sums(self._sum_buf, slot, depth) if slot else [])
+
+    def _download_sums(self, sums, n: int, depth: int) -> list[list[float]]:
+        v = self.net.gpu.download(sums, np.float32, n * depth).reshape(n, depth)
+        return [[float(a) for a in r] for r in v]
+
+    def _record_chain(self, x1, steps, stacked: bool, sums, at: int) -> None:
+        """One batch's chain steps, each submitted alone (`loss_chains`); step j's loss sum into sums[at + j − 1]."""
         T = x1.shape[1]
         B, C, g, inp = self.B, self.cfg.d_model, self.net.gpu, self.input
         N, row = B * T, C * F32
         x = inp.buffers(N)[4]
         held = self._step_rows(N, len(steps)) if stacked else []
-        sums = self._sums(len(steps))
         for j, (tid, tp, w, nxt) in enumerate(steps, 1):
             sigma = j if stacked and j > 1 else 0
             S = sigma * T if sigma else T
@@ -375,13 +399,12 @@ class WgpuDraft:
             work._fwd.record(rec)
             work._record_head(rec, False)
             work._sum.record(rec)
-            rec.copy(work.loss_acc, 0, sums, 4 * (j - 1), 4)
+            rec.copy(work.loss_acc, 0, sums, 4 * (at + j - 1), 4)
             if nxt is not None:  # the next step's rows from this forward's last T rows of each window
                 hid = work.xL if self.cfg.mtp.chain_hidden == "pre_norm" else work.xf
                 inp.call(N, T, hid, S, S - T).record(rec)
                 self._round_call(N).record(rec)
-            rec.submit()  # no wait: the next step's uploads queue behind it
-        return [float(v) for v in g.download(sums, np.float32, len(steps))]
+            rec.submit()
 
     def _round_call(self, N: int) -> Call:
         """`round_f16` of DraftInput's N rows in place (`loss_chain`), built once per N."""
@@ -389,10 +412,10 @@ class WgpuDraft:
             self._round[N] = k_elt.round_f16(self.net.gpu, self.input.buffers(N)[4], N * self.cfg.d_model)
         return self._round[N]
 
-    def _sums(self, depth: int):
-        """`loss_chain`'s loss sums, one float per chain step: one download for the whole chain."""
-        if self._sum_buf is None or self._sum_buf.size < 4 * depth:
-            self._sum_buf = self.net.gpu.buffer(4 * depth, label="chain_loss_sums")
+    def _sums(self, n: int):
+        """`loss_chains`'s buffer of n loss sums (CHAIN_FLUSH batches' chain steps), allocated once."""
+        if self._sum_buf is None or self._sum_buf.size < 4 * n:
+            self._sum_buf = self.net.gpu.buffer(4 * n, label="chain_loss_sums")
         return self._sum_buf
 
     def next_rows(self, x_rows, next_tokens, valid, chain: int = 0) -> np.ndarray:

@@ -280,6 +280,10 @@ class RefDraft:
             xs.append(np.asarray(rows).astype(np.float16).astype(np.float32))
         return out
 
+    def loss_chains(self, batches, stacked: bool) -> list[list[float]]:
+        """`loss_chain` of each (x_rows, steps) of `batches`."""
+        return [self.loss_chain(x, steps, stacked) for x, steps in batches]
+
     def hidden_out(self, x_rows, chain: int = 0):
         pre, post, _ = ref_mtp.draft_forward(self._all(), self.cfg, np.asarray(x_rows, np.float32), chain)
         return pre, post

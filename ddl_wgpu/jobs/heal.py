@@ -393,39 +393,42 @@ class _Chain:
 
     def heldout_kl(self, batches: list[np.ndarray]) -> list[float]:
         """The draft's mean top-k KL to the trunk per chain step over the held-out batches. Right after a
-        refresh (`fresh`) a stale batch runs its chain steps one after the other, each step's rows built from
-        the forward of the one before (`_fresh_losses`); otherwise the stale held-out refresh batches are
-        rebuilt first, in one go, from the kept weights."""
+        refresh (`fresh`) each stale batch runs its chain steps one after the other, each step's rows built
+        from the forward of the one before (`Draft.loss_chains`, all such batches in one go); otherwise the
+        stale held-out refresh batches are rebuilt first, in one go, from the kept weights."""
         fresh = self.fresh and self.chain > 1
         if batches and self.chain > 1 and not fresh:
             self._current(np.concatenate(batches), self.chain)
+        chained = [i for i, b in enumerate(batches) if fresh and self._stale(b)]
+        inputs = (self._chain_inputs(batches[i]) for i in chained)
+        got = dict(zip(chained, self.draft.loss_chains(inputs, self.stacked_mode), strict=True))
+        self.eval_built += (self.chain - 1) * len(chained)
         s, n = [0.0] * self.chain, [0.0] * self.chain
-        for b in batches:
-            k = int(self.batch_of[b[0]])
-            if fresh and self.built[k] == 1 and np.array_equal(self.members[k], b):
-                losses, counts = self._fresh_losses(b)
-            else:
-                losses, counts = [], []
-                for j in range(1, self.chain + 1):
+        for i, b in enumerate(batches):
+            losses = got.get(i)
+            for j in range(1, self.chain + 1):  # each step's sums over the batches in order
+                if losses is None:
                     x, tid, tp, w, c = self.join(b, j)
-                    losses.append(self.draft.loss_sum(x, tid, tp, w, **c))
-                    counts.append(float(w.sum()))
-            for j in range(self.chain):  # each step's sums over the batches in order
-                s[j] += losses[j]
-                n[j] += counts[j]
+                    s[j - 1] += self.draft.loss_sum(x, tid, tp, w, **c)
+                else:
+                    w = self._targets(b, j)[2]
+                    s[j - 1] += losses[j - 1]
+                n[j - 1] += float(w.sum())
         return [sj / max(nj, 1e-9) for sj, nj in zip(s, n, strict=True)]
 
-    def _fresh_losses(self, b: np.ndarray) -> tuple[list, list]:
-        """A stale held-out batch right after a refresh: `Draft.loss_chain` from its step-1 rows -> (the KL
-        sum, the weight sum) per chain step. Its rows are not kept: the batch stays stale."""
-        steps, counts = [], []
+    def _stale(self, b: np.ndarray) -> bool:
+        """Whether held-out batch b is a whole refresh batch with only its step-1 rows current."""
+        k = int(self.batch_of[b[0]])
+        return self.built[k] == 1 and np.array_equal(self.members[k], b)
+
+    def _chain_inputs(self, b: np.ndarray) -> tuple:
+        """`Draft.loss_chain`'s (step-1 rows, steps) of held-out batch b; the later steps' rows are built from
+        the forwards and not kept (the batch stays stale)."""
+        steps = []
         for j in range(1, self.chain + 1):
             tid, tp, w, _kw = self._targets(b, j)
             steps.append((tid, tp, w, self._tok_valid(b, j + 1) if j < self.chain else None))
-            counts.append(float(w.sum()))
-        self.eval_built += self.chain - 1
-        x1 = self.cache.x[1][b].astype(np.float32)
-        return self.draft.loss_chain(x1, steps, self.stacked_mode), counts
+        return self.cache.x[1][b].astype(np.float32), steps
 
 
 def heal_windows(records, window: int, chain: int, tokens: int) -> list[np.ndarray]:
