@@ -289,8 +289,8 @@ def test_gpu_lazy_refresh_gives_the_eager_results_bit_for_bit(gpu, tmp_path, hea
     count = heal_count.refresh_forwards(lazy["windows"], run)  # the count bench/heal.py uses is the GPU run's
     assert count["forwards"] == lazy["refresh_forwards"]
     assert count["refreshes"] * (run.chain - 1) * count["batches"] == eager["refresh_forwards"]
-    # evaluations right after a refresh built held-out rows from their own forwards (`loss_sum_next`), and the
-    # history above is still the eager one's, bit for bit
+    # evaluations right after a refresh built held-out rows on the GPU from their own forwards (`loss_chains`,
+    # rounded to float16 there), and the history above is still the eager one's, bit for bit
     assert lazy["eval_built_rows"] == count["eval_built"] > 0
 
 
