@@ -6,7 +6,8 @@ and a heal draft step uploads 10-31 MB of rows at the 27B. From MIN bytes on, wh
 into a host buffer that no pending copy reads, then copied by the GPU in a submit of its own, which the queue
 runs before every later submit, as it would a `write_buffer`. The buffers held stay within POOL bytes; past it
 the host waits for the oldest copy. A caller asks for it only where the queue is idle when it writes: with every
-large write routed here, a streamed trunk's pass ran 0.749x resident against 0.864x (docs/experiments.md).
+large write routed here, a streamed trunk's pass ran 0.749x resident against an earlier run's 0.864x (on
+another machine both trees ran at 0.75x; docs/experiments.md).
 """
 
 from __future__ import annotations
