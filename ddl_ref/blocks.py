@@ -183,24 +183,28 @@ def compress_backward(cfg: ModelConfig, prefix: str, dx_in, cache, grads):
 # one block
 
 
-def block_forward(params, cfg: ModelConfig, i: int, x, cos, sin, mask=None):
+def block_forward(params, cfg: ModelConfig, i: int, x, cos, sin, mask=None, tail: int = 0):
     """x -> (x, cache) for block i.
 
     x is the residual stream: (B, T, C) for residual "add" and DDL d_v = 1, the state X (B, T, C, dv) for
     DDL d_v > 1. `mask` (T, T) bool replaces the causal attention mask (residual "add" only; the chained
-    draft's training layout, `ddl_ref.mtp.draft_forward`).
+    draft's training layout, `ddl_ref.mtp.draft_forward`). `tail` > 0 (residual "add" only): the MLP sublayer
+    runs on the last `tail` rows alone and only they are returned, (B, tail, C); the earlier rows then only feed
+    the attention (a stacked chain's earlier steps, whose outputs nothing reads).
     """
-    if mask is not None and cfg.residual == "delta":
-        raise ValueError("an explicit attention mask needs residual 'add'")
+    if (mask is not None or tail) and cfg.residual == "delta":
+        raise ValueError("an explicit attention mask or a tail needs residual 'add'")
     if cfg.residual == "delta":
         return _ddl_block_forward(params, cfg, i, x, cos, sin)
     p = _layer_prefix(i)
     eps, style = cfg.rms_eps, cfg.norm_style
-    c = {}
+    c = {"rows": x.shape[1], "tail": tail}
     # --- attention sublayer
     h, c["n1"] = ops.rmsnorm_forward(x, params[p + "input_layernorm.weight"], eps, style)  # (B, T, C)
     out, c["attn_sub"] = _mixer_forward(params, cfg, i, p, h, cos, sin, mask)
     x = x + out
+    if tail:
+        x = x[:, -tail:]
     # --- MLP sublayer
     h2, c["n2"] = ops.rmsnorm_forward(x, params[p + "post_attention_layernorm.weight"], eps, style)
     out2, c["mlp_sub"] = _mlp_forward(params, p, h2)
@@ -218,6 +222,10 @@ def block_backward(params, cfg: ModelConfig, i: int, dx, c, cos, sin, grads):
     dh2 = _mlp_backward(params, p, dx, c["mlp_sub"], grads)
     dxn, grads[p + "post_attention_layernorm.weight"] = ops.rmsnorm_backward(dh2, c["n2"])
     dx = dx + dxn
+    if c.get("tail"):  # the rows before the tail got no gradient through the MLP or the output
+        full = np.zeros((dx.shape[0], c["rows"], *dx.shape[2:]), dx.dtype)
+        full[:, -c["tail"] :] = dx
+        dx = full
     # --- attention sublayer (reverse)
     dh = _mixer_backward(params, cfg, i, p, dx, c["attn_sub"], cos, sin, grads)
     dxn, grads[p + "input_layernorm.weight"] = ops.rmsnorm_backward(dh, c["n1"])

@@ -139,14 +139,16 @@ def chain_rows(chain: int, T: int) -> int:
     return T // chain
 
 
-def draft_forward(params: dict, cfg: ModelConfig, x_rows, chain: int = 0):
+def draft_forward(params: dict, cfg: ModelConfig, x_rows, chain: int = 0, last_only: bool = False):
     """x_rows (B, T, C) block input -> (hidden_pre (B, T, C), hidden_post (B, T, C), cache).
 
     hidden_pre is the block's residual output (what cortiq chains), hidden_post = model.mtp.norm(pre).
     chain = 0: one step's rows, causal attention at positions 0..T−1 (as the reference heal tool).
     chain = j >= 1: the rows of steps 1..j of one window stacked (row (σ−1)·W + p, T = j·W), attending with the
     runtime's diagonal mask (`ops.chain_mask`) at positions p + σ − 1 (`ops.chain_positions`),
-    docs/heal.md#chain-attention-per-step-or-stacked.
+    docs/heal.md#chain-attention-per-step-or-stacked. `last_only` (chain >= 1): the block's MLP and the final
+    norm run on step j's rows alone, and pre and post are those rows, (B, W, C): the earlier steps' rows only
+    feed the attention (`ref_blocks.block_forward`'s tail).
     """
     B, T, C = x_rows.shape
     W = chain_rows(chain, T) if chain else T
@@ -161,7 +163,8 @@ def draft_forward(params: dict, cfg: ModelConfig, x_rows, chain: int = 0):
     else:
         # positions 0..T-1
         cos, sin = ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, x_rows.dtype, cfg.rope_dim)
-    pre, c_block = ref_blocks.block_forward(block_view(params), dcfg, 0, x_rows, cos, sin, mask)
+    tail = W if chain and last_only else 0
+    pre, c_block = ref_blocks.block_forward(block_view(params), dcfg, 0, x_rows, cos, sin, mask, tail)
     post, c_norm = ops.rmsnorm_forward(pre, params[NORM], cfg.rms_eps, cfg.norm_style)
     return pre, post, {"block": c_block, "norm": c_norm, "cos": cos, "sin": sin}
 
@@ -192,16 +195,18 @@ def draft_kl_forward(params: dict, cfg: ModelConfig, x_rows, teacher_ids, teache
 
     x_rows (B, T, C), teacher_ids/probs (B, T, k), weights (B, T) 0/1 -> (kl_sum, cache). `chain` as in
     `draft_forward`: stacked steps, of which only step `chain`'s rows (the last T / chain of each window) carry
-    the loss, so the head and the KL run on those rows alone (the rows of earlier steps only feed the
-    attention; their weights are ignored, and callers give them 0). `form`: "full" (the reference heal tool's:
+    the loss, so the block's MLP, the final norm, the head and the KL run on those rows alone (the rows of
+    earlier steps only feed the attention; their weights are ignored, and callers give them 0); the cache's
+    pre and post are those rows. `form`: "full" (the reference heal tool's:
     the draft's full-vocabulary log-softmax against the teacher's renormalised top-k) or "topk" (the draft
     renormalised over the teacher's k ids); `ops.topk_kl_forward`.
     """
     B, T, C = x_rows.shape
-    pre, post, c_draft = draft_forward(params, cfg, x_rows, chain)
-    # the rows that carry the loss: the last `last` of each window
+    # the rows that carry the loss: the last `last` of each window (in a stacked chain, the block's MLP and
+    # the final norm run on those alone: pre and post are (B, last, C))
+    pre, post, c_draft = draft_forward(params, cfg, x_rows, chain, last_only=True)
     last = chain_rows(chain, T) if chain else T
-    logits = draft_logits(params, cfg, post[:, T - last :])  # (B, last, V)
+    logits = draft_logits(params, cfg, post)  # (B, last, V)
     k = np.shape(teacher_ids)[-1]
     kl_sum, c_kl = ops.topk_kl_forward(
         logits.reshape(B * last, -1),
@@ -215,12 +220,10 @@ def draft_kl_forward(params: dict, cfg: ModelConfig, x_rows, teacher_ids, teache
 
 def draft_kl_backward(params: dict, cfg: ModelConfig, cache, dloss: float = 1.0):
     """-> (dx_rows (B, T, C), grads of dloss * kl_sum for the trained draft tensors)."""
-    B, T = cache["shape"]
-    last = cache["last"]
+    B, _T = cache["shape"]
     dlogits = ops.topk_kl_backward(cache["kl"]) * float(dloss)  # (B*last, V)
-    dpost = np.zeros_like(cache["post"])
-    dpost[:, T - last :], _dhead = ops.linear_backward(
-        dlogits.reshape(B, last, -1), cache["post"][:, T - last :], head_weight(params, cfg)
+    dpost, _dhead = ops.linear_backward(
+        dlogits.reshape(B, cache["last"], -1), cache["post"], head_weight(params, cfg)
     )  # the head is shared and frozen: its gradient is dropped
     return draft_backward(params, cfg, cache["draft"], dpost)
 

@@ -290,8 +290,11 @@ class RefDraft:
 
     def next_rows(self, x_rows, next_tokens, valid, chain: int = 0):
         """The block input rows of the next chain step from this draft's output on x_rows (with `chain`, the
-        output's last step): `ddl_ref.mtp.step_input` of the tokens (b, T) on the `chain_hidden` rows."""
-        return self._rows(*self.hidden_out(x_rows, chain), next_tokens, valid)
+        output's last step, whose rows alone the block's MLP runs on): `ddl_ref.mtp.step_input` of the tokens
+        (b, T) on the `chain_hidden` rows."""
+        x = np.asarray(x_rows, np.float32)
+        pre, post, _ = ref_mtp.draft_forward(self._all(), self.cfg, x, chain, last_only=True)
+        return self._rows(pre, post, next_tokens, valid)
 
     def _rows(self, pre, post, next_tokens, valid):
         T = np.shape(next_tokens)[1]
