@@ -95,7 +95,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (puts the repository root on sys.path)
 import numpy as np  # noqa: E402
-from heal_count import SERIES, evaluation_calls, evaluation_s, refresh_forwards  # noqa: E402
+from heal_count import SERIES, evaluation_calls, evaluation_s, heal_rows, refresh_forwards  # noqa: E402
 from hybrid import forward_profile, qwen38_27b  # noqa: E402
 
 from ddl_ref import model as ref_model  # noqa: E402
@@ -282,15 +282,7 @@ class Jobs:
         self.host = wall_ms(gpu, lambda: host_rows(1, hid), args.warmup, args.steps)
         err = common.rel_err(x1, host_rows(1, hid))  # the reference rows on the GPU's (rounded) hidden
         self.rows_check = {"err": err, "ok": bool(err <= TOL)}
-        self.x = {1: x1}
-        # every later step's input from the draft's output on the steps before, as heal's refresh builds it
-        # (`_Chain._next_rows`), float16 as its cache holds it
-        for j in range(2, args.chain + 1):
-            if self.stacked(j - 1) > 1:
-                rows = draft.next_rows(self.job(j - 1)[0], *tok_valid(j), chain=j - 1)
-            else:
-                rows = draft.next_rows(self.x[j - 1], *tok_valid(j))
-            self.x[j] = rows.astype(np.float16).astype(np.float32)
+        self.x = heal_rows(draft, x1, tok_valid, args.chain, args.chain_attention == "stacked")
         self.refresh = wall_ms(gpu, lambda: draft.next_rows(x1, *tok_valid(2)), args.warmup, args.steps)
         # a held-out evaluation batch: each chain step's KL forward on rows already built, and the whole chain
         # of a stale batch right after a refresh, each step's rows built from the forward before

@@ -57,11 +57,8 @@ class _CountingChain(_Chain):
         self.evaluations += 1
         return super().heldout_kl(batches)
 
-    def _targets(self, b: np.ndarray, j: int):
-        return None, None, np.ones(1), {}
-
     def _chain_inputs(self, b: np.ndarray) -> tuple:
-        return None, [None] * self.chain
+        return None, [(None, None, np.ones(1), None)] * self.chain
 
 
 def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
@@ -94,6 +91,22 @@ def refresh_forwards(windows: int, cfg: HealConfig) -> dict:
         "evaluations": chain.evaluations,
         "heldout_batches": len(vb),
     }
+
+
+def heal_rows(draft, x1, tok_valid, chain: int, stacked: bool) -> dict:
+    """{j: step j's block input rows} of one batch as heal's refresh builds them (`_Chain._next_rows`): step j
+    from the draft's output on step j − 1's rows (stacked, j > 2: on the stacked rows of steps 1..j − 1), float16
+    as heal's cache holds them; `tok_valid(j)` gives step j's (tokens, valid)."""
+    x = {1: x1}
+    for j in range(2, chain + 1):
+        if stacked and j > 2:
+            rows = draft.next_rows(
+                np.concatenate([x[i] for i in range(1, j)], axis=1), *tok_valid(j), chain=j - 1
+            )
+        else:
+            rows = draft.next_rows(x[j - 1], *tok_valid(j))
+        x[j] = rows.astype(np.float16).astype(np.float32)
+    return x
 
 
 SERIES = 16  # `evaluation_calls`: held-out batches chained in one go (heal's evaluation runs all of them so)

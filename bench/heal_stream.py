@@ -39,7 +39,7 @@ from functools import partial
 
 import common  # noqa: F401  (puts the repository root on sys.path)
 import numpy as np
-from heal_count import SERIES, evaluation_calls, evaluation_s, refresh_forwards
+from heal_count import SERIES, evaluation_calls, evaluation_s, heal_rows, refresh_forwards
 
 from ddl_ref import mtp as ref_mtp
 from ddl_wgpu import backend
@@ -203,17 +203,12 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
     B, T = args.batch, args.seq
     draft.prepare(T, min(args.topk, model.cfg.vocab_size), args.chain, args.chain_attention == "stacked")
     ids, lengths = cache.ids[:B], cache.lengths[:B]
-    x = {1: cache.x[1][:B].astype(np.float32)}
     stacked = args.chain_attention == "stacked"
-    for j in range(
-        2, args.chain + 1
-    ):  # as heal builds them (`_Chain._next_rows`), float16 as its cache holds them
-        tok = (ref_mtp.shifted(ids, j), ref_mtp.step_valid(lengths, T, j))
-        if stacked and j > 2:
-            rows = draft.next_rows(np.concatenate([x[i] for i in range(1, j)], axis=1), *tok, chain=j - 1)
-        else:
-            rows = draft.next_rows(x[j - 1], *tok)
-        x[j] = rows.astype(np.float16).astype(np.float32)
+
+    def tok_valid(j):
+        return ref_mtp.shifted(ids, j), ref_mtp.step_valid(lengths, T, j)
+
+    x = heal_rows(draft, cache.x[1][:B].astype(np.float32), tok_valid, args.chain, stacked)
     refresh = []
     for _ in range(3):
         t = time.perf_counter()

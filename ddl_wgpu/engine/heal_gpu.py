@@ -287,13 +287,12 @@ class WgpuDraft:
         self.net.zero_grads_call()
         self.net.optimizer_call(draft_adamw(0.0, 1))  # its uniforms are rewritten by every step
         self.input.buffers(self.B * T)
-        if chain > 1:
-            self._round_call(self.B * T)
-            self._sums(CHAIN_FLUSH * chain)
         if stacked:
             self._step_rows(self.B * T, chain)
         if chain > 1:
             self._aside_arenas()
+            self._round_call(self.B * T)
+            self._sums(CHAIN_FLUSH * chain)
         rows = self.B * T * self.cfg.d_model * F32
         self.net.gpu.reserve_staging(max([b.size for b in self.net.p] + [rows, self.B * chain * T * 4]))
 
@@ -355,7 +354,7 @@ class WgpuDraft:
         batch's uploads queue behind its submission, so the host prepares a batch while the GPU runs the one
         before; the sums come down every CHAIN_FLUSH batches (which bounds how far the host runs ahead) and at
         the end."""
-        out, slot, depth = [], 0, 0
+        out, slot, depth, sums = [], 0, 0, None
         for x_rows, steps in batches:
             depth = len(steps)
             sums = self._sums(CHAIN_FLUSH * depth)
@@ -364,7 +363,7 @@ class WgpuDraft:
             if slot == CHAIN_FLUSH:
                 out += self._download_sums(sums, slot, depth)
                 slot = 0
-        return out + (self._download_sums(self._sum_buf, slot, depth) if slot else [])
+        return out + (self._download_sums(sums, slot, depth) if slot else [])
 
     def _download_sums(self, sums, n: int, depth: int) -> list[list[float]]:
         v = self.net.gpu.download(sums, np.float32, n * depth).reshape(n, depth)
@@ -373,29 +372,20 @@ class WgpuDraft:
     def _record_chain(self, x1, steps, stacked: bool, sums, at: int) -> None:
         """One batch's chain steps, each submitted alone (`loss_chains`); step j's loss sum into sums[at + j − 1]."""
         T = x1.shape[1]
-        B, C, g, inp = self.B, self.cfg.d_model, self.net.gpu, self.input
-        N, row = B * T, C * F32
+        B, g, inp = self.B, self.net.gpu, self.input
+        N = B * T
         x = inp.buffers(N)[4]
         held = self._step_rows(N, len(steps)) if stacked else []
+        g.write(x, pad_rows(x1, B).reshape(-1), via_host=True)  # step 1's rows; each later step's built there
         for j, (tid, tp, w, nxt) in enumerate(steps, 1):
             sigma = j if stacked and j > 1 else 0
             S = sigma * T if sigma else T
             work = self._work(S, np.shape(tid)[-1], sigma)
-            x_in = work.L[0]["x"]
-            if j == 1:  # the host's rows; stacked, kept for the later steps' inputs
-                g.write(held[0] if stacked else x_in, pad_rows(x1, B).reshape(-1), via_host=True)
             work.upload_teacher(*(pad_rows(a, B) for a in (tid, tp, w)))
             if nxt is not None:
                 inp.upload(*(pad_rows(a, B) for a in nxt))
             rec = g.recorder()
-            if j > 1:  # step j's rows, built by step j − 1
-                rec.copy(x, 0, held[j - 1] if stacked else x_in, 0, N * row)
-            if stacked and sigma:
-                for b in range(B):  # window b's rows of steps 1..j, one after the other
-                    for s in range(j):
-                        rec.copy(held[s], b * T * row, x_in, (b * S + s * T) * row, T * row)
-            elif stacked:
-                rec.copy(held[0], 0, x_in, 0, N * row)
+            self._record_input(rec, work, j, T, held)
             work._fwd.record(rec)
             work._record_head(rec, False)
             work._sum.record(rec)
@@ -405,6 +395,20 @@ class WgpuDraft:
                 inp.call(N, T, hid, S, S - T).record(rec)
                 self._round_call(N).record(rec)
             rec.submit()
+
+    def _record_input(self, rec, work: DraftWork, j: int, T: int, held: list) -> None:
+        """Step j's input rows into `work` from DraftInput's rows (this step's, windows of T): copied in, or
+        with `held` (a stacked chain's rows of each step, `_step_rows`) kept as step j's and laid after the rows
+        of steps 1..j − 1 of each window (`greedy_chain`, `loss_chains`)."""
+        B, row, x, x_in = self.B, self.cfg.d_model * F32, self.input.buffers(self.B * T)[4], work.L[0]["x"]
+        if not held:
+            rec.copy(x, 0, x_in, 0, B * T * row)
+            return
+        S = work.T  # the stacked rows of a window: j·T, or T at step 1
+        rec.copy(x, 0, held[j - 1], 0, B * T * row)
+        for b in range(B):  # window b's rows of steps 1..j, one after the other
+            for s in range(j):
+                rec.copy(held[s], b * T * row, x_in, (b * S + s * T) * row, T * row)
 
     def _round_call(self, N: int) -> Call:
         """`round_f16` of DraftInput's N rows in place (`loss_chain`), built once per N."""
@@ -463,8 +467,8 @@ class WgpuDraft:
         mtp = mtp or self.cfg.mtp
         tokens = np.asarray(tokens)
         b, T = tokens.shape
-        B, C, g, inp = self.B, self.cfg.d_model, self.net.gpu, self.input
-        N, row = B * T, C * F32
+        B, g, inp = self.B, self.net.gpu, self.input
+        N = B * T
         inp.upload(pad_rows(tokens, B), pad_rows(valid, B))
         tok, _val, _e, _cat, x = inp.buffers(N)
         steps = self._step_rows(N, depth) if stacked else []
@@ -478,14 +482,7 @@ class WgpuDraft:
                 inp.call(N, T, h, stride, stride - T, mtp.concat).record(rec)
             else:
                 g.write(x, pad_rows(np.asarray(rows, np.float32), B).reshape(-1), via_host=True)
-            x_in = work.L[0]["x"]
-            if not stacked:
-                rec.copy(x, 0, x_in, 0, N * row)
-            else:
-                rec.copy(x, 0, steps[j - 1], 0, N * row)
-                for w in range(B):  # window w's rows of steps 1..j, one after the other
-                    for s in range(j):
-                        rec.copy(steps[s], w * T * row, x_in, (w * S + s * T) * row, T * row)
+            self._record_input(rec, work, j, T, steps)
             work._fwd.record(rec)
             # the argmax ids, `width` per window: the head on each window's step-j rows alone (T, as tok lays
             # them), or on every row (S, each window's last T wanted)

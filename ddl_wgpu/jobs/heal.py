@@ -400,20 +400,26 @@ class _Chain:
         if batches and self.chain > 1 and not fresh:
             self._current(np.concatenate(batches), self.chain)
         chained = [i for i, b in enumerate(batches) if fresh and self._stale(b)]
-        inputs = (self._chain_inputs(batches[i]) for i in chained)
-        got = dict(zip(chained, self.draft.loss_chains(inputs, self.stacked_mode), strict=True))
+        counts: dict = {}  # chained batch -> its weight sum per step, noted as its inputs are built
+
+        def inputs():
+            for i in chained:
+                x1, steps = self._chain_inputs(batches[i])
+                counts[i] = [float(w.sum()) for _tid, _tp, w, _next in steps]
+                yield x1, steps
+
+        got = dict(zip(chained, self.draft.loss_chains(inputs(), self.stacked_mode), strict=True))
         self.eval_built += (self.chain - 1) * len(chained)
         s, n = [0.0] * self.chain, [0.0] * self.chain
         for i, b in enumerate(batches):
-            losses = got.get(i)
             for j in range(1, self.chain + 1):  # each step's sums over the batches in order
-                if losses is None:
+                if i in got:
+                    s[j - 1] += got[i][j - 1]
+                    n[j - 1] += counts[i][j - 1]
+                else:
                     x, tid, tp, w, c = self.join(b, j)
                     s[j - 1] += self.draft.loss_sum(x, tid, tp, w, **c)
-                else:
-                    w = self._targets(b, j)[2]
-                    s[j - 1] += losses[j - 1]
-                n[j - 1] += float(w.sum())
+                    n[j - 1] += float(w.sum())
         return [sj / max(nj, 1e-9) for sj, nj in zip(s, n, strict=True)]
 
     def _stale(self, b: np.ndarray) -> bool:
