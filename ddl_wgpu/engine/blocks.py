@@ -143,12 +143,12 @@ class Blocks(GatedDeltaNet):
         for those of its keys the block has (a forward-only trunk's mixer types share the MLP's)."""
         cfg, N, C, B, T = self.cfg, self.N, self.C, self.B, self.T
         H, K, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
-        share, act = share or {}, self.act
+        share, act, M = share or {}, self.act, self.mlp_rows()
         # the block's input and both sublayers' norms, and the MLP (key, floats, label)
         common = (("x", S, f"x{tag}"), ("h", N * C, f"h{tag}"), ("r1", N, f"rstd1_{tag}"),
                   ("xm", S, f"xm{tag}"),  # stream/state after the attention sublayer
-                  ("h2", N * C, f"h2{tag}"), ("r2", N, f"rstd2_{tag}"), ("gate", N * F, f"gate{tag}"),
-                  ("up", N * F, f"up{tag}"), ("s", N * F, f"swiglu{tag}"))  # fmt: skip
+                  ("h2", M * C, f"h2{tag}"), ("r2", M, f"rstd2_{tag}"), ("gate", M * F, f"gate{tag}"),
+                  ("up", M * F, f"up{tag}"), ("s", M * F, f"swiglu{tag}"))  # fmt: skip
         a = {"mixer": mixer, **{k: share[k] if k in share else act(n, label) for k, n, label in common}}
         if mixer == "linear_attention":
             return self.gdn_acts(tag, a)
@@ -168,6 +168,11 @@ class Blocks(GatedDeltaNet):
                 a[t + "2"] = act(N * n_heads * D, f"{t}2_{tag}")
                 a[t + "r"] = act(N * n_heads, f"{t}rstd{tag}")
         return a
+
+    def mlp_rows(self) -> int:
+        """The rows the MLP sublayer runs on: N (a stacked chain's draft runs it on its last step's rows
+        alone, `draft.DraftWork`), which sizes its activations and backward scratch."""
+        return self.N
 
     def _layer_acts(self, i: int) -> dict:
         a = self.block_acts(str(i), self.S, self.cfg.layer_type(i))
@@ -191,9 +196,10 @@ class Blocks(GatedDeltaNet):
         self.dq = [act(N * H * D, "dq0"), act(N * H * D, "dq1")]
         self.dk = [act(N * K * D, "dk0"), act(N * K * D, "dk1")]
         self.dv_ = act(N * K * D, "dv")
-        self.ds = act(N * F, "ds")
-        self.dgate = act(N * F, "dgate")
-        self.dup = act(N * F, "dup")
+        M = self.mlp_rows()
+        self.ds = act(M * F, "ds")
+        self.dgate = act(M * F, "dgate")
+        self.dup = act(M * F, "dup")
         if cfg.attn_output_gate:
             self.dqg = act(2 * N * H * D, "dqg")  # d(q_proj output): [dquery; dgate] per head
             self.dga = act(N * H * D, "d_att_gated")
@@ -209,9 +215,9 @@ class Blocks(GatedDeltaNet):
 
     # -- ops by parameter name ----------------------------------------------------------------------------
 
-    def _linear(self, out, x, name: str, n_out: int, n_in: int) -> Call:
-        """out (N, n_out) = x (N, n_in) · W[name]ᵀ."""
-        return k_mm.linear_forward(self.gpu, out, x, self.net.view(name), self.N, n_out, n_in,
+    def _linear(self, out, x, name: str, n_out: int, n_in: int, rows: int | None = None) -> Call:
+        """out (N, n_out) = x (N, n_in) · W[name]ᵀ (`rows` rows instead of N: a draft's MLP tail)."""
+        return k_mm.linear_forward(self.gpu, out, x, self.net.view(name), rows or self.N, n_out, n_in,
                                    self.net.wdtype(name), self.split_k)  # fmt: skip
 
     def _linears(self, x, n_in: int, outs: list[tuple]) -> Call:
@@ -222,15 +228,16 @@ class Blocks(GatedDeltaNet):
             call += self._linear(out, x, name, n_out, n_in)
         return call
 
-    def _linear_backward(self, dx, dout, x, name: str, n_out: int, n_in: int, accumulate_dx=False) -> Call:
+    def _linear_backward(self, dx, dout, x, name: str, n_out: int, n_in: int, accumulate_dx=False,
+                         rows: int | None = None) -> Call:  # fmt: skip
         """dx (+)= dout · W[name]; dW[name] += doutᵀ · x."""
         w, dw = self.net.view(name), self.net.view(name, "g")
-        return k_mm.linear_backward(self.gpu, dx, dw, dout, x, w, self.N, n_out, n_in,
+        return k_mm.linear_backward(self.gpu, dx, dw, dout, x, w, rows or self.N, n_out, n_in,
                                     accumulate_dx=accumulate_dx, accumulate_dw=True)  # fmt: skip
 
-    def _project_out(self, out, x, name: str, n_in: int, accumulate: bool) -> Call:
+    def _project_out(self, out, x, name: str, n_in: int, accumulate: bool, rows: int | None = None) -> Call:
         """out (N, C) (+)= x (N, n_in) · W[name]ᵀ: a sublayer's output projection (into the residual)."""
-        return k_mm.matmul(self.gpu, out, x, self.net.view(name), self.N, self.C, n_in, trans_b=True,
+        return k_mm.matmul(self.gpu, out, x, self.net.view(name), rows or self.N, self.C, n_in, trans_b=True,
                            accumulate=accumulate, b_dtype=self.net.wdtype(name), split_k=self.split_k)  # fmt: skip
 
     def _norm(self, out, rstd, x, name: str, rows: int | None = None, dim: int | None = None) -> Call:
@@ -286,11 +293,8 @@ class Blocks(GatedDeltaNet):
         call = Call()
         for sub, norm, x_state, h, r in SUBLAYERS:
             x_out = a["xm"] if sub == "attn" else out
-            if not ddl:  # baseline: x_out = x + sublayer(norm(x))
-                call += self._input_norm(a, h, r, x_state, p + norm + ".weight")
-                if x_out is not a[x_state]:  # a decoding pass adds into the stream in place (`decode`)
-                    call += k_ew.copy(self.gpu, x_out, a[x_state], self.N * self.C)
-                call += self._sublayer_forward(sub, a, p, x_out, accumulate=True)
+            if not ddl:
+                call += self._add_sublayer(sub, a, p, x_out)
                 continue
             xin = a["xin_" + sub]
             if self.dv > 1:
@@ -299,6 +303,19 @@ class Blocks(GatedDeltaNet):
             call += self._sublayer_forward(sub, a, p, a["u_" + sub], accumulate=False)
             call += self._delta_forward(a, sub, p + f"ddl_{sub}.", a[x_state], x_out, a[h])
         return call
+
+    def _add_sublayer(self, sub: str, a: dict, p: str, x_out, rows: int | None = None) -> Call:
+        """A baseline sublayer, x_out = x + sublayer(norm(x)) with x its input state (`SUBLAYERS`), over `rows`
+        rows of a's buffers instead of N (the MLP sublayer of a stacked chain's last step: `draft.DraftWork`)."""
+        _, norm, x_state, h, r = next(s for s in SUBLAYERS if s[0] == sub)
+        name = p + norm + ".weight"
+        if rows is None:
+            call = self._input_norm(a, h, r, x_state, name)
+        else:
+            call = self._norm(a[h], a[r], a[x_state], name, rows)
+        if x_out is not a[x_state]:  # a decoding pass adds into the stream in place (`decode`)
+            call += k_ew.copy(self.gpu, x_out, a[x_state], (rows or self.N) * self.C)
+        return call + self._sublayer_forward(sub, a, p, x_out, accumulate=True, rows=rows)
 
     def _delta_forward(self, a: dict, sub: str, q: str, X, X_new, c) -> Call:
         """X_new = X + β·k(v − kᵀX) with k = u/|u|, β and v from (c, x_in) (`ops.delta`)."""
@@ -309,8 +326,11 @@ class Blocks(GatedDeltaNet):
         return k_delta.delta_forward(self.gpu, X_new, a["st_" + sub], X, a["u_" + sub], c, a["xin_" + sub],
                                      *beta, *v, *shape)  # fmt: skip
 
-    def _sublayer_forward(self, sub: str, a: dict, p: str, out, accumulate: bool) -> Call:
-        """Attention (from a["h"]) or SwiGLU MLP (from a["h2"]), its output projection into `out`."""
+    def _sublayer_forward(
+        self, sub: str, a: dict, p: str, out, accumulate: bool, rows: int | None = None
+    ) -> Call:
+        """Attention (from a["h"]) or SwiGLU MLP (from a["h2"]; over `rows` rows instead of N), its output
+        projection into `out`."""
         cfg, C = self.cfg, self.C
         H, K, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
         if sub == "attn" and a["mixer"] == "linear_attention":
@@ -330,16 +350,16 @@ class Blocks(GatedDeltaNet):
                 call += k_gate.gate_forward(self.gpu, a["ag"], a["a"], a["og"], self.N * H * D)
                 att = a["ag"]
             return call + self._project_out(out, att, p + "self_attn.o_proj.weight", H * D, accumulate)
-        call = self._mlp_hidden(a, p)
-        return call + self._project_out(out, a["s"], p + "mlp.down_proj.weight", F, accumulate)
+        call = self._mlp_hidden(a, p, rows)
+        return call + self._project_out(out, a["s"], p + "mlp.down_proj.weight", F, accumulate, rows)
 
-    def _mlp_hidden(self, a: dict, p: str) -> Call:
+    def _mlp_hidden(self, a: dict, p: str, rows: int | None = None) -> Call:
         """a["s"] = silu(gate) ⊙ up, gate and up = h2 · W_gateᵀ, h2 · W_upᵀ (kept in a["gate"], a["up"] for the
         backward; a decoding pass fuses the three: `decode._CachedRows`)."""
         F, C = self.cfg.ffn_hidden, self.C
-        call = self._linear(a["gate"], a["h2"], p + "mlp.gate_proj.weight", F, C)
-        call += self._linear(a["up"], a["h2"], p + "mlp.up_proj.weight", F, C)
-        return call + k_swiglu.swiglu_forward(self.gpu, a["s"], a["gate"], a["up"], self.N * F)
+        call = self._linear(a["gate"], a["h2"], p + "mlp.gate_proj.weight", F, C, rows)
+        call += self._linear(a["up"], a["h2"], p + "mlp.up_proj.weight", F, C, rows)
+        return call + k_swiglu.swiglu_forward(self.gpu, a["s"], a["gate"], a["up"], (rows or self.N) * F)
 
     def attend(self, a: dict) -> Call:
         """a["a"], a["lse"] = causal attention of the final q, k over v."""
@@ -381,10 +401,8 @@ class Blocks(GatedDeltaNet):
         """From d(block output) to d(block input); returns (call, buffer holding d(block input))."""
         call = Call()
         for sub, norm, x_state, h, r in reversed(SUBLAYERS):
-            if not ddl:  # dx flows through the residual; the branch adds its gradient to it
-                call += self._sublayer_backward(sub, a, p, dout, accumulate_dh=False)
-                call += self._norm_backward(dout, self.dh, a[x_state], p + norm + ".weight", a[r],
-                                            accumulate_dx=True)  # fmt: skip
+            if not ddl:
+                call += self._add_sublayer_backward(sub, a, p, dout)
                 continue
             dnext = self.dS[1] if dout is self.dS[0] else self.dS[0]
             xin = a["xin_" + sub]
@@ -400,6 +418,14 @@ class Blocks(GatedDeltaNet):
             dout = dnext
         return call, dout
 
+    def _add_sublayer_backward(self, sub: str, a: dict, p: str, dout, rows: int | None = None) -> Call:
+        """Reverse of `_add_sublayer`: dx flows through the residual (dout, in place) and the branch adds its
+        gradient to it."""
+        _, norm, x_state, _h, r = next(s for s in SUBLAYERS if s[0] == sub)
+        call = self._sublayer_backward(sub, a, p, dout, accumulate_dh=False, rows=rows)
+        return call + self._norm_backward(dout, self.dh, a[x_state], p + norm + ".weight", a[r], rows,
+                                          accumulate_dx=True)  # fmt: skip
+
     def _delta_backward(self, a: dict, sub: str, q: str, X, dX_new, dX, c) -> Call:
         """The Delta update's backward: dX, du (the sublayer's output), dc (-> dh), dx_v (-> dxin), and its
         parameters' gradients from the β and v logits' gradients."""
@@ -412,20 +438,21 @@ class Blocks(GatedDeltaNet):
                                                 G(q + "v_proj.weight"), G(q + "v_proj.bias"), self.dbeta,
                                                 self.dz, c, a["xin_" + sub], self.ones, N, C, dv)  # fmt: skip
 
-    def _sublayer_backward(self, sub: str, a: dict, p: str, dout, accumulate_dh: bool) -> Call:
+    def _sublayer_backward(self, sub: str, a: dict, p: str, dout, accumulate_dh: bool,
+                           rows: int | None = None) -> Call:  # fmt: skip
         """Reverse of `_sublayer_forward`: from d(sublayer output) to d(its normalized input) in self.dh."""
         cfg, C, dh = self.cfg, self.C, self.dh
         H, K, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
         if sub == "mlp":
-            call = self._linear_backward(self.ds, dout, a["s"], p + "mlp.down_proj.weight", C, F)
+            call = self._linear_backward(self.ds, dout, a["s"], p + "mlp.down_proj.weight", C, F, rows=rows)
             call += k_swiglu.swiglu_backward(
-                self.gpu, self.dgate, self.dup, self.ds, a["gate"], a["up"], self.N * F
+                self.gpu, self.dgate, self.dup, self.ds, a["gate"], a["up"], (rows or self.N) * F
             )
             call += self._linear_backward(
-                dh, self.dup, a["h2"], p + "mlp.up_proj.weight", F, C, accumulate_dh
+                dh, self.dup, a["h2"], p + "mlp.up_proj.weight", F, C, accumulate_dh, rows
             )
             return call + self._linear_backward(
-                dh, self.dgate, a["h2"], p + "mlp.gate_proj.weight", F, C, True
+                dh, self.dgate, a["h2"], p + "mlp.gate_proj.weight", F, C, True, rows
             )
         if a["mixer"] == "linear_attention":
             return self.gdn_backward(a, p, dout, accumulate_dh)

@@ -106,9 +106,9 @@ class _CachedRows:
             return self._norm(h, rstd, src, name), x, None
         return Call(), src, k_gemv.Norm(self.net.view(name), self.cfg.rms_eps, self.cfg.norm_style)
 
-    def _linear(self, out, x, name: str, n_out: int, n_in: int) -> Call:
-        if not self._gemv(name, n_in):
-            return super()._linear(out, x, name, n_out, n_in)
+    def _linear(self, out, x, name: str, n_out: int, n_in: int, rows: int | None = None) -> Call:
+        if rows is not None or not self._gemv(name, n_in):
+            return super()._linear(out, x, name, n_out, n_in, rows)
         return k_gemv.gemv(self.gpu, out, x, self.net.view(name), self.N, n_out, n_in, self.net.wdtype(name))
 
     def _linears(self, x, n_in: int, outs: list[tuple]) -> Call:
@@ -123,21 +123,23 @@ class _CachedRows:
         segs = [k_gemv.Segment(out, self.net.view(name), rows) for out, name, rows in outs]
         return k_gemv.gemv_stacked(self.gpu, x_in, segs, self.N, n_in, dts.pop(), norm=norm)
 
-    def _mlp_hidden(self, a: dict, p: str) -> Call:
+    def _mlp_hidden(self, a: dict, p: str, rows: int | None = None) -> Call:
         """a["s"] = silu(h2 W_gateᵀ) ⊙ (h2 W_upᵀ) in one dispatch (`gemv_swiglu`, h2's norm fused): gate and up
         are not kept."""
         gate, up = p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"
         dt = self.net.wdtype(gate)
-        fusable = dt == self.net.wdtype(up) and self._gemv(gate, self.C) and self._gemv(up, self.C)
+        fusable = (
+            rows is None and dt == self.net.wdtype(up) and self._gemv(gate, self.C) and self._gemv(up, self.C)
+        )
         first, x_in, norm = self._fused_norm(a["h2"], fusable)
         if not fusable:
-            return first + super()._mlp_hidden(a, p)
+            return first + super()._mlp_hidden(a, p, rows)
         P, F = self.net.view, self.cfg.ffn_hidden
         return k_gemv.gemv_swiglu(self.gpu, a["s"], x_in, P(gate), P(up), self.N, F, self.C, dt, norm=norm)
 
-    def _project_out(self, out, x, name: str, n_in: int, accumulate: bool) -> Call:
-        if not self._gemv(name, n_in):
-            return super()._project_out(out, x, name, n_in, accumulate)
+    def _project_out(self, out, x, name: str, n_in: int, accumulate: bool, rows: int | None = None) -> Call:
+        if rows is not None or not self._gemv(name, n_in):
+            return super()._project_out(out, x, name, n_in, accumulate, rows)
         return k_gemv.gemv(self.gpu, out, x, self.net.view(name), self.N, self.C, n_in, self.net.wdtype(name),
                           accumulate=accumulate)  # fmt: skip
 

@@ -14,6 +14,14 @@ into rows of their own, one window after another (whole tiles for the head's pro
 and weights of those rows alone go up, and the head's gradient is copied back into them, the rows of steps < j
 getting 0 (what their weight of 0 gave them when the head ran on every row, at j times the cost). A frozen
 head only: a trained one keeps every row.
+
+The block's tail (`tail`, the default with such a head): the rows of steps < j feed only the attention (as
+keys and values of step j's rows); nothing reads their outputs. So the attention sublayer runs on every row,
+then step j's rows of its output are copied into rows of their own and the MLP sublayer and the final norm run
+on those alone (`ddl_ref.blocks.block_forward`'s tail). In the backward their gradient is copied back into
+the rows of every step, the others' 0, and the attention sublayer's backward runs on every row. At chain 3
+this is 2/3 fewer rows through the MLP, most of the block's products. `out_rows` says where a forward's rows
+of step j lie; `tail=False` keeps every row's output (`WgpuDraft.greedy`, `hidden_out`).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import math
 
 import numpy as np
 
+from ddl_ref import mtp as ref_mtp
 from ddl_ref import ops as ref_ops
 from ddl_wgpu.engine.blocks import Blocks
 from ddl_wgpu.engine.layout import F32
@@ -39,7 +48,7 @@ class DraftWork(Blocks):
     1..j (module docstring)."""
 
     def __init__(self, net, batch: int, seq: int, kl_k: int, chain: int = 0, chunk_rows: int | None = None,
-                 kl_form: str = "full"):  # fmt: skip
+                 kl_form: str = "full", tail: bool = True):  # fmt: skip
         cfg = net.cfg
         if kl_form not in k_topk.FORMS:
             raise GpuError(f"kl form must be one of {list(k_topk.FORMS)}, got {kl_form!r}")
@@ -50,17 +59,18 @@ class DraftWork(Blocks):
         if cfg.residual != "add" or kl_k < 1 or cfg.mtp is not None:
             raise GpuError("a draft work needs a baseline model without a draft and a top-k width kl_k >= 1")
         self.chain, self.kl_k, self.kl_form = int(chain), int(kl_k), kl_form
+        # the rows the head runs on per window: step j's alone in a stacked chain (a frozen head); with `tail`
+        # the MLP sublayer and the final norm too (`mlp_rows`, read while the blocks' buffers are built)
+        self.last = seq // chain if chain > 1 and net.head_name not in net.trainable else 0
+        self.tail = bool(tail and self.last)
         super().__init__(net, batch, seq, chunk_rows, span=seq // chain if chain else seq)
         N = self.N
         head_trained = net.head_name in net.trainable
-        # the rows the head runs on per window: step j's alone in a stacked chain (a frozen head)
-        self.last = seq // chain if chain > 1 and not head_trained else 0
         self.init_backward_scratch()
         self.weights = self.act(N, "weights")
         self.scale = self.act(4, "loss_scale")
         self.t_ids = self.act(N * self.kl_k, "teacher_ids")  # u32, as wide as f32
         self.t_probs = self.act(N * self.kl_k, "teacher_probs")
-        self._fwd = self.blocks_forward() + self.final_norm_forward()
         xf, dxf, rows = self.xf, self.dxf, None
         # the head's own rows (`_record_head`): each window's step-j rows, (offset in xf, offset there) in bytes
         self._runs, self._run_bytes = [], self.last * self.C * F32
@@ -70,6 +80,8 @@ class DraftWork(Blocks):
             self._runs = [((b * self.T + self.T - self.last) * self.C * F32, b * self._run_bytes)
                           for b in range(self.B)]  # fmt: skip
             self._zero_dxf = k_elt.fill(self.gpu, self.dxf, N * self.C)  # shared with the other works
+            if self.tail:
+                self._build_tail(rows, xf, dxf)
             # accept's greedy chain: the top-1 of those rows (built now: heal's plan counts it)
             ids, probs = self.act(rows, "top1_last"), self.act(rows, "top1_last_probs")
 
@@ -81,7 +93,29 @@ class DraftWork(Blocks):
         self._head_eval = self.head_calls(xf, self._topk_kl, rows=rows)
         self._head_train = self.head_calls(xf, self._topk_kl, dxf, head_trained, rows=rows)
         self._sum = k_red.sum_rows(self.gpu, self.loss_acc, self.row_loss, rows or N)
-        self._bwd = self.backward_calls()
+        if not self.tail:
+            self._fwd = self.blocks_forward() + self.final_norm_forward()
+            self._bwd = self.backward_calls()
+
+    def mlp_rows(self) -> int:
+        return self.B * self.last if self.tail else self.N
+
+    def _build_tail(self, rows: int, xf, dxf) -> None:
+        """The forward and backward of a stacked chain step with the tail (module docstring): `_fwd` the attention
+        sublayer on every row, `_fwd_tail` the MLP sublayer and the final norm on the `rows` rows of step j
+        (into xf, the head's rows), `_bwd_tail` their backward (from dxf, the head's gradient, into `dx`'s first
+        rows), `_bwd` the attention sublayer's (from `dxf`, every row)."""
+        a, p, C = self.L[0], "model.layers.0.", self.C
+        # the MLP's buffers in `a` have `rows` rows (`mlp_rows`); its input state is step j's rows of a["xm"]
+        self._t = dict(a, xm=self.act(rows * C, "xm_last"))
+        self.x_tail, self.rf_tail = self.act(rows * C, "x_final_last"), self.act(rows, "rstd_final_last")
+        norm = "model.norm.weight"
+        self._fwd = self._add_sublayer("attn", a, p, a["xm"])
+        self._fwd_tail = self._add_sublayer("mlp", self._t, p, self.x_tail, rows)
+        self._fwd_tail += self._norm(xf, self.rf_tail, self.x_tail, norm, rows)
+        self._bwd_tail = self._norm_backward(self.dx, dxf, self.x_tail, norm, self.rf_tail, rows)
+        self._bwd_tail += self._add_sublayer_backward("mlp", self._t, p, self.dx, rows)
+        self._bwd = self._add_sublayer_backward("attn", a, p, self.dxf)
 
     def _rope_tables(self):
         """Stacked chain steps: row (σ−1)·W + p sits at position p + σ − 1. The tables have the rotated width
@@ -161,8 +195,39 @@ class DraftWork(Blocks):
 
     # -- steps and evaluation ---------------------------------------------------------------------------
 
+    def record_forward(self, rec):
+        """The forward of the uploaded rows into `rec` (with `tail`: the attention on every row, step j's rows of
+        its output gathered, the MLP and the final norm on those) -> rec."""
+        self._fwd.record(rec)
+        if self.tail:
+            for at, to in self._runs:
+                rec.copy(self.L[0]["xm"], at, self._t["xm"], to, self._run_bytes)
+            self._fwd_tail.record(rec)
+        return rec
+
+    def _record_backward(self, rec) -> None:
+        """The backward after the head's (with `tail`: the MLP's and the final norm's on step j's rows, their
+        gradient copied into those rows of a zeroed gradient of every row, then the attention's)."""
+        if self.tail:
+            self._bwd_tail.record(rec)
+            self._zero_dxf.record(rec)
+            for at, to in self._runs:
+                rec.copy(self.dx, to, self.dxf, at, self._run_bytes)
+        self._bwd.record(rec)
+
+    def out_rows(self, which: str) -> tuple:
+        """Where the last forward left its output rows `which` ("pre_norm" or "post_norm") of each window's last
+        chain step: (buffer, rows per window there, the first of those rows): every row's (xL or xf), or with
+        `tail` step j's alone (the tail's output or the head's rows)."""
+        if self.tail:
+            return ref_mtp.pick_hidden(self.x_tail, self._xf_rows, which), self.last, 0
+        step = self.T // self.chain if self.chain else self.T
+        return ref_mtp.pick_hidden(self.xL, self.xf, which), self.T, self.T - step
+
     def _gather(self, rec) -> None:
-        """Step j's rows of each window into the head's rows (`last`; nothing without)."""
+        """Step j's rows of each window into the head's rows (`last` without `tail`; nothing else)."""
+        if self.tail:
+            return
         for at, to in self._runs:
             rec.copy(self.xf, at, self._xf_rows, to, self._run_bytes)
 
@@ -172,7 +237,7 @@ class DraftWork(Blocks):
         < j get 0)."""
         self._gather(rec)
         (self._head_train if train else self._head_eval).record(rec)
-        if self._runs and train:
+        if self._runs and train and not self.tail:
             self._zero_dxf.record(rec)
             for at, to in self._runs:
                 rec.copy(self._dxf_rows, to, self.dxf, at, self._run_bytes)
@@ -189,10 +254,10 @@ class DraftWork(Blocks):
         """One training step's work into `rec` (the inputs uploaded): zeroed gradients, forward, head and
         top-k KL, the loss sum, backward, and with `update` the clip and AdamW."""
         self.net.zero_grads_call().record(rec)
-        self._fwd.record(rec)
+        self.record_forward(rec)
         self._record_head(rec, True)
         self._sum.record(rec)
-        self._bwd.record(rec)
+        self._record_backward(rec)
         if update is not None:
             self.net.optimizer_call(update).record(rec)
 
@@ -211,28 +276,31 @@ class DraftWork(Blocks):
     def loss_sum_rows(self, x, teacher_ids, teacher_probs, weights) -> float:
         """Sum over rows of weight · top-k KL (evaluation; no gradients)."""
         self.upload_rows(x, teacher_ids, teacher_probs, weights)
-        rec = self.gpu.recorder()
-        self._fwd.record(rec)
+        rec = self.record_forward(self.gpu.recorder())
         self._record_head(rec, False)
         self._sum.record(rec)
         return float(self.finish(rec, False)[0])
 
     def forward(self, x) -> None:
-        """Forward of input rows x (B, T, C); its output rows stay on the GPU (`xL`, `xf`)."""
+        """Forward of input rows x (B, T, C); its output rows stay on the GPU (`out_rows`)."""
         self.upload_rows(x)
-        rec = self.gpu.recorder()
-        self._fwd.record(rec)
-        rec.submit()
+        self.record_forward(self.gpu.recorder()).submit()
+
+    def _every_row(self) -> None:
+        if self.tail:
+            raise GpuError(
+                "this draft work runs its MLP on a chain's last step's rows alone: build it with tail=False"
+            )
 
     def forward_rows(self, x) -> tuple[np.ndarray, np.ndarray]:
         """Forward of input rows x (B, T, C) -> the block's (output, final-normed output), each (B, T, C)."""
+        self._every_row()
         self.upload_rows(x)
-        rec = self.gpu.recorder()
-        self._fwd.record(rec)
-        rec.submit()
+        self.record_forward(self.gpu.recorder()).submit()
         return self.hidden()
 
     def topk(self, x, k: int) -> tuple[np.ndarray, np.ndarray]:
         """One forward of input rows x (B, T, C), then per row the top-k next tokens (`Blocks.run_topk`)."""
+        self._every_row()
         self.upload_rows(x)
         return self.run_topk(self._fwd, min(int(k), self.cfg.vocab_size))

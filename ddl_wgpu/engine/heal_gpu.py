@@ -296,12 +296,15 @@ class WgpuDraft:
         rows = self.B * T * self.cfg.d_model * F32
         self.net.gpu.reserve_staging(max([b.size for b in self.net.p] + [rows, self.B * chain * T * 4]))
 
-    def _work(self, T: int, k: int = 1, chain: int = 0) -> DraftWork:
-        if (T, k, chain) not in self._works:
-            self._works[(T, k, chain)] = DraftWork(
-                self.net, self.B, T, kl_k=k, chain=chain, kl_form=self.kl_form
+    def _work(self, T: int, k: int = 1, chain: int = 0, tail: bool = True) -> DraftWork:
+        """The work of T rows per window (`chain`: stacked steps 1..chain), top-k width k; `tail`: a stacked
+        step's MLP on its last step's rows alone (`DraftWork`), unless every row's output is wanted."""
+        key = (T, k, chain, tail)
+        if key not in self._works:
+            self._works[key] = DraftWork(
+                self.net, self.B, T, kl_k=k, chain=chain, kl_form=self.kl_form, tail=tail
             )
-        return self._works[(T, k, chain)]
+        return self._works[key]
 
     def _args(self, x_rows, teacher_ids, teacher_probs, weights, chain: int = 0):
         x, tid, tp, w = (pad_rows(a, self.B) for a in (np.asarray(x_rows, np.float32), teacher_ids,
@@ -329,14 +332,14 @@ class WgpuDraft:
     def hidden_out(self, x_rows, chain: int = 0):
         x = np.asarray(x_rows, np.float32)
         b = x.shape[0]
-        pre, post = self._work(x.shape[1], 1, chain).forward_rows(pad_rows(x, self.B))
+        pre, post = self._work(x.shape[1], 1, chain, tail=False).forward_rows(pad_rows(x, self.B))
         return pre[:b], post[:b]
 
     def loss_sum_next(self, x_rows, teacher_ids, teacher_probs, weights, next_tokens, valid, chain: int = 0):
         """`loss_sum` and `next_rows` from one forward -> (loss sum, the next chain step's rows (b, T, C))."""
         work, args = self._args(x_rows, teacher_ids, teacher_probs, weights, chain)
         loss = work.loss_sum_rows(*args)  # its forward's output rows stay on the GPU
-        return loss, self._rows(work, np.shape(x_rows)[0], args[0].shape[1], next_tokens, valid)
+        return loss, self._rows(work, np.shape(x_rows)[0], next_tokens, valid)
 
     def loss_chain(self, x_rows, steps, stacked: bool) -> list[float]:
         """heal's held-out evaluation of one batch right after a refresh (`refnet.RefDraft.loss_chain`), its
@@ -386,13 +389,12 @@ class WgpuDraft:
                 inp.upload(*(pad_rows(a, B) for a in nxt))
             rec = g.recorder()
             self._record_input(rec, work, j, T, held)
-            work._fwd.record(rec)
+            work.record_forward(rec)
             work._record_head(rec, False)
             work._sum.record(rec)
             rec.copy(work.loss_acc, 0, sums, 4 * (at + j - 1), 4)
             if nxt is not None:  # the next step's rows from this forward's last T rows of each window
-                hid = work.xL if self.cfg.mtp.chain_hidden == "pre_norm" else work.xf
-                inp.call(N, T, hid, S, S - T).record(rec)
+                inp.call(N, T, *work.out_rows(self.cfg.mtp.chain_hidden)).record(rec)
                 self._round_call(N).record(rec)
             rec.submit()
 
@@ -430,20 +432,20 @@ class WgpuDraft:
         b, S = x.shape[0], x.shape[1]
         work = self._work(S, 1, chain)
         work.forward(pad_rows(x, self.B))
-        return self._rows(work, b, S, next_tokens, valid)
+        return self._rows(work, b, next_tokens, valid)
 
-    def _rows(self, work, b: int, S: int, next_tokens, valid) -> np.ndarray:
-        """The next chain step's rows from `work`'s last forward of S rows per window (its last T)."""
-        T = np.shape(next_tokens)[1]
-        hid = work.xL if self.cfg.mtp.chain_hidden == "pre_norm" else work.xf
+    def _rows(self, work, b: int, next_tokens, valid) -> np.ndarray:
+        """The next chain step's rows from `work`'s last forward (`DraftWork.out_rows`: its last step's rows of
+        each window)."""
+        hid, stride, first = work.out_rows(self.cfg.mtp.chain_hidden)
         tok, val = pad_rows(next_tokens, self.B), pad_rows(valid, self.B)
-        return self.input.rows(tok, val, hid, h_stride=S, h_offset=S - T)[:b]
+        return self.input.rows(tok, val, hid, h_stride=stride, h_offset=first)[:b]
 
     def greedy(self, x_rows, chain: int = 0):
         """Forward only -> (argmax (b, T) int32, pre, post): one chained draft step (`accept`), any b; `chain`
         as in `hidden_out` (the stacked rows of steps 1..chain, every row's argmax and hiddens returned)."""
         x = np.asarray(x_rows, np.float32)
-        work = self._work(x.shape[1], 1, chain)
+        work = self._work(x.shape[1], 1, chain, tail=False)
         out = []
         for s in range(0, x.shape[0], self.B):
             part = x[s : s + self.B]
@@ -483,7 +485,7 @@ class WgpuDraft:
             else:
                 g.write(x, pad_rows(np.asarray(rows, np.float32), B).reshape(-1), via_host=True)
             self._record_input(rec, work, j, T, steps)
-            work._fwd.record(rec)
+            work.record_forward(rec)
             # the argmax ids, `width` per window: the head on each window's step-j rows alone (T, as tok lays
             # them), or on every row (S, each window's last T wanted)
             if sigma and work.last:
@@ -503,7 +505,7 @@ class WgpuDraft:
             preds.append(ids[:b].astype(np.int32))
             if inp.table is not None and j < depth:  # ... or their rows gathered on the host
                 inp.upload_tokens(ids)
-            h, stride = ref_mtp.pick_hidden(work.xL, work.xf, mtp.chain_hidden), S
+            h, stride, _first = work.out_rows(mtp.chain_hidden)  # its last T rows of each window
         return np.stack(preds, axis=1)
 
     def _step_rows(self, N: int, depth: int) -> list:
