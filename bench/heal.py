@@ -468,6 +468,11 @@ def parse(argv):
         help="SIZE: heal's trunk pass resident and streamed within SIZE, then the draft (bench/heal_stream.py)",
     )
     ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="with --gpu-memory: GPU ms per phase and kernel of each chain step's draft step and evaluation",
+    )
+    ap.add_argument(
         "--pass-windows",
         type=int,
         default=None,

@@ -12,7 +12,9 @@ Phases, one after the other on one device, each starting from what the one befor
 - streamed: heal's plan within SIZE, the same pass; its top-k and rows compared with the resident pass's bit for
   bit (the "same bits" column; a difference fails the run), and how long the host waited on the uploads;
 - draft: after the streamed trunk is released (`WgpuTeacher.release`), heal's draft on its resident
-  embedding/head, one training step per chain step (the first of each untimed), as `bench/heal.py` times them.
+  embedding/head, one training step per chain step (the first of each untimed), as `bench/heal.py` times them;
+  with --profile, each chain step's training step and evaluation again with every dispatch timed alone
+  (`profiler.profile_parts`): GPU ms per phase (forward, head and KL, backward, ...) and the largest kernels.
 
 Per phase: wall time, tokens/s (and the streamed pass's ratio to the resident one), the plan's estimate, the
 engine's own peak (`Gpu.peak`: every buffer it creates, the upload and read-back staging included) and the
@@ -40,11 +42,13 @@ from functools import partial
 import common  # noqa: F401  (puts the repository root on sys.path)
 import numpy as np
 from heal_count import SERIES, evaluation_calls, evaluation_s, heal_rows, refresh_forwards
+from profiler import phase_totals, profile_parts
 
 from ddl_ref import mtp as ref_mtp
 from ddl_wgpu import backend
 from ddl_wgpu.engine import gpumem, stream
 from ddl_wgpu.engine.heal_gpu import plan_trunk_job
+from ddl_wgpu.engine.step import draft_adamw
 from ddl_wgpu.jobs import heal
 from ddl_wgpu.jobs.run import Events
 
@@ -251,15 +255,39 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
             lambda s=step, kw=kw: s(next(adam_steps), heal.LOSS_SCALE_START, **kw), 1 + args.steps
         )
     t1 = time.perf_counter()
+    profiles = {j: profile_draft(draft, job, gpu) for j, job in jobs.items()} if args.profile else {}
     r = {"steps_s": steps, "job_mix_s": float(np.mean(list(steps.values()))), "refresh_batch_s": float(np.median(refresh)),
          "eval_batch_s": evals, "eval_chain_s": chain_s, "eval_chain_one_s": one_s, "eval_chain_same_bits": same,
-         "engine_peak_bytes": gpu.peak - base,
+         "profile_ms": profiles, "engine_peak_bytes": gpu.peak - base,
          "smi_peak_bytes": smi.peak(t0, t1)}  # fmt: skip
     progress(f"  draft: {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in steps.items())}; held-out evaluation "
              f"batch {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in evals.items())}, chained after a refresh "
              f"{one_s * 1e3:.1f} ms alone, {chain_s * 1e3:.1f} ms in a series of {SERIES} ({'the' if same else 'NOT the'} per-step sums' bits); peak "
              f"{_gib(r['engine_peak_bytes'])} engine, {_gib(r['smi_peak_bytes'])} nvidia-smi")  # fmt: skip
+    for j, prof in profiles.items():
+        top = sorted(prof.items(), key=lambda kv: -kv[1])[:8]
+        progress(f"  profile of chain step {j} (GPU ms, every dispatch alone): "
+                 + ", ".join(f"{k} {v:.2f}" for k, v in phase_totals(prof).items())
+                 + "; largest: " + ", ".join(f"{k} {v:.2f}" for k, v in top))  # fmt: skip
     return r
+
+
+def profile_draft(draft, job, gpu) -> dict[str, float]:
+    """GPU ms per phase and kernel of one training step and one evaluation of a chain step's `job` (its work's
+    Calls as `DraftWork.record_step` and `loss_sum_rows` record them: private attributes, a bench's reach)."""
+    xs, tid, tp, w, kw, _nxt = job
+    work, args = draft._args(xs, tid, tp, w, kw.get("chain", 0))
+    work.upload_rows(*args)
+    upd = draft_adamw(heal.HealConfig().lr, 1)
+    return profile_parts(gpu, [
+        ("train zero", lambda rec: work.net.zero_grads_call().record(rec)),
+        ("train forward", work.record_forward),
+        ("train head+kl", lambda rec: work._record_head(rec, True)),
+        ("train backward", work._record_backward),
+        ("train adamw", lambda rec: work.net.optimizer_call(upd).record(rec)),
+        ("eval forward", work.record_forward),
+        ("eval head+kl", lambda rec: work._record_head(rec, False)),
+    ])  # fmt: skip
 
 
 def epoch_estimate(args, tokens_per_s: float, draft: dict) -> dict:

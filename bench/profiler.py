@@ -1,6 +1,6 @@
 """`ProfileRecorder`: a `ddl_wgpu.runtime.gpu.Recorder` that times every dispatch on its own, for
-`bench/train_step.py --profile` (GPU ms per phase and shader family). A benchmark's instrument, so it lives
-here and not in the device layer.
+`bench/train_step.py --profile` and `bench/heal.py --gpu-memory SIZE --profile` (GPU ms per phase and shader
+family). A benchmark's instrument, so it lives here and not in the device layer.
 """
 
 from __future__ import annotations
@@ -79,3 +79,23 @@ class ProfileRecorder(Recorder):
                 out[name] = out.get(name, 0.0) + float(end - begin) * period
                 k += 1
         return out
+
+
+def profile_parts(gpu: Gpu, parts) -> dict[str, float]:
+    """GPU ms per "phase|kernel" of the recordings `parts`, [(phase, record(rec))] in order, every dispatch timed
+    alone (a copy between them closes its pass as in a plain Recorder)."""
+    rec = ProfileRecorder(gpu)
+    for phase, record in parts:
+        rec.phase = phase
+        record(rec)
+    rec.submit()
+    return rec.profile()
+
+
+def phase_totals(profile: dict[str, float]) -> dict[str, float]:
+    """GPU ms per phase of a `profile_parts` profile."""
+    out: dict[str, float] = {}
+    for key, ms in profile.items():
+        phase = key.split("|", 1)[0]
+        out[phase] = out.get(phase, 0.0) + ms
+    return out
