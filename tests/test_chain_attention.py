@@ -275,6 +275,48 @@ def test_stacked_head_on_the_last_rows_in_any_chunking(gpu, chunk, heal_kit):
         work.loss_sum_rows(x, tid, tp, w)
 
 
+def test_stacked_tail_gives_what_every_row_gives(gpu, heal_kit):
+    """A stacked step's MLP and final norm on step j's rows alone (`DraftWork`'s tail, the default) against the
+    same work on every row (`tail=False`): the step-j output rows where `out_rows` says they lie, the loss sum,
+    every gradient; the tail's MLP activations hold step j's rows alone, and it refuses every-row reads."""
+    from ddl_wgpu.engine.draft import DraftWork
+    from ddl_wgpu.runtime.gpu import GpuError
+
+    h = heal_kit
+    cfg = h.tiny_cfg(qk_norm="pre_rope")
+    p = h.perturbed(cfg)
+    rng = np.random.default_rng(11)
+    B, W, j, k = 2, 8, 3, 8
+    T, C = j * W, cfg.d_model
+    x = rng.standard_normal((B, T, C)).astype(np.float32)
+    tid, tp = rng.integers(0, 256, (B, T, k)), rng.random((B, T, k)).astype(np.float32)
+    w = np.zeros((B, T), np.float32)
+    w[:, -W:] = (rng.random((B, W)) < 0.8).astype(np.float32)
+    g = WgpuDraft(open_gpu(), p, cfg, batch=B)
+    tail, full = (DraftWork(g.net, B, T, k, chain=j, tail=t) for t in (True, False))
+    assert tail.tail and not full.tail
+    assert tail.L[0]["gate"].size == B * W * cfg.ffn_hidden * 4 < full.L[0]["gate"].size
+    for which in ("pre_norm", "post_norm"):
+        got = []
+        for work in (tail, full):
+            work.forward(x)
+            buf, stride, first = work.out_rows(which)
+            rows = work.gpu.download(buf, np.float32, B * stride * C).reshape(B, stride, C)
+            got.append(rows[:, first : first + W])
+        np.testing.assert_allclose(got[0], got[1], rtol=1e-5, atol=1e-6, err_msg=which)
+    assert tail.loss_sum_rows(x, tid, tp, w) == pytest.approx(full.loss_sum_rows(x, tid, tp, w), rel=1e-5)
+    grads = []
+    for work in (tail, full):
+        r = work.step_rows(x, tid, tp, w)
+        assert r.finite
+        grads.append(g.grads())
+    for n, want in grads[1].items():
+        scale = max(np.abs(want).max(), 1e-4)
+        np.testing.assert_allclose(grads[0][n] / scale, want / scale, atol=2e-6, err_msg=n)
+    with pytest.raises(GpuError, match="tail=False"):
+        tail.forward_rows(x)
+
+
 def test_runtime_heal_both_backends(gpu, tmp_path, heal_kit):
     from dataclasses import replace
 
