@@ -10,7 +10,8 @@
 //            becomes weight * scale * (m * q~_i - p~_i) at the k ids and zero elsewhere;
 // m = sum of p~ (1, or 0 for a row without teacher mass). A repeated id accumulates, as np.add.at does in
 // the reference. g = row_offset + r indexes the per-step teacher_ids / teacher_probs / weights / row_loss
-// buffers.
+// buffers. With grad = 0 (an evaluation) only row_loss is written and the logits are left as they are: the
+// row is read once instead of read twice and written once.
 //
 // `topk` writes, per row, the k largest logits' ids (ties: lower id first) and their full-softmax
 // probabilities (not renormalised). k <= 64.
@@ -89,12 +90,14 @@ fn topk_kl(
     let mws = mass * ws;
 
     // 2. "full": m * softmax(z) over the whole row; "topk": zero off the k ids
-    for (var i = lid; i < V; i += WG) {
-        var d = 0.0;
-        if (kl_p.form == 1u) {
-            d = exp(kl_logits[base + i] - lse_row) * mws;
+    if (kl_p.grad == 1u) {
+        for (var i = lid; i < V; i += WG) {
+            var d = 0.0;
+            if (kl_p.form == 1u) {
+                d = exp(kl_logits[base + i] - lse_row) * mws;
+            }
+            kl_logits[base + i] = d;
         }
-        kl_logits[base + i] = d;
     }
     storageBarrier();
     workgroupBarrier();
@@ -121,6 +124,9 @@ fn topk_kl(
                 kl += p * (log(p) - logq);
             }
             let at = base + kl_id[j];
+            if (kl_p.grad == 0u) {
+                continue;
+            }
             if (kl_p.form == 1u) {
                 kl_logits[at] = kl_logits[at] - p * ws;
             } else {

@@ -56,14 +56,14 @@ def test_topk_kl_matches_reference(gpu, rng, form, V):
     # the full form's gradient reaches every logit of a weighted row, the top-k form's only the k ids
     assert (dref[0][off[0]] != 0).all() if form == "full" else not dref[off].any()
 
-    def run(chunks):
+    def run(chunks, grad=True):
         id_buf, p_buf, w_buf = gpu.upload(u32(ids)), gpu.upload(f32(probs)), gpu.upload(f32(weights))
         s_buf, loss_buf = gpu.upload(f32([scale])), gpu.buffer(4 * N)
         grads = []
         for a, b in chunks:
             lg = gpu.upload(logits[a:b])
             tk_ops.topk_kl(gpu, loss_buf, lg, id_buf, p_buf, w_buf, b - a, V, k, s_buf, row_offset=a,
-                           form=form).run(gpu)  # fmt: skip
+                           form=form, grad=grad).run(gpu)  # fmt: skip
             grads.append(gpu.download(lg, np.float32, (b - a) * V).reshape(b - a, V))
         return gpu.download(loss_buf, np.float32, N), np.concatenate(grads)
 
@@ -74,6 +74,9 @@ def test_topk_kl_matches_reference(gpu, rng, form, V):
     assert row_loss[3] == 0.0 and not dlogits[3].any()
     chunked = run([(0, 6), (6, N)])
     assert np.array_equal(chunked[0], row_loss) and np.array_equal(chunked[1], dlogits)
+    # an evaluation: the same losses, bit for bit, and the logits left as they were
+    loss_only, untouched = run([(0, 6), (6, N)], grad=False)
+    assert np.array_equal(loss_only, row_loss) and np.array_equal(untouched, logits)
 
 
 def topk_ref(logits, k):

@@ -26,6 +26,7 @@ of step j lie; `tail=False` keeps every row's output (`WgpuDraft.greedy`, `hidde
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -90,7 +91,7 @@ class DraftWork(Blocks):
 
             self._top1_last = (self.head_calls(xf, top1, rows=rows), ids)
         self._xf_rows, self._dxf_rows = xf, dxf
-        self._head_eval = self.head_calls(xf, self._topk_kl, rows=rows)
+        self._head_eval = self.head_calls(xf, functools.partial(self._topk_kl, grad=False), rows=rows)
         self._head_train = self.head_calls(xf, self._topk_kl, dxf, head_trained, rows=rows)
         self._sum = k_red.sum_rows(self.gpu, self.loss_acc, self.row_loss, rows or N)
         if not self.tail:
@@ -144,12 +145,12 @@ class DraftWork(Blocks):
         return k_attn.attention_masked_backward(self.gpu, *grads, self.da, a["a"], a["lse"], q, k, a["v"],
                                                 *self.heads, W)  # fmt: skip
 
-    def _topk_kl(self, logits, n: int, r0: int) -> Call:
-        """The top-k KL of one chunk of logits to the teacher's top-k (its kernel writes the gradient in
-        place even when evaluating: harmless scratch)."""
+    def _topk_kl(self, logits, n: int, r0: int, grad: bool = True) -> Call:
+        """The top-k KL of one chunk of logits to the teacher's top-k, with `grad` its gradient in place (an
+        evaluation reads the chunk once and writes nothing into it)."""
         return k_topk.topk_kl(self.gpu, self.row_loss, logits, self.t_ids, self.t_probs, self.weights, n,
-                              self.cfg.vocab_size, self.kl_k, self.scale, row_offset=r0,
-                              form=self.kl_form)  # fmt: skip
+                              self.cfg.vocab_size, self.kl_k, self.scale, row_offset=r0, form=self.kl_form,
+                              grad=grad)  # fmt: skip
 
     def backward_calls(self) -> Call:
         """final norm -> blocks; the rows came from outside: nothing flows into the embedding."""

@@ -401,7 +401,7 @@ class Eagle3Work:
         for r0, n, x, logits, head in self._head_chunks(i):
             call += head
             call += k_topk.topk_kl(g, self.row_loss, logits, self.t_ids[i], self.t_probs[i], self.w[i], n, Vd,
-                                   self.k, self.scale[i], row_offset=r0, form="full")  # fmt: skip
+                                   self.k, self.scale[i], row_offset=r0, form="full", grad=train)  # fmt: skip
             if train:
                 dx = (self.dpost, r0 * C * F32, n * C * F32)
                 call += k_mm.linear_backward(g, dx, self.G(e3.HEAD), logits, x, self.P(e3.HEAD), n, Vd, C,

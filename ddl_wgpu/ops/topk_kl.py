@@ -9,6 +9,7 @@ become the gradient times weight * scale_buf[0], with per-row losses weight * KL
 the teacher's renormalised top-k, gradient softmax(z) - p~ over the whole row; "topk", the student
 renormalised over the k ids, gradient q~ - p~ at the k ids and zero elsewhere. The per-step buffers `teacher_ids` (N, k) u32,
 `teacher_probs` (N, k) f32, `weights` (N,) f32 and `row_loss` (N,) f32 are indexed at row `row_offset + r`.
+An evaluation (`grad=False`) writes the losses alone.
 
 `topk` produces the teacher data from teacher logits: the k largest logits per row (ties: lower id first)
 and their full-softmax probabilities (not renormalised; topk_kl renormalises), written at row
@@ -30,7 +31,7 @@ PARAMS = Uniform(
     ("k", "u32"),
     ("row_offset", "u32"),
     ("form", "u32", "topk_kl: 1 the full-vocabulary log-softmax, 0 renormalised over the k ids"),
-    ("_a", "pad"),
+    ("grad", "u32", "topk_kl: 1 the gradient into the logits, 0 the losses alone (an evaluation)"),
     ("_b", "pad"),
     ("_c", "pad"),
 )
@@ -58,9 +59,10 @@ def topk_kl(
     scale_buf,
     row_offset: int = 0,
     form: str = "full",
+    grad: bool = True,
 ) -> Call:
-    """The top-k KL of `form` ("full" or "topk", `ddl_ref.ops.topk_kl_forward`) and its gradient, in place
-    on `logits` (rows, V)."""
+    """The top-k KL of `form` ("full" or "topk", `ddl_ref.ops.topk_kl_forward`) and, with `grad`, its gradient
+    in place on `logits` (rows, V); without, the losses alone and the logits left as they are."""
     _check_sizes(rows, V, k)
     if form not in FORMS:
         raise ValueError(f"kl form must be one of {list(FORMS)}, got {form!r}")
@@ -72,7 +74,8 @@ def topk_kl(
     _need("row_loss (whole-batch buffer, indexed at row_offset + r)", row_loss, n * 4)
     _need("scale_buf", scale_buf, 4)
     kern = gpu.kernel(FILE, "topk_kl", "rrrrwwu", workgroup=(WG, 1, 1), uniforms=(PARAMS,))
-    u = gpu.uniform(PARAMS, rows=rows, V=V, k=k, row_offset=row_offset, form=FORMS[form], label="topk_kl")
+    u = gpu.uniform(PARAMS, rows=rows, V=V, k=k, row_offset=row_offset, form=FORMS[form], grad=int(grad),
+                    label="topk_kl")  # fmt: skip
     bg = gpu.bind(kern, teacher_ids, teacher_probs, weights, scale_buf, logits, row_loss, u)
     return Call([(kern, bg, rows)], [u])
 
@@ -86,6 +89,6 @@ def topk(gpu, ids_out, probs_out, logits, rows: int, V: int, k: int, row_offset:
     _need("ids_out", ids_out, (row_offset + rows) * k * 4)
     _need("probs_out", probs_out, (row_offset + rows) * k * 4)
     kern = gpu.kernel(FILE, "topk", "rwwu", workgroup=(WG, 1, 1), uniforms=(PARAMS,))
-    u = gpu.uniform(PARAMS, rows=rows, V=V, k=k, row_offset=row_offset, form=0, label="topk")
+    u = gpu.uniform(PARAMS, rows=rows, V=V, k=k, row_offset=row_offset, form=0, grad=0, label="topk")
     bg = gpu.bind(kern, logits, ids_out, probs_out, u)
     return Call([(kern, bg, rows)], [u])
