@@ -10,15 +10,36 @@ or command that gets the user further, and exit with 2; nothing a user can trigg
 # ruff: noqa: E402 (the Ctrl-C handler of the start is set before the other imports, which take a while)
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
 
 
 def _interrupted_while_starting(*_signal) -> None:
     """Ctrl-C while the package is still importing (the first few tenths of a second): the entry point's one
-    line and status 130, as anywhere later, not a KeyboardInterrupt traceback from inside some import."""
+    line and status 130, as anywhere later, not a KeyboardInterrupt traceback from inside some import. The
+    process ends here: nothing is written before a command runs, and an exception raised from a signal handler
+    can land in an import lock's weakref callback, where Python prints it, ignores it and goes on."""
     sys.stderr.write("interrupted\n")
-    raise SystemExit(130)
+    sys.stderr.flush()
+    os._exit(130)
+
+
+# where Python prints and ignores an exception instead of raising it: a weakref callback (importlib's module
+# locks have one, `cb`) and a finalizer
+_SWALLOWED_IN = frozenset({"cb", "__del__"})
+
+
+def _interrupt(_signum, frame) -> None:
+    """Ctrl-C while a command runs: a KeyboardInterrupt, as Python's own handler raises it, except inside a
+    weakref callback or a finalizer (`_SWALLOWED_IN`; a command's first imports run such callbacks), where it
+    would be ignored and the command would go on (`generate` waiting for its prompt for ever): there the signal
+    comes again a moment later, into whatever runs next."""
+    if frame is not None and frame.f_code.co_name in _SWALLOWED_IN:
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return
+    raise KeyboardInterrupt
 
 
 try:  # only the main thread may set a handler; an import from another thread leaves Ctrl-C as it is
@@ -28,7 +49,6 @@ except ValueError:
 
 import contextlib
 import json
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -582,6 +602,8 @@ if _STARTING_SIGINT is not None:  # the package is imported: Ctrl-C is a Keyboar
 def main():
     """Console-script entry point: run the app; user errors and usage errors become one line and exit 2, a
     Ctrl-C one line (what was saved, where a command knows) and exit 130."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where a caller ignores Ctrl-C
+        signal.signal(signal.SIGINT, _interrupt)
     try:
         code = _main()
     except KeyboardInterrupt as e:  # in the last instants of `_main`, as it returned
