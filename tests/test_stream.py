@@ -607,13 +607,13 @@ def test_heal_scratch_file_goes_after_a_failure_and_after_ctrl_c(files, tmp_path
 
 
 def test_the_benches_smoke_runs(tmp_path):
-    """`bench/heal.py --gpu-memory` (resident and streamed passes, the draft after them) and `bench/heal_e2e.py
-    --smoke` (a heal command of a model on disk) run on a tiny hybrid: the streamed pass gives the resident bits
-    and stays within its plan."""
+    """`bench/heal.py --gpu-memory` (resident and streamed passes, the draft after them, its profile) and
+    `bench/heal_e2e.py --smoke` (a heal command of a model on disk) run on a tiny hybrid: the streamed pass gives
+    the resident bits and stays within its plan."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     a, b, c = tmp_path / "memory.json", tmp_path / "e2e.json", tmp_path / "plan.json"
     for cmd in (["bench/heal.py", "--shape", "quick-hybrid", "--gpu-memory", "4MB", "--pass-windows", "12", "--steps",
-                 "1", "--chain", "2", "--json", a],
+                 "1", "--chain", "2", "--profile", "--json", a],
                 ["bench/heal_e2e.py", "--smoke", "--dir", tmp_path, "--out-dir", tmp_path / "out", "--json", b],
                 ["bench/heal_plan.py", "--shape", "quick-hybrid", "--gpu-memory", "16MB", "--limits", "adapter",
                  "--window", "32", "--windows", "40", "--json", c]):  # fmt: skip
@@ -632,6 +632,9 @@ def test_the_benches_smoke_runs(tmp_path):
     assert (
         mem["draft"]["engine_peak_bytes"] == mem["phases"][-1]["plan"]["draft_bytes"]
     )  # prepared as planned
+    for prof in mem["draft"]["profile_ms"].values():  # every phase of a step and an evaluation, timed
+        phases = {key.split("|")[0] for key, ms in prof.items() if ms > 0}
+        assert {"train forward", "train head+kl", "train backward", "eval forward", "eval head+kl"} <= phases
     e2e = json.loads(b.read_text())["result"]
     assert e2e["exit"] == 0 and e2e["plan"]["mode"] == "streamed" and e2e["peak_rss_bytes"] > 0
     assert e2e["engine_peak_bytes"] == e2e["plan"]["peak_bytes"]  # each phase's as counted (stacked chains)
