@@ -253,7 +253,7 @@ class _Pool:
     def stop(self) -> None:
         """Ctrl-C: every running job ends after its current step with a resumable checkpoint, idle workers
         exit; wait for them all (a further Ctrl-C is ignored)."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             self.view.say(f"interrupted: {len(self.running)} running job(s) stop after their current step")
             for i, p in enumerate(self.procs):
@@ -266,7 +266,7 @@ class _Pool:
                 self.drain(0.5)
             self.drain(0.2)
         finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, previous)  # the entry point's, or Python's
 
 
 # ---------------------------------------------------------------------------------------------------------

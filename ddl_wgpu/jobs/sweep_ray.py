@@ -189,13 +189,13 @@ def _ray_wait(ray, refs: dict, root: Path, events, stop, view) -> dict:
             for ref in ready:
                 collect(ref, refs.pop(ref))
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             view.say(f"interrupted: {len(refs)} Ray task(s) stop after their current step")
             stop.put(True)
             for ref, job in refs.items():
                 collect(ref, job)
         finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, previous)  # the entry point's, or Python's
         raise
     return results
