@@ -123,10 +123,10 @@ fn topk_kl(
             if (p > 0.0) {
                 kl += p * (log(p) - logq);
             }
-            let at = base + kl_id[j];
             if (kl_p.grad == 0u) {
                 continue;
             }
+            let at = base + kl_id[j];
             if (kl_p.form == 1u) {
                 kl_logits[at] = kl_logits[at] - p * ws;
             } else {

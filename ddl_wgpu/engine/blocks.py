@@ -40,6 +40,7 @@ SUBLAYERS = (
     ("attn", "input_layernorm", "x", "h", "r1"),
     ("mlp", "post_attention_layernorm", "xm", "h2", "r2"),
 )
+SUBLAYER = {s[0]: s for s in SUBLAYERS}
 
 
 class Blocks(GatedDeltaNet):
@@ -307,7 +308,7 @@ class Blocks(GatedDeltaNet):
     def _add_sublayer(self, sub: str, a: dict, p: str, x_out, rows: int | None = None) -> Call:
         """A baseline sublayer, x_out = x + sublayer(norm(x)) with x its input state (`SUBLAYERS`), over `rows`
         rows of a's buffers instead of N (the MLP sublayer of a stacked chain's last step: `draft.DraftWork`)."""
-        _, norm, x_state, h, r = next(s for s in SUBLAYERS if s[0] == sub)
+        _, norm, x_state, h, r = SUBLAYER[sub]
         name = p + norm + ".weight"
         if rows is None:
             call = self._input_norm(a, h, r, x_state, name)
@@ -421,7 +422,7 @@ class Blocks(GatedDeltaNet):
     def _add_sublayer_backward(self, sub: str, a: dict, p: str, dout, rows: int | None = None) -> Call:
         """Reverse of `_add_sublayer`: dx flows through the residual (dout, in place) and the branch adds its
         gradient to it."""
-        _, norm, x_state, _h, r = next(s for s in SUBLAYERS if s[0] == sub)
+        _, norm, x_state, _h, r = SUBLAYER[sub]
         call = self._sublayer_backward(sub, a, p, dout, accumulate_dh=False, rows=rows)
         return call + self._norm_backward(dout, self.dh, a[x_state], p + norm + ".weight", a[r], rows,
                                           accumulate_dx=True)  # fmt: skip

@@ -62,11 +62,11 @@ class DraftWork(Blocks):
         self.chain, self.kl_k, self.kl_form = int(chain), int(kl_k), kl_form
         # the rows the head runs on per window: step j's alone in a stacked chain (a frozen head); with `tail`
         # the MLP sublayer and the final norm too (`mlp_rows`, read while the blocks' buffers are built)
-        self.last = seq // chain if chain > 1 and net.head_name not in net.trainable else 0
+        head_trained = net.head_name in net.trainable
+        self.last = seq // chain if chain > 1 and not head_trained else 0
         self.tail = bool(tail and self.last)
         super().__init__(net, batch, seq, chunk_rows, span=seq // chain if chain else seq)
         N = self.N
-        head_trained = net.head_name in net.trainable
         self.init_backward_scratch()
         self.weights = self.act(N, "weights")
         self.scale = self.act(4, "loss_scale")
@@ -94,6 +94,8 @@ class DraftWork(Blocks):
         self._head_eval = self.head_calls(xf, functools.partial(self._topk_kl, grad=False), rows=rows)
         self._head_train = self.head_calls(xf, self._topk_kl, dxf, head_trained, rows=rows)
         self._sum = k_red.sum_rows(self.gpu, self.loss_acc, self.row_loss, rows or N)
+        # the copies around the head: none with the tail, whose final norm writes the head's rows itself
+        self._head_runs = [] if self.tail else self._runs
         if not self.tail:
             self._fwd = self.blocks_forward() + self.final_norm_forward()
             self._bwd = self.backward_calls()
@@ -227,9 +229,7 @@ class DraftWork(Blocks):
 
     def _gather(self, rec) -> None:
         """Step j's rows of each window into the head's rows (`last` without `tail`; nothing else)."""
-        if self.tail:
-            return
-        for at, to in self._runs:
+        for at, to in self._head_runs:
             rec.copy(self.xf, at, self._xf_rows, to, self._run_bytes)
 
     def _record_head(self, rec, train: bool) -> None:
@@ -238,9 +238,9 @@ class DraftWork(Blocks):
         < j get 0)."""
         self._gather(rec)
         (self._head_train if train else self._head_eval).record(rec)
-        if self._runs and train and not self.tail:
+        if self._head_runs and train:
             self._zero_dxf.record(rec)
-            for at, to in self._runs:
+            for at, to in self._head_runs:
                 rec.copy(self._dxf_rows, to, self.dxf, at, self._run_bytes)
 
     def record_top1_last(self, rec):
