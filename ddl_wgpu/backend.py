@@ -467,9 +467,10 @@ def _matrix_units(gpu) -> tuple:
 def trunk_products(gpu, trunk_dtype: str) -> None:
     """An f16 trunk (heal's, accept's, generate's: inference only) runs its products on the matrix units where
     the Gpu lists a configuration the kernels take (`ops/matmul_tc.py`: activations rounded to f16 as they are
-    staged, f32 accumulation); an f32 trunk keeps f32 products on the SIMT cores, as its dtype asks."""
-    if trunk_dtype == "f16" and _matrix_units(gpu):
-        gpu.products = "matrix"
+    staged, f32 accumulation); an f32 trunk keeps f32 products on the SIMT cores, as its dtype asks. The switch
+    is the device's, shared by every net on it: set both ways, so an f32 trunk after an f16 one (a library user's
+    process, the tests) does not inherit the matrix units; what a net builds later follows the last setting."""
+    gpu.products = "matrix" if trunk_dtype == "f16" and _matrix_units(gpu) else "simt"
 
 
 def check_trunk_dtype(backend: str, trunk_dtype: str) -> None:

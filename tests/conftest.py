@@ -57,6 +57,17 @@ def gpu():
     return Gpu()
 
 
+@pytest.fixture(autouse=True)
+def _products_back_to_simt():
+    """Where a test's job routed the backend's shared device to the matrix units (an f16 trunk, `--precision
+    auto` or `mixed` on a GPU that lists a subgroup matrix; `Gpu.products`, the device's switch), the tests after
+    it start from the SIMT products again instead of inheriting them."""
+    yield
+    backend = sys.modules.get("ddl_wgpu.backend")
+    for g in getattr(backend, "_GPU", {}).values():
+        g.products = "simt"
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

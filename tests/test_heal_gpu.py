@@ -130,13 +130,21 @@ def test_gpu_heal_with_f16_trunk_close_to_f32(gpu, tmp_path, heal_kit):
 def test_f16_teacher_matches_f32_teacher_and_needs_shader_f16(gpu, monkeypatch, heal_kit):
     m = Model(heal_kit.tiny_cfg(), heal_kit.perturbed(heal_kit.tiny_cfg()))
     x = np.random.default_rng(5).integers(0, 256, (2, 20))
-    t32, t16 = (backend.make_teacher("wgpu", m, batch=2, trunk_dtype=d) for d in ("f32", "f16"))
+    # each teacher runs before the next is made: the products' switch is the device's (`trunk_products`), and
+    # a teacher's works are built at its first pass
+    t32 = backend.make_teacher("wgpu", m, batch=2, trunk_dtype="f32")
+    i32, p32, _, post32 = t32.topk_hidden(x, 8)
+    t16 = backend.make_teacher("wgpu", m, batch=2, trunk_dtype="f16")
+    i16, p16, _, post16 = t16.topk_hidden(x, 8)
     assert (
         t32.net.inference and not t32.net.g and t16.net.wdtype("model.layers.0.mlp.up_proj.weight") == "f16"
     )
-    (i32, p32, _, post32), (i16, p16, _, post16) = t32.topk_hidden(x, 8), t16.topk_hidden(x, 8)
-    np.testing.assert_allclose(post16, post32, rtol=2e-2, atol=2e-3)
-    np.testing.assert_allclose(p16, p32, rtol=1e-2, atol=1e-6)
+    if t16.gpu.products == "matrix":  # the f16 trunk's products on the matrix units: activations f16 too
+        tol_post, tol_p = dict(rtol=2e-2, atol=1e-2), dict(rtol=3e-2, atol=1e-5)
+    else:  # observed on lavapipe: the f16 rounding of the weights alone
+        tol_post, tol_p = dict(rtol=2e-2, atol=2e-3), dict(rtol=1e-2, atol=1e-6)
+    np.testing.assert_allclose(post16, post32, **tol_post)
+    np.testing.assert_allclose(p16, p32, **tol_p)
     assert (i16[..., 0] == i32[..., 0]).mean() > 0.95
     monkeypatch.setattr(backend.open_gpu(None), "features", set())
     with pytest.raises(backend.BackendError, match="shader-f16") as e:
@@ -186,15 +194,18 @@ def test_gpu_step_rows_match_reference_and_share_the_embedding(gpu, heal_kit, dt
     ref_t, ref_d = RefTeacher(p, cfg), RefDraft(p, cfg)
     ti, tp, x1 = teacher.topk_rows(ids, lengths, 8)
     ri, rp, rx1 = ref_t.topk_rows(ids, lengths, 8)
-    np.testing.assert_allclose(x1, rx1, rtol=1e-4, atol=1e-5)
+    # an f16 trunk on a GPU with matrix units runs the products there (f16 activations too); f32: SIMT products
+    tol = dict(rtol=2e-2, atol=1e-2) if g.products == "matrix" else dict(rtol=1e-4, atol=1e-5)
+    assert dtype == "f16" or g.products == "simt"
+    np.testing.assert_allclose(x1, rx1, **tol)
     assert not x1[1, 6:].any() and not x1[2, 2:].any()  # rows p + 1 >= length are zero
     tok2, val2 = ref_mtp.shifted(ids, 2), ref_mtp.step_valid(lengths, T, 2)
     x2 = draft.next_rows(rx1, tok2, val2)  # per-step: the draft's output rows on step 1's
-    np.testing.assert_allclose(x2, ref_d.next_rows(rx1, tok2, val2), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(x2, ref_d.next_rows(rx1, tok2, val2), **tol)
     tok3, val3 = ref_mtp.shifted(ids, 3), ref_mtp.step_valid(lengths, T, 3)
     stacked = np.concatenate([rx1, x2], axis=1)  # stacked: the last T rows of a chain-2 forward
     x3 = draft.next_rows(stacked, tok3, val3, chain=2)
-    np.testing.assert_allclose(x3, ref_d.next_rows(stacked, tok3, val3, chain=2), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(x3, ref_d.next_rows(stacked, tok3, val3, chain=2), **tol)
 
 
 @pytest.mark.parametrize("mode", ["per-step", "stacked"])
