@@ -255,10 +255,15 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
             lambda s=step, kw=kw: s(next(adam_steps), heal.LOSS_SCALE_START, **kw), 1 + args.steps
         )
     t1 = time.perf_counter()
-    profiles = {j: profile_draft(draft, job, gpu) for j, job in jobs.items()} if args.profile else {}
+    timed = {j: [] for j in jobs} if args.profile else {}
+    profiles = (
+        {j: profile_draft(draft, job, gpu, timed[j]) for j, job in jobs.items()} if args.profile else {}
+    )
     r = {"steps_s": steps, "job_mix_s": float(np.mean(list(steps.values()))), "refresh_batch_s": float(np.median(refresh)),
          "eval_batch_s": evals, "eval_chain_s": chain_s, "eval_chain_one_s": one_s, "eval_chain_same_bits": same,
-         "profile_ms": profiles, "engine_peak_bytes": gpu.peak - base,
+         "profile_ms": profiles, "profile_dispatches": {j: sorted(t, key=lambda d: -d[2])[:TOP_DISPATCHES]
+                                                        for j, t in timed.items()},
+         "engine_peak_bytes": gpu.peak - base,
          "smi_peak_bytes": smi.peak(t0, t1)}  # fmt: skip
     progress(f"  draft: {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in steps.items())}; held-out evaluation "
              f"batch {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in evals.items())}, chained after a refresh "
@@ -269,10 +274,16 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
         progress(f"  profile of chain step {j} (GPU ms, every dispatch alone): "
                  + ", ".join(f"{k} {v:.2f}" for k, v in phase_totals(prof).items())
                  + "; largest: " + ", ".join(f"{k} {v:.2f}" for k, v in top))  # fmt: skip
+        progress(f"  chain step {j}'s largest dispatches (phase|kernel grid: GPU ms): "
+                 + ", ".join(f"{n} {'x'.join(map(str, g))}: {ms:.2f}"
+                             for n, g, ms in r["profile_dispatches"][j]))  # fmt: skip
     return r
 
 
-def profile_draft(draft, job, gpu) -> dict[str, float]:
+TOP_DISPATCHES = 12  # the single dispatches `--profile` prints per chain step (a product's grid names it)
+
+
+def profile_draft(draft, job, gpu, timed: list | None = None) -> dict[str, float]:
     """GPU ms per phase and kernel of one training step and one evaluation of a chain step's `job` (its work's
     Calls as `DraftWork.record_step` and `loss_sum_rows` record them: private attributes, a bench's reach)."""
     xs, tid, tp, w, kw, _nxt = job
@@ -287,7 +298,7 @@ def profile_draft(draft, job, gpu) -> dict[str, float]:
         ("train adamw", lambda rec: work.net.optimizer_call(upd).record(rec)),
         ("eval forward", work.record_forward),
         ("eval head+kl", lambda rec: work._record_head(rec, False)),
-    ])  # fmt: skip
+    ], timed)  # fmt: skip
 
 
 def epoch_estimate(args, tokens_per_s: float, draft: dict) -> dict:

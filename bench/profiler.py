@@ -26,6 +26,8 @@ class ProfileRecorder(Recorder):
         if "timestamp-query" not in gpu.features:
             raise GpuError("profiling needs the adapter feature timestamp-query")
         self.names: list[str] = []
+        self.grids: list[tuple] = []
+        self.timed: list[tuple] = []  # (name, grid, ms) of every dispatch, in order, after `profile()`
         self.sets: list = []
         self.phase = ""
 
@@ -54,6 +56,7 @@ class ProfileRecorder(Recorder):
             getattr(bind_group, "label", "") or kernel.name
         )  # a launcher's label (gemv: its shape and bytes)
         self.names.append(f"{self.phase}|{name}" if self.phase else name)
+        self.grids.append(tuple(groups))
         self.n_dispatches += 1
 
     def finish(self):
@@ -68,28 +71,34 @@ class ProfileRecorder(Recorder):
         return super().finish()
 
     def profile(self) -> dict[str, float]:
-        """GPU ms per kernel name, summed over its dispatches (waits for the GPU)."""
+        """GPU ms per kernel name, summed over its dispatches (waits for the GPU); each dispatch's own in
+        `timed`."""
         period = self.gpu.timestamp_period_ns() / 1e6
         out: dict[str, float] = {}
         k = 0
         for buf, n in self.bufs:
             t = self.gpu.download(buf, np.uint64, 2 * n).reshape(n, 2)
             for begin, end in t:
-                name = self.names[k]
-                out[name] = out.get(name, 0.0) + float(end - begin) * period
+                name, ms = self.names[k], float(end - begin) * period
+                out[name] = out.get(name, 0.0) + ms
+                self.timed.append((name, self.grids[k], ms))
                 k += 1
         return out
 
 
-def profile_parts(gpu: Gpu, parts) -> dict[str, float]:
+def profile_parts(gpu: Gpu, parts, timed: list | None = None) -> dict[str, float]:
     """GPU ms per "phase|kernel" of the recordings `parts`, [(phase, record(rec))] in order, every dispatch timed
-    alone (a copy between them closes its pass as in a plain Recorder)."""
+    alone (a copy between them closes its pass as in a plain Recorder); `timed` (a list) gets each dispatch's
+    (name, grid, ms)."""
     rec = ProfileRecorder(gpu)
     for phase, record in parts:
         rec.phase = phase
         record(rec)
     rec.submit()
-    return rec.profile()
+    out = rec.profile()
+    if timed is not None:
+        timed += rec.timed
+    return out
 
 
 def phase_totals(profile: dict[str, float]) -> dict[str, float]:

@@ -635,6 +635,9 @@ def test_the_benches_smoke_runs(tmp_path):
     for prof in mem["draft"]["profile_ms"].values():  # every phase of a step and an evaluation, timed
         phases = {key.split("|")[0] for key, ms in prof.items() if ms > 0}
         assert {"train forward", "train head+kl", "train backward", "eval forward", "eval head+kl"} <= phases
+    for top in mem["draft"]["profile_dispatches"].values():  # the largest single dispatches, largest first
+        ms = [d[2] for d in top]
+        assert ms == sorted(ms, reverse=True) and all(len(d[1]) == 3 for d in top) and len(top) > 0
     e2e = json.loads(b.read_text())["result"]
     assert e2e["exit"] == 0 and e2e["plan"]["mode"] == "streamed" and e2e["peak_rss_bytes"] > 0
     assert e2e["engine_peak_bytes"] == e2e["plan"]["peak_bytes"]  # each phase's as counted (stacked chains)
