@@ -1,7 +1,8 @@
 """The subgroup-matrix GEMM (`shaders/matmul_tc.wgsl`) on Dawn: its adapter's configurations, each tile of a
 sweep checked against numpy and timed at the Qwen3.8-27B products, beside PyTorch bf16 in the same run.
 
-    python3 bench/matmul_tc.py [--tiles 4x2sg-4x4-k32,...] [--simt] [--operands f16,f16] [--configs first] [--json PATH]
+    python3 bench/matmul_tc.py [--tiles 4x2sg-4x4-k32,...] [--simt] [--operands f16,f16] [--configs first]
+        [--shapes all|N|draft] [--orders auto|cols,rows] [--json PATH]
 
 Dawn is started with the toggles the engine uses: allow_unsafe_apis (the subgroup-matrix feature),
 vulkan_enable_f16_on_nvidia (f16 on NVIDIA's Vulkan driver) and disable_robustness (no bounds checks, as
@@ -37,6 +38,15 @@ SHAPES = (
     ("attn q+gate fwd", 16384, 12288, 5120, False, True),
     ("mlp up dx", 16384, 5120, 17408, False, False),
     ("mlp up dW", 17408, 5120, 16384, True, False),
+)
+# heal's 27B draft (`--shapes draft`): 4 windows x 128 rows of a chain step against the 248 K-row head (its
+# first chunk, as the engine binds it) and the block's weights, and a stacked step 3's 1,536 rows through q+gate; the order of C's blocks matters here
+# (`ops/matmul_tc.py` `rows_first`, `--orders cols,rows`)
+DRAFT_SHAPES = (
+    ("draft head fwd", 512, 209664, 5120, False, True),  # the head's first chunk: 2 GiB of f16 rows at most
+    ("draft gate/up fwd", 512, 17408, 5120, False, True),
+    ("draft down fwd", 512, 5120, 17408, False, True),
+    ("draft q+gate fwd x3", 1536, 12288, 5120, False, True),
 )
 DEFAULT_TILES = ("2x2sg-4x4-k32", "4x2sg-4x4-k32", "2x2sg-4x4-k32-np", "2x4sg-4x4-k32", "2x2sg-4x4-k16",
                  "4x2sg-4x4-k32-v1-np")  # fmt: skip
@@ -90,15 +100,17 @@ class Runner:
         lda = M if ta else K
         ldb = K if tb else N
         widths = tc.load_widths(tile, M, N, K, ta, tb, (lda, ldb), (0, 0), (0, 0), (0, 0))
+        order = tc.rows_first(tile, cfg, M, N, K, 1, tc.OPERANDS[adt])
         pipe = self.pipeline(tile, cfg, ta, tb, adt, bdt, widths)
         params = tc.PARAMS.pack(M=M, N=N, K=K, lda=lda, ldb=ldb, ldc=N, off_a=0, off_b=0, off_c=0, stride_a=0,
                                 stride_b=0, stride_c=0, accumulate=accumulate, alpha=alpha, inner=1, div_a=1,
-                                div_b=1, istride_a=0, istride_b=0, istride_c=0, causal=0)  # fmt: skip
+                                div_b=1, istride_a=0, istride_b=0, istride_c=0, causal=0,
+                                rows_first=int(order))  # fmt: skip
         U = self.wgpu.BufferUsage
         ub = self.dev.create_buffer_with_data(data=params, usage=U.UNIFORM)
         bg = self.dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
             {"binding": i, "resource": {"buffer": b}} for i, b in enumerate((A, B, C, ub))])  # fmt: skip
-        g = tc.groups(tile, cfg, M, N)
+        g = tc.groups(tile, cfg, M, N, 1, order)
         enc = self.dev.create_command_encoder()
         p = enc.begin_compute_pass()
         p.set_pipeline(pipe)
@@ -216,7 +228,9 @@ def save(path, results: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiles", default=",".join(DEFAULT_TILES))
-    ap.add_argument("--shapes", default="all", help="all, or the first N of SHAPES")
+    ap.add_argument("--shapes", default="all", help="all, the first N of SHAPES, or draft (DRAFT_SHAPES)")
+    ap.add_argument("--orders", default="auto",
+                    help="the grid's order of C's blocks, timed each: auto (`rows_first`), or cols,rows")  # fmt: skip
     ap.add_argument("--json", default=None)
     ap.add_argument("--simt", action="store_true", help="also time today's SIMT GEMM (wgpu-native)")
     ap.add_argument("--configs", default="first",
@@ -246,7 +260,10 @@ def main(argv=None) -> int:
         usable = [c for c in usable if f"{c.m}x{c.n}x{c.k}" in args.configs.split(",")]
     r = Runner(wgpu, dev, sg)
     rng = np.random.default_rng(0)
-    shapes = SHAPES if args.shapes == "all" else SHAPES[: int(args.shapes)]
+    shapes = {"all": SHAPES, "draft": DRAFT_SHAPES}.get(args.shapes) or SHAPES[: int(args.shapes)]
+    orders = args.orders.split(",")
+    if not set(orders) <= {"auto", "cols", "rows"}:
+        raise SystemExit(f"--orders {args.orders!r}: auto, or some of cols, rows")
     results = {"adapter": ad.summary, "configs": cfgs, "toggles": TOGGLES, "operands": operands, "rows": []}
     peers = {s[0]: torch_tflops(s) for s in shapes}
     results["pytorch_bf16"] = peers
@@ -271,8 +288,13 @@ def main(argv=None) -> int:
                 print(f"{label}: WRONG, max rel err {err:.2e}", flush=True)
                 results["rows"].append(row)
                 continue
-            for s in shapes:
-                row["tflops"][s[0]] = time_shape(r, tile, cfg, s, rng, operands=operands)
+            for order in orders:
+                os.environ[tc.ENV_ORDER] = order
+                for s in shapes:
+                    row["tflops"][s[0] + ("" if order == "auto" else f" ({order})")] = time_shape(
+                        r, tile, cfg, s, rng, operands=operands
+                    )
+            os.environ.pop(tc.ENV_ORDER, None)
             results["rows"].append(row)
             print(
                 f"{label}: err {err:.1e} " + " ".join(f"{k}={v:.1f}" for k, v in row["tflops"].items()),

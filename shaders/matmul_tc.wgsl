@@ -43,8 +43,12 @@ var<workgroup> Cs: array<f32, {{cs_size}}>;
 fn matmul_tc(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32,
              @builtin(subgroup_id) sid: u32, @builtin(subgroup_invocation_id) lane: u32,
              @builtin(subgroup_size) sg_size: u32) {
-    let m0 = wid.y * BM;
-    let n0 = wid.x * BN;
+    // `rows_first`: workgroup x walks C's block rows and y its block columns, so the few row blocks of a
+    // product with few rows and a wide B (heal's draft: 512 rows against a 248 K-row head) run side by side on
+    // one column block of B, and B streams from memory once instead of once per block row (the host's choice,
+    // `ops/matmul_tc.py` `rows_first`)
+    let m0 = select(wid.y, wid.x, P.rows_first == 1u) * BM;
+    let n0 = select(wid.x, wid.y, P.rows_first == 1u) * BN;
     // causal modes (attention's products, as matmul.wgsl): 1 leaves the tiles wholly above the diagonal
     // unwritten; 2 stops k after the tile's last row (op(A) zero for k > m); 3 starts k at the tile's first
     // row (op(A) zero for k < m). Uniform over the workgroup, so the barriers below stay uniform.

@@ -385,3 +385,26 @@ def test_the_staging_copy_stores_in_one_wavefront(layout):
     subgroup's 8-byte stores in one bank wavefront. Consecutive rows (before the pairing) took two wherever a
     row is 32 deep: both operands of the forward, A of dx."""
     assert _copy_cost(tc.STAGED, *layout) == {"a": 1, "b": 1}
+
+
+def test_few_block_rows_walk_the_grid_rows_first(emulating, rng, monkeypatch):
+    """`rows_first`: a single product with fewer block rows than block columns and a small A (heal's draft
+    rows against its head) has the grid walk C's block rows first; either order gives the same bits, edge
+    blocks included. Batched products, and an A too large to stay cached, keep columns first."""
+    g, t, cfg = emulating, parse_tile("2x2sg-1x2-k16"), tc.Config(16, 16, 16)  # BM 32, BN 64
+    M, N, K = 40, 200, 48
+    assert tc.rows_first(t, cfg, M, N, K, 1, 4) and not tc.rows_first(t, cfg, N, M, K, 1, 4)
+    assert not tc.rows_first(t, cfg, M, N, K, 2, 4) and not tc.rows_first(t, cfg, M, N, 1 << 20, 1, 4)
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((N, K)).astype(np.float32)
+    got = {}
+    for order, grid in (("rows", (2, 4, 1)), ("cols", (4, 2, 1))):
+        monkeypatch.setenv(tc.ENV_ORDER, order)
+        cb = g.upload(np.zeros((M, N), np.float32))
+        call = tc.matmul_tc(g, cb, g.upload(a), g.upload(b.astype(np.float16)), M, N, K, False, True,
+                            a_dtype="f32", b_dtype="f16", cfg=cfg, tile=t)  # fmt: skip
+        assert call.dispatches[0][2] == grid
+        call.run(g)
+        got[order] = g.read(cb, (M, N))
+    assert rel_err(got["rows"], f16(a) @ f16(b).T) < 1e-5
+    assert np.array_equal(got["rows"], got["cols"])

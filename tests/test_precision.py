@@ -215,8 +215,18 @@ def _without_scaler(rep):
     return json.dumps(out, sort_keys=True)
 
 
+@pytest.fixture
+def scaler_only(monkeypatch):
+    """`mixed` with its products kept f32 on the SIMT cores, as on a GPU without matrix units (lavapipe): what
+    these tests compare is the loss scaling's bookkeeping, bit for bit against f32 and numpy. On a GPU with
+    matrix units `mixed` runs f16 products, whose bits differ from f32's and whose overflows numpy does not
+    have (the H100 through Dawn skipped a step numpy kept); those products are checked by
+    `tests/test_kernel_matmul_tc.py` and the 300-step sweep (BENCHMARKS.md)."""
+    monkeypatch.setattr(B, "_matrix_units", lambda gpu: ())
+
+
 @pytest.mark.parametrize("backend", ["wgpu", "ref"])
-def test_a_mixed_run_without_overflow_is_the_f32_run(data, tmp_path, backend):
+def test_a_mixed_run_without_overflow_is_the_f32_run(data, tmp_path, backend, scaler_only):
     f32 = _run(data, tmp_path / "f32", backend, max_steps=4)
     mixed = _run(data, tmp_path / "mixed", backend, max_steps=4, precision="mixed")
     assert f32["training"]["precision"] == "f32" and mixed["training"]["precision"] == "mixed"
@@ -235,7 +245,7 @@ def test_a_mixed_run_without_overflow_is_the_f32_run(data, tmp_path, backend):
     assert b["position"]["phase"]["training"]["precision"] == "mixed"
 
 
-def test_the_scalers_decisions_agree_across_backends(data):
+def test_the_scalers_decisions_agree_across_backends(data, scaler_only):
     """Overflow, back-off, growth after `interval` good steps and overflow again: the same steps skipped at the
     same scales on numpy and on the GPU; a skipped step is recorded, counts as a step, and is no failure."""
     ref = _run(data, None, "ref", **SWINGING)

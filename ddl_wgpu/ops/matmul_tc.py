@@ -48,6 +48,7 @@ PARAMS = Uniform(
     ("istride_b", "u32"),
     ("istride_c", "u32"),
     ("causal", "u32", "0 none; 1 skip tiles above the diagonal; 2 k < tile end; 3 k from tile start"),
+    ("rows_first", "u32", "1: workgroup x walks C's block rows, y its block columns (`rows_first`)"),
 )
 UNIFORMS = (PARAMS,)
 
@@ -363,9 +364,34 @@ def workgroup_bytes(tile: TcTile, cfg: Config) -> int:
     return 2 * staged + 4 * tile.sg_rows * tile.sg_cols * cfg.m * cfg.n
 
 
-def groups(tile: TcTile, cfg: Config, M: int, N: int, batch: int = 1) -> tuple[int, int, int]:
+def groups(tile: TcTile, cfg: Config, M: int, N: int, batch: int = 1, first: bool = False) -> tuple:
+    """The grid: (block columns, block rows, batch), or with `first` (`rows_first`) block rows first."""
     BM, BN = tile.block(cfg)
-    return -(-N // BN), -(-M // BM), batch
+    cols, rows = -(-N // BN), -(-M // BM)
+    return (rows, cols, batch) if first else (cols, rows, batch)
+
+
+ENV_ORDER = "DDL_WGPU_TC_ORDER"  # auto | rows | cols: which way the grid walks C's blocks (`rows_first`)
+# bytes of A that stay cached while every block column reads them (the H100's L2 is 50 MB). Measured there
+# (`bench/matmul_tc.py --shapes draft --orders cols,rows`, TFLOP/s columns first -> rows first): A of 10 MB
+# (512 x 5120 f32) against the head's chunk 170.1 -> 190.9 and gate/up 112.8 -> 116.7; 31.5 MB (1,536 rows)
+# through q+gate 156.3 -> 161.6; 35.7 MB (512 x 17408, down) 112.9 -> 104.2, so down keeps columns first
+A_CACHED = 32 << 20
+
+
+def rows_first(tile: TcTile, cfg: Config, M: int, N: int, K: int, batch: int, a_bytes: int) -> bool:
+    """Whether the grid walks C's block rows first. Workgroups start in grid order (x fastest), so with block
+    columns first the workgroups in flight share one block row of A and each reads its own columns of B: B
+    streams from memory once per block row. With block rows first they share a block column of B, which is read
+    once, and A is read by every block column, from the cache where it fits. So rows first where the product has
+    fewer block rows than block columns, one batch entry, and an A (M x K, `a_bytes` an element) of at most
+    A_CACHED bytes: heal's draft, whose 512-1,536 rows meet a head of 248 K rows and the block's weights.
+    DDL_WGPU_TC_ORDER=rows|cols forces it (the bench's comparison)."""
+    forced = os.environ.get(ENV_ORDER, "auto").strip().lower()
+    if forced in ("rows", "cols"):
+        return forced == "rows"
+    BM, BN = tile.block(cfg)
+    return batch == 1 and -(-M // BM) < -(-N // BN) and M * K * a_bytes <= A_CACHED
 
 
 # The tiles, best first; `pick_tile` takes the first whose workgroup memory the adapter has. `STAGED` is the
@@ -512,7 +538,8 @@ def matmul_tc(
     ldc = int(ldc if ldc is not None else N)
     if M == 0 or N == 0 or batch == 0:
         return Call()
-    g = groups(tile, cfg, M, N, batch)
+    order = rows_first(tile, cfg, M, N, K, batch, OPERANDS[a_dtype])
+    g = groups(tile, cfg, M, N, batch, order)
     if max(g) > MAX_GROUPS:
         raise GpuError(f"matmul_tc: {g} workgroups exceed {MAX_GROUPS} per dimension; split the product")
     widths = load_widths(tile, M, N, K, trans_a, trans_b, (lda, ldb), offsets[:2], strides[:2], istrides[:2])
@@ -540,6 +567,7 @@ def matmul_tc(
         istride_b=istrides[1],
         istride_c=istrides[2],
         causal=int(causal),
+        rows_first=int(order),
         label="matmul_tc",
     )
     return Call(dispatches=[(k, gpu.bind(k, a, b, c, u), g)], uniforms=[u])
