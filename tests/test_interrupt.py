@@ -137,7 +137,9 @@ def test_ctrl_c_at_random_moments_resumes_bit_exact_mixed(data, tmp_path):
     straight = T.train_variant(CFG, BASELINE, *data[1:], tcfg, None, RunOptions(backend="ref"))
     assert any(h["skipped"] for h in straight["history"]), "the run must overflow for this test to mean much"
     seen = _trials(data, tmp_path, RunOptions(backend="ref"), REF_TRIALS // 2, seed=3, tcfg=tcfg)
-    assert seen.count("interrupted") >= REF_TRIALS // 4, seen
+    # that enough delays land inside the run for the trials to mean something (each trial's bits are the
+    # property, asserted above); a quarter, not half: one `make test` on the 2-core machine saw 8 of 20
+    assert seen.count("interrupted") >= REF_TRIALS // 8, seen
 
 
 def test_ctrl_c_in_the_initial_evaluation_saves_step_0(data, tmp_path, monkeypatch):
