@@ -255,10 +255,9 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
             lambda s=step, kw=kw: s(next(adam_steps), heal.LOSS_SCALE_START, **kw), 1 + args.steps
         )
     t1 = time.perf_counter()
+    # each chain step's dispatches, filled by its profile
     timed = {j: [] for j in jobs} if args.profile else {}
-    profiles = (
-        {j: profile_draft(draft, job, gpu, timed[j]) for j, job in jobs.items()} if args.profile else {}
-    )
+    profiles = {j: profile_draft(draft, jobs[j], gpu, t) for j, t in timed.items()}
     r = {"steps_s": steps, "job_mix_s": float(np.mean(list(steps.values()))), "refresh_batch_s": float(np.median(refresh)),
          "eval_batch_s": evals, "eval_chain_s": chain_s, "eval_chain_one_s": one_s, "eval_chain_same_bits": same,
          "profile_ms": profiles, "profile_dispatches": {j: sorted(t, key=lambda d: -d[2])[:TOP_DISPATCHES]

@@ -40,8 +40,8 @@ SHAPES = (
     ("mlp up dW", 17408, 5120, 16384, True, False),
 )
 # heal's 27B draft (`--shapes draft`): 4 windows x 128 rows of a chain step against the 248 K-row head (its
-# first chunk, as the engine binds it) and the block's weights, and a stacked step 3's 1,536 rows through q+gate; the order of C's blocks matters here
-# (`ops/matmul_tc.py` `rows_first`, `--orders cols,rows`)
+# first chunk, as the engine binds it) and the block's weights, and a stacked step 3's 1,536 rows through
+# q+gate; the order of C's blocks matters here (`ops/matmul_tc.py` `rows_first`, `--orders cols,rows`)
 DRAFT_SHAPES = (
     ("draft head fwd", 512, 209664, 5120, False, True),  # the head's first chunk: 2 GiB of f16 rows at most
     ("draft gate/up fwd", 512, 17408, 5120, False, True),
@@ -96,11 +96,15 @@ class Runner:
             )
         return self.cache[key]
 
-    def run(self, tile, cfg, A, B, C, M, N, K, ta, tb, adt="f32", bdt="f32", reps=1, accumulate=0, alpha=1.0):
+    def run(self, tile, cfg, A, B, C, M, N, K, ta, tb, adt="f32", bdt="f32", reps=1, accumulate=0, alpha=1.0,
+            order=None):  # fmt: skip
+        """One product, `reps` times in one pass; `order` True/False puts the grid's block rows first or not,
+        None as the engine chooses (`matmul_tc.rows_first`)."""
         lda = M if ta else K
         ldb = K if tb else N
         widths = tc.load_widths(tile, M, N, K, ta, tb, (lda, ldb), (0, 0), (0, 0), (0, 0))
-        order = tc.rows_first(tile, cfg, M, N, K, 1, tc.OPERANDS[adt])
+        if order is None:
+            order = tc.rows_first(tile, cfg, M, N, K, 1, tc.OPERANDS[adt])
         pipe = self.pipeline(tile, cfg, ta, tb, adt, bdt, widths)
         params = tc.PARAMS.pack(M=M, N=N, K=K, lda=lda, ldb=ldb, ldc=N, off_a=0, off_b=0, off_c=0, stride_a=0,
                                 stride_b=0, stride_c=0, accumulate=accumulate, alpha=alpha, inner=1, div_a=1,
@@ -149,18 +153,18 @@ def check(r: Runner, tile, cfg, rng) -> float:
     return worst
 
 
-def time_shape(r: Runner, tile, cfg, shape, rng, reps=10, operands=("f16", "f16")) -> float:
+def time_shape(r: Runner, tile, cfg, shape, rng, reps=10, operands=("f16", "f16"), order=None) -> float:
     name, M, N, K, ta, tb = shape
     host = {"f16": np.float16, "f32": np.float32}
     a = rng.standard_normal((K, M) if ta else (M, K)).astype(host[operands[0]])
     b = rng.standard_normal((N, K) if tb else (K, N)).astype(host[operands[1]])
     A, B = r.buffer(a), r.buffer(b)
     C = r.buffer(np.zeros((M, N), np.float32))
-    r.run(tile, cfg, A, B, C, M, N, K, ta, tb, *operands, reps=1)
+    r.run(tile, cfg, A, B, C, M, N, K, ta, tb, *operands, reps=1, order=order)
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        r.run(tile, cfg, A, B, C, M, N, K, ta, tb, *operands, reps=reps)
+        r.run(tile, cfg, A, B, C, M, N, K, ta, tb, *operands, reps=reps, order=order)
         best = min(best, (time.perf_counter() - t) / reps)
     for buf in (A, B, C):
         buf.destroy()
@@ -289,12 +293,11 @@ def main(argv=None) -> int:
                 results["rows"].append(row)
                 continue
             for order in orders:
-                os.environ[tc.ENV_ORDER] = order
+                first = {"auto": None, "rows": True, "cols": False}[order]
                 for s in shapes:
                     row["tflops"][s[0] + ("" if order == "auto" else f" ({order})")] = time_shape(
-                        r, tile, cfg, s, rng, operands=operands
+                        r, tile, cfg, s, rng, operands=operands, order=first
                     )
-            os.environ.pop(tc.ENV_ORDER, None)
             results["rows"].append(row)
             print(
                 f"{label}: err {err:.1e} " + " ".join(f"{k}={v:.1f}" for k, v in row["tflops"].items()),

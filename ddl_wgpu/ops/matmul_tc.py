@@ -390,8 +390,8 @@ def rows_first(tile: TcTile, cfg: Config, M: int, N: int, K: int, batch: int, a_
     forced = os.environ.get(ENV_ORDER, "auto").strip().lower()
     if forced in ("rows", "cols"):
         return forced == "rows"
-    BM, BN = tile.block(cfg)
-    return batch == 1 and -(-M // BM) < -(-N // BN) and M * K * a_bytes <= A_CACHED
+    cols, rows, _ = groups(tile, cfg, M, N)
+    return batch == 1 and rows < cols and M * K * a_bytes <= A_CACHED
 
 
 # The tiles, best first; `pick_tile` takes the first whose workgroup memory the adapter has. `STAGED` is the
