@@ -2,14 +2,20 @@
 sweep checked against numpy and timed at the Qwen3.8-27B products, beside PyTorch bf16 in the same run.
 
     python3 bench/matmul_tc.py [--tiles 4x2sg-4x4-k32,...] [--simt] [--operands f16,f16] [--configs first]
-        [--shapes all|N|draft] [--orders auto|cols,rows] [--json PATH]
+        [--shapes all|N|draft] [--only TEXT] [--orders auto|cols,rows] [--accumulate] [--json PATH]
+    python3 bench/matmul_tc.py --split-slots 132,264 [--shapes draft] [--operands f32,f16]
 
 Dawn is started with the toggles the engine uses: allow_unsafe_apis (the subgroup-matrix feature),
 vulkan_enable_f16_on_nvidia (f16 on NVIDIA's Vulkan driver) and disable_robustness (no bounds checks, as
 wgpu-native's trusted modules). Every tile is first checked at an odd shape in the three layouts of a linear
 layer (forward NT, dx NN, dW TN) against a float64 product of the same f16-rounded operands: a tile whose error
 passes the f16 tolerance is timed, one that fails is reported and dropped. Timing: `reps` dispatches in one
-pass, waited for by reading 16 bytes back, best of 3.
+pass, waited for by reading 16 bytes back, best of 3. `--accumulate` times C += op(A) op(B), as every dW and
+the residual's products run in the engine.
+
+`--split-slots` times the shapes as the engine launches them instead (`ops.matmul.matmul` on a `Gpu`, its
+products on the matrix units, a long K over few blocks of C sliced by `auto_split_k_tc`), once for each count
+of resident workgroups that the slicing assumes (`ops.matmul.TC_SPLIT_SLOTS`), printing the slices each chose.
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ DRAFT_SHAPES = (
     ("draft gate/up fwd", 512, 17408, 5120, False, True),
     ("draft down fwd", 512, 5120, 17408, False, True),
     ("draft q+gate fwd x3", 1536, 12288, 5120, False, True),
+    ("draft head dx", 512, 5120, 209664, False, False),  # dx from the first chunk's logits: 160 blocks of C
+    ("draft gate/up dW", 17408, 5120, 512, True, False),  # 512 rows: 16 k steps per block (`--accumulate`)
+    ("draft q+gate dW", 12288, 5120, 512, True, False),
 )
 DEFAULT_TILES = ("2x2sg-4x4-k32", "4x2sg-4x4-k32", "2x2sg-4x4-k32-np", "2x4sg-4x4-k32", "2x2sg-4x4-k16",
                  "4x2sg-4x4-k32-v1-np")  # fmt: skip
@@ -153,18 +162,20 @@ def check(r: Runner, tile, cfg, rng) -> float:
     return worst
 
 
-def time_shape(r: Runner, tile, cfg, shape, rng, reps=10, operands=("f16", "f16"), order=None) -> float:
+def time_shape(r: Runner, tile, cfg, shape, rng, reps=10, operands=("f16", "f16"), order=None,
+               accumulate=0) -> float:
     name, M, N, K, ta, tb = shape
     host = {"f16": np.float16, "f32": np.float32}
     a = rng.standard_normal((K, M) if ta else (M, K)).astype(host[operands[0]])
     b = rng.standard_normal((N, K) if tb else (K, N)).astype(host[operands[1]])
     A, B = r.buffer(a), r.buffer(b)
     C = r.buffer(np.zeros((M, N), np.float32))
-    r.run(tile, cfg, A, B, C, M, N, K, ta, tb, *operands, reps=1, order=order)
+    run = dict(order=order, accumulate=accumulate)
+    r.run(tile, cfg, A, B, C, M, N, K, ta, tb, *operands, reps=1, **run)
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        r.run(tile, cfg, A, B, C, M, N, K, ta, tb, *operands, reps=reps, order=order)
+        r.run(tile, cfg, A, B, C, M, N, K, ta, tb, *operands, reps=reps, **run)
         best = min(best, (time.perf_counter() - t) / reps)
     for buf in (A, B, C):
         buf.destroy()
@@ -196,20 +207,18 @@ def torch_tflops(shape, reps=10) -> float | None:
     return 2 * M * N * K / best / 1e12
 
 
-def simt_tflops(shapes, reps=5) -> dict:
-    """Today's SIMT GEMM (`ops.matmul`, wgpu-native) at the same shapes: f32 activations, f16 weights where
-    the f16 trunk has them (the forward's B), f32 otherwise; in a subprocess-free second device."""
+def _engine_tflops(gpu, shapes, b_dtype, reps=5, accumulate=False) -> dict:
+    """Each shape through `ops.matmul.matmul` on `gpu` as the engine launches it, f32 activations (A) and B
+    in `b_dtype(shape)`: {name: TFLOP/s}, best of 3 passes of `reps` launches."""
     from ddl_wgpu.ops import matmul as mm
-    from ddl_wgpu.runtime.gpu import Gpu
 
-    gpu = Gpu()
     out = {}
     for name, M, N, K, ta, tb in shapes:
-        bdt = "f16" if tb else "f32"
+        bdt = b_dtype(ta, tb)
         a = gpu.buffer(4 * M * K, label="a")
         b = gpu.buffer((2 if bdt == "f16" else 4) * N * K, label="b")
         c = gpu.buffer(4 * M * N, label="c")
-        call = mm.matmul(gpu, c, a, b, M, N, K, trans_a=ta, trans_b=tb, b_dtype=bdt)
+        call = mm.matmul(gpu, c, a, b, M, N, K, trans_a=ta, trans_b=tb, b_dtype=bdt, accumulate=accumulate)
         call.run(gpu)
         gpu.wait()
         best = float("inf")
@@ -224,6 +233,43 @@ def simt_tflops(shapes, reps=5) -> dict:
     return out
 
 
+def simt_tflops(shapes, reps=5) -> dict:
+    """Today's SIMT GEMM (`ops.matmul`, wgpu-native) at the same shapes: f32 activations, f16 weights where
+    the f16 trunk has them (the forward's B), f32 otherwise; in a subprocess-free second device."""
+    from ddl_wgpu.runtime.gpu import Gpu
+
+    return _engine_tflops(Gpu(), shapes, lambda ta, tb: "f16" if tb else "f32", reps)
+
+
+def split_slots(shapes, counts, b_dtype: str, accumulate: bool) -> dict:
+    """The shapes through the engine's launcher on the matrix units (the runtime DDL_WGPU_RUNTIME picks,
+    Dawn where the adapter lists a configuration), with `ops.matmul.TC_SPLIT_SLOTS` set to each count in
+    turn: {count: {name: {"slices": p, "tflops": x}}}."""
+    from ddl_wgpu.ops import matmul as mm
+    from ddl_wgpu.ops import matmul_tc as k_tc
+    from ddl_wgpu.runtime.gpu import Gpu
+
+    gpu = Gpu()
+    if not gpu.matrix_configs:
+        raise SystemExit(f"--split-slots: {gpu.name} ({gpu.runtime_name}) lists no subgroup matrix")
+    gpu.products = "matrix"
+    cfg = k_tc.usable_config(gpu)
+    tile = k_tc.pick_tile(gpu, cfg)
+    print("adapter:", gpu.name, "| runtime", gpu.runtime_name, "| tile", tile.name(), flush=True)
+    saved, out = mm.TC_SPLIT_SLOTS, {}
+    try:
+        for n in counts:
+            mm.TC_SPLIT_SLOTS = n
+            speeds = _engine_tflops(gpu, shapes, lambda ta, tb: b_dtype, accumulate=accumulate)
+            out[n] = {s[0]: {"slices": mm.auto_split_k_tc(gpu, cfg, tile, *s[1:4]), "tflops": speeds[s[0]]}
+                      for s in shapes}  # fmt: skip
+            print(f"TC_SPLIT_SLOTS={n}: " + " ".join(f"{k}={v['tflops']:.1f} ({v['slices']} slices)"
+                                                     for k, v in out[n].items()), flush=True)  # fmt: skip
+    finally:
+        mm.TC_SPLIT_SLOTS = saved
+    return out
+
+
 def save(path, results: dict) -> None:
     if path:
         Path(path).write_text(json.dumps(results, indent=1))
@@ -233,6 +279,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiles", default=",".join(DEFAULT_TILES))
     ap.add_argument("--shapes", default="all", help="all, the first N of SHAPES, or draft (DRAFT_SHAPES)")
+    ap.add_argument("--only", default="", help="time only the shapes whose name contains this text")
     ap.add_argument("--orders", default="auto",
                     help="the grid's order of C's blocks, timed each: auto (`rows_first`), or cols,rows")  # fmt: skip
     ap.add_argument("--json", default=None)
@@ -242,10 +289,21 @@ def main(argv=None) -> int:
     ap.add_argument("--operands", default="f16,f16",
                     help="A,B types in storage for the timings: f16,f16, or f32,f16 as the f16 trunk's forward "
                          "(f32 activations), or f32,f32 as mixed-precision training")  # fmt: skip
+    ap.add_argument("--accumulate", action="store_true", help="time C += op(A) op(B) (dW, the residual's)")
+    ap.add_argument("--split-slots", default=None,
+                    help="N,M,...: time the shapes through the engine's launcher with TC_SPLIT_SLOTS at each")  # fmt: skip
     args = ap.parse_args(argv)
     operands = tuple(args.operands.split(","))
     if len(operands) != 2 or not set(operands) <= {"f16", "f32"}:
         raise SystemExit(f"--operands {args.operands!r}: two of f16, f32, comma-separated")
+    shapes = {"all": SHAPES, "draft": DRAFT_SHAPES}.get(args.shapes) or SHAPES[: int(args.shapes)]
+    shapes = [s for s in shapes if args.only in s[0]]
+    if args.split_slots:
+        counts = [int(n) for n in args.split_slots.split(",")]
+        results = {"operands": operands, "accumulate": args.accumulate,
+                   "split_slots": split_slots(shapes, counts, operands[1], args.accumulate)}  # fmt: skip
+        save(args.json, results)
+        return 0
     wgpu, ad, dev, props = dawn_device()
     cfgs = props.get("subgroup_matrix_configs", [])
     print("adapter:", ad.summary)
@@ -264,11 +322,11 @@ def main(argv=None) -> int:
         usable = [c for c in usable if f"{c.m}x{c.n}x{c.k}" in args.configs.split(",")]
     r = Runner(wgpu, dev, sg)
     rng = np.random.default_rng(0)
-    shapes = {"all": SHAPES, "draft": DRAFT_SHAPES}.get(args.shapes) or SHAPES[: int(args.shapes)]
     orders = args.orders.split(",")
     if not set(orders) <= {"auto", "cols", "rows"}:
         raise SystemExit(f"--orders {args.orders!r}: auto, or some of cols, rows")
-    results = {"adapter": ad.summary, "configs": cfgs, "toggles": TOGGLES, "operands": operands, "rows": []}
+    results = {"adapter": ad.summary, "configs": cfgs, "toggles": TOGGLES, "operands": operands,
+               "accumulate": args.accumulate, "rows": []}  # fmt: skip
     peers = {s[0]: torch_tflops(s) for s in shapes}
     results["pytorch_bf16"] = peers
     print("pytorch bf16:", {k: (round(v, 1) if v else v) for k, v in peers.items()}, flush=True)
@@ -296,7 +354,7 @@ def main(argv=None) -> int:
                 first = {"auto": None, "rows": True, "cols": False}[order]
                 for s in shapes:
                     row["tflops"][s[0] + ("" if order == "auto" else f" ({order})")] = time_shape(
-                        r, tile, cfg, s, rng, operands=operands, order=first
+                        r, tile, cfg, s, rng, operands=operands, order=first, accumulate=int(args.accumulate)
                     )
             results["rows"].append(row)
             print(

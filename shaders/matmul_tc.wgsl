@@ -20,7 +20,8 @@
 // workgroup memory and multiplies-accumulates TM x TN times. Out-of-range elements are copied as 0, so edge
 // tiles need no special case; blocks wholly inside skip the bounds checks (a uniform branch).
 // The epilogue goes through workgroup memory one result matrix at a time, the subgroup's lanes writing
-// alpha * acc (+ C) element by element.
+// alpha * acc (+ C), each lane's elements of a matrix in one round whose loads of C all precede its stores
+// (so an accumulating product waits for C's latency once per matrix, not once per element).
 // Each C element is one matrix-unit accumulation in a fixed k order: the same inputs give the same bits.
 enable f16;
 enable chromium_experimental_subgroup_matrix;

@@ -387,6 +387,23 @@ def test_the_staging_copy_stores_in_one_wavefront(layout):
     assert _copy_cost(tc.STAGED, *layout) == {"a": 1, "b": 1}
 
 
+@pytest.mark.parametrize("sg", [32, 64])
+def test_the_epilogue_loads_c_before_it_stores(sg):
+    """Runs everywhere: each round of the generated epilogue (one result matrix, a lane's MM*NN / subgroup
+    elements) issues every load of C before any store into C. Alternated, each load waited for the store
+    before it, and an accumulating product (dW at 512 rows) spent half its time there on the H100."""
+    cfg = tc.Config(16, 16, 16)
+    text = tc._epilogue(tc.STAGED, cfg, sg)
+    rounds = text.split("for (var e0 = lane;")[1:]
+    assert len(rounds) == tc.STAGED.tm * tc.STAGED.tn
+    for r in rounds:
+        lines = r.splitlines()
+        loads = [i for i, x in enumerate(lines) if "= c[o" in x]
+        stores = [i for i, x in enumerate(lines) if re.search(r"\bc\[o\d+\] =", x)]
+        assert len(loads) == len(stores) == 16 * 16 // sg
+        assert max(loads) < min(stores)
+
+
 def test_few_block_rows_walk_the_grid_rows_first(emulating, rng, monkeypatch):
     """`rows_first`: a single product with fewer block rows than block columns and a small A (heal's draft
     rows against its head) has the grid walk C's block rows first; either order gives the same bits, edge

@@ -87,9 +87,11 @@ SPLIT_K_BELOW_GROUPS = 264
 # in waves of this many, so the slice count is chosen by the waves it costs (`split_k_cost`).
 SPLIT_K_SLOTS = 264
 SPLIT_K_MIN_SLICE = 1024  # never slice K thinner than this
-# The matrix-unit tile's workgroups resident at once, estimated: one 8-subgroup workgroup of 4 x 4 result matrices per SM
-# (its accumulators take most of the registers) on the H100's and H200's 132 SMs.
-TC_SPLIT_SLOTS = 132
+# The matrix-unit tile's workgroups resident at once: two of `matmul_tc.STAGED`'s 4-subgroup workgroups per SM
+# on the H100's and H200's 132 SMs. Measured on an H100 (`bench/matmul_tc.py --split-slots 132,264 --shapes
+# draft --operands f32,f16 --accumulate`, TFLOP/s 132 -> 264): heal's head dx at 512 rows (160 blocks of C,
+# K 209,664) 123.0 -> 188.4 as 13 slices, the draft's down forward (160 blocks, K 17,408) 111.6 -> 134.6 as 8
+TC_SPLIT_SLOTS = 264
 SPLIT_K_MAX = 16
 
 

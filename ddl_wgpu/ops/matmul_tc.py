@@ -257,28 +257,40 @@ def _products(tile: TcTile, cfg: Config, a: _Operand, b: _Operand) -> str:
     return "\n".join(lines)
 
 
-def _epilogue(tile: TcTile, cfg: Config) -> str:
+def _epilogue(tile: TcTile, cfg: Config, subgroup_size: int) -> str:
     """C from the accumulators, through workgroup memory one result matrix at a time, each lane writing
-    alpha * acc (+ C) element by element, guarded at the edges. (Storing the result matrices straight to C
-    measured no faster on the H100: docs/experiments.md.)"""
+    alpha * acc (+ C) for its elements, guarded at the edges. A lane takes its E = MM*NN / subgroup_size
+    elements of a matrix in one round, every load of C issued before any store: with the loads and stores
+    alternating, each load of C waited for the store before it (the compiler cannot move a load past a store
+    to the same buffer), and an accumulating product (every dW, the residual's products) paid E serial
+    latencies per matrix. (Storing the result matrices straight to C measured no faster on the H100:
+    docs/experiments.md.)"""
+    e_count = max(1, cfg.m * cfg.n // subgroup_size)
     lines = []
     for i in range(tile.tm):
         for j in range(tile.tn):
             lines += [
                 f"    subgroupMatrixStore(&Cs, slab, c{i}_{j}, false, {cfg.n}u);",
                 "    workgroupBarrier();",
-                f"    for (var e = lane; e < {cfg.m * cfg.n}u; e += sg_size) {{",
-                f"        let row = m0 + sm + {i * cfg.m}u + e / {cfg.n}u;",
-                f"        let col = n0 + sn + {j * cfg.n}u + e % {cfg.n}u;",
-                "        if (row < P.M && col < P.N) {",
-                "            let o = oc + row * P.ldc + col;",
-                "            var v = P.alpha * Cs[slab + e];",
-                "            if (P.accumulate == 1u) { v += c[o]; }",
-                "            c[o] = v;",
-                "        }",
-                "    }",
-                "    workgroupBarrier();",
+                f"    for (var e0 = lane; e0 < {cfg.m * cfg.n}u; e0 += {e_count}u * sg_size) {{",
             ]
+            for t in range(e_count):
+                e = "e0" if t == 0 else f"e0 + {t}u * sg_size"
+                lines += [
+                    f"        let e{t} = {e};",
+                    f"        let row{t} = m0 + sm + {i * cfg.m}u + e{t} / {cfg.n}u;",
+                    f"        let col{t} = n0 + sn + {j * cfg.n}u + e{t} % {cfg.n}u;",
+                    f"        let in{t} = e{t} < {cfg.m * cfg.n}u && row{t} < P.M && col{t} < P.N;",
+                    f"        let o{t} = oc + row{t} * P.ldc + col{t};",
+                    f"        var old{t} = 0.0;",
+                    f"        if (P.accumulate == 1u && in{t}) {{ old{t} = c[o{t}]; }}",
+                ]
+            for t in range(e_count):
+                lines += [f"        if (in{t}) {{",
+                          f"            let v{t} = P.alpha * Cs[slab + e{t}];",
+                          f"            c[o{t}] = select(v{t}, v{t} + old{t}, P.accumulate == 1u);",
+                          "        }"]  # fmt: skip
+            lines += ["    }", "    workgroupBarrier();"]
     return "\n".join(lines)
 
 
@@ -329,7 +341,7 @@ def templates(
             for j in range(tile.tn)
         ),  # fmt: skip
         **_loop(tile, cfg, threads, trans_a, trans_b, *widths),
-        "epilogue": _epilogue(tile, cfg),
+        "epilogue": _epilogue(tile, cfg, subgroup_size),
     }
 
 
