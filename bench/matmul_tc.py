@@ -162,8 +162,9 @@ def check(r: Runner, tile, cfg, rng) -> float:
     return worst
 
 
-def time_shape(r: Runner, tile, cfg, shape, rng, reps=10, operands=("f16", "f16"), order=None,
-               accumulate=0) -> float:
+def time_shape(
+    r: Runner, tile, cfg, shape, rng, reps=10, operands=("f16", "f16"), order=None, accumulate=0
+) -> float:
     name, M, N, K, ta, tb = shape
     host = {"f16": np.float16, "f32": np.float32}
     a = rng.standard_normal((K, M) if ta else (M, K)).astype(host[operands[0]])
