@@ -221,13 +221,16 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
     steps, jobs = {}, {}
     adam_steps = itertools.count(1)  # Adam's step counter, across the chain steps as in heal's job loop
 
-    def median_s(call, runs: int) -> float:
+    def times_s(call, runs: int) -> list[float]:
         times = []
         for _ in range(runs):
             t = time.perf_counter()
             call()
             times.append(time.perf_counter() - t)
-        return float(np.median(times[1:]))  # the first builds the work and compiles
+        return times[1:]  # the first builds the work and compiles
+
+    def median_s(call, runs: int) -> float:
+        return float(np.median(times_s(call, runs)))
 
     for j in range(1, args.chain + 1):
         tid, tp = ref_mtp.shifted(cache.top_ids[:B], j), ref_mtp.shifted(cache.top_probs[:B], j, fill=1.0)
@@ -246,7 +249,10 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
     per_step, chained, series = evaluation_calls(draft, jobs, stacked)
     evals = {j: median_s(call, 1 + args.steps) for j, call in per_step.items()}
     one_s = median_s(chained, 1 + args.steps)
-    chain_s = median_s(series, 1 + args.steps) / SERIES
+    # the series' time varied 1.7x between two runs of the same code on an H100 (BENCHMARKS.md, "tenth
+    # session") while its GPU work did not: timed SERIES_RUNS times, its spread printed and kept
+    series_s = [t / SERIES for t in times_s(series, 1 + max(args.steps, SERIES_RUNS))]
+    chain_s = float(np.median(series_s))
     # the same forwards on the same rows: the bits, alone and in a series
     same = series()[-1] == chained() == [call() for call in per_step.values()]
     for j, (xs, tid, tp, w, kw, _nxt) in jobs.items():
@@ -259,14 +265,16 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
     timed = {j: [] for j in jobs} if args.profile else {}
     profiles = {j: profile_draft(draft, jobs[j], gpu, t) for j, t in timed.items()}
     r = {"steps_s": steps, "job_mix_s": float(np.mean(list(steps.values()))), "refresh_batch_s": float(np.median(refresh)),
-         "eval_batch_s": evals, "eval_chain_s": chain_s, "eval_chain_one_s": one_s, "eval_chain_same_bits": same,
+         "eval_batch_s": evals, "eval_chain_s": chain_s, "eval_chain_runs_s": series_s, "eval_chain_one_s": one_s,
+         "eval_chain_same_bits": same,
          "profile_ms": profiles, "profile_dispatches": {j: sorted(t, key=lambda d: -d[2])[:TOP_DISPATCHES]
                                                         for j, t in timed.items()},
          "engine_peak_bytes": gpu.peak - base,
          "smi_peak_bytes": smi.peak(t0, t1)}  # fmt: skip
     progress(f"  draft: {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in steps.items())}; held-out evaluation "
              f"batch {', '.join(f'step {j} {s * 1e3:.1f} ms' for j, s in evals.items())}, chained after a refresh "
-             f"{one_s * 1e3:.1f} ms alone, {chain_s * 1e3:.1f} ms in a series of {SERIES} ({'the' if same else 'NOT the'} per-step sums' bits); peak "
+             f"{one_s * 1e3:.1f} ms alone, {chain_s * 1e3:.1f} ms in a series of {SERIES} (median of {len(series_s)}: "
+             f"{min(series_s) * 1e3:.1f}-{max(series_s) * 1e3:.1f}; {'the' if same else 'NOT the'} per-step sums' bits); peak "
              f"{_gib(r['engine_peak_bytes'])} engine, {_gib(r['smi_peak_bytes'])} nvidia-smi")  # fmt: skip
     for j, prof in profiles.items():
         top = sorted(prof.items(), key=lambda kv: -kv[1])[:8]
@@ -280,6 +288,7 @@ def draft_phase(args, model, gpu, teacher, cache, smi, progress, base: int) -> d
 
 
 TOP_DISPATCHES = 12  # the single dispatches `--profile` prints per chain step (a product's grid names it)
+SERIES_RUNS = 8  # timed series of held-out batches, at least (each SERIES batches: about a second at the 27B)
 
 
 def profile_draft(draft, job, gpu, timed: list | None = None) -> dict[str, float]:

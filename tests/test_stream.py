@@ -632,6 +632,8 @@ def test_the_benches_smoke_runs(tmp_path):
     assert (
         mem["draft"]["engine_peak_bytes"] == mem["phases"][-1]["plan"]["draft_bytes"]
     )  # prepared as planned
+    runs = mem["draft"]["eval_chain_runs_s"]  # the series of held-out batches, timed several times
+    assert len(runs) >= 8 and min(runs) <= mem["draft"]["eval_chain_s"] <= max(runs)
     for prof in mem["draft"]["profile_ms"].values():  # every phase of a step and an evaluation, timed
         phases = {key.split("|")[0] for key, ms in prof.items() if ms > 0}
         assert {"train forward", "train head+kl", "train backward", "eval forward", "eval head+kl"} <= phases
