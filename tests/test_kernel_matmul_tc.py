@@ -387,6 +387,20 @@ def test_the_staging_copy_stores_in_one_wavefront(layout):
     assert _copy_cost(tc.STAGED, *layout) == {"a": 1, "b": 1}
 
 
+def test_the_grid_order_variable_is_read_strictly(monkeypatch):
+    """Runs everywhere: DDL_WGPU_TC_ORDER forces either order, and a value it does not know is one clear error
+    (a typo would otherwise fall back to `auto` unnoticed)."""
+    from ddl_wgpu.runtime.gpu import GpuError
+
+    cfg, args = tc.Config(16, 16, 16), (512, 209664, 5120, 1, 4)
+    for value, want in (("rows", True), ("COLS", False), ("", True), ("auto", True)):
+        monkeypatch.setenv(tc.ENV_ORDER, value)
+        assert tc.rows_first(tc.STAGED, cfg, *args) is want, value
+    monkeypatch.setenv(tc.ENV_ORDER, "row")
+    with pytest.raises(GpuError, match="DDL_WGPU_TC_ORDER='row': one of auto, rows, cols"):
+        tc.rows_first(tc.STAGED, cfg, *args)
+
+
 @pytest.mark.parametrize("sg", [32, 64])
 def test_the_epilogue_loads_c_before_it_stores(sg):
     """Runs everywhere: each round of the generated epilogue (one result matrix, a lane's MM*NN / subgroup

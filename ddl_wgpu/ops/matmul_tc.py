@@ -399,8 +399,10 @@ def rows_first(tile: TcTile, cfg: Config, M: int, N: int, K: int, batch: int, a_
     fewer block rows than block columns, one batch entry, and an A (M x K, `a_bytes` an element) of at most
     A_CACHED bytes: heal's draft, whose 512-1,536 rows meet a head of 248 K rows and the block's weights.
     DDL_WGPU_TC_ORDER=rows|cols forces it (the bench's comparison)."""
-    forced = os.environ.get(ENV_ORDER, "auto").strip().lower()
-    if forced in ("rows", "cols"):
+    forced = os.environ.get(ENV_ORDER, "auto").strip().lower() or "auto"
+    if forced not in ("auto", "rows", "cols"):
+        raise GpuError(f"{ENV_ORDER}={os.environ[ENV_ORDER]!r}: one of auto, rows, cols")
+    if forced != "auto":
         return forced == "rows"
     cols, rows, _ = groups(tile, cfg, M, N)
     return batch == 1 and rows < cols and M * K * a_bytes <= A_CACHED
