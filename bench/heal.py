@@ -479,6 +479,13 @@ def parse(argv):
         help="windows of the --gpu-memory trunk passes (default: two resident blocks)",
     )
     ap.add_argument(
+        "--smi-every",
+        type=float,
+        default=0.2,
+        help="with --gpu-memory: seconds between nvidia-smi's memory samples (0: none, for timings undisturbed "
+        "by its driver queries)",
+    )
+    ap.add_argument(
         "--no-check", action="store_true", help="skip the float64 checks (implied by --shape qwen38-*)"
     )
     ap.add_argument("--json", default=None)

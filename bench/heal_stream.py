@@ -58,7 +58,7 @@ class Smi:
 
     def __init__(self, every: float = 0.2):
         self.samples: list[tuple[float, float]] = []
-        self.ok = self._read() is not None
+        self.ok = every > 0 and self._read() is not None  # 0: no sampling (each query is a driver call)
         self._stop = threading.Event()
         if self.ok:
             threading.Thread(target=self._run, args=(every,), daemon=True).start()
@@ -142,7 +142,7 @@ def run(args, model, gpu, progress) -> dict:
     progress(streamed_plan.line())
     rng = np.random.default_rng(args.seed + 2)
     wins = [rng.integers(0, cfg.vocab_size, T) for _ in range(windows)]
-    smi = Smi()
+    smi = Smi(args.smi_every)
     gc.collect()
     base = gpu.live  # before any phase: the draft's peak counts what the trunk leaves it, as the plan does
     phases, out, last_teacher = [], {}, None
