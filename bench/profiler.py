@@ -27,7 +27,9 @@ class ProfileRecorder(Recorder):
             raise GpuError("profiling needs the adapter feature timestamp-query")
         self.names: list[str] = []
         self.grids: list[tuple] = []
-        self.timed: list[tuple] = []  # (name, grid, ms) of every dispatch, in order, after `profile()`
+        # (name, grid, ms) of every dispatch, in order, after `profile()` (not `timed`: Recorder's flag for a
+        # recording timed whole, which `finish` and `elapsed_ms` read)
+        self.dispatch_ms: list[tuple] = []
         self.sets: list = []
         self.phase = ""
 
@@ -72,16 +74,17 @@ class ProfileRecorder(Recorder):
 
     def profile(self) -> dict[str, float]:
         """GPU ms per kernel name, summed over its dispatches (waits for the GPU); each dispatch's own in
-        `timed`."""
+        `dispatch_ms`."""
         period = self.gpu.timestamp_period_ns() / 1e6
         out: dict[str, float] = {}
+        self.dispatch_ms = []
         k = 0
         for buf, n in self.bufs:
             t = self.gpu.download(buf, np.uint64, 2 * n).reshape(n, 2)
             for begin, end in t:
                 name, ms = self.names[k], float(end - begin) * period
                 out[name] = out.get(name, 0.0) + ms
-                self.timed.append((name, self.grids[k], ms))
+                self.dispatch_ms.append((name, self.grids[k], ms))
                 k += 1
         return out
 
@@ -97,7 +100,7 @@ def profile_parts(gpu: Gpu, parts, timed: list | None = None) -> dict[str, float
     rec.submit()
     out = rec.profile()
     if timed is not None:
-        timed += rec.timed
+        timed += rec.dispatch_ms
     return out
 
 
